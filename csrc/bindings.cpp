@@ -1,0 +1,137 @@
+// lmtier._C — the only file that knows pybind11. Tensors never cross this boundary: Python passes
+// addresses, sizes, strides and a stream handle (lmtier/ops.py builds them from torch tensors).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <vector>
+
+#include "lmtier/common.h"
+#include "lmtier/paged_copy.h"
+#include "lmtier/runtime.h"
+
+namespace py = pybind11;
+using namespace lmtier;
+
+namespace {
+
+class HostBuffer {
+ public:
+  HostBuffer(size_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(pinned) {
+    ptr_ = host_alloc(nbytes, pinned);
+  }
+  ~HostBuffer() { host_free(ptr_, pinned_); }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  uintptr_t ptr() const { return reinterpret_cast<uintptr_t>(ptr_); }
+  size_t nbytes() const { return nbytes_; }
+  bool pinned() const { return pinned_; }
+  void* data() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t nbytes_;
+  bool pinned_;
+};
+
+using PlaneTuple = std::array<int64_t, 5>;  // offset, block, head, token, channel (elements)
+
+PagedKVDesc make_desc(uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes, int32_t num_heads,
+                      int32_t head_size, int32_t elem_bytes, int32_t block_size, int64_t num_blocks,
+                      const std::vector<PlaneTuple>& planes) {
+  LMTIER_CHECK_ARG(static_cast<int32_t>(planes.size()) == num_planes, "got ", planes.size(),
+                   " plane stride tuples for num_planes=", num_planes);
+  PagedKVDesc d{};
+  d.num_layers = num_layers;
+  d.num_planes = num_planes;
+  d.num_heads = num_heads;
+  d.head_size = head_size;
+  d.elem_bytes = elem_bytes;
+  d.block_size = block_size;
+  d.num_blocks = num_blocks;
+  for (int p = 0; p < 2; ++p) {
+    const PlaneTuple& t = planes[p < num_planes ? p : 0];
+    d.planes[p] = PlaneStrides{t[0], t[1], t[2], t[3], t[4]};
+  }
+  d.layer_ptrs = reinterpret_cast<const uint64_t*>(layer_ptrs);
+  return d;
+}
+
+void paged_copy(int direction, bool on_cuda, uintptr_t layer_ptrs, int32_t num_layers,
+                int32_t num_planes, int32_t num_heads, int32_t head_size, int32_t elem_bytes,
+                int32_t block_size, int64_t num_blocks, const std::vector<PlaneTuple>& planes,
+                uintptr_t slot_mapping, int64_t num_chunks, int64_t tokens_per_chunk,
+                uintptr_t chunk_ptrs, int32_t vec_bytes, int32_t max_ctas, int32_t num_threads,
+                uintptr_t error_count, uintptr_t stream) {
+  LMTIER_CHECK_ARG(direction == 0 || direction == 1, "direction must be 0 (gather) or 1 (scatter)");
+  const auto dir = static_cast<CopyDirection>(direction);
+  const PagedKVDesc d = make_desc(layer_ptrs, num_layers, num_planes, num_heads, head_size,
+                                  elem_bytes, block_size, num_blocks, planes);
+  ChunkBatch b{num_chunks, tokens_per_chunk, reinterpret_cast<const int64_t*>(slot_mapping),
+               reinterpret_cast<const uint64_t*>(chunk_ptrs)};
+  if (!on_cuda) {
+    paged_copy_cpu(dir, d, b, num_threads);
+    return;
+  }
+#ifdef LMTIER_WITH_CUDA
+  paged_copy_cuda(dir, d, b, vec_bytes, max_ctas, reinterpret_cast<int32_t*>(error_count),
+                  reinterpret_cast<void*>(stream));
+#else
+  (void)vec_bytes; (void)max_ctas; (void)error_count; (void)stream;
+  LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "lmtier compiled core: paged KV gather/scatter (CPU + CUDA), host memory, DMA copies";
+  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_device_count", &cuda_device_count);
+
+  py::class_<HostBuffer>(m, "HostBuffer", py::buffer_protocol())
+      .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("pinned"))
+      .def_property_readonly("ptr", &HostBuffer::ptr)
+      .def_property_readonly("nbytes", &HostBuffer::nbytes)
+      .def_property_readonly("pinned", &HostBuffer::pinned)
+      .def_buffer([](HostBuffer& h) -> py::buffer_info {
+        return py::buffer_info(h.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(h.nbytes())}, {1});
+      });
+
+  m.def("paged_copy", &paged_copy, py::call_guard<py::gil_scoped_release>(), py::arg("direction"),
+        py::arg("on_cuda"), py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("num_planes"),
+        py::arg("num_heads"), py::arg("head_size"), py::arg("elem_bytes"), py::arg("block_size"),
+        py::arg("num_blocks"), py::arg("planes"), py::arg("slot_mapping"), py::arg("num_chunks"),
+        py::arg("tokens_per_chunk"), py::arg("chunk_ptrs"), py::arg("vec_bytes"),
+        py::arg("max_ctas"), py::arg("num_threads"), py::arg("error_count"), py::arg("stream"));
+
+#ifdef LMTIER_WITH_CUDA
+  m.def(
+      "memcpy_async",
+      [](uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
+        memcpy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes,
+                     reinterpret_cast<void*>(stream));
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+      py::arg("stream"));
+  m.def(
+      "memcpy_batch_async",
+      [](const std::vector<uintptr_t>& dsts, const std::vector<uintptr_t>& srcs,
+         const std::vector<size_t>& sizes, uintptr_t stream) {
+        LMTIER_CHECK_ARG(dsts.size() == srcs.size() && srcs.size() == sizes.size(),
+                         "memcpy_batch_async: dsts/srcs/sizes lengths differ");
+        std::vector<void*> d(dsts.size());
+        std::vector<const void*> s(srcs.size());
+        for (size_t i = 0; i < d.size(); ++i) {
+          d[i] = reinterpret_cast<void*>(dsts[i]);
+          s[i] = reinterpret_cast<const void*>(srcs[i]);
+        }
+        py::gil_scoped_release release;
+        memcpy_batch_async(d.data(), s.data(), sizes.data(), d.size(), reinterpret_cast<void*>(stream));
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"));
+#endif
+}
