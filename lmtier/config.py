@@ -1,0 +1,577 @@
+"""lmtier configuration: a YAML file plus ``LMTIER_<KEY>`` environment overrides, strictly validated.
+
+Key names follow LMCache's where they mean the same thing, so an LMCache config file works
+unchanged::
+
+    chunk_size: 256                       # tokens per chunk (> 0; multiple of vLLM's block size)
+    local_cpu: true                       # tier 1: pinned CPU pool
+    max_local_cpu_size: 5                 # GiB (float) of the CPU pool (> 0 when local_cpu)
+    local_disk: "file:///mnt/nvme/lmtier" # tier 2; several comma-separated paths spread I/O
+    max_local_disk_size: 100              # GiB; must be > 0 when local_disk is set
+    local_disk_path_sharding: by_gpu      # or null: pick one path per GPU id instead of spreading
+    remote_url: "redis://host:6379/0"     # tier 3: redis://, rediss:// (TLS), unix://, redis-cluster://h:p,h:p
+    remote_serde: naive                   # "naive" (raw canonical bytes) or "cachegen" (needs lmtier.codec)
+
+lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
+``remote_password_env`` (name of an environment variable holding the Redis password; never logged),
+``disk_io_threads`` (default 4).
+
+Sizes are GiB (2**30 bytes), as in LMCache. Defaults: the disk tier is off unless ``local_disk`` is
+set, and then ``max_local_disk_size`` must be set too (> 0): lmtier never guesses how much of a
+disk it may fill. ``max_local_disk_size`` without ``local_disk`` is accepted with a warning (LMCache
+files often carry it) and ignored.
+
+Loading (:func:`load_config`): the YAML file named by the ``path`` argument or else by
+``LMTIER_CONFIG_FILE`` (optional), then ``LMTIER_<KEY>`` environment variables (``<KEY>`` is the
+upper-cased key, e.g. ``LMTIER_MAX_LOCAL_CPU_SIZE=2.5``), parsed by the key's type (bools:
+``1/0/true/false/yes/no/on/off``; optional strings: ``""``, ``none`` or ``null`` mean unset).
+
+Strictness: an unknown key (in YAML, or an ``LMTIER_*`` variable that is not a key and not in
+:data:`NON_CONFIG_ENV_VARS`), a wrong type, an impossible value (non-positive chunk size, negative
+or non-finite sizes, unwritable disk path, malformed URL, unsupported serde) raises
+:class:`ConfigError` naming the key and the value. Two short, documented lists of LMCache keys are
+tolerated: :data:`IGNORED_LMCACHE_KEYS` (harmless hints lmtier does not implement: accepted with a
+warning) and :data:`DISABLED_LMCACHE_FEATURES` (LMCache features lmtier does not have: accepted
+only when set to a false value, an error otherwise). The chunk size is checked against vLLM's
+actual block size by :meth:`LMTierConfig.validate_for` once the block size is known.
+
+Logging: ``logging.getLogger("lmtier.config")``; :meth:`LMTierConfig.log_effective` logs the
+effective configuration once per process, with passwords redacted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+__all__ = [
+    "ConfigError",
+    "CPUConfig",
+    "DiskConfig",
+    "RemoteConfig",
+    "LMTierConfig",
+    "load_config",
+    "IGNORED_LMCACHE_KEYS",
+    "DISABLED_LMCACHE_FEATURES",
+    "NON_CONFIG_ENV_VARS",
+    "CONFIG_FILE_ENV",
+    "GIB",
+]
+
+logger = logging.getLogger("lmtier.config")
+
+GIB = 2**30
+CONFIG_FILE_ENV = "LMTIER_CONFIG_FILE"
+ENV_PREFIX = "LMTIER_"
+
+IGNORED_LMCACHE_KEYS = frozenset(
+    {
+        "use_layerwise",  # lmtier's load path is layer-pipelined by design
+        "save_decode_cache",  # lmtier stores prompt KV only; ignoring it only lowers the hit rate
+        "save_unfull_chunk",  # partial chunks are never stored (see lmtier.keys)
+        "enable_async_loading",
+        "py_enable_gc",
+        "cache_policy",  # only "LRU" (lmtier's policy) is accepted
+    }
+)
+"""LMCache keys accepted with a warning: they do not change what lmtier computes."""
+
+DISABLED_LMCACHE_FEATURES = frozenset({"enable_blending", "enable_p2p", "enable_controller", "enable_nixl"})
+"""LMCache feature switches accepted only when false/null (lmtier does not implement them)."""
+
+NON_CONFIG_ENV_VARS = frozenset({CONFIG_FILE_ENV})
+"""``LMTIER_*`` environment variables that are not configuration keys (never an error)."""
+
+_REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster")
+_SERDES = ("naive", "cachegen")
+_SHARDINGS = ("by_gpu",)
+
+
+class ConfigError(ValueError):
+    """Invalid lmtier configuration; the message names the key and the offending value."""
+
+
+def _err(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"lmtier config: {key}={value!r}: {why}")
+
+
+# --------------------------------------------------------------------------------------------- #
+# Per-concern configs
+
+
+@dataclass(frozen=True)
+class CPUConfig:
+    """Tier 1, the pinned CPU pool.
+
+    Attributes:
+        enabled: ``local_cpu``.
+        max_size_gb: ``max_local_cpu_size`` in GiB (> 0 when enabled).
+    """
+
+    enabled: bool = True
+    max_size_gb: float = 5.0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Pool capacity in bytes (0 when disabled)."""
+        return int(self.max_size_gb * GIB) if self.enabled else 0
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """Tier 2, local disk.
+
+    Attributes:
+        paths: absolute directories from ``local_disk`` (empty: disk tier off).
+        max_size_gb: ``max_local_disk_size`` in GiB.
+        path_sharding: ``None`` (spread chunks over all paths) or ``"by_gpu"`` (one path per GPU).
+        io_threads: ``disk_io_threads``.
+    """
+
+    paths: tuple[str, ...] = ()
+    max_size_gb: float = 0.0
+    path_sharding: str | None = None
+    io_threads: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.paths)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.max_size_gb * GIB) if self.enabled else 0
+
+    def paths_for(self, gpu_id: int) -> tuple[str, ...]:
+        """The directories this process uses: one (``paths[gpu_id % n]``) with ``by_gpu``, else all."""
+        if self.path_sharding == "by_gpu" and self.paths:
+            return (self.paths[gpu_id % len(self.paths)],)
+        return self.paths
+
+
+@dataclass(frozen=True, repr=False)
+class RemoteConfig:
+    """Tier 3, Redis/Valkey (single instance or cluster).
+
+    Attributes:
+        url: ``remote_url`` as given (``None``: remote tier off). Never log it: use ``redacted_url``.
+        scheme: ``"redis"``, ``"rediss"`` (TLS), ``"unix"`` or ``"redis-cluster"``.
+        hosts: ``((host, port), ...)`` for TCP schemes (one for redis/rediss); empty for unix.
+        socket_path: the socket path for ``unix://``.
+        db: database number (0 for clusters).
+        username: from the URL, or ``None``.
+        password: from the URL or from ``remote_password_env``; excluded from repr/eq.
+        serde: ``remote_serde``.
+        timeout_s: ``remote_timeout_s`` (per call).
+        password_env: ``remote_password_env``.
+    """
+
+    url: str | None = None
+    scheme: str | None = None
+    hosts: tuple[tuple[str, int], ...] = ()
+    socket_path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False, compare=False)
+    serde: str = "naive"
+    timeout_s: float = 1.0
+    password_env: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+    def __repr__(self) -> str:  # the URL may carry a password: show it redacted
+        shown = ", ".join(
+            f"{f.name}={self.redacted_url if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name != "password"
+        )
+        return f"RemoteConfig({shown})"
+
+    @property
+    def redacted_url(self) -> str | None:
+        """``url`` with any password replaced by ``***``."""
+        if self.url is None:
+            return None
+        return _redact_url(self.url)
+
+
+@dataclass(frozen=True)
+class LMTierConfig:
+    """The whole configuration: ``chunk_size`` plus one small config per tier."""
+
+    chunk_size: int = 256
+    cpu: CPUConfig = field(default_factory=CPUConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "LMTierConfig":
+        """Build and validate a config from flat LMCache-style keys (as in the YAML file).
+
+        ``env`` is only consulted for ``remote_password_env``. Raises :class:`ConfigError`.
+        """
+        return _build(dict(values), {} if env is None else env)
+
+    def validate_for(self, block_size: int) -> None:
+        """Check ``chunk_size`` against vLLM's block size (tokens per KV block).
+
+        Raises:
+            ConfigError: when ``chunk_size`` is not a positive multiple of ``block_size``.
+        """
+        if type(block_size) is not int or block_size <= 0:
+            raise ConfigError(f"lmtier config: block_size={block_size!r}: must be a positive int")
+        if self.chunk_size % block_size:
+            raise _err("chunk_size", self.chunk_size, f"must be a multiple of the KV block size {block_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective configuration as flat keys, passwords redacted (safe to log)."""
+        return {
+            "chunk_size": self.chunk_size,
+            "local_cpu": self.cpu.enabled,
+            "max_local_cpu_size": self.cpu.max_size_gb,
+            "local_disk": ",".join("file://" + p for p in self.disk.paths) or None,
+            "max_local_disk_size": self.disk.max_size_gb,
+            "local_disk_path_sharding": self.disk.path_sharding,
+            "disk_io_threads": self.disk.io_threads,
+            "remote_url": self.remote.redacted_url,
+            "remote_serde": self.remote.serde,
+            "remote_timeout_s": self.remote.timeout_s,
+            "remote_password_env": self.remote.password_env,
+        }
+
+    def log_effective(self) -> bool:
+        """Log the effective configuration (INFO, ``lmtier.config``) once per process per distinct
+        configuration. Returns True if it logged."""
+        items = tuple(sorted(self.to_dict().items()))
+        if items in _LOGGED:
+            return False
+        _LOGGED.add(items)
+        logger.info("lmtier effective config: %s", ", ".join(f"{k}={v!r}" for k, v in items))
+        return True
+
+
+_LOGGED: set[tuple] = set()
+
+
+# --------------------------------------------------------------------------------------------- #
+# Key table: key -> (type, default)
+
+_INT, _FLOAT, _BOOL, _OPT_STR, _STR = "int", "float", "bool", "optional str", "str"
+
+_KEYS: dict[str, tuple[str, Any]] = {
+    "chunk_size": (_INT, 256),
+    "local_cpu": (_BOOL, True),
+    "max_local_cpu_size": (_FLOAT, 5.0),
+    "local_disk": (_OPT_STR, None),
+    "max_local_disk_size": (_FLOAT, 0.0),
+    "local_disk_path_sharding": (_OPT_STR, None),
+    "disk_io_threads": (_INT, 4),
+    "remote_url": (_OPT_STR, None),
+    "remote_serde": (_STR, "naive"),
+    "remote_timeout_s": (_FLOAT, 1.0),
+    "remote_password_env": (_OPT_STR, None),
+}
+CONFIG_KEYS = frozenset(_KEYS)
+
+
+def _check_type(key: str, value: Any) -> Any:
+    kind = _KEYS[key][0]
+    if kind == _INT:
+        if type(value) is not int:
+            raise _err(key, value, "must be an integer")
+    elif kind == _FLOAT:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _err(key, value, "must be a number")
+        if not math.isfinite(value):
+            raise _err(key, value, "must be finite")
+        value = float(value)
+    elif kind == _BOOL:
+        if not isinstance(value, bool):
+            raise _err(key, value, "must be true or false")
+    elif kind == _STR:
+        if not isinstance(value, str):
+            raise _err(key, value, "must be a string")
+    elif kind == _OPT_STR:
+        if value is not None and not isinstance(value, str):
+            raise _err(key, value, "must be a string or null")
+    return value
+
+
+def _parse_env_value(key: str, env_name: str, raw: str) -> Any:
+    kind = _KEYS[key][0]
+    text = raw.strip()
+    try:
+        if kind == _INT:
+            return int(text, 10)
+        if kind == _FLOAT:
+            return float(text)
+        if kind == _BOOL:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind == _OPT_STR:
+            return None if text.lower() in ("", "none", "null") else text
+        return text
+    except ValueError:
+        raise ConfigError(f"lmtier config: {env_name}={raw!r}: cannot parse as {kind} for key {key!r}") from None
+
+
+# --------------------------------------------------------------------------------------------- #
+# Field validators
+
+
+def _parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
+    paths: list[str] = []
+    for part in value.split(","):
+        item = part.strip()
+        if not item:
+            raise _err(key, value, "empty path in comma-separated list")
+        if item.startswith("file://"):
+            item = item[len("file://") :]
+        elif "://" in item:
+            raise _err(key, value, f"only file:// paths are supported, got {part.strip()!r}")
+        if not item:
+            raise _err(key, value, "empty path")
+        path = os.path.abspath(os.path.expanduser(unquote(item)))
+        _check_writable_dir(key, value, path)
+        if path in paths:
+            raise _err(key, value, f"path {path!r} listed twice")
+        paths.append(path)
+    return tuple(paths)
+
+
+def _check_writable_dir(key: str, value: str, path: str) -> None:
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise _err(key, value, f"{probe!r} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise _err(key, value, f"directory {probe!r} is not writable")
+
+
+def _redact_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, tail = rest.rpartition("@")
+    masked = creds.split(":", 1)[0] + ":***" if ":" in creds else "***"
+    return f"{scheme}://{masked}@{tail}"
+
+
+def _parse_host_port(key: str, url: str, item: str) -> tuple[str, int]:
+    if item.startswith("["):  # [ipv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise _err(key, _redact_url(url), f"malformed host {item!r}")
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise _err(key, _redact_url(url), f"missing host in {item!r}")
+    if port_text == "":
+        port = 6379
+    else:
+        if not port_text.isdigit():
+            raise _err(key, _redact_url(url), f"port {port_text!r} is not a number")
+        port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise _err(key, _redact_url(url), f"port {port} outside 1..65535")
+    return host, port
+
+
+def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfig:
+    url = values["remote_url"]
+    serde = values["remote_serde"]
+    timeout_s = values["remote_timeout_s"]
+    password_env = values["remote_password_env"]
+    if serde not in _SERDES:
+        raise _err("remote_serde", serde, f"must be one of {list(_SERDES)}")
+    if serde == "cachegen" and importlib.util.find_spec("lmtier.codec") is None:
+        raise _err("remote_serde", serde, "requires the lmtier.codec module, which this build does not have")
+    if timeout_s <= 0:
+        raise _err("remote_timeout_s", timeout_s, "must be > 0")
+    if url is None:
+        return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
+    key = "remote_url"
+    shown = _redact_url(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _REMOTE_SCHEMES:
+        raise _err(key, shown, f"scheme must be one of {[s + '://' for s in _REMOTE_SCHEMES]}")
+    # Split credentials off the authority by hand: urlsplit cannot parse comma-separated hosts.
+    authority, slash, path = rest.partition("/")
+    path = slash + path
+    query = ""
+    if "?" in path:
+        path, _, query = path.partition("?")
+    elif "?" in authority:
+        authority, _, query = authority.partition("?")
+    username = password = None
+    if "@" in authority:
+        creds, _, authority = authority.rpartition("@")
+        user_text, colon, pass_text = creds.partition(":")
+        username = unquote(user_text) or None
+        password = unquote(pass_text) if colon else None
+        if not colon:  # redis://secret@host means password "secret" (redis-py's convention)
+            password, username = username, None
+    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    hosts: tuple[tuple[str, int], ...] = ()
+    socket_path = None
+    db = 0
+    if scheme == "unix":
+        if authority:
+            raise _err(key, shown, "unix:// URL must be unix:///absolute/path/to/socket[?db=N]")
+        if not path or path == "/":
+            raise _err(key, shown, "missing socket path")
+        socket_path = unquote(path)
+        db_text = params.pop("db", "0")
+        if not db_text.isdigit():
+            raise _err(key, shown, f"db {db_text!r} is not a non-negative integer")
+        db = int(db_text)
+    else:
+        if not authority:
+            raise _err(key, shown, "missing host")
+        items = authority.split(",")
+        if scheme != "redis-cluster" and len(items) > 1:
+            raise _err(key, shown, "several hosts need redis-cluster://")
+        hosts = tuple(_parse_host_port(key, url, it.strip()) for it in items)
+        db_text = path.strip("/")
+        if db_text:
+            if scheme == "redis-cluster":
+                raise _err(key, shown, "Redis Cluster has no database number")
+            if not db_text.isdigit():
+                raise _err(key, shown, f"database {db_text!r} is not a non-negative integer")
+            db = int(db_text)
+    if params:
+        raise _err(key, shown, f"unsupported query parameters {sorted(params)}")
+    if password_env is not None:
+        if not password_env:
+            raise _err("remote_password_env", password_env, "must be a variable name")
+        if password is not None:
+            raise _err("remote_password_env", password_env, "remote_url already contains a password; set only one")
+        if password_env not in env:
+            raise _err("remote_password_env", password_env, "environment variable is not set")
+        password = env[password_env]
+    return RemoteConfig(
+        url=url,
+        scheme=scheme,
+        hosts=hosts,
+        socket_path=socket_path,
+        db=db,
+        username=username,
+        password=password,
+        serde=serde,
+        timeout_s=timeout_s,
+        password_env=password_env,
+    )
+
+
+def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
+    values = {k: d for k, (_, d) in _KEYS.items()}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"lmtier config: key {key!r} is not a string")
+        if key in _KEYS:
+            values[key] = _check_type(key, value)
+        elif key in IGNORED_LMCACHE_KEYS:
+            if key == "cache_policy" and str(value).upper() != "LRU":
+                raise _err(key, value, "lmtier implements only LRU")
+            logger.warning("lmtier config: LMCache key %s=%r is not used by lmtier; ignored", key, value)
+        elif key in DISABLED_LMCACHE_FEATURES:
+            if value not in (None, False, 0):
+                raise _err(key, value, "this LMCache feature is not implemented by lmtier; set it false or remove it")
+        else:
+            raise _err(key, value, f"unknown key (known: {sorted(_KEYS)})")
+
+    chunk_size = values["chunk_size"]
+    if chunk_size <= 0:
+        raise _err("chunk_size", chunk_size, "must be > 0")
+
+    for k in ("max_local_cpu_size", "max_local_disk_size"):
+        if values[k] < 0:
+            raise _err(k, values[k], "must be >= 0")
+    if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
+        raise _err("max_local_cpu_size", values["max_local_cpu_size"], "must be > 0 when local_cpu is true")
+    cpu = CPUConfig(enabled=values["local_cpu"], max_size_gb=values["max_local_cpu_size"])
+
+    sharding = values["local_disk_path_sharding"]
+    if sharding is not None and sharding not in _SHARDINGS:
+        raise _err("local_disk_path_sharding", sharding, f"must be null or one of {list(_SHARDINGS)}")
+    io_threads = values["disk_io_threads"]
+    if not 1 <= io_threads <= 256:
+        raise _err("disk_io_threads", io_threads, "must be in 1..256")
+    local_disk = values["local_disk"]
+    if local_disk is not None and local_disk.strip() == "":
+        local_disk = None
+    if local_disk is not None:
+        paths = _parse_disk_paths("local_disk", local_disk)
+        if values["max_local_disk_size"] <= 0:
+            raise _err("max_local_disk_size", values["max_local_disk_size"], "must be > 0 when local_disk is set")
+    else:
+        paths = ()
+        if values["max_local_disk_size"] > 0:
+            logger.warning(
+                "lmtier config: max_local_disk_size=%r without local_disk; the disk tier stays off",
+                values["max_local_disk_size"],
+            )
+    disk = DiskConfig(
+        paths=paths, max_size_gb=values["max_local_disk_size"], path_sharding=sharding, io_threads=io_threads
+    )
+    remote = _parse_remote(values, env)
+    return LMTierConfig(chunk_size=chunk_size, cpu=cpu, disk=disk, remote=remote)
+
+
+def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> LMTierConfig:
+    """Load the configuration: YAML file, then ``LMTIER_<KEY>`` environment overrides.
+
+    Args:
+        path: YAML file; when ``None``, ``env[LMTIER_CONFIG_FILE]`` if set, else no file (defaults).
+        env: environment mapping (default ``os.environ``).
+
+    Returns:
+        The validated :class:`LMTierConfig`.
+
+    Raises:
+        ConfigError: unreadable/malformed file, unknown key or ``LMTIER_*`` variable, wrong type,
+            impossible value (the message names the key and the value).
+    """
+    import yaml
+
+    env = os.environ if env is None else env
+    if path is None:
+        path = env.get(CONFIG_FILE_ENV) or None
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"lmtier config: cannot read config file {os.fspath(path)!r}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"lmtier config: malformed YAML in {os.fspath(path)!r}: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"lmtier config: {os.fspath(path)!r} must hold a mapping, got {type(loaded).__name__}")
+        raw.update(loaded)
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV_VARS:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in _KEYS:
+            raise ConfigError(f"lmtier config: environment variable {name}={text!r} is not a config key")
+        raw[key] = _parse_env_value(key, name, text)
+    return _build(raw, env)

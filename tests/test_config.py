@@ -1,0 +1,256 @@
+"""Tests for lmtier.config: YAML + env loading, strict validation, redaction."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from lmtier import config as cfgmod
+from lmtier.config import GIB, ConfigError, LMTierConfig, load_config
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "lmtier.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_without_file():
+    cfg = load_config(env={})
+    assert cfg.chunk_size == 256
+    assert cfg.cpu.enabled and cfg.cpu.max_size_gb == 5.0 and cfg.cpu.capacity_bytes == 5 * GIB
+    assert not cfg.disk.enabled and cfg.disk.capacity_bytes == 0
+    assert not cfg.remote.enabled and cfg.remote.serde == "naive" and cfg.remote.timeout_s == 1.0
+
+
+def test_lmcache_style_file(tmp_path):
+    disk = tmp_path / "d1"
+    path = write(
+        tmp_path,
+        f"""
+chunk_size: 512
+local_cpu: true
+max_local_cpu_size: 2.5
+local_disk: "file://{disk}"
+max_local_disk_size: 10
+remote_url: "redis://localhost:6380/2"
+remote_serde: "naive"
+use_layerwise: false
+save_unfull_chunk: true
+enable_blending: false
+""",
+    )
+    cfg = load_config(env={"LMTIER_CONFIG_FILE": path})
+    assert cfg.chunk_size == 512
+    assert cfg.cpu.capacity_bytes == int(2.5 * GIB)
+    assert cfg.disk.paths == (str(disk),) and cfg.disk.capacity_bytes == 10 * GIB
+    r = cfg.remote
+    assert (r.scheme, r.hosts, r.db, r.password) == ("redis", (("localhost", 6380),), 2, None)
+    assert load_config(path, env={}) == cfg  # explicit path
+
+
+def test_env_overrides_file(tmp_path):
+    path = write(tmp_path, "chunk_size: 512\nmax_local_cpu_size: 1\n")
+    env = {
+        "LMTIER_CONFIG_FILE": path,
+        "LMTIER_CHUNK_SIZE": "128",
+        "LMTIER_LOCAL_CPU": "yes",
+        "LMTIER_MAX_LOCAL_CPU_SIZE": "0.5",
+        "LMTIER_REMOTE_URL": "none",
+        "LMTIER_REMOTE_TIMEOUT_S": "0.25",
+    }
+    cfg = load_config(env=env)
+    assert cfg.chunk_size == 128 and cfg.cpu.max_size_gb == 0.5 and cfg.remote.url is None
+    assert cfg.remote.timeout_s == 0.25
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("LMTIER_CHUNK_SIZE", "12.5"),
+        ("LMTIER_CHUNK_SIZE", "abc"),
+        ("LMTIER_LOCAL_CPU", "maybe"),
+        ("LMTIER_MAX_LOCAL_CPU_SIZE", "lots"),
+        ("LMTIER_CHUNKSIZE", "256"),  # not a key
+        ("LMTIER_USE_LAYERWISE", "1"),  # LMCache-only keys are file-only
+    ],
+)
+def test_bad_env(name, value):
+    with pytest.raises(ConfigError, match=name):
+        load_config(env={name: value})
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("chunk_sise: 256", "chunk_sise"),
+        ("chunk_size: 0", "chunk_size"),
+        ("chunk_size: -16", "chunk_size"),
+        ("chunk_size: 256.0", "chunk_size"),
+        ("chunk_size: '256'", "chunk_size"),
+        ("chunk_size: true", "chunk_size"),
+        ("local_cpu: 1", "local_cpu"),
+        ("max_local_cpu_size: -1", "max_local_cpu_size"),
+        ("max_local_cpu_size: 0", "max_local_cpu_size"),
+        ("max_local_cpu_size: .nan", "max_local_cpu_size"),
+        ("max_local_cpu_size: '5GB'", "max_local_cpu_size"),
+        ("max_local_disk_size: -3", "max_local_disk_size"),
+        ("local_disk: /tmp/x\nmax_local_disk_size: 0", "max_local_disk_size"),
+        ("local_disk: s3://bucket/x\nmax_local_disk_size: 1", "local_disk"),
+        ("local_disk: 'file:///tmp/a,,file:///tmp/b'\nmax_local_disk_size: 1", "local_disk"),
+        ("local_disk: 'file:///tmp/a,file:///tmp/a'\nmax_local_disk_size: 1", "local_disk"),
+        ("local_disk_path_sharding: by_node", "local_disk_path_sharding"),
+        ("disk_io_threads: 0", "disk_io_threads"),
+        ("remote_serde: pickle", "remote_serde"),
+        ("remote_timeout_s: 0", "remote_timeout_s"),
+        ("remote_url: http://localhost:6379", "remote_url"),
+        ("remote_url: 'redis://'", "remote_url"),
+        ("remote_url: 'redis://host:notaport'", "remote_url"),
+        ("remote_url: 'redis://host:70000'", "remote_url"),
+        ("remote_url: 'redis://host:6379/abc'", "remote_url"),
+        ("remote_url: 'redis://a:1,b:2'", "remote_url"),
+        ("remote_url: 'redis-cluster://a:1,b:2/3'", "remote_url"),
+        ("remote_url: 'redis://host:6379?foo=bar'", "remote_url"),
+        ("remote_url: 'unix://'", "remote_url"),
+        ("remote_url: 'unix://host/tmp/s.sock'", "remote_url"),
+        ("remote_url: 'unix:///tmp/s.sock?db=x'", "remote_url"),
+        ("remote_url: 42", "remote_url"),
+        ("enable_blending: true", "enable_blending"),
+        ("cache_policy: LFU", "cache_policy"),
+        ("extra_config: {a: 1}", "extra_config"),
+    ],
+)
+def test_invalid_values_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_unknown_key_error_names_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"chunk_sise=256"):
+        load_config(write(tmp_path, "chunk_sise: 256"), env={})
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "a: [unclosed\n"])
+def test_malformed_file(tmp_path, text):
+    with pytest.raises(ConfigError, match="lmtier.yaml"):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(env={"LMTIER_CONFIG_FILE": str(tmp_path / "nope.yaml")})
+
+
+def test_empty_file_is_defaults(tmp_path):
+    assert load_config(write(tmp_path, ""), env={}) == LMTierConfig()
+
+
+def test_unwritable_disk_path(tmp_path):
+    f = tmp_path / "regular_file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="local_disk.*not a directory"):
+        LMTierConfig.from_dict({"local_disk": f"file://{f}/sub", "max_local_disk_size": 1})
+    if os.geteuid() != 0:  # root can write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(ConfigError, match="not writable"):
+            LMTierConfig.from_dict({"local_disk": f"file://{ro}/cache", "max_local_disk_size": 1})
+
+
+def test_disk_paths_and_sharding(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    cfg = LMTierConfig.from_dict(
+        {"local_disk": f"file://{a}, {b}", "max_local_disk_size": 0.5, "local_disk_path_sharding": "by_gpu"}
+    )
+    assert cfg.disk.paths == (str(a), str(b))
+    assert cfg.disk.paths_for(0) == (str(a),) and cfg.disk.paths_for(3) == (str(b),)
+    cfg2 = LMTierConfig.from_dict({"local_disk": f"file://{a},file://{b}", "max_local_disk_size": 1})
+    assert cfg2.disk.paths_for(1) == (str(a), str(b))
+
+
+def test_disk_size_without_disk_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        cfg = LMTierConfig.from_dict({"max_local_disk_size": 20})
+    assert not cfg.disk.enabled and "without local_disk" in caplog.text
+
+
+def test_ignored_lmcache_keys_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({"use_layerwise": True, "save_decode_cache": True, "cache_policy": "LRU"})
+    assert "use_layerwise" in caplog.text and "save_decode_cache" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "url,scheme,hosts,sock,db,user,pw",
+    [
+        ("redis://localhost", "redis", (("localhost", 6379),), None, 0, None, None),
+        ("redis://:s3cret@10.0.0.1:7000/3", "redis", (("10.0.0.1", 7000),), None, 3, None, "s3cret"),
+        ("rediss://alice:pw@cache.example:6380", "rediss", (("cache.example", 6380),), None, 0, "alice", "pw"),
+        ("redis://[::1]:6379/1", "redis", (("::1", 6379),), None, 1, None, None),
+        ("unix:///run/redis.sock?db=4", "unix", (), "/run/redis.sock", 4, None, None),
+        ("redis-cluster://h1:7000,h2:7001,h3", "redis-cluster", (("h1", 7000), ("h2", 7001), ("h3", 6379)), None, 0, None, None),
+    ],
+)
+def test_remote_url_parsing(url, scheme, hosts, sock, db, user, pw):
+    r = LMTierConfig.from_dict({"remote_url": url}).remote
+    assert (r.scheme, r.hosts, r.socket_path, r.db, r.username, r.password) == (scheme, hosts, sock, db, user, pw)
+
+
+def test_password_from_env_and_conflicts():
+    cfg = LMTierConfig.from_dict(
+        {"remote_url": "redis://h:1", "remote_password_env": "MY_REDIS_PW"}, env={"MY_REDIS_PW": "hunter2"}
+    )
+    assert cfg.remote.password == "hunter2"
+    assert "hunter2" not in repr(cfg)
+    with pytest.raises(ConfigError, match="remote_password_env.*not set"):
+        LMTierConfig.from_dict({"remote_url": "redis://h:1", "remote_password_env": "MY_REDIS_PW"}, env={})
+    with pytest.raises(ConfigError, match="already contains a password"):
+        LMTierConfig.from_dict(
+            {"remote_url": "redis://:x@h:1", "remote_password_env": "P"}, env={"P": "y"}
+        )
+
+
+def test_password_never_logged_or_in_errors(caplog):
+    cfg = LMTierConfig.from_dict({"remote_url": "redis://bob:topsecret@h:1/0", "chunk_size": 96})
+    assert cfg.remote.redacted_url == "redis://bob:***@h:1/0"
+    assert "topsecret" not in repr(cfg) and "topsecret" not in str(cfg.to_dict())
+    with caplog.at_level(logging.INFO, logger="lmtier.config"):
+        assert cfg.log_effective() is True
+        assert cfg.log_effective() is False  # once
+    assert "topsecret" not in caplog.text and "bob:***" in caplog.text and "chunk_size=96" in caplog.text
+    with pytest.raises(ConfigError) as ei:
+        LMTierConfig.from_dict({"remote_url": "redis://:topsecret@h:99999"})
+    assert "topsecret" not in str(ei.value)
+
+
+def test_cachegen_requires_codec(monkeypatch):
+    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="remote_serde.*lmtier.codec"):
+        LMTierConfig.from_dict({"remote_serde": "cachegen"})
+    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: object())
+    assert LMTierConfig.from_dict({"remote_serde": "cachegen"}).remote.serde == "cachegen"
+
+
+@pytest.mark.parametrize("chunk,block,ok", [(256, 16, True), (256, 128, True), (256, 96, False), (48, 32, False)])
+def test_validate_for_block_size(chunk, block, ok):
+    cfg = LMTierConfig.from_dict({"chunk_size": chunk})
+    if ok:
+        cfg.validate_for(block)
+    else:
+        with pytest.raises(ConfigError, match=f"chunk_size={chunk}.*{block}"):
+            cfg.validate_for(block)
+
+
+@pytest.mark.parametrize("block", [0, -16, 16.0, None])
+def test_validate_for_bad_block(block):
+    with pytest.raises(ConfigError, match="block_size"):
+        LMTierConfig().validate_for(block)
+
+
+def test_config_is_frozen():
+    cfg = LMTierConfig()
+    with pytest.raises(Exception):
+        cfg.chunk_size = 1  # type: ignore[misc]
