@@ -1,0 +1,876 @@
+"""Local-disk tier (tier 2): one self-describing record file per chunk, O_DIRECT I/O.
+
+On-disk layout under each root path::
+
+    <root>/<kk>/<key hex>.lmt          kk = first key byte in hex (256 shard directories)
+    <root>/<kk>/.<key hex>.<pid>.<n>.tmp   a record being written (never visible to lookups)
+
+A record file is the 4 KiB header block of :mod:`lmtier.record` (``payload_offset = 4096``), the
+payload, and zero padding up to a multiple of 4 KiB, so every read and write is 4 KiB aligned and
+can use ``O_DIRECT`` (no page-cache pollution, device bandwidth from a few threads). Directories
+are created 0700 and files 0600 (a KV cache leaks prompts).
+
+Durability and visibility: ``put`` writes a temporary file, ``fdatasync``s it (``sync="data"``,
+the default), then ``rename``s it into place and only then adds the key to the index, so a chunk
+is visible only once every byte is on the device; a crash leaves at most a ``.tmp`` file, which
+the next start removes. The directory itself is not fsync'd: after a power loss a renamed record
+may be absent (a miss) but never incomplete. ``sync="none"`` skips ``fdatasync`` (faster on some
+devices; a crash can then leave a complete-looking file whose data blocks were never written — the
+payload checksum turns that into a miss).
+
+Index: an in-memory LRU (by bytes on disk) rebuilt at startup by scanning the shard directories
+and validating each header (payload checksums are verified lazily, on read), ordered by the
+files' access/modification times. ``get_into`` verifies the payload checksum; any mismatch,
+truncation or unreadable file is a miss and the file is deleted.
+
+Large records are split into pieces of ``piece_bytes`` moved by ``io_threads`` threads
+(``os.preadv``/``os.pwrite`` release the GIL), which is what reaches device bandwidth.
+
+GPU buffers (torch CUDA tensors) are accepted as ``payload``/``out``: stores copy them to a pinned
+bounce buffer (the checksum needs the bytes on the host anyway); loads use kvikio
+(``kvikio.CuFile.pread``, GPUDirect Storage where the system has it) when ``use_kvikio`` allows
+and it imports and works, else read into a pinned bounce buffer and copy to the device. kvikio is
+imported lazily and never on CPU-only machines (it needs libcuda).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from lmtier import record as rec
+from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+
+log = logging.getLogger("lmtier.tiers.disk")
+
+PAGE_BYTES = 4096
+SUFFIX = ".lmt"
+TMP_SUFFIX = ".tmp"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+# --------------------------------------------------------------------------------------------
+# Buffer helpers (also used by lmtier.tiers.remote)
+# --------------------------------------------------------------------------------------------
+
+
+def round_up(n: int, align: int = PAGE_BYTES) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def is_cuda_tensor(obj) -> bool:
+    """True for a torch tensor on a CUDA device (checked without importing torch)."""
+    return type(obj).__module__.startswith("torch") and bool(getattr(obj, "is_cuda", False))
+
+
+def host_view(obj, *, writable: bool) -> memoryview:
+    """A flat, C-contiguous ``uint8`` memoryview of a host buffer (no copy).
+
+    Accepts bytes/bytearray/memoryview/mmap, NumPy arrays and CPU torch tensors.
+
+    Raises:
+        TypeError: CUDA tensor, non-contiguous or (if ``writable``) read-only buffer.
+    """
+    if type(obj).__module__.startswith("torch"):
+        import torch
+
+        if obj.is_cuda:
+            raise TypeError("host_view: CUDA tensor; use a bounce buffer")
+        if not obj.is_contiguous():
+            raise TypeError("host_view: tensor is not contiguous")
+        obj = obj.detach().reshape(-1).view(torch.uint8).numpy()
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        raise TypeError("host_view: buffer is not C-contiguous")
+    if writable and mv.readonly:
+        raise TypeError("host_view: buffer is read-only")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def address_of(mv: memoryview) -> int:
+    """Start address of a memoryview (read-only ones too); 0 for an empty view."""
+    if mv.nbytes == 0:
+        return 0
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    import numpy as np
+
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+
+
+def cuda_nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+class AlignedBuffer:
+    """A page-aligned host buffer of ``nbytes`` (rounded up to 4 KiB); ``.mv`` is a writable view.
+
+    ``pinned=True`` allocates page-locked memory through torch (``cudaHostAlloc``, page aligned),
+    for copies to/from CUDA tensors; otherwise an anonymous ``mmap`` (page aligned).
+    """
+
+    def __init__(self, nbytes: int, *, pinned: bool = False) -> None:
+        self.nbytes = round_up(max(nbytes, 1))
+        self.pinned = pinned
+        self._map = None
+        self._tensor = None
+        if pinned:
+            import torch
+
+            self._tensor = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self.mv = memoryview(self._tensor.numpy())
+        else:
+            self._map = mmap.mmap(-1, self.nbytes)
+            self.mv = memoryview(self._map)
+        self.address = address_of(self.mv)
+        assert self.address % PAGE_BYTES == 0, hex(self.address)
+
+    def tensor(self, nbytes: int):
+        """A ``torch.uint8`` CPU tensor viewing bytes ``[0, nbytes)``."""
+        import torch
+
+        if self._tensor is not None:
+            return self._tensor[:nbytes]
+        return torch.frombuffer(self.mv, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.mv.release()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still exported; freed when it goes away
+                pass
+        self._tensor = None
+
+
+class BouncePool:
+    """Reusable page-aligned buffers (no allocation on the hot path once warm).
+
+    ``acquire(n)`` returns a buffer of >= ``n`` bytes (new ones are rounded up to 1 MiB);
+    ``release`` keeps at most ``max_cached`` buffers, preferring the largest.
+    """
+
+    def __init__(self, *, max_cached: int = 4, pinned: bool = False) -> None:
+        self._free: list[AlignedBuffer] = []
+        self._lock = threading.Lock()
+        self._max_cached = max_cached
+        self._pinned = pinned
+
+    def acquire(self, nbytes: int) -> AlignedBuffer:
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._free.remove(best)
+                return best
+        return AlignedBuffer(round_up(nbytes, (1 << 20) if nbytes > (1 << 20) else PAGE_BYTES), pinned=self._pinned)
+
+    def release(self, buf: AlignedBuffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: -b.nbytes)
+            drop = self._free[self._max_cached :]
+            del self._free[self._max_cached :]
+        for b in drop:
+            b.close()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for b in free:
+            b.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The tier
+# --------------------------------------------------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("path", "nbytes")
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+
+
+class DiskTier(Tier):
+    """Chunks as record files on one or more local directories, LRU-evicted by bytes.
+
+    Args:
+        paths: root directories (created 0700 if missing). Chunks are spread over them by key.
+        capacity_bytes: the most bytes of record files (header block + payload + padding) kept
+            across all paths; the least recently used chunks are deleted to make room.
+        io_threads: threads moving the pieces of one large record (and concurrent records).
+        piece_bytes: size of one I/O piece (multiple of 4 KiB); records up to this size are
+            moved by the calling thread alone.
+        use_odirect: open record files with ``O_DIRECT`` where the filesystem supports it
+            (checked per path at startup; falls back to buffered I/O with a log line).
+        use_kvikio: ``"auto"`` (kvikio for loads into CUDA tensors if it imports and works),
+            ``"never"``, or ``"always"`` (raise ``RuntimeError`` at the first CUDA load if kvikio
+            is unusable).
+        sync: ``"data"`` (``fdatasync`` each record before it becomes visible) or ``"none"``.
+        max_payload_bytes: larger payloads are refused by ``put`` and treated as corruption on read.
+        namespace: 16-byte namespace digest written into each header (informational).
+
+    Raises:
+        ValueError: malformed arguments. OSError: a root cannot be created.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        paths: list[str] | str,
+        capacity_bytes: int,
+        *,
+        io_threads: int = 4,
+        piece_bytes: int = 8 << 20,
+        use_odirect: bool = True,
+        use_kvikio: str = "auto",
+        sync: str = "data",
+        max_payload_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
+        namespace: bytes = bytes(16),
+    ) -> None:
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        if not paths:
+            raise ValueError("DiskTier: at least one path is required")
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"DiskTier: capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if io_threads < 1:
+            raise ValueError(f"DiskTier: io_threads must be >= 1, got {io_threads}")
+        if piece_bytes <= 0 or piece_bytes % PAGE_BYTES:
+            raise ValueError(f"DiskTier: piece_bytes must be a positive multiple of 4096, got {piece_bytes}")
+        if use_kvikio not in ("auto", "never", "always"):
+            raise ValueError(f"DiskTier: use_kvikio must be 'auto', 'never' or 'always', got {use_kvikio!r}")
+        if sync not in ("data", "none"):
+            raise ValueError(f"DiskTier: sync must be 'data' or 'none', got {sync!r}")
+        self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
+        self.capacity_bytes = capacity_bytes
+        self.piece_bytes = piece_bytes
+        self.sync = sync
+        self.max_payload_bytes = max_payload_bytes
+        self._meta = rec.RecordMeta(namespace=bytes(namespace))
+        self._use_kvikio = use_kvikio
+        self._kvikio = None  # module once probed OK; False once probed unusable
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk")
+        self._io_threads = io_threads
+        self._bounce = BouncePool(max_cached=2)  # payload-sized bounce buffers
+        self._small = BouncePool(max_cached=2 * io_threads + 2)  # header/tail blocks
+        self._pinned_bounce: BouncePool | None = None
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
+        self._used = 0
+        self._reserved = 0
+        self._tmp_seq = itertools.count()
+        self._direct: dict[str, bool] = {}
+        self.counters = collections.Counter()
+        for root in self.paths:
+            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+            self._direct[root] = use_odirect and self._probe_odirect(root)
+        self._rebuild()
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """True if ``key`` is in the index (a complete record was written or found at startup)."""
+        with self._lock:
+            return bytes(key) in self._index
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.capacity_bytes, self._used + self._reserved, len(self._index))
+
+    def delete(self, key: bytes) -> bool:
+        key = bytes(key)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.nbytes
+        path = entry.path if entry is not None else self._path(key)
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return entry is not None
+        except OSError as e:
+            log.warning("delete %s failed: %s", path, e)
+            return entry is not None
+
+    def put(self, key: bytes, payload) -> bool:
+        """Store ``payload`` under ``key`` durably; visible only once complete.
+
+        Args:
+            key: 32-byte chunk key.
+            payload: contiguous bytes (bytes/memoryview/ndarray/CPU or CUDA torch tensor).
+
+        Returns:
+            True on success; False if the record cannot fit (larger than the capacity or the
+            ``max_payload_bytes`` limit), on ENOSPC/EACCES/EROFS or any other I/O error (the
+            temporary file is removed and nothing becomes visible).
+        """
+        key = bytes(key)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"DiskTier.put: key must be {KEY_BYTES} bytes, got {len(key)}")
+        bounce = None
+        try:
+            if is_cuda_tensor(payload):
+                n = cuda_nbytes(payload)
+                bounce = self._pinned_pool().acquire(n)
+                if n:
+                    import torch
+
+                    bounce.tensor(n).copy_(payload.detach().reshape(-1).view(torch.uint8))
+                mv = bounce.mv[:n]
+            else:
+                mv = host_view(payload, writable=False)
+            return self._put_host(key, mv)
+        finally:
+            if bounce is not None:
+                self._pinned_pool().release(bounce)
+
+    def get_into(self, key: bytes, out) -> int | None:
+        """Read the chunk into ``out`` and verify it.
+
+        Args:
+            key: 32-byte chunk key.
+            out: writable contiguous buffer of >= payload bytes (host buffer or CUDA tensor).
+                Host buffers whose address is 4 KiB aligned are read into directly; others via a
+                pooled aligned bounce buffer.
+
+        Returns:
+            The payload length in bytes, or None on a miss / too-small ``out`` / any failure.
+            Missing files drop the index entry; corrupted or truncated files are deleted.
+        """
+        key = bytes(key)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index.move_to_end(key)
+        if entry is None:
+            self.counters["misses"] += 1
+            return None
+        try:
+            if is_cuda_tensor(out):
+                n = self._get_cuda(key, entry.path, out)
+            else:
+                n = self._get_host(key, entry.path, host_view(out, writable=True))
+        except FileNotFoundError:
+            self._drop(key, entry)
+            n = None
+        if n is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+        return n
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._bounce.close()
+        self._small.close()
+        if self._pinned_bounce is not None:
+            self._pinned_bounce.close()
+
+    def keys(self) -> list[bytes]:
+        """Indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    # ---- paths -----------------------------------------------------------------------------
+
+    def _root(self, key: bytes) -> str:
+        return self.paths[int.from_bytes(key[:8], "little") % len(self.paths)]
+
+    def _path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self._root(key), h[:2], h + SUFFIX)
+
+    def _tmp_path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self._root(key), h[:2], f".{h}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+
+    @staticmethod
+    def _probe_odirect(root: str) -> bool:
+        probe = os.path.join(root, f".odirect-probe.{os.getpid()}{TMP_SUFFIX}")
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, FILE_MODE)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                log.info("O_DIRECT not supported under %s; using buffered I/O", root)
+                return False
+            log.warning("cannot probe O_DIRECT under %s: %s", root, e)
+            return False
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+        return True
+
+    def _open_flags(self, root: str) -> int:
+        return os.O_DIRECT if self._direct.get(root) else 0
+
+    # ---- index -----------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Scan every root, validate headers, drop temp/invalid files, order by access time."""
+        found = []
+        t0 = time.perf_counter()
+        for root in self.paths:
+            for shard in _listdir(root):
+                d = os.path.join(root, shard)
+                if len(shard) != 2 or not os.path.isdir(d):
+                    continue
+                for name in _listdir(d):
+                    path = os.path.join(d, name)
+                    if name.endswith(TMP_SUFFIX):
+                        self._remove_stale_tmp(path, name)
+                        continue
+                    if not name.endswith(SUFFIX):
+                        continue
+                    item = self._validate_file(path, name)
+                    if item is not None:
+                        found.append(item)
+        found.sort(key=lambda x: x[0])  # oldest access first
+        with self._lock:
+            for _, key, path, nbytes in found:
+                self._index[key] = _Entry(path, nbytes)
+                self._used += nbytes
+            victims = self._evict_locked(0)
+        self._unlink_all(victims)
+        log.info("disk tier: %d chunks, %d bytes found under %s in %.3f s", len(self._index), self._used,
+                 self.paths, time.perf_counter() - t0)
+
+    def _validate_file(self, path: str, name: str):
+        try:
+            key = bytes.fromhex(name[: -len(SUFFIX)])
+        except ValueError:
+            return None
+        if len(key) != KEY_BYTES:
+            return None
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(rec.HEADER_BYTES)
+            hdr = rec.decode_header(head, expected_key=key, max_payload_bytes=self.max_payload_bytes)
+            if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET or st.st_size < hdr.record_bytes:
+                raise rec.RecordError(f"file size {st.st_size} < record size {hdr.record_bytes} (truncated)")
+        except (OSError, rec.RecordError) as e:
+            log.warning("removing invalid record %s: %s", path, e)
+            _unlink_quiet(path)
+            self.counters["corrupt"] += 1
+            return None
+        return (max(st.st_atime_ns, st.st_mtime_ns), key, path, round_up(st.st_size))
+
+    @staticmethod
+    def _remove_stale_tmp(path: str, name: str) -> None:
+        # .<hex>.<pid>.<n>.tmp: remove unless the writing process is alive (another tier instance
+        # of a live process sharing the directory).
+        parts = name.split(".")
+        try:
+            pid = int(parts[2])
+        except (IndexError, ValueError):
+            pid = -1
+        if pid > 0 and pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+                return
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                return
+        _unlink_quiet(path)
+
+    def _evict_locked(self, need: int) -> list[str]:
+        """Pop LRU entries until ``need`` more bytes fit; returns paths to unlink (outside the lock)."""
+        victims = []
+        while self._index and self._used + self._reserved + need > self.capacity_bytes:
+            key, entry = self._index.popitem(last=False)
+            self._used -= entry.nbytes
+            victims.append(entry.path)
+            self.counters["evictions"] += 1
+        return victims
+
+    @staticmethod
+    def _unlink_all(paths: list[str]) -> None:
+        for p in paths:
+            _unlink_quiet(p)
+
+    def _drop(self, key: bytes, entry: _Entry) -> None:
+        with self._lock:
+            if self._index.get(key) is entry:
+                del self._index[key]
+                self._used -= entry.nbytes
+
+    def _discard_corrupt(self, key: bytes, entry_path: str, fd: int, why: str) -> None:
+        """Remove a corrupt record — but only the inode we read (a fresh put may have replaced it)."""
+        log.warning("disk record %s is corrupt (%s); deleting it", entry_path, why)
+        self.counters["corrupt"] += 1
+        try:
+            st_fd = os.fstat(fd)
+            st_path = os.stat(entry_path)
+            if (st_fd.st_ino, st_fd.st_dev) == (st_path.st_ino, st_path.st_dev):
+                os.unlink(entry_path)
+                with self._lock:
+                    e = self._index.get(key)
+                    if e is not None and e.path == entry_path:
+                        del self._index[key]
+                        self._used -= e.nbytes
+        except OSError:
+            pass
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def _put_host(self, key: bytes, mv: memoryview) -> bool:
+        n = mv.nbytes
+        if n > self.max_payload_bytes:
+            log.warning("put: payload of %d bytes exceeds max_payload_bytes %d", n, self.max_payload_bytes)
+            return False
+        file_bytes = rec.DISK_PAYLOAD_OFFSET + round_up(n)
+        if file_bytes > self.capacity_bytes:
+            return False
+        with self._lock:
+            victims = self._evict_locked(file_bytes)
+            self._reserved += file_bytes
+        self._unlink_all(victims)
+        path = self._path(key)
+        tmp = self._tmp_path(key)
+        ok = False
+        try:
+            self._write_record(key, mv, tmp, path)
+            ok = True
+        except OSError as e:
+            lvl = logging.INFO if e.errno in (errno.ENOSPC, errno.EDQUOT) else logging.WARNING
+            log.log(lvl, "put %s failed: %s", path, e)
+            self.counters["put_errors"] += 1
+            _unlink_quiet(tmp)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        finally:
+            with self._lock:
+                self._reserved -= file_bytes
+                if ok:
+                    old = self._index.pop(key, None)
+                    if old is not None:
+                        self._used -= old.nbytes
+                    self._index[key] = _Entry(path, file_bytes)
+                    self._used += file_bytes
+                    victims = self._evict_locked(0)
+                else:
+                    victims = []
+            self._unlink_all(victims)
+        return ok
+
+    def _write_record(self, key: bytes, mv: memoryview, tmp: str, path: str) -> None:
+        n = mv.nbytes
+        header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=rec.DISK_PAYLOAD_OFFSET,
+                                   meta=self._meta)
+        os.makedirs(os.path.dirname(tmp), mode=DIR_MODE, exist_ok=True)
+        root = self._root(key)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._open_flags(root)
+        fd = os.open(tmp, flags, FILE_MODE)
+        aligned_src = address_of(mv) % PAGE_BYTES == 0
+        bounce = None
+        try:
+            body = n // PAGE_BYTES * PAGE_BYTES  # whole pages of payload
+            tail = n - body
+            # Header block + (if the source is unaligned) the whole payload go through a bounce
+            # buffer; an aligned source is written in place except its last partial page.
+            if aligned_src:
+                bounce = small = self._small.acquire(PAGE_BYTES * 2)
+                b = bounce.mv
+                b[: PAGE_BYTES] = bytes(PAGE_BYTES)
+                b[: rec.HEADER_BYTES] = header
+                jobs = [(b[:PAGE_BYTES], 0)]
+                jobs += self._pieces(mv[:body], rec.DISK_PAYLOAD_OFFSET)
+                if tail:
+                    t = b[PAGE_BYTES : 2 * PAGE_BYTES]
+                    t[:tail] = mv[body:]
+                    t[tail:] = bytes(PAGE_BYTES - tail)
+                    jobs.append((t, rec.DISK_PAYLOAD_OFFSET + body))
+            else:
+                total = rec.DISK_PAYLOAD_OFFSET + round_up(n)
+                bounce = self._bounce.acquire(total)
+                small = None
+                b = bounce.mv
+                b[: PAGE_BYTES] = bytes(PAGE_BYTES)
+                b[: rec.HEADER_BYTES] = header
+                self._copy(b[PAGE_BYTES : PAGE_BYTES + n], mv)
+                if tail:
+                    b[PAGE_BYTES + n : total] = bytes(total - PAGE_BYTES - n)
+                jobs = self._pieces(b[:total], 0)
+            self._run(_pwrite_all, fd, jobs)
+            if self.sync == "data":
+                os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            fd = -1
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if bounce is not None:
+                (self._small if bounce is small else self._bounce).release(bounce)
+        os.rename(tmp, path)
+
+    def _pieces(self, mv: memoryview, file_offset: int) -> list:
+        """Split ``mv`` into (view, file offset) jobs of at most ``piece_bytes``."""
+        n = mv.nbytes
+        if n == 0:
+            return []
+        # Spread over the threads even when the record is only a few pieces long.
+        per = max(PAGE_BYTES, min(self.piece_bytes, round_up(-(-n // self._io_threads))))
+        return [(mv[o : min(o + per, n)], file_offset + o) for o in range(0, n, per)]
+
+    def _run(self, fn, fd: int, jobs: list) -> None:
+        if len(jobs) <= 1:
+            for v, off in jobs:
+                fn(fd, v, off)
+            return
+        futs = [self._pool.submit(fn, fd, v, off) for v, off in jobs[1:]]
+        err = None
+        try:
+            fn(fd, *jobs[0])
+        except BaseException as e:  # still wait for the others: they use fd and buffers
+            err = e
+        for f in futs:
+            try:
+                f.result()
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def _copy(self, dst: memoryview, src: memoryview) -> None:
+        """dst[:] = src, split over the thread pool for large buffers (memcpy releases the GIL
+        in NumPy)."""
+        import numpy as np
+
+        n = src.nbytes
+        d = np.frombuffer(dst, dtype=np.uint8)
+        s = np.frombuffer(src, dtype=np.uint8)
+        if n < (4 << 20) or self._io_threads == 1:
+            d[:] = s
+            return
+        per = round_up(-(-n // self._io_threads))
+        futs = [self._pool.submit(np.copyto, d[o : o + per], s[o : o + per]) for o in range(per, n, per)]
+        d[:per] = s[:per]
+        for f in futs:
+            f.result()
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def _read_header(self, key: bytes, path: str, fd: int, hb: memoryview):
+        """Read + decode the header block; return (header, file size) or None if corrupt."""
+        st = os.fstat(fd)
+        got = _pread_into(fd, hb[:PAGE_BYTES], 0)
+        try:
+            hdr = rec.decode_header(hb[:got], expected_key=key, max_payload_bytes=self.max_payload_bytes)
+            if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET:
+                raise rec.RecordError(f"payload offset {hdr.payload_offset} != {rec.DISK_PAYLOAD_OFFSET}")
+            if st.st_size < hdr.payload_offset + round_up(hdr.payload_bytes):
+                raise rec.RecordError(f"file size {st.st_size} < {hdr.payload_offset + round_up(hdr.payload_bytes)} (truncated)")
+        except rec.RecordError as e:
+            self._discard_corrupt(key, path, fd, str(e))
+            return None
+        return hdr
+
+    def _get_host(self, key: bytes, path: str, out: memoryview) -> int | None:
+        root = os.path.dirname(os.path.dirname(path))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._open_flags(root))
+        hbuf = self._small.acquire(PAGE_BYTES * 2)
+        big = None
+        try:
+            hdr = self._read_header(key, path, fd, hbuf.mv)
+            if hdr is None:
+                return None
+            n = hdr.payload_bytes
+            if out.nbytes < n:
+                log.warning("get_into: out has %d bytes < payload %d", out.nbytes, n)
+                return None
+            body = n // PAGE_BYTES * PAGE_BYTES
+            tail = n - body
+            base = rec.DISK_PAYLOAD_OFFSET
+            if address_of(out) % PAGE_BYTES == 0:
+                jobs = self._pieces(out[:body], base)
+                if tail:
+                    jobs.append((hbuf.mv[PAGE_BYTES : 2 * PAGE_BYTES], base + body))
+                if self._run_read(fd, jobs) < 0:
+                    raise _Short("payload")
+                if tail:
+                    out[body:n] = hbuf.mv[PAGE_BYTES : PAGE_BYTES + tail]
+            else:
+                big = self._bounce.acquire(round_up(n))
+                if self._run_read(fd, self._pieces(big.mv[: round_up(n)], base)) < 0:
+                    raise _Short("payload")
+                self._copy(out[:n], big.mv[:n])
+            try:
+                rec.verify_payload(hdr, out[:n])
+            except rec.RecordError as e:
+                self._discard_corrupt(key, path, fd, str(e))
+                return None
+            try:
+                os.utime(fd)  # recency for the LRU order rebuilt at the next start
+            except OSError:
+                pass
+            return n
+        except _Short as e:
+            self._discard_corrupt(key, path, fd, f"short read of the {e.args[0]} (truncated)")
+            return None
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            log.warning("read %s failed: %s", path, e)
+            self.counters["get_errors"] += 1
+            return None
+        finally:
+            os.close(fd)
+            self._small.release(hbuf)
+            if big is not None:
+                self._bounce.release(big)
+
+    def _run_read(self, fd: int, jobs: list) -> int:
+        """Run pread jobs; returns the total bytes read (a short piece makes the total short)."""
+        counts = []
+
+        def job(fd, v, off):
+            counts.append((v.nbytes, _pread_into(fd, v, off)))
+
+        self._run(job, fd, jobs)
+        return sum(got for _, got in counts) if all(w == g for w, g in counts) else -1
+
+    # ---- CUDA buffers ----------------------------------------------------------------------
+
+    def _pinned_pool(self) -> BouncePool:
+        if self._pinned_bounce is None:
+            with self._lock:
+                if self._pinned_bounce is None:
+                    self._pinned_bounce = BouncePool(max_cached=2, pinned=True)
+        return self._pinned_bounce
+
+    def _kvikio_module(self):
+        if self._use_kvikio == "never" or self._kvikio is False:
+            return None
+        if self._kvikio is None:
+            try:
+                import kvikio  # noqa: PLC0415 - optional, needs libcuda
+
+                self._kvikio = kvikio
+            except Exception as e:  # ImportError, or a missing libcuda surfacing at import
+                if self._use_kvikio == "always":
+                    raise RuntimeError(f"DiskTier: use_kvikio='always' but kvikio is unusable: {e}") from e
+                log.info("kvikio unavailable (%s); CUDA loads go through a pinned bounce buffer", e)
+                self._kvikio = False
+                return None
+        return self._kvikio
+
+    def _get_cuda(self, key: bytes, path: str, out) -> int | None:
+        """Load into a CUDA tensor: kvikio straight into device memory, verified through a
+        pinned host copy (the checksum runs on the host), else a pinned bounce + H2D copy."""
+        import torch
+
+        out_u8 = out.detach().reshape(-1).view(torch.uint8)
+        kvikio = self._kvikio_module()
+        if kvikio is not None:
+            try:
+                return self._get_cuda_kvikio(kvikio, key, path, out_u8)
+            except FileNotFoundError:
+                raise
+            except Exception as e:
+                if self._use_kvikio == "always":
+                    raise
+                log.warning("kvikio load failed (%s); falling back to POSIX for CUDA loads", e)
+                self._kvikio = False
+        pool = self._pinned_pool()
+        n_cap = out_u8.numel()
+        buf = pool.acquire(n_cap)
+        try:
+            n = self._get_host(key, path, buf.mv[:n_cap])
+            if n is None:
+                return None
+            out_u8[:n].copy_(buf.tensor(n))
+            return n
+        finally:
+            pool.release(buf)
+
+    def _get_cuda_kvikio(self, kvikio, key: bytes, path: str, out_u8) -> int | None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        hbuf = self._small.acquire(PAGE_BYTES)
+        try:
+            hdr = self._read_header(key, path, fd, hbuf.mv)
+            if hdr is None:
+                return None
+            n = hdr.payload_bytes
+            if out_u8.numel() < n:
+                return None
+            with kvikio.CuFile(path, "r") as f:
+                got = f.pread(out_u8[:n], size=n, file_offset=hdr.payload_offset).get()
+            if got != n:
+                self._discard_corrupt(key, path, fd, f"short read ({got} bytes)")
+                return None
+            pool = self._pinned_pool()
+            buf = pool.acquire(n)
+            try:
+                buf.tensor(n).copy_(out_u8[:n])
+                rec.verify_payload(hdr, buf.mv[:n])
+            except rec.RecordError as e:
+                self._discard_corrupt(key, path, fd, str(e))
+                return None
+            finally:
+                pool.release(buf)
+            return n
+        finally:
+            os.close(fd)
+            self._small.release(hbuf)
+
+
+class _Short(Exception):
+    pass
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    while mv.nbytes:
+        k = os.pwrite(fd, mv, offset)
+        if k <= 0:
+            raise OSError(errno.EIO, "pwrite wrote 0 bytes")
+        mv = mv[k:]
+        offset += k
+
+
+def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
+    """Read up to ``mv.nbytes`` at ``offset``; returns the count (short only at end of file)."""
+    total = 0
+    while total < mv.nbytes:
+        k = os.preadv(fd, [mv[total:]], offset + total)
+        if k == 0:
+            break
+        total += k
+    return total
