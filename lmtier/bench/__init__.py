@@ -1,0 +1,1 @@
+"""Microbenchmarks (``lmtier bench ...``)."""

@@ -1,0 +1,245 @@
+"""gather/scatter against the PyTorch reference, bit for bit, on every layout kind and order."""
+
+import itertools
+
+import pytest
+import torch
+
+from lmtier import ops, reference
+from lmtier.layout import (PHYSICAL_ORDERS, KVLayout, LayoutError, make_paged_kv_cache,
+                           slot_mapping_from_block_ids)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
+# (kind, order, head_size): odd row widths included (66 fp16 = 132 B, 328 bf16 = 656 B, 576 MLA).
+GEOMS = (
+    [("kv", o, 64) for o in PHYSICAL_ORDERS]
+    + [("kv", "LBNHC", 128), ("kv", "BLHNC", 66), ("kv", "LHBNC", 328), ("kv", "LBNHC", 256)]
+    + [("cpu_slab", o, 64) for o in ("LBHNC", "BLHNC", "BHLNC")]
+    + [("mla", "LBNHC", 576), ("mla", "BLNHC", 576)]
+)
+
+
+def _fill(buf: torch.Tensor, gen: torch.Generator) -> None:
+    # Random bytes (not zeros: zeros hide unwritten outputs); every dtype bit pattern possible.
+    raw = torch.randint(0, 256, (buf.numel() * buf.element_size(),), dtype=torch.uint8, generator=gen)
+    buf.view(-1).view(torch.uint8).copy_(raw.to(buf.device))
+
+
+def _cache(kind, order, head_size, dtype, *, layers=3, blocks=9, block_size=16, heads=2, device="cpu"):
+    buf, views = make_paged_kv_cache(order, num_layers=layers, num_blocks=blocks, block_size=block_size,
+                                     num_heads=heads, head_size=head_size, dtype=dtype, device=device,
+                                     kind=kind)
+    return buf, views
+
+
+def _random_slots(num_chunks, tokens, num_slots, gen, *, partial=True):
+    perm = torch.randperm(num_slots, generator=gen)[: num_chunks * tokens]
+    slots = perm.view(num_chunks, tokens).clone()
+    if partial and num_chunks:
+        slots[-1, tokens // 2 + 1 :] = -1  # partial last chunk
+    return slots
+
+
+@pytest.mark.parametrize("kind,order,head_size", GEOMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_scatter_cpu_bit_exact(kind, order, head_size, dtype):
+    gen = torch.Generator().manual_seed(hash((kind, order, head_size, str(dtype))) % 2**31)
+    bs = 16
+    buf, views = _cache(kind, order, head_size, dtype, block_size=bs)
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind=kind)
+    slots = _random_slots(3, 2 * bs, layout.num_slots, gen)
+    out = torch.full((3, layout.chunk_bytes(2 * bs)), 0xAB, dtype=torch.uint8)  # poisoned
+    ops.gather(layout, slots, out)
+    ref = reference.gather_ref(views, slots, kind=kind)
+    assert torch.equal(out.view(-1).view(torch.uint8), ref.contiguous().view(-1).view(torch.uint8))
+
+    buf2, views2 = _cache(kind, order, head_size, dtype, block_size=bs)
+    _fill(buf2, gen)
+    expect = buf2.clone()
+    _, views_e = buf2, None
+    layout2 = KVLayout.from_layer_views(views2, kind=kind)
+    ops.scatter(layout2, slots, out)
+    # reference scatter into the copy
+    perm = [order.index(c) for c in "LBHNC"]
+    ref_views = [expect.permute(*perm)[i] for i in range(len(views2))]
+    reference.scatter_ref(ref_views, slots, ref, kind=kind)
+    assert torch.equal(buf2.view(torch.uint8) if dtype == torch.uint8 else buf2.view(-1).view(torch.uint8),
+                       expect.view(torch.uint8) if dtype == torch.uint8 else expect.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_size,tokens,chunks", [(16, 256, 1), (16, 48, 4), (128, 256, 2), (1, 7, 3), (16, 16, 0)])
+def test_block_ids_round_trip(block_size, tokens, chunks):
+    gen = torch.Generator().manual_seed(7)
+    buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16, blocks=40, block_size=block_size)
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    bpc = -(-tokens // block_size)
+    ids = torch.randperm(40, generator=gen)[: chunks * bpc].view(chunks, bpc)
+    slots = slot_mapping_from_block_ids(ids, block_size=block_size, tokens_per_chunk=tokens)
+    out = torch.empty(chunks, layout.chunk_bytes(tokens), dtype=torch.uint8)
+    ops.gather(layout, slots, out)
+    snapshot = buf.clone()
+    buf.zero_()
+    ops.scatter(layout, slots, out)
+    for c in range(chunks):
+        for j in range(bpc):
+            b = int(ids[c, j])
+            n = min(block_size, tokens - j * block_size)
+            assert torch.equal(buf[:, b, :n].view(torch.int16), snapshot[:, b, :n].view(torch.int16))
+
+
+def test_kernel_block_splitting_same_tokens():
+    # vLLM block size 32 split into kernel blocks of 16: slots with the logical size address the
+    # same tokens in the [B * 2, H, 16, C] view.
+    gen = torch.Generator().manual_seed(1)
+    buf, views = _cache("kv", "LBNHC", 64, torch.float16, blocks=16, block_size=16)
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    slots = slot_mapping_from_block_ids([[5, 2]], block_size=32, tokens_per_chunk=64)
+    out = torch.empty(1, layout.chunk_bytes(64), dtype=torch.uint8)
+    ops.gather(layout, slots, out)
+    chunk = out.view(torch.float16).view(layout.chunk_shape(64))
+    # logical block 5 = kernel blocks 10, 11; token 20 of the chunk = kernel block 11, offset 4
+    assert torch.equal(chunk[1, 0, 20].view(torch.int16), views[1][11, :, 4, :64].view(torch.int16))
+    assert torch.equal(chunk[2, 1, 40].view(torch.int16), views[2][4, :, 8, 64:].view(torch.int16))  # logical block 2 -> kernel block 4
+
+
+def test_padding_gathers_zeros_and_scatter_skips():
+    gen = torch.Generator().manual_seed(3)
+    buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16)
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    slots = torch.tensor([[0, -1, 5, -7]])
+    out = torch.full((1, layout.chunk_bytes(4)), 0xFF, dtype=torch.uint8)
+    ops.gather(layout, slots, out)
+    chunk = out.view(torch.bfloat16).view(layout.chunk_shape(4))
+    assert (chunk[:, :, 1].view(torch.int16) == 0).all() and (chunk[:, :, 3].view(torch.int16) == 0).all()
+    before = buf.clone()
+    ops.scatter(layout, torch.tensor([[-1, -1, -1, -1]]), out)
+    assert torch.equal(before.view(torch.int16), buf.view(torch.int16))
+
+
+@pytest.mark.parametrize("bad", ["slot_range", "chunk_small", "chunk_dtype", "slot_dtype", "count"])
+def test_bad_input_raises_and_writes_nothing(bad):
+    buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16)
+    buf.zero_()
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    slots = torch.tensor([[0, 1, 2, 3]])
+    out = torch.zeros(1, layout.chunk_bytes(4), dtype=torch.uint8)
+    if bad == "slot_range":
+        slots = torch.tensor([[0, 1, layout.num_slots, 3]])
+    elif bad == "chunk_small":
+        out = torch.zeros(1, layout.chunk_bytes(4) - 1, dtype=torch.uint8)
+    elif bad == "chunk_dtype":
+        out = torch.zeros(1, layout.chunk_bytes(4) // 2, dtype=torch.int16)
+    elif bad == "slot_dtype":
+        slots = slots.to(torch.int32)
+    elif bad == "count":
+        out = [out[0], out[0]]
+    snapshot = buf.clone()
+    with pytest.raises(ValueError):
+        ops.scatter(layout, slots, out)
+    assert torch.equal(buf.view(torch.int16), snapshot.view(torch.int16))
+
+
+def test_native_range_check_without_python_check():
+    # Even with check=False the native CPU path validates every slot before moving a byte.
+    buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16)
+    buf.zero_()
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    out = torch.ones(1, layout.chunk_bytes(2), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.scatter(layout, torch.tensor([[1, 10**9]]), out, check=False)
+    assert int(buf.view(torch.int16).abs().sum()) == 0
+
+
+def test_layout_errors():
+    with pytest.raises(LayoutError):
+        KVLayout.from_layer_views([])
+    with pytest.raises(LayoutError, match="dtype"):
+        KVLayout.from_layer_views([torch.zeros(2, 2, 4, 8, dtype=torch.int64)])
+    with pytest.raises(LayoutError, match="differs"):
+        KVLayout.from_layer_views([torch.zeros(2, 2, 4, 8), torch.zeros(3, 2, 4, 8)])
+    with pytest.raises(LayoutError, match="kind"):
+        KVLayout.from_layer_views([torch.zeros(2, 2, 4, 8)], kind="nope")
+    with pytest.raises(LayoutError, match="C == 2"):
+        KVLayout.from_layer_views([torch.zeros(2, 2, 4, 7)])
+    with pytest.raises(LayoutError, match="H == 1"):
+        KVLayout.from_layer_views([torch.zeros(2, 2, 4, 8)], kind="mla")
+    with pytest.raises(LayoutError, match="order"):
+        make_paged_kv_cache("XXXXX", num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=2,
+                            dtype=torch.float16)
+
+
+def test_fp8_bytes_round_trip():
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no fp8 dtype in this torch")
+    gen = torch.Generator().manual_seed(5)
+    buf, views = _cache("kv", "LBHNC", 128, torch.uint8)
+    _fill(buf, gen)
+    fp8_views = [v.view(torch.float8_e4m3fn) for v in views]
+    for vs in (views, fp8_views):
+        layout = KVLayout.from_layer_views(vs, kind="kv")
+        assert layout.elem_bytes == 1
+        slots = torch.arange(32).view(1, 32)
+        out = torch.empty(1, layout.chunk_bytes(32), dtype=torch.uint8)
+        ops.gather(layout, slots, out)
+        ref = reference.gather_ref(views, slots, kind="kv")
+        assert torch.equal(out.view(-1), ref.contiguous().view(-1))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,order,head_size", GEOMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("dst", ["device", "pinned"])
+def test_gpu_matches_cpu_bit_exact(kind, order, head_size, dtype, dst):
+    gen = torch.Generator().manual_seed(11)
+    buf, views = _cache(kind, order, head_size, dtype, device="cuda")
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind=kind)
+    slots = _random_slots(3, 32, layout.num_slots, gen)
+    nbytes = layout.chunk_bytes(32)
+    out = (torch.full((3, nbytes), 0xAB, dtype=torch.uint8, device="cuda") if dst == "device"
+           else torch.full((3, nbytes), 0xAB, dtype=torch.uint8).pin_memory())
+    ops.gather(layout, slots.cuda(), out)
+    torch.cuda.synchronize()
+    # CPU path on a CPU copy of the same cache
+    cpu_buf = buf.cpu()
+    perm = [order.index(c) for c in "LBHNC"]
+    cpu_views = [cpu_buf.permute(*perm)[i] for i in range(len(views))]
+    cpu_layout = KVLayout.from_layer_views(cpu_views, kind=kind)
+    cpu_out = torch.empty(3, nbytes, dtype=torch.uint8)
+    ops.gather(cpu_layout, slots, cpu_out)
+    assert torch.equal(out.cpu(), cpu_out)
+    # scatter back into a poisoned cache and compare with the CPU scatter
+    buf.fill_(0) if dtype == torch.uint8 else buf.view(torch.uint8 if buf.element_size() == 1 else torch.int16 if buf.element_size() == 2 else torch.int32).fill_(-1)
+    cpu_buf.copy_(buf.cpu())
+    ops.scatter(layout, slots.cuda(), out)
+    ops.scatter(cpu_layout, slots, cpu_out)
+    torch.cuda.synchronize()
+    assert torch.equal(buf.cpu().view(-1).view(torch.uint8), cpu_buf.view(-1).view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_raises():
+    buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16, device="cuda")
+    buf.zero_()
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    out = torch.ones(1, layout.chunk_bytes(2), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError):
+        ops.scatter(layout, torch.tensor([[1, layout.num_slots]], device="cuda"), out)
+    # with check=False the kernel skips the bad slot and writes only the good one
+    ops.scatter(layout, torch.tensor([[1, layout.num_slots + 5]], device="cuda"), out, check=False)
+    torch.cuda.synchronize()
+    nz = (buf.view(torch.int16) != 0).sum().item()
+    assert nz == 3 * 1 * 2 * 64  # layers * one token * 2 heads * (K+V) row elements
+
+
+@pytest.mark.gpu
+def test_gpu_pageable_destination_rejected():
+    buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16, device="cuda")
+    layout = KVLayout.from_layer_views(views, kind="kv")
+    with pytest.raises(ValueError, match="pageable"):
+        ops.gather(layout, torch.tensor([[0, 1]], device="cuda"), torch.empty(1, layout.chunk_bytes(2), dtype=torch.uint8))
