@@ -1,0 +1,473 @@
+"""Tier 1: the CPU pool — one pinned host arena carved into fixed-size chunk slots.
+
+The arena is a single :class:`lmtier.memory.HostBuffer` (page-locked and mapped where CUDA is
+present, 4 KiB-aligned plain memory otherwise) of ``num_slots * slot_bytes`` bytes, where
+``slot_bytes`` is ``chunk_bytes`` rounded up to 4096 and ``num_slots = capacity_bytes // slot_bytes``.
+Every chunk occupies exactly one slot, so the pool cannot fragment and never holds more than
+``capacity_bytes`` of memory; nothing is allocated after construction.
+
+Slot life cycle (all transitions under one lock; no I/O and no large copy is ever done under it)::
+
+    FREE --reserve(key)--> WRITING --commit(slot, n)--> COMMITTED --(evicted / deleted)--> FREE
+                              \\--abort(slot)--> FREE
+
+* A WRITING slot's key is invisible (``contains``/``acquire`` miss) until ``commit``.
+* ``acquire(key)`` pins a committed slot for reading (reference count + 1) and marks it most
+  recently used; ``release`` unpins. A slot with references is never evicted or reused;
+  ``delete`` of a pinned chunk hides it at once and frees the slot at the last ``release``.
+* Eviction is LRU over committed, unreferenced slots and happens inside ``reserve`` when no slot is
+  free. With an ``evict_callback`` (write-back to the disk tier) the victim is *pinned*, the lock
+  dropped, the callback run with a read view of the victim, and only then is the slot freed and
+  handed to the writer; readers may keep reading the victim during write-back (if one did, the
+  victim stays and another is chosen). ``reserve`` returns ``None`` (back-pressure) when every
+  slot is pinned or being written.
+
+Handles (:class:`Slot`) are single-use: ``commit``/``abort`` a write handle and ``release`` a read
+handle exactly once; anything else raises ``RuntimeError`` (a pin leak or double free would
+otherwise corrupt the pool silently).
+
+Logging: ``logging.getLogger("lmtier.tiers.cpu")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+
+__all__ = ["CPUPool", "Slot", "SLOT_ALIGN_BYTES", "as_byte_source"]
+
+log = logging.getLogger("lmtier.tiers.cpu")
+
+SLOT_ALIGN_BYTES = 4096
+
+_FREE, _WRITING, _COMMITTED = 0, 1, 2
+_READ, _WRITE = "read", "write"
+
+EvictCallback = Callable[[bytes, torch.Tensor], None]
+
+
+class Slot:
+    """A single-use handle on one pool slot, returned by :meth:`CPUPool.reserve` (write) or
+    :meth:`CPUPool.acquire` (read).
+
+    Attributes:
+        key: the 32-byte chunk key.
+        index: slot number in ``[0, num_slots)``.
+        offset: byte offset of the slot in the arena (multiple of 4096).
+        nbytes: write handles: the most bytes that may be written (``chunk_bytes``); read handles:
+            the committed payload length.
+        view: ``torch.uint8`` CPU tensor ``[nbytes]`` aliasing the slot (valid until the handle is
+            committed/aborted/released; do not keep it after that).
+        mode: ``"write"`` or ``"read"``.
+    """
+
+    __slots__ = ("key", "index", "offset", "nbytes", "view", "mode", "_gen", "_open")
+
+    def __init__(self, key: bytes, index: int, offset: int, nbytes: int, view: torch.Tensor, mode: str, gen: int):
+        self.key = key
+        self.index = index
+        self.offset = offset
+        self.nbytes = nbytes
+        self.view = view
+        self.mode = mode
+        self._gen = gen
+        self._open = True
+
+    def memoryview(self) -> memoryview:
+        """The slot bytes as a flat uint8 memoryview (writable; same lifetime rules as ``view``)."""
+        return memoryview(self.view.numpy())
+
+    def __repr__(self) -> str:
+        return (
+            f"Slot(key={self.key[:6].hex()}.., index={self.index}, offset={self.offset}, "
+            f"nbytes={self.nbytes}, mode={self.mode}, open={self._open})"
+        )
+
+
+def as_byte_source(data: Any) -> torch.Tensor | np.ndarray:
+    """A flat uint8 view (no copy) of ``data`` for copying into a slot.
+
+    Args:
+        data: a contiguous torch tensor of any dtype and device (viewed as bytes), or any
+            C-contiguous buffer-protocol object (bytes, bytearray, memoryview, NumPy array).
+
+    Returns:
+        a 1-D ``torch.uint8`` tensor (tensors) or 1-D ``np.uint8`` array (buffers).
+
+    Raises:
+        TypeError: unsupported object or non-contiguous data.
+    """
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            raise TypeError("data: tensor must be contiguous")
+        return data.detach().reshape(-1).view(torch.uint8)
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data must be a torch tensor or a bytes-like object, got {type(data).__name__}") from None
+    if not mv.c_contiguous:
+        raise TypeError("data: buffer must be C-contiguous")
+    return np.frombuffer(mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv, dtype=np.uint8)
+
+
+def _copy_to_slot(dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:
+    n = src.shape[0]
+    if isinstance(src, torch.Tensor):
+        dst[:n].copy_(src)  # device->host copies are synchronous here
+    else:
+        dst[:n].numpy()[:] = src
+
+
+class CPUPool(Tier):
+    """Fixed-slot LRU chunk pool in one host arena. Thread-safe; implements :class:`Tier`.
+
+    Args:
+        capacity_bytes: the most host memory the pool may use (bytes, >= one slot).
+        chunk_bytes: the largest chunk payload in bytes (> 0); slots are this rounded up to 4096.
+        arena: optional pre-allocated arena — a 1-D contiguous ``torch.uint8`` CPU tensor or an
+            object with a ``.tensor`` attribute of that kind (e.g. ``HostBuffer``) — of at least
+            ``num_slots * slot_bytes`` bytes (tests, sharing). Default: a new ``HostBuffer``
+            (pinned when CUDA is usable).
+        evict_callback: ``callback(key, view)`` run (outside the lock, in the thread that called
+            ``reserve``) before a committed chunk's slot is reused; ``view`` is ``torch.uint8
+            [nbytes]`` and valid only during the call. Exceptions are logged and the chunk is
+            evicted anyway. Settable later through the ``evict_callback`` attribute.
+
+    Raises:
+        ValueError: non-positive sizes, capacity below one slot, arena too small or not uint8/CPU.
+    """
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        chunk_bytes: int,
+        *,
+        arena: Any = None,
+        evict_callback: EvictCallback | None = None,
+    ) -> None:
+        if type(chunk_bytes) is not int or chunk_bytes <= 0:
+            raise ValueError(f"CPUPool: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if type(capacity_bytes) is not int or capacity_bytes <= 0:
+            raise ValueError(f"CPUPool: capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self.chunk_bytes = chunk_bytes
+        self.slot_bytes = -(-chunk_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(
+                f"CPUPool: capacity_bytes={capacity_bytes} is smaller than one slot ({self.slot_bytes} bytes)"
+            )
+        arena_bytes = self.num_slots * self.slot_bytes
+        self._owner = None
+        if arena is None:
+            from lmtier.memory import HostBuffer
+
+            self._owner = HostBuffer(arena_bytes)
+            tensor = self._owner.tensor
+        else:
+            self._owner = arena
+            tensor = arena if isinstance(arena, torch.Tensor) else getattr(arena, "tensor", None)
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"CPUPool: arena must be a uint8 tensor or have .tensor, got {type(arena).__name__}")
+            if tensor.dtype != torch.uint8 or tensor.device.type != "cpu" or tensor.dim() != 1:
+                raise ValueError(f"CPUPool: arena must be a 1-D CPU uint8 tensor, got {tensor.dtype} {tensor.device}")
+            if not tensor.is_contiguous() or tensor.numel() < arena_bytes:
+                raise ValueError(f"CPUPool: arena must be contiguous with >= {arena_bytes} bytes, got {tensor.numel()}")
+        self.arena = tensor[:arena_bytes]
+        self.pinned = bool(getattr(self._owner, "pinned", False)) or bool(self.arena.is_pinned())
+        self.evict_callback = evict_callback
+        self._views = [self.arena[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(self.num_slots)]
+        self._lock = threading.Lock()
+        self._state = [_FREE] * self.num_slots
+        self._refs = [0] * self.num_slots
+        self._keys: list[bytes | None] = [None] * self.num_slots
+        self._nbytes = [0] * self.num_slots
+        self._gen = [0] * self.num_slots
+        self._doomed = [False] * self.num_slots
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._index: dict[bytes, int] = {}  # committed (visible) keys
+        self._pending: dict[bytes, int] = {}  # reserved, not yet committed
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # evictable, LRU first
+        self._closed = False
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ---- writer side ---------------------------------------------------------------------------
+
+    def reserve(self, key: bytes) -> Slot | None:
+        """Allocate a slot for writing ``key``'s chunk, evicting the LRU unreferenced chunk if needed.
+
+        Returns:
+            a write :class:`Slot` (``nbytes == chunk_bytes``) to fill and then ``commit`` or
+            ``abort``; or ``None`` when the key is already stored or being written (nothing to
+            do; see :meth:`is_present`) or when every slot is pinned/being written (back-pressure).
+
+        May block for the duration of ``evict_callback`` (write-back I/O), never under the lock.
+        """
+        _check_key(key)
+        for _ in range(self.num_slots + 1):
+            with self._lock:
+                self._check_open()
+                if key in self._index or key in self._pending:
+                    self.counters["reserve_present"] += 1
+                    return None
+                if self._free:
+                    return self._start_write_locked(self._free.pop(), key)
+                if not self._lru:
+                    self.counters["reserve_full"] += 1
+                    return None
+                idx, _ = self._lru.popitem(last=False)
+                victim = self._keys[idx]
+                assert victim is not None
+                callback = self.evict_callback
+                if callback is None:
+                    del self._index[victim]
+                    self.counters["evictions"] += 1
+                    return self._start_write_locked(idx, key)
+                self._refs[idx] += 1  # pin the victim during write-back
+                view = self._views[idx][: self._nbytes[idx]]
+            try:
+                callback(victim, view)
+            except Exception:  # the chunk is a cache entry: losing it is allowed, crashing is not
+                log.exception("CPUPool: evict_callback failed for %s; evicting anyway", victim.hex())
+                self.counters["evict_callback_errors"] += 1
+            with self._lock:
+                self._refs[idx] -= 1
+                if self._refs[idx] > 0:
+                    continue  # a reader pinned it during write-back: it is hot, keep it
+                if self._doomed[idx]:  # deleted during write-back
+                    self._free_locked(idx)
+                    continue
+                del self._index[victim]
+                self.counters["evictions"] += 1
+                if key in self._index or key in self._pending or self._closed:
+                    self._free_locked(idx)
+                    self.counters["reserve_present"] += 1
+                    return None
+                return self._start_write_locked(idx, key)
+        with self._lock:
+            self.counters["reserve_full"] += 1
+        return None
+
+    def commit(self, slot: Slot, nbytes: int) -> None:
+        """Make a reserved chunk visible with payload length ``nbytes`` (``1..chunk_bytes``).
+
+        The caller must have finished writing ``slot.view[:nbytes]`` (and synchronised any device
+        copy into it). Raises ``RuntimeError`` for a non-write or already closed handle,
+        ``ValueError`` for a bad length (the slot stays reserved; ``abort`` it).
+        """
+        if type(nbytes) is not int or not 0 < nbytes <= self.chunk_bytes:
+            raise ValueError(f"CPUPool.commit: nbytes must be in 1..{self.chunk_bytes}, got {nbytes!r}")
+        with self._lock:
+            idx = self._check_handle_locked(slot, _WRITE)
+            slot._open = False
+            del self._pending[slot.key]
+            self._state[idx] = _COMMITTED
+            self._nbytes[idx] = nbytes
+            self._index[slot.key] = idx
+            self._lru[idx] = None
+            self.counters["commits"] += 1
+
+    def abort(self, slot: Slot) -> None:
+        """Give back a reserved slot without making it visible (cancelled or failed write)."""
+        with self._lock:
+            idx = self._check_handle_locked(slot, _WRITE)
+            slot._open = False
+            del self._pending[slot.key]
+            self._free_locked(idx)
+            self.counters["aborts"] += 1
+
+    # ---- reader side ---------------------------------------------------------------------------
+
+    def acquire(self, key: bytes) -> Slot | None:
+        """Pin ``key``'s committed chunk for reading and mark it most recently used.
+
+        Returns a read :class:`Slot` (``view`` is the payload, ``nbytes`` its length) that must be
+        ``release``d, or ``None`` on a miss (absent, or still being written).
+        """
+        _check_key(key)
+        with self._lock:
+            idx = self._index.get(key)
+            if idx is None:
+                self.counters["misses"] += 1
+                return None
+            self._refs[idx] += 1
+            self._lru.pop(idx, None)
+            self.counters["hits"] += 1
+            nbytes, gen = self._nbytes[idx], self._gen[idx]
+        return Slot(key, idx, idx * self.slot_bytes, nbytes, self._views[idx][:nbytes], _READ, gen)
+
+    def release(self, slot: Slot) -> None:
+        """Unpin a read handle. The chunk becomes evictable again (most recently used)."""
+        with self._lock:
+            idx = self._check_handle_locked(slot, _READ)
+            slot._open = False
+            self._refs[idx] -= 1
+            if self._refs[idx] == 0:
+                if self._doomed[idx]:
+                    self._free_locked(idx)
+                else:
+                    self._lru[idx] = None
+
+    # ---- Tier interface ------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """True if ``key`` is committed (being written does not count)."""
+        with self._lock:
+            return key in self._index
+
+    def is_present(self, key: bytes) -> bool:
+        """True if ``key`` is committed *or* currently reserved by a writer."""
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def get_into(self, key: bytes, out: Any) -> int | None:
+        """Copy the chunk into ``out`` (writable buffer or torch tensor on any device with
+        ``>= nbytes`` bytes). Returns the payload length, or ``None`` on a miss.
+
+        Raises ``ValueError`` when ``out`` is too small (nothing is written).
+        """
+        slot = self.acquire(key)
+        if slot is None:
+            return None
+        try:
+            dst = _as_byte_dest(out)
+            if dst.shape[0] < slot.nbytes:
+                raise ValueError(f"CPUPool.get_into: out has {dst.shape[0]} bytes, chunk has {slot.nbytes}")
+            if isinstance(dst, torch.Tensor):
+                dst[: slot.nbytes].copy_(slot.view)
+            else:
+                dst[: slot.nbytes] = slot.view.numpy()
+            return slot.nbytes
+        finally:
+            self.release(slot)
+
+    def put(self, key: bytes, payload: Any) -> bool:
+        """Store ``payload`` (tensor or bytes-like, ``1..chunk_bytes`` bytes) under ``key``.
+
+        Returns True when stored or already present, False on back-pressure.
+        Raises ``ValueError`` for an empty or oversized payload.
+        """
+        src = as_byte_source(payload)
+        n = int(src.shape[0])
+        if not 0 < n <= self.chunk_bytes:
+            raise ValueError(f"CPUPool.put: payload must be 1..{self.chunk_bytes} bytes, got {n}")
+        slot = self.reserve(key)
+        if slot is None:
+            return self.is_present(key)
+        try:
+            _copy_to_slot(slot.view, src)
+        except BaseException:
+            self.abort(slot)
+            raise
+        self.commit(slot, n)
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        """Hide ``key`` at once; its slot is freed now, or at the last ``release`` if pinned.
+        A key that is only being written is not affected (returns False)."""
+        with self._lock:
+            idx = self._index.pop(key, None)
+            if idx is None:
+                return False
+            if self._refs[idx] == 0:
+                self._lru.pop(idx, None)
+                self._free_locked(idx)
+            else:
+                self._doomed[idx] = True
+            self.counters["deletes"] += 1
+            return True
+
+    def usage(self) -> TierUsage:
+        """``capacity_bytes`` = arena size; ``used_bytes`` = slots not free (committed, being
+        written or pinned-after-delete) × ``slot_bytes``; ``num_chunks`` = visible chunks."""
+        with self._lock:
+            used = (self.num_slots - len(self._free)) * self.slot_bytes
+            return TierUsage(capacity_bytes=self.num_slots * self.slot_bytes, used_bytes=used, num_chunks=len(self._index))
+
+    def keys(self) -> list[bytes]:
+        """Committed keys, least recently used first among the unpinned ones (snapshot)."""
+        with self._lock:
+            lru = [self._keys[i] for i in self._lru]
+            pinned = [k for k, i in self._index.items() if i not in self._lru]
+            return lru + pinned  # type: ignore[return-value]
+
+    def num_pinned(self) -> int:
+        """Slots with outstanding read references (including eviction write-back)."""
+        with self._lock:
+            return sum(1 for r in self._refs if r)
+
+    def close(self) -> None:
+        """Refuse further reservations. The arena is freed when the pool is garbage-collected."""
+        with self._lock:
+            self._closed = True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def __repr__(self) -> str:
+        u = self.usage()
+        return (
+            f"CPUPool(slots={self.num_slots}, slot_bytes={self.slot_bytes}, chunks={u.num_chunks}, "
+            f"used={u.used_bytes}/{u.capacity_bytes}, pinned={self.pinned})"
+        )
+
+    # ---- internals (lock held) -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("CPUPool is closed")
+
+    def _start_write_locked(self, idx: int, key: bytes) -> Slot:
+        self._state[idx] = _WRITING
+        self._keys[idx] = key
+        self._nbytes[idx] = 0
+        self._refs[idx] = 0
+        self._doomed[idx] = False
+        self._pending[key] = idx
+        self.counters["reserves"] += 1
+        return Slot(key, idx, idx * self.slot_bytes, self.chunk_bytes, self._views[idx][: self.chunk_bytes], _WRITE, self._gen[idx])
+
+    def _free_locked(self, idx: int) -> None:
+        self._state[idx] = _FREE
+        self._keys[idx] = None
+        self._nbytes[idx] = 0
+        self._doomed[idx] = False
+        self._gen[idx] += 1
+        self._free.append(idx)
+
+    def _check_handle_locked(self, slot: Slot, mode: str) -> int:
+        if not isinstance(slot, Slot):
+            raise TypeError(f"expected a Slot, got {type(slot).__name__}")
+        if slot.mode != mode:
+            raise RuntimeError(f"CPUPool: {slot!r} is not a {mode} handle")
+        if not slot._open or self._gen[slot.index] != slot._gen:
+            raise RuntimeError(f"CPUPool: {slot!r} was already committed/aborted/released")
+        return slot.index
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise TypeError(f"chunk key must be {KEY_BYTES} bytes, got {type(key).__name__} of length {len(key) if isinstance(key, (bytes, bytearray)) else '?'}")
+
+
+def _as_byte_dest(out: Any) -> torch.Tensor | np.ndarray:
+    if isinstance(out, torch.Tensor):
+        if not out.is_contiguous():
+            raise TypeError("out: tensor must be contiguous")
+        return out.reshape(-1).view(torch.uint8)
+    mv = memoryview(out)
+    if mv.readonly:
+        raise TypeError("out: buffer is read-only")
+    if not mv.c_contiguous:
+        raise TypeError("out: buffer must be C-contiguous")
+    return np.frombuffer(mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv, dtype=np.uint8)

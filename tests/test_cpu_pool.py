@@ -1,0 +1,323 @@
+"""Tests for lmtier.tiers.cpu.CPUPool: slots, LRU, refcounts, write-back hook, thread safety."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from lmtier.tiers.base import TierUsage
+from lmtier.tiers.cpu import SLOT_ALIGN_BYTES, CPUPool, Slot
+
+
+def K(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=32).digest()
+
+
+def payload(i: int, n: int) -> bytes:
+    return bytes(((i * 31 + j) & 0xFF) for j in range(n)) if n <= 4096 else np.full(n, i & 0xFF, np.uint8).tobytes()
+
+
+def make_pool(num_slots: int = 4, chunk_bytes: int = 5000, **kw) -> CPUPool:
+    slot = -(-chunk_bytes // 4096) * 4096
+    arena = torch.empty(num_slots * slot, dtype=torch.uint8)
+    return CPUPool(num_slots * slot, chunk_bytes, arena=arena, **kw)
+
+
+def write(pool: CPUPool, key: bytes, data: bytes) -> Slot:
+    s = pool.reserve(key)
+    assert s is not None
+    s.view[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    pool.commit(s, len(data))
+    return s
+
+
+@pytest.mark.parametrize("chunk_bytes,cap,slots,slot_bytes", [(1, 4096, 1, 4096), (4096, 3 * 4096 + 5, 3, 4096), (5000, 10 * 8192, 10, 8192), (8193, 40000, 3, 12288)])
+def test_geometry(chunk_bytes, cap, slots, slot_bytes):
+    pool = CPUPool(cap, chunk_bytes, arena=torch.empty(cap, dtype=torch.uint8))
+    assert (pool.num_slots, pool.slot_bytes) == (slots, slot_bytes)
+    assert pool.slot_bytes % SLOT_ALIGN_BYTES == 0
+    assert pool.usage() == TierUsage(capacity_bytes=slots * slot_bytes, used_bytes=0, num_chunks=0)
+    assert pool.usage().capacity_bytes <= cap
+
+
+@pytest.mark.parametrize(
+    "cap,chunk,arena,exc",
+    [
+        (0, 10, None, ValueError),
+        (100, 0, None, ValueError),
+        (4095, 10, None, ValueError),
+        (8192, 10, torch.empty(4096, dtype=torch.uint8), ValueError),
+        (4096, 10, torch.empty(4096, dtype=torch.float32), ValueError),
+        (4096, 10, torch.empty(2, 4096, dtype=torch.uint8), ValueError),
+        (4096, 10, "arena", ValueError),
+    ],
+)
+def test_bad_construction(cap, chunk, arena, exc):
+    with pytest.raises(exc):
+        CPUPool(cap, chunk, arena=arena if arena is not None else torch.empty(max(cap, 1), dtype=torch.uint8))
+
+
+def test_default_arena_is_hostbuffer():
+    pytest.importorskip("lmtier._C")
+    pool = CPUPool(3 * 4096, 4096)
+    assert pool.arena.numel() == 3 * 4096 and pool.arena.data_ptr() % 4096 == 0
+    assert pool.put(K(0), b"x" * 100)
+    out = bytearray(100)
+    assert pool.get_into(K(0), out) == 100 and out == b"x" * 100
+
+
+def test_roundtrip_and_slot_fields():
+    pool = make_pool()
+    data = payload(1, 4999)
+    write(pool, K(1), data)
+    s = pool.acquire(K(1))
+    assert s is not None and s.mode == "read" and s.nbytes == 4999
+    assert s.offset == s.index * pool.slot_bytes and s.view.numel() == 4999
+    assert bytes(s.view.numpy()) == data
+    assert bytes(s.memoryview()) == data
+    pool.release(s)
+    out = torch.zeros(6000, dtype=torch.uint8)
+    assert pool.get_into(K(1), out) == 4999 and bytes(out[:4999].numpy()) == data
+    assert pool.get_into(K(2), out) is None
+
+
+def test_reserved_key_invisible_until_commit():
+    pool = make_pool()
+    s = pool.reserve(K(1))
+    assert s is not None
+    assert not pool.contains(K(1)) and pool.acquire(K(1)) is None and pool.is_present(K(1))
+    assert pool.reserve(K(1)) is None  # being written: nothing to do
+    assert pool.usage().num_chunks == 0 and pool.usage().used_bytes == pool.slot_bytes
+    pool.commit(s, 10)
+    assert pool.contains(K(1)) and pool.reserve(K(1)) is None
+
+
+def test_abort_frees_and_hides():
+    pool = make_pool()
+    s = pool.reserve(K(1))
+    pool.abort(s)
+    assert not pool.contains(K(1)) and not pool.is_present(K(1))
+    assert pool.usage().used_bytes == 0
+    with pytest.raises(RuntimeError):
+        pool.commit(s, 10)
+    with pytest.raises(RuntimeError):
+        pool.abort(s)
+
+
+def test_handle_misuse():
+    pool = make_pool()
+    w = pool.reserve(K(1))
+    with pytest.raises(RuntimeError):
+        pool.release(w)
+    with pytest.raises(ValueError):
+        pool.commit(w, 0)
+    with pytest.raises(ValueError):
+        pool.commit(w, pool.chunk_bytes + 1)
+    pool.commit(w, 5)
+    r = pool.acquire(K(1))
+    with pytest.raises(RuntimeError):
+        pool.commit(r, 5)
+    pool.release(r)
+    with pytest.raises(RuntimeError):
+        pool.release(r)
+    with pytest.raises(TypeError):
+        pool.reserve(b"short")
+    with pytest.raises(TypeError):
+        pool.acquire("x" * 32)
+
+
+def test_lru_eviction_order_and_bump():
+    pool = make_pool(num_slots=3)
+    for i in range(3):
+        write(pool, K(i), payload(i, 100))
+    pool.release(pool.acquire(K(0)))  # K(0) becomes most recently used
+    write(pool, K(3), payload(3, 100))  # evicts K(1)
+    assert [pool.contains(K(i)) for i in range(4)] == [True, False, True, True]
+    write(pool, K(4), payload(4, 100))  # evicts K(2)
+    assert [pool.contains(K(i)) for i in range(5)] == [True, False, False, True, True]
+    assert pool.counters["evictions"] == 2
+    assert pool.usage().used_bytes == 3 * pool.slot_bytes  # never above capacity
+
+
+def test_pinned_slots_are_never_reused_and_backpressure():
+    pool = make_pool(num_slots=2)
+    write(pool, K(0), payload(0, 100))
+    write(pool, K(1), payload(1, 100))
+    r0, r1 = pool.acquire(K(0)), pool.acquire(K(1))
+    assert pool.reserve(K(2)) is None  # everything pinned: back-pressure
+    assert pool.counters["reserve_full"] == 1
+    assert pool.put(K(2), b"abc") is False
+    pool.release(r1)
+    w = pool.reserve(K(2))
+    assert w is not None and w.index == r1.index and not pool.contains(K(1))
+    assert bytes(r0.view[:100].numpy()) == payload(0, 100)
+    pool.abort(w)
+    pool.release(r0)
+
+
+def test_delete_pinned_frees_at_last_release():
+    pool = make_pool(num_slots=2)
+    write(pool, K(0), payload(0, 100))
+    r = pool.acquire(K(0))
+    assert pool.delete(K(0)) and not pool.contains(K(0)) and not pool.delete(K(0))
+    assert pool.usage().used_bytes == pool.slot_bytes  # still held by the reader
+    assert bytes(r.view.numpy()) == payload(0, 100)  # reader's bytes are intact
+    pool.release(r)
+    assert pool.usage() == TierUsage(2 * pool.slot_bytes, 0, 0)
+    assert pool.delete(K(9)) is False
+
+
+def test_put_validation_and_types():
+    pool = make_pool(chunk_bytes=100)
+    with pytest.raises(ValueError):
+        pool.put(K(0), b"")
+    with pytest.raises(ValueError):
+        pool.put(K(0), b"x" * 101)
+    with pytest.raises(TypeError):
+        pool.put(K(0), 12345)
+    t = torch.arange(25, dtype=torch.float32)  # 100 bytes
+    assert pool.put(K(1), t)
+    out = torch.empty(25, dtype=torch.float32)
+    assert pool.get_into(K(1), out) == 100 and torch.equal(out, t)
+    assert pool.put(K(2), np.arange(10, dtype=np.int32))
+    buf = bytearray(40)
+    assert pool.get_into(K(2), memoryview(buf)) == 40
+    assert np.array_equal(np.frombuffer(buf, np.int32), np.arange(10))
+    with pytest.raises(ValueError, match="out has"):
+        pool.get_into(K(2), bytearray(39))
+    with pytest.raises(TypeError):
+        pool.get_into(K(2), b"\0" * 40)  # read-only
+    assert pool.num_pinned() == 0
+
+
+def test_evict_callback_sees_victim_and_runs_unlocked():
+    seen = []
+
+    def cb(key, view):
+        # The lock must not be held: calling back into the pool must not deadlock.
+        assert pool.contains(key)  # still visible during write-back
+        r = pool.acquire(K(99))
+        assert r is None
+        seen.append((key, bytes(view.numpy())))
+
+    pool = make_pool(num_slots=2, evict_callback=cb)
+    write(pool, K(0), payload(0, 77))
+    write(pool, K(1), payload(1, 88))
+    write(pool, K(2), payload(2, 99))
+    assert seen == [(K(0), payload(0, 77))]
+    assert not pool.contains(K(0)) and pool.contains(K(2))
+
+
+def test_evict_callback_error_still_evicts():
+    def cb(key, view):
+        raise OSError("disk full")
+
+    pool = make_pool(num_slots=1, evict_callback=cb)
+    write(pool, K(0), b"a" * 10)
+    write(pool, K(1), b"b" * 10)
+    assert pool.contains(K(1)) and not pool.contains(K(0)) and pool.counters["evict_callback_errors"] == 1
+
+
+def test_victim_acquired_during_writeback_is_kept():
+    holder = {}
+
+    def cb(key, view):
+        if key == K(0) and "r" not in holder:
+            holder["r"] = pool.acquire(K(0))  # a reader arrives during write-back
+
+    pool = make_pool(num_slots=2, evict_callback=cb)
+    write(pool, K(0), b"a" * 10)
+    write(pool, K(1), b"b" * 10)
+    write(pool, K(2), b"c" * 10)  # K(0) is tried first, is hot, so K(1) is evicted
+    assert pool.contains(K(0)) and not pool.contains(K(1)) and pool.contains(K(2))
+    pool.release(holder["r"])
+    assert pool.num_pinned() == 0
+
+
+def test_victim_deleted_during_writeback():
+    def cb(key, view):
+        pool.delete(key)
+
+    pool = make_pool(num_slots=1, evict_callback=cb)
+    write(pool, K(0), b"a" * 10)
+    write(pool, K(1), b"b" * 10)
+    assert pool.contains(K(1)) and not pool.contains(K(0))
+    assert pool.usage().used_bytes == pool.slot_bytes
+
+
+def test_close_refuses_reservations():
+    pool = make_pool()
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.reserve(K(0))
+
+
+@pytest.mark.parametrize("with_callback", ["none", "writeback"])
+def test_concurrent_readers_writers(with_callback):
+    """Many threads store/load/delete overlapping keys; every hit returns exactly its bytes,
+    memory never exceeds capacity, and the pool drains back to empty."""
+    nslots, chunk = 8, 3000
+    written_back: dict[bytes, bytes] = {}
+    wb_lock = threading.Lock()
+
+    def cb(key, view):
+        with wb_lock:
+            written_back[key] = bytes(view.numpy())
+
+    pool = make_pool(num_slots=nslots, chunk_bytes=chunk, evict_callback=cb if with_callback == "writeback" else None)
+    expected = {K(i): payload(i, 1000 + (i * 37) % 2000) for i in range(24)}
+    errors: list[str] = []
+    max_used = [0]
+    stop = threading.Event()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(400):
+                i = rng.randrange(24)
+                k, data = K(i), expected[K(i)]
+                op = rng.random()
+                if op < 0.4:
+                    s = pool.reserve(k)
+                    if s is not None:
+                        if rng.random() < 0.2:
+                            pool.abort(s)  # cancelled request
+                        else:
+                            s.view[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                            pool.commit(s, len(data))
+                elif op < 0.9:
+                    s = pool.acquire(k)
+                    if s is not None:
+                        got = bytes(s.view.numpy())
+                        if got != data:
+                            errors.append(f"wrong bytes for {i}")
+                        pool.release(s)
+                else:
+                    pool.delete(k)
+                used = pool.usage().used_bytes
+                max_used[0] = max(max_used[0], used)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    stop.set()
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert errors == []
+    assert max_used[0] <= nslots * pool.slot_bytes
+    assert pool.num_pinned() == 0
+    for k, v in written_back.items():
+        assert v == expected[k]
+    for k in list(pool.keys()):
+        assert pool.get_into(k, bytearray(chunk)) == len(expected[k])
+        assert pool.delete(k)
+    assert pool.usage() == TierUsage(nslots * pool.slot_bytes, 0, 0)
+    assert pool.reserve(K(0)) is not None
