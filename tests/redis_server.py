@@ -1,0 +1,127 @@
+"""Start a real ``redis-server`` for tests: 127.0.0.1, a free port, a temp dir, no persistence.
+
+``RedisServer`` can be stopped (SIGKILL, to simulate a crash) and restarted on the same port.
+Tests skip with a clear reason when ``redis-server`` is not installed, unless the environment
+sets ``LMTIER_REQUIRE_REDIS=1`` (CI), in which case they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+
+class RedisUnavailable(RuntimeError):
+    pass
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process.
+
+    Args:
+        password: if set, ``--requirepass``.
+        extra_args: more ``redis-server`` arguments.
+    """
+
+    def __init__(self, *, password: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RedisUnavailable("redis-server is not installed (apt-get install redis-server)")
+        self.binary = binary
+        self.password = password
+        self.extra_args = tuple(extra_args)
+        self.dir = tempfile.mkdtemp(prefix="lmtier-redis-")
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def url_no_auth(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", self.dir, "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        args += list(self.extra_args)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RedisUnavailable(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+            if self._ping():
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise RedisUnavailable(f"redis-server did not answer PING within {timeout_s} s")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                if self.password:
+                    pw = self.password.encode()
+                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                    s.recv(64)
+                s.sendall(b"*1\r\n$4\r\nPING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown handshake)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung server)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def restart(self) -> "RedisServer":
+        self.kill()
+        return self.start()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGCONT)
+            except OSError:
+                pass
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_or_skip(**kw) -> RedisServer:
+    """Start a server, or ``pytest.skip`` (``pytest.fail`` when LMTIER_REQUIRE_REDIS=1)."""
+    import pytest
+
+    try:
+        return RedisServer(**kw).start()
+    except RedisUnavailable as e:
+        if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
+            pytest.fail(f"LMTIER_REQUIRE_REDIS=1 but no redis-server: {e}")
+        pytest.skip(f"no redis-server: {e}")

@@ -1,0 +1,380 @@
+"""Disk tier against real files: round trip, restart, corruption, eviction, ENOSPC, read-only,
+permissions, concurrency, and a writer killed with SIGKILL."""
+
+import errno
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lmtier import record as rec
+from lmtier.tiers import disk as disk_mod
+from lmtier.tiers.disk import AlignedBuffer, DiskTier
+
+MiB = 1 << 20
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def payload(i: int, n: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def files(root) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, "*", "*.lmt")))
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier([str(tmp_path / "d")], 256 * MiB, io_threads=2, piece_bytes=1 * MiB)
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * MiB + 123, 8 * MiB])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_round_trip_bit_exact(tier, n, aligned):
+    data = payload(n, n)
+    if aligned:
+        src = AlignedBuffer(n)
+        src.mv[:n] = data
+        src_mv = src.mv[:n]
+        dst = AlignedBuffer(n + 1)
+        out = dst.mv
+    else:
+        raw = bytearray(n + 3)
+        raw[3:] = data
+        src_mv = memoryview(raw)[3:]
+        out = memoryview(bytearray(n + 5))[1:]
+    assert tier.put(key(n), src_mv)
+    assert tier.contains(key(n))
+    assert tier.get_into(key(n), out) == n
+    assert bytes(out[:n]) == data
+
+
+def test_tensor_and_numpy_buffers(tier):
+    t = torch.arange(1000, dtype=torch.bfloat16)
+    assert tier.put(key(1), t)
+    out = torch.empty_like(t)
+    assert tier.get_into(key(1), out) == 2000
+    assert torch.equal(out, t)
+    a = np.arange(777, dtype=np.int32)
+    assert tier.put(key(2), a)
+    b = np.zeros(1000, dtype=np.int32)
+    assert tier.get_into(key(2), b) == a.nbytes and np.array_equal(b[:777], a)
+
+
+def test_out_too_small_is_a_miss_and_keeps_record(tier):
+    assert tier.put(key(1), payload(1, 10000))
+    assert tier.get_into(key(1), bytearray(9999)) is None
+    assert tier.contains(key(1))
+
+
+def test_missing_key(tier):
+    assert not tier.contains(key(9))
+    assert tier.get_into(key(9), bytearray(10)) is None
+
+
+def test_restart_rebuilds_index(tmp_path):
+    root = str(tmp_path / "d")
+    t = DiskTier([root], 64 * MiB)
+    for i in range(5):
+        assert t.put(key(i), payload(i, 100_000 + i))
+    used = t.usage()
+    t.close()
+    t2 = DiskTier([root], 64 * MiB)
+    assert t2.usage() == used
+    for i in range(5):
+        out = bytearray(200_000)
+        assert t2.get_into(key(i), out) == 100_000 + i
+        assert bytes(out[: 100_000 + i]) == payload(i, 100_000 + i)
+
+
+def test_files_and_dirs_are_private(tier):
+    assert tier.put(key(1), b"secret prompt kv")
+    (f,) = files(tier.paths[0])
+    assert os.stat(f).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(f)).st_mode & 0o777 == 0o700
+    assert os.stat(tier.paths[0]).st_mode & 0o777 == 0o700
+
+
+def test_record_file_layout(tier):
+    data = payload(3, 5000)
+    assert tier.put(key(3), data)
+    (f,) = files(tier.paths[0])
+    raw = open(f, "rb").read()
+    assert len(raw) == 4096 + 8192 and len(raw) % 4096 == 0
+    h = rec.decode_header(raw, expected_key=key(3))
+    assert h.payload_offset == 4096 and raw[4096 : 4096 + 5000] == data
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "truncate_header", "wrong_key",
+                                    "empty"])
+def test_corrupted_record_is_miss_and_removed(tier, damage):
+    n = 3 * MiB + 5
+    assert tier.put(key(1), payload(1, n))
+    (f,) = files(tier.paths[0])
+    with open(f, "r+b") as fh:
+        if damage == "flip_payload":
+            fh.seek(4096 + n // 2)
+            b = fh.read(1)
+            fh.seek(4096 + n // 2)
+            fh.write(bytes([b[0] ^ 1]))
+        elif damage == "flip_header":
+            fh.seek(30)
+            fh.write(b"\xff")
+        elif damage == "truncate":
+            fh.truncate(4096 + n // 2)
+        elif damage == "truncate_header":
+            fh.truncate(60)
+        elif damage == "wrong_key":
+            fh.seek(40)
+            fh.write(key(2))  # header checksum now fails too; either way a miss
+        elif damage == "empty":
+            fh.truncate(0)
+    out = AlignedBuffer(n)
+    assert tier.get_into(key(1), out.mv) is None
+    assert not tier.contains(key(1))
+    assert files(tier.paths[0]) == []
+    assert tier.usage().used_bytes == 0
+
+
+def test_corruption_found_at_restart(tmp_path):
+    root = str(tmp_path / "d")
+    t = DiskTier([root], 64 * MiB)
+    for i in range(3):
+        t.put(key(i), payload(i, 10000))
+    t.close()
+    fs = files(root)
+    with open(fs[0], "r+b") as fh:
+        fh.truncate(5000)  # shorter than the record
+    with open(fs[1], "r+b") as fh:
+        fh.write(b"JUNK")
+    open(os.path.join(os.path.dirname(fs[2]), ".deadbeef.999999999.0.tmp"), "wb").write(b"x")  # stale temp
+    t2 = DiskTier([root], 64 * MiB)
+    assert t2.usage().num_chunks == 1
+    assert len(files(root)) == 1
+    assert not glob.glob(os.path.join(root, "*", "*.tmp"))
+
+
+def test_deleted_file_is_miss_and_dropped(tier):
+    assert tier.put(key(1), b"x" * 100)
+    os.unlink(files(tier.paths[0])[0])
+    assert tier.contains(key(1))  # the index does not know yet
+    assert tier.get_into(key(1), bytearray(100)) is None
+    assert not tier.contains(key(1))
+    assert tier.usage().used_bytes == 0
+
+
+def test_delete(tier):
+    assert tier.put(key(1), b"x" * 100)
+    assert tier.delete(key(1))
+    assert not tier.delete(key(1))
+    assert files(tier.paths[0]) == [] and tier.usage().num_chunks == 0
+
+
+def test_lru_eviction_by_bytes(tmp_path):
+    rec_bytes = 4096 + 1 * MiB
+    t = DiskTier([str(tmp_path)], 3 * rec_bytes)
+    for i in range(3):
+        assert t.put(key(i), payload(i, MiB))
+    assert t.get_into(key(0), bytearray(MiB)) == MiB  # 0 is now most recent
+    assert t.put(key(3), payload(3, MiB))
+    assert [t.contains(key(i)) for i in range(4)] == [True, False, True, True]
+    assert t.usage().used_bytes == 3 * rec_bytes <= t.capacity_bytes
+    assert len(files(str(tmp_path))) == 3
+    assert not t.put(key(9), payload(9, 4 * MiB))  # larger than the whole tier
+    assert t.usage().num_chunks == 3
+
+
+def test_restart_respects_smaller_capacity(tmp_path):
+    t = DiskTier([str(tmp_path)], 64 * MiB)
+    for i in range(4):
+        t.put(key(i), payload(i, MiB))
+        time.sleep(0.01)
+    t.close()
+    t2 = DiskTier([str(tmp_path)], 2 * (4096 + MiB))
+    assert t2.usage().num_chunks == 2
+    assert len(files(str(tmp_path))) == 2
+
+
+def test_multiple_paths_spread(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    t = DiskTier(roots, 64 * MiB)
+    for i in range(40):
+        assert t.put(os.urandom(32), b"y" * 1000)
+    assert len(files(roots[0])) > 5 and len(files(roots[1])) > 5
+    t.close()
+    assert DiskTier(roots, 64 * MiB).usage().num_chunks == 40
+
+
+def test_write_error_leaves_nothing_visible(tier, monkeypatch):
+    def boom(fd, mv, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_mod, "_pwrite_all", boom)
+    assert not tier.put(key(1), payload(1, 3 * MiB))
+    assert not tier.contains(key(1))
+    assert not glob.glob(os.path.join(tier.paths[0], "*", "*"))  # no temp, no record
+    assert tier.usage().used_bytes == 0
+
+
+def _mount_tmpfs(path, size="1m"):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs (needs root): {r.stderr.decode().strip()}")
+
+
+def _umount(path):
+    subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def test_enospc_on_real_tmpfs(tmp_path):
+    mnt = str(tmp_path / "small")
+    _mount_tmpfs(mnt, "1m")
+    try:
+        t = DiskTier([mnt], 64 * MiB)  # capacity larger than the filesystem
+        assert t.put(key(1), payload(1, 300_000))
+        assert not t.put(key(2), payload(2, 2 * MiB))  # ENOSPC
+        assert not t.contains(key(2))
+        assert not glob.glob(os.path.join(mnt, "*", "*.tmp"))
+        out = bytearray(300_000)
+        assert t.get_into(key(1), out) == 300_000 and bytes(out) == payload(1, 300_000)
+        t.close()
+        assert DiskTier([mnt], 64 * MiB).usage().num_chunks == 1
+    finally:
+        _umount(mnt)
+
+
+def test_read_only_filesystem(tmp_path):
+    mnt = str(tmp_path / "ro")
+    _mount_tmpfs(mnt, "8m")
+    try:
+        t = DiskTier([mnt], 64 * MiB)
+        assert t.put(key(1), b"kept" * 1000)
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        assert not t.put(key(2), b"new" * 1000)
+        assert not t.contains(key(2))
+        out = bytearray(4000)
+        assert t.get_into(key(1), out) == 4000 and bytes(out) == b"kept" * 1000  # nothing lost
+        assert DiskTier([mnt], 64 * MiB).usage().num_chunks == 1
+    finally:
+        _umount(mnt)
+
+
+def test_concurrent_puts_and_gets_same_key(tier):
+    n = 2 * MiB + 17
+    data = payload(7, n)
+    errors = []
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            if not tier.put(key(7), data):
+                errors.append("put failed")
+
+    def reader():
+        out = bytearray(n)
+        while not stop.is_set():
+            got = tier.get_into(key(7), out)
+            if got is not None and (got != n or bytes(out) != data):
+                errors.append("wrong data")
+
+    assert tier.put(key(7), data)
+    threads = [threading.Thread(target=writer) for _ in range(3)] + [threading.Thread(target=reader) for _ in range(3)]
+    for th in threads:
+        th.start()
+    time.sleep(2.0)
+    stop.set()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert tier.usage().num_chunks == 1 and tier.usage().used_bytes == 4096 + disk_mod.round_up(n)
+    assert len(files(tier.paths[0])) == 1
+    assert tier.counters["corrupt"] == 0
+
+
+def test_concurrent_distinct_keys_under_eviction(tmp_path):
+    t = DiskTier([str(tmp_path)], 10 * (4096 + 256 * 1024), io_threads=2)
+    errors = []
+
+    def work(w):
+        for i in range(30):
+            k = key(w * 1000 + i)
+            d = payload(w * 1000 + i, 256 * 1024)
+            if t.put(k, d):
+                out = bytearray(len(d))
+                got = t.get_into(k, out)
+                if got is not None and bytes(out) != d:
+                    errors.append(k)
+            assert t.usage().used_bytes <= t.capacity_bytes
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert t.usage().used_bytes <= t.capacity_bytes
+    assert len(files(str(tmp_path))) == t.usage().num_chunks <= 10
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    from lmtier.tiers.disk import DiskTier
+    t = DiskTier([sys.argv[1]], 1 << 34, io_threads=2)
+    n = 32 << 20
+    for i in range(1000):
+        k = i.to_bytes(4, "little") * 8
+        d = np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+        t.put(k, d)
+        print(i, flush=True)
+""")
+
+
+def test_writer_killed_mid_write_leaves_no_visible_record(tmp_path):
+    root = str(tmp_path / "d")
+    p = subprocess.Popen([sys.executable, "-c", WRITER, root], stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.stdout.readline().strip() == "0"  # one record complete, the next in flight
+    time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    t = DiskTier([root], 1 << 34)
+    assert not glob.glob(os.path.join(root, "*", "*.tmp"))
+    n = 32 << 20
+    out = AlignedBuffer(n)
+    assert t.usage().num_chunks >= 1
+    for k in t.keys():
+        i = int.from_bytes(k[:4], "little")
+        assert t.get_into(k, out.mv) == n
+        assert bytes(out.mv[:n]) == np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_invalid_arguments(tmp_path):
+    with pytest.raises(ValueError):
+        DiskTier([], 1)
+    with pytest.raises(ValueError):
+        DiskTier([str(tmp_path)], 0)
+    with pytest.raises(ValueError):
+        DiskTier([str(tmp_path)], 1, use_kvikio="maybe")
+    with pytest.raises(ValueError):
+        DiskTier([str(tmp_path)], 1 << 20).put(b"short", b"x")
+
+
+def test_odirect_off(tmp_path):
+    t = DiskTier([str(tmp_path)], 64 * MiB, use_odirect=False, sync="none")
+    assert t.put(key(1), payload(1, 12345))
+    out = bytearray(12345)
+    assert t.get_into(key(1), out) == 12345 and bytes(out) == payload(1, 12345)
