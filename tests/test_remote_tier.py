@@ -1,0 +1,251 @@
+"""Redis tier against a real redis-server: round trip, pipelined lookups, corruption, auth,
+server death/hang (bounded latency), circuit breaker."""
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lmtier import record as rec
+from lmtier.tiers.base import TierError
+from lmtier.tiers.disk import AlignedBuffer
+from lmtier.tiers.remote import RedisTier, parse_url
+
+MiB = 1 << 20
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def payload(i: int, n: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def raw(srv, *args: bytes):
+    """One command on a fresh socket (bypasses the tier)."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args))
+        time.sleep(0.05)
+        return s.recv(1 << 20)
+
+
+@pytest.fixture
+def tier(redis_server):
+    t = RedisTier(redis_server.url, timeout_s=0.5, breaker_failures=3, breaker_reset_s=0.5)
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 4097, 5 * MiB + 3])
+def test_round_trip(tier, n):
+    d = payload(n, n)
+    assert tier.put(key(n), d)
+    out = bytearray(n + 10)
+    assert tier.get_into(key(n), out) == n
+    assert bytes(out[:n]) == d
+    a = AlignedBuffer(n)
+    assert tier.get_into(key(n), a.mv) == n and bytes(a.mv[:n]) == d
+    assert tier.counters["hits"] == 2
+
+
+def test_tensor_buffers(tier):
+    t = torch.randn(1000)
+    assert tier.put(key(1), t)
+    out = torch.empty(1000)
+    assert tier.get_into(key(1), out) == 4000 and torch.equal(out, t)
+
+
+def test_value_is_one_self_describing_key(tier, redis_server):
+    assert tier.put(key(5), b"hello")
+    keys = raw(redis_server, b"KEYS", b"*")
+    assert b"lmtier:" + key(5).hex().encode() in keys and keys.count(b"lmtier:") == 1
+    v = raw(redis_server, b"GET", b"lmtier:" + key(5).hex().encode())
+    body = v[v.index(b"\r\n") + 2 :]
+    h = rec.decode_header(body, expected_key=key(5))
+    assert h.payload_offset == 128 and body[128:133] == b"hello"
+
+
+def test_contains_many_and_delete(tier):
+    for i in range(0, 20, 2):
+        assert tier.put(key(i), b"v%d" % i)
+    assert tier.contains_many([key(i) for i in range(20)]) == [i % 2 == 0 for i in range(20)]
+    assert tier.contains_many([]) == []
+    assert tier.delete(key(0)) and not tier.delete(key(0))
+    assert not tier.contains(key(0))
+    assert tier.get_into(key(1), bytearray(10)) is None
+    assert tier.counters["misses"] == 1
+
+
+def test_out_too_small_is_miss_but_kept(tier):
+    assert tier.put(key(1), b"x" * 1000)
+    assert tier.get_into(key(1), bytearray(999)) is None
+    assert tier.contains(key(1))
+    out = bytearray(1000)
+    assert tier.get_into(key(1), out) == 1000  # the connection stayed in sync
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "garbage", "short", "wrong_key", "empty"])
+def test_corrupted_value_is_miss_and_deleted(tier, redis_server, damage):
+    d = payload(1, 100_000)
+    assert tier.put(key(1), d)
+    name = b"lmtier:" + key(1).hex().encode()
+    if damage == "flip_payload":
+        assert raw(redis_server, b"SETRANGE", name, b"50000", b"\x00\x01\x02") .startswith(b":")
+    elif damage == "truncate":
+        v = rec.encode_header(key(1), len(d), rec.payload_checksum(d), payload_offset=128) + d[:-10]
+        raw(redis_server, b"SET", name, v)
+    elif damage == "garbage":
+        raw(redis_server, b"SET", name, os.urandom(5000))
+    elif damage == "short":
+        raw(redis_server, b"SET", name, b"LMTR")
+    elif damage == "wrong_key":
+        v = rec.encode_header(key(2), len(d), rec.payload_checksum(d), payload_offset=128) + d
+        raw(redis_server, b"SET", name, v)
+    elif damage == "empty":
+        raw(redis_server, b"SET", name, b"")
+    out = bytearray(len(d))
+    assert tier.get_into(key(1), out) is None
+    assert tier.counters["corrupt"] == 1
+    assert not tier.contains(key(1))
+    assert tier.put(key(3), b"ok") and tier.get_into(key(3), bytearray(2)) == 2  # connection usable
+
+
+def test_wrong_password_is_clear_error(redis_server_auth):
+    srv = redis_server_auth
+    with pytest.raises(TierError, match="authentication") as ei:
+        RedisTier(f"redis://:wrong@127.0.0.1:{srv.port}/0")
+    assert "wrong" not in str(ei.value)
+    t = RedisTier(srv.url)
+    assert t.put(key(1), b"x") and t.get_into(key(1), bytearray(1)) == 1
+
+
+def test_password_from_env(redis_server_auth, monkeypatch):
+    monkeypatch.setenv("LMTIER_TEST_PW", redis_server_auth.password)
+    t = RedisTier(redis_server_auth.url_no_auth, password_env="LMTIER_TEST_PW")
+    assert t.ping()
+    with pytest.raises(ValueError, match="not set"):
+        RedisTier(redis_server_auth.url_no_auth, password_env="LMTIER_UNSET_VAR_XYZ")
+
+
+def test_unix_socket(tmp_path):
+    from tests.redis_server import start_or_skip
+
+    sock = str(tmp_path / "r.sock")
+    srv = start_or_skip(extra_args=("--unixsocket", sock, "--unixsocketperm", "700"))
+    try:
+        t = RedisTier(f"unix://{sock}?db=1")
+        assert t.put(key(1), b"abc")
+        out = bytearray(3)
+        assert t.get_into(key(1), out) == 3 and out == b"abc"
+    finally:
+        srv.close()
+
+
+def test_server_killed_gives_bounded_misses_and_breaker(redis_server):
+    timeout = 0.3
+    t = RedisTier(redis_server.url, timeout_s=timeout, connect_timeout_s=timeout, breaker_failures=3,
+                  breaker_reset_s=1.0)
+    assert t.put(key(1), b"x" * 1000)
+    redis_server.kill()
+    out = bytearray(1000)
+    for _ in range(10):
+        t0 = time.monotonic()
+        assert t.get_into(key(1), out) is None
+        assert not t.put(key(2), b"y")
+        assert t.contains_many([key(1), key(2)]) == [False, False]
+        assert time.monotonic() - t0 < 3 * timeout
+    assert t.breaker_open
+    assert t.breaker.times_opened == 1
+    assert t.counters["errors"] == 3 and t.counters["breaker_rejects"] > 0
+    redis_server.start()  # same port, empty (no persistence)
+    time.sleep(1.1)
+    assert t.put(key(3), b"back")  # trial call closes the breaker
+    assert not t.breaker_open
+    assert t.get_into(key(3), bytearray(4)) == 4
+
+
+def test_hung_server_bounded_latency(redis_server):
+    timeout = 0.3
+    t = RedisTier(redis_server.url, timeout_s=timeout, breaker_failures=2, breaker_reset_s=0.5)
+    assert t.put(key(1), b"x" * 100_000)
+    redis_server.pause()
+    try:
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert t.get_into(key(1), bytearray(100_000)) is None
+            assert time.monotonic() - t0 < 3 * timeout
+        assert t.breaker_open
+    finally:
+        redis_server.resume()
+    time.sleep(0.6)
+    out = bytearray(100_000)
+    assert t.get_into(key(1), out) == 100_000 and bytes(out) == b"x" * 100_000
+
+
+def test_breaker_reopens_when_trial_fails(redis_server):
+    t = RedisTier(redis_server.url, timeout_s=0.2, breaker_failures=2, breaker_reset_s=0.3)
+    redis_server.kill()
+    for _ in range(3):
+        t.contains(key(1))
+    assert t.breaker_open
+    time.sleep(0.35)
+    t.contains(key(1))  # trial fails
+    n_err = t.counters["errors"]
+    t.contains(key(1))  # rejected immediately again
+    assert t.counters["errors"] == n_err and t.breaker_open
+
+
+def test_unreachable_at_startup_degrades(redis_server):
+    port = redis_server.port
+    redis_server.kill()
+    t = RedisTier(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, breaker_failures=2, breaker_reset_s=0.2)
+    assert t.get_into(key(1), bytearray(1)) is None
+    redis_server.start()
+    time.sleep(0.25)
+    assert t.put(key(1), b"z")
+
+
+def test_concurrent_callers(tier):
+    import threading
+
+    errors = []
+
+    def work(w):
+        for i in range(20):
+            k = key(w * 100 + i)
+            d = payload(w * 100 + i, 200_000)
+            if not tier.put(k, d):
+                errors.append("put")
+            out = bytearray(len(d))
+            if tier.get_into(k, out) != len(d) or bytes(out) != d:
+                errors.append("get")
+
+    ths = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert errors == []
+
+
+def test_ttl(redis_server):
+    t = RedisTier(redis_server.url, ttl_s=100)
+    assert t.put(key(1), b"x")
+    assert int(raw(redis_server, b"TTL", b"lmtier:" + key(1).hex().encode())[1:-2]) > 90
+
+
+def test_parse_url():
+    t = parse_url("redis://u:p%40ss@h:1234/3")
+    assert (t.kind, t.host, t.port, t.db, t.username, t.password) == ("tcp", "h", 1234, 3, "u", "p@ss")
+    assert "p@ss" not in t.describe()
+    t = parse_url("rediss://h?ssl_cert_reqs=none")
+    assert t.tls is not None and not t.tls.check_hostname
+    t = parse_url("redis-cluster://:pw@a:1,b:2")
+    assert t.nodes == (("a", 1), ("b", 2)) and t.password == "pw"
+    for bad in ("http://h", "redis://", "redis://h/x", "redis-cluster://a"):
+        with pytest.raises(ValueError):
+            parse_url(bad)
