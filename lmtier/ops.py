@@ -8,6 +8,7 @@ bit-identical between the CPU and CUDA paths and for every dtype.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -50,6 +51,29 @@ def _chunk_ptrs(chunks: torch.Tensor | Sequence[torch.Tensor], nbytes: int, num_
     return ptrs
 
 
+_PTR_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_PTR_TABLES_MAX = 256
+
+
+def _device_ptr_table(ptrs: list[int], device: torch.device) -> torch.Tensor:
+    """Device int64 table of chunk addresses, cached by content (staging and pool slots repeat).
+
+    Tables are immutable once built, so a cached one can be read by any stream at any time; the
+    cache keeps them alive, so no kernel can read a freed table.
+    """
+    key = (str(device), *ptrs)
+    t = _PTR_TABLES.get(key)
+    if t is None:
+        t = torch.tensor(ptrs, dtype=torch.int64).to(device)
+        _PTR_TABLES[key] = t
+        if len(_PTR_TABLES) > _PTR_TABLES_MAX:
+            old_key, old = _PTR_TABLES.popitem(last=False)
+            torch.cuda.synchronize(device)  # no in-flight kernel may still read the evicted table
+        return t
+    _PTR_TABLES.move_to_end(key)
+    return t
+
+
 def _check_slots(layout: KVLayout, slot_mapping: torch.Tensor) -> None:
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 2:
         raise ValueError("slot_mapping must be a 2-D torch.int64 tensor [num_chunks, tokens_per_chunk]")
@@ -80,7 +104,7 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
             stream_handle = stream
         else:
             stream_handle = stream.cuda_stream
-        ptr_t = torch.tensor(ptrs, dtype=torch.int64).to(dev, non_blocking=False)
+        ptr_t = _device_ptr_table(ptrs, dev)
         layer_t = layout.layer_ptr_tensor(dev)
         vec = layout.vec_bytes(ptrs)
         with torch.cuda.device(dev):
@@ -88,9 +112,6 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
                           layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
                           layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(), vec,
                           max_ctas, 0, 0, stream_handle)
-        # Keep the pointer table alive until the kernel has read it.
-        ptr_t.record_stream(torch.cuda.ExternalStream(stream_handle) if isinstance(stream, int) else
-                            (stream or torch.cuda.current_stream(dev)))
     else:
         ptr_t = torch.tensor(ptrs, dtype=torch.int64)
         layer_t = layout.layer_ptr_tensor("cpu")

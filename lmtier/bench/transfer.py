@@ -51,13 +51,13 @@ def run_gpu(args) -> dict:
         host = HostBuffer(max_c * cb, pinned=True)
         host_chunks = [host.view(i * cb, cb) for i in range(max_c)]
         dev_contig = torch.empty(max_c * cb, dtype=torch.uint8, device=dev)
-        store_eng = CudaTransferEngine(layout, T, group_chunks=args.group)
-        load_eng = CudaTransferEngine(layout, T, group_chunks=args.group)
+        store_eng = CudaTransferEngine(layout, T, layers_per_piece=args.layers_per_piece)
+        load_eng = CudaTransferEngine(layout, T, layers_per_piece=args.layers_per_piece)
         zc_eng = CudaTransferEngine(layout, T, mode="zerocopy", zerocopy_max_ctas=args.zerocopy_ctas)
         side = torch.cuda.Stream()
         for C in progress(batches, desc=f"transfer {order}", disable=args.quiet):
             ids = _random_block_ids(num_blocks, C, T // bs, gen)
-            slots = slot_mapping_from_block_ids(ids, block_size=bs, tokens_per_chunk=T).to(dev)
+            slots = slot_mapping_from_block_ids(ids, block_size=bs, tokens_per_chunk=T)  # host side, as a connector has it
             hc = host_chunks[:C]
             nbytes = C * cb
             # ceiling: one contiguous pinned memcpy of the same bytes, each direction
@@ -96,6 +96,17 @@ def run_gpu(args) -> dict:
                     for s_, d_ in zip(srcs, dsts):
                         _C.memcpy_async(d_, s_, region, side.cuda_stream)
                 pb = cuda_time_ms(per_block, warmup=1, iters=3)
+                # the same loop through torch (Tensor.copy_ per region), as Python offloaders do
+                blk_views = [(buf[l, b], host.view(i * region, region))
+                             for i, (l, b) in enumerate((l, b) for c in range(C) for l in range(geo.num_layers)
+                                                        for b in ids[c].tolist())] if order == "LBNHC" else []
+                if blk_views:
+                    def torch_per_block():
+                        for src_t, dst_t in blk_views:
+                            dst_t.view(src_t.dtype).view(src_t.shape).copy_(src_t, non_blocking=True)
+                    tpb = cuda_time_ms(torch_per_block, warmup=1, iters=3)
+                    row["torch_per_block_GBs"] = nbytes / tpb / 1e6
+                    row["x_torch_per_block"] = tpb / st
                 dma = cuda_time_ms(lambda: _C.memcpy_batch_async(dsts, srcs, sizes, side.cuda_stream))
                 row["per_block_GBs"] = nbytes / pb / 1e6
                 row["dma_batch_GBs"] = nbytes / dma / 1e6
@@ -135,10 +146,11 @@ def interference(args, geo) -> list[dict]:
     host = HostBuffer(C * cb, pinned=True)
     hc = [host.view(i * cb, cb) for i in range(C)]
     ids = _random_block_ids(num_blocks, C, T // bs, torch.Generator().manual_seed(1))
-    slots = slot_mapping_from_block_ids(ids, block_size=bs, tokens_per_chunk=T).to(dev)
+    slots = slot_mapping_from_block_ids(ids, block_size=bs, tokens_per_chunk=T)
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     compute = torch.cuda.Stream()
+    idle = torch.cuda.Stream()
 
     def matmuls():
         with torch.cuda.stream(compute):
@@ -158,7 +170,7 @@ def interference(args, geo) -> list[dict]:
 
     out = []
     for label, eng in (("none", None),
-                       ("staged", CudaTransferEngine(layout, T, group_chunks=args.group)),
+                       ("staged", CudaTransferEngine(layout, T, layers_per_piece=args.layers_per_piece)),
                        (f"zerocopy_{args.zerocopy_ctas}cta", CudaTransferEngine(layout, T, mode="zerocopy", zerocopy_max_ctas=args.zerocopy_ctas)),
                        ("zerocopy_132cta", CudaTransferEngine(layout, T, mode="zerocopy", zerocopy_max_ctas=132))):
         times = []
@@ -170,7 +182,7 @@ def interference(args, geo) -> list[dict]:
             n = 0
             if eng is not None:
                 while not e.query():
-                    eng.store(slots, hc, wait_stream=torch.cuda.Stream())
+                    eng.store(slots, hc, wait_stream=idle)
                     n += 1
                     if n % 4 == 0:
                         torch.cuda.current_stream().synchronize()
@@ -223,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,8,32")
     p.add_argument("--orders", default="LBNHC,BLHNC")
     p.add_argument("--cache-gb", type=float, default=60.0)
-    p.add_argument("--group", type=int, default=2, help="chunks per gather launch in the staged path")
+    p.add_argument("--layers-per-piece", type=int, default=None, help="layers per pipeline piece (staged path)")
     p.add_argument("--zerocopy-ctas", type=int, default=32)
     p.add_argument("--interference", action="store_true")
     p.add_argument("--json", default=None)
@@ -234,7 +246,7 @@ def main(argv=None) -> int:
         res = run_gpu(args)
         print_table(res["rows"], ["order", "chunks", "MiB", "memcpy_d2h_GBs", "store_GBs", "store_pct", "memcpy_h2d_GBs",
                                   "load_GBs", "load_pct", "zc_store_GBs", "zc_load_GBs", "store+load_GBs",
-                                  "both_ceiling_GBs", "per_block_GBs", "dma_batch_GBs", "index_select_GBs", "x_per_block"])
+                                  "both_ceiling_GBs", "per_block_GBs", "dma_batch_GBs", "index_select_GBs", "torch_per_block_GBs", "x_per_block", "x_torch_per_block"])
         if "interference" in res:
             print_table(res["interference"], ["copy_path", "matmul_ms", "slowdown_pct", "offload_GBs"])
     else:
