@@ -1,0 +1,626 @@
+"""The tier manager: lmtier's library API over the CPU pool, local disk and remote tiers.
+
+:class:`TierManager` combines tier 1 (:class:`lmtier.tiers.cpu.CPUPool`), an optional tier 2
+(local disk) and an optional tier 3 (Redis/Valkey), all behind :class:`lmtier.tiers.base.Tier`:
+
+* ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
+  ``"remote"``); stops at the first miss. The remote tier is asked once for all remaining keys when
+  it offers ``contains_many`` (one pipelined round trip).
+* ``store(key, data)`` — asynchronous: a small thread pool copies the chunk into a CPU slot and
+  commits it; it returns a ``Future[bool]`` at once and never blocks the caller unless asked to
+  wait for queue room (back-pressure: a bounded number of stores in flight).
+* ``retrieve(key, out)`` — from the fastest tier holding the chunk; disk/remote hits are read
+  into a CPU slot (promotion) and copied to ``out``.
+
+Policies (see ARCHITECTURE.md):
+
+* **Disk: write-back.** A chunk reaches the disk tier when the CPU pool evicts it (the pool's
+  ``evict_callback`` runs in the thread that needs the slot, outside the pool lock, while the
+  victim is pinned), and on ``close()`` (``persist`` keyword) so a restart finds it warm. When the
+  CPU pool is full of pinned chunks (back-pressure) a store goes straight to disk instead. Without
+  a CPU pool, stores write through to disk.
+* **Remote: asynchronous write-through.** After the CPU commit, the chunk is sent to the remote
+  tier by a separate small thread pool reading from the pinned CPU slot; at most
+  ``max_pending_remote`` such sends are queued, more are dropped (counted in ``counters``) — a slow
+  Redis must never hold the serving path.
+* Failures of lower tiers are misses or dropped stores (logged, counted), never exceptions in
+  ``lookup``/``retrieve``; wrong-sized buffers and closed managers are caller errors and raise.
+
+:class:`KVCacheStore` is a small helper for library users: store / look up / retrieve the KV
+cache of a token sequence given a Hugging Face transformers-style per-layer ``(K, V)`` cache.
+
+Logging: ``logging.getLogger("lmtier.manager")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
+from lmtier.keys import KEY_BYTES, Namespace, chunk_keys
+from lmtier.tiers.base import Tier
+from lmtier.tiers.cpu import CPUPool, _as_byte_dest, as_byte_source
+
+__all__ = ["TierManager", "KVCacheStore", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
+
+log = logging.getLogger("lmtier.manager")
+
+DiskFactory = Callable[[DiskConfig, Namespace, int], Tier]
+RemoteFactory = Callable[[RemoteConfig, Namespace], Tier]
+
+
+def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) -> Tier:
+    """Build :class:`lmtier.tiers.disk.DiskTier` from the config (imported lazily)."""
+    from lmtier.tiers.disk import DiskTier
+
+    return DiskTier(
+        list(disk.paths_for(gpu_id)),
+        disk.capacity_bytes,
+        io_threads=disk.io_threads,
+        namespace=namespace.digest()[:16],
+    )
+
+
+def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
+    """Build :class:`lmtier.tiers.remote.RedisTier` from the config (imported lazily)."""
+    from lmtier.tiers.remote import RedisTier
+
+    if remote.serde != "naive":
+        raise ConfigError(f"lmtier config: remote_serde={remote.serde!r}: not wired into the tier manager yet")
+    assert remote.url is not None
+    return RedisTier(remote.url, password_env=remote.password_env, timeout_s=remote.timeout_s)
+
+
+def _done(value: bool) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class TierManager:
+    """Lookup, asynchronous store and retrieve-with-promotion over up to three tiers.
+
+    Args:
+        cpu: tier 1 pool, or ``None`` (no CPU caching: stores go to disk/remote directly).
+        disk: tier 2 (``Tier``) or ``None``.
+        remote: tier 3 (``Tier``; ``contains_many(keys) -> list[bool]`` is used when present) or ``None``.
+        store_threads: threads running stores (CPU copy + commit, write-back on eviction).
+        max_pending_stores: stores queued or running at most; beyond it ``store`` waits
+            ``timeout_s`` and then drops the store (its future resolves ``False``).
+        remote_threads: threads sending chunks to the remote tier.
+        max_pending_remote: remote sends queued at most; more are dropped (write-through is
+            best-effort).
+
+    All public methods are thread-safe. The manager installs itself as ``cpu.evict_callback``
+    when a disk tier exists (write-back).
+    """
+
+    def __init__(
+        self,
+        *,
+        cpu: CPUPool | None,
+        disk: Tier | None = None,
+        remote: Tier | None = None,
+        store_threads: int = 2,
+        max_pending_stores: int = 64,
+        remote_threads: int = 2,
+        max_pending_remote: int = 16,
+    ) -> None:
+        if cpu is None and disk is None and remote is None:
+            raise ValueError("TierManager: at least one tier is required")
+        if store_threads < 1 or max_pending_stores < 1 or remote_threads < 1 or max_pending_remote < 1:
+            raise ValueError("TierManager: thread counts and queue bounds must be >= 1")
+        self.cpu = cpu
+        self.disk = disk
+        self.remote = remote
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._counter_lock = threading.Lock()
+        self._store_slots = threading.BoundedSemaphore(max_pending_stores)
+        self._remote_slots = threading.BoundedSemaphore(max_pending_remote)
+        self._store_pool = ThreadPoolExecutor(store_threads, thread_name_prefix="lmtier-store")
+        self._remote_pool = ThreadPoolExecutor(remote_threads, thread_name_prefix="lmtier-remote") if remote else None
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._closed = False
+        if cpu is not None and disk is not None:
+            cpu.evict_callback = self._write_back
+
+    @classmethod
+    def from_config(
+        cls,
+        config: LMTierConfig,
+        namespace: Namespace,
+        *,
+        gpu_id: int = 0,
+        arena: Any = None,
+        disk_factory: DiskFactory = default_disk_factory,
+        remote_factory: RemoteFactory = default_remote_factory,
+        **kwargs: Any,
+    ) -> "TierManager":
+        """Build the tiers ``config`` enables for chunks of ``namespace``.
+
+        Args:
+            config: the loaded configuration; ``config.chunk_size`` must equal ``namespace.chunk_size``.
+            namespace: gives the chunk size in bytes (``namespace.chunk_bytes``) for CPU slots.
+            gpu_id: this process's GPU (selects the disk path with ``local_disk_path_sharding: by_gpu``).
+            arena: optional CPU pool arena (see :class:`CPUPool`).
+            disk_factory, remote_factory: build the disk/remote tiers (tests, custom tiers).
+            **kwargs: passed to :class:`TierManager` (thread counts, queue bounds).
+
+        Raises:
+            ConfigError: inconsistent chunk size, CPU pool smaller than one chunk, unsupported serde.
+        """
+        if config.chunk_size != namespace.chunk_size:
+            raise ConfigError(
+                f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
+            )
+        cpu = disk = remote = None
+        try:
+            if config.cpu.enabled:
+                try:
+                    cpu = CPUPool(config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena)
+                except ValueError as e:
+                    raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
+            if config.disk.enabled:
+                disk = disk_factory(config.disk, namespace, gpu_id)
+            if config.remote.enabled:
+                remote = remote_factory(config.remote, namespace)
+        except BaseException:
+            for t in (cpu, disk, remote):
+                if t is not None:
+                    t.close()
+            raise
+        config.log_effective()
+        return cls(cpu=cpu, disk=disk, remote=remote, **kwargs)
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier names (``"cpu"``, ``"disk"``, ``"remote"``) of the longest cached prefix of ``keys``.
+
+        ``len(result)`` is the number of leading chunks that can be retrieved now. Lower-tier
+        failures count as misses. Note that a retrieve may still miss (eviction in between).
+        """
+        self._check_open()
+        found: list[str] = []
+        for key in keys:
+            if self.cpu is not None and self.cpu.contains(key):
+                found.append("cpu")
+            elif self.disk is not None and self._safe(self.disk.contains, key, default=False):
+                found.append("disk")
+            else:
+                break
+        rest = list(keys[len(found) :])
+        if self.remote is None or not rest:
+            return found
+        many = getattr(self.remote, "contains_many", None)
+        if many is not None:
+            flags = self._safe(many, rest, default=None) or [False] * len(rest)
+        else:
+            flags = []
+            for key in rest:
+                flags.append(bool(self._safe(self.remote.contains, key, default=False)))
+                if not flags[-1]:
+                    break
+        for f in flags:
+            if not f:
+                break
+            found.append("remote")
+        return found
+
+    # ---- store -------------------------------------------------------------------------------
+
+    def store(self, key: bytes, data: Any, *, timeout_s: float | None = 0.0) -> Future:
+        """Store one chunk asynchronously.
+
+        Args:
+            key: 32-byte chunk key (:func:`lmtier.keys.chunk_keys`).
+            data: the chunk bytes: a contiguous torch tensor (any dtype, CPU or CUDA; viewed as
+                bytes) or a bytes-like object; ``1..cpu.chunk_bytes`` bytes. It must stay
+                unchanged until the returned future completes.
+            timeout_s: how long to wait for room in the store queue: ``0`` (default) never waits
+                and drops the store when the queue is full; ``None`` waits as long as needed.
+
+        Returns:
+            ``Future[bool]``: True once the chunk is stored in (or already was in) a tier; False if
+            it was dropped (queue full, every slot pinned and no lower tier, tier failure).
+
+        Raises:
+            TypeError / ValueError: bad key or data (synchronously). RuntimeError: closed.
+        """
+        self._check_open()
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise TypeError(f"key must be {KEY_BYTES} bytes")
+        src = as_byte_source(data)
+        n = int(src.shape[0])
+        if n == 0 or (self.cpu is not None and n > self.cpu.chunk_bytes):
+            limit = self.cpu.chunk_bytes if self.cpu is not None else "any"
+            raise ValueError(f"TierManager.store: data must be 1..{limit} bytes, got {n}")
+        if self.cpu is not None and self.cpu.is_present(key):
+            self._count("store_present")
+            return _done(True)
+        if timeout_s is None:
+            room = self._store_slots.acquire()
+        elif timeout_s <= 0:
+            room = self._store_slots.acquire(blocking=False)
+        else:
+            room = self._store_slots.acquire(timeout=timeout_s)
+        if not room:
+            self._count("store_dropped_queue_full")
+            return _done(False)
+        self._enter()
+        try:
+            fut = self._store_pool.submit(self._store_job, key, src, data)
+        except BaseException:
+            self._store_slots.release()
+            self._leave()
+            raise
+        return fut
+
+    def _store_job(self, key: bytes, src: Any, _keepalive: Any) -> bool:
+        try:
+            return self._store_now(key, src)
+        except Exception:
+            log.exception("store of chunk %s failed", key.hex())
+            self._count("store_errors")
+            return False
+        finally:
+            self._store_slots.release()
+            self._leave()
+
+    def _store_now(self, key: bytes, src: Any) -> bool:
+        n = int(src.shape[0])
+        if self.cpu is not None:
+            slot = self.cpu.reserve(key)
+            if slot is not None:
+                try:
+                    if isinstance(src, torch.Tensor):
+                        slot.view[:n].copy_(src)
+                    else:
+                        slot.view[:n].numpy()[:] = src
+                except BaseException:
+                    self.cpu.abort(slot)
+                    raise
+                self.cpu.commit(slot, n)
+                self._count("stored_cpu")
+                self._send_remote(key)
+                return True
+            if self.cpu.is_present(key):
+                self._count("store_present")
+                return True
+            self._count("cpu_backpressure")
+        # No CPU pool, or every slot pinned: write through to the lower tiers now.
+        ok = False
+        payload = src if isinstance(src, torch.Tensor) else memoryview(src)
+        if self.disk is not None:
+            ok = bool(self._safe(self.disk.put, key, payload, default=False))
+            self._count("stored_disk" if ok else "disk_put_failures")
+        if self.remote is not None:
+            r = bool(self._safe(self.remote.put, key, payload, default=False))
+            self._count("stored_remote" if r else "remote_put_failures")
+            ok = ok or r
+        if not ok:
+            self._count("store_dropped")
+        return ok
+
+    def _send_remote(self, key: bytes) -> None:
+        if self.remote is None or self._remote_pool is None:
+            return
+        if not self._remote_slots.acquire(blocking=False):
+            self._count("remote_dropped_queue_full")
+            return
+        self._enter()
+        try:
+            self._remote_pool.submit(self._remote_job, key)
+        except BaseException:
+            self._remote_slots.release()
+            self._leave()
+            raise
+
+    def _remote_job(self, key: bytes) -> None:
+        try:
+            assert self.cpu is not None and self.remote is not None
+            slot = self.cpu.acquire(key)  # pinned while the remote tier reads it
+            if slot is None:
+                self._count("remote_skipped_evicted")
+                return
+            try:
+                ok = bool(self._safe(self.remote.put, key, slot.memoryview(), default=False))
+            finally:
+                self.cpu.release(slot)
+            self._count("stored_remote" if ok else "remote_put_failures")
+        finally:
+            self._remote_slots.release()
+            self._leave()
+
+    def _write_back(self, key: bytes, view: torch.Tensor) -> None:
+        """CPU eviction hook: persist the victim to disk unless it is already there."""
+        disk = self.disk
+        if disk is None or self._safe(disk.contains, key, default=False):
+            return
+        ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False))
+        self._count("written_back" if ok else "write_back_failures")
+
+    # ---- retrieve ----------------------------------------------------------------------------
+
+    def retrieve(self, key: bytes, out: Any) -> bool:
+        """Fill ``out`` with chunk ``key`` from the fastest tier; see :meth:`retrieve_into`."""
+        return self.retrieve_into(key, out) is not None
+
+    def retrieve_into(self, key: bytes, out: Any) -> int | None:
+        """Copy chunk ``key`` into ``out`` from the fastest tier holding it.
+
+        Args:
+            key: 32-byte chunk key.
+            out: writable destination of ``>=`` the chunk's bytes: a contiguous torch tensor (CPU,
+                pinned or CUDA; any dtype, written as bytes) or a writable bytes-like object.
+
+        Returns:
+            the chunk's length in bytes, or ``None`` on a miss (nothing usable was written; the
+            caller must recompute). Disk/remote hits are promoted into the CPU pool.
+
+        Raises:
+            ValueError: ``out`` is smaller than the chunk. TypeError: bad ``out``. RuntimeError: closed.
+        """
+        self._check_open()
+        dst = _as_byte_dest(out)
+        if self.cpu is not None:
+            n = self.cpu.get_into(key, dst)
+            if n is not None:
+                self._count("hits_cpu")
+                return n
+        for tier in (self.disk, self.remote):
+            if tier is None:
+                continue
+            n = self._retrieve_from(tier, key, out, dst)
+            if n is not None:
+                self._count(f"hits_{tier.name}")
+                return n
+        self._count("misses")
+        return None
+
+    def _retrieve_from(self, tier: Tier, key: bytes, out: Any, dst: Any) -> int | None:
+        slot = self.cpu.reserve(key) if self.cpu is not None else None
+        if slot is None:  # no pool, pool full, or someone else is promoting it: read directly
+            target = out if isinstance(out, torch.Tensor) else memoryview(dst)
+            return self._safe(tier.get_into, key, target, default=None)
+        assert self.cpu is not None
+        try:
+            n = self._safe(tier.get_into, key, slot.memoryview(), default=None)
+        except BaseException:
+            self.cpu.abort(slot)
+            raise
+        if n is None:
+            self.cpu.abort(slot)
+            return None
+        if n > dst.shape[0]:
+            self.cpu.commit(slot, n)
+            raise ValueError(f"TierManager.retrieve: out has {dst.shape[0]} bytes, chunk has {n}")
+        try:
+            if isinstance(dst, torch.Tensor):
+                dst[:n].copy_(slot.view[:n])
+            else:
+                dst[:n] = slot.view[:n].numpy()
+        except BaseException:
+            self.cpu.abort(slot)
+            raise
+        self.cpu.commit(slot, n)
+        self._count("promotions")
+        return n
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued store and remote send has finished. Returns False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout_s)
+
+    def close(self, *, persist: bool = True) -> None:
+        """Finish pending work, optionally write CPU-only chunks to disk (``persist``; so a restarted
+        process finds them), and close every tier. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._store_pool.shutdown(wait=True)
+        if self._remote_pool is not None:
+            self._remote_pool.shutdown(wait=True)
+        if persist and self.cpu is not None and self.disk is not None:
+            for key in self.cpu.keys():
+                slot = self.cpu.acquire(key)
+                if slot is None:
+                    continue
+                try:
+                    self._write_back(key, slot.view)
+                finally:
+                    self.cpu.release(slot)
+        for tier in (self.cpu, self.disk, self.remote):
+            if tier is not None:
+                try:
+                    tier.close()
+                except Exception:
+                    log.exception("closing tier %s failed", tier.name)
+
+    def __enter__(self) -> "TierManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TierManager is closed")
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self.counters[name] += n
+
+    def _enter(self) -> None:
+        with self._idle:
+            self._inflight += 1
+
+    def _leave(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    def _safe(self, fn: Callable, *args: Any, default: Any) -> Any:
+        """Call a lower-tier method; any exception becomes ``default`` (a miss / failed store)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            name = getattr(getattr(fn, "__self__", None), "name", "tier")
+            log.warning("%s.%s failed: %r; treated as a miss", name, getattr(fn, "__name__", "?"), e)
+            self._count("tier_errors")
+            return default
+
+
+# ------------------------------------------------------------------------------------------------
+# Library helper: KV of a token sequence <-> canonical chunks
+
+TORCH_KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def _layers_of(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(K, V)`` from a transformers cache (``DynamicCache`` with ``.layers`` or
+    ``key_cache``/``value_cache``, or the legacy tuple of pairs)."""
+    layers = getattr(kv, "layers", None)
+    if layers is not None and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(kv, "key_cache") and hasattr(kv, "value_cache"):
+        return list(zip(kv.key_cache, kv.value_cache))
+    if hasattr(kv, "to_legacy_cache"):
+        kv = kv.to_legacy_cache()
+    return [(k, v) for k, v in kv]
+
+
+def pack_kv_chunk(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
+    """Canonical chunk bytes of tokens ``[start, stop)``.
+
+    Args:
+        layers: per-layer ``(K, V)``, each ``[1, num_kv_heads, seq_len, head_size]`` (HF layout).
+
+    Returns:
+        ``torch.uint8`` 1-D contiguous tensor on the K/V device: the bytes of
+        ``[num_layers][2][stop - start][num_kv_heads][head_size]`` (the canonical layout).
+    """
+    planes = [torch.stack((k[0, :, start:stop].transpose(0, 1), v[0, :, start:stop].transpose(0, 1))) for k, v in layers]
+    return torch.stack(planes).contiguous().reshape(-1).view(torch.uint8)
+
+
+def unpack_kv_chunk(chunk: torch.Tensor, namespace: Namespace) -> torch.Tensor:
+    """View canonical chunk bytes as ``[num_layers, 2, chunk_size, num_kv_heads, head_size]`` of
+    the namespace's dtype (no copy)."""
+    dtype = TORCH_KV_DTYPES[namespace.kv_dtype]
+    return chunk.view(dtype).view(
+        namespace.num_layers, 2, namespace.chunk_size, namespace.num_kv_heads, namespace.head_size
+    )
+
+
+class KVCacheStore:
+    """Store and retrieve the KV cache of token sequences for a Hugging Face-style model.
+
+    Args:
+        manager: the :class:`TierManager`.
+        namespace: must describe the model's cache (``kv_planes=2``: separate K and V).
+
+    Example: see ``examples/library_api.py``.
+    """
+
+    def __init__(self, manager: TierManager, namespace: Namespace) -> None:
+        if namespace.kv_planes != 2:
+            raise ValueError("KVCacheStore supports K/V caches (kv_planes=2), not MLA")
+        if namespace.kv_dtype not in TORCH_KV_DTYPES:
+            raise ValueError(f"KVCacheStore: unsupported kv_dtype {namespace.kv_dtype!r}")
+        self.manager = manager
+        self.namespace = namespace
+
+    def lookup(self, token_ids: Any, *, cache_salt: str | bytes | None = None) -> int:
+        """Number of leading tokens of ``token_ids`` whose KV is cached (a multiple of chunk_size)."""
+        keys = chunk_keys(token_ids, self.namespace, cache_salt=cache_salt)
+        return len(self.manager.lookup(keys)) * self.namespace.chunk_size
+
+    def store(self, token_ids: Any, kv: Any, *, cache_salt: str | bytes | None = None, timeout_s: float | None = None) -> list[Future]:
+        """Store the KV of every full chunk of ``token_ids`` (asynchronously).
+
+        Args:
+            token_ids: the ``seq_len`` tokens the cache was computed for (1-D).
+            kv: per-layer ``(K, V)`` of shape ``[1, num_kv_heads, >= seq_len, head_size]``
+                (a transformers ``DynamicCache`` or legacy tuple), dtype matching the namespace.
+            timeout_s: queue wait per chunk (default ``None``: wait for room, never drop).
+
+        Returns:
+            one ``Future[bool]`` per full chunk (the tail shorter than chunk_size is not stored).
+
+        Raises:
+            ValueError: the cache's geometry/dtype does not match the namespace or is too short.
+        """
+        ns = self.namespace
+        layers = _layers_of(kv)
+        keys = chunk_keys(token_ids, ns, cache_salt=cache_salt)
+        if len(layers) != ns.num_layers:
+            raise ValueError(f"KVCacheStore.store: cache has {len(layers)} layers, namespace {ns.num_layers}")
+        want = TORCH_KV_DTYPES[ns.kv_dtype]
+        for i, (k, v) in enumerate(layers):
+            if k.dim() != 4 or k.shape != v.shape or k.shape[0] != 1:
+                raise ValueError(f"KVCacheStore.store: layer {i} K/V must be [1, H, S, D], got {tuple(k.shape)}")
+            if k.shape[1] != ns.num_kv_heads or k.shape[3] != ns.head_size or k.dtype != want or v.dtype != want:
+                raise ValueError(
+                    f"KVCacheStore.store: layer {i} is {tuple(k.shape)} {k.dtype}, namespace wants "
+                    f"[1, {ns.num_kv_heads}, S, {ns.head_size}] {want}"
+                )
+            if k.shape[2] < len(keys) * ns.chunk_size:
+                raise ValueError(f"KVCacheStore.store: layer {i} holds {k.shape[2]} tokens, fewer than the sequence")
+        futures = []
+        for c, key in enumerate(keys):
+            data = pack_kv_chunk(layers, c * ns.chunk_size, (c + 1) * ns.chunk_size)
+            futures.append(self.manager.store(key, data, timeout_s=timeout_s))
+        return futures
+
+    def retrieve(
+        self, token_ids: Any, *, cache_salt: str | bytes | None = None, device: str | torch.device = "cpu"
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """KV of the longest cached prefix of ``token_ids``.
+
+        Returns:
+            ``(num_tokens, layers)``: ``num_tokens`` is a multiple of chunk_size (0 on a miss) and
+            ``layers`` the per-layer ``(K, V)``, each ``[1, num_kv_heads, num_tokens, head_size]``
+            in the namespace dtype on ``device`` (empty list when ``num_tokens == 0``). A chunk
+            that disappears between lookup and retrieve shortens the prefix; it is never garbage.
+        """
+        ns = self.namespace
+        keys = chunk_keys(token_ids, ns, cache_salt=cache_salt)
+        keys = keys[: len(self.manager.lookup(keys))]
+        staging = torch.empty(ns.chunk_bytes, dtype=torch.uint8)
+        chunks = []
+        for key in keys:
+            n = self.manager.retrieve_into(key, staging)
+            if n != ns.chunk_bytes:
+                break
+            chunks.append(unpack_kv_chunk(staging, ns).to(device, copy=True))
+        if not chunks:
+            return 0, []
+        full = torch.cat(chunks, dim=2)  # [L, 2, T, H, D]
+        layers = [
+            (full[i, 0].transpose(0, 1).unsqueeze(0).contiguous(), full[i, 1].transpose(0, 1).unsqueeze(0).contiguous())
+            for i in range(ns.num_layers)
+        ]
+        return len(chunks) * ns.chunk_size, layers
