@@ -30,6 +30,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port P < 55536 whose cluster-bus port P + 10000 is free too."""
+    import random
+
+    for _ in range(200):
+        p = random.randint(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 10000))
+            return p
+        except OSError:
+            continue
+    raise RedisUnavailable("no free port pair for a cluster node")
+
+
 class RedisServer:
     """One redis-server process.
 
@@ -38,7 +54,8 @@ class RedisServer:
         extra_args: more ``redis-server`` arguments.
     """
 
-    def __init__(self, *, password: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, password: str | None = None, extra_args: tuple[str, ...] = (),
+                 port: int | None = None) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RedisUnavailable("redis-server is not installed (apt-get install redis-server)")
@@ -46,7 +63,7 @@ class RedisServer:
         self.password = password
         self.extra_args = tuple(extra_args)
         self.dir = tempfile.mkdtemp(prefix="lmtier-redis-")
-        self.port = free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -64,11 +81,11 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RedisUnavailable(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+                raise RedisUnavailable(f"redis-server exited: {self.proc.stdout.read().decode(errors='replace')[-1000:]}")
             if self._ping():
                 return self
             time.sleep(0.02)
@@ -125,3 +142,41 @@ def start_or_skip(**kw) -> RedisServer:
         if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
             pytest.fail(f"LMTIER_REQUIRE_REDIS=1 but no redis-server: {e}")
         pytest.skip(f"no redis-server: {e}")
+
+
+class RedisClusterServers:
+    """A 3-master Redis Cluster on 127.0.0.1 (no replicas), built with ``redis-cli --cluster create``."""
+
+    def __init__(self, *, masters: int = 3) -> None:
+        self.nodes = [RedisServer(port=free_cluster_port(),
+                                  extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                              "--cluster-node-timeout", "2000")) for _ in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout_s: float = 30.0) -> "RedisClusterServers":
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RedisUnavailable("redis-cli is not installed")
+        for n in self.nodes:
+            n.start()
+        r = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            self.close()
+            raise RedisUnavailable(f"redis-cli --cluster create failed: {r.stdout[-500:]} {r.stderr[-500:]}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = subprocess.run([cli, "-p", str(self.nodes[0].port), "cluster", "info"], capture_output=True,
+                                 text=True).stdout
+            if "cluster_state:ok" in out:
+                return self
+            time.sleep(0.1)
+        self.close()
+        raise RedisUnavailable("cluster did not reach cluster_state:ok")
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()

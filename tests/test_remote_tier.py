@@ -249,3 +249,31 @@ def test_parse_url():
     for bad in ("http://h", "redis://", "redis://h/x", "redis-cluster://a"):
         with pytest.raises(ValueError):
             parse_url(bad)
+
+
+def test_redis_cluster(redis_cluster):
+    t = RedisTier(redis_cluster.url, timeout_s=1.0)
+    keys = [key(i) for i in range(30)]
+    for i, k in enumerate(keys[::2]):
+        assert t.put(k, payload(i, 50_000 + i))
+    assert t.contains_many(keys) == [i % 2 == 0 for i in range(30)]
+    for i, k in enumerate(keys[::2]):
+        out = bytearray(60_000)
+        assert t.get_into(k, out) == 50_000 + i and bytes(out[: 50_000 + i]) == payload(i, 50_000 + i)
+    # corrupt one value through the cluster client: a miss, and deleted
+    import redis.cluster
+
+    rc = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    name = "lmtier:" + keys[0].hex()
+    rc.setrange(name, 200, b"\xff\xff")
+    assert t.get_into(keys[0], bytearray(60_000)) is None
+    assert not rc.exists(name)
+    assert t.delete(keys[2]) and not t.contains(keys[2])
+    # all nodes dead: bounded misses, no exception
+    for n in redis_cluster.nodes:
+        n.kill()
+    for _ in range(5):
+        t0 = time.monotonic()
+        assert t.get_into(keys[4], bytearray(60_000)) is None
+        assert time.monotonic() - t0 < 5.0
+    assert t.breaker_open

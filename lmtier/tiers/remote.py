@@ -392,6 +392,8 @@ class RedisTier(Tier):
         key_prefix: prefix of every Redis key.
         ttl_s: optional expiry of stored chunks, seconds (``SET ... EX``); None = no expiry.
         capacity_bytes: reported by :meth:`usage` (Redis's ``maxmemory`` governs the real limit).
+        namespace: 16-byte namespace digest written into each record header (informational: the
+            key already binds the namespace).
 
     Raises:
         ValueError: malformed URL/arguments. TierError: authentication rejected by the server.
@@ -418,6 +420,7 @@ class RedisTier(Tier):
         key_prefix: str = "lmtier:",
         ttl_s: int | None = None,
         capacity_bytes: int = 0,
+        namespace: bytes = bytes(16),
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("RedisTier: timeouts must be > 0")
@@ -432,6 +435,7 @@ class RedisTier(Tier):
         self.key_prefix = key_prefix.encode()
         self.ttl_s = ttl_s
         self.capacity_bytes = capacity_bytes
+        self._meta = rec.RecordMeta(namespace=bytes(namespace))
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self.counters: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -501,7 +505,7 @@ class RedisTier(Tier):
             if n > self.max_value_bytes:
                 log.warning("put: payload of %d bytes exceeds max_value_bytes %d", n, self.max_value_bytes)
                 return False
-            header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=HEADER)
+            header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta)
             name = self._name(key)
             ex = [b"EX", str(int(self.ttl_s)).encode()] if self.ttl_s else []
             prefix = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(ex), len(name), name, HEADER + n)
@@ -747,16 +751,16 @@ class RedisTier(Tier):
         try:
             rc = self._cluster.get() if isinstance(self._cluster, _LazyCluster) else self._cluster
             res = cluster_op(rc)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                redis.exceptions.ClusterError) as e:
-            self.breaker.failure()
-            self.counters["errors"] += 1
-            log.debug("remote tier %s: %s", self.url, e)
-            return None
-        except redis.exceptions.RedisError as e:
+        except redis.exceptions.ResponseError as e:
+            # The cluster answered (e.g. WRONGTYPE): not an outage.
             self.breaker.success()
             self.counters["errors"] += 1
-            log.warning("remote tier %s: %s", self.url, e)
+            log.warning("remote tier %s: server error: %s", self.url, e)
+            return None
+        except Exception as e:  # noqa: BLE001 - connection/timeout/cluster-state errors of any kind
+            self.breaker.failure()
+            self.counters["errors"] += 1
+            log.debug("remote tier %s: %s: %s", self.url, type(e).__name__, e)
             return None
         self.breaker.success()
         return res
