@@ -85,8 +85,26 @@ IGNORED_LMCACHE_KEYS = frozenset(
 DISABLED_LMCACHE_FEATURES = frozenset({"enable_blending", "enable_p2p", "enable_controller", "enable_nixl"})
 """LMCache feature switches accepted only when false/null (lmtier does not implement them)."""
 
-NON_CONFIG_ENV_VARS = frozenset({CONFIG_FILE_ENV})
-"""``LMTIER_*`` environment variables that are not configuration keys (never an error)."""
+NON_CONFIG_ENV_VARS = frozenset(
+    {
+        CONFIG_FILE_ENV,
+        # build (setup.py / CMake)
+        "LMTIER_CUDA",
+        "LMTIER_CUDA_ARCHS",
+        "LMTIER_WITH_CUDA",
+        "LMTIER_BUILD_JOBS",
+        "LMTIER_SOURCES",
+        # tests and benchmarks
+        "LMTIER_REQUIRE_REDIS",
+        "LMTIER_TEST_PW",
+        "LMTIER_GPU_BENCH",
+        "LMTIER_GPU_EXTRA",
+        "LMTIER_BENCH_SMOKE",
+    }
+)
+"""``LMTIER_*`` environment variables that belong to other components (build, tests) and are not
+configuration keys. Any other ``LMTIER_*`` variable is a :class:`ConfigError` (a mistyped override
+must not be ignored), so a component that introduces a new ``LMTIER_*`` variable registers it here."""
 
 _REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster")
 _SERDES = ("naive", "cachegen")
@@ -572,6 +590,10 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in _KEYS:
-            raise ConfigError(f"lmtier config: environment variable {name}={text!r} is not a config key")
+            raise ConfigError(
+                f"lmtier config: environment variable {name}={text!r} is not a config key "
+                f"(known: {sorted(ENV_PREFIX + k.upper() for k in _KEYS)}; variables of other components "
+                f"belong in lmtier.config.NON_CONFIG_ENV_VARS)"
+            )
         raw[key] = _parse_env_value(key, name, text)
     return _build(raw, env)

@@ -23,6 +23,10 @@ Policies (see ARCHITECTURE.md):
   tier by a separate small thread pool reading from the pinned CPU slot; at most
   ``max_pending_remote`` such sends are queued, more are dropped (counted in ``counters``) — a slow
   Redis must never hold the serving path.
+* **Promotion cost.** A disk/remote hit is read into a freshly reserved CPU slot and copied to
+  ``out``; if that reservation evicts a chunk not yet on disk, its write-back runs in the
+  retrieving thread (one chunk write). A background cleaner that writes back LRU chunks ahead of
+  need would take this off the load path (not done yet).
 * Failures of lower tiers are misses or dropped stores (logged, counted), never exceptions in
   ``lookup``/``retrieve``; wrong-sized buffers and closed managers are caller errors and raise.
 

@@ -17,6 +17,11 @@ def write(tmp_path, text: str) -> str:
     return str(p)
 
 
+def test_non_config_lmtier_env_vars_are_ignored():
+    env = {"LMTIER_CUDA_ARCHS": "90", "LMTIER_REQUIRE_REDIS": "1", "LMTIER_BENCH_SMOKE": "1"}
+    assert load_config(env=env) == LMTierConfig()
+
+
 def test_defaults_without_file():
     cfg = load_config(env={})
     assert cfg.chunk_size == 256

@@ -405,3 +405,31 @@ def test_kvcachestore_roundtrip_prefix_and_salt():
     with pytest.raises(ValueError, match="fewer"):
         store.store(tokens, _hf_cache(2, 2, 6, 8, torch.bfloat16))
     m.close()
+
+
+def test_real_redis_write_through_and_dead_redis_degrades(redis_server):
+    """With lmtier.tiers.remote against a real redis-server: async write-through, remote hits after
+    the CPU copy is gone, and a killed server turning into bounded-latency misses."""
+    pytest.importorskip("lmtier.tiers.remote")
+    ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=512, kv_dtype="float32", chunk_size=2)
+    cfg = LMTierConfig.from_dict(
+        {"chunk_size": 2, "max_local_cpu_size": 4 * 8192 / 2**30, "remote_url": redis_server.url, "remote_timeout_s": 0.5}
+    )
+    m = TierManager.from_config(cfg, ns, arena=torch.empty(4 * 8192, dtype=torch.uint8))
+    for i in range(3):
+        assert m.store(K(i), data(i, 8192)).result(30)
+    assert m.flush(30) and m.counters["stored_remote"] == 3
+    for i in range(3):
+        assert m.cpu.delete(K(i))
+    assert m.lookup([K(0), K(1), K(2), K(3)]) == ["remote"] * 3
+    out = torch.empty(8192, dtype=torch.uint8)
+    assert m.retrieve(K(1), out) and bytes(out.numpy()) == data(1, 8192)
+    assert m.lookup([K(1)]) == ["cpu"]  # promoted
+    redis_server.kill()
+    t0 = time.monotonic()
+    assert m.lookup([K(1), K(0)]) == ["cpu"]
+    assert m.retrieve(K(2), out) is False
+    assert m.store(K(7), data(7, 8192)).result(30) is True  # CPU still serves
+    assert m.flush(30)
+    assert time.monotonic() - t0 < 10
+    m.close()
