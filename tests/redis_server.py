@@ -55,7 +55,7 @@ class RedisServer:
     """
 
     def __init__(self, *, password: str | None = None, extra_args: tuple[str, ...] = (),
-                 port: int | None = None) -> None:
+                 port: int | None = None, tls: bool = False) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RedisUnavailable("redis-server is not installed (apt-get install redis-server)")
@@ -65,10 +65,27 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="lmtier-redis-")
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.tls = tls
+        self.ca_file = os.path.join(self.dir, "cert.pem")
+        if tls:
+            self._make_cert()
+
+    def _make_cert(self) -> None:
+        """A self-signed certificate for 127.0.0.1 (its own CA), via the openssl command."""
+        if shutil.which("openssl") is None:
+            raise RedisUnavailable("openssl is not installed (needed for the TLS test server)")
+        r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                            "-keyout", os.path.join(self.dir, "key.pem"), "-out", self.ca_file,
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RedisUnavailable(f"openssl failed: {r.stderr[-300:]}")
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.ca_file}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
@@ -80,6 +97,10 @@ class RedisServer:
                 "--dir", self.dir, "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.ca_file,
+                         "--tls-key-file", os.path.join(self.dir, "key.pem"), "--tls-ca-cert-file", self.ca_file,
+                         "--tls-auth-clients", "no"]
         args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
@@ -95,13 +116,18 @@ class RedisServer:
     def _ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                if self.tls:
+                    import ssl
+
+                    ctx = ssl.create_default_context(cafile=self.ca_file)
+                    s = ctx.wrap_socket(s, server_hostname="127.0.0.1")
                 if self.password:
                     pw = self.password.encode()
                     s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
                     s.recv(64)
                 s.sendall(b"*1\r\n$4\r\nPING\r\n")
                 return s.recv(64).startswith(b"+PONG")
-        except OSError:
+        except OSError:  # includes ssl.SSLError
             return False
 
     def kill(self) -> None:

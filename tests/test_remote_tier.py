@@ -277,3 +277,21 @@ def test_redis_cluster(redis_cluster):
         assert t.get_into(keys[4], bytearray(60_000)) is None
         assert time.monotonic() - t0 < 5.0
     assert t.breaker_open
+
+
+def test_tls(tmp_path):
+    from tests.redis_server import start_or_skip
+
+    srv = start_or_skip(tls=True)
+    try:
+        t = RedisTier(srv.url, timeout_s=1.0)
+        d = payload(1, 3 * MiB + 1)
+        assert t.put(key(1), d)
+        out = bytearray(len(d))
+        assert t.get_into(key(1), out) == len(d) and bytes(out) == d
+        assert t.contains_many([key(1), key(2)]) == [True, False]
+        # a client that does not trust the certificate gets nothing (and no exception)
+        bad = RedisTier(f"rediss://127.0.0.1:{srv.port}/0", timeout_s=0.5)
+        assert bad.get_into(key(1), out) is None and bad.counters["errors"] >= 1
+    finally:
+        srv.close()

@@ -30,7 +30,9 @@ GPU buffers (torch CUDA tensors) are accepted as ``payload``/``out``: stores cop
 bounce buffer (the checksum needs the bytes on the host anyway); loads use kvikio
 (``kvikio.CuFile.pread``, GPUDirect Storage where the system has it) when ``use_kvikio`` allows
 and it imports and works, else read into a pinned bounce buffer and copy to the device. kvikio is
-imported lazily and never on CPU-only machines (it needs libcuda).
+imported lazily, only for CUDA buffers (it needs libcuda). In ``"auto"`` mode it is used only
+with real GPUDirect Storage: in compat mode it bounces through host memory itself, so O_DIRECT
+into a pinned buffer plus one H2D copy moves fewer bytes (and the checksum needs the host copy).
 """
 
 from __future__ import annotations
@@ -218,9 +220,9 @@ class DiskTier(Tier):
             moved by the calling thread alone.
         use_odirect: open record files with ``O_DIRECT`` where the filesystem supports it
             (checked per path at startup; falls back to buffered I/O with a log line).
-        use_kvikio: ``"auto"`` (kvikio for loads into CUDA tensors if it imports and works),
-            ``"never"``, or ``"always"`` (raise ``RuntimeError`` at the first CUDA load if kvikio
-            is unusable).
+        use_kvikio: ``"auto"`` (kvikio for loads into CUDA tensors if it imports, works and has
+            real GPUDirect Storage, i.e. not compat mode), ``"never"``, or ``"always"`` (kvikio
+            even in compat mode; raise ``RuntimeError`` at the first CUDA load if it is unusable).
         sync: ``"data"`` (``fdatasync`` each record before it becomes visible) or ``"none"``.
         max_payload_bytes: larger payloads are refused by ``put`` and treated as corruption on read.
         namespace: 16-byte namespace digest written into each header (informational).
@@ -768,14 +770,23 @@ class DiskTier(Tier):
         if self._kvikio is None:
             try:
                 import kvikio  # noqa: PLC0415 - optional, needs libcuda
+                import kvikio.defaults
 
-                self._kvikio = kvikio
+                compat = getattr(kvikio.defaults, "is_compat_mode_preferred", lambda: True)()
             except Exception as e:  # ImportError, or a missing libcuda surfacing at import
                 if self._use_kvikio == "always":
                     raise RuntimeError(f"DiskTier: use_kvikio='always' but kvikio is unusable: {e}") from e
                 log.info("kvikio unavailable (%s); CUDA loads go through a pinned bounce buffer", e)
                 self._kvikio = False
                 return None
+            if compat and self._use_kvikio == "auto":
+                # Without GPUDirect Storage kvikio bounces through host memory itself, and the
+                # checksum needs a host copy too: POSIX O_DIRECT into a pinned buffer + one H2D
+                # copy moves fewer bytes.
+                log.info("kvikio in compat mode (no GPUDirect Storage); CUDA loads use O_DIRECT + pinned bounce")
+                self._kvikio = False
+                return None
+            self._kvikio = kvikio
         return self._kvikio
 
     def _get_cuda(self, key: bytes, path: str, out) -> int | None:

@@ -717,6 +717,7 @@ class RedisTier(Tier):
         except BaseException:
             if conn is not None:
                 conn.close()
+            self.breaker.failure()  # never leave a half-open trial pending
             raise
         self._release(conn)
         self.breaker.success()
