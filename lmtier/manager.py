@@ -314,6 +314,45 @@ class TierManager:
             self._count("store_dropped")
         return ok
 
+    def publish(self, key: bytes) -> None:
+        """Write a chunk the caller committed into the CPU pool through to disk and remote, asynchronously.
+
+        For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
+        into a slot). The disk copy makes the chunk survive a restart without waiting for eviction;
+        both writes are best-effort (dropped and counted when their queues are full).
+        """
+        self._check_open()
+        if self.disk is not None and self.cpu is not None:
+            if self._store_slots.acquire(blocking=False):
+                self._enter()
+                try:
+                    self._store_pool.submit(self._disk_job, key)
+                except BaseException:
+                    self._store_slots.release()
+                    self._leave()
+                    raise
+            else:
+                self._count("disk_dropped_queue_full")
+        self._send_remote(key)
+
+    def _disk_job(self, key: bytes) -> None:
+        try:
+            assert self.cpu is not None and self.disk is not None
+            slot = self.cpu.acquire(key)  # pinned while the disk tier reads it
+            if slot is None:
+                self._count("disk_skipped_evicted")
+                return
+            try:
+                if self._safe(self.disk.contains, key, default=False):
+                    return
+                ok = bool(self._safe(self.disk.put, key, slot.memoryview(), default=False))
+            finally:
+                self.cpu.release(slot)
+            self._count("stored_disk" if ok else "disk_put_failures")
+        finally:
+            self._store_slots.release()
+            self._leave()
+
     def _send_remote(self, key: bytes) -> None:
         if self.remote is None or self._remote_pool is None:
             return
