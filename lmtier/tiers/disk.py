@@ -46,7 +46,10 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import xxhash
 
 from lmtier import record as rec
 from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
@@ -107,8 +110,6 @@ def address_of(mv: memoryview) -> int:
         return 0
     if not mv.readonly:
         return ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    import numpy as np
-
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 
@@ -578,101 +579,86 @@ class DiskTier(Tier):
         return ok
 
     def _write_record(self, key: bytes, mv: memoryview, tmp: str, path: str) -> None:
+        """Write the record to ``tmp`` (payload pieces in flight on the pool while this thread
+        checksums them — or copies + checksums them, for an unaligned source — then the header
+        block last), ``fdatasync``, rename to ``path``."""
         n = mv.nbytes
-        header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=rec.DISK_PAYLOAD_OFFSET,
-                                   meta=self._meta)
         os.makedirs(os.path.dirname(tmp), mode=DIR_MODE, exist_ok=True)
-        root = self._root(key)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._open_flags(root)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._open_flags(self._root(key))
         fd = os.open(tmp, flags, FILE_MODE)
-        aligned_src = address_of(mv) % PAGE_BYTES == 0
-        bounce = None
+        small = self._small.acquire(PAGE_BYTES * 2)
+        big = None
+        futs = []
+        base = rec.DISK_PAYLOAD_OFFSET
         try:
+            hasher = xxhash.xxh3_64()
             body = n // PAGE_BYTES * PAGE_BYTES  # whole pages of payload
             tail = n - body
-            # Header block + (if the source is unaligned) the whole payload go through a bounce
-            # buffer; an aligned source is written in place except its last partial page.
-            if aligned_src:
-                bounce = small = self._small.acquire(PAGE_BYTES * 2)
-                b = bounce.mv
-                b[: PAGE_BYTES] = bytes(PAGE_BYTES)
-                b[: rec.HEADER_BYTES] = header
-                jobs = [(b[:PAGE_BYTES], 0)]
-                jobs += self._pieces(mv[:body], rec.DISK_PAYLOAD_OFFSET)
+            if address_of(mv) % PAGE_BYTES == 0:
+                # Aligned source: whole pages straight from the caller's buffer.
+                pieces = self._pieces(mv[:body], base)
+                futs = [self._submit(len(pieces), _pwrite_all, fd, v, off) for v, off in pieces]
+                for v, _ in pieces:
+                    hasher.update(v)
                 if tail:
-                    t = b[PAGE_BYTES : 2 * PAGE_BYTES]
+                    t = small.mv[PAGE_BYTES : 2 * PAGE_BYTES]
                     t[:tail] = mv[body:]
                     t[tail:] = bytes(PAGE_BYTES - tail)
-                    jobs.append((t, rec.DISK_PAYLOAD_OFFSET + body))
+                    hasher.update(t[:tail])
+                    futs.append(self._submit(2, _pwrite_all, fd, t, base + body))
             else:
-                total = rec.DISK_PAYLOAD_OFFSET + round_up(n)
-                bounce = self._bounce.acquire(total)
-                small = None
-                b = bounce.mv
-                b[: PAGE_BYTES] = bytes(PAGE_BYTES)
-                b[: rec.HEADER_BYTES] = header
-                self._copy(b[PAGE_BYTES : PAGE_BYTES + n], mv)
-                if tail:
-                    b[PAGE_BYTES + n : total] = bytes(total - PAGE_BYTES - n)
-                jobs = self._pieces(b[:total], 0)
-            self._run(_pwrite_all, fd, jobs)
+                # Unaligned source: copy piece by piece into an aligned bounce buffer, each
+                # piece's write starting as soon as it is copied.
+                padded = round_up(n)
+                big = self._bounce.acquire(padded)
+                for v, off in self._pieces(big.mv[:padded], base):
+                    o = off - base
+                    k = max(0, min(v.nbytes, n - o))
+                    _copy_into(v[:k], mv[o : o + k])
+                    if k < v.nbytes:
+                        v[k:] = bytes(v.nbytes - k)
+                    hasher.update(v[:k])
+                    futs.append(self._submit(2, _pwrite_all, fd, v, off))
+            header = rec.encode_header(key, n, hasher.intdigest(), payload_offset=base, meta=self._meta)
+            h = small.mv[:PAGE_BYTES]
+            h[:] = bytes(PAGE_BYTES)
+            h[: rec.HEADER_BYTES] = header
+            _pwrite_all(fd, h, 0)
+            _wait_all(futs)
+            futs = []
             if self.sync == "data":
                 os.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            fd = -1
-            raise
         finally:
-            if fd >= 0:
-                os.close(fd)
-            if bounce is not None:
-                (self._small if bounce is small else self._bounce).release(bounce)
+            try:
+                _wait_all(futs)  # they use fd and the buffers; errors already being raised
+            except BaseException:
+                pass
+            os.close(fd)
+            self._small.release(small)
+            if big is not None:
+                self._bounce.release(big)
         os.rename(tmp, path)
+
+    def _submit(self, njobs: int, fn, *args) -> Future:
+        """Run ``fn`` on the pool, or inline when it is the only job (no hand-off)."""
+        if njobs > 1:
+            return self._pool.submit(fn, *args)
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            f.set_exception(e)
+        return f
 
     def _pieces(self, mv: memoryview, file_offset: int) -> list:
         """Split ``mv`` into (view, file offset) jobs of at most ``piece_bytes``."""
         n = mv.nbytes
         if n == 0:
             return []
-        # Spread over the threads even when the record is only a few pieces long.
-        per = max(PAGE_BYTES, min(self.piece_bytes, round_up(-(-n // self._io_threads))))
+        # Spread over the threads even when the record is only a few pieces long; below 1 MiB
+        # a piece is not worth a thread hand-off.
+        per = max(min(1 << 20, self.piece_bytes), min(self.piece_bytes, round_up(-(-n // self._io_threads))))
         return [(mv[o : min(o + per, n)], file_offset + o) for o in range(0, n, per)]
-
-    def _run(self, fn, fd: int, jobs: list) -> None:
-        if len(jobs) <= 1:
-            for v, off in jobs:
-                fn(fd, v, off)
-            return
-        futs = [self._pool.submit(fn, fd, v, off) for v, off in jobs[1:]]
-        err = None
-        try:
-            fn(fd, *jobs[0])
-        except BaseException as e:  # still wait for the others: they use fd and buffers
-            err = e
-        for f in futs:
-            try:
-                f.result()
-            except BaseException as e:
-                err = err or e
-        if err is not None:
-            raise err
-
-    def _copy(self, dst: memoryview, src: memoryview) -> None:
-        """dst[:] = src, split over the thread pool for large buffers (memcpy releases the GIL
-        in NumPy)."""
-        import numpy as np
-
-        n = src.nbytes
-        d = np.frombuffer(dst, dtype=np.uint8)
-        s = np.frombuffer(src, dtype=np.uint8)
-        if n < (4 << 20) or self._io_threads == 1:
-            d[:] = s
-            return
-        per = round_up(-(-n // self._io_threads))
-        futs = [self._pool.submit(np.copyto, d[o : o + per], s[o : o + per]) for o in range(per, n, per)]
-        d[:per] = s[:per]
-        for f in futs:
-            f.result()
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -692,6 +678,7 @@ class DiskTier(Tier):
         return hdr
 
     def _get_host(self, key: bytes, path: str, out: memoryview) -> int | None:
+        """Read header + payload into the host buffer ``out``; verify; None if corrupt/short."""
         root = os.path.dirname(os.path.dirname(path))
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._open_flags(root))
         hbuf = self._small.acquire(PAGE_BYTES * 2)
@@ -704,35 +691,49 @@ class DiskTier(Tier):
             if out.nbytes < n:
                 log.warning("get_into: out has %d bytes < payload %d", out.nbytes, n)
                 return None
-            body = n // PAGE_BYTES * PAGE_BYTES
-            tail = n - body
             base = rec.DISK_PAYLOAD_OFFSET
+            # segments: (aligned read target, file offset, payload bytes it holds, copy target)
             if address_of(out) % PAGE_BYTES == 0:
-                jobs = self._pieces(out[:body], base)
-                if tail:
-                    jobs.append((hbuf.mv[PAGE_BYTES : 2 * PAGE_BYTES], base + body))
-                if self._run_read(fd, jobs) < 0:
-                    raise _Short("payload")
-                if tail:
-                    out[body:n] = hbuf.mv[PAGE_BYTES : PAGE_BYTES + tail]
+                body = n // PAGE_BYTES * PAGE_BYTES
+                segs = [(v, off, v, None) for v, off in self._pieces(out[:body], base)]
+                if n > body:
+                    t = hbuf.mv[PAGE_BYTES : 2 * PAGE_BYTES]
+                    segs.append((t, base + body, t[: n - body], out[body:n]))
             else:
-                big = self._bounce.acquire(round_up(n))
-                if self._run_read(fd, self._pieces(big.mv[: round_up(n)], base)) < 0:
-                    raise _Short("payload")
-                self._copy(out[:n], big.mv[:n])
+                padded = round_up(n)
+                big = self._bounce.acquire(padded)
+                segs = []
+                for v, off in self._pieces(big.mv[:padded], base):
+                    o = off - base
+                    k = max(0, min(v.nbytes, n - o))
+                    segs.append((v, off, v[:k], out[o : o + k]))
+            # All pieces in flight on the pool; this thread checksums (and copies) them in order
+            # as they land, so verification overlaps the I/O.
+            futs = [self._submit(len(segs), _pread_into, fd, v, off) for v, off, _, _ in segs]
+            hasher = xxhash.xxh3_64()
+            short = None
             try:
-                rec.verify_payload(hdr, out[:n])
-            except rec.RecordError as e:
-                self._discard_corrupt(key, path, fd, str(e))
+                for f, (v, _, data, dst) in zip(futs, segs):
+                    got = f.result()
+                    if got != v.nbytes:
+                        short = short or got
+                    if short is None:
+                        hasher.update(data)
+                        if dst is not None:
+                            _copy_into(dst, data)
+            finally:
+                _wait_all(futs)
+            if short is not None:
+                self._discard_corrupt(key, path, fd, "short read of the payload (truncated)")
+                return None
+            if hasher.intdigest() != hdr.payload_xxh3:
+                self._discard_corrupt(key, path, fd, f"payload checksum mismatch (stored {hdr.payload_xxh3:#018x})")
                 return None
             try:
                 os.utime(fd)  # recency for the LRU order rebuilt at the next start
             except OSError:
                 pass
             return n
-        except _Short as e:
-            self._discard_corrupt(key, path, fd, f"short read of the {e.args[0]} (truncated)")
-            return None
         except OSError as e:
             if isinstance(e, FileNotFoundError):
                 raise
@@ -744,16 +745,6 @@ class DiskTier(Tier):
             self._small.release(hbuf)
             if big is not None:
                 self._bounce.release(big)
-
-    def _run_read(self, fd: int, jobs: list) -> int:
-        """Run pread jobs; returns the total bytes read (a short piece makes the total short)."""
-        counts = []
-
-        def job(fd, v, off):
-            counts.append((v.nbytes, _pread_into(fd, v, off)))
-
-        self._run(job, fd, jobs)
-        return sum(got for _, got in counts) if all(w == g for w, g in counts) else -1
 
     # ---- CUDA buffers ----------------------------------------------------------------------
 
@@ -849,10 +840,6 @@ class DiskTier(Tier):
             self._small.release(hbuf)
 
 
-class _Short(Exception):
-    pass
-
-
 def _listdir(d: str) -> list[str]:
     try:
         return os.listdir(d)
@@ -865,6 +852,24 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _wait_all(futs) -> None:
+    """Wait for every future; re-raise the first error after all finished."""
+    err = None
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001
+            err = err or e
+    if err is not None:
+        raise err
+
+
+def _copy_into(dst: memoryview, src: memoryview) -> None:
+    """dst[:] = src (NumPy's copy releases the GIL, unlike memoryview slice assignment)."""
+    if src.nbytes:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
