@@ -9,6 +9,7 @@
 #include "lmtier/common.h"
 #include "lmtier/paged_copy.h"
 #include "lmtier/runtime.h"
+#include "lmtier/staged_copy.h"
 
 namespace py = pybind11;
 using namespace lmtier;
@@ -133,5 +134,35 @@ PYBIND11_MODULE(_C, m) {
         memcpy_batch_async(d.data(), s.data(), sizes.data(), d.size(), reinterpret_cast<void*>(stream));
       },
       py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"));
+
+  py::class_<StagedCopier>(m, "StagedCopier")
+      .def(py::init([](uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes, int32_t num_heads,
+                       int32_t head_size, int32_t elem_bytes, int32_t block_size, int64_t num_blocks,
+                       const std::vector<PlaneTuple>& planes, int64_t tokens_per_chunk,
+                       int32_t layers_per_piece, int32_t ring_slots, int32_t vec_bytes,
+                       uintptr_t kernel_stream, uintptr_t copy_stream) {
+             return new StagedCopier(make_desc(layer_ptrs, num_layers, num_planes, num_heads, head_size,
+                                               elem_bytes, block_size, num_blocks, planes),
+                                     tokens_per_chunk, layers_per_piece, ring_slots, vec_bytes,
+                                     reinterpret_cast<void*>(kernel_stream),
+                                     reinterpret_cast<void*>(copy_stream));
+           }),
+           py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("num_planes"), py::arg("num_heads"),
+           py::arg("head_size"), py::arg("elem_bytes"), py::arg("block_size"), py::arg("num_blocks"),
+           py::arg("planes"), py::arg("tokens_per_chunk"), py::arg("layers_per_piece"),
+           py::arg("ring_slots"), py::arg("vec_bytes"), py::arg("kernel_stream"), py::arg("copy_stream"))
+      .def_property_readonly("chunk_bytes", &StagedCopier::chunk_bytes)
+      .def(
+          "store",
+          [](StagedCopier& s, uintptr_t slots, const std::vector<uintptr_t>& host) {
+            s.store(reinterpret_cast<const int64_t*>(slots), host);
+          },
+          py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"))
+      .def(
+          "load",
+          [](StagedCopier& s, uintptr_t slots, const std::vector<uintptr_t>& host) {
+            s.load(reinterpret_cast<const int64_t*>(slots), host);
+          },
+          py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"));
 #endif
 }

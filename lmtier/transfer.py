@@ -7,6 +7,9 @@ for microseconds), then the copy engine moves the piece over PCIe with ``cudaMem
 and two streams overlap the gather of piece ``i + 1`` with the DMA of piece ``i``, so even a single
 chunk runs close to the link speed. Loads are the mirror image (DMA into staging, then scatter).
 
+The staged pipeline is enqueued entirely in C++ (``lmtier._C.StagedCopier``): a whole batch costs
+microseconds of host time, so even one 32 MiB chunk starts its first DMA almost immediately.
+
 "zerocopy" lets the kernel write/read mapped pinned host memory directly. It reaches the link too,
 but SMs waiting on PCIe starve concurrent kernels (FACTS.md and our interference benchmark: a
 concurrent GEMM runs 39-123 % slower), so it is opt-in.
@@ -20,7 +23,6 @@ concurrent stores and loads.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
@@ -37,10 +39,12 @@ class CudaTransferEngine:
     Args:
         layout: the CUDA cache.
         tokens_per_chunk: T; chunk bytes = ``layout.chunk_bytes(T)``.
-        layers_per_piece: layers per pipeline piece (default: a quarter of the layers).
-        ring: staging ring slots (pieces in flight).
+        layers_per_piece: layers per pipeline piece (default: a quarter of the layers, at least 1).
+        ring: staging ring slots (pieces in flight), >= 2.
         mode: "staged" (default) or "zerocopy".
         zerocopy_max_ctas: grid cap for the zero-copy kernel (limits SMs held on PCIe).
+
+    Device memory: ``ring * layers_per_piece * layout.chunk_bytes(T) / num_layers`` bytes of staging.
     """
 
     def __init__(self, layout: KVLayout, tokens_per_chunk: int, *, layers_per_piece: int | None = None,
@@ -60,27 +64,20 @@ class CudaTransferEngine:
         self.layout = layout
         self.tokens = tokens_per_chunk
         self.chunk_bytes = layout.chunk_bytes(tokens_per_chunk)
-        self.layer_bytes = self.chunk_bytes // L
         self.mode = mode
         self.zerocopy_max_ctas = zerocopy_max_ctas
-        # (first layer, sub-layout) per piece; a sub-layout addresses layers [l0, l0 + n).
-        self.pieces = [
-            (l0, dataclasses.replace(layout, num_layers=min(lpp, L - l0),
-                                     layer_ptrs=layout.layer_ptrs[l0:l0 + lpp], _cache={}))
-            for l0 in range(0, L, lpp)
-        ]
         dev = layout.device
         self.kernel_stream = torch.cuda.Stream(dev)
         self.copy_stream = torch.cuda.Stream(dev)
-        self.ring = ring
-        self.staging = (torch.empty(ring, lpp * self.layer_bytes, dtype=torch.uint8, device=dev)
-                        if mode == "staged" else None)
-        self._free: list[torch.cuda.Event] = []
-        for _ in range(ring):
-            e = torch.cuda.Event()
-            e.record(self.copy_stream)
-            self._free.append(e)
-        self._next = 0
+        self._copier = None
+        if mode == "staged":
+            layer_t = layout.layer_ptr_tensor(dev)
+            with torch.cuda.device(dev):
+                self._copier = _C.StagedCopier(
+                    layer_t.data_ptr(), layout.num_layers, layout.num_planes, layout.num_heads, layout.head_size,
+                    layout.elem_bytes, layout.block_size, layout.num_blocks, [p.as_tuple() for p in layout.planes],
+                    tokens_per_chunk, lpp, ring, layout.vec_bytes(), self.kernel_stream.cuda_stream,
+                    self.copy_stream.cuda_stream)
 
     def _prepare(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor]) -> torch.Tensor:
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 2 or slot_mapping.shape[1] != self.tokens:
@@ -93,78 +90,47 @@ class CudaTransferEngine:
             if not h.is_pinned():
                 raise ValueError(f"host buffer {i} is not pinned memory")
         ops._check_slots(self.layout, slot_mapping)  # on the host when the mapping is (no device sync)
-        return slot_mapping.to(self.layout.device, non_blocking=True)
+        slots = slot_mapping.to(self.layout.device, non_blocking=True).contiguous()
+        return slots
 
-    def _ready(self, wait_stream) -> torch.cuda.Event:
+    def _transfer(self, store: bool, slot_mapping, host, wait_stream) -> torch.cuda.Event:
+        host = list(host)
+        slots = self._prepare(slot_mapping, host)
         ready = torch.cuda.Event()
         ready.record(wait_stream or torch.cuda.current_stream(self.layout.device))
-        return ready
+        self.kernel_stream.wait_event(ready)
+        self.copy_stream.wait_event(ready)
+        # The upload of `slots` ran on the current stream: order it before the kernels too.
+        self.kernel_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        done = torch.cuda.Event()
+        if self.mode == "zerocopy":
+            fn = ops.gather if store else ops.scatter
+            fn(self.layout, slots, host, stream=self.kernel_stream, max_ctas=self.zerocopy_max_ctas, check=False)
+            done.record(self.kernel_stream)
+        else:
+            ptrs = [h.data_ptr() for h in host]
+            if store:
+                self._copier.store(slots.data_ptr(), ptrs)
+                done.record(self.copy_stream)
+            else:
+                self._copier.load(slots.data_ptr(), ptrs)
+                done.record(self.kernel_stream)
+        slots.record_stream(self.kernel_stream)
+        return done
 
     def store(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
               wait_stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
-        """Gather ``C`` chunks (``slot_mapping [C, T]`` int64, CPU or cache device) into ``host``.
+        """Gather ``C`` chunks (``slot_mapping [C, T]`` int64, CPU or cache device) into pinned ``host`` buffers.
 
         Returns an event that completes when every byte is in ``host``. Raises ``ValueError`` on
         bad arguments before anything is enqueued.
         """
-        host = list(host)
-        slots = self._prepare(slot_mapping, host)
-        ready = self._ready(wait_stream)
-        done = torch.cuda.Event()
-        self.kernel_stream.wait_event(ready)
-        if self.mode == "zerocopy":
-            ops.gather(self.layout, slots, host, stream=self.kernel_stream, max_ctas=self.zerocopy_max_ctas, check=False)
-            done.record(self.kernel_stream)
-            return done
-        cs = self.copy_stream.cuda_stream
-        for c in range(len(host)):
-            for l0, sub in self.pieces:
-                r = self._next
-                self._next = (r + 1) % self.ring
-                nbytes = sub.num_layers * self.layer_bytes
-                stage = self.staging[r, :nbytes]
-                self.kernel_stream.wait_event(self._free[r])
-                ops.gather(sub, slots[c:c + 1], stage.view(1, nbytes), stream=self.kernel_stream, check=False)
-                gathered = torch.cuda.Event()
-                gathered.record(self.kernel_stream)
-                self.copy_stream.wait_event(gathered)
-                _C.memcpy_async(host[c].data_ptr() + l0 * self.layer_bytes, stage.data_ptr(), nbytes, cs)
-                self._free[r] = torch.cuda.Event()
-                self._free[r].record(self.copy_stream)
-        done.record(self.copy_stream)
-        return done
+        return self._transfer(True, slot_mapping, host, wait_stream)
 
     def load(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
              wait_stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
-        """Scatter ``C`` host chunks into the cache at ``slot_mapping``; returns the completion event.
+        """Scatter ``C`` pinned host chunks into the cache at ``slot_mapping``; returns the completion event.
 
         Padding slots (< 0) are not written. Raises ``ValueError`` on bad arguments.
         """
-        host = list(host)
-        slots = self._prepare(slot_mapping, host)
-        ready = self._ready(wait_stream)
-        done = torch.cuda.Event()
-        if self.mode == "zerocopy":
-            self.kernel_stream.wait_event(ready)
-            ops.scatter(self.layout, slots, host, stream=self.kernel_stream, max_ctas=self.zerocopy_max_ctas, check=False)
-            done.record(self.kernel_stream)
-            return done
-        self.copy_stream.wait_event(ready)
-        self.kernel_stream.wait_event(ready)
-        cs = self.copy_stream.cuda_stream
-        for c in range(len(host)):
-            for l0, sub in self.pieces:
-                r = self._next
-                self._next = (r + 1) % self.ring
-                nbytes = sub.num_layers * self.layer_bytes
-                stage = self.staging[r, :nbytes]
-                self.copy_stream.wait_event(self._free[r])
-                _C.memcpy_async(stage.data_ptr(), host[c].data_ptr() + l0 * self.layer_bytes, nbytes, cs)
-                copied = torch.cuda.Event()
-                copied.record(self.copy_stream)
-                self.kernel_stream.wait_event(copied)
-                ops.scatter(sub, slots[c:c + 1], stage.view(1, nbytes), stream=self.kernel_stream, check=False)
-                self._free[r] = torch.cuda.Event()
-                self._free[r].record(self.kernel_stream)
-        done.record(self.kernel_stream)
-        return done
+        return self._transfer(False, slot_mapping, host, wait_stream)
