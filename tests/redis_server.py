@@ -186,8 +186,12 @@ class RedisClusterServers:
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RedisUnavailable("redis-cli is not installed")
-        for n in self.nodes:
-            n.start()
+        try:
+            for n in self.nodes:
+                n.start()
+        except BaseException:
+            self.close()
+            raise
         r = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
                             "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
