@@ -39,7 +39,8 @@ class CudaTransferEngine:
     Args:
         layout: the CUDA cache.
         tokens_per_chunk: T; chunk bytes = ``layout.chunk_bytes(T)``.
-        layers_per_piece: layers per pipeline piece (default: a quarter of the layers, at least 1).
+        layers_per_piece: layers per pipeline piece (default: an eighth of the layers, at least 1;
+            small pieces shorten the pipeline's fill, which is what limits a single chunk).
         ring: staging ring slots (pieces in flight), >= 2.
         mode: "staged" (default) or "zerocopy".
         zerocopy_max_ctas: grid cap for the zero-copy kernel (limits SMs held on PCIe).
@@ -48,7 +49,7 @@ class CudaTransferEngine:
     """
 
     def __init__(self, layout: KVLayout, tokens_per_chunk: int, *, layers_per_piece: int | None = None,
-                 ring: int = 3, mode: str = "staged", zerocopy_max_ctas: int = 32) -> None:
+                 ring: int = 4, mode: str = "staged", zerocopy_max_ctas: int = 32) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaTransferEngine needs a CUDA cache, got {layout.device}")
         if mode not in MODES:
@@ -56,7 +57,7 @@ class CudaTransferEngine:
         if tokens_per_chunk <= 0:
             raise ValueError(f"tokens_per_chunk must be > 0, got {tokens_per_chunk}")
         L = layout.num_layers
-        lpp = layers_per_piece or max(1, -(-L // 4))
+        lpp = layers_per_piece or max(1, -(-L // 8))
         if not 1 <= lpp <= L:
             raise ValueError(f"layers_per_piece must be in [1, {L}], got {layers_per_piece}")
         if ring < 2:
