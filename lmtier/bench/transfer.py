@@ -231,6 +231,14 @@ def run_cpu(args) -> dict:
 
 
 def main(argv=None) -> int:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--multi-gpu" in argv:
+        from lmtier.bench.multigpu import main as multi_main
+
+        argv.remove("--multi-gpu")
+        return multi_main(argv)
     p = argparse.ArgumentParser(prog="lmtier bench transfer", description=__doc__)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-3.1-8b")
