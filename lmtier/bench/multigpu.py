@@ -22,20 +22,21 @@ import torch.multiprocessing as mp
 
 def _numa_of_gpu(dev: int) -> tuple[int | None, list[int] | None, str]:
     try:
-        bus = torch.cuda.get_device_properties(dev).pci_bus_id if hasattr(torch.cuda.get_device_properties(dev), "pci_bus_id") else None
-        if bus is None:
+        props = torch.cuda.get_device_properties(dev)
+        if hasattr(props, "pci_bus_id") and isinstance(props.pci_bus_id, int):
+            bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        else:
             import subprocess
 
             bus = subprocess.check_output(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(dev)],
-                                          text=True).strip()
-        bus = bus.lower()
-        if bus.count(":") == 2 and len(bus.split(":")[0]) == 8:
-            bus = bus[4:]  # 00000000:19:00.0 -> 0000:19:00.0
+                                          text=True).strip().lower()
+            if len(bus.split(":")[0]) == 8:
+                bus = bus[4:]  # 00000000:19:00.0 -> 0000:19:00.0
         node = int(open(f"/sys/bus/pci/devices/{bus}/numa_node").read().strip())
         if node < 0:
             return None, None, f"GPU {dev} ({bus}): numa_node -1 (no NUMA information); unbound"
         cpus = _parse_cpulist(open(f"/sys/devices/system/node/node{node}/cpulist").read().strip())
-        return node, cpus, f"GPU {dev} ({bus}) on NUMA node {node}, CPUs {len(cpus)}"
+        return node, cpus, f"GPU {dev} ({bus}) on NUMA node {node}, {len(cpus)} CPUs"
     except Exception as e:  # noqa: BLE001 - report and run unbound
         return None, None, f"GPU {dev}: topology unreadable ({type(e).__name__}: {e}); unbound"
 
