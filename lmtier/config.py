@@ -100,6 +100,9 @@ NON_CONFIG_ENV_VARS = frozenset(
         "LMTIER_GPU_BENCH",
         "LMTIER_GPU_EXTRA",
         "LMTIER_BENCH_SMOKE",
+        # vLLM connector tests (tests/test_connector_*.py) and its fault-injection hook
+        "LMTIER_REQUIRE_VLLM",
+        "LMTIER_FAULT_INJECT",
     }
 )
 """``LMTIER_*`` environment variables that belong to other components (build, tests) and are not

@@ -4,23 +4,42 @@ Split of work (vLLM's own offloading split, ARCHITECTURE.md):
 
 * **Scheduler side** decides. ``get_num_new_matched_tokens`` hashes the prompt into chunk keys
   (:func:`lmtier.keys.chunk_keys`) and looks up the longest cached prefix across tiers; it claims only
-  whole chunks beyond vLLM's own prefix-cache hit and never the last prompt token. ``update_state_after_alloc``
-  records the load (which chunk goes to which blocks, starting at the first token vLLM does not
-  already hold — a chunk is never loaded over blocks vLLM holds). ``build_connector_meta`` adds the
-  stores: every prompt chunk that becomes complete in this step and is not stored yet.
-* **Worker side** executes the step's metadata: loads before the forward (``start_load_kv``; the
-  scheduler asks for synchronous loads), stores after it (``wait_for_save``), and reports failed
-  loads as invalid block ids so vLLM recomputes them (use ``kv_load_failure_policy: recompute``).
+  whole chunks beyond vLLM's own prefix-cache hit and never the last prompt token. A hit whose claimed
+  chunks all sit in the CPU pool is loaded synchronously (before the step's forward); a hit with any
+  claimed chunk on disk or in Redis is loaded asynchronously (vLLM parks the request in
+  ``WAITING_FOR_REMOTE_KVS`` until the worker reports it). ``update_state_after_alloc`` records the
+  load (which chunk goes to which blocks, starting at the first token vLLM does not already hold — a
+  chunk is never written over blocks vLLM holds). ``build_connector_meta`` adds the stores: every
+  prompt chunk that becomes complete in this step and is not stored yet.
+* **Worker side** executes the step's metadata: synchronous loads in ``start_load_kv`` (vLLM calls it
+  before the forward when the step has one); asynchronous loads start in ``start_load_kv`` on a
+  background thread that reads disk/Redis into host memory (promoting into the CPU pool), and are
+  scattered into the request's blocks on the worker thread in ``get_transfer_results`` (called every
+  step), which then reports the request in ``finished_recving``. Stores run after the forward
+  (``wait_for_save``). Failed sync loads are reported as invalid block ids, failed async loads as
+  ``failed_recving`` (use ``kv_load_failure_policy: recompute``); a request whose async load failed
+  is never offered a hit again, so vLLM's re-ask cannot loop.
 
 Data movement: :func:`lmtier.ops.gather` / :func:`lmtier.ops.scatter` between vLLM's paged cache and
 pinned CPU-pool slots (CUDA caches go through :class:`lmtier.transfer.CudaTransferEngine`: stores
 read the blocks on a side stream after the compute stream, and finished requests keep their blocks
 until the copy completed). The CPU pool writes through to disk and Redis asynchronously.
 
+Keys: the chunk-key chain binds the namespace (model, KV geometry and dtype, TP rank/size) and a
+per-request salt made of vLLM's ``cache_salt`` plus the LoRA adapter and multimodal input hashes (KV
+of the same token ids differs across adapters and images).
+
 Process model: scheduler and worker share one :class:`lmtier.manager.TierManager` when they live in
 one process (tensor-parallel size 1: vLLM's in-process and EngineCore-with-uni-executor modes).
 Otherwise the scheduler sees the disk and remote tiers only and every worker keeps its own CPU pool;
 chunk keys bind the tensor-parallel rank, so every rank stores its own shard under its own keys.
+
+Observability: :class:`LMTierStats` (vLLM's "KV Transfer metrics" log line when stats logging is on)
+and :class:`LMTierPromMetrics` (``vllm:lmtier_*`` series on the server's ``/metrics``).
+
+Test hooks (not an API): ``LMTIER_FAULT_INJECT`` (comma list of ``load``, ``load_sync``,
+``load_async``: make those chunk loads fail) and :func:`process_totals` (cumulative stats of every
+connector in this process).
 
 vLLM sources this follows: ``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` (0.32/0.33) and
 docs/vllm_notes.md.
@@ -32,6 +51,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +61,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorRole)
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 except ImportError:  # pragma: no cover
     KVConnectorStats = object  # type: ignore
+    KVConnectorPromMetrics = object  # type: ignore
 
 from lmtier import ops
 from lmtier.config import load_config
@@ -51,7 +77,9 @@ from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
 
-log = logging.getLogger("vllm.lmtier")
+log = logging.getLogger("vllm.lmtier.connector")
+
+FAULT_ENV = "LMTIER_FAULT_INJECT"
 
 _SHARED_LOCK = threading.Lock()
 _SHARED: dict[str, TierManager] = {}
@@ -60,13 +88,20 @@ _SHARED: dict[str, TierManager] = {}
 # ------------------------------------------------------------------------------ metadata
 @dataclass
 class LoadOp:
-    """Load chunks ``[start_token // chunk, len(token_ids) // chunk)`` of a request into its blocks."""
+    """Load chunks ``[start_token // chunk, len(token_ids) // chunk)`` of a request into its blocks.
+
+    ``token_ids`` is the prompt prefix covering the hit (whole chunks); tokens before
+    ``start_token`` are held by vLLM (its prefix cache) and are not written. ``block_ids[i]`` holds
+    tokens ``[i * block_size, (i + 1) * block_size)``. ``is_async``: run in the background and
+    report through ``finished_recving`` (else before the forward, failures as invalid blocks).
+    """
 
     req_id: str
-    token_ids: list[int]  # prompt prefix covering the hit (whole chunks)
+    token_ids: list[int]
     cache_salt: str | None
-    start_token: int  # first token not held by vLLM; earlier tokens are not written
-    block_ids: list[int]  # the request's blocks covering token_ids
+    start_token: int
+    block_ids: list[int]
+    is_async: bool = False
 
 
 @dataclass
@@ -84,37 +119,140 @@ class StoreOp:
 class LMTierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+    # Requests whose blocks the scheduler keeps after they finished (request_finished -> True):
+    # the worker must list each one in finished_sending once its stores completed.
+    delayed_frees: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------ stats
+_LAT_KEEP = 256  # latency samples kept per interval (per list)
 
 
 class LMTierStats(KVConnectorStats):
-    """Counters of one interval: hit tokens per tier, chunks and bytes moved, time spent (ms)."""
+    """Counters of one stats interval (summed over workers and the scheduler).
+
+    Tokens: ``lookup_tokens`` (prompt tokens lmtier was asked about beyond vLLM's own prefix cache,
+    per admitted request), ``hit_tokens_{cpu,disk,remote}`` (tokens claimed, by the tier holding the
+    chunk at lookup time). Chunks / bytes: ``loaded_*``, ``stored_*``; ``store_skipped`` (already
+    present or no free slot), ``load_failures`` (chunks), ``async_loads`` (requests). Time:
+    ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
+    per-request latencies in seconds; at most 256 kept per interval).
+    """
 
     FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", "hit_tokens_remote", "lookup_tokens", "loaded_chunks",
-              "load_failures", "loaded_bytes", "load_ms", "stored_chunks", "store_skipped", "stored_bytes",
-              "store_ms")
+              "load_failures", "loaded_bytes", "load_ms", "async_loads", "stored_chunks", "store_skipped",
+              "stored_bytes", "store_ms")
+    LISTS = ("load_lat_s", "store_lat_s")
 
     def __init__(self, data: dict | None = None):
         super().__init__(data=dict(data or {}))
         for k in self.FIELDS:
             self.data.setdefault(k, 0)
+        for k in self.LISTS:
+            self.data[k] = list(self.data.get(k) or [])
 
     def reset(self):
         for k in self.FIELDS:
             self.data[k] = 0
+        for k in self.LISTS:
+            self.data[k] = []
 
     def aggregate(self, other):
         for k in self.FIELDS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in self.LISTS:
+            self.data[k] = (self.data.get(k, []) + list(other.data.get(k) or []))[-_LAT_KEEP:]
         return self
 
     def reduce(self):
-        return {f"lmtier_{k}": (round(v, 2) if isinstance(v, float) else v) for k, v in self.data.items()}
+        out = {f"lmtier_{k}": (round(self.data[k], 2) if isinstance(self.data[k], float) else self.data[k])
+               for k in self.FIELDS}
+        hit = sum(self.data[f"hit_tokens_{t}"] for t in ("cpu", "disk", "remote"))
+        out["lmtier_miss_tokens"] = max(self.data["lookup_tokens"] - hit, 0)
+        for k in self.LISTS:
+            v = self.data[k]
+            out[f"lmtier_{k[:-2]}_mean_ms"] = round(1e3 * sum(v) / len(v), 2) if v else 0.0
+        return out
 
     def is_empty(self):
-        return not any(self.data.get(k) for k in self.FIELDS)
+        return not any(self.data.get(k) for k in self.FIELDS) and not any(self.data.get(k) for k in self.LISTS)
 
     def add(self, key: str, value: float = 1) -> None:
+        if key in self.LISTS:
+            if len(self.data[key]) < _LAT_KEEP:
+                self.data[key].append(value)
+            return
         self.data[key] = self.data.get(key, 0) + value
+
+
+_TOTALS_LOCK = threading.Lock()
+_TOTALS = LMTierStats()
+
+
+def process_totals() -> dict[str, Any]:
+    """Cumulative stats of every lmtier connector in this process since it started (test hook).
+
+    Returns a copy of :class:`LMTierStats` ``data`` (counters and latency lists), summed over both
+    roles. Unlike vLLM's interval stats this is never reset.
+    """
+    with _TOTALS_LOCK:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in _TOTALS.data.items()}
+
+
+def flush_all(timeout_s: float | None = 30.0) -> bool:
+    """Wait until every shared manager in this process finished its queued stores (test/bench hook)."""
+    with _SHARED_LOCK:
+        managers = list(_SHARED.values())
+    return all(m.flush(timeout_s=timeout_s) for m in managers)
+
+
+class LMTierPromMetrics(KVConnectorPromMetrics):
+    """Prometheus series fed from :class:`LMTierStats` (``vllm:lmtier_*``).
+
+    Counters: ``vllm:lmtier_hit_tokens_total{tier}``, ``vllm:lmtier_lookup_tokens_total``,
+    ``vllm:lmtier_{loaded,stored}_{chunks,bytes}_total``, ``vllm:lmtier_load_failures_total``,
+    ``vllm:lmtier_async_loads_total``, ``vllm:lmtier_store_skipped_total``. Histograms (seconds):
+    ``vllm:lmtier_load_seconds`` (per request load), ``vllm:lmtier_store_seconds`` (per store op).
+    """
+
+    _COUNTERS = {"lookup_tokens": "prompt tokens looked up in lmtier beyond vLLM's prefix cache",
+                 "loaded_chunks": "chunks loaded from lmtier", "loaded_bytes": "bytes loaded from lmtier",
+                 "stored_chunks": "chunks stored into lmtier", "stored_bytes": "bytes stored into lmtier",
+                 "load_failures": "chunk loads that failed (recomputed or failed per policy)",
+                 "async_loads": "requests loaded asynchronously (disk / remote hits)",
+                 "store_skipped": "chunk stores skipped (present already or no free CPU slot)"}
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._c: dict[str, dict] = {}
+        for name, doc in self._COUNTERS.items():
+            m = self._counter_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {doc}.",
+                                  labelnames=labelnames)
+            self._c[name] = {i: m.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+        hit = self._counter_cls(name="vllm:lmtier_hit_tokens", documentation="lmtier: prompt tokens loaded, by tier.",
+                                labelnames=list(labelnames) + ["tier"])
+        self._hit = {(i, t): hit.labels(*lv, t) for i, lv in per_engine_labelvalues.items()
+                     for t in ("cpu", "disk", "remote")}
+        buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+        self._h: dict[str, dict] = {}
+        for key, name in (("load_lat_s", "load_seconds"), ("store_lat_s", "store_seconds")):
+            h = self._histogram_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {name.replace('_', ' ')} "
+                                    "per request/op.", buckets=buckets, labelnames=labelnames)
+            self._h[key] = {i: h.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        d = transfer_stats_data or {}
+        for name, per_engine in self._c.items():
+            v = d.get(name, 0)
+            if v:
+                per_engine[engine_idx].inc(v)
+        for t in ("cpu", "disk", "remote"):
+            v = d.get(f"hit_tokens_{t}", 0)
+            if v:
+                self._hit[(engine_idx, t)].inc(v)
+        for key, per_engine in self._h.items():
+            for x in d.get(key) or ():
+                per_engine[engine_idx].observe(x)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -165,9 +303,55 @@ def _manager(key: str, config, namespace: Namespace, *, with_cpu: bool, gpu_id: 
         return m
 
 
+def request_salt(request) -> str | None:
+    """The salt that separates KV of equal token ids: vLLM's ``cache_salt``, the LoRA adapter and
+    the multimodal inputs (their hashes). ``None`` when none applies (the unsalted key space)."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}"
+                     f"@{getattr(lora, 'lora_path', '')}")
+    for f in getattr(request, "mm_features", None) or ():
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = getattr(getattr(f, "mm_position", None), "offset", "")
+        parts.append(f"mm={ident}@{pos}")
+    if not parts:
+        return None
+    if len(parts) == 1 and salt:
+        return salt  # plain cache_salt: same key space as lmtier.keys' cache_salt argument
+    return "\x1f".join(parts)
+
+
+def _faults() -> set[str]:
+    v = os.environ.get(FAULT_ENV, "")
+    return {s.strip() for s in v.split(",") if s.strip()}
+
+
+def _add_total(key: str, value: float) -> None:
+    with _TOTALS_LOCK:
+        _TOTALS.add(key, value) if key in LMTierStats.LISTS else _TOTALS.data.__setitem__(
+            key, _TOTALS.data.get(key, 0) + value)
+
+
+class _AsyncLoad:
+    """Worker-side state of one background load: the fetch future, its chunks, and timing."""
+
+    __slots__ = ("op", "future", "t0", "cancelled")
+
+    def __init__(self, op: LoadOp, future: Future, t0: float):
+        self.op, self.future, self.t0, self.cancelled = op, future, t0, False
+
+
 # ------------------------------------------------------------------------------ connector
 class LMTierConnector(KVConnectorBase_V1):
-    """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits."""
+    """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits.
+
+    ``kv_connector_extra_config`` keys: ``async_loads`` (bool, default True: disk/remote hits load in
+    the background; False: every load is synchronous, before the forward).
+    """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -175,6 +359,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self.chunk = self.config.chunk_size
         self.block_size = vllm_config.cache_config.block_size
         self.config.validate_for(self.block_size)
+        self.async_loads = bool(self._kv_transfer_config.get_from_extra_config("async_loads", True))
 
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -196,38 +381,59 @@ class LMTierConnector(KVConnectorBase_V1):
             self._failed_blocks: set[int] = set()
             self._scratch: torch.Tensor | None = None
             self._pending: dict[str, list] = {}  # req_id -> [(event, slot, key)] (CUDA stores)
-            self._finished_waiting: set[str] = set()
+            self._delayed: set[str] = set()  # finished requests whose blocks vLLM keeps for us
+            self._async: dict[str, _AsyncLoad] = {}
+            self._finished_seen: set[str] = set()
+            self._load_pool: ThreadPoolExecutor | None = None
         else:
             with _SHARED_LOCK:
                 shared = _SHARED.get(f"{engine}:0")
             self.manager = shared or _manager(self._shared_key, self.config, self.ns, with_cpu=False, gpu_id=0)
             self._requests: dict[str, Any] = {}  # req_id -> Request (token ids, salt)
-            self._lookups: dict[str, tuple[int, int, list[str]]] = {}
+            self._lookups: dict[str, tuple[int, int, list[str], bool]] = {}
             self._pending_loads: dict[str, LoadOp] = {}
             self._stored_upto: dict[str, int] = {}  # req_id -> chunks already stored / queued
             self._blocks: dict[str, list[int]] = {}
             self._async_store_reqs: set[str] = set()
-        log.info("lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s",
+            self._delayed_frees: list[str] = []
+            self._no_load: set[str] = set()  # requests whose async load failed: recompute them
+            self._counted: set[str] = set()  # requests whose lookup was counted in the stats
+        log.info("lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, async loads %s",
                  role.name, self.ns.digest().hex()[:16], self.chunk, self.manager.cpu is not None,
-                 self.manager.disk is not None, self.manager.remote is not None)
+                 self.manager.disk is not None, self.manager.remote is not None, self.async_loads)
+
+    def _stat(self, key: str, value: float = 1) -> None:
+        with self._stats_lock:
+            self._stats.add(key, value)
+        _add_total(key, value)
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Tokens beyond vLLM's own hit (``num_computed_tokens``, block aligned) that lmtier can load.
+
+        Returns ``(n, load_async)``: ``n`` is a multiple of the block size, ``num_computed_tokens + n``
+        is a whole number of chunks and at most ``len(prompt) - 1``. ``load_async`` is True when any
+        claimed chunk is outside the CPU pool. Side-effect free apart from caching the lookup.
+        """
         prompt = request.prompt_token_ids or []
-        self._requests[request.request_id] = request
+        rid = request.request_id
+        self._requests[rid] = request
         # Whole chunks strictly before the last prompt token: vLLM must compute at least one token.
         max_hit = (max(len(prompt) - 1, 0) // self.chunk) * self.chunk
-        if max_hit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
+        if (max_hit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False)
+                or rid in self._no_load):
+            self._lookups.pop(rid, None)
             return 0, False
-        keys = chunk_keys(prompt[:max_hit], self._scheduler_ns(), cache_salt=request.cache_salt)
+        keys = chunk_keys(prompt[:max_hit], self._scheduler_ns(), cache_salt=request_salt(request))
         tiers = self.manager.lookup(keys)
         hit = len(tiers) * self.chunk
-        with self._stats_lock:
-            self._stats.add("lookup_tokens", max_hit)
         if hit <= num_computed_tokens:
+            self._lookups[rid] = (num_computed_tokens, 0, [], False)
             return 0, False
-        self._lookups[request.request_id] = (num_computed_tokens, hit, tiers)
-        return hit - num_computed_tokens, False
+        claimed = tiers[num_computed_tokens // self.chunk:]
+        load_async = self.async_loads and any(t != "cpu" for t in claimed)
+        self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async)
+        return hit - num_computed_tokens, load_async
 
     def _scheduler_ns(self) -> Namespace:
         return self.ns  # rank 0's namespace: the index key space (every rank stores together)
@@ -236,56 +442,75 @@ class LMTierConnector(KVConnectorBase_V1):
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         got = self._lookups.get(request.request_id)
-        if not got or num_external_tokens <= 0:
+        if not got or num_external_tokens <= 0 or not got[1]:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        nc, hit, tiers = got
         names = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
                  "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
         out: dict = {}
-        for i, t in enumerate(tiers):
-            lo, hi = max(i * self.chunk, nc), (i + 1) * self.chunk
-            if hi > lo:
-                out[names[t]] = out.get(names[t], 0) + hi - lo
-        total = sum(out.values())
-        if total != num_external_tokens:
+        for t, n in self._hits_by_tier(got).items():
+            if n:
+                out[names[t]] = out.get(names[t], 0) + n
+        if sum(out.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return out
 
+    def _hits_by_tier(self, lookup) -> dict[str, int]:
+        nc, hit, tiers, _ = lookup
+        out = {"cpu": 0, "disk": 0, "remote": 0}
+        for i, t in enumerate(tiers):
+            lo, hi = max(i * self.chunk, nc), (i + 1) * self.chunk
+            if hi > lo:
+                out[t] += hi - lo
+        return out
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        """Record the load of the claimed chunks into the blocks vLLM just allocated.
+
+        ``blocks.get_block_ids()[0]`` lists all the request's blocks (vLLM's own hits first). For an
+        asynchronous load vLLM calls this twice: with the claimed tokens, then (after the load was
+        reported) with ``num_external_tokens == 0``, which is a no-op here.
+        """
+        rid = request.request_id
+        got = self._lookups.get(rid)
+        if rid not in self._counted and got is not None:
+            self._counted.add(rid)
+            prompt_len = len(request.prompt_token_ids or [])
+            self._stat("lookup_tokens", max((max(prompt_len - 1, 0) // self.chunk) * self.chunk - got[0], 0))
         if num_external_tokens <= 0:
             return
-        nc, hit, tiers = self._lookups[request.request_id]
+        nc, hit, tiers, load_async = got
         if nc + num_external_tokens != hit:
             log.warning("lmtier: request %s: vLLM allocated %d external tokens, lookup said %d; not loading",
-                        request.request_id, num_external_tokens, hit - nc)
+                        rid, num_external_tokens, hit - nc)
             return
         block_ids = list(blocks.get_block_ids()[0])
         nb = hit // self.block_size
         if len(block_ids) < nb:
-            log.warning("lmtier: request %s has %d blocks, needs %d; not loading", request.request_id, len(block_ids), nb)
-            return
-        self._pending_loads[request.request_id] = LoadOp(
-            request.request_id, list(request.prompt_token_ids[:hit]), request.cache_salt, nc, block_ids[:nb])
-        with self._stats_lock:
-            for i, t in enumerate(tiers):
-                self._stats.add(f"hit_tokens_{t}", (i + 1) * self.chunk - max(i * self.chunk, nc)
-                                if (i + 1) * self.chunk > nc else 0)
+            # Cannot happen with vLLM's allocator; never claim-and-not-load silently: fail it.
+            raise RuntimeError(f"lmtier: request {rid} has {len(block_ids)} blocks, the load needs {nb}")
+        self._pending_loads[rid] = LoadOp(rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc,
+                                          block_ids[:nb], is_async=load_async)
+        for t, n in self._hits_by_tier(got).items():
+            if n:
+                self._stat(f"hit_tokens_{t}", n)
         # Loaded chunks are stored already: never store them again for this request.
-        self._stored_upto[request.request_id] = hit // self.chunk
+        self._stored_upto[rid] = max(self._stored_upto.get(rid, 0), hit // self.chunk)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = LMTierConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = LMTierConnectorMetadata(loads=list(self._pending_loads.values()), delayed_frees=self._delayed_frees)
         self._pending_loads.clear()
+        self._delayed_frees = []
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         todo: list[tuple[str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[0])
             todo.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, rid in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             if nb is not None:
-                if rid in getattr(cached, "resumed_req_ids", ()):
+                if rid in resumed:
                     self._blocks[rid] = list(nb[0])
                 else:
                     self._blocks.setdefault(rid, []).extend(nb[0])
@@ -304,31 +529,40 @@ class LMTierConnector(KVConnectorBase_V1):
             need = full * self.chunk // self.block_size
             if len(blocks) < need:
                 continue
+            salt = request_salt(req)
             # Skip chunks some tier already holds (the lookup is cheap for local tiers).
-            keys = chunk_keys(prompt[: full * self.chunk], self._scheduler_ns(), cache_salt=req.cache_salt)
+            keys = chunk_keys(prompt[: full * self.chunk], self._scheduler_ns(), cache_salt=salt)
             present = len(self.manager.lookup(keys[first:])) if self.manager.cpu is not None else 0
             self._stored_upto[rid] = full
             if first + present >= full:
                 continue
-            meta.stores.append(StoreOp(rid, list(prompt[: full * self.chunk]), req.cache_salt, first + present,
+            meta.stores.append(StoreOp(rid, list(prompt[: full * self.chunk]), salt, first + present,
                                        list(blocks[:need])))
             if self._is_cuda:
                 self._async_store_reqs.add(rid)
         return meta
 
     def update_connector_output(self, connector_output):
-        pass  # loads are synchronous; failures come back as invalid block ids
+        """A failed async load leaves the request recomputing: never offer it a hit again (vLLM
+        re-asks ``get_num_new_matched_tokens`` right after this call)."""
+        for rid in getattr(connector_output, "failed_recving", None) or ():
+            self._no_load.add(rid)
+            self._lookups.pop(rid, None)
 
     def request_finished(self, request, block_ids: list[int]):
+        """Drop the request's state. Returns ``(True, None)`` only while CUDA stores still read its
+        blocks (the worker then lists it in ``finished_sending``). Blocks of a request still waiting
+        for an async load are held by vLLM itself until the worker reports ``finished_recving``."""
         rid = request.request_id
-        self._requests.pop(rid, None)
-        self._lookups.pop(rid, None)
-        self._pending_loads.pop(rid, None)
-        self._stored_upto.pop(rid, None)
-        self._blocks.pop(rid, None)
+        for d in (self._requests, self._lookups, self._pending_loads, self._stored_upto, self._blocks):
+            d.pop(rid, None)
+        self._no_load.discard(rid)
+        self._counted.discard(rid)
         # CUDA stores copy asynchronously: keep the blocks until the worker reports the copy done.
         delay = rid in self._async_store_reqs
         self._async_store_reqs.discard(rid)
+        if delay:
+            self._delayed_frees.append(rid)
         return delay, None
 
     # ================================================================== worker side
@@ -360,6 +594,7 @@ class LMTierConnector(KVConnectorBase_V1):
                  self.layout.num_layers, kind, self.layout.num_blocks, self.layout.block_size, dev, cb / 2**20)
 
     def _slots(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
+        """Slot mapping ``[1, chunk]`` (int64) of chunk ``chunk_index``; tokens before ``start_token`` are -1."""
         t = torch.arange(chunk_index * self.chunk, (chunk_index + 1) * self.chunk, dtype=torch.int64)
         blocks = torch.as_tensor(block_ids, dtype=torch.int64)[t // self.block_size]
         slots = blocks * self.block_size + t % self.block_size
@@ -367,29 +602,36 @@ class LMTierConnector(KVConnectorBase_V1):
         return slots.view(1, -1)
 
     def start_load_kv(self, forward_context, **kwargs):
+        """Run this step's synchronous loads (before the forward) and start its async loads."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads:
             return
-        t0 = time.perf_counter()
         for op in meta.loads:
+            if op.is_async:
+                self._start_async(op)
+                continue
+            t0 = time.perf_counter()
             keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
             for ci in range(op.start_token // self.chunk, len(keys)):
                 ok = False
                 try:
+                    if _faults() & {"load", "load_sync"}:
+                        raise _InjectedFault("sync load")
                     ok = self._load_chunk(keys[ci], self._slots(op.block_ids, ci, op.start_token))
+                except _InjectedFault:
+                    log.warning("lmtier: injected fault: load of chunk %d of request %s fails", ci, op.req_id)
                 except Exception:
                     log.exception("lmtier: load of chunk %d of request %s failed", ci, op.req_id)
                 if not ok:
                     first_block = max(ci * self.chunk, op.start_token) // self.block_size
                     self._failed_blocks.update(op.block_ids[first_block:])
-                    with self._stats_lock:
-                        self._stats.add("load_failures")
+                    self._stat("load_failures")
                     break
-                with self._stats_lock:
-                    self._stats.add("loaded_chunks")
-                    self._stats.add("loaded_bytes", self.ns.chunk_bytes)
-        with self._stats_lock:
-            self._stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
+                self._stat("loaded_chunks")
+                self._stat("loaded_bytes", self.ns.chunk_bytes)
+            dt = time.perf_counter() - t0
+            self._stat("load_ms", dt * 1e3)
+            self._stat("load_lat_s", dt)
 
     def _load_chunk(self, key: bytes, slots: torch.Tensor) -> bool:
         cb = self.ns.chunk_bytes
@@ -405,16 +647,98 @@ class LMTierConnector(KVConnectorBase_V1):
                 if n != cb:
                     return False
                 src = self._scratch[:cb]
-            if self._engine is not None:
-                if not src.is_pinned():
-                    src = src.pin_memory()
-                self._load_engine.load(slots, [src]).synchronize()
-            else:
-                ops.scatter(self.layout, slots, [src])
+            self._scatter(slots, src)
             return True
         finally:
             if slot is not None:
                 cpu.release(slot)
+
+    def _scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
+        if self._engine is not None:
+            if not src.is_pinned():
+                src = src.pin_memory()
+            self._load_engine.load(slots, [src]).synchronize()
+        else:
+            ops.scatter(self.layout, slots, [src])
+
+    # ---- asynchronous loads
+    def _start_async(self, op: LoadOp) -> None:
+        if op.req_id in self._async:  # cannot happen (one load per admission); never report twice
+            log.error("lmtier: request %s already has an async load in flight; ignoring the second", op.req_id)
+            return
+        if self._load_pool is None:
+            self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="lmtier-load")
+        self._stat("async_loads")
+        self._async[op.req_id] = _AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
+
+    def _fetch(self, op: LoadOp) -> tuple[list[tuple[int, torch.Tensor, Any]], bool]:
+        """Background thread: bring every chunk of ``op`` into host memory.
+
+        Returns ``(chunks, ok)``: ``chunks`` = ``[(chunk_index, uint8 tensor of chunk_bytes, pinned CPU
+        slot or None)]`` for the leading chunks that arrived; ``ok`` False if one failed (then
+        ``chunks`` stops before it). Read slots stay pinned until the worker thread scattered them.
+        """
+        cb = self.ns.chunk_bytes
+        cpu = self.manager.cpu
+        out: list[tuple[int, torch.Tensor, Any]] = []
+        keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
+        try:
+            for ci in range(op.start_token // self.chunk, len(keys)):
+                if _faults() & {"load", "load_async"}:
+                    log.warning("lmtier: injected fault: async load of chunk %d of request %s fails", ci, op.req_id)
+                    return out, False
+                slot = cpu.acquire(keys[ci]) if cpu is not None else None
+                if slot is not None:
+                    if slot.nbytes < cb:
+                        cpu.release(slot)
+                        return out, False
+                    out.append((ci, slot.view[:cb], slot))
+                    continue
+                buf = torch.empty(cb, dtype=torch.uint8, pin_memory=self._engine is not None)
+                n = self.manager.retrieve_into(keys[ci], buf)  # promotes into the CPU pool
+                if n != cb:
+                    return out, False
+                out.append((ci, buf, None))
+            return out, True
+        except Exception:
+            log.exception("lmtier: async load of request %s failed", op.req_id)
+            return out, False
+
+    def _finish_async(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Worker thread: scatter completed background loads; returns (finished, failed) request ids."""
+        self._finished_seen |= finished_req_ids
+        done: set[str] = set()
+        failed: set[str] = set()
+        for rid, a in list(self._async.items()):
+            if not a.future.done():
+                continue
+            del self._async[rid]
+            chunks, ok = a.future.result()
+            cpu = self.manager.cpu
+            try:
+                if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
+                    ok = True
+                else:
+                    for ci, src, _slot in chunks if ok else ():
+                        self._scatter(self._slots(a.op.block_ids, ci, a.op.start_token), src)
+                        self._stat("loaded_chunks")
+                        self._stat("loaded_bytes", self.ns.chunk_bytes)
+            except Exception:
+                log.exception("lmtier: scatter of async load of request %s failed", rid)
+                ok = False
+            finally:
+                for _ci, _src, slot in chunks:
+                    if slot is not None:
+                        cpu.release(slot)
+            dt = time.perf_counter() - a.t0
+            self._stat("load_lat_s", dt)
+            self._stat("load_ms", dt * 1e3)
+            done.add(rid)
+            if not ok:
+                self._stat("load_failures")
+                failed.add(rid)
+        self._finished_seen.intersection_update(self._async)  # keep ids of loads still in flight only
+        return done, failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
@@ -426,9 +750,9 @@ class LMTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.stores or self.layout is None:
             return
-        t0 = time.perf_counter()
         cpu = self.manager.cpu
         for op in meta.stores:
+            t0 = time.perf_counter()
             keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
             for ci in range(op.first_chunk, len(keys)):
                 key = keys[ci]
@@ -437,12 +761,13 @@ class LMTierConnector(KVConnectorBase_V1):
                     if cpu is None:
                         ops.gather(self.layout, slots, [self._scratch]) if self._engine is None else \
                             self._engine.store(slots, [self._scratch]).synchronize()
-                        self.manager.store(key, self._scratch, timeout_s=None).result()
+                        if self.manager.store(key, self._scratch, timeout_s=None).result():
+                            self._stat("stored_chunks")
+                            self._stat("stored_bytes", self.ns.chunk_bytes)
                         continue
                     slot = cpu.reserve(key)
                     if slot is None:  # present already, or every slot pinned (back-pressure)
-                        with self._stats_lock:
-                            self._stats.add("store_skipped")
+                        self._stat("store_skipped")
                         continue
                     try:
                         dst = slot.view[: self.ns.chunk_bytes]
@@ -456,13 +781,13 @@ class LMTierConnector(KVConnectorBase_V1):
                         raise
                     cpu.commit(slot, self.ns.chunk_bytes)
                     self.manager.publish(key)
-                    with self._stats_lock:
-                        self._stats.add("stored_chunks")
-                        self._stats.add("stored_bytes", self.ns.chunk_bytes)
+                    self._stat("stored_chunks")
+                    self._stat("stored_bytes", self.ns.chunk_bytes)
                 except Exception:
                     log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-        with self._stats_lock:
-            self._stats.add("store_ms", (time.perf_counter() - t0) * 1e3)
+            dt = time.perf_counter() - t0
+            self._stat("store_ms", dt * 1e3)
+            self._stat("store_lat_s", dt)
 
     def _poll_pending(self, *, block: bool = False) -> None:
         cpu = self.manager.cpu
@@ -474,9 +799,8 @@ class LMTierConnector(KVConnectorBase_V1):
                 if ev.query():
                     cpu.commit(slot, self.ns.chunk_bytes)
                     self.manager.publish(key)
-                    with self._stats_lock:
-                        self._stats.add("stored_chunks")
-                        self._stats.add("stored_bytes", self.ns.chunk_bytes)
+                    self._stat("stored_chunks")
+                    self._stat("stored_bytes", self.ns.chunk_bytes)
                 else:
                     keep.append((ev, slot, key))
             if keep:
@@ -485,13 +809,25 @@ class LMTierConnector(KVConnectorBase_V1):
                 del self._pending[rid]
 
     def get_finished(self, finished_req_ids: set[str]):
-        if self._engine is None:
-            return None, None
-        self._poll_pending()
-        self._finished_waiting |= set(finished_req_ids)
-        done = {r for r in self._finished_waiting if r not in self._pending}
-        self._finished_waiting -= done
-        return (done or None), None
+        res = self.get_transfer_results(finished_req_ids)
+        return (res.finished_sending or None), (res.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Completed async loads (``finished_recving``; failed ones also in ``failed_recving``) and
+        finished requests whose delayed block frees may now happen (``finished_sending``)."""
+        recv, failed = self._finish_async(set(finished_req_ids or ()))
+        sending: set[str] = set()
+        meta = self._get_connector_metadata() if self._connector_metadata is not None else None
+        if isinstance(meta, LMTierConnectorMetadata):
+            self._delayed.update(meta.delayed_frees)
+        if self._engine is not None:
+            self._poll_pending()
+        if self._delayed:
+            sending = {r for r in self._delayed if r not in self._pending}
+            self._delayed -= sending
+        if KVConnectorTransferResults is None:  # pragma: no cover
+            return sending, recv
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Preempted requests' blocks may be reused this step: finish in-flight copies first.
@@ -514,8 +850,18 @@ class LMTierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict | None = None):
         return LMTierStats(data) if data is not None else LMTierStats()
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return LMTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self):
         if self._role == KVConnectorRole.WORKER:
+            if self._load_pool is not None:
+                self._load_pool.shutdown(wait=True)
             if self._engine is not None:
                 self._poll_pending(block=True)
             self.manager.flush(timeout_s=30)
+
+
+class _InjectedFault(RuntimeError):
+    pass

