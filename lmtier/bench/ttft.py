@@ -274,8 +274,12 @@ def fs_type(path: str) -> str:
 
 
 def default_disk_dir() -> str:
-    for base in (os.environ.get("TMPDIR"), "/var/tmp", "/tmp", os.getcwd()):
-        if base and os.path.isdir(base) and os.access(base, os.W_OK) and fs_type(base) not in ("tmpfs", "ramfs", "?"):
+    """A temp dir on a real disk filesystem (not tmpfs/overlay, where O_DIRECT is missing or
+    the page cache is the medium): $TMPDIR, /var/tmp, /tmp, the cwd, $HOME — the first that fits."""
+    cands = [os.environ.get("TMPDIR"), "/var/tmp", "/tmp", os.getcwd(), os.path.expanduser("~")]
+    for base in cands:
+        if base and os.path.isdir(base) and os.access(base, os.W_OK) \
+                and fs_type(base) not in ("tmpfs", "ramfs", "overlay", "devtmpfs", "?"):
             return tempfile.mkdtemp(prefix="lmtier-ttft-", dir=base)
     return tempfile.mkdtemp(prefix="lmtier-ttft-", dir=os.getcwd())
 
@@ -725,7 +729,7 @@ def run(args) -> dict:
             skipped.append({"N": n, "why": f"N + 1 > max_position_embeddings {maxpos}"})
         lengths = [n for n in lengths if n + 1 <= maxpos]
     say(f"model: {b.model_name}: {b.L} layers, {cfg.num_attention_heads} heads, {b.H} KV heads x {b.D}, "
-        f"{args.dtype}, {args.device}; {b.bpt / 1024:.0f} KiB KV per token; chunks of {b.T} tokens; "
+        f"{args.dtype}, {args.device}; {b.bpt:,} B of KV per token; chunks of {b.T} tokens; "
         f"H2D copy mode: {b.copy_mode}")
 
     # host memory for the CPU tier (all chunks of the largest prefix) and the tier read ring
@@ -799,6 +803,13 @@ def run(args) -> dict:
 
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, cfg.vocab_size, (1, maxn + 1), generator=gen).to(b.device)
+
+    # global warm-up (allocator, cuBLAS/SDPA kernels, lazy transformers setup) before any length
+    with torch.no_grad():
+        wn = min(64, maxn)
+        for _ in range(2):
+            b.model(input_ids=ids[:, : wn + 1], use_cache=False, logits_to_keep=1)
+        dev.sync()
 
     rows = []
     try:
