@@ -8,6 +8,7 @@
 
 #include "lmtier/common.h"
 #include "lmtier/paged_copy.h"
+#include "lmtier/rans.h"  // rANS block
 #include "lmtier/runtime.h"
 #include "lmtier/staged_copy.h"
 
@@ -84,6 +85,93 @@ void paged_copy(int direction, bool on_cuda, uintptr_t layer_ptrs, int32_t num_l
 }
 
 }  // namespace
+
+// ==== rANS entropy coder (csrc/rans_*.{cpp,cu}, lmtier/codec/rans.py) ==============================
+// Pointers are addresses of host (CPU) or device-accessible (CUDA) arrays built by lmtier.codec.rans.
+namespace {
+
+void bind_rans(py::module_& m) {
+  namespace r = lmtier::rans;
+  py::module_ rm = m.def_submodule("rans", "interleaved rANS entropy coder (see csrc/include/lmtier/rans.h)");
+  rm.attr("PROB_BITS") = r::kProbBits;
+  rm.attr("PROB_SCALE") = r::kProbScale;
+  rm.attr("LANES") = r::kLanes;
+  rm.attr("MIN_SEG_LOG2") = r::kMinSegLog2;
+  rm.attr("MAX_SEG_LOG2") = r::kMaxSegLog2;
+  rm.attr("DEFAULT_SEG_LOG2") = r::kDefaultSegLog2;
+  rm.attr("ADAPTIVE_TABLE") = r::kAdaptiveTable;
+  rm.attr("MAX_STREAM_SYMBOLS") = r::kMaxStreamSymbols;
+  rm.attr("HEADER_BYTES") = sizeof(r::RansStreamHeader);
+  rm.attr("MAGIC") = r::kMagic;
+  rm.attr("VERSION") = r::kVersion;
+  rm.def(
+      "normalize_counts",
+      [](uintptr_t counts, int alphabet_size, uintptr_t freq_out) {
+        return r::normalize_counts(reinterpret_cast<const uint64_t*>(counts), alphabet_size,
+                                   reinterpret_cast<uint16_t*>(freq_out));
+      },
+      py::arg("counts"), py::arg("alphabet_size"), py::arg("freq_out"),
+      "counts: address of [256] uint64; freq_out: address of [256] uint16. False if no symbol present.");
+  rm.def("max_encoded_bytes", &r::max_encoded_bytes, py::arg("num_symbols"), py::arg("seg_log2"));
+  rm.def("max_batch_encoded_bytes", &r::max_batch_encoded_bytes, py::arg("num_streams"),
+         py::arg("total_symbols"), py::arg("seg_log2"));
+  rm.def("encode_scratch_bytes", &r::encode_scratch_bytes, py::arg("num_streams"), py::arg("total_symbols"),
+         py::arg("seg_log2"));
+  rm.def("decode_scratch_bytes", &r::decode_scratch_bytes, py::arg("num_streams"));
+  rm.def(
+      "encode",
+      [](bool on_cuda, uintptr_t descs, int64_t num_streams, uintptr_t tables, int64_t num_tables,
+         int seg_log2, uintptr_t out, uint64_t out_bytes, uintptr_t offsets, uintptr_t status,
+         uintptr_t scratch, uint64_t scratch_bytes, int32_t num_threads, uintptr_t stream) {
+        auto* d = reinterpret_cast<const r::RansEncodeDesc*>(descs);
+        auto* t = reinterpret_cast<const uint16_t*>(tables);
+        if (!on_cuda) {
+          r::encode_cpu(d, num_streams, t, num_tables, seg_log2, reinterpret_cast<uint8_t*>(out), out_bytes,
+                        reinterpret_cast<uint64_t*>(offsets), reinterpret_cast<int32_t*>(status),
+                        reinterpret_cast<void*>(scratch), scratch_bytes, num_threads);
+          return;
+        }
+#ifdef LMTIER_WITH_CUDA
+        r::encode_cuda(d, num_streams, t, num_tables, seg_log2, reinterpret_cast<uint8_t*>(out), out_bytes,
+                       reinterpret_cast<uint64_t*>(offsets), reinterpret_cast<int32_t*>(status),
+                       reinterpret_cast<void*>(scratch), scratch_bytes, reinterpret_cast<void*>(stream));
+#else
+        (void)stream;
+        LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
+#endif
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"), py::arg("num_streams"),
+      py::arg("tables"), py::arg("num_tables"), py::arg("seg_log2"), py::arg("out"), py::arg("out_bytes"),
+      py::arg("offsets"), py::arg("status"), py::arg("scratch"), py::arg("scratch_bytes"),
+      py::arg("num_threads"), py::arg("stream"));
+  rm.def(
+      "decode",
+      [](bool on_cuda, uintptr_t descs, int64_t num_streams, uintptr_t tables, int64_t num_tables,
+         uintptr_t out_lengths, uintptr_t status, uintptr_t scratch, uint64_t scratch_bytes,
+         int32_t num_threads, uintptr_t stream) {
+        auto* d = reinterpret_cast<const r::RansDecodeDesc*>(descs);
+        auto* t = reinterpret_cast<const uint16_t*>(tables);
+        if (!on_cuda) {
+          r::decode_cpu(d, num_streams, t, num_tables, reinterpret_cast<uint64_t*>(out_lengths),
+                        reinterpret_cast<int32_t*>(status), num_threads);
+          return;
+        }
+#ifdef LMTIER_WITH_CUDA
+        r::decode_cuda(d, num_streams, t, num_tables, reinterpret_cast<uint64_t*>(out_lengths),
+                       reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch), scratch_bytes,
+                       reinterpret_cast<void*>(stream));
+#else
+        (void)scratch; (void)scratch_bytes; (void)stream;
+        LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
+#endif
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"), py::arg("num_streams"),
+      py::arg("tables"), py::arg("num_tables"), py::arg("out_lengths"), py::arg("status"), py::arg("scratch"),
+      py::arg("scratch_bytes"), py::arg("num_threads"), py::arg("stream"));
+}
+
+}  // namespace
+// ==== end rANS ====================================================================================
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lmtier compiled core: paged KV gather/scatter (CPU + CUDA), host memory, DMA copies";
@@ -165,4 +253,6 @@ PYBIND11_MODULE(_C, m) {
           },
           py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"));
 #endif
+
+  bind_rans(m);  // rANS block
 }

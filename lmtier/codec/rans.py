@@ -1,0 +1,521 @@
+"""Interleaved rANS entropy coder for uint8 symbol streams: one native call per batch, CPU or CUDA.
+
+The coder and its byte format are specified in ``csrc/include/lmtier/rans.h`` (rANS after Duda,
+arXiv:1311.2540; 32 interleaved lanes per segment and 16-bit renormalization as in dietgpu). In short:
+probability precision 12 bits (a *table* is 256 ``uint16`` frequencies summing to 4096), segments of
+``2**seg_log2`` symbols coded by 32 lanes (one CUDA warp), a per-stream table of its own when the
+static table lacks a symbol, raw storage of segments that coding would not shrink. The CPU (threads)
+and CUDA (one warp per segment) encoders produce **byte-identical** streams.
+
+Entry points:
+
+* :func:`build_table` / :func:`table_from_symbols` — normalize counts to a table (the C++ routine,
+  identical to what the encoders use for their fallback tables).
+* :func:`entropy_bits` — ideal coded size of symbols under a table (for ratio measurements).
+* :func:`encode` / :func:`decode` — convenience: allocate, run, check, return.
+* :func:`encode_into` / :func:`decode_into` — the hot path: caller-provided output, scratch, offsets and
+  status buffers; nothing allocated but the small descriptor array; asynchronous on CUDA.
+
+Arrays are NumPy arrays or torch tensors; CUDA tensors select the CUDA kernels (all buffers of a call
+on one device). Errors in the data (corrupted / truncated / hostile streams, missing tables) raise
+:class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from lmtier import _C
+
+__all__ = [
+    "PROB_BITS",
+    "PROB_SCALE",
+    "LANES",
+    "DEFAULT_SEG_LOG2",
+    "ADAPTIVE_TABLE",
+    "HEADER_BYTES",
+    "STATUS_NAMES",
+    "ENCODE_DESC",
+    "DECODE_DESC",
+    "StreamInfo",
+    "EncodedBatch",
+    "build_table",
+    "table_from_symbols",
+    "entropy_bits",
+    "max_encoded_bytes",
+    "max_batch_encoded_bytes",
+    "encode_scratch_bytes",
+    "decode_scratch_bytes",
+    "stream_info",
+    "encode",
+    "encode_into",
+    "decode",
+    "decode_into",
+]
+
+_R = _C.rans
+PROB_BITS: int = _R.PROB_BITS
+PROB_SCALE: int = _R.PROB_SCALE
+LANES: int = _R.LANES
+MIN_SEG_LOG2: int = _R.MIN_SEG_LOG2
+MAX_SEG_LOG2: int = _R.MAX_SEG_LOG2
+DEFAULT_SEG_LOG2: int = _R.DEFAULT_SEG_LOG2
+ADAPTIVE_TABLE: int = _R.ADAPTIVE_TABLE
+HEADER_BYTES: int = _R.HEADER_BYTES
+MAX_STREAM_SYMBOLS: int = _R.MAX_STREAM_SYMBOLS
+
+STATUS_NAMES = {
+    0: "ok",
+    1: "truncated stream",
+    2: "bad stream header",
+    3: "bad or unknown table",
+    4: "decoded symbols exceed the destination capacity",
+    5: "inconsistent segment table",
+    6: "corrupt rANS payload (integrity check failed)",
+    7: "stream address not 4-byte aligned",
+    8: "stream longer than MAX_STREAM_SYMBOLS",
+    9: "scratch buffer too small",
+    10: "output buffer too small",
+}
+
+# Descriptor layouts shared with csrc/include/lmtier/rans.h (static_asserted there).
+ENCODE_DESC = np.dtype([("src", "<u8"), ("num_symbols", "<u8"), ("table_id", "<u4"), ("reserved", "<u4")])
+DECODE_DESC = np.dtype([("src", "<u8"), ("src_bytes", "<u8"), ("dst", "<u8"), ("dst_capacity", "<u8")])
+assert ENCODE_DESC.itemsize == 24 and DECODE_DESC.itemsize == 32
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _is_cuda(x: Any) -> bool:
+    return _is_torch(x) and x.device.type == "cuda"
+
+
+def _addr_len(x: Any) -> tuple[int, int]:
+    """(address, bytes) of a contiguous 1-D byte-like NumPy array or torch tensor."""
+    if _is_torch(x):
+        if not x.is_contiguous():
+            raise ValueError("tensors must be contiguous")
+        return x.data_ptr(), x.numel() * x.element_size()
+    a = np.asarray(x)
+    if not a.flags.c_contiguous:
+        raise ValueError("arrays must be C-contiguous")
+    return a.ctypes.data, a.nbytes
+
+
+def _as_u8_np(x: Any) -> np.ndarray:
+    if _is_torch(x):
+        x = x.detach().cpu().contiguous().numpy()
+    a = np.ascontiguousarray(np.asarray(x))
+    if a.dtype != np.uint8:
+        raise ValueError(f"symbols must be uint8, got {a.dtype}")
+    return a.reshape(-1)
+
+
+def _tables_np(tables: Any) -> np.ndarray:
+    if tables is None:
+        return np.zeros((0, 256), np.uint16)
+    if _is_torch(tables):
+        tables = tables.detach().cpu().numpy()
+    t = np.ascontiguousarray(np.asarray(tables))
+    if t.ndim == 1:
+        t = t.reshape(1, -1)
+    if t.ndim != 2 or t.shape[1] != 256:
+        raise ValueError(f"tables must be [num_tables, 256], got {t.shape}")
+    if t.dtype != np.uint16:
+        if t.size and (t.min() < 0 or t.max() > PROB_SCALE):
+            raise ValueError("table frequencies must be in [0, 4096]")
+        t = t.astype(np.uint16)
+    if t.shape[0] > 0xFFFF:
+        raise ValueError("at most 65535 static tables")
+    return t
+
+
+def _raise_status(status: np.ndarray, what: str) -> None:
+    bad = np.flatnonzero(status)
+    if bad.size:
+        first = ", ".join(f"stream {int(i)}: {STATUS_NAMES.get(int(status[i]), int(status[i]))}" for i in bad[:8])
+        more = f" (+{bad.size - 8} more)" if bad.size > 8 else ""
+        raise ValueError(f"rans {what} failed for {bad.size} stream(s): {first}{more}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables and measurement
+
+
+def build_table(counts: Any, *, alphabet_size: int = 0) -> np.ndarray:
+    """Normalize symbol counts to a rANS table.
+
+    Parameters
+    ----------
+    counts : array-like, shape [256] (or shorter), non-negative integers
+        Symbol occurrence counts (e.g. a calibration histogram).
+    alphabet_size : int, keyword-only
+        Symbols ``0 .. alphabet_size-1`` get frequency >= 1 even when their count is 0, so the
+        table can code any symbol of the alphabet (a static table without fallback).
+
+    Returns
+    -------
+    np.ndarray, uint16, shape [256], sum 4096. Deterministic; the same C++ routine
+    (``normalize_counts`` in rans.h) builds the encoders' per-stream fallback tables.
+    """
+    c = np.zeros(256, np.uint64)
+    a = np.asarray(counts).reshape(-1)
+    if a.size > 256:
+        raise ValueError("counts has more than 256 entries")
+    if a.size and (a < 0).any():
+        raise ValueError("counts must be non-negative")
+    c[: a.size] = a.astype(np.uint64)
+    if int(c.sum(dtype=np.float64)) >= 1 << 51:
+        raise ValueError("counts sum must be < 2**51")
+    if not 0 <= alphabet_size <= 256:
+        raise ValueError("alphabet_size must be in [0, 256]")
+    out = np.zeros(256, np.uint16)
+    if not _R.normalize_counts(c.ctypes.data, int(alphabet_size), out.ctypes.data):
+        raise ValueError("no symbol present: counts are all zero and alphabet_size is 0")
+    return out
+
+
+def table_from_symbols(symbols: Any, *, alphabet_size: int = 0) -> np.ndarray:
+    """:func:`build_table` of the histogram of ``symbols`` (uint8 array or tensor)."""
+    s = _as_u8_np(symbols)
+    return build_table(np.bincount(s, minlength=256), alphabet_size=alphabet_size)
+
+
+def entropy_bits(symbols: Any, table: Any) -> float:
+    """Ideal coded size in bits of ``symbols`` under ``table``: sum of -log2(freq[s] / 4096).
+
+    ``inf`` when a symbol has frequency 0 (the encoder would then use a per-stream table). The real
+    coded size adds per segment 128 bytes of lane states plus < 2 bytes of renormalization slack,
+    4 bytes of segment table, and per stream 16 bytes of header (+ up to 544 bytes of own table).
+    """
+    s = _as_u8_np(symbols)
+    t = _tables_np(table)[0].astype(np.float64)
+    hist = np.bincount(s, minlength=256).astype(np.float64)
+    used = hist > 0
+    if (t[used] == 0).any():
+        return math.inf
+    return float(-(hist[used] * np.log2(t[used] / PROB_SCALE)).sum())
+
+
+def max_encoded_bytes(num_symbols: int, seg_log2: int = DEFAULT_SEG_LOG2) -> int:
+    """Worst-case encoded bytes of one stream."""
+    return int(_R.max_encoded_bytes(int(num_symbols), int(seg_log2)))
+
+
+def max_batch_encoded_bytes(num_streams: int, total_symbols: int, seg_log2: int = DEFAULT_SEG_LOG2) -> int:
+    """Worst-case encoded bytes of a batch of ``num_streams`` streams of ``total_symbols`` symbols."""
+    return int(_R.max_batch_encoded_bytes(int(num_streams), int(total_symbols), int(seg_log2)))
+
+
+def encode_scratch_bytes(num_streams: int, total_symbols: int, seg_log2: int = DEFAULT_SEG_LOG2) -> int:
+    """Scratch bytes :func:`encode_into` needs (CPU and CUDA alike; about total_symbols + 1.5 KiB/stream)."""
+    return int(_R.encode_scratch_bytes(int(num_streams), int(total_symbols), int(seg_log2)))
+
+
+def decode_scratch_bytes(num_streams: int) -> int:
+    """Scratch bytes :func:`decode_into` needs on CUDA (48 per stream + 512)."""
+    return int(_R.decode_scratch_bytes(int(num_streams)))
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """Header fields of one encoded stream (see rans.h)."""
+
+    num_symbols: int
+    table_id: int
+    adaptive: bool
+    seg_log2: int
+    num_segments: int
+
+
+def stream_info(buf: Any) -> StreamInfo:
+    """Parse one encoded stream's header (host bytes). Raises ValueError if it is not one."""
+    b = memoryview(_as_u8_np(buf) if not isinstance(buf, (bytes, bytearray, memoryview)) else buf).cast("B")
+    if len(b) < HEADER_BYTES:
+        raise ValueError("rans stream truncated: shorter than its 16-byte header")
+    magic, version, flags, seg_log2, lanes, table_id, reserved, n = np.frombuffer(
+        bytes(b[:16]), dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4"))[0].tolist()
+    if magic != _R.MAGIC or version != _R.VERSION or flags & ~1 or lanes != 5 or reserved:
+        raise ValueError("not an lmtier rANS stream (bad magic/version/flags)")
+    if not MIN_SEG_LOG2 <= seg_log2 <= MAX_SEG_LOG2:
+        raise ValueError(f"bad segment size 2**{seg_log2}")
+    return StreamInfo(n, table_id, bool(flags & 1), seg_log2, -(-n // (1 << seg_log2)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batch encode / decode
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """Encoded streams back to back in ``data`` (uint8, same device as the input);
+    stream i is ``data[offsets[i]:offsets[i+1]]`` (``offsets``: host int64 [N + 1])."""
+
+    data: Any
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def stream(self, i: int) -> Any:
+        return self.data[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets[-1])
+
+
+def _stream_handle(stream: Any, device: Any) -> int:
+    torch = _torch()
+    if stream is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    if isinstance(stream, int):
+        return stream
+    return stream.cuda_stream
+
+
+def _sync(stream: Any, device: Any) -> None:
+    torch = _torch()
+    if stream is None:
+        torch.cuda.current_stream(device).synchronize()
+    elif isinstance(stream, int):
+        torch.cuda.ExternalStream(stream, device=device).synchronize()
+    else:
+        stream.synchronize()
+
+
+def _keep_alive(tensors: list[Any], stream: Any, device: Any) -> None:
+    """The uploaded descriptor/table tensors were allocated on the current stream; when the kernels
+    run on another stream, tell the caching allocator so the memory is not reused before they finish."""
+    if stream is None:
+        return
+    torch = _torch()
+    s = torch.cuda.ExternalStream(stream, device=device) if isinstance(stream, int) else stream
+    for t in tensors:
+        if t is not None and _is_cuda(t):
+            t.record_stream(s)
+
+
+def _table_ids(table_ids: Any, n: int) -> np.ndarray:
+    if isinstance(table_ids, (int, np.integer)):
+        return np.full(n, int(table_ids), np.int64)
+    ids = np.asarray(table_ids, np.int64).reshape(-1)
+    if ids.size != n:
+        raise ValueError(f"got {ids.size} table ids for {n} streams")
+    return ids
+
+
+def _device_bytes(arr: np.ndarray, device: Any):
+    torch = _torch()
+    return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).to(device)
+
+
+def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any, offsets: Any, status: Any,
+                scratch: Any, seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None) -> None:
+    """Encode a batch into caller-provided buffers, one native call (CUDA: asynchronous on ``stream``).
+
+    Parameters
+    ----------
+    streams : sequence of N contiguous 1-D uint8 arrays/tensors (all CPU or all on one CUDA device)
+    table_ids : int or [N] ints — static table per stream (< num_tables) or ``ADAPTIVE_TABLE``
+    tables : [num_tables, 256] uint16 — static tables (NumPy; uploaded per call on CUDA) or a CUDA
+        tensor of ``num_tables * 512`` bytes already on the device
+    out : uint8 buffer, >= ``max_batch_encoded_bytes(N, sum(len))`` bytes (smaller works if it fits)
+    offsets : int64/uint64 [N + 1] — receives stream offsets into ``out``; offsets[N] = total bytes
+    status : int32 [N] — receives per-stream status (0 = ok, see STATUS_NAMES)
+    scratch : uint8 buffer of >= ``encode_scratch_bytes(N, sum(len), seg_log2)`` bytes
+    All of out/offsets/status/scratch on the streams' device (host memory for CPU streams).
+    """
+    n = len(streams)
+    ids = _table_ids(table_ids, n)
+    on_cuda = n > 0 and _is_cuda(streams[0])
+    desc = np.zeros(n, ENCODE_DESC)
+    for i, s in enumerate(streams):
+        if _is_cuda(s) != on_cuda:
+            raise ValueError("streams must be all CPU or all CUDA")
+        if (_is_torch(s) and s.dtype.itemsize != 1) or (not _is_torch(s) and np.asarray(s).dtype != np.uint8):
+            raise ValueError(f"stream {i}: symbols must be uint8")
+        desc[i]["src"], desc[i]["num_symbols"] = _addr_len(s)
+    desc["table_id"] = ids.astype(np.uint32) & 0xFFFFFFFF
+    keep: list[Any] = [desc]
+    if on_cuda and _is_cuda(tables):
+        t_addr, num_tables = tables.data_ptr(), tables.numel() * tables.element_size() // 512
+    else:
+        t = _tables_np(tables)
+        num_tables = t.shape[0]
+        if on_cuda:
+            tdev = _device_bytes(t, streams[0].device) if num_tables else None
+            keep.append(tdev)
+            t_addr = tdev.data_ptr() if tdev is not None else 0
+        else:
+            keep.append(t)
+            t_addr = t.ctypes.data
+    out_addr, out_bytes = _addr_len(out)
+    sc_addr, sc_bytes = _addr_len(scratch)
+    off_addr, off_bytes = _addr_len(offsets)
+    st_addr, st_bytes = _addr_len(status)
+    if off_bytes < 8 * (n + 1) or st_bytes < 4 * n:
+        raise ValueError("offsets must hold N + 1 int64 and status N int32")
+    if on_cuda:
+        dev = streams[0].device
+        ddesc = _device_bytes(desc, dev)
+        keep.append(ddesc)
+        _R.encode(True, ddesc.data_ptr(), n, t_addr, num_tables, seg_log2, out_addr, out_bytes, off_addr,
+                  st_addr, sc_addr, sc_bytes, num_threads, _stream_handle(stream, dev))
+        _keep_alive(keep, stream, dev)
+    else:
+        _R.encode(False, desc.ctypes.data, n, t_addr, num_tables, seg_log2, out_addr, out_bytes, off_addr,
+                  st_addr, sc_addr, sc_bytes, num_threads, 0)
+
+
+def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any = None, *,
+           seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None) -> EncodedBatch:
+    """Encode N uint8 streams; returns an :class:`EncodedBatch` (synchronizes on CUDA).
+
+    ``table_ids`` defaults to ``ADAPTIVE_TABLE`` (every stream codes with its own table).
+    Raises ValueError on bad tables / ids / dtypes.
+    """
+    streams = list(streams)
+    n = len(streams)
+    lengths = [_addr_len(s)[1] for s in streams]
+    total = sum(lengths)
+    bound = max_batch_encoded_bytes(n, total, seg_log2)
+    sc_bytes = encode_scratch_bytes(n, total, seg_log2)
+    if n and _is_cuda(streams[0]):
+        torch = _torch()
+        dev = streams[0].device
+        out = torch.empty(bound, dtype=torch.uint8, device=dev)
+        scratch = torch.empty(sc_bytes, dtype=torch.uint8, device=dev)
+        offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
+        status = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
+        encode_into(streams, table_ids, tables, out=out, offsets=offsets, status=status, scratch=scratch,
+                    seg_log2=seg_log2, stream=stream)
+        _sync(stream, dev)
+        st = status.cpu().numpy()[:n]
+        off = offsets.cpu().numpy()
+        _raise_status(st, "encode")
+        return EncodedBatch(out[: int(off[-1])], off.astype(np.int64))
+    streams = [np.ascontiguousarray(_as_u8_np(s)) for s in streams]
+    out = np.empty(bound, np.uint8)
+    scratch = np.empty(sc_bytes, np.uint8)
+    offsets = np.zeros(n + 1, np.int64)
+    status = np.zeros(max(n, 1), np.int32)
+    encode_into(streams, table_ids, tables, out=out, offsets=offsets, status=status, scratch=scratch,
+                seg_log2=seg_log2, num_threads=num_threads)
+    _raise_status(status[:n], "encode")
+    return EncodedBatch(out[: int(offsets[-1])], offsets)
+
+
+def decode_into(sources: Sequence[Any], tables: Any, *, outs: Sequence[Any], out_lengths: Any, status: Any,
+                scratch: Any = None, num_threads: int = 0, stream: Any = None) -> None:
+    """Decode N encoded streams into caller-provided buffers, one native call (CUDA: async).
+
+    ``sources[i]``: the encoded stream (1-D uint8, 4-byte aligned address; extra trailing bytes are
+    ignored); ``outs[i]``: destination (its size is the capacity); ``out_lengths``: uint64/int64 [N]
+    receives decoded symbol counts (valid where status == 0); ``status``: int32 [N]; ``scratch``
+    (CUDA only): >= ``decode_scratch_bytes(N)`` bytes on the device. Hostile input never reads or
+    writes outside the given buffers; it yields a nonzero status.
+    """
+    n = len(sources)
+    if len(outs) != n:
+        raise ValueError(f"got {len(outs)} outputs for {n} streams")
+    on_cuda = n > 0 and _is_cuda(sources[0])
+    desc = np.zeros(n, DECODE_DESC)
+    for i, (s, o) in enumerate(zip(sources, outs)):
+        if _is_cuda(s) != on_cuda or _is_cuda(o) != on_cuda:
+            raise ValueError("sources and outputs must be all CPU or all on one CUDA device")
+        desc[i]["src"], desc[i]["src_bytes"] = _addr_len(s)
+        desc[i]["dst"], desc[i]["dst_capacity"] = _addr_len(o)
+    keep: list[Any] = [desc]
+    if on_cuda and _is_cuda(tables):
+        t_addr, num_tables = tables.data_ptr(), tables.numel() * tables.element_size() // 512
+    else:
+        t = _tables_np(tables)
+        num_tables = t.shape[0]
+        if on_cuda:
+            tdev = _device_bytes(t, sources[0].device) if num_tables else None
+            keep.append(tdev)
+            t_addr = tdev.data_ptr() if tdev is not None else 0
+        else:
+            keep.append(t)
+            t_addr = t.ctypes.data
+    len_addr, len_bytes = _addr_len(out_lengths)
+    st_addr, st_bytes = _addr_len(status)
+    if len_bytes < 8 * n or st_bytes < 4 * n:
+        raise ValueError("out_lengths must hold N int64 and status N int32")
+    if on_cuda:
+        dev = sources[0].device
+        if scratch is None:
+            raise ValueError("CUDA decode needs scratch (decode_scratch_bytes(N) bytes on the device)")
+        sc_addr, sc_bytes = _addr_len(scratch)
+        ddesc = _device_bytes(desc, dev)
+        keep.append(ddesc)
+        _R.decode(True, ddesc.data_ptr(), n, t_addr, num_tables, len_addr, st_addr, sc_addr, sc_bytes,
+                  num_threads, _stream_handle(stream, dev))
+        _keep_alive(keep, stream, dev)
+    else:
+        _R.decode(False, desc.ctypes.data, n, t_addr, num_tables, len_addr, st_addr, 0, 0, num_threads, 0)
+
+
+def decode(batch: EncodedBatch | Sequence[Any], tables: Any = None, *, lengths: Sequence[int] | None = None,
+           num_threads: int = 0, stream: Any = None) -> list[Any]:
+    """Decode encoded streams; returns one uint8 array (CPU) / tensor (CUDA) per stream.
+
+    ``batch``: an :class:`EncodedBatch` or a sequence of encoded streams. ``lengths``: expected symbol
+    counts (required for CUDA input unless read from the headers, which costs a device-to-host copy);
+    a stream that decodes to a different count raises. Raises ValueError on any malformed stream.
+    """
+    sources = [batch.stream(i) for i in range(len(batch))] if isinstance(batch, EncodedBatch) else list(batch)
+    n = len(sources)
+    on_cuda = n > 0 and _is_cuda(sources[0])
+    if lengths is None:
+        lengths = []
+        for s in sources:
+            head = s[:HEADER_BYTES]
+            head = head.cpu().numpy() if _is_torch(head) else np.asarray(head)
+            lengths.append(stream_info(head).num_symbols)
+    lengths = [int(x) for x in lengths]
+    if len(lengths) != n:
+        raise ValueError(f"got {len(lengths)} lengths for {n} streams")
+    if on_cuda:
+        torch = _torch()
+        dev = sources[0].device
+        outs = [torch.empty(max(x, 0), dtype=torch.uint8, device=dev) for x in lengths]
+        out_len = torch.zeros(n, dtype=torch.int64, device=dev)
+        status = torch.zeros(max(n, 1), dtype=torch.int32, device=dev)
+        scratch = torch.empty(decode_scratch_bytes(n), dtype=torch.uint8, device=dev)
+        decode_into(sources, tables, outs=outs, out_lengths=out_len, status=status, scratch=scratch,
+                    stream=stream)
+        _sync(stream, dev)
+        st = status.cpu().numpy()[:n]
+        got = out_len.cpu().numpy()
+    else:
+        srcs = []
+        for s in sources:
+            a = _as_u8_np(s) if not isinstance(s, (bytes, bytearray, memoryview)) else np.frombuffer(s, np.uint8)
+            if a.ctypes.data % 4:
+                a = a.copy()  # numpy allocations are aligned
+            srcs.append(a)
+        sources = srcs
+        outs = [np.empty(max(x, 0), np.uint8) for x in lengths]
+        got = np.zeros(n, np.int64)
+        st = np.zeros(max(n, 1), np.int32)
+        decode_into(sources, tables, outs=outs, out_lengths=got, status=st, num_threads=num_threads)
+        st = st[:n]
+    _raise_status(st, "decode")
+    for i in range(n):
+        if int(got[i]) != lengths[i]:
+            raise ValueError(f"rans decode: stream {i} holds {int(got[i])} symbols, expected {lengths[i]}")
+    return outs
