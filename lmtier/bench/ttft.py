@@ -634,28 +634,38 @@ class Bench:
         for tier, tag in ((disk, "disk"), (redis, "redis")):
             if tier is None:
                 continue
-            for c, hc in enumerate(host_chunks):
-                if not tier.put(chunk_key(tag, n, c), hc):
-                    raise RuntimeError(f"{tag} tier: put of chunk {c} (N={n}) failed")
-            before = None
-            if tag == "disk":
-                def before():
-                    why = drop_caches()
-                    if why and not drop_note:
-                        drop_note.append(why)
-            kv.fill_(float("nan"))
-            with torch.no_grad():
-                if before:
-                    before()
-                got = self.tier_ttft(n, kv, tier, tag, slots, tok, pos)
-                dev.sync()
-                row[f"check_{tag}"] = compare(ref, got, kv[:, :, :n], ref_kv)
-                row[f"{tag}_ms"], row[f"{tag}_all_ms"], _ = timed(
-                    dev, lambda: self.tier_ttft(n, kv, tier, tag, slots, tok, pos), it, max(0, wu - 1), before=before)
-            row[f"{tag}_pct"] = 100 * row[f"{tag}_ms"] / rec_ms
-            row[f"{tag}_GBs"] = n * self.bpt / row[f"{tag}_ms"] / 1e6
-            for c in range(len(host_chunks)):
-                tier.delete(chunk_key(tag, n, c))
+            try:
+                for c, hc in enumerate(host_chunks):
+                    if not tier.put(chunk_key(tag, n, c), hc):
+                        raise RuntimeError(f"{tag} tier: put of chunk {c} (N={n}) failed")
+                before = None
+                if tag == "disk":
+                    def before():
+                        why = drop_caches()
+                        if why and not drop_note:
+                            drop_note.append(why)
+                kv.fill_(float("nan"))
+                with torch.no_grad():
+                    if before:
+                        before()
+                    got = self.tier_ttft(n, kv, tier, tag, slots, tok, pos)
+                    dev.sync()
+                    row[f"check_{tag}"] = compare(ref, got, kv[:, :, :n], ref_kv)
+                    row[f"{tag}_ms"], row[f"{tag}_all_ms"], _ = timed(
+                        dev, lambda: self.tier_ttft(n, kv, tier, tag, slots, tok, pos), it, max(0, wu - 1), before=before)
+                row[f"{tag}_pct"] = 100 * row[f"{tag}_ms"] / rec_ms
+                row[f"{tag}_GBs"] = n * self.bpt / row[f"{tag}_ms"] / 1e6
+                for c in range(len(host_chunks)):
+                    tier.delete(chunk_key(tag, n, c))
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one tier failing must not lose the other numbers
+                row[f"{tag}_error"] = f"{type(e).__name__}: {e}"
+                print(f"N={n}: {tag} tier failed: {row[f'{tag}_error']}", file=sys.stderr)
+                row[f"check_{tag}"] = {"ok": False, "logits_ok": False, "error": row[f"{tag}_error"],
+                                       "max_abs_diff": float("nan"), "ref_absmax": float("nan"), "cosine": float("nan")}
+                for k in (f"{tag}_ms", f"{tag}_pct", f"{tag}_GBs"):
+                    row.pop(k, None)
         if disk is not None and disk_bw:
             row["disk_dd_GBs"] = disk_bw
             row["disk_limit_pct"] = 100 * (n * self.bpt / disk_bw / 1e6) / rec_ms
