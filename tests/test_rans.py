@@ -1,0 +1,422 @@
+"""rANS entropy coder (lmtier.codec.rans, csrc/rans_cpu.cpp): CPU round trips, the byte format
+against a plain NumPy reference encoder, table normalization, fallback tables, raw segments, and
+corrupted / truncated / hostile input (hypothesis fuzz, bounded)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmtier.codec import rans
+
+SEG = rans.DEFAULT_SEG_LOG2
+L = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain references (NumPy / Python) of the spec in csrc/include/lmtier/rans.h
+
+
+def ref_normalize(counts, alphabet_size=0):
+    c = [int(v) for v in counts] + [0] * (256 - len(counts))
+    present = [s for s in range(256) if c[s] > 0 or s < alphabet_size]
+    if not present:
+        return None
+    total = sum(c) or 1
+    f = [0] * 256
+    for s in present:
+        f[s] = max(1, c[s] * 4096 // total)
+    tot = sum(f)
+    while tot < 4096:
+        used = set()
+        gave = False
+        while tot < 4096:
+            best, best_rem = -1, 0
+            for s in range(256):
+                if f[s] == 0 or s in used:
+                    continue
+                rem = max(c[s] * 4096 - f[s] * total, 0)
+                if best < 0 or rem > best_rem:
+                    best, best_rem = s, rem
+            if best < 0:
+                break
+            used.add(best)
+            f[best] += 1
+            tot += 1
+            gave = True
+        if not gave:
+            break
+    while tot > 4096:
+        best = -1
+        for s in range(256):
+            if f[s] > 1 and (best < 0 or f[s] > f[best]):
+                best = s
+        f[best] -= 1
+        tot -= 1
+    return np.array(f, np.uint16)
+
+
+MISSING, RAW = "missing", "raw"
+
+
+def ref_encode_segment(sym: np.ndarray, freq: np.ndarray):
+    n = len(sym)
+    cdf = np.concatenate([[0], np.cumsum(freq.astype(np.uint64))]).astype(np.uint64)
+    f_all = freq.astype(np.uint64)
+    x = np.full(32, L, np.uint64)
+    words: list[int] = []
+    for k in range(-(-n // 32)):
+        chunk = sym[32 * k : 32 * k + 32]
+        m = len(chunk)
+        f = f_all[chunk]
+        if (f == 0).any():
+            return MISSING
+        xs = x[:m].copy()
+        emit = xs >= (f << np.uint64(20))
+        words.extend((xs[emit] & np.uint64(0xFFFF)).tolist())
+        xs = np.where(emit, xs >> np.uint64(16), xs)
+        q = xs // f
+        x[:m] = (q << np.uint64(12)) + xs - q * f + cdf[chunk]
+        if 128 + 2 * len(words) >= n:
+            return RAW
+    return x.astype("<u4").tobytes() + np.array(words, "<u2").tobytes()
+
+
+def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_log2: int = SEG) -> bytes:
+    n = len(sym)
+    seg = 1 << seg_log2
+    segs = [sym[i : i + seg] for i in range(0, n, seg)]
+    adaptive = table_id == rans.ADAPTIVE_TABLE and n > 0
+    freq = None
+    coded = []
+    if not adaptive and n > 0:
+        freq = tables[table_id]
+        coded = [ref_encode_segment(s, freq) for s in segs]
+        adaptive = any(c is MISSING for c in coded)
+    if adaptive:
+        freq = ref_normalize(np.bincount(sym, minlength=256))
+        coded = [ref_encode_segment(s, freq) for s in segs]
+    head = np.array([(0x534E524C, 1, 1 if adaptive else 0, seg_log2, 5, table_id & 0xFFFF, 0, n)],
+                    dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    table = b""
+    if adaptive:
+        bitmap = np.packbits(freq > 0, bitorder="little").tobytes()
+        fq = freq[freq > 0].astype("<u2").tobytes()
+        table = bitmap + fq + b"\0" * ((-len(fq)) % 4)
+    payload = b""
+    ends = []
+    for s, c in zip(segs, coded):
+        assert c is not MISSING
+        body = s.tobytes() if c is RAW else c
+        payload += body
+        ends.append(len(payload))
+        payload += b"\0" * ((-len(body)) % 4)
+    return head + table + np.array(ends, "<u4").tobytes() + payload
+
+
+# ---------------------------------------------------------------------------------------------------
+# data
+
+def skewed(rng, n, p=0.35, alphabet=256):
+    return (rng.geometric(p, n) % alphabet).astype(np.uint8)
+
+
+def laplace_symbols(rng, n, scale=2.0, center=16):
+    return np.clip(np.round(rng.laplace(center, scale, n)), 0, 31).astype(np.uint8)
+
+
+SIZES = [0, 1, 2, 31, 32, 33, 127, 128, 129, 511, 512, 513, 1023, 1024, 1025, 4095, 4097,
+         (1 << SEG) - 1, 1 << SEG, (1 << SEG) + 1, 3 * (1 << SEG) + 17]
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng(1234)
+
+
+# ---------------------------------------------------------------------------------------------------
+# tables
+
+
+def test_build_table_matches_reference(rng):
+    cases = [np.bincount(skewed(rng, 5000), minlength=256),
+             rng.integers(0, 3, 256),
+             np.eye(256, dtype=np.int64)[7] * 10,
+             np.r_[np.ones(256, np.int64)],
+             np.r_[10**9, np.ones(255, np.int64)],
+             rng.integers(0, 10**6, 256)]
+    for c in cases:
+        for alpha in (0, 16, 256):
+            got = rans.build_table(c, alphabet_size=alpha)
+            want = ref_normalize(list(c), alpha)
+            assert got.sum() == 4096
+            np.testing.assert_array_equal(got, want)
+            present = (np.asarray(c) > 0) | (np.arange(256) < alpha)
+            assert (got[present] >= 1).all() and (got[~present] == 0).all()
+    assert rans.build_table([0, 0, 5]).tolist()[2] == 4096
+    with pytest.raises(ValueError):
+        rans.build_table(np.zeros(256))
+    assert rans.build_table(np.zeros(256), alphabet_size=4).tolist()[:5] == [1024, 1024, 1024, 1024, 0]
+
+
+def test_division_by_magic_is_exact():
+    """The CUDA encoder divides with Granlund-Montgomery reciprocals (rans.h div_magic); the CPU with
+    '/'. Check the formula for every frequency 1..4096 on edge and random 32-bit states."""
+    r = np.random.default_rng(7)
+    xs = np.unique(np.r_[np.arange(0, 70000, 997), [0, 1, 2**16, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1],
+                         r.integers(0, 2**32, 4000, dtype=np.uint64)]).astype(np.uint64)
+    for d in range(1, 4097):
+        l = (d - 1).bit_length()
+        mul = ((1 << 32) * ((1 << l) - d)) // d + 1
+        assert mul < 1 << 32
+        sh1, sh2 = min(l, 1), max(l - 1, 0)
+        x = np.r_[xs, np.array([d * k - 1 for k in (1, 2, 2**20) if 0 <= d * k - 1 < 2**32], np.uint64)]
+        t = (x * np.uint64(mul)) >> np.uint64(32)
+        q = (t + ((x - t) >> np.uint64(sh1))) >> np.uint64(sh2)
+        np.testing.assert_array_equal(q, x // np.uint64(d), err_msg=f"d={d}")
+
+
+def test_entropy_bits(rng):
+    x = skewed(rng, 20000)
+    t = rans.table_from_symbols(x)
+    bits = rans.entropy_bits(x, t)
+    p = np.bincount(x, minlength=256) / x.size
+    h = -(p[p > 0] * np.log2(p[p > 0])).sum() * x.size
+    assert h <= bits <= h * 1.02
+    t2 = t.copy()
+    t2[x[0]] = 0
+    assert math.isinf(rans.entropy_bits(x, t2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# format vs reference
+
+
+@pytest.mark.parametrize("n", [0, 1, 33, 129, 1000, 1025, 5000])
+@pytest.mark.parametrize("kind", ["skewed", "laplace", "uniform", "same", "missing", "adaptive"])
+def test_bytes_match_reference(rng, n, kind):
+    seg_log2 = 10
+    table = rans.build_table(np.bincount(skewed(rng, 4000), minlength=256), alphabet_size=64)
+    tables = np.stack([table, rans.build_table(np.ones(256))])
+    tid = 0
+    if kind == "skewed":
+        x = skewed(rng, n, alphabet=64)
+    elif kind == "laplace":
+        x = laplace_symbols(rng, n)
+    elif kind == "uniform":
+        x, tid = rng.integers(0, 256, n, dtype=np.uint8), 1
+    elif kind == "same":
+        x = np.full(n, 3, np.uint8)
+    elif kind == "missing":
+        x = skewed(rng, n, alphabet=64)
+        if n:
+            x[n // 2] = 200  # absent from table 0
+    else:
+        x, tid = skewed(rng, n), rans.ADAPTIVE_TABLE
+    b = rans.encode([x], tid, tables, seg_log2=seg_log2)
+    want = ref_encode_stream(x, tid, tables, seg_log2)
+    assert bytes(b.stream(0)) == want
+    (y,) = rans.decode(b, tables)
+    np.testing.assert_array_equal(y, x)
+    if kind == "missing" and n >= 1000:
+        assert rans.stream_info(b.stream(0)).adaptive
+
+
+# ---------------------------------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("seg_log2", [10, 12, SEG])
+def test_round_trip_sizes(rng, seg_log2):
+    tables = np.stack([rans.build_table(np.bincount(skewed(rng, 10000), minlength=256), alphabet_size=256)])
+    streams = []
+    for n in SIZES:
+        streams.append(skewed(rng, n))
+        streams.append(rng.integers(0, 256, n, dtype=np.uint8))
+        streams.append(np.full(n, 255, np.uint8))
+    for tid in (0, rans.ADAPTIVE_TABLE):
+        b = rans.encode(streams, tid, tables, seg_log2=seg_log2)
+        out = rans.decode(b, tables)
+        for x, y in zip(streams, out):
+            np.testing.assert_array_equal(x, y)
+        assert b.nbytes <= rans.max_batch_encoded_bytes(len(streams), sum(map(len, streams)), seg_log2)
+        for i, x in enumerate(streams):
+            assert b.offsets[i + 1] - b.offsets[i] <= rans.max_encoded_bytes(len(x), seg_log2)
+
+
+def test_threads_identical(rng):
+    streams = [skewed(rng, 200_000), laplace_symbols(rng, 70_001), rng.integers(0, 256, 50_000, dtype=np.uint8)]
+    tables = np.stack([rans.table_from_symbols(streams[0])])
+    outs = [rans.encode(streams, [0, rans.ADAPTIVE_TABLE, 0], tables, num_threads=t) for t in (1, 2, 5)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.offsets, outs[0].offsets)
+        assert bytes(o.data) == bytes(outs[0].data)
+    for t in (1, 3):
+        for x, y in zip(streams, rans.decode(outs[0], tables, num_threads=t)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_compression_close_to_entropy(rng):
+    x = laplace_symbols(rng, 1 << 20, scale=1.5)
+    t = rans.table_from_symbols(x)
+    b = rans.encode([x], 0, t)
+    ideal = rans.entropy_bits(x, t) / 8
+    assert b.nbytes < ideal * 1.03 + 1024
+    # static table with every symbol: no fallback table, no raw segments
+    info = rans.stream_info(b.stream(0))
+    assert not info.adaptive and info.num_symbols == x.size
+
+
+def test_raw_segments_for_incompressible(rng):
+    x = rng.integers(0, 256, 100_000, dtype=np.uint8)
+    b = rans.encode([x], rans.ADAPTIVE_TABLE)
+    nseg = -(-x.size // (1 << SEG))
+    assert b.nbytes <= x.size + 16 + 544 + 4 * nseg + 3 * nseg
+    np.testing.assert_array_equal(rans.decode(b)[0], x)
+
+
+def test_torch_cpu_and_encode_into(rng):
+    torch = pytest.importorskip("torch")
+    xs = [torch.from_numpy(skewed(rng, n)) for n in (10, 40_000)]
+    n_total = sum(x.numel() for x in xs)
+    out = torch.empty(rans.max_batch_encoded_bytes(2, n_total), dtype=torch.uint8)
+    scratch = torch.empty(rans.encode_scratch_bytes(2, n_total), dtype=torch.uint8)
+    offsets = torch.empty(3, dtype=torch.int64)
+    status = torch.empty(2, dtype=torch.int32)
+    rans.encode_into(xs, rans.ADAPTIVE_TABLE, None, out=out, offsets=offsets, status=status, scratch=scratch)
+    assert status.tolist() == [0, 0]
+    ref = rans.encode([x.numpy() for x in xs])
+    assert bytes(out[: int(offsets[-1])].numpy()) == bytes(ref.data)
+    # too small scratch / output -> status, not a crash
+    rans.encode_into(xs, rans.ADAPTIVE_TABLE, None, out=out[:100], offsets=offsets, status=status, scratch=scratch)
+    assert set(status.tolist()) == {10}
+    rans.encode_into(xs, rans.ADAPTIVE_TABLE, None, out=out, offsets=offsets, status=status, scratch=scratch[:5000])
+    assert set(status.tolist()) == {9}
+
+
+def test_bad_tables_and_ids(rng):
+    x = skewed(rng, 1000)
+    good = rans.table_from_symbols(x)
+    with pytest.raises(ValueError, match="table"):
+        rans.encode([x], 3, good[None])
+    bad = good.copy()
+    bad[0] += 1
+    with pytest.raises(ValueError, match="table"):
+        rans.encode([x], 0, bad[None])
+    b = rans.encode([x], 0, good[None])
+    with pytest.raises(ValueError, match="table"):
+        rans.decode(b, None)
+    with pytest.raises(ValueError, match="table"):
+        rans.decode(b, bad[None])
+    with pytest.raises(ValueError, match="capacity"):
+        out = np.empty(10, np.uint8)
+        st, ln = np.zeros(1, np.int32), np.zeros(1, np.int64)
+        rans.decode_into([b.stream(0)], good[None], outs=[out], out_lengths=ln, status=st)
+        rans._raise_status(st, "decode")
+    with pytest.raises(ValueError):
+        rans.encode([x], 0, good[None], seg_log2=5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# corrupted / hostile input
+
+
+def _decode_status(buf: bytes, tables, capacity=1 << 16) -> tuple[int, np.ndarray]:
+    src = np.frombuffer(buf, np.uint8).copy() if len(buf) else np.zeros(0, np.uint8)
+    out = np.zeros(capacity, np.uint8)
+    st, ln = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    rans.decode_into([src], tables, outs=[out], out_lengths=ln, status=st)
+    return int(st[0]), out[: int(ln[0])]
+
+
+@pytest.fixture(scope="module")
+def sample(rng):
+    x = laplace_symbols(rng, 6000)
+    tables = np.stack([rans.table_from_symbols(x)])
+    b0 = bytes(rans.encode([x], 0, tables, seg_log2=10).data)
+    b1 = bytes(rans.encode([x], rans.ADAPTIVE_TABLE, tables, seg_log2=10).data)
+    return x, tables, b0, b1
+
+
+def test_truncation_always_detected(sample):
+    x, tables, b0, b1 = sample
+    for buf in (b0, b1):
+        assert _decode_status(buf, tables)[0] == 0
+        for cut in range(len(buf)):
+            status, _ = _decode_status(buf[:cut], tables)
+            assert status != 0, cut
+        with pytest.raises(ValueError):
+            rans.decode([np.frombuffer(buf[: len(buf) // 2], np.uint8)], tables, lengths=[x.size])
+
+
+def test_corruption_detected_or_harmless(sample):
+    x, tables, b0, b1 = sample
+    r = np.random.default_rng(3)
+    detected = 0
+    trials = 0
+    for buf in (b0, b1):
+        for _ in range(300):
+            m = bytearray(buf)
+            pos = int(r.integers(0, len(m)))
+            m[pos] ^= 1 << int(r.integers(0, 8))
+            status, y = _decode_status(bytes(m), tables)
+            trials += 1
+            detected += status != 0
+            if status == 0:
+                assert y.size <= 1 << 16
+    # the rANS integrity check (final states, word count) catches nearly every flip of coded data
+    assert detected / trials > 0.9
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(min_size=0, max_size=3000))
+def test_fuzz_random_bytes(data):
+    tables = np.stack([rans.build_table(np.ones(256))])
+    # also with a valid-looking header
+    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, len(data))], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    for buf in (data, head + data):
+        status, y = _decode_status(buf, tables, capacity=4096)
+        assert status >= 0
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
+       st.integers(0, 10**6), st.booleans())
+def test_fuzz_mutated_streams(edits, cut, adaptive):
+    rng = np.random.default_rng(5)
+    x = laplace_symbols(rng, 3000)
+    tables = np.stack([rans.table_from_symbols(x)])
+    buf = bytearray(rans.encode([x], rans.ADAPTIVE_TABLE if adaptive else 0, tables, seg_log2=10).data)
+    for pos, val in edits:
+        buf[pos % len(buf)] = val
+    buf = bytes(buf[: max(0, len(buf) - cut % 64)])
+    status, y = _decode_status(buf, tables, capacity=4096)
+    assert status >= 0
+    if status == 0:
+        assert y.size <= 4096
+
+
+def test_hostile_lengths_are_bounded():
+    tables = np.stack([rans.build_table(np.ones(256))])
+    # claims 2**31 symbols but the capacity is small -> capacity error, no allocation, no hang
+    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, 2**31)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    assert _decode_status(head, tables)[0] == 4
+    # header fine, but segment table would lie past the buffer
+    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, 60000)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    assert _decode_status(head + b"\0" * 20, tables, capacity=1 << 20)[0] == 1
+    # segment ends that point past the payload
+    ends = np.array([1 << 30], "<u4").tobytes()
+    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, 1000)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    assert _decode_status(head + ends + b"\0" * 64, tables)[0] == 5
+    # misaligned source
+    x = np.zeros(100, np.uint8)
+    b = bytes(rans.encode([x], 0, tables).data)
+    src = np.zeros(len(b) + 1, np.uint8)[1:]
+    src[:] = np.frombuffer(b, np.uint8)
+    out, st, ln = np.zeros(100, np.uint8), np.zeros(1, np.int32), np.zeros(1, np.int64)
+    rans.decode_into([src], tables, outs=[out], out_lengths=ln, status=st)
+    assert st[0] == 7
