@@ -5,6 +5,7 @@ corrupted / truncated / hostile input (hypothesis fuzz, bounded)."""
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -420,3 +421,74 @@ def test_hostile_lengths_are_bounded():
     out, st, ln = np.zeros(100, np.uint8), np.zeros(1, np.int32), np.zeros(1, np.int64)
     rans.decode_into([src], tables, outs=[out], out_lengths=ln, status=st)
     assert st[0] == 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# codec record (lmtier.codec.format)
+
+from lmtier.codec import format as fmt  # noqa: E402
+
+
+def _record(rng, layers=3, S=2, meta=b"qmax-table"):
+    info = fmt.RecordInfo(level_id=2, num_layers=layers, num_planes=2, num_tokens=256, num_heads=8,
+                          head_size=128, dtype=fmt.DType.BFLOAT16, sections_per_layer=S, table_id=7)
+    streams = [laplace_symbols(rng, int(n)) for n in rng.integers(0, 3000, layers * S)]
+    tables = np.stack([rans.table_from_symbols(np.concatenate(streams))])
+    batch = rans.encode(streams, 0, tables)
+    return info, streams, tables, batch, fmt.pack(info, [batch.stream(i) for i in range(len(batch))], meta)
+
+
+def test_record_round_trip(rng):
+    info, streams, tables, batch, rec = _record(rng)
+    r = fmt.unpack(rec)
+    assert r.info == info and bytes(r.meta) == b"qmax-table" and r.payload_offset % 16 == 0
+    assert len(rec) == fmt.record_size(info, [len(batch.stream(i)) for i in range(len(batch))], 10)
+    # batch offsets are already 4-aligned: the payload is the encoded batch verbatim
+    assert bytes(r.payload) == bytes(batch.data)
+    for l in range(info.num_layers):
+        off, n = r.layer_span(l)
+        assert bytes(rec[off : off + n]) == bytes(r.section(l, 0)) + bytes(rec[off + len(r.section(l, 0)) : off + n])
+        for s in range(2):
+            (y,) = rans.decode([np.frombuffer(r.section(l, s), np.uint8)], tables)
+            np.testing.assert_array_equal(y, streams[l * 2 + s])
+    # decode all sections in one batched call straight from the record buffer
+    buf = np.frombuffer(rec, np.uint8)
+    srcs = [buf[o : o + n] for o, n in zip(r.section_offsets(), r.section_lengths())]
+    for x, y in zip(streams, rans.decode(srcs, tables)):
+        np.testing.assert_array_equal(x, y)
+    # deterministic and trailing padding ignored
+    assert fmt.pack(info, [batch.stream(i) for i in range(len(batch))], b"qmax-table") == rec
+    fmt.unpack(rec + b"\0" * 4096)
+    with pytest.raises(IndexError):
+        r.section(3, 0)
+
+
+def test_record_truncated_and_corrupted(rng):
+    info, _, _, _, rec = _record(rng, layers=2, S=1)
+    for cut in range(0, len(rec), max(1, len(rec) // 300)):
+        with pytest.raises(ValueError):
+            fmt.unpack(rec[:cut])
+    r = np.random.default_rng(9)
+    for _ in range(200):
+        m = bytearray(rec)
+        m[int(r.integers(0, len(m)))] ^= 1 << int(r.integers(0, 8))
+        with pytest.raises(ValueError):
+            fmt.unpack(bytes(m))
+    with pytest.raises(ValueError, match="magic"):
+        fmt.unpack(b"XXXX" + rec[4:])
+    with pytest.raises(ValueError):
+        fmt.RecordInfo(level_id=300, num_layers=1, num_planes=1, num_tokens=1, num_heads=1, head_size=1)
+    with pytest.raises(ValueError, match="sections"):
+        fmt.pack(info, [b"x"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_record_fuzz(data):
+    for buf in (data, fmt.MAGIC + struct.pack("<HH", 1, 64) + data):
+        try:
+            r = fmt.unpack(buf)
+        except ValueError:
+            continue
+        for l in range(r.info.num_layers):
+            r.layer_span(l)

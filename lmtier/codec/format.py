@@ -1,0 +1,289 @@
+"""The versioned binary codec record: one compressed canonical chunk (never pickle).
+
+A record is a fixed 64-byte little-endian header, a section index, opaque metadata, and the payload.
+The payload holds ``num_layers * sections_per_layer`` byte *sections* (e.g. per layer: the K and V
+rANS symbol streams and their scales — what a section holds is the level's business), layer-major
+and in index order, so a reader can decode layer by layer as sections arrive. Sections start at
+4-byte aligned payload offsets (rANS streams need that), the payload at a 16-byte aligned record
+offset. The bytes depend only on the sections, so the CPU and CUDA encoders — which produce
+byte-identical rANS streams — produce identical records.
+
+Header (version 1, 64 bytes)::
+
+    off size field
+      0    4 magic            b"LMKC"
+      4    2 version          FORMAT_VERSION (1)
+      6    2 header_bytes     64
+      8    1 level_id         codec level (lmtier.codec.levels); 0..255
+      9    1 dtype            DType code of the decoded elements
+     10    2 sections_per_layer  S >= 1
+     12    4 table_id         id of the static rANS table set used (0xFFFFFFFF: none)
+     16    4 num_layers       L  \
+     20    4 num_planes       P   | geometry of the canonical chunk
+     24    4 num_tokens       T   | [L][P][T][H][D]
+     28    4 num_heads        H   |
+     32    4 head_size        D  /
+     36    4 meta_bytes       bytes of opaque metadata after the index
+     40    8 payload_bytes    bytes of payload
+     48    8 flags            0 in version 1; unknown bits are rejected
+     56    8 checksum         xxh3-64 (seed 0) of bytes [0, 56) and [64, record end)
+
+Then ``index``: L*S entries of (uint64 offset, uint64 length), offsets from the payload start,
+ascending and non-overlapping; then ``meta`` zero-padded to 16 bytes; then the payload. Record end =
+64 + 16*L*S + round_up(meta_bytes, 16) + payload_bytes; trailing bytes after it (e.g. disk block
+padding) are ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "NO_TABLE",
+    "DType",
+    "RecordInfo",
+    "Record",
+    "record_size",
+    "pack",
+    "pack_into",
+    "unpack",
+    "verify",
+]
+
+MAGIC = b"LMKC"
+FORMAT_VERSION = 1
+HEADER_BYTES = 64
+NO_TABLE = 0xFFFFFFFF
+MAX_SECTIONS = 1 << 24
+_HEADER = struct.Struct("<4sHHBBHIIIIIIIQQQ")
+assert _HEADER.size == HEADER_BYTES
+_INDEX = np.dtype([("offset", "<u8"), ("length", "<u8")])
+
+
+class DType(enum.IntEnum):
+    """Element type of the decoded canonical chunk."""
+
+    UNSPECIFIED = 0
+    BFLOAT16 = 1
+    FLOAT16 = 2
+    FLOAT32 = 3
+    FLOAT8_E4M3 = 4
+    FLOAT8_E5M2 = 5
+    UINT8 = 6
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    """What a record says about itself (everything in the header but sizes and checksum)."""
+
+    level_id: int
+    num_layers: int
+    num_planes: int
+    num_tokens: int
+    num_heads: int
+    head_size: int
+    dtype: DType = DType.BFLOAT16
+    sections_per_layer: int = 1
+    table_id: int = NO_TABLE
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("level_id", 0, 255), ("num_layers", 1, 2**32 - 1), ("num_planes", 1, 2**32 - 1),
+                             ("num_tokens", 0, 2**32 - 1), ("num_heads", 1, 2**32 - 1),
+                             ("head_size", 1, 2**32 - 1), ("sections_per_layer", 1, 0xFFFF),
+                             ("table_id", 0, 2**32 - 1)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or not lo <= int(v) <= hi:
+                raise ValueError(f"RecordInfo.{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        if self.num_layers * self.sections_per_layer > MAX_SECTIONS:
+            raise ValueError(f"at most {MAX_SECTIONS} sections per record")
+
+    @property
+    def num_sections(self) -> int:
+        return self.num_layers * self.sections_per_layer
+
+
+def _r4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def _r16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def _nbytes(x: Any) -> int:
+    return memoryview(x).nbytes if not hasattr(x, "nbytes") else int(x.nbytes)
+
+
+def _layout(info: RecordInfo, lengths: Sequence[int], meta_len: int) -> tuple[np.ndarray, int, int]:
+    if len(lengths) != info.num_sections:
+        raise ValueError(f"got {len(lengths)} sections, the geometry needs L*S = {info.num_sections}")
+    idx = np.zeros(info.num_sections, _INDEX)
+    off = 0
+    for i, n in enumerate(lengths):
+        idx[i] = (off, n)
+        off = _r4(off + int(n))
+    payload_start = HEADER_BYTES + 16 * info.num_sections + _r16(meta_len)
+    return idx, payload_start, off
+
+
+def record_size(info: RecordInfo, section_lengths: Sequence[int], meta_bytes: int = 0) -> int:
+    """Bytes :func:`pack` produces for sections of these lengths."""
+    _, start, payload = _layout(info, section_lengths, meta_bytes)
+    return start + payload
+
+
+def _as_bytes_view(x: Any) -> memoryview:
+    if type(x).__module__.startswith("torch"):
+        if x.device.type != "cpu":
+            raise ValueError("sections must be host memory (copy CUDA buffers to the host first)")
+        x = x.contiguous().numpy()
+    return memoryview(np.ascontiguousarray(x).view(np.uint8).reshape(-1) if isinstance(x, np.ndarray) else x).cast("B")
+
+
+def pack_into(buf: Any, info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> int:
+    """Write the record into ``buf`` (writable, >= record_size bytes); returns bytes written."""
+    views = [_as_bytes_view(s) for s in sections]
+    meta_v = _as_bytes_view(meta)
+    idx, start, payload = _layout(info, [v.nbytes for v in views], meta_v.nbytes)
+    total = start + payload
+    out = np.frombuffer(memoryview(buf).cast("B"), np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+    if out.size < total:
+        raise ValueError(f"buffer of {out.size} bytes, the record needs {total}")
+    if out.dtype != np.uint8:
+        raise ValueError("buffer must be bytes")
+    o = HEADER_BYTES
+    out[o : o + idx.nbytes] = idx.view(np.uint8)
+    o += idx.nbytes
+    out[o : o + meta_v.nbytes] = np.frombuffer(meta_v, np.uint8)
+    out[o + meta_v.nbytes : start] = 0
+    for (off, n), v in zip(idx.tolist(), views):
+        out[start + off : start + off + n] = np.frombuffer(v, np.uint8)
+        out[start + off + n : start + _r4(off + n)] = 0
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, info.level_id, int(info.dtype),
+                        info.sections_per_layer, info.table_id, info.num_layers, info.num_planes,
+                        info.num_tokens, info.num_heads, info.head_size, meta_v.nbytes, payload, 0, 0)
+    out[:HEADER_BYTES] = np.frombuffer(head, np.uint8)
+    h = xxhash.xxh3_64()
+    h.update(memoryview(out[:56]))
+    h.update(memoryview(out[HEADER_BYTES:total]))
+    out[56:64] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
+    return total
+
+
+def pack(info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> bytes:
+    """Serialize a record. ``sections``: L*S host byte buffers (bytes, NumPy, CPU tensors), layer-major.
+    A batch encoded by :func:`lmtier.codec.rans.encode` maps to sections as ``batch.stream(i)``."""
+    views = [_as_bytes_view(s) for s in sections]
+    out = bytearray(record_size(info, [v.nbytes for v in views], _as_bytes_view(meta).nbytes))
+    pack_into(out, info, views, meta)
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A parsed record; sections are zero-copy views into the source buffer."""
+
+    info: RecordInfo
+    meta: memoryview
+    payload: memoryview
+    index: np.ndarray  # [L*S] (offset, length)
+    payload_offset: int  # record-relative offset of the payload (16-byte aligned)
+    nbytes: int  # record end
+
+    def section(self, layer: int, s: int = 0) -> memoryview:
+        S = self.info.sections_per_layer
+        if not (0 <= layer < self.info.num_layers and 0 <= s < S):
+            raise IndexError(f"section ({layer}, {s}) outside [{self.info.num_layers}, {S}]")
+        off, n = self.index[layer * S + s].tolist()
+        return self.payload[off : off + n]
+
+    def layer_span(self, layer: int) -> tuple[int, int]:
+        """(record offset, bytes) of all of ``layer``'s sections — what a layer-by-layer reader fetches."""
+        S = self.info.sections_per_layer
+        first = self.index[layer * S]
+        last = self.index[layer * S + S - 1]
+        start = int(first["offset"])
+        return self.payload_offset + start, int(last["offset"] + last["length"]) - start
+
+    def section_offsets(self) -> np.ndarray:
+        """Record-relative offsets of all sections (int64 [L*S]), e.g. for one batched GPU decode."""
+        return self.index["offset"].astype(np.int64) + self.payload_offset
+
+    def section_lengths(self) -> np.ndarray:
+        return self.index["length"].astype(np.int64)
+
+
+def _parse(buf: Any) -> tuple[RecordInfo, np.ndarray, int, int, memoryview, int]:
+    mv = _as_bytes_view(buf)
+    if mv.nbytes < HEADER_BYTES:
+        raise ValueError(f"codec record truncated: {mv.nbytes} bytes, the header alone is {HEADER_BYTES}")
+    (magic, version, header_bytes, level, dtype, S, table_id, nl, np_, nt, nh, hd, meta_bytes, payload_bytes,
+     flags, _checksum) = _HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise ValueError(f"not a codec record: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"unsupported codec record version {version} (this reader knows {FORMAT_VERSION})")
+    if header_bytes != HEADER_BYTES:
+        raise ValueError(f"corrupted codec record: header_bytes {header_bytes}")
+    if flags != 0:
+        raise ValueError(f"codec record has unknown flags {flags:#x}")
+    try:
+        dt = DType(dtype)
+    except ValueError:
+        raise ValueError(f"corrupted codec record: unknown dtype code {dtype}") from None
+    nsec = nl * S
+    if nl == 0 or S == 0 or np_ == 0 or nh == 0 or hd == 0 or nsec > MAX_SECTIONS:
+        raise ValueError(f"corrupted codec record: geometry L={nl} P={np_} H={nh} D={hd} S={S}")
+    if HEADER_BYTES + 16 * nsec > mv.nbytes:
+        raise ValueError(f"codec record truncated: {mv.nbytes} bytes, the section index needs {HEADER_BYTES + 16 * nsec}")
+    start = HEADER_BYTES + 16 * nsec + _r16(meta_bytes)
+    end = start + payload_bytes
+    if end > mv.nbytes:
+        raise ValueError(f"codec record truncated: {mv.nbytes} bytes, the header announces {end}")
+    info = RecordInfo(level, nl, np_, nt, nh, hd, dt, S, table_id)
+    idx = np.frombuffer(mv[HEADER_BYTES : HEADER_BYTES + 16 * nsec], _INDEX)
+    offs = idx["offset"].astype(np.uint64)
+    lens = idx["length"].astype(np.uint64)
+    ends = offs + lens
+    if (offs % 4).any() or (lens > payload_bytes).any() or (ends > payload_bytes).any() or (ends < offs).any():
+        raise ValueError("corrupted codec record: a section lies outside the payload or is misaligned")
+    if nsec > 1 and (offs[1:] < ends[:-1]).any():
+        raise ValueError("corrupted codec record: sections overlap or are out of order")
+    return info, idx, start, end, mv, _checksum
+
+
+def verify(buf: Any) -> None:
+    """Check the record's xxh3-64 checksum; raises ValueError on mismatch."""
+    _, _, _, end, mv, checksum = _parse(buf)
+    h = xxhash.xxh3_64()
+    h.update(mv[:56])
+    h.update(mv[HEADER_BYTES:end])
+    if h.intdigest() != checksum:
+        raise ValueError("codec record checksum mismatch (corrupted record)")
+
+
+def unpack(buf: Any, *, verify_checksum: bool = True) -> Record:
+    """Parse a record (zero copy). Raises ValueError on truncated / corrupted / foreign input.
+
+    With ``verify_checksum=False`` only the structure is validated (for layer-by-layer decoding that
+    starts before the whole record arrived; call :func:`verify` once it has)."""
+    info, idx, start, end, mv, checksum = _parse(buf)
+    if verify_checksum:
+        h = xxhash.xxh3_64()
+        h.update(mv[:56])
+        h.update(mv[HEADER_BYTES:end])
+        if h.intdigest() != checksum:
+            raise ValueError("codec record checksum mismatch (corrupted record)")
+    meta_at = HEADER_BYTES + 16 * info.num_sections
+    meta_len = _HEADER.unpack_from(mv, 0)[12]
+    return Record(info, mv[meta_at : meta_at + meta_len], mv[start:end], idx, start, end)
