@@ -1,0 +1,164 @@
+"""Codec levels: what each quality level quantizes, and how coarsely.
+
+A level fixes, for keys and values separately, the *scale granularity* (which elements share one
+scale), an optional fixed orthogonal *transform* over the head dimension, and the quantizer's
+``qmax`` per layer (integers ``q`` in ``[-qmax, qmax]``, i.e. ``2 * qmax + 1`` levels; CacheGen's
+"bins" ``b`` correspond to ``qmax = b // 2 - 1``). ``lossless`` instead splits every bf16/fp16
+element into two byte planes (see :mod:`lmtier.codec.quant`).
+
+Per-layer ``qmax`` comes from :class:`LayerGroup` s resolved against the model's layer count by an
+integer rule (:meth:`PlaneQuant.qmax_table`); the resolved table (one byte per layer and plane) is
+what the binary record stores and what the C++/CUDA kernels take, so they never re-derive it.
+
+The numbers behind the choices (SmolLM2-135M, dequantized-4-bit weights) are in docs/codec.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "Granularity",
+    "Transform",
+    "LayerGroup",
+    "PlaneQuant",
+    "Level",
+    "LEVELS",
+    "LEVELS_BY_ID",
+    "get_level",
+    "CACHEGEN_REF",
+]
+
+
+class Granularity(enum.IntEnum):
+    """Which elements of one plane (K or V) of one layer share a scale; T = chunk tokens.
+
+    ``TOKEN``      one scale per token over all heads × channels (CacheGen / LMCache).
+    ``TOKEN_HEAD`` one scale per (token, head) over ``head_size`` channels.
+    ``CHANNEL``    one scale per (head, channel) over the chunk's T tokens (keys' outlier channels).
+    ``HEAD``       one scale per head over T × head_size (a uniform step inside the head).
+    """
+
+    TOKEN = 0
+    TOKEN_HEAD = 1
+    CHANNEL = 2
+    HEAD = 3
+
+
+class Transform(enum.IntEnum):
+    """Fixed transform over head_size applied before quantization (inverse after)."""
+
+    NONE = 0
+    HADAMARD = 1  # unnormalized Walsh–Hadamard, fixed butterfly order; see quant.fwht
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers ``[previous end, end)`` are quantized with ``qmax``.
+
+    ``end`` is resolved against ``num_layers`` as
+    ``min(num_layers, first_layers + ceil(num_layers * frac_num / frac_den))``; the last group of a
+    plane must reach ``num_layers`` (``frac_num == frac_den``).
+    """
+
+    qmax: int
+    first_layers: int = 0
+    frac_num: int = 0
+    frac_den: int = 1
+
+    def end(self, num_layers: int) -> int:
+        return min(num_layers, self.first_layers + -(-num_layers * self.frac_num // self.frac_den))
+
+
+@dataclass(frozen=True)
+class PlaneQuant:
+    """Quantization of one plane (K or V)."""
+
+    granularity: Granularity
+    groups: tuple[LayerGroup, ...]
+    transform: Transform = Transform.NONE
+
+    def qmax_table(self, num_layers: int) -> tuple[int, ...]:
+        """qmax of every layer (the table the record stores and the kernels take)."""
+        out: list[int] = []
+        start = 0
+        for g in self.groups:
+            if not 1 <= g.qmax <= 127:
+                raise ValueError(f"qmax must be in [1, 127], got {g.qmax}")
+            end = g.end(num_layers)
+            out.extend([g.qmax] * max(0, end - start))
+            start = max(start, end)
+        if len(out) != num_layers:
+            raise ValueError(f"layer groups cover {len(out)} of {num_layers} layers")
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Level:
+    """One codec level. ``k``/``v`` are None exactly when ``lossless``."""
+
+    name: str
+    level_id: int
+    lossless: bool = False
+    k: PlaneQuant | None = None
+    v: PlaneQuant | None = None
+
+    def __post_init__(self):
+        if self.lossless != (self.k is None and self.v is None):
+            raise ValueError("a level is either lossless or has K and V quantizers")
+
+
+def _all(qmax: int) -> tuple[LayerGroup, ...]:
+    return (LayerGroup(qmax, frac_num=1, frac_den=1),)
+
+
+def _first(n: int, qmax_first: int, qmax_rest: int) -> tuple[LayerGroup, ...]:
+    return (LayerGroup(qmax_first, first_layers=n), LayerGroup(qmax_rest, frac_num=1, frac_den=1))
+
+
+def _third(qmax_first: int, qmax_rest: int) -> tuple[LayerGroup, ...]:
+    return (LayerGroup(qmax_first, frac_num=1, frac_den=3), LayerGroup(qmax_rest, frac_num=1, frac_den=1))
+
+
+LOSSLESS = Level("lossless", 0, lossless=True)
+
+# Placeholders until the measurements in benchmarks/codec_quality.py fix them (see docs/codec.md).
+HIGH = Level(
+    "high", 1,
+    k=PlaneQuant(Granularity.CHANNEL, _all(15)),
+    v=PlaneQuant(Granularity.TOKEN_HEAD, _all(15)),
+)
+DEFAULT = Level(
+    "default", 2,
+    k=PlaneQuant(Granularity.CHANNEL, _third(15, 7)),
+    v=PlaneQuant(Granularity.TOKEN_HEAD, _first(2, 15, 7)),
+)
+LOW = Level(
+    "low", 3,
+    k=PlaneQuant(Granularity.CHANNEL, _third(7, 3)),
+    v=PlaneQuant(Granularity.TOKEN_HEAD, _first(2, 7, 3)),
+)
+
+# CacheGen's scheme as LMCache implements it (K 32 bins for the first third of layers then 16,
+# V 32 bins for the first 2 layers then 16, one scale per layer and token), expressed in lmtier's
+# arithmetic and scale format: a reference point for benchmarks, not a user level.
+CACHEGEN_REF = Level(
+    "cachegen_ref", 127,
+    k=PlaneQuant(Granularity.TOKEN, _third(15, 7)),
+    v=PlaneQuant(Granularity.TOKEN, _first(2, 15, 7)),
+)
+
+LEVELS: dict[str, Level] = {lv.name: lv for lv in (LOSSLESS, HIGH, DEFAULT, LOW)}
+LEVELS_BY_ID: dict[int, Level] = {lv.level_id: lv for lv in (*LEVELS.values(), CACHEGEN_REF)}
+
+
+def get_level(level: "str | int | Level") -> Level:
+    """Level by name, id or itself; unknown values raise ValueError."""
+    if isinstance(level, Level):
+        return level
+    table = LEVELS_BY_ID if isinstance(level, int) else {**LEVELS, CACHEGEN_REF.name: CACHEGEN_REF}
+    try:
+        return table[level]
+    except KeyError:
+        raise ValueError(f"unknown codec level {level!r}; known: {sorted(LEVELS)}") from None
