@@ -49,7 +49,7 @@ class CudaTransferEngine:
     """
 
     def __init__(self, layout: KVLayout, tokens_per_chunk: int, *, layers_per_piece: int | None = None,
-                 ring: int = 4, mode: str = "staged", zerocopy_max_ctas: int = 32) -> None:
+                 ring: int = 3, mode: str = "staged", zerocopy_max_ctas: int = 32) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaTransferEngine needs a CUDA cache, got {layout.device}")
         if mode not in MODES:
@@ -57,7 +57,7 @@ class CudaTransferEngine:
         if tokens_per_chunk <= 0:
             raise ValueError(f"tokens_per_chunk must be > 0, got {tokens_per_chunk}")
         L = layout.num_layers
-        lpp = layers_per_piece or max(1, -(-L // 8))
+        lpp = layers_per_piece or max(1, -(-L // 4))
         if not 1 <= lpp <= L:
             raise ValueError(f"layers_per_piece must be in [1, {L}], got {layers_per_piece}")
         if ring < 2:
