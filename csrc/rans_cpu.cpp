@@ -89,7 +89,7 @@ uint32_t encode_segment(const uint8_t* sym, uint32_t n, const uint32_t* enc, uin
       const uint32_t f = e & 0xFFFF;
       if (f == 0) return kMissing;
       uint32_t s = x[l];
-      if (s >= (f << 20)) {
+      if ((s >> 20) >= f) {  // s >= f * 2^20, without overflow at f = 4096
         words[2 * pos] = static_cast<uint8_t>(s);
         words[2 * pos + 1] = static_cast<uint8_t>(s >> 8);
         ++pos;

@@ -229,7 +229,7 @@ __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_
       if (active) e = enc[stage[kk * 32 + lane]];
       const uint32_t f = e.x & 0x1FFF;
       if (__any_sync(0xFFFFFFFFu, active && f == 0)) return kMissing;
-      const bool emit = active && x >= (f << 20);
+      const bool emit = active && (x >> 20) >= f;  // x >= f * 2^20 (no overflow at f = 4096)
       const uint32_t m = __ballot_sync(0xFFFFFFFFu, emit);
       if (emit) {
         words[pos + __popc(m & lt)] = static_cast<uint16_t>(x);
@@ -725,6 +725,7 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
     return;
   }
   LMTIER_CHECK_ARG(descs && status && scratch, "rans: null descs / status / scratch");
+  LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(out) & 3) == 0, "rans: output buffer must be 4-byte aligned");
   const uint64_t cap = encode_scratch_capacity(N, scratch_bytes, seg_log2);
   const EncodeScratchLayout L = encode_scratch_layout(N, cap, seg_log2);
   LMTIER_CHECK_ARG(L.total <= scratch_bytes, "rans: scratch of ", scratch_bytes,

@@ -272,6 +272,17 @@ def test_compression_close_to_entropy(rng):
     assert not info.adaptive and info.num_symbols == x.size
 
 
+@pytest.mark.parametrize("n", [1000, 1 << SEG, 100_000])
+def test_single_symbol_table(rng, n):
+    """A one-symbol table (freq 4096) codes a constant stream in 128 bytes of states per segment."""
+    x = np.full(n, 42, np.uint8)
+    b = rans.encode([x], rans.ADAPTIVE_TABLE, seg_log2=10)
+    assert bytes(b.stream(0)) == ref_encode_stream(x, rans.ADAPTIVE_TABLE, None, 10)
+    nseg = -(-n // 1024)
+    assert b.nbytes <= 16 + 36 + 4 * nseg + 128 * nseg + 1024
+    np.testing.assert_array_equal(rans.decode(b)[0], x)
+
+
 def test_raw_segments_for_incompressible(rng):
     x = rng.integers(0, 256, 100_000, dtype=np.uint8)
     b = rans.encode([x], rans.ADAPTIVE_TABLE)

@@ -296,6 +296,18 @@ def _sync(stream: Any, device: Any) -> None:
         stream.synchronize()
 
 
+def _order_after_current(stream: Any, device: Any) -> None:
+    """Make ``stream`` wait for the current stream (where the caller produced the inputs and where
+    the descriptors are uploaded) — a no-op when they are the same stream."""
+    if stream is None:
+        return
+    torch = _torch()
+    s = torch.cuda.ExternalStream(stream, device=device) if isinstance(stream, int) else stream
+    cur = torch.cuda.current_stream(device)
+    if s.cuda_stream != cur.cuda_stream:
+        s.wait_stream(cur)
+
+
 def _keep_alive(tensors: list[Any], stream: Any, device: Any) -> None:
     """The uploaded descriptor/table tensors were allocated on the current stream; when the kernels
     run on another stream, tell the caching allocator so the memory is not reused before they finish."""
@@ -372,6 +384,7 @@ def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any
         dev = streams[0].device
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
+        _order_after_current(stream, dev)
         _R.encode(True, ddesc.data_ptr(), n, t_addr, num_tables, seg_log2, out_addr, out_bytes, off_addr,
                   st_addr, sc_addr, sc_bytes, num_threads, _stream_handle(stream, dev))
         _keep_alive(keep, stream, dev)
@@ -462,6 +475,7 @@ def decode_into(sources: Sequence[Any], tables: Any, *, outs: Sequence[Any], out
         sc_addr, sc_bytes = _addr_len(scratch)
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
+        _order_after_current(stream, dev)
         _R.decode(True, ddesc.data_ptr(), n, t_addr, num_tables, len_addr, st_addr, sc_addr, sc_bytes,
                   num_threads, _stream_handle(stream, dev))
         _keep_alive(keep, stream, dev)

@@ -1,0 +1,212 @@
+"""rANS on CUDA: byte identity with the CPU encoder, cross decoding both ways, hostile input, odd
+alignments, large batches. Inputs are built on the CPU (NumPy), run through both implementations and
+compared exactly."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from lmtier.codec import format as fmt  # noqa: E402
+from lmtier.codec import rans  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+SEG_LOG2S = [10, 12, rans.DEFAULT_SEG_LOG2, 16]
+KINDS = ["skewed", "laplace", "uniform", "same", "constant", "missing", "adaptive", "mixed"]
+SIZES = [0, 1, 31, 33, 128, 129, 511, 513, 1023, 1024, 1025, 4097, 16383, 16384, 16385, 65537, 300_001]
+
+
+def skewed(rng, n, p=0.35, alphabet=256):
+    return (rng.geometric(p, n) % alphabet).astype(np.uint8)
+
+
+def laplace_symbols(rng, n, scale=2.0):
+    return np.clip(np.round(rng.laplace(16, scale, n)), 0, 31).astype(np.uint8)
+
+
+def make_batch(rng, kind):
+    streams, ids = [], []
+    for n in SIZES:
+        if kind == "skewed":
+            x, tid = skewed(rng, n, alphabet=64), 0
+        elif kind == "laplace":
+            x, tid = laplace_symbols(rng, n), 0
+        elif kind == "uniform":
+            x, tid = rng.integers(0, 256, n, dtype=np.uint8), 1
+        elif kind == "same":
+            x, tid = np.full(n, 9, np.uint8), 0
+        elif kind == "constant":  # one-symbol adaptive table (freq 4096): states only
+            x, tid = np.full(n, 7, np.uint8), rans.ADAPTIVE_TABLE
+        elif kind == "missing":
+            x, tid = skewed(rng, n, alphabet=64), 0
+            if n:
+                x[rng.integers(0, n)] = 250  # absent from table 0
+        elif kind == "adaptive":
+            x, tid = skewed(rng, n), rans.ADAPTIVE_TABLE
+        else:
+            x = np.concatenate([laplace_symbols(rng, n // 2), rng.integers(0, 256, n - n // 2, dtype=np.uint8)])
+            tid = int(rng.integers(0, 2))
+        streams.append(x)
+        ids.append(tid)
+    t0 = rans.build_table(np.bincount(laplace_symbols(rng, 50_000), minlength=256) + np.r_[np.ones(64), np.zeros(192)].astype(np.int64))
+    tables = np.stack([t0, rans.build_table(np.ones(256))])
+    return streams, ids, tables
+
+
+def gpu_encode(streams, ids, tables, seg_log2, stream=None):
+    xs = [torch.from_numpy(x).to(DEV) for x in streams]
+    return rans.encode(xs, ids, tables, seg_log2=seg_log2, stream=stream)
+
+
+@pytest.mark.parametrize("seg_log2", SEG_LOG2S)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_bytes_identical_to_cpu(kind, seg_log2):
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/{seg_log2}".encode()))
+    streams, ids, tables = make_batch(rng, kind)
+    cpu = rans.encode(streams, ids, tables, seg_log2=seg_log2)
+    gpu = gpu_encode(streams, ids, tables, seg_log2)
+    np.testing.assert_array_equal(gpu.offsets, cpu.offsets)
+    g = gpu.data.cpu().numpy()
+    if not np.array_equal(g, cpu.data):
+        first = int(np.flatnonzero(g != cpu.data)[0])
+        stream = int(np.searchsorted(cpu.offsets, first, side="right") - 1)
+        pytest.fail(f"GPU bytes differ from CPU at byte {first} (stream {stream}, n={len(streams[stream])})")
+    # cross decode: GPU decodes CPU bytes, CPU decodes GPU bytes
+    dev_batch = rans.EncodedBatch(torch.from_numpy(cpu.data.copy()).to(DEV), cpu.offsets)
+    out_gpu = rans.decode(dev_batch, tables, lengths=[len(x) for x in streams])
+    out_cpu = rans.decode(rans.EncodedBatch(g, gpu.offsets), tables)
+    for x, a, b in zip(streams, out_gpu, out_cpu):
+        np.testing.assert_array_equal(a.cpu().numpy(), x)
+        np.testing.assert_array_equal(b, x)
+
+
+def test_gpu_many_streams_and_large_stream():
+    rng = np.random.default_rng(11)
+    # > 1024 streams (prep scan loops) and > 1024 segments in one stream (size scan loops)
+    streams = [laplace_symbols(rng, int(n)) for n in rng.integers(0, 5000, 2500)]
+    streams.append(laplace_symbols(rng, (1 << 24) + 12345))
+    ids = [0] * len(streams)
+    ids[5] = rans.ADAPTIVE_TABLE
+    tables = np.stack([rans.table_from_symbols(streams[-1][:100000], alphabet_size=32)])
+    cpu = rans.encode(streams, ids, tables)
+    gpu = gpu_encode(streams, ids, tables, rans.DEFAULT_SEG_LOG2)
+    np.testing.assert_array_equal(gpu.offsets, cpu.offsets)
+    assert torch.equal(gpu.data.cpu(), torch.from_numpy(cpu.data))
+    out = rans.decode(gpu, tables, lengths=[len(x) for x in streams])
+    for x, y in zip(streams, out):
+        assert torch.equal(y.cpu(), torch.from_numpy(x))
+
+
+@pytest.mark.parametrize("shift", [1, 3, 4, 8, 13])
+def test_gpu_unaligned_sources_and_destinations(shift):
+    rng = np.random.default_rng(shift)
+    lens = [0, 700, 512, 5000, 20000, 33]
+    flat = np.concatenate([skewed(rng, n, alphabet=40) for n in lens])
+    tables = np.stack([rans.table_from_symbols(flat, alphabet_size=40)])
+    dev = torch.zeros(flat.size + 64, dtype=torch.uint8, device=DEV)
+    dev[shift : shift + flat.size] = torch.from_numpy(flat).to(DEV)
+    bounds = np.r_[0, np.cumsum(lens)] + shift
+    views = [dev[bounds[i] : bounds[i + 1]] for i in range(len(lens))]
+    cpu = rans.encode([flat[bounds[i] - shift : bounds[i + 1] - shift] for i in range(len(lens))], 0, tables)
+    gpu = rans.encode(views, 0, tables)
+    assert torch.equal(gpu.data.cpu(), torch.from_numpy(cpu.data))
+    # decode into unaligned destinations
+    out = torch.zeros(flat.size + 64, dtype=torch.uint8, device=DEV)
+    outs = [out[bounds[i] : bounds[i + 1]] for i in range(len(lens))]
+    st = torch.zeros(len(lens), dtype=torch.int32, device=DEV)
+    ln = torch.zeros(len(lens), dtype=torch.int64, device=DEV)
+    scratch = torch.empty(rans.decode_scratch_bytes(len(lens)), dtype=torch.uint8, device=DEV)
+    rans.decode_into([gpu.stream(i) for i in range(len(lens))], tables, outs=outs, out_lengths=ln, status=st,
+                     scratch=scratch)
+    torch.cuda.synchronize()
+    assert st.cpu().tolist() == [0] * len(lens) and ln.cpu().tolist() == lens
+    assert torch.equal(out[shift : shift + flat.size].cpu(), torch.from_numpy(flat))
+    assert int(out[:shift].abs().sum()) == 0 and int(out[shift + flat.size :].sum()) == 0
+
+
+def _statuses_both(bufs, tables, capacity):
+    """Decode hostile streams on CPU and GPU in one batch each; returns (cpu status, gpu status,
+    cpu outputs, gpu outputs)."""
+    n = len(bufs)
+    srcs_c = [np.frombuffer(b, np.uint8).copy() if len(b) else np.zeros(0, np.uint8) for b in bufs]
+    outs_c = [np.zeros(capacity, np.uint8) for _ in bufs]
+    st_c, ln_c = np.zeros(n, np.int32), np.zeros(n, np.int64)
+    rans.decode_into(srcs_c, tables, outs=outs_c, out_lengths=ln_c, status=st_c)
+    # device: each source in its own exact-size allocation (so OOB reads would be caught by
+    # compute-sanitizer runs) but 4-aligned
+    srcs_g = [torch.from_numpy(s).to(DEV) if s.size else torch.zeros(0, dtype=torch.uint8, device=DEV) for s in srcs_c]
+    outs_g = [torch.zeros(capacity, dtype=torch.uint8, device=DEV) for _ in bufs]
+    st_g = torch.zeros(n, dtype=torch.int32, device=DEV)
+    ln_g = torch.zeros(n, dtype=torch.int64, device=DEV)
+    scratch = torch.empty(rans.decode_scratch_bytes(n), dtype=torch.uint8, device=DEV)
+    rans.decode_into(srcs_g, tables, outs=outs_g, out_lengths=ln_g, status=st_g, scratch=scratch)
+    torch.cuda.synchronize()
+    return st_c, st_g.cpu().numpy(), (outs_c, ln_c), ([o.cpu().numpy() for o in outs_g], ln_g.cpu().numpy())
+
+
+def test_gpu_hostile_input_matches_cpu_verdicts():
+    rng = np.random.default_rng(21)
+    x = laplace_symbols(rng, 9000)
+    tables = np.stack([rans.table_from_symbols(x)])
+    good = [bytes(rans.encode([x], tid, tables, seg_log2=10).data) for tid in (0, rans.ADAPTIVE_TABLE)]
+    bufs = []
+    for g in good:
+        bufs += [g[:cut] for cut in range(0, len(g), 7)]
+        for _ in range(400):
+            m = bytearray(g)
+            for _ in range(int(rng.integers(1, 4))):
+                m[int(rng.integers(0, len(m)))] = int(rng.integers(0, 256))
+            bufs.append(bytes(m))
+    bufs += [bytes(rng.integers(0, 256, int(rng.integers(0, 600)), dtype=np.uint8)) for _ in range(200)]
+    bufs += good
+    st_c, st_g, (oc, lc), (og, lg) = _statuses_both(bufs, tables, capacity=16384)
+    np.testing.assert_array_equal(st_c == 0, st_g == 0)
+    assert st_g[-1] == 0 and st_g[-2] == 0
+    for i in np.flatnonzero(st_c == 0):
+        assert lc[i] == lg[i]
+        np.testing.assert_array_equal(oc[i][: lc[i]], og[i][: lg[i]])
+    assert (st_g[: -2] != 0).mean() > 0.9
+
+
+def test_gpu_status_errors():
+    rng = np.random.default_rng(2)
+    x = torch.from_numpy(skewed(rng, 5000)).to(DEV)
+    t = rans.table_from_symbols(x.cpu())
+    with pytest.raises(ValueError, match="table"):
+        rans.encode([x], 4, t[None])
+    n = x.numel()
+    out = torch.empty(rans.max_batch_encoded_bytes(1, n), dtype=torch.uint8, device=DEV)
+    off = torch.empty(2, dtype=torch.int64, device=DEV)
+    st = torch.empty(1, dtype=torch.int32, device=DEV)
+    scratch = torch.empty(rans.encode_scratch_bytes(1, n), dtype=torch.uint8, device=DEV)
+    rans.encode_into([x], 0, t[None], out=out[:64], offsets=off, status=st, scratch=scratch)
+    torch.cuda.synchronize()
+    assert st.item() == 10 and off[-1].item() == 0
+    rans.encode_into([x], 0, t[None], out=out, offsets=off, status=st, scratch=scratch[:4096])
+    torch.cuda.synchronize()
+    assert st.item() == 9
+    # empty batch / empty streams
+    assert rans.encode([], 0, t[None]).nbytes == 0
+    e = rans.encode([torch.zeros(0, dtype=torch.uint8, device=DEV)] * 3, 0, t[None])
+    assert e.offsets.tolist() == [0, 16, 32, 48]
+    assert [y.numel() for y in rans.decode(e, t[None], lengths=[0, 0, 0])] == [0, 0, 0]
+
+
+def test_gpu_side_stream_and_record():
+    rng = np.random.default_rng(4)
+    streams = [laplace_symbols(rng, 40_000) for _ in range(6)]
+    tables = np.stack([rans.table_from_symbols(np.concatenate(streams))])
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        gpu = gpu_encode(streams, 0, tables, rans.DEFAULT_SEG_LOG2, stream=s)
+    cpu = rans.encode(streams, 0, tables)
+    info = fmt.RecordInfo(level_id=1, num_layers=3, num_planes=2, num_tokens=256, num_heads=8, head_size=128,
+                          sections_per_layer=2)
+    rec_g = fmt.pack(info, [gpu.stream(i).cpu() for i in range(6)])
+    rec_c = fmt.pack(info, [cpu.stream(i) for i in range(6)])
+    assert rec_g == rec_c
