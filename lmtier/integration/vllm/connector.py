@@ -289,6 +289,16 @@ def _dtype_name(d: str) -> str:
     return d
 
 
+class _NoTiers:
+    """Scheduler-side stand-in when the scheduler shares no tier with the workers (CPU pool only, and
+    the workers live in other processes): every lookup misses, so lmtier never claims a hit."""
+
+    cpu = disk = remote = None
+
+    def lookup(self, keys) -> list[str]:
+        return []
+
+
 def _manager(key: str, config, namespace: Namespace, *, with_cpu: bool, gpu_id: int) -> TierManager:
     with _SHARED_LOCK:
         m = _SHARED.get(key)
@@ -296,6 +306,11 @@ def _manager(key: str, config, namespace: Namespace, *, with_cpu: bool, gpu_id: 
             if not with_cpu:
                 import dataclasses
 
+                if not (config.disk.enabled or config.remote.enabled):
+                    log.warning("lmtier: the scheduler runs in another process than the workers and only the "
+                                "CPU tier is configured: it cannot see the workers' CPU pools, so nothing will "
+                                "be loaded. Configure local_disk or remote_url.")
+                    return _NoTiers()  # type: ignore[return-value]
                 config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
             m = TierManager.from_config(config, namespace, gpu_id=gpu_id)
             if with_cpu:
@@ -546,8 +561,9 @@ class LMTierConnector(KVConnectorBase_V1):
         """A failed async load leaves the request recomputing: never offer it a hit again (vLLM
         re-asks ``get_num_new_matched_tokens`` right after this call)."""
         for rid in getattr(connector_output, "failed_recving", None) or ():
-            self._no_load.add(rid)
             self._lookups.pop(rid, None)
+            if rid in self._requests:  # with policy "fail" vLLM already finished it (request_finished ran)
+                self._no_load.add(rid)
 
     def request_finished(self, request, block_ids: list[int]):
         """Drop the request's state. Returns ``(True, None)`` only while CUDA stores still read its

