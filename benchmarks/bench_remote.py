@@ -1,22 +1,25 @@
-"""Redis tier store/load bandwidth for large values vs ``redis-benchmark`` and other clients.
+"""Redis tier store/load bandwidth for large values vs ``redis-benchmark`` and the Python clients.
 
 Usage::
 
-    python benchmarks/bench_remote.py [--url redis://host:port/0] [--size-mib 32] [--iters 20]
-        [--json out.json]
+    python benchmarks/bench_remote.py [--url redis://host:port/0] [--size-mib 32] [--iters 5]
+        [--rounds 3] [--rb-requests 50] [--pieces-mib 1,2,4,8,16] [--json out.json]
 
 Without ``--url`` a private ``redis-server`` is started on 127.0.0.1 (no persistence,
-``proto-max-bulk-len`` raised). Bytes declared: payload bytes per value. Rows:
+``proto-max-bulk-len`` raised). Bytes counted: payload bytes per value. Rows:
 
-* ``redis-benchmark`` ``-d SIZE -t set,get -n N -c 1`` (the server's own C client; the ceiling)
-  and ``-c 2``;
-* redis-py (+ hiredis when installed): ``SET`` of a ``bytes`` value, ``GET`` returning ``bytes``,
-  and ``GET`` + copy into a caller buffer (what a tier must do);
-* redis-py pipelined ``GETRANGE`` in 4 MiB pieces into a caller buffer;
-* valkey-glide (async client, when installed): ``SET``/``GET``;
-* ``RedisTier.put`` / ``RedisTier.get_into`` (record header, xxh3 checksum on both sides).
+* ``redis-benchmark -d SIZE -t set,get -n N -c 1`` (the server's own C client: the ceiling that
+  the ``%rb`` columns divide by) and, once, ``-c 2``;
+* redis-py (+ hiredis when installed), stock client: ``SET`` of a ``bytes`` value, ``GET``
+  returning ``bytes``, and ``GET`` + copy into a caller buffer (what a tier must do);
+* valkey-glide (when installed): ``SET``/``GET`` (bytes) through its async client;
+* ``RedisTier.put`` / ``RedisTier.get_into`` (record header, xxh3 checksum on both sides,
+  visibility-on-complete writes, verified reads) for each piece size in ``--pieces-mib``.
 
-Median of ``iters`` timed calls after warm-up, single caller, loopback. Also runnable as
+The machine may be shared and noisy, so the measurement is interleaved: each of ``--rounds``
+rounds runs ``redis-benchmark -c 1`` and then ``--iters`` timed calls of every client row;
+a row's GB/s is the median of all its timed calls, the ceiling the median of the rounds'
+``redis-benchmark`` results (both listed in the JSON). Single caller, loopback. Also runnable as
 ``pytest benchmarks/bench_remote.py`` (a tiny smoke run).
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import re
 import shutil
@@ -44,44 +48,25 @@ from lmtier.tiers.remote import RedisTier  # noqa: E402
 MiB = 1 << 20
 
 
-def _median_gbps(fn, size: int, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return size / statistics.median(ts) / 1e9
-
-
 def redis_benchmark(host: str, port: int, size: int, n: int, clients: int) -> dict:
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {}
     r = subprocess.run([exe, "-h", host, "-p", str(port), "-d", str(size), "-t", "set,get", "-n", str(n),
                         "-c", str(clients), "-q"], capture_output=True, text=True, timeout=600)
-    out = {}
-    for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", r.stdout.replace("\r", "\n")):
-        out[op.lower()] = float(rps) * size / 1e9 * 1.0
-    return out
+    return {op.lower(): float(rps) * size / 1e9
+            for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", r.stdout.replace("\r", "\n"))}
 
 
-def bench(url: str, *, size: int, iters: int, rb_n: int) -> dict:
-    u = urllib.parse.urlsplit(url)
-    host, port = u.hostname, u.port or 6379
+def _clients(url: str, host: str, port: int, size: int, pieces: list[int]):
+    """(row name, {op: callable}) for every client row, plus a cleanup callable."""
+    import redis
+
     data = os.urandom(size)
     src = AlignedBuffer(size)
     src.mv[:size] = data
     out = AlignedBuffer(size)
-    rows = []
-    for c in (1, 2):
-        rb = redis_benchmark(host, port, size, rb_n, c)
-        if rb:
-            rows.append({"client": f"redis-benchmark -c {c}", "set_GBps": rb.get("set"), "get_GBps": rb.get("get")})
-
-    import redis
-
+    rows, cleanup = [], []
     try:
         import hiredis  # noqa: F401
 
@@ -90,86 +75,106 @@ def bench(url: str, *, size: int, iters: int, rb_n: int) -> dict:
         parser = "python"
     r = redis.Redis.from_url(url, socket_timeout=30)
     r.set("bench:py", data)
-    row = {"client": f"redis-py {redis.__version__} ({parser})",
-           "set_GBps": _median_gbps(lambda: r.set("bench:py", data), size, iters),
-           "get_GBps": _median_gbps(lambda: r.get("bench:py"), size, iters)}
-    rows.append(row)
 
     def get_copy():
         out.mv[:size] = r.get("bench:py")
 
-    rows.append({"client": "redis-py GET + copy into buffer", "get_GBps": _median_gbps(get_copy, size, iters)})
-    piece = 4 * MiB
-
-    def getrange():
-        p = r.pipeline(transaction=False)
-        for off in range(0, size, piece):
-            p.getrange("bench:py", off, min(off + piece, size) - 1)
-        o = 0
-        for b in p.execute():
-            out.mv[o : o + len(b)] = b
-            o += len(b)
-
-    rows.append({"client": "redis-py pipelined GETRANGE 4 MiB", "get_GBps": _median_gbps(getrange, size, iters)})
-    r.delete("bench:py")
-    r.close()
+    rows.append((f"redis-py {redis.__version__} ({parser}) SET/GET bytes",
+                 {"set": lambda: r.set("bench:py", data), "get": lambda: r.get("bench:py")}))
+    rows.append(("redis-py GET + copy into buffer", {"get": get_copy}))
+    cleanup.append(lambda: (r.delete("bench:py"), r.close()))
 
     try:
-        import glide
-
-        async def glide_bench():
-            from glide import GlideClient, GlideClientConfiguration, NodeAddress
-
-            c = await GlideClient.create(GlideClientConfiguration([NodeAddress(host, port)], request_timeout=30000))
-            res = {}
-            for op in ("set", "get"):
-                ts = []
-                for i in range(iters + 2):
-                    t0 = time.perf_counter()
-                    if op == "set":
-                        await c.set("bench:glide", data)
-                    else:
-                        await c.get("bench:glide")
-                    if i >= 2:
-                        ts.append(time.perf_counter() - t0)
-                res[op] = size / statistics.median(ts) / 1e9
-            await c.delete(["bench:glide"])
-            await c.close()
-            return res
-
-        g = asyncio.run(glide_bench())
         from importlib.metadata import version
 
-        rows.append({"client": f"valkey-glide {version('valkey-glide')} (async)", "set_GBps": g["set"],
-                     "get_GBps": g["get"]})
+        from glide import GlideClient, GlideClientConfiguration, NodeAddress
+
+        loop = asyncio.new_event_loop()
+        g = loop.run_until_complete(GlideClient.create(
+            GlideClientConfiguration([NodeAddress(host, port)], request_timeout=30000)))
+        loop.run_until_complete(g.set("bench:glide", data))
+        rows.append((f"valkey-glide {version('valkey-glide')} (async) SET/GET bytes",
+                     {"set": lambda: loop.run_until_complete(g.set("bench:glide", data)),
+                      "get": lambda: loop.run_until_complete(g.get("bench:glide"))}))
+
+        def glide_close():
+            loop.run_until_complete(g.delete(["bench:glide"]))
+            loop.run_until_complete(g.close())
+            loop.close()
+
+        cleanup.append(glide_close)
     except ImportError:
         pass
 
-    tier = RedisTier(url, timeout_s=5.0)
-    k = b"\x01" * 32
-    rows.append({"client": "lmtier RedisTier (put / get_into, checksummed)",
-                 "set_GBps": _median_gbps(lambda: tier.put(k, src.mv[:size]), size, iters),
-                 "get_GBps": _median_gbps(lambda: tier.get_into(k, out.mv), size, iters)})
-    assert bytes(out.mv[:size]) == data
-    tier.delete(k)
-    tier.close()
-    ceiling = rows[0] if rows[0]["client"].startswith("redis-benchmark") else None
+    for p in pieces:
+        tier = RedisTier(url, timeout_s=5.0, piece_bytes=p)
+        k = (b"\x01" * 31) + bytes([p.bit_length()])
+        assert tier.put(k, src.mv[:size]) and tier.get_into(k, out.mv) == size and bytes(out.mv[:size]) == data
+
+        def get(tier=tier, k=k):
+            assert tier.get_into(k, out.mv) == size
+
+        rows.append((f"lmtier RedisTier, {p / MiB:g} MiB pieces (put / get_into)",
+                     {"set": lambda tier=tier, k=k: tier.put(k, src.mv[:size]), "get": get}))
+        cleanup.append(lambda tier=tier, k=k: (tier.delete(k), tier.close()))
+    return rows, cleanup
+
+
+def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: list[int]) -> dict:
+    u = urllib.parse.urlsplit(url)
+    host, port = u.hostname, u.port or 6379
+    rows, cleanup = _clients(url, host, port, size, pieces)
+    samples: dict = collections.defaultdict(list)
+    rb_rounds = []
+    try:
+        for _ in range(rounds):
+            rb = redis_benchmark(host, port, size, rb_n, 1)
+            if rb:
+                rb_rounds.append(rb)
+            for name, ops in rows:
+                for op, fn in ops.items():
+                    fn()  # warm-up
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        fn()
+                        samples[(name, op)].append(size / (time.perf_counter() - t0) / 1e9)
+        rb2 = redis_benchmark(host, port, size, rb_n, 2)
+    finally:
+        for c in cleanup:
+            c()
+    table = []
+    if rb_rounds:
+        table.append({"client": "redis-benchmark -c 1 (ceiling)",
+                      "set_GBps": statistics.median(r["set"] for r in rb_rounds),
+                      "get_GBps": statistics.median(r["get"] for r in rb_rounds),
+                      "rounds": rb_rounds})
+    if rb2:
+        table.append({"client": "redis-benchmark -c 2", "set_GBps": rb2.get("set"), "get_GBps": rb2.get("get")})
+    for name, ops in rows:
+        row = {"client": name}
+        for op in ops:
+            row[f"{op}_GBps"] = statistics.median(samples[(name, op)])
+            row[f"{op}_samples"] = samples[(name, op)]
+        table.append(row)
+    ceiling = table[0] if rb_rounds else None
     if ceiling:
-        for row in rows:
+        for row in table:
             for op in ("set", "get"):
                 if row.get(f"{op}_GBps") and ceiling.get(f"{op}_GBps"):
                     row[f"{op}_%rb"] = 100 * row[f"{op}_GBps"] / ceiling[f"{op}_GBps"]
-    return {"system": system_header(), "url": url.split("@")[-1], "value_bytes": size, "iters": iters, "rows": rows}
+    return {"system": system_header(), "url": url.split("@")[-1], "value_bytes": size, "iters": iters,
+            "rounds": rounds, "rb_requests": rb_n, "rows": table}
 
 
-def run(url: str | None, *, size: int, iters: int, rb_n: int) -> dict:
+def run(url: str | None, *, size: int, iters: int, rounds: int = 3, rb_n: int = 50,
+        pieces: list[int] = (MiB,)) -> dict:
     if url:
-        return bench(url, size=size, iters=iters, rb_n=rb_n)
+        return bench(url, size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces))
     from redis_server import RedisServer
 
     srv = RedisServer(extra_args=("--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb")).start()
     try:
-        res = bench(srv.url, size=size, iters=iters, rb_n=rb_n)
+        res = bench(srv.url, size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces))
         res["server"] = subprocess.run([srv.binary, "--version"], capture_output=True, text=True).stdout.strip()
         return res
     finally:
@@ -180,13 +185,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url")
     ap.add_argument("--size-mib", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=5, help="timed calls per row and round")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rb-requests", type=int, default=50, help="redis-benchmark -n")
+    ap.add_argument("--pieces-mib", default="1,2,4,8,16", help="RedisTier piece sizes to measure")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    res = run(a.url, size=a.size_mib * MiB, iters=a.iters, rb_n=a.rb_requests)
+    pieces = [int(float(x) * MiB) for x in a.pieces_mib.split(",")]
+    res = run(a.url, size=a.size_mib * MiB, iters=a.iters, rounds=a.rounds, rb_n=a.rb_requests, pieces=pieces)
     print(f"# {res['system']} {res.get('server', '')}")
-    print(f"# {a.size_mib} MiB values, loopback, one caller")
+    print(f"# {a.size_mib} MiB values, loopback, one caller; {a.rounds} interleaved rounds x {a.iters} calls; "
+          f"%rb = % of redis-benchmark -c 1 in this run")
     print_table(res["rows"], ["client", "set_GBps", "set_%rb", "get_GBps", "get_%rb"])
     write_json(a.json, res)
 
@@ -196,7 +205,7 @@ def test_bench_remote_smoke():
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed")
-    res = run(None, size=1 * MiB, iters=3, rb_n=5)
+    res = run(None, size=1 * MiB, iters=2, rounds=1, rb_n=5, pieces=[256 << 10])
     assert any(r["client"].startswith("lmtier") and r["get_GBps"] > 0 for r in res["rows"])
 
 

@@ -295,3 +295,119 @@ def test_tls(tmp_path):
         assert bad.get_into(key(1), out) is None and bad.counters["errors"] >= 1
     finally:
         srv.close()
+
+
+# ---- pieces: SETRANGE onto a temporary key + RENAME, GETRANGE pieces into out ----------------
+
+
+@pytest.mark.parametrize("n", [4096 - 128, 4096 - 127, 3 * 4096, 5 * 4096 + 77])
+def test_pieces_round_trip_no_temp_keys(redis_server, n):
+    t = RedisTier(redis_server.url, piece_bytes=4096)
+    d = payload(n, n)
+    assert t.put(key(1), d)
+    for cap in (n, n + 1, n + 3 * 4096 + 5):  # out larger than the value: speculative pieces are empty
+        out = bytearray(cap)
+        assert t.get_into(key(1), out) == n and bytes(out[:n]) == d
+    assert t.get_into(key(1), bytearray(n - 1)) is None and t.contains(key(1))  # too small: kept
+    keys = raw(redis_server, b"KEYS", b"*")
+    assert keys.count(b"lmtier:") == 1 and b".tmp." not in keys
+    assert raw(redis_server, b"TTL", b"lmtier:" + key(1).hex().encode()) == b":-1\r\n"  # PERSIST after RENAME
+    assert t.counters["corrupt"] == 0 and t.counters["torn_reads"] == 0
+    t.close()
+
+
+def test_pieces_ttl(redis_server):
+    t = RedisTier(redis_server.url, ttl_s=100, piece_bytes=4096)
+    assert t.put(key(1), b"x" * 20000)
+    assert int(raw(redis_server, b"TTL", b"lmtier:" + key(1).hex().encode())[1:-2]) > 90
+
+
+def test_torn_read_is_reread_atomically(redis_server, monkeypatch):
+    """A value overwritten between two GETRANGE pieces (header and first piece from the old value,
+    the rest from the new): the checksum catches it, an atomic re-read returns the new value,
+    nothing is deleted."""
+    from lmtier.tiers import remote
+
+    t = RedisTier(redis_server.url, piece_bytes=4096)
+    n = 5 * 4096
+    old, new = payload(1, n), payload(2, n)
+    assert t.put(key(1), old)
+    old_piece0 = raw(redis_server, b"GETRANGE", b"lmtier:" + key(1).hex().encode(), b"0", b"4095")
+    old_piece0 = old_piece0[old_piece0.index(b"\r\n") + 2 : -2]
+    assert len(old_piece0) == 4096
+    assert t.put(key(1), new)
+    orig = remote._RecordReader.feed
+    reads = []
+
+    def feed(self, reply):
+        if self.i == 0:
+            reads.append(self)
+        if self.i == 2 and len(reads) == 1:  # piece 0 of the first (pipelined) read: the old value's
+            reply = old_piece0
+        orig(self, reply)
+
+    monkeypatch.setattr(remote._RecordReader, "feed", feed)
+    out = bytearray(n)
+    assert t.get_into(key(1), out) == n
+    assert bytes(out) == new and len(reads) == 2
+    assert t.counters["torn_reads"] == 1 and t.counters["corrupt"] == 0 and t.contains(key(1))
+
+
+def test_concurrent_overwrites_never_mix(redis_server):
+    """Writers replace a multi-piece value while readers read it: only whole values come back."""
+    import threading
+
+    n = 16 * 4096
+    values = [payload(i, n) for i in range(3)]
+    t = RedisTier(redis_server.url, piece_bytes=4096, timeout_s=2.0)
+    assert t.put(key(1), values[0])
+    stop = threading.Event()
+    bad = []
+
+    def write(i):
+        while not stop.is_set():
+            t.put(key(1), values[i])
+
+    def read():
+        out = bytearray(n)
+        for _ in range(60):
+            if t.get_into(key(1), out) == n and bytes(out) not in values:
+                bad.append(1)
+
+    ws = [threading.Thread(target=write, args=(i,)) for i in (1, 2)]
+    rs = [threading.Thread(target=read) for _ in range(2)]
+    for th in ws + rs:
+        th.start()
+    for th in rs:
+        th.join()
+    stop.set()
+    for th in ws:
+        th.join()
+    assert bad == [] and t.counters["corrupt"] == 0 and t.counters["hits"] == 120
+
+
+def test_tmp_name_same_cluster_slot():
+    from redis.crc import key_slot
+
+    from lmtier.tiers.remote import _tmp_name
+
+    for name in (b"lmtier:" + key(1).hex().encode(), b"{tenant}:" + key(2).hex().encode(), b"x{y", b"a{b}{}"):
+        tmp = _tmp_name(name)
+        assert tmp != name and key_slot(tmp) == key_slot(name)
+        assert _tmp_name(name) != tmp  # unique per write
+    for prefix in ("a{}b", "a{}b{c}"):  # braces but no hash tag: no temporary key can share the slot
+        with pytest.raises(ValueError, match="key_prefix"):
+            RedisTier("redis://127.0.0.1:1/0", key_prefix=prefix)
+
+
+def test_redis_cluster_pieces(redis_cluster):
+    t = RedisTier(redis_cluster.url, timeout_s=1.0, piece_bytes=4096)
+    for i in range(6):
+        d = payload(i, 30_000 + i)
+        assert t.put(key(i), d)
+        out = bytearray(40_000)
+        assert t.get_into(key(i), out) == len(d) and bytes(out[: len(d)]) == d
+    import redis.cluster
+
+    rc = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    assert not [k for k in rc.keys(target_nodes=redis.cluster.RedisCluster.ALL_NODES) if b".tmp." in k]

@@ -1,28 +1,52 @@
-"""Remote tier (tier 3): Redis / Valkey, single instance or Redis Cluster.
+"""Remote tier (tier 3): Redis / Valkey, single instance or Redis Cluster, through redis-py.
 
 One key per chunk, ``<key_prefix><key hex>`` (default prefix ``"lmtier:"``), whose value is a
 self-describing record of :mod:`lmtier.record` with the compact header (``payload_offset = 128``)
-followed by the payload, written with a single ``SET``: there is no separate metadata key that
-could go out of sync. Eviction is Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``)
-or an optional per-key TTL.
+followed by the payload: there is no separate metadata key that could go out of sync. Eviction is
+Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``) or an optional per-key TTL.
 
-Client choice (measured, see benchmarks/bench_remote.py and benchmarks/RESULTS.md): for 32 MiB
-values on loopback redis-py + hiredis reaches ~0.5–0.6 GB/s (it materialises each value as a
-``bytes`` object, and a ``SET`` builds another), valkey-glide ~0.3–0.6 GB/s, while the server itself
-(``redis-benchmark``) delivers ~1 GB/s. So single-instance URLs (``redis://``, ``rediss://``,
-``unix://``) use a small built-in RESP2 client for the data path: ``SET`` sends header and payload
-straight from the caller's buffer (``sendmsg`` scatter/gather, no concatenation) and ``GET`` reads
-the value with ``recv_into`` straight into the caller's ``out`` buffer — one kernel copy, no
-Python objects the size of the chunk. Redis Cluster (``redis-cluster://h:p,h:p``) goes through
-``redis.cluster.RedisCluster`` (slot routing, redirections), with one extra copy per load.
+Client: redis-py (with hiredis as its reply parser when installed) for every scheme —
+``redis.Redis`` over a ``BlockingConnectionPool`` for ``redis://``, ``rediss://``, ``unix://``
+and ``redis.cluster.RedisCluster`` for ``redis-cluster://``. Measured with
+benchmarks/bench_remote.py (32 MiB values, loopback, interleaved with ``redis-benchmark -c 1``
+on the same server; a loaded 2-core VM, two runs): this tier with 1 MiB pieces stored at
+0.61/0.85 GB/s and loaded at 1.06/1.62 GB/s where ``redis-benchmark`` did 0.31/0.18 (SET) and
+0.31/0.39 (GET), stock redis-py ``SET``/``GET`` of ``bytes`` 0.22/0.18 and 0.26/0.30, and
+valkey-glide 0.36/0.29 and 0.25/0.22. Large values therefore move in pieces of ``piece_bytes``
+(1 MiB by default, the best of 1/2/4/8/16 MiB in both runs: pieces that stay cache-resident beat
+one huge value on both ends):
 
-Failure model: every call has a socket timeout (``timeout_s`` per blocking socket operation,
-``connect_timeout_s`` for connects); a connection that saw any error is closed, never reused.
-Network errors never reach the caller: loads become misses and stores return False, and they are
-counted. After ``breaker_failures`` consecutive failures a circuit breaker opens: calls return a
-miss/False immediately for ``breaker_reset_s``, then one trial call decides whether it closes.
-Authentication failures at construction raise :class:`~lmtier.tiers.base.TierError` (a
-configuration error); an unreachable server at construction only logs a warning.
+* **put**: a record that fits in one piece is one ``SET``. A larger one is written under a
+  temporary key, ``{<name>}.tmp.<random>`` (same hash slot as the final key), in one pipelined
+  round trip: ``SETRANGE`` of the last payload piece first (the server allocates the whole value
+  once), ``EXPIRE`` of the temporary key (an interrupted write cannot leave an orphan for long),
+  the other pieces, the header, then ``RENAME`` onto the final key and ``PERSIST`` (or
+  ``EXPIRE ttl_s``). ``RENAME`` is atomic, so readers see the old value or the complete new one,
+  never a partial record. The payload pieces are sent as memoryviews of the caller's buffer
+  (redis-py's pure-Python command packer, which sends large arguments by reference; its hiredis
+  packer would copy every argument into a new ``bytes``).
+* **get_into**: one pipelined round trip of ``EXISTS``, ``STRLEN`` and ``GETRANGE`` pieces that
+  cover ``128 + len(out)`` bytes. On a single instance the replies are read one at a time from
+  the connection and each piece is copied into ``out`` as soon as it arrives (one piece-sized
+  ``bytes`` alive at a time, so the allocator hands back the same cache-hot block); the header,
+  in the first piece, is decoded before anything is copied. Redis Cluster goes through
+  redis-py's cluster pipeline (slot routing, redirections) and copies after the round trip;
+  its node clients keep redis-py's default packer (``RedisCluster`` passes neither
+  ``command_packer`` nor ``connection_class`` to them), which copies each piece once on put.
+  The value length (``STRLEN``) must equal header + payload and the xxh3 checksum must match
+  the assembled payload. The pieces are separate commands, so a concurrent overwrite between
+  them could tear a read: a record that fails these checks is read once more inside
+  ``MULTI``/``EXEC`` (atomic), and only when that copy fails too is it corrupt — counted,
+  deleted, a miss. A torn read is never returned as data.
+
+Failure model: every socket operation has a timeout (``timeout_s``; ``connect_timeout_s`` for
+connects), redis-py does not retry (``Retry(NoBackoff(), 0)``) and a connection that saw an error
+is closed. Network errors never reach the caller: loads become misses and stores return False,
+and they are counted. After ``breaker_failures`` consecutive failures a circuit breaker opens:
+calls return a miss/False immediately for ``breaker_reset_s``, then one trial call decides
+whether it closes. Authentication failures at construction raise
+:class:`~lmtier.tiers.base.TierError` (a configuration error); an unreachable server at
+construction only logs a warning.
 
 URLs:
   * ``redis://[[user]:password@]host[:port][/db]``
@@ -39,12 +63,17 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import socket
-import ssl
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
+
+import redis
+import redis.cluster
+import redis.crc
+from redis.backoff import NoBackoff
+from redis.connection import Encoder, PythonRespSerializer
+from redis.retry import Retry
 
 from lmtier import record as rec
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
@@ -53,15 +82,22 @@ from lmtier.tiers.disk import BouncePool, cuda_nbytes, host_view, is_cuda_tensor
 log = logging.getLogger("lmtier.tiers.remote")
 
 HEADER = rec.COMPACT_PAYLOAD_OFFSET
-_RECV_CHUNK = 1 << 16
+DEFAULT_PIECE_BYTES = 1 << 20
+#: Lifetime of a temporary key, so that a write interrupted before its RENAME leaves no orphan.
+TMP_TTL_S = 300
+
+# redis-py's pure-Python packer: arguments above 6000 bytes and memoryviews are sent as they are
+# (no concatenation), so payload pieces go from the caller's buffer to the socket.
+_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 
-class _NetError(Exception):
-    """A transport/protocol failure: the connection is discarded and the call counts as failed."""
-
-
-class _ReplyError(Exception):
-    """The server answered with an error reply (``-ERR ...``); the connection stays usable."""
+@dataclass(frozen=True)
+class _TLS:
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    cert_reqs: str = "required"
+    check_hostname: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,14 +110,13 @@ class _Target:
     db: int = 0
     username: str | None = None
     password: str | None = None
-    tls: ssl.SSLContext | None = None
-    server_hostname: str | None = None
+    tls: _TLS | None = None
 
     def describe(self) -> str:  # never includes the password
         if self.kind == "unix":
             return f"unix://{self.path}"
         if self.kind == "cluster":
-            return "redis-cluster://" + ",".join(f"{h}:{p}" for h, p in self.nodes)
+            return f"{'rediss' if self.tls else 'redis'}-cluster://" + ",".join(f"{h}:{p}" for h, p in self.nodes)
         return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.db}"
 
 
@@ -100,15 +135,15 @@ def parse_url(url: str, *, password_env: str | None = None) -> _Target:
             raise ValueError(f"remote_url: password_env {password_env!r} is not set in the environment")
     tls = None
     if scheme in ("rediss", "rediss-cluster"):
-        tls = ssl.create_default_context(cafile=q.get("ssl_ca_certs"))
         reqs = q.get("ssl_cert_reqs", "required").lower()
         if reqs not in ("required", "optional", "none"):
             raise ValueError(f"remote_url: ssl_cert_reqs must be required/optional/none, got {reqs!r}")
-        if q.get("ssl_check_hostname", "true").lower() in ("false", "0", "no") or reqs == "none":
-            tls.check_hostname = False
-        tls.verify_mode = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}[reqs]
-        if q.get("ssl_certfile"):
-            tls.load_cert_chain(q["ssl_certfile"], q.get("ssl_keyfile"))
+        check = q.get("ssl_check_hostname", "true").lower() not in ("false", "0", "no") and reqs != "none"
+        for f in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if q.get(f) and not os.path.isfile(q[f]):
+                raise ValueError(f"remote_url: {f} {q[f]!r} is not a file")
+        tls = _TLS(ca_certs=q.get("ssl_ca_certs"), certfile=q.get("ssl_certfile"), keyfile=q.get("ssl_keyfile"),
+                   cert_reqs=reqs, check_hostname=check)
     if scheme in ("redis", "rediss"):
         if not u.hostname:
             raise ValueError(f"remote_url {_redact(url)!r}: missing host")
@@ -121,12 +156,15 @@ def parse_url(url: str, *, password_env: str | None = None) -> _Target:
             port = u.port or 6379
         except ValueError as e:
             raise ValueError(f"remote_url {_redact(url)!r}: {e}") from None
-        return _Target("tcp", host=u.hostname, port=port, db=db, username=username, password=password, tls=tls,
-                       server_hostname=u.hostname)
+        return _Target("tcp", host=u.hostname, port=port, db=db, username=username, password=password, tls=tls)
     if scheme == "unix":
         if not u.path:
             raise ValueError(f"remote_url {_redact(url)!r}: missing socket path")
-        return _Target("unix", path=u.path, db=int(q.get("db", 0)), username=username, password=password)
+        try:
+            db = int(q.get("db", 0))
+        except ValueError:
+            raise ValueError(f"remote_url {_redact(url)!r}: db {q.get('db')!r} is not an integer") from None
+        return _Target("unix", path=u.path, db=db, username=username, password=password)
     if scheme in ("redis-cluster", "rediss-cluster"):
         netloc = u.netloc.rsplit("@", 1)[-1]
         nodes = []
@@ -150,170 +188,16 @@ def _redact(url: str) -> str:
     return urllib.parse.urlunsplit(u)
 
 
-# --------------------------------------------------------------------------------------------
-# A minimal RESP2 connection for the data path
-# --------------------------------------------------------------------------------------------
+def _tmp_name(name: bytes) -> bytes:
+    """A unique temporary key in the same Redis Cluster hash slot as ``name``."""
+    i = name.find(b"{")
+    has_tag = i >= 0 and name.find(b"}", i + 1) > i + 1  # Redis's rule: "{}" first means no hash tag
+    base = name if has_tag else b"{" + name + b"}"
+    return base + b".tmp." + os.urandom(8).hex().encode()
 
 
-def _encode(*args: bytes) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
-
-
-class _RespConn:
-    """One socket speaking RESP2. Not thread-safe; the pool hands it to one thread at a time."""
-
-    def __init__(self, t: _Target, *, timeout_s: float, connect_timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        try:
-            if t.kind == "unix":
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(connect_timeout_s)
-                s.connect(t.path)
-            else:
-                s = socket.create_connection((t.host, t.port), timeout=connect_timeout_s)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if t.tls is not None:
-                    s = t.tls.wrap_socket(s, server_hostname=t.server_hostname)
-            for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                try:
-                    s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-                except OSError:
-                    pass
-            s.settimeout(timeout_s)
-        except (OSError, ssl.SSLError) as e:
-            raise _NetError(f"connect to {t.describe()} failed: {e}") from None
-        self.sock = s
-        self._tls = t.tls is not None
-        self._buf = bytearray(_RECV_CHUNK)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-        if t.password is not None:
-            args = [b"AUTH"] + ([t.username.encode()] if t.username else []) + [t.password.encode()]
-            try:
-                self.call(*args)
-            except _ReplyError as e:
-                self.close()
-                raise TierError(f"authentication to {t.describe()} failed: {str(e).split(' ', 1)[0]} "
-                                "(check the password / password_env)") from None
-        if t.db:
-            self.call(b"SELECT", str(t.db).encode())
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    # -- sending --
-    def send(self, *parts) -> None:
-        try:
-            if self._tls or len(parts) == 1:
-                for p in parts:
-                    self.sock.sendall(p)
-            else:
-                _sendmsg_all(self.sock, list(parts))
-        except (OSError, ssl.SSLError) as e:
-            raise _NetError(f"send failed: {e}") from None
-
-    # -- receiving --
-    def _fill(self) -> None:
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._buf):
-            n = self._end - self._start
-            self._buf[:n] = self._buf[self._start : self._end]
-            self._start, self._end = 0, n
-        try:
-            k = self.sock.recv_into(self._view[self._end :])
-        except (OSError, ssl.SSLError) as e:
-            raise _NetError(f"receive failed: {e}") from None
-        if k == 0:
-            raise _NetError("connection closed by the server")
-        self._end += k
-
-    def read_line(self) -> bytes:
-        while True:
-            i = self._buf.find(b"\r\n", self._start, self._end)
-            if i >= 0:
-                line = bytes(self._buf[self._start : i])
-                self._start = i + 2
-                return line
-            if self._end - self._start > 1 << 20:
-                raise _NetError("protocol error: line too long")
-            self._fill()
-
-    def read_exact_into(self, dst: memoryview) -> None:
-        """Fill ``dst`` from the buffered bytes, then straight from the socket."""
-        n = dst.nbytes
-        have = min(n, self._end - self._start)
-        if have:
-            dst[:have] = self._view[self._start : self._start + have]
-            self._start += have
-        got = have
-        try:
-            while got < n:
-                k = self.sock.recv_into(dst[got:])
-                if k == 0:
-                    raise _NetError("connection closed by the server")
-                got += k
-        except (OSError, ssl.SSLError) as e:
-            raise _NetError(f"receive failed: {e}") from None
-
-    def skip(self, n: int) -> None:
-        scratch = self._view
-        while n > 0:
-            have = self._end - self._start
-            if have == 0:
-                self._fill()
-                continue
-            k = min(n, have)
-            self._start += k
-            n -= k
-        del scratch
-
-    def read_reply(self):
-        line = self.read_line()
-        if not line:
-            raise _NetError("protocol error: empty line")
-        t, rest = line[:1], line[1:]
-        if t == b"+":
-            return rest
-        if t == b"-":
-            raise _ReplyError(rest.decode(errors="replace"))
-        if t == b":":
-            return int(rest)
-        if t == b"$":
-            n = int(rest)
-            if n < 0:
-                return None
-            dst = bytearray(n + 2)
-            self.read_exact_into(memoryview(dst))
-            return bytes(dst[:n])
-        if t == b"*":
-            n = int(rest)
-            return None if n < 0 else [self.read_reply() for _ in range(n)]
-        raise _NetError(f"protocol error: unexpected reply type {t!r}")
-
-    def call(self, *args: bytes):
-        self.send(_encode(*args))
-        return self.read_reply()
-
-
-def _sendmsg_all(sock: socket.socket, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        k = sock.sendmsg(views[:64])
-        while k > 0:
-            if k >= views[0].nbytes:
-                k -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][k:]
-                k = 0
+class _Corrupt(Exception):
+    """The stored value does not verify (or a read was torn by a concurrent overwrite)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,35 +256,125 @@ class CircuitBreaker:
 
 
 # --------------------------------------------------------------------------------------------
+# Reading a record from GETRANGE pieces
+# --------------------------------------------------------------------------------------------
+
+
+class _RecordReader:
+    """Consumes the replies of ``EXISTS, STRLEN, GETRANGE piece 0..`` in order and assembles the
+    payload in ``out``; :meth:`finish` verifies it. Every reply must be fed (the connection stays
+    in sync); once the value is known to be unusable the remaining pieces are ignored."""
+
+    def __init__(self, key: bytes, out: memoryview, piece: int, max_payload: int) -> None:
+        self.key = key
+        self.out = out
+        self.piece = piece
+        self.max_payload = max_payload
+        self.i = 0
+        self.exists = False
+        self.total = 0
+        self.hdr: rec.RecordHeader | None = None
+        self.n = 0  # payload bytes the header announces
+        self.got = 0  # payload bytes copied into out
+        self.error: str | None = None
+        self.too_small = False
+        self.done = False  # nothing more to copy (miss, error, too small)
+
+    def feed(self, reply) -> None:
+        i, self.i = self.i, self.i + 1
+        if i == 0:
+            self.exists = bool(reply)
+            self.done = not self.exists
+            return
+        if i == 1:
+            self.total = int(reply)
+            return
+        if self.done:
+            return
+        data = memoryview(reply)
+        if i == 2:  # piece 0: the header, then the first payload bytes
+            if self.total < HEADER or len(data) < HEADER:
+                return self._fail(f"value of {max(self.total, len(data))} bytes is shorter than the header")
+            try:
+                hdr = rec.decode_header(data[:HEADER], expected_key=self.key, max_payload_bytes=self.max_payload)
+            except rec.RecordError as e:
+                return self._fail(str(e))
+            if hdr.payload_offset != HEADER or HEADER + hdr.payload_bytes != self.total:
+                return self._fail(f"value length {self.total} != header {HEADER} + payload {hdr.payload_bytes}")
+            self.hdr, self.n = hdr, hdr.payload_bytes
+            if self.n > self.out.nbytes:
+                self.too_small, self.done = True, True
+                return
+            data, dst = data[HEADER:], 0
+        else:
+            dst = (i - 2) * self.piece - HEADER
+        k = len(data)
+        if k == 0:
+            return
+        if dst != self.got or dst + k > self.n:
+            return self._fail("value changed while it was read")  # shorter/longer piece: torn or corrupt
+        self.out[dst : dst + k] = data
+        self.got += k
+
+    def _fail(self, why: str) -> None:
+        self.error, self.done = why, True
+
+    def finish(self) -> int | None:
+        """Payload bytes; None for a missing key or a too-small ``out``.
+
+        Raises:
+            _Corrupt: the value does not verify.
+        """
+        if not self.exists:
+            return None
+        if self.error is not None:
+            raise _Corrupt(self.error)
+        if self.too_small:
+            log.warning("get_into: out has %d bytes < payload %d", self.out.nbytes, self.n)
+            return None
+        if self.got != self.n:
+            raise _Corrupt(f"read {self.got} of {self.n} payload bytes")
+        try:
+            rec.verify_payload(self.hdr, self.out[: self.n])
+        except rec.RecordError as e:
+            raise _Corrupt(str(e)) from None
+        return self.n
+
+
+# --------------------------------------------------------------------------------------------
 # The tier
 # --------------------------------------------------------------------------------------------
 
 
 class RedisTier(Tier):
-    """Chunks as Redis/Valkey values (one self-describing record per key).
+    """Chunks as Redis/Valkey values (one self-describing record per key), through redis-py.
 
     Args:
         url: see the module docstring.
         password_env: name of an environment variable holding the password (wins over the URL).
-        timeout_s: socket timeout of every blocking send/receive, seconds.
+        timeout_s: socket timeout of every blocking send/receive, seconds; also the longest a
+            caller waits for a free pooled connection.
         connect_timeout_s: connect timeout, seconds.
         breaker_failures: consecutive failures that open the circuit breaker.
         breaker_reset_s: seconds the breaker stays open before one trial call.
         max_value_bytes: largest payload stored or accepted when loading (Redis's own limit,
             ``proto-max-bulk-len``, is 512 MB by default).
-        max_connections: idle connections kept for reuse (one per concurrent caller is opened).
+        max_connections: connections open at once (redis-py ``BlockingConnectionPool``; per node
+            for Redis Cluster). A caller beyond waits up to ``timeout_s`` for one.
         key_prefix: prefix of every Redis key.
-        ttl_s: optional expiry of stored chunks, seconds (``SET ... EX``); None = no expiry.
+        ttl_s: optional expiry of stored chunks, seconds; None = no expiry.
         capacity_bytes: reported by :meth:`usage` (Redis's ``maxmemory`` governs the real limit).
         namespace: 16-byte namespace digest written into each record header (informational: the
             key already binds the namespace).
+        piece_bytes: size of the ``SETRANGE``/``GETRANGE`` pieces large values move in.
 
     Raises:
         ValueError: malformed URL/arguments. TierError: authentication rejected by the server.
 
     Attributes:
         counters: ``collections.Counter`` with ``hits``, ``misses``, ``errors``, ``corrupt``,
-            ``puts``, ``put_failures``, ``breaker_rejects``; :attr:`breaker_open` and
+            ``torn_reads`` (verification failed, the atomic re-read succeeded), ``puts``,
+            ``put_failures``, ``breaker_rejects``; :attr:`breaker_open` and
             ``breaker.times_opened``.
     """
 
@@ -421,11 +395,20 @@ class RedisTier(Tier):
         ttl_s: int | None = None,
         capacity_bytes: int = 0,
         namespace: bytes = bytes(16),
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("RedisTier: timeouts must be > 0")
         if breaker_failures < 1 or breaker_reset_s < 0:
             raise ValueError("RedisTier: breaker_failures must be >= 1 and breaker_reset_s >= 0")
+        if max_connections < 1:
+            raise ValueError(f"RedisTier: max_connections must be >= 1, got {max_connections}")
+        if piece_bytes < 4096:
+            raise ValueError(f"RedisTier: piece_bytes must be >= 4096, got {piece_bytes}")
+        probe = key_prefix.encode() + bytes(KEY_BYTES).hex().encode()
+        if redis.crc.key_slot(_tmp_name(probe)) != redis.crc.key_slot(probe):
+            raise ValueError(f"RedisTier: key_prefix {key_prefix!r} has braces that are no hash tag; a temporary "
+                             "key could not share the chunk key's cluster slot")
         self._target = parse_url(url, password_env=password_env)
         self.url = self._target.describe()
         self.timeout_s = timeout_s
@@ -435,27 +418,31 @@ class RedisTier(Tier):
         self.key_prefix = key_prefix.encode()
         self.ttl_s = ttl_s
         self.capacity_bytes = capacity_bytes
+        self.piece_bytes = piece_bytes
         self._meta = rec.RecordMeta(namespace=bytes(namespace))
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self.counters: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
-        self._idle: list[_RespConn] = []
         self._pinned: BouncePool | None = None
         self._cluster = None
+        self._client: redis.Redis | None = None
         if self._target.kind == "cluster":
             self._cluster = self._make_cluster()
         else:
+            self._client = redis.Redis(connection_pool=self._make_pool())
             try:
-                conn = self._acquire()
-                conn.call(b"PING")
-                self._release(conn)
-            except TierError:
-                raise
-            except (_NetError, _ReplyError) as e:
+                self._client.ping()
+            except (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError,
+                    redis.exceptions.NoPermissionError) as e:
+                self._client.close()
+                raise TierError(f"authentication to {self.url} failed: {type(e).__name__} "
+                                "(check the password / password_env)") from None
+            except Exception as e:  # noqa: BLE001 - unreachable, TLS handshake, timeouts: degrade
                 self.counters["errors"] += 1
-                log.warning("remote tier %s not reachable at startup (%s); it degrades to misses", self.url, e)
-        log.info("remote tier %s (timeout %.3f s, breaker %d/%.1f s)", self.url, timeout_s, breaker_failures,
-                 breaker_reset_s)
+                log.warning("remote tier %s not reachable at startup (%s: %s); it degrades to misses", self.url,
+                            type(e).__name__, e)
+        log.info("remote tier %s via redis-py %s (timeout %.3f s, breaker %d/%.1f s, pieces %d KiB)", self.url,
+                 redis.__version__, timeout_s, breaker_failures, breaker_reset_s, piece_bytes >> 10)
 
     @property
     def breaker_open(self) -> bool:
@@ -472,21 +459,17 @@ class RedisTier(Tier):
             return []
         names = [self._name(k) for k in keys]
 
-        def op(conn):
-            conn.send(b"".join(_encode(b"EXISTS", n) for n in names))
-            return [bool(conn.read_reply()) for _ in names]
-
-        def cop(rc):
-            p = rc.pipeline(transaction=False)
+        def op(client):
+            p = client.pipeline(transaction=False)
             for n in names:
                 p.exists(n)
             return [bool(x) for x in p.execute()]
 
-        res = self._do(op, cop)
+        res = self._do(op)
         return res if res is not None else [False] * len(keys)
 
     def put(self, key: bytes, payload) -> bool:
-        """``SET`` the record (compact header + payload) in one command. Returns success."""
+        """Store the record (compact header + payload); visible only once complete. Returns success."""
         key = bytes(key)
         if len(key) != KEY_BYTES:
             raise ValueError(f"RedisTier.put: key must be {KEY_BYTES} bytes, got {len(key)}")
@@ -507,19 +490,7 @@ class RedisTier(Tier):
                 return False
             header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta)
             name = self._name(key)
-            ex = [b"EX", str(int(self.ttl_s)).encode()] if self.ttl_s else []
-            prefix = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(ex), len(name), name, HEADER + n)
-            suffix = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in ex)
-
-            def op(conn):
-                conn.send(prefix, header, mv, suffix)
-                return conn.read_reply() == b"OK"
-
-            def cop(rc):
-                kw = {"ex": int(self.ttl_s)} if self.ttl_s else {}
-                return bool(rc.set(name, header + bytes(mv), **kw))
-
-            ok = self._do(op, cop)
+            ok = self._do(lambda client: self._put_op(client, name, header, mv))
             self.counters["puts" if ok else "put_failures"] += 1
             return bool(ok)
         finally:
@@ -527,7 +498,7 @@ class RedisTier(Tier):
                 self._pinned_pool().release(bounce)
 
     def get_into(self, key: bytes, out) -> int | None:
-        """``GET`` the record straight into ``out`` and verify it.
+        """Read the record into ``out`` and verify it.
 
         Args:
             key: 32-byte chunk key.
@@ -553,64 +524,24 @@ class RedisTier(Tier):
                 pool.release(buf)
         out = host_view(out, writable=True)
         name = self._name(key)
-        state = {}
+        state: dict = {}
 
-        def op(conn):
-            conn.send(_encode(b"GET", name))
-            line = conn.read_line()
-            if line.startswith(b"-"):
-                raise _ReplyError(line[1:].decode(errors="replace"))
-            if not line.startswith(b"$"):
-                raise _NetError(f"protocol error: {line[:20]!r}")
-            total = int(line[1:])
-            if total < 0:
-                return None
-            if total < HEADER:
-                conn.skip(total + 2)
-                state["corrupt"] = f"value of {total} bytes is shorter than the header"
-                return None
-            hb = bytearray(HEADER)
-            conn.read_exact_into(memoryview(hb))
-            rest = total - HEADER
+        def op(client):
             try:
-                hdr = rec.decode_header(hb, expected_key=key, max_payload_bytes=self.max_value_bytes)
-                if hdr.payload_offset != HEADER or hdr.payload_bytes != rest:
-                    raise rec.RecordError(f"value length {total} != header {HEADER} + payload {hdr.payload_bytes}")
-            except rec.RecordError as e:
-                conn.skip(rest + 2)
-                state["corrupt"] = str(e)
-                return None
-            if out.nbytes < rest:
-                conn.skip(rest + 2)
-                log.warning("get_into: out has %d bytes < payload %d", out.nbytes, rest)
-                return None
-            conn.read_exact_into(out[:rest])
-            conn.skip(2)
-            try:
-                rec.verify_payload(hdr, out[:rest])
-            except rec.RecordError as e:
-                state["corrupt"] = str(e)
-                return None
-            return rest
-
-        def cop(rc):
-            v = rc.get(name)
-            if v is None:
-                return None
-            try:
-                hdr = rec.decode_header(v, expected_key=key, max_payload_bytes=self.max_value_bytes)
-                if hdr.payload_offset != HEADER or hdr.payload_bytes != len(v) - HEADER:
-                    raise rec.RecordError(f"value length {len(v)} != header + payload {hdr.payload_bytes}")
-                if out.nbytes < hdr.payload_bytes:
+                return self._get_op(client, name, key, out, atomic=False)
+            except _Corrupt as first:
+                # The pieces are separate commands: a concurrent overwrite may have torn the read.
+                # Decide on an atomic (MULTI/EXEC) copy.
+                try:
+                    n = self._get_op(client, name, key, out, atomic=True)
+                except _Corrupt as e:
+                    state["corrupt"] = str(e)
                     return None
-                out[: hdr.payload_bytes] = memoryview(v)[HEADER:]
-                rec.verify_payload(hdr, out[: hdr.payload_bytes])
-            except rec.RecordError as e:
-                state["corrupt"] = str(e)
-                return None
-            return hdr.payload_bytes
+                log.info("remote value %s: torn read (%s); the atomic re-read verified", name.decode(), first)
+                self.counters["torn_reads"] += 1
+                return n
 
-        n = self._do(op, cop)
+        n = self._do(op)
         if "corrupt" in state:
             log.warning("remote value %s is corrupt (%s); deleting it", name.decode(), state["corrupt"])
             self.counters["corrupt"] += 1
@@ -620,47 +551,92 @@ class RedisTier(Tier):
 
     def delete(self, key: bytes) -> bool:
         name = self._name(key)
-        res = self._do(lambda c: c.call(b"DEL", name), lambda rc: rc.delete(name))
-        return bool(res)
+        return bool(self._do(lambda client: client.delete(name)))
 
     def usage(self) -> TierUsage:
         """``capacity_bytes`` as configured; used bytes from ``INFO memory``; chunks = ``DBSIZE``
         (all keys of the database). Zeros when the server is unreachable."""
-
-        def op(conn):
-            info = conn.call(b"INFO", b"memory")
-            return info, conn.call(b"DBSIZE")
-
-        def cop(rc):
-            return rc.info("memory").get("used_memory", 0), rc.dbsize()
-
-        res = self._do(op, cop)
+        res = self._do(lambda client: (client.info("memory").get("used_memory", 0), client.dbsize()))
         if res is None:
             return TierUsage(self.capacity_bytes, 0, 0)
-        info, dbsize = res
-        if isinstance(info, bytes):
-            used = 0
-            for line in info.split(b"\r\n"):
-                if line.startswith(b"used_memory:"):
-                    used = int(line.split(b":", 1)[1])
-            info = used
-        return TierUsage(self.capacity_bytes, int(info), int(dbsize))
+        return TierUsage(self.capacity_bytes, int(res[0]), int(res[1]))
 
     def ping(self) -> bool:
-        return self._do(lambda c: c.call(b"PING") == b"PONG", lambda rc: bool(rc.ping())) is True
+        return self._do(lambda client: bool(client.ping())) is True
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.close()
+        if self._client is not None:
+            self._client.close()
+            self._client.connection_pool.disconnect()
         if self._cluster is not None:
             try:
                 self._cluster.close()
-            except Exception:
+            except Exception:  # noqa: BLE001
                 pass
         if self._pinned is not None:
             self._pinned.close()
+
+    # ---- data path -------------------------------------------------------------------------
+
+    def _put_op(self, client, name: bytes, header: bytes, mv: memoryview) -> bool:
+        n, piece = mv.nbytes, self.piece_bytes
+        if HEADER + n <= piece:  # one piece: a single SET (the small concatenation is cheap)
+            kw = {"ex": int(self.ttl_s)} if self.ttl_s else {}
+            return bool(client.set(name, b"".join((header, mv)), **kw))
+        tmp = _tmp_name(name)
+        offs = list(range(0, n, piece))
+        p = client.pipeline(transaction=False)
+        p.execute_command("SETRANGE", tmp, HEADER + offs[-1], mv[offs[-1] :])  # allocates the whole value
+        p.execute_command("EXPIRE", tmp, TMP_TTL_S)
+        for o in offs[:-1]:
+            p.execute_command("SETRANGE", tmp, HEADER + o, mv[o : o + piece])
+        p.execute_command("SETRANGE", tmp, 0, header)
+        p.execute_command("RENAME", tmp, name)
+        if self.ttl_s:
+            p.execute_command("EXPIRE", name, int(self.ttl_s))
+        else:
+            p.execute_command("PERSIST", name)
+        replies = p.execute()
+        lengths = [replies[0]] + replies[2 : 2 + len(offs)]  # the pieces and the header
+        if any(int(x) != HEADER + n for x in lengths):
+            # The temporary key vanished mid-write (evicted under maxmemory): what was renamed is
+            # incomplete. Readers would reject it (checksum); remove it now.
+            log.warning("put %s: temporary key lost during the write (lengths %s)", name.decode(), set(lengths))
+            client.delete(name)
+            return False
+        return True
+
+    def _get_cmds(self, name: bytes, cap: int) -> list[tuple]:
+        end = HEADER + cap
+        cmds = [("EXISTS", name), ("STRLEN", name)]
+        cmds += [("GETRANGE", name, o, min(o + self.piece_bytes, end) - 1) for o in range(0, end, self.piece_bytes)]
+        return cmds
+
+    def _get_op(self, client, name: bytes, key: bytes, out: memoryview, *, atomic: bool) -> int | None:
+        cap = min(out.nbytes, self.max_value_bytes)
+        cmds = self._get_cmds(name, cap)
+        reader = _RecordReader(key, out[:cap], self.piece_bytes, self.max_value_bytes)
+        if atomic or self._cluster is not None:
+            p = client.pipeline(transaction=atomic)
+            for c in cmds:
+                p.execute_command(*c)
+            for r in p.execute():
+                reader.feed(r)
+        else:
+            # Single instance: read the replies one by one off redis-py's connection, copying each
+            # piece into ``out`` as it arrives (only one piece-sized bytes object alive at a time).
+            pool = client.connection_pool
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command(conn.pack_commands(cmds))
+                for _ in cmds:
+                    reader.feed(conn.read_response())
+            except BaseException:
+                conn.disconnect()  # replies may be left unread: never reuse this connection
+                raise
+            finally:
+                pool.release(conn)
+        return reader.finish()
 
     # ---- plumbing --------------------------------------------------------------------------
 
@@ -676,95 +652,77 @@ class RedisTier(Tier):
                 self._pinned = BouncePool(max_cached=2, pinned=True)
             return self._pinned
 
-    def _acquire(self) -> _RespConn:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return _RespConn(self._target, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s)
+    def _conn_kwargs(self) -> dict:
+        t = self._target
+        kw = dict(username=t.username, password=t.password, socket_timeout=self.timeout_s,
+                  socket_connect_timeout=self.connect_timeout_s)
+        if t.tls is not None:
+            kw.update(ssl=True, ssl_ca_certs=t.tls.ca_certs, ssl_certfile=t.tls.certfile, ssl_keyfile=t.tls.keyfile,
+                      ssl_cert_reqs=t.tls.cert_reqs, ssl_check_hostname=t.tls.check_hostname)
+        return kw
 
-    def _release(self, conn: _RespConn) -> None:
-        with self._lock:
-            if len(self._idle) < self.max_connections:
-                self._idle.append(conn)
-                return
-        conn.close()
+    def _make_pool(self) -> redis.BlockingConnectionPool:
+        t = self._target
+        kw = self._conn_kwargs()
+        if kw.pop("ssl", False):
+            kw["connection_class"] = redis.SSLConnection
+            kw.update(host=t.host, port=t.port)
+        elif t.kind == "unix":
+            kw["connection_class"] = redis.UnixDomainSocketConnection
+            kw["path"] = t.path
+        else:
+            kw.update(host=t.host, port=t.port)
+        return redis.BlockingConnectionPool(
+            max_connections=self.max_connections, timeout=self.timeout_s, db=t.db,
+            retry=Retry(NoBackoff(), 0), command_packer=_PACKER, **kw)
 
-    def _do(self, op, cluster_op):
-        """Run ``op(conn)`` (or ``cluster_op(RedisCluster)``) under the breaker; None on failure."""
+    def _do(self, op):
+        """Run ``op(client)`` under the breaker; None on failure."""
         if not self.breaker.allow():
             self.counters["breaker_rejects"] += 1
             return None
-        if self._cluster is not None:
-            return self._do_cluster(cluster_op)
-        conn = None
         try:
-            conn = self._acquire()
-            res = op(conn)
-        except _ReplyError as e:
-            # The server is alive and the connection in sync: an error reply is not an outage.
-            self._release(conn)
+            if self._cluster is not None:
+                client = self._cluster.get() if isinstance(self._cluster, _LazyCluster) else self._cluster
+            else:
+                client = self._client
+            res = op(client)
+        except redis.exceptions.ResponseError as e:
+            if isinstance(e, redis.exceptions.ClusterError):  # e.g. CLUSTERDOWN: an outage
+                return self._failed(e)
+            # The server answered (e.g. WRONGTYPE): not an outage.
             self.breaker.success()
             self.counters["errors"] += 1
             log.warning("remote tier %s: server error: %s", self.url, e)
             return None
-        except (_NetError, TierError, ValueError) as e:
-            if conn is not None:
-                conn.close()
-            self.breaker.failure()
-            self.counters["errors"] += 1
-            log.debug("remote tier %s: %s", self.url, e)
-            return None
+        except Exception as e:  # noqa: BLE001 - connection/timeout/TLS/cluster-state errors of any kind
+            return self._failed(e)
         except BaseException:
-            if conn is not None:
-                conn.close()
             self.breaker.failure()  # never leave a half-open trial pending
             raise
-        self._release(conn)
         self.breaker.success()
         return res
 
-    def _make_cluster(self):
-        from redis.cluster import ClusterNode, RedisCluster
+    def _failed(self, e: Exception) -> None:
+        self.breaker.failure()
+        self.counters["errors"] += 1
+        log.debug("remote tier %s: %s: %s", self.url, type(e).__name__, e)
+        return None
 
+    def _make_cluster(self):
         t = self._target
-        kw = dict(
-            startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
-            username=t.username,
-            password=t.password,
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.connect_timeout_s,
-        )
-        if t.tls is not None:
-            kw.update(ssl=True, ssl_cert_reqs=t.tls.verify_mode, ssl_check_hostname=t.tls.check_hostname)
+        kw = self._conn_kwargs()
+        kw.update(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in t.nodes],
+                  max_connections=self.max_connections)
         try:
-            return RedisCluster(**kw)
+            return redis.cluster.RedisCluster(**kw)
         except Exception as e:  # noqa: BLE001 - redis raises many types here
-            if "auth" in type(e).__name__.lower() or "WRONGPASS" in str(e) or "NOAUTH" in str(e):
+            if isinstance(e, redis.exceptions.AuthenticationError) or "WRONGPASS" in str(e) or "NOAUTH" in str(e):
                 raise TierError(f"authentication to {t.describe()} failed (check the password / password_env)") from None
             self.counters["errors"] += 1
             log.warning("remote tier %s not reachable at startup (%s); it degrades to misses", t.describe(),
                         type(e).__name__)
             return _LazyCluster(kw)
-
-    def _do_cluster(self, cluster_op):
-        import redis
-
-        try:
-            rc = self._cluster.get() if isinstance(self._cluster, _LazyCluster) else self._cluster
-            res = cluster_op(rc)
-        except redis.exceptions.ResponseError as e:
-            # The cluster answered (e.g. WRONGTYPE): not an outage.
-            self.breaker.success()
-            self.counters["errors"] += 1
-            log.warning("remote tier %s: server error: %s", self.url, e)
-            return None
-        except Exception as e:  # noqa: BLE001 - connection/timeout/cluster-state errors of any kind
-            self.breaker.failure()
-            self.counters["errors"] += 1
-            log.debug("remote tier %s: %s: %s", self.url, type(e).__name__, e)
-            return None
-        self.breaker.success()
-        return res
 
 
 class _LazyCluster:
@@ -776,9 +734,7 @@ class _LazyCluster:
 
     def get(self):
         if self._rc is None:
-            from redis.cluster import RedisCluster
-
-            self._rc = RedisCluster(**self._kw)
+            self._rc = redis.cluster.RedisCluster(**self._kw)
         return self._rc
 
     def close(self) -> None:
