@@ -27,17 +27,27 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
         assert k in res, k
     assert res["checks_ok"] is True
     assert [r["N"] for r in res["rows"]] == [100, 200]
-    assert set(res["break_even"]) == {"cpu", "disk", "disk+codec", "redis"}
+    assert set(res["break_even"]) == {"cpu", "disk", "disk+codec", "disk+lossless", "redis"}
+    assert res["codec_levels"] == {"disk+codec": "default", "disk+lossless": "lossless"}
     assert res["ceilings"]["disk_dd_GBs"].get("read", 0) > 0
     for r in res["rows"]:
         for k in ("recompute_ms", "cpu_ms", "cpu_pct", "load_ms", "fwd_ms", "disk_ms", "disk_pct", "disk_dd_GBs",
                   "disk_limit_pct"):
             assert isinstance(r[k], float) and r[k] > 0, (r["N"], k)
-        for tier in ("cpu", "disk"):
+        assert r["fwd_mode"].startswith("eager")
+        for tier in ("cpu", "disk", "disk+lossless"):
             c = r[f"check_{tier}"]
             assert c["kv_exact"] is True, (r["N"], tier)
             assert c["max_abs_diff"] <= ttft.RTOL * c["ref_absmax"], (r["N"], tier, c)
             assert c["cosine"] >= ttft.MIN_COS
+        # disk + codec: records smaller than bf16, decoded KV bit-identical to the reference decoder
+        for tag, lo, hi in (("disk+codec", 2.0, 8.0), ("disk+lossless", 1.0, 1.6)):
+            assert lo < r[f"{tag}_ratio"] < hi, (r["N"], tag, r[f"{tag}_ratio"])
+            assert r[f"{tag}_ms"] > 0 and r[f"{tag}_pct"] > 0
+            assert r[f"{tag}_mem_ms"] > 0  # same decode with the records in pinned memory (no reads)
+            assert r[f"check_{tag}"]["ok"] is True and r[f"check_{tag}"]["kv_exact"] is True, r[f"check_{tag}"]
+        assert r["check_disk+codec"]["lossy"] is True
+        assert 0 < r["check_disk+codec"]["kv_rel_err"] < 0.2
         # a wrong-index load is visible in the logits and in the KV comparison
         ctl = r["check_control_wrong_kv"]
         assert ctl["ok"] is False and ctl["kv_exact"] is False and ctl["logits_ok"] is False
@@ -45,6 +55,48 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
     assert not any(k.startswith("redis_") for k in res["rows"][0])
     # the disk directory given is left in place but its tier files are gone
     assert (tmp_path / "disk").is_dir()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_path_without_capture_equals_eager(tmp_path, dtype):
+    # --graphs nocapture runs GraphForward's static-buffer steps (precomputed RoPE, in-place hidden
+    # state, one step per layer) eagerly: the exact code the CUDA graphs capture. It must give the
+    # eager lean forward's logits bit for bit, and pass the checks over loaded KV.
+    rc, res = _run(tmp_path, "--lengths", "150", "--dtype", dtype, "--no-disk", "--graphs", "nocapture")
+    assert rc == 0
+    (r,) = res["rows"]
+    assert r["fwd_mode"].startswith("static buffers")
+    assert r["graph_vs_eager_maxdiff"] == 0.0
+    assert r["check_cpu"]["ok"] is True and r["check_cpu"]["kv_exact"] is True
+    assert r["fwd_ms"] > 0 and r["fwd_eager_ms"] > 0 and r["cpu_eager_ms"] > 0
+
+
+def test_codec_only_lossless_level(tmp_path):
+    # 300 tokens = 5 chunks through a ring of 3 slots: host slots and device buffers wrap around
+    rc, res = _run(tmp_path, "--lengths", "300", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
+                   "--codec-levels", "lossless", "--codec-groups", "1", "--ring", "3", "--inflight", "2")
+    assert rc == 0
+    (r,) = res["rows"]
+    assert "disk+codec_ms" not in r and r["check_disk+lossless"]["kv_exact"] is True
+
+
+def test_compare_tolerance():
+    import torch
+
+    ref = torch.linspace(-5, 5, 1000)
+    kv = torch.zeros(4)
+    # bf16-like drift: a few % of the absmax spread over the logits passes
+    noisy = ref + 0.06 * 5 * torch.sin(torch.arange(1000.0))
+    c = ttft.compare(ref, noisy, kv, kv.clone())
+    assert c["logits_ok"] and c["kv_exact"] and c["ok"]
+    # same logits but a KV that differs in one element: the hard guard fails it
+    kv2 = kv.clone()
+    kv2[1] = 1e-3
+    assert ttft.compare(ref, ref, kv, kv2)["ok"] is False
+    # a different direction (cosine < MIN_COS) fails even within the max-abs bound
+    c = ttft.compare(ref, ref + 0.09 * 5 * torch.sign(torch.randn(1000, generator=torch.Generator().manual_seed(0))))
+    assert c["cosine"] < ttft.MIN_COS and c["logits_ok"] is False
+    assert ttft.compare(ref, ref * float("nan"))["ok"] is False
 
 
 def test_lean_forward_matches_recompute_fp32(tmp_path):
