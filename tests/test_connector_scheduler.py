@@ -440,3 +440,26 @@ def test_cache_salt(make):
     got = {rid: r[0] for rid, _nc, r in h.lookups}
     assert got[r_none] == 0 and got[r_b] == 0 and got[r_a] == 64
     h.check_clean()
+
+
+@pytest.mark.parametrize("async_hits", [False, True], ids=["sync", "async"])
+def test_unexpected_external_count_recomputes(make, async_hits):
+    """If vLLM ever allocates a different external count than offered, the claimed tokens are reported
+    as failed (recomputed), never left unwritten."""
+    h = make()
+    p = prompt(7, 100)
+    c = h.add(p)
+    h.run()
+    if async_hits:
+        h.drop_cpu()
+        h.step()
+    orig = h.conn.update_state_after_alloc
+
+    def skew(request, blocks, n):
+        return orig(request, blocks, n - BLOCK if n > BLOCK else n)
+
+    h.conn.update_state_after_alloc = skew
+    w = h.add(p)
+    h.run()
+    assert h.outputs[w] == h.outputs[c]
+    h.check_clean()

@@ -111,6 +111,7 @@ class LoadOp:
     start_token: int
     block_ids: list[int]
     is_async: bool = False
+    poisoned: bool = False  # load nothing, report every block as failed (vLLM recomputes them)
 
 
 @dataclass
@@ -583,19 +584,19 @@ class LMTierConnector(KVConnectorBase_V1):
             self._stat("lookup_tokens", max((max(prompt_len - 1, 0) // self.chunk) * self.chunk - got[0], 0))
         if num_external_tokens <= 0:
             return
-        if got is None or not got[1]:
-            # vLLM allocated external tokens we did not offer: loading nothing would be silent garbage.
-            raise RuntimeError(f"lmtier: request {rid}: {num_external_tokens} external tokens without a lookup hit")
-        nc, hit, tiers, load_async = got
-        if nc + num_external_tokens != hit:
-            log.warning("lmtier: request %s: vLLM allocated %d external tokens, lookup said %d; not loading",
-                        rid, num_external_tokens, hit - nc)
-            return
         block_ids = list(blocks.get_block_ids()[0])
-        nb = hit // self.block_size
-        if len(block_ids) < nb:
-            # Cannot happen with vLLM's allocator; never claim-and-not-load silently: fail it.
-            raise RuntimeError(f"lmtier: request {rid} has {len(block_ids)} blocks, the load needs {nb}")
+        nc = got[0] if got is not None else 0
+        nb = (nc + num_external_tokens + self.block_size - 1) // self.block_size
+        if got is None or not got[1] or nc + num_external_tokens != got[1] or len(block_ids) < nb:
+            # vLLM allocated external tokens that do not match our offer (cannot happen with vLLM
+            # 0.32/0.33): never leave claimed tokens unwritten — report those blocks as failed loads,
+            # so vLLM recomputes them (or fails the request, per kv_load_failure_policy).
+            log.error("lmtier: request %s: vLLM allocated %d external tokens, lookup said %s; recomputing them",
+                      rid, num_external_tokens, got)
+            self._pending_loads[rid] = LoadOp(rid, [], None, nc, block_ids[:nb],
+                                              is_async=bool(got and got[3]), poisoned=True)
+            return
+        nc, hit, tiers, load_async = got
         op = LoadOp(rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb],
                     is_async=load_async)
         self._pending_loads[rid] = op
@@ -744,6 +745,10 @@ class LMTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads:
             return
         for op in meta.loads:
+            if op.poisoned and not op.is_async:
+                self._failed_blocks.update(op.block_ids[op.start_token // self.block_size:])
+                self._stat("load_failures")
+                continue
             if op.is_async:
                 self._start_async(op)
                 continue
@@ -818,6 +823,8 @@ class LMTierConnector(KVConnectorBase_V1):
         cb = self.ns.chunk_bytes
         cpu = self.manager.cpu
         out: list[tuple[int, torch.Tensor, Any]] = []
+        if op.poisoned:
+            return out, False
         keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
         try:
             for ci in range(op.start_token // self.chunk, len(keys)):
