@@ -14,5 +14,5 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 scripts/setup_venv.sh "$top/.venv"
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
-LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e .
 .venv/bin/python scripts/make_model.py
