@@ -499,7 +499,17 @@ def decode(batch: EncodedBatch | Sequence[Any], tables: Any = None, *, lengths: 
         for s in sources:
             head = s[:HEADER_BYTES]
             head = head.cpu().numpy() if _is_torch(head) else np.asarray(head)
-            lengths.append(stream_info(head).num_symbols)
+            info = stream_info(head)
+            # The output is allocated from this untrusted count: bound it before allocating. The
+            # stream must hold its segment-end table (4 bytes per segment) and every segment but the
+            # last at least min(raw size, 32 final lane states) = 128 bytes (rans.h).
+            nbytes = int(s.numel() * s.element_size()) if _is_torch(s) else memoryview(s).nbytes if isinstance(
+                s, (bytes, bytearray, memoryview)) else int(np.asarray(s).nbytes)
+            need = HEADER_BYTES + 4 * info.num_segments + 128 * max(info.num_segments - 1, 0)
+            if info.num_symbols > MAX_STREAM_SYMBOLS or need > nbytes:
+                raise ValueError(f"rans stream claims {info.num_symbols} symbols ({info.num_segments} segments), "
+                                 f"which {nbytes} bytes cannot hold (truncated or hostile)")
+            lengths.append(info.num_symbols)
     lengths = [int(x) for x in lengths]
     if len(lengths) != n:
         raise ValueError(f"got {len(lengths)} lengths for {n} streams")
