@@ -364,6 +364,8 @@ def _parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
         if not item:
             raise _err(key, value, "empty path")
         path = os.path.abspath(os.path.expanduser(unquote(item)))
+        if "\x00" in path:
+            raise _err(key, value, "path contains a NUL byte")
         _check_writable_dir(key, value, path)
         if path in paths:
             raise _err(key, value, f"path {path!r} listed twice")
@@ -433,13 +435,10 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     if not sep or scheme not in _REMOTE_SCHEMES:
         raise _err(key, shown, f"scheme must be one of {[s + '://' for s in _REMOTE_SCHEMES]}")
     # Split credentials off the authority by hand: urlsplit cannot parse comma-separated hosts.
+    # The query goes first: its values may contain "/" (ssl_ca_certs=/path/ca.pem).
+    rest, _, query = rest.partition("?")
     authority, slash, path = rest.partition("/")
     path = slash + path
-    query = ""
-    if "?" in path:
-        path, _, query = path.partition("?")
-    elif "?" in authority:
-        authority, _, query = authority.partition("?")
     username = password = None
     if "@" in authority:
         creds, _, authority = authority.rpartition("@")
@@ -476,6 +475,15 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
             if not db_text.isdigit():
                 raise _err(key, shown, f"database {db_text!r} is not a non-negative integer")
             db = int(db_text)
+    if scheme == "rediss":  # TLS options, passed on to lmtier.tiers.remote.parse_url
+        for f in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if f in params and not os.path.isfile(unquote(params.pop(f))):
+                raise _err(key, shown, f"{f} is not a file")
+        reqs = params.pop("ssl_cert_reqs", "required").lower()
+        if reqs not in ("required", "optional", "none"):
+            raise _err(key, shown, f"ssl_cert_reqs {reqs!r} is not required/optional/none")
+        if params.pop("ssl_check_hostname", "true").lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise _err(key, shown, "ssl_check_hostname must be true or false")
     if params:
         raise _err(key, shown, f"unsupported query parameters {sorted(params)}")
     if password_env is not None:
