@@ -20,8 +20,9 @@ Split of work (vLLM's own offloading split, ARCHITECTURE.md):
   ``failed_recving`` (use ``kv_load_failure_policy: recompute``); a request whose async load failed
   is never offered a hit again, so vLLM's re-ask cannot loop.
 
-Data movement: :func:`lmtier.ops.gather` / :func:`lmtier.ops.scatter` between vLLM's paged cache and
-pinned CPU-pool slots (CUDA caches go through :class:`lmtier.transfer.CudaTransferEngine`: stores
+Data movement (:class:`lmtier.integration.worker.ConnectorWorker`, which the worker hooks delegate
+to; it has no vLLM dependency): :func:`lmtier.ops.gather` / :func:`lmtier.ops.scatter` between vLLM's
+paged cache and pinned CPU-pool slots (CUDA caches go through :class:`lmtier.transfer.CudaTransferEngine`: stores
 read the blocks on a side stream after the compute stream, and finished requests keep their blocks
 until the copy completed). The CPU pool writes through to disk and Redis asynchronously.
 
@@ -54,8 +55,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +79,8 @@ except ImportError:  # pragma: no cover
     KVConnectorStats = object  # type: ignore
     KVConnectorPromMetrics = object  # type: ignore
 
-from lmtier import ops
 from lmtier.config import load_config
+from lmtier.integration.worker import ConnectorWorker, LoadOp, StoreOp  # noqa: F401 (re-exported)
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
@@ -95,36 +94,6 @@ _SHARED: dict[str, TierManager] = {}
 
 
 # ------------------------------------------------------------------------------ metadata
-@dataclass
-class LoadOp:
-    """Load chunks ``[start_token // chunk, len(token_ids) // chunk)`` of a request into its blocks.
-
-    ``token_ids`` is the prompt prefix covering the hit (whole chunks); tokens before
-    ``start_token`` are held by vLLM (its prefix cache) and are not written. ``block_ids[i]`` holds
-    tokens ``[i * block_size, (i + 1) * block_size)``. ``is_async``: run in the background and
-    report through ``finished_recving`` (else before the forward, failures as invalid blocks).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    start_token: int
-    block_ids: list[int]
-    is_async: bool = False
-    poisoned: bool = False  # load nothing, report every block as failed (vLLM recomputes them)
-
-
-@dataclass
-class StoreOp:
-    """Store chunks ``[first_chunk, len(token_ids) // chunk)`` of a request from its blocks."""
-
-    req_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    first_chunk: int
-    block_ids: list[int]
-
-
 @dataclass
 class LMTierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
@@ -396,15 +365,6 @@ def _add_total(key: str, value: float) -> None:
             key, _TOTALS.data.get(key, 0) + value)
 
 
-class _AsyncLoad:
-    """Worker-side state of one background load: the fetch future, its chunks, and timing."""
-
-    __slots__ = ("op", "future", "t0", "cancelled")
-
-    def __init__(self, op: LoadOp, future: Future, t0: float):
-        self.op, self.future, self.t0, self.cancelled = op, future, t0, False
-
-
 # ------------------------------------------------------------------------------ connector
 class LMTierConnector(KVConnectorBase_V1):
     """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits.
@@ -433,18 +393,12 @@ class LMTierConnector(KVConnectorBase_V1):
         self._is_cuda = vllm_config.device_config.device_type == "cuda"
         self._stats = LMTierStats()
         self._stats_lock = threading.Lock()
+        self.worker: ConnectorWorker | None = None  # worker role: the data path, built in register_kv_caches
         if role == KVConnectorRole.WORKER:
             gpu = torch.cuda.current_device() if self._is_cuda and torch.cuda.is_available() else 0
             self.manager = _manager(self._shared_key, self.config, self.ns, with_cpu=True, gpu_id=gpu)
             self.layout: KVLayout | None = None
-            self._engine = None
             self._failed_blocks: set[int] = set()
-            self._scratch: torch.Tensor | None = None
-            self._pending: dict[str, list] = {}  # req_id -> [(event, slot, key)] (CUDA stores)
-            self._delayed: set[str] = set()  # finished requests whose blocks vLLM keeps for us
-            self._async: dict[str, _AsyncLoad] = {}
-            self._finished_seen: set[str] = set()
-            self._load_pool: ThreadPoolExecutor | None = None
             self._ns0 = _namespace(vllm_config, kv_cache_config, self.chunk, 0)  # the index key space
             self._idx_lock = threading.Lock()
             self._idx_stored: list = []
@@ -704,6 +658,8 @@ class LMTierConnector(KVConnectorBase_V1):
         return delay, None
 
     # ================================================================== worker side
+    # The data path lives in lmtier.integration.worker.ConnectorWorker (no vLLM there, so it is
+    # tested on its own, also on CUDA); these hooks translate vLLM's calls.
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         names = _kv_spec(self._kv_cache_config).layer_names
         views = [kv_caches[n] for n in names]
@@ -719,170 +675,49 @@ class LMTierConnector(KVConnectorBase_V1):
         else:
             kind = "kv"
         self.layout = KVLayout.from_layer_views(views, kind=kind, head_size=spec.head_size if kind != "mla" else None)
-        cb = self.layout.chunk_bytes(self.chunk)
-        if cb != self.ns.chunk_bytes:
-            raise ValueError(f"lmtier: chunk bytes {cb} from the KV tensors differ from the namespace's {self.ns.chunk_bytes}")
-        self._scratch = torch.empty(cb, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-        if dev.type == "cuda":
-            from lmtier.transfer import CudaTransferEngine
-
-            self._engine = CudaTransferEngine(self.layout, self.chunk)
-            self._load_engine = CudaTransferEngine(self.layout, self.chunk)
+        self.worker = ConnectorWorker(self.layout, self.manager, chunk_size=self.chunk, block_size=self.block_size,
+                                      namespace=self.ns, index_namespace=self._ns0, on_stat=self._stat,
+                                      on_stored=self._note_stored, faults=_faults)
         log.info("lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB",
-                 self.layout.num_layers, kind, self.layout.num_blocks, self.layout.block_size, dev, cb / 2**20)
+                 self.layout.num_layers, kind, self.layout.num_blocks, self.layout.block_size, dev,
+                 self.worker.chunk_bytes / 2**20)
 
-    def _slots(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
-        """Slot mapping ``[1, chunk]`` (int64) of chunk ``chunk_index``; tokens before ``start_token`` are -1."""
-        t = torch.arange(chunk_index * self.chunk, (chunk_index + 1) * self.chunk, dtype=torch.int64)
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[t // self.block_size]
-        slots = blocks * self.block_size + t % self.block_size
-        slots[t < start_token] = -1
-        return slots.view(1, -1)
+    # Worker state for tests (the worker's; empty before register_kv_caches).
+    @property
+    def _async(self) -> dict:
+        return self.worker.async_loads if self.worker is not None else {}
+
+    @property
+    def _pending(self) -> dict:
+        return self.worker.pending if self.worker is not None else {}
+
+    @property
+    def _delayed(self) -> set:
+        return self.worker.delayed if self.worker is not None else set()
+
+    @property
+    def _load_pool(self):
+        return self.worker._load_pool if self.worker is not None else None
+
+    @property
+    def _fetch(self):
+        """The background fetch of async loads (tests wrap it to slow loads down)."""
+        return self.worker._fetch
+
+    @_fetch.setter
+    def _fetch(self, fn) -> None:
+        self.worker._fetch = fn
 
     def start_load_kv(self, forward_context, **kwargs):
         """Run this step's synchronous loads (before the forward) and start its async loads."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads or self.worker is None:
             return
         for op in meta.loads:
-            if op.poisoned and not op.is_async:
-                self._failed_blocks.update(op.block_ids[op.start_token // self.block_size:])
-                self._stat("load_failures")
-                continue
-            if op.is_async:
-                self._start_async(op)
-                continue
-            t0 = time.perf_counter()
-            keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
-            for ci in range(op.start_token // self.chunk, len(keys)):
-                ok = False
-                try:
-                    if _faults() & {"load", "load_sync"}:
-                        raise _InjectedFault("sync load")
-                    ok = self._load_chunk(keys[ci], self._slots(op.block_ids, ci, op.start_token))
-                except _InjectedFault:
-                    log.warning("lmtier: injected fault: load of chunk %d of request %s fails", ci, op.req_id)
-                except Exception:
-                    log.exception("lmtier: load of chunk %d of request %s failed", ci, op.req_id)
-                if not ok:
-                    first_block = max(ci * self.chunk, op.start_token) // self.block_size
-                    self._failed_blocks.update(op.block_ids[first_block:])
-                    self._stat("load_failures")
-                    break
-                self._stat("loaded_chunks")
-                self._stat("loaded_bytes", self.ns.chunk_bytes)
-            dt = time.perf_counter() - t0
-            self._stat("load_ms", dt * 1e3)
-            self._stat("load_lat_s", dt)
-
-    def _load_chunk(self, key: bytes, slots: torch.Tensor) -> bool:
-        cb = self.ns.chunk_bytes
-        cpu = self.manager.cpu
-        slot = cpu.acquire(key) if cpu is not None else None
-        try:
-            if slot is not None:
-                if slot.nbytes < cb:
-                    return False
-                src = slot.view[:cb]
+            if op.is_async:  # a poisoned one fails at once and is reported in failed_recving
+                self.worker.start_load(op)
             else:
-                n = self.manager.retrieve_into(key, self._scratch)
-                if n != cb:
-                    return False
-                src = self._scratch[:cb]
-            self._scatter(slots, src)
-            return True
-        finally:
-            if slot is not None:
-                cpu.release(slot)
-
-    def _scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
-        if self._engine is not None:
-            if not src.is_pinned():
-                src = src.pin_memory()
-            self._load_engine.load(slots, [src]).synchronize()
-        else:
-            ops.scatter(self.layout, slots, [src])
-
-    # ---- asynchronous loads
-    def _start_async(self, op: LoadOp) -> None:
-        if op.req_id in self._async:  # cannot happen (one load per admission); never report twice
-            log.error("lmtier: request %s already has an async load in flight; ignoring the second", op.req_id)
-            return
-        if self._load_pool is None:
-            self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="lmtier-load")
-        self._stat("async_loads")
-        self._async[op.req_id] = _AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
-
-    def _fetch(self, op: LoadOp) -> tuple[list[tuple[int, torch.Tensor, Any]], bool]:
-        """Background thread: bring every chunk of ``op`` into host memory.
-
-        Returns ``(chunks, ok)``: ``chunks`` = ``[(chunk_index, uint8 tensor of chunk_bytes, pinned CPU
-        slot or None)]`` for the leading chunks that arrived; ``ok`` False if one failed (then
-        ``chunks`` stops before it). Read slots stay pinned until the worker thread scattered them.
-        """
-        cb = self.ns.chunk_bytes
-        cpu = self.manager.cpu
-        out: list[tuple[int, torch.Tensor, Any]] = []
-        if op.poisoned:
-            return out, False
-        keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
-        try:
-            for ci in range(op.start_token // self.chunk, len(keys)):
-                if _faults() & {"load", "load_async"}:
-                    log.warning("lmtier: injected fault: async load of chunk %d of request %s fails", ci, op.req_id)
-                    return out, False
-                slot = cpu.acquire(keys[ci]) if cpu is not None else None
-                if slot is not None:
-                    if slot.nbytes < cb:
-                        cpu.release(slot)
-                        return out, False
-                    out.append((ci, slot.view[:cb], slot))
-                    continue
-                buf = torch.empty(cb, dtype=torch.uint8, pin_memory=self._engine is not None)
-                n = self.manager.retrieve_into(keys[ci], buf)  # promotes into the CPU pool
-                if n != cb:
-                    return out, False
-                out.append((ci, buf, None))
-            return out, True
-        except Exception:
-            log.exception("lmtier: async load of request %s failed", op.req_id)
-            return out, False
-
-    def _finish_async(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Worker thread: scatter completed background loads; returns (finished, failed) request ids."""
-        self._finished_seen |= finished_req_ids
-        done: set[str] = set()
-        failed: set[str] = set()
-        for rid, a in list(self._async.items()):
-            if not a.future.done():
-                continue
-            del self._async[rid]
-            chunks, ok = a.future.result()
-            cpu = self.manager.cpu
-            try:
-                if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
-                    ok = True
-                else:
-                    for ci, src, _slot in chunks if ok else ():
-                        self._scatter(self._slots(a.op.block_ids, ci, a.op.start_token), src)
-                        self._stat("loaded_chunks")
-                        self._stat("loaded_bytes", self.ns.chunk_bytes)
-            except Exception:
-                log.exception("lmtier: scatter of async load of request %s failed", rid)
-                ok = False
-            finally:
-                for _ci, _src, slot in chunks:
-                    if slot is not None:
-                        cpu.release(slot)
-            dt = time.perf_counter() - a.t0
-            self._stat("load_lat_s", dt)
-            self._stat("load_ms", dt * 1e3)
-            done.add(rid)
-            if not ok:
-                self._stat("load_failures")
-                failed.add(rid)
-        self._finished_seen.intersection_update(self._async)  # keep ids of loads still in flight only
-        return done, failed
+                self._failed_blocks.update(self.worker.load(op))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
@@ -892,69 +727,10 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
-        if not isinstance(meta, LMTierConnectorMetadata) or not meta.stores or self.layout is None:
+        if not isinstance(meta, LMTierConnectorMetadata) or not meta.stores or self.worker is None:
             return
-        cpu = self.manager.cpu
         for op in meta.stores:
-            t0 = time.perf_counter()
-            keys = chunk_keys(op.token_ids, self.ns, cache_salt=op.cache_salt)
-            keys0 = keys if self.tp_rank == 0 else chunk_keys(op.token_ids, self._ns0, cache_salt=op.cache_salt)
-            for ci in range(op.first_chunk, len(keys)):
-                key = keys[ci]
-                slots = self._slots(op.block_ids, ci)
-                try:
-                    if cpu is None:
-                        ops.gather(self.layout, slots, [self._scratch]) if self._engine is None else \
-                            self._engine.store(slots, [self._scratch]).synchronize()
-                        if self.manager.store(key, self._scratch, timeout_s=None).result():
-                            self._note_stored(key, keys0[ci], "disk")
-                            self._stat("stored_chunks")
-                            self._stat("stored_bytes", self.ns.chunk_bytes)
-                        continue
-                    slot = cpu.reserve(key)
-                    if slot is None:  # present already, or every slot pinned (back-pressure)
-                        self._stat("store_skipped")
-                        continue
-                    try:
-                        dst = slot.view[: self.ns.chunk_bytes]
-                        if self._engine is not None:
-                            ev = self._engine.store(slots, [dst])
-                            self._pending.setdefault(op.req_id, []).append((ev, slot, key, keys0[ci]))
-                            continue
-                        ops.gather(self.layout, slots, [dst])
-                    except BaseException:
-                        cpu.abort(slot)
-                        raise
-                    cpu.commit(slot, self.ns.chunk_bytes)
-                    self._note_stored(key, keys0[ci], "cpu")
-                    self.manager.publish(key)
-                    self._stat("stored_chunks")
-                    self._stat("stored_bytes", self.ns.chunk_bytes)
-                except Exception:
-                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-            dt = time.perf_counter() - t0
-            self._stat("store_ms", dt * 1e3)
-            self._stat("store_lat_s", dt)
-
-    def _poll_pending(self, *, block: bool = False) -> None:
-        cpu = self.manager.cpu
-        for rid in list(self._pending):
-            keep = []
-            for ev, slot, key, key0 in self._pending[rid]:
-                if block:
-                    ev.synchronize()
-                if ev.query():
-                    cpu.commit(slot, self.ns.chunk_bytes)
-                    self._note_stored(key, key0, "cpu")
-                    self.manager.publish(key)
-                    self._stat("stored_chunks")
-                    self._stat("stored_bytes", self.ns.chunk_bytes)
-                else:
-                    keep.append((ev, slot, key, key0))
-            if keep:
-                self._pending[rid] = keep
-            else:
-                del self._pending[rid]
+            self.worker.store(op)
 
     def _note_stored(self, key: bytes, key0: bytes, tier: str) -> None:
         with self._idx_lock:
@@ -978,24 +754,21 @@ class LMTierConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Completed async loads (``finished_recving``; failed ones also in ``failed_recving``) and
         finished requests whose delayed block frees may now happen (``finished_sending``)."""
-        recv, failed = self._finish_async(set(finished_req_ids or ()))
-        sending: set[str] = set()
         meta = self._get_connector_metadata() if self._connector_metadata is not None else None
-        if isinstance(meta, LMTierConnectorMetadata):
-            self._delayed.update(meta.delayed_frees)
-        if self._engine is not None:
-            self._poll_pending()
-        if self._delayed:
-            sending = {r for r in self._delayed if r not in self._pending}
-            self._delayed -= sending
+        delayed = meta.delayed_frees if isinstance(meta, LMTierConnectorMetadata) else ()
+        if self.worker is not None:
+            recv, failed = self.worker.poll_loads(set(finished_req_ids or ()))
+            sending = self.worker.finished_sending(delayed)
+        else:
+            recv, failed, sending = set(), set(), set(delayed)
         if KVConnectorTransferResults is None:  # pragma: no cover
             return sending, recv
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Preempted requests' blocks may be reused this step: finish in-flight copies first.
-        if self._engine is not None and self._role == KVConnectorRole.WORKER:
-            self._poll_pending(block=True)
+        if self.worker is not None and self._role == KVConnectorRole.WORKER:
+            self.worker.poll_stores(block=True)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -1019,12 +792,6 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         if self._role == KVConnectorRole.WORKER:
-            if self._load_pool is not None:
-                self._load_pool.shutdown(wait=True)
-            if self._engine is not None:
-                self._poll_pending(block=True)
+            if self.worker is not None:
+                self.worker.close()
             self.manager.flush(timeout_s=30)
-
-
-class _InjectedFault(RuntimeError):
-    pass
