@@ -428,7 +428,7 @@ class Soak:
             salt = f"ctl-{uuid.uuid4().hex}" if control else None
             rec: dict[str, Any] = {"client": i, "pid": p.pid, "kind": p.kind, "control": control,
                                    "t_send": time.monotonic() - self.t0, "attempts": 0, "interrupted": 0,
-                                   "faults": sorted(self.active), "gen": self.server_gen}
+                                   "faults": sorted(self.active.copy()), "gen": self.server_gen}
             deadline = time.monotonic() + self.a.request_timeout + self.a.startup_timeout
             while True:
                 if not self.server_up.wait(timeout=max(0.0, deadline - time.monotonic())):
@@ -480,7 +480,7 @@ class Soak:
     def sampler(self) -> None:
         while not self.stop.wait(self.a.sample_s):
             s: dict[str, Any] = {"t": time.monotonic() - self.t0, "gen": self.server_gen,
-                                 "faults": sorted(self.active)}
+                                 "faults": sorted(self.active.copy())}
             if self.server is not None and self.server_up.is_set():
                 s["rss_mb"], s["fds"] = rss_and_fds(self.server.pids())
                 s["nproc"] = len(self.server.pids())
@@ -599,7 +599,15 @@ class Soak:
         ep.detail["files_before_recovery"] = len(disk_records(self.disk))
 
     def fault_disk_readonly(self, ep: Episode) -> None:
-        subprocess.run(["mount", "-o", "remount,ro", str(self.disk)], check=True)
+        # remount,ro fails with EBUSY while a file is open for writing: retry (writes are short)
+        for attempt in range(200):
+            r = subprocess.run(["mount", "-o", "remount,ro", str(self.disk)], capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+            time.sleep(0.02)
+        else:
+            raise RuntimeError(f"remount,ro failed: {r.stderr.strip()}")
+        ep.detail["remount_attempts"] = attempt + 1
         self.active.add("disk_readonly")
         try:
             self._hold(self.a.fault_s)
@@ -729,7 +737,7 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
     wrong = [r for r in done if r.get("wrong")]
     wrong_ctl = [r for r in wrong if r["control"]]
     wrong_hit = [r for r in wrong if not r["control"] and (r.get("cached") or 0) > 0]
-    lost = [r for r in recs if not r.get("ok")]
+    lost = [r for r in recs if not r.get("ok") and r.get("status") is None]  # never answered
     hangs = [r for r in recs if r.get("hang")] + [None] * getattr(s, "hung_clients", 0)
     ttft = [r["ttft"] for r in done if r.get("ttft") is not None]
     no_fault_ttft = [r["ttft"] for r in done if r.get("ttft") is not None and not r["faults"]]
