@@ -260,7 +260,7 @@ def server(tmp_path_factory):
         pytest.skip(str(e))
     disk = work / "disk"
     cfg = work / "lmtier.yaml"
-    cfg.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.5\nlocal_disk: \"file://{disk}\"\n"
+    cfg.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.1\nlocal_disk: \"file://{disk}\"\n"
                    f"max_local_disk_size: 1\nremote_url: \"{redis.url_no_auth}\"\n"
                    "remote_password_env: SECTEST_REDIS_PW\nremote_timeout_s: 1.0\n")
     a = argparse.Namespace(python=__import__("sys").executable, model=REPO / "models" / "SmolLM2-135M-Instruct",
@@ -363,17 +363,17 @@ def test_tenant_isolation_through_openai_api(server):
     prompt = _ids(1100, 29)
     a1 = _post(server, {"prompt": prompt, "cache_salt": "tenant-A"})
     assert a1.status_code == 200 and _cached(a1) == 0
-    time.sleep(1.0)
+    time.sleep(2.0)
     hits0 = _metric(server, "vllm:lmtier_hit_tokens_total")
     for other in ({"cache_salt": "tenant-B"}, {}, {"cache_salt": "tenant-A "}, {"cache_salt": "Tenant-A"}):
         r = _post(server, {"prompt": prompt, **other})
         assert r.status_code == 200 and _cached(r) == 0, (other, _cached(r))
         assert r.json()["choices"][0]["text"] == a1.json()["choices"][0]["text"]
-    time.sleep(1.0)
+    time.sleep(2.0)
     assert _metric(server, "vllm:lmtier_hit_tokens_total") == hits0  # no lmtier hit for any other tenant
     a2 = _post(server, {"prompt": prompt, "cache_salt": "tenant-A"})
     assert _cached(a2) >= 1024  # the owner hits
-    time.sleep(1.0)
+    time.sleep(2.0)
     assert _metric(server, "vllm:lmtier_hit_tokens_total") >= hits0 + 1024
 
 
