@@ -107,11 +107,15 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
         ptr_t = _device_ptr_table(ptrs, dev)
         layer_t = layout.layer_ptr_tensor(dev)
         vec = layout.vec_bytes(ptrs)
-        with torch.cuda.device(dev):
-            _C.paged_copy(direction, True, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
-                          layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
-                          layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(), vec,
-                          max_ctas, 0, 0, stream_handle)
+        args = (direction, True, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
+                layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
+                layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(), vec,
+                max_ctas, 0, 0, stream_handle)
+        if dev.index is None or torch.cuda.current_device() == dev.index:
+            _C.paged_copy(*args)
+        else:
+            with torch.cuda.device(dev):
+                _C.paged_copy(*args)
     else:
         ptr_t = torch.tensor(ptrs, dtype=torch.int64)
         layer_t = layout.layer_ptr_tensor("cpu")
