@@ -252,7 +252,7 @@ def level_support(level, shape) -> torch.Tensor:
     rows = []
     for pq in (lv.k, lv.v):
         qm = torch.tensor(pq.qmax_table(nl))
-        rows.append(((sym[None, :] - 128).abs() <= qm[:, None]))  # [L, 256]
+        rows.append(sym[None, :] <= 2 * qm[:, None])  # [L, 256]: alphabet 0 .. 2*qmax
     sup = torch.stack(rows, dim=1)  # [L, 2, 256]
     return sup[:, :, None, None, :].expand(nl, 2, h, d, 256).reshape(-1, 256)
 

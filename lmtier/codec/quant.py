@@ -19,9 +19,10 @@ For each plane ``p`` (0 = K, 1 = V) and layer ``l`` with ``qmax = level.<plane>.
    ``S = scale_value(c)`` is the smallest representable scale ``>= a / qmax`` (see below).
 4. ``q = clamp(rint(y / S), -qmax, qmax)`` (fp32 division, round-half-to-even; the clamp never
    binds, it is a guard); ``q = 0`` where ``S == 0`` (all-zero group).
-5. Symbol byte ``sym = q + 128`` (so 0x80 is zero).
+5. Symbol byte ``sym = q + qmax`` in ``[0, 2*qmax]`` (the alphabet ``0 .. 2*qmax`` of the layer's
+   streams; ``sym == qmax`` is zero).
 
-Dequantize: ``yhat = (sym - 128) * S`` (exact in fp32: at most 7 + 4 significant bits), for
+Dequantize: ``yhat = (sym - qmax) * S`` (exact in fp32: at most 7 + 4 significant bits), for
 HADAMARD ``xhat = fwht(yhat) * 2**-log2(D) / 2**log2(D)`` — i.e. ``fwht(yhat)`` times ``1/D``,
 exact when the group shares one S (``TOKEN_HEAD``: every partial sum is an integer multiple of
 ``S/8`` below 2**17 · S) — then one rounding to the output dtype (round-to-nearest-even).
@@ -83,10 +84,9 @@ __all__ = [
     "CodecInputError",
     "SCALE_MIN",
     "SCALE_MAX",
-    "ZERO_SYMBOL",
+    "zero_symbols",
 ]
 
-ZERO_SYMBOL = 128
 SCALE_MIN = 2.0**-17
 SCALE_MAX = 1.75 * 2.0**14
 
@@ -281,7 +281,8 @@ def quantize(chunk: torch.Tensor, level) -> tuple[torch.Tensor, torch.Tensor]:
     sym_planes, side_planes = [], []
     for p, pq in ((0, lv.k), (1, lv.v)):
         q, codes = _quantize_plane(x[:, p], pq)
-        sym_planes.append((q + ZERO_SYMBOL).to(torch.uint8).permute(0, 2, 3, 1))  # [L, H, D, T]
+        qmax = torch.tensor(pq.qmax_table(nl), dtype=torch.int32, device=x.device).reshape(nl, 1, 1, 1)
+        sym_planes.append((q + qmax).to(torch.uint8).permute(0, 2, 3, 1))  # [L, H, D, T]
         side_planes.append(codes.reshape(nl, -1))
     symbols = torch.stack(sym_planes, dim=1).contiguous()
     side = torch.cat(side_planes, dim=1).reshape(-1).contiguous()
@@ -299,7 +300,7 @@ def dequantize(symbols: torch.Tensor, side: torch.Tensor, level, shape, dtype=to
         dtype: bf16 or fp16 output (lossless: must be the input's dtype to round-trip bits).
 
     Raises:
-        CodecInputError: sizes that do not match, symbols outside ``128 ± qmax``.
+        CodecInputError: sizes that do not match, symbols above ``2 * qmax``.
     """
     lv = get_level(level)
     nl, npl, t, h, d = (int(v) for v in shape)
@@ -324,9 +325,9 @@ def dequantize(symbols: torch.Tensor, side: torch.Tensor, level, shape, dtype=to
     side2 = side.reshape(nl, ks + vs)
     out = []
     for p, pq, codes in ((0, lv.k, side2[:, :ks]), (1, lv.v, side2[:, ks:])):
-        qmax = torch.tensor(pq.qmax_table(nl), dtype=torch.int32, device=sym.device)
-        q = sym[:, p].to(torch.int32) - ZERO_SYMBOL  # [L, H, D, T]
-        if bool((q.abs() > qmax.reshape(nl, 1, 1, 1)).any()):
+        qmax = torch.tensor(pq.qmax_table(nl), dtype=torch.int32, device=sym.device).reshape(nl, 1, 1, 1)
+        q = sym[:, p].to(torch.int32) - qmax  # [L, H, D, T]
+        if bool((q > qmax).any()):
             raise CodecInputError("symbol outside the level's range (corrupt data)")
         codes = _reshape_codes(codes, pq.granularity, nl, t, h, d)
         out.append(_dequantize_plane(q.permute(0, 3, 1, 2), codes, pq))
@@ -363,6 +364,12 @@ def error_bound(side: torch.Tensor, level, shape) -> torch.Tensor:
             s = s.mean(dim=-1, keepdim=True).expand(nl, t, h, d)
         out.append(s * 0.5)
     return torch.stack(out, dim=1)
+
+
+def zero_symbols(level, num_layers: int) -> torch.Tensor:
+    """uint8 [L, 2]: the symbol that encodes 0 (= qmax) per layer and plane of a quantized level."""
+    lv = get_level(level)
+    return torch.tensor([lv.k.qmax_table(num_layers), lv.v.qmax_table(num_layers)], dtype=torch.uint8).T.contiguous()
 
 
 def bits_per_value_raw(level, shape) -> float:
