@@ -1,0 +1,454 @@
+"""Chunk-level codec API: one canonical KV chunk <-> one self-describing codec record.
+
+This is the entry point the tiers (:class:`lmtier.tiers.codec.CodecTier`) and the benchmarks use;
+it strings together the quantizer (:mod:`.quant`, :mod:`.levels`), the interleaved rANS coder
+(:mod:`.rans`) and the record format (:mod:`.format`):
+
+* :func:`encode_chunk`: quantize -> rANS encode (static tables when given, a per-stream table
+  otherwise) -> :func:`lmtier.codec.format.pack`.
+* :func:`decode_chunk`: :func:`lmtier.codec.format.unpack` (checksum verified) -> header checks ->
+  batched rANS decode -> dequantize into a caller buffer. CUDA destinations are decoded on the GPU
+  (the CUDA rANS kernels, then the reference dequantizer's torch ops on the device); CPU
+  destinations by the native multi-threaded CPU coder and the torch reference. Both give
+  bit-identical chunks (the coder's CPU and CUDA paths are byte/bit exact; the dequantizer is the
+  same integer / correctly rounded fp32 arithmetic on both).
+
+Record layout (what the sections of a :mod:`.format` record hold; every section is one rANS
+stream, coded independently)::
+
+    quantized levels (high, default, low): 3 sections per layer
+        [K symbols [H, D, T], V symbols [H, D, T], scale codes (K codes then V codes)]
+    lossless: 4 sections per layer
+        [K hi plane, V hi plane, K lo plane, V lo plane]   (each [H, D, T], see quant.py)
+
+Header fields: ``level_id`` = the level's id, ``dtype`` = bf16/fp16, geometry ``[L, 2, T, H, D]``,
+``table_id`` = :data:`lmtier.codec.format.NO_TABLE` (every stream carries its own table) or the
+:attr:`StaticTables.table_id` of the static table set the streams were coded with.
+
+Size bound: an rANS segment that would not shrink is stored raw, so a record is never larger than
+:func:`max_record_bytes` — the raw symbol bytes plus a fixed per-section overhead (16-byte stream
+header, at most 544 bytes of own table, 7 bytes per 16 Ki-symbol segment, alignment) plus the
+record header and index. For lossless levels the raw symbol bytes equal the chunk's bytes; for the
+quantized levels they are half of them plus the scale codes. Callers can size receive buffers from
+the geometry alone.
+
+Sources: CacheGen (Liu et al., "CacheGen: KV Cache Compression and Streaming for Fast Large
+Language Model Serving", SIGCOMM 2024) for the per-(layer, K/V, channel) stream grouping and
+entropy coding of quantized KV; dietgpu (facebookresearch/dietgpu) for the interleaved, warp-wide
+rANS construction (implemented from the description, see csrc/include/lmtier/rans.h); the scheme
+and its measured quality are in docs/codec.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from . import quant
+from .levels import LEVELS_BY_ID, Level, get_level
+from .quant import CodecInputError
+
+__all__ = [
+    "CodecRecordError",
+    "StaticTables",
+    "CODEC_DTYPES",
+    "sections_per_layer",
+    "section_layout",
+    "decoded_buffer_bytes",
+    "max_record_bytes",
+    "encode_chunk",
+    "decode_chunk",
+    "check_record_info",
+    "dequantize_layers",
+]
+
+CODEC_DTYPES: dict[torch.dtype, fmt.DType] = {torch.bfloat16: fmt.DType.BFLOAT16, torch.float16: fmt.DType.FLOAT16}
+"""Element types the codec takes (and the record's dtype code for each)."""
+
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                "half": torch.float16}
+
+
+class CodecRecordError(CodecInputError):
+    """A codec record that does not decode to the expected chunk: truncated, corrupted (checksum,
+    rANS integrity, symbols out of range), foreign (not a record, unknown version / level / table
+    set) or of another geometry or dtype. The message says which."""
+
+
+@dataclass(frozen=True)
+class StaticTables:
+    """A set of static rANS tables (calibrated offline) and which table codes which section.
+
+    Attributes:
+        table_id: id of the table set, written into the record header so a decoder can refuse
+            records coded with another set (any uint32 but :data:`lmtier.codec.format.NO_TABLE`).
+        tables: ``[N, 256]`` uint16, each row summing to 4096 (:func:`lmtier.codec.rans.build_table`).
+        section_tables: ``[L * S]`` ints, the table (``< N``) of each section in record order, or
+            :data:`lmtier.codec.rans.ADAPTIVE_TABLE` for a per-stream table. A stream whose static
+            table lacks one of its symbols falls back to its own table automatically.
+    """
+
+    table_id: int
+    tables: np.ndarray
+    section_tables: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.table_id, (int, np.integer)) or not 0 <= int(self.table_id) < fmt.NO_TABLE:
+            raise ValueError(f"StaticTables.table_id must be in [0, {fmt.NO_TABLE}), got {self.table_id!r}")
+        t = np.ascontiguousarray(np.asarray(self.tables))
+        if t.ndim != 2 or t.shape[1] != 256 or t.dtype != np.uint16:
+            raise ValueError(f"StaticTables.tables must be uint16 [N, 256], got {t.dtype} {t.shape}")
+        object.__setattr__(self, "tables", t)
+        object.__setattr__(self, "section_tables", np.asarray(self.section_tables, np.int64).reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------------
+# geometry
+
+
+def _shape(shape: Sequence[int]) -> tuple[int, int, int, int, int]:
+    try:
+        s = tuple(int(v) for v in shape)
+    except TypeError:
+        raise ValueError(f"shape must be (L, 2, T, H, D), got {shape!r}") from None
+    if len(s) != 5 or s[1] != 2 or min(s) <= 0:
+        raise ValueError(f"shape must be (L, 2, T, H, D) with positive sizes, got {shape!r}")
+    return s  # type: ignore[return-value]
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    dt = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dt not in CODEC_DTYPES:
+        raise TypeError(f"the codec takes bf16/fp16 KV, not {dtype}")
+    return dt
+
+
+def sections_per_layer(level: "str | int | Level") -> int:
+    """Record sections per layer: 4 for ``lossless`` (hi/lo planes of K and V), 3 otherwise."""
+    return 4 if get_level(level).lossless else 3
+
+
+def decoded_buffer_bytes(level: "str | int | Level", shape: Sequence[int]) -> tuple[int, int]:
+    """(symbol bytes, side bytes) that decoding a record of ``shape`` produces: the symbols
+    ``[L, 2, H, D, T]`` and the side data (scale codes, or the lossless lo plane)."""
+    nl, _, t, h, d = _shape(shape)
+    ks, vs = quant.side_sizes(level, (nl, 2, t, h, d))
+    return nl * 2 * h * d * t, nl * (ks + vs)
+
+
+def section_layout(level: "str | int | Level", shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each record section decodes to.
+
+    Returns ``(to_side, offset, length)``, arrays of ``L * S`` entries in record order:
+    ``to_side`` (bool) — the section goes to the side buffer, else to the symbol buffer;
+    ``offset`` (int64) — byte offset in that buffer; ``length`` (int64) — decoded bytes (the exact
+    symbol count the stream must hold). The buffers are sized by :func:`decoded_buffer_bytes`.
+    """
+    lv = get_level(level)
+    nl, _, t, h, d = _shape(shape)
+    hdt = h * d * t
+    S = sections_per_layer(lv)
+    to_side = np.zeros(S * nl, bool)
+    off = np.zeros(S * nl, np.int64)
+    length = np.zeros(S * nl, np.int64)
+    if lv.lossless:
+        for l in range(nl):
+            for s in range(4):
+                i = l * 4 + s
+                to_side[i] = s >= 2
+                off[i] = (l * 2 + (s & 1)) * hdt
+                length[i] = hdt
+    else:
+        ks, vs = quant.side_sizes(lv, (nl, 2, t, h, d))
+        for l in range(nl):
+            for s in range(2):
+                off[l * 3 + s], length[l * 3 + s] = (l * 2 + s) * hdt, hdt
+            to_side[l * 3 + 2], off[l * 3 + 2], length[l * 3 + 2] = True, l * (ks + vs), ks + vs
+    return to_side, off, length
+
+
+def max_record_bytes(shape: Sequence[int], level: "str | int | Level") -> int:
+    """Upper bound on the bytes of any record :func:`encode_chunk` makes for this geometry and
+    level (whatever the data and tables): the raw symbol bytes plus a bounded per-section and
+    per-record overhead (see the module doc). A buffer of this size receives any valid record."""
+    from . import rans
+
+    lv = get_level(level)
+    nl, _, t, h, d = _shape(shape)
+    _, _, length = section_layout(lv, (nl, 2, t, h, d))
+    info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, fmt.DType.BFLOAT16, sections_per_layer(lv))
+    return fmt.record_size(info, [rans.max_encoded_bytes(int(n)) for n in length])
+
+
+# ------------------------------------------------------------------------------------------------
+# encode
+
+
+def _as_chunk(chunk: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(chunk, torch.Tensor):
+        raise TypeError(f"chunk must be a torch.Tensor, got {type(chunk).__name__}")
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if chunk.dtype == torch.uint8:
+        if chunk.numel() != nbytes:
+            raise ValueError(f"chunk has {chunk.numel()} bytes, shape {shape} of {dtype} needs {nbytes}")
+        return chunk.contiguous().reshape(-1).view(dtype).view(shape)
+    if chunk.dtype != dtype:
+        raise TypeError(f"chunk dtype {chunk.dtype} differs from dtype={dtype}")
+    if tuple(chunk.shape) != shape:
+        raise ValueError(f"chunk shape {tuple(chunk.shape)} differs from shape={shape}")
+    return chunk.contiguous()
+
+
+def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level: "str | int | Level",
+                 tables: StaticTables | None = None, num_threads: int = 0) -> bytes:
+    """Encode one canonical KV chunk into a codec record.
+
+    Args:
+        chunk: the chunk, CPU or CUDA: ``uint8 [nbytes]`` (its canonical bytes) or typed
+            ``[L, 2, T, H, D]`` of ``dtype``. On CUDA (with a CUDA build of ``lmtier._C``)
+            quantization and rANS encoding run on the device; the record is returned in host memory.
+        shape: the canonical geometry ``(L, 2, T, H, D)``.
+        dtype: ``torch.bfloat16`` or ``torch.float16`` (or their names).
+        level: codec level (name, id or :class:`~lmtier.codec.levels.Level`).
+        tables: static rANS tables (one per section, see :class:`StaticTables`); ``None``: every
+            stream is coded with its own table.
+        num_threads: CPU encoder threads (0: the coder's default).
+
+    Returns:
+        The record (``bytes``, at most :func:`max_record_bytes`). Deterministic: the same chunk,
+        level and tables give the same bytes on the CPU and on the GPU.
+
+    Raises:
+        TypeError: dtype not bf16/fp16, or a typed chunk of another dtype.
+        ValueError: shape mismatch, unknown level, a head size that is not a power of two with a
+            quantized level, ``tables`` that do not fit the record.
+        CodecInputError: NaN/inf or magnitudes beyond the scale range with a quantized level
+            (only ``lossless`` stores them).
+    """
+    from . import rans
+
+    lv = get_level(level)
+    shp = _shape(shape)
+    dt = _dtype(dtype)
+    x = _as_chunk(chunk, shp, dt)
+    if x.is_cuda:
+        from lmtier import _C
+
+        if not _C.built_with_cuda():
+            x = x.cpu()
+    nl = shp[0]
+    S = sections_per_layer(lv)
+    sym, side = quant.quantize(x, lv)
+    extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
+    streams: list[torch.Tensor] = []
+    for l in range(nl):
+        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1)]
+        streams += [extra[l, 0], extra[l, 1]] if lv.lossless else [extra[l]]
+    if x.is_cuda:  # own allocations: aligned and contiguous, as the CUDA encoder wants
+        streams = [s.clone() for s in streams]
+    if tables is None:
+        table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
+    else:
+        if tables.section_tables.size != nl * S:
+            raise ValueError(f"tables.section_tables has {tables.section_tables.size} entries, the record has "
+                             f"{nl * S} sections")
+        table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
+    batch = rans.encode(streams, ids, tab, num_threads=num_threads)
+    data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
+    off = batch.offsets
+    sections = [data[int(off[i]):int(off[i + 1])] for i in range(len(streams))]
+    _, _, t, h, d = shp
+    info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[dt], sections_per_layer=S,
+                          table_id=table_id)
+    return fmt.pack(info, sections)
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+
+
+def check_record_info(info: fmt.RecordInfo, *, expected_shape: Sequence[int], dtype: Any,
+                      level: "str | int | Level | None" = None) -> Level:
+    """Check a parsed record header against what the caller expects; returns the record's level.
+
+    Raises:
+        CodecRecordError: unknown level id, another level than ``level`` (when given), another
+            geometry, dtype or section count than the level's.
+    """
+    shp = _shape(expected_shape)
+    dt = _dtype(dtype)
+    lv = LEVELS_BY_ID.get(int(info.level_id))
+    if lv is None:
+        raise CodecRecordError(f"codec record has unknown level id {info.level_id} (known: {sorted(LEVELS_BY_ID)})")
+    if level is not None:
+        want = get_level(level)
+        if want.level_id != lv.level_id:
+            raise CodecRecordError(f"codec record is level {lv.name!r}, expected {want.name!r}")
+    got = (info.num_layers, info.num_planes, info.num_tokens, info.num_heads, info.head_size)
+    if got != shp:
+        raise CodecRecordError(f"codec record has geometry {got}, expected {shp}")
+    if info.dtype != CODEC_DTYPES[dt]:
+        raise CodecRecordError(f"codec record holds {info.dtype.name}, expected {CODEC_DTYPES[dt].name}")
+    if info.sections_per_layer != sections_per_layer(lv):
+        raise CodecRecordError(f"codec record has {info.sections_per_layer} sections per layer, level {lv.name!r} "
+                               f"has {sections_per_layer(lv)}")
+    return lv
+
+
+def _host_u8(record: Any) -> np.ndarray:
+    """The record as a 1-D uint8 NumPy array at a 4-byte aligned address (rANS streams need it)."""
+    if isinstance(record, torch.Tensor):
+        if record.is_cuda:
+            raise TypeError("record must be host memory (bytes-like or a CPU tensor)")
+        a = record.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    else:
+        a = np.frombuffer(memoryview(record).cast("B"), np.uint8)
+    if a.ctypes.data % 4:
+        a = a.copy()  # NumPy allocations are aligned
+    return a
+
+
+def _dest(out: Any, nbytes: int) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    flat = out.reshape(-1).view(torch.uint8)
+    if flat.numel() < nbytes:
+        raise ValueError(f"out has {flat.numel()} bytes, the chunk needs {nbytes}")
+    return flat[:nbytes]
+
+
+def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int], dtype: Any,
+                 level: "str | int | Level | None" = None, tables: StaticTables | None = None,
+                 num_threads: int = 0) -> None:
+    """Decode a codec record into ``out``.
+
+    Args:
+        record: the record in host memory (bytes-like, NumPy array or CPU uint8 tensor); trailing
+            bytes after the record's end (e.g. buffer slack) are ignored.
+        out: destination, a contiguous tensor of at least the chunk's bytes (``uint8 [nbytes]``
+            or any dtype, written as bytes; the chunk's canonical bytes land in its first
+            ``L*2*T*H*D*2`` bytes). A CUDA ``out`` is decoded on its device (record copied over
+            once, rANS decode and dequantize on the current stream, synchronized before return);
+            a CPU ``out`` by the native CPU coder and the torch reference dequantizer.
+        expected_shape: the geometry ``(L, 2, T, H, D)`` the record must have.
+        dtype: ``torch.bfloat16`` / ``torch.float16`` (or their names) the record must hold.
+        level: the level the record must have (``None``: any known level).
+        tables: the static table set, needed when the record was coded with one.
+        num_threads: CPU decoder threads (0: the coder's default).
+
+    ``out`` is written only once the whole record decoded and passed every check.
+
+    Raises:
+        CodecRecordError: anything wrong with the record — truncated, not a record, bad checksum,
+            unsupported version, unknown level, level/geometry/dtype mismatch, missing or other
+            static table set, an rANS stream failing to decode (the coder's status, e.g. corrupt
+            payload), a wrong symbol count, symbols outside the level's range.
+        TypeError / ValueError: bad ``out`` (not a tensor, too small, non-contiguous) or bad
+            ``expected_shape`` / ``dtype`` arguments.
+    """
+    from . import rans
+
+    shp = _shape(expected_shape)
+    dt = _dtype(dtype)
+    nl, _, t, h, d = shp
+    dst = _dest(out, math.prod(shp) * 2)
+    buf = _host_u8(record)
+    try:
+        rec = fmt.unpack(buf)
+    except ValueError as e:
+        raise CodecRecordError(str(e)) from None
+    lv = check_record_info(rec.info, expected_shape=shp, dtype=dt, level=level)
+    tab = None
+    if rec.info.table_id != fmt.NO_TABLE:
+        if tables is None or int(tables.table_id) != rec.info.table_id:
+            have = "none" if tables is None else tables.table_id
+            raise CodecRecordError(f"codec record was coded with static table set {rec.info.table_id}, "
+                                   f"the decoder has {have}")
+        tab = tables.tables
+    to_side, offs, lens = section_layout(lv, shp)
+    sym_bytes, side_bytes = decoded_buffer_bytes(lv, shp)
+    src_off = rec.section_offsets()
+    src_len = rec.section_lengths()
+    n = len(lens)
+    if out.is_cuda:
+        dev = out.device
+        src = buf[: rec.nbytes]
+        rec_dev = torch.from_numpy(src if src.flags.writeable else src.copy()).to(dev)
+        sym = torch.empty(sym_bytes, dtype=torch.uint8, device=dev)
+        side = torch.empty(side_bytes, dtype=torch.uint8, device=dev)
+        sources = [rec_dev[int(o):int(o) + int(k)] for o, k in zip(src_off, src_len)]
+        outs = [(side if s else sym)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
+        got = torch.zeros(n, dtype=torch.int64, device=dev)
+        status = torch.zeros(n, dtype=torch.int32, device=dev)
+        scratch = torch.empty(max(1, rans.decode_scratch_bytes(n)), dtype=torch.uint8, device=dev)
+        rans.decode_into(sources, tab, outs=outs, out_lengths=got, status=status, scratch=scratch)
+        st = status.cpu().numpy()  # synchronizes with the decode
+        got_np = got.cpu().numpy()
+    else:
+        sym = torch.empty(sym_bytes, dtype=torch.uint8)
+        side = torch.empty(side_bytes, dtype=torch.uint8)
+        sym_np, side_np = sym.numpy(), side.numpy()
+        sources = [buf[int(o):int(o) + int(k)] for o, k in zip(src_off, src_len)]
+        outs = [(side_np if s else sym_np)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
+        got_np = np.zeros(n, np.int64)
+        st = np.zeros(max(n, 1), np.int32)
+        rans.decode_into(sources, tab, outs=outs, out_lengths=got_np, status=st, num_threads=num_threads)
+        st = st[:n]
+    bad = np.flatnonzero(st)
+    if bad.size:
+        i = int(bad[0])
+        S = sections_per_layer(lv)
+        raise CodecRecordError(f"codec record: rANS stream of layer {i // S}, section {i % S} failed: "
+                               f"{rans.STATUS_NAMES.get(int(st[i]), int(st[i]))} ({bad.size} bad stream(s))")
+    short = np.flatnonzero(got_np != lens)
+    if short.size:
+        i = int(short[0])
+        raise CodecRecordError(f"codec record: section {i} decoded to {int(got_np[i])} symbols, expected {int(lens[i])}")
+    try:
+        kv = quant.dequantize(sym, side, lv, shp, dt)
+    except CodecInputError as e:
+        raise CodecRecordError(f"codec record: {e}") from None
+    dst.view(dt).view(shp).copy_(kv)
+
+
+# ------------------------------------------------------------------------------------------------
+# building blocks for pipelined decoders (lmtier.bench.ttft)
+
+
+def dequantize_layers(sym: torch.Tensor, side: torch.Tensor, level: "str | int | Level", shape: Sequence[int],
+                      out: torch.Tensor, l0: int = 0, l1: int | None = None) -> None:
+    """Dequantize layers ``[l0, l1)`` of decoded buffers into ``out`` (no checks, no host sync).
+
+    ``sym`` / ``side``: the flat uint8 buffers :func:`section_layout` decodes into (at least
+    :func:`decoded_buffer_bytes` bytes; same device as ``out``); ``out``: a ``[l1 - l0, 2, T, H, D]``
+    view of the destination (any strides, bf16/fp16). The arithmetic of
+    :func:`lmtier.codec.quant.dequantize`, bit for bit; unlike it, symbols out of the level's range
+    are not detected (callers that need that check use :func:`decode_chunk`).
+    """
+    lv = get_level(level)
+    nl, _, t, h, d = _shape(shape)
+    l1 = nl if l1 is None else l1
+    s = sym[: nl * 2 * h * d * t].view(nl, 2, h, d, t)[l0:l1]
+    if lv.lossless:
+        lo = side[: nl * 2 * h * d * t].view(nl, 2, h, d, t)[l0:l1]
+        rr = (s.to(torch.int32) << 8) | lo.to(torch.int32)
+        u = ((rr >> 1) | ((rr & 1) << 15)) & 0xFFFF
+        u = torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16)
+        out.copy_(u.permute(0, 1, 4, 2, 3).view(out.dtype))
+        return
+    ks, vs = quant.side_sizes(lv, (nl, 2, t, h, d))
+    side2 = side[: nl * (ks + vs)].view(nl, ks + vs)[l0:l1]
+    for p, pq, codes in ((0, lv.k, side2[:, :ks]), (1, lv.v, side2[:, ks:])):
+        qt = pq.qmax_table(nl)[l0:l1]
+        qmax = qt[0] if len(set(qt)) == 1 else \
+            torch.tensor(qt, dtype=torch.int32, device=s.device).reshape(-1, 1, 1, 1)  # no upload when uniform
+        q = s[:, p].to(torch.int32) - qmax
+        codes = quant._reshape_codes(codes, pq.granularity, l1 - l0, t, h, d)
+        out[:, p].copy_(quant._dequantize_plane(q.permute(0, 3, 1, 2), codes, pq))
