@@ -515,19 +515,17 @@ class CodecTier:
     Decode status and decoded lengths are checked once after the forward (one small D2H).
     """
 
-    SECTIONS = {True: 4, False: 3}
-
     def __init__(self, bench: "Bench", level: str) -> None:
+        from lmtier.codec import chunk as cchunk
         from lmtier.codec import format as cformat
         from lmtier.codec import levels, quant, rans
 
         self.b = bench
-        self.cformat, self.quant, self.rans = cformat, quant, rans
+        self.cchunk, self.cformat, self.quant, self.rans = cchunk, cformat, quant, rans
         self.lv = levels.get_level(level)
         self.lossless = self.lv.lossless
-        self.S = self.SECTIONS[self.lossless]
-        self.dtype_code = {torch.bfloat16: cformat.DType.BFLOAT16, torch.float16: cformat.DType.FLOAT16}.get(bench.dtype)
-        if self.dtype_code is None:
+        self.S = cchunk.sections_per_layer(self.lv)
+        if bench.dtype not in cchunk.CODEC_DTYPES:
             raise RuntimeError(f"the codec takes bf16/fp16 KV, not {bench.dtype}")
         if bench.dev.cuda:
             from lmtier import _C
@@ -542,24 +540,10 @@ class CodecTier:
     # ---- store ----------------------------------------------------------------------------
 
     def encode(self, chunk: torch.Tensor) -> np.ndarray:
-        """One record (uint8 host array) for a canonical chunk ``[L, 2, T, H, D]`` on any device."""
-        L = chunk.shape[0]
-        sym, side = self.quant.quantize(chunk.contiguous(), self.lv)
-        extra = side.view(L, 2, -1) if self.lossless else side.view(L, -1)
-        streams = []
-        for l in range(L):
-            streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1)]
-            streams += [extra[l, 0], extra[l, 1]] if self.lossless else [extra[l]]
-        if chunk.is_cuda:  # own allocations: aligned, contiguous
-            streams = [t.clone() for t in streams]
-        batch = self.rans.encode(streams)
-        data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
-        off = batch.offsets
-        sections = [data[int(off[i]):int(off[i + 1])] for i in range(len(streams))]
-        _, _, t, h, d = chunk.shape
-        info = self.cformat.RecordInfo(self.lv.level_id, L, 2, t, h, d, dtype=self.dtype_code,
-                                       sections_per_layer=self.S)
-        return np.frombuffer(self.cformat.pack(info, sections), np.uint8)
+        """One record (uint8 host array) for a canonical chunk ``[L, 2, T, H, D]`` on any device
+        (:func:`lmtier.codec.chunk.encode_chunk`, per-stream tables)."""
+        rec = self.cchunk.encode_chunk(chunk, shape=tuple(chunk.shape), dtype=chunk.dtype, level=self.lv)
+        return np.frombuffer(rec, np.uint8)
 
     def reference(self, chunk: torch.Tensor) -> torch.Tensor:
         """What decoding the chunk's record must give, by the reference quantizer (bit for bit)."""
@@ -577,8 +561,7 @@ class CodecTier:
         C = len(b.chunk_spans(n))
         ns = self.S * L
         dev = b.device
-        sym_bytes = L * 2 * H * D * T
-        side_bytes = sym_bytes if self.lossless else L * sum(self.quant.side_sizes(self.lv, (L, 2, T, H, D)))
+        sym_bytes, side_bytes = self.cchunk.decoded_buffer_bytes(self.lv, (L, 2, T, H, D))
         mk = lambda nb: torch.empty(nb, dtype=torch.uint8, device=dev)  # noqa: E731
         desc_bytes = ns * self.rans.DECODE_DESC.itemsize
         dv = {
@@ -607,27 +590,10 @@ class CodecTier:
         self.records = []
 
     def rel_dst(self, tc: int):
-        """Per section of a ``tc``-token chunk: (goes to the side buffer?, offset in its buffer, capacity)."""
+        """Per section of a ``tc``-token chunk: (goes to the side buffer?, offset in its buffer, capacity)
+        — :func:`lmtier.codec.chunk.section_layout`."""
         b = self.b
-        L, hdt = b.L, b.H * b.D * tc
-        S = self.S
-        to_side = np.zeros(S * L, bool)
-        off = np.zeros(S * L, np.int64)
-        cap = np.zeros(S * L, np.int64)
-        if self.lossless:
-            for l in range(L):
-                for s in range(4):
-                    i = l * 4 + s
-                    to_side[i] = s >= 2
-                    off[i] = (l * 2 + (s & 1)) * hdt
-                    cap[i] = hdt
-        else:
-            ks, vs = self.quant.side_sizes(self.lv, (L, 2, tc, b.H, b.D))
-            for l in range(L):
-                for s in range(2):
-                    off[l * 3 + s], cap[l * 3 + s] = (l * 2 + s) * hdt, hdt
-                to_side[l * 3 + 2], off[l * 3 + 2], cap[l * 3 + 2] = True, l * (ks + vs), ks + vs
-        return to_side, off, cap
+        return self.cchunk.section_layout(self.lv, (b.L, 2, tc, b.H, b.D))
 
     # ---- load -----------------------------------------------------------------------------
 
@@ -636,10 +602,10 @@ class CodecTier:
         decode descriptor array (host) and its device address (None on the CPU)."""
         b, dv = self.b, self.bufs
         rec = self.cformat.unpack(slot[:got], verify_checksum=False)
-        i = rec.info
-        if (i.level_id, i.num_layers, i.num_tokens, i.num_heads, i.head_size, i.sections_per_layer) != \
-                (self.lv.level_id, b.L, tc, b.H, b.D, self.S):
-            raise RuntimeError(f"codec record of chunk {c}: unexpected header {i}")
+        try:
+            self.cchunk.check_record_info(rec.info, expected_shape=(b.L, 2, tc, b.H, b.D), dtype=b.dtype, level=self.lv)
+        except ValueError as e:
+            raise RuntimeError(f"codec record of chunk {c}: {e}") from None
         to_side, off, cap = self.rel_dst(tc)
         desc = dv["hdesc"][r]
         if b.dev.cuda:
@@ -676,23 +642,11 @@ class CodecTier:
 
     def dequant(self, r: int, tc: int, kv: torch.Tensor, s: int, l0: int, l1: int) -> None:
         """Decoded symbols/side of ring slot ``r`` -> ``kv[l0:l1, :, s:s + tc]`` (current stream), the
-        arithmetic of :func:`lmtier.codec.quant.dequantize` batched over the layers."""
-        b, dv, Q = self.b, self.bufs, self.quant
-        L, H, D = b.L, b.H, b.D
-        sym = dv["sym"][r][: L * 2 * H * D * tc].view(L, 2, H, D, tc)[l0:l1]
-        if self.lossless:
-            lo = dv["side"][r][: L * 2 * H * D * tc].view(L, 2, H, D, tc)[l0:l1]
-            rr = (sym.to(torch.int32) << 8) | lo.to(torch.int32)
-            u = ((rr >> 1) | ((rr & 1) << 15)) & 0xFFFF
-            u = torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16)
-            kv[l0:l1, :, s:s + tc].copy_(u.permute(0, 1, 4, 2, 3).view(b.dtype))
-            return
-        ks, vs = Q.side_sizes(self.lv, (L, 2, tc, H, D))
-        side2 = dv["side"][r][: L * (ks + vs)].view(L, ks + vs)[l0:l1]
-        for p, pq, codes in ((0, self.lv.k, side2[:, :ks]), (1, self.lv.v, side2[:, ks:])):
-            q = sym[:, p].to(torch.int32) - Q.ZERO_SYMBOL
-            codes = Q._reshape_codes(codes, pq.granularity, l1 - l0, tc, H, D)
-            kv[l0:l1, p, s:s + tc].copy_(Q._dequantize_plane(q.permute(0, 3, 1, 2), codes, pq))
+        arithmetic of :func:`lmtier.codec.quant.dequantize` batched over the layers
+        (:func:`lmtier.codec.chunk.dequantize_layers`)."""
+        b, dv = self.b, self.bufs
+        self.cchunk.dequantize_layers(dv["sym"][r], dv["side"][r], self.lv, (b.L, 2, tc, b.H, b.D),
+                                      kv[l0:l1, :, s:s + tc], l0, l1)
 
     def check_status(self, n: int) -> None:
         dv = self.bufs
