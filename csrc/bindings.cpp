@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "lmtier/common.h"
+#include "lmtier/kvquant.h"  // KV quantize block
 #include "lmtier/paged_copy.h"
 #include "lmtier/rans.h"  // rANS block
 #include "lmtier/runtime.h"
@@ -173,6 +174,60 @@ void bind_rans(py::module_& m) {
 }  // namespace
 // ==== end rANS ====================================================================================
 
+// ==== KV quantize / dequantize (csrc/kvquant_*.{cpp,cu}, lmtier/codec/native.py) ==================
+// descs: address of [num_chunks] KvqChunkDesc (host for CPU, device for CUDA); qmax: address of the
+// host [L][2] uint8 table (both); status: [num_chunks] int32 on the descriptors' side.
+namespace {
+
+void bind_kvquant(py::module_& m) {
+  namespace k = lmtier::kvq;
+  py::module_ km = m.def_submodule("kvquant", "KV codec quantize/dequantize (see csrc/include/lmtier/kvquant.h)");
+  km.attr("MODE_LOSSLESS") = static_cast<int>(k::kModeLossless);
+  km.attr("MODE_HADAMARD_ROW") = static_cast<int>(k::kModeHadamardRow);
+  km.attr("DTYPE_BF16") = static_cast<int>(k::kBF16);
+  km.attr("DTYPE_FP16") = static_cast<int>(k::kFP16);
+  km.attr("ERR_NON_FINITE") = static_cast<int>(k::kErrNonFinite);
+  km.attr("ERR_SCALE_RANGE") = static_cast<int>(k::kErrScaleRange);
+  km.attr("ERR_SYMBOL") = static_cast<int>(k::kErrSymbol);
+  km.attr("MAX_LAYERS") = k::kMaxLayers;
+  km.attr("DESC_BYTES") = sizeof(k::KvqChunkDesc);
+  auto geom = [](int32_t L, int32_t T, int32_t H, int32_t D) { return k::KvqGeometry{L, T, H, D}; };
+  km.def("symbol_bytes", [geom](int32_t L, int32_t T, int32_t H, int32_t D) { return k::symbol_bytes(geom(L, T, H, D)); },
+         py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"));
+  km.def("side_bytes",
+         [geom](int32_t mode, int32_t L, int32_t T, int32_t H, int32_t D) { return k::side_bytes(mode, geom(L, T, H, D)); },
+         py::arg("mode"), py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"));
+  for (int enc = 1; enc >= 0; --enc) {
+    km.def(
+        enc ? "quantize" : "dequantize",
+        [enc, geom](bool on_cuda, int32_t mode, int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D,
+                    uintptr_t descs, int64_t num_chunks, uintptr_t qmax, uintptr_t status, int32_t num_threads,
+                    uintptr_t stream) {
+          const k::KvqGeometry g = geom(L, T, H, D);
+          auto* d = reinterpret_cast<const k::KvqChunkDesc*>(descs);
+          auto* q = reinterpret_cast<const uint8_t*>(qmax);
+          auto* st = reinterpret_cast<int32_t*>(status);
+          if (!on_cuda) {
+            (enc ? k::quantize_cpu : k::dequantize_cpu)(mode, dtype, g, d, num_chunks, q, st, num_threads);
+            return;
+          }
+#ifdef LMTIER_WITH_CUDA
+          (enc ? k::quantize_cuda : k::dequantize_cuda)(mode, dtype, g, d, num_chunks, q, st,
+                                                         reinterpret_cast<void*>(stream));
+#else
+          (void)stream;
+          LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
+#endif
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("mode"), py::arg("dtype"),
+        py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"), py::arg("descs"),
+        py::arg("num_chunks"), py::arg("qmax"), py::arg("status"), py::arg("num_threads"), py::arg("stream"));
+  }
+}
+
+}  // namespace
+// ==== end KV quantize ==============================================================================
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lmtier compiled core: paged KV gather/scatter (CPU + CUDA), host memory, DMA copies";
   py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
@@ -255,4 +310,5 @@ PYBIND11_MODULE(_C, m) {
 #endif
 
   bind_rans(m);  // rANS block
+  bind_kvquant(m);  // KV quantize block
 }
