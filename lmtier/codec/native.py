@@ -246,6 +246,8 @@ def check_status(status: Any, what: str = "codec") -> None:
     parts = []
     for i in bad[:8]:
         v = int(st[i])
+        if v & _K.ERR_NON_FINITE:  # non-finite input also overflows the scale: report the cause
+            v &= ~_K.ERR_SCALE_RANGE
         msgs = [m for f, m in _FLAGS if v & f] or [f"status {v}"]
         parts.append(f"chunk {int(i)}: {'; '.join(msgs)}")
     more = f" (+{bad.size - 8} more)" if bad.size > 8 else ""
