@@ -1,0 +1,286 @@
+"""A tier wrapper that stores chunks as :mod:`lmtier.codec` records (``serde: cachegen``).
+
+:class:`CodecTier` wraps a disk or remote tier. ``put`` encodes the chunk's canonical bytes with
+:func:`lmtier.codec.chunk.encode_chunk` and stores the record in the inner tier; ``get_into``
+fetches the record into a scratch buffer and decodes it into the caller's buffer with
+:func:`lmtier.codec.chunk.decode_chunk` (on the GPU for CUDA destinations). To everything above it
+(the tier manager) it is an ordinary tier holding full canonical chunks.
+
+Decisions:
+
+* **Keys.** The inner tier holds the record under a *derived* key,
+  ``BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || key)``, so
+  naive (raw) chunks and codec records of every level live in disjoint key spaces of a shared
+  disk directory or Redis: a naive reader never takes a record for raw KV (raw chunks carry no
+  magic it could check), a codec reader never deletes another process's raw chunk as corrupt, and
+  a ``lossless`` reader never receives lossy KV. Processes configured with different levels do
+  not share chunks. The chunk key itself (and :class:`lmtier.keys.Namespace`) is unchanged: the
+  serde is a property of a tier's storage, not of the KV (see :mod:`lmtier.config`).
+* **Size.** Records are always stored as records (never as raw bytes): the rANS coder stores a
+  segment raw when coding would not shrink it, so a record never exceeds
+  :func:`lmtier.codec.chunk.max_record_bytes` — the raw symbol bytes plus a per-stream overhead
+  bounded by the geometry (about 0.6 KiB per (layer, section) stream plus 7 bytes per 16 Ki
+  symbols). The scratch buffer of ``get_into`` has exactly that size; a record that does not fit
+  cannot be valid.
+* **Failures.** ``get_into`` returns ``None`` (a miss) on any failure. A record that fails to
+  decode (:class:`lmtier.codec.chunk.CodecRecordError`: checksum, structure, level, geometry,
+  dtype, rANS status, symbol range) is deleted from the inner tier; other failures (a destination
+  too small, a device error) leave it. ``put`` returns ``False`` (a dropped store) for payloads
+  that are not exactly one chunk of the geometry and for KV the level cannot represent (NaN/inf or
+  out-of-range magnitudes with a lossy level; ``lossless`` stores everything).
+* **Types.** Lossy levels (``high``, ``default``, ``low``) need bf16/fp16 KV, two planes (K and
+  V) and a power-of-two head size (the Hadamard rotation); ``lossless`` needs bf16/fp16 KV and two
+  planes. Anything else is a :class:`lmtier.config.ConfigError` at construction naming the config
+  key (``remote_serde`` / ``local_disk_serde``).
+
+Thread-safe (encode and decode keep no shared state; scratch buffers come from a locked pool).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import math
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from lmtier.codec import chunk as cchunk
+from lmtier.codec import format as cformat
+from lmtier.codec.levels import LEVELS, Level, get_level
+from lmtier.codec.quant import CodecInputError
+from lmtier.config import ConfigError
+from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+from lmtier.tiers.disk import BouncePool, host_view, is_cuda_tensor
+
+__all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
+
+log = logging.getLogger("lmtier.tiers.codec")
+
+CODEC_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Namespace ``kv_dtype`` names the codec takes."""
+
+_SERDE = b"cachegen"
+_PERSON = b"lmtier-serde"
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).replace("torch.", "")
+    return str(dtype)
+
+
+def check_codec_geometry(shape: Sequence[int], dtype: Any, level: "str | Level", *,
+                         config_key: str = "serde", config_value: str = "cachegen") -> tuple[tuple[int, ...], torch.dtype, Level]:
+    """Validate a chunk geometry for the codec; returns ``(shape, torch dtype, level)``.
+
+    Args:
+        shape: ``(L, P, T, H, D)``, the namespace's canonical chunk shape.
+        dtype: a torch dtype or a :class:`lmtier.keys.Namespace` ``kv_dtype`` name.
+        level: ``lossless``, ``high``, ``default`` or ``low``.
+        config_key, config_value: named in the error (``remote_serde``, ``local_disk_serde``).
+
+    Raises:
+        ConfigError: unknown level, a dtype other than bf16/fp16, one plane (MLA), a head size that
+            is not a power of two with a lossy level, non-positive sizes.
+    """
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"lmtier config: {config_key}={config_value!r}: {why}")
+
+    if isinstance(level, Level):
+        lv = level
+    elif isinstance(level, str) and level in LEVELS:
+        lv = LEVELS[level]
+    else:
+        raise ConfigError(f"lmtier config: codec_level={level!r}: must be one of {list(LEVELS)}")
+    try:
+        shp = tuple(int(v) for v in shape)
+    except TypeError:
+        raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
+    if len(shp) != 5 or min(shp) <= 0:
+        raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
+    name = _dtype_name(dtype)
+    dt = CODEC_KV_DTYPES.get(name)
+    if dt is None:
+        if lv.lossless:
+            raise bad(f"codec level 'lossless' needs a 16-bit float KV cache (bfloat16/float16), kv_dtype is {name}")
+        raise bad(f"lossy codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name} "
+                  f"(use {config_key}: naive)")
+    if shp[1] != 2:
+        raise bad(f"the codec needs separate K and V planes (kv_planes=2), the chunk has {shp[1]} (MLA?)")
+    d = shp[4]
+    if not lv.lossless and d & (d - 1):
+        raise bad(f"lossy codec level {lv.name!r} needs a power-of-two head size (Hadamard rotation), head_size is "
+                  f"{d}; use codec_level: lossless")
+    return shp, dt, lv
+
+
+class CodecTier(Tier):
+    """Store chunks of one geometry in ``inner`` as codec records (see the module doc).
+
+    Args:
+        inner: the tier holding the records (a :class:`~lmtier.tiers.disk.DiskTier`,
+            :class:`~lmtier.tiers.remote.RedisTier`, ...). Closed by :meth:`close`.
+        shape: canonical chunk shape ``(L, 2, T, H, D)``.
+        dtype: ``torch.bfloat16`` / ``torch.float16`` or their names.
+        level: ``"lossless"``, ``"high"``, ``"default"`` or ``"low"``.
+        tables: optional static rANS tables (:class:`lmtier.codec.chunk.StaticTables`).
+        config_key, config_value: the config key that selected the codec (named in errors).
+
+    Attributes:
+        name: the inner tier's name (so hit counters and logs read ``disk`` / ``remote``).
+        raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (scratch size).
+        counters: ``puts``, ``put_failures``, ``raw_bytes_in``, ``record_bytes_out``, ``hits``,
+            ``misses``, ``corrupt_deleted``, ``decode_failures``.
+
+    Raises:
+        ConfigError: see :func:`check_codec_geometry`.
+    """
+
+    def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: "str | Level",
+                 tables: cchunk.StaticTables | None = None, config_key: str = "serde",
+                 config_value: str = "cachegen") -> None:
+        self.shape, self.dtype, self.level = check_codec_geometry(shape, dtype, level, config_key=config_key,
+                                                                  config_value=config_value)
+        self.inner = inner
+        self.name = inner.name
+        self.tables = tables
+        self.raw_bytes = math.prod(self.shape) * 2
+        self.max_record_bytes = cchunk.max_record_bytes(self.shape, self.level)
+        self._salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id])
+        self._scratch = BouncePool(max_cached=4)
+        self._lock = threading.Lock()
+        self.counters: collections.Counter[str] = collections.Counter()
+        if hasattr(inner, "contains_many"):
+            self.contains_many = self._contains_many
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    def inner_key(self, key: bytes) -> bytes:
+        """The key the record has in the inner tier (32 bytes, see the module doc)."""
+        key = bytes(key)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"CodecTier: key must be {KEY_BYTES} bytes, got {len(key)}")
+        return hashlib.blake2b(self._salt + key, digest_size=KEY_BYTES, person=_PERSON).digest()
+
+    # ---- Tier --------------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self.inner.contains(self.inner_key(key)))
+
+    def _contains_many(self, keys: list[bytes]) -> list[bool]:
+        return list(self.inner.contains_many([self.inner_key(k) for k in keys]))  # type: ignore[attr-defined]
+
+    def delete(self, key: bytes) -> bool:
+        return bool(self.inner.delete(self.inner_key(key)))
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def put(self, key: bytes, payload: Any) -> bool:
+        """Encode ``payload`` (exactly one chunk's canonical bytes: bytes-like, NumPy, CPU or CUDA
+        tensor) and store the record. Returns False when the payload is not one chunk, the level
+        cannot represent it, or the inner put fails."""
+        ikey = self.inner_key(key)
+        try:
+            src = self._source(payload)
+        except (TypeError, ValueError) as e:
+            log.warning("put %s: %s; not stored", bytes(key).hex()[:16], e)
+            self._count("put_failures")
+            return False
+        if src.numel() != self.raw_bytes:
+            log.warning("put %s: payload of %d bytes, a chunk of %s is %d; not stored", bytes(key).hex()[:16],
+                        src.numel(), self.shape, self.raw_bytes)
+            self._count("put_failures")
+            return False
+        try:
+            record = cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables)
+        except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
+            log.warning("put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16],
+                        self.level.name, e)
+            self._count("put_failures")
+            return False
+        ok = bool(self.inner.put(ikey, memoryview(record)))
+        if ok:
+            self._count("puts")
+            self._count("raw_bytes_in", self.raw_bytes)
+            self._count("record_bytes_out", len(record))
+        else:
+            self._count("put_failures")
+        return ok
+
+    def get_into(self, key: bytes, out: Any) -> int | None:
+        """Fetch the record and decode the chunk into ``out`` (host buffer or CUDA tensor, >= one
+        chunk's bytes). Returns the chunk's byte count, or None (miss, too small ``out``, any
+        failure; records that fail to decode are deleted)."""
+        ikey = self.inner_key(key)
+        try:
+            dst = self._dest(out)
+        except (TypeError, ValueError) as e:
+            log.warning("get_into %s: %s", bytes(key).hex()[:16], e)
+            return None
+        if dst.numel() < self.raw_bytes:
+            log.warning("get_into: out has %d bytes < chunk %d", dst.numel(), self.raw_bytes)
+            return None
+        buf = self._scratch.acquire(self.max_record_bytes)
+        try:
+            n = self.inner.get_into(ikey, buf.mv[: buf.nbytes])
+            if n is None:
+                self._count("misses")
+                return None
+            try:
+                cchunk.decode_chunk(buf.mv[:n], dst[: self.raw_bytes], expected_shape=self.shape, dtype=self.dtype,
+                                    level=self.level, tables=self.tables)
+            except cchunk.CodecRecordError as e:
+                log.warning("%s: codec record of chunk %s is unusable (%s); deleted", self.name,
+                            bytes(key).hex()[:16], e)
+                self._count("corrupt_deleted")
+                self._count("misses")
+                self.inner.delete(ikey)
+                return None
+            except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
+                log.warning("%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e)
+                self._count("decode_failures")
+                self._count("misses")
+                return None
+        finally:
+            self._scratch.release(buf)
+        self._count("hits")
+        return self.raw_bytes
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            self._scratch.close()
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    @staticmethod
+    def _source(payload: Any) -> torch.Tensor:
+        """A flat uint8 tensor over the payload (zero copy for writable host buffers and tensors)."""
+        if isinstance(payload, torch.Tensor):
+            if not payload.is_contiguous():
+                raise ValueError("payload tensor is not contiguous")
+            return payload.detach().reshape(-1).view(torch.uint8)
+        mv = host_view(payload, writable=False)
+        if mv.readonly:
+            return torch.from_numpy(np.frombuffer(mv, np.uint8).copy())
+        return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _dest(out: Any) -> torch.Tensor:
+        if is_cuda_tensor(out) or isinstance(out, torch.Tensor):
+            if not out.is_contiguous():
+                raise ValueError("out tensor is not contiguous")
+            return out.detach().reshape(-1).view(torch.uint8)
+        mv = host_view(out, writable=True)
+        return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
