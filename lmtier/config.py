@@ -14,7 +14,32 @@ unchanged::
 
 lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
 ``remote_password_env`` (name of an environment variable holding the Redis password; never logged),
-``disk_io_threads`` (default 4).
+``disk_io_threads`` (default 4), and the codec keys below.
+
+Codec (``lmtier.codec``, docs/codec.md)::
+
+    remote_serde: cachegen                # LMCache's name: remote records are lmtier codec records
+    local_disk_serde: cachegen            # lmtier-only: the same for the disk tier (default naive)
+    codec_level: default                  # lossless | high | default | low (default: default)
+
+``cachegen`` selects lmtier's codec (CacheGen-style quantization + rANS, not LMCache's byte format;
+an LMCache file's ``remote_serde: cachegen`` gets lmtier's ``default`` level unless ``codec_level``
+says otherwise). ``codec_level`` applies to every tier whose serde is ``cachegen``; set without any
+``cachegen`` serde it is accepted with a warning and unused. The CPU pool always holds raw
+canonical chunks. The codec needs a bf16/fp16 cache with K and V planes; the lossy levels also a
+power-of-two head size: :meth:`lmtier.manager.TierManager.from_config` raises :class:`ConfigError`
+naming the serde key otherwise (the geometry is only known there, from the namespace).
+
+Keys and the codec (decision): chunk keys do **not** change with the serde, and the namespace's
+``codec`` field is not derived from these keys (it stays ``"none"`` for caches whose canonical
+bytes are handed to the tiers as they are, which is every cache today): the serde is a property of
+how one tier stores a chunk, and disk and remote may differ. Separation happens one level down:
+:class:`lmtier.tiers.codec.CodecTier` stores each record under a key derived from the chunk key,
+the serde, the record format version and the level, so raw chunks and records of different levels
+never share a key in a shared disk directory or Redis. Records are self-describing (the LMKC
+header names the level, geometry and dtype) and are checked on every read, but a raw chunk has no
+header, so a naive reader could not tell a record from KV: disjoint key spaces, not headers, keep
+them apart. Consequence: processes with different serdes or levels do not share chunks.
 
 Sizes are GiB (2**30 bytes), as in LMCache. Defaults: the disk tier is off unless ``local_disk`` is
 set, and then ``max_local_disk_size`` must be set too (> 0): lmtier never guesses how much of a
@@ -57,6 +82,7 @@ __all__ = [
     "RemoteConfig",
     "LMTierConfig",
     "load_config",
+    "CODEC_LEVELS",
     "IGNORED_LMCACHE_KEYS",
     "DISABLED_LMCACHE_FEATURES",
     "NON_CONFIG_ENV_VARS",
@@ -111,6 +137,9 @@ must not be ignored), so a component that introduces a new ``LMTIER_*`` variable
 
 _REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster")
 _SERDES = ("naive", "cachegen")
+CODEC_LEVELS = ("lossless", "high", "default", "low")
+"""``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
+two in step — lmtier.config does not import the codec, which needs torch)."""
 _SHARDINGS = ("by_gpu",)
 
 
@@ -153,12 +182,14 @@ class DiskConfig:
         max_size_gb: ``max_local_disk_size`` in GiB.
         path_sharding: ``None`` (spread chunks over all paths) or ``"by_gpu"`` (one path per GPU).
         io_threads: ``disk_io_threads``.
+        serde: ``local_disk_serde`` (``"naive"`` or ``"cachegen"``).
     """
 
     paths: tuple[str, ...] = ()
     max_size_gb: float = 0.0
     path_sharding: str | None = None
     io_threads: int = 4
+    serde: str = "naive"
 
     @property
     def enabled(self) -> bool:
@@ -225,12 +256,19 @@ class RemoteConfig:
 
 @dataclass(frozen=True)
 class LMTierConfig:
-    """The whole configuration: ``chunk_size`` plus one small config per tier."""
+    """The whole configuration: ``chunk_size``, ``codec_level`` (the level of every ``cachegen``
+    serde) plus one small config per tier."""
 
     chunk_size: int = 256
     cpu: CPUConfig = field(default_factory=CPUConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    codec_level: str = "default"
+
+    def serde_level(self, tier: str) -> str | None:
+        """The codec level of ``tier`` (``"disk"`` or ``"remote"``), or None when its serde is naive."""
+        serde = {"disk": self.disk.serde, "remote": self.remote.serde}[tier]
+        return self.codec_level if serde == "cachegen" else None
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "LMTierConfig":
@@ -261,10 +299,12 @@ class LMTierConfig:
             "max_local_disk_size": self.disk.max_size_gb,
             "local_disk_path_sharding": self.disk.path_sharding,
             "disk_io_threads": self.disk.io_threads,
+            "local_disk_serde": self.disk.serde,
             "remote_url": self.remote.redacted_url,
             "remote_serde": self.remote.serde,
             "remote_timeout_s": self.remote.timeout_s,
             "remote_password_env": self.remote.password_env,
+            "codec_level": self.codec_level,
         }
 
     def log_effective(self) -> bool:
@@ -298,6 +338,8 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "remote_serde": (_STR, "naive"),
     "remote_timeout_s": (_FLOAT, 1.0),
     "remote_password_env": (_OPT_STR, None),
+    "local_disk_serde": (_STR, "naive"),
+    "codec_level": (_STR, "default"),
 }
 CONFIG_KEYS = frozenset(_KEYS)
 
@@ -421,10 +463,7 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     serde = values["remote_serde"]
     timeout_s = values["remote_timeout_s"]
     password_env = values["remote_password_env"]
-    if serde not in _SERDES:
-        raise _err("remote_serde", serde, f"must be one of {list(_SERDES)}")
-    if serde == "cachegen" and importlib.util.find_spec("lmtier.codec") is None:
-        raise _err("remote_serde", serde, "requires the lmtier.codec module, which this build does not have")
+    _check_serde("remote_serde", serde)
     if timeout_s <= 0:
         raise _err("remote_timeout_s", timeout_s, "must be > 0")
     if url is None:
@@ -508,6 +547,13 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     )
 
 
+def _check_serde(key: str, serde: str) -> None:
+    if serde not in _SERDES:
+        raise _err(key, serde, f"must be one of {list(_SERDES)}")
+    if serde == "cachegen" and importlib.util.find_spec("lmtier.codec") is None:
+        raise _err(key, serde, "requires the lmtier.codec module, which this build does not have")
+
+
 def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
     values = {k: d for k, (_, d) in _KEYS.items()}
     for key, value in raw.items():
@@ -556,11 +602,24 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
                 "lmtier config: max_local_disk_size=%r without local_disk; the disk tier stays off",
                 values["max_local_disk_size"],
             )
+    disk_serde = values["local_disk_serde"]
+    _check_serde("local_disk_serde", disk_serde)
+    if disk_serde != "naive" and not paths:
+        logger.warning("lmtier config: local_disk_serde=%r without local_disk; unused", disk_serde)
     disk = DiskConfig(
-        paths=paths, max_size_gb=values["max_local_disk_size"], path_sharding=sharding, io_threads=io_threads
+        paths=paths,
+        max_size_gb=values["max_local_disk_size"],
+        path_sharding=sharding,
+        io_threads=io_threads,
+        serde=disk_serde,
     )
     remote = _parse_remote(values, env)
-    return LMTierConfig(chunk_size=chunk_size, cpu=cpu, disk=disk, remote=remote)
+    level = values["codec_level"]
+    if level not in CODEC_LEVELS:
+        raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS)}")
+    if "codec_level" in raw and "cachegen" not in (disk_serde, remote.serde):
+        logger.warning("lmtier config: codec_level=%r but no serde is 'cachegen'; unused", level)
+    return LMTierConfig(chunk_size=chunk_size, cpu=cpu, disk=disk, remote=remote, codec_level=level)
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> LMTierConfig:
