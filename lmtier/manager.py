@@ -76,10 +76,35 @@ def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
     """Build :class:`lmtier.tiers.remote.RedisTier` from the config (imported lazily)."""
     from lmtier.tiers.remote import RedisTier
 
-    if remote.serde != "naive":
-        raise ConfigError(f"lmtier config: remote_serde={remote.serde!r}: not wired into the tier manager yet")
     assert remote.url is not None
     return RedisTier(remote.url, password_env=remote.password_env, timeout_s=remote.timeout_s)
+
+
+def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
+    """The canonical chunk shape ``(L, P, T, H, D)`` of ``namespace`` (what the codec encodes)."""
+    return (namespace.num_layers, namespace.kv_planes, namespace.chunk_size, namespace.num_kv_heads,
+            namespace.head_size)
+
+
+def _check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
+    """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache."""
+    for tier, key, enabled in (("disk", "local_disk_serde", config.disk.enabled),
+                               ("remote", "remote_serde", config.remote.enabled)):
+        level = config.serde_level(tier)
+        if enabled and level is not None:
+            from lmtier.tiers.codec import check_codec_geometry
+
+            check_codec_geometry(codec_chunk_shape(namespace), namespace.kv_dtype, level, config_key=key)
+
+
+def _wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: str) -> Tier:
+    level = config.serde_level(which)
+    if level is None:
+        return tier
+    from lmtier.tiers.codec import CodecTier
+
+    key = "local_disk_serde" if which == "disk" else "remote_serde"
+    return CodecTier(tier, shape=codec_chunk_shape(namespace), dtype=namespace.kv_dtype, level=level, config_key=key)
 
 
 def _done(value: bool) -> Future:
@@ -155,16 +180,22 @@ class TierManager:
             namespace: gives the chunk size in bytes (``namespace.chunk_bytes``) for CPU slots.
             gpu_id: this process's GPU (selects the disk path with ``local_disk_path_sharding: by_gpu``).
             arena: optional CPU pool arena (see :class:`CPUPool`).
-            disk_factory, remote_factory: build the disk/remote tiers (tests, custom tiers).
+            disk_factory, remote_factory: build the disk/remote tiers (tests, custom tiers). A tier
+                whose serde (``local_disk_serde`` / ``remote_serde``) is ``cachegen`` is wrapped in
+                :class:`lmtier.tiers.codec.CodecTier` (level ``config.codec_level``, the namespace's
+                chunk geometry and dtype) after the factory built it.
             **kwargs: passed to :class:`TierManager` (thread counts, queue bounds).
 
         Raises:
-            ConfigError: inconsistent chunk size, CPU pool smaller than one chunk, unsupported serde.
+            ConfigError: inconsistent chunk size, CPU pool smaller than one chunk, a ``cachegen`` serde
+                on a cache the codec cannot take (dtype other than bf16/fp16, MLA, a lossy level with
+                a head size that is not a power of two).
         """
         if config.chunk_size != namespace.chunk_size:
             raise ConfigError(
                 f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
             )
+        _check_codecs(config, namespace)
         cpu = disk = remote = None
         try:
             if config.cpu.enabled:
@@ -174,8 +205,10 @@ class TierManager:
                     raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
             if config.disk.enabled:
                 disk = disk_factory(config.disk, namespace, gpu_id)
+                disk = _wrap_codec(disk, config, namespace, "disk")
             if config.remote.enabled:
                 remote = remote_factory(config.remote, namespace)
+                remote = _wrap_codec(remote, config, namespace, "remote")
         except BaseException:
             for t in (cpu, disk, remote):
                 if t is not None:
