@@ -544,7 +544,8 @@ def test_manager_naive_serde_unwrapped_and_lossless_odd_head(tmp_path):
     with TierManager.from_config(cfg, _ns(kv_dtype="float32")) as m:
         assert isinstance(m.disk, DiskTier)
     cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
-                                  "max_local_disk_size": 0.01, "local_disk_serde": "cachegen", "codec_level": "lossless"})
+                                  "max_local_disk_size": 0.01, "local_disk_serde": "cachegen",
+                                  "codec_level": "lossless"})
     with TierManager.from_config(cfg, _ns(head_size=48)) as m:
         assert isinstance(m.disk, CodecTier)
 

@@ -243,14 +243,6 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
             x = x.cpu()
     nl = shp[0]
     S = sections_per_layer(lv)
-    sym, side = quant.quantize(x, lv)
-    extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
-    streams: list[torch.Tensor] = []
-    for l in range(nl):
-        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1)]
-        streams += [extra[l, 0], extra[l, 1]] if lv.lossless else [extra[l]]
-    if x.is_cuda:  # own allocations: aligned and contiguous, as the CUDA encoder wants
-        streams = [s.clone() for s in streams]
     if tables is None:
         table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
     else:
@@ -258,7 +250,16 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
             raise ValueError(f"tables.section_tables has {tables.section_tables.size} entries, the record has "
                              f"{nl * S} sections")
         table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
-    batch = rans.encode(streams, ids, tab, num_threads=num_threads)
+    with _on_device(x):
+        sym, side = quant.quantize(x, lv)
+        extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
+        streams: list[torch.Tensor] = []
+        for l in range(nl):
+            streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1)]
+            streams += [extra[l, 0], extra[l, 1]] if lv.lossless else [extra[l]]
+        if x.is_cuda:  # own allocations: aligned and contiguous, as the CUDA encoder wants
+            streams = [s.clone() for s in streams]
+        batch = rans.encode(streams, ids, tab, num_threads=num_threads)
     data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
     off = batch.offsets
     sections = [data[int(off[i]):int(off[i + 1])] for i in range(len(streams))]
@@ -374,43 +375,62 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
         tab = tables.tables
     to_side, offs, lens = section_layout(lv, shp)
     sym_bytes, side_bytes = decoded_buffer_bytes(lv, shp)
-    src_off = rec.section_offsets()
-    src_len = rec.section_lengths()
-    n = len(lens)
     if out.is_cuda:
-        dev = out.device
+        _decode_cuda(buf, rec, out.device, to_side, offs, lens, sym_bytes, side_bytes, tab, lv, shp, dt, dst)
+        return
+    sym = torch.empty(sym_bytes, dtype=torch.uint8)
+    side = torch.empty(side_bytes, dtype=torch.uint8)
+    sym_np, side_np = sym.numpy(), side.numpy()
+    sources = [buf[int(o):int(o) + int(k)] for o, k in zip(rec.section_offsets(), rec.section_lengths())]
+    outs = [(side_np if s else sym_np)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
+    n = len(lens)
+    got = np.zeros(n, np.int64)
+    st = np.zeros(n, np.int32)
+    rans.decode_into(sources, tab, outs=outs, out_lengths=got, status=st, num_threads=num_threads)
+    _finish(st, got, lens, sym, side, lv, shp, dt, dst)
+
+
+def _on_device(x: torch.Tensor):
+    import contextlib
+
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _decode_cuda(buf, rec, dev, to_side, offs, lens, sym_bytes, side_bytes, tab, lv, shp, dt, dst) -> None:
+    """GPU half of :func:`decode_chunk`: one H2D copy of the record, batched CUDA rANS decode and the
+    reference dequantizer's torch ops on ``dev`` (current stream; synchronized by the status read)."""
+    from . import rans
+
+    with torch.cuda.device(dev):
         src = buf[: rec.nbytes]
         rec_dev = torch.from_numpy(src if src.flags.writeable else src.copy()).to(dev)
         sym = torch.empty(sym_bytes, dtype=torch.uint8, device=dev)
         side = torch.empty(side_bytes, dtype=torch.uint8, device=dev)
-        sources = [rec_dev[int(o):int(o) + int(k)] for o, k in zip(src_off, src_len)]
+        sources = [rec_dev[int(o):int(o) + int(k)] for o, k in zip(rec.section_offsets(), rec.section_lengths())]
         outs = [(side if s else sym)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
+        n = len(lens)
         got = torch.zeros(n, dtype=torch.int64, device=dev)
         status = torch.zeros(n, dtype=torch.int32, device=dev)
         scratch = torch.empty(max(1, rans.decode_scratch_bytes(n)), dtype=torch.uint8, device=dev)
         rans.decode_into(sources, tab, outs=outs, out_lengths=got, status=status, scratch=scratch)
-        st = status.cpu().numpy()  # synchronizes with the decode
-        got_np = got.cpu().numpy()
-    else:
-        sym = torch.empty(sym_bytes, dtype=torch.uint8)
-        side = torch.empty(side_bytes, dtype=torch.uint8)
-        sym_np, side_np = sym.numpy(), side.numpy()
-        sources = [buf[int(o):int(o) + int(k)] for o, k in zip(src_off, src_len)]
-        outs = [(side_np if s else sym_np)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
-        got_np = np.zeros(n, np.int64)
-        st = np.zeros(max(n, 1), np.int32)
-        rans.decode_into(sources, tab, outs=outs, out_lengths=got_np, status=st, num_threads=num_threads)
-        st = st[:n]
+        _finish(status.cpu().numpy(), got.cpu().numpy(), lens, sym, side, lv, shp, dt, dst)  # .cpu(): waits
+
+
+def _finish(st: np.ndarray, got: np.ndarray, lens: np.ndarray, sym: torch.Tensor, side: torch.Tensor, lv: Level,
+            shp: tuple[int, ...], dt: torch.dtype, dst: torch.Tensor) -> None:
+    """Check the coder's per-stream status and symbol counts, dequantize, write ``dst``."""
+    from . import rans
+
     bad = np.flatnonzero(st)
     if bad.size:
         i = int(bad[0])
         S = sections_per_layer(lv)
         raise CodecRecordError(f"codec record: rANS stream of layer {i // S}, section {i % S} failed: "
                                f"{rans.STATUS_NAMES.get(int(st[i]), int(st[i]))} ({bad.size} bad stream(s))")
-    short = np.flatnonzero(got_np != lens)
+    short = np.flatnonzero(got != lens)
     if short.size:
         i = int(short[0])
-        raise CodecRecordError(f"codec record: section {i} decoded to {int(got_np[i])} symbols, expected {int(lens[i])}")
+        raise CodecRecordError(f"codec record: section {i} decoded to {int(got[i])} symbols, expected {int(lens[i])}")
     try:
         kv = quant.dequantize(sym, side, lv, shp, dt)
     except CodecInputError as e:

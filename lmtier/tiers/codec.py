@@ -50,7 +50,7 @@ import torch
 
 from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
-from lmtier.codec.levels import LEVELS, Level, get_level
+from lmtier.codec.levels import LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
@@ -73,8 +73,10 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype)
 
 
-def check_codec_geometry(shape: Sequence[int], dtype: Any, level: "str | Level", *,
-                         config_key: str = "serde", config_value: str = "cachegen") -> tuple[tuple[int, ...], torch.dtype, Level]:
+def check_codec_geometry(
+    shape: Sequence[int], dtype: Any, level: "str | Level", *, config_key: str = "serde",
+    config_value: str = "cachegen",
+) -> tuple[tuple[int, ...], torch.dtype, Level]:
     """Validate a chunk geometry for the codec; returns ``(shape, torch dtype, level)``.
 
     Args:
