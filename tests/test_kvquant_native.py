@@ -210,3 +210,15 @@ def test_sizes_match_reference():
             assert N.symbol_bytes(shape) == torch.Size(Q.symbol_shape(shape)).numel()
             if level != "lossless":
                 assert (N.qmax_table(level, nl) == Q.zero_symbols(level, nl).numpy()).all()
+
+
+def test_bench_codec_smoke_cpu(tmp_path, monkeypatch):
+    import importlib.util
+    import pathlib
+
+    monkeypatch.setenv("LMTIER_BENCH_SMOKE", "1")
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_codec.py"
+    spec = importlib.util.spec_from_file_location("bench_codec_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cpu", "--levels", "lossless", "default", "--json", str(tmp_path / "b.json")]) == 0
