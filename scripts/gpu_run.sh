@@ -2,14 +2,14 @@
 # The one GPU script: build for sm_90, run the `gpu` tests, run the GPU benchmarks, print a short
 # table last. Run on the lent H200 through the device tool from the repo root:
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
-# LMTIER_GPU_STEPS selects steps (default: "tests transfer ttft rans"); LMTIER_GPU_BENCH=quick
+# LMTIER_GPU_STEPS selects steps (default: "tests transfer ttft rans codec"); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-STEPS=${LMTIER_GPU_STEPS:-tests transfer ttft rans}
+STEPS=${LMTIER_GPU_STEPS:-tests transfer ttft rans codec}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -24,7 +24,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 $PY -c "import lmtier._C as C; print('built_with_cuda', C.built_with_cuda(), 'devices', C.cuda_device_count())"
 
 if has tests; then
-  $PY -m pytest -m gpu -q -p no:cacheprovider $(ls tests/test_transfer.py tests/test_gpu_*.py tests/test_disk_tier.py tests/test_rans.py 2>/dev/null) \
+  $PY -m pytest -m gpu -q -p no:cacheprovider $(ls tests/test_transfer.py tests/test_gpu_*.py tests/test_disk_tier.py tests/test_rans.py tests/test_codec_quant.py 2>/dev/null) \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
 fi
@@ -42,8 +42,12 @@ if has rans && [ -f benchmarks/bench_rans.py ]; then
   timeout 200 $PY benchmarks/bench_rans.py --json "$OUT/rans.json" > "$OUT/bench_rans.log" 2>&1
   echo "bench rans rc=$?"
 fi
+if has codec && [ -f benchmarks/bench_codec.py ]; then
+  timeout 240 $PY benchmarks/bench_codec.py --chunks 8 32 --json "$OUT/codec.json" > "$OUT/bench_codec.log" 2>&1
+  echo "bench codec rc=$?"
+fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_ttft bench_rans; do
+for f in bench_transfer bench_ttft bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
