@@ -16,6 +16,9 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+if false; then :
+fi
 rm -f lmtier/_C*.so
 t0=$(date +%s)
 LMTIER_CUDA=ON LMTIER_CUDA_ARCHS=90 $PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 \
