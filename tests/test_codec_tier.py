@@ -82,11 +82,23 @@ def rechecksum(rec: bytearray) -> bytearray:
 # chunk API
 
 
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def native(request, monkeypatch):
+    """Both quantize/dequantize paths of lmtier.codec.chunk: the compiled kernels and the reference."""
+    monkeypatch.setattr(C, "USE_NATIVE", request.param)
+    if request.param and C._native() is None:
+        pytest.skip("lmtier._C has no kvquant kernels")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("level", LEVELS)
-def test_chunk_round_trip_matches_reference(level, dtype):
+def test_chunk_round_trip_matches_reference(level, dtype, native):
     x = kv_like(dtype=dtype)
     rec = C.encode_chunk(x.view(-1).view(torch.uint8), shape=SHAPE, dtype=dtype, level=level)
+    C.USE_NATIVE = not native  # the other path encodes the same bytes
+    assert rec == C.encode_chunk(x, shape=SHAPE, dtype=dtype, level=level)
+    C.USE_NATIVE = native
     assert rec[:4] == b"LMKC" and len(rec) <= C.max_record_bytes(SHAPE, level)
     assert rec == C.encode_chunk(x, shape=SHAPE, dtype=DNAME[dtype], level=level)  # typed input, deterministic
     info = fmt.unpack(rec).info
@@ -171,7 +183,7 @@ DAMAGE = ("checksum", "truncated", "magic", "level", "rans", "geometry", "dtype"
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_decode_errors_are_clear_and_leave_out_untouched(kind):
+def test_decode_errors_are_clear_and_leave_out_untouched(kind, native):
     rec, msg = _damaged(kind)
     out = torch.full((SHAPE[0] * 2 * 16 * 2 * 64 * 2,), 0xCD, dtype=torch.uint8)
     with pytest.raises(C.CodecRecordError, match=msg):
@@ -179,7 +191,7 @@ def test_decode_errors_are_clear_and_leave_out_untouched(kind):
     assert bool((out == 0xCD).all())
 
 
-def test_symbols_out_of_range_are_rejected():
+def test_symbols_out_of_range_are_rejected(native):
     # a well-formed record whose K symbols exceed 2*qmax of the level (hand-built, valid streams)
     x = kv_like()
     sym, side = Q.quantize(x, "default")

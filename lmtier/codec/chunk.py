@@ -4,14 +4,18 @@ This is the entry point the tiers (:class:`lmtier.tiers.codec.CodecTier`) and th
 it strings together the quantizer (:mod:`.quant`, :mod:`.levels`), the interleaved rANS coder
 (:mod:`.rans`) and the record format (:mod:`.format`):
 
+Quantization and dequantization use the compiled kernels of :mod:`lmtier.codec.native` where they
+support the level and geometry (bit-identical to the torch reference :mod:`lmtier.codec.quant`,
+which handles the rest; see :data:`USE_NATIVE`).
+
 * :func:`encode_chunk`: quantize -> rANS encode (static tables when given, a per-stream table
   otherwise) -> :func:`lmtier.codec.format.pack`.
 * :func:`decode_chunk`: :func:`lmtier.codec.format.unpack` (checksum verified) -> header checks ->
   batched rANS decode -> dequantize into a caller buffer. CUDA destinations are decoded on the GPU
-  (the CUDA rANS kernels, then the reference dequantizer's torch ops on the device); CPU
-  destinations by the native multi-threaded CPU coder and the torch reference. Both give
-  bit-identical chunks (the coder's CPU and CUDA paths are byte/bit exact; the dequantizer is the
-  same integer / correctly rounded fp32 arithmetic on both).
+  (the CUDA rANS kernels, then the CUDA dequantize kernel, or the reference's torch ops on the
+  device); CPU destinations by the native multi-threaded CPU coder and the native CPU dequantizer
+  (or the torch reference). All give bit-identical chunks (the coder's CPU and CUDA paths are
+  byte/bit exact; every dequantizer is the same integer / correctly rounded fp32 arithmetic).
 
 Record layout (what the sections of a :mod:`.format` record hold; every section is one rANS
 stream, coded independently)::
@@ -65,10 +69,16 @@ __all__ = [
     "decode_chunk",
     "check_record_info",
     "dequantize_layers",
+    "USE_NATIVE",
 ]
 
 CODEC_DTYPES: dict[torch.dtype, fmt.DType] = {torch.bfloat16: fmt.DType.BFLOAT16, torch.float16: fmt.DType.FLOAT16}
 """Element types the codec takes (and the record's dtype code for each)."""
+
+USE_NATIVE = True
+"""Quantize / dequantize with the compiled kernels of :mod:`lmtier.codec.native` where they support
+the level, geometry and device (byte/bit-identical to :mod:`lmtier.codec.quant`, tested in
+tests/test_kvquant_native.py); False forces the torch reference (tests compare the two)."""
 
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
                 "half": torch.float16}
@@ -251,7 +261,7 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
                              f"{nl * S} sections")
         table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
     with _on_device(x):
-        sym, side = quant.quantize(x, lv)
+        sym, side = _quantize(x, lv, num_threads)
         extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
         streams: list[torch.Tensor] = []
         for l in range(nl):
@@ -337,7 +347,7 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
             or any dtype, written as bytes; the chunk's canonical bytes land in its first
             ``L*2*T*H*D*2`` bytes). A CUDA ``out`` is decoded on its device (record copied over
             once, rANS decode and dequantize on the current stream, synchronized before return);
-            a CPU ``out`` by the native CPU coder and the torch reference dequantizer.
+            a CPU ``out`` by the native CPU coder and dequantizer (see :data:`USE_NATIVE`).
         expected_shape: the geometry ``(L, 2, T, H, D)`` the record must have.
         dtype: ``torch.bfloat16`` / ``torch.float16`` (or their names) the record must hold.
         level: the level the record must have (``None``: any known level).
@@ -390,6 +400,35 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
     _finish(st, got, lens, sym, side, lv, shp, dt, dst)
 
 
+def _native():
+    """:mod:`lmtier.codec.native` (compiled quantize/dequantize) or None (disabled / not built)."""
+    if not USE_NATIVE:
+        return None
+    try:
+        from . import native
+    except (ImportError, AttributeError):  # an lmtier._C without the kvquant kernels
+        return None
+    return native
+
+
+def _quantize(x: torch.Tensor, lv: Level, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    nat = _native()
+    if nat is not None and nat.supported(lv, tuple(x.shape), x.device):
+        if x.data_ptr() % 16:
+            x = x.clone()
+        syms, sides = nat.quantize([x], lv, num_threads=num_threads)
+        return syms[0], sides[0]
+    return quant.quantize(x, lv)
+
+
+def _dequantize(sym: torch.Tensor, side: torch.Tensor, lv: Level, shp: tuple[int, ...],
+                dt: torch.dtype) -> torch.Tensor:
+    nat = _native()
+    if nat is not None and nat.supported(lv, shp, sym.device):
+        return nat.dequantize([sym], [side], lv, shp, dt)[0]
+    return quant.dequantize(sym, side, lv, shp, dt)
+
+
 def _on_device(x: torch.Tensor):
     import contextlib
 
@@ -397,8 +436,8 @@ def _on_device(x: torch.Tensor):
 
 
 def _decode_cuda(buf, rec, dev, to_side, offs, lens, sym_bytes, side_bytes, tab, lv, shp, dt, dst) -> None:
-    """GPU half of :func:`decode_chunk`: one H2D copy of the record, batched CUDA rANS decode and the
-    reference dequantizer's torch ops on ``dev`` (current stream; synchronized by the status read)."""
+    """GPU half of :func:`decode_chunk`: one H2D copy of the record, batched CUDA rANS decode and
+    dequantize on ``dev`` (current stream; synchronized by the status read)."""
     from . import rans
 
     with torch.cuda.device(dev):
@@ -432,7 +471,7 @@ def _finish(st: np.ndarray, got: np.ndarray, lens: np.ndarray, sym: torch.Tensor
         i = int(short[0])
         raise CodecRecordError(f"codec record: section {i} decoded to {int(got[i])} symbols, expected {int(lens[i])}")
     try:
-        kv = quant.dequantize(sym, side, lv, shp, dt)
+        kv = _dequantize(sym, side, lv, shp, dt)
     except CodecInputError as e:
         raise CodecRecordError(f"codec record: {e}") from None
     dst.view(dt).view(shp).copy_(kv)
