@@ -880,7 +880,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-tmpfs", action="store_true", help="plain folder for the disk tier (no ro/full faults)")
     ap.add_argument("--redis-maxmemory-mib", type=int, default=1536)
     ap.add_argument("--remote-timeout", type=float, default=0.5, help="lmtier remote_timeout_s")
-    ap.add_argument("--kv-space-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB: vLLM parses an int)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--request-timeout", type=float, default=180.0, help="a request slower than this is a hang")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
