@@ -71,9 +71,6 @@ class CudaTransferEngine:
         self.kernel_stream = torch.cuda.Stream(dev)
         self.copy_stream = torch.cuda.Stream(dev)
         self._copier = None
-        self._slot_cap = 0
-        self._slot_host = self._slot_dev = None
-        self._slots_copied = torch.cuda.Event()
         if mode == "staged":
             layer_t = layout.layer_ptr_tensor(dev)
             with torch.cuda.device(dev):
@@ -94,32 +91,8 @@ class CudaTransferEngine:
             if not h.is_pinned():
                 raise ValueError(f"host buffer {i} is not pinned memory")
         ops._check_slots(self.layout, slot_mapping)  # on the host when the mapping is (no device sync)
-        if slot_mapping.device.type == "cuda":
-            slots = slot_mapping.contiguous()
-            slots.record_stream(self.kernel_stream)
-            return slots
-        return self._upload_slots(slot_mapping)
-
-    def _upload_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Copy a host slot mapping to the device through a persistent pinned buffer, on the kernel stream.
-
-        The kernel stream orders the copy after the previous transfer's kernels (which read the
-        device buffer); ``_slots_copied`` guards the pinned buffer against being rewritten before
-        the previous copy has read it. No allocation once the buffers are large enough.
-        """
-        n = slot_mapping.numel()
-        if n > self._slot_cap:
-            self._slots_copied.synchronize()
-            self.kernel_stream.synchronize()
-            self._slot_cap = max(n, 2 * self._slot_cap)
-            self._slot_host = torch.empty(self._slot_cap, dtype=torch.int64).pin_memory()
-            self._slot_dev = torch.empty(self._slot_cap, dtype=torch.int64, device=self.layout.device)
-        self._slots_copied.synchronize()
-        self._slot_host[:n].copy_(slot_mapping.reshape(-1))
-        with torch.cuda.stream(self.kernel_stream):
-            self._slot_dev[:n].copy_(self._slot_host[:n], non_blocking=True)
-        self._slots_copied.record(self.kernel_stream)
-        return self._slot_dev[:n].view(slot_mapping.shape)
+        slots = slot_mapping.to(self.layout.device, non_blocking=True).contiguous()
+        return slots
 
     def _transfer(self, store: bool, slot_mapping, host, wait_stream) -> torch.cuda.Event:
         host = list(host)
@@ -128,6 +101,8 @@ class CudaTransferEngine:
         ready.record(wait_stream or torch.cuda.current_stream(self.layout.device))
         self.kernel_stream.wait_event(ready)
         self.copy_stream.wait_event(ready)
+        # The upload of `slots` ran on the current stream: order it before the kernels too.
+        self.kernel_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
         done = torch.cuda.Event()
         if self.mode == "zerocopy":
             fn = ops.gather if store else ops.scatter
@@ -141,6 +116,7 @@ class CudaTransferEngine:
             else:
                 self._copier.load(slots.data_ptr(), ptrs)
                 done.record(self.kernel_stream)
+        slots.record_stream(self.kernel_stream)
         return done
 
     def store(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
