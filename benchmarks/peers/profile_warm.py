@@ -28,6 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_connectors as B  # noqa: E402
 
+GAP = 1.5  # quiet seconds before a measured request (vLLM's shm queue spins 1 s after each message)
+
 
 def children(pid: int) -> dict[str, int]:
     """name (comm) -> pid of the server's EngineCore and Worker processes."""
@@ -111,14 +113,17 @@ def main() -> int:
         res: dict[tuple[str, int], list] = collections.defaultdict(list)
         for rep in range(a.reps):
             for s in (pcp, lm) if rep % 2 == 0 else (lm, pcp):
+                time.sleep(GAP)
                 r = s.complete(prompts.tagged(f"short{rep}{s.name}", 64))
                 res[(s.name + " 64-token prompt", 64)].append((r["ttft_ms"], r["load1"], r["other_load"]))
             for n in sizes:
                 pre = prompts.tagged(f"p{rep}-{n}", n)
                 for s in (pcp, lm) if rep % 2 == 0 else (lm, pcp):
+                    time.sleep(GAP)
                     s.complete(pre + prompts.tagged(f"a{rep}{n}", 64))
                 for s in (pcp, lm) if rep % 2 == 0 else (lm, pcp):
                     m0 = s.metrics()
+                    time.sleep(GAP)
                     r = s.complete(pre + prompts.tagged(f"b{rep}{n}", 64))
                     time.sleep(0.3)
                     m1 = s.metrics()
@@ -151,6 +156,7 @@ def main() -> int:
             t_w0 = time.monotonic()
             warm = []
             for i, pre in enumerate(pres):
+                time.sleep(0.3)  # same server throughout: no other server spins
                 warm.append(lm.complete(pre + prompts.tagged(f"sb{i}", 64))["ttft_ms"])
             print(f"warm under py-spy: median {statistics.median(warm):.1f} ms ({time.monotonic() - t_w0:.1f}s)")
             for name, (p, out) in spies.items():
