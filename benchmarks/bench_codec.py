@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from lmtier.bench.common import print_table, system_header, write_json
+from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
 from lmtier.codec import native as N
 from lmtier.codec import quant as Q
 from lmtier.codec import rans
@@ -69,29 +69,11 @@ def calibrate(level, nl: int, t: int) -> np.ndarray:
 
 
 def median_event_ms(fn, stream, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    stream.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        fn()
-        b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_time_ms(fn, stream, warmup=warmup, iters=iters)
 
 
 def median_wall_ms(fn, iters: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return wall_time_ms(fn, warmup=warmup, iters=iters)
 
 
 def memcpy_ceiling_gbps(nbytes: int, iters: int) -> float:

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from lmtier.bench.common import print_table, system_header, write_json
+from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
 from lmtier.codec import rans
 
 SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
@@ -68,29 +68,11 @@ def build_case(kind: str, chunks: int, tokens: int, rng: np.random.Generator):
 
 
 def median_event_ms(fn, stream, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    stream.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        fn()
-        b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_time_ms(fn, stream, warmup=warmup, iters=iters)
 
 
 def median_wall_ms(fn, iters: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return wall_time_ms(fn, warmup=warmup, iters=iters)
 
 
 def run_cuda(kind, streams, ids, tables, seg_log2, iters):

@@ -84,6 +84,22 @@ def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, 
     return statistics.median(times)
 
 
+def event_time_ms(fn: Callable[[], object], stream, *, warmup: int = 2, iters: int = 10) -> float:
+    """Median milliseconds of ``fn`` between two CUDA events recorded on ``stream`` (device time only)."""
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def wall_time_ms(fn: Callable[[], object], *, warmup: int = 2, iters: int = 10) -> float:
     for _ in range(warmup):
         fn()
