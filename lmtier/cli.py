@@ -1,4 +1,4 @@
-"""``lmtier`` command line: ``lmtier bench <transfer|disk|remote|ttft|all> [options]``."""
+"""``lmtier`` command line: ``lmtier bench <transfer|disk|remote|codec|rans|ttft|all> [options]``."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ def _script(name: str, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "bench" or argv[1] in ("-h", "--help"):
-        print("usage: lmtier bench {transfer,disk,remote,ttft,all} [options]\n"
+        print("usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [options]\n"
               "  transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)\n"
               "  disk      disk tier vs O_DIRECT dd on the same directory\n"
               "  remote    Redis tier vs redis-benchmark on the same server\n"
+              "  codec     quantize+encode / decode+dequantize throughput and ratio per level\n"
+              "  rans      the entropy coder alone\n"
               "  ttft      time to first token: recompute vs loading the KV from each tier\n"
               "  all       everything this machine supports", file=sys.stderr)
         return 0 if len(argv) >= 2 else 2
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from lmtier.bench.ttft import main as ttft_main
 
         return ttft_main(rest)
-    if sub in ("disk", "remote"):
+    if sub in ("disk", "remote", "codec", "rans"):
         return _script(sub, rest)
     if sub == "all":
         rc = 0
