@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "lmtier/common.h"
+#include "lmtier/parallel.h"
 #include "lmtier/kvquant.h"
 
 namespace lmtier {
@@ -73,31 +74,6 @@ inline uint16_t f32_to_fp16(float f) {
   const uint32_t half = 1u << (shift - 1);
   if (rem > half || (rem == half && (q & 1u))) ++q;
   return sign | static_cast<uint16_t>(q);
-}
-
-template <typename Fn>
-void parallel_for(uint64_t n, int threads, Fn&& fn) {
-  if (n == 0) return;
-  if (threads <= 1 || n == 1) {
-    for (uint64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<uint64_t> next{0};
-  auto worker = [&]() {
-    for (uint64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
-
-int pick_threads(int32_t num_threads, uint64_t work) {
-  int t = num_threads > 0 ? num_threads
-                          : static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
-  if (static_cast<uint64_t>(t) > work) t = static_cast<int>(std::max<uint64_t>(work, 1));
-  return t;
 }
 
 // Unnormalized FWHT in the reference's stage order (one fp32 add / subtract per output).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lmtier/common.h"
+#include "lmtier/parallel.h"
 #include "lmtier/rans.h"
 
 namespace lmtier {
@@ -15,31 +16,6 @@ namespace rans {
 namespace {
 
 constexpr uint32_t kMissing = 0xFFFFFFFFu;
-
-int pick_threads(int32_t num_threads, uint64_t work_items) {
-  int t = num_threads > 0 ? num_threads : static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
-  if (static_cast<uint64_t>(t) > work_items) t = static_cast<int>(std::max<uint64_t>(1, work_items));
-  return t;
-}
-
-// Runs fn(i) for i in [0, n) on `threads` threads (work-stealing by an atomic counter).
-template <typename Fn>
-void parallel_for(uint64_t n, int threads, Fn&& fn) {
-  if (n == 0) return;
-  if (threads <= 1 || n == 1) {
-    for (uint64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<uint64_t> next{0};
-  auto worker = [&]() {
-    for (uint64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
 
 // enc[s] = freq | cdf << 16 (freq 0: absent).
 void build_enc_table(const uint16_t* freq, uint32_t* enc) {
