@@ -334,6 +334,23 @@ def _device_bytes(arr: np.ndarray, device: Any):
     return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).to(device)
 
 
+def _tables_addr(tables: Any, on_cuda: bool, device: Any, keep: list) -> tuple[int, int]:
+    """Address and count of the 512-byte tables for a native call; copies they need go into ``keep``.
+
+    CUDA calls take a device array (uploaded here when ``tables`` is on the host); CPU calls a host array.
+    """
+    if on_cuda and _is_cuda(tables):
+        return tables.data_ptr(), tables.numel() * tables.element_size() // 512
+    t = _tables_np(tables)
+    num_tables = t.shape[0]
+    if on_cuda:
+        tdev = _device_bytes(t, device) if num_tables else None
+        keep.append(tdev)
+        return (tdev.data_ptr() if tdev is not None else 0), num_tables
+    keep.append(t)
+    return t.ctypes.data, num_tables
+
+
 def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any, offsets: Any, status: Any,
                 scratch: Any, seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None) -> None:
     """Encode a batch into caller-provided buffers, one native call (CUDA: asynchronous on ``stream``).
@@ -362,18 +379,7 @@ def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any
         desc[i]["src"], desc[i]["num_symbols"] = _addr_len(s)
     desc["table_id"] = ids.astype(np.uint32) & 0xFFFFFFFF
     keep: list[Any] = [desc]
-    if on_cuda and _is_cuda(tables):
-        t_addr, num_tables = tables.data_ptr(), tables.numel() * tables.element_size() // 512
-    else:
-        t = _tables_np(tables)
-        num_tables = t.shape[0]
-        if on_cuda:
-            tdev = _device_bytes(t, streams[0].device) if num_tables else None
-            keep.append(tdev)
-            t_addr = tdev.data_ptr() if tdev is not None else 0
-        else:
-            keep.append(t)
-            t_addr = t.ctypes.data
+    t_addr, num_tables = _tables_addr(tables, on_cuda, streams[0].device if on_cuda else None, keep)
     out_addr, out_bytes = _addr_len(out)
     sc_addr, sc_bytes = _addr_len(scratch)
     off_addr, off_bytes = _addr_len(offsets)
@@ -452,18 +458,7 @@ def decode_into(sources: Sequence[Any], tables: Any, *, outs: Sequence[Any], out
         desc[i]["src"], desc[i]["src_bytes"] = _addr_len(s)
         desc[i]["dst"], desc[i]["dst_capacity"] = _addr_len(o)
     keep: list[Any] = [desc]
-    if on_cuda and _is_cuda(tables):
-        t_addr, num_tables = tables.data_ptr(), tables.numel() * tables.element_size() // 512
-    else:
-        t = _tables_np(tables)
-        num_tables = t.shape[0]
-        if on_cuda:
-            tdev = _device_bytes(t, sources[0].device) if num_tables else None
-            keep.append(tdev)
-            t_addr = tdev.data_ptr() if tdev is not None else 0
-        else:
-            keep.append(t)
-            t_addr = t.ctypes.data
+    t_addr, num_tables = _tables_addr(tables, on_cuda, sources[0].device if on_cuda else None, keep)
     len_addr, len_bytes = _addr_len(out_lengths)
     st_addr, st_bytes = _addr_len(status)
     if len_bytes < 8 * n or st_bytes < 4 * n:
