@@ -9,7 +9,7 @@ unchanged::
     local_disk: "file:///mnt/nvme/lmtier" # tier 2; several comma-separated paths spread I/O
     max_local_disk_size: 100              # GiB; must be > 0 when local_disk is set
     local_disk_path_sharding: by_gpu      # or null: pick one path per GPU id instead of spreading
-    remote_url: "redis://host:6379/0"     # tier 3: redis://, rediss:// (TLS), unix://, redis-cluster://h:p,h:p
+    remote_url: "redis://host:6379/0"     # tier 3: redis://, rediss:// (TLS), unix://, redis(s)-cluster://h:p,h:p
     remote_serde: naive                   # "naive" (raw canonical bytes) or "cachegen" (needs lmtier.codec)
 
 lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
@@ -135,7 +135,7 @@ NON_CONFIG_ENV_VARS = frozenset(
 configuration keys. Any other ``LMTIER_*`` variable is a :class:`ConfigError` (a mistyped override
 must not be ignored), so a component that introduces a new ``LMTIER_*`` variable registers it here."""
 
-_REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster")
+_REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 _SERDES = ("naive", "cachegen")
 CODEC_LEVELS = ("lossless", "high", "default", "low")
 """``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
@@ -212,7 +212,8 @@ class RemoteConfig:
 
     Attributes:
         url: ``remote_url`` as given (``None``: remote tier off). Never log it: use ``redacted_url``.
-        scheme: ``"redis"``, ``"rediss"`` (TLS), ``"unix"`` or ``"redis-cluster"``.
+        scheme: ``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"`` or
+            ``"rediss-cluster"`` (TLS).
         hosts: ``((host, port), ...)`` for TCP schemes (one for redis/rediss); empty for unix.
         socket_path: the socket path for ``unix://``.
         db: database number (0 for clusters).
@@ -415,6 +416,36 @@ def _parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
     return tuple(paths)
 
 
+_GIB = 1 << 30
+
+
+def _physical_memory_bytes() -> int:
+    """Total physical memory in bytes, or 0 when the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _existing_ancestor(path: str) -> str:
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return probe
+
+
+def _filesystem_bytes(path: str) -> int:
+    """Size in bytes of the file system that holds ``path`` (or its nearest existing parent), 0 if unknown."""
+    try:
+        st = os.statvfs(_existing_ancestor(path))
+    except OSError:
+        return 0
+    return st.f_frsize * st.f_blocks
+
+
 def _check_writable_dir(key: str, value: str, path: str) -> None:
     probe = path
     while not os.path.exists(probe):
@@ -504,17 +535,17 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         if not authority:
             raise _err(key, shown, "missing host")
         items = authority.split(",")
-        if scheme != "redis-cluster" and len(items) > 1:
+        if not scheme.endswith("-cluster") and len(items) > 1:
             raise _err(key, shown, "several hosts need redis-cluster://")
         hosts = tuple(_parse_host_port(key, url, it.strip()) for it in items)
         db_text = path.strip("/")
         if db_text:
-            if scheme == "redis-cluster":
+            if scheme.endswith("-cluster"):
                 raise _err(key, shown, "Redis Cluster has no database number")
             if not db_text.isdigit():
                 raise _err(key, shown, f"database {db_text!r} is not a non-negative integer")
             db = int(db_text)
-    if scheme == "rediss":  # TLS options, passed on to lmtier.tiers.remote.parse_url
+    if scheme in ("rediss", "rediss-cluster"):  # TLS options, passed on to lmtier.tiers.remote.parse_url
         for f in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             if f in params and not os.path.isfile(unquote(params.pop(f))):
                 raise _err(key, shown, f"{f} is not a file")
@@ -576,8 +607,17 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         raise _err("chunk_size", chunk_size, "must be > 0")
 
     for k in ("max_local_cpu_size", "max_local_disk_size"):
+        if not math.isfinite(values[k]):
+            raise _err(k, values[k], "must be a finite number of GiB")
         if values[k] < 0:
             raise _err(k, values[k], "must be >= 0")
+    ram = _physical_memory_bytes()
+    if values["local_cpu"] and ram and values["max_local_cpu_size"] * _GIB > ram:
+        raise _err(
+            "max_local_cpu_size",
+            values["max_local_cpu_size"],
+            f"exceeds this machine's physical memory ({ram / _GIB:.1f} GiB)",
+        )
     if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
         raise _err("max_local_cpu_size", values["max_local_cpu_size"], "must be > 0 when local_cpu is true")
     cpu = CPUConfig(enabled=values["local_cpu"], max_size_gb=values["max_local_cpu_size"])
@@ -595,6 +635,13 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         paths = _parse_disk_paths("local_disk", local_disk)
         if values["max_local_disk_size"] <= 0:
             raise _err("max_local_disk_size", values["max_local_disk_size"], "must be > 0 when local_disk is set")
+        capacity = sum(_filesystem_bytes(p) for p in paths)
+        if capacity and values["max_local_disk_size"] * _GIB > capacity:
+            raise _err(
+                "max_local_disk_size",
+                values["max_local_disk_size"],
+                f"exceeds the total size of the file systems holding local_disk ({capacity / _GIB:.1f} GiB)",
+            )
     else:
         paths = ()
         if values["max_local_disk_size"] > 0:

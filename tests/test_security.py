@@ -74,11 +74,35 @@ def test_tls_query_parameters_accepted(tmp_path):
     assert cfg.remote.scheme == "rediss" and cfg.remote.db == 2 and cfg.remote.hosts == (("127.0.0.1", 6380),)
 
 
-@pytest.mark.xfail(strict=True, reason="finding: sizes are only checked for sign/finiteness; 1e300 GiB fails "
-                   "later, at pool allocation, instead of as a ConfigError")
 def test_absurd_cpu_size_is_config_error():
-    with pytest.raises(ConfigError, match="max_local_cpu_size"):
+    with pytest.raises(ConfigError, match="max_local_cpu_size.*physical memory"):
         LMTierConfig.from_dict({"max_local_cpu_size": 1e300})
+    with pytest.raises(ConfigError, match="max_local_cpu_size.*finite"):
+        LMTierConfig.from_dict({"max_local_cpu_size": float("inf")})
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert LMTierConfig.from_dict({"max_local_cpu_size": ram_gib * 0.5}).cpu.max_size_gb == ram_gib * 0.5
+
+
+def test_disk_size_beyond_filesystem_is_config_error(tmp_path):
+    st = os.statvfs(tmp_path)
+    fs_gib = st.f_frsize * st.f_blocks / 2**30
+    with pytest.raises(ConfigError, match="max_local_disk_size.*file systems"):
+        LMTierConfig.from_dict({"local_disk": str(tmp_path / "kv"), "max_local_disk_size": fs_gib * 2})
+    with pytest.raises(ConfigError, match="max_local_disk_size.*finite"):
+        LMTierConfig.from_dict({"local_disk": str(tmp_path / "kv"), "max_local_disk_size": float("nan")})
+    cfg = LMTierConfig.from_dict({"local_disk": str(tmp_path / "kv"), "max_local_disk_size": fs_gib / 2})
+    assert cfg.disk.max_size_gb == fs_gib / 2
+
+
+def test_rediss_cluster_url_accepted(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    cfg = LMTierConfig.from_dict({"remote_url": f"rediss-cluster://a:7000,b:7001?ssl_ca_certs={ca}"})
+    assert cfg.remote.scheme == "rediss-cluster" and cfg.remote.hosts == (("a", 7000), ("b", 7001))
+    with pytest.raises(ConfigError, match="ssl_ca_certs"):
+        LMTierConfig.from_dict({"remote_url": "rediss-cluster://a:7000?ssl_ca_certs=/nonexistent"})
+    with pytest.raises(ConfigError, match="several hosts"):
+        LMTierConfig.from_dict({"remote_url": "rediss://a:7000,b:7001"})
 
 
 def test_env_override_garbage_names_variable():
