@@ -2,8 +2,11 @@
 # The one GPU script: build for sm_90, run the `gpu` tests, run the GPU benchmarks, print a short
 # table last. Run on the lent H200 through the device tool from the repo root:
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
-# LMTIER_GPU_STEPS selects steps (default: "tests transfer ttft rans codec"); LMTIER_GPU_BENCH=quick
-# shrinks the transfer benchmark.
+# LMTIER_GPU_STEPS selects steps (default: "tests transfer ttft rans codec"; also "ttftsweep": the
+# disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight); LMTIER_GPU_BENCH=quick
+# shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
+# redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
+# ttft bench measures the Redis tiers on loopback too.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -17,7 +20,11 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-if false; then :
+if [ -x .whl/redis/redis-server ]; then
+  export PATH=$PWD/.whl/redis:$PATH
+  echo "redis: bundled $(redis-server --version | cut -d' ' -f1-3)"
+elif ! command -v redis-server >/dev/null; then
+  echo "redis: none (run scripts/bundle_redis.sh on the dev box and carry .whl): Redis tiers skipped"
 fi
 rm -f lmtier/_C*.so
 t0=$(date +%s)
@@ -41,6 +48,14 @@ if has ttft; then
   timeout 400 $PY -m lmtier.bench.ttft --device cuda --compare-layouts --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/bench_ttft.log" 2>&1
   echo "bench ttft rc=$?"
 fi
+if has ttftsweep; then
+  for inf in 2 4 8; do
+    timeout 200 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --inflight $inf \
+      --ring $((inf + 2)) --disk-threads $((inf > 4 ? inf : 4)) --quiet --json "$OUT/ttft_inflight$inf.json" \
+      > "$OUT/bench_ttft_inflight$inf.log" 2>&1
+    echo "bench ttft --inflight $inf rc=$?"
+  done
+fi
 if has rans && [ -f benchmarks/bench_rans.py ]; then
   timeout 200 $PY benchmarks/bench_rans.py --json "$OUT/rans.json" > "$OUT/bench_rans.log" 2>&1
   echo "bench rans rc=$?"
@@ -53,4 +68,8 @@ echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
 for f in bench_transfer bench_ttft bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
+done
+# the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings
+for f in "$OUT"/ttft.json "$OUT"/ttft_inflight*.json; do
+  [ -f "$f" ] && $PY scripts/ttft_table.py "$f"
 done

@@ -27,9 +27,12 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
         assert k in res, k
     assert res["checks_ok"] is True
     assert [r["N"] for r in res["rows"]] == [100, 200]
-    assert set(res["break_even"]) == {"cpu", "disk", "disk+codec", "disk+lossless", "redis"}
+    assert set(res["break_even"]) == {"cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec"}
     assert res["codec_levels"] == {"disk+codec": "default", "disk+lossless": "lossless"}
     assert res["ceilings"]["disk_dd_GBs"].get("read", 0) > 0
+    # the parallel O_DIRECT read ceiling (--inflight reads in flight) is measured in the same run
+    assert res["ceilings"]["disk_dd_GBs"].get("read_par", 0) > 0
+    assert res["ceilings"]["disk_dd_GBs"]["read_par_inflight"] == 4
     for r in res["rows"]:
         for k in ("recompute_ms", "cpu_ms", "cpu_pct", "load_ms", "fwd_ms", "disk_ms", "disk_pct", "disk_dd_GBs",
                   "disk_limit_pct"):
@@ -47,6 +50,8 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
             assert r[f"{tag}_mem_ms"] > 0  # same decode with the records in pinned memory (no reads)
             assert r[f"check_{tag}"]["ok"] is True and r[f"check_{tag}"]["kv_exact"] is True, r[f"check_{tag}"]
         assert r["check_disk+codec"]["lossy"] is True
+        # the read-only limit of the compressed tier: record bytes / best same-run read ceiling
+        assert 0 < r["disk+codec_limit_pct"] < r["disk_limit_pct"] * 1.5 / 2.0
         assert 0 < r["check_disk+codec"]["kv_rel_err"] < 0.2
         # a wrong-index load is visible in the logits and in the KV comparison
         ctl = r["check_control_wrong_kv"]
@@ -129,3 +134,80 @@ def test_cli_dispatch(tmp_path, capsys):
     assert rc == 0
     assert json.loads(out.read_text())["rows"][0]["N"] == 70
     assert "break-even cpu" in capsys.readouterr().out
+
+
+def _redis_rows_ok(res):
+    assert res["checks_ok"] is True
+    (r,) = res["rows"]
+    for tag in ("redis", "redis+codec"):
+        assert r[f"{tag}_ms"] > 0 and r[f"{tag}_pct"] > 0, tag
+        assert r[f"check_{tag}"]["kv_exact"] is True, (tag, r[f"check_{tag}"])
+    assert 2.0 < r["redis+codec_ratio"] < 8.0
+    assert r["check_redis+codec"]["lossy"] is True
+    assert "redis+codec_mem_ms" not in r  # the in-memory split is measured once, on the disk tier
+
+
+def test_redis_tiers_private_server(tmp_path, monkeypatch):
+    import shutil
+
+    binary = shutil.which("redis-server") or ttft.find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    monkeypatch.setenv("LMTIER_REDIS_SERVER", binary)
+    out = tmp_path / "t.json"
+    rc = ttft.main(["--device", "cpu", "--preset", "tiny", "--chunk-tokens", "64", "--iters", "1", "--warmup", "1",
+                    "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
+                    "--codec-levels", "default", "--quiet", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    _redis_rows_ok(res)
+    assert any("private redis-server" in line for line in res["notes"])
+
+
+def test_redis_tiers_given_url(tmp_path):
+    import shutil
+
+    binary = shutil.which("redis-server") or ttft.find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    proc = ttft.RedisProc(binary, maxmemory=256 << 20)
+    try:
+        out = tmp_path / "t.json"
+        rc = ttft.main(["--device", "cpu", "--model-preset", "tiny", "--chunk-tokens", "64", "--iters", "1",
+                        "--warmup", "1", "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes",
+                        str(16 << 20), "--codec-levels", "default", "--redis-url", proc.url, "--quiet",
+                        "--json", str(out)])
+        assert rc == 0
+        res = json.loads(out.read_text())
+        _redis_rows_ok(res)
+        assert any(f"server on {proc.url}" in line for line in res["notes"])
+    finally:
+        proc.stop()
+
+
+def test_bundled_redis_server_runs(tmp_path):
+    # scripts/bundle_redis.sh packs redis-server with its loader and libraries into .whl/redis for the
+    # GPU machine; when the bundle exists here, it must start and answer through RedisTier.
+    import os
+
+    bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".whl", "redis", "redis-server")
+    if not os.access(bundled, os.X_OK):
+        pytest.skip("no bundle (run scripts/bundle_redis.sh)")
+    from lmtier.tiers.remote import RedisTier
+
+    proc = ttft.RedisProc(bundled, maxmemory=64 << 20)
+    try:
+        t = RedisTier(proc.url, timeout_s=5.0, connect_timeout_s=2.0)
+        key = bytes(range(32))
+        assert t.put(key, b"x" * 100_000)
+        buf = bytearray(100_000)
+        assert t.get_into(key, buf) == 100_000 and bytes(buf) == b"x" * 100_000
+        t.close()
+    finally:
+        proc.stop()
+
+
+def test_unknown_preset_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        ttft.main(["--device", "cpu", "--model-preset", "deepseek-v3-mla", "--lengths", "64"])
+    assert "builds a Llama-shaped transformers model" in capsys.readouterr().err

@@ -42,6 +42,150 @@ PRESETS = {
 }
 
 
+def preset(name: str) -> Geometry:
+    """The :class:`Geometry` of a preset name (case-insensitive); ``ValueError`` naming the choices."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]
+
+
+def add_common_args(p, *, default_preset: str = "llama-3.1-8b") -> None:
+    """``--model-preset`` (KV geometry), ``--plot PATH`` (PNG) and ``--quiet`` (no progress bars),
+    shared by every ``lmtier bench`` subcommand."""
+    p.add_argument("--model-preset", default=default_preset, type=str.lower, choices=sorted(PRESETS),
+                   help="KV geometry of one TP rank: " + "; ".join(
+                       f"{g.name} = {g.num_layers} layers x {1 if g.kind == 'mla' else 2} planes x "
+                       f"{g.num_kv_heads} heads x {g.head_size}" for g in PRESETS.values()))
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot of the results (matplotlib)")
+    if not any("--quiet" in a.option_strings for a in p._actions):
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def plot_series(path: str, series: dict[str, list[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str,
+                logx: bool = False, logy: bool = False, hlines: dict[str, float] | None = None,
+                xticks: list | None = None) -> str | None:
+    """Line plot of ``{label: [(x, y), ...]}`` (+ dashed horizontal ceilings) to PNG ``path``.
+
+    Returns None on success, else why nothing was written (matplotlib missing, no data)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed"
+    series = {k: v for k, v in series.items() if v}
+    if not series and not hlines:
+        return "nothing to plot"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in series.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    for label, y in (hlines or {}).items():
+        if y:
+            ax.axhline(y, linestyle="--", linewidth=1, color="gray")
+            ax.annotate(label, xy=(0.01, y), xycoords=("axes fraction", "data"), fontsize=7, va="bottom")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    if xticks:
+        ax.set_xticks(xticks)
+        ax.set_xticklabels([str(x) for x in xticks], rotation=45)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return None
+
+
+def plot_bars(path: str, groups: list[str], bars: dict[str, list[float | None]], *, title: str, ylabel: str,
+              hlines: dict[str, float] | None = None) -> str | None:
+    """Grouped bar chart: ``groups`` on x, one bar per ``bars`` label (None = missing) to PNG ``path``.
+    Returns None on success, else why nothing was written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed"
+    if not groups or not bars:
+        return "nothing to plot"
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) + 3), 4.5))
+    w = 0.8 / len(bars)
+    for i, (label, ys) in enumerate(bars.items()):
+        xs = [g + (i - (len(bars) - 1) / 2) * w for g in range(len(groups))]
+        ax.bar(xs, [y if y is not None else 0 for y in ys], width=w, label=label)
+    for label, y in (hlines or {}).items():
+        if y:
+            ax.axhline(y, linestyle="--", linewidth=1, color="gray")
+            ax.annotate(label, xy=(0.01, y), xycoords=("axes fraction", "data"), fontsize=7, va="bottom")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=20, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return None
+
+
+def report_plot(path: str | None, why: str | None) -> None:
+    """Print where the plot went (or why not)."""
+    if path:
+        print(f"plot: skipped — {why}" if why else f"wrote {path}")
+
+
+def odirect_read_gbps(path: str, *, piece_bytes: int = 8 << 20, inflight: int = 4, limit_bytes: int | None = None) -> float:
+    """GB/s of reading file ``path`` with O_DIRECT in ``piece_bytes`` pieces, ``inflight`` preads at
+    once (threads; ``os.preadv`` releases the GIL) into page-aligned buffers: the raw device's
+    parallel read ceiling (``dd`` is one read in flight). Falls back to buffered reads where
+    O_DIRECT is refused (tmpfs). Raises ``OSError`` if the file cannot be read."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    if piece_bytes <= 0 or piece_bytes % 4096 or inflight < 1:
+        raise ValueError("piece_bytes must be a positive multiple of 4096 and inflight >= 1")
+    size = os.path.getsize(path)
+    if limit_bytes is not None:
+        size = min(size, limit_bytes)
+    size -= size % 4096
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    bufs = [mmap.mmap(-1, piece_bytes) for _ in range(inflight)]  # page aligned
+    offs = list(range(0, size, piece_bytes))
+    try:
+        def worker(j):  # worker j reads pieces j, j + inflight, ... into its own buffer
+            got_total = 0
+            for off in offs[j::inflight]:
+                mv = memoryview(bufs[j])[: min(piece_bytes, size - off)]
+                got = os.preadv(fd, [mv], off)
+                if got <= 0:
+                    raise OSError(f"short read at offset {off}")
+                got_total += got
+            return got_total
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=inflight) as pool:
+            total = sum(pool.map(worker, range(inflight)))
+        return total / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+
+
 def progress(iterable, **kwargs):
     """tqdm progress bar when tqdm is installed (it is a dependency; the GPU box may lack it)."""
     try:

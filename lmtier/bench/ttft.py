@@ -72,6 +72,18 @@ MODEL_PRESETS = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
                          rope_theta=500000.0, rms_norm_eps=1e-5),
+    # one tensor-parallel rank of Llama-3.1-70B at TP8: 8 query heads, 1 KV head, a 1/8 MLP and
+    # vocab shard, full hidden size (the all-reduces are not modelled): per-GPU compute and KV
+    "llama-3.1-70b-tp8": dict(hidden_size=8192, intermediate_size=3584, num_hidden_layers=80, num_attention_heads=8,
+                              num_key_value_heads=1, head_dim=128, vocab_size=16032, max_position_embeddings=131072,
+                              rope_theta=500000.0, rms_norm_eps=1e-5),
+    # Qwen2.5-7B's shape as a Llama (no q/k/v biases: < 0.1 % of the FLOPs)
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, head_dim=128, vocab_size=152064, max_position_embeddings=32768,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=65536,
                  rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -91,7 +103,7 @@ MODEL_PRESETS = {
 RTOL = 0.10
 MIN_COS = 0.995
 
-TIERS = ("cpu", "disk", "disk+codec", "disk+lossless", "redis")
+TIERS = ("cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec")
 
 
 def codec_tag(level: str) -> str:
@@ -413,8 +425,11 @@ def default_disk_dir() -> str:
     return tempfile.mkdtemp(prefix="lmtier-ttft-", dir=os.getcwd())
 
 
-def dd_read_gbps(directory: str, nbytes: int) -> dict:
-    """dd O_DIRECT (16 MiB blocks) write then read of ``nbytes`` in ``directory``: GB/s each."""
+def dd_read_gbps(directory: str, nbytes: int, inflight: int = 4, piece_bytes: int = 8 << 20) -> dict:
+    """dd O_DIRECT (16 MiB blocks) write then read of ``nbytes`` in ``directory``: GB/s each; plus
+    ``read_par``: the same file read with O_DIRECT, ``inflight`` reads of ``piece_bytes`` in flight
+    (:func:`lmtier.bench.common.odirect_read_gbps`) — the device's parallel read ceiling, which
+    the tier's pipelined reads (several records in flight) can approach and dd (one read) cannot."""
     mib16 = 16 << 20
     count = max(1, nbytes // mib16)
     path = os.path.join(directory, "dd-ceiling.bin")
@@ -427,6 +442,11 @@ def dd_read_gbps(directory: str, nbytes: int) -> dict:
             t0 = time.perf_counter()
             subprocess.run(cmd, check=True, capture_output=True)
             res[name] = count * mib16 / (time.perf_counter() - t0) / 1e9
+        from lmtier.bench.common import odirect_read_gbps
+
+        res["read_par"] = odirect_read_gbps(path, piece_bytes=piece_bytes, inflight=inflight)
+        res["read_par_inflight"] = inflight
+        res["read_par_piece_MiB"] = piece_bytes / (1 << 20)
     except (OSError, subprocess.CalledProcessError) as e:
         res["error"] = str(e)
     finally:
@@ -477,6 +497,20 @@ class RedisProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def find_redis_server() -> str | None:
+    """The redis-server to start: ``$LMTIER_REDIS_SERVER``, else ``redis-server`` on PATH, else the
+    bundle of scripts/bundle_redis.sh in the checkout (``.whl/redis/redis-server``); None if none."""
+    env = os.environ.get("LMTIER_REDIS_SERVER")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           ".whl", "redis", "redis-server")
+    return bundled if os.access(bundled, os.X_OK) else None
 
 
 # ----------------------------------------------------------------------------------- codec
@@ -682,6 +716,7 @@ class Bench:
         self.fwd_mode = "eager"
         self.disk_odirect = True
         self.codecs: dict[str, CodecTier] = {}
+        self.disk_par_bw: float | None = None  # parallel O_DIRECT read ceiling (same run)
 
     # ---- copy plans ------------------------------------------------------------------------
 
@@ -1098,6 +1133,8 @@ class Bench:
 
         # (3) disk tier, (4) disk + codec (per level), (5) redis
         tiers = [(disk, "disk", None), (redis, "redis", None)]
+        if redis is not None and "disk+codec" in self.codecs:
+            tiers.append((redis, "redis+codec", self.codecs["disk+codec"]))
         if disk is not None:  # last: their in-memory runs overwrite the host chunks
             tiers += [(disk, tag, codec) for tag, codec in self.codecs.items()]
 
@@ -1157,7 +1194,7 @@ class Bench:
                         row[f"check_{tag}"] = c_ok
                     # the correctness load above warmed this path up: one warm-up fewer
                     row[f"{tag}_ms"], row[f"{tag}_all_ms"], _ = timed(dev, load, it, max(0, wu - 2), before=before)
-                    if codec is not None:
+                    if codec is not None and tier is disk:
                         self._codec_in_memory(n, kv, tag, codec, host, row, ref_kv, spans, tok, pos, rec_ms)
                 row[f"{tag}_pct"] = 100 * row[f"{tag}_ms"] / rec_ms
                 row[f"{tag}_GBs"] = n * self.bpt / row[f"{tag}_ms"] / 1e6  # effective (bf16 KV delivered)
@@ -1183,6 +1220,14 @@ class Bench:
         if disk is not None and disk_bw:
             row["disk_dd_GBs"] = disk_bw
             row["disk_limit_pct"] = 100 * (n * self.bpt / disk_bw / 1e6) / rec_ms
+            par = self.disk_par_bw
+            if par:
+                row["disk_par_GBs"] = par
+            best = max(disk_bw, par or 0)
+            for tag in self.codecs:
+                if row.get(f"{tag}_MB"):
+                    # the read alone at the best same-run device ceiling (dd or parallel O_DIRECT)
+                    row[f"{tag}_limit_pct"] = 100 * (row[f"{tag}_MB"] / best / 1e3) / rec_ms
         del kv, per_layer, ref_kv
         return row
 
@@ -1208,7 +1253,8 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     for key, label, style in (("recompute_ms", "recompute (prefill)", "o-"), ("cpu_ms", "CPU tier (pinned)", "s-"),
                               ("cpu_limit_ms", "CPU tier physical limit (H2D)", ":"),
                               ("disk_ms", "disk tier (O_DIRECT)", "^-"), ("disk+codec_ms", "disk + codec", "v-"),
-                              ("redis_ms", "Redis (loopback)", "d-")):
+                              ("disk+lossless_ms", "disk + lossless codec", "<-"),
+                              ("redis_ms", "Redis (loopback)", "d-"), ("redis+codec_ms", "Redis + codec", "D-")):
         pts = [(r["N"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
@@ -1283,12 +1329,14 @@ def run(args) -> dict:
         disk = DiskTier([root], capacity_bytes=host_bytes * 2 + (64 << 20), io_threads=args.disk_threads)
         odirect = any(disk._direct.values())
         b.disk_odirect = odirect
-        dd = dd_read_gbps(disk_dir, max(16 << 20, min(args.dd_bytes, host_bytes)))
+        dd = dd_read_gbps(disk_dir, max(16 << 20, min(args.dd_bytes, host_bytes)), inflight=args.inflight)
         disk_bw = dd.get("read")
+        b.disk_par_bw = dd.get("read_par")
         why = drop_caches()
         say(f"disk tier: {disk_dir} ({fs_type(disk_dir)}), O_DIRECT {'on' if odirect else 'OFF (unsupported here)'}, "
             f"{args.disk_threads} I/O threads; dd O_DIRECT 16 MiB: "
             + (f"read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s" if "read" in dd else f"failed ({dd.get('error')})")
+            + (f"; O_DIRECT {args.inflight} x 8 MiB reads in flight: {dd['read_par']:.2f} GB/s" if "read_par" in dd else "")
             + ("" if why is None else f"; page cache can NOT be dropped ({why})")
             + ("; O_DIRECT reads bypass the page cache (dropped once per tier and N)" if odirect else
                "; page cache dropped before every load"))
@@ -1319,21 +1367,28 @@ def run(args) -> dict:
     # redis
     redis = None
     redis_proc = None
-    binary = shutil.which("redis-server")
+    binary = find_redis_server()
+    url = args.redis_url or os.environ.get("LMTIER_REDIS_URL")
     if args.no_redis:
         say("redis: skipped (--no-redis)")
-    elif binary is None:
-        say("redis: skipped — no redis-server binary on this machine")
+    elif url is None and binary is None:
+        say("redis: skipped — no server given (--redis-url / LMTIER_REDIS_URL) and no redis-server binary "
+            "(PATH, LMTIER_REDIS_SERVER; scripts/bundle_redis.sh packs one for machines without it)")
     else:
         try:
             from lmtier.tiers.remote import RedisTier
 
-            redis_proc = RedisProc(binary, maxmemory=host_bytes * 2 + (256 << 20))
-            redis = RedisTier(redis_proc.url, timeout_s=30.0, connect_timeout_s=5.0, max_connections=4,
+            if url is None:
+                redis_proc = RedisProc(binary, maxmemory=host_bytes * 3 + (256 << 20))
+                url = redis_proc.url
+            redis = RedisTier(url, timeout_s=30.0, connect_timeout_s=5.0, max_connections=max(4, args.inflight + 1),
                               max_value_bytes=max(512 << 20, slot_bytes))
-            say(f"redis: private redis-server on {redis_proc.url} (loopback), RedisTier")
+            if not redis.ping():
+                raise RuntimeError(f"no answer from {url}")
+            say(f"redis: {'private redis-server (' + binary + ')' if redis_proc else 'server'} on {url}, RedisTier, "
+                f"{args.inflight} reads in flight")
         except Exception as e:  # noqa: BLE001
-            say(f"redis: skipped — could not start/connect ({e})")
+            say(f"redis: skipped — could not start/connect ({type(e).__name__}: {e})")
             if redis_proc:
                 redis_proc.stop()
             redis, redis_proc = None, None
@@ -1367,6 +1422,8 @@ def run(args) -> dict:
                 shutil.rmtree(root, ignore_errors=True)
                 if not args.disk_dir:
                     shutil.rmtree(disk_dir, ignore_errors=True)
+        if redis is not None:
+            redis.close()
         if redis_proc is not None:
             redis_proc.stop()
     if drop_note:
@@ -1405,11 +1462,11 @@ def run(args) -> dict:
 def report(res: dict, args) -> None:
     rows = res["rows"]
     cols = ["N", "recompute_ms", "cpu_ms", "cpu_pct", "cpu_limit_pct", "cpu_eager_ms", "h2d_GBs", "load_ms", "fwd_ms",
-            "fwd_eager_ms", "disk_ms", "disk_pct", "disk_limit_pct", "disk_dd_GBs", "disk_GBs"]
+            "fwd_eager_ms", "disk_ms", "disk_pct", "disk_limit_pct", "disk_dd_GBs", "disk_par_GBs", "disk_GBs"]
     for t in TIERS:
         if t.startswith("disk+"):
-            cols += [f"{t}_ms", f"{t}_pct", f"{t}_ratio", f"{t}_mem_ms"]
-    cols += ["redis_ms", "redis_pct"]
+            cols += [f"{t}_ms", f"{t}_pct", f"{t}_limit_pct", f"{t}_ratio", f"{t}_mem_ms"]
+    cols += ["redis_ms", "redis_pct", "redis+codec_ms", "redis+codec_pct"]
     if any("fwd_contig_ms" in r for r in rows):
         cols += ["transpose_ms", "fwd_contig_ms"]
     cols = [c for c in cols if any(r.get(c) is not None for r in rows) or c in ("N", "recompute_ms", "cpu_ms")]
@@ -1421,7 +1478,7 @@ def report(res: dict, args) -> None:
     chk = []
     for r in rows:
         d = {"N": r["N"]}
-        for k in ("cpu", "disk", *(t for t in TIERS if t.startswith("disk+")), "redis", "control_wrong_kv"):
+        for k in ("cpu", "disk", *(t for t in TIERS if t.startswith("disk+")), "redis", "redis+codec", "control_wrong_kv"):
             c = r.get(f"check_{k}")
             if c:
                 d[f"{k}_maxdiff"] = c["max_abs_diff"]
@@ -1461,8 +1518,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="lmtier bench ttft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="llama-3.1-8b",
-                   help="random-weight model shape (ignored with --model)")
+    p.add_argument("--preset", "--model-preset", dest="preset", type=str.lower, default="llama-3.1-8b",
+                   help=f"random-weight model shape (ignored with --model): {', '.join(sorted(MODEL_PRESETS))}; "
+                        "llama-3.1-70b-tp8 = one TP rank's shard (no all-reduce); the MLA preset of the other "
+                        "subcommands has no transformers shape here (use --model)")
     p.add_argument("--model", default=None, help="path of a local transformers model (Llama-like)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated context lengths N")
@@ -1480,8 +1539,11 @@ def main(argv=None) -> int:
     p.add_argument("--keep-disk", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--no-redis", action="store_true")
-    p.add_argument("--ring", type=int, default=4, help="pinned read slots for the disk/redis pipeline")
-    p.add_argument("--inflight", type=int, default=2,
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis server (default: $LMTIER_REDIS_URL, else start a private redis-server "
+                        "on loopback when one is found: $LMTIER_REDIS_SERVER, PATH, .whl/redis)")
+    p.add_argument("--ring", type=int, default=6, help="pinned read slots for the disk/redis pipeline")
+    p.add_argument("--inflight", type=int, default=4,
                    help="tier reads in flight (at most --ring - 1) in the disk/redis pipelines")
     p.add_argument("--graphs", choices=["auto", "off", "nocapture"], default="auto",
                    help="lean forward as CUDA graphs (auto: on CUDA, eager fallback if capture fails); off: eager; "
@@ -1495,6 +1557,9 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, help="PNG path for TTFT vs N per tier")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.preset not in MODEL_PRESETS and not args.model:
+        p.error(f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
+                f"choose from {', '.join(sorted(MODEL_PRESETS))} or pass --model PATH")
     if args.ring < 2:
         p.error("--ring must be >= 2")
     if args.inflight < 1:
