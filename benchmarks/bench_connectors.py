@@ -79,6 +79,15 @@ LMTIER_KTC = {"kv_connector": "LMTierConnector", "kv_connector_module_path": "lm
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
+def lmtier_ktc(args: argparse.Namespace) -> dict:
+    """LMTierConnector's --kv-transfer-config, with --lmtier-extra merged into kv_connector_extra_config."""
+    ktc = dict(LMTIER_KTC)
+    extra = json.loads(args.lmtier_extra) if getattr(args, "lmtier_extra", None) else {}
+    if extra:
+        ktc["kv_connector_extra_config"] = extra
+    return ktc
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -480,7 +489,7 @@ class Bench:
         self.lmcache_l2 = self.work / "lmcache_l2"
         self.lmcache_l2.mkdir(exist_ok=True)
         specs = [("base", a.python, None, None),
-                 ("lmtier", a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)})]
+                 ("lmtier", a.python, lmtier_ktc(a), {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)})]
         if "example" in a.peer_set:
             specs.append(("example", a.python, self.example_ktc(), None))
         self.lmc_srv = None
@@ -574,7 +583,7 @@ class Bench:
         a = self.args
         specs = []
         if "lmtier" in self.had:
-            specs.append(("lmtier-restarted", a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)}))
+            specs.append(("lmtier-restarted", a.python, lmtier_ktc(a), {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)}))
         if "example" in self.had:
             specs.append(("example-new-engine", a.python, self.example_ktc(), None))
         if "lmcache" in self.had:
@@ -633,7 +642,7 @@ class Bench:
         if baseline:
             (srv,) = self.start([(name, a.python, None, None)])
         else:
-            (srv,) = self.start([(name, a.python, LMTIER_KTC, {"LMTIER_CONFIG_FILE": str(cfg)})])
+            (srv,) = self.start([(name, a.python, lmtier_ktc(a), {"LMTIER_CONFIG_FILE": str(cfg)})])
         rng = random.Random(1)
         shared = [self.prompts.tagged(f"shared{k}", 512) for k in range(20)]
         reqs = []
@@ -821,6 +830,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lmcache-python", default=str(REPO_ROOT / ".venv-lmcache" / "bin" / "python"))
     ap.add_argument("--reuse-prompts", type=int, default=4, help="0%%-reuse prompts per system per round")
     ap.add_argument("--reuse-n", type=int, default=1024)
+    ap.add_argument("--lmtier-extra", default="",
+                    help='JSON object for LMTierConnector\'s kv_connector_extra_config, e.g. \'{"sync_disk_load_mib": 0}\'')
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--only-rss", action="store_true")
     ap.add_argument("--rss-baseline", action="store_true", help="also run the RSS workload without a connector")

@@ -476,6 +476,43 @@ class TierManager:
         self._count("misses")
         return None
 
+    def fetch_lower(self, key: bytes, out: Any) -> int | None:
+        """Copy chunk ``key`` from the disk tier, else the remote tier, into ``out`` — no CPU pool.
+
+        For callers that manage promotion themselves: the vLLM connector reads a disk hit straight
+        into a CPU-pool slot it reserved (one copy instead of :meth:`retrieve_into`'s two) and
+        commits the slot after it scattered the chunk (then calls ``count("promotions")``).
+        Thread-safe; several calls may run at once (the disk tier reads them in parallel).
+
+        Args:
+            key: 32-byte chunk key.
+            out: writable destination of ``>=`` the chunk's bytes (as for :meth:`retrieve_into`);
+                a 4 KiB-aligned host buffer is read into directly (O_DIRECT).
+
+        Returns:
+            the chunk's length in bytes, or ``None`` on a miss (nothing usable was written). A
+            lower-tier error is a miss (logged, counted).
+
+        Raises:
+            TypeError: bad ``out``. RuntimeError: closed.
+        """
+        self._check_open()
+        dst = _as_byte_dest(out)
+        target = out if isinstance(out, torch.Tensor) else memoryview(dst)
+        for tier in (self.disk, self.remote):
+            if tier is None:
+                continue
+            n = self._safe(tier.get_into, key, target, default=None)
+            if n is not None:
+                self._count(f"hits_{tier.name}")
+                return n
+        self._count("misses")
+        return None
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to ``counters[name]`` (thread-safe)."""
+        self._count(name, n)
+
     def _retrieve_from(self, tier: Tier, key: bytes, out: Any, dst: Any) -> int | None:
         slot = self.cpu.reserve(key) if self.cpu is not None else None
         if slot is None:  # no pool, pool full, or someone else is promoting it: read directly

@@ -5,15 +5,83 @@ torch's caching host allocator). With a CUDA device it is page-locked and mapped
 (``cudaHostAlloc(cudaHostAllocPortable | cudaHostAllocMapped)``), so copy engines reach full PCIe
 speed and GPU kernels can address it directly (zero-copy). Without one it is plain 4 KiB-aligned
 memory (``posix_memalign``), which is what O_DIRECT disk I/O needs.
+
+Plain memory is mapped lazily by the kernel: the first write to each 4 KiB page takes a page fault
+(measured on the 2-core CPU box: a store into a never-touched pool slot ran at about a third of
+the speed of one into a touched slot). :func:`populate` maps a range up front
+(``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14, contents unchanged), so the CPU pool pays the
+faults once at startup instead of inside the serving path.
 """
 
 from __future__ import annotations
+
+import ctypes
+import logging
+import threading
 
 import torch
 
 from lmtier import _C
 
 PAGE_BYTES = 4096
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
+
+log = logging.getLogger("lmtier.memory")
+
+_libc = None
+
+
+def _madvise(addr: int, nbytes: int, advice: int) -> int:
+    """``madvise(2)``; returns 0 or the errno (never raises)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), advice) == 0:
+        return 0
+    return ctypes.get_errno() or -1
+
+
+POPULATE_PIECE_BYTES = 32 << 20
+
+
+def populate(tensor: torch.Tensor, *, piece_bytes: int = 0) -> bool:
+    """Map every page of a CPU tensor's memory now, without changing its contents.
+
+    Args:
+        tensor: a contiguous CPU tensor (any dtype). Only whole pages inside it are advised; a
+            partial first/last page is left to fault normally.
+        piece_bytes: advise the range in pieces of this many bytes (0: one call). A page fault in
+            the range waits while a populate call covering it runs (measured: a store into a pool
+            being populated in one 2 GiB call stalled ~1.3 s), so background callers use pieces.
+
+    Returns:
+        True when the kernel populated the range (``MADV_POPULATE_WRITE``), False when it is not
+        supported (older kernel, not Linux) — the pages then fault on first write as before.
+        Safe to call while other threads read or write the memory (no byte is written).
+
+    Raises:
+        ValueError: not a contiguous CPU tensor.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("populate: expected a contiguous CPU tensor")
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = -(-start // PAGE_BYTES) * PAGE_BYTES
+    last = end // PAGE_BYTES * PAGE_BYTES
+    if last <= first:
+        return True
+    step = last - first if piece_bytes <= 0 else max(PAGE_BYTES, piece_bytes // PAGE_BYTES * PAGE_BYTES)
+    for a in range(first, last, step):
+        try:
+            err = _madvise(a, min(step, last - a), MADV_POPULATE_WRITE)
+        except (OSError, AttributeError):  # no libc madvise (not Linux)
+            return False
+        if err:
+            log.info("madvise(MADV_POPULATE_WRITE) unavailable (errno %d): host pages fault on first use", err)
+            return False
+    return True
 
 
 class HostBuffer:
@@ -23,6 +91,12 @@ class HostBuffer:
         nbytes: size in bytes (> 0).
         pinned: ``True`` requires page-locked memory (raises ``RuntimeError`` when no CUDA device is
             usable), ``False`` never pins, ``None`` (default) pins when a CUDA device is usable.
+        populate: plain (unpinned) memory only — ``"now"`` maps every page before returning,
+            ``"background"`` maps them on a daemon thread from the start of the buffer on, in pieces
+            of 32 MiB (contents are never touched, so the buffer may be used meanwhile; a fault
+            waits at most for one piece), ``"lazy"`` (default) leaves them to fault on first write.
+            ``populated`` is set once done.
+            Page-locked memory is always mapped already.
 
     Attributes:
         tensor: ``torch.uint8`` 1-D CPU tensor of ``nbytes`` viewing the memory (shares lifetime:
@@ -30,9 +104,11 @@ class HostBuffer:
         ptr: integer address; ``nbytes``; ``pinned``.
     """
 
-    def __init__(self, nbytes: int, *, pinned: bool | None = None) -> None:
+    def __init__(self, nbytes: int, *, pinned: bool | None = None, populate: str = "lazy") -> None:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"HostBuffer: nbytes must be a positive int, got {nbytes!r}")
+        if populate not in ("lazy", "now", "background"):
+            raise ValueError(f"HostBuffer: populate must be 'lazy', 'now' or 'background', got {populate!r}")
         if pinned is None:
             pinned = _C.cuda_device_count() > 0
         self._buf = _C.HostBuffer(nbytes, bool(pinned))
@@ -40,6 +116,21 @@ class HostBuffer:
         self.pinned = bool(pinned)
         self.ptr = self._buf.ptr
         self.tensor = torch.frombuffer(self._buf, dtype=torch.uint8)
+        self.populated: threading.Event = threading.Event()
+        if self.pinned or populate == "lazy":
+            if self.pinned:
+                self.populated.set()
+            return
+        if populate == "now":
+            self._populate()
+        else:
+            threading.Thread(target=self._populate, name="lmtier-populate", daemon=True).start()
+
+    def _populate(self) -> None:
+        try:
+            populate(self.tensor, piece_bytes=POPULATE_PIECE_BYTES)
+        finally:
+            self.populated.set()
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         """A uint8 tensor view of ``[offset, offset + nbytes)``; bounds-checked."""

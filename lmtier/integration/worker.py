@@ -14,17 +14,21 @@ Data path:
   ``block * block_size + offset``. With kernel-block splitting (the cache's views have blocks of
   ``layout.block_size < block_size`` tokens) the same slot numbers address the kernel blocks.
 * **Loads** (:meth:`ConnectorWorker.load`, synchronous): for each chunk from
-  ``start_token // chunk``: a CPU-pool hit is scattered straight from the pinned pool slot (held
-  with ``acquire`` while it is read); otherwise the chunk is retrieved from disk/remote into a
-  scratch buffer (the manager promotes it into the pool) and scattered from there. Tokens before
-  ``start_token`` are never written. The first chunk that cannot be loaded (miss, short read,
-  error) ends the op: its blocks (from ``max(chunk start, start_token)``) and every later block
-  are returned as failed, and nothing is written into them. Asynchronous loads
-  (:meth:`start_load` / :meth:`poll_loads`) fetch every chunk into host memory on a background
-  thread and scatter on the calling thread.
+  ``start_token // chunk``: a CPU-pool hit is pinned (``acquire``) and scattered straight from its
+  slot; every other chunk (a disk/remote hit, or a pool hit evicted since the scheduler looked) is
+  fetched on the I/O threads — several reads in flight — straight into a CPU-pool slot reserved for
+  it (promotion without a second copy; committed after the scatter and reported through
+  ``on_stored``), or into a reused staging buffer when no slot can be reserved. Leading chunks are
+  scattered as soon as they are in host memory, as many per native call as are ready. Tokens
+  before ``start_token`` are never written. The first chunk that cannot be loaded (miss, short
+  read, error) ends the op: its blocks (from ``max(chunk start, start_token)``) and every later
+  block are returned as failed, and nothing is written into them. Asynchronous loads
+  (:meth:`start_load` / :meth:`poll_loads`) fetch the same way on a background thread and scatter
+  all chunks in one call on the calling thread once every chunk arrived (all or nothing).
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
-  when the chunk is present already or every slot is pinned — skipped), is gathered into it and
-  committed, then ``manager.publish`` writes it through to disk / remote. On a CUDA cache the gather
+  when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
+  gathered in one native call and committed, then ``manager.publish`` writes them through to disk /
+  remote (background threads). On a CUDA cache the gather
   runs on :class:`lmtier.transfer.CudaTransferEngine`'s side streams after an event recorded on the
   **current (compute) stream** at the time of the call, so the blocks are read after every kernel
   queued before ``store``; the slot is committed (visible to lookups) only when the copy's event
@@ -37,13 +41,14 @@ Data path:
   requests' blocks are reused only after ``handle_preemptions``, which calls
   ``poll_stores(block=True)``.
 
-Not thread-safe: one thread (vLLM's worker thread) calls every method; only the background fetch
-of asynchronous loads runs elsewhere.
+Not thread-safe: one thread (vLLM's worker thread) calls every method; only the chunk fetches
+(I/O threads) and the coordination of asynchronous loads run elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,6 +101,24 @@ class InjectedFault(RuntimeError):
     """Raised internally when a fault hook makes a load fail (tests)."""
 
 
+class _Chunk:
+    """One chunk of a load: where its bytes are and what holds them until it is scattered.
+
+    ``src`` (uint8 CPU tensor of ``chunk_bytes``) is set once the bytes are in host memory, held by
+    exactly one of: ``read`` (a pinned CPU-pool read handle: a pool hit), ``write`` (a CPU-pool slot
+    reserved for promotion, filled from disk/remote, committed after the scatter) or ``staging``
+    (a worker staging buffer, when no slot could be reserved). ``future``: the background fetch
+    while it runs; ``ok``: ``None`` (not known yet), True (bytes ready) or False (miss/failure).
+    """
+
+    __slots__ = ("ci", "key", "src", "read", "write", "staging", "future", "ok")
+
+    def __init__(self, ci: int, key: bytes | None) -> None:
+        self.ci, self.key = ci, key
+        self.src = self.read = self.write = self.staging = self.future = None
+        self.ok: bool | None = None
+
+
 class _AsyncLoad:
     """State of one background load: the fetch future, its op, and the start time."""
 
@@ -107,6 +130,18 @@ class _AsyncLoad:
 
 def _no_faults() -> set[str]:
     return set()
+
+
+def _lazy(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` evaluated at the first call, then cached."""
+    box: list = []
+
+    def get() -> Any:
+        if not box:
+            box.append(fn())
+        return box[0]
+
+    return get
 
 
 class ConnectorWorker:
@@ -131,7 +166,9 @@ class ConnectorWorker:
             ``"cpu"``, or ``"disk"`` without a CPU pool).
         faults: returns the active fault names (``load``, ``load_sync``, ``load_async``: those
             chunk loads fail); test hook, default none.
-        load_threads: background threads for asynchronous loads (created on first use).
+        load_threads: background threads coordinating asynchronous loads (created on first use).
+        io_threads: threads fetching chunks from disk/remote, one chunk each, so several reads are
+            in flight per load (created on first use).
 
     Raises:
         ValueError: the cache's chunk size in bytes differs from the namespace's, or sizes are invalid.
@@ -145,7 +182,10 @@ class ConnectorWorker:
                  namespace: Namespace, index_namespace: Namespace | None = None,
                  on_stat: Callable[[str, float], None] | None = None,
                  on_stored: Callable[[bytes, bytes, str], None] | None = None,
-                 faults: Callable[[], set[str]] | None = None, load_threads: int = 2) -> None:
+                 faults: Callable[[], set[str]] | None = None, load_threads: int = 2,
+                 io_threads: int = 4) -> None:
+        if load_threads < 1 or io_threads < 1:
+            raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
         if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
             raise ValueError(f"lmtier: chunk_size {chunk_size} must be a positive multiple of block_size {block_size}")
         cb = layout.chunk_bytes(chunk_size)
@@ -176,92 +216,259 @@ class ConnectorWorker:
         self.async_loads: dict[str, _AsyncLoad] = {}
         self._finished_seen: set[str] = set()
         self._load_pool: ThreadPoolExecutor | None = None
+        self._io_threads = io_threads
+        self._io_pool: ThreadPoolExecutor | None = None
+        # Staging buffers for fetched chunks that get no pool slot (no pool, or every slot pinned):
+        # reused, at most one per I/O thread kept, so the load path allocates nothing once warm.
+        self._staging: list[torch.Tensor] = []
+        self._staging_lock = threading.Lock()
+        self._staging_max = io_threads
 
     # ------------------------------------------------------------------------------ helpers
     def slot_mapping(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
         """Slot mapping ``[1, chunk]`` (int64, CPU) of chunk ``chunk_index``; tokens before ``start_token`` are -1."""
-        t = torch.arange(chunk_index * self.chunk, (chunk_index + 1) * self.chunk, dtype=torch.int64)
+        return self.slot_mappings(block_ids, [chunk_index], start_token)
+
+    def slot_mappings(self, block_ids: list[int], chunk_indices: list[int], start_token: int = 0) -> torch.Tensor:
+        """Slot mapping ``[len(chunk_indices), chunk]`` (int64, CPU): row ``i`` holds the slots of chunk
+        ``chunk_indices[i]`` (``block_ids[t // block_size] * block_size + t % block_size`` for its
+        tokens ``t``); tokens before ``start_token`` are -1 (not written by a scatter)."""
+        ci = torch.as_tensor(chunk_indices, dtype=torch.int64).view(-1, 1)
+        t = ci * self.chunk + torch.arange(self.chunk, dtype=torch.int64).view(1, -1)
         blocks = torch.as_tensor(block_ids, dtype=torch.int64)[t // self.block_size]
         slots = blocks * self.block_size + t % self.block_size
-        slots[t < start_token] = -1
-        return slots.view(1, -1)
+        if start_token > 0:
+            slots[t < start_token] = -1
+        return slots
 
     def keys(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         """This rank's chunk keys of ``token_ids`` (whole chunks only)."""
         return chunk_keys(token_ids, self.ns, cache_salt=cache_salt)
 
-    def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Write one canonical chunk ``src`` (uint8, CPU) into the cache at ``slots``; returns when done."""
+    def _index_keys(self, token_ids: list[int], cache_salt: str | None, keys: list[bytes]) -> list[bytes]:
+        """Rank 0's chunk keys (the scheduler's index) for this rank's ``keys``."""
+        return keys if self.index_ns == self.ns else chunk_keys(token_ids, self.index_ns, cache_salt=cache_salt)
+
+    def scatter(self, slots: torch.Tensor, src: torch.Tensor | list[torch.Tensor]) -> None:
+        """Write canonical chunks into the cache; returns when done.
+
+        ``slots``: ``[C, chunk]`` int64 slot mapping (CPU); ``src``: ``C`` uint8 CPU tensors of
+        ``chunk_bytes`` (a single tensor for ``C == 1``). One native call (CPU) or one transfer on
+        the load engine's stream, waited for (CUDA; pageable sources are pinned first).
+        """
+        srcs = [src] if isinstance(src, torch.Tensor) else list(src)
         if self.load_engine is not None:
-            if not src.is_pinned():
-                src = src.pin_memory()
-            self.load_engine.load(slots, [src]).synchronize()
+            srcs = [s if s.is_pinned() else s.pin_memory() for s in srcs]
+            self.load_engine.load(slots, srcs).synchronize()
         else:
-            ops.scatter(self.layout, slots, [src])
+            ops.scatter(self.layout, slots, srcs)
 
     def _failed_from(self, op: LoadOp, chunk_index: int) -> list[int]:
         first_block = max(chunk_index * self.chunk, op.start_token) // self.block_size
         return op.block_ids[first_block:]
 
+    def _io(self) -> ThreadPoolExecutor:
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="lmtier-io")
+        return self._io_pool
+
+    def _staging_get(self) -> torch.Tensor:
+        with self._staging_lock:
+            if self._staging:
+                return self._staging.pop()
+        self.manager.count("load_staging_allocs")
+        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+
+    def _staging_put(self, buf: torch.Tensor) -> None:
+        with self._staging_lock:
+            if len(self._staging) < self._staging_max:
+                self._staging.append(buf)
+
+    # ------------------------------------------------------------------------------ chunk fetches
+    def _plan(self, op: LoadOp, fault_names: set[str], keys: list[bytes]) -> list[_Chunk]:
+        """Chunks ``[start_token // chunk, len(keys))`` of ``op``, in order: CPU-pool hits pinned now,
+        the others fetched from disk/remote on the I/O threads (several in flight). Stops after
+        the first chunk known to fail (an injected fault, a short pool entry), which is returned
+        with ``ok = False``. Every returned chunk must go through :meth:`_finish_chunk`."""
+        cb = self.chunk_bytes
+        cpu = self.manager.cpu
+        chunks: list[_Chunk] = []
+        for ci in range(op.start_token // self.chunk, len(keys)):
+            c = _Chunk(ci, keys[ci])
+            chunks.append(c)
+            try:
+                if self._faults() & fault_names:
+                    raise InjectedFault(f"load of chunk {ci} of request {op.req_id}")
+                slot = cpu.acquire(keys[ci]) if cpu is not None else None
+                if slot is not None:
+                    c.read = slot
+                    c.ok = slot.nbytes >= cb
+                    if c.ok:
+                        c.src = slot.view[:cb]
+                else:
+                    # Not in the pool (a disk/remote hit, or a pool hit evicted since the scheduler
+                    # looked: the write-through copy on disk usually still has it).
+                    c.future = self._io().submit(self._fetch_chunk, keys[ci])
+            except InjectedFault as e:
+                log.warning("lmtier: injected fault: %s fails", e)
+                c.ok = False
+            except Exception:
+                log.exception("lmtier: load of chunk %d of request %s failed", ci, op.req_id)
+                c.ok = False
+            if c.ok is False:
+                break
+        return chunks
+
+    def _fetch_chunk(self, key: bytes) -> _Chunk | None:
+        """I/O thread: bring chunk ``key`` from disk/remote into host memory, straight into a
+        reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
+        staging buffer. Returns the filled chunk (``ci`` unset) or None on a miss."""
+        cb = self.chunk_bytes
+        cpu = self.manager.cpu
+        c = _Chunk(-1, key)
+        try:
+            if cpu is not None:
+                c.write = cpu.reserve(key)
+                if c.write is None:  # being written or committed by someone else meanwhile, or pool full
+                    c.read = cpu.acquire(key)
+                    if c.read is not None:
+                        if c.read.nbytes < cb:
+                            cpu.release(c.read)
+                            return None
+                        c.src, c.ok = c.read.view[:cb], True
+                        return c
+            if c.write is not None:
+                dst = c.write.view[:cb]
+            else:
+                c.staging = dst = self._staging_get()
+            if self.manager.fetch_lower(key, dst) != cb:
+                self._drop_fetched(c)
+                return None
+            c.src, c.ok = dst, True
+            return c
+        except BaseException:
+            self._drop_fetched(c)
+            raise
+
+    def _drop_fetched(self, c: _Chunk) -> None:
+        """Give back what an unsuccessful fetch holds (nothing becomes visible)."""
+        cpu = self.manager.cpu
+        if c.write is not None:
+            cpu.abort(c.write)
+            c.write = None
+        if c.read is not None:
+            cpu.release(c.read)
+            c.read = None
+        if c.staging is not None:
+            self._staging_put(c.staging)
+            c.staging = None
+
+    def _resolve(self, c: _Chunk, *, block: bool) -> bool | None:
+        """Whether chunk ``c``'s bytes are ready (True), failed (False) or still in flight (None,
+        only when not ``block``)."""
+        if c.ok is None:
+            f = c.future
+            if not block and not f.done():
+                return None
+            try:
+                got = f.result()
+            except Exception:
+                log.exception("lmtier: fetch of chunk %d failed", c.ci)
+                got = None
+            if got is None:
+                c.ok = False
+            else:
+                c.src, c.read, c.write, c.staging, c.ok = got.src, got.read, got.write, got.staging, True
+        return c.ok
+
+    def _finish_chunk(self, c: _Chunk, key0: Callable[[], list[bytes]]) -> None:
+        """Release what chunk ``c`` holds (waiting for its fetch first). A promotion slot that was
+        filled is committed — its bytes are a verified chunk, scattered or not — and reported to
+        the index (``on_stored(..., "cpu")``) so later hits load it from the pool."""
+        if c.ok is None:
+            self._resolve(c, block=True)
+        cpu = self.manager.cpu
+        if c.read is not None:
+            cpu.release(c.read)
+            c.read = None
+        if c.write is not None:
+            slot, c.write = c.write, None
+            if c.ok:
+                try:
+                    cpu.commit(slot, self.chunk_bytes)
+                except Exception:
+                    log.exception("lmtier: commit of a promoted chunk failed")
+                    cpu.abort(slot)
+                else:
+                    self.manager.count("promotions")
+                    self._on_stored(c.key, key0()[c.ci], "cpu")
+            else:
+                cpu.abort(slot)
+        if c.staging is not None:
+            self._staging_put(c.staging)
+            c.staging = None
+        c.src = None
+
+    def _scatter_chunks(self, op: LoadOp, chunks: list[_Chunk]) -> None:
+        """Scatter ready chunks (each ``src`` set) into ``op``'s blocks in one call."""
+        self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token),
+                     [c.src for c in chunks])
+        self._stat("loaded_chunks", len(chunks))
+        self._stat("loaded_bytes", len(chunks) * self.chunk_bytes)
+
     # ------------------------------------------------------------------------------ sync loads
     def load(self, op: LoadOp) -> set[int]:
         """Load ``op`` now (before the forward). Returns the block ids that were not loaded.
 
-        A poisoned op loads nothing and returns every block from ``start_token``. Otherwise chunks
-        load in order until one fails; that chunk's blocks (from ``start_token`` when it lies
-        inside) and all later blocks are returned, and nothing is written into them.
+        A poisoned op loads nothing and returns every block from ``start_token``. Otherwise CPU-pool
+        hits are pinned and every other chunk is fetched from disk/remote on the I/O threads, all at
+        once; leading chunks are scattered as soon as they are in host memory, as many per native
+        call as are ready. The first chunk that cannot be loaded ends the op: its blocks (from
+        ``start_token`` when it lies inside) and all later blocks are returned, and nothing is
+        written into them.
         """
         if op.poisoned:
             self._stat("load_failures")
             return set(op.block_ids[op.start_token // self.block_size:])
-        failed: set[int] = set()
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
-        for ci in range(op.start_token // self.chunk, len(keys)):
-            ok = False
-            try:
-                if self._faults() & {"load", "load_sync"}:
-                    raise InjectedFault("sync load")
-                ok = self.load_chunk(keys[ci], self.slot_mapping(op.block_ids, ci, op.start_token))
-            except InjectedFault:
-                log.warning("lmtier: injected fault: load of chunk %d of request %s fails", ci, op.req_id)
-            except Exception:
-                log.exception("lmtier: load of chunk %d of request %s failed", ci, op.req_id)
-            if not ok:
-                failed.update(self._failed_from(op, ci))
-                self._stat("load_failures")
-                break
-            self._stat("loaded_chunks")
-            self._stat("loaded_bytes", self.chunk_bytes)
+        key0 = _lazy(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
+        chunks = self._plan(op, {"load", "load_sync"}, keys)
+        failed_ci = None
+        i = 0
+        try:
+            while i < len(chunks):
+                if not self._resolve(chunks[i], block=True):
+                    failed_ci = chunks[i].ci
+                    break
+                j = i + 1
+                while j < len(chunks) and self._resolve(chunks[j], block=False):
+                    j += 1
+                try:
+                    self._scatter_chunks(op, chunks[i:j])
+                except Exception:
+                    log.exception("lmtier: scatter of chunks %d..%d of request %s failed", chunks[i].ci,
+                                  chunks[j - 1].ci, op.req_id)
+                    failed_ci = chunks[i].ci
+                    break
+                for c in chunks[i:j]:
+                    self._finish_chunk(c, key0)
+                i = j
+        finally:
+            for c in chunks[i:]:
+                self._finish_chunk(c, key0)
+        failed: set[int] = set()
+        if failed_ci is not None:
+            failed.update(self._failed_from(op, failed_ci))
+            self._stat("load_failures")
         dt = time.perf_counter() - t0
         self._stat("load_ms", dt * 1e3)
         self._stat("load_lat_s", dt)
         return failed
 
-    def load_chunk(self, key: bytes, slots: torch.Tensor) -> bool:
-        """Scatter chunk ``key`` into ``slots`` from the fastest tier; False (nothing written) on a miss."""
-        cb = self.chunk_bytes
-        cpu = self.manager.cpu
-        slot = cpu.acquire(key) if cpu is not None else None
-        try:
-            if slot is not None:
-                if slot.nbytes < cb:
-                    return False
-                src = slot.view[:cb]
-            else:
-                n = self.manager.retrieve_into(key, self.scratch)
-                if n != cb:
-                    return False
-                src = self.scratch[:cb]
-            self.scatter(slots, src)
-            return True
-        finally:
-            if slot is not None:
-                cpu.release(slot)
-
     # ------------------------------------------------------------------------------ async loads
     def start_load(self, op: LoadOp) -> None:
-        """Start fetching ``op``'s chunks into host memory on a background thread (see :meth:`poll_loads`)."""
+        """Start fetching ``op``'s chunks into host memory in the background (see :meth:`poll_loads`)."""
         if op.req_id in self.async_loads:  # cannot happen (one load per admission); never report twice
             log.error("lmtier: request %s already has an async load in flight; ignoring the second", op.req_id)
             return
@@ -270,40 +477,27 @@ class ConnectorWorker:
         self._stat("async_loads")
         self.async_loads[op.req_id] = _AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
 
-    def _fetch(self, op: LoadOp) -> tuple[list[tuple[int, torch.Tensor, Any]], bool]:
+    def _fetch(self, op: LoadOp) -> tuple[list[_Chunk], bool]:
         """Background thread: bring every chunk of ``op`` into host memory.
 
-        Returns ``(chunks, ok)``: ``chunks`` = ``[(chunk_index, uint8 tensor of chunk_bytes, pinned CPU
-        slot or None)]`` for the leading chunks that arrived; ``ok`` False if one failed (then
-        ``chunks`` stops before it). Read slots stay pinned until the worker thread scattered them.
+        CPU-pool hits are pinned; the other chunks are read from disk/remote on the I/O threads in
+        parallel, straight into reserved pool slots. Returns ``(chunks, ok)`` once every fetch
+        finished: ``ok`` is False if any chunk failed (nothing of the op is then scattered). Every
+        chunk's holdings are released by :meth:`poll_loads` on the worker thread.
         """
-        cb = self.chunk_bytes
-        cpu = self.manager.cpu
-        out: list[tuple[int, torch.Tensor, Any]] = []
         if op.poisoned:
-            return out, False
-        keys = self.keys(op.token_ids, op.cache_salt)
+            return [], False
+        chunks: list[_Chunk] = []
         try:
-            for ci in range(op.start_token // self.chunk, len(keys)):
-                if self._faults() & {"load", "load_async"}:
-                    log.warning("lmtier: injected fault: async load of chunk %d of request %s fails", ci, op.req_id)
-                    return out, False
-                slot = cpu.acquire(keys[ci]) if cpu is not None else None
-                if slot is not None:
-                    if slot.nbytes < cb:
-                        cpu.release(slot)
-                        return out, False
-                    out.append((ci, slot.view[:cb], slot))
-                    continue
-                buf = torch.empty(cb, dtype=torch.uint8, pin_memory=self.is_cuda)
-                n = self.manager.retrieve_into(keys[ci], buf)  # promotes into the CPU pool
-                if n != cb:
-                    return out, False
-                out.append((ci, buf, None))
-            return out, True
+            keys = self.keys(op.token_ids, op.cache_salt)
+            chunks = self._plan(op, {"load", "load_async"}, keys)
         except Exception:
             log.exception("lmtier: async load of request %s failed", op.req_id)
-            return out, False
+            return chunks, False
+        ok = True
+        for c in chunks:
+            ok = bool(self._resolve(c, block=True)) and ok
+        return chunks, ok
 
     def poll_loads(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         """Scatter the background loads that completed; returns ``(finished, failed)`` request ids.
@@ -319,23 +513,25 @@ class ConnectorWorker:
             if not a.future.done():
                 continue
             del self.async_loads[rid]
-            chunks, ok = a.future.result()
-            cpu = self.manager.cpu
+            try:
+                chunks, ok = a.future.result()
+            except Exception:
+                log.exception("lmtier: async load of request %s failed", rid)
+                chunks, ok = [], False
+            op = a.op
+            key0 = _lazy(lambda op=op: self._index_keys(op.token_ids, op.cache_salt,
+                                                        self.keys(op.token_ids, op.cache_salt)))
             try:
                 if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
                     ok = True
-                else:
-                    for ci, src, _slot in chunks if ok else ():
-                        self.scatter(self.slot_mapping(a.op.block_ids, ci, a.op.start_token), src)
-                        self._stat("loaded_chunks")
-                        self._stat("loaded_bytes", self.chunk_bytes)
+                elif ok and chunks:
+                    self._scatter_chunks(op, chunks)
             except Exception:
                 log.exception("lmtier: scatter of async load of request %s failed", rid)
                 ok = False
             finally:
-                for _ci, _src, slot in chunks:
-                    if slot is not None:
-                        cpu.release(slot)
+                for c in chunks:
+                    self._finish_chunk(c, key0)
             dt = time.perf_counter() - a.t0
             self._stat("load_lat_s", dt)
             self._stat("load_ms", dt * 1e3)
@@ -350,47 +546,63 @@ class ConnectorWorker:
     def store(self, op: StoreOp) -> None:
         """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``.
 
-        CPU cache: gathered and committed before returning. CUDA cache: the gather is queued on side
-        streams after the current stream's work, and the chunk is committed by :meth:`poll_stores`
-        once it arrived (until then the request is in ``pending``; do not reuse its blocks). A
-        failing chunk is dropped (logged), never made visible.
+        CPU cache: every chunk gets a pool slot (``reserve``; none when the chunk is present already
+        or every slot is pinned — skipped), all are gathered in one native call, then committed and
+        written through. CUDA cache: one gather is queued on the side streams after the current
+        stream's work, and the chunks are committed by :meth:`poll_stores` once it arrived (until
+        then the request is in ``pending``; do not reuse its blocks). A failing chunk is dropped
+        (logged), never made visible.
         """
         cpu = self.manager.cpu
         cb = self.chunk_bytes
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
-        keys0 = keys if self.index_ns == self.ns else chunk_keys(op.token_ids, self.index_ns, cache_salt=op.cache_salt)
-        for ci in range(op.first_chunk, len(keys)):
-            key = keys[ci]
-            slots = self.slot_mapping(op.block_ids, ci)
-            try:
-                if cpu is None:
+        keys0 = self._index_keys(op.token_ids, op.cache_salt, keys)
+        if cpu is None:
+            for ci in range(op.first_chunk, len(keys)):
+                try:
+                    slots = self.slot_mapping(op.block_ids, ci)
                     if self.store_engine is None:
                         ops.gather(self.layout, slots, [self.scratch])
                     else:
                         self.store_engine.store(slots, [self.scratch]).synchronize()
-                    if self.manager.store(key, self.scratch, timeout_s=None).result():
-                        self._on_stored(key, keys0[ci], "disk")
+                    if self.manager.store(keys[ci], self.scratch, timeout_s=None).result():
+                        self._on_stored(keys[ci], keys0[ci], "disk")
                         self._stat("stored_chunks")
                         self._stat("stored_bytes", cb)
+                except Exception:
+                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
+        else:
+            batch: list[tuple[int, Any]] = []  # (chunk index, write slot)
+            for ci in range(op.first_chunk, len(keys)):
+                try:
+                    slot = cpu.reserve(keys[ci])
+                except Exception:
+                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
                     continue
-                slot = cpu.reserve(key)
                 if slot is None:  # present already, or every slot pinned (back-pressure)
                     self._stat("store_skipped")
                     continue
+                batch.append((ci, slot))
+            if batch:
                 try:
-                    dst = slot.view[:cb]
+                    slots = self.slot_mappings(op.block_ids, [ci for ci, _ in batch])
+                    dsts = [s.view[:cb] for _, s in batch]
                     if self.store_engine is not None:
-                        ev = self.store_engine.store(slots, [dst])
-                        self.pending.setdefault(op.req_id, []).append((ev, slot, key, keys0[ci]))
-                        continue
-                    ops.gather(self.layout, slots, [dst])
-                except BaseException:
-                    cpu.abort(slot)
-                    raise
-                self._commit(slot, key, keys0[ci])
-            except Exception:
-                log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
+                        ev = self.store_engine.store(slots, dsts)
+                        self.pending.setdefault(op.req_id, []).extend(
+                            (ev, s, keys[ci], keys0[ci]) for ci, s in batch)
+                    else:
+                        ops.gather(self.layout, slots, dsts)
+                        for ci, s in batch:
+                            self._commit(s, keys[ci], keys0[ci])
+                except Exception:
+                    log.exception("lmtier: store of %d chunks of request %s failed (dropped)", len(batch), op.req_id)
+                    for _, s in batch:
+                        try:
+                            cpu.abort(s)
+                        except RuntimeError:  # committed before the failure
+                            pass
         dt = time.perf_counter() - t0
         self._stat("store_ms", dt * 1e3)
         self._stat("store_lat_s", dt)
@@ -442,5 +654,7 @@ class ConnectorWorker:
         """Wait for background loads and CUDA stores (committing the stores). Idempotent."""
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=True)
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=True)
         if self.store_engine is not None:
             self.poll_stores(block=True)

@@ -136,6 +136,10 @@ class CPUPool(Tier):
             object with a ``.tensor`` attribute of that kind (e.g. ``HostBuffer``) — of at least
             ``num_slots * slot_bytes`` bytes (tests, sharing). Default: a new ``HostBuffer``
             (pinned when CUDA is usable).
+        populate: for the default (unpinned) arena: ``"background"`` (default) maps every page on
+            a daemon thread right away (``HostBuffer(populate=...)``), so stores into the pool do not
+            take first-touch page faults inside the serving path; ``"now"`` before returning;
+            ``"lazy"`` never (pages fault on first write).
         evict_callback: ``callback(key, view)`` run (outside the lock, in the thread that called
             ``reserve``) before a committed chunk's slot is reused; ``view`` is ``torch.uint8
             [nbytes]`` and valid only during the call. Exceptions are logged and the chunk is
@@ -154,6 +158,7 @@ class CPUPool(Tier):
         *,
         arena: Any = None,
         evict_callback: EvictCallback | None = None,
+        populate: str = "background",
     ) -> None:
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"CPUPool: chunk_bytes must be a positive int, got {chunk_bytes!r}")
@@ -171,7 +176,7 @@ class CPUPool(Tier):
         if arena is None:
             from lmtier.memory import HostBuffer
 
-            self._owner = HostBuffer(arena_bytes)
+            self._owner = HostBuffer(arena_bytes, populate=populate)
             tensor = self._owner.tensor
         else:
             self._owner = arena

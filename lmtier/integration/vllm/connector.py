@@ -88,6 +88,9 @@ from lmtier.manager import TierManager
 log = logging.getLogger("vllm.lmtier.connector")
 
 FAULT_ENV = "LMTIER_FAULT_INJECT"
+# Disk hits up to this many MiB (of this rank) load synchronously (kv_connector_extra_config
+# "sync_disk_load_mib"); see LMTierConnector.
+DEFAULT_SYNC_DISK_LOAD_MIB = 0.0
 
 _SHARED_LOCK = threading.Lock()
 _SHARED: dict[str, TierManager] = {}
@@ -369,8 +372,12 @@ def _add_total(key: str, value: float) -> None:
 class LMTierConnector(KVConnectorBase_V1):
     """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits.
 
-    ``kv_connector_extra_config`` keys: ``async_loads`` (bool, default True: disk/remote hits load in
-    the background; False: every load is synchronous, before the forward).
+    ``kv_connector_extra_config`` keys: ``async_loads`` (bool, default True: remote hits and large
+    disk hits load in the background; False: every load is synchronous, before the forward);
+    ``sync_disk_load_mib`` (float, default DEFAULT_SYNC_DISK_LOAD_MIB): a hit whose claimed chunks
+    outside the CPU pool are all on disk and hold at most this many MiB (this rank's bytes) loads
+    synchronously, like a CPU hit — the reads run in parallel and the request skips the engine step
+    an asynchronous load costs; 0 loads every disk hit asynchronously.
     """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -380,6 +387,14 @@ class LMTierConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.config.validate_for(self.block_size)
         self.async_loads = bool(self._kv_transfer_config.get_from_extra_config("async_loads", True))
+        mib = self._kv_transfer_config.get_from_extra_config("sync_disk_load_mib", DEFAULT_SYNC_DISK_LOAD_MIB)
+        try:
+            mib = float(mib)
+        except (TypeError, ValueError):
+            mib = -1.0
+        if not mib >= 0:
+            raise ValueError(f"lmtier: kv_connector_extra_config sync_disk_load_mib={mib!r}: must be a number >= 0")
+        self.sync_disk_load_bytes = int(mib * 2**20)
 
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -475,9 +490,17 @@ class LMTierConnector(KVConnectorBase_V1):
             self._lookups[rid] = (num_computed_tokens, 0, [], False)
             return 0, False
         claimed = tiers[num_computed_tokens // self.chunk:]
-        load_async = self.async_loads and any(t != "cpu" for t in claimed)
+        load_async = self.async_loads and self._load_async(claimed)
         self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async)
         return hit - num_computed_tokens, load_async
+
+    def _load_async(self, claimed: list[str]) -> bool:
+        """Whether claimed chunks (tier names) load in the background: any remote chunk, or disk
+        chunks of more than ``sync_disk_load_mib`` (CPU chunks always load synchronously)."""
+        if "remote" in claimed:
+            return True
+        disk = sum(1 for t in claimed if t == "disk")
+        return disk > 0 and disk * self.ns.chunk_bytes > self.sync_disk_load_bytes
 
     def _lookup(self, keys: list[bytes]) -> list[str]:
         """Tiers of the longest cached prefix of ``keys``: the shared manager's index, or (worker in
