@@ -45,12 +45,12 @@ if has transfer; then
   echo "bench transfer rc=$?"
 fi
 if has ttft; then
-  timeout 400 $PY -m lmtier.bench.ttft --device cuda --compare-layouts --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/bench_ttft.log" 2>&1
+  timeout 520 $PY -m lmtier.bench.ttft --device cuda --compare-layouts --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/bench_ttft.log" 2>&1
   echo "bench ttft rc=$?"
 fi
 if has ttftsweep; then
   for inf in 2 4 8; do
-    timeout 200 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --inflight $inf \
+    timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --inflight $inf \
       --ring $((inf + 2)) --disk-threads $((inf > 4 ? inf : 4)) --quiet --json "$OUT/ttft_inflight$inf.json" \
       > "$OUT/bench_ttft_inflight$inf.log" 2>&1
     echo "bench ttft --inflight $inf rc=$?"

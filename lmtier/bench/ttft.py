@@ -31,8 +31,15 @@ smoke runs. Per context length ``N`` (median of ``--iters`` after ``--warmup`` r
   reads, the last chunk in layer groups overlapped with the forward (:class:`CodecTier`).
   ``*_ratio`` = bf16 bytes / record bytes. Lossy levels are checked bit for bit against the
   reference decoder (:func:`lmtier.codec.quant.dequantize`); their logits are reported, not judged.
-* ``redis`` — like disk through :class:`lmtier.tiers.remote.RedisTier` against a private
-  ``redis-server`` on loopback, only when the binary exists (skipped with a line otherwise).
+* ``redis`` / ``redis+codec`` — like disk / disk+codec (level ``default``) through
+  :class:`lmtier.tiers.remote.RedisTier`: against ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a
+  private ``redis-server`` on loopback when one is found (``$LMTIER_REDIS_SERVER``, PATH, or the bundle
+  ``scripts/bundle_redis.sh`` leaves in ``.whl/redis``); skipped with a line otherwise.
+
+Reads: ``--inflight`` (default 4) records in flight, each ``get_into`` a pinned, page-aligned slot of a
+ring of ``--ring`` (default 6), so O_DIRECT reads land in pinned memory with no bounce; the disk's own
+parallel ceiling (``--inflight`` O_DIRECT reads of 8 MiB at once) is measured next to ``dd`` and gives
+``disk+*_limit_pct`` (record bytes / the better of the two).
 
 Ceilings measured in the same run: pinned H2D bandwidth (contiguous copy) -> the CPU tier's
 physical limit ``N x bytes/token / BW``; ``dd`` O_DIRECT read bandwidth of the disk directory ->
