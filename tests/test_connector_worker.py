@@ -397,3 +397,116 @@ def test_finished_sending_on_cpu_is_immediate(managers):
     assert w.finished_sending(["r1"]) == {"r1"}
     assert w.finished_sending() == set() and w.idle()
     w.close()
+
+
+# ------------------------------------------------------------------------------ parallel fetches
+def _stored_on_disk(tmp_path, cache, n_chunks, *, seed, pool_slots=8):
+    """A worker over CPU pool + disk with ``n_chunks`` stored (written through to disk)."""
+    ns = _ns(cache.dtype)
+    from lmtier.tiers.disk import DiskTier
+
+    disk = DiskTier([str(tmp_path / "disk")], 64 << 20, sync="none")
+    mgr = TierManager(cpu=CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes), disk=disk)
+    w, _, rec = _worker(cache, mgr)
+    n = n_chunks * CHUNK
+    toks = _tokens(n, seed=seed)
+    src = list(range(n // cache.bs))
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert mgr.flush(timeout_s=30)
+    keys = chunk_keys(toks, ns)
+    assert all(mgr.disk.contains(k) for k in keys)
+    return w, mgr, rec, toks, src, keys
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parallel_load_mixed_tiers_bit_exact(mode, tmp_path, managers):
+    """Chunks 1, 2 and 4 of 6 only on disk, the others in the pool: the disk ones are read in parallel
+    straight into reserved pool slots (promoted, reported to the index as "cpu"), everything is
+    scattered bit-exact, and no slot stays pinned or reserved."""
+    cache = Cache("cpu_slab", "LBHNC", torch.bfloat16, 32, 32, logical_blocks=24)
+    w, mgr, rec, toks, src, keys = _stored_on_disk(tmp_path, cache, 6, seed=11)
+    managers.append(mgr)
+    for i in (1, 2, 4):
+        assert mgr.cpu.delete(keys[i])
+    assert mgr.lookup(keys) == ["cpu", "disk", "disk", "cpu", "disk", "cpu"]
+    dst = list(range(12, 24))
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, 6 * CHUNK, cache.ref_rows(src, 0, 6 * CHUNK))
+    rec.stored.clear()
+    op = LoadOp("r2", toks, None, 0, dst, is_async=mode == "async")
+    if mode == "sync":
+        assert w.load(op) == set()
+    else:
+        w.start_load(op)
+        assert _wait_loads(w) == ({"r2"}, set())
+    assert _same_bits(cache.buf, expect.buf)
+    assert rec.stats["loaded_chunks"] == 6 and rec.stats["load_failures"] == 0
+    assert mgr.lookup(keys) == ["cpu"] * 6, "disk hits are promoted into the pool"
+    assert sorted(k for k, _, t in rec.stored if t == "cpu") == sorted(keys[i] for i in (1, 2, 4))
+    assert mgr.counters["promotions"] == 3 and mgr.counters["hits_disk"] == 3
+    assert mgr.cpu.num_pinned() == 0 and not mgr.cpu._pending
+
+
+def test_evicted_pool_hit_falls_back_to_disk(tmp_path, managers):
+    """The scheduler claimed CPU hits, but the pool evicted chunk 1 before the load ran: the sync
+    load reads it from the disk copy instead of failing."""
+    cache = Cache(*GEOMS[0])
+    w, mgr, rec, toks, src, keys = _stored_on_disk(tmp_path, cache, 3, seed=12)
+    managers.append(mgr)
+    assert mgr.cpu.delete(keys[1])  # evicted between lookup and load
+    dst = _blocks(cache, DST, 3 * CHUNK)
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, 3 * CHUNK, cache.ref_rows(src, 0, 3 * CHUNK))
+    assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
+    assert _same_bits(cache.buf, expect.buf)
+    assert rec.stats["load_failures"] == 0 and mgr.counters["hits_disk"] == 1
+
+
+def test_fetch_into_staging_when_every_slot_is_pinned(tmp_path, managers):
+    """No pool slot can be reserved (all pinned): disk chunks go through reused staging buffers."""
+    cache = Cache(*GEOMS[0])
+    w, mgr, rec, toks, src, keys = _stored_on_disk(tmp_path, cache, 3, seed=13, pool_slots=3)
+    managers.append(mgr)
+    for k in keys:
+        mgr.cpu.delete(k)
+    other = [bytes([i]) * 32 for i in range(3)]
+    pins = []
+    for k in other:
+        assert mgr.cpu.put(k, torch.zeros(w.chunk_bytes, dtype=torch.uint8))
+        pins.append(mgr.cpu.acquire(k))
+    dst = _blocks(cache, DST, 3 * CHUNK)
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, 3 * CHUNK, cache.ref_rows(src, 0, 3 * CHUNK))
+    for rnd in range(2):
+        assert w.load(LoadOp(f"r{rnd}", toks, None, 0, dst)) == set()
+        assert _same_bits(cache.buf, expect.buf)
+    assert mgr.counters["load_staging_allocs"] <= 3, "staging buffers are reused, not allocated per load"
+    assert not any(mgr.cpu.contains(k) for k in keys)  # nothing promoted: no slot was free
+    for s in pins:
+        mgr.cpu.release(s)
+    assert mgr.cpu.num_pinned() == 0 and not mgr.cpu._pending
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_missing_middle_chunk_with_parallel_fetches(mode, tmp_path, managers):
+    """Chunk 2 of 4 is gone from every tier while chunks 1..3 are fetched in parallel: sync loads
+    write chunks 0-1 and fail chunk 2's blocks onwards; async loads write nothing. Chunk 3, fetched
+    fine, is still promoted; no slot leaks."""
+    cache = Cache("cpu_slab", "LBHNC", torch.float32, 16, 16, logical_blocks=32)
+    w, mgr, rec, toks, src, keys = _stored_on_disk(tmp_path, cache, 4, seed=14)
+    managers.append(mgr)
+    for k in keys[1:]:
+        assert mgr.cpu.delete(k)
+    assert mgr.disk.delete(keys[2])
+    dst = list(range(16, 32))
+    expect = cache.clone()
+    if mode == "sync":
+        expect.scatter_ref(dst, 0, 2 * CHUNK, cache.ref_rows(src, 0, 2 * CHUNK))
+        assert w.load(LoadOp("r2", toks, None, 0, dst)) == set(dst[2 * CHUNK // cache.bs:])
+    else:
+        w.start_load(LoadOp("r2", toks, None, 0, dst, is_async=True))
+        assert _wait_loads(w) == ({"r2"}, {"r2"})
+    assert _same_bits(cache.buf, expect.buf), "a failed (or later) chunk was written"
+    assert rec.stats["load_failures"] == 1
+    assert mgr.cpu.contains(keys[1]) and mgr.cpu.contains(keys[3]) and not mgr.cpu.contains(keys[2])
+    assert mgr.cpu.num_pinned() == 0 and not mgr.cpu._pending

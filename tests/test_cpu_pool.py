@@ -321,3 +321,49 @@ def test_concurrent_readers_writers(with_callback):
         assert pool.delete(k)
     assert pool.usage() == TierUsage(nslots * pool.slot_bytes, 0, 0)
     assert pool.reserve(K(0)) is not None
+
+
+# ---------------------------------------------------------------------------- populated arenas
+def _resident_pages(t: torch.Tensor) -> int:
+    """Resident pages of a page-aligned tensor (mincore(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = (t.numel() + 4095) // 4096
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel()), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("mode", ["now", "background"])
+def test_default_arena_is_populated(mode):
+    """The pool's own arena is mapped at startup (no first-touch faults in the serving path)."""
+    from lmtier.memory import HostBuffer
+
+    pool = CPUPool(64 * 4096, 4096, populate=mode)
+    owner = pool._owner
+    assert isinstance(owner, HostBuffer)
+    assert owner.populated.wait(30)
+    if not owner.pinned:
+        assert _resident_pages(pool.arena) == 64
+
+
+def test_lazy_arena_is_not_populated():
+    pool = CPUPool(64 << 20, 4096, populate="lazy")  # > glibc's largest mmap threshold: a fresh mapping
+    if not pool.pinned:
+        assert _resident_pages(pool.arena) < 1024
+
+
+def test_populate_keeps_contents():
+    from lmtier.memory import HostBuffer, populate
+
+    hb = HostBuffer(1 << 20, pinned=False)
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    hb.tensor.copy_(data)
+    assert populate(hb.tensor, piece_bytes=64 << 10)
+    assert torch.equal(hb.tensor, data)
+    assert populate(hb.tensor[5:4000])  # no whole page inside: nothing to do
+    with pytest.raises(ValueError):
+        populate(hb.tensor[::2])
+    with pytest.raises(ValueError):
+        HostBuffer(4096, pinned=False, populate="eager")
