@@ -51,7 +51,10 @@ inline uint16_t load_u16(const uint8_t* p) {
 // Encodes one segment of n (1..2^seg_log2) symbols into slot ([kStateBytes states][words]).
 // Returns the coded payload bytes (< n), n for a raw segment (stops as soon as coding cannot win;
 // slot then holds garbage), or kMissing when a symbol has frequency 0.
-uint32_t encode_segment(const uint8_t* sym, uint32_t n, const uint32_t* enc, uint8_t* slot) {
+// Table switching (run_len > 0): step k (symbols first + 32k ..) uses enc + 256 * ((first + 32k) / run_len).
+uint32_t encode_segment(const uint8_t* sym, uint32_t n, const uint32_t* enc0, uint8_t* slot,
+                        uint32_t run_len = 0, uint64_t first = 0) {
+  const uint32_t* enc = enc0;
   uint32_t x[kLanes];
   for (int l = 0; l < kLanes; ++l) x[l] = kStateLower;
   uint8_t* words = slot + kStateBytes;
@@ -60,6 +63,7 @@ uint32_t encode_segment(const uint8_t* sym, uint32_t n, const uint32_t* enc, uin
   for (uint32_t k = 0; k < steps; ++k) {
     const uint32_t base = k * kLanes;
     const int active = static_cast<int>(std::min<uint32_t>(kLanes, n - base));
+    if (run_len) enc = enc0 + 256ull * ((first + base) / run_len);
     for (int l = 0; l < active; ++l) {
       const uint32_t e = enc[sym[base + l]];
       const uint32_t f = e & 0xFFFF;
@@ -113,10 +117,61 @@ int32_t decode_segment(const uint8_t* payload, uint32_t size, uint32_t n, const 
   return kOk;
 }
 
+// Decodes one rANS segment of a table-switching stream: step k uses static table
+// tables + 256 * (table_id + (first + 32k) / run_len), looked up by binary search in its cdf (the
+// symbol s with cdf[s] <= slot < cdf[s + 1]: the same symbol a slot table gives). Tables validated.
+int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n, const uint16_t* tables,
+                            uint32_t table_id, uint32_t run_len, uint64_t first, uint8_t* out) {
+  uint32_t x[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    x[l] = load_u32(payload + 4 * l);
+    if (x[l] < kStateLower) return kErrCorrupt;
+  }
+  const uint8_t* words = payload + kStateBytes;
+  uint64_t pos = (size - kStateBytes) / 2;
+  const uint32_t steps = (n + kLanes - 1) / kLanes;
+  uint32_t cdf[257];
+  uint64_t cur = ~0ull;
+  for (uint32_t k = steps; k-- > 0;) {
+    const uint32_t base = k * kLanes;
+    const int active = static_cast<int>(std::min<uint32_t>(kLanes, n - base));
+    const uint64_t run = (first + base) / run_len;
+    if (run != cur) {
+      const uint16_t* f = tables + 256ull * (table_id + run);
+      cdf[0] = 0;
+      for (int s = 0; s < 256; ++s) cdf[s + 1] = cdf[s] + f[s];
+      cur = run;
+    }
+    uint32_t need = 0;
+    for (int l = 0; l < active; ++l) {
+      const uint32_t slot = x[l] & (kProbScale - 1);
+      uint32_t lo = 0, hi = 256;  // largest s with cdf[s] <= slot (cdf[256] = 4096 > slot)
+      while (hi - lo > 1) {
+        const uint32_t mid = (lo + hi) >> 1;
+        if (cdf[mid] <= slot) lo = mid; else hi = mid;
+      }
+      out[base + l] = static_cast<uint8_t>(lo);
+      x[l] = (cdf[lo + 1] - cdf[lo]) * (x[l] >> kProbBits) + slot - cdf[lo];
+      need += x[l] < kStateLower ? 1 : 0;
+    }
+    if (need > pos) return kErrCorrupt;
+    uint64_t w = pos - need;
+    for (int l = 0; l < active; ++l)
+      if (x[l] < kStateLower) x[l] = (x[l] << 16) | load_u16(words + 2 * (w++));
+    pos -= need;
+  }
+  if (pos != 0) return kErrCorrupt;
+  for (int l = 0; l < kLanes; ++l)
+    if (x[l] != kStateLower) return kErrCorrupt;
+  return kOk;
+}
+
 // Validated view of one encoded stream (rules in rans.h; the CUDA prep kernel applies the same).
 struct StreamView {
   int32_t status = kOk;
   uint32_t n = 0;
+  uint32_t table_id = 0;
+  uint32_t run_len = 0;  // > 0: table switching (static tables table_id + run)
   int seg_log2 = 0;
   uint64_t nseg = 0;
   uint16_t freq[256];
@@ -134,7 +189,7 @@ StreamView parse_stream(const RansDecodeDesc& d, const uint16_t* tables, int64_t
   std::memcpy(&h, src, sizeof(h));
   if (h.magic != kMagic || h.version != kVersion || (h.flags & ~kFlagAdaptive) != 0 ||
       h.seg_log2 < kMinSegLog2 || h.seg_log2 > kMaxSegLog2 || h.lanes_log2 != kLanesLog2 ||
-      h.reserved != 0 || h.num_symbols > kMaxStreamSymbols) {
+      h.num_symbols > kMaxStreamSymbols || ((h.flags & kFlagAdaptive) && h.run_words != 0)) {
     v.status = kErrBadHeader;
     return v;
   }
@@ -158,11 +213,19 @@ StreamView parse_stream(const RansDecodeDesc& d, const uint16_t* tables, int64_t
     }
     if (sum != kProbScale) { v.status = kErrBadTable; return v; }
     off += tb;
+  } else if (h.num_symbols > 0 && h.run_words != 0) {
+    const uint32_t run_len = 32u * h.run_words;
+    const uint64_t runs = run_count(h.num_symbols, run_len);
+    if (tables == nullptr || h.table_id + runs > static_cast<uint64_t>(num_tables)) { v.status = kErrBadTable; return v; }
+    for (uint64_t r = 0; r < runs; ++r)
+      if (!table_valid(tables + 256 * (h.table_id + r))) { v.status = kErrBadTable; return v; }
+    v.run_len = run_len;
   } else if (h.num_symbols > 0) {
     if (h.table_id >= num_tables || tables == nullptr) { v.status = kErrBadTable; return v; }
     std::memcpy(v.freq, tables + 256 * static_cast<uint64_t>(h.table_id), sizeof(v.freq));
     if (!table_valid(v.freq)) { v.status = kErrBadTable; return v; }
   }
+  v.table_id = h.table_id;
   v.n = h.num_symbols;
   v.seg_log2 = h.seg_log2;
   v.nseg = seg_count(h.num_symbols, h.seg_log2);
@@ -174,7 +237,7 @@ StreamView parse_stream(const RansDecodeDesc& d, const uint16_t* tables, int64_t
 }
 
 // Writes the stream header (+ adaptive table) at dst; returns bytes written.
-uint64_t write_header(uint8_t* dst, uint32_t n, int seg_log2, uint32_t table_id, bool adaptive,
+uint64_t write_header(uint8_t* dst, uint32_t n, int seg_log2, uint32_t table_id, uint32_t run_len, bool adaptive,
                       const uint16_t* freq) {
   RansStreamHeader h{};
   h.magic = kMagic;
@@ -183,7 +246,7 @@ uint64_t write_header(uint8_t* dst, uint32_t n, int seg_log2, uint32_t table_id,
   h.seg_log2 = static_cast<uint8_t>(seg_log2);
   h.lanes_log2 = kLanesLog2;
   h.table_id = static_cast<uint16_t>(table_id);
-  h.reserved = 0;
+  h.run_words = adaptive ? 0 : static_cast<uint16_t>(run_len / kLanes);
   h.num_symbols = n;
   std::memcpy(dst, &h, sizeof(h));
   if (!adaptive) return sizeof(h);
@@ -252,8 +315,13 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
     std::memset(&w, 0, sizeof(w));
     int32_t st = kOk;
     if (d.num_symbols > kMaxStreamSymbols) st = kErrTooLong;
-    else if (d.num_symbols > 0 && d.src == 0) st = kErrBadHeader;
-    else if (d.table_id != kAdaptiveTable &&
+    else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len)) st = kErrBadHeader;
+    else if (d.table_id != kAdaptiveTable && d.run_len != 0 && d.num_symbols > 0) {
+      const uint64_t runs = run_count(d.num_symbols, d.run_len);
+      if (tables == nullptr || d.table_id + runs > static_cast<uint64_t>(num_tables)) st = kErrBadTable;
+      for (uint64_t r = 0; st == kOk && r < runs; ++r)
+        if (!table_valid(tables + 256 * (d.table_id + r))) st = kErrBadTable;
+    } else if (d.table_id != kAdaptiveTable &&
              (static_cast<int64_t>(d.table_id) >= num_tables || tables == nullptr ||
               !table_valid(tables + 256 * static_cast<uint64_t>(d.table_id))))
       st = kErrBadTable;
@@ -283,15 +351,28 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
   };
 
   // 2. Static tables.
+  // (only the tables some stream uses: a table-switching set may hold tens of thousands)
   std::vector<uint32_t> enc_static(static_cast<size_t>(num_tables) * 256);
-  for (int64_t t = 0; t < num_tables; ++t) build_enc_table(tables + 256 * t, enc_static.data() + 256 * t);
+  {
+    std::vector<uint8_t> used(static_cast<size_t>(num_tables), 0);
+    for (uint64_t i = 0; i < N; ++i) {
+      const RansEncodeDesc& d = descs[i];
+      if (d.table_id == kAdaptiveTable || d.num_symbols == 0) continue;
+      const uint64_t runs = d.run_len ? run_count(d.num_symbols, d.run_len) : 1;
+      std::fill(used.begin() + d.table_id, used.begin() + d.table_id + runs, uint8_t{1});
+    }
+    parallel_for(static_cast<uint64_t>(num_tables), pick_threads(num_threads, static_cast<uint64_t>(num_tables)),
+                 [&](uint64_t t) {
+                   if (used[t]) build_enc_table(tables + 256 * t, enc_static.data() + 256 * t);
+                 });
+  }
   parallel_for(total_seg, threads, [&](uint64_t g) {
     const uint32_t i = seg_stream[g];
     if (__atomic_load_n(&work[i].needs_adaptive, __ATOMIC_RELAXED)) return;
     const uint32_t j = static_cast<uint32_t>(g - work[i].seg_base);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(descs[i].src) + static_cast<uint64_t>(j) * seg_len;
     const uint32_t r = encode_segment(src, seg_n(i, j), enc_static.data() + 256ull * descs[i].table_id,
-                                      slots + g * L.slot_bytes);
+                                      slots + g * L.slot_bytes, descs[i].run_len, static_cast<uint64_t>(j) * seg_len);
     if (r == kMissing) __atomic_store_n(&work[i].needs_adaptive, 1u, __ATOMIC_RELAXED);
     seg_size[g] = r;
   });
@@ -347,7 +428,7 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
   parallel_for(N, pick_threads(num_threads, N), [&](uint64_t i) {
     const StreamWork& w = work[i];
     write_header(out + w.out_offset, static_cast<uint32_t>(descs[i].num_symbols), seg_log2,
-                 descs[i].table_id, w.table_bytes != 0, afreq + 256ull * i);
+                 descs[i].table_id, descs[i].run_len, w.table_bytes != 0, afreq + 256ull * i);
   });
   parallel_for(total_seg, threads, [&](uint64_t g) {
     const uint32_t i = seg_stream[g];
@@ -385,7 +466,7 @@ void decode_cpu(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t
   // decode tables per stream, built once
   std::vector<std::vector<uint32_t>> dec(N);
   parallel_for(N, pick_threads(num_threads, N), [&](uint64_t i) {
-    if (views[i].status == kOk && views[i].nseg > 0) {
+    if (views[i].status == kOk && views[i].nseg > 0 && views[i].run_len == 0) {
       dec[i].resize(kProbScale);
       build_dec_table(views[i].freq, dec[i].data());
     }
@@ -406,7 +487,9 @@ void decode_cpu(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t
       const uint64_t size = end - start;
       if (size == n) std::memcpy(dst, v.payload + start, n);
       else if (size < n && size >= kStateBytes && (size - kStateBytes) % 2 == 0)
-        r = decode_segment(v.payload + start, static_cast<uint32_t>(size), n, dec[i].data(), dst);
+        r = v.run_len ? decode_segment_runs(v.payload + start, static_cast<uint32_t>(size), n, tables, v.table_id,
+                                            v.run_len, j * seg_len, dst)
+                      : decode_segment(v.payload + start, static_cast<uint32_t>(size), n, dec[i].data(), dst);
       else r = kErrBadSegment;
     }
     if (r != kOk) {

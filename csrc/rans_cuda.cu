@@ -54,7 +54,8 @@ struct DecodeWork {
   uint16_t table_id;
   uint8_t adaptive;
   uint8_t seg_log2;
-  uint64_t seg_table_off;
+  uint32_t seg_table_off;  // header + adaptive table bytes (<= 16 + 544)
+  uint32_t run_len;        // table switching (0: one table)
 };
 static_assert(sizeof(DecodeWork) == 48, "DecodeWork must match StreamWork's size (decode_scratch_bytes)");
 
@@ -143,8 +144,13 @@ __global__ void __launch_bounds__(kPrepThreads)
       const RansEncodeDesc d = descs[i];
       int32_t st = kOk;
       if (d.num_symbols > kMaxStreamSymbols) st = kErrTooLong;
-      else if (d.num_symbols > 0 && d.src == 0) st = kErrBadHeader;
-      else if (d.table_id != kAdaptiveTable && !table_ok(ok_bits, num_tables, d.table_id)) st = kErrBadTable;
+      else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len)) st = kErrBadHeader;
+      else if (d.table_id != kAdaptiveTable && d.run_len != 0 && d.num_symbols > 0) {
+        const uint64_t runs = run_count(d.num_symbols, d.run_len);
+        if (d.table_id + runs > static_cast<uint64_t>(num_tables)) st = kErrBadTable;
+        for (uint64_t r = 0; st == kOk && r < runs; ++r)
+          if (!table_ok(ok_bits, num_tables, static_cast<uint32_t>(d.table_id + r))) st = kErrBadTable;
+      } else if (d.table_id != kAdaptiveTable && !table_ok(ok_bits, num_tables, d.table_id)) st = kErrBadTable;
       if (st == kOk) {
         nseg = seg_count(d.num_symbols, seg_log2);
         tiles = (nseg + kWarps - 1) / kWarps;
@@ -204,10 +210,47 @@ __device__ void build_enc_table(const uint16_t* __restrict__ freq_g, uint32_t* f
   __syncthreads();
 }
 
+// One warp builds the encode table of one static table into its own shared enc[256] (the entries of
+// build_enc_table). Table switching streams rebuild it whenever a step enters a new run.
+__device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq_g, uint2* enc, int lane) {
+  uint32_t f[8];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    f[k] = __ldg(reinterpret_cast<const unsigned short*>(freq_g) + lane * 8 + k);
+    sum += f[k];
+  }
+  uint32_t incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  uint32_t c = incl - sum;
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    uint2 e = make_uint2(0, 0);
+    if (f[k] != 0) {
+      const DivMagic m = div_magic(f[k]);
+      e.x = f[k] | (m.sh1 << 13) | (c << 16) | (m.sh2 << 28);
+      e.y = m.mul;
+    }
+    enc[lane * 8 + k] = e;
+    c += f[k];
+  }
+  __syncwarp();
+}
+
 // One warp encodes one segment (see encode_segment in rans_cpu.cpp: same steps, same result).
-__device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_t n, const uint2* enc,
-                                        uint8_t* __restrict__ slot, uint8_t* stage, int lane) {
+// Table switching (run_len > 0): enc is the warp's own table, rebuilt from tables + 256 * (table_id +
+// (first + 32 k) / run_len) when step k enters a new run.
+__device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_t n, uint2* enc,
+                                        uint8_t* __restrict__ slot, uint8_t* stage, int lane,
+                                        const uint16_t* __restrict__ run_tables = nullptr, uint32_t run_len = 0,
+                                        uint64_t first = 0) {
   uint32_t x = kStateLower;
+  uint64_t cur_run = ~0ull;
   uint32_t pos = 0;
   uint16_t* words = reinterpret_cast<uint16_t*>(slot + kStateBytes);
   const uint32_t steps = (n + kLanes - 1) / kLanes;
@@ -225,6 +268,13 @@ __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_
     const uint32_t kend = min(16u, steps - g * 16);
     for (uint32_t kk = 0; kk < kend; ++kk) {
       const bool active = base + kk * 32 + lane < n;
+      if (run_len) {
+        const uint64_t run = (first + base + kk * 32) / run_len;  // warp-uniform
+        if (run != cur_run) {
+          warp_build_enc(run_tables + 256 * run, enc, lane);
+          cur_run = run;
+        }
+      }
       uint2 e = make_uint2(0, 0);
       if (active) e = enc[stage[kk * 32 + lane]];
       const uint32_t f = e.x & 0x1FFF;
@@ -256,6 +306,7 @@ __global__ void __launch_bounds__(kThreads)
                         const EncGlobals* __restrict__ gl, uint32_t* __restrict__ seg_size, uint8_t* slots,
                         uint64_t slot_bytes) {
   __shared__ uint2 enc[256];
+  __shared__ uint2 wenc[kWarps][256];  // per-warp tables of table-switching streams
   __shared__ uint32_t freq_s[256];
   __shared__ uint32_t cdf_s[257];
   __shared__ __align__(16) uint8_t stage[kWarps][kStage];
@@ -274,7 +325,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t flagged = s_flag;
     if (kAdaptivePass ? flagged == 0 : flagged != 0) continue;
     const RansEncodeDesc d = descs[i];
-    const int64_t newkey = kAdaptivePass ? (int64_t{1} << 32) + i : int64_t{d.table_id};
+    const bool runs = !kAdaptivePass && d.run_len != 0;  // table switching: per-warp tables, no CTA table
+    const int64_t newkey = runs ? key : kAdaptivePass ? (int64_t{1} << 32) + i : int64_t{d.table_id};
     if (newkey != key) {
       __syncthreads();
       build_enc_table(kAdaptivePass ? afreq + 256 * i : tables + 256ull * d.table_id, freq_s, cdf_s, enc);
@@ -285,8 +337,12 @@ __global__ void __launch_bounds__(kThreads)
     const uint64_t g = work[i].seg_base + j;
     const uint64_t first = j << seg_log2;
     const uint32_t n = static_cast<uint32_t>(min(uint64_t{1} << seg_log2, d.num_symbols - first));
-    const uint32_t r = encode_segment_warp(reinterpret_cast<const uint8_t*>(d.src) + first, n, enc,
-                                           slots + g * slot_bytes, stage[warp], lane);
+    const uint32_t r =
+        runs ? encode_segment_warp(reinterpret_cast<const uint8_t*>(d.src) + first, n, wenc[warp],
+                                   slots + g * slot_bytes, stage[warp], lane, tables + 256ull * d.table_id,
+                                   d.run_len, first)
+             : encode_segment_warp(reinterpret_cast<const uint8_t*>(d.src) + first, n, enc,
+                                   slots + g * slot_bytes, stage[warp], lane);
     if (lane == 0) {
       seg_size[g] = r;
       if (!kAdaptivePass && r == kMissing) atomicOr(&work[i].needs_adaptive, 1u);
@@ -417,7 +473,7 @@ __global__ void __launch_bounds__(kThreads)
     h[0] = kMagic;
     h[1] = kVersion | (uint32_t{adaptive ? kFlagAdaptive : 0u} << 8) | (uint32_t(seg_log2) << 16) |
            (uint32_t{kLanesLog2} << 24);
-    h[2] = descs[i].table_id & 0xFFFF;
+    h[2] = (descs[i].table_id & 0xFFFF) | (adaptive ? 0u : (descs[i].run_len / kLanes) << 16);
     h[3] = static_cast<uint32_t>(descs[i].num_symbols);
     if (adaptive) {
       const uint16_t* f = afreq + 256 * i;
@@ -515,8 +571,8 @@ __global__ void __launch_bounds__(kPrepThreads)
         const uint32_t version = h1 & 0xFF, flags = (h1 >> 8) & 0xFF, lanes = h1 >> 24;
         seg_log2 = (h1 >> 16) & 0xFF;
         if (h0 != kMagic || version != kVersion || (flags & ~uint32_t{kFlagAdaptive}) != 0 ||
-            seg_log2 < kMinSegLog2 || seg_log2 > kMaxSegLog2 || lanes != kLanesLog2 || (h2 >> 16) != 0 ||
-            n > kMaxStreamSymbols) {
+            seg_log2 < kMinSegLog2 || seg_log2 > kMaxSegLog2 || lanes != kLanesLog2 ||
+            ((flags & kFlagAdaptive) && (h2 >> 16) != 0) || n > kMaxStreamSymbols) {
           st = kErrBadHeader;
         } else if (n > d.dst_capacity || (n > 0 && d.dst == 0)) {
           st = kErrCapacity;
@@ -543,6 +599,12 @@ __global__ void __launch_bounds__(kPrepThreads)
                 off += tb;
               }
             }
+          } else if (n > 0 && (h2 >> 16) != 0) {
+            w.run_len = 32u * (h2 >> 16);
+            const uint64_t runs = run_count(n, w.run_len);
+            if (w.table_id + runs > static_cast<uint64_t>(num_tables)) st = kErrBadTable;
+            for (uint64_t r = 0; st == kOk && r < runs; ++r)
+              if (!table_ok(ok_bits, num_tables, static_cast<uint32_t>(w.table_id + r))) st = kErrBadTable;
           } else if (n > 0 && !table_ok(ok_bits, num_tables, w.table_id)) {
             st = kErrBadTable;
           }
@@ -557,7 +619,7 @@ __global__ void __launch_bounds__(kPrepThreads)
         w.nseg = static_cast<uint32_t>(nseg);
         w.num_tiles = static_cast<uint32_t>((nseg + kWarps - 1) / kWarps);
         w.seg_log2 = static_cast<uint8_t>(seg_log2);
-        w.seg_table_off = off;
+        w.seg_table_off = static_cast<uint32_t>(off);
         w.payload_off = off + 4 * nseg;
         w.avail = d.src_bytes - w.payload_off;
         tiles = w.num_tiles;
@@ -646,6 +708,85 @@ __device__ int32_t decode_segment_warp(const uint8_t* __restrict__ payload, uint
   return kOk;
 }
 
+// One warp decodes one coded segment of a table-switching stream: step k uses static table
+// run_tables + 256 * ((first + 32 k) / run_len) (warp-uniform), whose cdf the warp keeps in cdf_w[257];
+// each lane finds its symbol by binary search (the s with cdf[s] <= slot < cdf[s + 1], as
+// decode_segment_runs in rans_cpu.cpp). Tables validated by the prep kernel.
+__device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload, uint32_t size, uint32_t n,
+                                            const uint16_t* __restrict__ run_tables, uint32_t run_len,
+                                            uint64_t first, uint32_t* cdf_w, uint8_t* __restrict__ dst,
+                                            uint8_t* stage, int lane) {
+  uint32_t x = ldg_u32(payload + 4 * lane);
+  if (__any_sync(0xFFFFFFFFu, x < kStateLower)) return kErrCorrupt;
+  const uint8_t* words = payload + kStateBytes;
+  uint32_t pos = (size - kStateBytes) / 2;
+  const uint32_t steps = (n + kLanes - 1) / kLanes;
+  const uint32_t groups = (steps + 15) / 16;
+  const uint32_t lt = lanemask_lt();
+  uint64_t cur_run = ~0ull;
+  for (uint32_t g = groups; g-- > 0;) {
+    const uint32_t kbeg = g * 16, kend = min(steps, kbeg + 16);
+    for (uint32_t k = kend; k-- > kbeg;) {
+      const uint64_t run = (first + uint64_t{k} * 32) / run_len;  // warp-uniform
+      if (run != cur_run) {
+        const unsigned short* fg = reinterpret_cast<const unsigned short*>(run_tables + 256 * run);
+        uint32_t f[8];
+        uint32_t sum = 0;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          f[q] = __ldg(fg + lane * 8 + q);
+          sum += f[q];
+        }
+        uint32_t incl = sum;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+          if (lane >= d) incl += v;
+        }
+        uint32_t c = incl - sum;
+        __syncwarp();
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          cdf_w[lane * 8 + q] = c;
+          c += f[q];
+        }
+        if (lane == 31) cdf_w[256] = c;
+        __syncwarp();
+        cur_run = run;
+      }
+      const bool active = k * 32 + lane < n;
+      if (active) {
+        const uint32_t slot = x & (kProbScale - 1);
+        uint32_t lo = 0, hi = 256;
+        while (hi - lo > 1) {
+          const uint32_t mid = (lo + hi) >> 1;
+          if (cdf_w[mid] <= slot) lo = mid; else hi = mid;
+        }
+        stage[(k - kbeg) * 32 + lane] = static_cast<uint8_t>(lo);
+        const uint32_t c0 = cdf_w[lo];
+        x = (cdf_w[lo + 1] - c0) * (x >> kProbBits) + slot - c0;
+      }
+      const bool need = active && x < kStateLower;
+      const uint32_t m = __ballot_sync(0xFFFFFFFFu, need);
+      const uint32_t c = __popc(m);
+      if (c > pos) return kErrCorrupt;
+      if (need) x = (x << 16) | ldg_u16(words + 2 * (pos - c + __popc(m & lt)));
+      pos -= c;
+    }
+    __syncwarp();
+    const uint32_t base = g * kStage;
+    const uint32_t len = min(static_cast<uint32_t>(kStage), n - base);
+    if (len == kStage && (reinterpret_cast<uintptr_t>(dst + base) & 15) == 0) {
+      reinterpret_cast<uint4*>(dst + base)[lane] = reinterpret_cast<const uint4*>(stage)[lane];
+    } else {
+      for (uint32_t b = lane; b < len; b += 32) dst[base + b] = stage[b];
+    }
+    __syncwarp();
+  }
+  if (__any_sync(0xFFFFFFFFu, pos != 0 || x != kStateLower)) return kErrCorrupt;
+  return kOk;
+}
+
 __global__ void __launch_bounds__(kThreads)
     dec_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N, const uint16_t* __restrict__ tables,
                const DecodeWork* __restrict__ work, const DecGlobals* __restrict__ gl,
@@ -653,6 +794,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t dec[kProbScale];
   __shared__ uint32_t freq_s[256];
   __shared__ uint32_t cdf_s[257];
+  __shared__ uint32_t cdf_w[kWarps][257];  // table-switching streams: the warp's current run table
   __shared__ __align__(16) uint8_t stage[kWarps][kStage];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint64_t total_tiles = gl->total_tiles;
@@ -662,7 +804,7 @@ __global__ void __launch_bounds__(kThreads)
     const DecodeWork w = work[i];
     const RansDecodeDesc d = descs[i];
     const uint8_t* src = reinterpret_cast<const uint8_t*>(d.src);
-    const int64_t newkey = w.adaptive ? (int64_t{1} << 32) + i : int64_t{w.table_id};
+    const int64_t newkey = w.run_len ? key : w.adaptive ? (int64_t{1} << 32) + i : int64_t{w.table_id};
     if (newkey != key) {
       __syncthreads();
       build_dec_table(src, w, tables, freq_s, cdf_s, dec);
@@ -691,7 +833,9 @@ __global__ void __launch_bounds__(kThreads)
           for (uint32_t b = lane; b < n; b += 32) dst[b] = __ldg(payload + b);
         }
       } else if (size < n && size >= kStateBytes && ((size - kStateBytes) & 1) == 0) {
-        r = decode_segment_warp(payload, static_cast<uint32_t>(size), n, dec, dst, stage[warp], lane);
+        r = w.run_len ? decode_segment_warp_runs(payload, static_cast<uint32_t>(size), n, tables + 256ull * w.table_id,
+                                                 w.run_len, j * seg_len, cdf_w[warp], dst, stage[warp], lane)
+                      : decode_segment_warp(payload, static_cast<uint32_t>(size), n, dec, dst, stage[warp], lane);
       } else {
         r = kErrBadSegment;
       }

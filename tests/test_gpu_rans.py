@@ -210,3 +210,74 @@ def test_gpu_side_stream_and_record():
     rec_g = fmt.pack(info, [gpu.stream(i).cpu() for i in range(6)])
     rec_c = fmt.pack(info, [cpu.stream(i) for i in range(6)])
     assert rec_g == rec_c
+
+
+# ---------------------------------------------------------------------------------------------------
+# table switching (stream version 2)
+
+
+def _run_batch(rng):
+    """Streams coded with per-run tables: KV-like runs of different spreads, odd lengths, a missing
+    symbol (whole-stream fallback), run lengths 32 .. 1024, mixed with single-table streams."""
+    nt = 600
+    tables = np.stack([rans.build_table(np.bincount(np.clip(np.round(rng.normal(6, s, 4000)), 0, 12).astype(np.int64),
+                                                    minlength=13), alphabet_size=13)
+                       for s in rng.uniform(0.3, 3.0, nt)])
+    streams, ids, runs = [], [], []
+    for n, run, tid in [(256 * 192, 256, 0), (256 * 192 - 37, 256, 192), (16384 * 3 + 5, 1024, 10),
+                        (5000, 32, 400), (0, 256, 0), (1, 64, 7), (33, 32, 1), (768 * 2, 768, 590),
+                        (20000, 0, 3), (4097, 96, 100)]:
+        spread = np.repeat(rng.uniform(0.3, 3.0, max(1, -(-n // max(run, 1)))), max(run, 1))[:n]
+        x = np.clip(np.round(rng.normal(6, spread)), 0, 12).astype(np.uint8)
+        streams.append(x)
+        ids.append(tid)
+        runs.append(run)
+    m = streams[0].copy()
+    m[1000] = 99  # absent from every table: the stream falls back to its own table
+    streams.append(m)
+    ids.append(0)
+    runs.append(256)
+    return streams, ids, runs, tables
+
+
+@pytest.mark.parametrize("seg_log2", SEG_LOG2S)
+def test_gpu_run_tables_identical_to_cpu(seg_log2):
+    rng = np.random.default_rng(seg_log2 + 100)
+    streams, ids, runs, tables = _run_batch(rng)
+    cpu = rans.encode(streams, ids, tables, seg_log2=seg_log2, run_lens=runs)
+    xs = [torch.from_numpy(x).to(DEV) for x in streams]
+    gpu = rans.encode(xs, ids, tables, seg_log2=seg_log2, run_lens=runs)
+    np.testing.assert_array_equal(gpu.offsets, cpu.offsets)
+    g = gpu.data.cpu().numpy()
+    assert np.array_equal(g, cpu.data), "GPU table-switching bytes differ from CPU"
+    dev_batch = rans.EncodedBatch(torch.from_numpy(cpu.data.copy()).to(DEV), cpu.offsets)
+    out_gpu = rans.decode(dev_batch, tables, lengths=[len(x) for x in streams])
+    out_cpu = rans.decode(rans.EncodedBatch(g, gpu.offsets), tables)
+    for x, a, b in zip(streams, out_gpu, out_cpu):
+        np.testing.assert_array_equal(a.cpu().numpy(), x)
+        np.testing.assert_array_equal(b, x)
+
+
+def test_gpu_run_tables_hostile_matches_cpu():
+    rng = np.random.default_rng(77)
+    streams, ids, runs, tables = _run_batch(rng)
+    good = [bytes(rans.encode([streams[i]], ids[i], tables, seg_log2=10, run_lens=runs[i]).data) for i in (0, 3, 9)]
+    bufs = []
+    for gd in good:
+        bufs += [gd[:cut] for cut in range(0, len(gd), 97)]
+        for _ in range(300):
+            m = bytearray(gd)
+            for _ in range(int(rng.integers(1, 4))):
+                m[int(rng.integers(0, len(m)))] = int(rng.integers(0, 256))
+            bufs.append(bytes(m))
+    bufs += good
+    st_c, st_g, (oc, lc), (og, lg) = _statuses_both(bufs, tables, capacity=256 * 192)
+    np.testing.assert_array_equal(st_c == 0, st_g == 0)
+    assert (st_g[-3:] == 0).all()
+    for i in np.flatnonzero(st_c == 0):
+        assert lc[i] == lg[i]
+        np.testing.assert_array_equal(oc[i][: lc[i]], og[i][: lg[i]])
+    # too few tables on the device: the same verdicts
+    st_c, st_g, _, _ = _statuses_both(good, tables[:100], capacity=256 * 192)
+    np.testing.assert_array_equal(st_c, st_g)
+    assert (st_c == 3).all()

@@ -64,13 +64,16 @@ def ref_normalize(counts, alphabet_size=0):
 MISSING, RAW = "missing", "raw"
 
 
-def ref_encode_segment(sym: np.ndarray, freq: np.ndarray):
+def ref_encode_segment(sym: np.ndarray, freq: np.ndarray, step_tables=None):
+    """``step_tables`` (table switching): a function step -> freq of that step's run."""
     n = len(sym)
-    cdf = np.concatenate([[0], np.cumsum(freq.astype(np.uint64))]).astype(np.uint64)
-    f_all = freq.astype(np.uint64)
     x = np.full(32, L, np.uint64)
     words: list[int] = []
     for k in range(-(-n // 32)):
+        if step_tables is not None:
+            freq = step_tables(k)
+        cdf = np.concatenate([[0], np.cumsum(freq.astype(np.uint64))]).astype(np.uint64)
+        f_all = freq.astype(np.uint64)
         chunk = sym[32 * k : 32 * k + 32]
         m = len(chunk)
         f = f_all[chunk]
@@ -87,7 +90,8 @@ def ref_encode_segment(sym: np.ndarray, freq: np.ndarray):
     return x.astype("<u4").tobytes() + np.array(words, "<u2").tobytes()
 
 
-def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_log2: int = SEG) -> bytes:
+def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_log2: int = SEG,
+                      run_len: int = 0) -> bytes:
     n = len(sym)
     seg = 1 << seg_log2
     segs = [sym[i : i + seg] for i in range(0, n, seg)]
@@ -96,12 +100,17 @@ def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_lo
     coded = []
     if not adaptive and n > 0:
         freq = tables[table_id]
-        coded = [ref_encode_segment(s, freq) for s in segs]
+        if run_len:
+            coded = [ref_encode_segment(s, None, lambda k, j=j: tables[table_id + (j * seg + 32 * k) // run_len])
+                     for j, s in enumerate(segs)]
+        else:
+            coded = [ref_encode_segment(s, freq) for s in segs]
         adaptive = any(c is MISSING for c in coded)
     if adaptive:
         freq = ref_normalize(np.bincount(sym, minlength=256))
         coded = [ref_encode_segment(s, freq) for s in segs]
-    head = np.array([(0x534E524C, 1, 1 if adaptive else 0, seg_log2, 5, table_id & 0xFFFF, 0, n)],
+    head = np.array([(0x534E524C, 2, 1 if adaptive else 0, seg_log2, 5, table_id & 0xFFFF,
+                      0 if adaptive else run_len // 32, n)],
                     dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
     table = b""
     if adaptive:
@@ -389,7 +398,7 @@ def test_corruption_detected_or_harmless(sample):
 def test_fuzz_random_bytes(data):
     tables = np.stack([rans.build_table(np.ones(256))])
     # also with a valid-looking header
-    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, len(data))], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    head = np.array([(0x534E524C, 2, 0, 10, 5, 0, 0, len(data))], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
     for buf in (data, head + data):
         status, y = _decode_status(buf, tables, capacity=4096)
         assert status >= 0
@@ -415,14 +424,14 @@ def test_fuzz_mutated_streams(edits, cut, adaptive):
 def test_hostile_lengths_are_bounded():
     tables = np.stack([rans.build_table(np.ones(256))])
     # claims 2**31 symbols but the capacity is small -> capacity error, no allocation, no hang
-    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, 2**31)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    head = np.array([(0x534E524C, 2, 0, 10, 5, 0, 0, 2**31)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
     assert _decode_status(head, tables)[0] == 4
     # header fine, but segment table would lie past the buffer
-    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, 60000)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    head = np.array([(0x534E524C, 2, 0, 10, 5, 0, 0, 60000)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
     assert _decode_status(head + b"\0" * 20, tables, capacity=1 << 20)[0] == 1
     # segment ends that point past the payload
     ends = np.array([1 << 30], "<u4").tobytes()
-    head = np.array([(0x534E524C, 1, 0, 10, 5, 0, 0, 1000)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    head = np.array([(0x534E524C, 2, 0, 10, 5, 0, 0, 1000)], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
     assert _decode_status(head + ends + b"\0" * 64, tables)[0] == 5
     # misaligned source
     x = np.zeros(100, np.uint8)
@@ -503,3 +512,89 @@ def test_record_fuzz(data):
             continue
         for l in range(r.info.num_layers):
             r.layer_span(l)
+
+
+# ---------------------------------------------------------------------------------------------------
+# table switching (stream version 2): symbol i coded with table table_id + i // run_len
+
+
+def _run_tables(rng, nruns, alphabet=13):
+    return np.stack([rans.build_table(np.r_[rng.integers(0, 50, alphabet), 0] + (np.arange(alphabet + 1) == alphabet // 2) * 800,
+                                      alphabet_size=alphabet) for _ in range(nruns)])
+
+
+@pytest.mark.parametrize("n,run_len,seg_log2", [(256 * 192, 256, SEG), (256 * 192 - 37, 256, SEG), (5000, 32, 10),
+                                                (3 * 1024 + 5, 96, 10), (768 * 2, 768, SEG), (1, 64, SEG), (0, 32, SEG)])
+def test_run_tables_bytes_match_reference(rng, n, run_len, seg_log2):
+    nruns = max(1, -(-n // run_len))
+    tables = _run_tables(rng, nruns + 3)
+    # each run drawn from a different spread so per-run tables matter
+    spread = rng.uniform(0.5, 3.0, nruns)
+    x = np.clip(np.round(rng.normal(6, np.repeat(spread, run_len)[:n])), 0, 12).astype(np.uint8)
+    b = rans.encode([x], 2, tables, seg_log2=seg_log2, run_lens=run_len)
+    assert bytes(b.stream(0)) == ref_encode_stream(x, 2, tables, seg_log2, run_len)
+    info = rans.stream_info(b.stream(0))
+    assert (info.run_len, info.adaptive, info.table_id) == ((run_len if n else 0) if n else 0, False, 2) or n == 0
+    np.testing.assert_array_equal(rans.decode(b, tables)[0], x)
+
+
+def test_run_tables_smaller_than_one_table(rng):
+    """Per-run tables fitted to runs of different spreads beat one pooled table (the point of switching)."""
+    run_len, nruns = 256, 64
+    spread = np.repeat(rng.uniform(0.3, 3.0, nruns), run_len)
+    x = np.clip(np.round(rng.normal(6, spread)), 0, 12).astype(np.uint8)
+    runs = x.reshape(nruns, run_len)
+    tables = np.stack([rans.build_table(np.bincount(r, minlength=13), alphabet_size=13) for r in runs])
+    pooled = rans.build_table(np.bincount(x, minlength=13), alphabet_size=13)
+    b_run = rans.encode([x], 0, tables, run_lens=run_len)
+    b_one = rans.encode([x], 0, pooled[None])
+    assert b_run.nbytes < 0.93 * b_one.nbytes
+    np.testing.assert_array_equal(rans.decode(b_run, tables)[0], x)
+
+
+def test_run_tables_fallback_and_errors(rng):
+    tables = _run_tables(rng, 10)
+    x = np.full(10 * 256, 6, np.uint8)
+    x[700] = 200  # absent from run 2's table: the whole stream falls back to its own table
+    b = rans.encode([x], 0, tables, run_lens=256)
+    info = rans.stream_info(b.stream(0))
+    assert info.adaptive and info.run_len == 0
+    assert bytes(b.stream(0)) == ref_encode_stream(x, 0, tables, SEG, 256)
+    np.testing.assert_array_equal(rans.decode(b, tables)[0], x)
+    x[700] = 6
+    with pytest.raises(ValueError, match="bad or unknown table"):  # runs need tables 1..10: 10 missing
+        rans.encode([x], 1, tables, run_lens=256)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        rans.encode([x], 0, tables, run_lens=100)
+    b = rans.encode([x], 0, tables, run_lens=256)
+    with pytest.raises(ValueError, match="bad or unknown table"):  # decoder with too few tables
+        rans.decode(b, tables[:9])
+    bad = tables.copy()
+    bad[9, 6] += 1  # run 9's table no longer sums to 4096
+    with pytest.raises(ValueError, match="bad or unknown table"):
+        rans.decode(b, bad)
+    # adaptive flag together with a run length is not a valid header
+    raw = bytearray(bytes(rans.encode([x], rans.ADAPTIVE_TABLE).stream(0)))
+    raw[10:12] = (8).to_bytes(2, "little")
+    with pytest.raises(ValueError, match="bad stream header"):
+        rans.decode([np.frombuffer(bytes(raw), np.uint8)], tables, lengths=[x.size])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_run_tables_hostile_bytes(data):
+    """Random corruption of table-switching streams never crashes; it decodes or raises."""
+    r = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    tables = _run_tables(r, 24)
+    x = np.clip(np.round(r.normal(6, 2, 24 * 64)), 0, 12).astype(np.uint8)
+    good = bytearray(bytes(rans.encode([x], 0, tables, run_lens=64, seg_log2=10).stream(0)))
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(good) - 1))
+        good[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(good)))
+    buf = np.frombuffer(bytes(good[:cut]) + b"\0" * ((-cut) % 4), np.uint8)
+    out = np.empty(x.size, np.uint8)
+    got = np.zeros(1, np.int64)
+    stt = np.zeros(1, np.int32)
+    rans.decode_into([buf], tables, outs=[out], out_lengths=got, status=stt)
+    assert stt[0] in rans.STATUS_NAMES

@@ -4,7 +4,11 @@ The coder and its byte format are specified in ``csrc/include/lmtier/rans.h`` (r
 arXiv:1311.2540; 32 interleaved lanes per segment and 16-bit renormalization as in dietgpu). In short:
 probability precision 12 bits (a *table* is 256 ``uint16`` frequencies summing to 4096), segments of
 ``2**seg_log2`` symbols coded by 32 lanes (one CUDA warp), a per-stream table of its own when the
-static table lacks a symbol, raw storage of segments that coding would not shrink. The CPU (threads)
+static table lacks a symbol, raw storage of segments that coding would not shrink, and *table
+switching* (stream format version 2): a stream with run length ``R`` (a multiple of 32) codes symbol
+``i`` with static table ``table_id + i // R`` — e.g. one calibrated table per (head, channel) run of T
+tokens inside one (layer, K/V) stream, so the per-stream framing (header, 128 bytes of lane states
+per segment) is paid once per stream, not once per table. The CPU (threads)
 and CUDA (one warp per segment) encoders produce **byte-identical** streams.
 
 Entry points:
@@ -38,6 +42,7 @@ __all__ = [
     "DEFAULT_SEG_LOG2",
     "ADAPTIVE_TABLE",
     "HEADER_BYTES",
+    "MAX_RUN_LEN",
     "STATUS_NAMES",
     "ENCODE_DESC",
     "DECODE_DESC",
@@ -67,6 +72,7 @@ DEFAULT_SEG_LOG2: int = _R.DEFAULT_SEG_LOG2
 ADAPTIVE_TABLE: int = _R.ADAPTIVE_TABLE
 HEADER_BYTES: int = _R.HEADER_BYTES
 MAX_STREAM_SYMBOLS: int = _R.MAX_STREAM_SYMBOLS
+MAX_RUN_LEN: int = 32 * 0xFFFF
 
 STATUS_NAMES = {
     0: "ok",
@@ -83,7 +89,7 @@ STATUS_NAMES = {
 }
 
 # Descriptor layouts shared with csrc/include/lmtier/rans.h (static_asserted there).
-ENCODE_DESC = np.dtype([("src", "<u8"), ("num_symbols", "<u8"), ("table_id", "<u4"), ("reserved", "<u4")])
+ENCODE_DESC = np.dtype([("src", "<u8"), ("num_symbols", "<u8"), ("table_id", "<u4"), ("run_len", "<u4")])
 DECODE_DESC = np.dtype([("src", "<u8"), ("src_bytes", "<u8"), ("dst", "<u8"), ("dst_capacity", "<u8")])
 assert ENCODE_DESC.itemsize == 24 and DECODE_DESC.itemsize == 32
 
@@ -238,6 +244,7 @@ class StreamInfo:
     adaptive: bool
     seg_log2: int
     num_segments: int
+    run_len: int = 0  # table switching: symbol i uses table table_id + i // run_len (0: one table)
 
 
 def stream_info(buf: Any) -> StreamInfo:
@@ -245,13 +252,13 @@ def stream_info(buf: Any) -> StreamInfo:
     b = memoryview(_as_u8_np(buf) if not isinstance(buf, (bytes, bytearray, memoryview)) else buf).cast("B")
     if len(b) < HEADER_BYTES:
         raise ValueError("rans stream truncated: shorter than its 16-byte header")
-    magic, version, flags, seg_log2, lanes, table_id, reserved, n = np.frombuffer(
+    magic, version, flags, seg_log2, lanes, table_id, run_words, n = np.frombuffer(
         bytes(b[:16]), dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4"))[0].tolist()
-    if magic != _R.MAGIC or version != _R.VERSION or flags & ~1 or lanes != 5 or reserved:
-        raise ValueError("not an lmtier rANS stream (bad magic/version/flags)")
+    if magic != _R.MAGIC or version != _R.VERSION or flags & ~1 or lanes != 5 or (flags & 1 and run_words):
+        raise ValueError("not an lmtier rANS stream of this version (bad magic/version/flags)")
     if not MIN_SEG_LOG2 <= seg_log2 <= MAX_SEG_LOG2:
         raise ValueError(f"bad segment size 2**{seg_log2}")
-    return StreamInfo(n, table_id, bool(flags & 1), seg_log2, -(-n // (1 << seg_log2)))
+    return StreamInfo(n, table_id, bool(flags & 1), seg_log2, -(-n // (1 << seg_log2)), 32 * run_words)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,6 +327,18 @@ def _keep_alive(tensors: list[Any], stream: Any, device: Any) -> None:
             t.record_stream(s)
 
 
+def _run_lens(run_lens: Any, n: int) -> np.ndarray:
+    if isinstance(run_lens, (int, np.integer)):
+        r = np.full(n, int(run_lens), np.int64)
+    else:
+        r = np.asarray(run_lens, np.int64).reshape(-1)
+        if r.size != n:
+            raise ValueError(f"got {r.size} run lengths for {n} streams")
+    if r.size and ((r < 0).any() or (r % LANES).any() or (r > MAX_RUN_LEN).any()):
+        raise ValueError(f"run lengths must be 0 or positive multiples of {LANES} up to {MAX_RUN_LEN}")
+    return r
+
+
 def _table_ids(table_ids: Any, n: int) -> np.ndarray:
     if isinstance(table_ids, (int, np.integer)):
         return np.full(n, int(table_ids), np.int64)
@@ -352,13 +371,18 @@ def _tables_addr(tables: Any, on_cuda: bool, device: Any, keep: list) -> tuple[i
 
 
 def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any, offsets: Any, status: Any,
-                scratch: Any, seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None) -> None:
+                scratch: Any, seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None,
+                run_lens: Any = 0) -> None:
     """Encode a batch into caller-provided buffers, one native call (CUDA: asynchronous on ``stream``).
 
     Parameters
     ----------
     streams : sequence of N contiguous 1-D uint8 arrays/tensors (all CPU or all on one CUDA device)
-    table_ids : int or [N] ints — static table per stream (< num_tables) or ``ADAPTIVE_TABLE``
+    table_ids : int or [N] ints — static table per stream (< num_tables) or ``ADAPTIVE_TABLE``; with
+        table switching the first table of the stream's runs
+    run_lens : int or [N] ints — table switching: 0 (one table per stream, default) or a run length R
+        (a positive multiple of 32); symbol i of stream k is coded with table ``table_ids[k] + i // R``
+        (all of ``table_ids[k] .. table_ids[k] + ceil(len / R) - 1`` must be valid tables)
     tables : [num_tables, 256] uint16 — static tables (NumPy; uploaded per call on CUDA) or a CUDA
         tensor of ``num_tables * 512`` bytes already on the device
     out : uint8 buffer, >= ``max_batch_encoded_bytes(N, sum(len))`` bytes (smaller works if it fits)
@@ -378,6 +402,7 @@ def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any
             raise ValueError(f"stream {i}: symbols must be uint8")
         desc[i]["src"], desc[i]["num_symbols"] = _addr_len(s)
     desc["table_id"] = ids.astype(np.uint32) & 0xFFFFFFFF
+    desc["run_len"] = _run_lens(run_lens, n).astype(np.uint32)
     keep: list[Any] = [desc]
     t_addr, num_tables = _tables_addr(tables, on_cuda, streams[0].device if on_cuda else None, keep)
     out_addr, out_bytes = _addr_len(out)
@@ -400,10 +425,12 @@ def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any
 
 
 def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any = None, *,
-           seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None) -> EncodedBatch:
+           seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None,
+           run_lens: Any = 0) -> EncodedBatch:
     """Encode N uint8 streams; returns an :class:`EncodedBatch` (synchronizes on CUDA).
 
-    ``table_ids`` defaults to ``ADAPTIVE_TABLE`` (every stream codes with its own table).
+    ``table_ids`` defaults to ``ADAPTIVE_TABLE`` (every stream codes with its own table);
+    ``run_lens``: table switching, see :func:`encode_into`.
     Raises ValueError on bad tables / ids / dtypes.
     """
     streams = list(streams)
@@ -420,7 +447,7 @@ def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any 
         offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
         status = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
         encode_into(streams, table_ids, tables, out=out, offsets=offsets, status=status, scratch=scratch,
-                    seg_log2=seg_log2, stream=stream)
+                    seg_log2=seg_log2, stream=stream, run_lens=run_lens)
         _sync(stream, dev)
         st = status.cpu().numpy()[:n]
         off = offsets.cpu().numpy()
@@ -432,7 +459,7 @@ def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any 
     offsets = np.zeros(n + 1, np.int64)
     status = np.zeros(max(n, 1), np.int32)
     encode_into(streams, table_ids, tables, out=out, offsets=offsets, status=status, scratch=scratch,
-                seg_log2=seg_log2, num_threads=num_threads)
+                seg_log2=seg_log2, num_threads=num_threads, run_lens=run_lens)
     _raise_status(status[:n], "encode")
     return EncodedBatch(out[: int(offsets[-1])], offsets)
 

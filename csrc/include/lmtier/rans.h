@@ -20,13 +20,17 @@
 //     not smaller than the segment's raw size, the segment is stored raw (payload = the symbols).
 //
 // Tables: the caller passes a set of static tables (calibrated offline, [num_tables][256] uint16) and
-// a table id per stream. A stream whose static table lacks a symbol that a coded segment needs (or
+// a table id per stream. Table switching (version 2): a stream may also name a *run length* R (a
+// multiple of kLanes, 0 = off); symbol i is then coded with static table table_id + floor(i / R), so
+// one stream (and one set of lane states) spans many tables, e.g. one table per (head, channel) run
+// of T tokens. Because R and every segment start are multiples of 32, the 32 lanes of one step always
+// share one table. All tables table_id .. table_id + ceil(n / R) - 1 must exist and be valid. A stream whose static table lacks a symbol that a coded segment needs (or
 // whose table id is kAdaptiveTable) is coded with its own table, normalized from the stream's
 // histogram by rans_normalize_counts() and stored in the stream. Normalization is integer-only and
 // implemented once (here, __host__ __device__): Python's build_table calls the same code.
 //
 // Encoded stream layout (little-endian; every part starts 4-byte aligned; pad bytes are zero):
-//   RansStreamHeader                                16 bytes (static_asserted)
+//   RansStreamHeader                                16 bytes (static_asserted; run_words = R / 32)
 //   [adaptive table]                                only if flags & kFlagAdaptive:
 //       uint8  present[32]                          bitmap of symbols with frequency > 0
 //       uint16 freq[popcount(present)]              their frequencies (1..4096, sum 4096), padded to 4
@@ -68,9 +72,10 @@ constexpr int kDefaultSegLog2 = 14;               // 16 KiB: 0.8 % state overhea
 constexpr uint32_t kAdaptiveTable = 0xFFFF;       // table id: always use the stream's own table
 constexpr uint64_t kMaxStreamSymbols = 1ull << 31;
 constexpr uint32_t kMagic = 0x534E524Cu;          // "LRNS" little-endian
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;  // 2: run_words (table switching) replaces a reserved field
 constexpr uint8_t kFlagAdaptive = 1;
 constexpr int kAdaptiveTableMaxBytes = 32 + 2 * 256;
+constexpr uint32_t kMaxRunLen = 32u * 0xFFFFu;     // run_words is a uint16
 
 struct RansStreamHeader {
   uint32_t magic;        // kMagic
@@ -78,8 +83,8 @@ struct RansStreamHeader {
   uint8_t flags;         // kFlagAdaptive or 0; other bits must be 0
   uint8_t seg_log2;      // segment = 2^seg_log2 symbols, kMinSegLog2..kMaxSegLog2
   uint8_t lanes_log2;    // kLanesLog2
-  uint16_t table_id;     // requested static table id (kAdaptiveTable: none)
-  uint16_t reserved;     // 0
+  uint16_t table_id;     // requested static table id (kAdaptiveTable: none); first table of a run stream
+  uint16_t run_words;    // table switching: run length R = 32 * run_words symbols (0: one table); 0 if adaptive
   uint32_t num_symbols;  // symbols in the stream, <= kMaxStreamSymbols
 };
 static_assert(sizeof(RansStreamHeader) == 16, "RansStreamHeader must be 16 bytes");
@@ -104,7 +109,8 @@ struct RansEncodeDesc {
   uint64_t src;          // address of num_symbols uint8 symbols (device for CUDA, host for CPU)
   uint64_t num_symbols;  // <= kMaxStreamSymbols
   uint32_t table_id;     // < num_tables, or kAdaptiveTable
-  uint32_t reserved;     // 0
+  uint32_t run_len;      // table switching: 0 (one table) or R, a multiple of kLanes <= kMaxRunLen; the
+                         // static tables table_id .. table_id + ceil(num_symbols / R) - 1 code the runs
 };
 static_assert(sizeof(RansEncodeDesc) == 24, "RansEncodeDesc layout is shared with Python");
 
@@ -212,6 +218,15 @@ LMTIER_HD bool normalize_counts(const uint64_t* counts, int alphabet_size, uint1
     sum -= 1;
   }
   return true;
+}
+
+// Number of runs of a run-switching stream (0 when run_len == 0 or n == 0).
+LMTIER_HD uint64_t run_count(uint64_t num_symbols, uint32_t run_len) {
+  return run_len == 0 ? 0 : (num_symbols + run_len - 1) / run_len;
+}
+// True when a requested run length is acceptable (0 or a positive multiple of kLanes <= kMaxRunLen).
+LMTIER_HD bool run_len_valid(uint32_t run_len) {
+  return run_len % kLanes == 0 && run_len <= kMaxRunLen;
 }
 
 // True when freq is a valid table: sum == 4096 (zero entries allowed for absent symbols).
