@@ -336,8 +336,8 @@ def _resident_pages(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("mode", ["now", "background"])
-def test_default_arena_is_populated(mode):
-    """The pool's own arena is mapped at startup (no first-touch faults in the serving path)."""
+def test_whole_arena_populated(mode):
+    """populate="now"/"background": the whole arena is mapped at startup."""
     from lmtier.memory import HostBuffer
 
     pool = CPUPool(64 * 4096, 4096, populate=mode)
@@ -346,6 +346,38 @@ def test_default_arena_is_populated(mode):
     assert owner.populated.wait(30)
     if not owner.pinned:
         assert _resident_pages(pool.arena) == 64
+
+
+def _wait_populated(pool: CPUPool, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while pool.counters["populated_slots"] < n:
+        assert time.monotonic() < deadline, pool.counters
+        time.sleep(0.01)
+
+
+def test_populate_ahead_of_use():
+    """Default "ahead": a window of POPULATE_AHEAD_BYTES is mapped ahead of the highest slot handed
+    out (resident memory grows with use, never-used slots are mapped before a store writes them)."""
+    from lmtier.tiers import cpu as cpu_mod
+
+    slot = 1 << 20
+    window = cpu_mod.POPULATE_AHEAD_BYTES // slot
+    pool = CPUPool(4 * window * slot, slot)  # 4 windows of 1 MiB slots
+    if pool.pinned:
+        pytest.skip("pinned arenas are mapped by cudaHostAlloc")
+    _wait_populated(pool, window)
+    assert _resident_pages(pool.arena) == window * slot // 4096
+    for i in range(window + 1):  # hand out slots 0..window: >= window slots stay mapped beyond
+        s = pool.reserve(K(i))
+        pool.commit(s, 1)
+    _wait_populated(pool, 2 * window + 1)
+    mapped = pool.counters["populated_slots"]
+    assert mapped <= 3 * window + 1
+    assert _resident_pages(pool.arena[: mapped * slot]) == mapped * slot // 4096
+    assert _resident_pages(pool.arena[mapped * slot:]) == 0
+    pool.close()
 
 
 def test_lazy_arena_is_not_populated():

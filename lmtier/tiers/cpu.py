@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,8 @@ __all__ = ["CPUPool", "Slot", "SLOT_ALIGN_BYTES", "as_byte_source"]
 log = logging.getLogger("lmtier.tiers.cpu")
 
 SLOT_ALIGN_BYTES = 4096
+POPULATE_AHEAD_BYTES = 256 << 20  # CPUPool(populate="ahead"): mapped ahead of the slots in use
+POPULATE_PIECE_BYTES = 8 << 20  # one madvise call (a concurrent fault there waits for it)
 
 _FREE, _WRITING, _COMMITTED = 0, 1, 2
 _READ, _WRITE = "read", "write"
@@ -136,10 +139,12 @@ class CPUPool(Tier):
             object with a ``.tensor`` attribute of that kind (e.g. ``HostBuffer``) — of at least
             ``num_slots * slot_bytes`` bytes (tests, sharing). Default: a new ``HostBuffer``
             (pinned when CUDA is usable).
-        populate: for the default (unpinned) arena: ``"background"`` (default) maps every page on
-            a daemon thread right away (``HostBuffer(populate=...)``), so stores into the pool do not
-            take first-touch page faults inside the serving path; ``"now"`` before returning;
-            ``"lazy"`` never (pages fault on first write).
+        populate: how the default (unpinned) arena's pages get mapped: ``"ahead"`` (default) keeps a
+            window of :data:`POPULATE_AHEAD_BYTES` mapped ahead of the slots in use, on a daemon
+            thread (``madvise(MADV_POPULATE_WRITE)``), so stores into never-used slots take no
+            first-touch page faults in the serving path while resident memory still grows only with
+            use; ``"now"`` / ``"background"`` map the whole arena at construction / on a daemon
+            thread (resident = capacity from the start); ``"lazy"`` never (pages fault on first write).
         evict_callback: ``callback(key, view)`` run (outside the lock, in the thread that called
             ``reserve``) before a committed chunk's slot is reused; ``view`` is ``torch.uint8
             [nbytes]`` and valid only during the call. Exceptions are logged and the chunk is
@@ -158,7 +163,7 @@ class CPUPool(Tier):
         *,
         arena: Any = None,
         evict_callback: EvictCallback | None = None,
-        populate: str = "background",
+        populate: str = "ahead",
     ) -> None:
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"CPUPool: chunk_bytes must be a positive int, got {chunk_bytes!r}")
@@ -176,7 +181,9 @@ class CPUPool(Tier):
         if arena is None:
             from lmtier.memory import HostBuffer
 
-            self._owner = HostBuffer(arena_bytes, populate=populate)
+            if populate not in ("ahead", "now", "background", "lazy"):
+                raise ValueError(f"CPUPool: populate must be 'ahead', 'now', 'background' or 'lazy', got {populate!r}")
+            self._owner = HostBuffer(arena_bytes, populate="lazy" if populate == "ahead" else populate)
             tensor = self._owner.tensor
         else:
             self._owner = arena
@@ -204,6 +211,17 @@ class CPUPool(Tier):
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # evictable, LRU first
         self._closed = False
         self.counters: collections.Counter[str] = collections.Counter()
+        # Populate-ahead: never-used slots are handed out in index order (freed ones are reused
+        # first), so mapping slots [0, target) ahead of the highest slot handed out suffices.
+        self._ahead = 0
+        self._pop_target = 0
+        self._pop_cond: threading.Condition | None = None
+        if populate == "ahead" and arena is None and not self.pinned:
+            self._ahead = max(1, POPULATE_AHEAD_BYTES // self.slot_bytes)
+            self._pop_cond = threading.Condition(self._lock)
+            self._pop_target = min(self.num_slots, self._ahead)
+            threading.Thread(target=CPUPool._populate_loop, args=(weakref.ref(self), self._pop_cond),
+                             name="lmtier-populate", daemon=True).start()
 
     # ---- writer side ---------------------------------------------------------------------------
 
@@ -414,6 +432,40 @@ class CPUPool(Tier):
         """Refuse further reservations. The arena is freed when the pool is garbage-collected."""
         with self._lock:
             self._closed = True
+            if self._pop_cond is not None:
+                self._pop_cond.notify()
+
+    @staticmethod
+    def _populate_loop(ref: "weakref.ref[CPUPool]", cond: threading.Condition) -> None:
+        """Daemon thread: map slots ``[done, target)`` whenever the target moves (see ``populate``).
+        Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed."""
+        from lmtier.memory import populate
+
+        done = 0
+        while True:
+            with cond:
+                pool = ref()
+                if pool is None or pool._closed:
+                    return
+                if pool._pop_target <= done:
+                    del pool
+                    cond.wait(1.0)
+                    continue
+                target = pool._pop_target
+                step = max(1, POPULATE_PIECE_BYTES // pool.slot_bytes)
+                slot_bytes, arena = pool.slot_bytes, pool.arena
+                del pool
+            # In pieces: a fault in a range being populated waits for that madvise call.
+            for a in range(done, target, step):
+                if not populate(arena[a * slot_bytes:min(a + step, target) * slot_bytes]):
+                    return  # not supported here: pages fault on first write, as without populating
+            del arena
+            done = target
+            with cond:
+                pool = ref()
+                if pool is not None:
+                    pool.counters["populated_slots"] = done
+                del pool
 
     def __len__(self) -> int:
         with self._lock:
@@ -433,6 +485,9 @@ class CPUPool(Tier):
             raise RuntimeError("CPUPool is closed")
 
     def _start_write_locked(self, idx: int, key: bytes) -> Slot:
+        if self._pop_cond is not None and idx + self._ahead > self._pop_target:
+            self._pop_target = min(self.num_slots, idx + 2 * self._ahead)
+            self._pop_cond.notify()
         self._state[idx] = _WRITING
         self._keys[idx] = key
         self._nbytes[idx] = 0
