@@ -20,13 +20,19 @@ What it does (CPU only, 2 threads):
    whose description is charged, + the scale side data, itself entropy coded per (layer, K/V)
    stream). Chunks of 256 tokens. This is the ideal-coder bound of what
    ``lmtier.codec.rans`` ships (its framing bytes are not counted here).
+4. Shipped ratio: bf16 bytes / the real records of :func:`lmtier.codec.chunk.encode_chunk` (every
+   byte: record header, section index, rANS stream headers, lane states, segment tables, scale
+   codes, fallback tables), coded with the calibrated table-switching tables shipped in
+   ``lmtier/codec/tables/`` (:mod:`lmtier.codec.calibrate`, fitted on the calibration text above)
+   for the quantized levels, per-stream tables for ``lossless``.
 
 Usage::
 
     python benchmarks/codec_quality.py [--json out.json] [--levels lossless,high,default,low]
-        [--no-quality] [--smoke]
+        [--texts gpl3,pydoc] [--no-reference] [--no-quality] [--smoke]
 
-Prints a table and writes JSON (and a PNG of ratio vs Δppl when matplotlib is installed).
+Prints a table and writes JSON; ``benchmarks/plot_codec_quality.py`` draws docs/codec_quality.png
+from it.
 """
 
 from __future__ import annotations
@@ -356,6 +362,25 @@ def cachegen_rate_and_decode(eval_kv: torch.Tensor, calib_kv: torch.Tensor) -> t
     )
 
 
+def shipped_ratio(level, kv_bf16: torch.Tensor) -> float | None:
+    """bf16 bytes / bytes of the real codec records of every chunk (None for levels without a
+    record path here, e.g. ``cachegen_ref``). Quantized levels use the shipped calibrated tables
+    (per-stream tables when none fit the geometry), ``lossless`` per-stream tables."""
+    from lmtier.codec import calibrate as CAL
+    from lmtier.codec import chunk as CH
+
+    lv = L.get_level(level)
+    if lv.name not in L.LEVELS:
+        return None
+    total = raw = 0
+    for c in chunk_views(kv_bf16):
+        tab = CAL.shipped_tables(lv, tuple(c.shape))
+        rec = CH.encode_chunk(c, shape=tuple(c.shape), dtype=c.dtype, level=lv, tables=tab)
+        total += len(rec)
+        raw += c.numel() * c.element_size()
+    return raw / total
+
+
 def decode_level(level, kv_bf16: torch.Tensor) -> torch.Tensor:
     outs = []
     for c in chunk_views(kv_bf16):
@@ -394,7 +419,9 @@ def _system() -> dict:
 
 
 def _fmt_row(r: dict, texts) -> str:
-    cells = [f"{r['name']:<22s}", f"{r['ratio']:>6.2f}x", f"{r['bits_per_value']:>5.2f}"]
+    shp = r.get("ratio_shipped")
+    cells = [f"{r['name']:<22s}", f"{r['ratio']:>6.2f}x", f"{shp:>6.2f}x" if shp else f"{'-':>7s}",
+             f"{r['bits_per_value']:>5.2f}"]
     cells.append(f"{r.get('k_rel_err_mean', float('nan')):>6.3f}/{r.get('k_rel_err_max', float('nan')):<6.3f}")
     cells.append(f"{r.get('v_rel_err_mean', float('nan')):>6.3f}/{r.get('v_rel_err_max', float('nan')):<6.3f}")
     for t in texts:
@@ -406,18 +433,21 @@ def _fmt_row(r: dict, texts) -> str:
     return " ".join(cells)
 
 
-def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | None, plot: Path | None) -> dict:
+def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | None, reference: bool = True,
+        merge: bool = False) -> dict:
     cal = get_text("calib")["kv_fp32"].to(torch.bfloat16)
     data = {t: get_text(t) for t in texts}
     refs = {}
     rows: list[dict] = []
 
     def add(name: str, kind: str, rates: list[dict], decs: dict, extra=None):
-        row = dict(name=name, kind=kind, quality={}, per_text={})
+        row = dict(name=name, kind=kind, quality={}, per_text={},
+                   measured_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         n = len(rates)
         for key in ("ratio", "bits_per_value"):
             row[key] = sum(r[key] for r in rates) / n  # texts have equal weight
-        for key in ("ratio_as_shipped", "ratio_static_tables", "side_bits_per_value", "chunk_entropy_bound_bits_per_value"):
+        for key in ("ratio_shipped", "ratio_as_shipped", "ratio_static_tables", "side_bits_per_value",
+                    "chunk_entropy_bound_bits_per_value"):
             if key in rates[0]:
                 row[key] = sum(r[key] for r in rates) / n
         errs = [layer_rel_error(data[t]["kv_fp32"].to(torch.bfloat16), decs[t]) for t in texts]
@@ -449,7 +479,7 @@ def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | Non
         for t in texts:
             d = data[t]
             refs[t] = continuation_logprobs(d, d["kv_fp32"].to(torch.bfloat16).float())
-    hdr = f"{'level / scheme':<22s} {'ratio':>7s} {'bits':>5s} {'K relerr':>13s} {'V relerr':>13s} " + " ".join(
+    hdr = f"{'level / scheme':<22s} {'ratio':>7s} {'shipped':>7s} {'bits':>5s} {'K relerr':>13s} {'V relerr':>13s} " + " ".join(
         f"{t + ': dppl  top1   KL':>26s}" for t in texts
     )
     print(hdr)
@@ -457,52 +487,38 @@ def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | Non
     # noise floor: the fp32 cache and the cache of a bf16 run of the model, vs the bf16-rounded cache
     one = dict(ratio=1.0, bits_per_value=16.0)
     half = dict(ratio=0.5, bits_per_value=32.0)
-    add("noise: fp32 cache", "noise", [half] * len(texts), {t: data[t]["kv_fp32"] for t in texts})
-    add("noise: bf16-model KV", "noise", [one] * len(texts), {t: data[t]["kv_bf16model"].float() for t in texts})
-    # CacheGen reference (LMCache arithmetic), then the same scheme in lmtier's arithmetic
-    cg = {t: cachegen_rate_and_decode(data[t]["kv_fp32"].to(torch.bfloat16), cal) for t in texts}
-    add("cachegen (LMCache)", "reference", [cg[t][0] for t in texts], {t: cg[t][1] for t in texts})
-    for name in ["cachegen_ref", *levels]:
+    if reference:
+        add("noise: fp32 cache", "noise", [half] * len(texts), {t: data[t]["kv_fp32"] for t in texts})
+        add("noise: bf16-model KV", "noise", [one] * len(texts), {t: data[t]["kv_bf16model"].float() for t in texts})
+        # CacheGen reference (LMCache arithmetic), then the same scheme in lmtier's arithmetic
+        cg = {t: cachegen_rate_and_decode(data[t]["kv_fp32"].to(torch.bfloat16), cal) for t in texts}
+        add("cachegen (LMCache)", "reference", [cg[t][0] for t in texts], {t: cg[t][1] for t in texts})
+    for name in (["cachegen_ref"] if reference else []) + levels:
         lv = L.get_level(name)
         rates, decs = [], {}
         for t in texts:
             kv = data[t]["kv_fp32"].to(torch.bfloat16)
             rates.append(level_rate(lv, cal, kv))
+            shipped = shipped_ratio(lv, kv)
+            if shipped is not None:
+                rates[-1]["ratio_shipped"] = shipped
             decs[t] = decode_level(lv, kv)
         add(name, "reference" if name == "cachegen_ref" else "level", rates, decs)
     result = dict(system=_system(), texts={t: dict(source=TEXTS[t][0], context_tokens=TEXTS[t][1],
                                                    continuation_tokens=TEXTS[t][2]) for t in texts},
                   calibration=dict(source=TEXTS["calib"][0], context_tokens=TEXTS["calib"][1]), rows=rows)
+    if merge and out_json and out_json.exists():
+        # keep the rows of the previous JSON that this run did not measure (each row has its date)
+        old = json.loads(out_json.read_text())
+        mine = {r["name"] for r in rows}
+        kept = [r for r in old.get("rows", []) if r["name"] not in mine]
+        order = {r["name"]: i for i, r in enumerate(old.get("rows", []))}
+        result["rows"] = sorted(kept + rows, key=lambda r: order.get(r["name"], len(order)))
+        print(f"merged: kept {[r['name'] for r in kept]} from {out_json}")
     if out_json:
         out_json.write_text(json.dumps(result, indent=1))
         print(f"wrote {out_json}")
-    if plot and quality:
-        _plot(rows, plot)
     return result
-
-
-def _plot(rows, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if r["kind"] == "noise":
-            continue
-        mk = "o" if r["kind"] == "level" else "x"
-        ax.scatter(r["ratio"], r["dppl_pct_mean"], marker=mk)
-        ax.annotate(r["name"], (r["ratio"], r["dppl_pct_mean"]), fontsize=7)
-    ax.set_xlabel("ratio vs bf16 (all side data)")
-    ax.set_ylabel("perplexity change, %")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def smoke() -> None:
@@ -528,7 +544,10 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", default="gpl3,pydoc")
     ap.add_argument("--no-quality", action="store_true", help="ratios and reconstruction errors only")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "codec_quality.json")
-    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "codec_quality.png")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the existing --json file that this run does not re-measure")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the noise floor and the CacheGen rows (screening a subset of levels)")
     ap.add_argument("--smoke", action="store_true", help="tiny synthetic run without the model")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
@@ -537,7 +556,7 @@ def main(argv=None) -> int:
         smoke()
         return 0
     t0 = time.time()
-    run(a.levels.split(","), a.texts.split(","), not a.no_quality, a.json, a.plot)
+    run([x for x in a.levels.split(",") if x], a.texts.split(","), not a.no_quality, a.json, not a.no_reference, a.merge)
     print(f"done in {time.time() - t0:.0f} s")
     return 0
 

@@ -339,7 +339,7 @@ def test_rans_hostile_symbol_count_does_not_allocate():
         "vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))\n"
         "for n in (2**32 - 1, 2**31 + 1, 2**31):\n"
-        "    h = np.array([(0x534E524C, 1, 0, 20, 5, 0, 0, n)], dtype=np.dtype('<u4,u1,u1,u1,u1,<u2,<u2,<u4')).tobytes()\n"
+        "    h = np.array([(0x534E524C, 2, 0, 20, 5, 0, 0, n)], dtype=np.dtype('<u4,u1,u1,u1,u1,<u2,<u2,<u4')).tobytes()\n"
         "    try:\n"
         "        rans.decode([np.frombuffer(h + bytes(64), np.uint8)], t)\n"
         "        raise SystemExit('decoded?')\n"

@@ -101,11 +101,18 @@ class StaticTables:
         section_tables: ``[L * S]`` ints, the table (``< N``) of each section in record order, or
             :data:`lmtier.codec.rans.ADAPTIVE_TABLE` for a per-stream table. A stream whose static
             table lacks one of its symbols falls back to its own table automatically.
+        section_runs: ``[L * S]`` ints or None (all 0). Table switching: ``k > 0`` codes the
+            section's symbols in runs of ``k * T`` (T = the chunk's tokens) with tables
+            ``section_tables[i] + run`` — e.g. ``k = 1`` on a symbol section ``[H, D, T]`` gives one
+            table per (head, channel), ``k = H`` on a scale section ``[2, H, T]`` one per plane. A
+            chunk whose ``k * T`` is not a multiple of 32 is coded with per-stream tables instead
+            (the record then says ``table_id = NO_TABLE``).
     """
 
     table_id: int
     tables: np.ndarray
     section_tables: np.ndarray
+    section_runs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.table_id, (int, np.integer)) or not 0 <= int(self.table_id) < fmt.NO_TABLE:
@@ -115,6 +122,21 @@ class StaticTables:
             raise ValueError(f"StaticTables.tables must be uint16 [N, 256], got {t.dtype} {t.shape}")
         object.__setattr__(self, "tables", t)
         object.__setattr__(self, "section_tables", np.asarray(self.section_tables, np.int64).reshape(-1))
+        runs = np.zeros_like(self.section_tables) if self.section_runs is None else \
+            np.asarray(self.section_runs, np.int64).reshape(-1)
+        if runs.shape != self.section_tables.shape or (runs < 0).any():
+            raise ValueError("StaticTables.section_runs must be non-negative, one per section")
+        object.__setattr__(self, "section_runs", runs)
+
+    def run_lens(self, num_tokens: int) -> np.ndarray | None:
+        """Run length (symbols) of each section for chunks of ``num_tokens`` tokens, or None when
+        table switching cannot apply (a run length not a multiple of 32 or too long)."""
+        from . import rans
+
+        r = self.section_runs * int(num_tokens)
+        if (r % rans.LANES).any() or (r > rans.MAX_RUN_LEN).any():
+            return None
+        return r
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,13 +275,15 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
             x = x.cpu()
     nl = shp[0]
     S = sections_per_layer(lv)
-    if tables is None:
-        table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
-    else:
-        if tables.section_tables.size != nl * S:
-            raise ValueError(f"tables.section_tables has {tables.section_tables.size} entries, the record has "
-                             f"{nl * S} sections")
+    runs = 0
+    if tables is not None and tables.section_tables.size != nl * S:
+        raise ValueError(f"tables.section_tables has {tables.section_tables.size} entries, the record has "
+                         f"{nl * S} sections")
+    if tables is not None and tables.run_lens(shp[2]) is not None:
         table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
+        runs = tables.run_lens(shp[2])
+    else:  # no tables, or table switching impossible for this T: per-stream tables
+        table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
     with _on_device(x):
         sym, side = _quantize(x, lv, num_threads)
         extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
@@ -269,7 +293,7 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
             streams += [extra[l, 0], extra[l, 1]] if lv.lossless else [extra[l]]
         if x.is_cuda:  # own allocations: aligned and contiguous, as the CUDA encoder wants
             streams = [s.clone() for s in streams]
-        batch = rans.encode(streams, ids, tab, num_threads=num_threads)
+        batch = rans.encode(streams, ids, tab, num_threads=num_threads, run_lens=runs)
     data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
     off = batch.offsets
     sections = [data[int(off[i]):int(off[i + 1])] for i in range(len(streams))]

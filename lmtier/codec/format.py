@@ -8,11 +8,11 @@ and in index order, so a reader can decode layer by layer as sections arrive. Se
 offset. The bytes depend only on the sections, so the CPU and CUDA encoders — which produce
 byte-identical rANS streams — produce identical records.
 
-Header (version 1, 64 bytes)::
+Header (version 2, 64 bytes)::
 
     off size field
       0    4 magic            b"LMKC"
-      4    2 version          FORMAT_VERSION (1)
+      4    2 version          FORMAT_VERSION (2; version 1 records held rANS v1 streams)
       6    2 header_bytes     64
       8    1 level_id         codec level (lmtier.codec.levels); 0..255
       9    1 dtype            DType code of the decoded elements
@@ -25,7 +25,7 @@ Header (version 1, 64 bytes)::
      32    4 head_size        D  /
      36    4 meta_bytes       bytes of opaque metadata after the index
      40    8 payload_bytes    bytes of payload
-     48    8 flags            0 in version 1; unknown bits are rejected
+     48    8 flags            0; unknown bits are rejected
      56    8 checksum         xxh3-64 (seed 0) of bytes [0, 56) and [64, record end)
 
 Then ``index``: L*S entries of (uint64 offset, uint64 length), offsets from the payload start,
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 MAGIC = b"LMKC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sections are rANS stream version 2 (table switching)
 HEADER_BYTES = 64
 NO_TABLE = 0xFFFFFFFF
 MAX_SECTIONS = 1 << 24

@@ -130,7 +130,11 @@ class CodecTier(Tier):
         shape: canonical chunk shape ``(L, 2, T, H, D)``.
         dtype: ``torch.bfloat16`` / ``torch.float16`` or their names.
         level: ``"lossless"``, ``"high"``, ``"default"`` or ``"low"``.
-        tables: optional static rANS tables (:class:`lmtier.codec.chunk.StaticTables`).
+        tables: static rANS tables (:class:`lmtier.codec.chunk.StaticTables`), ``"shipped"``
+            (default: the calibrated tables shipped for this geometry and level,
+            :func:`lmtier.codec.calibrate.shipped_tables`, or per-stream tables when there are none)
+            or None (per-stream tables). The table set's id salts the keys, so records written with
+            other tables are misses, not decode failures.
         config_key, config_value: the config key that selected the codec (named in errors).
 
     Attributes:
@@ -144,16 +148,23 @@ class CodecTier(Tier):
     """
 
     def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: "str | Level",
-                 tables: cchunk.StaticTables | None = None, config_key: str = "serde",
+                 tables: "cchunk.StaticTables | str | None" = "shipped", config_key: str = "serde",
                  config_value: str = "cachegen") -> None:
         self.shape, self.dtype, self.level = check_codec_geometry(shape, dtype, level, config_key=config_key,
                                                                   config_value=config_value)
         self.inner = inner
         self.name = inner.name
+        if isinstance(tables, str):
+            if tables != "shipped":
+                raise ValueError(f"tables must be StaticTables, 'shipped' or None, got {tables!r}")
+            from lmtier.codec import calibrate
+
+            tables = calibrate.shipped_tables(self.level, self.shape)
         self.tables = tables
         self.raw_bytes = math.prod(self.shape) * 2
         self.max_record_bytes = cchunk.max_record_bytes(self.shape, self.level)
-        self._salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id])
+        table_id = cformat.NO_TABLE if tables is None else int(tables.table_id)
+        self._salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + table_id.to_bytes(4, "little")
         self._scratch = BouncePool(max_cached=4)
         self._lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
