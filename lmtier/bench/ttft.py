@@ -577,6 +577,17 @@ class CodecTier:
         self.records: list[np.ndarray] = []  # the current N's records (host; for the in-memory run)
         self.bufs = None
         self.ring = bench.args.ring  # device buffer sets (decode of chunk c uses set c % ring)
+        # the compiled dequantize kernel (lmtier.codec.native) when it covers this level and geometry:
+        # one launch per chunk instead of the torch ops of chunk.dequantize_layers (~80 launches)
+        self.native = None
+        if not getattr(bench.args, "torch_dequant", False):
+            try:
+                from lmtier.codec import native
+
+                if native.supported(self.lv, (bench.L, 2, bench.T, bench.H, bench.D), bench.device):
+                    self.native = native
+            except (ImportError, AttributeError):
+                pass
 
     # ---- store ----------------------------------------------------------------------------
 
@@ -614,6 +625,10 @@ class CodecTier:
             "lens": torch.zeros(C * ns, dtype=torch.int64, device=dev),
             "scratch": mk(max(1, self.rans.decode_scratch_bytes(ns))) if b.dev.cuda else None,
         }
+        if self.native is not None:  # contiguous chunk per ring slot, per-chunk native status, batches by (slot, T)
+            dv["chunk"] = [torch.empty(L * 2 * T * H * D, dtype=b.dtype, device=dev) for _ in range(R)]
+            dv["nstatus"] = torch.zeros(C, dtype=torch.int32, device=dev)
+            dv["nbatch"] = {}
         owner, hd = pinned_empty(R * desc_bytes, b.dev.cuda)
         dv["hdesc_owner"] = owner
         dv["hdesc_t"] = [hd[i * desc_bytes:(i + 1) * desc_bytes] for i in range(R)]
@@ -683,14 +698,29 @@ class CodecTier:
 
     def dequant(self, r: int, tc: int, kv: torch.Tensor, s: int, l0: int, l1: int) -> None:
         """Decoded symbols/side of ring slot ``r`` -> ``kv[l0:l1, :, s:s + tc]`` (current stream), the
-        arithmetic of :func:`lmtier.codec.quant.dequantize` batched over the layers
-        (:func:`lmtier.codec.chunk.dequantize_layers`)."""
+        arithmetic of :func:`lmtier.codec.quant.dequantize`: whole chunks through the compiled
+        kernel (:func:`lmtier.codec.native.dequantize_batch` into the slot's contiguous chunk, then
+        one device copy into ``kv``), layer ranges through :func:`lmtier.codec.chunk.dequantize_layers`."""
         b, dv = self.b, self.bufs
+        if self.native is not None and (l0, l1) == (0, b.L):
+            nat, shape = self.native, (b.L, 2, tc, b.H, b.D)
+            batch = dv["nbatch"].get((r, tc))
+            if batch is None:  # built once per (slot, chunk length); the descriptor upload is not on the hot path
+                ch = dv["chunk"][r][:b.L * 2 * tc * b.H * b.D].view(shape)
+                batch = nat.make_batch([ch], [dv["sym"][r][:nat.symbol_bytes(shape)]],
+                                       [dv["side"][r][:nat.side_bytes(self.lv, shape)]])
+                dv["nbatch"][(r, tc)] = batch
+            c = s // b.T
+            nat.dequantize_batch(batch, self.lv, status=dv["nstatus"][c:c + 1])
+            kv[:, :, s:s + tc].copy_(batch.keep[0])
+            return
         self.cchunk.dequantize_layers(dv["sym"][r], dv["side"][r], self.lv, (b.L, 2, tc, b.H, b.D),
                                       kv[l0:l1, :, s:s + tc], l0, l1)
 
     def check_status(self, n: int) -> None:
         dv = self.bufs
+        if self.native is not None:
+            self.native.check_status(dv["nstatus"], "dequantize")
         C = len(self.b.chunk_spans(n))
         m = C * self.S * self.b.L
         bad = (dv["status"][:m] != 0) | (dv["lens"][:m] != dv["exp_lens"][:m])
@@ -921,7 +951,9 @@ class Bench:
         cs = dev.copy_stream
         if dev.cuda:
             cs.wait_stream(torch.cuda.current_stream(self.device))
-        groups = max(1, min(self.args.codec_groups, self.L))
+        # layer groups for the last chunk (so the forward overlaps its dequantize); with the compiled
+        # dequantize a whole chunk takes ~0.1 ms on the GPU, and one launch beats several
+        groups = 1 if codec.native is not None else max(1, min(self.args.codec_groups, self.L))
         bounds = [self.L * i // groups for i in range(groups + 1)]
 
         def read(c):
@@ -1234,7 +1266,7 @@ class Bench:
             for tag in self.codecs:
                 if row.get(f"{tag}_MB"):
                     # the read alone at the best same-run device ceiling (dd or parallel O_DIRECT)
-                    row[f"{tag}_limit_pct"] = 100 * (row[f"{tag}_MB"] / best / 1e3) / rec_ms
+                    row[f"{tag}_limit_pct"] = 100 * (row[f"{tag}_MB"] / best) / rec_ms  # MB / (GB/s) = ms
         del kv, per_layer, ref_kv
         return row
 
@@ -1365,7 +1397,8 @@ def run(args) -> dict:
         if b.codecs:
             say("disk+codec: " + ", ".join(f"{t} = level {c.lv.name}" for t, c in b.codecs.items())
                 + f"; records encoded once when stored, decoded on the {'GPU' if dev.cuda else 'CPU'} "
-                f"(rANS + dequantize), last chunk in {args.codec_groups} layer groups")
+                + ("(rANS + the compiled dequantize kernel, whole chunks)" if any(c.native for c in b.codecs.values())
+                   else f"(rANS + dequantize in torch ops), last chunk in {args.codec_groups} layer groups"))
     say(f"lean forward: " + ("CUDA graphs, one per layer + embed + head, captured per N (eager fallback "
                              "on capture failure, reported per N)" if args.graphs == "auto" and dev.cuda else
                              {"off": "eager (--graphs off)", "nocapture": "static buffers without capture "
@@ -1559,6 +1592,8 @@ def main(argv=None) -> int:
                    help="codec levels for the disk+codec tiers (comma-separated; '' to skip)")
     p.add_argument("--codec-groups", type=int, default=4,
                    help="layer groups the last chunk is decoded in (each releases its layers to the forward)")
+    p.add_argument("--torch-dequant", action="store_true",
+                   help="dequantize with torch ops (chunk.dequantize_layers) instead of the compiled kernel")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG path for TTFT vs N per tier")
