@@ -6,9 +6,13 @@
 
 Workload: Llama-3.1-8B geometry (L=32, K/V, H=8, D=128, bf16), batches of 256-token chunks of
 real-ish KV (Gaussian with per-channel magnitudes, key outlier channels, an attention-sink token,
-seeded). Per level: symbols coded as one rANS stream per (chunk, layer, plane) with a static table per
-(layer, plane) calibrated on a *different* sample (as shipped tables would be); the side array
-(scale codes, or the lossless lo plane) as one stream per (chunk, layer, plane) with its own table.
+seeded). Per quantized level, the shipped framing: symbols coded as one rANS stream per (chunk,
+layer, plane) *switching tables* per run of T symbols (one table per (layer, plane, head, channel),
+or per channel pair where the set would exceed 65,535 tables — Llama-3.1-8B), calibrated by
+:func:`lmtier.codec.calibrate.calibrate` on a *different* sample; the scale codes one stream per
+(chunk, layer, plane) with a calibrated table per (layer, plane). ``--no-switching``: the previous
+framing (one static table per (layer, plane), scale codes with their own table). Lossless: hi plane
+with a table per (layer, plane), lo plane (side) with its own table.
 
 GPU (CUDA-event medians of the native calls, descriptors prebuilt = the hot path):
   encode = kvquant quantize (1 launch) + rANS encode of symbols and side (1 batch call);
@@ -85,10 +89,22 @@ def memcpy_ceiling_gbps(nbytes: int, iters: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def switching_tables(level, nl: int, t: int):
+    """(tables [N, 256], symbol table base per (layer, plane) [L*2], symbol run length, scale table per
+    (layer, plane) [L*2]) from lmtier.codec.calibrate on a separate sample."""
+    from lmtier.codec import calibrate as CAL
+
+    x = kv_like(1, nl, t, seed=1234)[0]
+    tab, _ = CAL.calibrate([x], level)
+    sec = tab.section_tables.reshape(nl, 3)
+    return tab.tables, sec[:, :2].reshape(-1), int(tab.section_runs[0]) * t, \
+        (sec[:, 2:3] + np.arange(2)[None, :]).reshape(-1)
+
+
 class Case:
     """Buffers and prebuilt descriptors of one (level, batch) on one device."""
 
-    def __init__(self, x: torch.Tensor, level: str, tables: np.ndarray, dev: torch.device, seg_log2: int):
+    def __init__(self, x: torch.Tensor, level: str, tables, dev: torch.device, seg_log2: int):
         c, nl, _, t, h, d = x.shape
         shape = (nl, 2, t, h, d)
         self.level, self.shape, self.n_chunks, self.dev, self.seg_log2 = level, shape, c, dev, seg_log2
@@ -99,12 +115,19 @@ class Case:
         self.status = torch.zeros(c, dtype=torch.int32, device=dev)
         self.qbatch = N.make_batch(self.x, list(self.sym.unbind(0)), list(self.side.unbind(0)))
         self.dbatch = N.make_batch(self.y, list(self.sym.unbind(0)), list(self.side.unbind(0)))
-        # rANS streams: per (chunk, layer, plane) symbols (static table l*2+p) then side (adaptive)
+        # rANS streams: per (chunk, layer, plane) symbols then side
         sym_rows = self.sym.view(c * nl * 2, -1)
         side_rows = self.side.view(c * nl * 2, -1)
         self.streams = [*sym_rows.unbind(0), *side_rows.unbind(0)]
-        self.ids = [i % (nl * 2) for i in range(c * nl * 2)] + [rans.ADAPTIVE_TABLE] * (c * nl * 2)
         n = len(self.streams)
+        if isinstance(tables, tuple):  # table switching (switching_tables)
+            tables, base, run, scale_ids = tables
+            self.ids = [int(base[i % (nl * 2)]) for i in range(c * nl * 2)] + \
+                [int(scale_ids[i % (nl * 2)]) for i in range(c * nl * 2)]
+            self.runs = [run] * (c * nl * 2) + [0] * (c * nl * 2)
+        else:  # static table l*2+p for the symbols, own tables for the side
+            self.ids = [i % (nl * 2) for i in range(c * nl * 2)] + [rans.ADAPTIVE_TABLE] * (c * nl * 2)
+            self.runs = [0] * n
         self.total = sum(int(s.numel()) for s in self.streams)
         self.tables = tables
         on_cuda = dev.type == "cuda"
@@ -121,6 +144,7 @@ class Case:
             ed["src"] = [s.data_ptr() for s in self.streams]
             ed["num_symbols"] = [s.numel() for s in self.streams]
             ed["table_id"] = self.ids
+            ed["run_len"] = self.runs
             self.edesc = torch.from_numpy(ed.view(np.uint8).copy()).to(dev)
 
     # --- GPU hot path: native calls only -----------------------------------------------------
@@ -183,7 +207,7 @@ def run_cpu(case: Case, iters: int, threads: int) -> dict:
 
     def e():
         rans.encode_into(streams, case.ids, case.tables, out=out, offsets=off, status=st, scratch=scratch,
-                         seg_log2=case.seg_log2, num_threads=threads)
+                         seg_log2=case.seg_log2, num_threads=threads, run_lens=case.runs)
 
     q_ms = median_wall_ms(q, iters)
     N.check_status(case.status, "quantize")
@@ -251,11 +275,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: all, up to 16)")
     ap.add_argument("--cpu", action="store_true", help="benchmark the CPU path even when CUDA is available")
     ap.add_argument("--no-compare", action="store_true", help="skip the cachegen_ref / zstd comparisons")
+    ap.add_argument("--no-switching", action="store_true",
+                    help="previous framing: one static table per (layer, plane) instead of table switching")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     on_cuda = torch.cuda.is_available() and not args.cpu
     dev = torch.device("cuda" if on_cuda else "cpu")
-    nl, t = (2, 16) if SMOKE else (L, T)
+    nl, t = (2, 32) if SMOKE else (L, T)
     batches = args.chunks or ([8, 32] if on_cuda else [1])
     if SMOKE:
         batches = [2]
@@ -272,9 +298,11 @@ def main(argv=None) -> int:
         if on_cuda and ceiling is None:
             ceiling = memcpy_ceiling_gbps(nbytes, iters)
         for level in args.levels:
-            case = Case(x, level, calibrate(level, nl, t), dev, args.seg_log2)
+            switching = not args.no_switching and not get_level(level).lossless
+            tabs = switching_tables(level, nl, t) if switching else calibrate(level, nl, t)
+            case = Case(x, level, tabs, dev, args.seg_log2)
             r = run_gpu(case, iters) if on_cuda else run_cpu(case, iters, args.threads)
-            row = dict(level=level, chunks=c, bf16_MB=nbytes / 1e6, encoded_MB=case.encoded_bytes / 1e6,
+            row = dict(level=level, chunks=c, switching=switching, bf16_MB=nbytes / 1e6, encoded_MB=case.encoded_bytes / 1e6,
                        ratio_bf16=nbytes / case.encoded_bytes, **r)
             for k in ("quant", "rans_enc", "encode", "rans_dec", "dequant", "decode"):
                 row[f"{k}_GBps"] = nbytes / row[f"{k}_ms"] / 1e6

@@ -4,8 +4,9 @@ The quantized levels emit per layer three record sections (:mod:`lmtier.codec.ch
 ``[H, D, T]``, V symbols ``[H, D, T]`` and the scale codes ``[2, H, T]``. A calibrated
 :class:`~lmtier.codec.chunk.StaticTables` codes them with *table switching* (rANS stream version 2):
 
-* symbol sections: run length T, table ``((l * 2 + p) * H + h) * D + d`` for the run of channel
-  ``(h, d)`` — every table covers the level's whole alphabet ``0 .. 2 * qmax`` (frequency >= 1), so
+* symbol sections: run length ``G * T``, table ``((l * 2 + p) * H + h) * D / G + d / G`` for the run
+  of channels ``(h, d .. d + G - 1)``, G = 1 (one table per channel) unless the set would exceed
+  the coder's 65,535 tables (e.g. Llama-3.1-8B: 65,536 channel runs -> G = 2) — every table covers the level's whole alphabet ``0 .. 2 * qmax`` (frequency >= 1), so
   valid chunks never need a fallback;
 * scale sections: run length ``H * T``, table ``L * 2 * H * D + 2 * l + p`` for plane p's codes —
   these cover the codes seen in calibration plus a margin; a chunk with another code falls back
@@ -39,7 +40,8 @@ from . import quant
 from .chunk import StaticTables, _quantize
 from .levels import Level, get_level
 
-__all__ = ["SHIPPED_FILE", "table_set_id", "calibrate", "save", "load", "shipped_tables"]
+__all__ = ["SHIPPED_FILE", "MAX_TABLES", "channels_per_table", "table_set_id", "calibrate", "save", "load",
+           "shipped_tables"]
 
 SHIPPED_FILE = Path(__file__).with_name("tables") / "smollm2_135m.npz"
 """Tables for SmolLM2-135M geometry (L=30, H=3, D=64), levels high/default/low."""
@@ -57,9 +59,25 @@ def table_set_id(level: "str | int | Level", geometry: Sequence[int], sym: np.nd
     return h if h != 0xFFFFFFFF else 0
 
 
+MAX_TABLES = 0xFFFF  # table ids are uint16 in the stream header; 0xFFFF means "own table"
+
+
+def channels_per_table(geometry: Sequence[int]) -> int:
+    """Channels sharing one symbol table (G): the smallest power of two keeping the set within
+    :data:`MAX_TABLES` tables (raises ValueError when even G = D does not)."""
+    nl, h, d = (int(v) for v in geometry)
+    g = 1
+    while nl * 2 * h * d // g + nl * 2 >= MAX_TABLES:
+        g *= 2
+        if g > d or d % g:
+            raise ValueError(f"geometry {tuple(geometry)} needs too many tables")
+    return g
+
+
 def _tables(level: Level, geometry: Sequence[int], sym: np.ndarray, scale: np.ndarray) -> StaticTables:
     nl, h, d = (int(v) for v in geometry)
-    n_sym = nl * 2 * h * d
+    g = channels_per_table(geometry)
+    n_sym = nl * 2 * h * d // g
     if sym.shape[0] != n_sym or scale.shape != (nl * 2, 256):
         raise ValueError(f"table arrays {sym.shape} / {scale.shape} do not fit geometry {tuple(geometry)}")
     full = np.zeros((n_sym + nl * 2, 256), np.uint16)
@@ -70,10 +88,10 @@ def _tables(level: Level, geometry: Sequence[int], sym: np.ndarray, scale: np.nd
     sec = np.zeros(nl * 3, np.int64)
     runs = np.zeros(nl * 3, np.int64)
     for l in range(nl):
-        sec[3 * l] = (l * 2) * h * d
-        sec[3 * l + 1] = (l * 2 + 1) * h * d
+        sec[3 * l] = (l * 2) * h * d // g
+        sec[3 * l + 1] = (l * 2 + 1) * h * d // g
         sec[3 * l + 2] = n_sym + 2 * l
-        runs[3 * l : 3 * l + 2] = 1
+        runs[3 * l : 3 * l + 2] = g
         runs[3 * l + 2] = h
     return StaticTables(table_set_id(level, geometry, sym, scale), full, sec, runs)
 
@@ -116,11 +134,13 @@ def calibrate(chunks: Iterable[torch.Tensor], level: "str | int | Level") -> tup
     if geometry is None:
         raise ValueError("no calibration chunks")
     nl, h, d = geometry
+    g = channels_per_table(geometry)
+    sym_counts = sym_counts.reshape(-1, g, 256).sum(1)  # consecutive channels of one head
     qk, qv = lv.k.qmax_table(nl), lv.v.qmax_table(nl)
     alpha = 2 * max(max(qk), max(qv)) + 1
-    sym = np.zeros((nl * 2 * h * d, alpha), np.uint16)
+    sym = np.zeros((nl * 2 * h * d // g, alpha), np.uint16)
     for i in range(sym.shape[0]):
-        l, p = divmod(i // (h * d), 2)
+        l, p = divmod(i // (h * d // g), 2)
         a = 2 * (qk if p == 0 else qv)[l] + 1
         sym[i] = rans.build_table(sym_counts[i, :a], alphabet_size=a)[:alpha]
     scale = np.zeros((nl * 2, 256), np.uint16)
@@ -184,9 +204,13 @@ def shipped_tables(level: "str | int | Level", shape: Sequence[int]) -> StaticTa
     if key not in _SHIPPED:
         _SHIPPED[key] = load(SHIPPED_FILE, lv)
     tab = _SHIPPED[key]
-    if tab is None or tab.section_tables.size != nl * 3 or tab.tables.shape[0] != nl * 2 * h * d + nl * 2:
+    try:
+        g = channels_per_table((nl, h, d))
+    except ValueError:
         return None
-    if int(tab.section_tables[1] - tab.section_tables[0]) != h * d or tab.run_lens(t) is None:
+    if tab is None or tab.section_tables.size != nl * 3 or tab.tables.shape[0] != nl * 2 * h * d // g + nl * 2:
+        return None
+    if int(tab.section_tables[1] - tab.section_tables[0]) != h * d // g or tab.run_lens(t) is None:
         return None
     return tab
 

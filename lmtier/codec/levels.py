@@ -117,6 +117,12 @@ def _first(n: int, qmax_first: int, qmax_rest: int) -> tuple[LayerGroup, ...]:
     return (LayerGroup(qmax_first, first_layers=n), LayerGroup(qmax_rest, frac_num=1, frac_den=1))
 
 
+def _sixths(*qmax: int) -> tuple[LayerGroup, ...]:
+    """One qmax per sixth of the depth: layers ``[ceil(L*(k-1)/6), ceil(L*k/6))`` get ``qmax[k-1]``."""
+    assert len(qmax) == 6
+    return tuple(LayerGroup(q, frac_num=k + 1, frac_den=6) for k, q in enumerate(qmax))
+
+
 def _third(qmax_first: int, qmax_rest: int) -> tuple[LayerGroup, ...]:
     return (LayerGroup(qmax_first, frac_num=1, frac_den=3), LayerGroup(qmax_rest, frac_num=1, frac_den=1))
 
@@ -126,8 +132,13 @@ LOSSLESS = Level("lossless", 0, lossless=True)
 # Keys and values: per-(token, head) scale codes after a fixed 64/128-point Walsh–Hadamard rotation
 # of each head row (spreads the keys' outlier channels over the row, so one scale per row no longer
 # wastes the range). Keys are far more sensitive than values (measured: K alone at qmax 3 costs
-# +4.4 % perplexity, V alone at qmax 3 +0.6 %), so K gets the finer step. Measurements that fixed
-# these numbers: docs/codec.md.
+# +4.4 % perplexity, V alone at qmax 3 +0.6 %), so K gets the finer step. `default` and `low`
+# allocate bits by depth: quantizing one sixth of the layers at a time (SmolLM2, pydoc text) showed
+# the error comes from the 4th and 5th sixths (layers 15-24 of 30: K +1.8 / +0.8 %, V +0.8 / +0.1 %
+# perplexity at the old K 6 / V 3), the other sixths cost ~0; so those layers get more levels and
+# the rest fewer (V below qmax 3 in the first sixths measured costly again). Measurements that fixed
+# these numbers: docs/codec.md. Changing a level's numbers changes its records: it needs a record
+# format version bump (lmtier.codec.format.FORMAT_VERSION), as the records store the level id only.
 _H = Transform.HADAMARD
 HIGH = Level(
     "high", 1,
@@ -136,13 +147,13 @@ HIGH = Level(
 )
 DEFAULT = Level(
     "default", 2,
-    k=PlaneQuant(Granularity.TOKEN_HEAD, _all(6), _H),
-    v=PlaneQuant(Granularity.TOKEN_HEAD, _all(3), _H),
+    k=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(4, 5, 5, 15, 11, 4), _H),
+    v=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(3, 3, 3, 5, 2, 2), _H),
 )
 LOW = Level(
     "low", 3,
-    k=PlaneQuant(Granularity.TOKEN_HEAD, _all(5), _H),
-    v=PlaneQuant(Granularity.TOKEN_HEAD, _all(2), _H),
+    k=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(3, 3, 4, 11, 8, 3), _H),
+    v=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(2, 2, 2, 4, 2, 2), _H),
 )
 
 # CacheGen's scheme as LMCache implements it (K 32 bins for the first third of layers then 16,
