@@ -8,8 +8,11 @@ hit comes from lmtier; each cold run computes everything and is the reference ou
 Processes (module-scoped fixtures, each reused by several tests):
   * ``main_run``    — CPU pool + disk: cold, warm (CPU hits, sync loads), cache_salt, injected sync
                       load failures with policy ``recompute``.
-  * ``restart_run`` — a new engine on the same disk directory: disk hits (async loads), injected async
-                      failures and corrupted disk records with ``recompute``; stats logging on.
+  * ``restart_sync_run`` — a new engine on the same disk directory whose disk hits load synchronously
+                      (``sync_disk_load_mib``): parallel reads into CPU-pool slots before the forward.
+  * ``restart_run`` — then another one with every disk hit asynchronous (``sync_disk_load_mib: 0``):
+                      async loads, injected async failures and corrupted disk records with
+                      ``recompute``; stats logging on.
   * ``fail_run``    — policy ``fail``: injected sync and async failures end requests with
                       ``finish_reason == "error"`` and no text; the engine keeps serving.
   * ``redis_runs``  — two engines, one after the other, sharing one real redis-server (no disk).
@@ -78,9 +81,23 @@ def main_run(e2e_dir):
     return run_engine(spec, e2e_dir, name="main")
 
 
+ASYNC_DISK = {"sync_disk_load_mib": 0}  # every disk hit asynchronous (default: small lone hits load sync)
+SYNC_DISK = {"sync_disk_load_mib": 1024, "sync_disk_load_busy_mib": 1024}
+
+
 @pytest.fixture(scope="module")
-def restart_run(e2e_dir, main_run):
-    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "log_stats": True, "steps": [
+def restart_sync_run(e2e_dir, main_run):
+    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "extra_config": SYNC_DISK, "steps": [
+        {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
+        {"op": "generate", "name": "again", "prompts": BOUNDARY_PROMPTS},
+    ]}
+    return run_engine(spec, e2e_dir, name="restart_sync")
+
+
+@pytest.fixture(scope="module")
+def restart_run(e2e_dir, main_run, restart_sync_run):
+    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "log_stats": True,
+            "extra_config": ASYNC_DISK, "steps": [
         {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
         {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
         {"op": "generate", "name": "fault_async", "prompts": [ASYNC_FAULT]},
@@ -164,6 +181,23 @@ def test_restart_loads_from_disk_identical(main_run, restart_run):
     assert st["async_loads"] == sum(1 for n in BOUNDARY if expected_hit(n))
 
 
+def test_restart_sync_disk_loads_identical(main_run, restart_sync_run):
+    """Disk hits within sync_disk_load_mib load before the forward (no async load), bit-exact; they
+    are promoted into the CPU pool, so the next round hits the CPU tier."""
+    cold = outs(main_run, "cold")[: len(BOUNDARY)]
+    total = sum(expected_hit(n) for n in BOUNDARY)
+    got = outs(restart_sync_run, "disk")
+    _assert_same(got, cold)
+    assert [o["num_cached_tokens"] for o in got] == [expected_hit(n) for n in BOUNDARY]
+    st = stats(restart_sync_run, "disk")
+    assert st["hit_tokens_disk"] == total and st["async_loads"] == 0
+    assert st["loaded_chunks"] == total // CHUNK and st["load_failures"] == 0
+    again = outs(restart_sync_run, "again")
+    _assert_same(again, cold)
+    st = stats(restart_sync_run, "again")
+    assert st["hit_tokens_cpu"] == total and st["hit_tokens_disk"] == 0 and st["load_failures"] == 0
+
+
 def test_async_load_failure_recomputes(main_run, restart_run):
     ref = outs(main_run, "cold")[len(BOUNDARY) + 2]
     (o,) = outs(restart_run, "fault_async")
@@ -202,7 +236,8 @@ def test_prometheus_series(restart_run):
 def test_failure_policy_fail_gives_error_not_text(e2e_dir):
     a, b = {"seg": 10, "len": 1100}, {"seg": 11, "len": 1100}
     # A CPU pool of 4 chunks: b's chunks evict a's, which then live on disk only (async load).
-    spec = {"config": _cfg(disk=e2e_dir / "disk_fail", cpu_gb=0.045), "policy": "fail", "steps": [
+    spec = {"config": _cfg(disk=e2e_dir / "disk_fail", cpu_gb=0.045), "policy": "fail", "extra_config": ASYNC_DISK,
+            "steps": [
         {"op": "generate", "name": "cold_a", "prompts": [a]},
         {"op": "generate", "name": "cold_b", "prompts": [b]},
         {"op": "flush"},

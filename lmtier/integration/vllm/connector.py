@@ -5,17 +5,21 @@ Split of work (vLLM's own offloading split, ARCHITECTURE.md):
 * **Scheduler side** decides. ``get_num_new_matched_tokens`` hashes the prompt into chunk keys
   (:func:`lmtier.keys.chunk_keys`) and looks up the longest cached prefix across tiers; it claims only
   whole chunks beyond vLLM's own prefix-cache hit and never the last prompt token. A hit whose claimed
-  chunks all sit in the CPU pool is loaded synchronously (before the step's forward); a hit with any
-  claimed chunk on disk or in Redis is loaded asynchronously (vLLM parks the request in
+  chunks all sit in the CPU pool is loaded synchronously (before the step's forward), and so is a hit
+  whose other claimed chunks are on disk and hold at most ``sync_disk_load_mib`` (while no other
+  request is in the scheduler; ``sync_disk_load_busy_mib`` otherwise); any other hit (a chunk in
+  Redis, a large disk hit) is loaded asynchronously (vLLM parks the request in
   ``WAITING_FOR_REMOTE_KVS`` until the worker reports it). ``update_state_after_alloc`` records the
   load (which chunk goes to which blocks, starting at the first token vLLM does not already hold — a
   chunk is never written over blocks vLLM holds). ``build_connector_meta`` adds the stores: every
   prompt chunk that becomes complete in this step and is not stored yet.
 * **Worker side** executes the step's metadata: synchronous loads in ``start_load_kv`` (vLLM calls it
-  before the forward when the step has one); asynchronous loads start in ``start_load_kv`` on a
-  background thread that reads disk/Redis into host memory (promoting into the CPU pool), and are
-  scattered into the request's blocks on the worker thread in ``get_transfer_results`` (called every
-  step), which then reports the request in ``finished_recving``. Stores run after the forward
+  before the forward when the step has one; disk chunks are read in parallel straight into CPU-pool
+  slots and scattered as they land); asynchronous loads start in ``start_load_kv`` on a background
+  thread that reads disk/Redis into host memory the same way, and are scattered into the request's
+  blocks on the worker thread in ``get_transfer_results`` (called every step), which then reports the
+  request in ``finished_recving``. A chunk the scheduler saw in the CPU pool but the pool evicted
+  since (the scheduler's index learns of evictions a step late) is read from its disk/Redis copy. Stores run after the forward
   (``wait_for_save``). Failed sync loads are reported as invalid block ids, failed async loads as
   ``failed_recving`` (use ``kv_load_failure_policy: recompute``); a request whose async load failed
   is never offered a hit again, so vLLM's re-ask cannot loop.
@@ -88,9 +92,9 @@ from lmtier.manager import TierManager
 log = logging.getLogger("vllm.lmtier.connector")
 
 FAULT_ENV = "LMTIER_FAULT_INJECT"
-# Disk hits up to this many MiB (of this rank) load synchronously (kv_connector_extra_config
-# "sync_disk_load_mib"); see LMTierConnector.
-DEFAULT_SYNC_DISK_LOAD_MIB = 0.0
+# Disk hits up to this many MiB (of this rank) load synchronously when no other request is in the
+# scheduler (kv_connector_extra_config "sync_disk_load_mib"); see LMTierConnector.
+DEFAULT_SYNC_DISK_LOAD_MIB = 256.0
 
 _SHARED_LOCK = threading.Lock()
 _SHARED: dict[str, TierManager] = {}
@@ -374,10 +378,13 @@ class LMTierConnector(KVConnectorBase_V1):
 
     ``kv_connector_extra_config`` keys: ``async_loads`` (bool, default True: remote hits and large
     disk hits load in the background; False: every load is synchronous, before the forward);
-    ``sync_disk_load_mib`` (float, default DEFAULT_SYNC_DISK_LOAD_MIB): a hit whose claimed chunks
-    outside the CPU pool are all on disk and hold at most this many MiB (this rank's bytes) loads
-    synchronously, like a CPU hit — the reads run in parallel and the request skips the engine step
-    an asynchronous load costs; 0 loads every disk hit asynchronously.
+    ``sync_disk_load_mib`` (float, default :data:`DEFAULT_SYNC_DISK_LOAD_MIB`) and
+    ``sync_disk_load_busy_mib`` (float, default 0): a hit whose claimed chunks outside the CPU pool
+    are all on disk and hold at most this many MiB (this rank's bytes) loads synchronously, like a
+    CPU hit — the reads run in parallel before the forward and the request skips the engine steps an
+    asynchronous load costs. The first limit applies while the request is the only one the scheduler
+    holds (a synchronous read then delays nobody), the second while other requests are running or
+    waiting (their forward would wait for the read). 0 loads those disk hits asynchronously.
     """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -387,14 +394,8 @@ class LMTierConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.config.validate_for(self.block_size)
         self.async_loads = bool(self._kv_transfer_config.get_from_extra_config("async_loads", True))
-        mib = self._kv_transfer_config.get_from_extra_config("sync_disk_load_mib", DEFAULT_SYNC_DISK_LOAD_MIB)
-        try:
-            mib = float(mib)
-        except (TypeError, ValueError):
-            mib = -1.0
-        if not mib >= 0:
-            raise ValueError(f"lmtier: kv_connector_extra_config sync_disk_load_mib={mib!r}: must be a number >= 0")
-        self.sync_disk_load_bytes = int(mib * 2**20)
+        self.sync_disk_load_bytes = self._mib_option("sync_disk_load_mib", DEFAULT_SYNC_DISK_LOAD_MIB)
+        self.sync_disk_load_busy_bytes = self._mib_option("sync_disk_load_busy_mib", 0.0)
 
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -461,6 +462,17 @@ class LMTierConnector(KVConnectorBase_V1):
                  role.name, self.ns.digest().hex()[:16], self.chunk, self.manager.cpu is not None,
                  self.manager.disk is not None, self.manager.remote is not None, self.async_loads)
 
+    def _mib_option(self, key: str, default: float) -> int:
+        """A ``kv_connector_extra_config`` size in MiB (a number >= 0), in bytes."""
+        raw = self._kv_transfer_config.get_from_extra_config(key, default)
+        try:
+            mib = float(raw)
+        except (TypeError, ValueError):
+            mib = -1.0
+        if not mib >= 0:
+            raise ValueError(f"lmtier: kv_connector_extra_config {key}={raw!r}: must be a number >= 0")
+        return int(mib * 2**20)
+
     def _stat(self, key: str, value: float = 1) -> None:
         with self._stats_lock:
             self._stats.add(key, value)
@@ -472,7 +484,8 @@ class LMTierConnector(KVConnectorBase_V1):
 
         Returns ``(n, load_async)``: ``n`` is a multiple of the block size, ``num_computed_tokens + n``
         is a whole number of chunks and at most ``len(prompt) - 1``. ``load_async`` is True when any
-        claimed chunk is outside the CPU pool. Side-effect free apart from caching the lookup.
+        claimed chunk is in Redis or the claimed disk chunks exceed ``sync_disk_load_mib``. Side-effect free apart
+        from caching the lookup.
         """
         prompt = request.prompt_token_ids or []
         rid = request.request_id
@@ -496,11 +509,13 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def _load_async(self, claimed: list[str]) -> bool:
         """Whether claimed chunks (tier names) load in the background: any remote chunk, or disk
-        chunks of more than ``sync_disk_load_mib`` (CPU chunks always load synchronously)."""
+        chunks of more than ``sync_disk_load_mib`` (``sync_disk_load_busy_mib`` while the scheduler
+        holds other requests); CPU chunks always load synchronously."""
         if "remote" in claimed:
             return True
         disk = sum(1 for t in claimed if t == "disk")
-        return disk > 0 and disk * self.ns.chunk_bytes > self.sync_disk_load_bytes
+        limit = self.sync_disk_load_bytes if len(self._requests) <= 1 else self.sync_disk_load_busy_bytes
+        return disk > 0 and disk * self.ns.chunk_bytes > limit
 
     def _lookup(self, keys: list[bytes]) -> list[str]:
         """Tiers of the longest cached prefix of ``keys``: the shared manager's index, or (worker in
