@@ -305,10 +305,6 @@ class ConnectorWorker:
                     c.ok = slot.nbytes >= cb
                     if c.ok:
                         c.src = slot.view[:cb]
-                else:
-                    # Not in the pool (a disk/remote hit, or a pool hit evicted since the scheduler
-                    # looked: the write-through copy on disk usually still has it).
-                    c.future = self._io().submit(self._fetch_chunk, keys[ci])
             except InjectedFault as e:
                 log.warning("lmtier: injected fault: %s fails", e)
                 c.ok = False
@@ -317,6 +313,17 @@ class ConnectorWorker:
                 c.ok = False
             if c.ok is False:
                 break
+        # Fetch the others only now that every pool hit is pinned: a fetch's slot reservation may
+        # evict, and must not evict a chunk this load is about to read.
+        for c in chunks:
+            if c.ok is None:
+                # Not in the pool (a disk/remote hit, or a pool hit evicted since the scheduler
+                # looked: the write-through copy on disk usually still has it).
+                try:
+                    c.future = self._io().submit(self._fetch_chunk, c.key)
+                except Exception:
+                    log.exception("lmtier: load of chunk %d of request %s failed", c.ci, op.req_id)
+                    c.ok = False
         return chunks
 
     def _fetch_chunk(self, key: bytes) -> _Chunk | None:
