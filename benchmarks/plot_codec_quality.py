@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TEXT_STYLE = {"gpl3": ("GPL-3", "-"), "pydoc": ("pydoc", "--")}
+# text -> (label, line style, level marker, reference marker)
+TEXT_STYLE = {"gpl3": ("GPL-3", "-", "o", "x"), "pydoc": ("pydoc", "--", "s", "+")}
 
 
 def plot(data: dict, out: Path) -> None:
@@ -35,14 +36,14 @@ def plot(data: dict, out: Path) -> None:
     for ax, metric, label in ((axes[0], "dppl_pct", "perplexity change vs bf16 cache, %"),
                               (axes[1], "kl", "KL(P_bf16 || P_codec), nats/token")):
         for t in texts:
-            name, ls = TEXT_STYLE[t]
+            name, ls, mk, rmk = TEXT_STYLE[t]
             lv = [r for r in rows if r["kind"] == "level" and t in r["quality"] and r["name"] != "lossless"]
             lv.sort(key=lambda r: r["ratio"])
             xs = [r["per_text"][t]["rate"].get("ratio_shipped", r["per_text"][t]["rate"]["ratio"]) for r in lv]
             ys = [r["quality"][t][metric] for r in lv]
-            ax.plot(xs, ys, ls, marker="o", color="C0", label=f"lmtier, shipped ratio ({name})")
+            ax.plot(xs, ys, ls, marker=mk, color="C0", label=f"lmtier, shipped ratio ({name})")
             ax.scatter([r["per_text"][t]["rate"]["ratio"] for r in lv], ys, facecolors="none", edgecolors="C0",
-                       marker="o", s=30, label=f"lmtier, ideal bound ({name})" if t == texts[0] else None)
+                       marker=mk, s=30, label=f"lmtier, ideal-coder bound ({name})")
             for r, x, y in zip(lv, xs, ys):
                 ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
             for r in rows:
@@ -50,11 +51,7 @@ def plot(data: dict, out: Path) -> None:
                     continue
                 c = "C3" if r["name"].startswith("cachegen (") else "C1"
                 x = r["per_text"][t]["rate"]["ratio"]
-                ax.scatter([x], [r["quality"][t][metric]], marker="x", color=c,
-                           label=f"{r['name']} ({name})" if t == texts[0] else None)
-                if t == texts[0]:
-                    ax.annotate(r["name"].split(" ")[0], (x, r["quality"][t][metric]), fontsize=7,
-                                xytext=(3, -9), textcoords="offset points")
+                ax.scatter([x], [r["quality"][t][metric]], marker=rmk, s=45, color=c, label=f"{r['name']} ({name})")
             noise = [r for r in rows if r["name"].startswith("noise: bf16")]
             if noise and t in noise[0]["quality"]:
                 ax.axhline(noise[0]["quality"][t][metric], color="grey", ls=ls, lw=0.8,
