@@ -131,6 +131,7 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n, c
   uint64_t pos = (size - kStateBytes) / 2;
   const uint32_t steps = (n + kLanes - 1) / kLanes;
   uint32_t cdf[257];
+  uint32_t top = 256;  // 1 + last symbol with frequency > 0: cdf[top] == 4096, the search bound
   uint64_t cur = ~0ull;
   for (uint32_t k = steps; k-- > 0;) {
     const uint32_t base = k * kLanes;
@@ -139,13 +140,16 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n, c
     if (run != cur) {
       const uint16_t* f = tables + 256ull * (table_id + run);
       cdf[0] = 0;
-      for (int s = 0; s < 256; ++s) cdf[s + 1] = cdf[s] + f[s];
+      for (int s = 0; s < 256; ++s) {
+        cdf[s + 1] = cdf[s] + f[s];
+        if (f[s]) top = static_cast<uint32_t>(s) + 1;
+      }
       cur = run;
     }
     uint32_t need = 0;
     for (int l = 0; l < active; ++l) {
       const uint32_t slot = x[l] & (kProbScale - 1);
-      uint32_t lo = 0, hi = 256;  // largest s with cdf[s] <= slot (cdf[256] = 4096 > slot)
+      uint32_t lo = 0, hi = top;  // largest s with cdf[s] <= slot (cdf[top] = 4096 > slot)
       while (hi - lo > 1) {
         const uint32_t mid = (lo + hi) >> 1;
         if (cdf[mid] <= slot) lo = mid; else hi = mid;

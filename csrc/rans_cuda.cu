@@ -724,6 +724,7 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
   const uint32_t groups = (steps + 15) / 16;
   const uint32_t lt = lanemask_lt();
   uint64_t cur_run = ~0ull;
+  uint32_t top = 256;  // 1 + last symbol with frequency > 0 (warp-uniform): cdf_w[top] == 4096
   for (uint32_t g = groups; g-- > 0;) {
     const uint32_t kbeg = g * 16, kend = min(steps, kbeg + 16);
     for (uint32_t k = kend; k-- > kbeg;) {
@@ -731,12 +732,14 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
       if (run != cur_run) {
         const unsigned short* fg = reinterpret_cast<const unsigned short*>(run_tables + 256 * run);
         uint32_t f[8];
-        uint32_t sum = 0;
+        uint32_t sum = 0, last = 0;
 #pragma unroll
         for (int q = 0; q < 8; ++q) {
           f[q] = __ldg(fg + lane * 8 + q);
           sum += f[q];
+          if (f[q]) last = lane * 8 + q + 1;
         }
+        top = __reduce_max_sync(0xFFFFFFFFu, last);
         uint32_t incl = sum;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
@@ -757,7 +760,7 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
       const bool active = k * 32 + lane < n;
       if (active) {
         const uint32_t slot = x & (kProbScale - 1);
-        uint32_t lo = 0, hi = 256;
+        uint32_t lo = 0, hi = top;
         while (hi - lo > 1) {
           const uint32_t mid = (lo + hi) >> 1;
           if (cdf_w[mid] <= slot) lo = mid; else hi = mid;
