@@ -24,7 +24,11 @@
 // multiple of kLanes, 0 = off); symbol i is then coded with static table table_id + floor(i / R), so
 // one stream (and one set of lane states) spans many tables, e.g. one table per (head, channel) run
 // of T tokens. Because R and every segment start are multiples of 32, the 32 lanes of one step always
-// share one table. All tables table_id .. table_id + ceil(n / R) - 1 must exist and be valid. A stream whose static table lacks a symbol that a coded segment needs (or
+// share one table. All tables table_id .. table_id + ceil(n / R) - 1 must exist and be valid. The
+// encoder rebuilds its per-symbol table when a step enters a new run; the decoder keeps the run's
+// cumulative frequencies and finds a lane's symbol as the s with cdf[s] <= slot < cdf[s + 1] by
+// binary search over [0, 1 + last present symbol) (the symbol a slot lookup table would give).
+// A stream whose run tables lack a symbol is re-coded with its own table (run_words = 0). A stream whose static table lacks a symbol that a coded segment needs (or
 // whose table id is kAdaptiveTable) is coded with its own table, normalized from the stream's
 // histogram by rans_normalize_counts() and stored in the stream. Normalization is integer-only and
 // implemented once (here, __host__ __device__): Python's build_table calls the same code.
