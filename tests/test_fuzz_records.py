@@ -299,7 +299,8 @@ def test_codec_huge_geometry_fields():
     """Header fields claiming 2**24 sections or a 2**63-byte payload: rejected, nothing allocated."""
     import xxhash
 
-    head = fmt._HEADER.pack(fmt.MAGIC, 1, 64, 2, 1, 0xFFFF, 7, 256, 2, 256, 8, 128, 0xFFFFFFFF, (1 << 63), 0, 0)
+    head = fmt._HEADER.pack(fmt.MAGIC, fmt.FORMAT_VERSION, 64, 2, 1, 0xFFFF, 7, 256, 2, 256, 8, 128, 0xFFFFFFFF,
+                            (1 << 63), 0, 0)
     for blob in (head, head + bytes(4096)):
         with pytest.raises(ValueError):
             fmt.unpack(blob)
@@ -323,6 +324,77 @@ def test_rans_decode_mutated(codec_record, m, with_lengths):
     except ValueError:
         return
     assert out[0].size <= max(x.size, rans.MAX_STREAM_SYMBOLS)
+    if with_lengths:
+        assert out[0].size == x.size
+
+
+@pytest.fixture(scope="module")
+def switching_record():
+    """A real codec record coded with table-switching tables (lmtier.codec.calibrate) + its chunk."""
+    import torch
+
+    from lmtier.codec import calibrate as CAL
+    from lmtier.codec import chunk as CH
+
+    g = torch.Generator().manual_seed(3)
+    shape = (2, 2, 64, 2, 64)
+    x = (torch.randn(shape, generator=g) * (torch.rand(2, 2, 1, 2, 64, generator=g) * 2 + 0.1)).to(torch.bfloat16)
+    tab, _ = CAL.calibrate([x], "default")
+    blob = CH.encode_chunk(x, shape=shape, dtype=torch.bfloat16, level="default", tables=tab)
+    return blob, x, tab, shape
+
+
+def _rechecksum(buf: bytes) -> bytes:
+    import xxhash
+
+    if len(buf) < fmt.HEADER_BYTES:
+        return buf
+    b = bytearray(buf)
+    try:
+        end = fmt.unpack(bytes(b), verify_checksum=False).nbytes
+    except ValueError:
+        return buf
+    h = xxhash.xxh3_64()
+    h.update(bytes(b[:56]))
+    h.update(bytes(b[fmt.HEADER_BYTES:end]))
+    b[56:64] = struct.pack("<Q", h.intdigest())
+    return bytes(b)
+
+
+@fuzz_settings(300)
+@given(mutations)
+def test_switching_record_mutated_with_valid_checksum(switching_record, m):
+    """Mutated table-switching records whose checksum is recomputed (an adversary, not bit rot) decode or
+    raise CodecRecordError — no crash, no hang, nothing written outside ``out``."""
+    import torch
+
+    from lmtier.codec import chunk as CH
+
+    blob, x, tab, shape = switching_record
+    bad = _rechecksum(mutate(blob, m, lo=fmt.HEADER_BYTES))
+    out = torch.zeros(x.numel() * 2 + 64, dtype=torch.uint8)
+    try:
+        timed(CH.decode_chunk, bad, out, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
+    except CH.CodecRecordError:
+        pass
+    assert int(out[x.numel() * 2:].sum()) == 0
+    if bad == blob:
+        CH.decode_chunk(bad, out, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
+
+
+@fuzz_settings(300)
+@given(mutations, st.booleans())
+def test_rans_switching_stream_mutated(m, with_lengths):
+    rng = np.random.default_rng(5)
+    tables = np.stack([rans.build_table(rng.integers(1, 50, 13), alphabet_size=13) for _ in range(40)])
+    x = rng.integers(0, 13, 64 * 40, dtype=np.uint8)
+    enc = bytes(np.asarray(rans.encode([x], 0, tables, seg_log2=10, run_lens=64).stream(0)))
+    bad = mutate(enc, m)
+    src = np.frombuffer(bad, np.uint8).copy() if bad else np.zeros(0, np.uint8)
+    try:
+        out = timed(rans.decode, [src], tables, lengths=[x.size] if with_lengths else None)
+    except ValueError:
+        return
     if with_lengths:
         assert out[0].size == x.size
 
