@@ -211,3 +211,49 @@ def test_unknown_preset_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         ttft.main(["--device", "cpu", "--model-preset", "deepseek-v3-mla", "--lengths", "64"])
     assert "builds a Llama-shaped transformers model" in capsys.readouterr().err
+
+
+def test_codec_static_tables_calibrated_saved_and_per_stream(tmp_path):
+    # default --codec-tables calibrate: static tables fitted on other input of the same model; the full
+    # chunks of N = 150 (2 x 64) are coded with them, the 22-token tail with per-stream tables; decode
+    # through the static set is bit-exact vs the reference decoder. A PATH saves them; a second run
+    # loads them (same table set id, same record bytes); 'none' gives per-stream records only.
+    common = ["--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
+              "--codec-levels", "default,lossless"]
+    path = tmp_path / "tables.npz"
+    rc, res = _run(tmp_path, *common, "--codec-tables", str(path), "--codec-calib-tokens", "512")
+    assert rc == 0 and res["checks_ok"] is True
+    info = res["codec_tables"]
+    lv = info["levels"]["default"]
+    assert info["calib_seed"] == ttft.CALIB_SEED != 1234 and info["calib_tokens"] == 512
+    assert info["channels_per_table"] == 1 and lv["source"] == "calibrated"
+    assert lv["num_tables"] == 2 * 2 * 2 * 16 + 2 * 2  # (layer, K/V, head, channel) + (layer, K/V) scale tables
+    (r,) = res["rows"]
+    assert r["disk+codec_static_records"] == 2 and r["disk+lossless_static_records"] == 0
+    assert r["check_disk+codec"]["kv_exact"] is True and r["check_disk+lossless"]["kv_exact"] is True
+    assert 2.0 < r["disk+codec_ratio"] < 8.0
+    assert path.exists()
+    rc, res2 = _run(tmp_path, *common, "--codec-tables", str(path))
+    assert rc == 0 and res2["checks_ok"] is True
+    assert res2["codec_tables"]["levels"]["default"]["source"] == "file"
+    assert res2["codec_tables"]["levels"]["default"]["table_id"] == lv["table_id"]
+    assert res2["rows"][0]["disk+codec_MB"] == r["disk+codec_MB"]
+    assert res2["rows"][0]["check_disk+codec"]["kv_exact"] is True
+    rc, res3 = _run(tmp_path, *common, "--codec-tables", "none")
+    assert rc == 0 and res3["codec_tables"] is None
+    (r3,) = res3["rows"]
+    assert r3["disk+codec_static_records"] == 0 and r3["check_disk+codec"]["kv_exact"] is True
+    assert r3["disk+codec_MB"] != r["disk+codec_MB"]
+
+
+def test_codec_tables_file_of_other_geometry_is_refused(tmp_path):
+    import numpy as np
+
+    from lmtier.codec import calibrate as ccal
+
+    path = tmp_path / "other.npz"
+    ccal.save(path, {"default": {"sym": np.zeros((1, 1), np.uint16), "scale": np.zeros((2, 256), np.uint16),
+                                 "geometry": np.asarray([30, 3, 64], np.int64)}})
+    with pytest.raises(SystemExit, match="geometry"):
+        _run(tmp_path, "--lengths", "70", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
+             "--codec-levels", "default", "--codec-tables", str(path))

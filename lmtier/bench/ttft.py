@@ -29,8 +29,11 @@ smoke runs. Per context length ``N`` (median of ``--iters`` after ``--warmup`` r
   when stored, untimed) in the disk tier; the load reads the (smaller) records, copies them to the
   device and decodes them there (batched rANS + dequantize on the copy stream), pipelined with the
   reads, the last chunk in layer groups overlapped with the forward (:class:`CodecTier`).
-  ``*_ratio`` = bf16 bytes / record bytes. Lossy levels are checked bit for bit against the
-  reference decoder (:func:`lmtier.codec.quant.dequantize`); their logits are reported, not judged.
+  ``*_ratio`` = bf16 bytes / record bytes (whole records: header, index, streams). Lossy levels'
+  records use static rANS tables calibrated untimed on the same model's KV of *other* input (random
+  token ids of another seed; ``--codec-tables``, :func:`setup_codec_tables`), uploaded to the
+  device once; ``--codec-tables none`` gives per-stream tables. Lossy levels are checked bit for bit
+  against the reference decoder (:func:`lmtier.codec.quant.dequantize`); their logits are reported, not judged.
 * ``redis`` / ``redis+codec`` — like disk / disk+codec (level ``default``) through
   :class:`lmtier.tiers.remote.RedisTier`: against ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a
   private ``redis-server`` on loopback when one is found (``$LMTIER_REDIS_SERVER``, PATH, or the bundle
@@ -539,7 +542,10 @@ class CodecTier:
     """``disk+codec``: canonical chunks stored as :mod:`lmtier.codec` records, decoded on the device.
 
     Store (once, untimed): :func:`lmtier.codec.quant.quantize` on the chunk's device, every section
-    entropy-coded by :func:`lmtier.codec.rans.encode` (per-stream adaptive tables), packed by
+    entropy-coded by :func:`lmtier.codec.rans.encode` — with the static table set of
+    :meth:`set_tables` (calibrated offline on other input of the same model, table switching per
+    channel run: :mod:`lmtier.codec.calibrate`) when one is set and the chunk's T allows table
+    switching, else per-stream adaptive tables — and packed by
     :func:`lmtier.codec.format.pack` into one record per chunk. Sections per layer, all rANS streams:
     quantized levels ``[K symbols, V symbols, scale codes]`` (``[H, D, T]`` symbol streams, codes in
     :mod:`~lmtier.codec.quant`'s side order); ``lossless`` ``[K hi, V hi, K lo, V lo]`` byte planes.
@@ -549,7 +555,8 @@ class CodecTier:
     record's checksum), the record and the decode descriptors go to the device in two async copies,
     one batched rANS decode (``lmtier._C.rans.decode``, the call under
     :func:`~lmtier.codec.rans.decode_into`, with descriptors already on the device: nothing allocated
-    or uploaded per call) writes symbols and side data into device buffers, and a batched dequantize
+    or uploaded per call; the static table set went to the device once, in :meth:`set_tables`) writes
+    symbols and side data into device buffers, and a batched dequantize
     (the reference's arithmetic, bit-identical) writes the chunk straight into the KV buffer — all on
     the copy stream, so chunk ``c``'s decode overlaps chunk ``c + 1``'s read. The last chunk is decoded
     in layer groups, each recording the load events of its layers, so the forward overlaps it.
@@ -576,6 +583,9 @@ class CodecTier:
         self.sizes: dict[int, int] = {}  # chunk index -> record bytes (for the current N)
         self.records: list[np.ndarray] = []  # the current N's records (host; for the in-memory run)
         self.bufs = None
+        self.tables = None  # lmtier.codec.chunk.StaticTables or None (per-stream tables)
+        self.tables_mem = None  # the table set where the decoder reads it (device tensor / host array)
+        self.t_addr, self.num_tables = 0, 0
         self.ring = bench.args.ring  # device buffer sets (decode of chunk c uses set c % ring)
         # the compiled dequantize kernel (lmtier.codec.native) when it covers this level and geometry:
         # one launch per chunk instead of the torch ops of chunk.dequantize_layers (~80 launches)
@@ -591,10 +601,41 @@ class CodecTier:
 
     # ---- store ----------------------------------------------------------------------------
 
+    def set_tables(self, tables) -> None:
+        """Use the static table set ``tables`` (:class:`lmtier.codec.chunk.StaticTables`, e.g. from
+        :func:`lmtier.codec.calibrate.calibrate`; None: per-stream tables) for the records stored from
+        now on. The set is copied to the decoder's memory once, here (on CUDA: one upload of
+        ``num_tables * 512`` bytes), never per load.
+
+        Raises:
+            ValueError: a lossless level with tables, or tables that do not fit this geometry.
+        """
+        if tables is None:
+            self.tables = self.tables_mem = None
+            self.t_addr, self.num_tables = 0, 0
+            return
+        b = self.b
+        if self.lossless:
+            raise ValueError("static tables are for the quantized levels")
+        if tables.section_tables.size != b.L * self.S:
+            raise ValueError(f"table set has {tables.section_tables.size} sections, the records have {b.L * self.S}")
+        t = np.ascontiguousarray(tables.tables, np.uint16)
+        if b.dev.cuda:
+            mem = torch.from_numpy(t.view(np.uint8).reshape(-1).copy()).to(b.device)
+            torch.cuda.synchronize(b.device)
+            addr = mem.data_ptr()
+        else:
+            mem = t
+            addr = t.ctypes.data
+        self.tables, self.tables_mem = tables, mem
+        self.t_addr, self.num_tables = addr, int(t.shape[0])
+
     def encode(self, chunk: torch.Tensor) -> np.ndarray:
         """One record (uint8 host array) for a canonical chunk ``[L, 2, T, H, D]`` on any device
-        (:func:`lmtier.codec.chunk.encode_chunk`, per-stream tables)."""
-        rec = self.cchunk.encode_chunk(chunk, shape=tuple(chunk.shape), dtype=chunk.dtype, level=self.lv)
+        (:func:`lmtier.codec.chunk.encode_chunk` with the static tables of :meth:`set_tables`, if
+        any; a chunk whose T rules out table switching gets per-stream tables)."""
+        rec = self.cchunk.encode_chunk(chunk, shape=tuple(chunk.shape), dtype=chunk.dtype, level=self.lv,
+                                       tables=self.tables)
         return np.frombuffer(rec, np.uint8)
 
     def reference(self, chunk: torch.Tensor) -> torch.Tensor:
@@ -662,6 +703,10 @@ class CodecTier:
             self.cchunk.check_record_info(rec.info, expected_shape=(b.L, 2, tc, b.H, b.D), dtype=b.dtype, level=self.lv)
         except ValueError as e:
             raise RuntimeError(f"codec record of chunk {c}: {e}") from None
+        tid = rec.info.table_id
+        if tid != self.cformat.NO_TABLE and (self.tables is None or tid != int(self.tables.table_id)):
+            raise RuntimeError(f"codec record of chunk {c} was coded with static table set {tid}, the decoder has "
+                               f"{'none' if self.tables is None else self.tables.table_id}")
         to_side, off, cap = self.rel_dst(tc)
         desc = dv["hdesc"][r]
         if b.dev.cuda:
@@ -688,13 +733,13 @@ class CodecTier:
         cnt = (l1 - l0) * S
         st, ln = dv["status"], dv["lens"]
         if b.dev.cuda:
-            R_.decode(True, gaddr + l0 * S * desc.itemsize, cnt, 0, 0, ln.data_ptr() + 8 * k, st.data_ptr() + 4 * k,
-                      dv["scratch"].data_ptr(), dv["scratch"].numel(), 0,
+            R_.decode(True, gaddr + l0 * S * desc.itemsize, cnt, self.t_addr, self.num_tables,
+                      ln.data_ptr() + 8 * k, st.data_ptr() + 4 * k, dv["scratch"].data_ptr(), dv["scratch"].numel(), 0,
                       torch.cuda.current_stream(b.device).cuda_stream)
         else:
             sub = np.ascontiguousarray(desc[l0 * S:l1 * S])
-            R_.decode(False, sub.ctypes.data, cnt, 0, 0, ln.data_ptr() + 8 * k, st.data_ptr() + 4 * k, 0, 0,
-                      0, 0)
+            R_.decode(False, sub.ctypes.data, cnt, self.t_addr, self.num_tables, ln.data_ptr() + 8 * k,
+                      st.data_ptr() + 4 * k, 0, 0, 0, 0)
 
     def dequant(self, r: int, tc: int, kv: torch.Tensor, s: int, l0: int, l1: int) -> None:
         """Decoded symbols/side of ring slot ``r`` -> ``kv[l0:l1, :, s:s + tc]`` (current stream), the
@@ -732,6 +777,110 @@ class CodecTier:
                                f"(decoded {int(dv['lens'][i])} of {int(dv['exp_lens'][i])} symbols)")
 
 
+CALIB_SEED = 4321
+"""Seed of the random token ids the codec tables are calibrated on (the measured prompts use 1234)."""
+
+
+def _table_file_geometry(path: str):
+    with np.load(path, allow_pickle=False) as z:
+        return tuple(int(v) for v in z["geometry"]) if "geometry" in z.files else None
+
+
+def _table_file_arrays(path: str) -> dict[str, dict]:
+    """``{level name: {"sym", "scale", "geometry"}}`` of a :func:`lmtier.codec.calibrate.save` file."""
+    out: dict[str, dict] = {}
+    with np.load(path, allow_pickle=False) as z:
+        geo = z["geometry"]
+        for k in z.files:
+            if k.endswith(".sym"):
+                name = k[: -len(".sym")]
+                out[name] = {"sym": z[k], "scale": z[f"{name}.scale"], "geometry": geo}
+    return out
+
+
+def setup_codec_tables(b: "Bench", args, say) -> dict | None:
+    """Give every quantized codec tier a static table set for this model, before any timed run.
+
+    ``--codec-tables none``: per-stream tables (nothing done). Otherwise the tables are calibrated
+    the way a deployment would do it offline: on the prefill KV of ``--codec-calib-tokens`` random
+    token ids drawn with :data:`CALIB_SEED` (not the measured prompts), cut into ``--chunk-tokens``
+    chunks, by :func:`lmtier.codec.calibrate.calibrate` — once per (model, level), untimed, kept in
+    memory. With ``--codec-tables PATH`` the levels found in the file (a
+    :func:`lmtier.codec.calibrate.save` ``.npz``) are loaded instead and missing ones are calibrated
+    and written back. Returns the facts for the JSON (None with ``none`` or no quantized tier).
+
+    Raises:
+        SystemExit: a table file of another geometry.
+    """
+    from lmtier.codec import calibrate as ccal
+
+    mode = (args.codec_tables or "none").strip()
+    lossy = {t: c for t, c in b.codecs.items() if not c.lossless}
+    if mode.lower() == "none" or not lossy:
+        if b.codecs:
+            say("codec tables: per-stream (every rANS stream carries its own table)"
+                + (" (--codec-tables none)" if mode.lower() == "none" else ""))
+        return None
+    geo = (b.L, b.H, b.D)
+    path = None if mode.lower() == "calibrate" else mode
+    loaded: dict[str, object] = {}
+    if path is not None and os.path.exists(path):
+        fg = _table_file_geometry(path)
+        if fg != geo:
+            raise SystemExit(f"lmtier bench ttft: --codec-tables {path}: geometry {fg}, the model has (L, H, D) = {geo}")
+        for c in lossy.values():
+            tab = ccal.load(path, c.lv)
+            if tab is not None:
+                loaded[c.lv.name] = tab
+    need = [c.lv.name for c in lossy.values() if c.lv.name not in loaded]
+    info: dict = {"mode": "file" if path else "calibrate", "path": path, "channels_per_table": ccal.channels_per_table(geo),
+                  "levels": {}}
+    if need:
+        key = (b.model_name, args.dtype, geo, args.codec_calib_tokens, b.T)
+        cache = b.table_cache.setdefault(key, {})
+        todo = [nm for nm in need if nm not in cache]
+        if todo:
+            maxpos = getattr(b.model.config, "max_position_embeddings", None) or args.codec_calib_tokens
+            nt = max(1, min(args.codec_calib_tokens, maxpos))
+            gen = torch.Generator().manual_seed(CALIB_SEED)
+            cids = torch.randint(0, b.model.config.vocab_size, (1, nt), generator=gen).to(b.device)
+            t0 = time.perf_counter()
+            kv = b.prefix_kv(cids, nt).cpu()
+            chunks = [kv[:, :, s:s + b.T] for s in range(0, nt, b.T)]
+            info["calib_tokens"], info["calib_seed"], info["calib_prefill_s"] = nt, CALIB_SEED, time.perf_counter() - t0
+            for nm in todo:
+                t0 = time.perf_counter()
+                tab, arr = ccal.calibrate(chunks, nm)
+                cache[nm] = (tab, arr, time.perf_counter() - t0)
+            del kv, chunks
+            if b.dev.cuda:
+                torch.cuda.empty_cache()
+        for nm in need:
+            loaded[nm] = cache[nm][0]
+            info["levels"][nm] = {"calibrated_s": cache[nm][2]}
+        if path is not None:
+            per = _table_file_arrays(path) if os.path.exists(path) else {}
+            per.update({nm: cache[nm][1] for nm in need})
+            ccal.save(path, per)
+    for t, c in lossy.items():
+        tab = loaded[c.lv.name]
+        c.set_tables(tab)
+        d = info["levels"].setdefault(c.lv.name, {})
+        d.update(table_id=int(tab.table_id), num_tables=int(tab.tables.shape[0]),
+                 table_bytes=int(tab.tables.shape[0]) * 512, source="file" if c.lv.name not in need else "calibrated")
+    src = (f"calibrated on the prefill KV of {info['calib_tokens']} other random token ids (seed {CALIB_SEED}, "
+           f"not the measured prompts) in {info['calib_prefill_s']:.1f} s + "
+           + ", ".join(f"{nm} {info['levels'][nm]['calibrated_s']:.1f} s" for nm in need)
+           if "calib_tokens" in info else "")
+    say("codec tables: static, table switching per run of " + f"{info['channels_per_table']} channel(s); "
+        + "; ".join(f"{c.lv.name}: {info['levels'][c.lv.name]['num_tables']:,} tables "
+                    f"({info['levels'][c.lv.name]['table_bytes'] / 1e6:.1f} MB, uploaded once), "
+                    f"{info['levels'][c.lv.name]['source']}" for c in lossy.values())
+        + (f"; {src}" if src else "") + (f"; file {path}" if path else "")
+        + "; chunks whose T rules out table switching (a tail chunk) use per-stream tables; lossless: per-stream")
+    return info
+
+
 # ----------------------------------------------------------------------------------- the bench
 
 
@@ -753,6 +902,7 @@ class Bench:
         self.fwd_mode = "eager"
         self.disk_odirect = True
         self.codecs: dict[str, CodecTier] = {}
+        self.table_cache: dict = {}  # (model, dtype, geometry, calib tokens, T) -> {level: (tables, arrays, s)}
         self.disk_par_bw: float | None = None  # parallel O_DIRECT read ceiling (same run)
 
     # ---- copy plans ------------------------------------------------------------------------
@@ -1064,6 +1214,17 @@ class Bench:
 
     # ---- one context length ----------------------------------------------------------------
 
+    def prefix_kv(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """The prefill KV of ``ids[:, :n]`` in canonical order ``[L, 2, n, H, D]`` (model dtype, on the
+        bench device, contiguous)."""
+        with torch.no_grad():
+            out = self.model.model(input_ids=ids[:, :n], use_cache=True)
+        cache = out.past_key_values
+        kv = torch.stack([torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)])
+                          for k, v in (_cache_kv(cache, l) for l in range(self.L))])[:, :, :n].contiguous()
+        del out, cache
+        return kv
+
     def run_length(self, n: int, ids: torch.Tensor, host: torch.Tensor, disk, redis, slots, h2d: float | None,
                    disk_bw: float | None, drop_note: list) -> dict:
         a, dev = self.args, self.dev
@@ -1084,13 +1245,8 @@ class Bench:
 
         # build the prefix KV once (prefill of N tokens) as canonical chunks in pinned memory
         spans = self.chunk_spans(n)
-        with torch.no_grad():
-            out = model.model(input_ids=ids[:, :n], use_cache=True)
-        cache = out.past_key_values
         # reference prefix KV in canonical order [L, 2, n, H, D] (also what every load must reproduce bit for bit)
-        ref_kv = torch.stack([torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)])
-                              for k, v in (_cache_kv(cache, l) for l in range(self.L))])[:, :, :n].contiguous()
-        del out, cache
+        ref_kv = self.prefix_kv(ids, n)
         host_chunks = []
         off = 0
         for s, tc in spans:
@@ -1201,6 +1357,10 @@ class Bench:
                         if not tier.put(chunk_key(tag, n, c), rec):
                             raise RuntimeError(f"{tag}: put of chunk {c} (N={n}) failed")
                     row[f"{tag}_encode_s"] = time.perf_counter() - t0
+                    # records coded with the static table set (others: per-stream tables, e.g. a tail
+                    # chunk whose T rules out table switching, or --codec-tables none)
+                    row[f"{tag}_static_records"] = sum(
+                        1 for _, tc in spans if codec.tables is not None and codec.tables.run_lens(tc) is not None)
                     stored = sum(codec.sizes.values())
                     row[f"{tag}_ratio"] = n * self.bpt / stored
                     row[f"{tag}_MB"] = stored / 1e6
@@ -1444,7 +1604,10 @@ def run(args) -> dict:
         dev.sync()
 
     rows = []
+    codec_tables = None
     try:
+        # static codec tables: calibrated (or loaded) once per level, untimed, before any timed run
+        codec_tables = setup_codec_tables(b, args, say) if b.codecs else None
         for n in progress(lengths, desc="ttft", disable=args.quiet):
             try:
                 row = b.run_length(n, ids, host, disk, redis, slots, h2d, disk_bw, drop_note)
@@ -1486,6 +1649,7 @@ def run(args) -> dict:
                       "hard_guard": "loaded KV bit-identical to the prefill's (lossy codec: to the reference decoder's)"},
         "graphs": args.graphs,
         "codec_levels": {t: c.lv.name for t, c in b.codecs.items()},
+        "codec_tables": codec_tables,
         "rows": rows,
         "skipped": skipped,
         "break_even": {t: break_even(rows, t) for t in TIERS},
@@ -1590,6 +1754,13 @@ def main(argv=None) -> int:
                         "nocapture: the graph code path run eagerly (tests)")
     p.add_argument("--codec-levels", default="default,lossless",
                    help="codec levels for the disk+codec tiers (comma-separated; '' to skip)")
+    p.add_argument("--codec-tables", default="calibrate",
+                   help="rANS tables of the lossy codec tiers: 'calibrate' (static tables calibrated, untimed, on "
+                        "the KV of other random token ids of the same model, once per level), a PATH (.npz of "
+                        "lmtier.codec.calibrate.save: loaded; levels it lacks are calibrated and written into "
+                        "it), or 'none' (per-stream tables in every record)")
+    p.add_argument("--codec-calib-tokens", type=int, default=2048,
+                   help="tokens of calibration input for --codec-tables calibrate / PATH")
     p.add_argument("--codec-groups", type=int, default=4,
                    help="layer groups the last chunk is decoded in (each releases its layers to the forward)")
     p.add_argument("--torch-dequant", action="store_true",
@@ -1606,6 +1777,8 @@ def main(argv=None) -> int:
         p.error("--ring must be >= 2")
     if args.inflight < 1:
         p.error("--inflight must be >= 1")
+    if args.codec_calib_tokens < 1:
+        p.error("--codec-calib-tokens must be >= 1")
     res = run(args)
     report(res, args)
     write_json(args.json, res)
