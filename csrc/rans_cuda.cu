@@ -9,11 +9,15 @@
 // global loads (encode) and stores (decode) are 16 bytes per lane. Renormalization words are read and
 // written as one contiguous run per warp-step (ballot + prefix popcount), i.e. coalesced.
 //
-// Encode = 7 launches on the caller's stream, no host sync, no allocation:
+// Encode = 8 launches on the caller's stream, no host sync, no allocation:
+//   validate the static tables (grid: one warp per 32 tables -> bitmap in scratch) ->
 //   prep (1 CTA: validate, scan segments/tiles) -> code with static tables -> histogram the streams
 //   that met a missing symbol -> normalize their tables -> re-code those streams -> scan sizes and
 //   offsets (1 CTA) -> compact segments from fixed slots into the output.
-// Decode = 2 launches: prep (1 CTA: validate headers/tables, scan tiles) -> decode.
+// Decode = 3 launches: validate the static tables (bitmap) -> prep (1 CTA: validate headers, table
+// ranges, scan tiles) -> decode. (The tables were once summed inside the 1-CTA prep kernels: 32 MB
+// for 65,536 tables through one SM: ~4.5 ms per call by a fit of the 8- and 32-chunk bench_codec
+// throughputs, most of a table-switching batch's time.)
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -72,20 +76,49 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
 __device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
 __device__ __forceinline__ uint16_t ldg_u16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
 
-// Bit set in a shared bitmap: table t is valid (sum 4096).
-__device__ void check_tables(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits) {
+// Validity bitmap of the static tables, in scratch: bit t of ok_bits set when table t sums to 4096.
+// One warp per bitmap word (32 tables), coalesced 64-byte loads; the grid covers the words of the
+// tables that exist (ids < min(num_tables, 65,536)); the prep kernels read no other word.
+__global__ void __launch_bounds__(kThreads)
+    tables_ok_kernel(const uint16_t* __restrict__ tables, int64_t num_tables, uint32_t* __restrict__ ok_bits) {
   const int64_t nt = num_tables < kMaxTablesChecked ? num_tables : kMaxTablesChecked;
-  for (int b = threadIdx.x; b < kMaxTablesChecked / 32; b += blockDim.x) ok_bits[b] = 0;
-  __syncthreads();
-  for (int64_t t = threadIdx.x; t < nt; t += blockDim.x) {
+  const int lane = threadIdx.x & 31;
+  const int64_t wd = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) >> 5;
+  if (wd * 32 >= nt) return;  // warp-uniform
+  uint32_t bits = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int64_t t = wd * 32 + k;
+    if (t >= nt) break;  // warp-uniform
     uint32_t sum = 0;
-    for (int s = 0; s < 256; ++s) sum += tables[t * 256 + s];
-    if (sum == kProbScale) atomicOr(&ok_bits[t >> 5], 1u << (t & 31));
+#pragma unroll
+    for (int q = 0; q < 8; ++q) sum += __ldg(tables + t * 256 + q * 32 + lane);
+    sum = __reduce_add_sync(0xFFFFFFFFu, sum);
+    if (sum == kProbScale) bits |= 1u << k;
   }
-  __syncthreads();
+  if (lane == 0) ok_bits[wd] = bits;
 }
 __device__ __forceinline__ bool table_ok(const uint32_t* ok_bits, int64_t num_tables, uint32_t id) {
   return id < num_tables && id < kMaxTablesChecked && ((ok_bits[id >> 5] >> (id & 31)) & 1);
+}
+// True when tables [lo, hi) all exist and are valid (hi <= num_tables checked by the caller too).
+__device__ bool tables_range_ok(const uint32_t* ok_bits, int64_t num_tables, uint64_t lo, uint64_t hi) {
+  if (hi > static_cast<uint64_t>(num_tables) || hi > static_cast<uint64_t>(kMaxTablesChecked)) return false;
+  for (uint64_t t = lo; t < hi;) {
+    const uint64_t e = min(hi, (t | 31) + 1);
+    const uint32_t cnt = static_cast<uint32_t>(e - t);
+    const uint32_t mask = (cnt == 32 ? 0xFFFFFFFFu : ((1u << cnt) - 1)) << (t & 31);
+    if ((ok_bits[t >> 5] & mask) != mask) return false;
+    t = e;
+  }
+  return true;
+}
+void launch_tables_ok(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits, cudaStream_t stream) {
+  const int64_t nt = std::min<int64_t>(num_tables, kMaxTablesChecked);
+  if (nt <= 0) return;
+  const int64_t words = (nt + 31) / 32;
+  const unsigned blocks = static_cast<unsigned>((words + kWarps - 1) / kWarps);
+  tables_ok_kernel<<<blocks, kThreads, 0, stream>>>(tables, num_tables, ok_bits);
+  LMTIER_CUDA_CHECK_LAUNCH();
 }
 
 // Last index i in [0, n) with base(i) <= t (base nondecreasing, base(0) == 0).
@@ -126,15 +159,13 @@ __device__ __forceinline__ void warp_cdf(const uint32_t* freq, uint32_t* cdf) {
 // Encode
 
 __global__ void __launch_bounds__(kPrepThreads)
-    enc_prep_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, const uint16_t* __restrict__ tables,
+    enc_prep_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, const uint32_t* __restrict__ ok_bits,
                     int64_t num_tables, int seg_log2, StreamWork* __restrict__ work, EncGlobals* gl,
                     uint64_t max_segments, int32_t* __restrict__ status) {
   using Scan = cub::BlockScan<unsigned long long, kPrepThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ uint32_t ok_bits[kMaxTablesChecked / 32];
   __shared__ unsigned long long carry_seg, carry_tile;
   __shared__ int any_err;
-  check_tables(tables, num_tables, ok_bits);
   if (threadIdx.x == 0) { carry_seg = 0; carry_tile = 0; any_err = 0; }
   __syncthreads();
   for (int64_t base = 0; base < N; base += kPrepThreads) {
@@ -147,9 +178,7 @@ __global__ void __launch_bounds__(kPrepThreads)
       else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len)) st = kErrBadHeader;
       else if (d.table_id != kAdaptiveTable && d.run_len != 0 && d.num_symbols > 0) {
         const uint64_t runs = run_count(d.num_symbols, d.run_len);
-        if (d.table_id + runs > static_cast<uint64_t>(num_tables)) st = kErrBadTable;
-        for (uint64_t r = 0; st == kOk && r < runs; ++r)
-          if (!table_ok(ok_bits, num_tables, static_cast<uint32_t>(d.table_id + r))) st = kErrBadTable;
+        if (!tables_range_ok(ok_bits, num_tables, d.table_id, d.table_id + runs)) st = kErrBadTable;
       } else if (d.table_id != kAdaptiveTable && !table_ok(ok_bits, num_tables, d.table_id)) st = kErrBadTable;
       if (st == kOk) {
         nseg = seg_count(d.num_symbols, seg_log2);
@@ -210,6 +239,26 @@ __device__ void build_enc_table(const uint16_t* __restrict__ freq_g, uint32_t* f
   __syncthreads();
 }
 
+// div_magic(f) for every frequency 1 .. 4096, computed at compile time (same arithmetic as
+// div_magic in rans.h; test_gpu_rans.py checks the streams byte for byte): table-switching streams
+// rebuild their encode table every run, and a lookup is much cheaper than div_magic's loop and
+// 64-bit division. mul[f] = DivMagic::mul, sh[f] = sh1 | sh2 << 1.
+struct MagicTable {
+  uint32_t mul[kProbScale + 1];
+  uint8_t sh[kProbScale + 1];
+};
+constexpr MagicTable make_magic_table() {
+  MagicTable t{};
+  for (uint32_t d = 1; d <= kProbScale; ++d) {
+    uint32_t l = 0;
+    while ((1u << l) < d) ++l;
+    t.mul[d] = static_cast<uint32_t>(((1ull << 32) * ((1ull << l) - d)) / d + 1);
+    t.sh[d] = static_cast<uint8_t>((l < 1 ? l : 1) | ((l > 1 ? l - 1 : 0) << 1));
+  }
+  return t;
+}
+__device__ const MagicTable kMagicTable = make_magic_table();
+
 // One warp builds the encode table of one static table into its own shared enc[256] (the entries of
 // build_enc_table). Table switching streams rebuild it whenever a step enters a new run.
 __device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq_g, uint2* enc, int lane) {
@@ -231,10 +280,10 @@ __device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     uint2 e = make_uint2(0, 0);
-    if (f[k] != 0) {
-      const DivMagic m = div_magic(f[k]);
-      e.x = f[k] | (m.sh1 << 13) | (c << 16) | (m.sh2 << 28);
-      e.y = m.mul;
+    if (f[k] != 0 && f[k] <= kProbScale) {  // f > 4096 only in an invalid table (rejected by prep)
+      const uint32_t sh = kMagicTable.sh[f[k]];
+      e.x = f[k] | ((sh & 1) << 13) | (c << 16) | ((sh >> 1) << 28);
+      e.y = kMagicTable.mul[f[k]];
     }
     enc[lane * 8 + k] = e;
     c += f[k];
@@ -250,7 +299,12 @@ __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_
                                         const uint16_t* __restrict__ run_tables = nullptr, uint32_t run_len = 0,
                                         uint64_t first = 0) {
   uint32_t x = kStateLower;
-  uint64_t cur_run = ~0ull;
+  // Table switching: run of the current step and steps of it already coded (run_len and first are
+  // multiples of 32, so a step never straddles two runs); no division per step.
+  uint64_t run = run_len ? first / run_len : 0;
+  uint32_t into = run_len ? static_cast<uint32_t>(first % run_len) / kLanes : 0;
+  const uint32_t steps_per_run = run_len / kLanes;
+  bool built = false;
   uint32_t pos = 0;
   uint16_t* words = reinterpret_cast<uint16_t*>(slot + kStateBytes);
   const uint32_t steps = (n + kLanes - 1) / kLanes;
@@ -268,12 +322,17 @@ __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_
     const uint32_t kend = min(16u, steps - g * 16);
     for (uint32_t kk = 0; kk < kend; ++kk) {
       const bool active = base + kk * 32 + lane < n;
-      if (run_len) {
-        const uint64_t run = (first + base + kk * 32) / run_len;  // warp-uniform
-        if (run != cur_run) {
-          warp_build_enc(run_tables + 256 * run, enc, lane);
-          cur_run = run;
+      if (run_len) {  // warp-uniform
+        if (into == steps_per_run) {
+          ++run;
+          into = 0;
+          built = false;
         }
+        if (!built) {
+          warp_build_enc(run_tables + 256 * run, enc, lane);
+          built = true;
+        }
+        ++into;
       }
       uint2 e = make_uint2(0, 0);
       if (active) e = enc[stage[kk * 32 + lane]];
@@ -542,14 +601,12 @@ __global__ void __launch_bounds__(kThreads)
 // Decode
 
 __global__ void __launch_bounds__(kPrepThreads)
-    dec_prep_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N, const uint16_t* __restrict__ tables,
+    dec_prep_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N, const uint32_t* __restrict__ ok_bits,
                     int64_t num_tables, DecodeWork* __restrict__ work, DecGlobals* gl,
                     uint64_t* __restrict__ out_lengths, int32_t* __restrict__ status) {
   using Scan = cub::BlockScan<unsigned long long, kPrepThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ uint32_t ok_bits[kMaxTablesChecked / 32];
   __shared__ unsigned long long carry;
-  check_tables(tables, num_tables, ok_bits);
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int64_t base = 0; base < N; base += kPrepThreads) {
@@ -602,9 +659,7 @@ __global__ void __launch_bounds__(kPrepThreads)
           } else if (n > 0 && (h2 >> 16) != 0) {
             w.run_len = 32u * (h2 >> 16);
             const uint64_t runs = run_count(n, w.run_len);
-            if (w.table_id + runs > static_cast<uint64_t>(num_tables)) st = kErrBadTable;
-            for (uint64_t r = 0; st == kOk && r < runs; ++r)
-              if (!table_ok(ok_bits, num_tables, static_cast<uint32_t>(w.table_id + r))) st = kErrBadTable;
+            if (!tables_range_ok(ok_bits, num_tables, w.table_id, w.table_id + runs)) st = kErrBadTable;
           } else if (n > 0 && !table_ok(ok_bits, num_tables, w.table_id)) {
             st = kErrBadTable;
           }
@@ -723,13 +778,18 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
   const uint32_t steps = (n + kLanes - 1) / kLanes;
   const uint32_t groups = (steps + 15) / 16;
   const uint32_t lt = lanemask_lt();
-  uint64_t cur_run = ~0ull;
+  // Run of the current step and its step index inside the run (walking backwards; run_len and first
+  // are multiples of 32): no division per step.
+  const uint64_t p_last = first + uint64_t{steps ? steps - 1 : 0} * kLanes;
+  uint64_t run = p_last / run_len;
+  uint32_t into = static_cast<uint32_t>(p_last % run_len) / kLanes;
+  const uint32_t steps_per_run = run_len / kLanes;
+  bool built = false;
   uint32_t top = 256;  // 1 + last symbol with frequency > 0 (warp-uniform): cdf_w[top] == 4096
   for (uint32_t g = groups; g-- > 0;) {
     const uint32_t kbeg = g * 16, kend = min(steps, kbeg + 16);
     for (uint32_t k = kend; k-- > kbeg;) {
-      const uint64_t run = (first + uint64_t{k} * 32) / run_len;  // warp-uniform
-      if (run != cur_run) {
+      if (!built) {  // warp-uniform
         const unsigned short* fg = reinterpret_cast<const unsigned short*>(run_tables + 256 * run);
         uint32_t f[8];
         uint32_t sum = 0, last = 0;
@@ -755,7 +815,14 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
         }
         if (lane == 31) cdf_w[256] = c;
         __syncwarp();
-        cur_run = run;
+        built = true;
+      }
+      if (into == 0) {  // the next step (k - 1) starts the previous run
+        --run;
+        into = steps_per_run - 1;
+        built = false;
+      } else {
+        --into;
       }
       const bool active = k * 32 + lane < n;
       if (active) {
@@ -888,7 +955,9 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
 
   LMTIER_CUDA_CHECK(cudaMemsetAsync(hist, 0, N * 256 * sizeof(uint32_t), stream));
   LMTIER_CUDA_CHECK(cudaMemsetAsync(afreq, 0, N * 256 * sizeof(uint16_t), stream));
-  enc_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, tables, num_tables, seg_log2, work, gl,
+  auto* ok_bits = reinterpret_cast<uint32_t*>(sc + L.tables_ok);
+  launch_tables_ok(tables, num_tables, ok_bits, stream);
+  enc_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, seg_log2, work, gl,
                                                   L.max_segments, status);
   LMTIER_CUDA_CHECK_LAUNCH();
   static const int grid_seg_static = persistent_grid(reinterpret_cast<const void*>(&enc_segments_kernel<false>), kThreads, 0);
@@ -925,7 +994,10 @@ void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   auto* work = static_cast<DecodeWork*>(scratch);
   auto* gl = reinterpret_cast<DecGlobals*>(static_cast<uint8_t*>(scratch) + ((N * sizeof(DecodeWork) + 255) & ~255ull));
-  dec_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, tables, num_tables, work, gl, out_lengths, status);
+  auto* ok_bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(scratch) +
+                                              ((N * sizeof(DecodeWork) + 255) & ~255ull) + 256);
+  launch_tables_ok(tables, num_tables, ok_bits, stream);
+  dec_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, work, gl, out_lengths, status);
   LMTIER_CUDA_CHECK_LAUNCH();
   static const int grid = persistent_grid(reinterpret_cast<const void*>(&dec_kernel), kThreads, 0);
   dec_kernel<<<grid, kThreads, 0, stream>>>(descs, num_streams, tables, work, gl, status);

@@ -281,3 +281,35 @@ def test_gpu_run_tables_hostile_matches_cpu():
     st_c, st_g, _, _ = _statuses_both(good, tables[:100], capacity=256 * 192)
     np.testing.assert_array_equal(st_c, st_g)
     assert (st_c == 3).all()
+
+
+def test_gpu_run_tables_one_bad_table_in_range_matches_cpu():
+    """The device validity bitmap (one warp per 32 tables) rejects exactly the streams whose run
+    range holds an invalid table, at any bit position, as the CPU does (encode raises, decode
+    reports kErrBadTable per stream)."""
+    rng = np.random.default_rng(5)
+    streams, ids, runs, tables = _run_batch(rng)
+    good = [bytes(rans.encode([streams[i]], ids[i], tables, seg_log2=10, run_lens=runs[i]).data)
+            for i in range(len(streams))]
+    for bad in (0, 31, 32, 205, 383, 590, 591):
+        t = tables.copy()
+        s = int(np.flatnonzero(t[bad])[0])
+        t[bad, s] -= 1  # sums to 4095
+        st_c, st_g, _, _ = _statuses_both(good, t, capacity=256 * 192)
+        np.testing.assert_array_equal(st_c, st_g)
+        assert (st_g == 3).any() and (st_g == 0).any(), (bad, st_g)
+        for i, x in enumerate(streams):
+            xs = [torch.from_numpy(x).to(DEV)]
+            try:
+                rans.encode([x], ids[i], t, seg_log2=10, run_lens=runs[i])
+                cpu_ok = True
+            except ValueError:
+                cpu_ok = False
+            try:
+                gpu = rans.encode(xs, ids[i], t, seg_log2=10, run_lens=runs[i])
+                gpu_ok = True
+            except ValueError:
+                gpu_ok = False
+            assert cpu_ok == gpu_ok, (bad, i)
+            if gpu_ok:
+                assert bytes(gpu.data.cpu().numpy()) == good[i]

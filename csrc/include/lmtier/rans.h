@@ -254,6 +254,9 @@ inline uint64_t max_batch_encoded_bytes(uint64_t num_streams, uint64_t total_sym
          total_symbols;
 }
 
+// Bytes of the static-table validity bitmap in scratch (bit t: table t sums to 4096; ids < 65,536).
+constexpr uint64_t kTablesOkBytes = 65536 / 8;
+
 // Scratch layout shared by the CPU and CUDA encoders (offsets in bytes from the scratch base).
 struct EncodeScratchLayout {
   uint64_t streams;     // [num_streams] StreamWork
@@ -262,6 +265,7 @@ struct EncodeScratchLayout {
   uint64_t seg_size;    // [max_segments] uint32 payload bytes per segment
   uint64_t seg_start;   // [max_segments + 1] uint64 padded payload prefix (global)
   uint64_t globals;     // 64 bytes
+  uint64_t tables_ok;   // kTablesOkBytes: validity bitmap of the static tables (CUDA)
   uint64_t slots;       // [max_segments][slot_bytes] coded payloads before compaction
   uint64_t slot_bytes;  // 2^seg_log2 + 64
   uint64_t max_segments;
@@ -299,6 +303,8 @@ inline EncodeScratchLayout encode_scratch_layout(uint64_t num_streams, uint64_t 
   o = a(o + (max_segments + 1) * 8);
   s.globals = o;
   o = a(o + 64);
+  s.tables_ok = o;
+  o = a(o + kTablesOkBytes);
   s.slots = o;
   s.slot_bytes = (1ull << seg_log2) + 64;
   s.max_segments = max_segments;
@@ -317,7 +323,7 @@ inline uint64_t encode_scratch_bytes(uint64_t num_streams, uint64_t total_symbol
 }
 // Scratch bytes for decoding num_streams streams.
 inline uint64_t decode_scratch_bytes(uint64_t num_streams) {
-  return ((num_streams * sizeof(StreamWork) + 255) & ~255ull) + 256;
+  return ((num_streams * sizeof(StreamWork) + 255) & ~255ull) + 256 + kTablesOkBytes;
 }
 
 // ---- host entry points --------------------------------------------------------------------------
