@@ -1759,7 +1759,7 @@ def main(argv=None) -> int:
                         "the KV of other random token ids of the same model, once per level), a PATH (.npz of "
                         "lmtier.codec.calibrate.save: loaded; levels it lacks are calibrated and written into "
                         "it), or 'none' (per-stream tables in every record)")
-    p.add_argument("--codec-calib-tokens", type=int, default=2048,
+    p.add_argument("--codec-calib-tokens", type=int, default=4096,
                    help="tokens of calibration input for --codec-tables calibrate / PATH")
     p.add_argument("--codec-groups", type=int, default=4,
                    help="layer groups the last chunk is decoded in (each releases its layers to the forward)")
