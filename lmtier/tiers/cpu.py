@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -441,6 +442,10 @@ class CPUPool(Tier):
         Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed."""
         from lmtier.memory import populate
 
+        try:  # background work: lowest CPU priority (Linux: per thread), never ahead of a forward pass
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         done = 0
         while True:
             with cond:
