@@ -281,6 +281,9 @@ uint64_t encode_scratch_capacity(uint64_t num_streams, uint64_t scratch_bytes, i
   if (base.total > scratch_bytes) return 0;
   uint64_t m = (scratch_bytes - base.total) / (base.slot_bytes + 12);
   while (m > 0 && encode_scratch_layout(num_streams, m, seg_log2).total > scratch_bytes) --m;
+  // the division above ignores the 256-byte alignment of each region, so it may also fall short
+  // of what encode_scratch_bytes sized the scratch for: step up while the next count still fits
+  while (encode_scratch_layout(num_streams, m + 1, seg_log2).total <= scratch_bytes) ++m;
   return m;
 }
 

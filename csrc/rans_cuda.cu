@@ -112,6 +112,13 @@ __device__ bool tables_range_ok(const uint32_t* ok_bits, int64_t num_tables, uin
   }
   return true;
 }
+// status[0, n) = v (the "scratch too small" verdict of every stream, as the CPU encoder gives it).
+__global__ void fill_status_kernel(int32_t* status, uint64_t n, int32_t v) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x)
+    status[i] = v;
+}
+
 void launch_tables_ok(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits, cudaStream_t stream) {
   const int64_t nt = std::min<int64_t>(num_tables, kMaxTablesChecked);
   if (nt <= 0) return;
@@ -942,8 +949,13 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
   LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(out) & 3) == 0, "rans: output buffer must be 4-byte aligned");
   const uint64_t cap = encode_scratch_capacity(N, scratch_bytes, seg_log2);
   const EncodeScratchLayout L = encode_scratch_layout(N, cap, seg_log2);
-  LMTIER_CHECK_ARG(L.total <= scratch_bytes, "rans: scratch of ", scratch_bytes,
-                   " bytes is too small for ", N, " streams");
+  if (L.total > scratch_bytes) {  // like encode_cpu: a data verdict per stream, offsets all 0
+    LMTIER_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (N + 1) * sizeof(uint64_t), stream));
+    const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((N + 255) / 256, 1024));
+    fill_status_kernel<<<blocks, 256, 0, stream>>>(status, N, kErrScratch);
+    LMTIER_CUDA_CHECK_LAUNCH();
+    return;
+  }
   uint8_t* sc = static_cast<uint8_t*>(scratch);
   auto* work = reinterpret_cast<StreamWork*>(sc + L.streams);
   auto* hist = reinterpret_cast<uint32_t*>(sc + L.hist);

@@ -598,3 +598,20 @@ def test_run_tables_hostile_bytes(data):
     stt = np.zeros(1, np.int32)
     rans.decode_into([buf], tables, outs=[out], out_lengths=got, status=stt)
     assert stt[0] in rans.STATUS_NAMES
+
+
+def test_encode_scratch_bytes_is_enough_for_a_lone_stream():
+    """encode_scratch_bytes sizes scratch for (symbols >> seg_log2) + streams segments; the encoder's
+    capacity from those bytes must not come out one segment short (a 49,115-symbol stream at
+    seg_log2 10 needs 48 segments: it used to get 47 and fail with "scratch too small")."""
+    rng = np.random.default_rng(49115)
+    x = rng.integers(0, 16, 49115, dtype=np.uint8)
+    n = x.size
+    out = np.empty(rans.max_batch_encoded_bytes(1, n), np.uint8)
+    off = np.empty(2, np.int64)
+    st = np.empty(1, np.int32)
+    scratch = np.empty(rans.encode_scratch_bytes(1, n, seg_log2=10), np.uint8)
+    rans.encode_into([x], rans.ADAPTIVE_TABLE, None, out=out, offsets=off, status=st, scratch=scratch, seg_log2=10)
+    assert st[0] == 0
+    enc = rans.encode([x], rans.ADAPTIVE_TABLE, None, seg_log2=10)
+    np.testing.assert_array_equal(np.asarray(rans.decode(enc, None, lengths=[n])[0]), x)
