@@ -1,0 +1,240 @@
+"""RSS diagnosis run: bench_connectors' phase-C workload on ONE server, memory sampled per process.
+
+Starts one vLLM server (LMTierConnector with benchmarks/peers/lmtier_rss.yaml, or none with
+--baseline), sends --requests prompts of 300-600 tokens (half share one of 20 512-token prefixes,
+half distinct; the same generator as bench_connectors.py phase C) from --clients clients, and
+samples every second, per process of the server tree: Rss, Anonymous, Shmem (smaps_rollup); every
+--smaps-every s a breakdown of each process's anonymous memory by mapping size ([heap], mappings
+< 1 MiB, 1-8 MiB, 8-64 MiB (glibc thread-arena heaps are 64 MiB reservations), 64-400 MiB,
+>= 400 MiB (vLLM's KV cache, lmtier's CPU pool)). --env K=V adds environment variables to the
+server (MALLOC_ARENA_MAX=2, LD_PRELOAD=..., RSS_PROBE_DIR=... with --probe-site for the in-process
+probe of benchmarks/rss_probe_site). Writes --json.
+
+Usage: .venv/bin/python benchmarks/rss_probe.py --json out.json [--baseline] [--requests 600]
+           [--pool-gib 0.5] [--env MALLOC_ARENA_MAX=2] [--probe-site]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_connectors as B  # noqa: E402
+
+
+def rollup(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("Rss", "Pss", "Anonymous", "Shared_Clean", "Private_Dirty"):
+                out[k] = int(v.split()[0]) * 1024
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def smaps_breakdown(pid: int) -> dict[str, int]:
+    """Anonymous RSS bytes by mapping kind/size (see the module doc)."""
+    b = {"heap": 0, "lt1M": 0, "1-8M": 0, "8-64M": 0, "64-400M": 0, "ge400M": 0, "file": 0, "other": 0,
+         "n_1-8M": 0, "n_8-64M": 0}
+    size = 0
+    name = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                size = hi - lo
+                name = head[5].strip() if len(head) > 5 else ""
+                continue
+            if head[0] == "Rss:":
+                r = int(head[1]) * 1024
+                if name == "[heap]":
+                    b["heap"] += r
+                elif name.startswith("/"):
+                    b["file"] += r
+                elif name:
+                    b["other"] += r
+                elif size < 1 << 20:
+                    b["lt1M"] += r
+                elif size < 8 << 20:
+                    b["1-8M"] += r
+                    b["n_1-8M"] += 1
+                elif size <= 64 << 20:
+                    b["8-64M"] += r
+                    b["n_8-64M"] += 1
+                elif size < 400 << 20:
+                    b["64-400M"] += r
+                else:
+                    b["ge400M"] += r
+    return b
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", action="store_true", help="no connector")
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--pool-gib", type=float, default=0.5)
+    ap.add_argument("--disk-gib", type=float, default=1.0)
+    ap.add_argument("--fixed-len", type=int, default=0,
+                    help="instead of the mixed workload: all-distinct prompts of exactly N tokens (with --clients 1 "
+                         "every engine step has the same shape)")
+    ap.add_argument("--fixed-reuse", action="store_true",
+                    help="with --fixed-len N (> 512): every other prompt is one of the 20 shared 512-token prefixes "
+                         "+ N - 512 new tokens (two step shapes: N on a miss, N - 512 on a hit)")
+    ap.add_argument("--env", action="append", default=[], help="K=V for the server (repeatable)")
+    ap.add_argument("--probe-site", action="store_true", help="PYTHONPATH += benchmarks/rss_probe_site")
+    ap.add_argument("--smaps-every", type=float, default=15.0)
+    ap.add_argument("--tail-s", type=float, default=10.0, help="idle seconds sampled after the last request")
+    ap.add_argument("--model", type=Path, default=B.REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="rssprobe_"))
+    (work / "logs").mkdir()
+    env = dict(kv.split("=", 1) for kv in a.env)
+    pp = [str(B.REPO_ROOT)]
+    # NB: vLLM's engine and worker processes start from the repository root (cwd), so they import
+    # the lmtier of the checkout this script lives in, whatever PYTHONPATH says.
+    if a.probe_site:
+        pp.insert(0, str(HERE / "rss_probe_site"))
+    env["PYTHONPATH"] = ":".join(pp + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    ktc = None
+    cfg_text = None
+    if not a.baseline:
+        disk = work / "disk"
+        disk.mkdir()
+        cfg = work / "lmtier_rss.yaml"
+        cfg_text = (f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {a.pool_gib}\n"
+                    f"local_disk: \"file://{disk}\"\nmax_local_disk_size: {a.disk_gib}\n")
+        cfg.write_text(cfg_text)
+        env["LMTIER_CONFIG_FILE"] = str(cfg)
+        ktc = B.LMTIER_KTC
+    prompts = B.Prompts(a.model)
+    name = a.label or ("base" if a.baseline else "lmtier")
+    srv = B.Srv(name, sys.executable, work, a.model, ktc, env)
+    try:
+        startup = srv.wait_ready(600)
+        for i in range(2):
+            srv.complete(prompts.tagged(f"warmup-{name}-{i}", 200))
+        rng = random.Random(1)
+        shared = [prompts.tagged(f"shared{k}", 512) for k in range(20)]
+        reqs = []
+        for i in range(a.requests):
+            if a.fixed_len and a.fixed_reuse and i % 2 == 0:  # 512 shared + (N - 512) new: hits leave N - 512 to compute
+                reqs.append(shared[rng.randrange(20)] + prompts.tagged(f"t{i}", a.fixed_len - 512))
+            elif a.fixed_len:
+                reqs.append(prompts.tagged(f"f{i}", a.fixed_len))
+            elif i % 2 == 0:
+                reqs.append(shared[rng.randrange(20)] + prompts.tagged(f"t{i}", rng.randrange(16, 89)))
+            else:
+                reqs.append(prompts.tagged(f"x{i}", rng.randrange(300, 601)))
+        samples: list[dict] = []
+        smaps: list[dict] = []
+        stop = threading.Event()
+        t0 = time.monotonic()
+        done = [0]
+
+        def sampler() -> None:
+            last_smaps = -1e9
+            while not stop.is_set():
+                t = round(time.monotonic() - t0, 1)
+                row = {"t": t, "done": done[0], "load1": os.getloadavg()[0], "procs": {}}
+                want_smaps = t - last_smaps >= a.smaps_every
+                sm = {"t": t, "done": done[0], "procs": {}}
+                for p in B.tree_pids(srv.pgid):
+                    try:
+                        row["procs"][p] = {"comm": comm(p), **rollup(p)}
+                        if want_smaps and row["procs"][p]["Rss"] > 50 << 20:
+                            sm["procs"][p] = {"comm": comm(p), **smaps_breakdown(p)}
+                    except OSError:
+                        pass
+                samples.append(row)
+                if want_smaps:
+                    smaps.append(sm)
+                    last_smaps = t
+                stop.wait(1.0)
+
+        th = threading.Thread(target=sampler, daemon=True)
+        th.start()
+        errors = 0
+        lock = threading.Lock()
+        local = threading.local()
+
+        def one(ids: list[int]) -> None:
+            nonlocal errors
+            if not hasattr(local, "s"):
+                local.s = requests.Session()
+            try:
+                srv.complete(ids, session=local.s)
+            except Exception as e:  # noqa: BLE001
+                with lock:
+                    errors += 1
+                B.log(f"request failed: {e}")
+            with lock:
+                done[0] += 1
+                if done[0] % 100 == 0:
+                    s = samples[-1] if samples else {"procs": {}}
+                    B.log(f"{done[0]}/{len(reqs)}: " + ", ".join(
+                        f"{v['comm']}:{v['Rss'] / 2**30:.2f}" for v in s["procs"].values() if v["Rss"] > 50 << 20))
+
+        with ThreadPoolExecutor(a.clients) as ex:
+            list(ex.map(one, reqs))
+        t_end = time.monotonic() - t0
+        time.sleep(a.tail_s)
+        stop.set()
+        th.join()
+        metrics = srv.metrics()
+    finally:
+        srv.stop()
+    # summary per process (by comm) and tree
+    tree = [sum(p["Rss"] for p in s["procs"].values()) for s in samples]
+    third = len(tree) // 3 or 1
+    by: dict[str, list[int]] = {}
+    for s in samples:
+        for p in s["procs"].values():
+            by.setdefault(p["comm"], []).append(p["Rss"])
+    summ = {"tree_rss_gib": {"min": min(tree) / 2**30, "median": statistics.median(tree) / 2**30,
+                             "max": max(tree) / 2**30, "max_first_third": max(tree[:third]) / 2**30,
+                             "max_last_third": max(tree[-third:]) / 2**30, "last": tree[-1] / 2**30},
+            "per_comm_rss_gib": {k: {"first": v[0] / 2**30, "max_first_third": max(v[:len(v) // 3 or 1]) / 2**30,
+                                     "max_last_third": max(v[-(len(v) // 3 or 1):]) / 2**30, "last": v[-1] / 2**30,
+                                     "max": max(v) / 2**30} for k, v in by.items() if max(v) > 50 << 20}}
+    out = {"label": name, "args": {k: str(v) for k, v in vars(a).items()}, "config": cfg_text, "env": env,
+           "startup_s": startup, "wall_s": t_end, "errors": errors, "summary": summ,
+           "metrics": {k: v for k, v in metrics.items() if "lmtier" in k or "prompt_tokens" in k},
+           "samples": samples, "smaps": smaps, "work": str(work)}
+    a.json.write_text(json.dumps(out))
+    B.log(f"{name}: {json.dumps(summ)}")
+    B.log(f"errors {errors}, wall {t_end:.0f}s, work {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
