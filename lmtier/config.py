@@ -447,12 +447,7 @@ def _filesystem_bytes(path: str) -> int:
 
 
 def _check_writable_dir(key: str, value: str, path: str) -> None:
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    probe = _existing_ancestor(path)
     if not os.path.isdir(probe):
         raise _err(key, value, f"{probe!r} exists and is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
