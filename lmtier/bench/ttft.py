@@ -782,14 +782,14 @@ CALIB_SEED = 4321
 
 
 def _table_file_geometry(path: str):
-    with np.load(path)  # allow_pickle defaults to False: arrays only as z:
+    with np.load(path) as z:  # allow_pickle defaults to False: arrays only
         return tuple(int(v) for v in z["geometry"]) if "geometry" in z.files else None
 
 
 def _table_file_arrays(path: str) -> dict[str, dict]:
     """``{level name: {"sym", "scale", "geometry"}}`` of a :func:`lmtier.codec.calibrate.save` file."""
     out: dict[str, dict] = {}
-    with np.load(path)  # allow_pickle defaults to False: arrays only as z:
+    with np.load(path) as z:  # allow_pickle defaults to False: arrays only
         geo = z["geometry"]
         for k in z.files:
             if k.endswith(".sym"):

@@ -178,7 +178,7 @@ def load(path: "str | Path", level: "str | int | Level") -> StaticTables | None:
 
     Raises ValueError on a malformed file (wrong shapes, tables not summing to 4096)."""
     lv = get_level(level)
-    with np.load(path)  # allow_pickle defaults to False: arrays only as z:
+    with np.load(path) as z:  # allow_pickle defaults to False: arrays only
         if f"{lv.name}.sym" not in z.files:
             return None
         geometry = tuple(int(v) for v in z["geometry"])
