@@ -36,27 +36,6 @@ struct QmaxParam {
   uint8_t v[2 * kMaxLayers];  // [L][2]
 };
 
-__device__ __forceinline__ int32_t scale_code_ceil_dev(uint32_t bits) {
-  if ((bits & 0x7FFFFFFFu) == 0) return 0;
-  const int32_t exp_field = static_cast<int32_t>((bits >> 23) & 0xFF);
-  const uint32_t mant = bits & 0x7FFFFFu;
-  int32_t m = static_cast<int32_t>((mant + ((1u << 20) - 1)) >> 20);
-  int32_t e = exp_field - 127 + 17;
-  if (m == 8) {
-    m = 0;
-    e += 1;
-  }
-  if (e > 31 || (e == 31 && m == 7)) return -1;
-  if (e < 0) return 1;
-  return 1 + e * 8 + m;
-}
-
-__device__ __forceinline__ float scale_value_dev(uint32_t c) {
-  if (c == 0) return 0.0f;
-  const uint32_t k = c - 1;
-  return __uint_as_float((((k >> 3) + 110) << 23) | ((k & 7) << 20));
-}
-
 __device__ __forceinline__ bool finite_bits(float v) {
   return (__float_as_uint(v) & 0x7F800000u) != 0x7F800000u;
 }
@@ -271,12 +250,12 @@ quantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_t 
         }
         fin = __all_sync(kFull, fin);
         if (bad_in) st |= kErrNonFinite;
-        int32_t code = fin ? scale_code_ceil_dev(__float_as_uint(__fdiv_rn(a, fq))) : -1;
+        int32_t code = fin ? scale_code_ceil_bits(__float_as_uint(__fdiv_rn(a, fq))) : -1;
         if (code < 0) {
           st |= kErrScaleRange;
           code = 0;
         }
-        const float s = scale_value_dev(static_cast<uint32_t>(code));
+        const float s = __uint_as_float(scale_value_bits(static_cast<uint32_t>(code)));
 #pragma unroll
         for (int j = 0; j < E; ++j) {
           float q = 0.0f;
@@ -349,7 +328,7 @@ dequantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_
           v[j] = static_cast<uint16_t>(((r >> 1) | ((r & 1u) << 15)) & 0xFFFFu);
         }
       } else {
-        const float s = scale_value_dev(s_code[t]);
+        const float s = __uint_as_float(scale_value_bits(s_code[t]));
         float y[E];
 #pragma unroll
         for (int j = 0; j < E; ++j) {

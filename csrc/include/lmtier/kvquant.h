@@ -33,6 +33,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "lmtier/hd.h"
+
 namespace lmtier {
 namespace kvq {
 
@@ -106,9 +108,9 @@ void dequantize_cuda(int32_t mode, int32_t dtype, const KvqGeometry& g, const Kv
 void check_args(int32_t mode, int32_t dtype, const KvqGeometry& g, int64_t num_chunks, const void* chunks,
                 const uint8_t* qmax, const int32_t* status, bool on_cuda);
 
-// ---- shared scalar arithmetic (host; the CUDA file has device twins with the same bit logic) -----
+// ---- shared scalar arithmetic (host and device: the CPU and CUDA quantizers call these) ---------
 // E5M3 round-up code of a finite fp32 target >= 0 given by its bits; returns -1 when out of range.
-inline int32_t scale_code_ceil_bits(uint32_t bits) {
+LMTIER_HD int32_t scale_code_ceil_bits(uint32_t bits) {
   if ((bits & 0x7FFFFFFFu) == 0) return 0;
   const int32_t exp_field = static_cast<int32_t>((bits >> 23) & 0xFF);
   const uint32_t mant = bits & 0x7FFFFFu;
@@ -123,7 +125,7 @@ inline int32_t scale_code_ceil_bits(uint32_t bits) {
   return 1 + e * 8 + m;
 }
 // fp32 bits of the scale of code c (c == 0 -> +0.0).
-inline uint32_t scale_value_bits(uint32_t c) {
+LMTIER_HD uint32_t scale_value_bits(uint32_t c) {
   if (c == 0) return 0;
   const uint32_t k = c - 1;
   return (((k >> 3) + 110) << 23) | ((k & 7) << 20);

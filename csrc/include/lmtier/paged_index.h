@@ -6,11 +6,7 @@
 
 #include "lmtier/paged_copy.h"
 
-#if defined(__CUDACC__)
-#define LMTIER_HD __host__ __device__ __forceinline__
-#else
-#define LMTIER_HD inline
-#endif
+#include "lmtier/hd.h"
 
 namespace lmtier {
 

@@ -55,11 +55,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define LMTIER_HD __host__ __device__ __forceinline__
-#else
-#define LMTIER_HD inline
-#endif
+#include "lmtier/hd.h"
 
 namespace lmtier {
 namespace rans {
