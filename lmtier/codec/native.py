@@ -35,6 +35,7 @@ from lmtier import _C
 
 from .levels import Granularity, Level, Transform, get_level
 from .quant import CodecInputError
+from .rans import _stream_handle, _sync  # CUDA stream helpers shared with the rANS coder
 
 __all__ = [
     "DESC",
@@ -177,14 +178,6 @@ def make_batch(chunks: Any, symbols: Any, sides: Any) -> NativeBatch:
     return NativeBatch(desc, n, shape, dtype, device, keep)
 
 
-def _stream_handle(stream: Any, device: torch.device) -> int:
-    if stream is None:
-        return torch.cuda.current_stream(device).cuda_stream
-    if isinstance(stream, int):
-        return stream
-    return stream.cuda_stream
-
-
 def _call(fn, batch: NativeBatch, level: Any, status: Any, num_threads: int, stream: Any) -> None:
     lv = get_level(level)
     mode = _mode(lv)
@@ -252,15 +245,6 @@ def check_status(status: Any, what: str = "codec") -> None:
         parts.append(f"chunk {int(i)}: {'; '.join(msgs)}")
     more = f" (+{bad.size - 8} more)" if bad.size > 8 else ""
     raise CodecInputError(f"native {what} failed for {bad.size} chunk(s): {', '.join(parts)}{more}")
-
-
-def _sync(stream: Any, device: torch.device) -> None:
-    if stream is None:
-        torch.cuda.current_stream(device).synchronize()
-    elif isinstance(stream, int):
-        torch.cuda.ExternalStream(stream, device=device).synchronize()
-    else:
-        stream.synchronize()
 
 
 def quantize(chunks: Any, level: Any, *, num_threads: int = 0, stream: Any = None
