@@ -493,3 +493,9 @@ def test_lone_small_disk_hit_loads_synchronously(make):
     for c, w in zip(cold, [alone] + both):
         assert h.outputs[w] == h.outputs[c]
     h.check_clean()
+
+
+@pytest.mark.parametrize("bad", [-1, "lots", None, float("inf"), float("nan")])
+def test_bad_sync_disk_load_option_is_clear_error(make, bad):
+    with pytest.raises(ValueError, match="sync_disk_load_mib.*finite number >= 0"):
+        make(extra={"sync_disk_load_mib": bad})

@@ -469,8 +469,8 @@ class LMTierConnector(KVConnectorBase_V1):
             mib = float(raw)
         except (TypeError, ValueError):
             mib = -1.0
-        if not mib >= 0:
-            raise ValueError(f"lmtier: kv_connector_extra_config {key}={raw!r}: must be a number >= 0")
+        if not 0 <= mib < float("inf"):
+            raise ValueError(f"lmtier: kv_connector_extra_config {key}={raw!r}: must be a finite number >= 0")
         return int(mib * 2**20)
 
     def _stat(self, key: str, value: float = 1) -> None:
