@@ -322,13 +322,13 @@ def test_pieces_ttl(redis_server):
     assert int(raw(redis_server, b"TTL", b"lmtier:" + key(1).hex().encode())[1:-2]) > 90
 
 
-def test_torn_read_is_reread_atomically(redis_server, monkeypatch):
-    """A value overwritten between two GETRANGE pieces (header and first piece from the old value,
-    the rest from the new): the checksum catches it, an atomic re-read returns the new value,
-    nothing is deleted."""
+@pytest.mark.parametrize("direct", [True, False])
+def test_torn_read_is_reread_atomically(redis_server, monkeypatch, direct):
+    """A value overwritten between two GETRANGE pieces (piece 0 from the old value, the rest from
+    the new): the checksum catches it, an atomic re-read returns the new value, nothing is deleted."""
     from lmtier.tiers import remote
 
-    t = RedisTier(redis_server.url, piece_bytes=4096)
+    t = RedisTier(redis_server.url, piece_bytes=4096, direct_reads=direct)
     n = 5 * 4096
     old, new = payload(1, n), payload(2, n)
     assert t.put(key(1), old)
@@ -336,17 +336,35 @@ def test_torn_read_is_reread_atomically(redis_server, monkeypatch):
     old_piece0 = old_piece0[old_piece0.index(b"\r\n") + 2 : -2]
     assert len(old_piece0) == 4096
     assert t.put(key(1), new)
-    orig = remote._RecordReader.feed
     reads = []
+    if direct:  # the pieces go straight from the socket into out: tear piece 0's payload there
+        orig_direct = remote._read_record_direct
 
-    def feed(self, reply):
-        if self.i == 0:
-            reads.append(self)
-        if self.i == 2 and len(reads) == 1:  # piece 0 of the first (pipelined) read: the old value's
-            reply = old_piece0
-        orig(self, reply)
+        def read_direct(conn, cmds, reader):
+            orig_direct(conn, cmds, reader)  # (its EXISTS reply goes through feed: counted there)
+            if len(reads) == 1:
+                reader.out[: 4096 - 128] = old_piece0[128:]
 
-    monkeypatch.setattr(remote._RecordReader, "feed", feed)
+        monkeypatch.setattr(remote, "_read_record_direct", read_direct)
+        orig_feed = remote._RecordReader.feed
+
+        def feed(self, reply):  # the atomic re-read goes through redis-py's MULTI/EXEC pipeline
+            if self.i == 0:
+                reads.append(self)
+            orig_feed(self, reply)
+
+        monkeypatch.setattr(remote._RecordReader, "feed", feed)
+    else:
+        orig = remote._RecordReader.feed
+
+        def feed(self, reply):
+            if self.i == 0:
+                reads.append(self)
+            if self.i == 2 and len(reads) == 1:  # piece 0 of the first (pipelined) read: the old value's
+                reply = old_piece0
+            orig(self, reply)
+
+        monkeypatch.setattr(remote._RecordReader, "feed", feed)
     out = bytearray(n)
     assert t.get_into(key(1), out) == n
     assert bytes(out) == new and len(reads) == 2
@@ -411,3 +429,250 @@ def test_redis_cluster_pieces(redis_cluster):
 
     rc = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
     assert not [k for k in rc.keys(target_nodes=redis.cluster.RedisCluster.ALL_NODES) if b".tmp." in k]
+
+
+# ---- direct reads: GETRANGE replies received straight into out (no redis-py parser) ---------
+
+PIECE = 4096
+# payload sizes around the piece boundaries (the header takes the first 128 bytes of piece 0) and
+# around the reader's 16 KiB scratch buffer
+BOUNDARY_SIZES = sorted({0, 1, 127, 128, 129} | {k * PIECE - 128 + d for k in (1, 2, 4, 5, 37) for d in (-1, 0, 1)}
+                        | {16384 - 128 - 10 + d for d in (-1, 0, 1)})
+
+
+@pytest.mark.parametrize("n", BOUNDARY_SIZES)
+def test_direct_reads_bit_exact_at_piece_boundaries(redis_server, n):
+    """Same bytes as the redis-py parser path, for every size around the piece boundaries, into
+    exact-size, larger and misaligned buffers; a too-small buffer is a miss and the connection
+    stays in sync."""
+    direct = RedisTier(redis_server.url, piece_bytes=PIECE, direct_reads=True, timeout_s=2.0)
+    parser = RedisTier(redis_server.url, piece_bytes=PIECE, direct_reads=False, timeout_s=2.0)
+    d = payload(n + 7, n)
+    assert direct.put(key(1), d)
+    for cap in {n, n + 1, n + PIECE + 1}:
+        a, b = bytearray(cap + 3), bytearray(cap)
+        assert direct.get_into(key(1), memoryview(a)[3:]) == n  # misaligned destination
+        assert parser.get_into(key(1), b) == n
+        assert bytes(a[3 : 3 + n]) == bytes(b[:n]) == d
+        assert bytes(a[3 + n :]) == bytes(cap - n)  # nothing written past the payload
+    if n:
+        assert direct.get_into(key(1), bytearray(n - 1)) is None
+    assert direct.get_into(key(1), bytearray(n)) == n  # the connection stayed in sync
+    assert direct.counters["corrupt"] == 0 and direct.counters["errors"] == 0
+    direct.close()
+    parser.close()
+
+
+def test_direct_reads_many_pieces_and_large(redis_server):
+    t = RedisTier(redis_server.url, timeout_s=5.0)  # 1 MiB pieces
+    for n in (MiB - 128, MiB - 127, 6 * MiB + 12345, 33 * MiB):
+        d = payload(n, n)
+        assert t.put(key(n % 1000), d)
+        out = AlignedBuffer(n)
+        assert t.get_into(key(n % 1000), out.mv) == n and bytes(out.mv[:n]) == d
+    assert t.counters["hits"] == 4 and t.counters["errors"] == 0
+
+
+@pytest.mark.parametrize("cut", [-1, 0, 1, 130])
+def test_direct_reads_truncated_at_piece_boundary_is_miss(redis_server, cut):
+    """A value cut just before/at/after a piece boundary (a missing or short last piece): miss,
+    counted corrupt, deleted; never wrong bytes."""
+    t = RedisTier(redis_server.url, piece_bytes=PIECE, timeout_s=2.0)
+    n = 5 * PIECE
+    d = payload(3, n)
+    assert t.put(key(1), d)
+    name = b"lmtier:" + key(1).hex().encode()
+    v = rec.encode_header(key(1), n, rec.payload_checksum(d), payload_offset=128) + d
+    raw(redis_server, b"SET", name, v[: 3 * PIECE + cut])
+    out = bytearray(n)
+    assert t.get_into(key(1), out) is None
+    assert t.counters["corrupt"] == 1 and not t.contains(key(1))
+    assert t.put(key(2), d) and t.get_into(key(2), out) == n and bytes(out) == d
+
+
+def test_direct_reads_wrong_type_is_error_miss(redis_server):
+    t = RedisTier(redis_server.url, piece_bytes=PIECE, timeout_s=2.0)
+    raw(redis_server, b"RPUSH", b"lmtier:" + key(1).hex().encode(), b"x")
+    assert t.get_into(key(1), bytearray(100)) is None
+    assert t.counters["errors"] == 1 and not t.breaker_open
+    assert t.put(key(2), b"ok") and t.get_into(key(2), bytearray(2)) == 2
+
+
+def test_direct_reads_concurrent_gets(redis_server):
+    """8 threads reading multi-piece values through a 4-connection pool: all bit-exact."""
+    import threading
+
+    t = RedisTier(redis_server.url, piece_bytes=PIECE, max_connections=4, timeout_s=5.0)
+    values = {i: payload(i, 3 * PIECE + 17 * i) for i in range(16)}
+    for i, d in values.items():
+        assert t.put(key(i), d)
+    bad = []
+
+    def work(w):
+        out = bytearray(4 * PIECE + 1000)
+        for j in range(40):
+            i = (w * 7 + j) % 16
+            if t.get_into(key(i), out) != len(values[i]) or bytes(out[: len(values[i])]) != values[i]:
+                bad.append(i)
+
+    ths = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert bad == [] and t.counters["hits"] == 320 and t.counters["errors"] == 0
+
+
+class _FakeServer:
+    """A TCP server that answers PING with +PONG, other connection set-up commands with +OK, and
+    the first command of a record read (EXISTS) with ``reply``, then closes (``then="close"``) or
+    goes silent (``"hang"``)."""
+
+    def __init__(self, reply: bytes, then: str) -> None:
+        import threading
+
+        self.reply, self.then = reply, then
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.conns = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            threading.Thread(target=self._client, args=(c,), daemon=True).start()
+
+    def _client(self, c) -> None:
+        buf = b""
+        try:
+            while not self.stop.is_set():
+                data = c.recv(1 << 16)
+                if not data:
+                    return
+                buf += data
+                while True:  # complete commands (RESP arrays of bulk strings) at the front of buf
+                    cmd, buf = self._command(buf)
+                    if cmd is None:
+                        break
+                    if cmd[0].upper() == b"PING":
+                        c.sendall(b"+PONG\r\n")
+                    elif cmd[0].upper() == b"EXISTS":  # the first command of a record read
+                        c.sendall(self.reply)
+                        if self.then == "close":
+                            c.close()
+                        else:
+                            self.stop.wait(10)  # hang
+                        return
+                    else:  # HELLO/CLIENT SETINFO/SELECT... on connect
+                        c.sendall(b"+OK\r\n")
+        except OSError:
+            return
+
+    @staticmethod
+    def _command(buf: bytes):
+        if not buf.startswith(b"*") or b"\r\n" not in buf:
+            return None, buf
+        head, rest = buf.split(b"\r\n", 1)
+        args = []
+        for _ in range(int(head[1:])):
+            if b"\r\n" not in rest:
+                return None, buf
+            ln, body = rest.split(b"\r\n", 1)
+            k = int(ln[1:])
+            if len(body) < k + 2:
+                return None, buf
+            args.append(body[:k])
+            rest = body[k + 2 :]
+        return args, rest
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+def _fake_reply(n: int, sent: int, extra: bytes = b"") -> bytes:
+    d = payload(5, n)
+    v = rec.encode_header(key(1), n, rec.payload_checksum(d), payload_offset=128) + d
+    out = b":1\r\n:%d\r\n" % len(v)
+    for o in range(0, len(v), PIECE):
+        piece = v[o : o + PIECE]
+        out += b"$%d\r\n%s\r\n" % (len(piece), piece)
+    return out[:sent] + extra
+
+
+@pytest.mark.parametrize("then,sent,extra", [
+    ("close", 20, b""), ("close", 5000, b""), ("close", 9000, b""),  # server dies mid-reply
+    ("hang", 20, b""), ("hang", 9000, b""),  # server stalls mid-reply
+    ("close", 0, b"*1\r\n:1\r\n"), ("close", 0, b":1\r\n:999\r\n$4\r\nabcdXY"),  # protocol garbage
+    ("close", 0, b":1\r\n:4224\r\n$-7\r\n"), ("close", 0, b":1\r\n:" + b"9" * 5000),
+])
+def test_direct_reads_server_dies_or_stalls_mid_reply(then, sent, extra):
+    """A reply cut short (connection closed), a stalled server or a malformed reply: a miss within
+    the timeout, counted as an error, never a hang or wrong bytes."""
+    n = 4 * PIECE
+    full = _fake_reply(n, 10**9)
+    srv = _FakeServer(full[:sent] + extra if sent else extra, then)
+    timeout = 0.3
+    try:
+        t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout, connect_timeout_s=timeout)
+        out = bytearray(n)
+        e0 = t.counters["errors"]  # (the fake server's answers to redis-py's start-up may count one)
+        t0 = time.monotonic()
+        assert t.get_into(key(1), out) is None
+        assert time.monotonic() - t0 < 3 * timeout
+        assert t.counters["errors"] == e0 + 1 and t.counters["hits"] == 0
+        t.close()
+    finally:
+        srv.close()
+
+
+def test_direct_reads_fake_server_full_reply_is_hit():
+    """Control for the test above: the complete scripted reply verifies."""
+    n = 4 * PIECE
+    srv = _FakeServer(_fake_reply(n, 10**9), "close")
+    try:
+        t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=1.0)
+        out = bytearray(n)
+        assert t.get_into(key(1), out) == n and bytes(out) == payload(5, n)
+        t.close()
+    finally:
+        srv.close()
+
+
+def test_direct_reads_real_server_killed_mid_get(redis_server):
+    """SIGKILL while 32 MiB values are being read: each call returns the exact value or a miss, and
+    the calls after the kill return within the timeout."""
+    import threading
+
+    n = 32 * MiB
+    d = payload(9, n)
+    timeout = 0.5
+    t = RedisTier(redis_server.url, timeout_s=timeout, connect_timeout_s=timeout, breaker_failures=1000)
+    assert t.put(key(1), d)
+    out = AlignedBuffer(n)
+    results = []
+    killer = threading.Timer(0.15, redis_server.kill)
+    killer.start()
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:
+        t0 = time.monotonic()
+        got = t.get_into(key(1), out.mv)
+        results.append((got, time.monotonic() - t0, got == n and bytes(out.mv[:n]) == d))
+    killer.join()
+    assert all(ok for got, _, ok in results if got is not None)  # never wrong bytes
+    assert results[-1][0] is None and all(dt < 3 * timeout for _, dt, _ in results[-3:])
+    assert t.counters["errors"] >= 1

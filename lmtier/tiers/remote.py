@@ -281,6 +281,7 @@ class _RecordReader:
         self.done = False  # nothing more to copy (miss, error, too small)
 
     def feed(self, reply) -> None:
+        """Consume the next reply (an int for EXISTS/STRLEN, bytes for a GETRANGE piece)."""
         i, self.i = self.i, self.i + 1
         if i == 0:
             self.exists = bool(reply)
@@ -293,28 +294,47 @@ class _RecordReader:
             return
         data = memoryview(reply)
         if i == 2:  # piece 0: the header, then the first payload bytes
-            if self.total < HEADER or len(data) < HEADER:
-                return self._fail(f"value of {max(self.total, len(data))} bytes is shorter than the header")
-            try:
-                hdr = rec.decode_header(data[:HEADER], expected_key=self.key, max_payload_bytes=self.max_payload)
-            except rec.RecordError as e:
-                return self._fail(str(e))
-            if hdr.payload_offset != HEADER or HEADER + hdr.payload_bytes != self.total:
-                return self._fail(f"value length {self.total} != header {HEADER} + payload {hdr.payload_bytes}")
-            self.hdr, self.n = hdr, hdr.payload_bytes
-            if self.n > self.out.nbytes:
-                self.too_small, self.done = True, True
+            if not self.take_header(data[:HEADER], len(data)):
                 return
-            data, dst = data[HEADER:], 0
-        else:
-            dst = (i - 2) * self.piece - HEADER
-        k = len(data)
+            data = data[HEADER:]
+        dst = self.target(i, len(data))
+        if dst is not None:
+            dst[:] = data
+            self.got += len(data)
+
+    def take_header(self, head: memoryview, piece_len: int) -> bool:
+        """Decode the record header (the first ``HEADER`` bytes of piece 0, whose reply has
+        ``piece_len`` bytes). Returns whether payload bytes should be copied at all."""
+        if self.total < HEADER or piece_len < HEADER:
+            self._fail(f"value of {max(self.total, piece_len)} bytes is shorter than the header")
+            return False
+        try:
+            hdr = rec.decode_header(head, expected_key=self.key, max_payload_bytes=self.max_payload)
+        except rec.RecordError as e:
+            self._fail(str(e))
+            return False
+        if hdr.payload_offset != HEADER or HEADER + hdr.payload_bytes != self.total:
+            self._fail(f"value length {self.total} != header {HEADER} + payload {hdr.payload_bytes}")
+            return False
+        self.hdr, self.n = hdr, hdr.payload_bytes
+        if self.n > self.out.nbytes:
+            self.too_small, self.done = True, True
+            return False
+        return True
+
+    def target(self, i: int, k: int) -> memoryview | None:
+        """Where the ``k`` payload bytes of reply ``i`` (a GETRANGE piece, after the header for
+        piece 0) belong in ``out``; None when they are to be dropped. The caller fills the view
+        and adds ``k`` to :attr:`got`."""
+        if self.done:
+            return None
+        dst = 0 if i == 2 else (i - 2) * self.piece - HEADER
         if k == 0:
-            return
+            return None
         if dst != self.got or dst + k > self.n:
-            return self._fail("value changed while it was read")  # shorter/longer piece: torn or corrupt
-        self.out[dst : dst + k] = data
-        self.got += k
+            self._fail("value changed while it was read")  # shorter/longer piece: torn or corrupt
+            return None
+        return self.out[dst : dst + k]
 
     def _fail(self, why: str) -> None:
         self.error, self.done = why, True
@@ -332,6 +352,8 @@ class _RecordReader:
         if self.too_small:
             log.warning("get_into: out has %d bytes < payload %d", self.out.nbytes, self.n)
             return None
+        if self.hdr is None:
+            raise _Corrupt("no header was read")
         if self.got != self.n:
             raise _Corrupt(f"read {self.got} of {self.n} payload bytes")
         try:
@@ -339,6 +361,150 @@ class _RecordReader:
         except rec.RecordError as e:
             raise _Corrupt(str(e)) from None
         return self.n
+
+
+# --------------------------------------------------------------------------------------------
+# Direct reads: the GETRANGE replies straight from the socket into the caller's buffer
+# --------------------------------------------------------------------------------------------
+
+
+class _SocketReplies:
+    """A minimal RESP2 reader over a connected socket, for the replies of one pipelined batch of
+    ``EXISTS, STRLEN, GETRANGE...`` that this module sent on a redis-py connection.
+
+    Lines (``:n``, ``$n``, ``-ERR``) go through a small scratch buffer; the body of a bulk reply is
+    copied out of the scratch for the bytes already there and the rest is received with
+    ``recv_into`` straight into its destination (exact byte counts, so nothing past the reply is
+    consumed). redis-py's parser is never used for these replies, so its buffer stays empty and
+    the connection can go back to the pool once every reply was consumed (:meth:`drained`); on
+    any exception the caller disconnects it. Every ``recv_into`` runs under the socket's timeout.
+    """
+
+    SCRATCH = 16 << 10
+    MAX_LINE = 4096
+
+    def __init__(self, sock, parse_error=None) -> None:
+        self.sock = sock
+        self.parse_error = parse_error  # redis-py's mapping of "-ERR ..." to exception classes
+        self.buf = bytearray(self.SCRATCH)
+        self.mv = memoryview(self.buf)
+        self.r = self.w = 0
+
+    def _recv(self, dst: memoryview) -> int:
+        n = self.sock.recv_into(dst)
+        if n == 0:
+            raise redis.exceptions.ConnectionError("connection closed by the server mid-reply")
+        return n
+
+    def _line(self) -> bytes:
+        while True:
+            j = self.buf.find(b"\r\n", self.r, self.w)
+            if j >= 0:
+                line, self.r = bytes(self.mv[self.r : j]), j + 2
+                return line
+            if self.w - self.r > self.MAX_LINE:
+                raise redis.exceptions.InvalidResponse("reply line too long")
+            if self.r == self.w:
+                self.r = self.w = 0
+            elif self.w == len(self.buf):
+                k = self.w - self.r
+                self.buf[:k] = bytes(self.mv[self.r : self.w])  # (no overlapping memoryview copy)
+                self.r, self.w = 0, k
+            self.w += self._recv(self.mv[self.w :])
+
+    def _check(self, line: bytes, kind: bytes) -> int:
+        if line[:1] == b"-":
+            msg = line[1:].decode("utf-8", "replace")
+            err = self.parse_error(msg) if self.parse_error is not None else None
+            raise err if isinstance(err, redis.exceptions.RedisError) else redis.exceptions.ResponseError(msg)
+        if line[:1] != kind:
+            raise redis.exceptions.InvalidResponse(f"unexpected reply {line[:32]!r}")
+        try:
+            return int(line[1:])
+        except ValueError:
+            raise redis.exceptions.InvalidResponse(f"malformed reply {line[:32]!r}") from None
+
+    def integer(self) -> int:
+        """An integer reply (``:n``); a server error raises ``ResponseError``."""
+        return self._check(self._line(), b":")
+
+    def bulk_len(self) -> int:
+        """The length of the next bulk reply (``$n``); -1 for a null bulk (no body, no CRLF)."""
+        n = self._check(self._line(), b"$")
+        if n < -1:
+            raise redis.exceptions.InvalidResponse(f"bulk length {n}")
+        return n
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fill ``dst`` with the next ``len(dst)`` body bytes."""
+        k = len(dst)
+        a = min(k, self.w - self.r)
+        if a:
+            dst[:a] = self.mv[self.r : self.r + a]
+            self.r += a
+        while a < k:
+            a += self._recv(dst[a:])
+
+    def skip(self, k: int) -> None:
+        """Drop the next ``k`` body bytes."""
+        while k > 0:
+            if self.r == self.w:
+                self.r = self.w = 0
+                self.w = self._recv(self.mv)
+            a = min(k, self.w - self.r)
+            self.r += a
+            k -= a
+
+    def end_bulk(self) -> None:
+        """The CRLF that ends a bulk body."""
+        crlf = bytearray(2)
+        self.read_into(memoryview(crlf))
+        if crlf != b"\r\n":
+            raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
+
+    def drained(self) -> bool:
+        """True when nothing past the expected replies was received."""
+        return self.r == self.w
+
+
+def _read_record_direct(conn, cmds: list[tuple], reader: _RecordReader) -> None:
+    """Send ``cmds`` (EXISTS, STRLEN, GETRANGE pieces) on the redis-py connection ``conn`` and feed
+    their replies to ``reader``, the pieces' payload bytes received straight into its ``out``.
+
+    Raises:
+        redis.exceptions.ResponseError: the server answered an error (e.g. WRONGTYPE).
+        redis.exceptions.ConnectionError / InvalidResponse / OSError / TimeoutError: the
+            connection failed or is out of sync; the caller must disconnect it.
+    """
+    conn.send_packed_command(conn.pack_commands(cmds))
+    sock = conn._sock  # connected by send_packed_command; redis-py's parser has nothing buffered
+    if sock is None:
+        raise redis.exceptions.ConnectionError("connection lost")
+    rd = _SocketReplies(sock, getattr(conn._parser, "parse_error", None))
+    reader.feed(rd.integer())  # EXISTS
+    reader.feed(rd.integer())  # STRLEN
+    for i in range(2, len(cmds)):
+        k = rd.bulk_len()
+        reader.i = i + 1
+        if k < 0:  # null bulk: no body and no CRLF (GETRANGE answers "" instead; treat alike)
+            if i == 2 and not reader.done:
+                reader.take_header(memoryview(b""), 0)  # fails: shorter than the header
+            continue
+        if i == 2 and not reader.done:  # piece 0: the header first
+            head = bytearray(min(k, HEADER))
+            rd.read_into(memoryview(head))
+            k -= len(head)
+            if not reader.take_header(memoryview(head), len(head) + k):
+                k = -k  # drop the rest of the piece
+        dst = reader.target(i, k) if k > 0 else None
+        if dst is None:
+            rd.skip(abs(k))
+        else:
+            rd.read_into(dst)
+            reader.got += k
+        rd.end_bulk()
+    if not rd.drained():
+        raise redis.exceptions.InvalidResponse("unexpected bytes after the last reply")
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,6 +533,11 @@ class RedisTier(Tier):
         namespace: 16-byte namespace digest written into each record header (informational: the
             key already binds the namespace).
         piece_bytes: size of the ``SETRANGE``/``GETRANGE`` pieces large values move in.
+        direct_reads: single instance (``redis://``, ``rediss://``, ``unix://``): receive the
+            pieces of ``get_into`` straight from the socket into ``out`` (:class:`_SocketReplies`)
+            instead of through redis-py's reply parser (which builds a ``bytes`` per piece that is
+            then copied). Same commands, same checks; False restores the parser path (kept for
+            comparison in benchmarks/bench_remote.py). Redis Cluster always uses redis-py.
 
     Raises:
         ValueError: malformed URL/arguments. TierError: authentication rejected by the server.
@@ -396,6 +567,7 @@ class RedisTier(Tier):
         capacity_bytes: int = 0,
         namespace: bytes = bytes(16),
         piece_bytes: int = DEFAULT_PIECE_BYTES,
+        direct_reads: bool = True,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("RedisTier: timeouts must be > 0")
@@ -419,6 +591,7 @@ class RedisTier(Tier):
         self.ttl_s = ttl_s
         self.capacity_bytes = capacity_bytes
         self.piece_bytes = piece_bytes
+        self.direct_reads = bool(direct_reads)
         self._meta = rec.RecordMeta(namespace=bytes(namespace))
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self.counters: collections.Counter = collections.Counter()
@@ -623,14 +796,18 @@ class RedisTier(Tier):
             for r in p.execute():
                 reader.feed(r)
         else:
-            # Single instance: read the replies one by one off redis-py's connection, copying each
-            # piece into ``out`` as it arrives (only one piece-sized bytes object alive at a time).
+            # Single instance: receive the pieces straight into ``out`` (direct_reads), or read the
+            # replies one by one through redis-py's parser, copying each piece into ``out`` as it
+            # arrives (only one piece-sized bytes object alive at a time).
             pool = client.connection_pool
             conn = pool.get_connection()
             try:
-                conn.send_packed_command(conn.pack_commands(cmds))
-                for _ in cmds:
-                    reader.feed(conn.read_response())
+                if self.direct_reads:
+                    _read_record_direct(conn, cmds, reader)
+                else:
+                    conn.send_packed_command(conn.pack_commands(cmds))
+                    for _ in cmds:
+                        reader.feed(conn.read_response())
             except BaseException:
                 conn.disconnect()  # replies may be left unread: never reuse this connection
                 raise
