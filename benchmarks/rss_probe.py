@@ -4,14 +4,14 @@ Starts one vLLM server (LMTierConnector with benchmarks/peers/lmtier_rss.yaml, o
 --baseline), sends --requests prompts of 300-600 tokens (half share one of 20 512-token prefixes,
 half distinct; the same generator as bench_connectors.py phase C) from --clients clients, and
 samples every second, per process of the server tree: Rss, Anonymous, Shmem (smaps_rollup); every
---smaps-every s a breakdown of each process's anonymous memory by mapping size ([heap], mappings
-< 1 MiB, 1-8 MiB, 8-64 MiB (glibc thread-arena heaps are 64 MiB reservations), 64-400 MiB,
->= 400 MiB (vLLM's KV cache, lmtier's CPU pool)). --env K=V adds environment variables to the
-server (MALLOC_ARENA_MAX=2, LD_PRELOAD=..., RSS_PROBE_DIR=... with --probe-site for the in-process
-probe of benchmarks/rss_probe_site). Writes --json.
+--smaps-every s each process's anonymous memory by region (lmtier.bench.procmem.anon_regions: glibc
+main heap, glibc thread arenas, vLLM's KV cache mapping, lmtier's CPU pool mapping, other).
+--env K=V adds environment variables to the server (MALLOC_ARENA_MAX=2, LD_PRELOAD=...,
+ONEDNN_PRIMITIVE_CACHE_CAPACITY=..., RSS_PROBE_DIR=... with --probe-site for the in-process probe of
+benchmarks/rss_probe_site); --tcmalloc preloads the system's libtcmalloc_minimal. Writes --json.
 
 Usage: .venv/bin/python benchmarks/rss_probe.py --json out.json [--baseline] [--requests 600]
-           [--pool-gib 0.5] [--env MALLOC_ARENA_MAX=2] [--probe-site]
+           [--pool-gib 0.5] [--env MALLOC_ARENA_MAX=2] [--tcmalloc] [--probe-site]
 """
 from __future__ import annotations
 
@@ -33,65 +33,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_connectors as B  # noqa: E402
 
-
-def rollup(pid: int) -> dict[str, int]:
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("Rss", "Pss", "Anonymous", "Shared_Clean", "Private_Dirty"):
-                out[k] = int(v.split()[0]) * 1024
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("RssAnon", "RssFile", "RssShmem"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
+from lmtier.bench import procmem  # noqa: E402  (shared /proc parsing: rollup, anon_regions)
 
 
-def smaps_breakdown(pid: int) -> dict[str, int]:
-    """Anonymous RSS bytes by mapping kind/size (see the module doc)."""
-    b = {"heap": 0, "lt1M": 0, "1-8M": 0, "8-64M": 0, "64-400M": 0, "ge400M": 0, "file": 0, "other": 0,
-         "n_1-8M": 0, "n_8-64M": 0}
-    size = 0
-    name = ""
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split(None, 5)
-            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                size = hi - lo
-                name = head[5].strip() if len(head) > 5 else ""
-                continue
-            if head[0] == "Rss:":
-                r = int(head[1]) * 1024
-                if name == "[heap]":
-                    b["heap"] += r
-                elif name.startswith("/"):
-                    b["file"] += r
-                elif name:
-                    b["other"] += r
-                elif size < 1 << 20:
-                    b["lt1M"] += r
-                elif size < 8 << 20:
-                    b["1-8M"] += r
-                    b["n_1-8M"] += 1
-                elif size <= 64 << 20:
-                    b["8-64M"] += r
-                    b["n_8-64M"] += 1
-                elif size < 400 << 20:
-                    b["64-400M"] += r
-                else:
-                    b["ge400M"] += r
-    return b
-
-
-def comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
+rollup = procmem.rollup
+comm = procmem.comm
 
 
 def main() -> int:
@@ -108,6 +54,8 @@ def main() -> int:
                     help="with --fixed-len N (> 512): every other prompt is one of the 20 shared 512-token prefixes "
                          "+ N - 512 new tokens (two step shapes: N on a miss, N - 512 on a hit)")
     ap.add_argument("--env", action="append", default=[], help="K=V for the server (repeatable)")
+    ap.add_argument("--tcmalloc", action="store_true",
+                    help="LD_PRELOAD the system's libtcmalloc_minimal into the server (error when not installed)")
     ap.add_argument("--probe-site", action="store_true", help="PYTHONPATH += benchmarks/rss_probe_site")
     ap.add_argument("--smaps-every", type=float, default=15.0)
     ap.add_argument("--tail-s", type=float, default=10.0, help="idle seconds sampled after the last request")
@@ -119,6 +67,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rssprobe_"))
     (work / "logs").mkdir()
     env = dict(kv.split("=", 1) for kv in a.env)
+    if a.tcmalloc:
+        tc = procmem.tcmalloc_path()
+        if tc is None:
+            ap.error("--tcmalloc: no libtcmalloc_minimal.so.4 found (apt-get install libtcmalloc-minimal4)")
+        env["LD_PRELOAD"] = ":".join(x for x in (tc, env.get("LD_PRELOAD", "")) if x)
+    named = {"kv_cache": 1 << 30}  # Srv sets VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+    if not a.baseline:
+        pool = int(a.pool_gib * 2**30)
+        named["pool"] = (int(pool * 0.75), pool + (1 << 20))  # a whole number of slots, at most the configured size
     pp = [str(B.REPO_ROOT)]
     # NB: vLLM's engine and worker processes start from the repository root (cwd), so they import
     # the lmtier of the checkout this script lives in, whatever PYTHONPATH says.
@@ -172,7 +129,7 @@ def main() -> int:
                     try:
                         row["procs"][p] = {"comm": comm(p), **rollup(p)}
                         if want_smaps and row["procs"][p]["Rss"] > 50 << 20:
-                            sm["procs"][p] = {"comm": comm(p), **smaps_breakdown(p)}
+                            sm["procs"][p] = {"comm": comm(p), **procmem.anon_regions(p, named)}
                     except OSError:
                         pass
                 samples.append(row)

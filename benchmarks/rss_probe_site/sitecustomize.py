@@ -3,7 +3,8 @@
 With ``RSS_PROBE_DIR`` set, a daemon thread writes one JSON line every ``RSS_PROBE_PERIOD`` s
 (default 5) to ``$RSS_PROBE_DIR/<pid>.jsonl``: glibc ``mallinfo2`` (arena = bytes the heaps took
 from the system, fordblks = free bytes kept inside them, hblkhd = bytes in mmapped chunks),
-VmRSS/RssAnon/RssFile, threads; with ``RSS_PROBE_GC=1`` also the 25 most common Python object
+VmRSS/RssAnon/RssFile, threads; when tcmalloc is preloaded, its ``MallocExtension`` counters
+(current_allocated_bytes = live bytes, heap_size, page-heap free/unmapped, cache free bytes); with ``RSS_PROBE_GC=1`` also the 25 most common Python object
 types every 6th sample; with ``RSS_PROBE_TRACEMALLOC=N`` a tracemalloc top-N diff against the
 first snapshot every 6th sample, in the process whose comm starts with ``RSS_PROBE_TM_COMM``
 (default VLLM::Worker) only (costly). Does nothing without RSS_PROBE_DIR.
@@ -29,6 +30,25 @@ if os.environ.get("RSS_PROBE_DIR"):
             return {n: getattr(m, n) for n, _ in _MI2._fields_}
         except Exception as e:  # noqa: BLE001
             return {"err": repr(e)}
+
+    _TC_PROPS = ("generic.current_allocated_bytes", "generic.heap_size", "tcmalloc.pageheap_free_bytes",
+                 "tcmalloc.pageheap_unmapped_bytes", "tcmalloc.central_cache_free_bytes",
+                 "tcmalloc.thread_cache_free_bytes")
+
+    def _tcmalloc():
+        """tcmalloc's own counters when it is preloaded (mallinfo2 then reads glibc's unused heap)."""
+        try:
+            f = ctypes.CDLL(None).MallocExtension_GetNumericProperty
+        except (OSError, AttributeError):
+            return None
+        f.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
+        f.restype = ctypes.c_int
+        out = {}
+        for name in _TC_PROPS:
+            v = ctypes.c_size_t(0)
+            if f(name.encode(), ctypes.byref(v)):
+                out[name] = v.value
+        return out
 
     def _status():
         out = {}
@@ -56,6 +76,9 @@ if os.environ.get("RSS_PROBE_DIR"):
                 pass
             rec.update(_status())
             rec["mi"] = _mallinfo()
+            tc = _tcmalloc()
+            if tc is not None:
+                rec["tcmalloc"] = tc
             if use_gc and i % 6 == 0:
                 import collections
                 import gc
