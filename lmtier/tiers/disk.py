@@ -47,6 +47,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -228,6 +229,11 @@ class DiskTier(Tier):
         max_payload_bytes: larger payloads are refused by ``put`` and treated as corruption on read.
         namespace: 16-byte namespace digest written into each header (informational).
 
+    Attribute ``evict_callback``: ``None`` or a callable receiving the list of keys (``bytes``) the
+    LRU dropped to make room, called after their files are unlinked, outside the tier's lock, in the
+    thread that needed the room (the connector reports them to a scheduler in another process so
+    its index stops claiming them). Exceptions it raises are logged and ignored.
+
     Raises:
         ValueError: malformed arguments. OSError: a root cannot be created.
     """
@@ -281,6 +287,7 @@ class DiskTier(Tier):
         self._tmp_seq = itertools.count()
         self._direct: dict[str, bool] = {}
         self.counters = collections.Counter()
+        self.evict_callback: Callable[[list[bytes]], None] | None = None
         for root in self.paths:
             os.makedirs(root, mode=DIR_MODE, exist_ok=True)
             self._direct[root] = use_odirect and self._probe_odirect(root)
@@ -296,6 +303,17 @@ class DiskTier(Tier):
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(self.capacity_bytes, self._used + self._reserved, len(self._index))
+
+    def forget(self, key: bytes) -> bool:
+        """Drop ``key`` from this instance's index without touching its file: another process's
+        view of the same directory evicted it (a scheduler's read-only view of the worker's disk
+        tier). Returns whether the key was indexed."""
+        key = bytes(key)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.nbytes
+        return entry is not None
 
     def delete(self, key: bytes) -> bool:
         key = bytes(key)
@@ -497,20 +515,26 @@ class DiskTier(Tier):
                 return
         _unlink_quiet(path)
 
-    def _evict_locked(self, need: int) -> list[str]:
-        """Pop LRU entries until ``need`` more bytes fit; returns paths to unlink (outside the lock)."""
+    def _evict_locked(self, need: int) -> list[tuple[bytes, str]]:
+        """Pop LRU entries until ``need`` more bytes fit; returns ``(key, path)`` of each, to unlink
+        (and report) outside the lock with :meth:`_unlink_all`."""
         victims = []
         while self._index and self._used + self._reserved + need > self.capacity_bytes:
             key, entry = self._index.popitem(last=False)
             self._used -= entry.nbytes
-            victims.append(entry.path)
+            victims.append((key, entry.path))
             self.counters["evictions"] += 1
         return victims
 
-    @staticmethod
-    def _unlink_all(paths: list[str]) -> None:
-        for p in paths:
+    def _unlink_all(self, victims: list[tuple[bytes, str]]) -> None:
+        for _, p in victims:
             _unlink_quiet(p)
+        cb = self.evict_callback
+        if victims and cb is not None:
+            try:
+                cb([k for k, _ in victims])
+            except Exception:
+                log.exception("disk tier: evict_callback failed")
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         with self._lock:

@@ -39,8 +39,9 @@ one process (vLLM's in-process mode, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Othe
 server always runs the worker in its own process, and so does every multi-GPU deployment — every
 worker owns the CPU pool and the scheduler keeps an index mirror fed by :class:`LMTierWorkerMetadata`
 (chunks committed / evicted each step, through vLLM's worker→scheduler metadata channel), plus its
-own view of the disk and remote tiers. Mirror entries can be stale (a chunk the disk tier evicted);
-such a load fails and is recomputed. Chunk keys bind the tensor-parallel rank, so every rank stores
+own view of the disk and remote tiers; the worker's disk evictions are reported too, so the mirror
+and the scheduler's disk view stop claiming them. An entry can still be stale for a step (an
+eviction after the scheduler looked): such a load fails and is recomputed. Chunk keys bind the tensor-parallel rank, so every rank stores
 its own shard under its own keys; the index is keyed by rank 0's keys.
 
 Observability: :class:`LMTierStats` (vLLM's "KV Transfer metrics" log line when stats logging is on)
@@ -56,6 +57,7 @@ docs/vllm_notes.md.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -118,12 +120,14 @@ class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
     so do multi-GPU deployments): the scheduler keeps a mirror of the worker's CPU pool and of the
     chunks the worker wrote to disk. ``stored``: ``(rank-0 key, tier)`` committed this step
     (``"cpu"``, or ``"disk"`` without a CPU pool); ``evicted``: rank-0 keys the CPU pool evicted
-    (written back to disk when ``to_disk``).
+    (written back to disk when ``to_disk``); ``disk_evicted``: rank-0 keys the disk tier's LRU
+    deleted (the scheduler stops claiming them from disk; a Redis copy may still serve them).
     """
 
     stored: list = field(default_factory=list)
     evicted: list = field(default_factory=list)
     to_disk: bool = False
+    disk_evicted: list = field(default_factory=list)
 
     def aggregate(self, other):
         # TP > 1: each rank reports its own shard's chunks under rank-0 keys; the union may claim a
@@ -131,6 +135,7 @@ class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
         self.stored = list(self.stored) + list(other.stored)
         self.evicted = list(self.evicted) + list(other.evicted)
         self.to_disk = self.to_disk and other.to_disk
+        self.disk_evicted = list(self.disk_evicted) + list(getattr(other, "disk_evicted", ()))
         return self
 
 
@@ -420,6 +425,12 @@ class LMTierConnector(KVConnectorBase_V1):
             self._idx_stored: list = []
             self._idx_evicted: list = []
             self._key0: dict[bytes, bytes] = {}  # this rank's key -> rank-0 key (chunks in the CPU pool)
+            # ... and for chunks the mirror lists on disk (bounded like the disk tier's own index)
+            self._key0_disk: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+            self._key0_disk_max = max(1024, 2 * self.config.disk.capacity_bytes // self.ns.chunk_bytes
+                                      if self.config.disk.enabled else 0)
+            self._same_ns = self.ns.digest() == self._ns0.digest()  # rank 0: this rank's keys are the index's
+            self._idx_disk_evicted: list = []
             cpu = self.manager.cpu
             if cpu is not None and not getattr(cpu, "_lmtier_evict_hooked", False):
                 inner = cpu.evict_callback
@@ -429,11 +440,30 @@ class LMTierConnector(KVConnectorBase_V1):
                         k0 = self._key0.pop(key, None)
                         if k0 is not None:
                             self._idx_evicted.append(k0)
+                            if self.manager.disk is not None:  # written back: the mirror says "disk"
+                                self._remember_disk_key0(key, k0)
                     if _inner is not None:
                         _inner(key, view)
 
                 cpu.evict_callback = on_evict
                 cpu._lmtier_evict_hooked = True
+            disk = self.manager.disk
+            if disk is not None and not getattr(disk, "_lmtier_evict_hooked", False):
+                inner_disk = disk.evict_callback
+
+                def on_disk_evict(keys, _inner=inner_disk):
+                    with self._idx_lock:
+                        for k in keys:
+                            k0 = self._key0_disk.pop(k, None)
+                            if k0 is None and self._same_ns:
+                                k0 = k
+                            if k0 is not None:
+                                self._idx_disk_evicted.append(k0)
+                    if _inner is not None:
+                        _inner(keys)
+
+                disk.evict_callback = on_disk_evict
+                disk._lmtier_evict_hooked = True
         else:
             with _SHARED_LOCK:
                 shared = _SHARED.get(f"{engine}:0")
@@ -451,8 +481,6 @@ class LMTierConnector(KVConnectorBase_V1):
             # Mirror of the worker's tiers when the worker lives in another process (see
             # LMTierWorkerMetadata); unused when the scheduler shares the worker's manager.
             self._shared_mgr = shared is not None
-            import collections
-
             self._mirror: collections.OrderedDict[bytes, str] = collections.OrderedDict()
             slot = -(-self.ns.chunk_bytes // 4096) * 4096
             self._mirror_max = max(1024, (self.config.cpu.capacity_bytes if self.config.cpu.enabled else 0) // slot
@@ -659,6 +687,13 @@ class LMTierConnector(KVConnectorBase_V1):
             for k, t in wm.stored:
                 self._mirror[k] = t
                 self._mirror.move_to_end(k)
+            for k in getattr(wm, "disk_evicted", ()):
+                # Gone from the worker's disk tier: stop claiming it there (a CPU-pool copy stays
+                # claimed; a Redis copy is found by the lookup's remote view).
+                if self._mirror.get(k) == "disk":
+                    del self._mirror[k]
+                if self.manager.disk is not None:
+                    self.manager.disk.forget(k)
             while len(self._mirror) > self._mirror_max:
                 self._mirror.popitem(last=False)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
@@ -774,15 +809,28 @@ class LMTierConnector(KVConnectorBase_V1):
         with self._idx_lock:
             if tier == "cpu":
                 self._key0[key] = key0
+            elif tier == "disk":
+                self._remember_disk_key0(key, key0)
             self._idx_stored.append((key0, tier))
+
+    def _remember_disk_key0(self, key: bytes, key0: bytes) -> None:
+        """(Under ``_idx_lock``.) Map a chunk the mirror lists on disk to its rank-0 key, so its
+        disk eviction can be reported; oldest entries fall off beyond the disk tier's size."""
+        if self._same_ns:
+            return
+        self._key0_disk[key] = key0
+        self._key0_disk.move_to_end(key)
+        while len(self._key0_disk) > self._key0_disk_max:
+            self._key0_disk.popitem(last=False)
 
     def build_connector_worker_meta(self):
         """This step's index changes for a scheduler in another process (:class:`LMTierWorkerMetadata`)."""
         with self._idx_lock:
-            if not self._idx_stored and not self._idx_evicted:
+            if not self._idx_stored and not self._idx_evicted and not self._idx_disk_evicted:
                 return None
-            meta = LMTierWorkerMetadata(self._idx_stored, self._idx_evicted, to_disk=self.manager.disk is not None)
-            self._idx_stored, self._idx_evicted = [], []
+            meta = LMTierWorkerMetadata(self._idx_stored, self._idx_evicted, to_disk=self.manager.disk is not None,
+                                        disk_evicted=self._idx_disk_evicted)
+            self._idx_stored, self._idx_evicted, self._idx_disk_evicted = [], [], []
         return meta
 
     def get_finished(self, finished_req_ids: set[str]):
