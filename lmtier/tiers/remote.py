@@ -26,10 +26,17 @@ one huge value on both ends):
   (redis-py's pure-Python command packer, which sends large arguments by reference; its hiredis
   packer would copy every argument into a new ``bytes``).
 * **get_into**: one pipelined round trip of ``EXISTS``, ``STRLEN`` and ``GETRANGE`` pieces that
-  cover ``128 + len(out)`` bytes. On a single instance the replies are read one at a time from
-  the connection and each piece is copied into ``out`` as soon as it arrives (one piece-sized
-  ``bytes`` alive at a time, so the allocator hands back the same cache-hot block); the header,
-  in the first piece, is decoded before anything is copied. Redis Cluster goes through
+  cover ``128 + len(out)`` bytes. On a single instance (``redis://``, ``rediss://``, ``unix://``)
+  the commands go out on a pooled redis-py connection and the replies are received from its
+  socket by :class:`_SocketReplies`, a minimal RESP2 reader: each piece's bytes go straight into
+  ``out`` with ``recv_into`` (one kernel copy, no ``bytes`` per piece, the GIL released while
+  the kernel copies, ~3 ``recv`` calls per 1 MiB piece instead of ~17 of 64 KiB); the header,
+  in the first piece, is decoded before anything is copied; the connection goes back to the pool
+  only when exactly the expected replies were consumed, and is closed on any error.
+  ``direct_reads=False`` reads the same replies through redis-py's parser instead (a ``bytes``
+  per piece, copied into ``out``). Measured (benchmarks/bench_remote.py, 5.7 MB values,
+  loopback, a loaded 2-core VM): direct reads 1.1–1.5× the parser path with one caller and
+  1.3–1.8× with 4 in flight, 86–102 % of a raw-socket ``GETRANGE`` client. Redis Cluster goes through
   redis-py's cluster pipeline (slot routing, redirections) and copies after the round trip;
   its node clients keep redis-py's default packer (``RedisCluster`` passes neither
   ``command_packer`` nor ``connection_class`` to them), which copies each piece once on put.
