@@ -619,6 +619,7 @@ def _fake_reply(n: int, sent: int, extra: bytes = b"") -> bytes:
     ("hang", 20, b""), ("hang", 9000, b""),  # server stalls mid-reply
     ("close", 0, b"*1\r\n:1\r\n"), ("close", 0, b":1\r\n:999\r\n$4\r\nabcdXY"),  # protocol garbage
     ("close", 0, b":1\r\n:4224\r\n$-7\r\n"), ("close", 0, b":1\r\n:" + b"9" * 5000),
+    ("hang", 0, b":1\r\n:16512\r\n$99999999999\r\n" + b"x" * 5000),  # longer than the range asked for
 ])
 def test_direct_reads_server_dies_or_stalls_mid_reply(then, sent, extra):
     """A reply cut short (connection closed), a stalled server or a malformed reply: a miss within
