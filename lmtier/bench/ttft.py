@@ -1585,7 +1585,8 @@ def run(args) -> dict:
                               max_value_bytes=max(512 << 20, slot_bytes))
             if not redis.ping():
                 raise RuntimeError(f"no answer from {url}")
-            say(f"redis: {'private redis-server (' + binary + ')' if redis_proc else 'server'} on {url}, RedisTier, "
+            say(f"redis: {'private redis-server (' + binary + ')' if redis_proc else 'server'} on {url}, RedisTier "
+                f"({'direct' if redis.direct_reads else 'parser'} reads, {redis.piece_bytes >> 20} MiB pieces), "
                 f"{args.inflight} reads in flight")
         except Exception as e:  # noqa: BLE001
             say(f"redis: skipped — could not start/connect ({type(e).__name__}: {e})")
