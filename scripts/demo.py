@@ -69,6 +69,9 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 CONFIG_DIR = Path(__file__).resolve().parent / "demo_config"
 LICENSES = Path("/usr/share/common-licenses")
 SERVED_NAME = "smollm2"
+# Server allocator / oneDNN primitive cache (--malloc / --onednn-cache; see server_mem_env).
+DEFAULT_MALLOC = "auto"
+DEFAULT_ONEDNN_CACHE = -1
 CONNECTOR = {
     "kv_connector": "LMTierConnector",
     "kv_connector_module_path": "lmtier.integration.vllm",
@@ -297,6 +300,26 @@ class Proc:
         self._log.close()
 
 
+def server_mem_env(args: argparse.Namespace) -> dict[str, str]:
+    """Allocator / oneDNN settings of every server (baseline and lmtier alike): ``--malloc auto`` preloads
+    the system's libtcmalloc_minimal when it is installed (vLLM-CPU's documented setting; glibc malloc
+    otherwise, no error), ``--onednn-cache N`` sets ONEDNN_PRIMITIVE_CACHE_CAPACITY (see
+    lmtier.bench.procmem.server_mem_env)."""
+    try:
+        from lmtier.bench.procmem import server_mem_env as mem_env
+    except ImportError:  # lmtier not importable here: leave the servers' environment as it is
+        return {}
+    malloc = args.malloc
+    if malloc == "auto":
+        from lmtier.bench.procmem import tcmalloc_path
+
+        malloc = "tcmalloc" if tcmalloc_path() else "glibc"
+    env, notes = mem_env(malloc, None if args.onednn_cache < 0 else args.onednn_cache)
+    for n in notes:
+        log(n)
+    return env
+
+
 class Server(Proc):
     def __init__(self, name: str, args: argparse.Namespace, work: Path, lmtier_config: Path | None):
         self.port = free_port()
@@ -322,6 +345,7 @@ class Server(Proc):
             "PYTHONUNBUFFERED": "1",
         })
         env.pop("LMTIER_CONFIG_FILE", None)
+        env.update(server_mem_env(args))
         if lmtier_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
             env["LMTIER_CONFIG_FILE"] = str(lmtier_config)
@@ -752,6 +776,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="vLLM's --shutdown-timeout: seconds a stopping server gives its engine (default: %(default)s)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--malloc", choices=("auto", "glibc", "tcmalloc"), default=DEFAULT_MALLOC,
+                    help="servers' allocator: auto = tcmalloc when libtcmalloc_minimal is installed (vLLM-CPU's "
+                         "recommendation; apt-get install libtcmalloc-minimal4), else glibc (default: %(default)s)")
+    ap.add_argument("--onednn-cache", type=int, default=DEFAULT_ONEDNN_CACHE,
+                    help="servers' ONEDNN_PRIMITIVE_CACHE_CAPACITY (-1: oneDNN's default, 1024 primitives; a small "
+                         "value bounds the worker's heap under changing batch shapes) (default: %(default)s)")
     ap.add_argument("--settle", type=float, default=1.5,
                     help="seconds to wait after each scenario before scraping /metrics (stats are published per step)")
     ap.add_argument("--workdir", type=Path, help="work folder (default: a fresh temp folder, removed at the end)")

