@@ -70,6 +70,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 import urllib.parse
@@ -379,29 +381,54 @@ class _SocketReplies:
     """A minimal RESP2 reader over a connected socket, for the replies of one pipelined batch of
     ``EXISTS, STRLEN, GETRANGE...`` that this module sent on a redis-py connection.
 
-    Lines (``:n``, ``$n``, ``-ERR``) go through a small scratch buffer; the body of a bulk reply is
-    copied out of the scratch for the bytes already there and the rest is received with
-    ``recv_into`` straight into its destination (exact byte counts, so nothing past the reply is
-    consumed). redis-py's parser is never used for these replies, so its buffer stays empty and
-    the connection can go back to the pool once every reply was consumed (:meth:`drained`); on
-    any exception the caller disconnects it. Every ``recv_into`` runs under the socket's timeout.
+    Lines (``:n``, ``$n``, ``-ERR``) and the CRLF after each body go through a small scratch buffer
+    (which may receive the start of the next reply of the batch: it is consumed from there); the
+    body of a bulk reply is copied out of the scratch for the bytes already there and the rest is
+    received with ``recv_into`` straight into its destination, with an exact byte count. redis-py's
+    parser is never used for these replies, so its buffer stays empty and the connection can go
+    back to the pool once every reply was consumed and nothing more arrived (:meth:`drained`); on
+    any exception the caller disconnects it.
+
+    Timeouts: with ``blocking`` (a plain TCP/Unix socket that :func:`_read_record_direct` switched
+    to blocking mode with ``SO_RCVTIMEO`` = the connection's timeout) a body is received with
+    ``MSG_WAITALL`` — one system call, and one GIL hand-off, per piece instead of one per
+    arriving segment — and a receive that sees no data for the timeout raises
+    ``redis.exceptions.TimeoutError``; otherwise (TLS) the socket's own timeout applies to every
+    ``recv_into``.
     """
 
     SCRATCH = 16 << 10
     MAX_LINE = 4096
 
-    def __init__(self, sock, parse_error=None) -> None:
+    def __init__(self, sock, parse_error=None, *, blocking: bool = False) -> None:
         self.sock = sock
         self.parse_error = parse_error  # redis-py's mapping of "-ERR ..." to exception classes
+        self.flags = socket.MSG_WAITALL if blocking else 0
+        self.blocking = blocking
         self.buf = bytearray(self.SCRATCH)
         self.mv = memoryview(self.buf)
         self.r = self.w = 0
 
-    def _recv(self, dst: memoryview) -> int:
-        n = self.sock.recv_into(dst)
+    def _recv(self, dst: memoryview, flags: int = 0) -> int:
+        try:
+            n = self.sock.recv_into(dst, 0, flags)
+        except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
+            if self.blocking:
+                raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+            raise
         if n == 0:
             raise redis.exceptions.ConnectionError("connection closed by the server mid-reply")
         return n
+
+    def _fill(self) -> None:
+        """Receive more bytes into the scratch (compacting it first)."""
+        if self.r == self.w:
+            self.r = self.w = 0
+        elif self.w == len(self.buf):
+            k = self.w - self.r
+            self.buf[:k] = bytes(self.mv[self.r : self.w])  # (no overlapping memoryview copy)
+            self.r, self.w = 0, k
+        self.w += self._recv(self.mv[self.w :])
 
     def _line(self) -> bytes:
         while True:
@@ -411,13 +438,7 @@ class _SocketReplies:
                 return line
             if self.w - self.r > self.MAX_LINE:
                 raise redis.exceptions.InvalidResponse("reply line too long")
-            if self.r == self.w:
-                self.r = self.w = 0
-            elif self.w == len(self.buf):
-                k = self.w - self.r
-                self.buf[:k] = bytes(self.mv[self.r : self.w])  # (no overlapping memoryview copy)
-                self.r, self.w = 0, k
-            self.w += self._recv(self.mv[self.w :])
+            self._fill()
 
     def _check(self, line: bytes, kind: bytes) -> int:
         if line[:1] == b"-":
@@ -450,24 +471,25 @@ class _SocketReplies:
             dst[:a] = self.mv[self.r : self.r + a]
             self.r += a
         while a < k:
-            a += self._recv(dst[a:])
+            a += self._recv(dst[a:], self.flags)
 
     def skip(self, k: int) -> None:
         """Drop the next ``k`` body bytes."""
         while k > 0:
             if self.r == self.w:
                 self.r = self.w = 0
-                self.w = self._recv(self.mv)
+                self.w = self._recv(self.mv[: min(k, len(self.buf))])
             a = min(k, self.w - self.r)
             self.r += a
             k -= a
 
     def end_bulk(self) -> None:
         """The CRLF that ends a bulk body."""
-        crlf = bytearray(2)
-        self.read_into(memoryview(crlf))
-        if crlf != b"\r\n":
+        while self.w - self.r < 2:
+            self._fill()
+        if self.mv[self.r : self.r + 2] != b"\r\n":
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
+        self.r += 2
 
     def drained(self) -> bool:
         """True when nothing past the expected replies was received."""
@@ -487,7 +509,24 @@ def _read_record_direct(conn, cmds: list[tuple], reader: _RecordReader) -> None:
     sock = conn._sock  # connected by send_packed_command; redis-py's parser has nothing buffered
     if sock is None:
         raise redis.exceptions.ConnectionError("connection lost")
-    rd = _SocketReplies(sock, getattr(conn._parser, "parse_error", None))
+    # A plain socket is read in blocking mode with SO_RCVTIMEO = its timeout (bodies then arrive in
+    # one MSG_WAITALL call each); redis-py's mode is restored afterwards. TLS keeps its own mode.
+    timeout = sock.gettimeout()
+    blocking = type(sock) is socket.socket and timeout is not None
+    if blocking:
+        sec = int(timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", sec, int((timeout - sec) * 1e6)))
+        sock.settimeout(None)
+    try:
+        _read_replies(_SocketReplies(sock, getattr(conn._parser, "parse_error", None), blocking=blocking), cmds,
+                      reader)
+    finally:
+        if blocking:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, 0))
+
+
+def _read_replies(rd: _SocketReplies, cmds: list[tuple], reader: _RecordReader) -> None:
     reader.feed(rd.integer())  # EXISTS
     reader.feed(rd.integer())  # STRLEN
     for i in range(2, len(cmds)):
