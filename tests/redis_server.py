@@ -198,10 +198,9 @@ class RedisClusterServers:
             self.close()
             raise RedisUnavailable(f"redis-cli --cluster create failed: {r.stdout[-500:]} {r.stderr[-500:]}")
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            out = subprocess.run([cli, "-p", str(self.nodes[0].port), "cluster", "info"], capture_output=True,
-                                 text=True).stdout
-            if "cluster_state:ok" in out:
+        while time.monotonic() < deadline:  # every node must agree (a client may start at any of them)
+            if all("cluster_state:ok" in subprocess.run([cli, "-p", str(n.port), "cluster", "info"],
+                                                        capture_output=True, text=True).stdout for n in self.nodes):
                 return self
             time.sleep(0.1)
         self.close()
