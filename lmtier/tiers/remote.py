@@ -31,8 +31,8 @@ one huge value on both ends):
   socket by :class:`_SocketReplies`, a minimal RESP2 reader: each piece's bytes go straight into
   ``out`` with ``recv_into`` (one kernel copy, no ``bytes`` per piece, the GIL released while
   the kernel copies; on a plain socket one ``MSG_WAITALL`` receive per piece body under
-  ``SO_RCVTIMEO``: ~13 system calls per 5.7 MB record where redis-py's parser makes ~350 of
-  64 KiB); the header, in the first piece, is decoded before anything is copied; the connection
+  ``SO_RCVTIMEO``: ~14 receive calls and no ``poll`` per 5.7 MB record, where redis-py's parser
+  makes ~175 receives of <= 64 KiB and as many polls); the header, in the first piece, is decoded before anything is copied; the connection
   goes back to the pool only when exactly the expected replies were consumed, and is closed on
   any error. ``direct_reads=False`` reads the same replies through redis-py's parser instead (a
   ``bytes`` per piece, copied into ``out``). Measured (benchmarks/bench_remote.py, 5.7 MB
