@@ -30,15 +30,14 @@ one huge value on both ends):
   the commands go out on a pooled redis-py connection and the replies are received from its
   socket by :class:`_SocketReplies`, a minimal RESP2 reader: each piece's bytes go straight into
   ``out`` with ``recv_into`` (one kernel copy, no ``bytes`` per piece, the GIL released while
-  the kernel copies; on a plain socket one ``MSG_WAITALL`` receive per piece body under
-  ``SO_RCVTIMEO``: ~14 receive calls and no ``poll`` per 5.7 MB record, where redis-py's parser
-  makes ~175 receives of <= 64 KiB and as many polls); the header, in the first piece, is decoded before anything is copied; the connection
-  goes back to the pool only when exactly the expected replies were consumed, and is closed on
-  any error. ``direct_reads=False`` reads the same replies through redis-py's parser instead (a
-  ``bytes`` per piece, copied into ``out``). Measured (benchmarks/bench_remote.py, 5.7 MB
-  values, loopback, a loaded 2-core VM, redis-py 8.1 and 6.4 + hiredis): one caller 2.50/2.59
-  GB/s direct vs 2.03/2.12 parser (87–89 % vs 71–73 % of a raw-socket ``GETRANGE`` client in
-  the same run); 4 callers in flight 1.92/1.92 vs 1.49/1.48 GB/s (86–92 % vs 66–72 %). Redis Cluster goes through
+  the kernel copies; ~28 receives and as many polls per 5.7 MB record where redis-py's parser
+  makes ~175 of each); the header, in the first piece, is decoded before anything is copied; the
+  connection goes back to the pool only when exactly the expected replies were consumed, and is
+  closed on any error. ``direct_reads=False`` reads the same replies through redis-py's parser
+  instead (a ``bytes`` per piece, copied into ``out``). Measured (benchmarks/bench_remote.py,
+  6 MiB values, loopback, redis-py 6.4 + hiredis, H200 host, 16 cores): 2.20 GB/s with one
+  caller and 2.94 GB/s with 4 in flight (69 % / 97 % of a raw-socket ``GETRANGE`` client in the
+  same run) where the parser path did 1.73 / 1.27 (benchmarks/RESULTS.md). Redis Cluster goes through
   redis-py's cluster pipeline (slot routing, redirections) and copies after the round trip;
   its node clients keep redis-py's default packer (``RedisCluster`` passes neither
   ``command_packer`` nor ``connection_class`` to them), which copies each piece once on put.
@@ -72,8 +71,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import socket
-import struct
 import threading
 import time
 import urllib.parse
@@ -383,54 +380,29 @@ class _SocketReplies:
     """A minimal RESP2 reader over a connected socket, for the replies of one pipelined batch of
     ``EXISTS, STRLEN, GETRANGE...`` that this module sent on a redis-py connection.
 
-    Lines (``:n``, ``$n``, ``-ERR``) and the CRLF after each body go through a small scratch buffer
-    (which may receive the start of the next reply of the batch: it is consumed from there); the
-    body of a bulk reply is copied out of the scratch for the bytes already there and the rest is
-    received with ``recv_into`` straight into its destination, with an exact byte count. redis-py's
-    parser is never used for these replies, so its buffer stays empty and the connection can go
-    back to the pool once every reply was consumed and nothing more arrived (:meth:`drained`); on
-    any exception the caller disconnects it.
-
-    Timeouts: with ``blocking`` (a plain TCP/Unix socket that :func:`_read_record_direct` switched
-    to blocking mode with ``SO_RCVTIMEO`` = the connection's timeout) a body is received with
-    ``MSG_WAITALL`` — one system call, and one GIL hand-off, per piece instead of one per
-    arriving segment — and a receive that sees no data for the timeout raises
-    ``redis.exceptions.TimeoutError``; otherwise (TLS) the socket's own timeout applies to every
-    ``recv_into``.
+    Lines (``:n``, ``$n``, ``-ERR``) go through a small scratch buffer; the body of a bulk reply is
+    copied out of the scratch for the bytes already there and the rest is received with
+    ``recv_into`` straight into its destination (exact byte counts, so nothing past the reply is
+    consumed). redis-py's parser is never used for these replies, so its buffer stays empty and
+    the connection can go back to the pool once every reply was consumed (:meth:`drained`); on
+    any exception the caller disconnects it. Every ``recv_into`` runs under the socket's timeout.
     """
 
     SCRATCH = 16 << 10
     MAX_LINE = 4096
 
-    def __init__(self, sock, parse_error=None, *, blocking: bool = False) -> None:
+    def __init__(self, sock, parse_error=None) -> None:
         self.sock = sock
         self.parse_error = parse_error  # redis-py's mapping of "-ERR ..." to exception classes
-        self.flags = socket.MSG_WAITALL if blocking else 0
-        self.blocking = blocking
         self.buf = bytearray(self.SCRATCH)
         self.mv = memoryview(self.buf)
         self.r = self.w = 0
 
-    def _recv(self, dst: memoryview, flags: int = 0) -> int:
-        try:
-            n = self.sock.recv_into(dst, 0, flags)
-        except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
-            if self.blocking:
-                raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
-            raise
+    def _recv(self, dst: memoryview) -> int:
+        n = self.sock.recv_into(dst)
         if n == 0:
             raise redis.exceptions.ConnectionError("connection closed by the server mid-reply")
         return n
-
-    def _fill(self) -> None:
-        """Receive more bytes into the scratch (compacting it first)."""
-        if self.r == self.w:
-            self.r = self.w = 0
-        elif self.w == len(self.buf):
-            k = self.w - self.r
-            self.buf[:k] = bytes(self.mv[self.r : self.w])  # (no overlapping memoryview copy)
-            self.r, self.w = 0, k
-        self.w += self._recv(self.mv[self.w :])
 
     def _line(self) -> bytes:
         while True:
@@ -440,7 +412,13 @@ class _SocketReplies:
                 return line
             if self.w - self.r > self.MAX_LINE:
                 raise redis.exceptions.InvalidResponse("reply line too long")
-            self._fill()
+            if self.r == self.w:
+                self.r = self.w = 0
+            elif self.w == len(self.buf):
+                k = self.w - self.r
+                self.buf[:k] = bytes(self.mv[self.r : self.w])  # (no overlapping memoryview copy)
+                self.r, self.w = 0, k
+            self.w += self._recv(self.mv[self.w :])
 
     def _check(self, line: bytes, kind: bytes) -> int:
         if line[:1] == b"-":
@@ -473,25 +451,24 @@ class _SocketReplies:
             dst[:a] = self.mv[self.r : self.r + a]
             self.r += a
         while a < k:
-            a += self._recv(dst[a:], self.flags)
+            a += self._recv(dst[a:])
 
     def skip(self, k: int) -> None:
         """Drop the next ``k`` body bytes."""
         while k > 0:
             if self.r == self.w:
                 self.r = self.w = 0
-                self.w = self._recv(self.mv[: min(k, len(self.buf))])
+                self.w = self._recv(self.mv)
             a = min(k, self.w - self.r)
             self.r += a
             k -= a
 
     def end_bulk(self) -> None:
         """The CRLF that ends a bulk body."""
-        while self.w - self.r < 2:
-            self._fill()
-        if self.mv[self.r : self.r + 2] != b"\r\n":
+        crlf = bytearray(2)
+        self.read_into(memoryview(crlf))
+        if crlf != b"\r\n":
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
-        self.r += 2
 
     def drained(self) -> bool:
         """True when nothing past the expected replies was received."""
@@ -511,24 +488,7 @@ def _read_record_direct(conn, cmds: list[tuple], reader: _RecordReader) -> None:
     sock = conn._sock  # connected by send_packed_command; redis-py's parser has nothing buffered
     if sock is None:
         raise redis.exceptions.ConnectionError("connection lost")
-    # A plain socket is read in blocking mode with SO_RCVTIMEO = its timeout (bodies then arrive in
-    # one MSG_WAITALL call each); redis-py's mode is restored afterwards. TLS keeps its own mode.
-    timeout = sock.gettimeout()
-    blocking = type(sock) is socket.socket and timeout is not None
-    if blocking:
-        sec = int(timeout)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", sec, int((timeout - sec) * 1e6)))
-        sock.settimeout(None)
-    try:
-        _read_replies(_SocketReplies(sock, getattr(conn._parser, "parse_error", None), blocking=blocking), cmds,
-                      reader)
-    finally:
-        if blocking:
-            sock.settimeout(timeout)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, 0))
-
-
-def _read_replies(rd: _SocketReplies, cmds: list[tuple], reader: _RecordReader) -> None:
+    rd = _SocketReplies(sock, getattr(conn._parser, "parse_error", None))
     reader.feed(rd.integer())  # EXISTS
     reader.feed(rd.integer())  # STRLEN
     for i in range(2, len(cmds)):
