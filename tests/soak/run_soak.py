@@ -795,7 +795,15 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
     # growth check over the second half of the load (pools full by then), last server generation
     last_gen = [x for x in samples if x["gen"] == s.server_gen]
     half = [x for x in last_gen if x["t"] >= (s.load_t0 + s.load_t1) / 2]
-    regions = region_summary([x for x in last_gen if "worker" in x], (s.load_t0 + s.load_t1) / 2)
+    # per server generation (a server_kill fault restarts the server); the summary shown is the generation
+    # with the most region samples (the longest-lived server), each generation's is in "by_generation"
+    gens: dict[int, list[dict[str, Any]]] = {}
+    for x in samples:
+        if "worker" in x:
+            gens.setdefault(x["gen"], []).append(x)
+    by_gen = {g: region_summary(v, (v[0]["t"] + v[-1]["t"]) / 2) for g, v in gens.items()}
+    regions = dict(by_gen[max(gens, key=lambda g: len(gens[g]))], generation=max(gens, key=lambda g: len(gens[g])),
+                   by_generation=by_gen) if gens else {}
     by_fault: dict[str, dict[str, Any]] = {}
     for ep in s.episodes:
         d = by_fault.setdefault(ep.fault, {"episodes": 0, "recovered": 0, "requests": 0, "errors": 0, "wrong": 0,
@@ -854,7 +862,7 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
 
 def region_summary(samples: list[dict[str, Any]], t_half: float) -> dict[str, Any]:
     """Per region of the worker's anonymous memory (MiB; samples of one server generation): first sample,
-    max, last, and first -> last over the second half of the load (t >= ``t_half``)."""
+    max, last, and first -> last over the second half (t >= ``t_half``)."""
     if not samples:
         return {}
     keys = [k for k in samples[0]["worker"] if k != "pid"]
@@ -891,9 +899,10 @@ def print_report(r: dict[str, Any]) -> None:
           f"server env {r['malloc']['server_env'] or '(glibc, oneDNN defaults)'}")
     reg = r.get("worker_regions_mb") or {}
     if reg:
-        names = [k for k in reg if isinstance(reg[k], dict)]
-        print(f"worker anonymous memory by region, MiB (last server generation, {reg['n_samples']} samples, "
-              f"t {reg['t_first']:.0f}-{reg['t_last']:.0f}s): first / max / last; second half first -> last")
+        names = [k for k in reg if isinstance(reg[k], dict) and k != "by_generation"]
+        print(f"worker anonymous memory by region, MiB (server generation {reg['generation']}, the longest-lived, "
+              f"{reg['n_samples']} samples, t {reg['t_first']:.0f}-{reg['t_last']:.0f}s): first / max / last; "
+              f"second half of that generation first -> last")
         for k in names:
             d = reg[k]
             print(f"  {k:<9} {d['first']:7.0f} / {d['max']:7.0f} / {d['last']:7.0f};  {d['second_half_first']:7.0f} -> "
@@ -909,6 +918,10 @@ def print_report(r: dict[str, Any]) -> None:
             print(f"  lmtier CPU pool: no mapping of its own (an allocator such as tcmalloc carved it from its heap); "
                   f"whole worker second half {tot['second_half_first']:.0f} -> {tot['second_half_last']:.0f} MiB "
                   f"({tot['second_half_last'] - tot['second_half_first']:+.0f}), configured pool {pool_cfg:.0f} MiB")
+        for g, d in sorted(reg.get("by_generation", {}).items()):
+            if "total" in d:
+                print(f"  generation {g}: t {d['t_first']:.0f}-{d['t_last']:.0f}s, {d['n_samples']} samples, worker total "
+                      f"first {d['total']['first']:.0f} / max {d['total']['max']:.0f} / last {d['total']['last']:.0f} MiB")
     print()
     hdr = f"{'fault':<14} {'episodes':>8} {'recovered':>9} {'requests':>8} {'errors':>6} {'wrong':>5} {'interrupted':>11} {'max TTFT':>9}"
     print(hdr)
