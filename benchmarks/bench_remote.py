@@ -327,8 +327,10 @@ def main(argv=None) -> None:
     if a.plot:
         rows = res["rows"]
         why = plot_bars(a.plot, [r["client"] for r in rows],
-                        {"SET / put": [r.get("set_GBps") for r in rows], "GET / get_into": [r.get("get_GBps") for r in rows],
-                         **{f"GET, {k} in flight": [r.get(f"get_x{k}_GBps") for r in rows] for k in res["inflight"][1:]}},
+                        {"SET / put": [r.get("set_GBps") for r in rows],
+                         "GET / get_into": [r.get("get_GBps") for r in rows],
+                         **{f"GET, {k} in flight": [r.get(f"get_x{k}_GBps") for r in rows]
+                            for k in res["inflight"][1:]}},
                         title=f"Redis on loopback, {a.size_mib:.1f} MiB values ({a.model_preset})", ylabel="GB/s")
         report_plot(a.plot, why)
 

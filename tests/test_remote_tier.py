@@ -629,7 +629,8 @@ def test_direct_reads_server_dies_or_stalls_mid_reply(then, sent, extra):
     srv = _FakeServer(full[:sent] + extra if sent else extra, then)
     timeout = 0.3
     try:
-        t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout, connect_timeout_s=timeout)
+        t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout,
+                      connect_timeout_s=timeout)
         out = bytearray(n)
         e0 = t.counters["errors"]  # (the fake server's answers to redis-py's start-up may count one)
         t0 = time.monotonic()
