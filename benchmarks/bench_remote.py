@@ -318,7 +318,7 @@ def main(argv=None) -> None:
     print(f"# {res['system']} {res.get('server', '')}"
           f"{' io-threads ' + str(a.io_threads) if a.io_threads > 1 and not a.url else ''}; load {os.getloadavg()}")
     print(f"# {a.size_mib:.2f} MiB values, loopback; {a.rounds} interleaved rounds x {a.iters} calls; "
-          f"%rb = % of redis-benchmark -c 1, %ceil = % of the raw-socket GET with as many callers in flight")
+          f"%rb = % of redis-benchmark -c 1, %ceil = % of the raw-socket GETRANGE ceiling with as many callers in flight")
     cols = ["client", "set_GBps", "set_%rb", "get_GBps", "get_%ceil"]
     for k in res["inflight"][1:]:
         cols += [f"get_x{k}_GBps", f"get_x{k}_%ceil"]
