@@ -227,8 +227,11 @@ def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: li
             rb = redis_benchmark(host, port, size, rb_n, 1)
             if rb:
                 rb_rounds.append(rb)
-            for name, ops in rows:
-                for op, fn in ops.items():
+            for op_pass in ("get", "set"):  # all loads, then all stores: no load right after a put
+                for name, ops in rows:
+                    if op_pass not in ops:
+                        continue
+                    op, fn = op_pass, ops[op_pass]
                     for k in (inflight if op == "get" and name not in single else [1]):
                         call = fn if op == "get" else (lambda j, fn=fn: fn())
                         _timed(call, k, pool)  # warm-up
