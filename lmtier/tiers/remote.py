@@ -813,7 +813,9 @@ class RedisTier(Tier):
             pool = client.connection_pool
             conn = pool.get_connection()
             try:
-                if self.direct_reads:
+                # Direct reads use redis-py's connection internals (``_sock``, ``_parser``, present in
+                # redis-py 5 to 8); a connection class without them takes the parser path.
+                if self.direct_reads and hasattr(conn, "_sock") and hasattr(conn, "_parser"):
                     _read_record_direct(conn, cmds, reader)
                 else:
                     conn.send_packed_command(conn.pack_commands(cmds))
