@@ -678,3 +678,55 @@ def test_direct_reads_real_server_killed_mid_get(redis_server):
     assert all(ok for got, _, ok in results if got is not None)  # never wrong bytes
     assert results[-1][0] is None and all(dt < 3 * timeout for _, dt, _ in results[-3:])
     assert t.counters["errors"] >= 1
+
+
+class _Resp3PushServer(_FakeServer):
+    """Like _FakeServer, but speaks RESP3 to a client that negotiated it (``HELLO 3``, redis-py 8's
+    default, which then subscribes to maintenance notifications) and, as Redis Enterprise/Cloud do
+    during maintenance, sends a push frame ahead of the replies of a record read."""
+
+    PUSH = b">4\r\n$6\r\nMOVING\r\n:1\r\n:15\r\n$14\r\n127.0.0.1:6379\r\n"
+
+    def _client(self, c) -> None:
+        buf, proto = b"", 2
+        try:
+            while not self.stop.is_set():
+                data = c.recv(1 << 16)
+                if not data:
+                    return
+                buf += data
+                while True:
+                    cmd, buf = self._command(buf)
+                    if cmd is None:
+                        break
+                    name = cmd[0].upper()
+                    if name == b"HELLO":
+                        proto = int(cmd[1])
+                        c.sendall(b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n")
+                    elif name == b"PING":
+                        c.sendall(b"+PONG\r\n")
+                    elif name == b"EXISTS":
+                        c.sendall((self.PUSH if proto == 3 else b"") + self.reply)
+                    elif name in (b"STRLEN", b"GETRANGE"):
+                        pass  # answered with EXISTS (the scripted reply holds the whole batch)
+                    else:
+                        c.sendall(b"+OK\r\n")
+        except OSError:
+            return
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_not_broken_by_resp3_push_frames(direct):
+    """redis-py 8 negotiates RESP3 by default, and a RESP3 server may push out-of-band frames (``>``,
+    e.g. maintenance notifications) ahead of a reply. The tier speaks RESP2 (its direct reader is a
+    RESP2 reader), so no push frame can reach it: a hit, not an error."""
+    n = 4 * PIECE
+    srv = _Resp3PushServer(_fake_reply(n, 10**9), "close")
+    try:
+        t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=1.0, direct_reads=direct)
+        out = bytearray(n)
+        assert t.get_into(key(1), out) == n and bytes(out) == payload(5, n)
+        assert t.counters["errors"] == 0
+        t.close()
+    finally:
+        srv.close()

@@ -844,8 +844,11 @@ class RedisTier(Tier):
 
     def _conn_kwargs(self) -> dict:
         t = self._target
+        # protocol=2: the direct reads' reader (_SocketReplies) speaks RESP2. redis-py 8 would
+        # negotiate RESP3 (HELLO 3) and subscribe to maintenance notifications, whose out-of-band
+        # push frames (Redis Enterprise/Cloud) can arrive ahead of any reply.
         kw = dict(username=t.username, password=t.password, socket_timeout=self.timeout_s,
-                  socket_connect_timeout=self.connect_timeout_s)
+                  socket_connect_timeout=self.connect_timeout_s, protocol=2)
         if t.tls is not None:
             kw.update(ssl=True, ssl_ca_certs=t.tls.ca_certs, ssl_certfile=t.tls.certfile, ssl_keyfile=t.tls.keyfile,
                       ssl_cert_reqs=t.tls.cert_reqs, ssl_check_hostname=t.tls.check_hostname)
