@@ -909,7 +909,7 @@ def print_report(r: dict[str, Any]) -> None:
                   f"{d['second_half_last']:7.0f} ({d['second_half_last'] - d['second_half_first']:+.0f})")
         pool_cfg = r["pools"]["cpu_pool_gib"] * 1024
         p, tot = reg.get("pool"), reg["total"]
-        if p and p["max"] > 0:
+        if p and p["max"] >= 0.5 * pool_cfg:  # the pool's own mapping (glibc); under tcmalloc it is inside "heap"
             rest = (tot["second_half_first"] - p["second_half_first"], tot["second_half_last"] - p["second_half_last"])
             print(f"  lmtier CPU pool mapping max {p['max']:.0f} MiB (configured {pool_cfg:.0f} MiB: "
                   f"{'within' if p['max'] <= pool_cfg + 1 else 'ABOVE'}); rest of the worker second half "
