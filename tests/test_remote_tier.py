@@ -730,3 +730,114 @@ def test_reads_not_broken_by_resp3_push_frames(direct):
         t.close()
     finally:
         srv.close()
+
+
+class _ScriptedSocket:
+    """``recv_into`` over a fixed byte stream, returning at most up to the next cut point per call (a
+    reply split by the network at chosen byte boundaries); b"" (EOF) at the end."""
+
+    def __init__(self, data: bytes, cuts) -> None:
+        self.data, self.pos = data, 0
+        self.cuts = sorted({c for c in cuts if 0 < c < len(data)})
+
+    def recv_into(self, dst, nbytes=0):
+        nxt = next((c for c in self.cuts if c > self.pos), len(self.data))
+        k = min(len(dst), nxt - self.pos)
+        dst[:k] = self.data[self.pos : self.pos + k]
+        self.pos += k
+        return k
+
+
+class _ScriptedConn:
+    def __init__(self, sock) -> None:
+        self._sock, self._parser = sock, None
+
+    def pack_commands(self, cmds):
+        return b""
+
+    def send_packed_command(self, packed) -> None:
+        pass
+
+
+def _scripted_read(stream: bytes, cmds, cap: int, cuts):
+    from lmtier.tiers import remote as R
+
+    out = bytearray(cap)
+    reader = R._RecordReader(key(1), memoryview(out), PIECE, 512 << 20)
+    sock = _ScriptedSocket(stream, cuts)
+    R._read_record_direct(_ScriptedConn(sock), cmds, reader)
+    return reader, out, sock
+
+
+def _scripted_reply(n: int, cap: int):
+    from lmtier.tiers import remote as R
+
+    d = payload(n + 1, n)
+    v = rec.encode_header(key(1), n, rec.payload_checksum(d), payload_offset=R.HEADER) + d
+    t = RedisTier.__new__(RedisTier)
+    t.piece_bytes = PIECE
+    cmds = t._get_cmds(b"x", cap)
+    stream = b":1\r\n:%d\r\n" % len(v) + b"".join(b"$%d\r\n%s\r\n" % (len(v[c[2] : c[3] + 1]), v[c[2] : c[3] + 1])
+                                                  for c in cmds[2:])
+    return d, cmds, stream
+
+
+@pytest.mark.parametrize("n,extra", [(200, 0), (PIECE - 128 + 1, 0), (2 * PIECE + 5, PIECE)])
+def test_direct_reader_every_split_point(n, extra):
+    """The direct reader gets the same bytes whatever the network's segmentation: the batch's replies
+    split at every single byte position, and delivered one byte per receive."""
+    d, cmds, stream = _scripted_reply(n, n + extra)
+    for cuts in [[s] for s in range(len(stream) + 1)] + [range(len(stream))]:
+        reader, out, sock = _scripted_read(stream, cmds, n + extra, cuts)
+        assert sock.pos == len(stream) and reader.finish() == n and bytes(out[:n]) == d
+
+
+def test_direct_reader_mangled_replies_never_give_wrong_bytes():
+    """Replies with flipped bits, cut short, with bytes inserted/deleted, a length line replaced
+    (null, negative, huge, error, wrong type) or trailing bytes: a clean error, a miss or a
+    verification failure, or exactly the right bytes; nothing else."""
+    import random
+    import re
+
+    import redis
+
+    from lmtier.tiers import remote as R
+
+    rng = random.Random(3)
+    outcomes = set()
+    for _ in range(3000):
+        n = rng.choice([0, 5, 200, PIECE - 128, PIECE + 7, 3 * PIECE])
+        cap = n + rng.choice([0, 1, PIECE])
+        d, cmds, stream = _scripted_reply(n, cap)
+        s = bytearray(stream)
+        how = rng.randrange(6)
+        if how == 0:
+            for _ in range(rng.randint(1, 3)):
+                s[rng.randrange(len(s))] ^= 1 << rng.randrange(8)
+        elif how == 1:
+            s = s[: rng.randrange(len(s))]
+        elif how == 2:
+            i = rng.randrange(len(s) + 1)
+            s[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif how == 3:
+            i = rng.randrange(len(s))
+            del s[i : i + rng.randint(1, 8)]
+        elif how == 4:
+            m = rng.choice(list(re.finditer(rb"[:$]-?\d+\r\n", bytes(s))))
+            s[m.start() : m.end()] = rng.choice([b"$-1\r\n", b"$-2\r\n", b"$0\r\n", b"-ERR x\r\n", b":0\r\n",
+                                                  b"$99999999999999999999\r\n", b"*1\r\n", b"+OK\r\n", b"$\r\n"])
+        else:
+            s += b":1\r\n"
+        try:
+            reader, out, _ = _scripted_read(bytes(s), cmds, cap, [rng.randint(0, len(s)) for _ in range(3)])
+            got = reader.finish()
+        except (redis.exceptions.ConnectionError, redis.exceptions.InvalidResponse,
+                redis.exceptions.ResponseError) as e:
+            outcomes.add(type(e).__name__)
+            continue
+        except R._Corrupt:
+            outcomes.add("corrupt")
+            continue
+        assert got is None or (got == n and bytes(out[:n]) == d)
+        outcomes.add("miss" if got is None else "hit")
+    assert {"InvalidResponse", "ConnectionError", "ResponseError", "corrupt", "hit"} <= outcomes
