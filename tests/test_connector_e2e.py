@@ -34,6 +34,7 @@ BOUNDARY_PROMPTS = [{"seg": i, "len": n} for i, n in enumerate(BOUNDARY)]
 SALTED = {"seg": 7, "len": 600}
 CORRUPT = {"seg": 8, "len": 700}
 ASYNC_FAULT = {"seg": 9, "len": 700}
+TAINT_SHORT, TAINT_LONG = {"seg": 10, "len": 600}, {"seg": 10, "len": 1100}  # same first 2 chunks
 
 
 def expected_hit(n: int) -> int:
@@ -77,6 +78,13 @@ def main_run(e2e_dir):
         {"op": "generate", "name": "fault_sync", "prompts": [BOUNDARY_PROMPTS[-1]]},
         {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
         {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+        # a failed sync load must not store chunks computed on top of it (see the test below)
+        {"op": "generate", "name": "taint_ref", "prompts": [dict(TAINT_LONG, salt="ref")]},
+        {"op": "generate", "name": "taint_seed", "prompts": [TAINT_SHORT]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
+        {"op": "generate", "name": "taint_fault", "prompts": [TAINT_LONG]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+        {"op": "generate", "name": "taint_after", "prompts": [TAINT_LONG]},
     ]}
     return run_engine(spec, e2e_dir, name="main")
 
@@ -165,6 +173,21 @@ def test_sync_load_failure_recomputes(main_run):
     (o,) = outs(main_run, "after_fault")  # the chunks are still good: the next request loads them
     assert o["num_cached_tokens"] == 1024 and o["token_ids"] == ref["token_ids"]
     assert stats(main_run, "after_fault")["loaded_chunks"] == 4
+
+
+def test_failed_sync_load_stores_nothing_computed_on_it(main_run):
+    """A sync load that fails leaves garbage in the request's blocks for that step's forward (vLLM
+    discards the step and recomputes); the chunks that forward computed attended to the garbage, so
+    they must not be stored. Here chunks 0-1 are cached, their load fails, and chunks 2-3 are
+    computed in the same step: a later hit on chunks 0-3 must give the reference output."""
+    (ref,) = outs(main_run, "taint_ref")  # the same prompt under another salt: never a hit
+    assert ref["num_cached_tokens"] == 0
+    (o,) = outs(main_run, "taint_fault")
+    st = stats(main_run, "taint_fault")
+    assert st["load_failures"] >= 1 and o["token_ids"] == ref["token_ids"]
+    (o,) = outs(main_run, "taint_after")
+    assert o["num_cached_tokens"] == 1024, o  # chunks 2-3 were stored by the recomputation
+    assert o["token_ids"] == ref["token_ids"], "a chunk computed on top of a failed load was stored"
 
 
 # ---------------------------------------------------------------------------------------- (b) restart

@@ -420,6 +420,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self.manager = _manager(self._shared_key, self.config, self.ns, with_cpu=True, gpu_id=gpu)
             self.layout: KVLayout | None = None
             self._failed_blocks: set[int] = set()
+            self._failed_load_reqs: set[str] = set()  # requests whose sync load failed this step
             self._ns0 = _namespace(vllm_config, kv_cache_config, self.chunk, 0)  # the index key space
             self._idx_lock = threading.Lock()
             self._idx_stored: list = []
@@ -782,7 +783,12 @@ class LMTierConnector(KVConnectorBase_V1):
         self.worker._fetch = fn
 
     def start_load_kv(self, forward_context, **kwargs):
-        """Run this step's synchronous loads (before the forward) and start its async loads."""
+        """Run this step's synchronous loads (before the forward) and start its async loads.
+
+        A request whose sync load failed is remembered for this step: its forward runs over the
+        blocks that were not loaded (vLLM discards that step's result and recomputes), so
+        :meth:`wait_for_save` must not store what that forward computed."""
+        self._failed_load_reqs = set()
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads or self.worker is None:
             return
@@ -790,7 +796,10 @@ class LMTierConnector(KVConnectorBase_V1):
             if op.is_async:  # a poisoned one fails at once and is reported in failed_recving
                 self.worker.start_load(op)
             else:
-                self._failed_blocks.update(self.worker.load(op))
+                failed = self.worker.load(op)
+                if failed:
+                    self._failed_blocks.update(failed)
+                    self._failed_load_reqs.add(op.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
@@ -799,10 +808,19 @@ class LMTierConnector(KVConnectorBase_V1):
         return  # stores run once per step in wait_for_save, after every layer wrote its KV
 
     def wait_for_save(self):
+        """Store this step's chunks — except those of requests whose sync load failed in this step:
+        their tokens were computed attending to blocks that hold stale KV (the scheduler plans
+        those stores again for the recomputation)."""
+        tainted, self._failed_load_reqs = self._failed_load_reqs, set()
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.stores or self.worker is None:
             return
         for op in meta.stores:
+            if op.req_id in tainted:
+                n = max(0, len(op.token_ids) // self.chunk - op.first_chunk)
+                log.info("lmtier: not storing %d chunk(s) of request %s: computed over a failed load", n, op.req_id)
+                self._stat("store_skipped", n)
+                continue
             self.worker.store(op)
 
     def _note_stored(self, key: bytes, key0: bytes, tier: str) -> None:
