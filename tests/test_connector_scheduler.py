@@ -320,7 +320,14 @@ def test_boundaries(make, tmp_path, hits, split):
         assert first[rid][2] == (async_hits and hit_of(n) > 0)
         assert h.outputs[rid] == h.outputs[cold[n]] and len(h.outputs[rid]) == 3
     assert {op.req_id for op in h.loads} == {warm[n] for n in LENGTHS if hit_of(n)}
-    assert all(op.is_async == async_hits for op in h.loads)
+    # Each request's first load has the expected kind; a later reload of the same request (vLLM
+    # re-asks after a preemption) may find its chunks promoted into the CPU pool by that first
+    # load, and then loads synchronously — timing-dependent, so not asserted.
+    first_op = {}
+    for op in h.loads:
+        first_op.setdefault(op.req_id, op)
+    assert all(op.is_async == async_hits for op in first_op.values()), \
+        [(op.req_id, op.is_async) for op in first_op.values()]
     h.check_clean()
 
 
