@@ -141,6 +141,11 @@ class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
 
 # ------------------------------------------------------------------------------ stats
 _LAT_KEEP = 256  # latency samples kept per interval (per list)
+# Index changes queued for the next worker metadata, at most (a connector whose metadata is never
+# built, e.g. a second one in the process whose manager's eviction hooks still point at the first,
+# must not grow without bound; a dropped eviction only makes the scheduler claim a chunk whose load
+# then fails and is recomputed).
+_IDX_MAX = 1 << 16
 
 
 class LMTierStats(KVConnectorStats):
@@ -440,7 +445,8 @@ class LMTierConnector(KVConnectorBase_V1):
                     with self._idx_lock:
                         k0 = self._key0.pop(key, None)
                         if k0 is not None:
-                            self._idx_evicted.append(k0)
+                            if len(self._idx_evicted) < _IDX_MAX:
+                                self._idx_evicted.append(k0)
                             if self.manager.disk is not None:  # written back: the mirror says "disk"
                                 self._remember_disk_key0(key, k0)
                     if _inner is not None:
@@ -459,7 +465,8 @@ class LMTierConnector(KVConnectorBase_V1):
                             if k0 is None and self._same_ns:
                                 k0 = k
                             if k0 is not None:
-                                self._idx_disk_evicted.append(k0)
+                                if len(self._idx_disk_evicted) < _IDX_MAX:
+                                    self._idx_disk_evicted.append(k0)
                     if _inner is not None:
                         _inner(keys)
 
