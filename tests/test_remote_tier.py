@@ -552,7 +552,7 @@ class _FakeServer:
             threading.Thread(target=self._client, args=(c,), daemon=True).start()
 
     def _client(self, c) -> None:
-        buf = b""
+        buf, state = b"", {}
         try:
             while not self.stop.is_set():
                 data = c.recv(1 << 16)
@@ -563,19 +563,25 @@ class _FakeServer:
                     cmd, buf = self._command(buf)
                     if cmd is None:
                         break
-                    if cmd[0].upper() == b"PING":
-                        c.sendall(b"+PONG\r\n")
-                    elif cmd[0].upper() == b"EXISTS":  # the first command of a record read
-                        c.sendall(self.reply)
-                        if self.then == "close":
-                            c.close()
-                        else:
-                            self.stop.wait(10)  # hang
+                    if self._answer(c, cmd, state):
                         return
-                    else:  # HELLO/CLIENT SETINFO/SELECT... on connect
-                        c.sendall(b"+OK\r\n")
         except OSError:
             return
+
+    def _answer(self, c, cmd: list, state: dict) -> bool:
+        """Answer one command on connection ``c``; True ends the connection's thread."""
+        if cmd[0].upper() == b"PING":
+            c.sendall(b"+PONG\r\n")
+        elif cmd[0].upper() == b"EXISTS":  # the first command of a record read
+            c.sendall(self.reply)
+            if self.then == "close":
+                c.close()
+            else:
+                self.stop.wait(10)  # hang
+            return True
+        else:  # HELLO/CLIENT SETINFO/SELECT... on connect
+            c.sendall(b"+OK\r\n")
+        return False
 
     @staticmethod
     def _command(buf: bytes):
@@ -687,32 +693,20 @@ class _Resp3PushServer(_FakeServer):
 
     PUSH = b">4\r\n$6\r\nMOVING\r\n:1\r\n:15\r\n$14\r\n127.0.0.1:6379\r\n"
 
-    def _client(self, c) -> None:
-        buf, proto = b"", 2
-        try:
-            while not self.stop.is_set():
-                data = c.recv(1 << 16)
-                if not data:
-                    return
-                buf += data
-                while True:
-                    cmd, buf = self._command(buf)
-                    if cmd is None:
-                        break
-                    name = cmd[0].upper()
-                    if name == b"HELLO":
-                        proto = int(cmd[1])
-                        c.sendall(b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n")
-                    elif name == b"PING":
-                        c.sendall(b"+PONG\r\n")
-                    elif name == b"EXISTS":
-                        c.sendall((self.PUSH if proto == 3 else b"") + self.reply)
-                    elif name in (b"STRLEN", b"GETRANGE"):
-                        pass  # answered with EXISTS (the scripted reply holds the whole batch)
-                    else:
-                        c.sendall(b"+OK\r\n")
-        except OSError:
-            return
+    def _answer(self, c, cmd: list, state: dict) -> bool:
+        name = cmd[0].upper()
+        if name == b"HELLO":
+            state["proto"] = int(cmd[1])
+            c.sendall(b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n")
+        elif name == b"PING":
+            c.sendall(b"+PONG\r\n")
+        elif name == b"EXISTS":
+            c.sendall((self.PUSH if state.get("proto", 2) == 3 else b"") + self.reply)
+        elif name in (b"STRLEN", b"GETRANGE"):
+            pass  # answered with EXISTS (the scripted reply holds the whole batch)
+        else:
+            c.sendall(b"+OK\r\n")
+        return False
 
 
 @pytest.mark.parametrize("direct", [True, False])
