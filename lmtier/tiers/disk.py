@@ -308,19 +308,19 @@ class DiskTier(Tier):
         """Drop ``key`` from this instance's index without touching its file: another process's
         view of the same directory evicted it (a scheduler's read-only view of the worker's disk
         tier). Returns whether the key was indexed."""
-        key = bytes(key)
+        return self._unindex(bytes(key)) is not None
+
+    def _unindex(self, key: bytes) -> _Entry | None:
+        """Remove ``key`` from the index (and its bytes from the usage); returns its entry."""
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._used -= entry.nbytes
-        return entry is not None
+        return entry
 
     def delete(self, key: bytes) -> bool:
         key = bytes(key)
-        with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry.nbytes
+        entry = self._unindex(key)
         path = entry.path if entry is not None else self._path(key)
         try:
             os.unlink(path)
