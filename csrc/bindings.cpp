@@ -306,7 +306,17 @@ PYBIND11_MODULE(_C, m) {
           [](StagedCopier& s, uintptr_t slots, const std::vector<uintptr_t>& host) {
             s.load(reinterpret_cast<const int64_t*>(slots), host);
           },
-          py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"));
+          py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"))
+      .def(
+          "load_pieces",
+          [](StagedCopier& s, uintptr_t slots, const std::vector<uintptr_t>& host, int32_t piece_begin,
+             int32_t piece_end) {
+            s.load_pieces(reinterpret_cast<const int64_t*>(slots), host, piece_begin, piece_end);
+          },
+          py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"),
+          py::arg("piece_begin"), py::arg("piece_end"))
+      .def_property_readonly("num_pieces", &StagedCopier::num_pieces)
+      .def("piece_first_layer", &StagedCopier::piece_first_layer, py::arg("piece"));
 #endif
 
   bind_rans(m);  // rANS block

@@ -60,44 +60,62 @@ void StagedCopier::load(const int64_t* slots, const std::vector<uintptr_t>& host
   run(CopyDirection::kScatter, slots, host);
 }
 
+void StagedCopier::load_pieces(const int64_t* slots, const std::vector<uintptr_t>& host, int32_t piece_begin,
+                               int32_t piece_end) {
+  LMTIER_CHECK_ARG(0 <= piece_begin && piece_begin <= piece_end && piece_end <= num_pieces(),
+                   "piece range [", piece_begin, ", ", piece_end, ") outside [0, ", num_pieces(), "]");
+  for (size_t c = 0; c < host.size(); ++c) LMTIER_CHECK_ARG(host[c] != 0, "host chunk ", c, " is null");
+  DeviceGuard guard(device_);
+  for (int32_t p = piece_begin; p < piece_end; ++p)
+    for (size_t c = 0; c < host.size(); ++c) copy_piece(CopyDirection::kScatter, slots, host, c, pieces_[p]);
+}
+
 void StagedCopier::run(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host) {
   for (size_t c = 0; c < host.size(); ++c) LMTIER_CHECK_ARG(host[c] != 0, "host chunk ", c, " is null");
-  int prev = -1;
-  LMTIER_CUDA_CHECK(cudaGetDevice(&prev));
-  if (prev != device_) LMTIER_CUDA_CHECK(cudaSetDevice(device_));
+  DeviceGuard guard(device_);
+  for (size_t c = 0; c < host.size(); ++c)
+    for (const Piece& p : pieces_) copy_piece(dir, slots, host, c, p);
+}
+
+StagedCopier::DeviceGuard::DeviceGuard(int device) : device_(device) {
+  LMTIER_CUDA_CHECK(cudaGetDevice(&prev_));
+  if (prev_ != device_) LMTIER_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+StagedCopier::DeviceGuard::~DeviceGuard() {
+  if (prev_ != device_) cudaSetDevice(prev_);
+}
+
+void StagedCopier::copy_piece(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host, size_t c,
+                              const Piece& p) {
   const bool gather = dir == CopyDirection::kGather;
   // The stream that consumes a ring slot last frees it: the copy stream for stores, the kernel
   // stream for loads.
   cudaStream_t producer = gather ? kernel_stream_ : copy_stream_;
   cudaStream_t consumer = gather ? copy_stream_ : kernel_stream_;
-  for (size_t c = 0; c < host.size(); ++c) {
-    for (const Piece& p : pieces_) {
-      const int32_t r = next_;
-      next_ = (next_ + 1) % ring_;
-      const int64_t nbytes = static_cast<int64_t>(p.num_layers) * layer_bytes_;
-      uint8_t* stage = staging_ + r * piece_bytes_;
-      uint8_t* hostp = reinterpret_cast<uint8_t*>(host[c]) + p.first_layer * layer_bytes_;
-      LMTIER_CUDA_CHECK(cudaStreamWaitEvent(producer, free_[r], 0));
-      PagedKVDesc sub = desc_;
-      sub.num_layers = p.num_layers;
-      sub.layer_ptrs = desc_.layer_ptrs + p.first_layer;
-      ChunkBatch b{1, tokens_, slots + static_cast<int64_t>(c) * tokens_, ring_ptrs_ + r};
-      if (gather) {
-        paged_copy_cuda(dir, sub, b, vec_bytes_, 0, nullptr, kernel_stream_);
-      } else {
-        LMTIER_CUDA_CHECK(cudaMemcpyAsync(stage, hostp, nbytes, cudaMemcpyHostToDevice, copy_stream_));
-      }
-      LMTIER_CUDA_CHECK(cudaEventRecord(filled_[r], producer));
-      LMTIER_CUDA_CHECK(cudaStreamWaitEvent(consumer, filled_[r], 0));
-      if (gather) {
-        LMTIER_CUDA_CHECK(cudaMemcpyAsync(hostp, stage, nbytes, cudaMemcpyDeviceToHost, copy_stream_));
-      } else {
-        paged_copy_cuda(dir, sub, b, vec_bytes_, 0, nullptr, kernel_stream_);
-      }
-      LMTIER_CUDA_CHECK(cudaEventRecord(free_[r], consumer));
-    }
+  const int32_t r = next_;
+  next_ = (next_ + 1) % ring_;
+  const int64_t nbytes = static_cast<int64_t>(p.num_layers) * layer_bytes_;
+  uint8_t* stage = staging_ + r * piece_bytes_;
+  uint8_t* hostp = reinterpret_cast<uint8_t*>(host[c]) + p.first_layer * layer_bytes_;
+  LMTIER_CUDA_CHECK(cudaStreamWaitEvent(producer, free_[r], 0));
+  PagedKVDesc sub = desc_;
+  sub.num_layers = p.num_layers;
+  sub.layer_ptrs = desc_.layer_ptrs + p.first_layer;
+  ChunkBatch b{1, tokens_, slots + static_cast<int64_t>(c) * tokens_, ring_ptrs_ + r};
+  if (gather) {
+    paged_copy_cuda(dir, sub, b, vec_bytes_, 0, nullptr, kernel_stream_);
+  } else {
+    LMTIER_CUDA_CHECK(cudaMemcpyAsync(stage, hostp, nbytes, cudaMemcpyHostToDevice, copy_stream_));
   }
-  if (prev != device_) LMTIER_CUDA_CHECK(cudaSetDevice(prev));
+  LMTIER_CUDA_CHECK(cudaEventRecord(filled_[r], producer));
+  LMTIER_CUDA_CHECK(cudaStreamWaitEvent(consumer, filled_[r], 0));
+  if (gather) {
+    LMTIER_CUDA_CHECK(cudaMemcpyAsync(hostp, stage, nbytes, cudaMemcpyDeviceToHost, copy_stream_));
+  } else {
+    paged_copy_cuda(dir, sub, b, vec_bytes_, 0, nullptr, kernel_stream_);
+  }
+  LMTIER_CUDA_CHECK(cudaEventRecord(free_[r], consumer));
 }
 
 }  // namespace lmtier

@@ -135,3 +135,38 @@ class CudaTransferEngine:
         Padding slots (< 0) are not written. Raises ``ValueError`` on bad arguments.
         """
         return self._transfer(False, slot_mapping, host, wait_stream)
+
+    def load_layerwise(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
+                       wait_stream: torch.cuda.Stream | None = None) -> list[torch.cuda.Event]:
+        """Scatter ``C`` pinned host chunks into the cache layer by layer; returns one event per layer.
+
+        Same arguments and checks as :meth:`load`, but the copies are enqueued layer-major (every
+        chunk's piece ``p`` — ``layers_per_piece`` layers — before any chunk's piece ``p + 1``) and an
+        event is recorded after each piece: ``events[l]`` completes once layer ``l`` (and every earlier
+        layer) of every chunk is in the cache, so a forward can wait for layer ``l`` alone
+        (``stream.wait_event(events[l])``, the ``wait_for_layer_load`` pattern) while later layers are
+        still copying. Layers of one piece share an event; ``events[-1]`` completes the whole load.
+        Staged mode only (``ValueError`` in zero-copy mode). ``layers_per_piece=1`` gives one event
+        per layer.
+        """
+        if self.mode != "staged":
+            raise ValueError("load_layerwise needs the staged mode")
+        host = list(host)
+        slots = self._prepare(slot_mapping, host)
+        dev = self.layout.device
+        ready = torch.cuda.Event()
+        ready.record(wait_stream or torch.cuda.current_stream(dev))
+        self.kernel_stream.wait_event(ready)
+        self.copy_stream.wait_event(ready)
+        self.kernel_stream.wait_stream(torch.cuda.current_stream(dev))
+        ptrs = [h.data_ptr() for h in host]
+        cp = self._copier
+        events: list[torch.cuda.Event] = []
+        for p in range(cp.num_pieces):
+            cp.load_pieces(slots.data_ptr(), ptrs, p, p + 1)
+            ev = torch.cuda.Event()
+            ev.record(self.kernel_stream)
+            last = cp.piece_first_layer(p + 1) if p + 1 < cp.num_pieces else self.layout.num_layers
+            events.extend([ev] * (last - cp.piece_first_layer(p)))
+        slots.record_stream(self.kernel_stream)
+        return events

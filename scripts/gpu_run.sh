@@ -2,7 +2,7 @@
 # The one GPU script: build for sm_90, run the `gpu` tests, run the GPU benchmarks, print a short
 # table last. Run on the lent H200 through the device tool from the repo root:
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
-# LMTIER_GPU_STEPS selects steps (default: "tests transfer ttft rans codec"; also "ttftsweep": the
+# LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
 # redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
@@ -12,7 +12,7 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-STEPS=${LMTIER_GPU_STEPS:-tests transfer ttft rans codec}
+STEPS=${LMTIER_GPU_STEPS:-tests transfer layerwise ttft rans codec}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -44,6 +44,10 @@ if has transfer; then
   $PY -m lmtier.bench.transfer --quiet "${bench_args[@]}" --json "$OUT/transfer.json" > "$OUT/bench_transfer.log" 2>&1
   echo "bench transfer rc=$?"
 fi
+if has layerwise; then
+  timeout 300 $PY benchmarks/bench_layerwise.py --json "$OUT/layerwise.json" > "$OUT/bench_layerwise.log" 2>&1
+  echo "bench layerwise rc=$?"
+fi
 if has ttft; then
   timeout 520 $PY -m lmtier.bench.ttft --device cuda --compare-layouts --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/bench_ttft.log" 2>&1
   echo "bench ttft rc=$?"
@@ -66,7 +70,7 @@ if has codec && [ -f benchmarks/bench_codec.py ]; then
 fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_ttft bench_rans bench_codec; do
+for f in bench_transfer bench_layerwise bench_ttft bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings

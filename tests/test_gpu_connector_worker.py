@@ -411,3 +411,101 @@ def test_back_to_back_stores_with_block_reuse(managers):
         for ci, k in enumerate(keys):
             assert torch.equal(_pool_chunk(mgr, k, w.chunk_bytes), bank[i].tokens(src, ci * CHUNK, (ci + 1) * CHUNK)), \
                 f"request {i} chunk {ci}"
+
+
+# ------------------------------------------------------------------------------ layer-by-layer loads
+def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[LoadOp]):
+    """Run ``load_layerwise`` while the compute stream is still busy (a long kernel queued first), then
+    on that stream, per layer: ``wait_layer(l)`` and a snapshot of layer ``l`` (what that layer's
+    attention would read). Returns (failed, snapshots, finish result)."""
+    compute = torch.cuda.Stream()
+    snaps = []
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        failed = w.load_layerwise(ops_)
+        assert w.layerwise_in_flight
+        for layer in range(LAYERS):
+            w.wait_layer(layer)
+            snaps.append(cache.views[layer].clone())
+        busy = compute.query() is False
+    assert busy, "the compute stream finished before the per-layer waits were queued (SLEEP_CYCLES too short)"
+    unsafe = w.finish_layerwise()  # wait_for_save, after the forward
+    torch.cuda.synchronize()
+    return failed, snaps, unsafe
+
+
+@pytest.mark.parametrize("bs,kbs", SPLITS, ids=["block16", "block32-kernel16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_layerwise_load_bit_exact_per_layer(order, dtype, bs, kbs, managers):
+    """Two requests in one layer-by-layer load (one from a start token inside chunk 0, one whose
+    chunk 2 is missing): each layer read on the compute stream right after its ``wait_layer`` holds
+    the loaded data already; the whole cache equals the reference; failed blocks as ``load``."""
+    cache = Cache(order, dtype, bs, kbs, seed=30)
+    w, mgr, rec = _worker(cache, managers)
+    n = 3 * CHUNK
+    ta, tb = _tokens(n, seed=31), _tokens(n, seed=32)
+    src_a, src_b = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("sa", ta, None, 0, src_a))
+    w.store(StoreOp("sb", tb, None, 0, src_b))
+    w.poll_stores(block=True)
+    assert mgr.cpu.delete(chunk_keys(tb, w.ns)[2])
+    # Destinations: a's into b's source blocks, b's into a's (the pool is the source, not the cache).
+    dst_a, dst_b = src_b, src_a
+    start = bs
+    expect = cache.like()
+    expect.scatter_ref(dst_a, start, n, cache.rows(src_a, start, n))
+    expect.scatter_ref(dst_b, 0, 2 * CHUNK, cache.rows(src_b, 0, 2 * CHUNK))
+    torch.cuda.synchronize()
+
+    failed, snaps, unsafe = _layerwise_through_busy_stream(
+        w, cache, [LoadOp("a", ta, None, start, dst_a), LoadOp("b", tb, None, 0, dst_b)])
+    assert failed == {"b": set(dst_b[2 * CHUNK // bs:])}
+    assert unsafe == {}
+    for layer in range(LAYERS):
+        assert _same_bits(snaps[layer], expect.views[layer]), f"layer {layer} read before its copy landed"
+    assert _same_bits(cache.buf, expect.buf)
+    assert rec.stats["layerwise_loads"] == 2 and rec.stats["loaded_chunks"] == 5
+    assert mgr.cpu.num_pinned() == 0 and w.idle()
+
+
+def test_layerwise_load_from_disk_promotes(tmp_path, managers):
+    """A disk hit in a layer-by-layer load: fetched into a reserved pool slot, copied layer by layer,
+    committed to the pool (promotion) only after the copy; bit exact."""
+    cache = Cache("BLHNC", torch.bfloat16, 32, 16, seed=40)
+    ns = _ns(cache.dtype)
+    mgr = TierManager(cpu=_pool(ns), disk=_disk(tmp_path))
+    w, _, rec = _worker(cache, managers, mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=41)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    keys = chunk_keys(toks, ns)
+    w.store(StoreOp("s", toks, None, 0, src))
+    _finish(w, "s")
+    assert mgr.flush(timeout_s=60)
+    mgr.cpu.delete(keys[1])
+    assert mgr.lookup(keys) == ["cpu", "disk"]
+    expect = cache.like()
+    expect.scatter_ref(dst, 0, n, cache.rows(src, 0, n))
+    torch.cuda.synchronize()
+    failed, snaps, unsafe = _layerwise_through_busy_stream(w, cache, [LoadOp("r", toks, None, 0, dst)])
+    assert failed == {} and unsafe == {}
+    for layer in range(LAYERS):
+        assert _same_bits(snaps[layer], expect.views[layer]), f"layer {layer}"
+    assert _same_bits(cache.buf, expect.buf)
+    assert mgr.lookup(keys) == ["cpu", "cpu"], "the disk chunk was not promoted after the copy"
+
+
+def test_layerwise_unwaited_layer_is_reported(managers):
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=50)
+    w, mgr, rec = _worker(cache, managers)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=51)
+    w.store(StoreOp("s", toks, None, 0, _blocks(cache, SRC, n)))
+    w.poll_stores(block=True)
+    dst = _blocks(cache, DST, n)
+    assert w.load_layerwise([LoadOp("r", toks, None, 0, dst)]) == {}
+    for layer in range(LAYERS - 1):
+        w.wait_layer(layer)
+    assert w.finish_layerwise() == {"r": set(dst)}
+    assert mgr.cpu.num_pinned() == 0 and w.idle()

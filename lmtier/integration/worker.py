@@ -25,6 +25,15 @@ Data path:
   block are returned as failed, and nothing is written into them. Asynchronous loads
   (:meth:`start_load` / :meth:`poll_loads`) fetch the same way on a background thread and scatter
   all chunks in one call on the calling thread once every chunk arrived (all or nothing).
+* **Layer-by-layer loads** (:meth:`load_layerwise`, the ``wait_for_layer_load`` pattern): the same
+  chunk planning for every synchronous op of a step, then one layer-major copy of all their ready
+  chunks (CUDA: :meth:`lmtier.transfer.CudaTransferEngine.load_layerwise`, one event per layer);
+  :meth:`wait_layer` makes the current stream wait for one layer, so the forward's layer ``l`` runs
+  while later layers are still crossing PCIe. :meth:`finish_layerwise` (after the forward) waits for
+  the copies, releases the chunks' pool slots and reports the load's blocks as failed when some
+  layer was never waited for (the forward may have read it early; vLLM then recomputes). On a CPU
+  cache the copy completes inside :meth:`load_layerwise` (nothing to overlap), the bookkeeping is
+  the same.
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
   when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
   gathered in one native call and committed, then ``manager.publish`` writes them through to disk /
@@ -128,6 +137,19 @@ class _AsyncLoad:
         self.op, self.future, self.t0, self.cancelled = op, future, t0, False
 
 
+class _LayerwiseLoad:
+    """One step's layer-by-layer load: per-layer events (CUDA; None on CPU), the chunks it holds
+    until the copy completed, and which layers the forward waited for."""
+
+    def __init__(self, parts: list, events: list | None, num_layers: int, t0: float,
+                 timing: tuple[Any, Any] | None) -> None:
+        self.parts = parts  # [(op, ready chunks, key0, pinned copies kept alive until the copy ends)]
+        self.events = events
+        self.waited = [False] * num_layers
+        self.t0 = t0
+        self.timing = timing  # (start, end) CUDA timing events around the copies
+
+
 def _no_faults() -> set[str]:
     return set()
 
@@ -160,7 +182,7 @@ class ConnectorWorker:
             default ``namespace``.
         on_stat: ``on_stat(name, value)`` for counters and latencies (names of
             ``LMTierStats``: ``loaded_chunks``, ``loaded_bytes``, ``load_failures``, ``load_ms``,
-            ``load_lat_s``, ``async_loads``, ``stored_chunks``, ``stored_bytes``, ``store_skipped``,
+            ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``, ``store_skipped``,
             ``store_ms``, ``store_lat_s``).
         on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed (``tier`` is
             ``"cpu"``, or ``"disk"`` without a CPU pool).
@@ -211,6 +233,8 @@ class ConnectorWorker:
 
             self.store_engine = CudaTransferEngine(layout, chunk_size)
             self.load_engine = CudaTransferEngine(layout, chunk_size)
+        self._layer_engine = None  # CudaTransferEngine with one piece per layer (load_layerwise), built on first use
+        self._layerwise: _LayerwiseLoad | None = None
         self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
         self.delayed: set[str] = set()
         self.async_loads: dict[str, _AsyncLoad] = {}
@@ -473,6 +497,138 @@ class ConnectorWorker:
         self._stat("load_lat_s", dt)
         return failed
 
+    # ------------------------------------------------------------------------------ layer-by-layer loads
+    @property
+    def layerwise_in_flight(self) -> bool:
+        """A :meth:`load_layerwise` not yet finished (:meth:`finish_layerwise`)."""
+        return self._layerwise is not None
+
+    def load_layerwise(self, ops_: Iterable[LoadOp]) -> dict[str, set[int]]:
+        """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's).
+
+        Every op's chunks are planned and resolved as in :meth:`load` (pool hits pinned, other
+        chunks fetched on the I/O threads and waited for); an op keeps its chunks up to the first
+        one that cannot be loaded. All kept chunks of all ops are then copied in one layer-major
+        transfer: on a CUDA cache it is queued after the current stream's work and layer ``l`` is
+        ready once :meth:`wait_layer` ``(l)`` returned (on the stream current then); on a CPU cache
+        the copy is done on return. Call :meth:`finish_layerwise` after the forward.
+
+        Returns ``{req_id: failed block ids}`` for the ops that did not load whole (as :meth:`load`:
+        a poisoned op fails from ``start_token``, otherwise from the first chunk that failed); their
+        other chunks still load. A previous layer-by-layer load still in flight is finished first.
+        """
+        if self._layerwise is not None:
+            self.finish_layerwise()
+        t0 = time.perf_counter()
+        failed: dict[str, set[int]] = {}
+        parts: list = []
+        events = timing = None
+        try:
+            for op in ops_:
+                if op.poisoned:
+                    self._stat("load_failures")
+                    failed[op.req_id] = set(op.block_ids[op.start_token // self.block_size:])
+                    continue
+                keys = self.keys(op.token_ids, op.cache_salt)
+                key0 = _lazy(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
+                chunks = self._plan(op, {"load", "load_sync"}, keys)
+                n_ok = 0
+                while n_ok < len(chunks) and self._resolve(chunks[n_ok], block=True):
+                    n_ok += 1
+                for c in chunks[n_ok:]:
+                    self._finish_chunk(c, key0)
+                if n_ok < len(chunks):
+                    failed[op.req_id] = set(self._failed_from(op, chunks[n_ok].ci))
+                    self._stat("load_failures")
+                if n_ok:
+                    parts.append((op, chunks[:n_ok], key0, []))
+            if parts:
+                slots = torch.cat([self.slot_mappings(op.block_ids, [c.ci for c in cs], op.start_token)
+                                   for op, cs, _, _ in parts])
+                srcs = []
+                for _, cs, _, keep in parts:
+                    for c in cs:
+                        src = c.src
+                        if self.is_cuda and not src.is_pinned():
+                            src = src.pin_memory()
+                            keep.append(src)
+                        srcs.append(src)
+                if self.is_cuda:
+                    if self._layer_engine is None:
+                        from lmtier.transfer import CudaTransferEngine
+
+                        self._layer_engine = CudaTransferEngine(self.layout, self.chunk, layers_per_piece=1)
+                    dev = self.layout.device
+                    timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    timing[0].record(torch.cuda.current_stream(dev))
+                    events = self._layer_engine.load_layerwise(slots, srcs)
+                    timing[1].record(self._layer_engine.kernel_stream)
+                else:
+                    ops.scatter(self.layout, slots, srcs)
+                n = sum(len(cs) for _, cs, _, _ in parts)
+                self._stat("layerwise_loads", len(parts))
+                self._stat("loaded_chunks", n)
+                self._stat("loaded_bytes", n * self.chunk_bytes)
+        except Exception:
+            # Planning or queuing failed: every kept chunk fails (on CUDA, whatever was queued is
+            # waited for before the chunks' host memory is released).
+            log.exception("lmtier: layer-by-layer load of %d request(s) failed", len(parts))
+            if self._layer_engine is not None:
+                self._layer_engine.copy_stream.synchronize()
+                self._layer_engine.kernel_stream.synchronize()
+            for op, cs, key0, _ in parts:
+                failed.setdefault(op.req_id, set()).update(self._failed_from(op, cs[0].ci))
+                self._stat("load_failures")
+                for c in cs:
+                    self._finish_chunk(c, key0)
+            return failed
+        if parts:
+            self._layerwise = _LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing)
+        return failed
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait until layer ``layer`` of the in-flight layer-by-layer load
+        is in the cache (CUDA; the host does not block). No-op without one."""
+        lw = self._layerwise
+        if lw is None:
+            return
+        if not 0 <= layer < len(lw.waited):
+            raise IndexError(f"lmtier: layer {layer} outside [0, {len(lw.waited)})")
+        if lw.events is not None:
+            torch.cuda.current_stream(self.layout.device).wait_event(lw.events[layer])
+        lw.waited[layer] = True
+
+    def finish_layerwise(self) -> dict[str, set[int]]:
+        """End the in-flight layer-by-layer load (after the forward): wait for its copies, release
+        its chunks (committing promotions) and record ``load_ms``.
+
+        Returns ``{req_id: blocks it wrote}`` when some layer was never waited for through
+        :meth:`wait_layer` — the forward may have read that layer before its copy landed, so the
+        caller must report those blocks as failed (vLLM recomputes them) — else ``{}`` (also without
+        a load in flight).
+        """
+        lw, self._layerwise = self._layerwise, None
+        if lw is None:
+            return {}
+        if lw.timing is not None:
+            lw.timing[1].synchronize()
+        for op, cs, key0, _ in lw.parts:
+            for c in cs:
+                self._finish_chunk(c, key0)
+        host_ms = (time.perf_counter() - lw.t0) * 1e3
+        copy_ms = lw.timing[0].elapsed_time(lw.timing[1]) if lw.timing is not None else 0.0
+        self._stat("load_ms", copy_ms if lw.timing is not None else host_ms)
+        self._stat("load_lat_s", (copy_ms if lw.timing is not None else host_ms) / 1e3)
+        if all(lw.waited):
+            return {}
+        missed = [i for i, w in enumerate(lw.waited) if not w]
+        log.warning("lmtier: layer-by-layer load: the forward never waited for %d layer(s) (first: %d); "
+                    "its blocks are reported as failed", len(missed), missed[0])
+        out: dict[str, set[int]] = {}
+        for op, cs, _, _ in lw.parts:
+            out.setdefault(op.req_id, set()).update(self._failed_from(op, cs[0].ci))
+        return out
+
     # ------------------------------------------------------------------------------ async loads
     def start_load(self, op: LoadOp) -> None:
         """Start fetching ``op``'s chunks into host memory in the background (see :meth:`poll_loads`)."""
@@ -655,10 +811,11 @@ class ConnectorWorker:
 
     def idle(self) -> bool:
         """No load or store in flight and no held request left."""
-        return not self.async_loads and not self.pending and not self.delayed
+        return not self.async_loads and not self.pending and not self.delayed and self._layerwise is None
 
     def close(self) -> None:
-        """Wait for background loads and CUDA stores (committing the stores). Idempotent."""
+        """Wait for background loads, a layer-by-layer load and CUDA stores (committing the stores). Idempotent."""
+        self.finish_layerwise()
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=True)
         if self._io_pool is not None:

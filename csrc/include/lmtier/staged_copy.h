@@ -33,15 +33,33 @@ class StagedCopier {
   // the data in each direction.
   void store(const int64_t* slot_mapping, const std::vector<uintptr_t>& host_chunks);
   void load(const int64_t* slot_mapping, const std::vector<uintptr_t>& host_chunks);
+  // Layer-major load of pieces [piece_begin, piece_end) of every chunk: piece p of all chunks is
+  // enqueued before piece p + 1 of any, so an event recorded on kernel_stream after the call for
+  // pieces [0, p + 1) completes once layers [0, last layer of piece p] of every chunk are in the
+  // cache (a layer-by-layer load the forward can wait on per layer). Same ordering contract as load.
+  void load_pieces(const int64_t* slot_mapping, const std::vector<uintptr_t>& host_chunks, int32_t piece_begin,
+                   int32_t piece_end);
 
   int64_t chunk_bytes() const { return chunk_bytes_; }
+  int32_t num_pieces() const { return static_cast<int32_t>(pieces_.size()); }
+  // First layer of piece p (pieces are consecutive layer ranges of layers_per_piece layers).
+  int32_t piece_first_layer(int32_t p) const { return pieces_.at(p).first_layer; }
 
  private:
   struct Piece {
     int32_t first_layer;
     int32_t num_layers;
   };
+  struct DeviceGuard {  // makes the copier's device current for one call
+    explicit DeviceGuard(int device);
+    ~DeviceGuard();
+    int device_;
+    int prev_ = -1;
+  };
   void run(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host);
+  // Piece p of chunk c through the next ring slot (store: gather then D2H; load: H2D then scatter).
+  void copy_piece(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host, size_t c,
+                  const Piece& p);
 
   PagedKVDesc desc_;
   int64_t tokens_;

@@ -154,14 +154,15 @@ class LMTierStats(KVConnectorStats):
     Tokens: ``lookup_tokens`` (prompt tokens lmtier was asked about beyond vLLM's own prefix cache,
     per admitted request), ``hit_tokens_{cpu,disk,remote}`` (tokens claimed, by the tier holding the
     chunk at lookup time). Chunks / bytes: ``loaded_*``, ``stored_*``; ``store_skipped`` (already
-    present or no free slot), ``load_failures`` (chunks), ``async_loads`` (requests). Time:
+    present or no free slot), ``load_failures`` (chunks), ``async_loads`` and ``layerwise_loads``
+    (requests loaded in the background / layer by layer). Time:
     ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
     per-request latencies in seconds; at most 256 kept per interval).
     """
 
     FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", "hit_tokens_remote", "lookup_tokens", "loaded_chunks",
               "load_failures", "loaded_bytes", "load_ms", "async_loads", "stored_chunks", "store_skipped",
-              "stored_bytes", "store_ms")
+              "stored_bytes", "store_ms", "layerwise_loads")
     LISTS = ("load_lat_s", "store_lat_s")
 
     def __init__(self, data: dict | None = None):
@@ -395,6 +396,15 @@ class LMTierConnector(KVConnectorBase_V1):
     asynchronous load costs. The first limit applies while the request is the only one the scheduler
     holds (a synchronous read then delays nobody), the second while other requests are running or
     waiting (their forward would wait for the read). 0 loads those disk hits asynchronously.
+    ``layerwise_loads`` (``"auto"`` (default), true or false): synchronous loads are copied layer by
+    layer and the forward waits for each layer in ``wait_for_layer_load``, so the copies of later
+    layers overlap the forward of earlier ones (benchmarks/RESULTS.md). true: on any device, and
+    vLLM is asked for PIECEWISE CUDA graphs (:meth:`requires_piecewise_for_cudagraph`: a replayed
+    full graph would skip the per-layer waits); "auto": on a CUDA cache when vLLM's CUDA graph mode
+    has no full graphs (PIECEWISE, or eager), else loads complete before the forward — as always
+    on the CPU, where copies and forward share the cores. If a forward never waits for some layer,
+    the step's layer-by-layer loads are reported as failed (vLLM recomputes them) and the worker
+    goes back to loading before the forward.
     """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -406,6 +416,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self.async_loads = bool(self._kv_transfer_config.get_from_extra_config("async_loads", True))
         self.sync_disk_load_bytes = self._mib_option("sync_disk_load_mib", DEFAULT_SYNC_DISK_LOAD_MIB)
         self.sync_disk_load_busy_bytes = self._mib_option("sync_disk_load_busy_mib", 0.0)
+        self._layerwise_opt = self._layerwise_option()
 
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -497,6 +508,24 @@ class LMTierConnector(KVConnectorBase_V1):
         log.info("lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, async loads %s",
                  role.name, self.ns.digest().hex()[:16], self.chunk, self.manager.cpu is not None,
                  self.manager.disk is not None, self.manager.remote is not None, self.async_loads)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict | None) -> bool:
+        """True when ``layerwise_loads`` is explicitly true: the per-layer waits must run between
+        CUDA graph pieces (a replayed full graph skips them)."""
+        raw = (extra_config or {}).get("layerwise_loads", "auto")
+        return raw is True or (isinstance(raw, str) and raw.lower() == "true")
+
+    def _layerwise_option(self) -> bool | None:
+        """``layerwise_loads``: True / False, or None for "auto" (decided by the cache's device)."""
+        raw = self._kv_transfer_config.get_from_extra_config("layerwise_loads", "auto")
+        if raw is None or raw == "auto":
+            return None
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
+        raise ValueError(f"lmtier: kv_connector_extra_config layerwise_loads={raw!r}: must be \"auto\", true or false")
 
     def _mib_option(self, key: str, default: float) -> int:
         """A ``kv_connector_extra_config`` size in MiB (a number >= 0), in bytes."""
@@ -759,6 +788,14 @@ class LMTierConnector(KVConnectorBase_V1):
         self.worker = ConnectorWorker(self.layout, self.manager, chunk_size=self.chunk, block_size=self.block_size,
                                       namespace=self.ns, index_namespace=self._ns0, on_stat=self._stat,
                                       on_stored=self._note_stored, faults=_faults)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        if self._layerwise_opt is None:
+            cg = getattr(getattr(self._vllm_config, "compilation_config", None), "cudagraph_mode", None)
+            full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
+            self._layerwise = dev.type == "cuda" and not full_graphs
+        else:
+            self._layerwise = self._layerwise_opt
+        log.info("lmtier: synchronous loads %s", "layer by layer" if self._layerwise else "before the forward")
         log.info("lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB",
                  self.layout.num_layers, kind, self.layout.num_blocks, self.layout.block_size, dev,
                  self.worker.chunk_bytes / 2**20)
@@ -790,26 +827,57 @@ class LMTierConnector(KVConnectorBase_V1):
         self.worker._fetch = fn
 
     def start_load_kv(self, forward_context, **kwargs):
-        """Run this step's synchronous loads (before the forward) and start its async loads.
+        """Run this step's synchronous loads and start its async loads.
 
-        A request whose sync load failed is remembered for this step: its forward runs over the
-        blocks that were not loaded (vLLM discards that step's result and recomputes), so
-        :meth:`wait_for_save` must not store what that forward computed."""
+        Synchronous loads complete here, before the forward, or — layer by layer
+        (``layerwise_loads``) — are queued here and waited for per layer in
+        :meth:`wait_for_layer_load`. A request whose sync load failed is remembered for this step:
+        its forward runs over the blocks that were not loaded (vLLM discards that step's result and
+        recomputes), so :meth:`wait_for_save` must not store what that forward computed."""
         self._failed_load_reqs = set()
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads or self.worker is None:
             return
+        sync_ops = []
         for op in meta.loads:
             if op.is_async:  # a poisoned one fails at once and is reported in failed_recving
                 self.worker.start_load(op)
             else:
-                failed = self.worker.load(op)
-                if failed:
-                    self._failed_blocks.update(failed)
-                    self._failed_load_reqs.add(op.req_id)
+                sync_ops.append(op)
+        if self._layerwise and sync_ops:
+            self._note_load_failures(self.worker.load_layerwise(sync_ops))
+            return
+        for op in sync_ops:
+            self._note_load_failures({op.req_id: self.worker.load(op)})
+
+    def _note_load_failures(self, failed: dict[str, set[int]]) -> None:
+        for rid, blocks in failed.items():
+            if blocks:
+                self._failed_blocks.update(blocks)
+                self._failed_load_reqs.add(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward
+        """Before layer ``layer_name``'s attention: the current stream waits until that layer of this
+        step's layer-by-layer load is in the cache (no-op when loads complete in start_load_kv)."""
+        if self.worker is None or not self.worker.layerwise_in_flight:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is not None:
+            self.worker.wait_layer(i)
+
+    def _finish_layerwise(self) -> None:
+        """After the forward: end this step's layer-by-layer load; if the forward skipped waiting for
+        some layer, report the load's blocks as failed (recomputed) and load before the forward from
+        now on."""
+        if self.worker is None or not self.worker.layerwise_in_flight:
+            return
+        unsafe = self.worker.finish_layerwise()
+        if unsafe:
+            log.warning("lmtier: the forward did not call wait_for_layer_load for every layer; loading before "
+                        "the forward from now on (layerwise_loads off)")
+            self._layerwise = False
+            self._stat("load_failures", len(unsafe))
+            self._note_load_failures(unsafe)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         return  # stores run once per step in wait_for_save, after every layer wrote its KV
@@ -818,6 +886,7 @@ class LMTierConnector(KVConnectorBase_V1):
         """Store this step's chunks — except those of requests whose sync load failed in this step:
         their tokens were computed attending to blocks that hold stale KV (the scheduler plans
         those stores again for the recomputation)."""
+        self._finish_layerwise()
         tainted, self._failed_load_reqs = self._failed_load_reqs, set()
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.stores or self.worker is None:
