@@ -44,12 +44,15 @@ class CudaTransferEngine:
         ring: staging ring slots (pieces in flight), >= 2.
         mode: "staged" (default) or "zerocopy".
         zerocopy_max_ctas: grid cap for the zero-copy kernel (limits SMs held on PCIe).
+        priority: CUDA priority of the engine's two streams (0: normal; lower numbers are higher,
+            values beyond the device's range are clamped to it by torch). A high priority lets the gather/scatter
+            kernels take SMs ahead of a running forward's queued blocks (layer-by-layer loads).
 
     Device memory: ``ring * layers_per_piece * layout.chunk_bytes(T) / num_layers`` bytes of staging.
     """
 
     def __init__(self, layout: KVLayout, tokens_per_chunk: int, *, layers_per_piece: int | None = None,
-                 ring: int = 3, mode: str = "staged", zerocopy_max_ctas: int = 32) -> None:
+                 ring: int = 3, mode: str = "staged", zerocopy_max_ctas: int = 32, priority: int = 0) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaTransferEngine needs a CUDA cache, got {layout.device}")
         if mode not in MODES:
@@ -68,8 +71,8 @@ class CudaTransferEngine:
         self.mode = mode
         self.zerocopy_max_ctas = zerocopy_max_ctas
         dev = layout.device
-        self.kernel_stream = torch.cuda.Stream(dev)
-        self.copy_stream = torch.cuda.Stream(dev)
+        self.kernel_stream = torch.cuda.Stream(dev, priority=priority)
+        self.copy_stream = torch.cuda.Stream(dev, priority=priority)
         self._copier = None
         if mode == "staged":
             layer_t = layout.layer_ptr_tensor(dev)

@@ -97,11 +97,12 @@ def test_load_layerwise_events_per_layer(order, lpp):
     for i, h in enumerate(host):
         h.copy_(torch.randint(0, 256, h.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(i)))
     eng = CudaTransferEngine(layout, T, layers_per_piece=lpp)
+    buf.view(torch.int16).fill_(-1)
     expect = buf.clone()
     eng_ref = CudaTransferEngine(KVLayout.from_layer_views(_views_of(expect, order, layers), kind="kv"), T)
     eng_ref.load(slots, host).synchronize()
+    assert not torch.equal(expect.view(torch.int16), buf.view(torch.int16))
 
-    buf.view(torch.int16).fill_(-1)
     consumer = torch.cuda.Stream()
     torch.cuda._sleep(50_000_000)  # the current stream is busy; the load must wait for it
     events = eng.load_layerwise(slots, host)

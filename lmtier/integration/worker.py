@@ -191,6 +191,9 @@ class ConnectorWorker:
         load_threads: background threads coordinating asynchronous loads (created on first use).
         io_threads: threads fetching chunks from disk/remote, one chunk each, so several reads are
             in flight per load (created on first use).
+        layer_stream_priority: CUDA stream priority of the layer-by-layer load's copies (None: the
+            highest the device offers, so the scatter kernels are not starved by the forward they
+            overlap; see benchmarks/bench_layerwise.py).
 
     Raises:
         ValueError: the cache's chunk size in bytes differs from the namespace's, or sizes are invalid.
@@ -205,7 +208,7 @@ class ConnectorWorker:
                  on_stat: Callable[[str, float], None] | None = None,
                  on_stored: Callable[[bytes, bytes, str], None] | None = None,
                  faults: Callable[[], set[str]] | None = None, load_threads: int = 2,
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, layer_stream_priority: int | None = None) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
         if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
@@ -234,6 +237,7 @@ class ConnectorWorker:
             self.store_engine = CudaTransferEngine(layout, chunk_size)
             self.load_engine = CudaTransferEngine(layout, chunk_size)
         self._layer_engine = None  # CudaTransferEngine with one piece per layer (load_layerwise), built on first use
+        self._layer_priority = layer_stream_priority
         self._layerwise: _LayerwiseLoad | None = None
         self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
         self.delayed: set[str] = set()
@@ -557,7 +561,10 @@ class ConnectorWorker:
                     if self._layer_engine is None:
                         from lmtier.transfer import CudaTransferEngine
 
-                        self._layer_engine = CudaTransferEngine(self.layout, self.chunk, layers_per_piece=1)
+                        # None: -64, which torch clamps to the device's highest stream priority
+                        prio = -64 if self._layer_priority is None else self._layer_priority
+                        self._layer_engine = CudaTransferEngine(self.layout, self.chunk, layers_per_piece=1,
+                                                                priority=prio)
                     dev = self.layout.device
                     timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     timing[0].record(torch.cuda.current_stream(dev))
