@@ -9,9 +9,8 @@ end), median of ``--iters``:
   ``start_load_kv`` does with ``layerwise_loads`` off), then the forward;
 * ``layerwise`` — ``ConnectorWorker.load_layerwise`` + per layer ``wait_layer(l)`` right before layer
   ``l``'s attention (``wait_for_layer_load``), ``finish_layerwise`` after the forward;
-* ``layerwise_prio0`` — the same with the copies' streams at normal priority (the shipped default
-  gives them the highest, so their scatter kernels are not queued behind the forward's blocks);
-  ``layerwise_lpp4`` — high priority, but one event per 4 layers (fewer, larger copies);
+* ``lw_P:Q`` (``--variants``) — layer by layer with ``P`` layers per event and stream priority ``Q``
+  (the shipped default: ``num_layers // 8`` layers per event, the highest priority);
 * ``forward``   — the forward alone, KV resident (the floor); ``load`` — ``ConnectorWorker.load`` alone;
   ``memcpy``    — one contiguous pinned host-to-device copy of the same bytes (the link's ceiling).
 
@@ -64,10 +63,14 @@ class Decoder:
         mk = lambda *s: (torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) * 0.02)  # noqa: E731
         self.w = [(mk(hid, (hq + 2 * hkv) * d), mk(hq * d, hid), mk(hid, 2 * inter), mk(inter, hid)) for _ in range(L)]
 
+    @staticmethod
+    def norm(x: torch.Tensor) -> torch.Tensor:  # RMSNorm without a weight (keeps 32 random layers finite)
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
+
     def layer(self, l: int, x: torch.Tensor, blocks: torch.Tensor, n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         wqkv, wo, wgu, wd = self.w[l]
         q_len = x.shape[0]
-        qkv = x @ wqkv
+        qkv = self.norm(x) @ wqkv
         q = qkv[:, : self.hq * self.d].view(q_len, self.hq, self.d).transpose(0, 1)
         # the cached context: this layer's [B, H, N, 2D] view at the request's blocks
         kv = self.views[l].index_select(0, blocks)  # [nb, H, N, 2D]
@@ -76,7 +79,7 @@ class Decoder:
         v = kv[..., self.d:].repeat_interleave(self.hq // self.hkv, 0)
         att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)).squeeze(0)
         h = x + att.transpose(0, 1).reshape(q_len, -1) @ wo
-        gu = h @ wgu
+        gu = self.norm(h) @ wgu
         gate, up = gu.chunk(2, dim=-1)
         return h + (F.silu(gate) * up) @ wd, att
 
@@ -193,13 +196,15 @@ def run(args) -> dict:
         row["load_ms"] = timed(t_load, poison)
         row["sync_ms"] = timed(t_sync, poison)
         row["layerwise_ms"] = timed(t_layerwise, poison)
-        if cuda:  # the same with the copies' streams at normal priority (what the default replaces)
-            hi = w._layer_engine
-            w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=1, priority=0)
-            row["layerwise_prio0_ms"] = timed(t_layerwise, poison)
-            w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=4, priority=-64)
-            row["layerwise_lpp4_ms"] = timed(t_layerwise, poison)
-            w._layer_engine = hi
+        if cuda:  # other layer-engine settings (layers per event, stream priority) than the default
+            shipped = w._layer_engine
+            for name in args.variants.split(","):
+                if not name:
+                    continue
+                lpp, prio = (int(v) for v in name.split(":"))
+                w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=lpp, priority=prio)
+                row[f"lw_{lpp}:{prio}_ms"] = timed(t_layerwise, poison)
+            w._layer_engine = shipped
         row["ideal_ms"] = max(row["memcpy_ms"], row["forward_ms"])
         row["layerwise/sync"] = row["layerwise_ms"] / row["sync_ms"]
         row["load_pct_memcpy"] = 100 * row["memcpy_ms"] / row["load_ms"]
@@ -225,13 +230,16 @@ def main() -> None:
     p.add_argument("--order", default="LBNHC", choices=["LBNHC", "BLHNC"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--variants", default="1:0,1:-64,2:-64,4:0,4:-64,8:-64",
+                   help="extra layer-by-layer settings to time, comma-separated LAYERS_PER_EVENT:STREAM_PRIORITY")
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: running on the CPU (a smoke run; nothing overlaps there)")
     res = run(args)
-    print_table(res["rows"], ["N", "MiB", "memcpy_ms", "load_ms", "forward_ms", "sync_ms", "layerwise_ms",
-                              "layerwise_prio0_ms", "layerwise_lpp4_ms", "ideal_ms", "layerwise/sync", "bit_exact"])
+    extra = [k for k in res["rows"][0] if k.startswith("lw_")] if res["rows"] else []
+    print_table(res["rows"], ["N", "MiB", "memcpy_ms", "load_ms", "forward_ms", "sync_ms", "layerwise_ms", *extra,
+                              "ideal_ms", "layerwise/sync", "bit_exact"])
     write_json(args.json, res)
 
 

@@ -194,6 +194,10 @@ class ConnectorWorker:
         layer_stream_priority: CUDA stream priority of the layer-by-layer load's copies (None: the
             highest the device offers, so the scatter kernels are not starved by the forward they
             overlap; see benchmarks/bench_layerwise.py).
+        layers_per_wait: layers per event of a layer-by-layer load on CUDA (the forward's layer ``l``
+            waits for its group of layers; default ``max(1, num_layers // 8)``: fewer, larger
+            copies — one layer per event pays a per-copy cost that outweighs the finer overlap,
+            benchmarks/RESULTS.md).
 
     Raises:
         ValueError: the cache's chunk size in bytes differs from the namespace's, or sizes are invalid.
@@ -208,7 +212,8 @@ class ConnectorWorker:
                  on_stat: Callable[[str, float], None] | None = None,
                  on_stored: Callable[[bytes, bytes, str], None] | None = None,
                  faults: Callable[[], set[str]] | None = None, load_threads: int = 2,
-                 io_threads: int = 4, layer_stream_priority: int | None = None) -> None:
+                 io_threads: int = 4, layer_stream_priority: int | None = None,
+                 layers_per_wait: int | None = None) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
         if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
@@ -236,8 +241,11 @@ class ConnectorWorker:
 
             self.store_engine = CudaTransferEngine(layout, chunk_size)
             self.load_engine = CudaTransferEngine(layout, chunk_size)
-        self._layer_engine = None  # CudaTransferEngine with one piece per layer (load_layerwise), built on first use
+        self._layer_engine = None  # CudaTransferEngine of load_layerwise (one event per piece), built on first use
         self._layer_priority = layer_stream_priority
+        self._layers_per_wait = layers_per_wait or max(1, layout.num_layers // 8)
+        if not 1 <= self._layers_per_wait <= layout.num_layers:
+            raise ValueError(f"lmtier: layers_per_wait must be in [1, {layout.num_layers}], got {layers_per_wait}")
         self._layerwise: _LayerwiseLoad | None = None
         self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
         self.delayed: set[str] = set()
@@ -563,8 +571,8 @@ class ConnectorWorker:
 
                         # None: -64, which torch clamps to the device's highest stream priority
                         prio = -64 if self._layer_priority is None else self._layer_priority
-                        self._layer_engine = CudaTransferEngine(self.layout, self.chunk, layers_per_piece=1,
-                                                                priority=prio)
+                        self._layer_engine = CudaTransferEngine(self.layout, self.chunk,
+                                                                layers_per_piece=self._layers_per_wait, priority=prio)
                     dev = self.layout.device
                     timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     timing[0].record(torch.cuda.current_stream(dev))
