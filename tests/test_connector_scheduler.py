@@ -60,7 +60,7 @@ class Harness:
     """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
-                 max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1):
+                 max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1, skip_layer_waits=()):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -115,6 +115,7 @@ class Harness:
         self.lookups: list[tuple[str, int, tuple]] = []  # (req, num_computed_tokens, result)
         self.bad_steps: list[tuple[int, str]] = []
         self.steps = 0
+        self.skip_layer_waits = set(skip_layer_waits)  # layers whose wait_for_layer_load the fake forward skips
         orig = self.conn.get_num_new_matched_tokens
 
         def spy(request, num_computed_tokens):
@@ -177,6 +178,9 @@ class Harness:
         w.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
             w.start_load_kv(None)
+        for layer in range(LAYERS):  # vLLM's attention layers call this before reading their KV
+            if layer not in self.skip_layer_waits:
+                w.wait_for_layer_load(f"l{layer}")
         sched_reqs = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
         c = out.scheduled_cached_reqs
         sched_reqs += list(zip(c.req_ids, c.num_computed_tokens))
@@ -194,6 +198,7 @@ class Harness:
                 self._write(*self._slot(blocks, t), hs[t])
             end = computed + n
             sampled.append([VOCAB_BASE + hs[end - 1] % 1000] if end >= req.num_tokens else [])
+        w.finish_forward()  # vLLM 0.33; 0.32 ends a layer-by-layer load in wait_for_save
         if not out.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
@@ -541,3 +546,60 @@ def test_lone_small_disk_hit_loads_synchronously(make):
 def test_bad_sync_disk_load_option_is_clear_error(make, bad):
     with pytest.raises(ValueError, match="sync_disk_load_mib.*finite number >= 0"):
         make(extra={"sync_disk_load_mib": bad})
+
+
+# ---------------------------------------------------------------------------------------- layer by layer
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
+def test_layerwise_loads_boundaries(make, split):
+    """``layerwise_loads: true``: CPU hits at chunk/block boundaries +- 1 load layer by layer (the fake
+    forward waits per layer), outputs equal the cold run's, nothing leaks."""
+    h = make(split=split, extra={"layerwise_loads": True})
+    assert h.worker._layerwise
+    cold = {n: h.add(prompt(n, n)) for n in LENGTHS}
+    h.run()
+    warm = {n: h.add(prompt(n, n)) for n in LENGTHS}
+    h.run()
+    for n in LENGTHS:
+        assert h.outputs[warm[n]] == h.outputs[cold[n]], n
+    from lmtier.integration.vllm import connector as conn
+
+    assert conn.process_totals()["layerwise_loads"] >= sum(1 for n in LENGTHS if hit_of(n))
+    assert h.worker._layerwise, "switched off although every layer was waited for"
+    h.check_clean()
+
+
+def test_layerwise_skipped_wait_recomputes_and_falls_back(make):
+    """A forward that never waits for one layer (e.g. a replayed full CUDA graph): the step's
+    layer-by-layer loads are reported as invalid blocks (vLLM recomputes them, the output is
+    unchanged) and the connector loads before the forward from then on."""
+    h = make(extra={"layerwise_loads": True}, skip_layer_waits={LAYERS - 1})
+    ps = [prompt(60 + i, n) for i, n in enumerate((40, 65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    warm = [h.add(p) for p in ps]
+    h.run()
+    for c, w in zip(cold, warm):
+        assert h.outputs[w] == h.outputs[c]
+    assert not h.worker._layerwise, "still loading layer by layer after a skipped wait"
+    h.check_clean()
+    again = [h.add(p) for p in ps]
+    h.run()
+    for c, a in zip(cold, again):
+        assert h.outputs[a] == h.outputs[c]
+    h.check_clean()
+
+
+def test_bad_layerwise_option_is_clear_error(make):
+    with pytest.raises(ValueError, match="layerwise_loads"):
+        make(extra={"layerwise_loads": "sometimes"})
+
+
+def test_requires_piecewise_only_when_forced():
+    require_vllm()
+    from lmtier.integration.vllm.connector import LMTierConnector
+
+    assert LMTierConnector.requires_piecewise_for_cudagraph({"layerwise_loads": True})
+    assert LMTierConnector.requires_piecewise_for_cudagraph({"layerwise_loads": "true"})
+    assert not LMTierConnector.requires_piecewise_for_cudagraph({})
+    assert not LMTierConnector.requires_piecewise_for_cudagraph({"layerwise_loads": "auto"})
+    assert not LMTierConnector.requires_piecewise_for_cudagraph({"layerwise_loads": False})

@@ -865,6 +865,25 @@ class LMTierConnector(KVConnectorBase_V1):
         if i is not None:
             self.worker.wait_layer(i)
 
+    def finish_forward(self) -> None:
+        """(vLLM >= 0.33, called right after the forward.) The model no longer reads this step's KV:
+        end the step's layer-by-layer load here, so a skipped per-layer wait is reported with this
+        step's invalid blocks even when vLLM defers ``wait_for_save`` past collecting them."""
+        self._finish_layerwise()
+
+    def unregister_kv_caches(self) -> None:
+        """(vLLM >= 0.33 sleep mode, before the KV cache memory is released.) Finish every copy that
+        touches the cache: a layer-by-layer load and the CUDA stores (committed). Loads in the
+        background touch the cache only in ``get_transfer_results``, which runs no more until wake-up."""
+        if self.worker is not None:
+            self._finish_layerwise()
+            self.worker.poll_stores(block=True)
+
+    def restore_kv_caches(self) -> None:
+        """(vLLM >= 0.33, after wake-up.) Nothing to redo: sleep mode maps the KV cache back at the
+        same virtual addresses, which are what lmtier's layout holds."""
+        return
+
     def _finish_layerwise(self) -> None:
         """After the forward: end this step's layer-by-layer load; if the forward skipped waiting for
         some layer, report the load's blocks as failed (recomputed) and load before the forward from
