@@ -9,8 +9,9 @@ end), median of ``--iters``:
   ``start_load_kv`` does with ``layerwise_loads`` off), then the forward;
 * ``layerwise`` — ``ConnectorWorker.load_layerwise`` + per layer ``wait_layer(l)`` right before layer
   ``l``'s attention (``wait_for_layer_load``), ``finish_layerwise`` after the forward;
-* ``lw_P:Q`` (``--variants``) — layer by layer with ``P`` layers per event and stream priority ``Q``
-  (the shipped default: ``num_layers // 8`` layers per event, the highest priority);
+* ``lw_P:Q[:R]`` (``--variants``) — layer by layer with ``P`` layers per event, stream priority ``Q``
+  and ``R`` staging ring slots (the shipped default: ``num_layers // 8`` layers per event, the
+  highest priority, the worker's ring);
 * ``forward``   — the forward alone, KV resident (the floor); ``load`` — ``ConnectorWorker.load`` alone;
   ``memcpy``    — one contiguous pinned host-to-device copy of the same bytes (the link's ceiling).
 
@@ -201,9 +202,9 @@ def run(args) -> dict:
             for name in args.variants.split(","):
                 if not name:
                     continue
-                lpp, prio = (int(v) for v in name.split(":"))
-                w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=lpp, priority=prio)
-                row[f"lw_{lpp}:{prio}_ms"] = timed(t_layerwise, poison)
+                lpp, prio, ring = ([int(v) for v in name.split(":")] + [3])[:3]
+                w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=lpp, priority=prio, ring=ring)
+                row[f"lw_{name}_ms"] = timed(t_layerwise, poison)
             w._layer_engine = shipped
         row["ideal_ms"] = max(row["memcpy_ms"], row["forward_ms"])
         row["layerwise/sync"] = row["layerwise_ms"] / row["sync_ms"]
@@ -230,8 +231,9 @@ def main() -> None:
     p.add_argument("--order", default="LBNHC", choices=["LBNHC", "BLHNC"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--variants", default="1:0,1:-64,2:-64,4:0,4:-64,8:-64",
-                   help="extra layer-by-layer settings to time, comma-separated LAYERS_PER_EVENT:STREAM_PRIORITY")
+    p.add_argument("--variants", default="2:-64,4:0,8:-64,4:-64:8,4:-64:16,2:-64:16",
+                   help="extra layer-by-layer settings to time, comma-separated "
+                        "LAYERS_PER_EVENT:STREAM_PRIORITY[:RING_SLOTS] (ring default 3)")
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
