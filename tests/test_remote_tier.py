@@ -686,6 +686,56 @@ def test_direct_reads_real_server_killed_mid_get(redis_server):
     assert t.counters["errors"] >= 1
 
 
+class _TrickleServer(_FakeServer):
+    """Answers a record read with the complete reply, ``step`` bytes every ``gap_s`` (each gap well
+    inside the client's socket timeout)."""
+
+    step, gap_s = 256, 0.02
+
+    def _answer(self, c, cmd: list, state: dict) -> bool:
+        if cmd[0].upper() != b"EXISTS":
+            return super()._answer(c, cmd, state)
+        for o in range(0, len(self.reply), self.step):
+            if self.stop.wait(self.gap_s):
+                return True
+            c.sendall(self.reply[o : o + self.step])
+        return False
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "parser"])
+def test_trickling_server_hits_the_read_deadline(direct):
+    """A server that sends a byte stream just inside the socket timeout: without an overall deadline
+    one read could take forever; with ``min_read_bytes_per_s`` it is a miss once
+    ``4 * timeout_s + bytes / rate`` has passed. Control: a low enough rate lets the same reply verify."""
+    n = 4 * PIECE
+    timeout = 0.2
+    for rate, expect_hit in ((1e6, False), (1e3, True)):
+        srv = _TrickleServer(_fake_reply(n, 10**9), "hang")
+        total_s = len(srv.reply) / srv.step * srv.gap_s
+        try:
+            t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout,
+                          connect_timeout_s=timeout, direct_reads=direct, min_read_bytes_per_s=rate)
+            out = bytearray(n)
+            t0 = time.monotonic()
+            got = t.get_into(key(1), out)
+            dt = time.monotonic() - t0
+            if expect_hit:
+                assert got == n and bytes(out) == payload(5, n), "the control read should verify"
+            else:
+                deadline = 4 * timeout + n / rate
+                assert deadline < total_s * 0.8, "test set-up: the trickle must outlast the deadline"
+                assert got is None and t.counters["errors"] >= 1
+                assert dt < deadline + 2 * timeout + 0.3, f"read took {dt:.2f} s, deadline {deadline:.2f} s"
+            t.close()
+        finally:
+            srv.close()
+
+
+def test_min_read_rate_must_be_positive():
+    with pytest.raises(ValueError, match="min_read_bytes_per_s"):
+        RedisTier("redis://127.0.0.1:1/0", min_read_bytes_per_s=0)
+
+
 class _Resp3PushServer(_FakeServer):
     """Like _FakeServer, but speaks RESP3 to a client that negotiated it (``HELLO 3``, redis-py 8's
     default, which then subscribes to maintenance notifications) and, as Redis Enterprise/Cloud do

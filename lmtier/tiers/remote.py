@@ -385,20 +385,25 @@ class _SocketReplies:
     ``recv_into`` straight into its destination (exact byte counts, so nothing past the reply is
     consumed). redis-py's parser is never used for these replies, so its buffer stays empty and
     the connection can go back to the pool once every reply was consumed (:meth:`drained`); on
-    any exception the caller disconnects it. Every ``recv_into`` runs under the socket's timeout.
+    any exception the caller disconnects it. Every ``recv_into`` runs under the socket's timeout,
+    and none starts after ``deadline`` (``time.monotonic()`` seconds; a server that trickles bytes
+    just inside the socket timeout cannot hold a read forever).
     """
 
     SCRATCH = 16 << 10
     MAX_LINE = 4096
 
-    def __init__(self, sock, parse_error=None) -> None:
+    def __init__(self, sock, parse_error=None, deadline: float | None = None) -> None:
         self.sock = sock
         self.parse_error = parse_error  # redis-py's mapping of "-ERR ..." to exception classes
+        self.deadline = deadline
         self.buf = bytearray(self.SCRATCH)
         self.mv = memoryview(self.buf)
         self.r = self.w = 0
 
     def _recv(self, dst: memoryview) -> int:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise redis.exceptions.TimeoutError("read deadline passed (the server sends too slowly)")
         n = self.sock.recv_into(dst)
         if n == 0:
             raise redis.exceptions.ConnectionError("connection closed by the server mid-reply")
@@ -475,9 +480,10 @@ class _SocketReplies:
         return self.r == self.w
 
 
-def _read_record_direct(conn, cmds: list[tuple], reader: _RecordReader) -> None:
+def _read_record_direct(conn, cmds: list[tuple], reader: _RecordReader, deadline: float | None = None) -> None:
     """Send ``cmds`` (EXISTS, STRLEN, GETRANGE pieces) on the redis-py connection ``conn`` and feed
-    their replies to ``reader``, the pieces' payload bytes received straight into its ``out``.
+    their replies to ``reader``, the pieces' payload bytes received straight into its ``out``;
+    no receive starts after ``deadline`` (``time.monotonic()`` seconds, None: no deadline).
 
     Raises:
         redis.exceptions.ResponseError: the server answered an error (e.g. WRONGTYPE).
@@ -488,7 +494,7 @@ def _read_record_direct(conn, cmds: list[tuple], reader: _RecordReader) -> None:
     sock = conn._sock  # connected by send_packed_command; redis-py's parser has nothing buffered
     if sock is None:
         raise redis.exceptions.ConnectionError("connection lost")
-    rd = _SocketReplies(sock, getattr(conn._parser, "parse_error", None))
+    rd = _SocketReplies(sock, getattr(conn._parser, "parse_error", None), deadline)
     reader.feed(rd.integer())  # EXISTS
     reader.feed(rd.integer())  # STRLEN
     for i in range(2, len(cmds)):
@@ -549,6 +555,11 @@ class RedisTier(Tier):
             instead of through redis-py's reply parser (which builds a ``bytes`` per piece that is
             then copied). Same commands, same checks; False restores the parser path (kept for
             comparison in benchmarks/bench_remote.py). Redis Cluster always uses redis-py.
+        min_read_bytes_per_s: a single-instance read must average at least this rate: it fails
+            (a miss, counted by the breaker) once ``4 * timeout_s + bytes / min_read_bytes_per_s``
+            seconds have passed — the socket timeout alone bounds each receive, not a server that
+            trickles a byte per timeout. Checked before every receive (direct reads) or reply
+            (parser path).
 
     Raises:
         ValueError: malformed URL/arguments. TierError: authentication rejected by the server.
@@ -579,6 +590,7 @@ class RedisTier(Tier):
         namespace: bytes = bytes(16),
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         direct_reads: bool = True,
+        min_read_bytes_per_s: float = 10e6,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("RedisTier: timeouts must be > 0")
@@ -588,6 +600,8 @@ class RedisTier(Tier):
             raise ValueError(f"RedisTier: max_connections must be >= 1, got {max_connections}")
         if piece_bytes < 4096:
             raise ValueError(f"RedisTier: piece_bytes must be >= 4096, got {piece_bytes}")
+        if not min_read_bytes_per_s > 0:
+            raise ValueError(f"RedisTier: min_read_bytes_per_s must be > 0, got {min_read_bytes_per_s}")
         probe = key_prefix.encode() + bytes(KEY_BYTES).hex().encode()
         if redis.crc.key_slot(_tmp_name(probe)) != redis.crc.key_slot(probe):
             raise ValueError(f"RedisTier: key_prefix {key_prefix!r} has braces that are no hash tag; a temporary "
@@ -603,6 +617,7 @@ class RedisTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.piece_bytes = piece_bytes
         self.direct_reads = bool(direct_reads)
+        self.min_read_bytes_per_s = float(min_read_bytes_per_s)
         self._meta = rec.RecordMeta(namespace=bytes(namespace))
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self.counters: collections.Counter = collections.Counter()
@@ -812,14 +827,17 @@ class RedisTier(Tier):
             # arrives (only one piece-sized bytes object alive at a time).
             pool = client.connection_pool
             conn = pool.get_connection()
+            deadline = time.monotonic() + 4 * self.timeout_s + cap / self.min_read_bytes_per_s
             try:
                 # Direct reads use redis-py's connection internals (``_sock``, ``_parser``, present in
                 # redis-py 5 to 8); a connection class without them takes the parser path.
                 if self.direct_reads and hasattr(conn, "_sock") and hasattr(conn, "_parser"):
-                    _read_record_direct(conn, cmds, reader)
+                    _read_record_direct(conn, cmds, reader, deadline)
                 else:
                     conn.send_packed_command(conn.pack_commands(cmds))
                     for _ in cmds:
+                        if time.monotonic() > deadline:
+                            raise redis.exceptions.TimeoutError("read deadline passed (the server sends too slowly)")
                         reader.feed(conn.read_response())
             except BaseException:
                 conn.disconnect()  # replies may be left unread: never reuse this connection
