@@ -340,8 +340,8 @@ def test_torn_read_is_reread_atomically(redis_server, monkeypatch, direct):
     if direct:  # the pieces go straight from the socket into out: tear piece 0's payload there
         orig_direct = remote._read_record_direct
 
-        def read_direct(conn, cmds, reader):
-            orig_direct(conn, cmds, reader)  # (its EXISTS reply goes through feed: counted there)
+        def read_direct(conn, cmds, reader, deadline=None):
+            orig_direct(conn, cmds, reader, deadline)  # (its EXISTS reply goes through feed: counted there)
             if len(reads) == 1:
                 reader.out[: 4096 - 128] = old_piece0[128:]
 
