@@ -146,6 +146,7 @@ def run(args) -> dict:
             out = dec.forward(x0, blocks, ntok, wait=w.wait_layer)
             unsafe = w.finish_layerwise()
             sync()
+            w.drain_layerwise()
             assert unsafe == {}
             return out
 
@@ -204,6 +205,10 @@ def run(args) -> dict:
                     continue
                 lpp, prio, ring = ([int(v) for v in name.split(":")] + [3])[:3]
                 w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=lpp, priority=prio, ring=ring)
+                poison()
+                t_layerwise()
+                got = torch.stack([v.index_select(0, blocks[: n // bs]) for v in views])
+                exact = exact and bool(torch.equal(ref_cache.view(torch.int16), got.view(torch.int16)))
                 row[f"lw_{name}_ms"] = timed(t_layerwise, poison)
             w._layer_engine = shipped
         row["ideal_ms"] = max(row["memcpy_ms"], row["forward_ms"])

@@ -39,7 +39,7 @@ class CudaTransferEngine:
     Args:
         layout: the CUDA cache.
         tokens_per_chunk: T; chunk bytes = ``layout.chunk_bytes(T)``.
-        layers_per_piece: layers per pipeline piece (default: an eighth of the layers, at least 1;
+        layers_per_piece: layers per pipeline piece (default: a quarter of the layers, at least 1;
             small pieces shorten the pipeline's fill, which is what limits a single chunk).
         ring: staging ring slots (pieces in flight), >= 2.
         mode: "staged" (default) or "zerocopy".

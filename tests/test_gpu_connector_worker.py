@@ -157,13 +157,13 @@ def managers():
         m.close(persist=False)
 
 
-def _worker(cache: Cache, managers, manager=None):
+def _worker(cache: Cache, managers, manager=None, **kw):
     ns = _ns(cache.dtype)
     mgr = manager or TierManager(cpu=_pool(ns))
     managers.append(mgr)
     rec = Recorder()
     w = ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns,
-                        on_stat=rec.stat, on_stored=rec.on_stored)
+                        on_stat=rec.stat, on_stored=rec.on_stored, **kw)
     assert w.is_cuda and w.store_engine is not None
     return w, mgr, rec
 
@@ -429,20 +429,25 @@ def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[
             snaps.append(cache.views[layer].clone())
         busy = compute.query() is False
     assert busy, "the compute stream finished before the per-layer waits were queued (SLEEP_CYCLES too short)"
-    unsafe = w.finish_layerwise()  # wait_for_save, after the forward
+    t0 = time.perf_counter()
+    unsafe = w.finish_layerwise()  # finish_forward / wait_for_save, after the forward is queued
+    assert time.perf_counter() - t0 < 0.05, "finish_layerwise blocked the host on the copies"
+    assert not w.idle(), "chunks released while the copies may still read them"
     torch.cuda.synchronize()
+    w.drain_layerwise()  # (finished_sending does this each step) the copies are done: release
     return failed, snaps, unsafe
 
 
+@pytest.mark.parametrize("per_wait", [1, 4], ids=["1-layer-events", "4-layer-events"])
 @pytest.mark.parametrize("bs,kbs", SPLITS, ids=["block16", "block32-kernel16"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("order", ORDERS)
-def test_layerwise_load_bit_exact_per_layer(order, dtype, bs, kbs, managers):
+def test_layerwise_load_bit_exact_per_layer(order, dtype, bs, kbs, per_wait, managers):
     """Two requests in one layer-by-layer load (one from a start token inside chunk 0, one whose
     chunk 2 is missing): each layer read on the compute stream right after its ``wait_layer`` holds
     the loaded data already; the whole cache equals the reference; failed blocks as ``load``."""
     cache = Cache(order, dtype, bs, kbs, seed=30)
-    w, mgr, rec = _worker(cache, managers)
+    w, mgr, rec = _worker(cache, managers, layers_per_wait=per_wait)
     n = 3 * CHUNK
     ta, tb = _tokens(n, seed=31), _tokens(n, seed=32)
     src_a, src_b = _blocks(cache, SRC, n), _blocks(cache, DST, n)
@@ -508,4 +513,5 @@ def test_layerwise_unwaited_layer_is_reported(managers):
     for layer in range(LAYERS - 1):
         w.wait_layer(layer)
     assert w.finish_layerwise() == {"r": set(dst)}
+    w.drain_layerwise(block=True)
     assert mgr.cpu.num_pinned() == 0 and w.idle()

@@ -27,13 +27,13 @@ Data path:
   all chunks in one call on the calling thread once every chunk arrived (all or nothing).
 * **Layer-by-layer loads** (:meth:`load_layerwise`, the ``wait_for_layer_load`` pattern): the same
   chunk planning for every synchronous op of a step, then one layer-major copy of all their ready
-  chunks (CUDA: :meth:`lmtier.transfer.CudaTransferEngine.load_layerwise`, one event per layer);
-  :meth:`wait_layer` makes the current stream wait for one layer, so the forward's layer ``l`` runs
-  while later layers are still crossing PCIe. :meth:`finish_layerwise` (after the forward) waits for
-  the copies, releases the chunks' pool slots and reports the load's blocks as failed when some
-  layer was never waited for (the forward may have read it early; vLLM then recomputes). On a CPU
-  cache the copy completes inside :meth:`load_layerwise` (nothing to overlap), the bookkeeping is
-  the same.
+  chunks (CUDA: :meth:`lmtier.transfer.CudaTransferEngine.load_layerwise`, one event per group of
+  ``layers_per_wait`` layers); :meth:`wait_layer` makes the current stream wait for one layer's
+  group, so the forward's layer ``l`` runs while later layers are still crossing PCIe.
+  :meth:`finish_layerwise` (after the forward) reports the load's blocks as failed when some layer
+  was never waited for (the forward may have read it early; vLLM then recomputes); the chunks' pool
+  slots are released once the copies completed (:meth:`drain_layerwise`). On a CPU cache the copy
+  completes inside :meth:`load_layerwise` (nothing to overlap); the bookkeeping is the same.
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
   when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
   gathered in one native call and committed, then ``manager.publish`` writes them through to disk /
@@ -247,6 +247,7 @@ class ConnectorWorker:
         if not 1 <= self._layers_per_wait <= layout.num_layers:
             raise ValueError(f"lmtier: layers_per_wait must be in [1, {layout.num_layers}], got {layers_per_wait}")
         self._layerwise: _LayerwiseLoad | None = None
+        self._draining: list[_LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
         self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
         self.delayed: set[str] = set()
         self.async_loads: dict[str, _AsyncLoad] = {}
@@ -515,6 +516,18 @@ class ConnectorWorker:
         """A :meth:`load_layerwise` not yet finished (:meth:`finish_layerwise`)."""
         return self._layerwise is not None
 
+    def prepare_layerwise(self) -> None:
+        """Allocate what layer-by-layer loads need (CUDA: the layer engine's streams and staging
+        ring), so a failure shows at registration, not in the middle of serving. Raises what the
+        allocation raises (e.g. ``RuntimeError`` out of device memory)."""
+        if self.is_cuda and self._layer_engine is None:
+            from lmtier.transfer import CudaTransferEngine
+
+            # None: -64, which torch clamps to the device's highest stream priority
+            prio = -64 if self._layer_priority is None else self._layer_priority
+            self._layer_engine = CudaTransferEngine(self.layout, self.chunk, layers_per_piece=self._layers_per_wait,
+                                                    priority=prio)
+
     def load_layerwise(self, ops_: Iterable[LoadOp]) -> dict[str, set[int]]:
         """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's).
 
@@ -527,31 +540,40 @@ class ConnectorWorker:
 
         Returns ``{req_id: failed block ids}`` for the ops that did not load whole (as :meth:`load`:
         a poisoned op fails from ``start_token``, otherwise from the first chunk that failed); their
-        other chunks still load. A previous layer-by-layer load still in flight is finished first.
+        other chunks still load. If planning or queuing raises, every op fails from its
+        ``start_token`` (nothing of it is reported loaded). A previous layer-by-layer load still in
+        flight is finished first and its report (see :meth:`finish_layerwise`) merged in.
         """
-        if self._layerwise is not None:
-            self.finish_layerwise()
-        t0 = time.perf_counter()
+        ops_ = list(ops_)
         failed: dict[str, set[int]] = {}
+        for rid, blocks in self.finish_layerwise().items():
+            failed.setdefault(rid, set()).update(blocks)
+        if self._draining:
+            self.drain_layerwise()
+        t0 = time.perf_counter()
         parts: list = []
+        current: tuple[list[_Chunk], Callable[[], list[bytes]]] | None = None  # the op being planned
         events = timing = None
         try:
             for op in ops_:
                 if op.poisoned:
                     self._stat("load_failures")
-                    failed[op.req_id] = set(op.block_ids[op.start_token // self.block_size:])
+                    failed.setdefault(op.req_id, set()).update(op.block_ids[op.start_token // self.block_size:])
                     continue
                 keys = self.keys(op.token_ids, op.cache_salt)
                 key0 = _lazy(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
+                current = ([], key0)
                 chunks = self._plan(op, {"load", "load_sync"}, keys)
+                current = (chunks, key0)
                 n_ok = 0
                 while n_ok < len(chunks) and self._resolve(chunks[n_ok], block=True):
                     n_ok += 1
+                if n_ok < len(chunks):
+                    failed.setdefault(op.req_id, set()).update(self._failed_from(op, chunks[n_ok].ci))
+                    self._stat("load_failures")
                 for c in chunks[n_ok:]:
                     self._finish_chunk(c, key0)
-                if n_ok < len(chunks):
-                    failed[op.req_id] = set(self._failed_from(op, chunks[n_ok].ci))
-                    self._stat("load_failures")
+                current = None
                 if n_ok:
                     parts.append((op, chunks[:n_ok], key0, []))
             if parts:
@@ -566,13 +588,7 @@ class ConnectorWorker:
                             keep.append(src)
                         srcs.append(src)
                 if self.is_cuda:
-                    if self._layer_engine is None:
-                        from lmtier.transfer import CudaTransferEngine
-
-                        # None: -64, which torch clamps to the device's highest stream priority
-                        prio = -64 if self._layer_priority is None else self._layer_priority
-                        self._layer_engine = CudaTransferEngine(self.layout, self.chunk,
-                                                                layers_per_piece=self._layers_per_wait, priority=prio)
+                    self.prepare_layerwise()
                     dev = self.layout.device
                     timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     timing[0].record(torch.cuda.current_stream(dev))
@@ -585,17 +601,24 @@ class ConnectorWorker:
                 self._stat("loaded_chunks", n)
                 self._stat("loaded_bytes", n * self.chunk_bytes)
         except Exception:
-            # Planning or queuing failed: every kept chunk fails (on CUDA, whatever was queued is
-            # waited for before the chunks' host memory is released).
-            log.exception("lmtier: layer-by-layer load of %d request(s) failed", len(parts))
+            # Planning or queuing failed: every op fails from its start token — those already
+            # planned, the one being planned and those after it (none of it may be read); on CUDA,
+            # whatever was queued is waited for before the chunks' host memory is released.
+            log.exception("lmtier: layer-by-layer load of %d request(s) failed", len(ops_))
             if self._layer_engine is not None:
                 self._layer_engine.copy_stream.synchronize()
                 self._layer_engine.kernel_stream.synchronize()
-            for op, cs, key0, _ in parts:
-                failed.setdefault(op.req_id, set()).update(self._failed_from(op, cs[0].ci))
-                self._stat("load_failures")
+            held = [(cs, key0) for _, cs, key0, _ in parts] + ([current] if current is not None else [])
+            for cs, key0 in held:
                 for c in cs:
-                    self._finish_chunk(c, key0)
+                    try:
+                        self._finish_chunk(c, key0)
+                    except Exception:
+                        log.exception("lmtier: releasing a chunk of a failed layer-by-layer load failed")
+            for op in ops_:
+                if not op.poisoned:
+                    failed.setdefault(op.req_id, set()).update(op.block_ids[op.start_token // self.block_size:])
+                    self._stat("load_failures")
             return failed
         if parts:
             self._layerwise = _LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing)
@@ -614,26 +637,20 @@ class ConnectorWorker:
         lw.waited[layer] = True
 
     def finish_layerwise(self) -> dict[str, set[int]]:
-        """End the in-flight layer-by-layer load (after the forward): wait for its copies, release
-        its chunks (committing promotions) and record ``load_ms``.
+        """End the in-flight layer-by-layer load (after the forward) without blocking the host.
 
         Returns ``{req_id: blocks it wrote}`` when some layer was never waited for through
         :meth:`wait_layer` — the forward may have read that layer before its copy landed, so the
         caller must report those blocks as failed (vLLM recomputes them) — else ``{}`` (also without
-        a load in flight).
+        a load in flight). The load's chunks (pinned pool slots, staging buffers) are released once
+        its copies completed: at once on the CPU, on CUDA by :meth:`drain_layerwise` (called here
+        without blocking, and by later loads, :meth:`finished_sending` and :meth:`close`).
         """
         lw, self._layerwise = self._layerwise, None
         if lw is None:
             return {}
-        if lw.timing is not None:
-            lw.timing[1].synchronize()
-        for op, cs, key0, _ in lw.parts:
-            for c in cs:
-                self._finish_chunk(c, key0)
-        host_ms = (time.perf_counter() - lw.t0) * 1e3
-        copy_ms = lw.timing[0].elapsed_time(lw.timing[1]) if lw.timing is not None else 0.0
-        self._stat("load_ms", copy_ms if lw.timing is not None else host_ms)
-        self._stat("load_lat_s", (copy_ms if lw.timing is not None else host_ms) / 1e3)
+        self._draining.append(lw)
+        self.drain_layerwise(block=False)
         if all(lw.waited):
             return {}
         missed = [i for i, w in enumerate(lw.waited) if not w]
@@ -643,6 +660,30 @@ class ConnectorWorker:
         for op, cs, _, _ in lw.parts:
             out.setdefault(op.req_id, set()).update(self._failed_from(op, cs[0].ci))
         return out
+
+    def drain_layerwise(self, *, block: bool = False) -> None:
+        """Release the chunks of finished layer-by-layer loads whose copies completed (``block``:
+        wait for them first) and record their ``load_ms`` / ``load_lat_s`` (CUDA: GPU time from the
+        load's start on the current stream to its last copy)."""
+        keep = []
+        for lw in self._draining:
+            if lw.timing is not None:
+                if block:
+                    lw.timing[1].synchronize()
+                elif not lw.timing[1].query():
+                    keep.append(lw)
+                    continue
+            for _, cs, key0, _ in lw.parts:
+                for c in cs:
+                    try:
+                        self._finish_chunk(c, key0)
+                    except Exception:
+                        log.exception("lmtier: releasing a chunk of a layer-by-layer load failed")
+            ms = lw.timing[0].elapsed_time(lw.timing[1]) if lw.timing is not None else \
+                (time.perf_counter() - lw.t0) * 1e3
+            self._stat("load_ms", ms)
+            self._stat("load_lat_s", ms / 1e3)
+        self._draining = keep
 
     # ------------------------------------------------------------------------------ async loads
     def start_load(self, op: LoadOp) -> None:
@@ -816,6 +857,8 @@ class ConnectorWorker:
         flight any more. Polls the CUDA stores first.
         """
         self.delayed.update(delayed_frees)
+        if self._draining:
+            self.drain_layerwise()
         if self.store_engine is not None:
             self.poll_stores()
         sending: set[str] = set()
@@ -826,11 +869,13 @@ class ConnectorWorker:
 
     def idle(self) -> bool:
         """No load or store in flight and no held request left."""
-        return not self.async_loads and not self.pending and not self.delayed and self._layerwise is None
+        return (not self.async_loads and not self.pending and not self.delayed and self._layerwise is None
+                and not self._draining)
 
     def close(self) -> None:
         """Wait for background loads, a layer-by-layer load and CUDA stores (committing the stores). Idempotent."""
         self.finish_layerwise()
+        self.drain_layerwise(block=True)
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=True)
         if self._io_pool is not None:

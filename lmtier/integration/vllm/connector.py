@@ -154,7 +154,8 @@ class LMTierStats(KVConnectorStats):
     Tokens: ``lookup_tokens`` (prompt tokens lmtier was asked about beyond vLLM's own prefix cache,
     per admitted request), ``hit_tokens_{cpu,disk,remote}`` (tokens claimed, by the tier holding the
     chunk at lookup time). Chunks / bytes: ``loaded_*``, ``stored_*``; ``store_skipped`` (already
-    present or no free slot), ``load_failures`` (chunks), ``async_loads`` and ``layerwise_loads``
+    present or no free slot), ``load_failures`` (requests whose load failed, in part or whole),
+    ``async_loads`` and ``layerwise_loads``
     (requests loaded in the background / layer by layer). Time:
     ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
     per-request latencies in seconds; at most 256 kept per interval).
@@ -437,6 +438,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self.layout: KVLayout | None = None
             self._failed_blocks: set[int] = set()
             self._failed_load_reqs: set[str] = set()  # requests whose sync load failed this step
+            self._step_failed_blocks: set[int] = set()  # blocks of this step's failed sync loads
             self._ns0 = _namespace(vllm_config, kv_cache_config, self.chunk, 0)  # the index key space
             self._idx_lock = threading.Lock()
             self._idx_stored: list = []
@@ -519,7 +521,7 @@ class LMTierConnector(KVConnectorBase_V1):
     def _layerwise_option(self) -> bool | None:
         """``layerwise_loads``: True / False, or None for "auto" (decided by the cache's device)."""
         raw = self._kv_transfer_config.get_from_extra_config("layerwise_loads", "auto")
-        if raw is None or raw == "auto":
+        if raw is None or (isinstance(raw, str) and raw.lower() == "auto"):
             return None
         if isinstance(raw, bool):
             return raw
@@ -789,13 +791,32 @@ class LMTierConnector(KVConnectorBase_V1):
                                       namespace=self.ns, index_namespace=self._ns0, on_stat=self._stat,
                                       on_stored=self._note_stored, faults=_faults)
         self._layer_index = {n: i for i, n in enumerate(names)}
-        if self._layerwise_opt is None:
-            cg = getattr(getattr(self._vllm_config, "compilation_config", None), "cudagraph_mode", None)
-            full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
-            self._layerwise = dev.type == "cuda" and not full_graphs
-        else:
-            self._layerwise = self._layerwise_opt
+        self._layerwise = self._decide_layerwise(dev)
+        if self._layerwise:
+            try:
+                self.worker.prepare_layerwise()
+            except Exception:
+                log.exception("lmtier: layer-by-layer loads unavailable (their copy engine failed to "
+                              "initialise); loading before the forward")
+                self._layerwise = False
         log.info("lmtier: synchronous loads %s", "layer by layer" if self._layerwise else "before the forward")
+
+    def _decide_layerwise(self, dev: torch.device) -> bool:
+        """Whether synchronous loads go layer by layer (see ``layerwise_loads`` in the class docstring).
+
+        Never with speculative decoding: the drafter's layers share the KV cache group but run
+        after the forward that waits per layer, so their waits would be missing and every
+        layer-by-layer step would be reported failed."""
+        if getattr(self._vllm_config, "speculative_config", None) is not None:
+            if self._layerwise_opt:
+                log.warning("lmtier: layerwise_loads ignored with speculative decoding (the drafter's layers "
+                            "read the cache outside the per-layer waits); loading before the forward")
+            return False
+        if self._layerwise_opt is not None:
+            return self._layerwise_opt
+        cg = getattr(getattr(self._vllm_config, "compilation_config", None), "cudagraph_mode", None)
+        full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
+        return dev.type == "cuda" and not full_graphs
         log.info("lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB",
                  self.layout.num_layers, kind, self.layout.num_blocks, self.layout.block_size, dev,
                  self.worker.chunk_bytes / 2**20)
@@ -834,7 +855,9 @@ class LMTierConnector(KVConnectorBase_V1):
         :meth:`wait_for_layer_load`. A request whose sync load failed is remembered for this step:
         its forward runs over the blocks that were not loaded (vLLM discards that step's result and
         recomputes), so :meth:`wait_for_save` must not store what that forward computed."""
+        self._finish_layerwise()  # (a step that ended without finish_forward / wait_for_save)
         self._failed_load_reqs = set()
+        self._step_failed_blocks = set()
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads or self.worker is None:
             return
@@ -851,9 +874,12 @@ class LMTierConnector(KVConnectorBase_V1):
             self._note_load_failures({op.req_id: self.worker.load(op)})
 
     def _note_load_failures(self, failed: dict[str, set[int]]) -> None:
+        """Report ``{req_id: block ids}`` as invalid blocks of this step and remember them for
+        :meth:`wait_for_save` (not cleared by :meth:`get_block_ids_with_load_errors`)."""
         for rid, blocks in failed.items():
             if blocks:
                 self._failed_blocks.update(blocks)
+                self._step_failed_blocks.update(blocks)
                 self._failed_load_reqs.add(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -866,9 +892,9 @@ class LMTierConnector(KVConnectorBase_V1):
             self.worker.wait_layer(i)
 
     def finish_forward(self) -> None:
-        """(vLLM >= 0.33, called right after the forward.) The model no longer reads this step's KV:
-        end the step's layer-by-layer load here, so a skipped per-layer wait is reported with this
-        step's invalid blocks even when vLLM defers ``wait_for_save`` past collecting them."""
+        """(vLLM 0.33's Model Runner V2, right after the forward.) The model no longer reads this
+        step's KV: end the step's layer-by-layer load here (without blocking the host), so a skipped
+        per-layer wait is reported with this step's invalid blocks."""
         self._finish_layerwise()
 
     def unregister_kv_caches(self) -> None:
@@ -877,6 +903,7 @@ class LMTierConnector(KVConnectorBase_V1):
         background touch the cache only in ``get_transfer_results``, which runs no more until wake-up."""
         if self.worker is not None:
             self._finish_layerwise()
+            self.worker.drain_layerwise(block=True)
             self.worker.poll_stores(block=True)
 
     def restore_kv_caches(self) -> None:
@@ -902,16 +929,20 @@ class LMTierConnector(KVConnectorBase_V1):
         return  # stores run once per step in wait_for_save, after every layer wrote its KV
 
     def wait_for_save(self):
-        """Store this step's chunks — except those of requests whose sync load failed in this step:
-        their tokens were computed attending to blocks that hold stale KV (the scheduler plans
-        those stores again for the recomputation)."""
+        """Store this step's chunks — except those of requests whose sync load failed in this step or
+        that use a block such a load failed to fill: their tokens were computed attending to blocks
+        that hold stale KV (the scheduler plans those stores again for the recomputation)."""
         self._finish_layerwise()
         tainted, self._failed_load_reqs = self._failed_load_reqs, set()
+        bad_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.stores or self.worker is None:
             return
         for op in meta.stores:
-            if op.req_id in tainted:
+            # A request whose own load failed, or one sharing a failed block (vLLM's prefix cache
+            # hands the blocks a sync load fills to other requests of the same step): its forward
+            # read stale KV there.
+            if op.req_id in tainted or (bad_blocks and not bad_blocks.isdisjoint(op.block_ids)):
                 n = max(0, len(op.token_ids) // self.chunk - op.first_chunk)
                 log.info("lmtier: not storing %d chunk(s) of request %s: computed over a failed load", n, op.req_id)
                 self._stat("store_skipped", n)
@@ -970,6 +1001,10 @@ class LMTierConnector(KVConnectorBase_V1):
             self.worker.poll_stores(block=True)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """This step's invalid blocks. Ends a layer-by-layer load first: vLLM's V1 model runner does
+        not call ``finish_forward`` and may defer ``wait_for_save`` (speculative decoding) past this
+        call, which comes after the forward in every runner."""
+        self._finish_layerwise()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
