@@ -15,6 +15,16 @@ request's blocks as failed in that same step (vLLM then discards the step's outp
 
 Every test ends with: all requests finished, the block pool's free count back to its initial value,
 and the connector's per-request state empty.
+
+``runner`` picks the order of the worker hooks, as vLLM's model runners call them (0.32 and 0.33 alike
+apart from ``finish_forward``, which only 0.33's V2 runner calls — 0.32's runners never do):
+``"v2"`` (vllm/v1/worker/gpu/kv_connector.py, ActiveKVConnector: start_load_kv with the runner's
+keyword arguments, finish_forward right after the forward), ``"v1"``
+(vllm/v1/worker/kv_connector_model_runner_mixin.py: no finish_forward, no keyword arguments), and
+``"v2_spec"`` / ``"v1_spec"``: the same with speculative decoding, where wait_for_save and
+clear_connector_metadata are deferred until after the drafter (the step's transfer results, load
+errors, stats and worker metadata are collected before wait_for_save). ``sleep``: after every step,
+sleep mode's unregister_kv_caches / restore_kv_caches (vLLM 0.33), each called twice (idempotent).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ pytestmark = pytest.mark.vllm
 
 BLOCK, CHUNK, LAYERS, HEAD = 16, 32, 2, 8
 VOCAB_BASE = 100
+RUNNERS = ("v2", "v2_spec", "v1", "v1_spec")  # hook orders of vLLM's model runners (see the module docstring)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +71,8 @@ class Harness:
     """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
-                 max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1, skip_layer_waits=()):
+                 max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1, skip_layer_waits=(),
+                 runner="v2", sleep=False):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -114,8 +126,12 @@ class Harness:
         self.loads: list = []  # every LoadOp the worker received
         self.lookups: list[tuple[str, int, tuple]] = []  # (req, num_computed_tokens, result)
         self.bad_steps: list[tuple[int, str]] = []
+        self.unreported: list[tuple[int, str]] = []  # (step, req): skipped-wait load not reported in its step
         self.steps = 0
         self.skip_layer_waits = set(skip_layer_waits)  # layers whose wait_for_layer_load the fake forward skips
+        if runner not in RUNNERS:
+            raise ValueError(f"runner={runner!r}: one of {RUNNERS}")
+        self.runner, self.sleep = runner, sleep
         orig = self.conn.get_num_new_matched_tokens
 
         def spy(request, num_computed_tokens):
@@ -174,10 +190,18 @@ class Harness:
         meta = out.kv_connector_metadata
         self.loads.extend(meta.loads)
         w = self.worker
+        v2, spec = self.runner.startswith("v2"), self.runner.endswith("_spec")
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
+        load_kw = {}
+        if v2 and out.total_num_scheduled_tokens:  # ActiveKVConnector._build_load_kwargs (no input batch: none)
+            ids = [n.req_id for n in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
+            load_kw = dict(scheduler_output=out, request_state_indices=list(range(len(ids))), request_ids=ids,
+                           num_tokens=out.total_num_scheduled_tokens)
         if out.has_sync_kv_loads:
-            w.start_load_kv(None)
+            w.start_load_kv(None, **load_kw)
+        # a layer-by-layer load whose waits the fake forward skips: this step must report its blocks
+        skipped_lw = bool(self.skip_layer_waits) and w.worker is not None and w.worker.layerwise_in_flight
         for layer in range(LAYERS):  # vLLM's attention layers call this before reading their KV
             if layer not in self.skip_layer_waits:
                 w.wait_for_layer_load(f"l{layer}")
@@ -198,15 +222,29 @@ class Harness:
                 self._write(*self._slot(blocks, t), hs[t])
             end = computed + n
             sampled.append([VOCAB_BASE + hs[end - 1] % 1000] if end >= req.num_tokens else [])
-        w.finish_forward()  # vLLM 0.33; 0.32 ends a layer-by-layer load in wait_for_save
+        if v2:
+            w.finish_forward()  # vLLM 0.33's V2 runner; otherwise a layer-by-layer load ends in wait_for_save
         if not out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
+            w.start_load_kv(None, **load_kw)
+        if not spec:
+            w.wait_for_save()
         res = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         stats = w.get_kv_connector_stats()
+        w.get_kv_connector_kv_cache_events()
         wmeta = w.build_connector_worker_meta()
+        if spec:  # the drafter ran; then finalize_step / finalize_kv_connector
+            w.wait_for_save()
         w.clear_connector_metadata()
+        if self.sleep:
+            for _ in range(2):
+                w.unregister_kv_caches()
+            for _ in range(2):
+                w.restore_kv_caches()
+        if skipped_lw:  # on the CPU the copy is done, so no read is wrong: check the report's step
+            for op in meta.loads:
+                if not op.is_async and op.block_ids and not set(op.block_ids) & invalid:
+                    self.unreported.append((self.steps, op.req_id))
         for rid in bad:  # a wrong read must be covered by a reported failure (vLLM discards that step)
             blocks = set(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             if not (blocks & invalid):
@@ -239,6 +277,7 @@ class Harness:
     # -------------------------------------------------------------------- checks
     def check_clean(self) -> None:
         assert not self.bad_steps, f"wrong KV read without a reported failure: {self.bad_steps}"
+        assert not self.unreported, f"layer-by-layer load with a skipped wait not reported in its step: {self.unreported}"
         assert not self.sched.requests
         assert self.pool.get_num_free_blocks() == self.initial_free, "block leak"
         c, w = self.conn, self.worker
@@ -603,3 +642,44 @@ def test_requires_piecewise_only_when_forced():
     assert not LMTierConnector.requires_piecewise_for_cudagraph({})
     assert not LMTierConnector.requires_piecewise_for_cudagraph({"layerwise_loads": "auto"})
     assert not LMTierConnector.requires_piecewise_for_cudagraph({"layerwise_loads": False})
+
+
+# ---------------------------------------------------------------------------------------- runner hook orders
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_runner_hook_orders(make, runner):
+    """CPU hits (sync loads), then disk hits (async loads), with the worker hooks in the order of each
+    of vLLM's model runners (deferred wait_for_save under speculative decoding included) and sleep
+    mode's unregister/restore after every step: outputs equal the cold run's, nothing leaks."""
+    h = make(runner=runner, sleep=True, extra=ASYNC_DISK)
+    ps = [prompt(80 + i, n) for i, n in enumerate((33, 65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    warm = [h.add(p) for p in ps]
+    h.run()
+    h.drop_cpu()
+    h.step()
+    again = [h.add(p) for p in ps]
+    h.run()
+    for c, w, a in zip(cold, warm, again):
+        assert h.outputs[w] == h.outputs[c] and h.outputs[a] == h.outputs[c] and len(h.outputs[c]) == 3
+    assert [op.is_async for op in h.loads] == [False] * 3 + [True] * 3
+    h.check_clean()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_layerwise_skipped_wait_each_runner(make, runner):
+    """A skipped per-layer wait is reported in the step that read the unloaded layer, whatever the
+    runner's hook order: the step's invalid blocks cover its layer-by-layer loads (``unreported``; on
+    the CPU the copies are complete, so no read is wrong). V1 runner + speculative decoding: no
+    finish_forward and wait_for_save after get_block_ids_with_load_errors, so only a connector that
+    ends the load in get_block_ids_with_load_errors reports it in time."""
+    h = make(runner=runner, extra={"layerwise_loads": True}, skip_layer_waits={LAYERS - 1})
+    ps = [prompt(90 + i, n) for i, n in enumerate((40, 65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    warm = [h.add(p) for p in ps]
+    h.run()
+    for c, w in zip(cold, warm):
+        assert h.outputs[w] == h.outputs[c]
+    assert not h.worker._layerwise
+    h.check_clean()
