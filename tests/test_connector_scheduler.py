@@ -126,6 +126,7 @@ class Harness:
         self.loads: list = []  # every LoadOp the worker received
         self.lookups: list[tuple[str, int, tuple]] = []  # (req, num_computed_tokens, result)
         self.bad_steps: list[tuple[int, str]] = []
+        self.invalid: list[tuple[int, set[int]]] = []  # (step, invalid block ids reported by the worker)
         self.unreported: list[tuple[int, str]] = []  # (step, req): skipped-wait load not reported in its step
         self.steps = 0
         self.skip_layer_waits = set(skip_layer_waits)  # layers whose wait_for_layer_load the fake forward skips
@@ -245,6 +246,8 @@ class Harness:
             for op in meta.loads:
                 if not op.is_async and op.block_ids and not set(op.block_ids) & invalid:
                     self.unreported.append((self.steps, op.req_id))
+        if invalid:
+            self.invalid.append((self.steps, set(invalid)))
         for rid in bad:  # a wrong read must be covered by a reported failure (vLLM discards that step)
             blocks = set(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             if not (blocks & invalid):
@@ -620,6 +623,11 @@ def test_layerwise_skipped_wait_recomputes_and_falls_back(make):
     for c, w in zip(cold, warm):
         assert h.outputs[w] == h.outputs[c]
     assert not h.worker._layerwise, "still loading layer by layer after a skipped wait"
+    # the step's loaded blocks were reported invalid (on the CPU the copies were complete, so only
+    # the report shows that the unwaited layer was caught)
+    assert h.invalid, "no invalid blocks reported for the step whose forward skipped a wait"
+    loaded_blocks = {b for op in h.loads for b in op.block_ids[op.start_token // BLOCK:]}
+    assert set().union(*(b for _, b in h.invalid)) <= loaded_blocks
     h.check_clean()
     again = [h.add(p) for p in ps]
     h.run()
@@ -682,4 +690,40 @@ def test_layerwise_skipped_wait_each_runner(make, runner):
     for c, w in zip(cold, warm):
         assert h.outputs[w] == h.outputs[c]
     assert not h.worker._layerwise
+    h.check_clean()
+
+
+def test_failed_load_skips_stores_of_requests_sharing_its_blocks(make):
+    """vLLM's prefix cache hands the blocks a synchronous load is filling to another request of the
+    same step. When that load fails, the other request read stale KV too: vLLM recomputes it, and
+    lmtier must not store the chunks its forward computed in that step."""
+    h = make(prefix_caching=True)
+    p = prompt(80, 2 * CHUNK)
+    ref_a, ref_b = p + prompt(82, 40), p + prompt(83, 40)
+    h.add(p + prompt(81, 20))
+    h.run()
+    assert h.sched.reset_prefix_cache()  # vLLM forgets P; lmtier keeps its 2 chunks
+    stores: list[tuple[int, str]] = []
+    orig = h.worker.worker.store
+
+    def spy(op):
+        stores.append((h.steps, op.req_id))
+        return orig(op)
+
+    h.worker.worker.store = spy
+    os.environ["LMTIER_FAULT_INJECT"] = "load"
+    a, b = h.add(ref_a), h.add(ref_b)
+    h.step()  # A's sync load (fails); B shares A's blocks through vLLM's prefix cache
+    os.environ.pop("LMTIER_FAULT_INJECT")
+    first = h.steps
+    shared = [(rid, nc) for rid, nc, _ in h.lookups if rid == b]
+    assert shared and shared[0][1] == 2 * CHUNK, f"set-up: B did not get A's blocks from vLLM's prefix cache: {shared}"
+    assert h.invalid and h.invalid[0][0] == first, "A's failed load was not reported in its step"
+    assert (first, b) not in stores, "B's chunks computed over A's failed blocks were stored"
+    h.run()
+    # reference outputs from a clean engine state
+    h2 = make(prefix_caching=False)
+    ra, rb = h2.add(ref_a), h2.add(ref_b)
+    h2.run()
+    assert h.outputs[a] == h2.outputs[ra] and h.outputs[b] == h2.outputs[rb]
     h.check_clean()

@@ -892,7 +892,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self.worker.wait_layer(i)
 
     def finish_forward(self) -> None:
-        """(vLLM 0.33's Model Runner V2, right after the forward.) The model no longer reads this
+        """(vLLM's Model Runner V2 — 0.32 and 0.33 — right after the forward.) The model no longer reads this
         step's KV: end the step's layer-by-layer load here (without blocking the host), so a skipped
         per-layer wait is reported with this step's invalid blocks."""
         self._finish_layerwise()
