@@ -72,7 +72,7 @@ class Harness:
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
                  max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1, skip_layer_waits=(),
-                 runner="v2", sleep=False):
+                 runner="v2", sleep=False, engine_id=None):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -94,7 +94,7 @@ class Harness:
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=2048,
                              enable_chunked_prefill=True, is_encoder_decoder=False)
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
-        self.engine_id = f"test-{uuid.uuid4().hex[:8]}"
+        self.engine_id = engine_id or f"test-{uuid.uuid4().hex[:8]}"
         kt = KVTransferConfig(kv_connector="LMTierConnector", kv_connector_module_path="lmtier.integration.vllm",
                               kv_role="kv_both", kv_load_failure_policy=policy, engine_id=self.engine_id,
                               kv_connector_extra_config=dict(extra or {}))
@@ -727,3 +727,19 @@ def test_failed_load_skips_stores_of_requests_sharing_its_blocks(make):
     h2.run()
     assert h.outputs[a] == h2.outputs[ra] and h.outputs[b] == h2.outputs[rb]
     h.check_clean()
+
+
+def test_evictions_reach_a_new_engines_connector(make):
+    """An engine built again in the same process (same engine id) reuses the cached tier manager and
+    its warm pool; the pool's evictions must reach the new engine's connector (the one whose
+    scheduler mirror holds the chunks), not the first engine's."""
+    h1 = make()
+    h2 = make(engine_id=h1.engine_id)
+    assert h2.worker.manager is h1.worker.manager
+    h2.add(prompt(90, 2 * CHUNK + 5))
+    h2.run()
+    h2.worker.build_connector_worker_meta()  # (the stores were reported)
+    h2.drop_cpu()
+    meta = h2.worker.build_connector_worker_meta()
+    assert meta is not None and len(meta.evicted) == 2, "the new connector did not hear of the evictions"
+    assert h1.worker.build_connector_worker_meta() is None

@@ -61,6 +61,7 @@ import collections
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -450,41 +451,7 @@ class LMTierConnector(KVConnectorBase_V1):
                                       if self.config.disk.enabled else 0)
             self._same_ns = self.ns.digest() == self._ns0.digest()  # rank 0: this rank's keys are the index's
             self._idx_disk_evicted: list = []
-            cpu = self.manager.cpu
-            if cpu is not None and not getattr(cpu, "_lmtier_evict_hooked", False):
-                inner = cpu.evict_callback
-
-                def on_evict(key, view, _inner=inner):
-                    with self._idx_lock:
-                        k0 = self._key0.pop(key, None)
-                        if k0 is not None:
-                            if len(self._idx_evicted) < _IDX_MAX:
-                                self._idx_evicted.append(k0)
-                            if self.manager.disk is not None:  # written back: the mirror says "disk"
-                                self._remember_disk_key0(key, k0)
-                    if _inner is not None:
-                        _inner(key, view)
-
-                cpu.evict_callback = on_evict
-                cpu._lmtier_evict_hooked = True
-            disk = self.manager.disk
-            if disk is not None and not getattr(disk, "_lmtier_evict_hooked", False):
-                inner_disk = disk.evict_callback
-
-                def on_disk_evict(keys, _inner=inner_disk):
-                    with self._idx_lock:
-                        for k in keys:
-                            k0 = self._key0_disk.pop(k, None)
-                            if k0 is None and self._same_ns:
-                                k0 = k
-                            if k0 is not None:
-                                if len(self._idx_disk_evicted) < _IDX_MAX:
-                                    self._idx_disk_evicted.append(k0)
-                    if _inner is not None:
-                        _inner(keys)
-
-                disk.evict_callback = on_disk_evict
-                disk._lmtier_evict_hooked = True
+            self._hook_evictions()
         else:
             with _SHARED_LOCK:
                 shared = _SHARED.get(f"{engine}:0")
@@ -966,6 +933,50 @@ class LMTierConnector(KVConnectorBase_V1):
         self._key0_disk.move_to_end(key)
         while len(self._key0_disk) > self._key0_disk_max:
             self._key0_disk.popitem(last=False)
+
+    def _hook_evictions(self) -> None:
+        """Route the shared tiers' eviction callbacks to this (the newest) worker connector.
+
+        The tier manager is cached per engine id and outlives an engine (an ``LLM`` built again in
+        the same process reuses its warm CPU pool); each tier is wrapped once, and the wrapper calls
+        whichever connector registered last, so a new engine's scheduler still hears of evictions."""
+        for tier, handler in ((self.manager.cpu, "_on_cpu_evict"), (self.manager.disk, "_on_disk_evict")):
+            if tier is None:
+                continue
+            tier._lmtier_owner = weakref.ref(self)
+            if getattr(tier, "_lmtier_evict_hooked", False):
+                continue
+            inner = tier.evict_callback
+
+            def hooked(*args, _tier=tier, _inner=inner, _handler=handler):
+                owner = _tier._lmtier_owner()
+                if owner is not None:
+                    getattr(owner, _handler)(*args)
+                if _inner is not None:
+                    _inner(*args)
+
+            tier.evict_callback = hooked
+            tier._lmtier_evict_hooked = True
+
+    def _on_cpu_evict(self, key: bytes, view) -> None:
+        """A chunk left the CPU pool: the scheduler's mirror forgets it (or lists it on disk)."""
+        with self._idx_lock:
+            k0 = self._key0.pop(key, None)
+            if k0 is not None:
+                if len(self._idx_evicted) < _IDX_MAX:
+                    self._idx_evicted.append(k0)
+                if self.manager.disk is not None:  # written back: the mirror says "disk"
+                    self._remember_disk_key0(key, k0)
+
+    def _on_disk_evict(self, keys) -> None:
+        """Chunks left the disk tier: report them (rank-0 keys) so the mirror forgets them."""
+        with self._idx_lock:
+            for k in keys:
+                k0 = self._key0_disk.pop(k, None)
+                if k0 is None and self._same_ns:
+                    k0 = k
+                if k0 is not None and len(self._idx_disk_evicted) < _IDX_MAX:
+                    self._idx_disk_evicted.append(k0)
 
     def build_connector_worker_meta(self):
         """This step's index changes for a scheduler in another process (:class:`LMTierWorkerMetadata`)."""
