@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,11 +108,11 @@ def _wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: s
 
 
 def _background_priority() -> None:
-    """Lower the calling thread's CPU priority to nice 19 (Linux: per-thread). Best effort."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted
-        pass
+    """Lower the calling thread to nice 19 and the lowest best-effort I/O priority (Linux: per
+    thread; :func:`lmtier.tiers.disk.background_priority`). Best effort."""
+    from lmtier.tiers.disk import background_priority
+
+    background_priority()
 
 
 def _done(value: bool) -> Future:

@@ -255,6 +255,51 @@ def test_write_error_leaves_nothing_visible(tier, monkeypatch):
     assert tier.usage().used_bytes == 0
 
 
+def _ioprio(tid: int) -> int | None:
+    """ioprio_get(IOPRIO_WHO_PROCESS, tid) on x86_64 Linux, else None."""
+    import ctypes
+
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return None
+    return ctypes.CDLL(None, use_errno=True).syscall(252, 1, tid)
+
+
+def test_write_pieces_run_at_background_priority_reads_do_not(tier, monkeypatch):
+    """A put's pieces run on the write pool (nice 19, best-effort I/O level 7); a get's pieces on
+    the read pool at the caller's priority, so a load never waits behind a store's pieces."""
+    seen = []
+    real_w, real_r = disk_mod._pwrite_all, disk_mod._pread_into
+
+    def note(kind):
+        tid = threading.get_native_id()
+        seen.append((kind, threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid), _ioprio(tid)))
+
+    def w(fd, mv, off):
+        note("w")
+        return real_w(fd, mv, off)
+
+    def r(fd, mv, off):
+        note("r")
+        return real_r(fd, mv, off)
+
+    monkeypatch.setattr(disk_mod, "_pwrite_all", w)
+    monkeypatch.setattr(disk_mod, "_pread_into", r)
+    data = payload(7, 3 * MiB + 5)  # unaligned source: several pieces + the tail, all on the write pool
+    assert tier.put(key(7), memoryview(bytearray(data)))
+    buf = AlignedBuffer(len(data))
+    assert tier.get_into(key(7), buf.mv) == len(data)
+    assert bytes(buf.mv[: len(data)]) == data
+    writes = [x for x in seen if x[0] == "w" and x[1].startswith("lmtier-disk-w")]
+    reads = [x for x in seen if x[0] == "r" and x[1].startswith("lmtier-disk")]
+    assert len(writes) >= 3 and reads
+    for _, name, nice, prio in writes:
+        assert nice == 19, name
+        assert prio in (None, (2 << 13) | 7), (name, prio)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for _, name, nice, _ in reads:
+        assert not name.startswith("lmtier-disk-w") and nice == base, (name, nice)
+
+
 def _mount_tmpfs(path, size="1m"):
     os.makedirs(path, exist_ok=True)
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)

@@ -69,6 +69,38 @@ FILE_MODE = 0o600
 # --------------------------------------------------------------------------------------------
 
 
+# ioprio_set(2): syscall numbers by machine (no libc wrapper); IOPRIO_WHO_PROCESS with a thread id
+# applies to that thread only.
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_WHO_PROCESS = 2, 13, 1
+_libc = None
+
+
+def background_priority() -> None:
+    """Lower the calling thread to background priority: CPU nice 19 and I/O priority best-effort
+    level 7 (the lowest level of the default class; the idle class could starve writes outright).
+
+    For threads that only do background work (write-through, write-back): on a small host they
+    must not take cores or device time from the forward pass or from a load. Linux only; a no-op
+    (silently) elsewhere or when not permitted.
+    """
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted
+        pass
+    global _libc
+    try:
+        nr = _SYS_IOPRIO_SET.get(os.uname().machine)
+        if nr is None:
+            return
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall(nr, _IOPRIO_WHO_PROCESS, tid, (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | 7)
+    except (AttributeError, OSError):
+        pass
+
+
 def round_up(n: int, align: int = PAGE_BYTES) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return (n + align - 1) // align * align
@@ -276,6 +308,10 @@ class DiskTier(Tier):
         self._use_kvikio = use_kvikio
         self._kvikio = None  # module once probed OK; False once probed unusable
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk")
+        # Writes (always background work: write-through, write-back) move their pieces on their own
+        # threads at background CPU/I-O priority, so a load never queues behind a store's pieces.
+        self._wpool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk-w",
+                                         initializer=background_priority)
         self._io_threads = io_threads
         self._bounce = BouncePool(max_cached=2)  # payload-sized bounce buffers
         self._small = BouncePool(max_cached=2 * io_threads + 2)  # header/tail blocks
@@ -400,6 +436,7 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._wpool.shutdown(wait=True)
         self._bounce.close()
         self._small.close()
         if self._pinned_bounce is not None:
@@ -621,7 +658,7 @@ class DiskTier(Tier):
             if address_of(mv) % PAGE_BYTES == 0:
                 # Aligned source: whole pages straight from the caller's buffer.
                 pieces = self._pieces(mv[:body], base)
-                futs = [self._submit(len(pieces), _pwrite_all, fd, v, off) for v, off in pieces]
+                futs = [self._submit(len(pieces), _pwrite_all, fd, v, off, pool=self._wpool) for v, off in pieces]
                 for v, _ in pieces:
                     hasher.update(v)
                 if tail:
@@ -629,7 +666,7 @@ class DiskTier(Tier):
                     t[:tail] = mv[body:]
                     t[tail:] = bytes(PAGE_BYTES - tail)
                     hasher.update(t[:tail])
-                    futs.append(self._submit(2, _pwrite_all, fd, t, base + body))
+                    futs.append(self._submit(2, _pwrite_all, fd, t, base + body, pool=self._wpool))
             else:
                 # Unaligned source: copy piece by piece into an aligned bounce buffer, each
                 # piece's write starting as soon as it is copied.
@@ -642,7 +679,7 @@ class DiskTier(Tier):
                     if k < v.nbytes:
                         v[k:] = bytes(v.nbytes - k)
                     hasher.update(v[:k])
-                    futs.append(self._submit(2, _pwrite_all, fd, v, off))
+                    futs.append(self._submit(2, _pwrite_all, fd, v, off, pool=self._wpool))
             header = rec.encode_header(key, n, hasher.intdigest(), payload_offset=base, meta=self._meta)
             h = small.mv[:PAGE_BYTES]
             h[:] = bytes(PAGE_BYTES)
@@ -663,10 +700,10 @@ class DiskTier(Tier):
                 self._bounce.release(big)
         os.rename(tmp, path)
 
-    def _submit(self, njobs: int, fn, *args) -> Future:
-        """Run ``fn`` on the pool, or inline when it is the only job (no hand-off)."""
+    def _submit(self, njobs: int, fn, *args, pool: ThreadPoolExecutor | None = None) -> Future:
+        """Run ``fn`` on ``pool`` (default: the read pool), or inline when it is the only job (no hand-off)."""
         if njobs > 1:
-            return self._pool.submit(fn, *args)
+            return (pool or self._pool).submit(fn, *args)
         f: Future = Future()
         try:
             f.set_result(fn(*args))
