@@ -197,7 +197,7 @@ class AB:
             time.sleep(5)
         log(f"settled {time.monotonic() - t0:.0f}s: loadavg {os.getloadavg()}")
 
-    def rec(self, system: str, kind: str, rnd: int, ids: list[int], expect_hit: int, record: bool) -> None:
+    def rec(self, system: str, kind: str, rnd: int, ids: list[int], expect_hit: int, record: bool, rep: int = 0) -> None:
         s = self.srvs[system]
         time.sleep(self.a.gap)
         before = self.last.get(system) or scrape(s)
@@ -225,7 +225,7 @@ class AB:
                   # machine-wide idle / iowait / steal seconds during the request (all cores)
                   "idle_s": round((k1[3] - k0[3]) / _TICK, 2), "iowait_s": round((k1[4] - k0[4]) / _TICK, 2),
                   "steal_s": round((k1[7] - k0[7]) / _TICK, 2) if len(k1) > 7 else 0.0})
-        r.update({"system": system, "kind": kind, "round": rnd, "t": round(time.time(), 2),
+        r.update({"system": system, "kind": kind, "round": rnd, "rep": rep, "t": round(time.time(), 2),
                   "loadavg": os.getloadavg(),
                   "store_ms": 1e3 * d("vllm:lmtier_store_seconds_sum"),
                   "load_ms": 1e3 * d("vllm:lmtier_load_seconds_sum"),
@@ -243,8 +243,29 @@ class AB:
             f"load1={r['loadavg'][0]:.2f} cpu self/srv/rest {r['cpu_self_s']:.2f}/{r['cpu_other_servers_s']:.2f}/"
             f"{r['cpu_rest_s']:.2f} idle/steal {r['idle_s']:.2f}/{r['steal_s']:.2f}{'  MISS' if r.get('miss') else ''}")
 
+    def outside_cores(self, window_s: float = 2.0) -> float:
+        """Cores used over ``window_s`` by processes outside this script and its servers."""
+        c0, w0 = cpu_times(), time.monotonic()
+        time.sleep(window_s)
+        c1, w1 = cpu_times(), time.monotonic()
+        ours = tree_of(c1, os.getpid())
+        used = sum(t - c0.get(p, (0, 0.0))[1] for p, (_, t) in c1.items() if p not in ours)
+        return used / (w1 - w0)
+
+    def wait_calm(self) -> float:
+        t0 = time.monotonic()
+        while True:
+            x = self.outside_cores()
+            if x <= self.a.calm_frac or time.monotonic() - t0 > self.a.calm_wait:
+                break
+        if time.monotonic() - t0 > 3:
+            log(f"waited {time.monotonic() - t0:.0f}s for calm: {x:.2f} cores used outside")
+        return x
+
     def round(self, rnd: int, record: bool = True) -> None:
         a = self.a
+        if record:
+            self.wait_calm()
         n = a.n
         order = a.system_list[rnd % len(a.system_list):] + a.system_list[:rnd % len(a.system_list)]
         if (rnd // len(a.system_list)) % 2:
@@ -258,9 +279,23 @@ class AB:
             return
         for system in order:
             self.rec(system, "store", rnd, pre + sa, 0, record)
-        for system in order:
-            hit = 0 if system.split("@")[0] == "base" else n
-            self.rec(system, "warm", rnd, pre + sb, hit, record)
+        for k in range(a.warm_reps):  # several warm requests over the same stored prefix (new suffixes)
+            sk = sb if k == 0 else self.prompts.tagged(f"ab{a.tag}-B{rnd}.{k}-{n}", BC.NEW_TOKENS)
+            for system in (order if k % 2 == 0 else order[::-1]):
+                hit = 0 if system.split("@")[0] == "base" else n
+                self.rec(system, "warm", rnd, pre + sk, hit, record, rep=k)
+
+    def clean_count(self) -> int:
+        """Rounds so far in which every request was clean (see ``--clean-frac``)."""
+        bad, seen = set(), set()
+        kind = "cold" if self.a.mode == "cold" else "warm"
+        for r in self.records:
+            if r["kind"] != kind:
+                continue
+            seen.add(r["round"])
+            if interference(r) > max(0.03, self.a.clean_frac * r["ttft_ms"] / 1e3):
+                bad.add(r["round"])
+        return len(seen - bad)
 
     def stop(self) -> None:
         for s in self.srvs.values():
@@ -309,6 +344,14 @@ def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[
         if row["misses"]:
             line += f"  MISSES {row['misses']}"
         print(line)
+    for i, s in enumerate(systems[1:], 1):  # the other pairs, e.g. lmtier / example
+        for t in systems[1:i]:
+            rr = [by[s][r]["ttft_ms"] / by[t][r]["ttft_ms"] for r in rounds]
+            lo, hi = binom_ci(rr)
+            pm = statistics.median(rr)
+            out["systems"][s][f"paired_ratio_vs_{t}"] = [pm, lo, hi]
+            print(f"  {s} / {t}: paired ratio median {pm:.4f} (95 % CI {lo:.4f}..{hi:.4f}, {100 * (pm - 1):+.1f} %); "
+                  f"faster in {sum(1 for x in rr if x < 1)}/{len(rounds)} rounds")
     for s in systems[1:]:
         row = out["systems"][s]
         pr, (plo, phi) = row["paired_ratio_median"], row["paired_ratio_ci"]
@@ -322,18 +365,33 @@ def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[
 def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, Any]:
     kind = "cold" if a.mode == "cold" else "warm"
     systems = a.system_list
-    by: dict[str, dict[int, dict]] = {s: {} for s in systems}
+    reps: dict[str, dict[int, list[dict]]] = {s: {} for s in systems}
     for r in records:
         if r["kind"] == kind:
-            by[r["system"]][r["round"]] = r
+            reps[r["system"]].setdefault(r["round"], []).append(r)
+    # a round's figure per system: its only request, or with --warm-reps the median of its requests
+    # (every per-request figure medianed on its own)
+    by: dict[str, dict[int, dict]] = {s: {} for s in systems}
+    for s, per in reps.items():
+        for rnd, rs in per.items():
+            if len(rs) == 1:
+                by[s][rnd] = rs[0]
+            else:
+                m = {k: statistics.median(x[k] for x in rs) for k in rs[0]
+                     if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)}
+                m["loadavg"] = [max(x["loadavg"][0] for x in rs)]
+                m["miss"] = any(x.get("miss") for x in rs)
+                by[s][rnd] = m
     rounds = sorted(set.intersection(*(set(v) for v in by.values())))
     out: dict[str, Any] = {"n": a.n, "mode": a.mode, "gap_s": a.gap}
     out["all"] = compare(a, by, rounds, f"N = {a.n}, mode {a.mode}, all rounds")
     # Rounds in which no request of any system shared the cores with more than --clean-cpu CPU seconds
     # of other work (other servers' idle loops, other jobs): the calm subset.
-    clean = [r for r in rounds if all(interference(by[s][r]) <= a.clean_cpu for s in systems)]
-    out["clean"] = compare(a, by, clean, f"N = {a.n}, mode {a.mode}, rounds with <= {a.clean_cpu} CPU s outside "
-                                         f"the measured server per request")
+    # (CPU times come in 10 ms ticks: a short request is allowed 3 ticks whatever its length)
+    clean = [r for r in rounds if all(interference(by[s][r]) <= max(0.03, a.clean_frac * by[s][r]["ttft_ms"] / 1e3)
+                                      for s in systems)]
+    out["clean"] = compare(a, by, clean, f"N = {a.n}, mode {a.mode}, clean rounds (CPU used outside the measured "
+                                         f"server <= {a.clean_frac} cores, at least 30 ms allowed, during every request)")
     if a.mode == "warm":  # the storing requests of warm mode are cold prefills too
         st = {s: [r["ttft_ms"] for r in records if r["system"] == s and r["kind"] == "store"] for s in systems}
         print("  storing (cold) requests of the same rounds: " + ", ".join(
@@ -346,14 +404,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=BC.REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--n", type=int, default=4096, help="cached prefix tokens (+64 new)")
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=20, help="rounds at least")
+    ap.add_argument("--clean-rounds", type=int, default=0,
+                    help="go on after --rounds until this many clean rounds exist (or --max-rounds)")
+    ap.add_argument("--max-rounds", type=int, default=40)
     ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds of the same shape first")
     ap.add_argument("--mode", choices=("cold", "warm"), default="cold")
+    ap.add_argument("--warm-reps", type=int, default=1, help="warm mode: warm requests per system per round")
     ap.add_argument("--systems", default="base,lmtier")
     ap.add_argument("--gap", type=float, default=1.5, help="seconds of quiet before every request (as bench_connectors)")
     ap.add_argument("--scrape-delay", type=float, default=0.3)
-    ap.add_argument("--clean-cpu", type=float, default=0.25,
-                    help="CPU s used outside the measured server during a request above which its round is not clean")
+    ap.add_argument("--clean-frac", type=float, default=0.1,
+                    help="cores used outside the measured server during a request (CPU s / wall s) above which "
+                         "its round is not clean (default %(default)s)")
+    ap.add_argument("--calm-frac", type=float, default=0.1,
+                    help="before every round wait until the CPU used outside this benchmark's servers over 2 s "
+                         "is below this many cores (default %(default)s) ...")
+    ap.add_argument("--calm-wait", type=float, default=60, help="... for at most this many seconds")
     ap.add_argument("--settle-load", type=float, default=1.5, help="after warm-up wait for the 1-min load to drop below this")
     ap.add_argument("--settle-s", type=float, default=120, help="... at most this many seconds")
     ap.add_argument("--tag", default="", help="prompt namespace (different runs get different prefixes)")
@@ -382,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     try:
         ab.start()
-        for rnd in range(a.rounds):
+        rnd = 0
+        while rnd < a.rounds or (a.clean_rounds and ab.clean_count() < a.clean_rounds and rnd < a.max_rounds):
             ab.round(rnd)
+            rnd += 1
     except KeyboardInterrupt:
         status = 2
     except Exception as e:  # noqa: BLE001
