@@ -72,7 +72,7 @@ class Harness:
 
     def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
                  max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1, skip_layer_waits=(),
-                 runner="v2", sleep=False, engine_id=None):
+                 runner="v2", sleep=False, engine_id=None, hide_sync_loads=False):
         import torch
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
@@ -133,6 +133,7 @@ class Harness:
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: one of {RUNNERS}")
         self.runner, self.sleep = runner, sleep
+        self.hide_sync_loads = hide_sync_loads  # pretend SchedulerOutput.has_sync_kv_loads is False
         orig = self.conn.get_num_new_matched_tokens
 
         def spy(request, num_computed_tokens):
@@ -199,7 +200,8 @@ class Harness:
             ids = [n.req_id for n in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
             load_kw = dict(scheduler_output=out, request_state_indices=list(range(len(ids))), request_ids=ids,
                            num_tokens=out.total_num_scheduled_tokens)
-        if out.has_sync_kv_loads:
+        sync_loads = out.has_sync_kv_loads and not self.hide_sync_loads
+        if sync_loads:
             w.start_load_kv(None, **load_kw)
         # a layer-by-layer load whose waits the fake forward skips: this step must report its blocks
         skipped_lw = bool(self.skip_layer_waits) and w.worker is not None and w.worker.layerwise_in_flight
@@ -225,7 +227,7 @@ class Harness:
             sampled.append([VOCAB_BASE + hs[end - 1] % 1000] if end >= req.num_tokens else [])
         if v2:
             w.finish_forward()  # Model Runner V2 only; in V1 a layer-by-layer load ends later
-        if not out.has_sync_kv_loads:
+        if not sync_loads:
             w.start_load_kv(None, **load_kw)
         if not spec:
             w.wait_for_save()
@@ -761,3 +763,19 @@ def test_worker_index_events_apply_in_order(make):
     assert a not in h.conn._mirror and h.conn._mirror.get(b) == "cpu"
     m = LMTierWorkerMetadata([("stored", a, "cpu")]).aggregate(LMTierWorkerMetadata([("evicted", a, None)]))
     assert m.stored == [(a, "cpu")] and m.evicted == [a] and m.disk_evicted == []
+
+
+def test_sync_loads_started_after_the_forward_are_reported_failed(make):
+    """If vLLM ever believes a step has no synchronous loads while lmtier planned some, Model Runner
+    V2 calls start_load_kv after the forward (which already read the blocks): the loads must be
+    reported failed in that step (recomputed), never written late."""
+    h = make(runner="v2", hide_sync_loads=True)
+    ps = [prompt(100 + i, n) for i, n in enumerate((40, 65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    warm = [h.add(p) for p in ps]
+    h.run()
+    for c, w in zip(cold, warm):
+        assert h.outputs[w] == h.outputs[c]
+    assert h.invalid, "the late sync loads were not reported"
+    h.check_clean()  # includes: no wrong read without a reported failure

@@ -452,6 +452,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self._failed_blocks: set[int] = set()
             self._failed_load_reqs: set[str] = set()  # requests whose sync load failed this step
             self._step_failed_blocks: set[int] = set()  # blocks of this step's failed sync loads
+            self._forward_done = False  # finish_forward ran in this step (Model Runner V2)
             self._ns0 = _namespace(vllm_config, kv_cache_config, self.chunk, 0)  # the index key space
             self._idx_lock = threading.Lock()
             self._idx_events: list = []  # (kind, rank-0 key, tier) for LMTierWorkerMetadata, in order
@@ -829,9 +830,9 @@ class LMTierConnector(KVConnectorBase_V1):
         :meth:`wait_for_layer_load`. A request whose sync load failed is remembered for this step:
         its forward runs over the blocks that were not loaded (vLLM discards that step's result and
         recomputes), so :meth:`wait_for_save` must not store what that forward computed."""
-        self._finish_layerwise()  # (a step that ended without finish_forward / wait_for_save)
         self._failed_load_reqs = set()
         self._step_failed_blocks = set()
+        self._finish_layerwise()  # (a step that ended without finish_forward / wait_for_save)
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMTierConnectorMetadata) or not meta.loads or self.worker is None:
             return
@@ -841,6 +842,15 @@ class LMTierConnector(KVConnectorBase_V1):
                 self.worker.start_load(op)
             else:
                 sync_ops.append(op)
+        if sync_ops and self._forward_done:
+            # vLLM calls start_load_kv after the forward when it believes the step has no sync
+            # loads (SchedulerOutput.has_sync_kv_loads): the forward already read these blocks.
+            log.error("lmtier: %d synchronous load(s) reached start_load_kv after the forward; reporting "
+                      "them as failed (vLLM recomputes)", len(sync_ops))
+            for op in sync_ops:
+                self._stat("load_failures")
+                self._note_load_failures({op.req_id: set(op.block_ids[op.start_token // self.block_size:])})
+            return
         if self._layerwise and sync_ops:
             self._note_load_failures(self.worker.load_layerwise(sync_ops))
             return
@@ -865,10 +875,16 @@ class LMTierConnector(KVConnectorBase_V1):
         if i is not None:
             self.worker.wait_layer(i)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """(Each step, before the forward.) Also starts the step's bookkeeping of whether the forward ran."""
+        super().bind_connector_metadata(connector_metadata)
+        self._forward_done = False
+
     def finish_forward(self) -> None:
         """(vLLM's Model Runner V2 — 0.32 and 0.33 — right after the forward.) The model no longer reads this
         step's KV: end the step's layer-by-layer load here (without blocking the host), so a skipped
         per-layer wait is reported with this step's invalid blocks."""
+        self._forward_done = True
         self._finish_layerwise()
 
     def unregister_kv_caches(self) -> None:
