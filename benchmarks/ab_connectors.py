@@ -152,6 +152,7 @@ class AB:
         self.records: list[dict[str, Any]] = []
         self.srvs: dict[str, BC.Srv] = {}
         self.last: dict[str, dict[str, float]] = {}
+        self.generation = 0
 
     def spec(self, system: str) -> tuple[dict | None, dict[str, str], bool]:
         base, _, envs = system.partition("@")
@@ -225,7 +226,8 @@ class AB:
                   # machine-wide idle / iowait / steal seconds during the request (all cores)
                   "idle_s": round((k1[3] - k0[3]) / _TICK, 2), "iowait_s": round((k1[4] - k0[4]) / _TICK, 2),
                   "steal_s": round((k1[7] - k0[7]) / _TICK, 2) if len(k1) > 7 else 0.0})
-        r.update({"system": system, "kind": kind, "round": rnd, "rep": rep, "t": round(time.time(), 2),
+        r.update({"system": system, "kind": kind, "round": rnd, "rep": rep, "generation": self.generation,
+                  "t": round(time.time(), 2),
                   "loadavg": os.getloadavg(),
                   "store_ms": 1e3 * d("vllm:lmtier_store_seconds_sum"),
                   "load_ms": 1e3 * d("vllm:lmtier_load_seconds_sum"),
@@ -270,7 +272,8 @@ class AB:
         order = a.system_list[rnd % len(a.system_list):] + a.system_list[:rnd % len(a.system_list)]
         if (rnd // len(a.system_list)) % 2:
             order = order[::-1]
-        pre = self.prompts.tagged(f"ab{a.tag}-r{rnd}-N{n}", n)
+        g = f"g{self.generation}" if rnd < 0 else ""  # warm-up rounds: new prompts in every generation
+        pre = self.prompts.tagged(f"ab{a.tag}-r{rnd}{g}-N{n}", n)
         sa = self.prompts.tagged(f"ab{a.tag}-A{rnd}-{n}", BC.NEW_TOKENS)
         sb = self.prompts.tagged(f"ab{a.tag}-B{rnd}-{n}", BC.NEW_TOKENS)
         if a.mode == "cold":
@@ -392,6 +395,18 @@ def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, An
                                       for s in systems)]
     out["clean"] = compare(a, by, clean, f"N = {a.n}, mode {a.mode}, clean rounds (CPU used outside the measured "
                                          f"server <= {a.clean_frac} cores, at least 30 ms allowed, during every request)")
+    gens = sorted({by[systems[0]][r].get("generation", 0) for r in rounds})
+    if len(gens) > 1:
+        ref = systems[0]
+        for s in systems[1:]:
+            per = []
+            for g in gens:
+                rr = [by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds if by[ref][r].get("generation", 0) == g]
+                if rr:
+                    per.append(statistics.median(rr))
+            out.setdefault("per_generation", {})[s] = per
+            print(f"  {s} / {ref} per server generation (paired ratio medians): "
+                  + ", ".join(f"{100 * (x - 1):+.1f} %" for x in per))
     if a.mode == "warm":  # the storing requests of warm mode are cold prefills too
         st = {s: [r["ttft_ms"] for r in records if r["system"] == s and r["kind"] == "store"] for s in systems}
         print("  storing (cold) requests of the same rounds: " + ", ".join(
@@ -408,6 +423,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clean-rounds", type=int, default=0,
                     help="go on after --rounds until this many clean rounds exist (or --max-rounds)")
     ap.add_argument("--max-rounds", type=int, default=40)
+    ap.add_argument("--generations", type=int, default=1,
+                    help="restart every server this many times over --rounds (server-instance effects)")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds of the same shape first")
     ap.add_argument("--mode", choices=("cold", "warm"), default="cold")
     ap.add_argument("--warm-reps", type=int, default=1, help="warm mode: warm requests per system per round")
@@ -450,7 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ab.start()
         rnd = 0
+        per_gen = -(-a.rounds // a.generations)
         while rnd < a.rounds or (a.clean_rounds and ab.clean_count() < a.clean_rounds and rnd < a.max_rounds):
+            if rnd and rnd % per_gen == 0 and rnd < a.rounds:
+                # a new generation of servers: each process's own speed (its memory placement) differs
+                # by a few %, which paired rounds inside one generation cannot tell from the system's
+                ab.stop()
+                ab.srvs, ab.last = {}, {}
+                ab.generation += 1
+                log(f"generation {ab.generation}: restarting the servers")
+                ab.start()
             ab.round(rnd)
             rnd += 1
     except KeyboardInterrupt:
