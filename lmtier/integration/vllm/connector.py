@@ -774,7 +774,10 @@ class LMTierConnector(KVConnectorBase_V1):
                 log.exception("lmtier: layer-by-layer loads unavailable (their copy engine failed to "
                               "initialise); loading before the forward")
                 self._layerwise = False
-        log.info("lmtier: synchronous loads %s", "layer by layer" if self._layerwise else "before the forward")
+        log.info("lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB; "
+                 "synchronous loads %s", self.layout.num_layers, kind, self.layout.num_blocks,
+                 self.layout.block_size, dev, self.worker.chunk_bytes / 2**20,
+                 "layer by layer" if self._layerwise else "before the forward")
 
     def _decide_layerwise(self, dev: torch.device) -> bool:
         """Whether synchronous loads go layer by layer (see ``layerwise_loads`` in the class docstring).
@@ -792,9 +795,6 @@ class LMTierConnector(KVConnectorBase_V1):
         cg = getattr(getattr(self._vllm_config, "compilation_config", None), "cudagraph_mode", None)
         full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
         return dev.type == "cuda" and not full_graphs
-        log.info("lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB",
-                 self.layout.num_layers, kind, self.layout.num_blocks, self.layout.block_size, dev,
-                 self.worker.chunk_bytes / 2**20)
 
     # Worker state for tests (the worker's; empty before register_kv_caches).
     @property
