@@ -300,7 +300,9 @@ class ConnectorWorker:
         else:
             ops.scatter(self.layout, slots, srcs)
 
-    def _failed_from(self, op: LoadOp, chunk_index: int) -> list[int]:
+    def blocks_from(self, op: LoadOp, chunk_index: int = 0) -> list[int]:
+        """``op``'s block ids from chunk ``chunk_index`` on (from ``start_token`` when that lies
+        later): what a load failing at that chunk leaves unwritten (default: the whole load)."""
         first_block = max(chunk_index * self.chunk, op.start_token) // self.block_size
         return op.block_ids[first_block:]
 
@@ -473,7 +475,7 @@ class ConnectorWorker:
         """
         if op.poisoned:
             self._stat("load_failures")
-            return set(op.block_ids[op.start_token // self.block_size:])
+            return set(self.blocks_from(op))
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
         key0 = _lazy(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
@@ -503,7 +505,7 @@ class ConnectorWorker:
                 self._finish_chunk(c, key0)
         failed: set[int] = set()
         if failed_ci is not None:
-            failed.update(self._failed_from(op, failed_ci))
+            failed.update(self.blocks_from(op, failed_ci))
             self._stat("load_failures")
         dt = time.perf_counter() - t0
         self._stat("load_ms", dt * 1e3)
@@ -558,7 +560,7 @@ class ConnectorWorker:
             for op in ops_:
                 if op.poisoned:
                     self._stat("load_failures")
-                    failed.setdefault(op.req_id, set()).update(op.block_ids[op.start_token // self.block_size:])
+                    failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
                     continue
                 keys = self.keys(op.token_ids, op.cache_salt)
                 key0 = _lazy(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
@@ -569,7 +571,7 @@ class ConnectorWorker:
                 while n_ok < len(chunks) and self._resolve(chunks[n_ok], block=True):
                     n_ok += 1
                 if n_ok < len(chunks):
-                    failed.setdefault(op.req_id, set()).update(self._failed_from(op, chunks[n_ok].ci))
+                    failed.setdefault(op.req_id, set()).update(self.blocks_from(op, chunks[n_ok].ci))
                     self._stat("load_failures")
                 for c in chunks[n_ok:]:
                     self._finish_chunk(c, key0)
@@ -610,14 +612,10 @@ class ConnectorWorker:
                 self._layer_engine.kernel_stream.synchronize()
             held = [(cs, key0) for _, cs, key0, _ in parts] + ([current] if current is not None else [])
             for cs, key0 in held:
-                for c in cs:
-                    try:
-                        self._finish_chunk(c, key0)
-                    except Exception:
-                        log.exception("lmtier: releasing a chunk of a failed layer-by-layer load failed")
+                self._release_chunks(cs, key0)
             for op in ops_:
                 if not op.poisoned:
-                    failed.setdefault(op.req_id, set()).update(op.block_ids[op.start_token // self.block_size:])
+                    failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
                     self._stat("load_failures")
             return failed
         if parts:
@@ -658,8 +656,17 @@ class ConnectorWorker:
                     "its blocks are reported as failed", len(missed), missed[0])
         out: dict[str, set[int]] = {}
         for op, cs, _, _ in lw.parts:
-            out.setdefault(op.req_id, set()).update(self._failed_from(op, cs[0].ci))
+            out.setdefault(op.req_id, set()).update(self.blocks_from(op, cs[0].ci))
         return out
+
+    def _release_chunks(self, chunks: list[_Chunk], key0: Callable[[], list[bytes]]) -> None:
+        """:meth:`_finish_chunk` each of a layer-by-layer load's chunks once its copies are done; one
+        that fails to release is logged and the others are still released."""
+        for c in chunks:
+            try:
+                self._finish_chunk(c, key0)
+            except Exception:
+                log.exception("lmtier: releasing chunk %d of a layer-by-layer load failed", c.ci)
 
     def drain_layerwise(self, *, block: bool = False) -> None:
         """Release the chunks of finished layer-by-layer loads whose copies completed (``block``:
@@ -674,11 +681,7 @@ class ConnectorWorker:
                     keep.append(lw)
                     continue
             for _, cs, key0, _ in lw.parts:
-                for c in cs:
-                    try:
-                        self._finish_chunk(c, key0)
-                    except Exception:
-                        log.exception("lmtier: releasing a chunk of a layer-by-layer load failed")
+                self._release_chunks(cs, key0)
             ms = lw.timing[0].elapsed_time(lw.timing[1]) if lw.timing is not None else \
                 (time.perf_counter() - lw.t0) * 1e3
             self._stat("load_ms", ms)

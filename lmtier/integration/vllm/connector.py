@@ -397,6 +397,18 @@ def _add_total(key: str, value: float) -> None:
             key, _TOTALS.data.get(key, 0) + value)
 
 
+def _layerwise_value(raw) -> bool | None:
+    """``kv_connector_extra_config["layerwise_loads"]``: True / False (bools or "true"/"false"), or
+    None for "auto" (any case; also None). Raises ``ValueError`` naming the key otherwise."""
+    if raw is None or (isinstance(raw, str) and raw.lower() == "auto"):
+        return None
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    raise ValueError(f"lmtier: kv_connector_extra_config layerwise_loads={raw!r}: must be \"auto\", true or false")
+
+
 # ------------------------------------------------------------------------------ connector
 class LMTierConnector(KVConnectorBase_V1):
     """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits.
@@ -493,19 +505,14 @@ class LMTierConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict | None) -> bool:
         """True when ``layerwise_loads`` is explicitly true: the per-layer waits must run between
         CUDA graph pieces (a replayed full graph skips them)."""
-        raw = (extra_config or {}).get("layerwise_loads", "auto")
-        return raw is True or (isinstance(raw, str) and raw.lower() == "true")
+        try:
+            return _layerwise_value((extra_config or {}).get("layerwise_loads", "auto")) is True
+        except ValueError:  # reported by the connector's constructor
+            return False
 
     def _layerwise_option(self) -> bool | None:
         """``layerwise_loads``: True / False, or None for "auto" (decided by the cache's device)."""
-        raw = self._kv_transfer_config.get_from_extra_config("layerwise_loads", "auto")
-        if raw is None or (isinstance(raw, str) and raw.lower() == "auto"):
-            return None
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
-        raise ValueError(f"lmtier: kv_connector_extra_config layerwise_loads={raw!r}: must be \"auto\", true or false")
+        return _layerwise_value(self._kv_transfer_config.get_from_extra_config("layerwise_loads", "auto"))
 
     def _mib_option(self, key: str, default: float) -> int:
         """A ``kv_connector_extra_config`` size in MiB (a number >= 0), in bytes."""
@@ -849,7 +856,7 @@ class LMTierConnector(KVConnectorBase_V1):
                       "them as failed (vLLM recomputes)", len(sync_ops))
             for op in sync_ops:
                 self._stat("load_failures")
-                self._note_load_failures({op.req_id: set(op.block_ids[op.start_token // self.block_size:])})
+                self._note_load_failures({op.req_id: set(self.worker.blocks_from(op))})
             return
         if self._layerwise and sync_ops:
             self._note_load_failures(self.worker.load_layerwise(sync_ops))
@@ -945,8 +952,13 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._key0[key] = key0
             elif tier == "disk":
                 self._remember_disk_key0(key, key0)
-            if len(self._idx_events) < _IDX_MAX:
-                self._idx_events.append(("stored", key0, tier))
+            self._queue_event("stored", key0, tier)
+
+    def _queue_event(self, kind: str, key0: bytes, tier: str | None) -> None:
+        """(Under ``_idx_lock``.) Queue one index change for the next :class:`LMTierWorkerMetadata`
+        (dropped beyond :data:`_IDX_MAX`)."""
+        if len(self._idx_events) < _IDX_MAX:
+            self._idx_events.append((kind, key0, tier))
 
     def _remember_disk_key0(self, key: bytes, key0: bytes) -> None:
         """(Under ``_idx_lock``.) Map a chunk the mirror lists on disk to its rank-0 key, so its
@@ -987,8 +999,7 @@ class LMTierConnector(KVConnectorBase_V1):
         with self._idx_lock:
             k0 = self._key0.pop(key, None)
             if k0 is not None:
-                if len(self._idx_events) < _IDX_MAX:
-                    self._idx_events.append(("evicted", k0, "disk" if self.manager.disk is not None else None))
+                self._queue_event("evicted", k0, "disk" if self.manager.disk is not None else None)
                 if self.manager.disk is not None:  # written back: the mirror says "disk"
                     self._remember_disk_key0(key, k0)
 
@@ -999,8 +1010,8 @@ class LMTierConnector(KVConnectorBase_V1):
                 k0 = self._key0_disk.pop(k, None)
                 if k0 is None and self._same_ns:
                     k0 = k
-                if k0 is not None and len(self._idx_events) < _IDX_MAX:
-                    self._idx_events.append(("disk_evicted", k0, None))
+                if k0 is not None:
+                    self._queue_event("disk_evicted", k0, None)
 
     def build_connector_worker_meta(self):
         """This step's index changes for a scheduler in another process (:class:`LMTierWorkerMetadata`)."""
