@@ -97,15 +97,20 @@ class CudaTransferEngine:
         slots = slot_mapping.to(self.layout.device, non_blocking=True).contiguous()
         return slots
 
+    def _order_after(self, wait_stream) -> None:
+        """Order both engine streams after ``wait_stream``'s queued work (default: the current
+        stream), and the kernel stream after the current stream's (the slot-mapping upload)."""
+        cur = torch.cuda.current_stream(self.layout.device)
+        ready = torch.cuda.Event()
+        ready.record(wait_stream or cur)
+        self.kernel_stream.wait_event(ready)
+        self.copy_stream.wait_event(ready)
+        self.kernel_stream.wait_stream(cur)
+
     def _transfer(self, store: bool, slot_mapping, host, wait_stream) -> torch.cuda.Event:
         host = list(host)
         slots = self._prepare(slot_mapping, host)
-        ready = torch.cuda.Event()
-        ready.record(wait_stream or torch.cuda.current_stream(self.layout.device))
-        self.kernel_stream.wait_event(ready)
-        self.copy_stream.wait_event(ready)
-        # The upload of `slots` ran on the current stream: order it before the kernels too.
-        self.kernel_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        self._order_after(wait_stream)
         done = torch.cuda.Event()
         if self.mode == "zerocopy":
             fn = ops.gather if store else ops.scatter
@@ -156,12 +161,7 @@ class CudaTransferEngine:
             raise ValueError("load_layerwise needs the staged mode")
         host = list(host)
         slots = self._prepare(slot_mapping, host)
-        dev = self.layout.device
-        ready = torch.cuda.Event()
-        ready.record(wait_stream or torch.cuda.current_stream(dev))
-        self.kernel_stream.wait_event(ready)
-        self.copy_stream.wait_event(ready)
-        self.kernel_stream.wait_stream(torch.cuda.current_stream(dev))
+        self._order_after(wait_stream)
         ptrs = [h.data_ptr() for h in host]
         cp = self._copier
         events: list[torch.cuda.Event] = []
