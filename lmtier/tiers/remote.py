@@ -376,6 +376,12 @@ class _RecordReader:
 # --------------------------------------------------------------------------------------------
 
 
+def _check_deadline(deadline: float | None) -> None:
+    """Raise ``redis.exceptions.TimeoutError`` once ``time.monotonic()`` is past ``deadline`` (None: never)."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise redis.exceptions.TimeoutError("read deadline passed (the server sends too slowly)")
+
+
 class _SocketReplies:
     """A minimal RESP2 reader over a connected socket, for the replies of one pipelined batch of
     ``EXISTS, STRLEN, GETRANGE...`` that this module sent on a redis-py connection.
@@ -402,8 +408,7 @@ class _SocketReplies:
         self.r = self.w = 0
 
     def _recv(self, dst: memoryview) -> int:
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise redis.exceptions.TimeoutError("read deadline passed (the server sends too slowly)")
+        _check_deadline(self.deadline)
         n = self.sock.recv_into(dst)
         if n == 0:
             raise redis.exceptions.ConnectionError("connection closed by the server mid-reply")
@@ -836,8 +841,7 @@ class RedisTier(Tier):
                 else:
                     conn.send_packed_command(conn.pack_commands(cmds))
                     for _ in cmds:
-                        if time.monotonic() > deadline:
-                            raise redis.exceptions.TimeoutError("read deadline passed (the server sends too slowly)")
+                        _check_deadline(deadline)
                         reader.feed(conn.read_response())
             except BaseException:
                 conn.disconnect()  # replies may be left unread: never reuse this connection
