@@ -51,6 +51,7 @@ from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
 from lmtier.keys import KEY_BYTES, Namespace, chunk_keys
 from lmtier.tiers.base import Tier
 from lmtier.tiers.cpu import CPUPool, _as_byte_dest, as_byte_source
+from lmtier.tiers.disk import DiskTier, background_priority
 
 __all__ = ["TierManager", "KVCacheStore", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
 
@@ -61,9 +62,7 @@ RemoteFactory = Callable[[RemoteConfig, Namespace], Tier]
 
 
 def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) -> Tier:
-    """Build :class:`lmtier.tiers.disk.DiskTier` from the config (imported lazily)."""
-    from lmtier.tiers.disk import DiskTier
-
+    """Build :class:`lmtier.tiers.disk.DiskTier` from the config."""
     return DiskTier(
         list(disk.paths_for(gpu_id)),
         disk.capacity_bytes,
@@ -105,14 +104,6 @@ def _wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: s
 
     key = "local_disk_serde" if which == "disk" else "remote_serde"
     return CodecTier(tier, shape=codec_chunk_shape(namespace), dtype=namespace.kv_dtype, level=level, config_key=key)
-
-
-def _background_priority() -> None:
-    """Lower the calling thread to nice 19 and the lowest best-effort I/O priority (Linux: per
-    thread; :func:`lmtier.tiers.disk.background_priority`). Best effort."""
-    from lmtier.tiers.disk import background_priority
-
-    background_priority()
 
 
 def _done(value: bool) -> Future:
@@ -165,9 +156,9 @@ class TierManager:
         # it does not take cores from the forward pass on small hosts (measured: cold-request
         # overhead on 2 cores, benchmarks/RESULTS.md).
         self._store_pool = ThreadPoolExecutor(store_threads, thread_name_prefix="lmtier-store",
-                                              initializer=_background_priority)
+                                              initializer=background_priority)
         self._remote_pool = ThreadPoolExecutor(remote_threads, thread_name_prefix="lmtier-remote",
-                                               initializer=_background_priority) if remote else None
+                                               initializer=background_priority) if remote else None
         self._inflight = 0
         self._idle = threading.Condition()
         self._closed = False
