@@ -279,6 +279,15 @@ class Harness:
         self.step()  # deliver the last finished ids to the worker
         self.worker.manager.flush(timeout_s=30)
 
+    def rerun(self, prompts: list[list[int]], ref_rids: list[str]) -> list[str]:
+        """Submit ``prompts`` again, run to the end, assert every greedy output equals the output of
+        the request in ``ref_rids`` at the same position; returns the new request ids."""
+        rids = [self.add(p) for p in prompts]
+        self.run()
+        for ref, rid in zip(ref_rids, rids, strict=True):
+            assert self.outputs[rid] == self.outputs[ref], f"{rid}: output differs from {ref}"
+        return rids
+
     # -------------------------------------------------------------------- checks
     def check_clean(self) -> None:
         assert not self.bad_steps, f"wrong KV read without a reported failure: {self.bad_steps}"
@@ -519,10 +528,7 @@ def test_injected_load_failures(make, fault, policy):
     assert len(h.loads) == 3
     h.check_clean()
     # the engine keeps serving, and loads work again
-    again = [h.add(p) for p in ps]
-    h.run()
-    for c, a in zip(cold, again):
-        assert h.outputs[a] == h.outputs[c]
+    h.rerun(ps, cold)
     h.check_clean()
 
 
@@ -620,10 +626,7 @@ def test_layerwise_skipped_wait_recomputes_and_falls_back(make):
     ps = [prompt(60 + i, n) for i, n in enumerate((40, 65, 100))]
     cold = [h.add(p) for p in ps]
     h.run()
-    warm = [h.add(p) for p in ps]
-    h.run()
-    for c, w in zip(cold, warm):
-        assert h.outputs[w] == h.outputs[c]
+    h.rerun(ps, cold)
     assert not h.worker._layerwise, "still loading layer by layer after a skipped wait"
     # the step's loaded blocks were reported invalid (on the CPU the copies were complete, so only
     # the report shows that the unwaited layer was caught)
@@ -631,10 +634,7 @@ def test_layerwise_skipped_wait_recomputes_and_falls_back(make):
     loaded_blocks = {b for op in h.loads for b in op.block_ids[op.start_token // BLOCK:]}
     assert set().union(*(b for _, b in h.invalid)) <= loaded_blocks
     h.check_clean()
-    again = [h.add(p) for p in ps]
-    h.run()
-    for c, a in zip(cold, again):
-        assert h.outputs[a] == h.outputs[c]
+    h.rerun(ps, cold)
     h.check_clean()
 
 
@@ -773,9 +773,6 @@ def test_sync_loads_started_after_the_forward_are_reported_failed(make):
     ps = [prompt(100 + i, n) for i, n in enumerate((40, 65, 100))]
     cold = [h.add(p) for p in ps]
     h.run()
-    warm = [h.add(p) for p in ps]
-    h.run()
-    for c, w in zip(cold, warm):
-        assert h.outputs[w] == h.outputs[c]
+    h.rerun(ps, cold)
     assert h.invalid, "the late sync loads were not reported"
     h.check_clean()  # includes: no wrong read without a reported failure

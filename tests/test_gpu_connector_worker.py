@@ -264,20 +264,29 @@ def test_partial_first_chunk_and_failed_chunk(dtype, managers):
     assert _same_bits(cache.buf, expect.buf), "a failed or later chunk was written"
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_load_from_disk(mode, tmp_path, managers):
-    cache = Cache("BLHNC", torch.bfloat16, 32, 16)
+def _stored_through_to_disk(cache: Cache, managers, tmp_path, *, seed: int):
+    """A worker over a CPU pool + DiskTier that stored 2 chunks of ``_tokens(2 * CHUNK, seed)`` from
+    blocks SRC and wrote them through to disk. Returns ``(worker, manager, recorder, tokens, src
+    blocks, dst blocks, keys)``."""
     ns = _ns(cache.dtype)
     mgr = TierManager(cpu=_pool(ns), disk=_disk(tmp_path))
     w, _, rec = _worker(cache, managers, mgr)
     n = 2 * CHUNK
-    toks = _tokens(n, seed=3)
+    toks = _tokens(n, seed=seed)
     src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
     keys = chunk_keys(toks, ns)
-    w.store(StoreOp("r1", toks, None, 0, src))
-    _finish(w, "r1")
+    w.store(StoreOp("stored", toks, None, 0, src))
+    _finish(w, "stored")
     assert mgr.flush(timeout_s=60)
     assert all(mgr.disk.contains(k) for k in keys), "publish did not write the chunks through to disk"
+    return w, mgr, rec, toks, src, dst, keys
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_load_from_disk(mode, tmp_path, managers):
+    cache = Cache("BLHNC", torch.bfloat16, 32, 16)
+    w, mgr, rec, toks, src, dst, keys = _stored_through_to_disk(cache, managers, tmp_path, seed=3)
+    n = len(toks)
     for k in keys:
         mgr.cpu.delete(k)
     assert mgr.lookup(keys) == ["disk", "disk"]
@@ -478,16 +487,8 @@ def test_layerwise_load_from_disk_promotes(tmp_path, managers):
     """A disk hit in a layer-by-layer load: fetched into a reserved pool slot, copied layer by layer,
     committed to the pool (promotion) only after the copy; bit exact."""
     cache = Cache("BLHNC", torch.bfloat16, 32, 16, seed=40)
-    ns = _ns(cache.dtype)
-    mgr = TierManager(cpu=_pool(ns), disk=_disk(tmp_path))
-    w, _, rec = _worker(cache, managers, mgr)
-    n = 2 * CHUNK
-    toks = _tokens(n, seed=41)
-    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
-    keys = chunk_keys(toks, ns)
-    w.store(StoreOp("s", toks, None, 0, src))
-    _finish(w, "s")
-    assert mgr.flush(timeout_s=60)
+    w, mgr, rec, toks, src, dst, keys = _stored_through_to_disk(cache, managers, tmp_path, seed=41)
+    n = len(toks)
     mgr.cpu.delete(keys[1])
     assert mgr.lookup(keys) == ["cpu", "disk"]
     expect = cache.like()
