@@ -1,5 +1,5 @@
 """zstd (levels 3 and 19) on the split bf16 byte planes of real SmolLM2 KV, the generic-compressor
-reference beside lmtier's codec (RESULTS.md §5). Usage: .venv/bin/python benchmarks/zstd_compare.py"""
+reference beside lmtier's codec (RESULTS.md §4.4). Usage: .venv/bin/python benchmarks/zstd_compare.py"""
 import sys, torch
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from bench_codec import zstd_planes
