@@ -14,9 +14,10 @@
 
 Policies (see ARCHITECTURE.md):
 
-* **Disk: write-back.** A chunk reaches the disk tier when the CPU pool evicts it (the pool's
-  ``evict_callback`` runs in the thread that needs the slot, outside the pool lock, while the
-  victim is pinned), and on ``close()`` (``persist`` keyword) so a restart finds it warm. When the
+* **Disk: write-back.** A chunk reaches the disk tier when the CPU pool evicts it (the manager is
+  an eviction listener of the pool: it runs in the thread that needs the slot, outside the pool
+  lock, while the victim is pinned), and on ``close()`` (``persist`` keyword) so a restart finds
+  it warm. When the
   CPU pool is full of pinned chunks (back-pressure) a store goes straight to disk instead. Without
   a CPU pool, stores write through to disk.
 * **Remote: asynchronous write-through.** After the CPU commit, the chunk is sent to the remote
@@ -29,6 +30,12 @@ Policies (see ARCHITECTURE.md):
   need would take this off the load path (not done yet).
 * Failures of lower tiers are misses or dropped stores (logged, counted), never exceptions in
   ``lookup``/``retrieve``; wrong-sized buffers and closed managers are caller errors and raise.
+
+Index events (:mod:`lmtier.events`): listeners added with :meth:`TierManager.add_listener` hear
+``STORED`` (a chunk became visible: :meth:`TierManager.store`, a promotion in
+:meth:`TierManager.retrieve_into`, :meth:`TierManager.commit`), ``EVICTED`` (the CPU pool's LRU
+dropped it; tier ``"disk"`` when it is on disk as it leaves) and ``DISK_EVICTED`` (the disk tier's
+LRU deleted it), synchronously in the thread where the change happened, after it happened.
 
 :class:`KVCacheStore` is a small helper for library users: store / look up / retrieve the KV
 cache of a token sequence given a Hugging Face transformers-style per-layer ``(K, V)`` cache.
@@ -48,9 +55,10 @@ from typing import Any
 import torch
 
 from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
+from lmtier.events import IndexEvent, IndexEventKind, IndexListener
 from lmtier.keys import KEY_BYTES, Namespace, chunk_keys
-from lmtier.tiers.base import Tier
-from lmtier.tiers.cpu import CPUPool, _as_byte_dest, as_byte_source
+from lmtier.tiers.base import Eviction, Tier
+from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import DiskTier, background_priority
 
 __all__ = ["TierManager", "KVCacheStore", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
@@ -118,7 +126,8 @@ class TierManager:
     Args:
         cpu: tier 1 pool, or ``None`` (no CPU caching: stores go to disk/remote directly).
         disk: tier 2 (``Tier``) or ``None``.
-        remote: tier 3 (``Tier``; ``contains_many(keys) -> list[bool]`` is used when present) or ``None``.
+        remote: tier 3 (``Tier``; one ``contains_many`` call per lookup when it
+            :meth:`~lmtier.tiers.base.Tier.batches_contains`) or ``None``.
         store_threads: threads running stores (CPU copy + commit, write-back on eviction).
         max_pending_stores: stores queued or running at most; beyond it ``store`` waits
             ``timeout_s`` and then drops the store (its future resolves ``False``).
@@ -126,8 +135,9 @@ class TierManager:
         max_pending_remote: remote sends queued at most; more are dropped (write-through is
             best-effort).
 
-    All public methods are thread-safe. The manager installs itself as ``cpu.evict_callback``
-    when a disk tier exists (write-back).
+    All public methods are thread-safe. The manager registers eviction listeners on ``cpu``
+    (write-back to ``disk``, ``EVICTED`` events) and ``disk`` (``DISK_EVICTED`` events); they are
+    removed by :meth:`close`.
     """
 
     def __init__(
@@ -162,8 +172,12 @@ class TierManager:
         self._inflight = 0
         self._idle = threading.Condition()
         self._closed = False
-        if cpu is not None and disk is not None:
-            cpu.evict_callback = self._write_back
+        self._listeners: list[IndexListener] = []
+        self._listeners_lock = threading.Lock()
+        if cpu is not None:
+            cpu.add_eviction_listener(self._on_cpu_evicted)
+        if disk is not None:
+            disk.add_eviction_listener(self._on_disk_evicted)
 
     @classmethod
     def from_config(
@@ -241,9 +255,8 @@ class TierManager:
         rest = list(keys[len(found) :])
         if self.remote is None or not rest:
             return found
-        many = getattr(self.remote, "contains_many", None)
-        if many is not None:
-            flags = self._safe(many, rest, default=None) or [False] * len(rest)
+        if self.remote.batches_contains():
+            flags = self._safe(self.remote.contains_many, rest, default=None) or [False] * len(rest)
         else:
             flags = []
             for key in rest:
@@ -331,6 +344,7 @@ class TierManager:
                     raise
                 self.cpu.commit(slot, n)
                 self._count("stored_cpu")
+                self._publish(IndexEventKind.STORED, key, "cpu")
                 self._send_remote(key)
                 return True
             if self.cpu.is_present(key):
@@ -343,20 +357,51 @@ class TierManager:
         if self.disk is not None:
             ok = bool(self._safe(self.disk.put, key, payload, default=False))
             self._count("stored_disk" if ok else "disk_put_failures")
+            if ok:
+                self._publish(IndexEventKind.STORED, key, "disk")
         if self.remote is not None:
             r = bool(self._safe(self.remote.put, key, payload, default=False))
             self._count("stored_remote" if r else "remote_put_failures")
+            if r and not ok:
+                self._publish(IndexEventKind.STORED, key, "remote")
             ok = ok or r
         if not ok:
             self._count("store_dropped")
         return ok
+
+    def commit(self, slot: Slot, nbytes: int, *, promoted: bool = False) -> None:
+        """Commit a CPU-pool write slot the caller filled, publish ``STORED`` (tier ``"cpu"``), and
+        either write the chunk through to disk/remote (:meth:`publish`; a new chunk) or count a
+        promotion (``promoted=True``: it came from a lower tier, which holds it already).
+
+        For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
+        into a slot, or reads a disk hit into one).
+
+        Args:
+            slot: a write handle from ``manager.cpu.reserve``.
+            nbytes: bytes written, ``1..cpu.chunk_bytes``.
+
+        Raises:
+            RuntimeError: no CPU pool, closed manager, or a handle that is not an open write handle
+                (see :meth:`CPUPool.commit`). ValueError: bad ``nbytes`` (the slot stays reserved).
+        """
+        self._check_open()
+        if self.cpu is None:
+            raise RuntimeError("TierManager.commit: there is no CPU pool")
+        self.cpu.commit(slot, nbytes)
+        self._publish(IndexEventKind.STORED, slot.key, "cpu")
+        if promoted:
+            self._count("promotions")
+        else:
+            self.publish(slot.key)
 
     def publish(self, key: bytes) -> None:
         """Write a chunk the caller committed into the CPU pool through to disk and remote, asynchronously.
 
         For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
         into a slot). The disk copy makes the chunk survive a restart without waiting for eviction;
-        both writes are best-effort (dropped and counted when their queues are full).
+        both writes are best-effort (dropped and counted when their queues are full). Publishes no
+        index event (:meth:`commit` commits, publishes ``STORED`` and calls this).
         """
         self._check_open()
         if self.disk is not None and self.cpu is not None:
@@ -420,13 +465,57 @@ class TierManager:
             self._remote_slots.release()
             self._leave()
 
-    def _write_back(self, key: bytes, view: torch.Tensor) -> None:
-        """CPU eviction hook: persist the victim to disk unless it is already there."""
+    def _write_back(self, key: bytes, view: torch.Tensor) -> bool:
+        """Persist a CPU chunk (``view``: ``torch.uint8`` CPU ``[nbytes]``) to disk unless it is
+        there already. Returns whether the disk holds it afterwards."""
         disk = self.disk
-        if disk is None or self._safe(disk.contains, key, default=False):
-            return
+        if disk is None:
+            return False
+        if self._safe(disk.contains, key, default=False):
+            return True
         ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False))
         self._count("written_back" if ok else "write_back_failures")
+        return ok
+
+    def _on_cpu_evicted(self, ev: Eviction) -> None:
+        """CPU pool eviction listener: write each victim back to disk (its payload is readable until
+        this returns), then publish ``EVICTED``."""
+        payloads = ev.payloads if ev.payloads is not None else (None,) * len(ev.keys)
+        for key, view in zip(ev.keys, payloads):
+            on_disk = view is not None and self._write_back(key, view)
+            self._publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
+
+    def _on_disk_evicted(self, ev: Eviction) -> None:
+        """Disk tier eviction listener: publish ``DISK_EVICTED`` per key."""
+        for key in ev.keys:
+            self._publish(IndexEventKind.DISK_EVICTED, key, None)
+
+    # ---- index events ------------------------------------------------------------------------
+
+    def add_listener(self, fn: IndexListener) -> None:
+        """Call ``fn(event)`` (:class:`lmtier.events.IndexEvent`) for every later index change:
+        synchronously, in the thread where the change happened, after it happened (``STORED``: once
+        the chunk is visible to :meth:`lookup`). ``fn`` must be quick and thread-safe; its
+        exceptions are logged and counted (``counters["listener_errors"]``), never raised."""
+        with self._listeners_lock:
+            self._listeners = [*self._listeners, fn]
+
+    def remove_listener(self, fn: IndexListener) -> None:
+        """Stop calling ``fn`` (a no-op if it is not registered)."""
+        with self._listeners_lock:
+            self._listeners = [f for f in self._listeners if f != fn]
+
+    def _publish(self, kind: IndexEventKind, key: bytes, tier: str | None) -> None:
+        listeners = self._listeners  # a snapshot: the list is replaced, never mutated
+        if not listeners:
+            return
+        ev = IndexEvent(kind, key, tier)
+        for fn in listeners:
+            try:
+                fn(ev)
+            except Exception:
+                log.exception("index listener %r failed on %s", fn, ev)
+                self._count("listener_errors")
 
     # ---- retrieve ----------------------------------------------------------------------------
 
@@ -519,6 +608,7 @@ class TierManager:
             return None
         if n > dst.shape[0]:
             self.cpu.commit(slot, n)
+            self._publish(IndexEventKind.STORED, key, "cpu")
             raise ValueError(f"TierManager.retrieve: out has {dst.shape[0]} bytes, chunk has {n}")
         try:
             if isinstance(dst, torch.Tensor):
@@ -529,6 +619,7 @@ class TierManager:
             self.cpu.abort(slot)
             raise
         self.cpu.commit(slot, n)
+        self._publish(IndexEventKind.STORED, key, "cpu")
         self._count("promotions")
         return n
 
@@ -558,6 +649,10 @@ class TierManager:
                     self._write_back(key, slot.view)
                 finally:
                     self.cpu.release(slot)
+        if self.cpu is not None:
+            self.cpu.remove_eviction_listener(self._on_cpu_evicted)
+        if self.disk is not None:
+            self.disk.remove_eviction_listener(self._on_disk_evicted)
         for tier in (self.cpu, self.disk, self.remote):
             if tier is not None:
                 try:
