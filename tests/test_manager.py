@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lmtier.config import ConfigError, LMTierConfig
+from lmtier.hf import KVCacheStore, pack_kv_chunk, unpack_kv_chunk
 from lmtier.keys import Namespace, chunk_keys
-from lmtier.manager import KVCacheStore, TierManager, pack_kv_chunk, unpack_kv_chunk
+from lmtier.manager import TierManager
 from lmtier.tiers.base import Tier, TierUsage
 from lmtier.tiers.cpu import CPUPool
 
