@@ -79,11 +79,11 @@ def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) ->
 
 
 def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
-    """Build :class:`lmtier.tiers.remote.RedisTier` from the config (imported lazily)."""
-    from lmtier.tiers.remote import RedisTier
+    """Build :class:`lmtier.tiers.redis.RedisTier` from the config's parsed endpoint (imported
+    lazily: redis-py is an optional dependency)."""
+    from lmtier.tiers.redis import RedisTier
 
-    assert remote.url is not None
-    return RedisTier(remote.url, password_env=remote.password_env, timeout_s=remote.timeout_s)
+    return RedisTier.from_config(remote)
 
 
 def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:

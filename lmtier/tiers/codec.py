@@ -60,7 +60,8 @@ from lmtier.codec.levels import LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
-from lmtier.tiers.disk import BouncePool, host_view, is_cuda_tensor
+from lmtier.tiers.buffers import BouncePool, host_view
+from lmtier.tiers.device import is_cuda_tensor
 
 __all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
 
@@ -132,7 +133,7 @@ class CodecTier(Tier):
 
     Args:
         inner: the tier holding the records (a :class:`~lmtier.tiers.disk.DiskTier`,
-            :class:`~lmtier.tiers.remote.RedisTier`, ...). Closed by :meth:`close`.
+            :class:`~lmtier.tiers.redis.RedisTier`, ...). Closed by :meth:`close`.
         shape: canonical chunk shape ``(L, 2, T, H, D)``.
         dtype: ``torch.bfloat16`` / ``torch.float16`` or their names.
         level: ``"lossless"``, ``"high"``, ``"default"`` or ``"low"``.
