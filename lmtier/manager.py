@@ -5,7 +5,8 @@
 
 * ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
   ``"remote"``); stops at the first miss. The remote tier is asked once for all remaining keys when
-  it offers ``contains_many`` (one pipelined round trip).
+  its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
+  pipelined round trip), else key by key up to the first miss.
 * ``store(key, data)`` — asynchronous: a small thread pool copies the chunk into a CPU slot and
   commits it; it returns a ``Future[bool]`` at once and never blocks the caller unless asked to
   wait for queue room (back-pressure: a bounded number of stores in flight).

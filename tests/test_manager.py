@@ -13,7 +13,7 @@ import torch
 
 from lmtier.config import ConfigError, LMTierConfig
 from lmtier.hf import KVCacheStore, pack_kv_chunk, unpack_kv_chunk
-from lmtier.keys import Namespace, chunk_keys
+from lmtier.keys import Namespace
 from lmtier.manager import TierManager
 from lmtier.tiers.base import Tier, TierUsage
 from lmtier.tiers.cpu import CPUPool
