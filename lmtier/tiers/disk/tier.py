@@ -633,8 +633,9 @@ class DiskTier(Tier):
         else the device adapter (pinned bounce + H2D copy)."""
         kvikio = self._gds.module()
         if kvikio is not None:
+            out_u8 = flat_u8(out)  # (a non-contiguous out is the caller's error, not kvikio's)
             try:
-                return self._get_cuda_kvikio(kvikio, key, path, flat_u8(out))
+                return self._get_cuda_kvikio(kvikio, key, path, out_u8)
             except FileNotFoundError:
                 raise
             except Exception as e:
