@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lmtier.bench.common import (add_common_args, odirect_read_gbps, plot_bars, preset, print_table,  # noqa: E402
                                  progress, report_plot, system_header, write_json)
-from lmtier.tiers.disk import AlignedBuffer, DiskTier  # noqa: E402
+from lmtier.tiers.buffers import AlignedBuffer  # noqa: E402
+from lmtier.tiers.disk import DiskTier  # noqa: E402
 
 MiB = 1 << 20
 

@@ -59,8 +59,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from lmtier.bench.common import (add_common_args, plot_bars, preset, print_table, progress,  # noqa: E402
                                  report_plot, system_header, write_json)
-from lmtier.tiers.disk import AlignedBuffer  # noqa: E402
-from lmtier.tiers.remote import RedisTier  # noqa: E402
+from lmtier.tiers.buffers import AlignedBuffer  # noqa: E402
+from lmtier.tiers.redis import RedisTier  # noqa: E402
 
 MiB = 1 << 20
 

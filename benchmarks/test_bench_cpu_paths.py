@@ -120,7 +120,7 @@ def test_disk_put(benchmark, disk, kv):
 def test_disk_get_into(benchmark, disk, kv):
     """Load of one chunk record into an aligned host buffer (checksum verified). O_DIRECT where the
     file system has it; on tmpfs / without O_DIRECT this is the page cache."""
-    from lmtier.tiers.disk import AlignedBuffer
+    from lmtier.tiers.buffers import AlignedBuffer
 
     payload = kv.view(torch.uint8).numpy()
     key = b"r" * 32

@@ -71,9 +71,11 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
+
+from lmtier.remote_url import RedisEndpoint, RemoteURLError, parse_redis_url, redact_url
 
 __all__ = [
     "ConfigError",
@@ -135,7 +137,6 @@ NON_CONFIG_ENV_VARS = frozenset(
 configuration keys. Any other ``LMTIER_*`` variable is a :class:`ConfigError` (a mistyped override
 must not be ignored), so a component that introduces a new ``LMTIER_*`` variable registers it here."""
 
-_REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 _SERDES = ("naive", "cachegen")
 CODEC_LEVELS = ("lossless", "high", "default", "low")
 """``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
@@ -212,25 +213,18 @@ class RemoteConfig:
 
     Attributes:
         url: ``remote_url`` as given (``None``: remote tier off). Never log it: use ``redacted_url``.
-        scheme: ``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"`` or
-            ``"rediss-cluster"`` (TLS).
-        hosts: ``((host, port), ...)`` for TCP schemes (one for redis/rediss); empty for unix.
-        socket_path: the socket path for ``unix://``.
-        db: database number (0 for clusters).
-        username: from the URL, or ``None``.
-        password: from the URL or from ``remote_password_env``; excluded from repr/eq.
+        endpoint: the parsed URL (:class:`lmtier.remote_url.RedisEndpoint`: hosts, socket path,
+            db, credentials — the password from the URL or ``remote_password_env`` — and TLS
+            options), or ``None`` when the tier is off. :class:`lmtier.tiers.redis.RedisTier` is
+            built from it (:meth:`~lmtier.tiers.redis.RedisTier.from_config`); the URL is parsed
+            once, here.
         serde: ``remote_serde``.
         timeout_s: ``remote_timeout_s`` (per call).
         password_env: ``remote_password_env``.
     """
 
     url: str | None = None
-    scheme: str | None = None
-    hosts: tuple[tuple[str, int], ...] = ()
-    socket_path: str | None = None
-    db: int = 0
-    username: str | None = None
-    password: str | None = field(default=None, repr=False, compare=False)
+    endpoint: RedisEndpoint | None = None
     serde: str = "naive"
     timeout_s: float = 1.0
     password_env: str | None = None
@@ -239,20 +233,43 @@ class RemoteConfig:
     def enabled(self) -> bool:
         return self.url is not None
 
+    @property
+    def scheme(self) -> str | None:
+        """``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"``, ``"rediss-cluster"`` (TLS)."""
+        return self.endpoint.scheme if self.endpoint else None
+
+    @property
+    def hosts(self) -> tuple[tuple[str, int], ...]:
+        """``((host, port), ...)`` for TCP schemes (one for redis/rediss); empty for unix."""
+        return self.endpoint.hosts if self.endpoint else ()
+
+    @property
+    def socket_path(self) -> str | None:
+        return self.endpoint.socket_path if self.endpoint else None
+
+    @property
+    def db(self) -> int:
+        return self.endpoint.db if self.endpoint else 0
+
+    @property
+    def username(self) -> str | None:
+        return self.endpoint.username if self.endpoint else None
+
+    @property
+    def password(self) -> str | None:
+        """From the URL or from ``remote_password_env``; never in repr."""
+        return self.endpoint.password if self.endpoint else None
+
     def __repr__(self) -> str:  # the URL may carry a password: show it redacted
-        shown = ", ".join(
-            f"{f.name}={self.redacted_url if f.name == 'url' else getattr(self, f.name)!r}"
-            for f in fields(self)
-            if f.name != "password"
-        )
-        return f"RemoteConfig({shown})"
+        return (f"RemoteConfig(url={self.redacted_url!r}, endpoint={self.endpoint!r}, serde={self.serde!r}, "
+                f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r})")
 
     @property
     def redacted_url(self) -> str | None:
         """``url`` with any password replaced by ``***``."""
         if self.url is None:
             return None
-        return _redact_url(self.url)
+        return redact_url(self.url)
 
 
 @dataclass(frozen=True)
@@ -454,36 +471,6 @@ def _check_writable_dir(key: str, value: str, path: str) -> None:
         raise _err(key, value, f"directory {probe!r} is not writable")
 
 
-def _redact_url(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    creds, _, tail = rest.rpartition("@")
-    masked = creds.split(":", 1)[0] + ":***" if ":" in creds else "***"
-    return f"{scheme}://{masked}@{tail}"
-
-
-def _parse_host_port(key: str, url: str, item: str) -> tuple[str, int]:
-    if item.startswith("["):  # [ipv6]:port
-        host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-        if rest and not rest.startswith(":"):
-            raise _err(key, _redact_url(url), f"malformed host {item!r}")
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise _err(key, _redact_url(url), f"missing host in {item!r}")
-    if port_text == "":
-        port = 6379
-    else:
-        if not port_text.isdigit():
-            raise _err(key, _redact_url(url), f"port {port_text!r} is not a number")
-        port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise _err(key, _redact_url(url), f"port {port} outside 1..65535")
-    return host, port
-
-
 def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfig:
     url = values["remote_url"]
     serde = values["remote_serde"]
@@ -494,83 +481,11 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         raise _err("remote_timeout_s", timeout_s, "must be > 0")
     if url is None:
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
-    key = "remote_url"
-    shown = _redact_url(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in _REMOTE_SCHEMES:
-        raise _err(key, shown, f"scheme must be one of {[s + '://' for s in _REMOTE_SCHEMES]}")
-    # Split credentials off the authority by hand: urlsplit cannot parse comma-separated hosts.
-    # The query goes first: its values may contain "/" (ssl_ca_certs=/path/ca.pem).
-    rest, _, query = rest.partition("?")
-    authority, slash, path = rest.partition("/")
-    path = slash + path
-    username = password = None
-    if "@" in authority:
-        creds, _, authority = authority.rpartition("@")
-        user_text, colon, pass_text = creds.partition(":")
-        username = unquote(user_text) or None
-        password = unquote(pass_text) if colon else None
-        if not colon:  # redis://secret@host means password "secret" (redis-py's convention)
-            password, username = username, None
-    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
-    hosts: tuple[tuple[str, int], ...] = ()
-    socket_path = None
-    db = 0
-    if scheme == "unix":
-        if authority:
-            raise _err(key, shown, "unix:// URL must be unix:///absolute/path/to/socket[?db=N]")
-        if not path or path == "/":
-            raise _err(key, shown, "missing socket path")
-        socket_path = unquote(path)
-        db_text = params.pop("db", "0")
-        if not db_text.isdigit():
-            raise _err(key, shown, f"db {db_text!r} is not a non-negative integer")
-        db = int(db_text)
-    else:
-        if not authority:
-            raise _err(key, shown, "missing host")
-        items = authority.split(",")
-        if not scheme.endswith("-cluster") and len(items) > 1:
-            raise _err(key, shown, "several hosts need redis-cluster://")
-        hosts = tuple(_parse_host_port(key, url, it.strip()) for it in items)
-        db_text = path.strip("/")
-        if db_text:
-            if scheme.endswith("-cluster"):
-                raise _err(key, shown, "Redis Cluster has no database number")
-            if not db_text.isdigit():
-                raise _err(key, shown, f"database {db_text!r} is not a non-negative integer")
-            db = int(db_text)
-    if scheme in ("rediss", "rediss-cluster"):  # TLS options, passed on to lmtier.tiers.remote.parse_url
-        for f in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-            if f in params and not os.path.isfile(unquote(params.pop(f))):
-                raise _err(key, shown, f"{f} is not a file")
-        reqs = params.pop("ssl_cert_reqs", "required").lower()
-        if reqs not in ("required", "optional", "none"):
-            raise _err(key, shown, f"ssl_cert_reqs {reqs!r} is not required/optional/none")
-        if params.pop("ssl_check_hostname", "true").lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise _err(key, shown, "ssl_check_hostname must be true or false")
-    if params:
-        raise _err(key, shown, f"unsupported query parameters {sorted(params)}")
-    if password_env is not None:
-        if not password_env:
-            raise _err("remote_password_env", password_env, "must be a variable name")
-        if password is not None:
-            raise _err("remote_password_env", password_env, "remote_url already contains a password; set only one")
-        if password_env not in env:
-            raise _err("remote_password_env", password_env, "environment variable is not set")
-        password = env[password_env]
-    return RemoteConfig(
-        url=url,
-        scheme=scheme,
-        hosts=hosts,
-        socket_path=socket_path,
-        db=db,
-        username=username,
-        password=password,
-        serde=serde,
-        timeout_s=timeout_s,
-        password_env=password_env,
-    )
+    try:
+        endpoint = parse_redis_url(url, password_env=password_env, env=env)
+    except RemoteURLError as e:
+        raise _err(e.config_key, e.value, e.why) from None
+    return RemoteConfig(url=url, endpoint=endpoint, serde=serde, timeout_s=timeout_s, password_env=password_env)
 
 
 def _check_serde(key: str, serde: str) -> None:

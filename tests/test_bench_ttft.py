@@ -193,7 +193,7 @@ def test_bundled_redis_server_runs(tmp_path):
     bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".whl", "redis", "redis-server")
     if not os.access(bundled, os.X_OK):
         pytest.skip("no bundle (run scripts/bundle_redis.sh)")
-    from lmtier.tiers.remote import RedisTier
+    from lmtier.tiers.redis import RedisTier
 
     proc = ttft.RedisProc(bundled, maxmemory=64 << 20)
     try:

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lmtier import record as rec
-from lmtier.tiers import disk as disk_mod
-from lmtier.tiers.disk import AlignedBuffer, DiskTier
+from lmtier.tiers.buffers import AlignedBuffer, round_up
+from lmtier.tiers.disk import DiskTier
+from lmtier.tiers.disk import io as disk_io
 
 MiB = 1 << 20
 
@@ -197,18 +198,19 @@ def test_lru_eviction_by_bytes(tmp_path):
     assert t.usage().num_chunks == 3
 
 
-def test_evict_callback_reports_lru_victims_and_forget(tmp_path):
-    """The LRU's victims reach ``evict_callback`` (after their files are gone); ``delete`` does not
-    report; a second view of the directory ``forget``s a key without unlinking its file; a failing
-    callback does not fail the put."""
+def test_eviction_listener_reports_lru_victims_and_forget(tmp_path):
+    """The LRU's victims reach the eviction listeners (after their files are gone); ``delete`` does
+    not report; a second view of the directory ``forget``s a key without unlinking its file; a
+    failing listener does not fail the put."""
     rec_bytes = 4096 + 1 * MiB
     t = DiskTier([str(tmp_path)], 2 * rec_bytes)
     seen = []
 
-    def cb(keys):
-        seen.append((list(keys), [os.path.exists(t._path(k)) for k in keys]))
+    def cb(ev):
+        assert ev.tier == "disk" and ev.payloads is None and isinstance(ev.keys, tuple)
+        seen.append((list(ev.keys), [os.path.exists(t._path(k)) for k in ev.keys]))
 
-    t.evict_callback = cb
+    t.add_eviction_listener(cb)
     assert t.put(key(0), payload(0, MiB)) and t.put(key(1), payload(1, MiB))
     assert seen == []
     assert t.put(key(2), payload(2, MiB))
@@ -218,9 +220,11 @@ def test_evict_callback_reports_lru_victims_and_forget(tmp_path):
     assert view.contains(key(2))
     assert view.forget(key(2)) and not view.contains(key(2)) and not view.forget(key(2))
     assert t.get_into(key(2), bytearray(MiB)) == MiB  # the file is untouched
-    t.evict_callback = lambda keys: 1 / 0
+    t.remove_eviction_listener(cb)
+    t.add_eviction_listener(lambda ev: 1 / 0)
     assert t.put(key(3), payload(3, MiB)) and t.put(key(4), payload(4, MiB))
     assert t.contains(key(4)) and not t.contains(key(2))
+    assert t.counters["evict_listener_errors"] == 1 and len(seen) == 1
 
 
 def test_restart_respects_smaller_capacity(tmp_path):
@@ -248,7 +252,7 @@ def test_write_error_leaves_nothing_visible(tier, monkeypatch):
     def boom(fd, mv, off):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "_pwrite_all", boom)
+    monkeypatch.setattr(disk_io, "pwrite_all", boom)
     assert not tier.put(key(1), payload(1, 3 * MiB))
     assert not tier.contains(key(1))
     assert not glob.glob(os.path.join(tier.paths[0], "*", "*"))  # no temp, no record
@@ -268,7 +272,7 @@ def test_write_pieces_run_at_background_priority_reads_do_not(tier, monkeypatch)
     """A put's pieces run on the write pool (nice 19, best-effort I/O level 7); a get's pieces on
     the read pool at the caller's priority, so a load never waits behind a store's pieces."""
     seen = []
-    real_w, real_r = disk_mod._pwrite_all, disk_mod._pread_into
+    real_w, real_r = disk_io.pwrite_all, disk_io.pread_into
 
     def note(kind):
         tid = threading.get_native_id()
@@ -282,8 +286,8 @@ def test_write_pieces_run_at_background_priority_reads_do_not(tier, monkeypatch)
         note("r")
         return real_r(fd, mv, off)
 
-    monkeypatch.setattr(disk_mod, "_pwrite_all", w)
-    monkeypatch.setattr(disk_mod, "_pread_into", r)
+    monkeypatch.setattr(disk_io, "pwrite_all", w)
+    monkeypatch.setattr(disk_io, "pread_into", r)
     data = payload(7, 3 * MiB + 5)  # unaligned source: several pieces + the tail, all on the write pool
     assert tier.put(key(7), memoryview(bytearray(data)))
     buf = AlignedBuffer(len(data))
@@ -371,7 +375,7 @@ def test_concurrent_puts_and_gets_same_key(tier):
     for th in threads:
         th.join()
     assert errors == []
-    assert tier.usage().num_chunks == 1 and tier.usage().used_bytes == 4096 + disk_mod.round_up(n)
+    assert tier.usage().num_chunks == 1 and tier.usage().used_bytes == 4096 + round_up(n)
     assert len(files(tier.paths[0])) == 1
     assert tier.counters["corrupt"] == 0
 

@@ -211,7 +211,7 @@ def test_redis_auth_from_env_via_config(monkeypatch, caplog):
         assert PW not in caplog.text
         # wrong password: a clear error at construction, naming the failure but not the secret
         from lmtier.tiers.base import TierError
-        from lmtier.tiers.remote import RedisTier
+        from lmtier.tiers.redis import RedisTier
 
         monkeypatch.setenv("SECTEST_REDIS_PW", "wrong-" + PW[:4])
         with pytest.raises(TierError, match="authentication") as ei:
@@ -245,7 +245,7 @@ def test_redis_tls_with_test_certificate_via_config(caplog):
                 out = bytearray(5000)
                 assert m.remote.get_into(key, out) == 5000 and bytes(out) == b"t" * 5000
         assert PW not in caplog.text
-        from lmtier.tiers.remote import RedisTier
+        from lmtier.tiers.redis import RedisTier
 
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="lmtier.tiers.remote"):

@@ -35,7 +35,7 @@ smoke runs. Per context length ``N`` (median of ``--iters`` after ``--warmup`` r
   device once; ``--codec-tables none`` gives per-stream tables. Lossy levels are checked bit for bit
   against the reference decoder (:func:`lmtier.codec.quant.dequantize`); their logits are reported, not judged.
 * ``redis`` / ``redis+codec`` — like disk / disk+codec (level ``default``) through
-  :class:`lmtier.tiers.remote.RedisTier`: against ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a
+  :class:`lmtier.tiers.redis.RedisTier`: against ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a
   private ``redis-server`` on loopback when one is found (``$LMTIER_REDIS_SERVER``, PATH, or the bundle
   ``scripts/bundle_redis.sh`` leaves in ``.whl/redis``); skipped with a line otherwise.
 
@@ -1576,7 +1576,7 @@ def run(args) -> dict:
             "(PATH, LMTIER_REDIS_SERVER; scripts/bundle_redis.sh packs one for machines without it)")
     else:
         try:
-            from lmtier.tiers.remote import RedisTier
+            from lmtier.tiers.redis import RedisTier
 
             if url is None:
                 redis_proc = RedisProc(binary, maxmemory=host_bytes * 3 + (256 << 20))

@@ -26,212 +26,48 @@ truncation or unreadable file is a miss and the file is deleted.
 Large records are split into pieces of ``piece_bytes`` moved by ``io_threads`` threads
 (``os.preadv``/``os.pwrite`` release the GIL), which is what reaches device bandwidth.
 
-GPU buffers (torch CUDA tensors) are accepted as ``payload``/``out``: stores copy them to a pinned
-bounce buffer (the checksum needs the bytes on the host anyway); loads use kvikio
-(``kvikio.CuFile.pread``, GPUDirect Storage where the system has it) when ``use_kvikio`` allows
-and it imports and works, else read into a pinned bounce buffer and copy to the device. kvikio is
-imported lazily, only for CUDA buffers (it needs libcuda). In ``"auto"`` mode it is used only
-with real GPUDirect Storage: in compat mode it bounces through host memory itself, so O_DIRECT
-into a pinned buffer plus one H2D copy moves fewer bytes (and the checksum needs the host copy).
+GPU buffers (torch CUDA tensors) are accepted as ``payload``/``out``: stores go through the device
+adapter (:class:`lmtier.tiers.device.PinnedBounce`: a pinned bounce buffer; the checksum needs the
+bytes on the host anyway); loads use kvikio (``kvikio.CuFile.pread``, GPUDirect Storage where the
+system has it; :mod:`lmtier.tiers.disk.gds`) when ``use_kvikio`` allows and it imports and works,
+else the device adapter (read into a pinned bounce buffer, one H2D copy). kvikio is imported
+lazily, only for CUDA buffers (it needs libcuda). In ``"auto"`` mode it is used only with real
+GPUDirect Storage: in compat mode it bounces through host memory itself, so O_DIRECT into a pinned
+buffer plus one H2D copy moves fewer bytes (and the checksum needs the host copy).
+
+Module layout: this file (the tier: index, eviction, record files), :mod:`lmtier.tiers.disk.io`
+(POSIX helpers, background priority), :mod:`lmtier.tiers.disk.gds` (kvikio loads).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import errno
 import itertools
 import logging
-import mmap
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
-import numpy as np
 import xxhash
 
 from lmtier import record as rec
-from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
+from lmtier.tiers.buffers import PAGE_BYTES, BouncePool, address_of, host_view, round_up
+from lmtier.tiers.device import PinnedBounce, flat_u8, is_cuda_tensor
+from lmtier.tiers.disk import io as dio
+from lmtier.tiers.disk.gds import KvikioLoader
+
+__all__ = ["DiskTier", "SUFFIX", "TMP_SUFFIX", "DIR_MODE", "FILE_MODE"]
 
 log = logging.getLogger("lmtier.tiers.disk")
 
-PAGE_BYTES = 4096
 SUFFIX = ".lmt"
 TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
-
-# --------------------------------------------------------------------------------------------
-# Buffer helpers (also used by lmtier.tiers.remote)
-# --------------------------------------------------------------------------------------------
-
-
-# ioprio_set(2): syscall numbers by machine (no libc wrapper); IOPRIO_WHO_PROCESS with a thread id
-# applies to that thread only.
-_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
-_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_WHO_PROCESS = 2, 13, 1
-_libc = None
-
-
-def background_priority() -> None:
-    """Lower the calling thread to background priority: CPU nice 19 and I/O priority best-effort
-    level 7 (the lowest level of the default class; the idle class could starve writes outright).
-
-    For threads that only do background work (write-through, write-back): on a small host they
-    must not take cores or device time from the forward pass or from a load. Linux only; a no-op
-    (silently) elsewhere or when not permitted.
-    """
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted
-        pass
-    global _libc
-    try:
-        nr = _SYS_IOPRIO_SET.get(os.uname().machine)
-        if nr is None:
-            return
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall(nr, _IOPRIO_WHO_PROCESS, tid, (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | 7)
-    except (AttributeError, OSError):
-        pass
-
-
-def round_up(n: int, align: int = PAGE_BYTES) -> int:
-    """``n`` rounded up to a multiple of ``align``."""
-    return (n + align - 1) // align * align
-
-
-def is_cuda_tensor(obj) -> bool:
-    """True for a torch tensor on a CUDA device (checked without importing torch)."""
-    return type(obj).__module__.startswith("torch") and bool(getattr(obj, "is_cuda", False))
-
-
-def host_view(obj, *, writable: bool) -> memoryview:
-    """A flat, C-contiguous ``uint8`` memoryview of a host buffer (no copy).
-
-    Accepts bytes/bytearray/memoryview/mmap, NumPy arrays and CPU torch tensors.
-
-    Raises:
-        TypeError: CUDA tensor, non-contiguous or (if ``writable``) read-only buffer.
-    """
-    if type(obj).__module__.startswith("torch"):
-        import torch
-
-        if obj.is_cuda:
-            raise TypeError("host_view: CUDA tensor; use a bounce buffer")
-        if not obj.is_contiguous():
-            raise TypeError("host_view: tensor is not contiguous")
-        obj = obj.detach().reshape(-1).view(torch.uint8).numpy()
-    mv = memoryview(obj)
-    if not mv.c_contiguous:
-        raise TypeError("host_view: buffer is not C-contiguous")
-    if writable and mv.readonly:
-        raise TypeError("host_view: buffer is read-only")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
-
-
-def address_of(mv: memoryview) -> int:
-    """Start address of a memoryview (read-only ones too); 0 for an empty view."""
-    if mv.nbytes == 0:
-        return 0
-    if not mv.readonly:
-        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
-
-
-def cuda_nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-class AlignedBuffer:
-    """A page-aligned host buffer of ``nbytes`` (rounded up to 4 KiB); ``.mv`` is a writable view.
-
-    ``pinned=True`` allocates page-locked memory through torch (``cudaHostAlloc``, page aligned),
-    for copies to/from CUDA tensors; otherwise an anonymous ``mmap`` (page aligned).
-    """
-
-    def __init__(self, nbytes: int, *, pinned: bool = False) -> None:
-        self.nbytes = round_up(max(nbytes, 1))
-        self.pinned = pinned
-        self._map = None
-        self._tensor = None
-        if pinned:
-            import torch
-
-            self._tensor = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-            self.mv = memoryview(self._tensor.numpy())
-        else:
-            self._map = mmap.mmap(-1, self.nbytes)
-            self.mv = memoryview(self._map)
-        self.address = address_of(self.mv)
-        assert self.address % PAGE_BYTES == 0, hex(self.address)
-
-    def tensor(self, nbytes: int):
-        """A ``torch.uint8`` CPU tensor viewing bytes ``[0, nbytes)``."""
-        import torch
-
-        if self._tensor is not None:
-            return self._tensor[:nbytes]
-        return torch.frombuffer(self.mv, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
-
-    def close(self) -> None:
-        self.mv.release()
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still exported; freed when it goes away
-                pass
-        self._tensor = None
-
-
-class BouncePool:
-    """Reusable page-aligned buffers (no allocation on the hot path once warm).
-
-    ``acquire(n)`` returns a buffer of >= ``n`` bytes (new ones are rounded up to 1 MiB);
-    ``release`` keeps at most ``max_cached`` buffers, preferring the largest.
-    """
-
-    def __init__(self, *, max_cached: int = 4, pinned: bool = False) -> None:
-        self._free: list[AlignedBuffer] = []
-        self._lock = threading.Lock()
-        self._max_cached = max_cached
-        self._pinned = pinned
-
-    def acquire(self, nbytes: int) -> AlignedBuffer:
-        with self._lock:
-            fits = [b for b in self._free if b.nbytes >= nbytes]
-            if fits:
-                best = min(fits, key=lambda b: b.nbytes)
-                self._free.remove(best)
-                return best
-        return AlignedBuffer(round_up(nbytes, (1 << 20) if nbytes > (1 << 20) else PAGE_BYTES), pinned=self._pinned)
-
-    def release(self, buf: AlignedBuffer) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: -b.nbytes)
-            drop = self._free[self._max_cached :]
-            del self._free[self._max_cached :]
-        for b in drop:
-            b.close()
-
-    def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-        for b in free:
-            b.close()
-
-
-# --------------------------------------------------------------------------------------------
-# The tier
-# --------------------------------------------------------------------------------------------
 
 
 class _Entry:
@@ -261,10 +97,12 @@ class DiskTier(Tier):
         max_payload_bytes: larger payloads are refused by ``put`` and treated as corruption on read.
         namespace: 16-byte namespace digest written into each header (informational).
 
-    Attribute ``evict_callback``: ``None`` or a callable receiving the list of keys (``bytes``) the
-    LRU dropped to make room, called after their files are unlinked, outside the tier's lock, in the
-    thread that needed the room (the connector reports them to a scheduler in another process so
-    its index stops claiming them). Exceptions it raises are logged and ignored.
+    Evictions: the keys the LRU dropped to make room reach the eviction listeners
+    (:meth:`Tier.add_eviction_listener`, one :class:`~lmtier.tiers.base.Eviction` per batch,
+    ``payloads=None``) after their files are unlinked, outside the tier's lock, in the thread that
+    needed the room (the tier manager publishes them as ``disk_evicted`` index events, so a
+    scheduler in another process stops claiming them). Exceptions are logged, counted
+    (``counters["evict_listener_errors"]``) and ignored. ``delete`` and ``forget`` are not reported.
 
     Raises:
         ValueError: malformed arguments. OSError: a root cannot be created.
@@ -285,6 +123,7 @@ class DiskTier(Tier):
         max_payload_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
         namespace: bytes = bytes(16),
     ) -> None:
+        super().__init__()
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         if not paths:
@@ -295,8 +134,6 @@ class DiskTier(Tier):
             raise ValueError(f"DiskTier: io_threads must be >= 1, got {io_threads}")
         if piece_bytes <= 0 or piece_bytes % PAGE_BYTES:
             raise ValueError(f"DiskTier: piece_bytes must be a positive multiple of 4096, got {piece_bytes}")
-        if use_kvikio not in ("auto", "never", "always"):
-            raise ValueError(f"DiskTier: use_kvikio must be 'auto', 'never' or 'always', got {use_kvikio!r}")
         if sync not in ("data", "none"):
             raise ValueError(f"DiskTier: sync must be 'data' or 'none', got {sync!r}")
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
@@ -305,17 +142,16 @@ class DiskTier(Tier):
         self.sync = sync
         self.max_payload_bytes = max_payload_bytes
         self._meta = rec.RecordMeta(namespace=bytes(namespace))
-        self._use_kvikio = use_kvikio
-        self._kvikio = None  # module once probed OK; False once probed unusable
+        self._gds = KvikioLoader(use_kvikio)
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk")
         # Writes (always background work: write-through, write-back) move their pieces on their own
         # threads at background CPU/I-O priority, so a load never queues behind a store's pieces.
         self._wpool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk-w",
-                                         initializer=background_priority)
+                                         initializer=dio.background_priority)
         self._io_threads = io_threads
         self._bounce = BouncePool(max_cached=2)  # payload-sized bounce buffers
         self._small = BouncePool(max_cached=2 * io_threads + 2)  # header/tail blocks
-        self._pinned_bounce: BouncePool | None = None
+        self._device = PinnedBounce(max_cached=2)  # CUDA payloads / destinations
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._used = 0
@@ -323,7 +159,6 @@ class DiskTier(Tier):
         self._tmp_seq = itertools.count()
         self._direct: dict[str, bool] = {}
         self.counters = collections.Counter()
-        self.evict_callback: Callable[[list[bytes]], None] | None = None
         for root in self.paths:
             os.makedirs(root, mode=DIR_MODE, exist_ok=True)
             self._direct[root] = use_odirect and self._probe_odirect(root)
@@ -382,22 +217,8 @@ class DiskTier(Tier):
         key = bytes(key)
         if len(key) != KEY_BYTES:
             raise ValueError(f"DiskTier.put: key must be {KEY_BYTES} bytes, got {len(key)}")
-        bounce = None
-        try:
-            if is_cuda_tensor(payload):
-                n = cuda_nbytes(payload)
-                bounce = self._pinned_pool().acquire(n)
-                if n:
-                    import torch
-
-                    bounce.tensor(n).copy_(payload.detach().reshape(-1).view(torch.uint8))
-                mv = bounce.mv[:n]
-            else:
-                mv = host_view(payload, writable=False)
+        with self._device.host_payload(payload) as mv:
             return self._put_host(key, mv)
-        finally:
-            if bounce is not None:
-                self._pinned_pool().release(bounce)
 
     def get_into(self, key: bytes, out) -> int | None:
         """Read the chunk into ``out`` and verify it.
@@ -439,8 +260,7 @@ class DiskTier(Tier):
         self._wpool.shutdown(wait=True)
         self._bounce.close()
         self._small.close()
-        if self._pinned_bounce is not None:
-            self._pinned_bounce.close()
+        self._device.close()
 
     def keys(self) -> list[bytes]:
         """Indexed keys, least recently used first."""
@@ -488,11 +308,11 @@ class DiskTier(Tier):
         found = []
         t0 = time.perf_counter()
         for root in self.paths:
-            for shard in _listdir(root):
+            for shard in dio.listdir(root):
                 d = os.path.join(root, shard)
                 if len(shard) != 2 or not os.path.isdir(d):
                     continue
-                for name in _listdir(d):
+                for name in dio.listdir(d):
                     path = os.path.join(d, name)
                     if name.endswith(TMP_SUFFIX):
                         self._remove_stale_tmp(path, name)
@@ -528,7 +348,7 @@ class DiskTier(Tier):
                 raise rec.RecordError(f"file size {st.st_size} < record size {hdr.record_bytes} (truncated)")
         except (OSError, rec.RecordError) as e:
             log.warning("removing invalid record %s: %s", path, e)
-            _unlink_quiet(path)
+            dio.unlink_quiet(path)
             self.counters["corrupt"] += 1
             return None
         return (max(st.st_atime_ns, st.st_mtime_ns), key, path, round_up(st.st_size))
@@ -550,7 +370,7 @@ class DiskTier(Tier):
                 pass
             except PermissionError:
                 return
-        _unlink_quiet(path)
+        dio.unlink_quiet(path)
 
     def _evict_locked(self, need: int) -> list[tuple[bytes, str]]:
         """Pop LRU entries until ``need`` more bytes fit; returns ``(key, path)`` of each, to unlink
@@ -565,13 +385,11 @@ class DiskTier(Tier):
 
     def _unlink_all(self, victims: list[tuple[bytes, str]]) -> None:
         for _, p in victims:
-            _unlink_quiet(p)
-        cb = self.evict_callback
-        if victims and cb is not None:
-            try:
-                cb([k for k, _ in victims])
-            except Exception:
-                log.exception("disk tier: evict_callback failed")
+            dio.unlink_quiet(p)
+        if victims:
+            failed = self._notify_evicted(Eviction(self.name, tuple(k for k, _ in victims)))
+            if failed:
+                self.counters["evict_listener_errors"] += failed
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         with self._lock:
@@ -620,9 +438,9 @@ class DiskTier(Tier):
             lvl = logging.INFO if e.errno in (errno.ENOSPC, errno.EDQUOT) else logging.WARNING
             log.log(lvl, "put %s failed: %s", path, e)
             self.counters["put_errors"] += 1
-            _unlink_quiet(tmp)
+            dio.unlink_quiet(tmp)
         except BaseException:
-            _unlink_quiet(tmp)
+            dio.unlink_quiet(tmp)
             raise
         finally:
             with self._lock:
@@ -658,7 +476,7 @@ class DiskTier(Tier):
             if address_of(mv) % PAGE_BYTES == 0:
                 # Aligned source: whole pages straight from the caller's buffer.
                 pieces = self._pieces(mv[:body], base)
-                futs = [self._submit(len(pieces), _pwrite_all, fd, v, off, pool=self._wpool) for v, off in pieces]
+                futs = [self._submit(len(pieces), dio.pwrite_all, fd, v, off, pool=self._wpool) for v, off in pieces]
                 for v, _ in pieces:
                     hasher.update(v)
                 if tail:
@@ -666,7 +484,7 @@ class DiskTier(Tier):
                     t[:tail] = mv[body:]
                     t[tail:] = bytes(PAGE_BYTES - tail)
                     hasher.update(t[:tail])
-                    futs.append(self._submit(2, _pwrite_all, fd, t, base + body, pool=self._wpool))
+                    futs.append(self._submit(2, dio.pwrite_all, fd, t, base + body, pool=self._wpool))
             else:
                 # Unaligned source: copy piece by piece into an aligned bounce buffer, each
                 # piece's write starting as soon as it is copied.
@@ -675,23 +493,23 @@ class DiskTier(Tier):
                 for v, off in self._pieces(big.mv[:padded], base):
                     o = off - base
                     k = max(0, min(v.nbytes, n - o))
-                    _copy_into(v[:k], mv[o : o + k])
+                    dio.copy_into(v[:k], mv[o : o + k])
                     if k < v.nbytes:
                         v[k:] = bytes(v.nbytes - k)
                     hasher.update(v[:k])
-                    futs.append(self._submit(2, _pwrite_all, fd, v, off, pool=self._wpool))
+                    futs.append(self._submit(2, dio.pwrite_all, fd, v, off, pool=self._wpool))
             header = rec.encode_header(key, n, hasher.intdigest(), payload_offset=base, meta=self._meta)
             h = small.mv[:PAGE_BYTES]
             h[:] = bytes(PAGE_BYTES)
             h[: rec.HEADER_BYTES] = header
-            _pwrite_all(fd, h, 0)
-            _wait_all(futs)
+            dio.pwrite_all(fd, h, 0)
+            dio.wait_all(futs)
             futs = []
             if self.sync == "data":
                 os.fdatasync(fd)
         finally:
             try:
-                _wait_all(futs)  # they use fd and the buffers; errors already being raised
+                dio.wait_all(futs)  # they use fd and the buffers; errors already being raised
             except BaseException:
                 pass
             os.close(fd)
@@ -726,7 +544,7 @@ class DiskTier(Tier):
     def _read_header(self, key: bytes, path: str, fd: int, hb: memoryview):
         """Read + decode the header block; return (header, file size) or None if corrupt."""
         st = os.fstat(fd)
-        got = _pread_into(fd, hb[:PAGE_BYTES], 0)
+        got = dio.pread_into(fd, hb[:PAGE_BYTES], 0)
         try:
             hdr = rec.decode_header(hb[:got], expected_key=key, max_payload_bytes=self.max_payload_bytes)
             if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET:
@@ -770,7 +588,7 @@ class DiskTier(Tier):
                     segs.append((v, off, v[:k], out[o : o + k]))
             # All pieces in flight on the pool; this thread checksums (and copies) them in order
             # as they land, so verification overlaps the I/O.
-            futs = [self._submit(len(segs), _pread_into, fd, v, off) for v, off, _, _ in segs]
+            futs = [self._submit(len(segs), dio.pread_into, fd, v, off) for v, off, _, _ in segs]
             hasher = xxhash.xxh3_64()
             short = None
             try:
@@ -781,9 +599,9 @@ class DiskTier(Tier):
                     if short is None:
                         hasher.update(data)
                         if dst is not None:
-                            _copy_into(dst, data)
+                            dio.copy_into(dst, data)
             finally:
-                _wait_all(futs)
+                dio.wait_all(futs)
             if short is not None:
                 self._discard_corrupt(key, path, fd, "short read of the payload (truncated)")
                 return None
@@ -809,66 +627,20 @@ class DiskTier(Tier):
 
     # ---- CUDA buffers ----------------------------------------------------------------------
 
-    def _pinned_pool(self) -> BouncePool:
-        if self._pinned_bounce is None:
-            with self._lock:
-                if self._pinned_bounce is None:
-                    self._pinned_bounce = BouncePool(max_cached=2, pinned=True)
-        return self._pinned_bounce
-
-    def _kvikio_module(self):
-        if self._use_kvikio == "never" or self._kvikio is False:
-            return None
-        if self._kvikio is None:
-            try:
-                import kvikio  # noqa: PLC0415 - optional, needs libcuda
-                import kvikio.defaults
-
-                compat = getattr(kvikio.defaults, "is_compat_mode_preferred", lambda: True)()
-            except Exception as e:  # ImportError, or a missing libcuda surfacing at import
-                if self._use_kvikio == "always":
-                    raise RuntimeError(f"DiskTier: use_kvikio='always' but kvikio is unusable: {e}") from e
-                log.info("kvikio unavailable (%s); CUDA loads go through a pinned bounce buffer", e)
-                self._kvikio = False
-                return None
-            if compat and self._use_kvikio == "auto":
-                # Without GPUDirect Storage kvikio bounces through host memory itself, and the
-                # checksum needs a host copy too: POSIX O_DIRECT into a pinned buffer + one H2D
-                # copy moves fewer bytes.
-                log.info("kvikio in compat mode (no GPUDirect Storage); CUDA loads use O_DIRECT + pinned bounce")
-                self._kvikio = False
-                return None
-            self._kvikio = kvikio
-        return self._kvikio
-
     def _get_cuda(self, key: bytes, path: str, out) -> int | None:
-        """Load into a CUDA tensor: kvikio straight into device memory, verified through a
-        pinned host copy (the checksum runs on the host), else a pinned bounce + H2D copy."""
-        import torch
-
-        out_u8 = out.detach().reshape(-1).view(torch.uint8)
-        kvikio = self._kvikio_module()
+        """Load into a CUDA tensor: kvikio straight into device memory where
+        :class:`~lmtier.tiers.disk.gds.KvikioLoader` says so, verified through a pinned host copy,
+        else the device adapter (pinned bounce + H2D copy)."""
+        kvikio = self._gds.module()
         if kvikio is not None:
+            out_u8 = flat_u8(out)  # (a non-contiguous out is the caller's error, not kvikio's)
             try:
                 return self._get_cuda_kvikio(kvikio, key, path, out_u8)
             except FileNotFoundError:
                 raise
             except Exception as e:
-                if self._use_kvikio == "always":
-                    raise
-                log.warning("kvikio load failed (%s); falling back to POSIX for CUDA loads", e)
-                self._kvikio = False
-        pool = self._pinned_pool()
-        n_cap = out_u8.numel()
-        buf = pool.acquire(n_cap)
-        try:
-            n = self._get_host(key, path, buf.mv[:n_cap])
-            if n is None:
-                return None
-            out_u8[:n].copy_(buf.tensor(n))
-            return n
-        finally:
-            pool.release(buf)
+                self._gds.disable(e)
+        return self._device.get_into(out, lambda mv: self._get_host(key, path, mv))
 
     def _get_cuda_kvikio(self, kvikio, key: bytes, path: str, out_u8) -> int | None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -877,77 +649,13 @@ class DiskTier(Tier):
             hdr = self._read_header(key, path, fd, hbuf.mv)
             if hdr is None:
                 return None
-            n = hdr.payload_bytes
-            if out_u8.numel() < n:
+            if out_u8.numel() < hdr.payload_bytes:
                 return None
-            with kvikio.CuFile(path, "r") as f:
-                got = f.pread(out_u8[:n], size=n, file_offset=hdr.payload_offset).get()
-            if got != n:
-                self._discard_corrupt(key, path, fd, f"short read ({got} bytes)")
-                return None
-            pool = self._pinned_pool()
-            buf = pool.acquire(n)
             try:
-                buf.tensor(n).copy_(out_u8[:n])
-                rec.verify_payload(hdr, buf.mv[:n])
+                return self._gds.read_payload(kvikio, path, hdr, out_u8, self._device)
             except rec.RecordError as e:
                 self._discard_corrupt(key, path, fd, str(e))
                 return None
-            finally:
-                pool.release(buf)
-            return n
         finally:
             os.close(fd)
             self._small.release(hbuf)
-
-
-def _listdir(d: str) -> list[str]:
-    try:
-        return os.listdir(d)
-    except OSError:
-        return []
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _wait_all(futs) -> None:
-    """Wait for every future; re-raise the first error after all finished."""
-    err = None
-    for f in futs:
-        try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001
-            err = err or e
-    if err is not None:
-        raise err
-
-
-def _copy_into(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src (NumPy's copy releases the GIL, unlike memoryview slice assignment)."""
-    if src.nbytes:
-        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    while mv.nbytes:
-        k = os.pwrite(fd, mv, offset)
-        if k <= 0:
-            raise OSError(errno.EIO, "pwrite wrote 0 bytes")
-        mv = mv[k:]
-        offset += k
-
-
-def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
-    """Read up to ``mv.nbytes`` at ``offset``; returns the count (short only at end of file)."""
-    total = 0
-    while total < mv.nbytes:
-        k = os.preadv(fd, [mv[total:]], offset + total)
-        if k == 0:
-            break
-        total += k
-    return total
