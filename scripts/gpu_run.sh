@@ -60,12 +60,12 @@ if has ttftsweep; then
     echo "bench ttft --inflight $inf rc=$?"
   done
 fi
-if has rans && [ -f benchmarks/bench_rans.py ]; then
-  timeout 200 $PY benchmarks/bench_rans.py --json "$OUT/rans.json" > "$OUT/bench_rans.log" 2>&1
+if has rans; then
+  timeout 200 $PY -m lmtier.bench.rans --json "$OUT/rans.json" > "$OUT/bench_rans.log" 2>&1
   echo "bench rans rc=$?"
 fi
-if has codec && [ -f benchmarks/bench_codec.py ]; then
-  timeout 240 $PY benchmarks/bench_codec.py --chunks 8 32 --json "$OUT/codec.json" > "$OUT/bench_codec.log" 2>&1
+if has codec; then
+  timeout 240 $PY -m lmtier.bench.codec_kernels --chunks 8 32 --json "$OUT/codec.json" > "$OUT/bench_codec.log" 2>&1
   echo "bench codec rc=$?"
 fi
 echo "==================== summary ===================="
