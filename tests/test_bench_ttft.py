@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from lmtier.bench import ttft  # noqa: E402
+from lmtier.bench.redisproc import RedisProc, find_redis_server  # noqa: E402
 
 
 def _run(tmp_path, *extra):
@@ -77,9 +78,9 @@ def test_graph_path_without_capture_equals_eager(tmp_path, dtype):
 
 
 def test_codec_only_lossless_level(tmp_path):
-    # 300 tokens = 5 chunks through a ring of 3 slots: host slots and device buffers wrap around
+    # 300 tokens = 5 chunks, 2 reads in flight, a staging ring of 3
     rc, res = _run(tmp_path, "--lengths", "300", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-                   "--codec-levels", "lossless", "--codec-groups", "1", "--ring", "3", "--inflight", "2")
+                   "--codec-levels", "lossless", "--ring", "3", "--inflight", "2")
     assert rc == 0
     (r,) = res["rows"]
     assert "disk+codec_ms" not in r and r["check_disk+lossless"]["kv_exact"] is True
@@ -150,7 +151,7 @@ def _redis_rows_ok(res):
 def test_redis_tiers_private_server(tmp_path, monkeypatch):
     import shutil
 
-    binary = shutil.which("redis-server") or ttft.find_redis_server()
+    binary = shutil.which("redis-server") or find_redis_server()
     if binary is None:
         pytest.skip("no redis-server")
     monkeypatch.setenv("LMTIER_REDIS_SERVER", binary)
@@ -167,10 +168,10 @@ def test_redis_tiers_private_server(tmp_path, monkeypatch):
 def test_redis_tiers_given_url(tmp_path):
     import shutil
 
-    binary = shutil.which("redis-server") or ttft.find_redis_server()
+    binary = shutil.which("redis-server") or find_redis_server()
     if binary is None:
         pytest.skip("no redis-server")
-    proc = ttft.RedisProc(binary, maxmemory=256 << 20)
+    proc = RedisProc(binary, maxmemory=256 << 20)
     try:
         out = tmp_path / "t.json"
         rc = ttft.main(["--device", "cpu", "--model-preset", "tiny", "--chunk-tokens", "64", "--iters", "1",
@@ -195,7 +196,7 @@ def test_bundled_redis_server_runs(tmp_path):
         pytest.skip("no bundle (run scripts/bundle_redis.sh)")
     from lmtier.tiers.remote import RedisTier
 
-    proc = ttft.RedisProc(bundled, maxmemory=64 << 20)
+    proc = RedisProc(bundled, maxmemory=64 << 20)
     try:
         t = RedisTier(proc.url, timeout_s=5.0, connect_timeout_s=2.0)
         key = bytes(range(32))
@@ -214,8 +215,9 @@ def test_unknown_preset_is_a_clear_error(capsys):
 
 
 def test_codec_static_tables_calibrated_saved_and_per_stream(tmp_path):
-    # default --codec-tables calibrate: static tables fitted on other input of the same model; the full
-    # chunks of N = 150 (2 x 64) are coded with them, the 22-token tail with per-stream tables; decode
+    # default --codec-tables calibrate: static tables fitted on other input of the same model; the
+    # chunks of N = 150 (2 x 64 and the 22-token tail, stored zero-padded to 64 tokens like every
+    # chunk a tier holds) are coded with them; decode
     # through the static set is bit-exact vs the reference decoder. A PATH saves them; a second run
     # loads them (same table set id, same record bytes); 'none' gives per-stream records only.
     common = ["--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
@@ -229,7 +231,7 @@ def test_codec_static_tables_calibrated_saved_and_per_stream(tmp_path):
     assert info["channels_per_table"] == 1 and lv["source"] == "calibrated"
     assert lv["num_tables"] == 2 * 2 * 2 * 16 + 2 * 2  # (layer, K/V, head, channel) + (layer, K/V) scale tables
     (r,) = res["rows"]
-    assert r["disk+codec_static_records"] == 2 and r["disk+lossless_static_records"] == 0
+    assert r["disk+codec_static_records"] == 3 and r["disk+lossless_static_records"] == 0
     assert r["check_disk+codec"]["kv_exact"] is True and r["check_disk+lossless"]["kv_exact"] is True
     assert 2.0 < r["disk+codec_ratio"] < 8.0
     assert path.exists()

@@ -73,7 +73,7 @@ def redis_benchmark(host: str, port: int, size: int, n: int, clients: int) -> di
             for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", r.stdout.replace("\r", "\n"))}
 
 
-class _RawGet:
+class RawGet:
     """``GET`` on a plain socket, the bulk reply received with ``recv_into`` into ``out`` (the
     ceiling row; no checks beyond the RESP framing)."""
 
@@ -141,7 +141,7 @@ def _clients(url: str, host: str, port: int, size: int, pieces: list[int], calle
     r.set("bench:py", data)
 
     password = urllib.parse.unquote(urllib.parse.urlsplit(url).password or "") or None
-    raws = [_RawGet(host, port, password) for _ in range(callers)]
+    raws = [RawGet(host, port, password) for _ in range(callers)]
     assert raws[0].get_into(b"bench:py", outs[0].mv) == size and bytes(outs[0].mv[:size]) == data
     rows.append((f"raw socket GETRANGE {pieces[0] / MiB:g} MiB pieces -> recv_into (ceiling)",
                  {"get": lambda j=0: raws[j].get_into(b"bench:py", outs[j].mv, pieces[0])}))
