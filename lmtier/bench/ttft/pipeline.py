@@ -178,7 +178,6 @@ class Loader:
         self.io = io_pool
         self.engine = self.layer_engine = None
         self.slots_dev = self.slots.to(self.device)
-        self._events: list = []
         if self.cuda:
             from lmtier.transfer import CudaTransferEngine
 
@@ -198,7 +197,6 @@ class Loader:
             ops.scatter(self.kv.layout, self.slots, srcs)
             return None
         events = self.layer_engine.load_layerwise(self.slots, srcs)
-        self._events = events
         cur = torch.cuda.current_stream(self.device)
         return lambda l: cur.wait_event(events[l])
 
