@@ -2,8 +2,8 @@
 through lmtier's own load path.
 
 Model: a Llama-3.1-8B-shaped ``transformers`` ``LlamaForCausalLM`` with random weights (bf16, SDPA;
-compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`), ``--model PATH`` for a real
-local model, ``--preset tiny`` for CPU smoke runs. Per context length ``N`` (median of ``--iters``
+compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M-shaped on the CPU),
+``--model PATH`` for a real local model, ``--preset tiny`` for CPU smoke runs. Per context length ``N`` (median of ``--iters``
 after ``--warmup`` runs):
 
 * ``recompute`` — prefill of ``N + 1`` tokens until the logits of the last position exist.
@@ -60,6 +60,8 @@ from lmtier.bench.ttft.tables import CALIB_SEED
 __all__ = ["main", "parser", "RTOL", "MIN_COS", "TIERS", "CALIB_SEED", "compare", "break_even", "DEFAULT_LENGTHS"]
 
 DEFAULT_LENGTHS = "1024,2048,4096,7500,16384,32768"
+DEFAULT_PRESET = {"cuda": "llama-3.1-8b", "cpu": "smollm2-135m"}
+"""``--model-preset`` by device when not given (a random 8B model in bf16 is 16 GB of CPU memory)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmtier bench ttft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--preset", "--model-preset", dest="preset", type=str.lower, default="llama-3.1-8b",
-                   help=f"random-weight model shape (ignored with --model): {', '.join(llama)}; "
+    p.add_argument("--preset", "--model-preset", dest="preset", type=str.lower, default=None,
+                   help=f"random-weight model shape (ignored with --model): {', '.join(llama)} (default: "
+                        f"{DEFAULT_PRESET['cuda']} on CUDA, {DEFAULT_PRESET['cpu']} on the CPU); "
                         "llama-3.1-70b-tp8 = one TP rank's shard (no all-reduce); the MLA preset of the other "
                         "subcommands has no transformers shape here (use --model)")
     p.add_argument("--model", default=None, help="path of a local transformers model (Llama-like)")
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
 
     p = parser()
     args = p.parse_args(argv)
-    if not args.model and (args.preset not in PRESETS or PRESETS[args.preset].llama is None):
+    if not args.model and args.preset is not None and (args.preset not in PRESETS or PRESETS[args.preset].llama is None):
         llama = sorted(k for k, v in PRESETS.items() if v.llama is not None)
         p.error(f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
                 f"choose from {', '.join(llama)} or pass --model PATH")

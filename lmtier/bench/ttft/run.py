@@ -470,6 +470,10 @@ def run(args) -> dict:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("lmtier bench ttft: --device cuda but no CUDA device is available")
+    if args.preset is None:
+        from lmtier.bench.ttft import DEFAULT_PRESET
+
+        args.preset = DEFAULT_PRESET[args.device]
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
     lines: list[str] = []
