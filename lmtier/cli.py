@@ -109,8 +109,8 @@ def run_all(rest: list[str]) -> int:
         step("remote", sub("remote"),
              [*(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []), *extra("remote")])
     else:
-        print("lmtier bench all: skipping remote — no Redis (no redis-server on PATH / $LMTIER_REDIS_SERVER / "
-              ".whl/redis, no $LMTIER_REDIS_URL)")
+        print("lmtier bench all: skipping remote — no Redis (no redis-server on PATH or $LMTIER_REDIS_SERVER, "
+              "no $LMTIER_REDIS_URL)")
         results["remote"] = "skipped (no Redis)"
     step("codec", sub("codec"), [*(["--chunks", "1", "--iters", "1"] if a.quick else []), *extra("codec")])
     if gpu:
