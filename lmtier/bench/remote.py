@@ -49,7 +49,6 @@ import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import time
 import urllib.parse
 

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from lmtier.bench.common import odirect_read_gbps
+
 __all__ = ["Dev", "timed", "median", "drop_caches", "fs_type", "default_disk_dir", "odirect_supported",
            "dd_read_gbps", "h2d_gbps", "redis_raw_gbps"]
 
@@ -67,6 +69,7 @@ def drop_caches() -> str | None:
 
 
 def fs_type(path: str) -> str:
+    """The file system type (``/proc/mounts``) of the mount holding ``path``; ``"?"`` if unknown."""
     path = os.path.realpath(path)
     best, typ = "", "?"
     try:
@@ -109,8 +112,6 @@ def dd_read_gbps(directory: str, nbytes: int, inflight: int = 4, piece_bytes: in
             t0 = time.perf_counter()
             subprocess.run(cmd, check=True, capture_output=True)
             res[name] = count * mib16 / (time.perf_counter() - t0) / 1e9
-        from lmtier.bench.common import odirect_read_gbps
-
         res["read_par"] = odirect_read_gbps(path, piece_bytes=piece_bytes, inflight=inflight)
         res["read_par_inflight"] = inflight
         res["read_par_piece_MiB"] = piece_bytes / (1 << 20)
@@ -161,7 +162,7 @@ def h2d_gbps(dev: Dev, host: torch.Tensor, nbytes: int) -> float | None:
 
 
 def redis_raw_gbps(url: str, nbytes: int, *, inflight: int, piece_bytes: int = 1 << 20, reads: int = 3) -> float | None:
-    """GB/s of ``inflight`` plain sockets each reading an ``nbytes`` value with pipelined ``GETRANGE``
+    """Median GB/s (of ``reads`` rounds) of ``inflight`` plain sockets each reading an ``nbytes`` value with pipelined ``GETRANGE``
     pieces straight into a buffer (:class:`lmtier.bench.remote.RawGet`: no client library, no
     checks) — the Redis tier's same-run ceiling. None for URLs without a TCP host (unix, cluster,
     TLS) or on any failure."""
@@ -184,15 +185,15 @@ def redis_raw_gbps(url: str, nbytes: int, *, inflight: int, piece_bytes: int = 1
         def read(j):
             return conns[j].get_into(name, memoryview(bufs[j]), piece_bytes)
 
-        best = 0.0
+        rates = []
         with ThreadPoolExecutor(len(conns)) as pool:
             for _ in range(reads):
                 t0 = time.perf_counter()
                 got = sum(pool.map(read, range(len(conns))))
-                best = max(best, got / (time.perf_counter() - t0) / 1e9)
+                rates.append(got / (time.perf_counter() - t0) / 1e9)
         c0.sock.sendall(b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s\r\n" % (len(name), name))
         c0.sock.recv(64)
-        return best
+        return statistics.median(rates)
     except (OSError, RuntimeError, ValueError):
         return None
     finally:

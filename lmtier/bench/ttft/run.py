@@ -22,7 +22,7 @@ from lmtier.bench.redisproc import RedisProc, find_redis_server
 from lmtier.bench.ttft.ceilings import (Dev, dd_read_gbps, default_disk_dir, drop_caches, fs_type, h2d_gbps,
                                         odirect_supported, redis_raw_gbps, timed)
 from lmtier.bench.ttft.model import GraphForward, LeanDecoder, build_model, prefix_kv
-from lmtier.bench.ttft.pipeline import GIB, Loader, PagedKV, build_manager, chunk_spans, landing_views
+from lmtier.bench.ttft.pipeline import Loader, PagedKV, build_manager, chunk_spans, landing_views
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, codec_tag, compare
 from lmtier.bench.ttft.tables import codec_tables
 from lmtier.keys import Namespace, chunk_keys
