@@ -1,20 +1,8 @@
-"""Disk tier store/load bandwidth for large chunks vs ``dd`` with O_DIRECT on the same directory.
-
-Usage::
-
-    python benchmarks/bench_disk.py --dir /mnt/nvme/lmtier-bench [--size-mib 32] [--count 16]
-        [--threads 1,2,4] [--sync data,none] [--json out.json]
-
-Bytes declared: payload bytes per chunk (the 4 KiB header block is not counted). Each case
-writes ``count`` distinct chunks (so a working set of count x size) and reads them back; the
-table shows the median per-chunk GB/s and the aggregate. The ceiling is ``dd bs=16M
-oflag=direct conv=fdatasync`` (write) and ``dd bs=16M iflag=direct`` (read) of the same total
-bytes in the same directory, measured right before and after each case (mean of the two). Page cache is not involved (O_DIRECT on
-both sides). Also runnable as ``pytest benchmarks/bench_disk.py`` (a tiny smoke run).
-"""
+"""Smoke run of ``lmtier bench disk`` (:mod:`lmtier.bench.disk`) for ``pytest benchmarks/``."""
 
 from __future__ import annotations
 
+<<<<<<< HEAD
 import argparse
 import os
 import shutil
@@ -203,13 +191,12 @@ def main(argv=None) -> None:
         why = plot_bars(a.plot, groups, bars, title=f"disk tier vs raw device, {a.count} x {a.size_mib:.1f} MiB records "
                         f"({a.model_preset}) in {a.dir}", ylabel="GB/s")
         report_plot(a.plot, why)
+=======
+from lmtier.bench.disk import MiB, run
+>>>>>>> bench
 
 
 def test_bench_disk_smoke(tmp_path):
     res = run(str(tmp_path), size=1 * MiB, count=2, threads=[2], syncs=["data"], rounds=1, inflight=[2])
     assert all(r["store_GBps"] > 0 and r["load_GBps"] > 0 for r in res["rows"])
     assert res["inflight_rows"][0]["load_GBps"] > 0 and res["inflight_rows"][0]["odirect_par_GBps"] > 0
-
-
-if __name__ == "__main__":
-    main()

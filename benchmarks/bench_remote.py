@@ -1,62 +1,12 @@
-"""Redis tier store/load bandwidth for large values vs a raw-socket ceiling, ``redis-benchmark``
-and the Python clients.
-
-Usage::
-
-    python benchmarks/bench_remote.py [--url redis://host:port/0] [--size-mib 32] [--iters 5]
-        [--rounds 3] [--rb-requests 50] [--pieces-mib 1,2,4,8,16] [--inflight 1,4]
-        [--io-threads N] [--json out.json]
-
-Without ``--url`` a private ``redis-server`` is started on 127.0.0.1 (no persistence,
-``proto-max-bulk-len`` raised; ``--io-threads N`` adds ``io-threads N`` and
-``io-threads-do-reads yes``). Bytes counted: payload bytes per value. Rows:
-
-* ``raw socket GETRANGE <first --pieces-mib> pieces -> recv_into`` (GET loads only; the ceiling,
-  ``%ceil`` divides by it): a plain TCP socket sends the pipelined ``GETRANGE`` pieces and
-  receives each bulk reply straight into a caller buffer with ``recv_into`` — no client library,
-  no copy besides the kernel's, no checks: what the server and the loopback deliver to a Python
-  caller. ``raw socket GET -> recv_into`` is the same with one ``GET`` of the whole value (slower
-  for large values: the server builds one value-sized reply buffer per GET);
-* ``redis-benchmark -d SIZE -t set,get -n N -c 1`` (the server's own C client; it builds each
-  reply in a growing buffer, so with large values it is slower than the raw socket) and, once,
-  ``-c 2``; the ``%rb`` columns divide by ``-c 1``;
-* redis-py (+ hiredis when installed), stock client: ``SET`` of a ``bytes`` value, ``GET``
-  returning ``bytes``, and ``GET`` + copy into a caller buffer (what a tier must do);
-* valkey-glide (when installed): ``SET``/``GET`` (bytes) through its async client;
-* ``RedisTier.put`` / ``RedisTier.get_into`` (record header, xxh3 checksum on both sides,
-  visibility-on-complete writes, verified reads) for each piece size in ``--pieces-mib``, with the
-  pieces received straight into the buffer (``direct``, the default) and through redis-py's reply
-  parser (``parser``, ``direct_reads=False``, the path before).
-
-GET loads are also measured with k callers in flight for each k in ``--inflight`` (each on its own
-connection and buffer, all reading at once; GB/s = all bytes / wall time), which is how the TTFT
-bench reads (4 in flight). The machine may be shared and noisy, so the measurement is interleaved:
-each of ``--rounds`` rounds runs ``redis-benchmark -c 1`` and then ``--iters`` timed calls of every
-row; a row's GB/s is the median of all its timed calls, the ``redis-benchmark`` ceiling the median
-of the rounds' results (all listed in the JSON). Loopback. Also runnable as ``pytest
-benchmarks/bench_remote.py`` (a tiny smoke run).
-"""
+"""Smoke run of ``lmtier bench remote`` (:mod:`lmtier.bench.remote`) for ``pytest benchmarks/``."""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import collections
-import concurrent.futures
-import os
-import re
 import shutil
-import socket
-import statistics
-import subprocess
-import sys
-import time
-import urllib.parse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+import pytest
 
+<<<<<<< HEAD
 from lmtier.bench.common import (add_common_args, plot_bars, preset, print_table, progress,  # noqa: E402
                                  report_plot, system_header, write_json)
 from lmtier.tiers.buffers import AlignedBuffer  # noqa: E402
@@ -336,11 +286,12 @@ def main(argv=None) -> None:
                             for k in res["inflight"][1:]}},
                         title=f"Redis on loopback, {a.size_mib:.1f} MiB values ({a.model_preset})", ylabel="GB/s")
         report_plot(a.plot, why)
+=======
+from lmtier.bench.remote import MiB, run
+>>>>>>> bench
 
 
 def test_bench_remote_smoke():
-    import pytest
-
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed")
     res = run(None, size=1 * MiB, iters=2, rounds=1, rb_n=5, pieces=[256 << 10], inflight=[1, 2])
@@ -349,7 +300,3 @@ def test_bench_remote_smoke():
     for kind in ("direct", "parser"):
         row = next(r for r in res["rows"] if r["client"].startswith("lmtier") and kind in r["client"])
         assert row["get_GBps"] > 0 and row["get_x2_GBps"] > 0 and row["get_%ceil"] > 0
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ gather / scatter on the CPU (:mod:`lmtier.ops`). Keys, CPU pool and manager: ``b
     LMTIER_BENCH_SMOKE=1 .venv/bin/python -m pytest benchmarks/ --benchmark-disable  # tiny, once each
 
 Full size = one 256-token chunk of Llama-3.1-8B KV (32 layers x K/V x 8 heads x 128, bf16 = 32 MiB;
-``LMTIER_BENCH_PRESET`` picks another :data:`lmtier.bench.common.PRESETS` geometry); smoke = 2 layers
+``LMTIER_BENCH_PRESET`` picks another :data:`lmtier.bench.presets.PRESETS` geometry); smoke = 2 layers
 x 16 tokens. Every benchmark checks its result (round trips bit-exact, or within the codec's error
 bound) and puts ``bytes`` and ``gb_per_s`` (of bf16 KV, from the median) in ``extra_info``; the
 same-run ceiling is ``test_memcpy_ceiling`` (a libc memcpy of the same bytes).
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmtier.bench.common import preset
+from lmtier.bench.presets import preset
 
 SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
 GEO = preset(os.environ.get("LMTIER_BENCH_PRESET", "llama-3.1-8b"))

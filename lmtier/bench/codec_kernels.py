@@ -1,8 +1,9 @@
 """KV codec throughput and ratio (issue 5): native quantize + rANS encode, rANS decode + dequantize.
 
-    .venv/bin/python benchmarks/bench_codec.py [--chunks 8 32] [--levels lossless high default low]
+    python -m lmtier.bench.codec_kernels [--chunks 8 32] [--levels lossless high default low]
                                                [--iters 20] [--cpu] [--json out/bench_codec.json]
-    LMTIER_BENCH_SMOKE=1 .venv/bin/python benchmarks/bench_codec.py          # tiny sizes
+    LMTIER_BENCH_SMOKE=1 python -m lmtier.bench.codec_kernels          # tiny sizes
+    (also ``lmtier bench codec --kernels``)
 
 Workload: Llama-3.1-8B geometry (L=32, K/V, H=8, D=128, bf16), batches of 256-token chunks of
 real-ish KV (Gaussian with per-channel magnitudes, key outlier channels, an attention-sink token,
@@ -267,7 +268,7 @@ def zstd_planes(x: torch.Tensor) -> dict | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="lmtier bench codec --kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, nargs="+", default=None, help="chunks per batch (default 8 32 GPU, 1 CPU)")
     ap.add_argument("--levels", nargs="+", default=["lossless", "high", "default", "low"])
     ap.add_argument("--seg-log2", type=int, default=rans.DEFAULT_SEG_LOG2)

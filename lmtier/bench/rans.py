@@ -1,7 +1,7 @@
 """rANS entropy coder throughput and ratio (issue 5): CUDA when available, else the CPU coder.
 
-    .venv/bin/python benchmarks/bench_rans.py [--chunks 8] [--seg-log2 12 14 16] [--json out/bench_rans.json]
-    LMTIER_BENCH_SMOKE=1 .venv/bin/python benchmarks/bench_rans.py      # tiny sizes
+    lmtier bench rans [--chunks 8] [--seg-log2 12 14 16] [--json out/bench_rans.json]
+    LMTIER_BENCH_SMOKE=1 python -m lmtier.bench.rans      # tiny sizes
 
 Workload: Llama-3.1-8B geometry (L=32, P=2 (K, V), H=8, D=128), chunks of T=256 tokens; one symbol
 per KV element, one stream per (chunk, layer, plane) = 262,144 symbols, a static table per (layer,
@@ -163,7 +163,7 @@ def run_cpu(kind, streams, ids, tables, seg_log2, iters):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="lmtier bench rans", description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=None, help="256-token chunks per batch (default 8 GPU, 1 CPU)")
     ap.add_argument("--seg-log2", type=int, nargs="+", default=None)
     ap.add_argument("--cases", nargs="+", default=["default", "high", "exponent", "uniform"])
