@@ -35,7 +35,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 $PY -c "import lmtier._C as C; print('built_with_cuda', C.built_with_cuda(), 'devices', C.cuda_device_count())"
 
 if has tests; then
-  $PY -m pytest -m gpu -q -p no:cacheprovider $(ls tests/test_transfer.py tests/test_gpu_*.py tests/test_disk_tier.py tests/test_rans.py tests/test_codec_quant.py 2>/dev/null) \
+  $PY -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
 fi
