@@ -75,6 +75,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from lmtier.errors import LMTierError
+
 __all__ = [
     "ConfigError",
     "CPUConfig",
@@ -143,7 +145,7 @@ two in step — lmtier.config does not import the codec, which needs torch)."""
 _SHARDINGS = ("by_gpu",)
 
 
-class ConfigError(ValueError):
+class ConfigError(LMTierError, ValueError):
     """Invalid lmtier configuration; the message names the key and the offending value."""
 
 

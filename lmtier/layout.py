@@ -35,6 +35,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from lmtier.errors import LMTierError
+
 CANONICAL_FORMAT_VERSION = 1
 
 PHYSICAL_ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
@@ -53,7 +55,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 KINDS = ("kv", "kv_split", "cpu_slab", "mla")
 
 
-class LayoutError(ValueError):
+class LayoutError(LMTierError, ValueError):
     """The KV tensors handed over do not form a layout lmtier supports."""
 
 

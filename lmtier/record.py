@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from lmtier.errors import LMTierError
+
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
@@ -88,7 +90,7 @@ _CHECKED_BYTES = HEADER_BYTES - 8  # header_xxh3 covers [0, 120)
 _ZERO_NS = bytes(NAMESPACE_BYTES)
 
 
-class RecordError(ValueError):
+class RecordError(LMTierError, ValueError):
     """A record header or payload does not verify (bad magic/version/length/checksum/key)."""
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from lmtier.errors import LMTierError
+
 KEY_BYTES = 32
 
 
-class TierError(RuntimeError):
+class TierError(LMTierError, RuntimeError):
     """A tier failed in a way the caller should treat as a miss (load) or a dropped store."""
 
 
