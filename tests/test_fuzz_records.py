@@ -26,13 +26,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmtier import envs
 from lmtier import record as rec
 from lmtier.codec import format as fmt
 from lmtier.codec import rans
 from lmtier.tiers import disk as disk_mod
 from lmtier.tiers.disk import DiskTier
 
-SCALE = float(os.environ.get("LMTIER_FUZZ_EXAMPLES", "1"))
+SCALE = envs.LMTIER_FUZZ_EXAMPLES
 SLOW_CALL_S = 5.0  # any single parse slower than this is a hang
 
 
