@@ -81,8 +81,7 @@ def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
 
 def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
     """The canonical chunk shape ``(L, P, T, H, D)`` of ``namespace`` (what the codec encodes)."""
-    return (namespace.num_layers, namespace.kv_planes, namespace.chunk_size, namespace.num_kv_heads,
-            namespace.head_size)
+    return namespace.chunk_shape
 
 
 def _check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
@@ -605,15 +604,7 @@ class TierManager:
 # ------------------------------------------------------------------------------------------------
 # Library helper: KV of a token sequence <-> canonical chunks
 
-TORCH_KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+from lmtier.geometry import TORCH_KV_DTYPES  # noqa: E402  (name -> torch.dtype, the one dtype table)
 
 
 def _layers_of(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

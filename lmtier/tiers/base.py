@@ -12,8 +12,7 @@ import abc
 from dataclasses import dataclass
 
 from lmtier.errors import LMTierError
-
-KEY_BYTES = 32
+from lmtier.geometry import KEY_BYTES
 
 
 class TierError(LMTierError, RuntimeError):
