@@ -55,7 +55,6 @@ import urllib.parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from lmtier.bench.common import (add_common_args, plot_bars, preset, print_table, progress,  # noqa: E402
                                  report_plot, system_header, write_json)
@@ -279,7 +278,7 @@ def run(url: str | None, *, size: int, iters: int, rounds: int = 3, rb_n: int = 
               quiet=quiet)
     if url:
         return bench(url, **kw)
-    from redis_server import RedisServer
+    from lmtier.testing.redis import RedisServer
 
     extra = ("--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb")
     if io_threads > 1:

@@ -12,7 +12,6 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _COLLECT = {"bench_store_cpu.py", "bench_disk.py", "bench_remote.py"}
 sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))  # bench_remote's private redis helper
 
 
 def pytest_collect_file(file_path, parent):

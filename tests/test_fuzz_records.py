@@ -196,14 +196,9 @@ def test_disk_valid_header_claiming_huge_payload(disk_env, tmp_path):
 # ------------------------------------------------------------------------------------ Redis tier
 @pytest.fixture(scope="module")
 def redis_env():
-    from tests.redis_server import RedisServer, RedisUnavailable
+    from lmtier.testing.redis import start_or_skip
 
-    try:
-        srv = RedisServer().start()
-    except RedisUnavailable as e:
-        if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    srv = start_or_skip()
     import redis
 
     from lmtier.tiers.remote import RedisTier
