@@ -37,7 +37,7 @@ def _redis_available() -> str | None:
 
     if envs.LMTIER_REDIS_URL:
         return envs.LMTIER_REDIS_URL
-    from lmtier.bench.ttft import find_redis_server
+    from lmtier.testing.redis import find_redis_server
 
     return find_redis_server()
 
