@@ -5,19 +5,17 @@ lmtier's own errors with one clause, while each class keeps the built-in base it
 (``ValueError`` for invalid input or data, ``RuntimeError`` for failures at run time), so existing
 ``except ValueError`` / ``except RuntimeError`` clauses keep working:
 
-============================================  ======================  ================================
-class                                         also a                  raised for
-============================================  ======================  ================================
-:class:`lmtier.config.ConfigError`            ``ValueError``          invalid configuration (names key;
-                                                                      defined in lmtier.config_schema)
-:class:`lmtier.layout.LayoutError`            ``ValueError``          KV tensors of an unsupported layout
-:class:`lmtier.record.RecordError`            ``ValueError``          a tier record that does not verify
-:class:`lmtier.codec.quant.CodecInputError`   ``ValueError``          KV the codec cannot quantize
-:class:`lmtier.codec.chunk.CodecRecordError`  ``CodecInputError``     a codec record that does not decode
-:class:`lmtier.tiers.base.TierError`          ``RuntimeError``        a tier failure (miss / dropped store)
-:class:`lmtier.integration.worker.InjectedFault`  ``RuntimeError``    test-only fault injection
-:class:`lmtier.testing.redis.RedisUnavailable`  ``RuntimeError``     the test harness found no redis-server
-============================================  ======================  ================================
+* :class:`lmtier.config.ConfigError` (``ValueError``): invalid configuration; names the key
+  (defined in :mod:`lmtier.config_schema`).
+* :class:`lmtier.layout.LayoutError` (``ValueError``): KV tensors of an unsupported layout.
+* :class:`lmtier.record.RecordError` (``ValueError``): a tier record that does not verify.
+* :class:`lmtier.codec.quant.CodecInputError` (``ValueError``): KV the codec cannot quantize;
+  :class:`lmtier.codec.chunk.CodecRecordError` (a ``CodecInputError``): a codec record that does
+  not decode.
+* :class:`lmtier.tiers.base.TierError` (``RuntimeError``): a tier failure (a miss / a dropped store).
+* :class:`lmtier.integration.worker.InjectedFault` (``RuntimeError``): test-only fault injection.
+* :class:`lmtier.testing.redis.RedisUnavailable` (``RuntimeError``): the test harness found no
+  redis-server.
 
 This module imports nothing, so every lmtier module (torch-free ones included) can use it.
 """
