@@ -638,9 +638,7 @@ def unpack_kv_chunk(chunk: torch.Tensor, namespace: Namespace) -> torch.Tensor:
     """View canonical chunk bytes as ``[num_layers, 2, chunk_size, num_kv_heads, head_size]`` of
     the namespace's dtype (no copy)."""
     dtype = TORCH_KV_DTYPES[namespace.kv_dtype]
-    return chunk.view(dtype).view(
-        namespace.num_layers, 2, namespace.chunk_size, namespace.num_kv_heads, namespace.head_size
-    )
+    return chunk.view(dtype).view(namespace.chunk_shape)
 
 
 class KVCacheStore:

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from lmtier.geometry import ChunkGeometry
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -29,8 +31,7 @@ class Geometry:
         return getattr(torch, self.dtype)
 
     def bytes_per_token(self) -> int:
-        planes = 1 if self.kind == "mla" else 2
-        return self.num_layers * planes * self.num_kv_heads * self.head_size * torch.tensor([], dtype=self.torch_dtype).element_size()
+        return ChunkGeometry.of(self.num_layers, 1 if self.kind == "mla" else 2, self.num_kv_heads, self.head_size, self.dtype).bytes_per_token
 
 
 PRESETS = {
