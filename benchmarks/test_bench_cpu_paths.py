@@ -17,16 +17,16 @@ same-run ceiling is ``test_memcpy_ceiling`` (a libc memcpy of the same bytes).
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from lmtier import envs
 from lmtier.bench.presets import preset
 
-SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
-GEO = preset(os.environ.get("LMTIER_BENCH_PRESET", "llama-3.1-8b"))
+SMOKE = envs.LMTIER_BENCH_SMOKE
+GEO = preset(envs.LMTIER_BENCH_PRESET)
 L = 2 if SMOKE else GEO.num_layers
 H, D = (GEO.num_kv_heads, GEO.head_size) if GEO.kind == "kv" else (8, 128)  # the codec takes K/V planes
 T = 16 if SMOKE else 256

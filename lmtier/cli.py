@@ -41,11 +41,11 @@ def _has_gpu() -> bool:
 
 def _redis_available() -> str | None:
     """How the remote bench would reach Redis (a URL or a redis-server binary), or None."""
-    import os
+    from lmtier import envs
 
-    if os.environ.get("LMTIER_REDIS_URL"):
-        return os.environ["LMTIER_REDIS_URL"]
-    from lmtier.bench.redisproc import find_redis_server
+    if envs.LMTIER_REDIS_URL:
+        return envs.LMTIER_REDIS_URL
+    from lmtier.testing.redis import find_redis_server
 
     return find_redis_server()
 

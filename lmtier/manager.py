@@ -89,8 +89,7 @@ def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
 
 def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
     """The canonical chunk shape ``(L, P, T, H, D)`` of ``namespace`` (what the codec encodes)."""
-    return (namespace.num_layers, namespace.kv_planes, namespace.chunk_size, namespace.num_kv_heads,
-            namespace.head_size)
+    return namespace.chunk_shape
 
 
 def _check_codecs(config: LMTierConfig, namespace: Namespace) -> None:

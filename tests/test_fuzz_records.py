@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmtier import envs
 from lmtier import record as rec
 from lmtier.codec import format as fmt
 from lmtier.codec import rans
@@ -33,7 +34,7 @@ from lmtier.tiers.buffers import BouncePool, round_up
 from lmtier.tiers.disk import DiskTier
 from lmtier.tiers.disk import tier as disk_tier
 
-SCALE = float(os.environ.get("LMTIER_FUZZ_EXAMPLES", "1"))
+SCALE = envs.LMTIER_FUZZ_EXAMPLES
 SLOW_CALL_S = 5.0  # any single parse slower than this is a hang
 
 
@@ -196,14 +197,9 @@ def test_disk_valid_header_claiming_huge_payload(disk_env, tmp_path):
 # ------------------------------------------------------------------------------------ Redis tier
 @pytest.fixture(scope="module")
 def redis_env():
-    from tests.redis_server import RedisServer, RedisUnavailable
+    from lmtier.testing.redis import start_or_skip
 
-    try:
-        srv = RedisServer().start()
-    except RedisUnavailable as e:
-        if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    srv = start_or_skip()
     import redis
 
     from lmtier.tiers.redis import RedisTier

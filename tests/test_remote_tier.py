@@ -133,7 +133,7 @@ def test_password_from_env(redis_server_auth, monkeypatch):
 
 
 def test_unix_socket(tmp_path):
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     sock = str(tmp_path / "r.sock")
     srv = start_or_skip(extra_args=("--unixsocket", sock, "--unixsocketperm", "700"))
@@ -287,7 +287,7 @@ def test_redis_cluster(redis_cluster):
 
 
 def test_tls(tmp_path):
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     srv = start_or_skip(tls=True)
     try:

@@ -30,7 +30,6 @@ thread) on the split byte planes of the lossless level. Ratio = bf16 bytes / all
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -38,13 +37,14 @@ import time
 import numpy as np
 import torch
 
+from lmtier import envs
 from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
 from lmtier.codec import native as N
 from lmtier.codec import quant as Q
 from lmtier.codec import rans
 from lmtier.codec.levels import get_level
 
-SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
+SMOKE = envs.LMTIER_BENCH_SMOKE
 L, H, D, T = 32, 8, 128, 256
 
 

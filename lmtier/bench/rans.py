@@ -21,7 +21,6 @@ run. The goals: decode >= 100 GB/s of bf16 output, encode >= 50 GB/s of bf16 inp
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,10 +28,11 @@ import time
 import numpy as np
 import torch
 
+from lmtier import envs
 from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
 from lmtier.codec import rans
 
-SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
+SMOKE = envs.LMTIER_BENCH_SMOKE
 L, P, H, D, T = 32, 2, 8, 128, 256
 
 

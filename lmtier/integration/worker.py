@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from lmtier import ops
+from lmtier.errors import LMTierError
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
@@ -106,7 +107,7 @@ class StoreOp:
     block_ids: list[int]
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(LMTierError, RuntimeError):
     """Raised internally when a fault hook makes a load fail (tests)."""
 
 

@@ -59,6 +59,7 @@ from lmtier.codec import format as cformat
 from lmtier.codec.levels import LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
+from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.buffers import BouncePool, host_view
 from lmtier.tiers.device import is_cuda_tensor
@@ -67,7 +68,7 @@ __all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
 
 log = logging.getLogger("lmtier.tiers.codec")
 
-CODEC_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
 """Namespace ``kv_dtype`` names the codec takes."""
 
 _SERDE = b"cachegen"

@@ -1,8 +1,14 @@
-"""Start a real ``redis-server`` for tests: 127.0.0.1, a free port, a temp dir, no persistence.
+"""A real ``redis-server`` for tests, benchmarks, the demo and the soak: 127.0.0.1, a free port, a
+temporary directory, no persistence.
 
-``RedisServer`` can be stopped (SIGKILL, to simulate a crash) and restarted on the same port.
-Tests skip with a clear reason when ``redis-server`` is not installed, unless the environment
-sets ``LMTIER_REQUIRE_REDIS=1`` (CI), in which case they fail.
+:class:`RedisServer` can be stopped (SIGKILL, to simulate a crash), paused (SIGSTOP, a hung server)
+and restarted on the same port; :class:`RedisClusterServers` is a 3-master Redis Cluster. The binary
+is :func:`find_redis_server`'s: ``$LMTIER_REDIS_SERVER``, else ``redis-server`` on ``PATH``, else the
+checkout's bundle (``scripts/bundle_redis.sh`` -> ``.whl/redis/redis-server``). Tests skip with a
+clear reason when there is none (:func:`start_or_skip`), unless ``LMTIER_REQUIRE_REDIS=1`` (CI),
+in which case they fail.
+
+Errors: :class:`RedisUnavailable` (no binary, no free port, the server did not answer PING).
 """
 
 from __future__ import annotations
@@ -14,20 +20,33 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
+
+from lmtier import envs
+from lmtier.errors import LMTierError
+from lmtier.testing.procs import free_port
+
+__all__ = ["RedisUnavailable", "RedisServer", "RedisClusterServers", "find_redis_server", "free_port",
+           "free_cluster_port", "start_or_skip", "skip_or_fail"]
+
+_BUNDLE = Path(__file__).resolve().parents[2] / ".whl" / "redis" / "redis-server"
 
 
-class RedisUnavailable(RuntimeError):
-    pass
+class RedisUnavailable(LMTierError, RuntimeError):
+    """No redis-server could be started (the message says why)."""
 
 
-def redis_server_binary() -> str | None:
-    return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def find_redis_server() -> str | None:
+    """The redis-server to start: ``$LMTIER_REDIS_SERVER`` (None if it is not executable), else
+    ``redis-server`` on ``PATH``, else the bundle of ``scripts/bundle_redis.sh`` in the checkout
+    (``.whl/redis/redis-server``); None if there is none."""
+    env = envs.LMTIER_REDIS_SERVER
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return str(_BUNDLE) if os.access(_BUNDLE, os.X_OK) else None
 
 
 def free_cluster_port() -> int:
@@ -47,18 +66,29 @@ def free_cluster_port() -> int:
 
 
 class RedisServer:
-    """One redis-server process.
+    """One redis-server process (call :meth:`start`; :meth:`close` kills it and removes its directory).
 
     Args:
         password: if set, ``--requirepass``.
         extra_args: more ``redis-server`` arguments.
+        port: the port (default: a free one).
+        tls: serve TLS only, with a self-signed certificate for 127.0.0.1 (``ca_file``).
+        binary: the redis-server executable (default: :func:`find_redis_server`).
+        maxmemory: ``--maxmemory`` in bytes (default: none, Redis's unlimited).
+
+    Raises:
+        RedisUnavailable: no redis-server binary (or no openssl for ``tls``).
     """
 
     def __init__(self, *, password: str | None = None, extra_args: tuple[str, ...] = (),
-                 port: int | None = None, tls: bool = False) -> None:
-        binary = redis_server_binary()
+                 port: int | None = None, tls: bool = False, binary: str | None = None,
+                 maxmemory: int | None = None) -> None:
+        binary = binary or find_redis_server()
         if binary is None:
-            raise RedisUnavailable("redis-server is not installed (apt-get install redis-server)")
+            raise RedisUnavailable("redis-server is not installed (apt-get install redis-server, or set "
+                                   "LMTIER_REDIS_SERVER, or scripts/bundle_redis.sh)")
+        if maxmemory is not None:
+            extra_args = ("--maxmemory", str(int(maxmemory)), *extra_args)
         self.binary = binary
         self.password = password
         self.extra_args = tuple(extra_args)
@@ -158,16 +188,22 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_or_skip(**kw) -> RedisServer:
-    """Start a server, or ``pytest.skip`` (``pytest.fail`` when LMTIER_REQUIRE_REDIS=1)."""
+def skip_or_fail(why: str) -> None:
+    """``pytest.skip(why)``, or ``pytest.fail`` when ``LMTIER_REQUIRE_REDIS=1`` (CI must not skip)."""
     import pytest
 
+    if envs.LMTIER_REQUIRE_REDIS:
+        pytest.fail(f"LMTIER_REQUIRE_REDIS=1 but {why}")
+    pytest.skip(why)
+
+
+def start_or_skip(**kw) -> RedisServer:
+    """Start a :class:`RedisServer` (``kw`` as its constructor), or skip / fail (:func:`skip_or_fail`)."""
     try:
         return RedisServer(**kw).start()
     except RedisUnavailable as e:
-        if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
-            pytest.fail(f"LMTIER_REQUIRE_REDIS=1 but no redis-server: {e}")
-        pytest.skip(f"no redis-server: {e}")
+        skip_or_fail(f"no redis-server: {e}")
+        raise  # not reached: skip_or_fail raises
 
 
 class RedisClusterServers:

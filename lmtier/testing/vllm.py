@@ -1,7 +1,8 @@
-"""Helpers for the vLLM connector tests: skip rules, and an engine runner executed in a subprocess.
+"""vLLM engine helpers for tests and the soak: skip rules, the test model, and an engine runner
+executed in a subprocess.
 
 A vLLM engine started in-process is not cleanly destructible, so every test scenario runs its
-engine(s) in a child process (``python tests/vllm_helpers.py SPEC.json OUT.json``) that executes a
+engine(s) in a child process (``python -m lmtier.testing.vllm SPEC.json OUT.json``) that executes a
 list of steps and writes JSON results. Engines run in-process inside that child
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``), float32,
 ``enforce_eager``, vLLM prefix caching off (so hits come from lmtier), greedy sampling.
@@ -35,8 +36,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from lmtier import envs
+
+__all__ = ["REPO", "MODEL_DIR", "SEGMENT", "vllm_skip_reason", "require_vllm", "write_yaml", "run_engine"]
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout that holds this package (its ``models/`` folder holds the test model)."""
 MODEL_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
+"""The SmolLM2 test model (``python scripts/make_model.py``)."""
 SEGMENT = 2000
 
 
@@ -61,12 +68,13 @@ def require_vllm():
     why = vllm_skip_reason()
     if why is None:
         return
-    if os.environ.get("LMTIER_REQUIRE_VLLM") == "1":
+    if envs.LMTIER_REQUIRE_VLLM:
         pytest.fail(f"LMTIER_REQUIRE_VLLM=1 but {why}")
     pytest.skip(why)
 
 
 def write_yaml(path: Path, cfg: dict) -> Path:
+    """Write the flat lmtier config ``cfg`` as a YAML file at ``path`` (floats without exponents)."""
     lines = []
     for k, v in cfg.items():
         if isinstance(v, bool):
@@ -100,7 +108,7 @@ def run_engine(spec: dict, tmp: Path, *, name: str = "run", timeout_s: float = 3
     env.update(spec.get("env", {}))
     t0 = time.monotonic()
     try:
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
+        p = subprocess.run([sys.executable, "-m", "lmtier.testing.vllm", str(spec_path), str(out_path)],
                            env=env, cwd=str(tmp), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""

@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
+from lmtier import envs
+
 ARENA_ALIGN = 64 << 20  # glibc HEAP_MAX_SIZE on 64-bit (2 * DEFAULT_MMAP_THRESHOLD_MAX)
 REGIONS = ("heap", "arenas", "other")
 
@@ -163,8 +165,8 @@ def server_regions(kv_cache_bytes: int, pool_bytes: int = 0) -> dict[str, int | 
 def tcmalloc_path() -> str | None:
     """Path of an installed ``libtcmalloc_minimal.so.4`` / ``libtcmalloc.so.4`` (Debian/Ubuntu/RHEL
     library folders), or None. ``LMTIER_TCMALLOC`` overrides the search (a path, or "" for none)."""
-    if "LMTIER_TCMALLOC" in os.environ:
-        p = os.environ["LMTIER_TCMALLOC"]
+    p = envs.LMTIER_TCMALLOC
+    if p is not None:
         return p if p and os.path.exists(p) else None
     for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
         for n in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
