@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from urllib.parse import parse_qs, unquote
 
+from lmtier.errors import LMTierError
+
 __all__ = ["SCHEMES", "DEFAULT_PORT", "RemoteURLError", "TLSOptions", "RedisEndpoint", "parse_redis_url", "redact_url"]
 
 SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
@@ -45,7 +47,7 @@ _TLS_SCHEMES = ("rediss", "rediss-cluster")
 _BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-class RemoteURLError(ValueError):
+class RemoteURLError(LMTierError, ValueError):
     """A malformed remote URL or password setting.
 
     Attributes:

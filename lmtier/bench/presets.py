@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lmtier.geometry import torch_dtype
+
 __all__ = ["ModelPreset", "PRESETS", "preset", "preset_help"]
 
 
@@ -48,7 +50,7 @@ class ModelPreset:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def num_planes(self) -> int:

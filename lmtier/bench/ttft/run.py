@@ -25,14 +25,12 @@ from lmtier.bench.ttft.model import GraphForward, LeanDecoder, build_model, pref
 from lmtier.bench.ttft.pipeline import Loader, PagedKV, build_manager, chunk_spans, landing_views
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, codec_tag, compare
 from lmtier.bench.ttft.tables import codec_tables
+from lmtier.geometry import torch_dtype
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager, codec_chunk_shape
 from lmtier.memory import HostBuffer
 
 __all__ = ["Bench", "run"]
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def _round4k(n: int) -> int:
     return -(-n // 4096) * 4096
@@ -45,7 +43,7 @@ class Bench:
         self.args = args
         self.device = torch.device(args.device)
         self.dev = Dev(self.device)
-        self.dtype = DTYPES[args.dtype]
+        self.dtype = torch_dtype(args.dtype)
         self.model, self.model_name = build_model(args.preset, args.model, self.device, self.dtype)
         self.lean = LeanDecoder(self.model)
         self.L, self.H, self.D = self.lean.num_layers, self.lean.hkv, self.lean.head_dim

@@ -14,6 +14,7 @@ import time
 import redis
 
 from lmtier import record as rec
+from lmtier.errors import LMTierError
 
 __all__ = ["HEADER", "CorruptValue", "RecordReader", "check_deadline", "SocketReplies", "read_record_direct"]
 
@@ -23,7 +24,7 @@ HEADER = rec.COMPACT_PAYLOAD_OFFSET
 """Bytes of the compact record header in front of every stored payload."""
 
 
-class CorruptValue(Exception):
+class CorruptValue(LMTierError):
     """The stored value does not verify (or a read was torn by a concurrent overwrite)."""
 
 
