@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmtier import reference
-from lmtier.integration.worker import ConnectorWorker, LoadOp, StoreOp
+from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout, make_paged_kv_cache
 from lmtier.manager import TierManager
