@@ -302,12 +302,14 @@ class Harness:
 
     def drop_cpu(self) -> None:
         """Leave chunks on disk only (the next hits are disk hits: asynchronous loads)."""
+        from lmtier.tiers.base import Eviction
+
         m = self.worker.connector_worker.manager
         m.flush(timeout_s=30)
         for k in m.cpu.keys():
             slot = m.cpu.acquire(k)
-            try:
-                m.cpu.evict_callback(k, slot.view)  # what an eviction does (write-back, index report)
+            try:  # what the pool's LRU reports (the manager writes back and publishes EVICTED)
+                m.cpu._notify_evicted(Eviction("cpu", (k,), (slot.view,)))
             finally:
                 m.cpu.release(slot)
             m.cpu.delete(k)

@@ -220,12 +220,11 @@ class ChunkFetcher:
             slot, c.write = c.write, None
             if c.ok:
                 try:
-                    cpu.commit(slot, self.chunk_bytes)
+                    self.manager.commit(slot, self.chunk_bytes, promoted=True)
                 except Exception:
                     log.exception("lmtier: commit of a promoted chunk failed")
                     cpu.abort(slot)
                 else:
-                    self.manager.count("promotions")
                     self._on_stored(c.key, key0()[c.ci], "cpu")
             else:
                 cpu.abort(slot)

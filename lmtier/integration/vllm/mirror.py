@@ -14,8 +14,9 @@ index key space; every TP rank stores its own shard under its own keys), and ``k
 * :data:`DISK_EVICTED` — the disk tier's LRU deleted it (``tier`` None): the scheduler stops
   claiming it from disk; a Redis copy may still serve it.
 
-Worker side: :class:`IndexReporter` maps this rank's keys to rank-0 keys, receives the tier
-manager's eviction events and queues the changes for the next worker metadata. Scheduler side:
+Worker side: :class:`IndexReporter` maps this rank's keys to rank-0 keys, subscribes to the tier
+manager's index events (:meth:`lmtier.manager.TierManager.add_listener`) for evictions, and queues
+the changes for the next worker metadata. Scheduler side:
 :class:`IndexMirror` replays them. An entry can still be stale for a step (an eviction after the
 scheduler looked): such a load fails and is recomputed.
 """
@@ -26,11 +27,15 @@ import collections
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+
+from lmtier.events import IndexEvent, IndexEventKind, IndexListener
+from lmtier.manager import TierManager
 
 __all__ = ["STORED", "EVICTED", "DISK_EVICTED", "IndexReporter", "IndexMirror", "EVENTS_MAX"]
 
-STORED, EVICTED, DISK_EVICTED = "stored", "evicted", "disk_evicted"
+# The wire names of the kinds (tuples cross processes as plain strings): lmtier.events' names.
+STORED, EVICTED, DISK_EVICTED = (IndexEventKind.STORED.value, IndexEventKind.EVICTED.value,
+                                 IndexEventKind.DISK_EVICTED.value)
 
 # Index changes queued for the next worker metadata, at most (a connector whose metadata is never
 # built must not grow without bound; a dropped eviction only makes the scheduler claim a chunk
@@ -46,21 +51,20 @@ class IndexReporter:
         disk_keys_max: rank-0 keys remembered for chunks the mirror lists on disk (oldest dropped
             beyond it: their disk evictions then go unreported, which costs a failed, recomputed
             load at worst).
-        has_disk: the worker's manager has a disk tier.
 
     Thread-safe: chunks are committed on the worker thread and on I/O threads, evictions happen
     wherever a slot is reserved.
     """
 
-    def __init__(self, *, same_namespace: bool, disk_keys_max: int, has_disk: bool) -> None:
+    def __init__(self, *, same_namespace: bool, disk_keys_max: int) -> None:
         self._lock = threading.Lock()
         self._events: list[tuple[str, bytes, str | None]] = []
         self._key0: dict[bytes, bytes] = {}  # this rank's key -> rank-0 key (chunks in the CPU pool)
         self._key0_disk: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._disk_max = disk_keys_max
         self._same_ns = same_namespace
-        self._has_disk = has_disk
-        self._manager: Any = None
+        self._manager: TierManager | None = None
+        self._listener: IndexListener | None = None
 
     # ---------------------------------------------------------------- changes
     def stored(self, key: bytes, key0: bytes, tier: str) -> None:
@@ -113,62 +117,53 @@ class IndexReporter:
         while len(self._key0_disk) > self._disk_max:
             self._key0_disk.popitem(last=False)
 
+    def on_event(self, event: IndexEvent) -> None:
+        """A tier manager's index event (:mod:`lmtier.events`; this rank's key). ``STORED`` is
+        ignored: the worker reports its own commits through :meth:`stored`, with their rank-0 keys."""
+        if event.kind is IndexEventKind.EVICTED:
+            self.cpu_evicted(event.key, event.tier == "disk")
+        elif event.kind is IndexEventKind.DISK_EVICTED:
+            self.disk_evicted((event.key,))
+
     # ---------------------------------------------------------------- subscription
-    def subscribe(self, manager: Any) -> None:
-        """Receive ``manager``'s eviction reports from now on, instead of the reporter subscribed
-        before (the manager is cached per engine and outlives an engine: the newest worker
-        connector is the one whose scheduler mirrors the pool). Holds no strong reference to self."""
-        self._manager = manager
-        _subscribe(manager, self)
+    def subscribe(self, manager: TierManager) -> None:
+        """Receive ``manager``'s index events from now on, instead of the reporter subscribed before.
+
+        The manager is cached per engine and outlives an engine (an ``LLM`` built again in the same
+        process reuses its warm CPU pool): the newest worker connector is the one whose scheduler
+        mirrors the pool, so it takes the subscription over. The listener holds only a weak
+        reference to this reporter (a dropped connector is not kept alive)."""
+        ref = weakref.ref(self)
+
+        def listener(event: IndexEvent) -> None:
+            reporter = ref()
+            if reporter is not None:
+                reporter.on_event(event)
+
+        with _SUB_LOCK:
+            previous = _SUBSCRIBED.get(manager)
+            if previous is not None:
+                manager.remove_listener(previous)
+            manager.add_listener(listener)
+            _SUBSCRIBED[manager] = listener
+        self._manager, self._listener = manager, listener
 
     def unsubscribe(self) -> None:
-        """Stop receiving the manager's reports (if this reporter is still the subscribed one)."""
-        if self._manager is not None:
-            _unsubscribe(self._manager, self)
-            self._manager = None
+        """Stop receiving the manager's events (a no-op when a newer reporter took them over, or
+        when not subscribed). Idempotent."""
+        manager, listener = self._manager, self._listener
+        if manager is None:
+            return
+        with _SUB_LOCK:
+            if _SUBSCRIBED.get(manager) is listener:
+                manager.remove_listener(listener)
+                del _SUBSCRIBED[manager]
+        self._manager = self._listener = None
 
 
-# -------------------------------------------------------------------- tier manager hook-up
+# The listener each tier manager currently calls (at most one reporter per manager).
 _SUB_LOCK = threading.Lock()
-_OWNER: dict[int, weakref.ref] = {}  # id(tier) -> reporter receiving its evictions
-_HOOKED: set[int] = set()
-
-
-def _subscribe(manager: Any, reporter: IndexReporter) -> None:
-    """Route the CPU pool's and the disk tier's eviction callbacks to ``reporter``."""
-    with _SUB_LOCK:
-        for tier, handler in ((manager.cpu, "_cpu"), (manager.disk, "_disk")):
-            if tier is None:
-                continue
-            _OWNER[id(tier)] = weakref.ref(reporter)
-            if id(tier) in _HOOKED:
-                continue
-            inner = tier.evict_callback
-            has_disk = manager.disk is not None
-
-            def hooked(*args, _tier=tier, _inner=inner, _handler=handler, _has_disk=has_disk):
-                ref = _OWNER.get(id(_tier))
-                owner = ref() if ref is not None else None
-                if owner is not None:
-                    if _handler == "_cpu":
-                        owner.cpu_evicted(args[0], _has_disk)
-                    else:
-                        owner.disk_evicted(args[0])
-                if _inner is not None:
-                    _inner(*args)
-
-            tier.evict_callback = hooked
-            _HOOKED.add(id(tier))
-
-
-def _unsubscribe(manager: Any, reporter: IndexReporter) -> None:
-    with _SUB_LOCK:
-        for tier in (manager.cpu, manager.disk):
-            if tier is None:
-                continue
-            ref = _OWNER.get(id(tier))
-            if ref is not None and ref() is reporter:
-                del _OWNER[id(tier)]
+_SUBSCRIBED: weakref.WeakKeyDictionary[TierManager, IndexListener] = weakref.WeakKeyDictionary()
 
 
 class IndexMirror:

@@ -37,7 +37,7 @@ Data path:
   completes inside :meth:`load_layerwise` (nothing to overlap); the bookkeeping is the same.
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
   when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
-  gathered in one native call and committed, then ``manager.publish`` writes them through to disk /
+  gathered in one native call and committed (``manager.commit``), which writes them through to disk /
   remote (background threads). On a CUDA cache the gather
   runs on :class:`lmtier.transfer.CudaTransferEngine`'s side streams after an event recorded on the
   **current (compute) stream** at the time of the call, so the blocks are read after every kernel
@@ -655,9 +655,8 @@ class ConnectorWorker:
         self._stat("store_lat_s", dt)
 
     def _commit(self, slot: Any, key: bytes, key0: bytes) -> None:
-        self.manager.cpu.commit(slot, self.chunk_bytes)
+        self.manager.commit(slot, self.chunk_bytes)  # visible, STORED published, written through
         self._on_stored(key, key0, "cpu")
-        self.manager.publish(key)
         self._stat("stored_chunks")
         self._stat("stored_bytes", self.chunk_bytes)
 

@@ -86,8 +86,7 @@ class LMTierWorker:
         self.reporter = IndexReporter(
             same_namespace=namespace.digest() == index_namespace.digest(),
             disk_keys_max=max(1024, 2 * config.disk.capacity_bytes // namespace.chunk_bytes
-                              if config.disk.enabled else 0),
-            has_disk=manager.disk is not None)
+                              if config.disk.enabled else 0))
         self.reporter.subscribe(manager)
 
     @property
