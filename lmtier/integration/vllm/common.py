@@ -15,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
+from lmtier.config import LMTierConfig
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
 
-__all__ = ["FAULT_ENV", "NoTiers", "faults", "flush_all", "kv_spec", "namespace_for", "request_salt",
-           "shared_manager", "shared_manager_of", "drop_shared_manager"]
+__all__ = ["FAULT_ENV", "NoTiers", "SchedulerTiers", "faults", "flush_all", "kv_spec", "namespace_for", "request_salt",
+           "scheduler_tiers", "shared_manager", "shared_manager_of", "drop_shared_manager"]
 
 FAULT_ENV = "LMTIER_FAULT_INJECT"
 
@@ -89,35 +91,54 @@ def _dtype_name(d: str) -> str:
     return d
 
 
+class SchedulerTiers(Protocol):
+    """What the scheduler role needs of its tiers: a :class:`TierManager`, or :class:`NoTiers`."""
+
+    cpu: Any
+    disk: Any
+    remote: Any
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier names of the longest stored prefix of ``keys``."""
+        ...
+
+
 class NoTiers:
-    """(A stand-in for :class:`TierManager`.) Scheduler-side stand-in when the scheduler shares no tier with the workers (CPU pool only, and
-    the workers live in other processes): only the worker-metadata mirror answers lookups."""
+    """The scheduler's tiers when it shares none with the workers (CPU pool only, and the workers
+    live in other processes): only the worker-metadata mirror answers lookups."""
 
     cpu = disk = remote = None
 
-    def lookup(self, keys) -> list[str]:
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Nothing is stored here: always ``[]``."""
         return []
 
 
-def shared_manager(key: str, config, namespace: Namespace, *, with_cpu: bool, gpu_id: int) -> TierManager:
-    """The tier manager of ``key`` (``"engine_id:tp_rank"``), built from ``config`` on first use.
-
-    ``with_cpu`` (worker role): the manager with the CPU pool, cached under ``key`` for the process's
-    lifetime (until :func:`drop_shared_manager`). Without (a scheduler that shares no manager with
-    its workers): a fresh, uncached manager of the disk / remote tiers only — or a :class:`NoTiers`
-    when there are none (the worker-metadata mirror is then the whole index).
-    """
+def shared_manager(key: str, config: LMTierConfig, namespace: Namespace, *, gpu_id: int) -> TierManager:
+    """The worker's tier manager of ``key`` (``"engine_id:tp_rank"``), with the CPU pool: built from
+    ``config`` on first use and cached for the process's lifetime (until :func:`drop_shared_manager`),
+    so an engine built again in the same process reuses the warm pool. ``gpu_id``: the CUDA device
+    the pool's pinned memory is registered for (0 on the CPU)."""
     with _SHARED_LOCK:
         m = _SHARED.get(key)
         if m is None:
-            if not with_cpu:
-                if not (config.disk.enabled or config.remote.enabled):
-                    return NoTiers()  # type: ignore[return-value]
-                config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
             m = TierManager.from_config(config, namespace, gpu_id=gpu_id)
-            if with_cpu:
-                _SHARED[key] = m
+            _SHARED[key] = m
         return m
+
+
+def scheduler_tiers(engine: str, config: LMTierConfig, namespace: Namespace) -> tuple[SchedulerTiers, bool]:
+    """The scheduler's tiers: ``(tiers, shared)``. In the worker's process (rank 0's manager of
+    ``engine`` is cached) its manager, ``shared`` True. Otherwise a fresh, uncached manager of the
+    disk / remote tiers only (the CPU pool is the worker's) — or a :class:`NoTiers` when there are
+    none (the worker-metadata mirror is then the whole index)."""
+    shared = shared_manager_of(f"{engine}:0")
+    if shared is not None:
+        return shared, True
+    if not (config.disk.enabled or config.remote.enabled):
+        return NoTiers(), False
+    config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
+    return TierManager.from_config(config, namespace, gpu_id=0), False
 
 
 def shared_manager_of(key: str) -> TierManager | None:

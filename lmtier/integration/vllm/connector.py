@@ -39,7 +39,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from lmtier.config import load_config
-from lmtier.integration.vllm.common import namespace_for, shared_manager, shared_manager_of
+from lmtier.integration.vllm.common import namespace_for, scheduler_tiers, shared_manager
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
 from lmtier.integration.vllm.scheduler import LMTierScheduler
@@ -96,18 +96,18 @@ class LMTierConnector(KVConnectorBase_V1):
         self.connector_worker: LMTierWorker | None = None
         if role == KVConnectorRole.WORKER:
             gpu = torch.cuda.current_device() if is_cuda and torch.cuda.is_available() else 0
-            manager = shared_manager(f"{engine}:{tp_rank}", config, ns, with_cpu=True, gpu_id=gpu)
+            manager = shared_manager(f"{engine}:{tp_rank}", config, ns, gpu_id=gpu)
             cg = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+            full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
             self.connector_worker = LMTierWorker(
                 manager, config=config, options=options, namespace=ns,
                 index_namespace=namespace_for(vllm_config, kv_cache_config, config.chunk_size, 0),
                 block_size=block_size, stats=self._stats,
                 speculative=vllm_config.speculative_config is not None,
-                full_cudagraphs=bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs()))
+                full_cudagraphs=full_graphs)
         else:
-            shared = shared_manager_of(f"{engine}:0")
-            manager = shared or shared_manager(f"{engine}:0", config, ns, with_cpu=False, gpu_id=0)
-            self.connector_scheduler = LMTierScheduler(manager, shared=shared is not None, config=config,
+            manager, shared = scheduler_tiers(engine, config, ns)
+            self.connector_scheduler = LMTierScheduler(manager, shared=shared, config=config,
                                                        options=options, namespace=ns, block_size=block_size,
                                                        is_cuda=is_cuda, stats=self._stats)
         log.info("lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, %s",

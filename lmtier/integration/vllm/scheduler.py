@@ -27,14 +27,13 @@ import logging
 from typing import Any
 
 from lmtier.config import LMTierConfig
-from lmtier.integration.vllm.common import request_salt
+from lmtier.integration.vllm.common import SchedulerTiers, request_salt
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.mirror import IndexMirror
 from lmtier.integration.vllm.options import ConnectorOptions
 from lmtier.integration.vllm.stats import StatsSink
 from lmtier.integration.vllm.worker import LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
-from lmtier.manager import TierManager
 
 __all__ = ["LMTierScheduler"]
 
@@ -58,7 +57,7 @@ class LMTierScheduler:
         stats: where counters go.
     """
 
-    def __init__(self, manager: TierManager, *, shared: bool, config: LMTierConfig, options: ConnectorOptions,
+    def __init__(self, manager: SchedulerTiers, *, shared: bool, config: LMTierConfig, options: ConnectorOptions,
                  namespace: Namespace, block_size: int, is_cuda: bool, stats: StatsSink) -> None:
         self.manager = manager
         self.options = options
@@ -125,7 +124,8 @@ class LMTierScheduler:
         if "remote" in claimed:
             return True
         disk = sum(1 for t in claimed if t == "disk")
-        limit = self.options.sync_disk_load_bytes if len(self._requests) <= 1 else self.options.sync_disk_load_busy_bytes
+        o = self.options
+        limit = o.sync_disk_load_bytes if len(self._requests) <= 1 else o.sync_disk_load_busy_bytes
         return disk > 0 and disk * self.ns.chunk_bytes > limit
 
     def _lookup(self, keys: list[bytes]) -> list[str]:

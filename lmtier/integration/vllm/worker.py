@@ -161,7 +161,8 @@ class ConnectorWorker:
             default ``namespace``.
         on_stat: ``on_stat(name, value)`` for counters and latencies (names of
             ``LMTierStats``: ``loaded_chunks``, ``loaded_bytes``, ``load_failures``, ``load_ms``,
-            ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``, ``store_skipped``,
+            ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``,
+            ``store_skipped``,
             ``store_ms``, ``store_lat_s``).
         on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed (``tier`` is
             ``"cpu"``, or ``"disk"`` without a CPU pool).
