@@ -16,7 +16,8 @@ Failed sync loads are reported as invalid block ids, failed async loads as ``fai
 ``kv_load_failure_policy: recompute``). The tiers' index changes go to the scheduler through an
 :class:`lmtier.integration.vllm.mirror.IndexReporter`.
 
-This module imports nothing from vLLM: the connector facade unpacks vLLM's objects.
+vLLM's objects reach it unpacked by the connector facade (the step's loads and stores as lists, the
+KV cache config read by attribute); only :mod:`~lmtier.integration.vllm.stats` ties it to vLLM.
 """
 
 from __future__ import annotations
