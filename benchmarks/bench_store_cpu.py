@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from lmtier import envs
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
 from lmtier.tiers.cpu import CPUPool
 
-SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
+SMOKE = envs.LMTIER_BENCH_SMOKE
 PROMPT_TOKENS = 1024 if SMOKE else 32 * 1024
 CHUNK_BYTES = (1 << 20) if SMOKE else (32 << 20)
 NS = Namespace(model="bench", num_layers=32, num_kv_heads=8, head_size=128, kv_dtype="bfloat16", chunk_size=256)

@@ -41,7 +41,6 @@ import argparse
 import importlib
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -52,11 +51,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lmtier import envs  # noqa: E402
 from lmtier.codec import levels as L  # noqa: E402
 from lmtier.codec import quant as Q  # noqa: E402
 
 MODEL_DIR = ROOT / "models" / "SmolLM2-135M-Instruct"
-CACHE_DIR = Path(os.environ.get("LMTIER_CODEC_KV_CACHE", "/tmp/lmtier_codec_kv"))
+CACHE_DIR = Path(envs.LMTIER_CODEC_KV_CACHE)
 CHUNK_TOKENS = 256
 
 # name -> (source, context tokens, continuation tokens)

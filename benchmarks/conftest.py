@@ -1,6 +1,6 @@
 """``pytest benchmarks/`` collects the ``test_*.py`` suites here and also this directory's
-``bench_store_cpu.py``, ``bench_disk.py`` and ``bench_remote.py`` (their pytest-benchmark cases and
-tiny smoke tests); the other ``bench_*.py`` are scripts only. ``LMTIER_BENCH_SMOKE=1`` shrinks the sizes."""
+``bench_store_cpu.py`` (pytest-benchmark cases), ``bench_disk.py`` and ``bench_remote.py`` (tiny smoke
+runs of ``lmtier bench disk`` / ``remote``); the other ``bench_*.py`` are scripts only. ``LMTIER_BENCH_SMOKE=1`` shrinks the sizes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _COLLECT = {"bench_store_cpu.py", "bench_disk.py", "bench_remote.py"}
 sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))  # bench_remote's private redis helper
 
 
 def pytest_collect_file(file_path, parent):

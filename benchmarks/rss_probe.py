@@ -4,7 +4,7 @@ Starts one vLLM server (LMTierConnector with benchmarks/peers/lmtier_rss.yaml, o
 --baseline), sends --requests prompts of 300-600 tokens (half share one of 20 512-token prefixes,
 half distinct; the same generator as bench_connectors.py phase C) from --clients clients, and
 samples every second, per process of the server tree: Rss, Anonymous, Shmem (smaps_rollup); every
---smaps-every s each process's anonymous memory by region (lmtier.bench.procmem.anon_regions: glibc
+--smaps-every s each process's anonymous memory by region (lmtier.testing.procmem.anon_regions: glibc
 main heap, glibc thread arenas, vLLM's KV cache mapping, lmtier's CPU pool mapping, other).
 --env K=V adds environment variables to the server (MALLOC_ARENA_MAX=2, LD_PRELOAD=...,
 ONEDNN_PRIMITIVE_CACHE_CAPACITY=..., RSS_PROBE_DIR=... with --probe-site for the in-process probe of
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_connectors as B  # noqa: E402
 
-from lmtier.bench import procmem  # noqa: E402  (shared /proc parsing: rollup, anon_regions)
+from lmtier.testing import procmem  # noqa: E402  (shared /proc parsing: rollup, anon_regions)
 
 
 rollup = procmem.rollup

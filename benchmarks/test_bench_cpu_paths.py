@@ -8,7 +8,7 @@ gather / scatter on the CPU (:mod:`lmtier.ops`). Keys, CPU pool and manager: ``b
     LMTIER_BENCH_SMOKE=1 .venv/bin/python -m pytest benchmarks/ --benchmark-disable  # tiny, once each
 
 Full size = one 256-token chunk of Llama-3.1-8B KV (32 layers x K/V x 8 heads x 128, bf16 = 32 MiB;
-``LMTIER_BENCH_PRESET`` picks another :data:`lmtier.bench.common.PRESETS` geometry); smoke = 2 layers
+``LMTIER_BENCH_PRESET`` picks another :data:`lmtier.bench.presets.PRESETS` geometry); smoke = 2 layers
 x 16 tokens. Every benchmark checks its result (round trips bit-exact, or within the codec's error
 bound) and puts ``bytes`` and ``gb_per_s`` (of bf16 KV, from the median) in ``extra_info``; the
 same-run ceiling is ``test_memcpy_ceiling`` (a libc memcpy of the same bytes).
@@ -17,16 +17,16 @@ same-run ceiling is ``test_memcpy_ceiling`` (a libc memcpy of the same bytes).
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from lmtier.bench.common import preset
+from lmtier import envs
+from lmtier.bench.presets import preset
 
-SMOKE = os.environ.get("LMTIER_BENCH_SMOKE") == "1"
-GEO = preset(os.environ.get("LMTIER_BENCH_PRESET", "llama-3.1-8b"))
+SMOKE = envs.LMTIER_BENCH_SMOKE
+GEO = preset(envs.LMTIER_BENCH_PRESET)
 L = 2 if SMOKE else GEO.num_layers
 H, D = (GEO.num_kv_heads, GEO.head_size) if GEO.kind == "kv" else (8, 128)  # the codec takes K/V planes
 T = 16 if SMOKE else 256
@@ -120,7 +120,7 @@ def test_disk_put(benchmark, disk, kv):
 def test_disk_get_into(benchmark, disk, kv):
     """Load of one chunk record into an aligned host buffer (checksum verified). O_DIRECT where the
     file system has it; on tmpfs / without O_DIRECT this is the page cache."""
-    from lmtier.tiers.disk import AlignedBuffer
+    from lmtier.tiers.buffers import AlignedBuffer
 
     payload = kv.view(torch.uint8).numpy()
     key = b"r" * 32

@@ -1,8 +1,7 @@
 """zstd (levels 3 and 19) on the split bf16 byte planes of real SmolLM2 KV, the generic-compressor
-reference beside lmtier's codec (RESULTS.md §5). Usage: .venv/bin/python benchmarks/zstd_compare.py"""
-import sys, torch
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_codec import zstd_planes
+reference beside lmtier's codec (RESULTS.md §4.4). Usage: .venv/bin/python benchmarks/zstd_compare.py"""
+import torch
+from lmtier.bench.codec_kernels import zstd_planes
 from lmtier.bench.codec import model_kv, synthetic_kv
 import zstandard
 kv, what = model_kv("models/SmolLM2-135M-Instruct", 4, 256)

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
-from pathlib import Path
+from typing import Callable
 
-_REPO_BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+SUBCOMMANDS: dict[str, str] = {
+    "transfer": "lmtier.bench.transfer",
+    "disk": "lmtier.bench.disk",
+    "remote": "lmtier.bench.remote",
+    "codec": "lmtier.bench.codec",
+    "rans": "lmtier.bench.rans",
+    "ttft": "lmtier.bench.ttft",
+}
+"""``lmtier bench <name>`` -> the module whose ``main(argv) -> int`` runs it (importable from a wheel)."""
 
 
-def _script(name: str, argv: list[str]) -> int:
-    path = _REPO_BENCH / f"bench_{name}.py"
-    if not path.exists():
-        print(f"lmtier bench {name}: {path} not found (run from a source checkout)", file=sys.stderr)
-        return 2
-    sys.argv = [str(path), *argv]
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as e:  # the scripts exit with their status
-        return int(e.code or 0)
-    return 0
+def subcommand_main(name: str) -> Callable[[list[str]], int]:
+    """The ``main(argv)`` of subcommand ``name`` (its module imported now, so a test may replace it).
+
+    Raises:
+        KeyError: an unknown subcommand.
+    """
+    return importlib.import_module(SUBCOMMANDS[name]).main
+
+
+def _run_sub(name: str, argv: list[str]) -> int:
+    return int(subcommand_main(name)(argv) or 0)
 
 
 def _has_gpu() -> bool:
@@ -33,11 +41,11 @@ def _has_gpu() -> bool:
 
 def _redis_available() -> str | None:
     """How the remote bench would reach Redis (a URL or a redis-server binary), or None."""
-    import os
+    from lmtier import envs
 
-    if os.environ.get("LMTIER_REDIS_URL"):
-        return os.environ["LMTIER_REDIS_URL"]
-    from lmtier.bench.ttft import find_redis_server
+    if envs.LMTIER_REDIS_URL:
+        return envs.LMTIER_REDIS_URL
+    from lmtier.testing.redis import find_redis_server
 
     return find_redis_server()
 
@@ -49,7 +57,7 @@ def run_all(rest: list[str]) -> int:
     import os
     import shutil
 
-    from lmtier.bench.common import PRESETS
+    from lmtier.bench.presets import PRESETS
 
     p = argparse.ArgumentParser(prog="lmtier bench all")
     p.add_argument("--model-preset", type=str.lower, default="llama-3.1-8b", choices=sorted(PRESETS))
@@ -85,35 +93,34 @@ def run_all(rest: list[str]) -> int:
             rc = 1
         results[name] = "ok" if rc == 0 else f"rc={rc}"
 
-    from lmtier.bench.codec import main as codec_main
-    from lmtier.bench.transfer import main as transfer_main
-    from lmtier.bench.ttft import main as ttft_main
+    def sub(name: str) -> Callable[[list[str]], int]:
+        return lambda argv: _run_sub(name, argv)
 
     quick_t = ["--batches", "1,8", "--cache-gb", "2"] if a.quick else []
-    step("transfer", transfer_main, ["--quiet", *quick_t, *extra("transfer")])
+    step("transfer", sub("transfer"), ["--quiet", *quick_t, *extra("transfer")])
     if shutil.which("dd"):
-        step("disk", lambda x: _script("disk", x), [*(["--count", "4", "--threads", "4", "--sync", "data",
+        step("disk", sub("disk"), [*(["--count", "4", "--threads", "4", "--sync", "data",
                                                        "--inflight", "1,4"] if a.quick else []), *extra("disk")])
     else:
         print("lmtier bench all: skipping disk — no dd for the raw-device ceiling")
         results["disk"] = "skipped (no dd)"
     redis = _redis_available()
     if redis:
-        step("remote", lambda x: _script("remote", x),
+        step("remote", sub("remote"),
              [*(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []), *extra("remote")])
     else:
-        print("lmtier bench all: skipping remote — no Redis (no redis-server on PATH / $LMTIER_REDIS_SERVER / "
-              ".whl/redis, no $LMTIER_REDIS_URL)")
+        print("lmtier bench all: skipping remote — no Redis (no redis-server on PATH or $LMTIER_REDIS_SERVER, "
+              "no $LMTIER_REDIS_URL)")
         results["remote"] = "skipped (no Redis)"
-    step("codec", codec_main, [*(["--chunks", "1", "--iters", "1"] if a.quick else []), *extra("codec")])
+    step("codec", sub("codec"), [*(["--chunks", "1", "--iters", "1"] if a.quick else []), *extra("codec")])
     if gpu:
-        step("ttft", ttft_main, [*(["--lengths", "1024,4096,7500"] if a.quick else []), *extra("ttft")])
+        step("ttft", sub("ttft"), [*(["--lengths", "1024,4096,7500"] if a.quick else []), *extra("ttft")])
     else:
         print("lmtier bench all: skipping ttft — no GPU (its CPU smoke run: lmtier bench ttft --device cpu "
               "--preset tiny --lengths 128,512 --chunk-tokens 64)")
         results["ttft"] = "skipped (no GPU)"
     if gpu:
-        step("rans", lambda x: _script("rans", x), extra("rans", plot=False, preset=False))
+        step("rans", sub("rans"), extra("rans", plot=False, preset=False))
     else:
         print("lmtier bench all: skipping rans — its benchmark needs a GPU (the CPU coder is in pytest benchmarks/)")
         results["rans"] = "skipped (no GPU)"
@@ -138,20 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 0 if len(argv) >= 2 else 2
     sub, rest = argv[1], argv[2:]
-    if sub == "transfer":
-        from lmtier.bench.transfer import main as transfer_main
-
-        return transfer_main(rest)
-    if sub == "ttft":
-        from lmtier.bench.ttft import main as ttft_main
-
-        return ttft_main(rest)
-    if sub == "codec":
-        from lmtier.bench.codec import main as codec_main
-
-        return codec_main(rest)
-    if sub in ("disk", "remote", "rans"):
-        return _script(sub, rest)
+    if sub in SUBCOMMANDS:
+        return _run_sub(sub, rest)
     if sub == "all":
         return run_all(rest)
     print(f"lmtier bench: unknown subcommand {sub!r}", file=sys.stderr)

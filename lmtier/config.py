@@ -51,14 +51,22 @@ Loading (:func:`load_config`): the YAML file named by the ``path`` argument or e
 upper-cased key, e.g. ``LMTIER_MAX_LOCAL_CPU_SIZE=2.5``), parsed by the key's type (bools:
 ``1/0/true/false/yes/no/on/off``; optional strings: ``""``, ``none`` or ``null`` mean unset).
 
-Strictness: an unknown key (in YAML, or an ``LMTIER_*`` variable that is not a key and not in
-:data:`NON_CONFIG_ENV_VARS`), a wrong type, an impossible value (non-positive chunk size, negative
-or non-finite sizes, unwritable disk path, malformed URL, unsupported serde) raises
-:class:`ConfigError` naming the key and the value. Two short, documented lists of LMCache keys are
-tolerated: :data:`IGNORED_LMCACHE_KEYS` (harmless hints lmtier does not implement: accepted with a
-warning) and :data:`DISABLED_LMCACHE_FEATURES` (LMCache features lmtier does not have: accepted
-only when set to a false value, an error otherwise). The chunk size is checked against vLLM's
-actual block size by :meth:`LMTierConfig.validate_for` once the block size is known.
+Strictness: an unknown key in the YAML file, a wrong type, an impossible value (non-positive
+chunk size, negative or non-finite sizes, unwritable disk path, malformed URL, unsupported serde) or
+an override variable whose text does not parse raises :class:`ConfigError` naming the key and the
+value. An ``LMTIER_*`` variable that is not an override is not an error: the registry of every
+variable lmtier reads (:mod:`lmtier.envs`) logs a warning naming an undeclared one (a mistyped
+override, e.g. ``LMTIER_CHUNKSIZE``, shows there with the name it resembles). Two short, documented
+lists of LMCache keys are tolerated in the file: :data:`IGNORED_LMCACHE_KEYS` (harmless hints lmtier
+does not implement: accepted with a warning) and :data:`DISABLED_LMCACHE_FEATURES` (LMCache
+features lmtier does not have: accepted only when set to a false value, an error otherwise). The
+chunk size is checked against vLLM's actual block size by :meth:`LMTierConfig.validate_for` once
+the block size is known.
+
+Layout of the configuration code: the key table, the LMCache lists and the parsing of one value
+are :mod:`lmtier.config_schema`; the checks against this machine (writable directories, memory and
+file-system sizes) are :mod:`lmtier.config_checks`; the environment variables are declared in
+:mod:`lmtier.envs`. This module builds the config (and parses ``remote_url``).
 
 Logging: ``logging.getLogger("lmtier.config")``; :meth:`LMTierConfig.log_effective` logs the
 effective configuration once per process, with passwords redacted.
@@ -71,9 +79,25 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+
+from lmtier import envs
+from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes
+from lmtier.config_schema import (
+    CODEC_LEVELS,
+    DISABLED_LMCACHE_FEATURES,
+    DISK_SHARDINGS,
+    GIB,
+    IGNORED_LMCACHE_KEYS,
+    KEYS,
+    SERDES,
+    ConfigError,
+    check_type,
+    parse_env_value,
+)
+from lmtier.config_schema import config_error as _err
+from lmtier.remote_url import RedisEndpoint, RemoteURLError, parse_redis_url, redact_url
 
 __all__ = [
     "ConfigError",
@@ -85,70 +109,14 @@ __all__ = [
     "CODEC_LEVELS",
     "IGNORED_LMCACHE_KEYS",
     "DISABLED_LMCACHE_FEATURES",
-    "NON_CONFIG_ENV_VARS",
     "CONFIG_FILE_ENV",
     "GIB",
 ]
 
 logger = logging.getLogger("lmtier.config")
 
-GIB = 2**30
-CONFIG_FILE_ENV = "LMTIER_CONFIG_FILE"
-ENV_PREFIX = "LMTIER_"
+CONFIG_FILE_ENV = envs.CONFIG_FILE
 
-IGNORED_LMCACHE_KEYS = frozenset(
-    {
-        "use_layerwise",  # lmtier's load path is layer-pipelined by design
-        "save_decode_cache",  # lmtier stores prompt KV only; ignoring it only lowers the hit rate
-        "save_unfull_chunk",  # partial chunks are never stored (see lmtier.keys)
-        "enable_async_loading",
-        "py_enable_gc",
-        "cache_policy",  # only "LRU" (lmtier's policy) is accepted
-    }
-)
-"""LMCache keys accepted with a warning: they do not change what lmtier computes."""
-
-DISABLED_LMCACHE_FEATURES = frozenset({"enable_blending", "enable_p2p", "enable_controller", "enable_nixl"})
-"""LMCache feature switches accepted only when false/null (lmtier does not implement them)."""
-
-NON_CONFIG_ENV_VARS = frozenset(
-    {
-        CONFIG_FILE_ENV,
-        # build (setup.py / CMake)
-        "LMTIER_CUDA",
-        "LMTIER_CUDA_ARCHS",
-        "LMTIER_WITH_CUDA",
-        "LMTIER_BUILD_JOBS",
-        "LMTIER_SOURCES",
-        # tests and benchmarks
-        "LMTIER_REQUIRE_REDIS",
-        "LMTIER_TEST_PW",
-        "LMTIER_GPU_BENCH",
-        "LMTIER_GPU_EXTRA",
-        "LMTIER_BENCH_SMOKE",
-        # vLLM connector tests (tests/test_connector_*.py) and its fault-injection hook
-        "LMTIER_REQUIRE_VLLM",
-        "LMTIER_FAULT_INJECT",
-    }
-)
-"""``LMTIER_*`` environment variables that belong to other components (build, tests) and are not
-configuration keys. Any other ``LMTIER_*`` variable is a :class:`ConfigError` (a mistyped override
-must not be ignored), so a component that introduces a new ``LMTIER_*`` variable registers it here."""
-
-_REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
-_SERDES = ("naive", "cachegen")
-CODEC_LEVELS = ("lossless", "high", "default", "low")
-"""``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
-two in step — lmtier.config does not import the codec, which needs torch)."""
-_SHARDINGS = ("by_gpu",)
-
-
-class ConfigError(ValueError):
-    """Invalid lmtier configuration; the message names the key and the offending value."""
-
-
-def _err(key: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"lmtier config: {key}={value!r}: {why}")
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -212,25 +180,18 @@ class RemoteConfig:
 
     Attributes:
         url: ``remote_url`` as given (``None``: remote tier off). Never log it: use ``redacted_url``.
-        scheme: ``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"`` or
-            ``"rediss-cluster"`` (TLS).
-        hosts: ``((host, port), ...)`` for TCP schemes (one for redis/rediss); empty for unix.
-        socket_path: the socket path for ``unix://``.
-        db: database number (0 for clusters).
-        username: from the URL, or ``None``.
-        password: from the URL or from ``remote_password_env``; excluded from repr/eq.
+        endpoint: the parsed URL (:class:`lmtier.remote_url.RedisEndpoint`: hosts, socket path,
+            db, credentials — the password from the URL or ``remote_password_env`` — and TLS
+            options), or ``None`` when the tier is off. :class:`lmtier.tiers.redis.RedisTier` is
+            built from it (:meth:`~lmtier.tiers.redis.RedisTier.from_config`); the URL is parsed
+            once, here.
         serde: ``remote_serde``.
         timeout_s: ``remote_timeout_s`` (per call).
         password_env: ``remote_password_env``.
     """
 
     url: str | None = None
-    scheme: str | None = None
-    hosts: tuple[tuple[str, int], ...] = ()
-    socket_path: str | None = None
-    db: int = 0
-    username: str | None = None
-    password: str | None = field(default=None, repr=False, compare=False)
+    endpoint: RedisEndpoint | None = None
     serde: str = "naive"
     timeout_s: float = 1.0
     password_env: str | None = None
@@ -239,20 +200,43 @@ class RemoteConfig:
     def enabled(self) -> bool:
         return self.url is not None
 
+    @property
+    def scheme(self) -> str | None:
+        """``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"``, ``"rediss-cluster"`` (TLS)."""
+        return self.endpoint.scheme if self.endpoint else None
+
+    @property
+    def hosts(self) -> tuple[tuple[str, int], ...]:
+        """``((host, port), ...)`` for TCP schemes (one for redis/rediss); empty for unix."""
+        return self.endpoint.hosts if self.endpoint else ()
+
+    @property
+    def socket_path(self) -> str | None:
+        return self.endpoint.socket_path if self.endpoint else None
+
+    @property
+    def db(self) -> int:
+        return self.endpoint.db if self.endpoint else 0
+
+    @property
+    def username(self) -> str | None:
+        return self.endpoint.username if self.endpoint else None
+
+    @property
+    def password(self) -> str | None:
+        """From the URL or from ``remote_password_env``; never in repr."""
+        return self.endpoint.password if self.endpoint else None
+
     def __repr__(self) -> str:  # the URL may carry a password: show it redacted
-        shown = ", ".join(
-            f"{f.name}={self.redacted_url if f.name == 'url' else getattr(self, f.name)!r}"
-            for f in fields(self)
-            if f.name != "password"
-        )
-        return f"RemoteConfig({shown})"
+        return (f"RemoteConfig(url={self.redacted_url!r}, endpoint={self.endpoint!r}, serde={self.serde!r}, "
+                f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r})")
 
     @property
     def redacted_url(self) -> str | None:
         """``url`` with any password replaced by ``***``."""
         if self.url is None:
             return None
-        return _redact_url(self.url)
+        return redact_url(self.url)
 
 
 @dataclass(frozen=True)
@@ -323,165 +307,7 @@ _LOGGED: set[tuple] = set()
 
 
 # --------------------------------------------------------------------------------------------- #
-# Key table: key -> (type, default)
-
-_INT, _FLOAT, _BOOL, _OPT_STR, _STR = "int", "float", "bool", "optional str", "str"
-
-_KEYS: dict[str, tuple[str, Any]] = {
-    "chunk_size": (_INT, 256),
-    "local_cpu": (_BOOL, True),
-    "max_local_cpu_size": (_FLOAT, 5.0),
-    "local_disk": (_OPT_STR, None),
-    "max_local_disk_size": (_FLOAT, 0.0),
-    "local_disk_path_sharding": (_OPT_STR, None),
-    "disk_io_threads": (_INT, 4),
-    "remote_url": (_OPT_STR, None),
-    "remote_serde": (_STR, "naive"),
-    "remote_timeout_s": (_FLOAT, 1.0),
-    "remote_password_env": (_OPT_STR, None),
-    "local_disk_serde": (_STR, "naive"),
-    "codec_level": (_STR, "default"),
-}
-CONFIG_KEYS = frozenset(_KEYS)
-
-
-def _check_type(key: str, value: Any) -> Any:
-    kind = _KEYS[key][0]
-    if kind == _INT:
-        if type(value) is not int:
-            raise _err(key, value, "must be an integer")
-    elif kind == _FLOAT:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _err(key, value, "must be a number")
-        if not math.isfinite(value):
-            raise _err(key, value, "must be finite")
-        value = float(value)
-    elif kind == _BOOL:
-        if not isinstance(value, bool):
-            raise _err(key, value, "must be true or false")
-    elif kind == _STR:
-        if not isinstance(value, str):
-            raise _err(key, value, "must be a string")
-    elif kind == _OPT_STR:
-        if value is not None and not isinstance(value, str):
-            raise _err(key, value, "must be a string or null")
-    return value
-
-
-def _parse_env_value(key: str, env_name: str, raw: str) -> Any:
-    kind = _KEYS[key][0]
-    text = raw.strip()
-    try:
-        if kind == _INT:
-            return int(text, 10)
-        if kind == _FLOAT:
-            return float(text)
-        if kind == _BOOL:
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind == _OPT_STR:
-            return None if text.lower() in ("", "none", "null") else text
-        return text
-    except ValueError:
-        raise ConfigError(f"lmtier config: {env_name}={raw!r}: cannot parse as {kind} for key {key!r}") from None
-
-
-# --------------------------------------------------------------------------------------------- #
-# Field validators
-
-
-def _parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
-    paths: list[str] = []
-    for part in value.split(","):
-        item = part.strip()
-        if not item:
-            raise _err(key, value, "empty path in comma-separated list")
-        if item.startswith("file://"):
-            item = item[len("file://") :]
-        elif "://" in item:
-            raise _err(key, value, f"only file:// paths are supported, got {part.strip()!r}")
-        if not item:
-            raise _err(key, value, "empty path")
-        path = os.path.abspath(os.path.expanduser(unquote(item)))
-        if "\x00" in path:
-            raise _err(key, value, "path contains a NUL byte")
-        _check_writable_dir(key, value, path)
-        if path in paths:
-            raise _err(key, value, f"path {path!r} listed twice")
-        paths.append(path)
-    return tuple(paths)
-
-
-_GIB = 1 << 30
-
-
-def _physical_memory_bytes() -> int:
-    """Total physical memory in bytes, or 0 when the platform does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _existing_ancestor(path: str) -> str:
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    return probe
-
-
-def _filesystem_bytes(path: str) -> int:
-    """Size in bytes of the file system that holds ``path`` (or its nearest existing parent), 0 if unknown."""
-    try:
-        st = os.statvfs(_existing_ancestor(path))
-    except OSError:
-        return 0
-    return st.f_frsize * st.f_blocks
-
-
-def _check_writable_dir(key: str, value: str, path: str) -> None:
-    probe = _existing_ancestor(path)
-    if not os.path.isdir(probe):
-        raise _err(key, value, f"{probe!r} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise _err(key, value, f"directory {probe!r} is not writable")
-
-
-def _redact_url(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    creds, _, tail = rest.rpartition("@")
-    masked = creds.split(":", 1)[0] + ":***" if ":" in creds else "***"
-    return f"{scheme}://{masked}@{tail}"
-
-
-def _parse_host_port(key: str, url: str, item: str) -> tuple[str, int]:
-    if item.startswith("["):  # [ipv6]:port
-        host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-        if rest and not rest.startswith(":"):
-            raise _err(key, _redact_url(url), f"malformed host {item!r}")
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise _err(key, _redact_url(url), f"missing host in {item!r}")
-    if port_text == "":
-        port = 6379
-    else:
-        if not port_text.isdigit():
-            raise _err(key, _redact_url(url), f"port {port_text!r} is not a number")
-        port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise _err(key, _redact_url(url), f"port {port} outside 1..65535")
-    return host, port
+# Remote URL (remote_url -> RemoteConfig)
 
 
 def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfig:
@@ -494,99 +320,27 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         raise _err("remote_timeout_s", timeout_s, "must be > 0")
     if url is None:
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
-    key = "remote_url"
-    shown = _redact_url(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in _REMOTE_SCHEMES:
-        raise _err(key, shown, f"scheme must be one of {[s + '://' for s in _REMOTE_SCHEMES]}")
-    # Split credentials off the authority by hand: urlsplit cannot parse comma-separated hosts.
-    # The query goes first: its values may contain "/" (ssl_ca_certs=/path/ca.pem).
-    rest, _, query = rest.partition("?")
-    authority, slash, path = rest.partition("/")
-    path = slash + path
-    username = password = None
-    if "@" in authority:
-        creds, _, authority = authority.rpartition("@")
-        user_text, colon, pass_text = creds.partition(":")
-        username = unquote(user_text) or None
-        password = unquote(pass_text) if colon else None
-        if not colon:  # redis://secret@host means password "secret" (redis-py's convention)
-            password, username = username, None
-    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
-    hosts: tuple[tuple[str, int], ...] = ()
-    socket_path = None
-    db = 0
-    if scheme == "unix":
-        if authority:
-            raise _err(key, shown, "unix:// URL must be unix:///absolute/path/to/socket[?db=N]")
-        if not path or path == "/":
-            raise _err(key, shown, "missing socket path")
-        socket_path = unquote(path)
-        db_text = params.pop("db", "0")
-        if not db_text.isdigit():
-            raise _err(key, shown, f"db {db_text!r} is not a non-negative integer")
-        db = int(db_text)
-    else:
-        if not authority:
-            raise _err(key, shown, "missing host")
-        items = authority.split(",")
-        if not scheme.endswith("-cluster") and len(items) > 1:
-            raise _err(key, shown, "several hosts need redis-cluster://")
-        hosts = tuple(_parse_host_port(key, url, it.strip()) for it in items)
-        db_text = path.strip("/")
-        if db_text:
-            if scheme.endswith("-cluster"):
-                raise _err(key, shown, "Redis Cluster has no database number")
-            if not db_text.isdigit():
-                raise _err(key, shown, f"database {db_text!r} is not a non-negative integer")
-            db = int(db_text)
-    if scheme in ("rediss", "rediss-cluster"):  # TLS options, passed on to lmtier.tiers.remote.parse_url
-        for f in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-            if f in params and not os.path.isfile(unquote(params.pop(f))):
-                raise _err(key, shown, f"{f} is not a file")
-        reqs = params.pop("ssl_cert_reqs", "required").lower()
-        if reqs not in ("required", "optional", "none"):
-            raise _err(key, shown, f"ssl_cert_reqs {reqs!r} is not required/optional/none")
-        if params.pop("ssl_check_hostname", "true").lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise _err(key, shown, "ssl_check_hostname must be true or false")
-    if params:
-        raise _err(key, shown, f"unsupported query parameters {sorted(params)}")
-    if password_env is not None:
-        if not password_env:
-            raise _err("remote_password_env", password_env, "must be a variable name")
-        if password is not None:
-            raise _err("remote_password_env", password_env, "remote_url already contains a password; set only one")
-        if password_env not in env:
-            raise _err("remote_password_env", password_env, "environment variable is not set")
-        password = env[password_env]
-    return RemoteConfig(
-        url=url,
-        scheme=scheme,
-        hosts=hosts,
-        socket_path=socket_path,
-        db=db,
-        username=username,
-        password=password,
-        serde=serde,
-        timeout_s=timeout_s,
-        password_env=password_env,
-    )
+    try:
+        endpoint = parse_redis_url(url, password_env=password_env, env=env)
+    except RemoteURLError as e:
+        raise _err(e.config_key, e.value, e.why) from None
+    return RemoteConfig(url=url, endpoint=endpoint, serde=serde, timeout_s=timeout_s, password_env=password_env)
 
 
 def _check_serde(key: str, serde: str) -> None:
-    if serde not in _SERDES:
-        raise _err(key, serde, f"must be one of {list(_SERDES)}")
+    if serde not in SERDES:
+        raise _err(key, serde, f"must be one of {list(SERDES)}")
     if serde == "cachegen" and importlib.util.find_spec("lmtier.codec") is None:
         raise _err(key, serde, "requires the lmtier.codec module, which this build does not have")
 
 
 def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
-    values = {k: d for k, (_, d) in _KEYS.items()}
+    values = {k: spec.default for k, spec in KEYS.items()}
     for key, value in raw.items():
         if not isinstance(key, str):
             raise ConfigError(f"lmtier config: key {key!r} is not a string")
-        if key in _KEYS:
-            values[key] = _check_type(key, value)
+        if key in KEYS:
+            values[key] = check_type(key, value)
         elif key in IGNORED_LMCACHE_KEYS:
             if key == "cache_policy" and str(value).upper() != "LRU":
                 raise _err(key, value, "lmtier implements only LRU")
@@ -595,7 +349,7 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
             if value not in (None, False, 0):
                 raise _err(key, value, "this LMCache feature is not implemented by lmtier; set it false or remove it")
         else:
-            raise _err(key, value, f"unknown key (known: {sorted(_KEYS)})")
+            raise _err(key, value, f"unknown key (known: {sorted(KEYS)})")
 
     chunk_size = values["chunk_size"]
     if chunk_size <= 0:
@@ -606,20 +360,20 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
             raise _err(k, values[k], "must be a finite number of GiB")
         if values[k] < 0:
             raise _err(k, values[k], "must be >= 0")
-    ram = _physical_memory_bytes()
-    if values["local_cpu"] and ram and values["max_local_cpu_size"] * _GIB > ram:
+    ram = physical_memory_bytes()
+    if values["local_cpu"] and ram and values["max_local_cpu_size"] * GIB > ram:
         raise _err(
             "max_local_cpu_size",
             values["max_local_cpu_size"],
-            f"exceeds this machine's physical memory ({ram / _GIB:.1f} GiB)",
+            f"exceeds this machine's physical memory ({ram / GIB:.1f} GiB)",
         )
     if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
         raise _err("max_local_cpu_size", values["max_local_cpu_size"], "must be > 0 when local_cpu is true")
     cpu = CPUConfig(enabled=values["local_cpu"], max_size_gb=values["max_local_cpu_size"])
 
     sharding = values["local_disk_path_sharding"]
-    if sharding is not None and sharding not in _SHARDINGS:
-        raise _err("local_disk_path_sharding", sharding, f"must be null or one of {list(_SHARDINGS)}")
+    if sharding is not None and sharding not in DISK_SHARDINGS:
+        raise _err("local_disk_path_sharding", sharding, f"must be null or one of {list(DISK_SHARDINGS)}")
     io_threads = values["disk_io_threads"]
     if not 1 <= io_threads <= 256:
         raise _err("disk_io_threads", io_threads, "must be in 1..256")
@@ -627,15 +381,15 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
     if local_disk is not None and local_disk.strip() == "":
         local_disk = None
     if local_disk is not None:
-        paths = _parse_disk_paths("local_disk", local_disk)
+        paths = parse_disk_paths("local_disk", local_disk)
         if values["max_local_disk_size"] <= 0:
             raise _err("max_local_disk_size", values["max_local_disk_size"], "must be > 0 when local_disk is set")
-        capacity = sum(_filesystem_bytes(p) for p in paths)
-        if capacity and values["max_local_disk_size"] * _GIB > capacity:
+        capacity = sum(filesystem_bytes(p) for p in paths)
+        if capacity and values["max_local_disk_size"] * GIB > capacity:
             raise _err(
                 "max_local_disk_size",
                 values["max_local_disk_size"],
-                f"exceeds the total size of the file systems holding local_disk ({capacity / _GIB:.1f} GiB)",
+                f"exceeds the total size of the file systems holding local_disk ({capacity / GIB:.1f} GiB)",
             )
     else:
         paths = ()
@@ -675,8 +429,9 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
         The validated :class:`LMTierConfig`.
 
     Raises:
-        ConfigError: unreadable/malformed file, unknown key or ``LMTIER_*`` variable, wrong type,
-            impossible value (the message names the key and the value).
+        ConfigError: unreadable/malformed file, unknown key in the file, an override variable that
+            does not parse, wrong type, impossible value (the message names the key and the value).
+            Undeclared ``LMTIER_*`` variables are only logged (:func:`lmtier.envs.warn_undeclared`).
     """
     import yaml
 
@@ -698,14 +453,8 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
             raise ConfigError(f"lmtier config: {os.fspath(path)!r} must hold a mapping, got {type(loaded).__name__}")
         raw.update(loaded)
     for name, text in env.items():
-        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV_VARS:
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in _KEYS:
-            raise ConfigError(
-                f"lmtier config: environment variable {name}={text!r} is not a config key "
-                f"(known: {sorted(ENV_PREFIX + k.upper() for k in _KEYS)}; variables of other components "
-                f"belong in lmtier.config.NON_CONFIG_ENV_VARS)"
-            )
-        raw[key] = _parse_env_value(key, name, text)
+        key = envs.config_key_of(name)
+        if key is not None:
+            raw[key] = parse_env_value(key, name, text)
+    envs.warn_undeclared(env)
     return _build(raw, env)

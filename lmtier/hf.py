@@ -16,21 +16,11 @@ from typing import Any
 
 import torch
 
+from lmtier.geometry import TORCH_KV_DTYPES
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
 
 __all__ = ["KVCacheStore", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
-
-
-TORCH_KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 
 
 def _layers_of(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -64,9 +54,7 @@ def unpack_kv_chunk(chunk: torch.Tensor, namespace: Namespace) -> torch.Tensor:
     """View canonical chunk bytes as ``[num_layers, 2, chunk_size, num_kv_heads, head_size]`` of
     the namespace's dtype (no copy)."""
     dtype = TORCH_KV_DTYPES[namespace.kv_dtype]
-    return chunk.view(dtype).view(
-        namespace.num_layers, 2, namespace.chunk_size, namespace.num_kv_heads, namespace.head_size
-    )
+    return chunk.view(dtype).view(namespace.chunk_shape)
 
 
 class KVCacheStore:

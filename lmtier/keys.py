@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from lmtier.geometry import CANONICAL_FORMAT_VERSION, KEY_BYTES, KV_DTYPE_BYTES, ChunkGeometry
+
 __all__ = [
     "KEY_BYTES",
     "CANONICAL_FORMAT_VERSION",
@@ -42,23 +44,6 @@ __all__ = [
     "chunk_keys",
     "num_full_chunks",
 ]
-
-KEY_BYTES = 32
-"""Length of a chunk key in bytes (BLAKE2b-256)."""
-
-CANONICAL_FORMAT_VERSION = 1
-"""Version of the canonical chunk byte layout (see :mod:`lmtier.layout`) bound into every key."""
-
-KV_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "uint8": 1,
-    "int8": 1,
-}
-"""Element size in bytes of every KV dtype name a :class:`Namespace` accepts."""
 
 _MAX_TOKEN_ID = 2**32 - 1
 _ROOT_PERSON = b"lmtier-root"
@@ -161,12 +146,21 @@ class Namespace:
         return KV_DTYPE_BYTES[self.kv_dtype]
 
     @property
+    def geometry(self) -> ChunkGeometry:
+        """The canonical chunk geometry of this namespace (:class:`lmtier.geometry.ChunkGeometry`)."""
+        return ChunkGeometry(self.num_layers, self.kv_planes, self.num_kv_heads, self.head_size, self.dtype_bytes)
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape ``(L, P, T, H, D)`` of one full chunk in elements of ``kv_dtype``
+        (``[num_layers][kv_planes][chunk_size][num_kv_heads][head_size]``)."""
+        return self.geometry.chunk_shape(self.chunk_size)
+
+    @property
     def chunk_bytes(self) -> int:
         """Bytes of one full chunk in the canonical (uncompressed) layout
         ``[num_layers][kv_planes][chunk_size][num_kv_heads][head_size]``."""
-        return (
-            self.num_layers * self.kv_planes * self.chunk_size * self.num_kv_heads * self.head_size * self.dtype_bytes
-        )
+        return self.geometry.chunk_bytes(self.chunk_size)
 
     def as_dict(self) -> dict[str, Any]:
         """Public fields as a plain dict (for logs and record headers)."""

@@ -1,7 +1,8 @@
 """KV layout descriptions: how vLLM's paged KV cache is laid out, and lmtier's canonical chunk.
 
 Canonical chunk (the unit of hashing, storage, eviction and transfer; format version
-``CANONICAL_FORMAT_VERSION``): one C-contiguous buffer per chunk of ``T`` tokens,
+:data:`lmtier.geometry.CANONICAL_FORMAT_VERSION`; sizes: :class:`lmtier.geometry.ChunkGeometry`):
+one C-contiguous buffer per chunk of ``T`` tokens,
 
     [num_layers][num_planes][T][num_heads][head_size]   elements of the cache's dtype
 
@@ -35,25 +36,17 @@ from typing import Mapping, Sequence
 
 import torch
 
-CANONICAL_FORMAT_VERSION = 1
+from lmtier.errors import LMTierError
+from lmtier.geometry import ChunkGeometry, torch_itemsizes
 
 PHYSICAL_ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
 
-_ELEM_BYTES = {
-    torch.float16: 2,
-    torch.bfloat16: 2,
-    torch.float32: 4,
-    torch.uint8: 1,
-    torch.int8: 1,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        _ELEM_BYTES[getattr(torch, _name)] = 1
+_ELEM_BYTES = torch_itemsizes()  # the torch dtypes a layout may hold (lmtier.geometry's table)
 
 KINDS = ("kv", "kv_split", "cpu_slab", "mla")
 
 
-class LayoutError(ValueError):
+class LayoutError(LMTierError, ValueError):
     """The KV tensors handed over do not form a layout lmtier supports."""
 
 
@@ -113,17 +106,22 @@ class KVLayout:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def geometry(self) -> ChunkGeometry:
+        """The canonical chunk geometry of this cache (layers, planes, heads, head size, element size)."""
+        return ChunkGeometry(self.num_layers, self.num_planes, self.num_heads, self.head_size, self.elem_bytes)
+
     def bytes_per_token(self) -> int:
         """Canonical bytes per token over all layers and planes."""
-        return self.num_layers * self.num_planes * self.num_heads * self.row_bytes
+        return self.geometry.bytes_per_token
 
     def chunk_bytes(self, tokens_per_chunk: int) -> int:
         """Bytes of one canonical chunk of ``tokens_per_chunk`` tokens."""
-        return tokens_per_chunk * self.bytes_per_token()
+        return self.geometry.chunk_bytes(tokens_per_chunk)
 
     def chunk_shape(self, tokens_per_chunk: int) -> tuple[int, int, int, int, int]:
         """Canonical chunk shape ``(L, P, T, H, D)`` in elements of ``dtype``."""
-        return (self.num_layers, self.num_planes, tokens_per_chunk, self.num_heads, self.head_size)
+        return self.geometry.chunk_shape(tokens_per_chunk)
 
     def layer_ptr_tensor(self, device: torch.device | str) -> torch.Tensor:
         """int64 tensor of ``layer_ptrs`` on ``device`` (cached)."""

@@ -5,7 +5,8 @@
 
 * ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
   ``"remote"``); stops at the first miss. The remote tier is asked once for all remaining keys when
-  it offers ``contains_many`` (one pipelined round trip).
+  its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
+  pipelined round trip), else key by key up to the first miss.
 * ``store(key, data)`` — asynchronous: a small thread pool copies the chunk into a CPU slot and
   commits it; it returns a ``Future[bool]`` at once and never blocks the caller unless asked to
   wait for queue room (back-pressure: a bounded number of stores in flight).
@@ -79,17 +80,16 @@ def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) ->
 
 
 def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
-    """Build :class:`lmtier.tiers.remote.RedisTier` from the config (imported lazily)."""
-    from lmtier.tiers.remote import RedisTier
+    """Build :class:`lmtier.tiers.redis.RedisTier` from the config's parsed endpoint (imported
+    lazily: redis-py is an optional dependency)."""
+    from lmtier.tiers.redis import RedisTier
 
-    assert remote.url is not None
-    return RedisTier(remote.url, password_env=remote.password_env, timeout_s=remote.timeout_s)
+    return RedisTier.from_config(remote)
 
 
 def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
     """The canonical chunk shape ``(L, P, T, H, D)`` of ``namespace`` (what the codec encodes)."""
-    return (namespace.num_layers, namespace.kv_planes, namespace.chunk_size, namespace.num_kv_heads,
-            namespace.head_size)
+    return namespace.chunk_shape
 
 
 def _check_codecs(config: LMTierConfig, namespace: Namespace) -> None:

@@ -19,7 +19,7 @@ Header layout (version 1, 128 bytes, all integers little-endian)::
       6    2 header_bytes     128 (size of this struct)
       8    4 flags            0 in version 1; unknown bits are rejected
      12    2 codec            codec id, 0 = naive (raw canonical chunk bytes)
-     14    2 dtype_code       element dtype of the canonical chunk, 0 = unspecified
+     14    2 dtype_code       element dtype of the canonical chunk (lmtier.geometry.DTypeCode), 0 = unspecified
      16    4 payload_offset   bytes from record start to payload; 128 or a multiple of 4096
      20    4 reserved0        0
      24    8 payload_bytes    payload length in bytes
@@ -50,6 +50,9 @@ from dataclasses import dataclass
 
 import xxhash
 
+from lmtier.errors import LMTierError
+from lmtier.geometry import KEY_BYTES, DTypeCode
+
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
@@ -78,7 +81,6 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 #: Largest payload_offset accepted (the header block plus future metadata must fit in 1 MiB).
 MAX_PAYLOAD_OFFSET = 1 << 20
 CODEC_NAIVE = 0
-KEY_BYTES = 32
 NAMESPACE_BYTES = 16
 KNOWN_FLAGS = 0
 
@@ -88,7 +90,7 @@ _CHECKED_BYTES = HEADER_BYTES - 8  # header_xxh3 covers [0, 120)
 _ZERO_NS = bytes(NAMESPACE_BYTES)
 
 
-class RecordError(ValueError):
+class RecordError(LMTierError, ValueError):
     """A record header or payload does not verify (bad magic/version/length/checksum/key)."""
 
 
@@ -99,13 +101,14 @@ class RecordMeta:
     Attributes:
         namespace: 16-byte namespace digest (model, geometry, dtype, codec, TP rank/size, salt).
         codec: codec id (0 = naive raw canonical bytes).
-        dtype_code, num_layers, num_planes, num_tokens, num_kv_heads, head_size: geometry of
-            the canonical chunk ``[num_layers][num_planes][num_tokens][num_kv_heads][head_size]``.
+        dtype_code: :class:`lmtier.geometry.DTypeCode` of the elements (0 = unspecified).
+        num_layers, num_planes, num_tokens, num_kv_heads, head_size: geometry of the canonical
+            chunk ``[num_layers][num_planes][num_tokens][num_kv_heads][head_size]``.
     """
 
     namespace: bytes = _ZERO_NS
     codec: int = CODEC_NAIVE
-    dtype_code: int = 0
+    dtype_code: int = DTypeCode.UNSPECIFIED
     num_layers: int = 0
     num_planes: int = 0
     num_tokens: int = 0

@@ -44,16 +44,13 @@ worker always run in separate processes, even with --distributed-executor-backen
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
 import re
 import shutil
-import signal
 import socket
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,29 +61,18 @@ from typing import Any
 
 import requests
 
+from lmtier.testing import procmem
+from lmtier.testing.procs import Proc, free_port, tail
+from lmtier.testing.redis import RedisServer, RedisUnavailable
+from lmtier.testing.server import CONNECTOR, hits_by_source, metric_delta, parse_metrics, read_license, stdlib_docs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 CONFIG_DIR = Path(__file__).resolve().parent / "demo_config"
-LICENSES = Path("/usr/share/common-licenses")
 SERVED_NAME = "smollm2"
 # Server allocator / oneDNN primitive cache (--malloc / --onednn-cache; see server_mem_env).
 DEFAULT_MALLOC = "auto"
 DEFAULT_ONEDNN_CACHE = -1
-CONNECTOR = {
-    "kv_connector": "LMTierConnector",
-    "kv_connector_module_path": "lmtier.integration.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
-# Metric lines worth showing (besides every line that contains "lmtier").
-METRIC_PATTERNS = (
-    "vllm:external_prefix_cache_hits",
-    "vllm:external_prefix_cache_queries",
-    "vllm:prompt_tokens_cached",
-    "vllm:prefix_cache_hits",
-    "vllm:prompt_tokens_total",
-    "vllm:prompt_tokens_by_source",
-)
 
 
 def log(msg: str) -> None:
@@ -122,39 +108,6 @@ class Sizes:
 
 FULL = Sizes(system_tokens=1500, questions=4, turns=5, turn_tokens=400, docs=3, doc_tokens=700, rag_questions=3)
 QUICK = Sizes(system_tokens=600, questions=2, turns=3, turn_tokens=250, docs=2, doc_tokens=350, rag_questions=2)
-
-STDLIB_MODULES = (
-    "json", "textwrap", "collections", "functools", "itertools", "heapq", "bisect", "argparse",
-    "pathlib", "subprocess", "string", "shutil", "tempfile", "contextlib", "dataclasses", "enum",
-)
-
-
-def stdlib_docs() -> list[str]:
-    """Docstrings of stdlib modules and their public members, in a fixed order."""
-    import importlib
-
-    out: list[str] = []
-    for modname in STDLIB_MODULES:
-        mod = importlib.import_module(modname)
-        doc = inspect.getdoc(mod)
-        if doc:
-            out.append(f"Module {modname}:\n{doc}")
-        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
-            if attr.startswith("_"):
-                continue
-            obj = getattr(mod, attr, None)
-            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-                continue
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) > 200:
-                out.append(f"{modname}.{attr}:\n{doc}")
-    return out
-
-
-def read_license(name: str) -> str:
-    text = (LICENSES / name).read_text(encoding="utf-8", errors="replace")
-    return re.sub(r"[ \t]+", " ", text).strip()
-
 
 class Builder:
     """Turns text into token-exact prompts with the model's own tokenizer and chat template."""
@@ -234,87 +187,15 @@ def build_workload(model: Path, sizes: Sizes) -> list[Req]:
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path: Path, n: int = 60) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError as e:
-        return f"(cannot read {path}: {e})"
-    return "\n".join(lines[-n:])
-
-
-class Proc:
-    """A child process in its own session/process group, output to a log file."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
-        self.name, self.cmd, self.log_path = name, cmd, log_path
-        self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO_ROOT)
-        self.pgid = self.popen.pid  # start_new_session: the child leads its own group
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def stop(self, grace_s: float = 60.0) -> None:
-        """SIGTERM to the leader (lets vLLM shut its engine and the connector down), then the group."""
-        if self.alive():
-            try:
-                self.popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            self.popen.poll()
-            if not self.alive() and not self._group_alive():
-                break
-            time.sleep(0.2)
-        else:
-            log(f"{self.name}: still running {grace_s:.0f}s after SIGTERM; SIGKILL to its process group")
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if not self._group_alive():
-                break
-            try:
-                os.killpg(self.pgid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(1.0 if sig == signal.SIGTERM else 0.2)
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
-
-
 def server_mem_env(args: argparse.Namespace) -> dict[str, str]:
     """Allocator / oneDNN settings of every server (baseline and lmtier alike): ``--malloc auto`` preloads
     the system's libtcmalloc_minimal when it is installed (vLLM-CPU's documented setting; glibc malloc
     otherwise, no error), ``--onednn-cache N`` sets ONEDNN_PRIMITIVE_CACHE_CAPACITY (see
-    lmtier.bench.procmem.server_mem_env)."""
-    try:
-        from lmtier.bench.procmem import server_mem_env as mem_env
-    except ImportError:  # lmtier not importable here: leave the servers' environment as it is
-        return {}
+    lmtier.testing.procmem.server_mem_env)."""
     malloc = args.malloc
     if malloc == "auto":
-        from lmtier.bench.procmem import tcmalloc_path
-
-        malloc = "tcmalloc" if tcmalloc_path() else "glibc"
-    env, notes = mem_env(malloc, None if args.onednn_cache < 0 else args.onednn_cache)
+        malloc = "tcmalloc" if procmem.tcmalloc_path() else "glibc"
+    env, notes = procmem.server_mem_env(malloc, None if args.onednn_cache < 0 else args.onednn_cache)
     for n in notes:
         log(n)
     return env
@@ -349,7 +230,7 @@ class Server(Proc):
         if lmtier_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
             env["LMTIER_CONFIG_FILE"] = str(lmtier_config)
-        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
+        super().__init__(name, cmd, env, work / "logs" / f"{name}.log", cwd=REPO_ROOT, log=log)
         self.t_start = time.monotonic()
         log(f"{name}: starting on port {self.port} (pid {self.popen.pid}, log {self.log_path})")
 
@@ -377,31 +258,6 @@ class Server(Proc):
         return parse_metrics(text)
 
 
-def start_redis(work: Path) -> tuple[Proc, int]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise DemoError("redis-server not found (apt-get install redis-server)")
-    port = free_port()
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--daemonize", "no", "--protected-mode", "yes", "--dir", str(work)]
-    proc = Proc("redis", cmd, dict(os.environ), work / "logs" / "redis.log")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise DemoError(f"redis-server exited: {tail(proc.log_path, 20)}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(64).startswith(b"+PONG"):
-                    log(f"redis: ready on 127.0.0.1:{port}")
-                    return proc, port
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.stop()
-    raise DemoError("redis-server did not answer PING")
-
-
 def redis_info(port: int) -> dict[str, str]:
     """A few INFO fields (keys, memory) through a raw socket: no client library needed."""
     try:
@@ -426,58 +282,6 @@ def redis_info(port: int) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_DROP_LABELS = re.compile(r'\s*(engine|model_name)="[^"]*",?')
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "lmtier" not in line.lower() and not any(p in line for p in METRIC_PATTERNS):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        if name.endswith(("_created", "_bucket")):
-            continue
-        labels = _DROP_LABELS.sub("", labels).replace(",}", "}")
-        if labels == "{}":
-            labels = ""
-        try:
-            out[name + labels] = out.get(name + labels, 0.0) + float(value)
-        except ValueError:
-            pass
-    return out
-
-
-def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Counter deltas (…_total/_sum/_count); other series (gauges) as their value after."""
-    out = {}
-    for k, v in after.items():
-        base = k.split("{", 1)[0]
-        if base.endswith(("_total", "_sum", "_count")):
-            d = v - before.get(k, 0.0)
-            if d:
-                out[k] = d
-        elif v:
-            out[k] = v
-    return out
-
-
-def hits_by_source(delta: dict[str, float]) -> dict[str, int]:
-    """Cached prompt tokens per source from vllm:prompt_tokens_cached_by_source (if it exists)."""
-    out: dict[str, int] = {}
-    for k, v in delta.items():
-        if k.startswith("vllm:prompt_tokens_cached_by_source"):
-            m = re.search(r'source="([^"]*)"', k)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0) + int(v)
-    return out
-
 
 # --------------------------------------------------------------------------------------------
 # Requests
@@ -644,18 +448,24 @@ class Demo:
             self.stop(srv2)
 
     def phase_redis(self) -> None:
-        redis, port = start_redis(self.work)
-        self.procs.append(redis)
-        cfg = write_config("cpu_redis.yaml", self.work, REDIS_PORT=str(port))
-        node_a, node_b = self.start_servers([("node-A", cfg), ("node-B", cfg)])
-        self.passes_run("redis: A cold", node_a)
-        info = redis_info(port)
-        self.notes.append(f"redis after node A's pass: {info}")
-        log(self.notes[-1])
-        self.passes_run("redis: B (from A)", node_b)
-        self.stop(node_a)
-        self.stop(node_b)
-        self.stop(redis)
+        try:  # lmtier.testing.redis: 127.0.0.1, a free port, no persistence
+            redis = RedisServer().start()
+        except RedisUnavailable as e:
+            raise DemoError(str(e)) from None
+        log(f"redis: ready on 127.0.0.1:{redis.port}")
+        try:
+            port = redis.port
+            cfg = write_config("cpu_redis.yaml", self.work, REDIS_PORT=str(port))
+            node_a, node_b = self.start_servers([("node-A", cfg), ("node-B", cfg)])
+            self.passes_run("redis: A cold", node_a)
+            info = redis_info(port)
+            self.notes.append(f"redis after node A's pass: {info}")
+            log(self.notes[-1])
+            self.passes_run("redis: B (from A)", node_b)
+            self.stop(node_a)
+            self.stop(node_b)
+        finally:
+            redis.close()
 
 
 # --------------------------------------------------------------------------------------------

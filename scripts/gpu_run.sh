@@ -3,7 +3,8 @@
 # table last. Run on the lent H200 through the device tool from the repo root:
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
 # LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftsweep": the
-# disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight); LMTIER_GPU_BENCH=quick
+# disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
+# decoded on the host, the vLLM connector's path today); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
 # redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
 # ttft bench measures the Redis tiers on loopback too.
@@ -34,7 +35,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 $PY -c "import lmtier._C as C; print('built_with_cuda', C.built_with_cuda(), 'devices', C.cuda_device_count())"
 
 if has tests; then
-  $PY -m pytest -m gpu -q -p no:cacheprovider $(ls tests/test_transfer.py tests/test_gpu_*.py tests/test_disk_tier.py tests/test_rans.py tests/test_codec_quant.py 2>/dev/null) \
+  $PY -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
 fi
@@ -60,12 +61,18 @@ if has ttftsweep; then
     echo "bench ttft --inflight $inf rc=$?"
   done
 fi
-if has rans && [ -f benchmarks/bench_rans.py ]; then
-  timeout 200 $PY benchmarks/bench_rans.py --json "$OUT/rans.json" > "$OUT/bench_rans.log" 2>&1
+if has ttfthost; then
+  # the codec tiers as the vLLM connector runs them today: records decoded on the host (CPU), then copied
+  timeout 300 $PY -m lmtier.bench.ttft --device cuda --lengths 1024,4096,7500 --codec-levels default --codec-decode host \
+    --quiet --json "$OUT/ttft_hostdecode.json" > "$OUT/bench_ttft_hostdecode.log" 2>&1
+  echo "bench ttft --codec-decode host rc=$?"
+fi
+if has rans; then
+  timeout 200 $PY -m lmtier.bench.rans --json "$OUT/rans.json" > "$OUT/bench_rans.log" 2>&1
   echo "bench rans rc=$?"
 fi
-if has codec && [ -f benchmarks/bench_codec.py ]; then
-  timeout 240 $PY benchmarks/bench_codec.py --chunks 8 32 --json "$OUT/codec.json" > "$OUT/bench_codec.log" 2>&1
+if has codec; then
+  timeout 240 $PY -m lmtier.bench.codec_kernels --chunks 8 32 --json "$OUT/codec.json" > "$OUT/bench_codec.log" 2>&1
   echo "bench codec rc=$?"
 fi
 echo "==================== summary ===================="
@@ -74,6 +81,6 @@ for f in bench_transfer bench_layerwise bench_ttft bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings
-for f in "$OUT"/ttft.json "$OUT"/ttft_inflight*.json; do
+for f in "$OUT"/ttft.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
   [ -f "$f" ] && $PY scripts/ttft_table.py "$f"
 done

@@ -1,10 +1,7 @@
 import pytest
 import torch
 
-try:  # fixtures of the Redis helper (real redis-server)
-    from tests.conftest_redis import *  # noqa: F401,F403
-except ImportError:  # pragma: no cover
-    pass
+from lmtier.testing.fixtures import *  # noqa: F401,F403  (redis_server, redis_url, redis_server_auth, redis_cluster)
 
 
 def cuda_ok() -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 from lmtier import cli
 from lmtier.bench import codec as bcodec
-from lmtier.bench.common import PRESETS, preset
+from lmtier.bench.presets import PRESETS, preset
 
 pytest.importorskip("matplotlib")
 
@@ -81,13 +81,12 @@ def test_disk_plot_and_preset(tmp_path):
 
 
 def test_all_skips_with_a_line(monkeypatch, capsys):
-    calls = []
-    import lmtier.bench.codec
-    import lmtier.bench.transfer
+    import importlib
 
-    monkeypatch.setattr(lmtier.bench.transfer, "main", lambda a: calls.append(("transfer", a)) or 0)
-    monkeypatch.setattr(lmtier.bench.codec, "main", lambda a: calls.append(("codec", a)) or 0)
-    monkeypatch.setattr(cli, "_script", lambda name, a: calls.append((name, a)) or 0)
+    calls = []
+    for name in ("transfer", "disk", "remote", "codec", "rans", "ttft"):
+        mod = importlib.import_module(cli.SUBCOMMANDS[name])
+        monkeypatch.setattr(mod, "main", lambda a, name=name: calls.append((name, a)) or 0)
     monkeypatch.setattr(cli, "_has_gpu", lambda: False)
     monkeypatch.setattr(cli, "_redis_available", lambda: None)
     assert cli.main(["bench", "all", "--model-preset", "qwen2.5-7b", "--plot-dir", "/tmp/x"]) == 0
@@ -98,3 +97,67 @@ def test_all_skips_with_a_line(monkeypatch, capsys):
     for _, a in calls:
         assert "--model-preset" in a and "qwen2.5-7b" in a and any(x.endswith(".png") for x in a)
     assert "ttft: skipped (no GPU)" in out
+
+
+def test_every_subcommand_is_an_importable_module():
+    # issue 14: `lmtier bench disk|remote|rans` ran benchmarks/bench_*.py by path (runpy), which a wheel
+    # does not have; every subcommand is now a module of lmtier.bench with main(argv) -> int.
+    import importlib
+
+    assert set(cli.SUBCOMMANDS) == {"transfer", "disk", "remote", "codec", "rans", "ttft"}
+    for name, module in cli.SUBCOMMANDS.items():
+        assert module.startswith("lmtier.bench."), name
+        assert callable(importlib.import_module(module).main), name
+        assert cli.subcommand_main(name) is importlib.import_module(module).main
+
+
+def test_bench_package_imports_neither_the_cli_nor_runpy():
+    # issue 14: lmtier.cli <-> lmtier.bench.codec was an import cycle (codec's --kernels imported the
+    # CLI's runpy helper); nothing under lmtier/bench may import lmtier.cli or run files by path.
+    import ast
+    import pathlib
+
+    import lmtier.bench
+
+    root = pathlib.Path(lmtier.bench.__file__).parent
+    files = sorted(root.rglob("*.py"))
+    assert len(files) > 8
+    for f in [*files, pathlib.Path(cli.__file__)]:
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for n in names:
+                assert n != "runpy" and not n.startswith("lmtier.cli"), (f.name, n)
+
+
+def test_subcommands_run_outside_the_checkout(tmp_path):
+    # issue 14: from an installed package (no benchmarks/ or scripts/ next to it) `lmtier bench disk`
+    # must run; before, it printed "benchmarks/bench_disk.py not found" and returned 2.
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import lmtier
+
+    site = tmp_path / "site"
+    shutil.copytree(os.path.dirname(lmtier.__file__), site / "lmtier",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site))
+    js = work / "d.json"
+    r = subprocess.run([sys.executable, "-m", "lmtier.cli", "bench", "disk", "--dir", str(work / "d"), "--size-mib",
+                        "1", "--count", "1", "--rounds", "1", "--threads", "1", "--sync", "none", "--inflight", "1",
+                        "--quiet", "--json", str(js)], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    assert json.loads(js.read_text())["rows"]
+    for sub in ("remote", "rans", "ttft"):
+        r = subprocess.run([sys.executable, "-m", "lmtier.cli", "bench", sub, "--help"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and f"lmtier bench {sub}" in r.stdout, (sub, r.stderr[-1000:])

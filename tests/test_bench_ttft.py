@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from lmtier.bench import ttft  # noqa: E402
+from lmtier.bench.redisproc import RedisProc, find_redis_server  # noqa: E402
 
 
 def _run(tmp_path, *extra):
@@ -77,9 +78,9 @@ def test_graph_path_without_capture_equals_eager(tmp_path, dtype):
 
 
 def test_codec_only_lossless_level(tmp_path):
-    # 300 tokens = 5 chunks through a ring of 3 slots: host slots and device buffers wrap around
+    # 300 tokens = 5 chunks, 2 reads in flight, a staging ring of 3
     rc, res = _run(tmp_path, "--lengths", "300", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-                   "--codec-levels", "lossless", "--codec-groups", "1", "--ring", "3", "--inflight", "2")
+                   "--codec-levels", "lossless", "--ring", "3", "--inflight", "2")
     assert rc == 0
     (r,) = res["rows"]
     assert "disk+codec_ms" not in r and r["check_disk+lossless"]["kv_exact"] is True
@@ -150,7 +151,7 @@ def _redis_rows_ok(res):
 def test_redis_tiers_private_server(tmp_path, monkeypatch):
     import shutil
 
-    binary = shutil.which("redis-server") or ttft.find_redis_server()
+    binary = shutil.which("redis-server") or find_redis_server()
     if binary is None:
         pytest.skip("no redis-server")
     monkeypatch.setenv("LMTIER_REDIS_SERVER", binary)
@@ -167,10 +168,10 @@ def test_redis_tiers_private_server(tmp_path, monkeypatch):
 def test_redis_tiers_given_url(tmp_path):
     import shutil
 
-    binary = shutil.which("redis-server") or ttft.find_redis_server()
+    binary = shutil.which("redis-server") or find_redis_server()
     if binary is None:
         pytest.skip("no redis-server")
-    proc = ttft.RedisProc(binary, maxmemory=256 << 20)
+    proc = RedisProc(binary, maxmemory=256 << 20)
     try:
         out = tmp_path / "t.json"
         rc = ttft.main(["--device", "cpu", "--model-preset", "tiny", "--chunk-tokens", "64", "--iters", "1",
@@ -193,9 +194,9 @@ def test_bundled_redis_server_runs(tmp_path):
     bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".whl", "redis", "redis-server")
     if not os.access(bundled, os.X_OK):
         pytest.skip("no bundle (run scripts/bundle_redis.sh)")
-    from lmtier.tiers.remote import RedisTier
+    from lmtier.tiers.redis import RedisTier
 
-    proc = ttft.RedisProc(bundled, maxmemory=64 << 20)
+    proc = RedisProc(bundled, maxmemory=64 << 20)
     try:
         t = RedisTier(proc.url, timeout_s=5.0, connect_timeout_s=2.0)
         key = bytes(range(32))
@@ -214,8 +215,9 @@ def test_unknown_preset_is_a_clear_error(capsys):
 
 
 def test_codec_static_tables_calibrated_saved_and_per_stream(tmp_path):
-    # default --codec-tables calibrate: static tables fitted on other input of the same model; the full
-    # chunks of N = 150 (2 x 64) are coded with them, the 22-token tail with per-stream tables; decode
+    # default --codec-tables calibrate: static tables fitted on other input of the same model; the
+    # chunks of N = 150 (2 x 64 and the 22-token tail, stored zero-padded to 64 tokens like every
+    # chunk a tier holds) are coded with them; decode
     # through the static set is bit-exact vs the reference decoder. A PATH saves them; a second run
     # loads them (same table set id, same record bytes); 'none' gives per-stream records only.
     common = ["--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
@@ -229,7 +231,7 @@ def test_codec_static_tables_calibrated_saved_and_per_stream(tmp_path):
     assert info["channels_per_table"] == 1 and lv["source"] == "calibrated"
     assert lv["num_tables"] == 2 * 2 * 2 * 16 + 2 * 2  # (layer, K/V, head, channel) + (layer, K/V) scale tables
     (r,) = res["rows"]
-    assert r["disk+codec_static_records"] == 2 and r["disk+lossless_static_records"] == 0
+    assert r["disk+codec_static_records"] == 3 and r["disk+lossless_static_records"] == 0
     assert r["check_disk+codec"]["kv_exact"] is True and r["check_disk+lossless"]["kv_exact"] is True
     assert 2.0 < r["disk+codec_ratio"] < 8.0
     assert path.exists()
@@ -257,3 +259,91 @@ def test_codec_tables_file_of_other_geometry_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="geometry"):
         _run(tmp_path, "--lengths", "70", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
              "--codec-levels", "default", "--codec-tables", str(path))
+
+
+def test_timed_paths_are_the_products(tmp_path, monkeypatch):
+    # issue 14: the TTFT figures came from the bench's own copy/decode pipeline, which never called
+    # TierManager, the tiers' codec or lmtier's copy ops. Every load must now go through them: the
+    # tiers built by TierManager.from_config, CPU-pool hits pinned in the pool, disk hits through
+    # TierManager.fetch_lower, codec records through lmtier.tiers.codec.CodecTier, the KV into the
+    # paged cache by lmtier.ops.scatter (CUDA: CudaTransferEngine.load_layerwise).
+    import collections
+
+    from lmtier import ops
+    from lmtier.manager import TierManager
+    from lmtier.tiers.codec import CodecTier
+    from lmtier.tiers.cpu import CPUPool
+
+    calls = collections.Counter()
+
+    def spy(owner, name, tag):
+        orig = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            calls[tag] += 1
+            return orig(*a, **k)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    spy(TierManager, "from_config", "from_config")
+    spy(TierManager, "fetch_lower", "fetch_lower")
+    spy(CPUPool, "acquire", "pool_acquire")
+    spy(CodecTier, "get_into", "codec_get_into")
+    spy(CodecTier, "put", "codec_put")
+    spy(ops, "scatter", "scatter")
+    rc, res = _run(tmp_path, "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
+                   "--codec-levels", "default")
+    assert rc == 0 and res["checks_ok"] is True
+    # cpu, disk, disk+codec managers (+ none for Redis: --no-redis)
+    assert calls["from_config"] == 3
+    C = 3  # 150 tokens = 2 x 64 + a 22-token tail
+    # loads: cpu = 1 check + (1 warm-up + 2 timed) TTFT + (1 + 2) load alone; disk, disk+codec and the
+    # codec's in-memory variant = 1 check + 2 timed each (their warm-ups are 0 here)
+    assert calls["pool_acquire"] >= 7 * C
+    assert calls["fetch_lower"] >= 3 * 3 * C
+    assert calls["codec_put"] == 2 * C  # the disk tier and the in-memory (no reads) variant
+    assert calls["codec_get_into"] >= 2 * 3 * C
+    assert calls["scatter"] >= 7 + 3 * 3
+    lp = res["load_path"]
+    assert lp["tiers"] == "lmtier.manager.TierManager.from_config" and lp["codec"] == "lmtier.tiers.codec.CodecTier"
+    assert res["copy_mode"] == "lmtier.ops.scatter (CPU)"
+
+
+def test_shipped_tables_through_the_config(tmp_path):
+    # --codec-tables shipped: local_disk_serde cachegen straight through the config (the product's
+    # default tables; the tiny geometry has none shipped: per-stream records)
+    rc, res = _run(tmp_path, "--lengths", "70", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
+                   "--codec-levels", "default", "--codec-tables", "shipped")
+    assert rc == 0 and res["checks_ok"] is True and res["codec_tables"] is None
+    (r,) = res["rows"]
+    assert r["disk+codec_static_records"] == 0 and r["check_disk+codec"]["kv_exact"] is True
+
+
+@pytest.mark.parametrize("n,block", [(1, 16), (63, 16), (64, 16), (150, 16), (150, 64)])
+def test_paged_kv_views_read_what_the_product_writes(n, block):
+    # the lean forward's K/V views over the paged cache must see exactly the canonical chunks that
+    # lmtier.ops.scatter writes through the cache's KVLayout (K and V side by side per token row);
+    # tokens at or past N (the tail chunk's padding) are never written
+    import torch
+
+    from lmtier import ops
+    from lmtier.bench.ttft.pipeline import PagedKV, chunk_spans
+
+    L, H, D, T = 2, 3, 8, 64
+    kv = PagedKV(num_layers=L, num_heads=H, head_size=D, num_tokens=n, block_size=block, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    kv.buf.fill_(float("nan"))
+    ref = torch.randn(L, 2, n, H, D)
+    chunks = []
+    for s, tc in chunk_spans(n, T):
+        c = torch.zeros(L, 2, T, H, D)
+        c[:, :, :tc] = ref[:, :, s:s + tc]
+        chunks.append(c.reshape(-1).view(torch.uint8))
+    ops.scatter(kv.layout, kv.slot_mapping(T), chunks)
+    assert torch.equal(kv.canonical(), ref)
+    for l in range(L):
+        assert torch.equal(kv.k_of(l)[0, :, :n], ref[l, 0].transpose(0, 1))
+        assert torch.equal(kv.v_of(l)[0, :, :n], ref[l, 1].transpose(0, 1))
+        assert kv.k_of(l).shape == (1, H, n + 1, D)
+        assert torch.isnan(kv.k_of(l)[0, :, n]).all() and torch.isnan(kv.new_v(l)).all()
+    assert torch.isnan(kv.region[:, n:]).all()

@@ -396,7 +396,7 @@ def test_geometry_config_errors():
 
 @pytest.fixture
 def redis_tier(redis_server):
-    from lmtier.tiers.remote import RedisTier
+    from lmtier.tiers.redis import RedisTier
 
     t = RedisTier(redis_server.url, timeout_s=1.0)
     yield t

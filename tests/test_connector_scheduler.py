@@ -37,7 +37,7 @@ import uuid
 
 import pytest
 
-from tests.vllm_helpers import MODEL_DIR, require_vllm, write_yaml
+from lmtier.testing.vllm import MODEL_DIR, require_vllm, write_yaml
 
 pytestmark = pytest.mark.vllm
 

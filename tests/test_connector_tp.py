@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_helpers import MODEL_DIR, REPO, require_vllm, write_yaml
+from lmtier.testing.vllm import MODEL_DIR, REPO, require_vllm, write_yaml
 
 pytestmark = pytest.mark.vllm
 

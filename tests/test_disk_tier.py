@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lmtier import record as rec
-from lmtier.tiers import disk as disk_mod
-from lmtier.tiers.disk import AlignedBuffer, DiskTier
+from lmtier.tiers.buffers import AlignedBuffer, round_up
+from lmtier.tiers.disk import DiskTier
+from lmtier.tiers.disk import io as disk_io
 
 MiB = 1 << 20
 
@@ -251,7 +252,7 @@ def test_write_error_leaves_nothing_visible(tier, monkeypatch):
     def boom(fd, mv, off):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "_pwrite_all", boom)
+    monkeypatch.setattr(disk_io, "pwrite_all", boom)
     assert not tier.put(key(1), payload(1, 3 * MiB))
     assert not tier.contains(key(1))
     assert not glob.glob(os.path.join(tier.paths[0], "*", "*"))  # no temp, no record
@@ -271,7 +272,7 @@ def test_write_pieces_run_at_background_priority_reads_do_not(tier, monkeypatch)
     """A put's pieces run on the write pool (nice 19, best-effort I/O level 7); a get's pieces on
     the read pool at the caller's priority, so a load never waits behind a store's pieces."""
     seen = []
-    real_w, real_r = disk_mod._pwrite_all, disk_mod._pread_into
+    real_w, real_r = disk_io.pwrite_all, disk_io.pread_into
 
     def note(kind):
         tid = threading.get_native_id()
@@ -285,8 +286,8 @@ def test_write_pieces_run_at_background_priority_reads_do_not(tier, monkeypatch)
         note("r")
         return real_r(fd, mv, off)
 
-    monkeypatch.setattr(disk_mod, "_pwrite_all", w)
-    monkeypatch.setattr(disk_mod, "_pread_into", r)
+    monkeypatch.setattr(disk_io, "pwrite_all", w)
+    monkeypatch.setattr(disk_io, "pread_into", r)
     data = payload(7, 3 * MiB + 5)  # unaligned source: several pieces + the tail, all on the write pool
     assert tier.put(key(7), memoryview(bytearray(data)))
     buf = AlignedBuffer(len(data))
@@ -374,7 +375,7 @@ def test_concurrent_puts_and_gets_same_key(tier):
     for th in threads:
         th.join()
     assert errors == []
-    assert tier.usage().num_chunks == 1 and tier.usage().used_bytes == 4096 + disk_mod.round_up(n)
+    assert tier.usage().num_chunks == 1 and tier.usage().used_bytes == 4096 + round_up(n)
     assert len(files(tier.paths[0])) == 1
     assert tier.counters["corrupt"] == 0
 

@@ -2,7 +2,7 @@
 
 Parsers: the tier record header (:func:`lmtier.record.decode_header`), disk records read back by
 :meth:`lmtier.tiers.disk.DiskTier.get_into` from mutated files, Redis values read by
-:meth:`lmtier.tiers.remote.RedisTier.get_into` from mutated stored values (a real redis-server),
+:meth:`lmtier.tiers.redis.RedisTier.get_into` from mutated stored values (a real redis-server),
 codec records (:func:`lmtier.codec.format.unpack`) and rANS streams (:func:`lmtier.codec.rans.decode`).
 
 Properties: no crash (only the documented error type), no hang (each call is timed), no allocation
@@ -26,13 +26,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmtier import envs
 from lmtier import record as rec
 from lmtier.codec import format as fmt
 from lmtier.codec import rans
-from lmtier.tiers import disk as disk_mod
+from lmtier.tiers.buffers import BouncePool, round_up
 from lmtier.tiers.disk import DiskTier
+from lmtier.tiers.disk import tier as disk_tier
 
-SCALE = float(os.environ.get("LMTIER_FUZZ_EXAMPLES", "1"))
+SCALE = envs.LMTIER_FUZZ_EXAMPLES
 SLOW_CALL_S = 5.0  # any single parse slower than this is a hang
 
 
@@ -126,15 +128,15 @@ def disk_env(tmp_path_factory):
     with open(path, "rb") as f:
         original = f.read()
     requested: list[int] = []
-    orig_acquire = disk_mod.BouncePool.acquire
+    orig_acquire = BouncePool.acquire
 
     def spy(self, nbytes):
         requested.append(nbytes)
         return orig_acquire(self, nbytes)
 
-    disk_mod.BouncePool.acquire = spy
+    BouncePool.acquire = spy
     yield tier, path, original, requested
-    disk_mod.BouncePool.acquire = orig_acquire
+    BouncePool.acquire = orig_acquire
     tier.close()
 
 
@@ -146,7 +148,7 @@ def _restore_disk(tier, path, data):
         old = tier._index.pop(KEY, None)
         if old is not None:
             tier._used -= old.nbytes
-        tier._index[KEY] = disk_mod._Entry(path, disk_mod.round_up(max(len(data), 1)))
+        tier._index[KEY] = disk_tier._Entry(path, round_up(max(len(data), 1)))
         tier._used += tier._index[KEY].nbytes
 
 
@@ -161,14 +163,14 @@ def test_disk_get_into_mutated_file(disk_env, m, aligned):
     off = (-raw.ctypes.data) % 4096 + (0 if aligned else 1)
     out = raw[off: off + len(PAYLOAD)]
     n = timed(tier.get_into, KEY, out)
-    assert all(r <= disk_mod.round_up(len(PAYLOAD)) + 2 * 4096 for r in requested), requested
+    assert all(r <= round_up(len(PAYLOAD)) + 2 * 4096 for r in requested), requested
     if n is not None:  # a hit is always the original payload (checksummed); padding edits are harmless
         assert n == len(PAYLOAD) and out.tobytes() == PAYLOAD
     else:
         # a miss needs a reason: changed header/payload bytes, or a file shorter than its padded size
         # (the tier treats a cut in the padding as truncation: conservative, allowed)
         assert (bad[: 4096 + len(PAYLOAD)] != original[: 4096 + len(PAYLOAD)]
-                or len(bad) < 4096 + disk_mod.round_up(len(PAYLOAD)))
+                or len(bad) < 4096 + round_up(len(PAYLOAD)))
         assert not tier.contains(KEY) or os.path.exists(path)
 
 
@@ -195,17 +197,12 @@ def test_disk_valid_header_claiming_huge_payload(disk_env, tmp_path):
 # ------------------------------------------------------------------------------------ Redis tier
 @pytest.fixture(scope="module")
 def redis_env():
-    from tests.redis_server import RedisServer, RedisUnavailable
+    from lmtier.testing.redis import start_or_skip
 
-    try:
-        srv = RedisServer().start()
-    except RedisUnavailable as e:
-        if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    srv = start_or_skip()
     import redis
 
-    from lmtier.tiers.remote import RedisTier
+    from lmtier.tiers.redis import RedisTier
 
     tiers = {p: RedisTier(srv.url, timeout_s=2.0, piece_bytes=p) for p in (4096, 1 << 20)}
     raw = redis.Redis(host="127.0.0.1", port=srv.port)

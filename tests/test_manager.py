@@ -13,7 +13,7 @@ import torch
 
 from lmtier.config import ConfigError, LMTierConfig
 from lmtier.hf import KVCacheStore, pack_kv_chunk, unpack_kv_chunk
-from lmtier.keys import Namespace, chunk_keys
+from lmtier.keys import Namespace
 from lmtier.manager import TierManager
 from lmtier.tiers.base import Tier, TierUsage
 from lmtier.tiers.cpu import CPUPool
@@ -415,9 +415,9 @@ def test_kvcachestore_roundtrip_prefix_and_salt():
 
 
 def test_real_redis_write_through_and_dead_redis_degrades(redis_server):
-    """With lmtier.tiers.remote against a real redis-server: async write-through, remote hits after
+    """With lmtier.tiers.redis against a real redis-server: async write-through, remote hits after
     the CPU copy is gone, and a killed server turning into bounded-latency misses."""
-    pytest.importorskip("lmtier.tiers.remote")
+    pytest.importorskip("lmtier.tiers.redis")
     ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=512, kv_dtype="float32", chunk_size=2)
     cfg = LMTierConfig.from_dict(
         {"chunk_size": 2, "max_local_cpu_size": 4 * 8192 / 2**30, "remote_url": redis_server.url, "remote_timeout_s": 0.5}

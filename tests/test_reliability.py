@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_helpers import REPO, require_vllm
+from lmtier.testing.redis import find_redis_server, skip_or_fail
+from lmtier.testing.vllm import REPO, require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,12 +34,8 @@ def soak(tmp_path_factory):
     require_vllm()
     if os.geteuid() != 0:
         pytest.skip("needs root for the tmpfs disk tier (mount)")
-    import shutil
-
-    if shutil.which("redis-server") is None:
-        if os.environ.get("LMTIER_REQUIRE_REDIS") == "1":
-            pytest.fail("LMTIER_REQUIRE_REDIS=1 but no redis-server")
-        pytest.skip("redis-server is not installed")
+    if find_redis_server() is None:
+        skip_or_fail("no redis-server")
     out = tmp_path_factory.mktemp("soak")
     js = out / "soak.json"
     p = subprocess.run([sys.executable, str(REPO / "tests" / "soak" / "run_soak.py"), "--ci", "--json", str(js),

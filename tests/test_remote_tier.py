@@ -11,8 +11,9 @@ import torch
 
 from lmtier import record as rec
 from lmtier.tiers.base import TierError
-from lmtier.tiers.disk import AlignedBuffer
-from lmtier.tiers.remote import RedisTier, parse_url
+from lmtier.remote_url import parse_redis_url
+from lmtier.tiers.buffers import AlignedBuffer
+from lmtier.tiers.redis import RedisTier
 
 MiB = 1 << 20
 
@@ -132,7 +133,7 @@ def test_password_from_env(redis_server_auth, monkeypatch):
 
 
 def test_unix_socket(tmp_path):
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     sock = str(tmp_path / "r.sock")
     srv = start_or_skip(extra_args=("--unixsocket", sock, "--unixsocketperm", "700"))
@@ -239,16 +240,22 @@ def test_ttl(redis_server):
 
 
 def test_parse_url():
-    t = parse_url("redis://u:p%40ss@h:1234/3")
+    """The tier's URLs go through lmtier.remote_url (tests/test_remote_url.py has the grammar).
+    (``redis-cluster://a`` was an error here and a node on port 6379 for the config: one parser
+    now, the config's meaning: a node without a port is on 6379, as for ``redis://a``.)"""
+    t = parse_redis_url("redis://u:p%40ss@h:1234/3")
     assert (t.kind, t.host, t.port, t.db, t.username, t.password) == ("tcp", "h", 1234, 3, "u", "p@ss")
-    assert "p@ss" not in t.describe()
-    t = parse_url("rediss://h?ssl_cert_reqs=none")
+    assert "p@ss" not in t.describe() and "p@ss" not in repr(t)
+    t = parse_redis_url("rediss://h?ssl_cert_reqs=none")
     assert t.tls is not None and not t.tls.check_hostname
-    t = parse_url("redis-cluster://:pw@a:1,b:2")
-    assert t.nodes == (("a", 1), ("b", 2)) and t.password == "pw"
-    for bad in ("http://h", "redis://", "redis://h/x", "redis-cluster://a"):
+    t = parse_redis_url("redis-cluster://:pw@a:1,b:2")
+    assert t.hosts == (("a", 1), ("b", 2)) and t.password == "pw"
+    assert parse_redis_url("redis-cluster://a").hosts == (("a", 6379),)
+    for bad in ("http://h", "redis://", "redis://h/x"):
         with pytest.raises(ValueError):
-            parse_url(bad)
+            parse_redis_url(bad)
+        with pytest.raises(ValueError):
+            RedisTier(bad)
 
 
 def test_redis_cluster(redis_cluster):
@@ -280,7 +287,7 @@ def test_redis_cluster(redis_cluster):
 
 
 def test_tls(tmp_path):
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     srv = start_or_skip(tls=True)
     try:
@@ -326,7 +333,7 @@ def test_pieces_ttl(redis_server):
 def test_torn_read_is_reread_atomically(redis_server, monkeypatch, direct):
     """A value overwritten between two GETRANGE pieces (piece 0 from the old value, the rest from
     the new): the checksum catches it, an atomic re-read returns the new value, nothing is deleted."""
-    from lmtier.tiers import remote
+    from lmtier.tiers.redis import resp as remote
 
     t = RedisTier(redis_server.url, piece_bytes=4096, direct_reads=direct)
     n = 5 * 4096
@@ -338,24 +345,24 @@ def test_torn_read_is_reread_atomically(redis_server, monkeypatch, direct):
     assert t.put(key(1), new)
     reads = []
     if direct:  # the pieces go straight from the socket into out: tear piece 0's payload there
-        orig_direct = remote._read_record_direct
+        orig_direct = remote.read_record_direct
 
         def read_direct(conn, cmds, reader, deadline=None):
             orig_direct(conn, cmds, reader, deadline)  # (its EXISTS reply goes through feed: counted there)
             if len(reads) == 1:
                 reader.out[: 4096 - 128] = old_piece0[128:]
 
-        monkeypatch.setattr(remote, "_read_record_direct", read_direct)
-        orig_feed = remote._RecordReader.feed
+        monkeypatch.setattr(remote, "read_record_direct", read_direct)
+        orig_feed = remote.RecordReader.feed
 
         def feed(self, reply):  # the atomic re-read goes through redis-py's MULTI/EXEC pipeline
             if self.i == 0:
                 reads.append(self)
             orig_feed(self, reply)
 
-        monkeypatch.setattr(remote._RecordReader, "feed", feed)
+        monkeypatch.setattr(remote.RecordReader, "feed", feed)
     else:
-        orig = remote._RecordReader.feed
+        orig = remote.RecordReader.feed
 
         def feed(self, reply):
             if self.i == 0:
@@ -364,7 +371,7 @@ def test_torn_read_is_reread_atomically(redis_server, monkeypatch, direct):
                 reply = old_piece0
             orig(self, reply)
 
-        monkeypatch.setattr(remote._RecordReader, "feed", feed)
+        monkeypatch.setattr(remote.RecordReader, "feed", feed)
     out = bytearray(n)
     assert t.get_into(key(1), out) == n
     assert bytes(out) == new and len(reads) == 2
@@ -407,7 +414,7 @@ def test_concurrent_overwrites_never_mix(redis_server):
 def test_tmp_name_same_cluster_slot():
     from redis.crc import key_slot
 
-    from lmtier.tiers.remote import _tmp_name
+    from lmtier.tiers.redis.tier import _tmp_name
 
     for name in (b"lmtier:" + key(1).hex().encode(), b"{tenant}:" + key(2).hex().encode(), b"x{y", b"a{b}{}"):
         tmp = _tmp_name(name)
@@ -804,17 +811,17 @@ class _ScriptedConn:
 
 
 def _scripted_read(stream: bytes, cmds, cap: int, cuts):
-    from lmtier.tiers import remote as R
+    from lmtier.tiers.redis import resp as R
 
     out = bytearray(cap)
-    reader = R._RecordReader(key(1), memoryview(out), PIECE, 512 << 20)
+    reader = R.RecordReader(key(1), memoryview(out), PIECE, 512 << 20)
     sock = _ScriptedSocket(stream, cuts)
-    R._read_record_direct(_ScriptedConn(sock), cmds, reader)
+    R.read_record_direct(_ScriptedConn(sock), cmds, reader)
     return reader, out, sock
 
 
 def _scripted_reply(n: int, cap: int):
-    from lmtier.tiers import remote as R
+    from lmtier.tiers.redis import resp as R
 
     d = payload(n + 1, n)
     v = rec.encode_header(key(1), n, rec.payload_checksum(d), payload_offset=R.HEADER) + d
@@ -845,7 +852,7 @@ def test_direct_reader_mangled_replies_never_give_wrong_bytes():
 
     import redis
 
-    from lmtier.tiers import remote as R
+    from lmtier.tiers.redis import resp as R
 
     rng = random.Random(3)
     outcomes = set()
@@ -879,7 +886,7 @@ def test_direct_reader_mangled_replies_never_give_wrong_bytes():
                 redis.exceptions.ResponseError) as e:
             outcomes.add(type(e).__name__)
             continue
-        except R._Corrupt:
+        except R.CorruptValue:
             outcomes.add("corrupt")
             continue
         assert got is None or (got == n and bytes(out[:n]) == d)

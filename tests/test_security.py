@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import tokenize
 from pathlib import Path
 
@@ -195,7 +196,7 @@ PW = "Pw-9f3c1e77-never-log-me"
 def test_redis_auth_from_env_via_config(monkeypatch, caplog):
     from lmtier.keys import Namespace
     from lmtier.manager import TierManager
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     srv = start_or_skip(password=PW)
     try:
@@ -211,7 +212,7 @@ def test_redis_auth_from_env_via_config(monkeypatch, caplog):
         assert PW not in caplog.text
         # wrong password: a clear error at construction, naming the failure but not the secret
         from lmtier.tiers.base import TierError
-        from lmtier.tiers.remote import RedisTier
+        from lmtier.tiers.redis import RedisTier
 
         monkeypatch.setenv("SECTEST_REDIS_PW", "wrong-" + PW[:4])
         with pytest.raises(TierError, match="authentication") as ei:
@@ -230,7 +231,7 @@ def test_redis_tls_with_test_certificate_via_config(caplog):
     the connection (logged TLS error, misses), never falls back to plain text."""
     from lmtier.keys import Namespace
     from lmtier.manager import TierManager
-    from tests.redis_server import start_or_skip
+    from lmtier.testing.redis import start_or_skip
 
     srv = start_or_skip(tls=True, password=PW)
     try:
@@ -245,7 +246,7 @@ def test_redis_tls_with_test_certificate_via_config(caplog):
                 out = bytearray(5000)
                 assert m.remote.get_into(key, out) == 5000 and bytes(out) == b"t" * 5000
         assert PW not in caplog.text
-        from lmtier.tiers.remote import RedisTier
+        from lmtier.tiers.redis import RedisTier
 
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="lmtier.tiers.remote"):
@@ -268,13 +269,12 @@ DISTINCTIVE = "Quokka-Zanzibar-7731 marmalade theorem"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.vllm_helpers import require_vllm
+    from lmtier.testing.vllm import MODEL_DIR, require_vllm
 
     require_vllm()
-    import argparse
-
-    from tests.redis_server import RedisServer, RedisUnavailable, free_port
-    from tests.soak.run_soak import Server
+    from lmtier.testing.procs import free_port
+    from lmtier.testing.redis import RedisServer, RedisUnavailable
+    from lmtier.testing.server import VLLMServer
 
     work = tmp_path_factory.mktemp("secsrv")
     (work / "logs").mkdir()
@@ -287,9 +287,8 @@ def server(tmp_path_factory):
     cfg.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.1\nlocal_disk: \"file://{disk}\"\n"
                    f"max_local_disk_size: 1\nremote_url: \"{redis.url_no_auth}\"\n"
                    "remote_password_env: SECTEST_REDIS_PW\nremote_timeout_s: 1.0\n")
-    a = argparse.Namespace(python=__import__("sys").executable, model=REPO / "models" / "SmolLM2-135M-Instruct",
-                           max_model_len=2048, kv_space_gib=1)
-    srv = Server("sec", a, work, cfg, free_port(), extra_env={"SECTEST_REDIS_PW": PW})
+    srv = VLLMServer("sec", work=work, config=cfg, port=free_port(), model=MODEL_DIR, python=sys.executable,
+                     max_model_len=2048, kv_space_gib=1, extra_env={"SECTEST_REDIS_PW": PW})
     try:
         srv.wait_ready(400)
         srv.redis, srv.disk, srv.work = redis, disk, work

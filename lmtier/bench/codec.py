@@ -1,7 +1,7 @@
 """``lmtier bench codec``: per codec level, compression ratio, a quality proxy and encode/decode speed.
 
 Data: real KV when a local model is available — ``--model PATH`` (default
-``models/SmolLM2-135M-Instruct`` of the checkout, when present), a prefill through ``transformers``
+``models/SmolLM2-135M-Instruct`` under the working directory, when present), a prefill through ``transformers``
 over a fixed English text (the pydoc text of ``json``, ``re``, ``string``, ``textwrap``), KV cast to
 bf16 — else synthetic KV-like data in the ``--model-preset`` geometry (Gaussian, per-channel
 magnitudes, outlier key channels, an attention-sink token, seeded). The output says which.
@@ -21,7 +21,7 @@ Per level (``lossless``, ``high``, ``default``, ``low``), over ``--chunks`` cano
   (median wall time, all chunks; on the GPU when there is one — ``--device``).
 
 Decoded KV is checked against the reference decoder (:func:`lmtier.codec.quant.dequantize`) bit for bit
-and ``lossless`` against the input. ``--kernels`` also runs ``benchmarks/bench_codec.py`` (the native
+and ``lossless`` against the input. ``--kernels`` also runs :mod:`lmtier.bench.codec_kernels` (the native
 batch kernels alone, GB/s vs the device memcpy ceiling). Quality on the model's outputs (Δ perplexity,
 top-1, KL): ``benchmarks/codec_quality.py``.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -38,11 +37,12 @@ from pathlib import Path
 
 import torch
 
-from lmtier.bench.common import (PRESETS, add_common_args, plot_series, preset, print_table, progress,
+from lmtier.bench.common import (add_common_args, plot_series, print_table, progress,
                                  report_plot, system_header, write_json)
+from lmtier.bench.presets import preset
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
+"""Relative to the working directory (a source checkout's ``models/``); never looked up next to the package."""
 LEVEL_NAMES = ["lossless", "high", "default", "low"]
 
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic", action="store_true", help="synthetic KV even when a model is present")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--kernels", action="store_true", help="also run benchmarks/bench_codec.py (native batch kernels)")
+    p.add_argument("--kernels", action="store_true", help="also run lmtier.bench.codec_kernels (native batch kernels)")
     p.add_argument("--json", default=None)
     add_common_args(p)
     args = p.parse_args(argv)
@@ -242,9 +242,9 @@ def main(argv=None) -> int:
         report_plot(args.plot, why)
     rc = 0
     if args.kernels:
-        from lmtier.cli import _script
+        from lmtier.bench import codec_kernels
 
-        rc = _script("codec", ["--json", args.json.replace(".json", "_kernels.json")] if args.json else [])
+        rc = codec_kernels.main(["--json", args.json.replace(".json", "_kernels.json")] if args.json else [])
     return rc
 
 

@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, system header, model geometry presets, table printing."""
+"""Shared benchmark helpers: timing, system header, table printing, plots (presets: :mod:`lmtier.bench.presets`)."""
 
 from __future__ import annotations
 
@@ -7,56 +7,19 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable
 
 import torch
 
-
-@dataclass(frozen=True)
-class Geometry:
-    """KV geometry of one tensor-parallel rank of a model."""
-
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str = "bfloat16"
-    kind: str = "kv"  # "mla": one latent plane
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def bytes_per_token(self) -> int:
-        planes = 1 if self.kind == "mla" else 2
-        return self.num_layers * planes * self.num_kv_heads * self.head_size * torch.tensor([], dtype=self.torch_dtype).element_size()
-
-
-PRESETS = {
-    "llama-3.1-8b": Geometry("llama-3.1-8b", 32, 8, 128),
-    "llama-3.1-70b-tp8": Geometry("llama-3.1-70b-tp8", 80, 1, 128),
-    "qwen2.5-7b": Geometry("qwen2.5-7b", 28, 4, 128),
-    "deepseek-v3-mla": Geometry("deepseek-v3-mla", 61, 1, 576, kind="mla"),
-    "smollm2-135m": Geometry("smollm2-135m", 30, 3, 64),
-}
-
-
-def preset(name: str) -> Geometry:
-    """The :class:`Geometry` of a preset name (case-insensitive); ``ValueError`` naming the choices."""
-    key = name.lower()
-    if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
-    return PRESETS[key]
+from lmtier.bench.presets import PRESETS, preset_help
 
 
 def add_common_args(p, *, default_preset: str = "llama-3.1-8b") -> None:
     """``--model-preset`` (KV geometry), ``--plot PATH`` (PNG) and ``--quiet`` (no progress bars),
     shared by every ``lmtier bench`` subcommand."""
     p.add_argument("--model-preset", default=default_preset, type=str.lower, choices=sorted(PRESETS),
-                   help="KV geometry of one TP rank: " + "; ".join(
-                       f"{g.name} = {g.num_layers} layers x {1 if g.kind == 'mla' else 2} planes x "
-                       f"{g.num_kv_heads} heads x {g.head_size}" for g in PRESETS.values()))
+                   help="KV geometry of one TP rank: " + preset_help())
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot of the results (matplotlib)")
     if not any("--quiet" in a.option_strings for a in p._actions):
         p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -53,7 +53,7 @@ def _parse_cpulist(s: str) -> list[int]:
 
 
 def _worker(rank: int, gpus: list[int], args, barrier, results) -> None:
-    from lmtier.bench.common import PRESETS
+    from lmtier.bench.presets import PRESETS
     from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
     from lmtier.memory import HostBuffer
     from lmtier.transfer import CudaTransferEngine
@@ -137,7 +137,8 @@ def _run(gpus: list[int], args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from lmtier.bench.common import PRESETS, print_table, system_header, write_json
+    from lmtier.bench.common import print_table, system_header, write_json
+    from lmtier.bench.presets import PRESETS
 
     p = argparse.ArgumentParser(prog="lmtier bench transfer --multi-gpu", description=__doc__)
     p.add_argument("--gpus", type=int, default=0, help="number of GPUs (0 = all)")

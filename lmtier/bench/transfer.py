@@ -17,7 +17,9 @@ import time
 import torch
 
 from lmtier import _C, ops
-from lmtier.bench.common import PRESETS, add_common_args, plot_series, report_plot, progress, cuda_time_ms, print_table, system_header, wall_time_ms, write_json
+from lmtier.bench.common import (add_common_args, cuda_time_ms, plot_series, print_table, progress, report_plot,
+                                 system_header, wall_time_ms, write_json)
+from lmtier.bench.presets import PRESETS
 from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
 from lmtier.memory import HostBuffer
 

@@ -52,6 +52,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from lmtier import geometry
+
 from . import format as fmt
 from . import quant
 from .levels import LEVELS_BY_ID, Level, get_level
@@ -72,16 +74,15 @@ __all__ = [
     "USE_NATIVE",
 ]
 
-CODEC_DTYPES: dict[torch.dtype, fmt.DType] = {torch.bfloat16: fmt.DType.BFLOAT16, torch.float16: fmt.DType.FLOAT16}
-"""Element types the codec takes (and the record's dtype code for each)."""
+CODEC_DTYPES: dict[torch.dtype, fmt.DType] = {geometry.torch_dtype(n): geometry.kv_dtype(n).code
+                                             for n in geometry.CODEC_DTYPE_NAMES}
+"""Element types the codec takes (and the record's dtype code for each), from :mod:`lmtier.geometry`."""
 
 USE_NATIVE = True
 """Quantize / dequantize with the compiled kernels of :mod:`lmtier.codec.native` where they support
 the level, geometry and device (byte/bit-identical to :mod:`lmtier.codec.quant`, tested in
 tests/test_kvquant_native.py); False forces the torch reference (tests compare the two)."""
 
-_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                "half": torch.float16}
 
 
 class CodecRecordError(CodecInputError):
@@ -154,7 +155,12 @@ def _shape(shape: Sequence[int]) -> tuple[int, int, int, int, int]:
 
 
 def _dtype(dtype: Any) -> torch.dtype:
-    dt = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    dt = dtype
+    if isinstance(dtype, str):
+        try:
+            dt = geometry.torch_dtype(dtype)  # names and aliases ("bf16", "half") from lmtier.geometry
+        except ValueError:
+            dt = None
     if dt not in CODEC_DTYPES:
         raise TypeError(f"the codec takes bf16/fp16 KV, not {dtype}")
     return dt

@@ -36,13 +36,14 @@ padding) are ignored.
 
 from __future__ import annotations
 
-import enum
 import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import xxhash
+
+from lmtier.geometry import DTypeCode as DType
 
 __all__ = [
     "MAGIC",
@@ -67,18 +68,6 @@ MAX_SECTIONS = 1 << 24
 _HEADER = struct.Struct("<4sHHBBHIIIIIIIQQQ")
 assert _HEADER.size == HEADER_BYTES
 _INDEX = np.dtype([("offset", "<u8"), ("length", "<u8")])
-
-
-class DType(enum.IntEnum):
-    """Element type of the decoded canonical chunk."""
-
-    UNSPECIFIED = 0
-    BFLOAT16 = 1
-    FLOAT16 = 2
-    FLOAT32 = 3
-    FLOAT8_E4M3 = 4
-    FLOAT8_E5M2 = 5
-    UINT8 = 6
 
 
 @dataclass(frozen=True)

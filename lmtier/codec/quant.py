@@ -71,6 +71,8 @@ import math
 
 import torch
 
+from lmtier.errors import LMTierError
+
 from .levels import Granularity, Level, PlaneQuant, Transform, get_level
 
 __all__ = [
@@ -91,7 +93,7 @@ SCALE_MIN = 2.0**-17
 SCALE_MAX = 1.75 * 2.0**14
 
 
-class CodecInputError(ValueError):
+class CodecInputError(LMTierError, ValueError):
     """Input the codec cannot represent (non-finite or out-of-range KV) or corrupt codec data."""
 
 

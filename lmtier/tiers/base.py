@@ -20,14 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-KEY_BYTES = 32
+from lmtier.errors import LMTierError
+from lmtier.geometry import KEY_BYTES
 
 __all__ = ["KEY_BYTES", "TierError", "TierUsage", "Eviction", "EvictionListener", "Tier"]
 
 log = logging.getLogger("lmtier.tiers")
 
 
-class TierError(RuntimeError):
+class TierError(LMTierError, RuntimeError):
     """A tier failed in a way the caller should treat as a miss (load) or a dropped store."""
 
 

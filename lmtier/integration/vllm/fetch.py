@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from lmtier.errors import LMTierError
 from lmtier.manager import TierManager
 
 __all__ = ["Chunk", "ChunkFetcher", "InjectedFault"]
@@ -26,7 +28,7 @@ __all__ = ["Chunk", "ChunkFetcher", "InjectedFault"]
 log = logging.getLogger("vllm.lmtier.connector")
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(LMTierError, RuntimeError):
     """Raised internally when a fault hook makes a load fail (tests)."""
 
 
@@ -64,7 +66,7 @@ class ChunkFetcher:
     """
 
     def __init__(self, manager: TierManager, *, chunk_bytes: int, io_threads: int, pin_staging: bool,
-                 faults: Callable[[], set[str]], on_stored: Callable[[bytes, bytes, str], None]) -> None:
+                 faults: Callable[[], AbstractSet[str]], on_stored: Callable[[bytes, bytes, str], None]) -> None:
         self.manager = manager
         self.chunk_bytes = chunk_bytes
         self._faults = faults

@@ -60,6 +60,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -191,7 +192,7 @@ class ConnectorWorker:
                  namespace: Namespace, index_namespace: Namespace | None = None,
                  on_stat: Callable[[str, float], None] | None = None,
                  on_stored: Callable[[bytes, bytes, str], None] | None = None,
-                 faults: Callable[[], set[str]] | None = None, load_threads: int = 2,
+                 faults: Callable[[], AbstractSet[str]] | None = None, load_threads: int = 2,
                  io_threads: int = 4, layer_stream_priority: int | None = None,
                  layers_per_wait: int | None = None) -> None:
         if load_threads < 1 or io_threads < 1:

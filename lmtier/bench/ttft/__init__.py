@@ -1,0 +1,151 @@
+"""``lmtier bench ttft``: time to first token, recomputing the prefill vs loading its KV from a tier
+through lmtier's own load path.
+
+Model: a Llama-3.1-8B-shaped ``transformers`` ``LlamaForCausalLM`` with random weights (bf16, SDPA;
+compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M-shaped on the CPU),
+``--model PATH`` for a real local model, ``--preset tiny`` for CPU smoke runs. Per context length ``N`` (median of ``--iters``
+after ``--warmup`` runs):
+
+* ``recompute`` — prefill of ``N + 1`` tokens until the logits of the last position exist.
+* every cached path — the prefix's KV (``N`` tokens, built once by a prefill) sits in a tier as
+  canonical chunks of ``--chunk-tokens`` (the last one zero-padded; chunk keys by
+  :func:`lmtier.keys.chunk_keys`, stored through ``TierManager.store``). TTFT = the tier's load into
+  the model's **paged KV cache** (vLLM's layout, ``--block-size``-token blocks; :mod:`.pipeline`) +
+  a lean forward of the last token over strided views of that cache (:mod:`.model`; our own loop
+  over ``model.model.layers``, no ``generate``/cache machinery), overlapped layer by layer on CUDA:
+  the load is one ``CudaTransferEngine.load_layerwise`` and layer ``l``'s attention waits for its
+  event. On CUDA the lean forward runs as CUDA graphs (``--graphs auto``, one per decoder layer +
+  embedding + head, captured per N over static buffers; eager fallback with a printed reason).
+  ``load_ms`` (copy alone), ``fwd_ms`` (forward alone, KV resident), ``fwd_eager_ms`` and
+  ``cpu_eager_ms`` (eager forward) are reported too, plus (``--compare-layouts``) the eager forward
+  over contiguous ``[1, H, N, D]`` K/V and the transpose that would produce them.
+* ``cpu`` — the CPU pool (``local_cpu``): chunks copied from the pool's pinned slots.
+* ``disk`` — the disk tier (``local_disk``, O_DIRECT, checksummed records) in ``--disk-dir``; the
+  page cache is dropped once per N when permitted (before every load without O_DIRECT). Chunks are
+  read by ``TierManager.fetch_lower``, ``--inflight`` in flight, into page-aligned landing buffers.
+* ``disk+codec`` (level ``default``) and ``disk+<level>`` (``--codec-levels``, default
+  ``default,lossless``) — the disk tier wrapped in :class:`lmtier.tiers.codec.CodecTier` (quantize +
+  rANS records, encoded once when stored, untimed); ``CodecTier.get_into`` decodes on the GPU into
+  device buffers (``--codec-decode device``, default on CUDA) or on the host (``host``: the vLLM
+  connector's path today). ``*_ratio`` = KV bytes / record bytes; ``*_mem_ms`` = the same decode with
+  the records in a CPU pool (no reads). Lossy levels' tables: ``--codec-tables`` (:mod:`.tables`);
+  their KV is checked bit for bit against the reference decoder
+  (:func:`lmtier.codec.quant.dequantize`), their logits are reported, not judged.
+* ``redis`` / ``redis+codec`` — the Redis tier (``remote_url``) through the same path: against
+  ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a private ``redis-server`` on loopback when one is
+  found (``$LMTIER_REDIS_SERVER`` or PATH); skipped with a line otherwise.
+
+Every tier is a :class:`lmtier.manager.TierManager` built by ``TierManager.from_config`` from the
+configuration keys a user writes (:func:`.pipeline.build_manager`).
+
+Ceilings measured in the same run (:mod:`.ceilings`): pinned H2D bandwidth (contiguous copy) -> the
+CPU tier's physical limit ``N x bytes/token / BW``; ``dd`` O_DIRECT and ``--inflight`` parallel
+O_DIRECT reads of the disk directory -> the disk tiers' limits; raw-socket ``GETRANGE`` reads of one
+chunk-sized value, ``--inflight`` at once -> the Redis tiers' limits. Correctness: every cached
+path's next-token logits are compared with the recompute logits (max abs diff <= RTOL x max|logit|
+and cosine >= MIN_COS; the paged cache is NaN-filled first so a path that skips a byte cannot pass),
+and the loaded prefix KV must equal the prefill's bit for bit (the hard guard); a control (chunk 0's
+KV loaded where chunk 1 belongs: a wrong-index load) shows how far a wrong path lands.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lmtier.bench.common import write_json
+from lmtier.bench.presets import PRESETS
+from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, compare, plot, report
+from lmtier.bench.ttft.tables import CALIB_SEED
+
+__all__ = ["main", "parser", "RTOL", "MIN_COS", "TIERS", "CALIB_SEED", "compare", "break_even", "DEFAULT_LENGTHS"]
+
+DEFAULT_LENGTHS = "1024,2048,4096,7500,16384,32768"
+DEFAULT_PRESET = {"cuda": "llama-3.1-8b", "cpu": "smollm2-135m"}
+"""``--model-preset`` by device when not given (a random 8B model in bf16 is 16 GB of CPU memory)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``lmtier bench ttft`` argument parser."""
+    llama = sorted(k for k, v in PRESETS.items() if v.llama is not None)
+    p = argparse.ArgumentParser(prog="lmtier bench ttft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--preset", "--model-preset", dest="preset", type=str.lower, default=None,
+                   help=f"random-weight model shape (ignored with --model): {', '.join(llama)} (default: "
+                        f"{DEFAULT_PRESET['cuda']} on CUDA, {DEFAULT_PRESET['cpu']} on the CPU); "
+                        "llama-3.1-70b-tp8 = one TP rank's shard (no all-reduce); the MLA preset of the other "
+                        "subcommands has no transformers shape here (use --model)")
+    p.add_argument("--model", default=None, help="path of a local transformers model (Llama-like)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated context lengths N")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block of the paged KV cache (default: gcd(chunk tokens, 16))")
+    p.add_argument("--layers-per-wait", type=int, default=None,
+                   help="layers per event of the layer-by-layer copy (CUDA; default max(1, layers // 8), the "
+                        "connector worker's default)")
+    p.add_argument("--compare-layouts", action="store_true",
+                   help="also time the forward over contiguous [1,H,N,D] K/V and the transpose to it")
+    p.add_argument("--disk-dir", default=None, help="directory on the disk to test (default: a temp dir on disk)")
+    p.add_argument("--disk-threads", type=int, default=4, help="disk_io_threads of the disk tiers")
+    p.add_argument("--dd-bytes", type=int, default=1 << 30, help="bytes dd writes/reads for the disk ceiling")
+    p.add_argument("--keep-disk", action="store_true")
+    p.add_argument("--no-disk", action="store_true")
+    p.add_argument("--no-redis", action="store_true")
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis server (default: $LMTIER_REDIS_URL, else start a private redis-server "
+                        "on loopback when one is found: $LMTIER_REDIS_SERVER, PATH)")
+    p.add_argument("--ring", type=int, default=3, help="staging ring slots of the CudaTransferEngine (>= 2)")
+    p.add_argument("--inflight", type=int, default=4,
+                   help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)")
+    p.add_argument("--graphs", choices=["auto", "off", "nocapture"], default="auto",
+                   help="lean forward as CUDA graphs (auto: on CUDA, eager fallback if capture fails); off: eager; "
+                        "nocapture: the graph code path run eagerly (tests)")
+    p.add_argument("--codec-levels", default="default,lossless",
+                   help="codec levels for the disk+codec tiers (comma-separated; '' to skip)")
+    p.add_argument("--codec-decode", choices=["device", "host"], default="device",
+                   help="CUDA: CodecTier decodes into device buffers (device) or into host buffers on the CPU, "
+                        "then the host -> cache copy (host: what the vLLM connector does today)")
+    p.add_argument("--codec-tables", default="calibrate",
+                   help="rANS tables of the lossy codec tiers: 'calibrate' (static tables calibrated, untimed, on "
+                        "the KV of other random token ids of the same model, once per level), a PATH (.npz of "
+                        "lmtier.codec.calibrate.save: loaded; levels it lacks are calibrated and written into "
+                        "it), 'shipped' (the product's default: local_disk_serde/remote_serde cachegen through "
+                        "the config) or 'none' (per-stream tables in every record)")
+    p.add_argument("--codec-calib-tokens", type=int, default=4096,
+                   help="tokens of calibration input for --codec-tables calibrate / PATH")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU runs)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG path for TTFT vs N per tier")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    """``lmtier bench ttft [options]``; returns 0 when every check passed, else 1."""
+    from lmtier.bench.ttft.run import run
+
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.model and args.preset is not None and (args.preset not in PRESETS or PRESETS[args.preset].llama is None):
+        llama = sorted(k for k, v in PRESETS.items() if v.llama is not None)
+        p.error(f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
+                f"choose from {', '.join(llama)} or pass --model PATH")
+    if args.ring < 2:
+        p.error("--ring must be >= 2")
+    if args.inflight < 1:
+        p.error("--inflight must be >= 1")
+    if args.codec_calib_tokens < 1:
+        p.error("--codec-calib-tokens must be >= 1")
+    res = run(args)
+    report(res)
+    write_json(args.json, res)
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        why = plot(res["rows"], args.plot, f"TTFT vs context: {res['model']} on "
+                   f"{res['system'].get('gpu', res['device'])}")
+        print(f"plot: skipped — {why}" if why else f"wrote {args.plot}")
+    return 0 if res["checks_ok"] else 1

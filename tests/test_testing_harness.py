@@ -1,0 +1,73 @@
+"""lmtier.testing: the one server harness (Redis, vLLM server/engine, process memory) that tests,
+benchmarks, the demo and the soak import — no sys.path imports of scripts/ or tests/ helpers."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from lmtier.testing import redis as tredis
+from lmtier.testing.server import metric_delta, parse_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_no_sys_path_imports_of_scripts_or_tests_helpers():
+    bad = re.compile(r"sys\.path\.(insert|append)\([^)]*[\"'](scripts|tests)[\"']|^\s*import demo\b|"
+                     r"from (tests\.)?(redis_server|conftest_redis|vllm_helpers) import|lmtier\.bench\.procmem|"
+                     r"from lmtier\.bench import procmem", re.M)
+    hits = [f"{p.relative_to(REPO)}: {m.group(0).strip()}"
+            for d in ("tests", "benchmarks", "scripts", "lmtier", "examples") for p in (REPO / d).rglob("*.py")
+            if p.name != "test_testing_harness.py" for m in bad.finditer(p.read_text(errors="replace"))]
+    assert hits == []
+
+
+def test_find_redis_server_honours_the_env_override(tmp_path, monkeypatch):
+    exe = tmp_path / "my-redis"
+    exe.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("LMTIER_REDIS_SERVER", str(exe))
+    assert tredis.find_redis_server() is None  # not executable
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    assert tredis.find_redis_server() == str(exe)
+    monkeypatch.delenv("LMTIER_REDIS_SERVER")
+    assert tredis.find_redis_server() in (None, shutil.which("redis-server"), str(tredis._BUNDLE))
+
+
+def test_redis_server_maxmemory(tmp_path):
+    srv = tredis.start_or_skip(maxmemory=64 << 20)
+    try:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=srv.port)
+        assert int(r.config_get("maxmemory")["maxmemory"]) == 64 << 20
+        assert srv.url == f"redis://127.0.0.1:{srv.port}/0"
+    finally:
+        srv.close()
+    assert not os.path.exists(srv.dir)
+
+
+def test_parse_metrics_and_delta():
+    text = ('# HELP x\nlmtier_hits_total{engine="0",model_name="m"} 3\nvllm:prompt_tokens_total{engine="0"} 10\n'
+            'vllm:other 5\nlmtier_hits_created 1\n')
+    m = parse_metrics(text)
+    assert m == {"lmtier_hits_total": 3.0, "vllm:prompt_tokens_total": 10.0}
+    assert metric_delta({"lmtier_hits_total": 1.0}, m) == {"lmtier_hits_total": 2.0, "vllm:prompt_tokens_total": 10.0}
+
+
+@pytest.mark.parametrize("module", ["redis", "fixtures", "vllm", "server", "procs", "procmem"])
+def test_harness_modules_import(module):
+    __import__(f"lmtier.testing.{module}")
+
+
+def test_no_hash_derived_seeds():
+    """Python's hash() of a str changes with PYTHONHASHSEED: a seed made from it tests other data
+    in every run (issue 14). Seeds are constants or derived with a stable function (zlib.crc32)."""
+    bad = re.compile(r"(seed|Random|default_rng|RandomState)\s*\(\s*(abs\()?hash\(")
+    hits = [f"{p.relative_to(REPO)}:{i + 1}" for d in ("tests", "benchmarks", "lmtier/bench") for p in (REPO / d).rglob("*.py")
+            for i, line in enumerate(p.read_text(errors="replace").splitlines()) if bad.search(line)]
+    assert hits == []
