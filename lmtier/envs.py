@@ -98,7 +98,7 @@ ENV_VARS: dict[str, EnvVar] = _declare(
              read_by="lmtier.config.load_config") for key, spec in KEYS.items()),
     EnvVar("LMTIER_FAULT_INJECT", "fault",
            "comma-separated faults the vLLM connector injects (tests only): e.g. 'load' makes every load fail",
-           default="", parse=_faults, read_by="lmtier.integration.vllm.connector"),
+           default="", parse=_faults, read_by="lmtier.integration.vllm.common"),
     EnvVar("LMTIER_REQUIRE_REDIS", "test",
            "1: tests that need redis-server fail instead of skipping when it is missing (CI)",
            default="0", parse=_flag, read_by="lmtier.testing.redis"),

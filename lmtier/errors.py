@@ -13,7 +13,7 @@ lmtier's own errors with one clause, while each class keeps the built-in base it
   :class:`lmtier.codec.chunk.CodecRecordError` (a ``CodecInputError``): a codec record that does
   not decode.
 * :class:`lmtier.tiers.base.TierError` (``RuntimeError``): a tier failure (a miss / a dropped store).
-* :class:`lmtier.integration.worker.InjectedFault` (``RuntimeError``): test-only fault injection.
+* :class:`lmtier.integration.vllm.fetch.InjectedFault` (``RuntimeError``): test-only fault injection.
 * :class:`lmtier.testing.redis.RedisUnavailable` (``RuntimeError``): the test harness found no
   redis-server.
 
