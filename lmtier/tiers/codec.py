@@ -74,9 +74,11 @@ __all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
 
 log = logging.getLogger("lmtier.tiers.codec")
 
-_IDLE_SLOTS = 8
-"""Idle decode slots a tier keeps per device (one per concurrent ``get_into``: the tier manager's
-I/O threads); more are created while more callers decode at once and freed afterwards."""
+_IDLE_SLOTS = {"cuda": 8, "cpu": 2}
+"""Idle decode slots a tier keeps per device type (a slot serves one concurrent ``get_into``: the
+tier manager's I/O threads); more are created while more callers decode at once and freed
+afterwards. CUDA slots also hold a stream and device buffers worth keeping (about 2x the chunk's
+bytes each, plus a pinned record buffer); host slots are cheap to recreate."""
 
 CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
 """Namespace ``kv_dtype`` names the codec takes."""
@@ -336,7 +338,7 @@ class CodecTier(Tier):
             dec = self._decoders.get(dev)
             if dec is None:
                 dec = ChunkDecoder(shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables,
-                                   device=dev, max_idle_slots=_IDLE_SLOTS)
+                                   device=dev, max_idle_slots=_IDLE_SLOTS.get(dev.type, 2))
                 self._decoders[dev] = dec
             return dec
 
