@@ -871,16 +871,16 @@ def test_gpu_tables_uploaded_once_and_slots_reused(disk):
     # decode, and every work buffer was allocated per call
     shape, xs, tab, recs, want = _gpu_case()
     t = CodecTier(disk, shape=shape, dtype=torch.bfloat16, level="default", tables=tab)
-    for i, x in enumerate(xs):
-        assert t.put(key(70 + i), x.cuda())
-    out = torch.empty(math.prod(shape) * 2, dtype=torch.uint8, device="cuda")
     n0 = DEC.table_uploads()
+    for i, x in enumerate(xs):
+        assert t.put(key(70 + i), x.cuda())  # GPU encode: the set goes to the device here, once
+    out = torch.empty(math.prod(shape) * 2, dtype=torch.uint8, device="cuda")
     for _ in range(3):
         for i in range(len(xs)):
             out.fill_(0xCD)
             assert t.get_into(key(70 + i), out) == out.numel()
             assert torch.equal(out.cpu(), want[i])
-    assert DEC.table_uploads() == n0 + 1  # once for this (table set, device), never per decode
+    assert DEC.table_uploads() == n0 + 1  # once for this (table set, device), never per encode / decode
     for i, r in enumerate(recs):  # decode_chunk's shared decoder uses the same device copy
         C.decode_chunk(r, out, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
         assert torch.equal(out.cpu(), want[i])

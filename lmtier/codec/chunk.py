@@ -292,6 +292,10 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
     if tables is not None and tables.run_lens(shp[2]) is not None:
         table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
         runs = tables.run_lens(shp[2])
+        if x.is_cuda:  # the set's device copy, uploaded once per (set, device), not per chunk
+            from .decoder import device_tables
+
+            tab = device_tables(tables, x.device)
     else:  # no tables, or table switching impossible for this T: per-stream tables
         table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
     with _on_device(x):

@@ -25,7 +25,8 @@ holds the chunk (the copy into ``out`` first waits for the caller's current stre
 be reading ``out``; then the slot's stream is synchronized). With ``stream=s`` it returns as soon
 as the record is verified, with the copy into ``out`` ordered before any work queued on ``s``
 afterwards (``s`` waits for the slot's stream; nothing else about ``out`` may be assumed on the
-host).
+host). Until ``s`` reaches that copy the slot's stream waits for it, so a later decode that gets
+the same slot queues behind ``s``'s earlier work.
 
 CPU decoders run the same steps with host buffers (the native multi-threaded CPU rANS decoder and
 dequantizer, or the torch reference :mod:`lmtier.codec.quant` where :data:`~lmtier.codec.chunk.USE_NATIVE`
@@ -358,7 +359,7 @@ class ChunkDecoder:
             if cuda:
                 slot.ctl_host.copy_(slot.ctl, non_blocking=True)
                 slot.stream.synchronize()  # the one host sync of the decode
-            del keep
+            keep = None  # the one-off upload (if any) is done
             ctl = slot.ctl_host.numpy()
             got = ctl[: 8 * n].view(np.int64)
             st = ctl[8 * n : 12 * n].view(np.int32)
