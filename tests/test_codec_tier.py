@@ -897,7 +897,7 @@ def test_gpu_tables_uploaded_once_and_slots_reused(disk):
 def test_gpu_concurrent_get_into_bit_identical_to_cpu(disk, threads):
     import concurrent.futures as cf
 
-    shape, xs, tab, recs, want = _gpu_case(n=8)
+    shape, xs, tab, _, want = _gpu_case(n=8)
     t = CodecTier(disk, shape=shape, dtype=torch.bfloat16, level="default", tables=tab)
     for i, x in enumerate(xs):
         assert t.put(key(80 + i), x)

@@ -374,7 +374,7 @@ def _dest(out: Any, nbytes: int) -> torch.Tensor:
 
 
 def parse_record(buf: np.ndarray, *, expected_shape: Sequence[int], dtype: Any,
-                 level: "str | int | Level | None" = None, tables: StaticTables | None = None
+                 level: str | int | Level | None = None, tables: StaticTables | None = None
                  ) -> tuple[fmt.Record, Level, StaticTables | None]:
     """Parse and check a record's bytes before decoding: structure and checksum
     (:func:`lmtier.codec.format.unpack`), header (:func:`check_record_info`), table set.

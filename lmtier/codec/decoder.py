@@ -42,8 +42,8 @@ import math
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ from . import quant, rans
 from .levels import Level, get_level
 from .quant import CodecInputError
 
-__all__ = ["ChunkDecoder", "DecodeSlot", "device_tables", "table_uploads", "shared_decoder"]
+__all__ = ["ChunkDecoder", "DecodeSlot", "device_tables", "shared_decoder", "table_uploads"]
 
 # ------------------------------------------------------------------------------------------------
 # static tables on the device, uploaded once
@@ -78,7 +78,7 @@ def _drop_tables(key: tuple[int, str]) -> None:
         _TABLES.pop(key, None)
 
 
-def device_tables(tables: "cchunk.StaticTables", device: Any) -> torch.Tensor:
+def device_tables(tables: cchunk.StaticTables, device: Any) -> torch.Tensor:
     """The table set's ``[N, 256]`` uint16 frequencies as a flat uint8 CUDA tensor (``N * 512``
     bytes) on ``device`` — uploaded on the first call for this (table set object, device) and
     cached while the :class:`~lmtier.codec.chunk.StaticTables` object lives (its arrays are treated
@@ -120,7 +120,7 @@ class DecodeSlot:
         stream: the slot's ``torch.cuda.Stream`` (None for CPU decoders).
     """
 
-    def __init__(self, dec: "ChunkDecoder") -> None:
+    def __init__(self, dec: ChunkDecoder) -> None:
         self.owner = dec
         cuda = dec.device.type == "cuda"
         n = dec.num_sections
@@ -131,7 +131,9 @@ class DecodeSlot:
         self._record_np = np.frombuffer(self.record, np.uint8)
         self.stream = torch.cuda.Stream(device=dec.device) if cuda else None
         with dec._on(self.stream):
-            mk = lambda nb: torch.empty(max(1, nb), dtype=torch.uint8, device=dec.device)  # noqa: E731
+            def mk(nb: int) -> torch.Tensor:
+                return torch.empty(max(1, nb), dtype=torch.uint8, device=dec.device)
+
             self.rec_dev = mk(dec.max_record_bytes) if cuda else None
             self.sym = mk(dec.sym_bytes)
             self.side = mk(dec.side_bytes)
@@ -193,8 +195,8 @@ class ChunkDecoder:
         ValueError / TypeError: bad shape, dtype or level.
     """
 
-    def __init__(self, *, shape: Sequence[int], dtype: Any, level: "str | int | Level",
-                 tables: "cchunk.StaticTables | None" = None, device: Any = "cpu", num_threads: int = 0,
+    def __init__(self, *, shape: Sequence[int], dtype: Any, level: str | int | Level,
+                 tables: cchunk.StaticTables | None = None, device: Any = "cpu", num_threads: int = 0,
                  max_idle_slots: int = 4) -> None:
         self.shape = cchunk._shape(shape)
         self.dtype = cchunk._dtype(dtype)
@@ -288,7 +290,7 @@ class ChunkDecoder:
                                             tables=self.tables)
         self.decode_parsed(buf, rec, tab, dst, slot=slot, stream=stream)
 
-    def decode_parsed(self, buf: np.ndarray, rec: fmt.Record, tables: "cchunk.StaticTables | None",
+    def decode_parsed(self, buf: np.ndarray, rec: fmt.Record, tables: cchunk.StaticTables | None,
                       dst: torch.Tensor, *, slot: DecodeSlot | None = None, stream: Any = None) -> None:
         """:meth:`decode` of a record :func:`lmtier.codec.chunk.parse_record` already verified
         (``buf``: its host bytes, 4-byte aligned; ``tables``: the set it uses or None; ``dst``: flat
@@ -309,7 +311,7 @@ class ChunkDecoder:
                         s.stream.synchronize()
                 raise
 
-    def _tables(self, tables: "cchunk.StaticTables | None") -> tuple[int, int]:
+    def _tables(self, tables: cchunk.StaticTables | None) -> tuple[int, int]:
         """(address, count) of the table set where the decoder reads it (0, 0 without one)."""
         if tables is None:
             return 0, 0
@@ -318,7 +320,7 @@ class ChunkDecoder:
             return device_tables(tables, self.device).data_ptr(), n
         return tables.tables.ctypes.data, n
 
-    def _run(self, slot: DecodeSlot, buf: np.ndarray, rec: fmt.Record, tables: "cchunk.StaticTables | None",
+    def _run(self, slot: DecodeSlot, buf: np.ndarray, rec: fmt.Record, tables: cchunk.StaticTables | None,
              dst: torch.Tensor, stream: Any) -> None:
         cuda = self.device.type == "cuda"
         n = self.num_sections
@@ -406,12 +408,12 @@ class ChunkDecoder:
 # decoders shared by decode_chunk
 
 _SHARED_LOCK = threading.Lock()
-_SHARED: "OrderedDict[tuple, tuple[Any, ChunkDecoder]]" = OrderedDict()
+_SHARED: OrderedDict[tuple, tuple[Any, ChunkDecoder]] = OrderedDict()
 _SHARED_MAX = 8
 
 
-def shared_decoder(*, shape: Sequence[int], dtype: Any, level: "str | int | Level",
-                   tables: "cchunk.StaticTables | None", device: Any, num_threads: int = 0) -> ChunkDecoder:
+def shared_decoder(*, shape: Sequence[int], dtype: Any, level: str | int | Level,
+                   tables: cchunk.StaticTables | None, device: Any, num_threads: int = 0) -> ChunkDecoder:
     """A process-wide :class:`ChunkDecoder` for these arguments (the last 8 used are kept; the
     table set is keyed by identity), so repeated :func:`~lmtier.codec.chunk.decode_chunk` calls
     reuse slots and uploaded tables."""

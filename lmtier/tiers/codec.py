@@ -54,7 +54,8 @@ import hashlib
 import logging
 import math
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +71,7 @@ from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.buffers import host_view
 from lmtier.tiers.device import is_cuda_tensor
 
-__all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
+__all__ = ["CODEC_KV_DTYPES", "CodecTier", "check_codec_geometry"]
 
 log = logging.getLogger("lmtier.tiers.codec")
 
@@ -94,7 +95,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def check_codec_geometry(
-    shape: Sequence[int], dtype: Any, level: "str | Level", *, config_key: str = "serde",
+    shape: Sequence[int], dtype: Any, level: str | Level, *, config_key: str = "serde",
     config_value: str = "cachegen",
 ) -> tuple[tuple[int, ...], torch.dtype, Level]:
     """Validate a chunk geometry for the codec; returns ``(shape, torch dtype, level)``.
@@ -171,8 +172,8 @@ class CodecTier(Tier):
         ConfigError: see :func:`check_codec_geometry`.
     """
 
-    def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: "str | Level",
-                 tables: "cchunk.StaticTables | str | None" = "shipped", config_key: str = "serde",
+    def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: str | Level,
+                 tables: cchunk.StaticTables | str | None = "shipped", config_key: str = "serde",
                  config_value: str = "cachegen") -> None:
         super().__init__()
         self.shape, self.dtype, self.level = check_codec_geometry(shape, dtype, level, config_key=config_key,
