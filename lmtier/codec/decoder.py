@@ -409,12 +409,12 @@ class ChunkDecoder:
 
 _SHARED_LOCK = threading.Lock()
 _SHARED: OrderedDict[tuple, tuple[Any, ChunkDecoder]] = OrderedDict()
-_SHARED_MAX = 8
+_SHARED_MAX = 4
 
 
 def shared_decoder(*, shape: Sequence[int], dtype: Any, level: str | int | Level,
                    tables: cchunk.StaticTables | None, device: Any, num_threads: int = 0) -> ChunkDecoder:
-    """A process-wide :class:`ChunkDecoder` for these arguments (the last 8 used are kept; the
+    """A process-wide :class:`ChunkDecoder` for these arguments (the last 4 used are kept; the
     table set is keyed by identity), so repeated :func:`~lmtier.codec.chunk.decode_chunk` calls
     reuse slots and uploaded tables."""
     shp = cchunk._shape(shape)
