@@ -4,6 +4,7 @@ codec_level) and TierManager.from_config wiring. Tiny geometries: the whole file
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -13,6 +14,7 @@ import xxhash
 
 from lmtier import config as cfgmod
 from lmtier.codec import chunk as C
+from lmtier.codec import decoder as DEC
 from lmtier.codec import format as fmt
 from lmtier.codec import levels as L
 from lmtier.codec import quant as Q
@@ -265,6 +267,200 @@ def disk(tmp_path):
 
 def _tier(inner, level, dtype=torch.bfloat16, shape=SHAPE):
     return CodecTier(inner, shape=shape, dtype=dtype, level=level, config_key="local_disk_serde")
+
+
+# ------------------------------------------------------------------------------------------------
+# ChunkDecoder: the reusable decode state behind decode_chunk and CodecTier.get_into
+
+
+def _tables42(x=None) -> C.StaticTables:
+    """A static table set fitted on ``x`` (K, V symbol tables; per-stream tables for the codes)."""
+    sym, _ = Q.quantize(kv_like() if x is None else x, "default")
+    tabs = np.stack([rans.table_from_symbols(sym[:, 0], alphabet_size=13),
+                     rans.table_from_symbols(sym[:, 1], alphabet_size=7)])
+    return C.StaticTables(table_id=42, tables=tabs, section_tables=[0, 1, rans.ADAPTIVE_TABLE] * SHAPE[0])
+
+
+def _out_of_range_record() -> bytes:
+    """A well-formed ``default`` record whose K symbols exceed 2*qmax (hand-built, valid streams)."""
+    x = kv_like()
+    sym, side = Q.quantize(x, "default")
+    sym = sym.clone()
+    sym[1, 0, 0, 0, 5] = 200
+    nl = SHAPE[0]
+    extra = side.view(nl, -1)
+    streams = []
+    for l in range(nl):
+        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1), extra[l]]
+    b = rans.encode(streams)
+    info = fmt.RecordInfo(2, nl, 2, 16, 2, 64, fmt.DType.BFLOAT16, 3)
+    return fmt.pack(info, [b.stream(i) for i in range(len(streams))])
+
+
+def _record_with_meta(x: torch.Tensor, meta_bytes: int) -> bytes:
+    """A valid ``default`` record of ``x`` carrying ``meta_bytes`` of metadata (encode_chunk writes
+    none): longer than max_record_bytes when ``meta_bytes`` is large."""
+    sym, side = Q.quantize(x, "default")
+    nl = SHAPE[0]
+    extra = side.view(nl, -1)
+    streams = []
+    for l in range(nl):
+        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1), extra[l]]
+    b = rans.encode(streams)
+    info = fmt.RecordInfo(2, nl, 2, 16, 2, 64, fmt.DType.BFLOAT16, 3)
+    return fmt.pack(info, [b.stream(i) for i in range(len(streams))], b"m" * meta_bytes)
+
+
+def test_decoder_reuses_one_slot_and_its_buffers(native):
+    st = _tables42()
+    dec = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st)
+    seen = set()
+    for seed in range(4):
+        x = kv_like(seed=seed)
+        rec = C.encode_chunk(x, shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st)
+        out = torch.empty(16384, dtype=torch.uint8)
+        with dec.slot() as s:
+            s.record[: len(rec)] = rec  # what CodecTier does: the inner tier reads into the slot
+            dec.decode(s.record[: len(rec)], out, slot=s)
+            seen.add((s.record_address, s.sym.data_ptr(), s.work.data_ptr(), s.ctl.data_ptr()))
+        assert torch.equal(out.view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+        dec.decode(rec, out)  # a record elsewhere in host memory, no slot given: the same slot again
+        assert torch.equal(out.view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+    assert dec.slots_created == 1 and len(seen) == 1
+
+
+def test_decoder_slot_survives_failures(native):
+    # one slot, good and bad records interleaved: a failure leaves no state that a later decode sees,
+    # a bad record never touches out
+    st = _tables42()
+    dec = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st)
+    good = [(C.encode_chunk(kv_like(seed=i), shape=SHAPE, dtype=torch.bfloat16, level="default",
+                            tables=st if i % 2 else None), kv_like(seed=i)) for i in range(3)]
+    other = C.StaticTables(table_id=7, tables=st.tables, section_tables=st.section_tables)
+    bad = [(_damaged("rans")[0], "rANS stream of layer 0, section 0 failed"),
+           (_out_of_range_record(), "symbol outside"),
+           (_damaged("checksum")[0], "checksum"),
+           (C.encode_chunk(kv_like(), shape=SHAPE, dtype=torch.bfloat16, level="default", tables=other),
+            "static table set 7, the decoder has 42")]
+    with dec.slot() as s:
+        for (rec, x), (brec, msg) in zip(good * 2, bad * 2):
+            out = torch.full((16384,), 0xCD, dtype=torch.uint8)
+            with pytest.raises(C.CodecRecordError, match=msg):
+                dec.decode(brec, out, slot=s)
+            assert bool((out == 0xCD).all())
+            dec.decode(rec, out, slot=s)
+            assert torch.equal(out.view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+    assert dec.slots_created == 1
+
+
+def test_decoder_threads_bit_identical(native):
+    import concurrent.futures as cf
+
+    st = _tables42()
+    dec = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st, max_idle_slots=4)
+    xs = [kv_like(seed=100 + i) for i in range(12)]
+    recs = [C.encode_chunk(x, shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st) for x in xs]
+    want = [reference(x, "default") for x in xs]
+
+    def work(i: int) -> bool:
+        out = torch.empty(SHAPE, dtype=torch.bfloat16)
+        ok = True
+        for _ in range(3):
+            out.fill_(float("nan"))
+            dec.decode(recs[i], out)
+            ok &= torch.equal(out.view(torch.int16), want[i].view(torch.int16))
+        return ok
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(work, range(len(xs))))
+    assert 1 <= dec.slots_created <= 4
+
+
+def test_decode_chunk_shares_decoders():
+    st = _tables42()
+    x = kv_like(seed=5)
+    rec = C.encode_chunk(x, shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st)
+    out = torch.empty(16384, dtype=torch.uint8)
+    for _ in range(3):
+        C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, tables=st)
+    dec = DEC.shared_decoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st, device="cpu")
+    assert dec.slots_created == 1 and dec.tables is st
+    assert DEC.shared_decoder(shape=SHAPE, dtype="bfloat16", level=L.get_level("default"), tables=st,
+                              device=torch.device("cpu")) is dec
+    assert DEC.shared_decoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=None, device="cpu") is not dec
+
+
+def test_record_longer_than_the_bound_still_decodes(native):
+    x = kv_like(seed=6)
+    rec = _record_with_meta(x, C.max_record_bytes(SHAPE, "default"))
+    assert len(rec) > C.max_record_bytes(SHAPE, "default")
+    out = torch.empty(16384, dtype=torch.uint8)
+    C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16)
+    assert torch.equal(out.view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+
+
+def test_decoder_argument_errors(disk):
+    dec = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default")
+    dec2 = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default")
+    rec = _record()
+    out = torch.empty(16384, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="stream= is for CUDA"):
+        dec.decode(rec, out, stream=object())
+    with dec2.slot() as s, pytest.raises(ValueError, match="another decoder"):
+        dec.decode(rec, out, slot=s)
+    with pytest.raises(ValueError, match="bytes"):
+        dec.decode(rec, torch.empty(100, dtype=torch.uint8))
+    with pytest.raises(C.CodecRecordError, match="level 'high', expected 'default'"):
+        dec.decode(_record(level="high"), out)
+    t = _tier(disk, "default")
+    assert t.put(key(9), as_bytes(kv_like()))
+    with pytest.raises(ValueError, match="stream= needs a CUDA out"):
+        t.get_into(key(9), bytearray(16384), stream=object())
+    dec.decode(rec, out)
+    assert dec.slots_created == 1  # the failures above took no slot
+    dec.close()
+    dec.decode(rec, out)  # a closed decoder still decodes (its slots are not kept)
+    assert dec.slots_created == 2
+
+
+def test_codec_tier_threads_bit_identical(disk):
+    import concurrent.futures as cf
+
+    t = _tier(disk, "default")
+    xs = {i: kv_like(seed=200 + i) for i in range(8)}
+    for i, x in xs.items():
+        assert t.put(key(60 + i), as_bytes(x))
+    want = {i: reference(x, "default") for i, x in xs.items()}
+
+    def work(i: int) -> bool:
+        out = bytearray(16384)
+        y = torch.frombuffer(out, dtype=torch.bfloat16).view(SHAPE)
+        return all(t.get_into(key(60 + i), out) == 16384 and torch.equal(y, want[i]) for _ in range(3))
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(work, range(8)))
+    assert t.counters["hits"] == 24 and 1 <= t.decoder("cpu").slots_created <= 4
+    t.close()
+
+
+def test_rans_decode_descriptors_matches_decode_into():
+    rng = np.random.default_rng(0)
+    streams = [rng.integers(0, 9, n, dtype=np.uint8) for n in (1, 100, 70_000, 0, 4096)]
+    b = rans.encode(streams)
+    data = np.asarray(b.data)
+    outs = [np.zeros(len(s) + 3, np.uint8) for s in streams]
+    desc = np.zeros(len(streams), rans.DECODE_DESC)
+    for i, o in enumerate(outs):
+        src = data[int(b.offsets[i]):int(b.offsets[i + 1])]
+        desc[i] = (src.ctypes.data, src.nbytes, o.ctypes.data, o.nbytes)
+    got = np.zeros(len(streams), np.int64)
+    status = np.full(len(streams), 99, np.int32)
+    rans.decode_descriptors(desc, len(streams), 0, 0, out_lengths=got, status=status)
+    assert not status.any() and got.tolist() == [len(s) for s in streams]
+    assert all(np.array_equal(o[: len(s)], s) for o, s in zip(outs, streams))
+    with pytest.raises(ValueError, match="DECODE_DESC"):
+        rans.decode_descriptors(desc[:2], 3, 0, 0, out_lengths=got, status=status)
+
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -650,3 +846,178 @@ def test_gpu_decode_matches_cpu(disk, level):
     rec, msg = _damaged("rans")
     with pytest.raises(C.CodecRecordError, match="rANS"):
         C.decode_chunk(rec, out_gpu, expected_shape=SHAPE, dtype=torch.bfloat16)
+
+
+def _gpu_case(shape=(4, 2, 256, 8, 128), n=6, seed=300):
+    """Chunks of a larger geometry with calibrated table-switching tables (the shipped tables' path:
+    lmtier.codec.calibrate, fitted on other data), their records and the CPU decoder's bytes."""
+    from lmtier.codec import calibrate as CAL
+
+    xs = [kv_like(shape, seed=seed + i) for i in range(n)]
+    tab, _ = CAL.calibrate([kv_like(shape, seed=seed - 1)], "default")
+    recs = [C.encode_chunk(x, shape=shape, dtype=torch.bfloat16, level="default", tables=tab) for x in xs]
+    assert all(fmt.unpack(r).info.table_id == tab.table_id for r in recs)
+    want = []
+    for r in recs:
+        o = torch.empty(math.prod(shape) * 2, dtype=torch.uint8)
+        C.decode_chunk(r, o, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
+        want.append(o)
+    return shape, xs, tab, recs, want
+
+
+@pytest.mark.gpu
+def test_gpu_tables_uploaded_once_and_slots_reused(disk):
+    # defect (issue 14, product decode path): the whole static table set went to the GPU on every
+    # decode, and every work buffer was allocated per call
+    shape, xs, tab, recs, want = _gpu_case()
+    t = CodecTier(disk, shape=shape, dtype=torch.bfloat16, level="default", tables=tab)
+    n0 = DEC.table_uploads()
+    for i, x in enumerate(xs):
+        assert t.put(key(70 + i), x.cuda())  # GPU encode: the set goes to the device here, once
+    out = torch.empty(math.prod(shape) * 2, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        for i in range(len(xs)):
+            out.fill_(0xCD)
+            assert t.get_into(key(70 + i), out) == out.numel()
+            assert torch.equal(out.cpu(), want[i])
+    assert DEC.table_uploads() == n0 + 1  # once for this (table set, device), never per encode / decode
+    for i, r in enumerate(recs):  # decode_chunk's shared decoder uses the same device copy
+        C.decode_chunk(r, out, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
+        assert torch.equal(out.cpu(), want[i])
+    assert DEC.table_uploads() == n0 + 1
+    dec = t.decoder(out.device)
+    assert dec.slots_created == 1 and t.counters["hits"] == 3 * len(xs)
+    (slot,) = dec._free
+    assert slot.stream.cuda_stream != torch.cuda.default_stream().cuda_stream
+    t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [4, 12])  # 12 > the 8 idle slots a tier keeps
+def test_gpu_concurrent_get_into_bit_identical_to_cpu(disk, threads):
+    import concurrent.futures as cf
+
+    shape, xs, tab, _, want = _gpu_case(n=8)
+    t = CodecTier(disk, shape=shape, dtype=torch.bfloat16, level="default", tables=tab)
+    for i, x in enumerate(xs):
+        assert t.put(key(80 + i), x)
+    streams = set()
+
+    def work(j: int) -> bool:
+        i = j % len(xs)
+        out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        ok = True
+        for _ in range(4):
+            out.fill_(float("nan"))
+            ok &= t.get_into(key(80 + i), out) == out.numel() * 2
+            ok &= torch.equal(out.view(-1).view(torch.uint8).cpu(), want[i])
+        return ok
+
+    with cf.ThreadPoolExecutor(threads) as ex:
+        assert all(ex.map(work, range(2 * threads)))
+    dec = t.decoder("cuda")
+    assert 1 <= dec.slots_created and len(dec._free) <= 8
+    for s in dec._free:
+        streams.add(s.stream.cuda_stream)
+    assert len(streams) == len(dec._free) and torch.cuda.default_stream().cuda_stream not in streams
+    t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [*DAMAGE, "symbols"])
+def test_gpu_corrupted_record_is_miss_and_out_untouched(disk, kind):
+    t = _tier(disk, "default")
+    rec = _out_of_range_record() if kind == "symbols" else _damaged(kind)[0]
+    assert disk.put(t.inner_key(key(90)), rec)
+    out = torch.full((16384 + 64,), 0xCD, dtype=torch.uint8, device="cuda")
+    assert t.get_into(key(90), out) is None
+    assert bool((out == 0xCD).all())  # nothing of a failed record reaches out
+    assert not disk.contains(t.inner_key(key(90))) and t.counters["corrupt_deleted"] == 1
+    x = kv_like(seed=91)
+    assert t.put(key(91), x) and t.get_into(key(91), out) == 16384  # the same slot, after the failure
+    assert torch.equal(out[:16384].cpu().view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+    assert bool((out[16384:] == 0xCD).all())
+    with pytest.raises(C.CodecRecordError):
+        C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, level="default")
+    t.close()
+
+
+@pytest.mark.gpu
+def test_gpu_table_set_mismatch_rejected():
+    st = _tables42()
+    x = kv_like(seed=92)
+    rec = C.encode_chunk(x, shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st)
+    other = C.StaticTables(table_id=7, tables=st.tables, section_tables=st.section_tables)
+    out = torch.full((16384,), 0xCD, dtype=torch.uint8, device="cuda")
+    with pytest.raises(C.CodecRecordError, match="has 7"):
+        C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, tables=other)
+    with pytest.raises(C.CodecRecordError, match="has none"):
+        C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16)
+    dec = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=other, device="cuda")
+    with pytest.raises(C.CodecRecordError, match="static table set 42, the decoder has 7"):
+        dec.decode(rec, out)
+    assert bool((out == 0xCD).all())
+    C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, tables=st)
+    assert torch.equal(out.cpu().view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+
+
+@pytest.mark.gpu
+def test_gpu_out_written_when_get_into_returns(disk):
+    # the caller's stream may still read out: the copy into out waits for it, and out holds the
+    # chunk when get_into returns (read here from an unrelated stream without any wait)
+    t = _tier(disk, "default")
+    x = kv_like(seed=93)
+    assert t.put(key(93), x)
+    out = torch.full((16384,), 0xCD, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    caller, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the call
+        assert t.get_into(key(93), out) == 16384
+    assert caller.query()  # the copy into out waited for the caller's stream
+    with torch.cuda.stream(reader):
+        snap = out.clone()
+    reader.synchronize()
+    assert torch.equal(snap.cpu().view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+    t.close()
+
+
+@pytest.mark.gpu
+def test_gpu_stream_ordered_get_into(disk):
+    t = _tier(disk, "default")
+    x = kv_like(seed=94)
+    assert t.put(key(94), x)
+    out = torch.full((16384,), 0xCD, dtype=torch.uint8, device="cuda")
+    assert t.get_into(key(94), out) == 16384  # warm: the slot exists
+    out.fill_(0xCD)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(1_000_000_000)  # keeps s busy well past the decode
+    assert t.get_into(key(94), out, stream=s) == 16384
+    assert not s.query()  # returned once verified, without waiting for s
+    with torch.cuda.stream(s):
+        snap = out.clone()  # ordered after the copy into out
+    s.synchronize()
+    assert torch.equal(snap.cpu().view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+    # a bad record with stream=: a miss, out untouched
+    assert disk.put(t.inner_key(key(95)), _damaged("rans")[0])
+    out.fill_(0xCD)
+    assert t.get_into(key(95), out, stream=s) is None
+    s.synchronize()
+    assert bool((out == 0xCD).all())
+    t.close()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_odd_out_offset_and_long_record():
+    x = kv_like(seed=96)
+    big = torch.full((16384 + 2 + 64,), 0xCD, dtype=torch.uint8, device="cuda")
+    rec = _record_with_meta(x, C.max_record_bytes(SHAPE, "default"))  # beyond the slot's record buffer
+    C.decode_chunk(rec, big[2 : 2 + 16384], expected_shape=SHAPE, dtype=torch.bfloat16)
+    y = big[2 : 2 + 16384].cpu()
+    assert torch.equal(y.view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+    assert bool((big[:2] == 0xCD).all()) and bool((big[2 + 16384 :] == 0xCD).all())
+    rec2 = _record("default", x)
+    C.decode_chunk(np.frombuffer(rec2, np.uint8), big[2 : 2 + 16384], expected_shape=SHAPE, dtype=torch.bfloat16)
+    assert torch.equal(big[2 : 2 + 16384].cpu(), y)

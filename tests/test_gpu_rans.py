@@ -316,3 +316,43 @@ def test_gpu_run_tables_one_bad_table_in_range_matches_cpu():
         (oc, fc, sc), (og, fg, sg) = descs
         np.testing.assert_array_equal(sc, sg)
         assert (sg == 3).any() and (sg == 0).any(), (bad, sg)
+
+
+
+def test_gpu_decode_descriptors_prebuilt_on_a_side_stream():
+    """rans.decode_descriptors (what lmtier.codec.decoder.ChunkDecoder calls): descriptors and
+    tables already on the device, run on a non-default stream, the same destinations reused for a
+    second batch; results equal the input bytes (and thus the CPU decoder), statuses included."""
+    n = None
+    outs = lens = st = scratch = ddesc = desc = None
+    s = torch.cuda.Stream()
+    for seed in (11, 12):
+        streams, ids, runs, tables = _run_batch(np.random.default_rng(seed))
+        enc = rans.encode(streams, ids, tables, run_lens=runs)
+        if n is None:  # built once, reused for the second batch (same lengths)
+            n = len(streams)
+            outs = [torch.full((len(x) + 5,), 0xEE, dtype=torch.uint8, device=DEV) for x in streams]
+            lens = torch.zeros(n, dtype=torch.int64, device=DEV)
+            st = torch.full((n,), 77, dtype=torch.int32, device=DEV)
+            scratch = torch.empty(rans.decode_scratch_bytes(n), dtype=torch.uint8, device=DEV)
+            ddesc = torch.empty(n * rans.DECODE_DESC.itemsize, dtype=torch.uint8, device=DEV)
+            desc = np.zeros(n, rans.DECODE_DESC)
+            desc["dst"] = [o.data_ptr() for o in outs]
+            desc["dst_capacity"] = [o.numel() for o in outs]
+        assert [len(x) for x in streams] == [o.numel() - 5 for o in outs]
+        tdev = torch.from_numpy(tables.view(np.uint8).reshape(-1)).to(DEV)
+        src = torch.from_numpy(np.asarray(enc.data)).to(DEV)
+        desc["src"] = src.data_ptr() + enc.offsets[:-1]
+        desc["src_bytes"] = np.diff(enc.offsets)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):
+            ddesc.copy_(torch.from_numpy(desc.view(np.uint8)))
+            rans.decode_descriptors(ddesc, n, tdev.data_ptr(), tables.shape[0], out_lengths=lens, status=st,
+                                    scratch=scratch, stream=s)
+        s.synchronize()
+        assert not st.cpu().numpy().any()
+        assert lens.cpu().tolist() == [len(x) for x in streams]
+        for x, o in zip(streams, outs):
+            assert np.array_equal(o[: len(x)].cpu().numpy(), x) and bool((o[len(x):] == 0xEE).all())
+    with pytest.raises(ValueError, match="scratch"):
+        rans.decode_descriptors(ddesc, n, tdev.data_ptr(), tables.shape[0], out_lengths=lens, status=st)

@@ -10,12 +10,15 @@ which handles the rest; see :data:`USE_NATIVE`).
 
 * :func:`encode_chunk`: quantize -> rANS encode (static tables when given, a per-stream table
   otherwise) -> :func:`lmtier.codec.format.pack`.
-* :func:`decode_chunk`: :func:`lmtier.codec.format.unpack` (checksum verified) -> header checks ->
-  batched rANS decode -> dequantize into a caller buffer. CUDA destinations are decoded on the GPU
-  (the CUDA rANS kernels, then the CUDA dequantize kernel, or the reference's torch ops on the
-  device); CPU destinations by the native multi-threaded CPU coder and the native CPU dequantizer
-  (or the torch reference). All give bit-identical chunks (the coder's CPU and CUDA paths are
-  byte/bit exact; every dequantizer is the same integer / correctly rounded fp32 arithmetic).
+* :func:`decode_chunk`: :func:`parse_record` (:func:`lmtier.codec.format.unpack`, checksum
+  verified; header and table-set checks) -> batched rANS decode -> dequantize into a caller buffer,
+  through a reusable :class:`lmtier.codec.decoder.ChunkDecoder` (tables uploaded once, buffers and
+  descriptors preallocated, one stream per concurrent caller). CUDA destinations are decoded on
+  the GPU (the CUDA rANS kernels, then the CUDA dequantize kernel, or the reference's torch ops on
+  the device); CPU destinations by the native multi-threaded CPU coder and the native CPU
+  dequantizer (or the torch reference). All give bit-identical chunks (the coder's CPU and CUDA
+  paths are byte/bit exact; every dequantizer is the same integer / correctly rounded fp32
+  arithmetic).
 
 Record layout (what the sections of a :mod:`.format` record hold; every section is one rANS
 stream, coded independently)::
@@ -70,6 +73,7 @@ __all__ = [
     "encode_chunk",
     "decode_chunk",
     "check_record_info",
+    "parse_record",
     "dequantize_layers",
     "USE_NATIVE",
 ]
@@ -288,6 +292,10 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
     if tables is not None and tables.run_lens(shp[2]) is not None:
         table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
         runs = tables.run_lens(shp[2])
+        if x.is_cuda:  # the set's device copy, uploaded once per (set, device), not per chunk
+            from .decoder import device_tables
+
+            tab = device_tables(tables, x.device)
     else:  # no tables, or table switching impossible for this T: per-stream tables
         table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
     with _on_device(x):
@@ -365,6 +373,39 @@ def _dest(out: Any, nbytes: int) -> torch.Tensor:
     return flat[:nbytes]
 
 
+def parse_record(buf: np.ndarray, *, expected_shape: Sequence[int], dtype: Any,
+                 level: str | int | Level | None = None, tables: StaticTables | None = None
+                 ) -> tuple[fmt.Record, Level, StaticTables | None]:
+    """Parse and check a record's bytes before decoding: structure and checksum
+    (:func:`lmtier.codec.format.unpack`), header (:func:`check_record_info`), table set.
+
+    Args:
+        buf: the record's host bytes (1-D uint8 NumPy array; trailing bytes ignored).
+        expected_shape, dtype, level: what the record must be (``level`` None: any known level).
+        tables: the decoder's static table set (or None).
+
+    Returns:
+        ``(record, level, tables)``: the parsed :class:`~lmtier.codec.format.Record`, its level and
+        the table set its streams use (None: per-stream tables).
+
+    Raises:
+        CodecRecordError: truncated, not a record, bad checksum, unsupported version, unknown level,
+            level/geometry/dtype mismatch, coded with a static table set the decoder does not have.
+    """
+    try:
+        rec = fmt.unpack(buf)
+    except ValueError as e:
+        raise CodecRecordError(str(e)) from None
+    lv = check_record_info(rec.info, expected_shape=expected_shape, dtype=dtype, level=level)
+    if rec.info.table_id == fmt.NO_TABLE:
+        return rec, lv, None
+    if tables is None or int(tables.table_id) != rec.info.table_id:
+        have = "none" if tables is None else tables.table_id
+        raise CodecRecordError(f"codec record was coded with static table set {rec.info.table_id}, "
+                               f"the decoder has {have}")
+    return rec, lv, tables
+
+
 def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int], dtype: Any,
                  level: "str | int | Level | None" = None, tables: StaticTables | None = None,
                  num_threads: int = 0) -> None:
@@ -376,7 +417,7 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
         out: destination, a contiguous tensor of at least the chunk's bytes (``uint8 [nbytes]``
             or any dtype, written as bytes; the chunk's canonical bytes land in its first
             ``L*2*T*H*D*2`` bytes). A CUDA ``out`` is decoded on its device (record copied over
-            once, rANS decode and dequantize on the current stream, synchronized before return);
+            once, rANS decode and dequantize on a stream of the decoder's own, done before return);
             a CPU ``out`` by the native CPU coder and dequantizer (see :data:`USE_NATIVE`).
         expected_shape: the geometry ``(L, 2, T, H, D)`` the record must have.
         dtype: ``torch.bfloat16`` / ``torch.float16`` (or their names) the record must hold.
@@ -384,7 +425,10 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
         tables: the static table set, needed when the record was coded with one.
         num_threads: CPU decoder threads (0: the coder's default).
 
-    ``out`` is written only once the whole record decoded and passed every check.
+    ``out`` is written only once the whole record decoded and passed every check. Decoding runs
+    through a :class:`lmtier.codec.decoder.ChunkDecoder` shared by calls with the same geometry,
+    level, table set and device (:func:`lmtier.codec.decoder.shared_decoder`): buffers, descriptors
+    and the table set's device copy are reused. Thread-safe.
 
     Raises:
         CodecRecordError: anything wrong with the record — truncated, not a record, bad checksum,
@@ -394,40 +438,16 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
         TypeError / ValueError: bad ``out`` (not a tensor, too small, non-contiguous) or bad
             ``expected_shape`` / ``dtype`` arguments.
     """
-    from . import rans
+    from . import decoder
 
     shp = _shape(expected_shape)
     dt = _dtype(dtype)
-    nl, _, t, h, d = shp
     dst = _dest(out, math.prod(shp) * 2)
     buf = _host_u8(record)
-    try:
-        rec = fmt.unpack(buf)
-    except ValueError as e:
-        raise CodecRecordError(str(e)) from None
-    lv = check_record_info(rec.info, expected_shape=shp, dtype=dt, level=level)
-    tab = None
-    if rec.info.table_id != fmt.NO_TABLE:
-        if tables is None or int(tables.table_id) != rec.info.table_id:
-            have = "none" if tables is None else tables.table_id
-            raise CodecRecordError(f"codec record was coded with static table set {rec.info.table_id}, "
-                                   f"the decoder has {have}")
-        tab = tables.tables
-    to_side, offs, lens = section_layout(lv, shp)
-    sym_bytes, side_bytes = decoded_buffer_bytes(lv, shp)
-    if out.is_cuda:
-        _decode_cuda(buf, rec, out.device, to_side, offs, lens, sym_bytes, side_bytes, tab, lv, shp, dt, dst)
-        return
-    sym = torch.empty(sym_bytes, dtype=torch.uint8)
-    side = torch.empty(side_bytes, dtype=torch.uint8)
-    sym_np, side_np = sym.numpy(), side.numpy()
-    sources = [buf[int(o):int(o) + int(k)] for o, k in zip(rec.section_offsets(), rec.section_lengths())]
-    outs = [(side_np if s else sym_np)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
-    n = len(lens)
-    got = np.zeros(n, np.int64)
-    st = np.zeros(n, np.int32)
-    rans.decode_into(sources, tab, outs=outs, out_lengths=got, status=st, num_threads=num_threads)
-    _finish(st, got, lens, sym, side, lv, shp, dt, dst)
+    rec, lv, tab = parse_record(buf, expected_shape=shp, dtype=dt, level=level, tables=tables)
+    dec = decoder.shared_decoder(shape=shp, dtype=dt, level=lv, tables=tab, device=dst.device,
+                                 num_threads=num_threads)
+    dec.decode_parsed(buf, rec, tab, dst)
 
 
 def _native():
@@ -451,60 +471,10 @@ def _quantize(x: torch.Tensor, lv: Level, num_threads: int) -> tuple[torch.Tenso
     return quant.quantize(x, lv)
 
 
-def _dequantize(sym: torch.Tensor, side: torch.Tensor, lv: Level, shp: tuple[int, ...],
-                dt: torch.dtype) -> torch.Tensor:
-    nat = _native()
-    if nat is not None and nat.supported(lv, shp, sym.device):
-        return nat.dequantize([sym], [side], lv, shp, dt)[0]
-    return quant.dequantize(sym, side, lv, shp, dt)
-
-
 def _on_device(x: torch.Tensor):
     import contextlib
 
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
-def _decode_cuda(buf, rec, dev, to_side, offs, lens, sym_bytes, side_bytes, tab, lv, shp, dt, dst) -> None:
-    """GPU half of :func:`decode_chunk`: one H2D copy of the record, batched CUDA rANS decode and
-    dequantize on ``dev`` (current stream; synchronized by the status read)."""
-    from . import rans
-
-    with torch.cuda.device(dev):
-        src = buf[: rec.nbytes]
-        rec_dev = torch.from_numpy(src if src.flags.writeable else src.copy()).to(dev)
-        sym = torch.empty(sym_bytes, dtype=torch.uint8, device=dev)
-        side = torch.empty(side_bytes, dtype=torch.uint8, device=dev)
-        sources = [rec_dev[int(o):int(o) + int(k)] for o, k in zip(rec.section_offsets(), rec.section_lengths())]
-        outs = [(side if s else sym)[int(o):int(o) + int(k)] for s, o, k in zip(to_side, offs, lens)]
-        n = len(lens)
-        got = torch.zeros(n, dtype=torch.int64, device=dev)
-        status = torch.zeros(n, dtype=torch.int32, device=dev)
-        scratch = torch.empty(max(1, rans.decode_scratch_bytes(n)), dtype=torch.uint8, device=dev)
-        rans.decode_into(sources, tab, outs=outs, out_lengths=got, status=status, scratch=scratch)
-        _finish(status.cpu().numpy(), got.cpu().numpy(), lens, sym, side, lv, shp, dt, dst)  # .cpu(): waits
-
-
-def _finish(st: np.ndarray, got: np.ndarray, lens: np.ndarray, sym: torch.Tensor, side: torch.Tensor, lv: Level,
-            shp: tuple[int, ...], dt: torch.dtype, dst: torch.Tensor) -> None:
-    """Check the coder's per-stream status and symbol counts, dequantize, write ``dst``."""
-    from . import rans
-
-    bad = np.flatnonzero(st)
-    if bad.size:
-        i = int(bad[0])
-        S = sections_per_layer(lv)
-        raise CodecRecordError(f"codec record: rANS stream of layer {i // S}, section {i % S} failed: "
-                               f"{rans.STATUS_NAMES.get(int(st[i]), int(st[i]))} ({bad.size} bad stream(s))")
-    short = np.flatnonzero(got != lens)
-    if short.size:
-        i = int(short[0])
-        raise CodecRecordError(f"codec record: section {i} decoded to {int(got[i])} symbols, expected {int(lens[i])}")
-    try:
-        kv = _dequantize(sym, side, lv, shp, dt)
-    except CodecInputError as e:
-        raise CodecRecordError(f"codec record: {e}") from None
-    dst.view(dt).view(shp).copy_(kv)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ Entry points:
 * :func:`encode` / :func:`decode` — convenience: allocate, run, check, return.
 * :func:`encode_into` / :func:`decode_into` — the hot path: caller-provided output, scratch, offsets and
   status buffers; nothing allocated but the small descriptor array; asynchronous on CUDA.
+* :func:`decode_descriptors` — decode from a prebuilt descriptor array (already on the device for
+  CUDA) and tables already where the coder reads them: nothing built, uploaded or allocated
+  (:class:`lmtier.codec.decoder.ChunkDecoder`).
 
 Arrays are NumPy arrays or torch tensors; CUDA tensors select the CUDA kernels (all buffers of a call
 on one device). Errors in the data (corrupted / truncated / hostile streams, missing tables) raise
@@ -60,6 +63,7 @@ __all__ = [
     "encode_into",
     "decode",
     "decode_into",
+    "decode_descriptors",
 ]
 
 _R = _C.rans
@@ -503,6 +507,39 @@ def decode_into(sources: Sequence[Any], tables: Any, *, outs: Sequence[Any], out
         _keep_alive(keep, stream, dev)
     else:
         _R.decode(False, desc.ctypes.data, n, t_addr, num_tables, len_addr, st_addr, 0, 0, num_threads, 0)
+
+
+def decode_descriptors(descs: Any, num_streams: int, tables_addr: int, num_tables: int, *, out_lengths: Any,
+                       status: Any, scratch: Any = None, num_threads: int = 0, stream: Any = None) -> None:
+    """Decode ``num_streams`` streams described by a prebuilt :data:`DECODE_DESC` array, one native call.
+
+    ``descs``: the descriptors — a host NumPy :data:`DECODE_DESC` array (CPU decode) or a CUDA uint8
+    tensor of ``num_streams * 32`` bytes (CUDA decode, asynchronous on ``stream``, None: the current
+    stream); every address in them must be of that side and stay valid until the decode finished.
+    ``tables_addr`` / ``num_tables``: the ``[num_tables, 256]`` uint16 tables on the same side (0, 0:
+    none). ``out_lengths`` int64 [N], ``status`` int32 [N], ``scratch`` (CUDA: >=
+    ``decode_scratch_bytes(N)`` bytes): contiguous tensors/arrays on the same side. Same results and
+    guarantees as :func:`decode_into`, without its per-call descriptor build and uploads.
+    """
+    n = int(num_streams)
+    len_addr, len_bytes = _addr_len(out_lengths)
+    st_addr, st_bytes = _addr_len(status)
+    if len_bytes < 8 * n or st_bytes < 4 * n:
+        raise ValueError("out_lengths must hold N int64 and status N int32")
+    if _is_cuda(descs):
+        if descs.numel() * descs.element_size() < n * DECODE_DESC.itemsize:
+            raise ValueError(f"descs holds fewer than {n} descriptors")
+        if scratch is None:
+            raise ValueError("CUDA decode needs scratch (decode_scratch_bytes(N) bytes on the device)")
+        sc_addr, sc_bytes = _addr_len(scratch)
+        _R.decode(True, descs.data_ptr(), n, int(tables_addr), int(num_tables), len_addr, st_addr, sc_addr,
+                  sc_bytes, 0, _stream_handle(stream, descs.device))
+        return
+    d = np.asarray(descs)
+    if d.dtype != DECODE_DESC or d.size < n or not d.flags.c_contiguous:
+        raise ValueError(f"descs must be a contiguous DECODE_DESC array of >= {n} entries")
+    _R.decode(False, d.ctypes.data, n, int(tables_addr), int(num_tables), len_addr, st_addr, 0, 0,
+              int(num_threads), 0)
 
 
 def decode(batch: EncodedBatch | Sequence[Any], tables: Any = None, *, lengths: Sequence[int] | None = None,

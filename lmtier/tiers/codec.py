@@ -4,9 +4,11 @@
 :class:`~lmtier.tiers.base.Tier` protocol by forwarding to it (``contains``, ``contains_many``,
 ``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put`` encodes the chunk's canonical bytes with
 :func:`lmtier.codec.chunk.encode_chunk` and stores the record in the inner tier; ``get_into``
-fetches the record into a scratch buffer and decodes it into the caller's buffer with
-:func:`lmtier.codec.chunk.decode_chunk` (on the GPU for CUDA destinations). To everything above it
-(the tier manager) it is an ordinary tier holding full canonical chunks.
+fetches the record into a decode slot's record buffer and decodes it into the caller's buffer with
+the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for that buffer's device (on the GPU for
+CUDA destinations: static tables uploaded once, buffers and descriptors reused, one CUDA stream
+per concurrent caller, one host sync per chunk). To everything above it (the tier manager) it is
+an ordinary tier holding full canonical chunks.
 
 Decisions:
 
@@ -26,9 +28,12 @@ Decisions:
   segment raw when coding would not shrink it, so a record never exceeds
   :func:`lmtier.codec.chunk.max_record_bytes` — the raw symbol bytes plus a per-stream overhead
   bounded by the geometry (about 0.6 KiB per (layer, section) stream plus 7 bytes per 16 Ki
-  symbols). The scratch buffer of ``get_into`` has exactly that size; a record that does not fit
-  cannot be valid.
-* **Failures.** ``get_into`` returns ``None`` (a miss) on any failure. A record that fails to
+  symbols). The record buffer of ``get_into`` (a decode slot's) has that size (rounded up to 4 KiB);
+  a record that does not fit cannot be valid.
+* **Failures.** ``get_into`` returns ``None`` (a miss) on any failure; ``out`` is written only
+  once the whole record verified (checksum, header, rANS status, symbol counts and range): a
+  record that fails leaves it untouched; after another failure (a device error during the final
+  copy) its contents are unspecified — None is the signal, never a chunk to take for a hit. A record that fails to
   decode (:class:`lmtier.codec.chunk.CodecRecordError`: checksum, structure, level, geometry,
   dtype, rANS status, symbol range) is deleted from the inner tier; other failures (a destination
   too small, a device error) leave it. ``put`` returns ``False`` (a dropped store) for payloads
@@ -39,7 +44,7 @@ Decisions:
   planes. Anything else is a :class:`lmtier.config.ConfigError` at construction naming the config
   key (``remote_serde`` / ``local_disk_serde``).
 
-Thread-safe (encode and decode keep no shared state; scratch buffers come from a locked pool).
+Thread-safe (encode keeps no shared state; decode slots come from each decoder's locked pool).
 """
 
 from __future__ import annotations
@@ -49,24 +54,32 @@ import hashlib
 import logging
 import math
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
+from lmtier.codec.decoder import ChunkDecoder
 from lmtier.codec.levels import LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
-from lmtier.tiers.buffers import BouncePool, host_view
+from lmtier.tiers.buffers import host_view
 from lmtier.tiers.device import is_cuda_tensor
 
-__all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
+__all__ = ["CODEC_KV_DTYPES", "CodecTier", "check_codec_geometry"]
 
 log = logging.getLogger("lmtier.tiers.codec")
+
+_IDLE_SLOTS = {"cuda": 8, "cpu": 2}
+"""Idle decode slots a tier keeps per device type (a slot serves one concurrent ``get_into``: the
+tier manager's I/O threads); more are created while more callers decode at once and freed
+afterwards. CUDA slots also hold a stream and device buffers worth keeping (about 2x the chunk's
+bytes each, plus a pinned record buffer); host slots are cheap to recreate."""
 
 CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
 """Namespace ``kv_dtype`` names the codec takes."""
@@ -82,7 +95,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def check_codec_geometry(
-    shape: Sequence[int], dtype: Any, level: "str | Level", *, config_key: str = "serde",
+    shape: Sequence[int], dtype: Any, level: str | Level, *, config_key: str = "serde",
     config_value: str = "cachegen",
 ) -> tuple[tuple[int, ...], torch.dtype, Level]:
     """Validate a chunk geometry for the codec; returns ``(shape, torch dtype, level)``.
@@ -151,7 +164,7 @@ class CodecTier(Tier):
 
     Attributes:
         name: the inner tier's name (so hit counters and logs read ``disk`` / ``remote``).
-        raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (scratch size).
+        raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (record buffer size).
         counters: ``puts``, ``put_failures``, ``raw_bytes_in``, ``record_bytes_out``, ``hits``,
             ``misses``, ``corrupt_deleted``, ``decode_failures``.
 
@@ -159,8 +172,8 @@ class CodecTier(Tier):
         ConfigError: see :func:`check_codec_geometry`.
     """
 
-    def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: "str | Level",
-                 tables: "cchunk.StaticTables | str | None" = "shipped", config_key: str = "serde",
+    def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: str | Level,
+                 tables: cchunk.StaticTables | str | None = "shipped", config_key: str = "serde",
                  config_value: str = "cachegen") -> None:
         super().__init__()
         self.shape, self.dtype, self.level = check_codec_geometry(shape, dtype, level, config_key=config_key,
@@ -179,7 +192,7 @@ class CodecTier(Tier):
         table_id = cformat.NO_TABLE if tables is None else int(tables.table_id)
         salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + table_id.to_bytes(4, "little")
         self._pad = int.from_bytes(hashlib.blake2b(salt, digest_size=KEY_BYTES, person=_PERSON).digest(), "little")
-        self._scratch = BouncePool(max_cached=4)
+        self._decoders: dict[torch.device, ChunkDecoder] = {}
         self._lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
         inner.add_eviction_listener(self._on_inner_evicted)
@@ -261,10 +274,27 @@ class CodecTier(Tier):
             self._count("put_failures")
         return ok
 
-    def get_into(self, key: bytes, out: Any) -> int | None:
+    def get_into(self, key: bytes, out: Any, *, stream: Any = None) -> int | None:
         """Fetch the record and decode the chunk into ``out`` (host buffer or CUDA tensor, >= one
         chunk's bytes). Returns the chunk's byte count, or None (miss, too small ``out``, any
-        failure; records that fail to decode are deleted)."""
+        failure; records that fail to decode are deleted).
+
+        The record is read into a :class:`~lmtier.codec.decoder.DecodeSlot`'s record buffer (pinned
+        for CUDA ``out``) and decoded by this tier's :class:`~lmtier.codec.decoder.ChunkDecoder`
+        for ``out``'s device (tables on the device once, buffers reused, one CUDA stream per
+        concurrent caller). ``out`` is written only after the whole record verified (a record that
+        fails leaves it untouched); after a None its contents must not be used (None is the
+        signal, as for every tier).
+
+        Args:
+            stream: CUDA ``out`` only, a ``torch.cuda.Stream``: return once the record verified,
+                with the chunk's copy into ``out`` ordered before any work queued on ``stream``
+                afterwards (see :meth:`lmtier.codec.decoder.ChunkDecoder.decode`). None (default):
+                return once ``out`` holds the chunk.
+
+        Raises:
+            ValueError: ``stream`` with a host ``out``.
+        """
         ikey = self.inner_key(key)
         try:
             dst = self._dest(out)
@@ -274,15 +304,16 @@ class CodecTier(Tier):
         if dst.numel() < self.raw_bytes:
             log.warning("get_into: out has %d bytes < chunk %d", dst.numel(), self.raw_bytes)
             return None
-        buf = self._scratch.acquire(self.max_record_bytes)
-        try:
-            n = self.inner.get_into(ikey, buf.mv[: buf.nbytes])
+        if stream is not None and not dst.is_cuda:
+            raise ValueError("CodecTier.get_into: stream= needs a CUDA out")
+        dec = self.decoder(dst.device)
+        with dec.slot() as slot:
+            n = self.inner.get_into(ikey, slot.record)
             if n is None:
                 self._count("misses")
                 return None
             try:
-                cchunk.decode_chunk(buf.mv[:n], dst[: self.raw_bytes], expected_shape=self.shape, dtype=self.dtype,
-                                    level=self.level, tables=self.tables)
+                dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream)
             except cchunk.CodecRecordError as e:
                 log.warning("%s: codec record of chunk %s is unusable (%s); deleted", self.name,
                             bytes(key).hex()[:16], e)
@@ -295,17 +326,32 @@ class CodecTier(Tier):
                 self._count("decode_failures")
                 self._count("misses")
                 return None
-        finally:
-            self._scratch.release(buf)
         self._count("hits")
         return self.raw_bytes
+
+    def decoder(self, device: Any) -> ChunkDecoder:
+        """This tier's :class:`~lmtier.codec.decoder.ChunkDecoder` for ``device`` (created on first
+        use; kept until :meth:`close`)."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        with self._lock:
+            dec = self._decoders.get(dev)
+            if dec is None:
+                dec = ChunkDecoder(shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables,
+                                   device=dev, max_idle_slots=_IDLE_SLOTS.get(dev.type, 2))
+                self._decoders[dev] = dec
+            return dec
 
     def close(self) -> None:
         self.inner.remove_eviction_listener(self._on_inner_evicted)
         try:
             self.inner.close()
         finally:
-            self._scratch.close()
+            with self._lock:
+                decs, self._decoders = list(self._decoders.values()), {}
+            for d in decs:
+                d.close()
 
     # ---- helpers -----------------------------------------------------------------------------
 
