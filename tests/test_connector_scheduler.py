@@ -777,6 +777,18 @@ def test_evictions_reach_a_new_engines_connector(make):
     assert h1.worker.build_connector_worker_meta() is None
 
 
+def test_worker_shutdown_stops_index_events(make):
+    """A worker connector that shut down no longer hears the cached manager's evictions (it
+    unsubscribed), while the manager, cached for the process, lives on."""
+    h = make()
+    h.add(prompt(91, 2 * CHUNK + 5))
+    h.run()
+    h.worker.build_connector_worker_meta()  # (the stores were reported)
+    h.worker.shutdown()
+    h.drop_cpu()
+    assert h.worker.build_connector_worker_meta() is None
+
+
 def test_worker_index_events_apply_in_order(make):
     """The split scheduler's mirror replays the worker's index changes in the order they happened:
     a chunk stored, evicted to disk and then deleted from disk in one step is not claimed; one

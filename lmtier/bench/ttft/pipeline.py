@@ -7,7 +7,7 @@ Nothing here copies or decodes KV by itself. Per load:
   and the Redis tier, each optionally wrapped in :class:`lmtier.tiers.codec.CodecTier` (the
   ``cachegen`` serde).
 * **CPU-pool hits** are pinned in the pool (``manager.cpu.acquire``) and copied from their slots,
-  as the vLLM connector's worker does (:mod:`lmtier.integration.worker`).
+  as the vLLM connector's worker does (:mod:`lmtier.integration.vllm.worker`).
 * **Disk / Redis hits** are read by ``manager.fetch_lower`` on ``--inflight`` I/O threads (several
   chunks in flight) into page-aligned landing buffers (pinned with CUDA): O_DIRECT / direct socket
   reads land there without a bounce; codec records are decoded by ``CodecTier.get_into`` on the
