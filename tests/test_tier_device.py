@@ -99,3 +99,17 @@ def test_redis_tier_device_paths(redis_server, fake_cuda):
     assert t.get_into(key(2), out) == 10000 and torch.equal(out[:5000], src)
     assert fake_cuda == [10000, 12000] and t.counters["hits"] == 1
     t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
+@pytest.mark.parametrize("nbytes", [1, 4096, 11912, 65536 + 7, 3 << 20])
+def test_pinned_aligned_buffer_is_page_aligned(nbytes):
+    """torch's caching host allocator hands out small pinned blocks at sub-page offsets
+    (0x...8200 seen on the H200 for 12 KiB); AlignedBuffer must still start on a page."""
+    from lmtier.tiers.buffers import PAGE_BYTES, AlignedBuffer
+
+    bufs = [AlignedBuffer(nbytes, pinned=True) for _ in range(4)]  # several: later blocks are the offset ones
+    for b in bufs:
+        assert b.address % PAGE_BYTES == 0 and b.nbytes >= nbytes and len(b.mv) == b.nbytes
+        assert b.tensor(b.nbytes).is_pinned() and b.tensor(b.nbytes).data_ptr() == b.address

@@ -60,8 +60,10 @@ def address_of(mv: memoryview) -> int:
 class AlignedBuffer:
     """A page-aligned host buffer of ``nbytes`` (rounded up to 4 KiB); ``.mv`` is a writable view.
 
-    ``pinned=True`` allocates page-locked memory through torch (``cudaHostAlloc``, page aligned),
-    for copies to/from CUDA tensors; otherwise an anonymous ``mmap`` (page aligned).
+    ``pinned=True`` allocates page-locked memory through torch (``cudaHostAlloc``), for copies
+    to/from CUDA tensors; torch's caching host allocator hands out sub-page offsets for small sizes,
+    so one extra page is allocated and the buffer starts at its first page boundary. Otherwise an
+    anonymous ``mmap`` (page aligned).
     """
 
     def __init__(self, nbytes: int, *, pinned: bool = False) -> None:
@@ -72,13 +74,16 @@ class AlignedBuffer:
         if pinned:
             import torch
 
-            self._tensor = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            base = torch.empty(self.nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+            skip = -base.data_ptr() % PAGE_BYTES
+            self._tensor = base[skip : skip + self.nbytes]  # the view keeps the allocation alive
             self.mv = memoryview(self._tensor.numpy())
         else:
             self._map = mmap.mmap(-1, self.nbytes)
             self.mv = memoryview(self._map)
         self.address = address_of(self.mv)
-        assert self.address % PAGE_BYTES == 0, hex(self.address)
+        if self.address % PAGE_BYTES:  # an invariant of both branches above
+            raise RuntimeError(f"AlignedBuffer: {self.address:#x} is not page aligned")
 
     def tensor(self, nbytes: int):
         """A ``torch.uint8`` CPU tensor viewing bytes ``[0, nbytes)``."""
