@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Bundle this machine's redis-server / redis-cli / redis-benchmark with every shared library they
 # load (glibc and its loader included) into .whl/redis/, for a machine that has no redis and no
-# network (the lent GPU machine: scripts/gpu_run.sh puts .whl/redis on PATH; `carry` .whl).
+# network (the lent GPU machine: scripts/gpu_run.sh puts .whl/redis on PATH; `carry` .whl), and the
+# redis-py + hiredis wheels the tier needs there.
 #
 #   bash scripts/bundle_redis.sh          (run here, from the repo root; ~20 MB)
 #
@@ -39,3 +40,11 @@ done
 cp -L "$loader" "$dst/lib/ld-linux-x86-64.so.2"
 "$dst/redis-server" --version
 du -sh "$dst"
+# The Redis client the tier uses (redis-py + hiredis), as cp312 wheels for the GPU machine's Python
+# (gpu_run.sh installs every .whl/*.whl there); versions pinned to this venv's.
+py=${PYTHON:-.venv/bin/python}
+ver() { "$py" -m pip show "$1" 2>/dev/null | awk '/^Version/{print $2}'; }
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl "redis==$(ver redis)" "hiredis==$(ver hiredis)"
+ls .whl/redis-*.whl .whl/hiredis-*.whl
