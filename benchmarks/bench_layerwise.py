@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from lmtier.bench.common import print_table, system_header, write_json
-from lmtier.integration.worker import ConnectorWorker, LoadOp, StoreOp
+from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout, make_paged_kv_cache
 from lmtier.manager import TierManager

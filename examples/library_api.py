@@ -22,8 +22,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from lmtier.config import LMTierConfig, load_config
+from lmtier.hf import KVCacheStore
 from lmtier.keys import Namespace
-from lmtier.manager import KVCacheStore, TierManager
+from lmtier.manager import TierManager
 
 
 def main() -> None:

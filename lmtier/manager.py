@@ -14,9 +14,10 @@
 
 Policies (see ARCHITECTURE.md):
 
-* **Disk: write-back.** A chunk reaches the disk tier when the CPU pool evicts it (the pool's
-  ``evict_callback`` runs in the thread that needs the slot, outside the pool lock, while the
-  victim is pinned), and on ``close()`` (``persist`` keyword) so a restart finds it warm. When the
+* **Disk: write-back.** A chunk reaches the disk tier when the CPU pool evicts it (the manager is
+  an eviction listener of the pool: it runs in the thread that needs the slot, outside the pool
+  lock, while the victim is pinned), and on ``close()`` (``persist`` keyword) so a restart finds
+  it warm. When the
   CPU pool is full of pinned chunks (back-pressure) a store goes straight to disk instead. Without
   a CPU pool, stores write through to disk.
 * **Remote: asynchronous write-through.** After the CPU commit, the chunk is sent to the remote
@@ -30,8 +31,13 @@ Policies (see ARCHITECTURE.md):
 * Failures of lower tiers are misses or dropped stores (logged, counted), never exceptions in
   ``lookup``/``retrieve``; wrong-sized buffers and closed managers are caller errors and raise.
 
-:class:`KVCacheStore` is a small helper for library users: store / look up / retrieve the KV
-cache of a token sequence given a Hugging Face transformers-style per-layer ``(K, V)`` cache.
+Index events (:mod:`lmtier.events`): listeners added with :meth:`TierManager.add_listener` hear
+``STORED`` (a chunk became visible: :meth:`TierManager.store`, a promotion in
+:meth:`TierManager.retrieve_into`, :meth:`TierManager.commit`), ``EVICTED`` (the CPU pool's LRU
+dropped it; tier ``"disk"`` when it is on disk as it leaves) and ``DISK_EVICTED`` (the disk tier's
+LRU deleted it), synchronously in the thread where the change happened, after it happened.
+
+The Hugging Face transformers helper (:class:`lmtier.hf.KVCacheStore`) lives in :mod:`lmtier.hf`.
 
 Logging: ``logging.getLogger("lmtier.manager")``.
 """
@@ -48,12 +54,13 @@ from typing import Any
 import torch
 
 from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
-from lmtier.keys import KEY_BYTES, Namespace, chunk_keys
-from lmtier.tiers.base import Tier
-from lmtier.tiers.cpu import CPUPool, _as_byte_dest, as_byte_source
+from lmtier.events import IndexEvent, IndexEventKind, IndexListener
+from lmtier.keys import KEY_BYTES, Namespace
+from lmtier.tiers.base import Eviction, Tier
+from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import DiskTier, background_priority
 
-__all__ = ["TierManager", "KVCacheStore", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
+__all__ = ["TierManager", "default_disk_factory", "default_remote_factory", "codec_chunk_shape"]
 
 log = logging.getLogger("lmtier.manager")
 
@@ -118,7 +125,8 @@ class TierManager:
     Args:
         cpu: tier 1 pool, or ``None`` (no CPU caching: stores go to disk/remote directly).
         disk: tier 2 (``Tier``) or ``None``.
-        remote: tier 3 (``Tier``; ``contains_many(keys) -> list[bool]`` is used when present) or ``None``.
+        remote: tier 3 (``Tier``; one ``contains_many`` call per lookup when it
+            :meth:`~lmtier.tiers.base.Tier.batches_contains`) or ``None``.
         store_threads: threads running stores (CPU copy + commit, write-back on eviction).
         max_pending_stores: stores queued or running at most; beyond it ``store`` waits
             ``timeout_s`` and then drops the store (its future resolves ``False``).
@@ -126,8 +134,9 @@ class TierManager:
         max_pending_remote: remote sends queued at most; more are dropped (write-through is
             best-effort).
 
-    All public methods are thread-safe. The manager installs itself as ``cpu.evict_callback``
-    when a disk tier exists (write-back).
+    All public methods are thread-safe. The manager registers eviction listeners on ``cpu``
+    (write-back to ``disk``, ``EVICTED`` events) and ``disk`` (``DISK_EVICTED`` events); they are
+    removed by :meth:`close`.
     """
 
     def __init__(
@@ -162,8 +171,12 @@ class TierManager:
         self._inflight = 0
         self._idle = threading.Condition()
         self._closed = False
-        if cpu is not None and disk is not None:
-            cpu.evict_callback = self._write_back
+        self._listeners: list[IndexListener] = []
+        self._listeners_lock = threading.Lock()
+        if cpu is not None:
+            cpu.add_eviction_listener(self._on_cpu_evicted)
+        if disk is not None:
+            disk.add_eviction_listener(self._on_disk_evicted)
 
     @classmethod
     def from_config(
@@ -241,9 +254,8 @@ class TierManager:
         rest = list(keys[len(found) :])
         if self.remote is None or not rest:
             return found
-        many = getattr(self.remote, "contains_many", None)
-        if many is not None:
-            flags = self._safe(many, rest, default=None) or [False] * len(rest)
+        if self.remote.batches_contains():
+            flags = self._safe(self.remote.contains_many, rest, default=None) or [False] * len(rest)
         else:
             flags = []
             for key in rest:
@@ -331,6 +343,7 @@ class TierManager:
                     raise
                 self.cpu.commit(slot, n)
                 self._count("stored_cpu")
+                self._publish(IndexEventKind.STORED, key, "cpu")
                 self._send_remote(key)
                 return True
             if self.cpu.is_present(key):
@@ -343,20 +356,51 @@ class TierManager:
         if self.disk is not None:
             ok = bool(self._safe(self.disk.put, key, payload, default=False))
             self._count("stored_disk" if ok else "disk_put_failures")
+            if ok:
+                self._publish(IndexEventKind.STORED, key, "disk")
         if self.remote is not None:
             r = bool(self._safe(self.remote.put, key, payload, default=False))
             self._count("stored_remote" if r else "remote_put_failures")
+            if r and not ok:
+                self._publish(IndexEventKind.STORED, key, "remote")
             ok = ok or r
         if not ok:
             self._count("store_dropped")
         return ok
+
+    def commit(self, slot: Slot, nbytes: int, *, promoted: bool = False) -> None:
+        """Commit a CPU-pool write slot the caller filled, publish ``STORED`` (tier ``"cpu"``), and
+        either write the chunk through to disk/remote (:meth:`publish`; a new chunk) or count a
+        promotion (``promoted=True``: it came from a lower tier, which holds it already).
+
+        For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
+        into a slot, or reads a disk hit into one).
+
+        Args:
+            slot: a write handle from ``manager.cpu.reserve``.
+            nbytes: bytes written, ``1..cpu.chunk_bytes``.
+
+        Raises:
+            RuntimeError: no CPU pool, closed manager, or a handle that is not an open write handle
+                (see :meth:`CPUPool.commit`). ValueError: bad ``nbytes`` (the slot stays reserved).
+        """
+        self._check_open()
+        if self.cpu is None:
+            raise RuntimeError("TierManager.commit: there is no CPU pool")
+        self.cpu.commit(slot, nbytes)
+        self._publish(IndexEventKind.STORED, slot.key, "cpu")
+        if promoted:
+            self._count("promotions")
+        else:
+            self.publish(slot.key)
 
     def publish(self, key: bytes) -> None:
         """Write a chunk the caller committed into the CPU pool through to disk and remote, asynchronously.
 
         For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
         into a slot). The disk copy makes the chunk survive a restart without waiting for eviction;
-        both writes are best-effort (dropped and counted when their queues are full).
+        both writes are best-effort (dropped and counted when their queues are full). Publishes no
+        index event (:meth:`commit` commits, publishes ``STORED`` and calls this).
         """
         self._check_open()
         if self.disk is not None and self.cpu is not None:
@@ -420,13 +464,57 @@ class TierManager:
             self._remote_slots.release()
             self._leave()
 
-    def _write_back(self, key: bytes, view: torch.Tensor) -> None:
-        """CPU eviction hook: persist the victim to disk unless it is already there."""
+    def _write_back(self, key: bytes, view: torch.Tensor) -> bool:
+        """Persist a CPU chunk (``view``: ``torch.uint8`` CPU ``[nbytes]``) to disk unless it is
+        there already. Returns whether the disk holds it afterwards."""
         disk = self.disk
-        if disk is None or self._safe(disk.contains, key, default=False):
-            return
+        if disk is None:
+            return False
+        if self._safe(disk.contains, key, default=False):
+            return True
         ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False))
         self._count("written_back" if ok else "write_back_failures")
+        return ok
+
+    def _on_cpu_evicted(self, ev: Eviction) -> None:
+        """CPU pool eviction listener: write each victim back to disk (its payload is readable until
+        this returns), then publish ``EVICTED``."""
+        payloads = ev.payloads if ev.payloads is not None else (None,) * len(ev.keys)
+        for key, view in zip(ev.keys, payloads):
+            on_disk = view is not None and self._write_back(key, view)
+            self._publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
+
+    def _on_disk_evicted(self, ev: Eviction) -> None:
+        """Disk tier eviction listener: publish ``DISK_EVICTED`` per key."""
+        for key in ev.keys:
+            self._publish(IndexEventKind.DISK_EVICTED, key, None)
+
+    # ---- index events ------------------------------------------------------------------------
+
+    def add_listener(self, fn: IndexListener) -> None:
+        """Call ``fn(event)`` (:class:`lmtier.events.IndexEvent`) for every later index change:
+        synchronously, in the thread where the change happened, after it happened (``STORED``: once
+        the chunk is visible to :meth:`lookup`). ``fn`` must be quick and thread-safe; its
+        exceptions are logged and counted (``counters["listener_errors"]``), never raised."""
+        with self._listeners_lock:
+            self._listeners = [*self._listeners, fn]
+
+    def remove_listener(self, fn: IndexListener) -> None:
+        """Stop calling ``fn`` (a no-op if it is not registered)."""
+        with self._listeners_lock:
+            self._listeners = [f for f in self._listeners if f != fn]
+
+    def _publish(self, kind: IndexEventKind, key: bytes, tier: str | None) -> None:
+        listeners = self._listeners  # a snapshot: the list is replaced, never mutated
+        if not listeners:
+            return
+        ev = IndexEvent(kind, key, tier)
+        for fn in listeners:
+            try:
+                fn(ev)
+            except Exception:
+                log.exception("index listener %r failed on %s", fn, ev)
+                self._count("listener_errors")
 
     # ---- retrieve ----------------------------------------------------------------------------
 
@@ -519,6 +607,7 @@ class TierManager:
             return None
         if n > dst.shape[0]:
             self.cpu.commit(slot, n)
+            self._publish(IndexEventKind.STORED, key, "cpu")
             raise ValueError(f"TierManager.retrieve: out has {dst.shape[0]} bytes, chunk has {n}")
         try:
             if isinstance(dst, torch.Tensor):
@@ -529,6 +618,7 @@ class TierManager:
             self.cpu.abort(slot)
             raise
         self.cpu.commit(slot, n)
+        self._publish(IndexEventKind.STORED, key, "cpu")
         self._count("promotions")
         return n
 
@@ -558,6 +648,10 @@ class TierManager:
                     self._write_back(key, slot.view)
                 finally:
                     self.cpu.release(slot)
+        if self.cpu is not None:
+            self.cpu.remove_eviction_listener(self._on_cpu_evicted)
+        if self.disk is not None:
+            self.disk.remove_eviction_listener(self._on_disk_evicted)
         for tier in (self.cpu, self.disk, self.remote):
             if tier is not None:
                 try:
@@ -600,144 +694,3 @@ class TierManager:
             log.warning("%s.%s failed: %r; treated as a miss", name, getattr(fn, "__name__", "?"), e)
             self._count("tier_errors")
             return default
-
-
-# ------------------------------------------------------------------------------------------------
-# Library helper: KV of a token sequence <-> canonical chunks
-
-TORCH_KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-
-
-def _layers_of(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer ``(K, V)`` from a transformers cache (``DynamicCache`` with ``.layers`` or
-    ``key_cache``/``value_cache``, or the legacy tuple of pairs)."""
-    layers = getattr(kv, "layers", None)
-    if layers is not None and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
-        return [(layer.keys, layer.values) for layer in layers]
-    if hasattr(kv, "key_cache") and hasattr(kv, "value_cache"):
-        return list(zip(kv.key_cache, kv.value_cache))
-    if hasattr(kv, "to_legacy_cache"):
-        kv = kv.to_legacy_cache()
-    return [(k, v) for k, v in kv]
-
-
-def pack_kv_chunk(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
-    """Canonical chunk bytes of tokens ``[start, stop)``.
-
-    Args:
-        layers: per-layer ``(K, V)``, each ``[1, num_kv_heads, seq_len, head_size]`` (HF layout).
-
-    Returns:
-        ``torch.uint8`` 1-D contiguous tensor on the K/V device: the bytes of
-        ``[num_layers][2][stop - start][num_kv_heads][head_size]`` (the canonical layout).
-    """
-    planes = [torch.stack((k[0, :, start:stop].transpose(0, 1), v[0, :, start:stop].transpose(0, 1))) for k, v in layers]
-    return torch.stack(planes).contiguous().reshape(-1).view(torch.uint8)
-
-
-def unpack_kv_chunk(chunk: torch.Tensor, namespace: Namespace) -> torch.Tensor:
-    """View canonical chunk bytes as ``[num_layers, 2, chunk_size, num_kv_heads, head_size]`` of
-    the namespace's dtype (no copy)."""
-    dtype = TORCH_KV_DTYPES[namespace.kv_dtype]
-    return chunk.view(dtype).view(
-        namespace.num_layers, 2, namespace.chunk_size, namespace.num_kv_heads, namespace.head_size
-    )
-
-
-class KVCacheStore:
-    """Store and retrieve the KV cache of token sequences for a Hugging Face-style model.
-
-    Args:
-        manager: the :class:`TierManager`.
-        namespace: must describe the model's cache (``kv_planes=2``: separate K and V).
-
-    Example: see ``examples/library_api.py``.
-    """
-
-    def __init__(self, manager: TierManager, namespace: Namespace) -> None:
-        if namespace.kv_planes != 2:
-            raise ValueError("KVCacheStore supports K/V caches (kv_planes=2), not MLA")
-        if namespace.kv_dtype not in TORCH_KV_DTYPES:
-            raise ValueError(f"KVCacheStore: unsupported kv_dtype {namespace.kv_dtype!r}")
-        self.manager = manager
-        self.namespace = namespace
-
-    def lookup(self, token_ids: Any, *, cache_salt: str | bytes | None = None) -> int:
-        """Number of leading tokens of ``token_ids`` whose KV is cached (a multiple of chunk_size)."""
-        keys = chunk_keys(token_ids, self.namespace, cache_salt=cache_salt)
-        return len(self.manager.lookup(keys)) * self.namespace.chunk_size
-
-    def store(self, token_ids: Any, kv: Any, *, cache_salt: str | bytes | None = None, timeout_s: float | None = None) -> list[Future]:
-        """Store the KV of every full chunk of ``token_ids`` (asynchronously).
-
-        Args:
-            token_ids: the ``seq_len`` tokens the cache was computed for (1-D).
-            kv: per-layer ``(K, V)`` of shape ``[1, num_kv_heads, >= seq_len, head_size]``
-                (a transformers ``DynamicCache`` or legacy tuple), dtype matching the namespace.
-            timeout_s: queue wait per chunk (default ``None``: wait for room, never drop).
-
-        Returns:
-            one ``Future[bool]`` per full chunk (the tail shorter than chunk_size is not stored).
-
-        Raises:
-            ValueError: the cache's geometry/dtype does not match the namespace or is too short.
-        """
-        ns = self.namespace
-        layers = _layers_of(kv)
-        keys = chunk_keys(token_ids, ns, cache_salt=cache_salt)
-        if len(layers) != ns.num_layers:
-            raise ValueError(f"KVCacheStore.store: cache has {len(layers)} layers, namespace {ns.num_layers}")
-        want = TORCH_KV_DTYPES[ns.kv_dtype]
-        for i, (k, v) in enumerate(layers):
-            if k.dim() != 4 or k.shape != v.shape or k.shape[0] != 1:
-                raise ValueError(f"KVCacheStore.store: layer {i} K/V must be [1, H, S, D], got {tuple(k.shape)}")
-            if k.shape[1] != ns.num_kv_heads or k.shape[3] != ns.head_size or k.dtype != want or v.dtype != want:
-                raise ValueError(
-                    f"KVCacheStore.store: layer {i} is {tuple(k.shape)} {k.dtype}, namespace wants "
-                    f"[1, {ns.num_kv_heads}, S, {ns.head_size}] {want}"
-                )
-            if k.shape[2] < len(keys) * ns.chunk_size:
-                raise ValueError(f"KVCacheStore.store: layer {i} holds {k.shape[2]} tokens, fewer than the sequence")
-        futures = []
-        for c, key in enumerate(keys):
-            data = pack_kv_chunk(layers, c * ns.chunk_size, (c + 1) * ns.chunk_size)
-            futures.append(self.manager.store(key, data, timeout_s=timeout_s))
-        return futures
-
-    def retrieve(
-        self, token_ids: Any, *, cache_salt: str | bytes | None = None, device: str | torch.device = "cpu"
-    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """KV of the longest cached prefix of ``token_ids``.
-
-        Returns:
-            ``(num_tokens, layers)``: ``num_tokens`` is a multiple of chunk_size (0 on a miss) and
-            ``layers`` the per-layer ``(K, V)``, each ``[1, num_kv_heads, num_tokens, head_size]``
-            in the namespace dtype on ``device`` (empty list when ``num_tokens == 0``). A chunk
-            that disappears between lookup and retrieve shortens the prefix; it is never garbage.
-        """
-        ns = self.namespace
-        keys = chunk_keys(token_ids, ns, cache_salt=cache_salt)
-        keys = keys[: len(self.manager.lookup(keys))]
-        staging = torch.empty(ns.chunk_bytes, dtype=torch.uint8)
-        chunks = []
-        for key in keys:
-            n = self.manager.retrieve_into(key, staging)
-            if n != ns.chunk_bytes:
-                break
-            chunks.append(unpack_kv_chunk(staging, ns).to(device, copy=True))
-        if not chunks:
-            return 0, []
-        full = torch.cat(chunks, dim=2)  # [L, 2, T, H, D]
-        layers = [
-            (full[i, 0].transpose(0, 1).unsqueeze(0).contiguous(), full[i, 1].transpose(0, 1).unsqueeze(0).contiguous())
-            for i in range(ns.num_layers)
-        ]
-        return len(chunks) * ns.chunk_size, layers

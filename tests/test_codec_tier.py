@@ -536,6 +536,58 @@ def test_manager_cpu_write_back_through_codec(tmp_path):
         assert m.retrieve(key(31), out) and torch.equal(out, a.view(-1).view(torch.uint8))
 
 
+def test_manager_disk_cachegen_evictions_and_forget(tmp_path):
+    """Issue 14, defect 1: with ``local_disk_serde: cachegen`` the disk tier is a CodecTier; its LRU
+    evictions reach the manager's index listeners as DISK_EVICTED under the chunk keys (records
+    found on disk at startup included), CPU evictions as EVICTED "disk", and ``manager.disk.forget``
+    works (the old CodecTier had neither listeners nor ``forget``)."""
+    from lmtier.events import IndexEvent, IndexEventKind as E
+
+    ns = _ns()
+    xs = {i: kv_like(seed=40 + i) for i in range(8)}
+    rec_bytes = {i: len(C.encode_chunk(xs[i].view(-1).view(torch.uint8), shape=SHAPE, dtype=torch.bfloat16,
+                                       level=L.LEVELS["lossless"], tables=None)) for i in range(8)}
+    file_bytes = 4096 + -(-max(rec_bytes.values()) // 4096) * 4096
+    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
+                                  "max_local_disk_size": 3 * file_bytes / 2**30, "local_disk_serde": "cachegen",
+                                  "codec_level": "lossless"})
+    events: list[IndexEvent] = []
+    with TierManager.from_config(cfg, ns) as m:
+        assert isinstance(m.disk, CodecTier)
+        m.add_listener(events.append)
+        for i in range(3):
+            assert m.store(key(i), xs[i].view(-1).view(torch.uint8), timeout_s=None).result(30)
+        assert events == [IndexEvent(E.STORED, key(i), "disk") for i in range(3)]
+    events.clear()
+    # A restart: the three records are found on disk; evicting them reports their chunk keys.
+    with TierManager.from_config(cfg, ns) as m:
+        m.add_listener(events.append)
+        assert m.lookup([key(0), key(1), key(2)]) == ["disk"] * 3
+        for i in (3, 4):
+            assert m.store(key(i), xs[i].view(-1).view(torch.uint8), timeout_s=None).result(30)
+        evicted = [e.key for e in events if e.kind == E.DISK_EVICTED]
+        assert evicted == [key(0), key(1)] and all(e.tier is None for e in events if e.kind == E.DISK_EVICTED)
+        assert [e for e in events if e.kind == E.STORED] == [IndexEvent(E.STORED, key(i), "disk") for i in (3, 4)]
+        # forget: this process stops claiming key 2; its record stays for other processes
+        assert m.disk.forget(key(2)) and not m.disk.forget(key(2))
+        assert m.lookup([key(2)]) == []
+        m.remove_listener(events.append)
+    with TierManager.from_config(cfg, ns) as m:
+        assert m.lookup([key(2), key(3), key(4)]) == ["disk"] * 3
+    # With a CPU pool of one slot: the evicted chunk is written back as a record first.
+    cfg2 = LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 16384 / 2**30,
+                                   "local_disk": f"file://{tmp_path}/2", "max_local_disk_size": 0.01,
+                                   "local_disk_serde": "cachegen", "codec_level": "lossless"})
+    events.clear()
+    with TierManager.from_config(cfg2, ns, arena=torch.empty(16384, dtype=torch.uint8)) as m:
+        m.add_listener(events.append)
+        assert m.store(key(5), xs[5].view(-1).view(torch.uint8), timeout_s=None).result(30)
+        assert m.store(key(6), xs[6].view(-1).view(torch.uint8), timeout_s=None).result(30)
+        assert events == [IndexEvent(E.STORED, key(5), "cpu"), IndexEvent(E.EVICTED, key(5), "disk"),
+                          IndexEvent(E.STORED, key(6), "cpu")]
+        assert m.lookup([key(5), key(6)]) == ["disk", "cpu"]
+
+
 @pytest.mark.parametrize("ns_kw,values,msg", [
     ({"kv_dtype": "float32"}, {"local_disk_serde": "cachegen"}, "local_disk_serde='cachegen'.*float32"),
     ({"kv_dtype": "float32"}, {"remote_serde": "cachegen", "remote_url": "redis://127.0.0.1:1"},

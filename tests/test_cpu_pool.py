@@ -1,4 +1,4 @@
-"""Tests for lmtier.tiers.cpu.CPUPool: slots, LRU, refcounts, write-back hook, thread safety."""
+"""Tests for lmtier.tiers.cpu.CPUPool: slots, LRU, refcounts, eviction listeners (write-back), thread safety."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmtier.tiers.base import TierUsage
+from lmtier.tiers.base import Eviction, TierUsage
 from lmtier.tiers.cpu import SLOT_ALIGN_BYTES, CPUPool, Slot
 
 
@@ -22,10 +22,20 @@ def payload(i: int, n: int) -> bytes:
     return bytes(((i * 31 + j) & 0xFF) for j in range(n)) if n <= 4096 else np.full(n, i & 0xFF, np.uint8).tobytes()
 
 
-def make_pool(num_slots: int = 4, chunk_bytes: int = 5000, **kw) -> CPUPool:
+def make_pool(num_slots: int = 4, chunk_bytes: int = 5000, *, on_evict=None, **kw) -> CPUPool:
+    """A pool over a plain arena; ``on_evict(key, view)`` is registered as an eviction listener
+    (one call per victim, as the tier manager's write-back sees them)."""
     slot = -(-chunk_bytes // 4096) * 4096
     arena = torch.empty(num_slots * slot, dtype=torch.uint8)
-    return CPUPool(num_slots * slot, chunk_bytes, arena=arena, **kw)
+    pool = CPUPool(num_slots * slot, chunk_bytes, arena=arena, **kw)
+    if on_evict is not None:
+        def listener(ev: Eviction) -> None:
+            assert ev.tier == "cpu" and ev.payloads is not None and len(ev.keys) == len(ev.payloads) == 1
+            for k, v in zip(ev.keys, ev.payloads):
+                on_evict(k, v)
+
+        pool.add_eviction_listener(listener)
+    return pool
 
 
 def write(pool: CPUPool, key: bytes, data: bytes) -> Slot:
@@ -195,7 +205,7 @@ def test_put_validation_and_types():
     assert pool.num_pinned() == 0
 
 
-def test_evict_callback_sees_victim_and_runs_unlocked():
+def test_eviction_listener_sees_victim_and_runs_unlocked():
     seen = []
 
     def cb(key, view):
@@ -205,7 +215,7 @@ def test_evict_callback_sees_victim_and_runs_unlocked():
         assert r is None
         seen.append((key, bytes(view.numpy())))
 
-    pool = make_pool(num_slots=2, evict_callback=cb)
+    pool = make_pool(num_slots=2, on_evict=cb)
     write(pool, K(0), payload(0, 77))
     write(pool, K(1), payload(1, 88))
     write(pool, K(2), payload(2, 99))
@@ -213,14 +223,42 @@ def test_evict_callback_sees_victim_and_runs_unlocked():
     assert not pool.contains(K(0)) and pool.contains(K(2))
 
 
-def test_evict_callback_error_still_evicts():
+def test_eviction_listener_error_still_evicts():
     def cb(key, view):
         raise OSError("disk full")
 
-    pool = make_pool(num_slots=1, evict_callback=cb)
+    pool = make_pool(num_slots=1, on_evict=cb)
     write(pool, K(0), b"a" * 10)
     write(pool, K(1), b"b" * 10)
-    assert pool.contains(K(1)) and not pool.contains(K(0)) and pool.counters["evict_callback_errors"] == 1
+    assert pool.contains(K(1)) and not pool.contains(K(0)) and pool.counters["evict_listener_errors"] == 1
+
+
+def test_eviction_listeners_added_removed_and_told_in_order():
+    """Every registered listener hears each eviction (an Eviction with the victim's key and a
+    payload view readable during the call); a removed one no longer does; with none the victim is
+    dropped at once."""
+    a, b = [], []
+
+    def la(ev):
+        a.append((ev.tier, ev.keys, bytes(ev.payloads[0].numpy())))
+
+    def lb(ev):
+        b.append(ev.keys)
+
+    pool = make_pool(num_slots=1)
+    pool.add_eviction_listener(la)
+    pool.add_eviction_listener(lb)
+    write(pool, K(0), b"a" * 10)
+    write(pool, K(1), b"b" * 20)
+    assert a == [("cpu", (K(0),), b"a" * 10)] and b == [(K(0),)]
+    pool.remove_eviction_listener(la)
+    pool.remove_eviction_listener(la)  # not registered: a no-op
+    write(pool, K(2), b"c" * 10)
+    assert len(a) == 1 and b == [(K(0),), (K(1),)]
+    pool.remove_eviction_listener(lb)
+    write(pool, K(3), b"d" * 10)
+    assert b == [(K(0),), (K(1),)] and pool.contains(K(3)) and pool.counters["evictions"] == 3
+    assert pool.forget(K(3)) and not pool.contains(K(3)) and not pool.forget(K(3))
 
 
 def test_victim_acquired_during_writeback_is_kept():
@@ -230,7 +268,7 @@ def test_victim_acquired_during_writeback_is_kept():
         if key == K(0) and "r" not in holder:
             holder["r"] = pool.acquire(K(0))  # a reader arrives during write-back
 
-    pool = make_pool(num_slots=2, evict_callback=cb)
+    pool = make_pool(num_slots=2, on_evict=cb)
     write(pool, K(0), b"a" * 10)
     write(pool, K(1), b"b" * 10)
     write(pool, K(2), b"c" * 10)  # K(0) is tried first, is hot, so K(1) is evicted
@@ -243,7 +281,7 @@ def test_victim_deleted_during_writeback():
     def cb(key, view):
         pool.delete(key)
 
-    pool = make_pool(num_slots=1, evict_callback=cb)
+    pool = make_pool(num_slots=1, on_evict=cb)
     write(pool, K(0), b"a" * 10)
     write(pool, K(1), b"b" * 10)
     assert pool.contains(K(1)) and not pool.contains(K(0))
@@ -269,7 +307,7 @@ def test_concurrent_readers_writers(with_callback):
         with wb_lock:
             written_back[key] = bytes(view.numpy())
 
-    pool = make_pool(num_slots=nslots, chunk_bytes=chunk, evict_callback=cb if with_callback == "writeback" else None)
+    pool = make_pool(num_slots=nslots, chunk_bytes=chunk, on_evict=cb if with_callback == "writeback" else None)
     expected = {K(i): payload(i, 1000 + (i * 37) % 2000) for i in range(24)}
     errors: list[str] = []
     max_used = [0]

@@ -197,18 +197,19 @@ def test_lru_eviction_by_bytes(tmp_path):
     assert t.usage().num_chunks == 3
 
 
-def test_evict_callback_reports_lru_victims_and_forget(tmp_path):
-    """The LRU's victims reach ``evict_callback`` (after their files are gone); ``delete`` does not
-    report; a second view of the directory ``forget``s a key without unlinking its file; a failing
-    callback does not fail the put."""
+def test_eviction_listener_reports_lru_victims_and_forget(tmp_path):
+    """The LRU's victims reach the eviction listeners (after their files are gone); ``delete`` does
+    not report; a second view of the directory ``forget``s a key without unlinking its file; a
+    failing listener does not fail the put."""
     rec_bytes = 4096 + 1 * MiB
     t = DiskTier([str(tmp_path)], 2 * rec_bytes)
     seen = []
 
-    def cb(keys):
-        seen.append((list(keys), [os.path.exists(t._path(k)) for k in keys]))
+    def cb(ev):
+        assert ev.tier == "disk" and ev.payloads is None and isinstance(ev.keys, tuple)
+        seen.append((list(ev.keys), [os.path.exists(t._path(k)) for k in ev.keys]))
 
-    t.evict_callback = cb
+    t.add_eviction_listener(cb)
     assert t.put(key(0), payload(0, MiB)) and t.put(key(1), payload(1, MiB))
     assert seen == []
     assert t.put(key(2), payload(2, MiB))
@@ -218,9 +219,11 @@ def test_evict_callback_reports_lru_victims_and_forget(tmp_path):
     assert view.contains(key(2))
     assert view.forget(key(2)) and not view.contains(key(2)) and not view.forget(key(2))
     assert t.get_into(key(2), bytearray(MiB)) == MiB  # the file is untouched
-    t.evict_callback = lambda keys: 1 / 0
+    t.remove_eviction_listener(cb)
+    t.add_eviction_listener(lambda ev: 1 / 0)
     assert t.put(key(3), payload(3, MiB)) and t.put(key(4), payload(4, MiB))
     assert t.contains(key(4)) and not t.contains(key(2))
+    assert t.counters["evict_listener_errors"] == 1 and len(seen) == 1
 
 
 def test_restart_respects_smaller_capacity(tmp_path):

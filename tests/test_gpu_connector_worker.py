@@ -3,7 +3,7 @@
 Real CUDA KV caches in vLLM 0.33's layouts (one shared buffer, ``[B, H, N, 2D]`` views per layer in
 physical orders LBNHC / BLHNC; bf16 and fp8 stored as uint8; block size 16, and kernel-block
 splitting: vLLM blocks of 32 tokens over kernel blocks of 16). Stores and loads go through
-:class:`lmtier.integration.worker.ConnectorWorker` exactly as ``LMTierConnector``'s hooks call it
+:class:`lmtier.integration.vllm.worker.ConnectorWorker` exactly as ``LMTierConnector``'s hooks call it
 (``store`` = ``wait_for_save``, ``finished_sending`` = ``get_transfer_results``,
 ``poll_stores(block=True)`` = ``handle_preemptions``, ``load`` = ``start_load_kv``). Tiers: a CPU pool
 (pinned, as in production) and, in some tests, a DiskTier in a temporary directory. No Redis.
@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from lmtier import reference
-from lmtier.integration.worker import ConnectorWorker, LoadOp, StoreOp
+from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout, make_paged_kv_cache
 from lmtier.manager import TierManager

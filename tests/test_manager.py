@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lmtier.config import ConfigError, LMTierConfig
+from lmtier.hf import KVCacheStore, pack_kv_chunk, unpack_kv_chunk
 from lmtier.keys import Namespace, chunk_keys
-from lmtier.manager import KVCacheStore, TierManager, pack_kv_chunk, unpack_kv_chunk
+from lmtier.manager import TierManager
 from lmtier.tiers.base import Tier, TierUsage
 from lmtier.tiers.cpu import CPUPool
 
@@ -26,18 +27,17 @@ def data(i: int, n: int = 3000) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-class MemTier(Tier):
-    """In-memory Tier for tests; optional failure injection and latency."""
+class MemTierOneByOne(Tier):
+    """In-memory Tier for tests (lookups one key at a time); optional failure injection and latency."""
 
-    def __init__(self, name: str, *, fail: bool = False, delay_s: float = 0.0, with_many: bool = True):
+    def __init__(self, name: str, *, fail: bool = False, delay_s: float = 0.0):
+        super().__init__()
         self.name = name
         self.fail = fail
         self.delay_s = delay_s
         self.store: dict[bytes, bytes] = {}
         self.lock = threading.Lock()
         self.calls = {"contains": 0, "contains_many": 0, "put": 0, "get": 0}
-        if not with_many:
-            self.contains_many = None  # type: ignore[assignment]
 
     def _maybe_fail(self):
         if self.delay_s:
@@ -50,12 +50,6 @@ class MemTier(Tier):
         self._maybe_fail()
         with self.lock:
             return key in self.store
-
-    def contains_many(self, keys):  # noqa: F811 - may be disabled per instance
-        self.calls["contains_many"] += 1
-        self._maybe_fail()
-        with self.lock:
-            return [k in self.store for k in keys]
 
     def get_into(self, key, out):
         self.calls["get"] += 1
@@ -85,9 +79,22 @@ class MemTier(Tier):
         with self.lock:
             return self.store.pop(key, None) is not None
 
+    def forget(self, key):
+        return self.delete(key)
+
     def usage(self):
         with self.lock:
             return TierUsage(0, sum(map(len, self.store.values())), len(self.store))
+
+
+class MemTier(MemTierOneByOne):
+    """:class:`MemTierOneByOne` with a batched ``contains_many`` (one "round trip")."""
+
+    def contains_many(self, keys):
+        self.calls["contains_many"] += 1
+        self._maybe_fail()
+        with self.lock:
+            return [k in self.store for k in keys]
 
 
 def make_pool(num_slots=4, chunk_bytes=4096) -> CPUPool:
@@ -163,7 +170,7 @@ def test_lookup_longest_prefix_across_tiers():
 
 
 def test_lookup_remote_without_contains_many_stops_at_first_miss():
-    remote = MemTier("remote", with_many=False)
+    remote = MemTierOneByOne("remote")
     m = TierManager(cpu=make_pool(), remote=remote)
     for i in range(3):
         remote.store[K(i)] = data(i)
@@ -433,3 +440,76 @@ def test_real_redis_write_through_and_dead_redis_degrades(redis_server):
     assert m.flush(30)
     assert time.monotonic() - t0 < 10
     m.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# index events (lmtier.events)
+
+
+def test_index_events_store_evict_promote_and_listeners():
+    """STORED after each store/promotion/commit (visible to lookup when heard), EVICTED "disk" for a
+    CPU victim written back, DISK_EVICTED for the disk tier's LRU victims; a failing listener is
+    logged and counted, never raised; a removed listener hears nothing."""
+    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.tiers.base import Eviction
+
+    disk = MemTier("disk")
+    m = TierManager(cpu=make_pool(num_slots=1), disk=disk)
+    events: list[IndexEvent] = []
+
+    def listener(ev: IndexEvent) -> None:
+        if ev.kind == E.STORED:
+            assert m.lookup([ev.key]) == [ev.tier]  # visible when heard
+        events.append(ev)
+
+    m.add_listener(listener)
+    m.add_listener(lambda ev: 1 / 0)
+    assert m.store(K(0), data(0)).result(10)
+    assert m.store(K(1), data(1), timeout_s=None).result(10)
+    assert events == [IndexEvent(E.STORED, K(0), "cpu"), IndexEvent(E.EVICTED, K(0), "disk"),
+                      IndexEvent(E.STORED, K(1), "cpu")]
+    assert disk.store[K(0)] == data(0) and m.counters["listener_errors"] == 3
+    events.clear()
+    out = bytearray(4096)
+    assert m.retrieve_into(K(0), out) == 3000  # promoted: K(1) evicted (written back), K(0) stored
+    assert events == [IndexEvent(E.EVICTED, K(1), "disk"), IndexEvent(E.STORED, K(0), "cpu")]
+    events.clear()
+    disk._notify_evicted(Eviction("disk", (K(7), K(8))))  # what a disk tier's LRU reports
+    assert events == [IndexEvent(E.DISK_EVICTED, K(7), None), IndexEvent(E.DISK_EVICTED, K(8), None)]
+    events.clear()
+    slot = m.cpu.reserve(K(2))  # a caller filling a slot itself (the vLLM connector)
+    slot.view[:5].copy_(torch.arange(5, dtype=torch.uint8))
+    m.commit(slot, 5)
+    assert events == [IndexEvent(E.EVICTED, K(0), "disk"), IndexEvent(E.STORED, K(2), "cpu")]
+    m.flush(timeout_s=10)
+    assert disk.store[K(2)] == bytes(range(5))  # written through by commit (publish)
+    m.remove_listener(listener)
+    events.clear()
+    assert m.store(K(3), data(3), timeout_s=None).result(10) and events == []
+    m.close(persist=False)
+    assert not m.cpu.has_eviction_listeners() and not disk.has_eviction_listeners()
+
+
+def test_index_events_without_disk_or_cpu():
+    """Without a disk a CPU victim is EVICTED with tier None; without a CPU pool a store is STORED
+    in the tier that took it."""
+    from lmtier.events import IndexEvent, IndexEventKind as E
+
+    events: list[IndexEvent] = []
+    with TierManager(cpu=make_pool(num_slots=1)) as m:
+        m.add_listener(events.append)
+        m.store(K(0), data(0)).result(10)
+        m.store(K(1), data(1), timeout_s=None).result(10)
+    assert events == [IndexEvent(E.STORED, K(0), "cpu"), IndexEvent(E.EVICTED, K(0), None),
+                      IndexEvent(E.STORED, K(1), "cpu")]
+    events.clear()
+    remote = MemTier("remote")
+    with TierManager(cpu=None, disk=MemTier("disk", fail=True), remote=remote) as m:
+        m.add_listener(events.append)
+        assert m.store(K(2), data(2)).result(10)
+    assert events == [IndexEvent(E.STORED, K(2), "remote")]
+    events.clear()
+    with TierManager(cpu=None, disk=MemTier("disk")) as m:
+        m.add_listener(events.append)
+        assert m.store(K(3), data(3)).result(10)
+    assert events == [IndexEvent(E.STORED, K(3), "disk")]

@@ -16,7 +16,7 @@ Steps:
     — prompt = ``len`` token ids of the test text starting at segment ``i`` (segments are 2,000
     tokens apart, so distinct segments share no prefix). Records per prompt ``token_ids``,
     ``finish_reason``, ``num_cached_tokens``, ``prompt_len``, and the step's connector stats delta
-    (``stats``, from :func:`lmtier.integration.vllm.connector.process_totals`).
+    (``stats``, from :func:`lmtier.integration.vllm.stats.process_totals`).
   * ``{"op": "env", "set": {"NAME": "value" | null}}`` — set/unset environment variables (the
     connector's fault hook ``LMTIER_FAULT_INJECT`` is read at every load).
   * ``{"op": "corrupt_disk", "dir": D}`` — flip bytes in the payload of every record under ``D``.
@@ -151,7 +151,8 @@ def _child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
 
-    from lmtier.integration.vllm import connector as conn
+    from lmtier.integration.vllm.common import flush_all
+    from lmtier.integration.vllm.stats import process_totals
 
     kw = dict(model=str(MODEL_DIR), dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
               max_model_len=4096, enable_prefix_caching=False, seed=0,
@@ -184,7 +185,7 @@ def _child(spec_path: str, out_path: str) -> None:
             text = prometheus_client.generate_latest().decode()
             results[step.get("name", "metrics")] = [ln for ln in text.splitlines() if "lmtier" in ln]
         elif op == "flush":
-            conn.flush_all(60)
+            flush_all(60)
         elif op == "generate":
             prompts = []
             for p in step["prompts"]:
@@ -195,12 +196,12 @@ def _child(spec_path: str, out_path: str) -> None:
                 if p.get("salt"):
                     d["cache_salt"] = p["salt"]
                 prompts.append(d)
-            before = conn.process_totals()
+            before = process_totals()
             t1 = time.monotonic()
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8)),
                                 use_tqdm=False)
             dt = time.monotonic() - t1
-            after = conn.process_totals()
+            after = process_totals()
             stats = {k: after[k] - before.get(k, 0) for k in after if not isinstance(after[k], list)}
             if spec.get("log_stats", False):
                 llm.llm_engine.do_log_stats()  # the periodic "KV Transfer metrics" line, now
@@ -211,7 +212,7 @@ def _child(spec_path: str, out_path: str) -> None:
                 "stats": stats, "seconds": dt}
         else:
             raise ValueError(f"unknown step {op!r}")
-    conn.flush_all(60)
+    flush_all(60)
     Path(out_path).write_text(json.dumps({"steps": results, "startup_s": startup}))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's interpreter-exit teardown (slow, sometimes noisy)

@@ -1,17 +1,30 @@
-"""The storage-tier interface shared by the CPU pool, local disk and remote tiers.
+"""The storage-tier protocol shared by the CPU pool, local disk, remote and codec tiers.
 
 A tier stores *chunks*: the canonical byte image of ``chunk_size`` tokens of KV for all layers
 of one tensor-parallel rank (see :mod:`lmtier.layout` for the canonical layout), addressed by a
 32-byte chunk key (see :mod:`lmtier.keys`). Tiers never interpret the bytes; the namespace bound
 into every key makes chunks of incompatible models/geometries/codecs unreachable from each other.
+
+Evictions are published, not patched in: a tier that drops chunks on its own (the CPU pool's LRU,
+the disk tier's LRU) calls every function registered with :meth:`Tier.add_eviction_listener`
+with an :class:`Eviction`. The tier manager subscribes to its tiers (write-back, index events,
+:mod:`lmtier.events`); nothing sets attributes on a tier object.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 KEY_BYTES = 32
+
+__all__ = ["KEY_BYTES", "TierError", "TierUsage", "Eviction", "EvictionListener", "Tier"]
+
+log = logging.getLogger("lmtier.tiers")
 
 
 class TierError(RuntimeError):
@@ -27,6 +40,28 @@ class TierUsage:
     num_chunks: int
 
 
+@dataclass(frozen=True)
+class Eviction:
+    """Chunks that left a tier.
+
+    Attributes:
+        tier: the tier's name (``"cpu"``, ``"disk"``, ``"remote"``).
+        keys: the 32-byte chunk keys, in eviction order.
+        payloads: CPU pool only: each chunk's bytes (a ``torch.uint8`` CPU tensor view of its
+            slot, ``[payload bytes]``), readable only until the listener returns (the tier
+            manager's write-back copies them to disk then); ``None`` for other tiers.
+    """
+
+    tier: str
+    keys: tuple[bytes, ...]
+    payloads: tuple[Any, ...] | None = None
+
+
+EvictionListener = Callable[[Eviction], None]
+"""``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be
+thread-safe; exceptions are logged and counted by the tier, never raised to its caller."""
+
+
 class Tier(abc.ABC):
     """One storage tier.
 
@@ -36,29 +71,53 @@ class Tier(abc.ABC):
       * ``get_into`` either fills ``out`` completely with verified bytes and returns the number of
         bytes, or returns ``None`` (miss / failed / corrupted — corrupted data is deleted). It never
         leaves a partially written ``out`` that the caller could mistake for a hit.
+      * Chunks the tier drops by itself (LRU) are reported to eviction listeners (:class:`Eviction`);
+        ``delete`` and ``forget`` are not reported (the caller knows).
       * All methods are thread-safe.
+
+    Subclasses must call ``super().__init__()`` (it creates the listener list).
     """
 
     name: str = "tier"
+
+    def __init__(self) -> None:
+        self._eviction_listeners: list[EvictionListener] = []
+        self._eviction_listeners_lock = threading.Lock()
 
     @abc.abstractmethod
     def contains(self, key: bytes) -> bool:
         """True if ``key`` (32 bytes) is stored and complete."""
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``[contains(k) for k in keys]``; tiers with a batched lookup (one round trip) override it
+        (see :meth:`batches_contains`)."""
+        return [bool(self.contains(k)) for k in keys]
+
+    def batches_contains(self) -> bool:
+        """True if :meth:`contains_many` is one batched lookup (e.g. one pipelined Redis round trip),
+        so asking for many keys at once is cheaper than asking one by one until the first miss.
+        Default: whether the class overrides :meth:`contains_many`."""
+        return type(self).contains_many is not Tier.contains_many
+
     @abc.abstractmethod
-    def get_into(self, key: bytes, out: memoryview) -> int | None:
+    def get_into(self, key: bytes, out: Any) -> int | None:
         """Copy the chunk's payload into ``out`` (writable, C-contiguous, >= payload length).
 
         Returns the payload length in bytes, or ``None`` on a miss or on any failure.
         """
 
     @abc.abstractmethod
-    def put(self, key: bytes, payload: memoryview) -> bool:
+    def put(self, key: bytes, payload: Any) -> bool:
         """Store ``payload`` (read-only, contiguous bytes) under ``key``. Returns success."""
 
     @abc.abstractmethod
     def delete(self, key: bytes) -> bool:
-        """Remove ``key``; returns True if something was removed."""
+        """Remove ``key`` (its stored bytes too); returns True if something was removed."""
+
+    @abc.abstractmethod
+    def forget(self, key: bytes) -> bool:
+        """Drop ``key`` from this process's index without deleting stored bytes: another process
+        (sharing the storage) deleted them. Returns whether this process had it indexed."""
 
     @abc.abstractmethod
     def usage(self) -> TierUsage:
@@ -66,3 +125,31 @@ class Tier(abc.ABC):
 
     def close(self) -> None:  # pragma: no cover - default no-op
         """Release resources (threads, connections, file handles)."""
+
+    # ---- eviction listeners -------------------------------------------------------------------
+
+    def add_eviction_listener(self, fn: EvictionListener) -> None:
+        """Call ``fn(eviction)`` for every later eviction (see :data:`EvictionListener`)."""
+        with self._eviction_listeners_lock:
+            self._eviction_listeners = [*self._eviction_listeners, fn]
+
+    def remove_eviction_listener(self, fn: EvictionListener) -> None:
+        """Stop calling ``fn`` (a no-op if it is not registered)."""
+        with self._eviction_listeners_lock:
+            self._eviction_listeners = [f for f in self._eviction_listeners if f != fn]
+
+    def has_eviction_listeners(self) -> bool:
+        """True while at least one listener is registered."""
+        return bool(self._eviction_listeners)
+
+    def _notify_evicted(self, ev: Eviction) -> int:
+        """For subclasses: call every listener with ``ev`` (in registration order). Exceptions are
+        logged, never raised; returns how many listeners failed (for the tier's counters)."""
+        failed = 0
+        for fn in self._eviction_listeners:  # a snapshot: the list is replaced, never mutated
+            try:
+                fn(ev)
+            except Exception:  # an index or write-back failure must not fail the tier's caller
+                failed += 1
+                log.exception("%s: eviction listener %r failed", self.name, fn)
+        return failed

@@ -1,6 +1,8 @@
-"""A tier wrapper that stores chunks as :mod:`lmtier.codec` records (``serde: cachegen``).
+"""A tier decorator that stores chunks as :mod:`lmtier.codec` records (``serde: cachegen``).
 
-:class:`CodecTier` wraps a disk or remote tier. ``put`` encodes the chunk's canonical bytes with
+:class:`CodecTier` wraps a disk or remote tier and implements the whole
+:class:`~lmtier.tiers.base.Tier` protocol by forwarding to it (``contains``, ``contains_many``,
+``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put`` encodes the chunk's canonical bytes with
 :func:`lmtier.codec.chunk.encode_chunk` and stores the record in the inner tier; ``get_into``
 fetches the record into a scratch buffer and decodes it into the caller's buffer with
 :func:`lmtier.codec.chunk.decode_chunk` (on the GPU for CUDA destinations). To everything above it
@@ -8,14 +10,18 @@ fetches the record into a scratch buffer and decodes it into the caller's buffer
 
 Decisions:
 
-* **Keys.** The inner tier holds the record under a *derived* key,
-  ``BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || key)``, so
-  naive (raw) chunks and codec records of every level live in disjoint key spaces of a shared
-  disk directory or Redis: a naive reader never takes a record for raw KV (raw chunks carry no
+* **Keys.** The inner tier holds the record under a *derived* key, ``key XOR pad`` with
+  ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || table id)``,
+  so naive (raw) chunks and codec records of every level live in disjoint key spaces of a shared
+  disk directory or Redis (chunk keys are BLAKE2b outputs: a raw key equal to a record's derived
+  key would need two chunk hashes differing by exactly the pad, as unlikely as a collision): a naive reader never takes a record for raw KV (raw chunks carry no
   magic it could check), a codec reader never deletes another process's raw chunk as corrupt, and
   a ``lossless`` reader never receives lossy KV. Processes configured with different levels do
   not share chunks. The chunk key itself (and :class:`lmtier.keys.Namespace`) is unchanged: the
-  serde is a property of a tier's storage, not of the KV (see :mod:`lmtier.config`).
+  serde is a property of a tier's storage, not of the KV (see :mod:`lmtier.config`). The
+  derivation is invertible (:meth:`CodecTier.outer_key`), so the inner tier's evictions reach the
+  wrapper's listeners under chunk keys — records found on disk at startup included. (Before the
+  XOR pad the derived key was a hash of salt and key: records written then are misses now.)
 * **Size.** Records are always stored as records (never as raw bytes): the rANS coder stores a
   segment raw when coding would not shrink it, so a record never exceeds
   :func:`lmtier.codec.chunk.max_record_bytes` — the raw symbol bytes plus a per-stream overhead
@@ -53,7 +59,7 @@ from lmtier.codec import format as cformat
 from lmtier.codec.levels import LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
-from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.disk import BouncePool, host_view, is_cuda_tensor
 
 __all__ = ["CodecTier", "check_codec_geometry", "CODEC_KV_DTYPES"]
@@ -137,6 +143,10 @@ class CodecTier(Tier):
             other tables are misses, not decode failures.
         config_key, config_value: the config key that selected the codec (named in errors).
 
+    The wrapper registers itself as an eviction listener of ``inner``: evictions of the inner
+    tier reach the wrapper's listeners with chunk keys (:meth:`outer_key`) and ``payloads=None``
+    (the inner tier's bytes are records, not chunks).
+
     Attributes:
         name: the inner tier's name (so hit counters and logs read ``disk`` / ``remote``).
         raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (scratch size).
@@ -150,6 +160,7 @@ class CodecTier(Tier):
     def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: "str | Level",
                  tables: "cchunk.StaticTables | str | None" = "shipped", config_key: str = "serde",
                  config_value: str = "cachegen") -> None:
+        super().__init__()
         self.shape, self.dtype, self.level = check_codec_geometry(shape, dtype, level, config_key=config_key,
                                                                   config_value=config_value)
         self.inner = inner
@@ -164,35 +175,57 @@ class CodecTier(Tier):
         self.raw_bytes = math.prod(self.shape) * 2
         self.max_record_bytes = cchunk.max_record_bytes(self.shape, self.level)
         table_id = cformat.NO_TABLE if tables is None else int(tables.table_id)
-        self._salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + table_id.to_bytes(4, "little")
+        salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + table_id.to_bytes(4, "little")
+        self._pad = int.from_bytes(hashlib.blake2b(salt, digest_size=KEY_BYTES, person=_PERSON).digest(), "little")
         self._scratch = BouncePool(max_cached=4)
         self._lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
-        if hasattr(inner, "contains_many"):
-            self.contains_many = self._contains_many
+        inner.add_eviction_listener(self._on_inner_evicted)
 
     # ---- keys --------------------------------------------------------------------------------
 
     def inner_key(self, key: bytes) -> bytes:
-        """The key the record has in the inner tier (32 bytes, see the module doc)."""
+        """The key the record has in the inner tier (32 bytes, see the module doc).
+
+        Raises:
+            ValueError: ``key`` is not 32 bytes.
+        """
         key = bytes(key)
         if len(key) != KEY_BYTES:
             raise ValueError(f"CodecTier: key must be {KEY_BYTES} bytes, got {len(key)}")
-        return hashlib.blake2b(self._salt + key, digest_size=KEY_BYTES, person=_PERSON).digest()
+        return (int.from_bytes(key, "little") ^ self._pad).to_bytes(KEY_BYTES, "little")
+
+    def outer_key(self, inner_key: bytes) -> bytes:
+        """The chunk key whose record the inner tier holds under ``inner_key`` (the inverse of
+        :meth:`inner_key`)."""
+        return self.inner_key(inner_key)  # XOR with the pad is its own inverse
 
     # ---- Tier --------------------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
         return bool(self.inner.contains(self.inner_key(key)))
 
-    def _contains_many(self, keys: list[bytes]) -> list[bool]:
-        return list(self.inner.contains_many([self.inner_key(k) for k in keys]))  # type: ignore[attr-defined]
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """The inner tier's ``contains_many`` (one round trip where the inner tier batches)."""
+        return [bool(f) for f in self.inner.contains_many([self.inner_key(k) for k in keys])]
+
+    def batches_contains(self) -> bool:
+        return self.inner.batches_contains()
 
     def delete(self, key: bytes) -> bool:
         return bool(self.inner.delete(self.inner_key(key)))
 
+    def forget(self, key: bytes) -> bool:
+        return bool(self.inner.forget(self.inner_key(key)))
+
     def usage(self) -> TierUsage:
+        """The inner tier's usage (bytes of records, not of the chunks they encode)."""
         return self.inner.usage()
+
+    def _on_inner_evicted(self, ev: Eviction) -> None:
+        failed = self._notify_evicted(Eviction(self.name, tuple(self.outer_key(k) for k in ev.keys)))
+        if failed:
+            self._count("evict_listener_errors", failed)
 
     def put(self, key: bytes, payload: Any) -> bool:
         """Encode ``payload`` (exactly one chunk's canonical bytes: bytes-like, NumPy, CPU or CUDA
@@ -266,6 +299,7 @@ class CodecTier(Tier):
         return self.raw_bytes
 
     def close(self) -> None:
+        self.inner.remove_eviction_listener(self._on_inner_evicted)
         try:
             self.inner.close()
         finally:

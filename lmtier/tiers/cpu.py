@@ -16,11 +16,14 @@ Slot life cycle (all transitions under one lock; no I/O and no large copy is eve
   recently used; ``release`` unpins. A slot with references is never evicted or reused;
   ``delete`` of a pinned chunk hides it at once and frees the slot at the last ``release``.
 * Eviction is LRU over committed, unreferenced slots and happens inside ``reserve`` when no slot is
-  free. With an ``evict_callback`` (write-back to the disk tier) the victim is *pinned*, the lock
-  dropped, the callback run with a read view of the victim, and only then is the slot freed and
-  handed to the writer; readers may keep reading the victim during write-back (if one did, the
-  victim stays and another is chosen). ``reserve`` returns ``None`` (back-pressure) when every
-  slot is pinned or being written.
+  free. With eviction listeners registered (:meth:`Tier.add_eviction_listener`; the tier manager's
+  write-back to the disk tier is one) the victim is *pinned*, the lock dropped, the listeners
+  called with an :class:`~lmtier.tiers.base.Eviction` carrying a read view of the victim
+  (``payloads``), and only then is the slot freed and handed to the writer; readers may keep
+  reading the victim during write-back (if one did, the victim stays and another is chosen — the
+  listeners were told it left: an index then under-claims it, which costs a hit, never
+  correctness). Without listeners the victim is dropped under the lock. ``reserve`` returns
+  ``None`` (back-pressure) when every slot is pinned or being written.
 
 Handles (:class:`Slot`) are single-use: ``commit``/``abort`` a write handle and ``release`` a read
 handle exactly once; anything else raises ``RuntimeError`` (a pin leak or double free would
@@ -36,13 +39,12 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 
 __all__ = ["CPUPool", "Slot", "SLOT_ALIGN_BYTES", "as_byte_source"]
 
@@ -54,8 +56,6 @@ POPULATE_PIECE_BYTES = 8 << 20  # one madvise call (a concurrent fault there wai
 
 _FREE, _WRITING, _COMMITTED = 0, 1, 2
 _READ, _WRITE = "read", "write"
-
-EvictCallback = Callable[[bytes, torch.Tensor], None]
 
 
 class Slot:
@@ -146,10 +146,6 @@ class CPUPool(Tier):
             first-touch page faults in the serving path while resident memory still grows only with
             use; ``"now"`` / ``"background"`` map the whole arena at construction / on a daemon
             thread (resident = capacity from the start); ``"lazy"`` never (pages fault on first write).
-        evict_callback: ``callback(key, view)`` run (outside the lock, in the thread that called
-            ``reserve``) before a committed chunk's slot is reused; ``view`` is ``torch.uint8
-            [nbytes]`` and valid only during the call. Exceptions are logged and the chunk is
-            evicted anyway. Settable later through the ``evict_callback`` attribute.
 
     Raises:
         ValueError: non-positive sizes, capacity below one slot, arena too small or not uint8/CPU.
@@ -163,9 +159,9 @@ class CPUPool(Tier):
         chunk_bytes: int,
         *,
         arena: Any = None,
-        evict_callback: EvictCallback | None = None,
         populate: str = "ahead",
     ) -> None:
+        super().__init__()
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
             raise ValueError(f"CPUPool: chunk_bytes must be a positive int, got {chunk_bytes!r}")
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
@@ -197,7 +193,6 @@ class CPUPool(Tier):
                 raise ValueError(f"CPUPool: arena must be contiguous with >= {arena_bytes} bytes, got {tensor.numel()}")
         self.arena = tensor[:arena_bytes]
         self.pinned = bool(getattr(self._owner, "pinned", False)) or bool(self.arena.is_pinned())
-        self.evict_callback = evict_callback
         self._views = [self.arena[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(self.num_slots)]
         self._lock = threading.Lock()
         self._state = [_FREE] * self.num_slots
@@ -234,7 +229,10 @@ class CPUPool(Tier):
             ``abort``; or ``None`` when the key is already stored or being written (nothing to
             do; see :meth:`is_present`) or when every slot is pinned/being written (back-pressure).
 
-        May block for the duration of ``evict_callback`` (write-back I/O), never under the lock.
+        May block while eviction listeners run (write-back I/O), never under the lock: each gets an
+        :class:`~lmtier.tiers.base.Eviction` of the victim (``payloads``: its ``torch.uint8
+        [nbytes]`` slot view, valid only during the call); an exception is logged and counted
+        (``counters["evict_listener_errors"]``) and the chunk is evicted anyway.
         """
         _check_key(key)
         for _ in range(self.num_slots + 1):
@@ -251,19 +249,17 @@ class CPUPool(Tier):
                 idx, _ = self._lru.popitem(last=False)
                 victim = self._keys[idx]
                 assert victim is not None
-                callback = self.evict_callback
-                if callback is None:
+                if not self.has_eviction_listeners():
                     del self._index[victim]
                     self.counters["evictions"] += 1
                     return self._start_write_locked(idx, key)
                 self._refs[idx] += 1  # pin the victim during write-back
                 view = self._views[idx][: self._nbytes[idx]]
-            try:
-                callback(victim, view)
-            except Exception:  # the chunk is a cache entry: losing it is allowed, crashing is not
-                log.exception("CPUPool: evict_callback failed for %s; evicting anyway", victim.hex())
-                self.counters["evict_callback_errors"] += 1
+            # A listener failing loses at most a cache entry: the chunk is evicted anyway.
+            failed = self._notify_evicted(Eviction(self.name, (victim,), (view,)))
             with self._lock:
+                if failed:
+                    self.counters["evict_listener_errors"] += failed
                 self._refs[idx] -= 1
                 if self._refs[idx] > 0:
                     continue  # a reader pinned it during write-back: it is hot, keep it
@@ -409,6 +405,11 @@ class CPUPool(Tier):
                 self._doomed[idx] = True
             self.counters["deletes"] += 1
             return True
+
+    def forget(self, key: bytes) -> bool:
+        """Same as :meth:`delete`: the pool is private to this process (its index and its bytes are
+        one), so there is no other process's deletion to follow."""
+        return self.delete(key)
 
     def usage(self) -> TierUsage:
         """``capacity_bytes`` = arena size; ``used_bytes`` = slots not free (committed, being

@@ -47,13 +47,11 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
-
 import numpy as np
 import xxhash
 
 from lmtier import record as rec
-from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 
 log = logging.getLogger("lmtier.tiers.disk")
 
@@ -261,10 +259,12 @@ class DiskTier(Tier):
         max_payload_bytes: larger payloads are refused by ``put`` and treated as corruption on read.
         namespace: 16-byte namespace digest written into each header (informational).
 
-    Attribute ``evict_callback``: ``None`` or a callable receiving the list of keys (``bytes``) the
-    LRU dropped to make room, called after their files are unlinked, outside the tier's lock, in the
-    thread that needed the room (the connector reports them to a scheduler in another process so
-    its index stops claiming them). Exceptions it raises are logged and ignored.
+    Evictions: the keys the LRU dropped to make room reach the eviction listeners
+    (:meth:`Tier.add_eviction_listener`, one :class:`~lmtier.tiers.base.Eviction` per batch,
+    ``payloads=None``) after their files are unlinked, outside the tier's lock, in the thread that
+    needed the room (the tier manager publishes them as ``disk_evicted`` index events, so a
+    scheduler in another process stops claiming them). Exceptions are logged, counted
+    (``counters["evict_listener_errors"]``) and ignored. ``delete`` and ``forget`` are not reported.
 
     Raises:
         ValueError: malformed arguments. OSError: a root cannot be created.
@@ -285,6 +285,7 @@ class DiskTier(Tier):
         max_payload_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
         namespace: bytes = bytes(16),
     ) -> None:
+        super().__init__()
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         if not paths:
@@ -323,7 +324,6 @@ class DiskTier(Tier):
         self._tmp_seq = itertools.count()
         self._direct: dict[str, bool] = {}
         self.counters = collections.Counter()
-        self.evict_callback: Callable[[list[bytes]], None] | None = None
         for root in self.paths:
             os.makedirs(root, mode=DIR_MODE, exist_ok=True)
             self._direct[root] = use_odirect and self._probe_odirect(root)
@@ -566,12 +566,10 @@ class DiskTier(Tier):
     def _unlink_all(self, victims: list[tuple[bytes, str]]) -> None:
         for _, p in victims:
             _unlink_quiet(p)
-        cb = self.evict_callback
-        if victims and cb is not None:
-            try:
-                cb([k for k, _ in victims])
-            except Exception:
-                log.exception("disk tier: evict_callback failed")
+        if victims:
+            failed = self._notify_evicted(Eviction(self.name, tuple(k for k, _ in victims)))
+            if failed:
+                self.counters["evict_listener_errors"] += failed
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         with self._lock:

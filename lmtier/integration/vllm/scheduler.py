@@ -1,0 +1,291 @@
+"""The scheduler role of :class:`lmtier.integration.vllm.LMTierConnector`: it decides.
+
+``get_num_new_matched_tokens`` hashes the prompt into chunk keys (:func:`lmtier.keys.chunk_keys`)
+and looks up the longest cached prefix across tiers; it claims only whole chunks beyond vLLM's own
+prefix-cache hit and never the last prompt token. A hit whose claimed chunks all sit in the CPU pool
+is loaded synchronously (before the step's forward), and so is a hit whose other claimed chunks are
+on disk and hold at most ``sync_disk_load_mib`` (while no other request is in the scheduler;
+``sync_disk_load_busy_mib`` otherwise); any other hit (a chunk in Redis, a large disk hit) is
+loaded asynchronously (vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` until the worker reports
+it). ``update_state_after_alloc`` records the load (which chunk goes to which blocks, starting at
+the first token vLLM does not already hold — a chunk is never written over blocks vLLM holds).
+``build_connector_meta`` adds the stores: every prompt chunk that becomes complete in this step and
+is not stored yet. A request whose async load failed is never offered a hit again, so vLLM's re-ask
+cannot loop.
+
+Index: the tier manager shared with the worker when both live in one process; otherwise an
+:class:`lmtier.integration.vllm.mirror.IndexMirror` of the worker's CPU pool and disk chunks (fed by
+:class:`lmtier.integration.vllm.metadata.LMTierWorkerMetadata`) followed by this process's own view of
+the disk and remote tiers. Keys are rank 0's (every TP rank stores its shard under its own keys).
+
+vLLM sources: ``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` (0.32/0.33).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lmtier.config import LMTierConfig
+from lmtier.integration.vllm.common import SchedulerTiers, request_salt
+from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
+from lmtier.integration.vllm.mirror import IndexMirror
+from lmtier.integration.vllm.options import ConnectorOptions
+from lmtier.integration.vllm.stats import StatsSink
+from lmtier.integration.vllm.worker import LoadOp, StoreOp
+from lmtier.keys import Namespace, chunk_keys
+
+__all__ = ["LMTierScheduler"]
+
+log = logging.getLogger("vllm.lmtier.connector")
+
+
+class LMTierScheduler:
+    """Scheduler-side state and decisions of one engine's connector (see the module docstring).
+
+    Args:
+        manager: the tiers this process sees: the worker's own manager when ``shared`` (in-process
+            engine), else a manager of the disk / remote tiers only (or a
+            :class:`lmtier.integration.vllm.common.NoTiers`).
+        shared: ``manager`` is the worker's (no mirror needed).
+        config: the lmtier configuration (sizes the mirror).
+        options: the connector's options.
+        namespace: rank 0's chunk-key namespace (the index key space).
+        block_size: vLLM's block size in tokens.
+        is_cuda: the KV cache is on a CUDA device (stores copy asynchronously: a finished request's
+            blocks are kept until the worker reports them in ``finished_sending``).
+        stats: where counters go.
+    """
+
+    def __init__(self, manager: SchedulerTiers, *, shared: bool, config: LMTierConfig, options: ConnectorOptions,
+                 namespace: Namespace, block_size: int, is_cuda: bool, stats: StatsSink) -> None:
+        self.manager = manager
+        self.options = options
+        self.ns = namespace
+        self.chunk = config.chunk_size
+        self.block_size = block_size
+        self._is_cuda = is_cuda
+        self._stats = stats
+        self._shared_mgr = shared
+        self._requests: dict[str, Any] = {}  # req_id -> Request (token ids, salt)
+        self._lookups: dict[str, tuple[int, int, list[str], bool]] = {}
+        self._pending_loads: dict[str, LoadOp] = {}
+        self._stored_upto: dict[str, int] = {}  # req_id -> chunks already stored / queued
+        self._blocks: dict[str, list[int]] = {}
+        self._async_store_reqs: set[str] = set()
+        self._delayed_frees: list[str] = []
+        self._no_load: set[str] = set()  # requests whose async load failed: recompute them
+        self._counted: set[str] = set()  # requests whose lookup was counted in the stats
+        self._issued: dict[str, LoadOp] = {}  # loads whose outcome is not known yet
+        slot = -(-namespace.chunk_bytes // 4096) * 4096
+        # Mirror of the worker's tiers when the worker lives in another process (unused when shared).
+        self.mirror = IndexMirror(max(1024, (config.cpu.capacity_bytes if config.cpu.enabled else 0) // slot
+                                      + (config.disk.capacity_bytes if config.disk.enabled else 0)
+                                      // namespace.chunk_bytes))
+
+    def open_state(self) -> dict[str, Any]:
+        """Per-request state still held, by name (every value empty once every request finished)."""
+        return {"requests": self._requests, "lookups": self._lookups, "pending_loads": self._pending_loads,
+                "stored_upto": self._stored_upto, "blocks": self._blocks, "no_load": self._no_load,
+                "issued": self._issued, "counted": self._counted}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Tokens beyond vLLM's own hit (``num_computed_tokens``, block aligned) that lmtier can load.
+
+        Returns ``(n, load_async)``: ``n`` is a multiple of the block size, ``num_computed_tokens + n``
+        is a whole number of chunks and at most ``len(prompt) - 1``. ``load_async`` is True when any
+        claimed chunk is in Redis or the claimed disk chunks exceed ``sync_disk_load_mib``. Side-effect free apart
+        from caching the lookup.
+        """
+        prompt = request.prompt_token_ids or []
+        rid = request.request_id
+        self._requests[rid] = request
+        # Whole chunks strictly before the last prompt token: vLLM must compute at least one token.
+        max_hit = (max(len(prompt) - 1, 0) // self.chunk) * self.chunk
+        if (max_hit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False)
+                or rid in self._no_load):
+            self._lookups.pop(rid, None)
+            return 0, False
+        keys = chunk_keys(prompt[:max_hit], self.ns, cache_salt=request_salt(request))
+        tiers = self._lookup(keys)
+        hit = len(tiers) * self.chunk
+        if hit <= num_computed_tokens:
+            self._lookups[rid] = (num_computed_tokens, 0, [], False)
+            return 0, False
+        claimed = tiers[num_computed_tokens // self.chunk:]
+        load_async = self.options.async_loads and self._load_async(claimed)
+        self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async)
+        return hit - num_computed_tokens, load_async
+
+    def _load_async(self, claimed: list[str]) -> bool:
+        """Whether claimed chunks (tier names) load in the background: any remote chunk, or disk
+        chunks of more than ``sync_disk_load_mib`` (``sync_disk_load_busy_mib`` while the scheduler
+        holds other requests); CPU chunks always load synchronously."""
+        if "remote" in claimed:
+            return True
+        disk = sum(1 for t in claimed if t == "disk")
+        o = self.options
+        limit = o.sync_disk_load_bytes if len(self._requests) <= 1 else o.sync_disk_load_busy_bytes
+        return disk > 0 and disk * self.ns.chunk_bytes > limit
+
+    def _lookup(self, keys: list[bytes]) -> list[str]:
+        """Tiers of the longest cached prefix of ``keys``: the shared manager's index, or (worker in
+        another process) the mirror of the worker's tiers followed by this process's disk/remote view."""
+        if self._shared_mgr:
+            return self.manager.lookup(keys)
+        found = self.mirror.prefix(keys)
+        rest = keys[len(found):]
+        if rest and (self.manager.disk is not None or self.manager.remote is not None):
+            found += self.manager.lookup(rest)
+        return found
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        got = self._lookups.get(request.request_id)
+        if not got or num_external_tokens <= 0 or not got[1]:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        names = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+                 "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+        out: dict = {}
+        for t, n in self._hits_by_tier(got).items():
+            if n:
+                out[names[t]] = out.get(names[t], 0) + n
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return out
+
+    def _hits_by_tier(self, lookup) -> dict[str, int]:
+        nc, hit, tiers, _ = lookup
+        out = {"cpu": 0, "disk": 0, "remote": 0}
+        for i, t in enumerate(tiers):
+            lo, hi = max(i * self.chunk, nc), (i + 1) * self.chunk
+            if hi > lo:
+                out[t] += hi - lo
+        return out
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        """Record the load of the claimed chunks into the blocks vLLM just allocated.
+
+        ``blocks.get_block_ids()[0]`` lists all the request's blocks (vLLM's own hits first). For an
+        asynchronous load vLLM calls this twice: with the claimed tokens, then (after the load was
+        reported) with ``num_external_tokens == 0``, which is a no-op here.
+        """
+        rid = request.request_id
+        got = self._lookups.get(rid)
+        if rid not in self._counted and got is not None:
+            self._counted.add(rid)
+            prompt_len = len(request.prompt_token_ids or [])
+            self._stats.add("lookup_tokens", max((max(prompt_len - 1, 0) // self.chunk) * self.chunk - got[0], 0))
+        if num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        nc = got[0] if got is not None else 0
+        nb = (nc + num_external_tokens + self.block_size - 1) // self.block_size
+        if got is None or not got[1] or nc + num_external_tokens != got[1] or len(block_ids) < nb:
+            # vLLM allocated external tokens that do not match our offer (cannot happen with vLLM
+            # 0.32/0.33): never leave claimed tokens unwritten — report those blocks as failed loads,
+            # so vLLM recomputes them (or fails the request, per kv_load_failure_policy).
+            log.error("lmtier: request %s: vLLM allocated %d external tokens, lookup said %s; recomputing them",
+                      rid, num_external_tokens, got)
+            self._pending_loads[rid] = LoadOp(rid, [], None, nc, block_ids[:nb],
+                                              is_async=bool(got and got[3]), poisoned=True)
+            return
+        nc, hit, tiers, load_async = got
+        op = LoadOp(rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb],
+                    is_async=load_async)
+        self._pending_loads[rid] = op
+        self._issued[rid] = op
+        for t, n in self._hits_by_tier(got).items():
+            if n:
+                self._stats.add(f"hit_tokens_{t}", n)
+        # Loaded chunks are stored already: never store them again for this request.
+        self._stored_upto[rid] = max(self._stored_upto.get(rid, 0), hit // self.chunk)
+
+    def build_connector_meta(self, scheduler_output) -> LMTierConnectorMetadata:
+        meta = LMTierConnectorMetadata(loads=list(self._pending_loads.values()), delayed_frees=self._delayed_frees)
+        self._pending_loads.clear()
+        self._delayed_frees = []
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        todo: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            todo.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        for i, rid in enumerate(cached.req_ids):
+            nb = cached.new_block_ids[i]
+            if nb is not None:
+                if rid in resumed:
+                    self._blocks[rid] = list(nb[0])
+                else:
+                    self._blocks.setdefault(rid, []).extend(nb[0])
+            todo.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in todo:
+            req = self._requests.get(rid)
+            if req is None or not req.prompt_token_ids:
+                continue
+            prompt = req.prompt_token_ids
+            done = computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            full = min(done, len(prompt)) // self.chunk
+            first = self._stored_upto.get(rid, 0)
+            if full <= first:
+                continue
+            blocks = state.get_block_ids(rid)[0] if state is not None else self._blocks.get(rid, [])
+            need = full * self.chunk // self.block_size
+            if len(blocks) < need:
+                continue
+            salt = request_salt(req)
+            # Skip chunks some tier already holds (the lookup is cheap for local tiers).
+            keys = chunk_keys(prompt[: full * self.chunk], self.ns, cache_salt=salt)
+            present = len(self._lookup(keys[first:])) if (self.manager.cpu is not None or len(self.mirror)) else 0
+            self._stored_upto[rid] = full
+            if first + present >= full:
+                continue
+            meta.stores.append(StoreOp(rid, list(prompt[: full * self.chunk]), salt, first + present,
+                                       list(blocks[:need])))
+            if self._is_cuda:
+                self._async_store_reqs.add(rid)
+        return meta
+
+    def update_connector_output(self, connector_output):
+        """A failed async load leaves the request recomputing: never offer it a hit again (vLLM
+        re-asks ``get_num_new_matched_tokens`` right after this call)."""
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, LMTierWorkerMetadata) and not self._shared_mgr:
+            for k in self.mirror.apply(wm.events):  # in the order they happened on the worker
+                if self.manager.disk is not None:  # gone from the worker's disk: from this view too
+                    self.manager.disk.forget(k)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for rid in failed:
+            self._lookups.pop(rid, None)
+            if rid in self._requests:  # with policy "fail" vLLM already finished it (request_finished ran)
+                self._no_load.add(rid)
+                self._stored_upto[rid] = 0  # recomputed from token 0: store what no tier holds
+        # Sync loads report failed blocks in the step that ran them: the recomputed chunks from the
+        # first bad block on were not stored by this request, so let it store them again.
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        finished = set(getattr(connector_output, "finished_recving", None) or ())
+        for rid, op in list(self._issued.items()):
+            if op.is_async and rid not in finished and rid not in failed:
+                continue  # still loading
+            del self._issued[rid]
+            bad = [i for i, b in enumerate(op.block_ids) if b in invalid]
+            if bad and rid in self._stored_upto:
+                self._stored_upto[rid] = min(self._stored_upto[rid], bad[0] * self.block_size // self.chunk)
+
+    def request_finished(self, request, block_ids: list[int]):
+        """Drop the request's state. Returns ``(True, None)`` only while CUDA stores still read its
+        blocks (the worker then lists it in ``finished_sending``). Blocks of a request still waiting
+        for an async load are held by vLLM itself until the worker reports ``finished_recving``."""
+        rid = request.request_id
+        for d in (self._requests, self._lookups, self._pending_loads, self._stored_upto, self._blocks, self._issued):
+            d.pop(rid, None)
+        self._no_load.discard(rid)
+        self._counted.discard(rid)
+        # CUDA stores copy asynchronously: keep the blocks until the worker reports the copy done.
+        delay = rid in self._async_store_reqs
+        self._async_store_reqs.discard(rid)
+        if delay:
+            self._delayed_frees.append(rid)
+        return delay, None

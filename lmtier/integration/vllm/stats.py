@@ -1,0 +1,182 @@
+"""Observability of :class:`lmtier.integration.vllm.LMTierConnector`: interval stats, Prometheus
+series and per-process totals.
+
+* :class:`LMTierStats` — vLLM's ``KVConnectorStats`` for one stats interval (the "KV Transfer
+  metrics" log line when stats logging is on); both roles fill one through :class:`StatsSink`.
+* :class:`LMTierPromMetrics` — the ``vllm:lmtier_*`` series on the server's ``/metrics``.
+* :func:`process_totals` — cumulative counters of every connector in this process (test hook).
+
+vLLM sources: ``vllm/distributed/kv_transfer/kv_connector/v1/metrics.py`` (0.32/0.33).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:  # pragma: no cover
+    KVConnectorStats = object  # type: ignore
+    KVConnectorPromMetrics = object  # type: ignore
+
+__all__ = ["LMTierStats", "LMTierPromMetrics", "StatsSink", "process_totals"]
+
+_LAT_KEEP = 256  # latency samples kept per interval (per list)
+
+
+class LMTierStats(KVConnectorStats):
+    """Counters of one stats interval (summed over workers and the scheduler).
+
+    Tokens: ``lookup_tokens`` (prompt tokens lmtier was asked about beyond vLLM's own prefix cache,
+    per admitted request), ``hit_tokens_{cpu,disk,remote}`` (tokens claimed, by the tier holding the
+    chunk at lookup time). Chunks / bytes: ``loaded_*``, ``stored_*``; ``store_skipped`` (already
+    present or no free slot), ``load_failures`` (requests whose load failed, in part or whole),
+    ``async_loads`` and ``layerwise_loads``
+    (requests loaded in the background / layer by layer). Time:
+    ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
+    per-request latencies in seconds; at most 256 kept per interval).
+    """
+
+    FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", "hit_tokens_remote", "lookup_tokens", "loaded_chunks",
+              "load_failures", "loaded_bytes", "load_ms", "async_loads", "stored_chunks", "store_skipped",
+              "stored_bytes", "store_ms", "layerwise_loads")
+    LISTS = ("load_lat_s", "store_lat_s")
+
+    def __init__(self, data: dict | None = None):
+        super().__init__(data=dict(data or {}))
+        for k in self.FIELDS:
+            self.data.setdefault(k, 0)
+        for k in self.LISTS:
+            self.data[k] = list(self.data.get(k) or [])
+
+    def reset(self):
+        for k in self.FIELDS:
+            self.data[k] = 0
+        for k in self.LISTS:
+            self.data[k] = []
+
+    def aggregate(self, other):
+        for k in self.FIELDS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in self.LISTS:
+            self.data[k] = (self.data.get(k, []) + list(other.data.get(k) or []))[-_LAT_KEEP:]
+        return self
+
+    def reduce(self):
+        out = {f"lmtier_{k}": (round(self.data[k], 2) if isinstance(self.data[k], float) else self.data[k])
+               for k in self.FIELDS}
+        hit = sum(self.data[f"hit_tokens_{t}"] for t in ("cpu", "disk", "remote"))
+        out["lmtier_miss_tokens"] = max(self.data["lookup_tokens"] - hit, 0)
+        for k in self.LISTS:
+            v = self.data[k]
+            out[f"lmtier_{k[:-2]}_mean_ms"] = round(1e3 * sum(v) / len(v), 2) if v else 0.0
+        return out
+
+    def is_empty(self):
+        return not any(self.data.get(k) for k in self.FIELDS) and not any(self.data.get(k) for k in self.LISTS)
+
+    def add(self, key: str, value: float = 1) -> None:
+        if key in self.LISTS:
+            if len(self.data[key]) < _LAT_KEEP:
+                self.data[key].append(value)
+            return
+        self.data[key] = self.data.get(key, 0) + value
+
+
+_TOTALS_LOCK = threading.Lock()
+_TOTALS = LMTierStats()
+
+
+def process_totals() -> dict[str, Any]:
+    """Cumulative stats of every lmtier connector in this process since it started (test hook).
+
+    Returns a copy of :class:`LMTierStats` ``data`` (counters and latency lists), summed over both
+    roles. Unlike vLLM's interval stats this is never reset.
+    """
+    with _TOTALS_LOCK:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in _TOTALS.data.items()}
+
+
+class LMTierPromMetrics(KVConnectorPromMetrics):
+    """Prometheus series fed from :class:`LMTierStats` (``vllm:lmtier_*``).
+
+    Counters: ``vllm:lmtier_hit_tokens_total{tier}``, ``vllm:lmtier_lookup_tokens_total``,
+    ``vllm:lmtier_{loaded,stored}_{chunks,bytes}_total``, ``vllm:lmtier_load_failures_total``,
+    ``vllm:lmtier_async_loads_total``, ``vllm:lmtier_store_skipped_total``. Histograms (seconds):
+    ``vllm:lmtier_load_seconds`` (per request load), ``vllm:lmtier_store_seconds`` (per store op).
+    """
+
+    _COUNTERS = {"lookup_tokens": "prompt tokens looked up in lmtier beyond vLLM's prefix cache",
+                 "loaded_chunks": "chunks loaded from lmtier", "loaded_bytes": "bytes loaded from lmtier",
+                 "stored_chunks": "chunks stored into lmtier", "stored_bytes": "bytes stored into lmtier",
+                 "load_failures": "chunk loads that failed (recomputed or failed per policy)",
+                 "async_loads": "requests loaded asynchronously (disk / remote hits)",
+                 "store_skipped": "chunk stores skipped (present already or no free CPU slot)"}
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._c: dict[str, dict] = {}
+        for name, doc in self._COUNTERS.items():
+            m = self._counter_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {doc}.",
+                                  labelnames=labelnames)
+            self._c[name] = {i: m.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+        hit = self._counter_cls(name="vllm:lmtier_hit_tokens", documentation="lmtier: prompt tokens loaded, by tier.",
+                                labelnames=list(labelnames) + ["tier"])
+        self._hit = {(i, t): hit.labels(*lv, t) for i, lv in per_engine_labelvalues.items()
+                     for t in ("cpu", "disk", "remote")}
+        buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+        self._h: dict[str, dict] = {}
+        for key, name in (("load_lat_s", "load_seconds"), ("store_lat_s", "store_seconds")):
+            h = self._histogram_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {name.replace('_', ' ')} "
+                                    "per request/op.", buckets=buckets, labelnames=labelnames)
+            self._h[key] = {i: h.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        d = transfer_stats_data or {}
+        for name, per_engine in self._c.items():
+            v = d.get(name, 0)
+            if v:
+                per_engine[engine_idx].inc(v)
+        for t in ("cpu", "disk", "remote"):
+            v = d.get(f"hit_tokens_{t}", 0)
+            if v:
+                self._hit[(engine_idx, t)].inc(v)
+        for key, per_engine in self._h.items():
+            for x in d.get(key) or ():
+                per_engine[engine_idx].observe(x)
+
+
+
+def _add_total(key: str, value: float) -> None:
+    with _TOTALS_LOCK:
+        if key in LMTierStats.LISTS:
+            _TOTALS.add(key, value)
+        else:
+            _TOTALS.data[key] = _TOTALS.data.get(key, 0) + value
+
+
+class StatsSink:
+    """One connector's stats: the current interval's :class:`LMTierStats` plus the process totals.
+
+    Thread-safe: the worker's background threads report through :meth:`add` too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = LMTierStats()
+
+    def add(self, key: str, value: float = 1) -> None:
+        """Add ``value`` to counter ``key`` (or append it to latency list ``key``) of this interval
+        and of :func:`process_totals`. ``key``: a name of :attr:`LMTierStats.FIELDS` or ``LISTS``."""
+        with self._lock:
+            self._stats.add(key, value)
+        _add_total(key, value)
+
+    def take(self) -> LMTierStats | None:
+        """This interval's stats (None when nothing happened); starts a new interval."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, LMTierStats()
+        return out
