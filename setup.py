@@ -2,7 +2,9 @@
 
 Environment knobs:
   LMTIER_CUDA=AUTO|ON|OFF   build the CUDA kernels when nvcc is found (AUTO, default), require them, or not
-  LMTIER_CUDA_ARCHS="90"    CMAKE_CUDA_ARCHITECTURES (default: sm_90 SASS + compute_90 PTX)
+  LMTIER_CUDA_ARCHS=...     CMAKE_CUDA_ARCHITECTURES, e.g. "90" or "80;90" (default "release": every
+                            architecture vLLM supports, sm_80/86/89/90/100/120 SASS + compute_120
+                            PTX, as release wheels need; narrow it for development builds)
   LMTIER_BUILD_JOBS=N       parallel compile jobs
 The module links no libtorch and a static CUDA runtime, so one build serves every torch version and
 machines without a GPU driver.
@@ -38,7 +40,7 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DLMTIER_CUDA={os.environ.get('LMTIER_CUDA', 'AUTO')}",
-            f"-DLMTIER_CUDA_ARCHS={os.environ.get('LMTIER_CUDA_ARCHS', '90')}",
+            f"-DLMTIER_CUDA_ARCHS={os.environ.get('LMTIER_CUDA_ARCHS') or 'release'}",
         ]
         try:
             import ninja  # noqa: F401

@@ -23,5 +23,8 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
 fi
 scripts/setup_venv.sh "$top/.venv"
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
-LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e .
+# CUDA kernels for sm_90 only (nvcc may be present on CPU machines: this keeps the build short; release
+# wheels build every architecture, see setup.py).
+LMTIER_CUDA_ARCHS=${LMTIER_CUDA_ARCHS:-90} LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} \
+  .venv/bin/python -m pip install -q --no-build-isolation -e .
 .venv/bin/python scripts/make_model.py
