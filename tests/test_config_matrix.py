@@ -73,7 +73,7 @@ import pytest
 if __package__ in (None, ""):  # run as the engine child: python tests/test_config_matrix.py SPEC OUT
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm_helpers import MODEL_DIR, REPO, SEGMENT, require_vllm, write_yaml
+from lmtier.testing.vllm import MODEL_DIR, REPO, SEGMENT, require_vllm, write_yaml
 
 pytestmark = pytest.mark.vllm
 
@@ -206,8 +206,8 @@ def launcher(matrix_dir):
 
 @pytest.fixture(scope="module")
 def redis_srv():
-    """One real redis-server for the module (tests/redis_server.py); each row flushes its own db."""
-    from tests.redis_server import start_or_skip
+    """One real redis-server for the module (lmtier.testing.redis); each row flushes its own db."""
+    from lmtier.testing.redis import start_or_skip
 
     srv = start_or_skip()
     yield srv
@@ -493,7 +493,7 @@ def test_disk_records_hold_canonical_chunks(dtype, matrix_dir, launcher):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmtier.record import decode_header
-    from tests.vllm_helpers import _text
+    from lmtier.testing.vllm import _text
 
     root = matrix_dir / f"canonical-{dtype}"
     root.mkdir()
@@ -561,7 +561,7 @@ def _child(spec_path: str, out_path: str) -> None:
 
     from lmtier.integration.vllm.common import flush_all
     from lmtier.integration.vllm.stats import process_totals
-    from tests.vllm_helpers import _text
+    from lmtier.testing.vllm import _text
 
     tp = spec["tp"]
     kw = dict(
