@@ -35,6 +35,18 @@ Data path:
   was never waited for (the forward may have read it early; vLLM then recomputes); the chunks' pool
   slots are released once the copies completed (:meth:`drain_layerwise`). On a CPU cache the copy
   completes inside :meth:`load_layerwise` (nothing to overlap); the bookkeeping is the same.
+* **Device decode** (``decode_on``; by default for a CUDA cache whose lower tiers are all codec
+  tiers, ``serde: cachegen``): chunks not in the CPU pool are fetched and decoded on the GPU into
+  reused device staging buffers (at most ``device_window`` in flight; later chunks start as earlier
+  ones are released, see :mod:`lmtier.integration.vllm.fetch`) and scattered device -> paged blocks
+  by :func:`lmtier.ops.scatter` on :attr:`ConnectorWorker.decode_stream` as they land; that stream
+  waits for the current stream at the start of a load, and the current stream (synchronous loads)
+  or every :meth:`wait_layer` (layer-by-layer loads: these chunks land before the first layer, a
+  device-to-device copy has nothing to overlap) waits for it. A staging buffer is reused as soon
+  as its scatter is queued (its next decode is ordered after it on the same stream). These chunks
+  are not promoted into the CPU pool (the record stays in its tier; see the fetch module).
+  Asynchronous loads in this mode hold every chunk of the load in device staging until
+  :meth:`poll_loads` scatters them (all or nothing). CPU-pool hits take the host path.
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
   when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
   gathered in one native call and committed (``manager.commit``), which writes them through to disk /
@@ -61,14 +73,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from lmtier import ops
-from lmtier.integration.vllm.fetch import Chunk, ChunkFetcher, InjectedFault
+from lmtier.integration.vllm.fetch import Chunk, ChunkFetcher, InjectedFault, lower_tiers_are_codec
+from lmtier.integration.vllm.loadstore import LoadOp, StoreOp, AsyncLoad, LayerwiseLoad, lazy_once, no_faults
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
@@ -76,74 +88,6 @@ from lmtier.manager import TierManager
 __all__ = ["LoadOp", "StoreOp", "ConnectorWorker", "InjectedFault"]
 
 log = logging.getLogger("vllm.lmtier.connector")
-
-
-@dataclass
-class LoadOp:
-    """Load chunks ``[start_token // chunk, len(token_ids) // chunk)`` of a request into its blocks.
-
-    ``token_ids`` is the prompt prefix covering the hit (whole chunks); tokens before
-    ``start_token`` are held by vLLM (its prefix cache) and are not written. ``block_ids[i]`` holds
-    tokens ``[i * block_size, (i + 1) * block_size)``. ``is_async``: run in the background and
-    report through ``finished_recving`` (else before the forward, failures as invalid blocks).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    start_token: int
-    block_ids: list[int]
-    is_async: bool = False
-    poisoned: bool = False  # load nothing, report every block as failed (vLLM recomputes them)
-
-
-@dataclass
-class StoreOp:
-    """Store chunks ``[first_chunk, len(token_ids) // chunk)`` of a request from its blocks."""
-
-    req_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    first_chunk: int
-    block_ids: list[int]
-
-
-class _AsyncLoad:
-    """State of one background load: the fetch future, its op, and the start time."""
-
-    __slots__ = ("op", "future", "t0", "cancelled")
-
-    def __init__(self, op: LoadOp, future: Future, t0: float):
-        self.op, self.future, self.t0, self.cancelled = op, future, t0, False
-
-
-class _LayerwiseLoad:
-    """One step's layer-by-layer load: per-layer events (CUDA; None on CPU), the chunks it holds
-    until the copy completed, and which layers the forward waited for."""
-
-    def __init__(self, parts: list, events: list | None, num_layers: int, t0: float,
-                 timing: tuple[Any, Any] | None) -> None:
-        self.parts = parts  # [(op, ready chunks, key0, pinned copies kept alive until the copy ends)]
-        self.events = events
-        self.waited = [False] * num_layers
-        self.t0 = t0
-        self.timing = timing  # (start, end) CUDA timing events around the copies
-
-
-def _no_faults() -> set[str]:
-    return set()
-
-
-def _lazy(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` evaluated at the first call, then cached."""
-    box: list = []
-
-    def get() -> Any:
-        if not box:
-            box.append(fn())
-        return box[0]
-
-    return get
 
 
 class ConnectorWorker:
@@ -179,9 +123,18 @@ class ConnectorWorker:
             waits for its group of layers; default ``max(1, num_layers // 8)``: fewer, larger
             copies — one layer per event pays a per-copy cost that outweighs the finer overlap,
             benchmarks/RESULTS.md).
+        decode_on: where chunks fetched from disk/remote land: ``"host"`` (CPU-pool slots or host
+            staging: codec records decoded on the CPU), ``"device"`` (device staging on the
+            cache's device: the GPU decodes codec records; on a CPU cache the same pipeline with
+            host buffers) or ``"auto"`` (``"device"`` for a CUDA cache whose lower tiers are all
+            codec tiers, else ``"host"``).
+        device_window: device staging buffers (``chunk_bytes`` each) in flight at most (default
+            ``2 * io_threads``).
+        max_staging_bytes: host staging buffers kept for reuse (loads without pool slots).
 
     Raises:
-        ValueError: the cache's chunk size in bytes differs from the namespace's, or sizes are invalid.
+        ValueError: the cache's chunk size in bytes differs from the namespace's, sizes are invalid,
+            or ``decode_on="device"`` on a CUDA cache with a lower tier that is not a codec tier.
 
     Attributes (read-only for callers): ``pending`` (req id -> CUDA stores in flight), ``delayed``
     (finished requests whose blocks are held until their stores complete), ``async_loads``
@@ -194,7 +147,8 @@ class ConnectorWorker:
                  on_stored: Callable[[bytes, bytes, str], None] | None = None,
                  faults: Callable[[], AbstractSet[str]] | None = None, load_threads: int = 2,
                  io_threads: int = 4, layer_stream_priority: int | None = None,
-                 layers_per_wait: int | None = None) -> None:
+                 layers_per_wait: int | None = None, decode_on: str = "auto", device_window: int | None = None,
+                 max_staging_bytes: int = 1 << 30) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
         if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
@@ -212,7 +166,7 @@ class ConnectorWorker:
         self.chunk_bytes = cb
         self._stat = on_stat or (lambda name, value=1: None)
         self._on_stored = on_stored or (lambda key, key0, tier: None)
-        self._faults = faults or _no_faults
+        self._faults = faults or no_faults
         self._load_threads = load_threads
         self.is_cuda = layout.device.type == "cuda"
         self.scratch = torch.empty(cb, dtype=torch.uint8, pin_memory=self.is_cuda)
@@ -227,15 +181,29 @@ class ConnectorWorker:
         self._layers_per_wait = layers_per_wait or max(1, layout.num_layers // 8)
         if not 1 <= self._layers_per_wait <= layout.num_layers:
             raise ValueError(f"lmtier: layers_per_wait must be in [1, {layout.num_layers}], got {layers_per_wait}")
-        self._layerwise: _LayerwiseLoad | None = None
-        self._draining: list[_LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
+        self._layerwise: LayerwiseLoad | None = None
+        self._draining: list[LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
         self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
         self.delayed: set[str] = set()
-        self.async_loads: dict[str, _AsyncLoad] = {}
+        self.async_loads: dict[str, AsyncLoad] = {}
         self._finished_seen: set[str] = set()
         self._load_pool: ThreadPoolExecutor | None = None
+        if decode_on not in ("auto", "device", "host"):
+            raise ValueError(f"lmtier: decode_on must be 'auto', 'device' or 'host', got {decode_on!r}")
+        codec = lower_tiers_are_codec(manager)
+        if decode_on == "device" and self.is_cuda and not codec:
+            raise ValueError("lmtier: decode_on='device' on a CUDA cache needs every lower tier (disk, remote) to be "
+                             "a codec tier (serde: cachegen)")
+        self.device_staging = decode_on == "device" or (decode_on == "auto" and self.is_cuda and codec)
+        self.decode_stream = None  # CUDA device mode: decodes' copies and the device scatters are ordered on it
+        if self.device_staging and self.is_cuda:
+            prio = -64 if layer_stream_priority is None else layer_stream_priority
+            self.decode_stream = torch.cuda.Stream(device=layout.device, priority=prio)
         self._fetcher = ChunkFetcher(manager, chunk_bytes=cb, io_threads=io_threads, pin_staging=self.is_cuda,
-                                     faults=self._faults, on_stored=self._on_stored)
+                                     faults=self._faults, on_stored=self._on_stored,
+                                     max_staging_bytes=max_staging_bytes,
+                                     device_staging=layout.device if self.device_staging else None,
+                                     decode_stream=self.decode_stream, window=device_window or 2 * io_threads)
 
     # ------------------------------------------------------------------------------ helpers
     def slot_mapping(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
@@ -283,11 +251,39 @@ class ConnectorWorker:
         return op.block_ids[first_block:]
 
     def _scatter_chunks(self, op: LoadOp, chunks: list[Chunk]) -> None:
-        """Scatter ready chunks (each ``src`` set) into ``op``'s blocks in one call."""
-        self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token),
-                     [c.src for c in chunks])
+        """Scatter ready chunks (each ``src`` set) into ``op``'s blocks: host chunks in one call
+        (done on return), device-staged ones in one more (:meth:`_scatter_device`)."""
+        host = [c for c in chunks if c.device is None]
+        if host:
+            self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in host], op.start_token), [c.src for c in host])
+        if len(host) < len(chunks):
+            self._scatter_device(op, [c for c in chunks if c.device is not None])
+        self._stat("loaded_chunks", len(host))
+        self._stat("loaded_bytes", len(host) * self.chunk_bytes)
+
+    def _scatter_device(self, op: LoadOp, chunks: list[Chunk]) -> None:
+        """Scatter device-staged chunks into ``op``'s blocks in one native call: on a CUDA cache
+        queued on :attr:`decode_stream` (after the decodes' copies into the staging buffers; the
+        caller orders the stream against the compute stream), on a CPU cache done on return."""
+        slots = self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token)
+        if slots.numel() and int(slots.max()) >= self.layout.num_slots:
+            raise ValueError(f"lmtier: slot {int(slots.max())} outside the cache's {self.layout.num_slots} slots")
+        srcs = [c.src for c in chunks]
+        if self.decode_stream is None:
+            ops.scatter(self.layout, slots, srcs)
+        else:
+            with torch.cuda.stream(self.decode_stream):  # the pinned copy stays alive until it ran (torch's host allocator)
+                dslots = slots.pin_memory().to(self.layout.device, non_blocking=True)
+            ops.scatter(self.layout, dslots, srcs, stream=self.decode_stream, check=False)
         self._stat("loaded_chunks", len(chunks))
         self._stat("loaded_bytes", len(chunks) * self.chunk_bytes)
+        self._stat("device_decoded_chunks", len(chunks))
+
+    def _device_begin(self) -> None:
+        """Device mode on CUDA: order :attr:`decode_stream` after the current stream's work (the
+        blocks a load writes may still be read by kernels queued before it)."""
+        if self.decode_stream is not None:
+            self.decode_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
 
     # ------------------------------------------------------------------------------ sync loads
     def load(self, op: LoadOp) -> set[int]:
@@ -305,7 +301,8 @@ class ConnectorWorker:
             return set(self.blocks_from(op))
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
-        key0 = _lazy(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
+        key0 = lazy_once(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
+        self._device_begin()
         chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
         failed_ci = None
         i = 0
@@ -326,10 +323,13 @@ class ConnectorWorker:
                     break
                 for c in chunks[i:j]:
                     self._fetcher.finish(c, key0)
+                self._fetcher.pump(chunks)
                 i = j
         finally:
             for c in chunks[i:]:
                 self._fetcher.finish(c, key0)
+            if self.decode_stream is not None:  # the forward reads what the device scatters wrote
+                torch.cuda.current_stream(self.layout.device).wait_stream(self.decode_stream)
         failed: set[int] = set()
         if failed_ci is not None:
             failed.update(self.blocks_from(op, failed_ci))
@@ -380,9 +380,16 @@ class ConnectorWorker:
         if self._draining:
             self.drain_layerwise()
         t0 = time.perf_counter()
-        parts: list = []
+        parts: list = []  # (op, its ready host chunks, key0, pinned copies) for the layer-major copy
+        loaded: list[tuple[LoadOp, int]] = []  # (op, first chunk it loads): what a missed wait_layer fails
         current: tuple[list[Chunk], Callable[[], list[bytes]]] | None = None  # the op being planned
-        events = timing = None
+        events = timing = device_event = None
+        start = None
+        if self.decode_stream is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.layout.device))
+            self._device_begin()
+        n_dev = 0
         try:
             for op in ops_:
                 if op.poisoned:
@@ -390,13 +397,27 @@ class ConnectorWorker:
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
                     continue
                 keys = self.keys(op.token_ids, op.cache_salt)
-                key0 = _lazy(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
+                key0 = lazy_once(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
                 current = ([], key0)
                 chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
                 current = (chunks, key0)
                 n_ok = 0
+                host: list[Chunk] = []
                 while n_ok < len(chunks) and self._fetcher.resolve(chunks[n_ok], block=True):
-                    n_ok += 1
+                    # device-staged chunks are scattered as they land (with the ready ones after
+                    # them) and their buffers released; host chunks wait for the layer-major copy
+                    j = n_ok + 1
+                    while j < len(chunks) and self._fetcher.resolve(chunks[j], block=False):
+                        j += 1
+                    dev = [c for c in chunks[n_ok:j] if c.device is not None]
+                    host += [c for c in chunks[n_ok:j] if c.device is None]
+                    if dev:
+                        self._scatter_device(op, dev)
+                        n_dev += len(dev)
+                        for c in dev:
+                            self._fetcher.finish(c, key0)
+                        self._fetcher.pump(chunks)
+                    n_ok = j
                 if n_ok < len(chunks):
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op, chunks[n_ok].ci))
                     self._stat("load_failures")
@@ -404,7 +425,12 @@ class ConnectorWorker:
                     self._fetcher.finish(c, key0)
                 current = None
                 if n_ok:
-                    parts.append((op, chunks[:n_ok], key0, []))
+                    loaded.append((op, chunks[0].ci))
+                if host:
+                    parts.append((op, host, key0, []))
+            if n_dev and self.decode_stream is not None:
+                device_event = torch.cuda.Event(enable_timing=True)
+                device_event.record(self.decode_stream)
             if parts:
                 slots = torch.cat([self.slot_mappings(op.block_ids, [c.ci for c in cs], op.start_token)
                                    for op, cs, _, _ in parts])
@@ -419,16 +445,22 @@ class ConnectorWorker:
                 if self.is_cuda:
                     self.prepare_layerwise()
                     dev = self.layout.device
-                    timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    timing[0].record(torch.cuda.current_stream(dev))
+                    timing = (start or torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    if start is None:
+                        timing[0].record(torch.cuda.current_stream(dev))
                     events = self._layer_engine.load_layerwise(slots, srcs)
+                    if device_event is not None:  # the load ends after both kinds of copies
+                        self._layer_engine.kernel_stream.wait_event(device_event)
                     timing[1].record(self._layer_engine.kernel_stream)
                 else:
                     ops.scatter(self.layout, slots, srcs)
                 n = sum(len(cs) for _, cs, _, _ in parts)
-                self._stat("layerwise_loads", len(parts))
                 self._stat("loaded_chunks", n)
                 self._stat("loaded_bytes", n * self.chunk_bytes)
+            elif device_event is not None:
+                timing = (start, device_event)
+            if loaded:
+                self._stat("layerwise_loads", len(loaded))
         except Exception:
             # Planning or queuing failed: every op fails from its start token — those already
             # planned, the one being planned and those after it (none of it may be read); on CUDA,
@@ -437,6 +469,8 @@ class ConnectorWorker:
             if self._layer_engine is not None:
                 self._layer_engine.copy_stream.synchronize()
                 self._layer_engine.kernel_stream.synchronize()
+            if self.decode_stream is not None:
+                self.decode_stream.synchronize()
             held = [(cs, key0) for _, cs, key0, _ in parts] + ([current] if current is not None else [])
             for cs, key0 in held:
                 self._release_chunks(cs, key0)
@@ -445,8 +479,9 @@ class ConnectorWorker:
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
                     self._stat("load_failures")
             return failed
-        if parts:
-            self._layerwise = _LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing)
+        if loaded:
+            self._layerwise = LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing,
+                                            device_event=device_event, loaded=loaded)
         return failed
 
     def wait_layer(self, layer: int) -> None:
@@ -459,6 +494,8 @@ class ConnectorWorker:
             raise IndexError(f"lmtier: layer {layer} outside [0, {len(lw.waited)})")
         if lw.events is not None:
             torch.cuda.current_stream(self.layout.device).wait_event(lw.events[layer])
+        if lw.device_event is not None:  # device-staged chunks: every layer at once
+            torch.cuda.current_stream(self.layout.device).wait_event(lw.device_event)
         lw.waited[layer] = True
 
     def finish_layerwise(self) -> dict[str, set[int]]:
@@ -482,8 +519,8 @@ class ConnectorWorker:
         log.warning("lmtier: layer-by-layer load: the forward never waited for %d layer(s) (first: %d); "
                     "its blocks are reported as failed", len(missed), missed[0])
         out: dict[str, set[int]] = {}
-        for op, cs, _, _ in lw.parts:
-            out.setdefault(op.req_id, set()).update(self.blocks_from(op, cs[0].ci))
+        for op, first in lw.loaded:
+            out.setdefault(op.req_id, set()).update(self.blocks_from(op, first))
         return out
 
     def _release_chunks(self, chunks: list[Chunk], key0: Callable[[], list[bytes]]) -> None:
@@ -524,7 +561,7 @@ class ConnectorWorker:
         if self._load_pool is None:
             self._load_pool = ThreadPoolExecutor(self._load_threads, thread_name_prefix="lmtier-load")
         self._stat("async_loads")
-        self.async_loads[op.req_id] = _AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
+        self.async_loads[op.req_id] = AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
 
     def _fetch(self, op: LoadOp) -> tuple[list[Chunk], bool]:
         """Background thread: bring every chunk of ``op`` into host memory.
@@ -568,13 +605,16 @@ class ConnectorWorker:
                 log.exception("lmtier: async load of request %s failed", rid)
                 chunks, ok = [], False
             op = a.op
-            key0 = _lazy(lambda op=op: self._index_keys(op.token_ids, op.cache_salt,
+            key0 = lazy_once(lambda op=op: self._index_keys(op.token_ids, op.cache_salt,
                                                         self.keys(op.token_ids, op.cache_salt)))
             try:
                 if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
                     ok = True
                 elif ok and chunks:
+                    self._device_begin()
                     self._scatter_chunks(op, chunks)
+                    if self.decode_stream is not None:
+                        torch.cuda.current_stream(self.layout.device).wait_stream(self.decode_stream)
             except Exception:
                 log.exception("lmtier: scatter of async load of request %s failed", rid)
                 ok = False
