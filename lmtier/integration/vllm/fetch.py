@@ -123,7 +123,7 @@ class Chunk:
     (miss/failure).
     """
 
-    __slots__ = ("ci", "key", "src", "read", "write", "staging", "device", "future", "deferred", "ok")
+    __slots__ = ("ci", "deferred", "device", "future", "key", "ok", "read", "src", "staging", "write")
 
     def __init__(self, ci: int, key: bytes | None) -> None:
         self.ci, self.key = ci, key
@@ -168,10 +168,9 @@ class ChunkFetcher:
         self._on_stored = on_stored
         self._io_threads = io_threads
         self._io_pool: ThreadPoolExecutor | None = None
-        count = lambda: manager.count("load_staging_allocs")  # noqa: E731
         self._staging = StagingPool(chunk_bytes, device=torch.device("cpu"), pin=pin_staging,
                                     max_idle=max(io_threads, max_staging_bytes // max(1, chunk_bytes)),
-                                    on_alloc=count)
+                                    on_alloc=lambda: manager.count("load_staging_allocs"))
         self.device_mode = device_staging is not None
         self._stream = decode_stream
         self.window = window

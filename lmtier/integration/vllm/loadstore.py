@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LoadOp", "StoreOp", "AsyncLoad", "LayerwiseLoad", "lazy_once", "no_faults"]
+__all__ = ["AsyncLoad", "LayerwiseLoad", "LoadOp", "StoreOp", "lazy_once", "no_faults"]
 
 
 @dataclass
@@ -48,7 +48,7 @@ class StoreOp:
 class AsyncLoad:
     """State of one background load: the fetch future, its op, and the start time."""
 
-    __slots__ = ("op", "future", "t0", "cancelled")
+    __slots__ = ("cancelled", "future", "op", "t0")
 
     def __init__(self, op: LoadOp, future: Future, t0: float):
         self.op, self.future, self.t0, self.cancelled = op, future, t0, False

@@ -74,18 +74,30 @@ import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from lmtier import ops
-from lmtier.integration.vllm.fetch import Chunk, ChunkFetcher, InjectedFault, lower_tiers_are_codec
-from lmtier.integration.vllm.loadstore import LoadOp, StoreOp, AsyncLoad, LayerwiseLoad, lazy_once, no_faults
+from lmtier.integration.vllm.fetch import (
+    Chunk,
+    ChunkFetcher,
+    InjectedFault,
+    lower_tiers_are_codec,
+)
+from lmtier.integration.vllm.loadstore import (
+    AsyncLoad,
+    LayerwiseLoad,
+    LoadOp,
+    StoreOp,
+    lazy_once,
+    no_faults,
+)
+from lmtier.integration.vllm.stores import ChunkStorer
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
 
-__all__ = ["LoadOp", "StoreOp", "ConnectorWorker", "InjectedFault"]
+__all__ = ["ConnectorWorker", "InjectedFault", "LoadOp", "StoreOp"]
 
 log = logging.getLogger("vllm.lmtier.connector")
 
@@ -169,12 +181,14 @@ class ConnectorWorker:
         self._faults = faults or no_faults
         self._load_threads = load_threads
         self.is_cuda = layout.device.type == "cuda"
-        self.scratch = torch.empty(cb, dtype=torch.uint8, pin_memory=self.is_cuda)
-        self.store_engine = self.load_engine = None
+        self._storer = ChunkStorer(layout, manager, chunk_size=chunk_size, chunk_bytes=cb,
+                                   keys=self._both_keys, slot_mappings=self.slot_mappings, on_stat=self._stat,
+                                   on_stored=self._on_stored)
+        self.store_engine = self._storer.engine
+        self.load_engine = None
         if self.is_cuda:
             from lmtier.transfer import CudaTransferEngine
 
-            self.store_engine = CudaTransferEngine(layout, chunk_size)
             self.load_engine = CudaTransferEngine(layout, chunk_size)
         self._layer_engine = None  # CudaTransferEngine of load_layerwise (one event per piece), built on first use
         self._layer_priority = layer_stream_priority
@@ -183,7 +197,7 @@ class ConnectorWorker:
             raise ValueError(f"lmtier: layers_per_wait must be in [1, {layout.num_layers}], got {layers_per_wait}")
         self._layerwise: LayerwiseLoad | None = None
         self._draining: list[LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
-        self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
+        self.pending = self._storer.pending  # req -> [(event, slot, key, key0)] (the storer's dict)
         self.delayed: set[str] = set()
         self.async_loads: dict[str, AsyncLoad] = {}
         self._finished_seen: set[str] = set()
@@ -229,6 +243,10 @@ class ConnectorWorker:
     def _index_keys(self, token_ids: list[int], cache_salt: str | None, keys: list[bytes]) -> list[bytes]:
         """Rank 0's chunk keys (the scheduler's index) for this rank's ``keys``."""
         return keys if self.index_ns == self.ns else chunk_keys(token_ids, self.index_ns, cache_salt=cache_salt)
+
+    def _both_keys(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[bytes]]:
+        keys = self.keys(token_ids, cache_salt)
+        return keys, self._index_keys(token_ids, cache_salt, keys)
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor | list[torch.Tensor]) -> None:
         """Write canonical chunks into the cache; returns when done.
@@ -633,90 +651,14 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------------------ stores
     def store(self, op: StoreOp) -> None:
-        """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``.
-
-        CPU cache: every chunk gets a pool slot (``reserve``; none when the chunk is present already
-        or every slot is pinned — skipped), all are gathered in one native call, then committed and
-        written through. CUDA cache: one gather is queued on the side streams after the current
-        stream's work, and the chunks are committed by :meth:`poll_stores` once it arrived (until
-        then the request is in ``pending``; do not reuse its blocks). A failing chunk is dropped
-        (logged), never made visible.
-        """
-        cpu = self.manager.cpu
-        cb = self.chunk_bytes
-        t0 = time.perf_counter()
-        keys = self.keys(op.token_ids, op.cache_salt)
-        keys0 = self._index_keys(op.token_ids, op.cache_salt, keys)
-        if cpu is None:
-            for ci in range(op.first_chunk, len(keys)):
-                try:
-                    slots = self.slot_mapping(op.block_ids, ci)
-                    if self.store_engine is None:
-                        ops.gather(self.layout, slots, [self.scratch])
-                    else:
-                        self.store_engine.store(slots, [self.scratch]).synchronize()
-                    if self.manager.store(keys[ci], self.scratch, timeout_s=None).result():
-                        self._on_stored(keys[ci], keys0[ci], "disk")
-                        self._stat("stored_chunks")
-                        self._stat("stored_bytes", cb)
-                except Exception:
-                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-        else:
-            batch: list[tuple[int, Any]] = []  # (chunk index, write slot)
-            for ci in range(op.first_chunk, len(keys)):
-                try:
-                    slot = cpu.reserve(keys[ci])
-                except Exception:
-                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-                    continue
-                if slot is None:  # present already, or every slot pinned (back-pressure)
-                    self._stat("store_skipped")
-                    continue
-                batch.append((ci, slot))
-            if batch:
-                try:
-                    slots = self.slot_mappings(op.block_ids, [ci for ci, _ in batch])
-                    dsts = [s.view[:cb] for _, s in batch]
-                    if self.store_engine is not None:
-                        ev = self.store_engine.store(slots, dsts)
-                        self.pending.setdefault(op.req_id, []).extend(
-                            (ev, s, keys[ci], keys0[ci]) for ci, s in batch)
-                    else:
-                        ops.gather(self.layout, slots, dsts)
-                        for ci, s in batch:
-                            self._commit(s, keys[ci], keys0[ci])
-                except Exception:
-                    log.exception("lmtier: store of %d chunks of request %s failed (dropped)", len(batch), op.req_id)
-                    for _, s in batch:
-                        try:
-                            cpu.abort(s)
-                        except RuntimeError:  # committed before the failure
-                            pass
-        dt = time.perf_counter() - t0
-        self._stat("store_ms", dt * 1e3)
-        self._stat("store_lat_s", dt)
-
-    def _commit(self, slot: Any, key: bytes, key0: bytes) -> None:
-        self.manager.commit(slot, self.chunk_bytes)  # visible, STORED published, written through
-        self._on_stored(key, key0, "cpu")
-        self._stat("stored_chunks")
-        self._stat("stored_bytes", self.chunk_bytes)
+        """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``
+        (:meth:`lmtier.integration.vllm.stores.ChunkStorer.store`: on CUDA the chunks are committed
+        by :meth:`poll_stores` once their copy arrived; until then the request is in ``pending``)."""
+        self._storer.store(op)
 
     def poll_stores(self, *, block: bool = False) -> None:
         """Commit the CUDA stores whose copy completed (``block``: wait for all of them first)."""
-        for rid in list(self.pending):
-            keep = []
-            for ev, slot, key, key0 in self.pending[rid]:
-                if block:
-                    ev.synchronize()
-                if ev.query():
-                    self._commit(slot, key, key0)
-                else:
-                    keep.append((ev, slot, key, key0))
-            if keep:
-                self.pending[rid] = keep
-            else:
-                del self.pending[rid]
+        self._storer.poll_stores(block=block)
 
     def finished_sending(self, delayed_frees: Iterable[str] = ()) -> set[str]:
         """Requests whose blocks may be freed now.
