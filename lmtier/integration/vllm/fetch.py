@@ -43,6 +43,8 @@ __all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers
 
 log = logging.getLogger("vllm.lmtier.connector")
 
+_PAGE = 4096
+
 
 class InjectedFault(LMTierError, RuntimeError):
     """Raised internally when a fault hook makes a load fail (tests)."""
@@ -62,7 +64,7 @@ class StagingPool:
 
     Args:
         chunk_bytes: bytes per buffer.
-        device: ``cpu`` (host staging, ``pin``: page-locked) or a CUDA device.
+        device: ``cpu`` (host staging, page aligned; ``pin``: page-locked) or a CUDA device.
         max_idle: buffers kept for reuse once returned (more are allocated while more are in use,
             and freed when returned beyond this many).
         on_alloc: called once per allocation (a counter).
@@ -91,7 +93,12 @@ class StagingPool:
                 return self._free.pop()
         try:
             self._on_alloc()
-            return torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device, pin_memory=self._pin)
+            if self.device.type != "cpu":
+                return torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+            # page aligned, so disk reads land in it with O_DIRECT (torch's allocators give sub-page offsets)
+            base = torch.empty(self.chunk_bytes + _PAGE, dtype=torch.uint8, pin_memory=self._pin)
+            skip = -base.data_ptr() % _PAGE
+            return base[skip : skip + self.chunk_bytes]  # the view keeps the allocation alive
         except BaseException:
             with self._lock:
                 self.in_use -= 1
