@@ -588,8 +588,8 @@ def run(args) -> dict:
         if b.codec_levels:
             say("codec tiers: " + ", ".join(f"{t} = level {lv}" for t, lv in b.codec_levels.items())
                 + "; lmtier.tiers.codec.CodecTier, records encoded once when stored, decoded by CodecTier.get_into "
-                + ("into device buffers (GPU decode) + ops.scatter" if b.codec_device else
-                   "into host buffers (CPU decode, the connector's path) + the host -> cache copy"))
+                + ("in the connector worker's device staging (GPU decode) + ops.scatter device -> paged blocks"
+                   if b.codec_device else "in the connector worker's host staging (CPU decode) + the host -> cache copy"))
         say("lean forward: " + ("CUDA graphs, one per layer + embed + head, captured per N (eager fallback "
                                 "on capture failure, reported per N)" if args.graphs == "auto" and dev.cuda else
                                 {"off": "eager (--graphs off)", "nocapture": "static buffers without capture "
