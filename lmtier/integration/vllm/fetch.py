@@ -68,6 +68,8 @@ class StagingPool:
         max_idle: buffers kept for reuse once returned (more are allocated while more are in use,
             and freed when returned beyond this many).
         on_alloc: called once per allocation (a counter).
+        stream: CUDA: the ``torch.cuda.Stream`` that reads the buffers (recorded on each, so the
+            caching allocator reuses a freed buffer's memory only after that stream's work).
 
     Thread-safe. A CUDA buffer returned with :meth:`put` may be handed out again at once: the
     caller guarantees that its next writer is ordered after its last reader (the worker decodes
@@ -75,8 +77,9 @@ class StagingPool:
     """
 
     def __init__(self, chunk_bytes: int, *, device: torch.device, pin: bool, max_idle: int,
-                 on_alloc: Callable[[], None]) -> None:
+                 on_alloc: Callable[[], None], stream: Any = None) -> None:
         self.chunk_bytes = chunk_bytes
+        self._stream = stream
         self.device = device
         self._pin = pin and device.type == "cpu"
         self.max_idle = max(0, max_idle)
@@ -94,7 +97,12 @@ class StagingPool:
         try:
             self._on_alloc()
             if self.device.type != "cpu":
-                return torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+                buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+                if self._stream is not None:
+                    # freed (beyond max_idle, clear) while a scatter queued on the stream may still
+                    # read it: the caching allocator must not hand the memory out before that ran
+                    buf.record_stream(self._stream)
+                return buf
             # page aligned, so disk reads land in it with O_DIRECT (torch's allocators give sub-page offsets)
             base = torch.empty(self.chunk_bytes + _PAGE, dtype=torch.uint8, pin_memory=self._pin)
             skip = -base.data_ptr() % _PAGE
@@ -182,8 +190,8 @@ class ChunkFetcher:
         self._stream = decode_stream
         self.window = window
         self._dev_staging = StagingPool(chunk_bytes, device=torch.device(device_staging), pin=False,
-                                        max_idle=window, on_alloc=lambda: manager.count("load_device_staging_allocs")
-                                        ) if device_staging is not None else None
+                                        max_idle=window, on_alloc=lambda: manager.count("load_device_staging_allocs"),
+                                        stream=decode_stream) if device_staging is not None else None
 
     def close(self) -> None:
         """Wait for the I/O threads (fetches in flight finish), then free the idle staging buffers.

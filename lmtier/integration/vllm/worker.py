@@ -280,9 +280,12 @@ class ConnectorWorker:
         self._stat("loaded_bytes", len(host) * self.chunk_bytes)
 
     def _scatter_device(self, op: LoadOp, chunks: list[Chunk]) -> None:
-        """Scatter device-staged chunks into ``op``'s blocks in one native call: on a CUDA cache
-        queued on :attr:`decode_stream` (after the decodes' copies into the staging buffers; the
-        caller orders the stream against the compute stream), on a CPU cache done on return."""
+        """Scatter device-staged chunks into ``op``'s blocks: on a CPU cache in one native call,
+        done on return; on a CUDA cache queued on :attr:`decode_stream` (after the decodes' copies
+        into the staging buffers; the caller orders the stream against the compute stream), one
+        call per chunk — a chunk's source is one of the few reused staging buffers, so
+        :func:`lmtier.ops.scatter`'s device pointer table is a cached one (a new combination of
+        buffers would build one with a synchronous copy on the current stream)."""
         slots = self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token)
         if slots.numel() and int(slots.max()) >= self.layout.num_slots:
             raise ValueError(f"lmtier: slot {int(slots.max())} outside the cache's {self.layout.num_slots} slots")
@@ -292,7 +295,8 @@ class ConnectorWorker:
         else:
             with torch.cuda.stream(self.decode_stream):  # the pinned copy stays alive until it ran (torch's host allocator)
                 dslots = slots.pin_memory().to(self.layout.device, non_blocking=True)
-            ops.scatter(self.layout, dslots, srcs, stream=self.decode_stream, check=False)
+            for i, src in enumerate(srcs):
+                ops.scatter(self.layout, dslots[i : i + 1], [src], stream=self.decode_stream, check=False)
         self._stat("loaded_chunks", len(chunks))
         self._stat("loaded_bytes", len(chunks) * self.chunk_bytes)
         self._stat("device_decoded_chunks", len(chunks))
