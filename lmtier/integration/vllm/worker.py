@@ -210,6 +210,7 @@ class ConnectorWorker:
                              "a codec tier (serde: cachegen)")
         self.device_staging = decode_on == "device" or (decode_on == "auto" and self.is_cuda and codec)
         self.decode_stream = None  # CUDA device mode: decodes' copies and the device scatters are ordered on it
+        self._table_stream = None  # CUDA device mode: current while ops.scatter builds a pointer table (idle)
         if self.device_staging and self.is_cuda:
             prio = -64 if layer_stream_priority is None else layer_stream_priority
             self.decode_stream = torch.cuda.Stream(device=layout.device, priority=prio)
@@ -283,9 +284,11 @@ class ConnectorWorker:
         """Scatter device-staged chunks into ``op``'s blocks: on a CPU cache in one native call,
         done on return; on a CUDA cache queued on :attr:`decode_stream` (after the decodes' copies
         into the staging buffers; the caller orders the stream against the compute stream), one
-        call per chunk — a chunk's source is one of the few reused staging buffers, so
-        :func:`lmtier.ops.scatter`'s device pointer table is a cached one (a new combination of
-        buffers would build one with a synchronous copy on the current stream)."""
+        call per chunk: a chunk's source is one of the few reused staging buffers, so
+        :func:`lmtier.ops.scatter`'s cached device pointer tables stay few (a batch of varying
+        buffers would build new ones, and evicting one synchronizes the device). A table that is
+        built copies synchronously on the current stream: the calls run with an idle side stream
+        current, so that copy never waits for the compute stream."""
         slots = self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token)
         if slots.numel() and int(slots.max()) >= self.layout.num_slots:
             raise ValueError(f"lmtier: slot {int(slots.max())} outside the cache's {self.layout.num_slots} slots")
@@ -295,8 +298,11 @@ class ConnectorWorker:
         else:
             with torch.cuda.stream(self.decode_stream):  # the pinned copy stays alive until it ran (torch's host allocator)
                 dslots = slots.pin_memory().to(self.layout.device, non_blocking=True)
-            for i, src in enumerate(srcs):
-                ops.scatter(self.layout, dslots[i : i + 1], [src], stream=self.decode_stream, check=False)
+            if self._table_stream is None:
+                self._table_stream = torch.cuda.Stream(device=self.layout.device)
+            with torch.cuda.stream(self._table_stream):
+                for i, src in enumerate(srcs):
+                    ops.scatter(self.layout, dslots[i : i + 1], [src], stream=self.decode_stream, check=False)
         self._stat("loaded_chunks", len(chunks))
         self._stat("loaded_bytes", len(chunks) * self.chunk_bytes)
         self._stat("device_decoded_chunks", len(chunks))
