@@ -34,7 +34,8 @@ loads whole chunks, so the cache holds ``C * T`` tokens and the tail chunk's pad
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -187,8 +188,8 @@ class Loader:
         blocks = -(-C * chunk_tokens // kv.block_size)
         if blocks > kv.num_blocks:
             raise ValueError(f"the cache has {kv.num_blocks} blocks, {C} chunks need {blocks}")
-        self.op_args = dict(token_ids=list(token_ids), cache_salt=cache_salt, start_token=0,
-                            block_ids=list(range(blocks)))
+        self.op_args = {"token_ids": list(token_ids), "cache_salt": cache_salt, "start_token": 0,
+                        "block_ids": list(range(blocks))}
         self.lpw = layers_per_wait
         self.io_threads = io_threads
         self.max_staging_bytes = max_staging_bytes
