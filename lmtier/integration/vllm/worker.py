@@ -150,7 +150,8 @@ class ConnectorWorker:
 
     Attributes (read-only for callers): ``pending`` (req id -> CUDA stores in flight), ``delayed``
     (finished requests whose blocks are held until their stores complete), ``async_loads``
-    (req id -> background load in flight).
+    (req id -> background load in flight), ``device_staging`` (the device-decode path is on),
+    ``decode_stream`` (its CUDA stream, None on a CPU cache).
     """
 
     def __init__(self, layout: KVLayout, manager: TierManager, *, chunk_size: int, block_size: int,
