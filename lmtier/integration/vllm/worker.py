@@ -120,7 +120,7 @@ class ConnectorWorker:
             ``LMTierStats``: ``loaded_chunks``, ``loaded_bytes``, ``load_failures``, ``load_ms``,
             ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``,
             ``store_skipped``,
-            ``store_ms``, ``store_lat_s``).
+            ``store_ms``, ``store_lat_s``, ``device_decoded_chunks``: chunks of the device-decode path).
         on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed (``tier`` is
             ``"cpu"``, or ``"disk"`` without a CPU pool).
         faults: returns the active fault names (``load``, ``load_sync``, ``load_async``: those
