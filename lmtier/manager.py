@@ -554,7 +554,7 @@ class TierManager:
         self._count("misses")
         return None
 
-    def fetch_lower(self, key: bytes, out: Any) -> int | None:
+    def fetch_lower(self, key: bytes, out: Any, *, stream: Any = None) -> int | None:
         """Copy chunk ``key`` from the disk tier, else the remote tier, into ``out`` — no CPU pool.
 
         For callers that manage promotion themselves: the vLLM connector reads a disk hit straight
@@ -566,6 +566,11 @@ class TierManager:
             key: 32-byte chunk key.
             out: writable destination of ``>=`` the chunk's bytes (as for :meth:`retrieve_into`);
                 a 4 KiB-aligned host buffer is read into directly (O_DIRECT).
+            stream: CUDA ``out`` only, a ``torch.cuda.Stream`` passed to tiers that take one
+                (:class:`~lmtier.tiers.codec.CodecTier`: return once the record verified, the chunk's
+                copy into ``out`` ordered before later work on ``stream``; its decode runs on the
+                GPU); other tiers complete the copy before returning. None: ``out`` holds the chunk
+                on return.
 
         Returns:
             the chunk's length in bytes, or ``None`` on a miss (nothing usable was written). A
@@ -577,10 +582,15 @@ class TierManager:
         self._check_open()
         dst = _as_byte_dest(out)
         target = out if isinstance(out, torch.Tensor) else memoryview(dst)
+        if stream is not None:
+            from lmtier.tiers.codec import CodecTier
         for tier in (self.disk, self.remote):
             if tier is None:
                 continue
-            n = self._safe(tier.get_into, key, target, default=None)
+            if stream is not None and isinstance(tier, CodecTier):
+                n = self._safe(tier.get_into, key, target, default=None, stream=stream)
+            else:
+                n = self._safe(tier.get_into, key, target, default=None)
             if n is not None:
                 self._count(f"hits_{tier.name}")
                 return n
@@ -685,10 +695,10 @@ class TierManager:
             if self._inflight == 0:
                 self._idle.notify_all()
 
-    def _safe(self, fn: Callable, *args: Any, default: Any) -> Any:
+    def _safe(self, fn: Callable, *args: Any, default: Any, **kwargs: Any) -> Any:
         """Call a lower-tier method; any exception becomes ``default`` (a miss / failed store)."""
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except Exception as e:
             name = getattr(getattr(fn, "__self__", None), "name", "tier")
             log.warning("%s.%s failed: %r; treated as a miss", name, getattr(fn, "__name__", "?"), e)

@@ -263,13 +263,16 @@ def test_codec_tables_file_of_other_geometry_is_refused(tmp_path):
 
 def test_timed_paths_are_the_products(tmp_path, monkeypatch):
     # issue 14: the TTFT figures came from the bench's own copy/decode pipeline, which never called
-    # TierManager, the tiers' codec or lmtier's copy ops. Every load must now go through them: the
-    # tiers built by TierManager.from_config, CPU-pool hits pinned in the pool, disk hits through
-    # TierManager.fetch_lower, codec records through lmtier.tiers.codec.CodecTier, the KV into the
-    # paged cache by lmtier.ops.scatter (CUDA: CudaTransferEngine.load_layerwise).
+    # TierManager, the tiers' codec or lmtier's copy ops. Every load must now go through them, driven
+    # by the vLLM connector's data path (ConnectorWorker: load_layerwise + wait_layer per layer +
+    # finish_layerwise; load for load_ms): the tiers built by TierManager.from_config, CPU-pool hits
+    # pinned in the pool, disk hits through TierManager.fetch_lower, codec records through
+    # lmtier.tiers.codec.CodecTier, the KV into the paged cache by lmtier.ops.scatter (CUDA:
+    # CudaTransferEngine.load_layerwise).
     import collections
 
     from lmtier import ops
+    from lmtier.integration.vllm.worker import ConnectorWorker
     from lmtier.manager import TierManager
     from lmtier.tiers.codec import CodecTier
     from lmtier.tiers.cpu import CPUPool
@@ -291,6 +294,10 @@ def test_timed_paths_are_the_products(tmp_path, monkeypatch):
     spy(CodecTier, "get_into", "codec_get_into")
     spy(CodecTier, "put", "codec_put")
     spy(ops, "scatter", "scatter")
+    spy(ConnectorWorker, "load_layerwise", "worker_load_layerwise")
+    spy(ConnectorWorker, "wait_layer", "worker_wait_layer")
+    spy(ConnectorWorker, "finish_layerwise", "worker_finish_layerwise")
+    spy(ConnectorWorker, "load", "worker_load")
     rc, res = _run(tmp_path, "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
                    "--codec-levels", "default")
     assert rc == 0 and res["checks_ok"] is True
@@ -304,6 +311,12 @@ def test_timed_paths_are_the_products(tmp_path, monkeypatch):
     assert calls["codec_put"] == 2 * C  # the disk tier and the in-memory (no reads) variant
     assert calls["codec_get_into"] >= 2 * 3 * C
     assert calls["scatter"] >= 7 + 3 * 3
+    # the connector worker drives every timed load: cpu 1 check + 3 TTFT, disk, disk+codec and the
+    # in-memory codec 3 each, layer by layer with the forward waiting for every layer; 3 loads alone
+    assert calls["worker_load_layerwise"] == 4 + 3 * 3 and calls["worker_load"] == 3
+    assert calls["worker_finish_layerwise"] >= calls["worker_load_layerwise"]
+    assert calls["worker_wait_layer"] == calls["worker_load_layerwise"] * res["geometry"]["num_layers"]
+    assert "ConnectorWorker" in res["load_path"]["worker"]
     lp = res["load_path"]
     assert lp["tiers"] == "lmtier.manager.TierManager.from_config" and lp["codec"] == "lmtier.tiers.codec.CodecTier"
     assert res["copy_mode"] == "lmtier.ops.scatter (CPU)"

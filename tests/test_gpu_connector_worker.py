@@ -516,3 +516,186 @@ def test_layerwise_unwaited_layer_is_reported(managers):
     assert w.finish_layerwise() == {"r": set(dst)}
     w.drain_layerwise(block=True)
     assert mgr.cpu.num_pinned() == 0 and w.idle()
+
+
+# ------------------------------------------------------------------------------ device decode (codec tiers)
+def _codec_disk(tmp_path, ns: Namespace, level: str):
+    from lmtier.manager import codec_chunk_shape
+    from lmtier.tiers.codec import CodecTier
+
+    return CodecTier(_disk(tmp_path), shape=codec_chunk_shape(ns), dtype=ns.kv_dtype, level=level, tables=None)
+
+
+def _stored_as_codec(cache: Cache, managers, tmp_path, *, seed: int, chunks: int, level: str = "lossless",
+                     **kw):
+    """A worker over a CPU pool + CodecTier(DiskTier) that stored ``chunks`` chunks from blocks SRC
+    (written through as codec records) and then lost them from the pool: every chunk is a disk
+    hit. Returns ``(worker, manager, recorder, tokens, src, dst, keys)``."""
+    ns = _ns(cache.dtype)
+    mgr = TierManager(cpu=_pool(ns), disk=_codec_disk(tmp_path, ns, level))
+    w, _, rec = _worker(cache, managers, mgr, **kw)
+    n = chunks * CHUNK
+    toks = _tokens(n, seed=seed)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    keys = chunk_keys(toks, ns)
+    w.store(StoreOp("stored", toks, None, 0, src))
+    _finish(w, "stored")
+    assert mgr.flush(timeout_s=60)
+    assert all(mgr.disk.contains(k) for k in keys), "the chunks were not written through as codec records"
+    for k in keys:
+        assert mgr.cpu.delete(k)
+    rec.stored.clear()
+    return w, mgr, rec, toks, src, dst, keys
+
+
+def _run_async(w: ConnectorWorker, op: LoadOp) -> tuple[set[str], set[str]]:
+    op.is_async = True
+    w.start_load(op)
+    deadline = time.monotonic() + 60
+    done: set[str] = set()
+    failed: set[str] = set()
+    while w.async_loads:
+        d, f = w.poll_loads()
+        done |= d
+        failed |= f
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    return done, failed
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_device_decode_load_bit_exact_bounded_not_promoted(mode, tmp_path, managers):
+    """Codec records on disk, a CUDA cache: decode_on "auto" picks the device path; every chunk is
+    decoded on the GPU into at most ``device_window`` (2) device staging buffers (sync: 4 chunks)
+    and scattered device -> paged blocks on the decode stream; bit exact (lossless), nothing
+    promoted into the pool, no staging allocated by a second load."""
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=60)
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=61, chunks=4,
+                                                         device_window=2)
+    assert w.device_staging and w.decode_stream is not None
+    n = len(toks)
+    expect = cache.like()
+    expect.scatter_ref(dst, 0, n, cache.rows(src, 0, n))
+    torch.cuda.synchronize()
+    for rnd in range(2):
+        op = LoadOp(f"r{rnd}", toks, None, 0, dst)
+        if mode == "sync":
+            assert w.load(op) == set()
+        else:
+            assert _run_async(w, op) == ({f"r{rnd}"}, set())
+        torch.cuda.synchronize()
+        assert _same_bits(cache.buf, expect.buf)
+        if rnd == 0:
+            allocs = mgr.counters["load_device_staging_allocs"]
+    if mode == "sync":
+        assert allocs <= 2 and mgr.counters["load_device_staging_allocs"] == allocs
+    assert rec.stats["device_decoded_chunks"] == 8 and mgr.disk.counters["hits"] == 8
+    assert mgr.lookup(keys) == ["disk"] * 4 and not rec.stored, "device-decoded chunks are not promoted"
+    assert mgr.counters["load_staging_allocs"] == 0, "no host staging on the device path"
+    assert mgr.cpu.num_pinned() == 0 and w.idle()
+
+
+def test_device_decode_waits_for_the_compute_stream(tmp_path, managers):
+    """The device scatter is ordered after the compute stream's earlier work, without blocking the
+    host on it: a write over the whole cache queued (behind a long kernel) before ``load`` must not
+    land after the load, and ``load`` returns while the kernel still runs."""
+    cache = Cache("BLHNC", torch.bfloat16, 32, 16, seed=62)
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=63, chunks=2)
+    n = len(toks)
+    assert w.load(LoadOp("warm", toks, None, 0, dst)) == set()  # staging and pointer tables exist now
+    rows = cache.rows(src, 0, n)
+    expect = cache.like()
+    expect.buf.fill_(7)
+    expect.scatter_ref(dst, 0, n, rows)
+    torch.cuda.synchronize()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        cache.buf.fill_(7)  # an older writer of these blocks, still queued
+        assert w.load(LoadOp("r", toks, None, 0, dst)) == set()
+        busy = compute.query() is False
+        snap = cache.buf.clone()  # what the forward (on the compute stream, after load) reads
+    assert busy, "load blocked the host on the compute stream (or SLEEP_CYCLES too short)"
+    torch.cuda.synchronize()
+    assert _same_bits(snap, expect.buf), "the forward read the blocks before the device scatter"
+    assert _same_bits(cache.buf, expect.buf), "the device scatter ran before the older write"
+
+
+def test_device_decode_layerwise_through_busy_stream(tmp_path, managers):
+    """Layer-by-layer load of device-decoded chunks (plus one pool hit through the layer engine):
+    every layer read right after its ``wait_layer`` holds the loaded data; finish does not block."""
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=64)
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=65, chunks=3)
+    w.store(StoreOp("again", toks[:CHUNK], None, 0, src))  # chunk 0 back into the pool: a host chunk
+    _finish(w, "again")
+    assert mgr.lookup(keys) == ["cpu", "disk", "disk"]
+    n = len(toks)
+    expect = cache.like()
+    expect.scatter_ref(dst, 0, n, cache.rows(src, 0, n))
+    before = cache.rows(dst, 0, n)
+    assert w.load(LoadOp("warm", toks, None, 0, dst)) == set()  # staging buffers and pointer tables exist now
+    cache.scatter_ref(dst, 0, n, before)
+    torch.cuda.synchronize()
+    failed, snaps, unsafe = _layerwise_through_busy_stream(w, cache, [LoadOp("r", toks, None, 0, dst)])
+    assert failed == {} and unsafe == {}
+    for layer in range(LAYERS):
+        assert _same_bits(snaps[layer], expect.views[layer]), f"layer {layer} read before its copy landed"
+    assert _same_bits(cache.buf, expect.buf)
+    assert rec.stats["device_decoded_chunks"] == 4 and rec.stats["loaded_chunks"] == 6
+    assert mgr.cpu.num_pinned() == 0 and w.idle()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_device_decode_corrupt_record_is_a_miss(mode, tmp_path, managers):
+    """A corrupt record (chunk 1 of 3) on the device path: sync loads write chunk 0 and fail chunk
+    1's blocks onwards, async loads write nothing and report failure; the record is deleted."""
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=66)
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=67, chunks=3)
+    inner, ikey = mgr.disk.inner, mgr.disk.inner_key(keys[1])
+    buf = bytearray(mgr.disk.max_record_bytes + 8192)
+    nrec = inner.get_into(ikey, buf)
+    assert nrec is not None
+    bad = bytearray(buf[:nrec])
+    bad[nrec // 2] ^= 0xFF
+    assert inner.delete(ikey) and inner.put(ikey, bytes(bad))
+    expect = cache.like()
+    op = LoadOp("r", toks, None, 0, dst)
+    if mode == "sync":
+        expect.scatter_ref(dst, 0, CHUNK, cache.rows(src, 0, CHUNK))
+        assert w.load(op) == set(dst[CHUNK // cache.bs:])
+    else:
+        assert _run_async(w, op) == ({"r"}, {"r"})
+    torch.cuda.synchronize()
+    assert _same_bits(cache.buf, expect.buf), "a failed (or later) chunk was written"
+    assert mgr.disk.counters["corrupt_deleted"] == 1 and not mgr.disk.contains(keys[1])
+    assert mgr.cpu.num_pinned() == 0 and w.idle()
+
+
+def test_device_decode_lossy_equals_host_decode(tmp_path, managers):
+    """Level ``default`` (lossy): the GPU decode on the worker's device path writes the same bytes as
+    the CPU decode of its host path (the codec's decoders are bit-identical)."""
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=68)
+    cache.buf.copy_(torch.randn(cache.buf.shape, generator=torch.Generator().manual_seed(68)).to(cache.buf))
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=69, chunks=2,
+                                                         level="default")
+    host_cache = cache.like()
+    hw = ConnectorWorker(host_cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=w.ns,
+                         decode_on="host")
+    assert not hw.device_staging
+    assert w.load(LoadOp("d", toks, None, 0, dst)) == set()
+    assert hw.load(LoadOp("h", toks, None, 0, dst)) == set()
+    torch.cuda.synchronize()
+    assert _same_bits(cache.buf, host_cache.buf)
+    hw.close()
+
+
+def test_decode_on_device_needs_codec_tiers(tmp_path, managers):
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=70)
+    ns = _ns(cache.dtype)
+    mgr = TierManager(cpu=_pool(ns), disk=_disk(tmp_path))
+    managers.append(mgr)
+    with pytest.raises(ValueError, match="codec tier"):
+        ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns, decode_on="device")
+    w = ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns)
+    assert not w.device_staging and w.decode_stream is None  # auto: raw disk takes the host path
+    w.close()

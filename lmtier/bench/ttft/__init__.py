@@ -12,22 +12,25 @@ after ``--warmup`` runs):
   :func:`lmtier.keys.chunk_keys`, stored through ``TierManager.store``). TTFT = the tier's load into
   the model's **paged KV cache** (vLLM's layout, ``--block-size``-token blocks; :mod:`.pipeline`) +
   a lean forward of the last token over strided views of that cache (:mod:`.model`; our own loop
-  over ``model.model.layers``, no ``generate``/cache machinery), overlapped layer by layer on CUDA:
-  the load is one ``CudaTransferEngine.load_layerwise`` and layer ``l``'s attention waits for its
-  event. On CUDA the lean forward runs as CUDA graphs (``--graphs auto``, one per decoder layer +
+  over ``model.model.layers``, no ``generate``/cache machinery), overlapped layer by layer on CUDA.
+  Every load is the vLLM connector's data path: a
+  :class:`lmtier.integration.vllm.worker.ConnectorWorker` ``load_layerwise`` of one ``LoadOp``
+  naming the request's blocks (CUDA: one ``CudaTransferEngine.load_layerwise``), layer ``l``'s
+  attention preceded by the worker's ``wait_layer(l)``, ``finish_layerwise`` after the forward. On CUDA the lean forward runs as CUDA graphs (``--graphs auto``, one per decoder layer +
   embedding + head, captured per N over static buffers; eager fallback with a printed reason).
-  ``load_ms`` (copy alone), ``fwd_ms`` (forward alone, KV resident), ``fwd_eager_ms`` and
+  ``load_ms`` (the worker's synchronous ``load`` alone), ``fwd_ms`` (forward alone, KV resident), ``fwd_eager_ms`` and
   ``cpu_eager_ms`` (eager forward) are reported too, plus (``--compare-layouts``) the eager forward
   over contiguous ``[1, H, N, D]`` K/V and the transpose that would produce them.
 * ``cpu`` — the CPU pool (``local_cpu``): chunks copied from the pool's pinned slots.
 * ``disk`` — the disk tier (``local_disk``, O_DIRECT, checksummed records) in ``--disk-dir``; the
   page cache is dropped once per N when permitted (before every load without O_DIRECT). Chunks are
-  read by ``TierManager.fetch_lower``, ``--inflight`` in flight, into page-aligned landing buffers.
+  read by ``TierManager.fetch_lower`` on the worker's ``--inflight`` I/O threads into its reused,
+  page-aligned staging buffers (the lower tiers' managers have no CPU pool: nothing is promoted).
 * ``disk+codec`` (level ``default``) and ``disk+<level>`` (``--codec-levels``, default
   ``default,lossless``) — the disk tier wrapped in :class:`lmtier.tiers.codec.CodecTier` (quantize +
   rANS records, encoded once when stored, untimed); ``CodecTier.get_into`` decodes on the GPU into
-  device buffers (``--codec-decode device``, default on CUDA) or on the host (``host``: the vLLM
-  connector's path today). ``*_ratio`` = KV bytes / record bytes; ``*_mem_ms`` = the same decode with
+  the worker's device staging, scattered device -> paged blocks (``--codec-decode device``, the
+  worker's default for codec tiers on CUDA) or on the host (``host``: the worker's host path). ``*_ratio`` = KV bytes / record bytes; ``*_mem_ms`` = the same decode with
   the records in a CPU pool (no reads). Lossy levels' tables: ``--codec-tables`` (:mod:`.tables`);
   their KV is checked bit for bit against the reference decoder
   (:func:`lmtier.codec.quant.dequantize`), their logits are reported, not judged.
@@ -97,7 +100,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None,
                    help="use this Redis server (default: $LMTIER_REDIS_URL, else start a private redis-server "
                         "on loopback when one is found: $LMTIER_REDIS_SERVER, PATH)")
-    p.add_argument("--ring", type=int, default=3, help="staging ring slots of the CudaTransferEngine (>= 2)")
+    p.add_argument("--ring", type=int, default=3,
+                   help="ignored (kept for old command lines): the connector worker's CudaTransferEngines use their "
+                        "default ring of 3 staging slots")
     p.add_argument("--inflight", type=int, default=4,
                    help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)")
     p.add_argument("--graphs", choices=["auto", "off", "nocapture"], default="auto",
@@ -106,8 +111,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--codec-levels", default="default,lossless",
                    help="codec levels for the disk+codec tiers (comma-separated; '' to skip)")
     p.add_argument("--codec-decode", choices=["device", "host"], default="device",
-                   help="CUDA: CodecTier decodes into device buffers (device) or into host buffers on the CPU, "
-                        "then the host -> cache copy (host: what the vLLM connector does today)")
+                   help="CUDA: the connector worker's decode_on for the codec tiers: GPU decode into device "
+                        "staging (device, the worker's default) or CPU decode into host staging, then the host -> "
+                        "cache copy (host)")
     p.add_argument("--codec-tables", default="calibrate",
                    help="rANS tables of the lossy codec tiers: 'calibrate' (static tables calibrated, untimed, on "
                         "the KV of other random token ids of the same model, once per level), a PATH (.npz of "

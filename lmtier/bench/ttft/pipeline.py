@@ -1,41 +1,46 @@
-"""The timed load paths of ``lmtier bench ttft``: lmtier's own product code filling a paged KV cache.
+"""The timed load paths of ``lmtier bench ttft``: the vLLM connector's data path filling a paged KV cache.
 
-Nothing here copies or decodes KV by itself. Per load:
+Nothing here copies, fetches or decodes KV by itself. Every timed load is a
+:class:`lmtier.integration.vllm.worker.ConnectorWorker` load — the code a vLLM user runs (the
+connector's worker role drives the same object) — of one :class:`~lmtier.integration.vllm.loadstore.LoadOp`
+naming the request's blocks of the bench's paged cache:
 
 * **Tiers** are :class:`lmtier.manager.TierManager` objects built by
   :meth:`~lmtier.manager.TierManager.from_config` (:func:`build_manager`): the CPU pool, the disk tier
   and the Redis tier, each optionally wrapped in :class:`lmtier.tiers.codec.CodecTier` (the
   ``cachegen`` serde).
-* **CPU-pool hits** are pinned in the pool (``manager.cpu.acquire``) and copied from their slots,
-  as the vLLM connector's worker does (:mod:`lmtier.integration.vllm.worker`).
-* **Disk / Redis hits** are read by ``manager.fetch_lower`` on ``--inflight`` I/O threads (several
-  chunks in flight) into page-aligned landing buffers (pinned with CUDA): O_DIRECT / direct socket
-  reads land there without a bounce; codec records are decoded by ``CodecTier.get_into`` on the
-  host (the connector's path today), or — ``--codec-decode device`` — into device buffers on the
-  GPU, then scattered by :func:`lmtier.ops.scatter`.
-* **Host -> device**: on CUDA one :meth:`lmtier.transfer.CudaTransferEngine.load_layerwise` over all
-  chunks (the worker's ``load_layerwise``: one event per ``--layers-per-wait`` layers); the lean
-  forward waits for layer ``l``'s event right before layer ``l`` (the ``wait_layer`` pattern), so
-  the forward overlaps the copies. On the CPU one :func:`lmtier.ops.scatter`.
+* **CPU-pool hits** are pinned in the pool and copied from their slots; **disk / Redis hits** are
+  read by ``manager.fetch_lower`` on the worker's ``--inflight`` I/O threads (several chunks in
+  flight) into the worker's reused, page-aligned staging buffers (pinned with CUDA; the bench's
+  lower-tier managers have no CPU pool, so nothing is promoted and every timed load reads its
+  tier). Codec records: on a CUDA cache the worker decodes them on the GPU into device staging and
+  scatters device -> paged blocks (``--codec-decode device``, the worker's default for codec
+  tiers), or on the host (``host``).
+* **Into the cache**: the worker's ``load_layerwise`` (CUDA: one
+  :meth:`lmtier.transfer.CudaTransferEngine.load_layerwise`, one event per ``--layers-per-wait``
+  layers); the lean forward calls ``wait_layer(l)`` right before layer ``l`` and
+  ``finish_layerwise`` after it, so the forward overlaps the copies. ``load_ms`` uses the worker's
+  synchronous ``load``. On the CPU every copy is a :func:`lmtier.ops.scatter`.
 * **Destination**: :class:`PagedKV`, a vLLM-style paged cache (physical order LBNHC, K and V side by
-  side in ``C = 2 * head_size``) of ``ceil((N + 1) / block_size)`` blocks holding the request's
-  tokens in order; the model reads per-layer strided K/V views of it.
+  side in ``C = 2 * head_size``) holding the request's tokens in order in blocks ``0, 1, ...``; the
+  model reads per-layer strided K/V views of it.
 
-Chunks are ``T = --chunk-tokens`` tokens; a prefix of ``N`` tokens is ``ceil(N / T)`` chunks, the
-last one stored zero-padded to ``T`` tokens (every tier stores whole chunks) and loaded with padding
-slots (-1) past ``N``, so only the ``N`` prefix tokens are written.
+Chunks are ``T = --chunk-tokens`` tokens; a prefix of ``N`` tokens is ``C = ceil(N / T)`` chunks,
+the last one stored zero-padded to ``T`` tokens (every tier stores whole chunks). The connector
+loads whole chunks, so the cache holds ``C * T`` tokens and the tail chunk's padding lands past
+``N`` (the forward writes token ``N`` after the load).
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from lmtier import ops
 from lmtier.config import LMTierConfig
+from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
 from lmtier.manager import DiskFactory, RemoteFactory, TierManager, default_disk_factory, default_remote_factory
@@ -60,21 +65,25 @@ class PagedKV:
         num_layers, num_heads, head_size: the model's KV geometry (KV heads).
         num_tokens: ``N``, the prefix length; the cache holds ``N + 1`` tokens (the new one at ``N``).
         block_size: tokens per block (a divisor of the chunk size).
+        chunk_tokens: when given, the cache also holds the prefix's whole chunks
+            (``ceil(N / T) * T`` tokens): the connector's loads write whole chunks, the tail chunk's
+            padding included (the forward then writes token ``N``).
         dtype, device: of the cache.
 
     Attributes:
-        buf: ``[L, B, block_size, H, 2 * D]`` (LBNHC), uninitialised.
+        buf: ``[L, B, block_size, H, 2 * D]`` (LBNHC), uninitialised; ``B = num_blocks``.
         layout: its :class:`lmtier.layout.KVLayout` (``kind="kv"``), what the load paths write.
         region: ``[L, B * block_size, H, 2 * D]`` view of ``buf``: blocks ``0..B-1`` of one layer
             are contiguous, token ``t`` is row ``t``, K in channels ``[0, D)``, V in ``[D, 2D)``.
     """
 
     def __init__(self, *, num_layers: int, num_heads: int, head_size: int, num_tokens: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, chunk_tokens: int | None = None) -> None:
         L, H, D = num_layers, num_heads, head_size
         self.n = num_tokens
         self.block_size = block_size
-        self.num_blocks = -(-(num_tokens + 1) // block_size)
+        whole = -(-num_tokens // chunk_tokens) * chunk_tokens if chunk_tokens else 0
+        self.num_blocks = -(-max(num_tokens + 1, whole) // block_size)
         self.buf, views = make_paged_kv_cache("LBNHC", num_layers=L, num_blocks=self.num_blocks, block_size=block_size,
                                               num_heads=H, head_size=D, dtype=dtype, device=device, kind="kv")
         self.layout = KVLayout.from_layer_views(views, kind="kv")
@@ -152,127 +161,97 @@ def build_manager(*, chunk_tokens: int, namespace: Namespace, cpu_bytes: int | N
 
 
 class Loader:
-    """The load paths into one :class:`PagedKV` (one context length).
+    """The timed loads into one :class:`PagedKV`, through the vLLM connector's data path.
+
+    One :class:`lmtier.integration.vllm.worker.ConnectorWorker` per tier manager (created on first
+    use, over ``kv.layout``), and one :class:`~lmtier.integration.vllm.loadstore.LoadOp` naming the
+    request's blocks ``0 .. ceil(C * T / block_size) - 1`` and its prompt prefix ``token_ids``
+    (``C * T`` tokens: whole chunks, the keys the chunks were stored under).
 
     Args:
-        kv: the destination cache.
-        chunk_tokens: ``T``; ``chunk_bytes``: ``kv.layout.chunk_bytes(T)``.
-        layers_per_wait: layers per event of the layer-by-layer copy (CUDA).
-        ring: staging ring slots of the :class:`~lmtier.transfer.CudaTransferEngine`.
-        io_pool: the I/O threads that run ``fetch_lower`` (``--inflight`` of them).
-
-    CUDA: two engines on the cache, like the connector's worker — ``layer_engine`` for
-    ``load_layerwise`` (highest stream priority, ``layers_per_piece = layers_per_wait``) and
-    ``engine`` for whole loads (``load_ms``).
+        kv: the destination cache (built with ``chunk_tokens`` so it holds whole chunks).
+        chunk_tokens: ``T``.
+        namespace: the chunks' key space (its ``chunk_bytes`` equals ``kv.layout.chunk_bytes(T)``).
+        token_ids: the ``C * T`` prompt tokens whose chunks are loaded; ``cache_salt``: their salt.
+        layers_per_wait: layers per event of the worker's layer-by-layer loads (CUDA).
+        io_threads: the worker's I/O threads (chunk fetches in flight, ``--inflight``).
+        max_staging_bytes: host staging the worker keeps for reuse (loads without a CPU pool).
     """
 
-    def __init__(self, kv: PagedKV, *, chunk_tokens: int, layers_per_wait: int, ring: int,
-                 io_pool: ThreadPoolExecutor) -> None:
+    def __init__(self, kv: PagedKV, *, chunk_tokens: int, namespace: Namespace, token_ids: list[int],
+                 cache_salt: str | None, layers_per_wait: int, io_threads: int, max_staging_bytes: int) -> None:
         self.kv = kv
         self.T = chunk_tokens
+        self.ns = namespace
         self.chunk_bytes = kv.layout.chunk_bytes(chunk_tokens)
-        self.device = kv.layout.device
-        self.cuda = self.device.type == "cuda"
-        self.slots = kv.slot_mapping(chunk_tokens)
-        self.num_chunks = int(self.slots.shape[0])
-        self.io = io_pool
-        self.engine = self.layer_engine = None
-        self.slots_dev = self.slots.to(self.device)
-        if self.cuda:
-            from lmtier.transfer import CudaTransferEngine
+        C = len(token_ids) // chunk_tokens
+        blocks = -(-C * chunk_tokens // kv.block_size)
+        if blocks > kv.num_blocks:
+            raise ValueError(f"the cache has {kv.num_blocks} blocks, {C} chunks need {blocks}")
+        self.op_args = {"token_ids": list(token_ids), "cache_salt": cache_salt, "start_token": 0,
+                        "block_ids": list(range(blocks))}
+        self.lpw = layers_per_wait
+        self.io_threads = io_threads
+        self.max_staging_bytes = max_staging_bytes
+        self.workers: dict[int, tuple[TierManager, ConnectorWorker]] = {}
 
-            self.layer_engine = CudaTransferEngine(kv.layout, chunk_tokens, layers_per_piece=layers_per_wait,
-                                                   ring=ring, priority=-64)
-            self.engine = CudaTransferEngine(kv.layout, chunk_tokens, ring=ring)
+    def worker(self, manager: TierManager, *, decode_on: str = "auto") -> ConnectorWorker:
+        """The connector worker over ``manager`` (``decode_on`` as :class:`ConnectorWorker`'s, fixed
+        at the first call for this manager)."""
+        got = self.workers.get(id(manager))
+        if got is None:
+            w = ConnectorWorker(self.kv.layout, manager, chunk_size=self.T, block_size=self.kv.block_size,
+                                namespace=self.ns, io_threads=self.io_threads, layers_per_wait=self.lpw,
+                                decode_on=decode_on, max_staging_bytes=self.max_staging_bytes)
+            w.prepare_layerwise()
+            got = self.workers[id(manager)] = (manager, w)
+        return got[1]
 
-    # ---- host -> cache -----------------------------------------------------------------------
+    def load(self, manager: TierManager, forward: Forward, *, decode_on: str = "auto",
+             forward_only_after: bool = False) -> torch.Tensor:
+        """Load the request's chunks from ``manager``'s tiers and run ``forward``.
 
-    def copy_in(self, srcs: list[torch.Tensor]) -> Callable[[int], None] | None:
-        """Copy host chunks ``srcs`` (uint8, ``chunk_bytes`` each, pinned on CUDA) into the cache.
+        ``ConnectorWorker.load_layerwise`` (CPU-pool hits pinned, disk/Redis hits fetched in
+        parallel; codec records decoded on the GPU into device staging where ``decode_on``
+        resolves to ``device``), then ``forward(worker.wait_layer)`` — the forward's layer ``l``
+        waits for its layers' copy — then ``finish_layerwise`` and the release of the chunks.
+        ``forward_only_after``: ``ConnectorWorker.load`` (the whole load first), then
+        ``forward(None)``.
 
-        CUDA: one ``load_layerwise`` after the current stream's work; returns ``wait(l)``, which
-        makes the current stream wait for layer ``l``. CPU: one ``ops.scatter``, done on return
-        (returns None)."""
-        if not self.cuda:
-            ops.scatter(self.kv.layout, self.slots, srcs)
-            return None
-        events = self.layer_engine.load_layerwise(self.slots, srcs)
-        cur = torch.cuda.current_stream(self.device)
-        return lambda l: cur.wait_event(events[l])
-
-    def copy_all(self, srcs: list[torch.Tensor]) -> None:
-        """The same copy in one piece, for the load alone (``load_ms``): ``CudaTransferEngine.load``
-        (the current stream waits for it) or ``ops.scatter``."""
-        if not self.cuda:
-            ops.scatter(self.kv.layout, self.slots, srcs)
-            return
-        ev = self.engine.load(self.slots, srcs)
-        torch.cuda.current_stream(self.device).wait_event(ev)
-
-    def drain(self) -> None:
-        """Wait for every copy this loader queued (before the host buffers are released)."""
-        if self.cuda:
-            for e in (self.layer_engine, self.engine):
-                e.kernel_stream.synchronize()
-                e.copy_stream.synchronize()
-
-    # ---- the load paths ------------------------------------------------------------------------
-
-    def from_pool(self, manager: TierManager, keys: list[bytes], forward: Forward, *,
-                  forward_only_after: bool = False) -> torch.Tensor:
-        """CPU-pool hits: pin every chunk's slot, copy from the slots (layer by layer on CUDA,
-        overlapped with ``forward``), release the slots once the copies are done.
-
-        ``forward_only_after``: copy in one piece and run ``forward(None)`` after it (no overlap).
-        Raises ``RuntimeError`` if a chunk is not in the pool."""
-        cpu = manager.cpu
-        held = []
+        Raises:
+            RuntimeError: a chunk could not be loaded (the worker reported failed blocks), or the
+                forward did not wait for every layer.
+        """
+        w = self.worker(manager, decode_on=decode_on)
+        op = LoadOp(req_id="ttft", **self.op_args)
+        if forward_only_after:
+            failed = w.load(op)
+            if failed:
+                raise RuntimeError(f"the connector worker failed {len(failed)} block(s) of the load")
+            return forward(None)
+        failed = w.load_layerwise([op]).get(op.req_id)
         try:
-            for c, key in enumerate(keys):
-                s = cpu.acquire(key)
-                if s is None or s.nbytes < self.chunk_bytes:
-                    raise RuntimeError(f"CPU pool: chunk {c} missing or short")
-                held.append(s)
-            srcs = [s.view[: self.chunk_bytes] for s in held]
-            if forward_only_after:
-                self.copy_all(srcs)
-                return forward(None)
-            return forward(self.copy_in(srcs))
+            if failed:
+                raise RuntimeError(f"the connector worker failed {len(failed)} block(s) of the load")
+            out = forward(w.wait_layer)
         finally:
-            self.drain()
-            for s in held:
-                cpu.release(s)
+            late = w.finish_layerwise()
+            w.drain_layerwise(block=True)
+        if late:
+            raise RuntimeError("the forward did not wait for every layer of the layer-by-layer load")
+        return out
 
-    def fetch(self, manager: TierManager, keys: list[bytes], landing: list[torch.Tensor]) -> None:
-        """``manager.fetch_lower`` of every chunk into ``landing[c]`` on the I/O threads (all in flight
-        at once, the pool's threads bounding it); raises ``RuntimeError`` on a miss or short read."""
-        futs = [self.io.submit(manager.fetch_lower, key, landing[c]) for c, key in enumerate(keys)]
-        bad = None
-        for c, f in enumerate(futs):
-            got = f.result()
-            if got != self.chunk_bytes and bad is None:
-                bad = (c, got)
-        if bad is not None:
-            raise RuntimeError(f"chunk {bad[0]} missing or short ({bad[1]} of {self.chunk_bytes} bytes)")
+    def release(self, manager: TierManager) -> None:
+        """Close the worker over ``manager`` (its engines' streams and staging go with it), if any."""
+        got = self.workers.pop(id(manager), None)
+        if got is not None:
+            got[1].close()
 
-    def from_lower(self, manager: TierManager, keys: list[bytes], landing: list[torch.Tensor],
-                   forward: Forward) -> torch.Tensor:
-        """Disk / Redis hits (raw or codec records decoded on the host): fetch every chunk into the
-        host ``landing`` buffers, then copy them in as :meth:`from_pool` does."""
-        try:
-            self.fetch(manager, keys, landing)
-            return forward(self.copy_in(landing[: len(keys)]))
-        finally:
-            self.drain()
-
-    def from_lower_device(self, manager: TierManager, keys: list[bytes], landing: torch.Tensor,
-                          forward: Forward) -> torch.Tensor:
-        """Codec records decoded on the GPU: ``fetch_lower`` into device chunk buffers
-        (``landing [C, chunk_bytes]`` uint8 on the cache's device; ``CodecTier.get_into`` decodes
-        there), then one device-side ``ops.scatter`` on the current stream, then ``forward``."""
-        self.fetch(manager, keys, [landing[c] for c in range(len(keys))])
-        ops.scatter(self.kv.layout, self.slots_dev, landing[: len(keys)], check=False)
-        return forward(None)
+    def close(self) -> None:
+        """Close every worker (waits for whatever they have in flight)."""
+        for _, w in self.workers.values():
+            w.close()
+        self.workers = {}
 
 
 def landing_views(buf: torch.Tensor, count: int, chunk_bytes: int) -> list[torch.Tensor]:

@@ -13,7 +13,6 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -60,13 +59,13 @@ class Bench:
         self.ns = Namespace(model=self.model_name, num_layers=self.L, num_kv_heads=self.H, head_size=self.D,
                             kv_dtype=args.dtype, chunk_size=self.T)
         self.codec_device = self.dev.cuda and args.codec_decode == "device"
+        self.decode_on = "device" if self.codec_device else "host"  # the connector worker's, for codec tiers
         self.gf: GraphForward | None = None
         self.managers: dict[str, TierManager] = {}  # tag -> the tier's manager
         self.codec_tiers: dict[str, object] = {}  # tag -> its CodecTier (records, tables, counters)
         self.codec_levels: dict[str, str] = {}  # tag -> level name
         self.tables: dict[str, object] = {}  # level -> CodecTier(tables=...) argument
         self.mem: dict[str, TierManager] = {}  # level -> codec records in a CPU pool (no reads)
-        self.io = ThreadPoolExecutor(max(1, args.inflight), thread_name_prefix="ttft-io")
         self.landing: torch.Tensor | None = None  # host chunk buffers (pinned with CUDA)
         self.disk_odirect = True
         self.disk_par_bw: float | None = None
@@ -130,7 +129,6 @@ class Bench:
             except Exception as e:  # noqa: BLE001 - closing must not hide the results
                 print(f"lmtier bench ttft: closing a tier failed: {e}", file=sys.stderr)
         self.managers, self.mem = {}, {}
-        self.io.shutdown(wait=True)
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -207,8 +205,30 @@ class Bench:
         spans = chunk_spans(n, T)
         C = len(spans)
         ref_kv = prefix_kv(model, ids, n, L)
-        keys = chunk_keys(ids[0, : C * T].cpu(), self.ns, cache_salt=f"lmtier-bench-ttft-N{n}")
+        salt = f"lmtier-bench-ttft-N{n}"
+        keys = chunk_keys(ids[0, : C * T].cpu(), self.ns, cache_salt=salt)
         host = landing_views(self.landing, C, self.chunk_bytes)
+
+        kv = PagedKV(num_layers=L, num_heads=H, head_size=D, num_tokens=n, block_size=self.block_size,
+                     dtype=self.dtype, device=self.device, chunk_tokens=T)
+        canon = kv.canonical()
+        # the timed loads: the vLLM connector's worker over this cache, one per tier manager
+        loader = Loader(kv, chunk_tokens=T, namespace=self.ns, token_ids=ids[0, : C * T].tolist(), cache_salt=salt,
+                        layers_per_wait=self.lpw, io_threads=max(1, a.inflight),
+                        max_staging_bytes=C * _round4k(self.chunk_bytes))
+        try:
+            return self._run_length(n, row, rec_ms, ref, spans, ref_kv, keys, host, kv, canon, loader, tok, pos,
+                                    h2d, disk_bw, drop_note)
+        finally:
+            loader.close()
+
+    def _run_length(self, n, row, rec_ms, ref, spans, ref_kv, keys, host, kv, canon, loader, tok, pos, h2d,
+                    disk_bw, drop_note) -> dict:
+        """:meth:`run_length` from the cached paths on (``loader`` times them)."""
+        a, dev = self.args, self.dev
+        it, wu = a.iters, a.warmup
+        L, H, D, T = self.L, self.H, self.D, self.T
+        C = len(spans)
 
         def padded(c: int) -> torch.Tensor:
             """Chunk ``c`` zero-padded to T tokens, on the model's device (what the codec encodes)."""
@@ -225,11 +245,6 @@ class Bench:
                     v[:, :, tc:].zero_()
                 v[:, :, :tc].copy_(ref_kv[:, :, s:s + tc])
             dev.sync()
-
-        kv = PagedKV(num_layers=L, num_heads=H, head_size=D, num_tokens=n, block_size=self.block_size,
-                     dtype=self.dtype, device=self.device)
-        canon = kv.canonical()
-        loader = Loader(kv, chunk_tokens=T, layers_per_wait=self.lpw, ring=a.ring, io_pool=self.io)
 
         # the lean forward for this N: CUDA graphs (captured over the paged cache, tok, pos) or eager
         canon.copy_(ref_kv)
@@ -250,7 +265,7 @@ class Bench:
         self._store(cpu, keys, lambda c: host[c])
         kv.buf.fill_(float("nan"))  # a skipped byte cannot pass
         with torch.no_grad():
-            got = loader.from_pool(cpu, keys, forward())
+            got = loader.load(cpu, forward())
         dev.sync()
         row["check_cpu"] = compare(ref, got, canon, ref_kv)
         # control: what a wrong-index load looks like — chunk 1's place holds chunk 0's KV. (A
@@ -264,12 +279,12 @@ class Bench:
             row["check_control_wrong_kv"] = compare(ref, got_w, canon, ref_kv)
 
         with torch.no_grad():
-            row["cpu_ms"], row["cpu_all_ms"], _ = timed(dev, lambda: loader.from_pool(cpu, keys, forward()), it, wu)
+            row["cpu_ms"], row["cpu_all_ms"], _ = timed(dev, lambda: loader.load(cpu, forward()), it, wu)
             if self.gf is not None:
-                row["cpu_eager_ms"], _, _ = timed(dev, lambda: loader.from_pool(cpu, keys, forward(eager=True)), it, wu)
-            # load alone, forward alone, and the contiguous-[1,H,N,D] alternative
+                row["cpu_eager_ms"], _, _ = timed(dev, lambda: loader.load(cpu, forward(eager=True)), it, wu)
+            # load alone (the worker's synchronous load), forward alone, and the contiguous-[1,H,N,D] alternative
             row["load_ms"], _, _ = timed(
-                dev, lambda: loader.from_pool(cpu, keys, lambda wait: None, forward_only_after=True), it, wu)
+                dev, lambda: loader.load(cpu, lambda wait: None, forward_only_after=True), it, wu)
             row["fwd_ms"], _, _ = timed(dev, lambda: self.fwd(n, kv, tok, pos), it, wu)
             if self.gf is not None:
                 row["fwd_eager_ms"], _, _ = timed(dev, lambda: self.fwd(n, kv, tok, pos, eager=True), it, wu)
@@ -285,6 +300,7 @@ class Bench:
                 del hnd, full
         for key in keys:
             cpu.cpu.delete(key)
+        loader.release(cpu)
         if h2d:
             row["h2d_GBs"] = h2d
             row["cpu_limit_ms"] = n * self.bpt / h2d / 1e6
@@ -294,7 +310,6 @@ class Bench:
 
         # (3) disk, (4) disk + codec (per level), (5) redis, redis + codec
         order = ["disk", "redis", "redis+codec", *(t for t in self.codec_levels if t.startswith("disk+"))]
-        dev_landing = None
 
         def drop():
             why = drop_caches()
@@ -322,14 +337,10 @@ class Bench:
                     row[f"{tag}_static_records"] = C if (ct.tables is not None and ct.tables.run_lens(T) is not None) else 0
                     row[f"{tag}_ratio"] = n * self.bpt / stored
                     row[f"{tag}_MB"] = stored / 1e6
-                    if self.codec_device and dev_landing is None:
-                        dev_landing = torch.empty(C, self.chunk_bytes, dtype=torch.uint8, device=self.device)
-                on_device = level is not None and self.codec_device
+                decode_on = "auto" if level is None else self.decode_on
 
-                def load(m=m, on_device=on_device):
-                    if on_device:
-                        return loader.from_lower_device(m, keys, dev_landing, forward())
-                    return loader.from_lower(m, keys, host, forward())
+                def load(m=m, decode_on=decode_on):
+                    return loader.load(m, forward(), decode_on=decode_on)
 
                 # O_DIRECT reads bypass the page cache: drop it once; without O_DIRECT before every load
                 is_disk = tag.startswith("disk")
@@ -356,7 +367,7 @@ class Bench:
                     row[f"{tag}_ms"], row[f"{tag}_all_ms"], _ = timed(dev, load, it, max(0, wu - 2), before=before)
                     if level is not None and is_disk:
                         self._codec_in_memory(level, tag, keys, loader, forward, padded, spans, canon, ref_kv,
-                                              dev_landing, row, rec_ms, host)
+                                              row, rec_ms)
                 row[f"{tag}_pct"] = 100 * row[f"{tag}_ms"] / rec_ms
                 row[f"{tag}_GBs"] = n * self.bpt / row[f"{tag}_ms"] / 1e6  # effective (KV delivered)
             except torch.cuda.OutOfMemoryError:
@@ -371,6 +382,7 @@ class Bench:
             finally:
                 for key in keys:
                     tier.delete(key)
+                loader.release(m)
         self.close_graphs()
         if "disk" in self.managers and disk_bw:
             row["disk_dd_GBs"] = disk_bw
@@ -388,7 +400,6 @@ class Bench:
             row["redis_limit_pct"] = 100 * (n * self.bpt / self.redis_raw / 1e6) / rec_ms
             if row.get("redis+codec_MB"):
                 row["redis+codec_limit_pct"] = 100 * (row["redis+codec_MB"] / self.redis_raw) / rec_ms
-        del kv, ref_kv, loader, dev_landing
         return row
 
     def _codec_kv_exact(self, lv, canon: torch.Tensor, padded, spans) -> bool:
@@ -405,17 +416,15 @@ class Bench:
                 return False
         return True
 
-    def _codec_in_memory(self, level, tag, keys, loader, forward, padded, spans, canon, ref_kv, dev_landing,
-                         row, rec_ms, host) -> None:
+    def _codec_in_memory(self, level, tag, keys, loader, forward, padded, spans, canon, ref_kv, row,
+                         rec_ms) -> None:
         """The same decode with the records in a CPU pool (no reads): ``{tag}_mem_ms`` splits
         ``{tag}_ms`` into read vs codec cost; also what a compressed CPU tier would give."""
         m = self.mem_manager(level)
         self._store(m, keys, padded)
         try:
             def run_():
-                if self.codec_device:
-                    return loader.from_lower_device(m, keys, dev_landing, forward())
-                return loader.from_lower(m, keys, host, forward())
+                return loader.load(m, forward(), decode_on=self.decode_on)
 
             canon.fill_(float("nan"))
             run_()
@@ -429,6 +438,7 @@ class Bench:
         finally:
             for key in keys:
                 m.disk.delete(key)
+            loader.release(m)
 
 
 def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list]:
@@ -494,7 +504,8 @@ def run(args) -> dict:
         lengths = [n for n in lengths if n + 1 <= maxpos]
     maxn = max(lengths) if lengths else 0
     b.max_chunks = max(1, -(-maxn // b.T))
-    copy_mode = (f"CudaTransferEngine.load_layerwise (staged, {b.lpw} layer(s) per event)" if dev.cuda
+    copy_mode = (f"ConnectorWorker.load_layerwise: CudaTransferEngine.load_layerwise (staged, {b.lpw} layer(s) "
+                 "per event); device-decoded codec chunks: lmtier.ops.scatter from device staging" if dev.cuda
                  else "lmtier.ops.scatter (CPU)")
     say(f"model: {b.model_name}: {b.L} layers, {cfg.num_attention_heads} heads, {b.H} KV heads x {b.D}, "
         f"{args.dtype}, {args.device}; {b.bpt:,} B of KV per token; chunks of {b.T} tokens into a paged cache of "
@@ -577,8 +588,8 @@ def run(args) -> dict:
         if b.codec_levels:
             say("codec tiers: " + ", ".join(f"{t} = level {lv}" for t, lv in b.codec_levels.items())
                 + "; lmtier.tiers.codec.CodecTier, records encoded once when stored, decoded by CodecTier.get_into "
-                + ("into device buffers (GPU decode) + ops.scatter" if b.codec_device else
-                   "into host buffers (CPU decode, the connector's path) + the host -> cache copy"))
+                + ("in the connector worker's device staging (GPU decode) + ops.scatter device -> paged blocks"
+                   if b.codec_device else "in the connector worker's host staging (CPU decode) + the host -> cache copy"))
         say("lean forward: " + ("CUDA graphs, one per layer + embed + head, captured per N (eager fallback "
                                 "on capture failure, reported per N)" if args.graphs == "auto" and dev.cuda else
                                 {"off": "eager (--graphs off)", "nocapture": "static buffers without capture "
@@ -622,6 +633,8 @@ def run(args) -> dict:
                      "chunk_tokens": b.T, "block_size": b.block_size},
         "copy_mode": copy_mode,
         "load_path": {"tiers": "lmtier.manager.TierManager.from_config", "pool": "TierManager.cpu.acquire (pinned slots)",
+                      "worker": "lmtier.integration.vllm.worker.ConnectorWorker (load_layerwise + wait_layer + "
+                                "finish_layerwise; load for load_ms)",
                       "lower": "TierManager.fetch_lower", "codec": "lmtier.tiers.codec.CodecTier",
                       "codec_decode": "device" if b.codec_device else "host", "copy": copy_mode,
                       "layers_per_wait": b.lpw if dev.cuda else None},

@@ -1,11 +1,25 @@
-"""Bringing a load's chunks into host memory: CPU-pool hits pinned, the others fetched in parallel.
+"""Bringing a load's chunks where the scatter reads them: CPU-pool hits pinned, the others fetched
+in parallel into pool slots, host staging or device staging.
 
 :class:`ChunkFetcher` is the part of :class:`lmtier.integration.vllm.worker.ConnectorWorker`'s load
 path that talks to the tiers. For each chunk of a load it pins a CPU-pool hit (``acquire``), or
-fetches the chunk from disk/remote on its I/O threads — several reads in flight — straight into a
-CPU-pool slot reserved for it (promotion without a second copy; committed once the chunk is
-released) or, when no slot can be reserved, into a reused staging buffer. Every chunk it hands out
-must be given back through :meth:`ChunkFetcher.finish`.
+fetches the chunk from disk/remote on its I/O threads — several reads in flight — into one of:
+
+* **host** mode (default): a CPU-pool slot reserved for it (promotion without a second copy;
+  committed once the chunk is released) or, when no slot can be reserved, a reused host staging
+  buffer (:class:`StagingPool`, pinned for a CUDA cache);
+* **device** mode (``device_staging=``): a reused staging buffer on the cache's device. For a CUDA
+  cache whose lower tiers are all :class:`lmtier.tiers.codec.CodecTier` this is the device-decode
+  path: ``manager.fetch_lower(key, cuda_buffer, stream=decode_stream)`` reads the record into the
+  codec's pinned record buffer and decodes it on the GPU, the chunk's copy into the staging buffer
+  ordered before later work on ``decode_stream`` (the worker scatters from it on that stream). At
+  most ``window`` device buffers are in flight: later chunks wait (deferred, fetched by
+  :meth:`ChunkFetcher.pump` once earlier chunks were released), so device memory stays bounded.
+  Device-staged chunks are **not promoted** into the CPU pool: the record stays in its tier, and
+  promoting would cost a device-to-host copy over the link the next loads use plus a pool slot
+  per chunk while vLLM's own GPU prefix cache holds the blocks anyway.
+
+Every chunk it hands out must be given back through :meth:`ChunkFetcher.finish`.
 
 This module imports nothing from vLLM.
 """
@@ -17,97 +31,191 @@ import threading
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 from lmtier.errors import LMTierError
 from lmtier.manager import TierManager
+from lmtier.tiers.codec import CodecTier
 
-__all__ = ["Chunk", "ChunkFetcher", "InjectedFault"]
+__all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers_are_codec"]
 
 log = logging.getLogger("vllm.lmtier.connector")
+
+_PAGE = 4096
 
 
 class InjectedFault(LMTierError, RuntimeError):
     """Raised internally when a fault hook makes a load fail (tests)."""
 
 
+def lower_tiers_are_codec(manager: TierManager) -> bool:
+    """Whether ``manager`` has a disk or remote tier and every one it has is a
+    :class:`~lmtier.tiers.codec.CodecTier` (what the device-decode path of a CUDA cache needs:
+    only codec tiers order their copy into a CUDA buffer on a given stream)."""
+    lower = [t for t in (manager.disk, manager.remote) if t is not None]
+    return bool(lower) and all(isinstance(t, CodecTier) for t in lower)
+
+
+class StagingPool:
+    """Reusable chunk buffers (uint8 ``[chunk_bytes]``) on one device, for fetched chunks without a
+    CPU-pool slot.
+
+    Args:
+        chunk_bytes: bytes per buffer.
+        device: ``cpu`` (host staging, page aligned; ``pin``: page-locked) or a CUDA device.
+        max_idle: buffers kept for reuse once returned (more are allocated while more are in use,
+            and freed when returned beyond this many).
+        on_alloc: called once per allocation (a counter).
+        stream: CUDA: the ``torch.cuda.Stream`` that reads the buffers (recorded on each, so the
+            caching allocator reuses a freed buffer's memory only after that stream's work).
+
+    Thread-safe. A CUDA buffer returned with :meth:`put` may be handed out again at once: the
+    caller guarantees that its next writer is ordered after its last reader (the worker decodes
+    and scatters every device buffer on one stream).
+    """
+
+    def __init__(self, chunk_bytes: int, *, device: torch.device, pin: bool, max_idle: int,
+                 on_alloc: Callable[[], None], stream: Any = None) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._stream = stream
+        self.device = device
+        self._pin = pin and device.type == "cpu"
+        self.max_idle = max(0, max_idle)
+        self._on_alloc = on_alloc
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.in_use = 0
+
+    def get(self) -> torch.Tensor:
+        """A buffer (reused when one is idle, else allocated)."""
+        with self._lock:
+            self.in_use += 1
+            if self._free:
+                return self._free.pop()
+        try:
+            self._on_alloc()
+            if self.device.type != "cpu":
+                buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+                if self._stream is not None:
+                    # freed (beyond max_idle, clear) while a scatter queued on the stream may still
+                    # read it: the caching allocator must not hand the memory out before that ran
+                    buf.record_stream(self._stream)
+                return buf
+            # page aligned, so disk reads land in it with O_DIRECT (torch's allocators give sub-page offsets)
+            base = torch.empty(self.chunk_bytes + _PAGE, dtype=torch.uint8, pin_memory=self._pin)
+            skip = -base.data_ptr() % _PAGE
+            return base[skip : skip + self.chunk_bytes]  # the view keeps the allocation alive
+        except BaseException:
+            with self._lock:
+                self.in_use -= 1
+            raise
+
+    def put(self, buf: torch.Tensor) -> None:
+        """Give ``buf`` back (kept for reuse up to ``max_idle``)."""
+        with self._lock:
+            self.in_use -= 1
+            if len(self._free) < self.max_idle:
+                self._free.append(buf)
+
+    def clear(self) -> None:
+        """Free the idle buffers."""
+        with self._lock:
+            self._free = []
+
+
 class Chunk:
     """One chunk of a load: where its bytes are and what holds them until it is scattered.
 
-    ``src`` (uint8 CPU tensor of ``chunk_bytes``) is set once the bytes are in host memory, held by
-    exactly one of: ``read`` (a pinned CPU-pool read handle: a pool hit), ``write`` (a CPU-pool slot
-    reserved for promotion, filled from disk/remote, committed after the scatter) or ``staging``
-    (a worker staging buffer, when no slot could be reserved). ``future``: the background fetch
-    while it runs; ``ok``: ``None`` (not known yet), True (bytes ready) or False (miss/failure).
+    ``src`` (uint8 tensor of ``chunk_bytes``: host memory, or the cache's device for a
+    device-staged chunk) is set once the bytes are ready, held by exactly one of: ``read`` (a
+    pinned CPU-pool read handle: a pool hit), ``write`` (a CPU-pool slot reserved for promotion,
+    filled from disk/remote, committed after the scatter), ``staging`` (a host staging buffer,
+    when no slot could be reserved) or ``device`` (a device staging buffer). ``future``: the
+    background fetch while it runs; ``deferred``: a device-mode fetch waiting for a staging buffer
+    (:meth:`ChunkFetcher.pump`); ``ok``: ``None`` (not known yet), True (bytes ready) or False
+    (miss/failure).
     """
 
-    __slots__ = ("ci", "key", "src", "read", "write", "staging", "future", "ok")
+    __slots__ = ("ci", "deferred", "device", "future", "key", "ok", "read", "src", "staging", "write")
 
     def __init__(self, ci: int, key: bytes | None) -> None:
         self.ci, self.key = ci, key
-        self.src = self.read = self.write = self.staging = self.future = None
+        self.src = self.read = self.write = self.staging = self.device = self.future = None
+        self.deferred = False
         self.ok: bool | None = None
 
 
 class ChunkFetcher:
-    """Fetches chunks of ``chunk_bytes`` bytes from ``manager``'s tiers into host memory.
+    """Fetches chunks of ``chunk_bytes`` bytes from ``manager``'s tiers (see the module doc).
 
     Args:
         manager: the tiers; ``manager.cpu`` (the CPU pool) may be None.
         chunk_bytes: bytes of one chunk of this rank (canonical record payload).
         io_threads: threads fetching chunks from disk/remote, one chunk each (created on first use).
-        pin_staging: allocate staging buffers in pinned memory (a CUDA cache reads them).
+        pin_staging: allocate host staging buffers in pinned memory (a CUDA cache reads them).
         faults: returns the active fault names (test hook; see :meth:`plan`).
         on_stored: ``on_stored(key, index_key, "cpu")`` when a promoted chunk was committed.
+        max_staging_bytes: host staging kept for reuse (at least ``io_threads`` buffers): loads
+            without pool slots allocate nothing once warm up to this size.
+        device_staging: None (host mode), or the device of the staging buffers of device mode
+            (the cache's: a CUDA device, or ``cpu`` — the same pipeline with host buffers, which
+            tests use).
+        decode_stream: device mode on CUDA: the ``torch.cuda.Stream`` codec tiers order their
+            copy into a staging buffer before (passed to ``fetch_lower``); every reader of a
+            device-staged chunk must run on it.
+        window: device mode: device staging buffers in flight at most (>= 1).
 
     Thread-safe: :meth:`plan` / :meth:`resolve` / :meth:`finish` of different loads may run on
     different threads (the worker thread, the background load threads).
     """
 
     def __init__(self, manager: TierManager, *, chunk_bytes: int, io_threads: int, pin_staging: bool,
-                 faults: Callable[[], AbstractSet[str]], on_stored: Callable[[bytes, bytes, str], None]) -> None:
+                 faults: Callable[[], AbstractSet[str]], on_stored: Callable[[bytes, bytes, str], None],
+                 max_staging_bytes: int = 1 << 30, device_staging: torch.device | None = None,
+                 decode_stream: Any = None, window: int = 8) -> None:
+        if window < 1:
+            raise ValueError(f"lmtier: device staging window must be >= 1, got {window}")
         self.manager = manager
         self.chunk_bytes = chunk_bytes
         self._faults = faults
         self._on_stored = on_stored
-        self._pin = pin_staging
         self._io_threads = io_threads
         self._io_pool: ThreadPoolExecutor | None = None
-        # Staging buffers for fetched chunks that get no pool slot (no pool, or every slot pinned):
-        # reused, at most one per I/O thread kept, so the load path allocates nothing once warm.
-        self._staging: list[torch.Tensor] = []
-        self._staging_lock = threading.Lock()
-        self._staging_max = io_threads
+        self._staging = StagingPool(chunk_bytes, device=torch.device("cpu"), pin=pin_staging,
+                                    max_idle=max(io_threads, max_staging_bytes // max(1, chunk_bytes)),
+                                    on_alloc=lambda: manager.count("load_staging_allocs"))
+        self.device_mode = device_staging is not None
+        self._stream = decode_stream
+        self.window = window
+        self._dev_staging = StagingPool(chunk_bytes, device=torch.device(device_staging), pin=False,
+                                        max_idle=window, on_alloc=lambda: manager.count("load_device_staging_allocs"),
+                                        stream=decode_stream) if device_staging is not None else None
 
     def close(self) -> None:
-        """Wait for the I/O threads (fetches in flight finish). Idempotent."""
+        """Wait for the I/O threads (fetches in flight finish), then free the idle staging buffers.
+        Idempotent."""
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=True)
+        self._staging.clear()
+        if self._dev_staging is not None:
+            if self._stream is not None:
+                self._stream.synchronize()  # no scatter may still read a buffer being freed
+            self._dev_staging.clear()
 
     def _io(self) -> ThreadPoolExecutor:
         if self._io_pool is None:
             self._io_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="lmtier-io")
         return self._io_pool
 
-    def _staging_get(self) -> torch.Tensor:
-        with self._staging_lock:
-            if self._staging:
-                return self._staging.pop()
-        self.manager.count("load_staging_allocs")
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pin)
-
-    def _staging_put(self, buf: torch.Tensor) -> None:
-        with self._staging_lock:
-            if len(self._staging) < self._staging_max:
-                self._staging.append(buf)
-
     # ------------------------------------------------------------------------------ chunk fetches
     def plan(self, req_id: str, first_chunk: int, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
         """Chunks ``[first_chunk, len(keys))`` of request ``req_id``, in order: CPU-pool hits pinned now,
-        the others fetched from disk/remote on the I/O threads (several in flight). Stops after
-        the first chunk known to fail (an injected fault, a short pool entry), which is returned
-        with ``ok = False``. Every returned chunk must go through :meth:`finish`.
+        the others fetched from disk/remote on the I/O threads (several in flight; device mode: at
+        most ``window`` device buffers, the rest deferred until :meth:`pump`). Stops after the first
+        chunk known to fail (an injected fault, a short pool entry), which is returned with
+        ``ok = False``. Every returned chunk must go through :meth:`finish`.
 
         ``fault_names``: this load fails at its first chunk when one of them is active (test hook)."""
         cb = self.chunk_bytes
@@ -139,12 +247,53 @@ class ChunkFetcher:
             if c.ok is None:
                 # Not in the pool (a disk/remote hit, or a pool hit evicted since the scheduler
                 # looked: the write-through copy on disk usually still has it).
-                try:
-                    c.future = self._io().submit(self._fetch_chunk, c.key)
-                except Exception:
-                    log.exception("lmtier: load of chunk %d of request %s failed", c.ci, req_id)
-                    c.ok = False
+                if self.device_mode:
+                    c.deferred = True
+                else:
+                    self._submit(c, req_id)
+        if self.device_mode:
+            self.pump(chunks)
         return chunks
+
+    def _submit(self, c: Chunk, req_id: str = "?") -> None:
+        try:
+            if c.device is not None:
+                c.future = self._io().submit(self._fetch_device, c.key, c.device)
+            else:
+                c.future = self._io().submit(self._fetch_chunk, c.key)
+        except Exception:
+            log.exception("lmtier: load of chunk %d of request %s failed", c.ci, req_id)
+            self._drop_device(c)
+            c.ok = False
+
+    def pump(self, chunks: list[Chunk], *, force_first: bool = False) -> None:
+        """Device mode: start the deferred fetches of ``chunks``, in order, while fewer than
+        ``window`` device staging buffers are in use. ``force_first``: start the first deferred one
+        even beyond the window (a caller that must have it and holds nothing to release)."""
+        pool = self._dev_staging
+        if pool is None:
+            return
+        for c in chunks:
+            if not c.deferred:
+                continue
+            if pool.in_use >= self.window and not force_first:
+                return
+            force_first = False
+            c.deferred = False
+            try:
+                c.device = pool.get()
+            except Exception:
+                log.exception("lmtier: no device staging buffer for chunk %d", c.ci)
+                c.ok = False
+                continue
+            self._submit(c)
+
+    def _fetch_device(self, key: bytes, buf: torch.Tensor) -> bool:
+        """I/O thread: fetch (codec: and decode) chunk ``key`` into the device staging buffer
+        ``buf``; True when it holds the chunk (on CUDA: once ``decode_stream`` reaches the copy)."""
+        if self._stream is not None:
+            return self.manager.fetch_lower(key, buf, stream=self._stream) == self.chunk_bytes
+        return self.manager.fetch_lower(key, buf) == self.chunk_bytes
 
     def _fetch_chunk(self, key: bytes) -> Chunk | None:
         """I/O thread: bring chunk ``key`` from disk/remote into host memory, straight into a
@@ -167,7 +316,7 @@ class ChunkFetcher:
             if c.write is not None:
                 dst = c.write.view[:cb]
             else:
-                c.staging = dst = self._staging_get()
+                c.staging = dst = self._staging.get()
             if self.manager.fetch_lower(key, dst) != cb:
                 self._drop_fetched(c)
                 return None
@@ -187,13 +336,26 @@ class ChunkFetcher:
             cpu.release(c.read)
             c.read = None
         if c.staging is not None:
-            self._staging_put(c.staging)
+            self._staging.put(c.staging)
             c.staging = None
+        self._drop_device(c)
+
+    def _drop_device(self, c: Chunk) -> None:
+        if c.device is not None:
+            self._dev_staging.put(c.device)
+            c.device = None
 
     def resolve(self, c: Chunk, *, block: bool) -> bool | None:
         """Whether chunk ``c``'s bytes are ready (True), failed (False) or still in flight (None,
-        only when not ``block``)."""
+        only when not ``block``). A deferred chunk is not in flight: ``block`` starts its fetch
+        (beyond the window if need be), else it is reported as not ready."""
         if c.ok is None:
+            if c.deferred:
+                if not block:
+                    return None
+                self.pump([c], force_first=True)
+                if c.ok is not None:
+                    return c.ok
             f = c.future
             if not block and not f.done():
                 return None
@@ -202,16 +364,25 @@ class ChunkFetcher:
             except Exception:
                 log.exception("lmtier: fetch of chunk %d failed", c.ci)
                 got = None
-            if got is None:
+            if c.device is not None:
+                if got:
+                    c.src, c.ok = c.device, True
+                else:
+                    c.ok = False
+            elif got is None:
                 c.ok = False
             else:
                 c.src, c.read, c.write, c.staging, c.ok = got.src, got.read, got.write, got.staging, True
         return c.ok
 
     def finish(self, c: Chunk, key0: Callable[[], list[bytes]]) -> None:
-        """Release what chunk ``c`` holds (waiting for its fetch first). A promotion slot that was
-        filled is committed — its bytes are a verified chunk, scattered or not — and reported to
-        the index (``on_stored(..., "cpu")``) so later hits load it from the pool."""
+        """Release what chunk ``c`` holds (waiting for its fetch first; a deferred chunk is just
+        dropped). A promotion slot that was filled is committed — its bytes are a verified chunk,
+        scattered or not — and reported to the index (``on_stored(..., "cpu")``) so later hits load
+        it from the pool. A device staging buffer goes back to the pool at once (its readers are
+        queued on ``decode_stream``, before any later writer)."""
+        if c.deferred:
+            c.deferred, c.ok = False, False
         if c.ok is None:
             self.resolve(c, block=True)
         cpu = self.manager.cpu
@@ -231,6 +402,7 @@ class ChunkFetcher:
             else:
                 cpu.abort(slot)
         if c.staging is not None:
-            self._staging_put(c.staging)
+            self._staging.put(c.staging)
             c.staging = None
+        self._drop_device(c)
         c.src = None

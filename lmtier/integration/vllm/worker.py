@@ -35,6 +35,18 @@ Data path:
   was never waited for (the forward may have read it early; vLLM then recomputes); the chunks' pool
   slots are released once the copies completed (:meth:`drain_layerwise`). On a CPU cache the copy
   completes inside :meth:`load_layerwise` (nothing to overlap); the bookkeeping is the same.
+* **Device decode** (``decode_on``; by default for a CUDA cache whose lower tiers are all codec
+  tiers, ``serde: cachegen``): chunks not in the CPU pool are fetched and decoded on the GPU into
+  reused device staging buffers (at most ``device_window`` in flight; later chunks start as earlier
+  ones are released, see :mod:`lmtier.integration.vllm.fetch`) and scattered device -> paged blocks
+  by :func:`lmtier.ops.scatter` on :attr:`ConnectorWorker.decode_stream` as they land; that stream
+  waits for the current stream at the start of a load, and the current stream (synchronous loads)
+  or every :meth:`wait_layer` (layer-by-layer loads: these chunks land before the first layer, a
+  device-to-device copy has nothing to overlap) waits for it. A staging buffer is reused as soon
+  as its scatter is queued (its next decode is ordered after it on the same stream). These chunks
+  are not promoted into the CPU pool (the record stays in its tier; see the fetch module).
+  Asynchronous loads in this mode hold every chunk of the load in device staging until
+  :meth:`poll_loads` scatters them (all or nothing). CPU-pool hits take the host path.
 * **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
   when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
   gathered in one native call and committed (``manager.commit``), which writes them through to disk /
@@ -61,89 +73,33 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from lmtier import ops
-from lmtier.integration.vllm.fetch import Chunk, ChunkFetcher, InjectedFault
+from lmtier.integration.vllm.fetch import (
+    Chunk,
+    ChunkFetcher,
+    InjectedFault,
+    lower_tiers_are_codec,
+)
+from lmtier.integration.vllm.loadstore import (
+    AsyncLoad,
+    LayerwiseLoad,
+    LoadOp,
+    StoreOp,
+    lazy_once,
+    no_faults,
+)
+from lmtier.integration.vllm.stores import ChunkStorer
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
 
-__all__ = ["LoadOp", "StoreOp", "ConnectorWorker", "InjectedFault"]
+__all__ = ["ConnectorWorker", "InjectedFault", "LoadOp", "StoreOp"]
 
 log = logging.getLogger("vllm.lmtier.connector")
-
-
-@dataclass
-class LoadOp:
-    """Load chunks ``[start_token // chunk, len(token_ids) // chunk)`` of a request into its blocks.
-
-    ``token_ids`` is the prompt prefix covering the hit (whole chunks); tokens before
-    ``start_token`` are held by vLLM (its prefix cache) and are not written. ``block_ids[i]`` holds
-    tokens ``[i * block_size, (i + 1) * block_size)``. ``is_async``: run in the background and
-    report through ``finished_recving`` (else before the forward, failures as invalid blocks).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    start_token: int
-    block_ids: list[int]
-    is_async: bool = False
-    poisoned: bool = False  # load nothing, report every block as failed (vLLM recomputes them)
-
-
-@dataclass
-class StoreOp:
-    """Store chunks ``[first_chunk, len(token_ids) // chunk)`` of a request from its blocks."""
-
-    req_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    first_chunk: int
-    block_ids: list[int]
-
-
-class _AsyncLoad:
-    """State of one background load: the fetch future, its op, and the start time."""
-
-    __slots__ = ("op", "future", "t0", "cancelled")
-
-    def __init__(self, op: LoadOp, future: Future, t0: float):
-        self.op, self.future, self.t0, self.cancelled = op, future, t0, False
-
-
-class _LayerwiseLoad:
-    """One step's layer-by-layer load: per-layer events (CUDA; None on CPU), the chunks it holds
-    until the copy completed, and which layers the forward waited for."""
-
-    def __init__(self, parts: list, events: list | None, num_layers: int, t0: float,
-                 timing: tuple[Any, Any] | None) -> None:
-        self.parts = parts  # [(op, ready chunks, key0, pinned copies kept alive until the copy ends)]
-        self.events = events
-        self.waited = [False] * num_layers
-        self.t0 = t0
-        self.timing = timing  # (start, end) CUDA timing events around the copies
-
-
-def _no_faults() -> set[str]:
-    return set()
-
-
-def _lazy(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` evaluated at the first call, then cached."""
-    box: list = []
-
-    def get() -> Any:
-        if not box:
-            box.append(fn())
-        return box[0]
-
-    return get
 
 
 class ConnectorWorker:
@@ -164,7 +120,7 @@ class ConnectorWorker:
             ``LMTierStats``: ``loaded_chunks``, ``loaded_bytes``, ``load_failures``, ``load_ms``,
             ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``,
             ``store_skipped``,
-            ``store_ms``, ``store_lat_s``).
+            ``store_ms``, ``store_lat_s``, ``device_decoded_chunks``: chunks of the device-decode path).
         on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed (``tier`` is
             ``"cpu"``, or ``"disk"`` without a CPU pool).
         faults: returns the active fault names (``load``, ``load_sync``, ``load_async``: those
@@ -179,13 +135,23 @@ class ConnectorWorker:
             waits for its group of layers; default ``max(1, num_layers // 8)``: fewer, larger
             copies — one layer per event pays a per-copy cost that outweighs the finer overlap,
             benchmarks/RESULTS.md).
+        decode_on: where chunks fetched from disk/remote land: ``"host"`` (CPU-pool slots or host
+            staging: codec records decoded on the CPU), ``"device"`` (device staging on the
+            cache's device: the GPU decodes codec records; on a CPU cache the same pipeline with
+            host buffers) or ``"auto"`` (``"device"`` for a CUDA cache whose lower tiers are all
+            codec tiers, else ``"host"``).
+        device_window: device staging buffers (``chunk_bytes`` each) in flight at most (default
+            ``2 * io_threads``).
+        max_staging_bytes: host staging buffers kept for reuse (loads without pool slots).
 
     Raises:
-        ValueError: the cache's chunk size in bytes differs from the namespace's, or sizes are invalid.
+        ValueError: the cache's chunk size in bytes differs from the namespace's, sizes are invalid,
+            or ``decode_on="device"`` on a CUDA cache with a lower tier that is not a codec tier.
 
     Attributes (read-only for callers): ``pending`` (req id -> CUDA stores in flight), ``delayed``
     (finished requests whose blocks are held until their stores complete), ``async_loads``
-    (req id -> background load in flight).
+    (req id -> background load in flight), ``device_staging`` (the device-decode path is on),
+    ``decode_stream`` (its CUDA stream, None on a CPU cache).
     """
 
     def __init__(self, layout: KVLayout, manager: TierManager, *, chunk_size: int, block_size: int,
@@ -194,7 +160,8 @@ class ConnectorWorker:
                  on_stored: Callable[[bytes, bytes, str], None] | None = None,
                  faults: Callable[[], AbstractSet[str]] | None = None, load_threads: int = 2,
                  io_threads: int = 4, layer_stream_priority: int | None = None,
-                 layers_per_wait: int | None = None) -> None:
+                 layers_per_wait: int | None = None, decode_on: str = "auto", device_window: int | None = None,
+                 max_staging_bytes: int = 1 << 30) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
         if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
@@ -212,30 +179,47 @@ class ConnectorWorker:
         self.chunk_bytes = cb
         self._stat = on_stat or (lambda name, value=1: None)
         self._on_stored = on_stored or (lambda key, key0, tier: None)
-        self._faults = faults or _no_faults
+        self._faults = faults or no_faults
         self._load_threads = load_threads
         self.is_cuda = layout.device.type == "cuda"
-        self.scratch = torch.empty(cb, dtype=torch.uint8, pin_memory=self.is_cuda)
-        self.store_engine = self.load_engine = None
+        self._storer = ChunkStorer(layout, manager, chunk_size=chunk_size, chunk_bytes=cb,
+                                   keys=self._both_keys, slot_mappings=self.slot_mappings, on_stat=self._stat,
+                                   on_stored=self._on_stored)
+        self.store_engine = self._storer.engine
+        self.load_engine = None
         if self.is_cuda:
             from lmtier.transfer import CudaTransferEngine
 
-            self.store_engine = CudaTransferEngine(layout, chunk_size)
             self.load_engine = CudaTransferEngine(layout, chunk_size)
         self._layer_engine = None  # CudaTransferEngine of load_layerwise (one event per piece), built on first use
         self._layer_priority = layer_stream_priority
         self._layers_per_wait = layers_per_wait or max(1, layout.num_layers // 8)
         if not 1 <= self._layers_per_wait <= layout.num_layers:
             raise ValueError(f"lmtier: layers_per_wait must be in [1, {layout.num_layers}], got {layers_per_wait}")
-        self._layerwise: _LayerwiseLoad | None = None
-        self._draining: list[_LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
-        self.pending: dict[str, list[tuple[Any, Any, bytes, bytes]]] = {}  # req -> [(event, slot, key, key0)]
+        self._layerwise: LayerwiseLoad | None = None
+        self._draining: list[LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
+        self.pending = self._storer.pending  # req -> [(event, slot, key, key0)] (the storer's dict)
         self.delayed: set[str] = set()
-        self.async_loads: dict[str, _AsyncLoad] = {}
+        self.async_loads: dict[str, AsyncLoad] = {}
         self._finished_seen: set[str] = set()
         self._load_pool: ThreadPoolExecutor | None = None
+        if decode_on not in ("auto", "device", "host"):
+            raise ValueError(f"lmtier: decode_on must be 'auto', 'device' or 'host', got {decode_on!r}")
+        codec = lower_tiers_are_codec(manager)
+        if decode_on == "device" and self.is_cuda and not codec:
+            raise ValueError("lmtier: decode_on='device' on a CUDA cache needs every lower tier (disk, remote) to be "
+                             "a codec tier (serde: cachegen)")
+        self.device_staging = decode_on == "device" or (decode_on == "auto" and self.is_cuda and codec)
+        self.decode_stream = None  # CUDA device mode: decodes' copies and the device scatters are ordered on it
+        self._table_stream = None  # CUDA device mode: current while ops.scatter builds a pointer table (idle)
+        if self.device_staging and self.is_cuda:
+            prio = -64 if layer_stream_priority is None else layer_stream_priority
+            self.decode_stream = torch.cuda.Stream(device=layout.device, priority=prio)
         self._fetcher = ChunkFetcher(manager, chunk_bytes=cb, io_threads=io_threads, pin_staging=self.is_cuda,
-                                     faults=self._faults, on_stored=self._on_stored)
+                                     faults=self._faults, on_stored=self._on_stored,
+                                     max_staging_bytes=max_staging_bytes,
+                                     device_staging=layout.device if self.device_staging else None,
+                                     decode_stream=self.decode_stream, window=device_window or 2 * io_threads)
 
     # ------------------------------------------------------------------------------ helpers
     def slot_mapping(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
@@ -262,6 +246,10 @@ class ConnectorWorker:
         """Rank 0's chunk keys (the scheduler's index) for this rank's ``keys``."""
         return keys if self.index_ns == self.ns else chunk_keys(token_ids, self.index_ns, cache_salt=cache_salt)
 
+    def _both_keys(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[bytes]]:
+        keys = self.keys(token_ids, cache_salt)
+        return keys, self._index_keys(token_ids, cache_salt, keys)
+
     def scatter(self, slots: torch.Tensor, src: torch.Tensor | list[torch.Tensor]) -> None:
         """Write canonical chunks into the cache; returns when done.
 
@@ -283,11 +271,48 @@ class ConnectorWorker:
         return op.block_ids[first_block:]
 
     def _scatter_chunks(self, op: LoadOp, chunks: list[Chunk]) -> None:
-        """Scatter ready chunks (each ``src`` set) into ``op``'s blocks in one call."""
-        self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token),
-                     [c.src for c in chunks])
+        """Scatter ready chunks (each ``src`` set) into ``op``'s blocks: host chunks in one call
+        (done on return), device-staged ones in one more (:meth:`_scatter_device`)."""
+        host = [c for c in chunks if c.device is None]
+        if host:
+            self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in host], op.start_token), [c.src for c in host])
+        if len(host) < len(chunks):
+            self._scatter_device(op, [c for c in chunks if c.device is not None])
+        self._stat("loaded_chunks", len(host))
+        self._stat("loaded_bytes", len(host) * self.chunk_bytes)
+
+    def _scatter_device(self, op: LoadOp, chunks: list[Chunk]) -> None:
+        """Scatter device-staged chunks into ``op``'s blocks: on a CPU cache in one native call,
+        done on return; on a CUDA cache queued on :attr:`decode_stream` (after the decodes' copies
+        into the staging buffers; the caller orders the stream against the compute stream), one
+        call per chunk: a chunk's source is one of the few reused staging buffers, so
+        :func:`lmtier.ops.scatter`'s cached device pointer tables stay few (a batch of varying
+        buffers would build new ones, and evicting one synchronizes the device). A table that is
+        built copies synchronously on the current stream: the calls run with an idle side stream
+        current, so that copy never waits for the compute stream."""
+        slots = self.slot_mappings(op.block_ids, [c.ci for c in chunks], op.start_token)
+        if slots.numel() and int(slots.max()) >= self.layout.num_slots:
+            raise ValueError(f"lmtier: slot {int(slots.max())} outside the cache's {self.layout.num_slots} slots")
+        srcs = [c.src for c in chunks]
+        if self.decode_stream is None:
+            ops.scatter(self.layout, slots, srcs)
+        else:
+            with torch.cuda.stream(self.decode_stream):  # the pinned copy stays alive until it ran (torch's host allocator)
+                dslots = slots.pin_memory().to(self.layout.device, non_blocking=True)
+            if self._table_stream is None:
+                self._table_stream = torch.cuda.Stream(device=self.layout.device)
+            with torch.cuda.stream(self._table_stream):
+                for i, src in enumerate(srcs):
+                    ops.scatter(self.layout, dslots[i : i + 1], [src], stream=self.decode_stream, check=False)
         self._stat("loaded_chunks", len(chunks))
         self._stat("loaded_bytes", len(chunks) * self.chunk_bytes)
+        self._stat("device_decoded_chunks", len(chunks))
+
+    def _device_begin(self) -> None:
+        """Device mode on CUDA: order :attr:`decode_stream` after the current stream's work (the
+        blocks a load writes may still be read by kernels queued before it)."""
+        if self.decode_stream is not None:
+            self.decode_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
 
     # ------------------------------------------------------------------------------ sync loads
     def load(self, op: LoadOp) -> set[int]:
@@ -305,7 +330,8 @@ class ConnectorWorker:
             return set(self.blocks_from(op))
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
-        key0 = _lazy(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
+        key0 = lazy_once(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
+        self._device_begin()
         chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
         failed_ci = None
         i = 0
@@ -326,10 +352,13 @@ class ConnectorWorker:
                     break
                 for c in chunks[i:j]:
                     self._fetcher.finish(c, key0)
+                self._fetcher.pump(chunks)
                 i = j
         finally:
             for c in chunks[i:]:
                 self._fetcher.finish(c, key0)
+            if self.decode_stream is not None:  # the forward reads what the device scatters wrote
+                torch.cuda.current_stream(self.layout.device).wait_stream(self.decode_stream)
         failed: set[int] = set()
         if failed_ci is not None:
             failed.update(self.blocks_from(op, failed_ci))
@@ -380,9 +409,16 @@ class ConnectorWorker:
         if self._draining:
             self.drain_layerwise()
         t0 = time.perf_counter()
-        parts: list = []
+        parts: list = []  # (op, its ready host chunks, key0, pinned copies) for the layer-major copy
+        loaded: list[tuple[LoadOp, int]] = []  # (op, first chunk it loads): what a missed wait_layer fails
         current: tuple[list[Chunk], Callable[[], list[bytes]]] | None = None  # the op being planned
-        events = timing = None
+        events = timing = device_event = None
+        start = None
+        if self.decode_stream is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.layout.device))
+            self._device_begin()
+        n_dev = 0
         try:
             for op in ops_:
                 if op.poisoned:
@@ -390,13 +426,27 @@ class ConnectorWorker:
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
                     continue
                 keys = self.keys(op.token_ids, op.cache_salt)
-                key0 = _lazy(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
+                key0 = lazy_once(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
                 current = ([], key0)
                 chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
                 current = (chunks, key0)
                 n_ok = 0
+                host: list[Chunk] = []
                 while n_ok < len(chunks) and self._fetcher.resolve(chunks[n_ok], block=True):
-                    n_ok += 1
+                    # device-staged chunks are scattered as they land (with the ready ones after
+                    # them) and their buffers released; host chunks wait for the layer-major copy
+                    j = n_ok + 1
+                    while j < len(chunks) and self._fetcher.resolve(chunks[j], block=False):
+                        j += 1
+                    dev = [c for c in chunks[n_ok:j] if c.device is not None]
+                    host += [c for c in chunks[n_ok:j] if c.device is None]
+                    if dev:
+                        self._scatter_device(op, dev)
+                        n_dev += len(dev)
+                        for c in dev:
+                            self._fetcher.finish(c, key0)
+                        self._fetcher.pump(chunks)
+                    n_ok = j
                 if n_ok < len(chunks):
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op, chunks[n_ok].ci))
                     self._stat("load_failures")
@@ -404,7 +454,12 @@ class ConnectorWorker:
                     self._fetcher.finish(c, key0)
                 current = None
                 if n_ok:
-                    parts.append((op, chunks[:n_ok], key0, []))
+                    loaded.append((op, chunks[0].ci))
+                if host:
+                    parts.append((op, host, key0, []))
+            if n_dev and self.decode_stream is not None:
+                device_event = torch.cuda.Event(enable_timing=True)
+                device_event.record(self.decode_stream)
             if parts:
                 slots = torch.cat([self.slot_mappings(op.block_ids, [c.ci for c in cs], op.start_token)
                                    for op, cs, _, _ in parts])
@@ -419,16 +474,22 @@ class ConnectorWorker:
                 if self.is_cuda:
                     self.prepare_layerwise()
                     dev = self.layout.device
-                    timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    timing[0].record(torch.cuda.current_stream(dev))
+                    timing = (start or torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    if start is None:
+                        timing[0].record(torch.cuda.current_stream(dev))
                     events = self._layer_engine.load_layerwise(slots, srcs)
+                    if device_event is not None:  # the load ends after both kinds of copies
+                        self._layer_engine.kernel_stream.wait_event(device_event)
                     timing[1].record(self._layer_engine.kernel_stream)
                 else:
                     ops.scatter(self.layout, slots, srcs)
                 n = sum(len(cs) for _, cs, _, _ in parts)
-                self._stat("layerwise_loads", len(parts))
                 self._stat("loaded_chunks", n)
                 self._stat("loaded_bytes", n * self.chunk_bytes)
+            elif device_event is not None:
+                timing = (start, device_event)
+            if loaded:
+                self._stat("layerwise_loads", len(loaded))
         except Exception:
             # Planning or queuing failed: every op fails from its start token — those already
             # planned, the one being planned and those after it (none of it may be read); on CUDA,
@@ -437,6 +498,8 @@ class ConnectorWorker:
             if self._layer_engine is not None:
                 self._layer_engine.copy_stream.synchronize()
                 self._layer_engine.kernel_stream.synchronize()
+            if self.decode_stream is not None:
+                self.decode_stream.synchronize()
             held = [(cs, key0) for _, cs, key0, _ in parts] + ([current] if current is not None else [])
             for cs, key0 in held:
                 self._release_chunks(cs, key0)
@@ -445,8 +508,9 @@ class ConnectorWorker:
                     failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
                     self._stat("load_failures")
             return failed
-        if parts:
-            self._layerwise = _LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing)
+        if loaded:
+            self._layerwise = LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing,
+                                            device_event=device_event, loaded=loaded)
         return failed
 
     def wait_layer(self, layer: int) -> None:
@@ -459,6 +523,8 @@ class ConnectorWorker:
             raise IndexError(f"lmtier: layer {layer} outside [0, {len(lw.waited)})")
         if lw.events is not None:
             torch.cuda.current_stream(self.layout.device).wait_event(lw.events[layer])
+        if lw.device_event is not None:  # device-staged chunks: every layer at once
+            torch.cuda.current_stream(self.layout.device).wait_event(lw.device_event)
         lw.waited[layer] = True
 
     def finish_layerwise(self) -> dict[str, set[int]]:
@@ -482,8 +548,8 @@ class ConnectorWorker:
         log.warning("lmtier: layer-by-layer load: the forward never waited for %d layer(s) (first: %d); "
                     "its blocks are reported as failed", len(missed), missed[0])
         out: dict[str, set[int]] = {}
-        for op, cs, _, _ in lw.parts:
-            out.setdefault(op.req_id, set()).update(self.blocks_from(op, cs[0].ci))
+        for op, first in lw.loaded:
+            out.setdefault(op.req_id, set()).update(self.blocks_from(op, first))
         return out
 
     def _release_chunks(self, chunks: list[Chunk], key0: Callable[[], list[bytes]]) -> None:
@@ -524,7 +590,7 @@ class ConnectorWorker:
         if self._load_pool is None:
             self._load_pool = ThreadPoolExecutor(self._load_threads, thread_name_prefix="lmtier-load")
         self._stat("async_loads")
-        self.async_loads[op.req_id] = _AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
+        self.async_loads[op.req_id] = AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
 
     def _fetch(self, op: LoadOp) -> tuple[list[Chunk], bool]:
         """Background thread: bring every chunk of ``op`` into host memory.
@@ -568,13 +634,16 @@ class ConnectorWorker:
                 log.exception("lmtier: async load of request %s failed", rid)
                 chunks, ok = [], False
             op = a.op
-            key0 = _lazy(lambda op=op: self._index_keys(op.token_ids, op.cache_salt,
+            key0 = lazy_once(lambda op=op: self._index_keys(op.token_ids, op.cache_salt,
                                                         self.keys(op.token_ids, op.cache_salt)))
             try:
                 if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
                     ok = True
                 elif ok and chunks:
+                    self._device_begin()
                     self._scatter_chunks(op, chunks)
+                    if self.decode_stream is not None:
+                        torch.cuda.current_stream(self.layout.device).wait_stream(self.decode_stream)
             except Exception:
                 log.exception("lmtier: scatter of async load of request %s failed", rid)
                 ok = False
@@ -593,90 +662,14 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------------------ stores
     def store(self, op: StoreOp) -> None:
-        """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``.
-
-        CPU cache: every chunk gets a pool slot (``reserve``; none when the chunk is present already
-        or every slot is pinned — skipped), all are gathered in one native call, then committed and
-        written through. CUDA cache: one gather is queued on the side streams after the current
-        stream's work, and the chunks are committed by :meth:`poll_stores` once it arrived (until
-        then the request is in ``pending``; do not reuse its blocks). A failing chunk is dropped
-        (logged), never made visible.
-        """
-        cpu = self.manager.cpu
-        cb = self.chunk_bytes
-        t0 = time.perf_counter()
-        keys = self.keys(op.token_ids, op.cache_salt)
-        keys0 = self._index_keys(op.token_ids, op.cache_salt, keys)
-        if cpu is None:
-            for ci in range(op.first_chunk, len(keys)):
-                try:
-                    slots = self.slot_mapping(op.block_ids, ci)
-                    if self.store_engine is None:
-                        ops.gather(self.layout, slots, [self.scratch])
-                    else:
-                        self.store_engine.store(slots, [self.scratch]).synchronize()
-                    if self.manager.store(keys[ci], self.scratch, timeout_s=None).result():
-                        self._on_stored(keys[ci], keys0[ci], "disk")
-                        self._stat("stored_chunks")
-                        self._stat("stored_bytes", cb)
-                except Exception:
-                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-        else:
-            batch: list[tuple[int, Any]] = []  # (chunk index, write slot)
-            for ci in range(op.first_chunk, len(keys)):
-                try:
-                    slot = cpu.reserve(keys[ci])
-                except Exception:
-                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-                    continue
-                if slot is None:  # present already, or every slot pinned (back-pressure)
-                    self._stat("store_skipped")
-                    continue
-                batch.append((ci, slot))
-            if batch:
-                try:
-                    slots = self.slot_mappings(op.block_ids, [ci for ci, _ in batch])
-                    dsts = [s.view[:cb] for _, s in batch]
-                    if self.store_engine is not None:
-                        ev = self.store_engine.store(slots, dsts)
-                        self.pending.setdefault(op.req_id, []).extend(
-                            (ev, s, keys[ci], keys0[ci]) for ci, s in batch)
-                    else:
-                        ops.gather(self.layout, slots, dsts)
-                        for ci, s in batch:
-                            self._commit(s, keys[ci], keys0[ci])
-                except Exception:
-                    log.exception("lmtier: store of %d chunks of request %s failed (dropped)", len(batch), op.req_id)
-                    for _, s in batch:
-                        try:
-                            cpu.abort(s)
-                        except RuntimeError:  # committed before the failure
-                            pass
-        dt = time.perf_counter() - t0
-        self._stat("store_ms", dt * 1e3)
-        self._stat("store_lat_s", dt)
-
-    def _commit(self, slot: Any, key: bytes, key0: bytes) -> None:
-        self.manager.commit(slot, self.chunk_bytes)  # visible, STORED published, written through
-        self._on_stored(key, key0, "cpu")
-        self._stat("stored_chunks")
-        self._stat("stored_bytes", self.chunk_bytes)
+        """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``
+        (:meth:`lmtier.integration.vllm.stores.ChunkStorer.store`: on CUDA the chunks are committed
+        by :meth:`poll_stores` once their copy arrived; until then the request is in ``pending``)."""
+        self._storer.store(op)
 
     def poll_stores(self, *, block: bool = False) -> None:
         """Commit the CUDA stores whose copy completed (``block``: wait for all of them first)."""
-        for rid in list(self.pending):
-            keep = []
-            for ev, slot, key, key0 in self.pending[rid]:
-                if block:
-                    ev.synchronize()
-                if ev.query():
-                    self._commit(slot, key, key0)
-                else:
-                    keep.append((ev, slot, key, key0))
-            if keep:
-                self.pending[rid] = keep
-            else:
-                del self.pending[rid]
+        self._storer.poll_stores(block=block)
 
     def finished_sending(self, delayed_frees: Iterable[str] = ()) -> set[str]:
         """Requests whose blocks may be freed now.
