@@ -141,9 +141,12 @@ every subcommand but rans takes --model-preset NAME and --plot PATH.png; `all` t
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[0] != "bench" or argv[1] in ("-h", "--help"):
+    if argv in (["-h"], ["--help"], ["bench", "-h"], ["bench", "--help"]):
+        print(USAGE)  # asked for: stdout, success
+        return 0
+    if len(argv) < 2 or argv[0] != "bench":
         print(USAGE, file=sys.stderr)
-        return 0 if len(argv) >= 2 else 2
+        return 2
     sub, rest = argv[1], argv[2:]
     if sub in SUBCOMMANDS:
         return _run_sub(sub, rest)

@@ -161,3 +161,15 @@ def test_subcommands_run_outside_the_checkout(tmp_path):
         r = subprocess.run([sys.executable, "-m", "lmtier.cli", "bench", sub, "--help"], cwd=work, env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and f"lmtier bench {sub}" in r.stdout, (sub, r.stderr[-1000:])
+
+
+@pytest.mark.parametrize("argv,rc", [(["--help"], 0), (["-h"], 0), (["bench", "--help"], 0), ([], 2), (["bench"], 2),
+                                     (["frobnicate"], 2)])
+def test_cli_help_exits_zero_and_usage_errors_two(argv, rc, capsys):
+    """``lmtier --help`` is a request (usage on stdout, exit 0; it used to exit 2); a missing or unknown
+    command is a usage error (usage on stderr, exit 2)."""
+    from lmtier import cli
+
+    assert cli.main(argv) == rc
+    out, err = capsys.readouterr()
+    assert "lmtier bench" in (out if rc == 0 else err)
