@@ -40,7 +40,7 @@ class LMTierStats(KVConnectorStats):
 
     FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", "hit_tokens_remote", "lookup_tokens", "loaded_chunks",
               "load_failures", "loaded_bytes", "load_ms", "async_loads", "stored_chunks", "store_skipped",
-              "stored_bytes", "store_ms", "layerwise_loads")
+              "stored_bytes", "store_ms", "layerwise_loads", "device_decoded_chunks")
     LISTS = ("load_lat_s", "store_lat_s")
 
     def __init__(self, data: dict | None = None):
