@@ -566,11 +566,11 @@ def _run_async(w: ConnectorWorker, op: LoadOp) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_device_decode_load_bit_exact_bounded_not_promoted(mode, tmp_path, managers):
     """Codec records on disk, a CUDA cache: decode_on "auto" picks the device path; every chunk is
-    decoded on the GPU into at most ``device_window`` (2) device staging buffers (sync: 4 chunks)
+    decoded on the GPU into at most ``device_window`` (2) device staging buffers (sync: 3 chunks)
     and scattered device -> paged blocks on the decode stream; bit exact (lossless), nothing
     promoted into the pool, no staging allocated by a second load."""
-    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=60)
-    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=61, chunks=4,
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=60)  # 3 chunks of 64 tokens = the 12 blocks of SRC
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=61, chunks=3,
                                                          device_window=2)
     assert w.device_staging and w.decode_stream is not None
     n = len(toks)
@@ -589,8 +589,8 @@ def test_device_decode_load_bit_exact_bounded_not_promoted(mode, tmp_path, manag
             allocs = mgr.counters["load_device_staging_allocs"]
     if mode == "sync":
         assert allocs <= 2 and mgr.counters["load_device_staging_allocs"] == allocs
-    assert rec.stats["device_decoded_chunks"] == 8 and mgr.disk.counters["hits"] == 8
-    assert mgr.lookup(keys) == ["disk"] * 4 and not rec.stored, "device-decoded chunks are not promoted"
+    assert rec.stats["device_decoded_chunks"] == 6 and mgr.disk.counters["hits"] == 6
+    assert mgr.lookup(keys) == ["disk"] * 3 and not rec.stored, "device-decoded chunks are not promoted"
     assert mgr.counters["load_staging_allocs"] == 0, "no host staging on the device path"
     assert mgr.cpu.num_pinned() == 0 and w.idle()
 
