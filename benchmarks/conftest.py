@@ -16,7 +16,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 def pytest_collect_file(file_path, parent):
     # (a file named on the command line is collected by pytest itself: do not add it twice)
-    if file_path.name in _COLLECT and os.path.dirname(str(file_path)) == _HERE \
-            and not parent.session.isinitpath(file_path):
+    if (
+        file_path.name in _COLLECT
+        and os.path.dirname(str(file_path)) == _HERE
+        and not parent.session.isinitpath(file_path)
+    ):
         return pytest.Module.from_parent(parent, path=file_path)
     return None

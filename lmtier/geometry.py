@@ -175,7 +175,9 @@ def torch_itemsize(dtype: "torch.dtype") -> int:
     try:
         return torch_itemsizes()[dtype]
     except KeyError:
-        raise ValueError(f"unsupported KV cache dtype {dtype}; supported: {sorted(map(str, torch_itemsizes()))}") from None
+        raise ValueError(
+            f"unsupported KV cache dtype {dtype}; supported: {sorted(map(str, torch_itemsizes()))}"
+        ) from None
 
 
 class _TorchKVDTypes(Mapping):

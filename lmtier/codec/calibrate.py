@@ -40,8 +40,16 @@ from . import quant
 from .chunk import StaticTables, _quantize
 from .levels import Level, get_level
 
-__all__ = ["SHIPPED_FILE", "MAX_TABLES", "channels_per_table", "table_set_id", "calibrate", "save", "load",
-           "shipped_tables"]
+__all__ = [
+    "SHIPPED_FILE",
+    "MAX_TABLES",
+    "channels_per_table",
+    "table_set_id",
+    "calibrate",
+    "save",
+    "load",
+    "shipped_tables",
+]
 
 SHIPPED_FILE = Path(__file__).with_name("tables") / "smollm2_135m.npz"
 """Tables for SmolLM2-135M geometry (L=30, H=3, D=64), levels high/default/low."""
