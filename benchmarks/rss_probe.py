@@ -36,7 +36,6 @@ import bench_connectors as B  # noqa: E402
 
 from lmtier.testing import procmem  # noqa: E402  (shared /proc parsing: rollup, anon_regions)
 
-
 rollup = procmem.rollup
 comm = procmem.comm
 

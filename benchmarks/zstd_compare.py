@@ -2,9 +2,10 @@
 reference beside lmtier's codec (RESULTS.md §4.4). Usage: .venv/bin/python benchmarks/zstd_compare.py"""
 
 import torch
-from lmtier.bench.codec_kernels import zstd_planes
-from lmtier.bench.codec import model_kv, synthetic_kv
 import zstandard
+
+from lmtier.bench.codec import model_kv
+from lmtier.bench.codec_kernels import zstd_planes
 
 kv, what = model_kv("models/SmolLM2-135M-Instruct", 4, 256)
 print("real:", what, tuple(kv.shape), kv.dtype)

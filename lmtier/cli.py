@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 SUBCOMMANDS: dict[str, str] = {
     "transfer": "lmtier.bench.transfer",

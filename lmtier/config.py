@@ -257,7 +257,7 @@ class LMTierConfig:
         return self.codec_level if serde == "cachegen" else None
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "LMTierConfig":
+    def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> LMTierConfig:
         """Build and validate a config from flat LMCache-style keys (as in the YAML file).
 
         ``env`` is only consulted for ``remote_password_env``. Raises :class:`ConfigError`.

@@ -195,7 +195,7 @@ class TierManager:
         disk_factory: DiskFactory = default_disk_factory,
         remote_factory: RemoteFactory = default_remote_factory,
         **kwargs: Any,
-    ) -> "TierManager":
+    ) -> TierManager:
         """Build the tiers ``config`` enables for chunks of ``namespace``.
 
         Args:
@@ -665,7 +665,7 @@ class TierManager:
                 except Exception:
                     log.exception("closing tier %s failed", tier.name)
 
-    def __enter__(self) -> "TierManager":
+    def __enter__(self) -> TierManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:

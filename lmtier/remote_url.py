@@ -122,7 +122,7 @@ class RedisEndpoint:
         nodes = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
         return f"{self.scheme}://{nodes}" + ("" if self.kind == "cluster" else f"/{self.db}")
 
-    def with_password(self, password: str | None) -> "RedisEndpoint":
+    def with_password(self, password: str | None) -> RedisEndpoint:
         """A copy with ``password`` replaced."""
         return replace(self, password=password or None)
 

@@ -23,7 +23,7 @@ concurrent stores and loads.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

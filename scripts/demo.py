@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         print_metrics(demo)
     for n in demo.notes:
         print(f"note: {n}")
-    print(f"server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
+    print("server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
     print(f"total wall time: {time.monotonic() - t_start:.0f}s")
     busy = [
         f"{p.phase} {p.loadavg[0]:.1f}/{p.loadavg[1]:.1f}"

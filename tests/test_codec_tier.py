@@ -785,7 +785,8 @@ def test_manager_disk_cachegen_evictions_and_forget(tmp_path):
     evictions reach the manager's index listeners as DISK_EVICTED under the chunk keys (records
     found on disk at startup included), CPU evictions as EVICTED "disk", and ``manager.disk.forget``
     works (the old CodecTier had neither listeners nor ``forget``)."""
-    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.events import IndexEvent
+    from lmtier.events import IndexEventKind as E
 
     ns = _ns()
     xs = {i: kv_like(seed=40 + i) for i in range(8)}

@@ -15,8 +15,8 @@ from lmtier import geometry as G
 from lmtier import keys, layout, record
 from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
-from lmtier.keys import Namespace
 from lmtier.hf import TORCH_KV_DTYPES
+from lmtier.keys import Namespace
 from lmtier.manager import codec_chunk_shape
 from lmtier.tiers import base as tier_base
 from lmtier.tiers.codec import CODEC_KV_DTYPES

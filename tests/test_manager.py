@@ -464,7 +464,8 @@ def test_index_events_store_evict_promote_and_listeners():
     """STORED after each store/promotion/commit (visible to lookup when heard), EVICTED "disk" for a
     CPU victim written back, DISK_EVICTED for the disk tier's LRU victims; a failing listener is
     logged and counted, never raised; a removed listener hears nothing."""
-    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.events import IndexEvent
+    from lmtier.events import IndexEventKind as E
     from lmtier.tiers.base import Eviction
 
     disk = MemTier("disk")
@@ -510,7 +511,8 @@ def test_index_events_store_evict_promote_and_listeners():
 def test_index_events_without_disk_or_cpu():
     """Without a disk a CPU victim is EVICTED with tier None; without a CPU pool a store is STORED
     in the tier that took it."""
-    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.events import IndexEvent
+    from lmtier.events import IndexEventKind as E
 
     events: list[IndexEvent] = []
     with TierManager(cpu=make_pool(num_slots=1)) as m:

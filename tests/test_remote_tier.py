@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lmtier import record as rec
-from lmtier.tiers.base import TierError
 from lmtier.remote_url import parse_redis_url
+from lmtier.tiers.base import TierError
 from lmtier.tiers.buffers import AlignedBuffer
 from lmtier.tiers.redis import RedisTier
 

@@ -136,10 +136,9 @@ def test_lone_userinfo_is_a_password_for_the_tier(redis_server_auth):
 
 def test_unix_socket_password_in_query_through_the_config(tmp_path):
     """old: ``unix:///path?password=x`` (the tier's documented form) was a ConfigError."""
-    from lmtier.testing.redis import start_or_skip
-
     from lmtier.keys import Namespace
     from lmtier.manager import TierManager
+    from lmtier.testing.redis import start_or_skip
 
     sock = str(tmp_path / "r.sock")
     srv = start_or_skip(password="pw-unix", extra_args=("--unixsocket", sock, "--unixsocketperm", "700"))

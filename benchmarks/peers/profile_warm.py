@@ -88,7 +88,6 @@ def main() -> int:
     B.OTHER = B.OtherLoad()
     procs = []
     try:
-        import json as _json
 
         env = dict(os.environ)
         # start pc with prefix caching on by building the command by hand

@@ -30,7 +30,6 @@ thread) on the split byte planes of the lossless level. Ratio = bf16 bytes / all
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from lmtier import envs
-from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
+from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import native as N
 from lmtier.codec import quant as Q
 from lmtier.codec import rans

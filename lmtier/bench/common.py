@@ -7,8 +7,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Callable
 
 import torch
 

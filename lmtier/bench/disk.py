@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     )
     if res.get("inflight_rows"):
         print(
-            f"pipelined loads: k records in flight (get_into, aligned) vs k parallel O_DIRECT 8 MiB reads of a raw file"
+            "pipelined loads: k records in flight (get_into, aligned) vs k parallel O_DIRECT 8 MiB reads of a raw file"
         )
         print_table(res["inflight_rows"], ["inflight", "io_threads", "load_GBps", "odirect_par_GBps", "load_%par"])
     write_json(a.json, res)

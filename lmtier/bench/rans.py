@@ -21,15 +21,13 @@ run. The goals: decode >= 100 GB/s of bf16 output, encode >= 50 GB/s of bf16 inp
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 from lmtier import envs
-from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
+from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import rans
 
 SMOKE = envs.LMTIER_BENCH_SMOKE

@@ -49,8 +49,9 @@ and its measured quality are in docs/codec.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -173,12 +174,12 @@ def _dtype(dtype: Any) -> torch.dtype:
     return dt
 
 
-def sections_per_layer(level: "str | int | Level") -> int:
+def sections_per_layer(level: str | int | Level) -> int:
     """Record sections per layer: 4 for ``lossless`` (hi/lo planes of K and V), 3 otherwise."""
     return 4 if get_level(level).lossless else 3
 
 
-def decoded_buffer_bytes(level: "str | int | Level", shape: Sequence[int]) -> tuple[int, int]:
+def decoded_buffer_bytes(level: str | int | Level, shape: Sequence[int]) -> tuple[int, int]:
     """(symbol bytes, side bytes) that decoding a record of ``shape`` produces: the symbols
     ``[L, 2, H, D, T]`` and the side data (scale codes, or the lossless lo plane)."""
     nl, _, t, h, d = _shape(shape)
@@ -186,7 +187,7 @@ def decoded_buffer_bytes(level: "str | int | Level", shape: Sequence[int]) -> tu
     return nl * 2 * h * d * t, nl * (ks + vs)
 
 
-def section_layout(level: "str | int | Level", shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def section_layout(level: str | int | Level, shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where each record section decodes to.
 
     Returns ``(to_side, offset, length)``, arrays of ``L * S`` entries in record order:
@@ -217,7 +218,7 @@ def section_layout(level: "str | int | Level", shape: Sequence[int]) -> tuple[np
     return to_side, off, length
 
 
-def max_record_bytes(shape: Sequence[int], level: "str | int | Level") -> int:
+def max_record_bytes(shape: Sequence[int], level: str | int | Level) -> int:
     """Upper bound on the bytes of any record :func:`encode_chunk` makes for this geometry and
     level (whatever the data and tables): the raw symbol bytes plus a bounded per-section and
     per-record overhead (see the module doc). A buffer of this size receives any valid record."""
@@ -254,7 +255,7 @@ def encode_chunk(
     *,
     shape: Sequence[int],
     dtype: Any,
-    level: "str | int | Level",
+    level: str | int | Level,
     tables: StaticTables | None = None,
     num_threads: int = 0,
 ) -> bytes:
@@ -332,7 +333,7 @@ def encode_chunk(
 
 
 def check_record_info(
-    info: fmt.RecordInfo, *, expected_shape: Sequence[int], dtype: Any, level: "str | int | Level | None" = None
+    info: fmt.RecordInfo, *, expected_shape: Sequence[int], dtype: Any, level: str | int | Level | None = None
 ) -> Level:
     """Check a parsed record header against what the caller expects; returns the record's level.
 
@@ -431,7 +432,7 @@ def decode_chunk(
     *,
     expected_shape: Sequence[int],
     dtype: Any,
-    level: "str | int | Level | None" = None,
+    level: str | int | Level | None = None,
     tables: StaticTables | None = None,
     num_threads: int = 0,
 ) -> None:
@@ -509,7 +510,7 @@ def _on_device(x: torch.Tensor):
 def dequantize_layers(
     sym: torch.Tensor,
     side: torch.Tensor,
-    level: "str | int | Level",
+    level: str | int | Level,
     shape: Sequence[int],
     out: torch.Tensor,
     l0: int = 0,

@@ -173,7 +173,7 @@ LEVELS: dict[str, Level] = {lv.name: lv for lv in (LOSSLESS, HIGH, DEFAULT, LOW)
 LEVELS_BY_ID: dict[int, Level] = {lv.level_id: lv for lv in (*LEVELS.values(), CACHEGEN_REF)}
 
 
-def get_level(level: "str | int | Level") -> Level:
+def get_level(level: str | int | Level) -> Level:
     """Level by name, id or itself; unknown values raise ValueError."""
     if isinstance(level, Level):
         return level

@@ -25,8 +25,9 @@ naming the chunk(s); bad arguments raise ``ValueError`` / ``TypeError``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -73,7 +73,7 @@ import torch
 
 from lmtier.errors import LMTierError
 
-from .levels import Granularity, Level, PlaneQuant, Transform, get_level
+from .levels import Granularity, PlaneQuant, Transform, get_level
 
 __all__ = [
     "quantize",

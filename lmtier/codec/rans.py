@@ -31,8 +31,9 @@ on one device). Errors in the data (corrupted / truncated / hostile streams, mis
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -157,7 +157,7 @@ class RedisServer:
     def url_no_auth(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [
             self.binary,
             "--port",
@@ -239,7 +239,7 @@ class RedisServer:
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
-    def restart(self) -> "RedisServer":
+    def restart(self) -> RedisServer:
         self.kill()
         return self.start()
 
@@ -294,7 +294,7 @@ class RedisClusterServers:
     def url(self) -> str:
         return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
-    def start(self, timeout_s: float = 30.0) -> "RedisClusterServers":
+    def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RedisUnavailable("redis-cli is not installed")

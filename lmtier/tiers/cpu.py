@@ -444,7 +444,7 @@ class CPUPool(Tier):
                 self._pop_cond.notify()
 
     @staticmethod
-    def _populate_loop(ref: "weakref.ref[CPUPool]", cond: threading.Condition) -> None:
+    def _populate_loop(ref: weakref.ref[CPUPool], cond: threading.Condition) -> None:
         """Daemon thread: map slots ``[done, target)`` whenever the target moves (see ``populate``).
         Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed."""
         from lmtier.memory import populate

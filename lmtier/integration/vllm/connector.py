@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from lmtier.config import load_config

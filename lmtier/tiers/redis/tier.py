@@ -260,7 +260,7 @@ class RedisTier(Tier):
         )
 
     @classmethod
-    def from_config(cls, remote: "RemoteConfig", **kwargs: Any) -> "RedisTier":
+    def from_config(cls, remote: RemoteConfig, **kwargs: Any) -> RedisTier:
         """The tier of a loaded configuration: the endpoint the config parsed (no second parse)
         and ``remote_timeout_s``; ``kwargs`` go to the constructor (pieces, TTL, ...).
 
