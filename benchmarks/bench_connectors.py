@@ -564,7 +564,8 @@ class Bench:
             log(f"  MISS {system} N={n} r={rnd}: cached {r['cached']} < {expect_hit}")
         self.records.append(r)
         log(
-            f"  {phase:<2} r{rnd} N={n:<5} {system:<28} {r['ttft_ms']:8.1f} ms  cached={r['cached']}  load={r['load1']} others={r['other_load']}"
+            f"  {phase:<2} r{rnd} N={n:<5} {system:<28} {r['ttft_ms']:8.1f} ms  cached={r['cached']}  "
+            f"load={r['load1']} others={r['other_load']}"
         )
         return r
 
@@ -961,13 +962,13 @@ def print_table(b: Bench, rows: list[dict[str, Any]]) -> None:
             ratio = f"{r['ratio_to_cold']:.3f}" if r.get("ratio_to_cold") and not s.startswith("0% reuse") else "  -  "
             flag = "" if r["only_calm"] else "*"
             miss = f"!{r['misses']}" if r["misses"] else ""
-            line += f"{r['median_ms']:>9.1f} ({ratio:>5}) {r['load_median']:>4.1f}/{r['other_load_median']:<4.1f}{flag}{miss}".rjust(
-                28
-            )
+            loads = f"{r['load_median']:>4.1f}/{r['other_load_median']:<4.1f}"
+            line += f"{r['median_ms']:>9.1f} ({ratio:>5}) {loads}{flag}{miss}".rjust(28)
         print(line)
     print(
         "\nmedians over rounds (phase A and B rounds for 'cold'); ratio = median / cold median at the same N; "
-        f"load = median 1-min load average at the requests; others = median 1-min average of runnable threads outside this benchmark's process tree; * = fewer than {b.args.rounds} calm rounds "
+        "load = median 1-min load average at the requests; others = median 1-min average of runnable threads outside "
+        f"this benchmark's process tree; * = fewer than {b.args.rounds} calm rounds "
         f"(load <= {b.args.load_threshold}), all rounds used; !k = k requests without the expected hit. "
         f"0% reuse rows: N = {b.args.reuse_n} (+64), {b.args.reuse_prompts} distinct prompts per round."
     )
@@ -1108,8 +1109,9 @@ def main(argv: list[str] | None = None) -> int:
             print("target: " + t)
     for name, r in b.rss.items():
         print(
-            f"\nRSS run {name} ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors {r['errors']}): "
-            f"server tree RSS min/median/max {r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
+            f"\nRSS run {name} ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors "
+            f"{r['errors']}): server tree RSS min/median/max "
+            f"{r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
             f"PSS {r['pss_gib']['min']:.2f}/{r['pss_gib']['median']:.2f}/{r['pss_gib']['max']:.2f} GiB; "
             f"max first third {r['rss_max_first_third_gib']:.2f}, last third {r['rss_max_last_third_gib']:.2f} GiB; "
             f"load max {r['load_max']:.1f}; server env {r.get('server_mem_env') or '(glibc, oneDNN defaults)'}"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,21 @@ class Decoder:
                 wait(l)
             x, att = self.layer(l, x, blocks, n_ctx)
         return x, att
+
+
+def _memcpy_timer(nbytes: int, dev: torch.device, cuda: bool, sync) -> Callable[[], None]:
+    """A function copying `nbytes` bytes host -> `dev` in one copy (pinned host memory when `cuda`), then `sync()`.
+
+    The host and device buffers live as long as the returned function.
+    """
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+    def t_memcpy():
+        devbuf.copy_(host, non_blocking=True)
+        sync()
+
+    return t_memcpy
 
 
 def run(args) -> dict:
@@ -168,12 +184,7 @@ def run(args) -> dict:
         def t_load():
             assert w.load(op) == set()
 
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-
-        def t_memcpy():
-            devbuf.copy_(host, non_blocking=True)
-            sync()
+        t_memcpy = _memcpy_timer(nbytes, dev, cuda, sync)  # owns its buffers: `del t_memcpy` frees them
 
         def timed(fn, prep=None):
             xs = []
@@ -234,7 +245,7 @@ def run(args) -> dict:
             f"memcpy {row['memcpy_ms']:.2f}, bit-exact {exact}",
             flush=True,
         )
-        del host, devbuf
+        del t_memcpy
     w.close()
     mgr.close(persist=False)
     return {

@@ -562,7 +562,8 @@ def smoke() -> None:
         dec = decode_level(name, ev)
         err = layer_rel_error(ev, dec)
         print(
-            f"{name:<14s} ratio {rate['ratio']:.2f} K relerr {err['k_rel_err_mean']:.4f} V relerr {err['v_rel_err_mean']:.4f}"
+            f"{name:<14s} ratio {rate['ratio']:.2f} K relerr {err['k_rel_err_mean']:.4f} V relerr "
+            f"{err['v_rel_err_mean']:.4f}"
         )
         if name == "lossless":
             assert torch.equal(dec.view(torch.int16), ev.view(torch.int16))

@@ -1,6 +1,7 @@
 """``pytest benchmarks/`` collects the ``test_*.py`` suites here and also this directory's
 ``bench_store_cpu.py`` (pytest-benchmark cases), ``bench_disk.py`` and ``bench_remote.py`` (tiny smoke
-runs of ``lmtier bench disk`` / ``remote``); the other ``bench_*.py`` are scripts only. ``LMTIER_BENCH_SMOKE=1`` shrinks the sizes."""
+runs of ``lmtier bench disk`` / ``remote``); the other ``bench_*.py`` are scripts only.
+``LMTIER_BENCH_SMOKE=1`` shrinks the sizes."""
 
 from __future__ import annotations
 

@@ -6,14 +6,13 @@ import zstandard
 
 from lmtier.bench.codec import model_kv
 from lmtier.bench.codec_kernels import zstd_planes
+from lmtier.codec import quant as Q
 
 kv, what = model_kv("models/SmolLM2-135M-Instruct", 4, 256)
 print("real:", what, tuple(kv.shape), kv.dtype)
 z = zstd_planes(kv.to(torch.bfloat16))
 print("real KV zstd-3 split planes:", {k: round(v, 3) for k, v in z.items()})
 # zstd-19 on the same planes
-from lmtier.codec import quant as Q
-
 hi = b"".join(Q.quantize(kv[i].to(torch.bfloat16), "lossless")[0].numpy().tobytes() for i in range(kv.shape[0]))
 lo = b"".join(Q.quantize(kv[i].to(torch.bfloat16), "lossless")[1].numpy().tobytes() for i in range(kv.shape[0]))
 c = zstandard.ZstdCompressor(level=19)

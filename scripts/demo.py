@@ -559,7 +559,10 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    hdr = f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} {'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+    hdr = (
+        f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} "
+        f"{'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+    )
     print()
     print(hdr)
     print("-" * len(hdr))
@@ -588,7 +591,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def print_metrics(demo: Demo) -> None:
     print(
-        "\nMetric deltas per phase (lines of /metrics with lmtier or the prefix-cache counters; labels engine/model_name dropped):"
+        "\nMetric deltas per phase (lines of /metrics with lmtier or the prefix-cache counters; labels "
+        "engine/model_name dropped):"
     )
     for p in demo.passes:
         agg: dict[str, float] = {}
@@ -680,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="lmtier_demo_")) if own_work else args.workdir.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     log(
-        f"work folder {work}; phases: {', '.join(p for p in ('baseline', 'lmtier', 'restart', 'redis') if p in args.phase_set)}"
+        f"work folder {work}; phases: "
+        f"{', '.join(p for p in ('baseline', 'lmtier', 'restart', 'redis') if p in args.phase_set)}"
     )
 
     reqs = build_workload(args.model, sizes)

@@ -16,7 +16,8 @@ def main(path: str) -> None:
     print(
         f"--- {path.rsplit('/', 1)[-1]}: {r['model']}; H2D {c.get('h2d_GBs') or 0:.1f} GB/s; dd read "
         f"{dd.get('read', 0):.2f} GB/s, O_DIRECT x{dd.get('read_par_inflight', '?')} {dd.get('read_par', 0):.2f} GB/s; "
-        f"Redis raw socket {c.get('redis_raw_GBs') or 0:.2f} GB/s; load path: {r.get('load_path', {}).get('copy', '?')}, "
+        f"Redis raw socket {c.get('redis_raw_GBs') or 0:.2f} GB/s; load path: "
+        f"{r.get('load_path', {}).get('copy', '?')}, "
         f"codec decode on the {r.get('load_path', {}).get('codec_decode', '?')}; "
         f"checks_ok={r['checks_ok']}; ms (% of recompute)"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -290,5 +291,5 @@ def test_validate_for_bad_block(block):
 
 def test_config_is_frozen():
     cfg = LMTierConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_size = 1  # type: ignore[misc]

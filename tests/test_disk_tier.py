@@ -240,7 +240,7 @@ def test_restart_respects_smaller_capacity(tmp_path):
 def test_multiple_paths_spread(tmp_path):
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     t = DiskTier(roots, 64 * MiB)
-    for i in range(40):
+    for _ in range(40):
         assert t.put(os.urandom(32), b"y" * 1000)
     assert len(files(roots[0])) > 5 and len(files(roots[1])) > 5
     t.close()

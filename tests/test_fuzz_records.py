@@ -53,6 +53,7 @@ def fuzz_settings(n: int):
 
 KEY = bytes(range(32))
 PAYLOAD = bytes((i * 131 + 7) % 251 for i in range(10_000))
+PAYLOAD_BYTES = len(PAYLOAD)
 
 # A mutation: a list of (position, new byte) edits, optional truncation, optional appended bytes.
 mutations = st.tuples(
@@ -83,7 +84,7 @@ def timed(fn, *args, **kw):
 
 
 # ------------------------------------------------------------------------------------ headers
-def _header(payload_bytes=len(PAYLOAD), offset=rec.COMPACT_PAYLOAD_OFFSET, checksum=None):
+def _header(payload_bytes=PAYLOAD_BYTES, offset=rec.COMPACT_PAYLOAD_OFFSET, checksum=None):
     return rec.encode_header(
         KEY, payload_bytes, rec.payload_checksum(PAYLOAD) if checksum is None else checksum, payload_offset=offset
     )
@@ -422,7 +423,8 @@ def test_rans_hostile_symbol_count_does_not_allocate():
         "vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))\n"
         "for n in (2**32 - 1, 2**31 + 1, 2**31):\n"
-        "    h = np.array([(0x534E524C, 2, 0, 20, 5, 0, 0, n)], dtype=np.dtype('<u4,u1,u1,u1,u1,<u2,<u2,<u4')).tobytes()\n"
+        "    h = np.array([(0x534E524C, 2, 0, 20, 5, 0, 0, n)], "
+        "dtype=np.dtype('<u4,u1,u1,u1,u1,<u2,<u2,<u4')).tobytes()\n"
         "    try:\n"
         "        rans.decode([np.frombuffer(h + bytes(64), np.uint8)], t)\n"
         "        raise SystemExit('decoded?')\n"

@@ -105,7 +105,10 @@ def test_geometry_rejects_bad_sizes():
 
 
 def test_keys_and_records_do_not_import_torch():
-    code = "import sys, lmtier.geometry, lmtier.keys, lmtier.record, lmtier.envs, lmtier.config; print('torch' in sys.modules)"
+    code = (
+        "import sys, lmtier.geometry, lmtier.keys, lmtier.record, lmtier.envs, lmtier.config; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PKG.parent
     ).stdout.strip()

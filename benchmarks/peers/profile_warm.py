@@ -88,7 +88,6 @@ def main() -> int:
     B.OTHER = B.OtherLoad()
     procs = []
     try:
-
         env = dict(os.environ)
         # start pc with prefix caching on by building the command by hand
         port = B.D.free_port()
@@ -161,8 +160,8 @@ def main() -> int:
                     lms = 1e3 * d.get("vllm:lmtier_load_seconds_sum", 0)
                     res[(s.name + " warm", n)].append((r["ttft_ms"], r["load1"], r["other_load"], r["cached"], lms))
                     print(
-                        f"rep {rep} N={n} {s.name}: {r['ttft_ms']:.1f} ms cached={r['cached']} lmtier_load={lms:.1f} ms "
-                        f"load={r['load1']} others={r['other_load']}",
+                        f"rep {rep} N={n} {s.name}: {r['ttft_ms']:.1f} ms cached={r['cached']} "
+                        f"lmtier_load={lms:.1f} ms load={r['load1']} others={r['other_load']}",
                         flush=True,
                     )
         print("\nmedians:")

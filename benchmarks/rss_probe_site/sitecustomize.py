@@ -4,10 +4,11 @@ With ``RSS_PROBE_DIR`` set, a daemon thread writes one JSON line every ``RSS_PRO
 (default 5) to ``$RSS_PROBE_DIR/<pid>.jsonl``: glibc ``mallinfo2`` (arena = bytes the heaps took
 from the system, fordblks = free bytes kept inside them, hblkhd = bytes in mmapped chunks),
 VmRSS/RssAnon/RssFile, threads; when tcmalloc is preloaded, its ``MallocExtension`` counters
-(current_allocated_bytes = live bytes, heap_size, page-heap free/unmapped, cache free bytes); with ``RSS_PROBE_GC=1`` also the 25 most common Python object
-types every 6th sample; with ``RSS_PROBE_TRACEMALLOC=N`` a tracemalloc top-N diff against the
-first snapshot every 6th sample, in the process whose comm starts with ``RSS_PROBE_TM_COMM``
-(default VLLM::Worker) only (costly). Does nothing without RSS_PROBE_DIR.
+(current_allocated_bytes = live bytes, heap_size, page-heap free/unmapped, cache free bytes);
+with ``RSS_PROBE_GC=1`` also the 25 most common Python object types every 6th sample; with
+``RSS_PROBE_TRACEMALLOC=N`` a tracemalloc top-N diff against the first snapshot every 6th sample, in
+the process whose comm starts with ``RSS_PROBE_TM_COMM`` (default VLLM::Worker) only (costly). Does
+nothing without RSS_PROBE_DIR.
 """
 
 import os

@@ -136,7 +136,10 @@ class Case:
         self.total = sum(int(s.numel()) for s in self.streams)
         self.tables = tables
         on_cuda = dev.type == "cuda"
-        mk = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+        def mk(nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
         self.out = mk(rans.max_batch_encoded_bytes(n, self.total, seg_log2))
         self.scratch = mk(rans.encode_scratch_bytes(n, self.total, seg_log2))
         self.offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)

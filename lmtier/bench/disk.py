@@ -9,8 +9,8 @@ Bytes declared: payload bytes per chunk (the 4 KiB header block is not counted).
 writes ``count`` distinct chunks (so a working set of count x size) and reads them back; the
 table shows the median per-chunk GB/s and the aggregate. The ceiling is ``dd bs=16M
 oflag=direct conv=fdatasync`` (write) and ``dd bs=16M iflag=direct`` (read) of the same total
-bytes in the same directory, measured right before and after each case (mean of the two). Page cache is not involved (O_DIRECT on
-both sides). A tiny smoke run: ``pytest benchmarks/bench_disk.py``.
+bytes in the same directory, measured right before and after each case (mean of the two). Page
+cache is not involved (O_DIRECT on both sides). A tiny smoke run: ``pytest benchmarks/bench_disk.py``.
 """
 
 from __future__ import annotations

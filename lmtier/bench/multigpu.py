@@ -24,7 +24,8 @@ def _numa_of_gpu(dev: int) -> tuple[int | None, list[int] | None, str]:
     try:
         props = torch.cuda.get_device_properties(dev)
         if hasattr(props, "pci_bus_id") and isinstance(props.pci_bus_id, int):
-            bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+            domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+            bus = f"{domain:04x}:{props.pci_bus_id:02x}:{device:02x}.0"
         else:
             import subprocess
 

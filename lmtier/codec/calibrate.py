@@ -6,8 +6,9 @@ The quantized levels emit per layer three record sections (:mod:`lmtier.codec.ch
 
 * symbol sections: run length ``G * T``, table ``((l * 2 + p) * H + h) * D / G + d / G`` for the run
   of channels ``(h, d .. d + G - 1)``, G = 1 (one table per channel) unless the set would exceed
-  the coder's 65,535 tables (e.g. Llama-3.1-8B: 65,536 channel runs -> G = 2) — every table covers the level's whole alphabet ``0 .. 2 * qmax`` (frequency >= 1), so
-  valid chunks never need a fallback;
+  the coder's 65,535 tables (e.g. Llama-3.1-8B: 65,536 channel runs -> G = 2) — every table
+  covers the level's whole alphabet ``0 .. 2 * qmax`` (frequency >= 1), so valid chunks never
+  need a fallback;
 * scale sections: run length ``H * T``, table ``L * 2 * H * D + 2 * l + p`` for plane p's codes —
   these cover the codes seen in calibration plus a margin; a chunk with another code falls back
   to a per-stream table for that stream alone (the coder's rule).

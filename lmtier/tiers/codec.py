@@ -2,13 +2,13 @@
 
 :class:`CodecTier` wraps a disk or remote tier and implements the whole
 :class:`~lmtier.tiers.base.Tier` protocol by forwarding to it (``contains``, ``contains_many``,
-``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put`` encodes the chunk's canonical bytes with
-:func:`lmtier.codec.chunk.encode_chunk` and stores the record in the inner tier; ``get_into``
-fetches the record into a decode slot's record buffer and decodes it into the caller's buffer with
-the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for that buffer's device (on the GPU for
-CUDA destinations: static tables uploaded once, buffers and descriptors reused, one CUDA stream
-per concurrent caller, one host sync per chunk). To everything above it (the tier manager) it is
-an ordinary tier holding full canonical chunks.
+``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put``
+encodes the chunk's canonical bytes with :func:`lmtier.codec.chunk.encode_chunk` and stores the
+record in the inner tier; ``get_into`` fetches the record into a decode slot's record buffer and
+decodes it into the caller's buffer with the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for
+that buffer's device (on the GPU for CUDA destinations: static tables uploaded once, buffers and
+descriptors reused, one CUDA stream per concurrent caller, one host sync per chunk). To everything
+above it (the tier manager) it is an ordinary tier holding full canonical chunks.
 
 Decisions:
 
@@ -16,14 +16,15 @@ Decisions:
   ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || table id)``,
   so naive (raw) chunks and codec records of every level live in disjoint key spaces of a shared
   disk directory or Redis (chunk keys are BLAKE2b outputs: a raw key equal to a record's derived
-  key would need two chunk hashes differing by exactly the pad, as unlikely as a collision): a naive reader never takes a record for raw KV (raw chunks carry no
-  magic it could check), a codec reader never deletes another process's raw chunk as corrupt, and
-  a ``lossless`` reader never receives lossy KV. Processes configured with different levels do
-  not share chunks. The chunk key itself (and :class:`lmtier.keys.Namespace`) is unchanged: the
-  serde is a property of a tier's storage, not of the KV (see :mod:`lmtier.config`). The
-  derivation is invertible (:meth:`CodecTier.outer_key`), so the inner tier's evictions reach the
-  wrapper's listeners under chunk keys — records found on disk at startup included. (Before the
-  XOR pad the derived key was a hash of salt and key: records written then are misses now.)
+  key would need two chunk hashes differing by exactly the pad, as unlikely as a collision): a
+  naive reader never takes a record for raw KV (raw chunks carry no magic it could check), a codec
+  reader never deletes another process's raw chunk as corrupt, and a ``lossless`` reader never
+  receives lossy KV. Processes configured with different levels do not share chunks. The chunk key
+  itself (and :class:`lmtier.keys.Namespace`) is unchanged: the serde is a property of a tier's
+  storage, not of the KV (see :mod:`lmtier.config`). The derivation is invertible
+  (:meth:`CodecTier.outer_key`), so the inner tier's evictions reach the wrapper's listeners under
+  chunk keys — records found on disk at startup included. (Before the XOR pad the derived key was a
+  hash of salt and key: records written then are misses now.)
 * **Size.** Records are always stored as records (never as raw bytes): the rANS coder stores a
   segment raw when coding would not shrink it, so a record never exceeds
   :func:`lmtier.codec.chunk.max_record_bytes` — the raw symbol bytes plus a per-stream overhead

@@ -537,9 +537,8 @@ class CPUPool(Tier):
 
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise TypeError(
-            f"chunk key must be {KEY_BYTES} bytes, got {type(key).__name__} of length {len(key) if isinstance(key, (bytes, bytearray)) else '?'}"
-        )
+        length = len(key) if isinstance(key, (bytes, bytearray)) else "?"
+        raise TypeError(f"chunk key must be {KEY_BYTES} bytes, got {type(key).__name__} of length {length}")
 
 
 def _as_byte_dest(out: Any) -> torch.Tensor | np.ndarray:

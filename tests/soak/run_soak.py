@@ -374,9 +374,8 @@ class Soak:
             extra_args=("--maxmemory", f"{a.redis_maxmemory_mib}mb", "--maxmemory-policy", "allkeys-lru")
         )
         self.redis.start()
-        log(
-            f"redis on 127.0.0.1:{self.redis.port}; disk tier {self.disk} ({'tmpfs %d MiB' % a.disk_fs_mib if self.tmpfs else 'plain folder'})"
-        )
+        disk_fs = f"tmpfs {a.disk_fs_mib:d} MiB" if self.tmpfs else "plain folder"
+        log(f"redis on 127.0.0.1:{self.redis.port}; disk tier {self.disk} ({disk_fs})")
         disk_gib = a.disk_fs_mib * 0.85 / 1024
         self.cfg = self.work / "lmtier.yaml"
         self.cfg.write_text(
@@ -644,7 +643,7 @@ class Soak:
 
     def fault_disk_readonly(self, ep: Episode) -> None:
         # remount,ro fails with EBUSY while a file is open for writing: retry (writes are short)
-        for attempt in range(200):
+        for attempt in range(200):  # noqa: B007 - the attempt count is read after the loop
             r = subprocess.run(["mount", "-o", "remount,ro", str(self.disk)], capture_output=True, text=True)
             if r.returncode == 0:
                 break
@@ -937,7 +936,8 @@ def print_report(r: dict[str, Any]) -> None:
     print()
     print(
         f"load: {r['args']['clients']} clients for {r['load_s']:.0f}s, {r['prompts']['n']} prompts "
-        f"({r['prompts']['shared']} with shared prefixes, {r['prompts']['tokens_min']}-{r['prompts']['tokens_max']} tokens), "
+        f"({r['prompts']['shared']} with shared prefixes, "
+        f"{r['prompts']['tokens_min']}-{r['prompts']['tokens_max']} tokens), "
         f"max_tokens {r['args']['max_tokens']}"
     )
     print(
@@ -950,12 +950,14 @@ def print_report(r: dict[str, Any]) -> None:
         f"{r['controls']} control requests)"
     )
     print(
-        f"TTFT p50 {t['p50']:.2f}s p99 {t['p99']:.2f}s max {t['max']:.2f}s (no fault active: p50 {t['no_fault_p50']:.2f}s "
+        f"TTFT p50 {t['p50']:.2f}s p99 {t['p99']:.2f}s max {t['max']:.2f}s (no fault active: p50 "
+        f"{t['no_fault_p50']:.2f}s "
         f"p99 {t['no_fault_p99']:.2f}s max {t['no_fault_max']:.2f}s); remote timeout {r['remote_timeout_s']}s"
     )
     hb = r["hit_tokens_by_tier"]
     print(
-        f"hit rate {100 * r['hit_rate_tokens']:.1f}% of prompt tokens (non-control); hit tokens cpu {hb.get('cpu', 0):.0f} "
+        f"hit rate {100 * r['hit_rate_tokens']:.1f}% of prompt tokens (non-control); hit tokens cpu "
+        f"{hb.get('cpu', 0):.0f} "
         f"disk {hb.get('disk', 0):.0f} remote {hb.get('remote', 0):.0f}; load failures (recomputed) "
         f"{r['load_failures']:.0f}; stored chunks {r['stored_chunks']:.0f}"
     )
@@ -963,7 +965,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(
         f"server RSS {rm['min']:.0f}-{rm['max']:.0f} MiB (second half {rm['second_half_first']:.0f} -> "
         f"{rm['second_half_last']:.0f}); open fds {fd['min']}-{fd['max']} (second half {fd['second_half_first']} -> "
-        f"{fd['second_half_last']}); pools: CPU {r['pools']['cpu_pool_gib']} GiB, vLLM KV {r['pools']['vllm_kv_gib']} GiB; "
+        f"{fd['second_half_last']}); pools: CPU {r['pools']['cpu_pool_gib']} GiB, "
+        f"vLLM KV {r['pools']['vllm_kv_gib']} GiB; "
         f"server env {r['malloc']['server_env'] or '(glibc, oneDNN defaults)'}"
     )
     reg = r.get("worker_regions_mb") or {}
@@ -998,11 +1001,15 @@ def print_report(r: dict[str, Any]) -> None:
         for g, d in sorted(reg.get("by_generation", {}).items()):
             if "total" in d:
                 print(
-                    f"  generation {g}: t {d['t_first']:.0f}-{d['t_last']:.0f}s, {d['n_samples']} samples, worker total "
-                    f"first {d['total']['first']:.0f} / max {d['total']['max']:.0f} / last {d['total']['last']:.0f} MiB"
+                    f"  generation {g}: t {d['t_first']:.0f}-{d['t_last']:.0f}s, {d['n_samples']} samples, "
+                    f"worker total first {d['total']['first']:.0f} / max {d['total']['max']:.0f} / "
+                    f"last {d['total']['last']:.0f} MiB"
                 )
     print()
-    hdr = f"{'fault':<14} {'episodes':>8} {'recovered':>9} {'requests':>8} {'errors':>6} {'wrong':>5} {'interrupted':>11} {'max TTFT':>9}"
+    hdr = (
+        f"{'fault':<14} {'episodes':>8} {'recovered':>9} {'requests':>8} {'errors':>6} {'wrong':>5} "
+        f"{'interrupted':>11} {'max TTFT':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, d in r["faults"].items():
