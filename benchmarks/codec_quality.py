@@ -279,13 +279,16 @@ def level_rate(level, calib_kv: torch.Tensor, eval_kv: torch.Tensor) -> dict:
     # side: lossless -> lo plane, coded per stream like the symbols (or raw, whichever is cheaper);
     # quantized -> scale codes, one stream per (layer, plane) (K and V code counts may differ).
     if lv.lossless:
-        side_model = StaticCoderModel([_symbol_streams(sd.reshape(s.shape)) for s, sd in cal],
-                                      torch.ones_like(sup))
+        side_model = StaticCoderModel([_symbol_streams(sd.reshape(s.shape)) for s, sd in cal], torch.ones_like(sup))
     else:
         ks, vs = Q.side_sizes(lv, shape)
         nl = shape[0]
-        kmodel = StaticCoderModel([sd.reshape(nl, ks + vs)[:, :ks] for _, sd in cal], torch.ones(nl, 256, dtype=torch.bool))
-        vmodel = StaticCoderModel([sd.reshape(nl, ks + vs)[:, ks:] for _, sd in cal], torch.ones(nl, 256, dtype=torch.bool))
+        kmodel = StaticCoderModel(
+            [sd.reshape(nl, ks + vs)[:, :ks] for _, sd in cal], torch.ones(nl, 256, dtype=torch.bool)
+        )
+        vmodel = StaticCoderModel(
+            [sd.reshape(nl, ks + vs)[:, ks:] for _, sd in cal], torch.ones(nl, 256, dtype=torch.bool)
+        )
     sym_bits = side_bits = bound_bits = 0.0
     nvals = 0
     for (s, sd), chunk in zip(ev, chunk_views(eval_kv)):
@@ -420,8 +423,12 @@ def _system() -> dict:
 
 def _fmt_row(r: dict, texts) -> str:
     shp = r.get("ratio_shipped")
-    cells = [f"{r['name']:<22s}", f"{r['ratio']:>6.2f}x", f"{shp:>6.2f}x" if shp else f"{'-':>7s}",
-             f"{r['bits_per_value']:>5.2f}"]
+    cells = [
+        f"{r['name']:<22s}",
+        f"{r['ratio']:>6.2f}x",
+        f"{shp:>6.2f}x" if shp else f"{'-':>7s}",
+        f"{r['bits_per_value']:>5.2f}",
+    ]
     cells.append(f"{r.get('k_rel_err_mean', float('nan')):>6.3f}/{r.get('k_rel_err_max', float('nan')):<6.3f}")
     cells.append(f"{r.get('v_rel_err_mean', float('nan')):>6.3f}/{r.get('v_rel_err_max', float('nan')):<6.3f}")
     for t in texts:
@@ -433,21 +440,37 @@ def _fmt_row(r: dict, texts) -> str:
     return " ".join(cells)
 
 
-def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | None, reference: bool = True,
-        merge: bool = False) -> dict:
+def run(
+    levels: list[str],
+    texts: list[str],
+    quality: bool,
+    out_json: Path | None,
+    reference: bool = True,
+    merge: bool = False,
+) -> dict:
     cal = get_text("calib")["kv_fp32"].to(torch.bfloat16)
     data = {t: get_text(t) for t in texts}
     refs = {}
     rows: list[dict] = []
 
     def add(name: str, kind: str, rates: list[dict], decs: dict, extra=None):
-        row = dict(name=name, kind=kind, quality={}, per_text={},
-                   measured_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        row = dict(
+            name=name,
+            kind=kind,
+            quality={},
+            per_text={},
+            measured_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
         n = len(rates)
         for key in ("ratio", "bits_per_value"):
             row[key] = sum(r[key] for r in rates) / n  # texts have equal weight
-        for key in ("ratio_shipped", "ratio_as_shipped", "ratio_static_tables", "side_bits_per_value",
-                    "chunk_entropy_bound_bits_per_value"):
+        for key in (
+            "ratio_shipped",
+            "ratio_as_shipped",
+            "ratio_static_tables",
+            "side_bits_per_value",
+            "chunk_entropy_bound_bits_per_value",
+        ):
             if key in rates[0]:
                 row[key] = sum(r[key] for r in rates) / n
         errs = [layer_rel_error(data[t]["kv_fp32"].to(torch.bfloat16), decs[t]) for t in texts]
@@ -479,8 +502,9 @@ def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | Non
         for t in texts:
             d = data[t]
             refs[t] = continuation_logprobs(d, d["kv_fp32"].to(torch.bfloat16).float())
-    hdr = f"{'level / scheme':<22s} {'ratio':>7s} {'shipped':>7s} {'bits':>5s} {'K relerr':>13s} {'V relerr':>13s} " + " ".join(
-        f"{t + ': dppl  top1   KL':>26s}" for t in texts
+    hdr = (
+        f"{'level / scheme':<22s} {'ratio':>7s} {'shipped':>7s} {'bits':>5s} {'K relerr':>13s} {'V relerr':>13s} "
+        + " ".join(f"{t + ': dppl  top1   KL':>26s}" for t in texts)
     )
     print(hdr)
     print("-" * len(hdr))
@@ -504,9 +528,12 @@ def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | Non
                 rates[-1]["ratio_shipped"] = shipped
             decs[t] = decode_level(lv, kv)
         add(name, "reference" if name == "cachegen_ref" else "level", rates, decs)
-    result = dict(system=_system(), texts={t: dict(source=TEXTS[t][0], context_tokens=TEXTS[t][1],
-                                                   continuation_tokens=TEXTS[t][2]) for t in texts},
-                  calibration=dict(source=TEXTS["calib"][0], context_tokens=TEXTS["calib"][1]), rows=rows)
+    result = dict(
+        system=_system(),
+        texts={t: dict(source=TEXTS[t][0], context_tokens=TEXTS[t][1], continuation_tokens=TEXTS[t][2]) for t in texts},
+        calibration=dict(source=TEXTS["calib"][0], context_tokens=TEXTS["calib"][1]),
+        rows=rows,
+    )
     if merge and out_json and out_json.exists():
         # keep the rows of the previous JSON that this run did not measure (each row has its date)
         old = json.loads(out_json.read_text())
@@ -524,7 +551,9 @@ def run(levels: list[str], texts: list[str], quality: bool, out_json: Path | Non
 def smoke() -> None:
     """Tiny synthetic run (no model): rate model, CacheGen reference and every level's round trip."""
     g = torch.Generator().manual_seed(0)
-    kv = (torch.randn(2, 2, 512, 2, 64, generator=g) * (torch.rand(2, 2, 1, 2, 64, generator=g) + 0.1)).to(torch.bfloat16)
+    kv = (torch.randn(2, 2, 512, 2, 64, generator=g) * (torch.rand(2, 2, 1, 2, 64, generator=g) + 0.1)).to(
+        torch.bfloat16
+    )
     cal, ev = kv[:, :, :256].contiguous(), kv[:, :, 256:].contiguous()
     r, dec = cachegen_rate_and_decode(ev, cal)
     assert r["ratio"] > 1 and dec.shape == ev.shape
@@ -532,7 +561,10 @@ def smoke() -> None:
         rate = level_rate(name, cal, ev)
         dec = decode_level(name, ev)
         err = layer_rel_error(ev, dec)
-        print(f"{name:<14s} ratio {rate['ratio']:.2f} K relerr {err['k_rel_err_mean']:.4f} V relerr {err['v_rel_err_mean']:.4f}")
+        print(
+            f"{name:<14s} ratio {rate['ratio']:.2f} K relerr {err['k_rel_err_mean']:.4f} V relerr "
+            f"{err['v_rel_err_mean']:.4f}"
+        )
         if name == "lossless":
             assert torch.equal(dec.view(torch.int16), ev.view(torch.int16))
     print("smoke ok")
@@ -544,10 +576,16 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", default="gpl3,pydoc")
     ap.add_argument("--no-quality", action="store_true", help="ratios and reconstruction errors only")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "codec_quality.json")
-    ap.add_argument("--merge", action="store_true",
-                    help="keep the rows of the existing --json file that this run does not re-measure")
-    ap.add_argument("--no-reference", action="store_true",
-                    help="skip the noise floor and the CacheGen rows (screening a subset of levels)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of the existing --json file that this run does not re-measure",
+    )
+    ap.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the noise floor and the CacheGen rows (screening a subset of levels)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny synthetic run without the model")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
@@ -556,7 +594,9 @@ def main(argv=None) -> int:
         smoke()
         return 0
     t0 = time.time()
-    run([x for x in a.levels.split(",") if x], a.texts.split(","), not a.no_quality, a.json, not a.no_reference, a.merge)
+    run(
+        [x for x in a.levels.split(",") if x], a.texts.split(","), not a.no_quality, a.json, not a.no_reference, a.merge
+    )
     print(f"done in {time.time() - t0:.0f} s")
     return 0
 

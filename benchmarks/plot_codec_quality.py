@@ -33,8 +33,10 @@ def plot(data: dict, out: Path) -> None:
     rows = data["rows"]
     texts = [t for t in TEXT_STYLE if any(t in r["quality"] for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
-    for ax, metric, label in ((axes[0], "dppl_pct", "perplexity change vs bf16 cache, %"),
-                              (axes[1], "kl", "KL(P_bf16 || P_codec), nats/token")):
+    for ax, metric, label in (
+        (axes[0], "dppl_pct", "perplexity change vs bf16 cache, %"),
+        (axes[1], "kl", "KL(P_bf16 || P_codec), nats/token"),
+    ):
         for t in texts:
             name, ls, mk, rmk = TEXT_STYLE[t]
             lv = [r for r in rows if r["kind"] == "level" and t in r["quality"] and r["name"] != "lossless"]
@@ -42,8 +44,15 @@ def plot(data: dict, out: Path) -> None:
             xs = [r["per_text"][t]["rate"].get("ratio_shipped", r["per_text"][t]["rate"]["ratio"]) for r in lv]
             ys = [r["quality"][t][metric] for r in lv]
             ax.plot(xs, ys, ls, marker=mk, color="C0", label=f"lmtier, shipped ratio ({name})")
-            ax.scatter([r["per_text"][t]["rate"]["ratio"] for r in lv], ys, facecolors="none", edgecolors="C0",
-                       marker=mk, s=30, label=f"lmtier, ideal-coder bound ({name})")
+            ax.scatter(
+                [r["per_text"][t]["rate"]["ratio"] for r in lv],
+                ys,
+                facecolors="none",
+                edgecolors="C0",
+                marker=mk,
+                s=30,
+                label=f"lmtier, ideal-coder bound ({name})",
+            )
             for r, x, y in zip(lv, xs, ys):
                 ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
             for r in rows:
@@ -54,19 +63,31 @@ def plot(data: dict, out: Path) -> None:
                 ax.scatter([x], [r["quality"][t][metric]], marker=rmk, s=45, color=c, label=f"{r['name']} ({name})")
             noise = [r for r in rows if r["name"].startswith("noise: bf16")]
             if noise and t in noise[0]["quality"]:
-                ax.axhline(noise[0]["quality"][t][metric], color="grey", ls=ls, lw=0.8,
-                           label=f"noise: KV of a bf16 run ({name})")
+                ax.axhline(
+                    noise[0]["quality"][t][metric],
+                    color="grey",
+                    ls=ls,
+                    lw=0.8,
+                    label=f"noise: KV of a bf16 run ({name})",
+                )
         ax.set_xlabel("compression ratio vs bf16 (all side data)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].axhline(1.0, color="green", lw=0.8, ls=":")
-    axes[0].annotate("goal for default: <= 1 % at >= 6x", (6.0, 1.0), fontsize=7, color="green",
-                     xytext=(0, 3), textcoords="offset points")
+    axes[0].annotate(
+        "goal for default: <= 1 % at >= 6x",
+        (6.0, 1.0),
+        fontsize=7,
+        color="green",
+        xytext=(0, 3),
+        textcoords="offset points",
+    )
     axes[0].axvline(6.0, color="green", lw=0.8, ls=":")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.suptitle("KV codec on SmolLM2-135M (dequantized 4-bit weights): ratio vs quality, lmtier vs CacheGen",
-                 fontsize=10)
+    fig.suptitle(
+        "KV codec on SmolLM2-135M (dequantized 4-bit weights): ratio vs quality, lmtier vs CacheGen", fontsize=10
+    )
     fig.tight_layout(rect=(0, 0.14, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

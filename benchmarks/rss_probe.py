@@ -13,6 +13,7 @@ benchmarks/rss_probe_site); --tcmalloc preloads the system's libtcmalloc_minimal
 Usage: .venv/bin/python benchmarks/rss_probe.py --json out.json [--baseline] [--requests 600]
            [--pool-gib 0.5] [--env MALLOC_ARENA_MAX=2] [--tcmalloc] [--probe-site]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,6 @@ import bench_connectors as B  # noqa: E402
 
 from lmtier.testing import procmem  # noqa: E402  (shared /proc parsing: rollup, anon_regions)
 
-
 rollup = procmem.rollup
 comm = procmem.comm
 
@@ -47,15 +47,25 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--pool-gib", type=float, default=0.5)
     ap.add_argument("--disk-gib", type=float, default=1.0)
-    ap.add_argument("--fixed-len", type=int, default=0,
-                    help="instead of the mixed workload: all-distinct prompts of exactly N tokens (with --clients 1 "
-                         "every engine step has the same shape)")
-    ap.add_argument("--fixed-reuse", action="store_true",
-                    help="with --fixed-len N (> 512): every other prompt is one of the 20 shared 512-token prefixes "
-                         "+ N - 512 new tokens (two step shapes: N on a miss, N - 512 on a hit)")
+    ap.add_argument(
+        "--fixed-len",
+        type=int,
+        default=0,
+        help="instead of the mixed workload: all-distinct prompts of exactly N tokens (with --clients 1 "
+        "every engine step has the same shape)",
+    )
+    ap.add_argument(
+        "--fixed-reuse",
+        action="store_true",
+        help="with --fixed-len N (> 512): every other prompt is one of the 20 shared 512-token prefixes "
+        "+ N - 512 new tokens (two step shapes: N on a miss, N - 512 on a hit)",
+    )
     ap.add_argument("--env", action="append", default=[], help="K=V for the server (repeatable)")
-    ap.add_argument("--tcmalloc", action="store_true",
-                    help="LD_PRELOAD the system's libtcmalloc_minimal into the server (error when not installed)")
+    ap.add_argument(
+        "--tcmalloc",
+        action="store_true",
+        help="LD_PRELOAD the system's libtcmalloc_minimal into the server (error when not installed)",
+    )
     ap.add_argument("--probe-site", action="store_true", help="PYTHONPATH += benchmarks/rss_probe_site")
     ap.add_argument("--smaps-every", type=float, default=15.0)
     ap.add_argument("--tail-s", type=float, default=10.0, help="idle seconds sampled after the last request")
@@ -85,8 +95,10 @@ def main() -> int:
         disk = work / "disk"
         disk.mkdir()
         cfg = work / "lmtier_rss.yaml"
-        cfg_text = (f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {a.pool_gib}\n"
-                    f"local_disk: \"file://{disk}\"\nmax_local_disk_size: {a.disk_gib}\n")
+        cfg_text = (
+            f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {a.pool_gib}\n"
+            f'local_disk: "file://{disk}"\nmax_local_disk_size: {a.disk_gib}\n'
+        )
         cfg.write_text(cfg_text)
         env["LMTIER_CONFIG_FILE"] = str(cfg)
         ktc = B.LMTIER_KTC
@@ -101,7 +113,9 @@ def main() -> int:
         shared = [prompts.tagged(f"shared{k}", 512) for k in range(20)]
         reqs = []
         for i in range(a.requests):
-            if a.fixed_len and a.fixed_reuse and i % 2 == 0:  # 512 shared + (N - 512) new: hits leave N - 512 to compute
+            if (
+                a.fixed_len and a.fixed_reuse and i % 2 == 0
+            ):  # 512 shared + (N - 512) new: hits leave N - 512 to compute
                 reqs.append(shared[rng.randrange(20)] + prompts.tagged(f"t{i}", a.fixed_len - 512))
             elif a.fixed_len:
                 reqs.append(prompts.tagged(f"f{i}", a.fixed_len))
@@ -155,8 +169,12 @@ def main() -> int:
                 done[0] += 1
                 if done[0] % 100 == 0:
                     s = samples[-1] if samples else {"procs": {}}
-                    B.log(f"{done[0]}/{len(reqs)}: " + ", ".join(
-                        f"{v['comm']}:{v['Rss'] / 2**30:.2f}" for v in s["procs"].values() if v["Rss"] > 50 << 20))
+                    B.log(
+                        f"{done[0]}/{len(reqs)}: "
+                        + ", ".join(
+                            f"{v['comm']}:{v['Rss'] / 2**30:.2f}" for v in s["procs"].values() if v["Rss"] > 50 << 20
+                        )
+                    )
 
         with ThreadPoolExecutor(a.clients) as ex:
             list(ex.map(one, reqs))
@@ -174,16 +192,41 @@ def main() -> int:
     for s in samples:
         for p in s["procs"].values():
             by.setdefault(p["comm"], []).append(p["Rss"])
-    summ = {"tree_rss_gib": {"min": min(tree) / 2**30, "median": statistics.median(tree) / 2**30,
-                             "max": max(tree) / 2**30, "max_first_third": max(tree[:third]) / 2**30,
-                             "max_last_third": max(tree[-third:]) / 2**30, "last": tree[-1] / 2**30},
-            "per_comm_rss_gib": {k: {"first": v[0] / 2**30, "max_first_third": max(v[:len(v) // 3 or 1]) / 2**30,
-                                     "max_last_third": max(v[-(len(v) // 3 or 1):]) / 2**30, "last": v[-1] / 2**30,
-                                     "max": max(v) / 2**30} for k, v in by.items() if max(v) > 50 << 20}}
-    out = {"label": name, "args": {k: str(v) for k, v in vars(a).items()}, "config": cfg_text, "env": env,
-           "startup_s": startup, "wall_s": t_end, "errors": errors, "summary": summ,
-           "metrics": {k: v for k, v in metrics.items() if "lmtier" in k or "prompt_tokens" in k},
-           "samples": samples, "smaps": smaps, "work": str(work)}
+    summ = {
+        "tree_rss_gib": {
+            "min": min(tree) / 2**30,
+            "median": statistics.median(tree) / 2**30,
+            "max": max(tree) / 2**30,
+            "max_first_third": max(tree[:third]) / 2**30,
+            "max_last_third": max(tree[-third:]) / 2**30,
+            "last": tree[-1] / 2**30,
+        },
+        "per_comm_rss_gib": {
+            k: {
+                "first": v[0] / 2**30,
+                "max_first_third": max(v[: len(v) // 3 or 1]) / 2**30,
+                "max_last_third": max(v[-(len(v) // 3 or 1) :]) / 2**30,
+                "last": v[-1] / 2**30,
+                "max": max(v) / 2**30,
+            }
+            for k, v in by.items()
+            if max(v) > 50 << 20
+        },
+    }
+    out = {
+        "label": name,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "config": cfg_text,
+        "env": env,
+        "startup_s": startup,
+        "wall_s": t_end,
+        "errors": errors,
+        "summary": summ,
+        "metrics": {k: v for k, v in metrics.items() if "lmtier" in k or "prompt_tokens" in k},
+        "samples": samples,
+        "smaps": smaps,
+        "work": str(work),
+    }
     a.json.write_text(json.dumps(out))
     B.log(f"{name}: {json.dumps(summ)}")
     B.log(f"errors {errors}, wall {t_end:.0f}s, work {work}")

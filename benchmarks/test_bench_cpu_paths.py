@@ -178,8 +178,14 @@ def test_rans_encode_cpu(benchmark, symbol_streams):
 
     enc = benchmark(rans.encode, symbol_streams)
     nsym = sum(s.size for s in symbol_streams)
-    _info(benchmark, KV_BYTES, symbols=nsym, encoded_bytes=int(enc.nbytes), bits_per_symbol=8 * enc.nbytes / nsym,
-          note="GB/s of the bf16 KV these symbols code")
+    _info(
+        benchmark,
+        KV_BYTES,
+        symbols=nsym,
+        encoded_bytes=int(enc.nbytes),
+        bits_per_symbol=8 * enc.nbytes / nsym,
+        note="GB/s of the bf16 KV these symbols code",
+    )
 
 
 def test_rans_decode_cpu(benchmark, symbol_streams):
@@ -224,8 +230,9 @@ def paged(request):
 
     order, bs = request.param, 16
     blocks = 4 * (T // bs) * 4  # 4 chunks' worth of blocks x 4: scattered
-    buf, views = make_paged_kv_cache(order, num_layers=L, num_blocks=blocks, block_size=bs, num_heads=H,
-                                     head_size=D, dtype=torch.bfloat16)
+    buf, views = make_paged_kv_cache(
+        order, num_layers=L, num_blocks=blocks, block_size=bs, num_heads=H, head_size=D, dtype=torch.bfloat16
+    )
     buf.view(torch.int16).random_(-30000, 30000, generator=torch.Generator().manual_seed(1))
     layout = KVLayout.from_layer_views(views)
     ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(2))[: T // bs].view(1, -1)

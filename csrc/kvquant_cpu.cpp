@@ -1,9 +1,9 @@
 // lmtier — multi-threaded CPU KV quantize / dequantize, bit-exact with the torch reference
 // (lmtier/codec/quant.py) and the CUDA kernels (kvquant_cuda.cu). Rules and layouts: kvquant.h.
 //
-// Work unit: one (chunk, layer, plane, head) = T rows of D values; threads take units from an atomic
-// counter. Built with -ffp-contract=off and without -ffast-math (CMakeLists.txt): every fp32 op is a
-// single IEEE operation in the default rounding mode (std::rint = round half to even).
+// Work unit: one (chunk, layer, plane, head) = T rows of D values; threads take units from an
+// atomic counter. Built with -ffp-contract=off and without -ffast-math (CMakeLists.txt): every fp32
+// op is a single IEEE operation in the default rounding mode (std::rint = round half to even).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "lmtier/common.h"
-#include "lmtier/parallel.h"
 #include "lmtier/kvquant.h"
+#include "lmtier/parallel.h"
 
 namespace lmtier {
 namespace kvq {
@@ -59,16 +59,16 @@ inline uint16_t f32_to_fp16(float f) {
   uint32_t x = bits_from_f32(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
   x &= 0x7FFFFFFFu;
-  if (x > 0x7F800000u) return sign | 0x7E00;      // NaN
-  if (x >= 0x477FF000u) return sign | 0x7C00;     // >= 65520 rounds to inf (and inf)
-  if (x >= 0x38800000u) {                          // normal half
+  if (x > 0x7F800000u) return sign | 0x7E00;   // NaN
+  if (x >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 rounds to inf (and inf)
+  if (x >= 0x38800000u) {                      // normal half
     const uint32_t r = x - (112u << 23);
     return sign | static_cast<uint16_t>((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
   }
-  if (x < 0x33000000u) return sign;                // below 2^-25 (ties to even at 2^-25 -> 0)
-  const uint32_t e = x >> 23;                      // 102..112
+  if (x < 0x33000000u) return sign;  // below 2^-25 (ties to even at 2^-25 -> 0)
+  const uint32_t e = x >> 23;        // 102..112
   const uint32_t m = (x & 0x7FFFFFu) | 0x800000u;
-  const uint32_t shift = 126 - e;                  // 14..24
+  const uint32_t shift = 126 - e;  // 14..24
   uint32_t q = m >> shift;
   const uint32_t rem = m & ((1u << shift) - 1);
   const uint32_t half = 1u << (shift - 1);
@@ -131,8 +131,9 @@ int32_t quantize_unit(int32_t dtype, const KvqGeometry& g, const uint16_t* chunk
   return st;
 }
 
-int32_t dequantize_unit(int32_t dtype, const KvqGeometry& g, uint16_t* chunk, const uint8_t* symbols,
-                        const uint8_t* side, int l, int p, int hd, int qmax, float* y) {
+int32_t dequantize_unit(int32_t dtype, const KvqGeometry& g, uint16_t* chunk,
+                        const uint8_t* symbols, const uint8_t* side, int l, int p, int hd, int qmax,
+                        float* y) {
   const int T = g.num_tokens, H = g.num_heads, D = g.head_size;
   const uint64_t lp = static_cast<uint64_t>(l) * 2 + p;
   uint16_t* out = chunk + lp * T * H * D + static_cast<uint64_t>(hd) * D;
@@ -157,8 +158,8 @@ int32_t dequantize_unit(int32_t dtype, const KvqGeometry& g, uint16_t* chunk, co
   return st;
 }
 
-void lossless_unit(bool encode, const KvqGeometry& g, uint16_t* chunk, uint8_t* hi, uint8_t* lo, int l,
-                   int p, int hd) {
+void lossless_unit(bool encode, const KvqGeometry& g, uint16_t* chunk, uint8_t* hi, uint8_t* lo,
+                   int l, int p, int hd) {
   const int T = g.num_tokens, H = g.num_heads, D = g.head_size;
   const uint64_t lp = static_cast<uint64_t>(l) * 2 + p;
   uint16_t* x = chunk + lp * T * H * D + static_cast<uint64_t>(hd) * D;
@@ -217,15 +218,17 @@ void run(bool encode, int32_t mode, int32_t dtype, const KvqGeometry& g, const K
 
 }  // namespace
 
-void check_args(int32_t mode, int32_t dtype, const KvqGeometry& g, int64_t num_chunks, const void* chunks,
-                const uint8_t* qmax, const int32_t* status, bool on_cuda) {
-  LMTIER_CHECK_ARG(mode == kModeLossless || mode == kModeHadamardRow, "kvquant: unknown mode ", mode);
+void check_args(int32_t mode, int32_t dtype, const KvqGeometry& g, int64_t num_chunks,
+                const void* chunks, const uint8_t* qmax, const int32_t* status, bool on_cuda) {
+  LMTIER_CHECK_ARG(mode == kModeLossless || mode == kModeHadamardRow, "kvquant: unknown mode ",
+                   mode);
   LMTIER_CHECK_ARG(dtype == kBF16 || dtype == kFP16, "kvquant: unknown dtype ", dtype);
   LMTIER_CHECK_ARG(num_chunks >= 0, "kvquant: num_chunks must be >= 0");
-  LMTIER_CHECK_ARG(g.num_layers >= 1 && g.num_layers <= kMaxLayers, "kvquant: num_layers must be in [1, ",
-                   kMaxLayers, "], got ", g.num_layers);
-  LMTIER_CHECK_ARG(g.num_tokens >= 0 && g.num_heads >= 1 && g.head_size >= 1, "kvquant: bad geometry T=",
-                   g.num_tokens, " H=", g.num_heads, " D=", g.head_size);
+  LMTIER_CHECK_ARG(g.num_layers >= 1 && g.num_layers <= kMaxLayers,
+                   "kvquant: num_layers must be in [1, ", kMaxLayers, "], got ", g.num_layers);
+  LMTIER_CHECK_ARG(g.num_tokens >= 0 && g.num_heads >= 1 && g.head_size >= 1,
+                   "kvquant: bad geometry T=", g.num_tokens, " H=", g.num_heads,
+                   " D=", g.head_size);
   LMTIER_CHECK_ARG(chunk_elems(g) < (1ull << 40), "kvquant: chunk too large");
   const int D = g.head_size;
   const bool pow2 = (D & (D - 1)) == 0;
@@ -234,10 +237,12 @@ void check_args(int32_t mode, int32_t dtype, const KvqGeometry& g, int64_t num_c
                      "kvquant (CUDA): head_size must be 32, 64, 128 or 256, got ", D);
     LMTIER_CHECK_ARG(num_chunks <= (1ll << 31) - 1, "kvquant (CUDA): too many chunks");
   } else if (mode != kModeLossless) {
-    LMTIER_CHECK_ARG(pow2 && D <= 1024, "kvquant: quantized levels need a power-of-two head_size <= 1024, got ",
-                     D, " (use lossless)");
+    LMTIER_CHECK_ARG(pow2 && D <= 1024,
+                     "kvquant: quantized levels need a power-of-two head_size <= 1024, got ", D,
+                     " (use lossless)");
   }
-  LMTIER_CHECK_ARG(num_chunks == 0 || (chunks != nullptr && status != nullptr), "kvquant: null pointer");
+  LMTIER_CHECK_ARG(num_chunks == 0 || (chunks != nullptr && status != nullptr),
+                   "kvquant: null pointer");
   if (mode != kModeLossless) {
     LMTIER_CHECK_ARG(qmax != nullptr, "kvquant: quantized modes need the qmax table");
     for (int i = 0; i < 2 * g.num_layers; ++i)

@@ -2,16 +2,16 @@
 // lmtier/codec/quant.py (rules, layouts, status: kvquant.h).
 //
 // Mapping: one CTA = one (layer, plane, head) x a tile of kTileTokens tokens of one chunk (grid.x =
-// L*2*H*tiles, grid.y walks the chunks); 8 warps, one warp per (token, head) row of D values, lane k
-// holding the E = D/32 consecutive values k*E .. k*E+E-1. The FWHT runs in the reference's stage
+// L*2*H*tiles, grid.y walks the chunks); 8 warps, one warp per (token, head) row of D values, lane
+// k holding the E = D/32 consecutive values k*E .. k*E+E-1. The FWHT runs in the reference's stage
 // order: the local stages h = 1 .. E/2 inside the lane, then h = E, 2E, .., D/2 across lanes with
-// __shfl_xor_sync (lane mask h/E); each output is one __fadd_rn / __fsub_rn. The row's symbols go to
-// shared memory as [token][d] and leave transposed, [d][token] rows of the tile (4-byte stores when
-// T % 4 == 0), so the symbol stream order [L, 2, H, D, T] is written coalesced over tokens.
+// __shfl_xor_sync (lane mask h/E); each output is one __fadd_rn / __fsub_rn. The row's symbols go
+// to shared memory as [token][d] and leave transposed, [d][token] rows of the tile (4-byte stores
+// when T % 4 == 0), so the symbol stream order [L, 2, H, D, T] is written coalesced over tokens.
 //
 // Exactness: built with -fmad=false (CMakeLists.txt) and no fast-math; divisions are __fdiv_rn,
-// rounding rintf (half to even), multiplies __fmul_rn (exact products anyway: FMA could not change a
-// result, but none can form). One kernel launch per call, plus one cudaMemsetAsync of the status.
+// rounding rintf (half to even), multiplies __fmul_rn (exact products anyway: FMA could not change
+// a result, but none can form). One kernel launch per call, plus one cudaMemsetAsync of the status.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -30,7 +30,8 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = kTileTokens / kWarps;
 constexpr unsigned kFull = 0xFFFFFFFFu;
-constexpr int32_t kErrMisaligned = 8;  // chunk address not 16-byte aligned (the wrapper checks first)
+// Chunk address not 16-byte aligned (the wrapper checks first).
+constexpr int32_t kErrMisaligned = 8;
 
 struct QmaxParam {
   uint8_t v[2 * kMaxLayers];  // [L][2]
@@ -127,7 +128,8 @@ __device__ __forceinline__ void fwht_warp(float (&y)[E], int lane) {
 // Tile in shared memory: [kTileTokens][D + 4] bytes ([token][d]); rows of the global plane are
 // [d][T] with the tile's tokens at t0 .. t0 + nt - 1.
 template <int D>
-__device__ __forceinline__ void tile_to_global(const uint8_t (*s)[D + 4], uint8_t* dst, int T, int nt, bool vec) {
+__device__ __forceinline__ void tile_to_global(const uint8_t (*s)[D + 4], uint8_t* dst, int T,
+                                               int nt, bool vec) {
   if (vec) {  // T % 4 == 0 and dst 4-byte aligned, so every (d, 4k) word is aligned
     constexpr int kWords = kTileTokens / 4;
     for (int w = threadIdx.x; w < D * kWords; w += kThreads) {
@@ -148,13 +150,15 @@ __device__ __forceinline__ void tile_to_global(const uint8_t (*s)[D + 4], uint8_
 }
 
 template <int D>
-__device__ __forceinline__ void global_to_tile(const uint8_t* src, uint8_t (*s)[D + 4], int T, int nt, bool vec) {
+__device__ __forceinline__ void global_to_tile(const uint8_t* src, uint8_t (*s)[D + 4], int T,
+                                               int nt, bool vec) {
   if (vec) {
     constexpr int kWords = kTileTokens / 4;
     for (int w = threadIdx.x; w < D * kWords; w += kThreads) {
       const int d = w / kWords, k = w % kWords;
       if (4 * k < nt) {
-        const uint32_t v = *reinterpret_cast<const uint32_t*>(src + static_cast<uint64_t>(d) * T + 4 * k);
+        const uint32_t v =
+            *reinterpret_cast<const uint32_t*>(src + static_cast<uint64_t>(d) * T + 4 * k);
         s[4 * k][d] = static_cast<uint8_t>(v);
         s[4 * k + 1][d] = static_cast<uint8_t>(v >> 8);
         s[4 * k + 2][d] = static_cast<uint8_t>(v >> 16);
@@ -188,8 +192,8 @@ __device__ __forceinline__ TileCoords tile_coords(const KvqGeometry& g, int tile
 // ---- quantize ----------------------------------------------------------------------------------
 template <int D, int DT, int MODE>
 __global__ void __launch_bounds__(kThreads)
-quantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_t num_chunks, QmaxParam qm,
-                int32_t* __restrict__ status, int tiles) {
+    quantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_t num_chunks,
+                    QmaxParam qm, int32_t* __restrict__ status, int tiles) {
   constexpr int E = D / 32;
   __shared__ __align__(16) uint8_t s_hi[kTileTokens][D + 4];
   __shared__ __align__(16) uint8_t s_lo[MODE == kModeLossless ? kTileTokens : 1][D + 4];
@@ -285,8 +289,8 @@ quantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_t 
 // ---- dequantize --------------------------------------------------------------------------------
 template <int D, int DT, int MODE>
 __global__ void __launch_bounds__(kThreads)
-dequantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_t num_chunks, QmaxParam qm,
-                  int32_t* __restrict__ status, int tiles) {
+    dequantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_t num_chunks,
+                      QmaxParam qm, int32_t* __restrict__ status, int tiles) {
   constexpr int E = D / 32;
   __shared__ __align__(16) uint8_t s_hi[kTileTokens][D + 4];
   __shared__ __align__(16) uint8_t s_lo[MODE == kModeLossless ? kTileTokens : 1][D + 4];
@@ -304,10 +308,12 @@ dequantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_
     }
     const uint64_t plane_off = tc.lph * D * static_cast<uint64_t>(T) + tc.t0;
     const bool vec_sym = (T & 3) == 0 && (cd.symbols & 3) == 0;
-    global_to_tile<D>(reinterpret_cast<const uint8_t*>(cd.symbols) + plane_off, s_hi, T, tc.nt, vec_sym);
+    global_to_tile<D>(reinterpret_cast<const uint8_t*>(cd.symbols) + plane_off, s_hi, T, tc.nt,
+                      vec_sym);
     if constexpr (MODE == kModeLossless) {
       const bool vec_lo = (T & 3) == 0 && (cd.side & 3) == 0;
-      global_to_tile<D>(reinterpret_cast<const uint8_t*>(cd.side) + plane_off, s_lo, T, tc.nt, vec_lo);
+      global_to_tile<D>(reinterpret_cast<const uint8_t*>(cd.side) + plane_off, s_lo, T, tc.nt,
+                        vec_lo);
     } else {
       const uint8_t* codes = reinterpret_cast<const uint8_t*>(cd.side) + tc.lph * T + tc.t0;
       if (static_cast<int>(threadIdx.x) < tc.nt) s_code[threadIdx.x] = codes[threadIdx.x];
@@ -324,7 +330,8 @@ dequantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_
       if constexpr (MODE == kModeLossless) {
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-          const uint32_t r = (static_cast<uint32_t>(s_hi[t][lane * E + j]) << 8) | s_lo[t][lane * E + j];
+          const uint32_t r =
+              (static_cast<uint32_t>(s_hi[t][lane * E + j]) << 8) | s_lo[t][lane * E + j];
           v[j] = static_cast<uint16_t>(((r >> 1) | ((r & 1u) << 15)) & 0xFFFFu);
         }
       } else {
@@ -348,16 +355,19 @@ dequantize_kernel(KvqGeometry g, const KvqChunkDesc* __restrict__ chunks, int64_
 }
 
 template <bool ENC, int D, int DT, int MODE>
-void launch(const KvqGeometry& g, const KvqChunkDesc* chunks, int64_t num_chunks, const QmaxParam& qp,
-            int32_t* status, cudaStream_t s) {
+void launch(const KvqGeometry& g, const KvqChunkDesc* chunks, int64_t num_chunks,
+            const QmaxParam& qp, int32_t* status, cudaStream_t s) {
   const int tiles = (g.num_tokens + kTileTokens - 1) / kTileTokens;
   const uint64_t gx = 2ull * g.num_layers * g.num_heads * tiles;
   LMTIER_CHECK_ARG(gx <= 0x7FFFFFFFull, "kvquant (CUDA): geometry too large for one launch");
-  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(num_chunks < 65535 ? num_chunks : 65535));
+  const dim3 grid(static_cast<unsigned>(gx),
+                  static_cast<unsigned>(num_chunks < 65535 ? num_chunks : 65535));
   if constexpr (ENC)
-    quantize_kernel<D, DT, MODE><<<grid, kThreads, 0, s>>>(g, chunks, num_chunks, qp, status, tiles);
+    quantize_kernel<D, DT, MODE>
+        <<<grid, kThreads, 0, s>>>(g, chunks, num_chunks, qp, status, tiles);
   else
-    dequantize_kernel<D, DT, MODE><<<grid, kThreads, 0, s>>>(g, chunks, num_chunks, qp, status, tiles);
+    dequantize_kernel<D, DT, MODE>
+        <<<grid, kThreads, 0, s>>>(g, chunks, num_chunks, qp, status, tiles);
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 
@@ -373,8 +383,8 @@ void dispatch_mode(int32_t mode, int32_t dtype, const KvqGeometry& g, const KvqC
 }
 
 template <bool ENC>
-void run(int32_t mode, int32_t dtype, const KvqGeometry& g, const KvqChunkDesc* chunks, int64_t num_chunks,
-         const uint8_t* qmax, int32_t* status, void* stream) {
+void run(int32_t mode, int32_t dtype, const KvqGeometry& g, const KvqChunkDesc* chunks,
+         int64_t num_chunks, const uint8_t* qmax, int32_t* status, void* stream) {
   check_args(mode, dtype, g, num_chunks, chunks, qmax, status, /*on_cuda=*/true);
   if (num_chunks == 0) return;
   auto s = static_cast<cudaStream_t>(stream);

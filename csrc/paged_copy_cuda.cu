@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     const PlaneStrides s = rc.plane == 0 ? d.planes[0] : d.planes[1];
     const uint8_t* base = reinterpret_cast<const uint8_t*>(d.layer_ptrs[rc.layer]);
-    V* paged = reinterpret_cast<V*>(const_cast<uint8_t*>(base) + paged_row_offset_bytes(rc, slot, d));
+    V* paged =
+        reinterpret_cast<V*>(const_cast<uint8_t*>(base) + paged_row_offset_bytes(rc, slot, d));
     // channel stride in units of V: 1 for contiguous rows; for strided channels V == element.
     const int64_t ustride = s.channel;
 #pragma unroll 4
@@ -62,13 +63,15 @@ __global__ void __launch_bounds__(kThreads)
 template <typename V>
 void launch(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b, int64_t total_rows,
             int32_t vec_bytes, int grid, int32_t* err, cudaStream_t stream) {
-  const int32_t units = static_cast<int32_t>(static_cast<int64_t>(d.head_size) * d.elem_bytes / vec_bytes);
+  const int32_t units =
+      static_cast<int32_t>(static_cast<int64_t>(d.head_size) * d.elem_bytes / vec_bytes);
   int32_t g_log2 = 0;
   while ((1 << g_log2) < units && g_log2 < 5) ++g_log2;
   if (dir == CopyDirection::kGather)
     paged_copy_kernel<V, true><<<grid, kThreads, 0, stream>>>(d, b, total_rows, units, g_log2, err);
   else
-    paged_copy_kernel<V, false><<<grid, kThreads, 0, stream>>>(d, b, total_rows, units, g_log2, err);
+    paged_copy_kernel<V, false>
+        <<<grid, kThreads, 0, stream>>>(d, b, total_rows, units, g_log2, err);
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 
@@ -97,9 +100,15 @@ void paged_copy_cuda(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& 
   switch (vec_bytes) {
     case 16: launch<uint4>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream); break;
     case 8: launch<uint2>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream); break;
-    case 4: launch<uint32_t>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream); break;
-    case 2: launch<uint16_t>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream); break;
-    default: launch<uint8_t>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream); break;
+    case 4:
+      launch<uint32_t>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream);
+      break;
+    case 2:
+      launch<uint16_t>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream);
+      break;
+    default:
+      launch<uint8_t>(dir, d, b, total_rows, vec_bytes, (int)grid, error_count, stream);
+      break;
   }
 }
 

@@ -1,6 +1,6 @@
 // lmtier — multi-threaded CPU rANS encoder/decoder. Produces byte-identical streams to the CUDA
-// kernels (rans_cuda.cu): both follow the per-segment procedure documented in rans.h, lane by lane in
-// ascending order, with the same segment ordering, padding and table rules.
+// kernels (rans_cuda.cu): both follow the per-segment procedure documented in rans.h, lane by lane
+// in ascending order, with the same segment ordering, padding and table rules.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -51,7 +51,8 @@ inline uint16_t load_u16(const uint8_t* p) {
 // Encodes one segment of n (1..2^seg_log2) symbols into slot ([kStateBytes states][words]).
 // Returns the coded payload bytes (< n), n for a raw segment (stops as soon as coding cannot win;
 // slot then holds garbage), or kMissing when a symbol has frequency 0.
-// Table switching (run_len > 0): step k (symbols first + 32k ..) uses enc + 256 * ((first + 32k) / run_len).
+// Table switching (run_len > 0): step k (symbols first + 32k ..) uses enc + 256 * ((first + 32k) /
+// run_len).
 uint32_t encode_segment(const uint8_t* sym, uint32_t n, const uint32_t* enc0, uint8_t* slot,
                         uint32_t run_len = 0, uint64_t first = 0) {
   const uint32_t* enc = enc0;
@@ -120,8 +121,9 @@ int32_t decode_segment(const uint8_t* payload, uint32_t size, uint32_t n, const 
 // Decodes one rANS segment of a table-switching stream: step k uses static table
 // tables + 256 * (table_id + (first + 32k) / run_len), looked up by binary search in its cdf (the
 // symbol s with cdf[s] <= slot < cdf[s + 1]: the same symbol a slot table gives). Tables validated.
-int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n, const uint16_t* tables,
-                            uint32_t table_id, uint32_t run_len, uint64_t first, uint8_t* out) {
+int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
+                            const uint16_t* tables, uint32_t table_id, uint32_t run_len,
+                            uint64_t first, uint8_t* out) {
   uint32_t x[kLanes];
   for (int l = 0; l < kLanes; ++l) {
     x[l] = load_u32(payload + 4 * l);
@@ -152,7 +154,10 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n, c
       uint32_t lo = 0, hi = top;  // largest s with cdf[s] <= slot (cdf[top] = 4096 > slot)
       while (hi - lo > 1) {
         const uint32_t mid = (lo + hi) >> 1;
-        if (cdf[mid] <= slot) lo = mid; else hi = mid;
+        if (cdf[mid] <= slot)
+          lo = mid;
+        else
+          hi = mid;
       }
       out[base + l] = static_cast<uint8_t>(lo);
       x[l] = (cdf[lo + 1] - cdf[lo]) * (x[l] >> kProbBits) + slot - cdf[lo];
@@ -187,8 +192,14 @@ struct StreamView {
 StreamView parse_stream(const RansDecodeDesc& d, const uint16_t* tables, int64_t num_tables) {
   StreamView v;
   const uint8_t* src = reinterpret_cast<const uint8_t*>(d.src);
-  if (d.src % 4 != 0) { v.status = kErrMisaligned; return v; }
-  if (src == nullptr || d.src_bytes < sizeof(RansStreamHeader)) { v.status = kErrTruncated; return v; }
+  if (d.src % 4 != 0) {
+    v.status = kErrMisaligned;
+    return v;
+  }
+  if (src == nullptr || d.src_bytes < sizeof(RansStreamHeader)) {
+    v.status = kErrTruncated;
+    return v;
+  }
   RansStreamHeader h;
   std::memcpy(&h, src, sizeof(h));
   if (h.magic != kMagic || h.version != kVersion || (h.flags & ~kFlagAdaptive) != 0 ||
@@ -197,43 +208,73 @@ StreamView parse_stream(const RansDecodeDesc& d, const uint16_t* tables, int64_t
     v.status = kErrBadHeader;
     return v;
   }
-  if (h.num_symbols > d.dst_capacity || (h.num_symbols > 0 && d.dst == 0)) { v.status = kErrCapacity; return v; }
+  if (h.num_symbols > d.dst_capacity || (h.num_symbols > 0 && d.dst == 0)) {
+    v.status = kErrCapacity;
+    return v;
+  }
   uint64_t off = sizeof(RansStreamHeader);
   if (h.flags & kFlagAdaptive) {
-    if (off + 32 > d.src_bytes) { v.status = kErrTruncated; return v; }
+    if (off + 32 > d.src_bytes) {
+      v.status = kErrTruncated;
+      return v;
+    }
     uint32_t np = 0;
     for (int b = 0; b < 32; ++b) np += static_cast<uint32_t>(__builtin_popcount(src[off + b]));
     const uint64_t tb = adaptive_table_bytes(np);
-    if (off + tb > d.src_bytes) { v.status = kErrTruncated; return v; }
+    if (off + tb > d.src_bytes) {
+      v.status = kErrTruncated;
+      return v;
+    }
     uint32_t idx = 0, sum = 0;
     for (int s = 0; s < 256; ++s) {
       uint16_t f = 0;
       if ((src[off + (s >> 3)] >> (s & 7)) & 1) {
         f = load_u16(src + off + 32 + 2 * idx++);
-        if (f == 0) { v.status = kErrBadTable; return v; }
+        if (f == 0) {
+          v.status = kErrBadTable;
+          return v;
+        }
       }
       v.freq[s] = f;
       sum += f;
     }
-    if (sum != kProbScale) { v.status = kErrBadTable; return v; }
+    if (sum != kProbScale) {
+      v.status = kErrBadTable;
+      return v;
+    }
     off += tb;
   } else if (h.num_symbols > 0 && h.run_words != 0) {
     const uint32_t run_len = 32u * h.run_words;
     const uint64_t runs = run_count(h.num_symbols, run_len);
-    if (tables == nullptr || h.table_id + runs > static_cast<uint64_t>(num_tables)) { v.status = kErrBadTable; return v; }
+    if (tables == nullptr || h.table_id + runs > static_cast<uint64_t>(num_tables)) {
+      v.status = kErrBadTable;
+      return v;
+    }
     for (uint64_t r = 0; r < runs; ++r)
-      if (!table_valid(tables + 256 * (h.table_id + r))) { v.status = kErrBadTable; return v; }
+      if (!table_valid(tables + 256 * (h.table_id + r))) {
+        v.status = kErrBadTable;
+        return v;
+      }
     v.run_len = run_len;
   } else if (h.num_symbols > 0) {
-    if (h.table_id >= num_tables || tables == nullptr) { v.status = kErrBadTable; return v; }
+    if (h.table_id >= num_tables || tables == nullptr) {
+      v.status = kErrBadTable;
+      return v;
+    }
     std::memcpy(v.freq, tables + 256 * static_cast<uint64_t>(h.table_id), sizeof(v.freq));
-    if (!table_valid(v.freq)) { v.status = kErrBadTable; return v; }
+    if (!table_valid(v.freq)) {
+      v.status = kErrBadTable;
+      return v;
+    }
   }
   v.table_id = h.table_id;
   v.n = h.num_symbols;
   v.seg_log2 = h.seg_log2;
   v.nseg = seg_count(h.num_symbols, h.seg_log2);
-  if (off + 4 * v.nseg > d.src_bytes) { v.status = kErrTruncated; return v; }
+  if (off + 4 * v.nseg > d.src_bytes) {
+    v.status = kErrTruncated;
+    return v;
+  }
   v.seg_end = src + off;
   v.payload = src + off + 4 * v.nseg;
   v.avail = d.src_bytes - off - 4 * v.nseg;
@@ -241,8 +282,8 @@ StreamView parse_stream(const RansDecodeDesc& d, const uint16_t* tables, int64_t
 }
 
 // Writes the stream header (+ adaptive table) at dst; returns bytes written.
-uint64_t write_header(uint8_t* dst, uint32_t n, int seg_log2, uint32_t table_id, uint32_t run_len, bool adaptive,
-                      const uint16_t* freq) {
+uint64_t write_header(uint8_t* dst, uint32_t n, int seg_log2, uint32_t table_id, uint32_t run_len,
+                      bool adaptive, const uint16_t* freq) {
   RansStreamHeader h{};
   h.magic = kMagic;
   h.version = kVersion;
@@ -288,10 +329,12 @@ uint64_t encode_scratch_capacity(uint64_t num_streams, uint64_t scratch_bytes, i
 }
 
 void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes, uint64_t* offsets,
-                int32_t* status, void* scratch, uint64_t scratch_bytes, int32_t num_threads) {
-  LMTIER_CHECK_ARG(seg_log2 >= kMinSegLog2 && seg_log2 <= kMaxSegLog2, "rans: seg_log2 must be in [",
-                   kMinSegLog2, ", ", kMaxSegLog2, "], got ", seg_log2);
+                int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes,
+                uint64_t* offsets, int32_t* status, void* scratch, uint64_t scratch_bytes,
+                int32_t num_threads) {
+  LMTIER_CHECK_ARG(seg_log2 >= kMinSegLog2 && seg_log2 <= kMaxSegLog2,
+                   "rans: seg_log2 must be in [", kMinSegLog2, ", ", kMaxSegLog2, "], got ",
+                   seg_log2);
   LMTIER_CHECK_ARG(num_streams >= 0 && num_tables >= 0 && num_tables <= 0xFFFF,
                    "rans: bad num_streams / num_tables");
   LMTIER_CHECK_ARG(offsets != nullptr && (num_streams == 0 || (descs && status)),
@@ -321,16 +364,19 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
     StreamWork& w = work[i];
     std::memset(&w, 0, sizeof(w));
     int32_t st = kOk;
-    if (d.num_symbols > kMaxStreamSymbols) st = kErrTooLong;
-    else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len)) st = kErrBadHeader;
+    if (d.num_symbols > kMaxStreamSymbols)
+      st = kErrTooLong;
+    else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len))
+      st = kErrBadHeader;
     else if (d.table_id != kAdaptiveTable && d.run_len != 0 && d.num_symbols > 0) {
       const uint64_t runs = run_count(d.num_symbols, d.run_len);
-      if (tables == nullptr || d.table_id + runs > static_cast<uint64_t>(num_tables)) st = kErrBadTable;
+      if (tables == nullptr || d.table_id + runs > static_cast<uint64_t>(num_tables))
+        st = kErrBadTable;
       for (uint64_t r = 0; st == kOk && r < runs; ++r)
         if (!table_valid(tables + 256 * (d.table_id + r))) st = kErrBadTable;
     } else if (d.table_id != kAdaptiveTable &&
-             (static_cast<int64_t>(d.table_id) >= num_tables || tables == nullptr ||
-              !table_valid(tables + 256 * static_cast<uint64_t>(d.table_id))))
+               (static_cast<int64_t>(d.table_id) >= num_tables || tables == nullptr ||
+                !table_valid(tables + 256 * static_cast<uint64_t>(d.table_id))))
       st = kErrBadTable;
     w.status = st;
     w.seg_base = total_seg;
@@ -350,11 +396,13 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
   // segment -> stream map (host only)
   std::vector<uint32_t> seg_stream(total_seg);
   for (uint64_t i = 0; i < N; ++i)
-    for (uint32_t j = 0; j < work[i].num_segments; ++j) seg_stream[work[i].seg_base + j] = static_cast<uint32_t>(i);
+    for (uint32_t j = 0; j < work[i].num_segments; ++j)
+      seg_stream[work[i].seg_base + j] = static_cast<uint32_t>(i);
   const int threads = pick_threads(num_threads, total_seg);
   const uint32_t seg_len = 1u << seg_log2;
   auto seg_n = [&](uint64_t i, uint32_t j) {
-    return static_cast<uint32_t>(std::min<uint64_t>(seg_len, descs[i].num_symbols - static_cast<uint64_t>(j) * seg_len));
+    return static_cast<uint32_t>(
+        std::min<uint64_t>(seg_len, descs[i].num_symbols - static_cast<uint64_t>(j) * seg_len));
   };
 
   // 2. Static tables.
@@ -368,8 +416,8 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
       const uint64_t runs = d.run_len ? run_count(d.num_symbols, d.run_len) : 1;
       std::fill(used.begin() + d.table_id, used.begin() + d.table_id + runs, uint8_t{1});
     }
-    parallel_for(static_cast<uint64_t>(num_tables), pick_threads(num_threads, static_cast<uint64_t>(num_tables)),
-                 [&](uint64_t t) {
+    parallel_for(static_cast<uint64_t>(num_tables),
+                 pick_threads(num_threads, static_cast<uint64_t>(num_tables)), [&](uint64_t t) {
                    if (used[t]) build_enc_table(tables + 256 * t, enc_static.data() + 256 * t);
                  });
   }
@@ -377,9 +425,11 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
     const uint32_t i = seg_stream[g];
     if (__atomic_load_n(&work[i].needs_adaptive, __ATOMIC_RELAXED)) return;
     const uint32_t j = static_cast<uint32_t>(g - work[i].seg_base);
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(descs[i].src) + static_cast<uint64_t>(j) * seg_len;
-    const uint32_t r = encode_segment(src, seg_n(i, j), enc_static.data() + 256ull * descs[i].table_id,
-                                      slots + g * L.slot_bytes, descs[i].run_len, static_cast<uint64_t>(j) * seg_len);
+    const uint8_t* src =
+        reinterpret_cast<const uint8_t*>(descs[i].src) + static_cast<uint64_t>(j) * seg_len;
+    const uint32_t r = encode_segment(
+        src, seg_n(i, j), enc_static.data() + 256ull * descs[i].table_id, slots + g * L.slot_bytes,
+        descs[i].run_len, static_cast<uint64_t>(j) * seg_len);
     if (r == kMissing) __atomic_store_n(&work[i].needs_adaptive, 1u, __ATOMIC_RELAXED);
     seg_size[g] = r;
   });
@@ -409,7 +459,8 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
       const uint32_t j = static_cast<uint32_t>(g - work[i].seg_base);
       uint32_t enc[256];
       build_enc_table(afreq + 256ull * i, enc);
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(descs[i].src) + static_cast<uint64_t>(j) * seg_len;
+      const uint8_t* src =
+          reinterpret_cast<const uint8_t*>(descs[i].src) + static_cast<uint64_t>(j) * seg_len;
       seg_size[g] = encode_segment(src, seg_n(i, j), enc, slots + g * L.slot_bytes);
     });
   }
@@ -447,7 +498,8 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
     const uint32_t size = seg_size[g];
     const uint32_t n = seg_n(i, j);
     store_u32(seg_tab + 4ull * j, static_cast<uint32_t>(start + size));
-    const uint8_t* from = size == n ? reinterpret_cast<const uint8_t*>(descs[i].src) + static_cast<uint64_t>(j) * seg_len
+    const uint8_t* from = size == n ? reinterpret_cast<const uint8_t*>(descs[i].src) +
+                                          static_cast<uint64_t>(j) * seg_len
                                     : slots + g * L.slot_bytes;
     std::memcpy(payload + start, from, size);
     std::memset(payload + start + size, 0, round_up4(size) - size);
@@ -459,7 +511,8 @@ void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t
 void decode_cpu(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
                 int64_t num_tables, uint64_t* out_lengths, int32_t* status, int32_t num_threads) {
   LMTIER_CHECK_ARG(num_streams >= 0 && num_tables >= 0, "rans: bad num_streams / num_tables");
-  LMTIER_CHECK_ARG(num_streams == 0 || (descs && out_lengths && status), "rans: null descs / out_lengths / status");
+  LMTIER_CHECK_ARG(num_streams == 0 || (descs && out_lengths && status),
+                   "rans: null descs / out_lengths / status");
   const uint64_t N = static_cast<uint64_t>(num_streams);
   std::vector<StreamView> views(N);
   std::vector<uint64_t> seg_base(N + 1, 0);
@@ -479,7 +532,9 @@ void decode_cpu(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t
     }
   });
   parallel_for(total_seg, pick_threads(num_threads, total_seg), [&](uint64_t g) {
-    const uint64_t i = static_cast<uint64_t>(std::upper_bound(seg_base.begin(), seg_base.end(), g) - seg_base.begin()) - 1;
+    const uint64_t i = static_cast<uint64_t>(std::upper_bound(seg_base.begin(), seg_base.end(), g) -
+                                             seg_base.begin()) -
+                       1;
     const StreamView& v = views[i];
     const uint64_t j = g - seg_base[i];
     const uint64_t seg_len = 1ull << v.seg_log2;
@@ -492,12 +547,15 @@ void decode_cpu(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t
       r = kErrBadSegment;
     } else {
       const uint64_t size = end - start;
-      if (size == n) std::memcpy(dst, v.payload + start, n);
+      if (size == n)
+        std::memcpy(dst, v.payload + start, n);
       else if (size < n && size >= kStateBytes && (size - kStateBytes) % 2 == 0)
-        r = v.run_len ? decode_segment_runs(v.payload + start, static_cast<uint32_t>(size), n, tables, v.table_id,
-                                            v.run_len, j * seg_len, dst)
-                      : decode_segment(v.payload + start, static_cast<uint32_t>(size), n, dec[i].data(), dst);
-      else r = kErrBadSegment;
+        r = v.run_len ? decode_segment_runs(v.payload + start, static_cast<uint32_t>(size), n,
+                                            tables, v.table_id, v.run_len, j * seg_len, dst)
+                      : decode_segment(v.payload + start, static_cast<uint32_t>(size), n,
+                                       dec[i].data(), dst);
+      else
+        r = kErrBadSegment;
     }
     if (r != kOk) {
       int32_t expected = kOk;

@@ -4,10 +4,10 @@
 // lives in a register); a CTA of kWarps warps takes a *tile* of kWarps consecutive segments of one
 // stream, so the CTA shares one table in shared memory (decode: 4096 x uint32 slot entries; encode:
 // 256 x uint2 with the Granlund-Montgomery reciprocal, so encoding needs no division). CTAs are
-// persistent (grid = SMs x occupancy) and walk the tiles grid-stride; the table is rebuilt only when
-// the tile's table changes. Symbols move through a 512-byte per-warp stage in shared memory, so the
-// global loads (encode) and stores (decode) are 16 bytes per lane. Renormalization words are read and
-// written as one contiguous run per warp-step (ballot + prefix popcount), i.e. coalesced.
+// persistent (grid = SMs x occupancy) and walk the tiles grid-stride; the table is rebuilt only
+// when the tile's table changes. Symbols move through a 512-byte per-warp stage in shared memory,
+// so the global loads (encode) and stores (decode) are 16 bytes per lane. Renormalization words are
+// read and written as one contiguous run per warp-step (ballot + prefix popcount), i.e. coalesced.
 //
 // Encode = 8 launches on the caller's stream, no host sync, no allocation:
 //   validate the static tables (grid: one warp per 32 tables -> bitmap in scratch) ->
@@ -61,7 +61,8 @@ struct DecodeWork {
   uint32_t seg_table_off;  // header + adaptive table bytes (<= 16 + 544)
   uint32_t run_len;        // table switching (0: one table)
 };
-static_assert(sizeof(DecodeWork) == 48, "DecodeWork must match StreamWork's size (decode_scratch_bytes)");
+static_assert(sizeof(DecodeWork) == 48,
+              "DecodeWork must match StreamWork's size (decode_scratch_bytes)");
 
 struct DecGlobals {
   unsigned long long total_tiles;
@@ -73,14 +74,19 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
   return m;
 }
 
-__device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
-__device__ __forceinline__ uint16_t ldg_u16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+__device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const uint32_t*>(p));
+}
+__device__ __forceinline__ uint16_t ldg_u16(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
 
 // Validity bitmap of the static tables, in scratch: bit t of ok_bits set when table t sums to 4096.
 // One warp per bitmap word (32 tables), coalesced 64-byte loads; the grid covers the words of the
 // tables that exist (ids < min(num_tables, 65,536)); the prep kernels read no other word.
 __global__ void __launch_bounds__(kThreads)
-    tables_ok_kernel(const uint16_t* __restrict__ tables, int64_t num_tables, uint32_t* __restrict__ ok_bits) {
+    tables_ok_kernel(const uint16_t* __restrict__ tables, int64_t num_tables,
+                     uint32_t* __restrict__ ok_bits) {
   const int64_t nt = num_tables < kMaxTablesChecked ? num_tables : kMaxTablesChecked;
   const int lane = threadIdx.x & 31;
   const int64_t wd = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) >> 5;
@@ -101,8 +107,10 @@ __device__ __forceinline__ bool table_ok(const uint32_t* ok_bits, int64_t num_ta
   return id < num_tables && id < kMaxTablesChecked && ((ok_bits[id >> 5] >> (id & 31)) & 1);
 }
 // True when tables [lo, hi) all exist and are valid (hi <= num_tables checked by the caller too).
-__device__ bool tables_range_ok(const uint32_t* ok_bits, int64_t num_tables, uint64_t lo, uint64_t hi) {
-  if (hi > static_cast<uint64_t>(num_tables) || hi > static_cast<uint64_t>(kMaxTablesChecked)) return false;
+__device__ bool tables_range_ok(const uint32_t* ok_bits, int64_t num_tables, uint64_t lo,
+                                uint64_t hi) {
+  if (hi > static_cast<uint64_t>(num_tables) || hi > static_cast<uint64_t>(kMaxTablesChecked))
+    return false;
   for (uint64_t t = lo; t < hi;) {
     const uint64_t e = min(hi, (t | 31) + 1);
     const uint32_t cnt = static_cast<uint32_t>(e - t);
@@ -119,7 +127,8 @@ __global__ void fill_status_kernel(int32_t* status, uint64_t n, int32_t v) {
     status[i] = v;
 }
 
-void launch_tables_ok(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits, cudaStream_t stream) {
+void launch_tables_ok(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits,
+                      cudaStream_t stream) {
   const int64_t nt = std::min<int64_t>(num_tables, kMaxTablesChecked);
   if (nt <= 0) return;
   const int64_t words = (nt + 31) / 32;
@@ -134,7 +143,10 @@ __device__ __forceinline__ int64_t find_stream(int64_t n, uint64_t t, Get base) 
   int64_t lo = 0, hi = n;  // answer in [lo, hi)
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) >> 1;
-    if (base(mid) <= t) lo = mid; else hi = mid;
+    if (base(mid) <= t)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -166,14 +178,19 @@ __device__ __forceinline__ void warp_cdf(const uint32_t* freq, uint32_t* cdf) {
 // Encode
 
 __global__ void __launch_bounds__(kPrepThreads)
-    enc_prep_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, const uint32_t* __restrict__ ok_bits,
-                    int64_t num_tables, int seg_log2, StreamWork* __restrict__ work, EncGlobals* gl,
-                    uint64_t max_segments, int32_t* __restrict__ status) {
+    enc_prep_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N,
+                    const uint32_t* __restrict__ ok_bits, int64_t num_tables, int seg_log2,
+                    StreamWork* __restrict__ work, EncGlobals* gl, uint64_t max_segments,
+                    int32_t* __restrict__ status) {
   using Scan = cub::BlockScan<unsigned long long, kPrepThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ unsigned long long carry_seg, carry_tile;
   __shared__ int any_err;
-  if (threadIdx.x == 0) { carry_seg = 0; carry_tile = 0; any_err = 0; }
+  if (threadIdx.x == 0) {
+    carry_seg = 0;
+    carry_tile = 0;
+    any_err = 0;
+  }
   __syncthreads();
   for (int64_t base = 0; base < N; base += kPrepThreads) {
     const int64_t i = base + threadIdx.x;
@@ -181,12 +198,15 @@ __global__ void __launch_bounds__(kPrepThreads)
     if (i < N) {
       const RansEncodeDesc d = descs[i];
       int32_t st = kOk;
-      if (d.num_symbols > kMaxStreamSymbols) st = kErrTooLong;
-      else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len)) st = kErrBadHeader;
+      if (d.num_symbols > kMaxStreamSymbols)
+        st = kErrTooLong;
+      else if ((d.num_symbols > 0 && d.src == 0) || !run_len_valid(d.run_len))
+        st = kErrBadHeader;
       else if (d.table_id != kAdaptiveTable && d.run_len != 0 && d.num_symbols > 0) {
         const uint64_t runs = run_count(d.num_symbols, d.run_len);
         if (!tables_range_ok(ok_bits, num_tables, d.table_id, d.table_id + runs)) st = kErrBadTable;
-      } else if (d.table_id != kAdaptiveTable && !table_ok(ok_bits, num_tables, d.table_id)) st = kErrBadTable;
+      } else if (d.table_id != kAdaptiveTable && !table_ok(ok_bits, num_tables, d.table_id))
+        st = kErrBadTable;
       if (st == kOk) {
         nseg = seg_count(d.num_symbols, seg_log2);
         tiles = (nseg + kWarps - 1) / kWarps;
@@ -212,7 +232,10 @@ __global__ void __launch_bounds__(kPrepThreads)
       work[i].tile_base = carry_tile + tile_excl;
     }
     __syncthreads();
-    if (threadIdx.x == 0) { carry_seg += seg_sum; carry_tile += tile_sum; }
+    if (threadIdx.x == 0) {
+      carry_seg += seg_sum;
+      carry_tile += tile_sum;
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
@@ -224,8 +247,8 @@ __global__ void __launch_bounds__(kPrepThreads)
 }
 
 // Builds the encode table of one CTA: enc[s] = {f | sh1 << 13 | cdf << 16 | sh2 << 28, magic}.
-__device__ void build_enc_table(const uint16_t* __restrict__ freq_g, uint32_t* freq_s, uint32_t* cdf_s,
-                                uint2* enc) {
+__device__ void build_enc_table(const uint16_t* __restrict__ freq_g, uint32_t* freq_s,
+                                uint32_t* cdf_s, uint2* enc) {
   for (int s = threadIdx.x; s < 256; s += blockDim.x) freq_s[s] = freq_g[s];
   __syncthreads();
   warp_cdf(freq_s, cdf_s);
@@ -268,7 +291,8 @@ __device__ const MagicTable kMagicTable = make_magic_table();
 
 // One warp builds the encode table of one static table into its own shared enc[256] (the entries of
 // build_enc_table). Table switching streams rebuild it whenever a step enters a new run.
-__device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq_g, uint2* enc, int lane) {
+__device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq_g, uint2* enc,
+                                               int lane) {
   uint32_t f[8];
   uint32_t sum = 0;
 #pragma unroll
@@ -299,12 +323,12 @@ __device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq
 }
 
 // One warp encodes one segment (see encode_segment in rans_cpu.cpp: same steps, same result).
-// Table switching (run_len > 0): enc is the warp's own table, rebuilt from tables + 256 * (table_id +
-// (first + 32 k) / run_len) when step k enters a new run.
+// Table switching (run_len > 0): enc is the warp's own table, rebuilt from tables + 256 * (table_id
+// + (first + 32 k) / run_len) when step k enters a new run.
 __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_t n, uint2* enc,
                                         uint8_t* __restrict__ slot, uint8_t* stage, int lane,
-                                        const uint16_t* __restrict__ run_tables = nullptr, uint32_t run_len = 0,
-                                        uint64_t first = 0) {
+                                        const uint16_t* __restrict__ run_tables = nullptr,
+                                        uint32_t run_len = 0, uint64_t first = 0) {
   uint32_t x = kStateLower;
   // Table switching: run of the current step and steps of it already coded (run_len and first are
   // multiples of 32, so a step never straddles two runs); no division per step.
@@ -321,7 +345,8 @@ __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_
     const uint32_t len = min(static_cast<uint32_t>(kStage), n - base);
     __syncwarp();
     if (len == kStage && (reinterpret_cast<uintptr_t>(src + base) & 15) == 0) {
-      reinterpret_cast<uint4*>(stage)[lane] = __ldg(reinterpret_cast<const uint4*>(src + base) + lane);
+      reinterpret_cast<uint4*>(stage)[lane] =
+          __ldg(reinterpret_cast<const uint4*>(src + base) + lane);
     } else {
       for (uint32_t b = lane; b < len; b += 32) stage[b] = __ldg(src + base + b);
     }
@@ -367,10 +392,10 @@ __device__ uint32_t encode_segment_warp(const uint8_t* __restrict__ src, uint32_
 // need their own table); true: code only the streams that need their own table.
 template <bool kAdaptivePass>
 __global__ void __launch_bounds__(kThreads)
-    enc_segments_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, const uint16_t* __restrict__ tables,
-                        int seg_log2, StreamWork* work, const uint16_t* __restrict__ afreq,
-                        const EncGlobals* __restrict__ gl, uint32_t* __restrict__ seg_size, uint8_t* slots,
-                        uint64_t slot_bytes) {
+    enc_segments_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N,
+                        const uint16_t* __restrict__ tables, int seg_log2, StreamWork* work,
+                        const uint16_t* __restrict__ afreq, const EncGlobals* __restrict__ gl,
+                        uint32_t* __restrict__ seg_size, uint8_t* slots, uint64_t slot_bytes) {
   __shared__ uint2 enc[256];
   __shared__ uint2 wenc[kWarps][256];  // per-warp tables of table-switching streams
   __shared__ uint32_t freq_s[256];
@@ -386,16 +411,21 @@ __global__ void __launch_bounds__(kThreads)
     // The flag may flip while this pass runs (another CTA met a missing symbol): read it once per
     // tile and broadcast, so the table rebuild below stays CTA-uniform.
     __syncthreads();
-    if (threadIdx.x == 0) s_flag = *reinterpret_cast<volatile const uint32_t*>(&work[i].needs_adaptive);
+    if (threadIdx.x == 0)
+      s_flag = *reinterpret_cast<volatile const uint32_t*>(&work[i].needs_adaptive);
     __syncthreads();
     const uint32_t flagged = s_flag;
     if (kAdaptivePass ? flagged == 0 : flagged != 0) continue;
     const RansEncodeDesc d = descs[i];
-    const bool runs = !kAdaptivePass && d.run_len != 0;  // table switching: per-warp tables, no CTA table
-    const int64_t newkey = runs ? key : kAdaptivePass ? (int64_t{1} << 32) + i : int64_t{d.table_id};
+    // Table switching: per-warp tables, no CTA table.
+    const bool runs = !kAdaptivePass && d.run_len != 0;
+    const int64_t newkey = runs            ? key
+                           : kAdaptivePass ? (int64_t{1} << 32) + i
+                                           : int64_t{d.table_id};
     if (newkey != key) {
       __syncthreads();
-      build_enc_table(kAdaptivePass ? afreq + 256 * i : tables + 256ull * d.table_id, freq_s, cdf_s, enc);
+      build_enc_table(kAdaptivePass ? afreq + 256 * i : tables + 256ull * d.table_id, freq_s, cdf_s,
+                      enc);
       key = newkey;
     }
     const uint64_t j = (t - work[i].tile_base) * kWarps + warp;
@@ -405,8 +435,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t n = static_cast<uint32_t>(min(uint64_t{1} << seg_log2, d.num_symbols - first));
     const uint32_t r =
         runs ? encode_segment_warp(reinterpret_cast<const uint8_t*>(d.src) + first, n, wenc[warp],
-                                   slots + g * slot_bytes, stage[warp], lane, tables + 256ull * d.table_id,
-                                   d.run_len, first)
+                                   slots + g * slot_bytes, stage[warp], lane,
+                                   tables + 256ull * d.table_id, d.run_len, first)
              : encode_segment_warp(reinterpret_cast<const uint8_t*>(d.src) + first, n, enc,
                                    slots + g * slot_bytes, stage[warp], lane);
     if (lane == 0) {
@@ -417,8 +447,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    enc_hist_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, int seg_log2, const StreamWork* work,
-                    const EncGlobals* __restrict__ gl, uint32_t* __restrict__ hist) {
+    enc_hist_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, int seg_log2,
+                    const StreamWork* work, const EncGlobals* __restrict__ gl,
+                    uint32_t* __restrict__ hist) {
   __shared__ uint32_t h[256];
   if (gl->error != 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -444,7 +475,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void enc_normalize_kernel(int64_t N, StreamWork* work, const EncGlobals* __restrict__ gl,
-                                     const uint32_t* __restrict__ hist, uint16_t* __restrict__ afreq) {
+                                     const uint32_t* __restrict__ hist,
+                                     uint16_t* __restrict__ afreq) {
   if (gl->error != 0) return;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= N || work[i].needs_adaptive == 0) return;
@@ -458,7 +490,8 @@ __global__ void enc_normalize_kernel(int64_t N, StreamWork* work, const EncGloba
 }
 
 __global__ void __launch_bounds__(kPrepThreads)
-    enc_scan_kernel(int64_t N, StreamWork* work, EncGlobals* gl, const uint32_t* __restrict__ seg_size,
+    enc_scan_kernel(int64_t N, StreamWork* work, EncGlobals* gl,
+                    const uint32_t* __restrict__ seg_size,
                     unsigned long long* __restrict__ seg_start, uint64_t* __restrict__ offsets,
                     uint64_t out_bytes, int32_t* __restrict__ status) {
   using Scan = cub::BlockScan<unsigned long long, kPrepThreads>;
@@ -526,8 +559,9 @@ __global__ void __launch_bounds__(kThreads)
     enc_compact_kernel(const RansEncodeDesc* __restrict__ descs, int64_t N, int seg_log2,
                        const StreamWork* __restrict__ work, const EncGlobals* __restrict__ gl,
                        const uint16_t* __restrict__ afreq, const uint32_t* __restrict__ seg_size,
-                       const unsigned long long* __restrict__ seg_start, const uint8_t* __restrict__ slots,
-                       uint64_t slot_bytes, uint8_t* __restrict__ out) {
+                       const unsigned long long* __restrict__ seg_start,
+                       const uint8_t* __restrict__ slots, uint64_t slot_bytes,
+                       uint8_t* __restrict__ out) {
   if (gl->error != 0) return;
   // Headers (+ adaptive tables): one thread per stream.
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N;
@@ -566,7 +600,8 @@ __global__ void __launch_bounds__(kThreads)
     if (j >= w.num_segments) continue;
     const uint64_t g = w.seg_base + j;
     const uint64_t first = j << seg_log2;
-    const uint32_t n = static_cast<uint32_t>(min(uint64_t{1} << seg_log2, descs[i].num_symbols - first));
+    const uint32_t n =
+        static_cast<uint32_t>(min(uint64_t{1} << seg_log2, descs[i].num_symbols - first));
     uint8_t* seg_tab = out + w.out_offset + sizeof(RansStreamHeader) + w.table_bytes;
     uint8_t* payload = seg_tab + 4ull * w.num_segments;
     const uint64_t start = seg_start[g] - seg_start[w.seg_base];
@@ -608,8 +643,9 @@ __global__ void __launch_bounds__(kThreads)
 // Decode
 
 __global__ void __launch_bounds__(kPrepThreads)
-    dec_prep_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N, const uint32_t* __restrict__ ok_bits,
-                    int64_t num_tables, DecodeWork* __restrict__ work, DecGlobals* gl,
+    dec_prep_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N,
+                    const uint32_t* __restrict__ ok_bits, int64_t num_tables,
+                    DecodeWork* __restrict__ work, DecGlobals* gl,
                     uint64_t* __restrict__ out_lengths, int32_t* __restrict__ status) {
   using Scan = cub::BlockScan<unsigned long long, kPrepThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -624,8 +660,10 @@ __global__ void __launch_bounds__(kPrepThreads)
       DecodeWork w{};
       int32_t st = kOk;
       const uint8_t* src = reinterpret_cast<const uint8_t*>(d.src);
-      if (d.src & 3) st = kErrMisaligned;
-      else if (d.src == 0 || d.src_bytes < sizeof(RansStreamHeader)) st = kErrTruncated;
+      if (d.src & 3)
+        st = kErrMisaligned;
+      else if (d.src == 0 || d.src_bytes < sizeof(RansStreamHeader))
+        st = kErrTruncated;
       uint32_t n = 0;
       uint64_t off = sizeof(RansStreamHeader), nseg = 0;
       int seg_log2 = 0;
@@ -666,7 +704,8 @@ __global__ void __launch_bounds__(kPrepThreads)
           } else if (n > 0 && (h2 >> 16) != 0) {
             w.run_len = 32u * (h2 >> 16);
             const uint64_t runs = run_count(n, w.run_len);
-            if (!tables_range_ok(ok_bits, num_tables, w.table_id, w.table_id + runs)) st = kErrBadTable;
+            if (!tables_range_ok(ok_bits, num_tables, w.table_id, w.table_id + runs))
+              st = kErrBadTable;
           } else if (n > 0 && !table_ok(ok_bits, num_tables, w.table_id)) {
             st = kErrBadTable;
           }
@@ -704,8 +743,8 @@ __global__ void __launch_bounds__(kPrepThreads)
 
 // Builds the decode table: dec[slot] = sym | (f - 1) << 8 | (slot - cdf) << 20.
 __device__ void build_dec_table(const uint8_t* __restrict__ src, const DecodeWork& w,
-                                const uint16_t* __restrict__ tables, uint32_t* freq_s, uint32_t* cdf_s,
-                                uint32_t* dec) {
+                                const uint16_t* __restrict__ tables, uint32_t* freq_s,
+                                uint32_t* cdf_s, uint32_t* dec) {
   if (w.adaptive) {
     const uint8_t* bm = src + sizeof(RansStreamHeader);
     for (int s = threadIdx.x; s < 256; s += blockDim.x) {
@@ -730,9 +769,9 @@ __device__ void build_dec_table(const uint8_t* __restrict__ src, const DecodeWor
 }
 
 // One warp decodes one coded segment (size validated by the caller). Returns a RansStatus.
-__device__ int32_t decode_segment_warp(const uint8_t* __restrict__ payload, uint32_t size, uint32_t n,
-                                       const uint32_t* dec, uint8_t* __restrict__ dst, uint8_t* stage,
-                                       int lane) {
+__device__ int32_t decode_segment_warp(const uint8_t* __restrict__ payload, uint32_t size,
+                                       uint32_t n, const uint32_t* dec, uint8_t* __restrict__ dst,
+                                       uint8_t* stage, int lane) {
   uint32_t x = ldg_u32(payload + 4 * lane);
   if (__any_sync(0xFFFFFFFFu, x < kStateLower)) return kErrCorrupt;
   const uint8_t* words = payload + kStateBytes;
@@ -771,13 +810,13 @@ __device__ int32_t decode_segment_warp(const uint8_t* __restrict__ payload, uint
 }
 
 // One warp decodes one coded segment of a table-switching stream: step k uses static table
-// run_tables + 256 * ((first + 32 k) / run_len) (warp-uniform), whose cdf the warp keeps in cdf_w[257];
-// each lane finds its symbol by binary search (the s with cdf[s] <= slot < cdf[s + 1], as
-// decode_segment_runs in rans_cpu.cpp). Tables validated by the prep kernel.
-__device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload, uint32_t size, uint32_t n,
-                                            const uint16_t* __restrict__ run_tables, uint32_t run_len,
-                                            uint64_t first, uint32_t* cdf_w, uint8_t* __restrict__ dst,
-                                            uint8_t* stage, int lane) {
+// run_tables + 256 * ((first + 32 k) / run_len) (warp-uniform), whose cdf the warp keeps in
+// cdf_w[257]; each lane finds its symbol by binary search (the s with cdf[s] <= slot < cdf[s + 1],
+// as decode_segment_runs in rans_cpu.cpp). Tables validated by the prep kernel.
+__device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload, uint32_t size,
+                                            uint32_t n, const uint16_t* __restrict__ run_tables,
+                                            uint32_t run_len, uint64_t first, uint32_t* cdf_w,
+                                            uint8_t* __restrict__ dst, uint8_t* stage, int lane) {
   uint32_t x = ldg_u32(payload + 4 * lane);
   if (__any_sync(0xFFFFFFFFu, x < kStateLower)) return kErrCorrupt;
   const uint8_t* words = payload + kStateBytes;
@@ -837,7 +876,10 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
         uint32_t lo = 0, hi = top;
         while (hi - lo > 1) {
           const uint32_t mid = (lo + hi) >> 1;
-          if (cdf_w[mid] <= slot) lo = mid; else hi = mid;
+          if (cdf_w[mid] <= slot)
+            lo = mid;
+          else
+            hi = mid;
         }
         stage[(k - kbeg) * 32 + lane] = static_cast<uint8_t>(lo);
         const uint32_t c0 = cdf_w[lo];
@@ -865,9 +907,9 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
 }
 
 __global__ void __launch_bounds__(kThreads)
-    dec_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N, const uint16_t* __restrict__ tables,
-               const DecodeWork* __restrict__ work, const DecGlobals* __restrict__ gl,
-               int32_t* __restrict__ status) {
+    dec_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N,
+               const uint16_t* __restrict__ tables, const DecodeWork* __restrict__ work,
+               const DecGlobals* __restrict__ gl, int32_t* __restrict__ status) {
   __shared__ uint32_t dec[kProbScale];
   __shared__ uint32_t freq_s[256];
   __shared__ uint32_t cdf_s[257];
@@ -881,7 +923,9 @@ __global__ void __launch_bounds__(kThreads)
     const DecodeWork w = work[i];
     const RansDecodeDesc d = descs[i];
     const uint8_t* src = reinterpret_cast<const uint8_t*>(d.src);
-    const int64_t newkey = w.run_len ? key : w.adaptive ? (int64_t{1} << 32) + i : int64_t{w.table_id};
+    const int64_t newkey = w.run_len    ? key
+                           : w.adaptive ? (int64_t{1} << 32) + i
+                                        : int64_t{w.table_id};
     if (newkey != key) {
       __syncthreads();
       build_dec_table(src, w, tables, freq_s, cdf_s, dec);
@@ -904,15 +948,18 @@ __global__ void __launch_bounds__(kThreads)
       if (size == n) {
         if ((reinterpret_cast<uintptr_t>(dst) & 3) == 0) {
           for (uint32_t k = lane; k < n / 4; k += 32)
-            reinterpret_cast<uint32_t*>(dst)[k] = __ldg(reinterpret_cast<const uint32_t*>(payload) + k);
+            reinterpret_cast<uint32_t*>(dst)[k] =
+                __ldg(reinterpret_cast<const uint32_t*>(payload) + k);
           for (uint32_t b = (n & ~3u) + lane; b < n; b += 32) dst[b] = __ldg(payload + b);
         } else {
           for (uint32_t b = lane; b < n; b += 32) dst[b] = __ldg(payload + b);
         }
       } else if (size < n && size >= kStateBytes && ((size - kStateBytes) & 1) == 0) {
-        r = w.run_len ? decode_segment_warp_runs(payload, static_cast<uint32_t>(size), n, tables + 256ull * w.table_id,
-                                                 w.run_len, j * seg_len, cdf_w[warp], dst, stage[warp], lane)
-                      : decode_segment_warp(payload, static_cast<uint32_t>(size), n, dec, dst, stage[warp], lane);
+        r = w.run_len ? decode_segment_warp_runs(payload, static_cast<uint32_t>(size), n,
+                                                 tables + 256ull * w.table_id, w.run_len,
+                                                 j * seg_len, cdf_w[warp], dst, stage[warp], lane)
+                      : decode_segment_warp(payload, static_cast<uint32_t>(size), n, dec, dst,
+                                            stage[warp], lane);
       } else {
         r = kErrBadSegment;
       }
@@ -932,10 +979,12 @@ int persistent_grid(const void* kernel, int threads, size_t smem) {
 }  // namespace
 
 void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                 int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes, uint64_t* offsets,
-                 int32_t* status, void* scratch, uint64_t scratch_bytes, void* stream_ptr) {
-  LMTIER_CHECK_ARG(seg_log2 >= kMinSegLog2 && seg_log2 <= kMaxSegLog2, "rans: seg_log2 must be in [",
-                   kMinSegLog2, ", ", kMaxSegLog2, "], got ", seg_log2);
+                 int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes,
+                 uint64_t* offsets, int32_t* status, void* scratch, uint64_t scratch_bytes,
+                 void* stream_ptr) {
+  LMTIER_CHECK_ARG(seg_log2 >= kMinSegLog2 && seg_log2 <= kMaxSegLog2,
+                   "rans: seg_log2 must be in [", kMinSegLog2, ", ", kMaxSegLog2, "], got ",
+                   seg_log2);
   LMTIER_CHECK_ARG(num_streams >= 0 && num_tables >= 0 && num_tables <= 0xFFFF,
                    "rans: bad num_streams / num_tables");
   LMTIER_CHECK_ARG(offsets != nullptr, "rans: offsets is null");
@@ -946,7 +995,8 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
     return;
   }
   LMTIER_CHECK_ARG(descs && status && scratch, "rans: null descs / status / scratch");
-  LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(out) & 3) == 0, "rans: output buffer must be 4-byte aligned");
+  LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(out) & 3) == 0,
+                   "rans: output buffer must be 4-byte aligned");
   const uint64_t cap = encode_scratch_capacity(N, scratch_bytes, seg_log2);
   const EncodeScratchLayout L = encode_scratch_layout(N, cap, seg_log2);
   if (L.total > scratch_bytes) {  // like encode_cpu: a data verdict per stream, offsets all 0
@@ -969,28 +1019,33 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
   LMTIER_CUDA_CHECK(cudaMemsetAsync(afreq, 0, N * 256 * sizeof(uint16_t), stream));
   auto* ok_bits = reinterpret_cast<uint32_t*>(sc + L.tables_ok);
   launch_tables_ok(tables, num_tables, ok_bits, stream);
-  enc_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, seg_log2, work, gl,
-                                                  L.max_segments, status);
+  enc_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, seg_log2,
+                                                  work, gl, L.max_segments, status);
   LMTIER_CUDA_CHECK_LAUNCH();
-  static const int grid_seg_static = persistent_grid(reinterpret_cast<const void*>(&enc_segments_kernel<false>), kThreads, 0);
-  static const int grid_seg_adaptive = persistent_grid(reinterpret_cast<const void*>(&enc_segments_kernel<true>), kThreads, 0);
-  static const int grid_hist = persistent_grid(reinterpret_cast<const void*>(&enc_hist_kernel), kThreads, 0);
-  static const int grid_compact = persistent_grid(reinterpret_cast<const void*>(&enc_compact_kernel), kThreads, 0);
+  static const int grid_seg_static =
+      persistent_grid(reinterpret_cast<const void*>(&enc_segments_kernel<false>), kThreads, 0);
+  static const int grid_seg_adaptive =
+      persistent_grid(reinterpret_cast<const void*>(&enc_segments_kernel<true>), kThreads, 0);
+  static const int grid_hist =
+      persistent_grid(reinterpret_cast<const void*>(&enc_hist_kernel), kThreads, 0);
+  static const int grid_compact =
+      persistent_grid(reinterpret_cast<const void*>(&enc_compact_kernel), kThreads, 0);
   enc_segments_kernel<false><<<grid_seg_static, kThreads, 0, stream>>>(
       descs, num_streams, tables, seg_log2, work, afreq, gl, seg_size, slots, L.slot_bytes);
   LMTIER_CUDA_CHECK_LAUNCH();
   enc_hist_kernel<<<grid_hist, kThreads, 0, stream>>>(descs, num_streams, seg_log2, work, gl, hist);
   LMTIER_CUDA_CHECK_LAUNCH();
-  enc_normalize_kernel<<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(num_streams, work, gl, hist, afreq);
+  enc_normalize_kernel<<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(
+      num_streams, work, gl, hist, afreq);
   LMTIER_CUDA_CHECK_LAUNCH();
   enc_segments_kernel<true><<<grid_seg_adaptive, kThreads, 0, stream>>>(
       descs, num_streams, tables, seg_log2, work, afreq, gl, seg_size, slots, L.slot_bytes);
   LMTIER_CUDA_CHECK_LAUNCH();
-  enc_scan_kernel<<<1, kPrepThreads, 0, stream>>>(num_streams, work, gl, seg_size, seg_start, offsets,
-                                                  out == nullptr ? 0 : out_bytes, status);
+  enc_scan_kernel<<<1, kPrepThreads, 0, stream>>>(num_streams, work, gl, seg_size, seg_start,
+                                                  offsets, out == nullptr ? 0 : out_bytes, status);
   LMTIER_CUDA_CHECK_LAUNCH();
-  enc_compact_kernel<<<grid_compact, kThreads, 0, stream>>>(descs, num_streams, seg_log2, work, gl, afreq,
-                                                            seg_size, seg_start, slots, L.slot_bytes, out);
+  enc_compact_kernel<<<grid_compact, kThreads, 0, stream>>>(
+      descs, num_streams, seg_log2, work, gl, afreq, seg_size, seg_start, slots, L.slot_bytes, out);
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 
@@ -999,17 +1054,20 @@ void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_
                  uint64_t scratch_bytes, void* stream_ptr) {
   LMTIER_CHECK_ARG(num_streams >= 0 && num_tables >= 0, "rans: bad num_streams / num_tables");
   if (num_streams == 0) return;
-  LMTIER_CHECK_ARG(descs && out_lengths && status && scratch, "rans: null descs / out_lengths / status / scratch");
+  LMTIER_CHECK_ARG(descs && out_lengths && status && scratch,
+                   "rans: null descs / out_lengths / status / scratch");
   const uint64_t N = static_cast<uint64_t>(num_streams);
-  LMTIER_CHECK_ARG(scratch_bytes >= decode_scratch_bytes(N), "rans: decode scratch of ", scratch_bytes,
-                   " bytes, need ", decode_scratch_bytes(N));
+  LMTIER_CHECK_ARG(scratch_bytes >= decode_scratch_bytes(N), "rans: decode scratch of ",
+                   scratch_bytes, " bytes, need ", decode_scratch_bytes(N));
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   auto* work = static_cast<DecodeWork*>(scratch);
-  auto* gl = reinterpret_cast<DecGlobals*>(static_cast<uint8_t*>(scratch) + ((N * sizeof(DecodeWork) + 255) & ~255ull));
+  auto* gl = reinterpret_cast<DecGlobals*>(static_cast<uint8_t*>(scratch) +
+                                           ((N * sizeof(DecodeWork) + 255) & ~255ull));
   auto* ok_bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(scratch) +
                                               ((N * sizeof(DecodeWork) + 255) & ~255ull) + 256);
   launch_tables_ok(tables, num_tables, ok_bits, stream);
-  dec_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, work, gl, out_lengths, status);
+  dec_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, work, gl,
+                                                  out_lengths, status);
   LMTIER_CUDA_CHECK_LAUNCH();
   static const int grid = persistent_grid(reinterpret_cast<const void*>(&dec_kernel), kThreads, 0);
   dec_kernel<<<grid, kThreads, 0, stream>>>(descs, num_streams, tables, work, gl, status);

@@ -47,8 +47,8 @@ void* host_alloc(size_t nbytes, bool pinned) {
 #endif
   }
   const size_t rounded = (nbytes + 4095) / 4096 * 4096;
-  LMTIER_CHECK(posix_memalign(&p, 4096, rounded) == 0 && p != nullptr, "host_alloc: out of memory (",
-               nbytes, " bytes)");
+  LMTIER_CHECK(posix_memalign(&p, 4096, rounded) == 0 && p != nullptr,
+               "host_alloc: out of memory (", nbytes, " bytes)");
   return p;
 }
 
@@ -69,10 +69,11 @@ void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream) {
       cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
 }
 
-void memcpy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
-                        void* stream) {
+void memcpy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes,
+                        size_t count, void* stream) {
   if (count == 0) return;
-  LMTIER_CHECK_ARG(stream != nullptr, "memcpy_batch_async: the legacy default stream is not allowed");
+  LMTIER_CHECK_ARG(stream != nullptr,
+                   "memcpy_batch_async: the legacy default stream is not allowed");
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;

@@ -8,8 +8,9 @@
 
 namespace lmtier {
 
-StagedCopier::StagedCopier(const PagedKVDesc& desc, int64_t tokens_per_chunk, int32_t layers_per_piece,
-                           int32_t ring_slots, int32_t vec_bytes, void* kernel_stream, void* copy_stream)
+StagedCopier::StagedCopier(const PagedKVDesc& desc, int64_t tokens_per_chunk,
+                           int32_t layers_per_piece, int32_t ring_slots, int32_t vec_bytes,
+                           void* kernel_stream, void* copy_stream)
     : desc_(desc),
       tokens_(tokens_per_chunk),
       vec_bytes_(vec_bytes),
@@ -29,11 +30,14 @@ StagedCopier::StagedCopier(const PagedKVDesc& desc, int64_t tokens_per_chunk, in
     pieces_.push_back({l0, std::min(layers_per_piece, desc.num_layers - l0)});
   piece_bytes_ = static_cast<int64_t>(layers_per_piece) * layer_bytes_;
   LMTIER_CUDA_CHECK(cudaGetDevice(&device_));
-  LMTIER_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&staging_), static_cast<size_t>(piece_bytes_) * ring_));
+  LMTIER_CUDA_CHECK(
+      cudaMalloc(reinterpret_cast<void**>(&staging_), static_cast<size_t>(piece_bytes_) * ring_));
   LMTIER_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ring_ptrs_), sizeof(uint64_t) * ring_));
   std::vector<uint64_t> addrs(ring_);
-  for (int32_t r = 0; r < ring_; ++r) addrs[r] = reinterpret_cast<uint64_t>(staging_ + r * piece_bytes_);
-  LMTIER_CUDA_CHECK(cudaMemcpy(ring_ptrs_, addrs.data(), sizeof(uint64_t) * ring_, cudaMemcpyHostToDevice));
+  for (int32_t r = 0; r < ring_; ++r)
+    addrs[r] = reinterpret_cast<uint64_t>(staging_ + r * piece_bytes_);
+  LMTIER_CUDA_CHECK(
+      cudaMemcpy(ring_ptrs_, addrs.data(), sizeof(uint64_t) * ring_, cudaMemcpyHostToDevice));
   free_.resize(ring_);
   filled_.resize(ring_);
   for (int32_t r = 0; r < ring_; ++r) {
@@ -60,18 +64,23 @@ void StagedCopier::load(const int64_t* slots, const std::vector<uintptr_t>& host
   run(CopyDirection::kScatter, slots, host);
 }
 
-void StagedCopier::load_pieces(const int64_t* slots, const std::vector<uintptr_t>& host, int32_t piece_begin,
-                               int32_t piece_end) {
+void StagedCopier::load_pieces(const int64_t* slots, const std::vector<uintptr_t>& host,
+                               int32_t piece_begin, int32_t piece_end) {
   LMTIER_CHECK_ARG(0 <= piece_begin && piece_begin <= piece_end && piece_end <= num_pieces(),
-                   "piece range [", piece_begin, ", ", piece_end, ") outside [0, ", num_pieces(), "]");
-  for (size_t c = 0; c < host.size(); ++c) LMTIER_CHECK_ARG(host[c] != 0, "host chunk ", c, " is null");
+                   "piece range [", piece_begin, ", ", piece_end, ") outside [0, ", num_pieces(),
+                   "]");
+  for (size_t c = 0; c < host.size(); ++c)
+    LMTIER_CHECK_ARG(host[c] != 0, "host chunk ", c, " is null");
   DeviceGuard guard(device_);
   for (int32_t p = piece_begin; p < piece_end; ++p)
-    for (size_t c = 0; c < host.size(); ++c) copy_piece(CopyDirection::kScatter, slots, host, c, pieces_[p]);
+    for (size_t c = 0; c < host.size(); ++c)
+      copy_piece(CopyDirection::kScatter, slots, host, c, pieces_[p]);
 }
 
-void StagedCopier::run(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host) {
-  for (size_t c = 0; c < host.size(); ++c) LMTIER_CHECK_ARG(host[c] != 0, "host chunk ", c, " is null");
+void StagedCopier::run(CopyDirection dir, const int64_t* slots,
+                       const std::vector<uintptr_t>& host) {
+  for (size_t c = 0; c < host.size(); ++c)
+    LMTIER_CHECK_ARG(host[c] != 0, "host chunk ", c, " is null");
   DeviceGuard guard(device_);
   for (size_t c = 0; c < host.size(); ++c)
     for (const Piece& p : pieces_) copy_piece(dir, slots, host, c, p);
@@ -86,8 +95,8 @@ StagedCopier::DeviceGuard::~DeviceGuard() {
   if (prev_ != device_) cudaSetDevice(prev_);
 }
 
-void StagedCopier::copy_piece(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host, size_t c,
-                              const Piece& p) {
+void StagedCopier::copy_piece(CopyDirection dir, const int64_t* slots,
+                              const std::vector<uintptr_t>& host, size_t c, const Piece& p) {
   const bool gather = dir == CopyDirection::kGather;
   // The stream that consumes a ring slot last frees it: the copy stream for stores, the kernel
   // stream for loads.

@@ -35,19 +35,29 @@ def main() -> None:
     torch.manual_seed(0)
 
     cfg_model = LlamaConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
     )
     model = LlamaForCausalLM(cfg_model).eval()
     head_size = cfg_model.hidden_size // cfg_model.num_attention_heads
 
     chunk_size = 16
-    config = load_config(args.config) if args.config else LMTierConfig.from_dict(
-        {"chunk_size": chunk_size, "max_local_cpu_size": 64 / 1024}
+    config = (
+        load_config(args.config)
+        if args.config
+        else LMTierConfig.from_dict({"chunk_size": chunk_size, "max_local_cpu_size": 64 / 1024})
     )
     ns = Namespace(
-        model="example/tiny-llama-random@seed0", num_layers=cfg_model.num_hidden_layers,
-        num_kv_heads=cfg_model.num_key_value_heads, head_size=head_size, kv_dtype="float32",
+        model="example/tiny-llama-random@seed0",
+        num_layers=cfg_model.num_hidden_layers,
+        num_kv_heads=cfg_model.num_key_value_heads,
+        head_size=head_size,
+        kv_dtype="float32",
         chunk_size=config.chunk_size,
     )
 
@@ -63,8 +73,9 @@ def main() -> None:
             out1 = model(torch.tensor([prompt1]), use_cache=True)
         futures = kv_store.store(prompt1, out1.past_key_values, cache_salt="tenant-a")
         manager.flush()
-        print(f"stored {sum(f.result() for f in futures)} chunks of {ns.chunk_size} tokens "
-              f"({ns.chunk_bytes} bytes each)")
+        print(
+            f"stored {sum(f.result() for f in futures)} chunks of {ns.chunk_size} tokens ({ns.chunk_bytes} bytes each)"
+        )
 
         # 2. Prompt 2 shares the system prompt: reuse its cached prefix.
         hit = kv_store.lookup(prompt2, cache_salt="tenant-a")

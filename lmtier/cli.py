@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 SUBCOMMANDS: dict[str, str] = {
     "transfer": "lmtier.bench.transfer",
@@ -99,25 +99,38 @@ def run_all(rest: list[str]) -> int:
     quick_t = ["--batches", "1,8", "--cache-gb", "2"] if a.quick else []
     step("transfer", sub("transfer"), ["--quiet", *quick_t, *extra("transfer")])
     if shutil.which("dd"):
-        step("disk", sub("disk"), [*(["--count", "4", "--threads", "4", "--sync", "data",
-                                                       "--inflight", "1,4"] if a.quick else []), *extra("disk")])
+        step(
+            "disk",
+            sub("disk"),
+            [
+                *(["--count", "4", "--threads", "4", "--sync", "data", "--inflight", "1,4"] if a.quick else []),
+                *extra("disk"),
+            ],
+        )
     else:
         print("lmtier bench all: skipping disk — no dd for the raw-device ceiling")
         results["disk"] = "skipped (no dd)"
     redis = _redis_available()
     if redis:
-        step("remote", sub("remote"),
-             [*(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []), *extra("remote")])
+        step(
+            "remote",
+            sub("remote"),
+            [*(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []), *extra("remote")],
+        )
     else:
-        print("lmtier bench all: skipping remote — no Redis (no redis-server on PATH or $LMTIER_REDIS_SERVER, "
-              "no $LMTIER_REDIS_URL)")
+        print(
+            "lmtier bench all: skipping remote — no Redis (no redis-server on PATH or $LMTIER_REDIS_SERVER, "
+            "no $LMTIER_REDIS_URL)"
+        )
         results["remote"] = "skipped (no Redis)"
     step("codec", sub("codec"), [*(["--chunks", "1", "--iters", "1"] if a.quick else []), *extra("codec")])
     if gpu:
         step("ttft", sub("ttft"), [*(["--lengths", "1024,4096,7500"] if a.quick else []), *extra("ttft")])
     else:
-        print("lmtier bench all: skipping ttft — no GPU (its CPU smoke run: lmtier bench ttft --device cpu "
-              "--preset tiny --lengths 128,512 --chunk-tokens 64)")
+        print(
+            "lmtier bench all: skipping ttft — no GPU (its CPU smoke run: lmtier bench ttft --device cpu "
+            "--preset tiny --lengths 128,512 --chunk-tokens 64)"
+        )
         results["ttft"] = "skipped (no GPU)"
     if gpu:
         step("rans", sub("rans"), extra("rans", plot=False, preset=False))

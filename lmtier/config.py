@@ -118,7 +118,6 @@ logger = logging.getLogger("lmtier.config")
 CONFIG_FILE_ENV = envs.CONFIG_FILE
 
 
-
 # --------------------------------------------------------------------------------------------- #
 # Per-concern configs
 
@@ -228,8 +227,10 @@ class RemoteConfig:
         return self.endpoint.password if self.endpoint else None
 
     def __repr__(self) -> str:  # the URL may carry a password: show it redacted
-        return (f"RemoteConfig(url={self.redacted_url!r}, endpoint={self.endpoint!r}, serde={self.serde!r}, "
-                f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r})")
+        return (
+            f"RemoteConfig(url={self.redacted_url!r}, endpoint={self.endpoint!r}, serde={self.serde!r}, "
+            f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r})"
+        )
 
     @property
     def redacted_url(self) -> str | None:
@@ -256,7 +257,7 @@ class LMTierConfig:
         return self.codec_level if serde == "cachegen" else None
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "LMTierConfig":
+    def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> LMTierConfig:
         """Build and validate a config from flat LMCache-style keys (as in the YAML file).
 
         ``env`` is only consulted for ``remote_password_env``. Raises :class:`ConfigError`.

@@ -39,7 +39,6 @@ def parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
     return tuple(paths)
 
 
-
 def physical_memory_bytes() -> int:
     """Total physical memory in bytes, or 0 when the platform does not say."""
     try:

@@ -92,47 +92,124 @@ def _declare(*items: EnvVar) -> dict[str, EnvVar]:
 
 
 ENV_VARS: dict[str, EnvVar] = _declare(
-    EnvVar(CONFIG_FILE, "config", "YAML configuration file read by load_config() when no path is given",
-           read_by="lmtier.config.load_config"),
-    *(EnvVar(PREFIX + key.upper(), "config", f"overrides config key {key!r}: {spec.meaning}",
-             read_by="lmtier.config.load_config") for key, spec in KEYS.items()),
-    EnvVar("LMTIER_FAULT_INJECT", "fault",
-           "comma-separated faults the vLLM connector injects (tests only): e.g. 'load' makes every load fail",
-           default="", parse=_faults, read_by="lmtier.integration.vllm.common"),
-    EnvVar("LMTIER_REQUIRE_REDIS", "test",
-           "1: tests that need redis-server fail instead of skipping when it is missing (CI)",
-           default="0", parse=_flag, read_by="lmtier.testing.redis"),
-    EnvVar("LMTIER_REQUIRE_VLLM", "test",
-           "1: tests that need vLLM (and the SmolLM2 model) fail instead of skipping when it is missing (CI)",
-           default="0", parse=_flag, read_by="lmtier.testing.vllm"),
-    EnvVar("LMTIER_TEST_PW", "test", "a Redis password the tests pass through remote_password_env",
-           read_by="tests/test_remote_tier.py"),
-    EnvVar("LMTIER_FUZZ_EXAMPLES", "test", "multiplier of the number of fuzzing examples (float)",
-           default="1", parse=float, read_by="tests/test_fuzz_records.py"),
-    EnvVar("LMTIER_BENCH_SMOKE", "bench", "1: benchmarks run tiny sizes only (the test suite's smoke run)",
-           default="0", parse=_flag, read_by="benchmarks/*.py"),
-    EnvVar("LMTIER_BENCH_PRESET", "bench", "model geometry preset of benchmarks/test_bench_cpu_paths.py",
-           default="llama-3.1-8b", read_by="benchmarks/test_bench_cpu_paths.py"),
-    EnvVar("LMTIER_REDIS_URL", "bench",
-           "a running Redis the TTFT benchmark uses instead of starting its own redis-server",
-           read_by="lmtier.bench.ttft, lmtier.cli"),
-    EnvVar("LMTIER_REDIS_SERVER", "bench", "path of the redis-server binary the harness starts (default: PATH)",
-           read_by="lmtier.testing.redis, lmtier.bench.ttft"),
-    EnvVar("LMTIER_TCMALLOC", "bench", "path of libtcmalloc for the servers' allocator (default: searched)",
-           read_by="lmtier.testing.procmem"),
-    EnvVar("LMTIER_CODEC_KV_CACHE", "bench", "directory caching the KV that benchmarks/codec_quality.py computes",
-           default="/tmp/lmtier_codec_kv", read_by="benchmarks/codec_quality.py"),
-    EnvVar("LMTIER_CUDA", "build", "ON, OFF or AUTO (default): build the CUDA kernels", default="AUTO",
-           read_by="setup.py"),
-    EnvVar("LMTIER_CUDA_ARCHS", "build", "CMake CUDA architectures to build, e.g. '90' or '80;90'", default="90",
-           read_by="setup.py"),
-    EnvVar("LMTIER_BUILD_JOBS", "build", "parallel compile jobs (default: the number of CPUs)",
-           read_by="setup.py"),
+    EnvVar(
+        CONFIG_FILE,
+        "config",
+        "YAML configuration file read by load_config() when no path is given",
+        read_by="lmtier.config.load_config",
+    ),
+    *(
+        EnvVar(
+            PREFIX + key.upper(),
+            "config",
+            f"overrides config key {key!r}: {spec.meaning}",
+            read_by="lmtier.config.load_config",
+        )
+        for key, spec in KEYS.items()
+    ),
+    EnvVar(
+        "LMTIER_FAULT_INJECT",
+        "fault",
+        "comma-separated faults the vLLM connector injects (tests only): e.g. 'load' makes every load fail",
+        default="",
+        parse=_faults,
+        read_by="lmtier.integration.vllm.common",
+    ),
+    EnvVar(
+        "LMTIER_REQUIRE_REDIS",
+        "test",
+        "1: tests that need redis-server fail instead of skipping when it is missing (CI)",
+        default="0",
+        parse=_flag,
+        read_by="lmtier.testing.redis",
+    ),
+    EnvVar(
+        "LMTIER_REQUIRE_VLLM",
+        "test",
+        "1: tests that need vLLM (and the SmolLM2 model) fail instead of skipping when it is missing (CI)",
+        default="0",
+        parse=_flag,
+        read_by="lmtier.testing.vllm",
+    ),
+    EnvVar(
+        "LMTIER_TEST_PW",
+        "test",
+        "a Redis password the tests pass through remote_password_env",
+        read_by="tests/test_remote_tier.py",
+    ),
+    EnvVar(
+        "LMTIER_FUZZ_EXAMPLES",
+        "test",
+        "multiplier of the number of fuzzing examples (float)",
+        default="1",
+        parse=float,
+        read_by="tests/test_fuzz_records.py",
+    ),
+    EnvVar(
+        "LMTIER_BENCH_SMOKE",
+        "bench",
+        "1: benchmarks run tiny sizes only (the test suite's smoke run)",
+        default="0",
+        parse=_flag,
+        read_by="benchmarks/*.py",
+    ),
+    EnvVar(
+        "LMTIER_BENCH_PRESET",
+        "bench",
+        "model geometry preset of benchmarks/test_bench_cpu_paths.py",
+        default="llama-3.1-8b",
+        read_by="benchmarks/test_bench_cpu_paths.py",
+    ),
+    EnvVar(
+        "LMTIER_REDIS_URL",
+        "bench",
+        "a running Redis the TTFT benchmark uses instead of starting its own redis-server",
+        read_by="lmtier.bench.ttft, lmtier.cli",
+    ),
+    EnvVar(
+        "LMTIER_REDIS_SERVER",
+        "bench",
+        "path of the redis-server binary the harness starts (default: PATH)",
+        read_by="lmtier.testing.redis, lmtier.bench.ttft",
+    ),
+    EnvVar(
+        "LMTIER_TCMALLOC",
+        "bench",
+        "path of libtcmalloc for the servers' allocator (default: searched)",
+        read_by="lmtier.testing.procmem",
+    ),
+    EnvVar(
+        "LMTIER_CODEC_KV_CACHE",
+        "bench",
+        "directory caching the KV that benchmarks/codec_quality.py computes",
+        default="/tmp/lmtier_codec_kv",
+        read_by="benchmarks/codec_quality.py",
+    ),
+    EnvVar(
+        "LMTIER_CUDA", "build", "ON, OFF or AUTO (default): build the CUDA kernels", default="AUTO", read_by="setup.py"
+    ),
+    EnvVar(
+        "LMTIER_CUDA_ARCHS",
+        "build",
+        "CMake CUDA architectures to build, e.g. '90' or '80;90'",
+        default="90",
+        read_by="setup.py",
+    ),
+    EnvVar("LMTIER_BUILD_JOBS", "build", "parallel compile jobs (default: the number of CPUs)", read_by="setup.py"),
     EnvVar("LMTIER_CI_VLLM033", "ci", "0 skips the vLLM 0.33 step of .ci/run", default="1", read_by=".ci/run"),
-    EnvVar("LMTIER_GPU_STEPS", "ci", "steps of scripts/gpu_run.sh (tests transfer layerwise ttft rans codec ...)",
-           read_by="scripts/gpu_run.sh"),
-    EnvVar("LMTIER_GPU_BENCH", "ci", "quick: scripts/gpu_run.sh runs the short benchmark sizes", default="full",
-           read_by="scripts/gpu_run.sh"),
+    EnvVar(
+        "LMTIER_GPU_STEPS",
+        "ci",
+        "steps of scripts/gpu_run.sh (tests transfer layerwise ttft rans codec ...)",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
+        "LMTIER_GPU_BENCH",
+        "ci",
+        "quick: scripts/gpu_run.sh runs the short benchmark sizes",
+        default="full",
+        read_by="scripts/gpu_run.sh",
+    ),
 )
 """Every ``LMTIER_*`` variable lmtier, its tests, benchmarks, build and scripts read."""
 
@@ -188,8 +265,12 @@ def warn_undeclared(env: Mapping[str, str] | None = None) -> list[str]:
         _WARNED.add(name)
         close = difflib.get_close_matches(name, ENV_VARS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        logger.warning("lmtier: environment variable %s is not an lmtier variable and is ignored%s; "
-                       "declared variables are listed in lmtier.envs.ENV_VARS", name, hint)
+        logger.warning(
+            "lmtier: environment variable %s is not an lmtier variable and is ignored%s; "
+            "declared variables are listed in lmtier.envs.ENV_VARS",
+            name,
+            hint,
+        )
     return names
 
 

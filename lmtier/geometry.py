@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,7 +119,7 @@ for _d in KV_DTYPES:
         _BY_NAME[_n] = _d
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_table() -> dict[Any, KVDType]:
     import torch
 
@@ -146,14 +146,14 @@ def kv_dtype(dtype: Any) -> KVDType:
     return row
 
 
-def torch_dtype(dtype: Any) -> "torch.dtype":
+def torch_dtype(dtype: Any) -> torch.dtype:
     """The ``torch.dtype`` of a name, alias or row (``"bf16"`` -> ``torch.bfloat16``); ValueError if unknown."""
     import torch
 
     return getattr(torch, kv_dtype(dtype).torch_name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def torch_itemsizes() -> dict[Any, int]:
     """``{torch.dtype: bytes per element}`` of every torch dtype a KV layout may hand over: the
     table's, plus the fp8 variants moved as bytes (``float8_e4m3fnuz``...) where torch has them."""
@@ -166,7 +166,7 @@ def torch_itemsizes() -> dict[Any, int]:
     return out
 
 
-def torch_itemsize(dtype: "torch.dtype") -> int:
+def torch_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of a torch KV dtype (see :func:`torch_itemsizes`).
 
     Raises:
@@ -175,7 +175,9 @@ def torch_itemsize(dtype: "torch.dtype") -> int:
     try:
         return torch_itemsizes()[dtype]
     except KeyError:
-        raise ValueError(f"unsupported KV cache dtype {dtype}; supported: {sorted(map(str, torch_itemsizes()))}") from None
+        raise ValueError(
+            f"unsupported KV cache dtype {dtype}; supported: {sorted(map(str, torch_itemsizes()))}"
+        ) from None
 
 
 class _TorchKVDTypes(Mapping):
@@ -197,7 +199,7 @@ class _TorchKVDTypes(Mapping):
         return f"TORCH_KV_DTYPES({self._table()!r})"
 
 
-TORCH_KV_DTYPES: Mapping[str, "torch.dtype"] = _TorchKVDTypes()
+TORCH_KV_DTYPES: Mapping[str, torch.dtype] = _TorchKVDTypes()
 """Namespace ``kv_dtype`` name -> ``torch.dtype`` (a read-only mapping; torch is imported on first use)."""
 
 
@@ -231,7 +233,7 @@ class ChunkGeometry:
             raise ValueError(f"ChunkGeometry.num_planes must be 1 (MLA) or 2 (K and V), got {self.num_planes!r}")
 
     @classmethod
-    def of(cls, num_layers: int, num_planes: int, num_kv_heads: int, head_size: int, dtype: Any) -> "ChunkGeometry":
+    def of(cls, num_layers: int, num_planes: int, num_kv_heads: int, head_size: int, dtype: Any) -> ChunkGeometry:
         """Geometry with the element size of ``dtype`` (a name, alias or torch dtype, fp8 variants included)."""
         if isinstance(dtype, (str, KVDType)):
             itemsize = kv_dtype(dtype).itemsize

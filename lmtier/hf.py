@@ -46,7 +46,9 @@ def pack_kv_chunk(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: in
         ``torch.uint8`` 1-D contiguous tensor on the K/V device: the bytes of
         ``[num_layers][2][stop - start][num_kv_heads][head_size]`` (the canonical layout).
     """
-    planes = [torch.stack((k[0, :, start:stop].transpose(0, 1), v[0, :, start:stop].transpose(0, 1))) for k, v in layers]
+    planes = [
+        torch.stack((k[0, :, start:stop].transpose(0, 1), v[0, :, start:stop].transpose(0, 1))) for k, v in layers
+    ]
     return torch.stack(planes).contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -80,7 +82,9 @@ class KVCacheStore:
         keys = chunk_keys(token_ids, self.namespace, cache_salt=cache_salt)
         return len(self.manager.lookup(keys)) * self.namespace.chunk_size
 
-    def store(self, token_ids: Any, kv: Any, *, cache_salt: str | bytes | None = None, timeout_s: float | None = None) -> list[Future]:
+    def store(
+        self, token_ids: Any, kv: Any, *, cache_salt: str | bytes | None = None, timeout_s: float | None = None
+    ) -> list[Future]:
         """Store the KV of every full chunk of ``token_ids`` (asynchronously).
 
         Args:

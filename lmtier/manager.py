@@ -94,8 +94,10 @@ def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
 
 def _check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
     """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache."""
-    for tier, key, enabled in (("disk", "local_disk_serde", config.disk.enabled),
-                               ("remote", "remote_serde", config.remote.enabled)):
+    for tier, key, enabled in (
+        ("disk", "local_disk_serde", config.disk.enabled),
+        ("remote", "remote_serde", config.remote.enabled),
+    ):
         level = config.serde_level(tier)
         if enabled and level is not None:
             from lmtier.tiers.codec import check_codec_geometry
@@ -164,10 +166,14 @@ class TierManager:
         # Write-back / write-through work is background work: run it at the lowest CPU priority so
         # it does not take cores from the forward pass on small hosts (measured: cold-request
         # overhead on 2 cores, benchmarks/RESULTS.md).
-        self._store_pool = ThreadPoolExecutor(store_threads, thread_name_prefix="lmtier-store",
-                                              initializer=background_priority)
-        self._remote_pool = ThreadPoolExecutor(remote_threads, thread_name_prefix="lmtier-remote",
-                                               initializer=background_priority) if remote else None
+        self._store_pool = ThreadPoolExecutor(
+            store_threads, thread_name_prefix="lmtier-store", initializer=background_priority
+        )
+        self._remote_pool = (
+            ThreadPoolExecutor(remote_threads, thread_name_prefix="lmtier-remote", initializer=background_priority)
+            if remote
+            else None
+        )
         self._inflight = 0
         self._idle = threading.Condition()
         self._closed = False
@@ -189,7 +195,7 @@ class TierManager:
         disk_factory: DiskFactory = default_disk_factory,
         remote_factory: RemoteFactory = default_remote_factory,
         **kwargs: Any,
-    ) -> "TierManager":
+    ) -> TierManager:
         """Build the tiers ``config`` enables for chunks of ``namespace``.
 
         Args:
@@ -669,7 +675,7 @@ class TierManager:
                 except Exception:
                     log.exception("closing tier %s failed", tier.name)
 
-    def __enter__(self) -> "TierManager":
+    def __enter__(self) -> TierManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -183,9 +183,26 @@ def encode_header(
     if created_ns is None:
         created_ns = time.time_ns()
     body = _STRUCT.pack(
-        MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, meta.codec, meta.dtype_code, payload_offset, 0,
-        payload_bytes, payload_xxh3, bytes(key), bytes(meta.namespace), meta.num_layers,
-        meta.num_planes, meta.num_tokens, meta.num_kv_heads, meta.head_size, 0, created_ns, 0,
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        0,
+        meta.codec,
+        meta.dtype_code,
+        payload_offset,
+        0,
+        payload_bytes,
+        payload_xxh3,
+        bytes(key),
+        bytes(meta.namespace),
+        meta.num_layers,
+        meta.num_planes,
+        meta.num_tokens,
+        meta.num_kv_heads,
+        meta.head_size,
+        0,
+        created_ns,
+        0,
     )
     return body[:_CHECKED_BYTES] + struct.pack("<Q", xxhash.xxh3_64_intdigest(body[:_CHECKED_BYTES]))
 
@@ -210,9 +227,28 @@ def decode_header(
     if len(mv) < HEADER_BYTES:
         raise RecordError(f"truncated header: {len(mv)} bytes < {HEADER_BYTES}")
     head = mv[:HEADER_BYTES]
-    (magic, version, header_bytes, flags, codec, dtype_code, payload_offset, _r0, payload_bytes,
-     payload_xxh3, key, namespace, num_layers, num_planes, num_tokens, num_kv_heads, head_size,
-     _r1, created_ns, header_xxh3) = _STRUCT.unpack(head)
+    (
+        magic,
+        version,
+        header_bytes,
+        flags,
+        codec,
+        dtype_code,
+        payload_offset,
+        _r0,
+        payload_bytes,
+        payload_xxh3,
+        key,
+        namespace,
+        num_layers,
+        num_planes,
+        num_tokens,
+        num_kv_heads,
+        head_size,
+        _r1,
+        created_ns,
+        header_xxh3,
+    ) = _STRUCT.unpack(head)
     if magic != MAGIC:
         raise RecordError(f"bad magic {magic!r} (expected {MAGIC!r}): not an lmtier record")
     if version != FORMAT_VERSION:

@@ -122,14 +122,15 @@ class RedisEndpoint:
         nodes = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
         return f"{self.scheme}://{nodes}" + ("" if self.kind == "cluster" else f"/{self.db}")
 
-    def with_password(self, password: str | None) -> "RedisEndpoint":
+    def with_password(self, password: str | None) -> RedisEndpoint:
         """A copy with ``password`` replaced."""
         return replace(self, password=password or None)
 
     def __repr__(self) -> str:
         auth = f", username={self.username!r}" if self.username else ""
-        return (f"RedisEndpoint({self.describe()!r}{auth}, password={'***' if self.password else None}, "
-                f"tls={self.tls!r})")
+        return (
+            f"RedisEndpoint({self.describe()!r}{auth}, password={'***' if self.password else None}, tls={self.tls!r})"
+        )
 
 
 def redact_url(url: str) -> str:
@@ -152,8 +153,9 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{rest}{qmark}{query}"
 
 
-def parse_redis_url(url: str, *, password_env: str | None = None,
-                    env: Mapping[str, str] | None = None) -> RedisEndpoint:
+def parse_redis_url(
+    url: str, *, password_env: str | None = None, env: Mapping[str, str] | None = None
+) -> RedisEndpoint:
     """Parse a remote URL (see the module doc) into a :class:`RedisEndpoint`.
 
     Args:
@@ -239,22 +241,29 @@ def parse_redis_url(url: str, *, password_env: str | None = None,
         check = _BOOL_TEXT.get(params.pop("ssl_check_hostname", "true").lower())
         if check is None:
             raise bad("ssl_check_hostname must be true or false")
-        tls = TLSOptions(ca_certs=files.get("ssl_ca_certs"), certfile=files.get("ssl_certfile"),
-                         keyfile=files.get("ssl_keyfile"), cert_reqs=reqs, check_hostname=check and reqs != "none")
+        tls = TLSOptions(
+            ca_certs=files.get("ssl_ca_certs"),
+            certfile=files.get("ssl_certfile"),
+            keyfile=files.get("ssl_keyfile"),
+            cert_reqs=reqs,
+            check_hostname=check and reqs != "none",
+        )
     if params:
         raise bad(f"unsupported query parameters {sorted(params)}")
     if password_env is not None:
         if not password_env:
             raise RemoteURLError("remote_password_env", password_env, "must be a variable name")
         if password is not None:
-            raise RemoteURLError("remote_password_env", password_env,
-                                 "remote_url already contains a password; set only one")
+            raise RemoteURLError(
+                "remote_password_env", password_env, "remote_url already contains a password; set only one"
+            )
         environ = os.environ if env is None else env
         if password_env not in environ:
             raise RemoteURLError("remote_password_env", password_env, "environment variable is not set")
         password = environ[password_env] or None
-    return RedisEndpoint(scheme=scheme, hosts=hosts, socket_path=socket_path, db=db, username=username,
-                         password=password, tls=tls)
+    return RedisEndpoint(
+        scheme=scheme, hosts=hosts, socket_path=socket_path, db=db, username=username, password=password, tls=tls
+    )
 
 
 def _parse_host_port(bad, item: str) -> tuple[str, int]:
@@ -276,4 +285,3 @@ def _parse_host_port(bad, item: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise bad(f"port {port} outside 1..65535")
     return host, port
-

@@ -23,7 +23,7 @@ concurrent stores and loads.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -51,8 +51,17 @@ class CudaTransferEngine:
     Device memory: ``ring * layers_per_piece * layout.chunk_bytes(T) / num_layers`` bytes of staging.
     """
 
-    def __init__(self, layout: KVLayout, tokens_per_chunk: int, *, layers_per_piece: int | None = None,
-                 ring: int = 3, mode: str = "staged", zerocopy_max_ctas: int = 32, priority: int = 0) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        tokens_per_chunk: int,
+        *,
+        layers_per_piece: int | None = None,
+        ring: int = 3,
+        mode: str = "staged",
+        zerocopy_max_ctas: int = 32,
+        priority: int = 0,
+    ) -> None:
         if layout.device.type != "cuda":
             raise ValueError(f"CudaTransferEngine needs a CUDA cache, got {layout.device}")
         if mode not in MODES:
@@ -78,18 +87,39 @@ class CudaTransferEngine:
             layer_t = layout.layer_ptr_tensor(dev)
             with torch.cuda.device(dev):
                 self._copier = _C.StagedCopier(
-                    layer_t.data_ptr(), layout.num_layers, layout.num_planes, layout.num_heads, layout.head_size,
-                    layout.elem_bytes, layout.block_size, layout.num_blocks, [p.as_tuple() for p in layout.planes],
-                    tokens_per_chunk, lpp, ring, layout.vec_bytes(), self.kernel_stream.cuda_stream,
-                    self.copy_stream.cuda_stream)
+                    layer_t.data_ptr(),
+                    layout.num_layers,
+                    layout.num_planes,
+                    layout.num_heads,
+                    layout.head_size,
+                    layout.elem_bytes,
+                    layout.block_size,
+                    layout.num_blocks,
+                    [p.as_tuple() for p in layout.planes],
+                    tokens_per_chunk,
+                    lpp,
+                    ring,
+                    layout.vec_bytes(),
+                    self.kernel_stream.cuda_stream,
+                    self.copy_stream.cuda_stream,
+                )
 
     def _prepare(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor]) -> torch.Tensor:
-        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 2 or slot_mapping.shape[1] != self.tokens:
+        if (
+            not isinstance(slot_mapping, torch.Tensor)
+            or slot_mapping.dim() != 2
+            or slot_mapping.shape[1] != self.tokens
+        ):
             raise ValueError(f"slot_mapping must be [C, {self.tokens}] int64")
         if len(host) != slot_mapping.shape[0]:
             raise ValueError(f"{len(host)} host buffers for {slot_mapping.shape[0]} chunks")
         for i, h in enumerate(host):
-            if h.device.type != "cpu" or h.dtype != torch.uint8 or not h.is_contiguous() or h.numel() < self.chunk_bytes:
+            if (
+                h.device.type != "cpu"
+                or h.dtype != torch.uint8
+                or not h.is_contiguous()
+                or h.numel() < self.chunk_bytes
+            ):
                 raise ValueError(f"host buffer {i}: need a contiguous CPU uint8 tensor of >= {self.chunk_bytes} bytes")
             if not h.is_pinned():
                 raise ValueError(f"host buffer {i} is not pinned memory")
@@ -127,8 +157,9 @@ class CudaTransferEngine:
         slots.record_stream(self.kernel_stream)
         return done
 
-    def store(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
-              wait_stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    def store(
+        self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *, wait_stream: torch.cuda.Stream | None = None
+    ) -> torch.cuda.Event:
         """Gather ``C`` chunks (``slot_mapping [C, T]`` int64, CPU or cache device) into pinned ``host`` buffers.
 
         Returns an event that completes when every byte is in ``host``. Raises ``ValueError`` on
@@ -136,16 +167,18 @@ class CudaTransferEngine:
         """
         return self._transfer(True, slot_mapping, host, wait_stream)
 
-    def load(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
-             wait_stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    def load(
+        self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *, wait_stream: torch.cuda.Stream | None = None
+    ) -> torch.cuda.Event:
         """Scatter ``C`` pinned host chunks into the cache at ``slot_mapping``; returns the completion event.
 
         Padding slots (< 0) are not written. Raises ``ValueError`` on bad arguments.
         """
         return self._transfer(False, slot_mapping, host, wait_stream)
 
-    def load_layerwise(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *,
-                       wait_stream: torch.cuda.Stream | None = None) -> list[torch.cuda.Event]:
+    def load_layerwise(
+        self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], *, wait_stream: torch.cuda.Stream | None = None
+    ) -> list[torch.cuda.Event]:
         """Scatter ``C`` pinned host chunks into the cache layer by layer; returns one event per layer.
 
         Same arguments and checks as :meth:`load`, but the copies are enqueued layer-major (every

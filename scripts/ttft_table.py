@@ -1,6 +1,6 @@
 """Print the short TTFT table of a ``lmtier bench ttft --json`` file (scripts/gpu_run.sh ends with it).
 
-    python scripts/ttft_table.py out/ttft.json
+python scripts/ttft_table.py out/ttft.json
 """
 
 import json
@@ -13,19 +13,26 @@ def main(path: str) -> None:
     r = json.load(open(path))
     c = r["ceilings"]
     dd = c.get("disk_dd_GBs") or {}
-    print(f"--- {path.rsplit('/', 1)[-1]}: {r['model']}; H2D {c.get('h2d_GBs') or 0:.1f} GB/s; dd read "
-          f"{dd.get('read', 0):.2f} GB/s, O_DIRECT x{dd.get('read_par_inflight', '?')} {dd.get('read_par', 0):.2f} GB/s; "
-          f"Redis raw socket {c.get('redis_raw_GBs') or 0:.2f} GB/s; load path: {r.get('load_path', {}).get('copy', '?')}, "
-          f"codec decode on the {r.get('load_path', {}).get('codec_decode', '?')}; "
-          f"checks_ok={r['checks_ok']}; ms (% of recompute)")
+    print(
+        f"--- {path.rsplit('/', 1)[-1]}: {r['model']}; H2D {c.get('h2d_GBs') or 0:.1f} GB/s; dd read "
+        f"{dd.get('read', 0):.2f} GB/s, O_DIRECT x{dd.get('read_par_inflight', '?')} {dd.get('read_par', 0):.2f} GB/s; "
+        f"Redis raw socket {c.get('redis_raw_GBs') or 0:.2f} GB/s; load path: "
+        f"{r.get('load_path', {}).get('copy', '?')}, "
+        f"codec decode on the {r.get('load_path', {}).get('codec_decode', '?')}; "
+        f"checks_ok={r['checks_ok']}; ms (% of recompute)"
+    )
     tiers = [t for t in TIERS if any(row.get(t + "_ms") for row in r["rows"])]
     print("N".rjust(6), "recompute".rjust(9), *(t.rjust(16) for t in tiers))
     for row in r["rows"]:
+
         def cell(t):
             return (f"{row[t + '_ms']:.1f} ({row[t + '_pct']:.1f}%)" if row.get(t + "_ms") else "-").rjust(16)
+
         print(str(row["N"]).rjust(6), f"{row['recompute_ms']:.1f}".rjust(9), *(cell(t) for t in tiers))
-    print("break-even (shortest N where loading wins): "
-          + (", ".join(f"{t} {v}" for t, v in r["break_even"].items() if v) or "none"))
+    print(
+        "break-even (shortest N where loading wins): "
+        + (", ".join(f"{t} {v}" for t, v in r["break_even"].items() if v) or "none")
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Exit status 0 when all selected phases succeed and the outputs match. Build the 
 with scripts/make_model.py. Prompt lengths of 128*k+1 never hit in ExampleConnector (its
 off-by-one; see FACTS.md) — the script refuses them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,7 +89,9 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict:
         "generate_s": round(t_gen, 3),
     }
     if phase in ("store", "load"):
-        res["stored_files"] = sorted(str(p.relative_to(args.storage)) for p in Path(args.storage).rglob("*.safetensors"))
+        res["stored_files"] = sorted(
+            str(p.relative_to(args.storage)) for p in Path(args.storage).rglob("*.safetensors")
+        )
     return res
 
 
@@ -117,9 +120,21 @@ def main() -> int:
     phases = ["plain", "store", "load"] if args.phase == "all" else [args.phase]
     results: dict[str, dict] = {}
     for ph in phases:
-        cmd = [sys.executable, __file__, "--child", "--phase", ph, "--model", str(args.model),
-               "--storage", str(storage), "--prompt-tokens", str(args.prompt_tokens),
-               "--max-tokens", str(args.max_tokens)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--phase",
+            ph,
+            "--model",
+            str(args.model),
+            "--storage",
+            str(storage),
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = [l for l in p.stdout.splitlines() if l.startswith("SMOKE_RESULT ")]
         inject = [l for l in p.stdout.splitlines() if "Inject KV cache" in l or "External Cache Hit" in l]
@@ -127,14 +142,16 @@ def main() -> int:
             print(p.stdout[-6000:], file=sys.stderr)
             print(f"phase {ph} failed (rc={p.returncode})", file=sys.stderr)
             return 1
-        res = json.loads(lines[-1][len("SMOKE_RESULT "):])
+        res = json.loads(lines[-1][len("SMOKE_RESULT ") :])
         res["connector_log"] = [l.split("] ", 1)[-1] for l in inject]
         results[ph] = res
         files = res.get("stored_files")
-        print(f"[{ph}] init {res['init_s']} s, generate {res['generate_s']} s, "
-              f"num_cached_tokens={res['num_cached_tokens']}, tokens={res['token_ids']}"
-              + (f", stored files={len(files)}" if files is not None else "")
-              + (f", connector: {res['connector_log']}" if res["connector_log"] else ""))
+        print(
+            f"[{ph}] init {res['init_s']} s, generate {res['generate_s']} s, "
+            f"num_cached_tokens={res['num_cached_tokens']}, tokens={res['token_ids']}"
+            + (f", stored files={len(files)}" if files is not None else "")
+            + (f", connector: {res['connector_log']}" if res["connector_log"] else "")
+        )
 
     ok = True
     ref = results.get("plain") or results.get("store")

@@ -28,9 +28,30 @@ def test_presets_cover_the_issue():
 
 def test_codec_synthetic_quality_proxy_and_plot(tmp_path):
     js, png = tmp_path / "c.json", tmp_path / "c.png"
-    rc = cli.main(["bench", "codec", "--synthetic", "--model-preset", "qwen2.5-7b", "--chunks", "1",
-                   "--chunk-tokens", "32", "--iters", "1", "--levels", "lossless", "high", "low",
-                   "--quiet", "--json", str(js), "--plot", str(png)])
+    rc = cli.main(
+        [
+            "bench",
+            "codec",
+            "--synthetic",
+            "--model-preset",
+            "qwen2.5-7b",
+            "--chunks",
+            "1",
+            "--chunk-tokens",
+            "32",
+            "--iters",
+            "1",
+            "--levels",
+            "lossless",
+            "high",
+            "low",
+            "--quiet",
+            "--json",
+            str(js),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0 and _png(png)
     res = json.loads(js.read_text())
     assert res["synthetic"] is True and res["data"].startswith("SYNTHETIC") and "qwen2.5-7b" in res["data"]
@@ -61,8 +82,25 @@ def test_attn_proxy_is_zero_for_exact_and_positive_for_noise():
 
 def test_transfer_cpu_plot_and_preset(tmp_path):
     js, png = tmp_path / "t.json", tmp_path / "t.png"
-    rc = cli.main(["bench", "transfer", "--device", "cpu", "--batches", "1", "--cache-gb", "0.05",
-                   "--model-preset", "llama-3.1-70b-tp8", "--quiet", "--json", str(js), "--plot", str(png)])
+    rc = cli.main(
+        [
+            "bench",
+            "transfer",
+            "--device",
+            "cpu",
+            "--batches",
+            "1",
+            "--cache-gb",
+            "0.05",
+            "--model-preset",
+            "llama-3.1-70b-tp8",
+            "--quiet",
+            "--json",
+            str(js),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0 and _png(png)
     res = json.loads(js.read_text())
     assert res["geometry"]["name"] == "llama-3.1-70b-tp8"
@@ -71,9 +109,31 @@ def test_transfer_cpu_plot_and_preset(tmp_path):
 
 def test_disk_plot_and_preset(tmp_path):
     js, png = tmp_path / "d.json", tmp_path / "d.png"
-    rc = cli.main(["bench", "disk", "--dir", str(tmp_path / "d"), "--model-preset", "smollm2-135m", "--count", "2",
-                   "--rounds", "1", "--threads", "2", "--sync", "none", "--inflight", "2", "--quiet",
-                   "--json", str(js), "--plot", str(png)])
+    rc = cli.main(
+        [
+            "bench",
+            "disk",
+            "--dir",
+            str(tmp_path / "d"),
+            "--model-preset",
+            "smollm2-135m",
+            "--count",
+            "2",
+            "--rounds",
+            "1",
+            "--threads",
+            "2",
+            "--sync",
+            "none",
+            "--inflight",
+            "2",
+            "--quiet",
+            "--json",
+            str(js),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0 and _png(png)
     res = json.loads(js.read_text())
     assert res["chunk_bytes"] == 256 * preset("smollm2-135m").bytes_per_token() // 4096 * 4096
@@ -146,20 +206,53 @@ def test_subcommands_run_outside_the_checkout(tmp_path):
     import lmtier
 
     site = tmp_path / "site"
-    shutil.copytree(os.path.dirname(lmtier.__file__), site / "lmtier",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.dirname(lmtier.__file__), site / "lmtier", ignore=shutil.ignore_patterns("__pycache__"))
     work = tmp_path / "work"
     work.mkdir()
     env = dict(os.environ, PYTHONPATH=str(site))
     js = work / "d.json"
-    r = subprocess.run([sys.executable, "-m", "lmtier.cli", "bench", "disk", "--dir", str(work / "d"), "--size-mib",
-                        "1", "--count", "1", "--rounds", "1", "--threads", "1", "--sync", "none", "--inflight", "1",
-                        "--quiet", "--json", str(js)], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmtier.cli",
+            "bench",
+            "disk",
+            "--dir",
+            str(work / "d"),
+            "--size-mib",
+            "1",
+            "--count",
+            "1",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--sync",
+            "none",
+            "--inflight",
+            "1",
+            "--quiet",
+            "--json",
+            str(js),
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
     assert json.loads(js.read_text())["rows"]
     for sub in ("remote", "rans", "ttft"):
-        r = subprocess.run([sys.executable, "-m", "lmtier.cli", "bench", sub, "--help"], cwd=work, env=env,
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "lmtier.cli", "bench", sub, "--help"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0 and f"lmtier bench {sub}" in r.stdout, (sub, r.stderr[-1000:])
 
 

@@ -17,9 +17,25 @@ pytest.importorskip("pytest_benchmark")
 
 def test_benchmark_suites_smoke(tmp_path):
     env = dict(os.environ, LMTIER_BENCH_SMOKE="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
-                        "-o", f"cache_dir={tmp_path}", os.path.join(ROOT, "benchmarks")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--benchmark-disable",
+            "-o",
+            f"cache_dir={tmp_path}",
+            os.path.join(ROOT, "benchmarks"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     # the CPU-path suites were collected and ran (not silently skipped)

@@ -22,7 +22,8 @@ G, T = L.Granularity, L.Transform
 EXTRA = [
     L.Level("t_head", 200, k=L.PlaneQuant(G.HEAD, L._all(63)), v=L.PlaneQuant(G.TOKEN, L._all(3))),
     L.Level(
-        "t_hadamard", 201,
+        "t_hadamard",
+        201,
         k=L.PlaneQuant(G.TOKEN_HEAD, L._third(15, 7), T.HADAMARD),
         v=L.PlaneQuant(G.CHANNEL, L._all(7), T.HADAMARD),
     ),
@@ -302,7 +303,11 @@ def test_benchmark_smoke():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "codec_quality.py"), "--smoke", "--threads", "1"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "codec_quality.py"), "--smoke", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "smoke ok" in r.stdout

@@ -78,7 +78,7 @@ def test_tables_need_t_multiple_of_32_else_per_stream(tables):
 def test_unseen_scale_codes_fall_back_per_stream(tables):
     tab, _ = tables["default"]
     x = kv_like(7)
-    x[1] *= 2.0 ** 6  # layer 1's scale codes far outside the calibrated range
+    x[1] *= 2.0**6  # layer 1's scale codes far outside the calibrated range
     rec, out = roundtrip(x, "default", tab)
     r = fmt.unpack(rec)
     assert rans.stream_info(np.frombuffer(r.section(1, 2), np.uint8)).adaptive
@@ -99,8 +99,9 @@ def test_table_set_mismatch_is_a_clear_error(tables):
     with pytest.raises(CH.CodecRecordError, match="static table set"):
         CH.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, tables=None)
     with pytest.raises(ValueError, match="sections"):
-        CH.encode_chunk(kv_like(1, (2, 2, 256, 2, 64)), shape=(2, 2, 256, 2, 64), dtype=torch.bfloat16,
-                        level="default", tables=tab)
+        CH.encode_chunk(
+            kv_like(1, (2, 2, 256, 2, 64)), shape=(2, 2, 256, 2, 64), dtype=torch.bfloat16, level="default", tables=tab
+        )
 
 
 def test_save_load_roundtrip(tmp_path, tables):

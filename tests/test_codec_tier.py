@@ -109,7 +109,7 @@ def test_chunk_round_trip_matches_reference(level, dtype, native):
     C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=dtype, level=level)
     y = out[: x.numel() * 2].view(dtype).view(SHAPE)
     assert torch.equal(y.view(torch.int16), reference(x, level).view(torch.int16))
-    assert bool((out[x.numel() * 2:] == 0xAB).all())
+    assert bool((out[x.numel() * 2 :] == 0xAB).all())
     if level != "lossless":
         check_within_bound(x, y, level)
         assert len(rec) < x.numel() * 2 / 2  # well below bf16 even on this tiny chunk
@@ -224,8 +224,9 @@ def test_static_tables():
     lv = L.get_level("default")
     sym, side = Q.quantize(x, lv)
     # one table per section kind (K, V, codes) fitted on this chunk; the codes use a per-stream table
-    tabs = np.stack([rans.table_from_symbols(sym[:, 0], alphabet_size=13),
-                     rans.table_from_symbols(sym[:, 1], alphabet_size=7)])
+    tabs = np.stack(
+        [rans.table_from_symbols(sym[:, 0], alphabet_size=13), rans.table_from_symbols(sym[:, 1], alphabet_size=7)]
+    )
     st = C.StaticTables(table_id=42, tables=tabs, section_tables=[0, 1, rans.ADAPTIVE_TABLE] * SHAPE[0])
     rec = C.encode_chunk(x, shape=SHAPE, dtype=torch.bfloat16, level=lv, tables=st)
     assert fmt.unpack(rec).info.table_id == 42
@@ -238,8 +239,13 @@ def test_static_tables():
     with pytest.raises(C.CodecRecordError, match="has 7"):
         C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, tables=other)
     with pytest.raises(ValueError, match="sections"):
-        C.encode_chunk(x, shape=SHAPE, dtype=torch.bfloat16, level=lv,
-                       tables=C.StaticTables(table_id=1, tables=tabs, section_tables=[0]))
+        C.encode_chunk(
+            x,
+            shape=SHAPE,
+            dtype=torch.bfloat16,
+            level=lv,
+            tables=C.StaticTables(table_id=1, tables=tabs, section_tables=[0]),
+        )
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -276,8 +282,9 @@ def _tier(inner, level, dtype=torch.bfloat16, shape=SHAPE):
 def _tables42(x=None) -> C.StaticTables:
     """A static table set fitted on ``x`` (K, V symbol tables; per-stream tables for the codes)."""
     sym, _ = Q.quantize(kv_like() if x is None else x, "default")
-    tabs = np.stack([rans.table_from_symbols(sym[:, 0], alphabet_size=13),
-                     rans.table_from_symbols(sym[:, 1], alphabet_size=7)])
+    tabs = np.stack(
+        [rans.table_from_symbols(sym[:, 0], alphabet_size=13), rans.table_from_symbols(sym[:, 1], alphabet_size=7)]
+    )
     return C.StaticTables(table_id=42, tables=tabs, section_tables=[0, 1, rans.ADAPTIVE_TABLE] * SHAPE[0])
 
 
@@ -334,14 +341,25 @@ def test_decoder_slot_survives_failures(native):
     # a bad record never touches out
     st = _tables42()
     dec = DEC.ChunkDecoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st)
-    good = [(C.encode_chunk(kv_like(seed=i), shape=SHAPE, dtype=torch.bfloat16, level="default",
-                            tables=st if i % 2 else None), kv_like(seed=i)) for i in range(3)]
+    good = [
+        (
+            C.encode_chunk(
+                kv_like(seed=i), shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st if i % 2 else None
+            ),
+            kv_like(seed=i),
+        )
+        for i in range(3)
+    ]
     other = C.StaticTables(table_id=7, tables=st.tables, section_tables=st.section_tables)
-    bad = [(_damaged("rans")[0], "rANS stream of layer 0, section 0 failed"),
-           (_out_of_range_record(), "symbol outside"),
-           (_damaged("checksum")[0], "checksum"),
-           (C.encode_chunk(kv_like(), shape=SHAPE, dtype=torch.bfloat16, level="default", tables=other),
-            "static table set 7, the decoder has 42")]
+    bad = [
+        (_damaged("rans")[0], "rANS stream of layer 0, section 0 failed"),
+        (_out_of_range_record(), "symbol outside"),
+        (_damaged("checksum")[0], "checksum"),
+        (
+            C.encode_chunk(kv_like(), shape=SHAPE, dtype=torch.bfloat16, level="default", tables=other),
+            "static table set 7, the decoder has 42",
+        ),
+    ]
     with dec.slot() as s:
         for (rec, x), (brec, msg) in zip(good * 2, bad * 2):
             out = torch.full((16384,), 0xCD, dtype=torch.uint8)
@@ -385,8 +403,12 @@ def test_decode_chunk_shares_decoders():
         C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16, tables=st)
     dec = DEC.shared_decoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=st, device="cpu")
     assert dec.slots_created == 1 and dec.tables is st
-    assert DEC.shared_decoder(shape=SHAPE, dtype="bfloat16", level=L.get_level("default"), tables=st,
-                              device=torch.device("cpu")) is dec
+    assert (
+        DEC.shared_decoder(
+            shape=SHAPE, dtype="bfloat16", level=L.get_level("default"), tables=st, device=torch.device("cpu")
+        )
+        is dec
+    )
     assert DEC.shared_decoder(shape=SHAPE, dtype=torch.bfloat16, level="default", tables=None, device="cpu") is not dec
 
 
@@ -451,7 +473,7 @@ def test_rans_decode_descriptors_matches_decode_into():
     outs = [np.zeros(len(s) + 3, np.uint8) for s in streams]
     desc = np.zeros(len(streams), rans.DECODE_DESC)
     for i, o in enumerate(outs):
-        src = data[int(b.offsets[i]):int(b.offsets[i + 1])]
+        src = data[int(b.offsets[i]) : int(b.offsets[i + 1])]
         desc[i] = (src.ctypes.data, src.nbytes, o.ctypes.data, o.nbytes)
     got = np.zeros(len(streams), np.int64)
     status = np.full(len(streams), 99, np.int32)
@@ -460,7 +482,6 @@ def test_rans_decode_descriptors_matches_decode_into():
     assert all(np.array_equal(o[: len(s)], s) for o, s in zip(outs, streams))
     with pytest.raises(ValueError, match="DECODE_DESC"):
         rans.decode_descriptors(desc[:2], 3, 0, 0, out_lengths=got, status=status)
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -563,12 +584,15 @@ def test_record_never_exceeds_bound_and_scratch(disk):
     assert 16384 < t.counters["record_bytes_out"] <= t.max_record_bytes
 
 
-@pytest.mark.parametrize("dtype,level,msg", [
-    ("float32", "default", "lossy codec level 'default' needs a bfloat16/float16 KV cache, kv_dtype is float32"),
-    ("float32", "lossless", "'lossless' needs a 16-bit float KV cache"),
-    ("fp8_e4m3", "low", "kv_dtype is fp8_e4m3"),
-    (torch.float32, "high", "kv_dtype is float32"),
-])
+@pytest.mark.parametrize(
+    "dtype,level,msg",
+    [
+        ("float32", "default", "lossy codec level 'default' needs a bfloat16/float16 KV cache, kv_dtype is float32"),
+        ("float32", "lossless", "'lossless' needs a 16-bit float KV cache"),
+        ("fp8_e4m3", "low", "kv_dtype is fp8_e4m3"),
+        (torch.float32, "high", "kv_dtype is float32"),
+    ],
+)
 def test_unsupported_dtype_is_config_error(disk, dtype, level, msg):
     with pytest.raises(ConfigError, match=f"local_disk_serde='cachegen': .*{msg}"):
         _tier(disk, level, dtype)
@@ -641,8 +665,14 @@ def test_config_defaults_and_keys():
 def test_config_cachegen(tmp_path):
     cfg = LMTierConfig.from_dict({"remote_serde": "cachegen"})  # LMCache's file: lmtier's default level
     assert cfg.serde_level("remote") == "default" and cfg.serde_level("disk") is None
-    cfg = LMTierConfig.from_dict({"local_disk": f"file://{tmp_path}", "max_local_disk_size": 1,
-                                  "local_disk_serde": "cachegen", "codec_level": "lossless"})
+    cfg = LMTierConfig.from_dict(
+        {
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 1,
+            "local_disk_serde": "cachegen",
+            "codec_level": "lossless",
+        }
+    )
     assert cfg.serde_level("disk") == "lossless" and cfg.serde_level("remote") is None
 
 
@@ -653,15 +683,18 @@ def test_config_env_overrides(tmp_path):
     assert cfg.codec_level == "low" and cfg.disk.serde == "cachegen" and cfg.remote.serde == "cachegen"
 
 
-@pytest.mark.parametrize("values,key", [
-    ({"codec_level": "medium"}, "codec_level='medium'"),
-    ({"codec_level": "cachegen_ref"}, "codec_level"),
-    ({"codec_level": 2}, "codec_level=2"),
-    ({"codec_level": None}, "codec_level=None"),
-    ({"local_disk_serde": "pickle"}, "local_disk_serde='pickle'"),
-    ({"local_disk_serde": True}, "local_disk_serde=True"),
-    ({"remote_serde": "zstd"}, "remote_serde='zstd'"),
-])
+@pytest.mark.parametrize(
+    "values,key",
+    [
+        ({"codec_level": "medium"}, "codec_level='medium'"),
+        ({"codec_level": "cachegen_ref"}, "codec_level"),
+        ({"codec_level": 2}, "codec_level=2"),
+        ({"codec_level": None}, "codec_level=None"),
+        ({"local_disk_serde": "pickle"}, "local_disk_serde='pickle'"),
+        ({"local_disk_serde": True}, "local_disk_serde=True"),
+        ({"remote_serde": "zstd"}, "remote_serde='zstd'"),
+    ],
+)
 def test_config_bad_values_name_the_key(values, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
         LMTierConfig.from_dict(values)
@@ -700,8 +733,16 @@ def _ns(**kw) -> Namespace:
 def test_manager_disk_cachegen_end_to_end(tmp_path, level):
     ns = _ns()
     assert ns.chunk_bytes == 16384
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
-                                  "max_local_disk_size": 0.01, "local_disk_serde": "cachegen", "codec_level": level})
+    cfg = LMTierConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "local_cpu": False,
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 0.01,
+            "local_disk_serde": "cachegen",
+            "codec_level": level,
+        }
+    )
     x = kv_like(seed=21)
     with TierManager.from_config(cfg, ns) as m:
         assert isinstance(m.disk, CodecTier) and m.disk.level.name == level and m.remote is None
@@ -720,9 +761,16 @@ def test_manager_cpu_write_back_through_codec(tmp_path):
     # CPU pool of one slot: the second store evicts the first, which is written back as a record;
     # the retrieve promotes it from disk (decoded into a CPU slot)
     ns = _ns()
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 16384 / 2**30,
-                                  "local_disk": f"file://{tmp_path}", "max_local_disk_size": 0.01,
-                                  "local_disk_serde": "cachegen", "codec_level": "lossless"})
+    cfg = LMTierConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "max_local_cpu_size": 16384 / 2**30,
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 0.01,
+            "local_disk_serde": "cachegen",
+            "codec_level": "lossless",
+        }
+    )
     a, b = kv_like(seed=31), kv_like(seed=32)
     with TierManager.from_config(cfg, ns, arena=torch.empty(16384, dtype=torch.uint8)) as m:
         assert m.store(key(31), a.view(-1).view(torch.uint8)).result(30)
@@ -737,16 +785,34 @@ def test_manager_disk_cachegen_evictions_and_forget(tmp_path):
     evictions reach the manager's index listeners as DISK_EVICTED under the chunk keys (records
     found on disk at startup included), CPU evictions as EVICTED "disk", and ``manager.disk.forget``
     works (the old CodecTier had neither listeners nor ``forget``)."""
-    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.events import IndexEvent
+    from lmtier.events import IndexEventKind as E
 
     ns = _ns()
     xs = {i: kv_like(seed=40 + i) for i in range(8)}
-    rec_bytes = {i: len(C.encode_chunk(xs[i].view(-1).view(torch.uint8), shape=SHAPE, dtype=torch.bfloat16,
-                                       level=L.LEVELS["lossless"], tables=None)) for i in range(8)}
+    rec_bytes = {
+        i: len(
+            C.encode_chunk(
+                xs[i].view(-1).view(torch.uint8),
+                shape=SHAPE,
+                dtype=torch.bfloat16,
+                level=L.LEVELS["lossless"],
+                tables=None,
+            )
+        )
+        for i in range(8)
+    }
     file_bytes = 4096 + -(-max(rec_bytes.values()) // 4096) * 4096
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
-                                  "max_local_disk_size": 3 * file_bytes / 2**30, "local_disk_serde": "cachegen",
-                                  "codec_level": "lossless"})
+    cfg = LMTierConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "local_cpu": False,
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 3 * file_bytes / 2**30,
+            "local_disk_serde": "cachegen",
+            "codec_level": "lossless",
+        }
+    )
     events: list[IndexEvent] = []
     with TierManager.from_config(cfg, ns) as m:
         assert isinstance(m.disk, CodecTier)
@@ -771,48 +837,84 @@ def test_manager_disk_cachegen_evictions_and_forget(tmp_path):
     with TierManager.from_config(cfg, ns) as m:
         assert m.lookup([key(2), key(3), key(4)]) == ["disk"] * 3
     # With a CPU pool of one slot: the evicted chunk is written back as a record first.
-    cfg2 = LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 16384 / 2**30,
-                                   "local_disk": f"file://{tmp_path}/2", "max_local_disk_size": 0.01,
-                                   "local_disk_serde": "cachegen", "codec_level": "lossless"})
+    cfg2 = LMTierConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "max_local_cpu_size": 16384 / 2**30,
+            "local_disk": f"file://{tmp_path}/2",
+            "max_local_disk_size": 0.01,
+            "local_disk_serde": "cachegen",
+            "codec_level": "lossless",
+        }
+    )
     events.clear()
     with TierManager.from_config(cfg2, ns, arena=torch.empty(16384, dtype=torch.uint8)) as m:
         m.add_listener(events.append)
         assert m.store(key(5), xs[5].view(-1).view(torch.uint8), timeout_s=None).result(30)
         assert m.store(key(6), xs[6].view(-1).view(torch.uint8), timeout_s=None).result(30)
-        assert events == [IndexEvent(E.STORED, key(5), "cpu"), IndexEvent(E.EVICTED, key(5), "disk"),
-                          IndexEvent(E.STORED, key(6), "cpu")]
+        assert events == [
+            IndexEvent(E.STORED, key(5), "cpu"),
+            IndexEvent(E.EVICTED, key(5), "disk"),
+            IndexEvent(E.STORED, key(6), "cpu"),
+        ]
         assert m.lookup([key(5), key(6)]) == ["disk", "cpu"]
 
 
-@pytest.mark.parametrize("ns_kw,values,msg", [
-    ({"kv_dtype": "float32"}, {"local_disk_serde": "cachegen"}, "local_disk_serde='cachegen'.*float32"),
-    ({"kv_dtype": "float32"}, {"remote_serde": "cachegen", "remote_url": "redis://127.0.0.1:1"},
-     "remote_serde='cachegen'.*float32"),
-    ({"kv_planes": 1, "num_kv_heads": 1}, {"local_disk_serde": "cachegen", "codec_level": "lossless"}, "kv_planes=2"),
-    ({"head_size": 48}, {"local_disk_serde": "cachegen"}, "power-of-two head size"),
-])
+@pytest.mark.parametrize(
+    "ns_kw,values,msg",
+    [
+        ({"kv_dtype": "float32"}, {"local_disk_serde": "cachegen"}, "local_disk_serde='cachegen'.*float32"),
+        (
+            {"kv_dtype": "float32"},
+            {"remote_serde": "cachegen", "remote_url": "redis://127.0.0.1:1"},
+            "remote_serde='cachegen'.*float32",
+        ),
+        (
+            {"kv_planes": 1, "num_kv_heads": 1},
+            {"local_disk_serde": "cachegen", "codec_level": "lossless"},
+            "kv_planes=2",
+        ),
+        ({"head_size": 48}, {"local_disk_serde": "cachegen"}, "power-of-two head size"),
+    ],
+)
 def test_manager_rejects_unsupported_caches(tmp_path, ns_kw, values, msg):
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
-                                  "max_local_disk_size": 0.01, **values})
+    cfg = LMTierConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "local_cpu": False,
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 0.01,
+            **values,
+        }
+    )
     with pytest.raises(ConfigError, match=msg):
         TierManager.from_config(cfg, _ns(**ns_kw))
 
 
 def test_manager_naive_serde_unwrapped_and_lossless_odd_head(tmp_path):
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
-                                  "max_local_disk_size": 0.01})
+    cfg = LMTierConfig.from_dict(
+        {"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}", "max_local_disk_size": 0.01}
+    )
     with TierManager.from_config(cfg, _ns(kv_dtype="float32")) as m:
         assert isinstance(m.disk, DiskTier)
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "local_disk": f"file://{tmp_path}",
-                                  "max_local_disk_size": 0.01, "local_disk_serde": "cachegen",
-                                  "codec_level": "lossless"})
+    cfg = LMTierConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "local_cpu": False,
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 0.01,
+            "local_disk_serde": "cachegen",
+            "codec_level": "lossless",
+        }
+    )
     with TierManager.from_config(cfg, _ns(head_size=48)) as m:
         assert isinstance(m.disk, CodecTier)
 
 
 def test_manager_remote_cachegen(redis_server):
-    cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False, "remote_url": redis_server.url,
-                                  "remote_serde": "cachegen"})
+    cfg = LMTierConfig.from_dict(
+        {"chunk_size": 16, "local_cpu": False, "remote_url": redis_server.url, "remote_serde": "cachegen"}
+    )
     x = kv_like(seed=41)
     with TierManager.from_config(cfg, _ns()) as m:
         assert isinstance(m.remote, CodecTier) and m.remote.level.name == "default"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -102,8 +103,13 @@ def test_undeclared_env_is_a_warning_not_an_error(name, value, hint, caplog):
 def test_benchmark_env_vars_do_not_break_load_config(caplog):
     """Issue 14 defect: exporting LMTIER_REDIS_URL (the TTFT benchmark's docs tell users to) made
     every load_config() raise, and with it the connector. Declared variables are silent."""
-    env = {"LMTIER_REDIS_URL": "redis://127.0.0.1:6379", "LMTIER_REDIS_SERVER": "/usr/bin/redis-server",
-           "LMTIER_FUZZ_EXAMPLES": "2", "LMTIER_TCMALLOC": "/x.so", "LMTIER_REQUIRE_VLLM": "1"}
+    env = {
+        "LMTIER_REDIS_URL": "redis://127.0.0.1:6379",
+        "LMTIER_REDIS_SERVER": "/usr/bin/redis-server",
+        "LMTIER_FUZZ_EXAMPLES": "2",
+        "LMTIER_TCMALLOC": "/x.so",
+        "LMTIER_REQUIRE_VLLM": "1",
+    }
     with caplog.at_level(logging.WARNING, logger="lmtier.envs"):
         assert load_config(env=env) == LMTierConfig()
     assert "LMTIER_" not in caplog.text
@@ -218,7 +224,15 @@ def test_ignored_lmcache_keys_warn(caplog):
         ("rediss://alice:pw@cache.example:6380", "rediss", (("cache.example", 6380),), None, 0, "alice", "pw"),
         ("redis://[::1]:6379/1", "redis", (("::1", 6379),), None, 1, None, None),
         ("unix:///run/redis.sock?db=4", "unix", (), "/run/redis.sock", 4, None, None),
-        ("redis-cluster://h1:7000,h2:7001,h3", "redis-cluster", (("h1", 7000), ("h2", 7001), ("h3", 6379)), None, 0, None, None),
+        (
+            "redis-cluster://h1:7000,h2:7001,h3",
+            "redis-cluster",
+            (("h1", 7000), ("h2", 7001), ("h3", 6379)),
+            None,
+            0,
+            None,
+            None,
+        ),
     ],
 )
 def test_remote_url_parsing(url, scheme, hosts, sock, db, user, pw):
@@ -235,9 +249,7 @@ def test_password_from_env_and_conflicts():
     with pytest.raises(ConfigError, match="remote_password_env.*not set"):
         LMTierConfig.from_dict({"remote_url": "redis://h:1", "remote_password_env": "MY_REDIS_PW"}, env={})
     with pytest.raises(ConfigError, match="already contains a password"):
-        LMTierConfig.from_dict(
-            {"remote_url": "redis://:x@h:1", "remote_password_env": "P"}, env={"P": "y"}
-        )
+        LMTierConfig.from_dict({"remote_url": "redis://:x@h:1", "remote_password_env": "P"}, env={"P": "y"})
 
 
 def test_password_never_logged_or_in_errors(caplog):
@@ -279,5 +291,5 @@ def test_validate_for_bad_block(block):
 
 def test_config_is_frozen():
     cfg = LMTierConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_size = 1  # type: ignore[misc]

@@ -67,25 +67,32 @@ def _cfg(disk=None, cpu_gb=0.5, remote=None) -> dict:
 
 @pytest.fixture(scope="module")
 def main_run(e2e_dir):
-    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "steps": [
-        {"op": "generate", "name": "cold",
-         "prompts": BOUNDARY_PROMPTS + [dict(SALTED, salt="t1"), CORRUPT, ASYNC_FAULT]},
-        {"op": "generate", "name": "warm", "prompts": BOUNDARY_PROMPTS},
-        {"op": "generate", "name": "salt_none", "prompts": [SALTED]},
-        {"op": "generate", "name": "salt_t2", "prompts": [dict(SALTED, salt="t2")]},
-        {"op": "generate", "name": "salt_t1", "prompts": [dict(SALTED, salt="t1")]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
-        {"op": "generate", "name": "fault_sync", "prompts": [BOUNDARY_PROMPTS[-1]]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
-        {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
-        # a failed sync load must not store chunks computed on top of it (see the test below)
-        {"op": "generate", "name": "taint_ref", "prompts": [dict(TAINT_LONG, salt="ref")]},
-        {"op": "generate", "name": "taint_seed", "prompts": [TAINT_SHORT]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
-        {"op": "generate", "name": "taint_fault", "prompts": [TAINT_LONG]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
-        {"op": "generate", "name": "taint_after", "prompts": [TAINT_LONG]},
-    ]}
+    spec = {
+        "config": _cfg(disk=e2e_dir / "disk"),
+        "policy": "recompute",
+        "steps": [
+            {
+                "op": "generate",
+                "name": "cold",
+                "prompts": BOUNDARY_PROMPTS + [dict(SALTED, salt="t1"), CORRUPT, ASYNC_FAULT],
+            },
+            {"op": "generate", "name": "warm", "prompts": BOUNDARY_PROMPTS},
+            {"op": "generate", "name": "salt_none", "prompts": [SALTED]},
+            {"op": "generate", "name": "salt_t2", "prompts": [dict(SALTED, salt="t2")]},
+            {"op": "generate", "name": "salt_t1", "prompts": [dict(SALTED, salt="t1")]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
+            {"op": "generate", "name": "fault_sync", "prompts": [BOUNDARY_PROMPTS[-1]]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+            {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+            # a failed sync load must not store chunks computed on top of it (see the test below)
+            {"op": "generate", "name": "taint_ref", "prompts": [dict(TAINT_LONG, salt="ref")]},
+            {"op": "generate", "name": "taint_seed", "prompts": [TAINT_SHORT]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
+            {"op": "generate", "name": "taint_fault", "prompts": [TAINT_LONG]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+            {"op": "generate", "name": "taint_after", "prompts": [TAINT_LONG]},
+        ],
+    }
     return run_engine(spec, e2e_dir, name="main")
 
 
@@ -95,25 +102,35 @@ SYNC_DISK = {"sync_disk_load_mib": 1024, "sync_disk_load_busy_mib": 1024}
 
 @pytest.fixture(scope="module")
 def restart_sync_run(e2e_dir, main_run):
-    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "extra_config": SYNC_DISK, "steps": [
-        {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
-        {"op": "generate", "name": "again", "prompts": BOUNDARY_PROMPTS},
-    ]}
+    spec = {
+        "config": _cfg(disk=e2e_dir / "disk"),
+        "policy": "recompute",
+        "extra_config": SYNC_DISK,
+        "steps": [
+            {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
+            {"op": "generate", "name": "again", "prompts": BOUNDARY_PROMPTS},
+        ],
+    }
     return run_engine(spec, e2e_dir, name="restart_sync")
 
 
 @pytest.fixture(scope="module")
 def restart_run(e2e_dir, main_run, restart_sync_run):
-    spec = {"config": _cfg(disk=e2e_dir / "disk"), "policy": "recompute", "log_stats": True,
-            "extra_config": ASYNC_DISK, "steps": [
-        {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
-        {"op": "generate", "name": "fault_async", "prompts": [ASYNC_FAULT]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
-        {"op": "corrupt_disk", "dir": str(e2e_dir / "disk"), "name": "corrupted"},
-        {"op": "generate", "name": "corrupt", "prompts": [CORRUPT]},
-        {"op": "metrics", "name": "prom"},
-    ]}
+    spec = {
+        "config": _cfg(disk=e2e_dir / "disk"),
+        "policy": "recompute",
+        "log_stats": True,
+        "extra_config": ASYNC_DISK,
+        "steps": [
+            {"op": "generate", "name": "disk", "prompts": BOUNDARY_PROMPTS},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
+            {"op": "generate", "name": "fault_async", "prompts": [ASYNC_FAULT]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+            {"op": "corrupt_disk", "dir": str(e2e_dir / "disk"), "name": "corrupted"},
+            {"op": "generate", "name": "corrupt", "prompts": [CORRUPT]},
+            {"op": "metrics", "name": "prom"},
+        ],
+    }
     return run_engine(spec, e2e_dir, name="restart")
 
 
@@ -259,18 +276,22 @@ def test_prometheus_series(restart_run):
 def test_failure_policy_fail_gives_error_not_text(e2e_dir):
     a, b = {"seg": 10, "len": 1100}, {"seg": 11, "len": 1100}
     # A CPU pool of 4 chunks: b's chunks evict a's, which then live on disk only (async load).
-    spec = {"config": _cfg(disk=e2e_dir / "disk_fail", cpu_gb=0.045), "policy": "fail", "extra_config": ASYNC_DISK,
-            "steps": [
-        {"op": "generate", "name": "cold_a", "prompts": [a]},
-        {"op": "generate", "name": "cold_b", "prompts": [b]},
-        {"op": "flush"},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_sync"}},
-        {"op": "generate", "name": "fail_sync", "prompts": [b]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
-        {"op": "generate", "name": "fail_async", "prompts": [a]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
-        {"op": "generate", "name": "after", "prompts": [a]},
-    ]}
+    spec = {
+        "config": _cfg(disk=e2e_dir / "disk_fail", cpu_gb=0.045),
+        "policy": "fail",
+        "extra_config": ASYNC_DISK,
+        "steps": [
+            {"op": "generate", "name": "cold_a", "prompts": [a]},
+            {"op": "generate", "name": "cold_b", "prompts": [b]},
+            {"op": "flush"},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_sync"}},
+            {"op": "generate", "name": "fail_sync", "prompts": [b]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load_async"}},
+            {"op": "generate", "name": "fail_async", "prompts": [a]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+            {"op": "generate", "name": "after", "prompts": [a]},
+        ],
+    }
     res = run_engine(spec, e2e_dir, name="fail")
     for step, kind in (("fail_sync", "hit_tokens_cpu"), ("fail_async", "hit_tokens_disk")):
         (o,) = outs(res, step)
@@ -290,10 +311,14 @@ def test_two_engines_share_redis(e2e_dir):
     try:
         prompts = [{"seg": 12, "len": 1100}, {"seg": 13, "len": 513}]
         cfg = _cfg(remote=srv.url)
-        a = run_engine({"config": cfg, "steps": [{"op": "generate", "name": "cold", "prompts": prompts},
-                                                 {"op": "flush"}]}, e2e_dir, name="redis_a")
-        b = run_engine({"config": cfg, "steps": [{"op": "generate", "name": "warm", "prompts": prompts}]},
-                       e2e_dir, name="redis_b")
+        a = run_engine(
+            {"config": cfg, "steps": [{"op": "generate", "name": "cold", "prompts": prompts}, {"op": "flush"}]},
+            e2e_dir,
+            name="redis_a",
+        )
+        b = run_engine(
+            {"config": cfg, "steps": [{"op": "generate", "name": "warm", "prompts": prompts}]}, e2e_dir, name="redis_b"
+        )
     finally:
         srv.close()
     assert stats(a, "cold")["stored_chunks"] == 6
@@ -323,16 +348,47 @@ def test_openai_server_metrics(e2e_dir):
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(e2e_dir / "vllm-cache"),
-               PYTHONPATH=str(REPO), LMTIER_CONFIG_FILE=str(write_yaml(e2e_dir / "server.yaml", _cfg())))
-    ktc = {"kv_connector": "LMTierConnector", "kv_connector_module_path": "lmtier.integration.vllm",
-           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(e2e_dir / "vllm-cache"),
+        PYTHONPATH=str(REPO),
+        LMTIER_CONFIG_FILE=str(write_yaml(e2e_dir / "server.yaml", _cfg())),
+    )
+    ktc = {
+        "kv_connector": "LMTierConnector",
+        "kv_connector_module_path": "lmtier.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
     log = open(e2e_dir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
-                             "--served-model-name", "m", "--dtype", "float32", "--enforce-eager",
-                             "--max-model-len", "2048", "--no-enable-prefix-caching", "--host", "127.0.0.1",
-                             "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(MODEL_DIR),
+            "--served-model-name",
+            "m",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+            "--no-enable-prefix-caching",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-transfer-config",
+            json.dumps(ktc),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -344,8 +400,9 @@ def test_openai_server_metrics(e2e_dir):
             except OSError:
                 assert time.monotonic() < deadline, "server did not start"
                 time.sleep(1)
-        body = json.dumps({"model": "m", "prompt": [1000 + (i * 7919) % 40000 for i in range(700)],
-                           "max_tokens": 4, "temperature": 0}).encode()
+        body = json.dumps(
+            {"model": "m", "prompt": [1000 + (i * 7919) % 40000 for i in range(700)], "max_tokens": 4, "temperature": 0}
+        ).encode()
         texts = []
         for _ in range(2):
             req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -376,14 +433,19 @@ def test_openai_server_metrics(e2e_dir):
 # ---------------------------------------------------------------------------------------- layer by layer
 @pytest.fixture(scope="module")
 def layerwise_run(e2e_dir, main_run):
-    spec = {"config": _cfg(), "policy": "recompute", "extra_config": {"layerwise_loads": True}, "steps": [
-        {"op": "generate", "name": "cold", "prompts": BOUNDARY_PROMPTS},
-        {"op": "generate", "name": "warm", "prompts": BOUNDARY_PROMPTS},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
-        {"op": "generate", "name": "fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
-        {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
-        {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
-    ]}
+    spec = {
+        "config": _cfg(),
+        "policy": "recompute",
+        "extra_config": {"layerwise_loads": True},
+        "steps": [
+            {"op": "generate", "name": "cold", "prompts": BOUNDARY_PROMPTS},
+            {"op": "generate", "name": "warm", "prompts": BOUNDARY_PROMPTS},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": "load"}},
+            {"op": "generate", "name": "fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+            {"op": "env", "set": {"LMTIER_FAULT_INJECT": None}},
+            {"op": "generate", "name": "after_fault", "prompts": [BOUNDARY_PROMPTS[-1]]},
+        ],
+    }
     return run_engine(spec, e2e_dir, name="layerwise")
 
 
@@ -421,12 +483,24 @@ def test_cachegen_disk_tier_starts_stores_and_hits_from_disk(e2e_dir, level):
     cfg = dict(_cfg(disk=e2e_dir / f"disk_cachegen_{level}"), local_disk_serde="cachegen", codec_level=level)
     prompts = [{"seg": 12, "len": 1100}, {"seg": 13, "len": 513}]  # (own disk: no chunk shared with other tests)
     bf16 = {"dtype": "bfloat16"}
-    a = run_engine({"config": cfg, "llm_kwargs": bf16, "steps": [
-        {"op": "generate", "name": "cold", "prompts": prompts},
-        {"op": "generate", "name": "warm", "prompts": prompts},
-        {"op": "flush"}]}, e2e_dir, name=f"cachegen_{level}_a")
-    b = run_engine({"config": cfg, "llm_kwargs": bf16, "steps": [
-        {"op": "generate", "name": "disk", "prompts": prompts}]}, e2e_dir, name=f"cachegen_{level}_b")
+    a = run_engine(
+        {
+            "config": cfg,
+            "llm_kwargs": bf16,
+            "steps": [
+                {"op": "generate", "name": "cold", "prompts": prompts},
+                {"op": "generate", "name": "warm", "prompts": prompts},
+                {"op": "flush"},
+            ],
+        },
+        e2e_dir,
+        name=f"cachegen_{level}_a",
+    )
+    b = run_engine(
+        {"config": cfg, "llm_kwargs": bf16, "steps": [{"op": "generate", "name": "disk", "prompts": prompts}]},
+        e2e_dir,
+        name=f"cachegen_{level}_b",
+    )
     assert stats(a, "cold")["stored_chunks"] == 6
     assert stats(a, "warm")["hit_tokens_cpu"] == 1536
     st = stats(b, "disk")

@@ -30,8 +30,18 @@ def test_defaults():
     assert o.sync_disk_load_bytes == int(DEFAULT_SYNC_DISK_LOAD_MIB * 2**20)
 
 
-@pytest.mark.parametrize("raw, want", [(False, False), (True, True), ("false", False), ("False", False),
-                                       ("FALSE ", False), ("true", True), ("True", True)])
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        (False, False),
+        (True, True),
+        ("false", False),
+        ("False", False),
+        ("FALSE ", False),
+        ("true", True),
+        ("True", True),
+    ],
+)
 def test_bools_are_parsed_not_truth_tested(raw, want):
     assert ConnectorOptions.parse({"async_loads": raw}).async_loads is want
 
@@ -42,8 +52,10 @@ def test_bad_bool_names_the_key(raw):
         ConnectorOptions.parse({"async_loads": raw})
 
 
-@pytest.mark.parametrize("raw, want", [("auto", None), ("AUTO", None), (None, None), (True, True), ("true", True),
-                                       (False, False), ("false", False)])
+@pytest.mark.parametrize(
+    "raw, want",
+    [("auto", None), ("AUTO", None), (None, None), (True, True), ("true", True), (False, False), ("false", False)],
+)
 def test_layerwise_values(raw, want):
     assert ConnectorOptions.parse({"layerwise_loads": raw}).layerwise_loads is want
 
@@ -94,11 +106,19 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("module", ["lmtier.integration.vllm.worker", "lmtier.integration.vllm.fetch",
-                                    "lmtier.integration.vllm.options", "lmtier.integration.vllm.mirror",
-                                    "lmtier.integration.vllm"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "lmtier.integration.vllm.worker",
+        "lmtier.integration.vllm.fetch",
+        "lmtier.integration.vllm.options",
+        "lmtier.integration.vllm.mirror",
+        "lmtier.integration.vllm",
+    ],
+)
 def test_data_path_imports_no_vllm(module):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _NO_VLLM, module], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-c", _NO_VLLM, module], env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO)
+    )
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

@@ -70,12 +70,27 @@ def prefix_hashes(tokens) -> list[int]:
 class Harness:
     """vLLM Scheduler + scheduler/worker LMTierConnector + fake runner over a real paged buffer."""
 
-    def __init__(self, tmp_path, *, num_blocks=40, prefix_caching=False, policy="recompute", disk=True,
-                 max_batched=256, split=False, extra=None, cpu_gb=0.01, disk_gb=0.1, skip_layer_waits=(),
-                 runner="v2", sleep=False, engine_id=None, hide_sync_loads=False):
+    def __init__(
+        self,
+        tmp_path,
+        *,
+        num_blocks=40,
+        prefix_caching=False,
+        policy="recompute",
+        disk=True,
+        max_batched=256,
+        split=False,
+        extra=None,
+        cpu_gb=0.01,
+        disk_gb=0.1,
+        skip_layer_waits=(),
+        runner="v2",
+        sleep=False,
+        engine_id=None,
+        hide_sync_loads=False,
+    ):
         import torch
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                                 VllmConfig)
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -91,20 +106,38 @@ class Harness:
             cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=disk_gb)
         os.environ["LMTIER_CONFIG_FILE"] = str(write_yaml(tmp_path / "lmtier.yaml", cfg))
         mc = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=2048, seed=0, skip_tokenizer_init=True)
-        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=2048,
-                             enable_chunked_prefill=True, is_encoder_decoder=False)
+        sc = SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=max_batched,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        )
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
         self.engine_id = engine_id or f"test-{uuid.uuid4().hex[:8]}"
-        kt = KVTransferConfig(kv_connector="LMTierConnector", kv_connector_module_path="lmtier.integration.vllm",
-                              kv_role="kv_both", kv_load_failure_policy=policy, engine_id=self.engine_id,
-                              kv_connector_extra_config=dict(extra or {}))
-        vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
-                        device_config=DeviceConfig("cpu"))
+        kt = KVTransferConfig(
+            kv_connector="LMTierConnector",
+            kv_connector_module_path="lmtier.integration.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy=policy,
+            engine_id=self.engine_id,
+            kv_connector_extra_config=dict(extra or {}),
+        )
+        vc = VllmConfig(
+            model_config=mc,
+            scheduler_config=sc,
+            cache_config=cc,
+            kv_transfer_config=kt,
+            device_config=DeviceConfig("cpu"),
+        )
         vc.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
-        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec([f"l{i}" for i in range(LAYERS)], spec)],
-                            kv_cache_layout="LBHNC")
+        kcc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"l{i}" for i in range(LAYERS)], spec)],
+            kv_cache_layout="LBHNC",
+        )
         # Worker first (as in vLLM's in-process engine): the scheduler side then shares its manager.
         self.worker = conn.LMTierConnector(vc, KVConnectorRole.WORKER, kcc)
         self.buf = torch.full((LAYERS, num_blocks, 1, BLOCK, 2 * HEAD), -1.0, dtype=torch.float32)
@@ -112,8 +145,13 @@ class Harness:
         self.worker.register_kv_caches(self.kv)
         if split:  # scheduler as in another process: its own manager, index fed by worker metadata
             vc.kv_transfer_config.engine_id = self.engine_id + "-sched"
-        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
-                               block_size=BLOCK, log_stats=True)
+        self.sched = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=BLOCK,
+            log_stats=True,
+        )
         self.conn = self.sched.connector
         assert (self.conn.connector_scheduler.manager is self.worker.connector_worker.manager) != split
         hash_fn = get_hash_fn_by_name("sha256")
@@ -151,8 +189,14 @@ class Harness:
 
         rid = rid or f"r{next(self._seq)}"
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-        req = Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
-                      cache_salt=salt, block_hasher=self.block_hasher)
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            cache_salt=salt,
+            block_hasher=self.block_hasher,
+        )
         self.sched.add_request(req)
         self.outputs[rid] = []
         return rid
@@ -170,7 +214,7 @@ class Harness:
         for layer in range(LAYERS):
             s = self.kv[f"l{layer}"].view(-1, 1, 2 * BLOCK * HEAD)[b, 0]
             s[: BLOCK * HEAD].view(HEAD, BLOCK)[:, n] = kv_value(h, layer, 0)  # K transposed
-            s[BLOCK * HEAD:].view(BLOCK, HEAD)[n, :] = kv_value(h, layer, 1)
+            s[BLOCK * HEAD :].view(BLOCK, HEAD)[n, :] = kv_value(h, layer, 1)
 
     def _ok(self, b: int, n: int, h: int) -> bool:
         import torch
@@ -179,7 +223,7 @@ class Harness:
             s = self.kv[f"l{layer}"].view(-1, 1, 2 * BLOCK * HEAD)[b, 0]
             if not torch.equal(s[: BLOCK * HEAD].view(HEAD, BLOCK)[:, n], kv_value(h, layer, 0)):
                 return False
-            if not torch.equal(s[BLOCK * HEAD:].view(BLOCK, HEAD)[n, :], kv_value(h, layer, 1)):
+            if not torch.equal(s[BLOCK * HEAD :].view(BLOCK, HEAD)[n, :], kv_value(h, layer, 1)):
                 return False
         return True
 
@@ -198,8 +242,12 @@ class Harness:
         load_kw = {}
         if v2 and out.total_num_scheduled_tokens:  # ActiveKVConnector._build_load_kwargs (no input batch: none)
             ids = [n.req_id for n in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
-            load_kw = dict(scheduler_output=out, request_state_indices=list(range(len(ids))), request_ids=ids,
-                           num_tokens=out.total_num_scheduled_tokens)
+            load_kw = dict(
+                scheduler_output=out,
+                request_state_indices=list(range(len(ids))),
+                request_ids=ids,
+                num_tokens=out.total_num_scheduled_tokens,
+            )
         sync_loads = out.has_sync_kv_loads and not self.hide_sync_loads
         if sync_loads:
             w.start_load_kv(None, **load_kw)
@@ -255,12 +303,21 @@ class Harness:
             blocks = set(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             if not (blocks & invalid):
                 self.bad_steps.append((self.steps, rid))
-        kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
-                                invalid_block_ids=invalid, kv_connector_stats=stats, kv_connector_worker_meta=wmeta)
+        kvo = KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=invalid,
+            kv_connector_stats=stats,
+            kv_connector_worker_meta=wmeta,
+        )
         ids = [r for r, _ in sched_reqs]
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kvo,
+        )
         eco = self.sched.update_from_output(out, mro)
         for outs in eco.values():
             for o in outs.outputs:
@@ -292,7 +349,9 @@ class Harness:
     # -------------------------------------------------------------------- checks
     def check_clean(self) -> None:
         assert not self.bad_steps, f"wrong KV read without a reported failure: {self.bad_steps}"
-        assert not self.unreported, f"layer-by-layer load with a skipped wait not reported in its step: {self.unreported}"
+        assert not self.unreported, (
+            f"layer-by-layer load with a skipped wait not reported in its step: {self.unreported}"
+        )
         assert not self.sched.requests
         assert self.pool.get_num_free_blocks() == self.initial_free, "block leak"
         for name, d in self.conn.connector_scheduler.open_state().items():
@@ -384,8 +443,9 @@ def test_boundaries(make, tmp_path, hits, split):
     first_op = {}
     for op in h.loads:
         first_op.setdefault(op.req_id, op)
-    assert all(op.is_async == async_hits for op in first_op.values()), \
-        [(op.req_id, op.is_async) for op in first_op.values()]
+    assert all(op.is_async == async_hits for op in first_op.values()), [
+        (op.req_id, op.is_async) for op in first_op.values()
+    ]
     h.check_clean()
 
 
@@ -427,14 +487,16 @@ def test_split_scheduler_forgets_disk_evictions(make):
     disk = h.worker.connector_worker.manager.disk
     assert disk.counters["evictions"] > 0
     keys = h.worker.connector_worker.transfers.keys(prompt(1, 97)[:96], None)
-    assert not any(disk.contains(k) or h.worker.connector_worker.manager.cpu.contains(k) for k in keys)  # gone from both
+    assert not any(
+        disk.contains(k) or h.worker.connector_worker.manager.cpu.contains(k) for k in keys
+    )  # gone from both
     assert not any(k in h.conn.connector_scheduler.mirror for k in keys)
     before = conn.process_totals().get("load_failures", 0)
     n_loads = len(h.loads)
     again = h.add(prompt(1, 97))
     h.run()
     assert h.outputs[again] == h.outputs[first]
-    (ext, _), = [r for rid, _, r in h.lookups if rid == again][:1]
+    ((ext, _),) = [r for rid, _, r in h.lookups if rid == again][:1]
     assert ext == 0, "the scheduler still claimed chunks the disk tier had evicted"
     assert len(h.loads) == n_loads and conn.process_totals().get("load_failures", 0) == before
     # the most recent prompt is still claimed (CPU pool and disk) and loads fine
@@ -468,9 +530,11 @@ def test_preemption_happens(make):
     seen = set()
     orig = h.sched._preempt_request if hasattr(h.sched, "_preempt_request") else None
     if orig is not None:
+
         def spy(request, *a, **k):
             seen.add(request.request_id)
             return orig(request, *a, **k)
+
         h.sched._preempt_request = spy
     h.run()
     if orig is not None:
@@ -619,8 +683,14 @@ def test_async_loads_false_string_loads_synchronously(make, off):
     h.check_clean()
 
 
-@pytest.mark.parametrize("extra, key", [({"asyncloads": False}, "asyncloads"), ({"async_loads": 1}, "async_loads"),
-                                        ({"sync_disk_load_mb": 1}, "sync_disk_load_mb")])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"asyncloads": False}, "asyncloads"),
+        ({"async_loads": 1}, "async_loads"),
+        ({"sync_disk_load_mb": 1}, "sync_disk_load_mb"),
+    ],
+)
 def test_unknown_or_mistyped_option_is_clear_error(make, extra, key):
     """A misspelt key or a wrongly typed value in ``kv_connector_extra_config`` stops the connector
     with an error naming the key (before: silently ignored / truth-tested)."""
@@ -661,7 +731,7 @@ def test_layerwise_skipped_wait_recomputes_and_falls_back(make):
     # the step's loaded blocks were reported invalid (on the CPU the copies were complete, so only
     # the report shows that the unwaited layer was caught)
     assert h.invalid, "no invalid blocks reported for the step whose forward skipped a wait"
-    loaded_blocks = {b for op in h.loads for b in op.block_ids[op.start_token // BLOCK:]}
+    loaded_blocks = {b for op in h.loads for b in op.block_ids[op.start_token // BLOCK :]}
     assert set().union(*(b for _, b in h.invalid)) <= loaded_blocks
     h.check_clean()
     h.rerun(ps, cold)
@@ -799,8 +869,13 @@ def test_worker_index_events_apply_in_order(make):
 
     h = make(split=True)
     a, b = bytes(32 * [1]), bytes(32 * [2])
-    events = [("stored", a, "cpu"), ("evicted", a, "disk"), ("disk_evicted", a, None),
-              ("disk_evicted", b, None), ("stored", b, "cpu")]
+    events = [
+        ("stored", a, "cpu"),
+        ("evicted", a, "disk"),
+        ("disk_evicted", a, None),
+        ("disk_evicted", b, None),
+        ("stored", b, "cpu"),
+    ]
     h.conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=LMTierWorkerMetadata(events)))
     assert a not in h.conn.connector_scheduler.mirror and h.conn.connector_scheduler.mirror.get(b) == "cpu"
     m = LMTierWorkerMetadata([("stored", a, "cpu")]).aggregate(LMTierWorkerMetadata([("evicted", a, None)]))

@@ -32,9 +32,21 @@ def _make_model(dst: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(dst)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -47,34 +59,68 @@ def _child(model: str, connector: bool, out: str) -> None:
 
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=model, dtype="float32", enforce_eager=True, tensor_parallel_size=2,
-              distributed_executor_backend="mp", max_model_len=4096, enable_prefix_caching=False, seed=0)
+    kw = dict(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     if connector:
-        kw["kv_transfer_config"] = {"kv_connector": "LMTierConnector",
-                                    "kv_connector_module_path": "lmtier.integration.vllm",
-                                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "LMTierConnector",
+            "kv_connector_module_path": "lmtier.integration.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+        }
     llm = LLM(**kw)
     ids = llm.get_tokenizer()(inspect.getsource(argparse))["input_ids"]
-    prompts = [{"prompt_token_ids": ids[i * 3000:i * 3000 + PROMPT_LEN]} for i in range(NUM_PROMPTS)]
+    prompts = [{"prompt_token_ids": ids[i * 3000 : i * 3000 + PROMPT_LEN]} for i in range(NUM_PROMPTS)]
     sp = SamplingParams(temperature=0, max_tokens=16)
     res = {}
     for rnd in ("first", "second"):
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        res[rnd] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                    "cached": [o.num_cached_tokens for o in outs]}
+        res[rnd] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+        }
     Path(out).write_text(json.dumps(res))
 
 
 def _run(tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict:
-    cfg = write_yaml(tmp / "lmtier.yaml", {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.25,
-                                           "local_disk": f"file://{disk}", "max_local_disk_size": 0.5})
+    cfg = write_yaml(
+        tmp / "lmtier.yaml",
+        {
+            "chunk_size": 256,
+            "local_cpu": True,
+            "max_local_cpu_size": 0.25,
+            "local_disk": f"file://{disk}",
+            "max_local_disk_size": 0.5,
+        },
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), LMTIER_CONFIG_FILE=str(cfg))
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        LMTIER_CONFIG_FILE=str(cfg),
+    )
     out = tmp / f"{name}.json"
-    p = subprocess.run([sys.executable, __file__, str(model), "1" if connector else "0", str(out)],
-                       env=env, cwd=str(tmp), capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, __file__, str(model), "1" if connector else "0", str(out)],
+        env=env,
+        cwd=str(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     (tmp / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
     assert p.returncode == 0 and out.exists(), f"{name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
     return json.loads(out.read_text())

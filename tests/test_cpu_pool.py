@@ -29,6 +29,7 @@ def make_pool(num_slots: int = 4, chunk_bytes: int = 5000, *, on_evict=None, **k
     arena = torch.empty(num_slots * slot, dtype=torch.uint8)
     pool = CPUPool(num_slots * slot, chunk_bytes, arena=arena, **kw)
     if on_evict is not None:
+
         def listener(ev: Eviction) -> None:
             assert ev.tier == "cpu" and ev.payloads is not None and len(ev.keys) == len(ev.payloads) == 1
             for k, v in zip(ev.keys, ev.payloads):
@@ -46,7 +47,10 @@ def write(pool: CPUPool, key: bytes, data: bytes) -> Slot:
     return s
 
 
-@pytest.mark.parametrize("chunk_bytes,cap,slots,slot_bytes", [(1, 4096, 1, 4096), (4096, 3 * 4096 + 5, 3, 4096), (5000, 10 * 8192, 10, 8192), (8193, 40000, 3, 12288)])
+@pytest.mark.parametrize(
+    "chunk_bytes,cap,slots,slot_bytes",
+    [(1, 4096, 1, 4096), (4096, 3 * 4096 + 5, 3, 4096), (5000, 10 * 8192, 10, 8192), (8193, 40000, 3, 12288)],
+)
 def test_geometry(chunk_bytes, cap, slots, slot_bytes):
     pool = CPUPool(cap, chunk_bytes, arena=torch.empty(cap, dtype=torch.uint8))
     assert (pool.num_slots, pool.slot_bytes) == (slots, slot_bytes)
@@ -414,7 +418,7 @@ def test_populate_ahead_of_use():
     mapped = pool.counters["populated_slots"]
     assert mapped <= 3 * window + 1
     assert _resident_pages(pool.arena[: mapped * slot]) == mapped * slot // 4096
-    assert _resident_pages(pool.arena[mapped * slot:]) == 0
+    assert _resident_pages(pool.arena[mapped * slot :]) == 0
     pool.close()
 
 

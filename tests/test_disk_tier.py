@@ -119,8 +119,7 @@ def test_record_file_layout(tier):
     assert h.payload_offset == 4096 and raw[4096 : 4096 + 5000] == data
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "truncate_header", "wrong_key",
-                                    "empty"])
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "truncate_header", "wrong_key", "empty"])
 def test_corrupted_record_is_miss_and_removed(tier, damage):
     n = 3 * MiB + 5
     assert tier.put(key(1), payload(1, n))
@@ -241,7 +240,7 @@ def test_restart_respects_smaller_capacity(tmp_path):
 def test_multiple_paths_spread(tmp_path):
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     t = DiskTier(roots, 64 * MiB)
-    for i in range(40):
+    for _ in range(40):
         assert t.put(os.urandom(32), b"y" * 1000)
     assert len(files(roots[0])) > 5 and len(files(roots[1])) > 5
     t.close()
@@ -420,8 +419,12 @@ WRITER = textwrap.dedent("""
 
 def test_writer_killed_mid_write_leaves_no_visible_record(tmp_path):
     root = str(tmp_path / "d")
-    p = subprocess.Popen([sys.executable, "-c", WRITER, root], stdout=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.Popen(
+        [sys.executable, "-c", WRITER, root],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert p.stdout.readline().strip() == "0"  # one record complete, the next in flight
     time.sleep(0.05)
     p.send_signal(signal.SIGKILL)

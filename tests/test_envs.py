@@ -22,11 +22,22 @@ _READS = re.compile(
 
 
 def _sources():
-    for pattern in ("lmtier/**/*.py", "tests/**/*.py", "benchmarks/**/*.py", "scripts/**/*", "examples/**/*.py",
-                    "setup.py", ".ci/*"):
+    for pattern in (
+        "lmtier/**/*.py",
+        "tests/**/*.py",
+        "benchmarks/**/*.py",
+        "scripts/**/*",
+        "examples/**/*.py",
+        "setup.py",
+        ".ci/*",
+    ):
         for p in REPO.glob(pattern):
-            if (p.is_file() and p.suffix in ("", ".py", ".sh") and "results" not in p.parts
-                    and p.name not in ("envs.py", "test_envs.py")):
+            if (
+                p.is_file()
+                and p.suffix in ("", ".py", ".sh")
+                and "results" not in p.parts
+                and p.name not in ("envs.py", "test_envs.py")
+            ):
                 yield p
 
 

@@ -20,8 +20,14 @@ PKG = Path(__file__).resolve().parent.parent / "lmtier"
 
 @pytest.mark.parametrize(
     "cls,builtin",
-    [(ConfigError, ValueError), (LayoutError, ValueError), (RecordError, ValueError),
-     (CodecInputError, ValueError), (CodecRecordError, ValueError), (TierError, RuntimeError)],
+    [
+        (ConfigError, ValueError),
+        (LayoutError, ValueError),
+        (RecordError, ValueError),
+        (CodecInputError, ValueError),
+        (CodecRecordError, ValueError),
+        (TierError, RuntimeError),
+    ],
 )
 def test_error_classes_share_the_base_and_keep_theirs(cls, builtin):
     assert issubclass(cls, LMTierError) and issubclass(cls, builtin)
@@ -36,7 +42,10 @@ def test_every_public_error_class_in_the_package_derives_from_lmtier_error():
     for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ClassDef):
-                names = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases]
+                names = [
+                    b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                    for b in node.bases
+                ]
                 bases[node.name] = names
 
     def is_exception(name: str, seen=()) -> bool:
@@ -45,7 +54,9 @@ def test_every_public_error_class_in_the_package_derives_from_lmtier_error():
         return any(is_exception(b, seen + (name,)) for b in bases.get(name, ()) if b not in seen)
 
     def reaches_base(name: str, seen=()) -> bool:
-        return name == "LMTierError" or any(reaches_base(b, seen + (name,)) for b in bases.get(name, ()) if b not in seen)
+        return name == "LMTierError" or any(
+            reaches_base(b, seen + (name,)) for b in bases.get(name, ()) if b not in seen
+        )
 
     errors = [n for n, b in bases.items() if not n.startswith("_") and n != "LMTierError" and any(map(is_exception, b))]
     assert {"ConfigError", "TierError", "RecordError", "LayoutError", "InjectedFault"} <= set(errors)

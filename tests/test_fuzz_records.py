@@ -43,13 +43,17 @@ def n_ex(n: int) -> int:
 
 
 def fuzz_settings(n: int):
-    return settings(max_examples=n_ex(n), deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=n_ex(n),
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    )
 
 
 KEY = bytes(range(32))
 PAYLOAD = bytes((i * 131 + 7) % 251 for i in range(10_000))
+PAYLOAD_BYTES = len(PAYLOAD)
 
 # A mutation: a list of (position, new byte) edits, optional truncation, optional appended bytes.
 mutations = st.tuples(
@@ -80,9 +84,10 @@ def timed(fn, *args, **kw):
 
 
 # ------------------------------------------------------------------------------------ headers
-def _header(payload_bytes=len(PAYLOAD), offset=rec.COMPACT_PAYLOAD_OFFSET, checksum=None):
-    return rec.encode_header(KEY, payload_bytes, rec.payload_checksum(PAYLOAD) if checksum is None else checksum,
-                             payload_offset=offset)
+def _header(payload_bytes=PAYLOAD_BYTES, offset=rec.COMPACT_PAYLOAD_OFFSET, checksum=None):
+    return rec.encode_header(
+        KEY, payload_bytes, rec.payload_checksum(PAYLOAD) if checksum is None else checksum, payload_offset=offset
+    )
 
 
 @fuzz_settings(600)
@@ -161,7 +166,7 @@ def test_disk_get_into_mutated_file(disk_env, m, aligned):
     requested.clear()
     raw = np.zeros(len(PAYLOAD) + 2 * 4096, np.uint8)
     off = (-raw.ctypes.data) % 4096 + (0 if aligned else 1)
-    out = raw[off: off + len(PAYLOAD)]
+    out = raw[off : off + len(PAYLOAD)]
     n = timed(tier.get_into, KEY, out)
     assert all(r <= round_up(len(PAYLOAD)) + 2 * 4096 for r in requested), requested
     if n is not None:  # a hit is always the original payload (checksummed); padding edits are harmless
@@ -169,16 +174,16 @@ def test_disk_get_into_mutated_file(disk_env, m, aligned):
     else:
         # a miss needs a reason: changed header/payload bytes, or a file shorter than its padded size
         # (the tier treats a cut in the padding as truncation: conservative, allowed)
-        assert (bad[: 4096 + len(PAYLOAD)] != original[: 4096 + len(PAYLOAD)]
-                or len(bad) < 4096 + round_up(len(PAYLOAD)))
+        assert bad[: 4096 + len(PAYLOAD)] != original[: 4096 + len(PAYLOAD)] or len(bad) < 4096 + round_up(len(PAYLOAD))
         assert not tier.contains(KEY) or os.path.exists(path)
 
 
 def test_disk_valid_header_claiming_huge_payload(disk_env, tmp_path):
     """Valid header checksum, payload length just under the 1 GiB limit, tiny file: a miss, no big buffer."""
     tier, path, original, requested = disk_env
-    hdr = rec.encode_header(KEY, rec.DEFAULT_MAX_PAYLOAD_BYTES - 4096, 0, payload_offset=rec.DISK_PAYLOAD_OFFSET,
-                            meta=tier._meta)
+    hdr = rec.encode_header(
+        KEY, rec.DEFAULT_MAX_PAYLOAD_BYTES - 4096, 0, payload_offset=rec.DISK_PAYLOAD_OFFSET, meta=tier._meta
+    )
     _restore_disk(tier, path, hdr + bytes(4096 - len(hdr)) + b"x" * 4096)
     requested.clear()
     out = bytearray(len(PAYLOAD))
@@ -245,8 +250,17 @@ def test_redis_valid_header_huge_length(redis_env):
 @pytest.fixture(scope="module")
 def codec_record():
     rng = np.random.default_rng(1)
-    info = fmt.RecordInfo(level_id=2, num_layers=3, num_planes=2, num_tokens=256, num_heads=4, head_size=64,
-                          dtype=fmt.DType.BFLOAT16, sections_per_layer=2, table_id=7)
+    info = fmt.RecordInfo(
+        level_id=2,
+        num_layers=3,
+        num_planes=2,
+        num_tokens=256,
+        num_heads=4,
+        head_size=64,
+        dtype=fmt.DType.BFLOAT16,
+        sections_per_layer=2,
+        table_id=7,
+    )
     streams = [np.clip(rng.laplace(128, 3, int(n)), 0, 255).astype(np.uint8) for n in rng.integers(1, 2000, 6)]
     tables = np.stack([rans.table_from_symbols(np.concatenate(streams))])
     batch = rans.encode(streams, 0, tables, seg_log2=10)
@@ -296,8 +310,9 @@ def test_codec_huge_geometry_fields():
     """Header fields claiming 2**24 sections or a 2**63-byte payload: rejected, nothing allocated."""
     import xxhash
 
-    head = fmt._HEADER.pack(fmt.MAGIC, fmt.FORMAT_VERSION, 64, 2, 1, 0xFFFF, 7, 256, 2, 256, 8, 128, 0xFFFFFFFF,
-                            (1 << 63), 0, 0)
+    head = fmt._HEADER.pack(
+        fmt.MAGIC, fmt.FORMAT_VERSION, 64, 2, 1, 0xFFFF, 7, 256, 2, 256, 8, 128, 0xFFFFFFFF, (1 << 63), 0, 0
+    )
     for blob in (head, head + bytes(4096)):
         with pytest.raises(ValueError):
             fmt.unpack(blob)
@@ -353,7 +368,7 @@ def _rechecksum(buf: bytes) -> bytes:
         return buf
     h = xxhash.xxh3_64()
     h.update(bytes(b[:56]))
-    h.update(bytes(b[fmt.HEADER_BYTES:end]))
+    h.update(bytes(b[fmt.HEADER_BYTES : end]))
     b[56:64] = struct.pack("<Q", h.intdigest())
     return bytes(b)
 
@@ -374,7 +389,7 @@ def test_switching_record_mutated_with_valid_checksum(switching_record, m):
         timed(CH.decode_chunk, bad, out, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
     except CH.CodecRecordError:
         pass
-    assert int(out[x.numel() * 2:].sum()) == 0
+    assert int(out[x.numel() * 2 :].sum()) == 0
     if bad == blob:
         CH.decode_chunk(bad, out, expected_shape=shape, dtype=torch.bfloat16, tables=tab)
 
@@ -408,7 +423,8 @@ def test_rans_hostile_symbol_count_does_not_allocate():
         "vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))\n"
         "for n in (2**32 - 1, 2**31 + 1, 2**31):\n"
-        "    h = np.array([(0x534E524C, 2, 0, 20, 5, 0, 0, n)], dtype=np.dtype('<u4,u1,u1,u1,u1,<u2,<u2,<u4')).tobytes()\n"
+        "    h = np.array([(0x534E524C, 2, 0, 20, 5, 0, 0, n)], "
+        "dtype=np.dtype('<u4,u1,u1,u1,u1,<u2,<u2,<u4')).tobytes()\n"
         "    try:\n"
         "        rans.decode([np.frombuffer(h + bytes(64), np.uint8)], t)\n"
         "        raise SystemExit('decoded?')\n"

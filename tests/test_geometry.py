@@ -15,8 +15,8 @@ from lmtier import geometry as G
 from lmtier import keys, layout, record
 from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
-from lmtier.keys import Namespace
 from lmtier.hf import TORCH_KV_DTYPES
+from lmtier.keys import Namespace
 from lmtier.manager import codec_chunk_shape
 from lmtier.tiers import base as tier_base
 from lmtier.tiers.codec import CODEC_KV_DTYPES
@@ -40,8 +40,15 @@ def test_dtype_table_matches_torch():
 
 def test_dtype_codes_are_the_record_formats_codes():
     # On-disk values: never renumbered.
-    assert {c.name: int(c) for c in G.DTypeCode} == {"UNSPECIFIED": 0, "BFLOAT16": 1, "FLOAT16": 2, "FLOAT32": 3,
-                                                     "FLOAT8_E4M3": 4, "FLOAT8_E5M2": 5, "UINT8": 6}
+    assert {c.name: int(c) for c in G.DTypeCode} == {
+        "UNSPECIFIED": 0,
+        "BFLOAT16": 1,
+        "FLOAT16": 2,
+        "FLOAT32": 3,
+        "FLOAT8_E4M3": 4,
+        "FLOAT8_E5M2": 5,
+        "UINT8": 6,
+    }
     assert cformat.DType is G.DTypeCode
     assert cchunk.CODEC_DTYPES == {torch.bfloat16: G.DTypeCode.BFLOAT16, torch.float16: G.DTypeCode.FLOAT16}
     assert CODEC_KV_DTYPES == {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,14 +59,23 @@ def test_one_key_size_and_format_version():
     assert keys.CANONICAL_FORMAT_VERSION is G.CANONICAL_FORMAT_VERSION
     assert Namespace("m", 2, 1, 4, "bfloat16").format_version == G.CANONICAL_FORMAT_VERSION
     # Source scan: no second definition of a fact of the geometry module in the package.
-    defs = re.compile(r"^\s*(KEY_BYTES|CANONICAL_FORMAT_VERSION|KV_DTYPE_BYTES|TORCH_KV_DTYPES)\s*(:[^=]*)?=\s*[\d{]", re.M)
+    defs = re.compile(
+        r"^\s*(KEY_BYTES|CANONICAL_FORMAT_VERSION|KV_DTYPE_BYTES|TORCH_KV_DTYPES)\s*(:[^=]*)?=\s*[\d{]", re.M
+    )
     dtype_dict = re.compile(r"""(torch\.bfloat16|["']bfloat16["'])\s*:\s*(torch\.|\d|fmt\.)""")
-    found = [f"{p.relative_to(PKG)}: {m.group(0).strip()}" for p in PKG.rglob("*.py") if p.name != "geometry.py"
-             for rx in (defs, dtype_dict) for m in rx.finditer(p.read_text())]
+    found = [
+        f"{p.relative_to(PKG)}: {m.group(0).strip()}"
+        for p in PKG.rglob("*.py")
+        if p.name != "geometry.py"
+        for rx in (defs, dtype_dict)
+        for m in rx.finditer(p.read_text())
+    ]
     assert found == []
 
 
-@pytest.mark.parametrize("planes,heads,d,dtype", [(2, 8, 128, "bfloat16"), (1, 1, 576, "fp8_e4m3"), (2, 3, 64, "float32")])
+@pytest.mark.parametrize(
+    "planes,heads,d,dtype", [(2, 8, 128, "bfloat16"), (1, 1, 576, "fp8_e4m3"), (2, 3, 64, "float32")]
+)
 def test_namespace_layout_and_geometry_agree(planes, heads, d, dtype):
     ns = Namespace("m", 5, heads, d, dtype, kv_planes=planes, chunk_size=16)
     g = G.ChunkGeometry.of(5, planes, heads, d, dtype)
@@ -67,9 +83,17 @@ def test_namespace_layout_and_geometry_agree(planes, heads, d, dtype):
     assert ns.chunk_bytes == g.chunk_bytes(16) == 16 * 5 * planes * heads * d * G.KV_DTYPE_BYTES[dtype]
     assert ns.chunk_shape == codec_chunk_shape(ns) == g.chunk_shape(16) == (5, planes, 16, heads, d)
     t = G.torch_dtype(dtype)
-    kvl = layout.KVLayout(num_layers=5, num_blocks=1, block_size=16, num_heads=heads, head_size=d, dtype=t,
-                          device=torch.device("cpu"), planes=(layout.PlaneStrides(0, 0, 0, 0, 1),) * planes,
-                          layer_ptrs=(0,) * 5)
+    kvl = layout.KVLayout(
+        num_layers=5,
+        num_blocks=1,
+        block_size=16,
+        num_heads=heads,
+        head_size=d,
+        dtype=t,
+        device=torch.device("cpu"),
+        planes=(layout.PlaneStrides(0, 0, 0, 0, 1),) * planes,
+        layer_ptrs=(0,) * 5,
+    )
     assert kvl.geometry == g and kvl.chunk_bytes(16) == ns.chunk_bytes and kvl.chunk_shape(16) == ns.chunk_shape
 
 
@@ -81,7 +105,11 @@ def test_geometry_rejects_bad_sizes():
 
 
 def test_keys_and_records_do_not_import_torch():
-    code = "import sys, lmtier.geometry, lmtier.keys, lmtier.record, lmtier.envs, lmtier.config; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=PKG.parent).stdout.strip()
+    code = (
+        "import sys, lmtier.geometry, lmtier.keys, lmtier.record, lmtier.envs, lmtier.config; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PKG.parent
+    ).stdout.strip()
     assert out == "False"

@@ -21,8 +21,16 @@ LEVELS = ["high", "default", "low"]
 ALL_LEVELS = ["lossless", *LEVELS]
 DTYPES = [torch.bfloat16, torch.float16]
 # [L, 2, T, H, D]: odd T (byte path), T % 4 == 0 (word path), T = 1, partial tiles, D = 32..256
-SHAPES = [(3, 2, 37, 3, 64), (5, 2, 1, 2, 64), (2, 2, 256, 8, 128), (2, 2, 5, 1, 128), (2, 2, 130, 2, 128),
-          (2, 2, 33, 2, 32), (1, 2, 68, 2, 256), (4, 2, 64, 4, 64)]
+SHAPES = [
+    (3, 2, 37, 3, 64),
+    (5, 2, 1, 2, 64),
+    (2, 2, 256, 8, 128),
+    (2, 2, 5, 1, 128),
+    (2, 2, 130, 2, 128),
+    (2, 2, 33, 2, 32),
+    (1, 2, 68, 2, 256),
+    (4, 2, 64, 4, 64),
+]
 KINDS = ["gauss", "kv_like", "zeros"]
 
 
@@ -104,11 +112,18 @@ def _rans_encode(symbols, level, shape):
 def _rans_decode(batch, n_chunks, shape, device):
     nl = shape[0]
     data = torch.as_tensor(batch.data).to(device)
-    srcs = [data[int(batch.offsets[i]): int(batch.offsets[i + 1])] for i in range(len(batch))]
+    srcs = [data[int(batch.offsets[i]) : int(batch.offsets[i + 1])] for i in range(len(batch))]
     per = N.symbol_bytes(shape) // (nl * 2)
     outs = rans.decode(srcs, None, lengths=[per] * len(srcs))
-    return [torch.cat([o.reshape(-1) if isinstance(o, torch.Tensor) else torch.from_numpy(o)
-                       for o in outs[c * nl * 2:(c + 1) * nl * 2]]).to(device) for c in range(n_chunks)]
+    return [
+        torch.cat(
+            [
+                o.reshape(-1) if isinstance(o, torch.Tensor) else torch.from_numpy(o)
+                for o in outs[c * nl * 2 : (c + 1) * nl * 2]
+            ]
+        ).to(device)
+        for c in range(n_chunks)
+    ]
 
 
 @pytest.mark.parametrize("level", ALL_LEVELS)
@@ -124,7 +139,9 @@ def test_through_rans_both_ways(level):
     # GPU quantize + GPU rANS encode -> bytes -> CPU rANS decode + CPU dequantize
     s_gpu, d_gpu = N.quantize(gpu(chunks), level)
     enc_gpu = _rans_encode(s_gpu, level, shape)
-    assert torch.equal(torch.as_tensor(enc_gpu.data).cpu(), torch.as_tensor(enc_cpu.data).cpu()), "rANS bytes differ CPU vs GPU"
+    assert torch.equal(torch.as_tensor(enc_gpu.data).cpu(), torch.as_tensor(enc_cpu.data).cpu()), (
+        "rANS bytes differ CPU vs GPU"
+    )
     syms_c = _rans_decode(enc_gpu, len(chunks), shape, "cpu")
     y_c = N.dequantize(syms_c, cpu(d_gpu), level, shape, dtype)
     for i, x in enumerate(chunks):
@@ -168,8 +185,8 @@ def test_odd_buffer_alignment_and_explicit_stream(level):
     sb, sdb = N.symbol_bytes(shape), N.side_bytes(level, shape)
     big_s = torch.zeros(2 * sb + 8, dtype=torch.uint8, device=DEV)
     big_d = torch.zeros(2 * sdb + 8, dtype=torch.uint8, device=DEV)
-    syms = [big_s[1:1 + sb], big_s[3 + sb:3 + 2 * sb]]
-    sides = [big_d[1:1 + sdb], big_d[5 + sdb:5 + 2 * sdb]]
+    syms = [big_s[1 : 1 + sb], big_s[3 + sb : 3 + 2 * sb]]
+    sides = [big_d[1 : 1 + sdb], big_d[5 + sdb : 5 + 2 * sdb]]
     xg = gpu(chunks)
     stream = torch.cuda.Stream()
     status = torch.zeros(2, dtype=torch.int32, device=DEV)
@@ -191,7 +208,7 @@ def test_odd_buffer_alignment_and_explicit_stream(level):
 def test_misaligned_cuda_chunk_rejected():
     shape = (1, 2, 4, 1, 64)
     buf = torch.zeros(2 * 64 * 8 + 8, dtype=torch.bfloat16, device=DEV)
-    x = buf[1:1 + 2 * 4 * 64].view(shape)  # 2-byte offset
+    x = buf[1 : 1 + 2 * 4 * 64].view(shape)  # 2-byte offset
     s = torch.empty(N.symbol_bytes(shape), dtype=torch.uint8, device=DEV)
     d = torch.empty(N.side_bytes("default", shape), dtype=torch.uint8, device=DEV)
     with pytest.raises(ValueError, match="16-byte aligned"):

@@ -53,7 +53,9 @@ def make_batch(rng, kind):
             tid = int(rng.integers(0, 2))
         streams.append(x)
         ids.append(tid)
-    t0 = rans.build_table(np.bincount(laplace_symbols(rng, 50_000), minlength=256) + np.r_[np.ones(64), np.zeros(192)].astype(np.int64))
+    t0 = rans.build_table(
+        np.bincount(laplace_symbols(rng, 50_000), minlength=256) + np.r_[np.ones(64), np.zeros(192)].astype(np.int64)
+    )
     tables = np.stack([t0, rans.build_table(np.ones(256))])
     return streams, ids, tables
 
@@ -121,8 +123,9 @@ def test_gpu_unaligned_sources_and_destinations(shift):
     st = torch.zeros(len(lens), dtype=torch.int32, device=DEV)
     ln = torch.zeros(len(lens), dtype=torch.int64, device=DEV)
     scratch = torch.empty(rans.decode_scratch_bytes(len(lens)), dtype=torch.uint8, device=DEV)
-    rans.decode_into([gpu.stream(i) for i in range(len(lens))], tables, outs=outs, out_lengths=ln, status=st,
-                     scratch=scratch)
+    rans.decode_into(
+        [gpu.stream(i) for i in range(len(lens))], tables, outs=outs, out_lengths=ln, status=st, scratch=scratch
+    )
     torch.cuda.synchronize()
     assert st.cpu().tolist() == [0] * len(lens) and ln.cpu().tolist() == lens
     assert torch.equal(out[shift : shift + flat.size].cpu(), torch.from_numpy(flat))
@@ -170,7 +173,7 @@ def test_gpu_hostile_input_matches_cpu_verdicts():
     for i in np.flatnonzero(st_c == 0):
         assert lc[i] == lg[i]
         np.testing.assert_array_equal(oc[i][: lc[i]], og[i][: lg[i]])
-    assert (st_g[: -2] != 0).mean() > 0.9
+    assert (st_g[:-2] != 0).mean() > 0.9
 
 
 def test_gpu_status_errors():
@@ -205,8 +208,9 @@ def test_gpu_side_stream_and_record():
     with torch.cuda.stream(torch.cuda.Stream()):
         gpu = gpu_encode(streams, 0, tables, rans.DEFAULT_SEG_LOG2, stream=s)
     cpu = rans.encode(streams, 0, tables)
-    info = fmt.RecordInfo(level_id=1, num_layers=3, num_planes=2, num_tokens=256, num_heads=8, head_size=128,
-                          sections_per_layer=2)
+    info = fmt.RecordInfo(
+        level_id=1, num_layers=3, num_planes=2, num_tokens=256, num_heads=8, head_size=128, sections_per_layer=2
+    )
     rec_g = fmt.pack(info, [gpu.stream(i).cpu() for i in range(6)])
     rec_c = fmt.pack(info, [cpu.stream(i) for i in range(6)])
     assert rec_g == rec_c
@@ -220,13 +224,28 @@ def _run_batch(rng):
     """Streams coded with per-run tables: KV-like runs of different spreads, odd lengths, a missing
     symbol (whole-stream fallback), run lengths 32 .. 1024, mixed with single-table streams."""
     nt = 600
-    tables = np.stack([rans.build_table(np.bincount(np.clip(np.round(rng.normal(6, s, 4000)), 0, 12).astype(np.int64),
-                                                    minlength=13), alphabet_size=13)
-                       for s in rng.uniform(0.3, 3.0, nt)])
+    tables = np.stack(
+        [
+            rans.build_table(
+                np.bincount(np.clip(np.round(rng.normal(6, s, 4000)), 0, 12).astype(np.int64), minlength=13),
+                alphabet_size=13,
+            )
+            for s in rng.uniform(0.3, 3.0, nt)
+        ]
+    )
     streams, ids, runs = [], [], []
-    for n, run, tid in [(256 * 192, 256, 0), (256 * 192 - 37, 256, 192), (16384 * 3 + 5, 1024, 10),
-                        (5000, 32, 400), (0, 256, 0), (1, 64, 7), (33, 32, 1), (768 * 2, 768, 590),
-                        (20000, 0, 3), (4097, 96, 100)]:
+    for n, run, tid in [
+        (256 * 192, 256, 0),
+        (256 * 192 - 37, 256, 192),
+        (16384 * 3 + 5, 1024, 10),
+        (5000, 32, 400),
+        (0, 256, 0),
+        (1, 64, 7),
+        (33, 32, 1),
+        (768 * 2, 768, 590),
+        (20000, 0, 3),
+        (4097, 96, 100),
+    ]:
         spread = np.repeat(rng.uniform(0.3, 3.0, max(1, -(-n // max(run, 1)))), max(run, 1))[:n]
         x = np.clip(np.round(rng.normal(6, spread)), 0, 12).astype(np.uint8)
         streams.append(x)
@@ -303,8 +322,11 @@ def test_gpu_run_tables_one_bad_table_in_range_matches_cpu():
         for dev in ("cpu", DEV):
             xs = streams if dev == "cpu" else [torch.from_numpy(x).to(DEV) for x in streams]
             n, total = len(xs), sum(len(x) for x in streams)
-            mk = (lambda k: np.zeros(k, np.uint8)) if dev == "cpu" else \
-                (lambda k: torch.zeros(k, dtype=torch.uint8, device=DEV))
+            mk = (
+                (lambda k: np.zeros(k, np.uint8))
+                if dev == "cpu"
+                else (lambda k: torch.zeros(k, dtype=torch.uint8, device=DEV))
+            )
             out, scratch = mk(rans.max_batch_encoded_bytes(n, total, 10)), mk(rans.encode_scratch_bytes(n, total, 10))
             off = np.zeros(n + 1, np.int64) if dev == "cpu" else torch.zeros(n + 1, dtype=torch.int64, device=DEV)
             st = np.zeros(n, np.int32) if dev == "cpu" else torch.zeros(n, dtype=torch.int32, device=DEV)
@@ -316,7 +338,6 @@ def test_gpu_run_tables_one_bad_table_in_range_matches_cpu():
         (oc, fc, sc), (og, fg, sg) = descs
         np.testing.assert_array_equal(sc, sg)
         assert (sg == 3).any() and (sg == 0).any(), (bad, sg)
-
 
 
 def test_gpu_decode_descriptors_prebuilt_on_a_side_stream():
@@ -347,12 +368,13 @@ def test_gpu_decode_descriptors_prebuilt_on_a_side_stream():
         torch.cuda.synchronize()
         with torch.cuda.stream(s):
             ddesc.copy_(torch.from_numpy(desc.view(np.uint8)))
-            rans.decode_descriptors(ddesc, n, tdev.data_ptr(), tables.shape[0], out_lengths=lens, status=st,
-                                    scratch=scratch, stream=s)
+            rans.decode_descriptors(
+                ddesc, n, tdev.data_ptr(), tables.shape[0], out_lengths=lens, status=st, scratch=scratch, stream=s
+            )
         s.synchronize()
         assert not st.cpu().numpy().any()
         assert lens.cpu().tolist() == [len(x) for x in streams]
         for x, o in zip(streams, outs):
-            assert np.array_equal(o[: len(x)].cpu().numpy(), x) and bool((o[len(x):] == 0xEE).all())
+            assert np.array_equal(o[: len(x)].cpu().numpy(), x) and bool((o[len(x) :] == 0xEE).all())
     with pytest.raises(ValueError, match="scratch"):
         rans.decode_descriptors(ddesc, n, tdev.data_ptr(), tables.shape[0], out_lengths=lens, status=st)

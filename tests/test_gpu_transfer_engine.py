@@ -10,8 +10,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _setup(order="LBNHC", layers=6, blocks=64, bs=16, heads=4, head_size=128, T=64, C=3):
-    buf, views = make_paged_kv_cache(order, num_layers=layers, num_blocks=blocks, block_size=bs, num_heads=heads,
-                                     head_size=head_size, dtype=torch.bfloat16, device="cuda")
+    buf, views = make_paged_kv_cache(
+        order,
+        num_layers=layers,
+        num_blocks=blocks,
+        block_size=bs,
+        num_heads=heads,
+        head_size=head_size,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     buf.view(torch.int16).random_(-30000, 30000)
     layout = KVLayout.from_layer_views(views, kind="kv")
     gen = torch.Generator().manual_seed(0)
@@ -43,7 +51,9 @@ def test_store_load_round_trip(mode, order, lpp):
     valid[torch.unique(slots // 16)] = True
     blk_dim = order.index("B")
     sel = valid.nonzero().view(-1).cuda()
-    assert torch.equal(buf.index_select(blk_dim, sel).view(torch.int16), snapshot.index_select(blk_dim, sel).view(torch.int16))
+    assert torch.equal(
+        buf.index_select(blk_dim, sel).view(torch.int16), snapshot.index_select(blk_dim, sel).view(torch.int16)
+    )
 
 
 @pytest.mark.parametrize("mode", ["staged", "zerocopy"])
@@ -115,8 +125,9 @@ def test_load_layerwise_events_per_layer(order, lpp):
             seen.append(layout_layer(buf, order, l).clone())
     torch.cuda.synchronize()
     for l in range(layers):
-        assert torch.equal(seen[l].view(torch.int16), layout_layer(expect, order, l).view(torch.int16)), \
+        assert torch.equal(seen[l].view(torch.int16), layout_layer(expect, order, l).view(torch.int16)), (
             f"layer {l} read after its event differs from the loaded data"
+        )
     assert torch.equal(buf.view(torch.int16), expect.view(torch.int16))
     if lpp > 1:
         assert events[0] is events[lpp - 1] and events[0] is not events[lpp]

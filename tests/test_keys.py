@@ -40,7 +40,9 @@ def test_reference_chain():
     """The documented construction, re-derived independently."""
     ns = make_ns()
     ns_d = ns.digest()
-    h = hashlib.blake2b(len(ns_d).to_bytes(8, "little") + ns_d + b"\x00", digest_size=32, person=b"lmtier-root").digest()
+    h = hashlib.blake2b(
+        len(ns_d).to_bytes(8, "little") + ns_d + b"\x00", digest_size=32, person=b"lmtier-root"
+    ).digest()
     expected = []
     for i in range(6):
         data = np.asarray(TOKENS[i * 16 : (i + 1) * 16], dtype="<u4").tobytes()
@@ -76,7 +78,17 @@ GOLDEN = (
         tuple,
         lambda t: (x for x in t),
     ],
-    ids=["list", "np-int64", "np-int32", "np-uint32", "np-bigendian", "torch-int64", "torch-int32", "tuple", "generator"],
+    ids=[
+        "list",
+        "np-int64",
+        "np-int32",
+        "np-uint32",
+        "np-bigendian",
+        "torch-int64",
+        "torch-int32",
+        "tuple",
+        "generator",
+    ],
 )
 def test_input_types_agree(convert):
     assert chunk_keys(convert(TOKENS), make_ns()) == chunk_keys(TOKENS, make_ns())

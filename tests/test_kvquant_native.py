@@ -15,8 +15,15 @@ LEVELS = ["high", "default", "low"]
 ALL_LEVELS = ["lossless", *LEVELS]
 DTYPES = [torch.bfloat16, torch.float16]
 # [L, 2, T, H, D]: odd T, T = 1, one head, D = 64 / 128 (+ 32, 256 and small CPU-only head sizes)
-SHAPES = [(3, 2, 37, 3, 64), (5, 2, 1, 2, 64), (2, 2, 256, 2, 128), (2, 2, 5, 1, 128), (1, 2, 64, 8, 128),
-          (2, 2, 33, 2, 32), (1, 2, 7, 2, 256)]
+SHAPES = [
+    (3, 2, 37, 3, 64),
+    (5, 2, 1, 2, 64),
+    (2, 2, 256, 2, 128),
+    (2, 2, 5, 1, 128),
+    (1, 2, 64, 8, 128),
+    (2, 2, 33, 2, 32),
+    (1, 2, 7, 2, 256),
+]
 SMALL_D_SHAPES = [(2, 2, 9, 3, 8), (1, 2, 4, 1, 1), (1, 2, 3, 2, 16)]
 KINDS = ["gauss", "kv_like", "zeros"]
 
@@ -28,7 +35,7 @@ def make(shape, dtype, kind, seed=0):
         return (torch.randn(shape, generator=g) * 2.0).to(dtype)
     if kind == "zeros":  # zero tokens, heads and a zero layer inside real-ish data
         x = torch.randn(shape, generator=g)
-        x[:, :, :: 3] = 0.0
+        x[:, :, ::3] = 0.0
         x[..., 0, :] = 0.0 if h > 1 else x[..., 0, :]
         x[0] = 0.0
         return x.to(dtype)
@@ -86,7 +93,7 @@ def test_round_trip_within_documented_bound(level, dtype):
     slack = y.float().abs() * ulp + 2.0**-24  # output cast
     slack = slack + x.float().abs().amax(dim=-1, keepdim=True) * shape[-1] * 2.0**-22  # forward fp32 FWHT
     assert bool((err <= bound + slack).all()), float((err - bound - slack).max())
-    zero_rows = (x.float().abs().amax(dim=-1) == 0)
+    zero_rows = x.float().abs().amax(dim=-1) == 0
     assert bool((y.float().abs().amax(dim=-1)[zero_rows] == 0).all()), "all-zero rows must decode to zeros"
 
 
@@ -144,7 +151,11 @@ def test_hostile_symbols_rejected_naming_chunk(level):
 def test_unrepresentable_kv_rejected(level):
     shape = (2, 2, 8, 2, 64)
     good = make(shape, torch.float16, "gauss")
-    for val, what in ((float("nan"), "KV contains NaN or inf"), (float("inf"), "KV contains NaN"), (-float("inf"), "KV contains NaN")):
+    for val, what in (
+        (float("nan"), "KV contains NaN or inf"),
+        (float("inf"), "KV contains NaN"),
+        (-float("inf"), "KV contains NaN"),
+    ):
         x = good.clone()
         x[1, 0, 3, 1, 7] = val
         with pytest.raises(Q.CodecInputError, match=f"chunk 1: {what}"):

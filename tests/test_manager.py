@@ -333,7 +333,9 @@ def test_from_config_builds_tiers_and_checks_chunk_size(tmp_path):
             "local_disk_path_sharding": "by_gpu",
         }
     )
-    m = TierManager.from_config(cfg2, ns, gpu_id=1, arena=torch.empty(64 * 4096, dtype=torch.uint8), disk_factory=disk_factory)
+    m = TierManager.from_config(
+        cfg2, ns, gpu_id=1, arena=torch.empty(64 * 4096, dtype=torch.uint8), disk_factory=disk_factory
+    )
     assert made["disk"] == ((f"{tmp_path}/b",), ns) and m.disk is not None
     m.close(persist=False)
     with pytest.raises(ConfigError, match="chunk_size"):
@@ -348,7 +350,12 @@ def test_real_disk_tier_write_back_and_restart(tmp_path):
     ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=512, kv_dtype="float32", chunk_size=2)
     assert ns.chunk_bytes == 8192
     cfg = LMTierConfig.from_dict(
-        {"chunk_size": 2, "max_local_cpu_size": 2 * 8192 / 2**30, "local_disk": f"file://{tmp_path}", "max_local_disk_size": 0.01}
+        {
+            "chunk_size": 2,
+            "max_local_cpu_size": 2 * 8192 / 2**30,
+            "local_disk": f"file://{tmp_path}",
+            "max_local_disk_size": 0.01,
+        }
     )
     arena = torch.empty(2 * 8192, dtype=torch.uint8)
     m = TierManager.from_config(cfg, ns, arena=arena)
@@ -375,7 +382,9 @@ def _hf_cache(num_layers, heads, seq, dim, dtype, seed=0):
     ]
 
 
-@pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")])
+@pytest.mark.parametrize(
+    "dtype,name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")]
+)
 def test_pack_unpack_canonical_layout(dtype, name):
     ns = Namespace(model="m", num_layers=3, num_kv_heads=2, head_size=4, kv_dtype=name, chunk_size=5)
     layers = _hf_cache(3, 2, 12, 4, dtype)
@@ -420,7 +429,12 @@ def test_real_redis_write_through_and_dead_redis_degrades(redis_server):
     pytest.importorskip("lmtier.tiers.redis")
     ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=512, kv_dtype="float32", chunk_size=2)
     cfg = LMTierConfig.from_dict(
-        {"chunk_size": 2, "max_local_cpu_size": 4 * 8192 / 2**30, "remote_url": redis_server.url, "remote_timeout_s": 0.5}
+        {
+            "chunk_size": 2,
+            "max_local_cpu_size": 4 * 8192 / 2**30,
+            "remote_url": redis_server.url,
+            "remote_timeout_s": 0.5,
+        }
     )
     m = TierManager.from_config(cfg, ns, arena=torch.empty(4 * 8192, dtype=torch.uint8))
     for i in range(3):
@@ -450,7 +464,8 @@ def test_index_events_store_evict_promote_and_listeners():
     """STORED after each store/promotion/commit (visible to lookup when heard), EVICTED "disk" for a
     CPU victim written back, DISK_EVICTED for the disk tier's LRU victims; a failing listener is
     logged and counted, never raised; a removed listener hears nothing."""
-    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.events import IndexEvent
+    from lmtier.events import IndexEventKind as E
     from lmtier.tiers.base import Eviction
 
     disk = MemTier("disk")
@@ -466,8 +481,11 @@ def test_index_events_store_evict_promote_and_listeners():
     m.add_listener(lambda ev: 1 / 0)
     assert m.store(K(0), data(0)).result(10)
     assert m.store(K(1), data(1), timeout_s=None).result(10)
-    assert events == [IndexEvent(E.STORED, K(0), "cpu"), IndexEvent(E.EVICTED, K(0), "disk"),
-                      IndexEvent(E.STORED, K(1), "cpu")]
+    assert events == [
+        IndexEvent(E.STORED, K(0), "cpu"),
+        IndexEvent(E.EVICTED, K(0), "disk"),
+        IndexEvent(E.STORED, K(1), "cpu"),
+    ]
     assert disk.store[K(0)] == data(0) and m.counters["listener_errors"] == 3
     events.clear()
     out = bytearray(4096)
@@ -493,15 +511,19 @@ def test_index_events_store_evict_promote_and_listeners():
 def test_index_events_without_disk_or_cpu():
     """Without a disk a CPU victim is EVICTED with tier None; without a CPU pool a store is STORED
     in the tier that took it."""
-    from lmtier.events import IndexEvent, IndexEventKind as E
+    from lmtier.events import IndexEvent
+    from lmtier.events import IndexEventKind as E
 
     events: list[IndexEvent] = []
     with TierManager(cpu=make_pool(num_slots=1)) as m:
         m.add_listener(events.append)
         m.store(K(0), data(0)).result(10)
         m.store(K(1), data(1), timeout_s=None).result(10)
-    assert events == [IndexEvent(E.STORED, K(0), "cpu"), IndexEvent(E.EVICTED, K(0), None),
-                      IndexEvent(E.STORED, K(1), "cpu")]
+    assert events == [
+        IndexEvent(E.STORED, K(0), "cpu"),
+        IndexEvent(E.EVICTED, K(0), None),
+        IndexEvent(E.STORED, K(1), "cpu"),
+    ]
     events.clear()
     remote = MemTier("remote")
     with TierManager(cpu=None, disk=MemTier("disk", fail=True), remote=remote) as m:

@@ -90,8 +90,9 @@ def ref_encode_segment(sym: np.ndarray, freq: np.ndarray, step_tables=None):
     return x.astype("<u4").tobytes() + np.array(words, "<u2").tobytes()
 
 
-def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_log2: int = SEG,
-                      run_len: int = 0) -> bytes:
+def ref_encode_stream(
+    sym: np.ndarray, table_id: int, tables: np.ndarray, seg_log2: int = SEG, run_len: int = 0
+) -> bytes:
     n = len(sym)
     seg = 1 << seg_log2
     segs = [sym[i : i + seg] for i in range(0, n, seg)]
@@ -101,17 +102,20 @@ def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_lo
     if not adaptive and n > 0:
         freq = tables[table_id]
         if run_len:
-            coded = [ref_encode_segment(s, None, lambda k, j=j: tables[table_id + (j * seg + 32 * k) // run_len])
-                     for j, s in enumerate(segs)]
+            coded = [
+                ref_encode_segment(s, None, lambda k, j=j: tables[table_id + (j * seg + 32 * k) // run_len])
+                for j, s in enumerate(segs)
+            ]
         else:
             coded = [ref_encode_segment(s, freq) for s in segs]
         adaptive = any(c is MISSING for c in coded)
     if adaptive:
         freq = ref_normalize(np.bincount(sym, minlength=256))
         coded = [ref_encode_segment(s, freq) for s in segs]
-    head = np.array([(0x534E524C, 2, 1 if adaptive else 0, seg_log2, 5, table_id & 0xFFFF,
-                      0 if adaptive else run_len // 32, n)],
-                    dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    head = np.array(
+        [(0x534E524C, 2, 1 if adaptive else 0, seg_log2, 5, table_id & 0xFFFF, 0 if adaptive else run_len // 32, n)],
+        dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4"),
+    ).tobytes()
     table = b""
     if adaptive:
         bitmap = np.packbits(freq > 0, bitorder="little").tobytes()
@@ -131,6 +135,7 @@ def ref_encode_stream(sym: np.ndarray, table_id: int, tables: np.ndarray, seg_lo
 # ---------------------------------------------------------------------------------------------------
 # data
 
+
 def skewed(rng, n, p=0.35, alphabet=256):
     return (rng.geometric(p, n) % alphabet).astype(np.uint8)
 
@@ -139,8 +144,29 @@ def laplace_symbols(rng, n, scale=2.0, center=16):
     return np.clip(np.round(rng.laplace(center, scale, n)), 0, 31).astype(np.uint8)
 
 
-SIZES = [0, 1, 2, 31, 32, 33, 127, 128, 129, 511, 512, 513, 1023, 1024, 1025, 4095, 4097,
-         (1 << SEG) - 1, 1 << SEG, (1 << SEG) + 1, 3 * (1 << SEG) + 17]
+SIZES = [
+    0,
+    1,
+    2,
+    31,
+    32,
+    33,
+    127,
+    128,
+    129,
+    511,
+    512,
+    513,
+    1023,
+    1024,
+    1025,
+    4095,
+    4097,
+    (1 << SEG) - 1,
+    1 << SEG,
+    (1 << SEG) + 1,
+    3 * (1 << SEG) + 17,
+]
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +179,14 @@ def rng():
 
 
 def test_build_table_matches_reference(rng):
-    cases = [np.bincount(skewed(rng, 5000), minlength=256),
-             rng.integers(0, 3, 256),
-             np.eye(256, dtype=np.int64)[7] * 10,
-             np.r_[np.ones(256, np.int64)],
-             np.r_[10**9, np.ones(255, np.int64)],
-             rng.integers(0, 10**6, 256)]
+    cases = [
+        np.bincount(skewed(rng, 5000), minlength=256),
+        rng.integers(0, 3, 256),
+        np.eye(256, dtype=np.int64)[7] * 10,
+        np.r_[np.ones(256, np.int64)],
+        np.r_[10**9, np.ones(255, np.int64)],
+        rng.integers(0, 10**6, 256),
+    ]
     for c in cases:
         for alpha in (0, 16, 256):
             got = rans.build_table(c, alphabet_size=alpha)
@@ -177,8 +205,13 @@ def test_division_by_magic_is_exact():
     """The CUDA encoder divides with Granlund-Montgomery reciprocals (rans.h div_magic); the CPU with
     '/'. Check the formula for every frequency 1..4096 on edge and random 32-bit states."""
     r = np.random.default_rng(7)
-    xs = np.unique(np.r_[np.arange(0, 70000, 997), [0, 1, 2**16, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1],
-                         r.integers(0, 2**32, 4000, dtype=np.uint64)]).astype(np.uint64)
+    xs = np.unique(
+        np.r_[
+            np.arange(0, 70000, 997),
+            [0, 1, 2**16, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1],
+            r.integers(0, 2**32, 4000, dtype=np.uint64),
+        ]
+    ).astype(np.uint64)
     for d in range(1, 4097):
         l = (d - 1).bit_length()
         mul = ((1 << 32) * ((1 << l) - d)) // d + 1
@@ -398,15 +431,20 @@ def test_corruption_detected_or_harmless(sample):
 def test_fuzz_random_bytes(data):
     tables = np.stack([rans.build_table(np.ones(256))])
     # also with a valid-looking header
-    head = np.array([(0x534E524C, 2, 0, 10, 5, 0, 0, len(data))], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")).tobytes()
+    head = np.array(
+        [(0x534E524C, 2, 0, 10, 5, 0, 0, len(data))], dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")
+    ).tobytes()
     for buf in (data, head + data):
         status, y = _decode_status(buf, tables, capacity=4096)
         assert status >= 0
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
-       st.integers(0, 10**6), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
+    st.integers(0, 10**6),
+    st.booleans(),
+)
 def test_fuzz_mutated_streams(edits, cut, adaptive):
     rng = np.random.default_rng(5)
     x = laplace_symbols(rng, 3000)
@@ -450,8 +488,17 @@ from lmtier.codec import format as fmt  # noqa: E402
 
 
 def _record(rng, layers=3, S=2, meta=b"qmax-table"):
-    info = fmt.RecordInfo(level_id=2, num_layers=layers, num_planes=2, num_tokens=256, num_heads=8,
-                          head_size=128, dtype=fmt.DType.BFLOAT16, sections_per_layer=S, table_id=7)
+    info = fmt.RecordInfo(
+        level_id=2,
+        num_layers=layers,
+        num_planes=2,
+        num_tokens=256,
+        num_heads=8,
+        head_size=128,
+        dtype=fmt.DType.BFLOAT16,
+        sections_per_layer=S,
+        table_id=7,
+    )
     streams = [laplace_symbols(rng, int(n)) for n in rng.integers(0, 3000, layers * S)]
     tables = np.stack([rans.table_from_symbols(np.concatenate(streams))])
     batch = rans.encode(streams, 0, tables)
@@ -519,12 +566,29 @@ def test_record_fuzz(data):
 
 
 def _run_tables(rng, nruns, alphabet=13):
-    return np.stack([rans.build_table(np.r_[rng.integers(0, 50, alphabet), 0] + (np.arange(alphabet + 1) == alphabet // 2) * 800,
-                                      alphabet_size=alphabet) for _ in range(nruns)])
+    return np.stack(
+        [
+            rans.build_table(
+                np.r_[rng.integers(0, 50, alphabet), 0] + (np.arange(alphabet + 1) == alphabet // 2) * 800,
+                alphabet_size=alphabet,
+            )
+            for _ in range(nruns)
+        ]
+    )
 
 
-@pytest.mark.parametrize("n,run_len,seg_log2", [(256 * 192, 256, SEG), (256 * 192 - 37, 256, SEG), (5000, 32, 10),
-                                                (3 * 1024 + 5, 96, 10), (768 * 2, 768, SEG), (1, 64, SEG), (0, 32, SEG)])
+@pytest.mark.parametrize(
+    "n,run_len,seg_log2",
+    [
+        (256 * 192, 256, SEG),
+        (256 * 192 - 37, 256, SEG),
+        (5000, 32, 10),
+        (3 * 1024 + 5, 96, 10),
+        (768 * 2, 768, SEG),
+        (1, 64, SEG),
+        (0, 32, SEG),
+    ],
+)
 def test_run_tables_bytes_match_reference(rng, n, run_len, seg_log2):
     nruns = max(1, -(-n // run_len))
     tables = _run_tables(rng, nruns + 3)

@@ -19,8 +19,16 @@ def make(payload: bytes, *, offset=rec.DISK_PAYLOAD_OFFSET, key=KEY, meta=rec.DE
 @pytest.mark.parametrize("offset", [rec.COMPACT_PAYLOAD_OFFSET, rec.DISK_PAYLOAD_OFFSET])
 def test_round_trip(n, offset):
     payload = os.urandom(n)
-    meta = rec.RecordMeta(namespace=b"n" * 16, codec=0, dtype_code=3, num_layers=30, num_planes=2,
-                          num_tokens=256, num_kv_heads=3, head_size=64)
+    meta = rec.RecordMeta(
+        namespace=b"n" * 16,
+        codec=0,
+        dtype_code=3,
+        num_layers=30,
+        num_planes=2,
+        num_tokens=256,
+        num_kv_heads=3,
+        head_size=64,
+    )
     h = make(payload, offset=offset, meta=meta)
     assert len(h) == rec.HEADER_BYTES
     d = rec.decode_header(h, expected_key=KEY)

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -38,8 +37,21 @@ def soak(tmp_path_factory):
         skip_or_fail("no redis-server")
     out = tmp_path_factory.mktemp("soak")
     js = out / "soak.json"
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "soak" / "run_soak.py"), "--ci", "--json", str(js),
-                        "--keep-logs", str(out / "logs")], capture_output=True, text=True, timeout=900, cwd=REPO)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "soak" / "run_soak.py"),
+            "--ci",
+            "--json",
+            str(js),
+            "--keep-logs",
+            str(out / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     (out / "stdout.txt").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
     assert js.exists(), f"soak produced no JSON (rc {p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-3000:]}"
     r = json.loads(js.read_text())

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lmtier import record as rec
-from lmtier.tiers.base import TierError
 from lmtier.remote_url import parse_redis_url
+from lmtier.tiers.base import TierError
 from lmtier.tiers.buffers import AlignedBuffer
 from lmtier.tiers.redis import RedisTier
 
@@ -95,7 +95,7 @@ def test_corrupted_value_is_miss_and_deleted(tier, redis_server, damage):
     assert tier.put(key(1), d)
     name = b"lmtier:" + key(1).hex().encode()
     if damage == "flip_payload":
-        assert raw(redis_server, b"SETRANGE", name, b"50000", b"\x00\x01\x02") .startswith(b":")
+        assert raw(redis_server, b"SETRANGE", name, b"50000", b"\x00\x01\x02").startswith(b":")
     elif damage == "truncate":
         v = rec.encode_header(key(1), len(d), rec.payload_checksum(d), payload_offset=128) + d[:-10]
         raw(redis_server, b"SET", name, v)
@@ -148,8 +148,9 @@ def test_unix_socket(tmp_path):
 
 def test_server_killed_gives_bounded_misses_and_breaker(redis_server):
     timeout = 0.3
-    t = RedisTier(redis_server.url, timeout_s=timeout, connect_timeout_s=timeout, breaker_failures=3,
-                  breaker_reset_s=1.0)
+    t = RedisTier(
+        redis_server.url, timeout_s=timeout, connect_timeout_s=timeout, breaker_failures=3, breaker_reset_s=1.0
+    )
     assert t.put(key(1), b"x" * 1000)
     redis_server.kill()
     out = bytearray(1000)
@@ -443,8 +444,11 @@ def test_redis_cluster_pieces(redis_cluster):
 PIECE = 4096
 # payload sizes around the piece boundaries (the header takes the first 128 bytes of piece 0) and
 # around the reader's 16 KiB scratch buffer
-BOUNDARY_SIZES = sorted({0, 1, 127, 128, 129} | {k * PIECE - 128 + d for k in (1, 2, 4, 5, 37) for d in (-1, 0, 1)}
-                        | {16384 - 128 - 10 + d for d in (-1, 0, 1)})
+BOUNDARY_SIZES = sorted(
+    {0, 1, 127, 128, 129}
+    | {k * PIECE - 128 + d for k in (1, 2, 4, 5, 37) for d in (-1, 0, 1)}
+    | {16384 - 128 - 10 + d for d in (-1, 0, 1)}
+)
 
 
 @pytest.mark.parametrize("n", BOUNDARY_SIZES)
@@ -627,13 +631,21 @@ def _fake_reply(n: int, sent: int, extra: bytes = b"") -> bytes:
     return out[:sent] + extra
 
 
-@pytest.mark.parametrize("then,sent,extra", [
-    ("close", 20, b""), ("close", 5000, b""), ("close", 9000, b""),  # server dies mid-reply
-    ("hang", 20, b""), ("hang", 9000, b""),  # server stalls mid-reply
-    ("close", 0, b"*1\r\n:1\r\n"), ("close", 0, b":1\r\n:999\r\n$4\r\nabcdXY"),  # protocol garbage
-    ("close", 0, b":1\r\n:4224\r\n$-7\r\n"), ("close", 0, b":1\r\n:" + b"9" * 5000),
-    ("hang", 0, b":1\r\n:16512\r\n$99999999999\r\n" + b"x" * 5000),  # longer than the range asked for
-])
+@pytest.mark.parametrize(
+    "then,sent,extra",
+    [
+        ("close", 20, b""),
+        ("close", 5000, b""),
+        ("close", 9000, b""),  # server dies mid-reply
+        ("hang", 20, b""),
+        ("hang", 9000, b""),  # server stalls mid-reply
+        ("close", 0, b"*1\r\n:1\r\n"),
+        ("close", 0, b":1\r\n:999\r\n$4\r\nabcdXY"),  # protocol garbage
+        ("close", 0, b":1\r\n:4224\r\n$-7\r\n"),
+        ("close", 0, b":1\r\n:" + b"9" * 5000),
+        ("hang", 0, b":1\r\n:16512\r\n$99999999999\r\n" + b"x" * 5000),  # longer than the range asked for
+    ],
+)
 def test_direct_reads_server_dies_or_stalls_mid_reply(then, sent, extra):
     """A reply cut short (connection closed), a stalled server or a malformed reply: a miss within
     the timeout, counted as an error, never a hang or wrong bytes."""
@@ -642,8 +654,9 @@ def test_direct_reads_server_dies_or_stalls_mid_reply(then, sent, extra):
     srv = _FakeServer(full[:sent] + extra if sent else extra, then)
     timeout = 0.3
     try:
-        t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout,
-                      connect_timeout_s=timeout)
+        t = RedisTier(
+            f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout, connect_timeout_s=timeout
+        )
         out = bytearray(n)
         e0 = t.counters["errors"]  # (the fake server's answers to redis-py's start-up may count one)
         t0 = time.monotonic()
@@ -720,8 +733,14 @@ def test_trickling_server_hits_the_read_deadline(direct):
         srv = _TrickleServer(_fake_reply(n, 10**9), "hang")
         total_s = len(srv.reply) / srv.step * srv.gap_s
         try:
-            t = RedisTier(f"redis://127.0.0.1:{srv.port}/0", piece_bytes=PIECE, timeout_s=timeout,
-                          connect_timeout_s=timeout, direct_reads=direct, min_read_bytes_per_s=rate)
+            t = RedisTier(
+                f"redis://127.0.0.1:{srv.port}/0",
+                piece_bytes=PIECE,
+                timeout_s=timeout,
+                connect_timeout_s=timeout,
+                direct_reads=direct,
+                min_read_bytes_per_s=rate,
+            )
             out = bytearray(n)
             t0 = time.monotonic()
             got = t.get_into(key(1), out)
@@ -828,8 +847,9 @@ def _scripted_reply(n: int, cap: int):
     t = RedisTier.__new__(RedisTier)
     t.piece_bytes = PIECE
     cmds = t._get_cmds(b"x", cap)
-    stream = b":1\r\n:%d\r\n" % len(v) + b"".join(b"$%d\r\n%s\r\n" % (len(v[c[2] : c[3] + 1]), v[c[2] : c[3] + 1])
-                                                  for c in cmds[2:])
+    stream = b":1\r\n:%d\r\n" % len(v) + b"".join(
+        b"$%d\r\n%s\r\n" % (len(v[c[2] : c[3] + 1]), v[c[2] : c[3] + 1]) for c in cmds[2:]
+    )
     return d, cmds, stream
 
 
@@ -875,15 +895,29 @@ def test_direct_reader_mangled_replies_never_give_wrong_bytes():
             del s[i : i + rng.randint(1, 8)]
         elif how == 4:
             m = rng.choice(list(re.finditer(rb"[:$]-?\d+\r\n", bytes(s))))
-            s[m.start() : m.end()] = rng.choice([b"$-1\r\n", b"$-2\r\n", b"$0\r\n", b"-ERR x\r\n", b":0\r\n",
-                                                  b"$99999999999999999999\r\n", b"*1\r\n", b"+OK\r\n", b"$\r\n"])
+            s[m.start() : m.end()] = rng.choice(
+                [
+                    b"$-1\r\n",
+                    b"$-2\r\n",
+                    b"$0\r\n",
+                    b"-ERR x\r\n",
+                    b":0\r\n",
+                    b"$99999999999999999999\r\n",
+                    b"*1\r\n",
+                    b"+OK\r\n",
+                    b"$\r\n",
+                ]
+            )
         else:
             s += b":1\r\n"
         try:
             reader, out, _ = _scripted_read(bytes(s), cmds, cap, [rng.randint(0, len(s)) for _ in range(3)])
             got = reader.finish()
-        except (redis.exceptions.ConnectionError, redis.exceptions.InvalidResponse,
-                redis.exceptions.ResponseError) as e:
+        except (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.InvalidResponse,
+            redis.exceptions.ResponseError,
+        ) as e:
             outcomes.add(type(e).__name__)
             continue
         except R.CorruptValue:

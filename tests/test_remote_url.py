@@ -17,19 +17,22 @@ def key(i: int) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------- grammar
-@pytest.mark.parametrize("url,scheme,hosts,sock,db,user,pw", [
-    ("redis://localhost", "redis", (("localhost", 6379),), None, 0, None, None),
-    ("REDIS://h:1/2", "redis", (("h", 1),), None, 2, None, None),
-    ("redis://h:1?db=4", "redis", (("h", 1),), None, 4, None, None),
-    ("redis://secret@h:6379", "redis", (("h", 6379),), None, 0, None, "secret"),
-    ("redis://:p%40ss@h", "redis", (("h", 6379),), None, 0, None, "p@ss"),
-    ("redis://al%20ice:pw@h", "redis", (("h", 6379),), None, 0, "al ice", "pw"),
-    ("redis://alice:@h", "redis", (("h", 6379),), None, 0, "alice", None),
-    ("redis://h?password=x", "redis", (("h", 6379),), None, 0, None, "x"),
-    ("unix:///run/r.sock?password=x&db=2", "unix", (), "/run/r.sock", 2, None, "x"),
-    ("unix://:pw@/run/r.sock", "unix", (), "/run/r.sock", 0, None, "pw"),
-    ("redis-cluster://a:1,[::1]:2,c", "redis-cluster", (("a", 1), ("::1", 2), ("c", 6379)), None, 0, None, None),
-])
+@pytest.mark.parametrize(
+    "url,scheme,hosts,sock,db,user,pw",
+    [
+        ("redis://localhost", "redis", (("localhost", 6379),), None, 0, None, None),
+        ("REDIS://h:1/2", "redis", (("h", 1),), None, 2, None, None),
+        ("redis://h:1?db=4", "redis", (("h", 1),), None, 4, None, None),
+        ("redis://secret@h:6379", "redis", (("h", 6379),), None, 0, None, "secret"),
+        ("redis://:p%40ss@h", "redis", (("h", 6379),), None, 0, None, "p@ss"),
+        ("redis://al%20ice:pw@h", "redis", (("h", 6379),), None, 0, "al ice", "pw"),
+        ("redis://alice:@h", "redis", (("h", 6379),), None, 0, "alice", None),
+        ("redis://h?password=x", "redis", (("h", 6379),), None, 0, None, "x"),
+        ("unix:///run/r.sock?password=x&db=2", "unix", (), "/run/r.sock", 2, None, "x"),
+        ("unix://:pw@/run/r.sock", "unix", (), "/run/r.sock", 0, None, "pw"),
+        ("redis-cluster://a:1,[::1]:2,c", "redis-cluster", (("a", 1), ("::1", 2), ("c", 6379)), None, 0, None, None),
+    ],
+)
 def test_grammar(url, scheme, hosts, sock, db, user, pw):
     e = parse_redis_url(url)
     assert (e.scheme, e.hosts, e.socket_path, e.db, e.username, e.password) == (scheme, hosts, sock, db, user, pw)
@@ -37,14 +40,26 @@ def test_grammar(url, scheme, hosts, sock, db, user, pw):
     assert cfg.endpoint == e and cfg.password == pw and (cfg.scheme, cfg.hosts, cfg.db) == (scheme, hosts, db)
 
 
-@pytest.mark.parametrize("url,why", [
-    ("http://h", "scheme"), ("redis://", "missing host"), ("redis://h:x", "port"), ("redis://h:0", "port"),
-    ("redis://h/x", "database"), ("redis://h/1?db=2", "twice"), ("redis://a,b", "several hosts"),
-    ("redis-cluster://a/1", "no database"), ("redis://:a@h?password=b", "twice"), ("unix://h/s", "unix:///"),
-    ("unix://", "socket path"), ("redis://h?ssl_cert_reqs=none", "unsupported"),
-    ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs"), ("rediss://h?ssl_check_hostname=perhaps", "ssl_check"),
-    ("rediss://h?ssl_ca_certs=/nonexistent", "ssl_ca_certs"),
-])
+@pytest.mark.parametrize(
+    "url,why",
+    [
+        ("http://h", "scheme"),
+        ("redis://", "missing host"),
+        ("redis://h:x", "port"),
+        ("redis://h:0", "port"),
+        ("redis://h/x", "database"),
+        ("redis://h/1?db=2", "twice"),
+        ("redis://a,b", "several hosts"),
+        ("redis-cluster://a/1", "no database"),
+        ("redis://:a@h?password=b", "twice"),
+        ("unix://h/s", "unix:///"),
+        ("unix://", "socket path"),
+        ("redis://h?ssl_cert_reqs=none", "unsupported"),
+        ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+        ("rediss://h?ssl_check_hostname=perhaps", "ssl_check"),
+        ("rediss://h?ssl_ca_certs=/nonexistent", "ssl_ca_certs"),
+    ],
+)
 def test_malformed(url, why):
     with pytest.raises(RemoteURLError, match=why) as ei:
         parse_redis_url(url)
@@ -58,8 +73,9 @@ def test_tls(tmp_path):
     ca.write_text("x")
     e = parse_redis_url(f"rediss://h?ssl_ca_certs={ca}&ssl_check_hostname=false")
     assert e.tls == TLSOptions(ca_certs=str(ca), cert_reqs="required", check_hostname=False)
-    assert parse_redis_url("rediss-cluster://a:1?ssl_cert_reqs=none").tls == TLSOptions(cert_reqs="none",
-                                                                                        check_hostname=False)
+    assert parse_redis_url("rediss-cluster://a:1?ssl_cert_reqs=none").tls == TLSOptions(
+        cert_reqs="none", check_hostname=False
+    )
     assert parse_redis_url("redis://h").tls is None
 
 
@@ -77,10 +93,12 @@ def test_password_env():
 
 
 def test_passwords_never_shown():
-    for url, shown in [("redis://bob:topsecret@h:1/0", "redis://bob:***@h:1/0"),
-                       ("redis://topsecret@h", "redis://***@h"),
-                       ("unix:///s?db=1&password=topsecret", "unix:///s?db=1&password=***"),
-                       ("redis://:top/secret@h", "redis://:***@h")]:
+    for url, shown in [
+        ("redis://bob:topsecret@h:1/0", "redis://bob:***@h:1/0"),
+        ("redis://topsecret@h", "redis://***@h"),
+        ("unix:///s?db=1&password=topsecret", "unix:///s?db=1&password=***"),
+        ("redis://:top/secret@h", "redis://:***@h"),
+    ]:
         assert redact_url(url) == shown
         cfg = LMTierConfig.from_dict({"remote_url": url.replace("top/secret", "topsecret")}).remote
         assert "topsecret" not in repr(cfg) and "topsecret" not in str(cfg)
@@ -118,16 +136,16 @@ def test_lone_userinfo_is_a_password_for_the_tier(redis_server_auth):
 
 def test_unix_socket_password_in_query_through_the_config(tmp_path):
     """old: ``unix:///path?password=x`` (the tier's documented form) was a ConfigError."""
-    from lmtier.testing.redis import start_or_skip
-
     from lmtier.keys import Namespace
     from lmtier.manager import TierManager
+    from lmtier.testing.redis import start_or_skip
 
     sock = str(tmp_path / "r.sock")
     srv = start_or_skip(password="pw-unix", extra_args=("--unixsocket", sock, "--unixsocketperm", "700"))
     try:
-        cfg = LMTierConfig.from_dict({"chunk_size": 16, "local_cpu": False,
-                                      "remote_url": f"unix://{sock}?db=1&password=pw-unix"})
+        cfg = LMTierConfig.from_dict(
+            {"chunk_size": 16, "local_cpu": False, "remote_url": f"unix://{sock}?db=1&password=pw-unix"}
+        )
         assert cfg.remote.endpoint == RedisEndpoint("unix", socket_path=sock, db=1)
         assert cfg.remote.password == "pw-unix"
         ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=8, kv_dtype="float32", chunk_size=16)

@@ -107,8 +107,11 @@ def test_rediss_cluster_url_accepted(tmp_path):
 
 
 def test_env_override_garbage_names_variable():
-    for name, value in [("LMTIER_DISK_IO_THREADS", "4.5"), ("LMTIER_REMOTE_TIMEOUT_S", "soon"),
-                        ("LMTIER_REMOTE_URL", "ftp://x")]:
+    for name, value in [
+        ("LMTIER_DISK_IO_THREADS", "4.5"),
+        ("LMTIER_REMOTE_TIMEOUT_S", "soon"),
+        ("LMTIER_REMOTE_URL", "ftp://x"),
+    ]:
         with pytest.raises(ConfigError, match=name.removeprefix("LMTIER_").lower() if "URL" in name else name):
             load_config(env={name: value})
 
@@ -123,9 +126,12 @@ FORBIDDEN_NAMES = {"pickle", "cPickle", "dill", "marshal", "shelve", "eval", "ex
 def _code_tokens(path: Path):
     """NAME/OP tokens outside comments and strings (docstrings are strings)."""
     src = path.read_text(encoding="utf-8")
-    toks = [t for t in tokenize.generate_tokens(io.StringIO(src).readline)
-            if t.type not in (tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE,
-                              tokenize.INDENT, tokenize.DEDENT)]
+    toks = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(src).readline)
+        if t.type
+        not in (tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    ]
     return toks
 
 
@@ -156,8 +162,10 @@ def test_package_has_no_pickle_eval_exec_marshal():
 
 def test_grep_itself_catches_offenders(tmp_path):
     f = tmp_path / "bad.py"
-    f.write_text('"""pickle in a docstring is fine"""\n# eval( in a comment is fine\nimport pickle\nx = eval("1")\n'
-                 "y = torch.load(p)\n")
+    f.write_text(
+        '"""pickle in a docstring is fine"""\n# eval( in a comment is fine\nimport pickle\nx = eval("1")\n'
+        "y = torch.load(p)\n"
+    )
     names = [t.string for t in _code_tokens(f) if t.type == tokenize.NAME]
     assert "pickle" in names and "eval" in names and names.count("pickle") == 1
 
@@ -201,8 +209,15 @@ def test_redis_auth_from_env_via_config(monkeypatch, caplog):
     srv = start_or_skip(password=PW)
     try:
         monkeypatch.setenv("SECTEST_REDIS_PW", PW)
-        cfg = LMTierConfig.from_dict({"chunk_size": 4, "local_cpu": False, "remote_url": srv.url_no_auth,
-                                      "remote_password_env": "SECTEST_REDIS_PW"}, env=os.environ)
+        cfg = LMTierConfig.from_dict(
+            {
+                "chunk_size": 4,
+                "local_cpu": False,
+                "remote_url": srv.url_no_auth,
+                "remote_password_env": "SECTEST_REDIS_PW",
+            },
+            env=os.environ,
+        )
         assert PW not in repr(cfg) and PW not in json.dumps(cfg.to_dict())
         ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=4, kv_dtype="float32", chunk_size=4)
         with caplog.at_level(logging.DEBUG):
@@ -284,11 +299,22 @@ def server(tmp_path_factory):
         pytest.skip(str(e))
     disk = work / "disk"
     cfg = work / "lmtier.yaml"
-    cfg.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.1\nlocal_disk: \"file://{disk}\"\n"
-                   f"max_local_disk_size: 1\nremote_url: \"{redis.url_no_auth}\"\n"
-                   "remote_password_env: SECTEST_REDIS_PW\nremote_timeout_s: 1.0\n")
-    srv = VLLMServer("sec", work=work, config=cfg, port=free_port(), model=MODEL_DIR, python=sys.executable,
-                     max_model_len=2048, kv_space_gib=1, extra_env={"SECTEST_REDIS_PW": PW})
+    cfg.write_text(
+        f'chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.1\nlocal_disk: "file://{disk}"\n'
+        f'max_local_disk_size: 1\nremote_url: "{redis.url_no_auth}"\n'
+        "remote_password_env: SECTEST_REDIS_PW\nremote_timeout_s: 1.0\n"
+    )
+    srv = VLLMServer(
+        "sec",
+        work=work,
+        config=cfg,
+        port=free_port(),
+        model=MODEL_DIR,
+        python=sys.executable,
+        max_model_len=2048,
+        kv_space_gib=1,
+        extra_env={"SECTEST_REDIS_PW": PW},
+    )
     try:
         srv.wait_ready(400)
         srv.redis, srv.disk, srv.work = redis, disk, work
@@ -337,9 +363,19 @@ def test_aborted_requests_leave_server_correct(server):
     prompt = _ids(900, 11)
     ref = _post(server, {"prompt": prompt, "max_tokens": 6, "cache_salt": "abort-ref"}).json()["choices"][0]["text"]
     for i in range(6):  # close the connection right after the first streamed chunk (or before any)
-        with requests.post(server.base + "/v1/completions", stream=True, timeout=120,
-                           json={"model": "smollm2", "prompt": prompt, "max_tokens": 200, "temperature": 0,
-                                 "stream": True, "ignore_eos": True}) as r:
+        with requests.post(
+            server.base + "/v1/completions",
+            stream=True,
+            timeout=120,
+            json={
+                "model": "smollm2",
+                "prompt": prompt,
+                "max_tokens": 200,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as r:
             if i % 2:
                 next(r.iter_lines(), None)
     assert _healthy(server)
@@ -350,11 +386,26 @@ def test_aborted_requests_leave_server_correct(server):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("salt,ok", [
-    (123, False), (1.5, False), (True, False), ([], False), ({"a": 1}, False), ("", False),
-    ("x" * 129, False), ("a/b", False), ("a@b", False), ("nul\x00", False),
-    ("x" * 128, True), ("ü🙂" * 20, True), ("\u202eRTL", True), (" ", True), ("\x1fsalt=x", True),
-])
+@pytest.mark.parametrize(
+    "salt,ok",
+    [
+        (123, False),
+        (1.5, False),
+        (True, False),
+        ([], False),
+        ({"a": 1}, False),
+        ("", False),
+        ("x" * 129, False),
+        ("a/b", False),
+        ("a@b", False),
+        ("nul\x00", False),
+        ("x" * 128, True),
+        ("ü🙂" * 20, True),
+        ("\u202eRTL", True),
+        (" ", True),
+        ("\x1fsalt=x", True),
+    ],
+)
 def test_odd_cache_salts(server, salt, ok):
     prompt = _ids(600, 3)
     r = _post(server, {"prompt": prompt, "cache_salt": salt})

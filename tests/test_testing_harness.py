@@ -18,12 +18,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_no_sys_path_imports_of_scripts_or_tests_helpers():
-    bad = re.compile(r"sys\.path\.(insert|append)\([^)]*[\"'](scripts|tests)[\"']|^\s*import demo\b|"
-                     r"from (tests\.)?(redis_server|conftest_redis|vllm_helpers) import|lmtier\.bench\.procmem|"
-                     r"from lmtier\.bench import procmem", re.M)
-    hits = [f"{p.relative_to(REPO)}: {m.group(0).strip()}"
-            for d in ("tests", "benchmarks", "scripts", "lmtier", "examples") for p in (REPO / d).rglob("*.py")
-            if p.name != "test_testing_harness.py" for m in bad.finditer(p.read_text(errors="replace"))]
+    bad = re.compile(
+        r"sys\.path\.(insert|append)\([^)]*[\"'](scripts|tests)[\"']|^\s*import demo\b|"
+        r"from (tests\.)?(redis_server|conftest_redis|vllm_helpers) import|lmtier\.bench\.procmem|"
+        r"from lmtier\.bench import procmem",
+        re.M,
+    )
+    hits = [
+        f"{p.relative_to(REPO)}: {m.group(0).strip()}"
+        for d in ("tests", "benchmarks", "scripts", "lmtier", "examples")
+        for p in (REPO / d).rglob("*.py")
+        if p.name != "test_testing_harness.py"
+        for m in bad.finditer(p.read_text(errors="replace"))
+    ]
     assert hits == []
 
 
@@ -52,8 +59,10 @@ def test_redis_server_maxmemory(tmp_path):
 
 
 def test_parse_metrics_and_delta():
-    text = ('# HELP x\nlmtier_hits_total{engine="0",model_name="m"} 3\nvllm:prompt_tokens_total{engine="0"} 10\n'
-            'vllm:other 5\nlmtier_hits_created 1\n')
+    text = (
+        '# HELP x\nlmtier_hits_total{engine="0",model_name="m"} 3\nvllm:prompt_tokens_total{engine="0"} 10\n'
+        "vllm:other 5\nlmtier_hits_created 1\n"
+    )
     m = parse_metrics(text)
     assert m == {"lmtier_hits_total": 3.0, "vllm:prompt_tokens_total": 10.0}
     assert metric_delta({"lmtier_hits_total": 1.0}, m) == {"lmtier_hits_total": 2.0, "vllm:prompt_tokens_total": 10.0}
@@ -68,6 +77,11 @@ def test_no_hash_derived_seeds():
     """Python's hash() of a str changes with PYTHONHASHSEED: a seed made from it tests other data
     in every run (issue 14). Seeds are constants or derived with a stable function (zlib.crc32)."""
     bad = re.compile(r"(seed|Random|default_rng|RandomState)\s*\(\s*(abs\()?hash\(")
-    hits = [f"{p.relative_to(REPO)}:{i + 1}" for d in ("tests", "benchmarks", "lmtier/bench") for p in (REPO / d).rglob("*.py")
-            for i, line in enumerate(p.read_text(errors="replace").splitlines()) if bad.search(line)]
+    hits = [
+        f"{p.relative_to(REPO)}:{i + 1}"
+        for d in ("tests", "benchmarks", "lmtier/bench")
+        for p in (REPO / d).rglob("*.py")
+        for i, line in enumerate(p.read_text(errors="replace").splitlines())
+        if bad.search(line)
+    ]
     assert hits == []

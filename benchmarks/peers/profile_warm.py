@@ -13,6 +13,7 @@ requests at the largest N and prints the top frames (self and cumulative) per pr
 
 Usage: .venv/bin/python benchmarks/peers/profile_warm.py [--sizes 1024,2048,4096] [--reps 5] [--pyspy]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ def top_frames(raw: Path, k: int = 25) -> str:
             n = int(n)
         except ValueError:
             continue
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].split("/")[-1] + ")" if " (" in f else f
-                  for f in stack.split(";")]
+        frames = [
+            f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].split("/")[-1] + ")" if " (" in f else f
+            for f in stack.split(";")
+        ]
         total += n
         selfc[frames[-1]] += n
         for f in set(frames):
@@ -85,16 +88,42 @@ def main() -> int:
     B.OTHER = B.OtherLoad()
     procs = []
     try:
-        import json as _json
         env = dict(os.environ)
         # start pc with prefix caching on by building the command by hand
         port = B.D.free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model.resolve()),
-               "--served-model-name", B.SERVED, "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "8192", "--max-num-batched-tokens", "8192",
-               "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                    "VLLM_CACHE_ROOT": str(work / "vc")})
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(a.model.resolve()),
+            "--served-model-name",
+            B.SERVED,
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            "8192",
+            "--max-num-batched-tokens",
+            "8192",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]
+        env.update(
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CACHE_ROOT": str(work / "vc"),
+            }
+        )
         env.pop("LMTIER_CONFIG_FILE", None)
         pcp = B.D.Proc("pc", cmd, env, work / "logs" / "pc.log")
         procs.append(pcp)
@@ -130,15 +159,20 @@ def main() -> int:
                     d = B.D.metric_delta(m0, m1)
                     lms = 1e3 * d.get("vllm:lmtier_load_seconds_sum", 0)
                     res[(s.name + " warm", n)].append((r["ttft_ms"], r["load1"], r["other_load"], r["cached"], lms))
-                    print(f"rep {rep} N={n} {s.name}: {r['ttft_ms']:.1f} ms cached={r['cached']} lmtier_load={lms:.1f} ms "
-                          f"load={r['load1']} others={r['other_load']}", flush=True)
+                    print(
+                        f"rep {rep} N={n} {s.name}: {r['ttft_ms']:.1f} ms cached={r['cached']} "
+                        f"lmtier_load={lms:.1f} ms load={r['load1']} others={r['other_load']}",
+                        flush=True,
+                    )
         print("\nmedians:")
         for (name, n), v in sorted(res.items()):
             extra = ""
             if len(v[0]) > 4:
                 extra = f", lmtier load median {statistics.median(x[4] for x in v):.1f} ms"
-            print(f"  {name:<24} N={n:<5} {statistics.median(x[0] for x in v):8.1f} ms  (n={len(v)}, load med "
-                  f"{statistics.median(x[1] for x in v):.1f}, others {statistics.median(x[2] for x in v):.1f}{extra})")
+            print(
+                f"  {name:<24} N={n:<5} {statistics.median(x[0] for x in v):8.1f} ms  (n={len(v)}, load med "
+                f"{statistics.median(x[1] for x in v):.1f}, others {statistics.median(x[2] for x in v):.1f}{extra})"
+            )
         if a.pyspy:
             n = max(sizes)
             pres = [prompts.tagged(f"spy{i}-{n}", n) for i in range(a.pyspy_reqs)]
@@ -149,9 +183,28 @@ def main() -> int:
             spies = {}
             for name, pid in kids.items():
                 out = work / f"spy_{name.replace(':', '_')}.txt"
-                spies[name] = (subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid),
-                                                 "-f", "raw", "-o", str(out), "-r", "250", "--nonblocking",
-                                                 "-d", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT), out)
+                spies[name] = (
+                    subprocess.Popen(
+                        [
+                            str(Path(sys.executable).parent / "py-spy"),
+                            "record",
+                            "-p",
+                            str(pid),
+                            "-f",
+                            "raw",
+                            "-o",
+                            str(out),
+                            "-r",
+                            "250",
+                            "--nonblocking",
+                            "-d",
+                            "600",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    out,
+                )
             time.sleep(3)
             t_w0 = time.monotonic()
             warm = []

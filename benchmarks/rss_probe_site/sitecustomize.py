@@ -4,11 +4,13 @@ With ``RSS_PROBE_DIR`` set, a daemon thread writes one JSON line every ``RSS_PRO
 (default 5) to ``$RSS_PROBE_DIR/<pid>.jsonl``: glibc ``mallinfo2`` (arena = bytes the heaps took
 from the system, fordblks = free bytes kept inside them, hblkhd = bytes in mmapped chunks),
 VmRSS/RssAnon/RssFile, threads; when tcmalloc is preloaded, its ``MallocExtension`` counters
-(current_allocated_bytes = live bytes, heap_size, page-heap free/unmapped, cache free bytes); with ``RSS_PROBE_GC=1`` also the 25 most common Python object
-types every 6th sample; with ``RSS_PROBE_TRACEMALLOC=N`` a tracemalloc top-N diff against the
-first snapshot every 6th sample, in the process whose comm starts with ``RSS_PROBE_TM_COMM``
-(default VLLM::Worker) only (costly). Does nothing without RSS_PROBE_DIR.
+(current_allocated_bytes = live bytes, heap_size, page-heap free/unmapped, cache free bytes);
+with ``RSS_PROBE_GC=1`` also the 25 most common Python object types every 6th sample; with
+``RSS_PROBE_TRACEMALLOC=N`` a tracemalloc top-N diff against the first snapshot every 6th sample, in
+the process whose comm starts with ``RSS_PROBE_TM_COMM`` (default VLLM::Worker) only (costly). Does
+nothing without RSS_PROBE_DIR.
 """
+
 import os
 
 if os.environ.get("RSS_PROBE_DIR"):
@@ -18,8 +20,21 @@ if os.environ.get("RSS_PROBE_DIR"):
     import time
 
     class _MI2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     def _mallinfo():
         try:
@@ -31,9 +46,14 @@ if os.environ.get("RSS_PROBE_DIR"):
         except Exception as e:  # noqa: BLE001
             return {"err": repr(e)}
 
-    _TC_PROPS = ("generic.current_allocated_bytes", "generic.heap_size", "tcmalloc.pageheap_free_bytes",
-                 "tcmalloc.pageheap_unmapped_bytes", "tcmalloc.central_cache_free_bytes",
-                 "tcmalloc.thread_cache_free_bytes")
+    _TC_PROPS = (
+        "generic.current_allocated_bytes",
+        "generic.heap_size",
+        "tcmalloc.pageheap_free_bytes",
+        "tcmalloc.pageheap_unmapped_bytes",
+        "tcmalloc.central_cache_free_bytes",
+        "tcmalloc.thread_cache_free_bytes",
+    )
 
     def _tcmalloc():
         """tcmalloc's own counters when it is preloaded (mallinfo2 then reads glibc's unused heap)."""
@@ -82,15 +102,18 @@ if os.environ.get("RSS_PROBE_DIR"):
             if use_gc and i % 6 == 0:
                 import collections
                 import gc
+
                 c = collections.Counter(type(o).__name__ for o in gc.get_objects())
                 rec["gc_top"] = c.most_common(25)
                 rec["gc_n"] = sum(c.values())
             if tm_n and rec.get("comm", "").startswith(tm_comm[:15]):
                 import tracemalloc
+
                 if not tracemalloc.is_tracing():
                     tracemalloc.start(int(os.environ.get("RSS_PROBE_TM_FRAMES", "1")))
             if tm_n and i % 6 == 0 and __import__("tracemalloc").is_tracing():
                 import tracemalloc
+
                 snap = tracemalloc.take_snapshot()
                 if first is None:
                     first = snap

@@ -37,8 +37,15 @@ from pathlib import Path
 
 import torch
 
-from lmtier.bench.common import (add_common_args, plot_series, print_table, progress,
-                                 report_plot, system_header, write_json)
+from lmtier.bench.common import (
+    add_common_args,
+    plot_series,
+    print_table,
+    progress,
+    report_plot,
+    system_header,
+    write_json,
+)
 from lmtier.bench.presets import preset
 
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
@@ -60,8 +67,10 @@ def _text() -> str:
     import importlib
     import pydoc
 
-    return "\n".join(pydoc.render_doc(importlib.import_module(m), renderer=pydoc.plaintext)
-                     for m in ("json", "re", "string", "textwrap"))
+    return "\n".join(
+        pydoc.render_doc(importlib.import_module(m), renderer=pydoc.plaintext)
+        for m in ("json", "re", "string", "textwrap")
+    )
 
 
 def model_kv(model_dir: str, n_chunks: int, t: int) -> tuple[torch.Tensor, str]:
@@ -89,7 +98,9 @@ def model_kv(model_dir: str, n_chunks: int, t: int) -> tuple[torch.Tensor, str]:
         layers.append(torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)]))  # [2, N, H, D]
     kv = torch.stack(layers)  # [L, 2, N, H, D]
     kv = kv.view(kv.shape[0], 2, n_chunks, t, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5).contiguous()
-    return kv.to(torch.bfloat16), f"{Path(model_dir).name}, prefill of {n} tokens of pydoc text (json, re, string, textwrap), KV in bf16"
+    return kv.to(
+        torch.bfloat16
+    ), f"{Path(model_dir).name}, prefill of {n} tokens of pydoc text (json, re, string, textwrap), KV in bf16"
 
 
 def snr_db(x: torch.Tensor, err: torch.Tensor) -> float:
@@ -149,10 +160,19 @@ def bench_level(kv: torch.Tensor, level: str, device: torch.device, iters: int) 
             ref = quant.dequantize(s, sd, level, shape, torch.bfloat16)
         if not torch.equal(y[i], ref):
             raise RuntimeError(f"codec level {level}: chunk {i} decoded differently from the reference")
-    enc_s = _timed(lambda: [cchunk.encode_chunk(dkv[i], shape=shape, dtype=torch.bfloat16, level=level)
-                            for i in range(c)], iters, sync)
-    dec_s = _timed(lambda: [cchunk.decode_chunk(recs[i], out[i], expected_shape=shape, dtype=torch.bfloat16,
-                                                level=level) for i in range(c)], iters, sync)
+    enc_s = _timed(
+        lambda: [cchunk.encode_chunk(dkv[i], shape=shape, dtype=torch.bfloat16, level=level) for i in range(c)],
+        iters,
+        sync,
+    )
+    dec_s = _timed(
+        lambda: [
+            cchunk.decode_chunk(recs[i], out[i], expected_shape=shape, dtype=torch.bfloat16, level=level)
+            for i in range(c)
+        ],
+        iters,
+        sync,
+    )
     xf, yf = kv.float(), y.float()
     err = yf - xf
     nbytes = kv.numel() * 2
@@ -161,18 +181,29 @@ def bench_level(kv: torch.Tensor, level: str, device: torch.device, iters: int) 
         per_layer["snr_k_db"].append(snr_db(xf[:, l, 0], err[:, l, 0]))
         per_layer["snr_v_db"].append(snr_db(xf[:, l, 1], err[:, l, 1]))
     return {
-        "level": level, "record_MB": sum(len(r) for r in recs) / 1e6, "ratio": nbytes / sum(len(r) for r in recs),
-        "rel_err": float(err.norm() / xf.norm()), "snr_db": snr_db(xf, err),
-        "snr_k_min_db": min(per_layer["snr_k_db"]), "snr_v_min_db": min(per_layer["snr_v_db"]),
-        "max_abs_err": float(err.abs().max()), "attn_rel_err": attn_rel_err(xf, yf),
-        "encode_GBps": nbytes / enc_s / 1e9, "decode_GBps": nbytes / dec_s / 1e9,
-        "encode_ms": enc_s * 1e3, "decode_ms": dec_s * 1e3, "per_layer": per_layer,
+        "level": level,
+        "record_MB": sum(len(r) for r in recs) / 1e6,
+        "ratio": nbytes / sum(len(r) for r in recs),
+        "rel_err": float(err.norm() / xf.norm()),
+        "snr_db": snr_db(xf, err),
+        "snr_k_min_db": min(per_layer["snr_k_db"]),
+        "snr_v_min_db": min(per_layer["snr_v_db"]),
+        "max_abs_err": float(err.abs().max()),
+        "attn_rel_err": attn_rel_err(xf, yf),
+        "encode_GBps": nbytes / enc_s / 1e9,
+        "decode_GBps": nbytes / dec_s / 1e9,
+        "encode_ms": enc_s * 1e3,
+        "decode_ms": dec_s * 1e3,
+        "per_layer": per_layer,
     }
 
 
 def run(args) -> dict:
-    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if (args.device == "auto" and torch.cuda.is_available())
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("lmtier bench codec: --device cuda but no CUDA device is available")
     model_dir = None if args.synthetic else (args.model or (str(DEFAULT_MODEL) if DEFAULT_MODEL.is_dir() else None))
@@ -187,32 +218,46 @@ def run(args) -> dict:
     if data is None:
         geo = preset(args.model_preset)
         if geo.kind == "mla":
-            raise SystemExit(f"lmtier bench codec: preset {geo.name} is MLA (one latent plane); the codec codes "
-                             "K/V planes — pick a K/V preset or --model")
+            raise SystemExit(
+                f"lmtier bench codec: preset {geo.name} is MLA (one latent plane); the codec codes "
+                "K/V planes — pick a K/V preset or --model"
+            )
         kv = synthetic_kv(args.chunks, geo.num_layers, args.chunk_tokens, geo.num_kv_heads, geo.head_size)
-        data = (f"SYNTHETIC KV-like data in the {geo.name} geometry (Gaussian, per-channel magnitudes, outlier key "
-                f"channels, sink token) — {why_synth}")
+        data = (
+            f"SYNTHETIC KV-like data in the {geo.name} geometry (Gaussian, per-channel magnitudes, outlier key "
+            f"channels, sink token) — {why_synth}"
+        )
     c, nl, _, t, h, d = kv.shape
     header = system_header()
     print(f"lmtier bench codec: data: {data}")
-    print(f"  {c} chunks x [L={nl}, 2, T={t}, H={h}, D={d}] bf16 = {kv.numel() * 2 / 1e6:.1f} MB; "
-          f"codec on {device.type}; medians of {args.iters}")
+    print(
+        f"  {c} chunks x [L={nl}, 2, T={t}, H={h}, D={d}] bf16 = {kv.numel() * 2 / 1e6:.1f} MB; "
+        f"codec on {device.type}; medians of {args.iters}"
+    )
     rows = []
     for level in progress(args.levels, desc="codec levels", disable=args.quiet):
         rows.append(bench_level(kv, level, device, args.iters))
-    return {"bench": "codec", "system": header, "data": data, "synthetic": data.startswith("SYNTHETIC"),
-            "device": device.type, "geometry": {"chunks": c, "L": nl, "T": t, "H": h, "D": d, "dtype": "bfloat16"},
-            "rows": rows}
+    return {
+        "bench": "codec",
+        "system": header,
+        "data": data,
+        "synthetic": data.startswith("SYNTHETIC"),
+        "device": device.type,
+        "geometry": {"chunks": c, "L": nl, "T": t, "H": h, "D": d, "dtype": "bfloat16"},
+        "rows": rows,
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="lmtier bench codec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lmtier bench codec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--levels", nargs="+", default=LEVEL_NAMES, choices=LEVEL_NAMES)
     p.add_argument("--chunks", type=int, default=4, help="chunks coded (each one record)")
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--model", default=None, help=f"local transformers model for real KV (default {DEFAULT_MODEL} "
-                                                 "when present)")
+    p.add_argument(
+        "--model", default=None, help=f"local transformers model for real KV (default {DEFAULT_MODEL} when present)"
+    )
     p.add_argument("--synthetic", action="store_true", help="synthetic KV even when a model is present")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--iters", type=int, default=3)
@@ -224,10 +269,27 @@ def main(argv=None) -> int:
         p.error("--chunks, --chunk-tokens and --iters must be >= 1")
     res = run(args)
     rows = res["rows"]
-    print_table(rows, ["level", "ratio", "rel_err", "snr_db", "snr_k_min_db", "snr_v_min_db", "attn_rel_err",
-                       "max_abs_err", "encode_GBps", "decode_GBps", "encode_ms", "decode_ms"])
-    print("quality proxy: rel_err/snr over all KV; snr_*_min = worst layer; attn_rel_err = model-free attention "
-          "output error (exact keys as queries). Decoded KV bit-identical to the reference decoder: yes")
+    print_table(
+        rows,
+        [
+            "level",
+            "ratio",
+            "rel_err",
+            "snr_db",
+            "snr_k_min_db",
+            "snr_v_min_db",
+            "attn_rel_err",
+            "max_abs_err",
+            "encode_GBps",
+            "decode_GBps",
+            "encode_ms",
+            "decode_ms",
+        ],
+    )
+    print(
+        "quality proxy: rel_err/snr over all KV; snr_*_min = worst layer; attn_rel_err = model-free attention "
+        "output error (exact keys as queries). Decoded KV bit-identical to the reference decoder: yes"
+    )
     write_json(args.json, res)
     if args.plot:
         series = {}
@@ -236,9 +298,15 @@ def main(argv=None) -> int:
                 continue
             for pl in ("k", "v"):
                 series[f"{r['level']} {pl.upper()} (ratio {r['ratio']:.2f})"] = list(
-                    enumerate(r["per_layer"][f"snr_{pl}_db"]))
-        why = plot_series(args.plot, series, title=f"codec SNR per layer ({'synthetic' if res['synthetic'] else 'real'} KV: {res['data'][:60]})", xlabel="layer",
-                          ylabel="SNR (dB)")
+                    enumerate(r["per_layer"][f"snr_{pl}_db"])
+                )
+        why = plot_series(
+            args.plot,
+            series,
+            title=f"codec SNR per layer ({'synthetic' if res['synthetic'] else 'real'} KV: {res['data'][:60]})",
+            xlabel="layer",
+            ylabel="SNR (dB)",
+        )
         report_plot(args.plot, why)
     rc = 0
     if args.kernels:

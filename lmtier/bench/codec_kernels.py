@@ -30,7 +30,6 @@ thread) on the split byte planes of the lossless level. Ratio = bf16 bytes / all
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from lmtier import envs
-from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
+from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import native as N
 from lmtier.codec import quant as Q
 from lmtier.codec import rans
@@ -98,8 +97,12 @@ def switching_tables(level, nl: int, t: int):
     x = kv_like(1, nl, t, seed=1234)[0]
     tab, _ = CAL.calibrate([x], level)
     sec = tab.section_tables.reshape(nl, 3)
-    return tab.tables, sec[:, :2].reshape(-1), int(tab.section_runs[0]) * t, \
-        (sec[:, 2:3] + np.arange(2)[None, :]).reshape(-1)
+    return (
+        tab.tables,
+        sec[:, :2].reshape(-1),
+        int(tab.section_runs[0]) * t,
+        (sec[:, 2:3] + np.arange(2)[None, :]).reshape(-1),
+    )
 
 
 class Case:
@@ -123,8 +126,9 @@ class Case:
         n = len(self.streams)
         if isinstance(tables, tuple):  # table switching (switching_tables)
             tables, base, run, scale_ids = tables
-            self.ids = [int(base[i % (nl * 2)]) for i in range(c * nl * 2)] + \
-                [int(scale_ids[i % (nl * 2)]) for i in range(c * nl * 2)]
+            self.ids = [int(base[i % (nl * 2)]) for i in range(c * nl * 2)] + [
+                int(scale_ids[i % (nl * 2)]) for i in range(c * nl * 2)
+            ]
             self.runs = [run] * (c * nl * 2) + [0] * (c * nl * 2)
         else:  # static table l*2+p for the symbols, own tables for the side
             self.ids = [i % (nl * 2) for i in range(c * nl * 2)] + [rans.ADAPTIVE_TABLE] * (c * nl * 2)
@@ -132,7 +136,10 @@ class Case:
         self.total = sum(int(s.numel()) for s in self.streams)
         self.tables = tables
         on_cuda = dev.type == "cuda"
-        mk = (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=dev))
+
+        def mk(nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
         self.out = mk(rans.max_batch_encoded_bytes(n, self.total, seg_log2))
         self.scratch = mk(rans.encode_scratch_bytes(n, self.total, seg_log2))
         self.offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
@@ -154,9 +161,22 @@ class Case:
 
     def encode(self, stream):
         R = rans._R
-        R.encode(True, self.edesc.data_ptr(), len(self.streams), self.tdev.data_ptr(), self.tables.shape[0],
-                 self.seg_log2, self.out.data_ptr(), self.out.numel(), self.offsets.data_ptr(),
-                 self.rstatus.data_ptr(), self.scratch.data_ptr(), self.scratch.numel(), 0, stream.cuda_stream)
+        R.encode(
+            True,
+            self.edesc.data_ptr(),
+            len(self.streams),
+            self.tdev.data_ptr(),
+            self.tables.shape[0],
+            self.seg_log2,
+            self.out.data_ptr(),
+            self.out.numel(),
+            self.offsets.data_ptr(),
+            self.rstatus.data_ptr(),
+            self.scratch.data_ptr(),
+            self.scratch.numel(),
+            0,
+            stream.cuda_stream,
+        )
 
     def prepare_decode(self):
         off = self.offsets.cpu().numpy()
@@ -170,9 +190,19 @@ class Case:
         self.ddesc = torch.from_numpy(dd.view(np.uint8).copy()).to(self.dev)
 
     def decode(self, stream):
-        rans._R.decode(True, self.ddesc.data_ptr(), len(self.streams), self.tdev.data_ptr(), self.tables.shape[0],
-                       self.lens.data_ptr(), self.rstatus.data_ptr(), self.dscratch.data_ptr(),
-                       self.dscratch.numel(), 0, stream.cuda_stream)
+        rans._R.decode(
+            True,
+            self.ddesc.data_ptr(),
+            len(self.streams),
+            self.tdev.data_ptr(),
+            self.tables.shape[0],
+            self.lens.data_ptr(),
+            self.rstatus.data_ptr(),
+            self.dscratch.data_ptr(),
+            self.dscratch.numel(),
+            0,
+            stream.cuda_stream,
+        )
 
     def dequantize(self, stream):
         N.dequantize_batch(self.dbatch, self.level, status=self.status, stream=stream.cuda_stream)
@@ -207,25 +237,43 @@ def run_cpu(case: Case, iters: int, threads: int) -> dict:
         N.quantize_batch(case.qbatch, case.level, status=case.status, num_threads=threads)
 
     def e():
-        rans.encode_into(streams, case.ids, case.tables, out=out, offsets=off, status=st, scratch=scratch,
-                         seg_log2=case.seg_log2, num_threads=threads, run_lens=case.runs)
+        rans.encode_into(
+            streams,
+            case.ids,
+            case.tables,
+            out=out,
+            offsets=off,
+            status=st,
+            scratch=scratch,
+            seg_log2=case.seg_log2,
+            num_threads=threads,
+            run_lens=case.runs,
+        )
 
     q_ms = median_wall_ms(q, iters)
     N.check_status(case.status, "quantize")
     e_ms = median_wall_ms(e, iters)
     assert not st.any()
     case.encoded_bytes = int(off[-1])
-    srcs = [out[off[i]: off[i + 1]] for i in range(len(streams))]
+    srcs = [out[off[i] : off[i + 1]] for i in range(len(streams))]
     dst = [np.empty_like(s) for s in streams]
     lens = np.zeros(len(streams), np.int64)
-    d_ms = median_wall_ms(lambda: rans.decode_into(srcs, case.tables, outs=dst, out_lengths=lens, status=st,
-                                                   num_threads=threads), iters)
+    d_ms = median_wall_ms(
+        lambda: rans.decode_into(srcs, case.tables, outs=dst, out_lengths=lens, status=st, num_threads=threads), iters
+    )
     assert not st.any() and all(np.array_equal(a, b) for a, b in zip(dst, streams))
-    dq_ms = median_wall_ms(lambda: N.dequantize_batch(case.dbatch, case.level, status=case.status,
-                                                      num_threads=threads), iters)
+    dq_ms = median_wall_ms(
+        lambda: N.dequantize_batch(case.dbatch, case.level, status=case.status, num_threads=threads), iters
+    )
     N.check_status(case.status, "dequantize")
-    return dict(quant_ms=q_ms, rans_enc_ms=e_ms, encode_ms=q_ms + e_ms, rans_dec_ms=d_ms, dequant_ms=dq_ms,
-                decode_ms=d_ms + dq_ms)
+    return dict(
+        quant_ms=q_ms,
+        rans_enc_ms=e_ms,
+        encode_ms=q_ms + e_ms,
+        rans_dec_ms=d_ms,
+        dequant_ms=dq_ms,
+        decode_ms=d_ms + dq_ms,
+    )
 
 
 def cachegen_ratio(x: torch.Tensor, seg_log2: int) -> float:
@@ -263,8 +311,13 @@ def zstd_planes(x: torch.Tensor) -> dict | None:
     assert dctx.decompress(ch) == hi_b and dctx.decompress(cl) == lo_b
     t2 = time.perf_counter()
     nb = x.numel() * 2
-    return dict(ratio_bf16=nb / (len(ch) + len(cl)), hi_ratio=len(hi_b) / len(ch), lo_ratio=len(lo_b) / len(cl),
-                enc_GBps=nb / (t1 - t0) / 1e9, dec_GBps=nb / (t2 - t1) / 1e9)
+    return dict(
+        ratio_bf16=nb / (len(ch) + len(cl)),
+        hi_ratio=len(hi_b) / len(ch),
+        lo_ratio=len(lo_b) / len(cl),
+        enc_GBps=nb / (t1 - t0) / 1e9,
+        dec_GBps=nb / (t2 - t1) / 1e9,
+    )
 
 
 def main(argv=None) -> int:
@@ -276,8 +329,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: all, up to 16)")
     ap.add_argument("--cpu", action="store_true", help="benchmark the CPU path even when CUDA is available")
     ap.add_argument("--no-compare", action="store_true", help="skip the cachegen_ref / zstd comparisons")
-    ap.add_argument("--no-switching", action="store_true",
-                    help="previous framing: one static table per (layer, plane) instead of table switching")
+    ap.add_argument(
+        "--no-switching",
+        action="store_true",
+        help="previous framing: one static table per (layer, plane) instead of table switching",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     on_cuda = torch.cuda.is_available() and not args.cpu
@@ -288,8 +344,13 @@ def main(argv=None) -> int:
         batches = [2]
     iters = 2 if SMOKE else (args.iters or (20 if on_cuda else 3))
     header = system_header()
-    header.update(device=dev.type, geometry=dict(L=nl, H=H, D=D, T=t, dtype="bf16"), seg_log2=args.seg_log2,
-                  iters=iters, data="Gaussian, per-channel magnitudes, key outlier channels, sink token (seeded)")
+    header.update(
+        device=dev.type,
+        geometry=dict(L=nl, H=H, D=D, T=t, dtype="bf16"),
+        seg_log2=args.seg_log2,
+        iters=iters,
+        data="Gaussian, per-channel magnitudes, key outlier channels, sink token (seeded)",
+    )
     print(header)
     rows, comparisons = [], []
     ceiling = None
@@ -303,20 +364,42 @@ def main(argv=None) -> int:
             tabs = switching_tables(level, nl, t) if switching else calibrate(level, nl, t)
             case = Case(x, level, tabs, dev, args.seg_log2)
             r = run_gpu(case, iters) if on_cuda else run_cpu(case, iters, args.threads)
-            row = dict(level=level, chunks=c, switching=switching, bf16_MB=nbytes / 1e6, encoded_MB=case.encoded_bytes / 1e6,
-                       ratio_bf16=nbytes / case.encoded_bytes, **r)
+            row = dict(
+                level=level,
+                chunks=c,
+                switching=switching,
+                bf16_MB=nbytes / 1e6,
+                encoded_MB=case.encoded_bytes / 1e6,
+                ratio_bf16=nbytes / case.encoded_bytes,
+                **r,
+            )
             for k in ("quant", "rans_enc", "encode", "rans_dec", "dequant", "decode"):
                 row[f"{k}_GBps"] = nbytes / row[f"{k}_ms"] / 1e6
             rows.append(row)
             del case
         if not args.no_compare and c == batches[0]:
-            comparisons.append(dict(scheme="cachegen_ref (our coder)", chunks=c,
-                                    ratio_bf16=cachegen_ratio(x, args.seg_log2)))
+            comparisons.append(
+                dict(scheme="cachegen_ref (our coder)", chunks=c, ratio_bf16=cachegen_ratio(x, args.seg_log2))
+            )
             z = zstd_planes(x)
-            comparisons.append(dict(scheme="zstd-3 split byte planes (CPU, 1 thread)", chunks=c, **(z or {}))
-                               if z else dict(scheme="zstd: zstandard not installed", chunks=c))
-    cols = ["level", "chunks", "ratio_bf16", "encode_GBps", "decode_GBps", "quant_GBps", "rans_enc_GBps",
-            "rans_dec_GBps", "dequant_GBps", "encode_ms", "decode_ms"]
+            comparisons.append(
+                dict(scheme="zstd-3 split byte planes (CPU, 1 thread)", chunks=c, **(z or {}))
+                if z
+                else dict(scheme="zstd: zstandard not installed", chunks=c)
+            )
+    cols = [
+        "level",
+        "chunks",
+        "ratio_bf16",
+        "encode_GBps",
+        "decode_GBps",
+        "quant_GBps",
+        "rans_enc_GBps",
+        "rans_dec_GBps",
+        "dequant_GBps",
+        "encode_ms",
+        "decode_ms",
+    ]
     print_table(rows, cols)
     if comparisons:
         print_table(comparisons, sorted({k for r in comparisons for k in r}, key=lambda k: (k != "scheme", k)))

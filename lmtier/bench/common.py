@@ -7,8 +7,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Callable
 
 import torch
 
@@ -18,16 +18,30 @@ from lmtier.bench.presets import PRESETS, preset_help
 def add_common_args(p, *, default_preset: str = "llama-3.1-8b") -> None:
     """``--model-preset`` (KV geometry), ``--plot PATH`` (PNG) and ``--quiet`` (no progress bars),
     shared by every ``lmtier bench`` subcommand."""
-    p.add_argument("--model-preset", default=default_preset, type=str.lower, choices=sorted(PRESETS),
-                   help="KV geometry of one TP rank: " + preset_help())
+    p.add_argument(
+        "--model-preset",
+        default=default_preset,
+        type=str.lower,
+        choices=sorted(PRESETS),
+        help="KV geometry of one TP rank: " + preset_help(),
+    )
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot of the results (matplotlib)")
     if not any("--quiet" in a.option_strings for a in p._actions):
         p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def plot_series(path: str, series: dict[str, list[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str,
-                logx: bool = False, logy: bool = False, hlines: dict[str, float] | None = None,
-                xticks: list | None = None) -> str | None:
+def plot_series(
+    path: str,
+    series: dict[str, list[tuple[float, float]]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    logy: bool = False,
+    hlines: dict[str, float] | None = None,
+    xticks: list | None = None,
+) -> str | None:
     """Line plot of ``{label: [(x, y), ...]}`` (+ dashed horizontal ceilings) to PNG ``path``.
 
     Returns None on success, else why nothing was written (matplotlib missing, no data)."""
@@ -68,8 +82,15 @@ def plot_series(path: str, series: dict[str, list[tuple[float, float]]], *, titl
     return None
 
 
-def plot_bars(path: str, groups: list[str], bars: dict[str, list[float | None]], *, title: str, ylabel: str,
-              hlines: dict[str, float] | None = None) -> str | None:
+def plot_bars(
+    path: str,
+    groups: list[str],
+    bars: dict[str, list[float | None]],
+    *,
+    title: str,
+    ylabel: str,
+    hlines: dict[str, float] | None = None,
+) -> str | None:
     """Grouped bar chart: ``groups`` on x, one bar per ``bars`` label (None = missing) to PNG ``path``.
     Returns None on success, else why nothing was written."""
     try:
@@ -108,7 +129,9 @@ def report_plot(path: str | None, why: str | None) -> None:
         print(f"plot: skipped — {why}" if why else f"wrote {path}")
 
 
-def odirect_read_gbps(path: str, *, piece_bytes: int = 8 << 20, inflight: int = 4, limit_bytes: int | None = None) -> float:
+def odirect_read_gbps(
+    path: str, *, piece_bytes: int = 8 << 20, inflight: int = 4, limit_bytes: int | None = None
+) -> float:
     """GB/s of reading file ``path`` with O_DIRECT in ``piece_bytes`` pieces, ``inflight`` preads at
     once (threads; ``os.preadv`` releases the GIL) into page-aligned buffers: the raw device's
     parallel read ceiling (``dd`` is one read in flight). Falls back to buffered reads where
@@ -129,6 +152,7 @@ def odirect_read_gbps(path: str, *, piece_bytes: int = 8 << 20, inflight: int = 
     bufs = [mmap.mmap(-1, piece_bytes) for _ in range(inflight)]  # page aligned
     offs = list(range(0, size, piece_bytes))
     try:
+
         def worker(j):  # worker j reads pieces j, j + inflight, ... into its own buffer
             got_total = 0
             for off in offs[j::inflight]:
@@ -234,4 +258,6 @@ def _fmt(v) -> str:
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(payload, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+            json.dump(
+                payload, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+            )

@@ -9,8 +9,8 @@ Bytes declared: payload bytes per chunk (the 4 KiB header block is not counted).
 writes ``count`` distinct chunks (so a working set of count x size) and reads them back; the
 table shows the median per-chunk GB/s and the aggregate. The ceiling is ``dd bs=16M
 oflag=direct conv=fdatasync`` (write) and ``dd bs=16M iflag=direct`` (read) of the same total
-bytes in the same directory, measured right before and after each case (mean of the two). Page cache is not involved (O_DIRECT on
-both sides). A tiny smoke run: ``pytest benchmarks/bench_disk.py``.
+bytes in the same directory, measured right before and after each case (mean of the two). Page
+cache is not involved (O_DIRECT on both sides). A tiny smoke run: ``pytest benchmarks/bench_disk.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,16 @@ import subprocess
 import tempfile
 import time
 
-from lmtier.bench.common import (add_common_args, odirect_read_gbps, plot_bars, print_table, progress,
-                                 report_plot, system_header, write_json)
+from lmtier.bench.common import (
+    add_common_args,
+    odirect_read_gbps,
+    plot_bars,
+    print_table,
+    progress,
+    report_plot,
+    system_header,
+    write_json,
+)
 from lmtier.bench.presets import preset
 from lmtier.tiers.buffers import AlignedBuffer
 from lmtier.tiers.disk import DiskTier
@@ -48,14 +56,15 @@ def dd_ceiling(directory: str, total_bytes: int) -> dict:
     return res
 
 
-def bench_tier(directory: str, *, size: int, count: int, threads: int, sync: str, aligned: bool,
-               rounds: int = 2) -> dict:
+def bench_tier(
+    directory: str, *, size: int, count: int, threads: int, sync: str, aligned: bool, rounds: int = 2
+) -> dict:
     root = tempfile.mkdtemp(dir=directory, prefix="tier-")
     tier = DiskTier([root], capacity_bytes=(count + 2) * (size + 8192), io_threads=threads, sync=sync)
     src = AlignedBuffer(size + 1)
     src.mv[:size] = os.urandom(size)
     dst = AlignedBuffer(size + 1)
-    s_mv = src.mv[:size] if aligned else memoryview(bytearray(src.mv[: size]))  # bytearray: unaligned
+    s_mv = src.mv[:size] if aligned else memoryview(bytearray(src.mv[:size]))  # bytearray: unaligned
     d_mv = dst.mv[:size] if aligned else memoryview(bytearray(size + 64))[1:]
     keys = [i.to_bytes(4, "little") * 8 for i in range(count)]
     put_t, get_t = [], []
@@ -78,14 +87,19 @@ def bench_tier(directory: str, *, size: int, count: int, threads: int, sync: str
         tier.close()
         shutil.rmtree(root, ignore_errors=True)
     return {
-        "threads": threads, "sync": sync, "buffers": "aligned" if aligned else "unaligned",
-        "store_GBps": size / statistics.median(put_t) / 1e9, "load_GBps": size / statistics.median(get_t) / 1e9,
-        "store_agg_GBps": size * len(put_t) / sum(put_t) / 1e9, "load_agg_GBps": size * len(get_t) / sum(get_t) / 1e9,
+        "threads": threads,
+        "sync": sync,
+        "buffers": "aligned" if aligned else "unaligned",
+        "store_GBps": size / statistics.median(put_t) / 1e9,
+        "load_GBps": size / statistics.median(get_t) / 1e9,
+        "store_agg_GBps": size * len(put_t) / sum(put_t) / 1e9,
+        "load_agg_GBps": size * len(get_t) / sum(get_t) / 1e9,
     }
 
 
-def bench_inflight(directory: str, *, size: int, count: int, inflight: list[int], threads: int = 4,
-                   rounds: int = 2) -> list[dict]:
+def bench_inflight(
+    directory: str, *, size: int, count: int, inflight: list[int], threads: int = 4, rounds: int = 2
+) -> list[dict]:
     """Loads of ``count`` records with ``k`` ``get_into`` calls in flight (one thread each, aligned
     buffers: the ttft bench's read pipeline) vs ``k`` parallel O_DIRECT reads of 8 MiB of a raw file,
     for each ``k`` in ``inflight``; both in GB/s of payload, aggregate over the batch."""
@@ -101,17 +115,30 @@ def bench_inflight(directory: str, *, size: int, count: int, inflight: list[int]
     try:
         for k in keys:
             assert tier.put(k, src.mv[:size])
-        subprocess.run(["dd", "if=/dev/zero", f"of={raw}", "bs=16M", f"count={max(1, size * count // (16 * MiB))}",
-                        "oflag=direct", "conv=fdatasync"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "dd",
+                "if=/dev/zero",
+                f"of={raw}",
+                "bs=16M",
+                f"count={max(1, size * count // (16 * MiB))}",
+                "oflag=direct",
+                "conv=fdatasync",
+            ],
+            check=True,
+            capture_output=True,
+        )
         for k_in in inflight:
             bufs = [AlignedBuffer(size) for _ in range(k_in)]
             tl, tr = [], []
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=k_in) as pool:
+
                     def one(j):
                         for key in keys[j::k_in]:
                             assert tier.get_into(key, bufs[j].mv[:size]) == size
+
                     list(pool.map(one, range(k_in)))
                 tl.append(time.perf_counter() - t0)
                 tr.append(odirect_read_gbps(raw, inflight=k_in))
@@ -119,8 +146,15 @@ def bench_inflight(directory: str, *, size: int, count: int, inflight: list[int]
                 b.close()
             load = size * count / statistics.median(tl) / 1e9
             ceil = statistics.median(tr)
-            rows.append({"inflight": k_in, "io_threads": threads, "load_GBps": load, "odirect_par_GBps": ceil,
-                         "load_%par": 100 * load / ceil})
+            rows.append(
+                {
+                    "inflight": k_in,
+                    "io_threads": threads,
+                    "load_GBps": load,
+                    "odirect_par_GBps": ceil,
+                    "load_%par": 100 * load / ceil,
+                }
+            )
     finally:
         tier.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -130,8 +164,17 @@ def bench_inflight(directory: str, *, size: int, count: int, inflight: list[int]
     return rows
 
 
-def run(directory: str, *, size: int, count: int, threads: list[int], syncs: list[str], rounds: int = 2,
-        inflight: list[int] | None = None, quiet: bool = True) -> dict:
+def run(
+    directory: str,
+    *,
+    size: int,
+    count: int,
+    threads: list[int],
+    syncs: list[str],
+    rounds: int = 2,
+    inflight: list[int] | None = None,
+    quiet: bool = True,
+) -> dict:
     os.makedirs(directory, exist_ok=True)
     rows = []
     ceilings = []
@@ -150,8 +193,14 @@ def run(directory: str, *, size: int, count: int, threads: list[int], syncs: lis
                 r["load_%dd"] = 100 * r["load_agg_GBps"] / r["dd_read_GBps"]
                 ceilings += [before, after]
                 rows.append(r)
-    res = {"system": system_header(), "dir": directory, "chunk_bytes": size, "chunks": count,
-           "dd_GBps": {k: statistics.median(c[k] for c in ceilings) for k in ("write", "read")}, "rows": rows}
+    res = {
+        "system": system_header(),
+        "dir": directory,
+        "chunk_bytes": size,
+        "chunks": count,
+        "dd_GBps": {k: statistics.median(c[k] for c in ceilings) for k in ("write", "read")},
+        "rows": rows,
+    }
     if inflight:
         res["inflight_rows"] = bench_inflight(directory, size=size, count=count, inflight=inflight, rounds=rounds)
     return res
@@ -160,46 +209,85 @@ def run(directory: str, *, size: int, count: int, threads: list[int], syncs: lis
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench disk", description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "lmtier-bench-disk"))
-    ap.add_argument("--size-mib", type=float, default=None,
-                    help="record size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)")
+    ap.add_argument(
+        "--size-mib",
+        type=float,
+        default=None,
+        help="record size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)",
+    )
     ap.add_argument("--count", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", default="1,2,4")
     ap.add_argument("--sync", default="data,none")
-    ap.add_argument("--inflight", default="1,2,4,8",
-                    help="records read concurrently in the pipelined-load rows ('' to skip)")
+    ap.add_argument(
+        "--inflight", default="1,2,4,8", help="records read concurrently in the pipelined-load rows ('' to skip)"
+    )
     ap.add_argument("--json")
     add_common_args(ap)
     a = ap.parse_args(argv)
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     size = max(4096, size // 4096 * 4096)
     a.size_mib = size / MiB
-    res = run(a.dir, size=size, count=a.count, threads=[int(x) for x in a.threads.split(",")],
-              syncs=a.sync.split(","), rounds=a.rounds, inflight=[int(x) for x in a.inflight.split(",") if x.strip()],
-              quiet=a.quiet)
+    res = run(
+        a.dir,
+        size=size,
+        count=a.count,
+        threads=[int(x) for x in a.threads.split(",")],
+        syncs=a.sync.split(","),
+        rounds=a.rounds,
+        inflight=[int(x) for x in a.inflight.split(",") if x.strip()],
+        quiet=a.quiet,
+    )
     res["model_preset"] = a.model_preset
     print(f"# {res['system']}")
-    print(f"dd O_DIRECT bs=16M on {a.dir} (median over the run): write {res['dd_GBps']['write']:.2f} GB/s, "
-          f"read {res['dd_GBps']['read']:.2f} GB/s  ({a.count} x {a.size_mib} MiB per case)")
-    print_table(res["rows"], ["threads", "sync", "buffers", "store_agg_GBps", "dd_write_GBps", "store_%dd",
-                              "load_agg_GBps", "dd_read_GBps", "load_%dd", "store_GBps", "load_GBps"])
+    print(
+        f"dd O_DIRECT bs=16M on {a.dir} (median over the run): write {res['dd_GBps']['write']:.2f} GB/s, "
+        f"read {res['dd_GBps']['read']:.2f} GB/s  ({a.count} x {a.size_mib} MiB per case)"
+    )
+    print_table(
+        res["rows"],
+        [
+            "threads",
+            "sync",
+            "buffers",
+            "store_agg_GBps",
+            "dd_write_GBps",
+            "store_%dd",
+            "load_agg_GBps",
+            "dd_read_GBps",
+            "load_%dd",
+            "store_GBps",
+            "load_GBps",
+        ],
+    )
     if res.get("inflight_rows"):
-        print(f"pipelined loads: k records in flight (get_into, aligned) vs k parallel O_DIRECT 8 MiB reads of a raw file")
+        print(
+            "pipelined loads: k records in flight (get_into, aligned) vs k parallel O_DIRECT 8 MiB reads of a raw file"
+        )
         print_table(res["inflight_rows"], ["inflight", "io_threads", "load_GBps", "odirect_par_GBps", "load_%par"])
     write_json(a.json, res)
     if a.plot:
         rows = res["rows"]
         groups = [f"{r['threads']} thr, sync={r['sync']}, {r['buffers']}" for r in rows]
-        bars = {"store": [r["store_agg_GBps"] for r in rows], "dd write": [r["dd_write_GBps"] for r in rows],
-                "load": [r["load_agg_GBps"] for r in rows], "dd read": [r["dd_read_GBps"] for r in rows]}
+        bars = {
+            "store": [r["store_agg_GBps"] for r in rows],
+            "dd write": [r["dd_write_GBps"] for r in rows],
+            "load": [r["load_agg_GBps"] for r in rows],
+            "dd read": [r["dd_read_GBps"] for r in rows],
+        }
         for r in res.get("inflight_rows", []):
             groups.append(f"load, {r['inflight']} in flight")
             for k in bars:
                 bars[k].append(None)
             bars["load"][-1] = r["load_GBps"]
             bars["dd read"][-1] = r["odirect_par_GBps"]
-        why = plot_bars(a.plot, groups, bars, title=f"disk tier vs raw device, {a.count} x {a.size_mib:.1f} MiB records "
-                        f"({a.model_preset}) in {a.dir}", ylabel="GB/s")
+        why = plot_bars(
+            a.plot,
+            groups,
+            bars,
+            title=f"disk tier vs raw device, {a.count} x {a.size_mib:.1f} MiB records ({a.model_preset}) in {a.dir}",
+            ylabel="GB/s",
+        )
         report_plot(a.plot, why)
     return 0
 

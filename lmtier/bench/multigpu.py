@@ -24,12 +24,18 @@ def _numa_of_gpu(dev: int) -> tuple[int | None, list[int] | None, str]:
     try:
         props = torch.cuda.get_device_properties(dev)
         if hasattr(props, "pci_bus_id") and isinstance(props.pci_bus_id, int):
-            bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+            domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+            bus = f"{domain:04x}:{props.pci_bus_id:02x}:{device:02x}.0"
         else:
             import subprocess
 
-            bus = subprocess.check_output(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(dev)],
-                                          text=True).strip().lower()
+            bus = (
+                subprocess.check_output(
+                    ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(dev)], text=True
+                )
+                .strip()
+                .lower()
+            )
             if len(bus.split(":")[0]) == 8:
                 bus = bus[4:]  # 00000000:19:00.0 -> 0000:19:00.0
         node = int(open(f"/sys/bus/pci/devices/{bus}/numa_node").read().strip())
@@ -66,9 +72,17 @@ def _worker(rank: int, gpus: list[int], args, barrier, results) -> None:
     geo = PRESETS[args.model]
     bs, T, C = 16, 256, args.chunks
     num_blocks = int(args.cache_gb * 1e9 // (geo.bytes_per_token() * bs))
-    buf, views = make_paged_kv_cache("LBNHC", num_layers=geo.num_layers, num_blocks=num_blocks, block_size=bs,
-                                     num_heads=geo.num_kv_heads, head_size=geo.head_size, dtype=geo.torch_dtype,
-                                     device=f"cuda:{dev}", kind=geo.kind)
+    buf, views = make_paged_kv_cache(
+        "LBNHC",
+        num_layers=geo.num_layers,
+        num_blocks=num_blocks,
+        block_size=bs,
+        num_heads=geo.num_kv_heads,
+        head_size=geo.head_size,
+        dtype=geo.torch_dtype,
+        device=f"cuda:{dev}",
+        kind=geo.kind,
+    )
     buf.view(torch.int16).random_(-30000, 30000)
     layout = KVLayout.from_layer_views(views, kind=geo.kind)
     cb = layout.chunk_bytes(T)
@@ -98,7 +112,9 @@ def _host_memcpy_gbs(threads: int, gib_per_thread: float = 1.0) -> float:
     import threading
 
     n = int(gib_per_thread * 2**30)
-    bufs = [(torch.empty(n, dtype=torch.uint8).fill_(1), torch.empty(n, dtype=torch.uint8).fill_(0)) for _ in range(threads)]
+    bufs = [
+        (torch.empty(n, dtype=torch.uint8).fill_(1), torch.empty(n, dtype=torch.uint8).fill_(0)) for _ in range(threads)
+    ]
     torch.set_num_threads(1)
     barrier = threading.Barrier(threads + 1)
     done = []
@@ -158,17 +174,32 @@ def main(argv=None) -> int:
     agg_store = sum(m["store_GBs"] for m in multi)
     agg_load = sum(m["load_GBs"] for m in multi)
     summary = {
-        "gpus": n, "single_store_GBs": single["store_GBs"], "single_load_GBs": single["load_GBs"],
-        "aggregate_store_GBs": agg_store, "aggregate_load_GBs": agg_load,
+        "gpus": n,
+        "single_store_GBs": single["store_GBs"],
+        "single_load_GBs": single["load_GBs"],
+        "aggregate_store_GBs": agg_store,
+        "aggregate_load_GBs": agg_load,
         "store_pct_of_n_x_single": 100 * agg_store / (n * single["store_GBs"]),
         "load_pct_of_n_x_single": 100 * agg_load / (n * single["load_GBs"]),
-        "host_memcpy_GBs_rw": host, "host_memcpy_threads": host_threads,
+        "host_memcpy_GBs_rw": host,
+        "host_memcpy_threads": host_threads,
     }
     for r in rows:
         print(r["run"], r["gpu"], r["topology"])
     print_table(rows, ["run", "gpu", "store_GBs", "load_GBs"])
-    print_table([summary], ["gpus", "single_store_GBs", "aggregate_store_GBs", "store_pct_of_n_x_single",
-                            "single_load_GBs", "aggregate_load_GBs", "load_pct_of_n_x_single", "host_memcpy_GBs_rw"])
+    print_table(
+        [summary],
+        [
+            "gpus",
+            "single_store_GBs",
+            "aggregate_store_GBs",
+            "store_pct_of_n_x_single",
+            "single_load_GBs",
+            "aggregate_load_GBs",
+            "load_pct_of_n_x_single",
+            "host_memcpy_GBs_rw",
+        ],
+    )
     write_json(args.json, {"system": system_header(), "rows": rows, "summary": summary})
     return 0
 

@@ -21,15 +21,13 @@ run. The goals: decode >= 100 GB/s of bf16 output, encode >= 50 GB/s of bf16 inp
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 from lmtier import envs
-from lmtier.bench.common import print_table, system_header, write_json, event_time_ms, wall_time_ms
+from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import rans
 
 SMOKE = envs.LMTIER_BENCH_SMOKE
@@ -54,10 +52,13 @@ def symbols(kind: str, n: int, rng: np.random.Generator, layer: int) -> np.ndarr
 
 def build_case(kind: str, chunks: int, tokens: int, rng: np.random.Generator):
     per_stream = tokens * H * D
-    tables = np.stack([
-        rans.table_from_symbols(symbols(kind, 1 << 16, rng, layer), alphabet_size=256)
-        for layer in range(L) for _ in range(P)
-    ])
+    tables = np.stack(
+        [
+            rans.table_from_symbols(symbols(kind, 1 << 16, rng, layer), alphabet_size=256)
+            for layer in range(L)
+            for _ in range(P)
+        ]
+    )
     streams, ids = [], []
     for _c in range(chunks):
         for layer in range(L):
@@ -97,14 +98,33 @@ def run_cuda(kind, streams, ids, tables, seg_log2, iters):
     R = rans._R
 
     def enc():
-        R.encode(True, edesc_d.data_ptr(), n, tdev.data_ptr(), tables.shape[0], seg_log2, out.data_ptr(),
-                 out.numel(), offsets.data_ptr(), status.data_ptr(), scratch.data_ptr(), scratch.numel(), 0,
-                 s.cuda_stream)
+        R.encode(
+            True,
+            edesc_d.data_ptr(),
+            n,
+            tdev.data_ptr(),
+            tables.shape[0],
+            seg_log2,
+            out.data_ptr(),
+            out.numel(),
+            offsets.data_ptr(),
+            status.data_ptr(),
+            scratch.data_ptr(),
+            scratch.numel(),
+            0,
+            s.cuda_stream,
+        )
 
     enc_ms = median_event_ms(enc, s, iters)
-    enc_wall = median_wall_ms(lambda: (rans.encode_into(xs, ids, tdev, out=out, offsets=offsets, status=status,
-                                                        scratch=scratch, seg_log2=seg_log2, stream=s),
-                                       s.synchronize()), max(3, iters // 3))
+    enc_wall = median_wall_ms(
+        lambda: (
+            rans.encode_into(
+                xs, ids, tdev, out=out, offsets=offsets, status=status, scratch=scratch, seg_log2=seg_log2, stream=s
+            ),
+            s.synchronize(),
+        ),
+        max(3, iters // 3),
+    )
     s.synchronize()
     st = status.cpu().numpy()
     assert not st.any(), st[st != 0][:5]
@@ -123,8 +143,19 @@ def run_cuda(kind, streams, ids, tables, seg_log2, iters):
     torch.cuda.synchronize()
 
     def dec():
-        R.decode(True, ddesc_d.data_ptr(), n, tdev.data_ptr(), tables.shape[0], lens.data_ptr(), status.data_ptr(),
-                 dscratch.data_ptr(), dscratch.numel(), 0, s.cuda_stream)
+        R.decode(
+            True,
+            ddesc_d.data_ptr(),
+            n,
+            tdev.data_ptr(),
+            tables.shape[0],
+            lens.data_ptr(),
+            status.data_ptr(),
+            dscratch.data_ptr(),
+            dscratch.numel(),
+            0,
+            s.cuda_stream,
+        )
 
     dec_ms = median_event_ms(dec, s, iters)
     s.synchronize()
@@ -149,8 +180,12 @@ def run_cpu(kind, streams, ids, tables, seg_log2, iters):
     scratch = np.empty(rans.encode_scratch_bytes(n, total, seg_log2), np.uint8)
     offsets = np.zeros(n + 1, np.int64)
     status = np.zeros(n, np.int32)
-    enc_ms = median_wall_ms(lambda: rans.encode_into(streams, ids, tables, out=out, offsets=offsets, status=status,
-                                                     scratch=scratch, seg_log2=seg_log2), iters)
+    enc_ms = median_wall_ms(
+        lambda: rans.encode_into(
+            streams, ids, tables, out=out, offsets=offsets, status=status, scratch=scratch, seg_log2=seg_log2
+        ),
+        iters,
+    )
     assert not status.any()
     srcs = [out[offsets[i] : offsets[i + 1]] for i in range(n)]
     outs = [np.empty(x.size, np.uint8) for x in streams]
@@ -181,8 +216,9 @@ def main(argv=None) -> int:
     if SMOKE:
         iters = 2
     header = system_header()
-    header.update(device="cuda" if on_cuda else "cpu", chunks=chunks, tokens_per_chunk=tokens,
-                  geometry=dict(L=L, P=P, H=H, D=D))
+    header.update(
+        device="cuda" if on_cuda else "cpu", chunks=chunks, tokens_per_chunk=tokens, geometry=dict(L=L, P=P, H=H, D=D)
+    )
     print(header)
     rng = np.random.default_rng(0)
     rows = []
@@ -196,15 +232,39 @@ def main(argv=None) -> int:
         for seg in segs:
             fn = run_cuda if on_cuda else run_cpu
             enc_ms, dec_ms, enc_wall, nbytes = fn(kind, streams, ids, tables, seg, iters)
-            rows.append(dict(case=kind, seg_log2=seg, streams=len(streams), symbols=total, encoded_bytes=nbytes,
-                             ratio_sym=total / nbytes, ratio_bf16=2 * total / nbytes,
-                             ideal_ratio_bf16=2 * total / max(ideal, 1),
-                             enc_ms=enc_ms, dec_ms=dec_ms,
-                             enc_GBps_sym=total / enc_ms / 1e6, enc_GBps_bf16=2 * total / enc_ms / 1e6,
-                             dec_GBps_sym=total / dec_ms / 1e6, dec_GBps_bf16=2 * total / dec_ms / 1e6,
-                             enc_wrapper_ms=enc_wall))
-    cols = ["case", "seg_log2", "symbols", "ratio_bf16", "ideal_ratio_bf16", "enc_GBps_sym", "enc_GBps_bf16",
-            "dec_GBps_sym", "dec_GBps_bf16", "enc_ms", "dec_ms", "enc_wrapper_ms"]
+            rows.append(
+                dict(
+                    case=kind,
+                    seg_log2=seg,
+                    streams=len(streams),
+                    symbols=total,
+                    encoded_bytes=nbytes,
+                    ratio_sym=total / nbytes,
+                    ratio_bf16=2 * total / nbytes,
+                    ideal_ratio_bf16=2 * total / max(ideal, 1),
+                    enc_ms=enc_ms,
+                    dec_ms=dec_ms,
+                    enc_GBps_sym=total / enc_ms / 1e6,
+                    enc_GBps_bf16=2 * total / enc_ms / 1e6,
+                    dec_GBps_sym=total / dec_ms / 1e6,
+                    dec_GBps_bf16=2 * total / dec_ms / 1e6,
+                    enc_wrapper_ms=enc_wall,
+                )
+            )
+    cols = [
+        "case",
+        "seg_log2",
+        "symbols",
+        "ratio_bf16",
+        "ideal_ratio_bf16",
+        "enc_GBps_sym",
+        "enc_GBps_bf16",
+        "dec_GBps_sym",
+        "dec_GBps_bf16",
+        "enc_ms",
+        "dec_ms",
+        "enc_wrapper_ms",
+    ]
     print_table(rows, cols)
     if ceiling is not None:
         print(f"device memcpy ceiling (read+write of the bf16 bytes): {ceiling:.1f} GB/s")

@@ -43,8 +43,21 @@ class RedisProc:
             self.port = s.getsockname()[1]
         self.binary = binary
         self.dir = tempfile.mkdtemp(prefix="lmtier-bench-redis-")
-        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", self.dir, "--protected-mode", "no"]
+        cmd = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--protected-mode",
+            "no",
+        ]
         if maxmemory is not None:
             cmd += ["--maxmemory", str(maxmemory)]
         self.proc = subprocess.Popen([*cmd, *extra_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -52,8 +52,15 @@ import subprocess
 import time
 import urllib.parse
 
-from lmtier.bench.common import (add_common_args, plot_bars, print_table, progress, report_plot, system_header,
-                                 write_json)
+from lmtier.bench.common import (
+    add_common_args,
+    plot_bars,
+    print_table,
+    progress,
+    report_plot,
+    system_header,
+    write_json,
+)
 from lmtier.bench.presets import preset
 from lmtier.bench.redisproc import RedisProc, find_redis_server
 from lmtier.tiers.buffers import AlignedBuffer
@@ -66,10 +73,16 @@ def redis_benchmark(host: str, port: int, size: int, n: int, clients: int) -> di
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {}
-    r = subprocess.run([exe, "-h", host, "-p", str(port), "-d", str(size), "-t", "set,get", "-n", str(n),
-                        "-c", str(clients), "-q"], capture_output=True, text=True, timeout=600)
-    return {op.lower(): float(rps) * size / 1e9
-            for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", r.stdout.replace("\r", "\n"))}
+    r = subprocess.run(
+        [exe, "-h", host, "-p", str(port), "-d", str(size), "-t", "set,get", "-n", str(n), "-c", str(clients), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return {
+        op.lower(): float(rps) * size / 1e9
+        for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", r.stdout.replace("\r", "\n"))
+    }
 
 
 class RawGet:
@@ -92,8 +105,13 @@ class RawGet:
         if piece:
             a = [str(o).encode() for o in range(0, len(out), piece)]
             b = [str(min(o + piece, len(out)) - 1).encode() for o in range(0, len(out), piece)]
-            self.sock.sendall(b"".join(b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-                                       % (len(name), name, len(x), x, len(y), y) for x, y in zip(a, b)))
+            self.sock.sendall(
+                b"".join(
+                    b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                    % (len(name), name, len(x), x, len(y), y)
+                    for x, y in zip(a, b)
+                )
+            )
         else:
             self.sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name))
         pos = 0
@@ -142,17 +160,24 @@ def _clients(url: str, host: str, port: int, size: int, pieces: list[int], calle
     password = urllib.parse.unquote(urllib.parse.urlsplit(url).password or "") or None
     raws = [RawGet(host, port, password) for _ in range(callers)]
     assert raws[0].get_into(b"bench:py", outs[0].mv) == size and bytes(outs[0].mv[:size]) == data
-    rows.append((f"raw socket GETRANGE {pieces[0] / MiB:g} MiB pieces -> recv_into (ceiling)",
-                 {"get": lambda j=0: raws[j].get_into(b"bench:py", outs[j].mv, pieces[0])}))
-    rows.append(("raw socket GET -> recv_into",
-                 {"get": lambda j=0: raws[j].get_into(b"bench:py", outs[j].mv)}))
+    rows.append(
+        (
+            f"raw socket GETRANGE {pieces[0] / MiB:g} MiB pieces -> recv_into (ceiling)",
+            {"get": lambda j=0: raws[j].get_into(b"bench:py", outs[j].mv, pieces[0])},
+        )
+    )
+    rows.append(("raw socket GET -> recv_into", {"get": lambda j=0: raws[j].get_into(b"bench:py", outs[j].mv)}))
     cleanup.append(lambda: [x.close() for x in raws])
 
     def get_copy(j=0):
         outs[j].mv[:size] = r.get("bench:py")
 
-    rows.append((f"redis-py {redis.__version__} ({parser}) SET/GET bytes",
-                 {"set": lambda: r.set("bench:py", data), "get": lambda j=0: r.get("bench:py")}))
+    rows.append(
+        (
+            f"redis-py {redis.__version__} ({parser}) SET/GET bytes",
+            {"set": lambda: r.set("bench:py", data), "get": lambda j=0: r.get("bench:py")},
+        )
+    )
     rows.append(("redis-py GET + copy into buffer", {"get": get_copy}))
     cleanup.append(lambda: (r.delete("bench:py"), r.close()))
 
@@ -162,12 +187,19 @@ def _clients(url: str, host: str, port: int, size: int, pieces: list[int], calle
         from glide import GlideClient, GlideClientConfiguration, NodeAddress
 
         loop = asyncio.new_event_loop()
-        g = loop.run_until_complete(GlideClient.create(
-            GlideClientConfiguration([NodeAddress(host, port)], request_timeout=30000)))
+        g = loop.run_until_complete(
+            GlideClient.create(GlideClientConfiguration([NodeAddress(host, port)], request_timeout=30000))
+        )
         loop.run_until_complete(g.set("bench:glide", data))
-        rows.append((f"valkey-glide {version('valkey-glide')} (async) SET/GET bytes",
-                     {"set": lambda: loop.run_until_complete(g.set("bench:glide", data)),
-                      "get": lambda j=0: loop.run_until_complete(g.get("bench:glide"))}))  # one caller only
+        rows.append(
+            (
+                f"valkey-glide {version('valkey-glide')} (async) SET/GET bytes",
+                {
+                    "set": lambda: loop.run_until_complete(g.set("bench:glide", data)),
+                    "get": lambda j=0: loop.run_until_complete(g.get("bench:glide")),
+                },
+            )
+        )  # one caller only
 
         def glide_close():
             loop.run_until_complete(g.delete(["bench:glide"]))
@@ -192,8 +224,13 @@ def _clients(url: str, host: str, port: int, size: int, pieces: list[int], calle
             ops = {"get": get}
             if direct:  # put does not depend on direct_reads: measured once per piece size
                 ops["set"] = lambda tier=tier, k=k: tier.put(k, src.mv[:size])
-            rows.append((f"lmtier RedisTier, {p / MiB:g} MiB pieces, {'direct' if direct else 'parser'}"
-                         f"{' (put / get_into)' if direct else ' (get_into before)'}", ops))
+            rows.append(
+                (
+                    f"lmtier RedisTier, {p / MiB:g} MiB pieces, {'direct' if direct else 'parser'}"
+                    f"{' (put / get_into)' if direct else ' (get_into before)'}",
+                    ops,
+                )
+            )
             cleanup.append(lambda tier=tier, k=k, direct=direct: (tier.delete(k) if direct else None, tier.close()))
     return rows, cleanup
 
@@ -209,8 +246,17 @@ def _timed(fn, k: int, pool) -> float:
     return time.perf_counter() - t0
 
 
-def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: list[int],
-          inflight: list[int] = (1,), quiet: bool = True) -> dict:
+def bench(
+    url: str,
+    *,
+    size: int,
+    iters: int,
+    rounds: int,
+    rb_n: int,
+    pieces: list[int],
+    inflight: list[int] = (1,),
+    quiet: bool = True,
+) -> dict:
     u = urllib.parse.urlsplit(url)
     host, port = u.hostname, u.port or 6379
     inflight = sorted(set(inflight) | {1})
@@ -229,7 +275,7 @@ def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: li
                     if op_pass not in ops:
                         continue
                     op, fn = op_pass, ops[op_pass]
-                    for k in (inflight if op == "get" and name not in single else [1]):
+                    for k in inflight if op == "get" and name not in single else [1]:
                         call = fn if op == "get" else (lambda j, fn=fn: fn())
                         _timed(call, k, pool)  # warm-up
                         for _ in range(iters):
@@ -241,10 +287,14 @@ def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: li
             c()
     table = []
     if rb_rounds:
-        table.append({"client": "redis-benchmark -c 1",
-                      "set_GBps": statistics.median(r["set"] for r in rb_rounds),
-                      "get_GBps": statistics.median(r["get"] for r in rb_rounds),
-                      "rounds": rb_rounds})
+        table.append(
+            {
+                "client": "redis-benchmark -c 1",
+                "set_GBps": statistics.median(r["set"] for r in rb_rounds),
+                "get_GBps": statistics.median(r["get"] for r in rb_rounds),
+                "rounds": rb_rounds,
+            }
+        )
     if rb2:
         table.append({"client": "redis-benchmark -c 2", "set_GBps": rb2.get("set"), "get_GBps": rb2.get("get")})
     for name, ops in rows:
@@ -266,14 +316,33 @@ def bench(url: str, *, size: int, iters: int, rounds: int, rb_n: int, pieces: li
         for col in ["get_GBps"] + [f"get_x{k}_GBps" for k in inflight[1:]]:
             if row.get(col) and ceil.get(col):
                 row[col.replace("_GBps", "_%ceil")] = 100 * row[col] / ceil[col]
-    return {"system": system_header(), "url": url.split("@")[-1], "value_bytes": size, "iters": iters,
-            "rounds": rounds, "rb_requests": rb_n, "inflight": inflight, "rows": table}
+    return {
+        "system": system_header(),
+        "url": url.split("@")[-1],
+        "value_bytes": size,
+        "iters": iters,
+        "rounds": rounds,
+        "rb_requests": rb_n,
+        "inflight": inflight,
+        "rows": table,
+    }
 
 
-def run(url: str | None, *, size: int, iters: int, rounds: int = 3, rb_n: int = 50,
-        pieces: list[int] = (MiB,), inflight: list[int] = (1,), io_threads: int = 1, quiet: bool = True) -> dict:
-    kw = dict(size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces), inflight=list(inflight),
-              quiet=quiet)
+def run(
+    url: str | None,
+    *,
+    size: int,
+    iters: int,
+    rounds: int = 3,
+    rb_n: int = 50,
+    pieces: list[int] = (MiB,),
+    inflight: list[int] = (1,),
+    io_threads: int = 1,
+    quiet: bool = True,
+) -> dict:
+    kw = dict(
+        size=size, iters=iters, rounds=rounds, rb_n=rb_n, pieces=list(pieces), inflight=list(inflight), quiet=quiet
+    )
     if url:
         return bench(url, **kw)
     binary = find_redis_server()
@@ -295,15 +364,23 @@ def run(url: str | None, *, size: int, iters: int, rounds: int = 3, rb_n: int = 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench remote", description=__doc__.split("\n")[0])
     ap.add_argument("--url")
-    ap.add_argument("--size-mib", type=float, default=None,
-                    help="value size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)")
+    ap.add_argument(
+        "--size-mib",
+        type=float,
+        default=None,
+        help="value size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)",
+    )
     ap.add_argument("--iters", type=int, default=5, help="timed calls per row and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rb-requests", type=int, default=50, help="redis-benchmark -n")
     ap.add_argument("--pieces-mib", default="1,4", help="RedisTier piece sizes to measure")
     ap.add_argument("--inflight", default="1,4", help="GET callers in flight at once, comma-separated")
-    ap.add_argument("--io-threads", type=int, default=1,
-                    help="private server only: io-threads N (+ io-threads-do-reads yes) when N > 1")
+    ap.add_argument(
+        "--io-threads",
+        type=int,
+        default=1,
+        help="private server only: io-threads N (+ io-threads-do-reads yes) when N > 1",
+    )
     ap.add_argument("--json")
     add_common_args(ap)
     a = ap.parse_args(argv)
@@ -313,13 +390,26 @@ def main(argv=None) -> int:
         ap.error("--inflight values must be >= 1")
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     a.size_mib = size / MiB
-    res = run(a.url, size=size, iters=a.iters, rounds=a.rounds, rb_n=a.rb_requests, pieces=pieces,
-              inflight=inflight, io_threads=a.io_threads, quiet=a.quiet)
+    res = run(
+        a.url,
+        size=size,
+        iters=a.iters,
+        rounds=a.rounds,
+        rb_n=a.rb_requests,
+        pieces=pieces,
+        inflight=inflight,
+        io_threads=a.io_threads,
+        quiet=a.quiet,
+    )
     res["model_preset"] = a.model_preset
-    print(f"# {res['system']} {res.get('server', '')}"
-          f"{' io-threads ' + str(a.io_threads) if a.io_threads > 1 and not a.url else ''}; load {os.getloadavg()}")
-    print(f"# {a.size_mib:.2f} MiB values, loopback; {a.rounds} interleaved rounds x {a.iters} calls; "
-          f"%rb = % of redis-benchmark -c 1, %ceil = % of the raw-socket GETRANGE ceiling with as many callers in flight")
+    print(
+        f"# {res['system']} {res.get('server', '')}"
+        f"{' io-threads ' + str(a.io_threads) if a.io_threads > 1 and not a.url else ''}; load {os.getloadavg()}"
+    )
+    print(
+        f"# {a.size_mib:.2f} MiB values, loopback; {a.rounds} interleaved rounds x {a.iters} calls; "
+        f"%rb = % of redis-benchmark -c 1, %ceil = % of the raw-socket GETRANGE ceiling with as many callers in flight"
+    )
     cols = ["client", "set_GBps", "set_%rb", "get_GBps", "get_%ceil"]
     for k in res["inflight"][1:]:
         cols += [f"get_x{k}_GBps", f"get_x{k}_%ceil"]
@@ -327,12 +417,17 @@ def main(argv=None) -> int:
     write_json(a.json, res)
     if a.plot:
         rows = res["rows"]
-        why = plot_bars(a.plot, [r["client"] for r in rows],
-                        {"SET / put": [r.get("set_GBps") for r in rows],
-                         "GET / get_into": [r.get("get_GBps") for r in rows],
-                         **{f"GET, {k} in flight": [r.get(f"get_x{k}_GBps") for r in rows]
-                            for k in res["inflight"][1:]}},
-                        title=f"Redis on loopback, {a.size_mib:.1f} MiB values ({a.model_preset})", ylabel="GB/s")
+        why = plot_bars(
+            a.plot,
+            [r["client"] for r in rows],
+            {
+                "SET / put": [r.get("set_GBps") for r in rows],
+                "GET / get_into": [r.get("get_GBps") for r in rows],
+                **{f"GET, {k} in flight": [r.get(f"get_x{k}_GBps") for r in rows] for k in res["inflight"][1:]},
+            },
+            title=f"Redis on loopback, {a.size_mib:.1f} MiB values ({a.model_preset})",
+            ylabel="GB/s",
+        )
         report_plot(a.plot, why)
     return 0
 

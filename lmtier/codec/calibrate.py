@@ -6,8 +6,9 @@ The quantized levels emit per layer three record sections (:mod:`lmtier.codec.ch
 
 * symbol sections: run length ``G * T``, table ``((l * 2 + p) * H + h) * D / G + d / G`` for the run
   of channels ``(h, d .. d + G - 1)``, G = 1 (one table per channel) unless the set would exceed
-  the coder's 65,535 tables (e.g. Llama-3.1-8B: 65,536 channel runs -> G = 2) — every table covers the level's whole alphabet ``0 .. 2 * qmax`` (frequency >= 1), so
-  valid chunks never need a fallback;
+  the coder's 65,535 tables (e.g. Llama-3.1-8B: 65,536 channel runs -> G = 2) — every table
+  covers the level's whole alphabet ``0 .. 2 * qmax`` (frequency >= 1), so valid chunks never
+  need a fallback;
 * scale sections: run length ``H * T``, table ``L * 2 * H * D + 2 * l + p`` for plane p's codes —
   these cover the codes seen in calibration plus a margin; a chunk with another code falls back
   to a per-stream table for that stream alone (the coder's rule).
@@ -30,18 +31,25 @@ quality benchmark's calibration text).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from . import quant
 from .chunk import StaticTables, _quantize
 from .levels import Level, get_level
 
-__all__ = ["SHIPPED_FILE", "MAX_TABLES", "channels_per_table", "table_set_id", "calibrate", "save", "load",
-           "shipped_tables"]
+__all__ = [
+    "SHIPPED_FILE",
+    "MAX_TABLES",
+    "channels_per_table",
+    "table_set_id",
+    "calibrate",
+    "save",
+    "load",
+    "shipped_tables",
+]
 
 SHIPPED_FILE = Path(__file__).with_name("tables") / "smollm2_135m.npz"
 """Tables for SmolLM2-135M geometry (L=30, H=3, D=64), levels high/default/low."""
@@ -49,7 +57,7 @@ SHIPPED_FILE = Path(__file__).with_name("tables") / "smollm2_135m.npz"
 SCALE_MARGIN = 8  # scale codes within this distance of the calibrated range stay codable
 
 
-def table_set_id(level: "str | int | Level", geometry: Sequence[int], sym: np.ndarray, scale: np.ndarray) -> int:
+def table_set_id(level: str | int | Level, geometry: Sequence[int], sym: np.ndarray, scale: np.ndarray) -> int:
     """Record ``table_id`` of a table set: a CRC-32 of the level id, geometry and tables, so a decoder
     refuses records coded with other tables. Never :data:`lmtier.codec.format.NO_TABLE`."""
     lv = get_level(level)
@@ -96,7 +104,7 @@ def _tables(level: Level, geometry: Sequence[int], sym: np.ndarray, scale: np.nd
     return StaticTables(table_set_id(level, geometry, sym, scale), full, sec, runs)
 
 
-def calibrate(chunks: Iterable[torch.Tensor], level: "str | int | Level") -> tuple[StaticTables, dict]:
+def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple[StaticTables, dict]:
     """Fit static tables for a quantized level on calibration chunks.
 
     Args:
@@ -158,7 +166,7 @@ def calibrate(chunks: Iterable[torch.Tensor], level: "str | int | Level") -> tup
     return _tables(lv, geometry, sym, scale), arrays
 
 
-def save(path: "str | Path", per_level: dict[str, dict]) -> None:
+def save(path: str | Path, per_level: dict[str, dict]) -> None:
     """Write ``{level name: arrays from calibrate}`` to an ``.npz`` (compressed, no pickle)."""
     out = {}
     geometry = None
@@ -173,7 +181,7 @@ def save(path: "str | Path", per_level: dict[str, dict]) -> None:
     np.savez_compressed(path, **out)
 
 
-def load(path: "str | Path", level: "str | int | Level") -> StaticTables | None:
+def load(path: str | Path, level: str | int | Level) -> StaticTables | None:
     """The tables of ``level`` in the file at ``path`` (None if the file has none for it).
 
     Raises ValueError on a malformed file (wrong shapes, tables not summing to 4096)."""
@@ -192,7 +200,7 @@ def load(path: "str | Path", level: "str | int | Level") -> StaticTables | None:
 _SHIPPED: dict = {}
 
 
-def shipped_tables(level: "str | int | Level", shape: Sequence[int]) -> StaticTables | None:
+def shipped_tables(level: str | int | Level, shape: Sequence[int]) -> StaticTables | None:
     """The calibrated tables shipped in this package for ``level`` and chunk ``shape``
     ``(L, 2, T, H, D)``, or None (no file for that geometry, lossless level, or a T that table
     switching cannot use: then the records carry per-stream tables)."""

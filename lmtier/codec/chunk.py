@@ -49,8 +49,9 @@ and its measured quality are in docs/codec.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,15 +79,15 @@ __all__ = [
     "USE_NATIVE",
 ]
 
-CODEC_DTYPES: dict[torch.dtype, fmt.DType] = {geometry.torch_dtype(n): geometry.kv_dtype(n).code
-                                             for n in geometry.CODEC_DTYPE_NAMES}
+CODEC_DTYPES: dict[torch.dtype, fmt.DType] = {
+    geometry.torch_dtype(n): geometry.kv_dtype(n).code for n in geometry.CODEC_DTYPE_NAMES
+}
 """Element types the codec takes (and the record's dtype code for each), from :mod:`lmtier.geometry`."""
 
 USE_NATIVE = True
 """Quantize / dequantize with the compiled kernels of :mod:`lmtier.codec.native` where they support
 the level, geometry and device (byte/bit-identical to :mod:`lmtier.codec.quant`, tested in
 tests/test_kvquant_native.py); False forces the torch reference (tests compare the two)."""
-
 
 
 class CodecRecordError(CodecInputError):
@@ -127,8 +128,11 @@ class StaticTables:
             raise ValueError(f"StaticTables.tables must be uint16 [N, 256], got {t.dtype} {t.shape}")
         object.__setattr__(self, "tables", t)
         object.__setattr__(self, "section_tables", np.asarray(self.section_tables, np.int64).reshape(-1))
-        runs = np.zeros_like(self.section_tables) if self.section_runs is None else \
-            np.asarray(self.section_runs, np.int64).reshape(-1)
+        runs = (
+            np.zeros_like(self.section_tables)
+            if self.section_runs is None
+            else np.asarray(self.section_runs, np.int64).reshape(-1)
+        )
         if runs.shape != self.section_tables.shape or (runs < 0).any():
             raise ValueError("StaticTables.section_runs must be non-negative, one per section")
         object.__setattr__(self, "section_runs", runs)
@@ -170,12 +174,12 @@ def _dtype(dtype: Any) -> torch.dtype:
     return dt
 
 
-def sections_per_layer(level: "str | int | Level") -> int:
+def sections_per_layer(level: str | int | Level) -> int:
     """Record sections per layer: 4 for ``lossless`` (hi/lo planes of K and V), 3 otherwise."""
     return 4 if get_level(level).lossless else 3
 
 
-def decoded_buffer_bytes(level: "str | int | Level", shape: Sequence[int]) -> tuple[int, int]:
+def decoded_buffer_bytes(level: str | int | Level, shape: Sequence[int]) -> tuple[int, int]:
     """(symbol bytes, side bytes) that decoding a record of ``shape`` produces: the symbols
     ``[L, 2, H, D, T]`` and the side data (scale codes, or the lossless lo plane)."""
     nl, _, t, h, d = _shape(shape)
@@ -183,7 +187,7 @@ def decoded_buffer_bytes(level: "str | int | Level", shape: Sequence[int]) -> tu
     return nl * 2 * h * d * t, nl * (ks + vs)
 
 
-def section_layout(level: "str | int | Level", shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def section_layout(level: str | int | Level, shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where each record section decodes to.
 
     Returns ``(to_side, offset, length)``, arrays of ``L * S`` entries in record order:
@@ -214,7 +218,7 @@ def section_layout(level: "str | int | Level", shape: Sequence[int]) -> tuple[np
     return to_side, off, length
 
 
-def max_record_bytes(shape: Sequence[int], level: "str | int | Level") -> int:
+def max_record_bytes(shape: Sequence[int], level: str | int | Level) -> int:
     """Upper bound on the bytes of any record :func:`encode_chunk` makes for this geometry and
     level (whatever the data and tables): the raw symbol bytes plus a bounded per-section and
     per-record overhead (see the module doc). A buffer of this size receives any valid record."""
@@ -246,8 +250,15 @@ def _as_chunk(chunk: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -
     return chunk.contiguous()
 
 
-def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level: "str | int | Level",
-                 tables: StaticTables | None = None, num_threads: int = 0) -> bytes:
+def encode_chunk(
+    chunk: torch.Tensor,
+    *,
+    shape: Sequence[int],
+    dtype: Any,
+    level: str | int | Level,
+    tables: StaticTables | None = None,
+    num_threads: int = 0,
+) -> bytes:
     """Encode one canonical KV chunk into a codec record.
 
     Args:
@@ -287,8 +298,9 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
     S = sections_per_layer(lv)
     runs = 0
     if tables is not None and tables.section_tables.size != nl * S:
-        raise ValueError(f"tables.section_tables has {tables.section_tables.size} entries, the record has "
-                         f"{nl * S} sections")
+        raise ValueError(
+            f"tables.section_tables has {tables.section_tables.size} entries, the record has {nl * S} sections"
+        )
     if tables is not None and tables.run_lens(shp[2]) is not None:
         table_id, ids, tab = int(tables.table_id), tables.section_tables, tables.tables
         runs = tables.run_lens(shp[2])
@@ -310,10 +322,9 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
         batch = rans.encode(streams, ids, tab, num_threads=num_threads, run_lens=runs)
     data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
     off = batch.offsets
-    sections = [data[int(off[i]):int(off[i + 1])] for i in range(len(streams))]
+    sections = [data[int(off[i]) : int(off[i + 1])] for i in range(len(streams))]
     _, _, t, h, d = shp
-    info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[dt], sections_per_layer=S,
-                          table_id=table_id)
+    info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[dt], sections_per_layer=S, table_id=table_id)
     return fmt.pack(info, sections)
 
 
@@ -321,8 +332,9 @@ def encode_chunk(chunk: torch.Tensor, *, shape: Sequence[int], dtype: Any, level
 # decode
 
 
-def check_record_info(info: fmt.RecordInfo, *, expected_shape: Sequence[int], dtype: Any,
-                      level: "str | int | Level | None" = None) -> Level:
+def check_record_info(
+    info: fmt.RecordInfo, *, expected_shape: Sequence[int], dtype: Any, level: str | int | Level | None = None
+) -> Level:
     """Check a parsed record header against what the caller expects; returns the record's level.
 
     Raises:
@@ -344,8 +356,10 @@ def check_record_info(info: fmt.RecordInfo, *, expected_shape: Sequence[int], dt
     if info.dtype != CODEC_DTYPES[dt]:
         raise CodecRecordError(f"codec record holds {info.dtype.name}, expected {CODEC_DTYPES[dt].name}")
     if info.sections_per_layer != sections_per_layer(lv):
-        raise CodecRecordError(f"codec record has {info.sections_per_layer} sections per layer, level {lv.name!r} "
-                               f"has {sections_per_layer(lv)}")
+        raise CodecRecordError(
+            f"codec record has {info.sections_per_layer} sections per layer, level {lv.name!r} "
+            f"has {sections_per_layer(lv)}"
+        )
     return lv
 
 
@@ -373,9 +387,14 @@ def _dest(out: Any, nbytes: int) -> torch.Tensor:
     return flat[:nbytes]
 
 
-def parse_record(buf: np.ndarray, *, expected_shape: Sequence[int], dtype: Any,
-                 level: str | int | Level | None = None, tables: StaticTables | None = None
-                 ) -> tuple[fmt.Record, Level, StaticTables | None]:
+def parse_record(
+    buf: np.ndarray,
+    *,
+    expected_shape: Sequence[int],
+    dtype: Any,
+    level: str | int | Level | None = None,
+    tables: StaticTables | None = None,
+) -> tuple[fmt.Record, Level, StaticTables | None]:
     """Parse and check a record's bytes before decoding: structure and checksum
     (:func:`lmtier.codec.format.unpack`), header (:func:`check_record_info`), table set.
 
@@ -401,14 +420,22 @@ def parse_record(buf: np.ndarray, *, expected_shape: Sequence[int], dtype: Any,
         return rec, lv, None
     if tables is None or int(tables.table_id) != rec.info.table_id:
         have = "none" if tables is None else tables.table_id
-        raise CodecRecordError(f"codec record was coded with static table set {rec.info.table_id}, "
-                               f"the decoder has {have}")
+        raise CodecRecordError(
+            f"codec record was coded with static table set {rec.info.table_id}, the decoder has {have}"
+        )
     return rec, lv, tables
 
 
-def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int], dtype: Any,
-                 level: "str | int | Level | None" = None, tables: StaticTables | None = None,
-                 num_threads: int = 0) -> None:
+def decode_chunk(
+    record: Any,
+    out: torch.Tensor,
+    *,
+    expected_shape: Sequence[int],
+    dtype: Any,
+    level: str | int | Level | None = None,
+    tables: StaticTables | None = None,
+    num_threads: int = 0,
+) -> None:
     """Decode a codec record into ``out``.
 
     Args:
@@ -445,8 +472,7 @@ def decode_chunk(record: Any, out: torch.Tensor, *, expected_shape: Sequence[int
     dst = _dest(out, math.prod(shp) * 2)
     buf = _host_u8(record)
     rec, lv, tab = parse_record(buf, expected_shape=shp, dtype=dt, level=level, tables=tables)
-    dec = decoder.shared_decoder(shape=shp, dtype=dt, level=lv, tables=tab, device=dst.device,
-                                 num_threads=num_threads)
+    dec = decoder.shared_decoder(shape=shp, dtype=dt, level=lv, tables=tab, device=dst.device, num_threads=num_threads)
     dec.decode_parsed(buf, rec, tab, dst)
 
 
@@ -481,8 +507,15 @@ def _on_device(x: torch.Tensor):
 # building blocks for pipelined decoders (lmtier.bench.ttft)
 
 
-def dequantize_layers(sym: torch.Tensor, side: torch.Tensor, level: "str | int | Level", shape: Sequence[int],
-                      out: torch.Tensor, l0: int = 0, l1: int | None = None) -> None:
+def dequantize_layers(
+    sym: torch.Tensor,
+    side: torch.Tensor,
+    level: str | int | Level,
+    shape: Sequence[int],
+    out: torch.Tensor,
+    l0: int = 0,
+    l1: int | None = None,
+) -> None:
     """Dequantize layers ``[l0, l1)`` of decoded buffers into ``out`` (no checks, no host sync).
 
     ``sym`` / ``side``: the flat uint8 buffers :func:`section_layout` decodes into (at least
@@ -506,8 +539,9 @@ def dequantize_layers(sym: torch.Tensor, side: torch.Tensor, level: "str | int |
     side2 = side[: nl * (ks + vs)].view(nl, ks + vs)[l0:l1]
     for p, pq, codes in ((0, lv.k, side2[:, :ks]), (1, lv.v, side2[:, ks:])):
         qt = pq.qmax_table(nl)[l0:l1]
-        qmax = qt[0] if len(set(qt)) == 1 else \
-            torch.tensor(qt, dtype=torch.int32, device=s.device).reshape(-1, 1, 1, 1)  # no upload when uniform
+        qmax = (
+            qt[0] if len(set(qt)) == 1 else torch.tensor(qt, dtype=torch.int32, device=s.device).reshape(-1, 1, 1, 1)
+        )  # no upload when uniform
         q = s[:, p].to(torch.int32) - qmax
         codes = quant._reshape_codes(codes, pq.granularity, l1 - l0, t, h, d)
         out[:, p].copy_(quant._dequantize_plane(q.permute(0, 3, 1, 2), codes, pq))

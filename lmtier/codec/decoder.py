@@ -131,6 +131,7 @@ class DecodeSlot:
         self._record_np = np.frombuffer(self.record, np.uint8)
         self.stream = torch.cuda.Stream(device=dec.device) if cuda else None
         with dec._on(self.stream):
+
             def mk(nb: int) -> torch.Tensor:
                 return torch.empty(max(1, nb), dtype=torch.uint8, device=dec.device)
 
@@ -163,8 +164,11 @@ class DecodeSlot:
         if self._native_batch is None:
             d = self.owner
             with d._on(self.stream):
-                self._native_batch = nat.make_batch([self.work], [self.sym[: nat.symbol_bytes(d.shape)]],
-                                                    [self.side[: nat.side_bytes(d.level, d.shape)]])
+                self._native_batch = nat.make_batch(
+                    [self.work],
+                    [self.sym[: nat.symbol_bytes(d.shape)]],
+                    [self.side[: nat.side_bytes(d.level, d.shape)]],
+                )
             if self.stream is not None:
                 self.stream.synchronize()
         return self._native_batch
@@ -195,9 +199,17 @@ class ChunkDecoder:
         ValueError / TypeError: bad shape, dtype or level.
     """
 
-    def __init__(self, *, shape: Sequence[int], dtype: Any, level: str | int | Level,
-                 tables: cchunk.StaticTables | None = None, device: Any = "cpu", num_threads: int = 0,
-                 max_idle_slots: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        level: str | int | Level,
+        tables: cchunk.StaticTables | None = None,
+        device: Any = "cpu",
+        num_threads: int = 0,
+        max_idle_slots: int = 4,
+    ) -> None:
         self.shape = cchunk._shape(shape)
         self.dtype = cchunk._dtype(dtype)
         self.level = get_level(level)
@@ -286,12 +298,21 @@ class ChunkDecoder:
         """
         dst = cchunk._dest(out, self.raw_bytes)
         buf = cchunk._host_u8(record)
-        rec, _lv, tab = cchunk.parse_record(buf, expected_shape=self.shape, dtype=self.dtype, level=self.level,
-                                            tables=self.tables)
+        rec, _lv, tab = cchunk.parse_record(
+            buf, expected_shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables
+        )
         self.decode_parsed(buf, rec, tab, dst, slot=slot, stream=stream)
 
-    def decode_parsed(self, buf: np.ndarray, rec: fmt.Record, tables: cchunk.StaticTables | None,
-                      dst: torch.Tensor, *, slot: DecodeSlot | None = None, stream: Any = None) -> None:
+    def decode_parsed(
+        self,
+        buf: np.ndarray,
+        rec: fmt.Record,
+        tables: cchunk.StaticTables | None,
+        dst: torch.Tensor,
+        *,
+        slot: DecodeSlot | None = None,
+        stream: Any = None,
+    ) -> None:
         """:meth:`decode` of a record :func:`lmtier.codec.chunk.parse_record` already verified
         (``buf``: its host bytes, 4-byte aligned; ``tables``: the set it uses or None; ``dst``: flat
         uint8 ``[raw_bytes]`` view of ``out``)."""
@@ -320,8 +341,15 @@ class ChunkDecoder:
             return device_tables(tables, self.device).data_ptr(), n
         return tables.tables.ctypes.data, n
 
-    def _run(self, slot: DecodeSlot, buf: np.ndarray, rec: fmt.Record, tables: cchunk.StaticTables | None,
-             dst: torch.Tensor, stream: Any) -> None:
+    def _run(
+        self,
+        slot: DecodeSlot,
+        buf: np.ndarray,
+        rec: fmt.Record,
+        tables: cchunk.StaticTables | None,
+        dst: torch.Tensor,
+        stream: Any,
+    ) -> None:
         cuda = self.device.type == "cuda"
         n = self.num_sections
         lv, shp, dt = self.level, self.shape, self.dtype
@@ -349,11 +377,20 @@ class ChunkDecoder:
             desc["src_bytes"] = rec.section_lengths()
             if cuda:
                 slot.desc_dev.copy_(slot._desc_t, non_blocking=True)
-                rans.decode_descriptors(slot.desc_dev, n, t_addr, num_tables, out_lengths=slot.lens,
-                                        status=slot.status, scratch=slot.scratch, stream=slot.stream)
+                rans.decode_descriptors(
+                    slot.desc_dev,
+                    n,
+                    t_addr,
+                    num_tables,
+                    out_lengths=slot.lens,
+                    status=slot.status,
+                    scratch=slot.scratch,
+                    stream=slot.stream,
+                )
             else:
-                rans.decode_descriptors(desc, n, t_addr, num_tables, out_lengths=slot.lens, status=slot.status,
-                                        num_threads=self.num_threads)
+                rans.decode_descriptors(
+                    desc, n, t_addr, num_tables, out_lengths=slot.lens, status=slot.status, num_threads=self.num_threads
+                )
             if nat is not None:  # into the slot's chunk buffer; range flags into nstatus
                 nat.dequantize_batch(slot.native_batch(nat), lv, status=slot.nstatus, num_threads=self.num_threads)
             else:
@@ -396,12 +433,14 @@ class ChunkDecoder:
             S = cchunk.sections_per_layer(self.level)
             raise cchunk.CodecRecordError(
                 f"codec record: rANS stream of layer {i // S}, section {i % S} failed: "
-                f"{rans.STATUS_NAMES.get(int(st[i]), int(st[i]))} ({bad.size} bad stream(s))")
+                f"{rans.STATUS_NAMES.get(int(st[i]), int(st[i]))} ({bad.size} bad stream(s))"
+            )
         short = np.flatnonzero(got != self.lengths)
         if short.size:
             i = int(short[0])
             raise cchunk.CodecRecordError(
-                f"codec record: section {i} decoded to {int(got[i])} symbols, expected {int(self.lengths[i])}")
+                f"codec record: section {i} decoded to {int(got[i])} symbols, expected {int(self.lengths[i])}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,8 +451,15 @@ _SHARED: OrderedDict[tuple, tuple[Any, ChunkDecoder]] = OrderedDict()
 _SHARED_MAX = 4
 
 
-def shared_decoder(*, shape: Sequence[int], dtype: Any, level: str | int | Level,
-                   tables: cchunk.StaticTables | None, device: Any, num_threads: int = 0) -> ChunkDecoder:
+def shared_decoder(
+    *,
+    shape: Sequence[int],
+    dtype: Any,
+    level: str | int | Level,
+    tables: cchunk.StaticTables | None,
+    device: Any,
+    num_threads: int = 0,
+) -> ChunkDecoder:
     """A process-wide :class:`ChunkDecoder` for these arguments (the last 4 used are kept; the
     table set is keyed by identity), so repeated :func:`~lmtier.codec.chunk.decode_chunk` calls
     reuse slots and uploaded tables."""
@@ -429,8 +475,9 @@ def shared_decoder(*, shape: Sequence[int], dtype: Any, level: str | int | Level
         if hit is not None and (tables is None or hit[0]() is tables):
             _SHARED.move_to_end(key)
             return hit[1]
-        dec = ChunkDecoder(shape=shp, dtype=dt, level=lv, tables=tables, device=dev, num_threads=num_threads,
-                           max_idle_slots=2)
+        dec = ChunkDecoder(
+            shape=shp, dtype=dt, level=lv, tables=tables, device=dev, num_threads=num_threads, max_idle_slots=2
+        )
         _SHARED[key] = (None if tables is None else weakref.ref(tables), dec)
         while len(_SHARED) > _SHARED_MAX:
             _SHARED.popitem(last=False)

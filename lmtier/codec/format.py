@@ -37,8 +37,9 @@ padding) are ignored.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -85,10 +86,16 @@ class RecordInfo:
     table_id: int = NO_TABLE
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("level_id", 0, 255), ("num_layers", 1, 2**32 - 1), ("num_planes", 1, 2**32 - 1),
-                             ("num_tokens", 0, 2**32 - 1), ("num_heads", 1, 2**32 - 1),
-                             ("head_size", 1, 2**32 - 1), ("sections_per_layer", 1, 0xFFFF),
-                             ("table_id", 0, 2**32 - 1)):
+        for name, lo, hi in (
+            ("level_id", 0, 255),
+            ("num_layers", 1, 2**32 - 1),
+            ("num_planes", 1, 2**32 - 1),
+            ("num_tokens", 0, 2**32 - 1),
+            ("num_heads", 1, 2**32 - 1),
+            ("head_size", 1, 2**32 - 1),
+            ("sections_per_layer", 1, 0xFFFF),
+            ("table_id", 0, 2**32 - 1),
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or not lo <= int(v) <= hi:
                 raise ValueError(f"RecordInfo.{name} must be an integer in [{lo}, {hi}], got {v!r}")
@@ -158,9 +165,24 @@ def pack_into(buf: Any, info: RecordInfo, sections: Sequence[Any], meta: bytes =
     for (off, n), v in zip(idx.tolist(), views):
         out[start + off : start + off + n] = np.frombuffer(v, np.uint8)
         out[start + off + n : start + _r4(off + n)] = 0
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, info.level_id, int(info.dtype),
-                        info.sections_per_layer, info.table_id, info.num_layers, info.num_planes,
-                        info.num_tokens, info.num_heads, info.head_size, meta_v.nbytes, payload, 0, 0)
+    head = _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        info.level_id,
+        int(info.dtype),
+        info.sections_per_layer,
+        info.table_id,
+        info.num_layers,
+        info.num_planes,
+        info.num_tokens,
+        info.num_heads,
+        info.head_size,
+        meta_v.nbytes,
+        payload,
+        0,
+        0,
+    )
     out[:HEADER_BYTES] = np.frombuffer(head, np.uint8)
     h = xxhash.xxh3_64()
     h.update(memoryview(out[:56]))
@@ -216,8 +238,24 @@ def _parse(buf: Any) -> tuple[RecordInfo, np.ndarray, int, int, memoryview, int]
     mv = _as_bytes_view(buf)
     if mv.nbytes < HEADER_BYTES:
         raise ValueError(f"codec record truncated: {mv.nbytes} bytes, the header alone is {HEADER_BYTES}")
-    (magic, version, header_bytes, level, dtype, S, table_id, nl, np_, nt, nh, hd, meta_bytes, payload_bytes,
-     flags, _checksum) = _HEADER.unpack_from(mv, 0)
+    (
+        magic,
+        version,
+        header_bytes,
+        level,
+        dtype,
+        S,
+        table_id,
+        nl,
+        np_,
+        nt,
+        nh,
+        hd,
+        meta_bytes,
+        payload_bytes,
+        flags,
+        _checksum,
+    ) = _HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise ValueError(f"not a codec record: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -234,7 +272,9 @@ def _parse(buf: Any) -> tuple[RecordInfo, np.ndarray, int, int, memoryview, int]
     if nl == 0 or S == 0 or np_ == 0 or nh == 0 or hd == 0 or nsec > MAX_SECTIONS:
         raise ValueError(f"corrupted codec record: geometry L={nl} P={np_} H={nh} D={hd} S={S}")
     if HEADER_BYTES + 16 * nsec > mv.nbytes:
-        raise ValueError(f"codec record truncated: {mv.nbytes} bytes, the section index needs {HEADER_BYTES + 16 * nsec}")
+        raise ValueError(
+            f"codec record truncated: {mv.nbytes} bytes, the section index needs {HEADER_BYTES + 16 * nsec}"
+        )
     start = HEADER_BYTES + 16 * nsec + _r16(meta_bytes)
     end = start + payload_bytes
     if end > mv.nbytes:

@@ -141,17 +141,20 @@ LOSSLESS = Level("lossless", 0, lossless=True)
 # format version bump (lmtier.codec.format.FORMAT_VERSION), as the records store the level id only.
 _H = Transform.HADAMARD
 HIGH = Level(
-    "high", 1,
+    "high",
+    1,
     k=PlaneQuant(Granularity.TOKEN_HEAD, _all(15), _H),
     v=PlaneQuant(Granularity.TOKEN_HEAD, _all(7), _H),
 )
 DEFAULT = Level(
-    "default", 2,
+    "default",
+    2,
     k=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(4, 5, 5, 15, 11, 4), _H),
     v=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(3, 3, 3, 5, 2, 2), _H),
 )
 LOW = Level(
-    "low", 3,
+    "low",
+    3,
     k=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(3, 3, 4, 11, 8, 3), _H),
     v=PlaneQuant(Granularity.TOKEN_HEAD, _sixths(2, 2, 2, 4, 2, 2), _H),
 )
@@ -160,7 +163,8 @@ LOW = Level(
 # V 32 bins for the first 2 layers then 16, one scale per layer and token), expressed in lmtier's
 # arithmetic and scale format: a reference point for benchmarks, not a user level.
 CACHEGEN_REF = Level(
-    "cachegen_ref", 127,
+    "cachegen_ref",
+    127,
     k=PlaneQuant(Granularity.TOKEN, _third(15, 7)),
     v=PlaneQuant(Granularity.TOKEN, _first(2, 15, 7)),
 )
@@ -169,7 +173,7 @@ LEVELS: dict[str, Level] = {lv.name: lv for lv in (LOSSLESS, HIGH, DEFAULT, LOW)
 LEVELS_BY_ID: dict[int, Level] = {lv.level_id: lv for lv in (*LEVELS.values(), CACHEGEN_REF)}
 
 
-def get_level(level: "str | int | Level") -> Level:
+def get_level(level: str | int | Level) -> Level:
     """Level by name, id or itself; unknown values raise ValueError."""
     if isinstance(level, Level):
         return level

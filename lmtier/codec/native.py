@@ -25,8 +25,9 @@ naming the chunk(s); bad arguments raise ``ValueError`` / ``TypeError``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +68,8 @@ def _mode(level: Level) -> int:
         if pq.granularity != Granularity.TOKEN_HEAD or pq.transform != Transform.HADAMARD:
             raise ValueError(
                 f"level {level.name!r} is not implemented natively (needs TOKEN_HEAD + HADAMARD on K and V); "
-                "use lmtier.codec.quant")
+                "use lmtier.codec.quant"
+            )
     return _K.MODE_HADAMARD_ROW
 
 
@@ -91,8 +93,7 @@ def qmax_table(level: Any, num_layers: int) -> np.ndarray:
     lv = get_level(level)
     if lv.lossless:
         return np.zeros((num_layers, 2), np.uint8)
-    return np.ascontiguousarray(
-        np.array([lv.k.qmax_table(num_layers), lv.v.qmax_table(num_layers)], np.uint8).T)
+    return np.ascontiguousarray(np.array([lv.k.qmax_table(num_layers), lv.v.qmax_table(num_layers)], np.uint8).T)
 
 
 def symbol_bytes(shape: Sequence[int]) -> int:
@@ -187,11 +188,16 @@ def _call(fn, batch: NativeBatch, level: Any, status: Any, num_threads: int, str
     if not supported(lv, batch.shape, batch.device):
         raise ValueError(f"level {lv.name!r} with shape {batch.shape} is not supported on {batch.device.type}")
     side_need = int(_K.side_bytes(mode, nl, t, h, d))
-    for sd in batch.keep[2 * batch.num_chunks:]:
+    for sd in batch.keep[2 * batch.num_chunks :]:
         if sd.numel() != side_need:
             raise ValueError(f"side buffers must hold {side_need} bytes for level {lv.name!r}")
-    if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() < batch.num_chunks \
-            or status.device != batch.device or not status.is_contiguous():
+    if (
+        not isinstance(status, torch.Tensor)
+        or status.dtype != torch.int32
+        or status.numel() < batch.num_chunks
+        or status.device != batch.device
+        or not status.is_contiguous()
+    ):
         raise ValueError("status must be a contiguous int32 tensor of >= C elements on the chunks' device")
     q = qmax_table(lv, nl)
     on_cuda = batch.device.type == "cuda"
@@ -202,12 +208,26 @@ def _call(fn, batch: NativeBatch, level: Any, status: Any, num_threads: int, str
         cur = torch.cuda.current_stream(batch.device)
         if s.cuda_stream != cur.cuda_stream:
             s.wait_stream(cur)
-    fn(on_cuda, mode, _DTYPES[batch.dtype], nl, t, h, d, descs, batch.num_chunks, q.ctypes.data,
-       status.data_ptr(), num_threads, handle)
+    fn(
+        on_cuda,
+        mode,
+        _DTYPES[batch.dtype],
+        nl,
+        t,
+        h,
+        d,
+        descs,
+        batch.num_chunks,
+        q.ctypes.data,
+        status.data_ptr(),
+        num_threads,
+        handle,
+    )
 
 
-def quantize_batch(batch: NativeBatch, level: Any, *, status: torch.Tensor, num_threads: int = 0,
-                   stream: Any = None) -> None:
+def quantize_batch(
+    batch: NativeBatch, level: Any, *, status: torch.Tensor, num_threads: int = 0, stream: Any = None
+) -> None:
     """Quantize ``batch``'s chunks into its symbol / side buffers (one native call).
 
     ``status``: int32 ``[C]`` on the chunks' device; receives per-chunk flags (0 = ok; see
@@ -216,8 +236,9 @@ def quantize_batch(batch: NativeBatch, level: Any, *, status: torch.Tensor, num_
     _call(_K.quantize, batch, level, status, num_threads, stream)
 
 
-def dequantize_batch(batch: NativeBatch, level: Any, *, status: torch.Tensor, num_threads: int = 0,
-                     stream: Any = None) -> None:
+def dequantize_batch(
+    batch: NativeBatch, level: Any, *, status: torch.Tensor, num_threads: int = 0, stream: Any = None
+) -> None:
     """Dequantize ``batch``'s symbol / side buffers into its chunks (dtype = the chunks' dtype)."""
     _call(_K.dequantize, batch, level, status, num_threads, stream)
 
@@ -247,8 +268,9 @@ def check_status(status: Any, what: str = "codec") -> None:
     raise CodecInputError(f"native {what} failed for {bad.size} chunk(s): {', '.join(parts)}{more}")
 
 
-def quantize(chunks: Any, level: Any, *, num_threads: int = 0, stream: Any = None
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def quantize(
+    chunks: Any, level: Any, *, num_threads: int = 0, stream: Any = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize C canonical chunks; returns ``(symbols, sides)``: per chunk a uint8 ``[L, 2, H, D, T]``
     tensor and a 1-D uint8 side tensor, byte-identical to :func:`lmtier.codec.quant.quantize`.
 
@@ -280,8 +302,16 @@ def quantize(chunks: Any, level: Any, *, num_threads: int = 0, stream: Any = Non
     return syms, sides
 
 
-def dequantize(symbols: Any, sides: Any, level: Any, shape: Sequence[int], dtype: torch.dtype = torch.bfloat16,
-               *, num_threads: int = 0, stream: Any = None) -> list[torch.Tensor]:
+def dequantize(
+    symbols: Any,
+    sides: Any,
+    level: Any,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    num_threads: int = 0,
+    stream: Any = None,
+) -> list[torch.Tensor]:
     """Inverse of :func:`quantize`: C canonical ``[L, 2, T, H, D]`` tensors of ``dtype``, bit-identical
     to :func:`lmtier.codec.quant.dequantize`.
 
@@ -304,7 +334,9 @@ def dequantize(symbols: Any, sides: Any, level: Any, shape: Sequence[int], dtype
             raise CodecInputError(f"chunk {i}: side: expected {sdb} bytes, got {sd.numel()}")
     for i, s in enumerate(symbols):
         if s.numel() != symbol_bytes(shape) or s.dtype != torch.uint8:
-            raise CodecInputError(f"chunk {i}: symbols: expected {symbol_bytes(shape)} uint8, got {s.numel()} {s.dtype}")
+            raise CodecInputError(
+                f"chunk {i}: symbols: expected {symbol_bytes(shape)} uint8, got {s.numel()} {s.dtype}"
+            )
     status = torch.zeros(len(symbols), dtype=torch.int32, device=dev)
     batch = make_batch(outs, symbols, sides)
     dequantize_batch(batch, level, status=status, num_threads=num_threads, stream=stream)

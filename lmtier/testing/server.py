@@ -20,8 +20,19 @@ from pathlib import Path
 from lmtier.testing.procs import Proc, tail
 from lmtier.testing.vllm import REPO
 
-__all__ = ["CONNECTOR", "METRIC_PATTERNS", "parse_metrics", "metric_delta", "hits_by_source",
-           "STDLIB_MODULES", "stdlib_docs", "LICENSES", "read_license", "SERVED_NAME", "VLLMServer"]
+__all__ = [
+    "CONNECTOR",
+    "METRIC_PATTERNS",
+    "parse_metrics",
+    "metric_delta",
+    "hits_by_source",
+    "STDLIB_MODULES",
+    "stdlib_docs",
+    "LICENSES",
+    "read_license",
+    "SERVED_NAME",
+    "VLLMServer",
+]
 
 CONNECTOR = {
     "kv_connector": "LMTierConnector",
@@ -97,8 +108,22 @@ def hits_by_source(delta: dict[str, float]) -> dict[str, int]:
 
 
 STDLIB_MODULES = (
-    "json", "textwrap", "collections", "functools", "itertools", "heapq", "bisect", "argparse",
-    "pathlib", "subprocess", "string", "shutil", "tempfile", "contextlib", "dataclasses", "enum",
+    "json",
+    "textwrap",
+    "collections",
+    "functools",
+    "itertools",
+    "heapq",
+    "bisect",
+    "argparse",
+    "pathlib",
+    "subprocess",
+    "string",
+    "shutil",
+    "tempfile",
+    "contextlib",
+    "dataclasses",
+    "enum",
 )
 """The stdlib modules whose docstrings :func:`stdlib_docs` returns (their order is part of the workload)."""
 
@@ -155,19 +180,59 @@ class VLLMServer(Proc):
         extra_env: more environment variables (e.g. an allocator preload, a password variable).
     """
 
-    def __init__(self, name: str, *, work: Path, config: Path, port: int, model: Path, python: str,
-                 max_model_len: int, kv_space_gib: int = 1, extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        work: Path,
+        config: Path,
+        port: int,
+        model: Path,
+        python: str,
+        max_model_len: int,
+        kv_space_gib: int = 1,
+        extra_env: dict[str, str] | None = None,
+    ):
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", str(max_model_len), "--seed", "0", "--host", "127.0.0.1", "--port", str(port),
-               "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-               "--shutdown-timeout", "20", "--kv-transfer-config", json.dumps(CONNECTOR)]
+        cmd = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            SERVED_NAME,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_model_len),
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            "--shutdown-timeout",
+            "20",
+            "--kv-transfer-config",
+            json.dumps(CONNECTOR),
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_CACHE_ROOT=str(work / "vllm_cache"), PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1",
-                   LMTIER_CONFIG_FILE=str(config), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CACHE_ROOT=str(work / "vllm_cache"),
+            PYTHONUNBUFFERED="1",
+            VLLM_NO_USAGE_STATS="1",
+            LMTIER_CONFIG_FILE=str(config),
+            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         env.update(extra_env or {})
         super().__init__(name, cmd, env, work / "logs" / f"{name}.log", cwd=REPO)
         self.t_start = time.monotonic()
@@ -179,8 +244,9 @@ class VLLMServer(Proc):
 
         while time.monotonic() - self.t_start < timeout_s:
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) during startup:\n"
-                                   f"{tail(self.log_path, 40)}")
+                raise RuntimeError(
+                    f"{self.name} exited ({self.popen.returncode}) during startup:\n{tail(self.log_path, 40)}"
+                )
             try:
                 if requests.get(self.base + "/health", timeout=2).status_code == 200:
                     return time.monotonic() - self.t_start
@@ -210,7 +276,7 @@ class VLLMServer(Proc):
             try:
                 with open(f"/proc/{d}/stat") as f:
                     st = f.read()
-                fields = st[st.rindex(")") + 2:].split()
+                fields = st[st.rindex(")") + 2 :].split()
                 if int(fields[2]) == self.pgid:  # pgrp
                     out.append(int(d))
             except (OSError, ValueError):

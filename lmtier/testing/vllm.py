@@ -101,23 +101,36 @@ def run_engine(spec: dict, tmp: Path, *, name: str = "run", timeout_s: float = 3
     for k in list(env):
         if k.startswith("LMTIER_") and k not in ("LMTIER_REQUIRE_VLLM", "LMTIER_REQUIRE_REDIS"):
             del env[k]
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), VLLM_NO_USAGE_STATS="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-               LMTIER_CONFIG_FILE=str(write_yaml(tmp / f"{name}.yaml", spec["config"])))
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        VLLM_NO_USAGE_STATS="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        LMTIER_CONFIG_FILE=str(write_yaml(tmp / f"{name}.yaml", spec["config"])),
+    )
     env.update(spec.get("env", {}))
     t0 = time.monotonic()
     try:
-        p = subprocess.run([sys.executable, "-m", "lmtier.testing.vllm", str(spec_path), str(out_path)],
-                           env=env, cwd=str(tmp), capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(
+            [sys.executable, "-m", "lmtier.testing.vllm", str(spec_path), str(out_path)],
+            env=env,
+            cwd=str(tmp),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""
         raise AssertionError(f"engine process {name} timed out after {timeout_s} s\n{tail}") from None
     log_path = tmp / f"{name}.log"
     log_path.write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
     if p.returncode != 0 or not out_path.exists():
-        raise AssertionError(f"engine process {name} failed (rc {p.returncode}), log {log_path}:\n"
-                             f"{p.stdout[-2000:]}\n{p.stderr[-5000:]}")
+        raise AssertionError(
+            f"engine process {name} failed (rc {p.returncode}), log {log_path}:\n{p.stdout[-2000:]}\n{p.stderr[-5000:]}"
+        )
     res = json.loads(out_path.read_text())
     res["wall_s"] = time.monotonic() - t0
     res["log"] = p.stdout + p.stderr
@@ -162,15 +175,25 @@ def _child(spec_path: str, out_path: str) -> None:
     from lmtier.integration.vllm.common import flush_all
     from lmtier.integration.vllm.stats import process_totals
 
-    kw = dict(model=str(MODEL_DIR), dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-              max_model_len=4096, enable_prefix_caching=False, seed=0,
-              disable_log_stats=not spec.get("log_stats", False))
+    kw = dict(
+        model=str(MODEL_DIR),
+        dtype="float32",
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        seed=0,
+        disable_log_stats=not spec.get("log_stats", False),
+    )
     kw.update(spec.get("llm_kwargs", {}))
     if spec.get("connector", True):
-        kw["kv_transfer_config"] = {"kv_connector": "LMTierConnector",
-                                    "kv_connector_module_path": "lmtier.integration.vllm", "kv_role": "kv_both",
-                                    "kv_load_failure_policy": spec.get("policy", "recompute"),
-                                    "kv_connector_extra_config": spec.get("extra_config", {})}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "LMTierConnector",
+            "kv_connector_module_path": "lmtier.integration.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": spec.get("policy", "recompute"),
+            "kv_connector_extra_config": spec.get("extra_config", {}),
+        }
     t0 = time.monotonic()
     llm = LLM(**kw)
     startup = time.monotonic() - t0
@@ -198,7 +221,7 @@ def _child(spec_path: str, out_path: str) -> None:
             prompts = []
             for p in step["prompts"]:
                 start = p["seg"] * SEGMENT
-                toks = ids[start:start + p["len"]]
+                toks = ids[start : start + p["len"]]
                 assert len(toks) == p["len"], "test text too short"
                 d = {"prompt_token_ids": toks}
                 if p.get("salt"):
@@ -206,18 +229,27 @@ def _child(spec_path: str, out_path: str) -> None:
                 prompts.append(d)
             before = process_totals()
             t1 = time.monotonic()
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8)),
-                                use_tqdm=False)
+            outs = llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8)), use_tqdm=False
+            )
             dt = time.monotonic() - t1
             after = process_totals()
             stats = {k: after[k] - before.get(k, 0) for k in after if not isinstance(after[k], list)}
             if spec.get("log_stats", False):
                 llm.llm_engine.do_log_stats()  # the periodic "KV Transfer metrics" line, now
             results[step["name"]] = {
-                "outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
-                             "num_cached_tokens": o.num_cached_tokens, "prompt_len": len(o.prompt_token_ids)}
-                            for o in outs],
-                "stats": stats, "seconds": dt}
+                "outputs": [
+                    {
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "num_cached_tokens": o.num_cached_tokens,
+                        "prompt_len": len(o.prompt_token_ids),
+                    }
+                    for o in outs
+                ],
+                "stats": stats,
+                "seconds": dt,
+            }
         else:
             raise ValueError(f"unknown step {op!r}")
     flush_all(60)

@@ -124,7 +124,7 @@ class Tier(abc.ABC):
     def usage(self) -> TierUsage:
         """Current capacity and usage."""
 
-    def close(self) -> None:  # pragma: no cover - default no-op
+    def close(self) -> None:  # noqa: B027  # pragma: no cover - a concrete default no-op, not abstract
         """Release resources (threads, connections, file handles)."""
 
     # ---- eviction listeners -------------------------------------------------------------------

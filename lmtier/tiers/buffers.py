@@ -91,7 +91,9 @@ class AlignedBuffer:
 
         if self._tensor is not None:
             return self._tensor[:nbytes]
-        return torch.frombuffer(self.mv, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(self.mv, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        )
 
     def close(self) -> None:
         self.mv.release()

@@ -2,13 +2,13 @@
 
 :class:`CodecTier` wraps a disk or remote tier and implements the whole
 :class:`~lmtier.tiers.base.Tier` protocol by forwarding to it (``contains``, ``contains_many``,
-``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put`` encodes the chunk's canonical bytes with
-:func:`lmtier.codec.chunk.encode_chunk` and stores the record in the inner tier; ``get_into``
-fetches the record into a decode slot's record buffer and decodes it into the caller's buffer with
-the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for that buffer's device (on the GPU for
-CUDA destinations: static tables uploaded once, buffers and descriptors reused, one CUDA stream
-per concurrent caller, one host sync per chunk). To everything above it (the tier manager) it is
-an ordinary tier holding full canonical chunks.
+``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put``
+encodes the chunk's canonical bytes with :func:`lmtier.codec.chunk.encode_chunk` and stores the
+record in the inner tier; ``get_into`` fetches the record into a decode slot's record buffer and
+decodes it into the caller's buffer with the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for
+that buffer's device (on the GPU for CUDA destinations: static tables uploaded once, buffers and
+descriptors reused, one CUDA stream per concurrent caller, one host sync per chunk). To everything
+above it (the tier manager) it is an ordinary tier holding full canonical chunks.
 
 Decisions:
 
@@ -16,14 +16,15 @@ Decisions:
   ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || table id)``,
   so naive (raw) chunks and codec records of every level live in disjoint key spaces of a shared
   disk directory or Redis (chunk keys are BLAKE2b outputs: a raw key equal to a record's derived
-  key would need two chunk hashes differing by exactly the pad, as unlikely as a collision): a naive reader never takes a record for raw KV (raw chunks carry no
-  magic it could check), a codec reader never deletes another process's raw chunk as corrupt, and
-  a ``lossless`` reader never receives lossy KV. Processes configured with different levels do
-  not share chunks. The chunk key itself (and :class:`lmtier.keys.Namespace`) is unchanged: the
-  serde is a property of a tier's storage, not of the KV (see :mod:`lmtier.config`). The
-  derivation is invertible (:meth:`CodecTier.outer_key`), so the inner tier's evictions reach the
-  wrapper's listeners under chunk keys — records found on disk at startup included. (Before the
-  XOR pad the derived key was a hash of salt and key: records written then are misses now.)
+  key would need two chunk hashes differing by exactly the pad, as unlikely as a collision): a
+  naive reader never takes a record for raw KV (raw chunks carry no magic it could check), a codec
+  reader never deletes another process's raw chunk as corrupt, and a ``lossless`` reader never
+  receives lossy KV. Processes configured with different levels do not share chunks. The chunk key
+  itself (and :class:`lmtier.keys.Namespace`) is unchanged: the serde is a property of a tier's
+  storage, not of the KV (see :mod:`lmtier.config`). The derivation is invertible
+  (:meth:`CodecTier.outer_key`), so the inner tier's evictions reach the wrapper's listeners under
+  chunk keys — records found on disk at startup included. (Before the XOR pad the derived key was a
+  hash of salt and key: records written then are misses now.)
 * **Size.** Records are always stored as records (never as raw bytes): the rANS coder stores a
   segment raw when coding would not shrink it, so a record never exceeds
   :func:`lmtier.codec.chunk.max_record_bytes` — the raw symbol bytes plus a per-stream overhead
@@ -95,7 +96,11 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def check_codec_geometry(
-    shape: Sequence[int], dtype: Any, level: str | Level, *, config_key: str = "serde",
+    shape: Sequence[int],
+    dtype: Any,
+    level: str | Level,
+    *,
+    config_key: str = "serde",
     config_value: str = "cachegen",
 ) -> tuple[tuple[int, ...], torch.dtype, Level]:
     """Validate a chunk geometry for the codec; returns ``(shape, torch dtype, level)``.
@@ -131,14 +136,18 @@ def check_codec_geometry(
     if dt is None:
         if lv.lossless:
             raise bad(f"codec level 'lossless' needs a 16-bit float KV cache (bfloat16/float16), kv_dtype is {name}")
-        raise bad(f"lossy codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name} "
-                  f"(use {config_key}: naive)")
+        raise bad(
+            f"lossy codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name} "
+            f"(use {config_key}: naive)"
+        )
     if shp[1] != 2:
         raise bad(f"the codec needs separate K and V planes (kv_planes=2), the chunk has {shp[1]} (MLA?)")
     d = shp[4]
     if not lv.lossless and d & (d - 1):
-        raise bad(f"lossy codec level {lv.name!r} needs a power-of-two head size (Hadamard rotation), head_size is "
-                  f"{d}; use codec_level: lossless")
+        raise bad(
+            f"lossy codec level {lv.name!r} needs a power-of-two head size (Hadamard rotation), head_size is "
+            f"{d}; use codec_level: lossless"
+        )
     return shp, dt, lv
 
 
@@ -172,12 +181,21 @@ class CodecTier(Tier):
         ConfigError: see :func:`check_codec_geometry`.
     """
 
-    def __init__(self, inner: Tier, *, shape: Sequence[int], dtype: Any, level: str | Level,
-                 tables: cchunk.StaticTables | str | None = "shipped", config_key: str = "serde",
-                 config_value: str = "cachegen") -> None:
+    def __init__(
+        self,
+        inner: Tier,
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        level: str | Level,
+        tables: cchunk.StaticTables | str | None = "shipped",
+        config_key: str = "serde",
+        config_value: str = "cachegen",
+    ) -> None:
         super().__init__()
-        self.shape, self.dtype, self.level = check_codec_geometry(shape, dtype, level, config_key=config_key,
-                                                                  config_value=config_value)
+        self.shape, self.dtype, self.level = check_codec_geometry(
+            shape, dtype, level, config_key=config_key, config_value=config_value
+        )
         self.inner = inner
         self.name = inner.name
         if isinstance(tables, str):
@@ -254,15 +272,21 @@ class CodecTier(Tier):
             self._count("put_failures")
             return False
         if src.numel() != self.raw_bytes:
-            log.warning("put %s: payload of %d bytes, a chunk of %s is %d; not stored", bytes(key).hex()[:16],
-                        src.numel(), self.shape, self.raw_bytes)
+            log.warning(
+                "put %s: payload of %d bytes, a chunk of %s is %d; not stored",
+                bytes(key).hex()[:16],
+                src.numel(),
+                self.shape,
+                self.raw_bytes,
+            )
             self._count("put_failures")
             return False
         try:
             record = cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables)
         except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
-            log.warning("put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16],
-                        self.level.name, e)
+            log.warning(
+                "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, e
+            )
             self._count("put_failures")
             return False
         ok = bool(self.inner.put(ikey, memoryview(record)))
@@ -315,8 +339,9 @@ class CodecTier(Tier):
             try:
                 dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream)
             except cchunk.CodecRecordError as e:
-                log.warning("%s: codec record of chunk %s is unusable (%s); deleted", self.name,
-                            bytes(key).hex()[:16], e)
+                log.warning(
+                    "%s: codec record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e
+                )
                 self._count("corrupt_deleted")
                 self._count("misses")
                 self.inner.delete(ikey)
@@ -338,8 +363,14 @@ class CodecTier(Tier):
         with self._lock:
             dec = self._decoders.get(dev)
             if dec is None:
-                dec = ChunkDecoder(shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables,
-                                   device=dev, max_idle_slots=_IDLE_SLOTS.get(dev.type, 2))
+                dec = ChunkDecoder(
+                    shape=self.shape,
+                    dtype=self.dtype,
+                    level=self.level,
+                    tables=self.tables,
+                    device=dev,
+                    max_idle_slots=_IDLE_SLOTS.get(dev.type, 2),
+                )
                 self._decoders[dev] = dec
             return dec
 

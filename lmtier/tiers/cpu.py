@@ -216,8 +216,12 @@ class CPUPool(Tier):
             self._ahead = max(1, POPULATE_AHEAD_BYTES // self.slot_bytes)
             self._pop_cond = threading.Condition(self._lock)
             self._pop_target = min(self.num_slots, self._ahead)
-            threading.Thread(target=CPUPool._populate_loop, args=(weakref.ref(self), self._pop_cond),
-                             name="lmtier-populate", daemon=True).start()
+            threading.Thread(
+                target=CPUPool._populate_loop,
+                args=(weakref.ref(self), self._pop_cond),
+                name="lmtier-populate",
+                daemon=True,
+            ).start()
 
     # ---- writer side ---------------------------------------------------------------------------
 
@@ -416,7 +420,9 @@ class CPUPool(Tier):
         written or pinned-after-delete) × ``slot_bytes``; ``num_chunks`` = visible chunks."""
         with self._lock:
             used = (self.num_slots - len(self._free)) * self.slot_bytes
-            return TierUsage(capacity_bytes=self.num_slots * self.slot_bytes, used_bytes=used, num_chunks=len(self._index))
+            return TierUsage(
+                capacity_bytes=self.num_slots * self.slot_bytes, used_bytes=used, num_chunks=len(self._index)
+            )
 
     def keys(self) -> list[bytes]:
         """Committed keys, least recently used first among the unpinned ones (snapshot)."""
@@ -438,7 +444,7 @@ class CPUPool(Tier):
                 self._pop_cond.notify()
 
     @staticmethod
-    def _populate_loop(ref: "weakref.ref[CPUPool]", cond: threading.Condition) -> None:
+    def _populate_loop(ref: weakref.ref[CPUPool], cond: threading.Condition) -> None:
         """Daemon thread: map slots ``[done, target)`` whenever the target moves (see ``populate``).
         Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed."""
         from lmtier.memory import populate
@@ -463,7 +469,7 @@ class CPUPool(Tier):
                 del pool
             # In pieces: a fault in a range being populated waits for that madvise call.
             for a in range(done, target, step):
-                if not populate(arena[a * slot_bytes:min(a + step, target) * slot_bytes]):
+                if not populate(arena[a * slot_bytes : min(a + step, target) * slot_bytes]):
                     return  # not supported here: pages fault on first write, as without populating
             del arena
             done = target
@@ -501,7 +507,15 @@ class CPUPool(Tier):
         self._doomed[idx] = False
         self._pending[key] = idx
         self.counters["reserves"] += 1
-        return Slot(key, idx, idx * self.slot_bytes, self.chunk_bytes, self._views[idx][: self.chunk_bytes], _WRITE, self._gen[idx])
+        return Slot(
+            key,
+            idx,
+            idx * self.slot_bytes,
+            self.chunk_bytes,
+            self._views[idx][: self.chunk_bytes],
+            _WRITE,
+            self._gen[idx],
+        )
 
     def _free_locked(self, idx: int) -> None:
         self._state[idx] = _FREE
@@ -523,7 +537,8 @@ class CPUPool(Tier):
 
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise TypeError(f"chunk key must be {KEY_BYTES} bytes, got {type(key).__name__} of length {len(key) if isinstance(key, (bytes, bytearray)) else '?'}")
+        length = len(key) if isinstance(key, (bytes, bytearray)) else "?"
+        raise TypeError(f"chunk key must be {KEY_BYTES} bytes, got {type(key).__name__} of length {length}")
 
 
 def _as_byte_dest(out: Any) -> torch.Tensor | np.ndarray:

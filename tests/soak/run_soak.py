@@ -73,6 +73,7 @@ the remote timeout and the no-fault TTFT.
 Output: a table on stdout, JSON (``--json``). Exit status 0 when wrong = lost = hangs = errors = 0
 and every episode recovered; 1 otherwise; 2 on setup failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,8 +120,23 @@ def log(msg: str) -> None:
 # Workload
 # --------------------------------------------------------------------------------------------
 
-SOURCE_MODULES = ("argparse", "textwrap", "collections", "functools", "pathlib", "subprocess", "tempfile",
-                  "shutil", "json.decoder", "json.encoder", "dataclasses", "enum", "string", "heapq", "bisect")
+SOURCE_MODULES = (
+    "argparse",
+    "textwrap",
+    "collections",
+    "functools",
+    "pathlib",
+    "subprocess",
+    "tempfile",
+    "shutil",
+    "json.decoder",
+    "json.encoder",
+    "dataclasses",
+    "enum",
+    "string",
+    "heapq",
+    "bisect",
+)
 
 
 @dataclass
@@ -146,7 +162,7 @@ def build_prompts(model: Path, a: argparse.Namespace) -> list[Prompt]:
         nonlocal pos
         if pos + n > len(ids):
             raise SystemExit(f"workload needs more text ({pos + n} > {len(ids)} tokens)")
-        out = [int(t) for t in ids[pos:pos + n]]
+        out = [int(t) for t in ids[pos : pos + n]]
         pos += n
         return out
 
@@ -201,16 +217,18 @@ def worker_regions(pids: list[int], named: dict[str, Any]) -> dict[str, Any]:
 
 def redis_cli(port: int, *args: str, timeout: float = 2.0) -> str:
     try:
-        return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True,
-                              timeout=timeout).stdout.strip()
+        return subprocess.run(
+            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=timeout
+        ).stdout.strip()
     except (subprocess.TimeoutExpired, OSError):
         return ""
 
 
 def mount_tmpfs(path: Path, mib: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         log(f"cannot mount a tmpfs at {path} ({r.stderr.strip()}); using a plain folder")
         return False
@@ -239,13 +257,27 @@ class Outage(Exception):
 
 
 def send(base: str, p: Prompt, salt: str | None, a: argparse.Namespace) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": SERVED, "prompt": p.ids, "max_tokens": a.max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                            "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": SERVED,
+        "prompt": p.ids,
+        "max_tokens": a.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     if salt is not None:
         body["cache_salt"] = salt
-    out: dict[str, Any] = {"status": None, "error": None, "finish": None, "tokens": [], "cached": None,
-                           "ttft": None, "done": False}
+    out: dict[str, Any] = {
+        "status": None,
+        "error": None,
+        "finish": None,
+        "tokens": [],
+        "cached": None,
+        "ttft": None,
+        "done": False,
+    }
     t0 = time.perf_counter()
     with requests.post(base + "/v1/completions", json=body, stream=True, timeout=(5, a.request_timeout)) as r:
         out["status"] = r.status_code
@@ -264,7 +296,7 @@ def send(base: str, p: Prompt, salt: str | None, a: argparse.Namespace) -> dict[
                 out["error"] = f"stream error: {str(msg['error'])[:300]}"
                 continue
             if msg.get("usage"):
-                out["cached"] = ((msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
+                out["cached"] = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             for ch in msg.get("choices") or []:
                 ids = ch.get("token_ids") or []
                 if ids and out["ttft"] is None:
@@ -338,16 +370,19 @@ class Soak:
             if skip:
                 self.notes.append(f"no tmpfs (not root?): faults {skip} skipped")
                 a.fault_list = [f for f in a.fault_list if f not in skip]
-        self.redis = RedisServer(extra_args=("--maxmemory", f"{a.redis_maxmemory_mib}mb",
-                                             "--maxmemory-policy", "allkeys-lru"))
+        self.redis = RedisServer(
+            extra_args=("--maxmemory", f"{a.redis_maxmemory_mib}mb", "--maxmemory-policy", "allkeys-lru")
+        )
         self.redis.start()
-        log(f"redis on 127.0.0.1:{self.redis.port}; disk tier {self.disk} ({'tmpfs %d MiB' % a.disk_fs_mib if self.tmpfs else 'plain folder'})")
+        disk_fs = f"tmpfs {a.disk_fs_mib:d} MiB" if self.tmpfs else "plain folder"
+        log(f"redis on 127.0.0.1:{self.redis.port}; disk tier {self.disk} ({disk_fs})")
         disk_gib = a.disk_fs_mib * 0.85 / 1024
         self.cfg = self.work / "lmtier.yaml"
         self.cfg.write_text(
             f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {a.cpu_gib}\n"
-            f"local_disk: \"file://{self.disk}\"\nmax_local_disk_size: {disk_gib:.4f}\n"
-            f"remote_url: \"redis://127.0.0.1:{self.redis.port}/0\"\nremote_timeout_s: {a.remote_timeout}\n")
+            f'local_disk: "file://{self.disk}"\nmax_local_disk_size: {disk_gib:.4f}\n'
+            f'remote_url: "redis://127.0.0.1:{self.redis.port}/0"\nremote_timeout_s: {a.remote_timeout}\n'
+        )
         from lmtier.config import load_config
 
         load_config(self.cfg, env={})
@@ -355,9 +390,17 @@ class Soak:
 
     def start_server(self) -> None:
         self.server_gen += 1
-        self.server = VLLMServer(f"server{self.server_gen}", work=self.work, config=self.cfg, port=self.port,
-                                 model=self.a.model, python=self.a.python, max_model_len=self.a.max_model_len,
-                                 kv_space_gib=self.a.kv_space_gib, extra_env=self.server_env)
+        self.server = VLLMServer(
+            f"server{self.server_gen}",
+            work=self.work,
+            config=self.cfg,
+            port=self.port,
+            model=self.a.model,
+            python=self.a.python,
+            max_model_len=self.a.max_model_len,
+            kv_space_gib=self.a.kv_space_gib,
+            extra_env=self.server_env,
+        )
         dt = self.server.wait_ready(self.a.startup_timeout)
         self.startup_s.append(dt)
         self.metric_gens.append({})
@@ -402,9 +445,17 @@ class Soak:
             p = rng.choice(shared if (rng.random() < 0.7 or not unique) else unique)
             control = rng.random() < self.a.control_frac
             salt = f"ctl-{uuid.uuid4().hex}" if control else None
-            rec: dict[str, Any] = {"client": i, "pid": p.pid, "kind": p.kind, "control": control,
-                                   "t_send": time.monotonic() - self.t0, "attempts": 0, "interrupted": 0,
-                                   "faults": sorted(self.active.copy()), "gen": self.server_gen}
+            rec: dict[str, Any] = {
+                "client": i,
+                "pid": p.pid,
+                "kind": p.kind,
+                "control": control,
+                "t_send": time.monotonic() - self.t0,
+                "attempts": 0,
+                "interrupted": 0,
+                "faults": sorted(self.active.copy()),
+                "gen": self.server_gen,
+            }
             deadline = time.monotonic() + self.a.request_timeout + self.a.startup_timeout
             while True:
                 if not self.server_up.wait(timeout=max(0.0, deadline - time.monotonic())):
@@ -428,15 +479,24 @@ class Soak:
                 if r["error"] and (r["status"] in (None, 200)) and self.in_kill_window(ta, time.monotonic()):
                     rec["interrupted"] += 1  # stream cut by the kill
                     continue
-                rec.update(status=r["status"], error=r["error"], finish=r["finish"], cached=r["cached"],
-                           ttft=r["ttft"], total=r.get("total"), gen=self.server_gen)
+                rec.update(
+                    status=r["status"],
+                    error=r["error"],
+                    finish=r["finish"],
+                    cached=r["cached"],
+                    ttft=r["ttft"],
+                    total=r.get("total"),
+                    gen=self.server_gen,
+                )
                 if not r["error"]:
                     rec["ok"] = True
                     rec["wrong"] = r["tokens"] != p.ref
                     if rec["wrong"]:
                         rec["tokens"], rec["ref"] = r["tokens"], p.ref
-                        rec["first_diff"] = next((k for k, (x, y) in enumerate(zip(r["tokens"], p.ref)) if x != y),
-                                                 min(len(r["tokens"]), len(p.ref)))
+                        rec["first_diff"] = next(
+                            (k for k, (x, y) in enumerate(zip(r["tokens"], p.ref)) if x != y),
+                            min(len(r["tokens"]), len(p.ref)),
+                        )
                 break
             rec["t_done"] = time.monotonic() - self.t0
             with self.lock:
@@ -455,8 +515,11 @@ class Soak:
 
     def sampler(self) -> None:
         while not self.stop.wait(self.a.sample_s):
-            s: dict[str, Any] = {"t": time.monotonic() - self.t0, "gen": self.server_gen,
-                                 "faults": sorted(self.active.copy())}
+            s: dict[str, Any] = {
+                "t": time.monotonic() - self.t0,
+                "gen": self.server_gen,
+                "faults": sorted(self.active.copy()),
+            }
             if self.server is not None and self.server_up.is_set():
                 pids = self.server.pids()
                 s["rss_mb"], s["fds"] = rss_and_fds(pids)
@@ -499,7 +562,7 @@ class Soak:
             return
         order = [f for _ in range(a.repeats) for f in a.fault_list]
         for n, fault in enumerate(order):
-            rep = order[:n + 1].count(fault)
+            rep = order[: n + 1].count(fault)
             need = a.fault_s + a.recovery_s + (a.startup_timeout if fault == "server_kill" else 0)
             if time.monotonic() + min(need, a.fault_s + a.recovery_s) > t_end or self.stop.is_set():
                 self.notes.append(f"not enough time left for episode {n + 1}/{len(order)} ({fault}); stopped")
@@ -580,7 +643,7 @@ class Soak:
 
     def fault_disk_readonly(self, ep: Episode) -> None:
         # remount,ro fails with EBUSY while a file is open for writing: retry (writes are short)
-        for attempt in range(200):
+        for attempt in range(200):  # noqa: B007 - the attempt count is read after the loop
             r = subprocess.run(["mount", "-o", "remount,ro", str(self.disk)], capture_output=True, text=True)
             if r.returncode == 0:
                 break
@@ -608,8 +671,9 @@ class Soak:
                         os.posix_fallocate(fh.fileno(), os.fstat(fh.fileno()).st_size, free)
                     except OSError:
                         pass
-            ep.detail["min_free_bytes"] = min(ep.detail.get("min_free_bytes", 1 << 62),
-                                              os.statvfs(self.disk).f_bavail * st.f_frsize)
+            ep.detail["min_free_bytes"] = min(
+                ep.detail.get("min_free_bytes", 1 << 62), os.statvfs(self.disk).f_bavail * st.f_frsize
+            )
 
         try:
             self._hold(self.a.fault_s, 0.5, fill)
@@ -649,8 +713,12 @@ class Soak:
             h = self.hits_now()
             if f in ("redis_kill", "redis_pause"):
                 keys = self.redis_keys()
-                ok = keys is not None and keys0 is not None and keys > keys0 or (
-                    keys is not None and f == "redis_kill" and keys > 0)
+                ok = (
+                    keys is not None
+                    and keys0 is not None
+                    and keys > keys0
+                    or (keys is not None and f == "redis_kill" and keys > 0)
+                )
                 ep.detail["recovery"] = f"redis keys {keys0} -> {keys}"
             elif f.startswith("disk_"):
                 files = len(disk_records(self.disk))
@@ -660,7 +728,9 @@ class Soak:
             elif f == "server_kill":
                 dh = (h["disk"] - h0["disk"]) + (h["remote"] - h0["remote"])
                 ok = dh > 0
-                ep.detail["recovery"] = f"disk+remote hit tokens after restart +{dh:.0f} (cpu +{h['cpu'] - h0['cpu']:.0f})"
+                ep.detail["recovery"] = (
+                    f"disk+remote hit tokens after restart +{dh:.0f} (cpu +{h['cpu'] - h0['cpu']:.0f})"
+                )
             if ok:
                 break
         ep.recovered = ok
@@ -675,8 +745,7 @@ class Soak:
         a = self.a
         t_end = time.monotonic() + a.duration
         self.load_t0 = time.monotonic() - self.t0
-        threads = [threading.Thread(target=self.client, args=(i, prompts), daemon=True)
-                   for i in range(a.clients)]
+        threads = [threading.Thread(target=self.client, args=(i, prompts), daemon=True) for i in range(a.clients)]
         sampler = threading.Thread(target=self.sampler, daemon=True)
         faults = threading.Thread(target=self.fault_loop, args=(t_end,), daemon=True)
         sampler.start()
@@ -723,7 +792,7 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
     no_fault_ttft = [r["ttft"] for r in done if r.get("ttft") is not None and not r["faults"]]
     hit_recs = [r for r in done if not r["control"]]
     prompt_tokens = {p.pid: len(p.ids) for p in prompts}
-    hit_rate = (sum(r.get("cached") or 0 for r in hit_recs) / max(1, sum(prompt_tokens[r["pid"]] for r in hit_recs)))
+    hit_rate = sum(r.get("cached") or 0 for r in hit_recs) / max(1, sum(prompt_tokens[r["pid"]] for r in hit_recs))
     samples = [x for x in s.samples if "rss_mb" in x]
     rss = [x["rss_mb"] for x in samples]
     fds = [x["fds"] for x in samples]
@@ -737,12 +806,30 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
         if "worker" in x:
             gens.setdefault(x["gen"], []).append(x)
     by_gen = {g: region_summary(v, (v[0]["t"] + v[-1]["t"]) / 2) for g, v in gens.items()}
-    regions = dict(by_gen[max(gens, key=lambda g: len(gens[g]))], generation=max(gens, key=lambda g: len(gens[g])),
-                   by_generation=by_gen) if gens else {}
+    regions = (
+        dict(
+            by_gen[max(gens, key=lambda g: len(gens[g]))],
+            generation=max(gens, key=lambda g: len(gens[g])),
+            by_generation=by_gen,
+        )
+        if gens
+        else {}
+    )
     by_fault: dict[str, dict[str, Any]] = {}
     for ep in s.episodes:
-        d = by_fault.setdefault(ep.fault, {"episodes": 0, "recovered": 0, "requests": 0, "errors": 0, "wrong": 0,
-                                           "interrupted": 0, "max_ttft_s": 0.0, "details": []})
+        d = by_fault.setdefault(
+            ep.fault,
+            {
+                "episodes": 0,
+                "recovered": 0,
+                "requests": 0,
+                "errors": 0,
+                "wrong": 0,
+                "interrupted": 0,
+                "max_ttft_s": 0.0,
+                "details": [],
+            },
+        )
         d["episodes"] += 1
         d["recovered"] += bool(ep.recovered)
         during = [r for r in recs if ep.t0 <= r["t_send"] <= ep.t1]
@@ -752,40 +839,69 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
         d["interrupted"] += sum(r["interrupted"] for r in during)
         t = [r["ttft"] for r in during if r.get("ttft") is not None]
         d["max_ttft_s"] = max(d["max_ttft_s"], max(t) if t else 0.0)
-        d["details"].append({"rep": ep.rep, "t0": round(ep.t0, 1), "t1": round(ep.t1, 1),
-                             "recovered": ep.recovered, **ep.detail})
+        d["details"].append(
+            {"rep": ep.rep, "t0": round(ep.t0, 1), "t1": round(ep.t1, 1), "recovered": ep.recovered, **ep.detail}
+        )
     hits = s.hits()
     out = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "uname": " ".join(os.uname())},
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "prompts": {"n": len(prompts), "shared": sum(p.kind == "shared" for p in prompts),
-                    "tokens_min": min(prompt_tokens.values()), "tokens_max": max(prompt_tokens.values())},
+        "prompts": {
+            "n": len(prompts),
+            "shared": sum(p.kind == "shared" for p in prompts),
+            "tokens_min": min(prompt_tokens.values()),
+            "tokens_max": max(prompt_tokens.values()),
+        },
         "load_s": s.load_t1 - s.load_t0,
-        "requests": len(recs), "served": len(done), "errors": len(errors), "lost": len(lost),
-        "hangs": len(hangs), "wrong": len(wrong), "wrong_controls": len(wrong_ctl), "wrong_with_hits": len(wrong_hit),
-        "controls": sum(r["control"] for r in done), "interrupted_attempts": sum(r["interrupted"] for r in recs),
+        "requests": len(recs),
+        "served": len(done),
+        "errors": len(errors),
+        "lost": len(lost),
+        "hangs": len(hangs),
+        "wrong": len(wrong),
+        "wrong_controls": len(wrong_ctl),
+        "wrong_with_hits": len(wrong_hit),
+        "controls": sum(r["control"] for r in done),
+        "interrupted_attempts": sum(r["interrupted"] for r in recs),
         "http_non200": sum(1 for r in recs if r.get("status") not in (None, 200)),
         "finish_error": sum(1 for r in recs if r.get("finish") == "error"),
-        "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99), "max": max(ttft) if ttft else math.nan,
-                   "no_fault_p50": pct(no_fault_ttft, 0.5), "no_fault_p99": pct(no_fault_ttft, 0.99),
-                   "no_fault_max": max(no_fault_ttft) if no_fault_ttft else math.nan},
+        "ttft_s": {
+            "p50": pct(ttft, 0.5),
+            "p99": pct(ttft, 0.99),
+            "max": max(ttft) if ttft else math.nan,
+            "no_fault_p50": pct(no_fault_ttft, 0.5),
+            "no_fault_p99": pct(no_fault_ttft, 0.99),
+            "no_fault_max": max(no_fault_ttft) if no_fault_ttft else math.nan,
+        },
         "remote_timeout_s": a.remote_timeout,
         "hit_rate_tokens": hit_rate,
         "hit_tokens_by_tier": hits,
         "load_failures": s.metric_sum("vllm:lmtier_load_failures_total"),
         "stored_chunks": s.metric_sum("vllm:lmtier_stored_chunks_total"),
-        "rss_mb": {"min": min(rss, default=math.nan), "max": max(rss, default=math.nan),
-                   "second_half_first": half[0]["rss_mb"] if half else math.nan,
-                   "second_half_last": half[-1]["rss_mb"] if half else math.nan},
+        "rss_mb": {
+            "min": min(rss, default=math.nan),
+            "max": max(rss, default=math.nan),
+            "second_half_first": half[0]["rss_mb"] if half else math.nan,
+            "second_half_last": half[-1]["rss_mb"] if half else math.nan,
+        },
         "worker_regions_mb": regions,
         "malloc": {"setting": a.malloc, "onednn_cache": a.onednn_cache, "server_env": s.server_env},
-        "fds": {"min": min(fds, default=0), "max": max(fds, default=0),
-                "second_half_first": half[0]["fds"] if half else None, "second_half_last": half[-1]["fds"] if half else None},
-        "pools": {"cpu_pool_gib": a.cpu_gib, "vllm_kv_gib": a.kv_space_gib, "disk_fs_mib": a.disk_fs_mib,
-                  "redis_maxmemory_mib": a.redis_maxmemory_mib},
+        "fds": {
+            "min": min(fds, default=0),
+            "max": max(fds, default=0),
+            "second_half_first": half[0]["fds"] if half else None,
+            "second_half_last": half[-1]["fds"] if half else None,
+        },
+        "pools": {
+            "cpu_pool_gib": a.cpu_gib,
+            "vllm_kv_gib": a.kv_space_gib,
+            "disk_fs_mib": a.disk_fs_mib,
+            "redis_maxmemory_mib": a.redis_maxmemory_mib,
+        },
         "faults": by_fault,
-        "episodes_recovered": sum(bool(e.recovered) for e in s.episodes), "episodes": len(s.episodes),
+        "episodes_recovered": sum(bool(e.recovered) for e in s.episodes),
+        "episodes": len(s.episodes),
         "startup_s": s.startup_s,
         "notes": s.notes,
         "samples": s.samples,
@@ -805,65 +921,102 @@ def region_summary(samples: list[dict[str, Any]], t_half: float) -> dict[str, An
     out: dict[str, Any] = {"n_samples": len(samples), "t_first": samples[0]["t"], "t_last": samples[-1]["t"]}
     for k in keys:
         v = [x["worker"][k] for x in samples]
-        out[k] = {"first": v[0], "max": max(v), "last": v[-1], "second_half_first": half[0]["worker"][k],
-                  "second_half_last": half[-1]["worker"][k]}
+        out[k] = {
+            "first": v[0],
+            "max": max(v),
+            "last": v[-1],
+            "second_half_first": half[0]["worker"][k],
+            "second_half_last": half[-1]["worker"][k],
+        }
     return out
 
 
 def print_report(r: dict[str, Any]) -> None:
     t = r["ttft_s"]
     print()
-    print(f"load: {r['args']['clients']} clients for {r['load_s']:.0f}s, {r['prompts']['n']} prompts "
-          f"({r['prompts']['shared']} with shared prefixes, {r['prompts']['tokens_min']}-{r['prompts']['tokens_max']} tokens), "
-          f"max_tokens {r['args']['max_tokens']}")
-    print(f"requests served {r['served']} / sent {r['requests']}  errors {r['errors']} (HTTP non-200 {r['http_non200']}, "
-          f"finish_reason error {r['finish_error']})  lost {r['lost']}  hangs {r['hangs']}  "
-          f"interrupted by SIGKILL and retried {r['interrupted_attempts']}")
-    print(f"wrong outputs {r['wrong']} (of them controls {r['wrong_controls']}, with lmtier hits {r['wrong_with_hits']}; "
-          f"{r['controls']} control requests)")
-    print(f"TTFT p50 {t['p50']:.2f}s p99 {t['p99']:.2f}s max {t['max']:.2f}s (no fault active: p50 {t['no_fault_p50']:.2f}s "
-          f"p99 {t['no_fault_p99']:.2f}s max {t['no_fault_max']:.2f}s); remote timeout {r['remote_timeout_s']}s")
+    print(
+        f"load: {r['args']['clients']} clients for {r['load_s']:.0f}s, {r['prompts']['n']} prompts "
+        f"({r['prompts']['shared']} with shared prefixes, "
+        f"{r['prompts']['tokens_min']}-{r['prompts']['tokens_max']} tokens), "
+        f"max_tokens {r['args']['max_tokens']}"
+    )
+    print(
+        f"requests served {r['served']} / sent {r['requests']}  errors {r['errors']} (HTTP non-200 {r['http_non200']}, "
+        f"finish_reason error {r['finish_error']})  lost {r['lost']}  hangs {r['hangs']}  "
+        f"interrupted by SIGKILL and retried {r['interrupted_attempts']}"
+    )
+    print(
+        f"wrong outputs {r['wrong']} (of them controls {r['wrong_controls']}, with lmtier hits {r['wrong_with_hits']}; "
+        f"{r['controls']} control requests)"
+    )
+    print(
+        f"TTFT p50 {t['p50']:.2f}s p99 {t['p99']:.2f}s max {t['max']:.2f}s (no fault active: p50 "
+        f"{t['no_fault_p50']:.2f}s "
+        f"p99 {t['no_fault_p99']:.2f}s max {t['no_fault_max']:.2f}s); remote timeout {r['remote_timeout_s']}s"
+    )
     hb = r["hit_tokens_by_tier"]
-    print(f"hit rate {100 * r['hit_rate_tokens']:.1f}% of prompt tokens (non-control); hit tokens cpu {hb.get('cpu', 0):.0f} "
-          f"disk {hb.get('disk', 0):.0f} remote {hb.get('remote', 0):.0f}; load failures (recomputed) "
-          f"{r['load_failures']:.0f}; stored chunks {r['stored_chunks']:.0f}")
+    print(
+        f"hit rate {100 * r['hit_rate_tokens']:.1f}% of prompt tokens (non-control); hit tokens cpu "
+        f"{hb.get('cpu', 0):.0f} "
+        f"disk {hb.get('disk', 0):.0f} remote {hb.get('remote', 0):.0f}; load failures (recomputed) "
+        f"{r['load_failures']:.0f}; stored chunks {r['stored_chunks']:.0f}"
+    )
     rm, fd = r["rss_mb"], r["fds"]
-    print(f"server RSS {rm['min']:.0f}-{rm['max']:.0f} MiB (second half {rm['second_half_first']:.0f} -> "
-          f"{rm['second_half_last']:.0f}); open fds {fd['min']}-{fd['max']} (second half {fd['second_half_first']} -> "
-          f"{fd['second_half_last']}); pools: CPU {r['pools']['cpu_pool_gib']} GiB, vLLM KV {r['pools']['vllm_kv_gib']} GiB; "
-          f"server env {r['malloc']['server_env'] or '(glibc, oneDNN defaults)'}")
+    print(
+        f"server RSS {rm['min']:.0f}-{rm['max']:.0f} MiB (second half {rm['second_half_first']:.0f} -> "
+        f"{rm['second_half_last']:.0f}); open fds {fd['min']}-{fd['max']} (second half {fd['second_half_first']} -> "
+        f"{fd['second_half_last']}); pools: CPU {r['pools']['cpu_pool_gib']} GiB, "
+        f"vLLM KV {r['pools']['vllm_kv_gib']} GiB; "
+        f"server env {r['malloc']['server_env'] or '(glibc, oneDNN defaults)'}"
+    )
     reg = r.get("worker_regions_mb") or {}
     if reg:
         names = [k for k in reg if isinstance(reg[k], dict) and k != "by_generation"]
-        print(f"worker anonymous memory by region, MiB (server generation {reg['generation']}, the longest-lived, "
-              f"{reg['n_samples']} samples, t {reg['t_first']:.0f}-{reg['t_last']:.0f}s): first / max / last; "
-              f"second half of that generation first -> last")
+        print(
+            f"worker anonymous memory by region, MiB (server generation {reg['generation']}, the longest-lived, "
+            f"{reg['n_samples']} samples, t {reg['t_first']:.0f}-{reg['t_last']:.0f}s): first / max / last; "
+            f"second half of that generation first -> last"
+        )
         for k in names:
             d = reg[k]
-            print(f"  {k:<9} {d['first']:7.0f} / {d['max']:7.0f} / {d['last']:7.0f};  {d['second_half_first']:7.0f} -> "
-                  f"{d['second_half_last']:7.0f} ({d['second_half_last'] - d['second_half_first']:+.0f})")
+            print(
+                f"  {k:<9} {d['first']:7.0f} / {d['max']:7.0f} / {d['last']:7.0f};  {d['second_half_first']:7.0f} -> "
+                f"{d['second_half_last']:7.0f} ({d['second_half_last'] - d['second_half_first']:+.0f})"
+            )
         pool_cfg = r["pools"]["cpu_pool_gib"] * 1024
         p, tot = reg.get("pool"), reg["total"]
         if p and p["max"] >= 0.5 * pool_cfg:  # the pool's own mapping (glibc); under tcmalloc it is inside "heap"
             rest = (tot["second_half_first"] - p["second_half_first"], tot["second_half_last"] - p["second_half_last"])
-            print(f"  lmtier CPU pool mapping max {p['max']:.0f} MiB (configured {pool_cfg:.0f} MiB: "
-                  f"{'within' if p['max'] <= pool_cfg + 1 else 'ABOVE'}); rest of the worker second half "
-                  f"{rest[0]:.0f} -> {rest[1]:.0f} MiB ({rest[1] - rest[0]:+.0f})")
+            print(
+                f"  lmtier CPU pool mapping max {p['max']:.0f} MiB (configured {pool_cfg:.0f} MiB: "
+                f"{'within' if p['max'] <= pool_cfg + 1 else 'ABOVE'}); rest of the worker second half "
+                f"{rest[0]:.0f} -> {rest[1]:.0f} MiB ({rest[1] - rest[0]:+.0f})"
+            )
         else:
-            print(f"  lmtier CPU pool: no mapping of its own (an allocator such as tcmalloc carved it from its heap); "
-                  f"whole worker second half {tot['second_half_first']:.0f} -> {tot['second_half_last']:.0f} MiB "
-                  f"({tot['second_half_last'] - tot['second_half_first']:+.0f}), configured pool {pool_cfg:.0f} MiB")
+            print(
+                f"  lmtier CPU pool: no mapping of its own (an allocator such as tcmalloc carved it from its heap); "
+                f"whole worker second half {tot['second_half_first']:.0f} -> {tot['second_half_last']:.0f} MiB "
+                f"({tot['second_half_last'] - tot['second_half_first']:+.0f}), configured pool {pool_cfg:.0f} MiB"
+            )
         for g, d in sorted(reg.get("by_generation", {}).items()):
             if "total" in d:
-                print(f"  generation {g}: t {d['t_first']:.0f}-{d['t_last']:.0f}s, {d['n_samples']} samples, worker total "
-                      f"first {d['total']['first']:.0f} / max {d['total']['max']:.0f} / last {d['total']['last']:.0f} MiB")
+                print(
+                    f"  generation {g}: t {d['t_first']:.0f}-{d['t_last']:.0f}s, {d['n_samples']} samples, "
+                    f"worker total first {d['total']['first']:.0f} / max {d['total']['max']:.0f} / "
+                    f"last {d['total']['last']:.0f} MiB"
+                )
     print()
-    hdr = f"{'fault':<14} {'episodes':>8} {'recovered':>9} {'requests':>8} {'errors':>6} {'wrong':>5} {'interrupted':>11} {'max TTFT':>9}"
+    hdr = (
+        f"{'fault':<14} {'episodes':>8} {'recovered':>9} {'requests':>8} {'errors':>6} {'wrong':>5} "
+        f"{'interrupted':>11} {'max TTFT':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, d in r["faults"].items():
-        print(f"{name:<14} {d['episodes']:>8} {d['recovered']:>9} {d['requests']:>8} {d['errors']:>6} {d['wrong']:>5} "
-              f"{d['interrupted']:>11} {d['max_ttft_s']:>8.2f}s")
+        print(
+            f"{name:<14} {d['episodes']:>8} {d['recovered']:>9} {d['requests']:>8} {d['errors']:>6} {d['wrong']:>5} "
+            f"{d['interrupted']:>11} {d['max_ttft_s']:>8.2f}s"
+        )
     print()
     for name, d in r["faults"].items():
         for e in d["details"]:
@@ -889,12 +1042,15 @@ def verdict(r: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ci", action="store_true", help="short version: 8 clients, 75 s, faults " + ",".join(CI_FAULTS))
     ap.add_argument("--clients", type=int)
     ap.add_argument("--duration", type=float, help="seconds of load (default 600; --ci 75)")
-    ap.add_argument("--faults", help=f"comma list of {','.join(ALL_FAULTS)} or 'none' (default: all; --ci: {','.join(CI_FAULTS)})")
+    ap.add_argument(
+        "--faults", help=f"comma list of {','.join(ALL_FAULTS)} or 'none' (default: all; --ci: {','.join(CI_FAULTS)})"
+    )
     ap.add_argument("--repeats", type=int, help="episodes per fault (default 2; --ci 1)")
     ap.add_argument("--fault-s", type=float, help="seconds each fault lasts (default 12; --ci 8)")
     ap.add_argument("--recovery-s", type=float, help="seconds to watch for recovery (default 25; --ci 15)")
@@ -912,20 +1068,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-tmpfs", action="store_true", help="plain folder for the disk tier (no ro/full faults)")
     ap.add_argument("--redis-maxmemory-mib", type=int, default=1536)
     ap.add_argument("--remote-timeout", type=float, default=0.5, help="lmtier remote_timeout_s")
-    ap.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB: vLLM parses an int)")
+    ap.add_argument(
+        "--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB: vLLM parses an int)"
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--request-timeout", type=float, default=180.0, help="a request slower than this is a hang")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--sample-s", type=float, default=5.0)
-    ap.add_argument("--regions-s", type=float, default=30.0,
-                    help="seconds between per-region samples of the worker's anonymous memory (reading smaps of a "
-                         "2 GiB process takes ~0.5 s; 0 = off)")
-    ap.add_argument("--malloc", choices=("tcmalloc", "glibc"), default=DEFAULT_MALLOC,
-                    help="server allocator: tcmalloc = LD_PRELOAD the system's libtcmalloc_minimal when installed "
-                         "(glibc otherwise, noted); default %(default)s")
-    ap.add_argument("--onednn-cache", type=int, default=DEFAULT_ONEDNN_CACHE,
-                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY for the server (-1: oneDNN's default, 1024); "
-                         "default %(default)s")
+    ap.add_argument(
+        "--regions-s",
+        type=float,
+        default=30.0,
+        help="seconds between per-region samples of the worker's anonymous memory (reading smaps of a "
+        "2 GiB process takes ~0.5 s; 0 = off)",
+    )
+    ap.add_argument(
+        "--malloc",
+        choices=("tcmalloc", "glibc"),
+        default=DEFAULT_MALLOC,
+        help="server allocator: tcmalloc = LD_PRELOAD the system's libtcmalloc_minimal when installed "
+        "(glibc otherwise, noted); default %(default)s",
+    )
+    ap.add_argument(
+        "--onednn-cache",
+        type=int,
+        default=DEFAULT_ONEDNN_CACHE,
+        help="ONEDNN_PRIMITIVE_CACHE_CAPACITY for the server (-1: oneDNN's default, 1024); default %(default)s",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--python", default=sys.executable)
@@ -933,10 +1102,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
     ap.add_argument("--workdir", type=Path)
     a = ap.parse_args(argv)
-    long_, ci = dict(clients=32, duration=600.0, repeats=2, fault_s=12.0, recovery_s=25.0, calm_s=8.0, warmup_s=30.0,
-                     prefixes=6, questions=6, prefix_len=1024, unique=24, unique_len=600), \
-        dict(clients=8, duration=75.0, repeats=1, fault_s=8.0, recovery_s=15.0, calm_s=2.0, warmup_s=10.0,
-             prefixes=3, questions=3, prefix_len=768, unique=6, unique_len=520)
+    long_, ci = (
+        dict(
+            clients=32,
+            duration=600.0,
+            repeats=2,
+            fault_s=12.0,
+            recovery_s=25.0,
+            calm_s=8.0,
+            warmup_s=30.0,
+            prefixes=6,
+            questions=6,
+            prefix_len=1024,
+            unique=24,
+            unique_len=600,
+        ),
+        dict(
+            clients=8,
+            duration=75.0,
+            repeats=1,
+            fault_s=8.0,
+            recovery_s=15.0,
+            calm_s=2.0,
+            warmup_s=10.0,
+            prefixes=3,
+            questions=3,
+            prefix_len=768,
+            unique=6,
+            unique_len=520,
+        ),
+    )
     for k, v in (ci if a.ci else long_).items():
         if getattr(a, k) is None:
             setattr(a, k, v)

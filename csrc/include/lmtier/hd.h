@@ -1,5 +1,5 @@
-// LMTIER_HD: marks small arithmetic helpers that host (C++) and device (CUDA) code share, so the CPU
-// and GPU implementations compute with one copy of the bit logic.
+// LMTIER_HD: marks small arithmetic helpers that host (C++) and device (CUDA) code share, so the
+// CPU and GPU implementations compute with one copy of the bit logic.
 #pragma once
 
 #if defined(__CUDACC__)

@@ -5,13 +5,13 @@
 // Modes (what the kernels implement; levels map onto them in lmtier/codec/native.py):
 //   kModeLossless       rotate-left-1 of every 16-bit element, hi byte -> symbols, lo byte -> side,
 //                       both in stream order [L, 2, H, D, T].
-//   kModeHadamardRow    TOKEN_HEAD granularity with the Hadamard rotation (levels high/default/low):
-//                       per (layer, plane, token, head) row of D values: widen to fp32, unnormalized
-//                       FWHT in the fixed stage order h = 1, 2, ..., D/2, a = max|y|, target = a / qmax
-//                       (fp32 RN division), E5M3 round-up code, q = rint(y / S) (RN division,
-//                       half-to-even), symbol = q + qmax. Side = codes [L, 2, H, T] (layer-major, K then
-//                       V, [H, T] each). Dequantize: y = (sym - qmax) * S (exact), x = fwht(y) * (1/D)
-//                       (exact), one RN cast to the output dtype.
+//   kModeHadamardRow    TOKEN_HEAD granularity with the Hadamard rotation (levels high/default/
+//                       low): per (layer, plane, token, head) row of D values: widen to fp32,
+//                       unnormalized FWHT in the fixed stage order h = 1, 2, ..., D/2, a = max|y|,
+//                       target = a / qmax (fp32 RN division), E5M3 round-up code, q = rint(y / S)
+//                       (RN division, half-to-even), symbol = q + qmax. Side = codes [L, 2, H, T]
+//                       (layer-major, K then V, [H, T] each). Dequantize: y = (sym - qmax) * S
+//                       (exact), x = fwht(y) * (1/D) (exact), one RN cast to the output dtype.
 //   Only single correctly rounded fp32 operations and exact multiplies: the translation units are
 //   built without fast-math, with -ffp-contract=off (C++) and -fmad=false (CUDA).
 //
@@ -84,11 +84,13 @@ inline uint64_t side_bytes(int32_t mode, const KvqGeometry& g) {
   return mode == kModeLossless ? chunk_elems(g) : 2ull * g.num_layers * g.num_heads * g.num_tokens;
 }
 
-// ---- host entry points ----------------------------------------------------------------------------
-// Throw InvalidArgument (Python ValueError) for bad scalar arguments: unknown mode / dtype, a geometry
-// the implementation does not support, qmax outside 1..127, null pointers. Data errors go to status.
-// CPU: num_threads <= 0 means min(hardware threads, 16). CUDA: every launch and memset is enqueued on
-// `stream` (cudaStream_t), one kernel launch per call, nothing allocated, nothing synchronized.
+// ---- host entry points -------------------------------------------------------------------
+//
+// Throw InvalidArgument (Python ValueError) for bad scalar arguments: unknown mode / dtype, a
+// geometry the implementation does not support, qmax outside 1..127, null pointers. Data errors go
+// to status. CPU: num_threads <= 0 means min(hardware threads, 16). CUDA: every launch and memset
+// is enqueued on `stream` (cudaStream_t), one kernel launch per call, nothing allocated, nothing
+// synchronized.
 
 void quantize_cpu(int32_t mode, int32_t dtype, const KvqGeometry& g, const KvqChunkDesc* chunks,
                   int64_t num_chunks, const uint8_t* qmax, int32_t* status, int32_t num_threads);
@@ -105,8 +107,8 @@ void dequantize_cuda(int32_t mode, int32_t dtype, const KvqGeometry& g, const Kv
 #endif
 
 // Shared argument validation (throws InvalidArgument). on_cuda selects the CUDA geometry rules.
-void check_args(int32_t mode, int32_t dtype, const KvqGeometry& g, int64_t num_chunks, const void* chunks,
-                const uint8_t* qmax, const int32_t* status, bool on_cuda);
+void check_args(int32_t mode, int32_t dtype, const KvqGeometry& g, int64_t num_chunks,
+                const void* chunks, const uint8_t* qmax, const int32_t* status, bool on_cuda);
 
 // ---- shared scalar arithmetic (host and device: the CPU and CUDA quantizers call these) ---------
 // E5M3 round-up code of a finite fp32 target >= 0 given by its bits; returns -1 when out of range.

@@ -12,14 +12,17 @@ namespace lmtier {
 // Threads to use for `work_items` independent items: num_threads > 0 as given, else
 // min(16, hardware threads); never more than the items (at least 1).
 inline int pick_threads(int32_t num_threads, uint64_t work_items) {
-  int t = num_threads > 0 ? num_threads
-                          : static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
-  if (static_cast<uint64_t>(t) > work_items) t = static_cast<int>(std::max<uint64_t>(1, work_items));
+  int t = num_threads > 0
+              ? num_threads
+              : static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
+  if (static_cast<uint64_t>(t) > work_items)
+    t = static_cast<int>(std::max<uint64_t>(1, work_items));
   return t;
 }
 
 // Runs fn(i) for i in [0, n) on `threads` threads (work-stealing by an atomic counter); the calling
-// thread is one of them. Results must not depend on the thread count (callers write disjoint outputs).
+// thread is one of them. Results must not depend on the thread count (callers write disjoint
+// outputs).
 template <typename Fn>
 void parallel_for(uint64_t n, int threads, Fn&& fn) {
   if (n == 0) return;

@@ -6,50 +6,52 @@
 // from the description, no code taken:
 //   * 8-bit symbols, probability precision M = 2^12 (kProbBits): a table is 256 uint16 frequencies
 //     summing to 4096; every symbol that occurs in a coded segment has frequency >= 1.
-//   * 32-bit state x in [L, 2^32) with L = 2^16; renormalization moves 16-bit words, so a lane emits
-//     (encode) or consumes (decode) at most one word per symbol.
-//   * Interleaving: a stream is cut into segments of 2^seg_log2 symbols (the last one may be short);
-//     symbol i of a segment belongs to lane i % 32 (kLanes) and step i / 32. The 32 lanes of a segment
-//     are one CUDA warp; CPU threads and GPU CTAs parallelize over segments.
+//   * 32-bit state x in [L, 2^32) with L = 2^16; renormalization moves 16-bit words, so a lane
+//     emits (encode) or consumes (decode) at most one word per symbol.
+//   * Interleaving: a stream is cut into segments of 2^seg_log2 symbols (the last one may be
+//     short); symbol i of a segment belongs to lane i % 32 (kLanes) and step i / 32. The 32 lanes
+//     of a segment are one CUDA warp; CPU threads and GPU CTAs parallelize over segments.
 //   * Encoding runs steps 0..S-1 forward; in each step the lanes that renormalize append their low
 //     16 bits to the segment's word list in ascending lane order (a warp ballot + prefix popcount).
 //     Decoding runs steps S-1..0, so it consumes the word list from its end: the lanes that need a
-//     word take the last `count` words, again in ascending lane order. The encoder starts every lane
-//     at x = L; the decoder checks it ends there with every word consumed (an integrity check).
+//     word take the last `count` words, again in ascending lane order. The encoder starts every
+//     lane at x = L; the decoder checks it ends there with every word consumed (an integrity
+//     check).
 //   * Per segment the coded payload is [32 x uint32 final lane states][uint16 words...]. If that is
 //     not smaller than the segment's raw size, the segment is stored raw (payload = the symbols).
 //
-// Tables: the caller passes a set of static tables (calibrated offline, [num_tables][256] uint16) and
-// a table id per stream. Table switching (version 2): a stream may also name a *run length* R (a
-// multiple of kLanes, 0 = off); symbol i is then coded with static table table_id + floor(i / R), so
-// one stream (and one set of lane states) spans many tables, e.g. one table per (head, channel) run
-// of T tokens. Because R and every segment start are multiples of 32, the 32 lanes of one step always
-// share one table. All tables table_id .. table_id + ceil(n / R) - 1 must exist and be valid. The
-// encoder rebuilds its per-symbol table when a step enters a new run; the decoder keeps the run's
-// cumulative frequencies and finds a lane's symbol as the s with cdf[s] <= slot < cdf[s + 1] by
-// binary search over [0, 1 + last present symbol) (the symbol a slot lookup table would give).
-// A stream whose run tables lack a symbol is re-coded with its own table (run_words = 0). A stream whose static table lacks a symbol that a coded segment needs (or
-// whose table id is kAdaptiveTable) is coded with its own table, normalized from the stream's
-// histogram by rans_normalize_counts() and stored in the stream. Normalization is integer-only and
-// implemented once (here, __host__ __device__): Python's build_table calls the same code.
+// Tables: the caller passes a set of static tables (calibrated offline, [num_tables][256] uint16)
+// and a table id per stream. Table switching (version 2): a stream may also name a *run length* R
+// (a multiple of kLanes, 0 = off); symbol i is then coded with static table table_id + floor(i /
+// R), so one stream (and one set of lane states) spans many tables, e.g. one table per (head,
+// channel) run of T tokens. Because R and every segment start are multiples of 32, the 32 lanes of
+// one step always share one table. All tables table_id .. table_id + ceil(n / R) - 1 must exist and
+// be valid. The encoder rebuilds its per-symbol table when a step enters a new run; the decoder
+// keeps the run's cumulative frequencies and finds a lane's symbol as the s with cdf[s] <= slot <
+// cdf[s + 1] by binary search over [0, 1 + last present symbol) (the symbol a slot lookup table
+// would give). A stream whose run tables lack a symbol is re-coded with its own table (run_words =
+// 0). A stream whose static table lacks a symbol that a coded segment needs (or whose table id is
+// kAdaptiveTable) is coded with its own table, normalized from the stream's histogram by
+// rans_normalize_counts() and stored in the stream. Normalization is integer-only and implemented
+// once (here, __host__ __device__): Python's build_table calls the same code.
 //
 // Encoded stream layout (little-endian; every part starts 4-byte aligned; pad bytes are zero):
-//   RansStreamHeader                                16 bytes (static_asserted; run_words = R / 32)
-//   [adaptive table]                                only if flags & kFlagAdaptive:
-//       uint8  present[32]                          bitmap of symbols with frequency > 0
-//       uint16 freq[popcount(present)]              their frequencies (1..4096, sum 4096), padded to 4
-//   uint32 seg_end[num_segments]                    end of segment j's payload, bytes from payload start
-//   payload                                         segment j occupies [start_j, seg_end[j]) with
-//                                                   start_0 = 0, start_j = round_up(seg_end[j-1], 4);
-//                                                   size == segment symbols: raw; otherwise rANS
-//                                                   (128 + 2 * words bytes, smaller than the raw size)
+//   RansStreamHeader                  16 bytes (static_asserted; run_words = R / 32)
+//   [adaptive table]                  only if flags & kFlagAdaptive:
+//       uint8  present[32]            bitmap of symbols with frequency > 0
+//       uint16 freq[popcount(present)]  their frequencies (1..4096, sum 4096), padded to 4
+//   uint32 seg_end[num_segments]      end of segment j's payload, bytes from payload start
+//   payload                           segment j occupies [start_j, seg_end[j]) with
+//                                     start_0 = 0, start_j = round_up(seg_end[j-1], 4);
+//                                     size == segment symbols: raw; otherwise rANS
+//                                     (128 + 2 * words bytes, smaller than the raw size)
 //   total size rounded up to 4 bytes.
-// num_segments = ceil(num_symbols / 2^seg_log2). The stream is self-describing; a batch output is the
-// streams back to back at 4-byte aligned offsets given by the offsets table [num_streams + 1].
+// num_segments = ceil(num_symbols / 2^seg_log2). The stream is self-describing; a batch output is
+// the streams back to back at 4-byte aligned offsets given by the offsets table [num_streams + 1].
 //
-// Hostile input: decoding validates every header field, table, segment end and word count against the
-// buffer sizes given by the caller, never reads or writes outside them, and loops at most once per
-// symbol; a malformed stream gets a nonzero status (RansStatus) and no exception or UB.
+// Hostile input: decoding validates every header field, table, segment end and word count against
+// the buffer sizes given by the caller, never reads or writes outside them, and loops at most once
+// per symbol; a malformed stream gets a nonzero status (RansStatus) and no exception or UB.
 #pragma once
 
 #include <cstddef>
@@ -64,27 +66,29 @@ constexpr int kProbBits = 12;
 constexpr uint32_t kProbScale = 1u << kProbBits;  // 4096
 constexpr uint32_t kStateLower = 1u << 16;        // L
 constexpr int kLanesLog2 = 5;
-constexpr int kLanes = 1 << kLanesLog2;           // 32 interleaved states per segment
-constexpr int kStateBytes = kLanes * 4;           // 128 bytes of final states per coded segment
-constexpr int kMinSegLog2 = 10;                   // 1 KiB segments
-constexpr int kMaxSegLog2 = 20;                   // 1 MiB segments
-constexpr int kDefaultSegLog2 = 14;               // 16 KiB: 0.8 % state overhead at 8x compression
-constexpr uint32_t kAdaptiveTable = 0xFFFF;       // table id: always use the stream's own table
+constexpr int kLanes = 1 << kLanesLog2;      // 32 interleaved states per segment
+constexpr int kStateBytes = kLanes * 4;      // 128 bytes of final states per coded segment
+constexpr int kMinSegLog2 = 10;              // 1 KiB segments
+constexpr int kMaxSegLog2 = 20;              // 1 MiB segments
+constexpr int kDefaultSegLog2 = 14;          // 16 KiB: 0.8 % state overhead at 8x compression
+constexpr uint32_t kAdaptiveTable = 0xFFFF;  // table id: always use the stream's own table
 constexpr uint64_t kMaxStreamSymbols = 1ull << 31;
-constexpr uint32_t kMagic = 0x534E524Cu;          // "LRNS" little-endian
+constexpr uint32_t kMagic = 0x534E524Cu;  // "LRNS" little-endian
 constexpr uint8_t kVersion = 2;  // 2: run_words (table switching) replaces a reserved field
 constexpr uint8_t kFlagAdaptive = 1;
 constexpr int kAdaptiveTableMaxBytes = 32 + 2 * 256;
-constexpr uint32_t kMaxRunLen = 32u * 0xFFFFu;     // run_words is a uint16
+constexpr uint32_t kMaxRunLen = 32u * 0xFFFFu;  // run_words is a uint16
 
 struct RansStreamHeader {
-  uint32_t magic;        // kMagic
-  uint8_t version;       // kVersion
-  uint8_t flags;         // kFlagAdaptive or 0; other bits must be 0
-  uint8_t seg_log2;      // segment = 2^seg_log2 symbols, kMinSegLog2..kMaxSegLog2
-  uint8_t lanes_log2;    // kLanesLog2
-  uint16_t table_id;     // requested static table id (kAdaptiveTable: none); first table of a run stream
-  uint16_t run_words;    // table switching: run length R = 32 * run_words symbols (0: one table); 0 if adaptive
+  uint32_t magic;      // kMagic
+  uint8_t version;     // kVersion
+  uint8_t flags;       // kFlagAdaptive or 0; other bits must be 0
+  uint8_t seg_log2;    // segment = 2^seg_log2 symbols, kMinSegLog2..kMaxSegLog2
+  uint8_t lanes_log2;  // kLanesLog2
+  // Requested static table id (kAdaptiveTable: none); first table of a run stream.
+  uint16_t table_id;
+  // Table switching: run length R = 32 * run_words symbols (0: one table); 0 if adaptive.
+  uint16_t run_words;
   uint32_t num_symbols;  // symbols in the stream, <= kMaxStreamSymbols
 };
 static_assert(sizeof(RansStreamHeader) == 16, "RansStreamHeader must be 16 bytes");
@@ -92,16 +96,16 @@ static_assert(sizeof(RansStreamHeader) == 16, "RansStreamHeader must be 16 bytes
 // Per-stream status codes (int32). 0 = OK.
 enum RansStatus : int32_t {
   kOk = 0,
-  kErrTruncated = 1,       // buffer shorter than the header / table / segment table / payload
-  kErrBadHeader = 2,       // magic, version, flags, seg_log2, lanes or reserved field invalid
-  kErrBadTable = 3,        // unknown table id, or frequencies that do not sum to 4096
-  kErrCapacity = 4,        // decoded symbols exceed the destination capacity
-  kErrBadSegment = 5,      // a segment end / size is inconsistent
-  kErrCorrupt = 6,         // rANS integrity check failed (states / words do not match)
-  kErrMisaligned = 7,      // stream address not 4-byte aligned
-  kErrTooLong = 8,         // encode: stream longer than kMaxStreamSymbols
-  kErrScratch = 9,         // encode: scratch smaller than rans_encode_scratch_bytes
-  kErrOutput = 10,         // encode: output buffer smaller than the encoded batch
+  kErrTruncated = 1,   // buffer shorter than the header / table / segment table / payload
+  kErrBadHeader = 2,   // magic, version, flags, seg_log2, lanes or reserved field invalid
+  kErrBadTable = 3,    // unknown table id, or frequencies that do not sum to 4096
+  kErrCapacity = 4,    // decoded symbols exceed the destination capacity
+  kErrBadSegment = 5,  // a segment end / size is inconsistent
+  kErrCorrupt = 6,     // rANS integrity check failed (states / words do not match)
+  kErrMisaligned = 7,  // stream address not 4-byte aligned
+  kErrTooLong = 8,     // encode: stream longer than kMaxStreamSymbols
+  kErrScratch = 9,     // encode: scratch smaller than rans_encode_scratch_bytes
+  kErrOutput = 10,     // encode: output buffer smaller than the encoded batch
 };
 
 // One stream to encode. Arrays of these: [num_streams], device-accessible for CUDA calls.
@@ -109,8 +113,9 @@ struct RansEncodeDesc {
   uint64_t src;          // address of num_symbols uint8 symbols (device for CUDA, host for CPU)
   uint64_t num_symbols;  // <= kMaxStreamSymbols
   uint32_t table_id;     // < num_tables, or kAdaptiveTable
-  uint32_t run_len;      // table switching: 0 (one table) or R, a multiple of kLanes <= kMaxRunLen; the
-                         // static tables table_id .. table_id + ceil(num_symbols / R) - 1 code the runs
+  // Table switching: 0 (one table) or R, a multiple of kLanes <= kMaxRunLen; the static tables
+  // table_id .. table_id + ceil(num_symbols / R) - 1 code the runs.
+  uint32_t run_len;
 };
 static_assert(sizeof(RansEncodeDesc) == 24, "RansEncodeDesc layout is shared with Python");
 
@@ -157,11 +162,11 @@ LMTIER_HD uint32_t div_by_magic(uint32_t x, uint32_t mul, uint32_t sh1, uint32_t
 }
 
 // Normalize symbol counts to frequencies summing to kProbScale, deterministically (integers only):
-//   f_s = max(1, floor(c_s * 4096 / total)) for every symbol with c_s > 0 (and for s < alphabet_size
-//   even when c_s == 0, so a static table covers the whole alphabet); then, while the sum is below
-//   4096, add 1 to the symbol with the largest remainder c_s * 4096 - f_s * total (ties: lowest
-//   symbol; each symbol at most once per round), and while it is above 4096, subtract 1 from the
-//   symbol with the largest frequency > 1 (ties: lowest symbol).
+//   f_s = max(1, floor(c_s * 4096 / total)) for every symbol with c_s > 0 (and for s <
+//   alphabet_size even when c_s == 0, so a static table covers the whole alphabet); then, while the
+//   sum is below 4096, add 1 to the symbol with the largest remainder c_s * 4096 - f_s * total
+//   (ties: lowest symbol; each symbol at most once per round), and while it is above 4096, subtract
+//   1 from the symbol with the largest frequency > 1 (ties: lowest symbol).
 // counts: [256] uint64 (sum < 2^51); freq_out: [256] uint16. Returns false (freq_out zeroed) when
 // no symbol is present.
 LMTIER_HD bool normalize_counts(const uint64_t* counts, int alphabet_size, uint16_t* freq_out) {
@@ -224,7 +229,8 @@ LMTIER_HD bool normalize_counts(const uint64_t* counts, int alphabet_size, uint1
 LMTIER_HD uint64_t run_count(uint64_t num_symbols, uint32_t run_len) {
   return run_len == 0 ? 0 : (num_symbols + run_len - 1) / run_len;
 }
-// True when a requested run length is acceptable (0 or a positive multiple of kLanes <= kMaxRunLen).
+// True when a requested run length is acceptable (0 or a positive multiple of kLanes <=
+// kMaxRunLen).
 LMTIER_HD bool run_len_valid(uint32_t run_len) {
   return run_len % kLanes == 0 && run_len <= kMaxRunLen;
 }
@@ -244,7 +250,8 @@ inline uint64_t max_encoded_bytes(uint64_t num_symbols, int seg_log2) {
   return sizeof(RansStreamHeader) + kAdaptiveTableMaxBytes + 4 * nseg + num_symbols + 3 * nseg + 4;
 }
 // Worst-case bytes of a batch: sum of max_encoded_bytes over the streams, bounded from the totals.
-inline uint64_t max_batch_encoded_bytes(uint64_t num_streams, uint64_t total_symbols, int seg_log2) {
+inline uint64_t max_batch_encoded_bytes(uint64_t num_streams, uint64_t total_symbols,
+                                        int seg_log2) {
   const uint64_t nseg = (total_symbols >> seg_log2) + num_streams;
   return num_streams * (sizeof(RansStreamHeader) + kAdaptiveTableMaxBytes + 4) + 7 * nseg +
          total_symbols;
@@ -322,30 +329,36 @@ inline uint64_t decode_scratch_bytes(uint64_t num_streams) {
   return ((num_streams * sizeof(StreamWork) + 255) & ~255ull) + 256 + kTablesOkBytes;
 }
 
-// ---- host entry points --------------------------------------------------------------------------
+// ---- host entry points ---------------------------------------------------------------------
 // Common arguments:
-//   descs        [num_streams] RansEncodeDesc / RansDecodeDesc (host for CPU, device-accessible for CUDA)
-//   tables       [num_tables][256] uint16 static tables (same memory rule); may be null if num_tables == 0
+//   descs        [num_streams] RansEncodeDesc / RansDecodeDesc (host for CPU, device-accessible
+//                for CUDA)
+//   tables       [num_tables][256] uint16 static tables (same memory rule); may be null if
+//                num_tables == 0
 //   status       [num_streams] int32 RansStatus per stream (same memory rule)
 //   scratch      caller-provided, >= encode_scratch_bytes / decode_scratch_bytes (same memory rule)
 //   num_threads  CPU threads (<= 0: min(hardware threads, 16))
-//   stream       cudaStream_t (CUDA only); every launch and memset is enqueued on it, nothing syncs.
-// Encode also writes offsets [num_streams + 1] uint64 (byte offset of stream i in out; offsets[N] = total
-// bytes) into `offsets`; on any error the output is unspecified and offsets[N] = 0. Throws
-// InvalidArgument only for bad scalar arguments (seg_log2, null pointers); data errors go to status.
-// Decode writes out_lengths [num_streams] uint64 = decoded symbols (0 on error).
+//   stream       cudaStream_t (CUDA only); every launch and memset is enqueued on it, nothing
+//                syncs.
+//
+// Encode also writes offsets [num_streams + 1] uint64 (byte offset of stream i in out; offsets[N] =
+// total bytes) into `offsets`; on any error the output is unspecified and offsets[N] = 0. Throws
+// InvalidArgument only for bad scalar arguments (seg_log2, null pointers); data errors go to
+// status. Decode writes out_lengths [num_streams] uint64 = decoded symbols (0 on error).
 
 void encode_cpu(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes, uint64_t* offsets,
-                int32_t* status, void* scratch, uint64_t scratch_bytes, int32_t num_threads);
+                int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes,
+                uint64_t* offsets, int32_t* status, void* scratch, uint64_t scratch_bytes,
+                int32_t num_threads);
 
 void decode_cpu(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
                 int64_t num_tables, uint64_t* out_lengths, int32_t* status, int32_t num_threads);
 
 #ifdef LMTIER_WITH_CUDA
 void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                 int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes, uint64_t* offsets,
-                 int32_t* status, void* scratch, uint64_t scratch_bytes, void* stream);
+                 int64_t num_tables, int seg_log2, uint8_t* out, uint64_t out_bytes,
+                 uint64_t* offsets, int32_t* status, void* scratch, uint64_t scratch_bytes,
+                 void* stream);
 
 void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
                  int64_t num_tables, uint64_t* out_lengths, int32_t* status, void* scratch,

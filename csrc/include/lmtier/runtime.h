@@ -13,7 +13,8 @@ int cuda_device_count();
 bool built_with_cuda();
 
 // Page-aligned host allocation of exactly `nbytes` bytes. pinned=true: page-locked and mapped
-// (cudaHostAlloc(Portable | Mapped)), needs a usable CUDA device; pinned=false: posix_memalign(4096).
+// (cudaHostAlloc(Portable | Mapped)), needs a usable CUDA device; pinned=false:
+// posix_memalign(4096).
 void* host_alloc(size_t nbytes, bool pinned);
 void host_free(void* ptr, bool pinned);
 
@@ -22,8 +23,8 @@ void host_free(void* ptr, bool pinned);
 void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream);
 // One cudaMemcpyBatchAsync of `count` copies (copy engines; stream-ordered source access).
 // `stream` must not be the legacy default stream (the driver refuses it).
-void memcpy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
-                        void* stream);
+void memcpy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes,
+                        size_t count, void* stream);
 #endif
 
 }  // namespace lmtier

@@ -36,9 +36,10 @@ class StagedCopier {
   // Layer-major load of pieces [piece_begin, piece_end) of every chunk: piece p of all chunks is
   // enqueued before piece p + 1 of any, so an event recorded on kernel_stream after the call for
   // pieces [0, p + 1) completes once layers [0, last layer of piece p] of every chunk are in the
-  // cache (a layer-by-layer load the forward can wait on per layer). Same ordering contract as load.
-  void load_pieces(const int64_t* slot_mapping, const std::vector<uintptr_t>& host_chunks, int32_t piece_begin,
-                   int32_t piece_end);
+  // cache (a layer-by-layer load the forward can wait on per layer). Same ordering contract as
+  // load.
+  void load_pieces(const int64_t* slot_mapping, const std::vector<uintptr_t>& host_chunks,
+                   int32_t piece_begin, int32_t piece_end);
 
   int64_t chunk_bytes() const { return chunk_bytes_; }
   int32_t num_pieces() const { return static_cast<int32_t>(pieces_.size()); }
@@ -58,8 +59,8 @@ class StagedCopier {
   };
   void run(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host);
   // Piece p of chunk c through the next ring slot (store: gather then D2H; load: H2D then scatter).
-  void copy_piece(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host, size_t c,
-                  const Piece& p);
+  void copy_piece(CopyDirection dir, const int64_t* slots, const std::vector<uintptr_t>& host,
+                  size_t c, const Piece& p);
 
   PagedKVDesc desc_;
   int64_t tokens_;
@@ -69,8 +70,8 @@ class StagedCopier {
   std::vector<Piece> pieces_;
   int32_t ring_;
   int32_t next_ = 0;
-  uint8_t* staging_ = nullptr;       // [ring][piece_bytes] device
-  uint64_t* ring_ptrs_ = nullptr;    // [ring] device: address of each ring slot
+  uint8_t* staging_ = nullptr;     // [ring][piece_bytes] device
+  uint64_t* ring_ptrs_ = nullptr;  // [ring] device: address of each ring slot
   int64_t piece_bytes_ = 0;
   cudaStream_t kernel_stream_;
   cudaStream_t copy_stream_;

@@ -18,8 +18,13 @@ Modules: ``connector`` (the facade vLLM loads), ``scheduler`` / ``worker_role`` 
 
 from __future__ import annotations
 
-_LAZY = {"LMTierConnector": "connector", "LMTierConnectorMetadata": "metadata", "LMTierWorkerMetadata": "metadata",
-         "LMTierStats": "stats", "ConnectorOptions": "options"}
+_LAZY = {
+    "LMTierConnector": "connector",
+    "LMTierConnectorMetadata": "metadata",
+    "LMTierWorkerMetadata": "metadata",
+    "LMTierStats": "stats",
+    "ConnectorOptions": "options",
+}
 
 
 def __getattr__(name: str):

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from lmtier.config import load_config
@@ -100,19 +99,38 @@ class LMTierConnector(KVConnectorBase_V1):
             cg = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
             full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
             self.connector_worker = LMTierWorker(
-                manager, config=config, options=options, namespace=ns,
+                manager,
+                config=config,
+                options=options,
+                namespace=ns,
                 index_namespace=namespace_for(vllm_config, kv_cache_config, config.chunk_size, 0),
-                block_size=block_size, stats=self._stats,
+                block_size=block_size,
+                stats=self._stats,
                 speculative=vllm_config.speculative_config is not None,
-                full_cudagraphs=full_graphs)
+                full_cudagraphs=full_graphs,
+            )
         else:
             manager, shared = scheduler_tiers(engine, config, ns)
-            self.connector_scheduler = LMTierScheduler(manager, shared=shared, config=config,
-                                                       options=options, namespace=ns, block_size=block_size,
-                                                       is_cuda=is_cuda, stats=self._stats)
-        log.info("lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, %s",
-                 role.name, ns.digest().hex()[:16], config.chunk_size, manager.cpu is not None,
-                 manager.disk is not None, manager.remote is not None, options)
+            self.connector_scheduler = LMTierScheduler(
+                manager,
+                shared=shared,
+                config=config,
+                options=options,
+                namespace=ns,
+                block_size=block_size,
+                is_cuda=is_cuda,
+                stats=self._stats,
+            )
+        log.info(
+            "lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, %s",
+            role.name,
+            ns.digest().hex()[:16],
+            config.chunk_size,
+            manager.cpu is not None,
+            manager.disk is not None,
+            manager.remote is not None,
+            options,
+        )
 
     @property
     def _worker(self) -> LMTierWorker:
@@ -200,8 +218,9 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         meta = self._metadata()
-        sending, recv, failed = self._worker.transfer_results(finished_req_ids,
-                                                              meta.delayed_frees if meta is not None else ())
+        sending, recv, failed = self._worker.transfer_results(
+            finished_req_ids, meta.delayed_frees if meta is not None else ()
+        )
         if KVConnectorTransferResults is None:  # pragma: no cover
             return sending, recv
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)

@@ -34,8 +34,11 @@ from lmtier.manager import TierManager
 __all__ = ["STORED", "EVICTED", "DISK_EVICTED", "IndexReporter", "IndexMirror", "EVENTS_MAX"]
 
 # The wire names of the kinds (tuples cross processes as plain strings): lmtier.events' names.
-STORED, EVICTED, DISK_EVICTED = (IndexEventKind.STORED.value, IndexEventKind.EVICTED.value,
-                                 IndexEventKind.DISK_EVICTED.value)
+STORED, EVICTED, DISK_EVICTED = (
+    IndexEventKind.STORED.value,
+    IndexEventKind.EVICTED.value,
+    IndexEventKind.DISK_EVICTED.value,
+)
 
 # Index changes queued for the next worker metadata, at most (a connector whose metadata is never
 # built must not grow without bound; a dropped eviction only makes the scheduler claim a chunk

@@ -66,7 +66,7 @@ def parse_layerwise(raw: Any) -> bool | None:
     try:
         return parse_bool("layerwise_loads", raw)
     except ValueError:
-        raise ValueError(f"{_PREFIX} layerwise_loads={raw!r}: must be \"auto\", true or false") from None
+        raise ValueError(f'{_PREFIX} layerwise_loads={raw!r}: must be "auto", true or false') from None
 
 
 def _mib(key: str, raw: Any) -> float:
@@ -123,14 +123,15 @@ class ConnectorOptions:
         extra = dict(extra or {})
         unknown = sorted(k for k in extra if k not in cls.KEYS)
         if unknown:
-            raise ValueError(f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(cls.KEYS)}")
+            raise ValueError(f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(cls.KEYS)}")
         d = cls()
         return cls(
             async_loads=parse_bool("async_loads", extra["async_loads"]) if "async_loads" in extra else d.async_loads,
             sync_disk_load_mib=_mib("sync_disk_load_mib", extra["sync_disk_load_mib"])
-            if "sync_disk_load_mib" in extra else d.sync_disk_load_mib,
+            if "sync_disk_load_mib" in extra
+            else d.sync_disk_load_mib,
             sync_disk_load_busy_mib=_mib("sync_disk_load_busy_mib", extra["sync_disk_load_busy_mib"])
-            if "sync_disk_load_busy_mib" in extra else d.sync_disk_load_busy_mib,
+            if "sync_disk_load_busy_mib" in extra
+            else d.sync_disk_load_busy_mib,
             layerwise_loads=parse_layerwise(extra.get("layerwise_loads")),
         )

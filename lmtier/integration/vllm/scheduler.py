@@ -57,8 +57,18 @@ class LMTierScheduler:
         stats: where counters go.
     """
 
-    def __init__(self, manager: SchedulerTiers, *, shared: bool, config: LMTierConfig, options: ConnectorOptions,
-                 namespace: Namespace, block_size: int, is_cuda: bool, stats: StatsSink) -> None:
+    def __init__(
+        self,
+        manager: SchedulerTiers,
+        *,
+        shared: bool,
+        config: LMTierConfig,
+        options: ConnectorOptions,
+        namespace: Namespace,
+        block_size: int,
+        is_cuda: bool,
+        stats: StatsSink,
+    ) -> None:
         self.manager = manager
         self.options = options
         self.ns = namespace
@@ -79,15 +89,26 @@ class LMTierScheduler:
         self._issued: dict[str, LoadOp] = {}  # loads whose outcome is not known yet
         slot = -(-namespace.chunk_bytes // 4096) * 4096
         # Mirror of the worker's tiers when the worker lives in another process (unused when shared).
-        self.mirror = IndexMirror(max(1024, (config.cpu.capacity_bytes if config.cpu.enabled else 0) // slot
-                                      + (config.disk.capacity_bytes if config.disk.enabled else 0)
-                                      // namespace.chunk_bytes))
+        self.mirror = IndexMirror(
+            max(
+                1024,
+                (config.cpu.capacity_bytes if config.cpu.enabled else 0) // slot
+                + (config.disk.capacity_bytes if config.disk.enabled else 0) // namespace.chunk_bytes,
+            )
+        )
 
     def open_state(self) -> dict[str, Any]:
         """Per-request state still held, by name (every value empty once every request finished)."""
-        return {"requests": self._requests, "lookups": self._lookups, "pending_loads": self._pending_loads,
-                "stored_upto": self._stored_upto, "blocks": self._blocks, "no_load": self._no_load,
-                "issued": self._issued, "counted": self._counted}
+        return {
+            "requests": self._requests,
+            "lookups": self._lookups,
+            "pending_loads": self._pending_loads,
+            "stored_upto": self._stored_upto,
+            "blocks": self._blocks,
+            "no_load": self._no_load,
+            "issued": self._issued,
+            "counted": self._counted,
+        }
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Tokens beyond vLLM's own hit (``num_computed_tokens``, block aligned) that lmtier can load.
@@ -102,8 +123,11 @@ class LMTierScheduler:
         self._requests[rid] = request
         # Whole chunks strictly before the last prompt token: vLLM must compute at least one token.
         max_hit = (max(len(prompt) - 1, 0) // self.chunk) * self.chunk
-        if (max_hit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False)
-                or rid in self._no_load):
+        if (
+            max_hit <= num_computed_tokens
+            or getattr(request, "skip_reading_prefix_cache", False)
+            or rid in self._no_load
+        ):
             self._lookups.pop(rid, None)
             return 0, False
         keys = chunk_keys(prompt[:max_hit], self.ns, cache_salt=request_salt(request))
@@ -112,7 +136,7 @@ class LMTierScheduler:
         if hit <= num_computed_tokens:
             self._lookups[rid] = (num_computed_tokens, 0, [], False)
             return 0, False
-        claimed = tiers[num_computed_tokens // self.chunk:]
+        claimed = tiers[num_computed_tokens // self.chunk :]
         load_async = self.options.async_loads and self._load_async(claimed)
         self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async)
         return hit - num_computed_tokens, load_async
@@ -134,7 +158,7 @@ class LMTierScheduler:
         if self._shared_mgr:
             return self.manager.lookup(keys)
         found = self.mirror.prefix(keys)
-        rest = keys[len(found):]
+        rest = keys[len(found) :]
         if rest and (self.manager.disk is not None or self.manager.remote is not None):
             found += self.manager.lookup(rest)
         return found
@@ -145,8 +169,7 @@ class LMTierScheduler:
         got = self._lookups.get(request.request_id)
         if not got or num_external_tokens <= 0 or not got[1]:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        names = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
-                 "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+        names = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
         out: dict = {}
         for t, n in self._hits_by_tier(got).items():
             if n:
@@ -186,14 +209,20 @@ class LMTierScheduler:
             # vLLM allocated external tokens that do not match our offer (cannot happen with vLLM
             # 0.32/0.33): never leave claimed tokens unwritten — report those blocks as failed loads,
             # so vLLM recomputes them (or fails the request, per kv_load_failure_policy).
-            log.error("lmtier: request %s: vLLM allocated %d external tokens, lookup said %s; recomputing them",
-                      rid, num_external_tokens, got)
-            self._pending_loads[rid] = LoadOp(rid, [], None, nc, block_ids[:nb],
-                                              is_async=bool(got and got[3]), poisoned=True)
+            log.error(
+                "lmtier: request %s: vLLM allocated %d external tokens, lookup said %s; recomputing them",
+                rid,
+                num_external_tokens,
+                got,
+            )
+            self._pending_loads[rid] = LoadOp(
+                rid, [], None, nc, block_ids[:nb], is_async=bool(got and got[3]), poisoned=True
+            )
             return
         nc, hit, tiers, load_async = got
-        op = LoadOp(rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb],
-                    is_async=load_async)
+        op = LoadOp(
+            rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb], is_async=load_async
+        )
         self._pending_loads[rid] = op
         self._issued[rid] = op
         for t, n in self._hits_by_tier(got).items():
@@ -242,8 +271,9 @@ class LMTierScheduler:
             self._stored_upto[rid] = full
             if first + present >= full:
                 continue
-            meta.stores.append(StoreOp(rid, list(prompt[: full * self.chunk]), salt, first + present,
-                                       list(blocks[:need])))
+            meta.stores.append(
+                StoreOp(rid, list(prompt[: full * self.chunk]), salt, first + present, list(blocks[:need]))
+            )
             if self._is_cuda:
                 self._async_store_reqs.add(rid)
         return meta

@@ -38,9 +38,23 @@ class LMTierStats(KVConnectorStats):
     per-request latencies in seconds; at most 256 kept per interval).
     """
 
-    FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", "hit_tokens_remote", "lookup_tokens", "loaded_chunks",
-              "load_failures", "loaded_bytes", "load_ms", "async_loads", "stored_chunks", "store_skipped",
-              "stored_bytes", "store_ms", "layerwise_loads", "device_decoded_chunks")
+    FIELDS = (
+        "hit_tokens_cpu",
+        "hit_tokens_disk",
+        "hit_tokens_remote",
+        "lookup_tokens",
+        "loaded_chunks",
+        "load_failures",
+        "loaded_bytes",
+        "load_ms",
+        "async_loads",
+        "stored_chunks",
+        "store_skipped",
+        "stored_bytes",
+        "store_ms",
+        "layerwise_loads",
+        "device_decoded_chunks",
+    )
     LISTS = ("load_lat_s", "store_lat_s")
 
     def __init__(self, data: dict | None = None):
@@ -64,8 +78,10 @@ class LMTierStats(KVConnectorStats):
         return self
 
     def reduce(self):
-        out = {f"lmtier_{k}": (round(self.data[k], 2) if isinstance(self.data[k], float) else self.data[k])
-               for k in self.FIELDS}
+        out = {
+            f"lmtier_{k}": (round(self.data[k], 2) if isinstance(self.data[k], float) else self.data[k])
+            for k in self.FIELDS
+        }
         hit = sum(self.data[f"hit_tokens_{t}"] for t in ("cpu", "disk", "remote"))
         out["lmtier_miss_tokens"] = max(self.data["lookup_tokens"] - hit, 0)
         for k in self.LISTS:
@@ -107,29 +123,40 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
     ``vllm:lmtier_load_seconds`` (per request load), ``vllm:lmtier_store_seconds`` (per store op).
     """
 
-    _COUNTERS = {"lookup_tokens": "prompt tokens looked up in lmtier beyond vLLM's prefix cache",
-                 "loaded_chunks": "chunks loaded from lmtier", "loaded_bytes": "bytes loaded from lmtier",
-                 "stored_chunks": "chunks stored into lmtier", "stored_bytes": "bytes stored into lmtier",
-                 "load_failures": "chunk loads that failed (recomputed or failed per policy)",
-                 "async_loads": "requests loaded asynchronously (disk / remote hits)",
-                 "store_skipped": "chunk stores skipped (present already or no free CPU slot)"}
+    _COUNTERS = {
+        "lookup_tokens": "prompt tokens looked up in lmtier beyond vLLM's prefix cache",
+        "loaded_chunks": "chunks loaded from lmtier",
+        "loaded_bytes": "bytes loaded from lmtier",
+        "stored_chunks": "chunks stored into lmtier",
+        "stored_bytes": "bytes stored into lmtier",
+        "load_failures": "chunk loads that failed (recomputed or failed per policy)",
+        "async_loads": "requests loaded asynchronously (disk / remote hits)",
+        "store_skipped": "chunk stores skipped (present already or no free CPU slot)",
+    }
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._c: dict[str, dict] = {}
         for name, doc in self._COUNTERS.items():
-            m = self._counter_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {doc}.",
-                                  labelnames=labelnames)
+            m = self._counter_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {doc}.", labelnames=labelnames)
             self._c[name] = {i: m.labels(*lv) for i, lv in per_engine_labelvalues.items()}
-        hit = self._counter_cls(name="vllm:lmtier_hit_tokens", documentation="lmtier: prompt tokens loaded, by tier.",
-                                labelnames=list(labelnames) + ["tier"])
-        self._hit = {(i, t): hit.labels(*lv, t) for i, lv in per_engine_labelvalues.items()
-                     for t in ("cpu", "disk", "remote")}
+        hit = self._counter_cls(
+            name="vllm:lmtier_hit_tokens",
+            documentation="lmtier: prompt tokens loaded, by tier.",
+            labelnames=list(labelnames) + ["tier"],
+        )
+        self._hit = {
+            (i, t): hit.labels(*lv, t) for i, lv in per_engine_labelvalues.items() for t in ("cpu", "disk", "remote")
+        }
         buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
         self._h: dict[str, dict] = {}
         for key, name in (("load_lat_s", "load_seconds"), ("store_lat_s", "store_seconds")):
-            h = self._histogram_cls(name=f"vllm:lmtier_{name}", documentation=f"lmtier: {name.replace('_', ' ')} "
-                                    "per request/op.", buckets=buckets, labelnames=labelnames)
+            h = self._histogram_cls(
+                name=f"vllm:lmtier_{name}",
+                documentation=f"lmtier: {name.replace('_', ' ')} per request/op.",
+                buckets=buckets,
+                labelnames=labelnames,
+            )
             self._h[key] = {i: h.labels(*lv) for i, lv in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -145,7 +172,6 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self._h.items():
             for x in d.get(key) or ():
                 per_engine[engine_idx].observe(x)
-
 
 
 def _add_total(key: str, value: float) -> None:

@@ -69,7 +69,6 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-
 class _Entry:
     __slots__ = ("path", "nbytes")
 
@@ -146,8 +145,9 @@ class DiskTier(Tier):
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk")
         # Writes (always background work: write-through, write-back) move their pieces on their own
         # threads at background CPU/I-O priority, so a load never queues behind a store's pieces.
-        self._wpool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk-w",
-                                         initializer=dio.background_priority)
+        self._wpool = ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="lmtier-disk-w", initializer=dio.background_priority
+        )
         self._io_threads = io_threads
         self._bounce = BouncePool(max_cached=2)  # payload-sized bounce buffers
         self._small = BouncePool(max_cached=2 * io_threads + 2)  # header/tail blocks
@@ -329,8 +329,13 @@ class DiskTier(Tier):
                 self._used += nbytes
             victims = self._evict_locked(0)
         self._unlink_all(victims)
-        log.info("disk tier: %d chunks, %d bytes found under %s in %.3f s", len(self._index), self._used,
-                 self.paths, time.perf_counter() - t0)
+        log.info(
+            "disk tier: %d chunks, %d bytes found under %s in %.3f s",
+            len(self._index),
+            self._used,
+            self.paths,
+            time.perf_counter() - t0,
+        )
 
     def _validate_file(self, path: str, name: str):
         try:
@@ -550,7 +555,9 @@ class DiskTier(Tier):
             if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET:
                 raise rec.RecordError(f"payload offset {hdr.payload_offset} != {rec.DISK_PAYLOAD_OFFSET}")
             if st.st_size < hdr.payload_offset + round_up(hdr.payload_bytes):
-                raise rec.RecordError(f"file size {st.st_size} < {hdr.payload_offset + round_up(hdr.payload_bytes)} (truncated)")
+                raise rec.RecordError(
+                    f"file size {st.st_size} < {hdr.payload_offset + round_up(hdr.payload_bytes)} (truncated)"
+                )
         except rec.RecordError as e:
             self._discard_corrupt(key, path, fd, str(e))
             return None

@@ -57,5 +57,8 @@ class CircuitBreaker:
                 self._open_until = time.monotonic() + self.reset_s
                 if self._consecutive == self.failures:
                     self.times_opened += 1
-                    log.warning("remote tier: circuit breaker open for %.1f s after %d failures",
-                                self.reset_s, self._consecutive)
+                    log.warning(
+                        "remote tier: circuit breaker open for %.1f s after %d failures",
+                        self.reset_s,
+                        self._consecutive,
+                    )

@@ -261,8 +261,9 @@ def read_record_direct(conn, cmds: list[tuple], reader: RecordReader, deadline: 
         k = rd.bulk_len()
         reader.i = i + 1
         if k > cmds[i][3] - cmds[i][2] + 1:  # more than the range asked for: not a GETRANGE reply
-            raise redis.exceptions.InvalidResponse(f"GETRANGE reply of {k} bytes for a range of "
-                                                   f"{cmds[i][3] - cmds[i][2] + 1}")
+            raise redis.exceptions.InvalidResponse(
+                f"GETRANGE reply of {k} bytes for a range of {cmds[i][3] - cmds[i][2] + 1}"
+            )
         if k < 0:  # null bulk: no body and no CRLF (GETRANGE answers "" instead; treat alike)
             if i == 2 and not reader.done:
                 reader.take_header(memoryview(b""), 0)  # fails: shorter than the header

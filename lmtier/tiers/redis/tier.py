@@ -198,8 +198,10 @@ class RedisTier(Tier):
             raise ValueError(f"RedisTier: min_read_bytes_per_s must be > 0, got {min_read_bytes_per_s}")
         probe = key_prefix.encode() + bytes(KEY_BYTES).hex().encode()
         if redis.crc.key_slot(_tmp_name(probe)) != redis.crc.key_slot(probe):
-            raise ValueError(f"RedisTier: key_prefix {key_prefix!r} has braces that are no hash tag; a temporary "
-                             "key could not share the chunk key's cluster slot")
+            raise ValueError(
+                f"RedisTier: key_prefix {key_prefix!r} has braces that are no hash tag; a temporary "
+                "key could not share the chunk key's cluster slot"
+            )
         if isinstance(endpoint, str):
             endpoint = parse_redis_url(endpoint, password_env=password_env)
         elif password_env is not None:
@@ -230,20 +232,35 @@ class RedisTier(Tier):
             self._client = redis.Redis(connection_pool=self._make_pool())
             try:
                 self._client.ping()
-            except (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError,
-                    redis.exceptions.NoPermissionError) as e:
+            except (
+                redis.exceptions.AuthenticationError,
+                redis.exceptions.AuthenticationWrongNumberOfArgsError,
+                redis.exceptions.NoPermissionError,
+            ) as e:
                 self._client.close()
-                raise TierError(f"authentication to {self.url} failed: {type(e).__name__} "
-                                "(check the password / password_env)") from None
+                raise TierError(
+                    f"authentication to {self.url} failed: {type(e).__name__} (check the password / password_env)"
+                ) from None
             except Exception as e:  # noqa: BLE001 - unreachable, TLS handshake, timeouts: degrade
                 self.counters["errors"] += 1
-                log.warning("remote tier %s not reachable at startup (%s: %s); it degrades to misses", self.url,
-                            type(e).__name__, e)
-        log.info("remote tier %s via redis-py %s (timeout %.3f s, breaker %d/%.1f s, pieces %d KiB)", self.url,
-                 redis.__version__, timeout_s, breaker_failures, breaker_reset_s, piece_bytes >> 10)
+                log.warning(
+                    "remote tier %s not reachable at startup (%s: %s); it degrades to misses",
+                    self.url,
+                    type(e).__name__,
+                    e,
+                )
+        log.info(
+            "remote tier %s via redis-py %s (timeout %.3f s, breaker %d/%.1f s, pieces %d KiB)",
+            self.url,
+            redis.__version__,
+            timeout_s,
+            breaker_failures,
+            breaker_reset_s,
+            piece_bytes >> 10,
+        )
 
     @classmethod
-    def from_config(cls, remote: "RemoteConfig", **kwargs: Any) -> "RedisTier":
+    def from_config(cls, remote: RemoteConfig, **kwargs: Any) -> RedisTier:
         """The tier of a loaded configuration: the endpoint the config parsed (no second parse)
         and ``remote_timeout_s``; ``kwargs`` go to the constructor (pieces, TTL, ...).
 
@@ -451,11 +468,22 @@ class RedisTier(Tier):
         # protocol=2: the direct reads' reader (resp.SocketReplies) speaks RESP2. redis-py 8 would
         # negotiate RESP3 (HELLO 3) and subscribe to maintenance notifications, whose out-of-band
         # push frames (Redis Enterprise/Cloud) can arrive ahead of any reply.
-        kw = dict(username=t.username, password=t.password, socket_timeout=self.timeout_s,
-                  socket_connect_timeout=self.connect_timeout_s, protocol=2)
+        kw = dict(
+            username=t.username,
+            password=t.password,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.connect_timeout_s,
+            protocol=2,
+        )
         if t.tls is not None:
-            kw.update(ssl=True, ssl_ca_certs=t.tls.ca_certs, ssl_certfile=t.tls.certfile, ssl_keyfile=t.tls.keyfile,
-                      ssl_cert_reqs=t.tls.cert_reqs, ssl_check_hostname=t.tls.check_hostname)
+            kw.update(
+                ssl=True,
+                ssl_ca_certs=t.tls.ca_certs,
+                ssl_certfile=t.tls.certfile,
+                ssl_keyfile=t.tls.keyfile,
+                ssl_cert_reqs=t.tls.cert_reqs,
+                ssl_check_hostname=t.tls.check_hostname,
+            )
         return kw
 
     def _make_pool(self) -> redis.BlockingConnectionPool:
@@ -470,8 +498,13 @@ class RedisTier(Tier):
         else:
             kw.update(host=t.host, port=t.port)
         return redis.BlockingConnectionPool(
-            max_connections=self.max_connections, timeout=self.timeout_s, db=t.db,
-            retry=Retry(NoBackoff(), 0), command_packer=_PACKER, **kw)
+            max_connections=self.max_connections,
+            timeout=self.timeout_s,
+            db=t.db,
+            retry=Retry(NoBackoff(), 0),
+            command_packer=_PACKER,
+            **kw,
+        )
 
     def _do(self, op):
         """Run ``op(client)`` under the breaker; None on failure."""
@@ -509,16 +542,20 @@ class RedisTier(Tier):
     def _make_cluster(self):
         t = self.endpoint
         kw = self._conn_kwargs()
-        kw.update(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in t.hosts],
-                  max_connections=self.max_connections)
+        kw.update(
+            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in t.hosts], max_connections=self.max_connections
+        )
         try:
             return redis.cluster.RedisCluster(**kw)
         except Exception as e:  # noqa: BLE001 - redis raises many types here
             if isinstance(e, redis.exceptions.AuthenticationError) or "WRONGPASS" in str(e) or "NOAUTH" in str(e):
-                raise TierError(f"authentication to {t.describe()} failed (check the password / password_env)") from None
+                raise TierError(
+                    f"authentication to {t.describe()} failed (check the password / password_env)"
+                ) from None
             self.counters["errors"] += 1
-            log.warning("remote tier %s not reachable at startup (%s); it degrades to misses", t.describe(),
-                        type(e).__name__)
+            log.warning(
+                "remote tier %s not reachable at startup (%s); it degrades to misses", t.describe(), type(e).__name__
+            )
             return _LazyCluster(kw)
 
 
