@@ -256,8 +256,9 @@ def test_subcommands_run_outside_the_checkout(tmp_path):
         assert r.returncode == 0 and f"lmtier bench {sub}" in r.stdout, (sub, r.stderr[-1000:])
 
 
-@pytest.mark.parametrize("argv,rc", [(["--help"], 0), (["-h"], 0), (["bench", "--help"], 0), ([], 2), (["bench"], 2),
-                                     (["frobnicate"], 2)])
+@pytest.mark.parametrize(
+    "argv,rc", [(["--help"], 0), (["-h"], 0), (["bench", "--help"], 0), ([], 2), (["bench"], 2), (["frobnicate"], 2)]
+)
 def test_cli_help_exits_zero_and_usage_errors_two(argv, rc, capsys):
     """``lmtier --help`` is a request (usage on stdout, exit 0; it used to exit 2); a missing or unknown
     command is a usage error (usage on stderr, exit 2)."""

@@ -14,8 +14,25 @@ from lmtier.bench.redisproc import RedisProc, find_redis_server  # noqa: E402
 
 def _run(tmp_path, *extra):
     out = tmp_path / "ttft.json"
-    rc = ttft.main(["--device", "cpu", "--preset", "tiny", "--chunk-tokens", "64", "--iters", "2", "--warmup", "1",
-                    "--no-redis", "--quiet", "--json", str(out), *extra])
+    rc = ttft.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--chunk-tokens",
+            "64",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--no-redis",
+            "--quiet",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
     return rc, json.loads(out.read_text())
 
 
@@ -23,8 +40,20 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
     # 100 tokens: a full chunk + a 36-token tail chunk; 200: three full chunks + a tail.
     rc, res = _run(tmp_path, "--lengths", "100,200", "--disk-dir", str(tmp_path / "disk"), "--dd-bytes", str(16 << 20))
     assert rc == 0
-    for k in ("system", "model", "geometry", "rows", "break_even", "ceilings", "tolerance", "checks_ok",
-              "control_detected", "skipped", "copy_mode", "notes"):
+    for k in (
+        "system",
+        "model",
+        "geometry",
+        "rows",
+        "break_even",
+        "ceilings",
+        "tolerance",
+        "checks_ok",
+        "control_detected",
+        "skipped",
+        "copy_mode",
+        "notes",
+    ):
         assert k in res, k
     assert res["checks_ok"] is True
     assert [r["N"] for r in res["rows"]] == [100, 200]
@@ -35,8 +64,17 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
     assert res["ceilings"]["disk_dd_GBs"].get("read_par", 0) > 0
     assert res["ceilings"]["disk_dd_GBs"]["read_par_inflight"] == 4
     for r in res["rows"]:
-        for k in ("recompute_ms", "cpu_ms", "cpu_pct", "load_ms", "fwd_ms", "disk_ms", "disk_pct", "disk_dd_GBs",
-                  "disk_limit_pct"):
+        for k in (
+            "recompute_ms",
+            "cpu_ms",
+            "cpu_pct",
+            "load_ms",
+            "fwd_ms",
+            "disk_ms",
+            "disk_pct",
+            "disk_dd_GBs",
+            "disk_limit_pct",
+        ):
             assert isinstance(r[k], float) and r[k] > 0, (r["N"], k)
         assert r["fwd_mode"].startswith("eager")
         for tier in ("cpu", "disk", "disk+lossless"):
@@ -79,8 +117,21 @@ def test_graph_path_without_capture_equals_eager(tmp_path, dtype):
 
 def test_codec_only_lossless_level(tmp_path):
     # 300 tokens = 5 chunks, 2 reads in flight, a staging ring of 3
-    rc, res = _run(tmp_path, "--lengths", "300", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-                   "--codec-levels", "lossless", "--ring", "3", "--inflight", "2")
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "300",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "lossless",
+        "--ring",
+        "3",
+        "--inflight",
+        "2",
+    )
     assert rc == 0
     (r,) = res["rows"]
     assert "disk+codec_ms" not in r and r["check_disk+lossless"]["kv_exact"] is True
@@ -119,8 +170,10 @@ def test_lean_forward_matches_recompute_fp32(tmp_path):
 
 
 def test_break_even():
-    rows = [{"N": 1024, "recompute_ms": 30.0, "cpu_ms": 31.0, "disk_ms": 500.0},
-            {"N": 2048, "recompute_ms": 60.0, "cpu_ms": 20.0, "disk_ms": 900.0}]
+    rows = [
+        {"N": 1024, "recompute_ms": 30.0, "cpu_ms": 31.0, "disk_ms": 500.0},
+        {"N": 2048, "recompute_ms": 60.0, "cpu_ms": 20.0, "disk_ms": 900.0},
+    ]
     assert ttft.break_even(rows, "cpu") == 2048
     assert ttft.break_even(rows, "disk") is None
     assert ttft.break_even(rows, "redis") is None
@@ -130,8 +183,29 @@ def test_cli_dispatch(tmp_path, capsys):
     from lmtier import cli
 
     out = tmp_path / "t.json"
-    rc = cli.main(["bench", "ttft", "--device", "cpu", "--preset", "tiny", "--lengths", "70", "--chunk-tokens", "64",
-                   "--iters", "1", "--warmup", "0", "--no-disk", "--no-redis", "--quiet", "--json", str(out)])
+    rc = cli.main(
+        [
+            "bench",
+            "ttft",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--lengths",
+            "70",
+            "--chunk-tokens",
+            "64",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--no-disk",
+            "--no-redis",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert json.loads(out.read_text())["rows"][0]["N"] == 70
     assert "break-even cpu" in capsys.readouterr().out
@@ -156,9 +230,31 @@ def test_redis_tiers_private_server(tmp_path, monkeypatch):
         pytest.skip("no redis-server")
     monkeypatch.setenv("LMTIER_REDIS_SERVER", binary)
     out = tmp_path / "t.json"
-    rc = ttft.main(["--device", "cpu", "--preset", "tiny", "--chunk-tokens", "64", "--iters", "1", "--warmup", "1",
-                    "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-                    "--codec-levels", "default", "--quiet", "--json", str(out)])
+    rc = ttft.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--chunk-tokens",
+            "64",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--lengths",
+            "150",
+            "--disk-dir",
+            str(tmp_path / "d"),
+            "--dd-bytes",
+            str(16 << 20),
+            "--codec-levels",
+            "default",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     _redis_rows_ok(res)
@@ -174,10 +270,33 @@ def test_redis_tiers_given_url(tmp_path):
     proc = RedisProc(binary, maxmemory=256 << 20)
     try:
         out = tmp_path / "t.json"
-        rc = ttft.main(["--device", "cpu", "--model-preset", "tiny", "--chunk-tokens", "64", "--iters", "1",
-                        "--warmup", "1", "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes",
-                        str(16 << 20), "--codec-levels", "default", "--redis-url", proc.url, "--quiet",
-                        "--json", str(out)])
+        rc = ttft.main(
+            [
+                "--device",
+                "cpu",
+                "--model-preset",
+                "tiny",
+                "--chunk-tokens",
+                "64",
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+                "--lengths",
+                "150",
+                "--disk-dir",
+                str(tmp_path / "d"),
+                "--dd-bytes",
+                str(16 << 20),
+                "--codec-levels",
+                "default",
+                "--redis-url",
+                proc.url,
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
         assert rc == 0
         res = json.loads(out.read_text())
         _redis_rows_ok(res)
@@ -220,8 +339,16 @@ def test_codec_static_tables_calibrated_saved_and_per_stream(tmp_path):
     # chunk a tier holds) are coded with them; decode
     # through the static set is bit-exact vs the reference decoder. A PATH saves them; a second run
     # loads them (same table set id, same record bytes); 'none' gives per-stream records only.
-    common = ["--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-              "--codec-levels", "default,lossless"]
+    common = [
+        "--lengths",
+        "150",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "default,lossless",
+    ]
     path = tmp_path / "tables.npz"
     rc, res = _run(tmp_path, *common, "--codec-tables", str(path), "--codec-calib-tokens", "512")
     assert rc == 0 and res["checks_ok"] is True
@@ -254,11 +381,30 @@ def test_codec_tables_file_of_other_geometry_is_refused(tmp_path):
     from lmtier.codec import calibrate as ccal
 
     path = tmp_path / "other.npz"
-    ccal.save(path, {"default": {"sym": np.zeros((1, 1), np.uint16), "scale": np.zeros((2, 256), np.uint16),
-                                 "geometry": np.asarray([30, 3, 64], np.int64)}})
+    ccal.save(
+        path,
+        {
+            "default": {
+                "sym": np.zeros((1, 1), np.uint16),
+                "scale": np.zeros((2, 256), np.uint16),
+                "geometry": np.asarray([30, 3, 64], np.int64),
+            }
+        },
+    )
     with pytest.raises(SystemExit, match="geometry"):
-        _run(tmp_path, "--lengths", "70", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-             "--codec-levels", "default", "--codec-tables", str(path))
+        _run(
+            tmp_path,
+            "--lengths",
+            "70",
+            "--disk-dir",
+            str(tmp_path / "d"),
+            "--dd-bytes",
+            str(16 << 20),
+            "--codec-levels",
+            "default",
+            "--codec-tables",
+            str(path),
+        )
 
 
 def test_timed_paths_are_the_products(tmp_path, monkeypatch):
@@ -298,8 +444,17 @@ def test_timed_paths_are_the_products(tmp_path, monkeypatch):
     spy(ConnectorWorker, "wait_layer", "worker_wait_layer")
     spy(ConnectorWorker, "finish_layerwise", "worker_finish_layerwise")
     spy(ConnectorWorker, "load", "worker_load")
-    rc, res = _run(tmp_path, "--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-                   "--codec-levels", "default")
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "150",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "default",
+    )
     assert rc == 0 and res["checks_ok"] is True
     # cpu, disk, disk+codec managers (+ none for Redis: --no-redis)
     assert calls["from_config"] == 3
@@ -325,8 +480,19 @@ def test_timed_paths_are_the_products(tmp_path, monkeypatch):
 def test_shipped_tables_through_the_config(tmp_path):
     # --codec-tables shipped: local_disk_serde cachegen straight through the config (the product's
     # default tables; the tiny geometry has none shipped: per-stream records)
-    rc, res = _run(tmp_path, "--lengths", "70", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20),
-                   "--codec-levels", "default", "--codec-tables", "shipped")
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "70",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "default",
+        "--codec-tables",
+        "shipped",
+    )
     assert rc == 0 and res["checks_ok"] is True and res["codec_tables"] is None
     (r,) = res["rows"]
     assert r["disk+codec_static_records"] == 0 and r["check_disk+codec"]["kv_exact"] is True
@@ -343,14 +509,21 @@ def test_paged_kv_views_read_what_the_product_writes(n, block):
     from lmtier.bench.ttft.pipeline import PagedKV, chunk_spans
 
     L, H, D, T = 2, 3, 8, 64
-    kv = PagedKV(num_layers=L, num_heads=H, head_size=D, num_tokens=n, block_size=block, dtype=torch.float32,
-                 device=torch.device("cpu"))
+    kv = PagedKV(
+        num_layers=L,
+        num_heads=H,
+        head_size=D,
+        num_tokens=n,
+        block_size=block,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     kv.buf.fill_(float("nan"))
     ref = torch.randn(L, 2, n, H, D)
     chunks = []
     for s, tc in chunk_spans(n, T):
         c = torch.zeros(L, 2, T, H, D)
-        c[:, :, :tc] = ref[:, :, s:s + tc]
+        c[:, :, :tc] = ref[:, :, s : s + tc]
         chunks.append(c.reshape(-1).view(torch.uint8))
     ops.scatter(kv.layout, kv.slot_mapping(T), chunks)
     assert torch.equal(kv.canonical(), ref)

@@ -50,10 +50,18 @@ class Cache:
         self.layout = KVLayout.from_layer_views(self.views, kind=kind)
 
     def _alloc(self):
-        return make_paged_kv_cache(self.order, num_layers=LAYERS, num_blocks=self.kernel_blocks, block_size=self.kbs,
-                                   num_heads=HEADS, head_size=HEAD, dtype=self.dtype, kind=self.kind)
+        return make_paged_kv_cache(
+            self.order,
+            num_layers=LAYERS,
+            num_blocks=self.kernel_blocks,
+            block_size=self.kbs,
+            num_heads=HEADS,
+            head_size=HEAD,
+            dtype=self.dtype,
+            kind=self.kind,
+        )
 
-    def clone(self) -> "Cache":
+    def clone(self) -> Cache:
         c = object.__new__(Cache)
         c.__dict__.update(self.__dict__)
         c.buf, c.views = self._alloc()
@@ -86,8 +94,16 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _ns(dtype, *, tp_rank=0, tp_size=1) -> Namespace:
-    return Namespace(model="test-worker", num_layers=LAYERS, num_kv_heads=HEADS, head_size=HEAD,
-                     kv_dtype=_NS_DTYPE[dtype], chunk_size=CHUNK, tp_rank=tp_rank, tp_size=tp_size)
+    return Namespace(
+        model="test-worker",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        kv_dtype=_NS_DTYPE[dtype],
+        chunk_size=CHUNK,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
 
 
 class Recorder:
@@ -107,8 +123,17 @@ def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, 
     if manager is None:
         manager = TierManager(cpu=CPUPool(slots * ns.chunk_bytes + 4096 * slots, ns.chunk_bytes))
     rec = Recorder()
-    w = ConnectorWorker(cache.layout, manager, chunk_size=CHUNK, block_size=cache.bs, namespace=ns,
-                        index_namespace=index_ns, on_stat=rec.stat, on_stored=rec.on_stored, faults=faults)
+    w = ConnectorWorker(
+        cache.layout,
+        manager,
+        chunk_size=CHUNK,
+        block_size=cache.bs,
+        namespace=ns,
+        index_namespace=index_ns,
+        on_stat=rec.stat,
+        on_stored=rec.on_stored,
+        faults=faults,
+    )
     return w, manager, rec
 
 
@@ -227,8 +252,9 @@ def test_index_namespace_reported(managers):
 
 def test_rejects_mismatched_namespace():
     cache = Cache(*GEOMS[2])
-    bad = Namespace(model="x", num_layers=LAYERS + 1, num_kv_heads=HEADS, head_size=HEAD, kv_dtype="bfloat16",
-                    chunk_size=CHUNK)
+    bad = Namespace(
+        model="x", num_layers=LAYERS + 1, num_kv_heads=HEADS, head_size=HEAD, kv_dtype="bfloat16", chunk_size=CHUNK
+    )
     m = TierManager(cpu=CPUPool(1 << 20, bad.chunk_bytes))
     try:
         with pytest.raises(ValueError, match="chunk bytes"):
@@ -264,7 +290,7 @@ def test_failed_chunk_fails_it_and_every_later_block(geom, how, managers):
         expect.scatter_ref(dst, 0, bad * CHUNK, cache.ref_rows(src, 0, bad * CHUNK))
     failed = w.load(LoadOp("r2", toks, None, 0, dst))
     per_chunk = CHUNK // cache.bs
-    assert failed == set(dst[bad * per_chunk:])
+    assert failed == set(dst[bad * per_chunk :])
     assert _same_bits(cache.buf, expect.buf), "a failed (or later) chunk was written, or another block changed"
     assert rec.stats["load_failures"] == 1 and rec.stats["loaded_chunks"] == bad
 
@@ -278,7 +304,7 @@ def test_missing_partial_first_chunk_fails_from_start_token(managers):
     dst = _blocks(cache, DST, n)
     start = 2 * cache.bs
     snap = cache.buf.clone()
-    assert w.load(LoadOp("r", toks, None, start, dst)) == set(dst[start // cache.bs:])
+    assert w.load(LoadOp("r", toks, None, start, dst)) == set(dst[start // cache.bs :])
     assert _same_bits(cache.buf, snap)
 
 
@@ -502,7 +528,7 @@ def test_missing_middle_chunk_with_parallel_fetches(mode, tmp_path, managers):
     expect = cache.clone()
     if mode == "sync":
         expect.scatter_ref(dst, 0, 2 * CHUNK, cache.ref_rows(src, 0, 2 * CHUNK))
-        assert w.load(LoadOp("r2", toks, None, 0, dst)) == set(dst[2 * CHUNK // cache.bs:])
+        assert w.load(LoadOp("r2", toks, None, 0, dst)) == set(dst[2 * CHUNK // cache.bs :])
     else:
         w.start_load(LoadOp("r2", toks, None, 0, dst, is_async=True))
         assert _wait_loads(w) == ({"r2"}, {"r2"})
@@ -525,18 +551,18 @@ def test_layerwise_load_bit_exact_with_partial_failure(geom, managers):
     n = 3 * CHUNK
     ta, tb = _tokens(n, seed=11), _tokens(n, seed=12)
     src_a, src_b = _blocks(cache, perm[0:8], 2 * CHUNK), _blocks(cache, perm[8:16], 2 * CHUNK)
-    w.store(StoreOp("sa", ta[:2 * CHUNK], None, 0, src_a))
-    w.store(StoreOp("sb", tb[:2 * CHUNK], None, 0, src_b))
+    w.store(StoreOp("sa", ta[: 2 * CHUNK], None, 0, src_a))
+    w.store(StoreOp("sb", tb[: 2 * CHUNK], None, 0, src_b))
     assert mgr.cpu.delete(chunk_keys(tb, w.ns)[1])
     dst_a, dst_b = _blocks(cache, perm[16:24], 2 * CHUNK), _blocks(cache, perm[24:32], 2 * CHUNK)
     start = cache.bs
-    ops_ = [LoadOp("a", ta[:2 * CHUNK], None, start, dst_a), LoadOp("b", tb[:2 * CHUNK], None, 0, dst_b)]
+    ops_ = [LoadOp("a", ta[: 2 * CHUNK], None, start, dst_a), LoadOp("b", tb[: 2 * CHUNK], None, 0, dst_b)]
     expect = cache.clone()
     expect.scatter_ref(dst_a, start, 2 * CHUNK, cache.ref_rows(src_a, start, 2 * CHUNK))
     expect.scatter_ref(dst_b, 0, CHUNK, cache.ref_rows(src_b, 0, CHUNK))
 
     failed = w.load_layerwise(ops_)
-    assert failed == {"b": set(dst_b[CHUNK // cache.bs:])}
+    assert failed == {"b": set(dst_b[CHUNK // cache.bs :])}
     assert w.layerwise_in_flight and not w.idle()
     assert mgr.cpu.num_pinned() == 3, "the loaded pool chunks stay pinned until the copy is finished"
     for layer in range(LAYERS):
@@ -562,7 +588,7 @@ def test_layerwise_load_unwaited_layer_reports_its_blocks(managers):
         w.wait_layer(layer)
     with pytest.raises(IndexError):
         w.wait_layer(LAYERS)
-    assert w.finish_layerwise() == {"r": set(dst[CHUNK // cache.bs:])}
+    assert w.finish_layerwise() == {"r": set(dst[CHUNK // cache.bs :])}
     assert w.finish_layerwise() == {} and w.idle()
     w.wait_layer(0)  # no load in flight: a no-op
 
@@ -573,8 +599,9 @@ def test_layerwise_load_poisoned_and_all_failed(managers):
     managers.append(mgr)
     dst = _blocks(cache, DST, 2 * CHUNK)
     snap = cache.buf.clone()
-    failed = w.load_layerwise([LoadOp("p", [], None, cache.bs, dst, poisoned=True),
-                               LoadOp("m", _tokens(2 * CHUNK, seed=14), None, 0, dst)])
+    failed = w.load_layerwise(
+        [LoadOp("p", [], None, cache.bs, dst, poisoned=True), LoadOp("m", _tokens(2 * CHUNK, seed=14), None, 0, dst)]
+    )
     assert failed == {"p": set(dst[1:]), "m": set(dst)}
     assert not w.layerwise_in_flight, "nothing to load: no load in flight"
     assert _same_bits(cache.buf, snap)
@@ -622,8 +649,9 @@ def test_index_reporter_subscription_newest_takes_over_and_is_weak(managers):
 
 
 # ------------------------------------------------------------------------------ staging pools, device decode path
-def _codec_worker(tmp_path, cache, n_chunks, *, seed, level="lossless", decode_on="device", window=2,
-                  io_threads=2, pool_slots=8):
+def _codec_worker(
+    tmp_path, cache, n_chunks, *, seed, level="lossless", decode_on="device", window=2, io_threads=2, pool_slots=8
+):
     """A worker over CPU pool + disk wrapped in a CodecTier, ``n_chunks`` stored (written through as
     codec records), with ``decode_on`` (on a CPU cache "device" runs the device-staging pipeline
     with host buffers)."""
@@ -632,12 +660,27 @@ def _codec_worker(tmp_path, cache, n_chunks, *, seed, level="lossless", decode_o
     from lmtier.tiers.disk import DiskTier
 
     ns = _ns(cache.dtype)
-    disk = CodecTier(DiskTier([str(tmp_path / "disk")], 64 << 20, sync="none"), shape=codec_chunk_shape(ns),
-                     dtype=ns.kv_dtype, level=level, tables=None)
+    disk = CodecTier(
+        DiskTier([str(tmp_path / "disk")], 64 << 20, sync="none"),
+        shape=codec_chunk_shape(ns),
+        dtype=ns.kv_dtype,
+        level=level,
+        tables=None,
+    )
     mgr = TierManager(cpu=CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes), disk=disk)
     rec = Recorder()
-    w = ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns, on_stat=rec.stat,
-                        on_stored=rec.on_stored, decode_on=decode_on, device_window=window, io_threads=io_threads)
+    w = ConnectorWorker(
+        cache.layout,
+        mgr,
+        chunk_size=CHUNK,
+        block_size=cache.bs,
+        namespace=ns,
+        on_stat=rec.stat,
+        on_stored=rec.on_stored,
+        decode_on=decode_on,
+        device_window=window,
+        io_threads=io_threads,
+    )
     n = n_chunks * CHUNK
     toks = _tokens(n, seed=seed)
     src = list(range(n // cache.bs))
@@ -721,7 +764,7 @@ def test_device_staging_corrupt_record_is_a_miss(mode, tmp_path, managers):
         assert _load(w, LoadOp("r2", toks, None, 0, dst), mode) == ({"r2"}, {"r2"})
     else:
         expect.scatter_ref(dst, 0, 2 * CHUNK, cache.ref_rows(src, 0, 2 * CHUNK))
-        assert _load(w, LoadOp("r2", toks, None, 0, dst), mode) == set(dst[2 * CHUNK // cache.bs:])
+        assert _load(w, LoadOp("r2", toks, None, 0, dst), mode) == set(dst[2 * CHUNK // cache.bs :])
     assert _same_bits(cache.buf, expect.buf), "a failed (or later) chunk was written"
     assert rec.stats["load_failures"] == 1 and mgr.disk.counters["corrupt_deleted"] == 1
     assert not mgr.disk.contains(keys[2])
@@ -739,15 +782,21 @@ def test_device_staging_unwaited_layer_reports_device_chunks(tmp_path, managers)
     dst = list(range(8, 16))
     assert w.load_layerwise([LoadOp("r2", toks, None, CHUNK // 2, dst)]) == {}
     w.wait_layer(0)
-    assert w.finish_layerwise() == {"r2": set(dst[CHUNK // 2 // cache.bs:])}
+    assert w.finish_layerwise() == {"r2": set(dst[CHUNK // 2 // cache.bs :])}
     assert rec.stats["device_decoded_chunks"] == 2
 
 
 def test_decode_on_modes():
     cache = Cache(*GEOMS[2])
     with pytest.raises(ValueError, match="decode_on"):
-        ConnectorWorker(cache.layout, TierManager(cpu=CPUPool(1 << 20, 4096)), chunk_size=CHUNK,
-                        block_size=cache.bs, namespace=_ns(cache.dtype), decode_on="gpu")
+        ConnectorWorker(
+            cache.layout,
+            TierManager(cpu=CPUPool(1 << 20, 4096)),
+            chunk_size=CHUNK,
+            block_size=cache.bs,
+            namespace=_ns(cache.dtype),
+            decode_on="gpu",
+        )
     w, mgr, _ = _worker(cache)  # auto on a CPU cache: the host path
     assert not w.device_staging and w.decode_stream is None
     mgr.close(persist=False)
@@ -763,8 +812,9 @@ def test_host_staging_reused_without_a_pool(mode, tmp_path, managers):
     mgr = _disk_manager(tmp_path, ns, cpu=False)
     managers.append(mgr)
     rec = Recorder()
-    w = ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns, on_stat=rec.stat,
-                        io_threads=2)
+    w = ConnectorWorker(
+        cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns, on_stat=rec.stat, io_threads=2
+    )
     toks = _tokens(6 * CHUNK, seed=24)
     src = list(range(6 * CHUNK // cache.bs))
     w.store(StoreOp("r1", toks, None, 0, src))

@@ -87,15 +87,24 @@ class Cache:
         self.layout = KVLayout.from_layer_views(self.views, kind="kv")
 
     def _alloc(self):
-        return make_paged_kv_cache(self.order, num_layers=LAYERS, num_blocks=self.kernel_blocks, block_size=self.kbs,
-                                   num_heads=HEADS, head_size=HEAD, dtype=self.dtype, device="cuda", kind="kv")
+        return make_paged_kv_cache(
+            self.order,
+            num_layers=LAYERS,
+            num_blocks=self.kernel_blocks,
+            block_size=self.kbs,
+            num_heads=HEADS,
+            head_size=HEAD,
+            dtype=self.dtype,
+            device="cuda",
+            kind="kv",
+        )
 
     def randomize(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         n = self.buf.numel() * self.buf.element_size()
         self.buf.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
 
-    def like(self, seed: int | None = None) -> "Cache":
+    def like(self, seed: int | None = None) -> Cache:
         """Another buffer of the same geometry: random (``seed``) or a copy of this one."""
         c = object.__new__(Cache)
         c.__dict__.update(self.__dict__)
@@ -135,8 +144,14 @@ class Recorder:
 
 
 def _ns(dtype) -> Namespace:
-    return Namespace(model="test-gpu-worker", num_layers=LAYERS, num_kv_heads=HEADS, head_size=HEAD,
-                     kv_dtype=_NS_DTYPE[dtype], chunk_size=CHUNK)
+    return Namespace(
+        model="test-gpu-worker",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        kv_dtype=_NS_DTYPE[dtype],
+        chunk_size=CHUNK,
+    )
 
 
 def _pool(ns: Namespace, slots: int = 40) -> CPUPool:
@@ -162,8 +177,16 @@ def _worker(cache: Cache, managers, manager=None, **kw):
     mgr = manager or TierManager(cpu=_pool(ns))
     managers.append(mgr)
     rec = Recorder()
-    w = ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns,
-                        on_stat=rec.stat, on_stored=rec.on_stored, **kw)
+    w = ConnectorWorker(
+        cache.layout,
+        mgr,
+        chunk_size=CHUNK,
+        block_size=cache.bs,
+        namespace=ns,
+        on_stat=rec.stat,
+        on_stored=rec.on_stored,
+        **kw,
+    )
     assert w.is_cuda and w.store_engine is not None
     return w, mgr, rec
 
@@ -220,8 +243,9 @@ def test_store_then_load_into_other_blocks(order, dtype, bs, kbs, managers):
     assert all(mgr.cpu.contains(k) for k in keys) and not w.pending and w.idle()
     assert rec.stats["stored_chunks"] == 3 and [t for _, _, t in rec.stored] == ["cpu"] * 3
     for ci, k in enumerate(keys):
-        assert torch.equal(_pool_chunk(mgr, k, w.chunk_bytes), cache.tokens(src, ci * CHUNK, (ci + 1) * CHUNK)), \
+        assert torch.equal(_pool_chunk(mgr, k, w.chunk_bytes), cache.tokens(src, ci * CHUNK, (ci + 1) * CHUNK)), (
             f"chunk {ci} in the pool differs from the reference gather"
+        )
 
     expect = cache.like()
     expect.scatter_ref(dst, 0, n, cache.rows(src, 0, n))
@@ -260,7 +284,7 @@ def test_partial_first_chunk_and_failed_chunk(dtype, managers):
     expect.scatter_ref(dst, 0, CHUNK, stored0)
     failed = w.load(LoadOp("r3", toks, None, 0, dst))
     torch.cuda.synchronize()
-    assert failed == set(dst[CHUNK // cache.bs:])
+    assert failed == set(dst[CHUNK // cache.bs :])
     assert _same_bits(cache.buf, expect.buf), "a failed or later chunk was written"
 
 
@@ -367,8 +391,10 @@ def test_store_waits_for_compute_and_keeps_pre_overwrite_data(release, bs, kbs, 
         pending_early = "r" in w.pending
         reported_early = "r" in w.finished_sending(["r"] if release == "finished" else [])
         still_running = not written.query()
-    assert still_running, (f"the compute stream finished before the checks (store took {issue_s:.3f} s): "
-                           "store() blocked on the compute stream, or SLEEP_CYCLES is too short here")
+    assert still_running, (
+        f"the compute stream finished before the checks (store took {issue_s:.3f} s): "
+        "store() blocked on the compute stream, or SLEEP_CYCLES is too short here"
+    )
     assert pending_early and not any(visible_early), "committed before the copy completed"
     assert not reported_early, "blocks released while the store still had to read them"
 
@@ -418,8 +444,9 @@ def test_back_to_back_stores_with_block_reuse(managers):
     assert rec.stats["stored_chunks"] == 3 * rounds
     for i, keys in enumerate(all_keys):
         for ci, k in enumerate(keys):
-            assert torch.equal(_pool_chunk(mgr, k, w.chunk_bytes), bank[i].tokens(src, ci * CHUNK, (ci + 1) * CHUNK)), \
+            assert torch.equal(_pool_chunk(mgr, k, w.chunk_bytes), bank[i].tokens(src, ci * CHUNK, (ci + 1) * CHUNK)), (
                 f"request {i} chunk {ci}"
+            )
 
 
 # ------------------------------------------------------------------------------ layer-by-layer loads
@@ -473,8 +500,9 @@ def test_layerwise_load_bit_exact_per_layer(order, dtype, bs, kbs, per_wait, man
     torch.cuda.synchronize()
 
     failed, snaps, unsafe = _layerwise_through_busy_stream(
-        w, cache, [LoadOp("a", ta, None, start, dst_a), LoadOp("b", tb, None, 0, dst_b)])
-    assert failed == {"b": set(dst_b[2 * CHUNK // bs:])}
+        w, cache, [LoadOp("a", ta, None, start, dst_a), LoadOp("b", tb, None, 0, dst_b)]
+    )
+    assert failed == {"b": set(dst_b[2 * CHUNK // bs :])}
     assert unsafe == {}
     for layer in range(LAYERS):
         assert _same_bits(snaps[layer], expect.views[layer]), f"layer {layer} read before its copy landed"
@@ -526,8 +554,7 @@ def _codec_disk(tmp_path, ns: Namespace, level: str):
     return CodecTier(_disk(tmp_path), shape=codec_chunk_shape(ns), dtype=ns.kv_dtype, level=level, tables=None)
 
 
-def _stored_as_codec(cache: Cache, managers, tmp_path, *, seed: int, chunks: int, level: str = "lossless",
-                     **kw):
+def _stored_as_codec(cache: Cache, managers, tmp_path, *, seed: int, chunks: int, level: str = "lossless", **kw):
     """A worker over a CPU pool + CodecTier(DiskTier) that stored ``chunks`` chunks from blocks SRC
     (written through as codec records) and then lost them from the pool: every chunk is a disk
     hit. Returns ``(worker, manager, recorder, tokens, src, dst, keys)``."""
@@ -570,8 +597,7 @@ def test_device_decode_load_bit_exact_bounded_not_promoted(mode, tmp_path, manag
     and scattered device -> paged blocks on the decode stream; bit exact (lossless), nothing
     promoted into the pool, no staging allocated by a second load."""
     cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=60)  # 3 chunks of 64 tokens = the 12 blocks of SRC
-    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=61, chunks=3,
-                                                         device_window=2)
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=61, chunks=3, device_window=2)
     assert w.device_staging and w.decode_stream is not None
     n = len(toks)
     expect = cache.like()
@@ -662,7 +688,7 @@ def test_device_decode_corrupt_record_is_a_miss(mode, tmp_path, managers):
     op = LoadOp("r", toks, None, 0, dst)
     if mode == "sync":
         expect.scatter_ref(dst, 0, CHUNK, cache.rows(src, 0, CHUNK))
-        assert w.load(op) == set(dst[CHUNK // cache.bs:])
+        assert w.load(op) == set(dst[CHUNK // cache.bs :])
     else:
         assert _run_async(w, op) == ({"r"}, {"r"})
     torch.cuda.synchronize()
@@ -676,11 +702,11 @@ def test_device_decode_lossy_equals_host_decode(tmp_path, managers):
     the CPU decode of its host path (the codec's decoders are bit-identical)."""
     cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=68)
     cache.buf.copy_(torch.randn(cache.buf.shape, generator=torch.Generator().manual_seed(68)).to(cache.buf))
-    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=69, chunks=2,
-                                                         level="default")
+    w, mgr, rec, toks, src, dst, keys = _stored_as_codec(cache, managers, tmp_path, seed=69, chunks=2, level="default")
     host_cache = cache.like()
-    hw = ConnectorWorker(host_cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=w.ns,
-                         decode_on="host")
+    hw = ConnectorWorker(
+        host_cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=w.ns, decode_on="host"
+    )
     assert not hw.device_staging
     assert w.load(LoadOp("d", toks, None, 0, dst)) == set()
     assert hw.load(LoadOp("h", toks, None, 0, dst)) == set()

@@ -3,8 +3,8 @@ through lmtier's own load path.
 
 Model: a Llama-3.1-8B-shaped ``transformers`` ``LlamaForCausalLM`` with random weights (bf16, SDPA;
 compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M-shaped on the CPU),
-``--model PATH`` for a real local model, ``--preset tiny`` for CPU smoke runs. Per context length ``N`` (median of ``--iters``
-after ``--warmup`` runs):
+``--model PATH`` for a real local model, ``--preset tiny`` for CPU smoke runs. Per context length
+``N`` (median of ``--iters`` after ``--warmup`` runs):
 
 * ``recompute`` — prefill of ``N + 1`` tokens until the logits of the last position exist.
 * every cached path — the prefix's KV (``N`` tokens, built once by a prefill) sits in a tier as
@@ -16,10 +16,11 @@ after ``--warmup`` runs):
   Every load is the vLLM connector's data path: a
   :class:`lmtier.integration.vllm.worker.ConnectorWorker` ``load_layerwise`` of one ``LoadOp``
   naming the request's blocks (CUDA: one ``CudaTransferEngine.load_layerwise``), layer ``l``'s
-  attention preceded by the worker's ``wait_layer(l)``, ``finish_layerwise`` after the forward. On CUDA the lean forward runs as CUDA graphs (``--graphs auto``, one per decoder layer +
-  embedding + head, captured per N over static buffers; eager fallback with a printed reason).
-  ``load_ms`` (the worker's synchronous ``load`` alone), ``fwd_ms`` (forward alone, KV resident), ``fwd_eager_ms`` and
-  ``cpu_eager_ms`` (eager forward) are reported too, plus (``--compare-layouts``) the eager forward
+  attention preceded by the worker's ``wait_layer(l)``, ``finish_layerwise`` after the forward. On
+  CUDA the lean forward runs as CUDA graphs (``--graphs auto``, one per decoder layer + embedding +
+  head, captured per N over static buffers; eager fallback with a printed reason). ``load_ms`` (the
+  worker's synchronous ``load`` alone), ``fwd_ms`` (forward alone, KV resident), ``fwd_eager_ms``
+  and ``cpu_eager_ms`` (eager forward) are reported too, plus (``--compare-layouts``) the eager forward
   over contiguous ``[1, H, N, D]`` K/V and the transpose that would produce them.
 * ``cpu`` — the CPU pool (``local_cpu``): chunks copied from the pool's pinned slots.
 * ``disk`` — the disk tier (``local_disk``, O_DIRECT, checksummed records) in ``--disk-dir``; the
@@ -30,8 +31,9 @@ after ``--warmup`` runs):
   ``default,lossless``) — the disk tier wrapped in :class:`lmtier.tiers.codec.CodecTier` (quantize +
   rANS records, encoded once when stored, untimed); ``CodecTier.get_into`` decodes on the GPU into
   the worker's device staging, scattered device -> paged blocks (``--codec-decode device``, the
-  worker's default for codec tiers on CUDA) or on the host (``host``: the worker's host path). ``*_ratio`` = KV bytes / record bytes; ``*_mem_ms`` = the same decode with
-  the records in a CPU pool (no reads). Lossy levels' tables: ``--codec-tables`` (:mod:`.tables`);
+  worker's default for codec tiers on CUDA) or on the host (``host``: the worker's host path).
+  ``*_ratio`` = KV bytes / record bytes; ``*_mem_ms`` = the same decode with the records in a CPU
+  pool (no reads). Lossy levels' tables: ``--codec-tables`` (:mod:`.tables`);
   their KV is checked bit for bit against the reference decoder
   (:func:`lmtier.codec.quant.dequantize`), their logits are reported, not judged.
 * ``redis`` / ``redis+codec`` — the Redis tier (``remote_url``) through the same path: against
@@ -70,58 +72,102 @@ DEFAULT_PRESET = {"cuda": "llama-3.1-8b", "cpu": "smollm2-135m"}
 def parser() -> argparse.ArgumentParser:
     """The ``lmtier bench ttft`` argument parser."""
     llama = sorted(k for k, v in PRESETS.items() if v.llama is not None)
-    p = argparse.ArgumentParser(prog="lmtier bench ttft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lmtier bench ttft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--preset", "--model-preset", dest="preset", type=str.lower, default=None,
-                   help=f"random-weight model shape (ignored with --model): {', '.join(llama)} (default: "
-                        f"{DEFAULT_PRESET['cuda']} on CUDA, {DEFAULT_PRESET['cpu']} on the CPU); "
-                        "llama-3.1-70b-tp8 = one TP rank's shard (no all-reduce); the MLA preset of the other "
-                        "subcommands has no transformers shape here (use --model)")
+    p.add_argument(
+        "--preset",
+        "--model-preset",
+        dest="preset",
+        type=str.lower,
+        default=None,
+        help=f"random-weight model shape (ignored with --model): {', '.join(llama)} (default: "
+        f"{DEFAULT_PRESET['cuda']} on CUDA, {DEFAULT_PRESET['cpu']} on the CPU); "
+        "llama-3.1-70b-tp8 = one TP rank's shard (no all-reduce); the MLA preset of the other "
+        "subcommands has no transformers shape here (use --model)",
+    )
     p.add_argument("--model", default=None, help="path of a local transformers model (Llama-like)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated context lengths N")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per block of the paged KV cache (default: gcd(chunk tokens, 16))")
-    p.add_argument("--layers-per-wait", type=int, default=None,
-                   help="layers per event of the layer-by-layer copy (CUDA; default max(1, layers // 8), the "
-                        "connector worker's default)")
-    p.add_argument("--compare-layouts", action="store_true",
-                   help="also time the forward over contiguous [1,H,N,D] K/V and the transpose to it")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block of the paged KV cache (default: gcd(chunk tokens, 16))",
+    )
+    p.add_argument(
+        "--layers-per-wait",
+        type=int,
+        default=None,
+        help="layers per event of the layer-by-layer copy (CUDA; default max(1, layers // 8), the "
+        "connector worker's default)",
+    )
+    p.add_argument(
+        "--compare-layouts",
+        action="store_true",
+        help="also time the forward over contiguous [1,H,N,D] K/V and the transpose to it",
+    )
     p.add_argument("--disk-dir", default=None, help="directory on the disk to test (default: a temp dir on disk)")
     p.add_argument("--disk-threads", type=int, default=4, help="disk_io_threads of the disk tiers")
     p.add_argument("--dd-bytes", type=int, default=1 << 30, help="bytes dd writes/reads for the disk ceiling")
     p.add_argument("--keep-disk", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--no-redis", action="store_true")
-    p.add_argument("--redis-url", default=None,
-                   help="use this Redis server (default: $LMTIER_REDIS_URL, else start a private redis-server "
-                        "on loopback when one is found: $LMTIER_REDIS_SERVER, PATH)")
-    p.add_argument("--ring", type=int, default=3,
-                   help="ignored (kept for old command lines): the connector worker's CudaTransferEngines use their "
-                        "default ring of 3 staging slots")
-    p.add_argument("--inflight", type=int, default=4,
-                   help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)")
-    p.add_argument("--graphs", choices=["auto", "off", "nocapture"], default="auto",
-                   help="lean forward as CUDA graphs (auto: on CUDA, eager fallback if capture fails); off: eager; "
-                        "nocapture: the graph code path run eagerly (tests)")
-    p.add_argument("--codec-levels", default="default,lossless",
-                   help="codec levels for the disk+codec tiers (comma-separated; '' to skip)")
-    p.add_argument("--codec-decode", choices=["device", "host"], default="device",
-                   help="CUDA: the connector worker's decode_on for the codec tiers: GPU decode into device "
-                        "staging (device, the worker's default) or CPU decode into host staging, then the host -> "
-                        "cache copy (host)")
-    p.add_argument("--codec-tables", default="calibrate",
-                   help="rANS tables of the lossy codec tiers: 'calibrate' (static tables calibrated, untimed, on "
-                        "the KV of other random token ids of the same model, once per level), a PATH (.npz of "
-                        "lmtier.codec.calibrate.save: loaded; levels it lacks are calibrated and written into "
-                        "it), 'shipped' (the product's default: local_disk_serde/remote_serde cachegen through "
-                        "the config) or 'none' (per-stream tables in every record)")
-    p.add_argument("--codec-calib-tokens", type=int, default=4096,
-                   help="tokens of calibration input for --codec-tables calibrate / PATH")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis server (default: $LMTIER_REDIS_URL, else start a private redis-server "
+        "on loopback when one is found: $LMTIER_REDIS_SERVER, PATH)",
+    )
+    p.add_argument(
+        "--ring",
+        type=int,
+        default=3,
+        help="ignored (kept for old command lines): the connector worker's CudaTransferEngines use their "
+        "default ring of 3 staging slots",
+    )
+    p.add_argument(
+        "--inflight", type=int, default=4, help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)"
+    )
+    p.add_argument(
+        "--graphs",
+        choices=["auto", "off", "nocapture"],
+        default="auto",
+        help="lean forward as CUDA graphs (auto: on CUDA, eager fallback if capture fails); off: eager; "
+        "nocapture: the graph code path run eagerly (tests)",
+    )
+    p.add_argument(
+        "--codec-levels",
+        default="default,lossless",
+        help="codec levels for the disk+codec tiers (comma-separated; '' to skip)",
+    )
+    p.add_argument(
+        "--codec-decode",
+        choices=["device", "host"],
+        default="device",
+        help="CUDA: the connector worker's decode_on for the codec tiers: GPU decode into device "
+        "staging (device, the worker's default) or CPU decode into host staging, then the host -> "
+        "cache copy (host)",
+    )
+    p.add_argument(
+        "--codec-tables",
+        default="calibrate",
+        help="rANS tables of the lossy codec tiers: 'calibrate' (static tables calibrated, untimed, on "
+        "the KV of other random token ids of the same model, once per level), a PATH (.npz of "
+        "lmtier.codec.calibrate.save: loaded; levels it lacks are calibrated and written into "
+        "it), 'shipped' (the product's default: local_disk_serde/remote_serde cachegen through "
+        "the config) or 'none' (per-stream tables in every record)",
+    )
+    p.add_argument(
+        "--codec-calib-tokens",
+        type=int,
+        default=4096,
+        help="tokens of calibration input for --codec-tables calibrate / PATH",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG path for TTFT vs N per tier")
@@ -135,10 +181,16 @@ def main(argv=None) -> int:
 
     p = parser()
     args = p.parse_args(argv)
-    if not args.model and args.preset is not None and (args.preset not in PRESETS or PRESETS[args.preset].llama is None):
+    if (
+        not args.model
+        and args.preset is not None
+        and (args.preset not in PRESETS or PRESETS[args.preset].llama is None)
+    ):
         llama = sorted(k for k, v in PRESETS.items() if v.llama is not None)
-        p.error(f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
-                f"choose from {', '.join(llama)} or pass --model PATH")
+        p.error(
+            f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
+            f"choose from {', '.join(llama)} or pass --model PATH"
+        )
     if args.ring < 2:
         p.error("--ring must be >= 2")
     if args.inflight < 1:
@@ -151,7 +203,8 @@ def main(argv=None) -> int:
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
-        why = plot(res["rows"], args.plot, f"TTFT vs context: {res['model']} on "
-                   f"{res['system'].get('gpu', res['device'])}")
+        why = plot(
+            res["rows"], args.plot, f"TTFT vs context: {res['model']} on {res['system'].get('gpu', res['device'])}"
+        )
         print(f"plot: skipped — {why}" if why else f"wrote {args.plot}")
     return 0 if res["checks_ok"] else 1

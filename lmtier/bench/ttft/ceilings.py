@@ -19,8 +19,18 @@ import torch
 
 from lmtier.bench.common import odirect_read_gbps
 
-__all__ = ["Dev", "timed", "median", "drop_caches", "fs_type", "default_disk_dir", "odirect_supported",
-           "dd_read_gbps", "h2d_gbps", "redis_raw_gbps"]
+__all__ = [
+    "Dev",
+    "timed",
+    "median",
+    "drop_caches",
+    "fs_type",
+    "default_disk_dir",
+    "odirect_supported",
+    "dd_read_gbps",
+    "h2d_gbps",
+    "redis_raw_gbps",
+]
 
 
 class Dev:
@@ -76,8 +86,11 @@ def fs_type(path: str) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
-                        and len(parts[1]) >= len(best):
+                if (
+                    len(parts) >= 3
+                    and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/"))
+                    and len(parts[1]) >= len(best)
+                ):
                     best, typ = parts[1], parts[2]
     except OSError:
         pass
@@ -89,8 +102,12 @@ def default_disk_dir() -> str:
     the page cache is the medium): $TMPDIR, /var/tmp, /tmp, the cwd, $HOME — the first that fits."""
     cands = [os.environ.get("TMPDIR"), "/var/tmp", "/tmp", os.getcwd(), os.path.expanduser("~")]
     for base in cands:
-        if base and os.path.isdir(base) and os.access(base, os.W_OK) \
-                and fs_type(base) not in ("tmpfs", "ramfs", "overlay", "devtmpfs", "?"):
+        if (
+            base
+            and os.path.isdir(base)
+            and os.access(base, os.W_OK)
+            and fs_type(base) not in ("tmpfs", "ramfs", "overlay", "devtmpfs", "?")
+        ):
             return tempfile.mkdtemp(prefix="lmtier-ttft-", dir=base)
     return tempfile.mkdtemp(prefix="lmtier-ttft-", dir=os.getcwd())
 
@@ -106,7 +123,10 @@ def dd_read_gbps(directory: str, nbytes: int, inflight: int = 4, piece_bytes: in
     res = {}
     try:
         for name, cmd in (
-            ("write", ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"]),
+            (
+                "write",
+                ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"],
+            ),
             ("read", ["dd", f"if={path}", "of=/dev/null", "bs=16M", f"count={count}", "iflag=direct"]),
         ):
             t0 = time.perf_counter()
@@ -157,14 +177,14 @@ def h2d_gbps(dev: Dev, host: torch.Tensor, nbytes: int) -> float | None:
             dst.copy_(src, non_blocking=True)
 
     ms, _, _ = timed(dev, go, iters=5, warmup=2)
-    del dst
-    return nbytes / ms / 1e6
+    return nbytes / ms / 1e6  # dst is freed with this frame
 
 
 def redis_raw_gbps(url: str, nbytes: int, *, inflight: int, piece_bytes: int = 1 << 20, reads: int = 3) -> float | None:
-    """Median GB/s (of ``reads`` rounds) of ``inflight`` plain sockets each reading an ``nbytes`` value with pipelined ``GETRANGE``
-    pieces straight into a buffer (:class:`lmtier.bench.remote.RawGet`: no client library, no
-    checks) — the Redis tier's same-run ceiling. None for URLs without a TCP host (unix, cluster,
+    """Median GB/s (of ``reads`` rounds) of ``inflight`` plain sockets each reading an ``nbytes``
+    value with pipelined ``GETRANGE`` pieces straight into a buffer
+    (:class:`lmtier.bench.remote.RawGet`: no client library, no checks) — the Redis tier's same-run
+    ceiling. None for URLs without a TCP host (unix, cluster,
     TLS) or on any failure."""
     from lmtier.bench.remote import RawGet
 

@@ -84,7 +84,7 @@ class LeanDecoder:
         self.hq = cfg.num_attention_heads
         self.hkv = cfg.num_key_value_heads
         self.group = self.hq // self.hkv
-        self.scaling = getattr(a0, "scaling", self.head_dim ** -0.5)
+        self.scaling = getattr(a0, "scaling", self.head_dim**-0.5)
         mod = sys.modules[type(a0).__module__]
         self.rope = mod.apply_rotary_pos_emb
         self.q_norm = hasattr(a0, "q_norm")
@@ -120,8 +120,9 @@ class LeanDecoder:
         return self.model.lm_head(self.base.norm(x)[:, -1])
 
     @torch.no_grad()
-    def forward(self, token: torch.Tensor, pos: torch.Tensor, n: int, k_of, v_of, new_k, new_v,
-                wait=None) -> torch.Tensor:
+    def forward(
+        self, token: torch.Tensor, pos: torch.Tensor, n: int, k_of, v_of, new_k, new_v, wait=None
+    ) -> torch.Tensor:
         """Logits ``[1, vocab]`` of one token at position ``n`` attending keys ``0..n``.
 
         ``new_k(l)`` / ``new_v(l)``: ``[H, D]`` views where this token's K/V go; ``k_of(l)`` /
@@ -151,8 +152,18 @@ class GraphForward:
     Capture raises on failure; the caller falls back to :meth:`LeanDecoder.forward`.
     """
 
-    def __init__(self, lean: LeanDecoder, token: torch.Tensor, pos: torch.Tensor, k_of, v_of, new_k, new_v,
-                 capture: bool = True, warmup: int = 2) -> None:
+    def __init__(
+        self,
+        lean: LeanDecoder,
+        token: torch.Tensor,
+        pos: torch.Tensor,
+        k_of,
+        v_of,
+        new_k,
+        new_v,
+        capture: bool = True,
+        warmup: int = 2,
+    ) -> None:
         self.lean = lean
         self.graphs = None
         with torch.no_grad():
@@ -167,6 +178,7 @@ class GraphForward:
         def layer(l):
             def f():
                 self.x.copy_(lean.layer_step(l, self.x, self.cos, self.sin, k_of, v_of, new_k, new_v))
+
             return f
 
         def final():
@@ -245,7 +257,11 @@ def prefix_kv(model, ids: torch.Tensor, n: int, num_layers: int) -> torch.Tensor
     with torch.no_grad():
         out = model.model(input_ids=ids[:, :n], use_cache=True)
     cache = out.past_key_values
-    kv = torch.stack([torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)])
-                      for k, v in (_cache_kv(cache, l) for l in range(num_layers))])[:, :, :n].contiguous()
+    kv = torch.stack(
+        [
+            torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)])
+            for k, v in (_cache_kv(cache, l) for l in range(num_layers))
+        ]
+    )[:, :, :n].contiguous()
     del out, cache
     return kv

@@ -77,15 +77,34 @@ class PagedKV:
             are contiguous, token ``t`` is row ``t``, K in channels ``[0, D)``, V in ``[D, 2D)``.
     """
 
-    def __init__(self, *, num_layers: int, num_heads: int, head_size: int, num_tokens: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        head_size: int,
+        num_tokens: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk_tokens: int | None = None,
+    ) -> None:
         L, H, D = num_layers, num_heads, head_size
         self.n = num_tokens
         self.block_size = block_size
         whole = -(-num_tokens // chunk_tokens) * chunk_tokens if chunk_tokens else 0
         self.num_blocks = -(-max(num_tokens + 1, whole) // block_size)
-        self.buf, views = make_paged_kv_cache("LBNHC", num_layers=L, num_blocks=self.num_blocks, block_size=block_size,
-                                              num_heads=H, head_size=D, dtype=dtype, device=device, kind="kv")
+        self.buf, views = make_paged_kv_cache(
+            "LBNHC",
+            num_layers=L,
+            num_blocks=self.num_blocks,
+            block_size=block_size,
+            num_heads=H,
+            head_size=D,
+            dtype=dtype,
+            device=device,
+            kind="kv",
+        )
         self.layout = KVLayout.from_layer_views(views, kind="kv")
         self.region = self.buf.view(L, self.num_blocks * block_size, H, 2 * D)
         self.L, self.H, self.D = L, H, D
@@ -122,15 +141,26 @@ class PagedKV:
         per = chunk_tokens // self.block_size
         ids = torch.arange(len(spans) * per, dtype=torch.int64).view(len(spans), per)
         ids = torch.where(ids < self.num_blocks, ids, torch.full_like(ids, -1))
-        return slot_mapping_from_block_ids(ids, block_size=self.block_size, tokens_per_chunk=chunk_tokens,
-                                           num_tokens=[tc for _, tc in spans])
+        return slot_mapping_from_block_ids(
+            ids, block_size=self.block_size, tokens_per_chunk=chunk_tokens, num_tokens=[tc for _, tc in spans]
+        )
 
 
-def build_manager(*, chunk_tokens: int, namespace: Namespace, cpu_bytes: int | None = None,
-                  disk_dir: str | None = None, disk_bytes: int = 0, io_threads: int = 4,
-                  remote_url: str | None = None, serde: str = "naive", codec_level: str = "default",
-                  remote_timeout_s: float = 30.0, disk_factory: DiskFactory = default_disk_factory,
-                  remote_factory: RemoteFactory = default_remote_factory) -> TierManager:
+def build_manager(
+    *,
+    chunk_tokens: int,
+    namespace: Namespace,
+    cpu_bytes: int | None = None,
+    disk_dir: str | None = None,
+    disk_bytes: int = 0,
+    io_threads: int = 4,
+    remote_url: str | None = None,
+    serde: str = "naive",
+    codec_level: str = "default",
+    remote_timeout_s: float = 30.0,
+    disk_factory: DiskFactory = default_disk_factory,
+    remote_factory: RemoteFactory = default_remote_factory,
+) -> TierManager:
     """A :class:`TierManager` from the configuration a user would write (:meth:`LMTierConfig.from_dict`
     then :meth:`TierManager.from_config`).
 
@@ -146,8 +176,11 @@ def build_manager(*, chunk_tokens: int, namespace: Namespace, cpu_bytes: int | N
     Raises:
         lmtier.config.ConfigError: a value the configuration rejects.
     """
-    values: dict[str, Any] = {"chunk_size": chunk_tokens, "local_cpu": cpu_bytes is not None,
-                              "disk_io_threads": io_threads}
+    values: dict[str, Any] = {
+        "chunk_size": chunk_tokens,
+        "local_cpu": cpu_bytes is not None,
+        "disk_io_threads": io_threads,
+    }
     if cpu_bytes is not None:
         values["max_local_cpu_size"] = cpu_bytes / GIB
     if disk_dir is not None:
@@ -178,8 +211,18 @@ class Loader:
         max_staging_bytes: host staging the worker keeps for reuse (loads without a CPU pool).
     """
 
-    def __init__(self, kv: PagedKV, *, chunk_tokens: int, namespace: Namespace, token_ids: list[int],
-                 cache_salt: str | None, layers_per_wait: int, io_threads: int, max_staging_bytes: int) -> None:
+    def __init__(
+        self,
+        kv: PagedKV,
+        *,
+        chunk_tokens: int,
+        namespace: Namespace,
+        token_ids: list[int],
+        cache_salt: str | None,
+        layers_per_wait: int,
+        io_threads: int,
+        max_staging_bytes: int,
+    ) -> None:
         self.kv = kv
         self.T = chunk_tokens
         self.ns = namespace
@@ -188,8 +231,12 @@ class Loader:
         blocks = -(-C * chunk_tokens // kv.block_size)
         if blocks > kv.num_blocks:
             raise ValueError(f"the cache has {kv.num_blocks} blocks, {C} chunks need {blocks}")
-        self.op_args = {"token_ids": list(token_ids), "cache_salt": cache_salt, "start_token": 0,
-                        "block_ids": list(range(blocks))}
+        self.op_args = {
+            "token_ids": list(token_ids),
+            "cache_salt": cache_salt,
+            "start_token": 0,
+            "block_ids": list(range(blocks)),
+        }
         self.lpw = layers_per_wait
         self.io_threads = io_threads
         self.max_staging_bytes = max_staging_bytes
@@ -200,15 +247,24 @@ class Loader:
         at the first call for this manager)."""
         got = self.workers.get(id(manager))
         if got is None:
-            w = ConnectorWorker(self.kv.layout, manager, chunk_size=self.T, block_size=self.kv.block_size,
-                                namespace=self.ns, io_threads=self.io_threads, layers_per_wait=self.lpw,
-                                decode_on=decode_on, max_staging_bytes=self.max_staging_bytes)
+            w = ConnectorWorker(
+                self.kv.layout,
+                manager,
+                chunk_size=self.T,
+                block_size=self.kv.block_size,
+                namespace=self.ns,
+                io_threads=self.io_threads,
+                layers_per_wait=self.lpw,
+                decode_on=decode_on,
+                max_staging_bytes=self.max_staging_bytes,
+            )
             w.prepare_layerwise()
             got = self.workers[id(manager)] = (manager, w)
         return got[1]
 
-    def load(self, manager: TierManager, forward: Forward, *, decode_on: str = "auto",
-             forward_only_after: bool = False) -> torch.Tensor:
+    def load(
+        self, manager: TierManager, forward: Forward, *, decode_on: str = "auto", forward_only_after: bool = False
+    ) -> torch.Tensor:
         """Load the request's chunks from ``manager``'s tiers and run ``forward``.
 
         ``ConnectorWorker.load_layerwise`` (CPU-pool hits pinned, disk/Redis hits fetched in

@@ -66,11 +66,16 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
         return "matplotlib is not installed"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [r["N"] for r in rows]
-    for key, label, style in (("recompute_ms", "recompute (prefill)", "o-"), ("cpu_ms", "CPU tier (pinned)", "s-"),
-                              ("cpu_limit_ms", "CPU tier physical limit (H2D)", ":"),
-                              ("disk_ms", "disk tier (O_DIRECT)", "^-"), ("disk+codec_ms", "disk + codec", "v-"),
-                              ("disk+lossless_ms", "disk + lossless codec", "<-"),
-                              ("redis_ms", "Redis (loopback)", "d-"), ("redis+codec_ms", "Redis + codec", "D-")):
+    for key, label, style in (
+        ("recompute_ms", "recompute (prefill)", "o-"),
+        ("cpu_ms", "CPU tier (pinned)", "s-"),
+        ("cpu_limit_ms", "CPU tier physical limit (H2D)", ":"),
+        ("disk_ms", "disk tier (O_DIRECT)", "^-"),
+        ("disk+codec_ms", "disk + codec", "v-"),
+        ("disk+lossless_ms", "disk + lossless codec", "<-"),
+        ("redis_ms", "Redis (loopback)", "d-"),
+        ("redis+codec_ms", "Redis + codec", "D-"),
+    ):
         pts = [(r["N"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
@@ -89,12 +94,27 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     return None
 
 
-
 def report(res: dict) -> None:
     """Print the TTFT table, the checks table and the break-even lines of a :func:`run` result."""
     rows = res["rows"]
-    cols = ["N", "recompute_ms", "cpu_ms", "cpu_pct", "cpu_limit_pct", "cpu_eager_ms", "h2d_GBs", "load_ms", "fwd_ms",
-            "fwd_eager_ms", "disk_ms", "disk_pct", "disk_limit_pct", "disk_dd_GBs", "disk_par_GBs", "disk_GBs"]
+    cols = [
+        "N",
+        "recompute_ms",
+        "cpu_ms",
+        "cpu_pct",
+        "cpu_limit_pct",
+        "cpu_eager_ms",
+        "h2d_GBs",
+        "load_ms",
+        "fwd_ms",
+        "fwd_eager_ms",
+        "disk_ms",
+        "disk_pct",
+        "disk_limit_pct",
+        "disk_dd_GBs",
+        "disk_par_GBs",
+        "disk_GBs",
+    ]
     for t in TIERS:
         if t.startswith("disk+"):
             cols += [f"{t}_ms", f"{t}_pct", f"{t}_limit_pct", f"{t}_ratio", f"{t}_mem_ms"]
@@ -103,14 +123,23 @@ def report(res: dict) -> None:
         cols += ["transpose_ms", "fwd_contig_ms"]
     cols = [c for c in cols if any(r.get(c) is not None for r in rows) or c in ("N", "recompute_ms", "cpu_ms")]
     print()
-    print(f"TTFT, median of {res['iters']} after {res['warmup']} warm-up ({res['model']}, {res['dtype']}, "
-          f"{res['device']}); *_pct = % of recompute; *_limit_pct = bytes / same-run ceiling")
+    print(
+        f"TTFT, median of {res['iters']} after {res['warmup']} warm-up ({res['model']}, {res['dtype']}, "
+        f"{res['device']}); *_pct = % of recompute; *_limit_pct = bytes / same-run ceiling"
+    )
     print_table(rows, cols)
     print()
     chk = []
     for r in rows:
         d = {"N": r["N"]}
-        for k in ("cpu", "disk", *(t for t in TIERS if t.startswith("disk+")), "redis", "redis+codec", "control_wrong_kv"):
+        for k in (
+            "cpu",
+            "disk",
+            *(t for t in TIERS if t.startswith("disk+")),
+            "redis",
+            "redis+codec",
+            "control_wrong_kv",
+        ):
             c = r.get(f"check_{k}")
             if c:
                 d[f"{k}_maxdiff"] = c["max_abs_diff"]
@@ -122,26 +151,37 @@ def report(res: dict) -> None:
                 d[f"{k}_ok"] = "ok" if c["ok"] else ("(expected)" if k == "control_wrong_kv" else "MISMATCH")
         d["logit_absmax"] = r["check_cpu"]["ref_absmax"]
         chk.append(d)
-    print(f"next-token logits vs recompute (match: max|diff| <= {RTOL} x max|logit| and cosine >= {MIN_COS}, and the "
-          "loaded KV bit-exact; lossy codec levels: KV bit-exact vs the reference decoder, logits reported only; "
-          "control = chunk 0's KV loaded in chunk 1's place: its logits should NOT match)")
+    print(
+        f"next-token logits vs recompute (match: max|diff| <= {RTOL} x max|logit| and cosine >= {MIN_COS}, and the "
+        "loaded KV bit-exact; lossy codec levels: KV bit-exact vs the reference decoder, logits reported only; "
+        "control = chunk 0's KV loaded in chunk 1's place: its logits should NOT match)"
+    )
     modes = sorted({r.get("fwd_mode", "eager") for r in rows})
-    print("lean forward mode: " + "; ".join(f"{m} (N = {', '.join(str(r['N']) for r in rows if r.get('fwd_mode', 'eager') == m)})"
-                                            for m in modes))
+    print(
+        "lean forward mode: "
+        + "; ".join(
+            f"{m} (N = {', '.join(str(r['N']) for r in rows if r.get('fwd_mode', 'eager') == m)})" for m in modes
+        )
+    )
     print_table(chk, list(dict.fromkeys(k for d in chk for k in d)))
     print()
     for t in TIERS:
         if not any(r.get(f"{t}_ms") is not None for r in rows):
             continue
         be = res["break_even"][t]
-        print(f"break-even {t}: " + (f"loads beat recompute from N = {be}" if be is not None
-                                     else "never within the measured lengths"))
+        print(
+            f"break-even {t}: "
+            + (f"loads beat recompute from N = {be}" if be is not None else "never within the measured lengths")
+        )
     for s in res["skipped"]:
         print(f"skipped N={s['N']}: {s['why']}")
     ctl = [r["check_control_wrong_kv"]["logits_ok"] for r in rows if "check_control_wrong_kv" in r]
     if any(ctl):
-        print("warning: the wrong-KV control passed the logits check at some N: on this model the logits check "
-              "alone is not discriminating; the bit-exact KV check (kv_exact) still guards every load")
-    print(f"logit checks: {'all match' if res['checks_ok'] else 'MISMATCH — a cached path is wrong'}; "
-          f"elapsed {res['elapsed_s']:.1f} s")
-
+        print(
+            "warning: the wrong-KV control passed the logits check at some N: on this model the logits check "
+            "alone is not discriminating; the bit-exact KV check (kv_exact) still guards every load"
+        )
+    print(
+        f"logit checks: {'all match' if res['checks_ok'] else 'MISMATCH — a cached path is wrong'}; "
+        f"elapsed {res['elapsed_s']:.1f} s"
+    )

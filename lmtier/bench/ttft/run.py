@@ -18,8 +18,17 @@ import torch
 
 from lmtier.bench.common import progress, system_header
 from lmtier.bench.redisproc import RedisProc, find_redis_server
-from lmtier.bench.ttft.ceilings import (Dev, dd_read_gbps, default_disk_dir, drop_caches, fs_type, h2d_gbps,
-                                        odirect_supported, redis_raw_gbps, timed)
+from lmtier.bench.ttft.ceilings import (
+    Dev,
+    dd_read_gbps,
+    default_disk_dir,
+    drop_caches,
+    fs_type,
+    h2d_gbps,
+    odirect_supported,
+    redis_raw_gbps,
+    timed,
+)
 from lmtier.bench.ttft.model import GraphForward, LeanDecoder, build_model, prefix_kv
 from lmtier.bench.ttft.pipeline import Loader, PagedKV, build_manager, chunk_spans, landing_views
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, codec_tag, compare
@@ -30,6 +39,7 @@ from lmtier.manager import TierManager, codec_chunk_shape
 from lmtier.memory import HostBuffer
 
 __all__ = ["Bench", "run"]
+
 
 def _round4k(n: int) -> int:
     return -(-n // 4096) * 4096
@@ -52,12 +62,20 @@ class Bench:
         self.chunk_bytes = self.T * self.bpt
         self.block_size = args.block_size or math.gcd(self.T, 16)
         if self.T % self.block_size:
-            raise SystemExit(f"lmtier bench ttft: --block-size {self.block_size} does not divide --chunk-tokens {self.T}")
+            raise SystemExit(
+                f"lmtier bench ttft: --block-size {self.block_size} does not divide --chunk-tokens {self.T}"
+            )
         self.lpw = args.layers_per_wait or max(1, self.L // 8)
         if not 1 <= self.lpw <= self.L:
             raise SystemExit(f"lmtier bench ttft: --layers-per-wait must be in [1, {self.L}]")
-        self.ns = Namespace(model=self.model_name, num_layers=self.L, num_kv_heads=self.H, head_size=self.D,
-                            kv_dtype=args.dtype, chunk_size=self.T)
+        self.ns = Namespace(
+            model=self.model_name,
+            num_layers=self.L,
+            num_kv_heads=self.H,
+            head_size=self.D,
+            kv_dtype=args.dtype,
+            chunk_size=self.T,
+        )
         self.codec_device = self.dev.cuda and args.codec_decode == "device"
         self.decode_on = "device" if self.codec_device else "host"  # the connector worker's, for codec tiers
         self.gf: GraphForward | None = None
@@ -83,8 +101,14 @@ class Bench:
         from lmtier.tiers.codec import CodecTier
 
         tables = self.tables.get(level)
-        common = dict(chunk_tokens=self.T, namespace=self.ns, disk_dir=disk_dir, disk_bytes=self._disk_bytes(),
-                      io_threads=self.args.disk_threads, remote_url=remote_url)
+        common = dict(
+            chunk_tokens=self.T,
+            namespace=self.ns,
+            disk_dir=disk_dir,
+            disk_bytes=self._disk_bytes(),
+            io_threads=self.args.disk_threads,
+            remote_url=remote_url,
+        )
         if tables == "shipped":
             m = build_manager(**common, serde="cachegen", codec_level=level)
         else:
@@ -92,12 +116,20 @@ class Bench:
 
             def wrap(factory):
                 def make(cfg, ns, *rest):
-                    return CodecTier(factory(cfg, ns, *rest), shape=codec_chunk_shape(ns), dtype=ns.kv_dtype,
-                                     level=level, tables=tables, config_key=key)
+                    return CodecTier(
+                        factory(cfg, ns, *rest),
+                        shape=codec_chunk_shape(ns),
+                        dtype=ns.kv_dtype,
+                        level=level,
+                        tables=tables,
+                        config_key=key,
+                    )
+
                 return make
 
-            m = build_manager(**common, disk_factory=wrap(default_disk_factory),
-                              remote_factory=wrap(default_remote_factory))
+            m = build_manager(
+                **common, disk_factory=wrap(default_disk_factory), remote_factory=wrap(default_remote_factory)
+            )
         tier = m.disk if disk_dir else m.remote
         if not isinstance(tier, CodecTier):
             m.close(persist=False)
@@ -115,8 +147,10 @@ class Bench:
             shape = codec_chunk_shape(self.ns)
             rec = max_record_bytes(shape, level)
             pool = CPUPool(self.max_chunks * _round4k(rec) + _round4k(rec), rec)
-            self.mem[level] = TierManager(cpu=None, disk=CodecTier(pool, shape=shape, dtype=self.ns.kv_dtype,
-                                                                   level=level, tables=self.tables.get(level)))
+            self.mem[level] = TierManager(
+                cpu=None,
+                disk=CodecTier(pool, shape=shape, dtype=self.ns.kv_dtype, level=level, tables=self.tables.get(level)),
+            )
         return self.mem[level]
 
     def _disk_bytes(self) -> int:
@@ -161,8 +195,12 @@ class Bench:
             except Exception:  # noqa: BLE001
                 pass
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            print(f"lmtier bench ttft: N={n}: CUDA graph capture of the lean forward failed ({why}); "
-                  "using the eager forward", file=sys.stderr, flush=True)
+            print(
+                f"lmtier bench ttft: N={n}: CUDA graph capture of the lean forward failed ({why}); "
+                "using the eager forward",
+                file=sys.stderr,
+                flush=True,
+            )
             return f"eager (graph capture failed: {why})"
 
     def close_graphs(self) -> None:
@@ -196,7 +234,8 @@ class Bench:
         # (1) recompute
         with torch.no_grad():
             rec_ms, rec_all, ref = timed(
-                dev, lambda: model(input_ids=inp, use_cache=False, logits_to_keep=1).logits[:, -1], it, wu)
+                dev, lambda: model(input_ids=inp, use_cache=False, logits_to_keep=1).logits[:, -1], it, wu
+            )
         ref = ref.float()
         row["recompute_ms"] = rec_ms
         row["recompute_all_ms"] = rec_all
@@ -209,21 +248,38 @@ class Bench:
         keys = chunk_keys(ids[0, : C * T].cpu(), self.ns, cache_salt=salt)
         host = landing_views(self.landing, C, self.chunk_bytes)
 
-        kv = PagedKV(num_layers=L, num_heads=H, head_size=D, num_tokens=n, block_size=self.block_size,
-                     dtype=self.dtype, device=self.device, chunk_tokens=T)
+        kv = PagedKV(
+            num_layers=L,
+            num_heads=H,
+            head_size=D,
+            num_tokens=n,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            chunk_tokens=T,
+        )
         canon = kv.canonical()
         # the timed loads: the vLLM connector's worker over this cache, one per tier manager
-        loader = Loader(kv, chunk_tokens=T, namespace=self.ns, token_ids=ids[0, : C * T].tolist(), cache_salt=salt,
-                        layers_per_wait=self.lpw, io_threads=max(1, a.inflight),
-                        max_staging_bytes=C * _round4k(self.chunk_bytes))
+        loader = Loader(
+            kv,
+            chunk_tokens=T,
+            namespace=self.ns,
+            token_ids=ids[0, : C * T].tolist(),
+            cache_salt=salt,
+            layers_per_wait=self.lpw,
+            io_threads=max(1, a.inflight),
+            max_staging_bytes=C * _round4k(self.chunk_bytes),
+        )
         try:
-            return self._run_length(n, row, rec_ms, ref, spans, ref_kv, keys, host, kv, canon, loader, tok, pos,
-                                    h2d, disk_bw, drop_note)
+            return self._run_length(
+                n, row, rec_ms, ref, spans, ref_kv, keys, host, kv, canon, loader, tok, pos, h2d, disk_bw, drop_note
+            )
         finally:
             loader.close()
 
-    def _run_length(self, n, row, rec_ms, ref, spans, ref_kv, keys, host, kv, canon, loader, tok, pos, h2d,
-                    disk_bw, drop_note) -> dict:
+    def _run_length(
+        self, n, row, rec_ms, ref, spans, ref_kv, keys, host, kv, canon, loader, tok, pos, h2d, disk_bw, drop_note
+    ) -> dict:
         """:meth:`run_length` from the cached paths on (``loader`` times them)."""
         a, dev = self.args, self.dev
         it, wu = a.iters, a.warmup
@@ -234,7 +290,7 @@ class Bench:
             """Chunk ``c`` zero-padded to T tokens, on the model's device (what the codec encodes)."""
             s, tc = spans[c]
             pc = torch.zeros(L, 2, T, H, D, dtype=self.dtype, device=self.device)
-            pc[:, :, :tc].copy_(ref_kv[:, :, s:s + tc])
+            pc[:, :, :tc].copy_(ref_kv[:, :, s : s + tc])
             return pc
 
         def stage_host() -> None:
@@ -243,7 +299,7 @@ class Bench:
                 v = host[c].view(self.dtype).view(L, 2, T, H, D)
                 if tc < T:
                     v[:, :, tc:].zero_()
-                v[:, :, :tc].copy_(ref_kv[:, :, s:s + tc])
+                v[:, :, :tc].copy_(ref_kv[:, :, s : s + tc])
             dev.sync()
 
         # the lean forward for this N: CUDA graphs (captured over the paged cache, tok, pos) or eager
@@ -274,7 +330,7 @@ class Bench:
             with torch.no_grad():
                 canon.copy_(ref_kv)
                 s1, t1 = spans[1]
-                canon[:, :, s1:s1 + t1].copy_(ref_kv[:, :, :t1])
+                canon[:, :, s1 : s1 + t1].copy_(ref_kv[:, :, :t1])
                 got_w = self.lean.forward(tok, pos, n, *kv.views())
             row["check_control_wrong_kv"] = compare(ref, got_w, canon, ref_kv)
 
@@ -284,7 +340,8 @@ class Bench:
                 row["cpu_eager_ms"], _, _ = timed(dev, lambda: loader.load(cpu, forward(eager=True)), it, wu)
             # load alone (the worker's synchronous load), forward alone, and the contiguous-[1,H,N,D] alternative
             row["load_ms"], _, _ = timed(
-                dev, lambda: loader.load(cpu, lambda wait: None, forward_only_after=True), it, wu)
+                dev, lambda: loader.load(cpu, lambda wait: None, forward_only_after=True), it, wu
+            )
             row["fwd_ms"], _, _ = timed(dev, lambda: self.fwd(n, kv, tok, pos), it, wu)
             if self.gf is not None:
                 row["fwd_eager_ms"], _, _ = timed(dev, lambda: self.fwd(n, kv, tok, pos, eager=True), it, wu)
@@ -294,9 +351,20 @@ class Bench:
                 hnd = torch.empty(L, 2, H, n + 1, D, dtype=self.dtype, device=self.device)
                 full = kv.canonical(n + 1)
                 row["transpose_ms"], _, _ = timed(dev, lambda: hnd.copy_(full.permute(0, 1, 3, 2, 4)), it, wu)
-                row["fwd_contig_ms"], _, _ = timed(dev, lambda: self.lean.forward(
-                    tok, pos, n, lambda l: hnd[l, 0].unsqueeze(0), lambda l: hnd[l, 1].unsqueeze(0),
-                    lambda l: hnd[l, 0, :, n], lambda l: hnd[l, 1, :, n]), it, wu)
+                row["fwd_contig_ms"], _, _ = timed(
+                    dev,
+                    lambda: self.lean.forward(
+                        tok,
+                        pos,
+                        n,
+                        lambda l: hnd[l, 0].unsqueeze(0),
+                        lambda l: hnd[l, 1].unsqueeze(0),
+                        lambda l: hnd[l, 0, :, n],
+                        lambda l: hnd[l, 1, :, n],
+                    ),
+                    it,
+                    wu,
+                )
                 del hnd, full
         for key in keys:
             cpu.cpu.delete(key)
@@ -334,7 +402,9 @@ class Bench:
                     row[f"{tag}_encode_s"] = time.perf_counter() - t0
                     stored = ct.counters["record_bytes_out"] - before_bytes
                     # records coded with a static table set (all chunks are T tokens long here)
-                    row[f"{tag}_static_records"] = C if (ct.tables is not None and ct.tables.run_lens(T) is not None) else 0
+                    row[f"{tag}_static_records"] = (
+                        C if (ct.tables is not None and ct.tables.run_lens(T) is not None) else 0
+                    )
                     row[f"{tag}_ratio"] = n * self.bpt / stored
                     row[f"{tag}_MB"] = stored / 1e6
                 decode_on = "auto" if level is None else self.decode_on
@@ -366,8 +436,9 @@ class Bench:
                     # the correctness load above warmed this path up: one warm-up fewer
                     row[f"{tag}_ms"], row[f"{tag}_all_ms"], _ = timed(dev, load, it, max(0, wu - 2), before=before)
                     if level is not None and is_disk:
-                        self._codec_in_memory(level, tag, keys, loader, forward, padded, spans, canon, ref_kv,
-                                              row, rec_ms)
+                        self._codec_in_memory(
+                            level, tag, keys, loader, forward, padded, spans, canon, ref_kv, row, rec_ms
+                        )
                 row[f"{tag}_pct"] = 100 * row[f"{tag}_ms"] / rec_ms
                 row[f"{tag}_GBs"] = n * self.bpt / row[f"{tag}_ms"] / 1e6  # effective (KV delivered)
             except torch.cuda.OutOfMemoryError:
@@ -375,8 +446,14 @@ class Bench:
             except Exception as e:  # noqa: BLE001 - one tier failing must not lose the other numbers
                 row[f"{tag}_error"] = f"{type(e).__name__}: {e}"
                 print(f"N={n}: {tag} tier failed: {row[f'{tag}_error']}", file=sys.stderr)
-                row[f"check_{tag}"] = {"ok": False, "logits_ok": False, "error": row[f"{tag}_error"],
-                                       "max_abs_diff": float("nan"), "ref_absmax": float("nan"), "cosine": float("nan")}
+                row[f"check_{tag}"] = {
+                    "ok": False,
+                    "logits_ok": False,
+                    "error": row[f"{tag}_error"],
+                    "max_abs_diff": float("nan"),
+                    "ref_absmax": float("nan"),
+                    "cosine": float("nan"),
+                }
                 for k in (f"{tag}_ms", f"{tag}_pct", f"{tag}_GBs"):
                     row.pop(k, None)
             finally:
@@ -412,17 +489,17 @@ class Bench:
             pc = padded(c)
             sym, side = quant.quantize(pc, lv)
             ref = quant.dequantize(sym, side, lv, tuple(pc.shape), pc.dtype)
-            if not torch.equal(canon[:, :, s:s + tc], ref[:, :, :tc]):
+            if not torch.equal(canon[:, :, s : s + tc], ref[:, :, :tc]):
                 return False
         return True
 
-    def _codec_in_memory(self, level, tag, keys, loader, forward, padded, spans, canon, ref_kv, row,
-                         rec_ms) -> None:
+    def _codec_in_memory(self, level, tag, keys, loader, forward, padded, spans, canon, ref_kv, row, rec_ms) -> None:
         """The same decode with the records in a CPU pool (no reads): ``{tag}_mem_ms`` splits
         ``{tag}_ms`` into read vs codec cost; also what a compressed CPU tier would give."""
         m = self.mem_manager(level)
         self._store(m, keys, padded)
         try:
+
             def run_():
                 return loader.load(m, forward(), decode_on=self.decode_on)
 
@@ -452,21 +529,35 @@ def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list
     os.makedirs(disk_dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="tier-", dir=disk_dir)
     os.makedirs(os.path.join(root, "disk"))
-    b.managers["disk"] = build_manager(chunk_tokens=b.T, namespace=b.ns, disk_dir=os.path.join(root, "disk"),
-                                       disk_bytes=b._disk_bytes(), io_threads=args.disk_threads)
+    b.managers["disk"] = build_manager(
+        chunk_tokens=b.T,
+        namespace=b.ns,
+        disk_dir=os.path.join(root, "disk"),
+        disk_bytes=b._disk_bytes(),
+        io_threads=args.disk_threads,
+    )
     b.disk_odirect = odirect = odirect_supported(root)
     host_bytes = b.max_chunks * _round4k(b.chunk_bytes)
     dd = dd_read_gbps(disk_dir, max(16 << 20, min(args.dd_bytes, host_bytes)), inflight=args.inflight)
     b.disk_par_bw = dd.get("read_par")
     why = drop_caches()
-    say(f"disk tier: {disk_dir} ({fs_type(disk_dir)}), O_DIRECT {'on' if odirect else 'OFF (unsupported here)'}, "
+    say(
+        f"disk tier: {disk_dir} ({fs_type(disk_dir)}), O_DIRECT {'on' if odirect else 'OFF (unsupported here)'}, "
         f"disk_io_threads {args.disk_threads}, {args.inflight} chunk reads in flight (manager.fetch_lower); "
         "dd O_DIRECT 16 MiB: "
-        + (f"read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s" if "read" in dd else f"failed ({dd.get('error')})")
+        + (
+            f"read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s"
+            if "read" in dd
+            else f"failed ({dd.get('error')})"
+        )
         + (f"; O_DIRECT {args.inflight} x 8 MiB reads in flight: {dd['read_par']:.2f} GB/s" if "read_par" in dd else "")
         + ("" if why is None else f"; page cache can NOT be dropped ({why})")
-        + ("; O_DIRECT reads bypass the page cache (dropped once per tier and N)" if odirect else
-           "; page cache dropped before every load"))
+        + (
+            "; O_DIRECT reads bypass the page cache (dropped once per tier and N)"
+            if odirect
+            else "; page cache dropped before every load"
+        )
+    )
     if not levels:
         say("disk+codec: skipped (--codec-levels '')")
     return disk_dir, root, dd, levels
@@ -504,12 +595,17 @@ def run(args) -> dict:
         lengths = [n for n in lengths if n + 1 <= maxpos]
     maxn = max(lengths) if lengths else 0
     b.max_chunks = max(1, -(-maxn // b.T))
-    copy_mode = (f"ConnectorWorker.load_layerwise: CudaTransferEngine.load_layerwise (staged, {b.lpw} layer(s) "
-                 "per event); device-decoded codec chunks: lmtier.ops.scatter from device staging" if dev.cuda
-                 else "lmtier.ops.scatter (CPU)")
-    say(f"model: {b.model_name}: {b.L} layers, {cfg.num_attention_heads} heads, {b.H} KV heads x {b.D}, "
+    copy_mode = (
+        f"ConnectorWorker.load_layerwise: CudaTransferEngine.load_layerwise (staged, {b.lpw} layer(s) "
+        "per event); device-decoded codec chunks: lmtier.ops.scatter from device staging"
+        if dev.cuda
+        else "lmtier.ops.scatter (CPU)"
+    )
+    say(
+        f"model: {b.model_name}: {b.L} layers, {cfg.num_attention_heads} heads, {b.H} KV heads x {b.D}, "
         f"{args.dtype}, {args.device}; {b.bpt:,} B of KV per token; chunks of {b.T} tokens into a paged cache of "
-        f"{b.block_size}-token blocks; host -> cache: {copy_mode}")
+        f"{b.block_size}-token blocks; host -> cache: {copy_mode}"
+    )
 
     host_owner = HostBuffer(b.max_chunks * _round4k(b.chunk_bytes), pinned=dev.cuda)
     b.landing = host_owner.tensor
@@ -523,8 +619,9 @@ def run(args) -> dict:
     drop_note: list[str] = []
     codec_info = None
     try:
-        b.managers["cpu"] = build_manager(chunk_tokens=b.T, namespace=b.ns,
-                                          cpu_bytes=(b.max_chunks + 1) * _round4k(b.chunk_bytes))
+        b.managers["cpu"] = build_manager(
+            chunk_tokens=b.T, namespace=b.ns, cpu_bytes=(b.max_chunks + 1) * _round4k(b.chunk_bytes)
+        )
         disk_dir, root, res_disk, levels = _setup_disk(b, args, say)
 
         # redis
@@ -533,8 +630,10 @@ def run(args) -> dict:
         if args.no_redis:
             say("redis: skipped (--no-redis)")
         elif url is None and binary is None:
-            say("redis: skipped — no server given (--redis-url / LMTIER_REDIS_URL) and no redis-server binary "
-                "(PATH, LMTIER_REDIS_SERVER; scripts/bundle_redis.sh packs one for machines without it)")
+            say(
+                "redis: skipped — no server given (--redis-url / LMTIER_REDIS_URL) and no redis-server binary "
+                "(PATH, LMTIER_REDIS_SERVER; scripts/bundle_redis.sh packs one for machines without it)"
+            )
         else:
             try:
                 if url is None:
@@ -543,15 +642,19 @@ def run(args) -> dict:
                 m = build_manager(chunk_tokens=b.T, namespace=b.ns, remote_url=url)
                 b.managers["redis"] = m
                 probe = bytes(range(32))
-                if not (m.store(probe, b"\x01" * 4096, timeout_s=None).result()
-                        and m.fetch_lower(probe, bytearray(4096)) == 4096):
+                if not (
+                    m.store(probe, b"\x01" * 4096, timeout_s=None).result()
+                    and m.fetch_lower(probe, bytearray(4096)) == 4096
+                ):
                     raise RuntimeError(f"no answer from {url}")
                 m.remote.delete(probe)
                 b.redis_raw = redis_raw_gbps(url, _round4k(b.chunk_bytes), inflight=args.inflight)
-                say(f"redis: {'private redis-server (' + binary + ')' if redis_proc else 'server'} on {url}, RedisTier "
+                say(
+                    f"redis: {'private redis-server (' + binary + ')' if redis_proc else 'server'} on {url}, RedisTier "
                     f"built by TierManager.from_config, {args.inflight} chunk reads in flight; raw-socket GETRANGE "
                     f"ceiling ({args.inflight} x one chunk): "
-                    + (f"{b.redis_raw:.2f} GB/s" if b.redis_raw else "not measured (no TCP redis:// URL)"))
+                    + (f"{b.redis_raw:.2f} GB/s" if b.redis_raw else "not measured (no TCP redis:// URL)")
+                )
             except Exception as e:  # noqa: BLE001
                 say(f"redis: skipped — could not start/connect ({type(e).__name__}: {e})")
                 m = b.managers.pop("redis", None)
@@ -567,9 +670,17 @@ def run(args) -> dict:
         # codec tiers: tables first (CodecTier takes them at construction), untimed
         if levels and (root is not None or "redis" in b.managers):
             b.tables, codec_info = codec_tables(
-                levels, mode=args.codec_tables, geometry=(b.L, b.H, b.D), chunk_tokens=b.T,
-                calib_tokens=args.codec_calib_tokens, max_tokens=maxpos, vocab_size=cfg.vocab_size,
-                prefix_kv=lambda x, k: prefix_kv(b.model, x, k, b.L), device=b.device, say=say)
+                levels,
+                mode=args.codec_tables,
+                geometry=(b.L, b.H, b.D),
+                chunk_tokens=b.T,
+                calib_tokens=args.codec_calib_tokens,
+                max_tokens=maxpos,
+                vocab_size=cfg.vocab_size,
+                prefix_kv=lambda x, k: prefix_kv(b.model, x, k, b.L),
+                device=b.device,
+                say=say,
+            )
         targets = []
         if root is not None:
             targets += [(codec_tag(lv), lv, os.path.join(root, codec_tag(lv)), None) for lv in levels]
@@ -586,14 +697,28 @@ def run(args) -> dict:
             except Exception as e:  # noqa: BLE001 - codec missing / not built / wrong dtype
                 say(f"{tag} ({lv}): skipped — {type(e).__name__}: {e}")
         if b.codec_levels:
-            say("codec tiers: " + ", ".join(f"{t} = level {lv}" for t, lv in b.codec_levels.items())
+            say(
+                "codec tiers: "
+                + ", ".join(f"{t} = level {lv}" for t, lv in b.codec_levels.items())
                 + "; lmtier.tiers.codec.CodecTier, records encoded once when stored, decoded by CodecTier.get_into "
-                + ("in the connector worker's device staging (GPU decode) + ops.scatter device -> paged blocks"
-                   if b.codec_device else "in the connector worker's host staging (CPU decode) + the host -> cache copy"))
-        say("lean forward: " + ("CUDA graphs, one per layer + embed + head, captured per N (eager fallback "
-                                "on capture failure, reported per N)" if args.graphs == "auto" and dev.cuda else
-                                {"off": "eager (--graphs off)", "nocapture": "static buffers without capture "
-                                 "(--graphs nocapture)"}.get(args.graphs, "eager (no CUDA)")))
+                + (
+                    "in the connector worker's device staging (GPU decode) + ops.scatter device -> paged blocks"
+                    if b.codec_device
+                    else "in the connector worker's host staging (CPU decode) + the host -> cache copy"
+                )
+            )
+        say(
+            "lean forward: "
+            + (
+                "CUDA graphs, one per layer + embed + head, captured per N (eager fallback "
+                "on capture failure, reported per N)"
+                if args.graphs == "auto" and dev.cuda
+                else {
+                    "off": "eager (--graphs off)",
+                    "nocapture": "static buffers without capture (--graphs nocapture)",
+                }.get(args.graphs, "eager (no CUDA)")
+            )
+        )
 
         # global warm-up (allocator, cuBLAS/SDPA kernels, lazy transformers setup) before any length
         with torch.no_grad():
@@ -629,22 +754,40 @@ def run(args) -> dict:
         "model": b.model_name,
         "device": args.device,
         "dtype": args.dtype,
-        "geometry": {"num_layers": b.L, "num_kv_heads": b.H, "head_size": b.D, "bytes_per_token": b.bpt,
-                     "chunk_tokens": b.T, "block_size": b.block_size},
+        "geometry": {
+            "num_layers": b.L,
+            "num_kv_heads": b.H,
+            "head_size": b.D,
+            "bytes_per_token": b.bpt,
+            "chunk_tokens": b.T,
+            "block_size": b.block_size,
+        },
         "copy_mode": copy_mode,
-        "load_path": {"tiers": "lmtier.manager.TierManager.from_config", "pool": "TierManager.cpu.acquire (pinned slots)",
-                      "worker": "lmtier.integration.vllm.worker.ConnectorWorker (load_layerwise + wait_layer + "
-                                "finish_layerwise; load for load_ms)",
-                      "lower": "TierManager.fetch_lower", "codec": "lmtier.tiers.codec.CodecTier",
-                      "codec_decode": "device" if b.codec_device else "host", "copy": copy_mode,
-                      "layers_per_wait": b.lpw if dev.cuda else None},
+        "load_path": {
+            "tiers": "lmtier.manager.TierManager.from_config",
+            "pool": "TierManager.cpu.acquire (pinned slots)",
+            "worker": "lmtier.integration.vllm.worker.ConnectorWorker (load_layerwise + wait_layer + "
+            "finish_layerwise; load for load_ms)",
+            "lower": "TierManager.fetch_lower",
+            "codec": "lmtier.tiers.codec.CodecTier",
+            "codec_decode": "device" if b.codec_device else "host",
+            "copy": copy_mode,
+            "layers_per_wait": b.lpw if dev.cuda else None,
+        },
         "iters": args.iters,
         "warmup": args.warmup,
-        "ceilings": {"h2d_GBs": h2d, "disk_dd_GBs": res_disk or None, "disk_dir": disk_dir,
-                     "page_cache_dropped": (not drop_note) if root is not None else None,
-                     "redis_raw_GBs": b.redis_raw},
-        "tolerance": {"rtol_of_logit_absmax": RTOL, "min_cosine": MIN_COS,
-                      "hard_guard": "loaded KV bit-identical to the prefill's (lossy codec: to the reference decoder's)"},
+        "ceilings": {
+            "h2d_GBs": h2d,
+            "disk_dd_GBs": res_disk or None,
+            "disk_dir": disk_dir,
+            "page_cache_dropped": (not drop_note) if root is not None else None,
+            "redis_raw_GBs": b.redis_raw,
+        },
+        "tolerance": {
+            "rtol_of_logit_absmax": RTOL,
+            "min_cosine": MIN_COS,
+            "hard_guard": "loaded KV bit-identical to the prefill's (lossy codec: to the reference decoder's)",
+        },
         "graphs": args.graphs,
         "codec_levels": {t: lv for t, lv in b.codec_levels.items() if t.startswith("disk+")},
         "codec_tables": codec_info,
@@ -654,8 +797,11 @@ def run(args) -> dict:
         "notes": lines,
         "elapsed_s": None,
     }
-    res["control_detected"] = all(not r["check_control_wrong_kv"]["logits_ok"]
-                                  for r in rows if "check_control_wrong_kv" in r)
-    res["checks_ok"] = all(r[k]["ok"] for r in rows for k in r if k.startswith("check_") and k != "check_control_wrong_kv")
+    res["control_detected"] = all(
+        not r["check_control_wrong_kv"]["logits_ok"] for r in rows if "check_control_wrong_kv" in r
+    )
+    res["checks_ok"] = all(
+        r[k]["ok"] for r in rows for k in r if k.startswith("check_") and k != "check_control_wrong_kv"
+    )
     res["elapsed_s"] = time.perf_counter() - t_start
     return res

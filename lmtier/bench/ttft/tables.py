@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,10 +46,19 @@ def _table_file_arrays(path: str) -> dict[str, dict]:
     return out
 
 
-def codec_tables(levels: list[str], *, mode: str, geometry: tuple[int, int, int], chunk_tokens: int,
-                 calib_tokens: int, max_tokens: int | None, vocab_size: int,
-                 prefix_kv: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device,
-                 say: Callable[[str], None]):
+def codec_tables(
+    levels: list[str],
+    *,
+    mode: str,
+    geometry: tuple[int, int, int],
+    chunk_tokens: int,
+    calib_tokens: int,
+    max_tokens: int | None,
+    vocab_size: int,
+    prefix_kv: Callable[[torch.Tensor, int], torch.Tensor],
+    device: torch.device,
+    say: Callable[[str], None],
+):
     """``(tables, info)``: the ``tables`` argument of :class:`~lmtier.tiers.codec.CodecTier` for each
     level in ``levels`` (a :class:`lmtier.codec.chunk.StaticTables`, ``"shipped"`` or None), and the
     facts for the JSON (None with ``none``/``shipped`` or no lossy level).
@@ -77,10 +86,13 @@ def codec_tables(levels: list[str], *, mode: str, geometry: tuple[int, int, int]
         if mode.lower() == "shipped":
             tables.update({nm: "shipped" for nm in lossy})
         if levels:
-            say({"none": "codec tables: per-stream (every rANS stream carries its own table) (--codec-tables none)",
-                 "shipped": "codec tables: the product's default (CodecTier(tables='shipped'): the tables shipped "
-                            "for this geometry, else per-stream)"}.get(mode.lower(),
-                                                                       "codec tables: per-stream (lossless levels)"))
+            say(
+                {
+                    "none": "codec tables: per-stream (every rANS stream carries its own table) (--codec-tables none)",
+                    "shipped": "codec tables: the product's default (CodecTier(tables='shipped'): the tables shipped "
+                    "for this geometry, else per-stream)",
+                }.get(mode.lower(), "codec tables: per-stream (lossless levels)")
+            )
         return tables, None
     geo = tuple(geometry)
     path = None if mode.lower() == "calibrate" else mode
@@ -88,21 +100,27 @@ def codec_tables(levels: list[str], *, mode: str, geometry: tuple[int, int, int]
     if path is not None and os.path.exists(path):
         fg = _table_file_geometry(path)
         if fg != geo:
-            raise SystemExit(f"lmtier bench ttft: --codec-tables {path}: geometry {fg}, the model has (L, H, D) = {geo}")
+            raise SystemExit(
+                f"lmtier bench ttft: --codec-tables {path}: geometry {fg}, the model has (L, H, D) = {geo}"
+            )
         for nm in lossy:
             tab = ccal.load(path, get_level(nm))
             if tab is not None:
                 loaded[nm] = tab
     need = [nm for nm in lossy if nm not in loaded]
-    info: dict = {"mode": "file" if path else "calibrate", "path": path, "channels_per_table": ccal.channels_per_table(geo),
-                  "levels": {}}
+    info: dict = {
+        "mode": "file" if path else "calibrate",
+        "path": path,
+        "channels_per_table": ccal.channels_per_table(geo),
+        "levels": {},
+    }
     if need:
         nt = max(1, min(calib_tokens, max_tokens or calib_tokens))
         gen = torch.Generator().manual_seed(CALIB_SEED)
         cids = torch.randint(0, vocab_size, (1, nt), generator=gen).to(device)
         t0 = time.perf_counter()
         kv = prefix_kv(cids, nt).cpu()
-        chunks = [kv[:, :, s:s + chunk_tokens] for s in range(0, nt, chunk_tokens)]
+        chunks = [kv[:, :, s : s + chunk_tokens] for s in range(0, nt, chunk_tokens)]
         info["calib_tokens"], info["calib_seed"], info["calib_prefill_s"] = nt, CALIB_SEED, time.perf_counter() - t0
         arrays = {}
         for nm in need:
@@ -121,15 +139,29 @@ def codec_tables(levels: list[str], *, mode: str, geometry: tuple[int, int, int]
         tab = loaded[nm]
         tables[nm] = tab
         d = info["levels"].setdefault(nm, {})
-        d.update(table_id=int(tab.table_id), num_tables=int(tab.tables.shape[0]),
-                 table_bytes=int(tab.tables.shape[0]) * 512, source="file" if nm not in need else "calibrated")
-    src = (f"calibrated on the prefill KV of {info['calib_tokens']} other random token ids (seed {CALIB_SEED}, "
-           f"not the measured prompts) in {info['calib_prefill_s']:.1f} s + "
-           + ", ".join(f"{nm} {info['levels'][nm]['calibrated_s']:.1f} s" for nm in need)
-           if "calib_tokens" in info else "")
-    say("codec tables: static, table switching per run of " + f"{info['channels_per_table']} channel(s); "
-        + "; ".join(f"{nm}: {info['levels'][nm]['num_tables']:,} tables ({info['levels'][nm]['table_bytes'] / 1e6:.1f} MB), "
-                    f"{info['levels'][nm]['source']}" for nm in lossy)
-        + (f"; {src}" if src else "") + (f"; file {path}" if path else "")
-        + "; given to CodecTier(tables=...); lossless: per-stream")
+        d.update(
+            table_id=int(tab.table_id),
+            num_tables=int(tab.tables.shape[0]),
+            table_bytes=int(tab.tables.shape[0]) * 512,
+            source="file" if nm not in need else "calibrated",
+        )
+    src = (
+        f"calibrated on the prefill KV of {info['calib_tokens']} other random token ids (seed {CALIB_SEED}, "
+        f"not the measured prompts) in {info['calib_prefill_s']:.1f} s + "
+        + ", ".join(f"{nm} {info['levels'][nm]['calibrated_s']:.1f} s" for nm in need)
+        if "calib_tokens" in info
+        else ""
+    )
+    say(
+        "codec tables: static, table switching per run of "
+        + f"{info['channels_per_table']} channel(s); "
+        + "; ".join(
+            f"{nm}: {info['levels'][nm]['num_tables']:,} tables ({info['levels'][nm]['table_bytes'] / 1e6:.1f} MB), "
+            f"{info['levels'][nm]['source']}"
+            for nm in lossy
+        )
+        + (f"; {src}" if src else "")
+        + (f"; file {path}" if path else "")
+        + "; given to CodecTier(tables=...); lossless: per-stream"
+    )
     return tables, info

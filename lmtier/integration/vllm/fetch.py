@@ -76,8 +76,16 @@ class StagingPool:
     and scatters every device buffer on one stream).
     """
 
-    def __init__(self, chunk_bytes: int, *, device: torch.device, pin: bool, max_idle: int,
-                 on_alloc: Callable[[], None], stream: Any = None) -> None:
+    def __init__(
+        self,
+        chunk_bytes: int,
+        *,
+        device: torch.device,
+        pin: bool,
+        max_idle: int,
+        on_alloc: Callable[[], None],
+        stream: Any = None,
+    ) -> None:
         self.chunk_bytes = chunk_bytes
         self._stream = stream
         self.device = device
@@ -171,10 +179,20 @@ class ChunkFetcher:
     different threads (the worker thread, the background load threads).
     """
 
-    def __init__(self, manager: TierManager, *, chunk_bytes: int, io_threads: int, pin_staging: bool,
-                 faults: Callable[[], AbstractSet[str]], on_stored: Callable[[bytes, bytes, str], None],
-                 max_staging_bytes: int = 1 << 30, device_staging: torch.device | None = None,
-                 decode_stream: Any = None, window: int = 8) -> None:
+    def __init__(
+        self,
+        manager: TierManager,
+        *,
+        chunk_bytes: int,
+        io_threads: int,
+        pin_staging: bool,
+        faults: Callable[[], AbstractSet[str]],
+        on_stored: Callable[[bytes, bytes, str], None],
+        max_staging_bytes: int = 1 << 30,
+        device_staging: torch.device | None = None,
+        decode_stream: Any = None,
+        window: int = 8,
+    ) -> None:
         if window < 1:
             raise ValueError(f"lmtier: device staging window must be >= 1, got {window}")
         self.manager = manager
@@ -183,15 +201,28 @@ class ChunkFetcher:
         self._on_stored = on_stored
         self._io_threads = io_threads
         self._io_pool: ThreadPoolExecutor | None = None
-        self._staging = StagingPool(chunk_bytes, device=torch.device("cpu"), pin=pin_staging,
-                                    max_idle=max(io_threads, max_staging_bytes // max(1, chunk_bytes)),
-                                    on_alloc=lambda: manager.count("load_staging_allocs"))
+        self._staging = StagingPool(
+            chunk_bytes,
+            device=torch.device("cpu"),
+            pin=pin_staging,
+            max_idle=max(io_threads, max_staging_bytes // max(1, chunk_bytes)),
+            on_alloc=lambda: manager.count("load_staging_allocs"),
+        )
         self.device_mode = device_staging is not None
         self._stream = decode_stream
         self.window = window
-        self._dev_staging = StagingPool(chunk_bytes, device=torch.device(device_staging), pin=False,
-                                        max_idle=window, on_alloc=lambda: manager.count("load_device_staging_allocs"),
-                                        stream=decode_stream) if device_staging is not None else None
+        self._dev_staging = (
+            StagingPool(
+                chunk_bytes,
+                device=torch.device(device_staging),
+                pin=False,
+                max_idle=window,
+                on_alloc=lambda: manager.count("load_device_staging_allocs"),
+                stream=decode_stream,
+            )
+            if device_staging is not None
+            else None
+        )
 
     def close(self) -> None:
         """Wait for the I/O threads (fetches in flight finish), then free the idle staging buffers.

@@ -58,8 +58,17 @@ class LayerwiseLoad:
     """One step's layer-by-layer load: per-layer events (CUDA; None on CPU), the chunks it holds
     until the copy completed, and which layers the forward waited for."""
 
-    def __init__(self, parts: list, events: list | None, num_layers: int, t0: float,
-                 timing: tuple[Any, Any] | None, *, device_event: Any = None, loaded: list | None = None) -> None:
+    def __init__(
+        self,
+        parts: list,
+        events: list | None,
+        num_layers: int,
+        t0: float,
+        timing: tuple[Any, Any] | None,
+        *,
+        device_event: Any = None,
+        loaded: list | None = None,
+    ) -> None:
         self.parts = parts  # [(op, ready host chunks, key0, pinned copies kept alive until the copy ends)]
         self.events = events
         self.device_event = device_event  # CUDA event after the device-staged chunks' scatters (or None)

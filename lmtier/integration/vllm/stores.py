@@ -43,10 +43,18 @@ class ChunkStorer:
     ``engine`` (the CUDA engine, None on CPU), ``scratch`` (the no-pool gather buffer).
     """
 
-    def __init__(self, layout: KVLayout, manager: TierManager, *, chunk_size: int, chunk_bytes: int,
-                 keys: Callable[[list[int], str | None], tuple[list[bytes], list[bytes]]],
-                 slot_mappings: Callable[[list[int], list[int]], torch.Tensor],
-                 on_stat: Callable[..., None], on_stored: Callable[[bytes, bytes, str], None]) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        manager: TierManager,
+        *,
+        chunk_size: int,
+        chunk_bytes: int,
+        keys: Callable[[list[int], str | None], tuple[list[bytes], list[bytes]]],
+        slot_mappings: Callable[[list[int], list[int]], torch.Tensor],
+        on_stat: Callable[..., None],
+        on_stored: Callable[[bytes, bytes, str], None],
+    ) -> None:
         self.layout = layout
         self.manager = manager
         self.chunk_bytes = chunk_bytes
@@ -112,8 +120,7 @@ class ChunkStorer:
                     dsts = [s.view[:cb] for _, s in batch]
                     if self.engine is not None:
                         ev = self.engine.store(slots, dsts)
-                        self.pending.setdefault(op.req_id, []).extend(
-                            (ev, s, keys[ci], keys0[ci]) for ci, s in batch)
+                        self.pending.setdefault(op.req_id, []).extend((ev, s, keys[ci], keys0[ci]) for ci, s in batch)
                     else:
                         ops.gather(self.layout, slots, dsts)
                         for ci, s in batch:

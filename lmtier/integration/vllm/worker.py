@@ -154,22 +154,35 @@ class ConnectorWorker:
     ``decode_stream`` (its CUDA stream, None on a CPU cache).
     """
 
-    def __init__(self, layout: KVLayout, manager: TierManager, *, chunk_size: int, block_size: int,
-                 namespace: Namespace, index_namespace: Namespace | None = None,
-                 on_stat: Callable[[str, float], None] | None = None,
-                 on_stored: Callable[[bytes, bytes, str], None] | None = None,
-                 faults: Callable[[], AbstractSet[str]] | None = None, load_threads: int = 2,
-                 io_threads: int = 4, layer_stream_priority: int | None = None,
-                 layers_per_wait: int | None = None, decode_on: str = "auto", device_window: int | None = None,
-                 max_staging_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        manager: TierManager,
+        *,
+        chunk_size: int,
+        block_size: int,
+        namespace: Namespace,
+        index_namespace: Namespace | None = None,
+        on_stat: Callable[[str, float], None] | None = None,
+        on_stored: Callable[[bytes, bytes, str], None] | None = None,
+        faults: Callable[[], AbstractSet[str]] | None = None,
+        load_threads: int = 2,
+        io_threads: int = 4,
+        layer_stream_priority: int | None = None,
+        layers_per_wait: int | None = None,
+        decode_on: str = "auto",
+        device_window: int | None = None,
+        max_staging_bytes: int = 1 << 30,
+    ) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
         if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
             raise ValueError(f"lmtier: chunk_size {chunk_size} must be a positive multiple of block_size {block_size}")
         cb = layout.chunk_bytes(chunk_size)
         if cb != namespace.chunk_bytes:
-            raise ValueError(f"lmtier: chunk bytes {cb} from the KV tensors differ from the namespace's "
-                             f"{namespace.chunk_bytes}")
+            raise ValueError(
+                f"lmtier: chunk bytes {cb} from the KV tensors differ from the namespace's {namespace.chunk_bytes}"
+            )
         self.layout = layout
         self.manager = manager
         self.chunk = chunk_size
@@ -182,9 +195,16 @@ class ConnectorWorker:
         self._faults = faults or no_faults
         self._load_threads = load_threads
         self.is_cuda = layout.device.type == "cuda"
-        self._storer = ChunkStorer(layout, manager, chunk_size=chunk_size, chunk_bytes=cb,
-                                   keys=self._both_keys, slot_mappings=self.slot_mappings, on_stat=self._stat,
-                                   on_stored=self._on_stored)
+        self._storer = ChunkStorer(
+            layout,
+            manager,
+            chunk_size=chunk_size,
+            chunk_bytes=cb,
+            keys=self._both_keys,
+            slot_mappings=self.slot_mappings,
+            on_stat=self._stat,
+            on_stored=self._on_stored,
+        )
         self.store_engine = self._storer.engine
         self.load_engine = None
         if self.is_cuda:
@@ -207,19 +227,28 @@ class ConnectorWorker:
             raise ValueError(f"lmtier: decode_on must be 'auto', 'device' or 'host', got {decode_on!r}")
         codec = lower_tiers_are_codec(manager)
         if decode_on == "device" and self.is_cuda and not codec:
-            raise ValueError("lmtier: decode_on='device' on a CUDA cache needs every lower tier (disk, remote) to be "
-                             "a codec tier (serde: cachegen)")
+            raise ValueError(
+                "lmtier: decode_on='device' on a CUDA cache needs every lower tier (disk, remote) to be "
+                "a codec tier (serde: cachegen)"
+            )
         self.device_staging = decode_on == "device" or (decode_on == "auto" and self.is_cuda and codec)
         self.decode_stream = None  # CUDA device mode: decodes' copies and the device scatters are ordered on it
         self._table_stream = None  # CUDA device mode: current while ops.scatter builds a pointer table (idle)
         if self.device_staging and self.is_cuda:
             prio = -64 if layer_stream_priority is None else layer_stream_priority
             self.decode_stream = torch.cuda.Stream(device=layout.device, priority=prio)
-        self._fetcher = ChunkFetcher(manager, chunk_bytes=cb, io_threads=io_threads, pin_staging=self.is_cuda,
-                                     faults=self._faults, on_stored=self._on_stored,
-                                     max_staging_bytes=max_staging_bytes,
-                                     device_staging=layout.device if self.device_staging else None,
-                                     decode_stream=self.decode_stream, window=device_window or 2 * io_threads)
+        self._fetcher = ChunkFetcher(
+            manager,
+            chunk_bytes=cb,
+            io_threads=io_threads,
+            pin_staging=self.is_cuda,
+            faults=self._faults,
+            on_stored=self._on_stored,
+            max_staging_bytes=max_staging_bytes,
+            device_staging=layout.device if self.device_staging else None,
+            decode_stream=self.decode_stream,
+            window=device_window or 2 * io_threads,
+        )
 
     # ------------------------------------------------------------------------------ helpers
     def slot_mapping(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
@@ -297,7 +326,9 @@ class ConnectorWorker:
         if self.decode_stream is None:
             ops.scatter(self.layout, slots, srcs)
         else:
-            with torch.cuda.stream(self.decode_stream):  # the pinned copy stays alive until it ran (torch's host allocator)
+            with torch.cuda.stream(
+                self.decode_stream
+            ):  # the pinned copy stays alive until it ran (torch's host allocator)
                 dslots = slots.pin_memory().to(self.layout.device, non_blocking=True)
             if self._table_stream is None:
                 self._table_stream = torch.cuda.Stream(device=self.layout.device)
@@ -346,8 +377,12 @@ class ConnectorWorker:
                 try:
                     self._scatter_chunks(op, chunks[i:j])
                 except Exception:
-                    log.exception("lmtier: scatter of chunks %d..%d of request %s failed", chunks[i].ci,
-                                  chunks[j - 1].ci, op.req_id)
+                    log.exception(
+                        "lmtier: scatter of chunks %d..%d of request %s failed",
+                        chunks[i].ci,
+                        chunks[j - 1].ci,
+                        op.req_id,
+                    )
                     failed_ci = chunks[i].ci
                     break
                 for c in chunks[i:j]:
@@ -383,8 +418,9 @@ class ConnectorWorker:
 
             # None: -64, which torch clamps to the device's highest stream priority
             prio = -64 if self._layer_priority is None else self._layer_priority
-            self._layer_engine = CudaTransferEngine(self.layout, self.chunk, layers_per_piece=self._layers_per_wait,
-                                                    priority=prio)
+            self._layer_engine = CudaTransferEngine(
+                self.layout, self.chunk, layers_per_piece=self._layers_per_wait, priority=prio
+            )
 
     def load_layerwise(self, ops_: Iterable[LoadOp]) -> dict[str, set[int]]:
         """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's).
@@ -461,8 +497,9 @@ class ConnectorWorker:
                 device_event = torch.cuda.Event(enable_timing=True)
                 device_event.record(self.decode_stream)
             if parts:
-                slots = torch.cat([self.slot_mappings(op.block_ids, [c.ci for c in cs], op.start_token)
-                                   for op, cs, _, _ in parts])
+                slots = torch.cat(
+                    [self.slot_mappings(op.block_ids, [c.ci for c in cs], op.start_token) for op, cs, _, _ in parts]
+                )
                 srcs = []
                 for _, cs, _, keep in parts:
                     for c in cs:
@@ -509,8 +546,9 @@ class ConnectorWorker:
                     self._stat("load_failures")
             return failed
         if loaded:
-            self._layerwise = LayerwiseLoad(parts, events, self.layout.num_layers, t0, timing,
-                                            device_event=device_event, loaded=loaded)
+            self._layerwise = LayerwiseLoad(
+                parts, events, self.layout.num_layers, t0, timing, device_event=device_event, loaded=loaded
+            )
         return failed
 
     def wait_layer(self, layer: int) -> None:
@@ -545,8 +583,12 @@ class ConnectorWorker:
         if all(lw.waited):
             return {}
         missed = [i for i, w in enumerate(lw.waited) if not w]
-        log.warning("lmtier: layer-by-layer load: the forward never waited for %d layer(s) (first: %d); "
-                    "its blocks are reported as failed", len(missed), missed[0])
+        log.warning(
+            "lmtier: layer-by-layer load: the forward never waited for %d layer(s) (first: %d); "
+            "its blocks are reported as failed",
+            len(missed),
+            missed[0],
+        )
         out: dict[str, set[int]] = {}
         for op, first in lw.loaded:
             out.setdefault(op.req_id, set()).update(self.blocks_from(op, first))
@@ -575,8 +617,11 @@ class ConnectorWorker:
                     continue
             for _, cs, key0, _ in lw.parts:
                 self._release_chunks(cs, key0)
-            ms = lw.timing[0].elapsed_time(lw.timing[1]) if lw.timing is not None else \
-                (time.perf_counter() - lw.t0) * 1e3
+            ms = (
+                lw.timing[0].elapsed_time(lw.timing[1])
+                if lw.timing is not None
+                else (time.perf_counter() - lw.t0) * 1e3
+            )
             self._stat("load_ms", ms)
             self._stat("load_lat_s", ms / 1e3)
         self._draining = keep
@@ -634,8 +679,9 @@ class ConnectorWorker:
                 log.exception("lmtier: async load of request %s failed", rid)
                 chunks, ok = [], False
             op = a.op
-            key0 = lazy_once(lambda op=op: self._index_keys(op.token_ids, op.cache_salt,
-                                                        self.keys(op.token_ids, op.cache_salt)))
+            key0 = lazy_once(
+                lambda op=op: self._index_keys(op.token_ids, op.cache_salt, self.keys(op.token_ids, op.cache_salt))
+            )
             try:
                 if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
                     ok = True
@@ -691,8 +737,13 @@ class ConnectorWorker:
 
     def idle(self) -> bool:
         """No load or store in flight and no held request left."""
-        return (not self.async_loads and not self.pending and not self.delayed and self._layerwise is None
-                and not self._draining)
+        return (
+            not self.async_loads
+            and not self.pending
+            and not self.delayed
+            and self._layerwise is None
+            and not self._draining
+        )
 
     def close(self) -> None:
         """Wait for background loads, a layer-by-layer load and CUDA stores (committing the stores). Idempotent."""
