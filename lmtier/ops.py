@@ -110,7 +110,7 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
         args = (direction, True, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
                 layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
                 layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(), vec,
-                max_ctas, 0, 0, stream_handle)
+                max_ctas, 0, 0, stream_handle, layout.packing)
         if dev.index is None or torch.cuda.current_device() == dev.index:
             _C.paged_copy(*args)
         else:
@@ -122,7 +122,7 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
         _C.paged_copy(direction, False, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
                       layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
                       layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(),
-                      layout.elem_bytes, 0, num_threads, 0, 0)
+                      layout.elem_bytes, 0, num_threads, 0, 0, layout.packing)
 
 
 def gather(layout: KVLayout, slot_mapping: torch.Tensor, chunks: torch.Tensor | Sequence[torch.Tensor], *,
