@@ -39,7 +39,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from lmtier.config import load_config
-from lmtier.integration.vllm.common import namespace_for, scheduler_tiers, shared_manager
+from lmtier.integration.vllm.common import cpu_slab_kind, namespace_for, scheduler_tiers, shared_manager
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
 from lmtier.integration.vllm.scheduler import LMTierScheduler
@@ -104,7 +104,8 @@ class LMTierConnector(KVConnectorBase_V1):
                 index_namespace=namespace_for(vllm_config, kv_cache_config, config.chunk_size, 0),
                 block_size=block_size, stats=self._stats,
                 speculative=vllm_config.speculative_config is not None,
-                full_cudagraphs=full_graphs)
+                full_cudagraphs=full_graphs,
+                cpu_kind=cpu_slab_kind(vllm_config, kv_cache_config))
         else:
             manager, shared = scheduler_tiers(engine, config, ns)
             self.connector_scheduler = LMTierScheduler(manager, shared=shared, config=config,
