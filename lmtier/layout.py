@@ -92,6 +92,7 @@ class KVLayout:
         dtype: element dtype (fp8 caches: ``torch.uint8``). device: where the cache lives.
         planes: 2 (K, V) or 1 (MLA) :class:`PlaneStrides`.
         layer_ptrs: base address of each layer's view (its element 0).
+        kind: one of :data:`KINDS` (module docstring); ``"cpu_slab_amx"`` is packed (:attr:`packing`).
     """
 
     num_layers: int

