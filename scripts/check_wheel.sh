@@ -12,7 +12,7 @@ echo "check_wheel: building in $work"
 LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} "$top/.venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
   -w "$work/dist" "$top"
 "$py" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q "$(ls "$work"/dist/lmtier-*.whl)"
+"$work/venv/bin/python" -m pip install -q "$(ls "$work"/dist/lmtier-*.whl)[bench]"  # bench: transformers, matplotlib
 cd "$work"   # outside the checkout
 "$work/venv/bin/lmtier" --help >/dev/null
 "$work/venv/bin/lmtier" bench transfer --help >/dev/null

@@ -1,14 +1,12 @@
 """gather/scatter against the PyTorch reference, bit for bit, on every layout kind and order."""
 
-import itertools
 import zlib
 
 import pytest
 import torch
 
 from lmtier import ops, reference
-from lmtier.layout import (PHYSICAL_ORDERS, KVLayout, LayoutError, make_paged_kv_cache,
-                           slot_mapping_from_block_ids)
+from lmtier.layout import PHYSICAL_ORDERS, KVLayout, LayoutError, make_paged_kv_cache, slot_mapping_from_block_ids
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 # (kind, order, head_size): odd row widths included (66 fp16 = 132 B, 328 bf16 = 656 B, 576 MLA).
@@ -33,9 +31,17 @@ def _fill(buf: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def _cache(kind, order, head_size, dtype, *, layers=3, blocks=9, block_size=16, heads=2, device="cpu"):
-    buf, views = make_paged_kv_cache(order, num_layers=layers, num_blocks=blocks, block_size=block_size,
-                                     num_heads=heads, head_size=head_size, dtype=dtype, device=device,
-                                     kind=kind)
+    buf, views = make_paged_kv_cache(
+        order,
+        num_layers=layers,
+        num_blocks=blocks,
+        block_size=block_size,
+        num_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
+        device=device,
+        kind=kind,
+    )
     return buf, views
 
 
@@ -64,15 +70,16 @@ def test_gather_scatter_cpu_bit_exact(kind, order, head_size, dtype):
     buf2, views2 = _cache(kind, order, head_size, dtype, block_size=bs)
     _fill(buf2, gen)
     expect = buf2.clone()
-    _, views_e = buf2, None
     layout2 = KVLayout.from_layer_views(views2, kind=kind)
     ops.scatter(layout2, slots, out)
     # reference scatter into the copy
     perm = [order.index(c) for c in "LBHNC"]
     ref_views = [expect.permute(*perm)[i] for i in range(len(views2))]
     reference.scatter_ref(ref_views, slots, ref, kind=kind)
-    assert torch.equal(buf2.view(torch.uint8) if dtype == torch.uint8 else buf2.view(-1).view(torch.uint8),
-                       expect.view(torch.uint8) if dtype == torch.uint8 else expect.view(-1).view(torch.uint8))
+    assert torch.equal(
+        buf2.view(torch.uint8) if dtype == torch.uint8 else buf2.view(-1).view(torch.uint8),
+        expect.view(torch.uint8) if dtype == torch.uint8 else expect.view(-1).view(torch.uint8),
+    )
 
 
 @pytest.mark.parametrize("block_size,tokens,chunks", [(16, 256, 1), (16, 48, 4), (128, 256, 2), (1, 7, 3), (16, 16, 0)])
@@ -109,7 +116,9 @@ def test_kernel_block_splitting_same_tokens():
     chunk = out.view(torch.float16).view(layout.chunk_shape(64))
     # logical block 5 = kernel blocks 10, 11; token 20 of the chunk = kernel block 11, offset 4
     assert torch.equal(chunk[1, 0, 20].view(torch.int16), views[1][11, :, 4, :64].view(torch.int16))
-    assert torch.equal(chunk[2, 1, 40].view(torch.int16), views[2][4, :, 8, 64:].view(torch.int16))  # logical block 2 -> kernel block 4
+    assert torch.equal(
+        chunk[2, 1, 40].view(torch.int16), views[2][4, :, 8, 64:].view(torch.int16)
+    )  # logical block 2 -> kernel block 4
 
 
 def test_padding_gathers_zeros_and_scatter_skips():
@@ -175,8 +184,9 @@ def test_layout_errors():
     with pytest.raises(LayoutError, match="H == 1"):
         KVLayout.from_layer_views([torch.zeros(2, 2, 4, 8)], kind="mla")
     with pytest.raises(LayoutError, match="order"):
-        make_paged_kv_cache("XXXXX", num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=2,
-                            dtype=torch.float16)
+        make_paged_kv_cache(
+            "XXXXX", num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=2, dtype=torch.float16
+        )
 
 
 def test_fp8_bytes_round_trip():
@@ -208,8 +218,11 @@ def test_gpu_matches_cpu_bit_exact(kind, order, head_size, dtype, dst):
     layout = KVLayout.from_layer_views(views, kind=kind)
     slots = _random_slots(3, 32, layout.num_slots, gen)
     nbytes = layout.chunk_bytes(32)
-    out = (torch.full((3, nbytes), 0xAB, dtype=torch.uint8, device="cuda") if dst == "device"
-           else torch.full((3, nbytes), 0xAB, dtype=torch.uint8).pin_memory())
+    out = (
+        torch.full((3, nbytes), 0xAB, dtype=torch.uint8, device="cuda")
+        if dst == "device"
+        else torch.full((3, nbytes), 0xAB, dtype=torch.uint8).pin_memory()
+    )
     ops.gather(layout, slots.cuda(), out)
     torch.cuda.synchronize()
     # CPU path on a CPU copy of the same cache
@@ -221,7 +234,9 @@ def test_gpu_matches_cpu_bit_exact(kind, order, head_size, dtype, dst):
     ops.gather(cpu_layout, slots, cpu_out)
     assert torch.equal(out.cpu(), cpu_out)
     # scatter back into a poisoned cache and compare with the CPU scatter
-    buf.fill_(0) if dtype == torch.uint8 else buf.view(torch.uint8 if buf.element_size() == 1 else torch.int16 if buf.element_size() == 2 else torch.int32).fill_(-1)
+    buf.fill_(0) if dtype == torch.uint8 else buf.view(
+        torch.uint8 if buf.element_size() == 1 else torch.int16 if buf.element_size() == 2 else torch.int32
+    ).fill_(-1)
     cpu_buf.copy_(buf.cpu())
     ops.scatter(layout, slots.cuda(), out)
     ops.scatter(cpu_layout, slots, cpu_out)
@@ -249,7 +264,9 @@ def test_gpu_pageable_destination_rejected():
     buf, views = _cache("kv", "LBNHC", 64, torch.bfloat16, device="cuda")
     layout = KVLayout.from_layer_views(views, kind="kv")
     with pytest.raises(ValueError, match="pageable"):
-        ops.gather(layout, torch.tensor([[0, 1]], device="cuda"), torch.empty(1, layout.chunk_bytes(2), dtype=torch.uint8))
+        ops.gather(
+            layout, torch.tensor([[0, 1]], device="cuda"), torch.empty(1, layout.chunk_bytes(2), dtype=torch.uint8)
+        )
 
 
 def _runs_slots(gen, num_slots, block_size, pattern):
@@ -464,8 +481,9 @@ def test_cpu_slab_amx_fuzz_bit_exact(seed):
     slots = _fuzz_slots(rng, C, T, layout.num_slots, N, unique=True)
     src = torch.randint(0, 256, out.shape, dtype=torch.uint8, generator=gen)
     expect = store.clone()
-    reference.scatter_ref(_amx_views(expect, order, L), slots, src.view(dtype).view(C, *layout.chunk_shape(T)),
-                          kind="cpu_slab_amx")
+    reference.scatter_ref(
+        _amx_views(expect, order, L), slots, src.view(dtype).view(C, *layout.chunk_shape(T)), kind="cpu_slab_amx"
+    )
     ops.scatter(layout, slots, src, num_threads=rng.randint(0, 3))
     assert torch.equal(store.view(-1).view(torch.uint8), expect.view(-1).view(torch.uint8))
 
@@ -492,8 +510,16 @@ def test_cpu_slab_amx_threads_bit_exact():
 
 def test_cpu_slab_amx_layout_errors():
     def views(dtype=torch.bfloat16, N=16, D=16):
-        return make_paged_kv_cache("LBHNC", num_layers=1, num_blocks=2, block_size=N, num_heads=1, head_size=D,
-                                   dtype=dtype, kind="cpu_slab_amx")[1]
+        return make_paged_kv_cache(
+            "LBHNC",
+            num_layers=1,
+            num_blocks=2,
+            block_size=N,
+            num_heads=1,
+            head_size=D,
+            dtype=dtype,
+            kind="cpu_slab_amx",
+        )[1]
 
     for bad in (views(dtype=torch.float32), views(dtype=torch.uint8), views(N=24), views(D=24)):
         with pytest.raises(LayoutError, match="cpu_slab_amx"):

@@ -21,13 +21,16 @@ def _configs(model_dtype, kv_dtype, device="cpu"):
     return vllm_config, kv_cache_config
 
 
-@pytest.mark.parametrize("isa,model_dtype,kv_dtype,kind,tag", [
-    ("vec", torch.float32, torch.float32, "cpu_slab", "vec"),
-    ("vec", torch.bfloat16, torch.bfloat16, "cpu_slab", "vec"),  # a CPU without AMX: unchanged
-    ("amx", torch.bfloat16, torch.bfloat16, "cpu_slab_amx", "amx+canonical"),
-    ("amx", torch.bfloat16, torch.uint8, "cpu_slab", "amx"),  # fp8 AMX: not unpacked (unverified)
-    ("neon", torch.bfloat16, torch.bfloat16, "cpu_slab", "neon"),
-])
+@pytest.mark.parametrize(
+    "isa,model_dtype,kv_dtype,kind,tag",
+    [
+        ("vec", torch.float32, torch.float32, "cpu_slab", "vec"),
+        ("vec", torch.bfloat16, torch.bfloat16, "cpu_slab", "vec"),  # a CPU without AMX: unchanged
+        ("amx", torch.bfloat16, torch.bfloat16, "cpu_slab_amx", "amx+canonical"),
+        ("amx", torch.bfloat16, torch.uint8, "cpu_slab", "amx"),  # fp8 AMX: not unpacked (unverified)
+        ("neon", torch.bfloat16, torch.bfloat16, "cpu_slab", "neon"),
+    ],
+)
 def test_cpu_slab_kind_follows_isa(monkeypatch, isa, model_dtype, kv_dtype, kind, tag):
     cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
     from lmtier.integration.vllm import common

@@ -34,25 +34,25 @@ template <typename... Args>
 }  // namespace lmtier
 
 // The message is only built when the check fails.
-#define LMTIER_CHECK_ARG(cond, ...)                                                   \
-  do {                                                                                \
+#define LMTIER_CHECK_ARG(cond, ...)                                                    \
+  do {                                                                                 \
     if (!(cond)) ::lmtier::throw_invalid(__FILE__, __LINE__, "lmtier: ", __VA_ARGS__); \
   } while (0)
 
-#define LMTIER_CHECK(cond, ...)                                                       \
-  do {                                                                                \
+#define LMTIER_CHECK(cond, ...)                                                        \
+  do {                                                                                 \
     if (!(cond)) ::lmtier::throw_runtime(__FILE__, __LINE__, "lmtier: ", __VA_ARGS__); \
   } while (0)
 
 #ifdef LMTIER_WITH_CUDA
 #include <cuda_runtime_api.h>
-#define LMTIER_CUDA_CHECK(call)                                                               \
-  do {                                                                                        \
-    cudaError_t lmtier_err_ = (call);                                                         \
-    if (lmtier_err_ != cudaSuccess)                                                           \
-      ::lmtier::throw_runtime(__FILE__, __LINE__, "lmtier: CUDA error ", #call, ": ",        \
-                              cudaGetErrorName(lmtier_err_), ": ",                            \
-                              cudaGetErrorString(lmtier_err_));                               \
+#define LMTIER_CUDA_CHECK(call)                                                       \
+  do {                                                                                \
+    cudaError_t lmtier_err_ = (call);                                                 \
+    if (lmtier_err_ != cudaSuccess)                                                   \
+      ::lmtier::throw_runtime(__FILE__, __LINE__, "lmtier: CUDA error ", #call, ": ", \
+                              cudaGetErrorName(lmtier_err_), ": ",                    \
+                              cudaGetErrorString(lmtier_err_));                       \
   } while (0)
 // After every kernel launch.
 #define LMTIER_CUDA_CHECK_LAUNCH() LMTIER_CUDA_CHECK(cudaGetLastError())

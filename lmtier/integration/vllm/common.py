@@ -24,9 +24,22 @@ from lmtier.config import LMTierConfig
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
 
-__all__ = ["FAULT_ENV", "NoTiers", "SchedulerTiers", "cpu_attn_isa", "cpu_slab_kind", "faults", "flush_all", "kv_spec",
-           "namespace_for", "request_salt", "scheduler_tiers", "shared_manager", "shared_manager_of",
-           "drop_shared_manager"]
+__all__ = [
+    "FAULT_ENV",
+    "NoTiers",
+    "SchedulerTiers",
+    "cpu_attn_isa",
+    "cpu_slab_kind",
+    "faults",
+    "flush_all",
+    "kv_spec",
+    "namespace_for",
+    "request_salt",
+    "scheduler_tiers",
+    "shared_manager",
+    "shared_manager_of",
+    "drop_shared_manager",
+]
 
 FAULT_ENV = "LMTIER_FAULT_INJECT"
 
@@ -72,10 +85,17 @@ def namespace_for(vllm_config, kv_cache_config, chunk_size: int, tp_rank: int) -
         isa = cpu_attn_isa(vllm_config, kv_cache_config)
         tag = f"{isa}+canonical" if not mla and cpu_slab_kind(vllm_config, kv_cache_config) == "cpu_slab_amx" else isa
         model += f"|cpu_attn={tag}"
-    return Namespace(model=model, num_layers=len(group.layer_names), num_kv_heads=1 if mla else spec.num_kv_heads,
-                     head_size=spec.head_size, kv_dtype=_dtype_name(dtype), kv_planes=1 if mla else 2,
-                     chunk_size=chunk_size, tp_rank=tp_rank,
-                     tp_size=vllm_config.parallel_config.tensor_parallel_size)
+    return Namespace(
+        model=model,
+        num_layers=len(group.layer_names),
+        num_kv_heads=1 if mla else spec.num_kv_heads,
+        head_size=spec.head_size,
+        kv_dtype=_dtype_name(dtype),
+        kv_planes=1 if mla else 2,
+        chunk_size=chunk_size,
+        tp_rank=tp_rank,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+    )
 
 
 def cpu_attn_isa(vllm_config, kv_cache_config) -> str:
@@ -86,8 +106,9 @@ def cpu_attn_isa(vllm_config, kv_cache_config) -> str:
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        return _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
-                             vllm_config.cache_config.cache_dtype)
+        return _get_attn_isa(
+            vllm_config.model_config.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+        )
     except Exception:  # pragma: no cover - other vLLM versions
         return "unknown"
 
@@ -187,8 +208,9 @@ def request_salt(request) -> str | None:
         parts.append(f"salt={salt}")
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}"
-                     f"@{getattr(lora, 'lora_path', '')}")
+        parts.append(
+            f"lora={getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}@{getattr(lora, 'lora_path', '')}"
+        )
     for f in getattr(request, "mm_features", None) or ():
         ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
         pos = getattr(getattr(f, "mm_position", None), "offset", "")
@@ -205,5 +227,3 @@ def faults() -> frozenset[str]:
     list of ``load``, ``load_sync``, ``load_async``, whose chunk loads then fail); a test hook read
     at every load."""
     return envs.get(FAULT_ENV)
-
-

@@ -66,9 +66,20 @@ class LMTierWorker:
         transfers: the data path (None until :meth:`register_kv_caches`).
     """
 
-    def __init__(self, manager: TierManager, *, config: LMTierConfig, options: ConnectorOptions,
-                 namespace: Namespace, index_namespace: Namespace, block_size: int, stats: StatsSink,
-                 speculative: bool, full_cudagraphs: bool, cpu_kind: str = "cpu_slab") -> None:
+    def __init__(
+        self,
+        manager: TierManager,
+        *,
+        config: LMTierConfig,
+        options: ConnectorOptions,
+        namespace: Namespace,
+        index_namespace: Namespace,
+        block_size: int,
+        stats: StatsSink,
+        speculative: bool,
+        full_cudagraphs: bool,
+        cpu_kind: str = "cpu_slab",
+    ) -> None:
         self.manager = manager
         self.options = options
         self.ns = namespace
@@ -89,8 +100,10 @@ class LMTierWorker:
         self._forward_done = False  # finish_forward ran in this step (Model Runner V2)
         self.reporter = IndexReporter(
             same_namespace=namespace.digest() == index_namespace.digest(),
-            disk_keys_max=max(1024, 2 * config.disk.capacity_bytes // namespace.chunk_bytes
-                              if config.disk.enabled else 0))
+            disk_keys_max=max(
+                1024, 2 * config.disk.capacity_bytes // namespace.chunk_bytes if config.disk.enabled else 0
+            ),
+        )
         self.reporter.subscribe(manager)
 
     @property
@@ -123,22 +136,38 @@ class LMTierWorker:
             kind = "kv"
         head_size = group.kv_cache_spec.head_size if kind != "mla" else None
         self.layout = KVLayout.from_layer_views(views, kind=kind, head_size=head_size)
-        self.transfers = ConnectorWorker(self.layout, self.manager, chunk_size=self.chunk, block_size=self.block_size,
-                                         namespace=self.ns, index_namespace=self.index_ns, on_stat=self._stats.add,
-                                         on_stored=self.reporter.stored, faults=faults)
+        self.transfers = ConnectorWorker(
+            self.layout,
+            self.manager,
+            chunk_size=self.chunk,
+            block_size=self.block_size,
+            namespace=self.ns,
+            index_namespace=self.index_ns,
+            on_stat=self._stats.add,
+            on_stored=self.reporter.stored,
+            faults=faults,
+        )
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._layerwise = self._decide_layerwise(dev)
         if self._layerwise:
             try:
                 self.transfers.prepare_layerwise()
             except Exception:
-                log.exception("lmtier: layer-by-layer loads unavailable (their copy engine failed to "
-                              "initialise); loading before the forward")
+                log.exception(
+                    "lmtier: layer-by-layer loads unavailable (their copy engine failed to "
+                    "initialise); loading before the forward"
+                )
                 self._layerwise = False
-        log.info("lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB; "
-                 "synchronous loads %s", self.layout.num_layers, kind, self.layout.num_blocks,
-                 self.layout.block_size, dev, self.transfers.chunk_bytes / 2**20,
-                 "layer by layer" if self._layerwise else "before the forward")
+        log.info(
+            "lmtier: registered %d layers, kind %s, %d blocks of %d tokens on %s, chunk %.1f MiB; synchronous loads %s",
+            self.layout.num_layers,
+            kind,
+            self.layout.num_blocks,
+            self.layout.block_size,
+            dev,
+            self.transfers.chunk_bytes / 2**20,
+            "layer by layer" if self._layerwise else "before the forward",
+        )
 
     def _decide_layerwise(self, dev: torch.device) -> bool:
         """Whether synchronous loads go layer by layer (``layerwise_loads``; "auto": on a CUDA cache
@@ -148,8 +177,10 @@ class LMTierWorker:
         opt = self.options.layerwise_loads
         if self._speculative:
             if opt:
-                log.warning("lmtier: layerwise_loads ignored with speculative decoding (the drafter's layers "
-                            "read the cache outside the per-layer waits); loading before the forward")
+                log.warning(
+                    "lmtier: layerwise_loads ignored with speculative decoding (the drafter's layers "
+                    "read the cache outside the per-layer waits); loading before the forward"
+                )
             return False
         if opt is not None:
             return opt
@@ -182,8 +213,11 @@ class LMTierWorker:
         if sync_ops and self._forward_done:
             # vLLM calls start_load_kv after the forward when it believes the step has no sync
             # loads (SchedulerOutput.has_sync_kv_loads): the forward already read these blocks.
-            log.error("lmtier: %d synchronous load(s) reached start_load_kv after the forward; reporting "
-                      "them as failed (vLLM recomputes)", len(sync_ops))
+            log.error(
+                "lmtier: %d synchronous load(s) reached start_load_kv after the forward; reporting "
+                "them as failed (vLLM recomputes)",
+                len(sync_ops),
+            )
             for op in sync_ops:
                 self._stats.add("load_failures")
                 self._note_load_failures({op.req_id: set(self.transfers.blocks_from(op))})
@@ -236,8 +270,10 @@ class LMTierWorker:
             return
         unsafe = self.transfers.finish_layerwise()
         if unsafe:
-            log.warning("lmtier: the forward did not call wait_for_layer_load for every layer; loading before "
-                        "the forward from now on (layerwise_loads off)")
+            log.warning(
+                "lmtier: the forward did not call wait_for_layer_load for every layer; loading before "
+                "the forward from now on (layerwise_loads off)"
+            )
             self._layerwise = False
             self._stats.add("load_failures", len(unsafe))
             self._note_load_failures(unsafe)
@@ -262,8 +298,9 @@ class LMTierWorker:
                 continue
             self.transfers.store(op)
 
-    def transfer_results(self, finished_req_ids: Iterable[str],
-                         delayed_frees: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+    def transfer_results(
+        self, finished_req_ids: Iterable[str], delayed_frees: Iterable[str]
+    ) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` request ids: completed async loads
         (failed ones in both of the last two) and finished requests whose delayed block frees
         (``delayed_frees``, from the scheduler) may now happen."""
