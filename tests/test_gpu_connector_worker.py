@@ -454,17 +454,27 @@ def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[
     """Run ``load_layerwise`` while the compute stream is still busy (a long kernel queued first), then
     on that stream, per layer: ``wait_layer(l)`` and a snapshot of layer ``l`` (what that layer's
     attention would read). Returns (failed, snapshots, finish result)."""
+    w.prepare_layerwise()  # as the connector does at registration: the engine is not built inside the window
+    torch.cuda.synchronize()
     compute = torch.cuda.Stream()
     snaps = []
+    slept = torch.cuda.Event()
     with torch.cuda.stream(compute):
-        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        # The copies are ordered after this kernel, which must outlast load_layerwise: the check
+        # below is on the kernel itself (the snapshots queued after it finish fast, proving nothing).
+        # A worker's first load spends 0.5-0.9 s in load_layerwise on the H200 (one-time costs of
+        # the fetch path), hence ~2 s.
+        torch.cuda._sleep(4 * SLEEP_CYCLES)
+        slept.record(compute)
         failed = w.load_layerwise(ops_)
         assert w.layerwise_in_flight
         for layer in range(LAYERS):
             w.wait_layer(layer)
             snaps.append(cache.views[layer].clone())
-        busy = compute.query() is False
-    assert busy, "the compute stream finished before the per-layer waits were queued (SLEEP_CYCLES too short)"
+        busy = not slept.query()
+    assert busy, (
+        "the kernel the copies wait for finished before the per-layer waits were queued (SLEEP_CYCLES too short)"
+    )
     t0 = time.perf_counter()
     unsafe = w.finish_layerwise()  # finish_forward / wait_for_save, after the forward is queued
     assert time.perf_counter() - t0 < 0.05, "finish_layerwise blocked the host on the copies"
