@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from lmtier.bench import ttft  # noqa: E402
-from lmtier.bench.redisproc import RedisProc, find_redis_server  # noqa: E402
+from lmtier.testing.redis import RedisServer, find_redis_server  # noqa: E402
 
 
 def _run(tmp_path, *extra):
@@ -267,7 +267,7 @@ def test_redis_tiers_given_url(tmp_path):
     binary = shutil.which("redis-server") or find_redis_server()
     if binary is None:
         pytest.skip("no redis-server")
-    proc = RedisProc(binary, maxmemory=256 << 20)
+    proc = RedisServer(binary=binary, maxmemory=256 << 20).start()
     try:
         out = tmp_path / "t.json"
         rc = ttft.main(
@@ -302,7 +302,7 @@ def test_redis_tiers_given_url(tmp_path):
         _redis_rows_ok(res)
         assert any(f"server on {proc.url}" in line for line in res["notes"])
     finally:
-        proc.stop()
+        proc.close()
 
 
 def test_bundled_redis_server_runs(tmp_path):
@@ -315,7 +315,7 @@ def test_bundled_redis_server_runs(tmp_path):
         pytest.skip("no bundle (run scripts/bundle_redis.sh)")
     from lmtier.tiers.redis import RedisTier
 
-    proc = RedisProc(bundled, maxmemory=64 << 20)
+    proc = RedisServer(binary=bundled, maxmemory=64 << 20).start()
     try:
         t = RedisTier(proc.url, timeout_s=5.0, connect_timeout_s=2.0)
         key = bytes(range(32))
@@ -324,7 +324,7 @@ def test_bundled_redis_server_runs(tmp_path):
         assert t.get_into(key, buf) == 100_000 and bytes(buf) == b"x" * 100_000
         t.close()
     finally:
-        proc.stop()
+        proc.close()
 
 
 def test_unknown_preset_is_a_clear_error(capsys):

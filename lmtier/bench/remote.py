@@ -62,7 +62,7 @@ from lmtier.bench.common import (
     write_json,
 )
 from lmtier.bench.presets import preset
-from lmtier.bench.redisproc import RedisProc, find_redis_server
+from lmtier.testing.redis import RedisServer, find_redis_server
 from lmtier.tiers.buffers import AlignedBuffer
 from lmtier.tiers.redis import RedisTier
 
@@ -351,14 +351,14 @@ def run(
     extra = ("--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb")
     if io_threads > 1:
         extra += ("--io-threads", str(io_threads), "--io-threads-do-reads", "yes")
-    srv = RedisProc(binary, extra_args=extra)
+    srv = RedisServer(extra_args=extra, binary=binary).start()
     try:
         res = bench(srv.url, **kw)
         res["server"] = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
         res["io_threads"] = io_threads
         return res
     finally:
-        srv.stop()
+        srv.close()
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,6 @@ import time
 import torch
 
 from lmtier.bench.common import progress, system_header
-from lmtier.bench.redisproc import RedisProc, find_redis_server
 from lmtier.bench.ttft.ceilings import (
     Dev,
     dd_read_gbps,
@@ -37,6 +36,7 @@ from lmtier.geometry import torch_dtype
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager, codec_chunk_shape
 from lmtier.memory import HostBuffer
+from lmtier.testing.redis import RedisServer, find_redis_server
 
 __all__ = ["Bench", "run"]
 
@@ -637,7 +637,9 @@ def run(args) -> dict:
         else:
             try:
                 if url is None:
-                    redis_proc = RedisProc(binary, maxmemory=b.max_chunks * _round4k(b.chunk_bytes) * 3 + (256 << 20))
+                    redis_proc = RedisServer(
+                        binary=binary, maxmemory=b.max_chunks * _round4k(b.chunk_bytes) * 3 + (256 << 20)
+                    ).start()
                     url = redis_proc.url
                 m = build_manager(chunk_tokens=b.T, namespace=b.ns, remote_url=url)
                 b.managers["redis"] = m
@@ -661,7 +663,7 @@ def run(args) -> dict:
                 if m is not None:
                     m.close(persist=False)
                 if redis_proc:
-                    redis_proc.stop()
+                    redis_proc.close()
                 redis_proc = None
 
         gen = torch.Generator().manual_seed(1234)
@@ -744,7 +746,7 @@ def run(args) -> dict:
             if not args.disk_dir and disk_dir:
                 shutil.rmtree(disk_dir, ignore_errors=True)
         if redis_proc is not None:
-            redis_proc.stop()
+            redis_proc.close()
     if drop_note:
         say(f"note: page cache could not be dropped ({drop_note[0]}); DiskTier reads use O_DIRECT, so it is bypassed")
 
