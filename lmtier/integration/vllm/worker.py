@@ -8,60 +8,8 @@ vLLM's layouts; the connector's worker role (:class:`lmtier.integration.vllm.wor
 translates vLLM's hooks into its calls. Fetching chunks from the tiers is
 :class:`lmtier.integration.vllm.fetch.ChunkFetcher`'s job.
 
-Data path:
-
-* **Slots.** ``block_ids[i]`` of an op holds tokens ``[i * block_size, (i + 1) * block_size)``
-  (``block_size`` = vLLM's logical block size); chunk ``c`` maps to slots
-  ``block * block_size + offset``. With kernel-block splitting (the cache's views have blocks of
-  ``layout.block_size < block_size`` tokens) the same slot numbers address the kernel blocks.
-* **Loads** (:meth:`ConnectorWorker.load`, synchronous): for each chunk from
-  ``start_token // chunk``: a CPU-pool hit is pinned (``acquire``) and scattered straight from its
-  slot; every other chunk (a disk/remote hit, or a pool hit evicted since the scheduler looked) is
-  fetched on the I/O threads — several reads in flight — straight into a CPU-pool slot reserved for
-  it (promotion without a second copy; committed after the scatter and reported through
-  ``on_stored``), or into a reused staging buffer when no slot can be reserved. Leading chunks are
-  scattered as soon as they are in host memory, as many per native call as are ready. Tokens
-  before ``start_token`` are never written. The first chunk that cannot be loaded (miss, short
-  read, error) ends the op: its blocks (from ``max(chunk start, start_token)``) and every later
-  block are returned as failed, and nothing is written into them. Asynchronous loads
-  (:meth:`start_load` / :meth:`poll_loads`) fetch the same way on a background thread and scatter
-  all chunks in one call on the calling thread once every chunk arrived (all or nothing).
-* **Layer-by-layer loads** (:meth:`load_layerwise`, the ``wait_for_layer_load`` pattern): the same
-  chunk planning for every synchronous op of a step, then one layer-major copy of all their ready
-  chunks (CUDA: :meth:`lmtier.transfer.CudaTransferEngine.load_layerwise`, one event per group of
-  ``layers_per_wait`` layers); :meth:`wait_layer` makes the current stream wait for one layer's
-  group, so the forward's layer ``l`` runs while later layers are still crossing PCIe.
-  :meth:`finish_layerwise` (after the forward) reports the load's blocks as failed when some layer
-  was never waited for (the forward may have read it early; vLLM then recomputes); the chunks' pool
-  slots are released once the copies completed (:meth:`drain_layerwise`). On a CPU cache the copy
-  completes inside :meth:`load_layerwise` (nothing to overlap); the bookkeeping is the same.
-* **Device decode** (``decode_on``; by default for a CUDA cache whose lower tiers are all codec
-  tiers, ``serde: cachegen``): chunks not in the CPU pool are fetched and decoded on the GPU into
-  reused device staging buffers (at most ``device_window`` in flight; later chunks start as earlier
-  ones are released, see :mod:`lmtier.integration.vllm.fetch`) and scattered device -> paged blocks
-  by :func:`lmtier.ops.scatter` on :attr:`ConnectorWorker.decode_stream` as they land; that stream
-  waits for the current stream at the start of a load, and the current stream (synchronous loads)
-  or every :meth:`wait_layer` (layer-by-layer loads: these chunks land before the first layer, a
-  device-to-device copy has nothing to overlap) waits for it. A staging buffer is reused as soon
-  as its scatter is queued (its next decode is ordered after it on the same stream). These chunks
-  are not promoted into the CPU pool (the record stays in its tier; see the fetch module).
-  Asynchronous loads in this mode hold every chunk of the load in device staging until
-  :meth:`poll_loads` scatters them (all or nothing). CPU-pool hits take the host path.
-* **Stores** (:meth:`ConnectorWorker.store`): each chunk gets a CPU-pool slot (``reserve``; none
-  when the chunk is present already or every slot is pinned — skipped); all of an op's chunks are
-  gathered in one native call and committed (``manager.commit``), which writes them through to disk /
-  remote (background threads). On a CUDA cache the gather
-  runs on :class:`lmtier.transfer.CudaTransferEngine`'s side streams after an event recorded on the
-  **current (compute) stream** at the time of the call, so the blocks are read after every kernel
-  queued before ``store``; the slot is committed (visible to lookups) only when the copy's event
-  has completed (:meth:`poll_stores`). Without a CPU pool the chunk is gathered into a scratch
-  buffer synchronously and handed to ``manager.store``.
-* **Ordering contract (CUDA).** Work queued on the compute stream *after* ``store`` is **not**
-  ordered after the copy. The caller must not overwrite the stored blocks until the request's
-  stores completed: vLLM keeps a finished request's blocks while :meth:`finished_sending` has not
-  reported it (``request_finished`` returns True for requests with CUDA stores), and preempted
-  requests' blocks are reused only after ``handle_preemptions``, which calls
-  ``poll_stores(block=True)``.
+Data path (slots, sync / layer-by-layer / async loads, device decode, stores, the CUDA ordering
+contract): docs/connector_worker.md.
 
 Not thread-safe: one thread (vLLM's worker thread) calls every method; only the chunk fetches
 (I/O threads) and the coordination of asynchronous loads run elsewhere.
