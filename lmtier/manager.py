@@ -13,24 +13,8 @@
 * ``retrieve(key, out)`` — from the fastest tier holding the chunk; disk/remote hits are read
   into a CPU slot (promotion) and copied to ``out``.
 
-Policies (see ARCHITECTURE.md):
-
-* **Disk: write-back.** A chunk reaches the disk tier when the CPU pool evicts it (the manager is
-  an eviction listener of the pool: it runs in the thread that needs the slot, outside the pool
-  lock, while the victim is pinned), and on ``close()`` (``persist`` keyword) so a restart finds
-  it warm. When the
-  CPU pool is full of pinned chunks (back-pressure) a store goes straight to disk instead. Without
-  a CPU pool, stores write through to disk.
-* **Remote: asynchronous write-through.** After the CPU commit, the chunk is sent to the remote
-  tier by a separate small thread pool reading from the pinned CPU slot; at most
-  ``max_pending_remote`` such sends are queued, more are dropped (counted in ``counters``) — a slow
-  Redis must never hold the serving path.
-* **Promotion cost.** A disk/remote hit is read into a freshly reserved CPU slot and copied to
-  ``out``; if that reservation evicts a chunk not yet on disk, its write-back runs in the
-  retrieving thread (one chunk write). A background cleaner that writes back LRU chunks ahead of
-  need would take this off the load path (not done yet).
-* Failures of lower tiers are misses or dropped stores (logged, counted), never exceptions in
-  ``lookup``/``retrieve``; wrong-sized buffers and closed managers are caller errors and raise.
+Policies (disk write-back, remote write-through, promotion cost, failures as misses):
+docs/ARCHITECTURE.md.
 
 Index events (:mod:`lmtier.events`): listeners added with :meth:`TierManager.add_listener` hear
 ``STORED`` (a chunk became visible: :meth:`TierManager.store`, a promotion in
