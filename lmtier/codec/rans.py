@@ -428,45 +428,31 @@ def encode_into(
     st_addr, st_bytes = _addr_len(status)
     if off_bytes < 8 * (n + 1) or st_bytes < 4 * n:
         raise ValueError("offsets must hold N + 1 int64 and status N int32")
+    desc_addr, handle, dev = desc.ctypes.data, 0, None
     if on_cuda:
         dev = streams[0].device
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
         _order_after_current(stream, dev)
-        _R.encode(
-            True,
-            ddesc.data_ptr(),
-            n,
-            t_addr,
-            num_tables,
-            seg_log2,
-            out_addr,
-            out_bytes,
-            off_addr,
-            st_addr,
-            sc_addr,
-            sc_bytes,
-            num_threads,
-            _stream_handle(stream, dev),
-        )
+        desc_addr, handle = ddesc.data_ptr(), _stream_handle(stream, dev)
+    _R.encode(
+        on_cuda,
+        desc_addr,
+        n,
+        t_addr,
+        num_tables,
+        seg_log2,
+        out_addr,
+        out_bytes,
+        off_addr,
+        st_addr,
+        sc_addr,
+        sc_bytes,
+        num_threads,
+        handle,
+    )
+    if on_cuda:
         _keep_alive(keep, stream, dev)
-    else:
-        _R.encode(
-            False,
-            desc.ctypes.data,
-            n,
-            t_addr,
-            num_tables,
-            seg_log2,
-            out_addr,
-            out_bytes,
-            off_addr,
-            st_addr,
-            sc_addr,
-            sc_bytes,
-            num_threads,
-            0,
-        )
 
 
 def encode(
@@ -567,34 +553,26 @@ def decode_into(
         desc[i]["dst"], desc[i]["dst_capacity"] = _addr_len(o)
     keep: list[Any] = [desc]
     t_addr, num_tables = _tables_addr(tables, on_cuda, sources[0].device if on_cuda else None, keep)
-    len_addr, len_bytes = _addr_len(out_lengths)
-    st_addr, st_bytes = _addr_len(status)
-    if len_bytes < 8 * n or st_bytes < 4 * n:
-        raise ValueError("out_lengths must hold N int64 and status N int32")
+    descs, dev = desc, None
     if on_cuda:
         dev = sources[0].device
-        if scratch is None:
-            raise ValueError("CUDA decode needs scratch (decode_scratch_bytes(N) bytes on the device)")
-        sc_addr, sc_bytes = _addr_len(scratch)
-        ddesc = _device_bytes(desc, dev)
-        keep.append(ddesc)
+        descs = _device_bytes(desc, dev)
+        keep.append(descs)
         _order_after_current(stream, dev)
-        _R.decode(
-            True,
-            ddesc.data_ptr(),
-            n,
-            t_addr,
-            num_tables,
-            len_addr,
-            st_addr,
-            sc_addr,
-            sc_bytes,
-            num_threads,
-            _stream_handle(stream, dev),
-        )
+    # one native call through decode_descriptors (it checks out_lengths / status / scratch)
+    decode_descriptors(
+        descs,
+        n,
+        t_addr,
+        num_tables,
+        out_lengths=out_lengths,
+        status=status,
+        scratch=scratch,
+        num_threads=num_threads,
+        stream=stream,
+    )
+    if on_cuda:
         _keep_alive(keep, stream, dev)
-    else:
-        _R.decode(False, desc.ctypes.data, n, t_addr, num_tables, len_addr, st_addr, 0, 0, num_threads, 0)
 
 
 def decode_descriptors(
