@@ -117,61 +117,39 @@ def _paged_copy(
             stream_handle = stream.cuda_stream
         ptr_t = _device_ptr_table(ptrs, dev)
         layer_t = layout.layer_ptr_tensor(dev)
-        vec = layout.vec_bytes(ptrs)
-        args = (
-            direction,
-            True,
-            layer_t.data_ptr(),
-            layout.num_layers,
-            layout.num_planes,
-            layout.num_heads,
-            layout.head_size,
-            layout.elem_bytes,
-            layout.block_size,
-            layout.num_blocks,
-            planes,
-            slots.data_ptr(),
-            C,
-            T,
-            ptr_t.data_ptr(),
-            vec,
-            max_ctas,
-            0,
-            0,
-            stream_handle,
-            layout.packing,
-        )
-        if dev.index is None or torch.cuda.current_device() == dev.index:
-            _C.paged_copy(*args)
-        else:
-            with torch.cuda.device(dev):
-                _C.paged_copy(*args)
+        vec, ctas, threads, handle = layout.vec_bytes(ptrs), max_ctas, 0, stream_handle
     else:
         ptr_t = torch.tensor(ptrs, dtype=torch.int64)
         layer_t = layout.layer_ptr_tensor("cpu")
-        _C.paged_copy(
-            direction,
-            False,
-            layer_t.data_ptr(),
-            layout.num_layers,
-            layout.num_planes,
-            layout.num_heads,
-            layout.head_size,
-            layout.elem_bytes,
-            layout.block_size,
-            layout.num_blocks,
-            planes,
-            slots.data_ptr(),
-            C,
-            T,
-            ptr_t.data_ptr(),
-            layout.elem_bytes,
-            0,
-            num_threads,
-            0,
-            0,
-            layout.packing,
-        )
+        vec, ctas, threads, handle = layout.elem_bytes, 0, num_threads, 0
+    args = (
+        direction,
+        on_cuda,
+        layer_t.data_ptr(),
+        layout.num_layers,
+        layout.num_planes,
+        layout.num_heads,
+        layout.head_size,
+        layout.elem_bytes,
+        layout.block_size,
+        layout.num_blocks,
+        planes,
+        slots.data_ptr(),
+        C,
+        T,
+        ptr_t.data_ptr(),
+        vec,
+        ctas,
+        threads,
+        0,
+        handle,
+        layout.packing,
+    )
+    if on_cuda and dev.index is not None and torch.cuda.current_device() != dev.index:
+        with torch.cuda.device(dev):
+            _C.paged_copy(*args)
+    else:
+        _C.paged_copy(*args)
 
 
 def gather(
