@@ -104,7 +104,9 @@ class CudaTransferEngine:
                     self.copy_stream.cuda_stream,
                 )
 
-    def _prepare(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _prepare(self, slot_mapping: torch.Tensor, host: Sequence[torch.Tensor], wait_stream) -> torch.Tensor:
+        """Check the arguments (``ValueError`` before anything is enqueued), order the engine's
+        streams after ``wait_stream`` and return the slot mapping on the device."""
         if (
             not isinstance(slot_mapping, torch.Tensor)
             or slot_mapping.dim() != 2
@@ -124,23 +126,35 @@ class CudaTransferEngine:
             if not h.is_pinned():
                 raise ValueError(f"host buffer {i} is not pinned memory")
         ops._check_slots(self.layout, slot_mapping)  # on the host when the mapping is (no device sync)
-        slots = slot_mapping.to(self.layout.device, non_blocking=True).contiguous()
-        return slots
+        self._order_after(wait_stream)
+        return self._upload_slots(slot_mapping)
 
     def _order_after(self, wait_stream) -> None:
-        """Order both engine streams after ``wait_stream``'s queued work (default: the current
-        stream), and the kernel stream after the current stream's (the slot-mapping upload)."""
-        cur = torch.cuda.current_stream(self.layout.device)
+        """Order both engine streams after ``wait_stream``'s queued work (default: the current stream)."""
         ready = torch.cuda.Event()
-        ready.record(wait_stream or cur)
+        ready.record(wait_stream or torch.cuda.current_stream(self.layout.device))
         self.kernel_stream.wait_event(ready)
         self.copy_stream.wait_event(ready)
-        self.kernel_stream.wait_stream(cur)
+
+    def _upload_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """``slot_mapping`` on the cache device, usable on :attr:`kernel_stream` (the only stream
+        that reads it). A host mapping is pinned first (torch's caching host allocator keeps the
+        pinned copy alive until the upload ran) and uploaded on the kernel stream: a pageable
+        upload on the current stream may make the host wait for that stream's queued work (a
+        forward, for layer-by-layer loads). A device mapping was written on the current stream."""
+        dev = self.layout.device
+        if slot_mapping.device == dev:
+            self.kernel_stream.wait_stream(torch.cuda.current_stream(dev))
+            return slot_mapping.contiguous()
+        src = slot_mapping.contiguous()
+        if not src.is_pinned():
+            src = src.pin_memory()
+        with torch.cuda.stream(self.kernel_stream):
+            return src.to(dev, non_blocking=True)
 
     def _transfer(self, store: bool, slot_mapping, host, wait_stream) -> torch.cuda.Event:
         host = list(host)
-        slots = self._prepare(slot_mapping, host)
-        self._order_after(wait_stream)
+        slots = self._prepare(slot_mapping, host, wait_stream)
         done = torch.cuda.Event()
         if self.mode == "zerocopy":
             fn = ops.gather if store else ops.scatter
@@ -193,8 +207,7 @@ class CudaTransferEngine:
         if self.mode != "staged":
             raise ValueError("load_layerwise needs the staged mode")
         host = list(host)
-        slots = self._prepare(slot_mapping, host)
-        self._order_after(wait_stream)
+        slots = self._prepare(slot_mapping, host, wait_stream)
         ptrs = [h.data_ptr() for h in host]
         cp = self._copier
         events: list[torch.cuda.Event] = []
