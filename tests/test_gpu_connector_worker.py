@@ -455,9 +455,11 @@ def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[
     on that stream, per layer: ``wait_layer(l)`` and a snapshot of layer ``l`` (what that layer's
     attention would read). Returns (failed, snapshots, finish result)."""
     w.prepare_layerwise()  # as the connector does at registration: the engine is not built inside the window
+    # The snapshots' buffers and copy kernel exist before the window: under CUDA's lazy module
+    # loading the first launch of a kernel waits for the device's queued work (the sleep below).
+    snaps = [v.clone() for v in cache.views[:LAYERS]]
     torch.cuda.synchronize()
     compute = torch.cuda.Stream()
-    snaps = []
     slept = torch.cuda.Event()
     with torch.cuda.stream(compute):
         # The copies are ordered after this kernel, which must outlast load_layerwise: the check
@@ -470,7 +472,7 @@ def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[
         assert w.layerwise_in_flight
         for layer in range(LAYERS):
             w.wait_layer(layer)
-            snaps.append(cache.views[layer].clone())
+            snaps[layer].copy_(cache.views[layer])
         busy = not slept.query()
     assert busy, (
         "the kernel the copies wait for finished before the per-layer waits were queued (SLEEP_CYCLES too short)"

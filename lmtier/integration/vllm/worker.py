@@ -369,6 +369,16 @@ class ConnectorWorker:
             self._layer_engine = CudaTransferEngine(
                 self.layout, self.chunk, layers_per_piece=self._layers_per_wait, priority=prio
             )
+            self._warm_layer_engine()
+
+    def _warm_layer_engine(self) -> None:
+        """Launch the layer engine's kernels once, writing nothing (every slot is padding). Under
+        CUDA's lazy module loading (the default) a kernel's first launch loads it, and that waits
+        for the device's queued work: inside a forward, the host would stall until the compute
+        stream drained."""
+        padding = torch.full((1, self.chunk), -1, dtype=torch.int64)
+        scratch = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self._layer_engine.load_layerwise(padding, [scratch])[-1].synchronize()
 
     def load_layerwise(self, ops_: Iterable[LoadOp]) -> dict[str, set[int]]:
         """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's).
