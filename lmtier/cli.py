@@ -1,4 +1,4 @@
-"""``lmtier`` command line: ``lmtier bench <transfer|disk|remote|codec|rans|ttft|all> [options]``."""
+"""``lmtier`` command line: ``lmtier bench <subcommand> [options]`` (see :data:`USAGE`) and ``lmtier --version``."""
 
 from __future__ import annotations
 
@@ -142,6 +142,7 @@ def run_all(rest: list[str]) -> int:
 
 
 USAGE = """usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [options]
+       lmtier --version | --help
   transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)
   disk      disk tier vs O_DIRECT dd on the same directory (+ pipelined loads)
   remote    Redis tier vs redis-benchmark on the same server
@@ -149,11 +150,17 @@ USAGE = """usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [optio
   rans      the entropy coder alone (GPU)
   ttft      time to first token: recompute vs loading the KV from each tier
   all       everything this machine supports, saying what it skips
-every subcommand but rans takes --model-preset NAME and --plot PATH.png; `all` takes --plot-dir DIR"""
+every subcommand but rans takes --model-preset NAME and --plot PATH.png; `all` takes --plot-dir DIR;
+`lmtier bench <subcommand> --help` lists its options"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["-V"], ["--version"]):
+        from lmtier import __version__
+
+        print(f"lmtier {__version__}")
+        return 0
     if argv in (["-h"], ["--help"], ["bench", "-h"], ["bench", "--help"]):
         print(USAGE)  # asked for: stdout, success
         return 0

@@ -11,7 +11,7 @@ The staged pipeline is enqueued entirely in C++ (``lmtier._C.StagedCopier``): a 
 microseconds of host time, so even one 32 MiB chunk starts its first DMA almost immediately.
 
 "zerocopy" lets the kernel write/read mapped pinned host memory directly. It reaches the link too,
-but SMs waiting on PCIe starve concurrent kernels (FACTS.md and our interference benchmark: a
+but SMs waiting on PCIe starve concurrent kernels (our interference benchmark, benchmarks/RESULTS.md §1: a
 concurrent GEMM runs 39-123 % slower), so it is opt-in.
 
 Ordering: every transfer first waits for ``wait_stream`` (default: the current stream), so blocks

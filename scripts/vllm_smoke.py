@@ -16,7 +16,7 @@ Usage:
 
 Exit status 0 when all selected phases succeed and the outputs match. Build the model first
 with scripts/make_model.py. Prompt lengths of 128*k+1 never hit in ExampleConnector (its
-off-by-one; see FACTS.md) — the script refuses them.
+off-by-one; see docs/vllm_notes.md) — the script refuses them.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -267,3 +268,95 @@ def test_cli_help_exits_zero_and_usage_errors_two(argv, rc, capsys):
     assert cli.main(argv) == rc
     out, err = capsys.readouterr()
     assert "lmtier bench" in (out if rc == 0 else err)
+
+
+def test_version_prints_the_package_version(capsys):
+    """issue 20 §5: ``lmtier --version`` printed the usage and exited 2; it prints ``lmtier <__version__>``
+    (lmtier/__init__.py, the one definition) and exits 0."""
+    import lmtier
+
+    for flag in ("--version", "-V"):
+        assert cli.main([flag]) == 0
+        assert capsys.readouterr().out.strip() == f"lmtier {lmtier.__version__}"
+
+
+BAD_VALUES = [
+    ("transfer", ["--batches", "abc"], "--batches", "abc"),
+    ("transfer", ["--batches", "1,0"], "--batches", "1,0"),
+    ("transfer", ["--orders", "LBNHC,XYZ"], "--orders", "LBNHC,XYZ"),
+    ("transfer", ["--cache-gb", "nan"], "--cache-gb", "nan"),
+    ("transfer", ["--multi-gpu", "--gpus", "-1"], "--gpus", "-1"),
+    ("disk", ["--threads", "x"], "--threads", "x"),
+    ("disk", ["--inflight", "1,,2"], "--inflight", "1,,2"),
+    ("disk", ["--sync", "data,fast"], "--sync", "data,fast"),
+    ("disk", ["--count", "0"], "--count", "0"),
+    ("remote", ["--inflight", "q"], "--inflight", "q"),
+    ("remote", ["--pieces-mib", "1,big"], "--pieces-mib", "1,big"),
+    ("codec", ["--chunks", "0"], "--chunks", "0"),
+    ("rans", ["--seg-log2", "99"], "--seg-log2", "99"),
+    ("rans", ["--cases", "bogus"], "--cases", "bogus"),
+    ("ttft", ["--lengths", "1024,a"], "--lengths", "1024,a"),
+    ("ttft", ["--codec-levels", "default,foo"], "--codec-levels", "default,foo"),
+    ("ttft", ["--iters", "0"], "--iters", "0"),
+]
+
+
+@pytest.mark.parametrize("sub,args,option,value", BAD_VALUES, ids=[f"{s}{a[0]}={a[-1]}" for s, a, _, _ in BAD_VALUES])
+def test_bad_option_values_are_usage_errors(sub, args, option, value, capsys):
+    """issue 20 §5: ``lmtier bench transfer --batches abc`` (and every list option parsed later with
+    ``int(x)``) ended in a ValueError traceback; a bad value is now argparse's usage error: exit status 2,
+    the last stderr line names the subcommand, the option and the value, and nothing ran."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", sub, *args])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"lmtier bench {sub}") and f"argument {option}" in last and repr(value) in last, err
+    assert "Traceback" not in err and out == ""
+
+
+def test_bench_parsers_use_the_shared_argument_types():
+    """One definition of the numeric / list option types (lmtier.bench.args): no bare ``type=int`` /
+    ``type=float`` (unbounded: ``--count 0`` crashed in the body) and no ``.split(",")`` of an option."""
+    import pathlib
+
+    import lmtier.bench
+
+    root = pathlib.Path(lmtier.bench.__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        src = f.read_text()
+        assert not re.search(r"type=(int|float)\b", src), f.name
+        assert not re.search(r"\b(a|args)\.\w+\.split\(", src), f.name
+
+
+@pytest.mark.parametrize("sub", [*cli.SUBCOMMANDS, "all"])
+def test_subcommand_help_names_itself(sub, capsys):
+    """``lmtier bench disk --help`` called itself ``bench_disk.py`` once; every subcommand's usage line
+    names the command a user typed."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", sub, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: lmtier bench {sub} ")
+
+
+def test_argument_types_parse_and_reject():
+    import argparse
+
+    from lmtier.bench.args import bounded_float, bounded_int, float_list, int_list, name_list
+
+    assert int_list(min_value=1)(" 1, 4,8 ") == [1, 4, 8]
+    assert int_list(min_value=1, allow_empty=True)("") == []
+    assert float_list(above=0)("1,0.5") == [1.0, 0.5]
+    assert name_list(("data", "none"))("none") == ["none"]
+    assert bounded_int(min_value=0, max_value=3)("3") == 3
+    assert bounded_float(min_value=0)("0") == 0.0
+    for fn, text in [
+        (int_list(min_value=1), ""),
+        (int_list(min_value=1), "1.5"),
+        (float_list(above=0), "inf"),
+        (name_list(("a",)), "a,b"),
+        (bounded_int(max_value=3), "4"),
+        (bounded_float(above=0), "0"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
+            fn(text)

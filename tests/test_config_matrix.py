@@ -43,7 +43,7 @@ scheduler-side counters (``hit_tokens_*``) are in the child's totals; the worker
 (``loaded_chunks``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``) are asserted at TP=1,
 and at TP=2 the stores are checked by counting disk records and Redis keys (one per chunk and rank).
 
-Outputs (FACTS.md, "Exact output equality needs care"):
+Outputs (exact output equality needs care):
 
 * rows without a ``cachegen`` serde run the model in float32: every greedy output (CPU hit,
   disk hit, Redis hit) equals the cold run's, token for token.

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from lmtier.bench.args import bounded_int
 from lmtier.bench.common import (
     add_common_args,
     plot_series,
@@ -47,10 +48,11 @@ from lmtier.bench.common import (
     write_json,
 )
 from lmtier.bench.presets import preset
+from lmtier.config_schema import CODEC_LEVELS
 
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
 """Relative to the working directory (a source checkout's ``models/``); never looked up next to the package."""
-LEVEL_NAMES = ["lossless", "high", "default", "low"]
+LEVEL_NAMES = list(CODEC_LEVELS)
 
 
 def synthetic_kv(n_chunks: int, nl: int, t: int, h: int, d: int, seed: int = 0) -> torch.Tensor:
@@ -253,20 +255,18 @@ def main(argv=None) -> int:
         prog="lmtier bench codec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--levels", nargs="+", default=LEVEL_NAMES, choices=LEVEL_NAMES)
-    p.add_argument("--chunks", type=int, default=4, help="chunks coded (each one record)")
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunks", type=bounded_int(min_value=1), default=4, help="chunks coded (each one record)")
+    p.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
     p.add_argument(
         "--model", default=None, help=f"local transformers model for real KV (default {DEFAULT_MODEL} when present)"
     )
     p.add_argument("--synthetic", action="store_true", help="synthetic KV even when a model is present")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=bounded_int(min_value=1), default=3)
     p.add_argument("--kernels", action="store_true", help="also run lmtier.bench.codec_kernels (native batch kernels)")
     p.add_argument("--json", default=None)
     add_common_args(p)
     args = p.parse_args(argv)
-    if args.chunks < 1 or args.chunk_tokens < 1 or args.iters < 1:
-        p.error("--chunks, --chunk-tokens and --iters must be >= 1")
     res = run(args)
     rows = res["rows"]
     print_table(

@@ -37,11 +37,12 @@ import numpy as np
 import torch
 
 from lmtier import envs
+from lmtier.bench.args import bounded_int
 from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import native as N
 from lmtier.codec import quant as Q
 from lmtier.codec import rans
-from lmtier.codec.levels import get_level
+from lmtier.codec.levels import CACHEGEN_REF, LEVELS, get_level
 
 SMOKE = envs.LMTIER_BENCH_SMOKE
 L, H, D, T = 32, 8, 128, 256
@@ -322,11 +323,21 @@ def zstd_planes(x: torch.Tensor) -> dict | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench codec --kernels", description=__doc__.split("\n")[0])
-    ap.add_argument("--chunks", type=int, nargs="+", default=None, help="chunks per batch (default 8 32 GPU, 1 CPU)")
-    ap.add_argument("--levels", nargs="+", default=["lossless", "high", "default", "low"])
-    ap.add_argument("--seg-log2", type=int, default=rans.DEFAULT_SEG_LOG2)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: all, up to 16)")
+    ap.add_argument(
+        "--chunks",
+        type=bounded_int(min_value=1),
+        nargs="+",
+        default=None,
+        help="chunks per batch (default 8 32 GPU, 1 CPU)",
+    )
+    ap.add_argument("--levels", nargs="+", default=list(LEVELS), choices=[*LEVELS, CACHEGEN_REF.name])
+    ap.add_argument(
+        "--seg-log2",
+        type=bounded_int(min_value=rans.MIN_SEG_LOG2, max_value=rans.MAX_SEG_LOG2),
+        default=rans.DEFAULT_SEG_LOG2,
+    )
+    ap.add_argument("--iters", type=bounded_int(min_value=1), default=None)
+    ap.add_argument("--threads", type=bounded_int(min_value=0), default=0, help="CPU threads (0: all, up to 16)")
     ap.add_argument("--cpu", action="store_true", help="benchmark the CPU path even when CUDA is available")
     ap.add_argument("--no-compare", action="store_true", help="skip the cachegen_ref / zstd comparisons")
     ap.add_argument(

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import time
 
+from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list
 from lmtier.bench.common import (
     add_common_args,
     odirect_read_gbps,
@@ -211,16 +212,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "lmtier-bench-disk"))
     ap.add_argument(
         "--size-mib",
-        type=float,
+        type=bounded_float(above=0),
         default=None,
         help="record size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)",
     )
-    ap.add_argument("--count", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", default="1,2,4")
-    ap.add_argument("--sync", default="data,none")
+    ap.add_argument("--count", type=bounded_int(min_value=1), default=16)
+    ap.add_argument("--rounds", type=bounded_int(min_value=1), default=2)
+    ap.add_argument("--threads", type=int_list(min_value=1), default="1,2,4", help="disk tier I/O threads")
+    ap.add_argument("--sync", type=name_list(("data", "none")), default="data,none", help="disk tier sync modes")
     ap.add_argument(
-        "--inflight", default="1,2,4,8", help="records read concurrently in the pipelined-load rows ('' to skip)"
+        "--inflight",
+        type=int_list(min_value=1, allow_empty=True),
+        default="1,2,4,8",
+        help="records read concurrently in the pipelined-load rows ('' to skip)",
     )
     ap.add_argument("--json")
     add_common_args(ap)
@@ -232,10 +236,10 @@ def main(argv=None) -> int:
         a.dir,
         size=size,
         count=a.count,
-        threads=[int(x) for x in a.threads.split(",")],
-        syncs=a.sync.split(","),
+        threads=a.threads,
+        syncs=a.sync,
         rounds=a.rounds,
-        inflight=[int(x) for x in a.inflight.split(",") if x.strip()],
+        inflight=a.inflight,
         quiet=a.quiet,
     )
     res["model_preset"] = a.model_preset

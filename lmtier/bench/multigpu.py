@@ -153,15 +153,18 @@ def _run(gpus: list[int], args) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from lmtier.bench.args import bounded_float, bounded_int
     from lmtier.bench.common import print_table, system_header, write_json
     from lmtier.bench.presets import PRESETS
 
     p = argparse.ArgumentParser(prog="lmtier bench transfer --multi-gpu", description=__doc__)
-    p.add_argument("--gpus", type=int, default=0, help="number of GPUs (0 = all)")
+    p.add_argument("--gpus", type=bounded_int(min_value=0), default=0, help="number of GPUs (0 = all)")
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-3.1-8b")
-    p.add_argument("--chunks", type=int, default=32, help="chunks per transfer (32 x 32 MiB = 1 GiB)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--cache-gb", type=float, default=20.0)
+    p.add_argument(
+        "--chunks", type=bounded_int(min_value=1), default=32, help="chunks per transfer (32 x 32 MiB = 1 GiB)"
+    )
+    p.add_argument("--iters", type=bounded_int(min_value=1), default=10)
+    p.add_argument("--cache-gb", type=bounded_float(above=0), default=20.0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     n = args.gpus or torch.cuda.device_count()

@@ -27,11 +27,14 @@ import numpy as np
 import torch
 
 from lmtier import envs
+from lmtier.bench.args import bounded_int
 from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import rans
 
 SMOKE = envs.LMTIER_BENCH_SMOKE
 L, P, H, D, T = 32, 2, 8, 128, 256
+CASES = ("default", "high", "exponent", "uniform")
+"""The symbol distributions :func:`symbols` draws (``--cases``)."""
 
 
 def symbols(kind: str, n: int, rng: np.random.Generator, layer: int) -> np.ndarray:
@@ -199,10 +202,20 @@ def run_cpu(kind, streams, ids, tables, seg_log2, iters):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench rans", description=__doc__.split("\n")[0])
-    ap.add_argument("--chunks", type=int, default=None, help="256-token chunks per batch (default 8 GPU, 1 CPU)")
-    ap.add_argument("--seg-log2", type=int, nargs="+", default=None)
-    ap.add_argument("--cases", nargs="+", default=["default", "high", "exponent", "uniform"])
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument(
+        "--chunks",
+        type=bounded_int(min_value=1),
+        default=None,
+        help="256-token chunks per batch (default 8 GPU, 1 CPU)",
+    )
+    ap.add_argument(
+        "--seg-log2",
+        type=bounded_int(min_value=rans.MIN_SEG_LOG2, max_value=rans.MAX_SEG_LOG2),
+        nargs="+",
+        default=None,
+    )
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--iters", type=bounded_int(min_value=1), default=None)
     ap.add_argument("--cpu", action="store_true", help="benchmark the CPU coder even when CUDA is available")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -52,6 +52,7 @@ import subprocess
 import time
 import urllib.parse
 
+from lmtier.bench.args import bounded_float, bounded_int, float_list, int_list
 from lmtier.bench.common import (
     add_common_args,
     plot_bars,
@@ -366,28 +367,28 @@ def main(argv=None) -> int:
     ap.add_argument("--url")
     ap.add_argument(
         "--size-mib",
-        type=float,
+        type=bounded_float(above=0),
         default=None,
         help="value size (default: one 256-token chunk of --model-preset; 32 MiB for Llama-3.1-8B)",
     )
-    ap.add_argument("--iters", type=int, default=5, help="timed calls per row and round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rb-requests", type=int, default=50, help="redis-benchmark -n")
-    ap.add_argument("--pieces-mib", default="1,4", help="RedisTier piece sizes to measure")
-    ap.add_argument("--inflight", default="1,4", help="GET callers in flight at once, comma-separated")
+    ap.add_argument("--iters", type=bounded_int(min_value=1), default=5, help="timed calls per row and round")
+    ap.add_argument("--rounds", type=bounded_int(min_value=1), default=3)
+    ap.add_argument("--rb-requests", type=bounded_int(min_value=1), default=50, help="redis-benchmark -n")
+    ap.add_argument("--pieces-mib", type=float_list(above=0), default="1,4", help="RedisTier piece sizes to measure")
+    ap.add_argument(
+        "--inflight", type=int_list(min_value=1), default="1,4", help="GET callers in flight at once, comma-separated"
+    )
     ap.add_argument(
         "--io-threads",
-        type=int,
+        type=bounded_int(min_value=1),
         default=1,
         help="private server only: io-threads N (+ io-threads-do-reads yes) when N > 1",
     )
     ap.add_argument("--json")
     add_common_args(ap)
     a = ap.parse_args(argv)
-    pieces = [int(float(x) * MiB) for x in a.pieces_mib.split(",")]
-    inflight = [int(x) for x in a.inflight.split(",")]
-    if min(inflight) < 1:
-        ap.error("--inflight values must be >= 1")
+    pieces = [int(x * MiB) for x in a.pieces_mib]
+    inflight = a.inflight
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     a.size_mib = size / MiB
     res = run(

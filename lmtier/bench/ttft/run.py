@@ -32,7 +32,7 @@ __all__ = ["run"]
 
 def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list]:
     """The disk tiers (plain and per codec level) under one temp dir, and the disk ceilings."""
-    levels = [x.strip() for x in (args.codec_levels or "").split(",") if x.strip()]
+    levels = list(args.codec_levels)
     if args.no_disk:
         say("disk tier: skipped (--no-disk)")
         say("disk+codec: skipped (no disk tier)")
@@ -98,7 +98,7 @@ def run(args) -> dict:
     b = Bench(args)
     dev = b.dev
     cfg = b.model.config
-    lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
+    lengths = sorted(set(args.lengths))
     maxpos = getattr(cfg, "max_position_embeddings", None)
     skipped = []
     if maxpos:

@@ -1,0 +1,133 @@
+"""What the README promises a newcomer with a fresh clone (issue 20 §5): links that resolve inside the
+repository, no references to documents outside it, vLLM's prefix cache off in the main job as stated,
+and the demo's server logs kept after a failed run."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TOP_DIRS = ("docs", "scripts", "lmtier", "benchmarks", "tests", "examples", "csrc", ".ci")
+REPO_PATH = re.compile(r"`((?:" + "|".join(re.escape(d) for d in TOP_DIRS) + r")/[^`\s]*)`")
+MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+UP_PATH = re.compile(r"`(\.\./[^`\s]+)`")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_relative_links_and_repo_paths_resolve(doc):
+    """Every relative Markdown link, backticked ``../`` path and backticked repository path (``docs/…``,
+    ``scripts/…``, …) names a file or folder of the checkout; README linked ../shared/ARCHITECTURE.md
+    once, docs/ARCHITECTURE.md still did."""
+    text = doc.read_text()
+    bad = []
+    for m in [*MD_LINK.finditer(text), *UP_PATH.finditer(text)]:
+        target = m.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL or an anchor of this page
+        path = (doc.parent / target.split("#", 1)[0]).resolve()
+        if not path.exists() or REPO not in path.parents:
+            bad.append(f"link {target}")
+    for m in REPO_PATH.finditer(text):
+        if re.search(r"vllm|vLLM", text[max(0, m.start() - 8) : m.start()]):
+            continue  # a path inside vLLM's tree ("vLLM `csrc/cpu/…`")
+        path = re.sub(r"[:#].*$", "", m.group(1)).rstrip(".,;)")
+        if any(c in path for c in "*<>{}…"):
+            continue  # a pattern, not a path
+        if not (REPO / path).exists():
+            bad.append(f"path {m.group(1)}")
+    assert bad == [], f"{doc.name}: {bad}"
+
+
+def test_no_references_to_documents_outside_the_repository():
+    """The project's notes outside the repository (../shared/, FACTS.md, STYLE.md) are not in a clone;
+    no tracked file may send a reader there."""
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    bad = re.compile(r"\.\./shared/|/work/shared|\bFACTS\.md\b|\bSTYLE\.md\b")
+    hits = []
+    for name in files:
+        path = REPO / name
+        if name == "tests/test_readme.py" or path.suffix in (".png", ".so", ".npz", ".gguf") or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        hits += [f"{name}: {m.group(0)}" for m in bad.finditer(text)]
+    assert hits == []
+
+
+def test_main_job_runs_with_vllms_prefix_cache_off_as_the_readme_says():
+    readme = (REPO / "README.md").read_text()
+    assert "vLLM's own prefix cache off" in readme and "--no-enable-prefix-caching" in readme
+    demo = (REPO / "scripts" / "demo.py").read_text()
+    assert demo.count('"--no-enable-prefix-caching"') == 1  # the one server command every phase uses
+    assert "exec .venv/bin/python scripts/demo.py" in (REPO / "scripts" / "main_job.sh").read_text()
+
+
+def _demo():
+    """scripts/demo.py as a module (by file location: scripts/ is not a package)."""
+    name = "lmtier_demo_script"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "demo.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # its dataclasses look their module up while the class is built
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _work(tmp_path: Path) -> Path:
+    work = tmp_path / "lmtier_demo_x"
+    (work / "logs").mkdir(parents=True)
+    (work / "logs" / "baseline.log").write_text("engine started\n")
+    (work / "logs" / "lmtier.log").write_text("Traceback ...\n")
+    (work / "lmtier_cpu_disk.yaml").write_text("chunk_size: 256\n")
+    (work / "lmtier_disk").mkdir()
+    (work / "lmtier_disk" / "record.bin").write_bytes(b"x" * 4096)
+    (work / "vllm_cache").mkdir()
+    return work
+
+
+def test_demo_keeps_server_logs_after_a_failed_run(tmp_path, capsys):
+    """issue 20 §5: the demo named its server logs in the failure message, then deleted them with its
+    work folder unless --keep-logs was given."""
+    demo = _demo()
+    work = _work(tmp_path)
+    kept = demo.clean_up_work(work, own_work=True, keep_logs=None, failed=True)
+    assert sorted(p.name for p in kept) == ["baseline.log", "lmtier.log", "lmtier_cpu_disk.yaml"]
+    assert all(p.is_file() for p in kept) and (work / "logs" / "lmtier.log").read_text() == "Traceback ...\n"
+    assert not (work / "lmtier_disk").exists() and not (work / "vllm_cache").exists()  # the bulk goes
+    out = capsys.readouterr().out
+    assert "the run failed" in out and all(str(p) in out for p in kept)
+
+
+def test_demo_removes_its_work_folder_after_a_successful_run(tmp_path):
+    demo = _demo()
+    work = _work(tmp_path)
+    assert demo.clean_up_work(work, own_work=True, keep_logs=None, failed=False) == []
+    assert not work.exists()
+
+
+def test_demo_keep_logs_copies_then_removes_the_work_folder(tmp_path, capsys):
+    demo = _demo()
+    work = _work(tmp_path)
+    dest = tmp_path / "out" / "logs"
+    kept = demo.clean_up_work(work, own_work=True, keep_logs=dest, failed=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["baseline.log", "lmtier.log", "lmtier_cpu_disk.yaml"]
+    assert set(kept) == set(dest.iterdir()) and not work.exists()
+    assert str(dest / "lmtier.log") in capsys.readouterr().out
+
+
+def test_demo_never_removes_a_work_folder_it_was_given(tmp_path):
+    demo = _demo()
+    work = _work(tmp_path)
+    demo.clean_up_work(work, own_work=False, keep_logs=None, failed=False)
+    assert (work / "lmtier_disk" / "record.bin").exists() and (work / "logs" / "lmtier.log").exists()
