@@ -196,6 +196,27 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="setup.py",
     ),
     EnvVar("LMTIER_BUILD_JOBS", "build", "parallel compile jobs (default: the number of CPUs)", read_by="setup.py"),
+    EnvVar(
+        "LMTIER_APT_LOCK_TIMEOUT",
+        "build",
+        "seconds scripts/bootstrap.sh's apt-get waits for the dpkg lock another process holds",
+        default="600",
+        read_by="scripts/lib/apt.sh",
+    ),
+    EnvVar(
+        "LMTIER_APT_RETRY_SLEEP",
+        "build",
+        "seconds between scripts/bootstrap.sh's two apt-get attempts",
+        default="15",
+        read_by="scripts/lib/apt.sh",
+    ),
+    EnvVar(
+        "LMTIER_ALLOW_MISSING_PACKAGES",
+        "build",
+        "1: scripts/bootstrap.sh warns instead of stopping when a required system package (redis-server) is missing",
+        default="0",
+        read_by="scripts/lib/apt.sh",
+    ),
     EnvVar("LMTIER_CI_VLLM033", "ci", "0 skips the vLLM 0.33 step of .ci/run", default="1", read_by=".ci/run"),
     EnvVar(
         "LMTIER_GPU_STEPS",

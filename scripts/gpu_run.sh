@@ -7,7 +7,8 @@
 # decoded on the host, the vLLM connector's path today); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
 # redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
-# ttft bench measures the Redis tiers on loopback too.
+# ttft bench measures the Redis tiers on loopback too; `bash scripts/bundle_mooncake.sh` packs the
+# Mooncake client and master into .whl/mooncake.tar.xz, unpacked here the same way.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -26,6 +27,18 @@ if [ -x .whl/redis/redis-server ]; then
   echo "redis: bundled $(redis-server --version | cut -d' ' -f1-3)"
 elif ! command -v redis-server >/dev/null; then
   echo "redis: none (run scripts/bundle_redis.sh on the dev box and carry .whl): Redis tiers skipped"
+fi
+if [ -f .whl/mooncake.tar.xz ]; then  # scripts/bundle_mooncake.sh: the Mooncake client and master
+  mc=/tmp/mooncake; rm -rf "$mc"; mkdir -p "$mc/missing"
+  tar -xJf .whl/mooncake.tar.xz -C "$mc"
+  for lib in $(cat "$mc/syslibs/LIST"); do  # only what this machine's loader lacks
+    ldconfig -p | grep -q " $lib " || ln -s "$mc/syslibs/$lib" "$mc/missing/$lib"
+  done
+  export PYTHONPATH=$mc:${PYTHONPATH:-} LD_LIBRARY_PATH=$mc/missing:${LD_LIBRARY_PATH:-} PATH=$mc/mooncake:$PATH
+  echo "mooncake: bundled ($(ls "$mc/missing" | wc -l) system libraries added)"
+  $PY -c "from mooncake.store import MooncakeDistributedStore" 2>&1 | tail -1
+elif [ -n "${LMTIER_REQUIRE_MOONCAKE:-}" ]; then
+  echo "mooncake: none (run scripts/bundle_mooncake.sh on the dev box and carry .whl)"
 fi
 rm -f lmtier/_C*.so
 t0=$(date +%s)
