@@ -37,8 +37,8 @@ if [ -f .whl/mooncake.tar.xz ]; then  # scripts/bundle_mooncake.sh: the Mooncake
   export PYTHONPATH=$mc:${PYTHONPATH:-} LD_LIBRARY_PATH=$mc/missing:${LD_LIBRARY_PATH:-} PATH=$mc/mooncake:$PATH
   echo "mooncake: bundled ($(ls "$mc/missing" | wc -l) system libraries added)"
   $PY -c "from mooncake.store import MooncakeDistributedStore" 2>&1 | tail -1
-elif [ -n "${LMTIER_REQUIRE_MOONCAKE:-}" ]; then
-  echo "mooncake: none (run scripts/bundle_mooncake.sh on the dev box and carry .whl)"
+else
+  echo "mooncake: none (run scripts/bundle_mooncake.sh on the dev box and carry .whl): Mooncake tiers skipped"
 fi
 rm -f lmtier/_C*.so
 t0=$(date +%s)
