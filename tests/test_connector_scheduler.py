@@ -115,13 +115,18 @@ class Harness:
         )
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
         self.engine_id = engine_id or f"test-{uuid.uuid4().hex[:8]}"
+        # policy: vLLM's kv_load_failure_policy (None: not set); "fail" also sets lmtier's
+        # load_failure_policy, which is what keeps vLLM's fail (see connector.resolve_load_failure_policy)
+        extra = dict(extra or {})
+        if policy == "fail":
+            extra.setdefault("load_failure_policy", "fail")
         kt = KVTransferConfig(
             kv_connector="LMTierConnector",
             kv_connector_module_path="lmtier.integration.vllm",
             kv_role="kv_both",
-            kv_load_failure_policy=policy,
             engine_id=self.engine_id,
-            kv_connector_extra_config=dict(extra or {}),
+            kv_connector_extra_config=extra,
+            **({} if policy is None else {"kv_load_failure_policy": policy}),
         )
         vc = VllmConfig(
             model_config=mc,

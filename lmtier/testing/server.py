@@ -38,9 +38,10 @@ CONNECTOR = {
     "kv_connector": "LMTierConnector",
     "kv_connector_module_path": "lmtier.integration.vllm",
     "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
 }
-"""``--kv-transfer-config`` of a server running lmtier (the config comes from ``LMTIER_CONFIG_FILE``)."""
+"""``--kv-transfer-config`` of a server running lmtier (the config comes from ``LMTIER_CONFIG_FILE``),
+as the README writes it: no ``kv_load_failure_policy``, so the connector's default (recompute) is the
+one exercised."""
 
 METRIC_PATTERNS = (
     "vllm:external_prefix_cache_hits",

@@ -9,8 +9,13 @@ list of steps and writes JSON results. Engines run in-process inside that child
 
 Spec (JSON)::
 
-    {"config": {...lmtier YAML keys...}, "policy": "recompute"|"fail", "connector": true,
-     "log_stats": false, "steps": [STEP, ...]}
+    {"config": {...lmtier YAML keys...}, "policy": "recompute"|"fail"|null, "connector": true,
+     "extra_config": {...}, "log_stats": false, "steps": [STEP, ...]}
+
+``policy``: vLLM's ``kv_load_failure_policy`` (absent: ``"recompute"``; ``null``: the key is left out
+of ``kv_transfer_config``, as the README's configuration does). ``"fail"`` also sets the connector's
+``load_failure_policy: "fail"`` (unless ``extra_config`` names one), which is how a deployment keeps
+vLLM's ``fail``: vLLM cannot tell its own key set to ``fail`` from its default.
 
 Steps:
   * ``{"op": "generate", "name": N, "prompts": [{"seg": i, "len": n, "salt": s|null}], "max_tokens": k}``
@@ -21,6 +26,14 @@ Steps:
   * ``{"op": "env", "set": {"NAME": "value" | null}}`` — set/unset environment variables (the
     connector's fault hook ``LMTIER_FAULT_INJECT`` is read at every load).
   * ``{"op": "corrupt_disk", "dir": D}`` — flip bytes in the payload of every record under ``D``.
+  * ``{"op": "disk_files", "dir": D, "name": N}`` — the record files under ``D`` (paths relative to
+    ``D``) that no earlier ``disk_files`` step listed: after one prompt's cold run and a flush, that
+    prompt's records.
+  * ``{"op": "disk_fault", "dir": D, "kind": "corrupt"|"truncate"|"delete", "files": [...]}`` —
+    damage those records (paths relative to ``D``): flip bytes in the payload, truncate to half the
+    size, or delete (the running tier's index still lists it, so the load fails).
+  * ``{"op": "redis_evict_at_load", "on": true|false}`` — while on, every Redis chunk read of this
+    process first deletes its key (an eviction between the lookup, which saw the key, and the load).
   * ``{"op": "metrics", "name": N}`` — the ``lmtier`` lines of this process's Prometheus registry.
   * ``{"op": "flush"}`` — wait for queued disk/Redis writes of the shared tier managers.
 
@@ -148,24 +161,69 @@ def _text() -> str:
     return "\n".join(parts)
 
 
+def _corrupt_file(p: str) -> bool:
+    """Flip 16 bytes in the middle and 16 bytes 4 KiB before the end of ``p`` (False: < 8 KiB, untouched)."""
+    size = os.path.getsize(p)
+    if size < 8192:
+        return False
+    with open(p, "r+b") as fh:
+        for off in (size // 2, size - 4096):
+            fh.seek(off)
+            b = bytearray(fh.read(16))
+            fh.seek(off)
+            fh.write(bytes(x ^ 0x5A for x in b))
+    return True
+
+
 def _corrupt(root: str) -> int:
     n = 0
     for dirpath, _dirs, files in os.walk(root):
         for f in files:
-            if f.startswith("."):
-                continue
-            p = os.path.join(dirpath, f)
-            size = os.path.getsize(p)
-            if size < 8192:
-                continue
-            with open(p, "r+b") as fh:
-                for off in (size // 2, size - 4096):
-                    fh.seek(off)
-                    b = bytearray(fh.read(16))
-                    fh.seek(off)
-                    fh.write(bytes(x ^ 0x5A for x in b))
-            n += 1
+            if not f.startswith("."):
+                n += _corrupt_file(os.path.join(dirpath, f))
     return n
+
+
+def _disk_files(root: str, seen: set[str]) -> list[str]:
+    """Record files under ``root`` (relative paths) not in ``seen``; adds them to ``seen``."""
+    found = []
+    for dirpath, _dirs, files in os.walk(root):
+        found += [os.path.relpath(os.path.join(dirpath, f), root) for f in files if not f.startswith(".")]
+    fresh = sorted(p for p in found if p not in seen)
+    seen.update(fresh)
+    return fresh
+
+
+def _disk_fault(root: str, kind: str, files: list[str]) -> None:
+    """Damage the record files ``files`` (relative to ``root``): corrupt, truncate or delete."""
+    for rel in files:
+        p = os.path.join(root, rel)
+        if kind == "corrupt":
+            assert _corrupt_file(p), f"{p}: too small to corrupt"
+        elif kind == "truncate":
+            os.truncate(p, os.path.getsize(p) // 2)
+        elif kind == "delete":
+            os.unlink(p)
+        else:
+            raise ValueError(f"unknown disk fault {kind!r}")
+
+
+_EVICT_AT_LOAD = [False]
+
+
+def _install_redis_evict_at_load() -> None:
+    """Test fault (this child process only): while ``_EVICT_AT_LOAD[0]``, a Redis chunk read first
+    deletes its key, as an eviction between the scheduler's lookup and the worker's load would."""
+    from lmtier.tiers.redis.tier import RedisTier
+
+    get_into = RedisTier.get_into
+
+    def evicting_get_into(self, key, out):
+        if _EVICT_AT_LOAD[0]:
+            self.delete(key)
+        return get_into(self, key, out)
+
+    RedisTier.get_into = evicting_get_into
 
 
 def _child(spec_path: str, out_path: str) -> None:
@@ -187,19 +245,27 @@ def _child(spec_path: str, out_path: str) -> None:
     )
     kw.update(spec.get("llm_kwargs", {}))
     if spec.get("connector", True):
+        policy = spec.get("policy", "recompute")
+        extra = dict(spec.get("extra_config", {}))
+        if policy == "fail":
+            extra.setdefault("load_failure_policy", "fail")
         kw["kv_transfer_config"] = {
             "kv_connector": "LMTierConnector",
             "kv_connector_module_path": "lmtier.integration.vllm",
             "kv_role": "kv_both",
-            "kv_load_failure_policy": spec.get("policy", "recompute"),
-            "kv_connector_extra_config": spec.get("extra_config", {}),
+            "kv_connector_extra_config": extra,
         }
+        if policy is not None:
+            kw["kv_transfer_config"]["kv_load_failure_policy"] = policy
+    if any(step["op"] == "redis_evict_at_load" for step in spec["steps"]):
+        _install_redis_evict_at_load()
     t0 = time.monotonic()
     llm = LLM(**kw)
     startup = time.monotonic() - t0
     tok = llm.get_tokenizer()
     ids = tok(_text())["input_ids"]
     results: dict = {}
+    listed: set[str] = set()  # record files a disk_files step listed
     for step in spec["steps"]:
         op = step["op"]
         if op == "env":
@@ -210,6 +276,12 @@ def _child(spec_path: str, out_path: str) -> None:
                     os.environ[k] = v
         elif op == "corrupt_disk":
             results[step.get("name", "corrupt")] = {"files": _corrupt(step["dir"])}
+        elif op == "disk_files":
+            results[step["name"]] = _disk_files(step["dir"], listed)
+        elif op == "disk_fault":
+            _disk_fault(step["dir"], step["kind"], step["files"])
+        elif op == "redis_evict_at_load":
+            _EVICT_AT_LOAD[0] = bool(step["on"])
         elif op == "metrics":  # the process's Prometheus registry (what /metrics serves), lmtier lines
             import prometheus_client
 

@@ -4,10 +4,12 @@ Enable with::
 
     --kv-transfer-config '{"kv_connector":"LMTierConnector",
                            "kv_connector_module_path":"lmtier.integration.vllm",
-                           "kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
+                           "kv_role":"kv_both"}'
 
 and ``LMTIER_CONFIG_FILE=/path/to/lmtier.yaml`` (LMCache-style keys, see :mod:`lmtier.config`);
 connector options go in ``kv_connector_extra_config`` (:mod:`lmtier.integration.vllm.options`).
+A failed KV load is recomputed unless ``load_failure_policy`` is ``"fail"``
+(:func:`lmtier.integration.vllm.connector.resolve_load_failure_policy`).
 Installing the wheel also registers the short name through vLLM's ``vllm.general_plugins`` entry
 point (:func:`register`), so ``kv_connector_module_path`` may be omitted.
 

@@ -22,6 +22,12 @@ own view of the disk and remote tiers. Chunk keys bind the tensor-parallel rank,
 stores its own shard under its own keys; the index is keyed by rank 0's keys. Keys also bind a
 per-request salt (vLLM's ``cache_salt``, the LoRA adapter, the multimodal input hashes).
 
+Load failures (a corrupt or vanished disk record, an evicted Redis key): the worker reports the
+blocks it could not fill (``get_block_ids_with_load_errors``, ``failed_recving``) and vLLM's scheduler
+then recomputes them or fails the request, per ``KVTransferConfig.kv_load_failure_policy``, whose
+default is ``fail``. The scheduler role makes recompute lmtier's default:
+:func:`resolve_load_failure_policy`.
+
 Test hooks (not an API): ``LMTIER_FAULT_INJECT`` (comma list of ``load``, ``load_sync``,
 ``load_async``: make those chunk loads fail), :func:`lmtier.integration.vllm.stats.process_totals`
 and :func:`lmtier.integration.vllm.common.flush_all`.
@@ -33,6 +39,7 @@ docs/vllm_notes.md.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -50,9 +57,105 @@ try:
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None  # type: ignore
 
-__all__ = ["LMTierConnector", "LMTierConnectorMetadata", "LMTierWorkerMetadata", "LMTierStats"]
+__all__ = [
+    "LMTierConnector",
+    "LMTierConnectorMetadata",
+    "LMTierWorkerMetadata",
+    "LMTierStats",
+    "resolve_load_failure_policy",
+    "POLICY_VERIFIED_VLLM",
+]
 
 log = logging.getLogger("vllm.lmtier.connector")
+
+POLICY_VERIFIED_VLLM = ((0, 32), (0, 33))
+"""vLLM (major, minor) versions whose scheduler was read to build its connector *before* it reads
+``kv_transfer_config.kv_load_failure_policy`` (``vllm/v1/core/sched/scheduler.py``: 0.32 lines
+176-184, 0.33 lines 179-187), so that a value the connector sets at construction is the one used."""
+
+
+def _vllm_minor(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string such as ``"0.32.0"`` or ``"0.33.0+cu130"``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def resolve_load_failure_policy(kv_transfer_config, options: ConnectorOptions, vllm_version: str) -> str:
+    """Decide what vLLM does with a request whose KV load failed, and make vLLM's scheduler do it.
+
+    vLLM's ``KVTransferConfig.kv_load_failure_policy`` defaults to ``fail`` (the request ends with
+    ``finish_reason == "error"`` and no output: one corrupt disk record or one evicted Redis key
+    loses the user's request). ``recompute`` rolls the request back to the first block that failed to
+    load and computes the rest again (the blocks are overwritten before attention reads them; the
+    output of the step that read them is discarded: ``Scheduler._handle_invalid_blocks``). lmtier's
+    default is ``recompute``. vLLM keeps no record of which fields a deployment set
+    (``KVTransferConfig`` is a pydantic dataclass without ``fields_set``, the raw JSON is not kept),
+    so an explicit ``kv_load_failure_policy: fail`` looks exactly like vLLM's default; ``fail`` is
+    chosen with lmtier's own key (``kv_connector_extra_config.load_failure_policy: fail``):
+
+    ===========================  =================================  ===========
+    ``load_failure_policy``      vLLM's ``kv_load_failure_policy``  result
+    ===========================  =================================  ===========
+    not set / ``recompute``      ``fail`` (default or set)          recompute (vLLM's field set)
+    not set / ``recompute``      ``recompute``                      recompute
+    ``fail``                     ``fail`` (default or set)          fail
+    ``fail``                     ``recompute``                      ValueError
+    ===========================  =================================  ===========
+
+    How: vLLM's scheduler constructs its connector and then reads the field from the same
+    ``KVTransferConfig`` object (:data:`POLICY_VERIFIED_VLLM`), so setting it here, in the scheduler
+    role's constructor, is what the scheduler uses; no worker reads it. On a vLLM version not in
+    :data:`POLICY_VERIFIED_VLLM` the field is set all the same and a WARNING names the option to set
+    explicitly. The decision is logged at INFO. Not covered: lmtier inside vLLM's ``MultiConnector``,
+    which hands each child a new ``KVTransferConfig`` (``multi_connector.py``
+    ``_get_connector_classes_and_configs``, 0.32 line 238, 0.33 line 247) while the
+    scheduler reads the ``MultiConnector``'s own: set ``kv_load_failure_policy: recompute`` there.
+
+    Args:
+        kv_transfer_config: vLLM's ``KVTransferConfig`` (``vllm_config.kv_transfer_config``);
+            ``kv_load_failure_policy`` is set to ``"recompute"`` when that is the decision.
+        options: the connector's parsed ``kv_connector_extra_config``.
+        vllm_version: ``vllm.__version__``.
+
+    Returns:
+        ``"recompute"`` or ``"fail"``.
+
+    Raises:
+        ValueError: ``load_failure_policy: fail`` together with vLLM's ``kv_load_failure_policy:
+            recompute`` (two explicit, contradicting choices).
+    """
+    vllm_policy = kv_transfer_config.kv_load_failure_policy
+    if options.load_failure_policy == "fail":
+        if vllm_policy == "recompute":
+            raise ValueError(
+                "lmtier: kv_connector_extra_config load_failure_policy='fail' contradicts "
+                "kv_load_failure_policy='recompute' in --kv-transfer-config: choose one"
+            )
+        log.info(
+            "lmtier: load_failure_policy=fail: a request whose KV load fails (corrupt or missing record, "
+            "evicted Redis key, tier error) ends with finish_reason 'error' and no output "
+            "(vLLM kv_load_failure_policy=fail)"
+        )
+        return "fail"
+    if vllm_policy == "recompute":
+        log.info("lmtier: kv_load_failure_policy=recompute: a failed KV load is recomputed")
+        return "recompute"
+    kv_transfer_config.kv_load_failure_policy = "recompute"
+    if _vllm_minor(vllm_version) not in POLICY_VERIFIED_VLLM:
+        log.warning(
+            "lmtier: vLLM %s is not one whose scheduler lmtier has checked to read kv_load_failure_policy "
+            "after building the connector: a failed KV load may FAIL the request (vLLM's default "
+            'kv_load_failure_policy=fail). Set "kv_load_failure_policy":"recompute" in '
+            "--kv-transfer-config (or kv_transfer_config=...) to recompute it instead",
+            vllm_version,
+        )
+    else:
+        log.info(
+            "lmtier: kv_load_failure_policy=recompute (lmtier's default; vLLM's default 'fail' overridden): "
+            "a failed KV load is recomputed. To fail such requests instead, set "
+            'kv_connector_extra_config {"load_failure_policy": "fail"}'
+        )
+    return "recompute"
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -75,9 +178,13 @@ class LMTierConnector(KVConnectorBase_V1):
     (unknown keys and wrong types are errors). Exactly one of :attr:`connector_scheduler` /
     :attr:`connector_worker` is set, by role.
 
+    The scheduler role decides the load-failure policy (:func:`resolve_load_failure_policy`:
+    recompute unless ``load_failure_policy: fail``) and may set ``kv_load_failure_policy`` on
+    ``vllm_config.kv_transfer_config``.
+
     Raises:
         ValueError: a bad option, a chunk size that is not a multiple of the block size, a model
-            with several KV cache groups.
+            with several KV cache groups, contradicting load-failure policies.
     """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -111,6 +218,9 @@ class LMTierConnector(KVConnectorBase_V1):
                 cpu_kind=cpu_slab_kind(vllm_config, kv_cache_config),
             )
         else:
+            from vllm import __version__ as vllm_version
+
+            resolve_load_failure_policy(self._kv_transfer_config, options, vllm_version)
             manager, shared = scheduler_tiers(engine, config, ns)
             self.connector_scheduler = LMTierScheduler(
                 manager,

@@ -21,6 +21,12 @@ Keys (all optional):
   layer and the forward waits for each layer in ``wait_for_layer_load``. true: on any device (vLLM
   is asked for PIECEWISE CUDA graphs); ``"auto"``: on a CUDA cache when vLLM's CUDA graph mode has no
   full graphs.
+* ``load_failure_policy`` (``"recompute"`` or ``"fail"``; default: not set): what vLLM does with a
+  request whose KV load failed. Not set: recompute (the connector sets vLLM's
+  ``kv_load_failure_policy`` to ``recompute`` unless the deployment set it to ``recompute``
+  already). ``"fail"``: vLLM's ``fail`` (the request ends with ``finish_reason == "error"``). vLLM's
+  own ``kv_load_failure_policy: fail`` cannot be told apart from its default (``fail``), so it is
+  this key that keeps ``fail``; see :func:`lmtier.integration.vllm.connector.resolve_load_failure_policy`.
 
 This module imports nothing from vLLM.
 """
@@ -32,13 +38,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ConnectorOptions", "DEFAULT_SYNC_DISK_LOAD_MIB", "parse_bool", "parse_layerwise"]
+__all__ = [
+    "ConnectorOptions",
+    "DEFAULT_SYNC_DISK_LOAD_MIB",
+    "LOAD_FAILURE_POLICIES",
+    "parse_bool",
+    "parse_layerwise",
+    "parse_load_failure_policy",
+]
 
 # Disk hits up to this many MiB (of this rank) load synchronously when no other request is in the
 # scheduler (``sync_disk_load_mib``).
 DEFAULT_SYNC_DISK_LOAD_MIB = 256.0
 
 _PREFIX = "lmtier: kv_connector_extra_config"
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+"""The values of ``load_failure_policy`` (vLLM's ``kv_load_failure_policy`` values)."""
 
 
 def parse_bool(key: str, raw: Any) -> bool:
@@ -69,6 +85,17 @@ def parse_layerwise(raw: Any) -> bool | None:
         raise ValueError(f'{_PREFIX} layerwise_loads={raw!r}: must be "auto", true or false') from None
 
 
+def parse_load_failure_policy(raw: Any) -> str:
+    """``load_failure_policy``: ``"recompute"`` or ``"fail"`` (any case, surrounding blanks ignored).
+
+    Raises:
+        ValueError: anything else, naming the key.
+    """
+    if isinstance(raw, str) and raw.strip().lower() in LOAD_FAILURE_POLICIES:
+        return raw.strip().lower()
+    raise ValueError(f'{_PREFIX} load_failure_policy={raw!r}: must be "recompute" or "fail"')
+
+
 def _mib(key: str, raw: Any) -> float:
     """A size in MiB: a finite number >= 0 (JSON number or numeric string; not a bool)."""
     mib = -1.0
@@ -93,14 +120,17 @@ class ConnectorOptions:
         sync_disk_load_busy_mib: the same limit while other requests are in the scheduler.
         layerwise_loads: True / False, or None for "auto" (decided from the cache's device and
             vLLM's CUDA graph mode).
+        load_failure_policy: ``"recompute"`` / ``"fail"``, or None when not set (the connector then
+            runs with recompute).
     """
 
     async_loads: bool = True
     sync_disk_load_mib: float = DEFAULT_SYNC_DISK_LOAD_MIB
     sync_disk_load_busy_mib: float = 0.0
     layerwise_loads: bool | None = None
+    load_failure_policy: str | None = None
 
-    KEYS = ("async_loads", "sync_disk_load_mib", "sync_disk_load_busy_mib", "layerwise_loads")
+    KEYS = ("async_loads", "sync_disk_load_mib", "sync_disk_load_busy_mib", "layerwise_loads", "load_failure_policy")
 
     @property
     def sync_disk_load_bytes(self) -> int:
@@ -134,4 +164,7 @@ class ConnectorOptions:
             if "sync_disk_load_busy_mib" in extra
             else d.sync_disk_load_busy_mib,
             layerwise_loads=parse_layerwise(extra.get("layerwise_loads")),
+            load_failure_policy=parse_load_failure_policy(extra["load_failure_policy"])
+            if "load_failure_policy" in extra
+            else None,
         )

@@ -12,9 +12,10 @@ Each step's :class:`lmtier.integration.vllm.metadata.LMTierConnectorMetadata` is
   scheduler's index learns of evictions a step late) is read from its disk/Redis copy;
 * stores after the forward (``wait_for_save``).
 
-Failed sync loads are reported as invalid block ids, failed async loads as ``failed_recving`` (use
-``kv_load_failure_policy: recompute``). The tiers' index changes go to the scheduler through an
-:class:`lmtier.integration.vllm.mirror.IndexReporter`.
+Failed sync loads are reported as invalid block ids, failed async loads as ``failed_recving``; vLLM
+then recomputes them (the connector's default) or fails the request (``load_failure_policy: fail``;
+:func:`lmtier.integration.vllm.connector.resolve_load_failure_policy`). The tiers' index changes go
+to the scheduler through an :class:`lmtier.integration.vllm.mirror.IndexReporter`.
 
 vLLM's objects reach it unpacked by the connector facade (the step's loads and stores as lists, the
 KV cache config read by attribute); only :mod:`~lmtier.integration.vllm.stats` ties it to vLLM.
