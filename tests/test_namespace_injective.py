@@ -196,7 +196,10 @@ def test_lora_and_mm_fields_cannot_spell_each_other():
     pairs = [
         (fake_request(lora=("a#1", 1, "b")), fake_request(lora=("a", 1, "1#b"))),
         (fake_request(lora=("a@b", 1, "c")), fake_request(lora=("a", 1, "b@c"))),
-        (fake_request(lora=("sql", 1, "/p\x1fmm=abc123@5")), fake_request(lora=("sql", 1, "/p"), mm=[("abc123", 5, 0)])),
+        (
+            fake_request(lora=("sql", 1, "/p\x1fmm=abc123@5")),
+            fake_request(lora=("sql", 1, "/p"), mm=[("abc123", 5, 0)]),
+        ),
         (fake_request(mm=[("a@1", 2, 3)]), fake_request(mm=[("a", 12, 3)])),
         (fake_request(mm=[("ab", 1, 1), ("c", 2, 2)]), fake_request(mm=[("a", 1, 1), ("bc", 2, 2)])),
         (fake_request(mm=[("a", 1, 1), ("b", 2, 2)]), fake_request(mm=[("b", 2, 2), ("a", 1, 1)])),
@@ -215,7 +218,7 @@ def test_empty_salt_is_no_salt():
     assert chunk_keys(TOKENS, NS, cache_salt=KeyScope()) == base
     assert request_salt(fake_request("")) is None and request_salt(fake_request()) is None
     assert keys_of(fake_request("", lora=SQL)) == keys_of(fake_request(None, lora=SQL))
-    assert KeyScope(cache_salt="") == KeyScope() and KeyScope(cache_salt="") .cache_salt is None
+    assert KeyScope(cache_salt="") == KeyScope() and KeyScope(cache_salt="").cache_salt is None
     # any non-empty salt, even a NUL byte or a space, is a salt
     for s in ("\x00", " ", b"\x00"):
         assert not set(chunk_keys(TOKENS, NS, cache_salt=s)) & set(base)
@@ -255,8 +258,15 @@ def test_scope_rejects_wrong_types(bad):
         KeyScope(**bad)
 
 
-@pytest.mark.parametrize("bad", [dict(name=1, int_id=1, path="p"), dict(name="a", int_id="1", path="p"),
-                                 dict(name="a", int_id=True, path="p"), dict(name="a", int_id=2**63, path="p")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(name=1, int_id=1, path="p"),
+        dict(name="a", int_id="1", path="p"),
+        dict(name="a", int_id=True, path="p"),
+        dict(name="a", int_id=2**63, path="p"),
+    ],
+)
 def test_lora_scope_rejects_wrong_types(bad):
     with pytest.raises(TypeError):
         LoraScope(**bad)

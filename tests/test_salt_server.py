@@ -131,9 +131,7 @@ def _child(spec_path: str, out_path: str) -> None:
             prompt["cache_salt"] = step["salt"]
         lora = LoRARequest(LORA_NAME, LORA_ID, spec["adapter"]) if step.get("lora") else None
         before = process_totals()
-        out = llm.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=8), lora_request=lora, use_tqdm=False
-        )[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), lora_request=lora, use_tqdm=False)[0]
         flush_all(60)
         after = process_totals()
         results[step["name"]] = {
@@ -196,7 +194,9 @@ def test_crafted_salt_misses_offline_engine(tmp_path):
         "steps": steps,
     }
     r = _run_child(spec, tmp_path)
-    hit = {name: sum(res["stats"].get(f"hit_tokens_{t}", 0) for t in ("cpu", "disk", "remote")) for name, res in r.items()}
+    hit = {
+        name: sum(res["stats"].get(f"hit_tokens_{t}", 0) for t in ("cpu", "disk", "remote")) for name, res in r.items()
+    }
     loaded = {name: res["stats"].get("loaded_chunks", 0) for name, res in r.items()}
     assert r["lora"]["stats"].get("stored_chunks", 0) >= 2, r["lora"]["stats"]
     assert hit["lora_again"] >= 2 * CHUNK and loaded["lora_again"] >= 2, r["lora_again"]["stats"]
@@ -233,7 +233,15 @@ def lora_server(tmp_path_factory):
         python=sys.executable,
         max_model_len=2048,
         kv_space_gib=1,
-        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules", f"{LORA_NAME}={adapter}"],
+        extra_args=[
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--max-loras",
+            "1",
+            "--lora-modules",
+            f"{LORA_NAME}={adapter}",
+        ],
     )
     try:
         srv.wait_ready(400)
