@@ -50,9 +50,11 @@ __all__ = [
 KEY_BYTES = 32
 """Length of a chunk key in bytes (BLAKE2b-256, :mod:`lmtier.keys`); every tier and record checks it."""
 
-CANONICAL_FORMAT_VERSION = 1
-"""Version of the canonical chunk byte layout, bound into every key's namespace (a change of the
-layout must bump it, so old chunks become unreachable rather than misread)."""
+CANONICAL_FORMAT_VERSION = 2
+"""Version of the canonical chunk byte layout *and* of the key derivation (:mod:`lmtier.keys`),
+bound into every key's namespace: a change of either must bump it, so old chunks become unreachable
+rather than misread. 2: the request scope (``cache_salt``, LoRA adapter, multimodal inputs) is
+encoded injectively (:class:`lmtier.keys.KeyScope`, issue 20); the byte layout is that of 1."""
 
 CANONICAL_AXES = ("num_layers", "num_planes", "num_tokens", "num_kv_heads", "head_size")
 """The axes of a canonical chunk, outermost first (``[L][P][T][H][D]``)."""

@@ -37,11 +37,15 @@ def test_key_count_and_length():
 
 
 def test_reference_chain():
-    """The documented construction, re-derived independently."""
+    """The documented construction, re-derived independently.
+
+    Format version 2 (issue 20): the root hashes the injective scope encoding (here: no salt, no
+    LoRA, no multimodal input, no prompt embeddings) where version 1 hashed a lone ``b"\\x00"``."""
     ns = make_ns()
     ns_d = ns.digest()
+    no_scope = b"LMTSCOPE\x02" + b"s\x00" + b"L\x00" + b"M" + (0).to_bytes(8, "little") + b"E\x00"
     h = hashlib.blake2b(
-        len(ns_d).to_bytes(8, "little") + ns_d + b"\x00", digest_size=32, person=b"lmtier-root"
+        len(ns_d).to_bytes(8, "little") + ns_d + no_scope, digest_size=32, person=b"lmtier-root"
     ).digest()
     expected = []
     for i in range(6):
@@ -59,9 +63,12 @@ def test_golden_value():
     assert keys[0].hex() == GOLDEN[0] and keys[1].hex() == GOLDEN[1]
 
 
+# Format version 2 (issue 20: the request scope -- cache_salt, LoRA, multimodal inputs -- is encoded
+# injectively, and CANONICAL_FORMAT_VERSION went 1 -> 2 so version-1 records are misses). The
+# version-1 values were f1d030410e86c2d7... and be2369634d0326a1...
 GOLDEN = (
-    "f1d030410e86c2d70406415d13b4c572fd819e4147f13455101f84fb63fd6fc3",
-    "be2369634d0326a138f682003bf35699908a618c6151aa136e10376fc7642142",
+    "ce143432e81b12d8a168af78e1b88bbef9b585140a1ecab349714501aa90b033",
+    "9eadf0ef732f1d9277a1b0b0f7eac796e8fc48c68baba3238fe41599c6b9daab",
 )
 
 
@@ -121,7 +128,7 @@ def test_one_token_change_changes_that_key_and_all_later():
         ("kv_dtype", "float16"),
         ("kv_dtype", "fp8_e4m3"),
         ("kv_planes", 1),
-        ("format_version", 2),
+        ("format_version", 1),  # the previous version (CANONICAL_FORMAT_VERSION is 2): old keys are disjoint
         ("codec", "cachegen"),
         ("tp_size", 2),
     ],

@@ -179,6 +179,7 @@ class VLLMServer(Proc):
         model: the model folder. python: the interpreter that runs vLLM.
         max_model_len: ``--max-model-len``. kv_space_gib: vLLM's CPU KV cache in GiB.
         extra_env: more environment variables (e.g. an allocator preload, a password variable).
+        extra_args: more ``vllm serve`` arguments (e.g. ``--enable-lora`` and ``--lora-modules``).
     """
 
     def __init__(
@@ -193,6 +194,7 @@ class VLLMServer(Proc):
         max_model_len: int,
         kv_space_gib: int = 1,
         extra_env: dict[str, str] | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
     ):
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
@@ -222,6 +224,7 @@ class VLLMServer(Proc):
             "20",
             "--kv-transfer-config",
             json.dumps(CONNECTOR),
+            *extra_args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
         env.update(

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from lmtier import envs
 from lmtier.config import LMTierConfig
-from lmtier.keys import Namespace
+from lmtier.keys import KeyScope, LoraScope, MMInput, Namespace
 from lmtier.manager import TierManager
 
 __all__ = [
@@ -199,27 +199,55 @@ def drop_shared_manager(key: str) -> TierManager | None:
         return _SHARED.pop(key, None)
 
 
-def request_salt(request) -> str | None:
-    """The salt that separates KV of equal token ids: vLLM's ``cache_salt``, the LoRA adapter and
-    the multimodal inputs (their hashes). ``None`` when none applies (the unsalted key space)."""
-    parts = []
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append(f"salt={salt}")
+def request_salt(request) -> KeyScope | None:
+    """What separates KV of equal token ids in ``request`` (a vLLM ``Request``): its ``cache_salt``,
+    LoRA adapter (name, id, path), multimodal inputs (content hash, placeholder offset and length)
+    and, for a mixed token/embedding prompt, a digest of its prompt embeddings, as one
+    :class:`lmtier.keys.KeyScope` (pass it as ``chunk_keys(..., cache_salt=...)``). ``None`` when
+    none applies (the unsalted base-model key space); a request with only a ``cache_salt`` gets the
+    scope of that salt alone, the same key space as ``lmtier.keys.chunk_keys(cache_salt=salt)``.
+
+    The fields stay separate (never joined into one string): a client-chosen ``cache_salt`` cannot
+    spell another request's LoRA adapter or multimodal inputs (issue 20). vLLM's own prefix cache
+    keys on the same fields (``vllm/v1/core/kv_cache_utils.py::generate_block_hash_extra_keys``).
+
+    Cost: the prompt-embeddings digest hashes the whole embeddings tensor (BLAKE2b, ~1 GB/s) at
+    every call; only mixed prompts have one (pure-embedding prompts have no token ids, and lmtier
+    skips them).
+    """
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(
-            f"lora={getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}@{getattr(lora, 'lora_path', '')}"
-        )
+    lora_scope = (
+        None
+        if lora is None
+        else LoraScope(str(lora.lora_name), int(lora.lora_int_id), str(getattr(lora, "lora_path", "") or ""))
+    )
+    mm = []
     for f in getattr(request, "mm_features", None) or ():
         ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
-        pos = getattr(getattr(f, "mm_position", None), "offset", "")
-        parts.append(f"mm={ident}@{pos}")
-    if not parts:
-        return None
-    if len(parts) == 1 and salt:
-        return salt  # plain cache_salt: same key space as lmtier.keys' cache_salt argument
-    return "\x1f".join(parts)
+        pos = getattr(f, "mm_position", None)
+        mm.append(MMInput(str(ident), int(getattr(pos, "offset", -1)), int(getattr(pos, "length", -1))))
+    embeds = getattr(request, "prompt_embeds", None)
+    scope = KeyScope(
+        cache_salt=getattr(request, "cache_salt", None),
+        lora=lora_scope,
+        mm=tuple(mm),
+        prompt_embeds=None if embeds is None else _tensor_digest(embeds),
+    )
+    return None if scope.is_empty else scope
+
+
+def _tensor_digest(t) -> bytes:
+    """BLAKE2b-256 of a CPU tensor's dtype, shape and bytes (prompt embeddings)."""
+    import hashlib
+
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    h = hashlib.blake2b(digest_size=32, person=b"lmtier-embeds")
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.digest()
 
 
 def faults() -> frozenset[str]:

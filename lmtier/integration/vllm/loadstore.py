@@ -12,6 +12,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from lmtier.keys import KeyScope
+
 __all__ = ["AsyncLoad", "LayerwiseLoad", "LoadOp", "StoreOp", "lazy_once", "no_faults"]
 
 
@@ -27,7 +29,7 @@ class LoadOp:
 
     req_id: str
     token_ids: list[int]
-    cache_salt: str | None
+    cache_salt: KeyScope | None
     start_token: int
     block_ids: list[int]
     is_async: bool = False
@@ -40,7 +42,7 @@ class StoreOp:
 
     req_id: str
     token_ids: list[int]
-    cache_salt: str | None
+    cache_salt: KeyScope | None
     first_chunk: int
     block_ids: list[int]
 

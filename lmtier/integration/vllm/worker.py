@@ -41,7 +41,7 @@ from lmtier.integration.vllm.loadstore import (
     no_faults,
 )
 from lmtier.integration.vllm.stores import ChunkStorer
-from lmtier.keys import Namespace, chunk_keys
+from lmtier.keys import KeyScope, Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
 
@@ -215,15 +215,15 @@ class ConnectorWorker:
             slots[t < start_token] = -1
         return slots
 
-    def keys(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+    def keys(self, token_ids: list[int], cache_salt: KeyScope | None) -> list[bytes]:
         """This rank's chunk keys of ``token_ids`` (whole chunks only)."""
         return chunk_keys(token_ids, self.ns, cache_salt=cache_salt)
 
-    def _index_keys(self, token_ids: list[int], cache_salt: str | None, keys: list[bytes]) -> list[bytes]:
+    def _index_keys(self, token_ids: list[int], cache_salt: KeyScope | None, keys: list[bytes]) -> list[bytes]:
         """Rank 0's chunk keys (the scheduler's index) for this rank's ``keys``."""
         return keys if self.index_ns == self.ns else chunk_keys(token_ids, self.index_ns, cache_salt=cache_salt)
 
-    def _both_keys(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[bytes]]:
+    def _both_keys(self, token_ids: list[int], cache_salt: KeyScope | None) -> tuple[list[bytes], list[bytes]]:
         keys = self.keys(token_ids, cache_salt)
         return keys, self._index_keys(token_ids, cache_salt, keys)
 
