@@ -148,3 +148,18 @@ def test_harness_error_is_its_own_outcome(soak):
 def test_fault_table_entries_are_complete():
     for name, f in FAULTS.items():
         assert f.name == name and f.doc and callable(f.inject) and callable(f.clear) and callable(f.recovered)
+
+
+def test_disk_corrupt_ticks_survive_empty_records(soak):
+    """Truncation can leave a 0-byte record; later ticks must skip it, not raise (the CI soak's
+    disk_corrupt episode once ended as a harness error: ``randrange(0, 0)``)."""
+    shard = soak.disk / "ab"
+    shard.mkdir()
+    for i in range(6):
+        (shard / f"{i:02d}.lmt").write_bytes(b"" if i < 3 else bytes(range(64)))
+    f = FAULTS["disk_corrupt"]
+    ep = Episode(f.name, 1, soak.now())
+    f.inject(soak, ep)
+    for _ in range(20):
+        f.tick(soak, ep)
+    assert ep.detail["flipped"] + ep.detail["truncated"] + ep.detail["deleted"] > 0

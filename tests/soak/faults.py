@@ -182,6 +182,8 @@ def _disk_corrupt_tick(s: SoakState, ep: Episode) -> None:
     for f, how in zip(files, ("flip", "flip", "truncate", "delete")):
         try:
             size = f.stat().st_size
+            if size == 0 and how != "delete":
+                continue  # truncated to nothing by an earlier tick: no byte to flip or cut
             if how == "flip":
                 with open(f, "r+b") as fh:
                     for _ in range(4):
