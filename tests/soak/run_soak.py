@@ -3,11 +3,12 @@
 (small CPU pool + disk tier + real Redis), N concurrent clients, faults injected while they run,
 every greedy output compared token for token with a no-cache reference.
 
-Command (from the repository root; root is needed for the tmpfs disk tier, see "Disk tier"):
+Command (from the repository root; or ``python -m tests.soak.run_soak``; root is needed for the tmpfs
+disk tier, see "Disk tier"):
 
-    .venv/bin/python -m tests.soak.run_soak                       # long: 32 clients, >= 10 min, all faults x2
-    .venv/bin/python -m tests.soak.run_soak --ci                  # short: 8 clients, 3 faults once (~3-5 min)
-    .venv/bin/python -m tests.soak.run_soak --duration 300 --clients 16 --faults redis_pause,disk_full \
+    .venv/bin/python tests/soak/run_soak.py                       # long: 32 clients, >= 10 min, all faults x2
+    .venv/bin/python tests/soak/run_soak.py --ci                  # short: 8 clients, 3 faults once
+    .venv/bin/python tests/soak/run_soak.py --duration 300 --clients 16 --faults redis_pause,disk_full \
         --json out/soak.json --keep-logs out/soak_logs
 
 Setup (all on 127.0.0.1, processes in their own process groups, logs in the work folder):
@@ -103,12 +104,15 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from lmtier.testing.procs import tail
-from lmtier.testing.vllm import MODEL_DIR
-from tests.soak.faults import ALL_FAULTS, CI_FAULTS, FAULTS
-from tests.soak.harness import Soak, log
-from tests.soak.report import print_report, report, verdict
-from tests.soak.workload import build_prompts
+if __package__ in (None, ""):  # run as a script (python tests/soak/run_soak.py): the checkout's root first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lmtier.testing.procs import tail  # noqa: E402 - after the script-mode path above, as in test_config_matrix
+from lmtier.testing.vllm import MODEL_DIR  # noqa: E402
+from tests.soak.faults import ALL_FAULTS, CI_FAULTS, FAULTS  # noqa: E402
+from tests.soak.harness import Soak, log  # noqa: E402
+from tests.soak.report import print_report, report, verdict  # noqa: E402
+from tests.soak.workload import build_prompts  # noqa: E402
 
 # Server memory settings (--malloc / --onednn-cache): measured with benchmarks/rss_probe.py, tcmalloc plus
 # oneDNN's global primitive cache off keeps the worker flat after warm-up under changing batch shapes
