@@ -12,8 +12,9 @@ with the reason "machine too slow to observe recovery: N requests in the episode
 failure (it says nothing about lmtier) and not a pass (the summary line of scripts/test.sh lists it).
 A fault the soak could not run (no tmpfs without root) is skipped with its reason the same way.
 
-Runs ~3-5 minutes on 2 quiet cores (two server startups dominate); on a busy machine longer, bounded
-by the soak's caps. The long version (32 clients, >= 10 min, every fault twice) is
+Measured on 2 cores shared with other jobs: 26.7 min at load average 15-23 (two extra busy loops; the
+reference pass, 15 cold requests one at a time, and two server startups of ~95 s and ~200 s dominate),
+every episode recovered; a quiet machine is several times faster. Bounded by the soak's caps. The long version (32 clients, >= 10 min, every fault twice) is
 ``.venv/bin/python -m tests.soak.run_soak`` (see its docstring).
 """
 
