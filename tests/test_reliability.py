@@ -14,8 +14,9 @@ A fault the soak could not run (no tmpfs without root) is skipped with its reaso
 
 Measured on 2 cores shared with other jobs: 26.7 min at load average 15-23 (two extra busy loops; the
 reference pass, 15 cold requests one at a time, and two server startups of ~95 s and ~200 s dominate),
-every episode recovered; a quiet machine is several times faster. Bounded by the soak's caps. The long version (32 clients, >= 10 min, every fault twice) is
-``.venv/bin/python -m tests.soak.run_soak`` (see its docstring).
+every episode recovered; a quiet machine is several times faster. Bounded by the soak's caps. The long
+version (32 clients, >= 10 min, every fault twice) is ``.venv/bin/python tests/soak/run_soak.py`` (see
+its docstring).
 """
 
 from __future__ import annotations
