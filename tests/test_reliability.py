@@ -12,9 +12,9 @@ with the reason "machine too slow to observe recovery: N requests in the episode
 failure (it says nothing about lmtier) and not a pass (the summary line of scripts/test.sh lists it).
 A fault the soak could not run (no tmpfs without root) is skipped with its reason the same way.
 
-Measured on 2 cores shared with other jobs: 26.7 min at load average 15-23 (two extra busy loops; the
-reference pass, 15 cold requests one at a time, and two server startups of ~95 s and ~200 s dominate),
-every episode recovered; a quiet machine is several times faster. Bounded by the soak's caps. The long
+Measured on 2 cores shared with other jobs: 9.3 min at load average 5-12, 26.7 min at 15-23 (two extra
+busy loops), every episode recovered both times; the reference pass (15 cold requests one at a time) and
+the two server startups dominate, the three episodes took 3.3 and 12.6 min. Bounded by the soak's caps. The long
 version (32 clients, >= 10 min, every fault twice) is ``.venv/bin/python tests/soak/run_soak.py`` (see
 its docstring).
 """
