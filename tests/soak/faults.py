@@ -1,0 +1,329 @@
+"""The soak's fault kinds (tests/soak/run_soak.py): one :class:`Fault` entry per kind in :data:`FAULTS`.
+
+An entry says how to put the fault in place (``inject``), what to repeat every second while it lasts
+(``tick``, optional), how to end it (``clear``) and what observation proves the faulted tier works again
+(``recovered``, evaluated about once a second after ``clear``). The episode logic (when a fault ends,
+when recovery is judged) lives in run_soak.py and is the same for every kind; a new kind is one
+function set and one entry here.
+
+Recovery conditions (observed after the fault cleared, against a :class:`Baseline` taken at the clear):
+Redis faults — Redis's key count grows (stores resume); disk faults — new record files appear or disk
+hits are served; server_kill — the restarted server serves lmtier hits from disk/Redis (warm).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from lmtier.testing.redis import RedisServer
+
+__all__ = [
+    "SoakState",
+    "Episode",
+    "Baseline",
+    "Fault",
+    "FAULTS",
+    "ALL_FAULTS",
+    "CI_FAULTS",
+    "TMPFS_FAULTS",
+    "disk_records",
+    "disk_tmp_files",
+]
+
+
+def disk_records(root: Path) -> list[Path]:
+    """The disk tier's record files under ``root`` (``<shard>/<key>.lmt``)."""
+    return list(root.glob("*/*.lmt"))
+
+
+def disk_tmp_files(root: Path) -> list[Path]:
+    """Half-written records under ``root`` (``<shard>/.<key>.tmp``)."""
+    return list(root.glob("*/.*.tmp"))
+
+
+class SoakState(Protocol):
+    """What a fault may use of the running soak (run_soak.Soak implements it)."""
+
+    disk: Path  # the disk tier's folder (a tmpfs mount when ``tmpfs``)
+    tmpfs: bool
+    redis: RedisServer
+    seed: int
+
+    def redis_keys(self) -> int | None:
+        """Redis's key count (None while it cannot answer)."""
+
+    def hits_now(self) -> dict[str, float]:
+        """lmtier hit tokens per tier (``cpu``/``disk``/``remote``), summed over server generations."""
+
+    def kill_server(self, ep: Episode) -> None:
+        """SIGKILL the server's process group (requests it cuts are retried by the clients)."""
+
+    def restart_server(self, ep: Episode) -> None:
+        """Start the server again on the same port and disk folder and wait until it is healthy."""
+
+
+@dataclass
+class Episode:
+    """One fault episode. Times are seconds since the soak started (monotonic clock).
+
+    ``outcome``: ``"recovered"``; ``"not_recovered"`` (enough requests after the clear, and at least
+    the minimum watch time, without the recovery observation); ``"too_slow"`` (the episode's cap hit
+    before enough requests were observed: no verdict on recovery); ``"harness_error"`` (injecting or
+    clearing the fault failed).
+    """
+
+    fault: str
+    rep: int
+    t0: float
+    t1: float = float("nan")  # fault cleared
+    t_end: float = float("nan")  # episode judged
+    outcome: str | None = None
+    verdict: str = ""  # one line, e.g. "machine too slow to observe recovery: 3 requests in the episode"
+    requests_during: int = 0  # requests served while the fault was in place
+    requests_after: int = 0  # requests served (attempt started) after the fault cleared
+    controls_after: int = 0  # of them control requests (fresh salt: a full miss that stores every chunk)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recovered(self) -> bool:
+        return self.outcome == "recovered"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Taken when the fault cleared: hit tokens per tier, Redis key count, disk record count."""
+
+    hits: dict[str, float]
+    redis_keys: int | None
+    disk_files: int
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault kind.
+
+    Args:
+        name: the ``--faults`` name.
+        doc: one line for ``--help``.
+        inject: puts the fault in place (returns once it is).
+        clear: ends it (returns once the faulted part is back, e.g. a restarted server is healthy).
+        recovered: ``(ok, what was observed)`` after the clear, against the baseline taken at the clear.
+        tick: repeated about once a second while the fault is in place (more damage, ballast top-up).
+        needs_tmpfs: only on the tmpfs disk folder (skipped, and reported, without root).
+        outage: the server is down while the fault is in place: no request can complete during it, so
+            the fault phase ends as soon as ``inject`` returns (the clients retry across the outage).
+    """
+
+    name: str
+    doc: str
+    inject: Callable[[SoakState, Episode], None]
+    clear: Callable[[SoakState, Episode], None]
+    recovered: Callable[[SoakState, Episode, Baseline], tuple[bool, str]]
+    tick: Callable[[SoakState, Episode], None] | None = None
+    needs_tmpfs: bool = False
+    outage: bool = False
+
+
+# ---- Redis -------------------------------------------------------------------------------------
+
+
+def _redis_recovered(s: SoakState, ep: Episode, b: Baseline) -> tuple[bool, str]:
+    keys = s.redis_keys()
+    ok = keys is not None and (
+        (b.redis_keys is not None and keys > b.redis_keys) or (ep.fault == "redis_kill" and keys > 0)
+    )
+    return ok, f"redis keys {b.redis_keys} -> {keys}"
+
+
+def _redis_kill(s: SoakState, ep: Episode) -> None:
+    ep.detail["keys_before"] = s.redis_keys()
+    s.redis.kill()
+
+
+def _redis_restart(s: SoakState, ep: Episode) -> None:
+    s.redis.start(timeout_s=60.0)  # empty: no persistence
+
+
+def _redis_pause(s: SoakState, ep: Episode) -> None:
+    ep.detail["keys_before"] = s.redis_keys()
+    s.redis.pause()
+
+
+def _redis_resume(s: SoakState, ep: Episode) -> None:
+    s.redis.resume()
+
+
+# ---- disk --------------------------------------------------------------------------------------
+
+
+def _disk_recovered(s: SoakState, ep: Episode, b: Baseline) -> tuple[bool, str]:
+    files = len(disk_records(s.disk))
+    dh = s.hits_now()["disk"] - b.hits["disk"]
+    return files > b.disk_files or dh > 0, f"disk files {b.disk_files} -> {files}, disk hit tokens +{dh:.0f}"
+
+
+def _disk_corrupt_start(s: SoakState, ep: Episode) -> None:
+    ep.detail.update(flipped=0, truncated=0, deleted=0)
+    _disk_corrupt_tick(s, ep)
+
+
+def _disk_corrupt_tick(s: SoakState, ep: Episode) -> None:
+    """Flip bits in two random records, truncate one, delete one."""
+    rng = random.Random(f"{s.seed}/{ep.fault}/{ep.rep}/{ep.detail['flipped'] + ep.detail['truncated']}")
+    files = disk_records(s.disk)
+    rng.shuffle(files)
+    for f, how in zip(files, ("flip", "flip", "truncate", "delete")):
+        try:
+            size = f.stat().st_size
+            if size == 0 and how != "delete":
+                continue  # truncated to nothing by an earlier tick: no byte to flip or cut
+            if how == "flip":
+                with open(f, "r+b") as fh:
+                    for _ in range(4):
+                        off = rng.randrange(0, size)
+                        fh.seek(off)
+                        b = fh.read(1)
+                        fh.seek(off)
+                        fh.write(bytes([b[0] ^ (1 << rng.randrange(8))]) if b else b"\x01")
+                ep.detail["flipped"] += 1
+            elif how == "truncate":
+                os.truncate(f, rng.randrange(0, size))
+                ep.detail["truncated"] += 1
+            else:
+                f.unlink()
+                ep.detail["deleted"] += 1
+        except OSError:
+            pass
+
+
+def _disk_note_files(s: SoakState, ep: Episode) -> None:
+    ep.detail["files_before_recovery"] = len(disk_records(s.disk))
+
+
+def _disk_readonly(s: SoakState, ep: Episode) -> None:
+    # remount,ro fails with EBUSY while a file is open for writing: retry (writes are short)
+    for attempt in range(500):  # noqa: B007 - the attempt count is read after the loop
+        r = subprocess.run(["mount", "-o", "remount,ro", str(s.disk)], capture_output=True, text=True)
+        if r.returncode == 0:
+            break
+        time.sleep(0.02)
+    else:
+        raise RuntimeError(f"remount,ro failed: {r.stderr.strip()}")
+    ep.detail["remount_attempts"] = attempt + 1
+
+
+def _disk_writable(s: SoakState, ep: Episode) -> None:
+    subprocess.run(["mount", "-o", "remount,rw", str(s.disk)], check=True)
+    _disk_note_files(s, ep)
+
+
+def _disk_fill(s: SoakState, ep: Episode) -> None:
+    """Fill the tmpfs with a ballast file (real ENOSPC); topped up every tick."""
+    ballast = s.disk / "ballast.bin"
+    st = os.statvfs(s.disk)
+    free = st.f_bavail * st.f_frsize
+    if free > 0:
+        with open(ballast, "ab") as fh:
+            try:
+                os.posix_fallocate(fh.fileno(), os.fstat(fh.fileno()).st_size, free)
+            except OSError:
+                pass
+    ep.detail["min_free_bytes"] = min(
+        ep.detail.get("min_free_bytes", 1 << 62), os.statvfs(s.disk).f_bavail * st.f_frsize
+    )
+
+
+def _disk_unfill(s: SoakState, ep: Episode) -> None:
+    (s.disk / "ballast.bin").unlink(missing_ok=True)
+    _disk_note_files(s, ep)
+
+
+# ---- server ------------------------------------------------------------------------------------
+
+
+def _server_kill(s: SoakState, ep: Episode) -> None:
+    s.kill_server(ep)
+    ep.detail["tmp_files_after_kill"] = len(disk_tmp_files(s.disk))
+    ep.detail["records_after_kill"] = len(disk_records(s.disk))
+
+
+def _server_restart(s: SoakState, ep: Episode) -> None:
+    s.restart_server(ep)
+    ep.detail["tmp_files_after_restart"] = len(disk_tmp_files(s.disk))
+    ep.detail["records_after_restart"] = len(disk_records(s.disk))
+
+
+def _server_recovered(s: SoakState, ep: Episode, b: Baseline) -> tuple[bool, str]:
+    h = s.hits_now()
+    dh = (h["disk"] - b.hits["disk"]) + (h["remote"] - b.hits["remote"])
+    return dh > 0, f"disk+remote hit tokens after restart +{dh:.0f} (cpu +{h['cpu'] - b.hits['cpu']:.0f})"
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault(
+            "redis_kill",
+            "SIGKILL redis-server; restart it (empty) on the same port when the fault clears",
+            inject=_redis_kill,
+            clear=_redis_restart,
+            recovered=_redis_recovered,
+        ),
+        Fault(
+            "redis_pause",
+            "SIGSTOP redis-server (a hung server, >> remote_timeout_s); SIGCONT when the fault clears",
+            inject=_redis_pause,
+            clear=_redis_resume,
+            recovered=_redis_recovered,
+        ),
+        Fault(
+            "disk_corrupt",
+            "every second: flip bits in, truncate, or delete random disk records",
+            inject=_disk_corrupt_start,
+            tick=_disk_corrupt_tick,
+            clear=_disk_note_files,
+            recovered=_disk_recovered,
+        ),
+        Fault(
+            "disk_readonly",
+            "mount -o remount,ro the disk tmpfs; remount,rw when the fault clears",
+            inject=_disk_readonly,
+            clear=_disk_writable,
+            recovered=_disk_recovered,
+            needs_tmpfs=True,
+        ),
+        Fault(
+            "disk_full",
+            "fill the disk tmpfs with a ballast file (topped up every second); remove it when the fault clears",
+            inject=_disk_fill,
+            tick=_disk_fill,
+            clear=_disk_unfill,
+            recovered=_disk_recovered,
+            needs_tmpfs=True,
+        ),
+        Fault(
+            "server_kill",
+            "SIGKILL the server's process group while it serves (and writes); restart it on the same port "
+            "and disk folder (requests cut by the kill are retried by the clients)",
+            inject=_server_kill,
+            clear=_server_restart,
+            recovered=_server_recovered,
+            outage=True,
+        ),
+    )
+}
+"""Every fault kind, in the order the long soak runs them."""
+
+ALL_FAULTS = tuple(FAULTS)
+CI_FAULTS = ("redis_kill", "disk_corrupt", "server_kill")
+"""The faults of ``--ci`` (tests/test_reliability.py)."""
+TMPFS_FAULTS = tuple(f.name for f in FAULTS.values() if f.needs_tmpfs)
