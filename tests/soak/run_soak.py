@@ -43,6 +43,9 @@ then ``--recovery-s`` seconds of recovery watching):
   redis_kill     SIGKILL redis-server, restart it (empty) on the same port after the fault window
   redis_pause    SIGSTOP redis-server for the fault window (>> remote_timeout_s), then SIGCONT
   disk_corrupt   every second: flip bits in, truncate, or delete random disk records
+  disk_oddities  every second: replace random disk records with a directory, a symlink to a valid
+                 record outside the disk folder, a FIFO or a device node (each must be a miss, never
+                 an error, a hang or a read through the link); all removed after the fault window
   disk_readonly  ``mount -o remount,ro`` the disk tmpfs; ``remount,rw`` after
   disk_full      fill the disk tmpfs with a ballast file (topped up every second); remove it after
   server_kill    SIGKILL the whole server process group while it serves (and writes), restart it on
@@ -103,6 +106,7 @@ from lmtier.testing.server import SERVED_NAME, VLLMServer, parse_metrics
 from lmtier.testing.vllm import MODEL_DIR
 
 ALL_FAULTS = ("redis_kill", "redis_pause", "disk_corrupt", "disk_readonly", "disk_full", "server_kill")
+ALL_FAULTS += ("disk_oddities",)
 CI_FAULTS = ("redis_kill", "disk_corrupt", "server_kill")
 # Server memory settings (--malloc / --onednn-cache): measured with benchmarks/rss_probe.py, tcmalloc plus
 # oneDNN's global primitive cache off keeps the worker flat after warm-up under changing batch shapes
@@ -638,6 +642,55 @@ class Soak:
                     pass
 
         self._hold(self.a.fault_s, 1.0, damage)
+        ep.detail.update(done)
+        ep.detail["files_before_recovery"] = len(disk_records(self.disk))
+
+    def fault_disk_oddities(self, ep: Episode) -> None:
+        import stat
+
+        rng = random.Random(self.a.seed + len(self.episodes))
+        done = {"directory": 0, "symlink": 0, "fifo": 0, "device": 0}
+        made: list[Path] = []
+        outside = self.disk.parent / "oddity-targets"
+        outside.mkdir(exist_ok=True)
+        self.active.add("disk_oddities")
+
+        def replace() -> None:
+            files = [f for f in disk_records(self.disk) if f.is_file() and not f.is_symlink()]
+            rng.shuffle(files)
+            for f, how in zip(files, ("directory", "symlink", "fifo", "device")):
+                try:
+                    if how == "symlink":
+                        target = outside / f.name
+                        shutil.copyfile(f, target)  # a valid record, outside the disk folder
+                        f.unlink()
+                        f.symlink_to(target)
+                    else:
+                        f.unlink()
+                        if how == "directory":
+                            f.mkdir()
+                            (f / "keep").write_bytes(b"not the cache's")
+                        elif how == "fifo":
+                            os.mkfifo(f, 0o600)
+                        else:
+                            os.mknod(f, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # like /dev/zero
+                    made.append(f)
+                    done[how] += 1
+                except OSError:
+                    pass
+
+        try:
+            self._hold(self.a.fault_s, 1.0, replace)
+        finally:
+            for f in made:  # what this fault put there (a later put may have replaced a link/FIFO/node)
+                try:
+                    if f.is_dir() and not f.is_symlink():
+                        shutil.rmtree(f)
+                    elif f.is_symlink() or not f.is_file():
+                        f.unlink()
+                except OSError:
+                    pass
+            shutil.rmtree(outside, ignore_errors=True)
         ep.detail.update(done)
         ep.detail["files_before_recovery"] = len(disk_records(self.disk))
 
