@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmtier import envs
-from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes
+from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes, warn_chunk_size
 from lmtier.config_schema import (
     CODEC_LEVELS,
     DISABLED_LMCACHE_FEATURES,
@@ -355,6 +355,7 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
     chunk_size = values["chunk_size"]
     if chunk_size <= 0:
         raise _err("chunk_size", chunk_size, "must be > 0")
+    warn_chunk_size(chunk_size)
 
     for k in ("max_local_cpu_size", "max_local_disk_size"):
         if not math.isfinite(values[k]):

@@ -1,14 +1,49 @@
 """Configuration checks against this machine: disk paths (writable directories), physical memory
-and file-system sizes. Used by :mod:`lmtier.config` when it builds a config; no torch."""
+and file-system sizes; and the chunk size against the block sizes vLLM uses (a warning: the actual
+block size is known, and checked, only at connector start). Used by :mod:`lmtier.config` when it
+builds a config; no torch."""
 
 from __future__ import annotations
 
+import logging
 import os
 from urllib.parse import unquote
 
 from lmtier.config_schema import config_error as _err
 
-__all__ = ["parse_disk_paths", "physical_memory_bytes", "filesystem_bytes"]
+__all__ = [
+    "VLLM_DEFAULT_BLOCK_SIZE",
+    "filesystem_bytes",
+    "parse_disk_paths",
+    "physical_memory_bytes",
+    "warn_chunk_size",
+]
+
+logger = logging.getLogger("lmtier.config")
+
+VLLM_DEFAULT_BLOCK_SIZE = 16
+"""vLLM's default KV block size in tokens on GPUs (``CacheConfig.block_size``; vllm/config/cache.py
+and the CUDA platform's default); the block sizes in use (16, 32, 64, 128) are its multiples."""
+
+
+def warn_chunk_size(chunk_size: int) -> bool:
+    """Warn when ``chunk_size`` is not a multiple of :data:`VLLM_DEFAULT_BLOCK_SIZE`: under vLLM the
+    connector refuses a chunk size that is not a multiple of the engine's block size (known only at
+    connector start, :meth:`lmtier.config.LMTierConfig.validate_for`); the library API alone accepts
+    any positive chunk size.
+
+    Returns:
+        True when it warned.
+    """
+    if chunk_size % VLLM_DEFAULT_BLOCK_SIZE == 0:
+        return False
+    logger.warning(
+        "lmtier config: chunk_size=%d is not a multiple of %d (vLLM's default KV block size): "
+        "the vLLM connector refuses a chunk size that is not a multiple of the engine's block size",
+        chunk_size,
+        VLLM_DEFAULT_BLOCK_SIZE,
+    )
+    return True
 
 
 def parse_disk_paths(key: str, value: str) -> tuple[str, ...]:

@@ -11,13 +11,24 @@ Plain memory is mapped lazily by the kernel: the first write to each 4 KiB page 
 the speed of one into a touched slot). :func:`populate` maps a range up front
 (``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14, contents unchanged), so the CPU pool pays the
 faults once at startup instead of inside the serving path.
+
+Background threads that call torch (populating on a daemon thread) are started with
+:func:`start_background` and stopped with :func:`join_background`; interpreter exit stops and joins
+the ones still running (``atexit``) before CPython finalizes. A daemon thread still inside torch at
+finalization aborts the process: when the torch call returns and re-takes the GIL, CPython ends the
+thread with ``pthread_exit``, whose forced unwind through torch's C++ frames calls
+``std::terminate`` ("terminate called without an active exception", SIGABRT; seen in 1 of ~10
+runs of ``examples/library_api.py`` on a loaded 2-core box, where the nice-19 populate thread was
+still at work when the main thread exited).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -44,9 +55,74 @@ def _madvise(addr: int, nbytes: int, advice: int) -> int:
 
 
 POPULATE_PIECE_BYTES = 32 << 20
+BACKGROUND_JOIN_TIMEOUT_S = 60.0  # one populate piece at nice 19 on a loaded box takes seconds at most
+
+_background: dict[threading.Thread, Callable[[], None]] = {}  # live background thread -> its stop()
+_background_lock = threading.Lock()
+_atexit_registered = False
 
 
-def populate(tensor: torch.Tensor, *, piece_bytes: int = 0) -> bool:
+def start_background(target: Callable[..., None], args: tuple = (), *, name: str, stop: Callable[[], None]):
+    """Start ``target(*args)`` on a daemon thread that interpreter exit stops (``stop()``) and joins
+    before finalization (see the module doc for why a daemon thread must not be inside torch then).
+
+    Args:
+        target: the thread's work; it must return soon after ``stop()`` was called.
+        name: the thread name.
+        stop: makes ``target`` return (set its event, wake its condition); never blocks for long,
+            callable from any thread, and must not hold a strong reference to what ``target``
+            references only weakly.
+
+    Returns:
+        the started ``threading.Thread`` (for :func:`join_background`).
+    """
+    global _atexit_registered
+    th = threading.Thread(target=_run_background, args=(target, args), name=name, daemon=True)
+    with _background_lock:
+        if not _atexit_registered:
+            atexit.register(_join_all_background)
+            _atexit_registered = True
+        _background[th] = stop
+    th.start()
+    return th
+
+
+def _run_background(target: Callable[..., None], args: tuple) -> None:
+    try:
+        target(*args)
+    finally:
+        with _background_lock:
+            _background.pop(threading.current_thread(), None)
+
+
+def join_background(th: threading.Thread, timeout_s: float = BACKGROUND_JOIN_TIMEOUT_S) -> bool:
+    """Stop the background thread ``th`` (its ``stop()``) and wait for it (not from ``th`` itself).
+
+    Returns:
+        True once it has ended; False (logged) if it is still running after ``timeout_s``.
+    """
+    with _background_lock:
+        stop = _background.get(th)
+    if stop is not None:
+        stop()
+    if th is threading.current_thread():
+        return False
+    th.join(timeout_s)
+    if th.is_alive():
+        log.warning("background thread %s still running after %.0f s", th.name, timeout_s)
+        return False
+    return True
+
+
+def _join_all_background() -> None:
+    """atexit: stop and join every background thread still running."""
+    with _background_lock:
+        live = list(_background)
+    for th in live:
+        join_background(th)
+
+
+def populate(tensor: torch.Tensor, *, piece_bytes: int = 0, stop: threading.Event | None = None) -> bool:
     """Map every page of a CPU tensor's memory now, without changing its contents.
 
     Args:
@@ -55,10 +131,12 @@ def populate(tensor: torch.Tensor, *, piece_bytes: int = 0) -> bool:
         piece_bytes: advise the range in pieces of this many bytes (0: one call). A page fault in
             the range waits while a populate call covering it runs (measured: a store into a pool
             being populated in one 2 GiB call stalled ~1.3 s), so background callers use pieces.
+        stop: checked between pieces: once set, return False without mapping the rest.
 
     Returns:
         True when the kernel populated the range (``MADV_POPULATE_WRITE``), False when it is not
-        supported (older kernel, not Linux) — the pages then fault on first write as before.
+        supported (older kernel, not Linux) — the pages then fault on first write as before — or
+        when ``stop`` was set.
         Safe to call while other threads read or write the memory (no byte is written).
 
     Raises:
@@ -74,6 +152,8 @@ def populate(tensor: torch.Tensor, *, piece_bytes: int = 0) -> bool:
         return True
     step = last - first if piece_bytes <= 0 else max(PAGE_BYTES, piece_bytes // PAGE_BYTES * PAGE_BYTES)
     for a in range(first, last, step):
+        if stop is not None and stop.is_set():
+            return False
         try:
             err = _madvise(a, min(step, last - a), MADV_POPULATE_WRITE)
         except (OSError, AttributeError):  # no libc madvise (not Linux)
@@ -117,6 +197,7 @@ class HostBuffer:
         self.ptr = self._buf.ptr
         self.tensor = torch.frombuffer(self._buf, dtype=torch.uint8)
         self.populated: threading.Event = threading.Event()
+        self._stop = threading.Event()
         if self.pinned or populate == "lazy":
             if self.pinned:
                 self.populated.set()
@@ -124,11 +205,11 @@ class HostBuffer:
         if populate == "now":
             self._populate()
         else:
-            threading.Thread(target=self._populate, name="lmtier-populate", daemon=True).start()
+            start_background(self._populate, name="lmtier-populate", stop=self._stop.set)
 
     def _populate(self) -> None:
         try:
-            populate(self.tensor, piece_bytes=POPULATE_PIECE_BYTES)
+            populate(self.tensor, piece_bytes=POPULATE_PIECE_BYTES, stop=self._stop)
         finally:
             self.populated.set()
 

@@ -6,8 +6,10 @@ slow to observe recovery: N requests in the episode", never "did not recover" (i
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +165,34 @@ def test_disk_corrupt_ticks_survive_empty_records(soak):
     for _ in range(20):
         f.tick(soak, ep)
     assert ep.detail["flipped"] + ep.detail["truncated"] + ep.detail["deleted"] > 0
+
+
+def test_disk_oddities_replace_records_and_clear_removes_only_them(soak):
+    """The disk_oddities fault puts a directory, a symlink out of the disk folder, a FIFO and a
+    device node at record paths; clearing removes exactly those (a record stored since stays)."""
+    import stat
+
+    shard = soak.disk / "cd"
+    shard.mkdir()
+    for i in range(8):
+        (shard / f"{i:02d}.lmt").write_bytes(bytes(range(64)))
+    f = FAULTS["disk_oddities"]
+    ep = Episode(f.name, 1, soak.now())
+    f.inject(soak, ep)
+    kinds = {"directory": 0, "symlink": 0, "fifo": 0, "device": 0}
+    for p in shard.iterdir():
+        mode = p.lstat().st_mode
+        kinds["symlink"] += stat.S_ISLNK(mode)
+        kinds["directory"] += stat.S_ISDIR(mode)
+        kinds["fifo"] += stat.S_ISFIFO(mode)
+        kinds["device"] += stat.S_ISCHR(mode)
+    assert kinds == {k: 1 for k in kinds} and all(ep.detail[k] == 1 for k in kinds)
+    link = next(p for p in shard.iterdir() if p.is_symlink())
+    assert soak.disk not in Path(os.readlink(link)).parents, "the link must point out of the disk folder"
+    f.clear(soak, ep)
+    left = sorted(p.name for p in shard.iterdir())
+    assert len(left) == 4 and all((shard / n).is_file() and not (shard / n).is_symlink() for n in left)
+    assert not (soak.disk.parent / "oddity-targets").exists()
 
 
 def _result(outcome: str, verdict: str, skipped: dict | None = None) -> dict:

@@ -212,16 +212,23 @@ class CPUPool(Tier):
         self._ahead = 0
         self._pop_target = 0
         self._pop_cond: threading.Condition | None = None
+        self._pop_thread: threading.Thread | None = None
         if populate == "ahead" and arena is None and not self.pinned:
+            from lmtier.memory import start_background
+
             self._ahead = max(1, POPULATE_AHEAD_BYTES // self.slot_bytes)
-            self._pop_cond = threading.Condition(self._lock)
+            self._pop_cond = cond = threading.Condition(self._lock)
             self._pop_target = min(self.num_slots, self._ahead)
-            threading.Thread(
-                target=CPUPool._populate_loop,
-                args=(weakref.ref(self), self._pop_cond),
-                name="lmtier-populate",
-                daemon=True,
-            ).start()
+            stop = threading.Event()
+
+            def wake() -> None:  # no reference to the pool: an unclosed pool is still freed
+                stop.set()
+                with cond:
+                    cond.notify_all()
+
+            self._pop_thread = start_background(
+                CPUPool._populate_loop, (weakref.ref(self), cond, stop), name="lmtier-populate", stop=wake
+            )
 
     # ---- writer side ---------------------------------------------------------------------------
 
@@ -437,16 +444,23 @@ class CPUPool(Tier):
             return sum(1 for r in self._refs if r)
 
     def close(self) -> None:
-        """Refuse further reservations. The arena is freed when the pool is garbage-collected."""
+        """Refuse further reservations and stop and join the populate thread (it calls torch, which
+        must not run on a daemon thread at interpreter exit: :mod:`lmtier.memory`). The arena is
+        freed when the pool is garbage-collected."""
         with self._lock:
             self._closed = True
             if self._pop_cond is not None:
                 self._pop_cond.notify()
+        if self._pop_thread is not None:
+            from lmtier.memory import join_background
+
+            join_background(self._pop_thread)
 
     @staticmethod
-    def _populate_loop(ref: weakref.ref[CPUPool], cond: threading.Condition) -> None:
+    def _populate_loop(ref: weakref.ref[CPUPool], cond: threading.Condition, stop: threading.Event) -> None:
         """Daemon thread: map slots ``[done, target)`` whenever the target moves (see ``populate``).
-        Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed."""
+        Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed.
+        Returns once the pool is closed or freed or ``stop`` is set (checked between pieces)."""
         from lmtier.memory import populate
 
         try:  # background work: lowest CPU priority (Linux: per thread), never ahead of a forward pass
@@ -457,7 +471,7 @@ class CPUPool(Tier):
         while True:
             with cond:
                 pool = ref()
-                if pool is None or pool._closed:
+                if pool is None or pool._closed or stop.is_set():
                     return
                 if pool._pop_target <= done:
                     del pool
@@ -469,8 +483,10 @@ class CPUPool(Tier):
                 del pool
             # In pieces: a fault in a range being populated waits for that madvise call.
             for a in range(done, target, step):
-                if not populate(arena[a * slot_bytes : min(a + step, target) * slot_bytes]):
-                    return  # not supported here: pages fault on first write, as without populating
+                if stop.is_set():
+                    return
+                if not populate(arena[a * slot_bytes : min(a + step, target) * slot_bytes], stop=stop):
+                    return  # not supported here (pages fault on first write, as without populating), or stopped
             del arena
             done = target
             with cond:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -203,6 +205,64 @@ def _disk_corrupt_tick(s: SoakState, ep: Episode) -> None:
             pass
 
 
+_ODDITIES = ("directory", "symlink", "fifo", "device")
+
+
+def _oddities_outside(s: SoakState) -> Path:
+    return s.disk.parent / "oddity-targets"
+
+
+def _disk_oddities_start(s: SoakState, ep: Episode) -> None:
+    ep.detail.update({how: 0 for how in _ODDITIES}, made=[])
+    _oddities_outside(s).mkdir(exist_ok=True)
+    _disk_oddities_tick(s, ep)
+
+
+def _disk_oddities_tick(s: SoakState, ep: Episode) -> None:
+    """Replace random records by a directory, a symlink to a valid record outside the disk folder,
+    a FIFO and a character device node (each must be a miss: never an error, a hang or a read
+    through the link)."""
+    rng = random.Random(f"{s.seed}/{ep.fault}/{ep.rep}/{len(ep.detail['made'])}")
+    files = [f for f in disk_records(s.disk) if f.is_file() and not f.is_symlink()]
+    rng.shuffle(files)
+    for f, how in zip(files, _ODDITIES):
+        try:
+            if how == "symlink":
+                target = _oddities_outside(s) / f.name
+                shutil.copyfile(f, target)  # a valid record, outside the disk folder
+                f.unlink()
+                f.symlink_to(target)
+            else:
+                f.unlink()
+                if how == "directory":
+                    f.mkdir()
+                    (f / "keep").write_bytes(b"not the cache's")
+                elif how == "fifo":
+                    os.mkfifo(f, 0o600)
+                else:
+                    os.mknod(f, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # like /dev/zero
+            ep.detail["made"].append(str(f))
+            ep.detail[how] += 1
+        except OSError:
+            pass
+
+
+def _disk_oddities_clear(s: SoakState, ep: Episode) -> None:
+    """Remove what the fault put at record paths (a later store may have replaced it: only odd
+    entries are removed) and the link targets."""
+    for name in ep.detail.pop("made", []):
+        f = Path(name)
+        try:
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f)
+            elif f.is_symlink() or (f.exists() and not f.is_file()):
+                f.unlink()
+        except OSError:
+            pass
+    shutil.rmtree(_oddities_outside(s), ignore_errors=True)
+    _disk_note_files(s, ep)
+
+
 def _disk_note_files(s: SoakState, ep: Episode) -> None:
     ep.detail["files_before_recovery"] = len(disk_records(s.disk))
 
@@ -291,6 +351,15 @@ FAULTS: dict[str, Fault] = {
             inject=_disk_corrupt_start,
             tick=_disk_corrupt_tick,
             clear=_disk_note_files,
+            recovered=_disk_recovered,
+        ),
+        Fault(
+            "disk_oddities",
+            "every second: replace random disk records by a directory, a symlink out of the disk folder, "
+            "a FIFO or a device node; removed when the fault clears",
+            inject=_disk_oddities_start,
+            tick=_disk_oddities_tick,
+            clear=_disk_oddities_clear,
             recovered=_disk_recovered,
         ),
         Fault(

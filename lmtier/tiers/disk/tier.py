@@ -21,7 +21,13 @@ payload checksum turns that into a miss).
 Index: an in-memory LRU (by bytes on disk) rebuilt at startup by scanning the shard directories
 and validating each header (payload checksums are verified lazily, on read), ordered by the
 files' access/modification times. ``get_into`` verifies the payload checksum; any mismatch,
-truncation or unreadable file is a miss and the file is deleted.
+truncation (also while it is read) or read error (``EIO``) is a miss and the file is deleted (only
+the inode that was read). Anything else at a record path is a miss that drops the index entry and
+leaves the path alone, since the tier never created it: a directory, a symbolic link (never
+followed), a FIFO or device node (never opened: ``lstat``, then ``O_NOFOLLOW | O_NONBLOCK`` and
+``fstat``; :func:`lmtier.tiers.disk.io.open_record`), or a file that cannot be opened (``EACCES``).
+Startup skips such paths the same way. Counters: ``corrupt``, ``get_errors`` (read/open errors),
+``not_regular`` (non-regular files at record paths).
 
 Large records are split into pieces of ``piece_bytes`` moved by ``io_threads`` threads
 (``os.preadv``/``os.pwrite`` release the GIL), which is what reaches device bandwidth.
@@ -231,7 +237,9 @@ class DiskTier(Tier):
 
         Returns:
             The payload length in bytes, or None on a miss / too-small ``out`` / any failure.
-            Missing files drop the index entry; corrupted or truncated files are deleted.
+            Missing files drop the index entry; corrupted, truncated or unreadable (``EIO``) files
+            are deleted; a directory, symlink, FIFO, device node or a file that cannot be opened
+            (``EACCES``) drops the index entry and is left in place. Never raises ``OSError``.
         """
         key = bytes(key)
         with self._lock:
@@ -247,6 +255,16 @@ class DiskTier(Tier):
             else:
                 n = self._get_host(key, entry.path, host_view(out, writable=True))
         except FileNotFoundError:
+            self._drop(key, entry)
+            n = None
+        except dio.NotRegularFile as e:
+            log.warning("disk record path %s holds a %s; a miss, left in place", entry.path, e.kind)
+            self.counters["not_regular"] += 1
+            self._drop(key, entry)
+            n = None
+        except OSError as e:  # the open failed (EACCES, EIO, ...): the path is not ours to judge
+            log.warning("cannot open disk record %s: %s; a miss, left in place", entry.path, e)
+            self.counters["get_errors"] += 1
             self._drop(key, entry)
             n = None
         if n is None:
@@ -345,17 +363,30 @@ class DiskTier(Tier):
         if len(key) != KEY_BYTES:
             return None
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                head = f.read(rec.HEADER_BYTES)
+            fd = dio.open_record(path)
+        except FileNotFoundError:
+            return None
+        except dio.NotRegularFile as e:
+            log.warning("skipping %s at record path %s (left in place)", e.kind, path)
+            self.counters["not_regular"] += 1
+            return None
+        except OSError as e:
+            log.warning("skipping record %s: cannot open it: %s (left in place)", path, e)
+            self.counters["get_errors"] += 1
+            return None
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, rec.HEADER_BYTES, 0)
             hdr = rec.decode_header(head, expected_key=key, max_payload_bytes=self.max_payload_bytes)
             if hdr.payload_offset != rec.DISK_PAYLOAD_OFFSET or st.st_size < hdr.record_bytes:
                 raise rec.RecordError(f"file size {st.st_size} < record size {hdr.record_bytes} (truncated)")
         except (OSError, rec.RecordError) as e:
             log.warning("removing invalid record %s: %s", path, e)
-            dio.unlink_quiet(path)
+            dio.unlink_if_same(path, fd)
             self.counters["corrupt"] += 1
             return None
+        finally:
+            os.close(fd)
         return (max(st.st_atime_ns, st.st_mtime_ns), key, path, round_up(st.st_size))
 
     @staticmethod
@@ -402,22 +433,17 @@ class DiskTier(Tier):
                 del self._index[key]
                 self._used -= entry.nbytes
 
-    def _discard_corrupt(self, key: bytes, entry_path: str, fd: int, why: str) -> None:
-        """Remove a corrupt record — but only the inode we read (a fresh put may have replaced it)."""
-        log.warning("disk record %s is corrupt (%s); deleting it", entry_path, why)
-        self.counters["corrupt"] += 1
-        try:
-            st_fd = os.fstat(fd)
-            st_path = os.stat(entry_path)
-            if (st_fd.st_ino, st_fd.st_dev) == (st_path.st_ino, st_path.st_dev):
-                os.unlink(entry_path)
-                with self._lock:
-                    e = self._index.get(key)
-                    if e is not None and e.path == entry_path:
-                        del self._index[key]
-                        self._used -= e.nbytes
-        except OSError:
-            pass
+    def _discard_corrupt(self, key: bytes, entry_path: str, fd: int, why: str, *, counter: str = "corrupt") -> None:
+        """Remove a corrupt or unreadable record — but only the inode we read (a fresh put may have
+        replaced it) — and its index entry; counted in ``counters[counter]``."""
+        log.warning("disk record %s is %s; deleting it", entry_path, why)
+        self.counters[counter] += 1
+        if dio.unlink_if_same(entry_path, fd):
+            with self._lock:
+                e = self._index.get(key)
+                if e is not None and e.path == entry_path:
+                    del self._index[key]
+                    self._used -= e.nbytes
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -559,14 +585,14 @@ class DiskTier(Tier):
                     f"file size {st.st_size} < {hdr.payload_offset + round_up(hdr.payload_bytes)} (truncated)"
                 )
         except rec.RecordError as e:
-            self._discard_corrupt(key, path, fd, str(e))
+            self._discard_corrupt(key, path, fd, f"corrupt ({e})")
             return None
         return hdr
 
     def _get_host(self, key: bytes, path: str, out: memoryview) -> int | None:
         """Read header + payload into the host buffer ``out``; verify; None if corrupt/short."""
         root = os.path.dirname(os.path.dirname(path))
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._open_flags(root))
+        fd = dio.open_record(path, self._open_flags(root))
         hbuf = self._small.acquire(PAGE_BYTES * 2)
         big = None
         try:
@@ -610,21 +636,20 @@ class DiskTier(Tier):
             finally:
                 dio.wait_all(futs)
             if short is not None:
-                self._discard_corrupt(key, path, fd, "short read of the payload (truncated)")
+                self._discard_corrupt(key, path, fd, "corrupt (short read of the payload: truncated)")
                 return None
             if hasher.intdigest() != hdr.payload_xxh3:
-                self._discard_corrupt(key, path, fd, f"payload checksum mismatch (stored {hdr.payload_xxh3:#018x})")
+                self._discard_corrupt(
+                    key, path, fd, f"corrupt (payload checksum mismatch, stored {hdr.payload_xxh3:#018x})"
+                )
                 return None
             try:
                 os.utime(fd)  # recency for the LRU order rebuilt at the next start
             except OSError:
                 pass
             return n
-        except OSError as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            log.warning("read %s failed: %s", path, e)
-            self.counters["get_errors"] += 1
+        except OSError as e:  # EIO, ...: this inode cannot be read back
+            self._discard_corrupt(key, path, fd, f"unreadable ({e})", counter="get_errors")
             return None
         finally:
             os.close(fd)
@@ -637,32 +662,38 @@ class DiskTier(Tier):
     def _get_cuda(self, key: bytes, path: str, out) -> int | None:
         """Load into a CUDA tensor: kvikio straight into device memory where
         :class:`~lmtier.tiers.disk.gds.KvikioLoader` says so, verified through a pinned host copy,
-        else the device adapter (pinned bounce + H2D copy)."""
+        else the device adapter (pinned bounce + H2D copy). Opening the record (and reading its
+        header) fails as on the host path (get_into's miss); only kvikio's own failures disable it."""
         kvikio = self._gds.module()
         if kvikio is not None:
             out_u8 = flat_u8(out)  # (a non-contiguous out is the caller's error, not kvikio's)
+            fd = dio.open_record(path)
             try:
-                return self._get_cuda_kvikio(kvikio, key, path, out_u8)
-            except FileNotFoundError:
-                raise
+                return self._get_cuda_kvikio(kvikio, key, path, fd, out_u8)
             except Exception as e:
                 self._gds.disable(e)
+            finally:
+                os.close(fd)
         return self._device.get_into(out, lambda mv: self._get_host(key, path, mv))
 
-    def _get_cuda_kvikio(self, kvikio, key: bytes, path: str, out_u8) -> int | None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def _get_cuda_kvikio(self, kvikio, key: bytes, path: str, fd: int, out_u8) -> int | None:
         hbuf = self._small.acquire(PAGE_BYTES)
         try:
-            hdr = self._read_header(key, path, fd, hbuf.mv)
+            try:
+                hdr = self._read_header(key, path, fd, hbuf.mv)
+            except OSError as e:  # our own pread (EIO, ...), not kvikio's
+                self._discard_corrupt(key, path, fd, f"unreadable ({e})", counter="get_errors")
+                return None
             if hdr is None:
                 return None
             if out_u8.numel() < hdr.payload_bytes:
                 return None
             try:
-                return self._gds.read_payload(kvikio, path, hdr, out_u8, self._device)
+                # kvikio opens by name: through the descriptor's /proc link it reads the inode
+                # validated above, never a symlink or FIFO put at the path since.
+                return self._gds.read_payload(kvikio, f"/proc/self/fd/{fd}", hdr, out_u8, self._device)
             except rec.RecordError as e:
-                self._discard_corrupt(key, path, fd, str(e))
+                self._discard_corrupt(key, path, fd, f"corrupt ({e})")
                 return None
         finally:
-            os.close(fd)
             self._small.release(hbuf)
