@@ -105,7 +105,14 @@ from lmtier.config_schema import (
     parse_env_value,
 )
 from lmtier.config_schema import config_error as _err
-from lmtier.remote_url import MooncakeEndpoint, RedisEndpoint, RemoteEndpoint, RemoteURLError, parse_remote_url, redact_url
+from lmtier.remote_url import (
+    MooncakeEndpoint,
+    RedisEndpoint,
+    RemoteEndpoint,
+    RemoteURLError,
+    parse_remote_url,
+    redact_url,
+)
 from lmtier.tiers.mooncake.settings import YAML_KEYS as MOONCAKE_KEYS
 from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
 
@@ -192,7 +199,8 @@ class RemoteConfig:
         endpoint: the parsed URL (:class:`lmtier.remote_url.RedisEndpoint`: hosts, socket path,
             db, credentials — the password from the URL or ``remote_password_env`` — and TLS
             options; :class:`lmtier.remote_url.MooncakeEndpoint` for ``mooncakestore://``, built by
-            :meth:`lmtier.tiers.mooncake.MooncakeTier.from_config`), or ``None`` when the tier is off. :class:`lmtier.tiers.redis.RedisTier` is
+            :meth:`lmtier.tiers.mooncake.MooncakeTier.from_config`), or ``None`` when the tier is
+            off. :class:`lmtier.tiers.redis.RedisTier` is
             built from it (:meth:`~lmtier.tiers.redis.RedisTier.from_config`); the URL is parsed
             once, here.
         serde: ``remote_serde``.

@@ -22,6 +22,7 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   fi
 fi
 scripts/setup_venv.sh "$top/.venv"
+scripts/setup_mooncake.sh "$top/.venv" || echo "bootstrap: Mooncake Store client not installed; its tests skip" >&2
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
 # CUDA kernels for sm_90 only (nvcc may be present on CPU machines: this keeps the build short; release
 # wheels build every architecture, see setup.py).

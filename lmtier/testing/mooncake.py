@@ -153,8 +153,9 @@ class MooncakeMaster(_Process):
 
     Args:
         rpc_port, metrics_port, http_metadata_port: ports (default: free ones, fixed for restarts).
-        lease_ttl_ms: ``-default_kv_lease_ttl``: an object read recently cannot be evicted or
-            removed without force for this long (Mooncake's default is 10 s; tests use less).
+        lease_ttl_ms: ``-default_kv_lease_ttl`` (Mooncake's default, 10 s): a reader's lease on an
+            object; it cannot be evicted or removed without force meanwhile, and a read whose
+            transfer outlasts it fails with LEASE_EXPIRED (-707; a miss for the tier).
         client_ttl_s: ``-client_ttl``: seconds until a silent client's segments are unmounted.
         extra_args: more ``mooncake_master`` flags.
         binary: the executable (default: :func:`find_mooncake_bin`).
@@ -174,7 +175,7 @@ class MooncakeMaster(_Process):
         rpc_port: int | None = None,
         metrics_port: int | None = None,
         http_metadata_port: int | None = None,
-        lease_ttl_ms: int = 500,
+        lease_ttl_ms: int = 10_000,
         client_ttl_s: int = 10,
         extra_args: tuple[str, ...] = (),
         binary: str | None = None,
@@ -242,7 +243,12 @@ class MooncakeStoreServer(_Process):
     what = "mooncake_client"
 
     def __init__(
-        self, master: MooncakeMaster, *, segment_bytes: int = 512 << 20, port: int | None = None, binary: str | None = None
+        self,
+        master: MooncakeMaster,
+        *,
+        segment_bytes: int = 512 << 20,
+        port: int | None = None,
+        binary: str | None = None,
     ) -> None:
         binary = binary or find_mooncake_bin("mooncake_client")
         if binary is None:

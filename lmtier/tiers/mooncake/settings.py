@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -147,9 +146,7 @@ def _file_values(path: str) -> dict[str, Any]:
     return out
 
 
-def resolve_settings(
-    master_address: str, yaml_values: Mapping[str, Any], env: Mapping[str, str]
-) -> MooncakeSettings:
+def resolve_settings(master_address: str, yaml_values: Mapping[str, Any], env: Mapping[str, str]) -> MooncakeSettings:
     """The settings of a ``mooncakestore://`` remote tier.
 
     Args:
@@ -187,7 +184,9 @@ def resolve_settings(
     if s.protocol not in PROTOCOLS:
         raise config_error("mooncake_protocol", s.protocol, f"must be one of {list(PROTOCOLS)} (from {src})")
     if s.protocol == "rdma" and not s.device_name:
-        raise config_error("mooncake_device_name", s.device_name, "must name the RDMA device(s) when the protocol is rdma")
+        raise config_error(
+            "mooncake_device_name", s.device_name, "must name the RDMA device(s) when the protocol is rdma"
+        )
     if not s.metadata_server.strip():
         raise config_error("mooncake_metadata_server", s.metadata_server, "must not be empty")
     if s.local_hostname is not None and not s.local_hostname.strip():

@@ -199,7 +199,9 @@ class MooncakeTier(Tier):
         if isinstance(endpoint, str):
             endpoint = parse_mooncake_url(endpoint)
         if not isinstance(endpoint, MooncakeEndpoint):
-            raise TypeError(f"MooncakeTier: endpoint must be a MooncakeEndpoint or a URL, got {type(endpoint).__name__}")
+            raise TypeError(
+                f"MooncakeTier: endpoint must be a MooncakeEndpoint or a URL, got {type(endpoint).__name__}"
+            )
         settings = settings or MooncakeSettings(master_server_address=endpoint.master_address)
         if settings.master_server_address != endpoint.master_address:
             raise ValueError(
@@ -448,7 +450,9 @@ class MooncakeTier(Tier):
                 arena[o + HEADER : o + HEADER + n] = mv
             ptrs = [self._arena.address + base + off for off in offs]
             try:
-                codes = self._call(lambda s: s.batch_put_from(names, ptrs, sizes), extent=(base, total), release=release)
+                codes = self._call(
+                    lambda s: s.batch_put_from(names, ptrs, sizes), extent=(base, total), release=release
+                )
             except _Failed:
                 return [False] * len(keys)
         finally:

@@ -87,9 +87,9 @@ from redis.retry import Retry
 from lmtier import record as rec
 from lmtier.remote_url import RedisEndpoint, parse_redis_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
+from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.device import PinnedBounce
 from lmtier.tiers.redis import resp
-from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.redis.resp import HEADER, CorruptValue, RecordReader
 
 if TYPE_CHECKING:
