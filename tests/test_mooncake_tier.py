@@ -128,9 +128,13 @@ def test_removed_between_lookup_and_read_is_miss(tier, mooncake_store):
     assert bytes(outs[1]) == payload(5, 8192) and tier.counters["corrupt"] == 0
 
 
-def test_real_eviction_is_miss_never_wrong_bytes(mooncake_store):
-    """Fill the 512 MiB segment twice over: the master evicts; every read is a verified hit or a miss."""
-    t = make_tier(mooncake_store)
+def test_real_eviction_is_miss_never_wrong_bytes():
+    """Fill the 512 MiB segment twice over: the master evicts; every read is a verified hit or a miss.
+    A short lease (200 ms), so that the objects just written become evictable."""
+    from lmtier.testing.mooncake import start_or_skip
+
+    store = start_or_skip(lease_ttl_ms=200)
+    t = make_tier(store)
     try:
         size = 8 << 20
         ok = []
@@ -151,6 +155,7 @@ def test_real_eviction_is_miss_never_wrong_bytes(mooncake_store):
         assert hits > 0 and t.counters["corrupt"] == 0
     finally:
         t.close()
+        store.close()
 
 
 def test_put_ok_but_absent_is_not_published(tier, monkeypatch):
