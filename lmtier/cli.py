@@ -10,6 +10,7 @@ SUBCOMMANDS: dict[str, str] = {
     "transfer": "lmtier.bench.transfer",
     "disk": "lmtier.bench.disk",
     "remote": "lmtier.bench.remote",
+    "mooncake": "lmtier.bench.mooncake",
     "codec": "lmtier.bench.codec",
     "rans": "lmtier.bench.rans",
     "ttft": "lmtier.bench.ttft",

@@ -16,6 +16,13 @@ lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
 ``remote_password_env`` (name of an environment variable holding the Redis password; never logged),
 ``disk_io_threads`` (default 4), and the codec keys below.
 
+Mooncake Store (docs/mooncake.md): ``remote_url: "mooncakestore://MASTER_HOST:PORT/"``; the client
+settings come from the JSON file named by ``MOONCAKE_CONFIG_PATH`` (Mooncake's key names) and/or the
+lmtier keys ``mooncake_local_hostname``, ``mooncake_metadata_server`` (default ``P2PHANDSHAKE``),
+``mooncake_global_segment_size`` / ``mooncake_local_buffer_size`` (GiB), ``mooncake_protocol``
+(``tcp`` default, ``rdma``), ``mooncake_device_name``; the keys win over the file
+(:mod:`lmtier.tiers.mooncake.settings`).
+
 Codec (``lmtier.codec``, docs/codec.md)::
 
     remote_serde: cachegen                # LMCache's name: remote records are lmtier codec records
@@ -74,6 +81,7 @@ effective configuration once per process, with passwords redacted.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -97,7 +105,16 @@ from lmtier.config_schema import (
     parse_env_value,
 )
 from lmtier.config_schema import config_error as _err
-from lmtier.remote_url import RedisEndpoint, RemoteURLError, parse_redis_url, redact_url
+from lmtier.remote_url import (
+    MooncakeEndpoint,
+    RedisEndpoint,
+    RemoteEndpoint,
+    RemoteURLError,
+    parse_remote_url,
+    redact_url,
+)
+from lmtier.tiers.mooncake.settings import YAML_KEYS as MOONCAKE_KEYS
+from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
 
 __all__ = [
     "ConfigError",
@@ -175,25 +192,30 @@ class DiskConfig:
 
 @dataclass(frozen=True, repr=False)
 class RemoteConfig:
-    """Tier 3, Redis/Valkey (single instance or cluster).
+    """Tier 3, Redis/Valkey (single instance or cluster) or Mooncake Store (``mooncakestore://``).
 
     Attributes:
         url: ``remote_url`` as given (``None``: remote tier off). Never log it: use ``redacted_url``.
         endpoint: the parsed URL (:class:`lmtier.remote_url.RedisEndpoint`: hosts, socket path,
             db, credentials — the password from the URL or ``remote_password_env`` — and TLS
-            options), or ``None`` when the tier is off. :class:`lmtier.tiers.redis.RedisTier` is
+            options; :class:`lmtier.remote_url.MooncakeEndpoint` for ``mooncakestore://``, built by
+            :meth:`lmtier.tiers.mooncake.MooncakeTier.from_config`), or ``None`` when the tier is
+            off. :class:`lmtier.tiers.redis.RedisTier` is
             built from it (:meth:`~lmtier.tiers.redis.RedisTier.from_config`); the URL is parsed
             once, here.
         serde: ``remote_serde``.
         timeout_s: ``remote_timeout_s`` (per call).
         password_env: ``remote_password_env``.
+        mooncake: the Mooncake client settings (``MOONCAKE_CONFIG_PATH`` and the ``mooncake_*``
+            keys, :mod:`lmtier.tiers.mooncake.settings`) for ``mooncakestore://``, else None.
     """
 
     url: str | None = None
-    endpoint: RedisEndpoint | None = None
+    endpoint: RemoteEndpoint | None = None
     serde: str = "naive"
     timeout_s: float = 1.0
     password_env: str | None = None
+    mooncake: MooncakeSettings | None = None
 
     @property
     def enabled(self) -> bool:
@@ -201,7 +223,8 @@ class RemoteConfig:
 
     @property
     def scheme(self) -> str | None:
-        """``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"``, ``"rediss-cluster"`` (TLS)."""
+        """``"redis"``, ``"rediss"`` (TLS), ``"unix"``, ``"redis-cluster"``, ``"rediss-cluster"`` (TLS),
+        ``"mooncakestore"``."""
         return self.endpoint.scheme if self.endpoint else None
 
     @property
@@ -211,25 +234,26 @@ class RemoteConfig:
 
     @property
     def socket_path(self) -> str | None:
-        return self.endpoint.socket_path if self.endpoint else None
+        return self.endpoint.socket_path if isinstance(self.endpoint, RedisEndpoint) else None
 
     @property
     def db(self) -> int:
-        return self.endpoint.db if self.endpoint else 0
+        return self.endpoint.db if isinstance(self.endpoint, RedisEndpoint) else 0
 
     @property
     def username(self) -> str | None:
-        return self.endpoint.username if self.endpoint else None
+        return self.endpoint.username if isinstance(self.endpoint, RedisEndpoint) else None
 
     @property
     def password(self) -> str | None:
         """From the URL or from ``remote_password_env``; never in repr."""
-        return self.endpoint.password if self.endpoint else None
+        return self.endpoint.password if isinstance(self.endpoint, RedisEndpoint) else None
 
     def __repr__(self) -> str:  # the URL may carry a password: show it redacted
         return (
             f"RemoteConfig(url={self.redacted_url!r}, endpoint={self.endpoint!r}, serde={self.serde!r}, "
-            f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r})"
+            f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r}"
+            + (f", mooncake={self.mooncake!r})" if self.mooncake is not None else ")")
         )
 
     @property
@@ -290,8 +314,17 @@ class LMTierConfig:
             "remote_serde": self.remote.serde,
             "remote_timeout_s": self.remote.timeout_s,
             "remote_password_env": self.remote.password_env,
+            **self._mooncake_dict(),
             "codec_level": self.codec_level,
         }
+
+    def _mooncake_dict(self) -> dict[str, Any]:
+        m = self.remote.mooncake
+        if m is None:
+            return {}
+        d = dataclasses.asdict(m)
+        gib = {"global_segment_size", "local_buffer_size"}
+        return {k: (d[f] / GIB if f in gib else d[f]) for k, f in MOONCAKE_KEYS.items()}
 
     def log_effective(self) -> bool:
         """Log the effective configuration (INFO, ``lmtier.config``) once per process per distinct
@@ -319,13 +352,22 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     _check_serde("remote_serde", serde)
     if timeout_s <= 0:
         raise _err("remote_timeout_s", timeout_s, "must be > 0")
+    if url is None or not url.lower().startswith("mooncakestore://"):
+        for key in MOONCAKE_KEYS:
+            if values[key] is not None:
+                logger.warning("lmtier config: %s=%r without a mooncakestore:// remote_url; unused", key, values[key])
     if url is None:
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
     try:
-        endpoint = parse_redis_url(url, password_env=password_env, env=env)
+        endpoint = parse_remote_url(url, password_env=password_env, env=env)
     except RemoteURLError as e:
         raise _err(e.config_key, e.value, e.why) from None
-    return RemoteConfig(url=url, endpoint=endpoint, serde=serde, timeout_s=timeout_s, password_env=password_env)
+    mooncake = None
+    if isinstance(endpoint, MooncakeEndpoint):
+        mooncake = resolve_settings(endpoint.master_address, values, env)
+    return RemoteConfig(
+        url=url, endpoint=endpoint, serde=serde, timeout_s=timeout_s, password_env=password_env, mooncake=mooncake
+    )
 
 
 def _check_serde(key: str, serde: str) -> None:

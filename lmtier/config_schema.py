@@ -42,7 +42,7 @@ def config_error(key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"lmtier config: {key}={value!r}: {why}")
 
 
-INT, FLOAT, BOOL, OPT_STR, STR = "int", "float", "bool", "optional str", "str"
+INT, FLOAT, BOOL, OPT_STR, STR, OPT_FLOAT = "int", "float", "bool", "optional str", "str", "optional float"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class KeySpec:
     """One configuration key.
 
     Attributes:
-        kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"`` or ``"optional str"`` (``None`` allowed).
+        kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"optional str"`` or ``"optional float"``
+            (``None`` allowed).
         default: the value when neither the YAML file nor the environment sets the key.
         meaning: one line for the environment registry (:mod:`lmtier.envs`) and error messages.
     """
@@ -72,6 +73,12 @@ KEYS: dict[str, KeySpec] = {
     "remote_serde": KeySpec(STR, "naive", "remote record format: naive or cachegen (the codec)"),
     "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0)"),
     "remote_password_env": KeySpec(OPT_STR, None, "name of the environment variable holding the Redis password"),
+    "mooncake_local_hostname": KeySpec(OPT_STR, None, "Mooncake: this client's address (default: route to master)"),
+    "mooncake_metadata_server": KeySpec(OPT_STR, None, "Mooncake: P2PHANDSHAKE (default) or http://h:p/metadata"),
+    "mooncake_global_segment_size": KeySpec(OPT_FLOAT, None, "Mooncake: GiB of memory mounted into the store"),
+    "mooncake_local_buffer_size": KeySpec(OPT_FLOAT, None, "Mooncake: GiB of the client's transfer buffer"),
+    "mooncake_protocol": KeySpec(OPT_STR, None, "Mooncake: tcp (default) or rdma"),
+    "mooncake_device_name": KeySpec(OPT_STR, None, "Mooncake: RDMA device(s), e.g. mlx5_0"),
     "local_disk_serde": KeySpec(STR, "naive", "disk record format: naive or cachegen (the codec)"),
     "codec_level": KeySpec(STR, "default", "codec level of every cachegen serde: lossless, high, default, low"),
 }
@@ -112,7 +119,7 @@ def check_type(key: str, value: Any) -> Any:
     if kind == INT:
         if type(value) is not int:
             raise config_error(key, value, "must be an integer")
-    elif kind == FLOAT:
+    elif kind == FLOAT or (kind == OPT_FLOAT and value is not None):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise config_error(key, value, "must be a number")
         if not math.isfinite(value):
@@ -143,6 +150,8 @@ def parse_env_value(key: str, env_name: str, raw: str) -> Any:
             return int(text, 10)
         if kind == FLOAT:
             return float(text)
+        if kind == OPT_FLOAT:
+            return None if text.lower() in ("", "none", "null") else float(text)
         if kind == BOOL:
             low = text.lower()
             if low in ("1", "true", "yes", "on"):

@@ -38,6 +38,7 @@ __all__ = [
     "EnvVar",
     "ENV_VARS",
     "PREFIX",
+    "FOREIGN",
     "CONFIG_FILE",
     "GROUPS",
     "get",
@@ -83,10 +84,14 @@ class EnvVar:
     read_by: str = ""
 
 
+FOREIGN = frozenset({"MOONCAKE_CONFIG_PATH"})
+"""Variables of other projects' conventions that lmtier reads too (declared here, no ``LMTIER_`` prefix)."""
+
+
 def _declare(*items: EnvVar) -> dict[str, EnvVar]:
     out: dict[str, EnvVar] = {}
     for v in items:
-        assert v.name.startswith(PREFIX) and v.group in GROUPS and v.name not in out, v
+        assert (v.name.startswith(PREFIX) or v.name in FOREIGN) and v.group in GROUPS and v.name not in out, v
         out[v.name] = v
     return out
 
@@ -108,6 +113,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         for key, spec in KEYS.items()
     ),
     EnvVar(
+        "MOONCAKE_CONFIG_PATH",
+        "config",
+        "JSON file of Mooncake Store client settings (LMCache's and vLLM's convention) for a "
+        "mooncakestore:// remote_url; lmtier's mooncake_* keys override its fields",
+        read_by="lmtier.tiers.mooncake.settings (through lmtier.config.load_config)",
+    ),
+    EnvVar(
         "LMTIER_FAULT_INJECT",
         "fault",
         "comma-separated faults the vLLM connector injects (tests only): e.g. 'load' makes every load fail",
@@ -122,6 +134,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         default="0",
         parse=_flag,
         read_by="lmtier.testing.redis",
+    ),
+    EnvVar(
+        "LMTIER_REQUIRE_MOONCAKE",
+        "test",
+        "1: tests that need Mooncake Store (the mooncake package, mooncake_master) fail instead of skipping (CI)",
+        default="0",
+        parse=_flag,
+        read_by="lmtier.testing.mooncake",
     ),
     EnvVar(
         "LMTIER_REQUIRE_VLLM",

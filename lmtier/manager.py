@@ -1,7 +1,7 @@
 """The tier manager: lmtier's library API over the CPU pool, local disk and remote tiers.
 
 :class:`TierManager` combines tier 1 (:class:`lmtier.tiers.cpu.CPUPool`), an optional tier 2
-(local disk) and an optional tier 3 (Redis/Valkey), all behind :class:`lmtier.tiers.base.Tier`:
+(local disk) and an optional tier 3 (Redis/Valkey or Mooncake Store), all behind :class:`lmtier.tiers.base.Tier`:
 
 * ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
   ``"remote"``); stops at the first miss. The remote tier is asked once for all remaining keys when
@@ -64,8 +64,13 @@ def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) ->
 
 
 def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
-    """Build :class:`lmtier.tiers.redis.RedisTier` from the config's parsed endpoint (imported
-    lazily: redis-py is an optional dependency)."""
+    """Build :class:`lmtier.tiers.redis.RedisTier`, or :class:`lmtier.tiers.mooncake.MooncakeTier`
+    for ``mooncakestore://``, from the config's parsed endpoint (imported lazily: redis-py and
+    mooncake are optional dependencies)."""
+    if remote.mooncake is not None:
+        from lmtier.tiers.mooncake import MooncakeTier
+
+        return MooncakeTier.from_config(remote, namespace=namespace.digest()[:16])
     from lmtier.tiers.redis import RedisTier
 
     return RedisTier.from_config(remote)

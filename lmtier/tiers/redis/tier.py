@@ -65,7 +65,7 @@ parsed. Passwords are never logged.
 
 CUDA tensors as ``payload`` / ``out`` go through the device adapter
 (:class:`lmtier.tiers.device.PinnedBounce`). Module layout: this file (the tier),
-:mod:`lmtier.tiers.redis.resp` (reading a record's replies), :mod:`lmtier.tiers.redis.breaker`.
+:mod:`lmtier.tiers.redis.resp` (reading a record's replies), :mod:`lmtier.tiers.breaker`.
 Logging: ``logging.getLogger("lmtier.tiers.remote")`` (the tier's name).
 """
 
@@ -87,9 +87,9 @@ from redis.retry import Retry
 from lmtier import record as rec
 from lmtier.remote_url import RedisEndpoint, parse_redis_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
+from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.device import PinnedBounce
 from lmtier.tiers.redis import resp
-from lmtier.tiers.redis.breaker import CircuitBreaker
 from lmtier.tiers.redis.resp import HEADER, CorruptValue, RecordReader
 
 if TYPE_CHECKING:

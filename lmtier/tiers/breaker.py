@@ -1,4 +1,4 @@
-"""The remote tier's circuit breaker: after a run of failures, fail fast for a while."""
+"""The remote tiers' circuit breaker (Redis, Mooncake Store): after a run of failures, fail fast for a while."""
 
 from __future__ import annotations
 
