@@ -34,6 +34,7 @@ def _fake_tree(tmp_path: Path, *, apt_fails: int, uid: int = 0) -> tuple[Path, d
     shutil.copy(REPO / "scripts" / "lib" / "apt.sh", top / "scripts" / "lib" / "apt.sh")
     calls = tmp_path / "calls.log"
     (top / "scripts" / "setup_venv.sh").write_text(f'#!/usr/bin/env bash\necho "setup_venv $*" >> {calls}\n')
+    (top / "scripts" / "setup_mooncake.sh").write_text(f'#!/usr/bin/env bash\necho "setup_mooncake $*" >> {calls}\n')
     (top / ".venv" / "bin").mkdir(parents=True)
     (top / ".venv" / "bin" / "python").write_text(f'#!/usr/bin/env bash\necho "python $*" >> {calls}\n')
     fake = tmp_path / "bin"
@@ -145,12 +146,13 @@ def test_bootstrap_prints_numbered_steps_with_timings(tmp_path):
     lines = r.stdout.splitlines()
     opened = [x for x in lines if x.startswith("[bootstrap ") and "done in" not in x]
     done = [x for x in lines if x.startswith("[bootstrap ") and " done in " in x]
-    assert [x.split("]")[0] for x in opened] == [f"[bootstrap {i}/4" for i in range(1, 5)], lines
-    assert len(done) == 4 and all(x.endswith(" s") for x in done), lines
+    assert [x.split("]")[0] for x in opened] == [f"[bootstrap {i}/5" for i in range(1, 6)], lines
+    assert len(done) == 5 and all(x.endswith(" s") for x in done), lines
     assert any("CUDA/C++ extension" in x and "min" in x for x in opened)
     assert lines[-1].startswith("[bootstrap] ready in ")
     calls = _calls(tmp_path)
     assert any(c.startswith("setup_venv") for c in calls) and any("make_model.py" in c for c in calls)
+    assert any(c.startswith("setup_mooncake") for c in calls)
 
 
 @needs_bash

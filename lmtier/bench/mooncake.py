@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from lmtier import envs
+from lmtier.bench.args import bounded_int, int_list, name_list
 from lmtier.bench.common import print_table, system_header, write_json
 from lmtier.bench.presets import PRESETS, preset
 
@@ -143,20 +144,26 @@ def run_case(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench mooncake", description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default="smollm2-135m,llama-3.1-8b", help="comma-separated model presets")
-    ap.add_argument("--counts", default="8,32", help="chunks per batch, comma-separated")
-    ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--bounce-mib", type=int, default=256, help="the tier's registered bounce region (its default)")
+    ap.add_argument(
+        "--presets",
+        type=name_list(PRESETS),
+        default=["smollm2-135m", "llama-3.1-8b"],
+        help="comma-separated model presets",
+    )
+    ap.add_argument("--counts", type=int_list(min_value=1), default=[8, 32], help="chunks per batch, comma-separated")
+    ap.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
+    ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
+    ap.add_argument(
+        "--bounce-mib",
+        type=bounded_int(min_value=1),
+        default=256,
+        help="the tier's registered bounce region (its default)",
+    )
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier rows")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 8 chunks, 1 iteration")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    presets = [p.strip().lower() for p in a.presets.split(",") if p.strip()]
-    for p in presets:
-        if p not in PRESETS:
-            ap.error(f"unknown preset {p!r} (known: {sorted(PRESETS)})")
-    counts = [int(c) for c in a.counts.split(",")]
+    presets, counts = a.presets, a.counts
     if a.quick or envs.LMTIER_BENCH_SMOKE:
         presets, counts, a.iters = presets[:1], [8], 1
     from lmtier.testing.mooncake import MooncakeCluster, mooncake_client_importable
