@@ -6,7 +6,7 @@ python scripts/ttft_table.py out/ttft.json
 import json
 import sys
 
-TIERS = ["cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec"]
+TIERS = ["cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec", "mooncake", "mooncake+codec"]
 
 
 def main(path: str) -> None:

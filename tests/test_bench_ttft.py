@@ -27,6 +27,7 @@ def _run(tmp_path, *extra):
             "--warmup",
             "1",
             "--no-redis",
+            "--no-mooncake",
             "--quiet",
             "--json",
             str(out),
@@ -57,7 +58,16 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
         assert k in res, k
     assert res["checks_ok"] is True
     assert [r["N"] for r in res["rows"]] == [100, 200]
-    assert set(res["break_even"]) == {"cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec"}
+    assert set(res["break_even"]) == {
+        "cpu",
+        "disk",
+        "disk+codec",
+        "disk+lossless",
+        "redis",
+        "redis+codec",
+        "mooncake",
+        "mooncake+codec",
+    }
     assert res["codec_levels"] == {"disk+codec": "default", "disk+lossless": "lossless"}
     assert res["ceilings"]["disk_dd_GBs"].get("read", 0) > 0
     # the parallel O_DIRECT read ceiling (--inflight reads in flight) is measured in the same run
@@ -201,6 +211,7 @@ def test_cli_dispatch(tmp_path, capsys):
             "0",
             "--no-disk",
             "--no-redis",
+            "--no-mooncake",
             "--quiet",
             "--json",
             str(out),
@@ -211,15 +222,33 @@ def test_cli_dispatch(tmp_path, capsys):
     assert "break-even cpu" in capsys.readouterr().out
 
 
-def _redis_rows_ok(res):
+def _remote_rows_ok(res, kind="redis"):
     assert res["checks_ok"] is True
     (r,) = res["rows"]
-    for tag in ("redis", "redis+codec"):
+    for tag in (kind, f"{kind}+codec"):
         assert r[f"{tag}_ms"] > 0 and r[f"{tag}_pct"] > 0, tag
         assert r[f"check_{tag}"]["kv_exact"] is True, (tag, r[f"check_{tag}"])
-    assert 2.0 < r["redis+codec_ratio"] < 8.0
-    assert r["check_redis+codec"]["lossy"] is True
-    assert "redis+codec_mem_ms" not in r  # the in-memory split is measured once, on the disk tier
+    assert 2.0 < r[f"{kind}+codec_ratio"] < 8.0
+    assert r[f"check_{kind}+codec"]["lossy"] is True
+    assert f"{kind}+codec_mem_ms" not in r  # the in-memory split is measured once, on the disk tier
+
+
+def test_mooncake_tiers_private_cluster(tmp_path):
+    """The Mooncake Store tiers (plain and codec) through the product path, against a private
+    master and store server the bench starts (Mooncake required in CI: LMTIER_REQUIRE_MOONCAKE)."""
+    from lmtier.testing.mooncake import mooncake_client_importable, skip_or_fail
+
+    why = mooncake_client_importable()
+    if why is not None:
+        skip_or_fail(f"the mooncake client cannot be imported ({why})")
+    out = tmp_path / "t.json"
+    args = ["--device", "cpu", "--preset", "tiny", "--chunk-tokens", "64", "--iters", "1", "--warmup", "1"]
+    args += ["--lengths", "150", "--no-disk", "--no-redis", "--codec-levels", "default", "--quiet"]
+    assert ttft.main([*args, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    _remote_rows_ok(res, "mooncake")
+    assert not any(k.startswith("redis") for k in res["rows"][0])
+    assert any("mooncake: private mooncake_master" in line for line in res["notes"])
 
 
 def test_redis_tiers_private_server(tmp_path, monkeypatch):
@@ -251,13 +280,14 @@ def test_redis_tiers_private_server(tmp_path, monkeypatch):
             "--codec-levels",
             "default",
             "--quiet",
+            "--no-mooncake",
             "--json",
             str(out),
         ]
     )
     assert rc == 0
     res = json.loads(out.read_text())
-    _redis_rows_ok(res)
+    _remote_rows_ok(res)
     assert any("private redis-server" in line for line in res["notes"])
 
 
@@ -293,13 +323,14 @@ def test_redis_tiers_given_url(tmp_path):
                 "--redis-url",
                 proc.url,
                 "--quiet",
+                "--no-mooncake",
                 "--json",
                 str(out),
             ]
         )
         assert rc == 0
         res = json.loads(out.read_text())
-        _redis_rows_ok(res)
+        _remote_rows_ok(res)
         assert any(f"server on {proc.url}" in line for line in res["notes"])
     finally:
         proc.close()

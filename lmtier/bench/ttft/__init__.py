@@ -36,6 +36,9 @@ compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M
   pool (no reads). Lossy levels' tables: ``--codec-tables`` (:mod:`.tables`);
   their KV is checked bit for bit against the reference decoder
   (:func:`lmtier.codec.quant.dequantize`), their logits are reported, not judged.
+* ``mooncake`` / ``mooncake+codec`` — the Mooncake Store tier (``remote_url: mooncakestore://``)
+  through the same path, against a private ``mooncake_master`` and one store server on loopback
+  (skipped when the client is not installed: ``scripts/setup_mooncake.sh``).
 * ``redis`` / ``redis+codec`` — the Redis tier (``remote_url``) through the same path: against
   ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a private ``redis-server`` on loopback when one is
   found (``$LMTIER_REDIS_SERVER`` or PATH); skipped with a line otherwise.
@@ -123,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-disk", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--no-redis", action="store_true")
+    p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store tiers")
     p.add_argument(
         "--redis-url",
         default=None,

@@ -15,7 +15,7 @@ from lmtier.bench.ttft.ceilings import (
 )
 from lmtier.bench.ttft.model import GraphForward, LeanDecoder, build_model, prefix_kv
 from lmtier.bench.ttft.pipeline import Loader, PagedKV, build_manager, chunk_spans, landing_views
-from lmtier.bench.ttft.report import compare
+from lmtier.bench.ttft.report import REMOTE_KINDS, compare
 from lmtier.geometry import torch_dtype
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager, codec_chunk_shape
@@ -67,11 +67,20 @@ class Bench:
         self.disk_odirect = True
         self.disk_par_bw: float | None = None
         self.redis_raw: float | None = None
+        # remote kind -> (remote_url, extra configuration keys) of its managers (the codec one too)
+        self.remote_urls: dict[str, tuple[str, dict | None]] = {}
         self.max_chunks = 1  # chunks of the longest prefix (set by run())
 
     # ---- tiers -------------------------------------------------------------------------------
 
-    def codec_manager(self, level: str, *, disk_dir: str | None = None, remote_url: str | None = None) -> TierManager:
+    def codec_manager(
+        self,
+        level: str,
+        *,
+        disk_dir: str | None = None,
+        remote_url: str | None = None,
+        remote_options: dict | None = None,
+    ) -> TierManager:
         """A manager whose lower tier stores codec records of ``level``: through the config
         (``*_serde: cachegen``) with the product's shipped tables (``--codec-tables shipped``),
         else through ``from_config``'s tier factory wrapping the tier in
@@ -87,6 +96,7 @@ class Bench:
             disk_bytes=self._disk_bytes(),
             io_threads=self.args.disk_threads,
             remote_url=remote_url,
+            remote_options=remote_options,
         )
         if tables == "shipped":
             m = build_manager(**common, serde="cachegen", codec_level=level)
@@ -198,7 +208,7 @@ class Bench:
 
     @staticmethod
     def _lower(m: TierManager, tag: str):
-        return m.remote if tag.startswith("redis") else m.disk
+        return m.remote if tag.startswith(REMOTE_KINDS) else m.disk
 
     def run_length(self, n: int, ids: torch.Tensor, h2d: float | None, disk_bw: float | None, drop_note: list) -> dict:
         a, dev = self.args, self.dev
@@ -355,8 +365,9 @@ class Bench:
             row["load_GBs"] = n * self.bpt / row["load_ms"] / 1e6
         row["cpu_pct"] = 100 * row["cpu_ms"] / rec_ms
 
-        # (3) disk, (4) disk + codec (per level), (5) redis, redis + codec
-        order = ["disk", "redis", "redis+codec", *(t for t in self.codec_levels if t.startswith("disk+"))]
+        # (3) disk, (4) disk + codec (per level), (5) redis, redis + codec, mooncake, mooncake + codec
+        remotes = [t for kind in REMOTE_KINDS for t in (kind, f"{kind}+codec")]
+        order = ["disk", *remotes, *(t for t in self.codec_levels if t.startswith("disk+"))]
 
         def drop():
             why = drop_caches()

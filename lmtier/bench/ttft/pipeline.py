@@ -158,6 +158,7 @@ def build_manager(
     serde: str = "naive",
     codec_level: str = "default",
     remote_timeout_s: float = 30.0,
+    remote_options: dict[str, Any] | None = None,
     disk_factory: DiskFactory = default_disk_factory,
     remote_factory: RemoteFactory = default_remote_factory,
 ) -> TierManager:
@@ -168,6 +169,7 @@ def build_manager(
         cpu_bytes: the CPU pool's size (``max_local_cpu_size``), or None for ``local_cpu: false``.
         disk_dir, disk_bytes, io_threads: ``local_disk``, ``max_local_disk_size``, ``disk_io_threads``.
         remote_url, remote_timeout_s: ``remote_url``, ``remote_timeout_s``.
+        remote_options: more configuration keys of the remote tier (e.g. ``mooncake_global_segment_size``).
         serde, codec_level: ``local_disk_serde`` / ``remote_serde`` (``naive`` or ``cachegen``) of the
             enabled lower tier, and ``codec_level``.
         disk_factory, remote_factory: passed to ``from_config`` (to wrap a tier in a
@@ -187,6 +189,7 @@ def build_manager(
         values.update(local_disk=disk_dir, max_local_disk_size=max(disk_bytes, 1 << 26) / GIB, local_disk_serde=serde)
     if remote_url is not None:
         values.update(remote_url=remote_url, remote_serde=serde, remote_timeout_s=remote_timeout_s)
+        values.update(remote_options or {})
     if serde == "cachegen":
         values["codec_level"] = codec_level
     config = LMTierConfig.from_dict(values)

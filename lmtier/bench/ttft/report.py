@@ -23,7 +23,9 @@ __all__ = ["RTOL", "MIN_COS", "TIERS", "codec_tag", "compare", "break_even", "pl
 RTOL = 0.10
 MIN_COS = 0.995
 
-TIERS = ("cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec")
+REMOTE_KINDS = ("redis", "mooncake")
+"""The remote tiers the bench measures (each also ``<kind>+codec``), in row order."""
+TIERS = ("cpu", "disk", "disk+codec", "disk+lossless", *(t for k in REMOTE_KINDS for t in (k, f"{k}+codec")))
 
 
 def codec_tag(level: str) -> str:
@@ -75,6 +77,8 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
         ("disk+lossless_ms", "disk + lossless codec", "<-"),
         ("redis_ms", "Redis (loopback)", "d-"),
         ("redis+codec_ms", "Redis + codec", "D-"),
+        ("mooncake_ms", "Mooncake Store (loopback)", "p-"),
+        ("mooncake+codec_ms", "Mooncake Store + codec", "P-"),
     ):
         pts = [(r["N"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
@@ -119,6 +123,7 @@ def report(res: dict) -> None:
         if t.startswith("disk+"):
             cols += [f"{t}_ms", f"{t}_pct", f"{t}_limit_pct", f"{t}_ratio", f"{t}_mem_ms"]
     cols += ["redis_ms", "redis_pct", "redis_limit_pct", "redis_raw_GBs", "redis+codec_ms", "redis+codec_pct"]
+    cols += ["mooncake_ms", "mooncake_pct", "mooncake+codec_ms", "mooncake+codec_pct"]
     if any("fwd_contig_ms" in r for r in rows):
         cols += ["transpose_ms", "fwd_contig_ms"]
     cols = [c for c in cols if any(r.get(c) is not None for r in rows) or c in ("N", "recompute_ms", "cpu_ms")]
@@ -136,8 +141,7 @@ def report(res: dict) -> None:
             "cpu",
             "disk",
             *(t for t in TIERS if t.startswith("disk+")),
-            "redis",
-            "redis+codec",
+            *(t for t in TIERS if t.startswith(REMOTE_KINDS)),
             "control_wrong_kv",
         ):
             c = r.get(f"check_{k}")

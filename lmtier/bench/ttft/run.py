@@ -21,7 +21,7 @@ from lmtier.bench.ttft.ceilings import (
 )
 from lmtier.bench.ttft.model import prefix_kv
 from lmtier.bench.ttft.pipeline import build_manager
-from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, codec_tag
+from lmtier.bench.ttft.report import MIN_COS, REMOTE_KINDS, RTOL, TIERS, break_even, codec_tag
 from lmtier.bench.ttft.tables import codec_tables
 from lmtier.memory import HostBuffer
 from lmtier.testing.redis import RedisServer, find_redis_server
@@ -75,6 +75,98 @@ def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list
     return disk_dir, root, dd, levels
 
 
+def _probe(m, what: str) -> None:
+    """One 4 KiB store and load through manager ``m``'s remote tier (``RuntimeError`` when it fails)."""
+    probe = bytes(range(32))
+    if not (m.store(probe, b"\x01" * 4096, timeout_s=None).result() and m.fetch_lower(probe, bytearray(4096)) == 4096):
+        raise RuntimeError(f"no answer from {what}")
+    m.remote.delete(probe)
+
+
+def _setup_redis(b: Bench, args, say):
+    """The Redis tier: ``--redis-url`` / ``$LMTIER_REDIS_URL``, else a private redis-server on loopback;
+    sets ``b.managers["redis"]``, ``b.remote_urls["redis"]`` and the raw-socket ceiling. Returns the
+    server started here (or None)."""
+    binary = find_redis_server()
+    url = args.redis_url or os.environ.get("LMTIER_REDIS_URL")
+    if args.no_redis:
+        say("redis: skipped (--no-redis)")
+        return None
+    if url is None and binary is None:
+        say(
+            "redis: skipped — no server given (--redis-url / LMTIER_REDIS_URL) and no redis-server binary "
+            "(PATH, LMTIER_REDIS_SERVER; scripts/bundle_redis.sh packs one for machines without it)"
+        )
+        return None
+    proc = None
+    try:
+        if url is None:
+            proc = RedisServer(
+                binary=binary, maxmemory=b.max_chunks * round_up(b.chunk_bytes) * 3 + (256 << 20)
+            ).start()
+            url = proc.url
+        m = b.managers["redis"] = build_manager(chunk_tokens=b.T, namespace=b.ns, remote_url=url)
+        _probe(m, url)
+        b.remote_urls["redis"] = (url, None)
+        b.redis_raw = redis_raw_gbps(url, round_up(b.chunk_bytes), inflight=args.inflight)
+        say(
+            f"redis: {'private redis-server (' + binary + ')' if proc else 'server'} on {url}, RedisTier "
+            f"built by TierManager.from_config, {args.inflight} chunk reads in flight; raw-socket GETRANGE "
+            f"ceiling ({args.inflight} x one chunk): "
+            + (f"{b.redis_raw:.2f} GB/s" if b.redis_raw else "not measured (no TCP redis:// URL)")
+        )
+        return proc
+    except Exception as e:  # noqa: BLE001
+        say(f"redis: skipped — could not start/connect ({type(e).__name__}: {e})")
+        m = b.managers.pop("redis", None)
+        if m is not None:
+            m.close(persist=False)
+        if proc:
+            proc.close()
+        return None
+
+
+def _setup_mooncake(b: Bench, args, say):
+    """The Mooncake Store tier: a private master and one store server on loopback (the data lives in
+    the store server's segment, as on a store node; the bench's client mounts none:
+    ``mooncake_global_segment_size: 0``); sets ``b.managers["mooncake"]`` and ``b.remote_urls``.
+    Returns the cluster started here (or None)."""
+    from lmtier.testing.mooncake import MooncakeCluster, mooncake_client_importable
+
+    if args.no_mooncake:
+        say("mooncake: skipped (--no-mooncake)")
+        return None
+    why = mooncake_client_importable()
+    if why is not None:
+        say(f"mooncake: skipped — the client cannot be imported ({why}; scripts/setup_mooncake.sh)")
+        return None
+    cluster = None
+    try:
+        # two tiers (plain, codec) of every chunk, and room for the store's own bookkeeping
+        segment = 2 * b.max_chunks * round_up(b.chunk_bytes + 4096) + (256 << 20)
+        cluster = MooncakeCluster(servers=1, segment_bytes=segment).start()
+        opts = {"mooncake_global_segment_size": 0}
+        m = b.managers["mooncake"] = build_manager(
+            chunk_tokens=b.T, namespace=b.ns, remote_url=cluster.url, remote_options=opts
+        )
+        _probe(m, cluster.url)
+        b.remote_urls["mooncake"] = (cluster.url, opts)
+        say(
+            f"mooncake: private mooncake_master + one store server ({segment / 2**30:.1f} GiB segment) on "
+            f"{cluster.url}, tcp; MooncakeTier built by TierManager.from_config (this client mounts no "
+            f"segment), {args.inflight} chunk reads in flight"
+        )
+        return cluster
+    except Exception as e:  # noqa: BLE001 - MooncakeUnavailable, a setup or probe failure
+        say(f"mooncake: skipped — could not start/connect ({type(e).__name__}: {e})")
+        m = b.managers.pop("mooncake", None)
+        if m is not None:
+            m.close(persist=False)
+        if cluster is not None:
+            cluster.close()
+        return None
+
+
 def run(args) -> dict:
     """Run the benchmark described by the parsed ``args``; returns the JSON result."""
     if args.device == "auto":
@@ -125,7 +217,8 @@ def run(args) -> dict:
     if h2d:
         say(f"pinned H2D ceiling (contiguous copy, same run): {h2d:.1f} GB/s")
 
-    root = redis_proc = None
+    root = None
+    remotes: list = []  # the servers started here (closed at the end)
     res_disk: dict = {}
     disk_dir = None
     drop_note: list[str] = []
@@ -136,53 +229,14 @@ def run(args) -> dict:
         )
         disk_dir, root, res_disk, levels = _setup_disk(b, args, say)
 
-        # redis
-        binary = find_redis_server()
-        url = args.redis_url or os.environ.get("LMTIER_REDIS_URL")
-        if args.no_redis:
-            say("redis: skipped (--no-redis)")
-        elif url is None and binary is None:
-            say(
-                "redis: skipped — no server given (--redis-url / LMTIER_REDIS_URL) and no redis-server binary "
-                "(PATH, LMTIER_REDIS_SERVER; scripts/bundle_redis.sh packs one for machines without it)"
-            )
-        else:
-            try:
-                if url is None:
-                    redis_proc = RedisServer(
-                        binary=binary, maxmemory=b.max_chunks * round_up(b.chunk_bytes) * 3 + (256 << 20)
-                    ).start()
-                    url = redis_proc.url
-                m = build_manager(chunk_tokens=b.T, namespace=b.ns, remote_url=url)
-                b.managers["redis"] = m
-                probe = bytes(range(32))
-                if not (
-                    m.store(probe, b"\x01" * 4096, timeout_s=None).result()
-                    and m.fetch_lower(probe, bytearray(4096)) == 4096
-                ):
-                    raise RuntimeError(f"no answer from {url}")
-                m.remote.delete(probe)
-                b.redis_raw = redis_raw_gbps(url, round_up(b.chunk_bytes), inflight=args.inflight)
-                say(
-                    f"redis: {'private redis-server (' + binary + ')' if redis_proc else 'server'} on {url}, RedisTier "
-                    f"built by TierManager.from_config, {args.inflight} chunk reads in flight; raw-socket GETRANGE "
-                    f"ceiling ({args.inflight} x one chunk): "
-                    + (f"{b.redis_raw:.2f} GB/s" if b.redis_raw else "not measured (no TCP redis:// URL)")
-                )
-            except Exception as e:  # noqa: BLE001
-                say(f"redis: skipped — could not start/connect ({type(e).__name__}: {e})")
-                m = b.managers.pop("redis", None)
-                if m is not None:
-                    m.close(persist=False)
-                if redis_proc:
-                    redis_proc.close()
-                redis_proc = None
+        remotes.append(_setup_redis(b, args, say))
+        remotes.append(_setup_mooncake(b, args, say))
 
         gen = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, cfg.vocab_size, (1, max(maxn + 1, b.max_chunks * b.T)), generator=gen).to(b.device)
 
         # codec tiers: tables first (CodecTier takes them at construction), untimed
-        if levels and (root is not None or "redis" in b.managers):
+        if levels and (root is not None or any(k in b.managers for k in REMOTE_KINDS)):
             b.tables, codec_info = codec_tables(
                 levels,
                 mode=args.codec_tables,
@@ -198,13 +252,15 @@ def run(args) -> dict:
         targets = []
         if root is not None:
             targets += [(codec_tag(lv), lv, os.path.join(root, codec_tag(lv)), None) for lv in levels]
-        if "redis" in b.managers and "default" in levels:
-            targets.append(("redis+codec", "default", None, url))
-        for tag, lv, ddir, rurl in targets:
+        for kind in REMOTE_KINDS:
+            if kind in b.managers and "default" in levels:
+                targets.append((f"{kind}+codec", "default", None, kind))
+        for tag, lv, ddir, kind in targets:
             try:
                 if ddir:
                     os.makedirs(ddir)
-                m = b.codec_manager(lv, disk_dir=ddir, remote_url=rurl)
+                url, opts = b.remote_urls.get(kind, (None, None))
+                m = b.codec_manager(lv, disk_dir=ddir, remote_url=url, remote_options=opts)
                 b.managers[tag] = m
                 b.codec_tiers[tag] = m.disk if ddir else m.remote
                 b.codec_levels[tag] = lv
@@ -257,8 +313,9 @@ def run(args) -> dict:
             shutil.rmtree(root, ignore_errors=True)
             if not args.disk_dir and disk_dir:
                 shutil.rmtree(disk_dir, ignore_errors=True)
-        if redis_proc is not None:
-            redis_proc.close()
+        for proc in remotes:
+            if proc is not None:
+                proc.close()
     if drop_note:
         say(f"note: page cache could not be dropped ({drop_note[0]}); DiskTier reads use O_DIRECT, so it is bypassed")
 
