@@ -2,7 +2,8 @@
 # The one GPU script: build for sm_90, run the `gpu` tests, run the GPU benchmarks, print a short
 # table last. Run on the lent H200 through the device tool from the repo root:
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
-# LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftsweep": the
+# LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftremote": the
+# Redis and Mooncake Store tiers (+ codec) at 7,500 tokens; "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
@@ -74,6 +75,16 @@ if has ttftsweep; then
     echo "bench ttft --inflight $inf rc=$?"
   done
 fi
+if has ttftremote; then
+  # the shared tiers at the user's prompt length: Redis and Mooncake Store (loopback), each with the codec
+  timeout 400 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default \
+    --json "$OUT/ttft_remote.json" > "$OUT/bench_ttft_remote.log" 2>&1
+  echo "bench ttft (remote tiers at 7,500) rc=$?"
+fi
+if has mooncake; then
+  timeout 300 $PY -m lmtier.cli bench mooncake --json "$OUT/mooncake.json" > "$OUT/bench_mooncake.log" 2>&1
+  echo "bench mooncake rc=$?"
+fi
 if has ttfthost; then
   # the codec tiers as the vLLM connector runs them today: records decoded on the host (CPU), then copied
   timeout 300 $PY -m lmtier.bench.ttft --device cuda --lengths 1024,4096,7500 --codec-levels default --codec-decode host \
@@ -90,10 +101,10 @@ if has codec; then
 fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_rans bench_codec; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_mooncake bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings
-for f in "$OUT"/ttft.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
+for f in "$OUT"/ttft.json "$OUT"/ttft_remote.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
   [ -f "$f" ] && $PY scripts/ttft_table.py "$f"
 done
