@@ -33,6 +33,47 @@ from lmtier.layout import KVLayout
 MODES = ("staged", "zerocopy")
 
 
+class SlotStaging:
+    """Uploads slot mappings to a device through pinned host buffers that are reused, never freed.
+
+    The upload is queued on a caller's stream, which may wait for a forward's queued work. Neither
+    a pageable upload (the driver may make the host wait for that stream) nor a fresh page-locked
+    allocation (an implicitly synchronizing call: it waits for the device's queued work) can run
+    inside such a window without stalling the host, so each buffer is taken only once its last
+    upload ran (its event), and a new one is allocated only when every buffer is still in flight
+    or too small (rare: the set grows to what the traffic needs).
+
+    Args:
+        device: the CUDA device of the uploaded mappings.
+        numel: int64 elements of each initial buffer; ``count``: initial buffers.
+    """
+
+    def __init__(self, device: torch.device, numel: int, count: int = 4) -> None:
+        self.device = device
+        self._bufs: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
+            (torch.empty(numel, dtype=torch.int64, pin_memory=True), None) for _ in range(count)
+        ]
+
+    def upload(self, slot_mapping: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+        """``slot_mapping`` (CPU, int64, any shape) as a device tensor of the same shape, copied on
+        ``stream`` (use it on that stream, or order other streams after it)."""
+        n = slot_mapping.numel()
+        for i, (buf, ev) in enumerate(self._bufs):  # noqa: B007 - i is used after the loop
+            if buf.numel() >= n and (ev is None or ev.query()):
+                break
+        else:
+            size = max(n, max(b.numel() for b, _ in self._bufs))
+            self._bufs.append((torch.empty(size, dtype=torch.int64, pin_memory=True), None))
+            i, buf = len(self._bufs) - 1, self._bufs[-1][0]
+        buf[:n].copy_(slot_mapping.reshape(-1))
+        with torch.cuda.stream(stream):
+            out = buf[:n].to(self.device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        self._bufs[i] = (buf, ev)
+        return out.view(slot_mapping.shape)
+
+
 class CudaTransferEngine:
     """Moves canonical chunks between one CUDA paged cache and pinned host chunk buffers.
 
@@ -83,6 +124,7 @@ class CudaTransferEngine:
         self.kernel_stream = torch.cuda.Stream(dev, priority=priority)
         self.copy_stream = torch.cuda.Stream(dev, priority=priority)
         self._copier = None
+        self.slot_staging = SlotStaging(dev, tokens_per_chunk * 32)
         if mode == "staged":
             layer_t = layout.layer_ptr_tensor(dev)
             with torch.cuda.device(dev):
@@ -138,19 +180,13 @@ class CudaTransferEngine:
 
     def _upload_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """``slot_mapping`` on the cache device, usable on :attr:`kernel_stream` (the only stream
-        that reads it). A host mapping is pinned first (torch's caching host allocator keeps the
-        pinned copy alive until the upload ran) and uploaded on the kernel stream: a pageable
-        upload on the current stream may make the host wait for that stream's queued work (a
-        forward, for layer-by-layer loads). A device mapping was written on the current stream."""
+        that reads it): a host mapping goes through :attr:`slot_staging` on the kernel stream; a
+        device mapping was written on the current stream."""
         dev = self.layout.device
         if slot_mapping.device == dev:
             self.kernel_stream.wait_stream(torch.cuda.current_stream(dev))
             return slot_mapping.contiguous()
-        src = slot_mapping.contiguous()
-        if not src.is_pinned():
-            src = src.pin_memory()
-        with torch.cuda.stream(self.kernel_stream):
-            return src.to(dev, non_blocking=True)
+        return self.slot_staging.upload(slot_mapping, self.kernel_stream)
 
     def _transfer(self, store: bool, slot_mapping, host, wait_stream) -> torch.cuda.Event:
         host = list(host)

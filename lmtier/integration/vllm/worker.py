@@ -182,9 +182,13 @@ class ConnectorWorker:
         self.device_staging = decode_on == "device" or (decode_on == "auto" and self.is_cuda and codec)
         self.decode_stream = None  # CUDA device mode: decodes' copies and the device scatters are ordered on it
         self._table_stream = None  # CUDA device mode: current while ops.scatter builds a pointer table (idle)
+        self._slot_staging = None  # CUDA device mode: slot-mapping uploads on decode_stream
         if self.device_staging and self.is_cuda:
             prio = -64 if layer_stream_priority is None else layer_stream_priority
             self.decode_stream = torch.cuda.Stream(device=layout.device, priority=prio)
+            from lmtier.transfer import SlotStaging
+
+            self._slot_staging = SlotStaging(layout.device, chunk_size * 32)
         self._fetcher = ChunkFetcher(
             manager,
             chunk_bytes=cb,
@@ -274,10 +278,7 @@ class ConnectorWorker:
         if self.decode_stream is None:
             ops.scatter(self.layout, slots, srcs)
         else:
-            with torch.cuda.stream(
-                self.decode_stream
-            ):  # the pinned copy stays alive until it ran (torch's host allocator)
-                dslots = slots.pin_memory().to(self.layout.device, non_blocking=True)
+            dslots = self._slot_staging.upload(slots, self.decode_stream)
             if self._table_stream is None:
                 self._table_stream = torch.cuda.Stream(device=self.layout.device)
             with torch.cuda.stream(self._table_stream):
