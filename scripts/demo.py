@@ -567,6 +567,11 @@ class Demo:
             self.passes_run(f"{kind}: B (from A)", node_b)
             self.stop(node_a)
             self.stop(node_b)
+        except BaseException:
+            if isinstance(store, MooncakeCluster):  # its logs live in a folder that close() removes
+                for proc in (store.master, *store.servers):
+                    print(f"\n----- last lines of {proc.what}'s log -----\n{proc.log_tail()}", flush=True)
+            raise
         finally:
             store.close()
 
