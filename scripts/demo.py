@@ -331,9 +331,11 @@ def mooncake_info(cluster: MooncakeCluster) -> dict[str, str]:
         text = requests.get(f"http://127.0.0.1:{cluster.master.metrics_port}/metrics", timeout=5).text
     except requests.RequestException as e:
         return {"error": str(e)}
-    m = parse_metrics(text)
     keep = ("master_key_count", "master_allocated_bytes", "master_active_clients", "master_put_end_requests_total")
-    return {k: f"{m[k]:g}" for k in keep if k in m}
+    # plain "name value" lines (parse_metrics keeps only vLLM's and lmtier's series)
+    lines = [line for line in text.splitlines() if line and not line.startswith("#") and " " in line]
+    fields = dict(line.split(None, 1) for line in lines)
+    return {k: fields[k].strip() for k in keep if k in fields}
 
 
 def missing_prerequisites(phases: set[str]) -> list[str]:
@@ -638,7 +640,7 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     hdr = (
         f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} "
-        f"{'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+        f"{'cached':>7} {'by source (metrics)':<36} {'= baseline':>10}"
     )
     print()
     print(hdr)
@@ -655,7 +657,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['scenario']:<10} {r['phase']:<20} {r['n']:>2} {r['prompt_tokens']:>6} "
             f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['speedup_vs_baseline']:>6.1f}x "
-            f"{cached:>7} {src:<26} {str(r['equal']) + '/' + str(r['n']):>10}"
+            f"{cached:>7} {src:<36} {str(r['equal']) + '/' + str(r['n']):>10}"
         )
     print()
     print(
