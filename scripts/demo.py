@@ -331,7 +331,7 @@ def mooncake_info(cluster: MooncakeCluster) -> dict[str, str]:
         text = requests.get(f"http://127.0.0.1:{cluster.master.metrics_port}/metrics", timeout=5).text
     except requests.RequestException as e:
         return {"error": str(e)}
-    keep = ("master_key_count", "master_allocated_bytes", "master_active_clients", "master_put_end_requests_total")
+    keep = ("master_key_count", "master_allocated_bytes", "master_active_clients")
     # plain "name value" lines (parse_metrics keeps only vLLM's and lmtier's series)
     lines = [line for line in text.splitlines() if line and not line.startswith("#") and " " in line]
     fields = dict(line.split(None, 1) for line in lines)
