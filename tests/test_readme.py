@@ -131,3 +131,69 @@ def test_demo_never_removes_a_work_folder_it_was_given(tmp_path):
     work = _work(tmp_path)
     demo.clean_up_work(work, own_work=False, keep_logs=None, failed=False)
     assert (work / "lmtier_disk" / "record.bin").exists() and (work / "logs" / "lmtier.log").exists()
+
+
+# ------------------------------------------------------------------ the shared-store phases (issue 15)
+def test_demo_runs_the_mooncake_phase_by_default_as_the_readme_says():
+    """issue 15: the main job gains two servers sharing one Mooncake Store, in its default phases."""
+    demo = _demo()
+    assert demo.parse_args([]).phase_set == set(demo.PHASES) >= {"baseline", "redis", "mooncake"}
+    assert demo.parse_args(["--phases", "mooncake"]).phase_set == {"baseline", "mooncake"}
+    assert set(demo.SHARED_STORES) == {"redis", "mooncake"}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "two servers sharing one Redis" in readme and "two sharing one Mooncake Store" in readme
+
+
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_demo_shared_store_configs_validate(tmp_path, kind):
+    """Each shared-store phase's config template, filled in as the demo does, passes lmtier's parser:
+    a CPU tier, no disk, the store as the remote tier."""
+    demo = _demo()
+    values = {"redis": {"REDIS_PORT": "6390"}, "mooncake": {"MOONCAKE_MASTER": "127.0.0.1:50151"}}[kind]
+    path = demo.write_config(demo.SHARED_STORES[kind], tmp_path, **values)
+    from lmtier.config import load_config
+
+    cfg = load_config(path, env={})
+    assert cfg.cpu.enabled and cfg.disk.paths == ()
+    if kind == "redis":
+        assert cfg.remote.url == "redis://127.0.0.1:6390"
+    else:
+        assert cfg.remote.url == "mooncakestore://127.0.0.1:50151/"
+        mc = cfg.remote.mooncake
+        assert mc.master_server_address == "127.0.0.1:50151" and mc.protocol == "tcp"
+        assert mc.global_segment_size == 0  # the data lives in the demo's store server, not in the engines
+        assert cfg.remote.timeout_s == 5.0  # loads inside a busy 2-core engine took ~1 s
+
+
+def test_demo_without_mooncake_is_a_setup_error_before_the_baseline(tmp_path, monkeypatch, capsys):
+    """Asked for the mooncake phase on a machine without the client: status 2 at once, naming the fix
+    (and no server started: the workload is not even built)."""
+    demo = _demo()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "mooncake_client_importable", lambda: "ImportError: no module named mooncake")
+    monkeypatch.setattr(demo, "build_workload", lambda *a: pytest.fail("the demo went on"))
+    assert demo.main(["--model", str(model), "--phases", "baseline,mooncake"]) == 2
+    err = capsys.readouterr().err
+    assert "mooncake phase" in err and "no module named mooncake" in err and "setup_mooncake.sh" in err
+    assert demo.missing_prerequisites({"baseline", "redis"}) == []
+
+
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_demo_fails_a_shared_store_phase_whose_node_b_had_no_hits(kind):
+    """Node B's pass must report cached tokens (loaded from the store); equal outputs are not enough."""
+    demo = _demo()
+    rec = {"scenario": "system", "name": "q0", "prompt_tokens": 600, "ttft_ms": 100.0, "token_ids": [1, 2]}
+    passes = [
+        demo.PassResult("baseline cold", "baseline", records=[{**rec, "cached_tokens": 0}]),
+        demo.PassResult(f"{kind}: A cold", f"{kind}-node-A", records=[{**rec, "cached_tokens": 0}]),
+        demo.PassResult(f"{kind}: B (from A)", f"{kind}-node-B", records=[{**rec, "cached_tokens": 0}]),
+    ]
+    run = demo.Demo(demo.parse_args([]), Path("."), [demo.Req("system", "q0", [1] * 600)])
+    run.passes = passes
+    rows, failures = demo.summarize(run)
+    assert [r["equal"] for r in rows] == [1, 1, 1]
+    assert failures == [f"system / {kind}: B (from A): no cached tokens reported (expected lmtier hits)"]
+    passes[2].records[0]["cached_tokens"] = 512
+    assert demo.summarize(run)[1] == []
