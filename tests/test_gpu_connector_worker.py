@@ -40,6 +40,7 @@ Run: ``pytest -m gpu tests/test_gpu_connector_worker.py`` on a machine with a CU
 from __future__ import annotations
 
 import collections
+import gc
 import time
 
 import pytest
@@ -458,6 +459,18 @@ def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[
     # The snapshots' buffers and copy kernel exist before the window: under CUDA's lazy module
     # loading the first launch of a kernel waits for the device's queued work (the sleep below).
     snaps = [v.clone() for v in cache.views[:LAYERS]]
+    # No garbage collection inside the window: freeing earlier tests' pinned buffers (cudaHostUnregister
+    # / cudaFreeHost, implicitly synchronizing) would make the host wait for the busy stream, which is
+    # not lmtier's code stalling (the suite saw random cases fail that way).
+    gc.collect()
+    gc.disable()
+    try:
+        return _in_busy_window(w, cache, ops_, snaps)
+    finally:
+        gc.enable()
+
+
+def _in_busy_window(w: ConnectorWorker, cache: Cache, ops_: list[LoadOp], snaps: list[torch.Tensor]):
     torch.cuda.synchronize()
     compute = torch.cuda.Stream()
     slept = torch.cuda.Event()
@@ -468,14 +481,18 @@ def _layerwise_through_busy_stream(w: ConnectorWorker, cache: Cache, ops_: list[
         # the fetch path), hence ~2 s.
         torch.cuda._sleep(4 * SLEEP_CYCLES)
         slept.record(compute)
+        t0 = time.perf_counter()
         failed = w.load_layerwise(ops_)
+        t_load = time.perf_counter() - t0
         assert w.layerwise_in_flight
         for layer in range(LAYERS):
             w.wait_layer(layer)
             snaps[layer].copy_(cache.views[layer])
+        t_waits = time.perf_counter() - t0 - t_load
         busy = not slept.query()
     assert busy, (
-        "the kernel the copies wait for finished before the per-layer waits were queued (SLEEP_CYCLES too short)"
+        "the kernel the copies wait for finished before the per-layer waits were queued (SLEEP_CYCLES too "
+        f"short, or the host stalled): load_layerwise {t_load:.3f} s, waits + snapshots {t_waits:.3f} s"
     )
     t0 = time.perf_counter()
     unsafe = w.finish_layerwise()  # finish_forward / wait_for_save, after the forward is queued
