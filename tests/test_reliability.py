@@ -17,6 +17,14 @@ busy loops), every episode recovered both times; the reference pass (15 cold req
 the two server startups dominate, the three episodes took 3.3 and 12.6 min. Bounded by the soak's caps. The long
 version (32 clients, >= 10 min, every fault twice) is ``.venv/bin/python tests/soak/run_soak.py`` (see
 its docstring).
+
+A second, separate soak runs the Mooncake Store as the remote (``--remote mooncake``; one remote per
+server, so it cannot share the Redis run) with the fault in :data:`MOONCAKE_CI_FAULTS`: the master
+SIGKILLed mid-load and restarted on the same ports, with a disk tier of ~3 chunks so that chunks are
+also loaded from Mooncake (``test_mooncake_*``). Measured on 2 cores shared with other jobs (load
+average 7-9): 3.5 min (server startup ~70-90 s and the reference pass dominate); with the pause as
+well 5-7 min, so the pause stays out of CI: it is covered without a server by
+tests/test_mooncake_tier.py and tests/test_soak_episodes.py, and by ``run_soak.py --remote mooncake``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import sys
 
 import pytest
 
+from lmtier.testing import mooncake as mc
 from lmtier.testing.redis import find_redis_server, skip_or_fail
 from lmtier.testing.vllm import REPO, require_vllm
 from tests.soak.faults import CI_FAULTS
@@ -38,18 +47,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # capped (two server startups <= 300 s each, warm-up and each fault phase / recovery watch <= 240 s).
 SOAK_TIMEOUT_S = 3600
 
+MOONCAKE_CI_FAULTS = ("mooncake_kill",)
+"""The Mooncake soak's faults in CI (its own soak run: ``--remote mooncake``)."""
 
-@pytest.fixture(scope="module")
-def soak(tmp_path_factory):
-    require_vllm()
-    if os.geteuid() != 0:
-        pytest.skip("needs root for the tmpfs disk tier (mount)")
-    if find_redis_server() is None:
-        skip_or_fail("no redis-server")
-    out = tmp_path_factory.mktemp("soak")
+
+def _run_soak(out, *args: str) -> dict:
+    """Run ``tests.soak.run_soak --ci *args`` with its JSON and logs under ``out``; the parsed JSON."""
     js = out / "soak.json"
     p = subprocess.run(
-        [sys.executable, "-m", "tests.soak.run_soak", "--ci", "--json", str(js), "--keep-logs", str(out / "logs")],
+        [
+            sys.executable,
+            "-m",
+            "tests.soak.run_soak",
+            "--ci",
+            *args,
+            "--json",
+            str(js),
+            "--keep-logs",
+            str(out / "logs"),
+        ],
         capture_output=True,
         text=True,
         timeout=SOAK_TIMEOUT_S,
@@ -60,6 +76,37 @@ def soak(tmp_path_factory):
     r = json.loads(js.read_text())
     r["_stdout"] = p.stdout[-6000:]
     return r
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory):
+    require_vllm()
+    if os.geteuid() != 0:
+        pytest.skip("needs root for the tmpfs disk tier (mount)")
+    if find_redis_server() is None:
+        skip_or_fail("no redis-server")
+    return _run_soak(tmp_path_factory.mktemp("soak"))
+
+
+@pytest.fixture(scope="module")
+def mooncake_soak(tmp_path_factory):
+    require_vllm()
+    why = mc.mooncake_client_importable()
+    if why is not None:
+        mc.skip_or_fail(f"the mooncake client cannot be imported ({why}); bash scripts/setup_mooncake.sh")
+    if mc.find_mooncake_bin("mooncake_master") is None or mc.find_mooncake_bin("mooncake_client") is None:
+        mc.skip_or_fail("mooncake_master / mooncake_client not found (bash scripts/setup_mooncake.sh)")
+    # a disk tier far smaller than the working set (max_local_disk_size ~40 MiB, ~3 chunks): lmtier then
+    # also loads from Mooncake (4,096 remote hit tokens in a measured run), not only stores into it
+    return _run_soak(
+        tmp_path_factory.mktemp("mooncake_soak"),
+        "--remote",
+        "mooncake",
+        "--faults",
+        ",".join(MOONCAKE_CI_FAULTS),
+        "--disk-fs-mib",
+        "48",
+    )
 
 
 def _episodes(soak, fault: str) -> list[dict]:
@@ -128,3 +175,21 @@ def test_rss_and_fds_bounded(soak):
     assert rss["max"] < pools_mb + 6000, rss
     assert rss["second_half_last"] <= rss["second_half_first"] * 1.15 + 100, rss
     assert fds["second_half_last"] <= fds["second_half_first"] + 64, fds
+
+
+def test_mooncake_no_wrong_lost_or_errors(mooncake_soak):
+    s = mooncake_soak
+    assert s["wrong"] == 0, json.dumps(s["wrong_records"][:3], indent=1)
+    assert s["lost"] == 0 and s["hangs"] == 0, s["_stdout"]
+    assert s["errors"] == 0, json.dumps(s["error_records"][:3], indent=1)
+    assert s["served"] >= s["min_served"] > 0, s["_stdout"]
+    assert s["pools"]["remote"] == "mooncake"
+    assert set(s["skipped_faults"]) == set(), s["skipped_faults"]
+
+
+@pytest.mark.parametrize("fault", MOONCAKE_CI_FAULTS)
+def test_mooncake_fault_recovered(mooncake_soak, fault):
+    test_fault_recovered(mooncake_soak, fault)
+    if fault == "mooncake_kill":
+        d = _episodes(mooncake_soak, fault)[0]
+        assert d["master_killed"] and d["store_server_alive"], d

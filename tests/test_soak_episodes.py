@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.soak.faults import FAULTS, Episode, Fault
+from tests.soak.faults import FAULTS, Baseline, Episode, Fault
 from tests.soak.harness import Soak
 from tests.soak.run_soak import parse_args
 
@@ -218,3 +218,112 @@ def test_reliability_reports_too_slow_as_skip_and_failures_as_failures():
         rel.test_fault_recovered(skipped, "server_kill")
     with pytest.raises(pytest.skip.Exception, match="server_kill not run"):
         rel.test_server_kill_left_records_and_no_half_written_ones(skipped)
+
+
+# ---- Mooncake faults (a real mooncake_master and store server, no vLLM server) --------------------
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of ``/proc/<pid>/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _mooncake_soak(soak, store):
+    soak.a.remote = "mooncake"
+    soak.mooncake = store
+    return soak
+
+
+def _put_with_a_fresh_client(store, key: str) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    c = MooncakeDistributedStore()
+    assert c.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", store.master.address) == 0
+    try:
+        deadline = time.monotonic() + 60  # the store server re-mounts its segment by itself after a restart
+        while c.put(key, b"v" * 4096) != 0:
+            assert time.monotonic() < deadline, "no put succeeded within 60 s"
+            time.sleep(0.5)
+    finally:
+        c.close()
+
+
+def _baseline(s: Soak) -> Baseline:
+    return Baseline(s.hits(), s.redis_keys(), 0, s.mooncake_counts())
+
+
+def test_mooncake_kill_kills_and_clear_restarts_on_the_same_ports(soak, mooncake_store):
+    s = _mooncake_soak(soak, mooncake_store)
+    m = mooncake_store.master
+    port, metrics_port, pid = m.rpc_port, m.metrics_port, m.proc.popen.pid
+    _put_with_a_fresh_client(mooncake_store, "before")
+    assert s.mooncake_counts() == {"keys": 1, "puts": 1}
+    f = FAULTS["mooncake_kill"]
+    ep = Episode(f.name, 1, s.now())
+    f.inject(s, ep)
+    assert ep.detail == {"keys_before": 1, "master_killed": True}
+    assert not m.alive() and s.mooncake_counts() is None
+    assert f.recovered(s, ep, _baseline(s)) == (False, "mooncake completed puts 0 -> None, keys None -> None")
+    f.clear(s, ep)
+    assert m.alive() and m.proc.popen.pid != pid and (m.rpc_port, m.metrics_port) == (port, metrics_port)
+    assert ep.detail["store_server_alive"] is True
+    base = _baseline(s)
+    assert base.mooncake == {"keys": 0, "puts": 0}  # restarted empty
+    assert f.recovered(s, ep, base)[0] is False
+    _put_with_a_fresh_client(mooncake_store, "after")
+    ok, what = f.recovered(s, ep, base)
+    assert ok, what
+    assert what == "mooncake completed puts 0 -> 1, keys 0 -> 1"
+
+
+def test_mooncake_pause_stops_and_clear_continues_the_master(soak, mooncake_store):
+    s = _mooncake_soak(soak, mooncake_store)
+    m = mooncake_store.master
+    _put_with_a_fresh_client(mooncake_store, "before")
+    f = FAULTS["mooncake_pause"]
+    ep = Episode(f.name, 1, s.now())
+    s.active.add(f.name)  # as run_episode does
+    try:
+        f.inject(s, ep)
+        assert ep.detail["keys_before"] == 1  # noted just before the stop
+        assert _proc_state(m.proc.popen.pid) == "T"
+        t = time.monotonic()
+        assert s.mooncake_counts() is None  # not asked while stopped (it would not answer)
+        assert time.monotonic() - t < 0.5
+    finally:
+        s.active.discard(f.name)
+        f.clear(s, ep)
+    assert _proc_state(m.proc.popen.pid) != "T"
+    assert ep.detail["keys_after_resume"] == 1
+    base = _baseline(s)
+    assert base.mooncake == {"keys": 1, "puts": 1}
+    assert f.recovered(s, ep, base)[0] is False  # nothing stored since the clear
+    _put_with_a_fresh_client(mooncake_store, "after")
+    ok, what = f.recovered(s, ep, base)
+    assert ok and what == "mooncake completed puts 1 -> 2, keys 1 -> 2", what
+
+
+@pytest.mark.parametrize(
+    "remote, runs, skipped",
+    [
+        ("redis", ["redis_kill", "disk_corrupt"], {"mooncake_kill": "mooncake", "mooncake_pause": "mooncake"}),
+        ("mooncake", ["mooncake_kill", "mooncake_pause", "disk_corrupt"], {"redis_kill": "redis"}),
+    ],
+)
+def test_the_other_remotes_faults_are_skipped_with_the_reason(tmp_path, remote, runs, skipped):
+    faults = "redis_kill,mooncake_kill,mooncake_pause,disk_corrupt,disk_full"
+    a = parse_args(["--ci", "--remote", remote, "--faults", faults, "--no-tmpfs"])
+    s = Soak(a, tmp_path)
+    s.skip_unrunnable()
+    assert a.fault_list == runs
+    assert s.skipped_faults == {
+        **{f: f"needs the {r} remote (this soak runs --remote {remote})" for f, r in skipped.items()},
+        "disk_full": "needs the tmpfs disk folder (mount failed: not root?, or --no-tmpfs)",
+    }
+
+
+def test_remote_timeout_default_follows_the_remote():
+    assert parse_args(["--ci"]).remote_timeout == 0.5
+    assert parse_args(["--ci", "--remote", "mooncake"]).remote_timeout == 5.0
+    assert parse_args(["--ci", "--remote", "mooncake", "--remote-timeout", "2"]).remote_timeout == 2.0

@@ -7,8 +7,13 @@ when recovery is judged) lives in run_soak.py and is the same for every kind; a 
 function set and one entry here.
 
 Recovery conditions (observed after the fault cleared, against a :class:`Baseline` taken at the clear):
-Redis faults — Redis's key count grows (stores resume); disk faults — new record files appear or disk
-hits are served; server_kill — the restarted server serves lmtier hits from disk/Redis (warm).
+Redis faults — Redis's key count grows (stores resume); Mooncake faults — the master counts new
+completed puts (stores resume; read from the master's own ``/metrics``); disk faults — new record files
+appear or disk hits are served; server_kill — the restarted server serves lmtier hits from disk or the
+remote (warm).
+
+A fault of one remote (``needs_remote``) is skipped, with the reason, when the soak runs the other one
+(``--remote``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmtier.testing.mooncake import MooncakeCluster
 from lmtier.testing.redis import RedisServer
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "Baseline",
     "Fault",
     "FAULTS",
+    "REMOTES",
     "ALL_FAULTS",
     "CI_FAULTS",
     "TMPFS_FAULTS",
@@ -55,11 +62,17 @@ class SoakState(Protocol):
 
     disk: Path  # the disk tier's folder (a tmpfs mount when ``tmpfs``)
     tmpfs: bool
-    redis: RedisServer
+    redis: RedisServer | None  # the remote when ``--remote redis``
+    mooncake: MooncakeCluster | None  # the remote (master + one store server) when ``--remote mooncake``
     seed: int
 
     def redis_keys(self) -> int | None:
-        """Redis's key count (None while it cannot answer)."""
+        """Redis's key count (None while it cannot answer or with no Redis)."""
+
+    def mooncake_counts(self) -> dict[str, int] | None:
+        """From the Mooncake master's ``/metrics``: ``keys`` (``master_key_count``) and ``puts`` (completed
+        puts since the master started: PutEnd requests plus BatchPutEnd items, less failures); None while
+        it cannot answer (paused, killed) or with no Mooncake."""
 
     def hits_now(self) -> dict[str, float]:
         """lmtier hit tokens per tier (``cpu``/``disk``/``remote``), summed over server generations."""
@@ -100,11 +113,13 @@ class Episode:
 
 @dataclass(frozen=True)
 class Baseline:
-    """Taken when the fault cleared: hit tokens per tier, Redis key count, disk record count."""
+    """Taken when the fault cleared: hit tokens per tier, Redis key count, disk record count, the
+    Mooncake master's counts (:meth:`SoakState.mooncake_counts`)."""
 
     hits: dict[str, float]
     redis_keys: int | None
     disk_files: int
+    mooncake: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,8 @@ class Fault:
         needs_tmpfs: only on the tmpfs disk folder (skipped, and reported, without root).
         outage: the server is down while the fault is in place: no request can complete during it, so
             the fault phase ends as soon as ``inject`` returns (the clients retry across the outage).
+        needs_remote: only with this ``--remote`` (one of :data:`REMOTES`; skipped, and reported,
+            with the other).
     """
 
     name: str
@@ -131,6 +148,11 @@ class Fault:
     tick: Callable[[SoakState, Episode], None] | None = None
     needs_tmpfs: bool = False
     outage: bool = False
+    needs_remote: str | None = None
+
+
+REMOTES = ("redis", "mooncake")
+"""The soak's remote tiers (``--remote``; one per run: the server has one ``remote_url``)."""
 
 
 # ---- Redis -------------------------------------------------------------------------------------
@@ -160,6 +182,60 @@ def _redis_pause(s: SoakState, ep: Episode) -> None:
 
 def _redis_resume(s: SoakState, ep: Episode) -> None:
     s.redis.resume()
+
+
+# ---- Mooncake ----------------------------------------------------------------------------------
+
+# After SIGCONT the master first answers the calls that waited through the pause (puts the tier had
+# already given up on): they complete within milliseconds. Waiting this long before the baseline keeps
+# them from counting as recovery.
+MOONCAKE_SETTLE_S = 2.0
+
+
+def _mooncake_recovered(s: SoakState, ep: Episode, b: Baseline) -> tuple[bool, str]:
+    now = s.mooncake_counts()
+    before = b.mooncake or {}
+    p0 = before.get("puts")
+    if ep.fault == "mooncake_kill":
+        p0 = 0  # a restarted master starts from zero: any completed put came after the restart
+    ok = now is not None and p0 is not None and now["puts"] > p0
+    keys = (before.get("keys"), None if now is None else now["keys"])
+    return ok, f"mooncake completed puts {p0} -> {None if now is None else now['puts']}, keys {keys[0]} -> {keys[1]}"
+
+
+def _mooncake_note(s: SoakState, ep: Episode, key: str) -> None:
+    c = s.mooncake_counts()
+    ep.detail[key] = None if c is None else c["keys"]
+
+
+def _mooncake_kill(s: SoakState, ep: Episode) -> None:
+    assert s.mooncake is not None
+    _mooncake_note(s, ep, "keys_before")
+    s.mooncake.master.kill()
+    ep.detail["master_killed"] = not s.mooncake.master.alive()
+
+
+def _mooncake_restart(s: SoakState, ep: Episode) -> None:
+    """Start the master again on the same ports (empty: its metadata was in memory); the store server
+    and the server's client re-mount by themselves."""
+    assert s.mooncake is not None
+    t = time.monotonic()
+    s.mooncake.master.start(timeout_s=60.0)
+    ep.detail["master_restart_s"] = round(time.monotonic() - t, 2)
+    ep.detail["store_server_alive"] = all(x.alive() for x in s.mooncake.servers)
+
+
+def _mooncake_pause(s: SoakState, ep: Episode) -> None:
+    assert s.mooncake is not None
+    _mooncake_note(s, ep, "keys_before")
+    s.mooncake.master.pause()
+
+
+def _mooncake_resume(s: SoakState, ep: Episode) -> None:
+    assert s.mooncake is not None
+    s.mooncake.master.resume()
+    time.sleep(MOONCAKE_SETTLE_S)
+    _mooncake_note(s, ep, "keys_after_resume")
 
 
 # ---- disk --------------------------------------------------------------------------------------
@@ -337,6 +413,7 @@ FAULTS: dict[str, Fault] = {
             inject=_redis_kill,
             clear=_redis_restart,
             recovered=_redis_recovered,
+            needs_remote="redis",
         ),
         Fault(
             "redis_pause",
@@ -344,6 +421,23 @@ FAULTS: dict[str, Fault] = {
             inject=_redis_pause,
             clear=_redis_resume,
             recovered=_redis_recovered,
+            needs_remote="redis",
+        ),
+        Fault(
+            "mooncake_kill",
+            "SIGKILL mooncake_master; restart it (empty) on the same ports when the fault clears",
+            inject=_mooncake_kill,
+            clear=_mooncake_restart,
+            recovered=_mooncake_recovered,
+            needs_remote="mooncake",
+        ),
+        Fault(
+            "mooncake_pause",
+            "SIGSTOP mooncake_master (a hung master, >> remote_timeout_s); SIGCONT when the fault clears",
+            inject=_mooncake_pause,
+            clear=_mooncake_resume,
+            recovered=_mooncake_recovered,
+            needs_remote="mooncake",
         ),
         Fault(
             "disk_corrupt",

@@ -1,5 +1,5 @@
-"""The running soak (tests/soak/run_soak.py): server, Redis, disk folder, clients, sampler and the fault
-episodes (the episode logic: see run_soak's docstring; the fault kinds: tests/soak/faults.py)."""
+"""The running soak (tests/soak/run_soak.py): server, remote (Redis or Mooncake), disk folder, clients,
+sampler and the fault episodes (the episode logic: see run_soak's docstring; the fault kinds: tests/soak/faults.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any
 import requests
 
 from lmtier.testing import procmem  # per-region anonymous memory from /proc/<pid>/smaps
+from lmtier.testing.mooncake import MooncakeCluster
 from lmtier.testing.procs import free_port
 from lmtier.testing.redis import RedisServer
 from lmtier.testing.server import VLLMServer, parse_metrics
@@ -79,6 +80,41 @@ def redis_cli(port: int, *args: str, timeout: float = 2.0) -> str:
         return ""
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state ``T`` in ``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def mooncake_counts(metrics_port: int, timeout: float = 2.0) -> dict[str, int] | None:
+    """``keys`` and completed ``puts`` from a Mooncake master's ``/metrics`` (see
+    tests.soak.faults.SoakState.mooncake_counts); None when it does not answer."""
+    try:
+        text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout).text
+    except requests.RequestException:
+        return None
+    m = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#"):
+            try:
+                m[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    if "master_key_count" not in m:
+        return None
+    puts = (
+        m.get("master_put_end_requests_total", 0.0)
+        - m.get("master_put_end_failures_total", 0.0)
+        + m.get("master_batch_put_end_items_total", 0.0)
+        - m.get("master_batch_put_end_failed_items_total", 0.0)
+    )
+    return {"keys": int(m["master_key_count"]), "puts": int(puts)}
+
+
 def mount_tmpfs(path: Path, mib: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(
@@ -100,8 +136,9 @@ def umount(path: Path) -> None:
 
 
 class Soak:
-    """The running soak: server, Redis, disk folder, clients, sampler and the fault episodes
-    (implements tests.soak.faults.SoakState). Times in records and episodes are seconds since ``t0``."""
+    """The running soak: server, remote (Redis or Mooncake: ``--remote``), disk folder, clients, sampler and
+    the fault episodes (implements tests.soak.faults.SoakState). Times in records and episodes are seconds
+    since ``t0``."""
 
     def __init__(self, a: argparse.Namespace, work: Path):
         self.a, self.work = a, work
@@ -124,6 +161,7 @@ class Soak:
         self.notes: list[str] = []
         self.startup_s: list[float] = []
         self.redis: RedisServer | None = None
+        self.mooncake: MooncakeCluster | None = None
         self.disk = work / "disk"
         self.tmpfs = False
         self.port = free_port()
@@ -137,6 +175,18 @@ class Soak:
         return time.monotonic() - self.t0
 
     # ---- setup -------------------------------------------------------------------------
+    def skip_unrunnable(self) -> None:
+        """Move the faults this soak cannot run from ``a.fault_list`` to ``skipped_faults`` (name ->
+        reason): the tmpfs faults without the tmpfs, a remote's faults when the soak runs the other."""
+        a = self.a
+        for f in a.fault_list:
+            need = FAULTS[f].needs_remote
+            if FAULTS[f].needs_tmpfs and not self.tmpfs:
+                self.skipped_faults[f] = "needs the tmpfs disk folder (mount failed: not root?, or --no-tmpfs)"
+            elif need is not None and need != a.remote:
+                self.skipped_faults[f] = f"needs the {need} remote (this soak runs --remote {a.remote})"
+        a.fault_list = [f for f in a.fault_list if f not in self.skipped_faults]
+
     def setup(self) -> None:
         a = self.a
         self.server_env, notes = procmem.server_mem_env(a.malloc, None if a.onednn_cache < 0 else a.onednn_cache)
@@ -144,23 +194,31 @@ class Soak:
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.tmpfs = mount_tmpfs(self.disk, a.disk_fs_mib) if not a.no_tmpfs else False
         self.disk.mkdir(exist_ok=True)
-        if not self.tmpfs:
-            for f in a.fault_list:
-                if FAULTS[f].needs_tmpfs:
-                    self.skipped_faults[f] = "needs the tmpfs disk folder (mount failed: not root?, or --no-tmpfs)"
-            a.fault_list = [f for f in a.fault_list if f not in self.skipped_faults]
-        self.redis = RedisServer(
-            extra_args=("--maxmemory", f"{a.redis_maxmemory_mib}mb", "--maxmemory-policy", "allkeys-lru")
-        )
-        self.redis.start(timeout_s=60.0)
+        self.skip_unrunnable()
         disk_fs = f"tmpfs {a.disk_fs_mib:d} MiB" if self.tmpfs else "plain folder"
-        log(f"redis on 127.0.0.1:{self.redis.port}; disk tier {self.disk} ({disk_fs})")
+        if a.remote == "mooncake":
+            # a master and one store server holding the data (the server's client mounts no memory), as
+            # in tests/test_connector_e2e.py's two-engine test
+            self.mooncake = MooncakeCluster(servers=1, segment_bytes=a.mooncake_segment_mib << 20).start(60.0)
+            m = self.mooncake.master
+            log(
+                f"mooncake master on {m.address} (metrics :{m.metrics_port}), store server "
+                f"{a.mooncake_segment_mib} MiB; disk tier {self.disk} ({disk_fs})"
+            )
+            remote = f'remote_url: "{self.mooncake.url}"\nmooncake_global_segment_size: 0\n'
+        else:
+            self.redis = RedisServer(
+                extra_args=("--maxmemory", f"{a.redis_maxmemory_mib}mb", "--maxmemory-policy", "allkeys-lru")
+            )
+            self.redis.start(timeout_s=60.0)
+            log(f"redis on 127.0.0.1:{self.redis.port}; disk tier {self.disk} ({disk_fs})")
+            remote = f'remote_url: "redis://127.0.0.1:{self.redis.port}/0"\n'
         disk_gib = a.disk_fs_mib * 0.85 / 1024
         self.cfg = self.work / "lmtier.yaml"
         self.cfg.write_text(
             f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {a.cpu_gib}\n"
             f'local_disk: "file://{self.disk}"\nmax_local_disk_size: {disk_gib:.4f}\n'
-            f'remote_url: "redis://127.0.0.1:{self.redis.port}/0"\nremote_timeout_s: {a.remote_timeout}\n'
+            f"{remote}remote_timeout_s: {a.remote_timeout}\n"
         )
         from lmtier.config import load_config
 
@@ -210,6 +268,8 @@ class Soak:
             except Exception:  # noqa: BLE001
                 pass
             self.redis.close()
+        if self.mooncake is not None:
+            self.mooncake.close()  # SIGKILL kills a paused master too
         if self.tmpfs:
             subprocess.run(["mount", "-o", "remount,rw", str(self.disk)], capture_output=True)
             umount(self.disk)
@@ -325,10 +385,16 @@ class Soak:
                     self.last_regions = time.monotonic()
                     s.update(worker_regions(pids, self.named_regions))
                 s["metrics"] = {k: v for k, v in self.scrape().items() if "lmtier" in k}
-            proc = self.redis.proc
-            if proc is not None:
-                s["redis_rss_mb"] = rss_and_fds([proc.pid])[0]
-            s["redis_keys"] = self.redis_keys()
+            if self.redis is not None:
+                proc = self.redis.proc
+                if proc is not None:
+                    s["redis_rss_mb"] = rss_and_fds([proc.pid])[0]
+                s["redis_keys"] = self.redis_keys()
+            if self.mooncake is not None:
+                master = self.mooncake.master
+                if master.alive():
+                    s["mooncake_master_rss_mb"] = rss_and_fds([master.proc.popen.pid])[0]
+                s["mooncake"] = self.mooncake_counts()
             s["disk_files"] = len(disk_records(self.disk))
             with self.lock:
                 self.samples.append(s)
@@ -338,6 +404,12 @@ class Soak:
             return None
         out = redis_cli(self.redis.port, "DBSIZE")
         return int(out) if out.isdigit() else None
+
+    def mooncake_counts(self) -> dict[str, int] | None:
+        m = self.mooncake.master if self.mooncake is not None else None
+        if m is None or not m.alive() or stopped(m.proc.popen.pid):  # a stopped master would not answer
+            return None
+        return mooncake_counts(m.metrics_port)
 
     def hits(self) -> dict[str, float]:
         """lmtier hit tokens per tier summed over server generations (metrics reset on restart)."""
@@ -422,7 +494,7 @@ class Soak:
             return
         t_clear = self.now() if f.outage else ep.t1  # a restart: requests count from when it is back
         ep.detail["t_back"] = round(t_clear, 1)
-        base = Baseline(self.hits_now(), self.redis_keys(), len(disk_records(self.disk)))
+        base = Baseline(self.hits_now(), self.redis_keys(), len(disk_records(self.disk)), self.mooncake_counts())
         seen: str | None = None  # what showed recovery (latched: once seen, it happened)
         what = ""
         while not self.stop.wait(1.0):

