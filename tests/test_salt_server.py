@@ -144,21 +144,11 @@ def _child(spec_path: str, out_path: str) -> None:
 
 
 def _run_child(spec: dict, tmp: Path, timeout_s: float = 500.0) -> dict:
-    from lmtier.testing.vllm import REPO, write_yaml
+    from lmtier.testing.vllm import engine_env, write_yaml
 
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-        VLLM_NO_USAGE_STATS="1",
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        LMTIER_CONFIG_FILE=str(write_yaml(tmp / "lmtier.yaml", spec["config"])),
-    )
+    env = engine_env(tmp, write_yaml(tmp / "lmtier.yaml", spec["config"]))
     p = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
         env=env,

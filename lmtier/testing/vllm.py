@@ -51,7 +51,7 @@ from pathlib import Path
 
 from lmtier import envs
 
-__all__ = ["REPO", "MODEL_DIR", "SEGMENT", "vllm_skip_reason", "require_vllm", "write_yaml", "run_engine"]
+__all__ = ["REPO", "MODEL_DIR", "SEGMENT", "vllm_skip_reason", "require_vllm", "write_yaml", "engine_env", "run_engine"]
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout that holds this package (its ``models/`` folder holds the test model)."""
@@ -101,6 +101,29 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
+def engine_env(tmp: Path, config_path: Path) -> dict[str, str]:
+    """The environment of an offline vLLM engine child process: this one's without ``LMTIER_*``
+    variables (but the ``LMTIER_REQUIRE_*`` of the test run), in-process engine core, 1 GiB of CPU KV
+    cache, no network, vLLM's cache under ``tmp``, this checkout first on ``PYTHONPATH`` and
+    ``LMTIER_CONFIG_FILE=config_path``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("LMTIER_") or k in ("LMTIER_REQUIRE_VLLM", "LMTIER_REQUIRE_REDIS")
+    }
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        VLLM_NO_USAGE_STATS="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        LMTIER_CONFIG_FILE=str(config_path),
+    )
+    return env
+
+
 def run_engine(spec: dict, tmp: Path, *, name: str = "run", timeout_s: float = 1200.0) -> dict:
     """Run one engine process executing ``spec``; returns its JSON results.
 
@@ -114,20 +137,7 @@ def run_engine(spec: dict, tmp: Path, *, name: str = "run", timeout_s: float = 1
     spec_path = tmp / f"{name}.spec.json"
     out_path = tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith("LMTIER_") and k not in ("LMTIER_REQUIRE_VLLM", "LMTIER_REQUIRE_REDIS"):
-            del env[k]
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-        VLLM_NO_USAGE_STATS="1",
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        LMTIER_CONFIG_FILE=str(write_yaml(tmp / f"{name}.yaml", spec["config"])),
-    )
+    env = engine_env(tmp, write_yaml(tmp / f"{name}.yaml", spec["config"]))
     env.update(spec.get("env", {}))
     t0 = time.monotonic()
     try:
