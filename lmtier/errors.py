@@ -13,6 +13,8 @@ lmtier's own errors with one clause, while each class keeps the built-in base it
   :class:`lmtier.codec.chunk.CodecRecordError` (a ``CodecInputError``): a codec record that does
   not decode.
 * :class:`lmtier.tiers.base.TierError` (``RuntimeError``): a tier failure (a miss / a dropped store).
+* :class:`lmtier.tiers.disk.io.NotRegularFile` (``OSError``): a disk record path that holds no regular
+  file (a directory, a link, a FIFO, a device node); the disk tier turns it into a miss.
 * :class:`lmtier.integration.vllm.fetch.InjectedFault` (``RuntimeError``): test-only fault injection.
 * :class:`lmtier.testing.redis.RedisUnavailable` (``RuntimeError``): the test harness found no
   redis-server.

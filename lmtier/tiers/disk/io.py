@@ -12,6 +12,8 @@ import threading
 
 import numpy as np
 
+from lmtier.errors import LMTierError
+
 __all__ = [
     "NotRegularFile",
     "background_priority",
@@ -57,7 +59,7 @@ def background_priority() -> None:
         pass
 
 
-class NotRegularFile(OSError):
+class NotRegularFile(LMTierError, OSError):
     """A record path holds something other than a regular file: a directory, a symbolic link, a
     FIFO, a device node or a socket. ``kind`` names it. The disk tier never created it, so it is a
     miss that is left in place (never followed, read, or removed)."""
