@@ -23,7 +23,7 @@ class HostBuffer {
   HostBuffer(size_t nbytes, bool pinned) : nbytes_(nbytes), pinned_(pinned) {
     ptr_ = host_alloc(nbytes, pinned);
   }
-  ~HostBuffer() { host_free(ptr_, pinned_); }
+  ~HostBuffer() { host_free(ptr_, nbytes_, pinned_); }
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
   uintptr_t ptr() const { return reinterpret_cast<uintptr_t>(ptr_); }

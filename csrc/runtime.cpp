@@ -2,6 +2,8 @@
 // runtime is linked statically, so no libcuda is needed at build or import time.
 #include "lmtier/runtime.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <vector>
 
@@ -46,13 +48,18 @@ void* host_alloc(size_t nbytes, bool pinned) {
     LMTIER_CHECK_ARG(false, "host_alloc: pinned memory needs a CUDA build of lmtier");
 #endif
   }
-  const size_t rounded = (nbytes + 4095) / 4096 * 4096;
-  LMTIER_CHECK(posix_memalign(&p, 4096, rounded) == 0 && p != nullptr,
-               "host_alloc: out of memory (", nbytes, " bytes)");
+  // A fresh anonymous mapping, never memory recycled from malloc's free lists: its pages are
+  // zero and untouched until first written, so a lazily populated pool costs no resident memory
+  // (posix_memalign may hand back an already-faulted free chunk of the heap).
+  p = mmap(nullptr, host_alloc_bytes(nbytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+           -1, 0);
+  LMTIER_CHECK(p != MAP_FAILED, "host_alloc: out of memory (", nbytes, " bytes)");
   return p;
 }
 
-void host_free(void* ptr, bool pinned) {
+size_t host_alloc_bytes(size_t nbytes) { return (nbytes + 4095) / 4096 * 4096; }
+
+void host_free(void* ptr, size_t nbytes, bool pinned) {
   if (ptr == nullptr) return;
 #ifdef LMTIER_WITH_CUDA
   if (pinned) {
@@ -60,7 +67,7 @@ void host_free(void* ptr, bool pinned) {
     return;
   }
 #endif
-  std::free(ptr);
+  munmap(ptr, host_alloc_bytes(nbytes));
 }
 
 #ifdef LMTIER_WITH_CUDA

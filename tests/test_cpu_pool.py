@@ -423,9 +423,43 @@ def test_populate_ahead_of_use():
 
 
 def test_lazy_arena_is_not_populated():
-    pool = CPUPool(64 << 20, 4096, populate="lazy")  # > glibc's largest mmap threshold: a fresh mapping
+    pool = CPUPool(64 << 20, 4096, populate="lazy")
     if not pool.pinned:
         assert _resident_pages(pool.arena) < 1024
+
+
+_RECYCLED_HEAP = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: malloc never maps, every block comes from the heap
+libc.mallopt(-1, 1 << 40)  # M_TRIM_THRESHOLD: a freed block stays in the heap, faulted in
+libc.malloc.restype = ctypes.c_void_p
+block = libc.malloc(96 << 20)
+ctypes.memset(block, 0xAB, 96 << 20)
+libc.free(ctypes.c_void_p(block))
+sys.path.insert(0, sys.argv[1])
+import test_cpu_pool as t
+from lmtier.tiers.cpu import CPUPool
+pool = CPUPool(64 << 20, 4096, populate="lazy")
+print(pool.pinned, t._resident_pages(pool.arena), int(pool.arena[: 1 << 20].max()))
+"""
+
+
+def test_lazy_arena_is_a_fresh_mapping_not_recycled_heap():
+    """A lazy arena is never a faulted-in block recycled by malloc (the CI failure of stop 22: a
+    heap with a free 64+ MiB chunk handed it back, all pages resident and holding old bytes)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    here = str(pathlib.Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _RECYCLED_HEAP, here], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    if out[0] == "True":
+        pytest.skip("pinned arenas are mapped by cudaHostAlloc")
+    assert int(out[1]) < 1024  # not resident
+    assert int(out[2]) == 0  # zero pages, not the 0xAB of the freed block
 
 
 def test_populate_keeps_contents():

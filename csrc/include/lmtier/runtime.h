@@ -13,10 +13,13 @@ int cuda_device_count();
 bool built_with_cuda();
 
 // Page-aligned host allocation of exactly `nbytes` bytes. pinned=true: page-locked and mapped
-// (cudaHostAlloc(Portable | Mapped)), needs a usable CUDA device; pinned=false:
-// posix_memalign(4096).
+// (cudaHostAlloc(Portable | Mapped)), needs a usable CUDA device; pinned=false: a fresh anonymous
+// mmap of host_alloc_bytes(nbytes) (zero pages, none resident until first touched).
 void* host_alloc(size_t nbytes, bool pinned);
-void host_free(void* ptr, bool pinned);
+// Bytes host_alloc maps for an unpinned request of `nbytes` (rounded up to 4 KiB pages).
+size_t host_alloc_bytes(size_t nbytes);
+// Frees what host_alloc(nbytes, pinned) returned; the same nbytes and pinned must be passed.
+void host_free(void* ptr, size_t nbytes, bool pinned);
 
 #ifdef LMTIER_WITH_CUDA
 // cudaMemcpyAsync(cudaMemcpyDefault) on `stream`.
