@@ -574,23 +574,45 @@ class TierManager:
         Raises:
             TypeError: bad ``out``. RuntimeError: closed.
         """
+        return self.fetch_lower_many([key], [out], stream=stream)[0]
+
+    def fetch_lower_many(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
+        """:meth:`fetch_lower` of several chunks: the disk tier reads each; those it misses come from
+        the remote tier in one ``get_many_into`` (one batched client call where the tier has one:
+        :meth:`~lmtier.tiers.base.Tier.batches_gets`). Returns per key the chunk's length or None.
+
+        Raises:
+            TypeError: bad ``out``. ValueError: ``keys`` and ``outs`` differ in length.
+            RuntimeError: closed.
+        """
         self._check_open()
-        dst = _as_byte_dest(out)
-        target = out if isinstance(out, torch.Tensor) else memoryview(dst)
+        if len(keys) != len(outs):
+            raise ValueError(f"fetch_lower_many: {len(keys)} keys, {len(outs)} outs")
+        targets = [o if isinstance(o, torch.Tensor) else memoryview(_as_byte_dest(o)) for o in outs]
+        res: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
         if stream is not None:
             from lmtier.tiers.codec import CodecTier
         for tier in (self.disk, self.remote):
-            if tier is None:
+            if tier is None or not todo:
                 continue
-            if stream is not None and isinstance(tier, CodecTier):
-                n = self._safe(tier.get_into, key, target, default=None, stream=stream)
+            kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
+            if len(todo) == 1:
+                got = [self._safe(tier.get_into, keys[todo[0]], targets[todo[0]], default=None, **kw)]
             else:
-                n = self._safe(tier.get_into, key, target, default=None)
-            if n is not None:
-                self._count(f"hits_{tier.name}")
-                return n
-        self._count("misses")
-        return None
+                ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
+                got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
+            left = []
+            for i, n in zip(todo, got, strict=True):
+                if n is None:
+                    left.append(i)
+                else:
+                    res[i] = n
+                    self._count(f"hits_{tier.name}")
+            todo = left
+        if todo:
+            self._count("misses", len(todo))
+        return res
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to ``counters[name]`` (thread-safe)."""

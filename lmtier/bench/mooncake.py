@@ -3,7 +3,7 @@
 Usage::
 
     lmtier bench mooncake [--presets smollm2-135m,llama-3.1-8b] [--counts 8,32] [--iters 3]
-        [--chunk-tokens 256] [--bounce-mib 256] [--no-redis] [--json out.json]
+        [--chunk-tokens 256] [--bounce-mib 256] [--pipeline-depths 2] [--no-redis] [--json out.json]
 
 Starts a private Mooncake Store on 127.0.0.1 (``mooncake_master`` and one standalone
 ``mooncake_client`` store server that holds the data, :mod:`lmtier.testing.mooncake`) and, unless
@@ -17,7 +17,8 @@ preset's KV geometry (SmolLM2: 5.9 MB, Llama-3.1-8B: 32 MiB) are stored and load
   timeout machinery): the ceiling;
 * ``tier``: :meth:`MooncakeTier.put_many` / :meth:`MooncakeTier.get_many_into` — the product path:
   record header, xxh3 on both sides, the copy through the registered bounce region, the worker
-  thread with its timeout, the ``batch_is_exist`` confirmation of every put (Mooncake #1817);
+  thread with its timeout, the ``batch_is_exist`` confirmation of every put (Mooncake #1817); one
+  row per ``--pipeline-depths`` value (the tier's ``pipeline_depth``; its default is 2);
 * ``redis``: :class:`RedisTier` ``put`` / ``get_into`` of the same chunks one after another (the tier
   manager's remote path), against the private redis-server.
 
@@ -55,7 +56,14 @@ def _med(xs: list[float]) -> float:
 
 
 def run_case(
-    store, size: int, count: int, iters: int, bounce_bytes: int, redis_url: str | None, warmup: int = 1
+    store,
+    size: int,
+    count: int,
+    iters: int,
+    bounce_bytes: int,
+    redis_url: str | None,
+    warmup: int = 1,
+    pipeline_depth: int = 2,
 ) -> dict:
     """One (chunk size, count) case after ``warmup`` untimed iterations; returns the row (GB/s
     medians and the per-iteration seconds)."""
@@ -72,7 +80,7 @@ def run_case(
         raise RuntimeError("raw client setup failed")
     assert raw.register_buffer(src_addr, total) == 0 and raw.register_buffer(dst_addr, total) == 0
     settings = MooncakeSettings(store.master.address, global_segment_size=0)
-    tier = MooncakeTier(store.url, settings, timeout_s=30.0, bounce_bytes=bounce_bytes)
+    tier = MooncakeTier(store.url, settings, timeout_s=30.0, bounce_bytes=bounce_bytes, pipeline_depth=pipeline_depth)
     rtier = None
     if redis_url:
         from lmtier.tiers.redis import RedisTier
@@ -133,7 +141,7 @@ def run_case(
         raw.unregister_buffer(dst_addr)
         raw.close()
         del src, dst, views, outs
-    row: dict = {"chunk_MB": round(size / 1e6, 2), "chunks": count}
+    row: dict = {"chunk_MB": round(size / 1e6, 2), "chunks": count, "depth": pipeline_depth}
     for k, xs in t.items():
         row[k + "_GBps"] = total / _med(xs) / 1e9 if xs else None
     row["put_%raw"] = 100 * row["tier_put_GBps"] / row["raw_put_GBps"]
@@ -158,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         type=bounded_int(min_value=1),
         default=256,
         help="the tier's registered bounce region (its default)",
+    )
+    ap.add_argument(
+        "--pipeline-depths",
+        type=int_list(min_value=1),
+        default=[2],
+        help="the tier's pipeline_depth values, one row each (comma-separated; 1 = one call per batch)",
     )
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier rows")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 8 chunks, 1 iteration")
@@ -188,12 +202,23 @@ def main(argv: list[str] | None = None) -> int:
         for p in presets:
             size = a.chunk_tokens * preset(p).bytes_per_token()
             for c in counts:
-                row = run_case(store, size, c, a.iters, a.bounce_mib * MiB, redis.url if redis else None)
-                row["preset"] = p
-                rows.append(row)
-                print(
-                    f"  {p} x {c}: tier put {row['tier_put_GBps']:.2f} get {row['tier_get_GBps']:.2f} GB/s", flush=True
-                )
+                for d in a.pipeline_depths:
+                    row = run_case(
+                        store,
+                        size,
+                        c,
+                        a.iters,
+                        a.bounce_mib * MiB,
+                        redis.url if redis else None,
+                        pipeline_depth=d,
+                    )
+                    row["preset"] = p
+                    rows.append(row)
+                    print(
+                        f"  {p} x {c} depth {d}: tier put {row['tier_put_GBps']:.2f} "
+                        f"get {row['tier_get_GBps']:.2f} GB/s",
+                        flush=True,
+                    )
     finally:
         store.close()
         if redis is not None:
@@ -204,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Mooncake Store loopback (tcp, data in a separate store-server process), {a.chunk_tokens}-token chunks, "
         f"median of {a.iters}; GB/s of payload"
     )
-    cols = ["preset", "chunk_MB", "chunks", "raw_put_GBps", "tier_put_GBps", "put_%raw", "redis_put_GBps"]
+    cols = ["preset", "chunk_MB", "chunks", "depth", "raw_put_GBps", "tier_put_GBps", "put_%raw", "redis_put_GBps"]
     cols += ["raw_get_GBps", "tier_get_GBps", "get_%raw", "redis_get_GBps"]
     print_table(rows, cols)
     write_json(a.json, {"system": sysinfo, "args": vars(a), "rows": rows})

@@ -107,6 +107,24 @@ class Tier(abc.ABC):
         Returns the payload length in bytes, or ``None`` on a miss or on any failure.
         """
 
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
+        """``[get_into(k, o) for k, o in zip(keys, outs)]``, each as :meth:`get_into`; tiers whose
+        client moves several values in one call faster than one by one override it (see
+        :meth:`batches_gets`).
+
+        Raises:
+            ValueError: ``keys`` and ``outs`` differ in length.
+        """
+        if len(keys) != len(outs):
+            raise ValueError(f"{type(self).__name__}.get_many_into: {len(keys)} keys, {len(outs)} outs")
+        return [self.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
+
+    def batches_gets(self) -> bool:
+        """True if :meth:`get_many_into` moves a batch faster than one ``get_into`` per key (e.g.
+        one Mooncake ``batch_get_into``), so a caller should hand it several chunks at once.
+        Default: whether the class overrides :meth:`get_many_into`."""
+        return type(self).get_many_into is not Tier.get_many_into
+
     @abc.abstractmethod
     def put(self, key: bytes, payload: Any) -> bool:
         """Store ``payload`` (read-only, contiguous bytes) under ``key``. Returns success."""

@@ -51,6 +51,7 @@ Thread-safe (encode keeps no shared state; decode slots come from each decoder's
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import math
@@ -319,40 +320,79 @@ class CodecTier(Tier):
         Raises:
             ValueError: ``stream`` with a host ``out``.
         """
-        ikey = self.inner_key(key)
-        try:
-            dst = self._dest(out)
-        except (TypeError, ValueError) as e:
-            log.warning("get_into %s: %s", bytes(key).hex()[:16], e)
-            return None
-        if dst.numel() < self.raw_bytes:
-            log.warning("get_into: out has %d bytes < chunk %d", dst.numel(), self.raw_bytes)
-            return None
-        if stream is not None and not dst.is_cuda:
-            raise ValueError("CodecTier.get_into: stream= needs a CUDA out")
-        dec = self.decoder(dst.device)
-        with dec.slot() as slot:
-            n = self.inner.get_into(ikey, slot.record)
-            if n is None:
-                self._count("misses")
-                return None
+        return self.get_many_into([key], [out], stream=stream)[0]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
+        """:meth:`get_into` of several chunks; when the inner tier batches gets
+        (:meth:`~lmtier.tiers.base.Tier.batches_gets`), their records are read with one
+        ``inner.get_many_into`` and then decoded one by one, else each is read and decoded in turn.
+
+        Args:
+            keys: 32-byte chunk keys.
+            outs: one destination per key, as for :meth:`get_into` (host buffers or CUDA tensors).
+            stream: as for :meth:`get_into` (every ``out`` CUDA).
+
+        Returns:
+            Per key: the chunk's byte count, or None.
+
+        Raises:
+            ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
+        """
+        if len(keys) != len(outs):
+            raise ValueError(f"CodecTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
+        res: list[int | None] = [None] * len(keys)
+        dsts: list[tuple[int, torch.Tensor]] = []
+        for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
             try:
-                dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream)
-            except cchunk.CodecRecordError as e:
-                log.warning(
-                    "%s: codec record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e
-                )
-                self._count("corrupt_deleted")
-                self._count("misses")
-                self.inner.delete(ikey)
-                return None
-            except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
-                log.warning("%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e)
-                self._count("decode_failures")
-                self._count("misses")
-                return None
+                dst = self._dest(out)
+            except (TypeError, ValueError) as e:
+                log.warning("get_into %s: %s", bytes(key).hex()[:16], e)
+                continue
+            if dst.numel() < self.raw_bytes:
+                log.warning("get_into: out has %d bytes < chunk %d", dst.numel(), self.raw_bytes)
+                continue
+            if stream is not None and not dst.is_cuda:
+                raise ValueError("CodecTier.get_into: stream= needs a CUDA out")
+            dsts.append((i, dst))
+        group = len(dsts) if self.inner.batches_gets() else 1
+        for g in range(0, len(dsts), max(1, group)):
+            part = dsts[g : g + group]
+            with contextlib.ExitStack() as stack:
+                slots = [stack.enter_context(self.decoder(dst.device).slot()) for _, dst in part]
+                ikeys = [self.inner_key(keys[i]) for i, _ in part]
+                if len(part) == 1:
+                    got = [self.inner.get_into(ikeys[0], slots[0].record)]
+                else:
+                    got = self.inner.get_many_into(ikeys, [s.record for s in slots])
+                for (i, dst), ikey, slot, n in zip(part, ikeys, slots, got, strict=True):
+                    res[i] = self._decode(keys[i], ikey, slot, n, dst, stream)
+        return res
+
+    def _decode(self, key: bytes, ikey: bytes, slot: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
+        """Decode the record of ``n`` bytes in ``slot`` into ``dst`` (None ``n``: the inner miss);
+        counts the hit or miss; a record that does not decode is deleted."""
+        if n is None:
+            self._count("misses")
+            return None
+        dec = self.decoder(dst.device)
+        try:
+            dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream)
+        except cchunk.CodecRecordError as e:
+            log.warning("%s: codec record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e)
+            self._count("corrupt_deleted")
+            self._count("misses")
+            self.inner.delete(ikey)
+            return None
+        except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
+            log.warning("%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e)
+            self._count("decode_failures")
+            self._count("misses")
+            return None
         self._count("hits")
         return self.raw_bytes
+
+    def batches_gets(self) -> bool:
+        return self.inner.batches_gets()
 
     def decoder(self, device: Any) -> ChunkDecoder:
         """This tier's :class:`~lmtier.codec.decoder.ChunkDecoder` for ``device`` (created on first

@@ -19,6 +19,10 @@ fetches the chunk from disk/remote on its I/O threads — several reads in fligh
   promoting would cost a device-to-host copy over the link the next loads use plus a pool slot
   per chunk while vLLM's own GPU prefix cache holds the blocks anyway.
 
+When the remote tier moves a batch faster than single reads (Mooncake Store's ``batch_get_into``:
+:meth:`lmtier.tiers.base.Tier.batches_gets`), consecutive fetches go to the tiers in groups of
+``fetch_batch`` chunks (``manager.fetch_lower_many``), one group per I/O thread.
+
 Every chunk it hands out must be given back through :meth:`ChunkFetcher.finish`.
 
 This module imports nothing from vLLM.
@@ -30,7 +34,7 @@ import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -155,6 +159,22 @@ class Chunk:
         self.ok: bool | None = None
 
 
+class _Member:
+    """Chunk ``index``'s share of a group fetch: the ``done`` / ``result`` of one future whose
+    result is a list (``result`` raises the group's exception)."""
+
+    __slots__ = ("group", "index")
+
+    def __init__(self, group: Future, index: int) -> None:
+        self.group, self.index = group, index
+
+    def done(self) -> bool:
+        return self.group.done()
+
+    def result(self) -> Any:
+        return self.group.result()[self.index]
+
+
 class ChunkFetcher:
     """Fetches chunks of ``chunk_bytes`` bytes from ``manager``'s tiers (see the module doc).
 
@@ -174,6 +194,9 @@ class ChunkFetcher:
             copy into a staging buffer before (passed to ``fetch_lower``); every reader of a
             device-staged chunk must run on it.
         window: device mode: device staging buffers in flight at most (>= 1).
+        fetch_batch: chunks fetched by one I/O task when the remote tier batches gets (>= 1; else
+            one chunk per task). Device mode starts a group once that many buffers are free (or
+            nothing is in flight).
 
     Thread-safe: :meth:`plan` / :meth:`resolve` / :meth:`finish` of different loads may run on
     different threads (the worker thread, the background load threads).
@@ -192,9 +215,10 @@ class ChunkFetcher:
         device_staging: torch.device | None = None,
         decode_stream: Any = None,
         window: int = 8,
+        fetch_batch: int = 4,
     ) -> None:
-        if window < 1:
-            raise ValueError(f"lmtier: device staging window must be >= 1, got {window}")
+        if window < 1 or fetch_batch < 1:
+            raise ValueError(f"lmtier: device staging window ({window}) and fetch_batch ({fetch_batch}) must be >= 1")
         self.manager = manager
         self.chunk_bytes = chunk_bytes
         self._faults = faults
@@ -211,6 +235,8 @@ class ChunkFetcher:
         self.device_mode = device_staging is not None
         self._stream = decode_stream
         self.window = window
+        remote = manager.remote
+        self.group = fetch_batch if remote is not None and remote.batches_gets() else 1
         self._dev_staging = (
             StagingPool(
                 chunk_bytes,
@@ -274,6 +300,7 @@ class ChunkFetcher:
                 break
         # Fetch the others only now that every pool hit is pinned: a fetch's slot reservation may
         # evict, and must not evict a chunk this load is about to read.
+        todo = []
         for c in chunks:
             if c.ok is None:
                 # Not in the pool (a disk/remote hit, or a pool hit evicted since the scheduler
@@ -281,21 +308,29 @@ class ChunkFetcher:
                 if self.device_mode:
                     c.deferred = True
                 else:
-                    self._submit(c, req_id)
+                    todo.append(c)
+        for g in range(0, len(todo), self.group):
+            self._submit(todo[g : g + self.group], req_id)
         if self.device_mode:
             self.pump(chunks)
         return chunks
 
-    def _submit(self, c: Chunk, req_id: str = "?") -> None:
+    def _submit(self, group: list[Chunk], req_id: str = "?") -> None:
+        """Start the fetch of ``group`` (consecutive chunks, all device-staged or none) as one I/O task."""
+        keys = [c.key for c in group]
         try:
-            if c.device is not None:
-                c.future = self._io().submit(self._fetch_device, c.key, c.device)
+            if group[0].device is not None:
+                f = self._io().submit(self._fetch_device_many, keys, [c.device for c in group])
             else:
-                c.future = self._io().submit(self._fetch_chunk, c.key)
+                f = self._io().submit(self._fetch_chunks, keys)
         except Exception:
-            log.exception("lmtier: load of chunk %d of request %s failed", c.ci, req_id)
-            self._drop_device(c)
-            c.ok = False
+            log.exception("lmtier: load of chunks %s of request %s failed", [c.ci for c in group], req_id)
+            for c in group:
+                self._drop_device(c)
+                c.ok = False
+            return
+        for j, c in enumerate(group):
+            c.future = _Member(f, j)
 
     def pump(self, chunks: list[Chunk], *, force_first: bool = False) -> None:
         """Device mode: start the deferred fetches of ``chunks``, in order, while fewer than
@@ -304,11 +339,14 @@ class ChunkFetcher:
         pool = self._dev_staging
         if pool is None:
             return
-        for c in chunks:
-            if not c.deferred:
-                continue
-            if pool.in_use >= self.window and not force_first:
-                return
+        waiting = [c for c in chunks if c.deferred]
+        started: list[Chunk] = []
+        for k, c in enumerate(waiting):
+            free = self.window - pool.in_use
+            if not force_first and (
+                free <= 0 or (k % self.group == 0 and pool.in_use and free < min(self.group, len(waiting) - k))
+            ):
+                break  # wait for a whole group's buffers while others are in flight
             force_first = False
             c.deferred = False
             try:
@@ -317,44 +355,57 @@ class ChunkFetcher:
                 log.exception("lmtier: no device staging buffer for chunk %d", c.ci)
                 c.ok = False
                 continue
-            self._submit(c)
+            started.append(c)
+        for g in range(0, len(started), self.group):
+            self._submit(started[g : g + self.group])
 
-    def _fetch_device(self, key: bytes, buf: torch.Tensor) -> bool:
-        """I/O thread: fetch (codec: and decode) chunk ``key`` into the device staging buffer
-        ``buf``; True when it holds the chunk (on CUDA: once ``decode_stream`` reaches the copy)."""
-        if self._stream is not None:
-            return self.manager.fetch_lower(key, buf, stream=self._stream) == self.chunk_bytes
-        return self.manager.fetch_lower(key, buf) == self.chunk_bytes
+    def _fetch_device_many(self, keys: list[bytes], bufs: list[torch.Tensor]) -> list[bool]:
+        """I/O thread: fetch (codec: and decode) chunks ``keys`` into the device staging buffers
+        ``bufs``; per chunk True when its buffer holds it (on CUDA: once ``decode_stream`` reaches
+        the copy)."""
+        got = self.manager.fetch_lower_many(keys, bufs, stream=self._stream)
+        return [n == self.chunk_bytes for n in got]
 
-    def _fetch_chunk(self, key: bytes) -> Chunk | None:
-        """I/O thread: bring chunk ``key`` from disk/remote into host memory, straight into a
+    def _fetch_chunks(self, keys: list[bytes]) -> list[Chunk | None]:
+        """I/O thread: bring chunks ``keys`` from disk/remote into host memory, each straight into a
         reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
-        staging buffer. Returns the filled chunk (``ci`` unset) or None on a miss."""
+        staging buffer (one ``fetch_lower_many`` for those not in the pool meanwhile). Returns per
+        key the filled chunk (``ci`` unset) or None on a miss."""
         cb = self.chunk_bytes
         cpu = self.manager.cpu
-        c = Chunk(-1, key)
+        cs = [Chunk(-1, key) for key in keys]
+        out: list[Chunk | None] = [None] * len(keys)
+        need: list[int] = []
+        dsts: list[torch.Tensor] = []
         try:
-            if cpu is not None:
-                c.write = cpu.reserve(key)
-                if c.write is None:  # being written or committed by someone else meanwhile, or pool full
-                    c.read = cpu.acquire(key)
-                    if c.read is not None:
-                        if c.read.nbytes < cb:
-                            cpu.release(c.read)
-                            return None
-                        c.src, c.ok = c.read.view[:cb], True
-                        return c
-            if c.write is not None:
-                dst = c.write.view[:cb]
-            else:
-                c.staging = dst = self._staging.get()
-            if self.manager.fetch_lower(key, dst) != cb:
-                self._drop_fetched(c)
-                return None
-            c.src, c.ok = dst, True
-            return c
+            for j, c in enumerate(cs):
+                if cpu is not None:
+                    c.write = cpu.reserve(c.key)
+                    if c.write is None:  # being written or committed by someone else meanwhile, or pool full
+                        c.read = cpu.acquire(c.key)
+                        if c.read is not None:
+                            if c.read.nbytes < cb:
+                                cpu.release(c.read)
+                                c.read = None
+                            else:
+                                c.src, c.ok, out[j] = c.read.view[:cb], True, c
+                            continue
+                if c.write is not None:
+                    dsts.append(c.write.view[:cb])
+                else:
+                    c.staging = self._staging.get()
+                    dsts.append(c.staging)
+                need.append(j)
+            got = self.manager.fetch_lower_many([keys[j] for j in need], dsts) if need else []
+            for j, dst, n in zip(need, dsts, got, strict=True):
+                if n == cb:
+                    cs[j].src, cs[j].ok, out[j] = dst, True, cs[j]
+                else:
+                    self._drop_fetched(cs[j])
+            return out
         except BaseException:
-            self._drop_fetched(c)
+            for c in cs:
+                self._drop_fetched(c)
             raise
 
     def _drop_fetched(self, c: Chunk) -> None:

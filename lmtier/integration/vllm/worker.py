@@ -91,6 +91,8 @@ class ConnectorWorker:
         device_window: device staging buffers (``chunk_bytes`` each) in flight at most (default
             ``2 * io_threads``).
         max_staging_bytes: host staging buffers kept for reuse (loads without pool slots).
+        fetch_batch: chunks one I/O task fetches together when the remote tier batches gets
+            (:class:`~lmtier.integration.vllm.fetch.ChunkFetcher`).
 
     Raises:
         ValueError: the cache's chunk size in bytes differs from the namespace's, sizes are invalid,
@@ -121,6 +123,7 @@ class ConnectorWorker:
         decode_on: str = "auto",
         device_window: int | None = None,
         max_staging_bytes: int = 1 << 30,
+        fetch_batch: int = 4,
     ) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
@@ -200,6 +203,7 @@ class ConnectorWorker:
             device_staging=layout.device if self.device_staging else None,
             decode_stream=self.decode_stream,
             window=device_window or 2 * io_threads,
+            fetch_batch=fetch_batch,
         )
 
     # ------------------------------------------------------------------------------ helpers

@@ -7,14 +7,15 @@ payload, as in the Redis tier: a wrong, torn, truncated or replaced value fails 
 xxh3 check and is a miss (and is removed), never KV handed to attention.
 
 Data path (zero-copy on the client's side). The tier owns one page-aligned bounce region
-(``bounce_bytes``, anonymous memory) registered once with ``register_buffer``; batches of records
-move with one ``batch_put_from`` / ``batch_get_into`` call between that region and the store (the
-transfer engine reads and writes the registered memory directly). The caller's payloads are copied
-into the region (put) and verified records are copied out of it (get). The copy is what makes
-timeouts safe: the client is blocking C++ that cannot be cancelled, so a call that outlives its
-timeout keeps running; it only ever touches the region's extent of that call, which stays reserved
-until the call really returns (:class:`_Arena`), so a late write can never land in memory the caller
-has reused. CUDA payloads/destinations go through :class:`lmtier.tiers.device.PinnedBounce`.
+(:class:`~lmtier.tiers.mooncake.bounce.BounceRegion`, ``bounce_bytes``) registered once with
+``register_buffer``; records move with ``batch_put_from`` / ``batch_get_into`` between that region
+and the store. A batch is cut into a few sub-batches, two calls in flight, so one sub-batch is
+verified and copied (GIL released) while the next transfers. The caller's payloads are copied into
+the region (put) and verified records out of it (get). The copy is what makes timeouts safe: the
+client is blocking C++ that cannot be cancelled, so a call that outlives its timeout keeps running;
+it only ever touches its own extent of the region, which stays reserved until the call really
+returns, so a late write can never land in memory the caller has reused. CUDA payloads and
+destinations go through :class:`lmtier.tiers.device.PinnedBounce`.
 
 Failure model (as for Redis): every client call runs on a worker thread and the caller waits at most
 ``timeout_s`` (``setup_timeout_s`` for ``setup``); a call that times out, raises or returns an
@@ -47,20 +48,23 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
-import mmap
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from lmtier import record as rec
 from lmtier.remote_url import MooncakeEndpoint, parse_mooncake_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
-from lmtier.tiers.buffers import address_of, round_up
+from lmtier.tiers.buffers import round_up
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
+from lmtier.tiers.mooncake.bounce import ALIGN, BounceRegion
 from lmtier.tiers.mooncake.settings import MooncakeSettings, local_address_towards
 
 if TYPE_CHECKING:
@@ -72,7 +76,10 @@ log = logging.getLogger("lmtier.tiers.remote")
 
 HEADER = rec.COMPACT_PAYLOAD_OFFSET
 """Bytes of the compact record header in front of every stored payload."""
-_ALIGN = 64  # records in the bounce region start on cache lines
+_SPLIT = 4
+"""A batch is cut into about this many sub-batches..."""
+_MIN_BATCH_BYTES = 8 << 20
+"""...of at least this many bytes each (a client call costs a master RPC)."""
 
 NOT_FOUND_CODES = frozenset({-703, -704, -707})
 """Mooncake error codes that mean "not there (yet/any more)": REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND,
@@ -89,55 +96,36 @@ class _Failed(Exception):
     """A client call did not complete (breaker open, all workers stuck, timeout, exception)."""
 
 
-class _Arena:
-    """The registered bounce region and a first-fit allocator of its extents (64-byte aligned).
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A started client call and the monotonic time its caller stops waiting."""
 
-    An extent handed to a client call is released by :meth:`release` only once that call returned
-    (a timed-out call releases from its future's done callback)."""
+    fut: concurrent.futures.Future
+    deadline: float
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = round_up(nbytes)
-        self.map = mmap.mmap(-1, self.nbytes)
-        self.mv = memoryview(self.map)
-        self.address = address_of(self.mv)
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted, coalesced
-        self._cond = threading.Condition()
 
-    def acquire(self, n: int, timeout_s: float) -> int | None:
-        """Offset of a free extent of ``n`` bytes, waiting up to ``timeout_s``; None if none freed up."""
-        n = round_up(max(n, 1), _ALIGN)
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                for i, (off, size) in enumerate(self._free):
-                    if size >= n:
-                        if size == n:
-                            del self._free[i]
-                        else:
-                            self._free[i] = (off + n, size - n)
-                        return off
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """Records moved by one client call: their indices in the caller's lists, offsets in the bounce
+    extent and value sizes (bytes); filled in as the call is started."""
 
-    def release(self, off: int, n: int) -> None:
-        n = round_up(max(n, 1), _ALIGN)
-        with self._cond:
-            free = sorted([*self._free, (off, n)])
-            merged: list[tuple[int, int]] = []
-            for o, s in free:
-                if merged and merged[-1][0] + merged[-1][1] == o:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
-                else:
-                    merged.append((o, s))
-            self._free = merged
-            self._cond.notify_all()
+    idx: list[int] = dataclasses.field(default_factory=list)
+    offs: list[int] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    total: int = 0
+    base: int | None = None
+    ptrs: list[int] = dataclasses.field(default_factory=list)
+    kind: str = ""
+    pending: _Pending | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    views: list[memoryview] = dataclasses.field(default_factory=list)
 
-    def close(self) -> None:
-        self.mv.release()
-        with contextlib.suppress(BufferError):
-            self.map.close()
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` with the GIL released (numpy), so verification of one sub-batch and the
+    transfers of others run in parallel."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 class MooncakeTier(Tier):
@@ -154,6 +142,9 @@ class MooncakeTier(Tier):
         breaker_reset_s: seconds it stays open before one trial call.
         workers: client calls in flight at most (threads); further calls while all are busy fail.
         bounce_bytes: size of the registered bounce region; larger batches move in several calls.
+        pipeline_depth: client calls one ``put_many`` / ``get_many_into`` keeps in flight (>= 1):
+            with 2 or more a batch is cut into about four sub-batches and the next ones transfer
+            while one is verified and copied; 1 moves each bounce-sized batch in one call.
         key_prefix: prefix of every object name.
         max_value_bytes: largest payload stored or accepted when loading.
         capacity_bytes: reported by :meth:`usage` (default: the mounted segment size).
@@ -184,6 +175,7 @@ class MooncakeTier(Tier):
         breaker_reset_s: float = 2.0,
         workers: int = 4,
         bounce_bytes: int = 256 << 20,
+        pipeline_depth: int = 2,
         key_prefix: str = "lmtier:",
         max_value_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
         capacity_bytes: int | None = None,
@@ -194,8 +186,8 @@ class MooncakeTier(Tier):
             raise ValueError("MooncakeTier: timeouts must be > 0")
         if breaker_failures < 1 or breaker_reset_s < 0:
             raise ValueError("MooncakeTier: breaker_failures must be >= 1 and breaker_reset_s >= 0")
-        if workers < 1 or bounce_bytes < (1 << 20):
-            raise ValueError("MooncakeTier: workers must be >= 1 and bounce_bytes >= 1 MiB")
+        if workers < 1 or bounce_bytes < (1 << 20) or pipeline_depth < 1:
+            raise ValueError("MooncakeTier: workers and pipeline_depth must be >= 1 and bounce_bytes >= 1 MiB")
         if isinstance(endpoint, str):
             endpoint = parse_mooncake_url(endpoint)
         if not isinstance(endpoint, MooncakeEndpoint):
@@ -224,6 +216,7 @@ class MooncakeTier(Tier):
         self.timeout_s = float(timeout_s)
         self.setup_timeout_s = float(setup_timeout_s)
         self.workers = workers
+        self.pipeline_depth = pipeline_depth
         self.key_prefix = key_prefix
         self.max_value_bytes = max_value_bytes
         self.capacity_bytes = settings.global_segment_size if capacity_bytes is None else capacity_bytes
@@ -231,7 +224,7 @@ class MooncakeTier(Tier):
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self.counters: collections.Counter = collections.Counter()
         self._device = PinnedBounce(max_cached=2)
-        self._arena = _Arena(bounce_bytes)
+        self._arena = BounceRegion(bounce_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lmtier-mooncake")
         self._lock = threading.Lock()
         self._inflight = 0
@@ -315,10 +308,13 @@ class MooncakeTier(Tier):
                     log.warning("put: payload of %d bytes exceeds max_value_bytes %d", mv.nbytes, self.max_value_bytes)
                     continue
                 todo.append(i)
-            for batch in self._batches(todo, [HEADER + views[i].nbytes for i in range(len(views))]):
-                ok = self._put_batch([keys[i] for i in batch], [names[i] for i in batch], [views[i] for i in batch])
-                for i, r in zip(batch, ok, strict=True):
-                    out[i] = r
+            sizes = [HEADER + mv.nbytes for mv in views]
+            sent = self._pipeline(
+                self._batches(todo, sizes), lambda b, first: self._put_start(b, names, keys, views, first)
+            )
+            sent_idx = [i for i, ok in sent.items() if ok]
+            for i, ok in zip(sent_idx, self._confirm([names[i] for i in sent_idx]), strict=True):
+                out[i] = ok
         for r in out:
             self.counters["puts" if r else "put_failures"] += 1
         return out
@@ -335,7 +331,8 @@ class MooncakeTier(Tier):
 
         Args:
             keys: 32-byte chunk keys.
-            outs: writable contiguous host buffers, each >= its payload.
+            outs: writable contiguous host buffers, each >= its payload (CUDA tensors are read
+                one by one through :meth:`get_into`).
 
         Returns:
             Per key: the payload bytes copied into its ``out`` (verified), or None (miss, too
@@ -343,17 +340,18 @@ class MooncakeTier(Tier):
         """
         if len(keys) != len(outs):
             raise ValueError("MooncakeTier.get_many_into: keys and outs differ in length")
+        if any(is_cuda_tensor(o) for o in outs):
+            return [self.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
         from lmtier.tiers.buffers import host_view
 
         keys = [bytes(k) for k in keys]
         names = [self._name(k) for k in keys]
         views = [host_view(o, writable=True) for o in outs]
-        res: list[int | None] = [None] * len(keys)
         caps = [HEADER + min(v.nbytes, self.max_value_bytes) for v in views]
-        for batch in self._batches(list(range(len(keys))), caps):
-            got = self._get_batch([keys[i] for i in batch], [names[i] for i in batch], [views[i] for i in batch])
-            for i, n in zip(batch, got, strict=True):
-                res[i] = n
+        got = self._pipeline(
+            self._batches(list(range(len(keys))), caps), lambda b, first: self._get_start(b, names, keys, views, first)
+        )
+        res: list[int | None] = [got.get(i) for i in range(len(keys))]
         for n in res:
             self.counters["hits" if n is not None else "misses"] += 1
         return res
@@ -406,118 +404,149 @@ class MooncakeTier(Tier):
 
     # ---- data path -------------------------------------------------------------------------
 
-    def _batches(self, idx: list[int], sizes: list[int]) -> list[list[int]]:
-        """``idx`` split into runs whose records fit the bounce region together."""
-        out: list[list[int]] = []
-        cur: list[int] = []
-        room = 0
+    def _batches(self, idx: list[int], sizes: list[int]) -> list[_Batch]:
+        """``idx`` split into sub-batches of consecutive records, each one client call: with
+        ``pipeline_depth`` > 1 about a quarter of the bytes (at least ``_MIN_BATCH_BYTES``, at most
+        half the bounce region), so that the next sub-batch transfers while this one is verified and
+        copied (:meth:`_pipeline`); else as many as the bounce region holds."""
+        total = sum(round_up(sizes[i], ALIGN) for i in idx)
+        limit = self._arena.nbytes
+        if self.pipeline_depth > 1:
+            limit = min(max(_MIN_BATCH_BYTES, -(-total // _SPLIT)), limit // 2)
+        out: list[_Batch] = []
+        cur = _Batch()
         for i in idx:
-            n = round_up(sizes[i], _ALIGN)
+            n = round_up(sizes[i], ALIGN)
             if n > self._arena.nbytes:
                 log.warning("record of %d bytes exceeds the bounce region (%d bytes); skipped", n, self._arena.nbytes)
                 continue
-            if cur and room + n > self._arena.nbytes:
+            if cur.idx and cur.total + n > limit:
                 out.append(cur)
-                cur, room = [], 0
-            cur.append(i)
-            room += n
-        if cur:
+                cur = _Batch()
+            cur.idx.append(i)
+            cur.offs.append(cur.total)
+            cur.sizes.append(sizes[i])
+            cur.total += n
+        if cur.idx:
             out.append(cur)
         return out
 
-    def _layout(self, sizes: list[int]) -> tuple[list[int], int]:
-        offs, total = [], 0
-        for n in sizes:
-            offs.append(total)
-            total += round_up(n, _ALIGN)
-        return offs, total
+    def _pipeline(self, batches: list[_Batch], start: Callable[[_Batch, bool], bool]) -> dict[int, Any]:
+        """Run sub-batches with up to ``pipeline_depth`` client calls in flight: ``start(batch, first)``
+        reserves the batch's bounce extent and starts its call (``first``: this caller has none in
+        flight, so it may wait for an extent / count a busy pool as a failure; otherwise it declines
+        by returning False and the batch waits its turn); :meth:`_finish` of each batch, in order,
+        verifies/copies while the next ones transfer. Returns ``{index: result}``."""
+        todo = collections.deque(batches)
+        flight: collections.deque[_Batch] = collections.deque()
+        res: dict[int, Any] = {}
+        while todo or flight:
+            while todo and len(flight) < self.pipeline_depth and start(todo[0], not flight):
+                flight.append(todo.popleft())
+            if not flight:  # a first start that failed: its batch is done (all misses / not stored)
+                todo.popleft()
+                continue
+            res.update(self._finish(flight.popleft()))
+        return res
 
-    def _put_batch(self, keys: list[bytes], names: list[str], views: list[memoryview]) -> list[bool]:
-        sizes = [HEADER + mv.nbytes for mv in views]
-        offs, total = self._layout(sizes)
-        base = self._arena.acquire(total, self.timeout_s)
+    def _reserve(self, b: _Batch, first: bool) -> bool:
+        base = self._arena.acquire(b.total, self.timeout_s if first else 0.0)
         if base is None:
-            self.counters["bounce_full"] += 1
-            return [False] * len(keys)
-        release = [True]
+            if first:
+                self.counters["bounce_full"] += 1
+            return False
+        b.base = base
+        b.ptrs = [self._arena.address + base + off for off in b.offs]
+        return True
+
+    def _put_start(self, b: _Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
+        """Write the records of ``b`` into a bounce extent and start their ``batch_put_from``."""
+        if not self._reserve(b, first):
+            return False
+        arena = self._arena.mv
+        for i, off in zip(b.idx, b.offs, strict=True):
+            o, mv = b.base + off, views[i]
+            n = mv.nbytes
+            arena[o : o + HEADER] = rec.encode_header(
+                keys[i], n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta
+            )
+            _copy(arena[o + HEADER : o + HEADER + n], mv)
+        bnames = [names[i] for i in b.idx]
+        b.kind = "put"
+        return self._start_batch(b, lambda s: s.batch_put_from(bnames, b.ptrs, b.sizes), first)
+
+    def _get_start(self, b: _Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
+        """Start the ``batch_get_into`` of ``b`` into a bounce extent."""
+        if not self._reserve(b, first):
+            return False
+        bnames = [names[i] for i in b.idx]
+        b.kind, b.names, b.keys, b.views = "get", bnames, [keys[i] for i in b.idx], [views[i] for i in b.idx]
+        return self._start_batch(b, lambda s: s.batch_get_into(bnames, b.ptrs, b.sizes), first)
+
+    def _start_batch(self, b: _Batch, fn: Callable[[Any], Any], first: bool) -> bool:
         try:
-            arena = self._arena.mv
-            for key, mv, off in zip(keys, views, offs, strict=True):
-                o = base + off
-                n = mv.nbytes
-                header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta)
-                arena[o : o + HEADER] = header
-                arena[o + HEADER : o + HEADER + n] = mv
-            ptrs = [self._arena.address + base + off for off in offs]
-            try:
-                codes = self._call(
-                    lambda s: s.batch_put_from(names, ptrs, sizes), extent=(base, total), release=release
-                )
-            except _Failed:
-                return [False] * len(keys)
-        finally:
-            if release[0]:
-                self._arena.release(base, total)
-        if any(is_outage(c) for c in codes):
-            self.counters["errors"] += 1
-        sent = [i for i, c in enumerate(codes) if c == 0]
-        if not sent:
-            return [False] * len(keys)
-        try:  # Mooncake #1817: a 0 is not proof; the master must list the object
-            there = self._call(lambda s: s.batch_is_exist([names[i] for i in sent]))
+            b.pending = self._start(fn, optional=not first)
         except _Failed:
-            return [False] * len(keys)
-        ok = [False] * len(keys)
-        for i, e in zip(sent, there, strict=True):
-            ok[i] = e == 1
-            if e != 1:
-                self.counters["put_unconfirmed"] += 1
-                log.warning("put %s: the client said OK but the object is not there (Mooncake #1817)", names[i])
-        return ok
+            b.pending = None
+        if b.pending is None and not first:  # declined: give the extent back, start it later
+            self._arena.release(b.base, b.total)
+            return False
+        return True
 
-    def _get_batch(self, keys: list[bytes], names: list[str], views: list[memoryview]) -> list[int | None]:
-        caps = [HEADER + min(v.nbytes, self.max_value_bytes) for v in views]
-        offs, total = self._layout(caps)
-        base = self._arena.acquire(total, self.timeout_s)
-        if base is None:
-            self.counters["bounce_full"] += 1
-            return [None] * len(keys)
+    def _finish(self, b: _Batch) -> dict[int, Any]:
+        """Wait for ``b``'s call; put: ``{i: sent}``; get: ``{i: payload bytes or None}``
+        (verified and copied out). Releases the extent (a timed-out call: when it really returns)."""
         release = [True]
-        res: list[int | None] = [None] * len(keys)
+        codes: list[int] | None = None
         corrupt: list[tuple[str, str]] = []
+        res: dict[int, Any] = dict.fromkeys(b.idx, False if b.kind == "put" else None)
         try:
-            ptrs = [self._arena.address + base + off for off in offs]
-            try:
-                codes = self._call(lambda s: s.batch_get_into(names, ptrs, caps), extent=(base, total), release=release)
-            except _Failed:
+            if b.pending is not None:
+                with contextlib.suppress(_Failed):
+                    codes = self._wait(b.pending, extent=(b.base, b.total), release=release)
+            if codes is None:
                 return res
             if any(is_outage(c) for c in codes):
                 self.counters["errors"] += 1
+            if b.kind == "put":
+                return {i: c == 0 for i, c in zip(b.idx, codes, strict=True)}
             arena = self._arena.mv
-            for i, code in enumerate(codes):
+            for j, (i, code) in enumerate(zip(b.idx, codes, strict=True)):
                 if code < 0:
                     if code == -600:  # INVALID_PARAMS: the value is larger than out
-                        log.warning("get_into: out has %d bytes < value %s", views[i].nbytes, names[i])
+                        log.warning("get_into: out has %d bytes < value %s", b.views[j].nbytes, b.names[j])
                     continue
-                o = base + offs[i]
-                why = self._verify(keys[i], arena[o : o + code], views[i].nbytes)
+                o = b.base + b.offs[j]
+                why = self._verify(b.keys[j], arena[o : o + code], b.views[j].nbytes)
                 if isinstance(why, str):
-                    corrupt.append((names[i], why))
-                    continue
-                if why is None:
-                    continue
-                n = why
-                views[i][:n] = arena[o + HEADER : o + HEADER + n]
-                res[i] = n
+                    corrupt.append((b.names[j], why))
+                elif why is not None:
+                    _copy(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
+                    res[i] = why
         finally:
-            if release[0]:
-                self._arena.release(base, total)
+            if b.base is not None and release[0]:
+                self._arena.release(b.base, b.total)
         for name, why in corrupt:
             log.warning("remote value %s is corrupt (%s); removing it", name, why)
             self.counters["corrupt"] += 1
             with contextlib.suppress(_Failed):
                 self._call(lambda s, name=name: s.remove(name, True))
         return res
+
+    def _confirm(self, names: list[str]) -> list[bool]:
+        """Mooncake #1817: a 0 from ``batch_put_from`` is not proof; the master must list the object.
+        One ``batch_is_exist`` for every record a ``put_many`` sent."""
+        if not names:
+            return []
+        try:
+            there = self._call(lambda s: s.batch_is_exist(names))
+        except _Failed:
+            return [False] * len(names)
+        for name, e in zip(names, there, strict=True):
+            if e != 1:
+                self.counters["put_unconfirmed"] += 1
+                log.warning("put %s: the client said OK but the object is not there (Mooncake #1817)", name)
+        return [e == 1 for e in there]
 
     def _verify(self, key: bytes, value: memoryview, cap: int) -> int | str | None:
         """Payload length of a verified record, a reason string when it does not verify, None when
@@ -601,22 +630,26 @@ class MooncakeTier(Tier):
                     raise _Failed("no client")
             return self._store
 
-    def _call(
-        self,
-        fn: Callable[[Any], Any],
-        *,
-        extent: tuple[int, int] | None = None,
-        release: list[bool] | None = None,
-    ) -> Any:
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` on a worker thread, waited for at most ``timeout_s``, under the breaker.
-
-        A call that times out keeps running; when it finally returns, the bounce ``extent``
-        (offset, bytes) is released by the future and ``release[0]`` is set False so the caller
-        does not release it too.
 
         Raises:
             _Failed: breaker open, no client, all workers busy, timeout, exception, an outage code.
         """
+        pending = self._start(fn)
+        assert pending is not None
+        return self._wait(pending)
+
+    def _start(self, fn: Callable[[Any], Any], *, optional: bool = False) -> _Pending | None:
+        """Start ``fn(client)`` on a worker thread. ``optional``: a pipelined call that may wait its
+        turn — it starts only while the breaker is closed and a worker is free, else returns None
+        without counting a failure.
+
+        Raises:
+            _Failed: (not ``optional``) breaker open, no client, all workers busy, pool closed.
+        """
+        if optional and self.breaker.is_open:
+            return None
         if not self.breaker.allow():
             self.counters["breaker_rejects"] += 1
             raise _Failed("breaker open")
@@ -626,17 +659,17 @@ class MooncakeTier(Tier):
             self.breaker.failure()
             raise
         with self._lock:
-            if self._inflight >= self.workers:
-                busy = True
-            else:
-                busy = False
+            busy = self._inflight >= self.workers
+            if not busy:
                 self._inflight += 1
         if busy:
+            if optional:
+                return None
             self.counters["busy"] += 1
             self.breaker.failure()
             raise _Failed("all workers busy")
 
-        def done(_f: concurrent.futures.Future) -> None:
+        def done(_f: concurrent.futures.Future | None) -> None:
             with self._lock:
                 self._inflight -= 1
 
@@ -646,8 +679,23 @@ class MooncakeTier(Tier):
             done(None)
             raise _Failed("closed") from None
         fut.add_done_callback(done)
+        return _Pending(fut, time.monotonic() + self.timeout_s)
+
+    def _wait(
+        self, pending: _Pending, *, extent: tuple[int, int] | None = None, release: list[bool] | None = None
+    ) -> Any:
+        """The result of a started call, waiting until ``timeout_s`` after its start.
+
+        A call that times out keeps running; when it finally returns, the bounce ``extent``
+        (offset, bytes) is released by the future and ``release[0]`` is set False so the caller
+        does not release it too.
+
+        Raises:
+            _Failed: timeout, exception, an outage code.
+        """
+        fut = pending.fut
         try:
-            res = fut.result(self.timeout_s)
+            res = fut.result(max(0.0, pending.deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             if extent is not None and release is not None:
                 release[0] = False
