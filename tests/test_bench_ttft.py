@@ -443,7 +443,7 @@ def test_timed_paths_are_the_products(tmp_path, monkeypatch):
     # TierManager, the tiers' codec or lmtier's copy ops. Every load must now go through them, driven
     # by the vLLM connector's data path (ConnectorWorker: load_layerwise + wait_layer per layer +
     # finish_layerwise; load for load_ms): the tiers built by TierManager.from_config, CPU-pool hits
-    # pinned in the pool, disk hits through TierManager.fetch_lower, codec records through
+    # pinned in the pool, disk hits through TierManager.fetch_lower_many, codec records through
     # lmtier.tiers.codec.CodecTier, the KV into the paged cache by lmtier.ops.scatter (CUDA:
     # CudaTransferEngine.load_layerwise).
     import collections
@@ -466,9 +466,9 @@ def test_timed_paths_are_the_products(tmp_path, monkeypatch):
         monkeypatch.setattr(owner, name, wrapper)
 
     spy(TierManager, "from_config", "from_config")
-    spy(TierManager, "fetch_lower", "fetch_lower")
+    spy(TierManager, "fetch_lower_many", "fetch_lower")
     spy(CPUPool, "acquire", "pool_acquire")
-    spy(CodecTier, "get_into", "codec_get_into")
+    spy(CodecTier, "get_many_into", "codec_get_into")
     spy(CodecTier, "put", "codec_put")
     spy(ops, "scatter", "scatter")
     spy(ConnectorWorker, "load_layerwise", "worker_load_layerwise")
