@@ -5,7 +5,8 @@
 # LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftremote": the
 # Redis and Mooncake Store tiers (+ codec) at 7,500 tokens; "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
-# decoded on the host, the vLLM connector's path today); LMTIER_GPU_BENCH=quick
+# decoded on the host, the vLLM connector's path today; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
+# --fetch-batch 1, one chunk per I/O task, beside ttftremote's default); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
 # redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
 # ttft bench measures the Redis tiers on loopback too; `bash scripts/bundle_mooncake.sh` packs the
@@ -81,8 +82,14 @@ if has ttftremote; then
     --json "$OUT/ttft_remote.json" > "$OUT/bench_ttft_remote.log" 2>&1
   echo "bench ttft (remote tiers at 7,500) rc=$?"
 fi
+if has ttftbatch1; then
+  timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-redis \
+    --fetch-batch 1 --json "$OUT/ttft_batch1.json" > "$OUT/bench_ttft_batch1.log" 2>&1
+  echo "bench ttft --fetch-batch 1 rc=$?"
+fi
 if has mooncake; then
-  timeout 300 $PY -m lmtier.cli bench mooncake --json "$OUT/mooncake.json" > "$OUT/bench_mooncake.log" 2>&1
+  timeout 300 $PY -m lmtier.cli bench mooncake --pipeline-depths 1,2 --json "$OUT/mooncake.json" \
+    > "$OUT/bench_mooncake.log" 2>&1
   echo "bench mooncake rc=$?"
 fi
 if has ttfthost; then
@@ -101,10 +108,10 @@ if has codec; then
 fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_mooncake bench_rans bench_codec; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings
-for f in "$OUT"/ttft.json "$OUT"/ttft_remote.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
+for f in "$OUT"/ttft.json "$OUT"/ttft_remote.json "$OUT"/ttft_batch1.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
   [ -f "$f" ] && $PY scripts/ttft_table.py "$f"
 done

@@ -25,7 +25,7 @@ compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M
 * ``cpu`` — the CPU pool (``local_cpu``): chunks copied from the pool's pinned slots.
 * ``disk`` — the disk tier (``local_disk``, O_DIRECT, checksummed records) in ``--disk-dir``; the
   page cache is dropped once per N when permitted (before every load without O_DIRECT). Chunks are
-  read by ``TierManager.fetch_lower`` on the worker's ``--inflight`` I/O threads into its reused,
+  read by ``TierManager.fetch_lower_many`` on the worker's ``--inflight`` I/O threads into its reused,
   page-aligned staging buffers (the lower tiers' managers have no CPU pool: nothing is promoted).
 * ``disk+codec`` (level ``default``) and ``disk+<level>`` (``--codec-levels``, default
   ``default,lossless``) — the disk tier wrapped in :class:`lmtier.tiers.codec.CodecTier` (quantize +
@@ -144,7 +144,14 @@ def parser() -> argparse.ArgumentParser:
         "--inflight",
         type=bounded_int(min_value=1),
         default=4,
-        help="chunk reads in flight (I/O threads calling TierManager.fetch_lower)",
+        help="chunk reads in flight (I/O threads calling TierManager.fetch_lower_many)",
+    )
+    p.add_argument(
+        "--fetch-batch",
+        type=bounded_int(min_value=1),
+        default=4,
+        help="chunks one I/O task fetches together from a remote tier that batches gets (Mooncake); the "
+        "connector worker's fetch_batch (default: %(default)s, its default)",
     )
     p.add_argument(
         "--graphs",

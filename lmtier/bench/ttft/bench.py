@@ -257,6 +257,7 @@ class Bench:
             cache_salt=salt,
             layers_per_wait=self.lpw,
             io_threads=max(1, a.inflight),
+            fetch_batch=a.fetch_batch,
             max_staging_bytes=C * round_up(self.chunk_bytes),
         )
         try:

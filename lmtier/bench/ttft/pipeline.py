@@ -211,6 +211,7 @@ class Loader:
         token_ids: the ``C * T`` prompt tokens whose chunks are loaded; ``cache_salt``: their salt.
         layers_per_wait: layers per event of the worker's layer-by-layer loads (CUDA).
         io_threads: the worker's I/O threads (chunk fetches in flight, ``--inflight``).
+        fetch_batch: the worker's ``fetch_batch`` (``--fetch-batch``).
         max_staging_bytes: host staging the worker keeps for reuse (loads without a CPU pool).
     """
 
@@ -225,6 +226,7 @@ class Loader:
         layers_per_wait: int,
         io_threads: int,
         max_staging_bytes: int,
+        fetch_batch: int = 4,
     ) -> None:
         self.kv = kv
         self.T = chunk_tokens
@@ -242,6 +244,7 @@ class Loader:
         }
         self.lpw = layers_per_wait
         self.io_threads = io_threads
+        self.fetch_batch = fetch_batch
         self.max_staging_bytes = max_staging_bytes
         self.workers: dict[int, tuple[TierManager, ConnectorWorker]] = {}
 
@@ -257,6 +260,7 @@ class Loader:
                 block_size=self.kv.block_size,
                 namespace=self.ns,
                 io_threads=self.io_threads,
+                fetch_batch=self.fetch_batch,
                 layers_per_wait=self.lpw,
                 decode_on=decode_on,
                 max_staging_bytes=self.max_staging_bytes,

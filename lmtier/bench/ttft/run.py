@@ -55,7 +55,7 @@ def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list
     why = drop_caches()
     say(
         f"disk tier: {disk_dir} ({fs_type(disk_dir)}), O_DIRECT {'on' if odirect else 'OFF (unsupported here)'}, "
-        f"disk_io_threads {args.disk_threads}, {args.inflight} chunk reads in flight (manager.fetch_lower); "
+        f"disk_io_threads {args.disk_threads}, {args.inflight} chunk reads in flight (manager.fetch_lower_many); "
         "dd O_DIRECT 16 MiB: "
         + (
             f"read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s"
