@@ -1,17 +1,21 @@
-"""The Mooncake tier's registered bounce region: one anonymous mapping and a first-fit allocator of
+"""The Mooncake tier's registered bounce region (one anonymous mapping and a first-fit allocator of
 its extents, so that a client call that outlives its timeout only ever writes into an extent still
-reserved for it."""
+reserved for it) and the batches of records that move through it."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import threading
 import time
+from typing import Any
+
+import numpy as np
 
 from lmtier.tiers.buffers import address_of, round_up
 
-__all__ = ["BounceRegion", "ALIGN"]
+__all__ = ["ALIGN", "Batch", "BounceRegion", "copy_out"]
 
 ALIGN = 64
 """Records in the region start on cache lines (bytes)."""
@@ -66,3 +70,27 @@ class BounceRegion:
         self.mv.release()
         with contextlib.suppress(BufferError):
             self.map.close()
+
+
+@dataclasses.dataclass(eq=False)
+class Batch:
+    """Records moved by one client call: their indices in the caller's lists, offsets in the bounce
+    extent and value sizes (bytes); filled in as the call is started."""
+
+    idx: list[int] = dataclasses.field(default_factory=list)
+    offs: list[int] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    total: int = 0
+    base: int | None = None
+    ptrs: list[int] = dataclasses.field(default_factory=list)
+    kind: str = ""
+    pending: Any = None  # the started client call
+    names: list[str] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    views: list[memoryview] = dataclasses.field(default_factory=list)
+
+
+def copy_out(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` with the GIL released (numpy), so verification of one sub-batch and the
+    transfers of others run in parallel."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))

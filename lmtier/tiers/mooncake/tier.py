@@ -56,15 +56,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from lmtier import record as rec
 from lmtier.remote_url import MooncakeEndpoint, parse_mooncake_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.buffers import round_up
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
-from lmtier.tiers.mooncake.bounce import ALIGN, BounceRegion
+from lmtier.tiers.mooncake.bounce import ALIGN, Batch, BounceRegion, copy_out
 from lmtier.tiers.mooncake.settings import MooncakeSettings, local_address_towards
 
 if TYPE_CHECKING:
@@ -102,30 +100,6 @@ class _Pending:
 
     fut: concurrent.futures.Future
     deadline: float
-
-
-@dataclasses.dataclass(eq=False)
-class _Batch:
-    """Records moved by one client call: their indices in the caller's lists, offsets in the bounce
-    extent and value sizes (bytes); filled in as the call is started."""
-
-    idx: list[int] = dataclasses.field(default_factory=list)
-    offs: list[int] = dataclasses.field(default_factory=list)
-    sizes: list[int] = dataclasses.field(default_factory=list)
-    total: int = 0
-    base: int | None = None
-    ptrs: list[int] = dataclasses.field(default_factory=list)
-    kind: str = ""
-    pending: _Pending | None = None
-    names: list[str] = dataclasses.field(default_factory=list)
-    keys: list[bytes] = dataclasses.field(default_factory=list)
-    views: list[memoryview] = dataclasses.field(default_factory=list)
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` with the GIL released (numpy), so verification of one sub-batch and the
-    transfers of others run in parallel."""
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 class MooncakeTier(Tier):
@@ -404,7 +378,7 @@ class MooncakeTier(Tier):
 
     # ---- data path -------------------------------------------------------------------------
 
-    def _batches(self, idx: list[int], sizes: list[int]) -> list[_Batch]:
+    def _batches(self, idx: list[int], sizes: list[int]) -> list[Batch]:
         """``idx`` split into sub-batches of consecutive records, each one client call: with
         ``pipeline_depth`` > 1 about a quarter of the bytes (at least ``_MIN_BATCH_BYTES``, at most
         half the bounce region), so that the next sub-batch transfers while this one is verified and
@@ -413,8 +387,8 @@ class MooncakeTier(Tier):
         limit = self._arena.nbytes
         if self.pipeline_depth > 1:
             limit = min(max(_MIN_BATCH_BYTES, -(-total // _SPLIT)), limit // 2)
-        out: list[_Batch] = []
-        cur = _Batch()
+        out: list[Batch] = []
+        cur = Batch()
         for i in idx:
             n = round_up(sizes[i], ALIGN)
             if n > self._arena.nbytes:
@@ -422,7 +396,7 @@ class MooncakeTier(Tier):
                 continue
             if cur.idx and cur.total + n > limit:
                 out.append(cur)
-                cur = _Batch()
+                cur = Batch()
             cur.idx.append(i)
             cur.offs.append(cur.total)
             cur.sizes.append(sizes[i])
@@ -431,14 +405,14 @@ class MooncakeTier(Tier):
             out.append(cur)
         return out
 
-    def _pipeline(self, batches: list[_Batch], start: Callable[[_Batch, bool], bool]) -> dict[int, Any]:
+    def _pipeline(self, batches: list[Batch], start: Callable[[Batch, bool], bool]) -> dict[int, Any]:
         """Run sub-batches with up to ``pipeline_depth`` client calls in flight: ``start(batch, first)``
         reserves the batch's bounce extent and starts its call (``first``: this caller has none in
         flight, so it may wait for an extent / count a busy pool as a failure; otherwise it declines
         by returning False and the batch waits its turn); :meth:`_finish` of each batch, in order,
         verifies/copies while the next ones transfer. Returns ``{index: result}``."""
         todo = collections.deque(batches)
-        flight: collections.deque[_Batch] = collections.deque()
+        flight: collections.deque[Batch] = collections.deque()
         res: dict[int, Any] = {}
         while todo or flight:
             while todo and len(flight) < self.pipeline_depth and start(todo[0], not flight):
@@ -449,7 +423,7 @@ class MooncakeTier(Tier):
             res.update(self._finish(flight.popleft()))
         return res
 
-    def _reserve(self, b: _Batch, first: bool) -> bool:
+    def _reserve(self, b: Batch, first: bool) -> bool:
         base = self._arena.acquire(b.total, self.timeout_s if first else 0.0)
         if base is None:
             if first:
@@ -459,7 +433,7 @@ class MooncakeTier(Tier):
         b.ptrs = [self._arena.address + base + off for off in b.offs]
         return True
 
-    def _put_start(self, b: _Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
+    def _put_start(self, b: Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
         """Write the records of ``b`` into a bounce extent and start their ``batch_put_from``."""
         if not self._reserve(b, first):
             return False
@@ -470,12 +444,12 @@ class MooncakeTier(Tier):
             arena[o : o + HEADER] = rec.encode_header(
                 keys[i], n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta
             )
-            _copy(arena[o + HEADER : o + HEADER + n], mv)
+            copy_out(arena[o + HEADER : o + HEADER + n], mv)
         bnames = [names[i] for i in b.idx]
         b.kind = "put"
         return self._start_batch(b, lambda s: s.batch_put_from(bnames, b.ptrs, b.sizes), first)
 
-    def _get_start(self, b: _Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
+    def _get_start(self, b: Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
         """Start the ``batch_get_into`` of ``b`` into a bounce extent."""
         if not self._reserve(b, first):
             return False
@@ -483,7 +457,7 @@ class MooncakeTier(Tier):
         b.kind, b.names, b.keys, b.views = "get", bnames, [keys[i] for i in b.idx], [views[i] for i in b.idx]
         return self._start_batch(b, lambda s: s.batch_get_into(bnames, b.ptrs, b.sizes), first)
 
-    def _start_batch(self, b: _Batch, fn: Callable[[Any], Any], first: bool) -> bool:
+    def _start_batch(self, b: Batch, fn: Callable[[Any], Any], first: bool) -> bool:
         try:
             b.pending = self._start(fn, optional=not first)
         except _Failed:
@@ -493,7 +467,7 @@ class MooncakeTier(Tier):
             return False
         return True
 
-    def _finish(self, b: _Batch) -> dict[int, Any]:
+    def _finish(self, b: Batch) -> dict[int, Any]:
         """Wait for ``b``'s call; put: ``{i: sent}``; get: ``{i: payload bytes or None}``
         (verified and copied out). Releases the extent (a timed-out call: when it really returns)."""
         release = [True]
@@ -521,7 +495,7 @@ class MooncakeTier(Tier):
                 if isinstance(why, str):
                     corrupt.append((b.names[j], why))
                 elif why is not None:
-                    _copy(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
+                    copy_out(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
                     res[i] = why
         finally:
             if b.base is not None and release[0]:
