@@ -247,3 +247,102 @@ def test_shares_validation():
         TenantShares(0.0, (("salt", 0.1),))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         TenantShares(1.5, ())
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def test_config_off_by_default():
+    from lmtier.config import LMTierConfig, load_config
+
+    assert LMTierConfig.from_dict({}).cpu.tenants is None
+    assert load_config(env={}).cpu.tenants is None
+    d = LMTierConfig.from_dict({}).to_dict()
+    assert d["cpu_tenant_share"] is None and d["cpu_tenant_shares"] is None
+
+
+def test_config_keys_and_env():
+    from lmtier.config import LMTierConfig, load_config
+
+    cfg = LMTierConfig.from_dict({"cpu_tenant_share": 0.2, "cpu_tenant_shares": f"default=0.1, {A.upper()}=0.5"})
+    assert cfg.cpu.tenants == TenantShares(0.2, (("default", 0.1), (A, 0.5)))
+    assert LMTierConfig.from_dict(cfg.to_dict()).cpu.tenants == cfg.cpu.tenants
+    only = LMTierConfig.from_dict({"cpu_tenant_shares": f"{B}=1"}).cpu.tenants
+    assert only == TenantShares(0.0, ((B, 1.0),)) and only.share_of(A) == 0.0
+    env = {"LMTIER_CPU_TENANT_SHARE": "0.25", "LMTIER_CPU_TENANT_SHARES": f"{A}=0.5"}
+    assert load_config(env=env).cpu.tenants == TenantShares(0.25, ((A, 0.5),))
+    assert load_config(env={"LMTIER_CPU_TENANT_SHARES": "none"}).cpu.tenants is None
+
+
+@pytest.mark.parametrize(
+    "values,key,why",
+    [
+        ({"cpu_tenant_share": 1.5}, "cpu_tenant_share", r"\[0, 1\]"),
+        ({"cpu_tenant_share": -0.1}, "cpu_tenant_share", r"\[0, 1\]"),
+        ({"cpu_tenant_share": "half"}, "cpu_tenant_share", "must be a number"),
+        ({"cpu_tenant_share": True}, "cpu_tenant_share", "must be a number"),
+        ({"cpu_tenant_shares": 0.5}, "cpu_tenant_shares", "must be a string"),
+        ({"cpu_tenant_shares": "my-salt=0.5"}, "cpu_tenant_shares", "16 hex digits"),
+        ({"cpu_tenant_shares": f"{A}"}, "cpu_tenant_shares", "tenant_id=fraction"),
+        ({"cpu_tenant_shares": f"{A}=x"}, "cpu_tenant_shares", "not a number"),
+        ({"cpu_tenant_shares": f"{A}=1.5"}, "cpu_tenant_shares", r"\[0, 1\]"),
+        ({"cpu_tenant_shares": f"{A}=nan"}, "cpu_tenant_shares", r"\[0, 1\]"),
+        ({"cpu_tenant_shares": f"{A}=0.2,{A}=0.1"}, "cpu_tenant_shares", "listed twice"),
+        ({"cpu_tenant_shares": f"{A}=0.6,{B}=0.5"}, "cpu_tenant_shares", "more than 1"),
+        ({"cpu_tenant_shares": f"{A}=0.5,"}, "cpu_tenant_shares", "tenant_id=fraction"),
+    ],
+)
+def test_config_errors_name_the_key(values, key, why):
+    from lmtier.config import ConfigError, LMTierConfig
+
+    with pytest.raises(ConfigError, match=why) as e:
+        LMTierConfig.from_dict(values)
+    assert f"{key}=" in str(e.value)
+
+
+def test_config_bad_env_names_the_variable():
+    from lmtier.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="LMTIER_CPU_TENANT_SHARE"):
+        load_config(env={"LMTIER_CPU_TENANT_SHARE": "lots"})
+
+
+def test_salt_never_in_config_or_stats():
+    from lmtier.config import LMTierConfig
+
+    cfg = LMTierConfig.from_dict({"cpu_tenant_shares": f"{tenant_id('secret-salt')}=0.5"})
+    assert "secret-salt" not in repr(cfg) and "secret-salt" not in str(cfg.to_dict())
+
+
+# ---- the tier manager -------------------------------------------------------------------------
+
+
+def test_manager_from_config_tenant_hit_rates():
+    """The manager builds the pool with the configured budgets, stores per tenant and reports
+    per-tenant hits / misses (hit rates) beside the pool's usage and evictions."""
+    from lmtier.config import LMTierConfig
+    from lmtier.keys import Namespace, chunk_keys
+    from lmtier.manager import TierManager
+
+    ns = Namespace(model="m", num_layers=1, num_kv_heads=1, head_size=64, kv_dtype="float16", chunk_size=16)
+    assert ns.chunk_bytes == 4096
+    cfg = LMTierConfig.from_dict(
+        {"chunk_size": 16, "max_local_cpu_size": 10 * SLOT / 2**30, "cpu_tenant_shares": f"{B}=0.3"}
+    )
+    with TierManager.from_config(cfg, ns) as m:
+        assert m.cpu is not None and m.cpu.tenant_budgets == cfg.cpu.tenants and m.cpu.num_slots == 10
+        kb = chunk_keys(list(range(3 * 16)), ns, cache_salt="tenant-b")
+        ka = chunk_keys(list(range(1000, 1000 + 20 * 16)), ns, cache_salt="tenant-a")
+        for k in kb:
+            assert m.store(k, bytes(4096), tenant=tenant_id("tenant-b"), timeout_s=None).result()
+        for k in ka:
+            assert m.store(k, bytes(4096), tenant=tenant_id("tenant-a"), timeout_s=None).result()
+        out = bytearray(4096)
+        assert [m.retrieve(k, out, tenant=B) for k in kb] == [True] * 3
+        got_a = [m.retrieve(k, out, tenant=A) for k in ka]
+        assert got_a == [False] * 13 + [True] * 7
+        st = m.tenant_stats()
+        assert st[B]["hits_cpu"] == 3 and st[B].get("misses", 0) == 0 and st[B]["held_bytes"] == 3 * SLOT
+        assert st[A]["hits_cpu"] == 7 and st[A]["misses"] == 13 and st[A]["evicted_by_self"] == 13
+        assert m.retrieve(kb[0], out)  # no tenant named: not counted per tenant
+        assert m.tenant_stats()[B]["hits_cpu"] == 3

@@ -38,6 +38,7 @@ import torch
 from lmtier.errors import LMTierError
 from lmtier.manager import TierManager
 from lmtier.tiers.codec import CodecTier
+from lmtier.tiers.tenants import DEFAULT_TENANT
 
 __all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers_are_codec"]
 
@@ -241,14 +242,18 @@ class ChunkFetcher:
         return self._io_pool
 
     # ------------------------------------------------------------------------------ chunk fetches
-    def plan(self, req_id: str, first_chunk: int, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
+    def plan(
+        self, req_id: str, first_chunk: int, keys: list[bytes], fault_names: set[str], *, tenant: str = DEFAULT_TENANT
+    ) -> list[Chunk]:
         """Chunks ``[first_chunk, len(keys))`` of request ``req_id``, in order: CPU-pool hits pinned now,
         the others fetched from disk/remote on the I/O threads (several in flight; device mode: at
         most ``window`` device buffers, the rest deferred until :meth:`pump`). Stops after the first
         chunk known to fail (an injected fault, a short pool entry), which is returned with
         ``ok = False``. Every returned chunk must go through :meth:`finish`.
 
-        ``fault_names``: this load fails at its first chunk when one of them is active (test hook)."""
+        ``fault_names``: this load fails at its first chunk when one of them is active (test hook).
+        ``tenant``: the request's tenant (:func:`lmtier.tiers.tenants.tenant_id`): promoted chunks
+        are its chunks in the CPU pool."""
         cb = self.chunk_bytes
         cpu = self.manager.cpu
         chunks: list[Chunk] = []
@@ -281,17 +286,17 @@ class ChunkFetcher:
                 if self.device_mode:
                     c.deferred = True
                 else:
-                    self._submit(c, req_id)
+                    self._submit(c, req_id, tenant)
         if self.device_mode:
             self.pump(chunks)
         return chunks
 
-    def _submit(self, c: Chunk, req_id: str = "?") -> None:
+    def _submit(self, c: Chunk, req_id: str = "?", tenant: str = DEFAULT_TENANT) -> None:
         try:
             if c.device is not None:
                 c.future = self._io().submit(self._fetch_device, c.key, c.device)
             else:
-                c.future = self._io().submit(self._fetch_chunk, c.key)
+                c.future = self._io().submit(self._fetch_chunk, c.key, tenant)
         except Exception:
             log.exception("lmtier: load of chunk %d of request %s failed", c.ci, req_id)
             self._drop_device(c)
@@ -326,7 +331,7 @@ class ChunkFetcher:
             return self.manager.fetch_lower(key, buf, stream=self._stream) == self.chunk_bytes
         return self.manager.fetch_lower(key, buf) == self.chunk_bytes
 
-    def _fetch_chunk(self, key: bytes) -> Chunk | None:
+    def _fetch_chunk(self, key: bytes, tenant: str = DEFAULT_TENANT) -> Chunk | None:
         """I/O thread: bring chunk ``key`` from disk/remote into host memory, straight into a
         reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
         staging buffer. Returns the filled chunk (``ci`` unset) or None on a miss."""
@@ -335,7 +340,7 @@ class ChunkFetcher:
         c = Chunk(-1, key)
         try:
             if cpu is not None:
-                c.write = cpu.reserve(key)
+                c.write = cpu.reserve(key, tenant=tenant)
                 if c.write is None:  # being written or committed by someone else meanwhile, or pool full
                     c.read = cpu.acquire(key)
                     if c.read is not None:
