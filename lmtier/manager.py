@@ -214,7 +214,9 @@ class TierManager:
         try:
             if config.cpu.enabled:
                 try:
-                    cpu = CPUPool(config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena, tenants=config.cpu.tenants)
+                    cpu = CPUPool(
+                        config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena, tenants=config.cpu.tenants
+                    )
                 except ValueError as e:
                     raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
             if config.disk.enabled:

@@ -23,7 +23,15 @@ except ImportError:  # pragma: no cover
 __all__ = ["LMTierStats", "LMTierPromMetrics", "StatsSink", "process_tenant_totals", "process_totals"]
 
 _LAT_KEEP = 256  # latency samples kept per interval (per list)
-TENANT_FIELDS = ("lookup_tokens", "hit_tokens", "commits", "evicted_by_self", "evicted_by_others", "evicted_others", "denied")
+TENANT_FIELDS = (
+    "lookup_tokens",
+    "hit_tokens",
+    "commits",
+    "evicted_by_self",
+    "evicted_by_others",
+    "evicted_others",
+    "denied",
+)
 """Per-tenant counters (``data["tenants"][tenant_id]``, tenant budgets on): lookup / hit tokens (the
 scheduler), and the CPU pool's ``commits``, ``evicted_by_self`` / ``evicted_by_others`` (the
 tenant's chunks evicted for its own / another tenant's stores), ``evicted_others`` (other tenants'
@@ -201,7 +209,9 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
         self._lv = per_engine_labelvalues
         tl = list(labelnames) + ["tenant"]
         self._tc = {
-            k: self._counter_cls(name=f"vllm:lmtier_tenant_{k}", documentation=f"lmtier: {k} per tenant.", labelnames=tl)
+            k: self._counter_cls(
+                name=f"vllm:lmtier_tenant_{k}", documentation=f"lmtier: {k} per tenant.", labelnames=tl
+            )
             for k in ("lookup_tokens", "hit_tokens", "commits", "evicted_others", "denied")
         }
         self._tev = self._counter_cls(

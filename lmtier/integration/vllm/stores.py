@@ -79,11 +79,12 @@ class ChunkStorer:
         """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``.
 
         CPU cache: every chunk gets a pool slot (``reserve`` as the tenant of ``op.cache_salt``; none
-        when the chunk is present already, every slot is pinned or its tenant may evict nothing — skipped), all are gathered in one native call, then committed and
-        written through. CUDA cache: one gather is queued on the side streams after the current
-        stream's work, and the chunks are committed by :meth:`poll_stores` once it arrived (until
-        then the request is in ``pending``; do not reuse its blocks). A failing chunk is dropped
-        (logged), never made visible.
+        when the chunk is present already, every slot is pinned or its tenant may evict nothing —
+        skipped), all are gathered in one native call, then committed and written through. CUDA
+        cache: one gather is queued on the side streams after the current stream's work, and the
+        chunks are committed by :meth:`poll_stores` once it arrived (until then the request is in
+        ``pending``; do not reuse its blocks). A failing chunk is dropped (logged), never made
+        visible.
         """
         cpu = self.manager.cpu
         cb = self.chunk_bytes
