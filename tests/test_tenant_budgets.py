@@ -346,3 +346,31 @@ def test_manager_from_config_tenant_hit_rates():
         assert st[A]["hits_cpu"] == 7 and st[A]["misses"] == 13 and st[A]["evicted_by_self"] == 13
         assert m.retrieve(kb[0], out)  # no tenant named: not counted per tenant
         assert m.tenant_stats()[B]["hits_cpu"] == 3
+
+
+# ---- connector stats --------------------------------------------------------------------------
+
+
+def test_connector_stats_per_tenant():
+    pytest.importorskip("vllm")
+    from lmtier.integration.vllm.stats import LMTierStats, StatsSink, process_tenant_totals, process_totals
+
+    before = process_tenant_totals().get(A, {}).get("hit_tokens", 0)
+    sink = StatsSink()
+    assert sink.take() is None
+    sink.add_tenant(A, "lookup_tokens", 512)
+    sink.add_tenant(A, "hit_tokens", 256)
+    sink.add_tenant(A, "held_bytes", 3 * SLOT)
+    st = sink.take()
+    assert st is not None and sink.take() is None
+    other = LMTierStats({"tenants": {A: {"held_bytes": 5 * SLOT, "evicted_by_others": 2}, B: {"commits": 1}}})
+    st.aggregate(other)
+    assert st.data["tenants"][A] == {
+        "lookup_tokens": 512,
+        "hit_tokens": 256,
+        "held_bytes": 5 * SLOT,
+        "evicted_by_others": 2,
+    }
+    assert st.reduce()[f"lmtier_tenant_{A}_hit_rate"] == 0.5
+    assert process_tenant_totals()[A]["hit_tokens"] == before + 256
+    assert "tenants" not in process_totals()  # numeric counters only, as before
