@@ -21,6 +21,7 @@ from lmtier import envs
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
 from lmtier.tiers.cpu import CPUPool
+from lmtier.tiers.tenants import TenantShares, tenant_id
 
 SMOKE = envs.LMTIER_BENCH_SMOKE
 PROMPT_TOKENS = 1024 if SMOKE else 32 * 1024
@@ -57,28 +58,42 @@ def test_chunk_keys_32k(benchmark, kind):
     benchmark.extra_info.update(tokens=PROMPT_TOKENS, input=kind)
 
 
-def test_pool_reserve_commit(benchmark):
-    pool = CPUPool(64 * 4096, 4096, arena=_arena(64 * 4096))
+# Tenant budgets (lmtier.tiers.tenants): "off" (default; the ceiling), one tenant, and four tenants
+# (shares 0.2 each, the writer / reader cycling through them: evictions reclaim borrowed slots).
+BUDGETS = {"off": (None, 1), "on-1": (TenantShares(0.2), 1), "on-4": (TenantShares(0.2), 4)}
+TENANTS = ["default"] + [tenant_id(f"tenant-{i}") for i in range(1, 4)]
+
+
+@pytest.mark.parametrize("budgets", list(BUDGETS))
+def test_pool_reserve_commit(benchmark, budgets):
+    shares, n = BUDGETS[budgets]
+    pool = CPUPool(64 * 4096, 4096, arena=_arena(64 * 4096), tenants=shares)
     counter = itertools.count()
+    tenants = itertools.cycle(TENANTS[:n])
 
     def op():
-        s = pool.reserve(_key(next(counter)))  # evicts LRU once full
+        s = pool.reserve(_key(next(counter)), tenant=next(tenants))  # evicts once full
         pool.commit(s, 4096)
 
     benchmark(op)
-    benchmark.extra_info.update(chunk_bytes=4096, note="reserve + commit without payload copy, with eviction")
+    benchmark.extra_info.update(
+        chunk_bytes=4096, budgets=budgets, note="reserve + commit without payload copy, with eviction"
+    )
 
 
-def test_pool_acquire_release(benchmark):
-    pool = CPUPool(64 * 4096, 4096, arena=_arena(64 * 4096))
+@pytest.mark.parametrize("budgets", list(BUDGETS))
+def test_pool_acquire_release(benchmark, budgets):
+    shares, n = BUDGETS[budgets]
+    pool = CPUPool(64 * 4096, 4096, arena=_arena(64 * 4096), tenants=shares)
     for i in range(64):
-        pool.put(_key(i), b"x" * 4096)
+        pool.put(_key(i), b"x" * 4096, tenant=TENANTS[i % n])
     keys = itertools.cycle([_key(i) for i in range(64)])
 
     def op():
         pool.release(pool.acquire(next(keys)))
 
     benchmark(op)
+    benchmark.extra_info.update(budgets=budgets)
 
 
 def test_memcpy_ceiling_32mib(benchmark):

@@ -12,6 +12,15 @@ unchanged::
     remote_url: "redis://host:6379/0"     # tier 3: redis://, rediss:// (TLS), unix://, redis(s)-cluster://h:p,h:p
     remote_serde: naive                   # "naive" (raw canonical bytes) or "cachegen" (needs lmtier.codec)
 
+Per-tenant budgets of the CPU pool (issue 18, :mod:`lmtier.tiers.tenants`; off unless one is set)::
+
+    cpu_tenant_share: 0.2                 # each cache_salt tenant is guaranteed 20% of the pool
+    cpu_tenant_shares: "default=0.1,3f2a0c9e1b7d4a65=0.5"   # per tenant (tenant_id(salt) or default)
+
+A tenant is a request's ``cache_salt`` (no salt: ``default``), named by a 16-hex-digit digest
+(:func:`lmtier.tiers.tenants.tenant_id`), never by the salt. Other tenants' stores never evict a
+tenant's chunks below its guaranteed share; unused shares are borrowed and reclaimed.
+
 lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
 ``remote_password_env`` (name of an environment variable holding the Redis password; never logged),
 ``disk_io_threads`` (default 4), and the codec keys below.
@@ -115,6 +124,7 @@ from lmtier.remote_url import (
 )
 from lmtier.tiers.mooncake.settings import YAML_KEYS as MOONCAKE_KEYS
 from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
+from lmtier.tiers.tenants import TenantShares, parse_tenant_shares
 
 __all__ = [
     "ConfigError",
@@ -146,10 +156,13 @@ class CPUConfig:
     Attributes:
         enabled: ``local_cpu``.
         max_size_gb: ``max_local_cpu_size`` in GiB (> 0 when enabled).
+        tenants: per-tenant guaranteed shares (``cpu_tenant_share`` / ``cpu_tenant_shares``), or
+            None: budgets off.
     """
 
     enabled: bool = True
     max_size_gb: float = 5.0
+    tenants: TenantShares | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -316,6 +329,8 @@ class LMTierConfig:
             "remote_password_env": self.remote.password_env,
             **self._mooncake_dict(),
             "codec_level": self.codec_level,
+            "cpu_tenant_share": None if self.cpu.tenants is None else self.cpu.tenants.default_share,
+            "cpu_tenant_shares": None if self.cpu.tenants is None else (self.cpu.tenants.to_text() or None),
         }
 
     def _mooncake_dict(self) -> dict[str, Any]:
@@ -413,7 +428,10 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         )
     if values["local_cpu"] and values["max_local_cpu_size"] <= 0:
         raise _err("max_local_cpu_size", values["max_local_cpu_size"], "must be > 0 when local_cpu is true")
-    cpu = CPUConfig(enabled=values["local_cpu"], max_size_gb=values["max_local_cpu_size"])
+    tenants = parse_tenant_shares("cpu_tenant_shares", values["cpu_tenant_shares"], values["cpu_tenant_share"])
+    if tenants is not None and not values["local_cpu"]:
+        logger.warning("lmtier config: cpu_tenant_share(s) without local_cpu; unused")
+    cpu = CPUConfig(enabled=values["local_cpu"], max_size_gb=values["max_local_cpu_size"], tenants=tenants)
 
     sharding = values["local_disk_path_sharding"]
     if sharding is not None and sharding not in DISK_SHARDINGS:

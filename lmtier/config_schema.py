@@ -81,6 +81,13 @@ KEYS: dict[str, KeySpec] = {
     "mooncake_device_name": KeySpec(OPT_STR, None, "Mooncake: RDMA device(s), e.g. mlx5_0"),
     "local_disk_serde": KeySpec(STR, "naive", "disk record format: naive or cachegen (the codec)"),
     "codec_level": KeySpec(STR, "default", "codec level of every cachegen serde: lossless, high, default, low"),
+    # Per-tenant budgets of the CPU pool (issue 18; lmtier.tiers.tenants). Both unset: budgets off.
+    "cpu_tenant_share": KeySpec(
+        OPT_FLOAT, None, "fraction [0, 1] of the CPU pool guaranteed to each cache_salt tenant"
+    ),
+    "cpu_tenant_shares": KeySpec(
+        OPT_STR, None, "per-tenant CPU pool shares: tenant_id=fraction,... (id: default or 16 hex)"
+    ),
 }
 """Every configuration key (LMCache's names where they mean the same thing)."""
 

@@ -44,6 +44,7 @@ from lmtier.keys import KEY_BYTES, Namespace
 from lmtier.tiers.base import Eviction, Tier
 from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import DiskTier, background_priority
+from lmtier.tiers.tenants import DEFAULT_TENANT
 
 __all__ = ["TierManager", "default_disk_factory", "default_remote_factory", "codec_chunk_shape"]
 
@@ -149,6 +150,7 @@ class TierManager:
         self.disk = disk
         self.remote = remote
         self.counters: collections.Counter[str] = collections.Counter()
+        self._tenant_counters: dict[str, collections.Counter[str]] = {}
         self._counter_lock = threading.Lock()
         self._store_slots = threading.BoundedSemaphore(max_pending_stores)
         self._remote_slots = threading.BoundedSemaphore(max_pending_remote)
@@ -212,7 +214,9 @@ class TierManager:
         try:
             if config.cpu.enabled:
                 try:
-                    cpu = CPUPool(config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena)
+                    cpu = CPUPool(
+                        config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena, tenants=config.cpu.tenants
+                    )
                 except ValueError as e:
                     raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
             if config.disk.enabled:
@@ -265,7 +269,7 @@ class TierManager:
 
     # ---- store -------------------------------------------------------------------------------
 
-    def store(self, key: bytes, data: Any, *, timeout_s: float | None = 0.0) -> Future:
+    def store(self, key: bytes, data: Any, *, timeout_s: float | None = 0.0, tenant: str = DEFAULT_TENANT) -> Future:
         """Store one chunk asynchronously.
 
         Args:
@@ -275,6 +279,7 @@ class TierManager:
                 unchanged until the returned future completes.
             timeout_s: how long to wait for room in the store queue: ``0`` (default) never waits
                 and drops the store when the queue is full; ``None`` waits as long as needed.
+            tenant: the chunk's tenant in the CPU pool (:func:`lmtier.tiers.tenants.tenant_id`).
 
         Returns:
             ``Future[bool]``: True once the chunk is stored in (or already was in) a tier; False if
@@ -305,16 +310,16 @@ class TierManager:
             return _done(False)
         self._enter()
         try:
-            fut = self._store_pool.submit(self._store_job, key, src, data)
+            fut = self._store_pool.submit(self._store_job, key, src, data, tenant)
         except BaseException:
             self._store_slots.release()
             self._leave()
             raise
         return fut
 
-    def _store_job(self, key: bytes, src: Any, _keepalive: Any) -> bool:
+    def _store_job(self, key: bytes, src: Any, _keepalive: Any, tenant: str) -> bool:
         try:
-            return self._store_now(key, src)
+            return self._store_now(key, src, tenant)
         except Exception:
             log.exception("store of chunk %s failed", key.hex())
             self._count("store_errors")
@@ -323,10 +328,10 @@ class TierManager:
             self._store_slots.release()
             self._leave()
 
-    def _store_now(self, key: bytes, src: Any) -> bool:
+    def _store_now(self, key: bytes, src: Any, tenant: str) -> bool:
         n = int(src.shape[0])
         if self.cpu is not None:
-            slot = self.cpu.reserve(key)
+            slot = self.cpu.reserve(key, tenant=tenant)
             if slot is not None:
                 try:
                     if isinstance(src, torch.Tensor):
@@ -513,17 +518,19 @@ class TierManager:
 
     # ---- retrieve ----------------------------------------------------------------------------
 
-    def retrieve(self, key: bytes, out: Any) -> bool:
+    def retrieve(self, key: bytes, out: Any, *, tenant: str | None = None) -> bool:
         """Fill ``out`` with chunk ``key`` from the fastest tier; see :meth:`retrieve_into`."""
-        return self.retrieve_into(key, out) is not None
+        return self.retrieve_into(key, out, tenant=tenant) is not None
 
-    def retrieve_into(self, key: bytes, out: Any) -> int | None:
+    def retrieve_into(self, key: bytes, out: Any, *, tenant: str | None = None) -> int | None:
         """Copy chunk ``key`` into ``out`` from the fastest tier holding it.
 
         Args:
             key: 32-byte chunk key.
             out: writable destination of ``>=`` the chunk's bytes: a contiguous torch tensor (CPU,
                 pinned or CUDA; any dtype, written as bytes) or a writable bytes-like object.
+            tenant: the chunk's tenant id: hits / misses counted per tenant (:meth:`tenant_stats`),
+                a promotion is its chunk in the pool (None: not counted, the default tenant's).
 
         Returns:
             the chunk's length in bytes, or ``None`` on a miss (nothing usable was written; the
@@ -537,16 +544,16 @@ class TierManager:
         if self.cpu is not None:
             n = self.cpu.get_into(key, dst)
             if n is not None:
-                self._count("hits_cpu")
+                self._count("hits_cpu", tenant=tenant)
                 return n
         for tier in (self.disk, self.remote):
             if tier is None:
                 continue
-            n = self._retrieve_from(tier, key, out, dst)
+            n = self._retrieve_from(tier, key, out, dst, tenant or DEFAULT_TENANT)
             if n is not None:
-                self._count(f"hits_{tier.name}")
+                self._count(f"hits_{tier.name}", tenant=tenant)
                 return n
-        self._count("misses")
+        self._count("misses", tenant=tenant)
         return None
 
     def fetch_lower(self, key: bytes, out: Any, *, stream: Any = None) -> int | None:
@@ -618,8 +625,8 @@ class TierManager:
         """Add ``n`` to ``counters[name]`` (thread-safe)."""
         self._count(name, n)
 
-    def _retrieve_from(self, tier: Tier, key: bytes, out: Any, dst: Any) -> int | None:
-        slot = self.cpu.reserve(key) if self.cpu is not None else None
+    def _retrieve_from(self, tier: Tier, key: bytes, out: Any, dst: Any, tenant: str) -> int | None:
+        slot = self.cpu.reserve(key, tenant=tenant) if self.cpu is not None else None
         if slot is None:  # no pool, pool full, or someone else is promoting it: read directly
             target = out if isinstance(out, torch.Tensor) else memoryview(dst)
             return self._safe(tier.get_into, key, target, default=None)
@@ -698,9 +705,21 @@ class TierManager:
         if self._closed:
             raise RuntimeError("TierManager is closed")
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str, n: int = 1, *, tenant: str | None = None) -> None:
         with self._counter_lock:
             self.counters[name] += n
+            if tenant is not None:
+                self._tenant_counters.setdefault(tenant, collections.Counter())[name] += n
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant id: the CPU pool's usage and eviction counts (:meth:`CPUPool.tenant_stats`, with
+        budgets on) and the ``hits_{cpu,disk,remote}`` / ``misses`` of :meth:`retrieve_into` calls
+        that named the tenant (a snapshot)."""
+        out = self.cpu.tenant_stats() if self.cpu is not None else {}
+        with self._counter_lock:
+            for t, c in self._tenant_counters.items():
+                out.setdefault(t, {}).update(c)
+        return out
 
     def _enter(self) -> None:
         with self._idle:

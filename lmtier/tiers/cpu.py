@@ -25,6 +25,13 @@ Slot life cycle (all transitions under one lock; no I/O and no large copy is eve
   correctness). Without listeners the victim is dropped under the lock. ``reserve`` returns
   ``None`` (back-pressure) when every slot is pinned or being written.
 
+Tenant budgets (``tenants``: :class:`~lmtier.tiers.tenants.TenantShares`; off by default): every
+slot belongs to the tenant named at ``reserve`` (a request's ``cache_salt`` digest,
+:func:`~lmtier.tiers.tenants.tenant_id`) and the victim is chosen by
+:class:`~lmtier.tiers.tenants.TenantLedger` so that other tenants' stores never evict a tenant's
+chunks below its guaranteed share (the policy: :mod:`lmtier.tiers.tenants`). Off, ``tenant`` is
+ignored and the eviction order is the plain LRU above.
+
 Handles (:class:`Slot`) are single-use: ``commit``/``abort`` a write handle and ``release`` a read
 handle exactly once; anything else raises ``RuntimeError`` (a pin leak or double free would
 otherwise corrupt the pool silently).
@@ -45,6 +52,7 @@ import numpy as np
 import torch
 
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
+from lmtier.tiers.tenants import DEFAULT_TENANT, TenantLedger, TenantShares
 
 __all__ = ["CPUPool", "Slot", "SLOT_ALIGN_BYTES", "as_byte_source"]
 
@@ -146,6 +154,8 @@ class CPUPool(Tier):
             first-touch page faults in the serving path while resident memory still grows only with
             use; ``"now"`` / ``"background"`` map the whole arena at construction / on a daemon
             thread (resident = capacity from the start); ``"lazy"`` never (pages fault on first write).
+        tenants: per-tenant guaranteed shares (:mod:`lmtier.tiers.tenants`), or None (default: one
+            LRU over all chunks, ``tenant`` arguments ignored).
 
     Raises:
         ValueError: non-positive sizes, capacity below one slot, arena too small or not uint8/CPU.
@@ -160,6 +170,7 @@ class CPUPool(Tier):
         *,
         arena: Any = None,
         populate: str = "ahead",
+        tenants: TenantShares | None = None,
     ) -> None:
         super().__init__()
         if type(chunk_bytes) is not int or chunk_bytes <= 0:
@@ -207,6 +218,7 @@ class CPUPool(Tier):
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # evictable, LRU first
         self._closed = False
         self.counters: collections.Counter[str] = collections.Counter()
+        self._ledger = None if tenants is None else TenantLedger(tenants, self.num_slots, self.slot_bytes)
         # Populate-ahead: never-used slots are handed out in index order (freed ones are reused
         # first), so mapping slots [0, target) ahead of the highest slot handed out suffices.
         self._ahead = 0
@@ -232,8 +244,13 @@ class CPUPool(Tier):
 
     # ---- writer side ---------------------------------------------------------------------------
 
-    def reserve(self, key: bytes) -> Slot | None:
+    def reserve(self, key: bytes, *, tenant: str = DEFAULT_TENANT) -> Slot | None:
         """Allocate a slot for writing ``key``'s chunk, evicting the LRU unreferenced chunk if needed.
+
+        ``tenant``: the chunk's tenant (:func:`~lmtier.tiers.tenants.tenant_id`); with budgets on,
+        the victim is chosen by the tenant policy (:mod:`lmtier.tiers.tenants`) and ``None`` is also
+        returned when every evictable chunk is protected by its tenant's share
+        (``counters["reserve_budget"]``).
 
         Returns:
             a write :class:`Slot` (``nbytes == chunk_bytes``) to fill and then ``commit`` or
@@ -253,17 +270,25 @@ class CPUPool(Tier):
                     self.counters["reserve_present"] += 1
                     return None
                 if self._free:
-                    return self._start_write_locked(self._free.pop(), key)
+                    return self._start_write_locked(self._free.pop(), key, tenant)
                 if not self._lru:
                     self.counters["reserve_full"] += 1
                     return None
-                idx, _ = self._lru.popitem(last=False)
+                ledger = self._ledger
+                if ledger is None:
+                    idx, _ = self._lru.popitem(last=False)
+                else:
+                    vic = ledger.victim(tenant)
+                    if vic is None:
+                        self.counters["reserve_budget"] += 1
+                        return None
+                    idx = vic
+                    del self._lru[idx]
                 victim = self._keys[idx]
                 assert victim is not None
                 if not self.has_eviction_listeners():
-                    del self._index[victim]
-                    self.counters["evictions"] += 1
-                    return self._start_write_locked(idx, key)
+                    self._evicted_locked(idx, victim, tenant)
+                    return self._start_write_locked(idx, key, tenant)
                 self._refs[idx] += 1  # pin the victim during write-back
                 view = self._views[idx][: self._nbytes[idx]]
             # A listener failing loses at most a cache entry: the chunk is evicted anyway.
@@ -277,13 +302,12 @@ class CPUPool(Tier):
                 if self._doomed[idx]:  # deleted during write-back
                     self._free_locked(idx)
                     continue
-                del self._index[victim]
-                self.counters["evictions"] += 1
+                self._evicted_locked(idx, victim, tenant)
                 if key in self._index or key in self._pending or self._closed:
                     self._free_locked(idx)
                     self.counters["reserve_present"] += 1
                     return None
-                return self._start_write_locked(idx, key)
+                return self._start_write_locked(idx, key, tenant)
         with self._lock:
             self.counters["reserve_full"] += 1
         return None
@@ -305,6 +329,8 @@ class CPUPool(Tier):
             self._nbytes[idx] = nbytes
             self._index[slot.key] = idx
             self._lru[idx] = None
+            if self._ledger is not None:
+                self._ledger.committed(idx)
             self.counters["commits"] += 1
 
     def abort(self, slot: Slot) -> None:
@@ -332,6 +358,8 @@ class CPUPool(Tier):
                 return None
             self._refs[idx] += 1
             self._lru.pop(idx, None)
+            if self._ledger is not None:
+                self._ledger.pinned(idx)
             self.counters["hits"] += 1
             nbytes, gen = self._nbytes[idx], self._gen[idx]
         return Slot(key, idx, idx * self.slot_bytes, nbytes, self._views[idx][:nbytes], _READ, gen)
@@ -347,6 +375,8 @@ class CPUPool(Tier):
                     self._free_locked(idx)
                 else:
                     self._lru[idx] = None
+                    if self._ledger is not None:
+                        self._ledger.evictable(idx)
 
     # ---- Tier interface ------------------------------------------------------------------------
 
@@ -381,8 +411,9 @@ class CPUPool(Tier):
         finally:
             self.release(slot)
 
-    def put(self, key: bytes, payload: Any) -> bool:
-        """Store ``payload`` (tensor or bytes-like, ``1..chunk_bytes`` bytes) under ``key``.
+    def put(self, key: bytes, payload: Any, *, tenant: str = DEFAULT_TENANT) -> bool:
+        """Store ``payload`` (tensor or bytes-like, ``1..chunk_bytes`` bytes) under ``key``
+        (``tenant``: as for :meth:`reserve`).
 
         Returns True when stored or already present, False on back-pressure.
         Raises ``ValueError`` for an empty or oversized payload.
@@ -391,7 +422,7 @@ class CPUPool(Tier):
         n = int(src.shape[0])
         if not 0 < n <= self.chunk_bytes:
             raise ValueError(f"CPUPool.put: payload must be 1..{self.chunk_bytes} bytes, got {n}")
-        slot = self.reserve(key)
+        slot = self.reserve(key, tenant=tenant)
         if slot is None:
             return self.is_present(key)
         try:
@@ -411,6 +442,8 @@ class CPUPool(Tier):
                 return False
             if self._refs[idx] == 0:
                 self._lru.pop(idx, None)
+                if self._ledger is not None:
+                    self._ledger.pinned(idx)
                 self._free_locked(idx)
             else:
                 self._doomed[idx] = True
@@ -437,6 +470,19 @@ class CPUPool(Tier):
             lru = [self._keys[i] for i in self._lru]
             pinned = [k for k, i in self._index.items() if i not in self._lru]
             return lru + pinned  # type: ignore[return-value]
+
+    @property
+    def tenant_budgets(self) -> TenantShares | None:
+        """The configured tenant shares, or None (budgets off)."""
+        return None if self._ledger is None else self._ledger.shares
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tenant usage and eviction counts (:meth:`TenantLedger.stats
+        <lmtier.tiers.tenants.TenantLedger.stats>`: ``held_bytes``, ``guaranteed_bytes``,
+        ``commits``, ``evicted_by_self``, ``evicted_by_others``, ``evicted_others``, ``denied``),
+        keyed by tenant id; ``{}`` with budgets off (a snapshot)."""
+        with self._lock:
+            return {} if self._ledger is None else self._ledger.stats()
 
     def num_pinned(self) -> int:
         """Slots with outstanding read references (including eviction write-back)."""
@@ -512,7 +558,7 @@ class CPUPool(Tier):
         if self._closed:
             raise RuntimeError("CPUPool is closed")
 
-    def _start_write_locked(self, idx: int, key: bytes) -> Slot:
+    def _start_write_locked(self, idx: int, key: bytes, tenant: str) -> Slot:
         if self._pop_cond is not None and idx + self._ahead > self._pop_target:
             self._pop_target = min(self.num_slots, idx + 2 * self._ahead)
             self._pop_cond.notify()
@@ -522,6 +568,8 @@ class CPUPool(Tier):
         self._refs[idx] = 0
         self._doomed[idx] = False
         self._pending[key] = idx
+        if self._ledger is not None:
+            self._ledger.assign(idx, tenant)
         self.counters["reserves"] += 1
         return Slot(
             key,
@@ -533,6 +581,12 @@ class CPUPool(Tier):
             self._gen[idx],
         )
 
+    def _evicted_locked(self, idx: int, victim: bytes, tenant: str) -> None:
+        del self._index[victim]
+        self.counters["evictions"] += 1
+        if self._ledger is not None:
+            self._ledger.evicted(idx, tenant)
+
     def _free_locked(self, idx: int) -> None:
         self._state[idx] = _FREE
         self._keys[idx] = None
@@ -540,6 +594,8 @@ class CPUPool(Tier):
         self._doomed[idx] = False
         self._gen[idx] += 1
         self._free.append(idx)
+        if self._ledger is not None:
+            self._ledger.free(idx)
 
     def _check_handle_locked(self, slot: Slot, mode: str) -> int:
         if not isinstance(slot, Slot):

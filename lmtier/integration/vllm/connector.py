@@ -349,6 +349,8 @@ class LMTierConnector(KVConnectorBase_V1):
 
     # ================================================================== stats
     def get_kv_connector_stats(self):
+        if self.connector_worker is not None:
+            self.connector_worker.report_tenants()
         return self._stats.take()
 
     @classmethod

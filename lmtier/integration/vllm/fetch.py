@@ -42,6 +42,7 @@ import torch
 from lmtier.errors import LMTierError
 from lmtier.manager import TierManager
 from lmtier.tiers.codec import CodecTier
+from lmtier.tiers.tenants import DEFAULT_TENANT
 
 __all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers_are_codec"]
 
@@ -267,14 +268,18 @@ class ChunkFetcher:
         return self._io_pool
 
     # ------------------------------------------------------------------------------ chunk fetches
-    def plan(self, req_id: str, first_chunk: int, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
+    def plan(
+        self, req_id: str, first_chunk: int, keys: list[bytes], fault_names: set[str], *, tenant: str = DEFAULT_TENANT
+    ) -> list[Chunk]:
         """Chunks ``[first_chunk, len(keys))`` of request ``req_id``, in order: CPU-pool hits pinned now,
         the others fetched from disk/remote on the I/O threads (several in flight; device mode: at
         most ``window`` device buffers, the rest deferred until :meth:`pump`). Stops after the first
         chunk known to fail (an injected fault, a short pool entry), which is returned with
         ``ok = False``. Every returned chunk must go through :meth:`finish`.
 
-        ``fault_names``: this load fails at its first chunk when one of them is active (test hook)."""
+        ``fault_names``: this load fails at its first chunk when one of them is active (test hook).
+        ``tenant``: the request's tenant (:func:`lmtier.tiers.tenants.tenant_id`): promoted chunks
+        are its chunks in the CPU pool."""
         cb = self.chunk_bytes
         cpu = self.manager.cpu
         chunks: list[Chunk] = []
@@ -310,19 +315,19 @@ class ChunkFetcher:
                 else:
                     todo.append(c)
         for g in range(0, len(todo), self.group):
-            self._submit(todo[g : g + self.group], req_id)
+            self._submit(todo[g : g + self.group], req_id, tenant)
         if self.device_mode:
             self.pump(chunks)
         return chunks
 
-    def _submit(self, group: list[Chunk], req_id: str = "?") -> None:
+    def _submit(self, group: list[Chunk], req_id: str = "?", tenant: str = DEFAULT_TENANT) -> None:
         """Start the fetch of ``group`` (consecutive chunks, all device-staged or none) as one I/O task."""
         keys = [c.key for c in group]
         try:
             if group[0].device is not None:
                 f = self._io().submit(self._fetch_device_many, keys, [c.device for c in group])
             else:
-                f = self._io().submit(self._fetch_chunks, keys)
+                f = self._io().submit(self._fetch_chunks, keys, tenant)
         except Exception:
             log.exception("lmtier: load of chunks %s of request %s failed", [c.ci for c in group], req_id)
             for c in group:
@@ -366,7 +371,7 @@ class ChunkFetcher:
         got = self.manager.fetch_lower_many(keys, bufs, stream=self._stream)
         return [n == self.chunk_bytes for n in got]
 
-    def _fetch_chunks(self, keys: list[bytes]) -> list[Chunk | None]:
+    def _fetch_chunks(self, keys: list[bytes], tenant: str = DEFAULT_TENANT) -> list[Chunk | None]:
         """I/O thread: bring chunks ``keys`` from disk/remote into host memory, each straight into a
         reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
         staging buffer (one ``fetch_lower_many`` for those not in the pool meanwhile). Returns per
@@ -380,7 +385,7 @@ class ChunkFetcher:
         try:
             for j, c in enumerate(cs):
                 if cpu is not None:
-                    c.write = cpu.reserve(c.key)
+                    c.write = cpu.reserve(c.key, tenant=tenant)
                     if c.write is None:  # being written or committed by someone else meanwhile, or pool full
                         c.read = cpu.acquire(c.key)
                         if c.read is not None:

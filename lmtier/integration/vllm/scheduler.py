@@ -34,6 +34,7 @@ from lmtier.integration.vllm.options import ConnectorOptions
 from lmtier.integration.vllm.stats import StatsSink
 from lmtier.integration.vllm.worker import LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
+from lmtier.tiers.tenants import tenant_id
 
 __all__ = ["LMTierScheduler"]
 
@@ -76,6 +77,7 @@ class LMTierScheduler:
         self.block_size = block_size
         self._is_cuda = is_cuda
         self._stats = stats
+        self._tenants = config.cpu.tenants is not None  # per-tenant lookup / hit tokens in the stats
         self._shared_mgr = shared
         self._requests: dict[str, Any] = {}  # req_id -> Request (token ids, salt)
         self._lookups: dict[str, tuple[int, int, list[str], bool]] = {}
@@ -199,7 +201,10 @@ class LMTierScheduler:
         if rid not in self._counted and got is not None:
             self._counted.add(rid)
             prompt_len = len(request.prompt_token_ids or [])
-            self._stats.add("lookup_tokens", max((max(prompt_len - 1, 0) // self.chunk) * self.chunk - got[0], 0))
+            looked = max((max(prompt_len - 1, 0) // self.chunk) * self.chunk - got[0], 0)
+            self._stats.add("lookup_tokens", looked)
+            if self._tenants:
+                self._stats.add_tenant(tenant_id(getattr(request, "cache_salt", None)), "lookup_tokens", looked)
         if num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
@@ -228,6 +233,8 @@ class LMTierScheduler:
         for t, n in self._hits_by_tier(got).items():
             if n:
                 self._stats.add(f"hit_tokens_{t}", n)
+        if self._tenants:
+            self._stats.add_tenant(tenant_id(getattr(request, "cache_salt", None)), "hit_tokens", hit - nc)
         # Loaded chunks are stored already: never store them again for this request.
         self._stored_upto[rid] = max(self._stored_upto.get(rid, 0), hit // self.chunk)
 

@@ -20,9 +20,26 @@ except ImportError:  # pragma: no cover
     KVConnectorStats = object  # type: ignore
     KVConnectorPromMetrics = object  # type: ignore
 
-__all__ = ["LMTierStats", "LMTierPromMetrics", "StatsSink", "process_totals"]
+__all__ = ["LMTierStats", "LMTierPromMetrics", "StatsSink", "process_tenant_totals", "process_totals"]
 
 _LAT_KEEP = 256  # latency samples kept per interval (per list)
+TENANT_FIELDS = (
+    "lookup_tokens",
+    "hit_tokens",
+    "commits",
+    "evicted_by_self",
+    "evicted_by_others",
+    "evicted_others",
+    "denied",
+)
+"""Per-tenant counters (``data["tenants"][tenant_id]``, tenant budgets on): lookup / hit tokens (the
+scheduler), and the CPU pool's ``commits``, ``evicted_by_self`` / ``evicted_by_others`` (the
+tenant's chunks evicted for its own / another tenant's stores), ``evicted_others`` (other tenants'
+chunks evicted for its stores), ``denied`` (its reservations refused: nothing it may evict);
+:meth:`lmtier.tiers.tenants.TenantLedger.stats`. Plus the gauge ``held_bytes`` (the highest value
+reported in the interval, over TP ranks)."""
+TENANT_LABELS_MAX = 64
+"""Distinct ``tenant`` label values per process in the Prometheus series; later tenants are ``other``."""
 
 
 class LMTierStats(KVConnectorStats):
@@ -35,7 +52,8 @@ class LMTierStats(KVConnectorStats):
     ``async_loads`` and ``layerwise_loads``
     (requests loaded in the background / layer by layer). Time:
     ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
-    per-request latencies in seconds; at most 256 kept per interval).
+    per-request latencies in seconds; at most 256 kept per interval). With tenant budgets:
+    ``tenants`` (tenant id -> :data:`TENANT_FIELDS` and ``held_bytes``).
     """
 
     FIELDS = (
@@ -63,18 +81,23 @@ class LMTierStats(KVConnectorStats):
             self.data.setdefault(k, 0)
         for k in self.LISTS:
             self.data[k] = list(self.data.get(k) or [])
+        self.data["tenants"] = {t: dict(row) for t, row in (self.data.get("tenants") or {}).items()}
 
     def reset(self):
         for k in self.FIELDS:
             self.data[k] = 0
         for k in self.LISTS:
             self.data[k] = []
+        self.data["tenants"] = {}
 
     def aggregate(self, other):
         for k in self.FIELDS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         for k in self.LISTS:
             self.data[k] = (self.data.get(k, []) + list(other.data.get(k) or []))[-_LAT_KEEP:]
+        for t, row in (other.data.get("tenants") or {}).items():
+            for k, v in row.items():
+                self.add_tenant(t, k, v)
         return self
 
     def reduce(self):
@@ -87,10 +110,24 @@ class LMTierStats(KVConnectorStats):
         for k in self.LISTS:
             v = self.data[k]
             out[f"lmtier_{k[:-2]}_mean_ms"] = round(1e3 * sum(v) / len(v), 2) if v else 0.0
+        tenants = sorted(self.data["tenants"].items(), key=lambda kv: -kv[1].get("lookup_tokens", 0))
+        for t, row in tenants[:8]:  # the log line: the 8 tenants that asked most
+            if row.get("lookup_tokens"):
+                out[f"lmtier_tenant_{t}_hit_rate"] = round(row.get("hit_tokens", 0) / row["lookup_tokens"], 3)
         return out
 
     def is_empty(self):
-        return not any(self.data.get(k) for k in self.FIELDS) and not any(self.data.get(k) for k in self.LISTS)
+        return (
+            not any(self.data.get(k) for k in self.FIELDS)
+            and not any(self.data.get(k) for k in self.LISTS)
+            and not self.data["tenants"]
+        )
+
+    def add_tenant(self, tenant: str, key: str, value: float) -> None:
+        """Add ``value`` to tenant ``tenant``'s counter ``key`` (:data:`TENANT_FIELDS`), or raise its
+        ``held_bytes`` gauge to ``value``."""
+        row = self.data["tenants"].setdefault(tenant, {})
+        row[key] = max(row.get(key, 0), value) if key == "held_bytes" else row.get(key, 0) + value
 
     def add(self, key: str, value: float = 1) -> None:
         if key in self.LISTS:
@@ -111,7 +148,14 @@ def process_totals() -> dict[str, Any]:
     roles. Unlike vLLM's interval stats this is never reset.
     """
     with _TOTALS_LOCK:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in _TOTALS.data.items()}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in _TOTALS.data.items() if k != "tenants"}
+
+
+def process_tenant_totals() -> dict[str, dict[str, float]]:
+    """Cumulative per-tenant stats of every lmtier connector in this process (tenant budgets on;
+    :data:`TENANT_FIELDS` and the highest ``held_bytes`` reported, by tenant id; test hook)."""
+    with _TOTALS_LOCK:
+        return {t: dict(row) for t, row in _TOTALS.data["tenants"].items()}
 
 
 class LMTierPromMetrics(KVConnectorPromMetrics):
@@ -121,6 +165,10 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
     ``vllm:lmtier_{loaded,stored}_{chunks,bytes}_total``, ``vllm:lmtier_load_failures_total``,
     ``vllm:lmtier_async_loads_total``, ``vllm:lmtier_store_skipped_total``. Histograms (seconds):
     ``vllm:lmtier_load_seconds`` (per request load), ``vllm:lmtier_store_seconds`` (per store op).
+    Per tenant (tenant budgets on; label ``tenant``: the tenant id, at most
+    :data:`TENANT_LABELS_MAX` values, then ``other``): ``vllm:lmtier_tenant_{lookup_tokens,
+    hit_tokens,commits,evicted_others,denied}_total``, ``vllm:lmtier_tenant_evicted_total{by}``
+    (``by``: ``self`` or ``other``) and the gauge ``vllm:lmtier_tenant_held_bytes``.
     """
 
     _COUNTERS = {
@@ -158,6 +206,45 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
             self._h[key] = {i: h.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+        self._lv = per_engine_labelvalues
+        tl = list(labelnames) + ["tenant"]
+        self._tc = {
+            k: self._counter_cls(
+                name=f"vllm:lmtier_tenant_{k}", documentation=f"lmtier: {k} per tenant.", labelnames=tl
+            )
+            for k in ("lookup_tokens", "hit_tokens", "commits", "evicted_others", "denied")
+        }
+        self._tev = self._counter_cls(
+            name="vllm:lmtier_tenant_evicted",
+            documentation="lmtier: a tenant's CPU-pool chunks evicted, by whose store (self / other).",
+            labelnames=tl + ["by"],
+        )
+        self._theld = self._gauge_cls(
+            name="vllm:lmtier_tenant_held_bytes",
+            documentation="lmtier: CPU-pool bytes held per tenant.",
+            labelnames=tl,
+            multiprocess_mode="mostrecent",
+        )
+        self._tenant_labels: set[str] = set()
+
+    def _tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenant_labels or len(self._tenant_labels) < TENANT_LABELS_MAX:
+            self._tenant_labels.add(tenant)
+            return tenant
+        return "other"
+
+    def _observe_tenants(self, tenants: dict[str, dict[str, float]], engine_idx: int) -> None:
+        lv = self._lv[engine_idx]
+        for tenant, row in tenants.items():
+            t = self._tenant_label(tenant)
+            for k, c in self._tc.items():
+                if row.get(k):
+                    c.labels(*lv, t).inc(row[k])
+            for field, by in (("evicted_by_self", "self"), ("evicted_by_others", "other")):
+                if row.get(field):
+                    self._tev.labels(*lv, t, by).inc(row[field])
+            if "held_bytes" in row and t != "other":
+                self._theld.labels(*lv, t).set(row["held_bytes"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         d = transfer_stats_data or {}
@@ -172,10 +259,15 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self._h.items():
             for x in d.get(key) or ():
                 per_engine[engine_idx].observe(x)
+        if d.get("tenants"):
+            self._observe_tenants(d["tenants"], engine_idx)
 
 
-def _add_total(key: str, value: float) -> None:
+def _add_total(key: str, value: float, tenant: str | None = None) -> None:
     with _TOTALS_LOCK:
+        if tenant is not None:
+            _TOTALS.add_tenant(tenant, key, value)
+            return
         if key in LMTierStats.LISTS:
             _TOTALS.add(key, value)
         else:
@@ -198,6 +290,13 @@ class StatsSink:
         with self._lock:
             self._stats.add(key, value)
         _add_total(key, value)
+
+    def add_tenant(self, tenant: str, key: str, value: float = 1) -> None:
+        """Add ``value`` to tenant ``tenant``'s counter ``key`` (:data:`TENANT_FIELDS`; ``held_bytes``:
+        a gauge) in this interval and in :func:`process_totals` (``["tenants"]``)."""
+        with self._lock:
+            self._stats.add_tenant(tenant, key, value)
+        _add_total(key, value, tenant)
 
     def take(self) -> LMTierStats | None:
         """This interval's stats (None when nothing happened); starts a new interval."""

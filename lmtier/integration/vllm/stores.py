@@ -23,6 +23,7 @@ from lmtier import ops
 from lmtier.integration.vllm.loadstore import StoreOp
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
+from lmtier.tiers.tenants import tenant_id
 
 __all__ = ["ChunkStorer"]
 
@@ -77,17 +78,19 @@ class ChunkStorer:
     def store(self, op: StoreOp) -> None:
         """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``.
 
-        CPU cache: every chunk gets a pool slot (``reserve``; none when the chunk is present already
-        or every slot is pinned — skipped), all are gathered in one native call, then committed and
-        written through. CUDA cache: one gather is queued on the side streams after the current
-        stream's work, and the chunks are committed by :meth:`poll_stores` once it arrived (until
-        then the request is in ``pending``; do not reuse its blocks). A failing chunk is dropped
-        (logged), never made visible.
+        CPU cache: every chunk gets a pool slot (``reserve`` as the tenant of ``op.cache_salt``; none
+        when the chunk is present already, every slot is pinned or its tenant may evict nothing —
+        skipped), all are gathered in one native call, then committed and written through. CUDA
+        cache: one gather is queued on the side streams after the current stream's work, and the
+        chunks are committed by :meth:`poll_stores` once it arrived (until then the request is in
+        ``pending``; do not reuse its blocks). A failing chunk is dropped (logged), never made
+        visible.
         """
         cpu = self.manager.cpu
         cb = self.chunk_bytes
         t0 = time.perf_counter()
         keys, keys0 = self._keys(op.token_ids, op.cache_salt)
+        tenant = tenant_id(op.cache_salt)
         if cpu is None:
             for ci in range(op.first_chunk, len(keys)):
                 try:
@@ -96,7 +99,7 @@ class ChunkStorer:
                         ops.gather(self.layout, slots, [self.scratch])
                     else:
                         self.engine.store(slots, [self.scratch]).synchronize()
-                    if self.manager.store(keys[ci], self.scratch, timeout_s=None).result():
+                    if self.manager.store(keys[ci], self.scratch, timeout_s=None, tenant=tenant).result():
                         self._on_stored(keys[ci], keys0[ci], "disk")
                         self._stat("stored_chunks")
                         self._stat("stored_bytes", cb)
@@ -106,7 +109,7 @@ class ChunkStorer:
             batch: list[tuple[int, Any]] = []  # (chunk index, write slot)
             for ci in range(op.first_chunk, len(keys)):
                 try:
-                    slot = cpu.reserve(keys[ci])
+                    slot = cpu.reserve(keys[ci], tenant=tenant)
                 except Exception:
                     log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
                     continue

@@ -44,6 +44,7 @@ from lmtier.integration.vllm.stores import ChunkStorer
 from lmtier.keys import KeyScope, Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
+from lmtier.tiers.tenants import tenant_id
 
 __all__ = ["ConnectorWorker", "InjectedFault", "LoadOp", "StoreOp"]
 
@@ -235,6 +236,11 @@ class ConnectorWorker:
         keys = self.keys(token_ids, cache_salt)
         return keys, self._index_keys(token_ids, cache_salt, keys)
 
+    def _plan(self, op: LoadOp, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
+        """The fetcher's plan of ``op``'s chunks from ``start_token`` on (promotions: its tenant's)."""
+        first = op.start_token // self.chunk
+        return self._fetcher.plan(op.req_id, first, keys, fault_names, tenant=tenant_id(op.cache_salt))
+
     def scatter(self, slots: torch.Tensor, src: torch.Tensor | list[torch.Tensor]) -> None:
         """Write canonical chunks into the cache; returns when done.
 
@@ -316,7 +322,7 @@ class ConnectorWorker:
         keys = self.keys(op.token_ids, op.cache_salt)
         key0 = lazy_once(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
         self._device_begin()
-        chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
+        chunks = self._plan(op, keys, {"load", "load_sync"})
         failed_ci = None
         i = 0
         try:
@@ -427,7 +433,7 @@ class ConnectorWorker:
                 keys = self.keys(op.token_ids, op.cache_salt)
                 key0 = lazy_once(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
                 current = ([], key0)
-                chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_sync"})
+                chunks = self._plan(op, keys, {"load", "load_sync"})
                 current = (chunks, key0)
                 n_ok = 0
                 host: list[Chunk] = []
@@ -613,7 +619,7 @@ class ConnectorWorker:
         chunks: list[Chunk] = []
         try:
             keys = self.keys(op.token_ids, op.cache_salt)
-            chunks = self._fetcher.plan(op.req_id, op.start_token // self.chunk, keys, {"load", "load_async"})
+            chunks = self._plan(op, keys, {"load", "load_async"})
         except Exception:
             log.exception("lmtier: async load of request %s failed", op.req_id)
             return chunks, False

@@ -106,6 +106,8 @@ class LMTierWorker:
             ),
         )
         self.reporter.subscribe(manager)
+        # Per-tenant pool counters already reported (the pool may outlive an engine: start from now).
+        self._tenants_seen = manager.cpu.tenant_stats() if manager.cpu is not None else {}
 
     @property
     def layerwise(self) -> bool:
@@ -310,6 +312,23 @@ class LMTierWorker:
         recv, failed = self.transfers.poll_loads(set(finished_req_ids or ()))
         sending = self.transfers.finished_sending(delayed_frees)
         return sending, recv, failed
+
+    def report_tenants(self) -> None:
+        """Add the CPU pool's per-tenant counts since the last call to the stats (tenant budgets on;
+        ``held_bytes`` of the tenants whose counts changed)."""
+        cpu = self.manager.cpu
+        if cpu is None or cpu.tenant_budgets is None:
+            return
+        for t, row in cpu.tenant_stats().items():
+            last = self._tenants_seen.get(t, {})
+            if row == last:
+                continue
+            for k, v in row.items():
+                if k == "held_bytes":
+                    self._stats.add_tenant(t, k, v)
+                elif k != "guaranteed_bytes" and v != last.get(k, 0):
+                    self._stats.add_tenant(t, k, v - last.get(k, 0))
+            self._tenants_seen[t] = row
 
     def handle_preemptions(self) -> None:
         """Preempted requests' blocks may be reused this step: finish in-flight copies first."""

