@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -22,7 +25,9 @@ inline int pick_threads(int32_t num_threads, uint64_t work_items) {
 
 // Runs fn(i) for i in [0, n) on `threads` threads (work-stealing by an atomic counter); the calling
 // thread is one of them. Results must not depend on the thread count (callers write disjoint
-// outputs).
+// outputs). Exception-safe: the first exception fn throws (on any thread) stops the remaining items
+// and is rethrown here once every thread has joined; a thread that cannot be created (resource
+// limits) leaves the work to the threads that exist.
 template <typename Fn>
 void parallel_for(uint64_t n, int threads, Fn&& fn) {
   if (n == 0) return;
@@ -31,14 +36,29 @@ void parallel_for(uint64_t n, int threads, Fn&& fn) {
     return;
   }
   std::atomic<uint64_t> next{0};
-  auto worker = [&]() {
-    for (uint64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  std::mutex error_lock;
+  std::exception_ptr error;
+  auto worker = [&]() noexcept {
+    try {
+      for (uint64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(error_lock);
+      if (!error) error = std::current_exception();
+      next.store(n);  // the other threads stop after their current item
+    }
   };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the ones started and this one do the work
+    }
+  }
   worker();
   for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace lmtier
