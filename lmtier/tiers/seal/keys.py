@@ -56,6 +56,7 @@ log = logging.getLogger("lmtier.tiers.seal")
 KEY_ID_BYTES = 8
 MIN_KEY_BYTES = 32
 MAX_KEY_BYTES = 64  # BLAKE2b's key limit
+_MAX_FILE_CHARS = 4 * MAX_KEY_BYTES  # hex digits plus generous white space
 _PERSON_KID = b"lmtier-seal-kid"
 _PERSON_AES = b"lmtier-seal-aes"
 
@@ -187,15 +188,17 @@ def load_key(config_key: str, source: str, env: Mapping[str, str]) -> SealKey:
     if source.startswith("file:"):
         path = os.path.expanduser(source[len("file:") :])
         try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):  # checked before open: a FIFO would block it
+                raise _bad(config_key, source, "not a regular file")
             with open(path, encoding="ascii", errors="strict") as f:
-                st = os.fstat(f.fileno())
-                text = f.read(4 * MAX_KEY_BYTES + 64)
+                text = f.read(_MAX_FILE_CHARS + 1)
+            if len(text) > _MAX_FILE_CHARS:
+                raise _bad(config_key, source, f"the key file holds more than {_MAX_FILE_CHARS} characters")
         except UnicodeDecodeError:
-            raise _bad(config_key, source, "the key file is not hex text") from None
+            raise _bad(config_key, source, "the key must be hex text (e.g. openssl rand -hex 32)") from None
         except OSError as e:
             raise _bad(config_key, source, f"cannot read the key file ({e.strerror or type(e).__name__})") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise _bad(config_key, source, "not a regular file")
         if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
             log.warning(
                 "lmtier: seal key file %s may be read by group/others (mode %o); chmod 600 it",
