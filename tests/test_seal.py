@@ -22,7 +22,7 @@ from lmtier.config import ConfigError, LMTierConfig
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
 from lmtier.tiers.seal import KeyRing, SealKey, load_key, parse_sources
-from lmtier.tiers.seal.tier import HEADER_BYTES, OVERHEAD_BYTES, SealedTier, SealError, Sealer, SealMode
+from lmtier.tiers.seal.tier import HEADER_BYTES, OVERHEAD_BYTES, SealedTier, Sealer, SealError, SealMode
 
 redis = pytest.importorskip("redis")
 from lmtier.tiers.redis import RedisTier  # noqa: E402
@@ -61,7 +61,9 @@ def test_key_from_file_and_env(tmp_path):
     src = write_key(tmp_path / "k", MASTER["new"])
     k = load_key("remote_auth_key", src, {})
     assert k.key_id == RING_KEYS["new"].key_id and k.aes_key == RING_KEYS["new"].aes_key
-    assert load_key("remote_auth_key", "env:SEAL", {"SEAL": " " + MASTER["new"].hex().upper() + "\n"}).key_id == k.key_id
+    assert (
+        load_key("remote_auth_key", "env:SEAL", {"SEAL": " " + MASTER["new"].hex().upper() + "\n"}).key_id == k.key_id
+    )
     assert MASTER["new"].hex() not in repr(k) and k.aes_key.hex() not in repr(k) and k.key_id.hex() in repr(k)
     assert len({k.key_id for k in RING_KEYS.values()}) == 3
 

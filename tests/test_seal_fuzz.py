@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from lmtier import record as rec
 from lmtier.tiers.seal.keys import KeyRing, SealKey
-from lmtier.tiers.seal.tier import HEADER_BYTES, OVERHEAD_BYTES, SealedTier, SealError, Sealer, SealMode
+from lmtier.tiers.seal.tier import HEADER_BYTES, OVERHEAD_BYTES, SealedTier, Sealer, SealError, SealMode
 from tests.test_fuzz_records import SLOW_CALL_S, fuzz_settings, mutations
 
 KEY = bytes(range(32))
@@ -111,7 +111,9 @@ def test_mutated_values_in_redis_are_misses_and_deleted(redis_server, mode, m):
     name = b"lmtier:" + KEY.hex().encode()
     try:
         value = mutate(ORIGINAL[mode], m)
-        header = rec.encode_header(KEY, len(value), rec.payload_checksum(value), payload_offset=rec.COMPACT_PAYLOAD_OFFSET)
+        header = rec.encode_header(
+            KEY, len(value), rec.payload_checksum(value), payload_offset=rec.COMPACT_PAYLOAD_OFFSET
+        )
         r.set(name, header + value)
         out = bytearray(len(PAYLOAD) + OVERHEAD_BYTES)
         got = t.get_into(KEY, out)

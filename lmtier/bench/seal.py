@@ -22,7 +22,8 @@ through
 * ``encrypt``: :class:`~lmtier.tiers.seal.tier.SealedTier` (``SealMode.ENCRYPT``) over it;
 
 against a private ``redis-server`` (or ``--redis-url``). The three settings alternate within each
-iteration, in an order rotated from one iteration to the next; each figure is the median over ``--iters`` iterations after one untimed warm-up.
+iteration, in an order rotated from one iteration to the next; each figure is the median over
+``--iters`` iterations after one untimed warm-up.
 GB/s = payload bytes / wall time of the batch; ``%ceil`` divides by ``checksum`` of the same run.
 """
 
