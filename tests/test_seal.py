@@ -514,3 +514,18 @@ def test_sealed_tier_forwards_the_protocol(redis_server):
         assert os.urandom  # keep the import used in every branch
     finally:
         t.close()
+
+
+def test_bench_quick(tmp_path, redis_server):
+    """`lmtier bench seal --quick` (tiny chunks) runs the product's SealedTier in all three settings."""
+    import json
+
+    from lmtier.bench import seal as bseal
+
+    out = tmp_path / "seal.json"
+    argv = ["--quick", "--chunk-tokens", "4", "--redis-url", redis_server.url, "--json", str(out)]
+    assert bseal.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert {p["primitive"] for p in res["primitives"]} >= {"GMAC (AES-GCM, data as AAD)", "Sealer.open_into mac"}
+    (row,) = res["rows"]
+    assert all(row[f"{s}_{op}_GBps"] > 0 for s in bseal.SETTINGS for op in ("put", "get"))
