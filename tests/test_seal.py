@@ -128,6 +128,7 @@ def test_config_keys(tmp_path, redis_server, caplog):
     r = cfg.remote
     assert r.keyring.signing.key_id == RING_KEYS["new"].key_id and r.encrypt
     assert set(r.keyring.accepted) == {k.key_id for k in RING_KEYS.values()}
+    assert hash(cfg) == hash(LMTierConfig.from_dict(cfg.to_dict(), env={"OLDER": MASTER["wrong"].hex()}))
     d = cfg.to_dict()
     assert d["remote_auth_key"] == new and d["remote_auth_accept_keys"] == f"{old},env:OLDER" and d["remote_encrypt"]
     with caplog.at_level(logging.INFO, logger="lmtier.config"):

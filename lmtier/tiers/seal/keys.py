@@ -94,15 +94,22 @@ class SealKey:
 
 @dataclass(frozen=True)
 class KeyRing:
-    """The signing key and every key accepted when verifying (the signing key included).
+    """The signing key and the further keys accepted when verifying (immutable, hashable).
 
     Attributes:
-        signing: the key new records are sealed with.
-        accepted: ``{key_id: key}`` of every key a record may be sealed with (signing included).
+        signing: the key new records are sealed with (always accepted).
+        others: keys accepted for verification only (rotation), in configuration order.
     """
 
     signing: SealKey
-    accepted: Mapping[bytes, SealKey]
+    others: tuple[SealKey, ...] = ()
+
+    def __post_init__(self) -> None:
+        seen: set[bytes] = set()
+        for k in (self.signing, *self.others):
+            if k.key_id in seen:
+                raise ValueError(f"key {k.source or k.key_id.hex()} is listed twice (key id {k.key_id.hex()})")
+            seen.add(k.key_id)
 
     @classmethod
     def of(cls, signing: SealKey, *others: SealKey) -> KeyRing:
@@ -111,19 +118,18 @@ class KeyRing:
         Raises:
             ValueError: the same key (or two keys with one id) listed twice.
         """
-        accepted: dict[bytes, SealKey] = {}
-        for k in (signing, *others):
-            if k.key_id in accepted:
-                raise ValueError(f"key {k.source or k.key_id.hex()} is listed twice (key id {k.key_id.hex()})")
-            accepted[k.key_id] = k
-        return cls(signing, accepted)
+        return cls(signing, tuple(others))
+
+    @property
+    def accepted(self) -> dict[bytes, SealKey]:
+        """``{key_id: key}`` of every key a record may be sealed with (the signing key included)."""
+        return {k.key_id: k for k in (self.signing, *self.others)}
 
     def describe(self) -> str:
         """``"signing <id> (<source>), accepting <id>, ..."`` (ids and sources only: safe to log)."""
-        others = [k for k in self.accepted.values() if k is not self.signing]
         text = f"signing key {self.signing.key_id.hex()} ({self.signing.source})"
-        if others:
-            text += ", also accepting " + ", ".join(f"{k.key_id.hex()} ({k.source})" for k in others)
+        if self.others:
+            text += ", also accepting " + ", ".join(f"{k.key_id.hex()} ({k.source})" for k in self.others)
         return text
 
 
