@@ -18,11 +18,13 @@ lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
 
 Sealed remote records (docs/threat_model.md, :mod:`lmtier.tiers.seal`)::
 
-    remote_auth_key: "file:/etc/lmtier/seal.key"   # or "env:NAME"; hex text, 32..64 bytes
+    remote_auth_key: "file:/etc/lmtier/seal.key"   # or "env:KV_SEAL_KEY"; hex text, 32..64 bytes
     remote_auth_accept_keys: "env:OLD_SEAL_KEY"    # further keys accepted when verifying (rotation)
     remote_encrypt: true                           # AES-256-GCM payloads (default false: GMAC only)
 
-The configuration names where each key is, never the key; keys are read and checked when the config
+The configuration names where each key is, never the key (name a variable outside ``LMTIER_*``:
+those are lmtier's settings, and ``LMTIER_REMOTE_AUTH_KEY`` overrides the *source*, so a key pasted
+there is rejected unechoed); keys are read and checked when the config
 is built (an unreadable file, an unset variable, non-hex text or a key outside 32..64 bytes is a
 :class:`ConfigError`). With ``remote_auth_key`` every remote record is authenticated and bound to
 its chunk key and namespace, and a record that does not verify is a miss (deleted); without it
