@@ -38,7 +38,7 @@ A reader accepts both algorithms (the writer chooses; turning encryption on need
 
 Algorithm (decision): authentication alone is GMAC, not keyed BLAKE2b or HMAC-SHA256 from
 hashlib, because on x86 hosts with AES-NI and carry-less multiply GHASH runs an order of magnitude
-faster than either (measured on the 2-core CPU box and the H200 host: benchmarks/RESULTS.md, "seal")
+faster than either (``lmtier bench seal``; benchmarks/RESULTS.md section 3.4)
 and, like them, releases the GIL; the target is a MAC that costs a few percent of a Redis load, and
 BLAKE2b/HMAC at about one GB/s per core would cost about as much as the load itself. GMAC also
 shares one key, one library (``cryptography``, i.e. OpenSSL) and one code path with encryption.
