@@ -72,6 +72,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -108,6 +109,14 @@ OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
 """Bytes a sealed record adds to its payload (header and tag)."""
 assert HEADER_BYTES == 96, HEADER_BYTES
 _ZERO8 = bytes(8)
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` (equal lengths) with the GIL released: NumPy copies without it, a memoryview
+    slice assignment holds it for the whole copy (measured: a Python thread running beside a 64 MiB
+    copy was slowed 8x, and the copy 3.6x) — the tier's callers are I/O threads beside vLLM's."""
+    if src.nbytes:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 class SealMode(enum.IntEnum):
@@ -191,7 +200,7 @@ class Sealer:
         if self.mode == SealMode.ENCRYPT:
             aead.encrypt_into(nonce, payload, head, dst[HEADER_BYTES:total])
         else:
-            dst[HEADER_BYTES : HEADER_BYTES + n] = payload
+            _copy(dst[HEADER_BYTES : HEADER_BYTES + n], payload)
             dst[HEADER_BYTES + n : total] = aead.encrypt(nonce, b"", dst[: HEADER_BYTES + n])
         return total
 
@@ -234,7 +243,7 @@ class Sealer:
                 aead.decrypt_into(nonce, src[HEADER_BYTES:total], src[:HEADER_BYTES], out[:n])
             else:
                 aead.decrypt(nonce, src[body_end:total], src[:body_end])
-                out[:n] = src[HEADER_BYTES:body_end]
+                _copy(out[:n], src[HEADER_BYTES:body_end])
         except InvalidTag:
             raise SealError("bad_tag", "the tag does not verify (forged or altered)") from None
         return n
