@@ -10,7 +10,7 @@ Part 1, primitives (no Redis): GB/s of the candidate MACs and ciphers over one c
 thread and ``--threads`` threads (each hashing its own chunk: it shows whether the GIL is released)
 — xxh3-64 (the record checksum), keyed BLAKE2b-256 and HMAC-SHA256 (hashlib), GMAC (AES-256-GCM
 with the chunk as associated data, what ``SealMode.AUTHENTICATE`` uses), AES-256-GCM encrypt and
-decrypt (``cryptography``), and a plain memory copy — plus the product's
+decrypt (``cryptography``), and a plain memory copy (``np.copyto``, as the sealer copies) — plus the product's
 :class:`~lmtier.tiers.seal.tier.Sealer` ``seal_into``/``open_into`` in both modes.
 
 Part 2, the tier: ``count`` chunks of ``chunk_tokens`` tokens of a preset's KV geometry, stored with
@@ -94,7 +94,9 @@ def primitives(size: int, threads: int, iters: int) -> list[dict]:
         "GMAC (AES-GCM, data as AAD)": lambda j: aead.encrypt(nonce, b"", data[j]),
         "AES-256-GCM encrypt_into": lambda j: aead.encrypt_into(nonce, data[j], b"ad", ct[j]),
         "AES-256-GCM decrypt_into": lambda j: aead.decrypt_into(nonce, ct[j], b"ad", pt[j]),
-        "memory copy": lambda j: pt[j].__setitem__(slice(None), data[j]),
+        "memory copy (np.copyto)": lambda j: np.copyto(
+            np.frombuffer(pt[j], np.uint8), np.frombuffer(data[j], np.uint8)
+        ),
         "Sealer.seal_into mac": lambda j: sealers[SealMode.AUTHENTICATE].seal_into(
             memoryview(sealed[SealMode.AUTHENTICATE][j]), memoryview(data[j]), k32
         ),
