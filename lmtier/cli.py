@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, str] = {
     "disk": "lmtier.bench.disk",
     "remote": "lmtier.bench.remote",
     "mooncake": "lmtier.bench.mooncake",
+    "seal": "lmtier.bench.seal",
     "codec": "lmtier.bench.codec",
     "rans": "lmtier.bench.rans",
     "ttft": "lmtier.bench.ttft",
@@ -142,16 +143,17 @@ def run_all(rest: list[str]) -> int:
     return 0 if all(v == "ok" or v.startswith("skipped") for v in results.values()) else 1
 
 
-USAGE = """usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [options]
+USAGE = """usage: lmtier bench {transfer,disk,remote,seal,codec,rans,ttft,all} [options]
        lmtier --version | --help
   transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)
   disk      disk tier vs O_DIRECT dd on the same directory (+ pipelined loads)
   remote    Redis tier vs redis-benchmark on the same server
+  seal      Redis tier with checksum only / MAC / MAC + encryption (sealed records), and the primitives
   codec     ratio, quality proxy (SNR, attention error) and encode/decode speed per level
   rans      the entropy coder alone (GPU)
   ttft      time to first token: recompute vs loading the KV from each tier
   all       everything this machine supports, saying what it skips
-every subcommand but rans takes --model-preset NAME and --plot PATH.png; `all` takes --plot-dir DIR;
+every subcommand but rans, seal and mooncake takes --model-preset NAME and --plot PATH.png; `all` takes --plot-dir DIR;
 `lmtier bench <subcommand> --help` lists its options"""
 
 

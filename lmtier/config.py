@@ -25,6 +25,20 @@ lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
 ``remote_password_env`` (name of an environment variable holding the Redis password; never logged),
 ``disk_io_threads`` (default 4), and the codec keys below.
 
+Sealed remote records (docs/threat_model.md, :mod:`lmtier.tiers.seal`)::
+
+    remote_auth_key: "file:/etc/lmtier/seal.key"   # or "env:KV_SEAL_KEY"; hex text, 32..64 bytes
+    remote_auth_accept_keys: "env:OLD_SEAL_KEY"    # further keys accepted when verifying (rotation)
+    remote_encrypt: true                           # AES-256-GCM payloads (default false: GMAC only)
+
+The configuration names where each key is, never the key (name a variable outside ``LMTIER_*``:
+those are lmtier's settings, and ``LMTIER_REMOTE_AUTH_KEY`` overrides the *source*, so a key pasted
+there is rejected unechoed); keys are read and checked when the config
+is built (an unreadable file, an unset variable, non-hex text or a key outside 32..64 bytes is a
+:class:`ConfigError`). With ``remote_auth_key`` every remote record is authenticated and bound to
+its chunk key and namespace, and a record that does not verify is a miss (deleted); without it
+the tier manager warns at start-up that anyone able to write to the store can plant KV.
+
 Mooncake Store (docs/mooncake.md): ``remote_url: "mooncakestore://MASTER_HOST:PORT/"``; the client
 settings come from the JSON file named by ``MOONCAKE_CONFIG_PATH`` (Mooncake's key names) and/or the
 lmtier keys ``mooncake_local_hostname``, ``mooncake_metadata_server`` (default ``P2PHANDSHAKE``),
@@ -124,6 +138,7 @@ from lmtier.remote_url import (
 )
 from lmtier.tiers.mooncake.settings import YAML_KEYS as MOONCAKE_KEYS
 from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
+from lmtier.tiers.seal.keys import KeyRing, load_keyring, parse_sources
 from lmtier.tiers.tenants import TenantShares, parse_tenant_shares
 
 __all__ = [
@@ -221,6 +236,11 @@ class RemoteConfig:
         password_env: ``remote_password_env``.
         mooncake: the Mooncake client settings (``MOONCAKE_CONFIG_PATH`` and the ``mooncake_*``
             keys, :mod:`lmtier.tiers.mooncake.settings`) for ``mooncakestore://``, else None.
+        auth_key: ``remote_auth_key`` (a source: ``file:PATH`` / ``env:NAME``), or None.
+        accept_keys: ``remote_auth_accept_keys`` as a tuple of sources.
+        encrypt: ``remote_encrypt``.
+        keyring: the keys those sources hold (:class:`lmtier.tiers.seal.keys.KeyRing`: key ids and
+            derived subkeys; its repr shows ids and sources only), or None when records are not sealed.
     """
 
     url: str | None = None
@@ -229,6 +249,10 @@ class RemoteConfig:
     timeout_s: float = 1.0
     password_env: str | None = None
     mooncake: MooncakeSettings | None = None
+    auth_key: str | None = None
+    accept_keys: tuple[str, ...] = ()
+    encrypt: bool = False
+    keyring: KeyRing | None = None
 
     @property
     def enabled(self) -> bool:
@@ -266,7 +290,9 @@ class RemoteConfig:
         return (
             f"RemoteConfig(url={self.redacted_url!r}, endpoint={self.endpoint!r}, serde={self.serde!r}, "
             f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r}"
-            + (f", mooncake={self.mooncake!r})" if self.mooncake is not None else ")")
+            + (f", mooncake={self.mooncake!r}" if self.mooncake is not None else "")
+            + (f", auth_key={self.auth_key!r}, accept_keys={self.accept_keys!r}" if self.auth_key else "")
+            + (", encrypt=True)" if self.encrypt else ")")
         )
 
     @property
@@ -327,6 +353,9 @@ class LMTierConfig:
             "remote_serde": self.remote.serde,
             "remote_timeout_s": self.remote.timeout_s,
             "remote_password_env": self.remote.password_env,
+            "remote_auth_key": self.remote.auth_key,
+            "remote_auth_accept_keys": ",".join(self.remote.accept_keys) or None,
+            "remote_encrypt": self.remote.encrypt,
             **self._mooncake_dict(),
             "codec_level": self.codec_level,
             "cpu_tenant_share": None if self.cpu.tenants is None else self.cpu.tenants.default_share,
@@ -371,7 +400,11 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         for key in MOONCAKE_KEYS:
             if values[key] is not None:
                 logger.warning("lmtier config: %s=%r without a mooncakestore:// remote_url; unused", key, values[key])
+    auth_key, accept_keys, encrypt = _check_auth(values)
     if url is None:
+        for key in ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt"):
+            if values[key]:
+                logger.warning("lmtier config: %s=%r without remote_url; unused", key, values[key])
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
     try:
         endpoint = parse_remote_url(url, password_env=password_env, env=env)
@@ -380,9 +413,37 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     mooncake = None
     if isinstance(endpoint, MooncakeEndpoint):
         mooncake = resolve_settings(endpoint.master_address, values, env)
+    keyring = None
+    if auth_key is not None:
+        keyring = load_keyring(auth_key, accept_keys, env, keys=("remote_auth_key", "remote_auth_accept_keys"))
     return RemoteConfig(
-        url=url, endpoint=endpoint, serde=serde, timeout_s=timeout_s, password_env=password_env, mooncake=mooncake
+        url=url,
+        endpoint=endpoint,
+        serde=serde,
+        timeout_s=timeout_s,
+        password_env=password_env,
+        mooncake=mooncake,
+        auth_key=auth_key,
+        accept_keys=accept_keys,
+        encrypt=encrypt,
+        keyring=keyring,
     )
+
+
+def _check_auth(values: dict[str, Any]) -> tuple[str | None, tuple[str, ...], bool]:
+    """``remote_auth_key`` (one source), ``remote_auth_accept_keys`` (sources) and ``remote_encrypt``,
+    checked for form (the keys are read by :func:`lmtier.tiers.seal.keys.load_keyring`)."""
+    signing = parse_sources("remote_auth_key", values["remote_auth_key"])
+    if len(signing) > 1:
+        raise ConfigError("lmtier config: remote_auth_key: one key signs; list further keys in remote_auth_accept_keys")
+    accept = parse_sources("remote_auth_accept_keys", values["remote_auth_accept_keys"])
+    encrypt = values["remote_encrypt"]
+    if not signing:
+        if accept:
+            raise _err("remote_auth_accept_keys", values["remote_auth_accept_keys"], "needs remote_auth_key")
+        if encrypt:
+            raise _err("remote_encrypt", encrypt, "needs remote_auth_key (the key encryption uses)")
+    return (signing[0] if signing else None), accept, encrypt
 
 
 def _check_serde(key: str, serde: str) -> None:

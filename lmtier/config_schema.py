@@ -73,6 +73,13 @@ KEYS: dict[str, KeySpec] = {
     "remote_serde": KeySpec(STR, "naive", "remote record format: naive or cachegen (the codec)"),
     "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0)"),
     "remote_password_env": KeySpec(OPT_STR, None, "name of the environment variable holding the Redis password"),
+    "remote_auth_key": KeySpec(
+        OPT_STR, None, "where the key sealing remote records is: file:PATH or env:NAME (never the key itself)"
+    ),
+    "remote_auth_accept_keys": KeySpec(
+        OPT_STR, None, "comma-separated file:PATH / env:NAME of further keys accepted when verifying (rotation)"
+    ),
+    "remote_encrypt": KeySpec(BOOL, False, "encrypt remote records with AES-256-GCM (needs remote_auth_key)"),
     "mooncake_local_hostname": KeySpec(OPT_STR, None, "Mooncake: this client's address (default: route to master)"),
     "mooncake_metadata_server": KeySpec(OPT_STR, None, "Mooncake: P2PHANDSHAKE (default) or http://h:p/metadata"),
     "mooncake_global_segment_size": KeySpec(OPT_FLOAT, None, "Mooncake: GiB of memory mounted into the store"),

@@ -15,6 +15,9 @@ lmtier's own errors with one clause, while each class keeps the built-in base it
 * :class:`lmtier.tiers.base.TierError` (``RuntimeError``): a tier failure (a miss / a dropped store).
 * :class:`lmtier.tiers.disk.io.NotRegularFile` (``OSError``): a disk record path that holds no regular
   file (a directory, a link, a FIFO, a device node); the disk tier turns it into a miss.
+* :class:`lmtier.tiers.seal.tier.SealError` (``ValueError``): a sealed shared-tier record that does
+  not open (no seal, unknown key, another chunk key or namespace, a tag that does not verify); the
+  sealed tier turns it into a miss and deletes the value.
 * :class:`lmtier.integration.vllm.fetch.InjectedFault` (``RuntimeError``): test-only fault injection.
 * :class:`lmtier.testing.redis.RedisUnavailable` (``RuntimeError``): the test harness found no
   redis-server.

@@ -44,6 +44,7 @@ from lmtier.keys import KEY_BYTES, Namespace
 from lmtier.tiers.base import Eviction, Tier
 from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import DiskTier, background_priority
+from lmtier.tiers.seal import seal_remote
 from lmtier.tiers.tenants import DEFAULT_TENANT
 
 __all__ = ["TierManager", "default_disk_factory", "default_remote_factory", "codec_chunk_shape"]
@@ -197,7 +198,9 @@ class TierManager:
             disk_factory, remote_factory: build the disk/remote tiers (tests, custom tiers). A tier
                 whose serde (``local_disk_serde`` / ``remote_serde``) is ``cachegen`` is wrapped in
                 :class:`lmtier.tiers.codec.CodecTier` (level ``config.codec_level``, the namespace's
-                chunk geometry and dtype) after the factory built it.
+                chunk geometry and dtype) after the factory built it. With ``remote_auth_key`` the
+                remote tier is first wrapped in :class:`lmtier.tiers.seal.tier.SealedTier` (so
+                ``CodecTier -> SealedTier -> remote``: compress, then seal).
             **kwargs: passed to :class:`TierManager` (thread counts, queue bounds).
 
         Raises:
@@ -224,6 +227,7 @@ class TierManager:
                 disk = _wrap_codec(disk, config, namespace, "disk")
             if config.remote.enabled:
                 remote = remote_factory(config.remote, namespace)
+                remote = seal_remote(remote, config.remote, namespace.digest()[:16])
                 remote = _wrap_codec(remote, config, namespace, "remote")
         except BaseException:
             for t in (cpu, disk, remote):
