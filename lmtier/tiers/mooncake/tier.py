@@ -410,7 +410,9 @@ class MooncakeTier(Tier):
         reserves the batch's bounce extent and starts its call (``first``: this caller has none in
         flight, so it may wait for an extent / count a busy pool as a failure; otherwise it declines
         by returning False and the batch waits its turn); :meth:`_finish` of each batch, in order,
-        verifies/copies while the next ones transfer. Returns ``{index: result}``."""
+        verifies/copies while the next ones transfer; each call is waited for at most ``timeout_s``
+        after the one before it finished (so the bound per call is as without pipelining).
+        Returns ``{index: result}``."""
         todo = collections.deque(batches)
         flight: collections.deque[Batch] = collections.deque()
         res: dict[int, Any] = {}
@@ -421,6 +423,9 @@ class MooncakeTier(Tier):
                 todo.popleft()
                 continue
             res.update(self._finish(flight.popleft()))
+            if flight and flight[0].pending is not None:  # its wait starts now, not while it queued
+                p = flight[0].pending
+                p.deadline = max(p.deadline, time.monotonic() + self.timeout_s)
         return res
 
     def _reserve(self, b: Batch, first: bool) -> bool:
