@@ -68,14 +68,18 @@ def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) ->
 def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
     """Build :class:`lmtier.tiers.redis.RedisTier`, or :class:`lmtier.tiers.mooncake.MooncakeTier`
     for ``mooncakestore://``, from the config's parsed endpoint (imported lazily: redis-py and
-    mooncake are optional dependencies)."""
+    mooncake are optional dependencies), sealed as the config says (:func:`~lmtier.tiers.seal.seal_remote`:
+    a codec tier goes above the seal, so a factory that wraps this one in a
+    :class:`~lmtier.tiers.codec.CodecTier` compresses before sealing too)."""
     if remote.mooncake is not None:
         from lmtier.tiers.mooncake import MooncakeTier
 
-        return MooncakeTier.from_config(remote, namespace=namespace.digest()[:16])
-    from lmtier.tiers.redis import RedisTier
+        tier: Tier = MooncakeTier.from_config(remote, namespace=namespace.digest()[:16])
+    else:
+        from lmtier.tiers.redis import RedisTier
 
-    return RedisTier.from_config(remote)
+        tier = RedisTier.from_config(remote)
+    return seal_remote(tier, remote, namespace)
 
 
 def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
@@ -227,7 +231,6 @@ class TierManager:
                 disk = _wrap_codec(disk, config, namespace, "disk")
             if config.remote.enabled:
                 remote = remote_factory(config.remote, namespace)
-                remote = seal_remote(remote, config.remote, namespace.digest()[:16])
                 remote = _wrap_codec(remote, config, namespace, "remote")
         except BaseException:
             for t in (cpu, disk, remote):

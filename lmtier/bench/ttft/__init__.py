@@ -128,6 +128,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-redis", action="store_true")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store tiers")
     p.add_argument(
+        "--remote-seal",
+        choices=["none", "mac", "encrypt"],
+        default="none",
+        help="seal the Redis and Mooncake tiers' records (remote_auth_key with a random key; encrypt: also "
+        "remote_encrypt); default: %(default)s",
+    )
+    p.add_argument(
         "--redis-url",
         default=None,
         help="use this Redis server (default: $LMTIER_REDIS_URL, else start a private redis-server "

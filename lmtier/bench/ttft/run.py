@@ -83,6 +83,21 @@ def _probe(m, what: str) -> None:
     m.remote.delete(probe)
 
 
+def _seal_options(args) -> dict:
+    """The remote tiers' seal keys for ``--remote-seal``: a random key in a 0600 file removed at exit."""
+    if args.remote_seal == "none":
+        return {}
+    import atexit
+    import secrets
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="lmtier-bench-seal-", suffix=".key")
+    with os.fdopen(fd, "w") as f:  # mkstemp creates it 0600
+        f.write(secrets.token_hex(32))
+    atexit.register(os.unlink, path)
+    return {"remote_auth_key": f"file:{path}", "remote_encrypt": args.remote_seal == "encrypt"}
+
+
 def _setup_redis(b: Bench, args, say):
     """The Redis tier: ``--redis-url`` / ``$LMTIER_REDIS_URL``, else a private redis-server on loopback;
     sets ``b.managers["redis"]``, ``b.remote_urls["redis"]`` and the raw-socket ceiling. Returns the
@@ -105,14 +120,15 @@ def _setup_redis(b: Bench, args, say):
                 binary=binary, maxmemory=b.max_chunks * round_up(b.chunk_bytes) * 3 + (256 << 20)
             ).start()
             url = proc.url
-        m = b.managers["redis"] = build_manager(chunk_tokens=b.T, namespace=b.ns, remote_url=url)
+        opts = _seal_options(args) or None
+        m = b.managers["redis"] = build_manager(chunk_tokens=b.T, namespace=b.ns, remote_url=url, remote_options=opts)
         _probe(m, url)
-        b.remote_urls["redis"] = (url, None)
+        b.remote_urls["redis"] = (url, opts)
         b.redis_raw = redis_raw_gbps(url, round_up(b.chunk_bytes), inflight=args.inflight)
         say(
             f"redis: {'private redis-server (' + binary + ')' if proc else 'server'} on {url}, RedisTier "
             f"built by TierManager.from_config, {args.inflight} chunk reads in flight; raw-socket GETRANGE "
-            f"ceiling ({args.inflight} x one chunk): "
+            f"ceiling ({args.inflight} x one chunk), records sealed: {args.remote_seal}: "
             + (f"{b.redis_raw:.2f} GB/s" if b.redis_raw else "not measured (no TCP redis:// URL)")
         )
         return proc
@@ -145,7 +161,7 @@ def _setup_mooncake(b: Bench, args, say):
         # two tiers (plain, codec) of every chunk, and room for the store's own bookkeeping
         segment = 2 * b.max_chunks * round_up(b.chunk_bytes + 4096) + (256 << 20)
         cluster = MooncakeCluster(servers=1, segment_bytes=segment).start()
-        opts = {"mooncake_global_segment_size": 0}
+        opts = {"mooncake_global_segment_size": 0, **_seal_options(args)}
         m = b.managers["mooncake"] = build_manager(
             chunk_tokens=b.T, namespace=b.ns, remote_url=cluster.url, remote_options=opts
         )
@@ -154,7 +170,7 @@ def _setup_mooncake(b: Bench, args, say):
         say(
             f"mooncake: private mooncake_master + one store server ({segment / 2**30:.1f} GiB segment) on "
             f"{cluster.url}, tcp; MooncakeTier built by TierManager.from_config (this client mounts no "
-            f"segment), {args.inflight} chunk reads in flight"
+            f"segment), {args.inflight} chunk reads in flight, records sealed: {args.remote_seal}"
         )
         return cluster
     except Exception as e:  # noqa: BLE001 - MooncakeUnavailable, a setup or probe failure

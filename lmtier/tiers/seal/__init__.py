@@ -15,6 +15,7 @@ from lmtier.tiers.seal.keys import KeyRing, SealKey, load_key, load_keyring, par
 
 if TYPE_CHECKING:
     from lmtier.config import RemoteConfig
+    from lmtier.keys import Namespace
 
 __all__ = ["KeyRing", "SealKey", "load_key", "load_keyring", "parse_sources", "seal_remote"]
 
@@ -23,12 +24,12 @@ log = logging.getLogger("lmtier.tiers.seal")
 _WARNED_UNSEALED: set[str] = set()
 
 
-def seal_remote(tier: Tier, remote: RemoteConfig, namespace: bytes) -> Tier:
+def seal_remote(tier: Tier, remote: RemoteConfig, namespace: Namespace) -> Tier:
     """The remote ``tier`` as the configuration wants it sealed.
 
     With ``remote_auth_key`` (``remote.keyring``): ``tier`` in a
     :class:`~lmtier.tiers.seal.tier.SealedTier` (``remote_encrypt``: AES-256-GCM, else GMAC) bound to
-    ``namespace`` (16-byte digest); the tier manager puts the codec above it (compress, then seal).
+    ``namespace`` (its 16-byte digest); the tier manager puts the codec above it (compress, then seal).
     Without: ``tier`` itself, and a warning, once per process and URL, saying what that exposes.
     """
     if remote.keyring is None:
@@ -46,4 +47,4 @@ def seal_remote(tier: Tier, remote: RemoteConfig, namespace: bytes) -> Tier:
     from lmtier.tiers.seal.tier import SealedTier, SealMode
 
     mode = SealMode.ENCRYPT if remote.encrypt else SealMode.AUTHENTICATE
-    return SealedTier(tier, remote.keyring, namespace=namespace, mode=mode)
+    return SealedTier(tier, remote.keyring, namespace=namespace.digest()[:16], mode=mode)
