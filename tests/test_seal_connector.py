@@ -39,7 +39,14 @@ def test_sealed_remote_right_key_hits_wrong_key_recomputes(tmp_path):
 
         def engine(name: str, key: str, *steps: str) -> dict:
             ops = [{"op": "generate", "name": s, "prompts": prompts} for s in steps] + [{"op": "flush"}]
-            spec = {"config": cfg, "llm_kwargs": {"dtype": "bfloat16"}, "env": {"KV_SEAL_KEY": key}, "steps": ops}
+            ops.append({"op": "metrics", "name": "prom"})
+            spec = {
+                "config": cfg,
+                "llm_kwargs": {"dtype": "bfloat16"},
+                "env": {"KV_SEAL_KEY": key},
+                "log_stats": True,
+                "steps": ops,
+            }
             return run_engine(spec, tmp_path, name=name)
 
         a = engine("seal_a", KEY_1, "cold", "warm")
@@ -58,3 +65,8 @@ def test_sealed_remote_right_key_hits_wrong_key_recomputes(tmp_path):
     st = stats(c, "wrong")
     assert st["loaded_chunks"] == 0 and st["load_failures"] >= 1, st
     assert "does not open (unknown_key" in c["log"]
+    # every record that failed its MAC is a tier event on /metrics (vllm:lmtier_tier_events_total)
+    events = [ln for ln in c["steps"]["prom"] if ln.startswith("vllm:lmtier_tier_events_total{")]
+    auth = [float(ln.split()[-1]) for ln in events if 'tier="remote"' in ln and 'event="auth_failures"' in ln]
+    assert auth and auth[0] >= 1, events
+    assert not [ln for ln in b["steps"]["prom"] if 'event="auth_failures"' in ln and float(ln.split()[-1]) > 0]

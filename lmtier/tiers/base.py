@@ -14,6 +14,7 @@ with an :class:`Eviction`. The tier manager subscribes to its tiers (write-back,
 from __future__ import annotations
 
 import abc
+import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 from lmtier.errors import LMTierError
 from lmtier.geometry import KEY_BYTES
 
-__all__ = ["KEY_BYTES", "TierError", "TierUsage", "Eviction", "EvictionListener", "Tier"]
+__all__ = ["KEY_BYTES", "TIER_EVENTS", "TierError", "TierUsage", "Eviction", "EvictionListener", "Tier"]
 
 log = logging.getLogger("lmtier.tiers")
 
@@ -58,6 +59,13 @@ class Eviction:
     payloads: tuple[Any, ...] | None = None
 
 
+TIER_EVENTS = ("corrupt", "corrupt_deleted", "auth_failures", "decode_failures", "timeouts", "breaker_rejects")
+"""Tier counters an operator watches (exported by the connector as
+``vllm:lmtier_tier_events_total{tier,event}``): stored records that failed their checksum or format
+(``corrupt``; codec records: ``corrupt_deleted``), their MAC (``auth_failures``, sealed tiers) or
+decoding (``decode_failures``), remote calls that timed out or were refused by an open circuit
+breaker."""
+
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be
 thread-safe; exceptions are logged and counted by the tier, never raised to its caller."""
@@ -82,6 +90,7 @@ class Tier(abc.ABC):
     name: str = "tier"
 
     def __init__(self) -> None:
+        self.counters: collections.Counter[str] = collections.Counter()
         self._eviction_listeners: list[EvictionListener] = []
         self._eviction_listeners_lock = threading.Lock()
 
@@ -141,6 +150,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> TierUsage:
         """Current capacity and usage."""
+
+    def event_counts(self) -> dict[str, int]:
+        """Cumulative event counts of this tier since it was built (``counters``: ``corrupt``,
+        ``timeouts``, ...); decorators (codec, seal) add those of the tier they wrap, their own
+        counts winning a shared name. The connector exports the :data:`TIER_EVENTS` among them."""
+        return {k: int(v) for k, v in self.counters.items()}
 
     def close(self) -> None:  # noqa: B027  # pragma: no cover - a concrete default no-op, not abstract
         """Release resources (threads, connections, file handles)."""

@@ -394,6 +394,9 @@ class CodecTier(Tier):
     def batches_gets(self) -> bool:
         return self.inner.batches_gets()
 
+    def event_counts(self) -> dict[str, int]:
+        return {**self.inner.event_counts(), **super().event_counts()}
+
     def decoder(self, device: Any) -> ChunkDecoder:
         """This tier's :class:`~lmtier.codec.decoder.ChunkDecoder` for ``device`` (created on first
         use; kept until :meth:`close`)."""

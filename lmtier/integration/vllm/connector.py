@@ -351,6 +351,7 @@ class LMTierConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self):
         if self.connector_worker is not None:
             self.connector_worker.report_tenants()
+            self.connector_worker.report_tier_events()
         return self._stats.take()
 
     @classmethod

@@ -14,13 +14,22 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from lmtier.tiers.base import TIER_EVENTS
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 except ImportError:  # pragma: no cover
     KVConnectorStats = object  # type: ignore
     KVConnectorPromMetrics = object  # type: ignore
 
-__all__ = ["LMTierStats", "LMTierPromMetrics", "StatsSink", "process_tenant_totals", "process_totals"]
+__all__ = [
+    "LMTierStats",
+    "LMTierPromMetrics",
+    "StatsSink",
+    "process_tenant_totals",
+    "process_tier_event_totals",
+    "process_totals",
+]
 
 _LAT_KEEP = 256  # latency samples kept per interval (per list)
 TENANT_FIELDS = (
@@ -53,7 +62,8 @@ class LMTierStats(KVConnectorStats):
     (requests loaded in the background / layer by layer). Time:
     ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
     per-request latencies in seconds; at most 256 kept per interval). With tenant budgets:
-    ``tenants`` (tenant id -> :data:`TENANT_FIELDS` and ``held_bytes``).
+    ``tenants`` (tenant id -> :data:`TENANT_FIELDS` and ``held_bytes``). ``tier_events`` (tier name
+    -> event -> count: the :data:`lmtier.tiers.base.TIER_EVENTS` of the disk and remote tiers).
     """
 
     FIELDS = (
@@ -82,6 +92,7 @@ class LMTierStats(KVConnectorStats):
         for k in self.LISTS:
             self.data[k] = list(self.data.get(k) or [])
         self.data["tenants"] = {t: dict(row) for t, row in (self.data.get("tenants") or {}).items()}
+        self.data["tier_events"] = {t: dict(row) for t, row in (self.data.get("tier_events") or {}).items()}
 
     def reset(self):
         for k in self.FIELDS:
@@ -89,6 +100,7 @@ class LMTierStats(KVConnectorStats):
         for k in self.LISTS:
             self.data[k] = []
         self.data["tenants"] = {}
+        self.data["tier_events"] = {}
 
     def aggregate(self, other):
         for k in self.FIELDS:
@@ -98,6 +110,9 @@ class LMTierStats(KVConnectorStats):
         for t, row in (other.data.get("tenants") or {}).items():
             for k, v in row.items():
                 self.add_tenant(t, k, v)
+        for t, row in (other.data.get("tier_events") or {}).items():
+            for k, v in row.items():
+                self.add_tier_event(t, k, v)
         return self
 
     def reduce(self):
@@ -114,6 +129,9 @@ class LMTierStats(KVConnectorStats):
         for t, row in tenants[:8]:  # the log line: the 8 tenants that asked most
             if row.get("lookup_tokens"):
                 out[f"lmtier_tenant_{t}_hit_rate"] = round(row.get("hit_tokens", 0) / row["lookup_tokens"], 3)
+        for t, row in sorted(self.data["tier_events"].items()):
+            for k, v in sorted(row.items()):
+                out[f"lmtier_{t}_{k}"] = v
         return out
 
     def is_empty(self):
@@ -121,6 +139,7 @@ class LMTierStats(KVConnectorStats):
             not any(self.data.get(k) for k in self.FIELDS)
             and not any(self.data.get(k) for k in self.LISTS)
             and not self.data["tenants"]
+            and not self.data["tier_events"]
         )
 
     def add_tenant(self, tenant: str, key: str, value: float) -> None:
@@ -128,6 +147,11 @@ class LMTierStats(KVConnectorStats):
         ``held_bytes`` gauge to ``value``."""
         row = self.data["tenants"].setdefault(tenant, {})
         row[key] = max(row.get(key, 0), value) if key == "held_bytes" else row.get(key, 0) + value
+
+    def add_tier_event(self, tier: str, event: str, value: float) -> None:
+        """Add ``value`` to tier ``tier``'s count of ``event`` (:data:`lmtier.tiers.base.TIER_EVENTS`)."""
+        row = self.data["tier_events"].setdefault(tier, {})
+        row[event] = row.get(event, 0) + value
 
     def add(self, key: str, value: float = 1) -> None:
         if key in self.LISTS:
@@ -148,7 +172,18 @@ def process_totals() -> dict[str, Any]:
     roles. Unlike vLLM's interval stats this is never reset.
     """
     with _TOTALS_LOCK:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in _TOTALS.data.items() if k != "tenants"}
+        return {
+            k: (list(v) if isinstance(v, list) else v)
+            for k, v in _TOTALS.data.items()
+            if k not in ("tenants", "tier_events")
+        }
+
+
+def process_tier_event_totals() -> dict[str, dict[str, float]]:
+    """Cumulative tier event counts of every lmtier connector in this process (tier -> event ->
+    count, :data:`lmtier.tiers.base.TIER_EVENTS`; test hook)."""
+    with _TOTALS_LOCK:
+        return {t: dict(row) for t, row in _TOTALS.data["tier_events"].items()}
 
 
 def process_tenant_totals() -> dict[str, dict[str, float]]:
@@ -168,7 +203,8 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
     Per tenant (tenant budgets on; label ``tenant``: the tenant id, at most
     :data:`TENANT_LABELS_MAX` values, then ``other``): ``vllm:lmtier_tenant_{lookup_tokens,
     hit_tokens,commits,evicted_others,denied}_total``, ``vllm:lmtier_tenant_evicted_total{by}``
-    (``by``: ``self`` or ``other``) and the gauge ``vllm:lmtier_tenant_held_bytes``.
+    (``by``: ``self`` or ``other``) and the gauge ``vllm:lmtier_tenant_held_bytes``. Tier events:
+    ``vllm:lmtier_tier_events_total{tier,event}`` (:data:`lmtier.tiers.base.TIER_EVENTS`).
     """
 
     _COUNTERS = {
@@ -226,6 +262,12 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
         self._tenant_labels: set[str] = set()
+        self._tier_events = self._counter_cls(
+            name="vllm:lmtier_tier_events",
+            documentation="lmtier: tier events (records failing checksum/MAC/decoding, remote timeouts, "
+            "calls refused by an open circuit breaker), by tier and event.",
+            labelnames=list(labelnames) + ["tier", "event"],
+        )
 
     def _tenant_label(self, tenant: str) -> str:
         if tenant in self._tenant_labels or len(self._tenant_labels) < TENANT_LABELS_MAX:
@@ -261,10 +303,17 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].observe(x)
         if d.get("tenants"):
             self._observe_tenants(d["tenants"], engine_idx)
+        for tier, row in (d.get("tier_events") or {}).items():
+            for event, v in row.items():
+                if v and event in TIER_EVENTS:
+                    self._tier_events.labels(*self._lv[engine_idx], tier, event).inc(v)
 
 
-def _add_total(key: str, value: float, tenant: str | None = None) -> None:
+def _add_total(key: str, value: float, tenant: str | None = None, tier: str | None = None) -> None:
     with _TOTALS_LOCK:
+        if tier is not None:
+            _TOTALS.add_tier_event(tier, key, value)
+            return
         if tenant is not None:
             _TOTALS.add_tenant(tenant, key, value)
             return
@@ -297,6 +346,13 @@ class StatsSink:
         with self._lock:
             self._stats.add_tenant(tenant, key, value)
         _add_total(key, value, tenant)
+
+    def add_tier_event(self, tier: str, event: str, value: float = 1) -> None:
+        """Add ``value`` to tier ``tier``'s count of ``event`` in this interval and in
+        :func:`process_tier_event_totals`."""
+        with self._lock:
+            self._stats.add_tier_event(tier, event, value)
+        _add_total(event, value, tier=tier)
 
     def take(self) -> LMTierStats | None:
         """This interval's stats (None when nothing happened); starts a new interval."""

@@ -79,8 +79,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from lmtier.errors import LMTierError
 from lmtier.geometry import KEY_BYTES
 from lmtier.tiers.base import Eviction, Tier, TierUsage
-from lmtier.tiers.buffers import BouncePool
-from lmtier.tiers.device import PinnedBounce
+from lmtier.tiers.buffers import BouncePool, host_view
+from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
 from lmtier.tiers.seal.keys import KeyRing
 
 __all__ = [
@@ -328,25 +328,60 @@ class SealedTier(Tier):
         After None the contents of ``out`` must not be used."""
         return self._device.get_into(out, lambda mv: self._get_host(bytes(key), mv))
 
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
+        """:meth:`get_into` of several chunks; over an inner tier that batches gets
+        (:meth:`~lmtier.tiers.base.Tier.batches_gets`) with one ``inner.get_many_into`` of the sealed
+        records into scratch buffers, then each opened in turn (host ``outs``; CUDA tensors go one by
+        one through :meth:`get_into`).
+
+        Raises:
+            ValueError: ``keys`` and ``outs`` differ in length.
+        """
+        if len(keys) != len(outs):
+            raise ValueError(f"SealedTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
+        if not self.inner.batches_gets() or len(keys) < 2 or any(is_cuda_tensor(o) for o in outs):
+            return [self.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
+        views = [host_view(o, writable=True) for o in outs]
+        caps = [self.sealer.sealed_bytes(v.nbytes) for v in views]
+        bufs = [self._scratch.acquire(c) for c in caps]
+        try:
+            got = self.inner.get_many_into(
+                [bytes(k) for k in keys], [b.mv[:c] for b, c in zip(bufs, caps, strict=True)]
+            )
+            return [self._open(bytes(k), b.mv, n, v) for k, b, n, v in zip(keys, bufs, got, views, strict=True)]
+        finally:
+            for b in bufs:
+                self._scratch.release(b)
+
+    def batches_gets(self) -> bool:
+        return self.inner.batches_gets()
+
+    def event_counts(self) -> dict[str, int]:
+        return {**self.inner.event_counts(), **super().event_counts()}
+
     def _get_host(self, key: bytes, out: memoryview) -> int | None:
         cap = self.sealer.sealed_bytes(out.nbytes)
         buf = self._scratch.acquire(cap)
         try:
-            n = self.inner.get_into(key, buf.mv[:cap])
-            if n is None:
-                self._count("misses")
-                return None
-            try:
-                got = self.sealer.open_into(buf.mv[:n], out, key)
-            except SealError as e:
-                log.warning("%s: record of chunk %s does not open (%s); deleted", self.name, key.hex()[:16], e)
-                self._count("auth_failures")
-                self._count(f"auth_{e.reason}")
-                self._count("misses")
-                self.inner.delete(key)
-                return None
+            return self._open(key, buf.mv, self.inner.get_into(key, buf.mv[:cap]), out)
         finally:
             self._scratch.release(buf)
+
+    def _open(self, key: bytes, sealed: memoryview, n: int | None, out: memoryview) -> int | None:
+        """Open the sealed record of ``n`` bytes at the start of ``sealed`` into ``out`` (None ``n``:
+        the inner miss); counts the hit or miss; a record that does not open is deleted."""
+        if n is None:
+            self._count("misses")
+            return None
+        try:
+            got = self.sealer.open_into(sealed[:n], out, key)
+        except SealError as e:
+            log.warning("%s: record of chunk %s does not open (%s); deleted", self.name, key.hex()[:16], e)
+            self._count("auth_failures")
+            self._count(f"auth_{e.reason}")
+            self._count("misses")
+            self.inner.delete(key)
+            return None
         self._count("hits" if got is not None else "misses")
         return got
 
