@@ -32,7 +32,8 @@ it repeatedly takes the one covering the most value pairs not covered yet per en
 appears in a row. ``test_covering_array_covers_every_pair`` checks that.
 
 Each row (``test_row``) runs its engine(s) in child processes (this file is the child's script,
-engines in-process, ``enforce_eager``, vLLM prefix caching off so every hit is lmtier's, greedy):
+forked by the fork server of :mod:`lmtier.testing.zygote`; engines in-process, ``enforce_eager``,
+vLLM prefix caching off so every hit is lmtier's, greedy):
 
 1. first engine: prompts A and B (3 full chunks of 128 tokens + 21, ``seg`` 0 and 1 of the
    test text) cold, one request at a time; after each, the stores are waited for (disk records,
@@ -79,7 +80,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,6 +90,7 @@ if __package__ in (None, ""):  # run as the engine child: python tests/test_conf
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmtier.testing.vllm import MODEL_DIR, REPO, SEGMENT, require_vllm, write_yaml
+from lmtier.testing.zygote import EngineLauncher, serve
 
 pytestmark = pytest.mark.vllm
 
@@ -229,7 +230,7 @@ def matrix_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(matrix_dir):
-    z = EngineLauncher(matrix_dir)
+    z = EngineLauncher(matrix_dir, Path(__file__), REPO)
     yield z
     z.close()
 
@@ -300,83 +301,6 @@ def _records(disk: Path) -> set[str]:
     if not disk.exists():
         return set()
     return {str(p) for p in disk.rglob("*") if p.is_file() and not p.name.startswith(".")}
-
-
-class EngineLauncher:
-    """Starts engine processes for the rows: a fork server ("zygote") that imported vLLM, torch and
-    lmtier once, forking one child per engine (saves the ~6 s import of every engine start on 2
-    cores). Each child is a fresh process for the engine: its own LLM, connector, tier managers and
-    CPU pool (a restart is a new child); only the imported modules are shared. The zygote starts no
-    thread and runs no torch op before forking.
-
-    Protocol (this file with ``--zygote``): one JSON line per engine on stdin
-    ``{"spec", "out", "log", "env", "cwd"}``; the zygote answers ``{"pid"}`` at once, then
-    ``{"rc"}`` when the child exited.
-    """
-
-    def __init__(self, root: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE")}
-        env.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            # shared by every row: vLLM caches the model-architecture probe there (~8 s per start)
-            VLLM_CACHE_ROOT=str(root / "vllm-cache"),
-            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        )
-        self.log = open(root / "zygote.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--zygote"],
-            env=env,
-            cwd=str(root),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            bufsize=1,
-        )
-
-    def run(self, spec_path: Path, out_path: Path, log_path: Path, env: dict, timeout_s: float) -> int:
-        import select
-        import signal
-
-        req = {
-            "spec": str(spec_path),
-            "out": str(out_path),
-            "log": str(log_path),
-            "env": env,
-            "cwd": str(spec_path.parent),
-        }
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout_s
-        pid = None
-        while True:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
-            if not ready:
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)  # the zygote then answers its rc
-                    self.proc.stdout.readline()
-                raise AssertionError(f"engine {spec_path.stem} timed out after {timeout_s} s; log {log_path}")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"the zygote died: {(Path(self.log.name)).read_text()[-3000:]}")
-            msg = json.loads(line)
-            if "pid" in msg:
-                pid = msg["pid"]
-            else:
-                return msg["rc"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def run_child(launcher: EngineLauncher, spec: dict, root: Path, name: str, timeout_s: float = 300.0) -> dict:
@@ -750,42 +674,16 @@ def _child(spec_path: str, out_path: str) -> None:
     sys.stdout.flush()
 
 
-def _zygote() -> None:
-    """The fork server of :class:`EngineLauncher` (imports, then forks one child per request)."""
-    import vllm  # noqa: F401  (the imports every engine child needs, done once)
+def _preload() -> None:
+    """The zygote's imports (lmtier.testing.zygote.serve): what every engine child needs, done once."""
+    import vllm  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
 
     from lmtier.integration.vllm import connector, stats  # noqa: F401
 
-    for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:  # the engine child
-            code = 1
-            try:
-                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
-                os.environ.update(req["env"])
-                os.chdir(req["cwd"])
-                _child(req["spec"], req["out"])
-                code = 0
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-
 
 if __name__ == "__main__":
     if sys.argv[1] == "--zygote":
-        _zygote()
+        serve(_child, _preload)
     else:
         _child(sys.argv[1], sys.argv[2])
