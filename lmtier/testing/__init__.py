@@ -4,9 +4,13 @@
 * :mod:`lmtier.testing.redis` — a real ``redis-server`` (:class:`~lmtier.testing.redis.RedisServer`:
   kill, pause, restart on the same port, TLS, ``--maxmemory``), a Redis Cluster, the binary lookup
   (:func:`~lmtier.testing.redis.find_redis_server`) and the skip-or-fail rule of ``LMTIER_REQUIRE_REDIS``.
+* :mod:`lmtier.testing.mooncake` — a real Mooncake Store (``mooncake_master`` and store servers: kill,
+  pause, restart on the same ports) and the skip-or-fail rule of ``LMTIER_REQUIRE_MOONCAKE``.
 * :mod:`lmtier.testing.fixtures` — its pytest fixtures (``redis_server``, ``redis_url``, ...).
 * :mod:`lmtier.testing.vllm` — in-process vLLM engines in a child process for the connector tests,
   the test model folder and the skip-or-fail rule of ``LMTIER_REQUIRE_VLLM``.
+* :mod:`lmtier.testing.zygote` — a fork server that imports vLLM once and forks one child per engine
+  (tests/test_config_matrix.py's many short engines).
 * :mod:`lmtier.testing.server` — around a vLLM OpenAI server: the connector's
   ``--kv-transfer-config``, Prometheus ``/metrics`` parsing, the workload texts.
 * :mod:`lmtier.testing.procs` — a child process in its own process group with a log file, a free port.
