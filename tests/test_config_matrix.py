@@ -19,6 +19,11 @@ Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
 ``load_failure_policy``     unset, recompute, fail           (extra config, lmtier's key; vLLM's own
                                                               ``kv_load_failure_policy`` is ``fail``
                                                               in every row)
+``remote_seal``             unset, mac, encrypt              (only with a remote tier:
+                                                              ``remote_auth_key`` from a 0600 key file;
+                                                              encrypt adds ``remote_encrypt: true``)
+``cpu_tenant_share``        unset, 0.5                       (tenant budgets in the CPU pool; every
+                                                              request is the default tenant here)
 ==========================  ==============================================================
 
 A value a row cannot use is "-" (meaningless, never configured): a serde for a tier that is not
@@ -120,6 +125,8 @@ DIMS: dict[str, tuple] = {
     "async_loads": (True, False),
     "sync_disk_load_mib": (None, 0),  # None: unset, the connector's default (256 MiB: sync here)
     "load_failure_policy": (None, "recompute", "fail"),  # None: unset (lmtier's default: recompute)
+    "remote_seal": (None, "mac", "encrypt"),  # None: unsealed; mac: remote_auth_key; encrypt: + remote_encrypt
+    "cpu_tenant_share": (None, 0.5),  # None: no tenant budgets
 }
 NA = "-"
 REMOTES = ("redis", "mooncake")
@@ -138,6 +145,7 @@ def normalize(row: dict) -> dict:
         r["local_disk_serde"] = NA  # no disk tier: its serde names nothing
     if not remote:
         r["remote_serde"] = NA  # no remote tier: its serde names nothing
+        r["remote_seal"] = NA  # nothing to seal
     if "cachegen" not in (r["local_disk_serde"], r["remote_serde"]):
         r["codec_level"] = NA  # the level only applies to cachegen serdes (config.py warns otherwise)
     if not (disk or remote):
@@ -198,6 +206,10 @@ def row_id(i: int, r: dict) -> str:
     if r["sync_disk_load_mib"] != NA:
         bits.append("syncmib=" + ("default" if r["sync_disk_load_mib"] is None else str(r["sync_disk_load_mib"])))
     bits.append("lfp=" + (r["load_failure_policy"] or "unset"))
+    if r["remote_seal"] not in (NA, None):
+        bits.append(f"seal={r['remote_seal']}")
+    if r["cpu_tenant_share"] is not None:
+        bits.append(f"tenant={r['cpu_tenant_share']}")
     return "-".join(bits)
 
 
@@ -213,11 +225,13 @@ def test_covering_array_covers_every_pair():
     assert {r["codec_level"] for r in ROWS} - {NA} == set(DIMS["codec_level"])
     assert {r["tp"] for r in ROWS} == {1, 2}
     assert {r["load_failure_policy"] for r in ROWS} == set(DIMS["load_failure_policy"])
+    assert {r["cpu_tenant_share"] for r in ROWS} == set(DIMS["cpu_tenant_share"])
     for remote in REMOTES:  # each remote tier through both serdes, every level, both TP sizes, with and without disk
         mine = [r for r in ROWS if remote_of(r) == remote]
         assert {r["remote_serde"] for r in mine} == set(DIMS["remote_serde"]), remote
         assert {r["codec_level"] for r in mine} - {NA} == set(DIMS["codec_level"]), remote
         assert {r["tp"] for r in mine} == {1, 2} and {"disk" in r["tiers"] for r in mine} == {True, False}, remote
+        assert {r["remote_seal"] for r in mine} == set(DIMS["remote_seal"]), remote  # sealed Redis and Mooncake
     assert covering_rows() == ROWS  # deterministic
 
 
@@ -285,6 +299,13 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
         # 15-300 ms, but gets stalled together on both TP=2 ranks now and then: 1.8 s, and twice > 5 s in 7
         # runs of one row (tests/test_connector_e2e.py's value), which made the restart's loads misses (recomputed).
         cfg.update(mooncake_global_segment_size=0, remote_timeout_s=30.0)
+    if r["remote_seal"] not in (NA, None):
+        key = root / "seal.key"
+        key.write_text("3c" * 32)
+        key.chmod(0o600)
+        cfg.update(remote_auth_key=f"file:{key}", remote_encrypt=r["remote_seal"] == "encrypt")
+    if r["cpu_tenant_share"] is not None:
+        cfg["cpu_tenant_share"] = r["cpu_tenant_share"]
     if r["codec_level"] != NA:
         cfg["codec_level"] = r["codec_level"]
     extra: dict = {"layerwise_loads": r["layerwise_loads"]}
