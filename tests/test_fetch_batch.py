@@ -157,6 +157,21 @@ def _remote_worker(cache, remote, *, io_threads=2, decode_on="host", window=None
     return w, mgr, ns
 
 
+def _store_10_chunks_remote_only(w, mgr, cache, ns, seed: int):
+    """Store 10 chunks through ``w`` (written through to the remote tier), then drop them from the
+    CPU pool; returns (token ids, source blocks, keys)."""
+    n = 10 * CHUNK
+    toks = _tokens(n, seed=seed)
+    src = list(range(n // cache.bs))
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert mgr.flush(timeout_s=30)
+    keys = chunk_keys(toks, ns)
+    assert all(mgr.remote.contains(k) for k in keys)
+    for k in keys:
+        assert mgr.cpu.delete(k)
+    return toks, src, keys
+
+
 @pytest.mark.parametrize("missing", [None, 6])
 def test_host_mode_groups_remote_fetches(missing):
     """10 chunks only in a batching remote tier: fetched in groups of ``fetch_batch`` (4), bit-exact,
@@ -166,15 +181,7 @@ def test_host_mode_groups_remote_fetches(missing):
     w, mgr, ns = _remote_worker(cache, remote)
     try:
         assert w._fetcher.group == 4
-        n = 10 * CHUNK
-        toks = _tokens(n, seed=31)
-        src = list(range(n // cache.bs))
-        w.store(StoreOp("r1", toks, None, 0, src))
-        assert mgr.flush(timeout_s=30)
-        keys = chunk_keys(toks, ns)
-        assert all(remote.contains(k) for k in keys)
-        for k in keys:
-            assert mgr.cpu.delete(k)
+        toks, src, keys = _store_10_chunks_remote_only(w, mgr, cache, ns, 31)
         if missing is not None:
             remote.delete(keys[missing])
         remote.calls.clear()
@@ -204,14 +211,8 @@ def test_device_mode_groups_within_the_window():
     w, mgr, _ = _remote_worker(cache, ct, decode_on="device", window=8)
     try:
         assert w.device_staging and w._fetcher.group == 4
+        toks, src, _ = _store_10_chunks_remote_only(w, mgr, cache, ns, 32)
         n = 10 * CHUNK
-        toks = _tokens(n, seed=32)
-        src = list(range(n // cache.bs))
-        w.store(StoreOp("r1", toks, None, 0, src))
-        assert mgr.flush(timeout_s=30)
-        keys = chunk_keys(toks, ns)
-        for k in keys:
-            assert mgr.cpu.delete(k)
         remote.calls.clear()
         dst = list(range(40, 80))
         expect = cache.clone()
