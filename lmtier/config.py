@@ -335,7 +335,7 @@ class LMTierConfig:
         return {
             "enable_p2p": True,
             "p2p_host": p.host,
-            "p2p_init_ports": list(p.init_ports),
+            "p2p_init_ports": ",".join(map(str, p.init_ports)),
             "p2p_directory_url": p.directory_url,
             "p2p_allowed_peers": ",".join(p.allowed_peers) or None,
             "p2p_token_env": p.token_env,

@@ -52,8 +52,8 @@ class KeySpec:
 
     Attributes:
         kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"optional str"``, ``"optional float"``
-            or ``"optional int list"`` (``None`` allowed; a list of ints, or one int; in the
-            environment comma-separated, e.g. ``28200,28201``).
+            or ``"optional int list"`` (``None`` allowed; a list of ints, one int, or a
+            comma-separated string such as ``"28200,28201"``, as in the environment).
         default: the value when neither the YAML file nor the environment sets the key.
         meaning: one line for the environment registry (:mod:`lmtier.envs`) and error messages.
     """
@@ -148,6 +148,11 @@ def check_type(key: str, value: Any) -> Any:
             raise config_error(key, value, "must be a string or null")
     elif kind == OPT_INT_LIST and value is not None:
         items = [value] if type(value) is int else value
+        if isinstance(value, str):
+            try:
+                items = [int(v, 10) for v in value.strip("[] ").split(",")]
+            except ValueError:
+                raise config_error(key, value, "must be a list of integers such as [28200, 28201]") from None
         if not isinstance(items, (list, tuple)) or any(type(v) is not int for v in items):
             raise config_error(key, value, "must be a list of integers (or one integer) or null")
         value = tuple(items)

@@ -144,6 +144,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="lmtier.testing.mooncake",
     ),
     EnvVar(
+        "LMTIER_REQUIRE_NIXL",
+        "test",
+        "1: tests that need NIXL (nixl-cu12, P2P sharing: scripts/setup_nixl.sh) fail instead of skipping (CI)",
+        default="0",
+        parse=_flag,
+        read_by="lmtier.testing.p2p",
+    ),
+    EnvVar(
         "LMTIER_REQUIRE_VLLM",
         "test",
         "1: tests that need vLLM (and the SmolLM2 model) fail instead of skipping when it is missing (CI)",
