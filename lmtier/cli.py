@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, str] = {
     "disk": "lmtier.bench.disk",
     "remote": "lmtier.bench.remote",
     "mooncake": "lmtier.bench.mooncake",
+    "p2p": "lmtier.bench.p2p",
     "codec": "lmtier.bench.codec",
     "rans": "lmtier.bench.rans",
     "ttft": "lmtier.bench.ttft",
@@ -142,11 +143,12 @@ def run_all(rest: list[str]) -> int:
     return 0 if all(v == "ok" or v.startswith("skipped") for v in results.values()) else 1
 
 
-USAGE = """usage: lmtier bench {transfer,disk,remote,codec,rans,ttft,all} [options]
+USAGE = """usage: lmtier bench {transfer,disk,remote,p2p,codec,rans,ttft,all} [options]
        lmtier --version | --help
   transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)
   disk      disk tier vs O_DIRECT dd on the same directory (+ pipelined loads)
   remote    Redis tier vs redis-benchmark on the same server
+  p2p       P2P fetch over NIXL vs a raw NIXL READ of the same bytes vs the Redis tier
   codec     ratio, quality proxy (SNR, attention error) and encode/decode speed per level
   rans      the entropy coder alone (GPU)
   ttft      time to first token: recompute vs loading the KV from each tier

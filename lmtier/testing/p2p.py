@@ -3,7 +3,7 @@ child process (``multiprocessing`` spawn: NIXL/UCX state must not be forked), dr
 
 ``P2PNode(config_values, namespace)`` starts the child, which builds its manager with
 ``TierManager.from_config`` (so the config keys, the P2P tier and its publisher are the product's)
-and answers :meth:`P2PNode.call` requests: ``store``, ``publish_now``, ``lookup``, ``fetch``,
+and answers :meth:`P2PNode.call` requests: ``store``, ``fill``, ``publish_now``, ``lookup``, ``fetch``,
 ``delete_and_reuse``, ``counters``. :meth:`P2PNode.kill` SIGKILLs it, :meth:`pause` SIGSTOPs it.
 
 Tests skip without NIXL (:func:`nixl_missing`), unless ``LMTIER_REQUIRE_NIXL=1`` (CI): then they fail.
@@ -11,15 +11,18 @@ Tests skip without NIXL (:func:`nixl_missing`), unless ``LMTIER_REQUIRE_NIXL=1``
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import signal
 import time
 from typing import Any
 
+import numpy as np
+
 from lmtier import envs
 
-__all__ = ["P2PNode", "nixl_missing", "skip_or_fail", "small_namespace_fields"]
+__all__ = ["P2PNode", "nixl_missing", "skip_or_fail", "small_namespace_fields", "fill_chunks"]
 
 
 def nixl_missing() -> str | None:
@@ -45,6 +48,14 @@ def skip_or_fail(why: str) -> None:
 def small_namespace_fields(**kw: Any) -> dict[str, Any]:
     """Fields of a small test :class:`~lmtier.keys.Namespace` (64 KiB chunks); ``kw`` overrides."""
     return dict(model="p2p-test", num_layers=2, num_kv_heads=2, head_size=64, kv_dtype="float16", chunk_size=64) | kw
+
+
+def fill_chunks(count: int, nbytes: int, seed: int) -> tuple[list[bytes], list[np.ndarray]]:
+    """``count`` chunk keys and random payloads (``np.uint8 [nbytes]``) of ``seed`` — the same in
+    every process (benchmarks fill a node's pool in the child and check the bytes in the parent)."""
+    rng = np.random.default_rng(seed)
+    keys = [hashlib.blake2b(b"%d/%d" % (seed, i), digest_size=32).digest() for i in range(count)]
+    return keys, [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(count)]
 
 
 def _child(conn: Any, values: dict[str, Any], ns_fields: dict[str, Any], env: dict[str, str]) -> None:
@@ -78,6 +89,10 @@ def _child(conn: Any, values: dict[str, Any], ns_fields: dict[str, Any], env: di
 def _serve(mgr: Any, op: str, args: tuple) -> Any:
     if op == "store":  # (keys, payloads): store and wait; True per stored chunk
         return [mgr.store(k, p, timeout_s=None).result(30) for k, p in zip(*args, strict=True)]
+    if op == "fill":  # (count, nbytes, seed): store fill_chunks(...) and publish; returns the keys
+        keys, payloads = fill_chunks(*args)
+        ok = [mgr.store(k, p, timeout_s=None).result(60) for k, p in zip(keys, payloads, strict=True)]
+        return keys if all(ok) and mgr.p2p.publish_now(60.0) else None
     if op == "publish_now":
         return mgr.p2p.publish_now(10.0)
     if op == "lookup":

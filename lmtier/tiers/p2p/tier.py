@@ -79,6 +79,8 @@ log = logging.getLogger("lmtier.tiers.p2p")
 
 _PUBLISH_BATCH = 256
 """Chunks per publication round trip."""
+_MIN_READ_BYTES = 8 << 20
+"""Smallest sub-batch a batch of reads is cut into (one NIXL transfer each)."""
 
 
 @dataclass(eq=False)
@@ -108,6 +110,7 @@ class _Group:
     offs: list[int] = field(default_factory=list)
     total: int = 0
     base: int | None = None
+    deadline: float = 0.0
     fut: concurrent.futures.Future | None = None
 
 
@@ -125,13 +128,15 @@ class P2PTier(Tier):
         node_id: this node's id (``p2p_host:port``), unique among the peers.
         token: shared token (MACs entries and node records) or None.
         allowed: ``allowed(node_id)``: may this node be read from (the allow-list)?
-        timeout_s: longest wait of one directory call or one READ, seconds.
+        timeout_s: longest wait of one directory call, seconds; a READ of ``n`` bytes may take
+            ``timeout_s + n / min_read_bytes_per_s``.
         entry_ttl_s: directory entry lifetime, seconds (re-published every third of it).
         node_ttl_s: node record lifetime, seconds (heartbeat every third of it).
         workers: READs in flight at most (threads).
         bounce_bytes: size of the registered bounce region reads land in.
         breaker_failures, breaker_reset_s: per-peer (and directory) circuit breaker settings.
         max_pending: publications queued at most (more are dropped, counted ``publish_dropped``).
+        min_read_bytes_per_s: the slowest READ rate tolerated (see ``timeout_s``).
 
     Raises:
         TierError: NIXL not installed, agent or registration failed.
@@ -161,11 +166,12 @@ class P2PTier(Tier):
         breaker_failures: int = 3,
         breaker_reset_s: float = 2.0,
         max_pending: int = 65536,
+        min_read_bytes_per_s: float = 50e6,
     ) -> None:
         super().__init__()
         if timeout_s <= 0 or entry_ttl_s <= 0 or node_ttl_s <= 0:
             raise ValueError("P2PTier: timeouts and TTLs must be > 0")
-        if workers < 1 or bounce_bytes < (1 << 20) or max_pending < 1:
+        if workers < 1 or bounce_bytes < (1 << 20) or max_pending < 1 or not min_read_bytes_per_s > 0:
             raise ValueError("P2PTier: workers and max_pending must be >= 1 and bounce_bytes >= 1 MiB")
         self.pool = pool
         self.node_id = node_id
@@ -178,6 +184,7 @@ class P2PTier(Tier):
         self.breaker_failures = breaker_failures
         self.breaker_reset_s = breaker_reset_s
         self.max_pending = max_pending
+        self.min_read_bytes_per_s = float(min_read_bytes_per_s)
         self.epoch = int.from_bytes(os.urandom(8), "little")
         self.counters: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -423,30 +430,48 @@ class P2PTier(Tier):
     def _get_host(self, keys: Sequence[bytes], outs: list[memoryview]) -> list[int | None]:
         res: list[int | None] = [None] * len(keys)
         choice = self._choose(keys)
-        groups: dict[str, _Group] = {}
+        # Sub-batches of about a quarter of the bytes (>= 8 MiB, <= half the bounce region), so that
+        # the next READ transfers while one is verified and copied out.
+        total = sum(round_up(c[1].length, ALIGN) for c in choice if c is not None)
+        limit = min(max(_MIN_READ_BYTES, -(-total // 4)), self._bounce.nbytes // 2)
+        open_groups: dict[str, _Group] = {}
+        todo: collections.deque[_Group] = collections.deque()
         for i, c in enumerate(choice):
             if c is None:
                 continue
             peer, e = c
-            if e.length > outs[i].nbytes:
+            n = round_up(e.length, ALIGN)
+            if e.length > outs[i].nbytes or n > self._bounce.nbytes:
                 log.warning("p2p get_into: out has %d bytes, chunk has %d", outs[i].nbytes, e.length)
                 continue
-            g = groups.setdefault(peer.node_id, _Group(peer))
+            g = open_groups.get(peer.node_id)
+            if g is None or (g.idx and g.total + n > limit):
+                g = open_groups[peer.node_id] = _Group(peer)
+                todo.append(g)
             g.idx.append(i)
             g.entries.append(e)
             g.offs.append(g.total)
-            g.total += round_up(e.length, ALIGN)
-        started = [g for g in groups.values() if self._start(g)]
-        for g in started:
-            self._finish(g, keys, outs, res)
+            g.total += n
+        # READs of different peers run in parallel; a peer's sub-batches follow each other, up to
+        # ``workers`` in flight, each verified and copied out while later ones transfer.
+        flight: collections.deque[_Group] = collections.deque()
+        while todo or flight:
+            while todo and len(flight) < self.workers and self._start(todo[0], first=not flight):
+                flight.append(todo.popleft())
+            if not flight:  # could not start with nothing in flight: its chunks are misses
+                todo.popleft()
+                continue
+            self._finish(flight.popleft(), keys, outs, res)
         n_hit = sum(1 for n in res if n is not None)
         self.counters["hits"] += n_hit
         self.counters["misses"] += len(keys) - n_hit
         return res
 
-    def _start(self, g: _Group) -> bool:
-        """Reserve ``g``'s bounce extent and start its READ on a worker; False (all misses) when no
-        worker or extent is free, the peer's breaker refuses, or the peer's metadata does not load."""
+    def _start(self, g: _Group, *, first: bool) -> bool:
+        """Reserve ``g``'s bounce extent and start its READ on a worker. False when no worker or
+        extent is free (``first``: this caller has no READ in flight, so it waits up to ``timeout_s``
+        for an extent and counts the failure; otherwise ``g`` waits its turn), the peer's breaker
+        refuses, or the peer's metadata does not load."""
         peer = g.peer
         assert peer.record is not None
         with self._lock:
@@ -454,19 +479,21 @@ class P2PTier(Tier):
             if not busy:
                 self._inflight += 1
         if busy:
-            self.counters["busy"] += 1
+            if first:
+                self.counters["busy"] += 1
             return False
-        base = self._bounce.acquire(g.total, 0.0)
+        base = self._bounce.acquire(g.total, self.timeout_s if first else 0.0)
         why = None
         if base is None:
-            why = "bounce_full"
+            why = "bounce_full" if first else ""
         elif not peer.breaker.allow():
             why = "breaker_rejects"
         elif not self.transport.load_peer(peer.agent_name, peer.record.metadata):
             why = "errors"
             self._peer_failed(peer)
         if why is not None:
-            self.counters[why] += 1
+            if why:
+                self.counters[why] += 1
             if base is not None:
                 self._bounce.release(base, g.total)
             with self._lock:
@@ -475,7 +502,8 @@ class P2PTier(Tier):
         g.base = base
         addr, arena = self._bounce.address + base, peer.record.arena_base
         pieces = [(addr + off, arena + e.offset, e.length) for off, e in zip(g.offs, g.entries, strict=True)]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + g.total / self.min_read_bytes_per_s
+        g.deadline = deadline
         name = peer.agent_name
 
         def done(f: concurrent.futures.Future) -> None:
@@ -491,7 +519,8 @@ class P2PTier(Tier):
         assert g.fut is not None and g.base is not None
         peer, base, total = g.peer, g.base, g.total
         try:
-            state = g.fut.result(self.timeout_s + 0.25)  # the worker cancels at timeout_s itself
+            # The worker cancels at the deadline itself; this wait only bounds a NIXL call that hangs.
+            state = g.fut.result(max(0.0, g.deadline - time.monotonic()) + 0.25)
         except concurrent.futures.TimeoutError:
             self.counters["timeouts"] += 1
             self._peer_failed(peer)
