@@ -84,7 +84,7 @@ class EnvVar:
     read_by: str = ""
 
 
-FOREIGN = frozenset({"MOONCAKE_CONFIG_PATH"})
+FOREIGN = frozenset({"MOONCAKE_CONFIG_PATH", "UCX_MODULES"})
 """Variables of other projects' conventions that lmtier reads too (declared here, no ``LMTIER_`` prefix)."""
 
 
@@ -118,6 +118,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         "JSON file of Mooncake Store client settings (LMCache's and vLLM's convention) for a "
         "mooncakestore:// remote_url; lmtier's mooncake_* keys override its fields",
         read_by="lmtier.tiers.mooncake.settings (through lmtier.config.load_config)",
+    ),
+    EnvVar(
+        "UCX_MODULES",
+        "config",
+        "UCX's module filter (used by NIXL for P2P sharing); when unset on a host without RDMA devices "
+        "lmtier sets it to ^ib before its NIXL agent starts (the nixl-cu12 1.5.1 wheel crashes at exit "
+        "otherwise: docs/p2p.md)",
+        read_by="lmtier.tiers.p2p.transport",
     ),
     EnvVar(
         "LMTIER_FAULT_INJECT",

@@ -201,3 +201,11 @@ def test_closed_peer_withdraws_its_entries(pair):
     assert b.call("lookup", keys) == ["p2p", "p2p"]
     a.close()
     assert b.call("lookup", keys) == []
+
+
+def test_node_process_exits_cleanly(directory):
+    """nixl-cu12 1.5.1 on a host without RDMA devices: a process that started an agent died with
+    SIGSEGV at exit (libnl-route's destructor) until the transport set UCX_MODULES=^ib there."""
+    a = start(directory)
+    a.close()
+    assert a.proc.exitcode == 0

@@ -20,11 +20,13 @@ Logging: ``logging.getLogger("lmtier.tiers.p2p")``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from lmtier import envs
 from lmtier.tiers.base import TierError
 
 __all__ = ["NixlTransport", "import_nixl", "DONE", "ERR", "TIMEOUT", "STUCK"]
@@ -38,6 +40,24 @@ local memory may still be written: never reuse it)."""
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
+
+
+def _ucx_modules_default() -> None:
+    """Work around a crash at process exit (nixl-cu12 1.5.1 wheel, measured here): on a host without
+    RDMA devices, once an agent started, the process dies with SIGSEGV in the bundled libnl-route's
+    destructor (``rtnl_tc_unregister`` from ``_dl_fini``; libnl is loaded by UCX's IB transport
+    modules). With UCX's IB modules not loaded (``UCX_MODULES=^ib``) it exits cleanly. So on a host
+    with no ``/sys/class/infiniband`` device, and unless ``UCX_MODULES`` is set, this sets
+    ``UCX_MODULES=^ib`` before the first agent starts (no IB device: nothing is lost). Hosts with
+    RDMA devices keep UCX's defaults."""
+    if envs.get("UCX_MODULES") is not None:
+        return
+    try:
+        has_ib = bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        has_ib = False
+    if not has_ib:
+        os.environ["UCX_MODULES"] = "^ib"
 
 
 def import_nixl() -> Any:
@@ -71,6 +91,7 @@ class NixlTransport:
 
     def __init__(self, agent_name: str) -> None:
         api = import_nixl()
+        _ucx_modules_default()
         try:
             cfg = api.nixl_agent_config(
                 enable_prog_thread=True,
