@@ -12,9 +12,10 @@ xxh3, unpins, and publishes ``chunk key -> (node, slot offset, length, generatio
 the chunk stays, so their TTL only removes what a dead node left behind.
 
 Reading side: ``contains_many`` is one pipelined ``HGETALL`` round trip (entries of other, allowed,
-live nodes only); ``get_many_into`` looks the entries up again (fresh), groups the chunks by peer and
-issues one NIXL READ per peer (several peers in parallel, on worker threads) into a registered bounce
-region, then verifies and copies each chunk out.
+live nodes only); ``get_many_into`` looks the entries up again (fresh), groups the chunks by peer,
+cuts each group into sub-batches (about a quarter of the bytes, >= 8 MiB) and issues one NIXL READ per
+sub-batch into a registered bounce region, up to ``workers`` in flight (several peers in parallel),
+verifying and copying each chunk out while later READs transfer.
 
 Safety (decision): a peer's slot can be evicted and reused between the lookup and the READ, or
 rewritten while the READ runs. The pool stores raw payloads (no header), so each read is checked
@@ -30,7 +31,8 @@ cancel keeps its extent forever, counted ``stuck``), and the caller's buffer (a 
 manager may abort and reuse) is only written with verified bytes.
 
 Failure model: every directory call has socket timeouts (``timeout_s``) and a breaker; every READ
-runs on a worker thread, the caller waits at most ``timeout_s`` for it; a failed or timed-out READ
+runs on a worker thread with a deadline of ``timeout_s + bytes / min_read_bytes_per_s``, where the
+worker cancels it (the caller waits 0.25 s longer at most); a failed or timed-out READ
 counts against that peer's :class:`~lmtier.tiers.breaker.CircuitBreaker`, whose opening hides the
 peer from lookups for ``breaker_reset_s``; with all ``workers`` busy further reads fail at once. A
 SIGKILLed peer: its READs fail at once (UCX disconnect) and its entries are ignored once its node
