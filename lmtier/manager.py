@@ -4,8 +4,9 @@
 (local disk) and an optional tier 3 (Redis/Valkey or Mooncake Store), all behind :class:`lmtier.tiers.base.Tier`:
 
 * ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
-  ``"p2p"`` — a peer's CPU pool, :mod:`lmtier.tiers.p2p` —, ``"remote"``); stops at the first miss. The remote tier is asked once for all remaining keys when
-  its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
+  ``"p2p"`` — a peer's CPU pool, :mod:`lmtier.tiers.p2p` —, ``"remote"``); stops at the first miss.
+  The P2P tier is asked once for all remaining keys (one directory round trip); the remote tier
+  too when its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
   pipelined round trip), else key by key up to the first miss.
 * ``store(key, data)`` — asynchronous: a small thread pool copies the chunk into a CPU slot and
   commits it; it returns a ``Future[bool]`` at once and never blocks the caller unless asked to
