@@ -301,7 +301,9 @@ class P2PTier(Tier):
                     self.directory.put_node(self.node_id, self._record)
                 if now >= next_refresh:
                     next_refresh = now + self.entry_ttl_s / 3
-                    with self._lock:
+                    with self._lock:  # (a chunk whose EVICTED was dropped with a full queue: forget it)
+                        for k in [k for k in self._published if not self.pool.contains(k)]:
+                            del self._published[k]
                         items = list(self._published.items())
                     for i in range(0, len(items), _PUBLISH_BATCH):
                         self.directory.publish(self.node_id, items[i : i + _PUBLISH_BATCH])
@@ -411,9 +413,10 @@ class P2PTier(Tier):
         return self.get_many_into([key], [out])[0]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
-        """Read and verify several chunks: one directory round trip, one NIXL READ per peer (in
-        parallel), each chunk checked against its entry (length, xxh3) before it is copied into its
-        ``out`` (a writable host buffer or CUDA tensor). Per key: payload bytes, or None (miss)."""
+        """Read and verify several chunks: one directory round trip, NIXL READs per peer in
+        pipelined sub-batches (peers in parallel), each chunk checked against its entry (length,
+        xxh3) before it is copied into its ``out`` (a writable host buffer or CUDA tensor).
+        Per key: payload bytes, or None (miss)."""
         if len(keys) != len(outs):
             raise ValueError(f"P2PTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
         res: list[int | None] = [None] * len(keys)
