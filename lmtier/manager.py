@@ -125,6 +125,8 @@ class TierManager:
         store_threads: threads running stores (CPU copy + commit, write-back on eviction).
         max_pending_stores: stores queued or running at most; beyond it ``store`` waits
             ``timeout_s`` and then drops the store (its future resolves ``False``).
+        p2p: P2P sharing (:class:`lmtier.tiers.p2p.tier.P2PTier`), consulted after disk and before
+            remote; with ``cpu`` it publishes the pool (an index listener), without it lookups only.
         remote_threads: threads sending chunks to the remote tier.
         max_pending_remote: remote sends queued at most; more are dropped (write-through is
             best-effort).
@@ -146,7 +148,7 @@ class TierManager:
         remote_threads: int = 2,
         max_pending_remote: int = 16,
     ) -> None:
-        if cpu is None and disk is None and remote is None:
+        if cpu is None and disk is None and remote is None and p2p is None:
             raise ValueError("TierManager: at least one tier is required")
         if store_threads < 1 or max_pending_stores < 1 or remote_threads < 1 or max_pending_remote < 1:
             raise ValueError("TierManager: thread counts and queue bounds must be >= 1")
@@ -174,9 +176,7 @@ class TierManager:
         self._closed = False
         self._listeners: list[IndexListener] = []
         self._listeners_lock = threading.Lock()
-        if p2p is not None:  # the P2P tier publishes what enters / leaves the CPU pool
-            if cpu is None:
-                raise ValueError("TierManager: the P2P tier shares the CPU pool; cpu is required")
+        if p2p is not None and cpu is not None:  # the P2P tier publishes what enters / leaves the pool
             self._listeners.append(p2p.on_index_event)
         if cpu is not None:
             cpu.add_eviction_listener(self._on_cpu_evicted)
@@ -231,7 +231,7 @@ class TierManager:
             if config.remote.enabled:
                 remote = remote_factory(config.remote, namespace)
                 remote = _wrap_codec(remote, config, namespace, "remote")
-            if config.p2p is not None and cpu is not None:  # P2P sharing over NIXL (docs/p2p.md)
+            if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
                 from lmtier.tiers.p2p.tier import P2PTier
 
                 p2p = P2PTier.from_config(config.p2p, namespace, cpu)

@@ -225,3 +225,26 @@ def test_bench_p2p_smoke(nixl, redis_server):
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "p2p_%raw" in r.stdout
+
+
+def test_lookup_only_tier_sees_peers_but_reads_nothing(directory):
+    """A P2PTier without a pool (a process that only decides, e.g. a vLLM scheduler): no NIXL
+    agent, nothing published; it finds peers' chunks and its own node's are excluded."""
+    from lmtier.remote_url import parse_redis_url
+    from lmtier.tiers.p2p.tier import P2PTier
+
+    a = start(directory)
+    try:
+        keys, _ = share(a, 2, seed=11)
+        digest = Namespace(**NS).digest()[:16]
+        view = P2PTier(None, parse_redis_url(directory), namespace=digest, node_id="sched:1", token=TOKEN.encode())
+        mine = P2PTier(None, parse_redis_url(directory), namespace=digest, node_id=a.node_id, token=TOKEN.encode())
+        try:
+            assert view.transport is None and view.contains_many(keys) == [True, True]
+            assert view.get_many_into(keys, [bytearray(CHUNK) for _ in keys]) == [None, None]
+            assert mine.contains_many(keys) == [False, False]
+        finally:
+            view.close()
+            mine.close()
+    finally:
+        a.close()

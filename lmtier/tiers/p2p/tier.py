@@ -124,7 +124,9 @@ class P2PTier(Tier):
     """Chunks in peers' CPU pools, read over NIXL; publishes this node's CPU pool. Thread-safe.
 
     Args:
-        pool: this node's CPU pool (its arena is registered with NIXL and published).
+        pool: this node's CPU pool (its arena is registered with NIXL and published); ``None``: a
+            lookups-only tier (no NIXL agent, nothing published, every read a miss) for a process
+            that only decides, such as a vLLM scheduler whose worker owns the pool.
         directory: where the directory lives (a single Redis/Valkey instance).
         namespace: 16-byte namespace digest (only nodes of the same namespace see each other).
         node_id: this node's id (``p2p_host:port``), unique among the peers.
@@ -153,7 +155,7 @@ class P2PTier(Tier):
 
     def __init__(
         self,
-        pool: CPUPool,
+        pool: CPUPool | None,
         directory: RedisEndpoint,
         *,
         namespace: bytes,
@@ -204,6 +206,20 @@ class P2PTier(Tier):
             breaker_failures=breaker_failures,
             breaker_reset_s=breaker_reset_s,
         )
+        # Publisher state: the entries this node announced, and the queue of index changes.
+        self._published: dict[bytes, Entry] = {}
+        self._generation = 0
+        self._queue: collections.deque[tuple[bool, bytes]] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy_publishing = False
+        self.transport: NixlTransport | None = None
+        self._bounce: BounceRegion | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        if pool is None:
+            log.info("p2p tier (lookups only): node %s, directory %s", node_id, self.directory.url)
+            return
         self.transport = NixlTransport(_agent_name(node_id, self.epoch))
         self._bounce = BounceRegion(bounce_bytes)
         try:
@@ -218,13 +234,6 @@ class P2PTier(Tier):
             self.directory.close()
             raise
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lmtier-p2p-read")
-        # Publisher state: the entries this node announced, and the queue of index changes.
-        self._published: dict[bytes, Entry] = {}
-        self._generation = 0
-        self._queue: collections.deque[tuple[bool, bytes]] = collections.deque()
-        self._cond = threading.Condition()
-        self._stop = False
-        self._busy_publishing = False
         if not self.directory.put_node(node_id, self._record):
             log.warning("p2p: directory %s not reachable at startup; retrying with the heartbeat", self.directory.url)
         self._thread = threading.Thread(target=self._publisher, name="lmtier-p2p-publish", daemon=True)
@@ -238,7 +247,7 @@ class P2PTier(Tier):
         )
 
     @classmethod
-    def from_config(cls, settings: P2PSettings, namespace: Namespace, pool: CPUPool, **kwargs: Any) -> P2PTier:
+    def from_config(cls, settings: P2PSettings, namespace: Namespace, pool: CPUPool | None, **kwargs: Any) -> P2PTier:
         """The tier of a loaded configuration (``config.p2p``) for ``namespace``'s TP rank.
 
         Raises:
@@ -262,6 +271,8 @@ class P2PTier(Tier):
     def on_index_event(self, ev: IndexEvent) -> None:
         """The tier manager's index listener: queue ``STORED`` (in ``"cpu"``) for publication and
         ``EVICTED`` for removal. Quick, thread-safe; a full queue drops (counted)."""
+        if self.pool is None:
+            return
         if ev.kind is IndexEventKind.STORED and ev.tier == "cpu":
             self._enqueue(True, ev.key)
         elif ev.kind is IndexEventKind.EVICTED:
@@ -301,8 +312,10 @@ class P2PTier(Tier):
                     self.directory.put_node(self.node_id, self._record)
                 if now >= next_refresh:
                     next_refresh = now + self.entry_ttl_s / 3
+                    pool = self.pool
+                    assert pool is not None
                     with self._lock:  # (a chunk whose EVICTED was dropped with a full queue: forget it)
-                        for k in [k for k in self._published if not self.pool.contains(k)]:
+                        for k in [k for k in self._published if not pool.contains(k)]:
                             del self._published[k]
                         items = list(self._published.items())
                     for i in range(0, len(items), _PUBLISH_BATCH):
@@ -334,6 +347,7 @@ class P2PTier(Tier):
     def _publish(self, keys: list[bytes]) -> None:
         items: list[tuple[bytes, Entry]] = []
         for key in keys:
+            assert self.pool is not None
             slot = self.pool.acquire(key)  # pinned: the bytes cannot change while hashed
             if slot is None:
                 continue  # evicted before we got here: its EVICTED is queued behind
@@ -401,7 +415,8 @@ class P2PTier(Tier):
                             p = self._peers[n] = _Peer(
                                 n, None, now, CircuitBreaker(self.breaker_failures, self.breaker_reset_s)
                             )
-                        if p.record is not None and (r is None or r.epoch != p.record.epoch):
+                        gone = p.record is not None and (r is None or r.epoch != p.record.epoch)
+                        if gone and self.transport is not None:
                             self.transport.drop_peer(p.agent_name)  # gone or restarted
                         p.record, p.fetched = r, now
         with self._lock:
@@ -420,6 +435,9 @@ class P2PTier(Tier):
         if len(keys) != len(outs):
             raise ValueError(f"P2PTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
         res: list[int | None] = [None] * len(keys)
+        if self.transport is None:  # lookups only
+            self.counters["misses"] += len(keys)
+            return res
         host = [i for i, o in enumerate(outs) if not is_cuda_tensor(o)]
         if host:
             views = [host_view(outs[i], writable=True) for i in host]
@@ -434,6 +452,7 @@ class P2PTier(Tier):
 
     def _get_host(self, keys: Sequence[bytes], outs: list[memoryview]) -> list[int | None]:
         res: list[int | None] = [None] * len(keys)
+        assert self._bounce is not None
         choice = self._choose(keys)
         # Sub-batches of about a quarter of the bytes (>= 8 MiB, <= half the bounce region), so that
         # the next READ transfers while one is verified and copied out.
@@ -478,7 +497,8 @@ class P2PTier(Tier):
         for an extent and counts the failure; otherwise ``g`` waits its turn), the peer's breaker
         refuses, or the peer's metadata does not load."""
         peer = g.peer
-        assert peer.record is not None
+        assert peer.record is not None and self._bounce is not None and self.transport is not None
+        assert self._pool is not None
         with self._lock:
             busy = self._inflight >= self.workers or self._closed
             if not busy:
@@ -521,7 +541,7 @@ class P2PTier(Tier):
 
     def _finish(self, g: _Group, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None]) -> None:
         """Wait for ``g``'s READ, verify each chunk against its entry and copy it out."""
-        assert g.fut is not None and g.base is not None
+        assert g.fut is not None and g.base is not None and self._bounce is not None
         peer, base, total = g.peer, g.base, g.total
         try:
             # The worker cancels at the deadline itself; this wait only bounds a NIXL call that hangs.
@@ -560,6 +580,7 @@ class P2PTier(Tier):
             self.directory.drop_stale(keys[i], peer.node_id, e)
 
     def _release_after(self, f: concurrent.futures.Future, base: int, total: int) -> None:
+        assert self._bounce is not None
         if not f.cancelled() and f.exception() is None and f.result() != STUCK:
             self._bounce.release(base, total)
         else:
@@ -599,18 +620,20 @@ class P2PTier(Tier):
                 return
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=10)
         with self._lock:
             self._closed = True
-            keys = list(self._published)
-            self._published.clear()
-        for i in range(0, len(keys), _PUBLISH_BATCH):
-            self.directory.unpublish(self.node_id, keys[i : i + _PUBLISH_BATCH])
-        self.directory.delete_node(self.node_id)
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if not self.counters["stuck"]:
-            self.transport.close()
-            self._bounce.close()
+        if self._thread is not None and self._pool is not None:  # a serving node
+            self._thread.join(timeout=10)
+            with self._lock:
+                keys = list(self._published)
+                self._published.clear()
+            for i in range(0, len(keys), _PUBLISH_BATCH):
+                self.directory.unpublish(self.node_id, keys[i : i + _PUBLISH_BATCH])
+            self.directory.delete_node(self.node_id)
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            if not self.counters["stuck"] and self.transport is not None and self._bounce is not None:
+                self.transport.close()
+                self._bounce.close()
         self.directory.close()
         self._device.close()
 
