@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, str] = {
     "remote": "lmtier.bench.remote",
     "mooncake": "lmtier.bench.mooncake",
     "seal": "lmtier.bench.seal",
+    "p2p": "lmtier.bench.p2p",
     "codec": "lmtier.bench.codec",
     "rans": "lmtier.bench.rans",
     "ttft": "lmtier.bench.ttft",
@@ -143,12 +144,13 @@ def run_all(rest: list[str]) -> int:
     return 0 if all(v == "ok" or v.startswith("skipped") for v in results.values()) else 1
 
 
-USAGE = """usage: lmtier bench {transfer,disk,remote,seal,codec,rans,ttft,all} [options]
+USAGE = """usage: lmtier bench {transfer,disk,remote,seal,p2p,codec,rans,ttft,all} [options]
        lmtier --version | --help
   transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)
   disk      disk tier vs O_DIRECT dd on the same directory (+ pipelined loads)
   remote    Redis tier vs redis-benchmark on the same server
   seal      Redis tier with checksum only / MAC / MAC + encryption (sealed records), and the primitives
+  p2p       P2P fetch over NIXL vs a raw NIXL READ of the same bytes vs the Redis tier
   codec     ratio, quality proxy (SNR, attention error) and encode/decode speed per level
   rans      the entropy coder alone (GPU)
   ttft      time to first token: recompute vs loading the KV from each tier

@@ -46,6 +46,10 @@ lmtier keys ``mooncake_local_hostname``, ``mooncake_metadata_server`` (default `
 (``tcp`` default, ``rdma``), ``mooncake_device_name``; the keys win over the file
 (:mod:`lmtier.tiers.mooncake.settings`).
 
+P2P sharing over NIXL (docs/p2p.md): ``enable_p2p``, ``p2p_host``, ``p2p_init_ports`` (LMCache's
+keys), ``p2p_directory_url``, ``p2p_allowed_peers``, ``p2p_token_env``, ``p2p_timeout_s``,
+``p2p_entry_ttl_s`` (:mod:`lmtier.tiers.p2p.settings`).
+
 Codec (``lmtier.codec``, docs/codec.md)::
 
     remote_serde: cachegen                # LMCache's name: remote records are lmtier codec records
@@ -138,6 +142,8 @@ from lmtier.remote_url import (
 )
 from lmtier.tiers.mooncake.settings import YAML_KEYS as MOONCAKE_KEYS
 from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
+from lmtier.tiers.p2p.settings import P2PSettings
+from lmtier.tiers.p2p.settings import resolve_settings as resolve_p2p
 from lmtier.tiers.seal.keys import KeyRing, load_keyring, parse_sources
 from lmtier.tiers.tenants import TenantShares, parse_tenant_shares
 
@@ -313,6 +319,9 @@ class LMTierConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     codec_level: str = "default"
+    p2p: P2PSettings | None = None
+    """P2P sharing over NIXL (``enable_p2p`` and the ``p2p_*`` keys, :mod:`lmtier.tiers.p2p.settings`);
+    None when off."""
 
     def serde_level(self, tier: str) -> str | None:
         """The codec level of ``tier`` (``"disk"`` or ``"remote"``), or None when its serde is naive."""
@@ -360,6 +369,22 @@ class LMTierConfig:
             "codec_level": self.codec_level,
             "cpu_tenant_share": None if self.cpu.tenants is None else self.cpu.tenants.default_share,
             "cpu_tenant_shares": None if self.cpu.tenants is None else (self.cpu.tenants.to_text() or None),
+            **self._p2p_dict(),
+        }
+
+    def _p2p_dict(self) -> dict[str, Any]:
+        p = self.p2p
+        if p is None:
+            return {"enable_p2p": False}
+        return {
+            "enable_p2p": True,
+            "p2p_host": p.host,
+            "p2p_init_ports": ",".join(map(str, p.init_ports)),
+            "p2p_directory_url": p.directory_url,
+            "p2p_allowed_peers": ",".join(p.allowed_peers) or None,
+            "p2p_token_env": p.token_env,
+            "p2p_timeout_s": p.timeout_s,
+            "p2p_entry_ttl_s": p.entry_ttl_s,
         }
 
     def _mooncake_dict(self) -> dict[str, Any]:
@@ -538,7 +563,8 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS)}")
     if "codec_level" in raw and "cachegen" not in (disk_serde, remote.serde):
         logger.warning("lmtier config: codec_level=%r but no serde is 'cachegen'; unused", level)
-    return LMTierConfig(chunk_size=chunk_size, cpu=cpu, disk=disk, remote=remote, codec_level=level)
+    p2p = resolve_p2p(values, env)  # P2P sharing (lmtier.tiers.p2p.settings)
+    return LMTierConfig(chunk_size=chunk_size, cpu=cpu, disk=disk, remote=remote, codec_level=level, p2p=p2p)
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> LMTierConfig:

@@ -43,6 +43,7 @@ def config_error(key: str, value: Any, why: str) -> ConfigError:
 
 
 INT, FLOAT, BOOL, OPT_STR, STR, OPT_FLOAT = "int", "float", "bool", "optional str", "str", "optional float"
+OPT_INT_LIST = "optional int list"
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class KeySpec:
     """One configuration key.
 
     Attributes:
-        kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"optional str"`` or ``"optional float"``
-            (``None`` allowed).
+        kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"optional str"``, ``"optional float"``
+            or ``"optional int list"`` (``None`` allowed; a list of ints, one int, or a
+            comma-separated string such as ``"28200,28201"``, as in the environment).
         default: the value when neither the YAML file nor the environment sets the key.
         meaning: one line for the environment registry (:mod:`lmtier.envs`) and error messages.
     """
@@ -95,6 +97,15 @@ KEYS: dict[str, KeySpec] = {
     "cpu_tenant_shares": KeySpec(
         OPT_STR, None, "per-tenant CPU pool shares: tenant_id=fraction,... (id: default or 16 hex)"
     ),
+    # ---- P2P sharing over NIXL (lmtier.tiers.p2p.settings, docs/p2p.md) ----
+    "enable_p2p": KeySpec(BOOL, False, "P2P: share the CPU pool with peers over NIXL (LMCache's key)"),
+    "p2p_host": KeySpec(OPT_STR, None, "P2P: the address peers know this node by (LMCache's key)"),
+    "p2p_init_ports": KeySpec(OPT_INT_LIST, None, "P2P: one port per TP rank; node id = host:port (LMCache's key)"),
+    "p2p_directory_url": KeySpec(OPT_STR, None, "P2P: redis:// URL of the directory (default: a redis remote_url)"),
+    "p2p_allowed_peers": KeySpec(OPT_STR, None, "P2P: comma-separated node ids (host:port) or hosts allowed as peers"),
+    "p2p_token_env": KeySpec(OPT_STR, None, "P2P: name of the environment variable holding the shared token"),
+    "p2p_timeout_s": KeySpec(FLOAT, 1.0, "P2P: seconds per directory call or NIXL read (> 0)"),
+    "p2p_entry_ttl_s": KeySpec(FLOAT, 300.0, "P2P: seconds a directory entry lives unless refreshed (> 0)"),
 }
 """Every configuration key (LMCache's names where they mean the same thing)."""
 
@@ -118,11 +129,12 @@ IGNORED_LMCACHE_KEYS = frozenset(
         "enable_async_loading",
         "py_enable_gc",
         "cache_policy",  # only "LRU" (lmtier's policy) is accepted
+        "p2p_lookup_ports",  # P2P lookups go through the directory (lmtier.tiers.p2p), no lookup server
     }
 )
 """LMCache keys accepted in a YAML file with a warning: they do not change what lmtier computes."""
 
-DISABLED_LMCACHE_FEATURES = frozenset({"enable_blending", "enable_p2p", "enable_controller", "enable_nixl"})
+DISABLED_LMCACHE_FEATURES = frozenset({"enable_blending", "enable_controller", "enable_nixl"})
 """LMCache feature switches accepted only when false/null (lmtier does not implement them)."""
 
 
@@ -148,6 +160,16 @@ def check_type(key: str, value: Any) -> Any:
     elif kind == OPT_STR:
         if value is not None and not isinstance(value, str):
             raise config_error(key, value, "must be a string or null")
+    elif kind == OPT_INT_LIST and value is not None:
+        items = [value] if type(value) is int else value
+        if isinstance(value, str):
+            try:
+                items = [int(v, 10) for v in value.strip("[] ").split(",")]
+            except ValueError:
+                raise config_error(key, value, "must be a list of integers such as [28200, 28201]") from None
+        if not isinstance(items, (list, tuple)) or any(type(v) is not int for v in items):
+            raise config_error(key, value, "must be a list of integers (or one integer) or null")
+        value = tuple(items)
     return value
 
 
@@ -175,6 +197,9 @@ def parse_env_value(key: str, env_name: str, raw: str) -> Any:
             raise ValueError(raw)
         if kind == OPT_STR:
             return None if text.lower() in ("", "none", "null") else text
+        if kind == OPT_INT_LIST:
+            low = text.lower().strip("[]")
+            return None if low in ("", "none", "null") else tuple(int(v, 10) for v in low.split(","))
         return text
     except ValueError:
         raise ConfigError(f"lmtier config: {env_name}={raw!r}: cannot parse as {kind} for key {key!r}") from None

@@ -84,7 +84,7 @@ class EnvVar:
     read_by: str = ""
 
 
-FOREIGN = frozenset({"MOONCAKE_CONFIG_PATH"})
+FOREIGN = frozenset({"MOONCAKE_CONFIG_PATH", "UCX_MODULES"})
 """Variables of other projects' conventions that lmtier reads too (declared here, no ``LMTIER_`` prefix)."""
 
 
@@ -120,6 +120,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="lmtier.tiers.mooncake.settings (through lmtier.config.load_config)",
     ),
     EnvVar(
+        "UCX_MODULES",
+        "config",
+        "UCX's module filter (used by NIXL for P2P sharing); when unset on a host without RDMA devices "
+        "lmtier sets it to ^ib before its NIXL agent starts (the nixl-cu12 1.5.1 wheel crashes at exit "
+        "otherwise: docs/p2p.md)",
+        read_by="lmtier.tiers.p2p.transport",
+    ),
+    EnvVar(
         "LMTIER_FAULT_INJECT",
         "fault",
         "comma-separated faults the vLLM connector injects (tests only): e.g. 'load' makes every load fail",
@@ -142,6 +150,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         default="0",
         parse=_flag,
         read_by="lmtier.testing.mooncake",
+    ),
+    EnvVar(
+        "LMTIER_REQUIRE_NIXL",
+        "test",
+        "1: tests that need NIXL (nixl-cu12, P2P sharing: scripts/setup_nixl.sh) fail instead of skipping (CI)",
+        default="0",
+        parse=_flag,
+        read_by="lmtier.testing.p2p",
     ),
     EnvVar(
         "LMTIER_REQUIRE_VLLM",

@@ -4,8 +4,9 @@
 (local disk) and an optional tier 3 (Redis/Valkey or Mooncake Store), all behind :class:`lmtier.tiers.base.Tier`:
 
 * ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
-  ``"remote"``); stops at the first miss. The remote tier is asked once for all remaining keys when
-  its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
+  ``"p2p"`` — a peer's CPU pool, :mod:`lmtier.tiers.p2p` —, ``"remote"``); stops at the first miss.
+  The P2P tier is asked once for all remaining keys (one directory round trip); the remote tier
+  too when its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
   pipelined round trip), else key by key up to the first miss.
 * ``store(key, data)`` — asynchronous: a small thread pool copies the chunk into a CPU slot and
   commits it; it returns a ``Future[bool]`` at once and never blocks the caller unless asked to
@@ -34,7 +35,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +47,9 @@ from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import DiskTier, background_priority
 from lmtier.tiers.seal import seal_remote
 from lmtier.tiers.tenants import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from lmtier.tiers.p2p.tier import P2PTier
 
 __all__ = ["TierManager", "default_disk_factory", "default_remote_factory", "codec_chunk_shape"]
 
@@ -127,6 +131,8 @@ class TierManager:
         store_threads: threads running stores (CPU copy + commit, write-back on eviction).
         max_pending_stores: stores queued or running at most; beyond it ``store`` waits
             ``timeout_s`` and then drops the store (its future resolves ``False``).
+        p2p: P2P sharing (:class:`lmtier.tiers.p2p.tier.P2PTier`), consulted after disk and before
+            remote; with ``cpu`` it publishes the pool (an index listener), without it lookups only.
         remote_threads: threads sending chunks to the remote tier.
         max_pending_remote: remote sends queued at most; more are dropped (write-through is
             best-effort).
@@ -142,18 +148,20 @@ class TierManager:
         cpu: CPUPool | None,
         disk: Tier | None = None,
         remote: Tier | None = None,
+        p2p: P2PTier | None = None,
         store_threads: int = 2,
         max_pending_stores: int = 64,
         remote_threads: int = 2,
         max_pending_remote: int = 16,
     ) -> None:
-        if cpu is None and disk is None and remote is None:
+        if cpu is None and disk is None and remote is None and p2p is None:
             raise ValueError("TierManager: at least one tier is required")
         if store_threads < 1 or max_pending_stores < 1 or remote_threads < 1 or max_pending_remote < 1:
             raise ValueError("TierManager: thread counts and queue bounds must be >= 1")
         self.cpu = cpu
         self.disk = disk
         self.remote = remote
+        self.p2p = p2p  # P2P sharing (lmtier.tiers.p2p): consulted after disk, before remote
         self.counters: collections.Counter[str] = collections.Counter()
         self._tenant_counters: dict[str, collections.Counter[str]] = {}
         self._counter_lock = threading.Lock()
@@ -175,6 +183,8 @@ class TierManager:
         self._closed = False
         self._listeners: list[IndexListener] = []
         self._listeners_lock = threading.Lock()
+        if p2p is not None and cpu is not None:  # the P2P tier publishes what enters / leaves the pool
+            self._listeners.append(p2p.on_index_event)
         if cpu is not None:
             cpu.add_eviction_listener(self._on_cpu_evicted)
         if disk is not None:
@@ -217,7 +227,7 @@ class TierManager:
                 f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
             )
         _check_codecs(config, namespace)
-        cpu = disk = remote = None
+        cpu = disk = remote = p2p = None
         try:
             if config.cpu.enabled:
                 try:
@@ -232,18 +242,22 @@ class TierManager:
             if config.remote.enabled:
                 remote = remote_factory(config.remote, namespace)
                 remote = _wrap_codec(remote, config, namespace, "remote")
+            if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
+                from lmtier.tiers.p2p.tier import P2PTier
+
+                p2p = P2PTier.from_config(config.p2p, namespace, cpu)
         except BaseException:
-            for t in (cpu, disk, remote):
+            for t in (p2p, cpu, disk, remote):
                 if t is not None:
                     t.close()
             raise
         config.log_effective()
-        return cls(cpu=cpu, disk=disk, remote=remote, **kwargs)
+        return cls(cpu=cpu, disk=disk, remote=remote, p2p=p2p, **kwargs)
 
     # ---- lookup ------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        """Tier names (``"cpu"``, ``"disk"``, ``"remote"``) of the longest cached prefix of ``keys``.
+        """Tier names (``"cpu"``, ``"disk"``, ``"p2p"``, ``"remote"``) of the longest cached prefix of ``keys``.
 
         ``len(result)`` is the number of leading chunks that can be retrieved now. Lower-tier
         failures count as misses. Note that a retrieve may still miss (eviction in between).
@@ -258,6 +272,11 @@ class TierManager:
             else:
                 break
         rest = list(keys[len(found) :])
+        if self.p2p is not None and rest:  # one directory round trip for all remaining keys
+            flags = self._safe(self.p2p.contains_many, rest, default=None) or [False] * len(rest)
+            n = next((i for i, f in enumerate(flags) if not f), len(flags))
+            found += ["p2p"] * n
+            rest = rest[n:]
         if self.remote is None or not rest:
             return found
         if self.remote.batches_contains():
@@ -553,7 +572,7 @@ class TierManager:
             if n is not None:
                 self._count("hits_cpu", tenant=tenant)
                 return n
-        for tier in (self.disk, self.remote):
+        for tier in (self.disk, self.p2p, self.remote):
             if tier is None:
                 continue
             n = self._retrieve_from(tier, key, out, dst, tenant or DEFAULT_TENANT)
@@ -607,7 +626,7 @@ class TierManager:
         todo = list(range(len(keys)))
         if stream is not None:
             from lmtier.tiers.codec import CodecTier
-        for tier in (self.disk, self.remote):
+        for tier in (self.disk, self.p2p, self.remote):
             if tier is None or not todo:
                 continue
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
@@ -693,7 +712,7 @@ class TierManager:
             self.cpu.remove_eviction_listener(self._on_cpu_evicted)
         if self.disk is not None:
             self.disk.remove_eviction_listener(self._on_disk_evicted)
-        for tier in (self.cpu, self.disk, self.remote):
+        for tier in (self.p2p, self.cpu, self.disk, self.remote):
             if tier is not None:
                 try:
                     tier.close()

@@ -165,7 +165,17 @@ def test_every_subcommand_is_an_importable_module():
     # does not have; every subcommand is now a module of lmtier.bench with main(argv) -> int.
     import importlib
 
-    assert set(cli.SUBCOMMANDS) == {"transfer", "disk", "remote", "mooncake", "seal", "codec", "rans", "ttft"}
+    assert set(cli.SUBCOMMANDS) == {
+        "transfer",
+        "disk",
+        "remote",
+        "mooncake",
+        "seal",
+        "p2p",
+        "codec",
+        "rans",
+        "ttft",
+    }
     for name, module in cli.SUBCOMMANDS.items():
         assert module.startswith("lmtier.bench."), name
         assert callable(importlib.import_module(module).main), name

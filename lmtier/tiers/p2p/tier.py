@@ -1,0 +1,645 @@
+"""The P2P tier: chunks read with one-sided NIXL READs straight out of peers' CPU pools, found
+through a directory in Redis/Valkey (:mod:`lmtier.tiers.p2p.directory`); and the publisher that
+announces this node's own CPU pool to its peers. docs/p2p.md.
+
+Serving side (every node): the CPU pool's arena is registered with NIXL once; the node publishes a
+:class:`~lmtier.tiers.p2p.directory.NodeRecord` (its NIXL metadata and the arena's address) and keeps
+it alive with a heartbeat. The tier manager's index events drive publication
+(:meth:`P2PTier.on_index_event`, registered by the manager): ``STORED`` in ``"cpu"`` queues the chunk
+for publication, ``EVICTED`` for removal. A background thread pins the slot, computes the payload's
+xxh3, unpins, and publishes ``chunk key -> (node, slot offset, length, generation, xxh3)``
+(one pipelined round trip per batch); entries are re-published every ``entry_ttl_s / 3`` while
+the chunk stays, so their TTL only removes what a dead node left behind.
+
+Reading side: ``contains_many`` is one pipelined ``HGETALL`` round trip (entries of other, allowed,
+live nodes only); ``get_many_into`` looks the entries up again (fresh), groups the chunks by peer,
+cuts each group into sub-batches (about a quarter of the bytes, >= 8 MiB) and issues one NIXL READ per
+sub-batch into a registered bounce region, up to ``workers`` in flight (several peers in parallel),
+verifying and copying each chunk out while later READs transfer.
+
+Safety (decision): a peer's slot can be evicted and reused between the lookup and the READ, or
+rewritten while the READ runs. The pool stores raw payloads (no header), so each read is checked
+against its directory entry: the entry's MAC binds it to this namespace, chunk key and node (an entry
+copied elsewhere does not verify), and the bytes read must have the entry's length and xxh3-64. A
+reused slot holds another chunk's bytes (or a torn mix) and fails the checksum: a miss, counted
+(``stale``), and that entry is deleted from the directory if it is still the same value (a
+concurrent re-publication survives). The one residual risk is an xxh3-64 collision between the
+published chunk and what the slot holds now (2**-64 per read for non-adversarial data). Reads land in
+the bounce region, never in the caller's memory directly: a READ that outlives its timeout may still
+write, so its extent stays reserved until NIXL cancelled it or it finished (a transfer NIXL cannot
+cancel keeps its extent forever, counted ``stuck``), and the caller's buffer (a CPU-pool slot the
+manager may abort and reuse) is only written with verified bytes.
+
+Failure model: every directory call has socket timeouts (``timeout_s``) and a breaker; every READ
+runs on a worker thread with a deadline of ``timeout_s + bytes / min_read_bytes_per_s``, where the
+worker cancels it (the caller waits 0.25 s longer at most); a failed or timed-out READ
+counts against that peer's :class:`~lmtier.tiers.breaker.CircuitBreaker`, whose opening hides the
+peer from lookups for ``breaker_reset_s``; with all ``workers`` busy further reads fail at once. A
+SIGKILLed peer: its READs fail at once (UCX disconnect) and its entries are ignored once its node
+record expires (``node_ttl_s``). Nothing raises to the caller.
+
+``put`` stores nothing (returns False): this tier holds no bytes of its own; chunks enter it only by
+entering this node's CPU pool (the manager's write path), which publishes them. ``delete`` /
+``forget`` likewise return False.
+
+Logging: ``logging.getLogger("lmtier.tiers.p2p")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lmtier import record as rec
+from lmtier.events import IndexEvent, IndexEventKind
+from lmtier.remote_url import RedisEndpoint
+from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
+from lmtier.tiers.breaker import CircuitBreaker
+from lmtier.tiers.buffers import host_view, round_up
+from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
+from lmtier.tiers.mooncake.bounce import ALIGN, BounceRegion
+from lmtier.tiers.p2p.directory import Directory, Entry, NodeRecord
+from lmtier.tiers.p2p.transport import DONE, STUCK, NixlTransport
+
+if TYPE_CHECKING:
+    from lmtier.keys import Namespace
+    from lmtier.tiers.cpu import CPUPool
+    from lmtier.tiers.p2p.settings import P2PSettings
+
+__all__ = ["P2PTier"]
+
+log = logging.getLogger("lmtier.tiers.p2p")
+
+_PUBLISH_BATCH = 256
+"""Chunks per publication round trip."""
+_MIN_READ_BYTES = 8 << 20
+"""Smallest sub-batch a batch of reads is cut into (one NIXL transfer each)."""
+
+
+@dataclass(eq=False)
+class _Peer:
+    """What this node knows about one peer: its verified record, when it was fetched, its breaker,
+    and until when it is hidden from lookups (breaker open)."""
+
+    node_id: str
+    record: NodeRecord | None
+    fetched: float
+    breaker: CircuitBreaker
+    hidden_until: float = 0.0
+
+    @property
+    def agent_name(self) -> str:
+        assert self.record is not None
+        return _agent_name(self.node_id, self.record.epoch)
+
+
+@dataclass(eq=False)
+class _Group:
+    """The chunks one READ moves from one peer: caller indices, entries, bounce offsets."""
+
+    peer: _Peer
+    idx: list[int] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    offs: list[int] = field(default_factory=list)
+    total: int = 0
+    base: int | None = None
+    deadline: float = 0.0
+    fut: concurrent.futures.Future | None = None
+
+
+def _agent_name(node_id: str, epoch: int) -> str:
+    return f"lmtier-p2p-{node_id}-{epoch:016x}"
+
+
+class P2PTier(Tier):
+    """Chunks in peers' CPU pools, read over NIXL; publishes this node's CPU pool. Thread-safe.
+
+    Args:
+        pool: this node's CPU pool (its arena is registered with NIXL and published); ``None``: a
+            lookups-only tier (no NIXL agent, nothing published, every read a miss) for a process
+            that only decides, such as a vLLM scheduler whose worker owns the pool.
+        directory: where the directory lives (a single Redis/Valkey instance).
+        namespace: 16-byte namespace digest (only nodes of the same namespace see each other).
+        node_id: this node's id (``p2p_host:port``), unique among the peers.
+        token: shared token (MACs entries and node records) or None.
+        allowed: ``allowed(node_id)``: may this node be read from (the allow-list)?
+        timeout_s: longest wait of one directory call, seconds; a READ of ``n`` bytes may take
+            ``timeout_s + n / min_read_bytes_per_s``.
+        entry_ttl_s: directory entry lifetime, seconds (re-published every third of it).
+        node_ttl_s: node record lifetime, seconds (heartbeat every third of it).
+        workers: READs in flight at most (threads).
+        bounce_bytes: size of the registered bounce region reads land in.
+        breaker_failures, breaker_reset_s: per-peer (and directory) circuit breaker settings.
+        max_pending: publications queued at most (more are dropped, counted ``publish_dropped``).
+        min_read_bytes_per_s: the slowest READ rate tolerated (see ``timeout_s``).
+
+    Raises:
+        TierError: NIXL not installed, agent or registration failed.
+
+    Attributes:
+        counters: ``hits``, ``misses``, ``stale`` (read did not verify), ``refused`` (entries of
+            nodes not allowed), ``timeouts``, ``errors``, ``stuck``, ``busy``, ``breaker_rejects``,
+            ``bounce_full``, ``published``, ``publish_dropped``, ``publish_failures``.
+    """
+
+    name = "p2p"
+
+    def __init__(
+        self,
+        pool: CPUPool | None,
+        directory: RedisEndpoint,
+        *,
+        namespace: bytes,
+        node_id: str,
+        token: bytes | None = None,
+        allowed: Callable[[str], bool] = lambda node_id: True,
+        timeout_s: float = 1.0,
+        entry_ttl_s: float = 300.0,
+        node_ttl_s: float = 15.0,
+        workers: int = 4,
+        bounce_bytes: int = 256 << 20,
+        breaker_failures: int = 3,
+        breaker_reset_s: float = 2.0,
+        max_pending: int = 65536,
+        min_read_bytes_per_s: float = 50e6,
+    ) -> None:
+        super().__init__()
+        if timeout_s <= 0 or entry_ttl_s <= 0 or node_ttl_s <= 0:
+            raise ValueError("P2PTier: timeouts and TTLs must be > 0")
+        if workers < 1 or bounce_bytes < (1 << 20) or max_pending < 1 or not min_read_bytes_per_s > 0:
+            raise ValueError("P2PTier: workers and max_pending must be >= 1 and bounce_bytes >= 1 MiB")
+        self.pool = pool
+        self.node_id = node_id
+        self.namespace = bytes(namespace)
+        self.allowed = allowed
+        self.timeout_s = float(timeout_s)
+        self.entry_ttl_s = float(entry_ttl_s)
+        self.node_ttl_s = float(node_ttl_s)
+        self.workers = workers
+        self.breaker_failures = breaker_failures
+        self.breaker_reset_s = breaker_reset_s
+        self.max_pending = max_pending
+        self.min_read_bytes_per_s = float(min_read_bytes_per_s)
+        self.epoch = int.from_bytes(os.urandom(8), "little")
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._inflight = 0
+        self._closed = False
+        self._device = PinnedBounce(max_cached=2)
+        self.directory = Directory(
+            directory,
+            self.namespace,
+            token=token,
+            timeout_s=timeout_s,
+            entry_ttl_s=entry_ttl_s,
+            node_ttl_s=node_ttl_s,
+            breaker_failures=breaker_failures,
+            breaker_reset_s=breaker_reset_s,
+        )
+        # Publisher state: the entries this node announced, and the queue of index changes.
+        self._published: dict[bytes, Entry] = {}
+        self._generation = 0
+        self._queue: collections.deque[tuple[bool, bytes]] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy_publishing = False
+        self.transport: NixlTransport | None = None
+        self._bounce: BounceRegion | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        if pool is None:
+            log.info("p2p tier (lookups only): node %s, directory %s", node_id, self.directory.url)
+            return
+        self.transport = NixlTransport(_agent_name(node_id, self.epoch))
+        self._bounce = BounceRegion(bounce_bytes)
+        try:
+            arena = pool.arena
+            self.transport.register(arena.data_ptr(), arena.numel())
+            self.transport.register(self._bounce.address, self._bounce.nbytes)
+            self._record = NodeRecord(
+                self.epoch, arena.data_ptr(), arena.numel(), time.time_ns(), self.transport.metadata()
+            )
+        except BaseException:
+            self.transport.close()
+            self.directory.close()
+            raise
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lmtier-p2p-read")
+        if not self.directory.put_node(node_id, self._record):
+            log.warning("p2p: directory %s not reachable at startup; retrying with the heartbeat", self.directory.url)
+        self._thread = threading.Thread(target=self._publisher, name="lmtier-p2p-publish", daemon=True)
+        self._thread.start()
+        log.info(
+            "p2p tier: node %s, directory %s, arena %d MiB registered with NIXL (UCX), timeout %.3f s",
+            node_id,
+            self.directory.url,
+            arena.numel() >> 20,
+            timeout_s,
+        )
+
+    @classmethod
+    def from_config(cls, settings: P2PSettings, namespace: Namespace, pool: CPUPool | None, **kwargs: Any) -> P2PTier:
+        """The tier of a loaded configuration (``config.p2p``) for ``namespace``'s TP rank.
+
+        Raises:
+            ConfigError: ``p2p_init_ports`` has no port for the namespace's TP rank.
+            TierError: NIXL missing or failing.
+        """
+        kwargs.setdefault("timeout_s", settings.timeout_s)
+        kwargs.setdefault("entry_ttl_s", settings.entry_ttl_s)
+        return cls(
+            pool,
+            settings.directory,
+            namespace=namespace.digest()[:16],
+            node_id=settings.node_id(namespace.tp_rank),
+            token=settings.token,
+            allowed=settings.allows,
+            **kwargs,
+        )
+
+    # ---- publishing (this node's CPU pool) ----------------------------------------------------
+
+    def on_index_event(self, ev: IndexEvent) -> None:
+        """The tier manager's index listener: queue ``STORED`` (in ``"cpu"``) for publication and
+        ``EVICTED`` for removal. Quick, thread-safe; a full queue drops (counted)."""
+        if self.pool is None:
+            return
+        if ev.kind is IndexEventKind.STORED and ev.tier == "cpu":
+            self._enqueue(True, ev.key)
+        elif ev.kind is IndexEventKind.EVICTED:
+            self._enqueue(False, ev.key)
+
+    def publish_now(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued publication was processed (tests, benchmarks). False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy_publishing, timeout_s)
+
+    def _enqueue(self, publish: bool, key: bytes) -> None:
+        with self._cond:
+            if len(self._queue) >= self.max_pending:
+                self.counters["publish_dropped"] += 1
+                return
+            self._queue.append((publish, bytes(key)))
+            self._cond.notify_all()
+
+    def _publisher(self) -> None:
+        """Background thread: publish/remove queued entries in order, heartbeat the node record,
+        re-publish held entries every ``entry_ttl_s / 3``."""
+        next_beat = time.monotonic() + self.node_ttl_s / 3
+        next_refresh = time.monotonic() + self.entry_ttl_s / 3
+        while True:
+            with self._cond:
+                wait = max(0.0, min(next_beat, next_refresh) - time.monotonic())
+                self._cond.wait_for(lambda: self._queue or self._stop, wait)
+                if self._stop:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), _PUBLISH_BATCH))]
+                self._busy_publishing = bool(batch)
+            try:
+                self._apply(batch)
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.node_ttl_s / 3
+                    self.directory.put_node(self.node_id, self._record)
+                if now >= next_refresh:
+                    next_refresh = now + self.entry_ttl_s / 3
+                    pool = self.pool
+                    assert pool is not None
+                    with self._lock:  # (a chunk whose EVICTED was dropped with a full queue: forget it)
+                        for k in [k for k in self._published if not pool.contains(k)]:
+                            del self._published[k]
+                        items = list(self._published.items())
+                    for i in range(0, len(items), _PUBLISH_BATCH):
+                        self.directory.publish(self.node_id, items[i : i + _PUBLISH_BATCH])
+            except Exception:  # the publisher must survive anything; a lost publication is a lost hit
+                log.exception("p2p publisher failed")
+            finally:
+                with self._cond:
+                    self._busy_publishing = False
+                    self._cond.notify_all()
+
+    def _apply(self, batch: list[tuple[bool, bytes]]) -> None:
+        """Runs of publications / removals, in queue order."""
+        i = 0
+        while i < len(batch):
+            j = i
+            while j < len(batch) and batch[j][0] == batch[i][0]:
+                j += 1
+            keys = [k for _, k in batch[i:j]]
+            if batch[i][0]:
+                self._publish(keys)
+            else:
+                with self._lock:
+                    for k in keys:
+                        self._published.pop(k, None)
+                self.directory.unpublish(self.node_id, keys)
+            i = j
+
+    def _publish(self, keys: list[bytes]) -> None:
+        items: list[tuple[bytes, Entry]] = []
+        for key in keys:
+            assert self.pool is not None
+            slot = self.pool.acquire(key)  # pinned: the bytes cannot change while hashed
+            if slot is None:
+                continue  # evicted before we got here: its EVICTED is queued behind
+            try:
+                xxh3 = rec.payload_checksum(slot.memoryview())
+                with self._lock:
+                    self._generation += 1
+                    e = Entry(self.epoch, slot.offset, slot.nbytes, self._generation, xxh3)
+                    self._published[key] = e
+            finally:
+                self.pool.release(slot)
+            items.append((key, e))
+        if items:
+            ok = self.directory.publish(self.node_id, items)
+            self.counters["published" if ok else "publish_failures"] += len(items)
+
+    # ---- lookup -------------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined directory round trip (plus one ``MGET`` of node records not seen for a
+        while): True where an allowed, live peer other than this node publishes the chunk."""
+        return [c is not None for c in self._choose(keys)]
+
+    def _choose(self, keys: Sequence[bytes]) -> list[tuple[_Peer, Entry] | None]:
+        """Per key the peer to read from and its entry, or None."""
+        keys = [_check_key(k) for k in keys]
+        found = self.directory.lookup(keys)
+        if found is None:
+            return [None] * len(keys)
+        wanted = {n for entries in found for n in entries if n != self.node_id}
+        refused = {n for n in wanted if not self.allowed(n)}
+        if refused:
+            self.counters["refused"] += sum(1 for entries in found for n in entries if n in refused)
+        peers = self._peers_for(sorted(wanted - refused))
+        now = time.monotonic()
+        out: list[tuple[_Peer, Entry] | None] = []
+        for entries in found:
+            pick = None
+            for n, e in entries.items():
+                p = peers.get(n)
+                if p is None or p.record is None or p.hidden_until > now:
+                    continue
+                if e.epoch != p.record.epoch or e.offset + e.length > p.record.arena_bytes or e.length == 0:
+                    continue  # left by an earlier process of that node, or malformed
+                pick = (p, e)
+                break
+            out.append(pick)
+        return out
+
+    def _peers_for(self, node_ids: list[str]) -> dict[str, _Peer]:
+        """The peers of ``node_ids``, fetching records not refreshed for ``node_ttl_s / 3``."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [n for n in node_ids if n not in self._peers or now - self._peers[n].fetched > self.node_ttl_s / 3]
+        if stale:
+            recs = self.directory.get_nodes(stale)
+            if recs is not None:
+                with self._lock:
+                    for n, r in recs.items():
+                        p = self._peers.get(n)
+                        if p is None:
+                            p = self._peers[n] = _Peer(
+                                n, None, now, CircuitBreaker(self.breaker_failures, self.breaker_reset_s)
+                            )
+                        gone = p.record is not None and (r is None or r.epoch != p.record.epoch)
+                        if gone and self.transport is not None:
+                            self.transport.drop_peer(p.agent_name)  # gone or restarted
+                        p.record, p.fetched = r, now
+        with self._lock:
+            return {n: self._peers[n] for n in node_ids if n in self._peers}
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def get_into(self, key: bytes, out: Any) -> int | None:
+        return self.get_many_into([key], [out])[0]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
+        """Read and verify several chunks: one directory round trip, NIXL READs per peer in
+        pipelined sub-batches (peers in parallel), each chunk checked against its entry (length,
+        xxh3) before it is copied into its ``out`` (a writable host buffer or CUDA tensor).
+        Per key: payload bytes, or None (miss)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"P2PTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
+        res: list[int | None] = [None] * len(keys)
+        if self.transport is None:  # lookups only
+            self.counters["misses"] += len(keys)
+            return res
+        host = [i for i, o in enumerate(outs) if not is_cuda_tensor(o)]
+        if host:
+            views = [host_view(outs[i], writable=True) for i in host]
+            got = self._get_host([keys[i] for i in host], views)
+            for i, n in zip(host, got, strict=True):
+                res[i] = n
+        for i, o in enumerate(outs):
+            if is_cuda_tensor(o):
+                k = keys[i]
+                res[i] = self._device.get_into(o, lambda mv, k=k: self._get_host([k], [mv])[0])
+        return res
+
+    def _get_host(self, keys: Sequence[bytes], outs: list[memoryview]) -> list[int | None]:
+        res: list[int | None] = [None] * len(keys)
+        assert self._bounce is not None
+        choice = self._choose(keys)
+        # Sub-batches of about a quarter of the bytes (>= 8 MiB, <= half the bounce region), so that
+        # the next READ transfers while one is verified and copied out.
+        total = sum(round_up(c[1].length, ALIGN) for c in choice if c is not None)
+        limit = min(max(_MIN_READ_BYTES, -(-total // 4)), self._bounce.nbytes // 2)
+        open_groups: dict[str, _Group] = {}
+        todo: collections.deque[_Group] = collections.deque()
+        for i, c in enumerate(choice):
+            if c is None:
+                continue
+            peer, e = c
+            n = round_up(e.length, ALIGN)
+            if e.length > outs[i].nbytes or n > self._bounce.nbytes:
+                log.warning("p2p get_into: out has %d bytes, chunk has %d", outs[i].nbytes, e.length)
+                continue
+            g = open_groups.get(peer.node_id)
+            if g is None or (g.idx and g.total + n > limit):
+                g = open_groups[peer.node_id] = _Group(peer)
+                todo.append(g)
+            g.idx.append(i)
+            g.entries.append(e)
+            g.offs.append(g.total)
+            g.total += n
+        # READs of different peers run in parallel; a peer's sub-batches follow each other, up to
+        # ``workers`` in flight, each verified and copied out while later ones transfer.
+        flight: collections.deque[_Group] = collections.deque()
+        while todo or flight:
+            while todo and len(flight) < self.workers and self._start(todo[0], first=not flight):
+                flight.append(todo.popleft())
+            if not flight:  # could not start with nothing in flight: its chunks are misses
+                todo.popleft()
+                continue
+            self._finish(flight.popleft(), keys, outs, res)
+        n_hit = sum(1 for n in res if n is not None)
+        self.counters["hits"] += n_hit
+        self.counters["misses"] += len(keys) - n_hit
+        return res
+
+    def _start(self, g: _Group, *, first: bool) -> bool:
+        """Reserve ``g``'s bounce extent and start its READ on a worker. False when no worker or
+        extent is free (``first``: this caller has no READ in flight, so it waits up to ``timeout_s``
+        for an extent and counts the failure; otherwise ``g`` waits its turn), the peer's breaker
+        refuses, or the peer's metadata does not load."""
+        peer = g.peer
+        assert peer.record is not None and self._bounce is not None and self.transport is not None
+        assert self._pool is not None
+        with self._lock:
+            busy = self._inflight >= self.workers or self._closed
+            if not busy:
+                self._inflight += 1
+        if busy:
+            if first:
+                self.counters["busy"] += 1
+            return False
+        base = self._bounce.acquire(g.total, self.timeout_s if first else 0.0)
+        why = None
+        if base is None:
+            why = "bounce_full" if first else ""
+        elif not peer.breaker.allow():
+            why = "breaker_rejects"
+        elif not self.transport.load_peer(peer.agent_name, peer.record.metadata):
+            why = "errors"
+            self._peer_failed(peer)
+        if why is not None:
+            if why:
+                self.counters[why] += 1
+            if base is not None:
+                self._bounce.release(base, g.total)
+            with self._lock:
+                self._inflight -= 1
+            return False
+        g.base = base
+        addr, arena = self._bounce.address + base, peer.record.arena_base
+        pieces = [(addr + off, arena + e.offset, e.length) for off, e in zip(g.offs, g.entries, strict=True)]
+        deadline = time.monotonic() + self.timeout_s + g.total / self.min_read_bytes_per_s
+        g.deadline = deadline
+        name = peer.agent_name
+
+        def done(f: concurrent.futures.Future) -> None:
+            with self._lock:
+                self._inflight -= 1
+
+        g.fut = self._pool.submit(self.transport.read, name, pieces, deadline)
+        g.fut.add_done_callback(done)
+        return True
+
+    def _finish(self, g: _Group, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None]) -> None:
+        """Wait for ``g``'s READ, verify each chunk against its entry and copy it out."""
+        assert g.fut is not None and g.base is not None and self._bounce is not None
+        peer, base, total = g.peer, g.base, g.total
+        try:
+            # The worker cancels at the deadline itself; this wait only bounds a NIXL call that hangs.
+            state = g.fut.result(max(0.0, g.deadline - time.monotonic()) + 0.25)
+        except concurrent.futures.TimeoutError:
+            self.counters["timeouts"] += 1
+            self._peer_failed(peer)
+            g.fut.add_done_callback(lambda f: self._release_after(f, base, total))
+            return
+        if state != DONE:
+            self.counters["stuck" if state == STUCK else "timeouts" if state == "TIMEOUT" else "errors"] += 1
+            self._peer_failed(peer)
+            if state != STUCK:  # a transfer NIXL could not cancel may still write: keep its extent
+                self._bounce.release(base, total)
+            return
+        peer.breaker.success()
+        stale: list[tuple[int, Entry]] = []
+        try:
+            mv = self._bounce.mv
+            for i, off, e in zip(g.idx, g.offs, g.entries, strict=True):
+                got = mv[base + off : base + off + e.length]
+                if rec.payload_checksum(got) != e.xxh3:
+                    stale.append((i, e))
+                    continue
+                np.copyto(np.frombuffer(outs[i], dtype=np.uint8, count=e.length), np.frombuffer(got, dtype=np.uint8))
+                res[i] = e.length
+        finally:
+            self._bounce.release(base, total)
+        for i, e in stale:
+            self.counters["stale"] += 1
+            log.info(
+                "p2p: chunk %s from %s changed since it was published (slot reused); a miss",
+                keys[i][:6].hex(),
+                peer.node_id,
+            )
+            self.directory.drop_stale(keys[i], peer.node_id, e)
+
+    def _release_after(self, f: concurrent.futures.Future, base: int, total: int) -> None:
+        assert self._bounce is not None
+        if not f.cancelled() and f.exception() is None and f.result() != STUCK:
+            self._bounce.release(base, total)
+        else:
+            self.counters["stuck"] += 1
+
+    def _peer_failed(self, peer: _Peer) -> None:
+        peer.breaker.failure()
+        if peer.breaker.is_open:
+            with self._lock:
+                peer.hidden_until = time.monotonic() + self.breaker_reset_s
+                peer.fetched = 0.0  # refetch its record when it comes back (it may have restarted)
+
+    # ---- the rest of the Tier protocol --------------------------------------------------------
+
+    def put(self, key: bytes, payload: Any) -> bool:
+        """Stores nothing: chunks reach peers by entering this node's CPU pool (see the module doc)."""
+        return False
+
+    def delete(self, key: bytes) -> bool:
+        """Nothing stored here to delete (peers' pools are theirs); returns False."""
+        return False
+
+    def forget(self, key: bytes) -> bool:
+        return False
+
+    def usage(self) -> TierUsage:
+        """``num_chunks``: chunks this node currently publishes; no capacity of its own."""
+        with self._lock:
+            n = len(self._published)
+        return TierUsage(capacity_bytes=0, used_bytes=0, num_chunks=n)
+
+    def close(self) -> None:
+        """Stop publishing, withdraw this node's entries and record (best effort), stop the readers,
+        deregister NIXL memory (unless a READ could not be cancelled). Idempotent."""
+        with self._cond:
+            if self._stop:
+                return
+            self._stop = True
+            self._cond.notify_all()
+        with self._lock:
+            self._closed = True
+        if self._thread is not None and self._pool is not None:  # a serving node
+            self._thread.join(timeout=10)
+            with self._lock:
+                keys = list(self._published)
+                self._published.clear()
+            for i in range(0, len(keys), _PUBLISH_BATCH):
+                self.directory.unpublish(self.node_id, keys[i : i + _PUBLISH_BATCH])
+            self.directory.delete_node(self.node_id)
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            if not self.counters["stuck"] and self.transport is not None and self._bounce is not None:
+                self.transport.close()
+                self._bounce.close()
+        self.directory.close()
+        self._device.close()
+
+
+def _check_key(key: bytes) -> bytes:
+    key = bytes(key)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"P2PTier: key must be {KEY_BYTES} bytes, got {len(key)}")
+    return key

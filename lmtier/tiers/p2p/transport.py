@@ -1,0 +1,218 @@
+"""The NIXL side of P2P sharing: one agent (UCX backend) per tier, memory registration, peers loaded
+from their published metadata, and one-sided READs with a deadline.
+
+NIXL (ai-dynamo/nixl) Python API of the ``nixl-cu12`` wheel (module ``nixl_cu12``; the ``nixl``
+meta package's module ``nixl`` is accepted too): ``nixl_agent``, ``register_memory``,
+``get_agent_metadata`` / ``add_remote_agent`` / ``remove_remote_agent``, ``get_xfer_descs`` from
+``(address, bytes, device id)`` tuples, ``initialize_xfer("READ", local, remote, peer)``,
+``transfer``, ``check_xfer_state`` -> ``"PROC"`` / ``"DONE"`` / ``"ERR"``, ``release_xfer_handle``
+(which cancels an unfinished transfer, or raises when it cannot). Measured here (nixl-cu12 1.5.1,
+UCX over TCP on loopback, two processes): a READ from a SIGKILLed peer raises
+``nixlRemoteDisconnectError`` at once; a paused peer leaves the transfer in ``"PROC"``.
+
+The agent runs in NIXL's ``STRICT`` thread-sync mode (its own lock), so tier threads may share it.
+Nothing here has a timeout of its own except :meth:`NixlTransport.read`'s polling deadline; the tier
+runs reads on worker threads and waits for them with its own timeout.
+
+Logging: ``logging.getLogger("lmtier.tiers.p2p")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lmtier import envs
+from lmtier.tiers.base import TierError
+
+__all__ = ["NixlTransport", "import_nixl", "DONE", "ERR", "TIMEOUT", "STUCK"]
+
+log = logging.getLogger("lmtier.tiers.p2p")
+
+DONE, ERR, TIMEOUT, STUCK = "DONE", "ERR", "TIMEOUT", "STUCK"
+"""Outcomes of :meth:`NixlTransport.read`: complete; failed (nothing more will be written); past the
+deadline and cancelled (nothing more will be written); past the deadline and NOT cancellable (the
+local memory may still be written: never reuse it)."""
+
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+def _ucx_modules_default() -> None:
+    """Work around a crash at process exit (nixl-cu12 1.5.1 wheel, measured here): on a host without
+    RDMA devices, once an agent started, the process dies with SIGSEGV in the bundled libnl-route's
+    destructor (``rtnl_tc_unregister`` from ``_dl_fini``; libnl is loaded by UCX's IB transport
+    modules). With UCX's IB modules not loaded (``UCX_MODULES=^ib``) it exits cleanly. So on a host
+    with no ``/sys/class/infiniband`` device, and unless ``UCX_MODULES`` is set, this sets
+    ``UCX_MODULES=^ib`` before the first agent starts (no IB device: nothing is lost). Hosts with
+    RDMA devices keep UCX's defaults."""
+    if envs.get("UCX_MODULES") is not None:
+        return
+    try:
+        has_ib = bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        has_ib = False
+    if not has_ib:
+        os.environ["UCX_MODULES"] = "^ib"
+
+
+def import_nixl() -> Any:
+    """NIXL's ``_api`` module (``nixl_cu12._api``, else ``nixl._api``).
+
+    Raises:
+        TierError: neither is installed (``scripts/setup_nixl.sh`` / ``pip install 'lmtier[p2p]'``).
+    """
+    try:
+        import nixl_cu12._api as api
+    except ImportError:
+        try:
+            import nixl._api as api  # type: ignore[no-redef]
+        except ImportError as e:
+            raise TierError(
+                f"P2P sharing needs NIXL ({e}); install it with scripts/setup_nixl.sh "
+                "(pip install nixl-cu12==1.5.1 --no-deps) or pip install 'lmtier[p2p]'"
+            ) from None
+    return api
+
+
+class NixlTransport:
+    """One NIXL agent with the UCX backend. Thread-safe.
+
+    Args:
+        agent_name: unique among the peers (the tier uses ``lmtier-p2p-<node id>-<epoch hex>``).
+
+    Raises:
+        TierError: NIXL is not installed or the agent could not be created.
+    """
+
+    def __init__(self, agent_name: str) -> None:
+        api = import_nixl()
+        _ucx_modules_default()
+        try:
+            cfg = api.nixl_agent_config(
+                enable_prog_thread=True,
+                enable_listen_thread=False,
+                backends=["UCX"],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            )
+            self.agent = api.nixl_agent(agent_name, cfg)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise TierError(f"NIXL agent {agent_name!r} could not start: {type(e).__name__}: {e}") from None
+        if "UCX" not in self.agent.backends:
+            raise TierError(f"NIXL agent {agent_name!r}: the UCX backend is not available")
+        self.name = agent_name
+        self._lock = threading.Lock()
+        self._regs: list[Any] = []
+        self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Register host memory ``[address, address + nbytes)`` (DRAM) with every backend.
+
+        Raises:
+            TierError: NIXL refused.
+        """
+        try:
+            reg = self.agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+        except Exception as e:  # noqa: BLE001
+            raise TierError(f"NIXL register_memory of {nbytes} bytes failed: {type(e).__name__}: {e}") from None
+        with self._lock:
+            self._regs.append(reg)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info and registered memory) for peers."""
+        return bytes(self.agent.get_agent_metadata())
+
+    def load_peer(self, agent_name: str, metadata: bytes) -> bool:
+        """Make ``agent_name`` (published ``metadata``) readable; a no-op if that metadata is loaded.
+        Returns False when NIXL rejects the metadata or it names another agent."""
+        with self._lock:
+            if self._peers.get(agent_name) == metadata:
+                return True
+            if agent_name in self._peers:
+                self._drop_locked(agent_name)
+            try:
+                got = self.agent.add_remote_agent(metadata)
+            except Exception as e:  # noqa: BLE001
+                log.warning("p2p: NIXL rejected the metadata of %s: %s: %s", agent_name, type(e).__name__, e)
+                return False
+            got = got.decode() if isinstance(got, bytes) else str(got)
+            if got != agent_name:
+                log.warning("p2p: metadata published for agent %s names agent %s; refused", agent_name, got)
+                self._drop_locked(got)
+                return False
+            self._peers[agent_name] = metadata
+            return True
+
+    def drop_peer(self, agent_name: str) -> None:
+        """Forget a peer (disconnect); a no-op if unknown."""
+        with self._lock:
+            if agent_name in self._peers:
+                self._drop_locked(agent_name)
+
+    def _drop_locked(self, agent_name: str) -> None:
+        self._peers.pop(agent_name, None)
+        try:
+            self.agent.remove_remote_agent(agent_name)
+        except Exception as e:  # noqa: BLE001
+            log.debug("p2p: remove_remote_agent(%s): %s", agent_name, e)
+
+    def read(self, peer: str, pieces: Sequence[tuple[int, int, int]], deadline: float) -> str:
+        """One-sided READ of ``pieces`` from ``peer``; blocks until done or ``deadline``.
+
+        Args:
+            peer: a loaded peer's agent name.
+            pieces: ``(local address, remote address, bytes)`` per piece; local memory registered
+                here, remote memory registered by the peer.
+            deadline: ``time.monotonic()`` value after which the transfer is cancelled.
+
+        Returns:
+            :data:`DONE`, :data:`ERR`, :data:`TIMEOUT` or :data:`STUCK` (see there). Never raises
+            for transfer failures (a disconnected peer is ``ERR``).
+        """
+        agent = self.agent
+        handle = None
+        try:
+            local = agent.get_xfer_descs([(a, n, 0) for a, _, n in pieces], "DRAM")
+            remote = agent.get_xfer_descs([(r, n, 0) for _, r, n in pieces], "DRAM")
+            handle = agent.initialize_xfer("READ", local, remote, peer)
+            state = agent.transfer(handle)
+            pause = _POLL_MIN_S
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    try:
+                        handle.release()  # cancels the transfer, or raises when it cannot
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("p2p: a READ from %s could not be cancelled: %s", peer, e)
+                        handle = None
+                        return STUCK
+                    handle = None
+                    return TIMEOUT
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+                state = agent.check_xfer_state(handle)
+            return DONE if state == "DONE" else ERR
+        except Exception as e:  # noqa: BLE001 - nixlRemoteDisconnectError and other NIXL errors
+            log.debug("p2p: READ from %s failed: %s: %s", peer, type(e).__name__, e)
+            return ERR
+        finally:
+            if handle is not None:
+                try:
+                    handle.release()
+                except Exception as e:  # noqa: BLE001
+                    log.debug("p2p: releasing a transfer handle: %s", e)
+
+    def close(self) -> None:
+        """Forget every peer and deregister memory (the agent itself goes with the object)."""
+        with self._lock:
+            for name in list(self._peers):
+                self._drop_locked(name)
+            regs, self._regs = self._regs, []
+        for reg in regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as e:  # noqa: BLE001
+                log.debug("p2p: deregister_memory: %s", e)

@@ -1,0 +1,250 @@
+"""P2P sharing over NIXL (issue 16), library level: two TierManagers in two processes (spawned), NIXL
+over UCX on loopback, a real redis-server as the directory.
+
+Skips without NIXL or redis-server; fails instead under LMTIER_REQUIRE_NIXL=1 / LMTIER_REQUIRE_REDIS=1."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from lmtier.keys import Namespace
+from lmtier.testing.p2p import P2PNode, nixl_missing, skip_or_fail, small_namespace_fields
+from lmtier.testing.procs import free_port
+
+TOKEN_ENV = "P2P_TEST_TOKEN"
+TOKEN = "p2p-test-token-0123456789abcdef"
+NS = small_namespace_fields()
+CHUNK = Namespace(**NS).chunk_bytes
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def nixl():
+    why = nixl_missing()
+    if why is not None:
+        skip_or_fail(f"NIXL is not importable ({why}); bash scripts/setup_nixl.sh")
+
+
+@pytest.fixture
+def directory(nixl, redis_server):
+    return redis_server.url
+
+
+def node_values(url: str, port: int, **kw) -> dict:
+    v = dict(
+        chunk_size=NS["chunk_size"],
+        max_local_cpu_size=CHUNK * 16 / 2**30,
+        enable_p2p=True,
+        p2p_host="127.0.0.1",
+        p2p_init_ports=[port],
+        p2p_directory_url=url,
+        p2p_token_env=TOKEN_ENV,
+        p2p_timeout_s=TIMEOUT_S,
+    )
+    v.update(kw)
+    return v
+
+
+def start(url: str, **kw) -> P2PNode:
+    env = {TOKEN_ENV: kw.pop("token", TOKEN)}
+    return P2PNode(node_values(url, free_port(), **kw), NS, env=env)
+
+
+def chunks(n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
+    keys = [bytes([seed, i]) + os.urandom(30) for i in range(n)]
+    return keys, [os.urandom(CHUNK) for _ in range(n)]
+
+
+@pytest.fixture
+def pair(directory):
+    a = start(directory)
+    b = start(directory)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def share(a: P2PNode, n: int, seed: int = 1) -> tuple[list[bytes], list[bytes]]:
+    keys, data = chunks(n, seed)
+    assert a.call("store", keys, data) == [True] * n
+    assert a.call("publish_now") is True
+    return keys, data
+
+
+def test_b_hits_chunks_only_a_holds_bit_exact(pair):
+    a, b = pair
+    keys, data = share(a, 6)
+    assert a.call("lookup", keys) == ["cpu"] * 6  # A never reads itself over P2P
+    assert b.call("lookup", keys) == ["p2p"] * 6
+    got, _ = b.call("fetch", keys, CHUNK)
+    assert got == data
+    # retrieve_into promotes into B's pool: then B holds (and publishes) them too.
+    assert b.call("retrieve", keys[0], CHUNK) == data[0]
+    assert b.call("lookup", keys[:1]) == ["cpu"]
+    mgr, tier, _ = b.call("counters")
+    assert mgr["hits_p2p"] == 7 and tier["hits"] == 7 and tier.get("stale", 0) == 0
+    # A prefix: the lookup stops at the first chunk no one holds.
+    missing = os.urandom(32)
+    assert b.call("lookup", [*keys[1:3], missing, keys[3]]) == ["p2p", "p2p"]
+
+
+def test_evicted_and_reused_slot_between_lookup_and_read_is_a_miss(pair):
+    a, b = pair
+    keys, data = share(a, 2)
+    assert b.call("lookup", keys) == ["p2p", "p2p"]
+    new_key, new_data = chunks(1, 9)
+    # A drops keys[0] (no event: the directory still points at its slot) and stores another chunk,
+    # which takes the freed slot.
+    assert a.call("delete_and_reuse", keys[0], new_key[0], new_data[0]) is True
+    got, _ = b.call("fetch", keys, CHUNK)
+    assert got == [None, data[1]]  # a miss, never the new chunk's bytes
+    _, tier, directory = b.call("counters")
+    assert tier["stale"] == 1 and directory["dropped_stale"] == 1
+    assert b.call("lookup", keys[:1]) == []  # the stale entry is gone
+
+
+def test_real_eviction_never_yields_wrong_bytes(directory):
+    a = start(directory, max_local_cpu_size=CHUNK * 2 / 2**30)  # two slots
+    b = start(directory)
+    try:
+        keys, data = chunks(6, 3)
+        for k, d in zip(keys, data, strict=True):
+            a.call("store", [k], [d])
+            a.call("publish_now")
+        got, _ = b.call("fetch", keys, CHUNK)
+        for g, d in zip(got, data, strict=True):
+            assert g is None or g == d
+        assert got[-2:] == data[-2:]  # the two A still holds
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sigkilled_peer_is_a_miss_within_the_timeout(pair):
+    a, b = pair
+    keys, _ = share(a, 4)
+    assert b.call("lookup", keys) == ["p2p"] * 4
+    a.kill()
+    t0 = time.monotonic()
+    got, dt = b.call("fetch", keys, CHUNK)
+    assert got == [None] * 4
+    assert dt < TIMEOUT_S + 0.5 and time.monotonic() - t0 < TIMEOUT_S + 5
+    for _ in range(3):  # the breaker opens; later calls are misses at once
+        got, dt = b.call("fetch", keys, CHUNK)
+        assert got == [None] * 4 and dt < TIMEOUT_S + 0.5
+
+
+def test_paused_peer_costs_bounded_time(pair):
+    a, b = pair
+    keys, data = share(a, 2)
+    a.pause()
+    try:
+        got, dt = b.call("fetch", keys, CHUNK)
+        assert got == [None, None]
+        assert dt < TIMEOUT_S + 1.0
+        _, tier, _ = b.call("counters")
+        assert tier["timeouts"] >= 1 and tier.get("stuck", 0) == 0  # NIXL cancelled the READ
+    finally:
+        a.resume()
+
+
+def test_peer_not_on_the_allow_list_is_refused(directory):
+    a = start(directory)
+    c = start(directory, p2p_init_ports=[free_port()])
+    b = start(directory, p2p_allowed_peers=a.node_id)
+    try:
+        ka, da = share(a, 2, seed=4)
+        kc, _ = share(c, 2, seed=5)
+        assert b.call("lookup", ka) == ["p2p", "p2p"]
+        assert b.call("lookup", kc) == []
+        got, _ = b.call("fetch", kc, CHUNK)
+        assert got == [None, None]
+        _, tier, _ = b.call("counters")
+        assert tier["refused"] >= 2
+    finally:
+        for n in (a, b, c):
+            n.close()
+
+
+def test_peer_with_another_token_is_refused(directory):
+    a = start(directory, token="another-token-of-enough-length!")
+    b = start(directory)
+    try:
+        keys, _ = share(a, 2, seed=6)
+        assert b.call("lookup", keys) == []
+        _, _, d = b.call("counters")
+        assert d["bad_entries"] >= 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_other_namespace_cannot_find_entries(directory):
+    a = start(directory)
+    b = P2PNode(
+        node_values(directory, free_port()), small_namespace_fields(model="another-model"), env={TOKEN_ENV: TOKEN}
+    )
+    try:
+        keys, _ = share(a, 2, seed=7)
+        assert b.call("lookup", keys) == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_closed_peer_withdraws_its_entries(pair):
+    a, b = pair
+    keys, _ = share(a, 2, seed=8)
+    assert b.call("lookup", keys) == ["p2p", "p2p"]
+    a.close()
+    assert b.call("lookup", keys) == []
+
+
+def test_node_process_exits_cleanly(directory):
+    """nixl-cu12 1.5.1 on a host without RDMA devices: a process that started an agent died with
+    SIGSEGV at exit (libnl-route's destructor) until the transport set UCX_MODULES=^ib there."""
+    a = start(directory)
+    a.close()
+    assert a.proc.exitcode == 0
+
+
+def test_bench_p2p_smoke(nixl, redis_server):
+    """``lmtier bench p2p --quick`` at a tiny size, as a separate process (its NIXL agents must not
+    crash it at exit either)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "lmtier.cli", "bench", "p2p", "--quick", "--chunk-tokens", "16", "--bounce-mib", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "p2p_%raw" in r.stdout
+
+
+def test_lookup_only_tier_sees_peers_but_reads_nothing(directory):
+    """A P2PTier without a pool (a process that only decides, e.g. a vLLM scheduler): no NIXL
+    agent, nothing published; it finds peers' chunks and its own node's are excluded."""
+    from lmtier.remote_url import parse_redis_url
+    from lmtier.tiers.p2p.tier import P2PTier
+
+    a = start(directory)
+    try:
+        keys, _ = share(a, 2, seed=11)
+        digest = Namespace(**NS).digest()[:16]
+        view = P2PTier(None, parse_redis_url(directory), namespace=digest, node_id="sched:1", token=TOKEN.encode())
+        mine = P2PTier(None, parse_redis_url(directory), namespace=digest, node_id=a.node_id, token=TOKEN.encode())
+        try:
+            assert view.transport is None and view.contains_many(keys) == [True, True]
+            assert view.get_many_into(keys, [bytearray(CHUNK) for _ in keys]) == [None, None]
+            assert mine.contains_many(keys) == [False, False]
+        finally:
+            view.close()
+            mine.close()
+    finally:
+        a.close()
