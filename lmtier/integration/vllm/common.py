@@ -142,6 +142,7 @@ class SchedulerTiers(Protocol):
 
     cpu: Any
     disk: Any
+    p2p: Any
     remote: Any
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
@@ -153,7 +154,7 @@ class NoTiers:
     """The scheduler's tiers when it shares none with the workers (CPU pool only, and the workers
     live in other processes): only the worker-metadata mirror answers lookups."""
 
-    cpu = disk = remote = None
+    cpu = disk = p2p = remote = None
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Nothing is stored here: always ``[]``."""
@@ -176,12 +177,12 @@ def shared_manager(key: str, config: LMTierConfig, namespace: Namespace, *, gpu_
 def scheduler_tiers(engine: str, config: LMTierConfig, namespace: Namespace) -> tuple[SchedulerTiers, bool]:
     """The scheduler's tiers: ``(tiers, shared)``. In the worker's process (rank 0's manager of
     ``engine`` is cached) its manager, ``shared`` True. Otherwise a fresh, uncached manager of the
-    disk / remote tiers only (the CPU pool is the worker's) — or a :class:`NoTiers` when there are
-    none (the worker-metadata mirror is then the whole index)."""
+    disk / remote tiers and a lookups-only P2P tier (the CPU pool is the worker's) — or a
+    :class:`NoTiers` when there are none (the worker-metadata mirror is then the whole index)."""
     shared = shared_manager_of(f"{engine}:0")
     if shared is not None:
         return shared, True
-    if not (config.disk.enabled or config.remote.enabled):
+    if not (config.disk.enabled or config.remote.enabled or config.p2p is not None):
         return NoTiers(), False
     config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
     return TierManager.from_config(config, namespace, gpu_id=0), False

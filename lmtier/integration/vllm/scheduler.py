@@ -31,7 +31,7 @@ from lmtier.integration.vllm.common import SchedulerTiers, request_salt
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.mirror import IndexMirror
 from lmtier.integration.vllm.options import ConnectorOptions
-from lmtier.integration.vllm.stats import StatsSink
+from lmtier.integration.vllm.stats import HIT_TIERS, StatsSink
 from lmtier.integration.vllm.worker import LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.tiers.tenants import tenant_id
@@ -144,10 +144,10 @@ class LMTierScheduler:
         return hit - num_computed_tokens, load_async
 
     def _load_async(self, claimed: list[str]) -> bool:
-        """Whether claimed chunks (tier names) load in the background: any remote chunk, or disk
+        """Whether claimed chunks (tier names) load in the background: any remote or peer chunk, or disk
         chunks of more than ``sync_disk_load_mib`` (``sync_disk_load_busy_mib`` while the scheduler
         holds other requests); CPU chunks always load synchronously."""
-        if "remote" in claimed:
+        if "remote" in claimed or "p2p" in claimed:
             return True
         disk = sum(1 for t in claimed if t == "disk")
         o = self.options
@@ -156,12 +156,12 @@ class LMTierScheduler:
 
     def _lookup(self, keys: list[bytes]) -> list[str]:
         """Tiers of the longest cached prefix of ``keys``: the shared manager's index, or (worker in
-        another process) the mirror of the worker's tiers followed by this process's disk/remote view."""
+        another process) the mirror of the worker's tiers followed by this process's disk/P2P/remote view."""
         if self._shared_mgr:
             return self.manager.lookup(keys)
         found = self.mirror.prefix(keys)
         rest = keys[len(found) :]
-        if rest and (self.manager.disk is not None or self.manager.remote is not None):
+        if rest and any(t is not None for t in (self.manager.disk, self.manager.p2p, self.manager.remote)):
             found += self.manager.lookup(rest)
         return found
 
@@ -171,7 +171,12 @@ class LMTierScheduler:
         got = self._lookups.get(request.request_id)
         if not got or num_external_tokens <= 0 or not got[1]:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        names = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+        names = {
+            "cpu": CacheHitSource.HOST,
+            "disk": CacheHitSource.DISK,
+            "p2p": CacheHitSource.P2P,
+            "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+        }
         out: dict = {}
         for t, n in self._hits_by_tier(got).items():
             if n:
@@ -182,7 +187,7 @@ class LMTierScheduler:
 
     def _hits_by_tier(self, lookup) -> dict[str, int]:
         nc, hit, tiers, _ = lookup
-        out = {"cpu": 0, "disk": 0, "remote": 0}
+        out = dict.fromkeys(HIT_TIERS, 0)
         for i, t in enumerate(tiers):
             lo, hi = max(i * self.chunk, nc), (i + 1) * self.chunk
             if hi > lo:

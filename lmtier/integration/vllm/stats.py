@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover
     KVConnectorPromMetrics = object  # type: ignore
 
 __all__ = [
+    "HIT_TIERS",
     "LMTierStats",
     "LMTierPromMetrics",
     "StatsSink",
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 _LAT_KEEP = 256  # latency samples kept per interval (per list)
+HIT_TIERS = ("cpu", "disk", "p2p", "remote")
+"""Where a claimed chunk is at lookup time (``hit_tokens_<tier>``; ``vllm:lmtier_hit_tokens_total{tier}``)."""
 TENANT_FIELDS = (
     "lookup_tokens",
     "hit_tokens",
@@ -55,7 +58,7 @@ class LMTierStats(KVConnectorStats):
     """Counters of one stats interval (summed over workers and the scheduler).
 
     Tokens: ``lookup_tokens`` (prompt tokens lmtier was asked about beyond vLLM's own prefix cache,
-    per admitted request), ``hit_tokens_{cpu,disk,remote}`` (tokens claimed, by the tier holding the
+    per admitted request), ``hit_tokens_{cpu,disk,p2p,remote}`` (tokens claimed, by the tier holding the
     chunk at lookup time). Chunks / bytes: ``loaded_*``, ``stored_*``; ``store_skipped`` (already
     present or no free slot), ``load_failures`` (requests whose load failed, in part or whole),
     ``async_loads`` and ``layerwise_loads``
@@ -69,6 +72,7 @@ class LMTierStats(KVConnectorStats):
     FIELDS = (
         "hit_tokens_cpu",
         "hit_tokens_disk",
+        "hit_tokens_p2p",
         "hit_tokens_remote",
         "lookup_tokens",
         "loaded_chunks",
@@ -120,7 +124,7 @@ class LMTierStats(KVConnectorStats):
             f"lmtier_{k}": (round(self.data[k], 2) if isinstance(self.data[k], float) else self.data[k])
             for k in self.FIELDS
         }
-        hit = sum(self.data[f"hit_tokens_{t}"] for t in ("cpu", "disk", "remote"))
+        hit = sum(self.data[f"hit_tokens_{t}"] for t in HIT_TIERS)
         out["lmtier_miss_tokens"] = max(self.data["lookup_tokens"] - hit, 0)
         for k in self.LISTS:
             v = self.data[k]
@@ -229,9 +233,7 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             documentation="lmtier: prompt tokens loaded, by tier.",
             labelnames=list(labelnames) + ["tier"],
         )
-        self._hit = {
-            (i, t): hit.labels(*lv, t) for i, lv in per_engine_labelvalues.items() for t in ("cpu", "disk", "remote")
-        }
+        self._hit = {(i, t): hit.labels(*lv, t) for i, lv in per_engine_labelvalues.items() for t in HIT_TIERS}
         buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
         self._h: dict[str, dict] = {}
         for key, name in (("load_lat_s", "load_seconds"), ("store_lat_s", "store_seconds")):
@@ -294,7 +296,7 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             v = d.get(name, 0)
             if v:
                 per_engine[engine_idx].inc(v)
-        for t in ("cpu", "disk", "remote"):
+        for t in HIT_TIERS:
             v = d.get(f"hit_tokens_{t}", 0)
             if v:
                 self._hit[(engine_idx, t)].inc(v)
