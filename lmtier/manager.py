@@ -39,79 +39,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
+from lmtier.config import ConfigError, LMTierConfig
 from lmtier.events import IndexEvent, IndexEventKind, IndexListener
 from lmtier.keys import KEY_BYTES, Namespace
 from lmtier.tiers.base import Eviction, Tier
 from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
-from lmtier.tiers.disk import DiskTier, background_priority
-from lmtier.tiers.seal import seal_remote
+from lmtier.tiers.disk import background_priority
+from lmtier.tiers.factory import (
+    DiskFactory,
+    RemoteFactory,
+    check_codecs,
+    default_disk_factory,
+    default_remote_factory,
+    wrap_codec,
+)
 from lmtier.tiers.tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from lmtier.tiers.p2p.tier import P2PTier
 
-__all__ = ["TierManager", "default_disk_factory", "default_remote_factory", "codec_chunk_shape"]
+__all__ = ["TierManager"]
 
 log = logging.getLogger("lmtier.manager")
-
-DiskFactory = Callable[[DiskConfig, Namespace, int], Tier]
-RemoteFactory = Callable[[RemoteConfig, Namespace], Tier]
-
-
-def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) -> Tier:
-    """Build :class:`lmtier.tiers.disk.DiskTier` from the config."""
-    return DiskTier(
-        list(disk.paths_for(gpu_id)),
-        disk.capacity_bytes,
-        io_threads=disk.io_threads,
-        namespace=namespace.digest()[:16],
-    )
-
-
-def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
-    """Build :class:`lmtier.tiers.redis.RedisTier`, or :class:`lmtier.tiers.mooncake.MooncakeTier`
-    for ``mooncakestore://``, from the config's parsed endpoint (imported lazily: redis-py and
-    mooncake are optional dependencies), sealed as the config says (:func:`~lmtier.tiers.seal.seal_remote`:
-    a codec tier goes above the seal, so a factory that wraps this one in a
-    :class:`~lmtier.tiers.codec.CodecTier` compresses before sealing too)."""
-    if remote.mooncake is not None:
-        from lmtier.tiers.mooncake import MooncakeTier
-
-        tier: Tier = MooncakeTier.from_config(remote, namespace=namespace.digest()[:16])
-    else:
-        from lmtier.tiers.redis import RedisTier
-
-        tier = RedisTier.from_config(remote)
-    return seal_remote(tier, remote, namespace)
-
-
-def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
-    """The canonical chunk shape ``(L, P, T, H, D)`` of ``namespace`` (what the codec encodes)."""
-    return namespace.chunk_shape
-
-
-def _check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
-    """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache."""
-    for tier, key, enabled in (
-        ("disk", "local_disk_serde", config.disk.enabled),
-        ("remote", "remote_serde", config.remote.enabled),
-    ):
-        level = config.serde_level(tier)
-        if enabled and level is not None:
-            from lmtier.tiers.codec import check_codec_geometry
-
-            check_codec_geometry(codec_chunk_shape(namespace), namespace.kv_dtype, level, config_key=key)
-
-
-def _wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: str) -> Tier:
-    level = config.serde_level(which)
-    if level is None:
-        return tier
-    from lmtier.tiers.codec import CodecTier
-
-    key = "local_disk_serde" if which == "disk" else "remote_serde"
-    return CodecTier(tier, shape=codec_chunk_shape(namespace), dtype=namespace.kv_dtype, level=level, config_key=key)
 
 
 def _done(value: bool) -> Future:
@@ -226,7 +175,7 @@ class TierManager:
             raise ConfigError(
                 f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
             )
-        _check_codecs(config, namespace)
+        check_codecs(config, namespace)
         cpu = disk = remote = p2p = None
         try:
             if config.cpu.enabled:
@@ -238,10 +187,10 @@ class TierManager:
                     raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
             if config.disk.enabled:
                 disk = disk_factory(config.disk, namespace, gpu_id)
-                disk = _wrap_codec(disk, config, namespace, "disk")
+                disk = wrap_codec(disk, config, namespace, "disk")
             if config.remote.enabled:
                 remote = remote_factory(config.remote, namespace)
-                remote = _wrap_codec(remote, config, namespace, "remote")
+                remote = wrap_codec(remote, config, namespace, "remote")
             if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
                 from lmtier.tiers.p2p.tier import P2PTier
 

@@ -655,9 +655,9 @@ def _codec_worker(
     """A worker over CPU pool + disk wrapped in a CodecTier, ``n_chunks`` stored (written through as
     codec records), with ``decode_on`` (on a CPU cache "device" runs the device-staging pipeline
     with host buffers)."""
-    from lmtier.manager import codec_chunk_shape
     from lmtier.tiers.codec import CodecTier
     from lmtier.tiers.disk import DiskTier
+    from lmtier.tiers.factory import codec_chunk_shape
 
     ns = _ns(cache.dtype)
     disk = CodecTier(

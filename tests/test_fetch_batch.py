@@ -14,10 +14,11 @@ import torch
 
 from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
 from lmtier.keys import chunk_keys
-from lmtier.manager import TierManager, codec_chunk_shape
+from lmtier.manager import TierManager
 from lmtier.tiers.base import Tier, TierUsage
 from lmtier.tiers.codec import CodecTier
 from lmtier.tiers.cpu import CPUPool
+from lmtier.tiers.factory import codec_chunk_shape
 from tests.test_connector_worker import CHUNK, Cache, _ns, _same_bits, _tokens
 
 

@@ -17,9 +17,9 @@ from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
 from lmtier.hf import TORCH_KV_DTYPES
 from lmtier.keys import Namespace
-from lmtier.manager import codec_chunk_shape
 from lmtier.tiers import base as tier_base
 from lmtier.tiers.codec import CODEC_KV_DTYPES
+from lmtier.tiers.factory import codec_chunk_shape
 
 PKG = Path(__file__).resolve().parent.parent / "lmtier"
 

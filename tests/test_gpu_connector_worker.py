@@ -577,8 +577,8 @@ def test_layerwise_unwaited_layer_is_reported(managers):
 
 # ------------------------------------------------------------------------------ device decode (codec tiers)
 def _codec_disk(tmp_path, ns: Namespace, level: str):
-    from lmtier.manager import codec_chunk_shape
     from lmtier.tiers.codec import CodecTier
+    from lmtier.tiers.factory import codec_chunk_shape
 
     return CodecTier(_disk(tmp_path), shape=codec_chunk_shape(ns), dtype=ns.kv_dtype, level=level, tables=None)
 

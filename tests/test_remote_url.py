@@ -114,7 +114,7 @@ def test_passwords_never_shown():
 def test_lone_userinfo_is_a_password_for_the_tier(redis_server_auth):
     """old: the config read ``redis://secret@host`` as a password, the tier as a user name (and the
     server rejected the login)."""
-    from lmtier.manager import default_remote_factory
+    from lmtier.tiers.factory import default_remote_factory
     from lmtier.tiers.redis import RedisTier
 
     srv = redis_server_auth

@@ -18,8 +18,9 @@ from lmtier.bench.ttft.pipeline import Loader, PagedKV, build_manager, chunk_spa
 from lmtier.bench.ttft.report import REMOTE_KINDS, compare
 from lmtier.geometry import torch_dtype
 from lmtier.keys import Namespace, chunk_keys
-from lmtier.manager import TierManager, codec_chunk_shape
+from lmtier.manager import TierManager
 from lmtier.tiers.buffers import round_up
+from lmtier.tiers.factory import codec_chunk_shape
 
 __all__ = ["Bench"]
 
@@ -85,8 +86,8 @@ class Bench:
         (``*_serde: cachegen``) with the product's shipped tables (``--codec-tables shipped``),
         else through ``from_config``'s tier factory wrapping the tier in
         :class:`~lmtier.tiers.codec.CodecTier` with the tables of ``--codec-tables``."""
-        from lmtier.manager import default_disk_factory, default_remote_factory
         from lmtier.tiers.codec import CodecTier
+        from lmtier.tiers.factory import default_disk_factory, default_remote_factory
 
         tables = self.tables.get(level)
         common = dict(

@@ -43,7 +43,8 @@ from lmtier.config import LMTierConfig
 from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
-from lmtier.manager import DiskFactory, RemoteFactory, TierManager, default_disk_factory, default_remote_factory
+from lmtier.manager import TierManager
+from lmtier.tiers.factory import DiskFactory, RemoteFactory, default_disk_factory, default_remote_factory
 
 __all__ = ["PagedKV", "Loader", "build_manager", "chunk_spans", "landing_views", "GIB"]
 

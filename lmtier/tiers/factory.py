@@ -1,0 +1,83 @@
+"""Building the disk and remote tiers from the configuration: the default factories (the remote tier
+sealed as configured), the codec check and wrapper :meth:`lmtier.manager.TierManager.from_config`
+applies, and the factory types a caller may replace them with (tests, custom tiers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lmtier.config import DiskConfig, LMTierConfig, RemoteConfig
+from lmtier.keys import Namespace
+from lmtier.tiers.base import Tier
+from lmtier.tiers.disk import DiskTier
+from lmtier.tiers.seal import seal_remote
+
+__all__ = [
+    "DiskFactory",
+    "RemoteFactory",
+    "check_codecs",
+    "codec_chunk_shape",
+    "default_disk_factory",
+    "default_remote_factory",
+    "wrap_codec",
+]
+
+DiskFactory = Callable[[DiskConfig, Namespace, int], Tier]
+RemoteFactory = Callable[[RemoteConfig, Namespace], Tier]
+
+
+def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) -> Tier:
+    """Build :class:`lmtier.tiers.disk.DiskTier` from the config."""
+    return DiskTier(
+        list(disk.paths_for(gpu_id)),
+        disk.capacity_bytes,
+        io_threads=disk.io_threads,
+        namespace=namespace.digest()[:16],
+    )
+
+
+def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
+    """Build :class:`lmtier.tiers.redis.RedisTier`, or :class:`lmtier.tiers.mooncake.MooncakeTier`
+    for ``mooncakestore://``, from the config's parsed endpoint (imported lazily: redis-py and
+    mooncake are optional dependencies), sealed as the config says (:func:`~lmtier.tiers.seal.seal_remote`:
+    a codec tier goes above the seal, so a factory that wraps this one in a
+    :class:`~lmtier.tiers.codec.CodecTier` compresses before sealing too)."""
+    if remote.mooncake is not None:
+        from lmtier.tiers.mooncake import MooncakeTier
+
+        tier: Tier = MooncakeTier.from_config(remote, namespace=namespace.digest()[:16])
+    else:
+        from lmtier.tiers.redis import RedisTier
+
+        tier = RedisTier.from_config(remote)
+    return seal_remote(tier, remote, namespace)
+
+
+def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
+    """The canonical chunk shape ``(L, P, T, H, D)`` of ``namespace`` (what the codec encodes)."""
+    return namespace.chunk_shape
+
+
+def check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
+    """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache."""
+    for tier, key, enabled in (
+        ("disk", "local_disk_serde", config.disk.enabled),
+        ("remote", "remote_serde", config.remote.enabled),
+    ):
+        level = config.serde_level(tier)
+        if enabled and level is not None:
+            from lmtier.tiers.codec import check_codec_geometry
+
+            check_codec_geometry(codec_chunk_shape(namespace), namespace.kv_dtype, level, config_key=key)
+
+
+def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: str) -> Tier:
+    """``tier`` in a :class:`~lmtier.tiers.codec.CodecTier` when the ``which`` tier's serde
+    (``"disk"``: ``local_disk_serde``, ``"remote"``: ``remote_serde``) is ``cachegen``, else ``tier``."""
+    level = config.serde_level(which)
+    if level is None:
+        return tier
+    from lmtier.tiers.codec import CodecTier
+
+    key = "local_disk_serde" if which == "disk" else "remote_serde"
+    return CodecTier(tier, shape=codec_chunk_shape(namespace), dtype=namespace.kv_dtype, level=level, config_key=key)
