@@ -3,7 +3,7 @@
 Usage::
 
     lmtier bench mooncake [--presets smollm2-135m,llama-3.1-8b] [--counts 8,32] [--iters 3]
-        [--chunk-tokens 256] [--bounce-mib 256] [--pipeline-depths 2] [--no-redis] [--json out.json]
+        [--chunk-tokens 256] [--bounce-mib 256] [--pipeline-depths 1] [--no-redis] [--json out.json]
 
 Starts a private Mooncake Store on 127.0.0.1 (``mooncake_master`` and one standalone
 ``mooncake_client`` store server that holds the data, :mod:`lmtier.testing.mooncake`) and, unless
@@ -18,7 +18,7 @@ preset's KV geometry (SmolLM2: 5.9 MB, Llama-3.1-8B: 32 MiB) are stored and load
 * ``tier``: :meth:`MooncakeTier.put_many` / :meth:`MooncakeTier.get_many_into` — the product path:
   record header, xxh3 on both sides, the copy through the registered bounce region, the worker
   thread with its timeout, the ``batch_is_exist`` confirmation of every put (Mooncake #1817); one
-  row per ``--pipeline-depths`` value (the tier's ``pipeline_depth``; its default is 2);
+  row per ``--pipeline-depths`` value (the tier's ``pipeline_depth``; its default is 1);
 * ``redis``: :class:`RedisTier` ``put`` / ``get_into`` of the same chunks one after another (the tier
   manager's remote path), against the private redis-server.
 
@@ -63,7 +63,7 @@ def run_case(
     bounce_bytes: int,
     redis_url: str | None,
     warmup: int = 1,
-    pipeline_depth: int = 2,
+    pipeline_depth: int = 1,
 ) -> dict:
     """One (chunk size, count) case after ``warmup`` untimed iterations; returns the row (GB/s
     medians and the per-iteration seconds)."""
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pipeline-depths",
         type=int_list(min_value=1),
-        default=[2],
+        default=[1],
         help="the tier's pipeline_depth values, one row each (comma-separated; 1 = one call per batch)",
     )
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier rows")

@@ -9,13 +9,13 @@ xxh3 check and is a miss (and is removed), never KV handed to attention.
 Data path (zero-copy on the client's side). The tier owns one page-aligned bounce region
 (:class:`~lmtier.tiers.mooncake.bounce.BounceRegion`, ``bounce_bytes``) registered once with
 ``register_buffer``; records move with ``batch_put_from`` / ``batch_get_into`` between that region
-and the store. A batch is cut into a few sub-batches, two calls in flight, so one sub-batch is
-verified and copied (GIL released) while the next transfers. The caller's payloads are copied into
-the region (put) and verified records out of it (get). The copy is what makes timeouts safe: the
-client is blocking C++ that cannot be cancelled, so a call that outlives its timeout keeps running;
-it only ever touches its own extent of the region, which stays reserved until the call really
-returns, so a late write can never land in memory the caller has reused. CUDA payloads and
-destinations go through :class:`lmtier.tiers.device.PinnedBounce`.
+and the store (``pipeline_depth`` > 1: a batch cut into a few sub-batches with that many calls in
+flight, so one sub-batch is verified and copied, GIL released, while the next transfers). The
+caller's payloads are copied into the region (put) and verified records out of it (get). The copy
+is what makes timeouts safe: the client is blocking C++ that cannot be cancelled, so a call that
+outlives its timeout keeps running; it only ever touches its own extent of the region, which stays
+reserved until the call really returns, so a late write can never land in memory the caller has
+reused. CUDA payloads and destinations go through :class:`lmtier.tiers.device.PinnedBounce`.
 
 Failure model (as for Redis): every client call runs on a worker thread and the caller waits at most
 ``timeout_s`` (``setup_timeout_s`` for ``setup``); a call that times out, raises or returns an
@@ -149,7 +149,7 @@ class MooncakeTier(Tier):
         breaker_reset_s: float = 2.0,
         workers: int = 4,
         bounce_bytes: int = 256 << 20,
-        pipeline_depth: int = 2,
+        pipeline_depth: int = 1,
         key_prefix: str = "lmtier:",
         max_value_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
         capacity_bytes: int | None = None,
