@@ -261,3 +261,32 @@ def write_json(path: str | None, payload: dict) -> None:
             json.dump(
                 payload, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
             )
+
+
+def add_batch_args(ap) -> None:
+    """The options of the batch-transfer benchmarks (``lmtier bench mooncake``, ``p2p``):
+    ``--presets``, ``--counts``, ``--chunk-tokens``, ``--iters``, ``--quick``, ``--json``."""
+    from lmtier.bench.args import bounded_int, int_list, name_list
+
+    ap.add_argument(
+        "--presets",
+        type=name_list(PRESETS),
+        default=["smollm2-135m", "llama-3.1-8b"],
+        help="comma-separated model presets",
+    )
+    ap.add_argument("--counts", type=int_list(min_value=1), default=[8, 32], help="chunks per batch, comma-separated")
+    ap.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
+    ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
+    ap.add_argument("--quick", action="store_true", help="SmolLM2, 8 chunks, 1 iteration")
+    ap.add_argument("--json")
+
+
+def batch_scope(a) -> tuple[list[str], list[int]]:
+    """The presets and chunk counts :func:`add_batch_args`' options ask for; ``--quick`` (or
+    ``LMTIER_BENCH_SMOKE``): the first preset, 8 chunks, and ``a.iters`` set to 1."""
+    from lmtier import envs
+
+    if a.quick or envs.LMTIER_BENCH_SMOKE:
+        a.iters = 1
+        return a.presets[:1], [8]
+    return a.presets, a.counts

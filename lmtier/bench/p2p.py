@@ -34,10 +34,9 @@ import time
 
 import numpy as np
 
-from lmtier import envs
-from lmtier.bench.args import bounded_int, int_list, name_list
-from lmtier.bench.common import print_table, system_header, write_json
-from lmtier.bench.presets import PRESETS, preset
+from lmtier.bench.args import bounded_int
+from lmtier.bench.common import add_batch_args, batch_scope, print_table, system_header, write_json
+from lmtier.bench.presets import preset
 
 MiB = 1 << 20
 TOKEN_ENV = "P2P_BENCH_TOKEN"
@@ -172,17 +171,10 @@ def run_case(name: str, chunk_tokens: int, count: int, iters: int, bounce_bytes:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench p2p", description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", type=name_list(PRESETS), default=["smollm2-135m", "llama-3.1-8b"])
-    ap.add_argument("--counts", type=int_list(min_value=1), default=[8, 32], help="chunks per batch, comma-separated")
-    ap.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
-    ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
+    add_batch_args(ap)
     ap.add_argument("--bounce-mib", type=bounded_int(min_value=2), default=256, help="B's registered bounce region")
-    ap.add_argument("--quick", action="store_true", help="SmolLM2, 8 chunks, 1 iteration")
-    ap.add_argument("--json")
     a = ap.parse_args(argv)
-    presets, counts = a.presets, a.counts
-    if a.quick or envs.LMTIER_BENCH_SMOKE:
-        presets, counts, a.iters = presets[:1], [8], 1
+    presets, counts = batch_scope(a)
     from lmtier.testing.p2p import nixl_missing
     from lmtier.testing.redis import RedisServer, RedisUnavailable
 
