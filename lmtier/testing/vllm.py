@@ -36,6 +36,9 @@ Steps:
     process first deletes its key (an eviction between the lookup, which saw the key, and the load).
   * ``{"op": "metrics", "name": N}`` — the ``lmtier`` lines of this process's Prometheus registry.
   * ``{"op": "flush"}`` — wait for queued disk/Redis writes of the shared tier managers.
+  * ``{"op": "wait_file", "path": P, "timeout_s": t}`` — wait until the file ``P`` exists (the test
+    starts the engine early and lets it go on once another process is ready); ``TimeoutError`` after
+    ``t`` seconds (default 300).
 
 Results (JSON): ``{"steps": {name: {...}}, "elapsed_s": t}``.
 """
@@ -333,6 +336,12 @@ def _child(spec_path: str, out_path: str) -> None:
             results[step.get("name", "metrics")] = [ln for ln in text.splitlines() if "lmtier" in ln]
         elif op == "flush":
             flush_all(60)
+        elif op == "wait_file":
+            deadline = time.monotonic() + step.get("timeout_s", 300)
+            while not os.path.exists(step["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['path']} did not appear")
+                time.sleep(0.1)
         elif op == "generate":
             prompts = []
             for p in step["prompts"]:
