@@ -36,6 +36,9 @@ Steps:
     process first deletes its key (an eviction between the lookup, which saw the key, and the load).
   * ``{"op": "metrics", "name": N}`` — the ``lmtier`` lines of this process's Prometheus registry.
   * ``{"op": "flush"}`` — wait for queued disk/Redis writes of the shared tier managers.
+  * ``{"op": "wait_file", "path": P, "timeout_s": t}`` — wait until the file ``P`` exists (the test
+    starts the engine early and lets it go on once another process is ready); ``TimeoutError`` after
+    ``t`` seconds (default 300).
 
 Results (JSON): ``{"steps": {name: {...}}, "elapsed_s": t}``.
 """
@@ -51,7 +54,18 @@ from pathlib import Path
 
 from lmtier import envs
 
-__all__ = ["REPO", "MODEL_DIR", "SEGMENT", "vllm_skip_reason", "require_vllm", "write_yaml", "engine_env", "run_engine"]
+__all__ = [
+    "REPO",
+    "MODEL_DIR",
+    "SEGMENT",
+    "vllm_skip_reason",
+    "require_vllm",
+    "write_yaml",
+    "engine_env",
+    "run_engine",
+    "text_token_ids",
+    "prompt_token_ids",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout that holds this package (its ``models/`` folder holds the test model)."""
@@ -175,6 +189,25 @@ def _text() -> str:
     return "\n".join(parts)
 
 
+def text_token_ids(tokenizer=None) -> list[int]:
+    """The token ids of the test text that ``generate`` steps cut prompts from, by ``tokenizer`` (default:
+    the test model's Hugging Face tokenizer, the one vLLM loads for :data:`MODEL_DIR`)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    return tokenizer(_text())["input_ids"]
+
+
+def prompt_token_ids(p: dict, ids: list[int]) -> list[int]:
+    """The token ids of the ``generate`` step prompt ``p`` (``{"seg": i, "len": n}``): ``n`` ids of
+    ``ids`` (:func:`text_token_ids`) from segment ``i`` on. AssertionError if the text is too short."""
+    start = p["seg"] * SEGMENT
+    toks = ids[start : start + p["len"]]
+    assert len(toks) == p["len"], "test text too short"
+    return toks
+
+
 def _corrupt_file(p: str) -> bool:
     """Flip 16 bytes in the middle and 16 bytes 4 KiB before the end of ``p`` (False: < 8 KiB, untouched)."""
     size = os.path.getsize(p)
@@ -277,7 +310,7 @@ def _child(spec_path: str, out_path: str) -> None:
     llm = LLM(**kw)
     startup = time.monotonic() - t0
     tok = llm.get_tokenizer()
-    ids = tok(_text())["input_ids"]
+    ids = text_token_ids(tok)
     results: dict = {}
     listed: set[str] = set()  # record files a disk_files step listed
     for step in spec["steps"]:
@@ -303,13 +336,16 @@ def _child(spec_path: str, out_path: str) -> None:
             results[step.get("name", "metrics")] = [ln for ln in text.splitlines() if "lmtier" in ln]
         elif op == "flush":
             flush_all(60)
+        elif op == "wait_file":
+            deadline = time.monotonic() + step.get("timeout_s", 300)
+            while not os.path.exists(step["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['path']} did not appear")
+                time.sleep(0.1)
         elif op == "generate":
             prompts = []
             for p in step["prompts"]:
-                start = p["seg"] * SEGMENT
-                toks = ids[start : start + p["len"]]
-                assert len(toks) == p["len"], "test text too short"
-                d = {"prompt_token_ids": toks}
+                d = {"prompt_token_ids": prompt_token_ids(p, ids)}
                 if p.get("salt"):
                     d["cache_salt"] = p["salt"]
                 prompts.append(d)
