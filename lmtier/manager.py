@@ -579,11 +579,8 @@ class TierManager:
             if tier is None or not todo:
                 continue
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
-            if len(todo) == 1:
-                got = [self._safe(tier.get_into, keys[todo[0]], targets[todo[0]], default=None, **kw)]
-            else:
-                ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
-                got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
+            ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
+            got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
             left = []
             for i, n in zip(todo, got, strict=True):
                 if n is None:

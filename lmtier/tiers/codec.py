@@ -360,10 +360,7 @@ class CodecTier(Tier):
             with contextlib.ExitStack() as stack:
                 slots = [stack.enter_context(self.decoder(dst.device).slot()) for _, dst in part]
                 ikeys = [self.inner_key(keys[i]) for i, _ in part]
-                if len(part) == 1:
-                    got = [self.inner.get_into(ikeys[0], slots[0].record)]
-                else:
-                    got = self.inner.get_many_into(ikeys, [s.record for s in slots])
+                got = self.inner.get_many_into(ikeys, [s.record for s in slots])
                 for (i, dst), ikey, slot, n in zip(part, ikeys, slots, got, strict=True):
                     res[i] = self._decode(keys[i], ikey, slot, n, dst, stream)
         return res
