@@ -94,7 +94,7 @@ import pytest
 if __package__ in (None, ""):  # run as the engine child: python tests/test_config_matrix.py SPEC OUT
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmtier.testing.vllm import MODEL_DIR, REPO, SEGMENT, require_vllm, write_yaml
+from lmtier.testing.vllm import MODEL_DIR, SEGMENT, require_vllm, write_yaml
 from lmtier.testing.zygote import EngineLauncher, serve
 
 pytestmark = pytest.mark.vllm
@@ -244,7 +244,7 @@ def matrix_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(matrix_dir):
-    z = EngineLauncher(matrix_dir, Path(__file__), REPO)
+    z = EngineLauncher(matrix_dir, Path(__file__))
     yield z
     z.close()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtier.testing.vllm import MODEL_DIR, REPO, require_vllm, write_yaml
+from lmtier.testing.vllm import MODEL_DIR, engine_env, require_vllm, write_yaml
 
 pytestmark = pytest.mark.vllm
 
@@ -101,17 +101,9 @@ def _run(tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict
             "max_local_disk_size": 0.5,
         },
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE")}
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        LMTIER_CONFIG_FILE=str(cfg),
-    )
+    env = engine_env(tmp, cfg)
+    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # TP = 2: vLLM's engine core in its own process
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     out = tmp / f"{name}.json"
     p = subprocess.run(
         [sys.executable, __file__, str(model), "1" if connector else "0", str(out)],

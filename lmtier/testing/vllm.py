@@ -115,16 +115,12 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
-def engine_env(tmp: Path, config_path: Path) -> dict[str, str]:
+def engine_env(tmp: Path, config_path: Path | None) -> dict[str, str]:
     """The environment of an offline vLLM engine child process: this one's without ``LMTIER_*``
     variables (but the ``LMTIER_REQUIRE_*`` of the test run), in-process engine core, 1 GiB of CPU KV
     cache, no network, vLLM's cache under ``tmp``, this checkout first on ``PYTHONPATH`` and
-    ``LMTIER_CONFIG_FILE=config_path``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("LMTIER_") or k in ("LMTIER_REQUIRE_VLLM", "LMTIER_REQUIRE_REDIS")
-    }
+    ``LMTIER_CONFIG_FILE=config_path`` (None: not set, each child sets its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE_")}
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -133,8 +129,9 @@ def engine_env(tmp: Path, config_path: Path) -> dict[str, str]:
         VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         VLLM_NO_USAGE_STATS="1",
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        LMTIER_CONFIG_FILE=str(config_path),
     )
+    if config_path is not None:
+        env["LMTIER_CONFIG_FILE"] = str(config_path)
     return env
 
 

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lmtier.testing.vllm import engine_env
+
 __all__ = ["EngineLauncher", "serve"]
 
 
@@ -41,17 +43,8 @@ class EngineLauncher:
     engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a 1 GiB CPU KV cache, offline.
     """
 
-    def __init__(self, root: Path, script: Path, repo: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE")}
-        env.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_CACHE_ROOT=str(root / "vllm-cache"),
-            PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        )
+    def __init__(self, root: Path, script: Path) -> None:
+        env = engine_env(root, None)
         self.log = open(root / "zygote.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(script).resolve()), "--zygote"],
