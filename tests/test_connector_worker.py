@@ -118,7 +118,9 @@ class Recorder:
         self.stored.append((key, key0, tier))
 
 
-def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, slots=16):
+def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, slots=16, **worker_kwargs):
+    """A ConnectorWorker over ``cache`` (``worker_kwargs``: more of its arguments) and ``manager``
+    (default: a CPU pool of ``slots`` chunks); returns (worker, manager, Recorder)."""
     ns = ns or _ns(cache.dtype)
     if manager is None:
         manager = TierManager(cpu=CPUPool(slots * ns.chunk_bytes + 4096 * slots, ns.chunk_bytes))
@@ -133,6 +135,7 @@ def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, 
         on_stat=rec.stat,
         on_stored=rec.on_stored,
         faults=faults,
+        **worker_kwargs,
     )
     return w, manager, rec
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
+from lmtier.integration.vllm.worker import LoadOp, StoreOp
 from lmtier.keys import chunk_keys
 from lmtier.manager import TierManager
 from lmtier.tiers.base import Tier, TierUsage
 from lmtier.tiers.codec import CodecTier
 from lmtier.tiers.cpu import CPUPool
 from lmtier.tiers.factory import codec_chunk_shape
-from tests.test_connector_worker import CHUNK, Cache, _ns, _same_bits, _tokens
+from tests.test_connector_worker import CHUNK, Cache, _ns, _same_bits, _tokens, _worker
 
 
 class BatchingTier(Tier):
@@ -142,19 +142,11 @@ def test_manager_fetch_lower_many_disk_then_one_remote_call(tmp_path):
         mgr.close(persist=False)
 
 
-def _remote_worker(cache, remote, *, io_threads=2, decode_on="host", window=None, pool_slots=16):
+def _remote_worker(cache, remote, *, decode_on="host", window=None, pool_slots=16):
+    """A ConnectorWorker (2 I/O threads) over a CPU pool of ``pool_slots`` chunks and ``remote``."""
     ns = _ns(cache.dtype)
     mgr = TierManager(cpu=CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes), remote=remote)
-    w = ConnectorWorker(
-        cache.layout,
-        mgr,
-        chunk_size=CHUNK,
-        block_size=cache.bs,
-        namespace=ns,
-        io_threads=io_threads,
-        decode_on=decode_on,
-        device_window=window,
-    )
+    w, _, _ = _worker(cache, mgr, io_threads=2, decode_on=decode_on, device_window=window)
     return w, mgr, ns
 
 
