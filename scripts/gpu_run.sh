@@ -6,7 +6,8 @@
 # Redis and Mooncake Store tiers (+ codec) at 7,500 tokens; "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
-# --fetch-batch 1, one chunk per I/O task, beside ttftremote's default); LMTIER_GPU_BENCH=quick
+# --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
+# with unsealed, MACed and encrypted records in one run, and lmtier bench seal); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
 # redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
 # ttft bench measures the Redis tiers on loopback too; `bash scripts/bundle_mooncake.sh` packs the
@@ -92,6 +93,16 @@ if has mooncake; then
     > "$OUT/bench_mooncake.log" 2>&1
   echo "bench mooncake rc=$?"
 fi
+if has seal; then
+  # issue 18: TTFT added by sealed records (MAC, encryption) on the Redis+codec tier, same-run recompute
+  for seal in none mac encrypt; do
+    timeout 150 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-mooncake \
+      --remote-seal $seal --quiet --json "$OUT/ttft_seal_$seal.json" > "$OUT/bench_ttft_seal_$seal.log" 2>&1
+    echo "bench ttft --remote-seal $seal rc=$?"
+  done
+  timeout 200 $PY -m lmtier.cli bench seal --json "$OUT/seal.json" > "$OUT/bench_seal.log" 2>&1
+  echo "bench seal rc=$?"
+fi
 if has ttfthost; then
   # the codec tiers as the vLLM connector runs them today: records decoded on the host (CPU), then copied
   timeout 300 $PY -m lmtier.bench.ttft --device cuda --lengths 1024,4096,7500 --codec-levels default --codec-decode host \
@@ -108,10 +119,10 @@ if has codec; then
 fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_rans bench_codec; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_seal bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings
-for f in "$OUT"/ttft.json "$OUT"/ttft_remote.json "$OUT"/ttft_batch1.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
+for f in "$OUT"/ttft.json "$OUT"/ttft_remote.json "$OUT"/ttft_batch1.json "$OUT"/ttft_seal_*.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
   [ -f "$f" ] && $PY scripts/ttft_table.py "$f"
 done
