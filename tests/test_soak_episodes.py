@@ -327,3 +327,16 @@ def test_remote_timeout_default_follows_the_remote():
     assert parse_args(["--ci"]).remote_timeout == 0.5
     assert parse_args(["--ci", "--remote", "mooncake"]).remote_timeout == 5.0
     assert parse_args(["--ci", "--remote", "mooncake", "--remote-timeout", "2"]).remote_timeout == 2.0
+
+
+def test_run_soak_docstring_lists_every_fault():
+    """``run_soak.py``'s docstring (its --help epilog) describes every fault of the table: disk_oddities
+    (issue 20 section 2) was runnable but missing from it."""
+    import re
+
+    from tests.soak import run_soak
+    from tests.soak.faults import FAULTS
+
+    doc = run_soak.__doc__
+    listed = set(re.findall(r"^  ([a-z_]+) +\S", doc, re.M))
+    assert set(FAULTS) <= listed, sorted(set(FAULTS) - listed)

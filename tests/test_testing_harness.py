@@ -85,3 +85,18 @@ def test_no_hash_derived_seeds():
         if bad.search(line)
     ]
     assert hits == []
+
+
+@pytest.mark.parametrize("size", [8192, 8192 + 5, 8192 + 40, 1 << 20])
+def test_corrupt_file_changes_the_file(tmp_path, size):
+    """The engine harness's disk fault flips bytes of every record at least 8 KiB long: at exactly
+    8 KiB its two 16-byte ranges were the same bytes, flipped twice (the file came out unchanged)."""
+    from lmtier.testing.vllm import _corrupt_file
+
+    f = tmp_path / "r.lmt"
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    f.write_bytes(data)
+    assert _corrupt_file(str(f))
+    got = f.read_bytes()
+    assert len(got) == size and got != data
+    assert sum(a != b for a, b in zip(got, data)) >= 16

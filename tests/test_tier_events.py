@@ -91,3 +91,48 @@ def test_sealed_mooncake_batches_one_call(mooncake_store):
         assert [bytes(o) for o in outs] == data and spy.calls["batch_get_into"] == 1
     finally:
         seal.close()
+
+
+def test_disk_record_path_oddities_reach_the_connectors_tier_events(tmp_path, monkeypatch):
+    """A directory at a record path and a record that cannot be opened (EACCES) are misses counted
+    by the disk tier (``not_regular``, ``get_errors``) and exported by the connector's worker as tier
+    events (``vllm:lmtier_tier_events_total{tier="disk",...}``; issue 20 section 2: "counted in the
+    metrics"). Before, TIER_EVENTS left both out: the counts never left the tier."""
+    import errno
+    from types import SimpleNamespace
+
+    from lmtier.integration.vllm.worker_role import LMTierWorker
+    from lmtier.tiers.disk import DiskTier
+
+    disk = DiskTier([str(tmp_path / "d")], 16 << 20, io_threads=1)
+    try:
+        worker = SimpleNamespace(manager=SimpleNamespace(disk=disk, remote=None), _stats=StatsSink())
+        worker._tier_event_counts = lambda: LMTierWorker._tier_event_counts(worker)
+        worker._events_seen = worker._tier_event_counts()
+        keys = [bytes([i]) * 32 for i in (1, 2)]
+        for k in keys:
+            assert disk.put(k, b"x" * 5000)
+        paths = sorted(str(p) for p in (tmp_path / "d").rglob("*.lmt"))
+        assert len(paths) == 2
+        dir_path = disk._index[keys[0]].path
+        os.unlink(dir_path)
+        os.mkdir(dir_path)  # a directory where the record was
+        real_open = os.open
+
+        def deny(path, flags, *args, **kwargs):
+            if os.fspath(path) == disk._index[keys[1]].path:
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", deny)
+        assert disk.get_into(keys[1], bytearray(5000)) is None
+        monkeypatch.undo()
+        assert disk.get_into(keys[0], bytearray(5000)) is None
+        LMTierWorker.report_tier_events(worker)
+        taken = worker._stats.take()
+        assert taken is not None, "no tier event reported"
+        events = taken.data["tier_events"]
+        assert events == {"disk": {"not_regular": 1, "get_errors": 1}}, events
+        assert {"not_regular", "get_errors"} <= set(TIER_EVENTS)
+    finally:
+        disk.close()

@@ -206,12 +206,15 @@ def prompt_token_ids(p: dict, ids: list[int]) -> list[int]:
 
 
 def _corrupt_file(p: str) -> bool:
-    """Flip 16 bytes in the middle and 16 bytes 4 KiB before the end of ``p`` (False: < 8 KiB, untouched)."""
+    """Flip 16 bytes in the middle and 16 bytes 4 KiB before the end of ``p`` (False: < 8 KiB, untouched).
+    The second range is skipped where it would overlap the first (a file of 8 KiB + a few bytes: two
+    flips of the same bytes would restore them)."""
     size = os.path.getsize(p)
     if size < 8192:
         return False
+    mid, end = size // 2, size - 4096
     with open(p, "r+b") as fh:
-        for off in (size // 2, size - 4096):
+        for off in (mid, *([end] if end >= mid + 16 else [])):
             fh.seek(off)
             b = bytearray(fh.read(16))
             fh.seek(off)

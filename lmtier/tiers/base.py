@@ -59,12 +59,22 @@ class Eviction:
     payloads: tuple[Any, ...] | None = None
 
 
-TIER_EVENTS = ("corrupt", "corrupt_deleted", "auth_failures", "decode_failures", "timeouts", "breaker_rejects")
+TIER_EVENTS = (
+    "corrupt",
+    "corrupt_deleted",
+    "auth_failures",
+    "decode_failures",
+    "timeouts",
+    "breaker_rejects",
+    "not_regular",
+    "get_errors",
+)
 """Tier counters an operator watches (exported by the connector as
 ``vllm:lmtier_tier_events_total{tier,event}``): stored records that failed their checksum or format
 (``corrupt``; codec records: ``corrupt_deleted``), their MAC (``auth_failures``, sealed tiers) or
 decoding (``decode_failures``), remote calls that timed out or were refused by an open circuit
-breaker."""
+breaker; disk record paths holding a directory, symlink, FIFO or device node (``not_regular``) and
+records that could not be opened or read (``get_errors``: ``EACCES``, ``EIO``; issue 20 section 2)."""
 
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be

