@@ -30,9 +30,11 @@ Data model (``P`` = the tier's ``key_prefix``; records stay ``P<64 hex>``, so lo
 Scripts (EVALSHA; loaded at start and again after ``NOSCRIPT``):
 
 * ``commit``: the last step of every put. The record was written under a temporary key in the same
-  pipeline (``SET ... EX 300``, or the pieces of a large record); the script checks its length,
-  evicts as above, ``RENAME``s it onto the record's key and accounts it — one atomic step, so the
-  record and its accounting appear together or not at all.
+  pipeline (``SET ... EX 300``, or the pieces of a large record, as without budgets); the script
+  checks its length, evicts as above, ``RENAME``s it onto the record's key and accounts it — one
+  atomic step, so the record and its accounting appear together or not at all. (The record is not
+  an argument of the script: Redis 7.0 spent ~25 µs per 16 KiB turning an argument into a Lua
+  string, ~220 µs per 128 KiB; the temporary key costs one ``SET``.)
 * ``touch``: reads refresh their records' scores. Hits are buffered and sent in batches (every
   ``touch_batch`` hits or ``touch_max_age_s``), one round trip per batch; a lost batch only ages
   the order.
@@ -300,9 +302,8 @@ class RedisBudget:
     def queue_commit(self, pipe: Any, tmp: bytes, name: bytes, tenant: str, nbytes: int) -> tuple:
         """Append the ``commit`` script for record ``name`` (written under ``tmp``, ``nbytes`` long
         with its header) of ``tenant`` to ``pipe``; returns the call's arguments for :meth:`finish_commit`."""
-        hexname = name[len(self.prefix) :]
         args = (
-            hexname,
+            name[len(self.prefix) :],
             tenant,
             nbytes,
             self.budgets.guaranteed_bytes(tenant),
