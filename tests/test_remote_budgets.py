@@ -281,6 +281,18 @@ def test_scripts_reload_after_a_flush(redis_server):
     c.close()
 
 
+def test_server_down_at_start(redis_server):
+    """The scripts are not loaded yet: the first put sends the commit script itself (EVAL), then loads them."""
+    redis_server.kill()
+    t = tier(redis_server, budgets(A=0.5))
+    assert t.budget.counters["script_loads"] == 0
+    redis_server.restart()
+    assert t.put(K(A, 0), data(0), tenant=A) and t.put(K(A, 1), data(1), tenant=A)
+    assert t.budget.counters["script_loads"] == 1
+    assert check_accounting(redis_server) == {A: 2 * R}
+    t.close()
+
+
 # ------------------------------------------------------------------------------- start-up checks
 def test_startup_warns_about_allkeys_policy_and_small_maxmemory(caplog):
     srv = start_or_skip(extra_args=("--maxmemory-policy", "allkeys-lru"), maxmemory=1 << 20)
