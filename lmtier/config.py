@@ -21,6 +21,17 @@ A tenant is a request's ``cache_salt`` (no salt: ``default``), named by a 16-hex
 (:func:`lmtier.tiers.tenants.tenant_id`), never by the salt. Other tenants' stores never evict a
 tenant's chunks below its guaranteed share; unused shares are borrowed and reclaimed.
 
+The same in the Redis/Valkey remote tier (:mod:`lmtier.tiers.redis.budget`; single instance only,
+not Redis Cluster nor Mooncake Store: a :class:`ConfigError` names the key)::
+
+    remote_tenant_capacity: 40            # GiB of records lmtier keeps in Redis (the shares' whole)
+    remote_tenant_share: 0.05             # and/or remote_tenant_shares: "id=fraction,..."
+
+lmtier then evicts in Redis itself; the server's ``maxmemory-policy`` must be ``noeviction`` (or
+``volatile-*``), not ``allkeys-*`` (checked at start-up where the server lets lmtier read it).
+LMCache has per-``cache_salt`` quotas only in its multiprocess server (``IsolatedLRU``, set at run
+time through ``/quota``), with no configuration key to mirror, hence lmtier's names.
+
 lmtier-only keys: ``remote_timeout_s`` (seconds per remote call, default 1.0),
 ``remote_password_env`` (name of an environment variable holding the Redis password; never logged),
 ``disk_io_threads`` (default 4), and the codec keys below.
@@ -145,7 +156,7 @@ from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
 from lmtier.tiers.p2p.settings import P2PSettings
 from lmtier.tiers.p2p.settings import resolve_settings as resolve_p2p
 from lmtier.tiers.seal.keys import KeyRing, load_keyring, parse_sources
-from lmtier.tiers.tenants import TenantShares, parse_tenant_shares
+from lmtier.tiers.tenants import SharedBudgets, TenantShares, parse_tenant_shares
 
 __all__ = [
     "ConfigError",
@@ -247,6 +258,8 @@ class RemoteConfig:
         encrypt: ``remote_encrypt``.
         keyring: the keys those sources hold (:class:`lmtier.tiers.seal.keys.KeyRing`: key ids and
             derived subkeys; its repr shows ids and sources only), or None when records are not sealed.
+        tenants: per-tenant budgets (``remote_tenant_share`` / ``remote_tenant_shares`` /
+            ``remote_tenant_capacity``: :class:`lmtier.tiers.tenants.SharedBudgets`), or None: off.
     """
 
     url: str | None = None
@@ -259,6 +272,7 @@ class RemoteConfig:
     accept_keys: tuple[str, ...] = ()
     encrypt: bool = False
     keyring: KeyRing | None = None
+    tenants: SharedBudgets | None = None
 
     @property
     def enabled(self) -> bool:
@@ -298,7 +312,8 @@ class RemoteConfig:
             f"timeout_s={self.timeout_s!r}, password_env={self.password_env!r}"
             + (f", mooncake={self.mooncake!r}" if self.mooncake is not None else "")
             + (f", auth_key={self.auth_key!r}, accept_keys={self.accept_keys!r}" if self.auth_key else "")
-            + (", encrypt=True)" if self.encrypt else ")")
+            + (", encrypt=True" if self.encrypt else "")
+            + (f", tenants={self.tenants!r})" if self.tenants is not None else ")")
         )
 
     @property
@@ -369,7 +384,18 @@ class LMTierConfig:
             "codec_level": self.codec_level,
             "cpu_tenant_share": None if self.cpu.tenants is None else self.cpu.tenants.default_share,
             "cpu_tenant_shares": None if self.cpu.tenants is None else (self.cpu.tenants.to_text() or None),
+            **self._remote_tenants_dict(),
             **self._p2p_dict(),
+        }
+
+    def _remote_tenants_dict(self) -> dict[str, Any]:
+        b = self.remote.tenants
+        if b is None:
+            return {"remote_tenant_share": None, "remote_tenant_shares": None, "remote_tenant_capacity": None}
+        return {
+            "remote_tenant_share": b.shares.default_share,
+            "remote_tenant_shares": b.shares.to_text() or None,
+            "remote_tenant_capacity": b.capacity_bytes / GIB,
         }
 
     def _p2p_dict(self) -> dict[str, Any]:
@@ -426,8 +452,9 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
             if values[key] is not None:
                 logger.warning("lmtier config: %s=%r without a mooncakestore:// remote_url; unused", key, values[key])
     auth_key, accept_keys, encrypt = _check_auth(values)
+    tenants = _parse_remote_tenants(values)
     if url is None:
-        for key in ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt"):
+        for key in ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt", *_REMOTE_TENANT_KEYS):
             if values[key]:
                 logger.warning("lmtier config: %s=%r without remote_url; unused", key, values[key])
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
@@ -438,6 +465,8 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     mooncake = None
     if isinstance(endpoint, MooncakeEndpoint):
         mooncake = resolve_settings(endpoint.master_address, values, env)
+    if tenants is not None:
+        _check_remote_tenants_endpoint(values, endpoint)
     keyring = None
     if auth_key is not None:
         keyring = load_keyring(auth_key, accept_keys, env, keys=("remote_auth_key", "remote_auth_accept_keys"))
@@ -452,7 +481,59 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         accept_keys=accept_keys,
         encrypt=encrypt,
         keyring=keyring,
+        tenants=tenants,
     )
+
+
+_REMOTE_TENANT_KEYS = ("remote_tenant_share", "remote_tenant_shares", "remote_tenant_capacity")
+
+
+def _parse_remote_tenants(values: dict[str, Any]) -> SharedBudgets | None:
+    """``remote_tenant_share(s)`` + ``remote_tenant_capacity`` (all unset: None, budgets off)."""
+    shares = parse_tenant_shares(
+        "remote_tenant_shares",
+        values["remote_tenant_shares"],
+        values["remote_tenant_share"],
+        default_key="remote_tenant_share",
+    )
+    cap = values["remote_tenant_capacity"]
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise _err("remote_tenant_capacity", cap, "must be a positive, finite number of GiB")
+    if shares is None:
+        if cap is not None:
+            raise _err("remote_tenant_capacity", cap, "needs remote_tenant_share or remote_tenant_shares (budgets)")
+        return None
+    if cap is None:
+        key = "remote_tenant_shares" if values["remote_tenant_shares"] else "remote_tenant_share"
+        raise _err(
+            key,
+            values[key],
+            "needs remote_tenant_capacity (GiB of records all tenants together may keep; the shares' whole)",
+        )
+    cap_bytes = int(cap * GIB)
+    if cap_bytes < 1:
+        raise _err("remote_tenant_capacity", cap, "is less than one byte")
+    return SharedBudgets(shares, cap_bytes)
+
+
+def _check_remote_tenants_endpoint(values: dict[str, Any], endpoint: Any) -> None:
+    """Budgets need a single Redis/Valkey instance (docs/ARCHITECTURE.md, "Tenant budgets")."""
+    key = "remote_tenant_shares" if values["remote_tenant_shares"] else "remote_tenant_share"
+    if isinstance(endpoint, MooncakeEndpoint):
+        raise _err(
+            key,
+            values[key],
+            "not available with a mooncakestore:// remote_url: Mooncake Store evicts by its own LRU "
+            "across all objects and has no per-owner quota, so lmtier could not keep one tenant's "
+            "writes from evicting another's (docs/ARCHITECTURE.md)",
+        )
+    if isinstance(endpoint, RedisEndpoint) and endpoint.kind == "cluster":
+        raise _err(
+            key,
+            values[key],
+            "not available with Redis Cluster: the budget scripts need the accounting and each record in "
+            "one hash slot; use a single Redis/Valkey instance (docs/ARCHITECTURE.md)",
+        )
 
 
 def _check_auth(values: dict[str, Any]) -> tuple[str | None, tuple[str, ...], bool]:

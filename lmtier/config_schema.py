@@ -97,6 +97,16 @@ KEYS: dict[str, KeySpec] = {
     "cpu_tenant_shares": KeySpec(
         OPT_STR, None, "per-tenant CPU pool shares: tenant_id=fraction,... (id: default or 16 hex)"
     ),
+    # The same in the Redis/Valkey remote tier (lmtier.tiers.redis.budget); needs remote_tenant_capacity.
+    "remote_tenant_share": KeySpec(
+        OPT_FLOAT, None, "fraction [0, 1] of remote_tenant_capacity guaranteed to each cache_salt tenant"
+    ),
+    "remote_tenant_shares": KeySpec(
+        OPT_STR, None, "per-tenant remote shares: tenant_id=fraction,... (id: default or 16 hex)"
+    ),
+    "remote_tenant_capacity": KeySpec(
+        OPT_FLOAT, None, "GiB of records all tenants together may keep in the remote tier (budgets on)"
+    ),
     # ---- P2P sharing over NIXL (lmtier.tiers.p2p.settings, docs/p2p.md) ----
     "enable_p2p": KeySpec(BOOL, False, "P2P: share the CPU pool with peers over NIXL (LMCache's key)"),
     "p2p_host": KeySpec(OPT_STR, None, "P2P: the address peers know this node by (LMCache's key)"),

@@ -111,6 +111,9 @@ class TierManager:
         self.disk = disk
         self.remote = remote
         self.p2p = p2p  # P2P sharing (lmtier.tiers.p2p): consulted after disk, before remote
+        # Per-tenant budgets of the remote tier: its put takes the chunk's tenant (tiers without
+        # budgets keep the plain two-argument put).
+        self._remote_tenants = remote is not None and remote.tenant_budgets is not None
         self.counters: collections.Counter[str] = collections.Counter()
         self._tenant_counters: dict[str, collections.Counter[str]] = {}
         self._counter_lock = threading.Lock()
@@ -254,7 +257,8 @@ class TierManager:
                 unchanged until the returned future completes.
             timeout_s: how long to wait for room in the store queue: ``0`` (default) never waits
                 and drops the store when the queue is full; ``None`` waits as long as needed.
-            tenant: the chunk's tenant in the CPU pool (:func:`lmtier.tiers.tenants.tenant_id`).
+            tenant: the chunk's tenant (:func:`lmtier.tiers.tenants.tenant_id`) in the CPU pool and
+                in a remote tier with budgets.
 
         Returns:
             ``Future[bool]``: True once the chunk is stored in (or already was in) a tier; False if
@@ -319,7 +323,7 @@ class TierManager:
                 self.cpu.commit(slot, n)
                 self._count("stored_cpu")
                 self._publish(IndexEventKind.STORED, key, "cpu")
-                self._send_remote(key)
+                self._send_remote(key, tenant)
                 return True
             if self.cpu.is_present(key):
                 self._count("store_present")
@@ -334,7 +338,7 @@ class TierManager:
             if ok:
                 self._publish(IndexEventKind.STORED, key, "disk")
         if self.remote is not None:
-            r = bool(self._safe(self.remote.put, key, payload, default=False))
+            r = bool(self._safe(self.remote.put, key, payload, default=False, **self._tenant_kw(tenant)))
             self._count("stored_remote" if r else "remote_put_failures")
             if r and not ok:
                 self._publish(IndexEventKind.STORED, key, "remote")
@@ -367,15 +371,16 @@ class TierManager:
         if promoted:
             self._count("promotions")
         else:
-            self.publish(slot.key)
+            self.publish(slot.key, tenant=slot.tenant)
 
-    def publish(self, key: bytes) -> None:
+    def publish(self, key: bytes, *, tenant: str = DEFAULT_TENANT) -> None:
         """Write a chunk the caller committed into the CPU pool through to disk and remote, asynchronously.
 
         For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
         into a slot). The disk copy makes the chunk survive a restart without waiting for eviction;
         both writes are best-effort (dropped and counted when their queues are full). Publishes no
-        index event (:meth:`commit` commits, publishes ``STORED`` and calls this).
+        index event (:meth:`commit` commits, publishes ``STORED`` and calls this). ``tenant``: the
+        chunk's tenant in a remote tier with budgets.
         """
         self._check_open()
         if self.disk is not None and self.cpu is not None:
@@ -389,7 +394,7 @@ class TierManager:
                     raise
             else:
                 self._count("disk_dropped_queue_full")
-        self._send_remote(key)
+        self._send_remote(key, tenant)
 
     def _disk_job(self, key: bytes) -> None:
         try:
@@ -409,7 +414,11 @@ class TierManager:
             self._store_slots.release()
             self._leave()
 
-    def _send_remote(self, key: bytes) -> None:
+    def _tenant_kw(self, tenant: str) -> dict[str, str]:
+        """``put``'s ``tenant=`` for a remote tier with budgets, else nothing."""
+        return {"tenant": tenant} if self._remote_tenants else {}
+
+    def _send_remote(self, key: bytes, tenant: str = DEFAULT_TENANT) -> None:
         if self.remote is None or self._remote_pool is None:
             return
         if not self._remote_slots.acquire(blocking=False):
@@ -417,13 +426,13 @@ class TierManager:
             return
         self._enter()
         try:
-            self._remote_pool.submit(self._remote_job, key)
+            self._remote_pool.submit(self._remote_job, key, tenant)
         except BaseException:
             self._remote_slots.release()
             self._leave()
             raise
 
-    def _remote_job(self, key: bytes) -> None:
+    def _remote_job(self, key: bytes, tenant: str) -> None:
         try:
             assert self.cpu is not None and self.remote is not None
             slot = self.cpu.acquire(key)  # pinned while the remote tier reads it
@@ -431,7 +440,7 @@ class TierManager:
                 self._count("remote_skipped_evicted")
                 return
             try:
-                ok = bool(self._safe(self.remote.put, key, slot.memoryview(), default=False))
+                ok = bool(self._safe(self.remote.put, key, slot.memoryview(), default=False, **self._tenant_kw(tenant)))
             finally:
                 self.cpu.release(slot)
             self._count("stored_remote" if ok else "remote_put_failures")
@@ -685,9 +694,13 @@ class TierManager:
 
     def tenant_stats(self) -> dict[str, dict[str, int]]:
         """Per tenant id: the CPU pool's usage and eviction counts (:meth:`CPUPool.tenant_stats`, with
-        budgets on) and the ``hits_{cpu,disk,remote}`` / ``misses`` of :meth:`retrieve_into` calls
-        that named the tenant (a snapshot)."""
+        budgets on), the remote tier's as ``remote_<name>`` (with its budgets:
+        :meth:`lmtier.tiers.redis.RedisTier.tenant_stats`) and the ``hits_{cpu,disk,remote}`` /
+        ``misses`` of :meth:`retrieve_into` calls that named the tenant (a snapshot)."""
         out = self.cpu.tenant_stats() if self.cpu is not None else {}
+        if self._remote_tenants:
+            for t, row in self.remote.tenant_stats().items():  # type: ignore[union-attr]
+                out.setdefault(t, {}).update({f"remote_{k}": v for k, v in row.items()})
         with self._counter_lock:
             for t, c in self._tenant_counters.items():
                 out.setdefault(t, {}).update(c)

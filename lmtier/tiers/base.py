@@ -146,7 +146,11 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: bytes, payload: Any) -> bool:
-        """Store ``payload`` (read-only, contiguous bytes) under ``key``. Returns success."""
+        """Store ``payload`` (read-only, contiguous bytes) under ``key``. Returns success.
+
+        Tiers with per-tenant budgets (:attr:`tenant_budgets` not None: the CPU pool, the Redis tier
+        and the decorators over it) also take ``tenant=`` (:func:`lmtier.tiers.tenants.tenant_id`);
+        the tier manager passes it only to those."""
 
     @abc.abstractmethod
     def delete(self, key: bytes) -> bool:
@@ -160,6 +164,18 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> TierUsage:
         """Current capacity and usage."""
+
+    @property
+    def tenant_budgets(self) -> Any:
+        """The per-tenant budgets this tier enforces (its ``put`` then takes ``tenant=``), or None
+        (default). Decorators forward their inner tier's."""
+        return None
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant id, this tier's budget counts (``commits``, ``evicted_by_self``,
+        ``evicted_by_others``, ``evicted_others``, ``denied``, ``held_bytes``,
+        ``guaranteed_bytes``); ``{}`` without budgets (default)."""
+        return {}
 
     def event_counts(self) -> dict[str, int]:
         """Cumulative event counts of this tier since it was built (``counters``: ``corrupt``,

@@ -261,10 +261,17 @@ class CodecTier(Tier):
         if failed:
             self._count("evict_listener_errors", failed)
 
-    def put(self, key: bytes, payload: Any) -> bool:
+    @property
+    def tenant_budgets(self) -> Any:
+        return self.inner.tenant_budgets
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        return self.inner.tenant_stats()
+
+    def put(self, key: bytes, payload: Any, **kw: Any) -> bool:
         """Encode ``payload`` (exactly one chunk's canonical bytes: bytes-like, NumPy, CPU or CUDA
         tensor) and store the record. Returns False when the payload is not one chunk, the level
-        cannot represent it, or the inner put fails."""
+        cannot represent it, or the inner put fails. ``kw`` (``tenant=``) goes to the inner put."""
         ikey = self.inner_key(key)
         try:
             src = self._source(payload)
@@ -290,7 +297,7 @@ class CodecTier(Tier):
             )
             self._count("put_failures")
             return False
-        ok = bool(self.inner.put(ikey, memoryview(record)))
+        ok = bool(self.inner.put(ikey, memoryview(record), **kw))
         if ok:
             self._count("puts")
             self._count("raw_bytes_in", self.raw_bytes)

@@ -79,12 +79,25 @@ class Slot:
         view: ``torch.uint8`` CPU tensor ``[nbytes]`` aliasing the slot (valid until the handle is
             committed/aborted/released; do not keep it after that).
         mode: ``"write"`` or ``"read"``.
+        tenant: write handles: the tenant named at ``reserve`` (the tier manager writes the chunk
+            through to a shared tier for it); read handles: :data:`~lmtier.tiers.tenants.DEFAULT_TENANT`.
     """
 
-    __slots__ = ("key", "index", "offset", "nbytes", "view", "mode", "_gen", "_open")
+    __slots__ = ("key", "index", "offset", "nbytes", "view", "mode", "tenant", "_gen", "_open")
 
-    def __init__(self, key: bytes, index: int, offset: int, nbytes: int, view: torch.Tensor, mode: str, gen: int):
+    def __init__(
+        self,
+        key: bytes,
+        index: int,
+        offset: int,
+        nbytes: int,
+        view: torch.Tensor,
+        mode: str,
+        gen: int,
+        tenant: str = DEFAULT_TENANT,
+    ):
         self.key = key
+        self.tenant = tenant
         self.index = index
         self.offset = offset
         self.nbytes = nbytes
@@ -579,6 +592,7 @@ class CPUPool(Tier):
             self._views[idx][: self.chunk_bytes],
             _WRITE,
             self._gen[idx],
+            tenant,
         )
 
     def _evicted_locked(self, idx: int, victim: bytes, tenant: str) -> None:

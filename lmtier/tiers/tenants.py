@@ -44,6 +44,10 @@ Cost: with budgets off the pool does none of this. On: a dict update per reserve
 acquire / release / free, and an eviction scans the borrowers (``O(number of borrowers)``);
 measured in benchmarks/RESULTS.md ("tenant budgets").
 
+Shared tiers: :class:`SharedBudgets` (``remote_tenant_share(s)`` + ``remote_tenant_capacity``) is the
+same policy in bytes of records, enforced in the Redis/Valkey server by
+:mod:`lmtier.tiers.redis.budget`.
+
 Not thread-safe: the pool calls every method under its lock. Imports no torch.
 """
 
@@ -56,7 +60,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_TENANT", "TenantShares", "TenantLedger", "tenant_id", "parse_tenant_shares"]
+__all__ = [
+    "DEFAULT_TENANT",
+    "SharedBudgets",
+    "TenantShares",
+    "TenantLedger",
+    "check_tenant",
+    "tenant_id",
+    "parse_tenant_shares",
+]
 
 DEFAULT_TENANT = "default"
 """The tenant of requests without a ``cache_salt``."""
@@ -129,20 +141,62 @@ class TenantShares:
         return ",".join(f"{t}={f:g}" for t, f in self.shares)
 
 
-def parse_tenant_shares(key: str, text: str | None, default_share: float | None) -> TenantShares | None:
+def check_tenant(tenant: str) -> str:
+    """``tenant`` if it is a tenant id (:data:`DEFAULT_TENANT` or 16 hex digits, the form of
+    :func:`tenant_id`); shared tiers put it into key names, so nothing else is accepted.
+
+    Raises:
+        ValueError: another string (or not a string).
+    """
+    if not isinstance(tenant, str) or not _ID_RE.match(tenant):
+        raise ValueError(f"tenant must be 'default' or {TENANT_ID_HEX} hex digits (tenant_id(salt)), got {tenant!r}")
+    return tenant
+
+
+@dataclass(frozen=True)
+class SharedBudgets:
+    """Per-tenant budgets of a shared tier (Redis/Valkey: :mod:`lmtier.tiers.redis.budget`), the
+    same policy as the CPU pool's (the module doc) in bytes of stored records.
+
+    Attributes:
+        shares: the guaranteed fractions (``remote_tenant_share`` / ``remote_tenant_shares``).
+        capacity_bytes: the bytes of records all tenants together may keep in the shared tier
+            (``remote_tenant_capacity``, GiB in the config); the shares are fractions of it.
+    """
+
+    shares: TenantShares
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 1:
+            raise ValueError(f"SharedBudgets: capacity_bytes must be a positive int, got {self.capacity_bytes!r}")
+
+    def guaranteed_bytes(self, tenant: str) -> int:
+        """``floor(share(tenant) * capacity_bytes)``."""
+        return int(self.shares.share_of(tenant) * self.capacity_bytes)
+
+    def fingerprint(self) -> str:
+        """The settings as one line (nodes sharing a store compare it at start-up)."""
+        return f"capacity={self.capacity_bytes};share={self.shares.default_share:g};shares={self.shares.to_text()}"
+
+
+def parse_tenant_shares(
+    key: str, text: str | None, default_share: float | None, *, default_key: str = "cpu_tenant_share"
+) -> TenantShares | None:
     """Build :class:`TenantShares` from ``cpu_tenant_shares`` (``text``: comma-separated
     ``tenant_id=fraction`` items, ids from :func:`tenant_id` or ``default``) and
-    ``cpu_tenant_share`` (``default_share``). Returns None (budgets off) when both are unset.
+    ``cpu_tenant_share`` (``default_share``) — or the ``remote_tenant_*`` pair (``key`` and
+    ``default_key`` name the keys). Returns None (budgets off) when both are unset.
 
     Raises:
         lmtier.config.ConfigError: a malformed item, an unknown id form, a fraction outside
             ``[0, 1]``, an id listed twice, fractions adding up to more than 1 (the message names
-            ``key`` or ``cpu_tenant_share``).
+            ``key`` or ``default_key``).
     """
     from lmtier.config_schema import config_error
 
     if default_share is not None and not (math.isfinite(default_share) and 0.0 <= default_share <= 1.0):
-        raise config_error("cpu_tenant_share", default_share, "must be a fraction of the CPU pool in [0, 1]")
+        raise config_error(default_key, default_share, "must be a fraction in [0, 1]")
     if text is None or not text.strip():
         return None if default_share is None else TenantShares(float(default_share))
     items: list[tuple[str, float]] = []
@@ -163,7 +217,7 @@ def parse_tenant_shares(key: str, text: str | None, default_share: float | None)
             raise config_error(key, text, f"tenant {tid} listed twice")
         items.append((tid, f))
     if sum(f for _, f in items) > 1.0 + 1e-9:
-        raise config_error(key, text, "the shares add up to more than 1 (the whole pool)")
+        raise config_error(key, text, "the shares add up to more than 1 (the whole pool / capacity)")
     return TenantShares(0.0 if default_share is None else float(default_share), tuple(items))
 
 

@@ -77,7 +77,8 @@ class LMTierScheduler:
         self.block_size = block_size
         self._is_cuda = is_cuda
         self._stats = stats
-        self._tenants = config.cpu.tenants is not None  # per-tenant lookup / hit tokens in the stats
+        # per-tenant lookup / hit tokens in the stats
+        self._tenants = config.cpu.tenants is not None or config.remote.tenants is not None
         self._shared_mgr = shared
         self._requests: dict[str, Any] = {}  # req_id -> Request (token ids, salt)
         self._lookups: dict[str, tuple[int, int, list[str], bool]] = {}

@@ -43,13 +43,17 @@ TENANT_FIELDS = (
     "evicted_by_others",
     "evicted_others",
     "denied",
+    *(f"remote_{k}" for k in ("commits", "evicted_by_self", "evicted_by_others", "evicted_others", "denied")),
 )
 """Per-tenant counters (``data["tenants"][tenant_id]``, tenant budgets on): lookup / hit tokens (the
 scheduler), and the CPU pool's ``commits``, ``evicted_by_self`` / ``evicted_by_others`` (the
 tenant's chunks evicted for its own / another tenant's stores), ``evicted_others`` (other tenants'
 chunks evicted for its stores), ``denied`` (its reservations refused: nothing it may evict);
-:meth:`lmtier.tiers.tenants.TenantLedger.stats`. Plus the gauge ``held_bytes`` (the highest value
-reported in the interval, over TP ranks)."""
+:meth:`lmtier.tiers.tenants.TenantLedger.stats`. The same with ``remote_`` for the remote tier's
+budgets (this node's puts: :meth:`lmtier.tiers.redis.budget.RedisBudget.tenant_stats`). Plus the
+gauges ``held_bytes`` / ``remote_held_bytes`` (the highest value reported in the interval, over TP
+ranks)."""
+_GAUGES = ("held_bytes", "remote_held_bytes")
 TENANT_LABELS_MAX = 64
 """Distinct ``tenant`` label values per process in the Prometheus series; later tenants are ``other``."""
 
@@ -150,7 +154,7 @@ class LMTierStats(KVConnectorStats):
         """Add ``value`` to tenant ``tenant``'s counter ``key`` (:data:`TENANT_FIELDS`), or raise its
         ``held_bytes`` gauge to ``value``."""
         row = self.data["tenants"].setdefault(tenant, {})
-        row[key] = max(row.get(key, 0), value) if key == "held_bytes" else row.get(key, 0) + value
+        row[key] = max(row.get(key, 0), value) if key in _GAUGES else row.get(key, 0) + value
 
     def add_tier_event(self, tier: str, event: str, value: float) -> None:
         """Add ``value`` to tier ``tier``'s count of ``event`` (:data:`lmtier.tiers.base.TIER_EVENTS`)."""
@@ -207,7 +211,9 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
     Per tenant (tenant budgets on; label ``tenant``: the tenant id, at most
     :data:`TENANT_LABELS_MAX` values, then ``other``): ``vllm:lmtier_tenant_{lookup_tokens,
     hit_tokens,commits,evicted_others,denied}_total``, ``vllm:lmtier_tenant_evicted_total{by}``
-    (``by``: ``self`` or ``other``) and the gauge ``vllm:lmtier_tenant_held_bytes``. Tier events:
+    (``by``: ``self`` or ``other``) and the gauge ``vllm:lmtier_tenant_held_bytes``; with remote
+    budgets the same as ``vllm:lmtier_tenant_remote_{commits,evicted_others,denied}_total``,
+    ``vllm:lmtier_tenant_remote_evicted_total{by}``, ``vllm:lmtier_tenant_remote_held_bytes``. Tier events:
     ``vllm:lmtier_tier_events_total{tier,event}`` (:data:`lmtier.tiers.base.TIER_EVENTS`).
     """
 
@@ -251,18 +257,21 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:lmtier_tenant_{k}", documentation=f"lmtier: {k} per tenant.", labelnames=tl
             )
             for k in ("lookup_tokens", "hit_tokens", "commits", "evicted_others", "denied")
+            + ("remote_commits", "remote_evicted_others", "remote_denied")
         }
-        self._tev = self._counter_cls(
-            name="vllm:lmtier_tenant_evicted",
-            documentation="lmtier: a tenant's CPU-pool chunks evicted, by whose store (self / other).",
-            labelnames=tl + ["by"],
-        )
-        self._theld = self._gauge_cls(
-            name="vllm:lmtier_tenant_held_bytes",
-            documentation="lmtier: CPU-pool bytes held per tenant.",
-            labelnames=tl,
-            multiprocess_mode="mostrecent",
-        )
+        self._tev, self._theld = {}, {}
+        for p, where in (("", "CPU-pool"), ("remote_", "remote-tier")):
+            self._tev[p] = self._counter_cls(
+                name=f"vllm:lmtier_tenant_{p}evicted",
+                documentation=f"lmtier: a tenant's {where} chunks evicted, by whose store (self / other).",
+                labelnames=tl + ["by"],
+            )
+            self._theld[p] = self._gauge_cls(
+                name=f"vllm:lmtier_tenant_{p}held_bytes",
+                documentation=f"lmtier: {where} bytes held per tenant.",
+                labelnames=tl,
+                multiprocess_mode="mostrecent",
+            )
         self._tenant_labels: set[str] = set()
         self._tier_events = self._counter_cls(
             name="vllm:lmtier_tier_events",
@@ -284,11 +293,12 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             for k, c in self._tc.items():
                 if row.get(k):
                     c.labels(*lv, t).inc(row[k])
-            for field, by in (("evicted_by_self", "self"), ("evicted_by_others", "other")):
-                if row.get(field):
-                    self._tev.labels(*lv, t, by).inc(row[field])
-            if "held_bytes" in row and t != "other":
-                self._theld.labels(*lv, t).set(row["held_bytes"])
+            for p in ("", "remote_"):
+                for field, by in (("evicted_by_self", "self"), ("evicted_by_others", "other")):
+                    if row.get(p + field):
+                        self._tev[p].labels(*lv, t, by).inc(row[p + field])
+                if p + "held_bytes" in row and t != "other":
+                    self._theld[p].labels(*lv, t).set(row[p + "held_bytes"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         d = transfer_stats_data or {}

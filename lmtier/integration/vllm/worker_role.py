@@ -108,7 +108,7 @@ class LMTierWorker:
         )
         self.reporter.subscribe(manager)
         # Per-tenant pool counters already reported (the pool may outlive an engine: start from now).
-        self._tenants_seen = manager.cpu.tenant_stats() if manager.cpu is not None else {}
+        self._tenants_seen = self._tenant_rows()
         self._events_seen = self._tier_event_counts()
 
     @property
@@ -315,20 +315,27 @@ class LMTierWorker:
         sending = self.transfers.finished_sending(delayed_frees)
         return sending, recv, failed
 
+    def _tenant_rows(self) -> dict[str, dict[str, int]]:
+        """Per tenant, the CPU pool's budget counts and the remote tier's (prefixed ``remote_``)."""
+        cpu, remote = self.manager.cpu, self.manager.remote
+        rows = cpu.tenant_stats() if cpu is not None and cpu.tenant_budgets is not None else {}
+        if remote is not None and remote.tenant_budgets is not None:
+            for t, row in remote.tenant_stats().items():
+                rows.setdefault(t, {}).update({f"remote_{k}": v for k, v in row.items()})
+        return rows
+
     def report_tenants(self) -> None:
-        """Add the CPU pool's per-tenant counts since the last call to the stats (tenant budgets on;
-        ``held_bytes`` of the tenants whose counts changed)."""
-        cpu = self.manager.cpu
-        if cpu is None or cpu.tenant_budgets is None:
-            return
-        for t, row in cpu.tenant_stats().items():
+        """Add the CPU pool's and the remote tier's per-tenant counts since the last call to the
+        stats (tenant budgets on; ``held_bytes`` / ``remote_held_bytes`` of the tenants whose counts
+        changed)."""
+        for t, row in self._tenant_rows().items():
             last = self._tenants_seen.get(t, {})
             if row == last:
                 continue
             for k, v in row.items():
-                if k == "held_bytes":
+                if k.endswith("held_bytes"):
                     self._stats.add_tenant(t, k, v)
-                elif k != "guaranteed_bytes" and v != last.get(k, 0):
+                elif not k.endswith("guaranteed_bytes") and v != last.get(k, 0):
                     self._stats.add_tenant(t, k, v - last.get(k, 0))
             self._tenants_seen[t] = row
 

@@ -1,7 +1,8 @@
 """Remote tier (tier 3): Redis / Valkey, single instance or Redis Cluster, through redis-py.
 
 :class:`RedisTier` (:mod:`lmtier.tiers.redis.tier`), its reply reader
-(:mod:`lmtier.tiers.redis.resp`) and circuit breaker (:mod:`lmtier.tiers.breaker`). URLs are
+(:mod:`lmtier.tiers.redis.resp`), per-tenant budgets (:mod:`lmtier.tiers.redis.budget`) and circuit
+breaker (:mod:`lmtier.tiers.breaker`). URLs are
 parsed by :mod:`lmtier.remote_url` (no redis-py needed there).
 """
 

@@ -3,7 +3,11 @@
 One key per chunk, ``<key_prefix><key hex>`` (default prefix ``"lmtier:"``), whose value is a
 self-describing record of :mod:`lmtier.record` with the compact header (``payload_offset = 128``)
 followed by the payload: there is no separate metadata key that could go out of sync. Eviction is
-Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``) or an optional per-key TTL.
+Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``) or an optional per-key TTL — or,
+with per-tenant budgets (``budgets``: ``remote_tenant_share(s)`` + ``remote_tenant_capacity``),
+lmtier's: every put ends in a Lua script that evicts by the tenant policy and accounts the record
+atomically (:mod:`lmtier.tiers.redis.budget`; then ``maxmemory-policy`` must be ``noeviction`` or
+``volatile-*``).
 
 Client: redis-py (with hiredis as its reply parser when installed) for every scheme —
 ``redis.Redis`` over a ``BlockingConnectionPool`` for ``redis://``, ``rediss://``, ``unix://``
@@ -90,7 +94,9 @@ from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.device import PinnedBounce
 from lmtier.tiers.redis import resp
+from lmtier.tiers.redis.budget import RedisBudget
 from lmtier.tiers.redis.resp import HEADER, CorruptValue, RecordReader
+from lmtier.tiers.tenants import DEFAULT_TENANT, SharedBudgets, check_tenant
 
 if TYPE_CHECKING:
     from lmtier.config import RemoteConfig
@@ -150,9 +156,12 @@ class RedisTier(Tier):
             seconds have passed — the socket timeout alone bounds each receive, not a server that
             trickles a byte per timeout. Checked before every receive (direct reads) or reply
             (parser path).
+        budgets: per-tenant budgets (:class:`~lmtier.tiers.tenants.SharedBudgets`;
+            :mod:`lmtier.tiers.redis.budget`), or None (Redis's own eviction). Single instance only.
 
     Raises:
-        ValueError: malformed URL (:class:`lmtier.remote_url.RemoteURLError`) or arguments.
+        ValueError: malformed URL (:class:`lmtier.remote_url.RemoteURLError`) or arguments; budgets
+            with Redis Cluster.
         TierError: authentication rejected by the server.
 
     Attributes:
@@ -160,8 +169,9 @@ class RedisTier(Tier):
         url: ``endpoint.describe()`` (for logs: no password).
         counters: ``collections.Counter`` with ``hits``, ``misses``, ``errors``, ``corrupt``,
             ``torn_reads`` (verification failed, the atomic re-read succeeded), ``puts``,
-            ``put_failures``, ``breaker_rejects``; :attr:`breaker_open` and
-            ``breaker.times_opened``.
+            ``put_failures``, ``breaker_rejects``, ``budget_denied`` (puts refused by the
+            tenant policy); :attr:`breaker_open` and ``breaker.times_opened``.
+        budget: the :class:`~lmtier.tiers.redis.budget.RedisBudget`, or None.
     """
 
     name = "remote"
@@ -184,6 +194,7 @@ class RedisTier(Tier):
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         direct_reads: bool = True,
         min_read_bytes_per_s: float = 10e6,
+        budgets: SharedBudgets | None = None,
     ) -> None:
         super().__init__()
         if timeout_s <= 0 or connect_timeout_s <= 0:
@@ -204,10 +215,16 @@ class RedisTier(Tier):
             )
         if isinstance(endpoint, str):
             endpoint = parse_redis_url(endpoint, password_env=password_env)
+
         elif password_env is not None:
             raise ValueError("RedisTier: password_env applies to a URL string; an endpoint carries its password")
         if not isinstance(endpoint, RedisEndpoint):
             raise TypeError(f"RedisTier: endpoint must be a RedisEndpoint or a URL, got {type(endpoint).__name__}")
+        if budgets is not None and endpoint.kind == "cluster":
+            raise ValueError(
+                "RedisTier: per-tenant budgets need a single instance (a script must see the accounting "
+                "and the record in one hash slot); not available with Redis Cluster"
+            )
         self.endpoint = endpoint
         self.url = endpoint.describe()
         self.timeout_s = timeout_s
@@ -221,6 +238,9 @@ class RedisTier(Tier):
         self.direct_reads = bool(direct_reads)
         self.min_read_bytes_per_s = float(min_read_bytes_per_s)
         self._meta = rec.RecordMeta(namespace=bytes(namespace))
+        self.budget = None if budgets is None else RedisBudget(budgets, self.key_prefix, ttl_s=ttl_s)
+        if budgets is not None and capacity_bytes == 0:
+            self.capacity_bytes = budgets.capacity_bytes
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self.counters: collections.Counter = collections.Counter()
         self._device = PinnedBounce(max_cached=2)  # CUDA payloads / destinations
@@ -232,6 +252,9 @@ class RedisTier(Tier):
             self._client = redis.Redis(connection_pool=self._make_pool())
             try:
                 self._client.ping()
+                if self.budget is not None:
+                    self.budget.load(self._client)
+                    self.budget.check_server(self._client)
             except (
                 redis.exceptions.AuthenticationError,
                 redis.exceptions.AuthenticationWrongNumberOfArgsError,
@@ -261,8 +284,9 @@ class RedisTier(Tier):
 
     @classmethod
     def from_config(cls, remote: RemoteConfig, **kwargs: Any) -> RedisTier:
-        """The tier of a loaded configuration: the endpoint the config parsed (no second parse)
-        and ``remote_timeout_s``; ``kwargs`` go to the constructor (pieces, TTL, ...).
+        """The tier of a loaded configuration: the endpoint the config parsed (no second parse),
+        ``remote_timeout_s`` and the per-tenant budgets (``remote_tenant_*``); ``kwargs`` go to the
+        constructor (pieces, TTL, ...).
 
         Raises:
             ValueError: the remote tier is off in ``remote``. TierError: authentication rejected.
@@ -270,6 +294,7 @@ class RedisTier(Tier):
         if remote.endpoint is None:
             raise ValueError("RedisTier.from_config: the remote tier is off (remote_url is not set)")
         kwargs.setdefault("timeout_s", remote.timeout_s)
+        kwargs.setdefault("budgets", remote.tenants)
         return cls(remote.endpoint, **kwargs)
 
     @property
@@ -296,9 +321,40 @@ class RedisTier(Tier):
         res = self._do(op)
         return res if res is not None else [False] * len(keys)
 
-    def put(self, key: bytes, payload) -> bool:
-        """Store the record (compact header + payload); visible only once complete. Returns success."""
+    @property
+    def tenant_budgets(self) -> SharedBudgets | None:
+        """The per-tenant budgets, or None (Redis's own eviction)."""
+        return None if self.budget is None else self.budget.budgets
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant, this node's budget counts (:meth:`RedisBudget.tenant_stats
+        <lmtier.tiers.redis.budget.RedisBudget.tenant_stats>`); ``{}`` without budgets."""
+        return {} if self.budget is None else self.budget.tenant_stats()
+
+    def budget_usage(self) -> dict[str, dict[str, int]] | None:
+        """The store's per-tenant accounting now (:meth:`RedisBudget.usage
+        <lmtier.tiers.redis.budget.RedisBudget.usage>`); None without budgets or on failure."""
+        b = self.budget
+        return None if b is None else self._do(b.usage)
+
+    def reconcile_budgets(self) -> int | None:
+        """A whole reconcile pass (accounting of records deleted behind lmtier's back); the entries
+        removed, or None without budgets or on failure. Puts run one step now and then by themselves."""
+        b = self.budget
+        return None if b is None else self._do(b.reconcile_all)
+
+    def put(self, key: bytes, payload, *, tenant: str = DEFAULT_TENANT) -> bool:
+        """Store the record (compact header + payload); visible only once complete. Returns success
+        (False also when the tenant policy denies it: ``counters["budget_denied"]``).
+
+        ``tenant``: the chunk's tenant (:func:`~lmtier.tiers.tenants.tenant_id`), used with budgets.
+
+        Raises:
+            ValueError: a key that is not 32 bytes; with budgets, a ``tenant`` that is no tenant id.
+        """
         key = bytes(key)
+        if self.budget is not None:
+            check_tenant(tenant)
         if len(key) != KEY_BYTES:
             raise ValueError(f"RedisTier.put: key must be {KEY_BYTES} bytes, got {len(key)}")
         with self._device.host_payload(payload) as mv:
@@ -308,8 +364,11 @@ class RedisTier(Tier):
                 return False
             header = rec.encode_header(key, n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta)
             name = self._name(key)
-            ok = self._do(lambda client: self._put_op(client, name, header, mv))
+            ok = self._do(lambda client: self._put_op(client, name, header, mv, tenant))
             self.counters["puts" if ok else "put_failures"] += 1
+            b = self.budget
+            if b is not None and b.reconcile_due():
+                self._do(b.reconcile_step)
             return bool(ok)
 
     def get_into(self, key: bytes, out) -> int | None:
@@ -352,10 +411,19 @@ class RedisTier(Tier):
             self.counters["corrupt"] += 1
             self.delete(key)
         self.counters["hits" if n is not None else "misses"] += 1
+        if n is not None and self.budget is not None:
+            batch = self.budget.touched(name)
+            if batch:
+                b = self.budget
+                self._do(lambda client: b.touch(client, batch))
         return n
 
     def delete(self, key: bytes) -> bool:
+        """Delete the record (with budgets: and its accounting, in one script)."""
         name = self._name(key)
+        b = self.budget
+        if b is not None:
+            return bool(self._do(lambda client: b.drop(client, name)))
         return bool(self._do(lambda client: client.delete(name)))
 
     def forget(self, key: bytes) -> bool:
@@ -375,6 +443,11 @@ class RedisTier(Tier):
         return self._do(lambda client: bool(client.ping())) is True
 
     def close(self) -> None:
+        b = self.budget
+        if b is not None and self._client is not None:
+            batch = b.take_touched()
+            if batch:
+                self._do(lambda client: b.touch(client, batch))
         if self._client is not None:
             self._client.close()
             self._client.connection_pool.disconnect()
@@ -387,19 +460,33 @@ class RedisTier(Tier):
 
     # ---- data path -------------------------------------------------------------------------
 
-    def _put_op(self, client, name: bytes, header: bytes, mv: memoryview) -> bool:
+    def _put_op(self, client, name: bytes, header: bytes, mv: memoryview, tenant: str = DEFAULT_TENANT) -> bool:
         n, piece = mv.nbytes, self.piece_bytes
-        if HEADER + n <= piece:  # one piece: a single SET (the small concatenation is cheap)
+        b = self.budget
+        if HEADER + n <= piece and b is None:  # one piece: a single SET (the small concatenation is cheap)
             kw = {"ex": int(self.ttl_s)} if self.ttl_s else {}
             return bool(client.set(name, b"".join((header, mv)), **kw))
         tmp = _tmp_name(name)
         offs = list(range(0, n, piece))
         p = client.pipeline(transaction=False)
-        p.execute_command("SETRANGE", tmp, HEADER + offs[-1], mv[offs[-1] :])  # allocates the whole value
-        p.execute_command("EXPIRE", tmp, TMP_TTL_S)
-        for o in offs[:-1]:
-            p.execute_command("SETRANGE", tmp, HEADER + o, mv[o : o + piece])
-        p.execute_command("SETRANGE", tmp, 0, header)
+        if HEADER + n <= piece:  # budgets: SET under the temporary key, the script renames it
+            p.execute_command("SET", tmp, b"".join((header, mv)), "EX", TMP_TTL_S)
+        else:
+            p.execute_command("SETRANGE", tmp, HEADER + offs[-1], mv[offs[-1] :])  # allocates the whole value
+            p.execute_command("EXPIRE", tmp, TMP_TTL_S)
+            for o in offs[:-1]:
+                p.execute_command("SETRANGE", tmp, HEADER + o, mv[o : o + piece])
+            p.execute_command("SETRANGE", tmp, 0, header)
+        if b is not None:  # the commit script checks the length, evicts, renames and accounts at once
+            call = b.queue_commit(p, tmp, name, tenant, HEADER + n)
+            replies = p.execute(raise_on_error=False)
+            for r in replies[:-1]:
+                if isinstance(r, Exception):
+                    raise r
+            status = b.finish_commit(client, replies[-1], call, tenant)
+            if status == 0:
+                self.counters["budget_denied"] += 1
+            return status == 1
         p.execute_command("RENAME", tmp, name)
         if self.ttl_s:
             p.execute_command("EXPIRE", name, int(self.ttl_s))

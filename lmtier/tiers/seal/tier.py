@@ -305,8 +305,16 @@ class SealedTier(Tier):
         """The inner tier's usage (bytes of sealed records)."""
         return self.inner.usage()
 
-    def put(self, key: bytes, payload: Any) -> bool:
-        """Seal ``payload`` (contiguous host buffer or CUDA tensor) and store it under ``key``.
+    @property
+    def tenant_budgets(self) -> Any:
+        return self.inner.tenant_budgets
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        return self.inner.tenant_stats()
+
+    def put(self, key: bytes, payload: Any, **kw: Any) -> bool:
+        """Seal ``payload`` (contiguous host buffer or CUDA tensor) and store it under ``key``
+        (``kw``, i.e. ``tenant=``, goes to the inner put).
 
         Raises:
             ValueError: a key that is not 32 bytes.
@@ -315,7 +323,7 @@ class SealedTier(Tier):
             buf = self._scratch.acquire(self.sealer.sealed_bytes(mv.nbytes))
             try:
                 m = self.sealer.seal_into(buf.mv, mv, key)
-                ok = bool(self.inner.put(key, buf.mv[:m]))
+                ok = bool(self.inner.put(key, buf.mv[:m], **kw))
             finally:
                 self._scratch.release(buf)
         self._count("puts" if ok else "put_failures")
