@@ -265,7 +265,7 @@ def test_bench_p2p_smoke(nixl, redis_server):
         timeout=300,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "p2p_%raw" in r.stdout
+    assert "direct_%raw" in r.stdout and "raw_sleep_GBps" in r.stdout
 
 
 def test_lookup_only_tier_sees_peers_but_reads_nothing(directory):
