@@ -139,6 +139,8 @@ class TierManager:
             self._listeners.append(p2p.on_index_event)
         if cpu is not None:
             cpu.add_eviction_listener(self._on_cpu_evicted)
+            if remote is not None:  # a tier that can move chunks straight to/from its slots does
+                remote.attach_pool(cpu)
         if disk is not None:
             disk.add_eviction_listener(self._on_disk_evicted)
 
@@ -571,6 +573,9 @@ class TierManager:
         """:meth:`fetch_lower` of several chunks: the disk tier reads each; those it misses come from
         the remote tier in one ``get_many_into`` (one batched client call where the tier has one:
         :meth:`~lmtier.tiers.base.Tier.batches_gets`). Returns per key the chunk's length or None.
+        A miss whose ``out`` is a CPU-pool slot a tier left held (:meth:`CPUPool.hold
+        <lmtier.tiers.cpu.CPUPool.hold>`: a transfer that outlived its timeout may still write into
+        it) is not offered to later tiers: the caller must abort that slot.
 
         Raises:
             TypeError: bad ``out``. ValueError: ``keys`` and ``outs`` differ in length.
@@ -593,7 +598,8 @@ class TierManager:
             left = []
             for i, n in zip(todo, got, strict=True):
                 if n is None:
-                    left.append(i)
+                    if not self._held(targets[i]):  # a late transfer may still write it: no tier may fill it
+                        left.append(i)
                 else:
                     res[i] = n
                     self._count(f"hits_{tier.name}")
@@ -601,6 +607,18 @@ class TierManager:
         if todo:
             self._count("misses", len(todo))
         return res
+
+    def _held(self, target: Any) -> bool:
+        """Whether ``target`` is a CPU-pool slot a tier left held (:meth:`CPUPool.hold
+        <lmtier.tiers.cpu.CPUPool.hold>`: a transfer that outlived its timeout may still write into it)."""
+        if self.cpu is None:
+            return False
+        if isinstance(target, torch.Tensor):
+            n = target.numel() * target.element_size()
+            return target.device.type == "cpu" and self.cpu.is_held(target.data_ptr(), n)
+        from lmtier.tiers.buffers import address_of
+
+        return self.cpu.is_held(address_of(target), target.nbytes)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to ``counters[name]`` (thread-safe)."""

@@ -89,7 +89,7 @@ if has ttftbatch1; then
   echo "bench ttft --fetch-batch 1 rc=$?"
 fi
 if has mooncake; then
-  timeout 300 $PY -m lmtier.cli bench mooncake --pipeline-depths 1,2 --json "$OUT/mooncake.json" \
+  timeout 300 $PY -m lmtier.cli bench mooncake --pipeline-depths 1,2 --modes direct,bounce --json "$OUT/mooncake.json" \
     > "$OUT/bench_mooncake.log" 2>&1
   echo "bench mooncake rc=$?"
 fi

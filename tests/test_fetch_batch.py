@@ -194,6 +194,36 @@ def test_host_mode_groups_remote_fetches(missing):
         mgr.close(persist=False)
 
 
+def test_host_mode_groups_p2p_fetches_without_a_remote_tier():
+    """A P2P-only setup (no remote tier): the batching P2P tier serves the pool's misses, so they
+    are fetched in groups of ``fetch_batch`` too (they used to go one chunk per I/O task)."""
+    cache = Cache("cpu_slab", "LBHNC", torch.float32, 16, 16, logical_blocks=80)
+    peer = BatchingTier()  # stands in for P2PTier: a batched get_many_into
+    w1, mgr1, ns = _remote_worker(cache, peer)
+    try:
+        toks, src, keys = _store_10_chunks_remote_only(w1, mgr1, cache, ns, 33)
+    finally:
+        w1.close()
+        mgr1.close(persist=False)
+    peer.name = "p2p"
+    peer.on_index_event = lambda ev: None  # the P2P tier's publisher hook
+    mgr = TierManager(cpu=CPUPool(16 * (ns.chunk_bytes + 4096), ns.chunk_bytes), p2p=peer)
+    w, _, _ = _worker(cache, mgr, io_threads=2)
+    try:
+        assert mgr.remote is None and w._fetcher.group == 4
+        peer.calls.clear()
+        dst = list(range(40, 80))
+        expect = cache.clone()
+        expect.scatter_ref(dst, 0, 10 * CHUNK, cache.ref_rows(src, 0, 10 * CHUNK))
+        assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
+        assert _same_bits(cache.buf, expect.buf)
+        assert sorted(peer.calls) == [2, 4, 4], "three groups of <= 4 chunks, not ten single fetches"
+        assert mgr.counters["hits_p2p"] == 10 and all(mgr.cpu.contains(k) for k in keys)
+    finally:
+        w.close()
+        mgr.close(persist=False)
+
+
 def test_device_mode_groups_within_the_window():
     """Device-staging mode (CPU "device") over CodecTier(batching remote): groups of <= 4 chunks,
     never more than ``window`` staging buffers, bit-exact."""

@@ -91,7 +91,23 @@ def test_b_hits_chunks_only_a_holds_bit_exact(pair):
     assert b.call("lookup", [*keys[1:3], missing, keys[3]]) == ["p2p", "p2p"]
 
 
-def test_evicted_and_reused_slot_between_lookup_and_read_is_a_miss(pair):
+def test_fetch_into_pool_slots_reads_them_directly(pair):
+    """The connector's way: fetches into reserved CPU-pool slots are READ straight into them (no
+    bounce copy) and verified there; other buffers still go through the bounce region."""
+    a, b = pair
+    keys, data = share(a, 5)
+    got, _, held = b.call("fetch_slots", keys, CHUNK)
+    assert got == data and held == 0
+    _, tier, _ = b.call("counters")
+    assert tier["direct_gets"] == 5 and tier["hits"] == 5
+    got, _ = b.call("fetch", keys[:2], CHUNK)
+    assert got == data[:2]
+    _, tier, _ = b.call("counters")
+    assert tier["direct_gets"] == 5 and tier["hits"] == 7
+
+
+@pytest.mark.parametrize("op", ["fetch", "fetch_slots"])
+def test_evicted_and_reused_slot_between_lookup_and_read_is_a_miss(pair, op):
     a, b = pair
     keys, data = share(a, 2)
     assert b.call("lookup", keys) == ["p2p", "p2p"]
@@ -99,10 +115,11 @@ def test_evicted_and_reused_slot_between_lookup_and_read_is_a_miss(pair):
     # A drops keys[0] (no event: the directory still points at its slot) and stores another chunk,
     # which takes the freed slot.
     assert a.call("delete_and_reuse", keys[0], new_key[0], new_data[0]) is True
-    got, _ = b.call("fetch", keys, CHUNK)
-    assert got == [None, data[1]]  # a miss, never the new chunk's bytes
+    got = b.call(op, keys, CHUNK)[0]
+    assert got == [None, data[1]]  # a miss, never the new chunk's bytes (direct: in B's slot, aborted)
     _, tier, directory = b.call("counters")
     assert tier["stale"] == 1 and directory["dropped_stale"] == 1
+    assert tier.get("direct_gets", 0) == (2 if op == "fetch_slots" else 0)
     assert b.call("lookup", keys[:1]) == []  # the stale entry is gone
 
 
@@ -149,6 +166,30 @@ def test_paused_peer_costs_bounded_time(pair):
         assert tier["timeouts"] >= 1 and tier.get("stuck", 0) == 0  # NIXL cancelled the READ
     finally:
         a.resume()
+
+
+def test_paused_peer_direct_read_holds_its_slots_until_it_completes(pair):
+    """A READ straight into B's slots that outlives its wait is not trusted to be cancelled: the slots
+    stay held (never committed, not reused) and the peer hidden until the READ completes (A resumed)."""
+    a, b = pair
+    keys, data = share(a, 2)
+    a.pause()
+    try:
+        got, dt, held = b.call("fetch_slots", keys, CHUNK)
+        assert got == [None, None] and dt < TIMEOUT_S + 1.0
+        assert held == 2, "both slots held after the caller gave up"
+        assert b.call("lookup", keys) == [], "the peer is hidden while its READ runs"
+        _, tier, _ = b.call("counters")
+        assert tier["timeouts"] >= 1 and tier.get("stuck", 0) == 0
+    finally:
+        a.resume()
+    deadline = time.monotonic() + 15
+    while b.call("held") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert b.call("held") == 0, "freed once the READ completed"
+    time.sleep(2.5)  # the peer's breaker resets
+    got, _, held = b.call("fetch_slots", keys, CHUNK)
+    assert got == data and held == 0
 
 
 def test_peer_not_on_the_allow_list_is_refused(directory):
@@ -224,7 +265,7 @@ def test_bench_p2p_smoke(nixl, redis_server):
         timeout=300,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "p2p_%raw" in r.stdout
+    assert "direct_%raw" in r.stdout and "raw_sleep_GBps" in r.stdout
 
 
 def test_lookup_only_tier_sees_peers_but_reads_nothing(directory):

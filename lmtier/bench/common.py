@@ -263,6 +263,40 @@ def write_json(path: str | None, payload: dict) -> None:
             )
 
 
+def cpu_seconds(pids) -> float | None:
+    """CPU time (seconds, user + system) the live threads of processes ``pids`` consumed so far,
+    from Linux ``/proc/<pid>/task/*/schedstat`` (nanoseconds; threads that exited meanwhile are not
+    counted); None without it. The batch benchmarks report the CPU an operation costs beside its wall
+    time: on a loaded 2-core box the wall time mostly measures the scheduler, the CPU cost less so."""
+    import glob
+
+    total = 0
+    for pid in pids:
+        files = glob.glob(f"/proc/{pid}/task/*/schedstat")
+        if not files:
+            return None
+        for f in files:
+            try:
+                with open(f) as fh:
+                    total += int(fh.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
+
+
+def interleaved(whos: list[str], it: int) -> list[str]:
+    """``whos`` rotated by ``it``: each iteration starts with another contender, so none always
+    runs first (after the others' page faults, with their cache state) — the batch benchmarks time
+    raw and tier alternately."""
+    k = it % len(whos)
+    return whos[k:] + whos[:k]
+
+
+def pair_ratios(num: list[float], den: list[float]) -> list[float]:
+    """Per-iteration ratios ``num[i] / den[i]`` in percent (same-iteration pairs of GB/s)."""
+    return [100 * a / b for a, b in zip(num, den, strict=True) if b > 0]
+
+
 def add_batch_args(ap) -> None:
     """The options of the batch-transfer benchmarks (``lmtier bench mooncake``, ``p2p``):
     ``--presets``, ``--counts``, ``--chunk-tokens``, ``--iters``, ``--quick``, ``--json``."""

@@ -3,8 +3,9 @@ tier, same run.
 
 Usage::
 
-    lmtier bench p2p [--presets smollm2-135m,llama-3.1-8b] [--counts 8,32] [--iters 3]
-        [--chunk-tokens 256] [--bounce-mib 256] [--no-redis] [--quick] [--json out.json]
+    lmtier bench p2p [--presets smollm2-135m,llama-3.1-8b] [--counts 8,32] [--iters 5]
+        [--chunk-tokens 256] [--bounce-mib 256] [--modes direct,bounce] [--no-redis] [--quick]
+        [--json out.json]
 
 Starts a private ``redis-server`` (the P2P directory, and the Redis tier's store) and node A, a
 :class:`~lmtier.manager.TierManager` with P2P sharing in a child process
@@ -14,15 +15,24 @@ publishes. In this process (node B), per preset and count:
 
 * ``raw``: one NIXL READ (``initialize_xfer`` + ``transfer`` + polling ``check_xfer_state``) of the
   same slots of A's registered arena into a registered buffer, by a plain ``nixl_agent`` that loaded
-  A's published metadata: no directory, no checksum, no copy — the ceiling;
-* ``p2p``: :meth:`P2PTier.get_many_into` — the product path: one pipelined directory lookup, READs
-  into the registered bounce region (sub-batches of half of it, pipelined), xxh3 verification
-  against each entry, the copy into the caller's buffers;
-* ``redis``: :class:`RedisTier` ``put`` / ``get_into`` of the same chunks one after another (the tier
-  manager's remote path) against the private redis-server (load only is compared).
+  A's published metadata: no directory, no checksum, no copy — the ceiling. Polled two ways, both
+  timed: ``raw_spin`` (``check_xfer_state`` in a tight loop) and ``raw_sleep`` (sleeps of 20 µs
+  doubling to 1 ms between polls, as the tier's transport does); the ceiling is the faster one;
+* ``direct`` (the product path): :meth:`P2PTier.get_many_into` into slots of B's CPU pool reserved
+  for the chunks (what the connector's fetches and the manager's promotions pass): one pipelined
+  directory lookup, READs straight into the slots (sub-batches, pipelined), xxh3 of every chunk
+  against its entry in the slot;
+* ``bounce`` (with ``--modes``): the same into a plain buffer outside the pool — READs into the
+  registered bounce region, the copy into the buffer, the xxh3 there;
+* ``redis``: :class:`RedisTier` ``get_into`` of the same chunks one after another (the tier manager's
+  remote path) against the private redis-server (``--no-redis``: skipped).
 
-GB/s = payload bytes / wall time of the whole batch; median of ``--iters`` after one untimed warm-up.
-``%raw`` = p2p / raw. Every fetched byte is compared with the expected chunk.
+The contenders alternate within each iteration, each iteration starting with the next of them
+(:func:`~lmtier.bench.common.interleaved`). GB/s = payload bytes / wall time of the whole batch;
+median of ``--iters`` after one untimed warm-up; ``%raw`` = ratio of medians to the faster raw
+poll, ``range`` the lowest and highest same-iteration ratio to it; ``cpu_ms``: CPU time of B and A
+during the batch (:func:`~lmtier.bench.common.cpu_seconds`), median. Every fetched byte is compared
+with the expected chunk.
 """
 
 from __future__ import annotations
@@ -34,12 +44,22 @@ import time
 
 import numpy as np
 
-from lmtier.bench.args import bounded_int
-from lmtier.bench.common import add_batch_args, batch_scope, print_table, system_header, write_json
+from lmtier.bench.args import bounded_int, name_list
+from lmtier.bench.common import (
+    add_batch_args,
+    batch_scope,
+    cpu_seconds,
+    interleaved,
+    pair_ratios,
+    print_table,
+    system_header,
+    write_json,
+)
 from lmtier.bench.presets import preset
 
 MiB = 1 << 20
 TOKEN_ENV = "P2P_BENCH_TOKEN"
+MODES = ("direct", "bounce")
 
 
 def _med(xs: list[float]) -> float:
@@ -59,11 +79,17 @@ def _namespace_fields(name: str, chunk_tokens: int) -> dict:
     )
 
 
-def _raw_read(agent, peer: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]) -> None:
+def _raw_read(
+    agent, peer: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]], *, sleep: bool
+) -> None:
     h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer)
     try:
         state = agent.transfer(h)
+        pause = 20e-6
         while state == "PROC":
+            if sleep:
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
             state = agent.check_xfer_state(h)
         if state != "DONE":
             raise RuntimeError(f"raw NIXL READ: {state}")
@@ -71,9 +97,19 @@ def _raw_read(agent, peer: str, local: list[tuple[int, int, int]], remote: list[
         h.release()
 
 
-def run_case(name: str, chunk_tokens: int, count: int, iters: int, bounce_bytes: int, redis_url: str) -> dict:
+def run_case(
+    name: str,
+    chunk_tokens: int,
+    count: int,
+    iters: int,
+    bounce_bytes: int,
+    redis_url: str,
+    *,
+    modes: tuple[str, ...] = ("direct",),
+    with_redis: bool = True,
+) -> dict:
     """One (preset, count) case: node A in a child process, B's tier, the raw agent and the Redis
-    tier here; returns the row (GB/s medians and per-iteration seconds)."""
+    tier here; returns the row (GB/s medians, ratios, CPU milliseconds, per-iteration seconds)."""
     from lmtier.keys import Namespace
     from lmtier.remote_url import parse_redis_url
     from lmtier.testing.p2p import P2PNode, fill_chunks
@@ -104,6 +140,9 @@ def run_case(name: str, chunk_tokens: int, count: int, iters: int, bounce_bytes:
     endpoint = parse_redis_url(redis_url)
     digest = ns.digest()[:16]
     pool = tier = rtier = raw = None
+    whos = ["raw_spin", "raw_sleep", *modes] + (["redis"] if with_redis else [])
+    t: dict[str, list[float]] = {w: [] for w in whos}
+    cpu: dict[str, list[float]] = {w: [] for w in whos}
     try:
         keys = a.call("fill", count, size, seed, timeout_s=600)
         if keys is None:
@@ -112,8 +151,9 @@ def run_case(name: str, chunk_tokens: int, count: int, iters: int, bounce_bytes:
         want = np.concatenate(expect)
         del expect
         dst = np.zeros(total, dtype=np.uint8)
-        outs = [memoryview(dst[i * size : (i + 1) * size]) for i in range(count)]
-        pool = CPUPool(size + 4096, size, populate="lazy")  # B's own (empty) pool: registered, published
+        buf_outs = [memoryview(dst[i * size : (i + 1) * size]) for i in range(count)]
+        # B's own pool: registered and published like any node's; the direct mode reads into its slots
+        pool = CPUPool(count * (size + 4096) + 4096, size, populate="now")
         tier = P2PTier(
             pool, endpoint, namespace=digest, node_id="bench-b", token=token.encode(), timeout_s=30.0,
             bounce_bytes=bounce_bytes,
@@ -131,41 +171,61 @@ def run_case(name: str, chunk_tokens: int, count: int, iters: int, bounce_bytes:
         peer = peer.decode() if isinstance(peer, bytes) else peer
         local = [(dst.ctypes.data + i * size, size, 0) for i in range(count)]
         remote = [(rec.arena_base + e.offset, e.length, 0) for _, e in entries]
-        rtier = RedisTier(redis_url, timeout_s=30.0)
-        for k, o in zip(keys, np.split(want, count), strict=True):
-            assert rtier.put(k, memoryview(o))
-        t: dict[str, list[float]] = {k: [] for k in ("raw", "p2p", "redis")}
+        if with_redis:
+            rtier = RedisTier(redis_url, timeout_s=30.0)
+            for k, o in zip(keys, np.split(want, count), strict=True):
+                assert rtier.put(k, memoryview(o))
+        pids = [os.getpid(), a.proc.pid]
         for it in range(1 + iters):
             if it == 1:
-                for xs in t.values():
+                for xs in (*t.values(), *cpu.values()):
                     xs.clear()
-            dst[:] = 0
-            t0 = time.perf_counter()
-            _raw_read(raw, peer, local, remote)
-            t["raw"].append(time.perf_counter() - t0)
-            assert np.array_equal(dst, want), "raw READ: wrong bytes"
-            dst[:] = 0
-            t0 = time.perf_counter()
-            got = tier.get_many_into(keys, outs)
-            t["p2p"].append(time.perf_counter() - t0)
-            assert got == [size] * count and np.array_equal(dst, want), dict(tier.counters)
-            dst[:] = 0
-            t0 = time.perf_counter()
-            assert all(rtier.get_into(k, o) == size for k, o in zip(keys, outs, strict=True))
-            t["redis"].append(time.perf_counter() - t0)
-            assert np.array_equal(dst, want)
-        for k in keys:
-            rtier.delete(k)
+            for who in interleaved(whos, it):
+                slots = [pool.reserve(os.urandom(32)) for _ in range(count)] if who == "direct" else []
+                outs = [s.memoryview()[:size] for s in slots] if slots else buf_outs
+                for o in outs:
+                    np.frombuffer(o, dtype=np.uint8)[:] = 0
+                c0, t0 = cpu_seconds(pids), time.perf_counter()
+                if who.startswith("raw"):
+                    _raw_read(raw, peer, local, remote, sleep=who == "raw_sleep")
+                    got = [size] * count
+                elif who == "redis":
+                    got = [rtier.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
+                else:
+                    got = tier.get_many_into(keys, outs)
+                t[who].append(time.perf_counter() - t0)
+                c1 = cpu_seconds(pids)
+                if c0 is not None and c1 is not None:
+                    cpu[who].append(c1 - c0)
+                ok = got == [size] * count and all(
+                    np.array_equal(np.frombuffer(o, dtype=np.uint8), want[i * size : (i + 1) * size])
+                    for i, o in enumerate(outs)
+                )
+                for s_ in slots:
+                    pool.abort(s_)
+                assert ok, f"{who}: wrong bytes or misses {got} {dict(tier.counters)}"
+        if rtier is not None:
+            for k in keys:
+                rtier.delete(k)
     finally:
         for obj in (tier, rtier, pool):
             if obj is not None:
                 obj.close()
         a.close()
     row: dict = {"preset": name, "chunk_MB": round(size / 1e6, 2), "chunks": count}
-    for k, xs in t.items():
-        row[k + "_GBps"] = total / _med(xs) / 1e9
-    row["p2p_%raw"] = 100 * row["p2p_GBps"] / row["raw_GBps"]
+    gbps = {w: [total / x / 1e9 for x in xs] for w, xs in t.items()}
+    for w, xs in gbps.items():
+        row[w + "_GBps"] = _med(xs)
+        row[w + "_cpu_ms"] = round(1e3 * _med(cpu[w]), 1) if cpu[w] else None
+    best = [max(x, y) for x, y in zip(gbps["raw_spin"], gbps["raw_sleep"], strict=True)]
+    row["raw_GBps"] = max(row["raw_spin_GBps"], row["raw_sleep_GBps"])
+    for m in modes:
+        r = pair_ratios(gbps[m], best)
+        row[f"{m}_%raw"] = 100 * row[f"{m}_GBps"] / row["raw_GBps"]
+        row[f"{m}_range"] = f"{min(r):.0f}-{max(r):.0f}"
+    row["p2p_%raw"] = row[f"{modes[0]}_%raw"]
     row["seconds"] = t
+    row["cpu_seconds"] = cpu
     return row
 
 
@@ -173,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench p2p", description=__doc__.split("\n")[0])
     add_batch_args(ap)
     ap.add_argument("--bounce-mib", type=bounded_int(min_value=2), default=256, help="B's registered bounce region")
+    ap.add_argument(
+        "--modes",
+        type=name_list(MODES),
+        default=["direct"],
+        help="tier data paths, comma-separated: direct (the product's: into B's pool slots), bounce (a plain buffer)",
+    )
+    ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier column")
     a = ap.parse_args(argv)
     presets, counts = batch_scope(a)
     from lmtier.testing.p2p import nixl_missing
@@ -191,11 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for p in presets:
             for c in counts:
-                row = run_case(p, a.chunk_tokens, c, a.iters, a.bounce_mib * MiB, redis.url)
+                row = run_case(
+                    p, a.chunk_tokens, c, a.iters, a.bounce_mib * MiB, redis.url, modes=tuple(a.modes),
+                    with_redis=not a.no_redis,
+                )  # fmt: skip
                 rows.append(row)
+                m = a.modes[0]
                 print(
-                    f"  {p} x {c}: raw {row['raw_GBps']:.2f}, p2p {row['p2p_GBps']:.2f} "
-                    f"({row['p2p_%raw']:.0f} %), redis {row['redis_GBps']:.2f} GB/s",
+                    f"  {p} x {c}: raw {row['raw_GBps']:.2f} (spin {row['raw_spin_GBps']:.2f}, sleep "
+                    f"{row['raw_sleep_GBps']:.2f}), {m} {row[m + '_GBps']:.2f} ({row[m + '_%raw']:.0f} %, "
+                    f"pairs {row[m + '_range']})"
+                    + (f", redis {row['redis_GBps']:.2f}" if not a.no_redis else "")
+                    + " GB/s",
                     flush=True,
                 )
     finally:
@@ -206,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         f"P2P fetch over NIXL/UCX (loopback, node A in a child process), {a.chunk_tokens}-token chunks, "
         f"median of {a.iters}; GB/s of payload"
     )
-    print_table(rows, ["preset", "chunk_MB", "chunks", "raw_GBps", "p2p_GBps", "p2p_%raw", "redis_GBps"])
+    cols = ["preset", "chunk_MB", "chunks", "raw_spin_GBps", "raw_sleep_GBps"]
+    for m in a.modes:
+        cols += [f"{m}_GBps", f"{m}_%raw", f"{m}_range"]
+    cols += [] if a.no_redis else ["redis_GBps"]
+    cols += [f"{w}_cpu_ms" for w in ("raw_spin", "raw_sleep", *a.modes)]
+    print_table(rows, cols)
     write_json(a.json, {"system": sysinfo, "args": vars(a), "rows": rows})
     return 0
 

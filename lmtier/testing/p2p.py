@@ -4,6 +4,7 @@ child process (``multiprocessing`` spawn: NIXL/UCX state must not be forked), dr
 ``P2PNode(config_values, namespace)`` starts the child, which builds its manager with
 ``TierManager.from_config`` (so the config keys, the P2P tier and its publisher are the product's)
 and answers :meth:`P2PNode.call` requests: ``store``, ``fill``, ``publish_now``, ``lookup``, ``fetch``,
+``fetch_slots`` (into reserved CPU-pool slots, as the connector fetches), ``held``, ``retrieve``,
 ``delete_and_reuse``, ``counters``. :meth:`P2PNode.kill` SIGKILLs it, :meth:`pause` SIGSTOPs it.
 
 Tests skip without NIXL (:func:`nixl_missing`), unless ``LMTIER_REQUIRE_NIXL=1`` (CI): then they fail.
@@ -104,6 +105,20 @@ def _serve(mgr: Any, op: str, args: tuple) -> Any:
         got = mgr.fetch_lower_many(keys, outs)
         dt = time.monotonic() - t0
         return [None if n is None else bytes(o[:n]) for n, o in zip(got, outs, strict=True)], dt
+    if op == "fetch_slots":  # (keys, nbytes): as "fetch", into reserved CPU-pool slots (the connector's way)
+        keys, nbytes = args
+        slots = [mgr.cpu.reserve(os.urandom(32)) for _ in keys]
+        try:
+            t0 = time.monotonic()
+            got = mgr.fetch_lower_many(keys, [s.view[:nbytes] for s in slots])
+            dt = time.monotonic() - t0
+            data = [None if n is None else s.view[:n].numpy().tobytes() for n, s in zip(got, slots, strict=True)]
+            return data, dt, mgr.cpu.num_held()
+        finally:
+            for s in slots:
+                mgr.cpu.abort(s)
+    if op == "held":  # CPU-pool slots held (a READ that outlived its wait may still write them)
+        return mgr.cpu.num_held()
     if op == "retrieve":  # (key, nbytes): through retrieve_into (promotion into the CPU pool)
         out = bytearray(args[1])
         n = mgr.retrieve_into(args[0], out)

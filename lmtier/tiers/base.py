@@ -183,6 +183,14 @@ class Tier(abc.ABC):
         counts winning a shared name. The connector exports the :data:`TIER_EVENTS` among them."""
         return {k: int(v) for k, v in self.counters.items()}
 
+    def attach_pool(self, pool: Any) -> None:  # noqa: B027 - a concrete default no-op, not abstract
+        """Offered by the tier manager: its CPU pool (:class:`~lmtier.tiers.cpu.CPUPool`), whose slots
+        callers pass to ``get_many_into`` / ``put_many``. A tier that can move bytes straight between
+        those slots and its transport (Mooncake) registers the arena and, when a call that reads into
+        a slot outlives its timeout, holds that slot (:meth:`CPUPool.hold
+        <lmtier.tiers.cpu.CPUPool.hold>`). Default: nothing (decorators such as the codec tier pass
+        their own buffers to the tier they wrap, so they do not forward it)."""
+
     def close(self) -> None:  # noqa: B027  # pragma: no cover - a concrete default no-op, not abstract
         """Release resources (threads, connections, file handles)."""
 

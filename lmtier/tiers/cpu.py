@@ -15,6 +15,10 @@ Slot life cycle (all transitions under one lock; no I/O and no large copy is eve
 * ``acquire(key)`` pins a committed slot for reading (reference count + 1) and marks it most
   recently used; ``release`` unpins. A slot with references is never evicted or reused;
   ``delete`` of a pinned chunk hides it at once and frees the slot at the last ``release``.
+* ``hold(idx)`` (a tier that reads straight into a reserved slot and cannot stop a transfer that
+  outlived its timeout) keeps a WRITING slot out of use until the matching ``unhold``: it cannot be
+  committed, and once aborted it is parked instead of freed, so no later chunk is ever written into
+  memory a late transfer may still reach.
 * Eviction is LRU over committed, unreferenced slots and happens inside ``reserve`` when no slot is
   free. With eviction listeners registered (:meth:`Tier.add_eviction_listener`; the tier manager's
   write-back to the disk tier is one) the victim is *pinned*, the lock dropped, the listeners
@@ -225,6 +229,8 @@ class CPUPool(Tier):
         self._nbytes = [0] * self.num_slots
         self._gen = [0] * self.num_slots
         self._doomed = [False] * self.num_slots
+        self._held = [0] * self.num_slots  # hold() counts: kept out of use while a transfer may write
+        self._parked: set[int] = set()  # freed while held: back to _free at the last unhold
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._index: dict[bytes, int] = {}  # committed (visible) keys
         self._pending: dict[bytes, int] = {}  # reserved, not yet committed
@@ -336,6 +342,8 @@ class CPUPool(Tier):
             raise ValueError(f"CPUPool.commit: nbytes must be in 1..{self.chunk_bytes}, got {nbytes!r}")
         with self._lock:
             idx = self._check_handle_locked(slot, _WRITE)
+            if self._held[idx]:
+                raise RuntimeError(f"CPUPool.commit: {slot!r} is held (a transfer may still write into it); abort it")
             slot._open = False
             del self._pending[slot.key]
             self._state[idx] = _COMMITTED
@@ -354,6 +362,65 @@ class CPUPool(Tier):
             del self._pending[slot.key]
             self._free_locked(idx)
             self.counters["aborts"] += 1
+
+    # ---- slots a transfer may still write -----------------------------------------------------
+
+    def writing_slot(self, address: int, nbytes: int) -> int | None:
+        """The index of the slot being written (reserved, not committed) that contains all of the
+        arena bytes ``[address, address + nbytes)`` (absolute addresses), else None: outside the
+        arena, across two slots, or a slot in any other state. A tier may let a transfer it cannot
+        always stop write into a caller's buffer only when this is not None (it can :meth:`hold`
+        that slot)."""
+        base = self.arena.data_ptr()
+        off = address - base
+        if nbytes <= 0 or off < 0 or off + nbytes > self.num_slots * self.slot_bytes:
+            return None
+        idx = off // self.slot_bytes
+        if (off + nbytes - 1) // self.slot_bytes != idx:
+            return None
+        with self._lock:
+            return idx if self._state[idx] == _WRITING else None
+
+    def hold(self, idx: int) -> None:
+        """Keep slot ``idx`` (being written) out of use until :meth:`unhold`: a transfer that outlived
+        its timeout may still write into it. While held it cannot be committed (``RuntimeError``),
+        and an ``abort`` parks it instead of freeing it; the last ``unhold`` frees a parked slot.
+        Counted (``counters["held"]``). Thread-safe.
+
+        Raises:
+            RuntimeError: the slot is not being written.
+        """
+        with self._lock:
+            if self._state[idx] != _WRITING:
+                raise RuntimeError(f"CPUPool.hold: slot {idx} is not being written")
+            self._held[idx] += 1
+            self.counters["held"] += 1
+
+    def unhold(self, idx: int) -> None:
+        """Undo one :meth:`hold` (the transfer finished or failed: nothing more is written); a slot
+        aborted meanwhile becomes free now."""
+        with self._lock:
+            if self._held[idx] <= 0:
+                raise RuntimeError(f"CPUPool.unhold: slot {idx} is not held")
+            self._held[idx] -= 1
+            if self._held[idx] == 0 and idx in self._parked:
+                self._parked.discard(idx)
+                self._free.append(idx)
+
+    def is_held(self, address: int, nbytes: int = 1) -> bool:
+        """Whether any slot overlapping ``[address, address + nbytes)`` is held (a buffer no tier
+        may fill: see :meth:`hold`). False outside the arena."""
+        off = address - self.arena.data_ptr()
+        end = min(off + max(nbytes, 1), self.num_slots * self.slot_bytes)
+        if off < 0 or off >= end:
+            return False
+        with self._lock:
+            return any(self._held[i] for i in range(off // self.slot_bytes, (end - 1) // self.slot_bytes + 1))
+
+    def num_held(self) -> int:
+        """Slots currently held (:meth:`hold`)."""
+        with self._lock:
+            return sum(1 for h in self._held if h)
 
     # ---- reader side ---------------------------------------------------------------------------
 
@@ -470,7 +537,7 @@ class CPUPool(Tier):
 
     def usage(self) -> TierUsage:
         """``capacity_bytes`` = arena size; ``used_bytes`` = slots not free (committed, being
-        written or pinned-after-delete) × ``slot_bytes``; ``num_chunks`` = visible chunks."""
+        written, pinned-after-delete or held) × ``slot_bytes``; ``num_chunks`` = visible chunks."""
         with self._lock:
             used = (self.num_slots - len(self._free)) * self.slot_bytes
             return TierUsage(
@@ -607,7 +674,10 @@ class CPUPool(Tier):
         self._nbytes[idx] = 0
         self._doomed[idx] = False
         self._gen[idx] += 1
-        self._free.append(idx)
+        if self._held[idx]:
+            self._parked.add(idx)  # a late transfer may still write it: free at the last unhold
+        else:
+            self._free.append(idx)
         if self._ledger is not None:
             self._ledger.free(idx)
 

@@ -19,9 +19,10 @@ fetches the chunk from disk/remote on its I/O threads — several reads in fligh
   promoting would cost a device-to-host copy over the link the next loads use plus a pool slot
   per chunk while vLLM's own GPU prefix cache holds the blocks anyway.
 
-When the remote tier moves a batch faster than single reads (Mooncake Store's ``batch_get_into``:
-:meth:`lmtier.tiers.base.Tier.batches_gets`), consecutive fetches go to the tiers in groups of
-``fetch_batch`` chunks (``manager.fetch_lower_many``), one group per I/O thread.
+When the P2P or the remote tier moves a batch faster than single reads (NIXL READs of several
+chunks, Mooncake Store's ``batch_get_into``: :meth:`lmtier.tiers.base.Tier.batches_gets`),
+consecutive fetches go to the tiers in groups of ``fetch_batch`` chunks (``manager.fetch_lower_many``),
+one group per I/O thread.
 
 Every chunk it hands out must be given back through :meth:`ChunkFetcher.finish`.
 
@@ -195,8 +196,8 @@ class ChunkFetcher:
             copy into a staging buffer before (passed to ``fetch_lower``); every reader of a
             device-staged chunk must run on it.
         window: device mode: device staging buffers in flight at most (>= 1).
-        fetch_batch: chunks fetched by one I/O task when the remote tier batches gets (>= 1; else
-            one chunk per task). Device mode starts a group once that many buffers are free (or
+        fetch_batch: chunks fetched by one I/O task when the P2P or the remote tier batches gets
+            (>= 1; else one chunk per task). Device mode starts a group once that many buffers are free (or
             nothing is in flight).
 
     Thread-safe: :meth:`plan` / :meth:`resolve` / :meth:`finish` of different loads may run on
@@ -236,8 +237,11 @@ class ChunkFetcher:
         self.device_mode = device_staging is not None
         self._stream = decode_stream
         self.window = window
-        remote = manager.remote
-        self.group = fetch_batch if remote is not None and remote.batches_gets() else 1
+        # Chunks the pool misses come from the P2P tier or the remote tier: group them when either
+        # moves a batch faster than single reads (the disk tier, consulted first, reads a group's
+        # hits one after another).
+        batching = [t for t in (manager.p2p, manager.remote) if t is not None and t.batches_gets()]
+        self.group = fetch_batch if batching else 1
         self._dev_staging = (
             StagingPool(
                 chunk_bytes,

@@ -92,7 +92,7 @@ class ConnectorWorker:
         device_window: device staging buffers (``chunk_bytes`` each) in flight at most (default
             ``2 * io_threads``).
         max_staging_bytes: host staging buffers kept for reuse (loads without pool slots).
-        fetch_batch: chunks one I/O task fetches together when the remote tier batches gets
+        fetch_batch: chunks one I/O task fetches together when the P2P or the remote tier batches gets
             (:class:`~lmtier.integration.vllm.fetch.ChunkFetcher`).
 
     Raises:

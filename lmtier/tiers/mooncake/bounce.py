@@ -75,12 +75,17 @@ class BounceRegion:
 @dataclasses.dataclass(eq=False)
 class Batch:
     """Records moved by one client call: their indices in the caller's lists, offsets in the bounce
-    extent and value sizes (bytes); filled in as the call is started."""
+    extent and value sizes (bytes; ``direct``: payload sizes, the extent holding only the headers);
+    filled in as the call is started."""
 
     idx: list[int] = dataclasses.field(default_factory=list)
     offs: list[int] = dataclasses.field(default_factory=list)
     sizes: list[int] = dataclasses.field(default_factory=list)
     total: int = 0
+    moved: int = 0  # bytes the call moves (the sub-batch split counts these)
+    direct: bool = False  # records whose payload moves straight from/into the caller's pool slot
+    slots: list[int | None] = dataclasses.field(default_factory=list)  # direct get: the slots read into
+    held: list[int] = dataclasses.field(default_factory=list)  # direct get timed out: the slots held
     base: int | None = None
     ptrs: list[int] = dataclasses.field(default_factory=list)
     kind: str = ""

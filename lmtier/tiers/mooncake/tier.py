@@ -48,9 +48,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,13 +58,16 @@ from lmtier import record as rec
 from lmtier.remote_url import MooncakeEndpoint, parse_mooncake_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
-from lmtier.tiers.buffers import round_up
+from lmtier.tiers.buffers import address_of, round_up
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
 from lmtier.tiers.mooncake.bounce import ALIGN, Batch, BounceRegion, copy_out
+from lmtier.tiers.mooncake.calls import NOT_FOUND_CODES, ClientCalls, is_outage
+from lmtier.tiers.mooncake.calls import Failed as _Failed
 from lmtier.tiers.mooncake.settings import MooncakeSettings, local_address_towards
 
 if TYPE_CHECKING:
     from lmtier.config import RemoteConfig
+    from lmtier.tiers.cpu import CPUPool
 
 __all__ = ["MooncakeTier", "HEADER", "NOT_FOUND_CODES", "is_outage"]
 
@@ -79,30 +80,11 @@ _SPLIT = 4
 _MIN_BATCH_BYTES = 8 << 20
 """...of at least this many bytes each (a client call costs a master RPC)."""
 
-NOT_FOUND_CODES = frozenset({-703, -704, -707})
-"""Mooncake error codes that mean "not there (yet/any more)": REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND,
-LEASE_EXPIRED — a miss, not an outage."""
+_RETRY = object()
+"""A direct read's result for a record to read again through the bounce region."""
 
 
-def is_outage(code: int) -> bool:
-    """True for Mooncake error codes that say the store is unreachable or failing: INTERNAL_ERROR
-    (-1), TRANSFER_FAIL (-800..-899), RPC_FAIL / RPC_TIMEOUT (-900..-999), etcd/HA states (<= -1000)."""
-    return code == -1 or code <= -800
-
-
-class _Failed(Exception):
-    """A client call did not complete (breaker open, all workers stuck, timeout, exception)."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Pending:
-    """A started client call and the monotonic time its caller stops waiting."""
-
-    fut: concurrent.futures.Future
-    deadline: float
-
-
-class MooncakeTier(Tier):
+class MooncakeTier(ClientCalls, Tier):
     """Chunks as Mooncake Store objects (one self-describing record each), through the official client.
 
     Args:
@@ -119,6 +101,8 @@ class MooncakeTier(Tier):
         pipeline_depth: client calls one ``put_many`` / ``get_many_into`` keeps in flight (>= 1):
             with 2 or more a batch is cut into about four sub-batches and the next ones transfer
             while one is verified and copied; 1 moves each bounce-sized batch in one call.
+        direct: move payloads straight between the slots of a pool given to :meth:`attach_pool` and
+            the store (no copy through the bounce region); False: always through the region.
         key_prefix: prefix of every object name.
         max_value_bytes: largest payload stored or accepted when loading.
         capacity_bytes: reported by :meth:`usage` (default: the mounted segment size).
@@ -133,7 +117,8 @@ class MooncakeTier(Tier):
         counters: ``collections.Counter``: ``hits``, ``misses``, ``errors``, ``timeouts``,
             ``busy`` (all workers stuck), ``corrupt``, ``puts``, ``put_failures``,
             ``put_unconfirmed`` (put said OK, ``batch_is_exist`` disagreed: #1817),
-            ``breaker_rejects``, ``bounce_full``, ``setups``.
+            ``breaker_rejects``, ``bounce_full``, ``setups``, ``direct_puts`` / ``direct_gets``
+            (records moved straight from / into a pool slot, :meth:`attach_pool`).
     """
 
     name = "remote"
@@ -150,6 +135,7 @@ class MooncakeTier(Tier):
         workers: int = 4,
         bounce_bytes: int = 256 << 20,
         pipeline_depth: int = 1,
+        direct: bool = True,
         key_prefix: str = "lmtier:",
         max_value_bytes: int = rec.DEFAULT_MAX_PAYLOAD_BYTES,
         capacity_bytes: int | None = None,
@@ -191,6 +177,10 @@ class MooncakeTier(Tier):
         self.setup_timeout_s = float(setup_timeout_s)
         self.workers = workers
         self.pipeline_depth = pipeline_depth
+        self.direct = bool(direct)
+        self._cpu: CPUPool | None = None  # attach_pool: the pool whose slots move directly
+        self._cpu_base = self._cpu_bytes = 0
+        self._cpu_registered = False  # with the current client
         self.key_prefix = key_prefix
         self.max_value_bytes = max_value_bytes
         self.capacity_bytes = settings.global_segment_size if capacity_bytes is None else capacity_bytes
@@ -260,7 +250,9 @@ class MooncakeTier(Tier):
         return self.put_many([key], [payload])[0]
 
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> list[bool]:
-        """Store several records with as few ``batch_put_from`` calls as the bounce region allows.
+        """Store several records with as few ``batch_put_from`` calls as the bounce region allows
+        (payloads inside the attached pool's arena: ``batch_put_from_multi_buffers`` of the header
+        from the bounce region and the payload from the slot, no copy; :meth:`attach_pool`).
 
         Args:
             keys: 32-byte chunk keys.
@@ -282,9 +274,10 @@ class MooncakeTier(Tier):
                     log.warning("put: payload of %d bytes exceeds max_value_bytes %d", mv.nbytes, self.max_value_bytes)
                     continue
                 todo.append(i)
-            sizes = [HEADER + mv.nbytes for mv in views]
+            direct = [self._in_arena(mv) for mv in views]
+            sizes = [mv.nbytes if d else HEADER + mv.nbytes for mv, d in zip(views, direct, strict=True)]
             sent = self._pipeline(
-                self._batches(todo, sizes), lambda b, first: self._put_start(b, names, keys, views, first)
+                self._batches(todo, sizes, direct), lambda b, first: self._put_start(b, names, keys, views, first)
             )
             sent_idx = [i for i, ok in sent.items() if ok]
             for i, ok in zip(sent_idx, self._confirm([names[i] for i in sent_idx]), strict=True):
@@ -306,11 +299,16 @@ class MooncakeTier(Tier):
         Args:
             keys: 32-byte chunk keys.
             outs: writable contiguous host buffers, each >= its payload (CUDA tensors are read
-                one by one through :meth:`get_into`).
+                one by one through :meth:`get_into`). An ``out`` that is a slot of the attached
+                pool being written (:meth:`attach_pool`) is read into directly
+                (``batch_get_into_multi_buffers``: the header into the bounce region, the payload
+                into the slot) and verified there; if that call outlives ``timeout_s`` the slot is
+                held (:meth:`CPUPool.hold <lmtier.tiers.cpu.CPUPool.hold>`) until it returns.
 
         Returns:
-            Per key: the payload bytes copied into its ``out`` (verified), or None (miss, too
-            small ``out``, failure, a record that does not verify — which is then removed).
+            Per key: the payload bytes in its ``out`` (verified), or None (miss, too small ``out``,
+            failure, a record that does not verify — which is then removed; ``out`` may then hold
+            unverified bytes, which the caller must not use).
         """
         if len(keys) != len(outs):
             raise ValueError("MooncakeTier.get_many_into: keys and outs differ in length")
@@ -321,10 +319,26 @@ class MooncakeTier(Tier):
         keys = [bytes(k) for k in keys]
         names = [self._name(k) for k in keys]
         views = [host_view(o, writable=True) for o in outs]
-        caps = [HEADER + min(v.nbytes, self.max_value_bytes) for v in views]
+        slots = [self._direct_slot(v) for v in views]
+        direct = [s is not None for s in slots]
+        sizes = [
+            v.nbytes if d else HEADER + min(v.nbytes, self.max_value_bytes) for v, d in zip(views, direct, strict=True)
+        ]
         got = self._pipeline(
-            self._batches(list(range(len(keys))), caps), lambda b, first: self._get_start(b, names, keys, views, first)
+            self._batches(list(range(len(keys))), sizes, direct),
+            lambda b, first: self._get_start(b, names, keys, views, slots, first),
         )
+        # A direct read of a value whose size is not header + len(out) fails (the client wants
+        # exact sizes): read those through the bounce region, which takes any size up to out.
+        retry = [i for i, n in got.items() if n is _RETRY]
+        if retry:
+            got.update(dict.fromkeys(retry))
+            got.update(
+                self._pipeline(
+                    self._batches(retry, [HEADER + min(views[i].nbytes, self.max_value_bytes) for i in retry]),
+                    lambda b, first: self._get_start(b, names, keys, views, None, first),
+                )
+            )
         res: list[int | None] = [got.get(i) for i in range(len(keys))]
         for n in res:
             self.counters["hits" if n is not None else "misses"] += 1
@@ -374,35 +388,48 @@ class MooncakeTier(Tier):
     def _close_store(self, store: Any) -> None:
         with contextlib.suppress(Exception):
             store.unregister_buffer(self._arena.address)
+        if self._cpu_registered:
+            with contextlib.suppress(Exception):
+                store.unregister_buffer(self._cpu_base)
         store.close()
 
     # ---- data path -------------------------------------------------------------------------
 
-    def _batches(self, idx: list[int], sizes: list[int]) -> list[Batch]:
-        """``idx`` split into sub-batches of consecutive records, each one client call: with
-        ``pipeline_depth`` > 1 about a quarter of the bytes (at least ``_MIN_BATCH_BYTES``, at most
-        half the bounce region), so that the next sub-batch transfers while this one is verified and
-        copied (:meth:`_pipeline`); else as many as the bounce region holds."""
-        total = sum(round_up(sizes[i], ALIGN) for i in idx)
-        limit = self._arena.nbytes
-        if self.pipeline_depth > 1:
-            limit = min(max(_MIN_BATCH_BYTES, -(-total // _SPLIT)), limit // 2)
+    def _batches(self, idx: list[int], sizes: list[int], direct: list[bool] | None = None) -> list[Batch]:
+        """``idx`` split into sub-batches of consecutive records, each one client call (direct
+        records — ``direct[i]``: ``sizes[i]`` is the payload, the bounce extent holds only the
+        header — and bounce records in separate calls): with ``pipeline_depth`` > 1 about a
+        quarter of the bytes moved (at least ``_MIN_BATCH_BYTES``; extents at most half the bounce
+        region), so that the next sub-batch transfers while this one is verified and copied
+        (:meth:`_pipeline`); else as many as the bounce region holds."""
         out: list[Batch] = []
-        cur = Batch()
-        for i in idx:
-            n = round_up(sizes[i], ALIGN)
-            if n > self._arena.nbytes:
-                log.warning("record of %d bytes exceeds the bounce region (%d bytes); skipped", n, self._arena.nbytes)
+        for want in (True, False):
+            part = [i for i in idx if bool(direct and direct[i]) == want]
+            if not part:
                 continue
-            if cur.idx and cur.total + n > limit:
+            ext = {i: round_up(HEADER if want else sizes[i], ALIGN) for i in part}
+            total = sum(sizes[i] for i in part)
+            limit, moved_limit = self._arena.nbytes, total
+            if self.pipeline_depth > 1:
+                limit = limit // 2
+                moved_limit = max(_MIN_BATCH_BYTES, -(-total // _SPLIT))
+            cur = Batch(direct=want)
+            for i in part:
+                if ext[i] > self._arena.nbytes:
+                    log.warning(
+                        "record of %d bytes exceeds the bounce region (%d bytes); skipped", ext[i], self._arena.nbytes
+                    )
+                    continue
+                if cur.idx and (cur.total + ext[i] > limit or cur.moved + sizes[i] > moved_limit):
+                    out.append(cur)
+                    cur = Batch(direct=want)
+                cur.idx.append(i)
+                cur.offs.append(cur.total)
+                cur.sizes.append(sizes[i])
+                cur.total += ext[i]
+                cur.moved += sizes[i]
+            if cur.idx:
                 out.append(cur)
-                cur = Batch()
-            cur.idx.append(i)
-            cur.offs.append(cur.total)
-            cur.sizes.append(sizes[i])
-            cur.total += n
-        if cur.idx:
-            out.append(cur)
         return out
 
     def _pipeline(self, batches: list[Batch], start: Callable[[Batch, bool], bool]) -> dict[int, Any]:
@@ -449,17 +476,39 @@ class MooncakeTier(Tier):
             arena[o : o + HEADER] = rec.encode_header(
                 keys[i], n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta
             )
-            copy_out(arena[o + HEADER : o + HEADER + n], mv)
+            if not b.direct:
+                copy_out(arena[o + HEADER : o + HEADER + n], mv)
         bnames = [names[i] for i in b.idx]
         b.kind = "put"
+        if b.direct:  # header from the bounce region, payload from the pool slot (registered)
+            self.counters["direct_puts"] += len(b.idx)
+            bufs = [[p, address_of(views[i])] for p, i in zip(b.ptrs, b.idx, strict=True)]
+            lens = [[HEADER, n] for n in b.sizes]
+            return self._start_batch(b, lambda s: s.batch_put_from_multi_buffers(bnames, bufs, lens), first)
         return self._start_batch(b, lambda s: s.batch_put_from(bnames, b.ptrs, b.sizes), first)
 
-    def _get_start(self, b: Batch, names: list[str], keys: list[bytes], views: list[memoryview], first: bool) -> bool:
-        """Start the ``batch_get_into`` of ``b`` into a bounce extent."""
+    def _get_start(
+        self,
+        b: Batch,
+        names: list[str],
+        keys: list[bytes],
+        views: list[memoryview],
+        slots: list[int | None] | None,
+        first: bool,
+    ) -> bool:
+        """Start the ``batch_get_into`` of ``b`` into a bounce extent (direct: the
+        ``batch_get_into_multi_buffers`` of the headers into it and the payloads into the slots)."""
         if not self._reserve(b, first):
             return False
         bnames = [names[i] for i in b.idx]
         b.kind, b.names, b.keys, b.views = "get", bnames, [keys[i] for i in b.idx], [views[i] for i in b.idx]
+        if b.direct:
+            assert slots is not None
+            self.counters["direct_gets"] += len(b.idx)
+            b.slots = [slots[i] for i in b.idx]
+            bufs = [[p, address_of(v)] for p, v in zip(b.ptrs, b.views, strict=True)]
+            lens = [[HEADER, n] for n in b.sizes]
+            return self._start_batch(b, lambda s: s.batch_get_into_multi_buffers(bnames, bufs, lens), first)
         return self._start_batch(b, lambda s: s.batch_get_into(bnames, b.ptrs, b.sizes), first)
 
     def _start_batch(self, b: Batch, fn: Callable[[Any], Any], first: bool) -> bool:
@@ -479,28 +528,41 @@ class MooncakeTier(Tier):
         codes: list[int] | None = None
         corrupt: list[tuple[str, str]] = []
         res: dict[int, Any] = dict.fromkeys(b.idx, False if b.kind == "put" else None)
+        direct_get = b.direct and b.kind == "get"
         try:
             if b.pending is not None:
                 with contextlib.suppress(_Failed):
-                    codes = self._wait(b.pending, extent=(b.base, b.total), release=release)
+                    codes = self._wait(
+                        b.pending,
+                        extent=(b.base, b.total),
+                        release=release,
+                        outage_ok=direct_get,
+                        on_late=self._late_hook(b),
+                    )
             if codes is None:
                 return res
-            if any(is_outage(c) for c in codes):
+            if any(is_outage(c) for c in codes) and not direct_get:
                 self.counters["errors"] += 1
             if b.kind == "put":
                 return {i: c == 0 for i, c in zip(b.idx, codes, strict=True)}
             arena = self._arena.mv
             for j, (i, code) in enumerate(zip(b.idx, codes, strict=True)):
                 if code < 0:
-                    if code == -600:  # INVALID_PARAMS: the value is larger than out
+                    if direct_get and code not in NOT_FOUND_CODES:  # e.g. another size: through the bounce
+                        res[i] = _RETRY
+                    elif code == -600:  # INVALID_PARAMS: the value is larger than out
                         log.warning("get_into: out has %d bytes < value %s", b.views[j].nbytes, b.names[j])
                     continue
                 o = b.base + b.offs[j]
-                why = self._verify(b.keys[j], arena[o : o + code], b.views[j].nbytes)
+                if direct_get:  # header in the extent, payload in the slot: verify it there
+                    why = self._verify_direct(b.keys[j], arena[o : o + HEADER], b.views[j][: b.sizes[j]], code)
+                else:
+                    why = self._verify(b.keys[j], arena[o : o + code], b.views[j].nbytes)
                 if isinstance(why, str):
                     corrupt.append((b.names[j], why))
                 elif why is not None:
-                    copy_out(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
+                    if not direct_get:
+                        copy_out(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
                     res[i] = why
         finally:
             if b.base is not None and release[0]:
@@ -547,6 +609,56 @@ class MooncakeTier(Tier):
             return str(e)
         return hdr.payload_bytes
 
+    def _verify_direct(self, key: bytes, header: memoryview, payload: memoryview, code: int) -> int | str:
+        """Payload length of a record read straight into a slot (``header``: its 128 bytes,
+        ``payload``: the slot's bytes, ``code``: what the client reported), or why it does not verify."""
+        try:
+            hdr = rec.decode_header(header, expected_key=key, max_payload_bytes=self.max_value_bytes)
+        except rec.RecordError as e:
+            return str(e)
+        if hdr.payload_offset != HEADER or hdr.payload_bytes != payload.nbytes or code != HEADER + payload.nbytes:
+            return f"value length {code} != header {HEADER} + payload {hdr.payload_bytes} (read {payload.nbytes})"
+        try:
+            rec.verify_payload(hdr, payload)
+        except rec.RecordError as e:
+            return str(e)
+        return hdr.payload_bytes
+
+    def _late_hook(self, b: Batch) -> Callable[[], Callable[[concurrent.futures.Future], None]] | None:
+        """For a direct get: what to do if its call outlives the wait — hold its slots (the call keeps
+        writing into them) and return the callback that unholds them when it finally returns."""
+        if not (b.direct and b.kind == "get") or self._cpu is None:
+            return None
+        pool = self._cpu
+
+        def on_late() -> Callable[[concurrent.futures.Future], None]:
+            for slot in b.slots:
+                if slot is None:
+                    continue
+                try:
+                    pool.hold(slot)
+                except RuntimeError:  # the caller gave its slot up during the call: a caller bug
+                    log.error("mooncake: a slot read into was aborted or committed during the call")
+                    continue
+                b.held.append(slot)
+            return lambda _f: [pool.unhold(slot) for slot in b.held]
+
+        return on_late
+
+    def _in_arena(self, mv: memoryview) -> bool:
+        """Whether ``mv`` lies inside the attached pool's arena registered with the client."""
+        if self._cpu is None or not self._cpu_registered or not self.direct or mv.nbytes == 0:
+            return False
+        a = address_of(mv)
+        return self._cpu_base <= a and a + mv.nbytes <= self._cpu_base + self._cpu_bytes
+
+    def _direct_slot(self, mv: memoryview) -> int | None:
+        """The attached pool's slot being written that ``mv`` is (a direct read target), else None."""
+        if mv.nbytes > self.max_value_bytes or not self._in_arena(mv):
+            return None
+        assert self._cpu is not None
+        return self._cpu.writing_slot(address_of(mv), mv.nbytes)
+
     # ---- plumbing --------------------------------------------------------------------------
 
     def _name(self, key: bytes) -> str:
@@ -555,143 +667,18 @@ class MooncakeTier(Tier):
             raise ValueError(f"MooncakeTier: key must be {KEY_BYTES} bytes, got {len(key)}")
         return self.key_prefix + key.hex()
 
-    def _setup_locked(self) -> bool:
-        """Create, set up and register a new client (caller holds ``_lock``); False on failure."""
-        s = self.settings
-        self.counters["setups"] += 1
-        self._next_setup = time.monotonic() + self.breaker.reset_s
-        # setup() holds the GIL for as long as it runs (~90 s against a dead master, measured):
-        # never call it unless the master accepts connections.
-        try:
-            socket.create_connection((self.endpoint.host, self.endpoint.port), min(self.timeout_s, 1.0)).close()
-        except OSError as e:
-            log.debug("remote tier %s: master not reachable (%s)", self.url, e)
-            return False
-        store = self._store_cls()
-        arena = self._arena
-
-        def setup() -> int:
-            rc = store.setup(
-                self.local_hostname,
-                s.metadata_server,
-                s.global_segment_size,
-                s.local_buffer_size,
-                s.protocol,
-                s.device_name,
-                s.master_server_address,
-            )
-            if rc != 0:
-                return rc
-            return store.register_buffer(arena.address, arena.nbytes)
-
-        fut = self._pool.submit(setup)
-        try:
-            rc = fut.result(self.setup_timeout_s)
-        except concurrent.futures.TimeoutError:
-            log.warning("remote tier %s: client setup still running after %.1f s", self.url, self.setup_timeout_s)
-            return False
-        except Exception as e:  # noqa: BLE001 - the client raises RuntimeError and others
-            log.warning("remote tier %s: client setup failed: %s: %s", self.url, type(e).__name__, e)
-            return False
-        if rc != 0:
-            log.warning("remote tier %s: client setup returned %d", self.url, rc)
-            return False
-        self._store = store
-        return True
-
-    def _client(self) -> Any:
-        """The set-up client; a new one is set up at most once per ``breaker_reset_s`` while there is none."""
+    def attach_pool(self, pool: CPUPool) -> None:
+        """Move chunks straight between ``pool``'s slots and the store (unless ``direct`` is False):
+        its arena is registered with the client (now and after every new client set-up), so that
+        a payload inside it is stored with ``batch_put_from_multi_buffers`` (header from the bounce
+        region, payload from the slot) and a slot being written is read into with
+        ``batch_get_into_multi_buffers`` — no copy through the bounce region. Safety is as with the
+        region: a call that outlives its timeout may still read a slot (its record then fails its
+        checksum: a miss for any reader) or write one, which therefore stays held
+        (:meth:`CPUPool.hold <lmtier.tiers.cpu.CPUPool.hold>`) until the call returns. The tier
+        manager calls this with its CPU pool."""
         with self._lock:
-            if self._closed:
-                raise _Failed("closed")
-            if self._store is None:
-                if time.monotonic() < self._next_setup or not self._setup_locked():
-                    raise _Failed("no client")
-            return self._store
-
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)`` on a worker thread, waited for at most ``timeout_s``, under the breaker.
-
-        Raises:
-            _Failed: breaker open, no client, all workers busy, timeout, exception, an outage code.
-        """
-        pending = self._start(fn)
-        assert pending is not None
-        return self._wait(pending)
-
-    def _start(self, fn: Callable[[Any], Any], *, optional: bool = False) -> _Pending | None:
-        """Start ``fn(client)`` on a worker thread. ``optional``: a pipelined call that may wait its
-        turn — it starts only while the breaker is closed and a worker is free, else returns None
-        without counting a failure.
-
-        Raises:
-            _Failed: (not ``optional``) breaker open, no client, all workers busy, pool closed.
-        """
-        if optional and self.breaker.is_open:
-            return None
-        if not self.breaker.allow():
-            self.counters["breaker_rejects"] += 1
-            raise _Failed("breaker open")
-        try:
-            client = self._client()
-        except _Failed:
-            self.breaker.failure()
-            raise
-        with self._lock:
-            busy = self._inflight >= self.workers
-            if not busy:
-                self._inflight += 1
-        if busy:
-            if optional:
-                return None
-            self.counters["busy"] += 1
-            self.breaker.failure()
-            raise _Failed("all workers busy")
-
-        def done(_f: concurrent.futures.Future | None) -> None:
-            with self._lock:
-                self._inflight -= 1
-
-        try:
-            fut = self._pool.submit(fn, client)
-        except RuntimeError:  # the pool is shut down (closed)
-            done(None)
-            raise _Failed("closed") from None
-        fut.add_done_callback(done)
-        return _Pending(fut, time.monotonic() + self.timeout_s)
-
-    def _wait(
-        self, pending: _Pending, *, extent: tuple[int, int] | None = None, release: list[bool] | None = None
-    ) -> Any:
-        """The result of a started call, waiting until ``timeout_s`` after its start.
-
-        A call that times out keeps running; when it finally returns, the bounce ``extent``
-        (offset, bytes) is released by the future and ``release[0]`` is set False so the caller
-        does not release it too.
-
-        Raises:
-            _Failed: timeout, exception, an outage code.
-        """
-        fut = pending.fut
-        try:
-            res = fut.result(max(0.0, pending.deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            if extent is not None and release is not None:
-                release[0] = False
-                off, n = extent
-                fut.add_done_callback(lambda _f: self._arena.release(off, n))
-            self.counters["timeouts"] += 1
-            self.breaker.failure()
-            log.debug("remote tier %s: call timed out after %.3f s", self.url, self.timeout_s)
-            raise _Failed("timeout") from None
-        except Exception as e:  # noqa: BLE001
-            self.counters["errors"] += 1
-            self.breaker.failure()
-            log.debug("remote tier %s: %s: %s", self.url, type(e).__name__, e)
-            raise _Failed(str(e)) from None
-        codes = res if isinstance(res, list) else [res]
-        if codes and all(isinstance(c, int) and is_outage(c) for c in codes):
-            self.breaker.failure()
-            raise _Failed(f"outage code {codes[0]}")
-        self.breaker.success()
-        return res
+            self._cpu = pool
+            self._cpu_base = pool.arena.data_ptr()
+            self._cpu_bytes = pool.num_slots * pool.slot_bytes
+            self._register_cpu_locked()

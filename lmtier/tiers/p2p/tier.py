@@ -14,8 +14,11 @@ the chunk stays, so their TTL only removes what a dead node left behind.
 Reading side: ``contains_many`` is one pipelined ``HGETALL`` round trip (entries of other, allowed,
 live nodes only); ``get_many_into`` looks the entries up again (fresh), groups the chunks by peer,
 cuts each group into sub-batches (about a quarter of the bytes, >= 8 MiB) and issues one NIXL READ per
-sub-batch into a registered bounce region, up to ``workers`` in flight (several peers in parallel),
-verifying and copying each chunk out while later READs transfer.
+sub-batch, up to ``workers`` in flight (several peers in parallel), verifying each chunk while later
+READs transfer. A chunk whose ``out`` is a slot of this node's CPU pool being written (the connector's
+and the manager's promotions: :meth:`CPUPool.writing_slot <lmtier.tiers.cpu.CPUPool.writing_slot>`)
+is read straight into it — the pool's arena is registered with NIXL anyway — and verified there; any
+other ``out`` gets its chunk through a registered bounce region (copied, then verified in ``out``).
 
 Safety (decision): a peer's slot can be evicted and reused between the lookup and the READ, or
 rewritten while the READ runs. The pool stores raw payloads (no header), so each read is checked
@@ -24,15 +27,19 @@ copied elsewhere does not verify), and the bytes read must have the entry's leng
 reused slot holds another chunk's bytes (or a torn mix) and fails the checksum: a miss, counted
 (``stale``), and that entry is deleted from the directory if it is still the same value (a
 concurrent re-publication survives). The one residual risk is an xxh3-64 collision between the
-published chunk and what the slot holds now (2**-64 per read for non-adversarial data). Reads land in
-the bounce region, never in the caller's memory directly: a READ that outlives its timeout may still
-write, so its extent stays reserved until NIXL cancelled it or it finished (a transfer NIXL cannot
-cancel keeps its extent forever, counted ``stuck``), and the caller's buffer (a CPU-pool slot the
-manager may abort and reuse) is only written with verified bytes.
+published chunk and what the slot holds now (2**-64 per read for non-adversarial data). A chunk that
+does not verify is a miss even where it was read straight into the caller's slot: the caller aborts
+that slot, its bytes never become visible. A READ that outlives its caller's wait is not cancelled
+(whether a cancelled UCX READ can still write is not something to rely on): it runs on until it
+completes or fails, and until then everything it may write stays reserved — its bounce extent, and
+the caller's slots *held* (:meth:`CPUPool.hold <lmtier.tiers.cpu.CPUPool.hold>`: never committed,
+parked once aborted, and skipped by the manager's later tiers) — while the peer is hidden from
+lookups, so at most one such READ per peer. Only ``close`` cancels READs; one NIXL cannot cancel
+keeps its memory for good (counted ``stuck``).
 
 Failure model: every directory call has socket timeouts (``timeout_s``) and a breaker; every READ
-runs on a worker thread with a deadline of ``timeout_s + bytes / min_read_bytes_per_s``, where the
-worker cancels it (the caller waits 0.25 s longer at most); a failed or timed-out READ
+runs on a worker thread, and its caller waits ``timeout_s + bytes / min_read_bytes_per_s`` (+ 0.25 s)
+at most, then counts its chunks as misses (see above for the READ itself); a failed or timed-out READ
 counts against that peer's :class:`~lmtier.tiers.breaker.CircuitBreaker`, whose opening hides the
 peer from lookups for ``breaker_reset_s``; with all ``workers`` busy further reads fail at once. A
 SIGKILLed peer: its READs fail at once (UCX disconnect) and its entries are ignored once its node
@@ -64,11 +71,11 @@ from lmtier.events import IndexEvent, IndexEventKind
 from lmtier.remote_url import RedisEndpoint
 from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
-from lmtier.tiers.buffers import host_view, round_up
+from lmtier.tiers.buffers import address_of, host_view, round_up
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
 from lmtier.tiers.mooncake.bounce import ALIGN, BounceRegion
 from lmtier.tiers.p2p.directory import Directory, Entry, NodeRecord
-from lmtier.tiers.p2p.transport import DONE, STUCK, NixlTransport
+from lmtier.tiers.p2p.transport import DONE, STUCK, TIMEOUT, NixlTransport
 
 if TYPE_CHECKING:
     from lmtier.keys import Namespace
@@ -95,6 +102,7 @@ class _Peer:
     fetched: float
     breaker: CircuitBreaker
     hidden_until: float = 0.0
+    late: int = 0  # READs from it that outlived their caller's wait and still run
 
     @property
     def agent_name(self) -> str:
@@ -104,13 +112,18 @@ class _Peer:
 
 @dataclass(eq=False)
 class _Group:
-    """The chunks one READ moves from one peer: caller indices, entries, bounce offsets."""
+    """The chunks one READ moves from one peer: caller indices, entries, and where each lands — a
+    pool slot the caller reserved (``slots[j]``, its address ``addrs[j]``) or an offset into this
+    group's bounce extent (``offs[j]``, ``total`` bounce bytes)."""
 
     peer: _Peer
     idx: list[int] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)
-    offs: list[int] = field(default_factory=list)
+    offs: list[int | None] = field(default_factory=list)
+    slots: list[int | None] = field(default_factory=list)
+    addrs: list[int] = field(default_factory=list)
     total: int = 0
+    nbytes: int = 0
     base: int | None = None
     deadline: float = 0.0
     fut: concurrent.futures.Future | None = None
@@ -148,7 +161,8 @@ class P2PTier(Tier):
     Attributes:
         counters: ``hits``, ``misses``, ``stale`` (read did not verify), ``refused`` (entries of
             nodes not allowed), ``timeouts``, ``errors``, ``stuck``, ``busy``, ``breaker_rejects``,
-            ``bounce_full``, ``published``, ``publish_dropped``, ``publish_failures``.
+            ``bounce_full``, ``published``, ``publish_dropped``, ``publish_failures``,
+            ``direct_gets`` (chunks READ straight into a slot of this node's pool).
     """
 
     name = "p2p"
@@ -212,6 +226,7 @@ class P2PTier(Tier):
         self._queue: collections.deque[tuple[bool, bytes]] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._stop_reads = threading.Event()  # set by close: READs still running are cancelled
         self._busy_publishing = False
         self.transport: NixlTransport | None = None
         self._bounce: BounceRegion | None = None
@@ -391,7 +406,7 @@ class P2PTier(Tier):
             pick = None
             for n, e in entries.items():
                 p = peers.get(n)
-                if p is None or p.record is None or p.hidden_until > now:
+                if p is None or p.record is None or p.hidden_until > now or p.late:
                     continue
                 if e.epoch != p.record.epoch or e.offset + e.length > p.record.arena_bytes or e.length == 0:
                     continue  # left by an earlier process of that node, or malformed
@@ -430,8 +445,10 @@ class P2PTier(Tier):
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """Read and verify several chunks: one directory round trip, NIXL READs per peer in
         pipelined sub-batches (peers in parallel), each chunk checked against its entry (length,
-        xxh3) before it is copied into its ``out`` (a writable host buffer or CUDA tensor).
-        Per key: payload bytes, or None (miss)."""
+        xxh3) in its ``out`` (a writable host buffer or CUDA tensor; a slot of this node's pool being
+        written is read into directly, see the module doc). Per key: payload bytes, or None (a
+        miss: ``out`` may hold unverified bytes, which the caller must not use).
+        """
         if len(keys) != len(outs):
             raise ValueError(f"P2PTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
         res: list[int | None] = [None] * len(keys)
@@ -454,10 +471,11 @@ class P2PTier(Tier):
         res: list[int | None] = [None] * len(keys)
         assert self._bounce is not None
         choice = self._choose(keys)
-        # Sub-batches of about a quarter of the bytes (>= 8 MiB, <= half the bounce region), so that
-        # the next READ transfers while one is verified and copied out.
+        # Sub-batches of about a quarter of the bytes (>= 8 MiB; their bounce share <= half the
+        # region), so that one is verified while later READs transfer.
         total = sum(round_up(c[1].length, ALIGN) for c in choice if c is not None)
-        limit = min(max(_MIN_READ_BYTES, -(-total // 4)), self._bounce.nbytes // 2)
+        limit = max(_MIN_READ_BYTES, -(-total // 4))
+        half = self._bounce.nbytes // 2
         open_groups: dict[str, _Group] = {}
         todo: collections.deque[_Group] = collections.deque()
         for i, c in enumerate(choice):
@@ -468,16 +486,24 @@ class P2PTier(Tier):
             if e.length > outs[i].nbytes or n > self._bounce.nbytes:
                 log.warning("p2p get_into: out has %d bytes, chunk has %d", outs[i].nbytes, e.length)
                 continue
+            addr = address_of(outs[i])
+            slot = self._direct_slot(addr, e.length)
             g = open_groups.get(peer.node_id)
-            if g is None or (g.idx and g.total + n > limit):
+            if g is None or (g.idx and (g.nbytes + n > limit or (slot is None and g.total + n > half))):
                 g = open_groups[peer.node_id] = _Group(peer)
                 todo.append(g)
             g.idx.append(i)
             g.entries.append(e)
-            g.offs.append(g.total)
-            g.total += n
+            g.slots.append(slot)
+            g.addrs.append(addr)
+            if slot is None:
+                g.offs.append(g.total)
+                g.total += n
+            else:
+                g.offs.append(None)
+            g.nbytes += n
         # READs of different peers run in parallel; a peer's sub-batches follow each other, up to
-        # ``workers`` in flight, each verified and copied out while later ones transfer.
+        # ``workers`` in flight, each verified while later ones transfer.
         flight: collections.deque[_Group] = collections.deque()
         while todo or flight:
             while todo and len(flight) < self.workers and self._start(todo[0], first=not flight):
@@ -491,11 +517,18 @@ class P2PTier(Tier):
         self.counters["misses"] += len(keys) - n_hit
         return res
 
+    def _direct_slot(self, address: int, nbytes: int) -> int | None:
+        """The index of the slot of this node's pool (registered with NIXL) being written that holds
+        ``[address, address + nbytes)`` — a READ may land there directly, since this tier can hold the
+        slot if the READ outlives its wait — else None (the chunk goes through the bounce region)."""
+        pool = self.pool
+        return None if pool is None else pool.writing_slot(address, nbytes)
+
     def _start(self, g: _Group, *, first: bool) -> bool:
-        """Reserve ``g``'s bounce extent and start its READ on a worker. False when no worker or
-        extent is free (``first``: this caller has no READ in flight, so it waits up to ``timeout_s``
-        for an extent and counts the failure; otherwise ``g`` waits its turn), the peer's breaker
-        refuses, or the peer's metadata does not load."""
+        """Reserve ``g``'s bounce extent (if it has bounce chunks) and start its READ on a worker.
+        False when no worker or extent is free (``first``: this caller has no READ in flight, so it
+        waits up to ``timeout_s`` for an extent and counts the failure; otherwise ``g`` waits its
+        turn), the peer's breaker refuses, or the peer's metadata does not load."""
         peer = g.peer
         assert peer.record is not None and self._bounce is not None and self.transport is not None
         assert self._pool is not None
@@ -507,7 +540,7 @@ class P2PTier(Tier):
             if first:
                 self.counters["busy"] += 1
             return False
-        base = self._bounce.acquire(g.total, self.timeout_s if first else 0.0)
+        base = self._bounce.acquire(g.total, self.timeout_s if first else 0.0) if g.total else 0
         why = None
         if base is None:
             why = "bounce_full" if first else ""
@@ -519,57 +552,73 @@ class P2PTier(Tier):
         if why is not None:
             if why:
                 self.counters[why] += 1
-            if base is not None:
+            if base is not None and g.total:
                 self._bounce.release(base, g.total)
             with self._lock:
                 self._inflight -= 1
             return False
         g.base = base
-        addr, arena = self._bounce.address + base, peer.record.arena_base
-        pieces = [(addr + off, arena + e.offset, e.length) for off, e in zip(g.offs, g.entries, strict=True)]
-        deadline = time.monotonic() + self.timeout_s + g.total / self.min_read_bytes_per_s
-        g.deadline = deadline
+        self.counters["direct_gets"] += sum(1 for slot in g.slots if slot is not None)
+        bounce, arena = self._bounce.address + base, peer.record.arena_base
+        pieces = [
+            (a if off is None else bounce + off, arena + e.offset, e.length)
+            for a, off, e in zip(g.addrs, g.offs, g.entries, strict=True)
+        ]
+        g.deadline = time.monotonic() + self.timeout_s + g.nbytes / self.min_read_bytes_per_s
         name = peer.agent_name
 
         def done(f: concurrent.futures.Future) -> None:
             with self._lock:
                 self._inflight -= 1
 
-        g.fut = self._pool.submit(self.transport.read, name, pieces, deadline)
+        # No deadline for the READ itself: its memory (bounce extent, the caller's slots) stays
+        # reserved until it completed or failed, rather than trusting a cancellation (see _finish).
+        g.fut = self._pool.submit(self.transport.read, name, pieces, None, self._stop_reads, g.deadline)
         g.fut.add_done_callback(done)
         return True
 
     def _finish(self, g: _Group, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None]) -> None:
-        """Wait for ``g``'s READ, verify each chunk against its entry and copy it out."""
+        """Wait for ``g``'s READ (until its deadline), verify each chunk against its entry (a bounce
+        chunk after its copy into ``out``: what is checked is what the caller gets)."""
         assert g.fut is not None and g.base is not None and self._bounce is not None
-        peer, base, total = g.peer, g.base, g.total
+        peer = g.peer
         try:
-            # The worker cancels at the deadline itself; this wait only bounds a NIXL call that hangs.
             state = g.fut.result(max(0.0, g.deadline - time.monotonic()) + 0.25)
         except concurrent.futures.TimeoutError:
+            # The READ keeps running: its memory stays reserved until it completes or fails —
+            # the bounce extent, and the caller's slots held (never committed, parked once
+            # aborted) — and the peer is hidden meanwhile, so at most one such READ per peer.
             self.counters["timeouts"] += 1
             self._peer_failed(peer)
-            g.fut.add_done_callback(lambda f: self._release_after(f, base, total))
+            held = self._hold(g)
+            with self._lock:
+                peer.late += 1
+            g.fut.add_done_callback(lambda f: self._late_done(g, held, f))
             return
         if state != DONE:
-            self.counters["stuck" if state == STUCK else "timeouts" if state == "TIMEOUT" else "errors"] += 1
+            self.counters["stuck" if state == STUCK else "timeouts" if state == TIMEOUT else "errors"] += 1
             self._peer_failed(peer)
-            if state != STUCK:  # a transfer NIXL could not cancel may still write: keep its extent
-                self._bounce.release(base, total)
+            if state == STUCK:  # a transfer NIXL could not cancel (closing) may still write: keep its memory
+                self._hold(g)
+            elif g.total:
+                self._bounce.release(g.base, g.total)
             return
         peer.breaker.success()
         stale: list[tuple[int, Entry]] = []
         try:
             mv = self._bounce.mv
             for i, off, e in zip(g.idx, g.offs, g.entries, strict=True):
-                got = mv[base + off : base + off + e.length]
-                if rec.payload_checksum(got) != e.xxh3:
+                dst = outs[i][: e.length]
+                if off is not None:
+                    o = g.base + off
+                    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(mv[o : o + e.length], dtype=np.uint8))
+                if rec.payload_checksum(dst) != e.xxh3:
                     stale.append((i, e))
                     continue
-                np.copyto(np.frombuffer(outs[i], dtype=np.uint8, count=e.length), np.frombuffer(got, dtype=np.uint8))
                 res[i] = e.length
         finally:
-            self._bounce.release(base, total)
+            if g.total:
+                self._bounce.release(g.base, g.total)
         for i, e in stale:
             self.counters["stale"] += 1
             log.info(
@@ -579,12 +628,36 @@ class P2PTier(Tier):
             )
             self.directory.drop_stale(keys[i], peer.node_id, e)
 
-    def _release_after(self, f: concurrent.futures.Future, base: int, total: int) -> None:
-        assert self._bounce is not None
-        if not f.cancelled() and f.exception() is None and f.result() != STUCK:
-            self._bounce.release(base, total)
-        else:
+    def _hold(self, g: _Group) -> list[int]:
+        """Hold ``g``'s direct slots in the pool (a READ still running may write them); returns them."""
+        held = []
+        for slot in g.slots:
+            if slot is None:
+                continue
+            assert self.pool is not None
+            try:
+                self.pool.hold(slot)
+            except RuntimeError:  # the caller gave its slot up while we read into it: a caller bug
+                log.error("p2p: a slot read into was aborted or committed during the READ")
+                continue
+            held.append(slot)
+        return held
+
+    def _late_done(self, g: _Group, held: list[int], f: concurrent.futures.Future) -> None:
+        """A READ that outlived its caller's wait finished: free its memory (unless NIXL could not
+        cancel it at close: then it stays reserved for good) and show the peer again."""
+        assert self._bounce is not None and g.base is not None
+        state = STUCK if f.cancelled() or f.exception() is not None else f.result()
+        with self._lock:
+            g.peer.late -= 1
+        if state == STUCK:
             self.counters["stuck"] += 1
+            return
+        assert self.pool is not None or not held
+        for slot in held:
+            self.pool.unhold(slot)  # type: ignore[union-attr]
+        if g.total:
+            self._bounce.release(g.base, g.total)
 
     def _peer_failed(self, peer: _Peer) -> None:
         peer.breaker.failure()
@@ -622,6 +695,7 @@ class P2PTier(Tier):
             self._cond.notify_all()
         with self._lock:
             self._closed = True
+        self._stop_reads.set()
         if self._thread is not None and self._pool is not None:  # a serving node
             self._thread.join(timeout=10)
             with self._lock:

@@ -40,6 +40,7 @@ local memory may still be written: never reuse it)."""
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
+_POLL_LATE_S = 10e-3
 
 
 def _ucx_modules_default() -> None:
@@ -160,14 +161,26 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             log.debug("p2p: remove_remote_agent(%s): %s", agent_name, e)
 
-    def read(self, peer: str, pieces: Sequence[tuple[int, int, int]], deadline: float) -> str:
-        """One-sided READ of ``pieces`` from ``peer``; blocks until done or ``deadline``.
+    def read(
+        self,
+        peer: str,
+        pieces: Sequence[tuple[int, int, int]],
+        deadline: float | None,
+        stop: threading.Event | None = None,
+        slow_after: float | None = None,
+    ) -> str:
+        """One-sided READ of ``pieces`` from ``peer``; blocks until done, ``deadline`` or ``stop``.
 
         Args:
             peer: a loaded peer's agent name.
             pieces: ``(local address, remote address, bytes)`` per piece; local memory registered
                 here, remote memory registered by the peer.
-            deadline: ``time.monotonic()`` value after which the transfer is cancelled.
+            deadline: ``time.monotonic()`` value after which the transfer is cancelled; None: never
+                (it runs until it completes or fails — for a caller that keeps the local memory
+                reserved until then instead of trusting the cancellation).
+            stop: when set, the transfer is cancelled as at a deadline (closing).
+            slow_after: ``time.monotonic()`` value after which the state is polled every 10 ms
+                instead of at most every 1 ms (a READ nobody waits for any more).
 
         Returns:
             :data:`DONE`, :data:`ERR`, :data:`TIMEOUT` or :data:`STUCK` (see there). Never raises
@@ -182,7 +195,8 @@ class NixlTransport:
             state = agent.transfer(handle)
             pause = _POLL_MIN_S
             while state == "PROC":
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if (deadline is not None and now >= deadline) or (stop is not None and stop.is_set()):
                     try:
                         handle.release()  # cancels the transfer, or raises when it cannot
                     except Exception as e:  # noqa: BLE001
@@ -192,7 +206,7 @@ class NixlTransport:
                     handle = None
                     return TIMEOUT
                 time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX_S)
+                pause = _POLL_LATE_S if slow_after is not None and now >= slow_after else min(pause * 2, _POLL_MAX_S)
                 state = agent.check_xfer_state(handle)
             return DONE if state == "DONE" else ERR
         except Exception as e:  # noqa: BLE001 - nixlRemoteDisconnectError and other NIXL errors
