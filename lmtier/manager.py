@@ -35,7 +35,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -58,9 +58,34 @@ from lmtier.tiers.tenants import DEFAULT_TENANT
 if TYPE_CHECKING:
     from lmtier.tiers.p2p.tier import P2PTier
 
-__all__ = ["TierManager"]
+
+__all__ = ["LoadMeter", "TierManager"]
 
 log = logging.getLogger("lmtier.manager")
+
+
+class LoadMeter(Protocol):
+    """Times the lower tiers' reads of :meth:`TierManager.fetch_lower_many` (e.g.
+    :class:`lmtier.integration.vllm.loadpolicy.BusyMeter`); called from any thread."""
+
+    def begin(self, tier: str, path: str) -> Any:
+        """A read of ``tier`` (``"disk"``, ``"p2p"``, ``"remote"``) by ``path`` (``"raw"``,
+        ``"codec"``, ``"codec+device"``) starts; returns the token :meth:`end` takes."""
+        ...
+
+    def end(self, token: Any, nbytes: int) -> None:
+        """That read ended, having delivered ``nbytes`` chunk bytes (0 on a miss)."""
+        ...
+
+
+def _read_path(tier: Tier, device: bool) -> str:
+    """How ``tier``'s chunks are read: ``"raw"`` records, ``"codec"`` records decoded on the host,
+    ``"codec+device"`` decoded on the GPU (a :class:`LoadMeter` label)."""
+    from lmtier.tiers.codec import CodecTier
+
+    if not isinstance(tier, CodecTier):
+        return "raw"
+    return "codec+device" if device else "codec"
 
 
 def _done(value: bool) -> Future:
@@ -132,6 +157,7 @@ class TierManager:
         self._closed = False
         self._listeners: list[IndexListener] = []
         self._listeners_lock = threading.Lock()
+        self._load_meter: LoadMeter | None = None
         if p2p is not None and cpu is not None:  # the P2P tier publishes what enters / leaves the pool
             self._listeners.append(p2p.on_index_event)
         if cpu is not None:
@@ -580,7 +606,11 @@ class TierManager:
                 continue
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
             ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
+            meter = self._load_meter
+            token = meter.begin(tier.name, _read_path(tier, bool(kw))) if meter is not None else None
             got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
+            if meter is not None:
+                meter.end(token, sum(n for n in got if n))
             left = []
             for i, n in zip(todo, got, strict=True):
                 if n is None:
@@ -592,6 +622,11 @@ class TierManager:
         if todo:
             self._count("misses", len(todo))
         return res
+
+    def set_load_meter(self, meter: LoadMeter | None) -> None:
+        """Time every lower-tier read of :meth:`fetch_lower_many` with ``meter`` from now on (None:
+        stop). The vLLM connector's worker measures its tiers' load bandwidth this way."""
+        self._load_meter = meter
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to ``counters[name]`` (thread-safe)."""
