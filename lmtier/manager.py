@@ -505,6 +505,11 @@ class TierManager:
         with self._listeners_lock:
             self._listeners = [f for f in self._listeners if f != fn]
 
+    def set_load_meter(self, meter: LoadMeter | None) -> None:
+        """Time every lower-tier read of :meth:`fetch_lower_many` with ``meter`` from now on (None:
+        stop). The vLLM connector's worker measures its tiers' load bandwidth this way."""
+        self._load_meter = meter
+
     def _publish(self, kind: IndexEventKind, key: bytes, tier: str | None) -> None:
         listeners = self._listeners  # a snapshot: the list is replaced, never mutated
         if not listeners:
@@ -584,10 +589,14 @@ class TierManager:
         """
         return self.fetch_lower_many([key], [out], stream=stream)[0]
 
-    def fetch_lower_many(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
+    def fetch_lower_many(
+        self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None, skip: Sequence[str] = ()
+    ) -> list[int | None]:
         """:meth:`fetch_lower` of several chunks: the disk tier reads each; those it misses come from
         the remote tier in one ``get_many_into`` (one batched client call where the tier has one:
         :meth:`~lmtier.tiers.base.Tier.batches_gets`). Returns per key the chunk's length or None.
+        ``skip``: names of tiers not to read (``"disk"``, ``"p2p"``, ``"remote"``; the vLLM
+        connector's load policy skips a tier slower than recompute when a later one holds a copy).
 
         Raises:
             TypeError: bad ``out``. ValueError: ``keys`` and ``outs`` differ in length.
@@ -602,7 +611,7 @@ class TierManager:
         if stream is not None:
             from lmtier.tiers.codec import CodecTier
         for tier in (self.disk, self.p2p, self.remote):
-            if tier is None or not todo:
+            if tier is None or not todo or tier.name in skip:
                 continue
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
             ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
@@ -622,11 +631,6 @@ class TierManager:
         if todo:
             self._count("misses", len(todo))
         return res
-
-    def set_load_meter(self, meter: LoadMeter | None) -> None:
-        """Time every lower-tier read of :meth:`fetch_lower_many` with ``meter`` from now on (None:
-        stop). The vLLM connector's worker measures its tiers' load bandwidth this way."""
-        self._load_meter = meter
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to ``counters[name]`` (thread-safe)."""

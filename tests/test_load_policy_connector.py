@@ -144,3 +144,21 @@ def test_prefill_rate_is_measured_from_the_steps(make):
         snap["prefill_tokens_per_s"] * 128 / 1e9
     )
     h.check_clean()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
+def test_slow_disk_chunks_load_from_a_faster_copy_in_redis(make, redis_url, split):
+    """Chunks written back to a disk below break-even and written through to Redis (above it): the
+    scheduler claims them from Redis and the worker never reads the disk."""
+    h = make(extra={**FIXED, "load_prior_gbps": {"disk": 1e-6, "remote": 1e3}}, split=split, remote=redis_url)
+    ps, refs = _cold_then_disk_only(h)
+    m = h.worker.connector_worker.manager
+    hits0 = (m.counters["hits_disk"], m.counters["hits_remote"])
+    before = process_decision_totals()
+    rids = h.rerun(ps, refs)
+    want = sorted((r, hit_of(70), ("disk",), True) for r in rids)  # remote chunks load asynchronously
+    assert sorted((op.req_id, len(op.token_ids), op.skip_tiers, op.is_async) for op in h.loads) == want
+    n = 3 * hit_of(70) // CHUNK
+    assert (m.counters["hits_disk"] - hits0[0], m.counters["hits_remote"] - hits0[1]) == (0, n)
+    assert _decisions_since(before) == {"remote": {"loaded": n}}
+    h.check_clean()

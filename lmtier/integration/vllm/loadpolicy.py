@@ -231,11 +231,14 @@ class LoadPlan:
         chunks: leading chunks of the prefix to claim (a prefix: vLLM computes the rest).
         skipped: the tiers of the cached chunks not claimed, in order.
         probe: the tier (off) one of whose probes this plan spends, or None.
+        avoid: tiers the load must not read from (set by the connector when it found a faster copy
+            of chunks in a later tier).
     """
 
     chunks: int
     skipped: list[str] = field(default_factory=list)
     probe: str | None = None
+    avoid: tuple[str, ...] = ()
 
 
 class LoadPolicy:

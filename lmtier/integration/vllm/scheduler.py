@@ -14,10 +14,12 @@ is not stored yet. A request whose async load failed is never offered a hit agai
 cannot loop.
 
 Load policy (:mod:`lmtier.integration.vllm.loadpolicy`): the claim stops at the first chunk whose
-tier loads slower than the engine recomputes (``load_policy: auto``); the worker's load samples
-arrive with its metadata, the prefill rate is timed here from ``build_connector_meta`` to
-``update_connector_output``. With a CPU pool, the chunks recomputed that way are stored again (into
-the pool): the next hit loads them from there.
+tier loads slower than the engine recomputes (``load_policy: auto``) — unless a later tier that is
+fast enough (P2P, remote: e.g. codec records in Redis behind a slow raw disk) holds copies of the
+chunks from there on: they are claimed from it and the worker does not read the slow tier
+(``LoadOp.skip_tiers``). The worker's load samples arrive with its metadata, the prefill rate is
+timed here from ``build_connector_meta`` to ``update_connector_output``. With a CPU pool, the chunks
+recomputed because of a slow tier are stored again (into the pool): the next hit loads them from there.
 
 Index: the tier manager shared with the worker when both live in one process; otherwise an
 :class:`lmtier.integration.vllm.mirror.IndexMirror` of the worker's CPU pool and disk chunks (fed by
@@ -159,6 +161,8 @@ class LMTierScheduler:
         keys = chunk_keys(prompt[:max_hit], self.ns, cache_salt=request_salt(request))
         tiers = self._lookup(keys)
         plan = self.policy.plan(tiers, num_computed_tokens // self.chunk)
+        if plan.skipped and plan.probe is None:
+            tiers, plan = self._faster_copy(keys, tiers, plan)
         tiers = tiers[: plan.chunks]
         hit = len(tiers) * self.chunk
         if hit <= num_computed_tokens:
@@ -168,6 +172,27 @@ class LMTierScheduler:
         load_async = self.options.async_loads and self._load_async(claimed)
         self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async, plan)
         return hit - num_computed_tokens, load_async
+
+    def _faster_copy(self, keys: list[bytes], tiers: list[str], plan: LoadPlan) -> tuple[list[str], LoadPlan]:
+        """Where the plan stops at a slow tier: a later tier the worker reads (P2P, then remote) that
+        loads fast enough and holds the next chunks. Returns ``(tiers, plan)`` with those chunks
+        claimed from it and every slow tier in ``plan.avoid``, else the arguments unchanged (a
+        lookup error is no copy)."""
+        start, stop = plan.chunks, len(tiers)
+        later = {"disk": ("p2p", "remote"), "p2p": ("remote",)}.get(plan.skipped[0], ())
+        for name, tier in (("p2p", self.manager.p2p), ("remote", self.manager.remote)):
+            if name not in later or tier is None or not self.policy.loads(name):
+                continue
+            try:
+                flags = tier.contains_many(keys[start:stop])
+            except Exception:
+                log.warning("lmtier: looking for copies in tier %s failed", name, exc_info=True)
+                continue
+            m = next((i for i, f in enumerate(flags) if not f), len(flags))
+            if m:
+                avoid = tuple(t for t in ("disk", "p2p", "remote") if not self.policy.loads(t))
+                return tiers[:start] + [name] * m, LoadPlan(start + m, list(tiers[start + m :]), None, avoid)
+        return tiers, plan
 
     def _load_async(self, claimed: list[str]) -> bool:
         """Whether claimed chunks (tier names) load in the background: any remote or peer chunk, or disk
@@ -260,7 +285,13 @@ class LMTierScheduler:
         if plan.probe is not None:
             self.policy.probed(plan.probe)
         op = LoadOp(
-            rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb], is_async=load_async
+            rid,
+            list(request.prompt_token_ids[:hit]),
+            request_salt(request),
+            nc,
+            block_ids[:nb],
+            is_async=load_async,
+            skip_tiers=plan.avoid,
         )
         self._pending_loads[rid] = op
         self._issued[rid] = op

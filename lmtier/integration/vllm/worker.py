@@ -248,7 +248,9 @@ class ConnectorWorker:
     def _plan(self, op: LoadOp, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
         """The fetcher's plan of ``op``'s chunks from ``start_token`` on (promotions: its tenant's)."""
         first = op.start_token // self.chunk
-        return self._fetcher.plan(op.req_id, first, keys, fault_names, tenant=tenant_id(op.cache_salt))
+        return self._fetcher.plan(
+            op.req_id, first, keys, fault_names, tenant=tenant_id(op.cache_salt), skip_tiers=op.skip_tiers
+        )
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor | list[torch.Tensor]) -> None:
         """Write canonical chunks into the cache; returns when done.
