@@ -375,3 +375,75 @@ def test_bad_settings(kw):
     kw = {"bytes_per_token": BPT, **kw}
     with pytest.raises(ValueError):
         LoadPolicy(**kw)
+
+
+# ------------------------------------------------------------------------------ stats and metrics
+SNAP = {
+    "prefill_tokens_per_s": 2000.0,
+    "breakeven_gbps": 0.002,
+    "bytes_per_token": 1000.0,
+    "tiers": {"disk": {"gbps": 0.0005, "path": "raw", "samples": 4, "loads": 0, "probes": 1}},
+}
+
+
+def test_stats_carry_decisions_and_the_newest_policy():
+    from lmtier.integration.vllm.stats import LMTierStats, StatsSink, process_decision_totals, process_load_policy
+
+    a, b = LMTierStats(), LMTierStats()
+    a.add_decision("disk", "skipped", 3)
+    a.data["policy"] = {"breakeven_gbps": 1.0, "prefill_tokens_per_s": 1.0, "tiers": {}}
+    b.add_decision("disk", "skipped", 2)
+    b.add_decision("cpu", "loaded", 4)
+    b.data["policy"] = dict(SNAP)
+    a.aggregate(b)
+    assert a.data["decisions"] == {"disk": {"skipped": 5}, "cpu": {"loaded": 4}}
+    assert a.data["policy"] == SNAP  # a gauge: the newer one
+    out = a.reduce()
+    assert out["lmtier_disk_chunks_recomputed"] == 5 and "lmtier_cpu_chunks_recomputed" not in out
+    assert (out["lmtier_breakeven_gbps"], out["lmtier_prefill_tok_s"], out["lmtier_disk_load_gbps"]) == (
+        0.002,
+        2000.0,
+        0.0005,
+    )
+    again = LMTierStats(a.data)  # vLLM rebuilds stats from data across processes
+    assert again.data["decisions"] == a.data["decisions"] and again.data["policy"] == SNAP
+    a.reset()
+    assert a.is_empty()
+    only_policy = LMTierStats({"policy": SNAP})
+    assert not only_policy.is_empty()
+    sink = StatsSink()
+    before = process_decision_totals().get("p2p", {}).get("skipped", 0)
+    sink.add_decision("p2p", "skipped", 7)
+    sink.set_policy(SNAP)
+    assert process_decision_totals()["p2p"]["skipped"] == before + 7 and process_load_policy() == SNAP
+    got = sink.take().data
+    assert got["decisions"] == {"p2p": {"skipped": 7}} and got["policy"] == SNAP
+
+
+def test_prometheus_series_of_the_policy():
+    from types import SimpleNamespace
+
+    from lmtier.testing.vllm import require_vllm
+
+    require_vllm()
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from lmtier.integration.vllm.stats import LMTierPromMetrics
+
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = LMTierPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    prom.observe({"decisions": {"disk": {"skipped": 5, "loaded": 1}, "nvme": {"loaded": 9}}, "policy": SNAP})
+    text = generate_latest(reg).decode()
+    for line in (
+        'vllm:lmtier_load_decisions_total{decision="skipped",engine="0",tier="disk"} 5.0',
+        'vllm:lmtier_load_decisions_total{decision="loaded",engine="0",tier="disk"} 1.0',
+        'vllm:lmtier_tier_load_gbps{engine="0",path="raw",tier="disk"} 0.0005',
+        'vllm:lmtier_tier_loads{engine="0",tier="disk"} 0.0',
+        'vllm:lmtier_breakeven_gbps{engine="0"} 0.002',
+        'vllm:lmtier_prefill_tokens_per_second{engine="0"} 2000.0',
+    ):
+        assert line in text, (line, [ln for ln in text.splitlines() if "lmtier_" in ln and "#" not in ln])
+    assert "nvme" not in text  # only lmtier's tier names become labels
