@@ -35,7 +35,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -58,9 +58,34 @@ from lmtier.tiers.tenants import DEFAULT_TENANT
 if TYPE_CHECKING:
     from lmtier.tiers.p2p.tier import P2PTier
 
-__all__ = ["TierManager"]
+
+__all__ = ["LoadMeter", "TierManager"]
 
 log = logging.getLogger("lmtier.manager")
+
+
+class LoadMeter(Protocol):
+    """Times the lower tiers' reads of :meth:`TierManager.fetch_lower_many` (e.g.
+    :class:`lmtier.integration.vllm.loadpolicy.BusyMeter`); called from any thread."""
+
+    def begin(self, tier: str, path: str) -> Any:
+        """A read of ``tier`` (``"disk"``, ``"p2p"``, ``"remote"``) by ``path`` (``"raw"``,
+        ``"codec"``, ``"codec+device"``) starts; returns the token :meth:`end` takes."""
+        ...
+
+    def end(self, token: Any, nbytes: int) -> None:
+        """That read ended, having delivered ``nbytes`` chunk bytes (0 on a miss)."""
+        ...
+
+
+def _read_path(tier: Tier, device: bool) -> str:
+    """How ``tier``'s chunks are read: ``"raw"`` records, ``"codec"`` records decoded on the host,
+    ``"codec+device"`` decoded on the GPU (a :class:`LoadMeter` label)."""
+    from lmtier.tiers.codec import CodecTier
+
+    if not isinstance(tier, CodecTier):
+        return "raw"
+    return "codec+device" if device else "codec"
 
 
 def _done(value: bool) -> Future:
@@ -135,6 +160,7 @@ class TierManager:
         self._closed = False
         self._listeners: list[IndexListener] = []
         self._listeners_lock = threading.Lock()
+        self._load_meter: LoadMeter | None = None
         if p2p is not None and cpu is not None:  # the P2P tier publishes what enters / leaves the pool
             self._listeners.append(p2p.on_index_event)
         if cpu is not None:
@@ -490,6 +516,11 @@ class TierManager:
         with self._listeners_lock:
             self._listeners = [f for f in self._listeners if f != fn]
 
+    def set_load_meter(self, meter: LoadMeter | None) -> None:
+        """Time every lower-tier read of :meth:`fetch_lower_many` with ``meter`` from now on (None:
+        stop). The vLLM connector's worker measures its tiers' load bandwidth this way."""
+        self._load_meter = meter
+
     def _publish(self, kind: IndexEventKind, key: bytes, tier: str | None) -> None:
         listeners = self._listeners  # a snapshot: the list is replaced, never mutated
         if not listeners:
@@ -569,13 +600,17 @@ class TierManager:
         """
         return self.fetch_lower_many([key], [out], stream=stream)[0]
 
-    def fetch_lower_many(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
+    def fetch_lower_many(
+        self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None, skip: Sequence[str] = ()
+    ) -> list[int | None]:
         """:meth:`fetch_lower` of several chunks: the disk tier reads each; those it misses come from
         the remote tier in one ``get_many_into`` (one batched client call where the tier has one:
         :meth:`~lmtier.tiers.base.Tier.batches_gets`). Returns per key the chunk's length or None.
         A miss whose ``out`` is a CPU-pool slot a tier left held (:meth:`CPUPool.hold
         <lmtier.tiers.cpu.CPUPool.hold>`: a transfer that outlived its timeout may still write into
         it) is not offered to later tiers: the caller must abort that slot.
+        ``skip``: names of tiers not to read (``"disk"``, ``"p2p"``, ``"remote"``; the vLLM
+        connector's load policy skips a tier slower than recompute when a later one holds a copy).
 
         Raises:
             TypeError: bad ``out``. ValueError: ``keys`` and ``outs`` differ in length.
@@ -590,11 +625,15 @@ class TierManager:
         if stream is not None:
             from lmtier.tiers.codec import CodecTier
         for tier in (self.disk, self.p2p, self.remote):
-            if tier is None or not todo:
+            if tier is None or not todo or tier.name in skip:
                 continue
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
             ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
+            meter = self._load_meter
+            token = meter.begin(tier.name, _read_path(tier, bool(kw))) if meter is not None else None
             got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
+            if meter is not None:
+                meter.end(token, sum(n for n in got if n))
             left = []
             for i, n in zip(todo, got, strict=True):
                 if n is None:

@@ -77,6 +77,55 @@ def test_sizes(key):
             ConnectorOptions.parse({key: bad})
 
 
+def test_load_policy_options():
+    o = ConnectorOptions()
+    assert (o.load_policy, o.prefill_tokens_per_s, dict(o.load_prior_gbps)) == ("auto", None, {})
+    assert (o.load_min_samples, o.load_hysteresis, o.load_probe_s) == (3, 0.1, 30.0)
+    o = ConnectorOptions.parse(
+        {
+            "load_policy": " Always",
+            "prefill_tokens_per_s": "2500",
+            "load_prior_gbps": {"disk": 1.8, "remote": "0.5"},
+            "load_min_samples": 5,
+            "load_hysteresis": 0,
+            "load_probe_s": 0,
+        }
+    )
+    assert (o.load_policy, o.prefill_tokens_per_s, dict(o.load_prior_gbps)) == (
+        "always",
+        2500.0,
+        {"disk": 1.8, "remote": 0.5},
+    )
+    assert (o.load_min_samples, o.load_hysteresis, o.load_probe_s) == (5, 0.0, 0.0)
+    assert ConnectorOptions.parse({"prefill_tokens_per_s": None}).prefill_tokens_per_s is None
+
+
+@pytest.mark.parametrize(
+    "key, bad, msg",
+    [
+        ("load_policy", "never", 'must be "auto" or "always"'),
+        ("load_policy", True, 'must be "auto" or "always"'),
+        ("prefill_tokens_per_s", 0, "finite number > 0"),
+        ("prefill_tokens_per_s", "fast", "finite number > 0"),
+        ("prefill_tokens_per_s", True, "finite number > 0"),
+        ("load_prior_gbps", 1.8, "must be an object"),
+        ("load_prior_gbps", {"nvme": 1.8}, "unknown tier 'nvme'; known: cpu, disk, p2p, remote"),
+        ("load_prior_gbps", {"disk": 0}, r"\.disk=0: must be a finite number > 0"),
+        ("load_prior_gbps", {"disk": float("inf")}, r"\.disk=inf: must be a finite number > 0"),
+        ("load_min_samples", 0, "finite number >= 1"),
+        ("load_min_samples", 1.5, "integer >= 1"),
+        ("load_min_samples", True, "finite number >= 1"),
+        ("load_hysteresis", 1, ">= 0 and < 1"),
+        ("load_hysteresis", -0.1, ">= 0 and < 1"),
+        ("load_probe_s", -1, "finite number >= 0"),
+        ("load_probe_s", float("nan"), "finite number >= 0"),
+    ],
+)
+def test_bad_load_policy_options_name_the_key(key, bad, msg):
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config {key}.*{msg}"):
+        ConnectorOptions.parse({key: bad})
+
+
 def test_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValueError, match="'asyncloads'.*known: async_loads"):
         ConnectorOptions.parse({"asyncloads": False})
@@ -113,6 +162,7 @@ print("ok")
         "lmtier.integration.vllm.fetch",
         "lmtier.integration.vllm.options",
         "lmtier.integration.vllm.mirror",
+        "lmtier.integration.vllm.loadpolicy",
         "lmtier.integration.vllm",
     ],
 )

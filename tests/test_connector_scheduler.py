@@ -88,6 +88,7 @@ class Harness:
         sleep=False,
         engine_id=None,
         hide_sync_loads=False,
+        remote=None,
     ):
         import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -104,6 +105,8 @@ class Harness:
         cfg = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": cpu_gb}
         if disk:
             cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=disk_gb)
+        if remote:  # lmtier's remote_url (e.g. redis://...): written through after each CPU commit
+            cfg.update(remote_url=remote)
         os.environ["LMTIER_CONFIG_FILE"] = str(write_yaml(tmp_path / "lmtier.yaml", cfg))
         mc = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=2048, seed=0, skip_tokenizer_init=True)
         sc = SchedulerConfig(

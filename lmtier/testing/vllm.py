@@ -21,8 +21,11 @@ Steps:
   * ``{"op": "generate", "name": N, "prompts": [{"seg": i, "len": n, "salt": s|null}], "max_tokens": k}``
     — prompt = ``len`` token ids of the test text starting at segment ``i`` (segments are 2,000
     tokens apart, so distinct segments share no prefix). Records per prompt ``token_ids``,
-    ``finish_reason``, ``num_cached_tokens``, ``prompt_len``, and the step's connector stats delta
-    (``stats``, from :func:`lmtier.integration.vllm.stats.process_totals`).
+    ``finish_reason``, ``num_cached_tokens``, ``prompt_len``, the step's connector stats delta
+    (``stats``, from :func:`lmtier.integration.vllm.stats.process_totals`), its load-policy
+    decisions (``decisions``: tier -> ``loaded`` / ``skipped`` -> chunks, a delta of
+    :func:`~lmtier.integration.vllm.stats.process_decision_totals`) and the load policy's state
+    after it (``policy``: :func:`~lmtier.integration.vllm.stats.process_load_policy`).
   * ``{"op": "env", "set": {"NAME": "value" | null}}`` — set/unset environment variables (the
     connector's fault hook ``LMTIER_FAULT_INJECT`` is read at every load).
   * ``{"op": "corrupt_disk", "dir": D}`` — flip bytes in the payload of every record under ``D``.
@@ -34,6 +37,8 @@ Steps:
     size, or delete (the running tier's index still lists it, so the load fails).
   * ``{"op": "redis_evict_at_load", "on": true|false}`` — while on, every Redis chunk read of this
     process first deletes its key (an eviction between the lookup, which saw the key, and the load).
+  * ``{"op": "disk_read_limit", "mb_s": x | null}`` — a slow disk: from now on the disk tier's record
+    reads in this process (real reads) together deliver at most ``x`` MB/s (1e6 bytes/s); null: no limit.
   * ``{"op": "metrics", "name": N}`` — the ``lmtier`` lines of this process's Prometheus registry.
   * ``{"op": "flush"}`` — wait for queued disk/Redis writes of the shared tier managers.
   * ``{"op": "wait_file", "path": P, "timeout_s": t}`` — wait until the file ``P`` exists (the test
@@ -258,6 +263,45 @@ def _disk_fault(root: str, kind: str, files: list[str]) -> None:
 _EVICT_AT_LOAD = [False]
 
 
+class _ReadLimit:
+    """A device of ``bytes_per_s`` shared by every reader: each read occupies it for
+    ``nbytes / bytes_per_s`` seconds after the previous one, and returns when its slot ends."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.bytes_per_s: float | None = None
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def wait(self, nbytes: int) -> None:
+        if not self.bytes_per_s:
+            return
+        with self._lock:
+            now = time.monotonic()
+            end = max(now, self._free_at) + nbytes / self.bytes_per_s
+            self._free_at = end
+        time.sleep(max(0.0, end - time.monotonic()))
+
+
+_READ_LIMIT = _ReadLimit()
+
+
+def _install_disk_read_limit() -> None:
+    """Test shim (this child process only): the disk tier's ``pread_into`` reads as before, then
+    waits for its slot of :data:`_READ_LIMIT` (a slow disk, real I/O)."""
+    from lmtier.tiers.disk import io as dio
+
+    pread_into = dio.pread_into
+
+    def slow_pread_into(fd, mv, offset):
+        n = pread_into(fd, mv, offset)
+        _READ_LIMIT.wait(n)
+        return n
+
+    dio.pread_into = slow_pread_into
+
+
 def _install_redis_evict_at_load() -> None:
     """Test fault (this child process only): while ``_EVICT_AT_LOAD[0]``, a Redis chunk read first
     deletes its key, as an eviction between the scheduler's lookup and the worker's load would."""
@@ -273,12 +317,20 @@ def _install_redis_evict_at_load() -> None:
     RedisTier.get_into = evicting_get_into
 
 
+def _decision_delta(before: dict, after: dict) -> dict:
+    """``after - before`` of two :func:`~lmtier.integration.vllm.stats.process_decision_totals`."""
+    return {
+        t: {k: v - before.get(t, {}).get(k, 0) for k, v in row.items() if v - before.get(t, {}).get(k, 0)}
+        for t, row in after.items()
+    }
+
+
 def _child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
 
     from lmtier.integration.vllm.common import flush_all
-    from lmtier.integration.vllm.stats import process_totals
+    from lmtier.integration.vllm.stats import process_decision_totals, process_load_policy, process_totals
 
     kw = dict(
         model=str(MODEL_DIR),
@@ -306,6 +358,8 @@ def _child(spec_path: str, out_path: str) -> None:
             kw["kv_transfer_config"]["kv_load_failure_policy"] = policy
     if any(step["op"] == "redis_evict_at_load" for step in spec["steps"]):
         _install_redis_evict_at_load()
+    if any(step["op"] == "disk_read_limit" for step in spec["steps"]):
+        _install_disk_read_limit()
     t0 = time.monotonic()
     llm = LLM(**kw)
     startup = time.monotonic() - t0
@@ -329,6 +383,8 @@ def _child(spec_path: str, out_path: str) -> None:
             _disk_fault(step["dir"], step["kind"], step["files"])
         elif op == "redis_evict_at_load":
             _EVICT_AT_LOAD[0] = bool(step["on"])
+        elif op == "disk_read_limit":
+            _READ_LIMIT.bytes_per_s = None if step["mb_s"] is None else float(step["mb_s"]) * 1e6
         elif op == "metrics":  # the process's Prometheus registry (what /metrics serves), lmtier lines
             import prometheus_client
 
@@ -350,6 +406,7 @@ def _child(spec_path: str, out_path: str) -> None:
                     d["cache_salt"] = p["salt"]
                 prompts.append(d)
             before = process_totals()
+            dec_before = process_decision_totals()
             t1 = time.monotonic()
             outs = llm.generate(
                 prompts, SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8)), use_tqdm=False
@@ -370,6 +427,8 @@ def _child(spec_path: str, out_path: str) -> None:
                     for o in outs
                 ],
                 "stats": stats,
+                "decisions": _decision_delta(dec_before, process_decision_totals()),
+                "policy": process_load_policy(),
                 "seconds": dt,
             }
         else:

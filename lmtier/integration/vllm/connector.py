@@ -321,7 +321,8 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> LMTierWorkerMetadata | None:
         events = self._worker.take_index_events()
-        return LMTierWorkerMetadata(events) if events else None
+        samples = self._worker.take_load_samples()
+        return LMTierWorkerMetadata(events, samples) if events or samples else None
 
     def get_finished(self, finished_req_ids: set[str]):
         res = self.get_transfer_results(finished_req_ids)

@@ -149,13 +149,14 @@ class Chunk:
     when no slot could be reserved) or ``device`` (a device staging buffer). ``future``: the
     background fetch while it runs; ``deferred``: a device-mode fetch waiting for a staging buffer
     (:meth:`ChunkFetcher.pump`); ``ok``: ``None`` (not known yet), True (bytes ready) or False
-    (miss/failure).
+    (miss/failure). ``skip``: lower tiers it must not be read from (the load policy found them
+    slower than recompute and a later tier holds a copy).
     """
 
-    __slots__ = ("ci", "deferred", "device", "future", "key", "ok", "read", "src", "staging", "write")
+    __slots__ = ("ci", "deferred", "device", "future", "key", "ok", "read", "skip", "src", "staging", "write")
 
-    def __init__(self, ci: int, key: bytes | None) -> None:
-        self.ci, self.key = ci, key
+    def __init__(self, ci: int, key: bytes | None, skip: tuple[str, ...] = ()) -> None:
+        self.ci, self.key, self.skip = ci, key, skip
         self.src = self.read = self.write = self.staging = self.device = self.future = None
         self.deferred = False
         self.ok: bool | None = None
@@ -273,7 +274,14 @@ class ChunkFetcher:
 
     # ------------------------------------------------------------------------------ chunk fetches
     def plan(
-        self, req_id: str, first_chunk: int, keys: list[bytes], fault_names: set[str], *, tenant: str = DEFAULT_TENANT
+        self,
+        req_id: str,
+        first_chunk: int,
+        keys: list[bytes],
+        fault_names: set[str],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        skip_tiers: tuple[str, ...] = (),
     ) -> list[Chunk]:
         """Chunks ``[first_chunk, len(keys))`` of request ``req_id``, in order: CPU-pool hits pinned now,
         the others fetched from disk/remote on the I/O threads (several in flight; device mode: at
@@ -283,12 +291,13 @@ class ChunkFetcher:
 
         ``fault_names``: this load fails at its first chunk when one of them is active (test hook).
         ``tenant``: the request's tenant (:func:`lmtier.tiers.tenants.tenant_id`): promoted chunks
-        are its chunks in the CPU pool."""
+        are its chunks in the CPU pool. ``skip_tiers``: lower tiers not to read from
+        (``TierManager.fetch_lower_many``'s ``skip``)."""
         cb = self.chunk_bytes
         cpu = self.manager.cpu
         chunks: list[Chunk] = []
         for ci in range(first_chunk, len(keys)):
-            c = Chunk(ci, keys[ci])
+            c = Chunk(ci, keys[ci], skip_tiers)
             chunks.append(c)
             try:
                 if self._faults() & fault_names:
@@ -329,9 +338,9 @@ class ChunkFetcher:
         keys = [c.key for c in group]
         try:
             if group[0].device is not None:
-                f = self._io().submit(self._fetch_device_many, keys, [c.device for c in group])
+                f = self._io().submit(self._fetch_device_many, keys, [c.device for c in group], group[0].skip)
             else:
-                f = self._io().submit(self._fetch_chunks, keys, tenant)
+                f = self._io().submit(self._fetch_chunks, keys, tenant, group[0].skip)
         except Exception:
             log.exception("lmtier: load of chunks %s of request %s failed", [c.ci for c in group], req_id)
             for c in group:
@@ -368,14 +377,16 @@ class ChunkFetcher:
         for g in range(0, len(started), self.group):
             self._submit(started[g : g + self.group])
 
-    def _fetch_device_many(self, keys: list[bytes], bufs: list[torch.Tensor]) -> list[bool]:
+    def _fetch_device_many(self, keys: list[bytes], bufs: list[torch.Tensor], skip: tuple[str, ...] = ()) -> list[bool]:
         """I/O thread: fetch (codec: and decode) chunks ``keys`` into the device staging buffers
         ``bufs``; per chunk True when its buffer holds it (on CUDA: once ``decode_stream`` reaches
         the copy)."""
-        got = self.manager.fetch_lower_many(keys, bufs, stream=self._stream)
+        got = self.manager.fetch_lower_many(keys, bufs, stream=self._stream, skip=skip)
         return [n == self.chunk_bytes for n in got]
 
-    def _fetch_chunks(self, keys: list[bytes], tenant: str = DEFAULT_TENANT) -> list[Chunk | None]:
+    def _fetch_chunks(
+        self, keys: list[bytes], tenant: str = DEFAULT_TENANT, skip: tuple[str, ...] = ()
+    ) -> list[Chunk | None]:
         """I/O thread: bring chunks ``keys`` from disk/remote into host memory, each straight into a
         reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
         staging buffer (one ``fetch_lower_many`` for those not in the pool meanwhile). Returns per
@@ -405,7 +416,7 @@ class ChunkFetcher:
                     c.staging = self._staging.get()
                     dsts.append(c.staging)
                 need.append(j)
-            got = self.manager.fetch_lower_many([keys[j] for j in need], dsts) if need else []
+            got = self.manager.fetch_lower_many([keys[j] for j in need], dsts, skip=skip) if need else []
             for j, dst, n in zip(need, dsts, got, strict=True):
                 if n == cb:
                     cs[j].src, cs[j].ok, out[j] = dst, True, cs[j]

@@ -25,6 +25,8 @@ class LoadOp:
     ``start_token`` are held by vLLM (its prefix cache) and are not written. ``block_ids[i]`` holds
     tokens ``[i * block_size, (i + 1) * block_size)``. ``is_async``: run in the background and
     report through ``finished_recving`` (else before the forward, failures as invalid blocks).
+    ``skip_tiers``: lower tiers the chunks must not be read from (the load policy found them slower
+    than recompute; a later tier holds a copy).
     """
 
     req_id: str
@@ -34,6 +36,7 @@ class LoadOp:
     block_ids: list[int]
     is_async: bool = False
     poisoned: bool = False  # load nothing, report every block as failed (vLLM recomputes them)
+    skip_tiers: tuple[str, ...] = ()
 
 
 @dataclass

@@ -5,7 +5,8 @@
   :class:`~lmtier.integration.vllm.worker.StoreOp`) and the finished requests whose block frees wait
   for their stores.
 * :class:`LMTierWorkerMetadata` — worker -> scheduler (vLLM's ``KVConnectorWorkerMetadata``): the
-  index changes of the worker's tiers (:mod:`lmtier.integration.vllm.mirror`).
+  index changes of the worker's tiers (:mod:`lmtier.integration.vllm.mirror`) and its tiers' load
+  bandwidth samples (:mod:`lmtier.integration.vllm.loadpolicy`).
 
 vLLM sources: ``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` (0.32/0.33).
 """
@@ -46,15 +47,20 @@ class LMTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, every step: index changes of the worker's own tiers.
+    """Worker -> scheduler, every step: index changes of the worker's own tiers, and load samples.
 
     ``events``: ``(kind, rank-0 key, tier)`` in the order they happened on the worker (a chunk
     stored, evicted and stored again in one step ends up listed where it really is); see
     :mod:`lmtier.integration.vllm.mirror` for the kinds. With speculative decoding vLLM collects this
     before the step's ``wait_for_save``, so that step's stores arrive with the next step's metadata.
+
+    ``load_samples``: ``(tier, path, bytes, seconds)`` of the worker's loads since its last metadata
+    (:class:`lmtier.integration.vllm.loadpolicy.BusyMeter`; with TP > 1 every rank's, each in its
+    own rank's bytes).
     """
 
     events: list = field(default_factory=list)
+    load_samples: list = field(default_factory=list)
 
     def _keys(self, kind: str) -> list:
         return [k for e, k, _ in self.events if e == kind]
@@ -79,4 +85,5 @@ class LMTierWorkerMetadata(KVConnectorWorkerMetadata):
         keys; the union may claim a chunk one rank lacks, which that rank then reports as a failed
         load, recomputed)."""
         self.events = list(self.events) + list(other.events)
+        self.load_samples = list(self.load_samples) + list(other.load_samples)
         return self

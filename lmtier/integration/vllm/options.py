@@ -28,6 +28,22 @@ Keys (all optional):
   own ``kv_load_failure_policy: fail`` cannot be told apart from its default (``fail``), so it is
   this key that keeps ``fail``; see :func:`lmtier.integration.vllm.connector.resolve_load_failure_policy`.
 
+Load policy (:mod:`lmtier.integration.vllm.loadpolicy`: a tier's chunks are loaded only while its
+effective load bandwidth beats recomputing them, ``KV bytes per token x prefill tokens/s``):
+
+* ``load_policy`` (``"auto"`` (default) or ``"always"``): ``always`` loads every hit, as before the
+  policy existed (its estimates are still logged and exported).
+* ``prefill_tokens_per_s`` (number > 0; default: measured from the engine's steps): the prefill
+  rate the break-even bandwidth is computed from.
+* ``load_prior_gbps`` (object: tier name (``cpu``, ``disk``, ``p2p``, ``remote``) -> GB/s > 0;
+  default none): a tier's bandwidth until it was measured; a tier without one loads until then.
+* ``load_min_samples`` (integer >= 1, default 3): measured samples of a tier (and timed prefill
+  steps) before the measured value replaces the prior.
+* ``load_hysteresis`` (number in [0, 1), default 0.1): a tier stops loading below
+  ``(1 - h) x break-even`` and loads again above ``(1 + h) x break-even``.
+* ``load_probe_s`` (number >= 0, default 30): seconds between probes of a tier that stopped
+  loading (a probe loads at most 2 of its chunks for one request); 0: never probe.
+
 This module imports nothing from vLLM.
 """
 
@@ -35,8 +51,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from lmtier.integration.vllm.loadpolicy import LOAD_POLICIES
 
 __all__ = [
     "ConnectorOptions",
@@ -45,6 +63,8 @@ __all__ = [
     "parse_bool",
     "parse_layerwise",
     "parse_load_failure_policy",
+    "parse_load_policy",
+    "parse_load_priors",
 ]
 
 # Disk hits up to this many MiB (of this rank) load synchronously when no other request is in the
@@ -96,6 +116,66 @@ def parse_load_failure_policy(raw: Any) -> str:
     raise ValueError(f'{_PREFIX} load_failure_policy={raw!r}: must be "recompute" or "fail"')
 
 
+def _number(key: str, raw: Any, *, lo: float, lo_open: bool = False, hi: float | None = None) -> float:
+    """A finite JSON number (or numeric string; not a bool) ``>= lo`` (``> lo`` when ``lo_open``)
+    and ``< hi`` (when given).
+
+    Raises:
+        ValueError: anything else, naming ``key`` and the range.
+    """
+    x = math.nan
+    if not isinstance(raw, bool) and isinstance(raw, (int, float, str)):
+        try:
+            x = float(raw)
+        except ValueError:
+            pass
+    ok = math.isfinite(x) and (x > lo if lo_open else x >= lo) and (hi is None or x < hi)
+    if not ok:
+        rng = f"{'>' if lo_open else '>='} {lo:g}" + ("" if hi is None else f" and < {hi:g}")
+        raise ValueError(f"{_PREFIX} {key}={raw!r}: must be a finite number {rng}")
+    return x
+
+
+def parse_load_policy(raw: Any) -> str:
+    """``load_policy``: ``"auto"`` or ``"always"`` (any case, surrounding blanks ignored).
+
+    Raises:
+        ValueError: anything else, naming the key.
+    """
+    if isinstance(raw, str) and raw.strip().lower() in LOAD_POLICIES:
+        return raw.strip().lower()
+    raise ValueError(f'{_PREFIX} load_policy={raw!r}: must be "auto" or "always"')
+
+
+LOAD_PRIOR_TIERS = ("cpu", "disk", "p2p", "remote")
+"""The tier names ``load_prior_gbps`` takes."""
+
+
+def parse_load_priors(raw: Any) -> dict[str, float]:
+    """``load_prior_gbps``: an object mapping tier names (:data:`LOAD_PRIOR_TIERS`) to GB/s > 0.
+
+    Raises:
+        ValueError: not an object, an unknown tier, or a value that is not a finite number > 0;
+            the message names the key (and the tier).
+    """
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{_PREFIX} load_prior_gbps={raw!r}: must be an object of tier name -> GB/s")
+    out = {}
+    for tier, v in raw.items():
+        if tier not in LOAD_PRIOR_TIERS:
+            raise ValueError(f"{_PREFIX} load_prior_gbps: unknown tier {tier!r}; known: {', '.join(LOAD_PRIOR_TIERS)}")
+        out[tier] = _number(f"load_prior_gbps.{tier}", v, lo=0.0, lo_open=True)
+    return out
+
+
+def _positive_int(key: str, raw: Any) -> int:
+    """An integer >= 1 (a JSON integer, or an integral number / numeric string; not a bool)."""
+    x = _number(key, raw, lo=1.0)
+    if x != int(x):
+        raise ValueError(f"{_PREFIX} {key}={raw!r}: must be an integer >= 1")
+    return int(x)
+
+
 def _mib(key: str, raw: Any) -> float:
     """A size in MiB: a finite number >= 0 (JSON number or numeric string; not a bool)."""
     mib = -1.0
@@ -122,6 +202,12 @@ class ConnectorOptions:
             vLLM's CUDA graph mode).
         load_failure_policy: ``"recompute"`` / ``"fail"``, or None when not set (the connector then
             runs with recompute).
+        load_policy: ``"auto"`` / ``"always"``.
+        prefill_tokens_per_s: a calibrated prefill rate, or None (measured).
+        load_prior_gbps: tier -> GB/s assumed until measured.
+        load_min_samples: measured samples before the measurement replaces the prior.
+        load_hysteresis: the relative band around break-even in which a decision stays.
+        load_probe_s: seconds between probes of a tier that stopped loading (0: none).
     """
 
     async_loads: bool = True
@@ -129,8 +215,26 @@ class ConnectorOptions:
     sync_disk_load_busy_mib: float = 0.0
     layerwise_loads: bool | None = None
     load_failure_policy: str | None = None
+    load_policy: str = "auto"
+    prefill_tokens_per_s: float | None = None
+    load_prior_gbps: Mapping[str, float] = field(default_factory=dict)
+    load_min_samples: int = 3
+    load_hysteresis: float = 0.1
+    load_probe_s: float = 30.0
 
-    KEYS = ("async_loads", "sync_disk_load_mib", "sync_disk_load_busy_mib", "layerwise_loads", "load_failure_policy")
+    KEYS = (
+        "async_loads",
+        "sync_disk_load_mib",
+        "sync_disk_load_busy_mib",
+        "layerwise_loads",
+        "load_failure_policy",
+        "load_policy",
+        "prefill_tokens_per_s",
+        "load_prior_gbps",
+        "load_min_samples",
+        "load_hysteresis",
+        "load_probe_s",
+    )
 
     @property
     def sync_disk_load_bytes(self) -> int:
@@ -167,4 +271,18 @@ class ConnectorOptions:
             load_failure_policy=parse_load_failure_policy(extra["load_failure_policy"])
             if "load_failure_policy" in extra
             else None,
+            load_policy=parse_load_policy(extra["load_policy"]) if "load_policy" in extra else d.load_policy,
+            prefill_tokens_per_s=_number("prefill_tokens_per_s", extra["prefill_tokens_per_s"], lo=0.0, lo_open=True)
+            if extra.get("prefill_tokens_per_s") is not None
+            else None,
+            load_prior_gbps=parse_load_priors(extra["load_prior_gbps"]) if "load_prior_gbps" in extra else {},
+            load_min_samples=_positive_int("load_min_samples", extra["load_min_samples"])
+            if "load_min_samples" in extra
+            else d.load_min_samples,
+            load_hysteresis=_number("load_hysteresis", extra["load_hysteresis"], lo=0.0, hi=1.0)
+            if "load_hysteresis" in extra
+            else d.load_hysteresis,
+            load_probe_s=_number("load_probe_s", extra["load_probe_s"], lo=0.0)
+            if "load_probe_s" in extra
+            else d.load_probe_s,
         )

@@ -13,6 +13,14 @@ the first token vLLM does not already hold — a chunk is never written over blo
 is not stored yet. A request whose async load failed is never offered a hit again, so vLLM's re-ask
 cannot loop.
 
+Load policy (:mod:`lmtier.integration.vllm.loadpolicy`): the claim stops at the first chunk whose
+tier loads slower than the engine recomputes (``load_policy: auto``) — unless a later tier that is
+fast enough (P2P, remote: e.g. codec records in Redis behind a slow raw disk) holds copies of the
+chunks from there on: they are claimed from it and the worker does not read the slow tier
+(``LoadOp.skip_tiers``). The worker's load samples arrive with its metadata, the prefill rate is
+timed here from ``build_connector_meta`` to ``update_connector_output``. With a CPU pool, the chunks
+recomputed because of a slow tier are stored again (into the pool): the next hit loads them from there.
+
 Index: the tier manager shared with the worker when both live in one process; otherwise an
 :class:`lmtier.integration.vllm.mirror.IndexMirror` of the worker's CPU pool and disk chunks (fed by
 :class:`lmtier.integration.vllm.metadata.LMTierWorkerMetadata`) followed by this process's own view of
@@ -28,6 +36,7 @@ from typing import Any
 
 from lmtier.config import LMTierConfig
 from lmtier.integration.vllm.common import SchedulerTiers, request_salt
+from lmtier.integration.vllm.loadpolicy import LoadPlan, LoadPolicy, StepClock
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.mirror import IndexMirror
 from lmtier.integration.vllm.options import ConnectorOptions
@@ -81,7 +90,8 @@ class LMTierScheduler:
         self._tenants = config.cpu.tenants is not None or config.remote.tenants is not None
         self._shared_mgr = shared
         self._requests: dict[str, Any] = {}  # req_id -> Request (token ids, salt)
-        self._lookups: dict[str, tuple[int, int, list[str], bool]] = {}
+        # req_id -> (vLLM's hit, lmtier's hit (tokens), tiers of the claimed chunks, async, LoadPlan)
+        self._lookups: dict[str, tuple[int, int, list[str], bool, LoadPlan]] = {}
         self._pending_loads: dict[str, LoadOp] = {}
         self._stored_upto: dict[str, int] = {}  # req_id -> chunks already stored / queued
         self._blocks: dict[str, list[int]] = {}
@@ -90,6 +100,20 @@ class LMTierScheduler:
         self._no_load: set[str] = set()  # requests whose async load failed: recompute them
         self._counted: set[str] = set()  # requests whose lookup was counted in the stats
         self._issued: dict[str, LoadOp] = {}  # loads whose outcome is not known yet
+        self.policy = LoadPolicy(
+            bytes_per_token=namespace.chunk_bytes / self.chunk,
+            mode=options.load_policy,
+            prefill_tokens_per_s=options.prefill_tokens_per_s,
+            priors_gbps=options.load_prior_gbps,
+            min_samples=options.load_min_samples,
+            hysteresis=options.load_hysteresis,
+            probe_s=options.load_probe_s,
+        )
+        self.policy.refresh()  # priors with a calibrated prefill rate decide at once
+        self._steps = StepClock(min_prefill_tokens=self.chunk)
+        self._policy_seen = -1  # the policy version last exported to the stats
+        # Chunks recomputed because their tier is slow are stored again when there is a CPU pool.
+        self._restore_slow = config.cpu.enabled
         slot = -(-namespace.chunk_bytes // 4096) * 4096
         # Mirror of the worker's tiers when the worker lives in another process (unused when shared).
         self.mirror = IndexMirror(
@@ -118,8 +142,10 @@ class LMTierScheduler:
 
         Returns ``(n, load_async)``: ``n`` is a multiple of the block size, ``num_computed_tokens + n``
         is a whole number of chunks and at most ``len(prompt) - 1``. ``load_async`` is True when any
-        claimed chunk is in Redis or the claimed disk chunks exceed ``sync_disk_load_mib``. Side-effect free apart
-        from caching the lookup.
+        claimed chunk is in Redis or the claimed disk chunks exceed ``sync_disk_load_mib``. The claim
+        ends before the first chunk whose tier the load policy finds slower than recompute
+        (:meth:`lmtier.integration.vllm.loadpolicy.LoadPolicy.plan`). Side-effect free apart from
+        caching the lookup.
         """
         prompt = request.prompt_token_ids or []
         rid = request.request_id
@@ -135,14 +161,39 @@ class LMTierScheduler:
             return 0, False
         keys = chunk_keys(prompt[:max_hit], self.ns, cache_salt=request_salt(request))
         tiers = self._lookup(keys)
+        plan = self.policy.plan(tiers, num_computed_tokens // self.chunk)
+        if plan.skipped and plan.probe is None:
+            tiers, plan = self._faster_copy(keys, tiers, plan)
+        tiers = tiers[: plan.chunks]
         hit = len(tiers) * self.chunk
         if hit <= num_computed_tokens:
-            self._lookups[rid] = (num_computed_tokens, 0, [], False)
+            self._lookups[rid] = (num_computed_tokens, 0, [], False, plan)
             return 0, False
         claimed = tiers[num_computed_tokens // self.chunk :]
         load_async = self.options.async_loads and self._load_async(claimed)
-        self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async)
+        self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async, plan)
         return hit - num_computed_tokens, load_async
+
+    def _faster_copy(self, keys: list[bytes], tiers: list[str], plan: LoadPlan) -> tuple[list[str], LoadPlan]:
+        """Where the plan stops at a slow tier: a later tier the worker reads (P2P, then remote) that
+        loads fast enough and holds the next chunks. Returns ``(tiers, plan)`` with those chunks
+        claimed from it and every slow tier in ``plan.avoid``, else the arguments unchanged (a
+        lookup error is no copy)."""
+        start, stop = plan.chunks, len(tiers)
+        later = {"disk": ("p2p", "remote"), "p2p": ("remote",)}.get(plan.skipped[0], ())
+        for name, tier in (("p2p", self.manager.p2p), ("remote", self.manager.remote)):
+            if name not in later or tier is None or not self.policy.loads(name):
+                continue
+            try:
+                flags = tier.contains_many(keys[start:stop])
+            except Exception:
+                log.warning("lmtier: looking for copies in tier %s failed", name, exc_info=True)
+                continue
+            m = next((i for i, f in enumerate(flags) if not f), len(flags))
+            if m:
+                avoid = tuple(t for t in ("disk", "p2p", "remote") if not self.policy.loads(t))
+                return tiers[:start] + [name] * m, LoadPlan(start + m, list(tiers[start + m :]), None, avoid)
+        return tiers, plan
 
     def _load_async(self, claimed: list[str]) -> bool:
         """Whether claimed chunks (tier names) load in the background: any remote or peer chunk, or disk
@@ -187,7 +238,7 @@ class LMTierScheduler:
         return out
 
     def _hits_by_tier(self, lookup) -> dict[str, int]:
-        nc, hit, tiers, _ = lookup
+        nc, hit, tiers = lookup[:3]
         out = dict.fromkeys(HIT_TIERS, 0)
         for i, t in enumerate(tiers):
             lo, hi = max(i * self.chunk, nc), (i + 1) * self.chunk
@@ -211,6 +262,7 @@ class LMTierScheduler:
             self._stats.add("lookup_tokens", looked)
             if self._tenants:
                 self._stats.add_tenant(tenant_id(getattr(request, "cache_salt", None)), "lookup_tokens", looked)
+            self._count_decisions(got)
         if num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
@@ -230,9 +282,17 @@ class LMTierScheduler:
                 rid, [], None, nc, block_ids[:nb], is_async=bool(got and got[3]), poisoned=True
             )
             return
-        nc, hit, tiers, load_async = got
+        nc, hit, tiers, load_async, plan = got
+        if plan.probe is not None:
+            self.policy.probed(plan.probe)
         op = LoadOp(
-            rid, list(request.prompt_token_ids[:hit]), request_salt(request), nc, block_ids[:nb], is_async=load_async
+            rid,
+            list(request.prompt_token_ids[:hit]),
+            request_salt(request),
+            nc,
+            block_ids[:nb],
+            is_async=load_async,
+            skip_tiers=plan.avoid,
         )
         self._pending_loads[rid] = op
         self._issued[rid] = op
@@ -243,6 +303,15 @@ class LMTierScheduler:
             self._stats.add_tenant(tenant_id(getattr(request, "cache_salt", None)), "hit_tokens", hit - nc)
         # Loaded chunks are stored already: never store them again for this request.
         self._stored_upto[rid] = max(self._stored_upto.get(rid, 0), hit // self.chunk)
+
+    def _count_decisions(self, lookup) -> None:
+        """Count the load policy's decision for one admitted request: its claimed chunks as loaded, the
+        cached chunks it left to recompute as skipped, by tier (``vllm:lmtier_load_decisions_total``)."""
+        nc, hit, tiers, _, plan = lookup
+        for t in tiers[nc // self.chunk :] if hit else ():
+            self._stats.add_decision(t, "loaded")
+        for t in plan.skipped:
+            self._stats.add_decision(t, "skipped")
 
     def build_connector_meta(self, scheduler_output) -> LMTierConnectorMetadata:
         meta = LMTierConnectorMetadata(loads=list(self._pending_loads.values()), delayed_frees=self._delayed_frees)
@@ -263,11 +332,13 @@ class LMTierScheduler:
                 else:
                     self._blocks.setdefault(rid, []).extend(nb[0])
             todo.append((rid, cached.num_computed_tokens[i]))
+        prefill = 0  # prompt tokens computed in this step (the load policy's prefill rate)
         for rid, computed in todo:
             req = self._requests.get(rid)
             if req is None or not req.prompt_token_ids:
                 continue
             prompt = req.prompt_token_ids
+            prefill += max(0, min(scheduler_output.num_scheduled_tokens.get(rid, 0), len(prompt) - computed))
             done = computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
             full = min(done, len(prompt)) // self.chunk
             first = self._stored_upto.get(rid, 0)
@@ -280,7 +351,10 @@ class LMTierScheduler:
             salt = request_salt(req)
             # Skip chunks some tier already holds (the lookup is cheap for local tiers).
             keys = chunk_keys(prompt[: full * self.chunk], self.ns, cache_salt=salt)
-            present = len(self._lookup(keys[first:])) if (self.manager.cpu is not None or len(self.mirror)) else 0
+            found = self._lookup(keys[first:]) if (self.manager.cpu is not None or len(self.mirror)) else []
+            present = len(found)
+            if self._restore_slow:  # a copy the load policy will not load is no copy: store it again
+                present = next((i for i, t in enumerate(found) if not self.policy.loads(t)), present)
             self._stored_upto[rid] = full
             if first + present >= full:
                 continue
@@ -289,6 +363,9 @@ class LMTierScheduler:
             )
             if self._is_cuda:
                 self._async_store_reqs.add(rid)
+        self._steps.scheduled(
+            scheduler_output.total_num_scheduled_tokens, prefill, sync_loads=any(not op.is_async for op in meta.loads)
+        )
         return meta
 
     def update_connector_output(self, connector_output):
@@ -299,6 +376,7 @@ class LMTierScheduler:
             for k in self.mirror.apply(wm.events):  # in the order they happened on the worker
                 if self.manager.disk is not None:  # gone from the worker's disk: from this view too
                     self.manager.disk.forget(k)
+        self._update_policy(wm.load_samples if isinstance(wm, LMTierWorkerMetadata) else ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         for rid in failed:
             self._lookups.pop(rid, None)
@@ -316,6 +394,18 @@ class LMTierScheduler:
             bad = [i for i, b in enumerate(op.block_ids) if b in invalid]
             if bad and rid in self._stored_upto:
                 self._stored_upto[rid] = min(self._stored_upto[rid], bad[0] * self.block_size // self.chunk)
+
+    def _update_policy(self, samples) -> None:
+        """After a step: feed the load policy the worker's load samples and the step's time, re-take
+        its decisions, and export them when they or their inputs changed."""
+        self.policy.add_load_samples(samples)
+        step = self._steps.finished()
+        if step is not None:
+            self.policy.add_prefill_sample(*step)
+        self.policy.refresh()
+        if self.policy.version != self._policy_seen:
+            self._policy_seen = self.policy.version
+            self._stats.set_policy(self.policy.snapshot())
 
     def request_finished(self, request, block_ids: list[int]):
         """Drop the request's state. Returns ``(True, None)`` only while CUDA stores still read its

@@ -27,6 +27,8 @@ __all__ = [
     "LMTierStats",
     "LMTierPromMetrics",
     "StatsSink",
+    "process_decision_totals",
+    "process_load_policy",
     "process_tenant_totals",
     "process_tier_event_totals",
     "process_totals",
@@ -56,6 +58,9 @@ ranks)."""
 _GAUGES = ("held_bytes", "remote_held_bytes")
 TENANT_LABELS_MAX = 64
 """Distinct ``tenant`` label values per process in the Prometheus series; later tenants are ``other``."""
+DECISIONS = ("loaded", "skipped")
+"""The load policy's decisions per cached chunk (``data["decisions"][tier][decision]``, chunks):
+claimed and loaded, or left for vLLM to recompute (:mod:`lmtier.integration.vllm.loadpolicy`)."""
 
 
 class LMTierStats(KVConnectorStats):
@@ -71,6 +76,9 @@ class LMTierStats(KVConnectorStats):
     per-request latencies in seconds; at most 256 kept per interval). With tenant budgets:
     ``tenants`` (tenant id -> :data:`TENANT_FIELDS` and ``held_bytes``). ``tier_events`` (tier name
     -> event -> count: the :data:`lmtier.tiers.base.TIER_EVENTS` of the disk and remote tiers).
+    Load policy: ``decisions`` (tier -> :data:`DECISIONS` -> chunks, per admitted request) and
+    ``policy`` (the latest :meth:`lmtier.integration.vllm.loadpolicy.LoadPolicy.snapshot`, a gauge:
+    the newest one wins when intervals or roles are aggregated; ``{}`` when unchanged).
     """
 
     FIELDS = (
@@ -101,6 +109,8 @@ class LMTierStats(KVConnectorStats):
             self.data[k] = list(self.data.get(k) or [])
         self.data["tenants"] = {t: dict(row) for t, row in (self.data.get("tenants") or {}).items()}
         self.data["tier_events"] = {t: dict(row) for t, row in (self.data.get("tier_events") or {}).items()}
+        self.data["decisions"] = {t: dict(row) for t, row in (self.data.get("decisions") or {}).items()}
+        self.data["policy"] = dict(self.data.get("policy") or {})
 
     def reset(self):
         for k in self.FIELDS:
@@ -109,6 +119,8 @@ class LMTierStats(KVConnectorStats):
             self.data[k] = []
         self.data["tenants"] = {}
         self.data["tier_events"] = {}
+        self.data["decisions"] = {}
+        self.data["policy"] = {}
 
     def aggregate(self, other):
         for k in self.FIELDS:
@@ -121,6 +133,11 @@ class LMTierStats(KVConnectorStats):
         for t, row in (other.data.get("tier_events") or {}).items():
             for k, v in row.items():
                 self.add_tier_event(t, k, v)
+        for t, row in (other.data.get("decisions") or {}).items():
+            for k, v in row.items():
+                self.add_decision(t, k, v)
+        if other.data.get("policy"):
+            self.data["policy"] = dict(other.data["policy"])
         return self
 
     def reduce(self):
@@ -140,6 +157,16 @@ class LMTierStats(KVConnectorStats):
         for t, row in sorted(self.data["tier_events"].items()):
             for k, v in sorted(row.items()):
                 out[f"lmtier_{t}_{k}"] = v
+        for t, row in sorted(self.data["decisions"].items()):
+            if row.get("skipped"):
+                out[f"lmtier_{t}_chunks_recomputed"] = row["skipped"]
+        pol = self.data["policy"]
+        if pol.get("breakeven_gbps") is not None:
+            out["lmtier_breakeven_gbps"] = round(pol["breakeven_gbps"], 4)
+            out["lmtier_prefill_tok_s"] = round(pol["prefill_tokens_per_s"], 1)
+        for t, row in sorted((pol.get("tiers") or {}).items()):
+            if row.get("gbps") is not None:
+                out[f"lmtier_{t}_load_gbps"] = round(row["gbps"], 4)
         return out
 
     def is_empty(self):
@@ -148,6 +175,8 @@ class LMTierStats(KVConnectorStats):
             and not any(self.data.get(k) for k in self.LISTS)
             and not self.data["tenants"]
             and not self.data["tier_events"]
+            and not self.data["decisions"]
+            and not self.data["policy"]
         )
 
     def add_tenant(self, tenant: str, key: str, value: float) -> None:
@@ -160,6 +189,11 @@ class LMTierStats(KVConnectorStats):
         """Add ``value`` to tier ``tier``'s count of ``event`` (:data:`lmtier.tiers.base.TIER_EVENTS`)."""
         row = self.data["tier_events"].setdefault(tier, {})
         row[event] = row.get(event, 0) + value
+
+    def add_decision(self, tier: str, decision: str, chunks: float = 1) -> None:
+        """Add ``chunks`` to tier ``tier``'s count of ``decision`` (:data:`DECISIONS`)."""
+        row = self.data["decisions"].setdefault(tier, {})
+        row[decision] = row.get(decision, 0) + chunks
 
     def add(self, key: str, value: float = 1) -> None:
         if key in self.LISTS:
@@ -183,8 +217,22 @@ def process_totals() -> dict[str, Any]:
         return {
             k: (list(v) if isinstance(v, list) else v)
             for k, v in _TOTALS.data.items()
-            if k not in ("tenants", "tier_events")
+            if k not in ("tenants", "tier_events", "decisions", "policy")
         }
+
+
+def process_decision_totals() -> dict[str, dict[str, float]]:
+    """Cumulative load-policy decisions of every lmtier connector in this process (tier ->
+    :data:`DECISIONS` -> chunks; test hook)."""
+    with _TOTALS_LOCK:
+        return {t: dict(row) for t, row in _TOTALS.data["decisions"].items()}
+
+
+def process_load_policy() -> dict[str, Any]:
+    """The latest load-policy snapshot any lmtier connector in this process exported
+    (:meth:`lmtier.integration.vllm.loadpolicy.LoadPolicy.snapshot`; ``{}`` before one; test hook)."""
+    with _TOTALS_LOCK:
+        return dict(_TOTALS.data["policy"])
 
 
 def process_tier_event_totals() -> dict[str, dict[str, float]]:
@@ -214,7 +262,11 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
     (``by``: ``self`` or ``other``) and the gauge ``vllm:lmtier_tenant_held_bytes``; with remote
     budgets the same as ``vllm:lmtier_tenant_remote_{commits,evicted_others,denied}_total``,
     ``vllm:lmtier_tenant_remote_evicted_total{by}``, ``vllm:lmtier_tenant_remote_held_bytes``. Tier events:
-    ``vllm:lmtier_tier_events_total{tier,event}`` (:data:`lmtier.tiers.base.TIER_EVENTS`).
+    ``vllm:lmtier_tier_events_total{tier,event}`` (:data:`lmtier.tiers.base.TIER_EVENTS`). Load
+    policy: ``vllm:lmtier_load_decisions_total{tier,decision}`` (cached chunks, :data:`DECISIONS`),
+    gauges ``vllm:lmtier_tier_load_gbps{tier,path}`` (effective load bandwidth in use, GB/s),
+    ``vllm:lmtier_tier_loads{tier}`` (1: its chunks are loaded, 0: recomputed),
+    ``vllm:lmtier_breakeven_gbps`` and ``vllm:lmtier_prefill_tokens_per_second``.
     """
 
     _COUNTERS = {
@@ -279,6 +331,36 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             "calls refused by an open circuit breaker), by tier and event.",
             labelnames=list(labelnames) + ["tier", "event"],
         )
+        self._decisions = self._counter_cls(
+            name="vllm:lmtier_load_decisions",
+            documentation="lmtier: cached chunks the load policy loaded or left to recompute, by tier and decision.",
+            labelnames=list(labelnames) + ["tier", "decision"],
+        )
+        g = dict(multiprocess_mode="mostrecent")
+        self._tier_gbps = self._gauge_cls(
+            name="vllm:lmtier_tier_load_gbps",
+            documentation="lmtier: a tier's effective load bandwidth (GB/s) the load policy uses, by tier and path.",
+            labelnames=list(labelnames) + ["tier", "path"],
+            **g,
+        )
+        self._tier_loads = self._gauge_cls(
+            name="vllm:lmtier_tier_loads",
+            documentation="lmtier: 1 while a tier's chunks are loaded, 0 while they are recomputed (slower).",
+            labelnames=list(labelnames) + ["tier"],
+            **g,
+        )
+        self._breakeven = self._gauge_cls(
+            name="vllm:lmtier_breakeven_gbps",
+            documentation="lmtier: break-even load bandwidth (GB/s): KV bytes per token x prefill tokens/s.",
+            labelnames=labelnames,
+            **g,
+        )
+        self._prefill = self._gauge_cls(
+            name="vllm:lmtier_prefill_tokens_per_second",
+            documentation="lmtier: the engine's prefill rate the load policy uses (tokens/s).",
+            labelnames=labelnames,
+            **g,
+        )
 
     def _tenant_label(self, tenant: str) -> str:
         if tenant in self._tenant_labels or len(self._tenant_labels) < TENANT_LABELS_MAX:
@@ -319,6 +401,26 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             for event, v in row.items():
                 if v and event in TIER_EVENTS:
                     self._tier_events.labels(*self._lv[engine_idx], tier, event).inc(v)
+        if d.get("decisions") or d.get("policy"):
+            self._observe_policy(d.get("decisions") or {}, d.get("policy") or {}, engine_idx)
+
+    def _observe_policy(self, decisions: dict, policy: dict, engine_idx: int) -> None:
+        lv = self._lv[engine_idx]
+        for tier, row in decisions.items():
+            if tier not in HIT_TIERS:
+                continue
+            for decision, v in row.items():
+                if v and decision in DECISIONS:
+                    self._decisions.labels(*lv, tier, decision).inc(v)
+        if policy.get("breakeven_gbps") is not None:
+            self._breakeven.labels(*lv).set(policy["breakeven_gbps"])
+            self._prefill.labels(*lv).set(policy["prefill_tokens_per_s"])
+        for tier, row in (policy.get("tiers") or {}).items():
+            if tier not in HIT_TIERS:
+                continue
+            self._tier_loads.labels(*lv, tier).set(row.get("loads", 1))
+            if row.get("gbps") is not None:
+                self._tier_gbps.labels(*lv, tier, row.get("path") or "unknown").set(row["gbps"])
 
 
 def _add_total(key: str, value: float, tenant: str | None = None, tier: str | None = None) -> None:
@@ -365,6 +467,22 @@ class StatsSink:
         with self._lock:
             self._stats.add_tier_event(tier, event, value)
         _add_total(event, value, tier=tier)
+
+    def add_decision(self, tier: str, decision: str, chunks: float = 1) -> None:
+        """Count ``chunks`` cached chunks of ``tier`` the load policy ``decision`` (:data:`DECISIONS`),
+        in this interval and in :func:`process_decision_totals`."""
+        with self._lock:
+            self._stats.add_decision(tier, decision, chunks)
+        with _TOTALS_LOCK:
+            _TOTALS.add_decision(tier, decision, chunks)
+
+    def set_policy(self, snapshot: dict[str, Any]) -> None:
+        """The load policy's current state (:meth:`~lmtier.integration.vllm.loadpolicy.LoadPolicy.snapshot`):
+        this interval's gauge and :func:`process_load_policy`."""
+        with self._lock:
+            self._stats.data["policy"] = dict(snapshot)
+        with _TOTALS_LOCK:
+            _TOTALS.data["policy"] = dict(snapshot)
 
     def take(self) -> LMTierStats | None:
         """This interval's stats (None when nothing happened); starts a new interval."""

@@ -32,6 +32,7 @@ from lmtier.integration.vllm.fetch import (
     InjectedFault,
     lower_tiers_are_codec,
 )
+from lmtier.integration.vllm.loadpolicy import BusyMeter
 from lmtier.integration.vllm.loadstore import (
     AsyncLoad,
     LayerwiseLoad,
@@ -94,6 +95,10 @@ class ConnectorWorker:
         max_staging_bytes: host staging buffers kept for reuse (loads without pool slots).
         fetch_batch: chunks one I/O task fetches together when the P2P or the remote tier batches gets
             (:class:`~lmtier.integration.vllm.fetch.ChunkFetcher`).
+        load_meter: measures the load bandwidth of each tier
+            (:class:`~lmtier.integration.vllm.loadpolicy.BusyMeter`): the manager's lower-tier reads
+            (:meth:`lmtier.manager.TierManager.set_load_meter`) and, as tier ``"cpu"`` path
+            ``"scatter"``, the copies from host memory into the cache. None: not measured.
 
     Raises:
         ValueError: the cache's chunk size in bytes differs from the namespace's, sizes are invalid,
@@ -125,6 +130,7 @@ class ConnectorWorker:
         device_window: int | None = None,
         max_staging_bytes: int = 1 << 30,
         fetch_batch: int = 4,
+        load_meter: BusyMeter | None = None,
     ) -> None:
         if load_threads < 1 or io_threads < 1:
             raise ValueError(f"lmtier: load_threads ({load_threads}) and io_threads ({io_threads}) must be >= 1")
@@ -146,6 +152,9 @@ class ConnectorWorker:
         self._on_stored = on_stored or (lambda key, key0, tier: None)
         self._faults = faults or no_faults
         self._load_threads = load_threads
+        self.load_meter = load_meter
+        if load_meter is not None:
+            manager.set_load_meter(load_meter)
         self.is_cuda = layout.device.type == "cuda"
         self._storer = ChunkStorer(
             layout,
@@ -239,7 +248,9 @@ class ConnectorWorker:
     def _plan(self, op: LoadOp, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
         """The fetcher's plan of ``op``'s chunks from ``start_token`` on (promotions: its tenant's)."""
         first = op.start_token // self.chunk
-        return self._fetcher.plan(op.req_id, first, keys, fault_names, tenant=tenant_id(op.cache_salt))
+        return self._fetcher.plan(
+            op.req_id, first, keys, fault_names, tenant=tenant_id(op.cache_salt), skip_tiers=op.skip_tiers
+        )
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor | list[torch.Tensor]) -> None:
         """Write canonical chunks into the cache; returns when done.
@@ -249,11 +260,19 @@ class ConnectorWorker:
         the load engine's stream, waited for (CUDA; pageable sources are pinned first).
         """
         srcs = [src] if isinstance(src, torch.Tensor) else list(src)
+        t0 = time.perf_counter()
         if self.load_engine is not None:
             srcs = [s if s.is_pinned() else s.pin_memory() for s in srcs]
             self.load_engine.load(slots, srcs).synchronize()
         else:
             ops.scatter(self.layout, slots, srcs)
+        self._meter_scatter(len(srcs), time.perf_counter() - t0)
+
+    def _meter_scatter(self, n_chunks: int, seconds: float) -> None:
+        """Report ``n_chunks`` chunks copied from host memory into the cache in ``seconds`` (the CPU
+        pool's load bandwidth: tier ``"cpu"``, path ``"scatter"``)."""
+        if self.load_meter is not None:
+            self.load_meter.record("cpu", "scatter", n_chunks * self.chunk_bytes, seconds)
 
     def blocks_from(self, op: LoadOp, chunk_index: int = 0) -> list[int]:
         """``op``'s block ids from chunk ``chunk_index`` on (from ``start_token`` when that lies
@@ -488,7 +507,9 @@ class ConnectorWorker:
                         self._layer_engine.kernel_stream.wait_event(device_event)
                     timing[1].record(self._layer_engine.kernel_stream)
                 else:
+                    t_copy = time.perf_counter()
                     ops.scatter(self.layout, slots, srcs)
+                    self._meter_scatter(len(srcs), time.perf_counter() - t_copy)
                 n = sum(len(cs) for _, cs, _, _ in parts)
                 self._stat("loaded_chunks", n)
                 self._stat("loaded_bytes", n * self.chunk_bytes)
@@ -591,6 +612,9 @@ class ConnectorWorker:
                 if lw.timing is not None
                 else (time.perf_counter() - lw.t0) * 1e3
             )
+            if lw.timing is not None and lw.parts and lw.device_event is None:
+                # CUDA, host chunks only: the GPU time of their copies (the CPU path timed its scatter)
+                self._meter_scatter(sum(len(cs) for _, cs, _, _ in lw.parts), ms / 1e3)
             self._stat("load_ms", ms)
             self._stat("load_lat_s", ms / 1e3)
         self._draining = keep

@@ -31,6 +31,7 @@ import torch
 
 from lmtier.config import LMTierConfig
 from lmtier.integration.vllm.common import faults, kv_spec
+from lmtier.integration.vllm.loadpolicy import BusyMeter, Sample
 from lmtier.integration.vllm.mirror import IndexReporter
 from lmtier.integration.vllm.options import ConnectorOptions
 from lmtier.integration.vllm.stats import StatsSink
@@ -100,6 +101,7 @@ class LMTierWorker:
         self._failed_load_reqs: set[str] = set()  # requests whose sync load failed this step
         self._step_failed_blocks: set[int] = set()  # blocks of this step's failed sync loads
         self._forward_done = False  # finish_forward ran in this step (Model Runner V2)
+        self.load_meter = BusyMeter()  # each tier's load bandwidth, for the scheduler's load policy
         self.reporter = IndexReporter(
             same_namespace=namespace.digest() == index_namespace.digest(),
             disk_keys_max=max(
@@ -151,6 +153,7 @@ class LMTierWorker:
             on_stat=self._stats.add,
             on_stored=self.reporter.stored,
             faults=faults,
+            load_meter=self.load_meter,
         )
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._layerwise = self._decide_layerwise(dev)
@@ -374,6 +377,11 @@ class LMTierWorker:
     def take_index_events(self) -> list[tuple[str, bytes, str | None]]:
         """This step's index changes for a scheduler in another process (empty: none)."""
         return self.reporter.take()
+
+    def take_load_samples(self) -> list[Sample]:
+        """The tiers' load-bandwidth samples since the last call, for the scheduler's load policy
+        (:mod:`lmtier.integration.vllm.loadpolicy`)."""
+        return self.load_meter.take()
 
     def shutdown(self) -> None:
         """Finish every transfer, stop receiving the manager's events, flush queued write-throughs."""
