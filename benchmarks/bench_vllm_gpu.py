@@ -83,7 +83,7 @@ LLAMA_8B = {
 """Llama-3.1-8B's config.json (the shapes; weights are random)."""
 
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, num_hidden_layers=2, vocab_size=32000)  # fmt: skip
+            head_dim=64, num_hidden_layers=2, vocab_size=32000, bos_token_id=1, eos_token_id=2)  # fmt: skip
 """A 2-layer Llama for the probe."""
 
 
@@ -91,7 +91,8 @@ def write_model(d: Path, cfg: dict) -> Path:
     """Write ``config.json`` (and a generation config) for ``cfg`` into ``d``; returns ``d``."""
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 128000, "eos_token_id": 128001}))
+    ids = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
+    (d / "generation_config.json").write_text(json.dumps(ids))
     return d
 
 
@@ -268,6 +269,9 @@ def run_pass(engine, sp, prompts, arrivals, tag: str, keep_tokens: int, deadline
 def child(a) -> None:
     """One engine (``a.case``): start it, a smoke request, the cold pass, the warm pass; JSON to ``a.out``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM's samplers import FlashInfer to ask whether its sampling kernels apply; FlashInfer is one of
+    # the compiled packages not carried (greedy sampling never uses it)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     res: dict = {"case": a.case, "args": {k: str(v) for k, v in vars(a).items()}}
     out = Path(a.out)
 

@@ -55,6 +55,22 @@ def test_swap_blocks_batch_empty_is_a_no_op():
     ops.swap_blocks_batch(e, e, e)  # no driver call, no CUDA needed
 
 
+def test_gated_activations_match_pytorch():
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    g, u = x[..., :8], x[..., 8:]
+    want = {
+        "silu_and_mul": torch.nn.functional.silu(g) * u,
+        "mul_and_silu": g * torch.nn.functional.silu(u),
+        "gelu_and_mul": torch.nn.functional.gelu(g) * u,
+        "gelu_tanh_and_mul": torch.nn.functional.gelu(g, approximate="tanh") * u,
+    }
+    assert set(want) == set(ops.GATED_ACTIVATIONS)
+    for name, fn in ops.GATED_ACTIVATIONS.items():
+        out = torch.full((3, 5, 8), float("nan"))
+        fn(out, x)
+        assert torch.equal(out, want[name]), name
+
+
 def test_entry_point_is_discoverable(tmp_path, monkeypatch):
     write_entry_point(tmp_path)
     write_entry_point(tmp_path)  # idempotent

@@ -16,6 +16,11 @@ imported, finds them):
   called through ctypes on the arrays' memory (no per-descriptor Python work). If the driver lacks
   the batch call, a loop of ``cuMemcpyAsync`` (vLLM's own fallback before CUDA 12.8).
 
+* ``torch.ops._C.silu_and_mul(out, x)`` and the other gated activations of dense models
+  (:data:`GATED_ACTIVATIONS`): PyTorch versions with vLLM's semantics (``x = [gate | up]`` on the last
+  dimension, ``out = act(gate) * up``; ``mul_and_silu``: ``out = gate * silu(up)``). vLLM's
+  ``SiluAndMul`` takes the op in its constructor on CUDA; with ``custom_ops: none`` the forward uses
+  ``forward_native`` and these are not called.
 * ``torch.ops._C.<kernel>_supported(capability)`` queries (``cutlass_scaled_mm_supports_fp8`` and
   kin: :data:`ABSENT_KERNEL_QUERIES`) answer False: those CUTLASS kernels are not here. vLLM asks some
   of them at import time (``quantization/utils/w8a8_utils.py``).
@@ -212,6 +217,28 @@ def _absent(cuda_device_capability: int) -> bool:
     return False
 
 
+def _gated(act):
+    def kernel(out: torch.Tensor, x: torch.Tensor) -> None:
+        d = x.shape[-1] // 2
+        out.copy_(act(x[..., :d]) * x[..., d:])
+
+    return kernel
+
+
+def _mul_and_silu(out: torch.Tensor, x: torch.Tensor) -> None:
+    d = x.shape[-1] // 2
+    out.copy_(x[..., :d] * torch.nn.functional.silu(x[..., d:]))
+
+
+GATED_ACTIVATIONS = {
+    "silu_and_mul": _gated(torch.nn.functional.silu),
+    "mul_and_silu": _mul_and_silu,
+    "gelu_and_mul": _gated(lambda g: torch.nn.functional.gelu(g, approximate="none")),
+    "gelu_tanh_and_mul": _gated(lambda g: torch.nn.functional.gelu(g, approximate="tanh")),
+}
+"""``torch.ops._C`` gated activations ``(Tensor! out, Tensor input) -> ()`` in PyTorch."""
+
+
 def _ops() -> list[tuple[str, str, str, object, tuple[str, ...]]]:
     """(namespace, name, schema, Python kernel, dispatch keys) of every op the shim provides."""
     ops = [
@@ -228,6 +255,9 @@ def _ops() -> list[tuple[str, str, str, object, tuple[str, ...]]]:
     ops += [
         ("_C", q, "(int cuda_device_capability) -> bool", _absent, ("CompositeExplicitAutograd",))
         for q in ABSENT_KERNEL_QUERIES
+    ]
+    ops += [
+        ("_C", name, "(Tensor! out, Tensor input) -> ()", fn, ("CPU", "CUDA")) for name, fn in GATED_ACTIVATIONS.items()
     ]
     return ops
 

@@ -47,12 +47,21 @@ def run() -> list[tuple[str, bool, str]]:
         return (base.data_ptr() + ids.to(torch.int64) * block_bytes).contiguous()
 
     sizes = torch.full((24,), block_bytes, dtype=torch.int64)
-    torch.ops._C_cache_ops.swap_blocks_batch(ptrs(gpu, src_ids), ptrs(host, dst_ids), sizes, False)
+    side = torch.cuda.Stream()  # the batch call refuses the legacy default stream; vLLM uses its own streams
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            torch.ops._C_cache_ops.swap_blocks_batch(ptrs(gpu, src_ids), ptrs(host, dst_ids), sizes, False)
+    except RuntimeError as e:
+        res.append(("swap_blocks_batch", False, f"driver entry point {ops.batch_api()}: {e}"))
+        return res
     torch.cuda.synchronize()
     ok_out = torch.equal(host[dst_ids], gpu[src_ids].cpu())
     gpu2 = torch.zeros_like(gpu)
     back = torch.randperm(nblocks, generator=g)[:24]
-    torch.ops._C_cache_ops.swap_blocks_batch(ptrs(host, dst_ids), ptrs(gpu2, back), sizes, True)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops._C_cache_ops.swap_blocks_batch(ptrs(host, dst_ids), ptrs(gpu2, back), sizes, True)
     torch.cuda.synchronize()
     ok_in = torch.equal(gpu2[back].cpu(), host[dst_ids]) and int(gpu2.sum()) == int(
         host[dst_ids].sum(dtype=torch.int64)
