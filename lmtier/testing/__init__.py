@@ -15,4 +15,6 @@
   ``--kv-transfer-config``, Prometheus ``/metrics`` parsing, the workload texts.
 * :mod:`lmtier.testing.procs` — a child process in its own process group with a log file, a free port.
 * :mod:`lmtier.testing.procmem` — a process's memory from ``/proc`` by region; server allocator settings.
+* :mod:`lmtier.testing.vllm_gpu_shim` — what vLLM 0.33's Python-only package needs to run its engine on
+  a CUDA machine without its compiled parts (a platform plugin and a few ops; GPU benchmarks only).
 """
