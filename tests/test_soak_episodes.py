@@ -340,3 +340,29 @@ def test_run_soak_docstring_lists_every_fault():
     doc = run_soak.__doc__
     listed = set(re.findall(r"^  ([a-z_]+) +\S", doc, re.M))
     assert set(FAULTS) <= listed, sorted(set(FAULTS) - listed)
+
+
+def test_reliability_dependent_tests_skip_after_a_harness_error():
+    """A server_kill episode whose restart failed (a harness error; seen on a 2-core box whose memory
+    other jobs held: vLLM found 0.78 GiB free for its KV cache) recorded no ``tmp_files_after_restart``,
+    and the server was down for the rest of the run (no memory sample in its second half): the tests
+    that read those skip, naming the cause, instead of a KeyError or a NaN comparison (issue 20 §4:
+    one fault's outcome must not crash the next test). test_fault_recovered still fails for it."""
+    import math
+
+    from tests import test_reliability as rel
+
+    ep = {"outcome": "harness_error", "verdict": "RuntimeError: server2 exited (1) during startup: ...",
+          "requests_during": 0, "records_after_kill": 12, "tmp_files_after_kill": 0}  # fmt: skip
+    soak = {"faults": {"server_kill": {"details": [ep]}}, "skipped_faults": {}, "_stdout": ""}
+    with pytest.raises(pytest.skip.Exception, match="server_kill #1 did not complete"):
+        rel.test_server_kill_left_records_and_no_half_written_ones(soak)
+    with pytest.raises(AssertionError, match="harness_error"):
+        rel.test_fault_recovered(soak, "server_kill")
+    soak.update(
+        rss_mb={"min": 3900.0, "max": 4100.0, "second_half_first": math.nan, "second_half_last": math.nan},
+        fds={"min": 200, "max": 210, "second_half_first": None, "second_half_last": None},
+        pools={"cpu_pool_gib": 0.15, "vllm_kv_gib": 1.0},
+    )
+    with pytest.raises(pytest.skip.Exception, match="no server memory sample in the second half"):
+        rel.test_rss_and_fds_bounded(soak)
