@@ -366,3 +366,52 @@ def test_reliability_dependent_tests_skip_after_a_harness_error():
     )
     with pytest.raises(pytest.skip.Exception, match="no server memory sample in the second half"):
         rel.test_rss_and_fds_bounded(soak)
+
+
+_VLLM_SHORT = (
+    "ValueError: Available memory on node 0 (0.78/23.54 GiB) on kv cache allocation is less than requested "
+    "memory for kv (1.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory "
+    "used by other processes."
+)
+
+
+def _fake_starts(soak, tmp_path, logs: list[str]) -> list[int]:
+    """Replace soak.start_server: the i-th call writes ``logs[i]`` as the server log and fails (an
+    empty text: starts). Returns the list of calls made."""
+    from types import SimpleNamespace
+
+    calls: list[int] = []
+
+    def start():
+        i = len(calls)
+        calls.append(i)
+        log = tmp_path / f"server{i}.log"
+        log.write_text(("noise\n" * 50 + logs[i] + "\n" + "traceback\n" * 100) if logs[i] else "ready")
+        soak.server = SimpleNamespace(log_path=log, sigkill=lambda: None)
+        if logs[i]:
+            raise RuntimeError(f"server{i} exited (1) during startup: ...")
+        soak.startup_s.append(1.0)
+
+    soak.start_server = start
+    soak.kill_windows.append((time.monotonic(), None))
+    return calls
+
+
+def test_restart_refused_for_lack_of_memory_is_retried(soak, tmp_path, monkeypatch):
+    """vLLM refused the restarted server because other jobs held the machine's memory (seen at load
+    30-37: 0.78 of 23.5 GiB free): the restart is retried until it starts (old code: the first refusal
+    ended the server_kill episode in a harness error and the soak ran on without a server)."""
+    monkeypatch.setattr(Soak, "RESTART_RETRY_S", 0.01, raising=False)
+    calls = _fake_starts(soak, tmp_path, [_VLLM_SHORT, _VLLM_SHORT, ""])
+    ep = Episode("server_kill", 1, soak.now())
+    soak.restart_server(ep)
+    assert calls == [0, 1, 2] and ep.detail["restart_retries"] == 2 and ep.detail["restart_s"] == 1.0
+    assert soak.kill_windows[-1][1] is not None  # the kill window is closed: the server is back
+
+
+def test_restart_failing_otherwise_raises_at_once(soak, tmp_path, monkeypatch):
+    monkeypatch.setattr(Soak, "RESTART_RETRY_S", 0.01, raising=False)
+    calls = _fake_starts(soak, tmp_path, ["ImportError: lmtier broke", ""])
+    with pytest.raises(RuntimeError, match="server0 exited"):
+        soak.restart_server(Episode("server_kill", 1, soak.now()))
+    assert calls == [0]
