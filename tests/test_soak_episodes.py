@@ -229,6 +229,18 @@ def _proc_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _settled_state(pid: int, want_stopped: bool, limit_s: float = 10.0) -> str:
+    """``_proc_state(pid)`` once it is (or is not) ``T``, or the last state seen after ``limit_s``:
+    SIGSTOP / SIGCONT take effect when the kernel next schedules the process, which on a loaded box is
+    not immediately after kill() returns (a process still ``R`` right after the stop was seen here)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        state = _proc_state(pid)
+        if (state == "T") == want_stopped or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
 def _mooncake_soak(soak, store):
     soak.a.remote = "mooncake"
     soak.mooncake = store
@@ -287,14 +299,14 @@ def test_mooncake_pause_stops_and_clear_continues_the_master(soak, mooncake_stor
     try:
         f.inject(s, ep)
         assert ep.detail["keys_before"] == 1  # noted just before the stop
-        assert _proc_state(m.proc.popen.pid) == "T"
+        assert _settled_state(m.proc.popen.pid, True) == "T"
         t = time.monotonic()
         assert s.mooncake_counts() is None  # not asked while stopped (it would not answer)
         assert time.monotonic() - t < 0.5
     finally:
         s.active.discard(f.name)
         f.clear(s, ep)
-    assert _proc_state(m.proc.popen.pid) != "T"
+    assert _settled_state(m.proc.popen.pid, False) != "T"
     assert ep.detail["keys_after_resume"] == 1
     base = _baseline(s)
     assert base.mooncake == {"keys": 1, "puts": 1}
