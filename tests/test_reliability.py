@@ -30,6 +30,7 @@ tests/test_mooncake_tier.py and tests/test_soak_episodes.py, and by ``run_soak.p
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,6 +118,17 @@ def _episodes(soak, fault: str) -> list[dict]:
     return soak["faults"][fault]["details"]
 
 
+def _completed(soak, fault: str) -> dict:
+    """The first episode of ``fault`` for a test that reads what the episode recorded; skips when the
+    soak did not run it (its reason) or the episode ended in a harness error (a restart that failed,
+    ...: ``test_fault_recovered[<fault>]`` fails for it), never a KeyError on a detail it never got to
+    record."""
+    ep = _episodes(soak, fault)[0]
+    if ep.get("outcome") == "harness_error":
+        pytest.skip(f"{fault} #1 did not complete (test_fault_recovered[{fault}] reports it): {ep['verdict'][-300:]}")
+    return ep
+
+
 def test_no_wrong_outputs(soak):
     assert soak["wrong"] == 0, f"{soak['wrong']} wrong of {soak['served']} served:\n" + json.dumps(
         soak["wrong_records"][:3], indent=1
@@ -149,12 +161,12 @@ def test_fault_recovered(soak, fault):
 
 
 def test_disk_corruption_really_happened(soak):
-    d = _episodes(soak, "disk_corrupt")[0]
+    d = _completed(soak, "disk_corrupt")
     assert d["flipped"] + d["truncated"] + d["deleted"] > 0, d
 
 
 def test_server_kill_left_records_and_no_half_written_ones(soak):
-    d = _episodes(soak, "server_kill")[0]
+    d = _completed(soak, "server_kill")
     assert d["records_after_kill"] > 0  # the disk tier had records when the server died
     assert d["tmp_files_after_restart"] == 0  # half-written records were cleaned up, never indexed
 
@@ -169,6 +181,8 @@ def test_hits_happened(soak):
 
 def test_rss_and_fds_bounded(soak):
     rss, fds = soak["rss_mb"], soak["fds"]
+    if math.isnan(rss["second_half_first"]):  # no sample: the server was down (a failed restart, ...)
+        pytest.skip(f"no server memory sample in the second half of the run (rss {rss}): nothing to bound")
     # bounded by the configured pools: model (~0.5 GiB f32) + vLLM KV space + lmtier CPU pool, per
     # process, with generous slack for torch/vLLM; and no growth over the second half of the run
     pools_mb = 1024 * (soak["pools"]["cpu_pool_gib"] + soak["pools"]["vllm_kv_gib"])

