@@ -142,7 +142,8 @@ class P2PNode:
         values: the config keys (``LMTierConfig.from_dict``).
         ns_fields: the :class:`~lmtier.keys.Namespace` fields.
         env: extra environment variables of the child (e.g. the token variable).
-        start_timeout_s: how long to wait for the child's manager.
+        start_timeout_s: how long to wait for the child's manager (a hang guard, not a speed check: a
+            spawned child imports torch and NIXL, which took over 60 s at load average 37 on 2 cores).
 
     Raises:
         RuntimeError: the child failed to build its manager (the message carries its error).
@@ -157,7 +158,7 @@ class P2PNode:
         ns_fields: dict[str, Any],
         *,
         env: dict[str, str] | None = None,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float = 300.0,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -166,7 +167,7 @@ class P2PNode:
         child.close()
         if not self.conn.poll(start_timeout_s):
             self.kill()
-            raise RuntimeError("P2P node did not start in time")
+            raise RuntimeError(f"P2P node did not start within {start_timeout_s:.0f} s (hang guard)")
         status, value = self.conn.recv()
         if status != "ready":
             self.proc.join(5)
