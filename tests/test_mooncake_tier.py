@@ -213,7 +213,9 @@ def test_master_paused_bounded_latency_then_recovery(mooncake_store):
             assert t.get_into(K(20), out) is None
             assert t.contains(K(20)) is False
             worst = max(worst, time.monotonic() - t0)
-        assert worst < 2 * 0.5 + 0.5 and time.monotonic() - t_start < 10
+        # bounded, not fast: a paused master would block a call without the 0.5 s timeout forever; the
+        # slack keeps the verdict independent of the machine's load (issue 20 §4)
+        assert worst < 2 * 0.5 + 5 and time.monotonic() - t_start < 60
         assert t.counters["timeouts"] >= 1
         mooncake_store.master.resume()
         deadline = time.monotonic() + 60

@@ -148,10 +148,11 @@ def test_sigkilled_peer_is_a_miss_within_the_timeout(pair):
     t0 = time.monotonic()
     got, dt = b.call("fetch", keys, CHUNK)
     assert got == [None] * 4
-    assert dt < TIMEOUT_S + 0.5 and time.monotonic() - t0 < TIMEOUT_S + 5
+    # bounded, not fast (a dead peer without the timeout blocks the READ); slack for a loaded machine
+    assert dt < TIMEOUT_S + 5 and time.monotonic() - t0 < TIMEOUT_S + 30
     for _ in range(3):  # the breaker opens; later calls are misses at once
         got, dt = b.call("fetch", keys, CHUNK)
-        assert got == [None] * 4 and dt < TIMEOUT_S + 0.5
+        assert got == [None] * 4 and dt < TIMEOUT_S + 5
 
 
 def test_paused_peer_costs_bounded_time(pair):
@@ -161,7 +162,7 @@ def test_paused_peer_costs_bounded_time(pair):
     try:
         got, dt = b.call("fetch", keys, CHUNK)
         assert got == [None, None]
-        assert dt < TIMEOUT_S + 1.0
+        assert dt < TIMEOUT_S + 5
         _, tier, _ = b.call("counters")
         assert tier["timeouts"] >= 1 and tier.get("stuck", 0) == 0  # NIXL cancelled the READ
     finally:
