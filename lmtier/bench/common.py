@@ -297,6 +297,14 @@ def pair_ratios(num: list[float], den: list[float]) -> list[float]:
     return [100 * a / b for a, b in zip(num, den, strict=True) if b > 0]
 
 
+def pairs_summary(ratios: list[float]) -> str:
+    """``"median [lowest-highest]"`` of same-iteration ratios (percent): pairs timed moments apart
+    share the box's load, so their median is the figure to read on a shared machine."""
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.0f} [{min(ratios):.0f}-{max(ratios):.0f}]"
+
+
 def add_batch_args(ap) -> None:
     """The options of the batch-transfer benchmarks (``lmtier bench mooncake``, ``p2p``):
     ``--presets``, ``--counts``, ``--chunk-tokens``, ``--iters``, ``--quick``, ``--json``."""

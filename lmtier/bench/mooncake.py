@@ -31,9 +31,10 @@ of the same pool (the connector's promotion targets), as in the product; they ar
 Raw and the tiers alternate within each iteration, each iteration starting with the next of them
 (:func:`~lmtier.bench.common.interleaved`); each figure is the median of ``--iters`` iterations after
 one untimed warm-up (keys removed between them, untimed). GB/s = payload bytes / wall time of the
-whole batch; ``%raw`` divides the ratio of medians, ``range`` gives the lowest and highest
-same-iteration ratio; ``cpu_ms`` is the CPU time of this process, the store server and the master
-during the batch (:func:`~lmtier.bench.common.cpu_seconds`), median.
+whole batch; ``%raw`` is the ratio of medians, ``pairs`` the median [lowest-highest] of the
+same-iteration ratios (:func:`~lmtier.bench.common.pairs_summary`; on a shared box the figure to
+read); ``cpu_ms`` is the CPU time of this process, the store server and the master during the batch
+(:func:`~lmtier.bench.common.cpu_seconds`), median.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from lmtier.bench.common import (
     cpu_seconds,
     interleaved,
     pair_ratios,
+    pairs_summary,
     print_table,
     system_header,
     write_json,
@@ -183,7 +185,7 @@ def run_case(
         for op in ("put", "get"):
             r = pair_ratios(gbps[f"{m}_{op}"], gbps[f"raw_{op}"])
             row[f"{m}_{op}_%raw"] = 100 * row[f"{m}_{op}_GBps"] / row[f"raw_{op}_GBps"]
-            row[f"{m}_{op}_range"] = f"{min(r):.0f}-{max(r):.0f}"
+            row[f"{m}_{op}_pairs"] = pairs_summary(r)
     row["seconds"] = t
     row["cpu_seconds"] = cpu
     return row
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for op in ("put", "get"):
         cols = ["preset", "chunk_MB", "chunks", "depth", f"raw_{op}_GBps"]
         for m in a.modes:
-            cols += [f"{m}_{op}_GBps", f"{m}_{op}_%raw", f"{m}_{op}_range"]
+            cols += [f"{m}_{op}_GBps", f"{m}_{op}_%raw", f"{m}_{op}_pairs"]
         cols += [f"redis_{op}_GBps"] if redis is not None else []
         cols += [f"{w}_{op}_cpu_ms" for w in ("raw", *a.modes)]
         print_table(rows, cols)

@@ -30,7 +30,8 @@ publishes. In this process (node B), per preset and count:
 The contenders alternate within each iteration, each iteration starting with the next of them
 (:func:`~lmtier.bench.common.interleaved`). GB/s = payload bytes / wall time of the whole batch;
 median of ``--iters`` after one untimed warm-up; ``%raw`` = ratio of medians to the faster raw
-poll, ``range`` the lowest and highest same-iteration ratio to it; ``cpu_ms``: CPU time of B and A
+poll, ``pairs`` the median [lowest-highest] of the same-iteration ratios to it
+(:func:`~lmtier.bench.common.pairs_summary`; on a shared box the figure to read); ``cpu_ms``: CPU time of B and A
 during the batch (:func:`~lmtier.bench.common.cpu_seconds`), median. Every fetched byte is compared
 with the expected chunk.
 """
@@ -51,6 +52,7 @@ from lmtier.bench.common import (
     cpu_seconds,
     interleaved,
     pair_ratios,
+    pairs_summary,
     print_table,
     system_header,
     write_json,
@@ -222,7 +224,7 @@ def run_case(
     for m in modes:
         r = pair_ratios(gbps[m], best)
         row[f"{m}_%raw"] = 100 * row[f"{m}_GBps"] / row["raw_GBps"]
-        row[f"{m}_range"] = f"{min(r):.0f}-{max(r):.0f}"
+        row[f"{m}_pairs"] = pairs_summary(r)
     row["p2p_%raw"] = row[f"{modes[0]}_%raw"]
     row["seconds"] = t
     row["cpu_seconds"] = cpu
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  {p} x {c}: raw {row['raw_GBps']:.2f} (spin {row['raw_spin_GBps']:.2f}, sleep "
                     f"{row['raw_sleep_GBps']:.2f}), {m} {row[m + '_GBps']:.2f} ({row[m + '_%raw']:.0f} %, "
-                    f"pairs {row[m + '_range']})"
+                    f"pairs {row[m + '_pairs']})"
                     + (f", redis {row['redis_GBps']:.2f}" if not a.no_redis else "")
                     + " GB/s",
                     flush=True,
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cols = ["preset", "chunk_MB", "chunks", "raw_spin_GBps", "raw_sleep_GBps"]
     for m in a.modes:
-        cols += [f"{m}_GBps", f"{m}_%raw", f"{m}_range"]
+        cols += [f"{m}_GBps", f"{m}_%raw", f"{m}_pairs"]
     cols += [] if a.no_redis else ["redis_GBps"]
     cols += [f"{w}_cpu_ms" for w in ("raw_spin", "raw_sleep", *a.modes)]
     print_table(rows, cols)
