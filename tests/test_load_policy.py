@@ -155,6 +155,24 @@ def test_manager_meters_lower_tier_reads(n, want):
     m.close(persist=False)
 
 
+def test_fetch_lower_many_skips_tiers():
+    class Remote(_Tier):
+        name = "remote"
+
+    disk, remote = _Tier(4096), Remote(4096)
+    reads = []
+    for t in (disk, remote):
+        t.get_into = lambda key, out, t=t: reads.append(t.name) or t.n
+    m = TierManager(cpu=None, disk=disk, remote=remote)
+    meter = BusyMeter()
+    m.set_load_meter(meter)
+    assert m.fetch_lower_many([bytes(32)], [bytearray(4096)]) == [4096] and reads == ["disk"]
+    assert m.fetch_lower_many([bytes(32)], [bytearray(4096)], skip=("disk",)) == [4096] and reads[1:] == ["remote"]
+    assert m.fetch_lower_many([bytes(32)], [bytearray(4096)], skip=("disk", "remote")) == [None] and len(reads) == 2
+    assert [s[0] for s in meter.take()] == ["disk", "remote"]  # a skipped tier is not timed
+    m.close(persist=False)
+
+
 # ------------------------------------------------------------------------------ StepClock
 def test_step_clock_sync_and_async_scheduling():
     c = Clock(0.0)
