@@ -85,7 +85,8 @@ class BusyMeter:
     none is in flight any more; its sample is ``(tier, path, bytes delivered, period seconds)`` —
     the throughput with the parallelism the reads really had. A period longer than
     ``max_period_s`` is cut there (a tier that is never idle still reports). A read that misses
-    delivers 0 bytes; its time counts.
+    delivers 0 bytes and its time counts; a period that delivered nothing at all (misses, corrupt
+    records: the load-failure policy's business) is no sample.
 
     Args:
         clock: seconds (monotonic); injectable for tests.
@@ -125,7 +126,7 @@ class BusyMeter:
             st[0] -= 1
             st[2] += max(0, int(nbytes))
             if st[0] <= 0 or now - st[1] >= self._max_period:
-                if now > st[1]:
+                if now > st[1] and st[2] > 0:
                     self._samples.append((token[0], token[1], st[2], now - st[1]))
                 st[1], st[2] = now, 0
                 if st[0] <= 0:
