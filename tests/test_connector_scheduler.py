@@ -121,6 +121,9 @@ class Harness:
         # policy: vLLM's kv_load_failure_policy (None: not set); "fail" also sets lmtier's
         # load_failure_policy, which is what keeps vLLM's fail (see connector.resolve_load_failure_policy)
         extra = dict(extra or {})
+        # The fake forward prefills ~10^4 tokens/s and the disk reads 4 KiB chunks at a few MB/s: a load
+        # policy measuring them could switch tiers off mid-test. Tests of the policy ask for "auto".
+        extra.setdefault("load_policy", "always")
         if policy == "fail":
             extra.setdefault("load_failure_policy", "fail")
         kt = KVTransferConfig(

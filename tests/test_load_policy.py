@@ -85,10 +85,16 @@ def test_busy_meter_separate_periods_keys_and_misses():
     t = m.begin("disk", "raw")
     r = m.begin("remote", "codec")
     c.t = 11.0
-    m.end(t, 0)  # a miss: no bytes, its time counts
+    m.end(t, 0)  # a period of misses only (or corrupt records): no sample
     c.t = 12.0
+    t = m.begin("disk", "raw")
+    u = m.begin("disk", "raw")
     m.end(r, 64)
-    assert m.take() == [("disk", "raw", 1000, 0.5), ("disk", "raw", 0, 1.0), ("remote", "codec", 64, 2.0)]
+    c.t = 13.0
+    m.end(t, 0)  # a miss inside a period that delivered bytes: its time counts
+    c.t = 14.0
+    m.end(u, 500)
+    assert m.take() == [("disk", "raw", 1000, 0.5), ("remote", "codec", 64, 2.0), ("disk", "raw", 500, 2.0)]
 
 
 def test_busy_meter_cuts_long_periods_and_records():
@@ -141,17 +147,35 @@ class _Tier(Tier):
         raise NotImplementedError
 
 
-@pytest.mark.parametrize("n, want", [(4096, 2 * 4096), (None, 0)])
+@pytest.mark.parametrize("n, want", [(4096, [("disk", "raw", 2 * 4096, 1.0)]), (None, [])])
 def test_manager_meters_lower_tier_reads(n, want):
     m = TierManager(cpu=CPUPool(1 << 20, 4096), disk=_Tier(n))
     ticks = iter(range(100))
     meter = BusyMeter(clock=lambda: float(next(ticks)))
     m.set_load_meter(meter)
     m.fetch_lower_many([bytes(32), bytes([1] * 32)], [bytearray(4096), bytearray(4096)])
-    assert meter.take() == [("disk", "raw", want, 1.0)]  # one call for both chunks, begun at 0, ended at 1
+    assert meter.take() == want  # one call for both chunks, begun at 0, ended at 1 (misses: no sample)
     m.set_load_meter(None)
     m.fetch_lower_many([bytes(32)], [bytearray(4096)])
     assert meter.take() == []
+    m.close(persist=False)
+
+
+def test_fetch_lower_many_skips_tiers():
+    class Remote(_Tier):
+        name = "remote"
+
+    disk, remote = _Tier(4096), Remote(4096)
+    reads = []
+    for t in (disk, remote):
+        t.get_into = lambda key, out, t=t: reads.append(t.name) or t.n
+    m = TierManager(cpu=None, disk=disk, remote=remote)
+    meter = BusyMeter()
+    m.set_load_meter(meter)
+    assert m.fetch_lower_many([bytes(32)], [bytearray(4096)]) == [4096] and reads == ["disk"]
+    assert m.fetch_lower_many([bytes(32)], [bytearray(4096)], skip=("disk",)) == [4096] and reads[1:] == ["remote"]
+    assert m.fetch_lower_many([bytes(32)], [bytearray(4096)], skip=("disk", "remote")) == [None] and len(reads) == 2
+    assert [s[0] for s in meter.take()] == ["disk", "remote"]  # a skipped tier is not timed
     m.close(persist=False)
 
 

@@ -38,7 +38,7 @@ def make(tmp_path):
 
 
 NEVER = 10**9  # load_min_samples: the configured inputs decide throughout
-FIXED = {"prefill_tokens_per_s": 1e6, "load_min_samples": NEVER, "load_probe_s": 0}
+FIXED = {"load_policy": "auto", "prefill_tokens_per_s": 1e6, "load_min_samples": NEVER, "load_probe_s": 0}
 SLOW_DISK = {**FIXED, "load_prior_gbps": {"disk": 1e-6}}
 FAST_DISK = {**FIXED, "load_prior_gbps": {"disk": 1e3}}
 # Harness KV: 2 layers x K,V x 1 head x 8 x 4 bytes = 128 bytes/token; at 1e6 tokens/s break-even is
@@ -111,7 +111,15 @@ def test_claim_stops_at_the_first_slow_chunk(make):
     """A prefix [cpu, cpu, disk, disk] with the disk below break-even: the two CPU chunks load, the
     rest is recomputed (and stored into the pool, so the next time all four load from it)."""
     # 1000 tokens/s: break-even 128 kB/s, far below what the pool's copies measure, far above 128 B/s
-    h = make(extra={"prefill_tokens_per_s": 1e3, "load_min_samples": 1, "load_probe_s": 0, "sync_disk_load_mib": 0})
+    h = make(
+        extra={
+            "load_policy": "auto",
+            "prefill_tokens_per_s": 1e3,
+            "load_min_samples": 1,
+            "load_probe_s": 0,
+            "sync_disk_load_mib": 0,
+        }
+    )
     long = prompt(7, 140)  # 4 whole chunks before the last token
     short = long[: 2 * CHUNK] + prompt(8, 30)  # shares the first 2 chunks
     r0 = h.add(long)
@@ -135,7 +143,7 @@ def test_claim_stops_at_the_first_slow_chunk(make):
 
 
 def test_prefill_rate_is_measured_from_the_steps(make):
-    h = make(extra={"load_min_samples": 1})
+    h = make(extra={"load_policy": "auto", "load_min_samples": 1})
     for i in range(3):
         h.add(prompt(60 + i, 100))
     h.run()

@@ -4,7 +4,7 @@ Loading ``n`` prompt tokens of KV from a tier costs ``n * b / bw`` seconds (``b`
 bytes per token, ``bw``: the tier's effective load bandwidth, bytes/s); recomputing them costs
 ``n / R`` (``R``: the engine's prefill rate, tokens/s). A load beats recompute iff ``bw > b * R``,
 the **break-even bandwidth**. Example: a Llama-3.1-8B-shaped model in bf16 (128 KiB per token)
-prefilling ~34,000 tokens/s on an H200 breaks even at ~4.5 GB/s: a 1.8 GB/s disk loses (its load of
+prefilling ~34,000 tokens/s on an H200 breaks even at ~4.4 GB/s: a 1.8 GB/s disk loses (its load of
 a 7,500-token hit took 218 % of the recompute), the pinned CPU pool (~55 GB/s) wins.
 
 * :class:`BusyMeter` (worker side) measures each tier's effective load bandwidth per path
@@ -30,6 +30,15 @@ a 7,500-token hit took 218 % of the recompute), the pinned CPU pool (~55 GB/s) w
 
 vLLM takes a prefix of tokens from a connector, so the scheduler claims chunks up to the first one
 whose tier is off (:meth:`LoadPolicy.plan`); vLLM computes the rest.
+
+Choices and limits. The prefill rate is timed where the decision is taken, from the engine's own
+steps: it is the wall time a recomputed chunk adds to a request's TTFT (forward, sampling, host
+work, TP collectives), the same in vLLM 0.32 and 0.33 and with or without asynchronous scheduling,
+and needs nothing from the workers (CUDA events around the forward would miss the host's share).
+A step's fixed costs make the rate a little low, so the break-even errs towards loading by at most
+those costs; decode tokens of a mixed step count as tokens (the same linear-layer work). A tier's
+bandwidth is its reads only: the write-back of a chunk a promotion evicts from the CPU pool, and the
+scatter, are not in it; a layer-by-layer load that overlaps the forward is judged as if it did not.
 
 Nothing here imports vLLM.
 """
@@ -76,7 +85,8 @@ class BusyMeter:
     none is in flight any more; its sample is ``(tier, path, bytes delivered, period seconds)`` —
     the throughput with the parallelism the reads really had. A period longer than
     ``max_period_s`` is cut there (a tier that is never idle still reports). A read that misses
-    delivers 0 bytes; its time counts.
+    delivers 0 bytes and its time counts; a period that delivered nothing at all (misses, corrupt
+    records: the load-failure policy's business) is no sample.
 
     Args:
         clock: seconds (monotonic); injectable for tests.
@@ -116,7 +126,7 @@ class BusyMeter:
             st[0] -= 1
             st[2] += max(0, int(nbytes))
             if st[0] <= 0 or now - st[1] >= self._max_period:
-                if now > st[1]:
+                if now > st[1] and st[2] > 0:
                     self._samples.append((token[0], token[1], st[2], now - st[1]))
                 st[1], st[2] = now, 0
                 if st[0] <= 0:
