@@ -66,6 +66,7 @@ from lmtier.bench.presets import PRESETS
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, compare, plot, report
 from lmtier.bench.ttft.tables import CALIB_SEED
 from lmtier.config_schema import CODEC_LEVELS
+from lmtier.integration.vllm.fetch import DEFAULT_FETCH_BATCH
 
 __all__ = ["main", "parser", "RTOL", "MIN_COS", "TIERS", "CALIB_SEED", "compare", "break_even", "DEFAULT_LENGTHS"]
 
@@ -156,8 +157,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fetch-batch",
         type=bounded_int(min_value=1),
-        default=4,
-        help="chunks one I/O task fetches together from a remote tier that batches gets (Mooncake); the "
+        default=DEFAULT_FETCH_BATCH,
+        help="chunks one I/O task fetches together from a P2P or remote tier that batches gets; the "
         "connector worker's fetch_batch (default: %(default)s, its default)",
     )
     p.add_argument(

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from lmtier.config import LMTierConfig
+from lmtier.integration.vllm.fetch import DEFAULT_FETCH_BATCH
 from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout, make_paged_kv_cache, slot_mapping_from_block_ids
@@ -227,7 +228,7 @@ class Loader:
         layers_per_wait: int,
         io_threads: int,
         max_staging_bytes: int,
-        fetch_batch: int = 4,
+        fetch_batch: int = DEFAULT_FETCH_BATCH,
     ) -> None:
         self.kv = kv
         self.T = chunk_tokens

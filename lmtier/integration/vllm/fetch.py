@@ -49,6 +49,10 @@ __all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers
 
 log = logging.getLogger("vllm.lmtier.connector")
 
+DEFAULT_FETCH_BATCH = 4
+"""Chunks one I/O task fetches together from a P2P or remote tier that batches gets (the worker's and
+the TTFT bench's default ``fetch_batch``; benchmarks/RESULTS.md §5.1 has the H200 A/B)."""
+
 _PAGE = 4096
 
 
@@ -218,7 +222,7 @@ class ChunkFetcher:
         device_staging: torch.device | None = None,
         decode_stream: Any = None,
         window: int = 8,
-        fetch_batch: int = 4,
+        fetch_batch: int = DEFAULT_FETCH_BATCH,
     ) -> None:
         if window < 1 or fetch_batch < 1:
             raise ValueError(f"lmtier: device staging window ({window}) and fetch_batch ({fetch_batch}) must be >= 1")

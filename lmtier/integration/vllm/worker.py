@@ -27,6 +27,7 @@ import torch
 
 from lmtier import ops
 from lmtier.integration.vllm.fetch import (
+    DEFAULT_FETCH_BATCH,
     Chunk,
     ChunkFetcher,
     InjectedFault,
@@ -129,7 +130,7 @@ class ConnectorWorker:
         decode_on: str = "auto",
         device_window: int | None = None,
         max_staging_bytes: int = 1 << 30,
-        fetch_batch: int = 4,
+        fetch_batch: int = DEFAULT_FETCH_BATCH,
         load_meter: BusyMeter | None = None,
     ) -> None:
         if load_threads < 1 or io_threads < 1:
