@@ -142,11 +142,12 @@ def test_manager_fetch_lower_many_disk_then_one_remote_call(tmp_path):
         mgr.close(persist=False)
 
 
-def _remote_worker(cache, remote, *, decode_on="host", window=None, pool_slots=16):
-    """A ConnectorWorker (2 I/O threads) over a CPU pool of ``pool_slots`` chunks and ``remote``."""
+def _remote_worker(cache, remote, *, decode_on="host", window=None, pool_slots=16, fetch_batch=4):
+    """A ConnectorWorker (2 I/O threads, groups of ``fetch_batch`` chunks: 4, not the default) over a
+    CPU pool of ``pool_slots`` chunks and ``remote``."""
     ns = _ns(cache.dtype)
     mgr = TierManager(cpu=CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes), remote=remote)
-    w, _, _ = _worker(cache, mgr, io_threads=2, decode_on=decode_on, device_window=window)
+    w, _, _ = _worker(cache, mgr, io_threads=2, decode_on=decode_on, device_window=window, fetch_batch=fetch_batch)
     return w, mgr, ns
 
 
@@ -208,7 +209,7 @@ def test_host_mode_groups_p2p_fetches_without_a_remote_tier():
     peer.name = "p2p"
     peer.on_index_event = lambda ev: None  # the P2P tier's publisher hook
     mgr = TierManager(cpu=CPUPool(16 * (ns.chunk_bytes + 4096), ns.chunk_bytes), p2p=peer)
-    w, _, _ = _worker(cache, mgr, io_threads=2)
+    w, _, _ = _worker(cache, mgr, io_threads=2, fetch_batch=4)
     try:
         assert mgr.remote is None and w._fetcher.group == 4
         peer.calls.clear()

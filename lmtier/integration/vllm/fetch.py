@@ -49,9 +49,11 @@ __all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers
 
 log = logging.getLogger("vllm.lmtier.connector")
 
-DEFAULT_FETCH_BATCH = 4
+DEFAULT_FETCH_BATCH = 1
 """Chunks one I/O task fetches together from a P2P or remote tier that batches gets (the worker's and
-the TTFT bench's default ``fetch_batch``; benchmarks/RESULTS.md §5.1 has the H200 A/B)."""
+the TTFT bench's default ``fetch_batch``). 1: on the H200's 16 cores, Mooncake loads at 7,500 tokens
+were faster one chunk per I/O task than in groups of 4 (a group serializes inside one client call and
+the load waits for the whole group; benchmarks/RESULTS.md §5.1); groups paid only on a 2-core box."""
 
 _PAGE = 4096
 
