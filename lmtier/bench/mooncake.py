@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     row["preset"] = p
                     rows.append(row)
+                    write_json(a.json, {"system": system_header(), "args": vars(a), "rows": rows})  # so far
                     m = a.modes[0]
                     print(
                         f"  {p} x {c} depth {d}: raw put {row['raw_put_GBps']:.2f} get {row['raw_get_GBps']:.2f}, "

@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                     with_redis=not a.no_redis,
                 )  # fmt: skip
                 rows.append(row)
+                write_json(a.json, {"system": system_header(), "args": vars(a), "rows": rows})  # so far
                 m = a.modes[0]
                 print(
                     f"  {p} x {c}: raw {row['raw_GBps']:.2f} (spin {row['raw_spin_GBps']:.2f}, sleep "
