@@ -33,7 +33,8 @@ Raw and the tiers alternate within each iteration, each iteration starting with 
 one untimed warm-up (keys removed between them, untimed). GB/s = payload bytes / wall time of the
 whole batch; ``%raw`` is the ratio of medians, ``pairs`` the median [lowest-highest] of the
 same-iteration ratios (:func:`~lmtier.bench.common.pairs_summary`; on a shared box the figure to
-read); ``cpu_ms`` is the CPU time of this process, the store server and the master during the batch
+read), ``%raw_best`` the ratio of the fastest iterations (interference only adds time); ``cpu_ms``
+is the CPU time of this process, the store server and the master during the batch
 (:func:`~lmtier.bench.common.cpu_seconds`), median.
 """
 
@@ -180,12 +181,14 @@ def run_case(
     gbps = {k: [total / x / 1e9 for x in xs] for k, xs in t.items()}
     for k, xs in gbps.items():
         row[k + "_GBps"] = _med(xs) if xs else None
+        row[k + "_best_GBps"] = max(xs) if xs else None
         row[k + "_cpu_ms"] = round(1e3 * _med(cpu[k]), 1) if cpu[k] else None
     for m in modes:
         for op in ("put", "get"):
             r = pair_ratios(gbps[f"{m}_{op}"], gbps[f"raw_{op}"])
             row[f"{m}_{op}_%raw"] = 100 * row[f"{m}_{op}_GBps"] / row[f"raw_{op}_GBps"]
             row[f"{m}_{op}_pairs"] = pairs_summary(r)
+            row[f"{m}_{op}_%raw_best"] = 100 * row[f"{m}_{op}_best_GBps"] / row[f"raw_{op}_best_GBps"]
     row["seconds"] = t
     row["cpu_seconds"] = cpu
     return row
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     row["preset"] = p
                     rows.append(row)
+                    write_json(a.json, {"system": system_header(), "args": vars(a), "rows": rows})  # so far
                     m = a.modes[0]
                     print(
                         f"  {p} x {c} depth {d}: raw put {row['raw_put_GBps']:.2f} get {row['raw_get_GBps']:.2f}, "
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     for op in ("put", "get"):
         cols = ["preset", "chunk_MB", "chunks", "depth", f"raw_{op}_GBps"]
         for m in a.modes:
-            cols += [f"{m}_{op}_GBps", f"{m}_{op}_%raw", f"{m}_{op}_pairs"]
+            cols += [f"{m}_{op}_GBps", f"{m}_{op}_%raw", f"{m}_{op}_pairs", f"{m}_{op}_%raw_best"]
         cols += [f"redis_{op}_GBps"] if redis is not None else []
         cols += [f"{w}_{op}_cpu_ms" for w in ("raw", *a.modes)]
         print_table(rows, cols)
