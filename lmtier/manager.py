@@ -629,11 +629,13 @@ class TierManager:
                 continue
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
             ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
-            meter = self._load_meter
+            meter, got = self._load_meter, None
             token = meter.begin(tier.name, _read_path(tier, bool(kw))) if meter is not None else None
-            got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
-            if meter is not None:
-                meter.end(token, sum(n for n in got if n))
+            try:
+                got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
+            finally:
+                if meter is not None:
+                    meter.end(token, sum(n for n in got or () if n))
             left = []
             for i, n in zip(todo, got, strict=True):
                 if n is None:
