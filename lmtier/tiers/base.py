@@ -59,12 +59,32 @@ class Eviction:
     payloads: tuple[Any, ...] | None = None
 
 
-TIER_EVENTS = ("corrupt", "corrupt_deleted", "auth_failures", "decode_failures", "timeouts", "breaker_rejects")
+TIER_EVENTS = (
+    "corrupt",
+    "corrupt_deleted",
+    "auth_failures",
+    "decode_failures",
+    "timeouts",
+    "breaker_rejects",
+    "stale",
+    "bad_entries",
+    "bad_nodes",
+    "refused",
+    "read_errors",
+    "directory_errors",
+    "stuck",
+)
 """Tier counters an operator watches (exported by the connector as
 ``vllm:lmtier_tier_events_total{tier,event}``): stored records that failed their checksum or format
 (``corrupt``; codec records: ``corrupt_deleted``), their MAC (``auth_failures``, sealed tiers) or
 decoding (``decode_failures``), remote calls that timed out or were refused by an open circuit
-breaker."""
+breaker. The P2P tier (:meth:`lmtier.tiers.p2p.tier.P2PTier.event_counts`) adds: chunks read from a
+peer that did not match their directory entry (``stale``: the slot was reused), directory entries and
+node records that failed their MAC or format (``bad_entries``, ``bad_nodes``), entries of peers not
+on the allow-list (``refused``), READs that failed (``read_errors``: peer gone, its metadata did not
+load), failed directory calls (``directory_errors``) and READs NIXL could not cancel (``stuck``);
+its ``timeouts`` are READs past their deadline, its ``breaker_rejects`` count the peers' breakers and
+the directory's."""
 
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be
