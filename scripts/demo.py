@@ -413,26 +413,28 @@ def shared_store_info(store: RedisServer | MooncakeCluster) -> dict[str, str]:
     return redis_info(store.port) if isinstance(store, RedisServer) else mooncake_info(store)
 
 
-def p2p_directory_entries(port: int) -> int:
-    """Chunk entries in the P2P directory on 127.0.0.1:``port`` (hashes ``lmtier:p2p:<ns>:c:<key>``,
-    lmtier.tiers.p2p.directory; one per chunk however many nodes hold it); -1 when unreachable."""
+def p2p_directory_names(port: int) -> set[bytes]:
+    """Names of the chunk entries in the P2P directory on 127.0.0.1:``port`` (hashes
+    ``lmtier:p2p:<ns>:c:<key>``, lmtier.tiers.p2p.directory; one per chunk however many nodes hold
+    it); empty when unreachable."""
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=5)
     try:
-        return sum(1 for _ in client.scan_iter(match="lmtier:p2p:*:c:*", count=1000))
+        return set(client.scan_iter(match="lmtier:p2p:*:c:*", count=1000))
     except redis.RedisError:
-        return -1
+        return set()
     finally:
         client.close()
 
 
-def wait_p2p_published(port: int, chunks: int, timeout_s: float) -> int:
-    """Wait until the directory on ``port`` lists at least ``chunks`` chunks (node A's publisher
-    announces what entered its pool in the background), at most ``timeout_s``. Returns the count."""
+def wait_p2p_published(port: int, chunks: int, timeout_s: float, before: set[bytes] | None = None) -> int:
+    """Wait until the directory on ``port`` lists at least ``chunks`` chunks not in ``before`` (node
+    A's publisher announces what entered its pool in the background), at most ``timeout_s``.
+    Returns how many it lists."""
     deadline = time.monotonic() + timeout_s
     while True:
-        n = p2p_directory_entries(port)
+        n = len(p2p_directory_names(port) - (before or set()))
         if n >= chunks or time.monotonic() > deadline:
             return n
         time.sleep(0.2)

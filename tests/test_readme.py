@@ -266,3 +266,45 @@ def test_demo_fails_a_shared_store_phase_whose_node_b_had_no_hits(kind):
     passes[2].records[0]["cached_tokens"] = 512
     passes[2].metrics = {"system": {f'vllm:lmtier_hit_tokens_total{{tier="{tier}"}}': 512.0}}
     assert demo.summarize(run)[1] == []
+
+
+def _ab():
+    """benchmarks/ab_connectors.py as a module (by file location: benchmarks/ is not a package)."""
+    name = "lmtier_ab_connectors_script"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / "ab_connectors.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_connector_benchmark_runs_the_demos_two_node_systems():
+    """issues 15/16: the connector benchmark measures node B's warm TTFT from node A through P2P,
+    Redis and Mooncake (the demo's shared stores and config templates, not copies) and B cold
+    (``base``) in one run; a two-node system only makes sense in warm mode (A stores, B loads)."""
+    ab = _ab()
+    assert ab.DEMO.SHARED_STORES == _demo().SHARED_STORES  # scripts/demo.py's, imported
+    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-space", "0.25"])
+    assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_space == "0.25"
+    assert ab.system_env("p2p@LMTIER_BG_IO=nice+X=1") == ("p2p", {"LMTIER_BG_IO": "nice", "X": "1"})
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--mode", "cold", "--systems", "base,p2p"])
+
+
+def test_waiting_for_p2p_publication_counts_only_new_chunks(redis_server):
+    """The demo and the connector benchmark wait until node A has published a round's chunks: chunk
+    entries not listed before (evictions may remove older ones meanwhile), nothing else."""
+    import redis
+
+    demo = _demo()
+    r = redis.Redis.from_url(redis_server.url)
+    r.hset("lmtier:p2p:00:c:aa", "n:1", b"x")
+    r.hset("lmtier:p2p:00:n:127.0.0.1:1", "x", b"x")  # a node record: not a chunk
+    before = demo.p2p_directory_names(redis_server.port)
+    assert before == {b"lmtier:p2p:00:c:aa"}
+    r.delete("lmtier:p2p:00:c:aa")  # evicted meanwhile
+    r.hset("lmtier:p2p:00:c:bb", "n:1", b"x")
+    assert demo.wait_p2p_published(redis_server.port, 1, timeout_s=5, before=before) == 1
+    assert demo.wait_p2p_published(redis_server.port, 2, timeout_s=0.3, before=before) == 1  # gives up
+    r.close()
