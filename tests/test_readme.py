@@ -139,9 +139,72 @@ def test_demo_runs_the_mooncake_phase_by_default_as_the_readme_says():
     demo = _demo()
     assert demo.parse_args([]).phase_set == set(demo.PHASES) >= {"baseline", "redis", "mooncake"}
     assert demo.parse_args(["--phases", "mooncake"]).phase_set == {"baseline", "mooncake"}
-    assert set(demo.SHARED_STORES) == {"redis", "mooncake"}
+    assert set(demo.SHARED_STORES) == {"redis", "mooncake", "p2p"}
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "two servers sharing one Redis" in readme and "two sharing one Mooncake Store" in readme
+
+
+def test_demo_runs_the_p2p_phase_by_default_as_the_readme_says():
+    """issue 16: the main job gains node B served from node A's CPU pool over P2P (NIXL), with no
+    shared store tier in the config; node B must load from the p2p tier, not only from its own pool."""
+    demo = _demo()
+    assert "p2p" in demo.parse_args([]).phase_set
+    assert demo.parse_args(["--phases", "p2p"]).phase_set == {"baseline", "p2p"}
+    assert demo.SHARED_SOURCE == {"redis": "remote", "mooncake": "remote", "p2p": "p2p"}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "2 nodes + P2P" in readme and "node A's CPU pool over P2P" in readme
+
+
+def test_demo_p2p_config_has_no_store_tier_and_one_node_id_per_node(tmp_path):
+    """The P2P phase's two configs, filled in as the demo does: a CPU pool each, no disk, no remote
+    tier, the directory in the demo's redis-server, the token from the variable the demo sets, and
+    node ids that differ (node id = p2p_host:port)."""
+    demo = _demo()
+    token = {demo.P2P_TOKEN_ENV: "t" * 32}
+    from lmtier.config import load_config
+
+    cfgs = [
+        load_config(
+            demo.write_config(demo.SHARED_STORES["p2p"], tmp_path, f"p2p_{n}", token, REDIS_PORT="6390", P2P_PORT=port),
+            env=token,
+        )
+        for n, port in (("A", "28200"), ("B", "28201"))
+    ]
+    for cfg in cfgs:
+        assert cfg.cpu.enabled and cfg.disk.paths == () and not cfg.remote.enabled
+        assert cfg.p2p.directory_url == "redis://127.0.0.1:6390/0" and cfg.p2p.token == b"t" * 32
+    assert [c.p2p.node_id(0) for c in cfgs] == ["127.0.0.1:28200", "127.0.0.1:28201"]
+    with pytest.raises(Exception, match="p2p_token_env"):  # the servers get the token; without it: an error
+        demo.write_config(demo.SHARED_STORES["p2p"], tmp_path, "p2p_x", REDIS_PORT="6390", P2P_PORT="1")
+
+
+def test_demo_fails_a_shared_phase_whose_node_b_never_loaded_from_the_store():
+    """Node B's own CPU pool also gives hits (its earlier requests of a scenario): a shared phase
+    passes only when B loaded tokens from the store's tier (lmtier's hit counters by tier)."""
+    demo = _demo()
+    reqs = [demo.Req("system", "q0", [1, 2, 3])]
+    rec = {
+        "scenario": "system",
+        "name": "q0",
+        "prompt_tokens": 3,
+        "ttft_ms": 5.0,
+        "cached_tokens": 256,
+        "token_ids": [7],
+    }
+    d = demo.Demo.__new__(demo.Demo)
+    d.reqs = reqs
+    hit = 'vllm:lmtier_hit_tokens_total{tier="%s"}'
+    d.passes = [
+        demo.PassResult("baseline cold", "baseline", [dict(rec, cached_tokens=0)]),
+        demo.PassResult("p2p: B (from A)", "p2p-node-B", [rec], metrics={"system": {hit % "cpu": 256.0}}),
+        demo.PassResult("redis: B (from A)", "redis-node-B", [rec], metrics={"system": {hit % "remote": 256.0}}),
+    ]
+    rows, failures = demo.summarize(d)
+    assert failures == [
+        "system / p2p: B (from A): no tokens claimed from the p2p tier (lmtier hits by tier: {'cpu': 256}): "
+        "node A's chunks were not used"
+    ]
+    assert rows[2]["hits_by_tier"] == {"remote": 256}
 
 
 @pytest.mark.parametrize("kind", ["redis", "mooncake"])
@@ -180,9 +243,9 @@ def test_demo_without_mooncake_is_a_setup_error_before_the_baseline(tmp_path, mo
     assert demo.missing_prerequisites({"baseline", "redis"}) == []
 
 
-@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+@pytest.mark.parametrize("kind", ["redis", "mooncake", "p2p"])
 def test_demo_fails_a_shared_store_phase_whose_node_b_had_no_hits(kind):
-    """Node B's pass must report cached tokens (loaded from the store); equal outputs are not enough."""
+    """Node B's pass must report cached tokens loaded from the store's tier; equal outputs are not enough."""
     demo = _demo()
     rec = {"scenario": "system", "name": "q0", "prompt_tokens": 600, "ttft_ms": 100.0, "token_ids": [1, 2]}
     passes = [
@@ -194,6 +257,54 @@ def test_demo_fails_a_shared_store_phase_whose_node_b_had_no_hits(kind):
     run.passes = passes
     rows, failures = demo.summarize(run)
     assert [r["equal"] for r in rows] == [1, 1, 1]
-    assert failures == [f"system / {kind}: B (from A): no cached tokens reported (expected lmtier hits)"]
+    tier = demo.SHARED_SOURCE[kind]
+    assert failures == [
+        f"system / {kind}: B (from A): no cached tokens reported (expected lmtier hits)",
+        f"system / {kind}: B (from A): no tokens claimed from the {tier} tier (lmtier hits by tier: none): "
+        "node A's chunks were not used",
+    ]
     passes[2].records[0]["cached_tokens"] = 512
+    passes[2].metrics = {"system": {f'vllm:lmtier_hit_tokens_total{{tier="{tier}"}}': 512.0}}
     assert demo.summarize(run)[1] == []
+
+
+def _ab():
+    """benchmarks/ab_connectors.py as a module (by file location: benchmarks/ is not a package)."""
+    name = "lmtier_ab_connectors_script"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / "ab_connectors.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_connector_benchmark_runs_the_demos_two_node_systems():
+    """issues 15/16: the connector benchmark measures node B's warm TTFT from node A through P2P,
+    Redis and Mooncake (the demo's shared stores and config templates, not copies) and B cold
+    (``base``) in one run; a two-node system only makes sense in warm mode (A stores, B loads)."""
+    ab = _ab()
+    assert ab.DEMO.SHARED_STORES == _demo().SHARED_STORES  # scripts/demo.py's, imported
+    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-space", "0.25"])
+    assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_space == "0.25"
+    assert ab.system_env("p2p@LMTIER_BG_IO=nice+X=1") == ("p2p", {"LMTIER_BG_IO": "nice", "X": "1"})
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--mode", "cold", "--systems", "base,p2p"])
+
+
+def test_waiting_for_p2p_publication_counts_only_new_chunks(redis_server):
+    """The demo and the connector benchmark wait until node A has published a round's chunks: chunk
+    entries not listed before (evictions may remove older ones meanwhile), nothing else."""
+    import redis
+
+    demo = _demo()
+    r = redis.Redis.from_url(redis_server.url)
+    r.hset("lmtier:p2p:00:c:aa", "n:1", b"x")
+    r.hset("lmtier:p2p:00:n:127.0.0.1:1", "x", b"x")  # a node record: not a chunk
+    before = demo.p2p_directory_names(redis_server.port)
+    assert before == {b"lmtier:p2p:00:c:aa"}
+    r.delete("lmtier:p2p:00:c:aa")  # evicted meanwhile
+    r.hset("lmtier:p2p:00:c:bb", "n:1", b"x")
+    assert demo.wait_p2p_published(redis_server.port, 1, timeout_s=5, before=before) == 1
+    assert demo.wait_p2p_published(redis_server.port, 2, timeout_s=0.3, before=before) == 1  # gives up
+    r.close()

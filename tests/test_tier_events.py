@@ -101,14 +101,13 @@ def test_disk_record_path_oddities_reach_the_connectors_tier_events(tmp_path, mo
     import errno
     from types import SimpleNamespace
 
-    from lmtier.integration.vllm.worker_role import LMTierWorker
+    from lmtier.integration.vllm.stats import TierEventReporter
     from lmtier.tiers.disk import DiskTier
 
     disk = DiskTier([str(tmp_path / "d")], 16 << 20, io_threads=1)
     try:
-        worker = SimpleNamespace(manager=SimpleNamespace(disk=disk, remote=None), _stats=StatsSink())
-        worker._tier_event_counts = lambda: LMTierWorker._tier_event_counts(worker)
-        worker._events_seen = worker._tier_event_counts()
+        sink = StatsSink()
+        reporter = TierEventReporter(SimpleNamespace(disk=disk, p2p=None, remote=None), sink)  # the worker's
         keys = [bytes([i]) * 32 for i in (1, 2)]
         for k in keys:
             assert disk.put(k, b"x" * 5000)
@@ -128,11 +127,67 @@ def test_disk_record_path_oddities_reach_the_connectors_tier_events(tmp_path, mo
         assert disk.get_into(keys[1], bytearray(5000)) is None
         monkeypatch.undo()
         assert disk.get_into(keys[0], bytearray(5000)) is None
-        LMTierWorker.report_tier_events(worker)
-        taken = worker._stats.take()
+        reporter.report()
+        taken = sink.take()
         assert taken is not None, "no tier event reported"
         events = taken.data["tier_events"]
         assert events == {"disk": {"not_regular": 1, "get_errors": 1}}, events
         assert {"not_regular", "get_errors"} <= set(TIER_EVENTS)
     finally:
         disk.close()
+
+
+# ---------------------------------------------------------------------------------------- P2P (issue 16)
+def test_p2p_tier_events_reach_the_connector_stats(redis_server):
+    """The P2P tier's events (a peer off the allow-list, an entry that fails its MAC, a closed
+    directory breaker) are TIER_EVENTS under tier "p2p" in the stats the connector reports —
+    through the same reporter the worker and a scheduler in another process use. Old code: the P2P
+    tier was not reported at all, and its directory's counters were not in its event counts."""
+    from types import SimpleNamespace
+
+    import redis
+
+    from lmtier.integration.vllm.stats import TierEventReporter
+    from lmtier.remote_url import parse_redis_url
+    from lmtier.tiers.p2p.directory import Entry
+    from lmtier.tiers.p2p.tier import P2PTier
+
+    ns, token = bytes(range(16)), b"p2p-events-token-0123"
+    # A lookups-only tier (no CPU pool, so no NIXL agent), as in a scheduler: it reads only the
+    # directory. It accepts peers of host 10.0.0.8 only.
+    tier = P2PTier(
+        None,
+        parse_redis_url(redis_server.url),
+        namespace=ns,
+        node_id="10.0.0.7:1",
+        token=token,
+        allowed=lambda node: node.startswith("10.0.0.8:"),
+        breaker_failures=1,
+        breaker_reset_s=60.0,
+    )
+    sink = StatsSink()
+    reporter = TierEventReporter(SimpleNamespace(disk=None, p2p=tier, remote=None), sink)
+    try:
+        e = Entry(epoch=1, offset=0, length=1000, generation=1, xxh3=5)
+        keys = [os.urandom(32) for _ in range(3)]
+        assert tier.directory.publish("10.0.0.9:1", [(k, e) for k in keys[:2]])  # a peer not allowed
+        forged = e.encode(b"x" * 20, ns, keys[2], "10.0.0.8:1")  # signed with another token: fails its MAC
+        writer = redis.Redis.from_url(redis_server.url)
+        writer.hset(tier.directory.chunk_name(keys[2]), "10.0.0.8:1", forged)
+        writer.close()
+        assert tier.contains_many(keys) == [False, False, False]
+        reporter.report()
+        assert sink.take().data["tier_events"] == {"p2p": {"refused": 2, "bad_entries": 1}}
+        redis_server.kill()  # the directory is gone: one failed call opens its breaker (1 failure)
+        assert tier.contains_many(keys) == [False] * 3 and tier.contains_many(keys) == [False] * 3
+        reporter.report()
+        assert sink.take().data["tier_events"] == {"p2p": {"directory_errors": 1, "breaker_rejects": 1}}
+        got = tier.event_counts()
+        assert {k for k, v in got.items() if v and k in TIER_EVENTS} == {
+            "refused",
+            "bad_entries",
+            "directory_errors",
+            "breaker_rejects",
+        }
+    finally:
+        tier.close()

@@ -68,13 +68,27 @@ TIER_EVENTS = (
     "breaker_rejects",
     "not_regular",
     "get_errors",
+    "stale",
+    "bad_entries",
+    "bad_nodes",
+    "refused",
+    "read_errors",
+    "directory_errors",
+    "stuck",
 )
 """Tier counters an operator watches (exported by the connector as
 ``vllm:lmtier_tier_events_total{tier,event}``): stored records that failed their checksum or format
 (``corrupt``; codec records: ``corrupt_deleted``), their MAC (``auth_failures``, sealed tiers) or
 decoding (``decode_failures``), remote calls that timed out or were refused by an open circuit
 breaker; disk record paths holding a directory, symlink, FIFO or device node (``not_regular``) and
-records that could not be opened or read (``get_errors``: ``EACCES``, ``EIO``; issue 20 section 2)."""
+records that could not be opened or read (``get_errors``: ``EACCES``, ``EIO``; issue 20 section 2).
+The P2P tier (:meth:`lmtier.tiers.p2p.tier.P2PTier.event_counts`) adds: chunks read from a
+peer that did not match their directory entry (``stale``: the slot was reused), directory entries and
+node records that failed their MAC or format (``bad_entries``, ``bad_nodes``), entries of peers not
+on the allow-list (``refused``), READs that failed (``read_errors``: peer gone, its metadata did not
+load), failed directory calls (``directory_errors``) and READs NIXL could not cancel (``stuck``);
+its ``timeouts`` are READs past their deadline, its ``breaker_rejects`` count the peers' breakers and
+the directory's."""
 
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be

@@ -49,7 +49,7 @@ from lmtier.integration.vllm.common import cpu_slab_kind, namespace_for, schedul
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
 from lmtier.integration.vllm.scheduler import LMTierScheduler
-from lmtier.integration.vllm.stats import LMTierPromMetrics, LMTierStats, StatsSink
+from lmtier.integration.vllm.stats import LMTierPromMetrics, LMTierStats, StatsSink, TierEventReporter
 from lmtier.integration.vllm.worker_role import LMTierWorker
 
 try:
@@ -200,6 +200,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self._stats = StatsSink()
         self.connector_scheduler: LMTierScheduler | None = None
         self.connector_worker: LMTierWorker | None = None
+        self._scheduler_events: TierEventReporter | None = None  # the scheduler's own tiers (not shared)
         if role == KVConnectorRole.WORKER:
             gpu = torch.cuda.current_device() if is_cuda and torch.cuda.is_available() else 0
             manager = shared_manager(f"{engine}:{tp_rank}", config, ns, gpu_id=gpu)
@@ -232,6 +233,8 @@ class LMTierConnector(KVConnectorBase_V1):
                 is_cuda=is_cuda,
                 stats=self._stats,
             )
+            if not shared:  # another process's tiers: their events (P2P refusals, ...) are reported here
+                self._scheduler_events = TierEventReporter(manager, self._stats)
         log.info(
             "lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, %s",
             role.name,
@@ -353,6 +356,8 @@ class LMTierConnector(KVConnectorBase_V1):
         if self.connector_worker is not None:
             self.connector_worker.report_tenants()
             self.connector_worker.report_tier_events()
+        elif self._scheduler_events is not None:
+            self._scheduler_events.report()
         return self._stats.take()
 
     @classmethod

@@ -29,6 +29,7 @@ __all__ = [
     "StatsSink",
     "process_decision_totals",
     "process_load_policy",
+    "TierEventReporter",
     "process_tenant_totals",
     "process_tier_event_totals",
     "process_totals",
@@ -75,7 +76,7 @@ class LMTierStats(KVConnectorStats):
     ``load_ms`` / ``store_ms`` (worker time spent, ms), and ``load_lat_s`` / ``store_lat_s`` (lists of
     per-request latencies in seconds; at most 256 kept per interval). With tenant budgets:
     ``tenants`` (tenant id -> :data:`TENANT_FIELDS` and ``held_bytes``). ``tier_events`` (tier name
-    -> event -> count: the :data:`lmtier.tiers.base.TIER_EVENTS` of the disk and remote tiers).
+    -> event -> count: the :data:`lmtier.tiers.base.TIER_EVENTS` of the disk, P2P and remote tiers).
     Load policy: ``decisions`` (tier -> :data:`DECISIONS` -> chunks, per admitted request) and
     ``policy`` (the latest :meth:`lmtier.integration.vllm.loadpolicy.LoadPolicy.snapshot`, a gauge:
     the newest one wins when intervals or roles are aggregated; ``{}`` when unchanged).
@@ -421,6 +422,41 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             self._tier_loads.labels(*lv, tier).set(row.get("loads", 1))
             if row.get("gbps") is not None:
                 self._tier_gbps.labels(*lv, tier, row.get("path") or "unknown").set(row["gbps"])
+
+
+class TierEventReporter:
+    """Adds the :data:`~lmtier.tiers.base.TIER_EVENTS` of a tier manager's disk, P2P and remote tiers
+    (``Tier.event_counts``) to a :class:`StatsSink` as deltas since the last :meth:`report` — the
+    worker's manager, and the scheduler's own when it runs in another process (its lookups-only P2P
+    tier is where entries of peers off the allow-list are refused). Counts before construction are
+    not reported (a manager may outlive an engine)."""
+
+    TIERS = ("disk", "p2p", "remote")
+    """The manager attributes reported (the tier label of ``vllm:lmtier_tier_events_total``)."""
+
+    def __init__(self, manager: Any, sink: StatsSink) -> None:
+        self.manager, self.sink = manager, sink
+        self._seen = self.counts()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Cumulative counts now: tier name -> event -> count (tiers the manager has)."""
+        out = {}
+        for name in self.TIERS:
+            tier = getattr(self.manager, name, None)
+            if tier is not None:
+                counts = tier.event_counts()
+                out[name] = {e: counts.get(e, 0) for e in TIER_EVENTS}
+        return out
+
+    def report(self) -> None:
+        """Add every count that grew since the last call to the sink."""
+        now = self.counts()
+        for tier, row in now.items():
+            last = self._seen.get(tier, {})
+            for event, v in row.items():
+                if v > last.get(event, 0):
+                    self.sink.add_tier_event(tier, event, v - last.get(event, 0))
+        self._seen = now
 
 
 def _add_total(key: str, value: float, tenant: str | None = None, tier: str | None = None) -> None:

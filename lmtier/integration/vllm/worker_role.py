@@ -34,12 +34,11 @@ from lmtier.integration.vllm.common import faults, kv_spec
 from lmtier.integration.vllm.loadpolicy import BusyMeter, Sample
 from lmtier.integration.vllm.mirror import IndexReporter
 from lmtier.integration.vllm.options import ConnectorOptions
-from lmtier.integration.vllm.stats import StatsSink
+from lmtier.integration.vllm.stats import StatsSink, TierEventReporter
 from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout
 from lmtier.manager import TierManager
-from lmtier.tiers.base import TIER_EVENTS
 
 __all__ = ["LMTierWorker"]
 
@@ -111,7 +110,7 @@ class LMTierWorker:
         self.reporter.subscribe(manager)
         # Per-tenant pool counters already reported (the pool may outlive an engine: start from now).
         self._tenants_seen = self._tenant_rows()
-        self._events_seen = self._tier_event_counts()
+        self._events = TierEventReporter(manager, stats)
 
     @property
     def layerwise(self) -> bool:
@@ -342,24 +341,10 @@ class LMTierWorker:
                     self._stats.add_tenant(t, k, v - last.get(k, 0))
             self._tenants_seen[t] = row
 
-    def _tier_event_counts(self) -> dict[str, dict[str, int]]:
-        out = {}
-        for name, tier in (("disk", self.manager.disk), ("remote", self.manager.remote)):
-            if tier is not None:
-                counts = tier.event_counts()
-                out[name] = {e: counts.get(e, 0) for e in TIER_EVENTS}
-        return out
-
     def report_tier_events(self) -> None:
-        """Add the disk and remote tiers' :data:`~lmtier.tiers.base.TIER_EVENTS` since the last call
-        to the stats (``vllm:lmtier_tier_events_total{tier,event}``)."""
-        now = self._tier_event_counts()
-        for tier, row in now.items():
-            last = self._events_seen.get(tier, {})
-            for event, v in row.items():
-                if v > last.get(event, 0):
-                    self._stats.add_tier_event(tier, event, v - last.get(event, 0))
-        self._events_seen = now
+        """Add the disk, P2P and remote tiers' :data:`~lmtier.tiers.base.TIER_EVENTS` since the last
+        call to the stats (``vllm:lmtier_tier_events_total{tier,event}``)."""
+        self._events.report()
 
     def handle_preemptions(self) -> None:
         """Preempted requests' blocks may be reused this step: finish in-flight copies first."""

@@ -668,6 +668,20 @@ class P2PTier(Tier):
 
     # ---- the rest of the Tier protocol --------------------------------------------------------
 
+    def event_counts(self) -> dict[str, int]:
+        """This tier's counters and its directory's, under the :data:`~lmtier.tiers.base.TIER_EVENTS`
+        names: ``breaker_rejects`` sums the peers' breakers and the directory's; the directory's
+        ``bad_entries`` / ``bad_nodes`` (MAC or format failures) as they are and its ``errors`` as
+        ``directory_errors``; failed READs (``errors``) also as ``read_errors``."""
+        out = super().event_counts()
+        d = {k: int(v) for k, v in self.directory.counters.items()}
+        out["read_errors"] = out.get("errors", 0)
+        out["directory_errors"] = d.get("errors", 0)
+        out["breaker_rejects"] = out.get("breaker_rejects", 0) + d.get("breaker_rejects", 0)
+        out["bad_entries"] = d.get("bad_entries", 0)
+        out["bad_nodes"] = d.get("bad_nodes", 0)
+        return out
+
     def put(self, key: bytes, payload: Any) -> bool:
         """Stores nothing: chunks reach peers by entering this node's CPU pool (see the module doc)."""
         return False
