@@ -446,12 +446,14 @@ class StatsSink:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = LMTierStats()
+        self._dirty = False  # something was added since the last take (set under the lock)
 
     def add(self, key: str, value: float = 1) -> None:
         """Add ``value`` to counter ``key`` (or append it to latency list ``key``) of this interval
         and of :func:`process_totals`. ``key``: a name of :attr:`LMTierStats.FIELDS` or ``LISTS``."""
         with self._lock:
             self._stats.add(key, value)
+            self._dirty = True
         _add_total(key, value)
 
     def add_tenant(self, tenant: str, key: str, value: float = 1) -> None:
@@ -459,6 +461,7 @@ class StatsSink:
         a gauge) in this interval and in :func:`process_totals` (``["tenants"]``)."""
         with self._lock:
             self._stats.add_tenant(tenant, key, value)
+            self._dirty = True
         _add_total(key, value, tenant)
 
     def add_tier_event(self, tier: str, event: str, value: float = 1) -> None:
@@ -466,6 +469,7 @@ class StatsSink:
         :func:`process_tier_event_totals`."""
         with self._lock:
             self._stats.add_tier_event(tier, event, value)
+            self._dirty = True
         _add_total(event, value, tier=tier)
 
     def add_decision(self, tier: str, decision: str, chunks: float = 1) -> None:
@@ -473,6 +477,7 @@ class StatsSink:
         in this interval and in :func:`process_decision_totals`."""
         with self._lock:
             self._stats.add_decision(tier, decision, chunks)
+            self._dirty = True
         with _TOTALS_LOCK:
             _TOTALS.add_decision(tier, decision, chunks)
 
@@ -481,12 +486,17 @@ class StatsSink:
         this interval's gauge and :func:`process_load_policy`."""
         with self._lock:
             self._stats.data["policy"] = dict(snapshot)
+            self._dirty = True
         with _TOTALS_LOCK:
             _TOTALS.data["policy"] = dict(snapshot)
 
     def take(self) -> LMTierStats | None:
-        """This interval's stats (None when nothing happened); starts a new interval."""
+        """This interval's stats (None when nothing happened); starts a new interval. Without an add
+        since the last call it returns at once (vLLM asks every step)."""
+        if not self._dirty:  # a racing add sets it after its update: seen by the next call
+            return None
         with self._lock:
+            self._dirty = False
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, LMTierStats()
