@@ -190,3 +190,26 @@ def test_stats_sink_take_is_none_until_an_add():
     assert s.take() is None
     s.set_policy({"tiers": {}})
     assert s.take().data["policy"] == {"tiers": {}}
+
+
+def test_waiting_request_prompt_hashed_once(make, monkeypatch):
+    """A request that waits for KV space is asked ``get_num_new_matched_tokens`` again every step;
+    its prompt is hashed once (and its stores reuse those keys), not at every ask."""
+    from lmtier.integration.vllm import scheduler as sched_mod
+
+    hashed: collections.Counter = collections.Counter()
+    real = sched_mod.chunk_keys
+
+    def counting(token_ids, ns, **kw):
+        hashed[len(token_ids) // CHUNK] += 1
+        return real(token_ids, ns, **kw)
+
+    monkeypatch.setattr(sched_mod, "chunk_keys", counting)
+    h = make(num_blocks=14, max_batched=128, disk=False)
+    rids = [h.add(prompt(30 + i, 70), max_tokens=40) for i in range(3)]
+    h.run()
+    asks = collections.Counter(r for r, _, _ in h.lookups)
+    assert max(asks.values()) >= 5, asks  # some request waited and was asked again and again
+    assert sum(hashed.values()) <= 2 * len(rids), (hashed, asks)  # lookup prefix + the stores' longer one
+    assert all(len(h.outputs[r]) == 40 for r in rids)
+    h.check_clean()

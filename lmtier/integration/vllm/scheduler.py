@@ -103,6 +103,9 @@ class LMTierScheduler:
         # Requests past their prompt whose every prompt chunk is stored or planned: a decode step skips
         # them in build_connector_meta (left on preemption, a failed load, or when they finish).
         self._decoding: set[str] = set()
+        # req_id -> (salt, chunk keys of the prompt's longest keyed prefix): vLLM asks a waiting
+        # request again every step until it is admitted; hashing its prompt once is enough.
+        self._keys: dict[str, tuple[Any, list[bytes]]] = {}
         self.policy = LoadPolicy(
             bytes_per_token=namespace.chunk_bytes / self.chunk,
             mode=options.load_policy,
@@ -139,6 +142,7 @@ class LMTierScheduler:
             "issued": self._issued,
             "counted": self._counted,
             "decoding": self._decoding,
+            "keys": self._keys,
         }
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -163,7 +167,7 @@ class LMTierScheduler:
         ):
             self._lookups.pop(rid, None)
             return 0, False
-        keys = chunk_keys(prompt[:max_hit], self.ns, cache_salt=request_salt(request))
+        keys = self._prompt_keys(request, max_hit // self.chunk)
         tiers = self._lookup(keys)
         plan = self.policy.plan(tiers, num_computed_tokens // self.chunk)
         if plan.skipped and plan.probe is None:
@@ -177,6 +181,22 @@ class LMTierScheduler:
         load_async = self.options.async_loads and self._load_async(claimed)
         self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async, plan)
         return hit - num_computed_tokens, load_async
+
+    def _prompt_keys(self, request, n: int, salt: Any = None) -> list[bytes]:
+        """The chunk keys of the first ``n`` chunks of ``request``'s prompt (``salt``: its
+        :func:`~lmtier.integration.vllm.common.request_salt`, computed when None), hashed once per
+        request and salt. A request's prompt only grows (vLLM's streaming sessions extend it): the
+        keys of a prefix are a prefix of the keys, so a longer prefix hashes again and a shorter one
+        is a slice; another salt (e.g. new multimodal inputs) hashes again."""
+        if salt is None:
+            salt = request_salt(request)
+        rid = request.request_id
+        got = self._keys.get(rid)
+        if got is not None and got[0] == salt and len(got[1]) >= n:
+            return got[1][:n]
+        keys = chunk_keys(request.prompt_token_ids[: n * self.chunk], self.ns, cache_salt=salt)
+        self._keys[rid] = (salt, keys)
+        return keys
 
     def _faster_copy(self, keys: list[bytes], tiers: list[str], plan: LoadPlan) -> tuple[list[str], LoadPlan]:
         """Where the plan stops at a slow tier: a later tier the worker reads (P2P, then remote) that
@@ -369,7 +389,7 @@ class LMTierScheduler:
                 continue
             salt = request_salt(req)
             # Skip chunks some tier already holds (the lookup is cheap for local tiers).
-            keys = chunk_keys(prompt[: full * self.chunk], self.ns, cache_salt=salt)
+            keys = self._prompt_keys(req, full, salt)
             found = self._lookup(keys[first:]) if (self.manager.cpu is not None or len(self.mirror)) else []
             present = len(found)
             if self._restore_slow:  # a copy the load policy will not load is no copy: store it again
@@ -439,7 +459,15 @@ class LMTierScheduler:
         blocks (the worker then lists it in ``finished_sending``). Blocks of a request still waiting
         for an async load are held by vLLM itself until the worker reports ``finished_recving``."""
         rid = request.request_id
-        for d in (self._requests, self._lookups, self._pending_loads, self._stored_upto, self._blocks, self._issued):
+        for d in (
+            self._requests,
+            self._lookups,
+            self._pending_loads,
+            self._stored_upto,
+            self._blocks,
+            self._issued,
+            self._keys,
+        ):
             d.pop(rid, None)
         self._no_load.discard(rid)
         self._counted.discard(rid)
