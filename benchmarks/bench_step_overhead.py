@@ -17,8 +17,17 @@ subtracted per call. Printed: the median decode-step time of each engine (untime
 difference, and the mean µs per decode step of each hook (calls per step in brackets), plus the
 same per prefill step.
 
+``--fake-runner``: no model and no second engine (for a box without the memory for two engines):
+vLLM's own ``Scheduler`` with the connector's both roles over a paged CPU buffer of ``--layers``
+layers (the harness of tests/test_connector_scheduler.py), stepped by a loop that calls the hooks in
+the order of vLLM's V1 model runner and, per layer, ``has_connector_metadata()`` then — when True —
+``wait_for_layer_load`` / ``save_kv_layer`` as vLLM's attention layers do. ``--requests`` prompts
+run at once; the first request of each round shares a stored prefix with the previous round's (one
+CPU hit per round, loaded synchronously). Prints the per-hook table only (µs of thread CPU time).
+
 Usage (repository root; ~2-4 min on the 2-core box):
   .venv/bin/python benchmarks/bench_step_overhead.py [--rounds 4 --requests 24 --prompt 300 --max-tokens 96]
+  .venv/bin/python benchmarks/bench_step_overhead.py --fake-runner [--requests 24 --max-tokens 200 --layers 32]
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ WORKER_HOOKS = (
     "save_kv_layer",
     "wait_for_save",
     "get_finished",
+    "get_transfer_results",
+    "has_connector_metadata",
     "get_block_ids_with_load_errors",
     "build_connector_worker_meta",
     "get_kv_connector_stats",
@@ -218,7 +229,7 @@ def child(kind: str) -> None:
 def _start(kind: str, tmp: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
     cfg = tmp / "lmtier.yaml"
-    cfg.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1.0\n")
+    cfg.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.5\n")
     env.update(
         LMTIER_CONFIG_FILE=str(cfg),
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -249,6 +260,101 @@ def _read(p: subprocess.Popen) -> dict:
             return json.loads(line)
 
 
+def fake_runner(a) -> None:
+    """``--fake-runner``: the hooks' host time per step without a model (see the module doc)."""
+    import tests.test_connector_scheduler as tcs
+
+    tcs.LAYERS = a.layers  # the harness sizes its paged buffer and KV cache group from it
+    tmp = Path(tempfile.mkdtemp(prefix="lmtier-stepcost-fake-"))
+    h = tcs.Harness(tmp, num_blocks=4096, max_batched=8192, disk=False, cpu_gb=0.05)
+    for attr in ("max_num_running_reqs", "max_num_active_reqs"):  # the harness runs 8 at most
+        setattr(h.sched, attr, max(getattr(h.sched, attr, 0), a.requests))
+    w, sc = h.worker, h.conn
+    timers = _Timers()
+    timers.calibrate()
+    layers = [f"l{i}" for i in range(a.layers)]
+    per_step: list[tuple[int, dict, dict]] = []  # (scheduled tokens, cpu ns, calls)
+
+    def step() -> bool:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = h.sched.schedule()
+        meta = out.kv_connector_metadata
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        for name in layers:  # vLLM's attention layers (kv_transfer_utils.maybe_transfer_kv_layer)
+            if w.has_connector_metadata():
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, None, None)
+        if not out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        res = w.get_transfer_results(out.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()
+        wmeta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        c = out.scheduled_cached_reqs
+        ids = [n.req_id for n in out.scheduled_new_reqs] + list(c.req_ids)
+        sampled = []
+        for rid in ids:
+            req = h.sched.requests[rid]
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([tcs.VOCAB_BASE + len(req.all_token_ids) % 1000] if done else [])
+        kvo = KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=invalid,
+            kv_connector_stats=stats,
+            kv_connector_worker_meta=wmeta,
+        )
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kvo,
+        )
+        h.sched.update_from_output(out, mro)
+        ns, cpu, calls = timers.take()
+        per_step.append((out.total_num_scheduled_tokens, len(ids), cpu, calls))
+        return out.total_num_scheduled_tokens > 0
+
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 40000) for _ in range(a.prompt)]
+    for r in range(a.rounds):
+        timers.install(sc, w)
+        per_step.clear()
+        for i in range(a.requests):
+            p = [rng.randrange(100, 40000) for _ in range(a.prompt)]
+            h.add(shared + p[: a.prompt // 4] if i == 0 else p, max_tokens=a.max_tokens)
+        while h.sched.requests:
+            step()
+        step()
+        timers.remove()
+        dec = [(c, n) for t, k, c, n in per_step if k >= a.requests and t == k]
+        pre = [(c, n) for t, k, c, n in per_step if t > k]
+        for label, rows in (("decode", dec), ("prefill", pre)):
+            if not rows:
+                continue
+            tot: dict[str, float] = {}
+            cnt: dict[str, float] = {}
+            for c, n in rows:
+                for hk, v in c.items():
+                    tot[hk] = tot.get(hk, 0) + v
+                    cnt[hk] = cnt.get(hk, 0) + n[hk]
+            print(f"round {r}: {label} steps ({len(rows)}): thread CPU µs per step (calls per step)")
+            total = 0.0
+            for hk in sorted(tot, key=lambda k: -tot[k]):
+                us = tot[hk] / len(rows) / 1e3
+                total += us
+                print(f"  {hk:36s} {us:8.1f}  ({cnt[hk] / len(rows):.0f})")
+            print(f"  {'total':36s} {total:8.1f}", flush=True)
+    h.close()
+
+
 def _decode_steps(steps: list[dict], n: int) -> list[dict]:
     return [s for s in steps if s["reqs"] >= n and s["tokens"] == s["reqs"]]
 
@@ -261,7 +367,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--child", choices=("none", "lmtier"))
     ap.add_argument("--json", type=Path, help="write the raw per-round results here")
+    ap.add_argument("--fake-runner", action="store_true", help="no model: vLLM's scheduler + a hook-order loop")
+    ap.add_argument("--layers", type=int, default=32, help="--fake-runner: layers of the paged buffer")
     a = ap.parse_args()
+    if a.fake_runner:
+        sys.path.insert(0, str(REPO))
+        fake_runner(a)
+        return
     if a.child:
         child(a.child)
         return
@@ -300,6 +412,8 @@ def main() -> None:
                         cpu_pre.setdefault(h, []).append(v)
             else:
                 dec[kind] += [s["ns"] / 1e3 for s in ds]
+            if a.json:  # after every round: a run cut short (OOM on a shared box) keeps what it measured
+                a.json.write_text(json.dumps(raw))
             med = statistics.median([s["ns"] / 1e3 for s in ds]) if ds else 0
             print(
                 f"round {r} {kind}{' (timed)' if timed else ''}: wall {res['wall_s']:.2f} s, "
@@ -310,8 +424,6 @@ def main() -> None:
         p.stdin.write(json.dumps({"quit": True}) + "\n")
         p.stdin.flush()
         p.wait(timeout=60)
-    if a.json:
-        a.json.write_text(json.dumps(raw))
     mn, ml = statistics.median(dec["none"]), statistics.median(dec["lmtier"])
     print(f"\ndecode steps ({a.requests} running requests), untimed rounds: median step time (wall)")
     print(f"  none   {mn:9.0f} µs  ({len(dec['none'])} steps)")
