@@ -297,12 +297,27 @@ class LMTierConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         self._worker.begin_step()
 
+    def has_connector_metadata(self) -> bool:
+        """Worker role: True only while this step's forward has per-layer work for the connector (a
+        layer-by-layer load in flight, queued by ``start_load_kv``). vLLM's attention layers call
+        ``wait_for_layer_load`` / ``save_kv_layer`` only when this is True
+        (``vllm/model_executor/layers/attention/kv_transfer_utils.py``, 0.32/0.33; no other caller
+        in vLLM), so a step without such a load — every decode step — makes no per-layer call;
+        lmtier's ``save_kv_layer`` does nothing anyway (stores run in ``wait_for_save``). The
+        scheduler role: whether metadata is bound (vLLM's meaning)."""
+        w = self.connector_worker
+        if w is None:
+            return self._connector_metadata is not None
+        return w.layer_waits and self._connector_metadata is not None
+
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._metadata()
         self._worker.start_load_kv(meta.loads if meta is not None else [])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(layer_name)
+        w = self.connector_worker
+        if w is not None and w.layer_waits:  # O(1) without a layer-by-layer load in flight
+            w.wait_for_layer_load(layer_name)
 
     def finish_forward(self) -> None:
         self._worker.finish_forward()
@@ -341,8 +356,17 @@ class LMTierConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        if self.connector_worker is not None:
-            self.connector_worker.handle_preemptions()
+        """(vLLM 0.32/0.33 call it before every step's forward.) Preempted requests' blocks are free
+        and may be written in this step: on CUDA, finish the stores still reading blocks first. Only
+        in a step whose metadata lists preemptions (or, from a vLLM without ``preempted_req_ids``,
+        every step): waiting every step would block the host on the previous step's forward whenever
+        a store is in flight, serialising vLLM's asynchronous scheduling."""
+        if self.connector_worker is None:
+            return
+        meta = kv_connector_metadata
+        if isinstance(meta, LMTierConnectorMetadata) and meta.preempted is not None and not meta.preempted:
+            return
+        self.connector_worker.handle_preemptions()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.block_ids_with_load_errors()

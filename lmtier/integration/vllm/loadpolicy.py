@@ -141,6 +141,8 @@ class BusyMeter:
 
     def take(self) -> list[Sample]:
         """The samples since the last call, oldest first."""
+        if not self._samples:  # (every step; a racing append is taken by the next call)
+            return []
         with self._lock:
             out = list(self._samples)
             self._samples.clear()

@@ -38,11 +38,20 @@ class LMTierConnectorMetadata(KVConnectorMetadata):
         delayed_frees: requests whose blocks the scheduler keeps after they finished
             (``request_finished`` returned True): the worker lists each one in ``finished_sending``
             once its stores completed.
+        preempted: requests vLLM preempted since the last step (their blocks are free and may be
+            written by this step: the worker's ``handle_preemptions`` finishes the stores still
+            reading blocks first); None: not known (a vLLM without ``preempted_req_ids``: the worker
+            then finishes every store in flight each step).
     """
 
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     delayed_frees: list[str] = field(default_factory=list)
+    preempted: list[str] | None = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        """Nothing for the worker to do in this step (no load, store, delayed free or preemption)."""
+        return not (self.loads or self.stores or self.delayed_frees or self.preempted is None or self.preempted)
 
 
 @dataclass

@@ -101,6 +101,8 @@ class IndexReporter:
 
     def take(self) -> list[tuple[str, bytes, str | None]]:
         """The changes queued since the last call, in the order they happened (empty list: none)."""
+        if not self._events:  # (every step; a racing append is taken by the next call)
+            return []
         with self._lock:
             out, self._events = self._events, []
         return out

@@ -100,6 +100,12 @@ class LMTierScheduler:
         self._no_load: set[str] = set()  # requests whose async load failed: recompute them
         self._counted: set[str] = set()  # requests whose lookup was counted in the stats
         self._issued: dict[str, LoadOp] = {}  # loads whose outcome is not known yet
+        # Requests past their prompt whose every prompt chunk is stored or planned: a decode step skips
+        # them in build_connector_meta (left on preemption, a failed load, or when they finish).
+        self._decoding: set[str] = set()
+        # req_id -> (salt, chunk keys of the prompt's longest keyed prefix): vLLM asks a waiting
+        # request again every step until it is admitted; hashing its prompt once is enough.
+        self._keys: dict[str, tuple[Any, list[bytes]]] = {}
         self.policy = LoadPolicy(
             bytes_per_token=namespace.chunk_bytes / self.chunk,
             mode=options.load_policy,
@@ -135,6 +141,8 @@ class LMTierScheduler:
             "no_load": self._no_load,
             "issued": self._issued,
             "counted": self._counted,
+            "decoding": self._decoding,
+            "keys": self._keys,
         }
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -159,7 +167,7 @@ class LMTierScheduler:
         ):
             self._lookups.pop(rid, None)
             return 0, False
-        keys = chunk_keys(prompt[:max_hit], self.ns, cache_salt=request_salt(request))
+        keys = self._prompt_keys(request, max_hit // self.chunk)
         tiers = self._lookup(keys)
         plan = self.policy.plan(tiers, num_computed_tokens // self.chunk)
         if plan.skipped and plan.probe is None:
@@ -173,6 +181,22 @@ class LMTierScheduler:
         load_async = self.options.async_loads and self._load_async(claimed)
         self._lookups[rid] = (num_computed_tokens, hit, tiers, load_async, plan)
         return hit - num_computed_tokens, load_async
+
+    def _prompt_keys(self, request, n: int, salt: Any = None) -> list[bytes]:
+        """The chunk keys of the first ``n`` chunks of ``request``'s prompt (``salt``: its
+        :func:`~lmtier.integration.vllm.common.request_salt`, computed when None), hashed once per
+        request and salt. A request's prompt only grows (vLLM's streaming sessions extend it): the
+        keys of a prefix are a prefix of the keys, so a longer prefix hashes again and a shorter one
+        is a slice; another salt (e.g. new multimodal inputs) hashes again."""
+        if salt is None:
+            salt = request_salt(request)
+        rid = request.request_id
+        got = self._keys.get(rid)
+        if got is not None and got[0] == salt and len(got[1]) >= n:
+            return got[1][:n]
+        keys = chunk_keys(request.prompt_token_ids[: n * self.chunk], self.ns, cache_salt=salt)
+        self._keys[rid] = (salt, keys)
+        return keys
 
     def _faster_copy(self, keys: list[bytes], tiers: list[str], plan: LoadPlan) -> tuple[list[str], LoadPlan]:
         """Where the plan stops at a slow tier: a later tier the worker reads (P2P, then remote) that
@@ -314,24 +338,37 @@ class LMTierScheduler:
             self._stats.add_decision(t, "skipped")
 
     def build_connector_meta(self, scheduler_output) -> LMTierConnectorMetadata:
-        meta = LMTierConnectorMetadata(loads=list(self._pending_loads.values()), delayed_frees=self._delayed_frees)
-        self._pending_loads.clear()
-        self._delayed_frees = []
+        preempted = getattr(scheduler_output, "preempted_req_ids", ())
+        meta = LMTierConnectorMetadata(
+            loads=list(self._pending_loads.values()) if self._pending_loads else [],
+            delayed_frees=self._delayed_frees,
+            preempted=list(preempted) if preempted is not None else None,
+        )
+        if self._pending_loads:
+            self._pending_loads.clear()
+        if self._delayed_frees:
+            self._delayed_frees = []
+        if preempted:
+            self._decoding.difference_update(preempted)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         todo: list[tuple[str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[0])
+            self._decoding.discard(new.req_id)
             todo.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or ()
+        decoding = self._decoding
         for i, rid in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             if nb is not None:
                 if rid in resumed:
                     self._blocks[rid] = list(nb[0])
+                    decoding.discard(rid)
                 else:
                     self._blocks.setdefault(rid, []).extend(nb[0])
-            todo.append((rid, cached.num_computed_tokens[i]))
+            if rid not in decoding:
+                todo.append((rid, cached.num_computed_tokens[i]))
         prefill = 0  # prompt tokens computed in this step (the load policy's prefill rate)
         for rid, computed in todo:
             req = self._requests.get(rid)
@@ -343,6 +380,8 @@ class LMTierScheduler:
             full = min(done, len(prompt)) // self.chunk
             first = self._stored_upto.get(rid, 0)
             if full <= first:
+                if computed >= len(prompt) and first >= len(prompt) // self.chunk:
+                    decoding.add(rid)  # past its prompt, every prompt chunk handled: skip it from now on
                 continue
             blocks = state.get_block_ids(rid)[0] if state is not None else self._blocks.get(rid, [])
             need = full * self.chunk // self.block_size
@@ -350,7 +389,7 @@ class LMTierScheduler:
                 continue
             salt = request_salt(req)
             # Skip chunks some tier already holds (the lookup is cheap for local tiers).
-            keys = chunk_keys(prompt[: full * self.chunk], self.ns, cache_salt=salt)
+            keys = self._prompt_keys(req, full, salt)
             found = self._lookup(keys[first:]) if (self.manager.cpu is not None or len(self.mirror)) else []
             present = len(found)
             if self._restore_slow:  # a copy the load policy will not load is no copy: store it again
@@ -364,7 +403,9 @@ class LMTierScheduler:
             if self._is_cuda:
                 self._async_store_reqs.add(rid)
         self._steps.scheduled(
-            scheduler_output.total_num_scheduled_tokens, prefill, sync_loads=any(not op.is_async for op in meta.loads)
+            scheduler_output.total_num_scheduled_tokens,
+            prefill,
+            sync_loads=bool(meta.loads) and any(not op.is_async for op in meta.loads),
         )
         return meta
 
@@ -377,12 +418,15 @@ class LMTierScheduler:
                 if self.manager.disk is not None:  # gone from the worker's disk: from this view too
                     self.manager.disk.forget(k)
         self._update_policy(wm.load_samples if isinstance(wm, LMTierWorkerMetadata) else ())
+        if not self._issued and not getattr(connector_output, "failed_recving", None):
+            return  # no load awaits its outcome, none failed (a decode step)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         for rid in failed:
             self._lookups.pop(rid, None)
             if rid in self._requests:  # with policy "fail" vLLM already finished it (request_finished ran)
                 self._no_load.add(rid)
                 self._stored_upto[rid] = 0  # recomputed from token 0: store what no tier holds
+                self._decoding.discard(rid)
         # Sync loads report failed blocks in the step that ran them: the recomputed chunks from the
         # first bad block on were not stored by this request, so let it store them again.
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
@@ -394,15 +438,18 @@ class LMTierScheduler:
             bad = [i for i, b in enumerate(op.block_ids) if b in invalid]
             if bad and rid in self._stored_upto:
                 self._stored_upto[rid] = min(self._stored_upto[rid], bad[0] * self.block_size // self.chunk)
+                self._decoding.discard(rid)
 
     def _update_policy(self, samples) -> None:
         """After a step: feed the load policy the worker's load samples and the step's time, re-take
-        its decisions, and export them when they or their inputs changed."""
-        self.policy.add_load_samples(samples)
+        its decisions, and export them when they or their inputs changed (the decisions depend on
+        the estimates only: without a new sample nothing is re-taken)."""
         step = self._steps.finished()
-        if step is not None:
-            self.policy.add_prefill_sample(*step)
-        self.policy.refresh()
+        if samples or step is not None:
+            self.policy.add_load_samples(samples)
+            if step is not None:
+                self.policy.add_prefill_sample(*step)
+            self.policy.refresh()
         if self.policy.version != self._policy_seen:
             self._policy_seen = self.policy.version
             self._stats.set_policy(self.policy.snapshot())
@@ -412,10 +459,19 @@ class LMTierScheduler:
         blocks (the worker then lists it in ``finished_sending``). Blocks of a request still waiting
         for an async load are held by vLLM itself until the worker reports ``finished_recving``."""
         rid = request.request_id
-        for d in (self._requests, self._lookups, self._pending_loads, self._stored_upto, self._blocks, self._issued):
+        for d in (
+            self._requests,
+            self._lookups,
+            self._pending_loads,
+            self._stored_upto,
+            self._blocks,
+            self._issued,
+            self._keys,
+        ):
             d.pop(rid, None)
         self._no_load.discard(rid)
         self._counted.discard(rid)
+        self._decoding.discard(rid)
         # CUDA stores copy asynchronously: keep the blocks until the worker reports the copy done.
         delay = rid in self._async_store_reqs
         self._async_store_reqs.discard(rid)

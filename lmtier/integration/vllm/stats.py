@@ -436,20 +436,22 @@ class TierEventReporter:
 
     def __init__(self, manager: Any, sink: StatsSink) -> None:
         self.manager, self.sink = manager, sink
+        self._tiers = [(n, t) for n in self.TIERS if (t := getattr(manager, n, None)) is not None]
         self._seen = self.counts()
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Cumulative counts now: tier name -> event -> count (tiers the manager has)."""
         out = {}
-        for name in self.TIERS:
-            tier = getattr(self.manager, name, None)
-            if tier is not None:
-                counts = tier.event_counts()
-                out[name] = {e: counts.get(e, 0) for e in TIER_EVENTS}
+        for name, tier in self._tiers:
+            counts = tier.event_counts()
+            out[name] = {e: counts.get(e, 0) for e in TIER_EVENTS}
         return out
 
     def report(self) -> None:
-        """Add every count that grew since the last call to the sink."""
+        """Add every count that grew since the last call to the sink (nothing to do, and no host work
+        per step, for a manager without those tiers)."""
+        if not self._tiers:
+            return
         now = self.counts()
         for tier, row in now.items():
             last = self._seen.get(tier, {})
@@ -482,12 +484,14 @@ class StatsSink:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = LMTierStats()
+        self._dirty = False  # something was added since the last take (set under the lock)
 
     def add(self, key: str, value: float = 1) -> None:
         """Add ``value`` to counter ``key`` (or append it to latency list ``key``) of this interval
         and of :func:`process_totals`. ``key``: a name of :attr:`LMTierStats.FIELDS` or ``LISTS``."""
         with self._lock:
             self._stats.add(key, value)
+            self._dirty = True
         _add_total(key, value)
 
     def add_tenant(self, tenant: str, key: str, value: float = 1) -> None:
@@ -495,6 +499,7 @@ class StatsSink:
         a gauge) in this interval and in :func:`process_totals` (``["tenants"]``)."""
         with self._lock:
             self._stats.add_tenant(tenant, key, value)
+            self._dirty = True
         _add_total(key, value, tenant)
 
     def add_tier_event(self, tier: str, event: str, value: float = 1) -> None:
@@ -502,6 +507,7 @@ class StatsSink:
         :func:`process_tier_event_totals`."""
         with self._lock:
             self._stats.add_tier_event(tier, event, value)
+            self._dirty = True
         _add_total(event, value, tier=tier)
 
     def add_decision(self, tier: str, decision: str, chunks: float = 1) -> None:
@@ -509,6 +515,7 @@ class StatsSink:
         in this interval and in :func:`process_decision_totals`."""
         with self._lock:
             self._stats.add_decision(tier, decision, chunks)
+            self._dirty = True
         with _TOTALS_LOCK:
             _TOTALS.add_decision(tier, decision, chunks)
 
@@ -517,12 +524,17 @@ class StatsSink:
         this interval's gauge and :func:`process_load_policy`."""
         with self._lock:
             self._stats.data["policy"] = dict(snapshot)
+            self._dirty = True
         with _TOTALS_LOCK:
             _TOTALS.data["policy"] = dict(snapshot)
 
     def take(self) -> LMTierStats | None:
-        """This interval's stats (None when nothing happened); starts a new interval."""
+        """This interval's stats (None when nothing happened); starts a new interval. Without an add
+        since the last call it returns at once (vLLM asks every step)."""
+        if not self._dirty:  # a racing add sets it after its update: seen by the next call
+            return None
         with self._lock:
+            self._dirty = False
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, LMTierStats()

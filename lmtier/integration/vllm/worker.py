@@ -668,6 +668,10 @@ class ConnectorWorker:
         nothing. ``finished_req_ids``: requests vLLM finished (aborted); their loads are completed
         without writing (nothing reads those blocks) and reported as finished, not failed.
         """
+        if not self.async_loads:  # (every step) nothing in flight: no finished id needs keeping
+            if self._finished_seen:
+                self._finished_seen.clear()
+            return set(), set()
         self._finished_seen |= set(finished_req_ids)
         done: set[str] = set()
         failed: set[str] = set()

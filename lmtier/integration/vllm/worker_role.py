@@ -100,6 +100,12 @@ class LMTierWorker:
         self._failed_load_reqs: set[str] = set()  # requests whose sync load failed this step
         self._step_failed_blocks: set[int] = set()  # blocks of this step's failed sync loads
         self._forward_done = False  # finish_forward ran in this step (Model Runner V2)
+        # A layer-by-layer load is in flight: the forward's per-layer hooks have work (the connector's
+        # has_connector_metadata / wait_for_layer_load read it, once per layer per step).
+        self.layer_waits = False
+        self._budgets = (manager.cpu is not None and manager.cpu.tenant_budgets is not None) or (
+            manager.remote is not None and manager.remote.tenant_budgets is not None
+        )
         self.load_meter = BusyMeter()  # each tier's load bandwidth, for the scheduler's load policy
         self.reporter = IndexReporter(
             same_namespace=namespace.digest() == index_namespace.digest(),
@@ -206,8 +212,10 @@ class LMTierWorker:
         remembered for this step: its forward runs over the blocks that were not loaded (vLLM
         discards that step's result and recomputes), so :meth:`wait_for_save` must not store what
         that forward computed."""
-        self._failed_load_reqs = set()
-        self._step_failed_blocks = set()
+        if self._failed_load_reqs:
+            self._failed_load_reqs = set()
+        if self._step_failed_blocks:
+            self._step_failed_blocks = set()
         self._finish_layerwise()  # (a step that ended without finish_forward / wait_for_save)
         if not loads or self.transfers is None:
             return
@@ -231,6 +239,7 @@ class LMTierWorker:
             return
         if self._layerwise and sync_ops:
             self._note_load_failures(self.transfers.load_layerwise(sync_ops))
+            self.layer_waits = self.transfers.layerwise_in_flight
             return
         for op in sync_ops:
             self._note_load_failures({op.req_id: self.transfers.load(op)})
@@ -266,6 +275,7 @@ class LMTierWorker:
         background touch the cache only in :meth:`transfer_results`, which runs no more until wake-up."""
         if self.transfers is not None:
             self._finish_layerwise()
+            self.layer_waits = False
             self.transfers.drain_layerwise(block=True)
             self.transfers.poll_stores(block=True)
 
@@ -275,6 +285,7 @@ class LMTierWorker:
         now on."""
         if self.transfers is None or not self.transfers.layerwise_in_flight:
             return
+        self.layer_waits = False
         unsafe = self.transfers.finish_layerwise()
         if unsafe:
             log.warning(
@@ -290,10 +301,14 @@ class LMTierWorker:
         that use a block such a load failed to fill: their tokens were computed attending to blocks
         that hold stale KV (the scheduler plans those stores again for the recomputation)."""
         self._finish_layerwise()
+        if not stores or self.transfers is None:
+            if self._failed_load_reqs:
+                self._failed_load_reqs = set()
+            if self._step_failed_blocks:
+                self._step_failed_blocks = set()
+            return
         tainted, self._failed_load_reqs = self._failed_load_reqs, set()
         bad_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
-        if not stores or self.transfers is None:
-            return
         for op in stores:
             # A request whose own load failed, or one sharing a failed block (vLLM's prefix cache
             # hands the blocks a sync load fills to other requests of the same step): its forward
@@ -330,6 +345,8 @@ class LMTierWorker:
         """Add the CPU pool's and the remote tier's per-tenant counts since the last call to the
         stats (tenant budgets on; ``held_bytes`` / ``remote_held_bytes`` of the tenants whose counts
         changed)."""
+        if not self._budgets:
+            return
         for t, row in self._tenant_rows().items():
             last = self._tenants_seen.get(t, {})
             if row == last:
@@ -347,8 +364,10 @@ class LMTierWorker:
         self._events.report()
 
     def handle_preemptions(self) -> None:
-        """Preempted requests' blocks may be reused this step: finish in-flight copies first."""
-        if self.transfers is not None:
+        """Preempted requests' blocks may be reused this step: finish in-flight copies first (CUDA:
+        blocks the host until every store in flight read its blocks; the connector calls it only in
+        a step that follows preemptions)."""
+        if self.transfers is not None and self.transfers.pending:
             self.transfers.poll_stores(block=True)
 
     def block_ids_with_load_errors(self) -> set[int]:
