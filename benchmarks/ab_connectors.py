@@ -43,8 +43,8 @@ the connector's time in ``wait_for_save`` (``vllm:lmtier_store_seconds``) and it
 Usage (repository root):
   .venv/bin/python benchmarks/ab_connectors.py --n 4096 --rounds 20 --mode cold --systems base,lmtier
   .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 20 --mode warm --systems prefix,lmtier,example
-  # node B warm from node A through P2P, Redis and Mooncake, and B cold, one run (7 servers: --kv-space 0.25)
-  .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 10 --mode warm --kv-space 0.25 \
+  # node B warm from node A through P2P, Redis and Mooncake, and B cold, one run (7 servers: --kv-cache-gib 0.25)
+  .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 10 --mode warm --kv-cache-gib 0.25 \
         --pool-gib 0.25 --systems base,p2p,redis,mooncake
 """
 
@@ -181,8 +181,8 @@ class AB:
         self.a, self.work = a, work
         self.prompts = BC.Prompts(a.model)
         self.mem_env, self.notes = procmem.server_mem_env("glibc", None)
-        if a.kv_space is not None:
-            self.mem_env["VLLM_CPU_KVCACHE_SPACE"] = a.kv_space
+        # --kv-cache-gib: vLLM's --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)
+        self.kv_bytes = None if a.kv_cache_gib is None else int(a.kv_cache_gib * 2**30)
         # two-node systems' CPU pools (the templates say 1 GiB): LMTIER_MAX_LOCAL_CPU_SIZE overrides the key
         self.pool_env = {} if a.pool_gib is None else {"LMTIER_MAX_LOCAL_CPU_SIZE": a.pool_gib}
         self.records: list[dict[str, Any]] = []
@@ -221,6 +221,7 @@ class AB:
                 self.a.model,
                 BC.lmtier_ktc(self.a),
                 {**self.mem_env, **token, "LMTIER_CONFIG_FILE": str(cfg), **self.pool_env, **env},
+                kv_cache_bytes=self.kv_bytes,
             )
             (self.node_a if node == "A" else self.srvs)[system] = srv
 
@@ -275,6 +276,7 @@ class AB:
                 ktc,
                 {**self.mem_env, **env},
                 prefix_caching=pc,
+                kv_cache_bytes=self.kv_bytes,
             )
         for s in self.servers():
             s.wait_ready(self.a.startup_timeout)
@@ -623,9 +625,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tag", default="", help="prompt namespace (different runs get different prefixes)")
     ap.add_argument("--lmtier-extra", default="")
     ap.add_argument(
-        "--kv-space",
-        help="VLLM_CPU_KVCACHE_SPACE (GiB) of every server (default: 1, bench_connectors' value); "
-        "0.25 holds a 4K prompt and lets 7 servers share a small machine",
+        "--kv-cache-gib",
+        type=float,
+        help="vLLM's KV cache (GiB) of every server (default: VLLM_CPU_KVCACHE_SPACE=1, bench_connectors' "
+        "value); 0.25 holds a 4K prompt and lets 7 servers share a small machine",
     )
     ap.add_argument(
         "--pool-gib",

@@ -285,8 +285,8 @@ def test_connector_benchmark_runs_the_demos_two_node_systems():
     (``base``) in one run; a two-node system only makes sense in warm mode (A stores, B loads)."""
     ab = _ab()
     assert ab.DEMO.SHARED_STORES == _demo().SHARED_STORES  # scripts/demo.py's, imported
-    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-space", "0.25"])
-    assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_space == "0.25"
+    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-cache-gib", "0.25"])
+    assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_cache_gib == 0.25
     assert ab.system_env("p2p@LMTIER_BG_IO=nice+X=1") == ("p2p", {"LMTIER_BG_IO": "nice", "X": "1"})
     with pytest.raises(SystemExit):
         ab.parse_args(["--mode", "cold", "--systems", "base,p2p"])
