@@ -43,9 +43,9 @@ the connector's time in ``wait_for_save`` (``vllm:lmtier_store_seconds``) and it
 Usage (repository root):
   .venv/bin/python benchmarks/ab_connectors.py --n 4096 --rounds 20 --mode cold --systems base,lmtier
   .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 20 --mode warm --systems prefix,lmtier,example
-  # node B warm from node A through P2P, Redis and Mooncake, and B cold, one run (7 servers: --kv-space 0.25)
-  .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 10 --mode warm --kv-space 0.25 \
-        --pool-gib 0.25 --systems base,p2p,redis,mooncake
+  # node B warm from node A through P2P, Redis and Mooncake, and B cold, one run (7 servers: --kv-cache-gib 0.25)
+  .venv/bin/python benchmarks/ab_connectors.py --n 2048 --rounds 10 --mode warm --kv-cache-gib 0.25 \
+        --pool-gib 0.25 --systems base,p2p,redis,mooncake [--pairs-in-turn: one pair at a time, 3 servers]
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ class AB:
         self.a, self.work = a, work
         self.prompts = BC.Prompts(a.model)
         self.mem_env, self.notes = procmem.server_mem_env("glibc", None)
-        if a.kv_space is not None:
-            self.mem_env["VLLM_CPU_KVCACHE_SPACE"] = a.kv_space
+        # --kv-cache-gib: vLLM's --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)
+        self.kv_bytes = None if a.kv_cache_gib is None else int(a.kv_cache_gib * 2**30)
         # two-node systems' CPU pools (the templates say 1 GiB): LMTIER_MAX_LOCAL_CPU_SIZE overrides the key
         self.pool_env = {} if a.pool_gib is None else {"LMTIER_MAX_LOCAL_CPU_SIZE": a.pool_gib}
         self.records: list[dict[str, Any]] = []
@@ -221,6 +221,7 @@ class AB:
                 self.a.model,
                 BC.lmtier_ktc(self.a),
                 {**self.mem_env, **token, "LMTIER_CONFIG_FILE": str(cfg), **self.pool_env, **env},
+                kv_cache_bytes=self.kv_bytes,
             )
             (self.node_a if node == "A" else self.srvs)[system] = srv
 
@@ -275,6 +276,7 @@ class AB:
                 ktc,
                 {**self.mem_env, **env},
                 prefix_caching=pc,
+                kv_cache_bytes=self.kv_bytes,
             )
         for s in self.servers():
             s.wait_ready(self.a.startup_timeout)
@@ -573,6 +575,45 @@ def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, An
     return out
 
 
+TURN_ROUNDS = 1000
+"""--pairs-in-turn: turn t's rounds are numbered from t x TURN_ROUNDS (new prompts every turn)."""
+
+
+def turn_systems(a: argparse.Namespace) -> list[list[str]]:
+    """The systems alive together, turn by turn: all of them at once, or (``--pairs-in-turn``) the
+    single-server systems with one two-node system at a time (3 servers on a small machine)."""
+    if not a.pairs_in_turn:
+        return [list(a.system_list)]
+    singles = [s for s in a.system_list if system_env(s)[0] not in DEMO.SHARED_STORES]
+    return [[*singles, s] for s in a.system_list if s not in singles]
+
+
+def report_turns(a: argparse.Namespace, turns: list[list[str]], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`report` per turn (its systems, its rounds), then with several turns each two-node
+    system's warm TTFT against the first system (B cold) of its own rounds, side by side."""
+    if len(turns) == 1:
+        a.system_list = turns[0]
+        return report(a, records)
+    out: dict[str, Any] = {"turns": {}}
+    for t, systems in enumerate(turns):
+        a.system_list = systems
+        mine = [r for r in records if r["system"] in systems and t * TURN_ROUNDS <= r["round"] < (t + 1) * TURN_ROUNDS]
+        if mine:
+            out["turns"][systems[-1]] = report(a, mine)
+    print(f"\nN = {a.n}: each two-node system's node B warm vs {turns[0][0]} in the same rounds (all rounds):")
+    for pair, rep in out["turns"].items():
+        row = rep.get("all", {}).get("systems", {}).get(pair)
+        ref = rep.get("all", {}).get("systems", {}).get(turns[0][0])
+        if row and ref and "paired_ratio_median" in row:
+            lo, hi = row["paired_ratio_ci"]
+            print(
+                f"  {pair:<10} B warm {row['median_ms']:8.1f} ms, {turns[0][0]} {ref['median_ms']:8.1f} ms: "
+                f"paired ratio {row['paired_ratio_median']:.3f} (95 % CI {lo:.3f}..{hi:.3f}), "
+                f"{rep['all']['rounds']} rounds, load1 median {row['load1_median']:.1f}"
+            )
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -623,9 +664,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tag", default="", help="prompt namespace (different runs get different prefixes)")
     ap.add_argument("--lmtier-extra", default="")
     ap.add_argument(
-        "--kv-space",
-        help="VLLM_CPU_KVCACHE_SPACE (GiB) of every server (default: 1, bench_connectors' value); "
-        "0.25 holds a 4K prompt and lets 7 servers share a small machine",
+        "--kv-cache-gib",
+        type=float,
+        help="vLLM's KV cache (GiB) of every server (default: VLLM_CPU_KVCACHE_SPACE=1, bench_connectors' "
+        "value); 0.25 holds a 4K prompt and lets 7 servers share a small machine",
+    )
+    ap.add_argument(
+        "--pairs-in-turn",
+        action="store_true",
+        help="start the two-node systems one at a time (with the single-server systems, restarted per "
+        "turn), --rounds each: 3 servers alive instead of 2 per two-node system + 1",
     )
     ap.add_argument(
         "--pool-gib",
@@ -644,6 +692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     two_node = [s for s in a.system_list if system_env(s)[0] in DEMO.SHARED_STORES]
     if two_node and a.mode != "warm":
         ap.error(f"--systems {','.join(two_node)}: two-node systems need --mode warm (A stores, B loads)")
+    if a.pairs_in_turn and (not two_node or len(two_node) == len(a.system_list)):
+        ap.error("--pairs-in-turn: needs two-node systems and at least one single-server system (B cold)")
     if not a.tag:
         a.tag = time.strftime("%H%M%S")
     return a
@@ -657,21 +707,32 @@ def main(argv: list[str] | None = None) -> int:
     log(f"work {work}; {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC; loadavg {os.getloadavg()}")
     ab = AB(a, work)
     status = 0
+    turns = turn_systems(a)
     try:
-        ab.start()
-        rnd = 0
-        per_gen = -(-a.rounds // a.generations)
-        while rnd < a.rounds or (a.clean_rounds and ab.clean_count() < a.clean_rounds and rnd < a.max_rounds):
-            if rnd and rnd % per_gen == 0 and rnd < a.rounds:
-                # a new generation of servers: each process's own speed (its memory placement) differs
-                # by a few %, which paired rounds inside one generation cannot tell from the system's
+        for t, systems in enumerate(turns):  # one turn unless --pairs-in-turn
+            a.system_list = systems
+            if t:
                 ab.stop()
+                ab.close_stores()
                 ab.srvs, ab.node_a, ab.last = {}, {}, {}
                 ab.generation += 1
-                log(f"generation {ab.generation}: restarting the servers")
-                ab.start()
-            ab.round(rnd)
-            rnd += 1
+                log(f"turn {t}: servers of {', '.join(systems)}")
+            ab.start()
+            rnd, first = t * TURN_ROUNDS, t * TURN_ROUNDS
+            per_gen = -(-a.rounds // a.generations)
+            while rnd - first < a.rounds or (
+                a.clean_rounds and ab.clean_count() < a.clean_rounds and rnd - first < a.max_rounds
+            ):
+                if rnd > first and (rnd - first) % per_gen == 0 and rnd - first < a.rounds:
+                    # a new generation of servers: each process's own speed (its memory placement) differs
+                    # by a few %, which paired rounds inside one generation cannot tell from the system's
+                    ab.stop()
+                    ab.srvs, ab.node_a, ab.last = {}, {}, {}
+                    ab.generation += 1
+                    log(f"generation {ab.generation}: restarting the servers")
+                    ab.start()
+                ab.round(rnd)
+                rnd += 1
     except KeyboardInterrupt:
         status = 2
     except Exception as e:  # noqa: BLE001
@@ -683,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ab.stop()
         ab.close_stores()
-    summary = report(a, ab.records) if ab.records else {}
+    summary = report_turns(a, turns, ab.records) if ab.records else {}
     print(
         f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0))} UTC, ended "
         f"{time.strftime('%H:%M:%S', time.gmtime())} UTC; loadavg at end {os.getloadavg()}"

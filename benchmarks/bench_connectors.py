@@ -180,7 +180,7 @@ def other_load() -> float:
 
 class Srv(Proc):
     """A vLLM OpenAI server (bf16, eager, prefix caching off unless ``prefix_caching``) with an optional
-    KV connector."""
+    KV connector; a KV cache of VLLM_CPU_KVCACHE_SPACE=1 GiB unless ``kv_cache_bytes``."""
 
     def __init__(
         self,
@@ -191,6 +191,7 @@ class Srv(Proc):
         ktc: dict | None,
         env_extra: dict[str, str] | None = None,
         prefix_caching: bool = False,
+        kv_cache_bytes: int | None = None,
     ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -240,6 +241,9 @@ class Srv(Proc):
         env.update(env_extra or {})
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        if kv_cache_bytes is not None:  # instead of VLLM_CPU_KVCACHE_SPACE (whole GiB; it would override this)
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
         super().__init__(name, cmd, env, work / "logs" / f"{name}.log", cwd=REPO_ROOT)
         self.t_start = time.monotonic()
         self.session = requests.Session()

@@ -563,6 +563,7 @@ class Demo:
         self.passes: list[PassResult] = []
         self.startup_s: dict[str, float] = {}
         self.notes: list[str] = []
+        self.problems: list[str] = []  # failed checks found while running (summarize adds the others)
 
     # process bookkeeping -------------------------------------------------------------------
     def start_servers(self, specs: list[tuple[str, Path | None]], env: dict[str, str] | None = None) -> list[Server]:
@@ -641,6 +642,11 @@ class Demo:
                 self.notes.append(f"{kind} after node A's pass: {shared_store_info(store)}")
             log(self.notes[-1])
             self.passes_run(f"{kind}: B (from A)", node_b)
+            if not node_a.alive():  # B's pass may have looked fine (recomputed): say why A's chunks were missed
+                self.problems.append(
+                    f"{kind}: node A exited during node B's pass (status {node_a.popen.returncode}; -9: "
+                    "killed, e.g. by the kernel's OOM killer when other work filled the memory)"
+                )
             self.stop(node_a)
             self.stop(node_b)
         except BaseException:
@@ -896,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         demo.stop_all()
 
     rows, failures = summarize(demo)
+    failures += demo.problems
     if rows:
         print_table(rows)
         print_metrics(demo)

@@ -285,8 +285,8 @@ def test_connector_benchmark_runs_the_demos_two_node_systems():
     (``base``) in one run; a two-node system only makes sense in warm mode (A stores, B loads)."""
     ab = _ab()
     assert ab.DEMO.SHARED_STORES == _demo().SHARED_STORES  # scripts/demo.py's, imported
-    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-space", "0.25"])
-    assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_space == "0.25"
+    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-cache-gib", "0.25"])
+    assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_cache_gib == 0.25
     assert ab.system_env("p2p@LMTIER_BG_IO=nice+X=1") == ("p2p", {"LMTIER_BG_IO": "nice", "X": "1"})
     with pytest.raises(SystemExit):
         ab.parse_args(["--mode", "cold", "--systems", "base,p2p"])
@@ -308,3 +308,14 @@ def test_waiting_for_p2p_publication_counts_only_new_chunks(redis_server):
     assert demo.wait_p2p_published(redis_server.port, 1, timeout_s=5, before=before) == 1
     assert demo.wait_p2p_published(redis_server.port, 2, timeout_s=0.3, before=before) == 1  # gives up
     r.close()
+
+
+def test_connector_benchmark_can_run_one_pair_at_a_time():
+    """--pairs-in-turn: each two-node system in its own turn with the single-server systems (B cold),
+    so 3 servers are alive at a time; turns use disjoint round numbers (new prompts)."""
+    ab = _ab()
+    a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--pairs-in-turn"])
+    assert ab.turn_systems(a) == [["base", "p2p"], ["base", "redis"], ["base", "mooncake"]]
+    assert ab.turn_systems(ab.parse_args(["--mode", "warm", "--systems", "base,p2p"])) == [["base", "p2p"]]
+    with pytest.raises(SystemExit):  # nothing to pair a two-node system's rounds with
+        ab.parse_args(["--mode", "warm", "--systems", "p2p,redis", "--pairs-in-turn"])
