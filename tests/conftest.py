@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -20,3 +22,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def make(tmp_path):
+    """Factory of connector harnesses (``tests.test_connector_scheduler.Harness``: vLLM's real
+    ``Scheduler`` with both lmtier connector roles): ``make(**kw)``; each is closed after the test."""
+    from tests.test_connector_scheduler import Harness
+
+    made = []
+
+    def _make(**kw):
+        h = Harness(tmp_path / f"h{len(made)}", **kw)
+        made.append(h)
+        return h
+
+    yield _make
+    for h in made:
+        h.close()
+    os.environ.pop("LMTIER_FAULT_INJECT", None)

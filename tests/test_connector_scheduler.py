@@ -393,21 +393,6 @@ class Harness:
             m.close(persist=False)
 
 
-@pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def _make(**kw):
-        h = Harness(tmp_path / f"h{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    yield _make
-    for h in made:
-        h.close()
-    os.environ.pop("LMTIER_FAULT_INJECT", None)
-
-
 def prompt(seed: int, n: int) -> list[int]:
     return [VOCAB_BASE + (seed * 7919 + i * 104729) % 40000 for i in range(n)]
 

@@ -23,20 +23,6 @@ def _vllm():
     require_vllm()
 
 
-@pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def _make(**kw):
-        h = Harness(tmp_path / f"h{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    yield _make
-    for h in made:
-        h.close()
-
-
 NEVER = 10**9  # load_min_samples: the configured inputs decide throughout
 FIXED = {"load_policy": "auto", "prefill_tokens_per_s": 1e6, "load_min_samples": NEVER, "load_probe_s": 0}
 SLOW_DISK = {**FIXED, "load_prior_gbps": {"disk": 1e-6}}

@@ -17,7 +17,7 @@ import collections
 import pytest
 
 from lmtier.testing.vllm import require_vllm
-from tests.test_connector_scheduler import CHUNK, LAYERS, Harness, prompt
+from tests.test_connector_scheduler import CHUNK, LAYERS, prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -25,20 +25,6 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module", autouse=True)
 def _vllm():
     require_vllm()
-
-
-@pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def _make(**kw):
-        h = Harness(tmp_path / f"h{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    yield _make
-    for h in made:
-        h.close()
 
 
 def _count(obj, name: str, counter: collections.Counter, key: str, step: list[int]):
