@@ -27,6 +27,18 @@ def payload(i: int, n: int = CHUNK) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+# ------------------------------------------------------------------------------ payload_checksums
+
+
+@pytest.mark.parametrize("sizes", [[], [10], [5 << 20], [3 << 20, 3 << 20, 1, 2 << 20, 3 << 20], [100] * 7])
+def test_payload_checksums_equal_the_serial_ones(sizes):
+    from lmtier.tiers.checksums import payload_checksums
+
+    bufs = [np.random.default_rng(n + j).integers(0, 256, n, dtype=np.uint8) for j, n in enumerate(sizes)]
+    views = [memoryview(b) for b in bufs]
+    assert payload_checksums(views) == [rec.payload_checksum(v) for v in views]
+
+
 # ------------------------------------------------------------------------------------ CPUPool.hold
 
 

@@ -59,6 +59,7 @@ from lmtier.remote_url import MooncakeEndpoint, parse_mooncake_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.buffers import address_of, round_up
+from lmtier.tiers.checksums import payload_checksums
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
 from lmtier.tiers.mooncake.bounce import ALIGN, Batch, BounceRegion, copy_out
 from lmtier.tiers.mooncake.calls import NOT_FOUND_CODES, ClientCalls, is_outage
@@ -470,12 +471,11 @@ class MooncakeTier(ClientCalls, Tier):
         if not self._reserve(b, first):
             return False
         arena = self._arena.mv
-        for i, off in zip(b.idx, b.offs, strict=True):
+        sums = payload_checksums([views[i] for i in b.idx])
+        for i, off, xxh3 in zip(b.idx, b.offs, sums, strict=True):
             o, mv = b.base + off, views[i]
             n = mv.nbytes
-            arena[o : o + HEADER] = rec.encode_header(
-                keys[i], n, rec.payload_checksum(mv), payload_offset=HEADER, meta=self._meta
-            )
+            arena[o : o + HEADER] = rec.encode_header(keys[i], n, xxh3, payload_offset=HEADER, meta=self._meta)
             if not b.direct:
                 copy_out(arena[o + HEADER : o + HEADER + n], mv)
         bnames = [names[i] for i in b.idx]
@@ -546,6 +546,7 @@ class MooncakeTier(ClientCalls, Tier):
             if b.kind == "put":
                 return {i: c == 0 for i, c in zip(b.idx, codes, strict=True)}
             arena = self._arena.mv
+            direct_hdrs: list[tuple[int, int, rec.RecordHeader]] = []
             for j, (i, code) in enumerate(zip(b.idx, codes, strict=True)):
                 if code < 0:
                     if direct_get and code not in NOT_FOUND_CODES:  # e.g. another size: through the bounce
@@ -554,16 +555,25 @@ class MooncakeTier(ClientCalls, Tier):
                         log.warning("get_into: out has %d bytes < value %s", b.views[j].nbytes, b.names[j])
                     continue
                 o = b.base + b.offs[j]
-                if direct_get:  # header in the extent, payload in the slot: verify it there
-                    why = self._verify_direct(b.keys[j], arena[o : o + HEADER], b.views[j][: b.sizes[j]], code)
-                else:
-                    why = self._verify(b.keys[j], arena[o : o + code], b.views[j].nbytes)
+                if direct_get:  # header in the extent, payload in the slot: checked there, below
+                    hdr = self._direct_header(b.keys[j], arena[o : o + HEADER], b.sizes[j], code)
+                    if isinstance(hdr, str):
+                        corrupt.append((b.names[j], hdr))
+                    else:
+                        direct_hdrs.append((j, i, hdr))
+                    continue
+                why = self._verify(b.keys[j], arena[o : o + code], b.views[j].nbytes)
                 if isinstance(why, str):
                     corrupt.append((b.names[j], why))
                 elif why is not None:
-                    if not direct_get:
-                        copy_out(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
+                    copy_out(b.views[j][:why], arena[o + HEADER : o + HEADER + why])
                     res[i] = why
+            sums = payload_checksums([b.views[j][: b.sizes[j]] for j, _, _ in direct_hdrs])
+            for (j, i, hdr), xxh3 in zip(direct_hdrs, sums, strict=True):
+                if xxh3 == hdr.payload_xxh3:
+                    res[i] = hdr.payload_bytes
+                else:
+                    corrupt.append((b.names[j], f"payload checksum mismatch (stored {hdr.payload_xxh3:#018x})"))
         finally:
             if b.base is not None and release[0]:
                 self._arena.release(b.base, b.total)
@@ -609,20 +619,18 @@ class MooncakeTier(ClientCalls, Tier):
             return str(e)
         return hdr.payload_bytes
 
-    def _verify_direct(self, key: bytes, header: memoryview, payload: memoryview, code: int) -> int | str:
-        """Payload length of a record read straight into a slot (``header``: its 128 bytes,
-        ``payload``: the slot's bytes, ``code``: what the client reported), or why it does not verify."""
+    def _direct_header(self, key: bytes, header: memoryview, nbytes: int, code: int) -> rec.RecordHeader | str:
+        """The header of a record read straight into a slot (``header``: its 128 bytes, ``nbytes``:
+        the payload bytes read into the slot, ``code``: what the client reported) if it is this
+        key's and states that length — its payload checksum is then compared by the caller —, else
+        why not."""
         try:
             hdr = rec.decode_header(header, expected_key=key, max_payload_bytes=self.max_value_bytes)
         except rec.RecordError as e:
             return str(e)
-        if hdr.payload_offset != HEADER or hdr.payload_bytes != payload.nbytes or code != HEADER + payload.nbytes:
-            return f"value length {code} != header {HEADER} + payload {hdr.payload_bytes} (read {payload.nbytes})"
-        try:
-            rec.verify_payload(hdr, payload)
-        except rec.RecordError as e:
-            return str(e)
-        return hdr.payload_bytes
+        if hdr.payload_offset != HEADER or hdr.payload_bytes != nbytes or code != HEADER + nbytes:
+            return f"value length {code} != header {HEADER} + payload {hdr.payload_bytes} (read {nbytes})"
+        return hdr
 
     def _late_hook(self, b: Batch) -> Callable[[], Callable[[concurrent.futures.Future], None]] | None:
         """For a direct get: what to do if its call outlives the wait — hold its slots (the call keeps

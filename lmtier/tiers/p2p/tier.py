@@ -72,6 +72,7 @@ from lmtier.remote_url import RedisEndpoint
 from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
 from lmtier.tiers.buffers import address_of, host_view, round_up
+from lmtier.tiers.checksums import payload_checksums
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
 from lmtier.tiers.mooncake.bounce import ALIGN, BounceRegion
 from lmtier.tiers.p2p.directory import Directory, Entry, NodeRecord
@@ -607,12 +608,13 @@ class P2PTier(Tier):
         stale: list[tuple[int, Entry]] = []
         try:
             mv = self._bounce.mv
-            for i, off, e in zip(g.idx, g.offs, g.entries, strict=True):
-                dst = outs[i][: e.length]
+            dsts = [outs[i][: e.length] for i, e in zip(g.idx, g.entries, strict=True)]
+            for dst, off, e in zip(dsts, g.offs, g.entries, strict=True):
                 if off is not None:
                     o = g.base + off
                     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(mv[o : o + e.length], dtype=np.uint8))
-                if rec.payload_checksum(dst) != e.xxh3:
+            for i, e, xxh3 in zip(g.idx, g.entries, payload_checksums(dsts), strict=True):
+                if xxh3 != e.xxh3:
                     stale.append((i, e))
                     continue
                 res[i] = e.length
