@@ -68,11 +68,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_connectors as BC  # noqa: E402  (servers, prompts, configs: the same settings as the side-by-side bench)
 
-sys.path.insert(0, str(BC.REPO_ROOT / "scripts"))
-import demo as DEMO  # noqa: E402  (the main job's shared stores and their config templates: one definition)
-
 from lmtier.config import load_config  # noqa: E402
 from lmtier.testing import procmem  # noqa: E402
+from lmtier.testing import stores as STORES  # noqa: E402  (the main job's shared stores and config templates)
 from lmtier.testing.procs import free_port  # noqa: E402
 
 log = BC.log
@@ -198,17 +196,17 @@ class AB:
         return [*self.srvs.values(), *self.node_a.values()]
 
     def start_pair(self, system: str) -> None:
-        """Node A and node B of a two-node system (:data:`demo.SHARED_STORES`), its store started once
+        """Node A and node B of a two-node system (:data:`lmtier.testing.stores.SHARED_STORES`), its store started once
         (kept across server generations): each node gets its own config from the main job's template."""
         kind, env = system_env(system)
         if system not in self.stores:
-            self.stores[system] = DEMO.start_shared_store(kind)
+            self.stores[system] = STORES.start_shared_store(kind, log)
         values = self.stores[system][1]
-        token = {DEMO.P2P_TOKEN_ENV: secrets.token_urlsafe(24)} if kind == "p2p" else {}
+        token = {STORES.P2P_TOKEN_ENV: secrets.token_urlsafe(24)} if kind == "p2p" else {}
         name = system.replace("/", "_")
         cfgs = [
-            DEMO.write_config(
-                DEMO.SHARED_STORES[kind], self.work, f"{name}_{node}", token, P2P_PORT=str(free_port()), **values
+            STORES.write_config(
+                STORES.SHARED_STORES[kind], self.work, f"{name}_{node}", token, P2P_PORT=str(free_port()), **values
             )
             for node in "AB"
         ]
@@ -264,7 +262,7 @@ class AB:
 
     def start(self) -> None:
         for system in self.a.system_list:
-            if system_env(system)[0] in DEMO.SHARED_STORES:
+            if system_env(system)[0] in STORES.SHARED_STORES:
                 self.start_pair(system)
                 continue
             ktc, env, pc = self.spec(system)
@@ -402,7 +400,7 @@ class AB:
             self.rec(system, "store", rnd, pre + sa, 0, record)
         for system, before in listed.items():  # node A publishes the round's chunks in the background
             want = (n + BC.NEW_TOKENS) // self.chunk_tokens[system]
-            got = DEMO.wait_p2p_published(self.stores[system][0].port, want, timeout_s=30, before=before)
+            got = STORES.wait_p2p_published(self.stores[system][0].port, want, timeout_s=30, before=before)
             if got < want:
                 log(f"  r{rnd:<3} {system}: {got} new chunk entries in the directory after 30 s, {want} expected")
         for k in range(a.warm_reps):  # several warm requests over the same stored prefix (new suffixes)
@@ -413,7 +411,7 @@ class AB:
 
     def p2p_names(self, system: str) -> set[bytes]:
         """Chunk entries in the P2P directory of two-node system ``system``."""
-        return DEMO.p2p_directory_names(self.stores[system][0].port)
+        return STORES.p2p_directory_names(self.stores[system][0].port)
 
     def clean_count(self) -> int:
         """Rounds so far in which every request was clean (see ``--clean-frac``)."""
@@ -584,7 +582,7 @@ def turn_systems(a: argparse.Namespace) -> list[list[str]]:
     single-server systems with one two-node system at a time (3 servers on a small machine)."""
     if not a.pairs_in_turn:
         return [list(a.system_list)]
-    singles = [s for s in a.system_list if system_env(s)[0] not in DEMO.SHARED_STORES]
+    singles = [s for s in a.system_list if system_env(s)[0] not in STORES.SHARED_STORES]
     return [[*singles, s] for s in a.system_list if s not in singles]
 
 
@@ -689,7 +687,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
     if not 2 <= len(a.system_list) <= 4:
         ap.error("--systems: 2 to 4 systems")
-    two_node = [s for s in a.system_list if system_env(s)[0] in DEMO.SHARED_STORES]
+    two_node = [s for s in a.system_list if system_env(s)[0] in STORES.SHARED_STORES]
     if two_node and a.mode != "warm":
         ap.error(f"--systems {','.join(two_node)}: two-node systems need --mode warm (A stores, B loads)")
     if a.pairs_in_turn and (not two_node or len(two_node) == len(a.system_list)):

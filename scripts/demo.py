@@ -67,8 +67,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
-import string
 import sys
 import tempfile
 import time
@@ -80,27 +78,29 @@ from typing import Any
 import requests
 
 from lmtier.testing import procmem
-from lmtier.testing.mooncake import MooncakeCluster, MooncakeUnavailable, find_mooncake_bin, mooncake_client_importable
+from lmtier.testing.mooncake import MooncakeCluster, find_mooncake_bin, mooncake_client_importable
 from lmtier.testing.procs import Proc, free_port, tail
-from lmtier.testing.redis import RedisServer, RedisUnavailable
 from lmtier.testing.server import CONNECTOR, hits_by_source, metric_delta, parse_metrics, read_license, stdlib_docs
+from lmtier.testing.stores import (  # noqa: F401  (re-exported: the main job's shared stores, one definition)
+    CONFIG_DIR,
+    P2P_TOKEN_ENV,
+    SHARED_SOURCE,
+    SHARED_STORES,
+    StoreUnavailable,
+    p2p_directory_names,
+    shared_store_info,
+    start_shared_store,
+    wait_p2p_published,
+    write_config,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
-CONFIG_DIR = Path(__file__).resolve().parent / "demo_config"
 SERVED_NAME = "smollm2"
 PHASES = ("baseline", "lmtier", "restart", "redis", "mooncake", "p2p")
 """Every phase, in the order they run (the default runs all of them)."""
-SHARED_STORES = {"redis": "cpu_redis.yaml", "mooncake": "cpu_mooncake.yaml", "p2p": "cpu_p2p.yaml"}
-"""Shared-store phases (node A cold, node B warm from the store) -> their config template."""
-SHARED_SOURCE = {"redis": "remote", "mooncake": "remote", "p2p": "p2p"}
-"""The lmtier tier (``vllm:lmtier_hit_tokens_total{tier}``) node B of each shared phase must load from."""
-P2P_TOKEN_ENV = "DEMO_P2P_TOKEN"
-"""The variable cpu_p2p.yaml's ``p2p_token_env`` names (a fresh random token per run)."""
 WARM_PHASE_PREFIXES = ("lmtier warm", "restart warm") + tuple(f"{k}: B" for k in SHARED_STORES)
 """Passes that must report cached tokens (lmtier hits)."""
-MOONCAKE_SEGMENT_BYTES = 1 << 30
-"""Memory the demo's Mooncake store server mounts (the full workload's KV is ~0.3 GiB)."""
 # Server allocator / oneDNN primitive cache (--malloc / --onednn-cache; see server_mem_env).
 DEFAULT_MALLOC = "auto"
 DEFAULT_ONEDNN_CACHE = -1
@@ -324,40 +324,6 @@ class Server(Proc):
         return parse_metrics(text)
 
 
-def redis_info(port: int) -> dict[str, str]:
-    """A few INFO fields (keys, memory) through a raw socket: no client library needed."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-            s.sendall(b"INFO\r\n")
-            buf = b""
-            while True:
-                part = s.recv(65536)
-                if not part:
-                    break
-                buf += part
-                m = re.match(rb"\$(\d+)\r\n", buf)
-                if m and len(buf) >= m.end() + int(m.group(1)):
-                    break
-    except OSError as e:
-        return {"error": str(e)}
-    info = dict(line.split(":", 1) for line in buf.decode(errors="replace").splitlines() if ":" in line)
-    keep = ("used_memory_human", "db0", "total_commands_processed", "keyspace_hits", "keyspace_misses")
-    return {k: info[k].strip() for k in keep if k in info}
-
-
-def mooncake_info(cluster: MooncakeCluster) -> dict[str, str]:
-    """A few of the master's Prometheus metrics (keys, bytes allocated, clients)."""
-    try:
-        text = requests.get(f"http://127.0.0.1:{cluster.master.metrics_port}/metrics", timeout=5).text
-    except requests.RequestException as e:
-        return {"error": str(e)}
-    keep = ("master_key_count", "master_allocated_bytes", "master_active_clients")
-    # plain "name value" lines (parse_metrics keeps only vLLM's and lmtier's series)
-    lines = [line for line in text.splitlines() if line and not line.startswith("#") and " " in line]
-    fields = dict(line.split(None, 1) for line in lines)
-    return {k: fields[k].strip() for k in keep if k in fields}
-
-
 def missing_prerequisites(phases: set[str]) -> list[str]:
     """Why requested phases cannot run on this machine (checked before the baseline spends minutes)."""
     why = []
@@ -380,64 +346,6 @@ def missing_prerequisites(phases: set[str]) -> list[str]:
         if why:
             why.append("install it with `bash scripts/setup_mooncake.sh` or leave the phase out (--phases)")
     return why
-
-
-def start_shared_store(kind: str) -> tuple[RedisServer | MooncakeCluster, dict[str, str]]:
-    """Start the store of a shared-store phase (``kind`` in :data:`SHARED_STORES`) on 127.0.0.1 with
-    free ports. Returns it (``.close()`` stops it) and the values its config template needs.
-
-    Raises:
-        DemoError: it did not start (no binary, exited, did not listen).
-    """
-    if kind in ("redis", "p2p"):  # p2p: the redis-server holds only the P2P directory
-        try:  # lmtier.testing.redis: 127.0.0.1, a free port, no persistence
-            redis = RedisServer().start()
-        except RedisUnavailable as e:
-            raise DemoError(str(e)) from None
-        log(f"redis{' (P2P directory only)' if kind == 'p2p' else ''}: ready on 127.0.0.1:{redis.port}")
-        return redis, {"REDIS_PORT": str(redis.port)}
-    if kind == "mooncake":
-        try:  # lmtier.testing.mooncake: mooncake_master + one store server holding the data
-            cluster = MooncakeCluster(servers=1, segment_bytes=MOONCAKE_SEGMENT_BYTES).start()
-        except MooncakeUnavailable as e:
-            raise DemoError(f"Mooncake Store did not start: {e}") from None
-        log(
-            f"mooncake: master on {cluster.master.address}, store server on 127.0.0.1:{cluster.servers[0].port} "
-            f"({MOONCAKE_SEGMENT_BYTES >> 20} MiB)"
-        )
-        return cluster, {"MOONCAKE_MASTER": cluster.master.address}
-    raise ValueError(f"unknown shared store {kind!r}")
-
-
-def shared_store_info(store: RedisServer | MooncakeCluster) -> dict[str, str]:
-    return redis_info(store.port) if isinstance(store, RedisServer) else mooncake_info(store)
-
-
-def p2p_directory_names(port: int) -> set[bytes]:
-    """Names of the chunk entries in the P2P directory on 127.0.0.1:``port`` (hashes
-    ``lmtier:p2p:<ns>:c:<key>``, lmtier.tiers.p2p.directory; one per chunk however many nodes hold
-    it); empty when unreachable."""
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=5)
-    try:
-        return set(client.scan_iter(match="lmtier:p2p:*:c:*", count=1000))
-    except redis.RedisError:
-        return set()
-    finally:
-        client.close()
-
-
-def wait_p2p_published(port: int, chunks: int, timeout_s: float, before: set[bytes] | None = None) -> int:
-    """Wait until the directory on ``port`` lists at least ``chunks`` chunks not in ``before`` (node
-    A's publisher announces what entered its pool in the background), at most ``timeout_s``.
-    Returns how many it lists."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        n = len(p2p_directory_names(port) - (before or set()))
-        if n >= chunks or time.monotonic() > deadline:
-            return n
-        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,23 +447,6 @@ def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespa
 # --------------------------------------------------------------------------------------------
 
 
-def write_config(
-    template: str, work: Path, name: str | None = None, env: dict[str, str] | None = None, **values: str
-) -> Path:
-    """Fill in ``CONFIG_DIR/template`` (``${KEY}`` from ``values``; extra values are ignored), write it
-    to ``work/lmtier_<name or the template's stem>.yaml`` and validate it with lmtier's parser (``env``:
-    the variables the servers will see that the config names, such as a P2P token). Returns its path."""
-    text = string.Template((CONFIG_DIR / template).read_text()).substitute(**values)
-    out = work / f"lmtier_{name or Path(template).stem}.yaml"
-    out.write_text(text)
-    try:  # validate early, with lmtier's own parser, when it imports
-        from lmtier.config import load_config
-    except Exception:  # noqa: BLE001 - lmtier may be mid-edit; the server will report errors
-        return out
-    load_config(out, env=dict(env or {}))
-    return out
-
-
 class Demo:
     def __init__(self, args: argparse.Namespace, work: Path, reqs: list[Req]):
         self.args, self.work, self.reqs = args, work, reqs
@@ -625,7 +516,7 @@ class Demo:
         to node A (cold; stores write through to the store, or — ``p2p`` — enter A's pool, which
         publishes them in the directory), then to node B (warm from the store, or read out of A's
         pool over NIXL while A stays up). Each node has its own config file (``P2P_PORT`` names it)."""
-        store, values = start_shared_store(kind)
+        store, values = start_shared_store(kind, log)
         env = {P2P_TOKEN_ENV: secrets.token_urlsafe(24)} if kind == "p2p" else {}
         try:
             cfgs = [
@@ -893,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         status = 2
     except Exception as e:  # noqa: BLE001 - report, show the logs, clean up
         log(f"FAILED: {e}")
-        if not isinstance(e, DemoError):
+        if not isinstance(e, (DemoError, StoreUnavailable)):
             traceback.print_exc()
         for p in list(demo.procs) or []:
             print(f"\n----- last lines of {p.log_path} -----\n{tail(p.log_path)}", flush=True)

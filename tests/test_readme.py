@@ -284,7 +284,7 @@ def test_connector_benchmark_runs_the_demos_two_node_systems():
     Redis and Mooncake (the demo's shared stores and config templates, not copies) and B cold
     (``base``) in one run; a two-node system only makes sense in warm mode (A stores, B loads)."""
     ab = _ab()
-    assert ab.DEMO.SHARED_STORES == _demo().SHARED_STORES  # scripts/demo.py's, imported
+    assert ab.STORES.SHARED_STORES is _demo().SHARED_STORES  # one definition: lmtier.testing.stores
     a = ab.parse_args(["--mode", "warm", "--systems", "base,p2p,redis,mooncake", "--kv-cache-gib", "0.25"])
     assert a.system_list == ["base", "p2p", "redis", "mooncake"] and a.kv_cache_gib == 0.25
     assert ab.system_env("p2p@LMTIER_BG_IO=nice+X=1") == ("p2p", {"LMTIER_BG_IO": "nice", "X": "1"})

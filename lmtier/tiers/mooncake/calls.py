@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lmtier.errors import LMTierError
+
 __all__ = ["ClientCalls", "Failed", "Pending", "NOT_FOUND_CODES", "is_outage"]
 
 log = logging.getLogger("lmtier.tiers.remote")
@@ -32,7 +34,7 @@ def is_outage(code: int) -> bool:
     return code == -1 or code <= -800
 
 
-class Failed(Exception):
+class Failed(LMTierError):
     """A client call did not complete (breaker open, all workers stuck, timeout, exception)."""
 
 
