@@ -14,11 +14,12 @@ the chunk stays, so their TTL only removes what a dead node left behind.
 Reading side: ``contains_many`` is one pipelined ``HGETALL`` round trip (entries of other, allowed,
 live nodes only); ``get_many_into`` looks the entries up again (fresh), groups the chunks by peer,
 cuts each group into sub-batches (about a quarter of the bytes, >= 8 MiB) and issues one NIXL READ per
-sub-batch, up to ``workers`` in flight (several peers in parallel), verifying each chunk while later
-READs transfer. A chunk whose ``out`` is a slot of this node's CPU pool being written (the connector's
-and the manager's promotions: :meth:`CPUPool.writing_slot <lmtier.tiers.cpu.CPUPool.writing_slot>`)
-is read straight into it — the pool's arena is registered with NIXL anyway — and verified there; any
-other ``out`` gets its chunk through a registered bounce region (copied, then verified in ``out``).
+sub-batch, a peer's sub-batches READ back to back by one worker thread (peers in parallel, up to
+``workers``) while the calling thread verifies each as it arrives (:mod:`lmtier.tiers.p2p.reads`). A chunk
+whose ``out`` is a slot of this node's CPU pool being written (the connector's and the manager's
+promotions: :meth:`CPUPool.writing_slot <lmtier.tiers.cpu.CPUPool.writing_slot>`) is read straight
+into it — the pool's arena is registered with NIXL anyway — and verified there; any other ``out``
+gets its chunk through a registered bounce region (copied, then verified in ``out``).
 
 Safety (decision): a peer's slot can be evicted and reused between the lookup and the READ, or
 rewritten while the READ runs. The pool stores raw payloads (no header), so each read is checked
@@ -34,12 +35,13 @@ that slot, its bytes never become visible. A READ that outlives its caller's wai
 completes or fails, and until then everything it may write stays reserved — its bounce extent, and
 the caller's slots *held* (:meth:`CPUPool.hold <lmtier.tiers.cpu.CPUPool.hold>`: never committed,
 parked once aborted, and skipped by the manager's later tiers) — while the peer is hidden from
-lookups, so at most one such READ per peer. Only ``close`` cancels READs; one NIXL cannot cancel
-keeps its memory for good (counted ``stuck``).
+lookups, so at most one such READ per peer; its worker thread follows it until it ends. Only ``close``
+cancels READs; one NIXL cannot cancel keeps its memory for good (counted ``stuck``).
 
-Failure model: every directory call has socket timeouts (``timeout_s``) and a breaker; every READ
-runs on a worker thread, and its caller waits ``timeout_s + bytes / min_read_bytes_per_s`` (+ 0.25 s)
-at most, then counts its chunks as misses (see above for the READ itself); a failed or timed-out READ
+Failure model: every directory call has socket timeouts (``timeout_s``) and a breaker; a caller
+waits for a sub-batch ``timeout_s + bytes / min_read_bytes_per_s`` at most (after the previous one
+arrived), then counts its chunks and those of the peer's later sub-batches as misses (see above for
+the READ itself); a failed or timed-out READ
 counts against that peer's :class:`~lmtier.tiers.breaker.CircuitBreaker`, whose opening hides the
 peer from lookups for ``breaker_reset_s``; with all ``workers`` busy further reads fail at once. A
 SIGKILLed peer: its READs fail at once (UCX disconnect) and its entries are ignored once its node
@@ -61,22 +63,20 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from lmtier import record as rec
 from lmtier.events import IndexEvent, IndexEventKind
 from lmtier.remote_url import RedisEndpoint
 from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
-from lmtier.tiers.buffers import address_of, host_view, round_up
-from lmtier.tiers.checksums import payload_checksums
+from lmtier.tiers.buffers import host_view
 from lmtier.tiers.device import PinnedBounce, is_cuda_tensor
-from lmtier.tiers.mooncake.bounce import ALIGN, BounceRegion
+from lmtier.tiers.mooncake.bounce import BounceRegion
 from lmtier.tiers.p2p.directory import Directory, Entry, NodeRecord
-from lmtier.tiers.p2p.transport import DONE, STUCK, TIMEOUT, NixlTransport
+from lmtier.tiers.p2p.reads import PeerReads
+from lmtier.tiers.p2p.transport import NixlTransport
 
 if TYPE_CHECKING:
     from lmtier.keys import Namespace
@@ -89,8 +89,6 @@ log = logging.getLogger("lmtier.tiers.p2p")
 
 _PUBLISH_BATCH = 256
 """Chunks per publication round trip."""
-_MIN_READ_BYTES = 8 << 20
-"""Smallest sub-batch a batch of reads is cut into (one NIXL transfer each)."""
 
 
 @dataclass(eq=False)
@@ -111,30 +109,11 @@ class _Peer:
         return _agent_name(self.node_id, self.record.epoch)
 
 
-@dataclass(eq=False)
-class _Group:
-    """The chunks one READ moves from one peer: caller indices, entries, and where each lands — a
-    pool slot the caller reserved (``slots[j]``, its address ``addrs[j]``) or an offset into this
-    group's bounce extent (``offs[j]``, ``total`` bounce bytes)."""
-
-    peer: _Peer
-    idx: list[int] = field(default_factory=list)
-    entries: list[Entry] = field(default_factory=list)
-    offs: list[int | None] = field(default_factory=list)
-    slots: list[int | None] = field(default_factory=list)
-    addrs: list[int] = field(default_factory=list)
-    total: int = 0
-    nbytes: int = 0
-    base: int | None = None
-    deadline: float = 0.0
-    fut: concurrent.futures.Future | None = None
-
-
 def _agent_name(node_id: str, epoch: int) -> str:
     return f"lmtier-p2p-{node_id}-{epoch:016x}"
 
 
-class P2PTier(Tier):
+class P2PTier(PeerReads, Tier):
     """Chunks in peers' CPU pools, read over NIXL; publishes this node's CPU pool. Thread-safe.
 
     Args:
@@ -150,7 +129,8 @@ class P2PTier(Tier):
             ``timeout_s + n / min_read_bytes_per_s``.
         entry_ttl_s: directory entry lifetime, seconds (re-published every third of it).
         node_ttl_s: node record lifetime, seconds (heartbeat every third of it).
-        workers: READs in flight at most (threads).
+        workers: peers read from at once at most (threads; a peer's sub-batches are READ one
+            after another by one thread), all callers together.
         bounce_bytes: size of the registered bounce region reads land in.
         breaker_failures, breaker_reset_s: per-peer (and directory) circuit breaker settings.
         max_pending: publications queued at most (more are dropped, counted ``publish_dropped``).
@@ -227,11 +207,11 @@ class P2PTier(Tier):
         self._queue: collections.deque[tuple[bool, bytes]] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
-        self._stop_reads = threading.Event()  # set by close: READs still running are cancelled
         self._busy_publishing = False
         self.transport: NixlTransport | None = None
         self._bounce: BounceRegion | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the READ chains' threads
+        self._stop_reads = threading.Event()  # set by close: READs still running are cancelled
         self._thread: threading.Thread | None = None
         if pool is None:
             log.info("p2p tier (lookups only): node %s, directory %s", node_id, self.directory.url)
@@ -468,199 +448,6 @@ class P2PTier(Tier):
                 res[i] = self._device.get_into(o, lambda mv, k=k: self._get_host([k], [mv])[0])
         return res
 
-    def _get_host(self, keys: Sequence[bytes], outs: list[memoryview]) -> list[int | None]:
-        res: list[int | None] = [None] * len(keys)
-        assert self._bounce is not None
-        choice = self._choose(keys)
-        # Sub-batches of about a quarter of the bytes (>= 8 MiB; their bounce share <= half the
-        # region), so that one is verified while later READs transfer.
-        total = sum(round_up(c[1].length, ALIGN) for c in choice if c is not None)
-        limit = max(_MIN_READ_BYTES, -(-total // 4))
-        half = self._bounce.nbytes // 2
-        open_groups: dict[str, _Group] = {}
-        todo: collections.deque[_Group] = collections.deque()
-        for i, c in enumerate(choice):
-            if c is None:
-                continue
-            peer, e = c
-            n = round_up(e.length, ALIGN)
-            if e.length > outs[i].nbytes or n > self._bounce.nbytes:
-                log.warning("p2p get_into: out has %d bytes, chunk has %d", outs[i].nbytes, e.length)
-                continue
-            addr = address_of(outs[i])
-            slot = self._direct_slot(addr, e.length)
-            g = open_groups.get(peer.node_id)
-            if g is None or (g.idx and (g.nbytes + n > limit or (slot is None and g.total + n > half))):
-                g = open_groups[peer.node_id] = _Group(peer)
-                todo.append(g)
-            g.idx.append(i)
-            g.entries.append(e)
-            g.slots.append(slot)
-            g.addrs.append(addr)
-            if slot is None:
-                g.offs.append(g.total)
-                g.total += n
-            else:
-                g.offs.append(None)
-            g.nbytes += n
-        # READs of different peers run in parallel; a peer's sub-batches follow each other, up to
-        # ``workers`` in flight, each verified while later ones transfer.
-        flight: collections.deque[_Group] = collections.deque()
-        while todo or flight:
-            while todo and len(flight) < self.workers and self._start(todo[0], first=not flight):
-                flight.append(todo.popleft())
-            if not flight:  # could not start with nothing in flight: its chunks are misses
-                todo.popleft()
-                continue
-            self._finish(flight.popleft(), keys, outs, res)
-        n_hit = sum(1 for n in res if n is not None)
-        self.counters["hits"] += n_hit
-        self.counters["misses"] += len(keys) - n_hit
-        return res
-
-    def _direct_slot(self, address: int, nbytes: int) -> int | None:
-        """The index of the slot of this node's pool (registered with NIXL) being written that holds
-        ``[address, address + nbytes)`` — a READ may land there directly, since this tier can hold the
-        slot if the READ outlives its wait — else None (the chunk goes through the bounce region)."""
-        pool = self.pool
-        return None if pool is None else pool.writing_slot(address, nbytes)
-
-    def _start(self, g: _Group, *, first: bool) -> bool:
-        """Reserve ``g``'s bounce extent (if it has bounce chunks) and start its READ on a worker.
-        False when no worker or extent is free (``first``: this caller has no READ in flight, so it
-        waits up to ``timeout_s`` for an extent and counts the failure; otherwise ``g`` waits its
-        turn), the peer's breaker refuses, or the peer's metadata does not load."""
-        peer = g.peer
-        assert peer.record is not None and self._bounce is not None and self.transport is not None
-        assert self._pool is not None
-        with self._lock:
-            busy = self._inflight >= self.workers or self._closed
-            if not busy:
-                self._inflight += 1
-        if busy:
-            if first:
-                self.counters["busy"] += 1
-            return False
-        base = self._bounce.acquire(g.total, self.timeout_s if first else 0.0) if g.total else 0
-        why = None
-        if base is None:
-            why = "bounce_full" if first else ""
-        elif not peer.breaker.allow():
-            why = "breaker_rejects"
-        elif not self.transport.load_peer(peer.agent_name, peer.record.metadata):
-            why = "errors"
-            self._peer_failed(peer)
-        if why is not None:
-            if why:
-                self.counters[why] += 1
-            if base is not None and g.total:
-                self._bounce.release(base, g.total)
-            with self._lock:
-                self._inflight -= 1
-            return False
-        g.base = base
-        self.counters["direct_gets"] += sum(1 for slot in g.slots if slot is not None)
-        bounce, arena = self._bounce.address + base, peer.record.arena_base
-        pieces = [
-            (a if off is None else bounce + off, arena + e.offset, e.length)
-            for a, off, e in zip(g.addrs, g.offs, g.entries, strict=True)
-        ]
-        g.deadline = time.monotonic() + self.timeout_s + g.nbytes / self.min_read_bytes_per_s
-        name = peer.agent_name
-
-        def done(f: concurrent.futures.Future) -> None:
-            with self._lock:
-                self._inflight -= 1
-
-        # No deadline for the READ itself: its memory (bounce extent, the caller's slots) stays
-        # reserved until it completed or failed, rather than trusting a cancellation (see _finish).
-        g.fut = self._pool.submit(self.transport.read, name, pieces, None, self._stop_reads, g.deadline)
-        g.fut.add_done_callback(done)
-        return True
-
-    def _finish(self, g: _Group, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None]) -> None:
-        """Wait for ``g``'s READ (until its deadline), verify each chunk against its entry (a bounce
-        chunk after its copy into ``out``: what is checked is what the caller gets)."""
-        assert g.fut is not None and g.base is not None and self._bounce is not None
-        peer = g.peer
-        try:
-            state = g.fut.result(max(0.0, g.deadline - time.monotonic()) + 0.25)
-        except concurrent.futures.TimeoutError:
-            # The READ keeps running: its memory stays reserved until it completes or fails —
-            # the bounce extent, and the caller's slots held (never committed, parked once
-            # aborted) — and the peer is hidden meanwhile, so at most one such READ per peer.
-            self.counters["timeouts"] += 1
-            self._peer_failed(peer)
-            held = self._hold(g)
-            with self._lock:
-                peer.late += 1
-            g.fut.add_done_callback(lambda f: self._late_done(g, held, f))
-            return
-        if state != DONE:
-            self.counters["stuck" if state == STUCK else "timeouts" if state == TIMEOUT else "errors"] += 1
-            self._peer_failed(peer)
-            if state == STUCK:  # a transfer NIXL could not cancel (closing) may still write: keep its memory
-                self._hold(g)
-            elif g.total:
-                self._bounce.release(g.base, g.total)
-            return
-        peer.breaker.success()
-        stale: list[tuple[int, Entry]] = []
-        try:
-            mv = self._bounce.mv
-            dsts = [outs[i][: e.length] for i, e in zip(g.idx, g.entries, strict=True)]
-            for dst, off, e in zip(dsts, g.offs, g.entries, strict=True):
-                if off is not None:
-                    o = g.base + off
-                    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(mv[o : o + e.length], dtype=np.uint8))
-            for i, e, xxh3 in zip(g.idx, g.entries, payload_checksums(dsts), strict=True):
-                if xxh3 != e.xxh3:
-                    stale.append((i, e))
-                    continue
-                res[i] = e.length
-        finally:
-            if g.total:
-                self._bounce.release(g.base, g.total)
-        for i, e in stale:
-            self.counters["stale"] += 1
-            log.info(
-                "p2p: chunk %s from %s changed since it was published (slot reused); a miss",
-                keys[i][:6].hex(),
-                peer.node_id,
-            )
-            self.directory.drop_stale(keys[i], peer.node_id, e)
-
-    def _hold(self, g: _Group) -> list[int]:
-        """Hold ``g``'s direct slots in the pool (a READ still running may write them); returns them."""
-        held = []
-        for slot in g.slots:
-            if slot is None:
-                continue
-            assert self.pool is not None
-            try:
-                self.pool.hold(slot)
-            except RuntimeError:  # the caller gave its slot up while we read into it: a caller bug
-                log.error("p2p: a slot read into was aborted or committed during the READ")
-                continue
-            held.append(slot)
-        return held
-
-    def _late_done(self, g: _Group, held: list[int], f: concurrent.futures.Future) -> None:
-        """A READ that outlived its caller's wait finished: free its memory (unless NIXL could not
-        cancel it at close: then it stays reserved for good) and show the peer again."""
-        assert self._bounce is not None and g.base is not None
-        state = STUCK if f.cancelled() or f.exception() is not None else f.result()
-        with self._lock:
-            g.peer.late -= 1
-        if state == STUCK:
-            self.counters["stuck"] += 1
-            return
-        assert self.pool is not None or not held
-        for slot in held:
-            self.pool.unhold(slot)  # type: ignore[union-attr]
-        if g.total:
-            self._bounce.release(g.base, g.total)
-
     def _peer_failed(self, peer: _Peer) -> None:
         peer.breaker.failure()
         if peer.breaker.is_open:
@@ -720,7 +507,7 @@ class P2PTier(Tier):
             for i in range(0, len(keys), _PUBLISH_BATCH):
                 self.directory.unpublish(self.node_id, keys[i : i + _PUBLISH_BATCH])
             self.directory.delete_node(self.node_id)
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=True)  # READs still running are cancelled (_stop_reads)
             if not self.counters["stuck"] and self.transport is not None and self._bounce is not None:
                 self.transport.close()
                 self._bounce.close()

@@ -11,8 +11,9 @@ UCX over TCP on loopback, two processes): a READ from a SIGKILLed peer raises
 ``nixlRemoteDisconnectError`` at once; a paused peer leaves the transfer in ``"PROC"``.
 
 The agent runs in NIXL's ``STRICT`` thread-sync mode (its own lock), so tier threads may share it.
-Nothing here has a timeout of its own except :meth:`NixlTransport.read`'s polling deadline; the tier
-runs reads on worker threads and waits for them with its own timeout.
+Reads are non-blocking (:meth:`NixlTransport.start_read`, :meth:`~NixlTransport.poll`,
+:meth:`~NixlTransport.end`): the tier polls them from the calling thread
+(:mod:`lmtier.tiers.p2p.reads`); :meth:`NixlTransport.read` is the blocking form with a deadline.
 
 Logging: ``logging.getLogger("lmtier.tiers.p2p")``.
 """
@@ -29,7 +30,7 @@ from typing import Any
 from lmtier import envs
 from lmtier.tiers.base import TierError
 
-__all__ = ["NixlTransport", "import_nixl", "DONE", "ERR", "TIMEOUT", "STUCK"]
+__all__ = ["NixlTransport", "import_nixl", "DONE", "ERR", "TIMEOUT", "STUCK", "POLL_MIN_S", "POLL_MAX_S"]
 
 log = logging.getLogger("lmtier.tiers.p2p")
 
@@ -38,9 +39,9 @@ DONE, ERR, TIMEOUT, STUCK = "DONE", "ERR", "TIMEOUT", "STUCK"
 deadline and cancelled (nothing more will be written); past the deadline and NOT cancellable (the
 local memory may still be written: never reuse it)."""
 
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 1e-3
-_POLL_LATE_S = 10e-3
+POLL_MIN_S = 20e-6
+"""First pause between two polls of a running READ (seconds); doubled up to :data:`POLL_MAX_S`."""
+POLL_MAX_S = 1e-3
 
 
 def _ucx_modules_default() -> None:
@@ -161,30 +162,18 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             log.debug("p2p: remove_remote_agent(%s): %s", agent_name, e)
 
-    def read(
-        self,
-        peer: str,
-        pieces: Sequence[tuple[int, int, int]],
-        deadline: float | None,
-        stop: threading.Event | None = None,
-        slow_after: float | None = None,
-    ) -> str:
-        """One-sided READ of ``pieces`` from ``peer``; blocks until done, ``deadline`` or ``stop``.
+    def start_read(self, peer: str, pieces: Sequence[tuple[int, int, int]]) -> tuple[Any, str]:
+        """Start a one-sided READ of ``pieces`` from ``peer`` without waiting for it.
 
         Args:
             peer: a loaded peer's agent name.
             pieces: ``(local address, remote address, bytes)`` per piece; local memory registered
                 here, remote memory registered by the peer.
-            deadline: ``time.monotonic()`` value after which the transfer is cancelled; None: never
-                (it runs until it completes or fails — for a caller that keeps the local memory
-                reserved until then instead of trusting the cancellation).
-            stop: when set, the transfer is cancelled as at a deadline (closing).
-            slow_after: ``time.monotonic()`` value after which the state is polled every 10 ms
-                instead of at most every 1 ms (a READ nobody waits for any more).
 
         Returns:
-            :data:`DONE`, :data:`ERR`, :data:`TIMEOUT` or :data:`STUCK` (see there). Never raises
-            for transfer failures (a disconnected peer is ``ERR``).
+            ``(handle, state)``: state ``"PROC"`` (poll the handle with :meth:`poll`, end it with
+            :meth:`end`), :data:`DONE` or :data:`ERR` (the handle is already released; None on
+            ERR before a handle existed). Never raises for transfer failures.
         """
         agent = self.agent
         handle = None
@@ -193,31 +182,53 @@ class NixlTransport:
             remote = agent.get_xfer_descs([(r, n, 0) for _, r, n in pieces], "DRAM")
             handle = agent.initialize_xfer("READ", local, remote, peer)
             state = agent.transfer(handle)
-            pause = _POLL_MIN_S
-            while state == "PROC":
-                now = time.monotonic()
-                if (deadline is not None and now >= deadline) or (stop is not None and stop.is_set()):
-                    try:
-                        handle.release()  # cancels the transfer, or raises when it cannot
-                    except Exception as e:  # noqa: BLE001
-                        log.warning("p2p: a READ from %s could not be cancelled: %s", peer, e)
-                        handle = None
-                        return STUCK
-                    handle = None
-                    return TIMEOUT
-                time.sleep(pause)
-                pause = _POLL_LATE_S if slow_after is not None and now >= slow_after else min(pause * 2, _POLL_MAX_S)
-                state = agent.check_xfer_state(handle)
-            return DONE if state == "DONE" else ERR
         except Exception as e:  # noqa: BLE001 - nixlRemoteDisconnectError and other NIXL errors
-            log.debug("p2p: READ from %s failed: %s: %s", peer, type(e).__name__, e)
+            log.debug("p2p: READ from %s failed to start: %s: %s", peer, type(e).__name__, e)
+            self.end(handle)
+            return None, ERR
+        if state == "PROC":
+            return handle, "PROC"
+        self.end(handle)
+        return None, DONE if state == "DONE" else ERR
+
+    def poll(self, handle: Any) -> str:
+        """``"PROC"`` while a started READ runs, then :data:`DONE` or :data:`ERR` (never raises)."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as e:  # noqa: BLE001
+            log.debug("p2p: READ failed: %s: %s", type(e).__name__, e)
             return ERR
-        finally:
-            if handle is not None:
-                try:
-                    handle.release()
-                except Exception as e:  # noqa: BLE001
-                    log.debug("p2p: releasing a transfer handle: %s", e)
+        return "PROC" if state == "PROC" else DONE if state == "DONE" else ERR
+
+    def end(self, handle: Any, *, running: bool = False) -> str:
+        """Release a READ's handle. ``running``: it has not completed — NIXL cancels it; returns
+        :data:`TIMEOUT` when that worked, :data:`STUCK` when NIXL refused (the local memory may
+        still be written: never reuse it). Otherwise returns :data:`DONE` (released)."""
+        if handle is None:
+            return DONE
+        try:
+            handle.release()  # cancels an unfinished transfer, or raises when it cannot
+        except Exception as e:  # noqa: BLE001
+            if running:
+                log.warning("p2p: a READ could not be cancelled: %s", e)
+                return STUCK
+            log.debug("p2p: releasing a transfer handle: %s", e)
+        return TIMEOUT if running else DONE
+
+    def read(self, peer: str, pieces: Sequence[tuple[int, int, int]], deadline: float) -> str:
+        """One-sided READ of ``pieces`` from ``peer``, polled until done or cancelled at ``deadline``
+        (``time.monotonic()``): :data:`DONE`, :data:`ERR`, :data:`TIMEOUT` or :data:`STUCK`. (The tier
+        polls its READs itself and does not cancel them at a deadline: :mod:`lmtier.tiers.p2p.reads`.)"""
+        handle, state = self.start_read(peer, pieces)
+        pause = POLL_MIN_S
+        while state == "PROC":
+            if time.monotonic() >= deadline:
+                return self.end(handle, running=True)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX_S)
+            state = self.poll(handle)
+        self.end(handle)
+        return state
 
     def close(self) -> None:
         """Forget every peer and deregister memory (the agent itself goes with the object)."""
