@@ -1,30 +1,10 @@
-"""The tier manager: lmtier's library API over the CPU pool, local disk and remote tiers.
+"""The tier manager: lmtier's library API over the CPU pool, local disk, P2P and remote tiers.
 
-:class:`TierManager` combines tier 1 (:class:`lmtier.tiers.cpu.CPUPool`), an optional tier 2
-(local disk) and an optional tier 3 (Redis/Valkey or Mooncake Store), all behind :class:`lmtier.tiers.base.Tier`:
-
-* ``lookup(keys)`` — where each chunk of the longest cached prefix lives (``"cpu"``, ``"disk"``,
-  ``"p2p"`` — a peer's CPU pool, :mod:`lmtier.tiers.p2p` —, ``"remote"``); stops at the first miss.
-  The P2P tier is asked once for all remaining keys (one directory round trip); the remote tier
-  too when its ``contains_many`` is batched (:meth:`~lmtier.tiers.base.Tier.batches_contains`: one
-  pipelined round trip), else key by key up to the first miss.
-* ``store(key, data)`` — asynchronous: a small thread pool copies the chunk into a CPU slot and
-  commits it; it returns a ``Future[bool]`` at once and never blocks the caller unless asked to
-  wait for queue room (back-pressure: a bounded number of stores in flight).
-* ``retrieve(key, out)`` — from the fastest tier holding the chunk; disk/remote hits are read
-  into a CPU slot (promotion) and copied to ``out``.
-
-Policies (disk write-back, remote write-through, promotion cost, failures as misses):
-docs/ARCHITECTURE.md.
-
-Index events (:mod:`lmtier.events`): listeners added with :meth:`TierManager.add_listener` hear
-``STORED`` (a chunk became visible: :meth:`TierManager.store`, a promotion in
-:meth:`TierManager.retrieve_into`, :meth:`TierManager.commit`), ``EVICTED`` (the CPU pool's LRU
-dropped it; tier ``"disk"`` when it is on disk as it leaves) and ``DISK_EVICTED`` (the disk tier's
-LRU deleted it), synchronously in the thread where the change happened, after it happened.
-
+:class:`TierManager` looks chunks up (longest cached prefix, fastest tier first), stores them
+asynchronously (CPU pool, then write-back to disk and write-through to remote) and retrieves them
+with promotion into the CPU pool; it publishes index events (:mod:`lmtier.events`) to listeners.
+Policies (write-back, write-through, promotion cost, failures as misses): docs/ARCHITECTURE.md.
 The Hugging Face transformers helper (:class:`lmtier.hf.KVCacheStore`) lives in :mod:`lmtier.hf`.
-
 Logging: ``logging.getLogger("lmtier.manager")``.
 """
 
@@ -35,24 +15,18 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmtier.config import ConfigError, LMTierConfig
+from lmtier.config import LMTierConfig
 from lmtier.events import IndexEvent, IndexEventKind, IndexListener
 from lmtier.keys import KEY_BYTES, Namespace
 from lmtier.tiers.base import Eviction, Tier
 from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import background_priority
-from lmtier.tiers.factory import (
-    DiskFactory,
-    RemoteFactory,
-    check_codecs,
-    default_disk_factory,
-    default_remote_factory,
-    wrap_codec,
-)
+from lmtier.tiers.factory import DiskFactory, RemoteFactory, build_tiers, default_disk_factory, default_remote_factory
+from lmtier.tiers.loadmeter import LoadMeter, read_path
 from lmtier.tiers.tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
@@ -62,30 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["LoadMeter", "TierManager"]
 
 log = logging.getLogger("lmtier.manager")
-
-
-class LoadMeter(Protocol):
-    """Times the lower tiers' reads of :meth:`TierManager.fetch_lower_many` (e.g.
-    :class:`lmtier.integration.vllm.loadpolicy.BusyMeter`); called from any thread."""
-
-    def begin(self, tier: str, path: str) -> Any:
-        """A read of ``tier`` (``"disk"``, ``"p2p"``, ``"remote"``) by ``path`` (``"raw"``,
-        ``"codec"``, ``"codec+device"``) starts; returns the token :meth:`end` takes."""
-        ...
-
-    def end(self, token: Any, nbytes: int) -> None:
-        """That read ended, having delivered ``nbytes`` chunk bytes (0 on a miss)."""
-        ...
-
-
-def _read_path(tier: Tier, device: bool) -> str:
-    """How ``tier``'s chunks are read: ``"raw"`` records, ``"codec"`` records decoded on the host,
-    ``"codec+device"`` decoded on the GPU (a :class:`LoadMeter` label)."""
-    from lmtier.tiers.codec import CodecTier
-
-    if not isinstance(tier, CodecTier):
-        return "raw"
-    return "codec+device" if device else "codec"
 
 
 def _done(value: bool) -> Future:
@@ -202,37 +152,16 @@ class TierManager:
                 on a cache the codec cannot take (dtype other than bf16/fp16, MLA, a lossy level with
                 a head size that is not a power of two).
         """
-        if config.chunk_size != namespace.chunk_size:
-            raise ConfigError(
-                f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
-            )
-        check_codecs(config, namespace)
-        cpu = disk = remote = p2p = None
-        try:
-            if config.cpu.enabled:
-                try:
-                    cpu = CPUPool(
-                        config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena, tenants=config.cpu.tenants
-                    )
-                except ValueError as e:
-                    raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
-            if config.disk.enabled:
-                disk = disk_factory(config.disk, namespace, gpu_id)
-                disk = wrap_codec(disk, config, namespace, "disk")
-            if config.remote.enabled:
-                remote = remote_factory(config.remote, namespace)
-                remote = wrap_codec(remote, config, namespace, "remote")
-            if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
-                from lmtier.tiers.p2p.tier import P2PTier
-
-                p2p = P2PTier.from_config(config.p2p, namespace, cpu)
-        except BaseException:
-            for t in (p2p, cpu, disk, remote):
-                if t is not None:
-                    t.close()
-            raise
+        tiers = build_tiers(
+            config,
+            namespace,
+            gpu_id=gpu_id,
+            arena=arena,
+            disk_factory=disk_factory,
+            remote_factory=remote_factory,
+        )
         config.log_effective()
-        return cls(cpu=cpu, disk=disk, remote=remote, p2p=p2p, **kwargs)
+        return cls(**tiers._asdict(), **kwargs)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -630,7 +559,7 @@ class TierManager:
             kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
             ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
             meter, got = self._load_meter, None
-            token = meter.begin(tier.name, _read_path(tier, bool(kw))) if meter is not None else None
+            token = meter.begin(tier.name, read_path(tier, bool(kw))) if meter is not None else None
             try:
                 got = self._safe(tier.get_many_into, ks, ts, default=None, **kw) or [None] * len(todo)
             finally:

@@ -1,20 +1,28 @@
-"""Building the disk and remote tiers from the configuration: the default factories (the remote tier
-sealed as configured), the codec check and wrapper :meth:`lmtier.manager.TierManager.from_config`
-applies, and the factory types a caller may replace them with (tests, custom tiers)."""
+"""Building the tiers from the configuration (:func:`build_tiers`, which
+:meth:`lmtier.manager.TierManager.from_config` calls): the default disk and remote factories (the
+remote tier sealed as configured), the codec check and wrapper, and the factory types a caller may
+replace them with (tests, custom tiers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lmtier.config import DiskConfig, LMTierConfig, RemoteConfig
+from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
 from lmtier.keys import Namespace
 from lmtier.tiers.base import Tier
+from lmtier.tiers.cpu import CPUPool
 from lmtier.tiers.disk import DiskTier
 from lmtier.tiers.seal import seal_remote
 
+if TYPE_CHECKING:
+    from lmtier.tiers.p2p.tier import P2PTier
+
 __all__ = [
+    "BuiltTiers",
     "DiskFactory",
     "RemoteFactory",
+    "build_tiers",
     "check_codecs",
     "codec_chunk_shape",
     "default_disk_factory",
@@ -81,3 +89,58 @@ def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: st
 
     key = "local_disk_serde" if which == "disk" else "remote_serde"
     return CodecTier(tier, shape=codec_chunk_shape(namespace), dtype=namespace.kv_dtype, level=level, config_key=key)
+
+
+class BuiltTiers(NamedTuple):
+    """The tiers a configuration enables (None where it does not)."""
+
+    cpu: CPUPool | None
+    disk: Tier | None
+    remote: Tier | None
+    p2p: P2PTier | None
+
+
+def build_tiers(
+    config: LMTierConfig,
+    namespace: Namespace,
+    *,
+    gpu_id: int = 0,
+    arena: Any = None,
+    disk_factory: DiskFactory = default_disk_factory,
+    remote_factory: RemoteFactory = default_remote_factory,
+) -> BuiltTiers:
+    """Build the tiers ``config`` enables for chunks of ``namespace`` (arguments: see
+    :meth:`lmtier.manager.TierManager.from_config`); a disk/remote tier whose serde is ``cachegen``
+    is wrapped in :class:`~lmtier.tiers.codec.CodecTier` after its factory built it. If one tier
+    fails to build, those already built are closed before the error propagates.
+
+    Raises:
+        ConfigError: inconsistent chunk size, CPU pool smaller than one chunk, a ``cachegen`` serde
+            the cache cannot take (:func:`check_codecs`). What a factory raises.
+    """
+    if config.chunk_size != namespace.chunk_size:
+        raise ConfigError(
+            f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
+        )
+    check_codecs(config, namespace)
+    cpu = disk = remote = p2p = None
+    try:
+        if config.cpu.enabled:
+            try:
+                cpu = CPUPool(config.cpu.capacity_bytes, namespace.chunk_bytes, arena=arena, tenants=config.cpu.tenants)
+            except ValueError as e:
+                raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
+        if config.disk.enabled:
+            disk = wrap_codec(disk_factory(config.disk, namespace, gpu_id), config, namespace, "disk")
+        if config.remote.enabled:
+            remote = wrap_codec(remote_factory(config.remote, namespace), config, namespace, "remote")
+        if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
+            from lmtier.tiers.p2p.tier import P2PTier
+
+            p2p = P2PTier.from_config(config.p2p, namespace, cpu)
+    except BaseException:
+        for t in (p2p, cpu, disk, remote):
+            if t is not None:
+                t.close()
+        raise
+    return BuiltTiers(cpu, disk, remote, p2p)
