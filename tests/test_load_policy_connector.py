@@ -1,5 +1,5 @@
 """The load policy inside LMTierConnector, against vLLM's real ``Scheduler`` (the fake model runner
-of tests/test_connector_scheduler.py: real paged KV buffer, every read checked).
+of lmtier.testing.scheduler_harness: real paged KV buffer, every read checked).
 
 Deterministic: the decisions come from configured inputs (``prefill_tokens_per_s``,
 ``load_prior_gbps`` with ``load_min_samples`` too high for measurements to replace them) or from
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from lmtier.integration.vllm.stats import process_decision_totals
+from lmtier.testing.scheduler_harness import CHUNK, Harness, hit_of, prompt
 from lmtier.testing.vllm import require_vllm
-from tests.test_connector_scheduler import CHUNK, Harness, hit_of, prompt
 
 pytestmark = pytest.mark.vllm
 

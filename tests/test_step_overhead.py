@@ -7,7 +7,7 @@ for in-flight stores (``handle_preemptions`` without a preemption), never re-tak
 decisions and never look a running request up again. These tests count calls into the worker's data
 path, the load policy and the hashing (not time; the host time per hook is
 benchmarks/bench_step_overhead.py's). They run vLLM's own ``Scheduler`` with the connector, through
-the fake model runner of tests/test_connector_scheduler.py.
+the fake model runner of lmtier.testing.scheduler_harness.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import collections
 
 import pytest
 
+from lmtier.testing.scheduler_harness import CHUNK, LAYERS, prompt
 from lmtier.testing.vllm import require_vllm
-from tests.test_connector_scheduler import CHUNK, LAYERS, prompt
 
 pytestmark = pytest.mark.vllm
 
