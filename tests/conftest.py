@@ -25,6 +25,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def managers():
+    """A list a test appends the :class:`lmtier.manager.TierManager` s it builds to: each is closed
+    (without persisting) after the test."""
+    made = []
+    yield made
+    for m in made:
+        m.close(persist=False)
+
+
+@pytest.fixture
 def make(tmp_path):
     """Factory of connector harnesses (``lmtier.testing.scheduler_harness.Harness``: vLLM's real
     ``Scheduler`` with both lmtier connector roles): ``make(**kw)``; each is closed after the test."""

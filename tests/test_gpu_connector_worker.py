@@ -165,14 +165,6 @@ def _disk(tmp_path):
     return DiskTier([str(tmp_path / "disk")], 256 << 20, sync="none", use_kvikio="never")
 
 
-@pytest.fixture
-def managers():
-    made = []
-    yield made
-    for m in made:
-        m.close(persist=False)
-
-
 def _worker(cache: Cache, managers, manager=None, **kw):
     ns = _ns(cache.dtype)
     mgr = manager or TierManager(cpu=_pool(ns))
