@@ -290,3 +290,29 @@ def test_lookup_only_tier_sees_peers_but_reads_nothing(directory):
             mine.close()
     finally:
         a.close()
+
+
+def test_agent_progress_thread_does_not_busy_poll(nixl, monkeypatch):
+    """The tier's agent is built with ``pthrDelay = PROGRESS_DELAY_US`` (the wheel's ``nixl_agent``
+    passes 0: a busy-polling progress thread), through the wheel's own constructor, and the
+    constructor's module is left as it was."""
+    from lmtier.tiers.p2p import transport as T
+
+    api = T.import_nixl()
+    bind = api.nixlBind
+    seen = []
+    real = bind.nixlAgent
+
+    def spy(name, cfg):
+        seen.append((name, cfg.pthrDelay, cfg.useProgThread))
+        return real(name, cfg)
+
+    monkeypatch.setattr(bind, "nixlAgent", spy)
+    t = T.NixlTransport("lmtier-test-delay")
+    try:
+        assert T.PROGRESS_DELAY_US > 0
+        assert seen == [("lmtier-test-delay", T.PROGRESS_DELAY_US, True)]
+        assert api.nixlBind is bind
+        assert "UCX" in t.agent.backends
+    finally:
+        t.close()

@@ -15,7 +15,9 @@ publishes. In this process (node B), per preset and count:
 
 * ``raw``: one NIXL READ (``initialize_xfer`` + ``transfer`` + polling ``check_xfer_state``) of the
   same slots of A's registered arena into a registered buffer, by a plain ``nixl_agent`` that loaded
-  A's published metadata: no directory, no checksum, no copy — the ceiling. Polled two ways, both
+  A's published metadata: no directory, no checksum, no copy — the ceiling. Its progress thread
+  pauses :data:`~lmtier.tiers.p2p.transport.PROGRESS_DELAY_US` between idle polls, as the tier's
+  agents do (the wheel's default, 0, busy-polls: that thread would take CPU from the tier's runs). Polled two ways, both
   timed: ``raw_spin`` (``check_xfer_state`` in a tight loop) and ``raw_sleep`` (sleeps of 20 µs
   doubling to 1 ms between polls, as the tier's transport does); the ceiling is the faster one;
 * ``direct`` (the product path): :meth:`P2PTier.get_many_into` into slots of B's CPU pool reserved
@@ -120,7 +122,7 @@ def run_case(
     from lmtier.tiers.cpu import CPUPool
     from lmtier.tiers.p2p.directory import Directory
     from lmtier.tiers.p2p.tier import P2PTier
-    from lmtier.tiers.p2p.transport import import_nixl
+    from lmtier.tiers.p2p.transport import PROGRESS_DELAY_US, import_nixl, new_agent
     from lmtier.tiers.redis import RedisTier
 
     fields = _namespace_fields(name, chunk_tokens)
@@ -168,7 +170,8 @@ def run_case(
         rec = d.get_nodes([node_id])[node_id]
         d.close()
         api = import_nixl()
-        raw = api.nixl_agent("bench-raw", api.nixl_agent_config(backends=["UCX"]))
+        # the tier's progress-thread delay (a busy-polling thread here would slow the tier's runs too)
+        raw = new_agent(api, "bench-raw", api.nixl_agent_config(backends=["UCX"]), PROGRESS_DELAY_US)
         raw.register_memory([(dst.ctypes.data, total, 0, "")], "DRAM")
         peer = raw.add_remote_agent(rec.metadata)
         peer = peer.decode() if isinstance(peer, bytes) else peer

@@ -30,7 +30,18 @@ from typing import Any
 from lmtier import envs
 from lmtier.tiers.base import TierError
 
-__all__ = ["NixlTransport", "import_nixl", "DONE", "ERR", "TIMEOUT", "STUCK", "POLL_MIN_S", "POLL_MAX_S"]
+__all__ = [
+    "NixlTransport",
+    "import_nixl",
+    "new_agent",
+    "PROGRESS_DELAY_US",
+    "DONE",
+    "ERR",
+    "TIMEOUT",
+    "STUCK",
+    "POLL_MIN_S",
+    "POLL_MAX_S",
+]
 
 log = logging.getLogger("lmtier.tiers.p2p")
 
@@ -42,6 +53,38 @@ local memory may still be written: never reuse it)."""
 POLL_MIN_S = 20e-6
 """First pause between two polls of a running READ (seconds); doubled up to :data:`POLL_MAX_S`."""
 POLL_MAX_S = 1e-3
+PROGRESS_DELAY_US = 100
+"""Pause of the agent's UCX progress thread between two idle polls (microseconds; NIXL's
+``nixlAgentConfig.pthrDelay``). The wheel's ``nixl_agent`` hard-codes 0: the thread busy-polls, a
+sizeable share of a core per agent even when idle (0.3 cores measured on the 2-core box), which
+slows every other thread of the host. With 100 µs it idles at ~0.01 cores and READs are not slower
+(benchmarks/RESULTS.md §3.5)."""
+
+_agent_lock = threading.Lock()
+
+
+def new_agent(api: Any, name: str, cfg: Any, delay_us: int) -> Any:
+    """``api.nixl_agent(name, cfg)`` with the progress thread's ``pthrDelay`` set to ``delay_us``
+    (the wheel's constructor overwrites it with 0 just before it builds the C++ agent, so the
+    constructor is given, for the duration of the call, a view of its bindings module whose
+    ``nixlAgent`` sets ``pthrDelay`` first; everything else is the module's own)."""
+    real = api.nixlBind
+
+    class _Bind:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, agent_config: Any) -> Any:  # noqa: N802 - NIXL's name
+            agent_config.pthrDelay = delay_us
+            return real.nixlAgent(agent_name, agent_config)
+
+    with _agent_lock:
+        api.nixlBind = _Bind()
+        try:
+            return api.nixl_agent(name, cfg)
+        finally:
+            api.nixlBind = real
 
 
 def _ucx_modules_default() -> None:
@@ -101,7 +144,7 @@ class NixlTransport:
                 backends=["UCX"],
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             )
-            self.agent = api.nixl_agent(agent_name, cfg)
+            self.agent = new_agent(api, agent_name, cfg, PROGRESS_DELAY_US)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
             raise TierError(f"NIXL agent {agent_name!r} could not start: {type(e).__name__}: {e}") from None
         if "UCX" not in self.agent.backends:
