@@ -123,7 +123,9 @@ def test_p2p_nodes_with_every_tier_and_budget(tmp_path):
         a = a_run.result()  # A ends once B has read P from its pool
         # A's process ended without closing its tiers: withdraw its directory entries (as its close
         # would), so B's lookup of Q cannot claim chunks nobody serves any more and goes to Redis.
-        db.delete(*db.scan_iter(match="lmtier:p2p:*"))
+        directory = list(db.scan_iter(match="lmtier:p2p:*"))
+        assert directory, "the directory is empty"
+        db.delete(*directory)
         a_gone.touch()
         b = b_run.result()
         used = {t.decode(): int(v) for t, v in db.hgetall(b"lmtier:tb:used").items()}
