@@ -24,6 +24,9 @@ Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
                                                               encrypt adds ``remote_encrypt: true``)
 ``cpu_tenant_share``        unset, 0.5                       (tenant budgets in the CPU pool; every
                                                               request is the default tenant here)
+``remote_tenant_share``     unset, 0.5                       (tenant budgets in the Redis tier, with
+                                                              ``remote_tenant_capacity``; only with a
+                                                              Redis remote: refused for Mooncake)
 ==========================  ==============================================================
 
 A value a row cannot use is "-" (meaningless, never configured): a serde for a tier that is not
@@ -42,7 +45,9 @@ vLLM prefix caching off so every hit is lmtier's, greedy):
 
 1. first engine: prompts A and B (3 full chunks of 128 tokens + 21, ``seg`` 0 and 1 of the
    test text) cold, one request at a time; after each, the stores are waited for (disk records,
-   Redis keys or Mooncake objects counted); then A and B again: CPU-pool hits.
+   Redis chunk records or Mooncake objects counted; with ``remote_tenant_share`` the Redis budget's
+   accounting must hold exactly those records, for the default tenant, with its guarantee); then A and
+   B again: CPU-pool hits.
 2. where a disk or a remote tier is configured, a second engine (a restart: empty CPU pool) runs A
    and B again: A hits the disk when one is configured, else the remote; B hits the remote when one
    is configured (with disk + remote, B's disk records are deleted between the engines, so the
@@ -85,6 +90,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -127,7 +133,9 @@ DIMS: dict[str, tuple] = {
     "load_failure_policy": (None, "recompute", "fail"),  # None: unset (lmtier's default: recompute)
     "remote_seal": (None, "mac", "encrypt"),  # None: unsealed; mac: remote_auth_key; encrypt: + remote_encrypt
     "cpu_tenant_share": (None, 0.5),  # None: no tenant budgets
+    "remote_tenant_share": (None, 0.5),  # None: no Redis budgets; 0.5: + remote_tenant_capacity (REMOTE_CAPACITY_GIB)
 }
+REMOTE_CAPACITY_GIB = 0.25  # remote_tenant_capacity: room for every record of a row (<= 36 MiB), nothing evicted
 NA = "-"
 REMOTES = ("redis", "mooncake")
 
@@ -146,6 +154,8 @@ def normalize(row: dict) -> dict:
     if not remote:
         r["remote_serde"] = NA  # no remote tier: its serde names nothing
         r["remote_seal"] = NA  # nothing to seal
+    if remote_of(r) != "redis":
+        r["remote_tenant_share"] = NA  # Redis budgets only (a ConfigError for Mooncake)
     if "cachegen" not in (r["local_disk_serde"], r["remote_serde"]):
         r["codec_level"] = NA  # the level only applies to cachegen serdes (config.py warns otherwise)
     if not (disk or remote):
@@ -210,6 +220,8 @@ def row_id(i: int, r: dict) -> str:
         bits.append(f"seal={r['remote_seal']}")
     if r["cpu_tenant_share"] is not None:
         bits.append(f"tenant={r['cpu_tenant_share']}")
+    if r["remote_tenant_share"] not in (NA, None):
+        bits.append(f"rtenant={r['remote_tenant_share']}")
     return "-".join(bits)
 
 
@@ -226,6 +238,7 @@ def test_covering_array_covers_every_pair():
     assert {r["tp"] for r in ROWS} == {1, 2}
     assert {r["load_failure_policy"] for r in ROWS} == set(DIMS["load_failure_policy"])
     assert {r["cpu_tenant_share"] for r in ROWS} == set(DIMS["cpu_tenant_share"])
+    assert {r["remote_tenant_share"] for r in ROWS} - {NA} == set(DIMS["remote_tenant_share"])
     for remote in REMOTES:  # each remote tier through both serdes, every level, both TP sizes, with and without disk
         mine = [r for r in ROWS if remote_of(r) == remote]
         assert {r["remote_serde"] for r in mine} == set(DIMS["remote_serde"]), remote
@@ -306,6 +319,8 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
         cfg.update(remote_auth_key=f"file:{key}", remote_encrypt=r["remote_seal"] == "encrypt")
     if r["cpu_tenant_share"] is not None:
         cfg["cpu_tenant_share"] = r["cpu_tenant_share"]
+    if r["remote_tenant_share"] not in (NA, None):
+        cfg.update(remote_tenant_share=r["remote_tenant_share"], remote_tenant_capacity=REMOTE_CAPACITY_GIB)
     if r["codec_level"] != NA:
         cfg["codec_level"] = r["codec_level"]
     extra: dict = {"layerwise_loads": r["layerwise_loads"]}
@@ -412,6 +427,11 @@ def test_row(r, request, matrix_dir, launcher):
             remote,
             res["stored"],
         )
+    if r["remote_tenant_share"] not in (NA, None):  # the Redis budget accounted every record to the default tenant
+        used = {t.decode(): int(v) for t, v in db.hgetall(b"lmtier:tb:used").items()}
+        assert used == {"default": sum(db.strlen(k) for k in redis_records(db))}, used
+        guarantee = int(db.hget(b"lmtier:tb:g", b"default"))
+        assert guarantee == int(r["remote_tenant_share"] * REMOTE_CAPACITY_GIB * 2**30), guarantee
     # ---- the load-failure policy vLLM's scheduler uses (vLLM's own key is "fail" in every row)
     recompute = r["load_failure_policy"] != "fail"
     assert first["recompute_kv_load_failures"] == recompute, r["load_failure_policy"]
@@ -559,10 +579,21 @@ def test_disk_records_hold_canonical_chunks(dtype, matrix_dir, launcher):
 
 
 # ------------------------------------------------------------------------------ child process
+REDIS_RECORD = re.compile(rb"lmtier:[0-9a-f]{64}")
+"""A chunk record's key in the Redis tier (default ``key_prefix``, the chunk key in hex)."""
+
+
+def redis_records(db) -> list[bytes]:
+    """The chunk records' keys in the Redis database ``db`` (a redis-py client)."""
+    return [k for k in db.scan_iter(match="lmtier:*", count=1000) if REDIS_RECORD.fullmatch(k)]
+
+
 def remote_counter(how: dict | None):
     """A function returning the number of chunk objects in the row's remote tier (None without one).
 
-    ``how``: ``{"redis_url"}`` (keys of the row's database, not counting in-flight ``.tmp.`` keys) or
+    ``how``: ``{"redis_url"}`` (chunk records of the row's database: keys ``lmtier:<64 hex>``, the Redis
+    tier's default prefix and a chunk key; not the in-flight ``.tmp.`` keys nor the budget bookkeeping
+    ``lmtier:tb:*`` of lmtier.tiers.redis.budget) or
     ``{"mooncake_metrics_url"}`` (the master's ``master_key_count`` gauge on its Prometheus endpoint:
     the row's store is fresh, so every object is one of its chunks)."""
     if how is None:
@@ -571,7 +602,7 @@ def remote_counter(how: dict | None):
         import redis as redis_py
 
         db = redis_py.Redis.from_url(how["redis_url"])
-        return lambda: sum(1 for k in db.scan_iter(count=1000) if b".tmp." not in k)
+        return lambda: len(redis_records(db))
 
     def mooncake_keys() -> int:
         import urllib.request

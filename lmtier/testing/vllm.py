@@ -44,6 +44,8 @@ Steps:
   * ``{"op": "wait_file", "path": P, "timeout_s": t}`` — wait until the file ``P`` exists (the test
     starts the engine early and lets it go on once another process is ready); ``TimeoutError`` after
     ``t`` seconds (default 300).
+  * ``{"op": "touch", "path": P}`` — create the file ``P`` (tells the test, or another engine waiting
+    in ``wait_file``, that this engine got here).
 
 Results (JSON): ``{"steps": {name: {...}}, "elapsed_s": t}``.
 """
@@ -398,6 +400,8 @@ def _child(spec_path: str, out_path: str) -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{step['path']} did not appear")
                 time.sleep(0.1)
+        elif op == "touch":
+            Path(step["path"]).touch()
         elif op == "generate":
             prompts = []
             for p in step["prompts"]:
