@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_engine_zygote():
+    """After each module: end lmtier.testing.vllm.run_engine's zygote (its memory), if the module started it."""
+    yield
+    from lmtier.testing.vllm import close_zygote
+
+    close_zygote()
+
+
 @pytest.fixture
 def make(tmp_path):
     """Factory of connector harnesses (``tests.test_connector_scheduler.Harness``: vLLM's real

@@ -70,6 +70,7 @@ __all__ = [
     "write_yaml",
     "engine_env",
     "run_engine",
+    "close_zygote",
     "text_token_ids",
     "prompt_token_ids",
 ]
@@ -494,6 +495,14 @@ def _child(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"steps": results, "startup_s": startup}))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's interpreter-exit teardown (slow, sometimes noisy)
+
+
+def close_zygote() -> None:
+    """End :func:`run_engine`'s zygote if it runs (it holds ~0.3-0.5 GiB of imported vLLM and torch; the
+    next call starts another). tests/conftest.py calls it after each test module."""
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE:
+            _ZYGOTE.pop().close()
 
 
 def _preload() -> None:
