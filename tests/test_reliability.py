@@ -25,6 +25,9 @@ also loaded from Mooncake (``test_mooncake_*``). Measured on 2 cores shared with
 average 7-9): 3.5 min (server startup ~70-90 s and the reference pass dominate); with the pause as
 well 5-7 min, so the pause stays out of CI: it is covered without a server by
 tests/test_mooncake_tier.py and tests/test_soak_episodes.py, and by ``run_soak.py --remote mooncake``.
+Both soaks run the same prompts: the Mooncake soak takes the Redis soak's reference outputs (``--reference``)
+after checking 2 of the 15 on its own server (2026-12-02, load 7-29: its reference 7 s instead of 91 s,
+the soak 185 s instead of 498 s the run before at load 10-20; 13 passed both times).
 """
 
 from __future__ import annotations
