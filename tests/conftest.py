@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_engine_zygote():
+    """After each module: end lmtier.testing.vllm.run_engine's zygote (its memory), if the module started it."""
+    yield
+    from lmtier.testing.vllm import close_zygote
+
+    close_zygote()
+
+
 @pytest.fixture
 def managers():
     """A list a test appends the :class:`lmtier.manager.TierManager` s it builds to: each is closed

@@ -360,14 +360,14 @@ def test_openai_server_metrics(e2e_dir):
     import urllib.request
 
     from lmtier.testing.procs import free_port
-    from lmtier.testing.vllm import MODEL_DIR, REPO, write_yaml
+    from lmtier.testing.vllm import MODEL_DIR, REPO, vllm_cache_root, write_yaml
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
         HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(e2e_dir / "vllm-cache"),
+        VLLM_CACHE_ROOT=str(vllm_cache_root()),
         PYTHONPATH=str(REPO),
         LMTIER_CONFIG_FILE=str(write_yaml(e2e_dir / "server.yaml", _cfg())),
     )

@@ -2,11 +2,12 @@
 
 SmolLM2-135M has 3 KV heads, which 2 ranks cannot split, so this test builds a tiny Llama (4 layers,
 8 query / 4 KV heads of 32, random float32 weights, SmolLM2's tokenizer) in a temporary folder. Each
-engine runs in a child process with vLLM's multiprocess executor (one worker process per rank, one
-core each through ``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Checked: cold run stores, the second
-round loads every full chunk from the CPU tier, a new engine (restart) loads them from the disk
-tier, each rank wrote its own records (2 per chunk), and every greedy output equals a TP=2 engine
-without the connector.
+engine runs in a child process forked by a zygote that imported vLLM once (:mod:`lmtier.testing.zygote`,
+as tests/test_config_matrix.py does), its engine core in that process and vLLM's multiprocess executor
+spawning one worker process per rank (one core each through ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+Checked: cold run stores, the second round loads every full chunk from the CPU tier, a new engine
+(restart) loads them from the disk tier, each rank wrote its own records (2 per chunk), and every
+greedy output equals a TP=2 engine without the connector.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from lmtier.testing.vllm import MODEL_DIR, engine_env, require_vllm, write_yaml
+if __package__ in (None, ""):  # run as the zygote: python tests/test_connector_tp.py --zygote
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lmtier.testing.vllm import MODEL_DIR, require_vllm, write_yaml
+from lmtier.testing.zygote import EngineLauncher, serve
 
 pytestmark = pytest.mark.vllm
 
@@ -53,14 +57,18 @@ def _make_model(dst: Path) -> None:
         shutil.copy(MODEL_DIR / f, dst / f)
 
 
-def _child(model: str, connector: bool, out: str) -> None:
+def _child(spec_path: str, out: str) -> None:
+    """One engine (a child of the zygote): ``spec`` = ``{"model", "connector"}``; two rounds of the
+    prompts; their token ids and ``num_cached_tokens`` to ``out`` (JSON)."""
     import argparse
     import inspect
 
     from vllm import LLM, SamplingParams
 
+    spec = json.loads(Path(spec_path).read_text())
+    connector = spec["connector"]
     kw = dict(
-        model=model,
+        model=spec["model"],
         dtype="float32",
         enforce_eager=True,
         tensor_parallel_size=2,
@@ -90,7 +98,15 @@ def _child(model: str, connector: bool, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-def _run(tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict:
+def _preload() -> None:
+    """The zygote's imports: what every engine child needs, done once."""
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    from lmtier.integration.vllm import connector  # noqa: F401
+
+
+def _run(launcher: EngineLauncher, tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict:
     cfg = write_yaml(
         tmp / "lmtier.yaml",
         {
@@ -101,20 +117,11 @@ def _run(tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict
             "max_local_disk_size": 0.5,
         },
     )
-    env = engine_env(tmp, cfg)
-    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # TP = 2: vLLM's engine core in its own process
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    out = tmp / f"{name}.json"
-    p = subprocess.run(
-        [sys.executable, __file__, str(model), "1" if connector else "0", str(out)],
-        env=env,
-        cwd=str(tmp),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    (tmp / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
-    assert p.returncode == 0 and out.exists(), f"{name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
+    spec, out, log = tmp / f"{name}.spec.json", tmp / f"{name}.json", tmp / f"{name}.log"
+    spec.write_text(json.dumps({"model": str(model), "connector": connector}))
+    # the engine core stays in the child (the zygote's VLLM_ENABLE_V1_MULTIPROCESSING=0); one core per rank
+    rc = launcher.run(spec, out, log, {"LMTIER_CONFIG_FILE": str(cfg), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, 600)
+    assert rc == 0 and out.exists(), f"{name} failed (rc {rc}):\n{log.read_text()[-4000:]}"
     return json.loads(out.read_text())
 
 
@@ -124,15 +131,19 @@ def test_tp2_cpu_and_disk_hits_identical(tmp_path):
     model = tmp_path / "tiny-llama-kv4"
     _make_model(model)
     disk = tmp_path / "disk"
-    base = _run(tmp_path, "base", model, False, disk)
-    assert base["first"]["cached"] == [0] * NUM_PROMPTS
-    warm = _run(tmp_path, "conn", model, True, disk)
-    full = PROMPT_LEN // 256 * 256
-    assert warm["first"]["cached"] == [0] * NUM_PROMPTS
-    assert warm["second"]["cached"] == [full] * NUM_PROMPTS  # CPU tier, both ranks
-    records = [f for f in disk.rglob("*") if f.is_file() and not f.name.startswith(".")]
-    assert len(records) == 2 * NUM_PROMPTS * (PROMPT_LEN // 256)  # one record per chunk per rank
-    restart = _run(tmp_path, "restart", model, True, disk)
+    launcher = EngineLauncher(tmp_path, Path(__file__))
+    try:
+        base = _run(launcher, tmp_path, "base", model, False, disk)
+        assert base["first"]["cached"] == [0] * NUM_PROMPTS
+        warm = _run(launcher, tmp_path, "conn", model, True, disk)
+        full = PROMPT_LEN // 256 * 256
+        assert warm["first"]["cached"] == [0] * NUM_PROMPTS
+        assert warm["second"]["cached"] == [full] * NUM_PROMPTS  # CPU tier, both ranks
+        records = [f for f in disk.rglob("*") if f.is_file() and not f.name.startswith(".")]
+        assert len(records) == 2 * NUM_PROMPTS * (PROMPT_LEN // 256)  # one record per chunk per rank
+        restart = _run(launcher, tmp_path, "restart", model, True, disk)
+    finally:
+        launcher.close()
     assert restart["first"]["cached"] == [full] * NUM_PROMPTS  # disk tier after a restart
     for run in (warm, restart):
         for rnd in ("first", "second"):
@@ -141,4 +152,4 @@ def test_tp2_cpu_and_disk_hits_identical(tmp_path):
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2] == "1", sys.argv[3])
+    serve(_child, _preload)

