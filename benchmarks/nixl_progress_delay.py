@@ -89,7 +89,8 @@ def main() -> int:
     if not np.array_equal(dst[:: 1 << 16], sample):
         raise RuntimeError("wrong bytes")
     print(
-        f"pthrDelay {a.delay_us} us, {1 + a.extra} agent(s) in B: READ {total / statistics.median(secs) / 1e9:.2f} GB/s "
+        f"pthrDelay {a.delay_us} us, {1 + a.extra} agent(s) in B: "
+        f"READ {total / statistics.median(secs) / 1e9:.2f} GB/s "
         f"median (best {total / min(secs) / 1e9:.2f}), CPU {1e3 * statistics.median(cpu):.0f} ms per READ (A + B), "
         f"idle {idle:.2f} cores (A + B), load {os.getloadavg()[0]:.1f}",
         flush=True,
