@@ -291,14 +291,27 @@ def level_support(level, shape) -> torch.Tensor:
 _RATE_MODELS: dict = {}
 
 
+_RESOLVED: dict = {}
+
+
+def resolved_level(chunk: torch.Tensor, lv):
+    """``lv``, or an adaptive level resolved for ``chunk`` (memoized by the chunk's bytes)."""
+    if not lv.adaptive:
+        return lv
+    import hashlib
+
+    from lmtier.codec import bound as B
+
+    key = (lv, tuple(chunk.shape), hashlib.blake2b(chunk.contiguous().view(torch.uint8).numpy()).digest())
+    if key not in _RESOLVED:
+        qk, qv, _ = B.choose_qmax(chunk, lv)
+        _RESOLVED[key] = L.resolve(lv, qk, qv)
+    return _RESOLVED[key]
+
+
 def quantize_any(chunk: torch.Tensor, lv):
     """:func:`lmtier.codec.quant.quantize`, resolving an adaptive level for the chunk first."""
-    if lv.adaptive:
-        from lmtier.codec import bound as B
-
-        qk, qv, _ = B.choose_qmax(chunk, lv)
-        lv = L.resolve(lv, qk, qv)
-    return Q.quantize(chunk, lv)
+    return Q.quantize(chunk, resolved_level(chunk, lv))
 
 
 def _rate_models(lv, calib_kv: torch.Tensor, shape) -> tuple:
@@ -437,12 +450,7 @@ def decode_level(level, kv_bf16: torch.Tensor) -> torch.Tensor:
     outs = []
     lv = L.get_level(level)
     for c in chunk_views(kv_bf16):
-        rl = lv
-        if lv.adaptive:
-            from lmtier.codec import bound as B
-
-            qk, qv, _ = B.choose_qmax(c, lv)
-            rl = L.resolve(lv, qk, qv)
+        rl = resolved_level(c, lv)
         s, sd = Q.quantize(c, rl)
         outs.append(Q.dequantize(s, sd, rl, tuple(c.shape), c.dtype))
     return torch.cat(outs, dim=2)
