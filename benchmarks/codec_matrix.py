@@ -1,6 +1,6 @@
 """The codec quality matrix (issue 19): texts x levels x models, min / median / max per level.
 
-Driven by ``python benchmarks/codec_quality.py --matrix [--models smollm2,smollm2-d19]
+Driven by ``python benchmarks/codec_quality.py --matrix [--models smollm2,smollm2-d28]
 [--schemes ...] [--matrix-texts ...]``; the corpus and the models are in
 :mod:`codec_corpus`, the model runs, metrics and rate models in :mod:`codec_quality` (same protocol:
 256-token chunks quantized independently, the decoded context KV replaces the bf16-rounded

@@ -652,7 +652,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny synthetic run without the model")
     ap.add_argument("--matrix", action="store_true", help="the texts x levels x models matrix (codec_matrix.py)")
-    ap.add_argument("--models", default="smollm2,smollm2-d19", help="--matrix: models (codec_corpus.MODELS)")
+    ap.add_argument("--models", default="smollm2,smollm2-d28", help="--matrix: models (codec_corpus.MODELS)")
     ap.add_argument("--matrix-texts", default="", help="--matrix: texts (default: all of codec_corpus.MATRIX_TEXTS)")
     ap.add_argument("--schemes", default="", help="--matrix: schemes (default: codec_matrix.DEFAULT_SCHEMES)")
     ap.add_argument("--threads", type=int, default=2)
