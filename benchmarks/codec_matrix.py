@@ -47,13 +47,14 @@ def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Te
     kv = data["kv_fp32"].to(torch.bfloat16)
     out: dict = dict(model=model, text=text, scheme=scheme, split=CC.MATRIX_TEXTS[text][1])
     if scheme == "cachegen":
-        rate, dec = CQ.cachegen_rate_and_decode(kv, cal)
+        rate, dec = CQ.cachegen_rate_and_decode(kv, kv if cal is None else cal)
         out.update(ratio=rate["ratio"], ratio_bound=rate["ratio"], ratio_as_shipped=rate["ratio_as_shipped"])
     else:
         lv = _level(scheme)
-        rate = CQ.level_rate(lv, cal, kv)
-        out.update(ratio_bound=rate["ratio"], bits_per_value=rate["bits_per_value"])
         shipped = CQ.shipped_ratio(lv, kv) if lv.name in L.LEVELS else None
+        if cal is not None or shipped is None:
+            rate = CQ.level_rate(lv, kv if cal is None else cal, kv)
+            out.update(ratio_bound=rate["ratio"], bits_per_value=rate["bits_per_value"])
         out["ratio"] = shipped if shipped is not None else rate["ratio"]
         out["ratio_is_records"] = shipped is not None
         dec = CQ.decode_level(lv, kv)
@@ -119,16 +120,21 @@ def run_matrix(
     merge: bool,
     texts_2nd: tuple[str, ...] | None = SECOND_MODEL_TEXTS,
     few_texts: dict | None = None,
+    rate_bound: bool = True,
 ) -> dict:
     """Measure every (model, text, scheme) cell, print per-cell lines and the summary, write JSON.
     Models after the first get ``texts_2nd`` (None: all ``texts``); schemes of ``few_texts`` only
-    their texts. With ``merge``, cells of ``out_json`` that this run does not re-measure are kept."""
+    their texts. With ``merge``, cells of ``out_json`` that this run does not re-measure are kept.
+    ``rate_bound`` False skips the calibration text (no ideal-coder bound for lmtier levels; the
+    8-bit reference's and CacheGen's rate models then fit on the text itself)."""
     few_texts = FEW_TEXTS if few_texts is None else few_texts
     t0 = time.time()
     cells: list[dict] = []
     for model in models:
         # the rate model's static tables: fitted on the first 1,024 tokens of the calibration text
-        cal = CQ.get_text("calib", model)["kv_fp32"][:, :, :1024].to(torch.bfloat16).contiguous()
+        cal = None  # no calibration text run: ideal-coder bounds only where no records exist
+        if rate_bound:
+            cal = CQ.get_text("calib", model)["kv_fp32"][:, :, :1024].to(torch.bfloat16).contiguous()
         for text in texts if model == models[0] or not texts_2nd else texts_2nd:
             data = CQ.get_text(text, model)
             ref_lp = CQ.continuation_logprobs(data, data["kv_fp32"].to(torch.bfloat16).float())
@@ -141,7 +147,7 @@ def run_matrix(
                 if out_json:  # partial results survive an interrupted run
                     out_json.with_suffix(".partial.json").write_text(json.dumps(cells, indent=1))
                 print(
-                    f"{model:<12s} {text:<14s} {scheme:<14s} ratio {c['ratio']:5.2f}x (bound {c['ratio_bound']:5.2f}x) "
+                    f"{model:<12s} {text:<14s} {scheme:<14s} ratio {c['ratio']:5.2f}x (bound {c.get('ratio_bound', 0):5.2f}x) "
                     f"dppl {c['dppl_pct']:+6.2f}% top1 {c['top1']:6.2f}% KL {c['kl']:.5f} ppl_ref {c['ppl_ref']:.2f}",
                     flush=True,
                 )
