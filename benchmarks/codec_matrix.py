@@ -147,7 +147,8 @@ def run_matrix(
                 if out_json:  # partial results survive an interrupted run
                     out_json.with_suffix(".partial.json").write_text(json.dumps(cells, indent=1))
                 print(
-                    f"{model:<12s} {text:<14s} {scheme:<14s} ratio {c['ratio']:5.2f}x (bound {c.get('ratio_bound', 0):5.2f}x) "
+                    f"{model:<12s} {text:<14s} {scheme:<14s} ratio {c['ratio']:5.2f}x "
+                    f"(bound {c.get('ratio_bound', 0):5.2f}x) "
                     f"dppl {c['dppl_pct']:+6.2f}% top1 {c['top1']:6.2f}% KL {c['kl']:.5f} ppl_ref {c['ppl_ref']:.2f}",
                     flush=True,
                 )
