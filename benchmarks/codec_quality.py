@@ -50,6 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lmtier import envs  # noqa: E402
 from lmtier.codec import levels as L  # noqa: E402
@@ -89,15 +90,20 @@ def _source_text(src: str) -> str:
 _MODEL = {}
 
 
-def load_model(dtype=torch.float32):
+def load_model(dtype=torch.float32, model: str = "smollm2"):
+    """(model, tokenizer) of a model of :data:`codec_corpus.MODELS` (cached per name and dtype)."""
+    import codec_corpus as CC
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in _MODEL:
-        m = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=dtype, attn_implementation="sdpa")
+    sub, keep = CC.MODELS[model]
+    if (model, dtype) not in _MODEL:
+        m = AutoModelForCausalLM.from_pretrained(ROOT / "models" / sub, dtype=dtype, attn_implementation="sdpa")
+        if keep is not None:
+            CC.prune_layers(m, keep)
         m.eval()
-        _MODEL[dtype] = m
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    return _MODEL[dtype], tok
+        _MODEL[model, dtype] = m
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / sub)
+    return _MODEL[model, dtype], tok
 
 
 def _cache_to_canonical(cache) -> torch.Tensor:
@@ -120,32 +126,51 @@ def _canonical_to_cache(kv: torch.Tensor, dtype):
     return cache
 
 
-def get_text(name: str):
-    """Returns dict(ids (context+continuation, int64), ctx, cont, kv_fp32, kv_bf16model)."""
+def get_text(name: str, model: str = "smollm2"):
+    """Returns dict(ids (context+continuation, int64), ctx, cont, kv_fp32, kv_bf16model, model).
+
+    ``name``: a text of :data:`TEXTS` or of the matrix corpus (``codec_corpus.MATRIX_TEXTS``; those
+    have no bf16-model KV: ``kv_bf16model`` is None)."""
+    import codec_corpus as CC
     from safetensors.torch import load_file, save_file
 
-    src, ctx, cont = TEXTS[name]
+    matrix = name not in TEXTS
+    if matrix:
+        src, ctx, cont = CC.MATRIX_TEXTS[name][0], CC.MATRIX_CONTEXT, CC.MATRIX_CONTINUATION
+    else:
+        src, ctx, cont = TEXTS[name]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    path = CACHE_DIR / f"{name}.safetensors"
+    path = CACHE_DIR / (f"{name}.safetensors" if model == "smollm2" and not matrix else f"{model}.{name}.safetensors")
     if path.exists():
         d = load_file(path)
-        return dict(ids=d["ids"], ctx=ctx, cont=cont, kv_fp32=d["kv_fp32"], kv_bf16model=d["kv_bf16model"])
-    m32, tok = load_model(torch.float32)
-    ids = torch.tensor(tok(_source_text(src)).input_ids[: ctx + cont], dtype=torch.int64)
-    assert ids.numel() == ctx + cont, (name, ids.numel())
+        return dict(
+            ids=d["ids"][: ctx + cont],
+            ctx=ctx,
+            cont=cont,
+            kv_fp32=d["kv_fp32"],
+            kv_bf16model=d.get("kv_bf16model"),
+            model=model,
+        )
+    m32, tok = load_model(torch.float32, model)
+    text = CC.source_text(src) if matrix else _source_text(src)
+    ids = torch.tensor(tok(text).input_ids[: ctx + max(cont, 512)], dtype=torch.int64)  # cache 512 either way
+    assert ids.numel() >= ctx + cont, (name, ids.numel())
     with torch.no_grad():
         out = m32(ids[None, :ctx], use_cache=True)
         kv32 = _cache_to_canonical(out.past_key_values).float().contiguous()
-        m16, _ = load_model(torch.bfloat16)
-        out16 = m16(ids[None, :ctx], use_cache=True)
-        kv16 = _cache_to_canonical(out16.past_key_values).to(torch.bfloat16).contiguous()
-    save_file({"ids": ids, "kv_fp32": kv32, "kv_bf16model": kv16}, str(path))
-    return dict(ids=ids, ctx=ctx, cont=cont, kv_fp32=kv32, kv_bf16model=kv16)
+        tensors = {"ids": ids, "kv_fp32": kv32}
+        kv16 = None
+        if not matrix:
+            m16, _ = load_model(torch.bfloat16, model)
+            out16 = m16(ids[None, :ctx], use_cache=True)
+            kv16 = tensors["kv_bf16model"] = _cache_to_canonical(out16.past_key_values).to(torch.bfloat16).contiguous()
+    save_file(tensors, str(path))
+    return dict(ids=ids[: ctx + cont], ctx=ctx, cont=cont, kv_fp32=kv32, kv_bf16model=kv16, model=model)
 
 
 def continuation_logprobs(text: dict, kv: torch.Tensor) -> torch.Tensor:
     """Teacher-forced log-probs [cont, vocab] (fp32) of the continuation, context KV = ``kv``."""
-    m, _ = load_model(torch.float32)
+    m, _ = load_model(torch.float32, text.get("model", "smollm2"))
     ids = text["ids"]
     ctx = text["ctx"]
     cache = _canonical_to_cache(kv, torch.float32)
@@ -263,21 +288,43 @@ def level_support(level, shape) -> torch.Tensor:
     return sup[:, :, None, None, :].expand(nl, 2, h, d, 256).reshape(-1, 256)
 
 
-def level_rate(level, calib_kv: torch.Tensor, eval_kv: torch.Tensor) -> dict:
-    """Bits of ``eval_kv`` (bf16 canonical) under ``level`` with static tables from ``calib_kv``.
+_RATE_MODELS: dict = {}
 
-    Returns symbol bits (static+fallback), side bits, per-chunk entropy bound, value count, ratio."""
-    lv = L.get_level(level)
-    cal = [Q.quantize(c, lv) for c in chunk_views(calib_kv)]
-    ev = [Q.quantize(c, lv) for c in chunk_views(eval_kv)]
-    shape = tuple(chunk_views(eval_kv)[0].shape)
-    if lv.lossless:
+
+_RESOLVED: dict = {}
+
+
+def resolved_level(chunk: torch.Tensor, lv):
+    """``lv``, or an adaptive level resolved for ``chunk`` (memoized by the chunk's bytes)."""
+    if not lv.adaptive:
+        return lv
+    import hashlib
+
+    from lmtier.codec import bound as B
+
+    key = (lv, tuple(chunk.shape), hashlib.blake2b(chunk.contiguous().view(torch.uint8).numpy()).digest())
+    if key not in _RESOLVED:
+        qk, qv, _ = B.choose_qmax(chunk, lv)
+        _RESOLVED[key] = L.resolve(lv, qk, qv)
+    return _RESOLVED[key]
+
+
+def quantize_any(chunk: torch.Tensor, lv):
+    """:func:`lmtier.codec.quant.quantize`, resolving an adaptive level for the chunk first."""
+    return Q.quantize(chunk, resolved_level(chunk, lv))
+
+
+def _rate_models(lv, calib_kv: torch.Tensor, shape) -> tuple:
+    """Static-table rate models (symbols, lossless side, K scales, V scales) fitted on ``calib_kv``."""
+    cal = [quantize_any(c, lv) for c in chunk_views(calib_kv)]
+    if lv.lossless or lv.adaptive:
         sup = torch.ones(1, 256, dtype=torch.bool).expand(_symbol_streams(cal[0][0]).shape[0], 256)
     else:
         sup = level_support(lv, shape)
     sym_model = StaticCoderModel([_symbol_streams(s) for s, _ in cal], sup)
     # side: lossless -> lo plane, coded per stream like the symbols (or raw, whichever is cheaper);
     # quantized -> scale codes, one stream per (layer, plane) (K and V code counts may differ).
+    side_model = kmodel = vmodel = None
     if lv.lossless:
         side_model = StaticCoderModel([_symbol_streams(sd.reshape(s.shape)) for s, sd in cal], torch.ones_like(sup))
     else:
@@ -289,7 +336,22 @@ def level_rate(level, calib_kv: torch.Tensor, eval_kv: torch.Tensor) -> dict:
         vmodel = StaticCoderModel(
             [sd.reshape(nl, ks + vs)[:, ks:] for _, sd in cal], torch.ones(nl, 256, dtype=torch.bool)
         )
+    return sym_model, side_model, kmodel, vmodel
+
+
+def level_rate(level, calib_kv: torch.Tensor, eval_kv: torch.Tensor) -> dict:
+    """Bits of ``eval_kv`` (bf16 canonical) under ``level`` with static tables from ``calib_kv``.
+
+    Returns symbol bits (static+fallback), side bits, per-chunk entropy bound, value count, ratio."""
+    lv = L.get_level(level)
+    ev = [quantize_any(c, lv) for c in chunk_views(eval_kv)]
+    shape = tuple(chunk_views(eval_kv)[0].shape)
+    key = (calib_kv.data_ptr(), tuple(calib_kv.shape), lv)
+    if key not in _RATE_MODELS:
+        _RATE_MODELS[key] = _rate_models(lv, calib_kv, shape)
+    sym_model, side_model, kmodel, vmodel = _RATE_MODELS[key]
     sym_bits = side_bits = bound_bits = 0.0
+
     nvals = 0
     for (s, sd), chunk in zip(ev, chunk_views(eval_kv)):
         st = _symbol_streams(s)
@@ -386,9 +448,11 @@ def shipped_ratio(level, kv_bf16: torch.Tensor) -> float | None:
 
 def decode_level(level, kv_bf16: torch.Tensor) -> torch.Tensor:
     outs = []
+    lv = L.get_level(level)
     for c in chunk_views(kv_bf16):
-        s, sd = Q.quantize(c, level)
-        outs.append(Q.dequantize(s, sd, level, tuple(c.shape), c.dtype))
+        rl = resolved_level(c, lv)
+        s, sd = Q.quantize(c, rl)
+        outs.append(Q.dequantize(s, sd, rl, tuple(c.shape), c.dtype))
     return torch.cat(outs, dim=2)
 
 
@@ -587,6 +651,10 @@ def main(argv=None) -> int:
         help="skip the noise floor and the CacheGen rows (screening a subset of levels)",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny synthetic run without the model")
+    ap.add_argument("--matrix", action="store_true", help="the texts x levels x models matrix (codec_matrix.py)")
+    ap.add_argument("--models", default="smollm2,smollm2-d28", help="--matrix: models (codec_corpus.MODELS)")
+    ap.add_argument("--matrix-texts", default="", help="--matrix: texts (default: all of codec_corpus.MATRIX_TEXTS)")
+    ap.add_argument("--schemes", default="", help="--matrix: schemes (default: codec_matrix.DEFAULT_SCHEMES)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -594,6 +662,24 @@ def main(argv=None) -> int:
         smoke()
         return 0
     t0 = time.time()
+    if a.matrix:
+        import codec_corpus as CC
+        import codec_matrix as CM
+
+        out = (
+            a.json
+            if a.json != ROOT / "benchmarks" / "codec_quality.json"
+            else ROOT / "benchmarks" / "codec_matrix.json"
+        )
+        CM.run_matrix(
+            a.models.split(","),
+            [t for t in a.matrix_texts.split(",") if t] or list(CC.MATRIX_TEXTS),
+            [s for s in a.schemes.split(",") if s] or list(CM.DEFAULT_SCHEMES),
+            out,
+            a.merge,
+        )
+        print(f"done in {time.time() - t0:.0f} s")
+        return 0
     run(
         [x for x in a.levels.split(",") if x], a.texts.split(","), not a.no_quality, a.json, not a.no_reference, a.merge
     )

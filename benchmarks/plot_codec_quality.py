@@ -93,12 +93,55 @@ def plot(data: dict, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def plot_matrix(data: dict, out: Path) -> None:
+    """Ratio vs quality of the matrix (``codec_quality.py --matrix`` JSON): per (model, scheme) the
+    median over texts, bars from min to max; Δppl and top-1 panels; the issue-19 targets dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    markers = {"smollm2": "o", "smollm2-d28": "s"}
+    for row in data["summary"]:
+        if row["scheme"] == "lossless":
+            continue
+        ra = row["ratio"]
+        for ax, key in zip(axes, ("dppl_pct", "top1")):
+            lo, med, hi = row[key]
+            ax.errorbar(
+                ra[1],
+                med,
+                yerr=[[med - lo], [hi - med]],
+                xerr=[[ra[1] - ra[0]], [ra[2] - ra[1]]],
+                fmt=markers.get(row["model"], "^"),
+                capsize=2,
+                label=f"{row['model']} {row['scheme']}" if key == "dppl_pct" else None,
+            )
+            ax.annotate(row["scheme"], (ra[1], med), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axes[0].set_ylabel("Δ perplexity vs bf16 cache (%), min / median / max over texts")
+    axes[1].set_ylabel("top-1 agreement (%)")
+    for ax in axes:
+        ax.set_xlabel("ratio vs bf16 (real record bytes; CacheGen: entropy bound)")
+        ax.grid(alpha=0.3)
+    for y in (0.5, 1.0):
+        axes[0].axhline(y, color="green", lw=0.8, ls=":")
+    for y in (96.0, 97.5):
+        axes[1].axhline(y, color="green", lw=0.8, ls=":")
+    fig.legend(loc="lower center", ncol=4, fontsize=6, frameon=False)
+    fig.suptitle("KV codec quality matrix (issue 19): texts x levels x models", fontsize=10)
+    fig.tight_layout(rect=(0, 0.18, 1, 1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "codec_quality.json")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "codec_quality.png")
+    ap.add_argument("--matrix", action="store_true", help="--json is a codec_quality.py --matrix JSON")
     a = ap.parse_args(argv)
-    plot(json.loads(a.json.read_text()), a.out)
+    (plot_matrix if a.matrix else plot)(json.loads(a.json.read_text()), a.out)
     print(f"wrote {a.out}")
     return 0
 

@@ -241,7 +241,12 @@ def test_level_tables():
     assert L.CACHEGEN_REF.v.qmax_table(30) == (15,) * 2 + (7,) * 28
     assert L.CACHEGEN_REF.k.qmax_table(32) == (15,) * 11 + (7,) * 21
     for lv in L.LEVELS.values():
-        if not lv.lossless:
+        if lv.adaptive:  # error bounds per layer instead of a qmax table (chosen per chunk)
+            for n in (1, 2, 3, 30, 32, 80):
+                assert len(lv.k.bound_table(n)) == n and len(lv.v.bound_table(n)) == n
+            with pytest.raises(ValueError, match="error-bounded"):
+                lv.k.qmax_table(30)
+        elif not lv.lossless:
             for n in (1, 2, 3, 30, 32, 80):
                 assert len(lv.k.qmax_table(n)) == n and len(lv.v.qmax_table(n)) == n
     ids = [lv.level_id for lv in L.LEVELS_BY_ID.values()]

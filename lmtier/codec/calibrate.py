@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import bound
 from .chunk import StaticTables, _quantize
-from .levels import Level, get_level
+from .levels import Level, get_level, resolve
 
 __all__ = [
     "SHIPPED_FILE",
@@ -57,13 +58,22 @@ SHIPPED_FILE = Path(__file__).with_name("tables") / "smollm2_135m.npz"
 SCALE_MARGIN = 8  # scale codes within this distance of the calibrated range stay codable
 
 
-def table_set_id(level: str | int | Level, geometry: Sequence[int], sym: np.ndarray, scale: np.ndarray) -> int:
-    """Record ``table_id`` of a table set: a CRC-32 of the level id, geometry and tables, so a decoder
-    refuses records coded with other tables. Never :data:`lmtier.codec.format.NO_TABLE`."""
+def table_set_id(
+    level: str | int | Level,
+    geometry: Sequence[int],
+    sym: np.ndarray,
+    scale: np.ndarray,
+    plane_qmax: np.ndarray | None = None,
+) -> int:
+    """Record ``table_id`` of a table set: a CRC-32 of the level id, geometry and tables (and, for
+    adaptive levels, the qmax each plane's tables were fitted for), so a decoder refuses records
+    coded with other tables. Never :data:`lmtier.codec.format.NO_TABLE`."""
     lv = get_level(level)
     h = zlib.crc32(bytes([lv.level_id]) + np.asarray(geometry, np.int64).tobytes())
     h = zlib.crc32(np.ascontiguousarray(sym).tobytes(), h)
     h = zlib.crc32(np.ascontiguousarray(scale).tobytes(), h)
+    if plane_qmax is not None:
+        h = zlib.crc32(np.ascontiguousarray(plane_qmax, np.uint8).tobytes(), h)
     return h if h != 0xFFFFFFFF else 0
 
 
@@ -82,7 +92,9 @@ def channels_per_table(geometry: Sequence[int]) -> int:
     return g
 
 
-def _tables(level: Level, geometry: Sequence[int], sym: np.ndarray, scale: np.ndarray) -> StaticTables:
+def _tables(
+    level: Level, geometry: Sequence[int], sym: np.ndarray, scale: np.ndarray, plane_qmax: np.ndarray | None = None
+) -> StaticTables:
     nl, h, d = (int(v) for v in geometry)
     g = channels_per_table(geometry)
     n_sym = nl * 2 * h * d // g
@@ -101,7 +113,14 @@ def _tables(level: Level, geometry: Sequence[int], sym: np.ndarray, scale: np.nd
         sec[3 * l + 2] = n_sym + 2 * l
         runs[3 * l : 3 * l + 2] = g
         runs[3 * l + 2] = h
-    return StaticTables(table_set_id(level, geometry, sym, scale), full, sec, runs)
+    if level.adaptive != (plane_qmax is not None):
+        raise ValueError("adaptive levels' tables need the qmax each plane was fitted for (and only they)")
+    if plane_qmax is not None:
+        plane_qmax = np.ascontiguousarray(plane_qmax, np.uint8)
+        if plane_qmax.shape != (nl, 2) or not set(plane_qmax.reshape(-1).tolist()) <= set(level.qmax_menu):
+            raise ValueError(f"plane_qmax must be uint8 [{nl}, 2] of the level's menu")
+    tid = table_set_id(level, geometry, sym, scale, plane_qmax)
+    return StaticTables(tid, full, sec, runs, plane_qmax)
 
 
 def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple[StaticTables, dict]:
@@ -124,7 +143,21 @@ def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple
     if lv.lossless:
         raise ValueError("calibrated tables are for the quantized levels")
     sym_counts = scale_counts = geometry = None
-    for c in chunks:
+    plane_qmax = None
+    chunks = [c.contiguous() for c in chunks]
+    resolved: list[Level] = [lv] * len(chunks)
+    if lv.adaptive:  # tables per plane for the qmax the calibration chunks chose most often
+        resolved = [resolve(lv, *bound.choose_qmax(c, lv)[:2]) for c in chunks]
+        if resolved:
+            nl0 = chunks[0].shape[0]
+            picks = np.array([[r.k.qmax_table(nl0), r.v.qmax_table(nl0)] for r in resolved])  # [C, 2, L]
+            plane_qmax = np.zeros((nl0, 2), np.uint8)
+            for l in range(nl0):
+                for p in range(2):
+                    vals, cnt = np.unique(picks[:, p, l], return_counts=True)
+                    plane_qmax[l, p] = vals[np.argmax(cnt)]
+            lv_tab = resolve(lv, tuple(int(v) for v in plane_qmax[:, 0]), tuple(int(v) for v in plane_qmax[:, 1]))
+    for c, rl in zip(chunks, resolved):
         nl, _, t, h, d = c.shape
         if geometry is None:
             geometry = (nl, h, d)
@@ -132,19 +165,25 @@ def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple
             scale_counts = np.zeros((nl * 2, 256), np.int64)
         elif geometry != (nl, h, d):
             raise ValueError(f"chunks of different geometries: {geometry} vs {(nl, h, d)}")
-        s, side = _quantize(c.contiguous(), lv, 0)  # native kernels where supported (bit-identical)
+        s, side = _quantize(c, rl, 0)  # native kernels where supported (bit-identical)
+        if lv.adaptive:  # only planes quantized with the tables' qmax count
+            same = np.array([rl.k.qmax_table(nl), rl.v.qmax_table(nl)]).T == plane_qmax  # [L, 2]
+            s = s.clone()
+            s[torch.from_numpy(~same)] = 255  # outside every alphabet: dropped below
         st = s.reshape(-1, t).to(torch.int64)
         base = torch.arange(st.shape[0], dtype=torch.int64)[:, None] * 256
         sym_counts += torch.bincount((st + base).reshape(-1), minlength=st.shape[0] * 256).reshape(-1, 256).numpy()
         sc = side.reshape(nl * 2, h * t).to(torch.int64)
         base = torch.arange(nl * 2, dtype=torch.int64)[:, None] * 256
-        scale_counts += torch.bincount((sc + base).reshape(-1), minlength=nl * 2 * 256).reshape(-1, 256).numpy()
+        sc_c = torch.bincount((sc + base).reshape(-1), minlength=nl * 2 * 256).reshape(-1, 256).numpy()
+        scale_counts += sc_c * same.reshape(nl * 2, 1) if lv.adaptive else sc_c
     if geometry is None:
         raise ValueError("no calibration chunks")
     nl, h, d = geometry
     g = channels_per_table(geometry)
     sym_counts = sym_counts.reshape(-1, g, 256).sum(1)  # consecutive channels of one head
-    qk, qv = lv.k.qmax_table(nl), lv.v.qmax_table(nl)
+    lq = lv_tab if lv.adaptive else lv
+    qk, qv = lq.k.qmax_table(nl), lq.v.qmax_table(nl)
     alpha = 2 * max(max(qk), max(qv)) + 1
     sym = np.zeros((nl * 2 * h * d // g, alpha), np.uint16)
     for i in range(sym.shape[0]):
@@ -163,7 +202,9 @@ def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple
             c = np.where(force & (c == 0), 1, c * 16)  # unseen codes near the range: 1/16 of a count
         scale[i] = rans.build_table(c, alphabet_size=0 if seen.size else 256)
     arrays = {"sym": sym, "scale": scale, "geometry": np.asarray(geometry, np.int64)}
-    return _tables(lv, geometry, sym, scale), arrays
+    if plane_qmax is not None:
+        arrays["qmax"] = plane_qmax
+    return _tables(lv, geometry, sym, scale, plane_qmax), arrays
 
 
 def save(path: str | Path, per_level: dict[str, dict]) -> None:
@@ -177,6 +218,8 @@ def save(path: str | Path, per_level: dict[str, dict]) -> None:
         geometry = arr["geometry"]
         out[f"{name}.sym"] = arr["sym"]
         out[f"{name}.scale"] = arr["scale"]
+        if "qmax" in arr:
+            out[f"{name}.qmax"] = arr["qmax"]
     out["geometry"] = np.asarray(geometry, np.int64)
     np.savez_compressed(path, **out)
 
@@ -192,9 +235,12 @@ def load(path: str | Path, level: str | int | Level) -> StaticTables | None:
         geometry = tuple(int(v) for v in z["geometry"])
         sym = z[f"{lv.name}.sym"].astype(np.uint16)
         scale = z[f"{lv.name}.scale"].astype(np.uint16)
+        qmax = z[f"{lv.name}.qmax"].astype(np.uint8) if f"{lv.name}.qmax" in z.files else None
     if len(geometry) != 3 or sym.ndim != 2 or sym.shape[1] > 256:
         raise ValueError(f"malformed table file {path}")
-    return _tables(lv, geometry, sym, scale)
+    if lv.adaptive != (qmax is not None):
+        return None  # tables of another definition of this level name
+    return _tables(lv, geometry, sym, scale, qmax)
 
 
 _SHIPPED: dict = {}

@@ -58,9 +58,9 @@ import torch
 
 from lmtier import geometry
 
+from . import bound, quant
 from . import format as fmt
-from . import quant
-from .levels import LEVELS_BY_ID, Level, get_level
+from .levels import LEVELS_BY_ID, Level, get_level, resolve
 from .quant import CodecInputError
 
 __all__ = [
@@ -113,12 +113,16 @@ class StaticTables:
             table per (head, channel), ``k = H`` on a scale section ``[2, H, T]`` one per plane. A
             chunk whose ``k * T`` is not a multiple of 32 is coded with per-stream tables instead
             (the record then says ``table_id = NO_TABLE``).
+        plane_qmax: adaptive levels only: uint8 ``[L, 2]``, the qmax each (layer, plane)'s symbol
+            tables were fitted for; a chunk whose chosen qmax differs codes that section with its
+            own table (the stream says so), the other sections with the static tables.
     """
 
     table_id: int
     tables: np.ndarray
     section_tables: np.ndarray
     section_runs: np.ndarray | None = None
+    plane_qmax: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.table_id, (int, np.integer)) or not 0 <= int(self.table_id) < fmt.NO_TABLE:
@@ -228,7 +232,8 @@ def max_record_bytes(shape: Sequence[int], level: str | int | Level) -> int:
     nl, _, t, h, d = _shape(shape)
     _, _, length = section_layout(lv, (nl, 2, t, h, d))
     info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, fmt.DType.BFLOAT16, sections_per_layer(lv))
-    return fmt.record_size(info, [rans.max_encoded_bytes(int(n)) for n in length])
+    meta = len(bound.META_MAGIC) + 2 * nl if lv.adaptive else 0
+    return fmt.record_size(info, [rans.max_encoded_bytes(int(n)) for n in length], meta)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,7 +279,10 @@ def encode_chunk(
 
     Returns:
         The record (``bytes``, at most :func:`max_record_bytes`). Deterministic: the same chunk,
-        level and tables give the same bytes on the CPU and on the GPU.
+        level and tables give the same bytes on the CPU and on the GPU. For an adaptive level
+        (:attr:`~lmtier.codec.levels.Level.adaptive`) the qmax per (layer, plane) is chosen from the
+        chunk's measured error (:func:`lmtier.codec.bound.choose_qmax`) and stored in the record's
+        metadata.
 
     Raises:
         TypeError: dtype not bf16/fp16, or a typed chunk of another dtype.
@@ -310,6 +318,19 @@ def encode_chunk(
             tab = device_tables(tables, x.device)
     else:  # no tables, or table switching impossible for this T: per-stream tables
         table_id, ids, tab = fmt.NO_TABLE, rans.ADAPTIVE_TABLE, None
+    meta = b""
+    if lv.adaptive:
+        with _on_device(x):
+            qk, qv, _met = bound.choose_qmax(x, lv)
+        lv = resolve(lv, qk, qv)
+        meta = bound.record_meta(lv)
+        if table_id != fmt.NO_TABLE:
+            ids = np.array(ids, np.int64)
+            pq = tables.plane_qmax
+            for l in range(nl):
+                for p, q in ((0, qk[l]), (1, qv[l])):
+                    if pq is None or int(pq[l, p]) != q:
+                        ids[l * S + p] = rans.ADAPTIVE_TABLE  # tables fitted for another qmax
     with _on_device(x):
         sym, side = _quantize(x, lv, num_threads)
         extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
@@ -325,7 +346,7 @@ def encode_chunk(
     sections = [data[int(off[i]) : int(off[i + 1])] for i in range(len(streams))]
     _, _, t, h, d = shp
     info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[dt], sections_per_layer=S, table_id=table_id)
-    return fmt.pack(info, sections)
+    return fmt.pack(info, sections, meta)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,6 +382,17 @@ def check_record_info(
             f"has {sections_per_layer(lv)}"
         )
     return lv
+
+
+def record_level(level: Level, rec: fmt.Record) -> Level:
+    """The level to dequantize ``rec`` with: ``level`` itself, or for an adaptive level the one
+    resolved with the record's qmax table (CodecRecordError if the metadata is not one)."""
+    if not level.adaptive:
+        return level
+    try:
+        return bound.level_from_meta(level, rec.meta, rec.info.num_layers)
+    except ValueError as e:
+        raise CodecRecordError(str(e)) from None
 
 
 def _host_u8(record: Any) -> np.ndarray:

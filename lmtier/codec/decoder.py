@@ -352,7 +352,7 @@ class ChunkDecoder:
     ) -> None:
         cuda = self.device.type == "cuda"
         n = self.num_sections
-        lv, shp, dt = self.level, self.shape, self.dtype
+        lv, shp, dt = cchunk.record_level(self.level, rec), self.shape, self.dtype
         t_addr, num_tables = self._tables(tables)
         caller = torch.cuda.current_stream(self.device) if cuda and stream is None else stream
         nat = cchunk._native()

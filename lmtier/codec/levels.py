@@ -15,7 +15,9 @@ The numbers behind the choices (SmolLM2-135M, dequantized-4-bit weights) are in 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 
 __all__ = [
@@ -24,10 +26,14 @@ __all__ = [
     "LayerGroup",
     "PlaneQuant",
     "Level",
+    "ErrorBound",
+    "BoundMetric",
+    "resolve",
     "LEVELS",
     "LEVELS_BY_ID",
     "get_level",
     "CACHEGEN_REF",
+    "QMAX_MENU",
 ]
 
 
@@ -71,16 +77,70 @@ class LayerGroup:
         return min(num_layers, self.first_layers + -(-num_layers * self.frac_num // self.frac_den))
 
 
+class BoundMetric(enum.IntEnum):
+    """What an :class:`ErrorBound` bounds, per (chunk, layer, plane); ``e = x_hat - x``.
+
+    ``RELATIVE``  ``||e|| / ||x||`` over the plane's ``[T, H, D]`` values.
+    ``CENTERED``  ``||e|| / ||x - mean_T(x)||``, the mean taken over the chunk's tokens per (head,
+                  channel): an attention-logit error proxy for keys — a component shared by all
+                  keys shifts every logit of a query equally (softmax ignores it), so the error is
+                  measured against what distinguishes the keys.
+    Both are the same in the rotated domain (the Hadamard transform is orthogonal up to a factor).
+    """
+
+    RELATIVE = 0
+    CENTERED = 1
+
+
+@dataclass(frozen=True)
+class ErrorBound:
+    """Layers ``[previous end, end)`` of an error-bounded plane: the chunk's error metric must be
+    ``<= max_rel_err``; ``end`` resolves like :meth:`LayerGroup.end` (``first_layers`` = 0)."""
+
+    max_rel_err: float
+    frac_num: int = 1
+    frac_den: int = 1
+
+    def end(self, num_layers: int) -> int:
+        return min(num_layers, -(-num_layers * self.frac_num // self.frac_den))
+
+
 @dataclass(frozen=True)
 class PlaneQuant:
-    """Quantization of one plane (K or V)."""
+    """Quantization of one plane (K or V).
+
+    A fixed plane has ``groups`` (qmax per layer group). An *error-bounded* plane (of an adaptive
+    level, :attr:`Level.adaptive`) has ``bounds`` and no ``groups`` until :func:`resolve` fixes the
+    qmax per layer that the encoder chose for one chunk (what the record then stores)."""
 
     granularity: Granularity
     groups: tuple[LayerGroup, ...]
     transform: Transform = Transform.NONE
+    bounds: tuple[ErrorBound, ...] = ()
+    metric: BoundMetric = BoundMetric.RELATIVE
+
+    def bound_table(self, num_layers: int) -> tuple[float, ...]:
+        """Error bound of every layer (error-bounded planes; ValueError otherwise)."""
+        if not self.bounds:
+            raise ValueError("not an error-bounded plane")
+        out: list[float] = []
+        start = 0
+        for b in self.bounds:
+            if not 0.0 < b.max_rel_err < 1.0:
+                raise ValueError(f"max_rel_err must be in (0, 1), got {b.max_rel_err}")
+            end = b.end(num_layers)
+            out.extend([b.max_rel_err] * max(0, end - start))
+            start = max(start, end)
+        if len(out) != num_layers:
+            raise ValueError(f"error bounds cover {len(out)} of {num_layers} layers")
+        return tuple(out)
 
     def qmax_table(self, num_layers: int) -> tuple[int, ...]:
-        """qmax of every layer (the table the record stores and the kernels take)."""
+        """qmax of every layer (the table the record stores and the kernels take).
+
+        Raises ValueError for an error-bounded plane not yet :func:`resolve` d for a chunk."""
+        if not self.groups:
+            raise ValueError("error-bounded level: its qmax is chosen per chunk (levels.resolve / lmtier.codec.bound)")
         out: list[int] = []
         start = 0
         for g in self.groups:
@@ -103,10 +163,55 @@ class Level:
     lossless: bool = False
     k: PlaneQuant | None = None
     v: PlaneQuant | None = None
+    qmax_menu: tuple[int, ...] = ()
+    """Adaptive (error-bounded) levels: the qmax values the encoder may choose, ascending."""
 
     def __post_init__(self):
         if self.lossless != (self.k is None and self.v is None):
             raise ValueError("a level is either lossless or has K and V quantizers")
+        if self.qmax_menu and (
+            list(self.qmax_menu) != sorted(set(self.qmax_menu))
+            or not 1 <= self.qmax_menu[0] <= self.qmax_menu[-1] <= 127
+        ):
+            raise ValueError("qmax_menu must be ascending distinct values in [1, 127]")
+
+    @property
+    def adaptive(self) -> bool:
+        """True for error-bounded levels: qmax per (chunk, layer, plane) chosen by the encoder from
+        a measured error, stored in the record (:mod:`lmtier.codec.bound`)."""
+        return bool(self.qmax_menu)
+
+    @property
+    def resolved(self) -> bool:
+        """True when every plane has a qmax table (fixed levels, or an adaptive level resolved for a chunk)."""
+        return self.lossless or bool(self.k.groups and self.v.groups)
+
+
+@functools.lru_cache(maxsize=256)
+def resolve(level: Level, qmax_k: tuple[int, ...], qmax_v: tuple[int, ...]) -> Level:
+    """The adaptive ``level`` with the per-layer qmax of one chunk fixed (same name and id; what the
+    quantizer, the kernels and the decoder take). Values must be in the level's ``qmax_menu``."""
+    if not level.adaptive:
+        raise ValueError(f"level {level.name!r} is not adaptive")
+    if len(qmax_k) != len(qmax_v) or not qmax_k:
+        raise ValueError("qmax tables of K and V must have one entry per layer")
+    menu = set(level.qmax_menu)
+    if not set(qmax_k) <= menu or not set(qmax_v) <= menu:
+        raise ValueError(f"qmax outside the level's menu {level.qmax_menu}")
+    nl = len(qmax_k)
+
+    def groups(t):
+        return tuple(LayerGroup(q, first_layers=i + 1) for i, q in enumerate(t))
+
+    return (
+        dataclasses.replace(
+            level,
+            k=dataclasses.replace(level.k, groups=groups(qmax_k)),
+            v=dataclasses.replace(level.v, groups=groups(qmax_v)),
+        )
+        if nl
+        else level
+    )
 
 
 def _all(qmax: int) -> tuple[LayerGroup, ...]:
@@ -169,7 +274,36 @@ CACHEGEN_REF = Level(
     v=PlaneQuant(Granularity.TOKEN, _first(2, 15, 7)),
 )
 
-LEVELS: dict[str, Level] = {lv.name: lv for lv in (LOSSLESS, HIGH, DEFAULT, LOW)}
+
+def _eb_sixths(*bounds: float) -> tuple[ErrorBound, ...]:
+    """One error bound per sixth of the depth (layers as in :func:`_sixths`)."""
+    assert len(bounds) == 6
+    return tuple(ErrorBound(b, frac_num=k + 1, frac_den=6) for k, b in enumerate(bounds))
+
+
+QMAX_MENU = (1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 15, 19, 23, 31, 47, 63, 127)
+"""qmax values the error-bounded levels choose from (one byte per layer and plane in the record)."""
+
+
+def _eb(name: str, level_id: int, k: tuple[float, ...], v: tuple[float, ...]) -> Level:
+    return Level(
+        name,
+        level_id,
+        k=PlaneQuant(Granularity.TOKEN_HEAD, (), _H, _eb_sixths(*k), BoundMetric.RELATIVE),
+        v=PlaneQuant(Granularity.TOKEN_HEAD, (), _H, _eb_sixths(*v), BoundMetric.RELATIVE),
+        qmax_menu=QMAX_MENU,
+    )
+
+
+# Error-bounded levels (issue 19): per chunk, layer and plane, the smallest qmax of QMAX_MENU whose
+# measured relative error of the rotated K/V meets the bound below (one bound per sixth of the
+# depth; lmtier.codec.bound). The bounds were chosen on the tune split of the quality matrix
+# (benchmarks/codec_corpus.py) and checked on its held-out split: docs/codec.md.
+EB_HIGH = _eb("eb_high", 4, (0.07, 0.06, 0.06, 0.03, 0.035, 0.07), (0.11, 0.11, 0.11, 0.07, 0.11, 0.11))
+EB_DEFAULT = _eb("eb_default", 5, (0.15, 0.12, 0.12, 0.04, 0.05, 0.15), (0.2, 0.2, 0.2, 0.12, 0.2, 0.25))
+EB_LOW = _eb("eb_low", 6, (0.2, 0.16, 0.16, 0.055, 0.075, 0.2), (0.27, 0.27, 0.27, 0.16, 0.4, 0.4))
+
+LEVELS: dict[str, Level] = {lv.name: lv for lv in (LOSSLESS, HIGH, DEFAULT, LOW, EB_HIGH, EB_DEFAULT, EB_LOW)}
 LEVELS_BY_ID: dict[int, Level] = {lv.level_id: lv for lv in (*LEVELS.values(), CACHEGEN_REF)}
 
 

@@ -1,0 +1,174 @@
+"""The codec quality matrix (issue 19): texts x levels x models, min / median / max per level.
+
+Driven by ``python benchmarks/codec_quality.py --matrix [--models smollm2,smollm2-d28]
+[--schemes ...] [--matrix-texts ...]``; the corpus and the models are in
+:mod:`codec_corpus`, the model runs, metrics and rate models in :mod:`codec_quality` (same protocol:
+256-token chunks quantized independently, the decoded context KV replaces the bf16-rounded
+reference KV, teacher-forced continuation; Δppl, top-1 agreement and KL against that reference).
+
+Per (model, text, scheme) cell: ``ratio`` = bf16 bytes / real record bytes (``encode_chunk``, every
+byte; shipped tables where the geometry has them, per-stream tables otherwise) for lmtier levels;
+``ratio_bound`` = ideal-coder bits with static tables fitted on the model's calibration text
+(:func:`codec_quality.level_rate`); CacheGen (LMCache arithmetic) at its per-chunk entropy bound
+(no table cost, its most favourable reading). ``int8_head`` is a plain per-(token, head) absmax
+8-bit quantizer (qmax 127, E5M3 scale code, no rotation) in lmtier's arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import codec_corpus as CC
+import codec_quality as CQ
+import torch
+
+from lmtier.codec import levels as L
+
+INT8_HEAD = L.Level(
+    "int8_head",
+    126,
+    k=L.PlaneQuant(L.Granularity.TOKEN_HEAD, (L.LayerGroup(127, frac_num=1, frac_den=1),)),
+    v=L.PlaneQuant(L.Granularity.TOKEN_HEAD, (L.LayerGroup(127, frac_num=1, frac_den=1),)),
+)
+"""Plain per-(token, head) 8-bit quantizer (benchmark reference, no record path)."""
+
+DEFAULT_SCHEMES = ("cachegen", "int8_head", "lossless", "high", "default", "low")
+
+
+def _level(name: str):
+    return INT8_HEAD if name == "int8_head" else L.get_level(name)
+
+
+def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Tensor, data: dict) -> dict:
+    """Metrics of one (model, text, scheme); ``cal`` = the model's calibration KV (bf16)."""
+    kv = data["kv_fp32"].to(torch.bfloat16)
+    out: dict = dict(model=model, text=text, scheme=scheme, split=CC.MATRIX_TEXTS[text][1])
+    if scheme == "cachegen":
+        rate, dec = CQ.cachegen_rate_and_decode(kv, kv if cal is None else cal)
+        out.update(ratio=rate["ratio"], ratio_bound=rate["ratio"], ratio_as_shipped=rate["ratio_as_shipped"])
+    else:
+        lv = _level(scheme)
+        shipped = CQ.shipped_ratio(lv, kv) if lv.name in L.LEVELS else None
+        if cal is not None or shipped is None:
+            rate = CQ.level_rate(lv, kv if cal is None else cal, kv)
+            out.update(ratio_bound=rate["ratio"], bits_per_value=rate["bits_per_value"])
+        out["ratio"] = shipped if shipped is not None else rate["ratio"]
+        out["ratio_is_records"] = shipped is not None
+        dec = CQ.decode_level(lv, kv)
+    err = CQ.layer_rel_error(kv, dec)
+    out.update(k_rel_err=err["k_rel_err_mean"], v_rel_err=err["v_rel_err_mean"])
+    ids_next = data["ids"][data["ctx"] + 1 :]
+    if dec.dtype == torch.bfloat16 and torch.equal(dec.view(torch.int16), kv.view(torch.int16)):
+        q = CQ.compare(ref_lp, ref_lp, ids_next)
+        q["bit_identical"] = True
+    else:
+        q = CQ.compare(ref_lp, CQ.continuation_logprobs(data, dec.float()), ids_next)
+    out.update(q)
+    return out
+
+
+def summarize(cells: list[dict]) -> list[dict]:
+    """min / median / max per (model, scheme) of ratio, Δppl, top-1, KL (over texts), and the same
+    over the held-out split only (``held_*``)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["model"], c["scheme"]), []).append(c)
+    rows = []
+    for (model, scheme), cs in groups.items():
+        row = dict(model=model, scheme=scheme, n_texts=len(cs))
+        for key in ("ratio", "dppl_pct", "top1", "kl"):
+            v = [c[key] for c in cs]
+            row[key] = (min(v), statistics.median(v), max(v))
+            hv = [c[key] for c in cs if c["split"] == "held-out"]
+            if hv:
+                row["held_" + key] = (min(hv), statistics.median(hv), max(hv))
+        rows.append(row)
+    return rows
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Markdown table of :func:`summarize` rows."""
+    out = [
+        "| model | scheme | ratio min / med / max | Δppl % min / med / max | top-1 % min / med / max "
+        "| KL min / med / max |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ra, dp, t1, kl = r["ratio"], r["dppl_pct"], r["top1"], r["kl"]
+        out.append(
+            f"| {r['model']} | {r['scheme']} | {ra[0]:.2f} / {ra[1]:.2f} / {ra[2]:.2f}× "
+            f"| {dp[0]:+.2f} / {dp[1]:+.2f} / {dp[2]:+.2f} | {t1[0]:.2f} / {t1[1]:.2f} / {t1[2]:.2f} "
+            f"| {kl[0]:.4f} / {kl[1]:.4f} / {kl[2]:.4f} |"
+        )
+    return "\n".join(out)
+
+
+SECOND_MODEL_TEXTS = ("prose_mpl", "code_py", "chat_valgrind", "prose_gfdl", "code_c", "de_man")
+"""Texts of the second model (3 tune, 3 held-out; CPU time)."""
+FEW_TEXTS = {"int8_head": ("prose_mpl", "code_c", "de_man")}
+"""Schemes measured on a few texts only (the 8-bit reference sits at the noise floor)."""
+
+
+def run_matrix(
+    models: list[str],
+    texts: list[str],
+    schemes: list[str],
+    out_json: Path | None,
+    merge: bool,
+    texts_2nd: tuple[str, ...] | None = SECOND_MODEL_TEXTS,
+    few_texts: dict | None = None,
+    rate_bound: bool = True,
+) -> dict:
+    """Measure every (model, text, scheme) cell, print per-cell lines and the summary, write JSON.
+    Models after the first get ``texts_2nd`` (None: all ``texts``); schemes of ``few_texts`` only
+    their texts. With ``merge``, cells of ``out_json`` that this run does not re-measure are kept.
+    ``rate_bound`` False skips the calibration text (no ideal-coder bound for lmtier levels; the
+    8-bit reference's and CacheGen's rate models then fit on the text itself)."""
+    few_texts = FEW_TEXTS if few_texts is None else few_texts
+    t0 = time.time()
+    cells: list[dict] = []
+    for model in models:
+        # the rate model's static tables: fitted on the first 1,024 tokens of the calibration text
+        cal = None  # no calibration text run: ideal-coder bounds only where no records exist
+        if rate_bound:
+            cal = CQ.get_text("calib", model)["kv_fp32"][:, :, :1024].to(torch.bfloat16).contiguous()
+        for text in texts if model == models[0] or not texts_2nd else texts_2nd:
+            data = CQ.get_text(text, model)
+            ref_lp = CQ.continuation_logprobs(data, data["kv_fp32"].to(torch.bfloat16).float())
+            for scheme in schemes:
+                if scheme in few_texts and text not in few_texts[scheme]:
+                    continue
+                c = cell(model, text, scheme, cal, ref_lp, data)
+                c["measured_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                cells.append(c)
+                if out_json:  # partial results survive an interrupted run
+                    out_json.with_suffix(".partial.json").write_text(json.dumps(cells, indent=1))
+                print(
+                    f"{model:<12s} {text:<14s} {scheme:<14s} ratio {c['ratio']:5.2f}x "
+                    f"(bound {c.get('ratio_bound', 0):5.2f}x) "
+                    f"dppl {c['dppl_pct']:+6.2f}% top1 {c['top1']:6.2f}% KL {c['kl']:.5f} ppl_ref {c['ppl_ref']:.2f}",
+                    flush=True,
+                )
+    if merge and out_json and out_json.exists():
+        mine = {(c["model"], c["text"], c["scheme"]) for c in cells}
+        old = json.loads(out_json.read_text()).get("cells", [])
+        cells = [c for c in old if (c["model"], c["text"], c["scheme"]) not in mine] + cells
+    rows = summarize(cells)
+    print(format_summary(rows))
+    result = dict(
+        system=CQ._system(),
+        context_tokens=CC.MATRIX_CONTEXT,
+        continuation_tokens=CC.MATRIX_CONTINUATION,
+        texts={t: dict(source=s, split=sp) for t, (s, sp) in CC.MATRIX_TEXTS.items()},
+        models={m: dict(dir=d, kept_layers=k) for m, (d, k) in CC.MODELS.items()},
+        cells=cells,
+        summary=rows,
+        seconds=time.time() - t0,
+    )
+    if out_json:
+        out_json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out_json}")
+    return result
