@@ -51,7 +51,7 @@ def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Te
         out.update(ratio=rate["ratio"], ratio_bound=rate["ratio"], ratio_as_shipped=rate["ratio_as_shipped"])
     else:
         lv = _level(scheme)
-        shipped = CQ.shipped_ratio(lv, kv) if lv.name in L.LEVELS else None
+        shipped = CQ.shipped_ratio(lv, kv) if lv.name in L.LEVELS or lv.name in L.EXPERIMENTAL_LEVELS else None
         if cal is not None or shipped is None:
             rate = CQ.level_rate(lv, kv if cal is None else cal, kv)
             out.update(ratio_bound=rate["ratio"], bits_per_value=rate["bits_per_value"])

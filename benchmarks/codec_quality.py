@@ -435,7 +435,7 @@ def shipped_ratio(level, kv_bf16: torch.Tensor) -> float | None:
     from lmtier.codec import chunk as CH
 
     lv = L.get_level(level)
-    if lv.name not in L.LEVELS:
+    if lv.name not in L.LEVELS and lv.name not in L.EXPERIMENTAL_LEVELS:
         return None
     total = raw = 0
     for c in chunk_views(kv_bf16):

@@ -124,7 +124,7 @@ CONFIG_KEYS = frozenset(KEYS)
 SERDES = ("naive", "cachegen")
 """``remote_serde`` / ``local_disk_serde`` values."""
 
-CODEC_LEVELS = ("lossless", "high", "default", "low", "eb_high", "eb_default", "eb_low")
+CODEC_LEVELS = ("lossless", "high", "default", "low")
 """``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
 two in step — the config does not import the codec, which needs torch)."""
 

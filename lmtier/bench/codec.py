@@ -52,7 +52,7 @@ from lmtier.config_schema import CODEC_LEVELS
 
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
 """Relative to the working directory (a source checkout's ``models/``); never looked up next to the package."""
-LEVEL_NAMES = [n for n in CODEC_LEVELS if not n.startswith("eb_")]  # fixed levels (adaptive ones: not yet here)
+LEVEL_NAMES = list(CODEC_LEVELS)
 
 
 def synthetic_kv(n_chunks: int, nl: int, t: int, h: int, d: int, seed: int = 0) -> torch.Tensor:

@@ -65,7 +65,7 @@ import torch
 from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
 from lmtier.codec.decoder import ChunkDecoder
-from lmtier.codec.levels import LEVELS, Level
+from lmtier.codec.levels import EXPERIMENTAL_LEVELS, LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
@@ -122,8 +122,8 @@ def check_codec_geometry(
 
     if isinstance(level, Level):
         lv = level
-    elif isinstance(level, str) and level in LEVELS:
-        lv = LEVELS[level]
+    elif isinstance(level, str) and (level in LEVELS or level in EXPERIMENTAL_LEVELS):
+        lv = LEVELS.get(level) or EXPERIMENTAL_LEVELS[level]  # experimental: the library API only
     else:
         raise ConfigError(f"lmtier config: codec_level={level!r}: must be one of {list(LEVELS)}")
     try:
