@@ -38,7 +38,6 @@ from it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import platform
@@ -71,22 +70,6 @@ TEXTS = {
 # --------------------------------------------------------------------------------------------
 # text and model
 # --------------------------------------------------------------------------------------------
-def _source_text(src: str) -> str:
-    parts = []
-    for piece in src.split("+"):
-        kind, arg = piece.split(":", 1)
-        if kind == "license":
-            parts.append(Path("/usr/share/common-licenses", arg).read_text())
-        elif kind == "pydoc":
-            import pydoc
-
-            for mod in arg.split(","):
-                parts.append(pydoc.render_doc(importlib.import_module(mod), renderer=pydoc.plaintext))
-        else:
-            raise ValueError(src)
-    return "\n".join(parts)
-
-
 _MODEL = {}
 
 
@@ -152,7 +135,7 @@ def get_text(name: str, model: str = "smollm2"):
             model=model,
         )
     m32, tok = load_model(torch.float32, model)
-    text = CC.source_text(src) if matrix else _source_text(src)
+    text = CC.source_text(src)
     ids = torch.tensor(tok(text).input_ids[: ctx + max(cont, 512)], dtype=torch.int64)  # cache 512 either way
     assert ids.numel() >= ctx + cont, (name, ids.numel())
     with torch.no_grad():
