@@ -19,7 +19,7 @@ same per prefill step.
 
 ``--fake-runner``: no model and no second engine (for a box without the memory for two engines):
 vLLM's own ``Scheduler`` with the connector's both roles over a paged CPU buffer of ``--layers``
-layers (the harness of tests/test_connector_scheduler.py), stepped by a loop that calls the hooks in
+layers (the harness of lmtier.testing.scheduler_harness), stepped by a loop that calls the hooks in
 the order of vLLM's V1 model runner and, per layer, ``has_connector_metadata()`` then — when True —
 ``wait_for_layer_load`` / ``save_kv_layer`` as vLLM's attention layers do. ``--requests`` prompts
 run at once; the first request of each round shares a stored prefix with the previous round's (one
@@ -262,7 +262,7 @@ def _read(p: subprocess.Popen) -> dict:
 
 def fake_runner(a) -> None:
     """``--fake-runner``: the hooks' host time per step without a model (see the module doc)."""
-    import tests.test_connector_scheduler as tcs
+    import lmtier.testing.scheduler_harness as tcs
 
     tcs.LAYERS = a.layers  # the harness sizes its paged buffer and KV cache group from it
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-stepcost-fake-"))
