@@ -421,14 +421,18 @@ def test_finished_sending_on_cpu_is_immediate(managers):
 
 
 # ------------------------------------------------------------------------------ parallel fetches
-def _stored_on_disk(tmp_path, cache, n_chunks, *, seed, pool_slots=8):
-    """A worker over CPU pool + disk with ``n_chunks`` stored (written through to disk)."""
+def _stored_on_disk(tmp_path, cache, n_chunks, *, seed, pool_slots=8, wrap_disk=None, **worker_kwargs):
+    """A worker over CPU pool + disk with ``n_chunks`` stored (written through to disk); ``wrap_disk``:
+    applied to the disk tier first (e.g. a CodecTier around it), ``worker_kwargs``: more of the
+    worker's arguments. Returns (worker, manager, Recorder, tokens, source blocks, chunk keys)."""
     ns = _ns(cache.dtype)
     from lmtier.tiers.disk import DiskTier
 
     disk = DiskTier([str(tmp_path / "disk")], 64 << 20, sync="none")
+    if wrap_disk is not None:
+        disk = wrap_disk(disk)
     mgr = TierManager(cpu=CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes), disk=disk)
-    w, _, rec = _worker(cache, mgr)
+    w, _, rec = _worker(cache, mgr, **worker_kwargs)
     n = n_chunks * CHUNK
     toks = _tokens(n, seed=seed)
     src = list(range(n // cache.bs))

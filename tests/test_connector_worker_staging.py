@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lmtier.integration.vllm.worker import ConnectorWorker, LoadOp, StoreOp
-from lmtier.keys import chunk_keys
 from lmtier.manager import TierManager
 from lmtier.tiers.cpu import CPUPool
 from tests.test_connector_worker import (
@@ -21,6 +20,7 @@ from tests.test_connector_worker import (
     _disk_manager,
     _ns,
     _same_bits,
+    _stored_on_disk,
     _tokens,
     _wait_loads,
     _worker,
@@ -35,39 +35,22 @@ def _codec_worker(
     codec records), with ``decode_on`` (on a CPU cache "device" runs the device-staging pipeline
     with host buffers)."""
     from lmtier.tiers.codec import CodecTier
-    from lmtier.tiers.disk import DiskTier
     from lmtier.tiers.factory import codec_chunk_shape
 
     ns = _ns(cache.dtype)
-    disk = CodecTier(
-        DiskTier([str(tmp_path / "disk")], 64 << 20, sync="none"),
-        shape=codec_chunk_shape(ns),
-        dtype=ns.kv_dtype,
-        level=level,
-        tables=None,
-    )
-    mgr = TierManager(cpu=CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes), disk=disk)
-    rec = Recorder()
-    w = ConnectorWorker(
-        cache.layout,
-        mgr,
-        chunk_size=CHUNK,
-        block_size=cache.bs,
-        namespace=ns,
-        on_stat=rec.stat,
-        on_stored=rec.on_stored,
+    return _stored_on_disk(
+        tmp_path,
+        cache,
+        n_chunks,
+        seed=seed,
+        pool_slots=pool_slots,
+        wrap_disk=lambda disk: CodecTier(
+            disk, shape=codec_chunk_shape(ns), dtype=ns.kv_dtype, level=level, tables=None
+        ),
         decode_on=decode_on,
         device_window=window,
         io_threads=io_threads,
     )
-    n = n_chunks * CHUNK
-    toks = _tokens(n, seed=seed)
-    src = list(range(n // cache.bs))
-    w.store(StoreOp("r1", toks, None, 0, src))
-    assert mgr.flush(timeout_s=30)
-    keys = chunk_keys(toks, ns)
-    assert all(mgr.disk.contains(k) for k in keys)
-    return w, mgr, rec, toks, src, keys
 
 
 def _load(w: ConnectorWorker, op: LoadOp, mode: str):
