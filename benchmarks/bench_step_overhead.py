@@ -44,106 +44,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-SCHED_HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "get_kv_connector_stats",
-)
-WORKER_HOOKS = (
-    "bind_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_transfer_results",
-    "has_connector_metadata",
-    "get_block_ids_with_load_errors",
-    "build_connector_worker_meta",
-    "get_kv_connector_stats",
-    "clear_connector_metadata",
-)
+sys.path.insert(0, str(REPO / "benchmarks"))
+from hook_timers import HookTimers  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ child
-class _Timers:
-    """Per-hook nanoseconds and calls of the current step (wrappers installed on demand)."""
-
-    def __init__(self) -> None:
-        self.ns: dict[str, int] = {}
-        self.cpu: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-        self.installed: list[tuple[object, str]] = []
-        self.overhead_ns = 0
-        self.overhead_cpu_ns = 0
-
-    def _wrap(self, obj: object, method: str, label: str) -> None:
-        fn = getattr(obj, method)
-        ns, cpu, calls, clock, tclock = self.ns, self.cpu, self.calls, time.perf_counter_ns, time.thread_time_ns
-
-        def timed(*a, **k):
-            c0 = tclock()
-            t0 = clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                t1 = clock()
-                c1 = tclock()
-                ns[label] = ns.get(label, 0) + t1 - t0
-                cpu[label] = cpu.get(label, 0) + c1 - c0
-                calls[label] = calls.get(label, 0) + 1
-
-        setattr(obj, method, timed)
-        self.installed.append((obj, method))
-
-    def install(self, sched, worker) -> None:
-        for h in SCHED_HOOKS:
-            if hasattr(sched, h):
-                self._wrap(sched, h, f"S.{h}")
-        for h in WORKER_HOOKS:
-            if hasattr(worker, h):
-                self._wrap(worker, h, f"W.{h}")
-
-    def remove(self) -> None:
-        for obj, method in self.installed:
-            delattr(obj, method)
-        self.installed = []
-
-    def calibrate(self) -> None:
-        """The wrapper's own cost per call (an empty method through the same wrapper)."""
-
-        class Empty:
-            def f(self):
-                return None
-
-        e = Empty()
-        self._wrap(e, "f", "_cal")
-        n = 20000
-        for _ in range(n):
-            e.f()
-        self.overhead_ns = min(self.ns["_cal"] // n, 10**6)
-        self.overhead_cpu_ns = min(self.cpu["_cal"] // n, 10**6)
-        self.installed.pop()
-        self.ns.clear()
-        self.cpu.clear()
-        self.calls.clear()
-
-    def take(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-        """(wall ns, thread CPU ns, calls) per hook since the last call, the wrapper's cost removed."""
-        ns = {k: max(0, v - self.overhead_ns * self.calls[k]) for k, v in self.ns.items()}
-        cpu = {k: max(0, v - self.overhead_cpu_ns * self.calls[k]) for k, v in self.cpu.items()}
-        calls = dict(self.calls)
-        self.ns.clear()
-        self.cpu.clear()
-        self.calls.clear()
-        return ns, cpu, calls
-
-
 def child(kind: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -166,7 +71,7 @@ def child(kind: str) -> None:
         }
     llm = LLM(**kw)
     core = llm.llm_engine.engine_core.engine_core
-    timers = _Timers()
+    timers = HookTimers()
     timers.calibrate()
     sched_conn = getattr(core.scheduler, "connector", None)
     worker_conn = None
@@ -270,7 +175,7 @@ def fake_runner(a) -> None:
     for attr in ("max_num_running_reqs", "max_num_active_reqs"):  # the harness runs 8 at most
         setattr(h.sched, attr, max(getattr(h.sched, attr, 0), a.requests))
     w, sc = h.worker, h.conn
-    timers = _Timers()
+    timers = HookTimers()
     timers.calibrate()
     layers = [f"l{i}" for i in range(a.layers)]
     per_step: list[tuple[int, dict, dict]] = []  # (scheduled tokens, cpu ns, calls)

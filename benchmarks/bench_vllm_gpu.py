@@ -11,7 +11,19 @@ server's engine-core loop does, without HTTP and IPC), one engine process per ca
 * ``native_cpu``  — vLLM's own ``OffloadingConnector`` (``kv_offloading_size=--cpu-gib``, backend
   ``native``), the same-run peer;
 * ``lmtier_disk`` — lmtier CPU tier of ``--small-cpu-gib`` + disk tier (``--disk-dir``);
-* ``lmtier_codec``— the same with the disk records through the codec (``local_disk_serde: cachegen``).
+* ``lmtier_codec``— the same with the disk records through the codec (``local_disk_serde: cachegen``);
+* ``lmtier_cpu_nolw`` — ``lmtier_cpu`` with ``layerwise_loads: false`` (CPU hits copied whole before
+  the forward instead of layer by layer);
+* ``native_fs``   — vLLM's ``OffloadingConnector`` with its tiering spec: a CPU tier of
+  ``--small-cpu-gib`` and the ``fs`` secondary tier in ``--disk-dir`` (vLLM's Python I/O path: its
+  compiled ``fs_io_C`` is not carried);
+* ``lmtier_redis_codec`` — lmtier CPU tier of ``--small-cpu-gib`` + a Redis remote tier through the
+  codec (``remote_serde: cachegen``) on a ``redis-server`` this process starts on loopback.
+
+Instrumentation (every case alike, per pass): each connector hook's wall and thread-CPU time
+(``hook_timers.HookTimers`` on the connector class), the host time of vLLM's ``Scheduler.schedule`` /
+``update_from_output``, Python's garbage-collection pauses (``gc.callbacks``), and step wall times
+split into decode-only steps (every scheduled request one token) and the others.
 
 Workload (seeded; the same token ids and arrival times in every case and in both passes): ``--n``
 prompts of ``--input-len`` random token ids; prompt ``i`` starts with shared prefix ``i %
@@ -49,7 +61,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CASES = ("none", "lmtier_cpu", "native_cpu", "lmtier_disk", "lmtier_codec")
+CASES = (
+    "none",
+    "lmtier_cpu",
+    "lmtier_cpu_nolw",
+    "native_cpu",
+    "lmtier_disk",
+    "lmtier_codec",
+    "native_fs",
+    "lmtier_redis_codec",
+)
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -177,17 +199,35 @@ def engine_kwargs(a, case: str) -> dict:
             "kv_connector_module_path": "lmtier.integration.vllm",
             "kv_role": "kv_both",
         }
+        if case == "lmtier_cpu_nolw":
+            kw["kv_transfer_config"]["kv_connector_extra_config"] = {"layerwise_loads": False}
     elif case == "native_cpu":
         kw["kv_offloading_size"] = a.cpu_gib
         kw["kv_offloading_backend"] = "native"
+    elif case == "native_fs":  # vllm/v1/kv_offload/tiering/spec.py: a CPU primary tier + secondary tiers
+        disk = Path(a.disk_dir) / case
+        disk.mkdir(parents=True, exist_ok=True)
+        kw["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": int(a.small_cpu_gib * (1 << 30)),
+                "secondary_tiers": [{"type": "fs", "root_dir": str(disk)}],
+            },
+        }
     return kw
 
 
 def lmtier_yaml(a, case: str, path: Path) -> Path:
-    """The lmtier config of ``case`` (CPU tier; CPU + disk; CPU + disk with the codec)."""
+    """The lmtier config of ``case`` (CPU tier; CPU + disk; CPU + disk with the codec; CPU + Redis with the
+    codec on ``a.redis_port``)."""
     lines = ["chunk_size: 256", "local_cpu: true"]
-    if case == "lmtier_cpu":
+    if case in ("lmtier_cpu", "lmtier_cpu_nolw"):
         lines.append(f"max_local_cpu_size: {a.cpu_gib}")
+    elif case == "lmtier_redis_codec":
+        lines += [f"max_local_cpu_size: {a.small_cpu_gib}", f'remote_url: "redis://127.0.0.1:{a.redis_port}"',
+                  "remote_serde: cachegen"]  # fmt: skip
     else:
         disk = Path(a.disk_dir) / case
         disk.mkdir(parents=True, exist_ok=True)
@@ -199,7 +239,96 @@ def lmtier_yaml(a, case: str, path: Path) -> Path:
     return path
 
 
-def run_pass(engine, sp, prompts, arrivals, tag: str, keep_tokens: int, deadline: float) -> dict:
+class Probe:
+    """Per-pass instrumentation of one engine process (see the module docstring): connector hooks,
+    vLLM's scheduler host time, garbage-collection pauses, and the kind of every step."""
+
+    def __init__(self, case: str) -> None:
+        import gc
+
+        from hook_timers import HookTimers
+
+        self.hooks = HookTimers()
+        self.hooks.calibrate()
+        cls = None
+        if case.startswith("lmtier"):
+            from lmtier.integration.vllm import LMTierConnector as cls
+        elif case.startswith("native"):
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector as cls
+        if cls is not None:
+
+            def role_of(conn) -> str:
+                return "S" if getattr(getattr(conn, "_role", None), "name", "") == "SCHEDULER" else "W"
+
+            self.hooks.wrap_class(cls, role_of)
+        self.sched: list[tuple[int, int]] = []  # (scheduled tokens, scheduled requests) per schedule()
+        self.host_ns = {"schedule": 0, "update_from_output": 0}
+        self.gc_ns = [0, 0, 0]
+        self.gc_n = [0, 0, 0]
+        self._gc_t0 = 0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter_ns()
+        elif self._gc_t0:
+            g = min(int(info.get("generation", 2)), 2)
+            self.gc_ns[g] += time.perf_counter_ns() - self._gc_t0
+            self.gc_n[g] += 1
+            self._gc_t0 = 0
+
+    def attach(self, engine) -> bool:
+        """Time the in-process scheduler of ``engine`` (an ``LLMEngine``); False if it was not found."""
+        sched = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+        if sched is None:
+            return False
+        host_ns, log = self.host_ns, self.sched
+        f_sched, f_upd = sched.schedule, sched.update_from_output
+
+        def schedule(*a, **k):
+            t0 = time.perf_counter_ns()
+            out = f_sched(*a, **k)
+            host_ns["schedule"] += time.perf_counter_ns() - t0
+            log.append((int(out.total_num_scheduled_tokens), len(out.num_scheduled_tokens)))
+            return out
+
+        def update_from_output(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return f_upd(*a, **k)
+            finally:
+                host_ns["update_from_output"] += time.perf_counter_ns() - t0
+
+        sched.schedule, sched.update_from_output = schedule, update_from_output
+        return True
+
+    def take(self, steps: int, decode_walls: list[float], other_walls: list[float]) -> dict:
+        """This pass's figures (ms totals, µs per step), counters reset."""
+        ns, cpu, calls = self.hooks.take()
+        per = max(1, steps)
+        out = {
+            "hooks_ms": {k: round(v / 1e6, 3) for k, v in sorted(ns.items())},
+            "hooks_cpu_ms": {k: round(v / 1e6, 3) for k, v in sorted(cpu.items())},
+            "hooks_calls": calls,
+            "hooks_us_per_step": round(sum(ns.values()) / 1e3 / per, 1),
+            "scheduler_ms": {k: round(v / 1e6, 1) for k, v in self.host_ns.items()},
+            "gc_ms": [round(x / 1e6, 1) for x in self.gc_ns],
+            "gc_count": list(self.gc_n),
+            "decode_steps": len(decode_walls),
+            "decode_step_ms_mean": round(statistics.fmean(decode_walls), 2) if decode_walls else None,
+            "decode_step_ms_p50": round(pct(decode_walls, 50), 2) if decode_walls else None,
+            "other_steps": len(other_walls),
+            "other_step_ms_sum": round(sum(other_walls), 1),
+        }
+        for k in self.host_ns:  # in place: attach()'s wrappers hold this dict
+            self.host_ns[k] = 0
+        self.gc_ns, self.gc_n = [0, 0, 0], [0, 0, 0]
+        return out
+
+
+def run_pass(
+    engine, sp, prompts, arrivals, tag: str, keep_tokens: int, deadline: float, probe: Probe | None = None
+) -> dict:
     """Send ``prompts`` at ``arrivals`` (s from now), step the engine until all finish; the pass's
     figures (see the module docstring)."""
     if tag != "smoke" and os.environ.get("LMTIER_CONFIG_FILE"):
@@ -217,6 +346,10 @@ def run_pass(engine, sp, prompts, arrivals, tag: str, keep_tokens: int, deadline
     toks: dict[int, list[int]] = {i: [] for i in range(n)}
     cached: dict[int, int] = {}
     nxt, busy, steps = 0, 0.0, 0
+    decode_walls: list[float] = []
+    other_walls: list[float] = []
+    if probe is not None:
+        probe.take(0, [], [])  # what ran before this pass is not this pass's
     while len(done) < n:
         now = time.monotonic()
         if now > deadline:
@@ -228,11 +361,16 @@ def run_pass(engine, sp, prompts, arrivals, tag: str, keep_tokens: int, deadline
             if nxt < n:
                 time.sleep(max(0.0, min(0.002, t0 + arrivals[nxt] - time.monotonic())))
             continue
+        k0 = len(probe.sched) if probe is not None else 0
         s0 = time.monotonic()
         outs = engine.step()
         s1 = time.monotonic()
         busy += s1 - s0
         steps += 1
+        if probe is not None:
+            new = probe.sched[k0:]
+            walls = decode_walls if new and all(t == r for t, r in new) else other_walls
+            walls.append((s1 - s0) * 1e3)
         for o in outs:
             i = int(o.request_id.rsplit("-", 1)[1])
             new = list(o.outputs[0].token_ids) if o.outputs else []
@@ -261,6 +399,7 @@ def run_pass(engine, sp, prompts, arrivals, tag: str, keep_tokens: int, deadline
         "cached_tokens": sum(cached.values()),
         "prom": delta(prom1, prom0),
         "lmtier": delta(lm1, lm0),
+        "probe": probe.take(steps, decode_walls, other_walls) if probe is not None else None,
         "tokens": {str(i): v[:keep_tokens] for i, v in toks.items()},
         "ttft_each_ms": ttft,
     }  # fmt: skip
@@ -280,15 +419,23 @@ def child(a) -> None:
 
     t_start = time.monotonic()
     deadline = t_start + a.case_budget_s
+    redis = None
+    if a.case == "lmtier_redis_codec":  # a loopback redis-server (scripts/bundle_redis.sh), no persistence
+        from lmtier.testing.redis import RedisServer
+
+        redis = RedisServer().start()
+        a.redis_port = redis.port
     if a.case.startswith("lmtier"):
         os.environ["LMTIER_CONFIG_FILE"] = str(lmtier_yaml(a, a.case, out.with_suffix(".yaml")))
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    probe = Probe(a.case)
     kw = engine_kwargs(a, a.case)
     res["engine_kwargs"] = {k: str(v) for k, v in kw.items()}
     llm = LLM(**kw)
     engine = llm.llm_engine
+    res["probe_attached"] = probe.attach(engine)
     res["startup_s"] = time.monotonic() - t_start
     cfg = engine.vllm_config
     res["engine"] = {
@@ -323,7 +470,7 @@ def child(a) -> None:
                         output_kind=RequestOutputKind.DELTA)  # fmt: skip
     res["passes"] = {}
     for tag in ("cold", "warm"):
-        r = run_pass(engine, sp, prompts, arrivals, tag, a.keep_tokens, deadline)
+        r = run_pass(engine, sp, prompts, arrivals, tag, a.keep_tokens, deadline, probe)
         res["passes"][tag] = r
         tt = r["ttft_ms"]
         print(
@@ -338,6 +485,12 @@ def child(a) -> None:
             flush_all(60)
     res["total_s"] = time.monotonic() - t_start
     save()
+    if redis is not None:
+        from lmtier.testing.stores import redis_info
+
+        res["redis_info"] = redis_info(redis.port)
+        save()
+        redis.close()
 
 
 # ------------------------------------------------------------------------------ parent
@@ -366,6 +519,17 @@ def summarize(results: list[dict]) -> str:
                         f"{t['p90']:>6.0f} {t['p99']:>6.0f}     {p['output_tok_s']:>8.0f}  {pre:>7.0f}  "
                         f"{(100 * h / q if q else 0):>7.1f}  {ext:>11.0f}  "
                         f"{lm.get('hit_tokens_cpu', 0):.0f}/{lm.get('hit_tokens_disk', 0):.0f}")  # fmt: skip
+            pr = p.get("probe")
+            if pr:
+                top = sorted(pr["hooks_ms"].items(), key=lambda kv: -kv[1])[:4]
+                rows.append(
+                    f"{'':<13} {tag:<5} decode steps {pr['decode_steps']} x {pr['decode_step_ms_mean']} ms "
+                    f"(p50 {pr['decode_step_ms_p50']}), other steps {pr['other_steps']} = "
+                    f"{pr['other_step_ms_sum']} ms; "
+                    f"hooks {pr['hooks_us_per_step']} us/step (top: "
+                    + ", ".join(f"{k} {v:.0f} ms" for k, v in top)
+                    + f"); scheduler {pr['scheduler_ms']}; gc ms {pr['gc_ms']} n {pr['gc_count']}"
+                )
             distinct = len({t for v in p["tokens"].values() for t in v})
             checks = []
             if tag == "warm" and "cold" in r["passes"]:  # the same prompts recomputed in this engine
@@ -473,6 +637,7 @@ def main(argv=None) -> int:
     p.add_argument("--small-cpu-gib", type=float, default=4.0, help="CPU tier GiB with a disk tier")
     p.add_argument("--disk-gib", type=float, default=48.0)
     p.add_argument("--disk-dir", default="/tmp/lmtier_bench_disk")
+    p.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)  # set by the child
     p.add_argument("--cudagraph", action="store_true", help="FULL_DECODE_ONLY CUDA graphs (no torch.compile)")
     p.add_argument("--model-dir", default="/tmp/llama31_8b_config")
     p.add_argument("--keep-tokens", type=int, default=16)

@@ -8,8 +8,11 @@
 #      shim's platform plugin made discoverable there (lmtier/testing/vllm_gpu_shim);
 #   3. the shim's op self-test;
 #   4. the benchmark: the no-connector case starts at once, the lmtier cases wait for the build.
+#   5. with LMTIER_GPU_TESTS=1: the `gpu` tests on this build (after the benchmark, not beside it).
 # Environment: VLLM_BENCH_BUDGET_S (default 470: all cases together), VLLM_BENCH_CASES, VLLM_BUNDLE
-# (default .whl/vllm). $OUT gets gpu.txt, bench.log, bench_vllm_gpu.json and logs.tar.gz (every log).
+# (default .whl/vllm). The lmtier_redis_codec case needs redis-server (scripts/bundle_redis.sh: carry
+# .whl/redis) and redis-py (carry its wheel under .whl/, installed with the other .whl/*.whl).
+# $OUT gets gpu.txt, bench.log, bench_vllm_gpu.json, gpu_tests.log and logs.tar.gz (every log).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -27,6 +30,12 @@ need_gib=${VLLM_SHM_GIB:-40}
 if [ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt "$need_gib" ]; then
   mount -o remount,size=${need_gib}G /dev/shm && echo "/dev/shm remounted: $(df -BG --output=size /dev/shm | tail -1)"
 fi
+
+if ls .whl/*.whl >/dev/null 2>&1; then  # small extra wheels (redis-py, hiredis)
+  $PY -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    > /tmp/extra_pip.log 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -x .whl/redis/redis-server ]; then export PATH=$PWD/.whl/redis:$PATH; fi
 
 # 1. lmtier's extension, built in the background unless this machine already has this source's build
 hash=$(cat setup.py CMakeLists.txt $(find csrc -type f | sort) | sha1sum | cut -c1-16)
@@ -82,4 +91,9 @@ tar -czf "$OUT/logs.tar.gz" -C /tmp $(cd /tmp && ls -d bench_vllm_gpu lmtier_bui
   bench_vllm_gpu_selftest.log 2>/dev/null) 2>/dev/null
 grep -q failed "$ready" 2>/dev/null && { echo "--- lmtier build failed:"; tail -20 /tmp/lmtier_build.log; }
 cp /tmp/bench_vllm_gpu/results.json "$OUT/bench_vllm_gpu.json" 2>/dev/null
+# 5. the GPU tests on the same build
+if [ "${LMTIER_GPU_TESTS:-0}" = 1 ] && [ "$(cat "$ready" 2>/dev/null)" = ok ]; then
+  $PY -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) > "$OUT/gpu_tests.log" 2>&1
+  echo "$(el) gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+fi
 echo "$(el) done"
