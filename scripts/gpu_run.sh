@@ -11,7 +11,10 @@
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
 # redis-server with its libraries into .whl/redis (carry .whl), which this script puts on PATH, so the
 # ttft bench measures the Redis tiers on loopback too; `bash scripts/bundle_mooncake.sh` packs the
-# Mooncake client and master into .whl/mooncake.tar.xz, unpacked here the same way.
+# Mooncake client and master into .whl/mooncake.tar.xz, unpacked here the same way; "p2p": P2P over NIXL,
+# two processes pool to pool over UCX (lmtier bench p2p, Llama-3.1-8B, 8 and 32 chunks, beside a raw NIXL
+# READ and a host memcpy of the same bytes, same run), with `bash scripts/bundle_nixl.sh`'s trimmed NIXL
+# (.whl/nixl.tar.xz, ~9 MB) unpacked and checked first (scripts/check_nixl_bundle.py).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -42,6 +45,15 @@ if [ -f .whl/mooncake.tar.xz ]; then  # scripts/bundle_mooncake.sh: the Mooncake
   $PY -c "from mooncake.store import MooncakeDistributedStore" 2>&1 | tail -1
 else
   echo "mooncake: none (run scripts/bundle_mooncake.sh on the dev box and carry .whl): Mooncake tiers skipped"
+fi
+if [ -f .whl/nixl.tar.xz ]; then  # scripts/bundle_nixl.sh: NIXL with its UCX backend only
+  nx=/tmp/nixl; rm -rf "$nx"; mkdir -p "$nx"
+  tar -xJf .whl/nixl.tar.xz -C "$nx"
+  export PYTHONPATH=$nx:${PYTHONPATH:-}
+  $PY scripts/check_nixl_bundle.py "$nx" > "$OUT/nixl_check.log" 2>&1
+  echo "nixl: bundled, loopback check rc=$?"; grep -E "READ|WRITE|loaded" "$OUT/nixl_check.log"
+elif has p2p; then
+  echo "nixl: none (run scripts/bundle_nixl.sh on the dev box and carry .whl): P2P step skipped"
 fi
 rm -f lmtier/_C*.so
 t0=$(date +%s)
@@ -93,6 +105,11 @@ if has mooncake; then
     > "$OUT/bench_mooncake.log" 2>&1
   echo "bench mooncake rc=$?"
 fi
+if has p2p && [ -f .whl/nixl.tar.xz ]; then
+  timeout 400 $PY -m lmtier.cli bench p2p --presets llama-3.1-8b --counts 8,32 --iters 5 --modes direct,bounce \
+    --json "$OUT/p2p.json" > "$OUT/bench_p2p.log" 2>&1
+  echo "bench p2p rc=$?"
+fi
 if has seal; then
   # issue 18: TTFT added by sealed records (MAC, encryption) on the Redis+codec tier, same-run recompute
   for seal in none mac encrypt; do
@@ -119,7 +136,7 @@ if has codec; then
 fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_seal bench_rans bench_codec; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings

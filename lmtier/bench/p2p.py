@@ -26,6 +26,8 @@ publishes. In this process (node B), per preset and count:
   against its entry in the slot;
 * ``bounce`` (with ``--modes``): the same into a plain buffer outside the pool — READs into the
   registered bounce region, the copy into the buffer, the xxh3 there;
+* ``memcpy``: one host copy (``np.copyto``, one thread) of the same bytes into the same buffer, in
+  this process: the memory ceiling of the host, same run;
 * ``redis``: :class:`RedisTier` ``get_into`` of the same chunks one after another (the tier manager's
   remote path) against the private redis-server (``--no-redis``: skipped).
 
@@ -145,7 +147,7 @@ def run_case(
     endpoint = parse_redis_url(redis_url)
     digest = ns.digest()[:16]
     pool = tier = rtier = raw = None
-    whos = ["raw_spin", "raw_sleep", *modes] + (["redis"] if with_redis else [])
+    whos = ["raw_spin", "raw_sleep", *modes, "memcpy"] + (["redis"] if with_redis else [])
     t: dict[str, list[float]] = {w: [] for w in whos}
     cpu: dict[str, list[float]] = {w: [] for w in whos}
     try:
@@ -194,6 +196,9 @@ def run_case(
                 c0, t0 = cpu_seconds(pids), time.perf_counter()
                 if who.startswith("raw"):
                     _raw_read(raw, peer, local, remote, sleep=who == "raw_sleep")
+                    got = [size] * count
+                elif who == "memcpy":  # the host's copy ceiling: the same bytes, one thread, this process
+                    np.copyto(dst, want)
                     got = [size] * count
                 elif who == "redis":
                     got = [rtier.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  {p} x {c}: raw {row['raw_GBps']:.2f} (spin {row['raw_spin_GBps']:.2f}, sleep "
                     f"{row['raw_sleep_GBps']:.2f}), {m} {row[m + '_GBps']:.2f} ({row[m + '_%raw']:.0f} %, "
-                    f"pairs {row[m + '_pairs']})"
+                    f"pairs {row[m + '_pairs']}), memcpy {row['memcpy_GBps']:.2f}"
                     + (f", redis {row['redis_GBps']:.2f}" if not a.no_redis else "")
                     + " GB/s",
                     flush=True,
@@ -293,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["preset", "chunk_MB", "chunks", "raw_spin_GBps", "raw_sleep_GBps"]
     for m in a.modes:
         cols += [f"{m}_GBps", f"{m}_%raw", f"{m}_pairs", f"{m}_%raw_best"]
-    cols += [] if a.no_redis else ["redis_GBps"]
+    cols += ["memcpy_GBps"] + ([] if a.no_redis else ["redis_GBps"])
     cols += [f"{w}_cpu_ms" for w in ("raw_spin", "raw_sleep", *a.modes)]
     print_table(rows, cols)
     write_json(a.json, {"system": sysinfo, "args": vars(a), "rows": rows})

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmtier import record as rec
+from lmtier.affinity import unpin_thread
 
 __all__ = ["payload_checksums"]
 
@@ -34,7 +35,7 @@ def _helpers() -> tuple[concurrent.futures.ThreadPoolExecutor | None, int]:
         return None, 0
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="lmtier-xxh3")
+            _pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="lmtier-xxh3", initializer=unpin_thread)
     return _pool, n
 
 

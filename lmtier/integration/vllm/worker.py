@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lmtier import ops
+from lmtier.affinity import unpin_thread
 from lmtier.integration.vllm.fetch import (
     DEFAULT_FETCH_BATCH,
     Chunk,
@@ -635,7 +636,9 @@ class ConnectorWorker:
             log.error("lmtier: request %s already has an async load in flight; ignoring the second", op.req_id)
             return
         if self._load_pool is None:
-            self._load_pool = ThreadPoolExecutor(self._load_threads, thread_name_prefix="lmtier-load")
+            self._load_pool = ThreadPoolExecutor(
+                self._load_threads, thread_name_prefix="lmtier-load", initializer=unpin_thread
+            )
         self._stat("async_loads")
         self.async_loads[op.req_id] = AsyncLoad(op, self._load_pool.submit(self._fetch, op), time.perf_counter())
 

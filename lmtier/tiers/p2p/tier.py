@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmtier import record as rec
+from lmtier.affinity import unpin_thread
 from lmtier.events import IndexEvent, IndexEventKind
 from lmtier.remote_url import RedisEndpoint
 from lmtier.tiers.base import KEY_BYTES, Tier, TierUsage
@@ -229,7 +230,9 @@ class P2PTier(PeerReads, Tier):
             self.transport.close()
             self.directory.close()
             raise
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lmtier-p2p-read")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="lmtier-p2p-read", initializer=unpin_thread
+        )
         if not self.directory.put_node(node_id, self._record):
             log.warning("p2p: directory %s not reachable at startup; retrying with the heartbeat", self.directory.url)
         self._thread = threading.Thread(target=self._publisher, name="lmtier-p2p-publish", daemon=True)
@@ -290,6 +293,7 @@ class P2PTier(PeerReads, Tier):
     def _publisher(self) -> None:
         """Background thread: publish/remove queued entries in order, heartbeat the node record,
         re-publish held entries every ``entry_ttl_s / 3``."""
+        unpin_thread()
         next_beat = time.monotonic() + self.node_ttl_s / 3
         next_refresh = time.monotonic() + self.entry_ttl_s / 3
         while True:

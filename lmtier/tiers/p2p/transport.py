@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmtier import envs
+from lmtier.affinity import unpinned
 from lmtier.tiers.base import TierError
 
 __all__ = [
@@ -144,7 +145,8 @@ class NixlTransport:
                 backends=["UCX"],
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             )
-            self.agent = new_agent(api, agent_name, cfg, PROGRESS_DELAY_US)
+            with unpinned():  # the agent's progress and UCX threads inherit this thread's CPUs
+                self.agent = new_agent(api, agent_name, cfg, PROGRESS_DELAY_US)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
             raise TierError(f"NIXL agent {agent_name!r} could not start: {type(e).__name__}: {e}") from None
         if "UCX" not in self.agent.backends:
