@@ -58,8 +58,11 @@ vLLM prefix caching off so every hit is lmtier's, greedy):
 1. first engine: prompts A and B (3 full chunks of 128 tokens + 21, ``seg`` 0 and 1 of the
    test text) cold, one request at a time; after each, the stores are waited for (disk records,
    Redis chunk records or Mooncake objects counted; with ``remote_tenant_share`` the Redis budget's
-   accounting must hold exactly those records, for the default tenant, with its guarantee); then A and
-   B again: CPU-pool hits.
+   accounting must hold exactly those records, for the default tenant, with its guarantee; each disk
+   record lies in the path ``local_disk`` / ``local_disk_path_sharding`` give its key and rank:
+   ``check_disk_layout``; at TP=1 the engine's disk and Mooncake tiers run with the row's paths,
+   ``disk_io_threads`` and ``mooncake_*`` settings: ``check_tier_settings``); then A and B again:
+   CPU-pool hits.
 2. where a disk or a remote tier is configured, a second engine (a restart: empty CPU pool) runs A
    and B again: A hits the disk when one is configured, else the remote; B hits the remote when one
    is configured (with disk + remote, B's disk records are deleted between the engines, so the
@@ -365,6 +368,7 @@ def launcher(matrix_dir):
 def redis_srv():
     """One real redis-server for the module (lmtier.testing.redis), on a TCP port and a unix socket
     (``.sock``); each row flushes its own db."""
+    import shutil
     import tempfile
 
     from lmtier.testing.redis import start_or_skip
@@ -375,7 +379,7 @@ def redis_srv():
     srv.sock = sock
     yield srv
     srv.close()
-    os.rmdir(sock_dir) if not os.listdir(sock_dir) else None
+    shutil.rmtree(sock_dir, ignore_errors=True)  # the socket file outlives a SIGKILLed server
 
 
 @pytest.fixture(scope="module")
