@@ -69,7 +69,9 @@ KEYS: dict[str, KeySpec] = {
     "max_local_cpu_size": KeySpec(FLOAT, 5.0, "GiB of the pinned CPU pool"),
     "local_disk": KeySpec(OPT_STR, None, "tier 2: comma-separated file:// directories (unset: no disk tier)"),
     "max_local_disk_size": KeySpec(FLOAT, 0.0, "GiB the disk tier may fill (> 0 when local_disk is set)"),
-    "local_disk_path_sharding": KeySpec(OPT_STR, None, "null (spread over all paths) or by_gpu (one path per GPU)"),
+    "local_disk_path_sharding": KeySpec(
+        OPT_STR, None, "null (spread over all paths) or by_gpu (one path per GPU; on a CPU, per worker rank)"
+    ),
     "disk_io_threads": KeySpec(INT, 4, "disk I/O threads (1..256)"),
     "remote_url": KeySpec(OPT_STR, None, "tier 3: redis://, rediss://, unix://, redis(s)-cluster:// URL"),
     "remote_serde": KeySpec(STR, "naive", "remote record format: naive or cachegen (the codec)"),

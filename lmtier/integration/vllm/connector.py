@@ -170,6 +170,17 @@ def _tp_rank(role: KVConnectorRole) -> int:
         return 0
 
 
+def _local_rank() -> int:
+    """This worker's rank on its node (vLLM's world group), the "GPU" of a CPU worker: it picks the
+    disk path under ``local_disk_path_sharding: by_gpu``. 0 outside a process group."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    try:
+        return get_world_group().local_rank
+    except Exception:  # no world group initialised (tests that build the connector alone)
+        return 0
+
+
 class LMTierConnector(KVConnectorBase_V1):
     """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits.
 
@@ -202,7 +213,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self.connector_worker: LMTierWorker | None = None
         self._scheduler_events: TierEventReporter | None = None  # the scheduler's own tiers (not shared)
         if role == KVConnectorRole.WORKER:
-            gpu = torch.cuda.current_device() if is_cuda and torch.cuda.is_available() else 0
+            gpu = torch.cuda.current_device() if is_cuda and torch.cuda.is_available() else _local_rank()
             manager = shared_manager(f"{engine}:{tp_rank}", config, ns, gpu_id=gpu)
             cg = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
             full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
