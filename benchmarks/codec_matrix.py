@@ -17,7 +17,6 @@ byte; shipped tables where the geometry has them, per-stream tables otherwise) f
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import codec_corpus as CC
 import codec_quality as CQ
 import torch
 
+from lmtier.bench.codec_matrix import format_summary, summarize
 from lmtier.codec import levels as L
 
 INT8_HEAD = L.Level(
@@ -68,42 +68,6 @@ def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Te
         q = CQ.compare(ref_lp, CQ.continuation_logprobs(data, dec.float()), ids_next)
     out.update(q)
     return out
-
-
-def summarize(cells: list[dict]) -> list[dict]:
-    """min / median / max per (model, scheme) of ratio, Δppl, top-1, KL (over texts), and the same
-    over the held-out split only (``held_*``)."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for c in cells:
-        groups.setdefault((c["model"], c["scheme"]), []).append(c)
-    rows = []
-    for (model, scheme), cs in groups.items():
-        row = dict(model=model, scheme=scheme, n_texts=len(cs))
-        for key in ("ratio", "dppl_pct", "top1", "kl"):
-            v = [c[key] for c in cs]
-            row[key] = (min(v), statistics.median(v), max(v))
-            hv = [c[key] for c in cs if c["split"] == "held-out"]
-            if hv:
-                row["held_" + key] = (min(hv), statistics.median(hv), max(hv))
-        rows.append(row)
-    return rows
-
-
-def format_summary(rows: list[dict]) -> str:
-    """Markdown table of :func:`summarize` rows."""
-    out = [
-        "| model | scheme | ratio min / med / max | Δppl % min / med / max | top-1 % min / med / max "
-        "| KL min / med / max |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ra, dp, t1, kl = r["ratio"], r["dppl_pct"], r["top1"], r["kl"]
-        out.append(
-            f"| {r['model']} | {r['scheme']} | {ra[0]:.2f} / {ra[1]:.2f} / {ra[2]:.2f}× "
-            f"| {dp[0]:+.2f} / {dp[1]:+.2f} / {dp[2]:+.2f} | {t1[0]:.2f} / {t1[1]:.2f} / {t1[2]:.2f} "
-            f"| {kl[0]:.4f} / {kl[1]:.4f} / {kl[2]:.4f} |"
-        )
-    return "\n".join(out)
 
 
 SECOND_MODEL_TEXTS = ("prose_mpl", "code_py", "chat_valgrind", "prose_gfdl", "code_c", "de_man")
