@@ -156,7 +156,9 @@ def tables_comparison(models: list[str], level: str, out_json: Path | None) -> d
     ``tables="auto"`` over a :class:`lmtier.tiers.disk.DiskTier` in a temporary directory, shipped
     tables hidden from it (so SmolLM2 is treated as a model lmtier ships nothing for), storing the
     tune texts' chunks first (:data:`TABLES_CALIB_TEXTS`: it calibrates on the first ones), then each
-    held-out text's chunks: ratio = bf16 bytes / the record bytes the tier wrote. The chunks are read
+    held-out text's chunks: ratio = bf16 bytes / the record bytes the tier wrote. (The tier's
+    calibration thread gets every chunk here — ``QUEUE_CHUNKS`` raised — so the tables are fitted on
+    exactly the first chunks.) The chunks are read
     back through the tier; the decoded KV must equal :func:`codec_quality.decode_level` bit for bit
     (entropy tables never change the decoded values), and Δppl / top-1 / KL are measured on it.
     """
@@ -179,6 +181,7 @@ def tables_comparison(models: list[str], level: str, out_json: Path | None) -> d
         with (
             tempfile.TemporaryDirectory(prefix="lmtier-autotables-") as tmp,
             mock.patch.object(CAL, "shipped_tables", lambda *a: None),
+            mock.patch.object(AT, "QUEUE_CHUNKS", 64),  # no chunk skipped: exactly the first ones
         ):
             tier = CodecTier(
                 DiskTier([tmp + "/disk"], 4 << 30, io_threads=1),
@@ -195,7 +198,7 @@ def tables_comparison(models: list[str], level: str, out_json: Path | None) -> d
                     tier.put(n.to_bytes(32, "little"), c.contiguous().view(-1).view(torch.uint8))
                     n += 1
             auto = tier.auto_tables
-            assert auto.calibrated, f"{model}: {n} calibration chunks, not calibrated"
+            assert auto.wait(600) and auto.calibrated, f"{model}: {n} calibration chunks, not calibrated"
             print(f"{model}: tier calibrated on the first {auto.chunks} of {n} stored chunks", flush=True)
             for text in TABLES_EVAL_TEXTS[model]:
                 data = CQ.get_text(text, model)

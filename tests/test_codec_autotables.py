@@ -33,6 +33,13 @@ NBYTES = int(np.prod(SHAPE)) * 2
 NS = "0123456789abcdef"
 
 
+@pytest.fixture(autouse=True)
+def _whole_queue(monkeypatch):
+    """Every handed chunk waits for the calibration thread (none skipped): calibration then uses
+    exactly the first ``chunks`` stored chunks, as the tests assume."""
+    monkeypatch.setattr(AT, "QUEUE_CHUNKS", 64)
+
+
 def kv_like(seed: int, shape=SHAPE) -> torch.Tensor:
     """KV-like bf16 chunk: per-(layer, plane, head, channel) magnitudes, outlier key channels, a sink token."""
     g = torch.Generator().manual_seed(seed)
@@ -176,10 +183,14 @@ def test_bad_namespace_id():
 def test_auto_tier_calibrates_persists_and_round_trips(tmp_path, level):
     t = auto_tier(tmp_path / "d", tmp_path / "tables", level=level, chunks=4)
     xs = [kv_like(100 + i) for i in range(8)]
-    for i, x in enumerate(xs):
-        assert t.tables is (None if i < 4 else t.auto_tables.current)
+    for i, x in enumerate(xs[:4]):
+        assert t.tables is None
         assert t.put(key(i), x.view(-1).view(torch.uint8))
+    assert t.auto_tables.wait(120)
     tab = t.auto_tables.current
+    assert t.tables is tab
+    for i, x in enumerate(xs[4:], 4):
+        assert t.put(key(i), x.view(-1).view(torch.uint8))
     assert tab is not None and t.auto_tables.calibrated
     files = list((tmp_path / "tables").iterdir())
     assert [f.name for f in files] == [f"{NS}-{level}-{tab.table_id:08x}.lmtt"]
@@ -198,6 +209,7 @@ def test_second_tier_reuses_persisted_tables(tmp_path):
     xs = [kv_like(200 + i) for i in range(6)]
     for i, x in enumerate(xs):
         assert t.put(key(i), x.view(-1).view(torch.uint8))
+        assert i < 3 or t.auto_tables.wait(120)
     tid = t.auto_tables.current.table_id
     t.close()
     t2 = auto_tier(tmp_path / "d", tmp_path / "tables")  # a restart: adopts the file, no calibration
@@ -216,11 +228,13 @@ def test_other_process_set_found_by_id(tmp_path):
     a = auto_tier(tmp_path / "d", tmp_path / "ta", chunks=2)
     for i in range(3):
         assert a.put(key(i), kv_like(400 + i).view(-1).view(torch.uint8))
+        assert i < 1 or a.auto_tables.wait(120)
     a_id = a.auto_tables.current.table_id
     a.close()
     b = auto_tier(tmp_path / "d", tmp_path / "tb", chunks=2)
     for i in range(10, 13):
         assert b.put(key(i), kv_like(500 + i).view(-1).view(torch.uint8))
+        assert i < 11 or b.auto_tables.wait(120)
     assert b.auto_tables.current.table_id != a_id
     assert get(b, key(2)) is None  # a's set: unknown here
     assert b.counters["unknown_table_set"] == 1 and b.counters["corrupt_deleted"] == 0
@@ -239,6 +253,7 @@ def test_corrupt_table_file_falls_back_and_never_decodes_wrong(tmp_path, kind, c
     xs = [kv_like(600 + i) for i in range(4)]
     for i, x in enumerate(xs):
         assert t.put(key(i), x.view(-1).view(torch.uint8))
+        assert i < 1 or t.auto_tables.wait(120)
     tid = t.auto_tables.current.table_id
     t.close()
     f = next((tmp_path / "tables").iterdir())
@@ -256,8 +271,30 @@ def test_corrupt_table_file_falls_back_and_never_decodes_wrong(tmp_path, kind, c
     assert t2.counters["corrupt_deleted"] == 0
     for i in (10, 11, 12):  # calibrates anew (the same chunks would give the same id: other chunks here)
         assert t2.put(key(i), kv_like(700 + i).view(-1).view(torch.uint8))
+    assert t2.auto_tables.wait(120)
     assert t2.auto_tables.calibrated and t2.auto_tables.current.table_id != tid
     t2.close()
+
+
+def test_observe_skips_chunks_while_the_thread_is_busy(tmp_path, monkeypatch):
+    """A chunk handed while QUEUE_CHUNKS wait is skipped (not queued, the put not blocked); the
+    tables are then fitted on later chunks."""
+    import threading
+
+    monkeypatch.setattr(AT, "QUEUE_CHUNKS", 1)
+    gate = threading.Event()
+    add = CAL.Calibrator.add
+    monkeypatch.setattr(CAL.Calibrator, "add", lambda self, c: (gate.wait(60), add(self, c)))
+    t = auto_tier(tmp_path / "d", tmp_path / "tables", chunks=2)
+    for i in range(4):  # the thread holds chunk 0, chunk 1 waits, chunks 2 and 3 are skipped
+        assert t.put(key(i), kv_like(1000 + i).view(-1).view(torch.uint8))
+        while i == 0 and not t.auto_tables._queue.empty():  # until the thread took chunk 0
+            gate.wait(0.01)
+    assert t.auto_tables._handed == 2 and t.tables is None
+    gate.set()
+    assert t.auto_tables.wait(120)
+    assert t.auto_tables.current.table_id == CAL.calibrate([kv_like(1000), kv_like(1001)], "default")[0].table_id
+    t.close()
 
 
 def test_auto_without_static_tables_possible_is_per_stream(tmp_path):
@@ -282,6 +319,32 @@ def test_shipped_geometry_keeps_shipped_tables(tmp_path):
 def test_auto_needs_a_directory(tmp_path):
     with pytest.raises(ValueError, match="tables_dir"):
         CodecTier(DiskTier([str(tmp_path)], 1 << 24), shape=SHAPE, dtype=torch.bfloat16, level="high", tables="auto")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_tier_records_and_decodes_match_cpu(tmp_path):
+    """CUDA chunks through an auto tier (calibration from CUDA chunks, GPU encode with the auto set,
+    decode into CUDA buffers with the set the record names): records byte-identical to the CPU
+    tier's, decoded chunks bit-identical to the CPU decode, before and after calibration."""
+    xs = [kv_like(1100 + i) for i in range(6)]
+    cpu = auto_tier(tmp_path / "dc", tmp_path / "tc", chunks=3)
+    gpu = auto_tier(tmp_path / "dg", tmp_path / "tg", chunks=3)
+    for i, x in enumerate(xs):
+        assert cpu.put(key(i), x.view(-1).view(torch.uint8))
+        assert gpu.put(key(i), x.cuda().view(-1).view(torch.uint8))
+        if i == 2:
+            assert cpu.auto_tables.wait(120) and gpu.auto_tables.wait(120)
+            assert cpu.tables.table_id == gpu.tables.table_id
+    for i, x in enumerate(xs):
+        rc, rg = bytearray(cpu.max_record_bytes + 4096), bytearray(gpu.max_record_bytes + 4096)
+        nc = cpu.inner.get_into(cpu.inner_key(key(i)), rc)
+        ng = gpu.inner.get_into(gpu.inner_key(key(i)), rg)
+        assert rc[:nc] == rg[:ng]  # byte-identical encoders, the same tables
+        out = torch.empty(NBYTES, dtype=torch.uint8, device="cuda")
+        assert gpu.get_into(key(i), out) == NBYTES
+        assert torch.equal(out.cpu().view(torch.bfloat16).view(SHAPE), get(cpu, key(i)))
+    cpu.close()
+    gpu.close()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,6 +399,7 @@ def test_manager_from_config_auto_tables_survive_restart(tmp_path):
     with TierManager.from_config(cfg, _ns()) as m:
         for i, x in enumerate(xs):
             assert m.store(key(i), x.view(-1).view(torch.uint8)).result(30)
+        assert m.disk.auto_tables.wait(120)
         tid = m.disk.tables.table_id
     (f,) = (tmp_path / "lmtier-codec-tables").iterdir()
     assert f.name == f"{_ns().digest()[:8].hex()}-default-{tid:08x}.lmtt"
@@ -352,6 +416,7 @@ def test_second_process_decodes_with_persisted_tables(tmp_path):
     xs = [kv_like(900 + i) for i in range(4)]
     for i, x in enumerate(xs):
         assert t.put(key(i), x.view(-1).view(torch.uint8))
+    assert t.auto_tables.wait(120)
     tid = t.auto_tables.current.table_id
     t.close()
     torch.save(torch.stack([reference(x, "default") for x in xs]), tmp_path / "ref.pt")
@@ -412,7 +477,7 @@ def test_ratio_with_auto_tables_close_to_shipped_on_smollm2_kv(tmp_path, monkeyp
     t = auto_tier(tmp_path / "d", tmp_path / "tables", shape=shape, chunks=8)
     for i, c in enumerate(gpl[:8]):
         assert t.put(key(i), c.view(-1).view(torch.uint8))
-    assert t.auto_tables.calibrated
+    assert t.auto_tables.wait(300) and t.auto_tables.calibrated
     raw = per_stream = auto = shipped = 0
     for i, c in enumerate(gpl[8:] + py):
         before = t.counters["record_bytes_out"]

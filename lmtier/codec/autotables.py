@@ -52,8 +52,10 @@ would make a shared remote tier's records unreadable for the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import re
 import struct
 import threading
@@ -86,6 +88,9 @@ log = logging.getLogger("lmtier.codec.autotables")
 CALIBRATION_CHUNKS = 16
 """Chunks a new namespace's tables are fitted on (16 x 256 tokens: the size of the shipped tables'
 calibration text)."""
+
+QUEUE_CHUNKS = 2
+"""Chunks waiting for the calibration thread at most (:meth:`AutoTables.observe`)."""
 
 RETRY_S = 30.0
 """Seconds before :meth:`AutoTables.lookup` looks again for a table file it did not find."""
@@ -258,8 +263,8 @@ class AutoTables:
         calibrated: True once this process fitted a set itself (False when it adopted a file).
         rejected: paths of table files refused (logged), for diagnostics.
 
-    Thread-safe: :meth:`observe` may run in several threads; one of them fits the tables, the
-    others go on (their chunks count no more once enough were seen).
+    Thread-safe: :meth:`observe` may run in several threads; the counting and fitting run in one
+    background thread (:meth:`wait`, :meth:`close`).
 
     Raises:
         ValueError: lossless level, bad namespace id or shape. OSError: the directory cannot be made.
@@ -288,7 +293,10 @@ class AutoTables:
         if self.chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         self._lock = threading.Lock()
-        self._fitting = False
+        self._handed = 0  # chunks given to the worker
+        self._queue: queue.Queue = queue.Queue(QUEUE_CHUNKS)
+        self._worker: threading.Thread | None = None
+        self._done = threading.Event()
         self._sets: dict[int, StaticTables] = {}
         self._missing: dict[int, float] = {}  # table id -> when no valid file was found
         self._cal = None if self.level.adaptive else Calibrator(self.level)
@@ -330,28 +338,65 @@ class AutoTables:
         return None
 
     def observe(self, chunk: torch.Tensor) -> StaticTables | None:
-        """Count one stored chunk (typed ``[L, 2, T, H, D]``, CPU or CUDA) towards calibration; fit,
-        persist and install the tables once :attr:`chunks` were seen. Returns :attr:`current`.
-        Does nothing once a set is current."""
+        """Hand one stored chunk (typed ``[L, 2, T, H, D]``, CPU or CUDA) to calibration; returns
+        :attr:`current`. Does nothing once a set is current, calibration is off or enough chunks
+        were handed over.
+
+        The caller pays one copy of the chunk to host memory; counting, fitting and writing the file
+        run in a background thread of this object (at most :data:`QUEUE_CHUNKS` chunks wait for it:
+        a chunk arriving while they do is skipped, so calibration takes a few more stored chunks
+        instead of host memory or the caller's time). :meth:`wait` waits for the result."""
         if self.current is not None or self._off:
             return self.current
         with self._lock:
-            if self.current is not None or self._fitting or self._off:
+            if self.current is not None or self._off or self._handed >= self.chunks or self._queue.full():
                 return self.current
-            self._fitting = True  # one thread counts (and fits) at a time; the others skip
+            self._handed += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="lmtier-codec-calibrate", daemon=True)
+                self._worker.start()
         try:
-            c = chunk.detach().to("cpu").contiguous()
-            if self._cal is not None:
-                self._cal.add(c)
-            else:
-                self._kept.append(c.clone())
-            self._seen += 1
-            if self._seen >= self.chunks:
-                self._finish()
-        finally:
+            self._queue.put_nowait(chunk.detach().to("cpu", copy=True).contiguous())
+        except queue.Full:  # not reached: only put under the count above, the queue drains
             with self._lock:
-                self._fitting = False
+                self._handed -= 1
         return self.current
+
+    def _work(self) -> None:
+        """Background thread: count the queued chunks, fit and persist once enough were counted."""
+        try:
+            while True:
+                c = self._queue.get()
+                if c is None or self._off:
+                    return
+                if self._cal is not None:
+                    self._cal.add(c)
+                else:
+                    self._kept.append(c)
+                self._seen += 1
+                if self._seen >= self.chunks:
+                    self._finish()
+                    return
+        except Exception as e:  # noqa: BLE001 - calibration is an optimisation: per-stream tables stay
+            log.warning(
+                "codec tables for %s/%s: calibration failed (%r); per-stream tables", self.namespace, self.level.name, e
+            )
+            self.disable()
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until calibration finished (or failed, or :meth:`close`); True if it did within
+        ``timeout`` seconds (True at once when a set was adopted at start)."""
+        if self.current is not None and self._worker is None:
+            return True
+        return self._done.wait(timeout)
+
+    def close(self) -> None:
+        """Stop calibrating; the background thread ends after the chunk it is counting."""
+        self.disable()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
 
     def _finish(self) -> None:
         tab, arrays = self._cal.finish() if self._cal is not None else calibrate(self._kept, self.level)
@@ -384,7 +429,6 @@ class AutoTables:
         """Stop calibrating (after a failure): :meth:`observe` does nothing from now on."""
         with self._lock:
             self._off = True
-            self._cal = None
             self._kept = []
 
     def lookup(self, table_id: int) -> StaticTables | None:

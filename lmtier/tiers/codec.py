@@ -505,6 +505,8 @@ class CodecTier(Tier):
             return dec
 
     def close(self) -> None:
+        if self._auto is not None:
+            self._auto.close()
         self.inner.remove_eviction_listener(self._on_inner_evicted)
         try:
             self.inner.close()
