@@ -52,6 +52,12 @@ def test_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
 
 
+def test_plot_says_why_not(tmp_path):
+    lossless = [dict(c, scheme="lossless") for c in CELLS]
+    assert CMX.plot_matrix(CMX.summarize(lossless), tmp_path / "p.png") == "no lossy matrix cells"
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_cli_matrix_errors(tmp_path):
     with pytest.raises(SystemExit, match="cannot read"):
         cli.main(["bench", "codec", "--matrix", str(tmp_path / "none.json")])

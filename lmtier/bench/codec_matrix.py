@@ -75,14 +75,16 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot_matrix(rows: list[dict], out: str | Path, *, title: str = "codec quality matrix") -> str | None:
-    """Ratio-vs-quality plot of :func:`summarize` rows to PNG ``out``: two panels (Δppl %, KL), one
-    point per (model, scheme) at its median ratio and median metric, vertical bars from the min to
-    the max over texts, one colour per model, the scheme written beside its point.
+def plot_matrix(rows: list[dict], out: str | Path, *, title: str = "") -> str | None:
+    """Ratio-vs-quality plot of :func:`summarize` rows to PNG ``out``: three panels (Δppl %, top-1 %,
+    KL), one point per (model, scheme) but ``lossless`` at its median ratio and median metric, bars
+    from the min to the max over texts (both axes), one marker per model, the scheme written beside
+    its point, issue 19's targets dotted (Δppl 0.5 / 1 %, top-1 96 / 97.5 %).
 
     Returns None on success, else why nothing was written (matplotlib missing, no rows)."""
+    rows = [r for r in rows if r["scheme"] != "lossless"]
     if not rows:
-        return "no matrix cells"
+        return "no lossy matrix cells"
     try:
         import matplotlib
 
@@ -90,28 +92,41 @@ def plot_matrix(rows: list[dict], out: str | Path, *, title: str = "codec qualit
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed"
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for ax, metric, label in (
-        (axes[0], "dppl_pct", "perplexity change vs bf16 cache, % (median, min-max)"),
-        (axes[1], "kl", "KL(P_bf16 || P_codec), nats/token (median, min-max)"),
-    ):
-        for i, model in enumerate(models):
-            mine = [r for r in rows if r["model"] == model]
-            xs = [r["ratio"][1] for r in mine]
-            ys = [r[metric][1] for r in mine]
-            lo = [r[metric][1] - r[metric][0] for r in mine]
-            hi = [r[metric][2] - r[metric][1] for r in mine]
-            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color=f"C{i}", capsize=3, label=model)
-            for r, x, y in zip(mine, xs, ys):
-                ax.annotate(r["scheme"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.axhline(0.0, color="grey", lw=0.6)
-        ax.set_xlabel("compression ratio vs bf16 (median over texts)")
-        ax.set_ylabel(label)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    marker_cycle = "os^Dv<>"
+    markers = {m: marker_cycle[i % len(marker_cycle)] for i, m in enumerate(dict.fromkeys(r["model"] for r in rows))}
+    for row in rows:
+        ra = row["ratio"]
+        for ax, key in zip(axes, ("dppl_pct", "top1", "kl")):
+            lo, med, hi = row[key]
+            ax.errorbar(
+                ra[1],
+                med,
+                yerr=[[med - lo], [hi - med]],
+                xerr=[[ra[1] - ra[0]], [ra[2] - ra[1]]],
+                fmt=markers[row["model"]],
+                capsize=2,
+                label=f"{row['model']} {row['scheme']}" if key == "dppl_pct" else None,
+            )
+            ax.annotate(row["scheme"], (ra[1], med), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axes[0].set_ylabel("Δ perplexity vs bf16 cache (%)")
+    axes[1].set_ylabel("top-1 agreement (%)")
+    axes[2].set_ylabel("KL(P_bf16 || P_codec), nats/token")
+    for ax in axes:
+        ax.set_xlabel("ratio vs bf16 (real record bytes; CacheGen: entropy bound)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    for y in (0.5, 1.0):
+        axes[0].axhline(y, color="green", lw=0.8, ls=":")
+    for y in (96.0, 97.5):
+        axes[1].axhline(y, color="green", lw=0.8, ls=":")
+    fig.legend(loc="lower center", ncol=5, fontsize=6, frameon=False)
+    fig.suptitle(
+        (title or "KV codec quality matrix (issue 19): texts x levels x models")
+        + " — median over texts, bars min to max",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.18, 1, 1))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return None
