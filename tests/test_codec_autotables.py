@@ -297,6 +297,32 @@ def test_observe_skips_chunks_while_the_thread_is_busy(tmp_path, monkeypatch):
     t.close()
 
 
+def test_tables_that_cannot_be_written_are_not_used(tmp_path, monkeypatch, caplog):
+    def fail(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(AT, "write_table_file", fail)
+    t = auto_tier(tmp_path / "d", tmp_path / "tables", chunks=2)
+    with caplog.at_level("WARNING", logger="lmtier.codec.autotables"):
+        for i in range(2):
+            assert t.put(key(i), kv_like(1200 + i).view(-1).view(torch.uint8))
+        assert t.auto_tables.wait(120)
+    assert "No space left" in caplog.text and "not used" in caplog.text
+    assert t.tables is None and not t.auto_tables.calibrated
+    assert t.put(key(5), kv_like(1205).view(-1).view(torch.uint8)) and table_id_of(t, key(5)) == fmt.NO_TABLE
+    t.close()
+
+
+def test_unusable_tables_directory_means_per_stream(tmp_path, caplog):
+    (tmp_path / "file").write_text("x")
+    with caplog.at_level("WARNING", logger="lmtier.tiers.codec"):
+        t = auto_tier(tmp_path / "d", tmp_path / "file" / "tables")
+    assert t.auto_tables is None and t.tables is None and "unusable" in caplog.text
+    assert t.put(key(1), kv_like(1300).view(-1).view(torch.uint8))
+    assert torch.equal(get(t, key(1)), reference(kv_like(1300), "default"))
+    t.close()
+
+
 def test_auto_without_static_tables_possible_is_per_stream(tmp_path):
     # T = 16: table switching cannot code it; lossless: no static tables at all
     for level, shape in (("default", (2, 2, 16, 2, 64)), ("lossless", SHAPE)):
@@ -335,7 +361,7 @@ def test_gpu_auto_tier_records_and_decodes_match_cpu(tmp_path):
         if i == 2:
             assert cpu.auto_tables.wait(120) and gpu.auto_tables.wait(120)
             assert cpu.tables.table_id == gpu.tables.table_id
-    for i, x in enumerate(xs):
+    for i in range(len(xs)):
         rc, rg = bytearray(cpu.max_record_bytes + 4096), bytearray(gpu.max_record_bytes + 4096)
         nc = cpu.inner.get_into(cpu.inner_key(key(i)), rc)
         ng = gpu.inner.get_into(gpu.inner_key(key(i)), rg)

@@ -10,7 +10,9 @@ to a *table file* and from then on the tier codes with them. Records are tied to
 the ``table_id`` of the record header, as for shipped tables: records written before calibration
 carry per-stream tables (``NO_TABLE``) and stay decodable; a record coded with a set this process
 does not hold is decoded with the set's file from the table directory (another process calibrated
-it) or, without one, is a miss (never decoded with other tables).
+it) or, without one, is a miss (never decoded with other tables). A set is used only once its file
+is written (a set that cannot be written is dropped: per-stream tables), so every record's set has
+a file unless the file was removed or damaged since.
 
 Table directory: one file per (namespace, level, table set),
 ``<namespace id>-<level>-<table id as 8 hex digits>.lmtt``. A process that starts with a file for
@@ -409,18 +411,19 @@ class AutoTables:
         path = self._path(int(tab.table_id))
         try:
             write_table_file(path, table_file_bytes(self.namespace, self.level, tab, arrays))
-        except OSError as e:  # still usable in this process; other processes see per-stream records' tables
+        except OSError as e:  # unpersisted tables would make records no other process (or restart) can read
             log.warning(
-                "codec tables for %s/%s: cannot write %s (%s); used unpersisted",
+                "codec tables for %s/%s: cannot write %s (%s); not used (per-stream tables)",
                 self.namespace,
                 self.level.name,
                 path,
                 e,
             )
-        else:
-            log.info(
-                "codec tables for %s/%s calibrated on %d chunks: %s", self.namespace, self.level.name, self._seen, path
-            )
+            self.disable()
+            return
+        log.info(
+            "codec tables for %s/%s calibrated on %d chunks: %s", self.namespace, self.level.name, self._seen, path
+        )
         self._sets[int(tab.table_id)] = tab
         self.calibrated = True
         self.current = tab

@@ -241,13 +241,16 @@ class CodecTier(Tier):
             if mode == "auto" and tables is None and _tables_can_code(self.level, self.shape):
                 if tables_dir is None:
                     raise ValueError("CodecTier(tables='auto') needs tables_dir")
-                self._auto = AutoTables(
-                    tables_dir,
-                    namespace=namespace_id,
-                    level=self.level,
-                    shape=self.shape,
-                    chunks=calibration_chunks or CALIBRATION_CHUNKS,
-                )
+                try:
+                    self._auto = AutoTables(
+                        tables_dir,
+                        namespace=namespace_id,
+                        level=self.level,
+                        shape=self.shape,
+                        chunks=calibration_chunks or CALIBRATION_CHUNKS,
+                    )
+                except OSError as e:  # the directory cannot be made: today's behaviour (per-stream)
+                    log.warning("codec tables directory %s unusable (%s); per-stream tables", tables_dir, e)
         self._tables = tables
         self.raw_bytes = math.prod(self.shape) * 2
         self.max_record_bytes = cchunk.max_record_bytes(self.shape, self.level)
