@@ -247,6 +247,22 @@ def test_other_process_set_found_by_id(tmp_path):
     b.close()
 
 
+def test_damaged_table_id_is_corrupt_not_unknown(tmp_path):
+    t = auto_tier(tmp_path / "d", tmp_path / "tables", chunks=2)
+    for i in range(3):
+        assert t.put(key(i), kv_like(1400 + i).view(-1).view(torch.uint8))
+        assert i < 1 or t.auto_tables.wait(120)
+    buf = bytearray(t.max_record_bytes + 4096)
+    n = t.inner.get_into(t.inner_key(key(2)), buf)
+    rec = bytearray(buf[:n])
+    rec[12:16] = struct.pack("<I", 0x12345678)  # a set nobody has; the checksum no longer matches
+    assert t.inner.put(t.inner_key(key(2)), bytes(rec))
+    assert get(t, key(2)) is None
+    assert t.counters["corrupt_deleted"] == 1 and t.counters["unknown_table_set"] == 0
+    assert not t.contains(key(2))
+    t.close()
+
+
 @pytest.mark.parametrize("kind", ["payload_bit", "truncated", "version"])
 def test_corrupt_table_file_falls_back_and_never_decodes_wrong(tmp_path, kind, caplog):
     t = auto_tier(tmp_path / "d", tmp_path / "tables", chunks=2)

@@ -451,20 +451,16 @@ class CodecTier(Tier):
         dec = self.decoder(dst.device)
         tables = self._tables
         if self._auto is not None:  # the record's table_id picks the set
-            tid = record_table_id(np.frombuffer(slot.record[:n], np.uint8))
+            buf = np.frombuffer(slot.record[:n], np.uint8)
+            tid = record_table_id(buf)
             tables = None if tid is None or tid == cformat.NO_TABLE else self._auto.lookup(tid)
             if tid not in (None, cformat.NO_TABLE) and tables is None:
-                if self._count("unknown_table_set") == 1:  # logged once per tier
-                    log.warning(
-                        "%s: chunk %s was coded with codec table set %#010x, which %s does not hold: a miss "
-                        "(counter unknown_table_set)",
-                        self.name,
-                        bytes(key).hex()[:16],
-                        tid,
-                        self._auto.directory,
-                    )
-                self._count("misses")
-                return None
+                try:  # a damaged header names no real set: corrupt (deleted below), not unknown
+                    cformat.verify(buf)
+                except ValueError:
+                    tables = self._tables
+                else:
+                    return self._unknown_set(key, tid)
         try:
             dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream, tables=tables)
         except cchunk.CodecRecordError as e:
@@ -480,6 +476,21 @@ class CodecTier(Tier):
             return None
         self._count("hits")
         return self.raw_bytes
+
+    def _unknown_set(self, key: bytes, tid: int) -> None:
+        """A valid record of an auto-calibrated set this process cannot find: a miss, the record kept
+        (another process holding the set's file may still read it)."""
+        if self._count("unknown_table_set") == 1:  # logged once per tier
+            log.warning(
+                "%s: chunk %s was coded with codec table set %#010x, which %s does not hold: a miss "
+                "(counter unknown_table_set)",
+                self.name,
+                bytes(key).hex()[:16],
+                tid,
+                self._auto.directory,
+            )
+        self._count("misses")
+        return None
 
     def batches_gets(self) -> bool:
         return self.inner.batches_gets()
