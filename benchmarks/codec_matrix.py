@@ -17,7 +17,6 @@ byte; shipped tables where the geometry has them, per-stream tables otherwise) f
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import codec_corpus as CC
 import codec_quality as CQ
 import torch
 
+from lmtier.bench.codec_matrix import format_summary, summarize
 from lmtier.codec import levels as L
 
 INT8_HEAD = L.Level(
@@ -68,42 +68,6 @@ def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Te
         q = CQ.compare(ref_lp, CQ.continuation_logprobs(data, dec.float()), ids_next)
     out.update(q)
     return out
-
-
-def summarize(cells: list[dict]) -> list[dict]:
-    """min / median / max per (model, scheme) of ratio, Δppl, top-1, KL (over texts), and the same
-    over the held-out split only (``held_*``)."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for c in cells:
-        groups.setdefault((c["model"], c["scheme"]), []).append(c)
-    rows = []
-    for (model, scheme), cs in groups.items():
-        row = dict(model=model, scheme=scheme, n_texts=len(cs))
-        for key in ("ratio", "dppl_pct", "top1", "kl"):
-            v = [c[key] for c in cs]
-            row[key] = (min(v), statistics.median(v), max(v))
-            hv = [c[key] for c in cs if c["split"] == "held-out"]
-            if hv:
-                row["held_" + key] = (min(hv), statistics.median(hv), max(hv))
-        rows.append(row)
-    return rows
-
-
-def format_summary(rows: list[dict]) -> str:
-    """Markdown table of :func:`summarize` rows."""
-    out = [
-        "| model | scheme | ratio min / med / max | Δppl % min / med / max | top-1 % min / med / max "
-        "| KL min / med / max |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ra, dp, t1, kl = r["ratio"], r["dppl_pct"], r["top1"], r["kl"]
-        out.append(
-            f"| {r['model']} | {r['scheme']} | {ra[0]:.2f} / {ra[1]:.2f} / {ra[2]:.2f}× "
-            f"| {dp[0]:+.2f} / {dp[1]:+.2f} / {dp[2]:+.2f} | {t1[0]:.2f} / {t1[1]:.2f} / {t1[2]:.2f} "
-            f"| {kl[0]:.4f} / {kl[1]:.4f} / {kl[2]:.4f} |"
-        )
-    return "\n".join(out)
 
 
 SECOND_MODEL_TEXTS = ("prose_mpl", "code_py", "chat_valgrind", "prose_gfdl", "code_c", "de_man")
@@ -167,6 +131,123 @@ def run_matrix(
         cells=cells,
         summary=rows,
         seconds=time.time() - t0,
+    )
+    if out_json:
+        out_json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out_json}")
+    return result
+
+
+TABLES_CALIB_TEXTS = ("prose_mpl", "doc_pydoc", "code_py", "fr_man", "chat_valgrind")
+"""The chunks a new namespace's tier stores first (tune split, in this order; the tier calibrates on
+the first :data:`lmtier.codec.autotables.CALIBRATION_CHUNKS` of them)."""
+TABLES_EVAL_TEXTS = {
+    "smollm2": ("prose_gfdl", "code_c", "de_man", "chat_zlib"),
+    "smollm2-d28": ("prose_gfdl", "code_c", "de_man"),
+}
+"""Held-out texts per model for :func:`tables_comparison`."""
+
+
+def tables_comparison(models: list[str], level: str, out_json: Path | None) -> dict:
+    """Ratio (real record bytes) and quality of ``level`` with auto-calibrated tables vs shipped tables
+    vs per-stream tables, per model and held-out text (issue 19).
+
+    Auto tables go through the product path: a :class:`lmtier.tiers.codec.CodecTier` with
+    ``tables="auto"`` over a :class:`lmtier.tiers.disk.DiskTier` in a temporary directory, shipped
+    tables hidden from it (so SmolLM2 is treated as a model lmtier ships nothing for), storing the
+    tune texts' chunks first (:data:`TABLES_CALIB_TEXTS`: it calibrates on the first ones), then each
+    held-out text's chunks: ratio = bf16 bytes / the record bytes the tier wrote. (The tier's
+    calibration thread gets every chunk here — ``QUEUE_CHUNKS`` raised — so the tables are fitted on
+    exactly the first chunks.) The chunks are read
+    back through the tier; the decoded KV must equal :func:`codec_quality.decode_level` bit for bit
+    (entropy tables never change the decoded values), and Δppl / top-1 / KL are measured on it.
+    """
+    import tempfile
+    from unittest import mock
+
+    from lmtier.codec import autotables as AT
+    from lmtier.codec import calibrate as CAL
+    from lmtier.codec import chunk as CH
+    from lmtier.tiers.codec import CodecTier
+    from lmtier.tiers.disk import DiskTier
+
+    lv = L.get_level(level)
+    t0 = time.time()
+    rows = []
+    for model in models:
+        first = CQ.get_text(TABLES_CALIB_TEXTS[0], model)["kv_fp32"]
+        shape = (first.shape[0], 2, CQ.CHUNK_TOKENS, first.shape[3], first.shape[4])
+        shipped = CAL.shipped_tables(lv, shape)
+        with (
+            tempfile.TemporaryDirectory(prefix="lmtier-autotables-") as tmp,
+            mock.patch.object(CAL, "shipped_tables", lambda *a: None),
+            mock.patch.object(AT, "QUEUE_CHUNKS", 64),  # no chunk skipped: exactly the first ones
+        ):
+            tier = CodecTier(
+                DiskTier([tmp + "/disk"], 4 << 30, io_threads=1),
+                shape=shape,
+                dtype=torch.bfloat16,
+                level=lv,
+                tables="auto",
+                tables_dir=tmp + "/tables",
+                namespace_id=model.replace("-", "_")[:16],
+            )
+            n = 0
+            for text in TABLES_CALIB_TEXTS:
+                for c in CQ.chunk_views(CQ.get_text(text, model)["kv_fp32"].to(torch.bfloat16)):
+                    tier.put(n.to_bytes(32, "little"), c.contiguous().view(-1).view(torch.uint8))
+                    n += 1
+            auto = tier.auto_tables
+            assert auto.wait(600) and auto.calibrated, f"{model}: {n} calibration chunks, not calibrated"
+            print(f"{model}: tier calibrated on the first {auto.chunks} of {n} stored chunks", flush=True)
+            for text in TABLES_EVAL_TEXTS[model]:
+                data = CQ.get_text(text, model)
+                kv = data["kv_fp32"].to(torch.bfloat16)
+                raw = rec_auto = rec_ship = rec_ps = 0
+                decoded = []
+                for c in CQ.chunk_views(kv):
+                    k = n.to_bytes(32, "little")
+                    n += 1
+                    before = tier.counters["record_bytes_out"]
+                    assert tier.put(k, c.view(-1).view(torch.uint8))
+                    rec_auto += tier.counters["record_bytes_out"] - before
+                    raw += c.numel() * 2
+                    rec_ps += len(CH.encode_chunk(c, shape=shape, dtype=torch.bfloat16, level=lv))
+                    if shipped is not None:
+                        rec_ship += len(CH.encode_chunk(c, shape=shape, dtype=torch.bfloat16, level=lv, tables=shipped))
+                    out = torch.empty_like(c)
+                    assert tier.get_into(k, out.view(-1).view(torch.uint8)) is not None
+                    decoded.append(out)
+                dec = torch.cat(decoded, dim=2)
+                assert torch.equal(dec.view(torch.int16), CQ.decode_level(lv, kv).view(torch.int16))
+                ids_next = data["ids"][data["ctx"] + 1 :]
+                ref_lp = CQ.continuation_logprobs(data, kv.float())
+                q = CQ.compare(ref_lp, CQ.continuation_logprobs(data, dec.float()), ids_next)
+                row = dict(
+                    model=model,
+                    text=text,
+                    level=lv.name,
+                    ratio_auto=raw / rec_auto,
+                    ratio_shipped=raw / rec_ship if shipped is not None else None,
+                    ratio_per_stream=raw / rec_ps,
+                    **q,
+                )
+                rows.append(row)
+                print(
+                    f"{model:<12s} {text:<12s} auto {row['ratio_auto']:.3f}x shipped "
+                    f"{row['ratio_shipped'] or float('nan'):.3f}x per-stream {row['ratio_per_stream']:.3f}x "
+                    f"dppl {q['dppl_pct']:+.2f}% top1 {q['top1']:.2f}% KL {q['kl']:.4f}",
+                    flush=True,
+                )
+            tier.close()
+    result = dict(
+        system=CQ._system(),
+        level=lv.name,
+        calibration_chunks=AT.CALIBRATION_CHUNKS,
+        calibration_texts=list(TABLES_CALIB_TEXTS),
+        rows=rows,
+        seconds=time.time() - t0,
+        measured_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
     if out_json:
         out_json.write_text(json.dumps(result, indent=1))

@@ -638,6 +638,13 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="smollm2,smollm2-d28", help="--matrix: models (codec_corpus.MODELS)")
     ap.add_argument("--matrix-texts", default="", help="--matrix: texts (default: all of codec_corpus.MATRIX_TEXTS)")
     ap.add_argument("--schemes", default="", help="--matrix: schemes (default: codec_matrix.DEFAULT_SCHEMES)")
+    ap.add_argument(
+        "--tables-compare",
+        default="",
+        metavar="LEVEL",
+        help="auto-calibrated vs shipped vs per-stream tables of LEVEL on the held-out texts "
+        "(codec_matrix.tables_comparison; JSON: benchmarks/codec_tables.json)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -645,6 +652,17 @@ def main(argv=None) -> int:
         smoke()
         return 0
     t0 = time.time()
+    if a.tables_compare:
+        import codec_matrix as CM
+
+        out = (
+            a.json
+            if a.json != ROOT / "benchmarks" / "codec_quality.json"
+            else ROOT / "benchmarks" / "codec_tables.json"
+        )
+        CM.tables_comparison(a.models.split(","), a.tables_compare, out)
+        print(f"done in {time.time() - t0:.0f} s")
+        return 0
     if a.matrix:
         import codec_corpus as CC
         import codec_matrix as CM

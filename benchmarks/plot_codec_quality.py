@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,45 +95,15 @@ def plot(data: dict, out: Path) -> None:
 
 
 def plot_matrix(data: dict, out: Path) -> None:
-    """Ratio vs quality of the matrix (``codec_quality.py --matrix`` JSON): per (model, scheme) the
-    median over texts, bars from min to max; Δppl and top-1 panels; the issue-19 targets dotted."""
-    import matplotlib
+    """Ratio vs quality of the matrix (``codec_quality.py --matrix`` JSON):
+    :func:`lmtier.bench.codec_matrix.plot_matrix` of its cells (also ``lmtier bench codec --matrix``)."""
+    sys.path.insert(0, str(ROOT))
+    from lmtier.bench.codec_matrix import plot_matrix as plot_rows
+    from lmtier.bench.codec_matrix import summarize
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    markers = {"smollm2": "o", "smollm2-d28": "s"}
-    for row in data["summary"]:
-        if row["scheme"] == "lossless":
-            continue
-        ra = row["ratio"]
-        for ax, key in zip(axes, ("dppl_pct", "top1")):
-            lo, med, hi = row[key]
-            ax.errorbar(
-                ra[1],
-                med,
-                yerr=[[med - lo], [hi - med]],
-                xerr=[[ra[1] - ra[0]], [ra[2] - ra[1]]],
-                fmt=markers.get(row["model"], "^"),
-                capsize=2,
-                label=f"{row['model']} {row['scheme']}" if key == "dppl_pct" else None,
-            )
-            ax.annotate(row["scheme"], (ra[1], med), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    axes[0].set_ylabel("Δ perplexity vs bf16 cache (%), min / median / max over texts")
-    axes[1].set_ylabel("top-1 agreement (%)")
-    for ax in axes:
-        ax.set_xlabel("ratio vs bf16 (real record bytes; CacheGen: entropy bound)")
-        ax.grid(alpha=0.3)
-    for y in (0.5, 1.0):
-        axes[0].axhline(y, color="green", lw=0.8, ls=":")
-    for y in (96.0, 97.5):
-        axes[1].axhline(y, color="green", lw=0.8, ls=":")
-    fig.legend(loc="lower center", ncol=4, fontsize=6, frameon=False)
-    fig.suptitle("KV codec quality matrix (issue 19): texts x levels x models", fontsize=10)
-    fig.tight_layout(rect=(0, 0.18, 1, 1))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    why = plot_rows(summarize(data["cells"]), out)
+    if why:
+        raise SystemExit(f"plot_codec_quality.py --matrix: {why}")
 
 
 def main(argv=None) -> int:

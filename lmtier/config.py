@@ -66,6 +66,8 @@ Codec (``lmtier.codec``, docs/codec.md)::
     remote_serde: cachegen                # LMCache's name: remote records are lmtier codec records
     local_disk_serde: cachegen            # lmtier-only: the same for the disk tier (default naive)
     codec_level: default                  # lossless | high | default | low (default: default)
+    codec_tables: auto                    # auto (default) | shipped | none: the rANS tables (below)
+    codec_tables_dir: /path               # auto-calibrated tables (default: <local_disk>/lmtier-codec-tables)
 
 ``cachegen`` selects lmtier's codec (CacheGen-style quantization + rANS, not LMCache's byte format;
 an LMCache file's ``remote_serde: cachegen`` gets lmtier's ``default`` level unless ``codec_level``
@@ -74,6 +76,18 @@ says otherwise). ``codec_level`` applies to every tier whose serde is ``cachegen
 canonical chunks. The codec needs a bf16/fp16 cache with K and V planes; the lossy levels also a
 power-of-two head size: :meth:`lmtier.manager.TierManager.from_config` raises :class:`ConfigError`
 naming the serde key otherwise (the geometry is only known there, from the namespace).
+
+``codec_tables`` (lmtier-only; LMCache has no such key): the static entropy-coding tables of the
+lossy levels. ``shipped``: the tables shipped in the package where they exist for the model's
+geometry (SmolLM2-135M today), else per-stream tables (each record carries its own, ~10 % larger).
+``auto`` (default): the shipped tables where they exist, else tables calibrated on the first 16
+chunks a tier stores for the namespace and persisted as a versioned, checksummed file in
+``codec_tables_dir`` (:mod:`lmtier.codec.autotables`; records written before carry per-stream
+tables and stay readable). The disk tier's default directory is ``lmtier-codec-tables`` in its
+(first) ``local_disk`` directory; a remote tier auto-calibrates only with ``codec_tables_dir`` set —
+a directory every node sharing the remote tier sees — and otherwise behaves as ``shipped``
+(tables only one node knows would make its records unreadable to the others). ``none``: per-stream
+tables always.
 
 Keys and the codec (decision): chunk keys do **not** change with the serde, and the namespace's
 ``codec`` field is not derived from these keys (it stays ``"none"`` for caches whose canonical
@@ -132,6 +146,7 @@ from lmtier import envs
 from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes, warn_chunk_size
 from lmtier.config_schema import (
     CODEC_LEVELS,
+    CODEC_TABLES,
     DISABLED_LMCACHE_FEATURES,
     DISK_SHARDINGS,
     GIB,
@@ -334,6 +349,10 @@ class LMTierConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     codec_level: str = "default"
+    codec_tables: str = "auto"
+    """``codec_tables``: ``auto``, ``shipped`` or ``none`` (see the module doc)."""
+    codec_tables_dir: str | None = None
+    """``codec_tables_dir`` as an absolute path, or None."""
     p2p: P2PSettings | None = None
     """P2P sharing over NIXL (``enable_p2p`` and the ``p2p_*`` keys, :mod:`lmtier.tiers.p2p.settings`);
     None when off."""
@@ -382,6 +401,8 @@ class LMTierConfig:
             "remote_encrypt": self.remote.encrypt,
             **self._mooncake_dict(),
             "codec_level": self.codec_level,
+            "codec_tables": self.codec_tables,
+            "codec_tables_dir": self.codec_tables_dir,
             "cpu_tenant_share": None if self.cpu.tenants is None else self.cpu.tenants.default_share,
             "cpu_tenant_shares": None if self.cpu.tenants is None else (self.cpu.tenants.to_text() or None),
             **self._remote_tenants_dict(),
@@ -644,8 +665,26 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS)}")
     if "codec_level" in raw and "cachegen" not in (disk_serde, remote.serde):
         logger.warning("lmtier config: codec_level=%r but no serde is 'cachegen'; unused", level)
+    tables = values["codec_tables"]
+    if tables not in CODEC_TABLES:
+        raise _err("codec_tables", tables, f"must be one of {list(CODEC_TABLES)}")
+    tables_dir = values["codec_tables_dir"]
+    if tables_dir is not None:
+        dirs = parse_disk_paths("codec_tables_dir", tables_dir)
+        if len(dirs) != 1:
+            raise _err("codec_tables_dir", tables_dir, "must be one directory")
+        tables_dir = dirs[0]
     p2p = resolve_p2p(values, env)  # P2P sharing (lmtier.tiers.p2p.settings)
-    return LMTierConfig(chunk_size=chunk_size, cpu=cpu, disk=disk, remote=remote, codec_level=level, p2p=p2p)
+    return LMTierConfig(
+        chunk_size=chunk_size,
+        cpu=cpu,
+        disk=disk,
+        remote=remote,
+        codec_level=level,
+        codec_tables=tables,
+        codec_tables_dir=tables_dir,
+        p2p=p2p,
+    )
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> LMTierConfig:

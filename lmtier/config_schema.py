@@ -92,6 +92,12 @@ KEYS: dict[str, KeySpec] = {
     "mooncake_device_name": KeySpec(OPT_STR, None, "Mooncake: RDMA device(s), e.g. mlx5_0"),
     "local_disk_serde": KeySpec(STR, "naive", "disk record format: naive or cachegen (the codec)"),
     "codec_level": KeySpec(STR, "default", "codec level of every cachegen serde: lossless, high, default, low"),
+    "codec_tables": KeySpec(
+        STR, "auto", "codec entropy tables: auto (shipped, else calibrated per namespace), shipped, none"
+    ),
+    "codec_tables_dir": KeySpec(
+        OPT_STR, None, "directory of auto-calibrated codec tables (default: lmtier-codec-tables in local_disk)"
+    ),
     # Per-tenant budgets of the CPU pool (issue 18; lmtier.tiers.tenants). Both unset: budgets off.
     "cpu_tenant_share": KeySpec(
         OPT_FLOAT, None, "fraction [0, 1] of the CPU pool guaranteed to each cache_salt tenant"
@@ -129,6 +135,9 @@ SERDES = ("naive", "cachegen")
 CODEC_LEVELS = ("lossless", "high", "default", "low")
 """``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
 two in step — the config does not import the codec, which needs torch)."""
+
+CODEC_TABLES = ("auto", "shipped", "none")
+"""``codec_tables`` values (:class:`lmtier.tiers.codec.CodecTier`'s ``tables`` argument)."""
 
 DISK_SHARDINGS = ("by_gpu",)
 """``local_disk_path_sharding`` values besides null."""

@@ -23,7 +23,9 @@ Per level (``lossless``, ``high``, ``default``, ``low``), over ``--chunks`` cano
 Decoded KV is checked against the reference decoder (:func:`lmtier.codec.quant.dequantize`) bit for bit
 and ``lossless`` against the input. ``--kernels`` also runs :mod:`lmtier.bench.codec_kernels` (the native
 batch kernels alone, GB/s vs the device memcpy ceiling). Quality on the model's outputs (Δ perplexity,
-top-1, KL): ``benchmarks/codec_quality.py``.
+top-1, KL): ``benchmarks/codec_quality.py``; ``--matrix [JSON]`` prints its texts x levels x models
+matrix (min / median / max of ratio, Δppl, top-1, KL per level) and ``--plot`` draws ratio against
+quality, ``--matrix-run`` measures a small one first (:mod:`lmtier.bench.codec_matrix`).
 """
 
 from __future__ import annotations
@@ -265,8 +267,33 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=bounded_int(min_value=1), default=3)
     p.add_argument("--kernels", action="store_true", help="also run lmtier.bench.codec_kernels (native batch kernels)")
     p.add_argument("--json", default=None)
+    m = p.add_argument_group("quality matrix (issue 19; lmtier.bench.codec_matrix)")
+    m.add_argument(
+        "--matrix",
+        nargs="?",
+        const="benchmarks/codec_matrix.json",
+        default=None,
+        metavar="JSON",
+        help="print the texts x levels x models matrix (min/median/max of ratio, Δppl, top-1, KL) of a matrix "
+        "JSON (default benchmarks/codec_matrix.json) and, with --plot, the ratio-vs-quality plot",
+    )
+    m.add_argument(
+        "--matrix-run",
+        action="store_true",
+        help="measure a small matrix first (benchmarks/codec_quality.py machinery, the models under models/)",
+    )
+    m.add_argument("--matrix-models", default="smollm2", help="--matrix-run: models (benchmarks/codec_corpus.MODELS)")
+    m.add_argument("--matrix-texts", default="prose_mpl,code_c", help="--matrix-run: texts (codec_corpus.MATRIX_TEXTS)")
+    m.add_argument(
+        "--matrix-schemes", default="high,default", help="--matrix-run: schemes (levels, cachegen, int8_head)"
+    )
+    m.add_argument("--benchmarks-dir", default="benchmarks", help="--matrix-run: a source checkout's benchmarks/")
     add_common_args(p)
     args = p.parse_args(argv)
+    if args.matrix is not None or args.matrix_run:
+        from lmtier.bench.codec_matrix import main_matrix
+
+        return main_matrix(args)
     res = run(args)
     rows = res["rows"]
     print_table(

@@ -46,6 +46,7 @@ __all__ = [
     "MAX_TABLES",
     "channels_per_table",
     "table_set_id",
+    "Calibrator",
     "calibrate",
     "save",
     "load",
@@ -123,66 +124,46 @@ def _tables(
     return StaticTables(tid, full, sec, runs, plane_qmax)
 
 
-def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple[StaticTables, dict]:
-    """Fit static tables for a quantized level on calibration chunks.
+def _add_counts(
+    c: torch.Tensor,
+    rl: Level,
+    lv: Level,
+    plane_qmax: np.ndarray | None,
+    sym_counts: np.ndarray,
+    scale_counts: np.ndarray,
+) -> None:
+    """Add chunk ``c``'s symbol and scale-code counts (quantized with ``rl``) to the count arrays
+    ``[L * 2 * H * D, 256]`` / ``[L * 2, 256]`` (int64); adaptive ``lv``: only planes quantized with
+    the tables' qmax ``plane_qmax`` count."""
+    nl, _, t, h, d = c.shape
+    s, side = _quantize(c, rl, 0)  # native kernels where supported (bit-identical)
+    if lv.adaptive:  # only planes quantized with the tables' qmax count
+        same = np.array([rl.k.qmax_table(nl), rl.v.qmax_table(nl)]).T == plane_qmax  # [L, 2]
+        s = s.clone()
+        s[torch.from_numpy(~same)] = 255  # outside every alphabet: dropped below
+    st = s.reshape(-1, t).to(torch.int64)
+    base = torch.arange(st.shape[0], dtype=torch.int64)[:, None] * 256
+    sym_counts += torch.bincount((st + base).reshape(-1), minlength=st.shape[0] * 256).reshape(-1, 256).numpy()
+    sc = side.reshape(nl * 2, h * t).to(torch.int64)
+    base = torch.arange(nl * 2, dtype=torch.int64)[:, None] * 256
+    sc_c = torch.bincount((sc + base).reshape(-1), minlength=nl * 2 * 256).reshape(-1, 256).numpy()
+    scale_counts += sc_c * same.reshape(nl * 2, 1) if lv.adaptive else sc_c
 
-    Args:
-        chunks: canonical chunks ``[L, 2, T, H, D]`` (bf16/fp16, CPU), all of one geometry but T.
-        level: a quantized level (not ``lossless``).
 
-    Returns:
-        ``(tables, arrays)``: the :class:`StaticTables` and the compact arrays ``{"sym", "scale",
-        "geometry"}`` that :func:`save` stores.
-
-    Raises:
-        ValueError: lossless level, no chunks, or chunks of different geometries.
-    """
+def _fit(
+    lv: Level,
+    lq: Level,
+    geometry: tuple[int, int, int],
+    sym_counts: np.ndarray,
+    scale_counts: np.ndarray,
+    plane_qmax: np.ndarray | None,
+) -> tuple[StaticTables, dict]:
+    """Tables from accumulated counts (``lq``: the level with the tables' qmax per layer)."""
     from . import rans
 
-    lv = get_level(level)
-    if lv.lossless:
-        raise ValueError("calibrated tables are for the quantized levels")
-    sym_counts = scale_counts = geometry = None
-    plane_qmax = None
-    chunks = [c.contiguous() for c in chunks]
-    resolved: list[Level] = [lv] * len(chunks)
-    if lv.adaptive:  # tables per plane for the qmax the calibration chunks chose most often
-        resolved = [resolve(lv, *bound.choose_qmax(c, lv)[:2]) for c in chunks]
-        if resolved:
-            nl0 = chunks[0].shape[0]
-            picks = np.array([[r.k.qmax_table(nl0), r.v.qmax_table(nl0)] for r in resolved])  # [C, 2, L]
-            plane_qmax = np.zeros((nl0, 2), np.uint8)
-            for l in range(nl0):
-                for p in range(2):
-                    vals, cnt = np.unique(picks[:, p, l], return_counts=True)
-                    plane_qmax[l, p] = vals[np.argmax(cnt)]
-            lv_tab = resolve(lv, tuple(int(v) for v in plane_qmax[:, 0]), tuple(int(v) for v in plane_qmax[:, 1]))
-    for c, rl in zip(chunks, resolved):
-        nl, _, t, h, d = c.shape
-        if geometry is None:
-            geometry = (nl, h, d)
-            sym_counts = np.zeros((nl * 2 * h * d, 256), np.int64)
-            scale_counts = np.zeros((nl * 2, 256), np.int64)
-        elif geometry != (nl, h, d):
-            raise ValueError(f"chunks of different geometries: {geometry} vs {(nl, h, d)}")
-        s, side = _quantize(c, rl, 0)  # native kernels where supported (bit-identical)
-        if lv.adaptive:  # only planes quantized with the tables' qmax count
-            same = np.array([rl.k.qmax_table(nl), rl.v.qmax_table(nl)]).T == plane_qmax  # [L, 2]
-            s = s.clone()
-            s[torch.from_numpy(~same)] = 255  # outside every alphabet: dropped below
-        st = s.reshape(-1, t).to(torch.int64)
-        base = torch.arange(st.shape[0], dtype=torch.int64)[:, None] * 256
-        sym_counts += torch.bincount((st + base).reshape(-1), minlength=st.shape[0] * 256).reshape(-1, 256).numpy()
-        sc = side.reshape(nl * 2, h * t).to(torch.int64)
-        base = torch.arange(nl * 2, dtype=torch.int64)[:, None] * 256
-        sc_c = torch.bincount((sc + base).reshape(-1), minlength=nl * 2 * 256).reshape(-1, 256).numpy()
-        scale_counts += sc_c * same.reshape(nl * 2, 1) if lv.adaptive else sc_c
-    if geometry is None:
-        raise ValueError("no calibration chunks")
     nl, h, d = geometry
     g = channels_per_table(geometry)
     sym_counts = sym_counts.reshape(-1, g, 256).sum(1)  # consecutive channels of one head
-    lq = lv_tab if lv.adaptive else lv
     qk, qv = lq.k.qmax_table(nl), lq.v.qmax_table(nl)
     alpha = 2 * max(max(qk), max(qv)) + 1
     sym = np.zeros((nl * 2 * h * d // g, alpha), np.uint16)
@@ -205,6 +186,96 @@ def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple
     if plane_qmax is not None:
         arrays["qmax"] = plane_qmax
     return _tables(lv, geometry, sym, scale, plane_qmax), arrays
+
+
+class Calibrator:
+    """Incremental :func:`calibrate` for a fixed (not adaptive) quantized level: :meth:`add` counts
+    one chunk's symbols and scale codes (the chunk is not kept), :meth:`finish` fits the tables —
+    the same tables :func:`calibrate` fits on the same chunks.
+
+    Raises:
+        ValueError: lossless or adaptive level (construction); a chunk of another geometry (``add``);
+            no chunk added (``finish``).
+    """
+
+    def __init__(self, level: str | int | Level) -> None:
+        self.level = get_level(level)
+        if self.level.lossless or self.level.adaptive:
+            raise ValueError("Calibrator takes a fixed quantized level (calibrate() fits adaptive ones)")
+        self.geometry: tuple[int, int, int] | None = None
+        self.chunks = 0
+        self._sym: np.ndarray | None = None
+        self._scale: np.ndarray | None = None
+
+    def add(self, chunk: torch.Tensor) -> None:
+        """Count one canonical chunk ``[L, 2, T, H, D]`` (bf16/fp16, CPU)."""
+        c = chunk.contiguous()
+        nl, _, _, h, d = c.shape
+        if self.geometry is None:
+            self.geometry = (nl, h, d)
+            self._sym = np.zeros((nl * 2 * h * d, 256), np.int64)
+            self._scale = np.zeros((nl * 2, 256), np.int64)
+        elif self.geometry != (nl, h, d):
+            raise ValueError(f"chunks of different geometries: {self.geometry} vs {(nl, h, d)}")
+        _add_counts(c, self.level, self.level, None, self._sym, self._scale)
+        self.chunks += 1
+
+    def finish(self) -> tuple[StaticTables, dict]:
+        """``(tables, arrays)`` as :func:`calibrate` returns them."""
+        if self.geometry is None:
+            raise ValueError("no calibration chunks")
+        return _fit(self.level, self.level, self.geometry, self._sym, self._scale, None)
+
+
+def calibrate(chunks: Iterable[torch.Tensor], level: str | int | Level) -> tuple[StaticTables, dict]:
+    """Fit static tables for a quantized level on calibration chunks.
+
+    Args:
+        chunks: canonical chunks ``[L, 2, T, H, D]`` (bf16/fp16, CPU), all of one geometry but T.
+        level: a quantized level (not ``lossless``).
+
+    Returns:
+        ``(tables, arrays)``: the :class:`StaticTables` and the compact arrays ``{"sym", "scale",
+        "geometry"}`` (plus ``"qmax"`` for adaptive levels) that :func:`save` stores.
+
+    Raises:
+        ValueError: lossless level, no chunks, or chunks of different geometries.
+    """
+    lv = get_level(level)
+    if lv.lossless:
+        raise ValueError("calibrated tables are for the quantized levels")
+    if not lv.adaptive:
+        cal = Calibrator(lv)
+        for c in chunks:
+            cal.add(c)
+        return cal.finish()
+    sym_counts = scale_counts = geometry = None
+    plane_qmax = None
+    chunks = [c.contiguous() for c in chunks]
+    # tables per plane for the qmax the calibration chunks chose most often
+    resolved = [resolve(lv, *bound.choose_qmax(c, lv)[:2]) for c in chunks]
+    lv_tab = lv
+    if resolved:
+        nl0 = chunks[0].shape[0]
+        picks = np.array([[r.k.qmax_table(nl0), r.v.qmax_table(nl0)] for r in resolved])  # [C, 2, L]
+        plane_qmax = np.zeros((nl0, 2), np.uint8)
+        for l in range(nl0):
+            for p in range(2):
+                vals, cnt = np.unique(picks[:, p, l], return_counts=True)
+                plane_qmax[l, p] = vals[np.argmax(cnt)]
+        lv_tab = resolve(lv, tuple(int(v) for v in plane_qmax[:, 0]), tuple(int(v) for v in plane_qmax[:, 1]))
+    for c, rl in zip(chunks, resolved):
+        nl, _, t, h, d = c.shape
+        if geometry is None:
+            geometry = (nl, h, d)
+            sym_counts = np.zeros((nl * 2 * h * d, 256), np.int64)
+            scale_counts = np.zeros((nl * 2, 256), np.int64)
+        elif geometry != (nl, h, d):
+            raise ValueError(f"chunks of different geometries: {geometry} vs {(nl, h, d)}")
+        _add_counts(c, rl, lv, plane_qmax, sym_counts, scale_counts)
+    if geometry is None:
+        raise ValueError("no calibration chunks")
+    return _fit(lv, lv_tab, geometry, sym_counts, scale_counts, plane_qmax)
 
 
 def save(path: str | Path, per_level: dict[str, dict]) -> None:

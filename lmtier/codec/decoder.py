@@ -180,6 +180,8 @@ class DecodeSlot:
 # ------------------------------------------------------------------------------------------------
 # the decoder
 
+_OWN_TABLES = object()  # ChunkDecoder.decode's default: the decoder's own table set
+
 
 class ChunkDecoder:
     """Decode codec records of one geometry, dtype, level and table set into buffers on ``device``.
@@ -275,7 +277,15 @@ class ChunkDecoder:
 
     # ---- decode ------------------------------------------------------------------------------
 
-    def decode(self, record: Any, out: torch.Tensor, *, slot: DecodeSlot | None = None, stream: Any = None) -> None:
+    def decode(
+        self,
+        record: Any,
+        out: torch.Tensor,
+        *,
+        slot: DecodeSlot | None = None,
+        stream: Any = None,
+        tables: Any = _OWN_TABLES,
+    ) -> None:
         """Verify ``record`` and decode it into ``out``.
 
         Args:
@@ -287,6 +297,9 @@ class ChunkDecoder:
             stream: CUDA only: return once the record is verified, with the copy into ``out``
                 ordered before later work on this ``torch.cuda.Stream`` (see the module doc);
                 None: return once ``out`` holds the chunk.
+            tables: the static table set records coded with one must use, when it is not this
+                decoder's :attr:`tables` (e.g. one of a :class:`lmtier.codec.autotables.AutoTables`'
+                sets, chosen by the record's ``table_id``); None: the record must use per-stream tables.
 
         ``out`` is written only after the whole record decoded and passed every check.
 
@@ -299,7 +312,11 @@ class ChunkDecoder:
         dst = cchunk._dest(out, self.raw_bytes)
         buf = cchunk._host_u8(record)
         rec, _lv, tab = cchunk.parse_record(
-            buf, expected_shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables
+            buf,
+            expected_shape=self.shape,
+            dtype=self.dtype,
+            level=self.level,
+            tables=self.tables if tables is _OWN_TABLES else tables,
         )
         self.decode_parsed(buf, rec, tab, dst, slot=slot, stream=stream)
 

@@ -57,6 +57,7 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,7 @@ import torch
 
 from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
+from lmtier.codec.autotables import CALIBRATION_CHUNKS, AutoTables, record_table_id
 from lmtier.codec.decoder import ChunkDecoder
 from lmtier.codec.levels import EXPERIMENTAL_LEVELS, LEVELS, Level
 from lmtier.codec.quant import CodecInputError
@@ -88,6 +90,7 @@ CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmt
 
 _SERDE = b"cachegen"
 _PERSON = b"lmtier-serde"
+_AUTO_SALT = b"auto-tables"  # longer than a 4-byte table id: no table id spells it
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -152,6 +155,21 @@ def check_codec_geometry(
     return shp, dt, lv
 
 
+def _tables_can_code(level: Level, shape: tuple[int, ...]) -> bool:
+    """Whether static tables can code chunks of ``shape`` (a lossy level, table switching possible
+    for its token count: run lengths multiples of the coder's lanes)."""
+    from lmtier.codec import calibrate, rans
+
+    if level.lossless:
+        return False
+    nl, _, t, h, d = shape
+    try:
+        g = calibrate.channels_per_table((nl, h, d))
+    except ValueError:
+        return False
+    return all(r * t % rans.LANES == 0 and r * t <= rans.MAX_RUN_LEN for r in (g, h))
+
+
 class CodecTier(Tier):
     """Store chunks of one geometry in ``inner`` as codec records (see the module doc).
 
@@ -163,9 +181,19 @@ class CodecTier(Tier):
         level: ``"lossless"``, ``"high"``, ``"default"`` or ``"low"``.
         tables: static rANS tables (:class:`lmtier.codec.chunk.StaticTables`), ``"shipped"``
             (default: the calibrated tables shipped for this geometry and level,
-            :func:`lmtier.codec.calibrate.shipped_tables`, or per-stream tables when there are none)
-            or None (per-stream tables). The table set's id salts the keys, so records written with
-            other tables are misses, not decode failures.
+            :func:`lmtier.codec.calibrate.shipped_tables`, or per-stream tables when there are none),
+            ``"auto"`` (the shipped tables where they exist; else tables calibrated on the first
+            stored chunks and persisted in ``tables_dir``: :mod:`lmtier.codec.autotables`) or None
+            (per-stream tables). The table set's id salts the keys, so records written with
+            other tables are misses, not decode failures; with auto-calibrated tables the keys are
+            salted with a fixed ``auto`` marker instead and the record header's ``table_id`` picks
+            the set (per-stream records written before calibration stay hits; a set this process
+            cannot find is a miss, the record kept).
+        tables_dir: the table directory of ``"auto"`` (required with it).
+        namespace_id: the namespace's id in table file names (``"auto"``; 1-16 characters of
+            ``[0-9A-Za-z_.]``, e.g. ``namespace.digest()[:8].hex()``).
+        calibration_chunks: chunks ``"auto"`` calibrates on
+            (:data:`lmtier.codec.autotables.CALIBRATION_CHUNKS`).
         config_key, config_value: the config key that selected the codec (named in errors).
 
     The wrapper registers itself as an eviction listener of ``inner``: evictions of the inner
@@ -176,7 +204,8 @@ class CodecTier(Tier):
         name: the inner tier's name (so hit counters and logs read ``disk`` / ``remote``).
         raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (record buffer size).
         counters: ``puts``, ``put_failures``, ``raw_bytes_in``, ``record_bytes_out``, ``hits``,
-            ``misses``, ``corrupt_deleted``, ``decode_failures``.
+            ``misses``, ``corrupt_deleted``, ``decode_failures``, ``unknown_table_set`` (records of an
+            auto-calibrated table set this process cannot find: misses, kept).
 
     Raises:
         ConfigError: see :func:`check_codec_geometry`.
@@ -190,6 +219,9 @@ class CodecTier(Tier):
         dtype: Any,
         level: str | Level,
         tables: cchunk.StaticTables | str | None = "shipped",
+        tables_dir: str | Path | None = None,
+        namespace_id: str = "",
+        calibration_chunks: int = 0,
         config_key: str = "serde",
         config_value: str = "cachegen",
     ) -> None:
@@ -199,22 +231,47 @@ class CodecTier(Tier):
         )
         self.inner = inner
         self.name = inner.name
+        self._auto: AutoTables | None = None
         if isinstance(tables, str):
-            if tables != "shipped":
-                raise ValueError(f"tables must be StaticTables, 'shipped' or None, got {tables!r}")
+            if tables not in ("shipped", "auto"):
+                raise ValueError(f"tables must be StaticTables, 'shipped', 'auto' or None, got {tables!r}")
             from lmtier.codec import calibrate
 
-            tables = calibrate.shipped_tables(self.level, self.shape)
-        self.tables = tables
+            mode, tables = tables, calibrate.shipped_tables(self.level, self.shape)
+            if mode == "auto" and tables is None and _tables_can_code(self.level, self.shape):
+                if tables_dir is None:
+                    raise ValueError("CodecTier(tables='auto') needs tables_dir")
+                try:
+                    self._auto = AutoTables(
+                        tables_dir,
+                        namespace=namespace_id,
+                        level=self.level,
+                        shape=self.shape,
+                        chunks=calibration_chunks or CALIBRATION_CHUNKS,
+                    )
+                except OSError as e:  # the directory cannot be made: today's behaviour (per-stream)
+                    log.warning("codec tables directory %s unusable (%s); per-stream tables", tables_dir, e)
+        self._tables = tables
         self.raw_bytes = math.prod(self.shape) * 2
         self.max_record_bytes = cchunk.max_record_bytes(self.shape, self.level)
         table_id = cformat.NO_TABLE if tables is None else int(tables.table_id)
-        salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + table_id.to_bytes(4, "little")
+        salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id])
+        salt += _AUTO_SALT if self._auto is not None else table_id.to_bytes(4, "little")
         self._pad = int.from_bytes(hashlib.blake2b(salt, digest_size=KEY_BYTES, person=_PERSON).digest(), "little")
         self._decoders: dict[torch.device, ChunkDecoder] = {}
         self._lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
         inner.add_eviction_listener(self._on_inner_evicted)
+
+    @property
+    def tables(self) -> cchunk.StaticTables | None:
+        """The table set new records are coded with (None: per-stream tables)."""
+        return self._auto.current if self._auto is not None else self._tables
+
+    @property
+    def auto_tables(self) -> AutoTables | None:
+        """The auto-calibration state (``tables="auto"`` for a geometry without shipped tables), else None."""
+        return self._auto
 
     # ---- keys --------------------------------------------------------------------------------
 
@@ -289,8 +346,9 @@ class CodecTier(Tier):
             )
             self._count("put_failures")
             return False
+        tables = self.tables
         try:
-            record = cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=self.tables)
+            record = cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables)
         except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
             log.warning(
                 "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, e
@@ -302,9 +360,21 @@ class CodecTier(Tier):
             self._count("puts")
             self._count("raw_bytes_in", self.raw_bytes)
             self._count("record_bytes_out", len(record))
+            if tables is None and self._auto is not None:
+                self._calibrate(src)
         else:
             self._count("put_failures")
         return ok
+
+    def _calibrate(self, src: torch.Tensor) -> None:
+        """Count a stored chunk towards the auto-calibrated tables; a failure turns calibration off
+        (records keep per-stream tables), never a store."""
+        auto = self._auto
+        try:
+            auto.observe(src.view(self.dtype).view(self.shape))
+        except Exception as e:  # noqa: BLE001 - calibration is an optimisation
+            log.warning("%s: codec table calibration failed (%r); records keep per-stream tables", self.name, e)
+            auto.disable()
 
     def get_into(self, key: bytes, out: Any, *, stream: Any = None) -> int | None:
         """Fetch the record and decode the chunk into ``out`` (host buffer or CUDA tensor, >= one
@@ -379,8 +449,20 @@ class CodecTier(Tier):
             self._count("misses")
             return None
         dec = self.decoder(dst.device)
+        tables = self._tables
+        if self._auto is not None:  # the record's table_id picks the set
+            buf = np.frombuffer(slot.record[:n], np.uint8)
+            tid = record_table_id(buf)
+            tables = None if tid is None or tid == cformat.NO_TABLE else self._auto.lookup(tid)
+            if tid not in (None, cformat.NO_TABLE) and tables is None:
+                try:  # a damaged header names no real set: corrupt (deleted below), not unknown
+                    cformat.verify(buf)
+                except ValueError:
+                    tables = self._tables
+                else:
+                    return self._unknown_set(key, tid)
         try:
-            dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream)
+            dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream, tables=tables)
         except cchunk.CodecRecordError as e:
             log.warning("%s: codec record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e)
             self._count("corrupt_deleted")
@@ -394,6 +476,21 @@ class CodecTier(Tier):
             return None
         self._count("hits")
         return self.raw_bytes
+
+    def _unknown_set(self, key: bytes, tid: int) -> None:
+        """A valid record of an auto-calibrated set this process cannot find: a miss, the record kept
+        (another process holding the set's file may still read it)."""
+        if self._count("unknown_table_set") == 1:  # logged once per tier
+            log.warning(
+                "%s: chunk %s was coded with codec table set %#010x, which %s does not hold: a miss "
+                "(counter unknown_table_set)",
+                self.name,
+                bytes(key).hex()[:16],
+                tid,
+                self._auto.directory,
+            )
+        self._count("misses")
+        return None
 
     def batches_gets(self) -> bool:
         return self.inner.batches_gets()
@@ -414,7 +511,7 @@ class CodecTier(Tier):
                     shape=self.shape,
                     dtype=self.dtype,
                     level=self.level,
-                    tables=self.tables,
+                    tables=self._tables,
                     device=dev,
                     max_idle_slots=_IDLE_SLOTS.get(dev.type, 2),
                 )
@@ -422,6 +519,8 @@ class CodecTier(Tier):
             return dec
 
     def close(self) -> None:
+        if self._auto is not None:
+            self._auto.close()
         self.inner.remove_eviction_listener(self._on_inner_evicted)
         try:
             self.inner.close()
@@ -433,9 +532,10 @@ class CodecTier(Tier):
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str, n: int = 1) -> int:
         with self._lock:
             self.counters[name] += n
+            return self.counters[name]
 
     @staticmethod
     def _source(payload: Any) -> torch.Tensor:

@@ -5,6 +5,7 @@ replace them with (tests, custom tiers)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -25,6 +26,7 @@ __all__ = [
     "build_tiers",
     "check_codecs",
     "codec_chunk_shape",
+    "codec_tables_args",
     "default_disk_factory",
     "default_remote_factory",
     "wrap_codec",
@@ -79,16 +81,43 @@ def check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
             check_codec_geometry(codec_chunk_shape(namespace), namespace.kv_dtype, level, config_key=key)
 
 
-def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: str) -> Tier:
+def codec_tables_args(config: LMTierConfig, which: str, gpu_id: int = 0) -> tuple[str | None, str | None]:
+    """``(tables, tables_dir)`` for the ``which`` tier's :class:`~lmtier.tiers.codec.CodecTier`
+    from ``codec_tables`` / ``codec_tables_dir``: ``auto`` with the configured directory, else (disk
+    tier) ``lmtier-codec-tables`` in this GPU's first ``local_disk`` directory; a remote tier
+    without ``codec_tables_dir`` gets ``shipped`` (its records are shared: see :mod:`lmtier.config`)."""
+    mode = config.codec_tables
+    if mode == "none":
+        return None, None
+    if mode == "auto":
+        if config.codec_tables_dir is not None:
+            return "auto", config.codec_tables_dir
+        if which == "disk" and config.disk.enabled:
+            return "auto", os.path.join(config.disk.paths_for(gpu_id)[0], "lmtier-codec-tables")
+    return "shipped", None
+
+
+def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: str, gpu_id: int = 0) -> Tier:
     """``tier`` in a :class:`~lmtier.tiers.codec.CodecTier` when the ``which`` tier's serde
-    (``"disk"``: ``local_disk_serde``, ``"remote"``: ``remote_serde``) is ``cachegen``, else ``tier``."""
+    (``"disk"``: ``local_disk_serde``, ``"remote"``: ``remote_serde``) is ``cachegen``, else ``tier``
+    (tables: :func:`codec_tables_args`)."""
     level = config.serde_level(which)
     if level is None:
         return tier
     from lmtier.tiers.codec import CodecTier
 
     key = "local_disk_serde" if which == "disk" else "remote_serde"
-    return CodecTier(tier, shape=codec_chunk_shape(namespace), dtype=namespace.kv_dtype, level=level, config_key=key)
+    tables, tables_dir = codec_tables_args(config, which, gpu_id)
+    return CodecTier(
+        tier,
+        shape=codec_chunk_shape(namespace),
+        dtype=namespace.kv_dtype,
+        level=level,
+        tables=tables,
+        tables_dir=tables_dir,
+        namespace_id=namespace.digest()[:8].hex(),
+        config_key=key,
+    )
 
 
 class BuiltTiers(NamedTuple):
@@ -131,7 +160,7 @@ def build_tiers(
             except ValueError as e:
                 raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
         if config.disk.enabled:
-            disk = wrap_codec(disk_factory(config.disk, namespace, gpu_id), config, namespace, "disk")
+            disk = wrap_codec(disk_factory(config.disk, namespace, gpu_id), config, namespace, "disk", gpu_id)
         if config.remote.enabled:
             remote = wrap_codec(remote_factory(config.remote, namespace), config, namespace, "remote")
         if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool

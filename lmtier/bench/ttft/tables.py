@@ -9,8 +9,10 @@ each lossy level gets, before any tier is built and before any timed run:
   per level, untimed, kept in memory.
 * a PATH (a :func:`lmtier.codec.calibrate.save` ``.npz``): the levels found there are loaded, the
   missing ones calibrated and written back.
-* ``shipped``: what the product gives by default (``CodecTier(tables="shipped")``: the tables
-  shipped for this geometry, else per-stream tables).
+* ``shipped``: what the product gives by default (the manager built from the config, whose
+  ``codec_tables: auto`` means the tables shipped for this geometry, else tables calibrated on the
+  first 16 chunks the tier stores: :mod:`lmtier.codec.autotables`; records stored before those are
+  fitted carry per-stream tables).
 * ``none``: per-stream tables (every rANS stream carries its own).
 """
 
@@ -89,8 +91,8 @@ def codec_tables(
             say(
                 {
                     "none": "codec tables: per-stream (every rANS stream carries its own table) (--codec-tables none)",
-                    "shipped": "codec tables: the product's default (CodecTier(tables='shipped'): the tables shipped "
-                    "for this geometry, else per-stream)",
+                    "shipped": "codec tables: the product's default (the config's codec_tables: auto — the tables "
+                    "shipped for this geometry, else tables auto-calibrated on the first 16 stored chunks)",
                 }.get(mode.lower(), "codec tables: per-stream (lossless levels)")
             )
         return tables, None
