@@ -467,7 +467,7 @@ class P2PTier(PeerReads, Tier):
         ``bad_entries`` / ``bad_nodes`` (MAC or format failures) as they are and its ``errors`` as
         ``directory_errors``; failed READs (``errors``) also as ``read_errors``."""
         out = super().event_counts()
-        d = {k: int(v) for k, v in self.directory.counters.items()}
+        d = {k: int(v) for k, v in dict(self.directory.counters).items()}
         out["read_errors"] = out.get("errors", 0)
         out["directory_errors"] = d.get("errors", 0)
         out["breaker_rejects"] = out.get("breaker_rejects", 0) + d.get("breaker_rejects", 0)
