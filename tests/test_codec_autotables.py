@@ -26,6 +26,7 @@ from lmtier.manager import TierManager
 from lmtier.tiers.codec import CodecTier
 from lmtier.tiers.disk import DiskTier
 from lmtier.tiers.factory import codec_tables_args
+from tests.test_codec_tables import kv_like as _kv_like
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (3, 2, 64, 2, 64)  # no shipped tables for this geometry
@@ -41,14 +42,8 @@ def _whole_queue(monkeypatch):
 
 
 def kv_like(seed: int, shape=SHAPE) -> torch.Tensor:
-    """KV-like bf16 chunk: per-(layer, plane, head, channel) magnitudes, outlier key channels, a sink token."""
-    g = torch.Generator().manual_seed(seed)
-    nl, _, t, h, d = shape
-    mag = torch.rand(nl, 2, 1, h, d, generator=g) * 2 + 0.05
-    mag[:, 0, :, :, :3] *= 12
-    x = torch.randn(shape, generator=g) * mag
-    x[:, :, 0] *= 6
-    return x.to(torch.bfloat16)
+    """KV-like bf16 chunk of this file's geometry (:func:`tests.test_codec_tables.kv_like`)."""
+    return _kv_like(seed, shape)
 
 
 def key(i: int) -> bytes:
