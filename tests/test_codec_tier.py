@@ -453,6 +453,9 @@ def test_codec_tier_threads_bit_identical(disk):
     for i, x in xs.items():
         assert t.put(key(60 + i), as_bytes(x))
     want = {i: reference(x, "default") for i, x in xs.items()}
+    # keep every slot the 4 threads may hold idle (the CPU default keeps 2 and frees the others, so a
+    # later get may create one more): then a slot is created only while all earlier ones are in use
+    t.decoder("cpu").max_idle_slots = 4
 
     def work(i: int) -> bool:
         out = bytearray(16384)
