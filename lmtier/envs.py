@@ -261,6 +261,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="scripts/gpu_run.sh",
     ),
     EnvVar(
+        "LMTIER_GPU_TESTS",
+        "ci",
+        "1: scripts/gpu_vllm_bench.sh runs the gpu tests after the engine benchmark, on the same build",
+        default="0",
+        read_by="scripts/gpu_vllm_bench.sh",
+    ),
+    EnvVar(
         "LMTIER_GPU_BENCH",
         "ci",
         "quick: scripts/gpu_run.sh runs the short benchmark sizes",

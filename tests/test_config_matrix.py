@@ -469,6 +469,8 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
     if "disk" in r["tiers"]:
         paths = ",".join(f"file://{p}" for p in disk_roots(r, root))
         cfg.update(local_disk=paths, max_local_disk_size=0.5, local_disk_serde=r["local_disk_serde"])
+        if r["local_disk_serde"] == "cachegen":  # SmolLM2 has shipped tables: "auto" must use them
+            cfg.update(codec_tables="auto", codec_tables_dir=str(root / "codec_tables"))
         if r["disk_paths"] == "two_by_gpu":
             cfg["local_disk_path_sharding"] = "by_gpu"
         if r["disk_io_threads"] is not None:

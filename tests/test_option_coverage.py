@@ -58,6 +58,8 @@ COVERAGE: dict[str, list[str]] = {
     "mooncake_protocol": [MATRIX],
     "mooncake_device_name": [MATRIX],
     "local_disk_serde": [MATRIX],
+    "codec_tables": [MATRIX],
+    "codec_tables_dir": [MATRIX],
     "codec_level": [MATRIX],
     "cpu_tenant_share": [MATRIX, COMBOS_P2P, TENANT_CPU],  # TENANT_CPU: salted tenants
     "cpu_tenant_shares": [TENANT_CPU],

@@ -69,6 +69,8 @@ import numpy as np
 import torch
 import xxhash
 
+from lmtier.errors import LMTierError
+
 from . import format as fmt
 from .calibrate import Calibrator, _tables, calibrate
 from .chunk import StaticTables
@@ -105,7 +107,7 @@ _SUFFIX = ".lmtt"
 _NS_RE = re.compile(r"^[0-9A-Za-z_.]{1,16}$")
 
 
-class TableFileError(ValueError):
+class TableFileError(LMTierError, ValueError):
     """A table file that must not be used (truncated, corrupt, other version / namespace / level /
     geometry); the message names the file and the reason."""
 
