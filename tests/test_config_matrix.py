@@ -395,12 +395,9 @@ def redis_tls_srv():
 @pytest.fixture(scope="module")
 def redis_cluster_srv():
     """A 3-master Redis Cluster on loopback (``redis-cli --cluster create``); each row flushes it."""
-    from lmtier.testing.redis import RedisClusterServers, RedisUnavailable, skip_or_fail
+    from lmtier.testing.redis import start_cluster_or_skip
 
-    try:
-        c = RedisClusterServers().start()
-    except RedisUnavailable as e:
-        skip_or_fail(f"no Redis Cluster: {e}")
+    c = start_cluster_or_skip()
     yield c
     c.close()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from lmtier.testing import mooncake as _mooncake
-from lmtier.testing.redis import RedisClusterServers, RedisServer, RedisUnavailable, skip_or_fail, start_or_skip
+from lmtier.testing.redis import RedisServer, start_cluster_or_skip, start_or_skip
 
 __all__ = ["redis_server", "redis_url", "redis_server_auth", "redis_cluster", "mooncake_store", "RedisServer"]
 
@@ -45,10 +45,7 @@ def redis_server_auth():
 @pytest.fixture
 def redis_cluster():
     """A 3-master Redis Cluster (``.url`` is ``redis-cluster://h:p,h:p,h:p``)."""
-    try:
-        c = RedisClusterServers().start()
-    except RedisUnavailable as e:
-        skip_or_fail(f"no Redis Cluster: {e}")
+    c = start_cluster_or_skip()
     yield c
     c.close()
 

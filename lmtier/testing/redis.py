@@ -336,3 +336,12 @@ class RedisClusterServers:
     def close(self) -> None:
         for n in self.nodes:
             n.close()
+
+
+def start_cluster_or_skip(**kw) -> RedisClusterServers:
+    """Start a :class:`RedisClusterServers` (``kw`` as its constructor), or skip / fail (:func:`skip_or_fail`)."""
+    try:
+        return RedisClusterServers(**kw).start()
+    except RedisUnavailable as e:
+        skip_or_fail(f"no Redis Cluster: {e}")
+        raise  # not reached: skip_or_fail raises
