@@ -103,7 +103,7 @@ SCHEME_EVIDENCE = {
     "redis": "redis://",
     "rediss": "rediss://",
     "unix": "unix://",
-    "redis-cluster": "RedisClusterServers",  # its .url is redis-cluster://h:p,h:p,h:p
+    "redis-cluster": "start_cluster_or_skip",  # a RedisClusterServers; its .url is redis-cluster://h:p,h:p,h:p
     "mooncakestore": "lmtier.testing.mooncake",  # its .url is mooncakestore://h:p/
 }
 """What a test file that builds a ``remote_url`` of the scheme contains."""
