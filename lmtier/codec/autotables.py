@@ -69,6 +69,7 @@ import numpy as np
 import torch
 import xxhash
 
+from lmtier.affinity import background_priority
 from lmtier.errors import LMTierError
 
 from . import format as fmt
@@ -368,6 +369,7 @@ class AutoTables:
 
     def _work(self) -> None:
         """Background thread: count the queued chunks, fit and persist once enough were counted."""
+        background_priority()
         try:
             while True:
                 c = self._queue.get()

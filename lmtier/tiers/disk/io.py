@@ -1,17 +1,16 @@
 """POSIX I/O helpers of the disk tier: opening a record file safely (:func:`open_record`),
-whole-buffer ``pread``/``pwrite``, GIL-free copies, quiet unlinks, and the background priority of
-write threads (Linux ``setpriority`` + ``ioprio_set``)."""
+whole-buffer ``pread``/``pwrite``, GIL-free copies and quiet unlinks; re-exports
+:func:`lmtier.affinity.background_priority` for the write threads."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
-import threading
 
 import numpy as np
 
+from lmtier.affinity import background_priority
 from lmtier.errors import LMTierError
 
 __all__ = [
@@ -26,37 +25,6 @@ __all__ = [
     "unlink_quiet",
     "wait_all",
 ]
-
-# ioprio_set(2): syscall numbers by machine (no libc wrapper); IOPRIO_WHO_PROCESS with a thread id
-# applies to that thread only.
-_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
-_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_WHO_PROCESS = 2, 13, 1
-_libc = None
-
-
-def background_priority() -> None:
-    """Lower the calling thread to background priority: CPU nice 19 and I/O priority best-effort
-    level 7 (the lowest level of the default class; the idle class could starve writes outright).
-
-    For threads that only do background work (write-through, write-back): on a small host they
-    must not take cores or device time from the forward pass or from a load. Linux only; a no-op
-    (silently) elsewhere or when not permitted.
-    """
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted
-        pass
-    global _libc
-    try:
-        nr = _SYS_IOPRIO_SET.get(os.uname().machine)
-        if nr is None:
-            return
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall(nr, _IOPRIO_WHO_PROCESS, tid, (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | 7)
-    except (AttributeError, OSError):
-        pass
 
 
 class NotRegularFile(LMTierError, OSError):

@@ -59,6 +59,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xxhash
 
 from lmtier import record as rec
+from lmtier.affinity import unpin_thread
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.buffers import PAGE_BYTES, BouncePool, address_of, host_view, round_up
 from lmtier.tiers.device import PinnedBounce, flat_u8, is_cuda_tensor
@@ -148,7 +149,9 @@ class DiskTier(Tier):
         self.max_payload_bytes = max_payload_bytes
         self._meta = rec.RecordMeta(namespace=bytes(namespace))
         self._gds = KvikioLoader(use_kvikio)
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmtier-disk")
+        self._pool = ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="lmtier-disk", initializer=unpin_thread
+        )
         # Writes (always background work: write-through, write-back) move their pieces on their own
         # threads at background CPU/I-O priority, so a load never queues behind a store's pieces.
         self._wpool = ThreadPoolExecutor(

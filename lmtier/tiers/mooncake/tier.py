@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmtier import record as rec
+from lmtier.affinity import unpin_thread
 from lmtier.remote_url import MooncakeEndpoint, parse_mooncake_url
 from lmtier.tiers.base import KEY_BYTES, Tier, TierError, TierUsage
 from lmtier.tiers.breaker import CircuitBreaker
@@ -190,7 +191,9 @@ class MooncakeTier(ClientCalls, Tier):
         self.counters: collections.Counter = collections.Counter()
         self._device = PinnedBounce(max_cached=2)
         self._arena = BounceRegion(bounce_bytes)
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lmtier-mooncake")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="lmtier-mooncake", initializer=unpin_thread
+        )
         self._lock = threading.Lock()
         self._inflight = 0
         self._store: Any = None  # a set-up client with the arena registered, or None
