@@ -11,9 +11,10 @@ Logging: ``logging.getLogger("lmtier.manager")``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,7 @@ class TierManager:
         )
         self._inflight = 0
         self._idle = threading.Condition()
+        self._no_write_back = threading.local()  # .on: this thread is inside no_write_back()
         self._closed = False
         self._listeners: list[IndexListener] = []
         self._listeners_lock = threading.Lock()
@@ -335,9 +337,11 @@ class TierManager:
 
         For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
         into a slot). The disk copy makes the chunk survive a restart without waiting for eviction;
-        both writes are best-effort (dropped and counted when their queues are full). Publishes no
-        index event (:meth:`commit` commits, publishes ``STORED`` and calls this). ``tenant``: the
-        chunk's tenant in a remote tier with budgets.
+        both writes are best-effort (dropped and counted when their queues are full). A queued write
+        does not pin the chunk: one evicted before its write ran is skipped (counted), so the CPU
+        pool keeps admitting new chunks when the lower tiers fall behind. Publishes no index event
+        (:meth:`commit` commits, publishes ``STORED`` and calls this). ``tenant``: the chunk's tenant
+        in a remote tier with budgets.
         """
         self._check_open()
         if self.disk is not None and self.cpu is not None:
@@ -417,12 +421,37 @@ class TierManager:
         self._count("written_back" if ok else "write_back_failures")
         return ok
 
+    @contextlib.contextmanager
+    def no_write_back(self) -> Iterator[None]:
+        """Within the block, CPU-pool evictions that this thread causes (a ``cpu.reserve`` that takes
+        an LRU victim's slot) never write the victim to disk here: a victim the disk holds already
+        stays there (``EVICTED`` names ``"disk"``), one it does not is dropped from the CPU tier only
+        (``counters["write_back_skipped"]``; ``EVICTED`` with no tier).
+
+        For latency paths whose chunks reach the disk by :meth:`publish`'s asynchronous write-through
+        (the vLLM connector's stores in the engine step and its load threads): a synchronous
+        write-back there costs a disk write — and with ``local_disk_serde: cachegen`` an encode — per
+        victim inside the caller's step. Nestable; per thread.
+        """
+        prev = getattr(self._no_write_back, "on", False)
+        self._no_write_back.on = True
+        try:
+            yield
+        finally:
+            self._no_write_back.on = prev
+
     def _on_cpu_evicted(self, ev: Eviction) -> None:
         """CPU pool eviction listener: write each victim back to disk (its payload is readable until
-        this returns), then publish ``EVICTED``."""
+        this returns; not inside :meth:`no_write_back`), then publish ``EVICTED``."""
         payloads = ev.payloads if ev.payloads is not None else (None,) * len(ev.keys)
+        skip = getattr(self._no_write_back, "on", False)
         for key, view in zip(ev.keys, payloads):
-            on_disk = view is not None and self._write_back(key, view)
+            if skip and view is not None and self.disk is not None:
+                on_disk = bool(self._safe(self.disk.contains, key, default=False))
+                if not on_disk:
+                    self._count("write_back_skipped")
+            else:
+                on_disk = view is not None and self._write_back(key, view)
             self._publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
 
     def _on_disk_evicted(self, ev: Eviction) -> None:

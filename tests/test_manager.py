@@ -221,6 +221,68 @@ def test_disk_write_back_on_eviction_and_promotion():
     assert disk.store.keys() == {K(0), K(1), K(2)}  # close persisted the CPU-only chunk
 
 
+def test_no_write_back_evicts_without_writing_in_the_caller():
+    """Inside no_write_back a reserve that evicts never writes the victim to disk in this thread: a
+    victim the disk holds stays a disk chunk, one it does not is dropped (counted); outside, the
+    same eviction writes back as before."""
+    disk = MemTier("disk")
+    pool = make_pool(num_slots=2)
+    m = TierManager(cpu=pool, disk=disk)
+    events = []
+    m.add_listener(lambda e: events.append((e.kind.name, e.key, e.tier)))
+    for i in range(2):
+        m.store(K(i), data(i)).result(10)
+    disk.store[K(1)] = data(1)  # K(1) written through already, K(0) not
+    puts = disk.calls["put"]
+    with m.no_write_back():
+        for i in (2, 3):  # evicts K(0), then K(1)
+            slot = pool.reserve(K(i))
+            slot.view[:3000].numpy()[:] = np.frombuffer(data(i), np.uint8)
+            m.commit(slot, 3000, promoted=True)
+    assert disk.calls["put"] == puts and K(0) not in disk.store
+    assert m.counters["write_back_skipped"] == 1 and m.counters["written_back"] == 0
+    assert ("EVICTED", K(0), None) in events and ("EVICTED", K(1), "disk") in events
+    assert m.lookup([K(0)]) == [] and m.lookup([K(1), K(2), K(3)]) == ["disk", "cpu", "cpu"]
+    m.store(K(4), data(4)).result(10)  # a store thread, outside the block: evicts K(2) -> disk
+    assert disk.store.get(K(2)) == data(2) and m.counters["written_back"] == 1
+    m.close(persist=False)
+
+
+def test_queued_write_through_does_not_hold_back_new_chunks():
+    """A write-through waiting in the queue does not pin its chunk: a store in the step (inside
+    no_write_back) evicts it instead of waiting or refusing the new chunk; the write, when its turn
+    comes, skips the evicted chunk (counted) and writes the ones still in the pool."""
+    gate, running = threading.Event(), threading.Event()
+
+    class SlowDisk(MemTier):
+        def put(self, key, payload):
+            running.set()
+            assert gate.wait(10)
+            return super().put(key, payload)
+
+    disk = SlowDisk("disk")
+    pool = make_pool(num_slots=2)
+    m = TierManager(cpu=pool, disk=disk, store_threads=1)
+
+    def put_in_step(i):
+        with m.no_write_back():
+            slot = pool.reserve(K(i))
+        assert slot is not None, i
+        slot.view[:3000].numpy()[:] = np.frombuffer(data(i), np.uint8)
+        m.commit(slot, 3000)  # queues the write-through
+
+    put_in_step(0)
+    assert running.wait(10)  # K(0)'s write runs (K(0) pinned by it), the only store thread is busy
+    put_in_step(1)  # K(1)'s write waits in the queue
+    put_in_step(2)  # the pool is full: evicts K(1), not the pinned K(0), and does not wait
+    assert m.counters["write_back_skipped"] == 1 and m.lookup([K(1)]) == []
+    gate.set()
+    assert m.flush(10)
+    assert disk.store == {K(0): data(0), K(2): data(2)} and m.counters["disk_skipped_evicted"] == 1
+    assert m.lookup([K(0), K(2)]) == ["cpu", "cpu"] and pool.num_pinned() == 0
+    m.close(persist=False)
+
+
 def test_remote_hit_promoted_into_cpu():
     remote = MemTier("remote")
     remote.store[K(5)] = data(5)

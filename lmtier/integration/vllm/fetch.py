@@ -398,9 +398,10 @@ class ChunkFetcher:
         self, keys: list[bytes], tenant: str = DEFAULT_TENANT, skip: tuple[str, ...] = ()
     ) -> list[Chunk | None]:
         """I/O thread: bring chunks ``keys`` from disk/remote into host memory, each straight into a
-        reserved CPU-pool slot (promotion without a second copy) or, when none can be reserved, a
-        staging buffer (one ``fetch_lower_many`` for those not in the pool meanwhile). Returns per
-        key the filled chunk (``ci`` unset) or None on a miss."""
+        reserved CPU-pool slot (promotion without a second copy; a victim is not written back here:
+        :meth:`TierManager.no_write_back`) or, when none can be reserved, a staging buffer (one
+        ``fetch_lower_many`` for those not in the pool meanwhile). Returns per key the filled chunk
+        (``ci`` unset) or None on a miss."""
         cb = self.chunk_bytes
         cpu = self.manager.cpu
         cs = [Chunk(-1, key) for key in keys]
@@ -410,7 +411,8 @@ class ChunkFetcher:
         try:
             for j, c in enumerate(cs):
                 if cpu is not None:
-                    c.write = cpu.reserve(c.key, tenant=tenant)
+                    with self.manager.no_write_back():  # a victim's disk write would delay this load
+                        c.write = cpu.reserve(c.key, tenant=tenant)
                     if c.write is None:  # being written or committed by someone else meanwhile, or pool full
                         c.read = cpu.acquire(c.key)
                         if c.read is not None:

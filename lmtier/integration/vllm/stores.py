@@ -80,7 +80,8 @@ class ChunkStorer:
 
         CPU cache: every chunk gets a pool slot (``reserve`` as the tenant of ``op.cache_salt``; none
         when the chunk is present already, every slot is pinned or its tenant may evict nothing —
-        skipped), all are gathered in one native call, then committed and written through. CUDA
+        skipped; a victim it evicts is not written back here: :meth:`TierManager.no_write_back`),
+        all are gathered in one native call, then committed and written through. CUDA
         cache: one gather is queued on the side streams after the current stream's work, and the
         chunks are committed by :meth:`poll_stores` once it arrived (until then the request is in
         ``pending``; do not reuse its blocks). A failing chunk is dropped (logged), never made
@@ -107,16 +108,17 @@ class ChunkStorer:
                     log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
         else:
             batch: list[tuple[int, Any]] = []  # (chunk index, write slot)
-            for ci in range(op.first_chunk, len(keys)):
-                try:
-                    slot = cpu.reserve(keys[ci], tenant=tenant)
-                except Exception:
-                    log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
-                    continue
-                if slot is None:  # present already, or every slot pinned (back-pressure)
-                    self._stat("store_skipped")
-                    continue
-                batch.append((ci, slot))
+            with self.manager.no_write_back():  # victims reach disk by write-through, not in the step
+                for ci in range(op.first_chunk, len(keys)):
+                    try:
+                        slot = cpu.reserve(keys[ci], tenant=tenant)
+                    except Exception:
+                        log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
+                        continue
+                    if slot is None:  # present already, or every slot pinned (back-pressure)
+                        self._stat("store_skipped")
+                        continue
+                    batch.append((ci, slot))
             if batch:
                 try:
                     slots = self.slot_mappings(op.block_ids, [ci for ci, _ in batch])
