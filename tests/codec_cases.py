@@ -113,12 +113,10 @@ def tables42(x=None) -> C.StaticTables:
     return C.StaticTables(table_id=42, tables=tabs, section_tables=[0, 1, rans.ADAPTIVE_TABLE] * SHAPE[0])
 
 
-def out_of_range_record() -> bytes:
-    """A well-formed ``default`` record whose K symbols exceed 2*qmax (hand-built, valid streams)."""
-    x = kv_like()
-    sym, side = Q.quantize(x, "default")
-    sym = sym.clone()
-    sym[1, 0, 0, 0, 5] = 200
+def pack_symbols(sym: torch.Tensor, side: torch.Tensor, meta: bytes = b"") -> bytes:
+    """A ``default`` record of :data:`SHAPE` (bf16) from quantized symbols ``sym`` and side data
+    ``side`` (as :func:`lmtier.codec.quant.quantize` returns them), coded by hand: valid rANS streams
+    whatever the symbols, plus ``meta`` bytes of metadata (encode_chunk writes none)."""
     nl = SHAPE[0]
     extra = side.view(nl, -1)
     streams = []
@@ -126,18 +124,19 @@ def out_of_range_record() -> bytes:
         streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1), extra[l]]
     b = rans.encode(streams)
     info = fmt.RecordInfo(2, nl, 2, 16, 2, 64, fmt.DType.BFLOAT16, 3)
-    return fmt.pack(info, [b.stream(i) for i in range(len(streams))])
+    return fmt.pack(info, [b.stream(i) for i in range(len(streams))], meta)
+
+
+def out_of_range_record() -> bytes:
+    """A well-formed ``default`` record whose K symbols exceed 2*qmax (hand-built, valid streams)."""
+    sym, side = Q.quantize(kv_like(), "default")
+    sym = sym.clone()
+    sym[1, 0, 0, 0, 5] = 200
+    return pack_symbols(sym, side)
 
 
 def record_with_meta(x: torch.Tensor, meta_bytes: int) -> bytes:
     """A valid ``default`` record of ``x`` carrying ``meta_bytes`` of metadata (encode_chunk writes
     none): longer than max_record_bytes when ``meta_bytes`` is large."""
     sym, side = Q.quantize(x, "default")
-    nl = SHAPE[0]
-    extra = side.view(nl, -1)
-    streams = []
-    for l in range(nl):
-        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1), extra[l]]
-    b = rans.encode(streams)
-    info = fmt.RecordInfo(2, nl, 2, 16, 2, 64, fmt.DType.BFLOAT16, 3)
-    return fmt.pack(info, [b.stream(i) for i in range(len(streams))], b"m" * meta_bytes)
+    return pack_symbols(sym, side, b"m" * meta_bytes)

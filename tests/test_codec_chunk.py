@@ -111,19 +111,7 @@ def test_decode_errors_are_clear_and_leave_out_untouched(kind, native):
 
 
 def test_symbols_out_of_range_are_rejected(native):
-    # a well-formed record whose K symbols exceed 2*qmax of the level (hand-built, valid streams)
-    x = kv_like()
-    sym, side = Q.quantize(x, "default")
-    sym = sym.clone()
-    sym[1, 0, 0, 0, 5] = 200
-    nl = SHAPE[0]
-    extra = side.view(nl, -1)
-    streams = []
-    for l in range(nl):
-        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1), extra[l]]
-    b = rans.encode(streams)
-    info = fmt.RecordInfo(2, nl, 2, 16, 2, 64, fmt.DType.BFLOAT16, 3)
-    rec = fmt.pack(info, [b.stream(i) for i in range(len(streams))])
+    rec = out_of_range_record()  # a well-formed record whose K symbols exceed 2*qmax of the level
     with pytest.raises(C.CodecRecordError, match="symbol outside"):
         C.decode_chunk(rec, torch.empty(16384, dtype=torch.uint8), expected_shape=SHAPE, dtype=torch.bfloat16)
 
