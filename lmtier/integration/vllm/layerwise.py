@@ -47,7 +47,7 @@ class LayerwiseLoader:
         priority: CUDA stream priority of the copies (None: the device's highest).
         layers_per_wait: layers per event on CUDA, in ``[1, num_layers]`` (the worker checks it).
 
-    Attributes (read-only for callers): ``current`` (the load the forward may still wait on, or
+    Attributes (read-only for callers): ``active`` (the load the forward may still wait on, or
     None), ``draining`` (finished loads whose copies may still run, CUDA), ``engine`` (the
     :class:`lmtier.transfer.CudaTransferEngine` of the copies, built by :meth:`prepare`; None on a
     CPU cache or before).
@@ -73,17 +73,17 @@ class LayerwiseLoader:
         self._priority = priority
         self.layers_per_wait = layers_per_wait
         self.engine = None  # CudaTransferEngine (one event per piece), built on first use
-        self.current: LayerwiseLoad | None = None
+        self.active: LayerwiseLoad | None = None
         self.draining: list[LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
 
     def idle(self) -> bool:
         """No load in flight and none draining."""
-        return self.current is None and not self.draining
+        return self.active is None and not self.draining
 
     @property
     def in_flight(self) -> bool:
         """A :meth:`load` not yet finished (:meth:`finish`)."""
-        return self.current is not None
+        return self.active is not None
 
     def prepare(self) -> None:
         """Allocate what layer-by-layer loads need (CUDA: the layer engine's streams and staging
@@ -111,17 +111,16 @@ class LayerwiseLoader:
     def load(self, ops_: Iterable[LoadOp]) -> dict[str, set[int]]:
         """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's).
 
-        Every op's chunks are planned and resolved as in :meth:`ConnectorWorker.load` (pool hits pinned, other
-        chunks fetched on the I/O threads and waited for); an op keeps its chunks up to the first
-        one that cannot be loaded. All kept chunks of all ops are then copied in one layer-major
-        transfer: on a CUDA cache it is queued after the current stream's work and layer ``l`` is
-        ready once :meth:`wait_layer` ``(l)`` returned (on the stream current then); on a CPU cache
-        the copy is done on return. Call :meth:`finish` after the forward.
+        Every op's chunks are planned and resolved as in :meth:`ConnectorWorker.load` (pool hits
+        pinned, other chunks fetched on the I/O threads and waited for); an op keeps its chunks up to
+        the first one that cannot be loaded. All kept chunks of all ops are then copied in one
+        layer-major transfer: on a CUDA cache it is queued after the current stream's work and layer
+        ``l`` is ready once :meth:`wait_layer` ``(l)`` returned (on the stream current then); on a CPU
+        cache the copy is done on return. Call :meth:`finish` after the forward.
 
         Returns ``{req_id: failed block ids}`` for the ops that did not load whole (as
-        :meth:`ConnectorWorker.load`:
-        a poisoned op fails from ``start_token``, otherwise from the first chunk that failed); their
-        other chunks still load. If planning or queuing raises, every op fails from its
+        :meth:`ConnectorWorker.load`: a poisoned op fails from ``start_token``, otherwise from the
+        first chunk that failed); their other chunks still load. If planning or queuing raises, every op fails from its
         ``start_token`` (nothing of it is reported loaded). A previous layer-by-layer load still in
         flight is finished first and its report (see :meth:`finish`) merged in.
         """
@@ -238,7 +237,7 @@ class LayerwiseLoader:
                     self._stat("load_failures")
             return failed
         if loaded:
-            self.current = LayerwiseLoad(
+            self.active = LayerwiseLoad(
                 parts, events, self.layout.num_layers, t0, timing, device_event=device_event, loaded=loaded
             )
         return failed
@@ -246,7 +245,7 @@ class LayerwiseLoader:
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until layer ``layer`` of the in-flight layer-by-layer load
         is in the cache (CUDA; the host does not block). No-op without one."""
-        lw = self.current
+        lw = self.active
         if lw is None:
             return
         if not 0 <= layer < len(lw.waited):
@@ -268,7 +267,7 @@ class LayerwiseLoader:
         blocking, and by later loads, :meth:`ConnectorWorker.finished_sending` and
         :meth:`ConnectorWorker.close`).
         """
-        lw, self.current = self.current, None
+        lw, self.active = self.active, None
         if lw is None:
             return {}
         self.draining.append(lw)
