@@ -46,6 +46,10 @@ drop below --load-threshold; a round whose requests saw a load above the thresho
 extra rounds are run (up to --max-rounds) until --rounds calm rounds exist. Medians use the calm
 rounds when there are at least --rounds of them, else all rounds (flagged in the table).
 
+Code: the servers, prompts and machine probes are benchmarks/connector_servers.py (shared with
+ab_connectors.py, rss_probe.py, peers/profile_warm.py); the medians, table and targets are
+benchmarks/bench_connectors_report.py; this file runs the phases.
+
 Usage (repository root):
   .venv/bin/python benchmarks/bench_connectors.py [--json out.json] [--sizes 1024,2048,4096]
         [--rounds 5] [--peers example,lmcache] [--lmcache-python .venv-lmcache/bin/python] [--skip-rss]

@@ -267,7 +267,7 @@ class LMCacheServer(Proc):
             str(free_port()),
             "--prometheus-port",
             str(free_port()),
-            # the benchmark freezes idle vLLM servers (SIGSTOP, see Bench.focus); without these the
+            # the benchmark freezes idle vLLM servers (SIGSTOP, see bench_connectors.Bench.focus); without these the
             # server reaps a frozen engine's worker after 30 s without heartbeats
             "--worker-reap-timeout-seconds",
             "3600",
