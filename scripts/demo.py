@@ -31,7 +31,8 @@ What it does (all on 127.0.0.1, servers in their own process groups, logs in fil
   on node B through Redis, Mooncake and P2P. Each node B must have loaded tokens from its store (the
   remote tier, or the p2p tier) in every scenario, not only from its own CPU pool.
 
-Workload (real offline text, the same token ids in every phase; sizes for full / --quick):
+Workload (lmtier.testing.demo_workload; real offline text, the same token ids in every phase; sizes for
+full / --quick):
   system     a long system prompt (stdlib docstrings, ~1.5K / ~600 tokens) + short user questions;
   multiturn  a conversation growing turn by turn (each turn adds a ~400 / ~250-token user message and
              a canned assistant reply; the last turn is ~2K / ~800 tokens);
@@ -42,8 +43,9 @@ Each server's /metrics is scraped around every scenario (vllm:external_prefix_ca
 vllm:prompt_tokens_cached_by_source{source=...}, and every line containing "lmtier") and the usage
 block's prompt_tokens_details.cached_tokens is recorded per request.
 
-Output: a table scenario x phase (n, mean and P99 TTFT, speed-up vs the baseline, cached tokens per
-source, outputs equal to the baseline), the metric deltas, and a JSON file (--json).
+Output (lmtier.testing.demo_report): a table scenario x phase (n, mean and P99 TTFT, speed-up vs the
+baseline, cached tokens per source, outputs equal to the baseline), the metric deltas, and a JSON file
+(--json).
 Exit status: 0 when every output equals the baseline and every warm lmtier phase had hits;
 1 otherwise; 2 on setup errors (server did not start, ...).
 
