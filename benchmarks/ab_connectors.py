@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Focused A/B (or A/B/C) TTFT comparison of KV-connector setups at one prompt size, many rounds.
 
-Runs the same vLLM servers as ``benchmarks/bench_connectors.py`` (imported: ``Srv``, ``Prompts``,
-``write_config``; bf16 SmolLM2, eager, ``--max-num-batched-tokens 8192``, VLLM_CPU_KVCACHE_SPACE=1,
-every server's OpenMP compute bound to both cores with VLLM_CPU_OMP_THREADS_BIND=0-1, --gap s of quiet
-before every request), two or three servers alive at a time, requests interleaved round by round with
-the order rotated every round, and reports per-system medians plus, for every system against the
+Runs the same vLLM servers as ``benchmarks/bench_connectors.py`` (imported from
+``benchmarks/connector_servers.py``: ``Srv``, ``Prompts``, ``write_config``; bf16 SmolLM2, eager,
+``--max-num-batched-tokens 8192``, VLLM_CPU_KVCACHE_SPACE=1, every server's OpenMP compute bound to
+both cores with VLLM_CPU_OMP_THREADS_BIND=0-1, --gap s of quiet before every request), two or three
+servers alive at a time, requests interleaved round by round with the order rotated every round, and
+reports (benchmarks/ab_connectors_report.py) per-system medians plus, for every system against the
 first one, a paired comparison: the median of the per-round ratios with a distribution-free
 (binomial order-statistic) 95 % confidence interval, and a bootstrap 95 % interval of the ratio of
 medians (rounds resampled in pairs).
@@ -53,27 +54,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import secrets
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from math import comb
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_connectors as BC  # noqa: E402  (servers, prompts, configs: the same settings as the side-by-side bench)
+import connector_servers as CS  # noqa: E402  (servers, prompts, configs: the same settings as the side-by-side bench)
+from ab_connectors_report import TURN_ROUNDS, interference, report_turns  # noqa: E402
 
 from lmtier.config import load_config  # noqa: E402
 from lmtier.testing import procmem  # noqa: E402
 from lmtier.testing import stores as STORES  # noqa: E402  (the main job's shared stores and config templates)
 from lmtier.testing.procs import free_port  # noqa: E402
 
-log = BC.log
+log = CS.log
 _METRIC = re.compile(
     r"^(vllm:(?:lmtier_store_seconds|lmtier_load_seconds|request_prefill_time_seconds|"
     r"time_to_first_token_seconds|lmtier_stored_chunks_total|lmtier_loaded_chunks_total)"
@@ -87,7 +86,7 @@ max_local_cpu_size: 3.0
 """
 
 
-def scrape(srv: BC.Srv) -> dict[str, float]:
+def scrape(srv: CS.Srv) -> dict[str, float]:
     """The few counters this script needs (summed over label sets)."""
     out: dict[str, float] = {}
     try:
@@ -99,33 +98,6 @@ def scrape(srv: BC.Srv) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
-
-
-def binom_ci(xs: list[float], conf: float = 0.95) -> tuple[float, float]:
-    """Distribution-free CI of the median: order statistics (k, n-k+1) with binomial coverage >= conf."""
-    xs = sorted(xs)
-    n = len(xs)
-    if n < 6:
-        return (xs[0], xs[-1])
-    best = (xs[0], xs[-1])
-    for k in range(1, n // 2 + 1):
-        cover = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n  # P(x_(k) <= median <= x_(n-k+1))
-        if cover < conf:
-            break
-        best = (xs[k - 1], xs[n - k])
-    return best
-
-
-def bootstrap_ratio(a: list[float], b: list[float], reps: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile-bootstrap interval of median(a)/median(b), rounds resampled in pairs."""
-    rng = random.Random(seed)
-    n = len(a)
-    rs = []
-    for _ in range(reps):
-        idx = [rng.randrange(n) for _ in range(n)]
-        rs.append(statistics.median(a[i] for i in idx) / statistics.median(b[i] for i in idx))
-    rs.sort()
-    return rs[int(0.025 * reps)], rs[int(0.975 * reps) - 1]
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -177,21 +149,21 @@ def system_env(system: str) -> tuple[str, dict[str, str]]:
 class AB:
     def __init__(self, a: argparse.Namespace, work: Path):
         self.a, self.work = a, work
-        self.prompts = BC.Prompts(a.model)
+        self.prompts = CS.Prompts(a.model)
         self.mem_env, self.notes = procmem.server_mem_env("glibc", None)
         # --kv-cache-gib: vLLM's --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE takes whole GiB only)
         self.kv_bytes = None if a.kv_cache_gib is None else int(a.kv_cache_gib * 2**30)
         # two-node systems' CPU pools (the templates say 1 GiB): LMTIER_MAX_LOCAL_CPU_SIZE overrides the key
         self.pool_env = {} if a.pool_gib is None else {"LMTIER_MAX_LOCAL_CPU_SIZE": a.pool_gib}
         self.records: list[dict[str, Any]] = []
-        self.srvs: dict[str, BC.Srv] = {}  # system -> the server its measured requests go to (node B)
-        self.node_a: dict[str, BC.Srv] = {}  # two-node systems: system -> node A (gets the storing requests)
+        self.srvs: dict[str, CS.Srv] = {}  # system -> the server its measured requests go to (node B)
+        self.node_a: dict[str, CS.Srv] = {}  # two-node systems: system -> node A (gets the storing requests)
         self.stores: dict[str, tuple[Any, dict[str, str]]] = {}  # two-node systems: system -> (store, values)
         self.chunk_tokens: dict[str, int] = {}  # two-node systems: system -> chunk_size of its config
         self.last: dict[str, dict[str, float]] = {}  # server name -> its counters at the last scrape
         self.generation = 0
 
-    def servers(self) -> list[BC.Srv]:
+    def servers(self) -> list[CS.Srv]:
         """Every server alive (nodes A included)."""
         return [*self.srvs.values(), *self.node_a.values()]
 
@@ -212,12 +184,12 @@ class AB:
         ]
         self.chunk_tokens[system] = load_config(cfgs[0], env=token).chunk_size
         for node, cfg in zip("AB", cfgs, strict=True):
-            srv = BC.Srv(
+            srv = CS.Srv(
                 f"{name}_{node}",
                 self.a.python,
                 self.work,
                 self.a.model,
-                BC.lmtier_ktc(self.a),
+                CS.lmtier_ktc(self.a),
                 {**self.mem_env, **token, "LMTIER_CONFIG_FILE": str(cfg), **self.pool_env, **env},
                 kv_cache_bytes=self.kv_bytes,
             )
@@ -252,12 +224,12 @@ class AB:
             if base == "lmtier":
                 disk = self.work / f"lmtier_disk_{k}"
                 disk.mkdir(exist_ok=True)
-                cfg = BC.write_config("lmtier_bench.yaml", self.work, DISK_DIR=str(disk))
+                cfg = CS.write_config("lmtier_bench.yaml", self.work, DISK_DIR=str(disk))
                 cfg = cfg.rename(self.work / f"lmtier_{k}.yaml")
             else:
                 cfg = self.work / f"lmtier_cpu_{k}.yaml"
                 cfg.write_text(CPU_ONLY_YAML)
-            return BC.lmtier_ktc(self.a), {"LMTIER_CONFIG_FILE": str(cfg), **env}, False
+            return CS.lmtier_ktc(self.a), {"LMTIER_CONFIG_FILE": str(cfg), **env}, False
         raise SystemExit(f"unknown system {system!r}")
 
     def start(self) -> None:
@@ -266,7 +238,7 @@ class AB:
                 self.start_pair(system)
                 continue
             ktc, env, pc = self.spec(system)
-            self.srvs[system] = BC.Srv(
+            self.srvs[system] = CS.Srv(
                 system.replace("/", "_"),
                 self.a.python,
                 self.work,
@@ -389,8 +361,8 @@ class AB:
             order = order[::-1]
         g = f"g{self.generation}" if rnd < 0 else ""  # warm-up rounds: new prompts in every generation
         pre = self.prompts.tagged(f"ab{a.tag}-r{rnd}{g}-N{n}", n)
-        sa = self.prompts.tagged(f"ab{a.tag}-A{rnd}-{n}", BC.NEW_TOKENS)
-        sb = self.prompts.tagged(f"ab{a.tag}-B{rnd}-{n}", BC.NEW_TOKENS)
+        sa = self.prompts.tagged(f"ab{a.tag}-A{rnd}-{n}", CS.NEW_TOKENS)
+        sb = self.prompts.tagged(f"ab{a.tag}-B{rnd}-{n}", CS.NEW_TOKENS)
         if a.mode == "cold":
             for system in order:
                 self.rec(system, "cold", rnd, pre + sa, 0, record)
@@ -399,12 +371,12 @@ class AB:
         for system in order:
             self.rec(system, "store", rnd, pre + sa, 0, record)
         for system, before in listed.items():  # node A publishes the round's chunks in the background
-            want = (n + BC.NEW_TOKENS) // self.chunk_tokens[system]
+            want = (n + CS.NEW_TOKENS) // self.chunk_tokens[system]
             got = STORES.wait_p2p_published(self.stores[system][0].port, want, timeout_s=30, before=before)
             if got < want:
                 log(f"  r{rnd:<3} {system}: {got} new chunk entries in the directory after 30 s, {want} expected")
         for k in range(a.warm_reps):  # several warm requests over the same stored prefix (new suffixes)
-            sk = sb if k == 0 else self.prompts.tagged(f"ab{a.tag}-B{rnd}.{k}-{n}", BC.NEW_TOKENS)
+            sk = sb if k == 0 else self.prompts.tagged(f"ab{a.tag}-B{rnd}.{k}-{n}", CS.NEW_TOKENS)
             for system in order if k % 2 == 0 else order[::-1]:
                 hit = 0 if system.split("@")[0] == "base" else n
                 self.rec(system, "warm", rnd, pre + sk, hit, record, rep=k)
@@ -433,150 +405,6 @@ class AB:
                 pass
 
 
-def interference(r: dict[str, Any]) -> float:
-    """CPU seconds used outside the measured server while its request ran."""
-    return r.get("cpu_other_servers_s", 0.0) + r.get("cpu_rest_s", 0.0)
-
-
-def compare(a: argparse.Namespace, by: dict[str, dict[int, dict]], rounds: list[int], title: str) -> dict[str, Any]:
-    systems = a.system_list
-    ref = systems[0]
-    out: dict[str, Any] = {"rounds": len(rounds), "systems": {}}
-    print(
-        f"\n{title}: {len(rounds)} paired rounds; TTFT ms (median, distribution-free 95 % CI of the median, "
-        f"min..max), medians of the per-request figures"
-    )
-    if len(rounds) < 3:
-        print("  (too few rounds)")
-        return out
-    for s in systems:
-        v = [by[s][r]["ttft_ms"] for r in rounds]
-        lo, hi = binom_ci(v)
-        extra = {
-            k: statistics.median(by[s][r].get(k, 0.0) for r in rounds)
-            for k in ("prefill_ms", "server_ttft_ms", "store_ms", "load_ms", "cpu_self_s")
-        }
-        extra["interference_s"] = statistics.median(interference(by[s][r]) for r in rounds)
-        la = [by[s][r]["loadavg"][0] for r in rounds]
-        row = {
-            "median_ms": statistics.median(v),
-            "ci": [lo, hi],
-            "min": min(v),
-            "max": max(v),
-            "misses": sum(1 for r in rounds if by[s][r].get("miss")),
-            "load1_median": statistics.median(la),
-            "load1_max": max(la),
-            **{f"{k}_median": x for k, x in extra.items()},
-        }
-        if s != ref:
-            rr = [by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds]
-            row["paired_ratio_median"] = statistics.median(rr)
-            row["paired_ratio_ci"] = list(binom_ci(rr))
-            row["ratio_of_medians"] = row["median_ms"] / statistics.median(by[ref][r]["ttft_ms"] for r in rounds)
-            row["ratio_of_medians_boot_ci"] = list(bootstrap_ratio(v, [by[ref][r]["ttft_ms"] for r in rounds]))
-            row["rounds_faster"] = sum(1 for x in rr if x < 1)
-        out["systems"][s] = row
-        line = (
-            f"  {s:<30} {row['median_ms']:8.1f}  [{lo:7.1f}, {hi:7.1f}]  {row['min']:7.1f}..{row['max']:7.1f}"
-            f"  prefill {extra['prefill_ms']:7.1f}  server-TTFT {extra['server_ttft_ms']:7.1f}"
-            f"  store {extra['store_ms']:5.1f}  load {extra['load_ms']:5.1f}  cpu {extra['cpu_self_s']:.2f} s"
-            f"  outside {extra['interference_s']:.2f} s  load1 {row['load1_median']:.2f}/{row['load1_max']:.2f}"
-        )
-        if row["misses"]:
-            line += f"  MISSES {row['misses']}"
-        print(line)
-    for i, s in enumerate(systems[1:], 1):  # the other pairs, e.g. lmtier / example
-        for t in systems[1:i]:
-            rr = [by[s][r]["ttft_ms"] / by[t][r]["ttft_ms"] for r in rounds]
-            lo, hi = binom_ci(rr)
-            pm = statistics.median(rr)
-            out["systems"][s][f"paired_ratio_vs_{t}"] = [pm, lo, hi]
-            print(
-                f"  {s} / {t}: paired ratio median {pm:.4f} (95 % CI {lo:.4f}..{hi:.4f}, {100 * (pm - 1):+.1f} %); "
-                f"faster in {sum(1 for x in rr if x < 1)}/{len(rounds)} rounds"
-            )
-    for s in systems[1:]:
-        row = out["systems"][s]
-        pr, (plo, phi) = row["paired_ratio_median"], row["paired_ratio_ci"]
-        blo, bhi = row["ratio_of_medians_boot_ci"]
-        print(
-            f"  {s} / {ref}: paired ratio median {pr:.4f} (95 % CI {plo:.4f}..{phi:.4f}, {100 * (pr - 1):+.1f} %); "
-            f"ratio of medians {row['ratio_of_medians']:.4f} (bootstrap 95 % {blo:.4f}..{bhi:.4f}); "
-            f"faster in {row['rounds_faster']}/{len(rounds)} rounds"
-        )
-    return out
-
-
-def report(a: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, Any]:
-    kind = "cold" if a.mode == "cold" else "warm"
-    systems = a.system_list
-    reps: dict[str, dict[int, list[dict]]] = {s: {} for s in systems}
-    for r in records:
-        if r["kind"] == kind:
-            reps[r["system"]].setdefault(r["round"], []).append(r)
-    # a round's figure per system: its only request, or with --warm-reps the median of its requests
-    # (every per-request figure medianed on its own)
-    by: dict[str, dict[int, dict]] = {s: {} for s in systems}
-    for s, per in reps.items():
-        for rnd, rs in per.items():
-            if len(rs) == 1:
-                by[s][rnd] = rs[0]
-            else:
-                m = {
-                    k: statistics.median(x[k] for x in rs)
-                    for k in rs[0]
-                    if isinstance(rs[0][k], (int, float)) and not isinstance(rs[0][k], bool)
-                }
-                m["loadavg"] = [max(x["loadavg"][0] for x in rs)]
-                m["miss"] = any(x.get("miss") for x in rs)
-                by[s][rnd] = m
-    rounds = sorted(set.intersection(*(set(v) for v in by.values())))
-    out: dict[str, Any] = {"n": a.n, "mode": a.mode, "gap_s": a.gap}
-    out["all"] = compare(a, by, rounds, f"N = {a.n}, mode {a.mode}, all rounds")
-    # Rounds in which no request of any system shared the cores with more than --clean-cpu CPU seconds
-    # of other work (other servers' idle loops, other jobs): the calm subset.
-    # (CPU times come in 10 ms ticks: a short request is allowed 3 ticks whatever its length)
-    clean = [
-        r
-        for r in rounds
-        if all(interference(by[s][r]) <= max(0.03, a.clean_frac * by[s][r]["ttft_ms"] / 1e3) for s in systems)
-    ]
-    out["clean"] = compare(
-        a,
-        by,
-        clean,
-        f"N = {a.n}, mode {a.mode}, clean rounds (CPU used outside the measured "
-        f"server <= {a.clean_frac} cores, at least 30 ms allowed, during every request)",
-    )
-    gens = sorted({by[systems[0]][r].get("generation", 0) for r in rounds})
-    if len(gens) > 1:
-        ref = systems[0]
-        for s in systems[1:]:
-            per = []
-            for g in gens:
-                rr = [
-                    by[s][r]["ttft_ms"] / by[ref][r]["ttft_ms"] for r in rounds if by[ref][r].get("generation", 0) == g
-                ]
-                if rr:
-                    per.append(statistics.median(rr))
-            out.setdefault("per_generation", {})[s] = per
-            print(
-                f"  {s} / {ref} per server generation (paired ratio medians): "
-                + ", ".join(f"{100 * (x - 1):+.1f} %" for x in per)
-            )
-    if a.mode == "warm":  # the storing requests of warm mode are cold prefills too
-        st = {s: [r["ttft_ms"] for r in records if r["system"] == s and r["kind"] == "store"] for s in systems}
-        print(
-            "  storing (cold) requests of the same rounds: "
-            + ", ".join(f"{s} {statistics.median(v):.1f}" for s, v in st.items() if v)
-        )
-    return out
-
-
-TURN_ROUNDS = 1000
-"""--pairs-in-turn: turn t's rounds are numbered from t x TURN_ROUNDS (new prompts every turn)."""
-
-
 def turn_systems(a: argparse.Namespace) -> list[list[str]]:
     """The systems alive together, turn by turn: all of them at once, or (``--pairs-in-turn``) the
     single-server systems with one two-node system at a time (3 servers on a small machine)."""
@@ -586,37 +414,11 @@ def turn_systems(a: argparse.Namespace) -> list[list[str]]:
     return [[*singles, s] for s in a.system_list if s not in singles]
 
 
-def report_turns(a: argparse.Namespace, turns: list[list[str]], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`report` per turn (its systems, its rounds), then with several turns each two-node
-    system's warm TTFT against the first system (B cold) of its own rounds, side by side."""
-    if len(turns) == 1:
-        a.system_list = turns[0]
-        return report(a, records)
-    out: dict[str, Any] = {"turns": {}}
-    for t, systems in enumerate(turns):
-        a.system_list = systems
-        mine = [r for r in records if r["system"] in systems and t * TURN_ROUNDS <= r["round"] < (t + 1) * TURN_ROUNDS]
-        if mine:
-            out["turns"][systems[-1]] = report(a, mine)
-    print(f"\nN = {a.n}: each two-node system's node B warm vs {turns[0][0]} in the same rounds (all rounds):")
-    for pair, rep in out["turns"].items():
-        row = rep.get("all", {}).get("systems", {}).get(pair)
-        ref = rep.get("all", {}).get("systems", {}).get(turns[0][0])
-        if row and ref and "paired_ratio_median" in row:
-            lo, hi = row["paired_ratio_ci"]
-            print(
-                f"  {pair:<10} B warm {row['median_ms']:8.1f} ms, {turns[0][0]} {ref['median_ms']:8.1f} ms: "
-                f"paired ratio {row['paired_ratio_median']:.3f} (95 % CI {lo:.3f}..{hi:.3f}), "
-                f"{rep['all']['rounds']} rounds, load1 median {row['load1_median']:.1f}"
-            )
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", type=Path, default=BC.REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--model", type=Path, default=CS.REPO_ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--n", type=int, default=4096, help="cached prefix tokens (+64 new)")
     ap.add_argument("--rounds", type=int, default=20, help="rounds at least")
     ap.add_argument(

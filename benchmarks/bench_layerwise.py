@@ -222,18 +222,18 @@ def run(args) -> dict:
         row["sync_ms"] = timed(t_sync, poison)
         row["layerwise_ms"] = timed(t_layerwise, poison)
         if cuda:  # other layer-engine settings (layers per event, stream priority) than the default
-            shipped = w._layer_engine
+            shipped = w._layers.engine
             for name in args.variants.split(","):
                 if not name:
                     continue
                 lpp, prio, ring = ([int(v) for v in name.split(":")] + [3])[:3]
-                w._layer_engine = CudaTransferEngine(layout, chunk, layers_per_piece=lpp, priority=prio, ring=ring)
+                w._layers.engine = CudaTransferEngine(layout, chunk, layers_per_piece=lpp, priority=prio, ring=ring)
                 poison()
                 t_layerwise()
                 got = torch.stack([v.index_select(0, blocks[: n // bs]) for v in views])
                 exact = exact and bool(torch.equal(ref_cache.view(torch.int16), got.view(torch.int16)))
                 row[f"lw_{name}_ms"] = timed(t_layerwise, poison)
-            w._layer_engine = shipped
+            w._layers.engine = shipped
         row["ideal_ms"] = max(row["memcpy_ms"], row["forward_ms"])
         row["layerwise/sync"] = row["layerwise_ms"] / row["sync_ms"]
         row["load_pct_memcpy"] = 100 * row["memcpy_ms"] / row["load_ms"]

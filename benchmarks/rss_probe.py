@@ -32,7 +32,7 @@ import requests
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import bench_connectors as B  # noqa: E402
+import connector_servers as B  # noqa: E402  (bench_connectors.py's servers and prompts)
 
 from lmtier.testing import procmem  # noqa: E402  (shared /proc parsing: rollup, anon_regions)
 

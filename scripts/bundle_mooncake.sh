@@ -15,7 +15,6 @@ set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
 source scripts/lib/wheels.sh
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 ver=${MOONCAKE_VERSION:-0.3.13.post1}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

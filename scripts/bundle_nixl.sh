@@ -21,8 +21,6 @@ set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
 source scripts/lib/wheels.sh
-excl=$(git rev-parse --git-common-dir)/info/exclude
-grep -qxF '/.whl/' "$excl" 2>/dev/null || echo '/.whl/' >> "$excl"
 ver=${NIXL_VERSION:-1.5.1}
 GPU_PYTHON_VERSION=${NIXL_BUNDLE_PYTHON:-$GPU_PYTHON_VERSION}
 out=${NIXL_BUNDLE_OUT:-$top/.whl/nixl.tar.xz}

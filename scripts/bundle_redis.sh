@@ -15,7 +15,6 @@ set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
 source scripts/lib/wheels.sh
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 dst=.whl/redis
 rm -rf "$dst"
 mkdir -p "$dst/bin" "$dst/lib"

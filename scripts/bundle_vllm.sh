@@ -20,8 +20,6 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-grep -qxF '/.whl/' "$(git rev-parse --git-common-dir)/info/exclude" 2>/dev/null \
-  || echo '/.whl/' >> "$(git rev-parse --git-common-dir)/info/exclude"
 VLLM_VERSION=0.33.0
 dst=.whl/vllm
 work=${VLLM_BUNDLE_WORK:-$(mktemp -d)}

@@ -31,7 +31,8 @@ What it does (all on 127.0.0.1, servers in their own process groups, logs in fil
   on node B through Redis, Mooncake and P2P. Each node B must have loaded tokens from its store (the
   remote tier, or the p2p tier) in every scenario, not only from its own CPU pool.
 
-Workload (real offline text, the same token ids in every phase; sizes for full / --quick):
+Workload (lmtier.testing.demo_workload; real offline text, the same token ids in every phase; sizes for
+full / --quick):
   system     a long system prompt (stdlib docstrings, ~1.5K / ~600 tokens) + short user questions;
   multiturn  a conversation growing turn by turn (each turn adds a ~400 / ~250-token user message and
              a canned assistant reply; the last turn is ~2K / ~800 tokens);
@@ -42,8 +43,9 @@ Each server's /metrics is scraped around every scenario (vllm:external_prefix_ca
 vllm:prompt_tokens_cached_by_source{source=...}, and every line containing "lmtier") and the usage
 block's prompt_tokens_details.cached_tokens is recorded per request.
 
-Output: a table scenario x phase (n, mean and P99 TTFT, speed-up vs the baseline, cached tokens per
-source, outputs equal to the baseline), the metric deltas, and a JSON file (--json).
+Output (lmtier.testing.demo_report): a table scenario x phase (n, mean and P99 TTFT, speed-up vs the
+baseline, cached tokens per source, outputs equal to the baseline), the metric deltas, and a JSON file
+(--json).
 Exit status: 0 when every output equals the baseline and every warm lmtier phase had hits;
 1 otherwise; 2 on setup errors (server did not start, ...).
 
@@ -62,25 +64,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import secrets
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import requests
 
 from lmtier.testing import procmem
+from lmtier.testing.demo_report import PassResult, print_metrics, print_table, summarize
+from lmtier.testing.demo_workload import FULL, QUICK, Req, build_workload
 from lmtier.testing.mooncake import MooncakeCluster, find_mooncake_bin, mooncake_client_importable
 from lmtier.testing.procs import Proc, free_port, tail
-from lmtier.testing.server import CONNECTOR, hits_by_source, metric_delta, parse_metrics, read_license, stdlib_docs
+from lmtier.testing.server import CONNECTOR, metric_delta, parse_metrics
 from lmtier.testing.stores import (  # noqa: F401  (re-exported: the main job's shared stores, one definition)
     CONFIG_DIR,
     P2P_TOKEN_ENV,
@@ -99,8 +100,6 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 SERVED_NAME = "smollm2"
 PHASES = ("baseline", "lmtier", "restart", "redis", "mooncake", "p2p")
 """Every phase, in the order they run (the default runs all of them)."""
-WARM_PHASE_PREFIXES = ("lmtier warm", "restart warm") + tuple(f"{k}: B" for k in SHARED_STORES)
-"""Passes that must report cached tokens (lmtier hits)."""
 # Server allocator / oneDNN primitive cache (--malloc / --onednn-cache; see server_mem_env).
 DEFAULT_MALLOC = "auto"
 DEFAULT_ONEDNN_CACHE = -1
@@ -112,114 +111,6 @@ def log(msg: str) -> None:
 
 class DemoError(RuntimeError):
     """A setup failure (server did not start, request failed, ...)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Workload
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Req:
-    scenario: str
-    name: str
-    prompt_ids: list[int]
-
-
-@dataclass
-class Sizes:
-    system_tokens: int
-    questions: int
-    turns: int
-    turn_tokens: int
-    docs: int
-    doc_tokens: int
-    rag_questions: int
-
-
-FULL = Sizes(system_tokens=1500, questions=4, turns=5, turn_tokens=400, docs=3, doc_tokens=700, rag_questions=3)
-QUICK = Sizes(system_tokens=600, questions=2, turns=3, turn_tokens=250, docs=2, doc_tokens=350, rag_questions=2)
-
-
-class Builder:
-    """Turns text into token-exact prompts with the model's own tokenizer and chat template."""
-
-    def __init__(self, model: Path):
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(model))
-
-    def clip(self, text: str, n_tokens: int) -> str:
-        ids = self.tok.encode(text, add_special_tokens=False)[:n_tokens]
-        return self.tok.decode(ids).strip()
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
-
-
-def build_workload(model: Path, sizes: Sizes) -> list[Req]:
-    b = Builder(model)
-    docs = stdlib_docs()
-    reqs: list[Req] = []
-
-    # (i) long system prompt + short questions
-    reference = b.clip("\n\n".join(docs[:60]), sizes.system_tokens)
-    system = (
-        "You are a careful assistant for Python programmers. Answer in one short sentence, using only "
-        "the reference material below.\n\nREFERENCE MATERIAL\n" + reference
-    )
-    questions = [
-        "What does textwrap.dedent do?",
-        "How do I load JSON from a file object?",
-        "What is collections.OrderedDict good for today?",
-        "When should I use functools.lru_cache?",
-        "What does itertools.chain do?",
-        "What does heapq.heappush do?",
-    ][: sizes.questions]
-    for i, q in enumerate(questions):
-        ids = b.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": q}])
-        reqs.append(Req("system", f"q{i}", ids))
-
-    # (ii) multi-turn conversation: turn k = all previous turns + a new user message
-    messages = [
-        {"role": "system", "content": "You are a concise assistant that explains Python library documentation."}
-    ]
-    pool = docs[60:]
-    for t in range(sizes.turns):
-        chunk = b.clip("\n\n".join(pool[t * 6 : t * 6 + 6]), sizes.turn_tokens)
-        messages.append({"role": "user", "content": f"Here is more documentation:\n{chunk}\n\nSummarize it briefly."})
-        reqs.append(Req("multiturn", f"turn{t}", b.chat_ids(messages)))
-        # a canned (deterministic) assistant reply, so every phase sends the same conversation
-        first_line = chunk.splitlines()[0] if chunk else "documentation"
-        messages.append(
-            {"role": "assistant", "content": f"This part documents {first_line[:120]} and related helpers."}
-        )
-
-    # (iii) RAG: a few documents + a question
-    names = ["GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3"][: sizes.docs]
-    doc_texts = [f"[Document {i + 1}: {n}]\n{b.clip(read_license(n), sizes.doc_tokens)}" for i, n in enumerate(names)]
-    rag_questions = [
-        "Which of these documents allow distributing modified versions, and under what condition?",
-        "Summarize the patent clauses of these documents.",
-        "Which document is the shortest to comply with?",
-        "Do any of these documents require keeping copyright notices?",
-    ][: sizes.rag_questions]
-    for i, q in enumerate(rag_questions):
-        content = "Use the documents to answer.\n\n" + "\n\n".join(doc_texts) + f"\n\nQuestion: {q}"
-        ids = b.chat_ids(
-            [
-                {"role": "system", "content": "You answer questions about software licenses."},
-                {"role": "user", "content": content},
-            ]
-        )
-        reqs.append(Req("rag", f"q{i}", ids))
-    return reqs
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,10 +240,6 @@ def missing_prerequisites(phases: set[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------------
-
-# --------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------
 
@@ -408,15 +295,6 @@ def send(server: Server, req: Req, max_tokens: int, timeout_s: float) -> dict[st
         "text": "".join(text),
         "finish_reason": finish,
     }
-
-
-@dataclass
-class PassResult:
-    phase: str
-    server: str
-    records: list[dict[str, Any]] = field(default_factory=list)
-    loadavg: tuple[float, float] = (0.0, 0.0)  # 1-min load average before / after the pass
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # scenario -> metric deltas
 
 
 def run_pass(phase: str, server: Server, reqs: list[Req], args: argparse.Namespace) -> PassResult:
@@ -547,133 +425,6 @@ class Demo:
             raise
         finally:
             store.close()
-
-
-# --------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------
-
-
-def p99(values: list[float]) -> float:
-    v = sorted(values)
-    if not v:
-        return math.nan
-    k = (len(v) - 1) * 0.99
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def summarize(demo: Demo) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows scenario x phase, and a list of failed checks."""
-    ref = {(r["scenario"], r["name"]): r for r in demo.passes[0].records} if demo.passes else {}
-    base_mean: dict[str, float] = {}
-    rows, failures = [], []
-    scenarios = list(dict.fromkeys(r.scenario for r in demo.reqs))
-    for sc in scenarios:
-        for p in demo.passes:
-            recs = [r for r in p.records if r["scenario"] == sc]
-            if not recs:
-                continue
-            ttft = [r["ttft_ms"] for r in recs]
-            mean = sum(ttft) / len(ttft)
-            base_mean.setdefault(sc, mean)
-            same = sum(1 for r in recs if ref.get((sc, r["name"]), {}).get("token_ids") == r["token_ids"])
-            for r in recs:
-                r["equal_to_baseline"] = ref.get((sc, r["name"]), {}).get("token_ids") == r["token_ids"]
-            cached = [r["cached_tokens"] for r in recs]
-            delta = p.metrics.get(sc, {})
-            ext = sum(v for k, v in delta.items() if k.startswith("vllm:external_prefix_cache_hits"))
-            row = {
-                "scenario": sc,
-                "phase": p.phase,
-                "server": p.server,
-                "n": len(recs),
-                "prompt_tokens": sum(r["prompt_tokens"] for r in recs),
-                "ttft_mean_ms": mean,
-                "ttft_p99_ms": p99(ttft),
-                "speedup_vs_baseline": base_mean[sc] / mean if mean else math.nan,
-                "cached_tokens": None if any(c is None for c in cached) else sum(cached),
-                "external_hits_metric": int(ext),
-                "hits_by_source": hits_by_source(delta),
-                "load_failures": int(delta.get("vllm:lmtier_load_failures_total", 0)),
-                "lmtier_metrics": {k: v for k, v in delta.items() if "lmtier" in k.lower()},
-                "equal": same,
-                "loadavg": p.loadavg,
-            }
-            rows.append(row)
-            if same != len(recs):
-                failures.append(f"{sc} / {p.phase}: {len(recs) - same} of {len(recs)} outputs differ from the baseline")
-            warm = p.phase.startswith(WARM_PHASE_PREFIXES)
-            if warm and not (row["cached_tokens"] or row["external_hits_metric"]):
-                failures.append(f"{sc} / {p.phase}: no cached tokens reported (expected lmtier hits)")
-            kind = p.phase.split(":", 1)[0]
-            if kind in SHARED_SOURCE and p.phase.startswith(f"{kind}: B"):
-                row["hits_by_tier"] = lmtier_hits_by_tier(delta)
-                if not row["hits_by_tier"].get(SHARED_SOURCE[kind]):
-                    failures.append(
-                        f"{sc} / {p.phase}: no tokens claimed from the {SHARED_SOURCE[kind]} tier "
-                        f"(lmtier hits by tier: {row['hits_by_tier'] or 'none'}): node A's chunks were not used"
-                    )
-    return rows, failures
-
-
-def lmtier_hits_by_tier(delta: dict[str, float]) -> dict[str, int]:
-    """Claimed prompt tokens per lmtier tier (``vllm:lmtier_hit_tokens_total{tier}`` deltas)."""
-    out: dict[str, int] = {}
-    for k, v in delta.items():
-        m = re.match(r'vllm:lmtier_hit_tokens_total\{.*tier="([^"]*)"', k)
-        if m and v:
-            out[m.group(1)] = out.get(m.group(1), 0) + int(v)
-    return out
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    hdr = (
-        f"{'scenario':<10} {'phase':<20} {'n':>2} {'prompt':>6} {'TTFT mean':>10} {'TTFT P99':>9} {'speedup':>7} "
-        f"{'cached':>7} {'by source (metrics)':<36} {'= baseline':>10}"
-    )
-    print()
-    print(hdr)
-    print("-" * len(hdr))
-    last = None
-    for r in rows:
-        if last is not None and r["scenario"] != last:
-            print()
-        last = r["scenario"]
-        src = ", ".join(f"{k}:{v}" for k, v in sorted(r["hits_by_source"].items())) or (
-            f"external:{r['external_hits_metric']}" if r["external_hits_metric"] else "-"
-        )
-        cached = "?" if r["cached_tokens"] is None else str(r["cached_tokens"])
-        print(
-            f"{r['scenario']:<10} {r['phase']:<20} {r['n']:>2} {r['prompt_tokens']:>6} "
-            f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['speedup_vs_baseline']:>6.1f}x "
-            f"{cached:>7} {src:<36} {str(r['equal']) + '/' + str(r['n']):>10}"
-        )
-    print()
-    print(
-        "TTFT = time to the first streamed token (ms). speedup = baseline-cold mean / this mean. "
-        "prompt / cached = prompt tokens and cached prompt tokens (usage.prompt_tokens_details) summed over "
-        "the scenario's requests. by source = vllm:prompt_tokens_cached_by_source deltas. "
-        "= baseline: greedy token ids identical to the no-lmtier run."
-    )
-
-
-def print_metrics(demo: Demo) -> None:
-    print(
-        "\nMetric deltas per phase (lines of /metrics with lmtier or the prefix-cache counters; labels "
-        "engine/model_name dropped):"
-    )
-    for p in demo.passes:
-        agg: dict[str, float] = {}
-        for d in p.metrics.values():
-            for k, v in d.items():
-                base = k.split("{", 1)[0]
-                agg[k] = agg.get(k, 0) + v if base.endswith(("_total", "_sum", "_count")) else v
-        print(f"  {p.phase} ({p.server}):")
-        if not agg:
-            print("    (none)")
-        for k in sorted(agg):
-            print(f"    {k} = {agg[k]:g}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench_connectors as B  # noqa: E402
+import connector_servers as B  # noqa: E402  (bench_connectors.py's servers and prompts)
+
+from lmtier.testing.procs import Proc, free_port  # noqa: E402
+from lmtier.testing.server import metric_delta  # noqa: E402
 
 GAP = 1.5  # quiet seconds before a measured request (vLLM's shm queue spins 1 s after each message)
 
@@ -90,7 +93,7 @@ def main() -> int:
     try:
         env = dict(os.environ)
         # start pc with prefix caching on by building the command by hand
-        port = B.D.free_port()
+        port = free_port()
         cmd = [
             sys.executable,
             "-m",
@@ -125,7 +128,7 @@ def main() -> int:
             }
         )
         env.pop("LMTIER_CONFIG_FILE", None)
-        pcp = B.D.Proc("pc", cmd, env, work / "logs" / "pc.log")
+        pcp = Proc("pc", cmd, env, work / "logs" / "pc.log")
         procs.append(pcp)
         pcp.port, pcp.base = port, f"http://127.0.0.1:{port}"
         pcp.t_start, pcp.session = time.monotonic(), B.requests.Session()
@@ -156,7 +159,7 @@ def main() -> int:
                     r = s.complete(pre + prompts.tagged(f"b{rep}{n}", 64))
                     time.sleep(0.3)
                     m1 = s.metrics()
-                    d = B.D.metric_delta(m0, m1)
+                    d = metric_delta(m0, m1)
                     lms = 1e3 * d.get("vllm:lmtier_load_seconds_sum", 0)
                     res[(s.name + " warm", n)].append((r["ttft_ms"], r["load1"], r["other_load"], r["cached"], lms))
                     print(

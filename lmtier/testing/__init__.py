@@ -13,6 +13,8 @@
   (tests/test_config_matrix.py's many short engines).
 * :mod:`lmtier.testing.server` — around a vLLM OpenAI server: the connector's
   ``--kv-transfer-config``, Prometheus ``/metrics`` parsing, the workload texts.
+* :mod:`lmtier.testing.demo_workload` — the demo's token-exact prompts (system prompt, multi-turn, RAG).
+* :mod:`lmtier.testing.demo_report` — the demo's per-pass results, checks, table and metric deltas.
 * :mod:`lmtier.testing.procs` — a child process in its own process group with a log file, a free port.
 * :mod:`lmtier.testing.procmem` — a process's memory from ``/proc`` by region; server allocator settings.
 * :mod:`lmtier.testing.vllm_gpu_shim` — what vLLM 0.33's Python-only package needs to run its engine on

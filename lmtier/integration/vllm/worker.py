@@ -6,7 +6,11 @@ decides (:class:`LoadOp`, :class:`StoreOp`) against one paged KV cache (a
 vLLM, so it can be tested on machines without vLLM (the H200 runner) with real CUDA KV tensors in
 vLLM's layouts; the connector's worker role (:class:`lmtier.integration.vllm.worker_role.LMTierWorker`)
 translates vLLM's hooks into its calls. Fetching chunks from the tiers is
-:class:`lmtier.integration.vllm.fetch.ChunkFetcher`'s job.
+:class:`lmtier.integration.vllm.fetch.ChunkFetcher`'s job, storing them
+:class:`lmtier.integration.vllm.stores.ChunkStorer`'s, and layer-by-layer loads
+:class:`lmtier.integration.vllm.layerwise.LayerwiseLoader`'s; this module keeps the load primitives
+they share (keys, slot mappings, the fetcher's plan, host and device scatters), the synchronous and
+asynchronous loads, and the request bookkeeping.
 
 Data path (slots, sync / layer-by-layer / async loads, device decode, stores, the CUDA ordering
 contract): docs/connector_worker.md.
@@ -34,10 +38,10 @@ from lmtier.integration.vllm.fetch import (
     InjectedFault,
     lower_tiers_are_codec,
 )
+from lmtier.integration.vllm.layerwise import LayerwiseLoader
 from lmtier.integration.vllm.loadpolicy import BusyMeter
 from lmtier.integration.vllm.loadstore import (
     AsyncLoad,
-    LayerwiseLoad,
     LoadOp,
     StoreOp,
     lazy_once,
@@ -174,13 +178,9 @@ class ConnectorWorker:
             from lmtier.transfer import CudaTransferEngine
 
             self.load_engine = CudaTransferEngine(layout, chunk_size)
-        self._layer_engine = None  # CudaTransferEngine of load_layerwise (one event per piece), built on first use
-        self._layer_priority = layer_stream_priority
-        self._layers_per_wait = layers_per_wait or max(1, layout.num_layers // 8)
-        if not 1 <= self._layers_per_wait <= layout.num_layers:
+        group = layers_per_wait or max(1, layout.num_layers // 8)
+        if not 1 <= group <= layout.num_layers:
             raise ValueError(f"lmtier: layers_per_wait must be in [1, {layout.num_layers}], got {layers_per_wait}")
-        self._layerwise: LayerwiseLoad | None = None
-        self._draining: list[LayerwiseLoad] = []  # finished, copies possibly still running (CUDA)
         self.pending = self._storer.pending  # req -> [(event, slot, key, key0)] (the storer's dict)
         self.delayed: set[str] = set()
         self.async_loads: dict[str, AsyncLoad] = {}
@@ -217,8 +217,11 @@ class ConnectorWorker:
             window=device_window or 2 * io_threads,
             fetch_batch=fetch_batch,
         )
+        self._layers = LayerwiseLoader(
+            self, fetcher=self._fetcher, on_stat=self._stat, priority=layer_stream_priority, layers_per_wait=group
+        )
 
-    # ------------------------------------------------------------------------------ helpers
+    # -------------------------------------------------------------------- load primitives (also layerwise.py's)
     def slot_mapping(self, block_ids: list[int], chunk_index: int, start_token: int = 0) -> torch.Tensor:
         """Slot mapping ``[1, chunk]`` (int64, CPU) of chunk ``chunk_index``; tokens before ``start_token`` are -1."""
         return self.slot_mappings(block_ids, [chunk_index], start_token)
@@ -239,15 +242,15 @@ class ConnectorWorker:
         """This rank's chunk keys of ``token_ids`` (whole chunks only)."""
         return chunk_keys(token_ids, self.ns, cache_salt=cache_salt)
 
-    def _index_keys(self, token_ids: list[int], cache_salt: KeyScope | None, keys: list[bytes]) -> list[bytes]:
+    def index_keys(self, token_ids: list[int], cache_salt: KeyScope | None, keys: list[bytes]) -> list[bytes]:
         """Rank 0's chunk keys (the scheduler's index) for this rank's ``keys``."""
         return keys if self.index_ns == self.ns else chunk_keys(token_ids, self.index_ns, cache_salt=cache_salt)
 
     def _both_keys(self, token_ids: list[int], cache_salt: KeyScope | None) -> tuple[list[bytes], list[bytes]]:
         keys = self.keys(token_ids, cache_salt)
-        return keys, self._index_keys(token_ids, cache_salt, keys)
+        return keys, self.index_keys(token_ids, cache_salt, keys)
 
-    def _plan(self, op: LoadOp, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
+    def plan(self, op: LoadOp, keys: list[bytes], fault_names: set[str]) -> list[Chunk]:
         """The fetcher's plan of ``op``'s chunks from ``start_token`` on (promotions: its tenant's)."""
         first = op.start_token // self.chunk
         return self._fetcher.plan(
@@ -272,13 +275,13 @@ class ConnectorWorker:
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.load_engine.kernel_stream)
             end.synchronize()
-            self._meter_scatter(len(srcs), start.elapsed_time(end) / 1e3)
+            self.meter_scatter(len(srcs), start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
             ops.scatter(self.layout, slots, srcs)
-            self._meter_scatter(len(srcs), time.perf_counter() - t0)
+            self.meter_scatter(len(srcs), time.perf_counter() - t0)
 
-    def _meter_scatter(self, n_chunks: int, seconds: float) -> None:
+    def meter_scatter(self, n_chunks: int, seconds: float) -> None:
         """Report ``n_chunks`` chunks copied from host memory into the cache in ``seconds`` (the CPU
         pool's load bandwidth: tier ``"cpu"``, path ``"scatter"``)."""
         if self.load_meter is not None:
@@ -292,16 +295,16 @@ class ConnectorWorker:
 
     def _scatter_chunks(self, op: LoadOp, chunks: list[Chunk]) -> None:
         """Scatter ready chunks (each ``src`` set) into ``op``'s blocks: host chunks in one call
-        (done on return), device-staged ones in one more (:meth:`_scatter_device`)."""
+        (done on return), device-staged ones in one more (:meth:`scatter_device`)."""
         host = [c for c in chunks if c.device is None]
         if host:
             self.scatter(self.slot_mappings(op.block_ids, [c.ci for c in host], op.start_token), [c.src for c in host])
         if len(host) < len(chunks):
-            self._scatter_device(op, [c for c in chunks if c.device is not None])
+            self.scatter_device(op, [c for c in chunks if c.device is not None])
         self._stat("loaded_chunks", len(host))
         self._stat("loaded_bytes", len(host) * self.chunk_bytes)
 
-    def _scatter_device(self, op: LoadOp, chunks: list[Chunk]) -> None:
+    def scatter_device(self, op: LoadOp, chunks: list[Chunk]) -> None:
         """Scatter device-staged chunks into ``op``'s blocks: on a CPU cache in one native call,
         done on return; on a CUDA cache queued on :attr:`decode_stream` (after the decodes' copies
         into the staging buffers; the caller orders the stream against the compute stream), one
@@ -327,7 +330,7 @@ class ConnectorWorker:
         self._stat("loaded_bytes", len(chunks) * self.chunk_bytes)
         self._stat("device_decoded_chunks", len(chunks))
 
-    def _device_begin(self) -> None:
+    def device_begin(self) -> None:
         """Device mode on CUDA: order :attr:`decode_stream` after the current stream's work (the
         blocks a load writes may still be read by kernels queued before it)."""
         if self.decode_stream is not None:
@@ -349,9 +352,9 @@ class ConnectorWorker:
             return set(self.blocks_from(op))
         t0 = time.perf_counter()
         keys = self.keys(op.token_ids, op.cache_salt)
-        key0 = lazy_once(lambda: self._index_keys(op.token_ids, op.cache_salt, keys))
-        self._device_begin()
-        chunks = self._plan(op, keys, {"load", "load_sync"})
+        key0 = lazy_once(lambda: self.index_keys(op.token_ids, op.cache_salt, keys))
+        self.device_begin()
+        chunks = self.plan(op, keys, {"load", "load_sync"})
         failed_ci = None
         i = 0
         try:
@@ -395,239 +398,33 @@ class ConnectorWorker:
     @property
     def layerwise_in_flight(self) -> bool:
         """A :meth:`load_layerwise` not yet finished (:meth:`finish_layerwise`)."""
-        return self._layerwise is not None
+        return self._layers.in_flight
 
     def prepare_layerwise(self) -> None:
-        """Allocate what layer-by-layer loads need (CUDA: the layer engine's streams and staging
-        ring), so a failure shows at registration, not in the middle of serving. Raises what the
-        allocation raises (e.g. ``RuntimeError`` out of device memory)."""
-        if self.is_cuda and self._layer_engine is None:
-            from lmtier.transfer import CudaTransferEngine
-
-            # None: -64, which torch clamps to the device's highest stream priority
-            prio = -64 if self._layer_priority is None else self._layer_priority
-            self._layer_engine = CudaTransferEngine(
-                self.layout, self.chunk, layers_per_piece=self._layers_per_wait, priority=prio
-            )
-            self._warm_layer_engine()
-
-    def _warm_layer_engine(self) -> None:
-        """Launch the layer engine's kernels once, writing nothing (every slot is padding). Under
-        CUDA's lazy module loading (the default) a kernel's first launch loads it, and that waits
-        for the device's queued work: inside a forward, the host would stall until the compute
-        stream drained."""
-        padding = torch.full((1, self.chunk), -1, dtype=torch.int64)
-        scratch = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
-        self._layer_engine.load_layerwise(padding, [scratch])[-1].synchronize()
+        """:meth:`LayerwiseLoader.prepare <lmtier.integration.vllm.layerwise.LayerwiseLoader.prepare>`:
+        allocate what layer-by-layer loads need, so a failure shows at registration."""
+        self._layers.prepare()
 
     def load_layerwise(self, ops_: Iterable[LoadOp]) -> dict[str, set[int]]:
-        """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's).
-
-        Every op's chunks are planned and resolved as in :meth:`load` (pool hits pinned, other
-        chunks fetched on the I/O threads and waited for); an op keeps its chunks up to the first
-        one that cannot be loaded. All kept chunks of all ops are then copied in one layer-major
-        transfer: on a CUDA cache it is queued after the current stream's work and layer ``l`` is
-        ready once :meth:`wait_layer` ``(l)`` returned (on the stream current then); on a CPU cache
-        the copy is done on return. Call :meth:`finish_layerwise` after the forward.
-
-        Returns ``{req_id: failed block ids}`` for the ops that did not load whole (as :meth:`load`:
-        a poisoned op fails from ``start_token``, otherwise from the first chunk that failed); their
-        other chunks still load. If planning or queuing raises, every op fails from its
-        ``start_token`` (nothing of it is reported loaded). A previous layer-by-layer load still in
-        flight is finished first and its report (see :meth:`finish_layerwise`) merged in.
-        """
-        ops_ = list(ops_)
-        failed: dict[str, set[int]] = {}
-        for rid, blocks in self.finish_layerwise().items():
-            failed.setdefault(rid, set()).update(blocks)
-        if self._draining:
-            self.drain_layerwise()
-        t0 = time.perf_counter()
-        parts: list = []  # (op, its ready host chunks, key0, pinned copies) for the layer-major copy
-        loaded: list[tuple[LoadOp, int]] = []  # (op, first chunk it loads): what a missed wait_layer fails
-        current: tuple[list[Chunk], Callable[[], list[bytes]]] | None = None  # the op being planned
-        events = timing = device_event = None
-        start = None
-        if self.decode_stream is not None:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(self.layout.device))
-            self._device_begin()
-        n_dev = 0
-        try:
-            for op in ops_:
-                if op.poisoned:
-                    self._stat("load_failures")
-                    failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
-                    continue
-                keys = self.keys(op.token_ids, op.cache_salt)
-                key0 = lazy_once(lambda op=op, keys=keys: self._index_keys(op.token_ids, op.cache_salt, keys))
-                current = ([], key0)
-                chunks = self._plan(op, keys, {"load", "load_sync"})
-                current = (chunks, key0)
-                n_ok = 0
-                host: list[Chunk] = []
-                while n_ok < len(chunks) and self._fetcher.resolve(chunks[n_ok], block=True):
-                    # device-staged chunks are scattered as they land (with the ready ones after
-                    # them) and their buffers released; host chunks wait for the layer-major copy
-                    j = n_ok + 1
-                    while j < len(chunks) and self._fetcher.resolve(chunks[j], block=False):
-                        j += 1
-                    dev = [c for c in chunks[n_ok:j] if c.device is not None]
-                    host += [c for c in chunks[n_ok:j] if c.device is None]
-                    if dev:
-                        self._scatter_device(op, dev)
-                        n_dev += len(dev)
-                        for c in dev:
-                            self._fetcher.finish(c, key0)
-                        self._fetcher.pump(chunks)
-                    n_ok = j
-                if n_ok < len(chunks):
-                    failed.setdefault(op.req_id, set()).update(self.blocks_from(op, chunks[n_ok].ci))
-                    self._stat("load_failures")
-                for c in chunks[n_ok:]:
-                    self._fetcher.finish(c, key0)
-                current = None
-                if n_ok:
-                    loaded.append((op, chunks[0].ci))
-                if host:
-                    parts.append((op, host, key0, []))
-            if n_dev and self.decode_stream is not None:
-                device_event = torch.cuda.Event(enable_timing=True)
-                device_event.record(self.decode_stream)
-            if parts:
-                slots = torch.cat(
-                    [self.slot_mappings(op.block_ids, [c.ci for c in cs], op.start_token) for op, cs, _, _ in parts]
-                )
-                srcs = []
-                for _, cs, _, keep in parts:
-                    for c in cs:
-                        src = c.src
-                        if self.is_cuda and not src.is_pinned():
-                            src = src.pin_memory()
-                            keep.append(src)
-                        srcs.append(src)
-                if self.is_cuda:
-                    self.prepare_layerwise()
-                    dev = self.layout.device
-                    timing = (start or torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    if start is None:
-                        timing[0].record(torch.cuda.current_stream(dev))
-                    events = self._layer_engine.load_layerwise(slots, srcs)
-                    if device_event is not None:  # the load ends after both kinds of copies
-                        self._layer_engine.kernel_stream.wait_event(device_event)
-                    timing[1].record(self._layer_engine.kernel_stream)
-                else:
-                    t_copy = time.perf_counter()
-                    ops.scatter(self.layout, slots, srcs)
-                    self._meter_scatter(len(srcs), time.perf_counter() - t_copy)
-                n = sum(len(cs) for _, cs, _, _ in parts)
-                self._stat("loaded_chunks", n)
-                self._stat("loaded_bytes", n * self.chunk_bytes)
-            elif device_event is not None:
-                timing = (start, device_event)
-            if loaded:
-                self._stat("layerwise_loads", len(loaded))
-        except Exception:
-            # Planning or queuing failed: every op fails from its start token — those already
-            # planned, the one being planned and those after it (none of it may be read); on CUDA,
-            # whatever was queued is waited for before the chunks' host memory is released.
-            log.exception("lmtier: layer-by-layer load of %d request(s) failed", len(ops_))
-            if self._layer_engine is not None:
-                self._layer_engine.copy_stream.synchronize()
-                self._layer_engine.kernel_stream.synchronize()
-            if self.decode_stream is not None:
-                self.decode_stream.synchronize()
-            held = [(cs, key0) for _, cs, key0, _ in parts] + ([current] if current is not None else [])
-            for cs, key0 in held:
-                self._release_chunks(cs, key0)
-            for op in ops_:
-                if not op.poisoned:
-                    failed.setdefault(op.req_id, set()).update(self.blocks_from(op))
-                    self._stat("load_failures")
-            return failed
-        if loaded:
-            self._layerwise = LayerwiseLoad(
-                parts, events, self.layout.num_layers, t0, timing, device_event=device_event, loaded=loaded
-            )
-        return failed
+        """Start one layer-by-layer load of the synchronous ops ``ops_`` (one engine step's); returns
+        ``{req_id: failed block ids}``
+        (:meth:`lmtier.integration.vllm.layerwise.LayerwiseLoader.load`)."""
+        return self._layers.load(ops_)
 
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until layer ``layer`` of the in-flight layer-by-layer load
-        is in the cache (CUDA; the host does not block). No-op without one."""
-        lw = self._layerwise
-        if lw is None:
-            return
-        if not 0 <= layer < len(lw.waited):
-            raise IndexError(f"lmtier: layer {layer} outside [0, {len(lw.waited)})")
-        if lw.events is not None:
-            torch.cuda.current_stream(self.layout.device).wait_event(lw.events[layer])
-        if lw.device_event is not None:  # device-staged chunks: every layer at once
-            torch.cuda.current_stream(self.layout.device).wait_event(lw.device_event)
-        lw.waited[layer] = True
+        is in the cache (:meth:`lmtier.integration.vllm.layerwise.LayerwiseLoader.wait_layer`)."""
+        self._layers.wait_layer(layer)
 
     def finish_layerwise(self) -> dict[str, set[int]]:
-        """End the in-flight layer-by-layer load (after the forward) without blocking the host.
-
-        Returns ``{req_id: blocks it wrote}`` when some layer was never waited for through
-        :meth:`wait_layer` — the forward may have read that layer before its copy landed, so the
-        caller must report those blocks as failed (vLLM recomputes them) — else ``{}`` (also without
-        a load in flight). The load's chunks (pinned pool slots, staging buffers) are released once
-        its copies completed: at once on the CPU, on CUDA by :meth:`drain_layerwise` (called here
-        without blocking, and by later loads, :meth:`finished_sending` and :meth:`close`).
-        """
-        lw, self._layerwise = self._layerwise, None
-        if lw is None:
-            return {}
-        self._draining.append(lw)
-        self.drain_layerwise(block=False)
-        if all(lw.waited):
-            return {}
-        missed = [i for i, w in enumerate(lw.waited) if not w]
-        log.warning(
-            "lmtier: layer-by-layer load: the forward never waited for %d layer(s) (first: %d); "
-            "its blocks are reported as failed",
-            len(missed),
-            missed[0],
-        )
-        out: dict[str, set[int]] = {}
-        for op, first in lw.loaded:
-            out.setdefault(op.req_id, set()).update(self.blocks_from(op, first))
-        return out
-
-    def _release_chunks(self, chunks: list[Chunk], key0: Callable[[], list[bytes]]) -> None:
-        """:meth:`ChunkFetcher.finish` each of a layer-by-layer load's chunks once its copies are done; one
-        that fails to release is logged and the others are still released."""
-        for c in chunks:
-            try:
-                self._fetcher.finish(c, key0)
-            except Exception:
-                log.exception("lmtier: releasing chunk %d of a layer-by-layer load failed", c.ci)
+        """End the in-flight layer-by-layer load after the forward; returns the blocks to report as
+        failed (:meth:`lmtier.integration.vllm.layerwise.LayerwiseLoader.finish`)."""
+        return self._layers.finish()
 
     def drain_layerwise(self, *, block: bool = False) -> None:
-        """Release the chunks of finished layer-by-layer loads whose copies completed (``block``:
-        wait for them first) and record their ``load_ms`` / ``load_lat_s`` (CUDA: GPU time from the
-        load's start on the current stream to its last copy)."""
-        keep = []
-        for lw in self._draining:
-            if lw.timing is not None:
-                if block:
-                    lw.timing[1].synchronize()
-                elif not lw.timing[1].query():
-                    keep.append(lw)
-                    continue
-            for _, cs, key0, _ in lw.parts:
-                self._release_chunks(cs, key0)
-            ms = (
-                lw.timing[0].elapsed_time(lw.timing[1])
-                if lw.timing is not None
-                else (time.perf_counter() - lw.t0) * 1e3
-            )
-            if lw.timing is not None and lw.parts and lw.device_event is None:
-                # CUDA, host chunks only: the GPU time of their copies (the CPU path timed its scatter)
-                self._meter_scatter(sum(len(cs) for _, cs, _, _ in lw.parts), ms / 1e3)
-            self._stat("load_ms", ms)
-            self._stat("load_lat_s", ms / 1e3)
-        self._draining = keep
+        """Release the chunks of finished layer-by-layer loads whose copies completed
+        (:meth:`lmtier.integration.vllm.layerwise.LayerwiseLoader.drain`)."""
+        self._layers.drain(block=block)
 
     # ------------------------------------------------------------------------------ async loads
     def start_load(self, op: LoadOp) -> None:
@@ -655,7 +452,7 @@ class ConnectorWorker:
         chunks: list[Chunk] = []
         try:
             keys = self.keys(op.token_ids, op.cache_salt)
-            chunks = self._plan(op, keys, {"load", "load_async"})
+            chunks = self.plan(op, keys, {"load", "load_async"})
         except Exception:
             log.exception("lmtier: async load of request %s failed", op.req_id)
             return chunks, False
@@ -689,13 +486,13 @@ class ConnectorWorker:
                 chunks, ok = [], False
             op = a.op
             key0 = lazy_once(
-                lambda op=op: self._index_keys(op.token_ids, op.cache_salt, self.keys(op.token_ids, op.cache_salt))
+                lambda op=op: self.index_keys(op.token_ids, op.cache_salt, self.keys(op.token_ids, op.cache_salt))
             )
             try:
                 if rid in self._finished_seen:  # aborted while loading: nothing reads these blocks
                     ok = True
                 elif ok and chunks:
-                    self._device_begin()
+                    self.device_begin()
                     self._scatter_chunks(op, chunks)
                     if self.decode_stream is not None:
                         torch.cuda.current_stream(self.layout.device).wait_stream(self.decode_stream)
@@ -734,7 +531,7 @@ class ConnectorWorker:
         flight any more. Polls the CUDA stores first.
         """
         self.delayed.update(delayed_frees)
-        if self._draining:
+        if self._layers.draining:
             self.drain_layerwise()
         if self.store_engine is not None:
             self.poll_stores()
@@ -746,13 +543,7 @@ class ConnectorWorker:
 
     def idle(self) -> bool:
         """No load or store in flight and no held request left."""
-        return (
-            not self.async_loads
-            and not self.pending
-            and not self.delayed
-            and self._layerwise is None
-            and not self._draining
-        )
+        return not self.async_loads and not self.pending and not self.delayed and self._layers.idle()
 
     def close(self) -> None:
         """Wait for background loads, a layer-by-layer load and CUDA stores (committing the stores). Idempotent."""
