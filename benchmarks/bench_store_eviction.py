@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -40,13 +39,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from hook_timers import HookTimers  # noqa: E402
 
+from lmtier.testing.vllm import engine_env, write_yaml  # noqa: E402
+
 VARIANTS = ("step-write-back", "write-through")
 COUNTERS = ("written_back", "write_back_skipped", "stored_disk", "disk_skipped_evicted", "disk_dropped_queue_full")
 
 
 def child(variant: str) -> None:
     """One engine; commands (JSON lines) on stdin, results on stdout."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import contextlib
 
     from vllm import LLM, SamplingParams
@@ -105,24 +105,18 @@ def child(variant: str) -> None:
 
 
 def _start(variant: str, tmp: Path, a) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")}
-    cfg = tmp / f"{variant}.yaml"
-    cfg.write_text(
-        "chunk_size: 256\nlocal_cpu: true\n"
-        f"max_local_cpu_size: {a.cpu_gb}\n"
-        f"local_disk: file://{tmp}/disk-{variant}\nmax_local_disk_size: 2\n"
-        f"local_disk_serde: {a.serde}\n"
+    cfg = write_yaml(
+        tmp / f"{variant}.yaml",
+        {
+            "chunk_size": 256,
+            "local_cpu": True,
+            "max_local_cpu_size": a.cpu_gb,
+            "local_disk": f"file://{tmp}/disk-{variant}",
+            "max_local_disk_size": 2,
+            "local_disk_serde": a.serde,
+        },
     )
-    env.update(
-        LMTIER_CONFIG_FILE=str(cfg),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0-1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_CACHE_ROOT=str(tmp / f"vllm-cache-{variant}"),
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-    )
+    env = engine_env(cfg) | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     log = open(tmp / f"{variant}.log", "w")  # noqa: SIM115 - lives as long as the child
     return subprocess.Popen(
         [sys.executable, __file__, "--child", variant],

@@ -709,6 +709,22 @@ class TierManager:
             if tenant is not None:
                 self._tenant_counters.setdefault(tenant, collections.Counter())[name] += n
 
+    def write_events(self, tier: str) -> dict[str, int]:
+        """The write-through counts of the ``"disk"`` or ``"remote"`` tier (cumulative):
+        ``writes_dropped`` (queue full) and ``writes_skipped`` (the chunk left the CPU pool without
+        reaching the tier). See :data:`lmtier.tiers.base.TIER_EVENTS`. ValueError: another name."""
+        names = {
+            "disk": (("disk_dropped_queue_full",), ("disk_skipped_evicted", "write_back_skipped")),
+            "remote": (("remote_dropped_queue_full",), ("remote_skipped_evicted",)),
+        }.get(tier)
+        if names is None:
+            raise ValueError(f"TierManager.write_events: tier must be 'disk' or 'remote', got {tier!r}")
+        with self._counter_lock:
+            return {
+                "writes_dropped": sum(self.counters[n] for n in names[0]),
+                "writes_skipped": sum(self.counters[n] for n in names[1]),
+            }
+
     def tenant_stats(self) -> dict[str, dict[str, int]]:
         """Per tenant id: the CPU pool's usage and eviction counts (:meth:`CPUPool.tenant_stats`, with
         budgets on), the remote tier's as ``remote_<name>`` (with its budgets:

@@ -116,17 +116,19 @@ def test_disk_record_path_oddities_reach_the_connectors_tier_events(tmp_path, mo
     """A directory at a record path and a record that cannot be opened (EACCES) are misses counted
     by the disk tier (``not_regular``, ``get_errors``) and exported by the connector's worker as tier
     events (``vllm:lmtier_tier_events_total{tier="disk",...}``; issue 20 section 2: "counted in the
-    metrics"). Before, TIER_EVENTS left both out: the counts never left the tier."""
+    metrics"). Before, TIER_EVENTS left both out: the counts never left the tier. The manager's
+    write-through counts of the disk tier (``writes_skipped``, ``writes_dropped``) go the same way."""
     import errno
-    from types import SimpleNamespace
 
     from lmtier.integration.vllm.stats import TierEventReporter
+    from lmtier.manager import TierManager
     from lmtier.tiers.disk import DiskTier
 
     disk = DiskTier([str(tmp_path / "d")], 16 << 20, io_threads=1)
+    manager = TierManager(cpu=None, disk=disk)
     try:
         sink = StatsSink()
-        reporter = TierEventReporter(SimpleNamespace(disk=disk, p2p=None, remote=None), sink)  # the worker's
+        reporter = TierEventReporter(manager, sink)  # the worker's
         keys = [bytes([i]) * 32 for i in (1, 2)]
         for k in keys:
             assert disk.put(k, b"x" * 5000)
@@ -152,8 +154,15 @@ def test_disk_record_path_oddities_reach_the_connectors_tier_events(tmp_path, mo
         events = taken.data["tier_events"]
         assert events == {"disk": {"not_regular": 1, "get_errors": 1}}, events
         assert {"not_regular", "get_errors"} <= set(TIER_EVENTS)
+        manager.count("write_back_skipped")  # evicted in the step without a disk copy
+        manager.count("disk_skipped_evicted", 2)  # evicted before the write-through ran
+        manager.count("disk_dropped_queue_full")
+        reporter.report()
+        assert sink.take().data["tier_events"] == {"disk": {"writes_skipped": 3, "writes_dropped": 1}}
+        with pytest.raises(ValueError, match="'disk' or 'remote'"):
+            manager.write_events("cpu")
     finally:
-        disk.close()
+        manager.close(persist=False)
 
 
 # ---------------------------------------------------------------------------------------- P2P (issue 16)

@@ -75,6 +75,8 @@ TIER_EVENTS = (
     "read_errors",
     "directory_errors",
     "stuck",
+    "writes_dropped",
+    "writes_skipped",
 )
 """Tier counters an operator watches (exported by the connector as
 ``vllm:lmtier_tier_events_total{tier,event}``): stored records that failed their checksum or format
@@ -88,7 +90,11 @@ node records that failed their MAC or format (``bad_entries``, ``bad_nodes``), e
 on the allow-list (``refused``), READs that failed (``read_errors``: peer gone, its metadata did not
 load), failed directory calls (``directory_errors``) and READs NIXL could not cancel (``stuck``);
 its ``timeouts`` are READs past their deadline, its ``breaker_rejects`` count the peers' breakers and
-the directory's."""
+the directory's. The tier manager adds, for its disk and remote tiers
+(:meth:`lmtier.manager.TierManager.write_events`), chunks whose write-through was dropped because
+the queue was full (``writes_dropped``) and chunks that left the CPU pool without reaching the tier
+(``writes_skipped``: evicted before their write-through ran, or evicted in the engine step without a
+write-back) — the tier falling behind the stores."""
 
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be

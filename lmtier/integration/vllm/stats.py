@@ -444,6 +444,8 @@ class TierEventReporter:
         out = {}
         for name, tier in self._tiers:
             counts = tier.event_counts()
+            if name in ("disk", "remote"):
+                counts.update(self.manager.write_events(name))
             out[name] = {e: counts.get(e, 0) for e in TIER_EVENTS}
         return out
 
