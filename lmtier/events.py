@@ -8,10 +8,14 @@ scheduler-side process can decode events without them.
 from __future__ import annotations
 
 import enum
+import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["IndexEventKind", "IndexEvent", "IndexListener"]
+__all__ = ["IndexEventHub", "IndexEventKind", "IndexEvent", "IndexListener"]
+
+log = logging.getLogger("lmtier.manager")
 
 
 class IndexEventKind(str, enum.Enum):
@@ -46,3 +50,38 @@ class IndexEvent:
 IndexListener = Callable[[IndexEvent], None]
 """``fn(event)``: called synchronously in the thread where the change happened, after it happened;
 must be quick and thread-safe; exceptions are logged by the manager, never raised."""
+
+
+class IndexEventHub:
+    """The listeners of one tier manager's index events.
+
+    :meth:`add` / :meth:`remove` from any thread; :meth:`publish` calls every listener registered at
+    that moment (a snapshot: the list is replaced, never mutated), synchronously, in the calling
+    thread. A listener's exception is logged and reported through ``on_error()``, never raised.
+    """
+
+    def __init__(self, on_error: Callable[[], None]) -> None:
+        self._on_error = on_error
+        self._listeners: list[IndexListener] = []
+        self._lock = threading.Lock()
+
+    def add(self, fn: IndexListener) -> None:
+        with self._lock:
+            self._listeners = [*self._listeners, fn]
+
+    def remove(self, fn: IndexListener) -> None:
+        """Stop calling ``fn`` (a no-op if it is not registered)."""
+        with self._lock:
+            self._listeners = [f for f in self._listeners if f != fn]
+
+    def publish(self, kind: IndexEventKind, key: bytes, tier: str | None) -> None:
+        listeners = self._listeners
+        if not listeners:
+            return
+        ev = IndexEvent(kind, key, tier)
+        for fn in listeners:
+            try:
+                fn(ev)
+            except Exception:
+                log.exception("index listener %r failed on %s", fn, ev)
+                self._on_error()

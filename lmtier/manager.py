@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmtier.config import LMTierConfig
-from lmtier.events import IndexEvent, IndexEventKind, IndexListener
+from lmtier.events import IndexEventHub, IndexEventKind, IndexListener
 from lmtier.keys import KEY_BYTES, Namespace
 from lmtier.tiers.base import Eviction, Tier
 from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
@@ -110,11 +110,10 @@ class TierManager:
         self._idle = threading.Condition()
         self._no_write_back = threading.local()  # .on: this thread is inside no_write_back()
         self._closed = False
-        self._listeners: list[IndexListener] = []
-        self._listeners_lock = threading.Lock()
+        self._events = IndexEventHub(lambda: self._count("listener_errors"))
         self._load_meter: LoadMeter | None = None
         if p2p is not None and cpu is not None:  # the P2P tier publishes what enters / leaves the pool
-            self._listeners.append(p2p.on_index_event)
+            self._events.add(p2p.on_index_event)
         if cpu is not None:
             cpu.add_eviction_listener(self._on_cpu_evicted)
             if remote is not None:  # a tier that can move chunks straight to/from its slots does
@@ -281,7 +280,7 @@ class TierManager:
                     raise
                 self.cpu.commit(slot, n)
                 self._count("stored_cpu")
-                self._publish(IndexEventKind.STORED, key, "cpu")
+                self._events.publish(IndexEventKind.STORED, key, "cpu")
                 self._send_remote(key, tenant)
                 return True
             if self.cpu.is_present(key):
@@ -295,12 +294,12 @@ class TierManager:
             ok = bool(self._safe(self.disk.put, key, payload, default=False))
             self._count("stored_disk" if ok else "disk_put_failures")
             if ok:
-                self._publish(IndexEventKind.STORED, key, "disk")
+                self._events.publish(IndexEventKind.STORED, key, "disk")
         if self.remote is not None:
             r = bool(self._safe(self.remote.put, key, payload, default=False, **self._tenant_kw(tenant)))
             self._count("stored_remote" if r else "remote_put_failures")
             if r and not ok:
-                self._publish(IndexEventKind.STORED, key, "remote")
+                self._events.publish(IndexEventKind.STORED, key, "remote")
             ok = ok or r
         if not ok:
             self._count("store_dropped")
@@ -326,7 +325,7 @@ class TierManager:
         if self.cpu is None:
             raise RuntimeError("TierManager.commit: there is no CPU pool")
         self.cpu.commit(slot, nbytes)
-        self._publish(IndexEventKind.STORED, slot.key, "cpu")
+        self._events.publish(IndexEventKind.STORED, slot.key, "cpu")
         if promoted:
             self._count("promotions")
         else:
@@ -452,12 +451,12 @@ class TierManager:
                     self._count("write_back_skipped")
             else:
                 on_disk = view is not None and self._write_back(key, view)
-            self._publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
+            self._events.publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
 
     def _on_disk_evicted(self, ev: Eviction) -> None:
         """Disk tier eviction listener: publish ``DISK_EVICTED`` per key."""
         for key in ev.keys:
-            self._publish(IndexEventKind.DISK_EVICTED, key, None)
+            self._events.publish(IndexEventKind.DISK_EVICTED, key, None)
 
     # ---- index events ------------------------------------------------------------------------
 
@@ -466,30 +465,16 @@ class TierManager:
         synchronously, in the thread where the change happened, after it happened (``STORED``: once
         the chunk is visible to :meth:`lookup`). ``fn`` must be quick and thread-safe; its
         exceptions are logged and counted (``counters["listener_errors"]``), never raised."""
-        with self._listeners_lock:
-            self._listeners = [*self._listeners, fn]
+        self._events.add(fn)
 
     def remove_listener(self, fn: IndexListener) -> None:
         """Stop calling ``fn`` (a no-op if it is not registered)."""
-        with self._listeners_lock:
-            self._listeners = [f for f in self._listeners if f != fn]
+        self._events.remove(fn)
 
     def set_load_meter(self, meter: LoadMeter | None) -> None:
         """Time every lower-tier read of :meth:`fetch_lower_many` with ``meter`` from now on (None:
         stop). The vLLM connector's worker measures its tiers' load bandwidth this way."""
         self._load_meter = meter
-
-    def _publish(self, kind: IndexEventKind, key: bytes, tier: str | None) -> None:
-        listeners = self._listeners  # a snapshot: the list is replaced, never mutated
-        if not listeners:
-            return
-        ev = IndexEvent(kind, key, tier)
-        for fn in listeners:
-            try:
-                fn(ev)
-            except Exception:
-                log.exception("index listener %r failed on %s", fn, ev)
-                self._count("listener_errors")
 
     # ---- retrieve ----------------------------------------------------------------------------
 
@@ -639,7 +624,7 @@ class TierManager:
             return None
         if n > dst.shape[0]:
             self.cpu.commit(slot, n)
-            self._publish(IndexEventKind.STORED, key, "cpu")
+            self._events.publish(IndexEventKind.STORED, key, "cpu")
             raise ValueError(f"TierManager.retrieve: out has {dst.shape[0]} bytes, chunk has {n}")
         try:
             if isinstance(dst, torch.Tensor):
@@ -650,7 +635,7 @@ class TierManager:
             self.cpu.abort(slot)
             raise
         self.cpu.commit(slot, n)
-        self._publish(IndexEventKind.STORED, key, "cpu")
+        self._events.publish(IndexEventKind.STORED, key, "cpu")
         self._count("promotions")
         return n
 
