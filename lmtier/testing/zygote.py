@@ -39,7 +39,8 @@ class EngineLauncher:
     Args:
         root: working directory; the zygote's stderr goes to ``root/zygote.log`` (vLLM's cache:
             :func:`lmtier.testing.vllm.vllm_cache_root`, shared by every engine).
-        script: the test file whose ``__main__`` calls :func:`serve` for ``--zygote``; or
+        script: the test file (or its engine-child script: tests/config_matrix_child.py) whose
+            ``__main__`` calls :func:`serve` for ``--zygote``; or
         module: a module run with ``python -m`` the same way (:func:`lmtier.testing.vllm.run_engine`).
         repo: put first on the children's ``PYTHONPATH`` (the tree under test).
 

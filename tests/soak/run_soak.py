@@ -125,7 +125,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (python tests/soak/run_soak.py): the checkout's root first
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lmtier.testing.procs import tail  # noqa: E402 - after the script-mode path above, as in test_config_matrix
+from lmtier.testing.procs import tail  # noqa: E402 - after the script-mode path above, as in config_matrix_child
 from lmtier.testing.vllm import MODEL_DIR  # noqa: E402
 from tests.soak.faults import ALL_FAULTS, CI_FAULTS, FAULTS, REMOTES  # noqa: E402
 from tests.soak.harness import Soak, log  # noqa: E402
