@@ -110,22 +110,23 @@ Loading (:func:`load_config`): the YAML file named by the ``path`` argument or e
 upper-cased key, e.g. ``LMTIER_MAX_LOCAL_CPU_SIZE=2.5``), parsed by the key's type (bools:
 ``1/0/true/false/yes/no/on/off``; optional strings: ``""``, ``none`` or ``null`` mean unset).
 
-Strictness: an unknown key in the YAML file, a wrong type, an impossible value (non-positive
-chunk size, negative or non-finite sizes, unwritable disk path, malformed URL, unsupported serde) or
-an override variable whose text does not parse raises :class:`ConfigError` naming the key and the
-value. An ``LMTIER_*`` variable that is not an override is not an error: the registry of every
-variable lmtier reads (:mod:`lmtier.envs`) logs a warning naming an undeclared one (a mistyped
-override, e.g. ``LMTIER_CHUNKSIZE``, shows there with the name it resembles). Two short, documented
-lists of LMCache keys are tolerated in the file: :data:`IGNORED_LMCACHE_KEYS` (harmless hints lmtier
-does not implement: accepted with a warning) and :data:`DISABLED_LMCACHE_FEATURES` (LMCache
-features lmtier does not have: accepted only when set to a false value, an error otherwise). The
-chunk size is checked against vLLM's actual block size by :meth:`LMTierConfig.validate_for` once
-the block size is known.
+Strictness: an unknown key or a key given twice in the YAML file, a wrong type, an impossible value
+(non-positive chunk size, negative or non-finite sizes, unwritable disk path, malformed URL,
+unsupported serde) or an override variable whose text does not parse raises :class:`ConfigError`
+naming the key and the value. An ``LMTIER_*`` variable that is not an override is not an error: the
+registry of every variable lmtier reads (:mod:`lmtier.envs`) logs a warning naming an undeclared
+one (a mistyped override, e.g. ``LMTIER_CHUNKSIZE``, shows there with the name it resembles). Two
+short, documented lists of LMCache keys are tolerated in the file: :data:`IGNORED_LMCACHE_KEYS`
+(harmless hints lmtier does not implement: accepted with a warning) and
+:data:`DISABLED_LMCACHE_FEATURES` (LMCache features lmtier does not have: accepted only when set to
+a false value, an error otherwise). The chunk size is checked against vLLM's actual block size by
+:meth:`LMTierConfig.validate_for` once the block size is known.
 
 Layout of the configuration code: the key table, the LMCache lists and the parsing of one value
 are :mod:`lmtier.config_schema`; the checks against this machine (writable directories, memory and
 file-system sizes) are :mod:`lmtier.config_checks`; the environment variables are declared in
-:mod:`lmtier.envs`. This module builds the config (and parses ``remote_url``).
+:mod:`lmtier.envs`; reading the YAML file is :mod:`lmtier.config_file`. This module builds the
+config (and parses ``remote_url``).
 
 Logging: ``logging.getLogger("lmtier.config")``; :meth:`LMTierConfig.log_effective` logs the
 effective configuration once per process, with passwords redacted.
@@ -144,6 +145,7 @@ from typing import Any
 
 from lmtier import envs
 from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes, warn_chunk_size
+from lmtier.config_file import read_config_file
 from lmtier.config_schema import (
     CODEC_LEVELS,
     CODEC_TABLES,
@@ -632,8 +634,12 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         local_disk = None
     if local_disk is not None:
         paths = parse_disk_paths("local_disk", local_disk)
-        if values["max_local_disk_size"] <= 0:
-            raise _err("max_local_disk_size", values["max_local_disk_size"], "must be > 0 when local_disk is set")
+        if int(values["max_local_disk_size"] * GIB) < 1:
+            raise _err(
+                "max_local_disk_size",
+                values["max_local_disk_size"],
+                "must be > 0 (at least one byte) when local_disk is set",
+            )
         capacity = sum(filesystem_bytes(p) for p in paths)
         if capacity and values["max_local_disk_size"] * GIB > capacity:
             raise _err(
@@ -698,29 +704,15 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
         The validated :class:`LMTierConfig`.
 
     Raises:
-        ConfigError: unreadable/malformed file, unknown key in the file, an override variable that
-            does not parse, wrong type, impossible value (the message names the key and the value).
+        ConfigError: unreadable, non-UTF-8 or malformed file, a key given twice or an unknown key
+            in the file, an override variable that does not parse, wrong type, impossible value
+            (the message names the key and the value).
             Undeclared ``LMTIER_*`` variables are only logged (:func:`lmtier.envs.warn_undeclared`).
     """
-    import yaml
-
     env = os.environ if env is None else env
     if path is None:
         path = env.get(CONFIG_FILE_ENV) or None
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"lmtier config: cannot read config file {os.fspath(path)!r}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"lmtier config: malformed YAML in {os.fspath(path)!r}: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"lmtier config: {os.fspath(path)!r} must hold a mapping, got {type(loaded).__name__}")
-        raw.update(loaded)
+    raw: dict[str, Any] = {} if path is None else read_config_file(path)
     for name, text in env.items():
         key = envs.config_key_of(name)
         if key is not None:

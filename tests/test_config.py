@@ -293,3 +293,25 @@ def test_config_is_frozen():
     cfg = LMTierConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_size = 1  # type: ignore[misc]
+
+
+def test_key_given_twice_in_the_file_is_an_error(tmp_path):
+    """PyYAML alone keeps the last of two equal keys without a word (chunk_size 16 here)."""
+    with pytest.raises(ConfigError, match=r"lmtier.yaml.*\n(.*\n)*.*'chunk_size' is given twice"):
+        load_config(write(tmp_path, "chunk_size: 256\nlocal_cpu: true\nchunk_size: 16\n"), env={})
+    nested = "remote_url: null\nchunk_size: 16\n"  # different keys: fine
+    assert load_config(write(tmp_path, nested), env={}).chunk_size == 16
+
+
+def test_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    p = tmp_path / "lmtier.yaml"
+    p.write_bytes(b"\xff\xfechunk_size: 16\n")  # was a bare UnicodeDecodeError
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(str(p), env={})
+
+
+def test_disk_size_below_one_byte_is_a_config_error(tmp_path):
+    """1e-12 GiB passed the > 0 check and became capacity 0, a ValueError inside DiskTier."""
+    with pytest.raises(ConfigError, match=r"max_local_disk_size=1e-12: must be > 0"):
+        LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-12})
+    assert LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-9}).disk.capacity_bytes == 1
