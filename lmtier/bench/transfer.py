@@ -369,6 +369,8 @@ def main(argv=None) -> int:
     add_common_args(p)
     p.add_argument("--model", dest="model_preset", type=str.lower, choices=sorted(PRESETS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.chunk_tokens % args.block_size:
+        p.error(f"--block-size {args.block_size} does not divide --chunk-tokens {args.chunk_tokens}")
     args.model = args.model_preset
     use_cuda = args.device == "cuda" or (args.device == "auto" and _C.cuda_device_count() > 0)
     if use_cuda:
