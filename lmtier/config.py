@@ -468,8 +468,8 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     timeout_s = values["remote_timeout_s"]
     password_env = values["remote_password_env"]
     _check_serde("remote_serde", serde)
-    if timeout_s <= 0:
-        raise _err("remote_timeout_s", timeout_s, "must be > 0")
+    if not 0 < timeout_s <= MAX_REMOTE_TIMEOUT_S:
+        raise _err("remote_timeout_s", timeout_s, f"must be > 0 and <= {MAX_REMOTE_TIMEOUT_S:g} seconds per call")
     if url is None or not url.lower().startswith("mooncakestore://"):
         for key in MOONCAKE_KEYS:
             if values[key] is not None:
@@ -507,6 +507,10 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         tenants=tenants,
     )
 
+
+MAX_REMOTE_TIMEOUT_S = 3600.0
+"""Largest ``remote_timeout_s``: a per-call timeout (a dead server holds a request that long); 1e300
+passed the > 0 check and failed every connection (the socket cannot take it: OverflowError)."""
 
 _REMOTE_TENANT_KEYS = ("remote_tenant_share", "remote_tenant_shares", "remote_tenant_capacity")
 

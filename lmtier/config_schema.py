@@ -75,7 +75,7 @@ KEYS: dict[str, KeySpec] = {
     "disk_io_threads": KeySpec(INT, 4, "disk I/O threads (1..256)"),
     "remote_url": KeySpec(OPT_STR, None, "tier 3: redis://, rediss://, unix://, redis(s)-cluster:// URL"),
     "remote_serde": KeySpec(STR, "naive", "remote record format: naive or cachegen (the codec)"),
-    "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0)"),
+    "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0, <= 3600)"),
     "remote_password_env": KeySpec(OPT_STR, None, "name of the environment variable holding the Redis password"),
     "remote_auth_key": KeySpec(
         OPT_STR, None, "where the key sealing remote records is: file:PATH or env:NAME (never the key itself)"

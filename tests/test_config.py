@@ -138,6 +138,8 @@ def test_benchmark_env_vars_do_not_break_load_config(caplog):
         ("disk_io_threads: 0", "disk_io_threads"),
         ("remote_serde: pickle", "remote_serde"),
         ("remote_timeout_s: 0", "remote_timeout_s"),
+        ("remote_timeout_s: 1e300", "remote_timeout_s"),  # was accepted: OverflowError in every connect
+        ("remote_timeout_s: 3601", "remote_timeout_s"),
         ("remote_url: http://localhost:6379", "remote_url"),
         ("remote_url: 'redis://'", "remote_url"),
         ("remote_url: 'redis://host:notaport'", "remote_url"),
