@@ -356,6 +356,16 @@ def test_bench_parsers_use_the_shared_argument_types():
         assert not re.search(r"\b(a|args)\.\w+\.split\(", src), f.name
 
 
+def test_disk_dir_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    """Was a FileExistsError traceback from os.makedirs inside the run."""
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "disk", "--dir", str(f), "--count", "1"])
+    assert e.value.code == 2
+    assert "argument --dir" not in (err := capsys.readouterr().err) and f"--dir {str(f)!r}: File exists" in err
+
+
 def test_transfer_chunk_tokens_not_a_multiple_of_the_block_size_is_a_usage_error(capsys):
     """Was a ValueError traceback from slot_mapping_from_block_ids after the cache was built."""
     with pytest.raises(SystemExit) as e:

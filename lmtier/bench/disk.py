@@ -229,6 +229,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     add_common_args(ap)
     a = ap.parse_args(argv)
+    try:
+        os.makedirs(a.dir, exist_ok=True)
+    except OSError as e:  # a file there, no permission: a usage error, not a traceback from run()
+        ap.error(f"--dir {a.dir!r}: {e.strerror or e}")
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     size = max(4096, size // 4096 * 4096)
     a.size_mib = size / MiB
