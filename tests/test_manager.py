@@ -345,7 +345,7 @@ def test_from_config_builds_tiers_and_checks_chunk_size(tmp_path):
         TierManager.from_config(LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 1e-9}), ns)
 
 
-def test_from_config_refuses_unusable_tiers_with_config_errors(tmp_path):
+def test_from_config_refuses_unusable_tiers_with_config_errors(tmp_path, monkeypatch):
     """Each case used to be a bare ValueError / OSError from inside a tier, or a disk tier that
     silently dropped every store."""
     ns = Namespace(model="m", num_layers=2, num_kv_heads=2, head_size=8, kv_dtype="float16", chunk_size=16)
@@ -358,6 +358,17 @@ def test_from_config_refuses_unusable_tiers_with_config_errors(tmp_path):
         TierManager.from_config(LMTierConfig.from_dict(small), ns)
     with TierManager.from_config(LMTierConfig.from_dict({**small, "max_local_disk_size": record / GIB}), ns) as m:
         assert m.store(b"k" * 32, torch.ones(ns.chunk_bytes, dtype=torch.uint8), timeout_s=None).result()
+    # a lookups-only P2P tier is a tier: the vLLM scheduler's view of a P2P-only config has no CPU pool
+    from lmtier.tiers.p2p import tier as p2p_tier
+
+    monkeypatch.setattr(p2p_tier.P2PTier, "from_config", staticmethod(lambda settings, namespace, cpu: MemTier("p2p")))
+    p2p = LMTierConfig.from_dict(
+        {"chunk_size": 16, "enable_p2p": True, "p2p_host": "h", "p2p_init_ports": [1]}
+        | {"p2p_directory_url": "redis://d", "p2p_allowed_peers": "a"}
+    )
+    p2p = dataclasses.replace(p2p, cpu=dataclasses.replace(p2p.cpu, enabled=False))
+    with TierManager.from_config(p2p, ns) as m:
+        assert m.cpu is None and m.p2p is not None
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = LMTierConfig.from_dict({**no_cpu, "local_disk": str(tmp_path / "d2"), "max_local_disk_size": 1})

@@ -164,7 +164,7 @@ def build_tiers(
         raise ConfigError(
             f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
         )
-    if not (config.cpu.enabled or config.disk.enabled or config.remote.enabled):
+    if not (config.cpu.enabled or config.disk.enabled or config.remote.enabled or config.p2p is not None):
         raise ConfigError(
             "lmtier config: local_cpu=False: no tier is enabled; set local_cpu: true, local_disk or remote_url"
         )
