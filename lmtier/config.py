@@ -658,6 +658,9 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
                 "lmtier config: max_local_disk_size=%r without local_disk; the disk tier stays off",
                 values["max_local_disk_size"],
             )
+        for key in ("local_disk_path_sharding", "disk_io_threads"):
+            if key in raw and values[key] != KEYS[key].default:
+                logger.warning("lmtier config: %s=%r without local_disk; unused", key, values[key])
     disk_serde = values["local_disk_serde"]
     _check_serde("local_disk_serde", disk_serde)
     if disk_serde != "naive" and not paths:

@@ -317,3 +317,11 @@ def test_disk_size_below_one_byte_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"max_local_disk_size=1e-12: must be > 0"):
         LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-12})
     assert LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-9}).disk.capacity_bytes == 1
+
+
+@pytest.mark.parametrize("key,value", [("local_disk_path_sharding", "by_gpu"), ("disk_io_threads", 16)])
+def test_disk_keys_without_local_disk_are_said_unused(key, value, caplog):
+    """Were accepted without a word (max_local_disk_size and local_disk_serde already warned)."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({key: value})
+    assert [r.getMessage() for r in caplog.records] == [f"lmtier config: {key}={value!r} without local_disk; unused"]
