@@ -724,5 +724,17 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
         key = envs.config_key_of(name)
         if key is not None:
             raw[key] = parse_env_value(key, name, text)
-    envs.warn_undeclared(env)
+    named = _variables_named(raw)  # e.g. p2p_token_env: LMTIER_P2P_SECRET is read, not ignored
+    envs.warn_undeclared({k: v for k, v in env.items() if k not in named})
     return _build(raw, env)
+
+
+def _variables_named(raw: Mapping[str, Any]) -> set[str]:
+    """The environment variables the configuration ``raw`` names as where a secret is
+    (``remote_password_env``, ``p2p_token_env``, ``env:NAME`` items of ``remote_auth_key`` /
+    ``remote_auth_accept_keys``): read by lmtier, so never reported as unknown ``LMTIER_*`` ones."""
+    names = {raw.get(k) for k in ("remote_password_env", "p2p_token_env")}
+    for k in ("remote_auth_key", "remote_auth_accept_keys"):
+        if isinstance(raw.get(k), str):
+            names.update(item.strip()[4:] for item in raw[k].split(",") if item.strip().startswith("env:"))
+    return {n for n in names if isinstance(n, str)}

@@ -168,7 +168,7 @@ def check_type(key: str, value: Any) -> Any:
             raise config_error(key, value, "must be an integer")
     elif kind == FLOAT or (kind == OPT_FLOAT and value is not None):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise config_error(key, value, "must be a number")
+            raise config_error(key, value, "must be a number" + _yaml_float_hint(value))
         if not math.isfinite(value):
             raise config_error(key, value, "must be finite")
         value = float(value)
@@ -192,6 +192,18 @@ def check_type(key: str, value: Any) -> Any:
             raise config_error(key, value, "must be a list of integers (or one integer) or null")
         value = tuple(items)
     return value
+
+
+def _yaml_float_hint(value: Any) -> str:
+    """A hint for text that is a number to Python but a string to YAML 1.1 (PyYAML reads ``1e-3``,
+    without a dot or an exponent sign, as text)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    return " (YAML read it as text: write a number without quotes, and an exponent as 5.0e-1, not 5e-1)"
 
 
 def parse_env_value(key: str, env_name: str, raw: str) -> Any:

@@ -138,7 +138,7 @@ def test_benchmark_env_vars_do_not_break_load_config(caplog):
         ("disk_io_threads: 0", "disk_io_threads"),
         ("remote_serde: pickle", "remote_serde"),
         ("remote_timeout_s: 0", "remote_timeout_s"),
-        ("remote_timeout_s: 1e300", "remote_timeout_s"),  # was accepted: OverflowError in every connect
+        ("remote_timeout_s: 1.0e+300", "remote_timeout_s"),  # was accepted: OverflowError in every connect
         ("remote_timeout_s: 3601", "remote_timeout_s"),
         ("remote_url: http://localhost:6379", "remote_url"),
         ("remote_url: 'redis://'", "remote_url"),
@@ -325,3 +325,37 @@ def test_disk_keys_without_local_disk_are_said_unused(key, value, caplog):
     with caplog.at_level(logging.WARNING, logger="lmtier.config"):
         LMTierConfig.from_dict({key: value})
     assert [r.getMessage() for r in caplog.records] == [f"lmtier config: {key}={value!r} without local_disk; unused"]
+
+
+def test_variables_the_config_names_are_not_reported_as_unknown(tmp_path, caplog):
+    """A secret's variable named by the config (remote_password_env, p2p_token_env, env: key sources)
+    is read by lmtier; with an ``LMTIER_`` name it was logged as "not an lmtier variable and is
+    ignored" (docs/p2p.md's example named LMTIER_P2P_SECRET). A real unknown one still is."""
+    key = tmp_path / "seal.key"
+    key.write_text("ab" * 32)
+    key.chmod(0o600)
+    env = {
+        "LMTIER_REMOTE_URL": "redis://h",
+        "LMTIER_REMOTE_PASSWORD_ENV": "LMTIER_XPW",
+        "LMTIER_XPW": "pw",
+        "LMTIER_REMOTE_AUTH_KEY": "env:LMTIER_XSEAL",
+        "LMTIER_REMOTE_AUTH_ACCEPT_KEYS": f"file:{key}, env:LMTIER_XOLD",
+        "LMTIER_XSEAL": "cd" * 32,
+        "LMTIER_XOLD": "ef" * 32,
+        "LMTIER_XTYPO": "1",
+    }
+    with caplog.at_level(logging.WARNING, logger="lmtier.envs"):
+        cfg = load_config(env=env)
+    assert cfg.remote.password == "pw" and cfg.remote.auth_key == "env:LMTIER_XSEAL"
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "LMTIER_XTYPO" in warned
+    assert not any(n in warned for n in ("LMTIER_XPW", "LMTIER_XSEAL", "LMTIER_XOLD")), warned
+
+
+@pytest.mark.parametrize("text", ["max_local_cpu_size: 5e-1", "max_local_cpu_size: '0.5'"])
+def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path, text):
+    """PyYAML (YAML 1.1) reads 5e-1 as the string '5e-1': the error said only "must be a number"."""
+    with pytest.raises(ConfigError, match=r"must be a number \(YAML read it as text.*5\.0e-1"):
+        load_config(write(tmp_path, text), env={})
+    with pytest.raises(ConfigError, match=r"must be a number$"):
+        load_config(write(tmp_path, "max_local_cpu_size: 5GB"), env={})

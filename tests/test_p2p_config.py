@@ -125,24 +125,3 @@ def test_yaml_file(tmp_path):
     )
     c = load_config(f, env={})
     assert c.p2p.node_id(0) == "127.0.0.1:28200"
-
-
-def test_the_guides_example_loads_without_an_unknown_variable_warning(tmp_path):
-    """docs/p2p.md's YAML as written, its token variable set: it loads, and the token variable is not
-    reported as an unknown ``LMTIER_*`` variable (the guide named ``LMTIER_P2P_SECRET``, which
-    lmtier.envs logged at start-up as "not an lmtier variable and is ignored", though the token is
-    read from it)."""
-    import pathlib
-    import re
-
-    import yaml
-
-    doc = (pathlib.Path(__file__).parents[1] / "docs" / "p2p.md").read_text()
-    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "enable_p2p" in b)
-    values = yaml.safe_load(block)
-    env = {values["p2p_token_env"]: "0123456789abcdef-token"}
-    path = tmp_path / "lmtier.yaml"
-    path.write_text(block)
-    c = load_config(path, env=env)
-    assert c.p2p is not None and c.p2p.token == b"0123456789abcdef-token"
-    assert envs.undeclared(env) == []
