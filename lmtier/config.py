@@ -676,8 +676,9 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
     level = values["codec_level"]
     if level not in CODEC_LEVELS:
         raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS)}")
-    if "codec_level" in raw and "cachegen" not in (disk_serde, remote.serde):
-        logger.warning("lmtier config: codec_level=%r but no serde is 'cachegen'; unused", level)
+    for key in ("codec_level", "codec_tables", "codec_tables_dir"):
+        if key in raw and "cachegen" not in (disk_serde, remote.serde):
+            logger.warning("lmtier config: %s=%r but no serde is 'cachegen'; unused", key, values[key])
     tables = values["codec_tables"]
     if tables not in CODEC_TABLES:
         raise _err("codec_tables", tables, f"must be one of {list(CODEC_TABLES)}")
@@ -687,6 +688,10 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         if len(dirs) != 1:
             raise _err("codec_tables_dir", tables_dir, "must be one directory")
         tables_dir = dirs[0]
+        if tables != "auto" and "cachegen" in (disk_serde, remote.serde):
+            logger.warning(
+                "lmtier config: codec_tables_dir=%r with codec_tables=%r (not auto); unused", tables_dir, tables
+            )
     p2p = resolve_p2p(values, env)  # P2P sharing (lmtier.tiers.p2p.settings)
     return LMTierConfig(
         chunk_size=chunk_size,

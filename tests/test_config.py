@@ -359,3 +359,25 @@ def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path, text):
         load_config(write(tmp_path, text), env={})
     with pytest.raises(ConfigError, match=r"must be a number$"):
         load_config(write(tmp_path, "max_local_cpu_size: 5GB"), env={})
+
+
+@pytest.mark.parametrize(
+    "values,said",
+    [
+        (
+            {"codec_tables_dir": "/tmp/lmtier-ct"},
+            "codec_tables_dir='/tmp/lmtier-ct' but no serde is 'cachegen'; unused",
+        ),
+        ({"codec_tables": "shipped"}, "codec_tables='shipped' but no serde is 'cachegen'; unused"),
+        (
+            {"codec_tables": "none", "codec_tables_dir": "/tmp/lmtier-ct", "remote_url": "redis://h"}
+            | {"remote_serde": "cachegen"},
+            "codec_tables_dir='/tmp/lmtier-ct' with codec_tables='none' (not auto); unused",
+        ),
+    ],
+)
+def test_codec_table_keys_that_do_nothing_are_said_unused(values, said, caplog):
+    """Were accepted silently (codec_level already warned without a cachegen serde)."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict(values)
+    assert f"lmtier config: {said}" in [r.getMessage() for r in caplog.records]
