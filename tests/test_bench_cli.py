@@ -325,6 +325,10 @@ BAD_VALUES = [
     ("remote", ["--url", "http://x"], "--url", "http://x"),  # was redis-py's ValueError traceback
     ("remote", ["--url", "redis-cluster://a:1,b:2"], "--url", "redis-cluster://a:1,b:2"),
     ("seal", ["--redis-url", "nope"], "--redis-url", "nope"),  # was a RemoteURLError traceback
+    # outputs written at the end: a missing directory was a traceback after the whole run
+    *[(sub, ["--json", "/nonexistent/r.json"], "--json", "/nonexistent/r.json") for sub in cli.SUBCOMMANDS],
+    ("disk", ["--plot", "/nonexistent/d.png"], "--plot", "/nonexistent/d.png"),
+    ("ttft", ["--plot", "/nonexistent/t.png"], "--plot", "/nonexistent/t.png"),
 ]
 
 

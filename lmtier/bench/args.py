@@ -13,7 +13,16 @@ import argparse
 import math
 from collections.abc import Callable, Iterable
 
-__all__ = ["bounded_int", "bounded_float", "int_list", "float_list", "name_list", "redis_url", "ping_redis"]
+__all__ = [
+    "bounded_int",
+    "bounded_float",
+    "int_list",
+    "float_list",
+    "name_list",
+    "output_file",
+    "redis_url",
+    "ping_redis",
+]
 
 
 def _bounds(lo: float | None, hi: float | None, *, above: bool = False) -> str:
@@ -157,3 +166,20 @@ def ping_redis(prog: str, url: str, timeout_s: float = 5.0) -> None:
             client.close()
     except (redis.RedisError, OSError, ValueError) as e:
         raise SystemExit(f"{prog}: cannot reach {redact_url(url)}: {type(e).__name__}: {e}") from None
+
+
+def output_file(text: str) -> str:
+    """A file the benchmark writes at its end (``--json``, ``--plot``), returned as given: its
+    directory must exist and be writable now, so a typo is a usage error before the run, not a
+    traceback that loses the run's results."""
+    import os
+
+    path = os.path.abspath(os.path.expanduser(text))
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} is not writable")
+    return text

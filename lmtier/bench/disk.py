@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 
-from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list
+from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list, output_file
 from lmtier.bench.common import (
     add_common_args,
     odirect_read_gbps,
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         default="1,2,4,8",
         help="records read concurrently in the pipelined-load rows ('' to skip)",
     )
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     add_common_args(ap)
     a = ap.parse_args(argv)
     try:

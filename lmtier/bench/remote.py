@@ -52,7 +52,7 @@ import subprocess
 import time
 import urllib.parse
 
-from lmtier.bench.args import bounded_float, bounded_int, float_list, int_list, ping_redis, redis_url
+from lmtier.bench.args import bounded_float, bounded_int, float_list, int_list, output_file, ping_redis, redis_url
 from lmtier.bench.common import (
     add_common_args,
     plot_bars,
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
         default=1,
         help="private server only: io-threads N (+ io-threads-do-reads yes) when N > 1",
     )
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     add_common_args(ap)
     a = ap.parse_args(argv)
     if a.url:

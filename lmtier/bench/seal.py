@@ -42,7 +42,7 @@ import numpy as np
 import xxhash
 
 from lmtier import envs
-from lmtier.bench.args import bounded_int, int_list, name_list, ping_redis, redis_url
+from lmtier.bench.args import bounded_int, int_list, name_list, output_file, ping_redis, redis_url
 from lmtier.bench.common import print_table, system_header, write_json
 from lmtier.bench.presets import PRESETS, preset
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "--redis-url", type=redis_url, default=None, help="an existing Redis (default: a private redis-server)"
     )
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 4 chunks, 1 thread count, 1 iteration")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     a = ap.parse_args(argv)
     if a.redis_url:
         ping_redis(ap.prog, a.redis_url)
