@@ -66,6 +66,7 @@ SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 MOONCAKE_SCHEME = "mooncakestore"
 DEFAULT_PORT = 6379
 _TLS_SCHEMES = ("rediss", "rediss-cluster")
+_SUN_PATH_BYTES = 108  # Linux sockaddr_un.sun_path, the terminating NUL included
 _BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -316,6 +317,8 @@ def parse_redis_url(
         if not path or path == "/":
             raise bad("missing socket path")
         socket_path = unquote(path)
+        if len(os.fsencode(socket_path)) >= _SUN_PATH_BYTES:
+            raise bad(f"socket path longer than {_SUN_PATH_BYTES - 1} bytes (AF_UNIX cannot connect to it)")
     else:
         if not authority:
             raise bad("missing host")
