@@ -477,8 +477,9 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     auth_key, accept_keys, encrypt = _check_auth(values)
     tenants = _parse_remote_tenants(values)
     if url is None:
-        for key in ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt", *_REMOTE_TENANT_KEYS):
-            if values[key]:
+        unused = ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt", *_REMOTE_TENANT_KEYS)
+        for key in (*unused, "remote_password_env", "remote_serde", "remote_timeout_s"):
+            if values[key] and values[key] != KEYS[key].default:
                 logger.warning("lmtier config: %s=%r without remote_url; unused", key, values[key])
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
     try:

@@ -381,3 +381,17 @@ def test_codec_table_keys_that_do_nothing_are_said_unused(values, said, caplog):
     with caplog.at_level(logging.WARNING, logger="lmtier.config"):
         LMTierConfig.from_dict(values)
     assert f"lmtier config: {said}" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize(
+    "key,value", [("remote_password_env", "PW"), ("remote_serde", "cachegen"), ("remote_timeout_s", 5.0)]
+)
+def test_remote_keys_without_remote_url_are_said_unused(key, value, caplog):
+    """Were accepted silently (remote_auth_key and the tenant keys already warned)."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({key: value})
+    assert f"lmtier config: {key}={value!r} without remote_url; unused" in [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({})
+    assert not caplog.records
