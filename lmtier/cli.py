@@ -156,8 +156,8 @@ USAGE = """usage: lmtier bench {transfer,disk,remote,mooncake,seal,p2p,codec,ran
   rans      the entropy coder alone (GPU)
   ttft      time to first token: recompute vs loading the KV from each tier
   all       everything this machine supports, saying what it skips
-every subcommand but rans, seal and mooncake takes --model-preset NAME and --plot PATH.png; `all` takes --plot-dir DIR;
-`lmtier bench <subcommand> --help` lists its options"""
+every subcommand but rans, seal, mooncake and p2p takes --model-preset NAME and --plot PATH.png;
+`all` takes --plot-dir DIR; `lmtier bench <subcommand> --help` lists its options"""
 
 
 def main(argv: list[str] | None = None) -> int:

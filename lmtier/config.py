@@ -110,22 +110,23 @@ Loading (:func:`load_config`): the YAML file named by the ``path`` argument or e
 upper-cased key, e.g. ``LMTIER_MAX_LOCAL_CPU_SIZE=2.5``), parsed by the key's type (bools:
 ``1/0/true/false/yes/no/on/off``; optional strings: ``""``, ``none`` or ``null`` mean unset).
 
-Strictness: an unknown key in the YAML file, a wrong type, an impossible value (non-positive
-chunk size, negative or non-finite sizes, unwritable disk path, malformed URL, unsupported serde) or
-an override variable whose text does not parse raises :class:`ConfigError` naming the key and the
-value. An ``LMTIER_*`` variable that is not an override is not an error: the registry of every
-variable lmtier reads (:mod:`lmtier.envs`) logs a warning naming an undeclared one (a mistyped
-override, e.g. ``LMTIER_CHUNKSIZE``, shows there with the name it resembles). Two short, documented
-lists of LMCache keys are tolerated in the file: :data:`IGNORED_LMCACHE_KEYS` (harmless hints lmtier
-does not implement: accepted with a warning) and :data:`DISABLED_LMCACHE_FEATURES` (LMCache
-features lmtier does not have: accepted only when set to a false value, an error otherwise). The
-chunk size is checked against vLLM's actual block size by :meth:`LMTierConfig.validate_for` once
-the block size is known.
+Strictness: an unknown key or a key given twice in the YAML file, a wrong type, an impossible value
+(non-positive chunk size, negative or non-finite sizes, unwritable disk path, malformed URL,
+unsupported serde) or an override variable whose text does not parse raises :class:`ConfigError`
+naming the key and the value. An ``LMTIER_*`` variable that is not an override is not an error: the
+registry of every variable lmtier reads (:mod:`lmtier.envs`) logs a warning naming an undeclared
+one (a mistyped override, e.g. ``LMTIER_CHUNKSIZE``, shows there with the name it resembles). Two
+short, documented lists of LMCache keys are tolerated in the file: :data:`IGNORED_LMCACHE_KEYS`
+(harmless hints lmtier does not implement: accepted with a warning) and
+:data:`DISABLED_LMCACHE_FEATURES` (LMCache features lmtier does not have: accepted only when set to
+a false value, an error otherwise). The chunk size is checked against vLLM's actual block size by
+:meth:`LMTierConfig.validate_for` once the block size is known.
 
 Layout of the configuration code: the key table, the LMCache lists and the parsing of one value
 are :mod:`lmtier.config_schema`; the checks against this machine (writable directories, memory and
 file-system sizes) are :mod:`lmtier.config_checks`; the environment variables are declared in
-:mod:`lmtier.envs`. This module builds the config (and parses ``remote_url``).
+:mod:`lmtier.envs`; reading the YAML file is :mod:`lmtier.config_file`. This module builds the
+config (and parses ``remote_url``).
 
 Logging: ``logging.getLogger("lmtier.config")``; :meth:`LMTierConfig.log_effective` logs the
 effective configuration once per process, with passwords redacted.
@@ -144,6 +145,7 @@ from typing import Any
 
 from lmtier import envs
 from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes, warn_chunk_size
+from lmtier.config_file import read_config_file
 from lmtier.config_schema import (
     CODEC_LEVELS,
     CODEC_TABLES,
@@ -466,8 +468,8 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     timeout_s = values["remote_timeout_s"]
     password_env = values["remote_password_env"]
     _check_serde("remote_serde", serde)
-    if timeout_s <= 0:
-        raise _err("remote_timeout_s", timeout_s, "must be > 0")
+    if not 0 < timeout_s <= MAX_REMOTE_TIMEOUT_S:
+        raise _err("remote_timeout_s", timeout_s, f"must be > 0 and <= {MAX_REMOTE_TIMEOUT_S:g} seconds per call")
     if url is None or not url.lower().startswith("mooncakestore://"):
         for key in MOONCAKE_KEYS:
             if values[key] is not None:
@@ -475,8 +477,9 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
     auth_key, accept_keys, encrypt = _check_auth(values)
     tenants = _parse_remote_tenants(values)
     if url is None:
-        for key in ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt", *_REMOTE_TENANT_KEYS):
-            if values[key]:
+        unused = ("remote_auth_key", "remote_auth_accept_keys", "remote_encrypt", *_REMOTE_TENANT_KEYS)
+        for key in (*unused, "remote_password_env", "remote_serde", "remote_timeout_s"):
+            if values[key] and values[key] != KEYS[key].default:
                 logger.warning("lmtier config: %s=%r without remote_url; unused", key, values[key])
         return RemoteConfig(serde=serde, timeout_s=timeout_s, password_env=password_env)
     try:
@@ -505,6 +508,10 @@ def _parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfi
         tenants=tenants,
     )
 
+
+MAX_REMOTE_TIMEOUT_S = 3600.0
+"""Largest ``remote_timeout_s``: a per-call timeout (a dead server holds a request that long); 1e300
+passed the > 0 check and failed every connection (the socket cannot take it: OverflowError)."""
 
 _REMOTE_TENANT_KEYS = ("remote_tenant_share", "remote_tenant_shares", "remote_tenant_capacity")
 
@@ -632,8 +639,12 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         local_disk = None
     if local_disk is not None:
         paths = parse_disk_paths("local_disk", local_disk)
-        if values["max_local_disk_size"] <= 0:
-            raise _err("max_local_disk_size", values["max_local_disk_size"], "must be > 0 when local_disk is set")
+        if int(values["max_local_disk_size"] * GIB) < 1:
+            raise _err(
+                "max_local_disk_size",
+                values["max_local_disk_size"],
+                "must be > 0 (at least one byte) when local_disk is set",
+            )
         capacity = sum(filesystem_bytes(p) for p in paths)
         if capacity and values["max_local_disk_size"] * GIB > capacity:
             raise _err(
@@ -648,6 +659,9 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
                 "lmtier config: max_local_disk_size=%r without local_disk; the disk tier stays off",
                 values["max_local_disk_size"],
             )
+        for key in ("local_disk_path_sharding", "disk_io_threads"):
+            if key in raw and values[key] != KEYS[key].default:
+                logger.warning("lmtier config: %s=%r without local_disk; unused", key, values[key])
     disk_serde = values["local_disk_serde"]
     _check_serde("local_disk_serde", disk_serde)
     if disk_serde != "naive" and not paths:
@@ -663,8 +677,9 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
     level = values["codec_level"]
     if level not in CODEC_LEVELS:
         raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS)}")
-    if "codec_level" in raw and "cachegen" not in (disk_serde, remote.serde):
-        logger.warning("lmtier config: codec_level=%r but no serde is 'cachegen'; unused", level)
+    for key in ("codec_level", "codec_tables", "codec_tables_dir"):
+        if key in raw and "cachegen" not in (disk_serde, remote.serde):
+            logger.warning("lmtier config: %s=%r but no serde is 'cachegen'; unused", key, values[key])
     tables = values["codec_tables"]
     if tables not in CODEC_TABLES:
         raise _err("codec_tables", tables, f"must be one of {list(CODEC_TABLES)}")
@@ -674,6 +689,10 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         if len(dirs) != 1:
             raise _err("codec_tables_dir", tables_dir, "must be one directory")
         tables_dir = dirs[0]
+        if tables != "auto" and "cachegen" in (disk_serde, remote.serde):
+            logger.warning(
+                "lmtier config: codec_tables_dir=%r with codec_tables=%r (not auto); unused", tables_dir, tables
+            )
     p2p = resolve_p2p(values, env)  # P2P sharing (lmtier.tiers.p2p.settings)
     return LMTierConfig(
         chunk_size=chunk_size,
@@ -698,32 +717,30 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
         The validated :class:`LMTierConfig`.
 
     Raises:
-        ConfigError: unreadable/malformed file, unknown key in the file, an override variable that
-            does not parse, wrong type, impossible value (the message names the key and the value).
+        ConfigError: unreadable, non-UTF-8 or malformed file, a key given twice or an unknown key
+            in the file, an override variable that does not parse, wrong type, impossible value
+            (the message names the key and the value).
             Undeclared ``LMTIER_*`` variables are only logged (:func:`lmtier.envs.warn_undeclared`).
     """
-    import yaml
-
     env = os.environ if env is None else env
     if path is None:
         path = env.get(CONFIG_FILE_ENV) or None
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"lmtier config: cannot read config file {os.fspath(path)!r}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"lmtier config: malformed YAML in {os.fspath(path)!r}: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"lmtier config: {os.fspath(path)!r} must hold a mapping, got {type(loaded).__name__}")
-        raw.update(loaded)
+    raw: dict[str, Any] = {} if path is None else read_config_file(path)
     for name, text in env.items():
         key = envs.config_key_of(name)
         if key is not None:
             raw[key] = parse_env_value(key, name, text)
-    envs.warn_undeclared(env)
+    named = _variables_named(raw)  # e.g. p2p_token_env: LMTIER_P2P_SECRET is read, not ignored
+    envs.warn_undeclared({k: v for k, v in env.items() if k not in named})
     return _build(raw, env)
+
+
+def _variables_named(raw: Mapping[str, Any]) -> set[str]:
+    """The environment variables the configuration ``raw`` names as where a secret is
+    (``remote_password_env``, ``p2p_token_env``, ``env:NAME`` items of ``remote_auth_key`` /
+    ``remote_auth_accept_keys``): read by lmtier, so never reported as unknown ``LMTIER_*`` ones."""
+    names = {raw.get(k) for k in ("remote_password_env", "p2p_token_env")}
+    for k in ("remote_auth_key", "remote_auth_accept_keys"):
+        if isinstance(raw.get(k), str):
+            names.update(item.strip()[4:] for item in raw[k].split(",") if item.strip().startswith("env:"))
+    return {n for n in names if isinstance(n, str)}

@@ -75,7 +75,7 @@ KEYS: dict[str, KeySpec] = {
     "disk_io_threads": KeySpec(INT, 4, "disk I/O threads (1..256)"),
     "remote_url": KeySpec(OPT_STR, None, "tier 3: redis://, rediss://, unix://, redis(s)-cluster:// URL"),
     "remote_serde": KeySpec(STR, "naive", "remote record format: naive or cachegen (the codec)"),
-    "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0)"),
+    "remote_timeout_s": KeySpec(FLOAT, 1.0, "seconds per remote call (> 0, <= 3600)"),
     "remote_password_env": KeySpec(OPT_STR, None, "name of the environment variable holding the Redis password"),
     "remote_auth_key": KeySpec(
         OPT_STR, None, "where the key sealing remote records is: file:PATH or env:NAME (never the key itself)"
@@ -168,7 +168,7 @@ def check_type(key: str, value: Any) -> Any:
             raise config_error(key, value, "must be an integer")
     elif kind == FLOAT or (kind == OPT_FLOAT and value is not None):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise config_error(key, value, "must be a number")
+            raise config_error(key, value, "must be a number" + _yaml_float_hint(value))
         if not math.isfinite(value):
             raise config_error(key, value, "must be finite")
         value = float(value)
@@ -192,6 +192,18 @@ def check_type(key: str, value: Any) -> Any:
             raise config_error(key, value, "must be a list of integers (or one integer) or null")
         value = tuple(items)
     return value
+
+
+def _yaml_float_hint(value: Any) -> str:
+    """A hint for text that is a number to Python but a string to YAML 1.1 (PyYAML reads ``1e-3``,
+    without a dot or an exponent sign, as text)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    return " (YAML read it as text: write a number without quotes, and an exponent as 5.0e-1, not 5e-1)"
 
 
 def parse_env_value(key: str, env_name: str, raw: str) -> Any:

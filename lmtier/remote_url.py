@@ -25,7 +25,8 @@ Accepted forms::
 * **TLS** (``rediss``, ``rediss-cluster`` only): ``ssl_ca_certs``, ``ssl_certfile``,
   ``ssl_keyfile`` (existing files), ``ssl_cert_reqs`` (``required`` | ``optional`` | ``none``;
   ``none`` also turns hostname checking off), ``ssl_check_hostname`` (true/false).
-* Schemes are case-insensitive; any other query parameter is an error.
+* Schemes are case-insensitive; any other query parameter, a parameter given twice and a
+  ``#`` fragment are errors.
 
 Mooncake Store (:func:`parse_mooncake_url` -> :class:`MooncakeEndpoint`; LMCache's form)::
 
@@ -65,6 +66,7 @@ SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 MOONCAKE_SCHEME = "mooncakestore"
 DEFAULT_PORT = 6379
 _TLS_SCHEMES = ("rediss", "rediss-cluster")
+_SUN_PATH_BYTES = 108  # Linux sockaddr_un.sun_path, the terminating NUL included
 _BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -293,7 +295,13 @@ def parse_redis_url(
         password = unquote(pass_text) if colon else None
         if not colon:  # redis://secret@host: the lone userinfo is a password
             password, username = username, None
-    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    if "#" in authority or "#" in path or "#" in query:
+        raise bad("'#' is not allowed (a URL fragment; percent-encode a '#' in a password as %23)")
+    parsed = parse_qs(query, keep_blank_values=True)
+    twice = sorted(k for k, v in parsed.items() if len(v) > 1)
+    if twice:
+        raise bad(f"query parameter(s) {twice} given twice")
+    params = {k: v[0] for k, v in parsed.items()}
     if "password" in params:
         query_pw = params.pop("password")
         if password:
@@ -309,6 +317,8 @@ def parse_redis_url(
         if not path or path == "/":
             raise bad("missing socket path")
         socket_path = unquote(path)
+        if len(os.fsencode(socket_path)) >= _SUN_PATH_BYTES:
+            raise bad(f"socket path longer than {_SUN_PATH_BYTES - 1} bytes (AF_UNIX cannot connect to it)")
     else:
         if not authority:
             raise bad("missing host")
@@ -325,7 +335,7 @@ def parse_redis_url(
             raise bad("Redis Cluster has no database number")
     db = 0
     if db_text is not None:
-        if not db_text.isdigit():
+        if not _is_decimal(db_text):
             raise bad(f"database {db_text!r} is not a non-negative integer")
         db = int(db_text)
     tls = None
@@ -369,7 +379,9 @@ def parse_redis_url(
 
 def _parse_host_port(bad, item: str) -> tuple[str, int]:
     if item.startswith("["):  # [ipv6]:port
-        host, _, rest = item[1:].partition("]")
+        host, bracket, rest = item[1:].partition("]")
+        if not bracket:
+            raise bad(f"malformed host {item!r}: no closing ']'")
         port_text = rest[1:] if rest.startswith(":") else ""
         if rest and not rest.startswith(":"):
             raise bad(f"malformed host {item!r}")
@@ -380,9 +392,14 @@ def _parse_host_port(bad, item: str) -> tuple[str, int]:
     if port_text == "":
         port = DEFAULT_PORT
     else:
-        if not port_text.isdigit():
+        if not _is_decimal(port_text):
             raise bad(f"port {port_text!r} is not a number")
         port = int(port_text)
     if not 1 <= port <= 65535:
         raise bad(f"port {port} outside 1..65535")
     return host, port
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` also takes ``"²"``, which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()

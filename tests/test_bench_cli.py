@@ -322,6 +322,13 @@ BAD_VALUES = [
     ("ttft", ["--lengths", "1024,a"], "--lengths", "1024,a"),
     ("ttft", ["--codec-levels", "default,foo"], "--codec-levels", "default,foo"),
     ("ttft", ["--iters", "0"], "--iters", "0"),
+    ("remote", ["--url", "http://x"], "--url", "http://x"),  # was redis-py's ValueError traceback
+    ("remote", ["--url", "redis-cluster://a:1,b:2"], "--url", "redis-cluster://a:1,b:2"),
+    ("seal", ["--redis-url", "nope"], "--redis-url", "nope"),  # was a RemoteURLError traceback
+    # outputs written at the end: a missing directory was a traceback after the whole run
+    *[(sub, ["--json", "/nonexistent/r.json"], "--json", "/nonexistent/r.json") for sub in cli.SUBCOMMANDS],
+    ("disk", ["--plot", "/nonexistent/d.png"], "--plot", "/nonexistent/d.png"),
+    ("ttft", ["--plot", "/nonexistent/t.png"], "--plot", "/nonexistent/t.png"),
 ]
 
 
@@ -351,6 +358,47 @@ def test_bench_parsers_use_the_shared_argument_types():
         src = f.read_text()
         assert not re.search(r"type=(int|float)\b", src), f.name
         assert not re.search(r"\b(a|args)\.\w+\.split\(", src), f.name
+
+
+def test_disk_dir_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    """Was a FileExistsError traceback from os.makedirs inside the run."""
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "disk", "--dir", str(f), "--count", "1"])
+    assert e.value.code == 2
+    assert "argument --dir" not in (err := capsys.readouterr().err) and f"--dir {str(f)!r}: File exists" in err
+
+
+def test_transfer_chunk_tokens_not_a_multiple_of_the_block_size_is_a_usage_error(capsys):
+    """Was a ValueError traceback from slot_mapping_from_block_ids after the cache was built."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "transfer", "--device", "cpu", "--chunk-tokens", "17", "--block-size", "16"])
+    assert e.value.code == 2
+    assert "--block-size 16 does not divide --chunk-tokens 17" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub,option", [("remote", "--url"), ("seal", "--redis-url")])
+def test_unreachable_redis_is_one_line(sub, option, capsys):
+    """A URL nobody listens on was a redis-py ConnectionError traceback (remote)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", sub, option, "redis://:secret@127.0.0.1:1"])
+    msg = str(e.value.code)
+    assert msg.startswith(f"lmtier bench {sub}: cannot reach redis://:***@127.0.0.1:1: ConnectionError"), msg
+    assert "secret" not in msg + capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub", list(cli.SUBCOMMANDS))
+def test_usage_says_which_subcommands_take_model_preset_and_plot(sub, capsys):
+    """``lmtier --help`` said every subcommand but rans, seal and mooncake takes --model-preset and
+    --plot; p2p takes neither."""
+    line = next(ln for ln in cli.USAGE.splitlines() if ln.startswith("every subcommand but "))
+    excluded = set(re.findall(r"[a-z0-9]+", line.split(" takes ")[0].removeprefix("every subcommand but "))) - {"and"}
+    with pytest.raises(SystemExit):
+        cli.main(["bench", sub, "--help"])
+    out = capsys.readouterr().out
+    takes = "--model-preset" in out and "--plot" in out
+    assert takes == (sub not in excluded), (sub, excluded)
 
 
 @pytest.mark.parametrize("sub", [*cli.SUBCOMMANDS, "all"])

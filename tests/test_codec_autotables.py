@@ -189,6 +189,8 @@ def test_auto_tier_calibrates_persists_and_round_trips(tmp_path, level):
     assert tab is not None and t.auto_tables.calibrated
     files = list((tmp_path / "tables").iterdir())
     assert [f.name for f in files] == [f"{NS}-{level}-{tab.table_id:08x}.lmtt"]
+    # 0600 in a 0700 directory, as the README says of cache files (were 0644 / 0755 under umask 022)
+    assert (files[0].stat().st_mode & 0o777, (tmp_path / "tables").stat().st_mode & 0o777) == (0o600, 0o700)
     # records written before calibration carry per-stream tables, later ones the set's id
     assert [table_id_of(t, key(i)) for i in range(8)] == [fmt.NO_TABLE] * 4 + [tab.table_id] * 4
     for i, x in enumerate(xs):  # all decode, bit-exact

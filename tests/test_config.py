@@ -138,6 +138,8 @@ def test_benchmark_env_vars_do_not_break_load_config(caplog):
         ("disk_io_threads: 0", "disk_io_threads"),
         ("remote_serde: pickle", "remote_serde"),
         ("remote_timeout_s: 0", "remote_timeout_s"),
+        ("remote_timeout_s: 1.0e+300", "remote_timeout_s"),  # was accepted: OverflowError in every connect
+        ("remote_timeout_s: 3601", "remote_timeout_s"),
         ("remote_url: http://localhost:6379", "remote_url"),
         ("remote_url: 'redis://'", "remote_url"),
         ("remote_url: 'redis://host:notaport'", "remote_url"),
@@ -293,3 +295,103 @@ def test_config_is_frozen():
     cfg = LMTierConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_size = 1  # type: ignore[misc]
+
+
+def test_key_given_twice_in_the_file_is_an_error(tmp_path):
+    """PyYAML alone keeps the last of two equal keys without a word (chunk_size 16 here)."""
+    with pytest.raises(ConfigError, match=r"lmtier.yaml.*\n(.*\n)*.*'chunk_size' is given twice"):
+        load_config(write(tmp_path, "chunk_size: 256\nlocal_cpu: true\nchunk_size: 16\n"), env={})
+    nested = "remote_url: null\nchunk_size: 16\n"  # different keys: fine
+    assert load_config(write(tmp_path, nested), env={}).chunk_size == 16
+
+
+def test_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    p = tmp_path / "lmtier.yaml"
+    p.write_bytes(b"\xff\xfechunk_size: 16\n")  # was a bare UnicodeDecodeError
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(str(p), env={})
+
+
+def test_disk_size_below_one_byte_is_a_config_error(tmp_path):
+    """1e-12 GiB passed the > 0 check and became capacity 0, a ValueError inside DiskTier."""
+    with pytest.raises(ConfigError, match=r"max_local_disk_size=1e-12: must be > 0"):
+        LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-12})
+    assert LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-9}).disk.capacity_bytes == 1
+
+
+@pytest.mark.parametrize("key,value", [("local_disk_path_sharding", "by_gpu"), ("disk_io_threads", 16)])
+def test_disk_keys_without_local_disk_are_said_unused(key, value, caplog):
+    """Were accepted without a word (max_local_disk_size and local_disk_serde already warned)."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({key: value})
+    assert [r.getMessage() for r in caplog.records] == [f"lmtier config: {key}={value!r} without local_disk; unused"]
+
+
+def test_variables_the_config_names_are_not_reported_as_unknown(tmp_path, caplog):
+    """A secret's variable named by the config (remote_password_env, p2p_token_env, env: key sources)
+    is read by lmtier; with an ``LMTIER_`` name it was logged as "not an lmtier variable and is
+    ignored" (docs/p2p.md's example named LMTIER_P2P_SECRET). A real unknown one still is."""
+    key = tmp_path / "seal.key"
+    key.write_text("ab" * 32)
+    key.chmod(0o600)
+    env = {
+        "LMTIER_REMOTE_URL": "redis://h",
+        "LMTIER_REMOTE_PASSWORD_ENV": "LMTIER_XPW",
+        "LMTIER_XPW": "pw",
+        "LMTIER_REMOTE_AUTH_KEY": "env:LMTIER_XSEAL",
+        "LMTIER_REMOTE_AUTH_ACCEPT_KEYS": f"file:{key}, env:LMTIER_XOLD",
+        "LMTIER_XSEAL": "cd" * 32,
+        "LMTIER_XOLD": "ef" * 32,
+        "LMTIER_XTYPO": "1",
+    }
+    with caplog.at_level(logging.WARNING, logger="lmtier.envs"):
+        cfg = load_config(env=env)
+    assert cfg.remote.password == "pw" and cfg.remote.auth_key == "env:LMTIER_XSEAL"
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "LMTIER_XTYPO" in warned
+    assert not any(n in warned for n in ("LMTIER_XPW", "LMTIER_XSEAL", "LMTIER_XOLD")), warned
+
+
+@pytest.mark.parametrize("text", ["max_local_cpu_size: 5e-1", "max_local_cpu_size: '0.5'"])
+def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path, text):
+    """PyYAML (YAML 1.1) reads 5e-1 as the string '5e-1': the error said only "must be a number"."""
+    with pytest.raises(ConfigError, match=r"must be a number \(YAML read it as text.*5\.0e-1"):
+        load_config(write(tmp_path, text), env={})
+    with pytest.raises(ConfigError, match=r"must be a number$"):
+        load_config(write(tmp_path, "max_local_cpu_size: 5GB"), env={})
+
+
+@pytest.mark.parametrize(
+    "values,said",
+    [
+        (
+            {"codec_tables_dir": "/tmp/lmtier-ct"},
+            "codec_tables_dir='/tmp/lmtier-ct' but no serde is 'cachegen'; unused",
+        ),
+        ({"codec_tables": "shipped"}, "codec_tables='shipped' but no serde is 'cachegen'; unused"),
+        (
+            {"codec_tables": "none", "codec_tables_dir": "/tmp/lmtier-ct", "remote_url": "redis://h"}
+            | {"remote_serde": "cachegen"},
+            "codec_tables_dir='/tmp/lmtier-ct' with codec_tables='none' (not auto); unused",
+        ),
+    ],
+)
+def test_codec_table_keys_that_do_nothing_are_said_unused(values, said, caplog):
+    """Were accepted silently (codec_level already warned without a cachegen serde)."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict(values)
+    assert f"lmtier config: {said}" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize(
+    "key,value", [("remote_password_env", "PW"), ("remote_serde", "cachegen"), ("remote_timeout_s", 5.0)]
+)
+def test_remote_keys_without_remote_url_are_said_unused(key, value, caplog):
+    """Were accepted silently (remote_auth_key and the tenant keys already warned)."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({key: value})
+    assert f"lmtier config: {key}={value!r} without remote_url; unused" in [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmtier.config"):
+        LMTierConfig.from_dict({})
+    assert not caplog.records

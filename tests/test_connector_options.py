@@ -172,3 +172,21 @@ def test_data_path_imports_no_vllm(module):
         [sys.executable, "-c", _NO_VLLM, module], env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO)
     )
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_kv_roles_other_than_kv_both_are_refused(kv_role, monkeypatch):
+    """``kv_role`` was ignored: a ``kv_consumer`` node (LMCache's read-only node) stored anyway, a
+    ``kv_producer`` loaded anyway. Refused at start-up, before the config is read."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from lmtier.integration.vllm import connector as conn
+
+    monkeypatch.setattr(conn, "load_config", lambda: pytest.fail("the config was read"))
+    kt = SimpleNamespace(kv_role=kv_role, kv_connector_extra_config={})
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=f"kv_role='{kv_role}': LMTierConnector supports only kv_both"):
+            conn.LMTierConnector(SimpleNamespace(kv_transfer_config=kt), role, None)

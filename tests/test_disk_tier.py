@@ -390,15 +390,24 @@ def test_eviction_listener_reports_lru_victims_and_forget(tmp_path):
     assert t.counters["evict_listener_errors"] == 1 and len(seen) == 1
 
 
-def test_restart_respects_smaller_capacity(tmp_path):
+def test_restart_respects_smaller_capacity(tmp_path, caplog):
     t = DiskTier([str(tmp_path)], 64 * MiB)
     for i in range(4):
         t.put(key(i), payload(i, MiB))
         time.sleep(0.01)
     t.close()
-    t2 = DiskTier([str(tmp_path)], 2 * (4096 + MiB))
+    with caplog.at_level("WARNING", logger="lmtier.tiers.disk"):
+        t2 = DiskTier([str(tmp_path)], 2 * (4096 + MiB))
     assert t2.usage().num_chunks == 2
     assert len(files(str(tmp_path))) == 2
+    # the deletion is said (it was silent: the only line, at INFO, said "2 chunks found")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "4 chunks" in warned[0] and "removed the 2 least recently used" in warned[0], warned
+    t2.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmtier.tiers.disk"):
+        DiskTier([str(tmp_path)], 2 * (4096 + MiB)).close()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # nothing removed: no warning
 
 
 def test_multiple_paths_spread(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import threading
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmtier.config import ConfigError, LMTierConfig
+from lmtier.config import GIB, ConfigError, LMTierConfig
 from lmtier.hf import KVCacheStore, pack_kv_chunk, unpack_kv_chunk
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
@@ -404,6 +405,38 @@ def test_from_config_builds_tiers_and_checks_chunk_size(tmp_path):
         TierManager.from_config(LMTierConfig.from_dict({"chunk_size": 32}), ns)
     with pytest.raises(ConfigError, match="max_local_cpu_size"):
         TierManager.from_config(LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 1e-9}), ns)
+
+
+def test_from_config_refuses_unusable_tiers_with_config_errors(tmp_path, monkeypatch):
+    """Each case used to be a bare ValueError / OSError from inside a tier, or a disk tier that
+    silently dropped every store."""
+    ns = Namespace(model="m", num_layers=2, num_kv_heads=2, head_size=8, kv_dtype="float16", chunk_size=16)
+    no_cpu = {"chunk_size": 16, "local_cpu": False, "max_local_cpu_size": 0}
+    with pytest.raises(ConfigError, match="no tier is enabled"):  # was "TierManager: at least one tier"
+        TierManager.from_config(LMTierConfig.from_dict(no_cpu), ns)
+    record = 4096 + 4096  # header page + the 1 KiB chunk rounded up to a page
+    small = {**no_cpu, "local_disk": str(tmp_path / "d"), "max_local_disk_size": (record - 1) / GIB}
+    with pytest.raises(ConfigError, match=f"max_local_disk_size=.*cannot hold one record of {record} bytes"):
+        TierManager.from_config(LMTierConfig.from_dict(small), ns)
+    with TierManager.from_config(LMTierConfig.from_dict({**small, "max_local_disk_size": record / GIB}), ns) as m:
+        assert m.store(b"k" * 32, torch.ones(ns.chunk_bytes, dtype=torch.uint8), timeout_s=None).result()
+    # a lookups-only P2P tier is a tier: the vLLM scheduler's view of a P2P-only config has no CPU pool
+    from lmtier.tiers.p2p import tier as p2p_tier
+
+    monkeypatch.setattr(p2p_tier.P2PTier, "from_config", staticmethod(lambda settings, namespace, cpu: MemTier("p2p")))
+    p2p = LMTierConfig.from_dict(
+        {"chunk_size": 16, "enable_p2p": True, "p2p_host": "h", "p2p_init_ports": [1]}
+        | {"p2p_directory_url": "redis://d", "p2p_allowed_peers": "a"}
+    )
+    p2p = dataclasses.replace(p2p, cpu=dataclasses.replace(p2p.cpu, enabled=False))
+    with TierManager.from_config(p2p, ns) as m:
+        assert m.cpu is None and m.p2p is not None
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = LMTierConfig.from_dict({**no_cpu, "local_disk": str(tmp_path / "d2"), "max_local_disk_size": 1})
+    cfg = dataclasses.replace(cfg, disk=dataclasses.replace(cfg.disk, paths=(str(blocker / "sub"),)))
+    with pytest.raises(ConfigError, match="local_disk=.*cannot use the directory"):  # was NotADirectoryError
+        TierManager.from_config(cfg, ns)
 
 
 def test_real_disk_tier_write_back_and_restart(tmp_path):

@@ -124,6 +124,14 @@ def test_wrong_password_is_clear_error(redis_server_auth):
     assert t.put(key(1), b"x") and t.get_into(key(1), bytearray(1)) == 1
 
 
+def test_database_the_server_refuses_is_clear_error(redis_server_auth):
+    """redis://host/99 on a 16-database server: was "not reachable at startup ... degrades to misses"
+    (every call then failed with the same ResponseError: a setting, not an outage)."""
+    srv = redis_server_auth
+    with pytest.raises(TierError, match="remote_url .*/99: the server refuses database 99: DB index is out of range"):
+        RedisTier(f"redis://:{srv.password}@127.0.0.1:{srv.port}/99")
+
+
 def test_password_from_env(redis_server_auth, monkeypatch):
     monkeypatch.setenv("LMTIER_TEST_PW", redis_server_auth.password)
     t = RedisTier(redis_server_auth.url_no_auth, password_env="LMTIER_TEST_PW")

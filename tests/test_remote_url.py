@@ -58,6 +58,14 @@ def test_grammar(url, scheme, hosts, sock, db, user, pw):
         ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
         ("rediss://h?ssl_check_hostname=perhaps", "ssl_check"),
         ("rediss://h?ssl_ca_certs=/nonexistent", "ssl_ca_certs"),
+        ("redis://h#frag", "'#' is not allowed"),  # was host 'h#frag'
+        ("redis://h:6379/0#x", "'#' is not allowed"),
+        ("redis://[::1", "no closing"),  # was host '::1'
+        ("redis://h?db=1&db=2", "given twice"),  # was db 2, the last one
+        ("rediss://h?ssl_cert_reqs=none&ssl_cert_reqs=required", "given twice"),
+        ("redis://h:\u00b2", "port"),  # '²'.isdigit() is True, int('²') a bare ValueError
+        ("redis://h/\u00b2", "database"),
+        ("unix:///tmp/" + "s" * 103, "longer than 107 bytes"),  # was "not reachable" at start, misses forever
     ],
 )
 def test_malformed(url, why):

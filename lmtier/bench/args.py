@@ -13,7 +13,16 @@ import argparse
 import math
 from collections.abc import Callable, Iterable
 
-__all__ = ["bounded_int", "bounded_float", "int_list", "float_list", "name_list"]
+__all__ = [
+    "bounded_int",
+    "bounded_float",
+    "int_list",
+    "float_list",
+    "name_list",
+    "output_file",
+    "redis_url",
+    "ping_redis",
+]
 
 
 def _bounds(lo: float | None, hi: float | None, *, above: bool = False) -> str:
@@ -125,3 +134,52 @@ def name_list(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[
 
     parse.__name__ = "name list"
     return parse
+
+
+def redis_url(text: str) -> str:
+    """One Redis/Valkey instance's URL (``redis://``, ``rediss://``, ``unix://``; the grammar of
+    :mod:`lmtier.remote_url`), returned as given; a malformed URL or a cluster URL is a usage error."""
+    from lmtier.remote_url import RemoteURLError, parse_redis_url, redact_url
+
+    try:
+        endpoint = parse_redis_url(text, env={})
+    except RemoteURLError as e:
+        raise argparse.ArgumentTypeError(f"{redact_url(text)!r}: {e.why}") from None
+    if endpoint.kind == "cluster":
+        raise argparse.ArgumentTypeError(f"{redact_url(text)!r}: one instance (redis://, rediss://, unix://)")
+    return text
+
+
+def ping_redis(prog: str, url: str, timeout_s: float = 5.0) -> None:
+    """Raise ``SystemExit`` with a one-line message (``prog: cannot reach URL: why``) unless the
+    Redis at ``url`` answers a PING within ``timeout_s`` (the benchmarks' clients would otherwise
+    end in a redis-py traceback, or a tier that turns every call into a miss)."""
+    import redis
+
+    from lmtier.remote_url import redact_url
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as e:
+        raise SystemExit(f"{prog}: cannot reach {redact_url(url)}: {type(e).__name__}: {e}") from None
+
+
+def output_file(text: str) -> str:
+    """A file the benchmark writes at its end (``--json``, ``--plot``), returned as given: its
+    directory must exist and be writable now, so a typo is a usage error before the run, not a
+    traceback that loses the run's results."""
+    import os
+
+    path = os.path.abspath(os.path.expanduser(text))
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} is not writable")
+    return text

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from lmtier.bench.args import bounded_int
+from lmtier.bench.args import bounded_int, output_file
 from lmtier.bench.common import (
     add_common_args,
     plot_series,
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--iters", type=bounded_int(min_value=1), default=3)
     p.add_argument("--kernels", action="store_true", help="also run lmtier.bench.codec_kernels (native batch kernels)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     m = p.add_argument_group("quality matrix (issue 19; lmtier.bench.codec_matrix)")
     m.add_argument(
         "--matrix",

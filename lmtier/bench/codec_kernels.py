@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from lmtier import envs
-from lmtier.bench.args import bounded_int
+from lmtier.bench.args import bounded_int, output_file
 from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import native as N
 from lmtier.codec import quant as Q
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="previous framing: one static table per (layer, plane) instead of table switching",
     )
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args(argv)
     on_cuda = torch.cuda.is_available() and not args.cpu
     dev = torch.device("cuda" if on_cuda else "cpu")

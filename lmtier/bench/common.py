@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import torch
 
+from lmtier.bench.args import output_file
 from lmtier.bench.presets import PRESETS, preset_help
 
 
@@ -25,7 +26,9 @@ def add_common_args(p, *, default_preset: str = "llama-3.1-8b") -> None:
         choices=sorted(PRESETS),
         help="KV geometry of one TP rank: " + preset_help(),
     )
-    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot of the results (matplotlib)")
+    p.add_argument(
+        "--plot", type=output_file, default=None, metavar="PATH", help="write a PNG plot of the results (matplotlib)"
+    )
     if not any("--quiet" in a.option_strings for a in p._actions):
         p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -320,7 +323,7 @@ def add_batch_args(ap) -> None:
     ap.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
     ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 8 chunks, 1 iteration")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
 
 
 def batch_scope(a) -> tuple[list[str], list[int]]:

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 
-from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list
+from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list, output_file
 from lmtier.bench.common import (
     add_common_args,
     odirect_read_gbps,
@@ -226,9 +226,13 @@ def main(argv=None) -> int:
         default="1,2,4,8",
         help="records read concurrently in the pipelined-load rows ('' to skip)",
     )
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     add_common_args(ap)
     a = ap.parse_args(argv)
+    try:
+        os.makedirs(a.dir, exist_ok=True)
+    except OSError as e:  # a file there, no permission: a usage error, not a traceback from run()
+        ap.error(f"--dir {a.dir!r}: {e.strerror or e}")
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     size = max(4096, size // 4096 * 4096)
     a.size_mib = size / MiB

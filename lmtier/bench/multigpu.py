@@ -153,7 +153,7 @@ def _run(gpus: list[int], args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from lmtier.bench.args import bounded_float, bounded_int
+    from lmtier.bench.args import bounded_float, bounded_int, output_file
     from lmtier.bench.common import print_table, system_header, write_json
     from lmtier.bench.presets import PRESETS
 
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--iters", type=bounded_int(min_value=1), default=10)
     p.add_argument("--cache-gb", type=bounded_float(above=0), default=20.0)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
     n = args.gpus or torch.cuda.device_count()
     gpus = list(range(n))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lmtier import envs
-from lmtier.bench.args import bounded_int
+from lmtier.bench.args import bounded_int, output_file
 from lmtier.bench.common import event_time_ms, print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import rans
 
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--iters", type=bounded_int(min_value=1), default=None)
     ap.add_argument("--cpu", action="store_true", help="benchmark the CPU coder even when CUDA is available")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args(argv)
     on_cuda = torch.cuda.is_available() and not args.cpu
     chunks = args.chunks or (8 if on_cuda else 1)

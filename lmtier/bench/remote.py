@@ -52,7 +52,7 @@ import subprocess
 import time
 import urllib.parse
 
-from lmtier.bench.args import bounded_float, bounded_int, float_list, int_list
+from lmtier.bench.args import bounded_float, bounded_int, float_list, int_list, output_file, ping_redis, redis_url
 from lmtier.bench.common import (
     add_common_args,
     plot_bars,
@@ -364,7 +364,7 @@ def run(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lmtier bench remote", description=__doc__.split("\n")[0])
-    ap.add_argument("--url")
+    ap.add_argument("--url", type=redis_url, help="an existing Redis/Valkey (default: a private redis-server)")
     ap.add_argument(
         "--size-mib",
         type=bounded_float(above=0),
@@ -384,9 +384,11 @@ def main(argv=None) -> int:
         default=1,
         help="private server only: io-threads N (+ io-threads-do-reads yes) when N > 1",
     )
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     add_common_args(ap)
     a = ap.parse_args(argv)
+    if a.url:
+        ping_redis(ap.prog, a.url)
     pieces = [int(x * MiB) for x in a.pieces_mib]
     inflight = a.inflight
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()

@@ -42,7 +42,7 @@ import numpy as np
 import xxhash
 
 from lmtier import envs
-from lmtier.bench.args import bounded_int, int_list, name_list
+from lmtier.bench.args import bounded_int, int_list, name_list, output_file, ping_redis, redis_url
 from lmtier.bench.common import print_table, system_header, write_json
 from lmtier.bench.presets import PRESETS, preset
 
@@ -200,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int_list(min_value=1), default=[1, 2], help="concurrent callers")
     ap.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
     ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
-    ap.add_argument("--redis-url", default=None, help="an existing Redis (default: a private redis-server)")
+    ap.add_argument(
+        "--redis-url", type=redis_url, default=None, help="an existing Redis (default: a private redis-server)"
+    )
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 4 chunks, 1 thread count, 1 iteration")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     a = ap.parse_args(argv)
+    if a.redis_url:
+        ping_redis(ap.prog, a.redis_url)
     presets, threads = a.presets, a.threads
     if a.quick or envs.LMTIER_BENCH_SMOKE:
         presets, threads, a.chunks, a.iters = presets[:1], threads[-1:], 4, 1

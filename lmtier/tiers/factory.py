@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
 from lmtier.keys import Namespace
+from lmtier.record import DISK_PAYLOAD_OFFSET
 from lmtier.tiers.base import Tier
+from lmtier.tiers.buffers import round_up
 from lmtier.tiers.cpu import CPUPool
 from lmtier.tiers.disk import DiskTier
 from lmtier.tiers.seal import seal_remote
@@ -37,13 +39,24 @@ RemoteFactory = Callable[[RemoteConfig, Namespace], Tier]
 
 
 def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) -> Tier:
-    """Build :class:`lmtier.tiers.disk.DiskTier` from the config."""
-    return DiskTier(
-        list(disk.paths_for(gpu_id)),
-        disk.capacity_bytes,
-        io_threads=disk.io_threads,
-        namespace=namespace.digest()[:16],
-    )
+    """Build :class:`lmtier.tiers.disk.DiskTier` from the config.
+
+    Raises:
+        ConfigError: a directory of ``local_disk`` cannot be created or listed (the config's
+            writability check looks at the nearest existing ancestor, which can pass for root on
+            ``/proc`` or ``/sys``), or a naive-serde tier smaller than one record of ``namespace``.
+    """
+    paths = list(disk.paths_for(gpu_id))
+    record_bytes = DISK_PAYLOAD_OFFSET + round_up(namespace.chunk_bytes)
+    if disk.serde == "naive" and disk.capacity_bytes < record_bytes:
+        raise ConfigError(
+            f"lmtier config: max_local_disk_size={disk.max_size_gb!r}: {disk.capacity_bytes} bytes cannot hold "
+            f"one record of {record_bytes} bytes (a chunk of {namespace.chunk_bytes} bytes + its header)"
+        )
+    try:
+        return DiskTier(paths, disk.capacity_bytes, io_threads=disk.io_threads, namespace=namespace.digest()[:16])
+    except OSError as e:
+        raise ConfigError(f"lmtier config: local_disk={','.join(paths)!r}: cannot use the directory: {e}") from None
 
 
 def default_remote_factory(remote: RemoteConfig, namespace: Namespace) -> Tier:
@@ -144,12 +157,16 @@ def build_tiers(
     fails to build, those already built are closed before the error propagates.
 
     Raises:
-        ConfigError: inconsistent chunk size, CPU pool smaller than one chunk, a ``cachegen`` serde
-            the cache cannot take (:func:`check_codecs`). What a factory raises.
+        ConfigError: no tier enabled, inconsistent chunk size, CPU pool smaller than one chunk, a
+            ``cachegen`` serde the cache cannot take (:func:`check_codecs`). What a factory raises.
     """
     if config.chunk_size != namespace.chunk_size:
         raise ConfigError(
             f"lmtier config: chunk_size={config.chunk_size!r}: differs from the namespace's {namespace.chunk_size}"
+        )
+    if not (config.cpu.enabled or config.disk.enabled or config.remote.enabled or config.p2p is not None):
+        raise ConfigError(
+            "lmtier config: local_cpu=False: no tier is enabled; set local_cpu: true, local_disk or remote_url"
         )
     check_codecs(config, namespace)
     cpu = disk = remote = p2p = None

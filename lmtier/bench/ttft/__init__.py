@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmtier.bench.args import bounded_int, int_list, name_list
+from lmtier.bench.args import bounded_int, int_list, name_list, output_file
 from lmtier.bench.common import write_json
 from lmtier.bench.presets import PRESETS
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, compare, plot, report
@@ -198,8 +198,8 @@ def parser() -> argparse.ArgumentParser:
         help="tokens of calibration input for --codec-tables calibrate / PATH",
     )
     p.add_argument("--threads", type=bounded_int(min_value=1), default=2, help="torch CPU threads (CPU runs)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="PNG path for TTFT vs N per tier")
+    p.add_argument("--json", type=output_file, default=None)
+    p.add_argument("--plot", type=output_file, default=None, help="PNG path for TTFT vs N per tier")
     p.add_argument("--quiet", action="store_true")
     return p
 

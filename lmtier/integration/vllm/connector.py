@@ -194,12 +194,19 @@ class LMTierConnector(KVConnectorBase_V1):
     ``vllm_config.kv_transfer_config``.
 
     Raises:
-        ValueError: a bad option, a chunk size that is not a multiple of the block size, a model
-            with several KV cache groups, contradicting load-failure policies.
+        ValueError: a ``kv_role`` other than ``kv_both``, a bad option, a chunk size that is not a
+            multiple of the block size, a model with several KV cache groups, contradicting
+            load-failure policies.
     """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role != "kv_both":  # a producer-only / consumer-only node would silently do both
+            raise ValueError(
+                f"lmtier: kv_role={kv_role!r}: LMTierConnector supports only kv_both (every node both stores "
+                "and loads; a node that should not store has no way to say so yet)"
+            )
         options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
         config = load_config()
         block_size = vllm_config.cache_config.block_size

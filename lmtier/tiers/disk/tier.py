@@ -350,6 +350,16 @@ class DiskTier(Tier):
                 self._used += nbytes
             victims = self._evict_locked(0)
         self._unlink_all(victims)
+        if victims:  # a restart with a smaller capacity (max_local_disk_size) deletes stored chunks
+            log.warning(
+                "disk tier: %d chunks (%d bytes) under %s exceed the capacity of %d bytes: removed the %d "
+                "least recently used (max_local_disk_size is smaller than what was stored)",
+                len(found),
+                sum(item[3] for item in found),
+                self.paths,
+                self.capacity_bytes,
+                len(victims),
+            )
         log.info(
             "disk tier: %d chunks, %d bytes found under %s in %.3f s",
             len(self._index),

@@ -265,6 +265,11 @@ class RedisTier(Tier):
                     f"authentication to {self.url} failed: {type(e).__name__} (check the password / password_env)"
                 ) from None
             except Exception as e:  # noqa: BLE001 - unreachable, TLS handshake, timeouts: degrade
+                if isinstance(e, redis.exceptions.ResponseError) and "DB index" in str(e):
+                    self._client.close()  # the server refused the URL's database: a setting, not an outage
+                    raise TierError(
+                        f"remote_url {self.url}: the server refuses database {self.endpoint.db}: {e}"
+                    ) from None
                 self.counters["errors"] += 1
                 log.warning(
                     "remote tier %s not reachable at startup (%s: %s); it degrades to misses",
