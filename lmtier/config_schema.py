@@ -8,6 +8,7 @@ nor torch. The user-facing description of the keys is :mod:`lmtier.config`'s mod
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -236,3 +237,12 @@ def parse_env_value(key: str, env_name: str, raw: str) -> Any:
         return text
     except ValueError:
         raise ConfigError(f"lmtier config: {env_name}={raw!r}: cannot parse as {kind} for key {key!r}") from None
+
+
+def check_serde(key: str, serde: str) -> None:
+    """ConfigError naming ``key`` unless ``serde`` is one of :data:`SERDES` this build can run
+    (``cachegen`` needs :mod:`lmtier.codec`)."""
+    if serde not in SERDES:
+        raise config_error(key, serde, f"must be one of {list(SERDES)}")
+    if serde == "cachegen" and importlib.util.find_spec("lmtier.codec") is None:
+        raise config_error(key, serde, "requires the lmtier.codec module, which this build does not have")
