@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +47,7 @@ from lmtier.tiers.p2p.transport import DONE, POLL_MAX_S, POLL_MIN_S, STUCK, Nixl
 if TYPE_CHECKING:
     from lmtier.tiers.p2p.directory import Entry
 
-__all__ = ["PeerReads", "Group", "Chain", "MIN_READ_BYTES", "read_plan"]
+__all__ = ["PeerReads", "Group", "Chain", "MIN_READ_BYTES", "HASH_ALONGSIDE_MIN_CORES", "read_plan"]
 
 log = logging.getLogger("lmtier.tiers.p2p")
 
@@ -71,6 +72,13 @@ def read_plan(nbytes: int) -> list[int]:
 
 
 _POLL_LATE_S = 10e-3
+HASH_ALONGSIDE_MIN_CORES = 4
+"""With fewer CPUs than this, whole chunks of a sub-batch are hashed by the calling thread alone
+while a later READ of the chain runs: between two processes of one host the READ is a copy made by
+a thread of this process (CMA), and on the 2-core CPU box helper threads hashing beside it took the
+core it needed (benchmarks/RESULTS.md §3.5). With more, the helpers of
+:func:`~lmtier.tiers.checksums.payload_checksums` hash alongside (a fast network's READ needs no CPU
+here, and one thread's xxh3 would fall behind it)."""
 
 
 @dataclass(eq=False)
@@ -371,7 +379,8 @@ class PeerReads:
         each part, in its ``out`` (a bounce part after its copy there: what is checked is what the
         caller gets), to its chunk's xxh3; a chunk whose last part this is is checked against its
         entry (``res`` set on a match). Gives the bounce extent back. ``last``: no READ of this chain
-        runs any more, so whole chunks hash on the helper threads too."""
+        runs any more, so whole chunks hash on the helper threads too (as on any host with
+        :data:`HASH_ALONGSIDE_MIN_CORES` CPUs or more)."""
         assert g.base is not None and self._bounce is not None
         peer = g.peer
         if state != DONE:
@@ -411,10 +420,11 @@ class PeerReads:
                         res[i] = e.length
                     else:
                         stale.append((i, e))
-            # Whole chunks: one at a time while a READ of this chain runs (a helper thread would take
-            # CPU from its copy); on the helpers too once nothing runs any more.
+            # Whole chunks: on a small host one at a time while a READ of this chain runs (a helper
+            # thread would take CPU from its copy); on the helpers too once nothing runs any more.
             dsts = [d for _, _, d in whole]
-            sums = payload_checksums(dsts) if last else [rec.payload_checksum(d) for d in dsts]
+            alongside = (os.cpu_count() or 1) >= HASH_ALONGSIDE_MIN_CORES
+            sums = payload_checksums(dsts) if last or alongside else [rec.payload_checksum(d) for d in dsts]
             for (i, e, _), xxh3 in zip(whole, sums, strict=True):
                 if xxh3 == e.xxh3:
                     res[i] = e.length
