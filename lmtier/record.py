@@ -65,6 +65,7 @@ __all__ = [
     "RecordHeader",
     "RecordMeta",
     "encode_header",
+    "payload_hasher",
     "decode_header",
     "payload_checksum",
     "verify_payload",
@@ -144,6 +145,13 @@ def payload_checksum(payload) -> int:
     No copy is made. Returns an unsigned 64-bit int.
     """
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def payload_hasher() -> xxhash.xxh3_64:
+    """A streaming :func:`payload_checksum`: ``update`` it with consecutive pieces of a payload (any
+    C-contiguous buffers; the GIL is released while it hashes), then ``intdigest()`` equals
+    ``payload_checksum`` of the whole payload."""
+    return xxhash.xxh3_64()
 
 
 def encode_header(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 
 from lmtier.keys import Namespace
@@ -121,6 +122,45 @@ def test_evicted_and_reused_slot_between_lookup_and_read_is_a_miss(pair, op):
     assert tier["stale"] == 1 and directory["dropped_stale"] == 1
     assert tier.get("direct_gets", 0) == (2 if op == "fetch_slots" else 0)
     assert b.call("lookup", keys[:1]) == []  # the stale entry is gone
+
+
+BIG_NS = small_namespace_fields(num_layers=44)  # 1.375 MiB chunks
+
+
+@pytest.mark.parametrize("op", ["fetch", "fetch_slots"])
+def test_torn_or_replaced_chunks_inside_a_pipelined_batch_are_exactly_the_misses(directory, op):
+    """7 chunks of 1.375 MiB are READ in 3 sub-batches (the read plan: 3.5, 1.75 and 1.75 chunks), so
+    chunks 3 and 5 are each split across two READs and verified with a streaming xxh3. A chunk
+    replaced in the first READ (1) and one torn in its last page only, which the third READ moves
+    (5), are exactly the misses; chunk 3, split across the first two READs, and every other chunk
+    hit with their bytes; both through B's pool slots (direct) and through the bounce region."""
+    from lmtier.tiers.p2p.reads import read_plan
+
+    big = Namespace(**BIG_NS).chunk_bytes
+    ends = np.cumsum(read_plan(7 * big)) / big
+    assert ends.tolist() == [3.5, 5.25, 7.0]
+    values = dict(max_local_cpu_size=big * 12 / 2**30)
+    a = P2PNode(node_values(directory, free_port(), **values), BIG_NS, env={TOKEN_ENV: TOKEN})
+    b = P2PNode(node_values(directory, free_port(), **values), BIG_NS, env={TOKEN_ENV: TOKEN})
+    try:
+        keys = [bytes([12, i]) + os.urandom(30) for i in range(7)]
+        data = [os.urandom(big) for _ in range(7)]
+        assert a.call("store", keys, data) == [True] * 7 and a.call("publish_now") is True
+        assert b.call("lookup", keys) == ["p2p"] * 7
+        # A drops chunks 1 and 5 without telling the directory, and their slots take other chunks:
+        # another chunk's bytes in 1's slot; in 5's, the same bytes except the last page.
+        assert a.call("delete_and_reuse", keys[1], os.urandom(32), os.urandom(big)) is True
+        torn = data[5][:-4096] + bytes(b ^ 0xFF for b in data[5][-4096:])
+        assert a.call("delete_and_reuse", keys[5], os.urandom(32), torn) is True
+        got = b.call(op, keys, big)[0]
+        assert got == [data[0], None, data[2], data[3], data[4], None, data[6]]
+        _, tier, directory_counters = b.call("counters")
+        assert tier["stale"] == 2 and tier["hits"] == 5 and directory_counters["dropped_stale"] == 2
+        assert tier.get("direct_gets", 0) == (7 if op == "fetch_slots" else 0)
+        assert b.call("lookup", keys) == ["p2p"]  # the prefix ends at the dropped entry of chunk 1
+    finally:
+        a.close()
+        b.close()
 
 
 def test_real_eviction_never_yields_wrong_bytes(directory):

@@ -14,8 +14,11 @@ Starts a private ``redis-server`` (the P2P directory, and the Redis tier's store
 publishes. In this process (node B), per preset and count:
 
 * ``raw``: one NIXL READ (``initialize_xfer`` + ``transfer`` + polling ``check_xfer_state``) of the
-  same slots of A's registered arena into a registered buffer, by a plain ``nixl_agent`` that loaded
-  A's published metadata: no directory, no checksum, no copy — the ceiling. Its progress thread
+  same slots of A's registered arena into slots of B's CPU pool reserved for the chunks (the memory
+  ``direct`` writes: B's pool arena is registered with this agent too), by a plain ``nixl_agent``
+  that loaded A's published metadata: no directory, no checksum, no copy — the ceiling. (Into a
+  THP-backed NumPy buffer, the destination before 2026-12-03, the same READ took ~1.4x as long on
+  the CPU box: benchmarks/RESULTS.md §3.5.) Its progress thread
   pauses :data:`~lmtier.tiers.p2p.transport.PROGRESS_DELAY_US` between idle polls, as the tier's
   agents do (the wheel's default, 0, busy-polls: that thread would take CPU from the tier's runs). Polled two ways, both
   timed: ``raw_spin`` (``check_xfer_state`` in a tight loop) and ``raw_sleep`` (sleeps of 20 µs
@@ -63,6 +66,7 @@ from lmtier.bench.common import (
     write_json,
 )
 from lmtier.bench.presets import preset
+from lmtier.tiers.buffers import address_of
 
 MiB = 1 << 20
 TOKEN_ENV = "P2P_BENCH_TOKEN"
@@ -174,10 +178,9 @@ def run_case(
         api = import_nixl()
         # the tier's progress-thread delay (a busy-polling thread here would slow the tier's runs too)
         raw = new_agent(api, "bench-raw", api.nixl_agent_config(backends=["UCX"]), PROGRESS_DELAY_US)
-        raw.register_memory([(dst.ctypes.data, total, 0, "")], "DRAM")
+        raw.register_memory([(pool.arena.data_ptr(), pool.arena.numel(), 0, "")], "DRAM")
         peer = raw.add_remote_agent(rec.metadata)
         peer = peer.decode() if isinstance(peer, bytes) else peer
-        local = [(dst.ctypes.data + i * size, size, 0) for i in range(count)]
         remote = [(rec.arena_base + e.offset, e.length, 0) for _, e in entries]
         if with_redis:
             rtier = RedisTier(redis_url, timeout_s=30.0)
@@ -189,8 +192,11 @@ def run_case(
                 for xs in (*t.values(), *cpu.values()):
                     xs.clear()
             for who in interleaved(whos, it):
-                slots = [pool.reserve(os.urandom(32)) for _ in range(count)] if who == "direct" else []
+                # raw and direct write the same kind of memory: slots of B's pool reserved for the chunks
+                into_slots = who == "direct" or who.startswith("raw")
+                slots = [pool.reserve(os.urandom(32)) for _ in range(count)] if into_slots else []
                 outs = [s.memoryview()[:size] for s in slots] if slots else buf_outs
+                local = [(address_of(o), size, 0) for o in outs]
                 for o in outs:
                     np.frombuffer(o, dtype=np.uint8)[:] = 0
                 c0, t0 = cpu_seconds(pids), time.perf_counter()

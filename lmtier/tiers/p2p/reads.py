@@ -2,18 +2,24 @@
 :class:`~lmtier.tiers.p2p.tier.P2PTier` (which owns the attributes it uses); the safety argument is
 in that module's doc.
 
-A batch: one directory lookup (``_choose``), the chunks grouped by peer and cut into sub-batches
-(about a quarter of the bytes, >= 8 MiB), one NIXL READ per sub-batch. A peer's sub-batches form a
-:class:`Chain` that one worker thread READs back to back (peers in parallel, up to ``workers`` chains
-for the whole tier), while the calling thread verifies each sub-batch as soon as it arrived — so the
-verification overlaps the next transfer. (Measured here, nixl-cu12 1.5.1, UCX over TCP: ``transfer()``
-itself moves the data before it returns ``DONE``, so READs overlap only on separate threads, and
-concurrent READs from one peer share its link and end together.) A chunk whose destination is a slot
-of this node's pool being written is READ straight into it; any other destination through the
-registered bounce region. A sub-batch still running at its deadline (``timeout_s + bytes /
-min_read_bytes_per_s`` after the previous one arrived) is not cancelled: its chunks and those of the
-chain's later sub-batches are misses, the later ones are never started, and the running READ's
-destination stays reserved (bounce extent; slots held) until its worker saw it end.
+A batch: one directory lookup (``_choose``), the chunks grouped by peer, and each peer's bytes (its
+chunks in order) cut into sub-batches of halving size — half of the peer's bytes, then a quarter,
+... down to a last one of at most ``2 * MIN_READ_BYTES`` (:func:`read_plan`) — one NIXL READ each.
+A sub-batch may end inside a chunk (at a page boundary): it carries *parts* of chunks. A peer's
+sub-batches form a :class:`Chain` that one worker thread READs back to back (peers in parallel, up
+to ``workers`` chains for the whole tier), while the calling thread verifies each sub-batch as soon
+as it arrived: it feeds each part to its chunk's streaming xxh3 and checks a chunk when its last
+part arrived. Verifying a sub-batch takes less time than READing the next one, half its size (xxh3
+is several times faster than the copy a READ makes on one core, measured: benchmarks/RESULTS.md
+§3.5), so only the last, smallest sub-batch's verification adds to the batch's time. (Measured here,
+nixl-cu12 1.5.1, UCX between two processes of one host: ``transfer()`` itself moves the data before
+it returns ``DONE``, so READs overlap only on separate threads, and concurrent READs from one peer
+share its link and end together.) A chunk whose destination is a slot of this node's pool being
+written is READ straight into it; any other destination through the registered bounce region. A
+sub-batch still running at its deadline (``timeout_s + bytes / min_read_bytes_per_s`` after the
+previous one arrived) is not cancelled: its chunks and those of the chain's later sub-batches are
+misses, the later ones are never started, and the running READ's destination stays reserved (bounce
+extent; slots held) until its worker saw it end.
 
 Logging: ``logging.getLogger("lmtier.tiers.p2p")``.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmtier.tiers.buffers import address_of, round_up
+from lmtier import record as rec
+from lmtier.tiers.buffers import PAGE_BYTES, address_of, round_up
 from lmtier.tiers.checksums import payload_checksums
 from lmtier.tiers.mooncake.bounce import ALIGN
 from lmtier.tiers.p2p.transport import DONE, POLL_MAX_S, POLL_MIN_S, STUCK, NixlTransport
@@ -39,25 +47,54 @@ from lmtier.tiers.p2p.transport import DONE, POLL_MAX_S, POLL_MIN_S, STUCK, Nixl
 if TYPE_CHECKING:
     from lmtier.tiers.p2p.directory import Entry
 
-__all__ = ["PeerReads", "Group", "Chain", "MIN_READ_BYTES"]
+__all__ = ["PeerReads", "Group", "Chain", "MIN_READ_BYTES", "HASH_ALONGSIDE_MIN_CORES", "read_plan"]
 
 log = logging.getLogger("lmtier.tiers.p2p")
 
-MIN_READ_BYTES = 8 << 20
-"""Smallest sub-batch a batch of reads is cut into (one NIXL transfer each)."""
+MIN_READ_BYTES = 2 << 20
+"""A peer's bytes are cut into halving sub-batches (one NIXL READ each) until at most twice this is
+left, which is the last sub-batch: the only one whose verification nothing overlaps."""
+
+
+def read_plan(nbytes: int) -> list[int]:
+    """Sizes of the sub-batches (bytes, one NIXL READ each) ``nbytes`` of one peer are cut into:
+    half of what is left (rounded down to a page) while more than ``2 * MIN_READ_BYTES`` is left,
+    then the rest. Their sum is ``nbytes``; empty for ``nbytes <= 0``."""
+    plan: list[int] = []
+    left = nbytes
+    while left > 2 * MIN_READ_BYTES:
+        n = left // 2 // PAGE_BYTES * PAGE_BYTES
+        plan.append(n)
+        left -= n
+    if left > 0:
+        plan.append(left)
+    return plan
+
+
 _POLL_LATE_S = 10e-3
+HASH_ALONGSIDE_MIN_CORES = 4
+"""With fewer CPUs than this, whole chunks of a sub-batch are hashed by the calling thread alone
+while a later READ of the chain runs: between two processes of one host the READ is a copy made by
+a thread of this process (CMA), and on the 2-core CPU box helper threads hashing beside it took the
+core it needed (benchmarks/RESULTS.md §3.5). With more, the helpers of
+:func:`~lmtier.tiers.checksums.payload_checksums` hash alongside (a fast network's READ needs no CPU
+here, and one thread's xxh3 would fall behind it)."""
 
 
 @dataclass(eq=False)
 class Group:
-    """The chunks one READ moves from one peer: caller indices, entries, and where each lands — a
-    pool slot the caller reserved (``slots[j]``, its address ``addrs[j]``) or an offset into this
-    group's bounce extent (``offs[j]``, ``total`` bounce bytes). ``fut``: its READ's end state
-    (None: never started)."""
+    """What one READ moves from one peer: parts of chunks, in order. Part ``j`` is bytes
+    ``[lo[j], lo[j] + lens[j])`` of the chunk of caller index ``idx[j]`` (its entry
+    ``entries[j]``); it lands in a pool slot the caller reserved (``slots[j]``; ``addrs[j]`` is the
+    part's address there) or at offset ``offs[j]`` of this group's bounce extent (``total`` bounce
+    bytes). A chunk has at most one part per group; its parts in later groups follow on. ``fut``:
+    its READ's end state (None: never started)."""
 
     peer: Any
     idx: list[int] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)
+    lo: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
     offs: list[int | None] = field(default_factory=list)
     slots: list[int | None] = field(default_factory=list)
     addrs: list[int] = field(default_factory=list)
@@ -80,6 +117,15 @@ class Chain:
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
     late_after: float = 0.0  # the worker polls more slowly after this time (nobody may be waiting)
+
+
+@dataclass(eq=False)
+class _Checks:
+    """One batch's verification state: the streaming xxh3 of each chunk read in several parts
+    (caller index -> hasher) and the chunks that can no longer verify (a part's READ failed)."""
+
+    hashers: dict[int, Any] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
 
 
 class PeerReads:
@@ -109,49 +155,67 @@ class PeerReads:
         res: list[int | None] = [None] * len(keys)
         assert self._bounce is not None
         todo = self._groups(self._choose(keys), outs)
+        checks = _Checks()
         while todo:
             chains = self._start_chains(todo)
             if not chains:  # nothing could start with nothing of ours in flight: the rest miss
                 break
             for chain in chains:
-                self._collect(chain, keys, outs, res)
+                self._collect(chain, keys, outs, res, checks)
         n_hit = sum(1 for n in res if n is not None)
         self.counters["hits"] += n_hit
         self.counters["misses"] += len(keys) - n_hit
         return res
 
     def _groups(self, choice: list, outs: list[memoryview]) -> collections.deque[Group]:
-        """The sub-batches (about a quarter of the bytes, >= 8 MiB; bounce share <= half the region)
-        of the chosen chunks, per peer, in order."""
-        total = sum(round_up(c[1].length, ALIGN) for c in choice if c is not None)
-        limit = max(MIN_READ_BYTES, -(-total // 4))
+        """The sub-batches of the chosen chunks: per peer, its chunks in order cut by
+        :func:`read_plan` (a part's bounce bytes also fit half the bounce region; a chunk is split
+        at page boundaries only)."""
         half = self._bounce.nbytes // 2
-        open_groups: dict[str, Group] = {}
-        todo: collections.deque[Group] = collections.deque()
+        per_peer: dict[str, list[tuple[Any, int, Entry, int, int | None]]] = {}
         for i, c in enumerate(choice):
             if c is None:
                 continue
             peer, e = c
-            n = round_up(e.length, ALIGN)
-            if e.length > outs[i].nbytes or n > self._bounce.nbytes:
+            if e.length > outs[i].nbytes:
                 log.warning("p2p get_into: out has %d bytes, chunk has %d", outs[i].nbytes, e.length)
                 continue
             addr = address_of(outs[i])
-            slot = self._direct_slot(addr, e.length)
-            g = open_groups.get(peer.node_id)
-            if g is None or (g.idx and (g.nbytes + n > limit or (slot is None and g.total + n > half))):
-                g = open_groups[peer.node_id] = Group(peer)
-                todo.append(g)
-            g.idx.append(i)
-            g.entries.append(e)
-            g.slots.append(slot)
-            g.addrs.append(addr)
-            if slot is None:
-                g.offs.append(g.total)
-                g.total += n
-            else:
-                g.offs.append(None)
-            g.nbytes += n
+            per_peer.setdefault(peer.node_id, []).append((peer, i, e, addr, self._direct_slot(addr, e.length)))
+        todo: collections.deque[Group] = collections.deque()
+        for items in per_peer.values():
+            plan = collections.deque(read_plan(sum(e.length for _, _, e, _, _ in items)))
+            g, room = None, 0
+            for peer, i, e, addr, slot in items:
+                lo = 0
+                while lo < e.length:
+                    if g is None or room <= 0:
+                        g, room = Group(peer), plan.popleft() if plan else e.length - lo
+                        todo.append(g)
+                    n = min(e.length - lo, room)
+                    if slot is None:
+                        n = min(n, half - g.total)
+                    if n < e.length - lo:
+                        n = n // PAGE_BYTES * PAGE_BYTES
+                    if n <= 0:  # the group is full (its bounce share): the rest goes into the next
+                        if plan:
+                            plan[0] += room
+                        g = None
+                        continue
+                    g.idx.append(i)
+                    g.entries.append(e)
+                    g.lo.append(lo)
+                    g.lens.append(n)
+                    g.slots.append(slot)
+                    g.addrs.append(addr + lo)
+                    if slot is None:
+                        g.offs.append(g.total)
+                        g.total += round_up(n, ALIGN)
+                    else:
+                        g.offs.append(None)
+                    g.nbytes += n
+                    lo += n
+                    room -= n
         return todo
 
     def _direct_slot(self, address: int, nbytes: int) -> int | None:
@@ -207,13 +271,15 @@ class PeerReads:
             g.base = base
             bounce, arena = self._bounce.address + base, chain.peer.record.arena_base
             g.pieces = [
-                (a if off is None else bounce + off, arena + e.offset, e.length)
-                for a, off, e in zip(g.addrs, g.offs, g.entries, strict=True)
+                (a if off is None else bounce + off, arena + e.offset + lo, n)
+                for a, off, e, lo, n in zip(g.addrs, g.offs, g.entries, g.lo, g.lens, strict=True)
             ]
             chain.groups.append(g)
             todo.remove(g)
         for chain in chains.values():
-            self.counters["direct_gets"] += sum(1 for g in chain.groups for s in g.slots if s is not None)
+            self.counters["direct_gets"] += sum(
+                1 for g in chain.groups for s, lo in zip(g.slots, g.lo, strict=True) if s is not None and lo == 0
+            )
             nbytes = sum(g.nbytes for g in chain.groups)
             chain.late_after = time.monotonic() + self.timeout_s + nbytes / self.min_read_bytes_per_s
             task = self._pool.submit(self._run_chain, chain)
@@ -261,7 +327,9 @@ class PeerReads:
             finally:
                 g.fut.set_result(state)
 
-    def _collect(self, chain: Chain, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None]) -> None:
+    def _collect(
+        self, chain: Chain, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None], checks: _Checks
+    ) -> None:
         """Wait for the chain's sub-batches in order (each until ``timeout_s + its bytes /
         min_read_bytes_per_s`` after the previous one arrived) and verify each as it arrives; on a
         timeout give the chain up (see the module doc)."""
@@ -271,17 +339,20 @@ class PeerReads:
             try:
                 state = g.fut.result(max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
-                self._abandon(chain, k)
+                self._abandon(chain, k, checks)
                 return
             ref = time.monotonic()
-            self._end(g, state, keys, outs, res)
+            self._end(g, state, keys, outs, res, checks, last=k == len(chain.groups) - 1)
 
-    def _abandon(self, chain: Chain, k: int) -> None:
+    def _abandon(self, chain: Chain, k: int, checks: _Checks) -> None:
         """The caller stops waiting for ``chain`` at its sub-batch ``k``: the later ones are not
         started; the one running (at most one, possibly none any more) keeps its memory — bounce
         extent, and the caller's slots held (never committed, parked once aborted) — until its
-        worker saw it end; the peer stays hidden until then. Its chunks are misses."""
+        worker saw it end; the peer stays hidden until then. Its chunks are misses (also where a
+        later part of one is READ in a later round)."""
         self.counters["timeouts"] += 1
+        for g in chain.groups[k:]:
+            checks.failed.update(g.idx)
         self._peer_failed(chain.peer)
         with chain.lock:
             chain.cancelled = True
@@ -294,14 +365,26 @@ class PeerReads:
             g.fut.add_done_callback(lambda f, g=g, held=held: self._late_done(g, held, f.result()))
 
     def _end(
-        self, g: Group, state: str | None, keys: Sequence[bytes], outs: list[memoryview], res: list[int | None]
+        self,
+        g: Group,
+        state: str | None,
+        keys: Sequence[bytes],
+        outs: list[memoryview],
+        res: list[int | None],
+        checks: _Checks,
+        *,
+        last: bool,
     ) -> None:
-        """``g``'s READ is over (``state``: DONE, or a failure; nothing more will be written): verify
-        each chunk against its entry in its ``out`` (a bounce chunk after its copy there: what is
-        checked is what the caller gets) and give the bounce extent back."""
+        """``g``'s READ is over (``state``: DONE, or a failure; nothing more will be written): feed
+        each part, in its ``out`` (a bounce part after its copy there: what is checked is what the
+        caller gets), to its chunk's xxh3; a chunk whose last part this is is checked against its
+        entry (``res`` set on a match). Gives the bounce extent back. ``last``: no READ of this chain
+        runs any more, so whole chunks hash on the helper threads too (as on any host with
+        :data:`HASH_ALONGSIDE_MIN_CORES` CPUs or more)."""
         assert g.base is not None and self._bounce is not None
         peer = g.peer
         if state != DONE:
+            checks.failed.update(g.idx)
             self.counters["stuck" if state == STUCK else "errors"] += 1
             self._peer_failed(peer)
             if state == STUCK:  # a READ NIXL could not cancel (closing) may still write: keep its memory
@@ -311,18 +394,42 @@ class PeerReads:
             return
         peer.breaker.success()
         stale: list[tuple[int, Entry]] = []
+        whole: list[tuple[int, Entry, memoryview]] = []  # chunks entirely in this group
         try:
             mv = self._bounce.mv
-            dsts = [outs[i][: e.length] for i, e in zip(g.idx, g.entries, strict=True)]
-            for dst, off, e in zip(dsts, g.offs, g.entries, strict=True):
+            for i, e, lo, n, off in zip(g.idx, g.entries, g.lo, g.lens, g.offs, strict=True):
+                if i in checks.failed:
+                    continue
+                dst = outs[i][lo : lo + n]
                 if off is not None:
                     o = g.base + off
-                    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(mv[o : o + e.length], dtype=np.uint8))
-            for i, e, xxh3 in zip(g.idx, g.entries, payload_checksums(dsts), strict=True):
-                if xxh3 != e.xxh3:
-                    stale.append((i, e))
+                    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(mv[o : o + n], dtype=np.uint8))
+                if lo == 0 and n == e.length:
+                    whole.append((i, e, dst))
                     continue
-                res[i] = e.length
+                h = checks.hashers.get(i)
+                if h is None:
+                    if lo != 0:  # (an earlier part was never hashed: cannot happen, but never a false stale)
+                        checks.failed.add(i)
+                        continue
+                    h = checks.hashers[i] = rec.payload_hasher()
+                h.update(dst)  # releases the GIL: the next READ's copy runs meanwhile
+                if lo + n == e.length:
+                    del checks.hashers[i]
+                    if h.intdigest() == e.xxh3:
+                        res[i] = e.length
+                    else:
+                        stale.append((i, e))
+            # Whole chunks: on a small host one at a time while a READ of this chain runs (a helper
+            # thread would take CPU from its copy); on the helpers too once nothing runs any more.
+            dsts = [d for _, _, d in whole]
+            alongside = (os.cpu_count() or 1) >= HASH_ALONGSIDE_MIN_CORES
+            sums = payload_checksums(dsts) if last or alongside else [rec.payload_checksum(d) for d in dsts]
+            for (i, e, _), xxh3 in zip(whole, sums, strict=True):
+                if xxh3 == e.xxh3:
+                    res[i] = e.length
+                else:
+                    stale.append((i, e))
         finally:
             if g.total:
                 self._bounce.release(g.base, g.total)

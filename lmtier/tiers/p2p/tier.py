@@ -13,9 +13,11 @@ the chunk stays, so their TTL only removes what a dead node left behind.
 
 Reading side: ``contains_many`` is one pipelined ``HGETALL`` round trip (entries of other, allowed,
 live nodes only); ``get_many_into`` looks the entries up again (fresh), groups the chunks by peer,
-cuts each group into sub-batches (about a quarter of the bytes, >= 8 MiB) and issues one NIXL READ per
-sub-batch, a peer's sub-batches READ back to back by one worker thread (peers in parallel, up to
-``workers``) while the calling thread verifies each as it arrives (:mod:`lmtier.tiers.p2p.reads`). A chunk
+cuts each peer's bytes into sub-batches of halving size (half, a quarter, ... down to a last one of
+at most 4 MiB; a sub-batch may end inside a chunk) and issues one NIXL READ per sub-batch, a peer's
+sub-batches READ back to back by one worker thread (peers in parallel, up to ``workers``) while the
+calling thread verifies each as it arrives, a chunk split across READs with a streaming xxh3
+(:mod:`lmtier.tiers.p2p.reads`). A chunk
 whose ``out`` is a slot of this node's CPU pool being written (the connector's and the manager's
 promotions: :meth:`CPUPool.writing_slot <lmtier.tiers.cpu.CPUPool.writing_slot>`) is read straight
 into it — the pool's arena is registered with NIXL anyway — and verified there; any other ``out``
