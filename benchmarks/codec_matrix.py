@@ -127,14 +127,22 @@ def exact_positions(kind: str, tokens: int, ctx: int, seed: int) -> torch.Tensor
     raise ValueError(f"unknown exact-token kind {kind!r} (first, random)")
 
 
-def put_back_tokens(dec: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A copy of the decoded KV ``dec`` with the K and V of every layer at ``positions`` (token axis 2
-    of ``[L, 2, T, H, D]``) replaced by ``kv``'s (the exact bf16 KV, cast to ``dec``'s dtype, which
-    is exact for bf16 → bf16 / fp32); every other element is ``dec``'s, bit for bit."""
+PLANES = {"kv": (0, 1), "k": (0,), "v": (1,)}
+"""Which planes of ``[L, 2, T, H, D]`` an exact-token variant puts back (K = 0, V = 1)."""
+
+
+def put_back_tokens(dec: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, planes: str = "kv") -> torch.Tensor:
+    """A copy of the decoded KV ``dec`` with the ``planes`` (:data:`PLANES`: both, K or V) of every
+    layer at ``positions`` (token axis 2 of ``[L, 2, T, H, D]``) replaced by ``kv``'s (the exact bf16
+    KV, cast to ``dec``'s dtype, which is exact for bf16 → bf16 / fp32); every other element is
+    ``dec``'s, bit for bit. Raises ValueError on a shape mismatch or an unknown ``planes``."""
     if dec.shape != kv.shape:
         raise ValueError(f"decoded KV {tuple(dec.shape)} vs exact KV {tuple(kv.shape)}")
+    if planes not in PLANES:
+        raise ValueError(f"unknown planes {planes!r} ({', '.join(PLANES)})")
     out = dec.clone()
-    out[:, :, positions] = kv[:, :, positions].to(dec.dtype)
+    for p in PLANES[planes]:
+        out[:, p, positions] = kv[:, p, positions].to(dec.dtype)
     return out
 
 
@@ -157,20 +165,23 @@ def token_errors(kv: torch.Tensor, dec: torch.Tensor) -> dict:
 def exact_cells(base: dict, dec: torch.Tensor, data: dict, ref_lp: torch.Tensor, variants) -> list[dict]:
     """Cells of ``base``'s scheme with the exact KV of some tokens put back into its decode ``dec``.
 
-    ``variants``: (kind, tokens) pairs (:func:`exact_positions`). Each cell's scheme is
-    ``<scheme>+first<S>`` / ``<scheme>+rand<S>``; ``exact_bytes`` = S × L × 2 × H × D × 2 (bf16, what a
-    raw side section would carry), ``exact_pct_of_chunk0`` = that over chunk 0's record bytes, and
+    ``variants``: (kind, tokens) or (kind, tokens, planes) tuples (:func:`exact_positions`,
+    :data:`PLANES`, default "kv"). Each cell's scheme is ``<scheme>+first<S>`` / ``<scheme>+rand<S>``
+    (+ ``k`` / ``v`` for one plane); ``exact_bytes`` = S × L × (planes) × H × D × 2 (bf16, what a raw
+    side section would carry), ``exact_pct_of_chunk0`` = that over chunk 0's record bytes, and
     ``ratio`` = bf16 bytes / (record bytes + exact_bytes) of the whole context."""
     kv = data["kv_fp32"].to(torch.bfloat16)
     nl, _, ctx, h, hd = kv.shape
     seed0 = zlib.crc32(base["text"].encode())
     cells = []
-    for kind, s in variants:
+    for kind, s, *rest in variants:
+        planes = rest[0] if rest else "kv"
         pos = exact_positions(kind, s, ctx, seed0 + s)
-        fixed = put_back_tokens(dec, kv, pos)
-        nbytes = s * nl * 2 * h * hd * kv.element_size()
+        fixed = put_back_tokens(dec, kv, pos, planes)
+        nbytes = s * nl * len(PLANES[planes]) * h * hd * kv.element_size()
         c = {k: base[k] for k in ("model", "text", "split", "ratio_is_records")}
-        c.update(scheme=f"{base['scheme']}+{'first' if kind == 'first' else 'rand'}{s}", base_scheme=base["scheme"])
+        tag = f"{'first' if kind == 'first' else 'rand'}{s}{'' if planes == 'kv' else planes}"
+        c.update(scheme=f"{base['scheme']}+{tag}", base_scheme=base["scheme"], exact_planes=planes)
         c.update(exact_kind=kind, exact_tokens=s, exact_positions=pos.tolist(), exact_bytes=nbytes)
         c["exact_pct_of_chunk0"] = 100.0 * nbytes / base["record_bytes"][0]
         c["ratio"] = base["raw_bytes"] / (sum(base["record_bytes"]) + nbytes)

@@ -31,7 +31,7 @@ Usage::
     python benchmarks/codec_quality.py [--json out.json] [--levels lossless,high,default,low]
         [--texts gpl3,pydoc] [--no-reference] [--no-quality] [--smoke]
     python benchmarks/codec_quality.py --matrix [--schemes ...] [--matrix-texts ...]
-        [--exact-first-tokens 1,4 [--exact-random-control]]
+        [--exact-first-tokens 1,4 [--exact-random-control] [--exact-planes kv,k,v]]
 
 Prints a table and writes JSON; ``benchmarks/plot_codec_quality.py`` draws docs/codec_quality.png
 from it.
@@ -659,6 +659,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="--exact-first-tokens: also put back S random non-initial tokens (the control)",
     )
+    ap.add_argument(
+        "--exact-planes",
+        default="kv",
+        metavar="P[,P...]",
+        help="--exact-first-tokens: which planes to put back, each of kv, k, v (one variant each)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -678,7 +684,9 @@ def main(argv=None) -> int:
         print(f"done in {time.time() - t0:.0f} s")
         return 0
     sizes = [int(x) for x in a.exact_first_tokens.split(",") if x]
-    exact = tuple(("first", n) for n in sizes) + tuple(("random", n) for n in sizes if a.exact_random_control)
+    planes = [p for p in a.exact_planes.split(",") if p]
+    exact = tuple(("first", n, p) for n in sizes for p in planes)
+    exact += tuple(("random", n, p) for n in sizes for p in planes if a.exact_random_control)
     if exact and not a.matrix:
         ap.error("--exact-first-tokens needs --matrix")
     if a.matrix:

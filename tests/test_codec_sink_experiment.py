@@ -59,6 +59,23 @@ def test_put_back_tokens_replaces_exactly_those_tokens(dtype):
     assert not torch.equal(dec[:, :, pos].float(), kv[:, :, pos].float())  # input untouched
     with pytest.raises(ValueError, match="decoded KV"):
         CM.put_back_tokens(dec[:, :, :8], kv, pos)
+    with pytest.raises(ValueError, match="unknown planes"):
+        CM.put_back_tokens(dec, kv, pos, "q")
+
+
+@pytest.mark.parametrize("planes, kept", [("k", 1), ("v", 0)])
+def test_put_back_one_plane(planes, kept):
+    """K only / V only: the other plane stays the decode's at every token."""
+    kv = _kv()
+    dec = CQ.decode_level("default", kv)
+    pos = torch.tensor([0, 5])
+    out = CM.put_back_tokens(dec, kv, pos, planes)
+    put = 1 - kept
+    assert torch.equal(out[:, put, pos].view(torch.int16), kv[:, put, pos].view(torch.int16))
+    assert torch.equal(out[:, kept].view(torch.int16), dec[:, kept].view(torch.int16))
+    rest = torch.ones(kv.shape[2], dtype=torch.bool)
+    rest[pos] = False
+    assert torch.equal(out[:, put, rest].view(torch.int16), dec[:, put, rest].view(torch.int16))
 
 
 def test_exact_cells_feed_the_model_exactly_the_put_back_kv(monkeypatch):
@@ -82,23 +99,26 @@ def test_exact_cells_feed_the_model_exactly_the_put_back_kv(monkeypatch):
         model="m", text="code_c", split="held-out", scheme="default", ratio_is_records=True,
         record_bytes=rec, raw_bytes=kv.numel() * 2,
     )  # fmt: skip
-    variants = (("first", 1), ("first", 4), ("random", 4))
+    variants = (("first", 1), ("first", 4), ("random", 4), ("first", 1, "k"))
     cells = CM.exact_cells(base, dec, data, ref_lp, variants)
-    assert [c["scheme"] for c in cells] == ["default+first1", "default+first4", "default+rand4"]
-    assert len(seen) == 3
+    assert [c["scheme"] for c in cells] == ["default+first1", "default+first4", "default+rand4", "default+first1k"]
+    assert len(seen) == 4
     for c, got in zip(cells, seen):
         pos = torch.tensor(c["exact_positions"])
         mask = torch.zeros(ctx, dtype=torch.bool)
         mask[pos] = True
-        assert torch.equal(got[:, :, mask], kv[:, :, mask].float())
-        assert torch.equal(got[:, :, ~mask], dec[:, :, ~mask].float())
+        planes = (0, 1) if c["exact_planes"] == "kv" else (0,)
+        for p in (0, 1):
+            want = kv if p in planes else dec
+            assert torch.equal(got[:, p, mask], want[:, p, mask].float())
+            assert torch.equal(got[:, p, ~mask], dec[:, p, ~mask].float())
         s = c["exact_tokens"]
-        assert c["exact_bytes"] == s * 6 * 2 * 2 * 64 * 2
+        assert c["exact_bytes"] == s * 6 * len(planes) * 2 * 64 * 2
         assert math.isclose(c["exact_pct_of_chunk0"], 100.0 * c["exact_bytes"] / rec[0])
         assert math.isclose(c["ratio"], kv.numel() * 2 / (sum(rec) + c["exact_bytes"]))
         assert c["kl"] == 0.0 and c["top1"] == 100.0  # the recorder returned the reference
     assert cells[0]["exact_positions"] == [0] and cells[1]["exact_positions"] == [0, 1, 2, 3]
-    assert min(cells[2]["exact_positions"]) >= 4
+    assert min(cells[2]["exact_positions"]) >= 4 and cells[3]["exact_bytes"] == cells[0]["exact_bytes"] // 2
 
 
 def test_token_errors_sees_the_outlier_sink():
