@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from pathlib import Path
 
 import codec_corpus as CC
@@ -42,8 +43,27 @@ def _level(name: str):
     return INT8_HEAD if name == "int8_head" else L.get_level(name)
 
 
-def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Tensor, data: dict) -> dict:
-    """Metrics of one (model, text, scheme); ``cal`` = the model's calibration KV (bf16)."""
+def record_bytes(lv, kv: torch.Tensor) -> list[int] | None:
+    """Bytes of the real record of each 256-token chunk of ``kv`` (bf16 ``[L, 2, T, H, D]``) under
+    level ``lv`` (shipped tables where the geometry has them, per-stream tables otherwise), or None
+    for a scheme without a record path (``int8_head``)."""
+    from lmtier.codec import calibrate as CAL
+    from lmtier.codec import chunk as CH
+
+    if lv.name not in L.LEVELS and lv.name not in L.EXPERIMENTAL_LEVELS:
+        return None
+    out = []
+    for c in CQ.chunk_views(kv):
+        tab = CAL.shipped_tables(lv, tuple(c.shape))
+        out.append(len(CH.encode_chunk(c, shape=tuple(c.shape), dtype=c.dtype, level=lv, tables=tab)))
+    return out
+
+
+def measure(
+    model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Tensor, data: dict
+) -> tuple[dict, torch.Tensor]:
+    """Metrics of one (model, text, scheme) and the decoded context KV (``[L, 2, ctx, H, D]``, the
+    dtype the scheme decodes to); ``cal`` = the model's calibration KV (bf16) or None."""
     kv = data["kv_fp32"].to(torch.bfloat16)
     out: dict = dict(model=model, text=text, scheme=scheme, split=CC.MATRIX_TEXTS[text][1])
     if scheme == "cachegen":
@@ -51,23 +71,125 @@ def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Te
         out.update(ratio=rate["ratio"], ratio_bound=rate["ratio"], ratio_as_shipped=rate["ratio_as_shipped"])
     else:
         lv = _level(scheme)
-        shipped = CQ.shipped_ratio(lv, kv) if lv.name in L.LEVELS or lv.name in L.EXPERIMENTAL_LEVELS else None
-        if cal is not None or shipped is None:
+        rec = record_bytes(lv, kv)
+        if cal is not None or rec is None:
             rate = CQ.level_rate(lv, kv if cal is None else cal, kv)
             out.update(ratio_bound=rate["ratio"], bits_per_value=rate["bits_per_value"])
-        out["ratio"] = shipped if shipped is not None else rate["ratio"]
-        out["ratio_is_records"] = shipped is not None
+        if rec is not None:
+            out.update(record_bytes=rec, raw_bytes=kv.numel() * kv.element_size())
+        out["ratio"] = out["raw_bytes"] / sum(rec) if rec is not None else rate["ratio"]
+        out["ratio_is_records"] = rec is not None
         dec = CQ.decode_level(lv, kv)
     err = CQ.layer_rel_error(kv, dec)
     out.update(k_rel_err=err["k_rel_err_mean"], v_rel_err=err["v_rel_err_mean"])
+    out.update(token_errors(kv, dec))
+    out.update(_quality(data, kv, dec, ref_lp))
+    return out, dec
+
+
+def cell(model: str, text: str, scheme: str, cal: torch.Tensor, ref_lp: torch.Tensor, data: dict) -> dict:
+    """Metrics of one (model, text, scheme) (:func:`measure` without the decoded KV)."""
+    return measure(model, text, scheme, cal, ref_lp, data)[0]
+
+
+def _quality(data: dict, kv: torch.Tensor, dec: torch.Tensor, ref_lp: torch.Tensor) -> dict:
+    """Δppl / top-1 / KL of the continuation with context KV ``dec`` against ``ref_lp``."""
     ids_next = data["ids"][data["ctx"] + 1 :]
     if dec.dtype == torch.bfloat16 and torch.equal(dec.view(torch.int16), kv.view(torch.int16)):
         q = CQ.compare(ref_lp, ref_lp, ids_next)
         q["bit_identical"] = True
-    else:
-        q = CQ.compare(ref_lp, CQ.continuation_logprobs(data, dec.float()), ids_next)
-    out.update(q)
+        return q
+    return CQ.compare(ref_lp, CQ.continuation_logprobs(data, dec.float()), ids_next)
+
+
+# --------------------------------------------------------------------------------------------
+# attention-sink experiment (--exact-first-tokens): put the exact KV of some tokens back
+# --------------------------------------------------------------------------------------------
+RANDOM_EXCLUDE_FIRST = 4
+"""Random control positions are drawn from ``[4, ctx)``: never one of the first 4 tokens."""
+
+
+def exact_positions(kind: str, tokens: int, ctx: int, seed: int) -> torch.Tensor:
+    """Sorted int64 positions (of the context) whose exact KV is put back.
+
+    ``kind`` "first": ``0 .. tokens-1`` (the attention sink: only chunk 0 holds them); "random":
+    ``tokens`` distinct positions drawn uniformly from ``[RANDOM_EXCLUDE_FIRST, ctx)`` with a
+    ``torch.Generator`` seeded by ``seed`` (the control). Raises ValueError on another kind or when
+    the context is too short."""
+    if tokens < 1 or tokens > ctx - RANDOM_EXCLUDE_FIRST:
+        raise ValueError(f"exact tokens {tokens} outside [1, {ctx - RANDOM_EXCLUDE_FIRST}] (ctx {ctx})")
+    if kind == "first":
+        return torch.arange(tokens, dtype=torch.int64)
+    if kind == "random":
+        g = torch.Generator().manual_seed(seed)
+        pick = torch.randperm(ctx - RANDOM_EXCLUDE_FIRST, generator=g)[:tokens] + RANDOM_EXCLUDE_FIRST
+        return pick.sort().values
+    raise ValueError(f"unknown exact-token kind {kind!r} (first, random)")
+
+
+PLANES = {"kv": (0, 1), "k": (0,), "v": (1,)}
+"""Which planes of ``[L, 2, T, H, D]`` an exact-token variant puts back (K = 0, V = 1)."""
+
+
+def put_back_tokens(dec: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, planes: str = "kv") -> torch.Tensor:
+    """A copy of the decoded KV ``dec`` with the ``planes`` (:data:`PLANES`: both, K or V) of every
+    layer at ``positions`` (token axis 2 of ``[L, 2, T, H, D]``) replaced by ``kv``'s (the exact bf16
+    KV, cast to ``dec``'s dtype, which is exact for bf16 → bf16 / fp32); every other element is
+    ``dec``'s, bit for bit. Raises ValueError on a shape mismatch or an unknown ``planes``."""
+    if dec.shape != kv.shape:
+        raise ValueError(f"decoded KV {tuple(dec.shape)} vs exact KV {tuple(kv.shape)}")
+    if planes not in PLANES:
+        raise ValueError(f"unknown planes {planes!r} ({', '.join(PLANES)})")
+    out = dec.clone()
+    for p in PLANES[planes]:
+        out[:, p, positions] = kv[:, p, positions].to(dec.dtype)
     return out
+
+
+def token_errors(kv: torch.Tensor, dec: torch.Tensor) -> dict:
+    """Relative L2 error per token (over layers × heads × channels) of K and V: token 0's, the median
+    over tokens 1.., and token 0's K / V norm over the median token's (how much of an outlier the
+    sink is)."""
+    r, d = kv.float(), dec.float()
+    out = {}
+    for p, name in ((0, "k"), (1, "v")):
+        x = r[:, p].transpose(0, 1).reshape(r.shape[2], -1)  # [T, L*H*D]
+        e = (d[:, p].transpose(0, 1).reshape(r.shape[2], -1) - x).norm(dim=1) / x.norm(dim=1).clamp_min(1e-30)
+        n = x.norm(dim=1)
+        out[f"tok0_{name}_rel_err"] = float(e[0])
+        out[f"tok_{name}_rel_err_median"] = float(e[1:].median())
+        out[f"tok0_{name}_norm_over_median"] = float(n[0] / n[1:].median())
+    return out
+
+
+def exact_cells(base: dict, dec: torch.Tensor, data: dict, ref_lp: torch.Tensor, variants) -> list[dict]:
+    """Cells of ``base``'s scheme with the exact KV of some tokens put back into its decode ``dec``.
+
+    ``variants``: (kind, tokens) or (kind, tokens, planes) tuples (:func:`exact_positions`,
+    :data:`PLANES`, default "kv"). Each cell's scheme is ``<scheme>+first<S>`` / ``<scheme>+rand<S>``
+    (+ ``k`` / ``v`` for one plane); ``exact_bytes`` = S × L × (planes) × H × D × 2 (bf16, what a raw
+    side section would carry), ``exact_pct_of_chunk0`` = that over chunk 0's record bytes, and
+    ``ratio`` = bf16 bytes / (record bytes + exact_bytes) of the whole context."""
+    kv = data["kv_fp32"].to(torch.bfloat16)
+    nl, _, ctx, h, hd = kv.shape
+    seed0 = zlib.crc32(base["text"].encode())
+    cells = []
+    for kind, s, *rest in variants:
+        planes = rest[0] if rest else "kv"
+        pos = exact_positions(kind, s, ctx, seed0 + s)
+        fixed = put_back_tokens(dec, kv, pos, planes)
+        nbytes = s * nl * len(PLANES[planes]) * h * hd * kv.element_size()
+        c = {k: base[k] for k in ("model", "text", "split", "ratio_is_records")}
+        tag = f"{'first' if kind == 'first' else 'rand'}{s}{'' if planes == 'kv' else planes}"
+        c.update(scheme=f"{base['scheme']}+{tag}", base_scheme=base["scheme"], exact_planes=planes)
+        c.update(exact_kind=kind, exact_tokens=s, exact_positions=pos.tolist(), exact_bytes=nbytes)
+        c["exact_pct_of_chunk0"] = 100.0 * nbytes / base["record_bytes"][0]
+        c["ratio"] = base["raw_bytes"] / (sum(base["record_bytes"]) + nbytes)
+        err = CQ.layer_rel_error(kv, fixed)
+        c.update(k_rel_err=err["k_rel_err_mean"], v_rel_err=err["v_rel_err_mean"])
+        c.update(_quality(data, kv, fixed, ref_lp))
+        cells.append(c)
+    return cells
 
 
 SECOND_MODEL_TEXTS = ("prose_mpl", "code_py", "chat_valgrind", "prose_gfdl", "code_c", "de_man")
@@ -85,12 +207,15 @@ def run_matrix(
     texts_2nd: tuple[str, ...] | None = SECOND_MODEL_TEXTS,
     few_texts: dict | None = None,
     rate_bound: bool = True,
+    exact: tuple = (),
 ) -> dict:
     """Measure every (model, text, scheme) cell, print per-cell lines and the summary, write JSON.
     Models after the first get ``texts_2nd`` (None: all ``texts``); schemes of ``few_texts`` only
     their texts. With ``merge``, cells of ``out_json`` that this run does not re-measure are kept.
     ``rate_bound`` False skips the calibration text (no ideal-coder bound for lmtier levels; the
-    8-bit reference's and CacheGen's rate models then fit on the text itself)."""
+    8-bit reference's and CacheGen's rate models then fit on the text itself). ``exact``: (kind, tokens)
+    pairs; each lmtier-level cell is followed by one cell per pair with the exact KV of those tokens
+    put back (:func:`exact_cells`; the attention-sink experiment, RESULTS §4.1d)."""
     few_texts = FEW_TEXTS if few_texts is None else few_texts
     t0 = time.time()
     cells: list[dict] = []
@@ -105,17 +230,21 @@ def run_matrix(
             for scheme in schemes:
                 if scheme in few_texts and text not in few_texts[scheme]:
                     continue
-                c = cell(model, text, scheme, cal, ref_lp, data)
-                c["measured_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-                cells.append(c)
+                c, dec = measure(model, text, scheme, cal, ref_lp, data)
+                new = [c] + (exact_cells(c, dec, data, ref_lp, exact) if exact and "record_bytes" in c else [])
+                for c in new:
+                    c["measured_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                    cells.append(c)
+                    print(
+                        f"{model:<12s} {text:<14s} {c['scheme']:<14s} ratio {c['ratio']:5.2f}x "
+                        f"(bound {c.get('ratio_bound', 0):5.2f}x) "
+                        f"dppl {c['dppl_pct']:+6.2f}% top1 {c['top1']:6.2f}% KL {c['kl']:.5f} "
+                        f"ppl_ref {c['ppl_ref']:.2f}"
+                        + (f" exact +{c['exact_pct_of_chunk0']:.1f}% of chunk 0" if "exact_bytes" in c else ""),
+                        flush=True,
+                    )
                 if out_json:  # partial results survive an interrupted run
                     out_json.with_suffix(".partial.json").write_text(json.dumps(cells, indent=1))
-                print(
-                    f"{model:<12s} {text:<14s} {scheme:<14s} ratio {c['ratio']:5.2f}x "
-                    f"(bound {c.get('ratio_bound', 0):5.2f}x) "
-                    f"dppl {c['dppl_pct']:+6.2f}% top1 {c['top1']:6.2f}% KL {c['kl']:.5f} ppl_ref {c['ppl_ref']:.2f}",
-                    flush=True,
-                )
     if merge and out_json and out_json.exists():
         mine = {(c["model"], c["text"], c["scheme"]) for c in cells}
         old = json.loads(out_json.read_text()).get("cells", [])

@@ -30,6 +30,8 @@ Usage::
 
     python benchmarks/codec_quality.py [--json out.json] [--levels lossless,high,default,low]
         [--texts gpl3,pydoc] [--no-reference] [--no-quality] [--smoke]
+    python benchmarks/codec_quality.py --matrix [--schemes ...] [--matrix-texts ...]
+        [--exact-first-tokens 1,4 [--exact-random-control] [--exact-planes kv,k,v]]
 
 Prints a table and writes JSON; ``benchmarks/plot_codec_quality.py`` draws docs/codec_quality.png
 from it.
@@ -645,6 +647,24 @@ def main(argv=None) -> int:
         help="auto-calibrated vs shipped vs per-stream tables of LEVEL on the held-out texts "
         "(codec_matrix.tables_comparison; JSON: benchmarks/codec_tables.json)",
     )
+    ap.add_argument(
+        "--exact-first-tokens",
+        default="",
+        metavar="S[,S...]",
+        help="--matrix: after each level's cell, cells with the exact KV of the first S tokens put back "
+        "(attention-sink experiment; codec_matrix.exact_cells)",
+    )
+    ap.add_argument(
+        "--exact-random-control",
+        action="store_true",
+        help="--exact-first-tokens: also put back S random non-initial tokens (the control)",
+    )
+    ap.add_argument(
+        "--exact-planes",
+        default="kv",
+        metavar="P[,P...]",
+        help="--exact-first-tokens: which planes to put back, each of kv, k, v (one variant each)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -663,6 +683,12 @@ def main(argv=None) -> int:
         CM.tables_comparison(a.models.split(","), a.tables_compare, out)
         print(f"done in {time.time() - t0:.0f} s")
         return 0
+    sizes = [int(x) for x in a.exact_first_tokens.split(",") if x]
+    planes = [p for p in a.exact_planes.split(",") if p]
+    exact = tuple(("first", n, p) for n in sizes for p in planes)
+    exact += tuple(("random", n, p) for n in sizes for p in planes if a.exact_random_control)
+    if exact and not a.matrix:
+        ap.error("--exact-first-tokens needs --matrix")
     if a.matrix:
         import codec_corpus as CC
         import codec_matrix as CM
@@ -678,6 +704,8 @@ def main(argv=None) -> int:
             [s for s in a.schemes.split(",") if s] or list(CM.DEFAULT_SCHEMES),
             out,
             a.merge,
+            rate_bound=not exact,  # the sink experiment reads record ratios only: no calibration-text run
+            exact=exact,
         )
         print(f"done in {time.time() - t0:.0f} s")
         return 0
