@@ -45,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from engine_child import ask, start_child  # noqa: E402
 from hook_timers import HookTimers  # noqa: E402
 
 
@@ -144,25 +145,7 @@ def _start(kind: str, tmp: Path) -> subprocess.Popen:
         VLLM_CACHE_ROOT=str(tmp / f"vllm-cache-{kind}"),
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
     )
-    log = open(tmp / f"{kind}.log", "w")  # noqa: SIM115 - lives as long as the child
-    return subprocess.Popen(
-        [sys.executable, __file__, "--child", kind],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
-
-
-def _read(p: subprocess.Popen) -> dict:
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError("child exited (see its log)")
-        if line.startswith("{"):
-            return json.loads(line)
+    return start_child(__file__, ["--child", kind], env, tmp / f"{kind}.log", REPO)
 
 
 def fake_runner(a) -> None:
@@ -285,7 +268,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-stepcost-"))
     kids = {k: _start(k, tmp) for k in ("none", "lmtier")}
     for k, p in kids.items():
-        print(f"{k}: {_read(p)}", flush=True)
+        print(f"{k}: {ask(p)}", flush=True)
     rng = random.Random(0)
     dec: dict[str, list[float]] = {"none": [], "lmtier": []}
     wall_dec: dict[str, list[int]] = {}
@@ -298,9 +281,7 @@ def main() -> None:
         prompts = [[rng.randrange(100, 40000) for _ in range(a.prompt)] for _ in range(a.requests)]
         for kind, timed in (("none", False), ("lmtier", False), ("lmtier", True)):
             p = kids[kind]
-            p.stdin.write(json.dumps({"prompts": prompts, "max_tokens": a.max_tokens, "timed": timed}) + "\n")
-            p.stdin.flush()
-            res = _read(p)
+            res = ask(p, {"prompts": prompts, "max_tokens": a.max_tokens, "timed": timed})
             ds = _decode_steps(res["steps"], a.requests)
             raw.append({"round": r, "kind": kind, "timed": timed, **res})
             if timed:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from engine_child import ask, start_child  # noqa: E402
 from hook_timers import HookTimers  # noqa: E402
 
 from lmtier.testing.vllm import engine_env, write_yaml  # noqa: E402
@@ -117,29 +118,7 @@ def _start(variant: str, tmp: Path, a) -> subprocess.Popen:
         },
     )
     env = engine_env(cfg) | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    log = open(tmp / f"{variant}.log", "w")  # noqa: SIM115 - lives as long as the child
-    return subprocess.Popen(
-        [sys.executable, __file__, "--child", variant],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
-
-
-def _ask(p: subprocess.Popen, cmd: dict | None) -> dict:
-    """Send ``cmd`` (None: nothing) and return the child's next JSON line."""
-    if cmd is not None:
-        p.stdin.write(json.dumps(cmd) + "\n")
-        p.stdin.flush()
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError("child exited (see its log)")
-        if line.startswith("{"):
-            return json.loads(line)
+    return start_child(__file__, ["--child", variant], env, tmp / f"{variant}.log", REPO)
 
 
 def main() -> None:
@@ -158,8 +137,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-store-evict-"))
     kids = {v: _start(v, tmp, a) for v in VARIANTS}
     for v, p in kids.items():
-        _ask(p, None)  # ready
-        print(f"{v}: warm-up {_ask(p, {'prompts': [[7] * 300]})['wall_s']:.2f} s", flush=True)
+        ask(p, None)  # ready
+        print(f"{v}: warm-up {ask(p, {'prompts': [[7] * 300]})['wall_s']:.2f} s", flush=True)
     rng = random.Random(0)
     rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     first = None
@@ -168,10 +147,10 @@ def main() -> None:
         first = first or prompts
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
         for v in order:
-            res = _ask(kids[v], {"prompts": prompts})
+            res = ask(kids[v], {"prompts": prompts})
             rows[v].append(res)
             print(f"round {r} {v}: {json.dumps(res)}", flush=True)
-    warm = {v: _ask(kids[v], {"prompts": first, "flush": True}) for v in VARIANTS}
+    warm = {v: ask(kids[v], {"prompts": first, "flush": True}) for v in VARIANTS}
     for p in kids.values():
         p.stdin.write(json.dumps({"quit": True}) + "\n")
         p.stdin.flush()
