@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmtier.config_schema import GIB, KEYS, ConfigError, check_serde
+from lmtier.config_schema import GIB, KEYS, MAX_CALL_TIMEOUT_S, ConfigError, check_serde
 from lmtier.config_schema import config_error as _err
 from lmtier.remote_url import (
     MooncakeEndpoint,
@@ -30,7 +30,7 @@ from lmtier.tiers.mooncake.settings import MooncakeSettings, resolve_settings
 from lmtier.tiers.seal.keys import KeyRing, load_keyring, parse_sources
 from lmtier.tiers.tenants import SharedBudgets, parse_tenant_shares
 
-__all__ = ["MAX_REMOTE_TIMEOUT_S", "REMOTE_TENANT_KEYS", "RemoteConfig", "parse_remote"]
+__all__ = ["REMOTE_TENANT_KEYS", "RemoteConfig", "parse_remote"]
 
 logger = logging.getLogger("lmtier.config")
 
@@ -137,8 +137,8 @@ def parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfig
     timeout_s = values["remote_timeout_s"]
     password_env = values["remote_password_env"]
     check_serde("remote_serde", serde)
-    if not 0 < timeout_s <= MAX_REMOTE_TIMEOUT_S:
-        raise _err("remote_timeout_s", timeout_s, f"must be > 0 and <= {MAX_REMOTE_TIMEOUT_S:g} seconds per call")
+    if not 0 < timeout_s <= MAX_CALL_TIMEOUT_S:
+        raise _err("remote_timeout_s", timeout_s, f"must be > 0 and <= {MAX_CALL_TIMEOUT_S:g} seconds per call")
     if url is None or not url.lower().startswith("mooncakestore://"):
         for key in MOONCAKE_KEYS:
             if values[key] is not None:
@@ -177,10 +177,6 @@ def parse_remote(values: dict[str, Any], env: Mapping[str, str]) -> RemoteConfig
         tenants=tenants,
     )
 
-
-MAX_REMOTE_TIMEOUT_S = 3600.0
-"""Largest ``remote_timeout_s``: a per-call timeout (a dead server holds a request that long); 1e300
-passed the > 0 check and failed every connection (the socket cannot take it: OverflowError)."""
 
 REMOTE_TENANT_KEYS = ("remote_tenant_share", "remote_tenant_shares", "remote_tenant_capacity")
 

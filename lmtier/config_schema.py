@@ -31,6 +31,12 @@ __all__ = [
 ]
 
 GIB = 2**30
+MAX_CALL_TIMEOUT_S = 3600.0
+"""Largest per-call timeout (``remote_timeout_s``, ``p2p_timeout_s``): a dead server holds a request
+that long; 1e300 passed a > 0 check and failed every connection (the socket cannot take it:
+OverflowError)."""
+MAX_ENTRY_TTL_S = 30 * 86400.0
+"""Largest ``p2p_entry_ttl_s`` (30 days; Redis refused 1e300 s as an expiry, which turned sharing off)."""
 """Bytes per GiB: every size key is in GiB (2**30 bytes), as in LMCache."""
 
 

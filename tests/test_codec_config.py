@@ -79,7 +79,9 @@ def test_config_bad_env_value_names_the_key():
 
 
 def test_local_disk_serde_requires_codec(monkeypatch):
-    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: None)
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="local_disk_serde.*lmtier.codec"):
         LMTierConfig.from_dict({"local_disk_serde": "cachegen"})
 

@@ -431,6 +431,11 @@ def test_from_config_refuses_unusable_tiers_with_config_errors(tmp_path, monkeyp
     p2p = dataclasses.replace(p2p, cpu=dataclasses.replace(p2p.cpu, enabled=False))
     with TierManager.from_config(p2p, ns) as m:
         assert m.cpu is None and m.p2p is not None
+    codec = {**no_cpu, "local_disk": str(tmp_path / "c"), "local_disk_serde": "cachegen", "codec_tables": "none"}
+    with pytest.raises(ConfigError, match="cannot hold one codec record of up to"):  # was: every store dropped
+        TierManager.from_config(LMTierConfig.from_dict({**codec, "max_local_disk_size": record / GIB}), ns)
+    with TierManager.from_config(LMTierConfig.from_dict({**codec, "max_local_disk_size": 4 * record / GIB}), ns) as m:
+        assert m.store(b"c" * 32, torch.ones(ns.chunk_bytes, dtype=torch.uint8), timeout_s=None).result()
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = LMTierConfig.from_dict({**no_cpu, "local_disk": str(tmp_path / "d2"), "max_local_disk_size": 1})

@@ -61,6 +61,9 @@ def test_every_p2p_key_is_in_the_schema_and_enable_p2p_is_no_longer_disabled():
         (dict(p2p_token_env="UNSET_VAR"), "p2p_token_env"),
         (dict(p2p_timeout_s=0), "p2p_timeout_s"),
         (dict(p2p_entry_ttl_s=-1), "p2p_entry_ttl_s"),
+        (dict(p2p_timeout_s=1e300), "p2p_timeout_s"),  # accepted before: every socket setup overflowed
+        (dict(p2p_entry_ttl_s=1e300), "p2p_entry_ttl_s"),  # accepted before: Redis refused the expiry
+        (dict(p2p_entry_ttl_s=1e-9), "p2p_entry_ttl_s"),  # accepted before: entries expired in 1 ms
         (dict(p2p_timeout_s="1"), "p2p_timeout_s"),
         (dict(enable_p2p="yes"), "enable_p2p"),
         (dict(local_cpu=False), "enable_p2p"),

@@ -44,7 +44,8 @@ def default_disk_factory(disk: DiskConfig, namespace: Namespace, gpu_id: int) ->
     Raises:
         ConfigError: a directory of ``local_disk`` cannot be created or listed (the config's
             writability check looks at the nearest existing ancestor, which can pass for root on
-            ``/proc`` or ``/sys``), or a naive-serde tier smaller than one record of ``namespace``.
+            ``/proc`` or ``/sys``), or a naive-serde tier smaller than one record of ``namespace``
+            (a ``cachegen`` tier: checked by :func:`build_tiers` once the level is known).
     """
     paths = list(disk.paths_for(gpu_id))
     record_bytes = DISK_PAYLOAD_OFFSET + round_up(namespace.chunk_bytes)
@@ -133,6 +134,21 @@ def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: st
     )
 
 
+def _check_codec_disk_room(disk: Tier, config: LMTierConfig) -> None:
+    """ConfigError when a ``cachegen`` disk tier cannot hold the largest record of its level (every
+    store of a larger record would be dropped without a word; :func:`build_tiers` closes the tiers)."""
+    from lmtier.tiers.codec import CodecTier
+
+    if not isinstance(disk, CodecTier):
+        return
+    need = DISK_PAYLOAD_OFFSET + round_up(disk.max_record_bytes)
+    if config.disk.capacity_bytes < need:
+        raise ConfigError(
+            f"lmtier config: max_local_disk_size={config.disk.max_size_gb!r}: {config.disk.capacity_bytes} bytes "
+            f"cannot hold one codec record of up to {need} bytes (local_disk_serde: cachegen)"
+        )
+
+
 class BuiltTiers(NamedTuple):
     """The tiers a configuration enables (None where it does not)."""
 
@@ -158,7 +174,8 @@ def build_tiers(
 
     Raises:
         ConfigError: no tier enabled, inconsistent chunk size, CPU pool smaller than one chunk, a
-            ``cachegen`` serde the cache cannot take (:func:`check_codecs`). What a factory raises.
+            ``cachegen`` serde the cache cannot take (:func:`check_codecs`), a ``cachegen`` disk tier
+            smaller than one record of its level. What a factory raises.
     """
     if config.chunk_size != namespace.chunk_size:
         raise ConfigError(
@@ -178,6 +195,7 @@ def build_tiers(
                 raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
         if config.disk.enabled:
             disk = wrap_codec(disk_factory(config.disk, namespace, gpu_id), config, namespace, "disk", gpu_id)
+            _check_codec_disk_room(disk, config)
         if config.remote.enabled:
             remote = wrap_codec(remote_factory(config.remote, namespace), config, namespace, "remote")
         if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmtier.config_schema import KEYS as CONFIG_KEYS
-from lmtier.config_schema import config_error
+from lmtier.config_schema import MAX_CALL_TIMEOUT_S, MAX_ENTRY_TTL_S, config_error
 from lmtier.remote_url import RedisEndpoint, RemoteURLError, parse_redis_url
 
 __all__ = ["P2PSettings", "KEYS", "resolve_settings", "MIN_TOKEN_BYTES"]
@@ -162,9 +162,14 @@ def resolve_settings(values: Mapping[str, Any], env: Mapping[str, str]) -> P2PSe
         raise config_error(
             "enable_p2p", True, "name the peers (p2p_allowed_peers) or a shared token (p2p_token_env), or both"
         )
-    for k in ("p2p_timeout_s", "p2p_entry_ttl_s"):
-        if not values[k] > 0:
-            raise config_error(k, values[k], "must be > 0 seconds")
+    if not 0 < values["p2p_timeout_s"] <= MAX_CALL_TIMEOUT_S:
+        raise config_error(
+            "p2p_timeout_s", values["p2p_timeout_s"], f"must be > 0 and <= {MAX_CALL_TIMEOUT_S:g} seconds per call"
+        )
+    if not 1 <= values["p2p_entry_ttl_s"] <= MAX_ENTRY_TTL_S:  # below 1 s an entry expires before peers read it
+        raise config_error(
+            "p2p_entry_ttl_s", values["p2p_entry_ttl_s"], f"must be >= 1 and <= {MAX_ENTRY_TTL_S:g} seconds"
+        )
     return P2PSettings(
         host=host.strip(),
         init_ports=ports,
