@@ -12,7 +12,7 @@ Keys (LMCache's names where they mean the same thing; docs/p2p.md)::
     p2p_directory_url: "redis://dir:6379/0"   # lmtier: the Redis/Valkey holding the directory
                                               # (default: remote_url when that is a redis:// URL)
     p2p_allowed_peers: "10.0.0.8,10.0.0.9:28200"  # lmtier: node ids or hosts allowed as peers
-    p2p_token_env: LMTIER_P2P_SECRET  # lmtier: variable holding the shared token (entries are MACed)
+    p2p_token_env: P2P_SECRET         # lmtier: variable holding the shared token (entries are MACed)
     p2p_timeout_s: 1.0                # lmtier: longest wait of one directory call or NIXL read
     p2p_entry_ttl_s: 300              # lmtier: lifetime of a directory entry (refreshed while held)
 
