@@ -20,7 +20,7 @@ hit tokens per tier.
 
 Usage (repository root; ~3-6 min on the 2-core box):
   .venv/bin/python benchmarks/bench_store_eviction.py [--serde cachegen|naive] [--rounds 3]
-        [--requests 8 --prompt 1024] [--cpu-gb 0.03] [--json out.json]
+        [--requests 8 --prompt 1024] [--cpu-gb 0.03] [--slow-disk-s 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,7 +46,19 @@ VARIANTS = ("step-write-back", "write-through")
 COUNTERS = ("written_back", "write_back_skipped", "stored_disk", "disk_skipped_evicted", "disk_dropped_queue_full")
 
 
-def child(variant: str) -> None:
+def _slow_puts(tier, delay_s: float) -> None:
+    """Make ``tier``'s puts ``delay_s`` slower (``--slow-disk-s``: a disk that cannot keep up with the
+    stores, so a chunk is never on disk yet when a store in the step evicts it)."""
+    inner = tier.put
+
+    def put(key, payload, **kw):
+        time.sleep(delay_s)
+        return inner(key, payload, **kw)
+
+    tier.put = put
+
+
+def child(variant: str, slow_disk_s: float) -> None:
     """One engine; commands (JSON lines) on stdin, results on stdout."""
     import contextlib
 
@@ -79,6 +91,8 @@ def child(variant: str) -> None:
         },
     )
     manager = get_kv_transfer_group().connector_worker.manager
+    if slow_disk_s > 0:
+        _slow_puts(manager.disk, slow_disk_s)
     print(json.dumps({"ready": variant}), flush=True)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     for line in sys.stdin:
@@ -89,6 +103,7 @@ def child(variant: str) -> None:
             manager.flush(timeout_s=120)
         before = {k: v for k, v in process_totals().items() if k.startswith("hit_tokens")}
         c0 = {k: manager.counters[k] for k in COUNTERS}
+        e0 = manager.cpu.counters["evictions"]
         timers.take()
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
@@ -100,6 +115,7 @@ def child(variant: str) -> None:
             "wait_for_save_s": ns.get("W.wait_for_save", 0) / 1e9,
             "steps": calls.get("W.wait_for_save", 0),
             "counters": {k: manager.counters[k] - c0[k] for k in COUNTERS},
+            "evictions": manager.cpu.counters["evictions"] - e0,
             "hit_tokens": {k: after[k] - before.get(k, 0) for k in after if k.startswith("hit_tokens")},
         }
         print(json.dumps(res), flush=True)
@@ -118,7 +134,8 @@ def _start(variant: str, tmp: Path, a) -> subprocess.Popen:
         },
     )
     env = engine_env(cfg) | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    return start_child(__file__, ["--child", variant], env, tmp / f"{variant}.log", REPO)
+    args = ["--child", variant, "--slow-disk-s", str(a.slow_disk_s)]
+    return start_child(__file__, args, env, tmp / f"{variant}.log", REPO)
 
 
 def main() -> None:
@@ -128,11 +145,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--cpu-gb", type=float, default=0.03, help="CPU pool size (GB; SmolLM2 chunk of 256: 5.9 MB)")
+    ap.add_argument("--slow-disk-s", type=float, default=0.0, help="add this delay to every disk put (a slow disk)")
     ap.add_argument("--child", choices=VARIANTS)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.child:
-        child(a.child)
+        child(a.child, a.slow_disk_s)
         return
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-store-evict-"))
     kids = {v: _start(v, tmp, a) for v in VARIANTS}
