@@ -6,7 +6,6 @@ tokens, block lists, and the waits for a request's stores. Needs a CUDA device t
 
 from __future__ import annotations
 
-import collections
 import time
 
 import torch
@@ -17,6 +16,7 @@ from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout, make_paged_kv_cache
 from lmtier.manager import TierManager
 from lmtier.tiers.cpu import CPUPool
+from tests.test_connector_worker import Recorder  # one definition of the worker callbacks' recorder
 
 LAYERS, HEADS, HEAD = 6, 8, 128
 CHUNK = 64
@@ -93,18 +93,6 @@ class Cache:
 
     def scatter_ref(self, block_ids, start: int, stop: int, rows: torch.Tensor) -> None:
         reference.scatter_ref(self.views, self.slots(block_ids, start, stop), rows, kind="kv")
-
-
-class Recorder:
-    def __init__(self):
-        self.stats: collections.Counter = collections.Counter()
-        self.stored: list[tuple[bytes, bytes, str]] = []
-
-    def stat(self, name, value=1):
-        self.stats[name] += value
-
-    def on_stored(self, key, key0, tier):
-        self.stored.append((key, key0, tier))
 
 
 def namespace_of(dtype) -> Namespace:
