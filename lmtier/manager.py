@@ -39,6 +39,12 @@ __all__ = ["LoadMeter", "TierManager"]
 log = logging.getLogger("lmtier.manager")
 
 
+class _ThreadFlag(threading.local):
+    """A per-thread boolean ``on`` (False in every thread until set there)."""
+
+    on = False
+
+
 def _done(value: bool) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -108,7 +114,7 @@ class TierManager:
         )
         self._inflight = 0
         self._idle = threading.Condition()
-        self._no_write_back = threading.local()  # .on: this thread is inside no_write_back()
+        self._no_write_back = _ThreadFlag()  # .on: this thread is inside no_write_back()
         self._closed = False
         self._events = IndexEventHub(lambda: self._count("listener_errors"))
         self._load_meter: LoadMeter | None = None
@@ -410,12 +416,16 @@ class TierManager:
 
     def _write_back(self, key: bytes, view: torch.Tensor) -> bool:
         """Persist a CPU chunk (``view``: ``torch.uint8`` CPU ``[nbytes]``) to disk unless it is
-        there already. Returns whether the disk holds it afterwards."""
+        there already (or, inside :meth:`no_write_back`, count it skipped). Returns whether the
+        disk holds it afterwards."""
         disk = self.disk
         if disk is None:
             return False
         if self._safe(disk.contains, key, default=False):
             return True
+        if self._no_write_back.on:
+            self._count("write_back_skipped")
+            return False
         ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False))
         self._count("written_back" if ok else "write_back_failures")
         return ok
@@ -432,7 +442,7 @@ class TierManager:
         write-back there costs a disk write — and with ``local_disk_serde: cachegen`` an encode — per
         victim inside the caller's step. Nestable; per thread.
         """
-        prev = getattr(self._no_write_back, "on", False)
+        prev = self._no_write_back.on
         self._no_write_back.on = True
         try:
             yield
@@ -443,14 +453,8 @@ class TierManager:
         """CPU pool eviction listener: write each victim back to disk (its payload is readable until
         this returns; not inside :meth:`no_write_back`), then publish ``EVICTED``."""
         payloads = ev.payloads if ev.payloads is not None else (None,) * len(ev.keys)
-        skip = getattr(self._no_write_back, "on", False)
         for key, view in zip(ev.keys, payloads):
-            if skip and view is not None and self.disk is not None:
-                on_disk = bool(self._safe(self.disk.contains, key, default=False))
-                if not on_disk:
-                    self._count("write_back_skipped")
-            else:
-                on_disk = view is not None and self._write_back(key, view)
+            on_disk = view is not None and self._write_back(key, view)
             self._events.publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
 
     def _on_disk_evicted(self, ev: Eviction) -> None:
