@@ -167,14 +167,15 @@ def pool_chunk(mgr: TierManager, key: bytes, nbytes: int) -> torch.Tensor:
         mgr.cpu.release(slot)
 
 
-def stored_through_to_disk(cache: Cache, managers, tmp_path, *, seed: int):
-    """A worker over a CPU pool + DiskTier that stored 2 chunks of ``random_tokens(2 * CHUNK, seed)`` from
-    blocks SRC and wrote them through to disk. Returns ``(worker, manager, recorder, tokens, src
-    blocks, dst blocks, keys)``."""
+def stored_through_to_disk(cache: Cache, managers, tmp_path, *, seed: int, chunks: int = 2, disk=None, **worker_kw):
+    """A worker (``worker_kw``: more of its arguments) over a CPU pool + ``disk`` (default: a
+    DiskTier in ``tmp_path``) that stored ``chunks`` chunks of ``random_tokens(chunks * CHUNK, seed)``
+    from blocks SRC and wrote them through to disk. Returns ``(worker, manager, recorder, tokens,
+    src blocks, dst blocks, keys)``."""
     ns = namespace_of(cache.dtype)
-    mgr = TierManager(cpu=cpu_pool(ns), disk=disk_tier(tmp_path))
-    w, _, rec = make_worker(cache, managers, mgr)
-    n = 2 * CHUNK
+    mgr = TierManager(cpu=cpu_pool(ns), disk=disk if disk is not None else disk_tier(tmp_path))
+    w, _, rec = make_worker(cache, managers, mgr, **worker_kw)
+    n = chunks * CHUNK
     toks = random_tokens(n, seed=seed)
     src, dst = blocks_for(cache, SRC, n), blocks_for(cache, DST, n)
     keys = chunk_keys(toks, ns)

@@ -181,17 +181,10 @@ def _stored_as_codec(cache: Cache, managers, tmp_path, *, seed: int, chunks: int
     """A worker over a CPU pool + CodecTier(DiskTier) that stored ``chunks`` chunks from blocks SRC
     (written through as codec records) and then lost them from the pool: every chunk is a disk
     hit. Returns ``(worker, manager, recorder, tokens, src, dst, keys)``."""
-    ns = namespace_of(cache.dtype)
-    mgr = TierManager(cpu=cpu_pool(ns), disk=_codec_disk(tmp_path, ns, level))
-    w, _, rec = make_worker(cache, managers, mgr, **kw)
-    n = chunks * CHUNK
-    toks = random_tokens(n, seed=seed)
-    src, dst = blocks_for(cache, SRC, n), blocks_for(cache, DST, n)
-    keys = chunk_keys(toks, ns)
-    w.store(StoreOp("stored", toks, None, 0, src))
-    finish_request(w, "stored")
-    assert mgr.flush(timeout_s=60)
-    assert all(mgr.disk.contains(k) for k in keys), "the chunks were not written through as codec records"
+    disk = _codec_disk(tmp_path, namespace_of(cache.dtype), level)
+    w, mgr, rec, toks, src, dst, keys = stored_through_to_disk(
+        cache, managers, tmp_path, seed=seed, chunks=chunks, disk=disk, **kw
+    )
     for k in keys:
         assert mgr.cpu.delete(k)
     rec.stored.clear()
