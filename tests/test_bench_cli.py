@@ -73,6 +73,38 @@ def test_codec_rejects_mla_for_synthetic(tmp_path):
         bcodec.main(["--synthetic", "--model-preset", "deepseek-v3-mla", "--chunks", "1", "--quiet"])
 
 
+def test_codec_model_without_config_is_a_usage_error(tmp_path, capsys):
+    """``--model DIR`` naming a directory that is not a transformers model: exit status 2 naming it,
+    before any data is made (it used to measure synthetic KV and say so in one line)."""
+    with pytest.raises(SystemExit) as e:
+        bcodec.main(["--model", str(tmp_path), "--chunks", "1", "--quiet"])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert "argument --model" in last and repr(str(tmp_path)) in last and "no config.json" in last, err
+    assert out == ""
+
+
+def test_codec_model_that_does_not_load_is_an_error_naming_it(tmp_path, capsys):
+    """A ``--model`` with a config.json that does not load ends the run naming the path; no synthetic row."""
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"--model '.*' does not load") as e:
+        bcodec.main(["--model", str(tmp_path), "--chunks", "1", "--chunk-tokens", "16", "--quiet"])
+    assert str(tmp_path) in str(e.value.code)
+    assert "SYNTHETIC" not in capsys.readouterr().out
+
+
+def test_codec_without_model_keeps_the_synthetic_fallback(tmp_path, monkeypatch):
+    """No ``--model`` and no default model under the working directory: synthetic data, and the data line says why."""
+    monkeypatch.chdir(tmp_path)
+    js = tmp_path / "c.json"
+    argv = ["--model-preset", "qwen2.5-7b", "--chunks", "1", "--chunk-tokens", "16", "--iters", "1"]
+    assert bcodec.main([*argv, "--levels", "lossless", "--quiet", "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    assert res["synthetic"] is True and f"no local model ({bcodec.DEFAULT_MODEL} absent" in res["data"]
+    assert res["geometry"]["L"] == 28 and res["rows"][0]["rel_err"] == 0
+
+
 def test_attn_proxy_is_zero_for_exact_and_positive_for_noise():
     import torch
 
@@ -317,6 +349,7 @@ BAD_VALUES = [
     ("remote", ["--inflight", "q"], "--inflight", "q"),
     ("remote", ["--pieces-mib", "1,big"], "--pieces-mib", "1,big"),
     ("codec", ["--chunks", "0"], "--chunks", "0"),
+    ("codec", ["--model", "/nope"], "--model", "/nope"),  # was a silent synthetic run
     ("rans", ["--seg-log2", "99"], "--seg-log2", "99"),
     ("rans", ["--cases", "bogus"], "--cases", "bogus"),
     ("ttft", ["--lengths", "1024,a"], "--lengths", "1024,a"),

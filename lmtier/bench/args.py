@@ -20,6 +20,7 @@ __all__ = [
     "float_list",
     "name_list",
     "output_file",
+    "model_directory",
     "redis_url",
     "ping_redis",
 ]
@@ -182,4 +183,21 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} is not writable")
+    return text
+
+
+def model_directory(text: str) -> str:
+    """A local ``transformers`` model directory (``--model``), returned as given: it must exist and
+    hold a ``config.json`` now, so a typo is a usage error naming the path instead of a run that
+    quietly measures something else (``lmtier bench codec --model /nope`` used to fall back to
+    synthetic KV)."""
+    import os
+
+    path = os.path.expanduser(text)
+    if not os.path.exists(path):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such directory")
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} has no config.json (not a transformers model directory)")
     return text

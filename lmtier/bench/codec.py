@@ -4,7 +4,10 @@ Data: real KV when a local model is available — ``--model PATH`` (default
 ``models/SmolLM2-135M-Instruct`` under the working directory, when present), a prefill through ``transformers``
 over a fixed English text (the pydoc text of ``json``, ``re``, ``string``, ``textwrap``), KV cast to
 bf16 — else synthetic KV-like data in the ``--model-preset`` geometry (Gaussian, per-channel
-magnitudes, outlier key channels, an attention-sink token, seeded). The output says which.
+magnitudes, outlier key channels, an attention-sink token, seeded). The output says which. Only the
+default model falls back to synthetic data when absent or unloadable: a ``--model PATH`` that does not
+exist or has no ``config.json`` is a usage error (exit status 2), and one that does not load is an error
+naming the path — never a silent synthetic run.
 
 Per level (``lossless``, ``high``, ``default``, ``low``), over ``--chunks`` canonical chunks of
 ``--chunk-tokens`` tokens, each coded as one record by :func:`lmtier.codec.chunk.encode_chunk`
@@ -39,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from lmtier.bench.args import bounded_int, output_file
+from lmtier.bench.args import bounded_int, model_directory, output_file
 from lmtier.bench.common import (
     add_common_args,
     plot_series,
@@ -215,8 +218,11 @@ def run(args) -> dict:
     if model_dir:
         try:
             kv, data = model_kv(model_dir, args.chunks, args.chunk_tokens)
-        except Exception as e:  # noqa: BLE001 - no transformers / unreadable model: synthetic instead
-            why_synth = f"model {model_dir} unusable ({type(e).__name__}: {str(e)[:120]})"
+        except Exception as e:  # noqa: BLE001 - no transformers / unreadable model
+            why = f"{type(e).__name__}: {str(e)[:120]}"
+            if args.model:  # asked for by name: measuring synthetic data instead would mislead
+                raise SystemExit(f"lmtier bench codec: --model {args.model!r} does not load ({why})") from None
+            why_synth = f"model {model_dir} unusable ({why})"  # the default model: synthetic instead
     else:
         why_synth = "--synthetic" if args.synthetic else f"no local model ({DEFAULT_MODEL} absent; --model PATH)"
     if data is None:
@@ -260,7 +266,11 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=bounded_int(min_value=1), default=4, help="chunks coded (each one record)")
     p.add_argument("--chunk-tokens", type=bounded_int(min_value=1), default=256)
     p.add_argument(
-        "--model", default=None, help=f"local transformers model for real KV (default {DEFAULT_MODEL} when present)"
+        "--model",
+        type=model_directory,
+        default=None,
+        help=f"local transformers model directory for real KV (default {DEFAULT_MODEL} when present; "
+        "a given PATH must exist and hold config.json)",
     )
     p.add_argument("--synthetic", action="store_true", help="synthetic KV even when a model is present")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
