@@ -93,8 +93,12 @@ KEYS: dict[str, KeySpec] = {
     "remote_encrypt": KeySpec(BOOL, False, "encrypt remote records with AES-256-GCM (needs remote_auth_key)"),
     "mooncake_local_hostname": KeySpec(OPT_STR, None, "Mooncake: this client's address (default: route to master)"),
     "mooncake_metadata_server": KeySpec(OPT_STR, None, "Mooncake: P2PHANDSHAKE (default) or http://h:p/metadata"),
-    "mooncake_global_segment_size": KeySpec(OPT_FLOAT, None, "Mooncake: GiB of memory mounted into the store"),
-    "mooncake_local_buffer_size": KeySpec(OPT_FLOAT, None, "Mooncake: GiB of the client's transfer buffer"),
+    "mooncake_global_segment_size": KeySpec(
+        OPT_FLOAT, None, "Mooncake: GiB of memory mounted into the store (at most physical memory)"
+    ),
+    "mooncake_local_buffer_size": KeySpec(
+        OPT_FLOAT, None, "Mooncake: GiB of the client's transfer buffer (at most physical memory)"
+    ),
     "mooncake_protocol": KeySpec(OPT_STR, None, "Mooncake: tcp (default) or rdma"),
     "mooncake_device_name": KeySpec(OPT_STR, None, "Mooncake: RDMA device(s), e.g. mlx5_0"),
     "local_disk_serde": KeySpec(STR, "naive", "disk record format: naive or cachegen (the codec)"),

@@ -9,6 +9,8 @@ import pytest
 
 from lmtier import envs
 from lmtier.config import ConfigError, LMTierConfig, load_config
+from lmtier.config_checks import physical_memory_bytes
+from lmtier.config_schema import GIB
 from lmtier.remote_url import MooncakeEndpoint, RedisEndpoint, RemoteURLError, parse_mooncake_url, parse_remote_url
 from lmtier.tiers.mooncake.settings import MooncakeSettings
 
@@ -85,6 +87,35 @@ def test_defaults_and_yaml_keys():
 def test_errors_name_the_key(values, key):
     with pytest.raises(ConfigError, match=f"{key}="):
         LMTierConfig.from_dict({"remote_url": URL, **values})
+
+
+RAM = physical_memory_bytes()
+needs_ram = pytest.mark.skipif(RAM == 0, reason="the platform does not report physical memory")
+
+
+@needs_ram
+@pytest.mark.parametrize("key", ["mooncake_global_segment_size", "mooncake_local_buffer_size"])
+def test_sizes_above_physical_memory_name_the_key(key):
+    """The client allocates and registers the segment (and buffer) in this process: more than the
+    machine's RAM can never be backed, so it is a config error naming the key, not an OOM later."""
+    over = (RAM // GIB) + 1  # whole GiB, just above this machine's RAM
+    with pytest.raises(ConfigError, match=rf"{key}={float(over)!r}: {over}\.0 GiB exceeds this machine's physical"):
+        LMTierConfig.from_dict({"remote_url": URL, key: float(over)})
+    # at the bound it is accepted, to the byte
+    at = RAM / GIB
+    assert getattr(LMTierConfig.from_dict({"remote_url": URL, key: at}).remote.mooncake, key[9:]) == int(at * GIB)
+
+
+@needs_ram
+def test_file_segment_above_physical_memory_names_the_file_key(tmp_path):
+    f = tmp_path / "mc.json"
+    f.write_text(json.dumps({"global_segment_size": RAM + 4096}))
+    env = {"MOONCAKE_CONFIG_PATH": str(f)}
+    with pytest.raises(ConfigError, match=rf"MOONCAKE_CONFIG_PATH=.* key global_segment_size={RAM + 4096}: .*physical"):
+        LMTierConfig.from_dict({"remote_url": URL}, env=env)
+    # the YAML key overrides the file's value, and only the value in force is checked
+    m = LMTierConfig.from_dict({"remote_url": URL, "mooncake_global_segment_size": 0.5}, env=env).remote.mooncake
+    assert m.global_segment_size == 512 << 20
 
 
 def test_mooncake_keys_without_mooncake_url_warn(caplog):

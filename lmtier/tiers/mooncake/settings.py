@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmtier.config_checks import physical_memory_bytes
 from lmtier.config_schema import GIB, ConfigError, config_error
 
 __all__ = [
@@ -60,6 +61,9 @@ YAML_KEYS = {
 }
 """lmtier config key -> settings field."""
 
+_SIZE_FIELDS = ("global_segment_size", "local_buffer_size")
+"""Settings fields that are bytes of this process's memory (GiB in the YAML keys)."""
+
 _SUFFIXES = (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40), ("k", 1 << 10))
 _SUFFIXES += (("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1))
 
@@ -76,7 +80,11 @@ class MooncakeSettings:
             ``http://host:port/metadata`` / etcd address.
         global_segment_size: bytes of this process's memory mounted into the store (0: none; the
             chunks then live in other clients' segments, e.g. a standalone ``mooncake_client``).
-        local_buffer_size: bytes of the client's own transfer buffer.
+            At most this machine's physical memory (:func:`resolve_settings` checks): the client
+            allocates and registers the whole segment in this process at start, so a larger value
+            can never be backed, and a typo in GiB (``1024`` for ``1``) would otherwise surface only as
+            an allocation failure or the OOM killer once the engine is up.
+        local_buffer_size: bytes of the client's own transfer buffer (the same bound, same reason).
         protocol: ``"tcp"`` or ``"rdma"``.
         device_name: RDMA device(s), e.g. ``"mlx5_0"`` (``""`` for tcp).
     """
@@ -137,7 +145,7 @@ def _file_values(path: str) -> dict[str, Any]:
         key = f"{where} key {k}"
         if k not in FILE_KEYS:
             raise config_error(key, v, f"unknown key (known: {sorted(FILE_KEYS)})")
-        if k in ("global_segment_size", "local_buffer_size"):
+        if k in _SIZE_FIELDS:
             out[k] = parse_size(key, v)
         elif not isinstance(v, str):
             raise config_error(key, v, "must be a string")
@@ -157,12 +165,19 @@ def resolve_settings(master_address: str, yaml_values: Mapping[str, Any], env: M
     Raises:
         ConfigError: an unreadable or malformed file, an unknown file key, a wrong type or value
             (the message names the key and, for the file, the variable and path), a file
-            ``master_server_address`` other than ``remote_url``'s.
+            ``master_server_address`` other than ``remote_url``'s, a global segment or local buffer
+            larger than this machine's physical memory (``os.sysconf``; unchecked where the platform
+            does not say).
     """
     fields: dict[str, Any] = {}
+    given: dict[str, tuple[str, Any]] = {}  # size field -> (the key that set it, its value as written)
     path = env.get(CONFIG_PATH_ENV) or None
     if path is not None:
-        fields.update(_file_values(path))
+        raw = _file_values(path)
+        fields.update(raw)
+        for f in _SIZE_FIELDS:
+            if f in raw:
+                given[f] = (f"{CONFIG_PATH_ENV}={path!r} key {f}", raw[f])
         file_master = fields.pop("master_server_address", None)
         if file_master is not None and file_master.strip() != master_address:
             raise config_error(
@@ -174,11 +189,22 @@ def resolve_settings(master_address: str, yaml_values: Mapping[str, Any], env: M
         v = yaml_values.get(key)
         if v is None:
             continue
-        if field_name in ("global_segment_size", "local_buffer_size"):
+        if field_name in _SIZE_FIELDS:
             if v < 0:
                 raise config_error(key, v, "must be >= 0 (GiB)")
+            given[field_name] = (key, v)
             v = int(v * GIB)
         fields[field_name] = v
+    ram = physical_memory_bytes()
+    for f in _SIZE_FIELDS:
+        if ram and f in given and fields[f] > ram:
+            key, v = given[f]
+            raise config_error(
+                key,
+                v,
+                f"{fields[f] / GIB:.1f} GiB exceeds this machine's physical memory ({ram / GIB:.1f} GiB); "
+                "the Mooncake client allocates and registers it in this process",
+            )
     s = MooncakeSettings(master_server_address=master_address, **fields)
     src = "mooncake_protocol / the protocol key of " + CONFIG_PATH_ENV
     if s.protocol not in PROTOCOLS:
