@@ -21,7 +21,8 @@ Accepted forms::
   user, the password and the socket path.
 * **Database**: the path (``/3``) or ``?db=3`` for ``redis``/``rediss``/``unix`` (not both);
   Redis Cluster has none.
-* **Hosts**: ``host``, ``host:port``, ``[ipv6]:port``; several only for the cluster schemes.
+* **Hosts**: ``host``, ``host:port``, ``[ipv6]:port``; several only for the cluster schemes, each
+  node once (``a,a:6379``, ``A:1,a:1`` or ``[::1]:1,[0::1]:1`` name one node twice: an error).
 * **TLS** (``rediss``, ``rediss-cluster`` only): ``ssl_ca_certs``, ``ssl_certfile``,
   ``ssl_keyfile`` (existing files), ``ssl_cert_reqs`` (``required`` | ``optional`` | ``none``;
   ``none`` also turns hostname checking off), ``ssl_check_hostname`` (true/false).
@@ -40,6 +41,7 @@ repr.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -268,8 +270,8 @@ def parse_redis_url(
         env: the environment to read ``password_env`` from (default ``os.environ``).
 
     Raises:
-        RemoteURLError: malformed URL, a TLS file that does not exist, a password given twice, an
-            unset ``password_env`` (``config_key`` says which key is at fault).
+        RemoteURLError: malformed URL, a cluster node listed twice, a TLS file that does not exist, a
+            password given twice, an unset ``password_env`` (``config_key`` says which key is at fault).
     """
     if not isinstance(url, str):
         raise RemoteURLError("remote_url", repr(url), "must be a string")
@@ -326,6 +328,7 @@ def parse_redis_url(
         if not scheme.endswith("-cluster") and len(items) > 1:
             raise bad("several hosts need redis-cluster://")
         hosts = tuple(_parse_host_port(bad, it.strip()) for it in items)
+        _refuse_duplicate_hosts(bad, items, hosts)
         path_db = path.strip("/")
         if path_db:
             if db_text is not None:
@@ -398,6 +401,28 @@ def _parse_host_port(bad, item: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise bad(f"port {port} outside 1..65535")
     return host, port
+
+
+def _node_identity(host: str, port: int) -> tuple[str, int]:
+    """What makes two cluster seed entries the same node: an IP address in its canonical form
+    (``0::1`` is ``::1``), a host name case-folded (DNS names are case-insensitive), and the port."""
+    try:
+        return ipaddress.ip_address(host).compressed, port
+    except ValueError:
+        return host.lower(), port
+
+
+def _refuse_duplicate_hosts(bad, items: list[str], hosts: tuple[tuple[str, int], ...]) -> None:
+    """Raise ``bad(...)`` naming the first node listed twice (a typo in a seed list, or a node meant to
+    be another one; redis-py would quietly keep one of them)."""
+    seen: dict[tuple[str, int], str] = {}
+    for item, (host, port) in zip(items, hosts):
+        ident = _node_identity(host, port)
+        if ident in seen:
+            first = seen[ident]
+            same = "" if first == item.strip() else f" (as {first!r})"
+            raise bad(f"host {item.strip()!r} listed twice{same}: each cluster node once")
+        seen[ident] = item.strip()
 
 
 def _is_decimal(text: str) -> bool:

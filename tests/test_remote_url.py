@@ -66,6 +66,11 @@ def test_grammar(url, scheme, hosts, sock, db, user, pw):
         ("redis://h:\u00b2", "port"),  # '²'.isdigit() is True, int('²') a bare ValueError
         ("redis://h/\u00b2", "database"),
         ("unix:///tmp/" + "s" * 103, "longer than 107 bytes"),  # was "not reachable" at start, misses forever
+        # a cluster seed list naming one node twice was accepted (redis-py keeps one of them quietly)
+        ("redis-cluster://a:1,b:2,a:1", r"host 'a:1' listed twice: each cluster node once"),
+        ("redis-cluster://a,a:6379", r"host 'a:6379' listed twice \(as 'a'\)"),
+        ("rediss-cluster://Node1:7000,node1:7000", r"host 'node1:7000' listed twice \(as 'Node1:7000'\)"),
+        ("redis-cluster://[::1]:1,[0::1]:1", r"host '\[0::1\]:1' listed twice \(as '\[::1\]:1'\)"),
     ],
 )
 def test_malformed(url, why):
@@ -74,6 +79,17 @@ def test_malformed(url, why):
     assert ei.value.config_key == "remote_url" and isinstance(ei.value, ValueError)
     with pytest.raises(ConfigError, match=f"remote_url.*{why}"):
         LMTierConfig.from_dict({"remote_url": url})
+
+
+def test_cluster_nodes_differing_in_port_or_host_are_distinct():
+    e = parse_redis_url("redis-cluster://a:1,a:2,b:1,[::1]:1,[::2]:1")
+    assert e.hosts == (("a", 1), ("a", 2), ("b", 1), ("::1", 1), ("::2", 1))
+
+
+def test_duplicate_cluster_host_error_hides_the_password():
+    with pytest.raises(ConfigError, match=r"redis-cluster://:\*\*\*@a:1,a:1.*'a:1' listed twice") as ei:
+        LMTierConfig.from_dict({"remote_url": "redis-cluster://:s3cret@a:1,a:1"})
+    assert "s3cret" not in str(ei.value)
 
 
 def test_tls(tmp_path):
