@@ -306,11 +306,51 @@ def test_tls(tmp_path):
         out = bytearray(len(d))
         assert t.get_into(key(1), out) == len(d) and bytes(out) == d
         assert t.contains_many([key(1), key(2)]) == [True, False]
-        # a client that does not trust the certificate gets nothing (and no exception)
-        bad = RedisTier(f"rediss://127.0.0.1:{srv.port}/0", timeout_s=0.5)
-        assert bad.get_into(key(1), out) is None and bad.counters["errors"] >= 1
+        # a client that does not trust the certificate cannot ever connect: a start-up error naming the
+        # URL and the verification failure (it used to log a warning and turn every call into a miss)
+        with pytest.raises(TierError, match=rf"remote_url rediss://127.0.0.1:{srv.port}/0: TLS handshake failed "):
+            RedisTier(f"rediss://127.0.0.1:{srv.port}/0", timeout_s=0.5)
+        # a TLS server that is down or hung at start-up is an outage, not a setting: it still degrades
+        srv.pause()
+        hung = RedisTier(srv.url, timeout_s=0.3, connect_timeout_s=0.3)
+        assert hung.counters["errors"] == 1
+        srv.resume()
+        assert hung.get_into(key(1), out) == len(d) and bytes(out) == d
+        hung.close()
     finally:
         srv.close()
+
+
+def test_rediss_url_to_a_plain_text_server_is_a_startup_error(redis_server_auth):
+    """``rediss://`` pointed at a plain-text Redis: the server reads the ClientHello as an inline command
+    and never answers, so the handshake only times out; the tier used to log "not reachable" and miss
+    forever. Now a TierError names the URL (no password) and says the server speaks plain text."""
+    srv, pw = redis_server_auth, "s3cret-pw"
+    for query in ("", "?ssl_cert_reqs=none"):
+        t0 = time.monotonic()
+        with pytest.raises(TierError) as ei:
+            RedisTier(f"rediss://:{pw}@127.0.0.1:{srv.port}/0{query}", timeout_s=0.5, connect_timeout_s=0.5)
+        assert time.monotonic() - t0 < 5.0
+        msg = str(ei.value)
+        assert msg == (
+            f"remote_url rediss://127.0.0.1:{srv.port}/0: TLS handshake failed: 127.0.0.1:{srv.port} answers "
+            "plain-text Redis, not TLS (use redis:// for a plain-text server, or the server's TLS port)"
+        )
+        assert pw not in msg and ei.value.__cause__ is None
+    # the same server through redis:// is fine (the probe did not disturb it)
+    t = RedisTier(f"redis://:{pw}@127.0.0.1:{srv.port}/0")
+    assert t.put(key(3), b"x" * 10) and t.get_into(key(3), bytearray(10)) == 10
+    t.close()
+
+
+def test_rediss_cluster_url_to_a_plain_text_cluster_is_a_startup_error(redis_cluster):
+    url = redis_cluster.url.replace("redis-cluster://", "rediss-cluster://") + "?ssl_cert_reqs=none"
+    with pytest.raises(
+        TierError,
+        match=r"^remote_url rediss-cluster://127\.0\.0\.1:\d+,.*answers plain-text Redis.*"
+        r"use redis-cluster:// for a plain-text server",
+    ):
+        RedisTier(url, timeout_s=0.5, connect_timeout_s=0.5)
 
 
 # ---- pieces: SETRANGE onto a temporary key + RENAME, GETRANGE pieces into out ----------------

@@ -243,7 +243,8 @@ def test_redis_auth_from_env_via_config(monkeypatch, caplog):
 def test_redis_tls_with_test_certificate_via_config(caplog):
     """rediss:// against Debian's redis-server with a self-signed test certificate, configured
     through lmtier's config (ssl_ca_certs); a client that does not trust the certificate refuses
-    the connection (logged TLS error, misses), never falls back to plain text."""
+    to start (a TierError naming the URL and the verification failure, no password), never falls
+    back to plain text."""
     from lmtier.keys import Namespace
     from lmtier.manager import TierManager
     from lmtier.testing.redis import start_or_skip
@@ -261,14 +262,15 @@ def test_redis_tls_with_test_certificate_via_config(caplog):
                 out = bytearray(5000)
                 assert m.remote.get_into(key, out) == 5000 and bytes(out) == b"t" * 5000
         assert PW not in caplog.text
+        from lmtier.tiers.base import TierError
         from lmtier.tiers.redis import RedisTier
 
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="lmtier.tiers.remote"):
-            untrusted = RedisTier(f"rediss://:{PW}@127.0.0.1:{srv.port}/0", timeout_s=1.0)
-        assert re.search(r"SSL|certificate", caplog.text), caplog.text
-        assert untrusted.get_into(key, bytearray(5000)) is None
-        assert PW not in caplog.text
+        with pytest.raises(TierError) as ei:
+            RedisTier(f"rediss://:{PW}@127.0.0.1:{srv.port}/0", timeout_s=1.0)
+        msg = str(ei.value)
+        assert msg.startswith(f"remote_url rediss://127.0.0.1:{srv.port}/0: TLS handshake failed (SSLCertVerif")
+        assert "certificate" in msg and PW not in msg and PW not in caplog.text
         plain = RedisTier(f"redis://:{PW}@127.0.0.1:{srv.port}/0", timeout_s=1.0)  # no TLS on a TLS port
         assert plain.get_into(key, bytearray(5000)) is None
     finally:

@@ -56,9 +56,11 @@ connects), redis-py does not retry (``Retry(NoBackoff(), 0)``) and a connection 
 is closed. Network errors never reach the caller: loads become misses and stores return False,
 and they are counted. After ``breaker_failures`` consecutive failures a circuit breaker opens:
 calls return a miss/False immediately for ``breaker_reset_s``, then one trial call decides
-whether it closes. Authentication failures at construction raise
-:class:`~lmtier.tiers.base.TierError` (a configuration error); an unreachable server at
-construction only logs a warning.
+whether it closes. Authentication failures, a database the server refuses and a TLS handshake
+that cannot succeed (an untrusted certificate, or a ``rediss://`` URL pointed at a plain-text
+server: :mod:`lmtier.tiers.redis.startup`) at construction raise
+:class:`~lmtier.tiers.base.TierError` (a configuration error naming the URL, never the password);
+an unreachable server at construction only logs a warning.
 
 Endpoints: :class:`lmtier.remote_url.RedisEndpoint`, parsed once by
 :func:`lmtier.remote_url.parse_redis_url` (``redis://``, ``rediss://`` with TLS query parameters,
@@ -96,6 +98,7 @@ from lmtier.tiers.device import PinnedBounce
 from lmtier.tiers.redis import resp
 from lmtier.tiers.redis.budget import RedisBudget
 from lmtier.tiers.redis.resp import HEADER, CorruptValue, RecordReader
+from lmtier.tiers.redis.startup import tls_misconfiguration
 from lmtier.tiers.tenants import DEFAULT_TENANT, SharedBudgets, check_tenant
 
 if TYPE_CHECKING:
@@ -162,7 +165,8 @@ class RedisTier(Tier):
     Raises:
         ValueError: malformed URL (:class:`lmtier.remote_url.RemoteURLError`) or arguments; budgets
             with Redis Cluster.
-        TierError: authentication rejected by the server.
+        TierError: authentication rejected by the server; the server refuses the URL's database;
+            a TLS handshake that cannot succeed (certificate not trusted, plain-text server).
 
     Attributes:
         endpoint: the :class:`~lmtier.remote_url.RedisEndpoint` it connects to.
@@ -264,12 +268,13 @@ class RedisTier(Tier):
                 raise TierError(
                     f"authentication to {self.url} failed: {type(e).__name__} (check the password / password_env)"
                 ) from None
-            except Exception as e:  # noqa: BLE001 - unreachable, TLS handshake, timeouts: degrade
+            except Exception as e:  # noqa: BLE001 - unreachable, timeouts: degrade
                 if isinstance(e, redis.exceptions.ResponseError) and "DB index" in str(e):
                     self._client.close()  # the server refused the URL's database: a setting, not an outage
                     raise TierError(
                         f"remote_url {self.url}: the server refuses database {self.endpoint.db}: {e}"
                     ) from None
+                self._refuse_tls_misconfiguration(e, self._client.close)
                 self.counters["errors"] += 1
                 log.warning(
                     "remote tier %s not reachable at startup (%s: %s); it degrades to misses",
@@ -294,7 +299,8 @@ class RedisTier(Tier):
         constructor (pieces, TTL, ...).
 
         Raises:
-            ValueError: the remote tier is off in ``remote``. TierError: authentication rejected.
+            ValueError: the remote tier is off in ``remote``.
+            TierError: as the constructor (authentication, database, TLS).
         """
         if remote.endpoint is None:
             raise ValueError("RedisTier.from_config: the remote tier is off (remote_url is not set)")
@@ -631,6 +637,14 @@ class RedisTier(Tier):
         log.debug("remote tier %s: %s: %s", self.url, type(e).__name__, e)
         return None
 
+    def _refuse_tls_misconfiguration(self, e: Exception, close) -> None:
+        """Raise TierError (after ``close()``) when the start-up failure ``e`` is a TLS setting that
+        cannot work (:func:`lmtier.tiers.redis.startup.tls_misconfiguration`); return on an outage."""
+        why = tls_misconfiguration(self.endpoint, e, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s)
+        if why is not None:
+            close()
+            raise TierError(f"remote_url {self.url}: {why}") from None
+
     def _make_cluster(self):
         t = self.endpoint
         kw = self._conn_kwargs()
@@ -644,6 +658,7 @@ class RedisTier(Tier):
                 raise TierError(
                     f"authentication to {t.describe()} failed (check the password / password_env)"
                 ) from None
+            self._refuse_tls_misconfiguration(e, lambda: None)
             self.counters["errors"] += 1
             log.warning(
                 "remote tier %s not reachable at startup (%s); it degrades to misses", t.describe(), type(e).__name__
