@@ -37,6 +37,12 @@ def files(root) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "*", "*.lmt")))
 
 
+def temp_files(root) -> list[str]:
+    """The ``.<key hex>...tmp`` files under ``root``'s shard directories (hidden: a plain ``*.tmp``
+    glob never matches them)."""
+    return sorted(glob.glob(os.path.join(root, "*", "*.tmp"), include_hidden=True))
+
+
 @pytest.fixture
 def tier(tmp_path):
     t = DiskTier([str(tmp_path / "d")], 256 * MiB, io_threads=2, piece_bytes=1 * MiB)
@@ -166,7 +172,69 @@ def test_corruption_found_at_restart(tmp_path):
     t2 = DiskTier([root], 64 * MiB)
     assert t2.usage().num_chunks == 1
     assert len(files(root)) == 1
-    assert not glob.glob(os.path.join(root, "*", "*.tmp"))
+    assert not temp_files(root)
+
+
+def test_second_tier_on_the_same_directory_keeps_an_in_flight_write(tmp_path, monkeypatch):
+    """Two DiskTier instances of one process on one directory: the second one's start used to delete
+    every ``.tmp`` carrying this pid, so the first one's rename failed and its put returned False."""
+    root = str(tmp_path / "d")
+    a = DiskTier([root], 64 * MiB)
+    in_flight, release = threading.Event(), threading.Event()
+    real_fdatasync = os.fdatasync
+
+    def slow_fdatasync(fd):  # the record is in its temporary file, about to be renamed
+        in_flight.set()
+        assert release.wait(30)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
+    d = payload(7, 3 * MiB + 5)
+    result = []
+    writer = threading.Thread(target=lambda: result.append(a.put(key(7), d)))
+    writer.start()
+    try:
+        assert in_flight.wait(30)
+        tmp = temp_files(root)
+        assert len(tmp) == 1
+        b = DiskTier([root], 64 * MiB)  # scans the directory while a's write is in flight
+        assert os.path.exists(tmp[0])
+    finally:
+        release.set()
+        writer.join(30)
+    monkeypatch.setattr(os, "fdatasync", real_fdatasync)
+    assert result == [True] and a.counters["put_errors"] == 0
+    out = bytearray(len(d))
+    assert a.get_into(key(7), out) == len(d) and bytes(out) == d
+    assert not temp_files(root)
+    c = DiskTier([root], 64 * MiB)  # a later start finds the record a wrote
+    assert c.get_into(key(7), out) == len(d) and bytes(out) == d
+    for t in (a, b, c):
+        t.close()
+
+
+def test_start_removes_only_temp_files_of_dead_writers(tmp_path):
+    root = str(tmp_path / "d")
+    live = DiskTier([root], 64 * MiB)
+    shard = os.path.join(root, "ab")
+    os.makedirs(shard, exist_ok=True)
+    h, me, parent = "ab" * 32, os.getpid(), os.getppid()
+    names = {
+        f".{h}.{me}.{live._tmp.token}.0.tmp": True,  # a live instance of this process: kept
+        f".{h}.{parent}.{'0' * 16}.0.tmp": True,  # another live process: kept
+        f".{h}.{me}.{'f' * 16}.0.tmp": False,  # this pid, no live instance: an earlier process with this pid
+        f".{h}.{me}.3.tmp": False,  # an older lmtier's name, this pid: no live writer here uses it
+        f".{h}.999999999.{'0' * 16}.0.tmp": False,  # a dead process
+        f".{h}.999999999.0.tmp": False,
+        "junk.tmp": False,
+    }
+    for n in names:
+        open(os.path.join(shard, n), "wb").close()
+    DiskTier([root], 64 * MiB).close()
+    assert sorted(os.listdir(shard)) == sorted(n for n, kept in names.items() if kept)
+    live.close()  # a closed instance writes no more: its leftover is stale to the next start
+    DiskTier([root], 64 * MiB).close()
+    assert os.listdir(shard) == [f".{h}.{parent}.{'0' * 16}.0.tmp"]
 
 
 def test_deleted_file_is_miss_and_dropped(tier):
@@ -495,7 +563,7 @@ def test_enospc_on_real_tmpfs(tmp_path):
         assert t.put(key(1), payload(1, 300_000))
         assert not t.put(key(2), payload(2, 2 * MiB))  # ENOSPC
         assert not t.contains(key(2))
-        assert not glob.glob(os.path.join(mnt, "*", "*.tmp"))
+        assert not temp_files(mnt)
         out = bytearray(300_000)
         assert t.get_into(key(1), out) == 300_000 and bytes(out) == payload(1, 300_000)
         t.close()
@@ -603,7 +671,7 @@ def test_writer_killed_mid_write_leaves_no_visible_record(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     t = DiskTier([root], 1 << 34)
-    assert not glob.glob(os.path.join(root, "*", "*.tmp"))
+    assert not temp_files(root)
     n = 32 << 20
     out = AlignedBuffer(n)
     assert t.usage().num_chunks >= 1

@@ -472,8 +472,9 @@ def test_no_prompt_text_or_password_in_logs_files_or_keys(server):
     names = [p.name for p in server.disk.rglob("*")]
     assert names and not any("Quokka" in n or "Zanzibar" in n for n in names)
     # records, their fan-out folders, and records still being written (a write-through thread at
-    # background priority on a loaded box may not have finished): key hex, pid and a counter only
-    name = r"[0-9a-f]{2}|[0-9a-f]{64}\.lmt|\.[0-9a-f]{64}\.[0-9]+\.[0-9]+\.tmp"
+    # background priority on a loaded box may not have finished): key hex, pid, the tier instance's
+    # random token and a counter only
+    name = r"[0-9a-f]{2}|[0-9a-f]{64}\.lmt|\.[0-9a-f]{64}\.[0-9]+\.[0-9a-f]{16}\.[0-9]+\.tmp"
     assert all(re.fullmatch(name, n) for n in names), names[:5]
     for p in server.disk.rglob("*.lmt"):
         assert b"Quokka" not in p.read_bytes()

@@ -2,7 +2,8 @@
 
 :class:`DiskTier` (:mod:`lmtier.tiers.disk.tier`: index, eviction, record files),
 :mod:`lmtier.tiers.disk.io` (POSIX helpers, :func:`background_priority`),
-:mod:`lmtier.tiers.disk.gds` (kvikio loads into CUDA tensors).
+:mod:`lmtier.tiers.disk.gds` (kvikio loads into CUDA tensors), :mod:`lmtier.tiers.disk.tmpfiles`
+(temporary file names; which ones a starting tier removes).
 """
 
 from lmtier.tiers.disk.io import background_priority

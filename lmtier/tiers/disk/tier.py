@@ -3,20 +3,23 @@
 On-disk layout under each root path::
 
     <root>/<kk>/<key hex>.lmt          kk = first key byte in hex (256 shard directories)
-    <root>/<kk>/.<key hex>.<pid>.<n>.tmp   a record being written (never visible to lookups)
+    <root>/<kk>/.<key hex>.<pid>.<token>.<n>.tmp   a record being written (never visible to lookups;
+                                           token: random per tier instance, lmtier.tiers.disk.tmpfiles)
 
 A record file is the 4 KiB header block of :mod:`lmtier.record` (``payload_offset = 4096``), the
 payload, and zero padding up to a multiple of 4 KiB, so every read and write is 4 KiB aligned and
 can use ``O_DIRECT`` (no page-cache pollution, device bandwidth from a few threads). Directories
 are created 0700 and files 0600 (a KV cache leaks prompts).
 
-Durability and visibility: ``put`` writes a temporary file, ``fdatasync``s it (``sync="data"``,
-the default), then ``rename``s it into place and only then adds the key to the index, so a chunk
-is visible only once every byte is on the device; a crash leaves at most a ``.tmp`` file, which
-the next start removes. The directory itself is not fsync'd: after a power loss a renamed record
-may be absent (a miss) but never incomplete. ``sync="none"`` skips ``fdatasync`` (faster on some
-devices; a crash can then leave a complete-looking file whose data blocks were never written — the
-payload checksum turns that into a miss).
+Durability and visibility: ``put`` writes a temporary file, ``fdatasync``s it (``sync="data"``, the
+default), then ``rename``s it into place and only then adds the key to the index, so a chunk is
+visible only once every byte is on the device; a crash leaves at most a ``.tmp`` file, which the
+next start removes (only those of dead writers: another tier instance on the same directory, in this
+process or another, keeps its in-flight files; :mod:`lmtier.tiers.disk.tmpfiles`). The directory
+itself is not fsync'd: after a power loss a renamed record may be absent (a miss) but never
+incomplete. ``sync="none"`` skips ``fdatasync`` (faster on some devices; a crash can then leave a
+complete-looking file whose data blocks were never written — the payload checksum turns that into a
+miss).
 
 Index: an in-memory LRU (by bytes on disk) rebuilt at startup by scanning the shard directories
 and validating each header (payload checksums are verified lazily, on read), ordered by the
@@ -42,14 +45,14 @@ GPUDirect Storage: in compat mode it bounces through host memory itself, so O_DI
 buffer plus one H2D copy moves fewer bytes (and the checksum needs the host copy).
 
 Module layout: this file (the tier: index, eviction, record files), :mod:`lmtier.tiers.disk.io`
-(POSIX helpers, background priority), :mod:`lmtier.tiers.disk.gds` (kvikio loads).
+(POSIX helpers, background priority), :mod:`lmtier.tiers.disk.gds` (kvikio loads),
+:mod:`lmtier.tiers.disk.tmpfiles` (temporary file names, stale ones).
 """
 
 from __future__ import annotations
 
 import collections
 import errno
-import itertools
 import logging
 import os
 import threading
@@ -65,13 +68,13 @@ from lmtier.tiers.buffers import PAGE_BYTES, BouncePool, address_of, host_view, 
 from lmtier.tiers.device import PinnedBounce, flat_u8, is_cuda_tensor
 from lmtier.tiers.disk import io as dio
 from lmtier.tiers.disk.gds import KvikioLoader
+from lmtier.tiers.disk.tmpfiles import TMP_SUFFIX, TmpNames, is_stale
 
 __all__ = ["DiskTier", "SUFFIX", "TMP_SUFFIX", "DIR_MODE", "FILE_MODE"]
 
 log = logging.getLogger("lmtier.tiers.disk")
 
 SUFFIX = ".lmt"
-TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
@@ -165,12 +168,12 @@ class DiskTier(Tier):
         self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._used = 0
         self._reserved = 0
-        self._tmp_seq = itertools.count()
+        self._tmp = TmpNames()
         self._direct: dict[str, bool] = {}
         self.counters = collections.Counter()
         for root in self.paths:
             os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-            self._direct[root] = use_odirect and self._probe_odirect(root)
+            self._direct[root] = use_odirect and self._probe_odirect(root, self._tmp.probe("odirect-probe"))
         self._rebuild()
 
     # ---- public API ------------------------------------------------------------------------
@@ -282,6 +285,7 @@ class DiskTier(Tier):
         self._bounce.close()
         self._small.close()
         self._device.close()
+        self._tmp.release()
 
     def keys(self) -> list[bytes]:
         """Indexed keys, least recently used first."""
@@ -299,11 +303,11 @@ class DiskTier(Tier):
 
     def _tmp_path(self, key: bytes) -> str:
         h = key.hex()
-        return os.path.join(self._root(key), h[:2], f".{h}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+        return os.path.join(self._root(key), h[:2], self._tmp.record(h))
 
     @staticmethod
-    def _probe_odirect(root: str) -> bool:
-        probe = os.path.join(root, f".odirect-probe.{os.getpid()}{TMP_SUFFIX}")
+    def _probe_odirect(root: str, name: str) -> bool:
+        probe = os.path.join(root, name)
         try:
             fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, FILE_MODE)
         except OSError as e:
@@ -336,7 +340,8 @@ class DiskTier(Tier):
                 for name in dio.listdir(d):
                     path = os.path.join(d, name)
                     if name.endswith(TMP_SUFFIX):
-                        self._remove_stale_tmp(path, name)
+                        if is_stale(name):
+                            dio.unlink_quiet(path)
                         continue
                     if not name.endswith(SUFFIX):
                         continue
@@ -401,25 +406,6 @@ class DiskTier(Tier):
         finally:
             os.close(fd)
         return (max(st.st_atime_ns, st.st_mtime_ns), key, path, round_up(st.st_size))
-
-    @staticmethod
-    def _remove_stale_tmp(path: str, name: str) -> None:
-        # .<hex>.<pid>.<n>.tmp: remove unless the writing process is alive (another tier instance
-        # of a live process sharing the directory).
-        parts = name.split(".")
-        try:
-            pid = int(parts[2])
-        except (IndexError, ValueError):
-            pid = -1
-        if pid > 0 and pid != os.getpid():
-            try:
-                os.kill(pid, 0)
-                return
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                return
-        dio.unlink_quiet(path)
 
     def _evict_locked(self, need: int) -> list[tuple[bytes, str]]:
         """Pop LRU entries until ``need`` more bytes fit; returns ``(key, path)`` of each, to unlink
