@@ -6,11 +6,18 @@ unchanged::
     chunk_size: 256                       # tokens per chunk (> 0; multiple of vLLM's block size)
     local_cpu: true                       # tier 1: pinned CPU pool
     max_local_cpu_size: 5                 # GiB (float) of the CPU pool (> 0 when local_cpu)
-    local_disk: "file:///mnt/nvme/lmtier" # tier 2; several comma-separated paths spread I/O
+    local_disk: "file:///mnt/nvme/lmtier" # tier 2; several comma-separated paths spread I/O (see below)
     max_local_disk_size: 100              # GiB; must be > 0 when local_disk is set
     local_disk_path_sharding: by_gpu      # or null: pick one path per GPU id instead of spreading
     remote_url: "redis://host:6379/0"     # tier 3: redis://, rediss:// (TLS), unix://, redis(s)-cluster://h:p,h:p
     remote_serde: naive                   # "naive" (raw canonical bytes) or "cachegen" (needs lmtier.codec)
+
+``local_disk`` paths: ``file:///abs/dir`` (three slashes: an absolute path), ``file://rel/dir`` (two
+slashes: ``rel/dir`` relative to the working directory of the process that loads the config — the
+form of LMCache's examples, ``file://local_disk/``), or a plain path; ``~`` is expanded and
+percent-escapes are decoded. Each is made absolute once, when the config is loaded
+(:func:`lmtier.config_checks.parse_disk_paths`), so a later ``chdir`` does not move the cache, and
+``to_dict()`` shows the absolute ``file://`` form.
 
 Per-tenant budgets of the CPU pool (issue 18, :mod:`lmtier.tiers.tenants`; off unless one is set)::
 

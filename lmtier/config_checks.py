@@ -49,6 +49,10 @@ def warn_chunk_size(chunk_size: int) -> bool:
 def parse_disk_paths(key: str, value: str) -> tuple[str, ...]:
     """``local_disk``'s comma-separated ``file://`` (or plain) paths as absolute directories.
 
+    ``file:///abs/dir`` is ``/abs/dir``; ``file://rel/dir`` (LMCache's ``file://local_disk/``) and a
+    plain ``rel/dir`` are relative to the current working directory, resolved here, once; ``~`` is
+    expanded and percent-escapes are decoded.
+
     Raises:
         ConfigError: an empty item, another URL scheme, a NUL byte, a path listed twice, or a path
             whose nearest existing ancestor is not a writable directory (the message names ``key``).

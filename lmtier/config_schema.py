@@ -74,7 +74,9 @@ KEYS: dict[str, KeySpec] = {
     "chunk_size": KeySpec(INT, 256, "tokens per chunk (> 0, a multiple of vLLM's block size)"),
     "local_cpu": KeySpec(BOOL, True, "tier 1, the pinned CPU pool, on or off"),
     "max_local_cpu_size": KeySpec(FLOAT, 5.0, "GiB of the pinned CPU pool"),
-    "local_disk": KeySpec(OPT_STR, None, "tier 2: comma-separated file:// directories (unset: no disk tier)"),
+    "local_disk": KeySpec(
+        OPT_STR, None, "tier 2: comma-separated file:// directories (file://rel: cwd-relative; unset: no disk tier)"
+    ),
     "max_local_disk_size": KeySpec(FLOAT, 0.0, "GiB the disk tier may fill (> 0 when local_disk is set)"),
     "local_disk_path_sharding": KeySpec(
         OPT_STR, None, "null (spread over all paths) or by_gpu (one path per GPU; on a CPU, per worker rank)"

@@ -206,6 +206,25 @@ def test_disk_paths_and_sharding(tmp_path):
     assert cfg2.disk.paths_for(1) == (str(a), str(b))
 
 
+def test_relative_file_url_resolves_against_the_working_directory(tmp_path, monkeypatch):
+    """``file://rel/dir`` (two slashes: LMCache's ``file://local_disk/``) is ``rel/dir`` under the working
+    directory at load time; a plain relative path too; a later chdir does not move the cache."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cfg = LMTierConfig.from_dict({"local_disk": "file://local_disk/, kv/b, file://./c%20d", "max_local_disk_size": 1})
+    assert cfg.disk.paths == (str(work / "local_disk"), str(work / "kv" / "b"), str(work / "c d"))
+    assert cfg.to_dict()["local_disk"] == ",".join("file://" + p for p in cfg.disk.paths)
+    monkeypatch.chdir(tmp_path)
+    from lmtier.tiers.disk import DiskTier
+
+    t = DiskTier(cfg.disk.paths[:1], 1 << 20)
+    assert t.put(b"k" * 32, b"x" * 100)
+    assert sorted(os.listdir(work / "local_disk" / "6b")) == ["6b" * 32 + ".lmt"]
+    assert not (tmp_path / "local_disk").exists()
+    t.close()
+
+
 def test_disk_size_without_disk_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="lmtier.config"):
         cfg = LMTierConfig.from_dict({"max_local_disk_size": 20})
