@@ -137,6 +137,7 @@ class TierManager:
         arena: Any = None,
         disk_factory: DiskFactory = default_disk_factory,
         remote_factory: RemoteFactory = default_remote_factory,
+        encode_device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> TierManager:
         """Build the tiers ``config`` enables for chunks of ``namespace``.
@@ -152,6 +153,11 @@ class TierManager:
                 chunk geometry and dtype) after the factory built it. With ``remote_auth_key`` the
                 remote tier is first wrapped in :class:`lmtier.tiers.seal.tier.SealedTier` (so
                 ``CodecTier -> SealedTier -> remote``: compress, then seal).
+            encode_device: None (default: codec tiers encode host chunks on the CPU) or the CUDA
+                device (``torch.device("cuda", n)`` / ``"cuda:n"``) they encode them on — the vLLM
+                worker's GPU; given to every :class:`lmtier.tiers.codec.CodecTier` built here, which
+                touches it only at its first put. Never set it in a process that must not use CUDA
+                (the scheduler's).
             **kwargs: passed to :class:`TierManager` (thread counts, queue bounds).
 
         Raises:
@@ -166,6 +172,7 @@ class TierManager:
             arena=arena,
             disk_factory=disk_factory,
             remote_factory=remote_factory,
+            encode_device=encode_device,
         )
         config.log_effective()
         return cls(**tiers._asdict(), **kwargs)

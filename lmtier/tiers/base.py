@@ -77,6 +77,8 @@ TIER_EVENTS = (
     "stuck",
     "writes_dropped",
     "writes_skipped",
+    "gpu_encodes",
+    "gpu_encode_fallbacks",
 )
 """Tier counters an operator watches (exported by the connector as
 ``vllm:lmtier_tier_events_total{tier,event}``): stored records that failed their checksum or format
@@ -94,7 +96,10 @@ the directory's. The tier manager adds, for its disk and remote tiers
 (:meth:`lmtier.manager.TierManager.write_events`), chunks whose write-through was dropped because
 the queue was full (``writes_dropped``) and chunks that left the CPU pool without reaching the tier
 (``writes_skipped``: evicted before their write-through ran, or evicted in the engine step without a
-write-back) — the tier falling behind the stores."""
+write-back) — the tier falling behind the stores. A codec tier
+(:class:`lmtier.tiers.codec.CodecTier`) counts the chunks it encoded on the worker's GPU
+(``gpu_encodes``) and those whose GPU encode failed and fell back to the CPU
+(``gpu_encode_fallbacks``; the first turns GPU encoding off for that tier)."""
 
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be

@@ -8,7 +8,10 @@ record in the inner tier; ``get_into`` fetches the record into a decode slot's r
 decodes it into the caller's buffer with the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for
 that buffer's device (on the GPU for CUDA destinations: static tables uploaded once, buffers and
 descriptors reused, one CUDA stream per concurrent caller, one host sync per chunk). To everything
-above it (the tier manager) it is an ordinary tier holding full canonical chunks.
+above it (the tier manager) it is an ordinary tier holding full canonical chunks. With
+``encode_device=cuda:N`` (the vLLM worker's GPU) ``put`` encodes host chunks on that GPU
+(:class:`lmtier.codec.encoder.DeviceEncoder`: a device buffer and a CUDA stream per concurrent
+caller), else on the CPU; the records are the same bytes either way.
 
 Decisions:
 
@@ -40,6 +43,13 @@ Decisions:
   too small, a device error) leave it. ``put`` returns ``False`` (a dropped store) for payloads
   that are not exactly one chunk of the geometry and for KV the level cannot represent (NaN/inf or
   out-of-range magnitudes with a lossy level; ``lossless`` stores everything).
+* **Where puts encode.** A CUDA payload is encoded on its device; a host payload (the tier
+  manager's CPU-pool slot) on ``encode_device`` when one is set, else on the CPU. The GPU is
+  touched only at the first such put (a CPU-only process may build the tier with ``cuda:0``). If a
+  GPU encode raises anything but :class:`~lmtier.codec.quant.CodecInputError` (out of memory, a
+  CUDA error, an ``lmtier._C`` built without CUDA), that chunk is encoded on the CPU, GPU encoding
+  is turned off for the tier and one warning is logged (counter ``gpu_encode_fallbacks``); a record
+  is stored only once fully produced, whichever path made it.
 * **Types.** Lossy levels (``high``, ``default``, ``low``) need bf16/fp16 KV, two planes (K and
   V) and a power-of-two head size (the Hadamard rotation); ``lossless`` needs bf16/fp16 KV and two
   planes. Anything else is a :class:`lmtier.config.ConfigError` at construction naming the config
@@ -67,6 +77,7 @@ from lmtier.codec import chunk as cchunk
 from lmtier.codec import format as cformat
 from lmtier.codec.autotables import CALIBRATION_CHUNKS, AutoTables, record_table_id
 from lmtier.codec.decoder import ChunkDecoder
+from lmtier.codec.encoder import DeviceEncoder
 from lmtier.codec.levels import EXPERIMENTAL_LEVELS, LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
@@ -195,6 +206,10 @@ class CodecTier(Tier):
         calibration_chunks: chunks ``"auto"`` calibrates on
             (:data:`lmtier.codec.autotables.CALIBRATION_CHUNKS`).
         config_key, config_value: the config key that selected the codec (named in errors).
+        encode_device: None (default: host payloads are encoded on the CPU) or the CUDA device
+            (``cuda:N``, index given) host payloads are encoded on — the vLLM worker's GPU
+            (:func:`lmtier.tiers.factory.wrap_codec`). Not touched before the first put; a failure
+            there falls back to the CPU (see the module doc).
 
     The wrapper registers itself as an eviction listener of ``inner``: evictions of the inner
     tier reach the wrapper's listeners with chunk keys (:meth:`outer_key`) and ``payloads=None``
@@ -205,10 +220,13 @@ class CodecTier(Tier):
         raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (record buffer size).
         counters: ``puts``, ``put_failures``, ``raw_bytes_in``, ``record_bytes_out``, ``hits``,
             ``misses``, ``corrupt_deleted``, ``decode_failures``, ``unknown_table_set`` (records of an
-            auto-calibrated table set this process cannot find: misses, kept).
+            auto-calibrated table set this process cannot find: misses, kept), ``gpu_encodes``
+            (stored puts encoded on ``encode_device``), ``gpu_encode_fallbacks`` (puts whose GPU
+            encode failed and that were encoded on the CPU).
 
     Raises:
         ConfigError: see :func:`check_codec_geometry`.
+        ValueError: ``encode_device`` is not ``cuda:N``; a bad ``tables``.
     """
 
     def __init__(
@@ -224,11 +242,15 @@ class CodecTier(Tier):
         calibration_chunks: int = 0,
         config_key: str = "serde",
         config_value: str = "cachegen",
+        encode_device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.shape, self.dtype, self.level = check_codec_geometry(
             shape, dtype, level, config_key=config_key, config_value=config_value
         )
+        self._gpu: DeviceEncoder | None = None
+        if encode_device is not None:
+            self._gpu = DeviceEncoder(shape=self.shape, dtype=self.dtype, level=self.level, device=encode_device)
         self.inner = inner
         self.name = inner.name
         self._auto: AutoTables | None = None
@@ -267,6 +289,13 @@ class CodecTier(Tier):
     def tables(self) -> cchunk.StaticTables | None:
         """The table set new records are coded with (None: per-stream tables)."""
         return self._auto.current if self._auto is not None else self._tables
+
+    @property
+    def encode_device(self) -> torch.device | None:
+        """The CUDA device host payloads are encoded on; None: the CPU (none configured, or GPU
+        encoding turned off after a failure)."""
+        gpu = self._gpu
+        return None if gpu is None else gpu.device
 
     @property
     def auto_tables(self) -> AutoTables | None:
@@ -328,7 +357,11 @@ class CodecTier(Tier):
     def put(self, key: bytes, payload: Any, **kw: Any) -> bool:
         """Encode ``payload`` (exactly one chunk's canonical bytes: bytes-like, NumPy, CPU or CUDA
         tensor) and store the record. Returns False when the payload is not one chunk, the level
-        cannot represent it, or the inner put fails. ``kw`` (``tenant=``) goes to the inner put."""
+        cannot represent it, or the inner put fails. ``kw`` (``tenant=``) goes to the inner put.
+
+        A CUDA payload is encoded on its device; a host payload on :attr:`encode_device` when set
+        (falling back to the CPU if that fails, see the module doc), else on the CPU. Returns once
+        the record is stored or refused; the payload is not read afterwards."""
         ikey = self.inner_key(key)
         try:
             src = self._source(payload)
@@ -348,7 +381,7 @@ class CodecTier(Tier):
             return False
         tables = self.tables
         try:
-            record = cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables)
+            record, on_gpu = self._encode(key, src, tables)
         except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
             log.warning(
                 "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, e
@@ -360,11 +393,47 @@ class CodecTier(Tier):
             self._count("puts")
             self._count("raw_bytes_in", self.raw_bytes)
             self._count("record_bytes_out", len(record))
+            if on_gpu:
+                self._count("gpu_encodes")
             if tables is None and self._auto is not None:
                 self._calibrate(src)
         else:
             self._count("put_failures")
         return ok
+
+    def _encode(self, key: bytes, src: torch.Tensor, tables: cchunk.StaticTables | None) -> tuple[bytes, bool]:
+        """``(record, encoded on the GPU)`` of the flat uint8 chunk ``src``: a host ``src`` on
+        ``encode_device`` while GPU encoding is on, else where ``src`` lives. A failed GPU encode
+        (anything but CodecInputError) falls back to the CPU for this chunk and turns GPU encoding
+        off (:meth:`_gpu_failed`). Raises what :func:`~lmtier.codec.chunk.encode_chunk` raises."""
+        gpu = self._gpu
+        if gpu is not None and not src.is_cuda:
+            try:
+                return gpu.encode(src, tables=tables), True
+            except CodecInputError:  # the KV, not the device: the CPU would refuse it too
+                raise
+            except Exception as e:  # noqa: BLE001 - OOM, CUDA errors, a CPU build: encode on the CPU
+                self._gpu_failed(key, gpu, e)
+        return cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables), False
+
+    def _gpu_failed(self, key: bytes, gpu: DeviceEncoder, err: Exception) -> None:
+        """Count a GPU encode fallback; the first turns GPU encoding off for this tier, frees the
+        encoder's idle slots and logs the one warning."""
+        with self._lock:
+            self.counters["gpu_encode_fallbacks"] += 1
+            first = self._gpu is gpu
+            if first:
+                self._gpu = None
+        if first:
+            gpu.close()
+            log.warning(
+                "%s: encoding chunk %s on %s failed (%r); encoded on the CPU, and this tier encodes on the CPU "
+                "from now on (counter gpu_encode_fallbacks)",
+                self.name,
+                bytes(key).hex()[:16],
+                gpu.device,
+                err,
+            )
 
     def _calibrate(self, src: torch.Tensor) -> None:
         """Count a stored chunk towards the auto-calibrated tables; a failure turns calibration off
@@ -521,6 +590,10 @@ class CodecTier(Tier):
     def close(self) -> None:
         if self._auto is not None:
             self._auto.close()
+        with self._lock:
+            gpu, self._gpu = self._gpu, None
+        if gpu is not None:
+            gpu.close()
         self.inner.remove_eviction_listener(self._on_inner_evicted)
         try:
             self.inner.close()

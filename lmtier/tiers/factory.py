@@ -19,6 +19,8 @@ from lmtier.tiers.disk import DiskTier
 from lmtier.tiers.seal import seal_remote
 
 if TYPE_CHECKING:
+    import torch
+
     from lmtier.tiers.p2p.tier import P2PTier
 
 __all__ = [
@@ -111,10 +113,19 @@ def codec_tables_args(config: LMTierConfig, which: str, gpu_id: int = 0) -> tupl
     return "shipped", None
 
 
-def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: str, gpu_id: int = 0) -> Tier:
+def wrap_codec(
+    tier: Tier,
+    config: LMTierConfig,
+    namespace: Namespace,
+    which: str,
+    gpu_id: int = 0,
+    *,
+    encode_device: torch.device | str | None = None,
+) -> Tier:
     """``tier`` in a :class:`~lmtier.tiers.codec.CodecTier` when the ``which`` tier's serde
     (``"disk"``: ``local_disk_serde``, ``"remote"``: ``remote_serde``) is ``cachegen``, else ``tier``
-    (tables: :func:`codec_tables_args`)."""
+    (tables: :func:`codec_tables_args`; ``encode_device``: the CUDA device the codec tier encodes
+    host chunks on, None for the CPU — :class:`~lmtier.tiers.codec.CodecTier`)."""
     level = config.serde_level(which)
     if level is None:
         return tier
@@ -131,6 +142,7 @@ def wrap_codec(tier: Tier, config: LMTierConfig, namespace: Namespace, which: st
         tables_dir=tables_dir,
         namespace_id=namespace.digest()[:8].hex(),
         config_key=key,
+        encode_device=encode_device,
     )
 
 
@@ -166,6 +178,7 @@ def build_tiers(
     arena: Any = None,
     disk_factory: DiskFactory = default_disk_factory,
     remote_factory: RemoteFactory = default_remote_factory,
+    encode_device: torch.device | str | None = None,
 ) -> BuiltTiers:
     """Build the tiers ``config`` enables for chunks of ``namespace`` (arguments: see
     :meth:`lmtier.manager.TierManager.from_config`); a disk/remote tier whose serde is ``cachegen``
@@ -194,10 +207,19 @@ def build_tiers(
             except ValueError as e:
                 raise ConfigError(f"lmtier config: max_local_cpu_size={config.cpu.max_size_gb!r}: {e}") from None
         if config.disk.enabled:
-            disk = wrap_codec(disk_factory(config.disk, namespace, gpu_id), config, namespace, "disk", gpu_id)
+            disk = wrap_codec(
+                disk_factory(config.disk, namespace, gpu_id),
+                config,
+                namespace,
+                "disk",
+                gpu_id,
+                encode_device=encode_device,
+            )
             _check_codec_disk_room(disk, config)
         if config.remote.enabled:
-            remote = wrap_codec(remote_factory(config.remote, namespace), config, namespace, "remote")
+            remote = wrap_codec(
+                remote_factory(config.remote, namespace), config, namespace, "remote", encode_device=encode_device
+            )
         if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
             from lmtier.tiers.p2p.tier import P2PTier
 

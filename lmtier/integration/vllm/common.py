@@ -17,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmtier import envs
 from lmtier.config import LMTierConfig
 from lmtier.keys import KeyScope, LoraScope, MMInput, Namespace
 from lmtier.manager import TierManager
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FAULT_ENV",
@@ -161,15 +164,24 @@ class NoTiers:
         return []
 
 
-def shared_manager(key: str, config: LMTierConfig, namespace: Namespace, *, gpu_id: int) -> TierManager:
+def shared_manager(
+    key: str,
+    config: LMTierConfig,
+    namespace: Namespace,
+    *,
+    gpu_id: int,
+    encode_device: torch.device | None = None,
+) -> TierManager:
     """The worker's tier manager of ``key`` (``"engine_id:tp_rank"``), with the CPU pool: built from
     ``config`` on first use and cached for the process's lifetime (until :func:`drop_shared_manager`),
     so an engine built again in the same process reuses the warm pool. ``gpu_id``: the CUDA device
-    the pool's pinned memory is registered for (0 on the CPU)."""
+    the pool's pinned memory is registered for (0 on the CPU). ``encode_device``: the worker's CUDA
+    device, where codec tiers encode the chunks they store (None on the CPU:
+    :class:`lmtier.tiers.codec.CodecTier`)."""
     with _SHARED_LOCK:
         m = _SHARED.get(key)
         if m is None:
-            m = TierManager.from_config(config, namespace, gpu_id=gpu_id)
+            m = TierManager.from_config(config, namespace, gpu_id=gpu_id, encode_device=encode_device)
             _SHARED[key] = m
         return m
 
@@ -185,7 +197,7 @@ def scheduler_tiers(engine: str, config: LMTierConfig, namespace: Namespace) -> 
     if not (config.disk.enabled or config.remote.enabled or config.p2p is not None):
         return NoTiers(), False
     config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, enabled=False))
-    return TierManager.from_config(config, namespace, gpu_id=0), False
+    return TierManager.from_config(config, namespace, gpu_id=0, encode_device=None), False  # never CUDA here
 
 
 def shared_manager_of(key: str) -> TierManager | None:

