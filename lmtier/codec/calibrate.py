@@ -352,9 +352,10 @@ def _main(argv=None) -> int:
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "benchmarks"))
     import codec_quality as cq  # the calibration text's KV (not an evaluation text)
+    import codec_rates as cr
 
     kv = cq.get_text("calib")["kv_fp32"].to(torch.bfloat16)
-    chunks = cq.chunk_views(kv, a.chunk_tokens)
+    chunks = cr.chunk_views(kv, a.chunk_tokens)
     per = {}
     for name in a.levels.split(","):
         _, arr = calibrate(chunks, name)

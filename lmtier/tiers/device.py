@@ -14,7 +14,7 @@ Host buffers pass straight through (:func:`lmtier.tiers.buffers.host_view`, no c
 pool is created on first use, so processes that never hand a CUDA tensor to a tier never allocate
 page-locked memory. The disk tier's GPUDirect Storage path (kvikio straight into device memory,
 used in ``"auto"`` mode only with real GDS) is the disk tier's own decision and lives there
-(:mod:`lmtier.tiers.disk.tier`); it falls back to this adapter.
+(:mod:`lmtier.tiers.disk.records`); it falls back to this adapter.
 
 torch is imported lazily, only for CUDA tensors.
 """

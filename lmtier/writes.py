@@ -1,0 +1,196 @@
+"""The tier manager's writes to the lower tiers: write-through (:meth:`TierWrites.publish`: CPU pool
+to disk and remote, queued) and write-back (CPU-pool victims to disk, :meth:`TierWrites.no_write_back`).
+
+:class:`TierWrites` is a mixin of :class:`lmtier.manager.TierManager`, which owns the state it uses.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from lmtier.events import IndexEventHub, IndexEventKind
+from lmtier.tiers.base import Eviction, Tier
+from lmtier.tiers.cpu import CPUPool
+from lmtier.tiers.tenants import DEFAULT_TENANT
+
+__all__ = ["TierWrites"]
+
+
+class _ThreadFlag(threading.local):
+    """A per-thread boolean ``on`` (False in every thread until set there)."""
+
+    on = False
+
+
+class TierWrites:
+    """Write-through and write-back of :class:`~lmtier.manager.TierManager` (a mixin: it uses the
+    manager's tiers ``cpu``, ``disk``, ``remote``, its queues ``_store_pool`` / ``_store_slots`` and
+    ``_remote_pool`` / ``_remote_slots``, ``_remote_tenants``, ``_no_write_back``, ``_events``,
+    ``counters`` / ``_counter_lock`` and its helpers ``_check_open``, ``_count``, ``_safe``,
+    ``_enter`` and ``_leave``)."""
+
+    cpu: CPUPool | None
+    disk: Tier | None
+    remote: Tier | None
+    counters: collections.Counter[str]
+    _counter_lock: threading.Lock
+    _remote_tenants: bool
+    _store_pool: ThreadPoolExecutor
+    _store_slots: threading.BoundedSemaphore
+    _remote_pool: ThreadPoolExecutor | None
+    _remote_slots: threading.BoundedSemaphore
+    _no_write_back: _ThreadFlag
+    _events: IndexEventHub
+    _check_open: Callable[[], None]
+    _count: Callable[..., None]
+    _safe: Callable[..., Any]
+    _enter: Callable[[], None]
+    _leave: Callable[[], None]
+
+    def publish(self, key: bytes, *, tenant: str = DEFAULT_TENANT) -> None:
+        """Write a chunk the caller committed into the CPU pool through to disk and remote, asynchronously.
+
+        For callers that fill reserved pool slots themselves (the vLLM connector gathers KV straight
+        into a slot). The disk copy makes the chunk survive a restart without waiting for eviction;
+        both writes are best-effort (dropped and counted when their queues are full). A queued write
+        does not pin the chunk: one evicted before its write ran is skipped (counted), so the CPU
+        pool keeps admitting new chunks when the lower tiers fall behind. Publishes no index event
+        (:meth:`~lmtier.manager.TierManager.commit` commits, publishes ``STORED`` and calls this).
+        ``tenant``: the chunk's tenant in a remote tier with budgets.
+        """
+        self._check_open()
+        if self.disk is not None and self.cpu is not None:
+            if self._store_slots.acquire(blocking=False):
+                self._enter()
+                try:
+                    self._store_pool.submit(self._disk_job, key)
+                except BaseException:
+                    self._store_slots.release()
+                    self._leave()
+                    raise
+            else:
+                self._count("disk_dropped_queue_full")
+        self._send_remote(key, tenant)
+
+    def _disk_job(self, key: bytes) -> None:
+        try:
+            assert self.cpu is not None and self.disk is not None
+            slot = self.cpu.acquire(key)  # pinned while the disk tier reads it
+            if slot is None:
+                self._count("disk_skipped_evicted")
+                return
+            try:
+                if self._safe(self.disk.contains, key, default=False):
+                    return
+                ok = bool(self._safe(self.disk.put, key, slot.memoryview(), default=False))
+            finally:
+                self.cpu.release(slot)
+            self._count("stored_disk" if ok else "disk_put_failures")
+        finally:
+            self._store_slots.release()
+            self._leave()
+
+    def _tenant_kw(self, tenant: str) -> dict[str, str]:
+        """``put``'s ``tenant=`` for a remote tier with budgets, else nothing."""
+        return {"tenant": tenant} if self._remote_tenants else {}
+
+    def _send_remote(self, key: bytes, tenant: str = DEFAULT_TENANT) -> None:
+        if self.remote is None or self._remote_pool is None:
+            return
+        if not self._remote_slots.acquire(blocking=False):
+            self._count("remote_dropped_queue_full")
+            return
+        self._enter()
+        try:
+            self._remote_pool.submit(self._remote_job, key, tenant)
+        except BaseException:
+            self._remote_slots.release()
+            self._leave()
+            raise
+
+    def _remote_job(self, key: bytes, tenant: str) -> None:
+        try:
+            assert self.cpu is not None and self.remote is not None
+            slot = self.cpu.acquire(key)  # pinned while the remote tier reads it
+            if slot is None:
+                self._count("remote_skipped_evicted")
+                return
+            try:
+                ok = bool(self._safe(self.remote.put, key, slot.memoryview(), default=False, **self._tenant_kw(tenant)))
+            finally:
+                self.cpu.release(slot)
+            self._count("stored_remote" if ok else "remote_put_failures")
+        finally:
+            self._remote_slots.release()
+            self._leave()
+
+    def _write_back(self, key: bytes, view: torch.Tensor) -> bool:
+        """Persist a CPU chunk (``view``: ``torch.uint8`` CPU ``[nbytes]``) to disk unless it is
+        there already (or, inside :meth:`no_write_back`, count it skipped). Returns whether the
+        disk holds it afterwards."""
+        disk = self.disk
+        if disk is None:
+            return False
+        if self._safe(disk.contains, key, default=False):
+            return True
+        if self._no_write_back.on:
+            self._count("write_back_skipped")
+            return False
+        ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False))
+        self._count("written_back" if ok else "write_back_failures")
+        return ok
+
+    @contextlib.contextmanager
+    def no_write_back(self) -> Iterator[None]:
+        """Within the block, CPU-pool evictions that this thread causes (a ``cpu.reserve`` that takes
+        an LRU victim's slot) never write the victim to disk here: a victim the disk holds already
+        stays there (``EVICTED`` names ``"disk"``), one it does not is dropped from the CPU tier only
+        (``counters["write_back_skipped"]``; ``EVICTED`` with no tier).
+
+        For latency paths whose chunks reach the disk by :meth:`publish`'s asynchronous write-through
+        (the vLLM connector's stores in the engine step and its load threads): a synchronous
+        write-back there costs a disk write — and with ``local_disk_serde: cachegen`` an encode — per
+        victim inside the caller's step. Nestable; per thread.
+        """
+        prev = self._no_write_back.on
+        self._no_write_back.on = True
+        try:
+            yield
+        finally:
+            self._no_write_back.on = prev
+
+    def _on_cpu_evicted(self, ev: Eviction) -> None:
+        """CPU pool eviction listener: write each victim back to disk (its payload is readable until
+        this returns; not inside :meth:`no_write_back`), then publish ``EVICTED``."""
+        payloads = ev.payloads if ev.payloads is not None else (None,) * len(ev.keys)
+        for key, view in zip(ev.keys, payloads):
+            on_disk = view is not None and self._write_back(key, view)
+            self._events.publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
+
+    def _on_disk_evicted(self, ev: Eviction) -> None:
+        """Disk tier eviction listener: publish ``DISK_EVICTED`` per key."""
+        for key in ev.keys:
+            self._events.publish(IndexEventKind.DISK_EVICTED, key, None)
+
+    def write_events(self, tier: str) -> dict[str, int]:
+        """The write-through counts of the ``"disk"`` or ``"remote"`` tier (cumulative):
+        ``writes_dropped`` (queue full) and ``writes_skipped`` (the chunk left the CPU pool without
+        reaching the tier). See :data:`lmtier.tiers.base.TIER_EVENTS`. ValueError: another name."""
+        names = {
+            "disk": (("disk_dropped_queue_full",), ("disk_skipped_evicted", "write_back_skipped")),
+            "remote": (("remote_dropped_queue_full",), ("remote_skipped_evicted",)),
+        }.get(tier)
+        if names is None:
+            raise ValueError(f"TierManager.write_events: tier must be 'disk' or 'remote', got {tier!r}")
+        with self._counter_lock:
+            return {
+                "writes_dropped": sum(self.counters[n] for n in names[0]),
+                "writes_skipped": sum(self.counters[n] for n in names[1]),
+            }
