@@ -1,0 +1,209 @@
+"""Experiment (issue 19): bits per (layer, K/V, head) chosen from the model's measured sensitivity.
+
+The product's levels give every head of a layer the same ``qmax`` (``lmtier.codec.levels``: one per
+sixth of the depth). This experiment asks how much quality the same bits buy when ``qmax`` varies
+per (layer, plane, head) group, chosen from each group's measured effect on the model's output:
+
+1. **Sensitivity** (``--sens-texts``, the tune split): for every group g, the KL of the continuation
+   when only g carries the level's quantization error (the product's decode, ``decode_level``) and
+   every other element is exact. Summed over groups it predicts the whole decode's KL (checked per
+   text: ``sum`` beside ``full`` in the JSON).
+2. **Bits per group and qmax** on the tune split (static tables per stream fitted there, the rate
+   model of ``codec_rates``), for the candidates :data:`CANDS`.
+3. **Allocation** for a bit budget (a multiple of the level's own bits on the tune split): minimize
+   ``sum_g KL_g * (q0_g / q_g)**2`` (the error's scale is ``absmax / qmax``) subject to the budget —
+   a Lagrangian sweep over the groups' (KL, bits) curves.
+4. **Evaluation** on held-out texts (never used in 1–3): ratio = bf16 bits / ideal-coder bits with
+   the tune split's tables (the ``ratio_bound`` of the matrix, §4.1b), Δppl / top-1 / KL as the matrix
+   measures them, the level itself beside each allocation.
+
+The per-head quantizer :func:`quantize_heads` is the product's arithmetic (Hadamard, one E5M3 scale
+per (token, head), round-half-even) with ``qmax`` per head; with one qmax per layer its decode equals
+the product's bit for bit (tests/test_codec_head_alloc.py). The record format cannot carry a qmax
+per head today: no records are written here.
+
+Run: ``python benchmarks/codec_head_alloc.py [--level default] [--budgets 1.0,0.9]
+[--sens-json PATH] [--json PATH]`` (SmolLM2; the sensitivity pass is ~180 forwards per text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import codec_quality as CQ
+import torch
+
+from lmtier.codec import levels as L
+from lmtier.codec import quant as Q
+
+TUNE = ("prose_mpl", "code_py", "chat_valgrind", "doc_pydoc", "fr_man")
+HELD = ("prose_gfdl", "code_c", "de_man", "chat_zlib")
+CANDS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 17, 19, 23, 27, 31, 39, 47, 63)
+"""qmax candidates per group."""
+OFFSET = 127
+"""Symbol = q + OFFSET (one alphabet for every qmax, so one table layout)."""
+
+
+def level_qmax(level: L.Level, nl: int, h: int) -> torch.Tensor:
+    """The level's qmax per (layer, plane) broadcast to heads: float32 ``[L, 2, H]``."""
+    qk = torch.tensor(level.k.qmax_table(nl), dtype=torch.float32)
+    qv = torch.tensor(level.v.qmax_table(nl), dtype=torch.float32)
+    return torch.stack([qk, qv], 1)[:, :, None].expand(nl, 2, h).contiguous()
+
+
+def quantize_heads(chunk: torch.Tensor, qmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a bf16 chunk ``[L, 2, T, H, D]`` with qmax per (layer, plane, head) (``[L, 2, H]``).
+
+    Returns ``(symbols int64 [L, 2, H, D, T] in 0..254, scale codes int64 [L, 2, H, T], decode bf16
+    [L, 2, T, H, D])`` in the product's arithmetic (:mod:`lmtier.codec.quant`, ``TOKEN_HEAD`` scales,
+    Hadamard)."""
+    x = chunk.float()
+    y = Q.fwht(x)
+    a = y.abs().amax(-1)  # [L, 2, T, H]
+    qm = qmax[:, :, None, :].expand_as(a)
+    code = torch.where(a > 0, Q.scale_code_ceil(a / qm), torch.zeros_like(a)).to(torch.int64)
+    s = Q.scale_value(code.to(torch.uint8)).to(torch.float32)[..., None]
+    q = torch.where(s > 0, torch.clamp(torch.round(y / s), -qm[..., None], qm[..., None]), torch.zeros_like(y))
+    dec = (Q.fwht(q * s) / x.shape[-1]).to(chunk.dtype)
+    return (q.to(torch.int64) + OFFSET).permute(0, 1, 3, 4, 2), code.permute(0, 1, 3, 2), dec
+
+
+def _tables(streams: list[torch.Tensor]) -> torch.Tensor:
+    """-log2 p per (stream, symbol) from counts over ``streams`` (int64 ``[S, n]``), light smoothing."""
+    c = torch.zeros(streams[0].shape[0], 256, dtype=torch.float64)
+    for s in streams:
+        c.scatter_add_(1, s, torch.ones_like(s, dtype=torch.float64))
+    return -torch.log2((c + 0.02) / (c.sum(1, keepdim=True) + 0.02 * 256))
+
+
+def group_bits(cal: list[torch.Tensor], nl: int, h: int) -> torch.Tensor:
+    """float64 ``[L*2*H, len(CANDS)]``: symbol bits of each group over the tune chunks at each qmax."""
+    out = torch.zeros(nl * 2 * h, len(CANDS), dtype=torch.float64)
+    for i, q in enumerate(CANDS):
+        syms = [quantize_heads(c, torch.full((nl, 2, h), float(q)))[0] for c in cal]
+        flat = [s.reshape(-1, s.shape[-1]) for s in syms]
+        tab = _tables(flat)
+        for f in flat:
+            out[:, i] += tab.gather(1, f).sum(1).reshape(nl * 2 * h, -1).sum(1)
+    return out
+
+
+def allocate(kl0: torch.Tensor, q0: torch.Tensor, bits: torch.Tensor, budget: float) -> torch.Tensor:
+    """qmax per group (float64 ``[G]``, values of :data:`CANDS`) minimizing the predicted KL
+    ``sum kl0 * (q0 / q)**2`` with ``sum bits <= budget`` (bisection on the Lagrange multiplier)."""
+    c = torch.tensor(CANDS, dtype=torch.float64)
+    klq = kl0[:, None] * (q0[:, None] / c[None, :]) ** 2
+    lo, hi = 1e-12, 1e3
+    for _ in range(80):
+        lam = (lo * hi) ** 0.5
+        tot = bits.gather(1, (klq + lam * bits).argmin(1)[:, None]).sum()
+        lo, hi = (lam, hi) if tot > budget else (lo, lam)
+    return c[(klq + hi * bits).argmin(1)]
+
+
+class Scheme:
+    """A qmax per group with static tables (symbols and scale codes) fitted on the tune chunks."""
+
+    def __init__(self, qmax: torch.Tensor, cal: list[torch.Tensor]):
+        self.qmax = qmax
+        syms, codes = [], []
+        for c in cal:
+            s, k, _ = quantize_heads(c, qmax)
+            syms.append(s.reshape(-1, s.shape[-1]))
+            codes.append(k.reshape(k.shape[0] * 2, -1))
+        self.tsym, self.tside = _tables(syms), _tables(codes)
+
+    def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """(ratio bound, decoded KV bf16) of a canonical bf16 context ``kv``."""
+        bits, dec = 0.0, []
+        for c in CQ.chunk_views(kv):
+            s, k, d = quantize_heads(c, self.qmax)
+            bits += float(self.tsym.gather(1, s.reshape(-1, s.shape[-1])).sum())
+            bits += float(self.tside.gather(1, k.reshape(k.shape[0] * 2, -1)).sum())
+            dec.append(d)
+        return kv.numel() * 16 / bits, torch.cat(dec, 2)
+
+
+def sensitivity(level: L.Level, texts, model: str) -> dict:
+    """Per text: ``full`` (KL of the whole decode) and ``kl`` ``[L][2][H]`` (only that group decoded)."""
+    out = {}
+    for t in texts:
+        t0 = time.time()
+        data = CQ.get_text(t, model)
+        kv = data["kv_fp32"].to(torch.bfloat16)
+        ref = CQ.continuation_logprobs(data, kv.float())
+        ids = data["ids"][data["ctx"] + 1 :]
+        dec = CQ.decode_level(level, kv)
+        full = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)["kl"]
+        nl, _, _, h, _ = kv.shape
+        kl = torch.zeros(nl, 2, h)
+        for l in range(nl):
+            for p in range(2):
+                for hh in range(h):
+                    x = kv.clone()
+                    x[l, p, :, hh] = dec[l, p, :, hh]
+                    kl[l, p, hh] = CQ.compare(ref, CQ.continuation_logprobs(data, x.float()), ids)["kl"]
+        out[t] = dict(full=full, kl=kl.tolist())
+        print(
+            f"sensitivity {t}: full KL {full:.5f}, sum of groups {float(kl.sum()):.5f} ({time.time() - t0:.0f} s)",
+            flush=True,
+        )
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--level", default="default")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--sens-texts", default=",".join(TUNE))
+    ap.add_argument("--eval-texts", default=",".join(HELD))
+    ap.add_argument("--budgets", default="1.0,0.9", help="bit budgets as multiples of the level's bits (tune split)")
+    ap.add_argument(
+        "--sens-json", type=Path, default=None, help="read the sensitivities here if it exists, else write them"
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    level = L.get_level(a.level)
+    if a.sens_json and a.sens_json.exists():
+        sens = json.loads(a.sens_json.read_text())
+    else:
+        sens = sensitivity(level, a.sens_texts.split(","), a.model)
+        if a.sens_json:
+            a.sens_json.write_text(json.dumps(sens))
+    kl0 = torch.tensor([v["kl"] for v in sens.values()], dtype=torch.float64).clamp_min(0).mean(0)
+    nl, _, h = kl0.shape
+    cal = [c for t in sens for c in CQ.chunk_views(CQ.get_text(t, a.model)["kv_fp32"].to(torch.bfloat16))]
+    q0 = level_qmax(level, nl, h).double()
+    bits = group_bits(cal, nl, h)
+    base = float(bits.gather(1, torch.tensor([CANDS.index(int(q)) for q in q0.reshape(-1)])[:, None]).sum())
+    schemes = {a.level: Scheme(q0.float(), cal)}
+    for b in (float(x) for x in a.budgets.split(",")):
+        schemes[f"{a.level}/head x{b:g}"] = Scheme(
+            allocate(kl0.reshape(-1), q0.reshape(-1), bits, base * b).reshape(nl, 2, h).float(), cal
+        )
+    cells = []
+    for t in a.eval_texts.split(","):
+        data = CQ.get_text(t, a.model)
+        kv = data["kv_fp32"].to(torch.bfloat16)
+        ref = CQ.continuation_logprobs(data, kv.float())
+        ids = data["ids"][data["ctx"] + 1 :]
+        for name, s in schemes.items():
+            ratio, dec = s.run(kv)
+            m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
+            cells.append(dict(text=t, scheme=name, ratio_bound=ratio, qmax=s.qmax.tolist(), **m))
+            print(
+                f"{t:<12s} {name:<22s} ratio(bound) {ratio:5.2f}x dppl {m['dppl_pct']:+6.2f}% "
+                f"top1 {m['top1']:6.2f}% KL {m['kl']:.5f}",
+                flush=True,
+            )
+    if a.json:
+        a.json.write_text(json.dumps(dict(level=a.level, model=a.model, sensitivity=sens, cells=cells), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
