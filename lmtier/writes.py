@@ -67,68 +67,55 @@ class TierWrites:
         """
         self._check_open()
         if self.disk is not None and self.cpu is not None:
-            if self._store_slots.acquire(blocking=False):
-                self._enter()
-                try:
-                    self._store_pool.submit(self._disk_job, key)
-                except BaseException:
-                    self._store_slots.release()
-                    self._leave()
-                    raise
-            else:
-                self._count("disk_dropped_queue_full")
+            self._queue_write("disk", self._store_pool, self._store_slots, key, tenant)
         self._send_remote(key, tenant)
-
-    def _disk_job(self, key: bytes) -> None:
-        try:
-            assert self.cpu is not None and self.disk is not None
-            slot = self.cpu.acquire(key)  # pinned while the disk tier reads it
-            if slot is None:
-                self._count("disk_skipped_evicted")
-                return
-            try:
-                if self._safe(self.disk.contains, key, default=False):
-                    return
-                ok = bool(self._safe(self.disk.put, key, slot.memoryview(), default=False))
-            finally:
-                self.cpu.release(slot)
-            self._count("stored_disk" if ok else "disk_put_failures")
-        finally:
-            self._store_slots.release()
-            self._leave()
 
     def _tenant_kw(self, tenant: str) -> dict[str, str]:
         """``put``'s ``tenant=`` for a remote tier with budgets, else nothing."""
         return {"tenant": tenant} if self._remote_tenants else {}
 
     def _send_remote(self, key: bytes, tenant: str = DEFAULT_TENANT) -> None:
-        if self.remote is None or self._remote_pool is None:
-            return
-        if not self._remote_slots.acquire(blocking=False):
-            self._count("remote_dropped_queue_full")
+        """Queue the chunk's write-through to the remote tier (no-op without one)."""
+        if self.remote is not None and self._remote_pool is not None:
+            self._queue_write("remote", self._remote_pool, self._remote_slots, key, tenant)
+
+    def _queue_write(
+        self, name: str, pool: ThreadPoolExecutor, slots: threading.BoundedSemaphore, key: bytes, tenant: str
+    ) -> None:
+        """Submit :meth:`_write_job` for tier ``name`` ("disk" / "remote") unless its queue is full
+        (counted ``<name>_dropped_queue_full``)."""
+        if not slots.acquire(blocking=False):
+            self._count(f"{name}_dropped_queue_full")
             return
         self._enter()
         try:
-            self._remote_pool.submit(self._remote_job, key, tenant)
+            pool.submit(self._write_job, name, slots, key, tenant)
         except BaseException:
-            self._remote_slots.release()
+            slots.release()
             self._leave()
             raise
 
-    def _remote_job(self, key: bytes, tenant: str) -> None:
+    def _write_job(self, name: str, slots: threading.BoundedSemaphore, key: bytes, tenant: str) -> None:
+        """Copy the chunk from the CPU pool (pinned while the tier reads it) to the disk or remote
+        tier; skipped (``<name>_skipped_evicted``) when it left the pool first, and on disk when the
+        disk already holds it. Counts ``stored_<name>`` or ``<name>_put_failures``."""
         try:
-            assert self.cpu is not None and self.remote is not None
-            slot = self.cpu.acquire(key)  # pinned while the remote tier reads it
+            tier = self.disk if name == "disk" else self.remote
+            assert self.cpu is not None and tier is not None
+            slot = self.cpu.acquire(key)
             if slot is None:
-                self._count("remote_skipped_evicted")
+                self._count(f"{name}_skipped_evicted")
                 return
             try:
-                ok = bool(self._safe(self.remote.put, key, slot.memoryview(), default=False, **self._tenant_kw(tenant)))
+                if name == "disk" and self._safe(tier.contains, key, default=False):
+                    return
+                kw = self._tenant_kw(tenant) if name == "remote" else {}
+                ok = bool(self._safe(tier.put, key, slot.memoryview(), default=False, **kw))
             finally:
                 self.cpu.release(slot)
-            self._count("stored_remote" if ok else "remote_put_failures")
+            self._count(f"stored_{name}" if ok else f"{name}_put_failures")
         finally:
-            self._remote_slots.release()
+            slots.release()
             self._leave()
 
     def _write_back(self, key: bytes, view: torch.Tensor) -> bool:
