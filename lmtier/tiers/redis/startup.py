@@ -4,17 +4,22 @@ never work (a configuration error) or an outage (the tier degrades to misses).
 At start-up :class:`lmtier.tiers.redis.RedisTier` sends one PING; when that fails on a TLS endpoint,
 :func:`tls_misconfiguration` tells the two apart:
 
-* a TLS error in the exception chain (``ssl.SSLError`` other than a timeout: certificate not
-  trusted, host name mismatch, wrong protocol version, a plain-text reply where a TLS record was
-  expected) — the handshake failed and will fail the same way on every connection;
+* a TLS error in the exception chain (``ssl.SSLError`` other than a timeout or a connection the
+  peer closed or reset mid-handshake: certificate not trusted, host name mismatch, wrong protocol
+  version, a plain-text reply where a TLS record was expected) — the handshake failed and will fail
+  the same way on every connection;
 * a handshake that only timed out, where a plain-text ``PING`` to the same ``host:port`` is answered
   in RESP (``+PONG``, ``-NOAUTH ...``): the server speaks plain text. Redis reads a TLS ClientHello as
   the start of an inline command and waits for its newline, so a ``rediss://`` URL pointed at a
   plain-text port ends in a handshake timeout, not an SSL error — the case that used to degrade into
   misses forever. The probe sends ``PING\\r\\n`` only (never the password) and waits at most
-  ``connect_timeout_s`` + ``timeout_s``.
+  ``connect_timeout_s`` + ``timeout_s`` per seed host (``connect_timeout_s`` per address a host name
+  resolves to; the name lookup itself is not bounded).
 
-Anything else (refused, unreachable, a TLS server that accepts but does not answer) is an outage.
+Anything else (refused, unreachable, a TLS server that accepts but does not answer, or one that
+closes or resets the connection during the handshake — ``ssl.SSLEOFError``,
+``ssl.SSLZeroReturnError``, ``ssl.SSLSyscallError``: a server restarting or at ``maxclients``, a
+load balancer without a healthy backend) is an outage.
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ def _chain(e: BaseException):
 
 def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, (TimeoutError, socket.timeout)) or "timed out" in str(e)
+
+
+# SSL errors of a connection the peer closed or reset mid-handshake: an outage, not a setting
+_TRANSIENT_SSL = (
+    ssl.SSLEOFError,
+    ssl.SSLZeroReturnError,
+    ssl.SSLSyscallError,
+    ssl.SSLWantReadError,
+    ssl.SSLWantWriteError,
+)
 
 
 def speaks_plain_resp(host: str, port: int, *, connect_timeout_s: float, timeout_s: float) -> bool:
@@ -73,7 +88,7 @@ def tls_misconfiguration(
     if endpoint.tls is None:
         return None
     for x in _chain(error):
-        if isinstance(x, ssl.SSLError) and not _is_timeout(x):
+        if isinstance(x, ssl.SSLError) and not isinstance(x, _TRANSIENT_SSL) and not _is_timeout(x):
             why = getattr(x, "verify_message", None) or x.reason or str(x)
             return f"TLS handshake failed ({type(x).__name__}: {why})"
     for host, port in endpoint.hosts:
