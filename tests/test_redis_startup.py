@@ -37,7 +37,7 @@ def _chained(inner: BaseException) -> BaseException:
         ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:1000)"),
         ssl.SSLZeroReturnError(6, "TLS/SSL connection has been closed (EOF) (_ssl.c:1000)"),
         ssl.SSLSyscallError(5, "Some I/O error occurred (_ssl.c:1000)"),
-        socket.timeout("_ssl.c:1000: The handshake operation timed out"),
+        TimeoutError("_ssl.c:1000: The handshake operation timed out"),
         ConnectionRefusedError(111, "Connection refused"),
     ],
     ids=["eof", "zero-return", "syscall", "timeout", "refused"],
