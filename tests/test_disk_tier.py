@@ -39,8 +39,8 @@ def files(root) -> list[str]:
 
 def temp_files(root) -> list[str]:
     """The ``.<key hex>...tmp`` files under ``root``'s shard directories (hidden: a plain ``*.tmp``
-    glob never matches them)."""
-    return sorted(glob.glob(os.path.join(root, "*", "*.tmp"), include_hidden=True))
+    glob never matches them; ``include_hidden=`` needs Python 3.11, lmtier supports 3.10)."""
+    return sorted({*glob.glob(os.path.join(root, "*", "*.tmp")), *glob.glob(os.path.join(root, "*", ".*.tmp"))})
 
 
 @pytest.fixture
