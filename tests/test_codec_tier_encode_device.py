@@ -172,6 +172,21 @@ def test_unencodable_kv_is_not_a_device_failure(disk, monkeypatch):
     t.close()
 
 
+def test_an_input_error_of_the_encoder_is_not_a_device_failure(disk, monkeypatch, caplog):
+    # ValueError / TypeError (e.g. tables that do not fit the record) are the input's, raised as on
+    # the CPU: GPU encoding stays on, no fallback is counted or logged.
+    def bad_tables(self, src, *, tables):
+        raise ValueError("tables.section_tables has 7 entries, the record has 120 sections")
+
+    monkeypatch.setattr(DeviceEncoder, "encode", bad_tables)
+    t = CodecTier(disk, shape=SHAPE, dtype=torch.bfloat16, level="default", encode_device="cuda:0")
+    with pytest.raises(ValueError, match="section_tables"):
+        t.put(key(1), as_bytes(kv_like(seed=531)))
+    assert t.counters["gpu_encode_fallbacks"] == 0 and t.encode_device == CUDA0
+    assert not gpu_warnings(caplog) and not t.contains(key(1))
+    t.close()
+
+
 def _codec_config(tmp_path, *, remote: bool = True, **extra) -> LMTierConfig:
     """A cachegen disk tier (and a cachegen remote tier with ``remote``), per-stream tables."""
     values = {

@@ -8,8 +8,9 @@ slot), whose CPU encode is far slower than the engine stores chunks (benchmarks/
 
 * **Slots** (a small pool, one per concurrent caller — the tier manager's write-through threads —
   at most ``max_idle_slots`` kept idle): a device buffer of one chunk (``uint8 [raw_bytes]``) and a
-  CUDA stream of the slot's own (non-default, from torch's pool), so encodes never queue behind the
-  model's compute stream or each other.
+  non-default CUDA stream (``torch.cuda.Stream()``: from torch's per-device pool of streams, which
+  other code of the process may draw from too), so encodes do not queue behind the model's compute
+  stream (the default stream); a stream shared with other work costs speed, not correctness.
 * **One encode** (under the slot's stream as the current stream): async H2D of the chunk into the
   slot's buffer, then :func:`~lmtier.codec.chunk.encode_chunk` on it (its kernels and allocations
   on that stream; it synchronizes the stream before reading the coder's results back), then a sync

@@ -46,10 +46,11 @@ Decisions:
 * **Where puts encode.** A CUDA payload is encoded on its device; a host payload (the tier
   manager's CPU-pool slot) on ``encode_device`` when one is set, else on the CPU. The GPU is
   touched only at the first such put (a CPU-only process may build the tier with ``cuda:0``). If a
-  GPU encode raises anything but :class:`~lmtier.codec.quant.CodecInputError` (out of memory, a
-  CUDA error, an ``lmtier._C`` built without CUDA), that chunk is encoded on the CPU, GPU encoding
-  is turned off for the tier and one warning is logged (counter ``gpu_encode_fallbacks``); a record
-  is stored only once fully produced, whichever path made it.
+  GPU encode raises anything but :class:`~lmtier.codec.quant.CodecInputError`, ``ValueError`` or
+  ``TypeError`` (the input's faults, raised as on the CPU) — out of memory, a CUDA error, an
+  ``lmtier._C`` built without CUDA — that chunk is encoded on the CPU, GPU encoding is turned off
+  for the tier and one warning is logged (counter ``gpu_encode_fallbacks``); a record is stored
+  only once fully produced, whichever path made it.
 * **Types.** Lossy levels (``high``, ``default``, ``low``) need bf16/fp16 KV, two planes (K and
   V) and a power-of-two head size (the Hadamard rotation); ``lossless`` needs bf16/fp16 KV and two
   planes. Anything else is a :class:`lmtier.config.ConfigError` at construction naming the config
@@ -404,13 +405,13 @@ class CodecTier(Tier):
     def _encode(self, key: bytes, src: torch.Tensor, tables: cchunk.StaticTables | None) -> tuple[bytes, bool]:
         """``(record, encoded on the GPU)`` of the flat uint8 chunk ``src``: a host ``src`` on
         ``encode_device`` while GPU encoding is on, else where ``src`` lives. A failed GPU encode
-        (anything but CodecInputError) falls back to the CPU for this chunk and turns GPU encoding
-        off (:meth:`_gpu_failed`). Raises what :func:`~lmtier.codec.chunk.encode_chunk` raises."""
+        (anything but CodecInputError, ValueError or TypeError: the input's faults) falls back to the
+        CPU for this chunk and turns GPU encoding off (:meth:`_gpu_failed`). Raises what :func:`~lmtier.codec.chunk.encode_chunk` raises."""
         gpu = self._gpu
         if gpu is not None and not src.is_cuda:
             try:
                 return gpu.encode(src, tables=tables), True
-            except CodecInputError:  # the KV, not the device: the CPU would refuse it too
+            except (CodecInputError, ValueError, TypeError):  # the input, not the device: the CPU would refuse it too
                 raise
             except Exception as e:  # noqa: BLE001 - OOM, CUDA errors, a CPU build: encode on the CPU
                 self._gpu_failed(key, gpu, e)
