@@ -406,7 +406,8 @@ class CodecTier(Tier):
         """``(record, encoded on the GPU)`` of the flat uint8 chunk ``src``: a host ``src`` on
         ``encode_device`` while GPU encoding is on, else where ``src`` lives. A failed GPU encode
         (anything but CodecInputError, ValueError or TypeError: the input's faults) falls back to the
-        CPU for this chunk and turns GPU encoding off (:meth:`_gpu_failed`). Raises what :func:`~lmtier.codec.chunk.encode_chunk` raises."""
+        CPU for this chunk and turns GPU encoding off (:meth:`_gpu_failed`). Raises what
+        :func:`~lmtier.codec.chunk.encode_chunk` raises."""
         gpu = self._gpu
         if gpu is not None and not src.is_cuda:
             try:
