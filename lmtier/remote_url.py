@@ -62,6 +62,7 @@ __all__ = [
     "parse_mooncake_url",
     "parse_remote_url",
     "redact_url",
+    "node_address",
 ]
 
 SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
@@ -144,7 +145,7 @@ class RedisEndpoint:
         """A URL for logs: no credentials, no query."""
         if self.kind == "unix":
             return f"unix://{self.socket_path}" + (f"?db={self.db}" if self.db else "")
-        nodes = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
+        nodes = ",".join(node_address(h, p) for h, p in self.hosts)
         return f"{self.scheme}://{nodes}" + ("" if self.kind == "cluster" else f"/{self.db}")
 
     def with_password(self, password: str | None) -> RedisEndpoint:
@@ -201,7 +202,7 @@ class MooncakeEndpoint:
     @property
     def master_address(self) -> str:
         """``host:port`` (``[v6]:port``), Mooncake's ``master_server_address``."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return node_address(self.host, self.port)
 
     def describe(self) -> str:
         """The URL, for logs."""
@@ -401,6 +402,11 @@ def _parse_host_port(bad, item: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise bad(f"port {port} outside 1..65535")
     return host, port
+
+
+def node_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets (``[::1]:6379``), as URLs and logs write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _node_identity(host: str, port: int) -> tuple[str, int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import socket
 import ssl
 
-from lmtier.remote_url import RedisEndpoint
+from lmtier.remote_url import RedisEndpoint, node_address
 
 __all__ = ["tls_misconfiguration", "speaks_plain_resp"]
 
@@ -93,10 +93,9 @@ def tls_misconfiguration(
             return f"TLS handshake failed ({type(x).__name__}: {why})"
     for host, port in endpoint.hosts:
         if speaks_plain_resp(host, port, connect_timeout_s=connect_timeout_s, timeout_s=timeout_s):
-            node = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             plain = endpoint.scheme.replace("rediss", "redis", 1)
             return (
-                f"TLS handshake failed: {node} answers plain-text Redis, not TLS "
+                f"TLS handshake failed: {node_address(host, port)} answers plain-text Redis, not TLS "
                 f"(use {plain}:// for a plain-text server, or the server's TLS port)"
             )
     return None
