@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import codec_quality as CQ
+import codec_rates as CR
 import torch
 
 from lmtier.codec import levels as L
@@ -72,23 +73,28 @@ def quantize_heads(chunk: torch.Tensor, qmax: torch.Tensor) -> tuple[torch.Tenso
     return (q.to(torch.int64) + OFFSET).permute(0, 1, 3, 4, 2), code.permute(0, 1, 3, 2), dec
 
 
-def _tables(streams: list[torch.Tensor]) -> torch.Tensor:
-    """-log2 p per (stream, symbol) from counts over ``streams`` (int64 ``[S, n]``), light smoothing."""
-    c = torch.zeros(streams[0].shape[0], 256, dtype=torch.float64)
-    for s in streams:
-        c.scatter_add_(1, s, torch.ones_like(s, dtype=torch.float64))
-    return -torch.log2((c + 0.02) / (c.sum(1, keepdim=True) + 0.02 * 256))
+def _support(qmax: torch.Tensor, d: int) -> torch.Tensor:
+    """bool ``[L*2*H*D, 256]``: the symbols each stream can emit (``|sym - OFFSET| <= qmax``)."""
+    sym = torch.arange(256)
+    sup = (sym - OFFSET).abs()[None, :] <= qmax.reshape(-1, 1)  # [L*2*H, 256]
+    return sup.repeat_interleave(d, dim=0)
+
+
+def _streams(sym: torch.Tensor) -> torch.Tensor:
+    """Symbols ``[L, 2, H, D, T]`` as uint8 streams ``[L*2*H*D, T]`` (the rate model's input)."""
+    return sym.reshape(-1, sym.shape[-1]).to(torch.uint8)
 
 
 def group_bits(cal: list[torch.Tensor], nl: int, h: int) -> torch.Tensor:
-    """float64 ``[L*2*H, len(CANDS)]``: symbol bits of each group over the tune chunks at each qmax."""
+    """float64 ``[L*2*H, len(CANDS)]``: symbol bits of each group over the tune chunks at each qmax
+    (the rate model of the matrix: :class:`codec_rates.StaticCoderModel` fitted on those chunks)."""
     out = torch.zeros(nl * 2 * h, len(CANDS), dtype=torch.float64)
     for i, q in enumerate(CANDS):
-        syms = [quantize_heads(c, torch.full((nl, 2, h), float(q)))[0] for c in cal]
-        flat = [s.reshape(-1, s.shape[-1]) for s in syms]
-        tab = _tables(flat)
-        for f in flat:
-            out[:, i] += tab.gather(1, f).sum(1).reshape(nl * 2 * h, -1).sum(1)
+        qm = torch.full((nl, 2, h), float(q))
+        streams = [_streams(quantize_heads(c, qm)[0]) for c in cal]
+        model = CR.StaticCoderModel(streams, _support(qm, cal[0].shape[-1]))
+        for x in streams:
+            out[:, i] += model.stream_bits(x).reshape(nl * 2 * h, -1).sum(1)
     return out
 
 
@@ -106,24 +112,26 @@ def allocate(kl0: torch.Tensor, q0: torch.Tensor, bits: torch.Tensor, budget: fl
 
 
 class Scheme:
-    """A qmax per group with static tables (symbols and scale codes) fitted on the tune chunks."""
+    """A qmax per group with static tables (symbols, and scale codes per (layer, plane)) fitted on the
+    tune chunks: :class:`codec_rates.StaticCoderModel`, as the matrix's ``ratio_bound``."""
 
     def __init__(self, qmax: torch.Tensor, cal: list[torch.Tensor]):
         self.qmax = qmax
         syms, codes = [], []
         for c in cal:
             s, k, _ = quantize_heads(c, qmax)
-            syms.append(s.reshape(-1, s.shape[-1]))
-            codes.append(k.reshape(k.shape[0] * 2, -1))
-        self.tsym, self.tside = _tables(syms), _tables(codes)
+            syms.append(_streams(s))
+            codes.append(k.reshape(k.shape[0] * 2, -1).to(torch.uint8))
+        self.sym_model = CR.StaticCoderModel(syms, _support(qmax, cal[0].shape[-1]))
+        self.side_model = CR.StaticCoderModel(codes, torch.ones(codes[0].shape[0], 256, dtype=torch.bool))
 
     def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor]:
         """(ratio bound, decoded KV bf16) of a canonical bf16 context ``kv``."""
         bits, dec = 0.0, []
         for c in CQ.chunk_views(kv):
             s, k, d = quantize_heads(c, self.qmax)
-            bits += float(self.tsym.gather(1, s.reshape(-1, s.shape[-1])).sum())
-            bits += float(self.tside.gather(1, k.reshape(k.shape[0] * 2, -1)).sum())
+            bits += self.sym_model.bits(_streams(s))[0]
+            bits += self.side_model.bits(k.reshape(k.shape[0] * 2, -1).to(torch.uint8))[0]
             dec.append(d)
         return kv.numel() * 16 / bits, torch.cat(dec, 2)
 

@@ -81,10 +81,13 @@ class StaticCoderModel:
     def __init__(self, calib_streams: list[torch.Tensor], support: torch.Tensor):
         self.freq = normalize_table(stream_counts(calib_streams), support | (stream_counts(calib_streams) > 0))
 
+    def stream_bits(self, x: torch.Tensor) -> torch.Tensor:
+        """Cost in bits of each stream of x [S, n]: min(static, local + description) + 1 flag bit."""
+        return torch.minimum(static_bits(x, self.freq), local_bits(x)) + 1
+
     def bits(self, x: torch.Tensor) -> tuple[float, float]:
         st = static_bits(x, self.freq)
-        lo = local_bits(x)
-        return float(torch.minimum(st, lo).sum() + x.shape[0]), float(st[torch.isfinite(st)].sum())
+        return float(self.stream_bits(x).sum()), float(st[torch.isfinite(st)].sum())
 
 
 def _symbol_streams(sym: torch.Tensor) -> torch.Tensor:
