@@ -192,10 +192,12 @@ def test_master_killed_bounded_misses_then_recovery(mooncake_store):
         out = bytearray(1 << 20)
         for _ in range(10):
             t0 = time.monotonic()
-            assert t.get_into(K(10), out) is None
+            got = t.get_into(K(10), out)  # a miss, or the verified record (as with a paused master)
+            assert got is None or (got == 1 << 20 and bytes(out) == payload(10, 1 << 20)), got
+            assert t.get_into(K(11), out) is None
             assert t.contains_many([K(10), K(11)]) == [False, False]
             assert t.put(K(12), payload(12, 4096)) is False
-            assert time.monotonic() - t0 < 3 * 0.5 + 0.5  # each call at most timeout_s (+ slack)
+            assert time.monotonic() - t0 < 4 * 0.5 + 0.5  # each call at most timeout_s (+ slack)
         assert t.breaker.times_opened >= 1
         mooncake_store.master.start()  # same port; its metadata is gone, the servers re-mount
         deadline = time.monotonic() + 60
@@ -218,12 +220,17 @@ def test_master_paused_bounded_latency_then_recovery(mooncake_store):
         t_start = time.monotonic()
         for _ in range(20):
             t0 = time.monotonic()
-            assert t.get_into(K(20), out) is None
-            assert t.contains(K(20)) is False
+            # K(20), which this client just stored: a miss, or (seen in ~1 of 70 runs) the verified
+            # record — the client can read it without the stopped master, never other bytes.
+            got = t.get_into(K(20), out)
+            assert got is None or (got == 1 << 20 and bytes(out) == payload(20, 1 << 20)), got
+            # a key this client never touched needs the master: a miss within the timeout
+            assert t.get_into(K(21), out) is None
+            assert t.contains(K(21)) is False
             worst = max(worst, time.monotonic() - t0)
         # bounded, not fast: a paused master would block a call without the 0.5 s timeout forever; the
         # slack keeps the verdict independent of the machine's load (issue 20 §4)
-        assert worst < 2 * 0.5 + 5 and time.monotonic() - t_start < 60
+        assert worst < 3 * 0.5 + 5 and time.monotonic() - t_start < 60
         assert t.counters["timeouts"] >= 1
         mooncake_store.master.resume()
         deadline = time.monotonic() + 60
