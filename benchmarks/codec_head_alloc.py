@@ -111,6 +111,15 @@ def allocate(kl0: torch.Tensor, q0: torch.Tensor, bits: torch.Tensor, budget: fl
     return c[(klq + hi * bits).argmin(1)]
 
 
+def per_layer_allocation(kl0: torch.Tensor, q0: torch.Tensor, bits: torch.Tensor, budget: float) -> torch.Tensor:
+    """:func:`allocate` with one qmax per (layer, plane) for all its heads (their KL and bits summed):
+    float32 ``[L, 2, H]``. ``kl0``, ``q0``: ``[L, 2, H]`` (``q0`` alike over heads); ``bits``:
+    ``[L*2*H, len(CANDS)]``."""
+    nl, _, h = kl0.shape
+    q = allocate(kl0.sum(-1).reshape(-1), q0[:, :, 0].reshape(-1), bits.reshape(nl * 2, h, -1).sum(1), budget)
+    return q.reshape(nl, 2, 1).expand(nl, 2, h).float().contiguous()
+
+
 class Scheme:
     """A qmax per group with static tables (symbols, and scale codes per (layer, plane)) fitted on the
     tune chunks: :class:`codec_rates.StaticCoderModel`, as the matrix's ``ratio_bound``."""
@@ -171,6 +180,17 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-texts", default=",".join(HELD))
     ap.add_argument("--budgets", default="1.0,0.9", help="bit budgets as multiples of the level's bits (tune split)")
     ap.add_argument(
+        "--budget-level",
+        default=None,
+        help="budgets as multiples of this level's bits instead (the sensitivities stay --level's); "
+        "the level itself is evaluated beside the allocations",
+    )
+    ap.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="also allocate one qmax per (layer, plane) for all its heads (the kernels' [L, 2] table)",
+    )
+    ap.add_argument(
         "--sens-json", type=Path, default=None, help="read the sensitivities here if it exists, else write them"
     )
     ap.add_argument("--json", type=Path, default=None)
@@ -187,12 +207,17 @@ def main(argv=None) -> int:
     cal = [c for t in sens for c in CQ.chunk_views(CQ.get_text(t, a.model)["kv_fp32"].to(torch.bfloat16))]
     q0 = level_qmax(level, nl, h).double()
     bits = group_bits(cal, nl, h)
-    base = float(bits.gather(1, torch.tensor([CANDS.index(int(q)) for q in q0.reshape(-1)])[:, None]).sum())
-    schemes = {a.level: Scheme(q0.float(), cal)}
+    blevel = L.get_level(a.budget_level) if a.budget_level else level
+    qb = level_qmax(blevel, nl, h).double()
+    base = float(bits.gather(1, torch.tensor([CANDS.index(int(q)) for q in qb.reshape(-1)])[:, None]).sum())
+    schemes = {blevel.name: Scheme(qb.float(), cal)}
     for b in (float(x) for x in a.budgets.split(",")):
-        schemes[f"{a.level}/head x{b:g}"] = Scheme(
+        schemes[f"{blevel.name}/head x{b:g}"] = Scheme(
             allocate(kl0.reshape(-1), q0.reshape(-1), bits, base * b).reshape(nl, 2, h).float(), cal
         )
+        if a.per_layer:
+            ql = per_layer_allocation(kl0, q0, bits, base * b)
+            schemes[f"{blevel.name}/layer x{b:g}"] = Scheme(ql, cal)
     cells = []
     for t in a.eval_texts.split(","):
         data = CQ.get_text(t, a.model)

@@ -63,3 +63,19 @@ def test_allocation_keeps_the_budget_and_favours_the_sensitive_group():
     assert q[0] > 4 and q[3] < 4 and q[0] > q[1] >= q[3]
     pred = float((kl0 * (q0 / q) ** 2).sum())
     assert pred < float(kl0.sum())  # better than the uniform allocation at the same bits
+
+
+def test_per_layer_allocation_gives_every_head_of_a_layer_one_qmax():
+    c = torch.tensor(HA.CANDS, dtype=torch.float64)
+    nl, h = 2, 3
+    bits = (torch.log2(2 * c + 1)[None, :] * 1000).repeat(nl * 2 * h, 1)
+    kl0 = torch.full((nl, 2, h), 1e-5, dtype=torch.float64)
+    kl0[1, 1, 0] = 1e-2  # one sensitive head makes its whole (layer, plane) finer
+    q0 = torch.full((nl, 2, h), 4.0, dtype=torch.float64)
+    budget = float(bits[:, HA.CANDS.index(4)].sum())
+    q = HA.per_layer_allocation(kl0, q0, bits, budget)
+    assert q.shape == (nl, 2, h) and q.dtype == torch.float32
+    assert (q == q[:, :, :1]).all()
+    assert q[1, 1, 0] > 4 and q[0, 0, 0] < 4
+    spent = sum(float(bits[0, HA.CANDS.index(int(v))]) for v in q.reshape(-1))
+    assert spent <= budget
