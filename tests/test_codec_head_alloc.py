@@ -79,3 +79,31 @@ def test_per_layer_allocation_gives_every_head_of_a_layer_one_qmax():
     assert q[1, 1, 0] > 4 and q[0, 0, 0] < 4
     spent = sum(float(bits[0, HA.CANDS.index(int(v))]) for v in q.reshape(-1))
     assert spent <= budget
+
+
+def test_fisher_group_kl_predicts_the_kl_of_small_errors():
+    # a softmax model linear in the KV: the KL of a small error on one element of a group is
+    # 1/(2n) F_ii e_i^2 to second order, which the sampled Fisher diagonal must reproduce
+    g = torch.Generator().manual_seed(0)
+    shape, n, vocab = (2, 2, 3, 2, 4), 5, 7
+    kv = torch.randn(shape, generator=g)
+    a = torch.randn(n * vocab, kv.numel(), generator=g) * 0.3
+
+    def logprobs(x):
+        return torch.log_softmax((a @ x.reshape(-1)).reshape(n, vocab), -1)
+
+    e = torch.zeros(shape)
+    scale = torch.linspace(0.005, 0.04, 8).reshape(2, 2, 2)
+    for idx, s in zip(torch.cartesian_prod(torch.arange(2), torch.arange(2), torch.arange(2)), scale.reshape(-1)):
+        l, p, h = (int(v) for v in idx)
+        e[l, p, 1, h, 2] = s  # one element per (layer, plane, head) group
+    pred = HA.fisher_group_kl(logprobs, kv, e, samples=1500, gen=g)
+    ref = logprobs(kv).detach()
+    for l in range(2):
+        for p in range(2):
+            for h in range(2):
+                x = kv.clone()
+                x[l, p, :, h] += e[l, p, :, h]
+                lp = logprobs(x).detach()
+                exact = float((ref.exp() * (ref - lp)).sum(1).mean())
+                assert abs(float(pred[l, p, h]) - exact) < 0.15 * exact, (l, p, h, float(pred[l, p, h]), exact)
