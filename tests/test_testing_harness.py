@@ -100,3 +100,18 @@ def test_corrupt_file_changes_the_file(tmp_path, size):
     got = f.read_bytes()
     assert len(got) == size and got != data
     assert sum(a != b for a, b in zip(got, data)) >= 16
+
+
+def test_redis_server_output_goes_to_a_file_and_a_failed_start_names_it(tmp_path):
+    # a server that writes far more than a pipe holds (64 KiB) before it exits: with its output on
+    # an unread pipe it would block instead; the exit message carries the tail of what it wrote
+    exe = tmp_path / "noisy-redis"
+    exe.write_text('#!/bin/sh\nyes "warning line" | head -c 300000\necho "FATAL: bad config" >&2\nexit 1\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    srv = tredis.RedisServer(binary=str(exe))
+    try:
+        with pytest.raises(tredis.RedisUnavailable, match="FATAL: bad config"):
+            srv.start(timeout_s=20)
+        assert os.path.getsize(os.path.join(srv.dir, "redis-server.log")) > 300000
+    finally:
+        srv.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmtier import envs
 from lmtier.errors import LMTierError
-from lmtier.testing.procs import free_port
+from lmtier.testing.procs import free_port, tail
 
 __all__ = [
     "RedisUnavailable",
@@ -195,13 +195,15 @@ class RedisServer:
                 "no",
             ]
         args += list(self.extra_args)
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # its output goes to a file: a pipe nobody reads would block the server once 64 KiB of
+        # warnings had accumulated in a long benchmark or soak
+        log_path = os.path.join(self.dir, "redis-server.log")
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RedisUnavailable(
-                    f"redis-server exited: {self.proc.stdout.read().decode(errors='replace')[-1000:]}"
-                )
+                raise RedisUnavailable(f"redis-server exited: {tail(Path(log_path), 20)[-1000:]}")
             if self._ping():
                 return self
             time.sleep(0.02)
