@@ -23,7 +23,8 @@ the product's bit for bit (tests/test_codec_head_alloc.py). The record format ca
 per head today: no records are written here.
 
 Run: ``python benchmarks/codec_head_alloc.py [--level default] [--budgets 1.0,0.9]
-[--sens-json PATH] [--json PATH]`` (SmolLM2; the sensitivity pass is ~180 forwards per text).
+[--budget-level high] [--per-layer] [--fisher SAMPLES] [--sens-json PATH] [--json PATH]`` (SmolLM2;
+the sensitivity pass is ~180 forwards per text, or ``SAMPLES`` backward passes with ``--fisher``).
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ def fisher_group_kl(logprobs, kv: torch.Tensor, e: torch.Tensor, samples: int, g
 
     The second-order expansion of the mean KL of ``n`` predicted tokens around the exact KV is
     ``KL(kv + e) ~ 1/(2n) e^T F e`` with ``F = sum_t E_{y ~ p_t}[g_t g_t^T]``, ``g_t`` the gradient of
-    ``log p_t(y)`` w.r.t. ``kv`` (the Fisher information; KVQuant, Hooper et al. 2024, weights its
-    quantizer by the same diagonal). The diagonal is estimated from ``samples`` draws of all ``n``
+    ``log p_t(y)`` w.r.t. ``kv`` (the Fisher information of the model's own distribution; KVQuant, Hooper
+    et al. 2024, weights its quantizer by a Fisher diagonal, the empirical one at the data's tokens). The diagonal is estimated from ``samples`` draws of all ``n``
     tokens at once (one backward each; unbiased, as the cross-token terms have zero mean), and a
     group's KL is ``1/(2n) sum_{i in g} F_ii e_i^2`` (errors of different elements taken as
     uncorrelated).
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     level = L.get_level(a.level)
     if a.sens_json and a.sens_json.exists():
+        if a.fisher:
+            ap.error(f"--fisher would be ignored: {a.sens_json} exists (its sensitivities are read)")
         sens = json.loads(a.sens_json.read_text())
     else:
         texts = a.sens_texts.split(",")
@@ -303,7 +306,15 @@ def main(argv=None) -> int:
                 flush=True,
             )
     if a.json:
-        a.json.write_text(json.dumps(dict(level=a.level, model=a.model, sensitivity=sens, cells=cells), indent=1))
+        run = dict(
+            level=a.level,
+            budget_level=blevel.name,
+            budgets=a.budgets,
+            per_layer=a.per_layer,
+            fisher_samples=a.fisher,
+            sens_json=str(a.sens_json) if a.sens_json else None,
+        )
+        a.json.write_text(json.dumps(dict(model=a.model, **run, sensitivity=sens, cells=cells), indent=1))
     return 0
 
 

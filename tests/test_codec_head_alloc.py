@@ -68,7 +68,8 @@ def test_allocation_keeps_the_budget_and_favours_the_sensitive_group():
 def test_per_layer_allocation_gives_every_head_of_a_layer_one_qmax():
     c = torch.tensor(HA.CANDS, dtype=torch.float64)
     nl, h = 2, 3
-    bits = (torch.log2(2 * c + 1)[None, :] * 1000).repeat(nl * 2 * h, 1)
+    # heads' bits differ (x1, x2, x3), so a wrong grouping of the bits would change the spend
+    bits = torch.log2(2 * c + 1)[None, :] * 1000 * torch.tensor([1.0, 2.0, 3.0]).repeat(nl * 2)[:, None]
     kl0 = torch.full((nl, 2, h), 1e-5, dtype=torch.float64)
     kl0[1, 1, 0] = 1e-2  # one sensitive head makes its whole (layer, plane) finer
     q0 = torch.full((nl, 2, h), 4.0, dtype=torch.float64)
@@ -77,8 +78,9 @@ def test_per_layer_allocation_gives_every_head_of_a_layer_one_qmax():
     assert q.shape == (nl, 2, h) and q.dtype == torch.float32
     assert (q == q[:, :, :1]).all()
     assert q[1, 1, 0] > 4 and q[0, 0, 0] < 4
-    spent = sum(float(bits[0, HA.CANDS.index(int(v))]) for v in q.reshape(-1))
+    spent = sum(float(bits[g, HA.CANDS.index(int(v))]) for g, v in enumerate(q.reshape(-1)))
     assert spent <= budget
+    assert spent > 0.9 * budget  # the budget is used, not left over
 
 
 def test_fisher_group_kl_predicts_the_kl_of_small_errors():

@@ -189,9 +189,9 @@ def test_master_killed_bounded_misses_then_recovery(mooncake_store):
     try:
         assert t.put(K(10), payload(10, 1 << 20))
         mooncake_store.master.kill()
-        out = bytearray(1 << 20)
         for _ in range(10):
             t0 = time.monotonic()
+            out = bytearray(1 << 20)  # zeroed per read: a 'hit' that wrote nothing cannot pass
             got = t.get_into(K(10), out)  # a miss, or the verified record (as with a paused master)
             assert got is None or (got == 1 << 20 and bytes(out) == payload(10, 1 << 20)), got
             assert t.get_into(K(11), out) is None
@@ -204,7 +204,9 @@ def test_master_killed_bounded_misses_then_recovery(mooncake_store):
         while not t.put(K(13), payload(13, 1 << 20)):
             assert time.monotonic() < deadline, dict(t.counters)
             time.sleep(0.5)
+        out = bytearray(1 << 20)
         assert t.get_into(K(13), out) == 1 << 20 and bytes(out) == payload(13, 1 << 20)
+        out = bytearray(1 << 20)
         # stored before the crash: the new master does not list it (a miss), unless the client still
         # reads it as with a paused master above; never other bytes
         got = t.get_into(K(10), out)
@@ -218,13 +220,15 @@ def test_master_paused_bounded_latency_then_recovery(mooncake_store):
     try:
         assert t.put(K(20), payload(20, 1 << 20))
         mooncake_store.master.pause()
-        out = bytearray(1 << 20)
         worst = 0.0
         t_start = time.monotonic()
         for _ in range(20):
             t0 = time.monotonic()
-            # K(20), which this client just stored: a miss, or (seen in ~1 of 70 runs) the verified
-            # record — the client can read it without the stopped master, never other bytes.
+            # K(20), which this client just stored: a miss, or (2 of ~70 runs here, once in CI) the
+            # verified record — the client can read it without the stopped master; never other bytes.
+            # (Its contains() is not asserted: whether the client answers that without the master
+            # too is Mooncake's business; K(21) below checks the path that needs the master.)
+            out = bytearray(1 << 20)  # zeroed per read: a 'hit' that wrote nothing cannot pass
             got = t.get_into(K(20), out)
             assert got is None or (got == 1 << 20 and bytes(out) == payload(20, 1 << 20)), got
             # a key this client never touched needs the master: a miss within the timeout
@@ -237,10 +241,11 @@ def test_master_paused_bounded_latency_then_recovery(mooncake_store):
         assert t.counters["timeouts"] >= 1
         mooncake_store.master.resume()
         deadline = time.monotonic() + 60
-        while t.get_into(K(20), out) is None:
+        while not t.contains(K(20)):  # batch_is_exist: answered by the resumed master
             assert time.monotonic() < deadline, dict(t.counters)
             time.sleep(0.3)
-        assert bytes(out) == payload(20, 1 << 20)
+        out = bytearray(1 << 20)
+        assert t.get_into(K(20), out) == 1 << 20 and bytes(out) == payload(20, 1 << 20)
     finally:
         mooncake_store.master.resume()
         t.close()
