@@ -146,15 +146,19 @@ class Scheme:
         return kv.numel() * 16 / bits, torch.cat(dec, 2)
 
 
+def reference(t: str, model: str) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(text data, bf16 KV [L, 2, T, H, D], reference log-probs, scored next tokens)`` of text ``t``."""
+    data = CQ.get_text(t, model)
+    kv = data["kv_fp32"].to(torch.bfloat16)
+    return data, kv, CQ.continuation_logprobs(data, kv.float()), data["ids"][data["ctx"] + 1 :]
+
+
 def sensitivity(level: L.Level, texts, model: str) -> dict:
     """Per text: ``full`` (KL of the whole decode) and ``kl`` ``[L][2][H]`` (only that group decoded)."""
     out = {}
     for t in texts:
         t0 = time.time()
-        data = CQ.get_text(t, model)
-        kv = data["kv_fp32"].to(torch.bfloat16)
-        ref = CQ.continuation_logprobs(data, kv.float())
-        ids = data["ids"][data["ctx"] + 1 :]
+        data, kv, ref, ids = reference(t, model)
         dec = CQ.decode_level(level, kv)
         full = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)["kl"]
         nl, _, _, h, _ = kv.shape
@@ -178,11 +182,11 @@ def fisher_group_kl(logprobs, kv: torch.Tensor, e: torch.Tensor, samples: int, g
 
     The second-order expansion of the mean KL of ``n`` predicted tokens around the exact KV is
     ``KL(kv + e) ~ 1/(2n) e^T F e`` with ``F = sum_t E_{y ~ p_t}[g_t g_t^T]``, ``g_t`` the gradient of
-    ``log p_t(y)`` w.r.t. ``kv`` (the Fisher information of the model's own distribution; KVQuant, Hooper
-    et al. 2024, weights its quantizer by a Fisher diagonal, the empirical one at the data's tokens). The diagonal is estimated from ``samples`` draws of all ``n``
-    tokens at once (one backward each; unbiased, as the cross-token terms have zero mean), and a
-    group's KL is ``1/(2n) sum_{i in g} F_ii e_i^2`` (errors of different elements taken as
-    uncorrelated).
+    ``log p_t(y)`` w.r.t. ``kv`` (the Fisher information of the model's own distribution; KVQuant,
+    Hooper et al. 2024, weights its quantizer by a Fisher diagonal, the empirical one at the data's
+    tokens). The diagonal is estimated from ``samples`` draws of all ``n`` tokens at once (one
+    backward each; unbiased, as the cross-token terms have zero mean), and a group's KL is
+    ``1/(2n) sum_{i in g} F_ii e_i^2`` (errors of different elements taken as uncorrelated).
 
     Args:
         logprobs: ``x [L, 2, T, H, D] -> log-probs [n, V]``, differentiable in ``x``.
@@ -205,24 +209,19 @@ def fisher_sensitivity(level: L.Level, texts, model: str, samples: int = 8, seed
     """:func:`sensitivity` from :func:`fisher_group_kl` (``samples`` backward passes per text) instead
     of one forward per group. Per text: ``full`` (the measured KL of the whole decode) and ``kl``
     ``[L][2][H]`` (predicted)."""
-    m, _ = CQ.load_model(torch.float32, model)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for t in texts:
         t0 = time.time()
-        data = CQ.get_text(t, model)
-        kvb = data["kv_fp32"].to(torch.bfloat16)
-        kv = kvb.float()
+        data, kvb, ref, ids = reference(t, model)
         dec = CQ.decode_level(level, kvb)
-        ids, ctx = data["ids"], data["ctx"]
-        n = ids.numel() - ctx - 1
-        ref = CQ.continuation_logprobs(data, kv)
-        full = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids[ctx + 1 :])["kl"]
+        full = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)["kl"]
+        n = ids.numel()  # the scored tokens, as compare() counts them
 
-        def logprobs(x, ids=ids, ctx=ctx, n=n):
-            o = m(ids[None, ctx:], past_key_values=CQ._canonical_to_cache(x, torch.float32), use_cache=True)
-            return torch.log_softmax(o.logits[0].float(), -1)[:n]
+        def logprobs(x, data=data, n=n):
+            return CQ.continuation_logprobs(data, x, grad=True)[:n]
 
+        kv = kvb.float()
         kl = fisher_group_kl(logprobs, kv, dec.float() - kv, samples, gen)
         out[t] = dict(full=full, kl=kl.tolist())
         print(
@@ -292,10 +291,7 @@ def main(argv=None) -> int:
             schemes[f"{blevel.name}/layer x{b:g}"] = Scheme(ql, cal)
     cells = []
     for t in a.eval_texts.split(","):
-        data = CQ.get_text(t, a.model)
-        kv = data["kv_fp32"].to(torch.bfloat16)
-        ref = CQ.continuation_logprobs(data, kv.float())
-        ids = data["ids"][data["ctx"] + 1 :]
+        data, kv, ref, ids = reference(t, a.model)
         for name, s in schemes.items():
             ratio, dec = s.run(kv)
             m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)

@@ -162,13 +162,14 @@ def get_text(name: str, model: str = "smollm2"):
     return dict(ids=ids[: ctx + cont], ctx=ctx, cont=cont, kv_fp32=kv32, kv_bf16model=kv16, model=model)
 
 
-def continuation_logprobs(text: dict, kv: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced log-probs [cont, vocab] (fp32) of the continuation, context KV = ``kv``."""
+def continuation_logprobs(text: dict, kv: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
+    """Teacher-forced log-probs [cont, vocab] (fp32) of the continuation, context KV = ``kv``
+    (``grad``: differentiable in ``kv``, for a backward pass)."""
     m, _ = load_model(torch.float32, text.get("model", "smollm2"))
     ids = text["ids"]
     ctx = text["ctx"]
     cache = _canonical_to_cache(kv, torch.float32)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         out = m(ids[None, ctx:], past_key_values=cache, use_cache=True)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
