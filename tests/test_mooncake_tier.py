@@ -29,6 +29,11 @@ def payload(i: int, n: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+def miss_or_record(got, out: bytearray, i: int) -> bool:
+    """A get's result is a miss, or the whole record ``payload(i, 1 MiB)`` in ``out`` — never other bytes."""
+    return got is None or (got == 1 << 20 and bytes(out) == payload(i, 1 << 20))
+
+
 def make_tier(store, **kw) -> MooncakeTier:
     kw.setdefault("timeout_s", 1.0)
     kw.setdefault("bounce_bytes", 64 << 20)
@@ -193,7 +198,7 @@ def test_master_killed_bounded_misses_then_recovery(mooncake_store):
             t0 = time.monotonic()
             out = bytearray(1 << 20)  # zeroed per read: a 'hit' that wrote nothing cannot pass
             got = t.get_into(K(10), out)  # a miss, or the verified record (as with a paused master)
-            assert got is None or (got == 1 << 20 and bytes(out) == payload(10, 1 << 20)), got
+            assert miss_or_record(got, out, 10), got
             assert t.get_into(K(11), out) is None
             assert t.contains_many([K(10), K(11)]) == [False, False]
             assert t.put(K(12), payload(12, 4096)) is False
@@ -210,7 +215,7 @@ def test_master_killed_bounded_misses_then_recovery(mooncake_store):
         # stored before the crash: the new master does not list it (a miss), unless the client still
         # reads it as with a paused master above; never other bytes
         got = t.get_into(K(10), out)
-        assert got is None or (got == 1 << 20 and bytes(out) == payload(10, 1 << 20)), got
+        assert miss_or_record(got, out, 10), got
     finally:
         t.close()
 
@@ -230,7 +235,7 @@ def test_master_paused_bounded_latency_then_recovery(mooncake_store):
             # too is Mooncake's business; K(21) below checks the path that needs the master.)
             out = bytearray(1 << 20)  # zeroed per read: a 'hit' that wrote nothing cannot pass
             got = t.get_into(K(20), out)
-            assert got is None or (got == 1 << 20 and bytes(out) == payload(20, 1 << 20)), got
+            assert miss_or_record(got, out, 20), got
             # a key this client never touched needs the master: a miss within the timeout
             assert t.get_into(K(21), out) is None
             assert t.contains(K(21)) is False
