@@ -263,7 +263,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    level = L.get_level(a.level)
+    if a.fisher < 0:
+        ap.error(f"--fisher must be >= 1 sample (or 0: measure per group), got {a.fisher}")
+    try:  # before any long pass: a wrong name fails at once
+        level = L.get_level(a.level)
+        blevel = L.get_level(a.budget_level) if a.budget_level else level
+    except ValueError as e:
+        ap.error(str(e))
     if a.sens_json and a.sens_json.exists():
         if a.fisher:
             ap.error(f"--fisher would be ignored: {a.sens_json} exists (its sensitivities are read)")
@@ -278,7 +284,6 @@ def main(argv=None) -> int:
     cal = [c for t in sens for c in CQ.chunk_views(CQ.get_text(t, a.model)["kv_fp32"].to(torch.bfloat16))]
     q0 = level_qmax(level, nl, h).double()
     bits = group_bits(cal, nl, h)
-    blevel = L.get_level(a.budget_level) if a.budget_level else level
     qb = level_qmax(blevel, nl, h).double()
     base = float(bits.gather(1, torch.tensor([CANDS.index(int(q)) for q in qb.reshape(-1)])[:, None]).sum())
     schemes = {blevel.name: Scheme(qb.float(), cal)}

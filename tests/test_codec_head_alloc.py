@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,18 @@ def test_fisher_group_kl_predicts_the_kl_of_small_errors():
                 lp = logprobs(x).detach()
                 exact = float((ref.exp() * (ref - lp)).sum(1).mean())
                 assert abs(float(pred[l, p, h]) - exact) < 0.15 * exact, (l, p, h, float(pred[l, p, h]), exact)
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--budget-level", "nope"], "unknown codec level 'nope'"),
+        (["--level", "nah"], "unknown codec level 'nah'"),
+        (["--fisher", "-1"], "--fisher must be >= 1"),
+    ],
+)
+def test_bad_options_fail_at_once_naming_the_problem(tmp_path, capsys, args, why):
+    # before any sensitivity pass (an hour here) or rate model is started
+    with pytest.raises(SystemExit) as e:
+        HA.main([*args, "--sens-json", str(tmp_path / "absent.json")])
+    assert e.value.code == 2 and why in capsys.readouterr().err
