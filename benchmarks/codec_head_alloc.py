@@ -153,14 +153,20 @@ def reference(t: str, model: str) -> tuple[dict, torch.Tensor, torch.Tensor, tor
     return data, kv, CQ.continuation_logprobs(data, kv.float()), data["ids"][data["ctx"] + 1 :]
 
 
+def level_reference(level: L.Level, t: str, model: str):
+    """:func:`reference` plus the level's decode: ``(data, bf16 KV, reference log-probs, scored next
+    tokens, decoded bf16 KV, KL of the whole decode)``."""
+    data, kv, ref, ids = reference(t, model)
+    dec = CQ.decode_level(level, kv)
+    return data, kv, ref, ids, dec, CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)["kl"]
+
+
 def sensitivity(level: L.Level, texts, model: str) -> dict:
     """Per text: ``full`` (KL of the whole decode) and ``kl`` ``[L][2][H]`` (only that group decoded)."""
     out = {}
     for t in texts:
         t0 = time.time()
-        data, kv, ref, ids = reference(t, model)
-        dec = CQ.decode_level(level, kv)
-        full = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)["kl"]
+        data, kv, ref, ids, dec, full = level_reference(level, t, model)
         nl, _, _, h, _ = kv.shape
         kl = torch.zeros(nl, 2, h)
         for l in range(nl):
@@ -213,9 +219,7 @@ def fisher_sensitivity(level: L.Level, texts, model: str, samples: int = 8, seed
     out = {}
     for t in texts:
         t0 = time.time()
-        data, kvb, ref, ids = reference(t, model)
-        dec = CQ.decode_level(level, kvb)
-        full = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)["kl"]
+        data, kvb, _, ids, dec, full = level_reference(level, t, model)
         n = ids.numel()  # the scored tokens, as compare() counts them
 
         def logprobs(x, data=data, n=n):
