@@ -240,3 +240,26 @@ def test_harness_real_kv_cpu_vs_cpu():
     got = code(chunk_of("smollm2_real0"), "eb_default", "cpu", CAL.shipped_tables("eb_default", eb_kv.SMOL))
     assert_same(got, want, "eb_default")
     assert CH.fmt.unpack(want.record).info.table_id != CH.fmt.NO_TABLE
+
+
+# ------------------------------------------------------------------------------------------------
+# lmtier.bench.codec_product: a tiny run (CPU here, CUDA on a GPU machine)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bench_codec_product_smoke(tmp_path, device):
+    import json
+
+    from lmtier.bench import codec_product as mod
+
+    out = tmp_path / "b.json"
+    argv = ["--device", device, "--preset", "tiny", "--chunks", "2", "--iters", "1", "--json", str(out)]
+    assert mod.main([*argv, "--levels", "default", "eb_default"]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["level"]: r for r in res["rows"]}
+    assert set(rows) == {"default", "eb_default"} and res["system"]["device"].startswith(device)
+    assert res["ceilings"]["memcpy_GBps_2"] > 0
+    for name, r in rows.items():
+        assert r["chunks"] == 2 and r["ratio_bf16"] > 2 and r["encode_GBps"] > 0 and r["decode_GBps"] > 0
+        assert ("choose_GBps" in r) == (name == "eb_default")
+        assert ("dev_encode_GBps" in r) == (device == "cuda")
