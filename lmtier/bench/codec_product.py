@@ -21,13 +21,14 @@ chunk, one chunk at a time as the tiers do, for a batch of C chunks on one devic
 Median wall time over ``--iters`` after one warm-up; GB/s of bf16 KV (input of encode, output of
 decode; the batch's bytes / the batch's time). Same-run ceilings: the fixed ``default`` level through
 the same path (in the default ``--levels``) and a memcpy of the batch's bytes on the device
-(read + write, as codec_kernels reports it). Issue 19's goals: encode >= 50 GB/s, decode >= 100 GB/s
-on the GPU. Records are per-stream tables by default (a Llama-3.1-8B geometry has no shipped tables,
-and auto-calibration skips the adaptive levels); ``--tables calibrated`` codes with tables fitted by
-:func:`lmtier.codec.calibrate.calibrate` on a separate sample. Checks: the DeviceEncoder's records
-equal ``encode_chunk``'s byte for byte; the first chunk's device decode equals its CPU decode bit for bit.
+(read + write; on CUDA codec_kernels' own ceiling function, CUDA events). Issue 19's goals:
+encode >= 50 GB/s, decode >= 100 GB/s on the GPU. Records use per-stream tables by default (a
+Llama-3.1-8B geometry has no shipped tables, and auto-calibration skips the adaptive levels);
+``--tables calibrated`` codes with tables fitted by :func:`lmtier.codec.calibrate.calibrate` on a
+separate sample. Checks: the DeviceEncoder's records equal ``encode_chunk``'s byte for byte; the
+first chunk's device decode equals its CPU decode bit for bit.
 
-Workload: :func:`lmtier.bench.codec_kernels.kv_like` (Gaussian with per-channel magnitudes, key
+Workload: :func:`lmtier.bench.codec.synthetic_kv` (Gaussian with per-channel magnitudes, key
 outlier channels, an attention-sink token; seeded) in the ``--preset`` geometry.
 """
 
@@ -63,27 +64,25 @@ COLUMNS = [
 
 
 def kv_batch(c: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """``[C, L, 2, T, H, D]`` bf16 on the CPU (codec_kernels' generator in this geometry)."""
+    """``[C, L, 2, T, H, D]`` bf16 on the CPU: :func:`lmtier.bench.codec.synthetic_kv` in ``shape``
+    (for Llama-3.1-8B the data of :func:`lmtier.bench.codec_kernels.kv_like` with the same seed)."""
+    from lmtier.bench.codec import synthetic_kv
+
     nl, _, t, h, d = shape
-    g = torch.Generator().manual_seed(seed)
-    ch = torch.rand(c, nl, 2, 1, h, d, generator=g) + 0.05
-    ch[:, :, 0, :, :, : max(1, d // 16)] *= 20.0  # key outlier channels
-    x = torch.randn(c, nl, 2, t, h, d, generator=g) * ch
-    x[:, :, :, 0] *= 8.0  # sink token
-    return x.to(BF16)
+    return synthetic_kv(c, nl, t, h, d, seed=seed)
 
 
 def memcpy_gbps(nbytes: int, dev: torch.device, iters: int) -> float:
-    """Read + write GB/s of one copy of ``nbytes`` on ``dev`` (median wall time, synchronized)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    """Read + write GB/s of one copy of ``nbytes`` on ``dev``: on CUDA codec_kernels' ceiling (CUDA
+    events, median), on the CPU the median wall time of ``copy_``."""
+    if dev.type == "cuda":
+        from lmtier.bench.codec_kernels import memcpy_ceiling_gbps
+
+        with torch.cuda.device(dev):
+            return memcpy_ceiling_gbps(nbytes, max(iters, 5))
+    a = torch.empty(nbytes, dtype=torch.uint8)
     b = torch.empty_like(a)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def run():
-        b.copy_(a)
-        sync()
-
-    return 2 * nbytes / wall_time_ms(run, warmup=2, iters=max(iters, 5)) / 1e6
+    return 2 * nbytes / wall_time_ms(lambda: b.copy_(a), warmup=2, iters=max(iters, 5)) / 1e6
 
 
 def tables_for(level: str, shape: tuple[int, ...], mode: str):
