@@ -14,7 +14,11 @@
 # Mooncake client and master into .whl/mooncake.tar.xz, unpacked here the same way; "p2p": P2P over NIXL,
 # two processes pool to pool over UCX (lmtier bench p2p, Llama-3.1-8B, 8 and 32 chunks, beside a raw NIXL
 # READ and a host memcpy of the same bytes, same run), with `bash scripts/bundle_nixl.sh`'s trimmed NIXL
-# (.whl/nixl.tar.xz, ~9 MB) unpacked and checked first (scripts/check_nixl_bundle.py).
+# (.whl/nixl.tar.xz, ~9 MB) unpacked and checked first (scripts/check_nixl_bundle.py); "ebcodec": the
+# error-bounded codec levels (issue 19) on the GPU: tests/test_gpu_codec_bound.py (CUDA vs CPU records and
+# decodes, byte/bit identity; SmolLM2's real KV from .whl/eb_kv, written by `python -m tests.eb_kv --write
+# .whl/eb_kv/smollm2_gpl3.lmkc` on the dev box: carry .whl/eb_kv) and lmtier.bench.codec_product (the
+# product encode/decode path per level, 8 and 32 Llama-3.1-8B chunks, beside `default` and a device memcpy).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -134,9 +138,17 @@ if has codec; then
   timeout 240 $PY -m lmtier.bench.codec_kernels --chunks 8 32 --json "$OUT/codec.json" > "$OUT/bench_codec.log" 2>&1
   echo "bench codec rc=$?"
 fi
+if has ebcodec; then
+  [ -f .whl/eb_kv/smollm2_gpl3.lmkc ] || echo "ebcodec: no .whl/eb_kv/smollm2_gpl3.lmkc: the real-KV cases skip"
+  timeout 150 $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu_codec_bound.py > "$OUT/ebcodec_tests.log" 2>&1
+  echo "ebcodec tests rc=$?"; tail -3 "$OUT/ebcodec_tests.log"
+  timeout 150 $PY -m lmtier.bench.codec_product --device cuda --levels default eb_default eb_high eb_low --chunks 8 32 \
+    --json "$OUT/codec_product.json" > "$OUT/bench_codec_product.log" 2>&1
+  echo "bench codec_product rc=$?"
+fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec bench_codec_product; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings
