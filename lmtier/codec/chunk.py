@@ -62,6 +62,7 @@ from . import bound, quant
 from . import format as fmt
 from .levels import LEVELS_BY_ID, Level, get_level, resolve
 from .quant import CodecInputError
+from .spans import Spans
 
 __all__ = [
     "CodecRecordError",
@@ -333,20 +334,15 @@ def encode_chunk(
                         ids[l * S + p] = rans.ADAPTIVE_TABLE  # tables fitted for another qmax
     with _on_device(x):
         sym, side = _quantize(x, lv, num_threads)
-        extra = side.view(nl, 2, -1) if lv.lossless else side.view(nl, -1)
-        streams: list[torch.Tensor] = []
-        for l in range(nl):
-            streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1)]
-            streams += [extra[l, 0], extra[l, 1]] if lv.lossless else [extra[l]]
-        if x.is_cuda:  # own allocations: aligned and contiguous, as the CUDA encoder wants
-            streams = [s.clone() for s in streams]
+        # per layer: the K and V symbol planes, then the side bytes (two parts lossless, one otherwise);
+        # byte ranges of the two buffers, not a tensor per stream (each torch call from a background
+        # thread is a GIL hand-off: lmtier.codec.spans)
+        streams = Spans.of_planes(sym.contiguous(), side.contiguous(), nl, 2 if lv.lossless else 1)
         batch = rans.encode(streams, ids, tab, num_threads=num_threads, run_lens=runs)
     data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
-    off = batch.offsets
-    sections = [data[int(off[i]) : int(off[i + 1])] for i in range(len(streams))]
     _, _, t, h, d = shp
     info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[dt], sections_per_layer=S, table_id=table_id)
-    return fmt.pack(info, sections, meta)
+    return fmt.pack_back_to_back(info, data, batch.offsets, meta)
 
 
 # ------------------------------------------------------------------------------------------------

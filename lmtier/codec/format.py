@@ -57,6 +57,7 @@ __all__ = [
     "record_size",
     "pack",
     "pack_into",
+    "pack_back_to_back",
     "unpack",
     "verify",
 ]
@@ -151,20 +152,68 @@ def pack_into(buf: Any, info: RecordInfo, sections: Sequence[Any], meta: bytes =
     views = [_as_bytes_view(s) for s in sections]
     meta_v = _as_bytes_view(meta)
     idx, start, payload = _layout(info, [v.nbytes for v in views], meta_v.nbytes)
-    total = start + payload
+    out = _out_array(buf, start + payload)
+    _write_index(out, idx, meta_v, start)
+    for (off, n), v in zip(idx.tolist(), views):
+        out[start + off : start + off + n] = np.frombuffer(v, np.uint8)
+        out[start + off + n : start + _r4(off + n)] = 0
+    _seal(out, info, meta_v.nbytes, start, payload)
+    return start + payload
+
+
+def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: bytes = b"") -> bytes:
+    """``pack(info, [data[offsets[i]:offsets[i + 1]] for i in range(N)], meta)`` — the same bytes —
+    with one copy of the payload when every section but the last has a length that is a multiple of
+    4 (a :func:`lmtier.codec.rans.encode` batch: its streams lie back to back at 4-byte aligned
+    offsets, the record's layout), else section by section.
+
+    Args:
+        info: the record header.
+        data: 1-D uint8 host array holding the sections.
+        offsets: ``[N + 1]`` non-decreasing ints (host), section ``i`` = ``data[offsets[i]:offsets[i + 1]]``.
+        meta: the record's metadata bytes.
+
+    Raises:
+        ValueError: offsets not non-decreasing or past ``data``, a section count the geometry does
+            not have.
+    """
+    off = np.asarray(offsets, np.int64).reshape(-1)
+    data = np.asarray(data).reshape(-1)
+    lengths = np.diff(off)
+    if off.size < 1 or (lengths < 0).any() or off[0] < 0 or off[-1] > data.size or data.dtype != np.uint8:
+        raise ValueError(f"pack_back_to_back: bad offsets for {data.size} bytes of {data.dtype}")
+    if (lengths[:-1] % 4).any():
+        return pack(info, [data[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())], meta)
+    meta_v = _as_bytes_view(meta)
+    idx, start, payload = _layout(info, lengths.tolist(), meta_v.nbytes)
+    buf = bytearray(start + payload)  # zeroed: the last section's pad
+    out = np.frombuffer(buf, np.uint8)
+    _write_index(out, idx, meta_v, start)
+    out[start : start + int(off[-1] - off[0])] = data[int(off[0]) : int(off[-1])]
+    _seal(out, info, meta_v.nbytes, start, payload)
+    return bytes(buf)
+
+
+def _out_array(buf: Any, total: int) -> np.ndarray:
     out = np.frombuffer(memoryview(buf).cast("B"), np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
     if out.size < total:
         raise ValueError(f"buffer of {out.size} bytes, the record needs {total}")
     if out.dtype != np.uint8:
         raise ValueError("buffer must be bytes")
+    return out
+
+
+def _write_index(out: np.ndarray, idx: np.ndarray, meta_v: memoryview, start: int) -> None:
+    """The section index, the metadata and its zero pad up to the payload."""
     o = HEADER_BYTES
     out[o : o + idx.nbytes] = idx.view(np.uint8)
     o += idx.nbytes
     out[o : o + meta_v.nbytes] = np.frombuffer(meta_v, np.uint8)
     out[o + meta_v.nbytes : start] = 0
-    for (off, n), v in zip(idx.tolist(), views):
-        out[start + off : start + off + n] = np.frombuffer(v, np.uint8)
-        out[start + off + n : start + _r4(off + n)] = 0
+
+
+def _seal(out: np.ndarray, info: RecordInfo, meta_bytes: int, start: int, payload: int) -> None:
+    """The header, then the checksum over the header's first 56 bytes and everything after it."""
     head = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -178,7 +227,7 @@ def pack_into(buf: Any, info: RecordInfo, sections: Sequence[Any], meta: bytes =
         info.num_tokens,
         info.num_heads,
         info.head_size,
-        meta_v.nbytes,
+        meta_bytes,
         payload,
         0,
         0,
@@ -186,9 +235,8 @@ def pack_into(buf: Any, info: RecordInfo, sections: Sequence[Any], meta: bytes =
     out[:HEADER_BYTES] = np.frombuffer(head, np.uint8)
     h = xxhash.xxh3_64()
     h.update(memoryview(out[:56]))
-    h.update(memoryview(out[HEADER_BYTES:total]))
+    h.update(memoryview(out[HEADER_BYTES : start + payload]))
     out[56:64] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
-    return total
 
 
 def pack(info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> bytes:

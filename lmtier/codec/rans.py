@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from lmtier import _C
+from lmtier.codec.spans import Spans
 
 __all__ = [
     "PROB_BITS",
@@ -377,7 +378,7 @@ def _tables_addr(tables: Any, on_cuda: bool, device: Any, keep: list) -> tuple[i
 
 
 def encode_into(
-    streams: Sequence[Any],
+    streams: Sequence[Any] | Spans,
     table_ids: Any,
     tables: Any,
     *,
@@ -394,7 +395,8 @@ def encode_into(
 
     Parameters
     ----------
-    streams : sequence of N contiguous 1-D uint8 arrays/tensors (all CPU or all on one CUDA device)
+    streams : sequence of N contiguous 1-D uint8 arrays/tensors (all CPU or all on one CUDA device), or
+        :class:`~lmtier.codec.spans.Spans` (N byte ranges of a few such buffers)
     table_ids : int or [N] ints — static table per stream (< num_tables) or ``ADAPTIVE_TABLE``; with
         table switching the first table of the stream's runs
     run_lens : int or [N] ints — table switching: 0 (one table per stream, default) or a run length R
@@ -410,18 +412,23 @@ def encode_into(
     """
     n = len(streams)
     ids = _table_ids(table_ids, n)
-    on_cuda = n > 0 and _is_cuda(streams[0])
     desc = np.zeros(n, ENCODE_DESC)
-    for i, s in enumerate(streams):
-        if _is_cuda(s) != on_cuda:
-            raise ValueError("streams must be all CPU or all CUDA")
-        if (_is_torch(s) and s.dtype.itemsize != 1) or (not _is_torch(s) and np.asarray(s).dtype != np.uint8):
-            raise ValueError(f"stream {i}: symbols must be uint8")
-        desc[i]["src"], desc[i]["num_symbols"] = _addr_len(s)
+    if isinstance(streams, Spans):
+        on_cuda, dev = streams.on_cuda, streams.device
+        desc["src"], desc["num_symbols"] = streams.addresses(), streams.nbytes
+    else:
+        on_cuda = n > 0 and _is_cuda(streams[0])
+        dev = streams[0].device if on_cuda else None
+        for i, s in enumerate(streams):
+            if _is_cuda(s) != on_cuda:
+                raise ValueError("streams must be all CPU or all CUDA")
+            if (_is_torch(s) and s.dtype.itemsize != 1) or (not _is_torch(s) and np.asarray(s).dtype != np.uint8):
+                raise ValueError(f"stream {i}: symbols must be uint8")
+            desc[i]["src"], desc[i]["num_symbols"] = _addr_len(s)
     desc["table_id"] = ids.astype(np.uint32) & 0xFFFFFFFF
     desc["run_len"] = _run_lens(run_lens, n).astype(np.uint32)
     keep: list[Any] = [desc]
-    t_addr, num_tables = _tables_addr(tables, on_cuda, streams[0].device if on_cuda else None, keep)
+    t_addr, num_tables = _tables_addr(tables, on_cuda, dev, keep)
     out_addr, out_bytes = _addr_len(out)
     sc_addr, sc_bytes = _addr_len(scratch)
     off_addr, off_bytes = _addr_len(offsets)
@@ -430,7 +437,6 @@ def encode_into(
         raise ValueError("offsets must hold N + 1 int64 and status N int32")
     desc_addr, handle, dev = desc.ctypes.data, 0, None
     if on_cuda:
-        dev = streams[0].device
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
         _order_after_current(stream, dev)
@@ -456,7 +462,7 @@ def encode_into(
 
 
 def encode(
-    streams: Sequence[Any],
+    streams: Sequence[Any] | Spans,
     table_ids: Any = ADAPTIVE_TABLE,
     tables: Any = None,
     *,
@@ -465,21 +471,24 @@ def encode(
     stream: Any = None,
     run_lens: Any = 0,
 ) -> EncodedBatch:
-    """Encode N uint8 streams; returns an :class:`EncodedBatch` (synchronizes on CUDA).
+    """Encode N uint8 streams (a sequence of arrays/tensors, or :class:`~lmtier.codec.spans.Spans`
+    of a few buffers: the same bytes, one address lookup per buffer); returns an
+    :class:`EncodedBatch` (synchronizes on CUDA).
 
     ``table_ids`` defaults to ``ADAPTIVE_TABLE`` (every stream codes with its own table);
     ``run_lens``: table switching, see :func:`encode_into`.
     Raises ValueError on bad tables / ids / dtypes.
     """
-    streams = list(streams)
+    spans = isinstance(streams, Spans)
+    if not spans:
+        streams = list(streams)
     n = len(streams)
-    lengths = [_addr_len(s)[1] for s in streams]
-    total = sum(lengths)
+    total = int(streams.nbytes.sum()) if spans else sum(_addr_len(s)[1] for s in streams)
     bound = max_batch_encoded_bytes(n, total, seg_log2)
     sc_bytes = encode_scratch_bytes(n, total, seg_log2)
-    if n and _is_cuda(streams[0]):
+    if streams.on_cuda if spans else (n and _is_cuda(streams[0])):
         torch = _torch()
-        dev = streams[0].device
+        dev = streams.device if spans else streams[0].device
         out = torch.empty(bound, dtype=torch.uint8, device=dev)
         scratch = torch.empty(sc_bytes, dtype=torch.uint8, device=dev)
         offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
@@ -501,7 +510,8 @@ def encode(
         off = offsets.cpu().numpy()
         _raise_status(st, "encode")
         return EncodedBatch(out[: int(off[-1])], off.astype(np.int64))
-    streams = [np.ascontiguousarray(_as_u8_np(s)) for s in streams]
+    if not spans:
+        streams = [np.ascontiguousarray(_as_u8_np(s)) for s in streams]
     out = np.empty(bound, np.uint8)
     scratch = np.empty(sc_bytes, np.uint8)
     offsets = np.zeros(n + 1, np.int64)
