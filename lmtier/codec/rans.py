@@ -435,7 +435,7 @@ def encode_into(
     st_addr, st_bytes = _addr_len(status)
     if off_bytes < 8 * (n + 1) or st_bytes < 4 * n:
         raise ValueError("offsets must hold N + 1 int64 and status N int32")
-    desc_addr, handle, dev = desc.ctypes.data, 0, None
+    desc_addr, handle = desc.ctypes.data, 0
     if on_cuda:
         ddesc = _device_bytes(desc, dev)
         keep.append(ddesc)
