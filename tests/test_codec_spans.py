@@ -136,3 +136,28 @@ def test_encode_chunk_torch_ops_do_not_grow_with_the_streams(level):
         counts[nl] = len(mode.ops)
     assert counts[30] == counts[4], counts
     assert counts[30] <= 16, counts
+
+
+def test_spans_keep_the_array_they_read_from_a_converted_buffer():
+    """A buffer given as a list (or anything np.asarray copies) is converted once and the converted
+    array kept: its address is the one the encoder reads (it used to be the address of a temporary
+    array freed at once, so the encoder read freed memory)."""
+    vals = RNG.integers(0, 20, 300, dtype=np.uint8)
+    s = Spans(([np.uint8(v) for v in vals],), [0, 0], [0, 100], [100, 200])
+    assert isinstance(s.buffers[0], np.ndarray)
+    assert s.addresses().tolist() == [s.buffers[0].ctypes.data, s.buffers[0].ctypes.data + 100]
+    want = rans.encode([vals[:100], vals[100:]])
+    got = rans.encode(s)
+    assert np.array_equal(np.asarray(got.data), np.asarray(want.data))
+
+
+def test_spans_reject_tensors_off_the_host_and_cuda():
+    # a meta (or other non-CPU, non-CUDA) tensor's pointer must not reach the CPU encoder
+    with pytest.raises(ValueError, match="buffer 0 is on meta"):
+        Spans((torch.zeros(8, dtype=torch.uint8, device="meta"),), [0], [0], [8])
+
+
+def test_spans_compare_by_identity():
+    buf = np.zeros(8, np.uint8)
+    a, b = Spans((buf,), [0], [0], [8]), Spans((buf,), [0], [0], [8])
+    assert a == a and a != b  # (field-wise == compared NumPy arrays: "truth value ... is ambiguous")

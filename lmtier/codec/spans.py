@@ -23,14 +23,17 @@ def _is_torch(x: Any) -> bool:
 
 
 def _buffer_addr(x: Any, i: int) -> tuple[int, int, Any]:
-    """(address, bytes, device or None for host memory) of a contiguous byte buffer."""
+    """(address, bytes, device or None for host memory) of a contiguous byte buffer (a torch tensor
+    or a NumPy array: :class:`Spans` converts anything else once and keeps the array it reads)."""
     if _is_torch(x):
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"Spans: buffer {i} is on {x.device}, not in host memory or on a CUDA device")
         if not x.is_contiguous():
             raise ValueError(f"Spans: buffer {i} is not contiguous")
         if x.element_size() != 1:
             raise ValueError(f"Spans: buffer {i} must hold bytes (uint8), got {x.dtype}")
         return x.data_ptr(), x.numel(), (x.device if x.device.type == "cuda" else None)
-    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    a = x
     if not a.flags.c_contiguous:
         raise ValueError(f"Spans: buffer {i} is not C-contiguous")
     if a.dtype.itemsize != 1:
@@ -38,15 +41,16 @@ def _buffer_addr(x: Any, i: int) -> tuple[int, int, Any]:
     return a.ctypes.data, a.nbytes, None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Spans:
     """N streams of uint8 symbols, stream ``i`` = bytes ``[offset[i], offset[i] + nbytes[i])`` of
     ``buffers[index[i]]`` (what :func:`lmtier.codec.rans.encode` / ``encode_into`` take in place
     of a sequence of N arrays or tensors; the bytes it codes are the same).
 
     Args:
-        buffers: contiguous byte buffers (``uint8`` NumPy arrays or torch tensors), all in host
-            memory or all on one CUDA device; referenced for as long as the spans live.
+        buffers: contiguous byte buffers (``uint8`` NumPy arrays or torch tensors; anything else
+            is converted with ``np.asarray`` and the converted array kept), all in host memory or all
+            on one CUDA device; referenced for as long as the spans live.
         index: ``[N]`` ints, the buffer of each stream.
         offset: ``[N]`` ints, each stream's byte offset in its buffer.
         nbytes: ``[N]`` ints, each stream's length in bytes (= symbols).
@@ -54,7 +58,10 @@ class Spans:
     Raises:
         ValueError: lengths of ``index`` / ``offset`` / ``nbytes`` differ; a buffer index out of
             range; a negative offset or length; a range past its buffer's end; a buffer that is not
-            contiguous or not of bytes; buffers on different devices.
+            contiguous or not of bytes; buffers on different devices or a tensor on a device other
+            than the CPU or CUDA.
+
+    Spans compare by identity (``==`` is ``is``).
     """
 
     buffers: tuple[Any, ...]
@@ -66,7 +73,8 @@ class Spans:
     """The buffers' CUDA device, or None for host memory."""
 
     def __post_init__(self) -> None:
-        bufs = tuple(self.buffers)
+        # the arrays whose addresses are taken are the ones kept (np.asarray of a list is a copy)
+        bufs = tuple(b if _is_torch(b) or isinstance(b, np.ndarray) else np.asarray(b) for b in self.buffers)
         index = np.asarray(self.index, np.int64).reshape(-1)
         offset = np.asarray(self.offset, np.int64).reshape(-1)
         nbytes = np.asarray(self.nbytes, np.int64).reshape(-1)
