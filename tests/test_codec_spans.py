@@ -105,6 +105,13 @@ def test_pack_back_to_back_bad_offsets():
         fmt.pack_back_to_back(info, data, [0, 8, 20], b"")
     with pytest.raises(ValueError, match="sections"):
         fmt.pack_back_to_back(info, data, [0, 4, 8, 12], b"")
+    with pytest.raises(ValueError, match="bad offsets"):
+        fmt.pack_back_to_back(info, data, [], b"")
+    with pytest.raises(ValueError, match="bad offsets"):
+        fmt.pack_back_to_back(info, data, [-4, 4, 8], b"")
+    # the dtype, not the offsets, is what is wrong here (the message used to say "bad offsets")
+    with pytest.raises(ValueError, match="data must be uint8, got int16"):
+        fmt.pack_back_to_back(info, np.zeros(8, np.int16), [0, 4, 8], b"")
 
 
 class _CountOps(TorchDispatchMode):

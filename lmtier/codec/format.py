@@ -174,14 +174,16 @@ def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: by
         meta: the record's metadata bytes.
 
     Raises:
-        ValueError: offsets not non-decreasing or past ``data``, a section count the geometry does
-            not have.
+        ValueError: ``data`` not uint8, offsets not non-decreasing or past ``data``, a section count
+            the geometry does not have.
     """
     off = np.asarray(offsets, np.int64).reshape(-1)
     data = np.asarray(data).reshape(-1)
+    if data.dtype != np.uint8:
+        raise ValueError(f"pack_back_to_back: data must be uint8, got {data.dtype}")
     lengths = np.diff(off)
-    if off.size < 1 or (lengths < 0).any() or off[0] < 0 or off[-1] > data.size or data.dtype != np.uint8:
-        raise ValueError(f"pack_back_to_back: bad offsets for {data.size} bytes of {data.dtype}")
+    if off.size < 1 or (lengths < 0).any() or off[0] < 0 or off[-1] > data.size:
+        raise ValueError(f"pack_back_to_back: bad offsets {off.tolist()[:8]} for {data.size} bytes")
     if (lengths[:-1] % 4).any():
         return pack(info, [data[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())], meta)
     meta_v = _as_bytes_view(meta)
