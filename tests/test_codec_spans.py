@@ -168,3 +168,56 @@ def test_spans_compare_by_identity():
     buf = np.zeros(8, np.uint8)
     a, b = Spans((buf,), [0], [0], [8]), Spans((buf,), [0], [0], [8])
     assert a == a and a != b  # (field-wise == compared NumPy arrays: "truth value ... is ambiguous")
+
+
+def _per_stream_record(sym: torch.Tensor, side: torch.Tensor, lossless: bool, rec: bytes, ids, tab, runs) -> bytes:
+    """The record as encode_chunk built it before Spans: one tensor per stream, rans.encode of the
+    list, fmt.pack of the batch's streams (header and metadata taken from ``rec``)."""
+    nl = sym.shape[0]
+    extra = side.view(nl, 2, -1) if lossless else side.view(nl, -1)
+    streams: list[torch.Tensor] = []
+    for l in range(nl):
+        streams += [sym[l, 0].reshape(-1), sym[l, 1].reshape(-1)]
+        streams += [extra[l, 0], extra[l, 1]] if lossless else [extra[l]]
+    batch = rans.encode(streams, ids, tab, run_lens=runs)
+    r = fmt.unpack(np.frombuffer(rec, np.uint8))
+    return fmt.pack(r.info, [batch.stream(i) for i in range(len(streams))], bytes(r.meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 2, 16, 1, 8), (2, 2, 33, 2, 4), (3, 2, 5, 1, 2), (2, 2, 64, 2, 16)])
+@pytest.mark.parametrize("level", ["lossless", "high", "default", "low", "eb_high", "eb_default", "eb_low"])
+def test_encode_chunk_records_equal_the_per_stream_build(level, shape, dtype, monkeypatch):
+    """encode_chunk's records (streams as byte ranges, one payload copy) equal the records of the
+    per-stream build for every level, bf16/fp16, odd T and tiny H*D, typed and non-contiguous input,
+    with per-stream and with calibrated static tables."""
+    from lmtier.codec import calibrate as cal
+
+    seen: dict = {}
+    quantize, encode = CH._quantize, rans.encode
+
+    def spy_quantize(x, lv, n):
+        seen["sym"], seen["side"] = out = quantize(x, lv, n)
+        seen["lossless"] = lv.lossless
+        return out
+
+    def spy_encode(streams, ids=rans.ADAPTIVE_TABLE, tab=None, **kw):
+        seen["ids"], seen["tab"], seen["runs"] = ids, tab, kw.get("run_lens", 0)
+        return encode(streams, ids, tab, **kw)
+
+    monkeypatch.setattr(CH, "_quantize", spy_quantize)
+    monkeypatch.setattr(rans, "encode", spy_encode)
+    g = torch.Generator().manual_seed(sum(shape))
+    wide = torch.randn(shape[:4] + (2 * shape[4],), generator=g) * 0.5
+    wide[..., 0] *= 20
+    x = wide[..., ::2].to(dtype)  # non-contiguous
+    tabsets = (
+        [None] if level == "lossless" else [None, cal.calibrate([x.contiguous(), wide[..., 1::2].to(dtype)], level)[0]]
+    )
+    for tables in tabsets:
+        for inp in (x, x.contiguous()):
+            rec = CH.encode_chunk(inp, shape=shape, dtype=dtype, level=level, tables=tables)
+            want = _per_stream_record(
+                seen["sym"], seen["side"], seen["lossless"], rec, seen["ids"], seen["tab"], seen["runs"]
+            )
+            assert rec == want
