@@ -64,16 +64,33 @@ def alone_and_contended(fn: Callable[[], object], n: int) -> tuple[float, float]
             a += 1
 
     got: list[float] = []
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            got.append(median_s(fn, n))
+        except BaseException as e:  # re-raised in the caller's thread
+            failed.append(e)
+
     spinner = threading.Thread(target=spin, daemon=True)
     spinner.start()
     try:
-        worker = threading.Thread(target=lambda: got.append(median_s(fn, n)))
+        worker = threading.Thread(target=work)
         worker.start()
         worker.join()
     finally:
         stop.set()
         spinner.join()
+    if failed:
+        raise failed[0]
     return alone, got[0]
+
+
+def _hit(n: int | None, what: str) -> int:
+    """``n`` (bytes a tier's ``get_into`` read); a miss is an error, not a fast operation to time."""
+    if n is None:
+        raise RuntimeError(f"{what}: miss (the chunk was evicted or never stored)")
+    return n
 
 
 def operations(shape: tuple[int, ...], ops: list[str], workdir: str) -> tuple[dict[str, Callable[[], object]], list]:
@@ -101,7 +118,7 @@ def operations(shape: tuple[int, ...], ops: list[str], workdir: str) -> tuple[di
         if "disk_put" in ops:
             fns["disk_put"] = lambda: disk.put(os.urandom(32), payload)
         if "disk_get" in ops:
-            fns["disk_get"] = lambda: disk.get_into(b"g" * 32, buf)
+            fns["disk_get"] = lambda: _hit(disk.get_into(b"g" * 32, buf), "disk_get")
     if {"redis_put", "redis_get"} & set(ops):
         from lmtier.testing.redis import RedisServer, RedisUnavailable
         from lmtier.tiers.redis.tier import RedisTier
@@ -118,7 +135,7 @@ def operations(shape: tuple[int, ...], ops: list[str], workdir: str) -> tuple[di
             if "redis_put" in ops:
                 fns["redis_put"] = lambda: tier.put(b"p" * 32, payload)
             if "redis_get" in ops:
-                fns["redis_get"] = lambda: tier.get_into(b"r" * 32, buf)
+                fns["redis_get"] = lambda: _hit(tier.get_into(b"r" * 32, buf), "redis_get")
     return fns, closers
 
 

@@ -47,3 +47,30 @@ def test_bench_gil_usage_errors(args, msg, capsys):
         _module().main(args)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_bench_gil_a_get_that_misses_is_an_error(tmp_path):
+    """A get_into that misses (the chunk evicted by the puts between the gets) returns None fast:
+    timed as is, it read as a fast tier."""
+    mod = _module()
+    fns, closers = mod.operations((2, 2, 16, 3, 64), ["disk_get"], str(tmp_path))
+    try:
+        fns["disk_get"]()
+        closers[0].delete(b"g" * 32)
+        with pytest.raises(RuntimeError, match="disk_get: miss"):
+            fns["disk_get"]()
+    finally:
+        for c in closers:
+            c.close()
+
+
+def test_bench_gil_an_error_in_the_contended_thread_reaches_the_caller():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) > 2:  # the warm-up and the timed call alone pass; the worker thread's fails
+            raise OSError("tier failed")
+
+    with pytest.raises(OSError, match="tier failed"):
+        _module().alone_and_contended(fn, 1)
