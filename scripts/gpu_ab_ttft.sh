@@ -7,6 +7,7 @@
 #   bash scripts/gpu_ab_ttft.sh [more lmtier.bench.ttft options]
 # Default options: --device cuda --lengths 7500 --codec-levels default --no-disk --quiet --redis-url <the server>
 # (the new tree also gets --no-mooncake). LMTIER_AB_ROUNDS (default 2) pairs. Logs and JSON under $OUT.
+# Exits 1 when the server does not come up within ~10 s or a FLUSHALL between runs is not answered +OK.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -32,12 +33,20 @@ port=$(( 20000 + RANDOM % 20000 ))
   --loglevel warning --maxmemory 8gb --dir /tmp > "$OUT/redis-server.log" 2>&1 &
 rpid=$!
 trap 'kill $rpid 2>/dev/null' EXIT
-sleep 1
+flushall() {  # empty the server; fails (nonzero) unless it answers +OK
+  local ok=""
+  { exec 3<>"/dev/tcp/127.0.0.1/$port"; } 2>/dev/null || return 1
+  printf '*1\r\n$8\r\nFLUSHALL\r\n' >&3 && read -r -t 5 ok <&3
+  exec 3>&-
+  [[ $ok == +OK* ]]
+}
+for _ in $(seq 50); do flushall && break; sleep 0.2; done
+flushall || { echo "redis-server on port $port did not answer (see $OUT/redis-server.log)"; exit 1; }
 url=redis://127.0.0.1:$port/0
 for r in $(seq "${LMTIER_AB_ROUNDS:-2}"); do
   for v in new old; do
     # an empty server for every run (the two versions' records must not meet)
-    exec 3<>/dev/tcp/127.0.0.1/$port && printf '*1\r\n$8\r\nFLUSHALL\r\n' >&3 && read -r -t 5 ok <&3; exec 3>&-
+    flushall || { echo "FLUSHALL failed before $v $r: stopping (the runs would share records)"; exit 1; }
     tree=$NEW; extra=(--no-mooncake)
     [ $v = old ] && { tree=$OLD; extra=(); }
     (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout 200 $PY -m lmtier.bench.ttft --device cuda \
