@@ -182,6 +182,21 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="tests/test_fuzz_records.py",
     ),
     EnvVar(
+        "LMTIER_EB_KV",
+        "test",
+        "file of SmolLM2's real KV chunks (lossless records) for the eb levels' GPU tests on machines "
+        "without the model (default .whl/eb_kv/smollm2_gpl3.lmkc; written by python -m tests.eb_kv --write)",
+        read_by="tests/eb_kv.py",
+    ),
+    EnvVar(
+        "LMTIER_AB_ROUNDS",
+        "bench",
+        "pairs of new/old runs of scripts/gpu_ab_ttft.sh",
+        default="2",
+        parse=int,
+        read_by="scripts/gpu_ab_ttft.sh",
+    ),
+    EnvVar(
         "LMTIER_BENCH_SMOKE",
         "bench",
         "1: benchmarks run tiny sizes only (the test suite's smoke run)",
