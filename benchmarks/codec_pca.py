@@ -1,0 +1,364 @@
+"""Experiment (issue 19): transform coding of the KV — a PCA basis instead of the Hadamard rotation.
+
+The product's quantized levels rotate each (token, head) row by a Hadamard transform, scale it by its
+absmax and quantize it uniformly (``lmtier.codec.quant``). The Hadamard transform spreads a row's
+energy evenly over its channels, so the entropy coder gains nothing from channels of unequal
+variance, and the per-row scale spends side bits and sets the step by the row's largest value. The
+textbook alternative (transform coding: Karhunen-Loeve transform + one uniform step + entropy coder,
+reverse water-filling; Goyal, "Theoretical foundations of transform coding", IEEE SPM 2001) is what
+KVTC applies to KV caches (Staniszewski & Lancucki, "KV Cache Transform Coding for Compact Storage in
+LLM Inference", ICLR 2026: one PCA over the keys and values of all layers and heads with positional
+embeddings removed, a dynamic-programming bit allocation over the components, DEFLATE; the 4 oldest
+and the 128 most recent tokens kept exact). This script measures a per-layer variant on the matrix's
+texts and model, beside ``default``:
+
+1. **Basis** per (layer, plane), fitted on the tune split (``codec_head_alloc.TUNE``, never on the
+   evaluation texts): the mean ``mu`` and the eigenvectors ``U`` of the covariance of the ``H * D``
+   vector of each token (all heads together), keys with RoPE undone (``--rope keep`` leaves it on).
+2. **Quantizer**: ``q = round((x - mu) U / step)`` (round half to even), decode ``q * step U^T + mu``
+   (RoPE re-applied), cast to bf16. One ``step`` per (layer, plane), no per-token side data.
+   Components whose spread is below the step quantize to 0 and cost almost nothing (the water-filling
+   of the rate). Steps: ``step = c * rms`` (``rms`` of the layer's centred vectors; ``c_v = c_k *
+   --v-ratio``), or ``--weights sens``: ``step = c / sqrt(w)`` with ``w`` the (layer, plane)'s measured
+   KL per unit of squared error at ``default`` (``codec_head_sens.json`` summed over heads, divided by
+   ``default``'s squared error on the same texts) — the allocation minimizing the predicted KL
+   ``sum w * step**2 / 12`` for a rate ``sum -log2 step``. ``c`` is bisected so that the tune split's
+   ratio is ``--ratio``.
+3. **Rate**: one uint8 stream per (layer, plane, component) and 256-token chunk, symbol ``q + 127``;
+   ``|q| > 127`` is coded as symbol 255 followed by 16 raw bits (exact). Ideal static-table coder fitted
+   on the tune split with the per-chunk fallback (``codec_rates.StaticCoderModel``, as the matrix's
+   ``ratio_bound``). The model-level data (``U``, ``mu``, steps: 2 * 30 * (192**2 + 193) floats) is a
+   shipped table like the entropy tables, not counted per chunk.
+   ``--exact-first N`` keeps the sequence's first N tokens exact (bf16, 16 bits per value, counted).
+4. **Quality** on the held-out texts, as the matrix measures it (``codec_quality.compare``).
+
+Run: ``python benchmarks/codec_pca.py [--ratio 6,7] [--weights rel,sens] [--v-ratio 1]
+[--rope undo|keep] [--eval-texts ...] [--json PATH]`` (SmolLM2, ~1 min per text and scheme on 2
+cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import codec_head_alloc as HA
+import codec_quality as CQ
+import codec_rates as CR
+import torch
+
+from lmtier.codec import levels as L
+
+OFFSET = 127
+ESCAPE = 255
+ESCAPE_BITS = 16
+SENS_JSON = Path(__file__).resolve().parent / "codec_head_sens.json"
+
+
+def rope_cos_sin(model: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, D]`` (float64) of the model's rotary embedding at positions ``0 .. T-1``."""
+    m, _ = CQ.load_model(torch.float32, model)
+    d = m.config.hidden_size // m.config.num_attention_heads
+    x = torch.zeros(1, tokens, d)
+    cos, sin = m.model.rotary_emb(x, torch.arange(tokens)[None])
+    return cos[0].double(), sin[0].double()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` on keys ``[..., T, H, D]`` (or its inverse: the rotation by -angle)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    return k * c - _rotate_half(k) * s if inverse else k * c + _rotate_half(k) * s
+
+
+class Basis:
+    """Mean and PCA basis per (layer, plane) of the ``H * D`` vectors of each token.
+
+    ``mu`` float64 ``[L, 2, N]``, ``u`` ``[L, 2, N, N]`` (columns = components, by decreasing
+    variance), ``var`` ``[L, 2, N]`` (the components' variances), ``rms`` ``[L, 2]``."""
+
+    def __init__(self, cal: list[torch.Tensor], cos, sin, undo_rope: bool, metric: torch.Tensor | None = None):
+        self.cos, self.sin, self.undo_rope = cos, sin, undo_rope
+        self._coeffs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sqrt_m = self.inv_sqrt_m = None
+        if metric is not None:  # x -> x M^(1/2): squared error in that space = e^T M e
+            w, v = torch.linalg.eigh(metric)
+            w = w.clamp_min(w.amax(-1, keepdim=True) * 1e-8)
+            self.sqrt_m = v @ torch.diag_embed(w.sqrt()) @ v.transpose(-1, -2)
+            self.inv_sqrt_m = v @ torch.diag_embed(w.rsqrt()) @ v.transpose(-1, -2)
+        x = torch.cat([self.vectors(kv) for kv in cal], dim=2)  # [L, 2, T, N]
+        self.mu = x.mean(2)
+        xc = x - self.mu[:, :, None]
+        cov = xc.transpose(2, 3) @ xc / x.shape[2]
+        var, u = torch.linalg.eigh(cov)
+        self.var, self.u = var.flip(-1).clamp_min(0), u.flip(-1)
+        self.rms = self.var.mean(-1).sqrt()
+
+    def vectors(self, kv: torch.Tensor) -> torch.Tensor:
+        """bf16 canonical ``[L, 2, T, H, D]`` (positions 0 .. T-1) -> float64 ``[L, 2, T, H * D]``."""
+        x = kv.double()
+        if self.undo_rope:
+            t = x.shape[2]
+            x = torch.stack([rope(x[:, 0], self.cos[:t], self.sin[:t], inverse=True), x[:, 1]], 1)
+        x = x.flatten(3)
+        return x if self.sqrt_m is None else x @ self.sqrt_m
+
+    def kv(self, x: torch.Tensor, shape) -> torch.Tensor:
+        """Inverse of :meth:`vectors`, cast to bf16."""
+        if self.inv_sqrt_m is not None:
+            x = x @ self.inv_sqrt_m
+        x = x.reshape(shape)
+        if self.undo_rope:
+            t = x.shape[2]
+            x = torch.stack([rope(x[:, 0], self.cos[:t], self.sin[:t]), x[:, 1]], 1)
+        return x.to(torch.bfloat16)
+
+    def coeffs(self, kv: torch.Tensor) -> torch.Tensor:
+        """float64 ``[L, 2, N, T]``: the coordinates of ``kv``'s centred vectors in the basis (kept for
+        the tensors given to :meth:`remember`: the bisection of :func:`fit_scheme` quantizes the
+        calibration KV many times)."""
+        for t, y in self._coeffs:
+            if t is kv:
+                return y
+        return self._transform(kv)
+
+    def remember(self, kvs: list[torch.Tensor]) -> None:
+        """Keep the coefficients of ``kvs`` (and the tensors themselves, so identity stays valid)."""
+        self._coeffs += [(kv, self._transform(kv)) for kv in kvs if all(t is not kv for t, _ in self._coeffs)]
+
+    def _transform(self, kv: torch.Tensor) -> torch.Tensor:
+        return ((self.vectors(kv) - self.mu[:, :, None]) @ self.u).transpose(2, 3).contiguous()
+
+    def quantize(self, kv: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Integer coefficients int64 ``[L, 2, N, T]`` of ``kv`` at ``step`` ``[L, 2]`` (half to even)."""
+        return torch.round(self.coeffs(kv) / step[:, :, None, None]).to(torch.int64)
+
+    def decode(self, q: torch.Tensor, step: torch.Tensor, shape) -> torch.Tensor:
+        """bf16 KV of ``shape`` from :meth:`quantize`'s coefficients."""
+        x = (q.transpose(2, 3).double() * step[:, :, None, None]) @ self.u.transpose(2, 3) + self.mu[:, :, None]
+        return self.kv(x, shape)
+
+
+def model_metric(model: str, texts) -> torch.Tensor:
+    """float64 ``[L, 2, H*D, H*D]``, block-diagonal over KV heads: the squared error of a key or value
+    as the model sees it. K (RoPE undone): the logit error ``sum_j (q_j . e)**2`` over the query heads
+    ``j`` sharing the KV head, averaged over the rotation of each RoPE pair (``(E q_i**2 + E q_{i+D/2}**2)
+    / 2`` on the diagonal; queries from ``q_proj`` on ``texts``' contexts). V: the error after the output
+    projection, ``sum_j W_o[:, j]^T W_o[:, j]`` over the same query heads."""
+    m, _ = CQ.load_model(torch.float32, model)
+    cfg = m.config
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // nq
+    nl = len(m.model.layers)
+    q2 = torch.zeros(nl, nq, d, dtype=torch.float64)
+    count = [0]
+
+    def hook(l):
+        def fn(mod, inp, out):
+            q2[l] += out[0].double().reshape(-1, nq, d).pow(2).sum(0)
+
+        return fn
+
+    hooks = [layer.self_attn.q_proj.register_forward_hook(hook(l)) for l, layer in enumerate(m.model.layers)]
+    try:
+        with torch.no_grad():
+            for t in texts:
+                data = CQ.get_text(t, model)
+                m(data["ids"][None, : data["ctx"]])
+                count[0] += data["ctx"]
+    finally:
+        for h in hooks:
+            h.remove()
+    q2 = q2 / count[0]
+    q2 = (q2 + q2.roll(d // 2, dims=-1)) / 2  # pair (i, i + D/2) averaged over the rotation
+    out = torch.zeros(nl, 2, nkv * d, nkv * d, dtype=torch.float64)
+    g = nq // nkv
+    for l, layer in enumerate(m.model.layers):
+        wo = layer.self_attn.o_proj.weight.detach().double()  # [hidden, nq * d]
+        for h in range(nkv):
+            blk = slice(h * d, (h + 1) * d)
+            out[l, 0, blk, blk] = torch.diag(q2[l, h * g : (h + 1) * g].sum(0))
+            for j in range(h * g, (h + 1) * g):
+                w = wo[:, j * d : (j + 1) * d]
+                out[l, 1, blk, blk] += w.T @ w
+    return out
+
+
+def symbols(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Coefficients ``[L, 2, N, T]`` -> (uint8 streams ``[L*2*N, T]``, escape count)."""
+    esc = q.abs() > OFFSET
+    s = torch.where(esc, torch.full_like(q, ESCAPE), q + OFFSET)
+    return s.reshape(-1, q.shape[-1]).to(torch.uint8), int(esc.sum())
+
+
+class PCAScheme:
+    """:class:`Basis` at steps ``[L, 2]`` with static tables fitted on the tune chunks."""
+
+    def __init__(self, basis: Basis, step: torch.Tensor, cal: list[torch.Tensor], exact_first: int = 0):
+        self.basis, self.step, self.exact_first = basis, step, exact_first
+        streams = [symbols(q)[0] for kv in cal for q in self._chunks(basis.quantize(kv, step))]
+        self.model = CR.StaticCoderModel(streams, torch.ones(streams[0].shape[0], 256, dtype=torch.bool))
+
+    @staticmethod
+    def _chunks(q: torch.Tensor) -> list[torch.Tensor]:
+        return [q[..., i : i + CR.CHUNK_TOKENS] for i in range(0, q.shape[-1], CR.CHUNK_TOKENS)]
+
+    def bits(self, kv: torch.Tensor) -> tuple[float, int]:
+        """(bits, escapes) of a bf16 context ``kv`` (quantizing the context at once equals quantizing
+        its chunks: no per-chunk state); the exact first tokens at 16 bits per value."""
+        q = self.basis.quantize(kv, self.step)
+        n = self.exact_first
+        bits, esc = 16.0 * kv[:, :, :n].numel(), 0
+        for i, c in enumerate(self._chunks(q)):
+            s, e = symbols(c[..., n:] if i == 0 else c)
+            bits += self.model.bits(s)[0] + ESCAPE_BITS * e
+            esc += e
+        return bits, esc
+
+    def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor, int]:
+        """(ratio bound, decoded bf16 KV, escapes) of a bf16 context ``kv``."""
+        bits, esc = self.bits(kv)
+        dec = self.basis.decode(self.basis.quantize(kv, self.step), self.step, kv.shape)
+        if self.exact_first:
+            dec = torch.cat([kv[:, :, : self.exact_first], dec[:, :, self.exact_first :]], 2)
+        return kv.numel() * 16 / bits, dec, esc
+
+
+def sens_weights(level: L.Level, cal: list[torch.Tensor], texts, basis: Basis) -> torch.Tensor:
+    """KL per unit squared error of each (layer, plane) at ``level`` (float64 ``[L, 2]``): the measured
+    per-group KL of ``codec_head_sens.json`` summed over heads and averaged over ``texts``, over the
+    level's mean squared error per element on the same texts' KV (in ``basis``' space: RoPE undone,
+    metric applied)."""
+    sens = json.loads(SENS_JSON.read_text())
+    kl = torch.tensor([sens[t]["kl"] for t in texts], dtype=torch.float64).clamp_min(0).mean(0).sum(-1)
+    mse = torch.stack(
+        [(basis.vectors(CQ.decode_level(level, kv)) - basis.vectors(kv)).pow(2).mean((2, 3)) for kv in cal]
+    ).mean(0)
+    return kl / mse
+
+
+def fit_scheme(
+    basis: Basis, shape: torch.Tensor, cal: list[torch.Tensor], ratio: float, exact_first: int = 0
+) -> tuple[PCAScheme, float]:
+    """The scheme with steps ``c * shape`` whose tune-split ratio is ``ratio`` within 0.5 %: secant
+    steps on (log2 c, bits per value), which is near linear (each active component's rate falls by one
+    bit per doubling of the step)."""
+    values = sum(kv.numel() for kv in cal)
+    target = 16.0 / ratio
+
+    def rate(c):
+        s = PCAScheme(basis, c * shape, cal, exact_first)
+        return s, sum(s.bits(kv)[0] for kv in cal) / values
+
+    x0, (s, b0) = 0.0, rate(1.0)
+    x1 = x0 + (b0 - target) / 2.0  # first guess: half of the values active
+    for _ in range(12):
+        s, b1 = rate(2.0**x1)
+        if abs(b1 / target - 1) < 0.005:
+            break
+        slope = (b1 - b0) / (x1 - x0) if x1 != x0 and b1 != b0 else -0.5
+        x0, b0, x1 = x1, b1, x1 + (target - b1) / min(slope, -0.05)
+    return s, 2.0**x1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--ratio", default="6", help="target ratios on the tune split (comma list)")
+    ap.add_argument("--weights", default="rel,sens", help="step shapes: rel (c * rms), sens (measured KL weights)")
+    ap.add_argument("--v-ratio", type=float, default=1.0, help="rel: V's step / K's step (relative to rms)")
+    ap.add_argument("--exact-first", type=int, default=0, help="first tokens of the sequence kept exact")
+    ap.add_argument("--metric", choices=("none", "model"), default="none", help="error metric of the basis")
+    ap.add_argument("--rope", choices=("undo", "keep"), default="undo")
+    ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
+    ap.add_argument("--eval-texts", default=",".join(HA.HELD))
+    ap.add_argument("--levels", default="default", help="product levels evaluated beside (ratio bound)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    try:
+        ratios = [float(r) for r in a.ratio.split(",")]
+        levels = [L.get_level(n) for n in a.levels.split(",") if n]
+    except ValueError as e:
+        ap.error(str(e))
+    weights = a.weights.split(",")
+    if bad := [w for w in weights if w not in ("rel", "sens")]:
+        ap.error(f"unknown --weights {bad}: use rel, sens")
+    if "sens" in weights and not SENS_JSON.exists():
+        ap.error(f"--weights sens needs {SENS_JSON}")
+    tune = a.tune_texts.split(",")
+    t0 = time.time()
+    cal = [CQ.get_text(t, a.model)["kv_fp32"].to(torch.bfloat16) for t in tune]
+    tokens = max(kv.shape[2] for kv in cal)
+    cos, sin = rope_cos_sin(a.model, tokens)
+    metric = model_metric(a.model, tune) if a.metric == "model" else None
+    basis = Basis(cal, cos, sin, a.rope == "undo", metric)
+    basis.remember(cal)
+    ev = basis.var / basis.var.sum(-1, keepdim=True)
+    gain = basis.var.mean(-1) / basis.var.clamp_min(1e-30).log().mean(-1).exp()  # AM / GM
+    top = ev[..., : ev.shape[-1] // 10].sum(-1).mean(0)  # [2]: K, V
+    print(
+        f"basis ({time.time() - t0:.0f} s): energy in the top 10 % of components K {float(top[0]):.3f} "
+        f"V {float(top[1]):.3f}; coding gain AM/GM (median over layers) K {float(gain[:, 0].median()):.1f} "
+        f"V {float(gain[:, 1].median()):.1f}",
+        flush=True,
+    )
+    shapes = {}
+    if "rel" in weights:
+        shapes["pca-rel"] = basis.rms * torch.tensor([1.0, a.v_ratio], dtype=torch.float64)
+    if "sens" in weights:
+        sh = sens_weights(L.get_level("default"), cal, tune, basis).rsqrt()
+        shapes["pca-sens"] = sh * (basis.rms.log().mean() - sh.log().mean()).exp()  # same geometric mean as rms
+    schemes = {}
+    for r in ratios:
+        for name, sh in shapes.items():
+            s, c = fit_scheme(basis, sh, cal, r, a.exact_first)
+            schemes[f"{name} {r:g}x"] = s
+            print(f"fitted {name} at {r:g}x on the tune split: c = {c:.4g} ({time.time() - t0:.0f} s)", flush=True)
+    nl, h = cal[0].shape[0], cal[0].shape[3]
+    level_schemes = {
+        lv.name: HA.Scheme(HA.level_qmax(lv, nl, h), [c for kv in cal for c in CR.chunk_views(kv)]) for lv in levels
+    }
+    cells = []
+    for t in a.eval_texts.split(","):
+        data, kv, ref, ids = HA.reference(t, a.model)
+        runs = [(n, *s.run(kv)[:2]) for n, s in level_schemes.items()]
+        for name, s in schemes.items():
+            ratio, dec, esc = s.run(kv)
+            runs.append((name, ratio, dec))
+        for name, ratio, dec in runs:
+            m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
+            rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
+            cells.append(dict(text=t, scheme=name, ratio_bound=ratio, rel_err=rel, **m))
+            print(
+                f"{t:<12s} {name:<16s} ratio(bound) {ratio:5.2f}x dppl {m['dppl_pct']:+6.2f}% "
+                f"top1 {m['top1']:6.2f}% KL {m['kl']:.5f} rel.err {rel:.4f}",
+                flush=True,
+            )
+    if a.json:
+        a.json.write_text(
+            json.dumps(
+                dict(
+                    model=a.model,
+                    metric=a.metric,
+                    rope=a.rope,
+                    v_ratio=a.v_ratio,
+                    exact_first=a.exact_first,
+                    tune=tune,
+                    cells=cells,
+                    seconds=time.time() - t0,
+                ),
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The transform-coding experiment (`benchmarks/codec_pca.py`, RESULTS §4.1f): RoPE is undone and
+redone exactly, the basis is orthonormal and sorted, decoding unquantized coefficients gives the KV
+back, the error is at most half a step per coefficient, escapes are coded exactly, the metric weighs
+the error as ``e^T M e``, the exact first tokens are put back and charged, and the fitted scheme hits
+its ratio."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import codec_pca as P  # noqa: E402
+
+
+def _rope_tables(tokens: int, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(tokens, dtype=torch.float64)[:, None] * inv[None]
+    emb = torch.cat([ang, ang], -1)
+    return emb.cos(), emb.sin()
+
+
+def _kv(tokens: int = 512, nl: int = 2, h: int = 2, d: int = 16, seed: int = 3) -> torch.Tensor:
+    """bf16 [L, 2, T, H, D] of low rank (4 latent factors) + small noise, keys rotated by RoPE."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(nl, 2, tokens, 4, generator=g, dtype=torch.float64)
+    mix = torch.randn(nl, 2, 4, h * d, generator=g, dtype=torch.float64)
+    x = (z @ mix + 0.05 * torch.randn(nl, 2, tokens, h * d, generator=g, dtype=torch.float64)).reshape(
+        nl, 2, tokens, h, d
+    )
+    cos, sin = _rope_tables(tokens, d)
+    x[:, 0] = P.rope(x[:, 0], cos, sin)
+    return x.to(torch.bfloat16)
+
+
+def test_rope_inverse_is_exact_in_float64():
+    cos, sin = _rope_tables(64)
+    k = torch.randn(3, 64, 2, 16, dtype=torch.float64)
+    back = P.rope(P.rope(k, cos, sin), cos, sin, inverse=True)
+    assert torch.allclose(back, k, atol=1e-12)
+    assert not torch.allclose(P.rope(k, cos, sin), k)
+
+
+def test_basis_is_orthonormal_sorted_and_finds_the_low_rank():
+    kv = _kv()
+    cos, sin = _rope_tables(kv.shape[2])
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    eye = torch.eye(b.u.shape[-1], dtype=torch.float64)
+    assert torch.allclose(b.u.transpose(-1, -2) @ b.u, eye.expand_as(b.u), atol=1e-10)
+    assert bool((b.var[..., :-1] >= b.var[..., 1:] - 1e-12).all())
+    # 4 latent factors: the first 4 components hold nearly all the energy once RoPE is undone
+    share = b.var[..., :4].sum(-1) / b.var.sum(-1)
+    assert float(share.min()) > 0.98
+    kept = P.Basis([kv], cos, sin, undo_rope=False)
+    assert float((kept.var[:, 0, :4].sum(-1) / kept.var[:, 0].sum(-1)).max()) < 0.9  # RoPE spreads K
+
+
+def test_decode_of_exact_coefficients_is_the_kv_and_error_is_half_a_step():
+    kv = _kv()
+    cos, sin = _rope_tables(kv.shape[2])
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    y = b.coeffs(kv)
+    back = b.kv((y.transpose(2, 3) @ b.u.transpose(2, 3)) + b.mu[:, :, None], kv.shape)
+    assert torch.equal(back.view(torch.int16), kv.view(torch.int16))
+    step = torch.tensor([[0.05, 0.2], [0.1, 0.3]], dtype=torch.float64)
+    q = b.quantize(kv, step)
+    assert bool(((q * step[:, :, None, None] - y).abs() <= step[:, :, None, None] / 2 + 1e-12).all())
+    err = (b.vectors(b.decode(q, step, kv.shape)) - b.vectors(kv)).pow(2).mean((2, 3))
+    assert bool((err <= step**2 / 4 + 1e-3).all())  # + the final bf16 rounding
+    assert float(err[0, 0]) < float(err[1, 1])  # the finer step, the smaller error
+
+
+def test_symbols_escape_large_values_and_charge_them():
+    q = torch.tensor([[[[0, -127, 127, 128, -400]]]])
+    s, esc = P.symbols(q)
+    assert s.tolist() == [[127, 0, 254, 255, 255]] and esc == 2
+    kv = _kv(tokens=256)
+    cos, sin = _rope_tables(256)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    fine = P.PCAScheme(b, torch.full((2, 2), 1e-4, dtype=torch.float64), [kv])
+    bits, esc = fine.bits(kv)
+    assert esc > 0 and bits >= esc * (P.ESCAPE_BITS + 1)
+
+
+def test_metric_weighs_the_error():
+    kv = _kv()
+    cos, sin = _rope_tables(kv.shape[2])
+    n = kv.shape[3] * kv.shape[4]
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 2, n, n, generator=g, dtype=torch.float64)
+    metric = a @ a.transpose(-1, -2) + n * torch.eye(n, dtype=torch.float64)
+    b = P.Basis([kv], cos, sin, undo_rope=True, metric=metric)
+    plain = P.Basis([kv], cos, sin, undo_rope=True)
+    e = torch.randn(2, 2, 5, n, generator=g, dtype=torch.float64)
+    x = plain.vectors(kv)[:, :, :5]
+    xw = x @ b.sqrt_m
+    # squared norm in the weighted space = e^T M e, and the inverse undoes the weighting
+    lhs = ((x + e) @ b.sqrt_m - xw).pow(2).sum(-1)
+    rhs = torch.einsum("lpti,lpij,lptj->lpt", e, metric, e)
+    assert torch.allclose(lhs, rhs, rtol=1e-9)
+    assert torch.allclose(xw @ b.inv_sqrt_m, x, atol=1e-9)
+
+
+def test_exact_first_tokens_are_put_back_and_counted():
+    kv = _kv(tokens=256)
+    cos, sin = _rope_tables(256)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    step = torch.full((2, 2), 0.5, dtype=torch.float64)
+    s0 = P.PCAScheme(b, step, [kv])
+    s2 = P.PCAScheme(b, step, [kv], exact_first=2)
+    _, d0, _ = s0.run(kv)
+    r2, d2, _ = s2.run(kv)
+    assert torch.equal(d2[:, :, :2].view(torch.int16), kv[:, :, :2].view(torch.int16))
+    assert not torch.equal(d0[:, :, :2].view(torch.int16), kv[:, :, :2].view(torch.int16))
+    assert torch.equal(d2[:, :, 2:].view(torch.int16), d0[:, :, 2:].view(torch.int16))
+    assert s2.bits(kv)[0] > 16.0 * kv[:, :, :2].numel()
+    assert r2 == pytest.approx(kv.numel() * 16 / s2.bits(kv)[0])
+
+
+def test_fit_scheme_reaches_the_ratio():
+    kv = _kv(tokens=512)
+    cos, sin = _rope_tables(512)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    for target in (4.0, 8.0):
+        s, c = P.fit_scheme(b, b.rms, [kv], target)
+        assert c > 0
+        assert s.run(kv)[0] == pytest.approx(target, rel=0.006)
+
+
+def test_coefficients_of_a_new_tensor_are_its_own():
+    # a freed tensor's address can be reused by the next one of the same shape: the remembered
+    # coefficients are matched by identity, never by address
+    kv = _kv(tokens=256)
+    cos, sin = _rope_tables(256)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    b.remember([kv])
+    assert b.coeffs(kv) is b.coeffs(kv)
+    for seed in (4, 5, 6):
+        other = _kv(tokens=256, seed=seed)
+        assert torch.equal(b.coeffs(other), b._transform(other))
+        assert not torch.equal(b.coeffs(other), b.coeffs(kv))
+        del other
+
+
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="SmolLM2-135M not present")
+def test_model_metric_of_smollm2():
+    """K: diagonal per KV head, equal on each RoPE pair, from the queries of the 3 heads sharing it;
+    V: the output projection's Gram matrix of those heads (symmetric, positive definite)."""
+    import codec_quality as CQ
+
+    m = P.model_metric("smollm2", ["code_c"])
+    nl, n = 30, 3 * 64
+    assert m.shape == (nl, 2, n, n)
+    k, v = m[:, 0], m[:, 1]
+    assert torch.equal(k, torch.diag_embed(torch.diagonal(k, dim1=-2, dim2=-1)))
+    dk = torch.diagonal(k, dim1=-2, dim2=-1).reshape(nl, 3, 2, 32)
+    assert torch.allclose(dk[:, :, 0], dk[:, :, 1]) and bool((dk > 0).all())
+    assert torch.equal(v[:, :64, 64:], torch.zeros(nl, 64, 128, dtype=v.dtype))  # heads do not mix
+    model, _ = CQ.load_model(torch.float32, "smollm2")
+    wo = model.model.layers[7].self_attn.o_proj.weight.detach().double()[:, 3 * 64 : 6 * 64]  # query heads 3-5
+    gram = sum(wo[:, j * 64 : (j + 1) * 64].T @ wo[:, j * 64 : (j + 1) * 64] for j in range(3))
+    assert torch.allclose(v[7, 64:128, 64:128], gram)
+    assert float(torch.linalg.eigvalsh(v[7]).min()) > 0
