@@ -9,32 +9,37 @@ reverse water-filling; Goyal, "Theoretical foundations of transform coding", IEE
 KVTC applies to KV caches (Staniszewski & Lancucki, "KV Cache Transform Coding for Compact Storage in
 LLM Inference", ICLR 2026: one PCA over the keys and values of all layers and heads with positional
 embeddings removed, a dynamic-programming bit allocation over the components, DEFLATE; the 4 oldest
-and the 128 most recent tokens kept exact). This script measures a per-layer variant on the matrix's
-texts and model, beside ``default``:
+and the 128 most recent tokens kept exact). This script measures a variant with a basis per one
+or a few adjacent layers on the matrix's texts and models, beside ``default``:
 
-1. **Basis** per (layer, plane), fitted on the tune split (``codec_head_alloc.TUNE``, never on the
-   evaluation texts): the mean ``mu`` and the eigenvectors ``U`` of the covariance of the ``H * D``
-   vector of each token (all heads together), keys with RoPE undone (``--rope keep`` leaves it on).
+1. **Basis** per (group of ``--layer-group`` adjacent layers, plane), fitted on the tune split
+   (``codec_head_alloc.TUNE``, its first ``--cal-tokens`` tokens; never the evaluation texts): the mean
+   ``mu`` and the eigenvectors ``U`` of the covariance of the vector of all heads of each token, keys
+   with RoPE undone (``--rope keep`` leaves it on); with ``--metric model`` the vectors are first
+   weighted so that squared errors count as the model sees them (:func:`model_metric`).
 2. **Quantizer**: ``q = round((x - mu) U / step)`` (round half to even), decode ``q * step U^T + mu``
-   (RoPE re-applied), cast to bf16. One ``step`` per (layer, plane), no per-token side data.
+   (RoPE re-applied), cast to bf16. One ``step`` per (layer group, plane), no per-token side data.
    Components whose spread is below the step quantize to 0 and cost almost nothing (the water-filling
-   of the rate). Steps: ``step = c * rms`` (``rms`` of the layer's centred vectors; ``c_v = c_k *
+   of the rate). Steps: ``step = c * rms`` (``rms`` of the group's centred vectors; ``c_v = c_k *
    --v-ratio``), or ``--weights sens``: ``step = c / sqrt(w)`` with ``w`` the (layer, plane)'s measured
    KL per unit of squared error at ``default`` (``codec_head_sens.json`` summed over heads, divided by
    ``default``'s squared error on the same texts) — the allocation minimizing the predicted KL
    ``sum w * step**2 / 12`` for a rate ``sum -log2 step``. ``c`` is bisected so that the tune split's
    ratio is ``--ratio``.
-3. **Rate**: one uint8 stream per (layer, plane, component) and 256-token chunk, symbol ``q + 127``;
+3. **Rate**: one uint8 stream per (layer group, plane, component) and 256-token chunk, symbol ``q + 127``;
    ``|q| > 127`` is coded as symbol 255 followed by 16 raw bits (exact). Ideal static-table coder fitted
    on the tune split with the per-chunk fallback (``codec_rates.StaticCoderModel``, as the matrix's
-   ``ratio_bound``). The model-level data (``U``, ``mu``, steps: 2 * 30 * (192**2 + 193) floats) is a
-   shipped table like the entropy tables, not counted per chunk.
+   ``ratio_bound``). The model-level data (``U``, ``mu``, steps) is a per-model table like the entropy
+   tables, not counted per chunk.
    ``--exact-first N`` keeps the sequence's first N tokens exact (bf16, 16 bits per value, counted).
+   The coefficients are float64 on the CPU: a product version would need a fixed-order GEMM for the
+   CPU and CUDA encoders to agree byte for byte (RESULTS §4.1f).
 4. **Quality** on the held-out texts, as the matrix measures it (``codec_quality.compare``).
 
 Run: ``python benchmarks/codec_pca.py [--ratio 6,7] [--weights rel,sens] [--v-ratio 1]
-[--rope undo|keep] [--eval-texts ...] [--json PATH]`` (SmolLM2, ~1 min per text and scheme on 2
-cores).
+[--metric none|model] [--exact-first N] [--layer-group G] [--cal-tokens N] [--rope undo|keep]
+[--eval-texts ...] [--levels high,default] [--json PATH]`` (RESULTS §4.1f has the commands run;
+minutes per fitted ratio and per text on 2 cores).
 """
 
 from __future__ import annotations
@@ -67,6 +72,26 @@ def rope_cos_sin(model: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[0].double(), sin[0].double()
 
 
+def calibration_kv(name: str, model: str, tokens: int) -> torch.Tensor:
+    """bf16 canonical KV ``[L, 2, T, H, D]`` of the first ``tokens`` tokens of matrix text ``name``
+    (``T`` = ``tokens``, or the text's length if shorter); :func:`codec_quality.get_text`'s KV when
+    ``tokens`` is its context. Cached beside it (safetensors)."""
+    import codec_corpus as CC
+    from safetensors.torch import load_file, save_file
+
+    if tokens <= CC.MATRIX_CONTEXT:
+        return CQ.get_text(name, model)["kv_fp32"][:, :, :tokens].to(torch.bfloat16)
+    path = CQ.CACHE_DIR / f"{model}.{name}.cal{tokens}.safetensors"
+    if not path.exists():
+        m, tok = CQ.load_model(torch.float32, model)
+        ids = torch.tensor(tok(CC.source_text(CC.MATRIX_TEXTS[name][0])).input_ids[:tokens], dtype=torch.int64)
+        with torch.no_grad():
+            out = m(ids[None], use_cache=True)
+        CQ.CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        save_file({"kv": CQ._cache_to_canonical(out.past_key_values).to(torch.bfloat16).contiguous()}, str(path))
+    return load_file(path)["kv"]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -79,13 +104,23 @@ def rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 
 class Basis:
-    """Mean and PCA basis per (layer, plane) of the ``H * D`` vectors of each token.
+    """Mean and PCA basis per (layer group, plane) of the ``N = group * H * D`` vectors of each token
+    (``group`` adjacent layers' heads together; ``L`` must be a multiple of it).
 
-    ``mu`` float64 ``[L, 2, N]``, ``u`` ``[L, 2, N, N]`` (columns = components, by decreasing
-    variance), ``var`` ``[L, 2, N]`` (the components' variances), ``rms`` ``[L, 2]``."""
+    ``mu`` float64 ``[L / group, 2, N]``, ``u`` ``[L / group, 2, N, N]`` (columns = components, by
+    decreasing variance), ``var`` ``[L / group, 2, N]`` (the components' variances), ``rms``
+    ``[L / group, 2]``."""
 
-    def __init__(self, cal: list[torch.Tensor], cos, sin, undo_rope: bool, metric: torch.Tensor | None = None):
-        self.cos, self.sin, self.undo_rope = cos, sin, undo_rope
+    def __init__(
+        self,
+        cal: list[torch.Tensor],
+        cos,
+        sin,
+        undo_rope: bool,
+        metric: torch.Tensor | None = None,
+        group: int = 1,
+    ):
+        self.cos, self.sin, self.undo_rope, self.group = cos, sin, undo_rope, group
         self._coeffs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sqrt_m = self.inv_sqrt_m = None
         if metric is not None:  # x -> x M^(1/2): squared error in that space = e^T M e
@@ -108,10 +143,15 @@ class Basis:
             t = x.shape[2]
             x = torch.stack([rope(x[:, 0], self.cos[:t], self.sin[:t], inverse=True), x[:, 1]], 1)
         x = x.flatten(3)
-        return x if self.sqrt_m is None else x @ self.sqrt_m
+        x = x if self.sqrt_m is None else x @ self.sqrt_m
+        g = self.group  # [L, 2, T, N] -> [L / g, 2, T, g * N]: g adjacent layers in one vector
+        nl, _, t, n = x.shape
+        return x.reshape(nl // g, g, 2, t, n).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * n)
 
     def kv(self, x: torch.Tensor, shape) -> torch.Tensor:
         """Inverse of :meth:`vectors`, cast to bf16."""
+        g, (ng, _, t, gn) = self.group, x.shape
+        x = x.reshape(ng, 2, t, g, gn // g).permute(0, 3, 1, 2, 4).reshape(ng * g, 2, t, gn // g)
         if self.inv_sqrt_m is not None:
             x = x @ self.inv_sqrt_m
         x = x.reshape(shape)
@@ -275,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="rel,sens", help="step shapes: rel (c * rms), sens (measured KL weights)")
     ap.add_argument("--v-ratio", type=float, default=1.0, help="rel: V's step / K's step (relative to rms)")
     ap.add_argument("--exact-first", type=int, default=0, help="first tokens of the sequence kept exact")
+    ap.add_argument("--cal-tokens", type=int, default=1024, help="tokens of each tune text for the basis and tables")
+    ap.add_argument("--layer-group", type=int, default=1, help="adjacent layers per PCA basis (divides L)")
     ap.add_argument("--metric", choices=("none", "model"), default="none", help="error metric of the basis")
     ap.add_argument("--rope", choices=("undo", "keep"), default="undo")
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
@@ -294,11 +336,13 @@ def main(argv=None) -> int:
         ap.error(f"--weights sens needs {SENS_JSON}")
     tune = a.tune_texts.split(",")
     t0 = time.time()
-    cal = [CQ.get_text(t, a.model)["kv_fp32"].to(torch.bfloat16) for t in tune]
+    cal = [calibration_kv(t, a.model, a.cal_tokens) for t in tune]
     tokens = max(kv.shape[2] for kv in cal)
     cos, sin = rope_cos_sin(a.model, tokens)
     metric = model_metric(a.model, tune) if a.metric == "model" else None
-    basis = Basis(cal, cos, sin, a.rope == "undo", metric)
+    if cal[0].shape[0] % a.layer_group or ("sens" in weights and a.layer_group != 1):
+        ap.error(f"--layer-group {a.layer_group} must divide {cal[0].shape[0]} layers (and be 1 with --weights sens)")
+    basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group)
     basis.remember(cal)
     ev = basis.var / basis.var.sum(-1, keepdim=True)
     gain = basis.var.mean(-1) / basis.var.clamp_min(1e-30).log().mean(-1).exp()  # AM / GM
@@ -350,6 +394,8 @@ def main(argv=None) -> int:
                     rope=a.rope,
                     v_ratio=a.v_ratio,
                     exact_first=a.exact_first,
+                    layer_group=a.layer_group,
+                    cal_tokens=[int(kv.shape[2]) for kv in cal],
                     tune=tune,
                     cells=cells,
                     seconds=time.time() - t0,

@@ -169,3 +169,14 @@ def test_model_metric_of_smollm2():
     gram = sum(wo[:, j * 64 : (j + 1) * 64].T @ wo[:, j * 64 : (j + 1) * 64] for j in range(3))
     assert torch.allclose(v[7, 64:128, 64:128], gram)
     assert float(torch.linalg.eigvalsh(v[7]).min()) > 0
+
+
+def test_layer_groups_round_trip_and_share_a_basis():
+    kv = _kv(tokens=256, nl=4)
+    cos, sin = _rope_tables(256)
+    b = P.Basis([kv], cos, sin, undo_rope=True, group=2)
+    x = b.vectors(kv)
+    assert x.shape == (2, 2, 256, 2 * 32) and b.u.shape == (2, 2, 64, 64)
+    one = P.Basis([kv], cos, sin, undo_rope=True).vectors(kv)
+    assert torch.equal(x[1, 0, :, 32:], one[3, 0])  # group 1 holds layers 2 and 3, in order
+    assert torch.equal(b.kv(x, kv.shape).view(torch.int16), kv.view(torch.int16))
