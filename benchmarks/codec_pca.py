@@ -24,8 +24,8 @@ or a few adjacent layers on the matrix's texts and models, beside ``default``:
    --v-ratio``), or ``--weights sens``: ``step = c / sqrt(w)`` with ``w`` the (layer, plane)'s measured
    KL per unit of squared error at ``default`` (``codec_head_sens.json`` summed over heads, divided by
    ``default``'s squared error on the same texts) — the allocation minimizing the predicted KL
-   ``sum w * step**2 / 12`` for a rate ``sum -log2 step``. ``c`` is bisected so that the tune split's
-   ratio is ``--ratio``.
+   ``sum w * step**2 / 12`` for a rate ``sum -log2 step``. ``c`` is found so that the tune split's
+   ratio is ``--ratio`` (secant steps, :func:`fit_scheme`).
 3. **Rate**: one uint8 stream per (layer group, plane, component) and 256-token chunk, symbol ``q + 127``;
    ``|q| > 127`` is coded as symbol 255 followed by 16 raw bits (exact). Ideal static-table coder fitted
    on the tune split with the per-chunk fallback (``codec_rates.StaticCoderModel``, as the matrix's
@@ -34,7 +34,9 @@ or a few adjacent layers on the matrix's texts and models, beside ``default``:
    ``--exact-first N`` keeps the sequence's first N tokens exact (bf16, 16 bits per value, counted).
    The coefficients are float64 on the CPU: a product version would need a fixed-order GEMM for the
    CPU and CUDA encoders to agree byte for byte (RESULTS §4.1f).
-4. **Quality** on the held-out texts, as the matrix measures it (``codec_quality.compare``).
+4. **Quality** on ``--eval-texts``, as the matrix measures it (``codec_quality.compare``). Only the
+   held-out texts are out of sample: for a tune text the basis, steps and tables were fitted on the
+   very KV that is evaluated.
 
 Run: ``python benchmarks/codec_pca.py [--ratio 6,7] [--weights rel,sens] [--v-ratio 1]
 [--metric none|model] [--exact-first N] [--layer-group G] [--cal-tokens N] [--rope undo|keep]
@@ -50,6 +52,7 @@ import sys
 import time
 from pathlib import Path
 
+import codec_corpus as CC
 import codec_head_alloc as HA
 import codec_quality as CQ
 import codec_rates as CR
@@ -75,7 +78,8 @@ def rope_cos_sin(model: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 def calibration_kv(name: str, model: str, tokens: int) -> torch.Tensor:
     """bf16 canonical KV ``[L, 2, T, H, D]`` of the first ``tokens`` tokens of matrix text ``name``
     (``T`` = ``tokens``, or the text's length if shorter); :func:`codec_quality.get_text`'s KV when
-    ``tokens`` is its context. Cached beside it (safetensors)."""
+    ``tokens`` is its context. Cached beside it (safetensors), keyed by (model, text, tokens) only:
+    a changed source file or tokenizer needs the cache removed, as for ``get_text``."""
     import codec_corpus as CC
     from safetensors.torch import load_file, save_file
 
@@ -162,7 +166,7 @@ class Basis:
 
     def coeffs(self, kv: torch.Tensor) -> torch.Tensor:
         """float64 ``[L, 2, N, T]``: the coordinates of ``kv``'s centred vectors in the basis (kept for
-        the tensors given to :meth:`remember`: the bisection of :func:`fit_scheme` quantizes the
+        the tensors given to :meth:`remember`: the secant search of :func:`fit_scheme` quantizes the
         calibration KV many times)."""
         for t, y in self._coeffs:
             if t is kv:
@@ -191,7 +195,10 @@ def model_metric(model: str, texts) -> torch.Tensor:
     as the model sees it. K (RoPE undone): the logit error ``sum_j (q_j . e)**2`` over the query heads
     ``j`` sharing the KV head, averaged over the rotation of each RoPE pair (``(E q_i**2 + E q_{i+D/2}**2)
     / 2`` on the diagonal; queries from ``q_proj`` on ``texts``' contexts). V: the error after the output
-    projection, ``sum_j W_o[:, j]^T W_o[:, j]`` over the same query heads."""
+    projection, ``sum_j W_o[:, j]^T W_o[:, j]`` over the same query heads. Approximations: the softmax
+    and the attention weights are ignored, the cross terms between the query heads sharing a KV head
+    (whose outputs add in one hidden vector) are dropped, and K's cross-pair terms vanish only for
+    pairs that rotate fast."""
     m, _ = CQ.load_model(torch.float32, model)
     cfg = m.config
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -232,7 +239,12 @@ def model_metric(model: str, texts) -> torch.Tensor:
 
 
 def symbols(q: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Coefficients ``[L, 2, N, T]`` -> (uint8 streams ``[L*2*N, T]``, escape count)."""
+    """Coefficients ``[L, 2, N, T]`` -> (uint8 streams ``[L*2*N, T]``, escape count).
+
+    Raises:
+        ValueError: a coefficient needs more than the :data:`ESCAPE_BITS` raw bits of an escape."""
+    if q.numel() and int(q.abs().max()) >= 1 << (ESCAPE_BITS - 1):
+        raise ValueError(f"coefficient {int(q.abs().max())} does not fit an escape of {ESCAPE_BITS} bits")
     esc = q.abs() > OFFSET
     s = torch.where(esc, torch.full_like(q, ESCAPE), q + OFFSET)
     return s.reshape(-1, q.shape[-1]).to(torch.uint8), int(esc.sum())
@@ -287,25 +299,37 @@ def sens_weights(level: L.Level, cal: list[torch.Tensor], texts, basis: Basis) -
 def fit_scheme(
     basis: Basis, shape: torch.Tensor, cal: list[torch.Tensor], ratio: float, exact_first: int = 0
 ) -> tuple[PCAScheme, float]:
-    """The scheme with steps ``c * shape`` whose tune-split ratio is ``ratio`` within 0.5 %: secant
-    steps on (log2 c, bits per value), which is near linear (each active component's rate falls by one
-    bit per doubling of the step)."""
+    """``(scheme, c)``: the scheme with steps ``c * shape`` whose tune-split ratio is ``ratio`` within
+    0.5 %, by secant steps on (log2 c, bits per value), which is near linear (each active component's
+    rate falls by one bit per doubling of the step).
+
+    Raises:
+        RuntimeError: no such ``c`` within 12 steps."""
     values = sum(kv.numel() for kv in cal)
     target = 16.0 / ratio
 
     def rate(c):
-        s = PCAScheme(basis, c * shape, cal, exact_first)
+        try:
+            s = PCAScheme(basis, c * shape, cal, exact_first)
+        except ValueError:  # steps so fine that a coefficient overflows an escape
+            return None, float("inf")
         return s, sum(s.bits(kv)[0] for kv in cal) / values
 
     x0, (s, b0) = 0.0, rate(1.0)
-    x1 = x0 + (b0 - target) / 2.0  # first guess: half of the values active
+    while b0 == float("inf"):
+        x0 += 4.0
+        s, b0 = rate(2.0**x0)
+    x1 = x0 + (b0 - target) / 2.0  # first guess: a slope of -2 bits per doubling
     for _ in range(12):
         s, b1 = rate(2.0**x1)
+        if b1 == float("inf"):
+            x1 = (x0 + x1) / 2 if x1 < x0 else x1 + 4.0
+            continue
         if abs(b1 / target - 1) < 0.005:
-            break
+            return s, 2.0**x1
         slope = (b1 - b0) / (x1 - x0) if x1 != x0 and b1 != b0 else -0.5
         x0, b0, x1 = x1, b1, x1 + (target - b1) / min(slope, -0.05)
-    return s, 2.0**x1
+    raise RuntimeError(f"no step reaches {ratio}x on the tune split within 0.5 % (last: {16.0 / b0:.3f}x)")
 
 
 def main(argv=None) -> int:
@@ -338,7 +362,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     cal = [calibration_kv(t, a.model, a.cal_tokens) for t in tune]
     tokens = max(kv.shape[2] for kv in cal)
-    cos, sin = rope_cos_sin(a.model, tokens)
+    cos, sin = rope_cos_sin(a.model, max(tokens, CC.MATRIX_CONTEXT))
     metric = model_metric(a.model, tune) if a.metric == "model" else None
     if cal[0].shape[0] % a.layer_group or ("sens" in weights and a.layer_group != 1):
         ap.error(f"--layer-group {a.layer_group} must divide {cal[0].shape[0]} layers (and be 1 with --weights sens)")
@@ -372,14 +396,16 @@ def main(argv=None) -> int:
     cells = []
     for t in a.eval_texts.split(","):
         data, kv, ref, ids = HA.reference(t, a.model)
-        runs = [(n, *s.run(kv)[:2]) for n, s in level_schemes.items()]
+        runs = [(n, *s.run(kv)[:2]) for n, s in level_schemes.items()]  # (name, ratio, decode)
         for name, s in schemes.items():
             ratio, dec, esc = s.run(kv)
-            runs.append((name, ratio, dec))
-        for name, ratio, dec in runs:
+            runs.append((name, ratio, dec, esc))
+        for name, ratio, dec, *esc in runs:
             m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
             rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
-            cells.append(dict(text=t, scheme=name, ratio_bound=ratio, rel_err=rel, **m))
+            cells.append(
+                dict(text=t, scheme=name, ratio_bound=ratio, rel_err=rel, escapes=esc[0] if esc else None, **m)
+            )
             print(
                 f"{t:<12s} {name:<16s} ratio(bound) {ratio:5.2f}x dppl {m['dppl_pct']:+6.2f}% "
                 f"top1 {m['top1']:6.2f}% KL {m['kl']:.5f} rel.err {rel:.4f}",
