@@ -56,6 +56,7 @@ import codec_corpus as CC
 import codec_head_alloc as HA
 import codec_quality as CQ
 import codec_rates as CR
+import numpy as np
 import torch
 
 from lmtier.codec import levels as L
@@ -257,6 +258,31 @@ class PCAScheme:
         self.basis, self.step, self.exact_first = basis, step, exact_first
         streams = [symbols(q)[0] for kv in cal for q in self._chunks(basis.quantize(kv, step))]
         self.model = CR.StaticCoderModel(streams, torch.ones(streams[0].shape[0], 256, dtype=torch.bool))
+        self._counts = CR.stream_counts(streams)
+        self._tables = None
+
+    def record_bytes(self, kv: torch.Tensor) -> int:
+        """Bytes of real rANS streams (:func:`lmtier.codec.rans.encode`, the product's coder) for a bf16
+        context ``kv``: per chunk one stream per (layer group, plane) of its components' symbols back to
+        back, switching to the component's static table every 256 symbols (the product's table
+        switching), tables normalized from the tune chunks' counts over all 256 symbols; plus 2 bytes per
+        escape and the exact first tokens raw. Token 0's symbols are coded as well (a small overcount);
+        record headers are not counted."""
+        from lmtier.codec import rans
+
+        if self._tables is None:
+            self._tables = np.stack([rans.build_table(c.numpy(), alphabet_size=256) for c in self._counts])
+        q = self.basis.quantize(kv, self.step)
+        groups = q.shape[0] * 2
+        n = q.shape[2]
+        total = 2 * kv[:, :, : self.exact_first].numel()
+        for c in self._chunks(q):
+            sym, esc = symbols(c)
+            t = sym.shape[-1]
+            per = sym.reshape(groups, n * t).numpy()
+            batch = rans.encode(list(per), table_ids=np.arange(groups) * n, tables=self._tables, run_lens=t)
+            total += batch.nbytes + 2 * esc
+        return total
 
     @staticmethod
     def _chunks(q: torch.Tensor) -> list[torch.Tensor]:
@@ -346,6 +372,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
     ap.add_argument("--eval-texts", default=",".join(HA.HELD))
     ap.add_argument("--levels", default="default", help="product levels evaluated beside (ratio bound)")
+    ap.add_argument(
+        "--records", action="store_true", help="also count real rANS bytes of the PCA schemes (ratio_records)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
@@ -397,17 +426,29 @@ def main(argv=None) -> int:
     for t in a.eval_texts.split(","):
         data, kv, ref, ids = HA.reference(t, a.model)
         runs = [(n, *s.run(kv)[:2]) for n, s in level_schemes.items()]  # (name, ratio, decode)
+        records = {}
         for name, s in schemes.items():
             ratio, dec, esc = s.run(kv)
             runs.append((name, ratio, dec, esc))
+            if a.records:
+                records[name] = kv.numel() * 2 / s.record_bytes(kv)
         for name, ratio, dec, *esc in runs:
             m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
             rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
             cells.append(
-                dict(text=t, scheme=name, ratio_bound=ratio, rel_err=rel, escapes=esc[0] if esc else None, **m)
+                dict(
+                    text=t,
+                    scheme=name,
+                    ratio_bound=ratio,
+                    ratio_records=records.get(name),
+                    rel_err=rel,
+                    escapes=esc[0] if esc else None,
+                    **m,
+                )
             )
+            rec = f" records {records[name]:5.2f}x" if name in records else ""
             print(
-                f"{t:<12s} {name:<16s} ratio(bound) {ratio:5.2f}x dppl {m['dppl_pct']:+6.2f}% "
+                f"{t:<12s} {name:<16s} ratio(bound) {ratio:5.2f}x{rec} dppl {m['dppl_pct']:+6.2f}% "
                 f"top1 {m['top1']:6.2f}% KL {m['kl']:.5f} rel.err {rel:.4f}",
                 flush=True,
             )
