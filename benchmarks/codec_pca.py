@@ -81,7 +81,6 @@ def calibration_kv(name: str, model: str, tokens: int) -> torch.Tensor:
     (``T`` = ``tokens``, or the text's length if shorter); :func:`codec_quality.get_text`'s KV when
     ``tokens`` is its context. Cached beside it (safetensors), keyed by (model, text, tokens) only:
     a changed source file or tokenizer needs the cache removed, as for ``get_text``."""
-    import codec_corpus as CC
     from safetensors.torch import load_file, save_file
 
     if tokens <= CC.MATRIX_CONTEXT:
@@ -206,7 +205,7 @@ def model_metric(model: str, texts) -> torch.Tensor:
     d = cfg.hidden_size // nq
     nl = len(m.model.layers)
     q2 = torch.zeros(nl, nq, d, dtype=torch.float64)
-    count = [0]
+    count = 0
 
     def hook(l):
         def fn(mod, inp, out):
@@ -220,11 +219,11 @@ def model_metric(model: str, texts) -> torch.Tensor:
             for t in texts:
                 data = CQ.get_text(t, model)
                 m(data["ids"][None, : data["ctx"]])
-                count[0] += data["ctx"]
+                count += data["ctx"]
     finally:
         for h in hooks:
             h.remove()
-    q2 = q2 / count[0]
+    q2 = q2 / count
     q2 = (q2 + q2.roll(d // 2, dims=-1)) / 2  # pair (i, i + D/2) averaged over the rotation
     out = torch.zeros(nl, 2, nkv * d, nkv * d, dtype=torch.float64)
     g = nq // nkv
@@ -291,7 +290,9 @@ class PCAScheme:
     def bits(self, kv: torch.Tensor) -> tuple[float, int]:
         """(bits, escapes) of a bf16 context ``kv`` (quantizing the context at once equals quantizing
         its chunks: no per-chunk state); the exact first tokens at 16 bits per value."""
-        q = self.basis.quantize(kv, self.step)
+        return self._bits(self.basis.quantize(kv, self.step), kv)
+
+    def _bits(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[float, int]:
         n = self.exact_first
         bits, esc = 16.0 * kv[:, :, :n].numel(), 0
         for i, c in enumerate(self._chunks(q)):
@@ -302,8 +303,9 @@ class PCAScheme:
 
     def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor, int]:
         """(ratio bound, decoded bf16 KV, escapes) of a bf16 context ``kv``."""
-        bits, esc = self.bits(kv)
-        dec = self.basis.decode(self.basis.quantize(kv, self.step), self.step, kv.shape)
+        q = self.basis.quantize(kv, self.step)
+        bits, esc = self._bits(q, kv)
+        dec = self.basis.decode(q, self.step, kv.shape)
         if self.exact_first:
             dec = torch.cat([kv[:, :, : self.exact_first], dec[:, :, self.exact_first :]], 2)
         return kv.numel() * 16 / bits, dec, esc
@@ -387,14 +389,16 @@ def main(argv=None) -> int:
         ap.error(f"unknown --weights {bad}: use rel, sens")
     if "sens" in weights and not SENS_JSON.exists():
         ap.error(f"--weights sens needs {SENS_JSON}")
+    if a.layer_group < 1 or ("sens" in weights and a.layer_group != 1):
+        ap.error(f"--layer-group {a.layer_group} must be >= 1 (and 1 with --weights sens)")
     tune = a.tune_texts.split(",")
     t0 = time.time()
     cal = [calibration_kv(t, a.model, a.cal_tokens) for t in tune]
+    if cal[0].shape[0] % a.layer_group:  # before the metric's forward passes and the basis
+        ap.error(f"--layer-group {a.layer_group} must divide {cal[0].shape[0]} layers")
     tokens = max(kv.shape[2] for kv in cal)
     cos, sin = rope_cos_sin(a.model, max(tokens, CC.MATRIX_CONTEXT))
     metric = model_metric(a.model, tune) if a.metric == "model" else None
-    if cal[0].shape[0] % a.layer_group or ("sens" in weights and a.layer_group != 1):
-        ap.error(f"--layer-group {a.layer_group} must divide {cal[0].shape[0]} layers (and be 1 with --weights sens)")
     basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group)
     basis.remember(cal)
     ev = basis.var / basis.var.sum(-1, keepdim=True)
@@ -425,14 +429,14 @@ def main(argv=None) -> int:
     cells = []
     for t in a.eval_texts.split(","):
         data, kv, ref, ids = HA.reference(t, a.model)
-        runs = [(n, *s.run(kv)[:2]) for n, s in level_schemes.items()]  # (name, ratio, decode)
+        runs = [(n, *s.run(kv), None) for n, s in level_schemes.items()]  # (name, ratio, decode, escapes)
         records = {}
         for name, s in schemes.items():
             ratio, dec, esc = s.run(kv)
             runs.append((name, ratio, dec, esc))
             if a.records:
                 records[name] = kv.numel() * 2 / s.record_bytes(kv)
-        for name, ratio, dec, *esc in runs:
+        for name, ratio, dec, esc in runs:
             m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
             rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
             cells.append(
@@ -442,7 +446,7 @@ def main(argv=None) -> int:
                     ratio_bound=ratio,
                     ratio_records=records.get(name),
                     rel_err=rel,
-                    escapes=esc[0] if esc else None,
+                    escapes=esc,
                     **m,
                 )
             )
