@@ -389,6 +389,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown --weights {bad}: use rel, sens")
     if "sens" in weights and not SENS_JSON.exists():
         ap.error(f"--weights sens needs {SENS_JSON}")
+    unknown = [t for t in (*a.tune_texts.split(","), *a.eval_texts.split(",")) if t not in CC.MATRIX_TEXTS]
+    if unknown:
+        ap.error(f"unknown texts {unknown}: use {', '.join(CC.MATRIX_TEXTS)}")
+    if a.cal_tokens < 1:
+        ap.error(f"--cal-tokens must be >= 1, got {a.cal_tokens}")
     if a.layer_group < 1 or ("sens" in weights and a.layer_group != 1):
         ap.error(f"--layer-group {a.layer_group} must be >= 1 (and 1 with --weights sens)")
     tune = a.tune_texts.split(",")

@@ -235,3 +235,17 @@ def test_record_bytes_are_real_rans_streams_near_the_bound():
     batch = rans.encode([one], table_ids=0, tables=s._tables, run_lens=256)
     back = rans.decode(batch, s._tables, lengths=[one.size])
     assert bytes(np.asarray(back[0])) == one.tobytes() and n == 32
+
+
+def test_cli_refuses_bad_options_before_any_model_work(capsys):
+    for argv, msg in (
+        (["--eval-texts", "nope"], "unknown texts ['nope']"),
+        (["--tune-texts", "code_c,xx"], "unknown texts ['xx']"),
+        (["--cal-tokens", "0"], "--cal-tokens must be >= 1"),
+        (["--layer-group", "0"], "--layer-group 0 must be >= 1"),
+        (["--weights", "rel,foo"], "unknown --weights ['foo']"),
+        (["--levels", "nosuch"], "nosuch"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            P.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
