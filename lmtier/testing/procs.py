@@ -6,11 +6,13 @@ No lmtier import beyond the standard library: the demo and benchmarks start serv
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +22,30 @@ __all__ = ["free_port", "tail", "Proc"]
 logger = logging.getLogger("lmtier.testing")
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back) and that
+    this process has not handed out among its last 4,096 answers.
+
+    The kernel may give the same ephemeral port to two port-0 binds in a row once the first socket
+    is closed; two ports taken for one server (a Mooncake master's metrics and HTTP metadata ports)
+    then clashed at its start-up ("Address already in use").
+
+    Raises:
+        OSError: no port could be bound, or 64 tries all returned ports handed out before.
+    """
+    with _HANDED_OUT_LOCK:
+        for _ in range(64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise OSError("free_port: 64 port-0 binds returned only ports handed out before")
 
 
 def tail(path: Path, n: int = 60) -> str:
