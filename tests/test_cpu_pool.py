@@ -402,10 +402,10 @@ def _wait_populated(pool: CPUPool, n: int) -> None:
 def test_populate_ahead_of_use():
     """Default "ahead": a window of POPULATE_AHEAD_BYTES is mapped ahead of the highest slot handed
     out (resident memory grows with use, never-used slots are mapped before a store writes them)."""
-    from lmtier.tiers import cpu as cpu_mod
+    from lmtier.tiers.cpu_populate import POPULATE_AHEAD_BYTES
 
     slot = 1 << 20
-    window = cpu_mod.POPULATE_AHEAD_BYTES // slot
+    window = POPULATE_AHEAD_BYTES // slot
     pool = CPUPool(4 * window * slot, slot)  # 4 windows of 1 MiB slots
     if pool.pinned:
         pytest.skip("pinned arenas are mapped by cudaHostAlloc")

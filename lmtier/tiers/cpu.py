@@ -47,15 +47,14 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
+from lmtier.tiers.cpu_populate import PopulateAhead
 from lmtier.tiers.tenants import DEFAULT_TENANT, TenantLedger, TenantShares
 
 __all__ = ["CPUPool", "Slot", "SLOT_ALIGN_BYTES", "as_byte_source"]
@@ -63,8 +62,6 @@ __all__ = ["CPUPool", "Slot", "SLOT_ALIGN_BYTES", "as_byte_source"]
 log = logging.getLogger("lmtier.tiers.cpu")
 
 SLOT_ALIGN_BYTES = 4096
-POPULATE_AHEAD_BYTES = 256 << 20  # CPUPool(populate="ahead"): mapped ahead of the slots in use
-POPULATE_PIECE_BYTES = 8 << 20  # one madvise call (a concurrent fault there waits for it)
 
 _FREE, _WRITING, _COMMITTED = 0, 1, 2
 _READ, _WRITE = "read", "write"
@@ -166,11 +163,12 @@ class CPUPool(Tier):
             ``num_slots * slot_bytes`` bytes (tests, sharing). Default: a new ``HostBuffer``
             (pinned when CUDA is usable).
         populate: how the default (unpinned) arena's pages get mapped: ``"ahead"`` (default) keeps a
-            window of :data:`POPULATE_AHEAD_BYTES` mapped ahead of the slots in use, on a daemon
-            thread (``madvise(MADV_POPULATE_WRITE)``), so stores into never-used slots take no
-            first-touch page faults in the serving path while resident memory still grows only with
-            use; ``"now"`` / ``"background"`` map the whole arena at construction / on a daemon
-            thread (resident = capacity from the start); ``"lazy"`` never (pages fault on first write).
+            window of :data:`~lmtier.tiers.cpu_populate.POPULATE_AHEAD_BYTES` mapped ahead of the
+            slots in use, on a daemon thread (``madvise(MADV_POPULATE_WRITE)``), so stores into
+            never-used slots take no first-touch page faults in the serving path while resident
+            memory still grows only with use; ``"now"`` / ``"background"`` map the whole arena at
+            construction / on a daemon thread (resident = capacity from the start); ``"lazy"`` never
+            (pages fault on first write).
         tenants: per-tenant guaranteed shares (:mod:`lmtier.tiers.tenants`), or None (default: one
             LRU over all chunks, ``tenant`` arguments ignored).
 
@@ -238,28 +236,10 @@ class CPUPool(Tier):
         self._closed = False
         self.counters: collections.Counter[str] = collections.Counter()
         self._ledger = None if tenants is None else TenantLedger(tenants, self.num_slots, self.slot_bytes)
-        # Populate-ahead: never-used slots are handed out in index order (freed ones are reused
-        # first), so mapping slots [0, target) ahead of the highest slot handed out suffices.
-        self._ahead = 0
-        self._pop_target = 0
-        self._pop_cond: threading.Condition | None = None
-        self._pop_thread: threading.Thread | None = None
+        # Populate-ahead (lmtier.tiers.cpu_populate): slots mapped ahead of the highest one handed out.
+        self._populator: PopulateAhead | None = None
         if populate == "ahead" and arena is None and not self.pinned:
-            from lmtier.memory import start_background
-
-            self._ahead = max(1, POPULATE_AHEAD_BYTES // self.slot_bytes)
-            self._pop_cond = cond = threading.Condition(self._lock)
-            self._pop_target = min(self.num_slots, self._ahead)
-            stop = threading.Event()
-
-            def wake() -> None:  # no reference to the pool: an unclosed pool is still freed
-                stop.set()
-                with cond:
-                    cond.notify_all()
-
-            self._pop_thread = start_background(
-                CPUPool._populate_loop, (weakref.ref(self), cond, stop), name="lmtier-populate", stop=wake
-            )
+            self._populator = PopulateAhead(self.arena, self.slot_bytes, self.num_slots, self._lock, self.counters)
 
     # ---- writer side ---------------------------------------------------------------------------
 
@@ -575,51 +555,8 @@ class CPUPool(Tier):
         freed when the pool is garbage-collected."""
         with self._lock:
             self._closed = True
-            if self._pop_cond is not None:
-                self._pop_cond.notify()
-        if self._pop_thread is not None:
-            from lmtier.memory import join_background
-
-            join_background(self._pop_thread)
-
-    @staticmethod
-    def _populate_loop(ref: weakref.ref[CPUPool], cond: threading.Condition, stop: threading.Event) -> None:
-        """Daemon thread: map slots ``[done, target)`` whenever the target moves (see ``populate``).
-        Holds only a weak reference to the pool between rounds, so an unclosed pool is still freed.
-        Returns once the pool is closed or freed or ``stop`` is set (checked between pieces)."""
-        from lmtier.memory import populate
-
-        try:  # background work: lowest CPU priority (Linux: per thread), never ahead of a forward pass
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        done = 0
-        while True:
-            with cond:
-                pool = ref()
-                if pool is None or pool._closed or stop.is_set():
-                    return
-                if pool._pop_target <= done:
-                    del pool
-                    cond.wait(1.0)
-                    continue
-                target = pool._pop_target
-                step = max(1, POPULATE_PIECE_BYTES // pool.slot_bytes)
-                slot_bytes, arena = pool.slot_bytes, pool.arena
-                del pool
-            # In pieces: a fault in a range being populated waits for that madvise call.
-            for a in range(done, target, step):
-                if stop.is_set():
-                    return
-                if not populate(arena[a * slot_bytes : min(a + step, target) * slot_bytes], stop=stop):
-                    return  # not supported here (pages fault on first write, as without populating), or stopped
-            del arena
-            done = target
-            with cond:
-                pool = ref()
-                if pool is not None:
-                    pool.counters["populated_slots"] = done
-                del pool
+        if self._populator is not None:
+            self._populator.close()
 
     def __len__(self) -> int:
         with self._lock:
@@ -639,9 +576,8 @@ class CPUPool(Tier):
             raise RuntimeError("CPUPool is closed")
 
     def _start_write_locked(self, idx: int, key: bytes, tenant: str) -> Slot:
-        if self._pop_cond is not None and idx + self._ahead > self._pop_target:
-            self._pop_target = min(self.num_slots, idx + 2 * self._ahead)
-            self._pop_cond.notify()
+        if self._populator is not None:
+            self._populator.slot_used_locked(idx)
         self._state[idx] = _WRITING
         self._keys[idx] = key
         self._nbytes[idx] = 0
