@@ -35,8 +35,8 @@ import torch
 from lmtier import _C
 
 from .levels import Granularity, Level, Transform, get_level
+from .native_args import order_after_current, stream_handle, sync_stream  # shared with the rANS coder
 from .quant import CodecInputError
-from .rans import _stream_handle, _sync  # CUDA stream helpers shared with the rANS coder
 
 __all__ = [
     "DESC",
@@ -202,12 +202,9 @@ def _call(fn, batch: NativeBatch, level: Any, status: Any, num_threads: int, str
     q = qmax_table(lv, nl)
     on_cuda = batch.device.type == "cuda"
     descs = batch.descs.data_ptr() if on_cuda else batch.descs.ctypes.data
-    handle = _stream_handle(stream, batch.device) if on_cuda else 0
-    if on_cuda and stream is not None:  # inputs were produced / descriptors uploaded on the current stream
-        s = torch.cuda.ExternalStream(stream, device=batch.device) if isinstance(stream, int) else stream
-        cur = torch.cuda.current_stream(batch.device)
-        if s.cuda_stream != cur.cuda_stream:
-            s.wait_stream(cur)
+    handle = stream_handle(stream, batch.device) if on_cuda else 0
+    if on_cuda:  # inputs were produced / descriptors uploaded on the current stream
+        order_after_current(stream, batch.device)
     fn(
         on_cuda,
         mode,
@@ -297,7 +294,7 @@ def quantize(
     batch = make_batch(chunks, syms, sides)
     quantize_batch(batch, level, status=status, num_threads=num_threads, stream=stream)
     if dev.type == "cuda":
-        _sync(stream, dev)
+        sync_stream(stream, dev)
     check_status(status, "quantize")
     return syms, sides
 
@@ -341,6 +338,6 @@ def dequantize(
     batch = make_batch(outs, symbols, sides)
     dequantize_batch(batch, level, status=status, num_threads=num_threads, stream=stream)
     if dev.type == "cuda":
-        _sync(stream, dev)
+        sync_stream(stream, dev)
     check_status(status, "dequantize")
     return outs

@@ -38,6 +38,17 @@ from typing import Any
 import numpy as np
 
 from lmtier import _C
+from lmtier.codec.native_args import (
+    addr_len,
+    device_bytes,
+    is_cuda,
+    is_torch,
+    keep_alive,
+    order_after_current,
+    stream_handle,
+    sync_stream,
+    torch_module,
+)
 from lmtier.codec.spans import Spans
 
 __all__ = [
@@ -100,34 +111,8 @@ DECODE_DESC = np.dtype([("src", "<u8"), ("src_bytes", "<u8"), ("dst", "<u8"), ("
 assert ENCODE_DESC.itemsize == 24 and DECODE_DESC.itemsize == 32
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def _is_cuda(x: Any) -> bool:
-    return _is_torch(x) and x.device.type == "cuda"
-
-
-def _addr_len(x: Any) -> tuple[int, int]:
-    """(address, bytes) of a contiguous 1-D byte-like NumPy array or torch tensor."""
-    if _is_torch(x):
-        if not x.is_contiguous():
-            raise ValueError("tensors must be contiguous")
-        return x.data_ptr(), x.numel() * x.element_size()
-    a = np.asarray(x)
-    if not a.flags.c_contiguous:
-        raise ValueError("arrays must be C-contiguous")
-    return a.ctypes.data, a.nbytes
-
-
 def _as_u8_np(x: Any) -> np.ndarray:
-    if _is_torch(x):
+    if is_torch(x):
         x = x.detach().cpu().contiguous().numpy()
     a = np.ascontiguousarray(np.asarray(x))
     if a.dtype != np.uint8:
@@ -138,7 +123,7 @@ def _as_u8_np(x: Any) -> np.ndarray:
 def _tables_np(tables: Any) -> np.ndarray:
     if tables is None:
         return np.zeros((0, 256), np.uint16)
-    if _is_torch(tables):
+    if is_torch(tables):
         tables = tables.detach().cpu().numpy()
     t = np.ascontiguousarray(np.asarray(tables))
     if t.ndim == 1:
@@ -291,49 +276,6 @@ class EncodedBatch:
         return int(self.offsets[-1])
 
 
-def _stream_handle(stream: Any, device: Any) -> int:
-    torch = _torch()
-    if stream is None:
-        return torch.cuda.current_stream(device).cuda_stream
-    if isinstance(stream, int):
-        return stream
-    return stream.cuda_stream
-
-
-def _sync(stream: Any, device: Any) -> None:
-    torch = _torch()
-    if stream is None:
-        torch.cuda.current_stream(device).synchronize()
-    elif isinstance(stream, int):
-        torch.cuda.ExternalStream(stream, device=device).synchronize()
-    else:
-        stream.synchronize()
-
-
-def _order_after_current(stream: Any, device: Any) -> None:
-    """Make ``stream`` wait for the current stream (where the caller produced the inputs and where
-    the descriptors are uploaded) — a no-op when they are the same stream."""
-    if stream is None:
-        return
-    torch = _torch()
-    s = torch.cuda.ExternalStream(stream, device=device) if isinstance(stream, int) else stream
-    cur = torch.cuda.current_stream(device)
-    if s.cuda_stream != cur.cuda_stream:
-        s.wait_stream(cur)
-
-
-def _keep_alive(tensors: list[Any], stream: Any, device: Any) -> None:
-    """The uploaded descriptor/table tensors were allocated on the current stream; when the kernels
-    run on another stream, tell the caching allocator so the memory is not reused before they finish."""
-    if stream is None:
-        return
-    torch = _torch()
-    s = torch.cuda.ExternalStream(stream, device=device) if isinstance(stream, int) else stream
-    for t in tensors:
-        if t is not None and _is_cuda(t):
-            t.record_stream(s)
-
-
 def _run_lens(run_lens: Any, n: int) -> np.ndarray:
     if isinstance(run_lens, (int, np.integer)):
         r = np.full(n, int(run_lens), np.int64)
@@ -355,22 +297,17 @@ def _table_ids(table_ids: Any, n: int) -> np.ndarray:
     return ids
 
 
-def _device_bytes(arr: np.ndarray, device: Any):
-    torch = _torch()
-    return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).to(device)
-
-
 def _tables_addr(tables: Any, on_cuda: bool, device: Any, keep: list) -> tuple[int, int]:
     """Address and count of the 512-byte tables for a native call; copies they need go into ``keep``.
 
     CUDA calls take a device array (uploaded here when ``tables`` is on the host); CPU calls a host array.
     """
-    if on_cuda and _is_cuda(tables):
+    if on_cuda and is_cuda(tables):
         return tables.data_ptr(), tables.numel() * tables.element_size() // 512
     t = _tables_np(tables)
     num_tables = t.shape[0]
     if on_cuda:
-        tdev = _device_bytes(t, device) if num_tables else None
+        tdev = device_bytes(t, device) if num_tables else None
         keep.append(tdev)
         return (tdev.data_ptr() if tdev is not None else 0), num_tables
     keep.append(t)
@@ -417,30 +354,30 @@ def encode_into(
         on_cuda, dev = streams.on_cuda, streams.device
         desc["src"], desc["num_symbols"] = streams.addresses(), streams.nbytes
     else:
-        on_cuda = n > 0 and _is_cuda(streams[0])
+        on_cuda = n > 0 and is_cuda(streams[0])
         dev = streams[0].device if on_cuda else None
         for i, s in enumerate(streams):
-            if _is_cuda(s) != on_cuda:
+            if is_cuda(s) != on_cuda:
                 raise ValueError("streams must be all CPU or all CUDA")
-            if (_is_torch(s) and s.dtype.itemsize != 1) or (not _is_torch(s) and np.asarray(s).dtype != np.uint8):
+            if (is_torch(s) and s.dtype.itemsize != 1) or (not is_torch(s) and np.asarray(s).dtype != np.uint8):
                 raise ValueError(f"stream {i}: symbols must be uint8")
-            desc[i]["src"], desc[i]["num_symbols"] = _addr_len(s)
+            desc[i]["src"], desc[i]["num_symbols"] = addr_len(s)
     desc["table_id"] = ids.astype(np.uint32) & 0xFFFFFFFF
     desc["run_len"] = _run_lens(run_lens, n).astype(np.uint32)
     keep: list[Any] = [desc]
     t_addr, num_tables = _tables_addr(tables, on_cuda, dev, keep)
-    out_addr, out_bytes = _addr_len(out)
-    sc_addr, sc_bytes = _addr_len(scratch)
-    off_addr, off_bytes = _addr_len(offsets)
-    st_addr, st_bytes = _addr_len(status)
+    out_addr, out_bytes = addr_len(out)
+    sc_addr, sc_bytes = addr_len(scratch)
+    off_addr, off_bytes = addr_len(offsets)
+    st_addr, st_bytes = addr_len(status)
     if off_bytes < 8 * (n + 1) or st_bytes < 4 * n:
         raise ValueError("offsets must hold N + 1 int64 and status N int32")
     desc_addr, handle = desc.ctypes.data, 0
     if on_cuda:
-        ddesc = _device_bytes(desc, dev)
+        ddesc = device_bytes(desc, dev)
         keep.append(ddesc)
-        _order_after_current(stream, dev)
-        desc_addr, handle = ddesc.data_ptr(), _stream_handle(stream, dev)
+        order_after_current(stream, dev)
+        desc_addr, handle = ddesc.data_ptr(), stream_handle(stream, dev)
     _R.encode(
         on_cuda,
         desc_addr,
@@ -458,7 +395,7 @@ def encode_into(
         handle,
     )
     if on_cuda:
-        _keep_alive(keep, stream, dev)
+        keep_alive(keep, stream, dev)
 
 
 def encode(
@@ -483,11 +420,11 @@ def encode(
     if not spans:
         streams = list(streams)
     n = len(streams)
-    total = int(streams.nbytes.sum()) if spans else sum(_addr_len(s)[1] for s in streams)
+    total = int(streams.nbytes.sum()) if spans else sum(addr_len(s)[1] for s in streams)
     bound = max_batch_encoded_bytes(n, total, seg_log2)
     sc_bytes = encode_scratch_bytes(n, total, seg_log2)
-    if streams.on_cuda if spans else (n and _is_cuda(streams[0])):
-        torch = _torch()
+    if streams.on_cuda if spans else (n and is_cuda(streams[0])):
+        torch = torch_module()
         dev = streams.device if spans else streams[0].device
         out = torch.empty(bound, dtype=torch.uint8, device=dev)
         scratch = torch.empty(sc_bytes, dtype=torch.uint8, device=dev)
@@ -505,7 +442,7 @@ def encode(
             stream=stream,
             run_lens=run_lens,
         )
-        _sync(stream, dev)
+        sync_stream(stream, dev)
         st = status.cpu().numpy()[:n]
         off = offsets.cpu().numpy()
         _raise_status(st, "encode")
@@ -554,21 +491,21 @@ def decode_into(
     n = len(sources)
     if len(outs) != n:
         raise ValueError(f"got {len(outs)} outputs for {n} streams")
-    on_cuda = n > 0 and _is_cuda(sources[0])
+    on_cuda = n > 0 and is_cuda(sources[0])
     desc = np.zeros(n, DECODE_DESC)
     for i, (s, o) in enumerate(zip(sources, outs)):
-        if _is_cuda(s) != on_cuda or _is_cuda(o) != on_cuda:
+        if is_cuda(s) != on_cuda or is_cuda(o) != on_cuda:
             raise ValueError("sources and outputs must be all CPU or all on one CUDA device")
-        desc[i]["src"], desc[i]["src_bytes"] = _addr_len(s)
-        desc[i]["dst"], desc[i]["dst_capacity"] = _addr_len(o)
+        desc[i]["src"], desc[i]["src_bytes"] = addr_len(s)
+        desc[i]["dst"], desc[i]["dst_capacity"] = addr_len(o)
     keep: list[Any] = [desc]
     t_addr, num_tables = _tables_addr(tables, on_cuda, sources[0].device if on_cuda else None, keep)
     descs, dev = desc, None
     if on_cuda:
         dev = sources[0].device
-        descs = _device_bytes(desc, dev)
+        descs = device_bytes(desc, dev)
         keep.append(descs)
-        _order_after_current(stream, dev)
+        order_after_current(stream, dev)
     # one native call through decode_descriptors (it checks out_lengths / status / scratch)
     decode_descriptors(
         descs,
@@ -582,7 +519,7 @@ def decode_into(
         stream=stream,
     )
     if on_cuda:
-        _keep_alive(keep, stream, dev)
+        keep_alive(keep, stream, dev)
 
 
 def decode_descriptors(
@@ -608,16 +545,16 @@ def decode_descriptors(
     guarantees as :func:`decode_into`, without its per-call descriptor build and uploads.
     """
     n = int(num_streams)
-    len_addr, len_bytes = _addr_len(out_lengths)
-    st_addr, st_bytes = _addr_len(status)
+    len_addr, len_bytes = addr_len(out_lengths)
+    st_addr, st_bytes = addr_len(status)
     if len_bytes < 8 * n or st_bytes < 4 * n:
         raise ValueError("out_lengths must hold N int64 and status N int32")
-    if _is_cuda(descs):
+    if is_cuda(descs):
         if descs.numel() * descs.element_size() < n * DECODE_DESC.itemsize:
             raise ValueError(f"descs holds fewer than {n} descriptors")
         if scratch is None:
             raise ValueError("CUDA decode needs scratch (decode_scratch_bytes(N) bytes on the device)")
-        sc_addr, sc_bytes = _addr_len(scratch)
+        sc_addr, sc_bytes = addr_len(scratch)
         _R.decode(
             True,
             descs.data_ptr(),
@@ -629,7 +566,7 @@ def decode_descriptors(
             sc_addr,
             sc_bytes,
             0,
-            _stream_handle(stream, descs.device),
+            stream_handle(stream, descs.device),
         )
         return
     d = np.asarray(descs)
@@ -654,19 +591,19 @@ def decode(
     """
     sources = [batch.stream(i) for i in range(len(batch))] if isinstance(batch, EncodedBatch) else list(batch)
     n = len(sources)
-    on_cuda = n > 0 and _is_cuda(sources[0])
+    on_cuda = n > 0 and is_cuda(sources[0])
     if lengths is None:
         lengths = []
         for s in sources:
             head = s[:HEADER_BYTES]
-            head = head.cpu().numpy() if _is_torch(head) else np.asarray(head)
+            head = head.cpu().numpy() if is_torch(head) else np.asarray(head)
             info = stream_info(head)
             # The output is allocated from this untrusted count: bound it before allocating. The
             # stream must hold its segment-end table (4 bytes per segment) and every segment but the
             # last at least min(raw size, 32 final lane states) = 128 bytes (rans.h).
             nbytes = (
                 int(s.numel() * s.element_size())
-                if _is_torch(s)
+                if is_torch(s)
                 else memoryview(s).nbytes
                 if isinstance(s, (bytes, bytearray, memoryview))
                 else int(np.asarray(s).nbytes)
@@ -682,14 +619,14 @@ def decode(
     if len(lengths) != n:
         raise ValueError(f"got {len(lengths)} lengths for {n} streams")
     if on_cuda:
-        torch = _torch()
+        torch = torch_module()
         dev = sources[0].device
         outs = [torch.empty(max(x, 0), dtype=torch.uint8, device=dev) for x in lengths]
         out_len = torch.zeros(n, dtype=torch.int64, device=dev)
         status = torch.zeros(max(n, 1), dtype=torch.int32, device=dev)
         scratch = torch.empty(decode_scratch_bytes(n), dtype=torch.uint8, device=dev)
         decode_into(sources, tables, outs=outs, out_lengths=out_len, status=status, scratch=scratch, stream=stream)
-        _sync(stream, dev)
+        sync_stream(stream, dev)
         st = status.cpu().numpy()[:n]
         got = out_len.cpu().numpy()
     else:
