@@ -17,8 +17,11 @@ or a few adjacent layers on the matrix's texts and models, beside ``default``:
    ``mu`` and the eigenvectors ``U`` of the covariance of the vector of all heads of each token, keys
    with RoPE undone (``--rope keep`` leaves it on); with ``--metric model`` the vectors are first
    weighted so that squared errors count as the model sees them (:func:`model_metric`).
+   ``--scope head`` fits one basis per KV head instead (the vector of one head in the group's
+   layers: no decorrelation across heads, a GEMM of ``group * D`` square per head).
 2. **Quantizer**: ``q = round((x - mu) U / step)`` (round half to even), decode ``q * step U^T + mu``
    (RoPE re-applied), cast to bf16. One ``step`` per (layer group, plane), no per-token side data.
+   ``--rounding r < 0.5`` quantizes with a dead zone instead, ``sign(y) floor(|y| / step + r)``.
    Components whose spread is below the step quantize to 0 and cost almost nothing (the water-filling
    of the rate). Steps: ``step = c * rms`` (``rms`` of the group's centred vectors; ``c_v = c_k *
    --v-ratio``), or ``--weights sens``: ``step = c / sqrt(w)`` with ``w`` the (layer, plane)'s measured
@@ -39,7 +42,8 @@ or a few adjacent layers on the matrix's texts and models, beside ``default``:
    very KV that is evaluated.
 
 Run: ``python benchmarks/codec_pca.py [--ratio 6,7] [--weights rel,sens] [--v-ratio 1]
-[--metric none|model] [--exact-first N] [--layer-group G] [--cal-tokens N] [--rope undo|keep]
+[--metric none|model] [--exact-first N] [--layer-group G] [--scope layer|head] [--rounding 0.5,0.3]
+[--cal-tokens N] [--rope undo|keep]
 [--eval-texts ...] [--levels high,default] [--json PATH]`` (RESULTS §4.1f has the commands run;
 minutes per fitted ratio and per text on 2 cores).
 """
@@ -109,11 +113,16 @@ def rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 class Basis:
     """Mean and PCA basis per (layer group, plane) of the ``N = group * H * D`` vectors of each token
-    (``group`` adjacent layers' heads together; ``L`` must be a multiple of it).
+    (``group`` adjacent layers' heads together; ``L`` must be a multiple of it), or with
+    ``scope="head"`` per (layer group, KV head, plane) of the ``N = group * D`` vectors of one head in
+    ``group`` adjacent layers (no decorrelation across heads: a basis of ``D x D`` per head and layer
+    for ``group = 1``, the product-sized GEMM).
 
-    ``mu`` float64 ``[L / group, 2, N]``, ``u`` ``[L / group, 2, N, N]`` (columns = components, by
-    decreasing variance), ``var`` ``[L / group, 2, N]`` (the components' variances), ``rms``
-    ``[L / group, 2]``."""
+    Rows ``R = L / group`` (``scope="layer"``) or ``L / group * H`` (``"head"``, layer group major).
+    ``mu`` float64 ``[R, 2, N]``, ``u`` ``[R, 2, N, N]`` (columns = components, by decreasing
+    variance), ``var`` ``[R, 2, N]`` (the components' variances), ``rms`` ``[R, 2]`` (the root mean
+    variance of the row's layer group: in ``"head"`` scope the same for all heads of a layer group, so
+    that ``c * rms`` steps are those of the layer scope)."""
 
     def __init__(
         self,
@@ -123,8 +132,12 @@ class Basis:
         undo_rope: bool,
         metric: torch.Tensor | None = None,
         group: int = 1,
+        scope: str = "layer",
     ):
-        self.cos, self.sin, self.undo_rope, self.group = cos, sin, undo_rope, group
+        if scope not in ("layer", "head"):
+            raise ValueError(f"scope must be 'layer' or 'head', got {scope!r}")
+        self.cos, self.sin, self.undo_rope, self.group, self.scope = cos, sin, undo_rope, group, scope
+        self.heads = cal[0].shape[3]
         self._coeffs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sqrt_m = self.inv_sqrt_m = None
         if metric is not None:  # x -> x M^(1/2): squared error in that space = e^T M e
@@ -138,10 +151,13 @@ class Basis:
         cov = xc.transpose(2, 3) @ xc / x.shape[2]
         var, u = torch.linalg.eigh(cov)
         self.var, self.u = var.flip(-1).clamp_min(0), u.flip(-1)
-        self.rms = self.var.mean(-1).sqrt()
+        ms = self.var.mean(-1)
+        if scope == "head":  # [L/g * H, 2] -> the layer group's mean over its heads, repeated
+            ms = ms.reshape(-1, self.heads, 2).mean(1, keepdim=True).expand(-1, self.heads, 2).reshape(-1, 2)
+        self.rms = ms.sqrt()
 
     def vectors(self, kv: torch.Tensor) -> torch.Tensor:
-        """bf16 canonical ``[L, 2, T, H, D]`` (positions 0 .. T-1) -> float64 ``[L, 2, T, H * D]``."""
+        """bf16 canonical ``[L, 2, T, H, D]`` (positions 0 .. T-1) -> float64 ``[R, 2, T, N]``."""
         x = kv.double()
         if self.undo_rope:
             t = x.shape[2]
@@ -150,12 +166,24 @@ class Basis:
         x = x if self.sqrt_m is None else x @ self.sqrt_m
         g = self.group  # [L, 2, T, N] -> [L / g, 2, T, g * N]: g adjacent layers in one vector
         nl, _, t, n = x.shape
+        if self.scope == "head":  # [L/g * H, 2, T, g * D]: one head of g adjacent layers in one vector
+            h = self.heads
+            x = x.reshape(nl // g, g, 2, t, h, n // h).permute(0, 4, 2, 3, 1, 5)
+            return x.reshape(nl // g * h, 2, t, g * (n // h))
         return x.reshape(nl // g, g, 2, t, n).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * n)
 
     def kv(self, x: torch.Tensor, shape) -> torch.Tensor:
         """Inverse of :meth:`vectors`, cast to bf16."""
         g, (ng, _, t, gn) = self.group, x.shape
-        x = x.reshape(ng, 2, t, g, gn // g).permute(0, 3, 1, 2, 4).reshape(ng * g, 2, t, gn // g)
+        if self.scope == "head":
+            h = self.heads
+            x = (
+                x.reshape(ng // h, h, 2, t, g, gn // g)
+                .permute(0, 4, 2, 3, 1, 5)
+                .reshape(ng // h * g, 2, t, h * gn // g)
+            )
+        else:
+            x = x.reshape(ng, 2, t, g, gn // g).permute(0, 3, 1, 2, 4).reshape(ng * g, 2, t, gn // g)
         if self.inv_sqrt_m is not None:
             x = x @ self.inv_sqrt_m
         x = x.reshape(shape)
@@ -180,9 +208,16 @@ class Basis:
     def _transform(self, kv: torch.Tensor) -> torch.Tensor:
         return ((self.vectors(kv) - self.mu[:, :, None]) @ self.u).transpose(2, 3).contiguous()
 
-    def quantize(self, kv: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """Integer coefficients int64 ``[L, 2, N, T]`` of ``kv`` at ``step`` ``[L, 2]`` (half to even)."""
-        return torch.round(self.coeffs(kv) / step[:, :, None, None]).to(torch.int64)
+    def quantize(self, kv: torch.Tensor, step: torch.Tensor, rounding: float = 0.5) -> torch.Tensor:
+        """Integer coefficients int64 ``[R, 2, N, T]`` of ``kv`` at ``step`` ``[R, 2]``: half to even
+        (``rounding=0.5``), or ``sign(y) * floor(|y| / step + rounding)`` for ``rounding < 0.5`` (a
+        dead-zone quantizer: values within ``(1 - rounding) * step`` of 0 become 0, each nonzero one is
+        pulled towards 0 by ``(0.5 - rounding) * step``; the rate falls where the coefficients are
+        Laplacian-like, as in H.264's encoder rounding offset of 1/6 for inter blocks)."""
+        y = self.coeffs(kv) / step[:, :, None, None]
+        if rounding == 0.5:
+            return torch.round(y).to(torch.int64)
+        return (torch.sign(y) * torch.floor(y.abs() + rounding)).to(torch.int64)
 
     def decode(self, q: torch.Tensor, step: torch.Tensor, shape) -> torch.Tensor:
         """bf16 KV of ``shape`` from :meth:`quantize`'s coefficients."""
@@ -251,14 +286,25 @@ def symbols(q: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class PCAScheme:
-    """:class:`Basis` at steps ``[L, 2]`` with static tables fitted on the tune chunks."""
+    """:class:`Basis` at steps ``[R, 2]`` (and :meth:`Basis.quantize`'s ``rounding``) with static
+    tables fitted on the tune chunks."""
 
-    def __init__(self, basis: Basis, step: torch.Tensor, cal: list[torch.Tensor], exact_first: int = 0):
-        self.basis, self.step, self.exact_first = basis, step, exact_first
-        streams = [symbols(q)[0] for kv in cal for q in self._chunks(basis.quantize(kv, step))]
+    def __init__(
+        self,
+        basis: Basis,
+        step: torch.Tensor,
+        cal: list[torch.Tensor],
+        exact_first: int = 0,
+        rounding: float = 0.5,
+    ):
+        self.basis, self.step, self.exact_first, self.rounding = basis, step, exact_first, rounding
+        streams = [symbols(q)[0] for kv in cal for q in self._chunks(self._quantize(kv))]
         self.model = CR.StaticCoderModel(streams, torch.ones(streams[0].shape[0], 256, dtype=torch.bool))
         self._counts = CR.stream_counts(streams)
         self._tables = None
+
+    def _quantize(self, kv: torch.Tensor) -> torch.Tensor:
+        return self.basis.quantize(kv, self.step, self.rounding)
 
     def record_bytes(self, kv: torch.Tensor) -> int:
         """Bytes of real rANS streams (:func:`lmtier.codec.rans.encode`, the product's coder) for a bf16
@@ -271,7 +317,7 @@ class PCAScheme:
 
         if self._tables is None:
             self._tables = np.stack([rans.build_table(c.numpy(), alphabet_size=256) for c in self._counts])
-        q = self.basis.quantize(kv, self.step)
+        q = self._quantize(kv)
         groups = q.shape[0] * 2
         n = q.shape[2]
         total = 2 * kv[:, :, : self.exact_first].numel()
@@ -290,7 +336,7 @@ class PCAScheme:
     def bits(self, kv: torch.Tensor) -> tuple[float, int]:
         """(bits, escapes) of a bf16 context ``kv`` (quantizing the context at once equals quantizing
         its chunks: no per-chunk state); the exact first tokens at 16 bits per value."""
-        return self._bits(self.basis.quantize(kv, self.step), kv)
+        return self._bits(self._quantize(kv), kv)
 
     def _bits(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[float, int]:
         n = self.exact_first
@@ -303,7 +349,7 @@ class PCAScheme:
 
     def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor, int]:
         """(ratio bound, decoded bf16 KV, escapes) of a bf16 context ``kv``."""
-        q = self.basis.quantize(kv, self.step)
+        q = self._quantize(kv)
         bits, esc = self._bits(q, kv)
         dec = self.basis.decode(q, self.step, kv.shape)
         if self.exact_first:
@@ -325,7 +371,12 @@ def sens_weights(level: L.Level, cal: list[torch.Tensor], texts, basis: Basis) -
 
 
 def fit_scheme(
-    basis: Basis, shape: torch.Tensor, cal: list[torch.Tensor], ratio: float, exact_first: int = 0
+    basis: Basis,
+    shape: torch.Tensor,
+    cal: list[torch.Tensor],
+    ratio: float,
+    exact_first: int = 0,
+    rounding: float = 0.5,
 ) -> tuple[PCAScheme, float]:
     """``(scheme, c)``: the scheme with steps ``c * shape`` whose tune-split ratio is ``ratio`` within
     0.5 %, by secant steps on (log2 c, bits per value), which is near linear (each active component's
@@ -338,7 +389,7 @@ def fit_scheme(
 
     def rate(c):
         try:
-            s = PCAScheme(basis, c * shape, cal, exact_first)
+            s = PCAScheme(basis, c * shape, cal, exact_first, rounding)
         except ValueError:  # steps so fine that a coefficient overflows an escape
             return None, float("inf")
         return s, sum(s.bits(kv)[0] for kv in cal) / values
@@ -370,6 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cal-tokens", type=int, default=1024, help="tokens of each tune text for the basis and tables")
     ap.add_argument("--layer-group", type=int, default=1, help="adjacent layers per PCA basis (divides L)")
     ap.add_argument("--metric", choices=("none", "model"), default="none", help="error metric of the basis")
+    ap.add_argument("--scope", choices=("layer", "head"), default="layer", help="basis over all heads or per KV head")
+    ap.add_argument("--rounding", default="0.5", help="quantizer rounding offsets (comma list, 0 < r <= 0.5)")
     ap.add_argument("--rope", choices=("undo", "keep"), default="undo")
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
     ap.add_argument("--eval-texts", default=",".join(HA.HELD))
@@ -381,6 +434,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         ratios = [float(r) for r in a.ratio.split(",")]
+        roundings = [float(r) for r in a.rounding.split(",")]
         levels = [L.get_level(n) for n in a.levels.split(",") if n]
     except ValueError as e:
         ap.error(str(e))
@@ -392,6 +446,8 @@ def main(argv=None) -> int:
     unknown = [t for t in (*a.tune_texts.split(","), *a.eval_texts.split(",")) if t not in CC.MATRIX_TEXTS]
     if unknown:
         ap.error(f"unknown texts {unknown}: use {', '.join(CC.MATRIX_TEXTS)}")
+    if any(not 0 < r <= 0.5 for r in roundings):
+        ap.error(f"--rounding offsets must be in (0, 0.5], got {a.rounding}")
     if a.cal_tokens < 1:
         ap.error(f"--cal-tokens must be >= 1, got {a.cal_tokens}")
     if a.layer_group < 1 or ("sens" in weights and a.layer_group != 1):
@@ -404,7 +460,7 @@ def main(argv=None) -> int:
     tokens = max(kv.shape[2] for kv in cal)
     cos, sin = rope_cos_sin(a.model, max(tokens, CC.MATRIX_CONTEXT))
     metric = model_metric(a.model, tune) if a.metric == "model" else None
-    basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group)
+    basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group, a.scope)
     basis.remember(cal)
     ev = basis.var / basis.var.sum(-1, keepdim=True)
     gain = basis.var.mean(-1) / basis.var.clamp_min(1e-30).log().mean(-1).exp()  # AM / GM
@@ -424,9 +480,11 @@ def main(argv=None) -> int:
     schemes = {}
     for r in ratios:
         for name, sh in shapes.items():
-            s, c = fit_scheme(basis, sh, cal, r, a.exact_first)
-            schemes[f"{name} {r:g}x"] = s
-            print(f"fitted {name} at {r:g}x on the tune split: c = {c:.4g} ({time.time() - t0:.0f} s)", flush=True)
+            for rd in roundings:
+                label = f"{name} {r:g}x" + (f" r{rd:g}" if rd != 0.5 else "")
+                s, c = fit_scheme(basis, sh, cal, r, a.exact_first, rd)
+                schemes[label] = s
+                print(f"fitted {label} on the tune split: c = {c:.4g} ({time.time() - t0:.0f} s)", flush=True)
     nl, h = cal[0].shape[0], cal[0].shape[3]
     level_schemes = {
         lv.name: HA.Scheme(HA.level_qmax(lv, nl, h), [c for kv in cal for c in CR.chunk_views(kv)]) for lv in levels
@@ -471,6 +529,7 @@ def main(argv=None) -> int:
                     v_ratio=a.v_ratio,
                     exact_first=a.exact_first,
                     layer_group=a.layer_group,
+                    scope=a.scope,
                     cal_tokens=[int(kv.shape[2]) for kv in cal],
                     tune=tune,
                     cells=cells,

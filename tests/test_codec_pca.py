@@ -245,7 +245,48 @@ def test_cli_refuses_bad_options_before_any_model_work(capsys):
         (["--layer-group", "0"], "--layer-group 0 must be >= 1"),
         (["--weights", "rel,foo"], "unknown --weights ['foo']"),
         (["--levels", "nosuch"], "nosuch"),
+        (["--rounding", "0.6"], "--rounding offsets must be in (0, 0.5]"),
+        (["--rounding", "0"], "--rounding offsets must be in (0, 0.5]"),
+        (["--scope", "token"], "invalid choice: 'token'"),
     ):
         with pytest.raises(SystemExit) as e:
             P.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_head_scope_has_one_basis_per_head_and_round_trips():
+    kv = _kv(tokens=256, nl=4)
+    cos, sin = _rope_tables(256)
+    b = P.Basis([kv], cos, sin, undo_rope=True, group=2, scope="head")
+    x = b.vectors(kv)
+    assert x.shape == (2 * 2, 2, 256, 2 * 16) and b.u.shape == (4, 2, 32, 32)
+    one = P.Basis([kv], cos, sin, undo_rope=True).vectors(kv)  # [L, 2, T, H * D]
+    # row 3 = layer group 1, head 1: layers 2 and 3's head-1 channels, in order
+    assert torch.equal(x[3, 1, :, :16], one[2, 1, :, 16:]) and torch.equal(x[3, 1, :, 16:], one[3, 1, :, 16:])
+    assert torch.equal(b.kv(x, kv.shape).view(torch.int16), kv.view(torch.int16))
+    # the steps' shape is the layer group's: equal for both heads, the mean of their variances
+    assert torch.equal(b.rms[0], b.rms[1]) and torch.equal(b.rms[2], b.rms[3])
+    assert torch.allclose(b.rms[0].pow(2), b.var[:2].mean(-1).mean(0))
+    q = b.quantize(kv, 0.2 * b.rms)
+    dec = b.decode(q, 0.2 * b.rms, kv.shape)
+    err = (b.vectors(dec) - x).pow(2).mean((2, 3))
+    assert bool((err <= (0.2 * b.rms) ** 2 / 4 + 5e-5).all())
+    with pytest.raises(ValueError, match="scope must be"):
+        P.Basis([kv], cos, sin, undo_rope=True, scope="token")
+
+
+def test_dead_zone_rounding_zeroes_more_and_bounds_the_error():
+    kv = _kv(tokens=256)
+    cos, sin = _rope_tables(256)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    step = 0.3 * b.rms
+    y = b.coeffs(kv) / step[:, :, None, None]
+    near = b.quantize(kv, step)
+    dz = b.quantize(kv, step, rounding=0.2)
+    assert torch.equal(near, torch.round(y).to(torch.int64))
+    assert torch.equal(dz, (torch.sign(y) * torch.floor(y.abs() + 0.2)).to(torch.int64))
+    assert int((dz == 0).sum()) > int((near == 0).sum())
+    assert bool((dz.abs() <= near.abs()).all())  # never away from zero
+    assert float((dz - y).abs().max()) <= 0.8 + 1e-12  # at most (1 - rounding) steps
+    s = P.PCAScheme(b, step, [kv], rounding=0.2)
+    assert torch.equal(s._quantize(kv), dz) and s.bits(kv)[0] < P.PCAScheme(b, step, [kv]).bits(kv)[0]
