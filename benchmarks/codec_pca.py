@@ -156,14 +156,15 @@ class Basis:
             ms = ms.reshape(-1, self.heads, 2).mean(1, keepdim=True).expand(-1, self.heads, 2).reshape(-1, 2)
         self.rms = ms.sqrt()
 
-    def vectors(self, kv: torch.Tensor) -> torch.Tensor:
-        """bf16 canonical ``[L, 2, T, H, D]`` (positions 0 .. T-1) -> float64 ``[R, 2, T, N]``."""
+    def vectors(self, kv: torch.Tensor, weighted: bool = True) -> torch.Tensor:
+        """bf16 canonical ``[L, 2, T, H, D]`` (positions 0 .. T-1) -> float64 ``[R, 2, T, N]``, in the
+        metric's space (``weighted=False``: without the metric)."""
         x = kv.double()
         if self.undo_rope:
             t = x.shape[2]
             x = torch.stack([rope(x[:, 0], self.cos[:t], self.sin[:t], inverse=True), x[:, 1]], 1)
         x = x.flatten(3)
-        x = x if self.sqrt_m is None else x @ self.sqrt_m
+        x = x if self.sqrt_m is None or not weighted else x @ self.sqrt_m
         g = self.group  # [L, 2, T, N] -> [L / g, 2, T, g * N]: g adjacent layers in one vector
         nl, _, t, n = x.shape
         if self.scope == "head":  # [L/g * H, 2, T, g * D]: one head of g adjacent layers in one vector
@@ -172,8 +173,8 @@ class Basis:
             return x.reshape(nl // g * h, 2, t, g * (n // h))
         return x.reshape(nl // g, g, 2, t, n).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * n)
 
-    def kv(self, x: torch.Tensor, shape) -> torch.Tensor:
-        """Inverse of :meth:`vectors`, cast to bf16."""
+    def kv(self, x: torch.Tensor, shape, weighted: bool = True) -> torch.Tensor:
+        """Inverse of :meth:`vectors` (of the same ``weighted``), cast to bf16."""
         g, (ng, _, t, gn) = self.group, x.shape
         if self.scope == "head":
             h = self.heads
@@ -184,7 +185,7 @@ class Basis:
             )
         else:
             x = x.reshape(ng, 2, t, g, gn // g).permute(0, 3, 1, 2, 4).reshape(ng * g, 2, t, gn // g)
-        if self.inv_sqrt_m is not None:
+        if self.inv_sqrt_m is not None and weighted:
             x = x @ self.inv_sqrt_m
         x = x.reshape(shape)
         if self.undo_rope:
@@ -422,6 +423,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-group", type=int, default=1, help="adjacent layers per PCA basis (divides L)")
     ap.add_argument("--metric", choices=("none", "model"), default="none", help="error metric of the basis")
     ap.add_argument("--scope", choices=("layer", "head"), default="layer", help="basis over all heads or per KV head")
+    ap.add_argument(
+        "--int-gemm", type=int, default=0, help="KV fixed-point bits of an integer transform (codec_pca_int; 0: float)"
+    )
     ap.add_argument("--rounding", default="0.5", help="quantizer rounding offsets (comma list, 0 < r <= 0.5)")
     ap.add_argument("--rope", choices=("undo", "keep"), default="undo")
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
@@ -448,6 +452,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown texts {unknown}: use {', '.join(CC.MATRIX_TEXTS)}")
     if any(not 0 < r <= 0.5 for r in roundings):
         ap.error(f"--rounding offsets must be in (0, 0.5], got {a.rounding}")
+    if a.int_gemm and (not 2 <= a.int_gemm <= 24 or a.scope != "layer"):
+        ap.error(f"--int-gemm {a.int_gemm} must be in 2..24 (0: off), with --scope layer")
     if a.cal_tokens < 1:
         ap.error(f"--cal-tokens must be >= 1, got {a.cal_tokens}")
     if a.layer_group < 1 or ("sens" in weights and a.layer_group != 1):
@@ -460,7 +466,12 @@ def main(argv=None) -> int:
     tokens = max(kv.shape[2] for kv in cal)
     cos, sin = rope_cos_sin(a.model, max(tokens, CC.MATRIX_CONTEXT))
     metric = model_metric(a.model, tune) if a.metric == "model" else None
-    basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group, a.scope)
+    if a.int_gemm:
+        from codec_pca_int import IntBasis
+
+        basis = IntBasis(cal, cos, sin, a.rope == "undo", metric, a.layer_group, x_bits=a.int_gemm)
+    else:
+        basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group, a.scope)
     basis.remember(cal)
     ev = basis.var / basis.var.sum(-1, keepdim=True)
     gain = basis.var.mean(-1) / basis.var.clamp_min(1e-30).log().mean(-1).exp()  # AM / GM
@@ -530,6 +541,8 @@ def main(argv=None) -> int:
                     exact_first=a.exact_first,
                     layer_group=a.layer_group,
                     scope=a.scope,
+                    int_gemm=a.int_gemm,
+                    clamped=getattr(basis, "clamped", None),
                     cal_tokens=[int(kv.shape[2]) for kv in cal],
                     tune=tune,
                     cells=cells,

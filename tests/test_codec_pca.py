@@ -248,6 +248,8 @@ def test_cli_refuses_bad_options_before_any_model_work(capsys):
         (["--rounding", "0.6"], "--rounding offsets must be in (0, 0.5]"),
         (["--rounding", "0"], "--rounding offsets must be in (0, 0.5]"),
         (["--scope", "token"], "invalid choice: 'token'"),
+        (["--int-gemm", "30"], "--int-gemm 30 must be in 2..24"),
+        (["--int-gemm", "16", "--scope", "head"], "with --scope layer"),
     ):
         with pytest.raises(SystemExit) as e:
             P.main(argv)
@@ -290,3 +292,34 @@ def test_dead_zone_rounding_zeroes_more_and_bounds_the_error():
     assert float((dz - y).abs().max()) <= 0.8 + 1e-12  # at most (1 - rounding) steps
     s = P.PCAScheme(b, step, [kv], rounding=0.2)
     assert torch.equal(s._quantize(kv), dz) and s.bits(kv)[0] < P.PCAScheme(b, step, [kv]).bits(kv)[0]
+
+
+def test_integer_transform_is_exact_integer_arithmetic_and_close_to_the_float_one():
+    from codec_pca_int import IntBasis
+
+    kv = _kv(tokens=256, nl=4)
+    cos, sin = _rope_tables(256)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(4, 2, 32, 32, generator=g, dtype=torch.float64)
+    metric = a @ a.transpose(-1, -2) + 32 * torch.eye(32)
+    fb = P.Basis([kv], cos, sin, undo_rope=True, metric=metric, group=2)
+    ib = IntBasis([kv], cos, sin, undo_rope=True, metric=metric, group=2)
+    assert ib.e_int.abs().max() == 127 and torch.equal(ib.e_int, ib.e_int.round())
+    # the float64 GEMM of the integers is the int64 one: every partial sum is an exact integer
+    x = torch.round(ib.vectors(kv, weighted=False) / ib.sx[:, :, None, None]) - ib.mu_int[:, :, None]
+    assert torch.equal((x @ ib.e_int).to(torch.int64), x.to(torch.int64) @ ib.e_int.to(torch.int64))
+    assert ib.clamped == 0 and float(x.abs().max()) <= 2 * 32767
+    # coefficients within ~1 % of the float basis' (int8 matrices), decode error near half a step
+    yf, yi = fb.coeffs(kv), ib.coeffs(kv)
+    assert float((yi - yf).norm() / yf.norm()) < 0.02
+    step = 0.2 * fb.rms
+    err = (ib.vectors(ib.decode(ib.quantize(kv, step), step, kv.shape)) - ib.vectors(kv)).pow(2).mean((2, 3))
+    assert bool((err <= 1.2 * step**2 / 4 + 5e-4).all())
+    assert ib.clamped == 0
+    louder = (kv.float() * 4).to(torch.bfloat16)  # beyond the calibration's peak: clamped, and counted
+    ib.coeffs(louder)
+    assert ib.clamped > 0
+    with pytest.raises(ValueError, match="scope='layer' only"):
+        IntBasis([kv], cos, sin, undo_rope=True, scope="head")
+    with pytest.raises(ValueError, match="x_bits must be"):
+        IntBasis([kv], cos, sin, undo_rope=True, x_bits=40)
