@@ -8,9 +8,9 @@ kernel. :class:`IntBasis` measures what the integer rounding of the inputs and m
 - the KV (RoPE undone, bf16 -> float) becomes fixed point: ``x_int = clamp(round(x / sx), +-(2**(b-1) - 1))``
   with ``sx`` per (layer group, plane) from the calibration KV's largest magnitude (``x_bits`` = 16:
   two int8 GEMMs of its high and low bytes);
-- the encode matrix ``E = M^1/2 U`` (metric then basis, per layer group) is rounded to int8 per column
-  (``E_int = round(E / se)``, ``se_j = max_i |E_ij| / 127``), the decode matrix ``D = U^T M^-1/2`` to
-  int8 per output channel;
+- the encode matrix ``E = M^1/2 U`` (metric then basis, per layer group) is rounded to ``m_bits``
+  (int8: ``E_int = round(E / se)``, ``se_j = max_i |E_ij| / 127``) per column, the decode matrix
+  ``D = U^T M^-1/2`` per output channel;
 - encode ``y_j = se_j * sx * sum_i (x_int - mu_int)_i E_int[i, j]``, decode
   ``x_i = step * sd_i * sum_j q_j D_int[j, i] + mu`` (exact integer sums; float64 holds them exactly
   here, every partial sum being an integer below 2**53).
@@ -34,16 +34,18 @@ def _block_diag(m: torch.Tensor | None, group: int, n: int, rows: int) -> torch.
     return out
 
 
-def _int8_columns(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``a_int`` int-valued float64 in [-127, 127], scale per column ``[..., 1, N]``), ``a ~ a_int * scale``."""
-    scale = a.abs().amax(-2, keepdim=True).clamp_min(1e-300) / 127
+def _int_columns(a: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``a_int`` int-valued float64 in ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``, scale per column
+    ``[..., 1, N]``), ``a ~ a_int * scale``."""
+    scale = a.abs().amax(-2, keepdim=True).clamp_min(1e-300) / ((1 << (bits - 1)) - 1)
     return torch.round(a / scale), scale
 
 
 class IntBasis(Basis):
     """:class:`codec_pca.Basis` (``scope="layer"``) whose transform and inverse are integer GEMMs.
 
-    Args: those of :class:`Basis`, plus ``x_bits`` (the fixed-point width of the KV, 2..24).
+    Args: those of :class:`Basis`, plus ``x_bits`` (the fixed-point width of the KV, 2..24) and
+    ``m_bits`` (the width of the encode and decode matrices' entries, 2..16; 8 for int8 tensor cores).
     Attributes beyond :class:`Basis`: ``sx`` ``[R, 2]`` (fixed-point step of the KV), ``clamped`` (the
     count of KV values clamped so far: values beyond the calibration's largest magnitude).
 
@@ -51,17 +53,21 @@ class IntBasis(Basis):
         ValueError: ``scope="head"`` or ``x_bits`` out of range.
     """
 
-    def __init__(self, cal, cos, sin, undo_rope, metric=None, group=1, scope="layer", x_bits: int = 16):
+    def __init__(
+        self, cal, cos, sin, undo_rope, metric=None, group=1, scope="layer", x_bits: int = 16, m_bits: int = 8
+    ):
         if scope != "layer":
             raise ValueError("IntBasis supports scope='layer' only")
         if not 2 <= x_bits <= 24:
             raise ValueError(f"x_bits must be in 2..24, got {x_bits}")
+        if not 2 <= m_bits <= 16:
+            raise ValueError(f"m_bits must be in 2..16, got {m_bits}")
         super().__init__(cal, cos, sin, undo_rope, metric, group, scope)
         rows, n = self.u.shape[0], self.u.shape[-1] // group
         s = _block_diag(self.sqrt_m, group, n, rows)
         s_inv = _block_diag(self.inv_sqrt_m, group, n, rows)
-        self.e_int, self.se = _int8_columns(s @ self.u)  # [R, 2, N, N]: raw -> coefficients
-        d_int, sd = _int8_columns(self.u.transpose(2, 3) @ s_inv)  # coefficients -> raw
+        self.e_int, self.se = _int_columns(s @ self.u, m_bits)  # [R, 2, N, N]: raw -> coefficients
+        d_int, sd = _int_columns(self.u.transpose(2, 3) @ s_inv, m_bits)  # coefficients -> raw
         self.d_int, self.sd = d_int, sd
         self.mu_raw = (self.mu[:, :, None] @ s_inv)[:, :, 0]  # [R, 2, N]
         self.xmax = (1 << (x_bits - 1)) - 1
