@@ -426,7 +426,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--int-gemm", type=int, default=0, help="KV fixed-point bits of an integer transform (codec_pca_int; 0: float)"
     )
-    ap.add_argument("--int-matrix-bits", type=int, default=8, help="--int-gemm: bits of the matrices (2..16)")
+    ap.add_argument("--int-matrix-bits", default="8", help="--int-gemm: bits of the encode[,decode] matrices (2..16)")
     ap.add_argument("--rounding", default="0.5", help="quantizer rounding offsets (comma list, 0 < r <= 0.5)")
     ap.add_argument("--rope", choices=("undo", "keep"), default="undo")
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
@@ -440,6 +440,7 @@ def main(argv=None) -> int:
     try:
         ratios = [float(r) for r in a.ratio.split(",")]
         roundings = [float(r) for r in a.rounding.split(",")]
+        mbits = [int(b) for b in a.int_matrix_bits.split(",")]
         levels = [L.get_level(n) for n in a.levels.split(",") if n]
     except ValueError as e:
         ap.error(str(e))
@@ -455,8 +456,8 @@ def main(argv=None) -> int:
         ap.error(f"--rounding offsets must be in (0, 0.5], got {a.rounding}")
     if a.int_gemm and (not 2 <= a.int_gemm <= 24 or a.scope != "layer"):
         ap.error(f"--int-gemm {a.int_gemm} must be in 2..24 (0: off), with --scope layer")
-    if not 2 <= a.int_matrix_bits <= 16:
-        ap.error(f"--int-matrix-bits must be in 2..16, got {a.int_matrix_bits}")
+    if not 1 <= len(mbits) <= 2 or not all(2 <= b <= 16 for b in mbits):
+        ap.error(f"--int-matrix-bits must be one or two widths in 2..16, got {a.int_matrix_bits}")
     if a.cal_tokens < 1:
         ap.error(f"--cal-tokens must be >= 1, got {a.cal_tokens}")
     if a.layer_group < 1 or ("sens" in weights and a.layer_group != 1):
@@ -473,7 +474,7 @@ def main(argv=None) -> int:
         from codec_pca_int import IntBasis
 
         basis = IntBasis(
-            cal, cos, sin, a.rope == "undo", metric, a.layer_group, x_bits=a.int_gemm, m_bits=a.int_matrix_bits
+            cal, cos, sin, a.rope == "undo", metric, a.layer_group, x_bits=a.int_gemm, m_bits=mbits[0], d_bits=mbits[-1]
         )
     else:
         basis = Basis(cal, cos, sin, a.rope == "undo", metric, a.layer_group, a.scope)
@@ -547,7 +548,7 @@ def main(argv=None) -> int:
                     layer_group=a.layer_group,
                     scope=a.scope,
                     int_gemm=a.int_gemm,
-                    int_matrix_bits=a.int_matrix_bits if a.int_gemm else None,
+                    int_matrix_bits=mbits if a.int_gemm else None,
                     clamped=getattr(basis, "clamped", None),
                     cal_tokens=[int(kv.shape[2]) for kv in cal],
                     tune=tune,

@@ -45,7 +45,8 @@ class IntBasis(Basis):
     """:class:`codec_pca.Basis` (``scope="layer"``) whose transform and inverse are integer GEMMs.
 
     Args: those of :class:`Basis`, plus ``x_bits`` (the fixed-point width of the KV, 2..24) and
-    ``m_bits`` (the width of the encode and decode matrices' entries, 2..16; 8 for int8 tensor cores).
+    ``m_bits`` (the width of the encode matrix's entries, 2..16; 8 for int8 tensor cores) and ``d_bits``
+    (the decode matrix's; default ``m_bits``).
     Attributes beyond :class:`Basis`: ``sx`` ``[R, 2]`` (fixed-point step of the KV), ``clamped`` (the
     count of KV values clamped so far: values beyond the calibration's largest magnitude).
 
@@ -54,20 +55,31 @@ class IntBasis(Basis):
     """
 
     def __init__(
-        self, cal, cos, sin, undo_rope, metric=None, group=1, scope="layer", x_bits: int = 16, m_bits: int = 8
+        self,
+        cal,
+        cos,
+        sin,
+        undo_rope,
+        metric=None,
+        group=1,
+        scope="layer",
+        x_bits: int = 16,
+        m_bits: int = 8,
+        d_bits: int | None = None,
     ):
+        d_bits = m_bits if d_bits is None else d_bits
         if scope != "layer":
             raise ValueError("IntBasis supports scope='layer' only")
         if not 2 <= x_bits <= 24:
             raise ValueError(f"x_bits must be in 2..24, got {x_bits}")
-        if not 2 <= m_bits <= 16:
-            raise ValueError(f"m_bits must be in 2..16, got {m_bits}")
+        if not (2 <= m_bits <= 16 and 2 <= d_bits <= 16):
+            raise ValueError(f"m_bits and d_bits must be in 2..16, got {m_bits}, {d_bits}")
         super().__init__(cal, cos, sin, undo_rope, metric, group, scope)
         rows, n = self.u.shape[0], self.u.shape[-1] // group
         s = _block_diag(self.sqrt_m, group, n, rows)
         s_inv = _block_diag(self.inv_sqrt_m, group, n, rows)
         self.e_int, self.se = _int_columns(s @ self.u, m_bits)  # [R, 2, N, N]: raw -> coefficients
-        d_int, sd = _int_columns(self.u.transpose(2, 3) @ s_inv, m_bits)  # coefficients -> raw
+        d_int, sd = _int_columns(self.u.transpose(2, 3) @ s_inv, d_bits)  # coefficients -> raw
         self.d_int, self.sd = d_int, sd
         self.mu_raw = (self.mu[:, :, None] @ s_inv)[:, :, 0]  # [R, 2, N]
         self.xmax = (1 << (x_bits - 1)) - 1

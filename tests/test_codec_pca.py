@@ -250,7 +250,8 @@ def test_cli_refuses_bad_options_before_any_model_work(capsys):
         (["--scope", "token"], "invalid choice: 'token'"),
         (["--int-gemm", "30"], "--int-gemm 30 must be in 2..24"),
         (["--int-gemm", "16", "--scope", "head"], "with --scope layer"),
-        (["--int-matrix-bits", "1"], "--int-matrix-bits must be in 2..16"),
+        (["--int-matrix-bits", "1"], "--int-matrix-bits must be one or two widths in 2..16"),
+        (["--int-matrix-bits", "8,16,4"], "--int-matrix-bits must be one or two widths"),
     ):
         with pytest.raises(SystemExit) as e:
             P.main(argv)
@@ -324,9 +325,11 @@ def test_integer_transform_is_exact_integer_arithmetic_and_close_to_the_float_on
         IntBasis([kv], cos, sin, undo_rope=True, scope="head")
     with pytest.raises(ValueError, match="x_bits must be"):
         IntBasis([kv], cos, sin, undo_rope=True, x_bits=40)
-    with pytest.raises(ValueError, match="m_bits must be"):
+    with pytest.raises(ValueError, match="m_bits and d_bits must be"):
         IntBasis([kv], cos, sin, undo_rope=True, m_bits=17)
     # wider matrices: closer to the float basis
     wide = IntBasis([kv], cos, sin, undo_rope=True, metric=metric, group=2, m_bits=16)
     assert wide.e_int.abs().max() == 32767
     assert float((wide.coeffs(kv) - yf).norm()) < 0.1 * float((yi - yf).norm())
+    mixed = IntBasis([kv], cos, sin, undo_rope=True, metric=metric, group=2, m_bits=8, d_bits=16)
+    assert torch.equal(mixed.e_int, ib.e_int) and torch.equal(mixed.d_int, wide.d_int)
