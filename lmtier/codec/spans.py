@@ -15,11 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from .native_args import is_torch as _is_torch
+
 __all__ = ["Spans"]
-
-
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
 
 
 def _buffer_addr(x: Any, i: int) -> tuple[int, int, Any]:
