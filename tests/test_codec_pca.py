@@ -310,7 +310,7 @@ def test_integer_transform_is_exact_integer_arithmetic_and_close_to_the_float_on
     # the float64 GEMM of the integers is the int64 one: every partial sum is an exact integer
     x = torch.round(ib.vectors(kv, weighted=False) / ib.sx[:, :, None, None]) - ib.mu_int[:, :, None]
     assert torch.equal((x @ ib.e_int).to(torch.int64), x.to(torch.int64) @ ib.e_int.to(torch.int64))
-    assert ib.clamped == 0 and float(x.abs().max()) <= 2 * 32767
+    assert ib.clamped == 0
     # coefficients within ~1 % of the float basis' (int8 matrices), decode error near half a step
     yf, yi = fb.coeffs(kv), ib.coeffs(kv)
     assert float((yi - yf).norm() / yf.norm()) < 0.02
