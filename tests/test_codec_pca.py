@@ -310,14 +310,13 @@ def test_integer_transform_is_exact_integer_arithmetic_and_close_to_the_float_on
     # the float64 GEMM of the integers is the int64 one: every partial sum is an exact integer
     x = torch.round(ib.vectors(kv, weighted=False) / ib.sx[:, :, None, None]) - ib.mu_int[:, :, None]
     assert torch.equal((x @ ib.e_int).to(torch.int64), x.to(torch.int64) @ ib.e_int.to(torch.int64))
-    assert ib.clamped == 0
     # coefficients within ~1 % of the float basis' (int8 matrices), decode error near half a step
     yf, yi = fb.coeffs(kv), ib.coeffs(kv)
     assert float((yi - yf).norm() / yf.norm()) < 0.02
     step = 0.2 * fb.rms
     err = (ib.vectors(ib.decode(ib.quantize(kv, step), step, kv.shape)) - ib.vectors(kv)).pow(2).mean((2, 3))
     assert bool((err <= 1.2 * step**2 / 4 + 5e-4).all())
-    assert ib.clamped == 0
+    assert ib.clamped == 0  # the calibration KV itself stays within its peak
     louder = (kv.float() * 4).to(torch.bfloat16)  # beyond the calibration's peak: clamped, and counted
     ib.coeffs(louder)
     assert ib.clamped > 0
