@@ -42,7 +42,10 @@ def test_sealed_remote_right_key_hits_wrong_key_recomputes(tmp_path):
             ops.append({"op": "metrics", "name": "prom"})
             spec = {
                 "config": cfg,
-                "llm_kwargs": {"dtype": "bfloat16"},
+                # one sequence per batch: with two, B's asynchronous remote loads (cachegen decode on
+                # the CPU) can let one request start decoding a step before the other; bf16 CPU
+                # matmuls of a different batch shape then flip a token, though the KV is the same
+                "llm_kwargs": {"dtype": "bfloat16", "max_num_seqs": 1},
                 "env": {"KV_SEAL_KEY": key},
                 "log_stats": True,
                 "steps": ops,
