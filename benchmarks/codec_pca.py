@@ -122,7 +122,10 @@ class Basis:
     ``mu`` float64 ``[R, 2, N]``, ``u`` ``[R, 2, N, N]`` (columns = components, by decreasing
     variance), ``var`` ``[R, 2, N]`` (the components' variances), ``rms`` ``[R, 2]`` (the root mean
     variance of the row's layer group: in ``"head"`` scope the same for all heads of a layer group, so
-    that ``c * rms`` steps are those of the layer scope)."""
+    that ``c * rms`` steps are those of the layer scope), ``clamped`` (KV values a fixed-point
+    transform clamped, :class:`codec_pca_int.IntBasis`; None for this float one)."""
+
+    clamped: int | None = None
 
     def __init__(
         self,
@@ -205,6 +208,10 @@ class Basis:
     def remember(self, kvs: list[torch.Tensor]) -> None:
         """Keep the coefficients of ``kvs`` (and the tensors themselves, so identity stays valid)."""
         self._coeffs += [(kv, self._transform(kv)) for kv in kvs if all(t is not kv for t, _ in self._coeffs)]
+
+    def forget(self, kvs: list[torch.Tensor]) -> None:
+        """Drop the coefficients :meth:`remember` kept for ``kvs``."""
+        self._coeffs = [(t, y) for t, y in self._coeffs if all(t is not kv for kv in kvs)]
 
     def _transform(self, kv: torch.Tensor) -> torch.Tensor:
         return ((self.vectors(kv) - self.mu[:, :, None]) @ self.u).transpose(2, 3).contiguous()
@@ -509,6 +516,7 @@ def main(argv=None) -> int:
     cells = []
     for t in a.eval_texts.split(","):
         data, kv, ref, ids = HA.reference(t, a.model)
+        basis.remember([kv])  # transformed once for every scheme, its decode and its real bytes
         runs = [(n, *s.run(kv), None) for n, s in level_schemes.items()]  # (name, ratio, decode, escapes)
         records = {}
         for name, s in schemes.items():
@@ -516,6 +524,7 @@ def main(argv=None) -> int:
             runs.append((name, ratio, dec, esc))
             if a.records:
                 records[name] = kv.numel() * 2 / s.record_bytes(kv)
+        basis.forget([kv])
         for name, ratio, dec, esc in runs:
             m = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
             rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
@@ -549,7 +558,7 @@ def main(argv=None) -> int:
                     scope=a.scope,
                     int_gemm=a.int_gemm,
                     int_matrix_bits=mbits if a.int_gemm else None,
-                    clamped=getattr(basis, "clamped", None),
+                    clamped=basis.clamped,
                     cal_tokens=[int(kv.shape[2]) for kv in cal],
                     tune=tune,
                     cells=cells,

@@ -79,8 +79,7 @@ class IntBasis(Basis):
         s = _block_diag(self.sqrt_m, group, n, rows)
         s_inv = _block_diag(self.inv_sqrt_m, group, n, rows)
         self.e_int, self.se = _int_columns(s @ self.u, m_bits)  # [R, 2, N, N]: raw -> coefficients
-        d_int, sd = _int_columns(self.u.transpose(2, 3) @ s_inv, d_bits)  # coefficients -> raw
-        self.d_int, self.sd = d_int, sd
+        self.d_int, self.sd = _int_columns(self.u.transpose(2, 3) @ s_inv, d_bits)  # coefficients -> raw
         self.mu_raw = (self.mu[:, :, None] @ s_inv)[:, :, 0]  # [R, 2, N]
         self.xmax = (1 << (x_bits - 1)) - 1
         peak = torch.stack([self.vectors(kv, weighted=False).abs().amax((2, 3)) for kv in cal]).amax(0)

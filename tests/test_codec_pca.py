@@ -174,6 +174,9 @@ def test_coefficients_of_a_new_tensor_are_its_own():
         assert torch.equal(b.coeffs(other), b._transform(other))
         assert not torch.equal(b.coeffs(other), y)
         del other
+    t = ref()
+    b.forget([t])  # dropped: computed afresh (a new tensor, equal values)
+    assert b.coeffs(t) is not y and torch.equal(b.coeffs(t), y)
 
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -320,6 +323,12 @@ def test_integer_transform_is_exact_integer_arithmetic_and_close_to_the_float_on
     louder = (kv.float() * 4).to(torch.bfloat16)  # beyond the calibration's peak: clamped, and counted
     ib.coeffs(louder)
     assert ib.clamped > 0
+    # a remembered tensor is transformed (and its clamps counted) once, however often it is quantized
+    before = ib.clamped
+    ib.remember([louder])
+    once = ib.clamped
+    ib.quantize(louder, step), ib.quantize(louder, step)
+    assert once == 2 * before and ib.clamped == once and fb.clamped is None
     with pytest.raises(ValueError, match="scope='layer' only"):
         IntBasis([kv], cos, sin, undo_rope=True, scope="head")
     with pytest.raises(ValueError, match="x_bits must be"):
