@@ -34,7 +34,13 @@ or a few adjacent layers on the matrix's texts and models, beside ``default``:
    on the tune split with the per-chunk fallback (``codec_rates.StaticCoderModel``, as the matrix's
    ``ratio_bound``). The model-level data (``U``, ``mu``, steps) is a per-model table like the entropy
    tables, not counted per chunk.
-   ``--exact-first N`` keeps the sequence's first N tokens exact (bf16, 16 bits per value, counted).
+   ``--token-classes K`` instead codes each coefficient with a static table per (layer group, plane,
+   component, energy class of its token), the class sent as side information
+   (:mod:`codec_pca_classes`; ideal coder only, no per-chunk fallback; ``K = 1`` is the plain static
+   coder without the fallback).
+   ``--exact-first N`` keeps the sequence's first N tokens exact (bf16, 16 bits per value, counted);
+   ``--outliers p`` also every token whose outlier score (:class:`PCAScheme`) exceeds the tune split's
+   ``1 - p`` quantile.
    The coefficients are float64 on the CPU: a product version would need a fixed-order GEMM for the
    CPU and CUDA encoders to agree byte for byte (RESULTS §4.1f).
 4. **Quality** on ``--eval-texts``, as the matrix measures it (``codec_quality.compare``). Only the
@@ -43,7 +49,7 @@ or a few adjacent layers on the matrix's texts and models, beside ``default``:
 
 Run: ``python benchmarks/codec_pca.py [--ratio 6,7] [--weights rel,sens] [--v-ratio 1]
 [--metric none|model] [--exact-first N] [--layer-group G] [--scope layer|head] [--rounding 0.5,0.3]
-[--cal-tokens N] [--rope undo|keep]
+[--cal-tokens N] [--rope undo|keep] [--token-classes 1,8] [--outliers 0.005]
 [--eval-texts ...] [--levels high,default] [--json PATH]`` (RESULTS §4.1f has the commands run;
 minutes per fitted ratio and per text on 2 cores).
 """
@@ -295,7 +301,14 @@ def symbols(q: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class PCAScheme:
     """:class:`Basis` at steps ``[R, 2]`` (and :meth:`Basis.quantize`'s ``rounding``) with static
-    tables fitted on the tune chunks."""
+    tables fitted on the tune chunks (all their tokens, the exact ones too).
+
+    Exact tokens (bf16, 16 bits per value, their coefficients not coded): the sequence's first
+    ``exact_first``, and with ``outliers = p > 0`` every token whose *outlier score* exceeds the tune
+    split's ``1 - p`` quantile of it. The score of a token is the largest, over (layer group, plane),
+    of its centred vector's squared norm in the basis's space over the tune split's median of that
+    norm: a property of the token measured at encode time, so the number of exact tokens varies
+    with the data (a chunk of loud tokens keeps more of them)."""
 
     def __init__(
         self,
@@ -304,31 +317,60 @@ class PCAScheme:
         cal: list[torch.Tensor],
         exact_first: int = 0,
         rounding: float = 0.5,
+        classes: int = 0,
+        outliers: float = 0.0,
     ):
+        if not 0 <= outliers < 1:
+            raise ValueError(f"outliers must be in [0, 1), got {outliers}")
         self.basis, self.step, self.exact_first, self.rounding = basis, step, exact_first, rounding
-        streams = [symbols(q)[0] for kv in cal for q in self._chunks(self._quantize(kv))]
+        self.threshold = None
+        if outliers:
+            e = torch.cat([self._energy(kv)[..., exact_first:] for kv in cal], -1)  # [R, 2, T]
+            self.median = e.median(-1).values.clamp_min(1e-30)
+            score = (e / self.median[..., None]).amax((0, 1))
+            self.threshold = float(torch.quantile(score, 1 - outliers))
+        qs = [self._quantize(kv) for kv in cal]
+        streams = [symbols(q)[0] for q in qs for q in self._chunks(q)]
         self.model = CR.StaticCoderModel(streams, torch.ones(streams[0].shape[0], 256, dtype=torch.bool))
         self._counts = CR.stream_counts(streams)
         self._tables = None
+        self.classes = None
+        if classes:
+            from codec_pca_classes import ClassCoder
+
+            self.classes = ClassCoder([q[..., ~self.exact_tokens(kv)] for q, kv in zip(qs, cal)], classes)
 
     def _quantize(self, kv: torch.Tensor) -> torch.Tensor:
         return self.basis.quantize(kv, self.step, self.rounding)
+
+    def _energy(self, kv: torch.Tensor) -> torch.Tensor:
+        return self.basis.coeffs(kv).pow(2).sum(2)  # [R, 2, T]
+
+    def exact_tokens(self, kv: torch.Tensor) -> torch.Tensor:
+        """bool ``[T]``: the tokens of a bf16 context ``kv`` kept exact."""
+        t = kv.shape[2]
+        mask = torch.arange(t) < self.exact_first
+        if self.threshold is not None:
+            mask |= (self._energy(kv) / self.median[..., None]).amax((0, 1)) > self.threshold
+        return mask
 
     def record_bytes(self, kv: torch.Tensor) -> int:
         """Bytes of real rANS streams (:func:`lmtier.codec.rans.encode`, the product's coder) for a bf16
         context ``kv``: per chunk one stream per (layer group, plane) of its components' symbols back to
         back, switching to the component's static table every 256 symbols (the product's table
         switching), tables normalized from the tune chunks' counts over all 256 symbols; plus 2 bytes per
-        escape and the exact first tokens raw. Token 0's symbols are coded as well (a small overcount);
-        record headers are not counted."""
+        escape and the exact tokens raw. The exact tokens' symbols are coded as well (a small
+        overcount); record headers are not counted."""
         from lmtier.codec import rans
 
+        if self.classes is not None:
+            raise ValueError("real bytes of the class coder are not counted: the product's rANS switches per run")
         if self._tables is None:
             self._tables = np.stack([rans.build_table(c.numpy(), alphabet_size=256) for c in self._counts])
         q = self._quantize(kv)
         groups = q.shape[0] * 2
         n = q.shape[2]
-        total = 2 * kv[:, :, : self.exact_first].numel()
+        total = 2 * kv[:, :, self.exact_tokens(kv)].numel()
         for c in self._chunks(q):
             sym, esc = symbols(c)
             t = sym.shape[-1]
@@ -343,16 +385,20 @@ class PCAScheme:
 
     def bits(self, kv: torch.Tensor) -> tuple[float, int]:
         """(bits, escapes) of a bf16 context ``kv`` (quantizing the context at once equals quantizing
-        its chunks: no per-chunk state); the exact first tokens at 16 bits per value."""
+        its chunks: no per-chunk state); the exact tokens at 16 bits per value."""
         return self._bits(self._quantize(kv), kv)
 
     def _bits(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[float, int]:
-        n = self.exact_first
-        bits, esc = 16.0 * kv[:, :, :n].numel(), 0
-        for i, c in enumerate(self._chunks(q)):
-            s, e = symbols(c[..., n:] if i == 0 else c)
-            bits += self.model.bits(s)[0] + ESCAPE_BITS * e
-            esc += e
+        exact = self.exact_tokens(kv)
+        bits, esc = 16.0 * kv[:, :, exact].numel(), 0
+        if self.classes is not None:  # static tables per energy class (codec_pca_classes), no chunk state
+            esc = symbols(q[..., ~exact])[1]
+            return bits + self.classes.bits(q[..., ~exact]) + ESCAPE_BITS * esc, esc
+        for c, keep in zip(self._chunks(q), self._chunks(~exact)):
+            if bool(keep.any()):
+                s, e = symbols(c[..., keep])
+                bits += self.model.bits(s)[0] + ESCAPE_BITS * e
+                esc += e
         return bits, esc
 
     def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor, int]:
@@ -360,8 +406,8 @@ class PCAScheme:
         q = self._quantize(kv)
         bits, esc = self._bits(q, kv)
         dec = self.basis.decode(q, self.step, kv.shape)
-        if self.exact_first:
-            dec = torch.cat([kv[:, :, : self.exact_first], dec[:, :, self.exact_first :]], 2)
+        exact = self.exact_tokens(kv)
+        dec[:, :, exact] = kv[:, :, exact]
         return kv.numel() * 16 / bits, dec, esc
 
 
@@ -385,6 +431,8 @@ def fit_scheme(
     ratio: float,
     exact_first: int = 0,
     rounding: float = 0.5,
+    classes: int = 0,
+    outliers: float = 0.0,
 ) -> tuple[PCAScheme, float]:
     """``(scheme, c)``: the scheme with steps ``c * shape`` whose tune-split ratio is ``ratio`` within
     0.5 %, by secant steps on (log2 c, bits per value), which is near linear (each active component's
@@ -397,7 +445,7 @@ def fit_scheme(
 
     def rate(c):
         try:
-            s = PCAScheme(basis, c * shape, cal, exact_first, rounding)
+            s = PCAScheme(basis, c * shape, cal, exact_first, rounding, classes, outliers)
         except ValueError:  # steps so fine that a coefficient overflows an escape
             return None, float("inf")
         return s, sum(s.bits(kv)[0] for kv in cal) / values
@@ -436,6 +484,12 @@ def main(argv=None) -> int:
     ap.add_argument("--int-matrix-bits", default="8", help="--int-gemm: bits of the encode[,decode] matrices (2..16)")
     ap.add_argument("--rounding", default="0.5", help="quantizer rounding offsets (comma list, 0 < r <= 0.5)")
     ap.add_argument("--rope", choices=("undo", "keep"), default="undo")
+    ap.add_argument(
+        "--outliers", default="0", help="share of tune tokens above the outlier score kept exact (comma list)"
+    )
+    ap.add_argument(
+        "--token-classes", default="0", help="energy classes per token of the rate model (comma list; 0: one table)"
+    )
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
     ap.add_argument("--eval-texts", default=",".join(HA.HELD))
     ap.add_argument("--levels", default="default", help="product levels evaluated beside (ratio bound)")
@@ -448,6 +502,8 @@ def main(argv=None) -> int:
         ratios = [float(r) for r in a.ratio.split(",")]
         roundings = [float(r) for r in a.rounding.split(",")]
         mbits = [int(b) for b in a.int_matrix_bits.split(",")]
+        classes = [int(k) for k in a.token_classes.split(",")]
+        outliers = [float(p) for p in a.outliers.split(",")]
         levels = [L.get_level(n) for n in a.levels.split(",") if n]
     except ValueError as e:
         ap.error(str(e))
@@ -465,6 +521,10 @@ def main(argv=None) -> int:
         ap.error(f"--int-gemm {a.int_gemm} must be in 2..24 (0: off), with --scope layer")
     if not 1 <= len(mbits) <= 2 or not all(2 <= b <= 16 for b in mbits):
         ap.error(f"--int-matrix-bits must be one or two widths in 2..16, got {a.int_matrix_bits}")
+    if any(k < 0 for k in classes) or (a.records and any(classes)):
+        ap.error(f"--token-classes must be >= 0 (0: off), and 0 with --records, got {a.token_classes}")
+    if any(not 0 <= p < 1 for p in outliers):
+        ap.error(f"--outliers shares must be in [0, 1), got {a.outliers}")
     if a.cal_tokens < 1:
         ap.error(f"--cal-tokens must be >= 1, got {a.cal_tokens}")
     if a.layer_group < 1 or ("sens" in weights and a.layer_group != 1):
@@ -505,10 +565,13 @@ def main(argv=None) -> int:
     for r in ratios:
         for name, sh in shapes.items():
             for rd in roundings:
-                label = f"{name} {r:g}x" + (f" r{rd:g}" if rd != 0.5 else "")
-                s, c = fit_scheme(basis, sh, cal, r, a.exact_first, rd)
-                schemes[label] = s
-                print(f"fitted {label} on the tune split: c = {c:.4g} ({time.time() - t0:.0f} s)", flush=True)
+                for k in classes:
+                    for p in outliers:
+                        label = f"{name} {r:g}x" + (f" r{rd:g}" if rd != 0.5 else "") + (f" k{k}" if k else "")
+                        label += f" o{p:g}" if p else ""
+                        s, c = fit_scheme(basis, sh, cal, r, a.exact_first, rd, k, p)
+                        schemes[label] = s
+                        print(f"fitted {label} on the tune split: c = {c:.4g} ({time.time() - t0:.0f} s)", flush=True)
     nl, h = cal[0].shape[0], cal[0].shape[3]
     level_schemes = {
         lv.name: HA.Scheme(HA.level_qmax(lv, nl, h), [c for kv in cal for c in CR.chunk_views(kv)]) for lv in levels
@@ -518,10 +581,11 @@ def main(argv=None) -> int:
         data, kv, ref, ids = HA.reference(t, a.model)
         basis.remember([kv])  # transformed once for every scheme, its decode and its real bytes
         runs = [(n, *s.run(kv), None) for n, s in level_schemes.items()]  # (name, ratio, decode, escapes)
-        records = {}
+        records, exact = {}, {}
         for name, s in schemes.items():
             ratio, dec, esc = s.run(kv)
             runs.append((name, ratio, dec, esc))
+            exact[name] = int(s.exact_tokens(kv).sum())
             if a.records:
                 records[name] = kv.numel() * 2 / s.record_bytes(kv)
         basis.forget([kv])
@@ -532,6 +596,7 @@ def main(argv=None) -> int:
                 dict(
                     text=t,
                     scheme=name,
+                    exact_tokens=exact.get(name),
                     ratio_bound=ratio,
                     ratio_records=records.get(name),
                     rel_err=rel,
@@ -540,6 +605,7 @@ def main(argv=None) -> int:
                 )
             )
             rec = f" records {records[name]:5.2f}x" if name in records else ""
+            rec += f" exact {exact[name]}" if name in exact else ""
             print(
                 f"{t:<12s} {name:<16s} ratio(bound) {ratio:5.2f}x{rec} dppl {m['dppl_pct']:+6.2f}% "
                 f"top1 {m['top1']:6.2f}% KL {m['kl']:.5f} rel.err {rel:.4f}",
@@ -558,6 +624,8 @@ def main(argv=None) -> int:
                     scope=a.scope,
                     int_gemm=a.int_gemm,
                     int_matrix_bits=mbits if a.int_gemm else None,
+                    token_classes=classes,
+                    outliers=outliers,
                     clamped=basis.clamped,
                     cal_tokens=[int(kv.shape[2]) for kv in cal],
                     tune=tune,

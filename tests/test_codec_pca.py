@@ -255,6 +255,9 @@ def test_cli_refuses_bad_options_before_any_model_work(capsys):
         (["--int-gemm", "16", "--scope", "head"], "with --scope layer"),
         (["--int-matrix-bits", "1"], "--int-matrix-bits must be one or two widths in 2..16"),
         (["--int-matrix-bits", "8,16,4"], "--int-matrix-bits must be one or two widths"),
+        (["--token-classes", "-1"], "--token-classes must be >= 0"),
+        (["--outliers", "1"], "--outliers shares must be in [0, 1)"),
+        (["--token-classes", "0,8", "--records"], "and 0 with --records"),
     ):
         with pytest.raises(SystemExit) as e:
             P.main(argv)
@@ -341,3 +344,78 @@ def test_integer_transform_is_exact_integer_arithmetic_and_close_to_the_float_on
     assert float((wide.coeffs(kv) - yf).norm()) < 0.1 * float((yi - yf).norm())
     mixed = IntBasis([kv], cos, sin, undo_rope=True, metric=metric, group=2, m_bits=8, d_bits=16)
     assert torch.equal(mixed.e_int, ib.e_int) and torch.equal(mixed.d_int, wide.d_int)
+
+
+def test_one_token_class_is_the_static_coder_and_classes_split_loud_tokens():
+    import codec_pca_classes as PC
+    import codec_rates as CR
+
+    g = torch.Generator().manual_seed(5)
+    loud = (torch.arange(600) % 2 == 0).expand(2, 2, 1, 600)  # [R, 2, 1, T]: every other token 8x louder
+    q = torch.round(torch.randn(2, 2, 24, 600, generator=g) * torch.where(loud, 8.0, 1.0)).to(torch.int64)
+    q[0, 0, 0, 5] = 300  # an escape: symbol 255, raw bits charged by the caller
+    tune, held = q[..., :400], q[..., 400:]
+    one = PC.ClassCoder([tune], 1)
+    sym, _ = P.symbols(tune)  # the plain static tables of the same streams, 12-bit, all 256 symbols
+    freq = CR.normalize_table(CR.stream_counts([sym]), torch.ones(sym.shape[0], 256, dtype=torch.bool))
+    assert one.bits(held) == pytest.approx(float(CR.static_bits(P.symbols(held)[0], freq).sum()), rel=1e-12)
+    two = PC.ClassCoder([tune], 2)
+    cls = two.classify(held)
+    assert torch.equal(cls.bool(), loud[..., 400:].squeeze(2).expand_as(cls))  # the energy separates them
+    assert two.bits(held) < 0.92 * one.bits(held)  # side information included
+    # the class is side information: a token's class changes the cost of its symbols only
+    assert PC.ClassCoder([tune, tune], 2).bits(held) == pytest.approx(two.bits(held), rel=1e-3)
+    with pytest.raises(ValueError, match="classes must be >= 1"):
+        PC.ClassCoder([tune], 0)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        PC.ClassCoder([tune, tune[:, :, :5]], 2)
+
+
+def test_token_classes_change_the_rate_not_the_decode():
+    kv = _kv(tokens=512)
+    cos, sin = _rope_tables(512)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    step = 0.3 * b.rms
+    plain = P.PCAScheme(b, step, [kv], exact_first=1)
+    k4 = P.PCAScheme(b, step, [kv], exact_first=1, classes=4)
+    r0, d0, e0 = plain.run(kv)
+    r4, d4, e4 = k4.run(kv)
+    assert torch.equal(d0.view(torch.int16), d4.view(torch.int16)) and e0 == e4
+    q = b.quantize(kv, step)[..., 1:]
+    assert k4.bits(kv)[0] == pytest.approx(16.0 * kv[:, :, :1].numel() + k4.classes.bits(q), rel=1e-12)
+    assert r4 != r0
+    with pytest.raises(ValueError, match="real bytes of the class coder"):
+        k4.record_bytes(kv)
+    s, c = P.fit_scheme(b, b.rms, [kv], 6.0, exact_first=1, classes=4)
+    assert s.classes is not None and s.run(kv)[0] == pytest.approx(6.0, rel=0.006)
+
+
+def test_outlier_tokens_are_exact_charged_raw_and_found_by_their_energy():
+    kv = _kv(tokens=512)
+    loud = [77, 300, 301]
+    x = kv.double()
+    x[:, :, loud] *= 12.0  # louder in every layer and plane (keys stay RoPE-rotated: a scalar commutes)
+    kv = x.to(torch.bfloat16)
+    cos, sin = _rope_tables(512)
+    b = P.Basis([kv], cos, sin, undo_rope=True)
+    step = 0.3 * b.rms
+    plain = P.PCAScheme(b, step, [kv], exact_first=1)
+    out = P.PCAScheme(b, step, [kv], exact_first=1, outliers=4 / 511)  # the tune split's loudest 4 of 511
+    mask = out.exact_tokens(kv)
+    assert mask[[0, *loud]].all() and int(mask.sum()) == 5  # token 0, the 3 loud ones, the next loudest
+    assert bool((plain.exact_tokens(kv) == (torch.arange(512) < 1)).all())
+    _, d0, _ = plain.run(kv)
+    r, d, _ = out.run(kv)
+    assert torch.equal(d[:, :, mask].view(torch.int16), kv[:, :, mask].view(torch.int16))
+    assert torch.equal(d[:, :, ~mask].view(torch.int16), d0[:, :, ~mask].view(torch.int16))
+    q = b.quantize(kv, step)
+    coded = 0.0
+    for c, keep in zip(P.PCAScheme._chunks(q), P.PCAScheme._chunks(~mask)):
+        sym, esc = P.symbols(c[..., keep])
+        coded += out.model.bits(sym)[0] + P.ESCAPE_BITS * esc
+    assert out.bits(kv)[0] == pytest.approx(16.0 * 5 * kv[:, :, :1].numel() + coded, rel=1e-12)
+    assert r == pytest.approx(kv.numel() * 16 / out.bits(kv)[0])
+    s, _ = P.fit_scheme(b, b.rms, [kv], 5.0, exact_first=1, outliers=4 / 511)
+    assert s.threshold is not None and s.run(kv)[0] == pytest.approx(5.0, rel=0.006)
+    with pytest.raises(ValueError, match="outliers must be in"):
+        P.PCAScheme(b, step, [kv], outliers=1.0)
