@@ -18,6 +18,8 @@ lmtier's own errors with one clause, while each class keeps the built-in base it
 * :class:`lmtier.tiers.seal.tier.SealError` (``ValueError``): a sealed shared-tier record that does
   not open (no seal, unknown key, another chunk key or namespace, a tag that does not verify); the
   sealed tier turns it into a miss and deletes the value.
+* :class:`lmtier.bench.disk.DdError` (``RuntimeError``): ``dd``, the disk benchmark's raw-device
+  ceiling, failed in the benchmark's directory; ``lmtier bench disk`` prints it as one line.
 * :class:`lmtier.integration.vllm.fetch.InjectedFault` (``RuntimeError``): test-only fault injection.
 * :class:`lmtier.testing.redis.RedisUnavailable` (``RuntimeError``): the test harness found no
   redis-server.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -465,3 +466,47 @@ def test_argument_types_parse_and_reject():
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
             fn(text)
+
+
+def test_disk_dir_that_is_not_writable_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """An existing directory on a read-only file system was a CalledProcessError traceback from the
+    first dd; now a probe file is created (and removed) before any work. The probe is made to fail
+    the way a read-only mount fails it, since chmod 0555 does not stop root."""
+    import errno
+    import tempfile
+
+    from lmtier.bench import disk
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kw):
+        if dir is not None and os.path.samefile(dir, d):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(dir, "probe"))
+        return real_mkstemp(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(disk, "run", lambda *a, **k: pytest.fail("the benchmark ran in an unwritable --dir"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "disk", "--dir", str(d), "--model-preset", "tiny", "--count", "4", "--rounds", "1"])
+    assert e.value.code == 2
+    assert f"--dir {str(d)!r}: Read-only file system" in capsys.readouterr().err
+
+
+def test_disk_dd_failure_is_one_line_naming_the_dir(tmp_path, monkeypatch):
+    """dd failing (here a stand-in dd on PATH that fails as on a read-only mount or on tmpfs without
+    O_DIRECT) was a CalledProcessError traceback; now one line with the directory and dd's stderr."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "dd"
+    fake.write_text("#!/bin/sh\necho \"dd: failed to open 'x': Invalid argument\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    d = tmp_path / "bench"
+    argv = ["bench", "disk", "--dir", str(d), "--model-preset", "tiny", "--count", "1", "--rounds", "1"]
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--threads", "1", "--sync", "none", "--inflight", "", "--quiet"])
+    msg = str(e.value.code)
+    assert msg == f"lmtier bench disk: dd failed in --dir {str(d)!r}: dd: failed to open 'x': Invalid argument"
+    assert not (d / "dd-ceiling.bin").exists()

@@ -35,25 +35,64 @@ from lmtier.bench.common import (
     write_json,
 )
 from lmtier.bench.presets import preset
+from lmtier.errors import LMTierError
 from lmtier.tiers.buffers import AlignedBuffer
 from lmtier.tiers.disk import DiskTier
 
 MiB = 1 << 20
 
 
+class DdError(LMTierError, RuntimeError):
+    """``dd`` (the raw-device ceiling) failed in the benchmark's directory; the message names the
+    directory and quotes dd's stderr (a read-only file system, no O_DIRECT on tmpfs, a full disk)."""
+
+
+def _dd(directory: str, args: list[str]) -> None:
+    """Run ``dd`` with ``args`` for a file in ``directory``.
+
+    Raises:
+        DdError: dd exited non-zero (the message names ``directory`` and carries dd's stderr).
+    """
+    p = subprocess.run(args, capture_output=True, text=True)
+    if p.returncode != 0:
+        why = p.stderr.strip() or f"exit status {p.returncode}"
+        raise DdError(f"dd failed in --dir {directory!r}: {why}")
+
+
+def check_writable(directory: str) -> None:
+    """Create and remove a temporary file in ``directory``: the benchmark writes there.
+
+    Raises:
+        OSError: it cannot (a read-only file system, no permission), ``strerror`` saying why.
+    """
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".lmtier-probe-")
+    os.close(fd)
+    os.unlink(path)
+
+
 def dd_ceiling(directory: str, total_bytes: int) -> dict:
-    """GB/s of dd with O_DIRECT, 16 MiB blocks: write (with a final fdatasync) and read."""
+    """GB/s of dd with O_DIRECT, 16 MiB blocks: write (with a final fdatasync) and read.
+
+    Raises:
+        DdError: dd failed (the directory is not writable, or its file system lacks O_DIRECT).
+    """
     path = os.path.join(directory, "dd-ceiling.bin")
     count = max(1, total_bytes // (16 * MiB))
     res = {}
-    for name, args in (
-        ("write", ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"]),
-        ("read", ["dd", f"if={path}", "of=/dev/null", "bs=16M", f"count={count}", "iflag=direct"]),
-    ):
-        t0 = time.perf_counter()
-        subprocess.run(args, check=True, capture_output=True)
-        res[name] = count * 16 * MiB / (time.perf_counter() - t0) / 1e9
-    os.unlink(path)
+    try:
+        for name, args in (
+            (
+                "write",
+                ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"],
+            ),
+            ("read", ["dd", f"if={path}", "of=/dev/null", "bs=16M", f"count={count}", "iflag=direct"]),
+        ):
+            t0 = time.perf_counter()
+            _dd(directory, args)
+            res[name] = count * 16 * MiB / (time.perf_counter() - t0) / 1e9
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
     return res
 
 
@@ -116,7 +155,8 @@ def bench_inflight(
     try:
         for k in keys:
             assert tier.put(k, src.mv[:size])
-        subprocess.run(
+        _dd(
+            directory,
             [
                 "dd",
                 "if=/dev/zero",
@@ -126,8 +166,6 @@ def bench_inflight(
                 "oflag=direct",
                 "conv=fdatasync",
             ],
-            check=True,
-            capture_output=True,
         )
         for k_in in inflight:
             bufs = [AlignedBuffer(size) for _ in range(k_in)]
@@ -231,21 +269,25 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         os.makedirs(a.dir, exist_ok=True)
-    except OSError as e:  # a file there, no permission: a usage error, not a traceback from run()
+        check_writable(a.dir)
+    except OSError as e:  # a file there, no permission, read-only: a usage error, not a traceback from run()
         ap.error(f"--dir {a.dir!r}: {e.strerror or e}")
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     size = max(4096, size // 4096 * 4096)
     a.size_mib = size / MiB
-    res = run(
-        a.dir,
-        size=size,
-        count=a.count,
-        threads=a.threads,
-        syncs=a.sync,
-        rounds=a.rounds,
-        inflight=a.inflight,
-        quiet=a.quiet,
-    )
+    try:
+        res = run(
+            a.dir,
+            size=size,
+            count=a.count,
+            threads=a.threads,
+            syncs=a.sync,
+            rounds=a.rounds,
+            inflight=a.inflight,
+            quiet=a.quiet,
+        )
+    except DdError as e:
+        raise SystemExit(f"{ap.prog}: {e}") from None
     res["model_preset"] = a.model_preset
     print(f"# {res['system']}")
     print(
