@@ -14,7 +14,10 @@ the default 16, 516 at the README's 256), so chunks are stored and hit at any ch
     python examples/library_api.py [--config lmtier.yaml]
 
 With ``--config`` (or ``LMTIER_CONFIG_FILE``) the tiers come from an lmtier/LMCache YAML file;
-by default a 64 MiB CPU pool is used.
+by default a 64 MiB CPU pool is used. The model runs in float32, and the lossy codec
+(``remote_serde`` / ``local_disk_serde: cachegen``) needs a bfloat16/float16 KV cache: with the
+README's ``lmtier.yaml`` set ``remote_serde: naive``. A configuration that cannot be used here ends
+in one line saying why (exit status 1).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import logging
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from lmtier.config import LMTierConfig, load_config
+from lmtier.config import ConfigError, LMTierConfig, load_config
 from lmtier.hf import KVCacheStore
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
@@ -38,11 +41,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(0)
 
-    config = (
-        load_config(args.config)
-        if args.config
-        else LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 64 / 1024})
-    )
+    def unusable(e: ConfigError) -> SystemExit:
+        return SystemExit(f"{parser.prog} (a float32 model on CPU): {e}")
+
+    try:
+        config = (
+            load_config(args.config)
+            if args.config
+            else LMTierConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 64 / 1024})
+        )
+    except ConfigError as e:
+        raise unusable(e) from None
     chunk_size = config.chunk_size
     # Shared prefix: at least two full chunks plus 4 tokens (6 chunks + 4 at chunk_size 16).
     system_len = max(100, 2 * chunk_size + 4)
@@ -71,7 +80,11 @@ def main() -> None:
     prompt1 = system + torch.randint(0, 1000, (20,)).tolist()
     prompt2 = system + torch.randint(0, 1000, (30,)).tolist()
 
-    with TierManager.from_config(config, ns) as manager:
+    try:
+        manager = TierManager.from_config(config, ns)
+    except ConfigError as e:  # e.g. remote_serde: cachegen (a bf16/fp16 codec) with this float32 model
+        raise unusable(e) from None
+    with manager:
         kv_store = KVCacheStore(manager, ns)
 
         # 1. Prefill prompt 1 and store its KV (asynchronously; flush waits for it).

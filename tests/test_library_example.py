@@ -40,3 +40,30 @@ def test_example_stores_and_hits_chunks_at_readme_chunk_size(tmp_path):
     assert stored and hit, r.stdout
     assert int(stored[1]) >= 2 and int(hit[1]) >= 2, r.stdout
     assert list((tmp_path / "disk").glob("*/*.lmt")), "nothing reached the disk tier"
+
+
+def test_example_with_the_readme_codec_on_its_float32_model_is_one_line(tmp_path):
+    """The README's ``remote_serde: cachegen`` with this float32 model was an uncaught ConfigError
+    traceback from TierManager.from_config; now one line that says what to change."""
+    cfg = write_yaml(
+        tmp_path / "lmtier.yaml",
+        {
+            "chunk_size": 256,
+            "local_cpu": True,
+            "max_local_cpu_size": 0.0625,
+            "remote_url": "redis://127.0.0.1:1",  # refused before any connection
+            "remote_serde": "cachegen",
+        },
+    )
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "library_api.py"), "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=str(tmp_path),
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("library_api.py (a float32 model on CPU): lmtier config: remote_serde='cachegen'"), last
+    assert "use remote_serde: naive" in last

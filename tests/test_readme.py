@@ -5,6 +5,7 @@ and the demo's server logs kept after a failed run."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -63,6 +64,22 @@ def test_no_references_to_documents_outside_the_repository():
             continue
         hits += [f"{name}: {m.group(0)}" for m in bad.finditer(text)]
     assert hits == []
+
+
+def test_the_readme_yaml_loads_as_written(tmp_path, monkeypatch):
+    """The example lmtier.yaml under "Using it with vLLM", copied verbatim, loads on an ordinary
+    machine (>= 8 GiB of RAM, a >= 20 GiB file system); it asked for a 500 GiB disk tier once, which
+    load_config refuses on a smaller disk."""
+    from lmtier.config import load_config
+
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r"^cat > lmtier\.yaml <<'YAML'\n(.*?)^YAML$", readme, re.S | re.M)
+    assert m, "the README's lmtier.yaml block is gone"
+    for key in [k for k in os.environ if k.startswith("LMTIER_")]:
+        monkeypatch.delenv(key)  # the file as written, no overrides
+    (tmp_path / "lmtier.yaml").write_text(m.group(1))
+    config = load_config(str(tmp_path / "lmtier.yaml"))
+    assert config.chunk_size == 256
 
 
 def test_main_job_runs_with_vllms_prefix_cache_off_as_the_readme_says():
