@@ -248,6 +248,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
     ),
     EnvVar("LMTIER_BUILD_JOBS", "build", "parallel compile jobs (default: the number of CPUs)", read_by="setup.py"),
     EnvVar(
+        "LMTIER_REBUILD",
+        "build",
+        "1: scripts/bootstrap.sh rebuilds the extension even when it is up to date with its sources",
+        default="0",
+        read_by="scripts/bootstrap.sh",
+    ),
+    EnvVar(
         "LMTIER_APT_LOCK_TIMEOUT",
         "build",
         "seconds scripts/bootstrap.sh's apt-get waits for the dpkg lock another process holds",

@@ -5,6 +5,10 @@
 # root; scripts/lib/apt.sh: waits for the dpkg lock, retries once, and stops with a message naming
 # redis-server when that required package is still missing).
 # Each step prints "[bootstrap i/N] what (expected time)" and, when done, its elapsed time.
+# Step 4 builds the extension only when lmtier/_C*.so is missing or out of date with csrc/, setup.py,
+# CMakeLists.txt, pyproject.toml and the build settings (a hash of them, in build/extension.stamp;
+# scripts/lib/extension_stamp.py), or lmtier is not installed in .venv from this checkout; it says
+# which. LMTIER_REBUILD=1 rebuilds anyway.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
@@ -34,12 +38,26 @@ scripts/setup_venv.sh "$top/.venv"
 step "Mooncake Store client and master, NIXL with its UCX backend into .venv (scripts/setup_mooncake.sh, scripts/setup_nixl.sh; ~30 s the first time)"
 scripts/setup_mooncake.sh "$top/.venv" || echo "bootstrap: Mooncake Store client not installed; its tests skip" >&2
 scripts/setup_nixl.sh "$top/.venv" || echo "bootstrap: NIXL not installed; the P2P tests skip" >&2
-step "building the CUDA/C++ extension, pip install -e . (~1-4 min the first time on 2 cores)"
+step "building the CUDA/C++ extension, pip install -e . (~1-4 min on 2 cores; seconds when up to date)"
 # No build isolation: the build needs only pybind11/cmake/ninja from the venv (no torch).
 # CUDA kernels for sm_90 only (nvcc may be present on CPU machines: this keeps the build short; release
 # wheels build every architecture, see setup.py).
-LMTIER_CUDA_ARCHS=${LMTIER_CUDA_ARCHS:-90} LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} \
-  .venv/bin/python -m pip install -q --no-build-isolation -e .
+export LMTIER_CUDA_ARCHS=${LMTIER_CUDA_ARCHS:-90}
+stamp="$top/build/extension.stamp"
+build=1
+if [ "${LMTIER_REBUILD:-0}" = 1 ]; then
+  echo "bootstrap: building: LMTIER_REBUILD=1"
+elif why=$(.venv/bin/python scripts/lib/extension_stamp.py check "$stamp"); then
+  build=0
+  echo "bootstrap: build skipped, the extension is up to date: $why (LMTIER_REBUILD=1 forces a build)"
+else
+  echo "bootstrap: building: $why"
+fi
+if [ "$build" = 1 ]; then
+  rm -f "$stamp"  # a build that fails leaves no stamp
+  LMTIER_BUILD_JOBS=${LMTIER_BUILD_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e .
+  .venv/bin/python scripts/lib/extension_stamp.py write "$stamp"
+fi
 step "the SmolLM2-135M-Instruct model folder, models/ (~1 min the first time)"
 .venv/bin/python scripts/make_model.py
 finish

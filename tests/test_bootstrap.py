@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,15 @@ LOCK_ERROR = (
     "E: Could not get lock /var/lib/dpkg/lock-frontend. It is held by process 4242 (apt-get)\n"
     "E: Unable to acquire the dpkg frontend lock (/var/lib/dpkg/lock-frontend), is another process using it?"
 )
+# A checkout's build inputs (scripts/lib/extension_stamp.py hashes them) and an importable lmtier._C.
+_EXTENSION_SOURCES = {
+    "csrc/ops.cpp": "int f() { return 1; }\n",
+    "setup.py": "# setup\n",
+    "CMakeLists.txt": "# cmake\n",
+    "pyproject.toml": "[project]\n",
+    "lmtier/__init__.py": "",
+    "lmtier/_C.py": "",
+}
 TOOLS = ["bash", "cat", "chmod", "dirname", "echo", "ls", "mktemp", "rm", "sed", "sleep", "tail", "touch", "wc"]
 
 
@@ -35,8 +45,23 @@ def _fake_tree(tmp_path: Path, *, apt_fails: int, uid: int = 0) -> tuple[Path, d
     calls = tmp_path / "calls.log"
     (top / "scripts" / "setup_venv.sh").write_text(f'#!/usr/bin/env bash\necho "setup_venv $*" >> {calls}\n')
     (top / "scripts" / "setup_mooncake.sh").write_text(f'#!/usr/bin/env bash\necho "setup_mooncake $*" >> {calls}\n')
+    shutil.copy(REPO / "scripts" / "lib" / "extension_stamp.py", top / "scripts" / "lib" / "extension_stamp.py")
+    for name, text in _EXTENSION_SOURCES.items():
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_text(text)
     (top / ".venv" / "bin").mkdir(parents=True)
-    (top / ".venv" / "bin" / "python").write_text(f'#!/usr/bin/env bash\necho "python $*" >> {calls}\n')
+    # The venv's python: the stamp helper runs for real (lmtier importable from the tree), `pip install`
+    # "builds" lmtier/_C.fake.so (a name that matches _C*.so and that Python does not import), the rest
+    # only logs.
+    (top / ".venv" / "bin" / "python").write_text(
+        f"""#!/usr/bin/env bash
+echo "python $*" >> {calls}
+case "$1 $2" in
+  "scripts/lib/extension_stamp.py "*) PYTHONPATH={top} exec {sys.executable} "$@";;
+  "-m pip") echo built > {top}/lmtier/_C.fake.so;;
+esac
+"""
+    )
     fake = tmp_path / "bin"
     fake.mkdir()
     for tool in TOOLS:
@@ -182,3 +207,61 @@ def test_have_tcmalloc_agrees_with_the_demo_s_search(monkeypatch):
         timeout=30,
     )
     assert (r.returncode == 0) == want, (found, r.returncode, r.stderr)
+
+
+def _bootstrap(top: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(top / "scripts/bootstrap.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def _pip_runs(tmp_path: Path) -> int:
+    return len([c for c in _calls(tmp_path) if c.startswith("python -m pip install")])
+
+
+@needs_bash
+def test_bootstrap_builds_the_extension_only_when_it_is_out_of_date(tmp_path):
+    """Step 4 ran `pip install -e .` (53-68 s of C++/CUDA build) on every run although bootstrap says
+    it is idempotent; it now builds on a fresh clone, after a source or setting changes, or when
+    forced, and otherwise says it skipped and why."""
+    top, env = _fake_tree(tmp_path, apt_fails=0)
+    r = _bootstrap(top, env)
+    assert r.returncode == 0, r.stderr
+    assert "bootstrap: building: no lmtier/_C*.so" in r.stdout and _pip_runs(tmp_path) == 1
+    assert (top / "build" / "extension.stamp").is_file()
+
+    r = _bootstrap(top, env)
+    assert r.returncode == 0, r.stderr
+    assert "bootstrap: build skipped, the extension is up to date" in r.stdout, r.stdout
+    assert "LMTIER_REBUILD=1 forces a build" in r.stdout and _pip_runs(tmp_path) == 1
+
+    (top / "csrc" / "ops.cpp").write_text("int f() { return 2; }\n")
+    r = _bootstrap(top, env)
+    assert "bootstrap: building: csrc/, setup.py, CMakeLists.txt, pyproject.toml or the build settings changed" in (
+        r.stdout
+    )
+    assert r.returncode == 0 and _pip_runs(tmp_path) == 2, r.stderr
+
+    r = _bootstrap(top, {**env, "LMTIER_CUDA_ARCHS": "80;90"})  # another build setting
+    assert r.returncode == 0 and "bootstrap: building: " in r.stdout and _pip_runs(tmp_path) == 3
+
+    r = _bootstrap(top, {**env, "LMTIER_CUDA_ARCHS": "80;90", "LMTIER_REBUILD": "1"})
+    assert r.returncode == 0 and "bootstrap: building: LMTIER_REBUILD=1" in r.stdout and _pip_runs(tmp_path) == 4
+
+
+def test_extension_stamp_needs_an_importable_extension_from_this_checkout(tmp_path):
+    """A matching stamp is not enough: lmtier._C must import from the checkout (a new venv without
+    the editable install, a .so that does not load)."""
+    top, _ = _fake_tree(tmp_path, apt_fails=0)
+    (top / "lmtier" / "_C.fake.so").write_text("built")
+    helper = [sys.executable, str(top / "scripts/lib/extension_stamp.py")]
+    stamp = str(tmp_path / "extension.stamp")
+    assert subprocess.run([*helper, "write", stamp], timeout=60).returncode == 0
+    ok = subprocess.run([*helper, "check", stamp], env={**os.environ, "PYTHONPATH": str(top)}, capture_output=True)
+    assert ok.returncode == 0, ok.stdout
+    (top / "lmtier" / "_C.py").unlink()
+    r = subprocess.run(
+        [*helper, "check", stamp], env={**os.environ, "PYTHONPATH": str(top)}, capture_output=True, text=True
+    )
+    # no lmtier._C at all, or (a Python with lmtier installed from another checkout) that one's
+    assert r.returncode == 1 and ("import lmtier._C fails" in r.stdout or "not this checkout's" in r.stdout), r.stdout
