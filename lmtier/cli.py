@@ -53,6 +53,26 @@ def _redis_available() -> str | None:
     return find_redis_server()
 
 
+def _mooncake_missing() -> str | None:
+    """Why ``lmtier bench mooncake`` (a private Mooncake master and store server) cannot run here, or None."""
+    from lmtier.testing.mooncake import find_mooncake_bin, mooncake_client_importable
+
+    if mooncake_client_importable() is not None:
+        return "no Mooncake client"
+    missing = [b for b in ("mooncake_master", "mooncake_client") if find_mooncake_bin(b) is None]
+    return f"no {' or '.join(missing)}" if missing else None
+
+
+def _nixl_missing() -> str | None:
+    """Why ``lmtier bench p2p`` (NIXL, and a private redis-server for the P2P directory) cannot run here, or None."""
+    from lmtier.testing.p2p import nixl_missing
+    from lmtier.testing.redis import find_redis_server
+
+    if nixl_missing() is not None:
+        return "no NIXL"
+    return None if find_redis_server() else "no redis-server for the P2P directory"
+
+
 def run_all(rest: list[str]) -> int:
     """``lmtier bench all [--model-preset P] [--plot-dir DIR] [--json-dir DIR] [--quick]``: every
     subcommand this machine supports, a line for each one skipped."""
@@ -114,11 +134,16 @@ def run_all(rest: list[str]) -> int:
         print("lmtier bench all: skipping disk — no dd for the raw-device ceiling")
         results["disk"] = "skipped (no dd)"
     redis = _redis_available()
+    redis_url = redis if redis is not None and "://" in redis else None  # else a redis-server binary
     if redis:
         step(
             "remote",
             sub("remote"),
-            [*(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []), *extra("remote")],
+            [
+                *(["--iters", "2", "--rounds", "1", "--pieces-mib", "1"] if a.quick else []),
+                *(["--url", redis_url] if redis_url else []),
+                *extra("remote"),
+            ],
         )
     else:
         print(
@@ -126,6 +151,24 @@ def run_all(rest: list[str]) -> int:
             "no $LMTIER_REDIS_URL)"
         )
         results["remote"] = "skipped (no Redis)"
+    no_mooncake = _mooncake_missing()
+    if no_mooncake is None:
+        step("mooncake", sub("mooncake"), [*(["--quick"] if a.quick else []), *extra("mooncake", False, False)])
+    else:
+        print(f"lmtier bench all: skipping mooncake — {no_mooncake} (bash scripts/setup_mooncake.sh)")
+        results["mooncake"] = f"skipped ({no_mooncake})"
+    if redis:
+        on_url = ["--redis-url", redis_url] if redis_url else []
+        step("seal", sub("seal"), [*(["--quick"] if a.quick else []), *on_url, *extra("seal", False, False)])
+    else:
+        print("lmtier bench all: skipping seal — no Redis (its tier rows need one)")
+        results["seal"] = "skipped (no Redis)"
+    no_nixl = _nixl_missing()
+    if no_nixl is None:
+        step("p2p", sub("p2p"), [*(["--quick"] if a.quick else []), *extra("p2p", False, False)])
+    else:
+        print(f"lmtier bench all: skipping p2p — {no_nixl} (bash scripts/setup_nixl.sh)")
+        results["p2p"] = f"skipped ({no_nixl})"
     step("codec", sub("codec"), [*(["--chunks", "1", "--iters", "1"] if a.quick else []), *extra("codec")])
     if gpu:
         step("ttft", sub("ttft"), [*(["--lengths", "1024,4096,7500"] if a.quick else []), *extra("ttft")])

@@ -174,23 +174,67 @@ def test_disk_plot_and_preset(tmp_path):
     assert res["inflight_rows"][0]["inflight"] == 2
 
 
-def test_all_skips_with_a_line(monkeypatch, capsys):
+def _fake_subcommands(monkeypatch) -> list[tuple[str, list[str]]]:
     import importlib
 
     calls = []
-    for name in ("transfer", "disk", "remote", "codec", "rans", "ttft"):
+    for name in cli.SUBCOMMANDS:
         mod = importlib.import_module(cli.SUBCOMMANDS[name])
         monkeypatch.setattr(mod, "main", lambda a, name=name: calls.append((name, a)) or 0)
+    return calls
+
+
+def _summary(out: str) -> dict[str, str]:
+    line = next(ln for ln in out.splitlines() if ln.startswith("==== lmtier bench all: "))
+    return dict(item.split(": ", 1) for item in line.removeprefix("==== lmtier bench all: ").split("; "))
+
+
+def test_all_skips_with_a_line(monkeypatch, capsys):
+    calls = _fake_subcommands(monkeypatch)
     monkeypatch.setattr(cli, "_has_gpu", lambda: False)
     monkeypatch.setattr(cli, "_redis_available", lambda: None)
+    monkeypatch.setattr(cli, "_mooncake_missing", lambda: "no Mooncake client")
+    monkeypatch.setattr(cli, "_nixl_missing", lambda: "no NIXL")
     assert cli.main(["bench", "all", "--model-preset", "qwen2.5-7b", "--plot-dir", "/tmp/x"]) == 0
     out = capsys.readouterr().out
     assert "skipping remote — no Redis" in out and "skipping ttft — no GPU" in out and "skipping rans" in out
+    assert "skipping mooncake — no Mooncake client" in out and "skipping p2p — no NIXL" in out
     names = [c[0] for c in calls]
     assert names == ["transfer", "disk", "codec"]
     for _, a in calls:
         assert "--model-preset" in a and "qwen2.5-7b" in a and any(x.endswith(".png") for x in a)
     assert "ttft: skipped (no GPU)" in out
+    # mooncake, seal and p2p were left out of the summary, which claims to say what it skips
+    assert _summary(out) == {
+        "transfer": "ok",
+        "disk": "ok",
+        "remote": "skipped (no Redis)",
+        "mooncake": "skipped (no Mooncake client)",
+        "seal": "skipped (no Redis)",
+        "p2p": "skipped (no NIXL)",
+        "codec": "ok",
+        "ttft": "skipped (no GPU)",
+        "rans": "skipped (no GPU)",
+    }
+
+
+def test_all_quick_runs_every_subcommand_whose_requirements_are_present(monkeypatch, capsys):
+    """mooncake, seal and p2p start their own servers and take seconds in quick mode: bench all runs
+    them too (they were never run). A $LMTIER_REDIS_URL reaches remote and seal as their URL option
+    (remote started a private redis-server instead, and failed without one)."""
+    calls = _fake_subcommands(monkeypatch)
+    monkeypatch.setattr(cli, "_has_gpu", lambda: True)
+    monkeypatch.setattr(cli, "_redis_available", lambda: "redis://127.0.0.1:6379/0")
+    monkeypatch.setattr(cli, "_mooncake_missing", lambda: None)
+    monkeypatch.setattr(cli, "_nixl_missing", lambda: None)
+    assert cli.main(["bench", "all", "--quick"]) == 0
+    summary = _summary(capsys.readouterr().out)
+    assert set(summary) == set(cli.SUBCOMMANDS) and set(summary.values()) == {"ok"}, summary
+    args = dict(calls)
+    assert sorted(args) == sorted(cli.SUBCOMMANDS)
+    assert "--quick" in args["mooncake"] and "--quick" in args["seal"] and "--quick" in args["p2p"]
+    assert args["remote"][args["remote"].index("--url") + 1] == "redis://127.0.0.1:6379/0"
+    assert args["seal"][args["seal"].index("--redis-url") + 1] == "redis://127.0.0.1:6379/0"
 
 
 def test_every_subcommand_is_an_importable_module():
