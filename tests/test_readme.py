@@ -113,6 +113,26 @@ def _work(tmp_path: Path) -> Path:
     return work
 
 
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("--max-tokens", "0"),
+        ("--startup-timeout", "0"),
+        ("--request-timeout", "-1"),
+        ("--shutdown-timeout", "-1"),
+        ("--settle", "nan"),
+        ("--onednn-cache", "-2"),
+    ],
+)
+def test_demo_rejects_an_out_of_range_number_before_any_server(option, value, capsys):
+    """``--max-tokens 0`` started the baseline server (52 s) and then failed on vLLM's HTTP 400
+    "max_tokens must be at least 1"; the numeric options are now checked by argparse."""
+    with pytest.raises(SystemExit) as e:
+        _demo().parse_args(["--no-lmtier", "--quick", option, value])
+    assert e.value.code == 2
+    assert f"argument {option}: expected " in capsys.readouterr().err
+
+
 def test_demo_keeps_server_logs_after_a_failed_run(tmp_path, capsys):
     """issue 20 §5: the demo named its server logs in the failure message, then deleted them with its
     work folder unless --keep-logs was given."""
