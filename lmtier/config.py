@@ -34,8 +34,12 @@ not Redis Cluster nor Mooncake Store: a :class:`ConfigError` names the key)::
     remote_tenant_capacity: 40            # GiB of records lmtier keeps in Redis (the shares' whole)
     remote_tenant_share: 0.05             # and/or remote_tenant_shares: "id=fraction,..."
 
-lmtier then evicts in Redis itself; the server's ``maxmemory-policy`` must be ``noeviction`` (or
-``volatile-*``), not ``allkeys-*`` (checked at start-up where the server lets lmtier read it).
+lmtier then evicts in Redis itself, so the budgets hold only while Redis does not: set the server's
+``maxmemory-policy`` to ``noeviction`` (or ``volatile-*``), not ``allkeys-*``, which evicts any key,
+other tenants' guaranteed records and lmtier's accounting among them. This is not enforced: at
+start-up lmtier reads the policy (``CONFIG GET``) and, for ``allkeys-*`` or a ``maxmemory`` below
+``remote_tenant_capacity``, logs a warning and starts anyway (the budgets are then not guaranteed);
+where the server refuses ``CONFIG`` (managed Redis) it logs a line saying what to check and starts.
 LMCache has per-``cache_salt`` quotas only in its multiprocess server (``IsolatedLRU``, set at run
 time through ``/quota``), with no configuration key to mirror, hence lmtier's names.
 

@@ -6,8 +6,8 @@ followed by the payload: there is no separate metadata key that could go out of 
 Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``) or an optional per-key TTL — or,
 with per-tenant budgets (``budgets``: ``remote_tenant_share(s)`` + ``remote_tenant_capacity``),
 lmtier's: every put ends in a Lua script that evicts by the tenant policy and accounts the record
-atomically (:mod:`lmtier.tiers.redis.budget`; then ``maxmemory-policy`` must be ``noeviction`` or
-``volatile-*``).
+atomically (:mod:`lmtier.tiers.redis.budget`; then set ``maxmemory-policy`` to ``noeviction`` or
+``volatile-*``: under ``allkeys-*`` the budgets do not hold, and lmtier only warns at start-up).
 
 Client: redis-py (with hiredis as its reply parser when installed) for every scheme —
 ``redis.Redis`` over a ``BlockingConnectionPool`` for ``redis://``, ``rediss://``, ``unix://``
