@@ -554,3 +554,28 @@ def test_disk_dd_failure_is_one_line_naming_the_dir(tmp_path, monkeypatch):
     msg = str(e.value.code)
     assert msg == f"lmtier bench disk: dd failed in --dir {str(d)!r}: dd: failed to open 'x': Invalid argument"
     assert not (d / "dd-ceiling.bin").exists()
+
+
+def test_ttft_disk_ceiling_is_the_disk_benchmarks_dd_plus_parallel_reads(tmp_path, monkeypatch):
+    """``bench ttft``'s disk ceiling runs :func:`lmtier.bench.disk.dd_ceiling` (one definition of the dd
+    measurement), keeps its file for the parallel O_DIRECT reads, and removes it; a failing dd is an
+    ``error`` entry, not an exception."""
+    from lmtier.bench.disk import dd_path
+    from lmtier.bench.ttft.ceilings import dd_read_gbps, odirect_supported
+
+    if not odirect_supported(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
+    res = dd_read_gbps(str(tmp_path), 16 << 20, inflight=2, piece_bytes=4 << 20)
+    assert "error" not in res, res
+    assert res["write"] > 0 and res["read"] > 0 and res["read_par"] > 0
+    assert res["read_par_inflight"] == 2 and res["read_par_piece_MiB"] == 4
+    assert not os.path.exists(dd_path(str(tmp_path)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "dd"
+    fake.write_text("#!/bin/sh\necho 'dd: no space' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    bad = dd_read_gbps(str(tmp_path), 16 << 20)
+    assert bad == {"error": f"dd failed in --dir {str(tmp_path)!r}: dd: no space"}
+    assert not os.path.exists(dd_path(str(tmp_path)))

@@ -15,6 +15,18 @@ from lmtier.testing.vllm import write_yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _run_example(cfg, cwd) -> subprocess.CompletedProcess:
+    """``examples/library_api.py --config cfg`` in ``cwd``, this checkout on PYTHONPATH."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "examples" / "library_api.py"), "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=str(cwd),
+    )
+
+
 def test_example_stores_and_hits_chunks_at_readme_chunk_size(tmp_path):
     cfg = write_yaml(
         tmp_path / "lmtier.yaml",
@@ -26,14 +38,7 @@ def test_example_stores_and_hits_chunks_at_readme_chunk_size(tmp_path):
             "max_local_disk_size": 0.25,
         },
     )
-    r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "library_api.py"), "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        cwd=str(tmp_path),
-    )
+    r = _run_example(cfg, tmp_path)
     assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-3000:]
     stored = re.search(r"stored (\d+) chunks", r.stdout)
     hit = re.search(r"hit (\d+) chunks", r.stdout)
@@ -55,14 +60,7 @@ def test_example_with_the_readme_codec_on_its_float32_model_is_one_line(tmp_path
             "remote_serde": "cachegen",
         },
     )
-    r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "library_api.py"), "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        cwd=str(tmp_path),
-    )
+    r = _run_example(cfg, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("library_api.py (a float32 model on CPU): lmtier config: remote_serde='cachegen'"), last

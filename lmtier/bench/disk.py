@@ -70,13 +70,15 @@ def check_writable(directory: str) -> None:
     os.unlink(path)
 
 
-def dd_ceiling(directory: str, total_bytes: int) -> dict:
-    """GB/s of dd with O_DIRECT, 16 MiB blocks: write (with a final fdatasync) and read.
+def dd_ceiling(directory: str, total_bytes: int, keep: bool = False) -> dict:
+    """GB/s of dd with O_DIRECT, 16 MiB blocks: write (with a final fdatasync) and read of
+    ``total_bytes`` (rounded down to 16 MiB, at least 16 MiB) in ``directory``'s ``dd-ceiling.bin``.
+    The file is removed unless ``keep`` (then the caller removes it; ``dd_path`` names it).
 
     Raises:
         DdError: dd failed (the directory is not writable, or its file system lacks O_DIRECT).
     """
-    path = os.path.join(directory, "dd-ceiling.bin")
+    path = dd_path(directory)
     count = max(1, total_bytes // (16 * MiB))
     res = {}
     try:
@@ -91,9 +93,14 @@ def dd_ceiling(directory: str, total_bytes: int) -> dict:
             _dd(directory, args)
             res[name] = count * 16 * MiB / (time.perf_counter() - t0) / 1e9
     finally:
-        if os.path.exists(path):
+        if not keep and os.path.exists(path):
             os.unlink(path)
     return res
+
+
+def dd_path(directory: str) -> str:
+    """The file :func:`dd_ceiling` writes in ``directory``."""
+    return os.path.join(directory, "dd-ceiling.bin")
 
 
 def bench_tier(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.parse
@@ -113,33 +112,24 @@ def default_disk_dir() -> str:
 
 
 def dd_read_gbps(directory: str, nbytes: int, inflight: int = 4, piece_bytes: int = 8 << 20) -> dict:
-    """dd O_DIRECT (16 MiB blocks) write then read of ``nbytes`` in ``directory``: GB/s each; plus
-    ``read_par``: the same file read with O_DIRECT, ``inflight`` reads of ``piece_bytes`` in flight
-    (:func:`lmtier.bench.common.odirect_read_gbps`) — the device's parallel read ceiling, which
-    the tier's pipelined reads (several records in flight) can approach and dd (one read) cannot."""
-    mib16 = 16 << 20
-    count = max(1, nbytes // mib16)
-    path = os.path.join(directory, "dd-ceiling.bin")
+    """:func:`lmtier.bench.disk.dd_ceiling`'s dd O_DIRECT (16 MiB blocks) write then read of ``nbytes``
+    in ``directory``: GB/s each; plus ``read_par``: the same file read with O_DIRECT, ``inflight``
+    reads of ``piece_bytes`` in flight (:func:`lmtier.bench.common.odirect_read_gbps`) — the device's
+    parallel read ceiling, which the tier's pipelined reads (several records in flight) can approach
+    and dd (one read) cannot. A failure is reported as ``error``."""
+    from lmtier.bench.disk import DdError, dd_ceiling, dd_path
+
     res = {}
     try:
-        for name, cmd in (
-            (
-                "write",
-                ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"],
-            ),
-            ("read", ["dd", f"if={path}", "of=/dev/null", "bs=16M", f"count={count}", "iflag=direct"]),
-        ):
-            t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, capture_output=True)
-            res[name] = count * mib16 / (time.perf_counter() - t0) / 1e9
-        res["read_par"] = odirect_read_gbps(path, piece_bytes=piece_bytes, inflight=inflight)
+        res.update(dd_ceiling(directory, nbytes, keep=True))
+        res["read_par"] = odirect_read_gbps(dd_path(directory), piece_bytes=piece_bytes, inflight=inflight)
         res["read_par_inflight"] = inflight
         res["read_par_piece_MiB"] = piece_bytes / (1 << 20)
-    except (OSError, subprocess.CalledProcessError) as e:
+    except (OSError, DdError) as e:
         res["error"] = str(e)
     finally:
         try:
-            os.unlink(path)
+            os.unlink(dd_path(directory))
         except OSError:
             pass
     return res
