@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 
 import pytest
 
@@ -538,15 +539,20 @@ def test_disk_dir_that_is_not_writable_is_a_usage_error(tmp_path, monkeypatch, c
     assert f"--dir {str(d)!r}: Read-only file system" in capsys.readouterr().err
 
 
-def test_disk_dd_failure_is_one_line_naming_the_dir(tmp_path, monkeypatch):
-    """dd failing (here a stand-in dd on PATH that fails as on a read-only mount or on tmpfs without
-    O_DIRECT) was a CalledProcessError traceback; now one line with the directory and dd's stderr."""
+def _failing_dd(tmp_path, monkeypatch, stderr: str) -> None:
+    """Put a stand-in ``dd`` first on PATH that prints ``stderr`` and exits 1."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "dd"
-    fake.write_text("#!/bin/sh\necho \"dd: failed to open 'x': Invalid argument\" >&2\nexit 1\n")
+    fake.write_text(f"#!/bin/sh\necho {shlex.quote(stderr)} >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_disk_dd_failure_is_one_line_naming_the_dir(tmp_path, monkeypatch):
+    """dd failing (here a stand-in dd on PATH that fails as on a read-only mount or on tmpfs without
+    O_DIRECT) was a CalledProcessError traceback; now one line with the directory and dd's stderr."""
+    _failing_dd(tmp_path, monkeypatch, "dd: failed to open 'x': Invalid argument")
     d = tmp_path / "bench"
     argv = ["bench", "disk", "--dir", str(d), "--model-preset", "tiny", "--count", "1", "--rounds", "1"]
     with pytest.raises(SystemExit) as e:
@@ -570,12 +576,7 @@ def test_ttft_disk_ceiling_is_the_disk_benchmarks_dd_plus_parallel_reads(tmp_pat
     assert res["write"] > 0 and res["read"] > 0 and res["read_par"] > 0
     assert res["read_par_inflight"] == 2 and res["read_par_piece_MiB"] == 4
     assert not os.path.exists(dd_path(str(tmp_path)))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "dd"
-    fake.write_text("#!/bin/sh\necho 'dd: no space' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    _failing_dd(tmp_path, monkeypatch, "dd: no space")
     bad = dd_read_gbps(str(tmp_path), 16 << 20)
     assert bad == {"error": f"dd failed in --dir {str(tmp_path)!r}: dd: no space"}
     assert not os.path.exists(dd_path(str(tmp_path)))

@@ -59,6 +59,15 @@ def _dd(directory: str, args: list[str]) -> None:
         raise DdError(f"dd failed in --dir {directory!r}: {why}")
 
 
+def _dd_write(directory: str, path: str, count: int) -> None:
+    """Write ``count`` 16 MiB blocks of zeros to ``path`` with dd, O_DIRECT, with a final fdatasync.
+
+    Raises:
+        DdError: dd failed (see :func:`_dd`).
+    """
+    _dd(directory, ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"])
+
+
 def check_writable(directory: str) -> None:
     """Create and remove a temporary file in ``directory``: the benchmark writes there.
 
@@ -82,16 +91,12 @@ def dd_ceiling(directory: str, total_bytes: int, keep: bool = False) -> dict:
     count = max(1, total_bytes // (16 * MiB))
     res = {}
     try:
-        for name, args in (
-            (
-                "write",
-                ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fdatasync"],
-            ),
-            ("read", ["dd", f"if={path}", "of=/dev/null", "bs=16M", f"count={count}", "iflag=direct"]),
-        ):
-            t0 = time.perf_counter()
-            _dd(directory, args)
-            res[name] = count * 16 * MiB / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        _dd_write(directory, path, count)
+        res["write"] = count * 16 * MiB / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        _dd(directory, ["dd", f"if={path}", "of=/dev/null", "bs=16M", f"count={count}", "iflag=direct"])
+        res["read"] = count * 16 * MiB / (time.perf_counter() - t0) / 1e9
     finally:
         if not keep and os.path.exists(path):
             os.unlink(path)
@@ -162,18 +167,7 @@ def bench_inflight(
     try:
         for k in keys:
             assert tier.put(k, src.mv[:size])
-        _dd(
-            directory,
-            [
-                "dd",
-                "if=/dev/zero",
-                f"of={raw}",
-                "bs=16M",
-                f"count={max(1, size * count // (16 * MiB))}",
-                "oflag=direct",
-                "conv=fdatasync",
-            ],
-        )
+        _dd_write(directory, raw, max(1, size * count // (16 * MiB)))
         for k_in in inflight:
             bufs = [AlignedBuffer(size) for _ in range(k_in)]
             tl, tr = [], []
