@@ -386,10 +386,9 @@ class PCAScheme:
     def bits(self, kv: torch.Tensor) -> tuple[float, int]:
         """(bits, escapes) of a bf16 context ``kv`` (quantizing the context at once equals quantizing
         its chunks: no per-chunk state); the exact tokens at 16 bits per value."""
-        return self._bits(self._quantize(kv), kv)
+        return self._bits(self._quantize(kv), kv, self.exact_tokens(kv))
 
-    def _bits(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[float, int]:
-        exact = self.exact_tokens(kv)
+    def _bits(self, q: torch.Tensor, kv: torch.Tensor, exact: torch.Tensor) -> tuple[float, int]:
         bits, esc = 16.0 * kv[:, :, exact].numel(), 0
         if self.classes is not None:  # static tables per energy class (codec_pca_classes), no chunk state
             esc = symbols(q[..., ~exact])[1]
@@ -403,10 +402,9 @@ class PCAScheme:
 
     def run(self, kv: torch.Tensor) -> tuple[float, torch.Tensor, int]:
         """(ratio bound, decoded bf16 KV, escapes) of a bf16 context ``kv``."""
-        q = self._quantize(kv)
-        bits, esc = self._bits(q, kv)
+        q, exact = self._quantize(kv), self.exact_tokens(kv)
+        bits, esc = self._bits(q, kv, exact)
         dec = self.basis.decode(q, self.step, kv.shape)
-        exact = self.exact_tokens(kv)
         dec[:, :, exact] = kv[:, :, exact]
         return kv.numel() * 16 / bits, dec, esc
 

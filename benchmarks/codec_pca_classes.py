@@ -20,10 +20,9 @@ symbol, so real bytes of this coder are not counted.
 
 from __future__ import annotations
 
+import codec_pca as P
 import codec_rates as CR
 import torch
-
-OFFSET = 127
 
 
 def energy(q: torch.Tensor) -> torch.Tensor:
@@ -32,9 +31,9 @@ def energy(q: torch.Tensor) -> torch.Tensor:
 
 
 def _symbols(q: torch.Tensor) -> torch.Tensor:
-    """int64 ``[R, 2, N, T]``: ``q + 127``, escapes (``|q| > 127``) as symbol 255 (their raw bits are
-    counted by the caller)."""
-    return torch.where(q.abs() > OFFSET, torch.full_like(q, 255), q + OFFSET).to(torch.int64)
+    """int64 ``[R, 2, N, T]``: :func:`codec_pca.symbols` of ``q`` in ``q``'s shape (escapes as their
+    symbol; their raw bits are counted by the caller)."""
+    return P.symbols(q)[0].reshape(q.shape).to(torch.int64)
 
 
 class ClassCoder:
