@@ -20,12 +20,13 @@ from lmtier.geometry import TORCH_KV_DTYPES
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
 
-__all__ = ["KVCacheStore", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
+__all__ = ["KVCacheStore", "cache_layers", "pack_kv_chunk", "unpack_kv_chunk", "TORCH_KV_DTYPES"]
 
 
-def _layers_of(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer ``(K, V)`` from a transformers cache (``DynamicCache`` with ``.layers`` or
-    ``key_cache``/``value_cache``, or the legacy tuple of pairs)."""
+    ``key_cache``/``value_cache``, or the legacy tuple of pairs), each ``[batch, num_kv_heads,
+    seq_len, head_size]`` as the cache holds it (no copy)."""
     layers = getattr(kv, "layers", None)
     if layers is not None and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
         return [(layer.keys, layer.values) for layer in layers]
@@ -100,7 +101,7 @@ class KVCacheStore:
             ValueError: the cache's geometry/dtype does not match the namespace or is too short.
         """
         ns = self.namespace
-        layers = _layers_of(kv)
+        layers = cache_layers(kv)
         keys = chunk_keys(token_ids, ns, cache_salt=cache_salt)
         if len(layers) != ns.num_layers:
             raise ValueError(f"KVCacheStore.store: cache has {len(layers)} layers, namespace {ns.num_layers}")
