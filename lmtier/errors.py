@@ -12,6 +12,8 @@ lmtier's own errors with one clause, while each class keeps the built-in base it
 * :class:`lmtier.codec.quant.CodecInputError` (``ValueError``): KV the codec cannot quantize;
   :class:`lmtier.codec.chunk.CodecRecordError` (a ``CodecInputError``): a codec record that does
   not decode.
+* :class:`lmtier.codec.pca.hf.CalibrationError` (``ValueError``): a model, checkpoint or text the PCA
+  codec's calibration cannot use (names the module or the input).
 * :class:`lmtier.tiers.base.TierError` (``RuntimeError``): a tier failure (a miss / a dropped store).
 * :class:`lmtier.tiers.disk.io.NotRegularFile` (``OSError``): a disk record path that holds no regular
   file (a directory, a link, a FIFO, a device node); the disk tier turns it into a miss.
