@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 from lmtier.codec import levels as L
+from lmtier.codec.pca import hf as PH
 
 OFFSET = 127
 ESCAPE = 255
@@ -78,12 +79,15 @@ SENS_JSON = Path(__file__).resolve().parent / "codec_head_sens.json"
 
 
 def rope_cos_sin(model: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[T, D]`` (float64) of the model's rotary embedding at positions ``0 .. T-1``."""
+    """cos, sin ``[T, D]`` (float64) of the model's rotary embedding at positions ``0 .. T-1``, from
+    its inverse frequencies (:func:`lmtier.codec.pca.hf.rotary_inv_freq`) in Hugging Face's
+    arithmetic (float32 angles ``position * inv_freq``, float32 cos/sin, widened): the rotation its
+    cached keys carry."""
     m, _ = CQ.load_model(torch.float32, model)
-    d = m.config.hidden_size // m.config.num_attention_heads
-    x = torch.zeros(1, tokens, d)
-    cos, sin = m.model.rotary_emb(x, torch.arange(tokens)[None])
-    return cos[0].double(), sin[0].double()
+    inv_freq = torch.from_numpy(PH.rotary_inv_freq(m)).float()
+    ang = torch.arange(tokens, dtype=torch.float32)[:, None] * inv_freq[None]
+    emb = torch.cat((ang, ang), dim=-1)
+    return emb.cos().double(), emb.sin().double()
 
 
 def calibration_kv(name: str, model: str, tokens: int) -> torch.Tensor:
@@ -240,51 +244,14 @@ class Basis:
 
 
 def model_metric(model: str, texts) -> torch.Tensor:
-    """float64 ``[L, 2, H*D, H*D]``, block-diagonal over KV heads: the squared error of a key or value
-    as the model sees it. K (RoPE undone): the logit error ``sum_j (q_j . e)**2`` over the query heads
-    ``j`` sharing the KV head, averaged over the rotation of each RoPE pair (``(E q_i**2 + E q_{i+D/2}**2)
-    / 2`` on the diagonal; queries from ``q_proj`` on ``texts``' contexts). V: the error after the output
-    projection, ``sum_j W_o[:, j]^T W_o[:, j]`` over the same query heads. Approximations: the softmax
-    and the attention weights are ignored, the cross terms between the query heads sharing a KV head
-    (whose outputs add in one hidden vector) are dropped, and K's cross-pair terms vanish only for
-    pairs that rotate fast."""
+    """float64 ``[L, 2, H*D, H*D]``: the model metric (:func:`lmtier.codec.pca.hf.metric_from`) of
+    ``model`` on the contexts of ``texts`` (:func:`codec_quality.get_text`'s ids, the first ``ctx``)."""
     m, _ = CQ.load_model(torch.float32, model)
-    cfg = m.config
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // nq
-    nl = len(m.model.layers)
-    q2 = torch.zeros(nl, nq, d, dtype=torch.float64)
-    count = 0
-
-    def hook(l):
-        def fn(mod, inp, out):
-            q2[l] += out[0].double().reshape(-1, nq, d).pow(2).sum(0)
-
-        return fn
-
-    hooks = [layer.self_attn.q_proj.register_forward_hook(hook(l)) for l, layer in enumerate(m.model.layers)]
-    try:
-        with torch.no_grad():
-            for t in texts:
-                data = CQ.get_text(t, model)
-                m(data["ids"][None, : data["ctx"]])
-                count += data["ctx"]
-    finally:
-        for h in hooks:
-            h.remove()
-    q2 = q2 / count
-    q2 = (q2 + q2.roll(d // 2, dims=-1)) / 2  # pair (i, i + D/2) averaged over the rotation
-    out = torch.zeros(nl, 2, nkv * d, nkv * d, dtype=torch.float64)
-    g = nq // nkv
-    for l, layer in enumerate(m.model.layers):
-        wo = layer.self_attn.o_proj.weight.detach().double()  # [hidden, nq * d]
-        for h in range(nkv):
-            blk = slice(h * d, (h + 1) * d)
-            out[l, 0, blk, blk] = torch.diag(q2[l, h * g : (h + 1) * g].sum(0))
-            for j in range(h * g, (h + 1) * g):
-                w = wo[:, j * d : (j + 1) * d]
-                out[l, 1, blk, blk] += w.T @ w
-    return out
+    ids = []
+    for t in texts:
+        data = CQ.get_text(t, model)
+        ids.append(data["ids"][: data["ctx"]])
+    return PH.metric_from(m, ids)
 
 
 def symbols(q: torch.Tensor) -> tuple[torch.Tensor, int]:
