@@ -1,0 +1,14 @@
+"""PCA transform coding of KV chunks (issue 19; experimental: the library API only, CPU reference).
+
+Data flow: :mod:`.hf` (calibration inputs from a checkpoint) -> :mod:`.fit` (a :class:`PCAModel`:
+basis, integer transforms, steps, outlier thresholds, rANS tables) -> :mod:`.model` (its versioned,
+checksummed file) -> :mod:`.codec` (chunk <-> record, through :mod:`.transform`'s arithmetic and
+:mod:`.rope`). Levels: :mod:`.levels`.
+"""
+
+from .codec import decode, encode
+from .fit import fit
+from .levels import PCA_LEVELS, PCALevel, get_pca_level
+from .model import PCAModel, PCAModelError, load, save
+
+__all__ = ["PCA_LEVELS", "PCALevel", "PCAModel", "PCAModelError", "decode", "encode", "fit", "get_pca_level", "load", "save"]

@@ -1,0 +1,178 @@
+"""One canonical KV chunk <-> one codec record at a PCA level (:mod:`lmtier.codec.format`).
+
+Record: header ``level_id`` = the :class:`~.levels.PCALevel`'s id, ``table_id`` = the
+:attr:`~.model.PCAModel.model_id` of the data it was coded with, geometry ``[L, 2, T, H, D]``,
+``dtype``; metadata ``<q I I``: the chunk's first position, exact tokens, escapes. Sections, in order
+(``S = ceil((2R + 3) / L)`` per layer, the ones after the last empty):
+
+* ``2R`` rANS streams, one per (layer group, K/V): symbols ``[N, T32]`` (``T32``: ``T`` rounded up
+  to 32, padded with the zero symbol), component ``j``'s run coded with table ``j`` of the level's
+  tables for that (layer group, K/V); symbol ``q + 127``, or 255 for ``|q| > 127``;
+* escapes: int16 ``q`` of every symbol 255, in stream order;
+* exact bitmap: ``ceil(T / 8)`` bytes, token ``t`` at bit ``t % 8`` (LSB first) of byte ``t // 8``;
+* exact tokens: ``dtype`` ``[L, 2, n_exact, H, D]`` raw, tokens in order.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmtier.codec import format as fmt
+from lmtier.codec import rans
+from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
+from lmtier.codec.quant import CodecInputError
+
+from . import transform as tf
+from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
+from .model import PCAModel
+
+__all__ = ["encode", "decode", "sections_per_layer"]
+
+OFFSET = 127
+ESCAPE = 255
+_META = struct.Struct("<qII")
+_DTYPES = {v: k for k, v in CODEC_DTYPES.items()}
+
+
+def sections_per_layer(m: PCAModel) -> int:
+    """``S`` of a record of model ``m``: ``2R + 3`` sections over ``L`` layers."""
+    return -(-(2 * m.rows + 3) // m.num_layers)
+
+
+def _t32(t: int) -> int:
+    return -(-t // rans.LANES) * rans.LANES
+
+
+def _level(m: PCAModel, level: str | int | PCALevel) -> tuple[PCALevel, Any]:
+    lv = get_pca_level(level)
+    if lv.name not in m.levels:
+        raise ValueError(f"PCA model {m.name!r} has no level {lv.name!r} (it has {sorted(m.levels)})")
+    return lv, m.levels[lv.name]
+
+
+def encode(chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int | PCALevel, num_threads: int = 0) -> bytes:
+    """Encode one chunk.
+
+    Args:
+        chunk: canonical KV ``[L, 2, T, H, D]``, bf16 or fp16, CPU, of the model's geometry.
+        start: position of the chunk's first token in its sequence (>= 0): RoPE is undone at the
+            positions ``start .. start + T - 1``, and positions below ``model.exact_first`` are exact.
+        model: the calibrated data (:func:`lmtier.codec.pca.fit.fit` / :func:`~.model.load`).
+        level: a PCA level of ``model`` (name, id or :class:`PCALevel`).
+        num_threads: rANS encoder threads (0: its default).
+
+    Returns:
+        The record (``bytes``). Deterministic: the same chunk, start, model and level give the same
+        bytes.
+
+    Raises:
+        TypeError: not bf16/fp16, or not a tensor.
+        ValueError: geometry other than the model's, a negative start, an unknown level.
+        CodecInputError: NaN or inf in the chunk.
+    """
+    if not isinstance(chunk, torch.Tensor):
+        raise TypeError(f"chunk must be a torch.Tensor, got {type(chunk).__name__}")
+    if chunk.dtype not in CODEC_DTYPES:
+        raise TypeError(f"chunk dtype must be one of {sorted(map(str, CODEC_DTYPES))}, got {chunk.dtype}")
+    nl, h, d = model.num_layers, model.num_heads, model.head_size
+    if chunk.dim() != 5 or (chunk.shape[0], chunk.shape[1], chunk.shape[3], chunk.shape[4]) != (nl, 2, h, d):
+        raise ValueError(f"chunk shape {tuple(chunk.shape)} does not fit the PCA model's [L={nl}, 2, T, H={h}, D={d}]")
+    if not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"start must be an integer >= 0, got {start!r}")
+    lv, data = _level(model, level)
+    x = chunk.detach().cpu()
+    if not bool(torch.isfinite(x).all()):
+        raise CodecInputError("the chunk holds NaN or inf: only the lossless level stores them")
+    t = x.shape[2]
+    fw = tf.forward(model, x, int(start), torch.from_numpy(data.k), torch.from_numpy(data.energy_threshold).double())
+    q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
+    esc = q.abs() > OFFSET
+    sym = torch.full((*q.shape[:3], _t32(t)), OFFSET, dtype=torch.uint8)
+    sym[..., :t] = torch.where(esc, torch.full_like(q, ESCAPE), q + OFFSET).to(torch.uint8)
+    n = model.vector_size
+    streams = list(sym.reshape(2 * model.rows, -1).numpy())
+    batch = rans.encode(
+        streams, table_ids=np.arange(2 * model.rows) * n, tables=data.tables, run_lens=_t32(t), num_threads=num_threads
+    )
+    escapes = q[esc].to(torch.int16).numpy().astype("<i2")
+    exact = fw.exact.numpy()
+    raw = x[:, :, fw.exact].contiguous().view(torch.uint8).numpy()
+    sections = [batch.stream(i) for i in range(len(batch))]
+    sections += [escapes, np.packbits(exact, bitorder="little"), raw]
+    S = sections_per_layer(model)
+    sections += [b""] * (nl * S - len(sections))
+    info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id)
+    return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), int(esc.sum())))
+
+
+def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tensor:
+    """Decode a record of :func:`encode` (host bytes-like or uint8 array) with ``model``.
+
+    Returns:
+        The chunk, ``[L, 2, T, H, D]`` of the record's dtype, CPU: exact tokens bit for bit, the
+        others within the level's step.
+
+    Raises:
+        CodecRecordError: not a record, corrupted (checksum, rANS, counts), a level that is not a PCA
+            level of ``model``, a record of other model data (its ``table_id`` names them), or a
+            geometry other than the model's.
+    """
+    try:
+        rec = fmt.unpack(record)
+    except ValueError as e:
+        raise CodecRecordError(str(e)) from None
+    info = rec.info
+    if info.level_id not in PCA_LEVELS_BY_ID:
+        raise CodecRecordError(f"codec record of level id {info.level_id}: not a PCA level")
+    lv = PCA_LEVELS_BY_ID[info.level_id]
+    if lv.name not in model.levels:
+        raise CodecRecordError(f"codec record of level {lv.name}: PCA model {model.name!r} lacks it")
+    if info.table_id != model.model_id:
+        raise CodecRecordError(
+            f"codec record coded with PCA model {info.table_id:#010x}, this model is {model.model_id:#010x}"
+        )
+    nl, h, d, t = model.num_layers, model.num_heads, model.head_size, info.num_tokens
+    S = sections_per_layer(model)
+    if (info.num_layers, info.num_planes, info.num_heads, info.head_size, info.sections_per_layer) != (nl, 2, h, d, S):
+        raise CodecRecordError(
+            f"codec record geometry L={info.num_layers} P={info.num_planes} H={info.num_heads} D={info.head_size} "
+            f"S={info.sections_per_layer}, the PCA model's is L={nl} P=2 H={h} D={d} S={S}"
+        )
+    if rec.meta.nbytes != _META.size:
+        raise CodecRecordError(f"codec record metadata of {rec.meta.nbytes} bytes, a PCA record has {_META.size}")
+    start, n_exact, n_esc = _META.unpack(rec.meta)
+    dtype = _DTYPES[info.dtype]
+    r2, n = 2 * model.rows, model.vector_size
+    secs = [rec.section(i // S, i % S) for i in range(nl * S)]
+    raw_bytes = n_exact * nl * 2 * h * d * dtype.itemsize
+    if (
+        start < 0
+        or secs[r2 + 1].nbytes != -(-t // 8)
+        or secs[r2].nbytes != 2 * n_esc
+        or secs[r2 + 2].nbytes != raw_bytes
+        or any(s.nbytes for s in secs[r2 + 3 :])
+    ):
+        raise CodecRecordError("corrupted PCA codec record: section sizes do not match its metadata")
+    exact = np.unpackbits(np.frombuffer(secs[r2 + 1], np.uint8), count=t, bitorder="little").astype(bool)
+    if int(exact.sum()) != n_exact:
+        raise CodecRecordError(f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced")
+    data = model.levels[lv.name]
+    try:
+        sym = rans.decode(secs[:r2], data.tables, lengths=[n * _t32(t)] * r2, num_threads=num_threads)
+    except ValueError as e:
+        raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
+    sym = torch.from_numpy(np.stack(sym)).reshape(model.rows, 2, n, _t32(t))[..., :t].to(torch.int64)
+    esc = sym == ESCAPE
+    if int(esc.sum()) != n_esc:
+        raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")
+    q = sym - OFFSET
+    q[esc] = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64))
+    out = tf.inverse(model, q.transpose(2, 3).double(), torch.from_numpy(data.f), start, dtype)
+    if n_exact:
+        raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
+        out[:, :, torch.from_numpy(exact)] = raw
+    return out

@@ -1,0 +1,196 @@
+"""Calibration of a :class:`~.model.PCAModel` from KV of known positions (and, optionally, the model
+metric of :mod:`lmtier.codec.pca.hf`).
+
+The scheme is transform coding (Goyal, "Theoretical foundations of transform coding", IEEE SPM 2001)
+as KVTC applies it to KV caches (Staniszewski & Lancucki, "KV Cache Transform Coding for Compact
+Storage in LLM Inference", ICLR 2026), with a basis per group of adjacent layers, one uniform step per
+(layer group, K/V) and the loudest tokens kept exact (benchmarks/codec_pca.py, RESULTS §4.1f-h).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from lmtier.codec import rans
+
+from . import transform as tf
+from .levels import PCA_LEVELS, PCALevel
+from .model import PCALevelData, PCAModel
+
+__all__ = ["fit"]
+
+
+def _int_columns(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int16 ``a_int`` ``[..., M, N]``, float64 scale ``[..., N]``) with ``a ~ a_int * scale`` per column."""
+    scale = a.abs().amax(-2).clamp_min(1e-300) / tf.XMAX
+    return torch.round(a / scale[..., None, :]).to(torch.int16), scale
+
+
+def _block_diag(m: torch.Tensor, g: int) -> torch.Tensor:
+    """``[L, 2, n, n]`` -> ``[L / g, 2, g n, g n]``: the ``g`` layers of a group on the diagonal."""
+    nl, _, n, _ = m.shape
+    out = torch.zeros(nl // g, 2, g * n, g * n, dtype=torch.float64)
+    for j in range(g):
+        out[:, :, j * n : (j + 1) * n, j * n : (j + 1) * n] = m[j::g]
+    return out
+
+
+def _sqrt_metric(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w, v = torch.linalg.eigh(metric.double())
+    w = w.clamp_min(w.amax(-1, keepdim=True) * 1e-8)
+    vt = v.transpose(-1, -2)
+    return v @ torch.diag_embed(w.sqrt()) @ vt, v @ torch.diag_embed(w.rsqrt()) @ vt
+
+
+def fit(
+    kvs: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    *,
+    inv_freq: np.ndarray | None,
+    layer_group: int,
+    metric: torch.Tensor | None = None,
+    levels: Iterable[PCALevel] = tuple(PCA_LEVELS.values()),
+    outlier_share: float = 0.002,
+    exact_first: int = 1,
+    x_headroom: float = 2.0,
+    name: str = "",
+    info: dict | None = None,
+) -> PCAModel:
+    """Fit the PCA model data on calibration KV.
+
+    Args:
+        kvs: canonical KV ``[L, 2, T_i, H, D]`` (bf16/fp16, CPU; finite), post-RoPE as the model
+            caches it; a few thousand tokens of varied text in all (the covariance of ``N = G*H*D``
+            values per vector needs several times ``N`` tokens).
+        starts: the position of each tensor's first token.
+        inv_freq: float64 ``[D/2]`` rotary inverse frequencies (None: keys coded with RoPE kept).
+        layer_group: ``G``, adjacent layers per basis (divides ``L``).
+        metric: float64 ``[L, 2, H*D, H*D]`` (:func:`lmtier.codec.pca.hf.collect`): squared errors
+            are weighed by it (None: plain squared error).
+        levels: the levels to fit (their ``c``).
+        outlier_share: share of the calibration tokens (positions >= ``exact_first``) whose energy
+            score is above the threshold, i.e. kept exact; in [0, 1).
+        exact_first: positions below it are always exact.
+        x_headroom: the 16-bit fixed point of the raw vectors covers ``x_headroom`` times the
+            calibration's largest magnitude per (layer group, K/V); tokens beyond it are exact.
+        name, info: stored in the model (free text; JSON-able facts).
+
+    Returns:
+        The :class:`PCAModel` (its rANS tables count the calibration's symbols of non-exact tokens).
+
+    Raises:
+        ValueError: inconsistent shapes, ``G`` not dividing ``L``, an odd head size with RoPE,
+            ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV.
+    """
+    if not kvs or len(kvs) != len(starts):
+        raise ValueError(f"need one start per KV tensor and at least one tensor, got {len(kvs)} / {len(starts)}")
+    nl, _, _, h, d = kvs[0].shape
+    if any(kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (nl, 2, h, d) for kv in kvs):
+        raise ValueError("calibration KV tensors must all be canonical [L, 2, T, H, D] of one geometry")
+    if layer_group < 1 or nl % layer_group:
+        raise ValueError(f"layer_group {layer_group} must divide the {nl} layers")
+    if not 0 <= outlier_share < 1:
+        raise ValueError(f"outlier_share must be in [0, 1), got {outlier_share}")
+    if x_headroom < 1:
+        raise ValueError(f"x_headroom must be >= 1, got {x_headroom}")
+    if sum(kv.shape[2] for kv in kvs) < 2:
+        raise ValueError("calibration needs at least 2 tokens")
+    if not all(bool(torch.isfinite(kv).all()) for kv in kvs):
+        raise ValueError("calibration KV holds NaN or inf")
+    g, hd = layer_group, h * d
+    r, n = nl // g, g * hd
+    if metric is not None and tuple(metric.shape) != (nl, 2, hd, hd):
+        raise ValueError(f"metric must be [L={nl}, 2, {hd}, {hd}], got {tuple(metric.shape)}")
+    inv_freq = None if inv_freq is None else np.ascontiguousarray(inv_freq, np.float64)
+    if inv_freq is not None and (d % 2 or inv_freq.shape != (d // 2,)):
+        raise ValueError(f"inv_freq must be float64 [{d // 2}] and the head size even, got {inv_freq.shape}, D={d}")
+    eye = torch.eye(n, dtype=torch.float64).expand(r, 2, n, n)
+    s, s_inv = (eye, eye) if metric is None else (_block_diag(m, g) for m in _sqrt_metric(metric))
+    # a model with identity transforms: raw_vectors only needs the geometry and inv_freq
+    shell = _shell(nl, h, d, g, inv_freq, exact_first)
+    xs = [tf.raw_vectors(shell, kv, int(st)) for kv, st in zip(kvs, starts)]
+    count = sum(x.shape[2] for x in xs)
+    mu_raw = sum(x.sum(2) for x in xs) / count  # [R, 2, N]
+    peak = torch.stack([x.abs().amax((2, 3)) for x in xs]).amax(0)
+    cov = torch.zeros(r, 2, n, n, dtype=torch.float64)
+    for x in xs:
+        y = (x - mu_raw[:, :, None]) @ s
+        cov += y.transpose(2, 3) @ y
+    var, u = torch.linalg.eigh(cov / count)
+    var, u = var.flip(-1).clamp_min(0), u.flip(-1)
+    rms = var.mean(-1).sqrt()  # [R, 2]
+    e_int, se = _int_columns(s @ u)  # raw -> coefficients
+    d_int, sd = _int_columns(u.transpose(2, 3) @ s_inv)  # coefficients -> raw
+    sx = peak.clamp_min(1e-30) * x_headroom / tf.XMAX
+    mu_int = torch.round(mu_raw / sx[:, :, None]).to(torch.int32)
+    e_mu = torch.from_numpy(mu_int.numpy().astype(np.int64)[:, :, None, :] @ e_int.numpy().astype(np.int64))[:, :, 0]
+    base = PCAModel(
+        name=name,
+        num_layers=nl,
+        num_heads=h,
+        head_size=d,
+        layer_group=g,
+        inv_freq=inv_freq,
+        exact_first=exact_first,
+        inv_x_scale=(1.0 / sx).numpy(),
+        mu_int=mu_int.numpy(),
+        e_int=e_int.numpy(),
+        e_mu=e_mu.numpy(),
+        d_int=d_int.numpy(),
+        mu_raw=mu_raw.numpy(),
+        levels=shell.levels,
+        info={**(info or {}), "calibration_tokens": count, "outlier_share": outlier_share},
+    )
+    fitted = {lv.name: _fit_level(base, lv, rms, se, sx, sd, kvs, starts, outlier_share) for lv in levels}
+    return dataclasses.replace(base, levels=fitted)
+
+
+def _fit_level(base, lv, rms, se, sx, sd, kvs, starts, share) -> PCALevelData:
+    step = lv.c * rms  # [R, 2]
+    k = se * sx[:, :, None] / step[:, :, None]
+    f = sd * step[:, :, None]
+    fws = [tf.forward(base, kv, int(st), k, None) for kv, st in zip(kvs, starts)]
+    pos = [torch.arange(int(st), int(st) + kv.shape[2]) >= base.exact_first for kv, st in zip(kvs, starts)]
+    e = torch.cat([fw.energy[:, :, p] for fw, p in zip(fws, pos)], -1)  # [R, 2, T']
+    thr = torch.full((base.rows, 2), np.iinfo(np.int64).max, dtype=torch.int64)
+    if share > 0 and e.shape[-1]:
+        med = e.median(-1).values.clamp_min(1.0)
+        score = (e / med[:, :, None]).amax(1).amax(0)
+        cut = float(torch.quantile(score, 1 - share))
+        thr = torch.floor(cut * med).to(torch.int64)
+    counts = torch.zeros(base.rows * 2 * base.vector_size, 256, dtype=torch.int64)
+    for fw in fws:
+        keep = ~(fw.exact | (fw.energy > thr[:, :, None]).any(0).any(0))
+        q = fw.q[:, :, keep].to(torch.int64).transpose(2, 3).reshape(counts.shape[0], -1)
+        sym = torch.where(q.abs() > 127, 255, q + 127)
+        counts.scatter_add_(1, sym, torch.ones_like(sym))
+    tables = np.stack([rans.build_table(c.numpy(), alphabet_size=256) for c in counts])
+    return PCALevelData(lv.c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables)
+
+
+def _shell(nl, h, d, g, inv_freq, exact_first) -> PCAModel:
+    """A model of the right geometry with zero transforms and one placeholder level (for
+    :func:`transform.raw_vectors`, which reads only the geometry and ``inv_freq``)."""
+    r, n = nl // g, g * h * d
+    zf = np.zeros((r, 2, n))
+    lvl = PCALevelData(0.0, np.ones((r, 2)), zf, zf, np.zeros((r, 2), np.int64), np.full((r * 2 * n, 256), 16, np.uint16))
+    return PCAModel(
+        name="",
+        num_layers=nl,
+        num_heads=h,
+        head_size=d,
+        layer_group=g,
+        inv_freq=inv_freq,
+        exact_first=exact_first,
+        inv_x_scale=np.ones((r, 2)),
+        mu_int=np.zeros((r, 2, n), np.int32),
+        e_int=np.zeros((r, 2, n, n), np.int16),
+        e_mu=np.zeros((r, 2, n), np.int64),
+        d_int=np.zeros((r, 2, n, n), np.int16),
+        mu_raw=zf,
+        levels={"": lvl},
+    )

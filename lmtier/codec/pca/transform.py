@@ -1,0 +1,111 @@
+"""The PCA levels' arithmetic, shared by the encoder, the decoder and the calibration.
+
+Every step is exact integer arithmetic or one correctly rounded float64 operation in a fixed order,
+so a CUDA twin can produce the same bits: the integer GEMMs are computed in float64 here, exact
+because every partial sum is an integer below 2**53 (``|x_int|, |e_int|, |q|, |d_int| <= 32767`` and
+``N <= 8192``), whatever the summation order.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from . import rope
+from .model import PCAModel
+
+__all__ = ["XMAX", "raw_vectors", "to_kv", "Forward", "forward", "inverse"]
+
+XMAX = 32767
+"""Largest fixed-point magnitude of the raw vectors and of a coded coefficient (16 bits)."""
+ENERGY_SCALE = 8.0
+"""A token's energy is measured on a grid ``ENERGY_SCALE`` times finer than the quantizer's step (the
+quantized coefficients alone would miss the many components below the step)."""
+EMAX = 1 << 20
+"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 < 2**53`` for ``N <= 8192``)."""
+
+
+def raw_vectors(m: PCAModel, kv: torch.Tensor, start: int) -> torch.Tensor:
+    """Canonical KV ``[L, 2, T, H, D]`` (bf16/fp16, CPU) at positions ``start ..`` -> float64
+    ``[R, 2, T, N]``: keys RoPE-undone, ``G`` adjacent layers' heads of a token in one vector."""
+    x = kv.double()
+    nl, _, t, h, d = x.shape
+    if m.inv_freq is not None:
+        cos, sin = rope.cos_sin(m.inv_freq, start, t)
+        x = torch.stack([rope.apply(x[:, 0], cos, sin, inverse=True), x[:, 1]], 1)
+    g = m.layer_group
+    return x.reshape(nl // g, g, 2, t, h * d).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * h * d)
+
+
+def to_kv(m: PCAModel, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`raw_vectors`: float64 ``[R, 2, T, N]`` -> ``dtype`` ``[L, 2, T, H, D]``
+    (RoPE redone; the cast goes through float32: float64 -> float32 -> ``dtype``, each round to
+    nearest even)."""
+    r, _, t, _ = x.shape
+    g, h, d = m.layer_group, m.num_heads, m.head_size
+    x = x.reshape(r, 2, t, g, h * d).permute(0, 3, 1, 2, 4).reshape(r * g, 2, t, h, d)
+    if m.inv_freq is not None:
+        cos, sin = rope.cos_sin(m.inv_freq, start, t)
+        x = torch.stack([rope.apply(x[:, 0], cos, sin), x[:, 1]], 1)
+    return x.float().to(dtype)
+
+
+@lru_cache(maxsize=4)
+def _mats(m: PCAModel) -> tuple[torch.Tensor, ...]:
+    """float64 torch copies of the model's matrices (cached per model object)."""
+    f = lambda a: torch.from_numpy(a).double()  # noqa: E731
+    return f(m.inv_x_scale), f(m.e_int), f(m.e_mu), f(m.d_int), f(m.mu_raw)
+
+
+class Forward:
+    """:func:`forward`'s result. ``q``: float64 ``[R, 2, T, N]`` integer-valued coefficients (0 on
+    exact tokens); ``exact``: bool ``[T]``; ``energy``: float64 ``[R, 2, T]``, ``sum q**2`` of each
+    token on a grid :data:`ENERGY_SCALE` times finer than the step (``round(acc * k * ENERGY_SCALE)``,
+    clipped to :data:`EMAX`), before the exact ones were zeroed."""
+
+    def __init__(self, q: torch.Tensor, exact: torch.Tensor, energy: torch.Tensor) -> None:
+        self.q, self.exact, self.energy = q, exact, energy
+
+
+def forward(
+    m: PCAModel, kv: torch.Tensor, start: int, k: torch.Tensor, energy_threshold: torch.Tensor | None
+) -> Forward:
+    """Quantized coefficients of a chunk and its exact tokens.
+
+    Args:
+        m: the model data; kv: canonical ``[L, 2, T, H, D]`` bf16/fp16 (finite), CPU; start: the
+            position of its first token.
+        k: float64 ``[R, 2, N]`` (:attr:`PCALevelData.k`); energy_threshold: float64 ``[R, 2]`` or
+            None (no token is exact for its energy).
+
+    A token is exact when its position is below ``m.exact_first``, a raw value needs more than 16
+    bits of fixed point, a coefficient exceeds :data:`XMAX`, or its energy exceeds the threshold of
+    some (layer group, K/V).
+    """
+    inv_sx, e_int, e_mu, _, _ = _mats(m)
+    t = kv.shape[2]
+    xi = torch.round(raw_vectors(m, kv, start) * inv_sx[:, :, None, None])
+    clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
+    acc = xi.clamp_(-XMAX, XMAX) @ e_int - e_mu[:, :, None]
+    y = acc * k[:, :, None, :]
+    q = torch.round(y)
+    qc = q.clamp(-XMAX, XMAX)
+    big = (qc != q).any(-1).any(0).any(0)
+    fine = torch.round(y * ENERGY_SCALE).clamp_(-EMAX, EMAX)
+    energy = (fine * fine).sum(-1)
+    exact = clamped | big | (torch.arange(start, start + t) < m.exact_first)
+    if energy_threshold is not None:
+        exact |= (energy > energy_threshold[:, :, None]).any(0).any(0)
+    q = qc
+    q[:, :, exact] = 0
+    return Forward(q, exact, energy)
+
+
+def inverse(m: PCAModel, q: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
+    """Decoded ``dtype`` ``[L, 2, T, H, D]`` of coefficients ``q`` (float64 ``[R, 2, T, N]``) with
+    ``f`` (float64 ``[R, 2, N]``, :attr:`PCALevelData.f`): ``(q @ d_int) * f + mu_raw``, then
+    :func:`to_kv`. Exact tokens come out as the mean; the caller overwrites them."""
+    _, _, _, d_int, mu_raw = _mats(m)
+    x = (q @ d_int) * f[:, :, None, :] + mu_raw[:, :, None, :]
+    return to_kv(m, x, start, dtype)
