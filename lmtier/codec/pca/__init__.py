@@ -11,4 +11,15 @@ from .fit import fit
 from .levels import PCA_LEVELS, PCALevel, get_pca_level
 from .model import PCAModel, PCAModelError, load, save
 
-__all__ = ["PCA_LEVELS", "PCALevel", "PCAModel", "PCAModelError", "decode", "encode", "fit", "get_pca_level", "load", "save"]
+__all__ = [
+    "PCA_LEVELS",
+    "PCALevel",
+    "PCAModel",
+    "PCAModelError",
+    "decode",
+    "encode",
+    "fit",
+    "get_pca_level",
+    "load",
+    "save",
+]

@@ -54,7 +54,9 @@ def _level(m: PCAModel, level: str | int | PCALevel) -> tuple[PCALevel, Any]:
     return lv, m.levels[lv.name]
 
 
-def encode(chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int | PCALevel, num_threads: int = 0) -> bytes:
+def encode(
+    chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int | PCALevel, num_threads: int = 0
+) -> bytes:
     """Encode one chunk.
 
     Args:
@@ -105,7 +107,9 @@ def encode(chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int
     sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
     sections += [b""] * (nl * S - len(sections))
-    info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id)
+    info = fmt.RecordInfo(
+        lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id
+    )
     return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), int(esc.sum())))
 
 
@@ -159,7 +163,9 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
         raise CodecRecordError("corrupted PCA codec record: section sizes do not match its metadata")
     exact = np.unpackbits(np.frombuffer(secs[r2 + 1], np.uint8), count=t, bitorder="little").astype(bool)
     if int(exact.sum()) != n_exact:
-        raise CodecRecordError(f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced")
+        raise CodecRecordError(
+            f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
+        )
     data = model.levels[lv.name]
     try:
         sym = rans.decode(secs[:r2], data.tables, lengths=[n * _t32(t)] * r2, num_threads=num_threads)

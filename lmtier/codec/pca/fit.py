@@ -10,6 +10,7 @@ Storage in LLM Inference", ICLR 2026), with a basis per group of adjacent layers
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -71,7 +72,9 @@ def fit(
         layer_group: ``G``, adjacent layers per basis (divides ``L``).
         metric: float64 ``[L, 2, H*D, H*D]`` (:func:`lmtier.codec.pca.hf.collect`): squared errors
             are weighed by it (None: plain squared error).
-        levels: the levels to fit (their ``c``).
+        levels: the levels to fit: each gets the relative step ``c`` at which the calibration KV codes
+            at its ``calibration_ratio`` (ideal bits of the level's own tables, escapes and exact
+            tokens at 16 bits per value; record framing not counted).
         outlier_share: share of the calibration tokens (positions >= ``exact_first``) whose energy
             score is above the threshold, i.e. kept exact; in [0, 1).
         exact_first: positions below it are always exact.
@@ -85,6 +88,7 @@ def fit(
     Raises:
         ValueError: inconsistent shapes, ``G`` not dividing ``L``, an odd head size with RoPE,
             ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV.
+        RuntimeError: no step reaches a level's calibration ratio within 0.5 % in 12 secant steps.
     """
     if not kvs or len(kvs) != len(starts):
         raise ValueError(f"need one start per KV tensor and at least one tensor, got {len(kvs)} / {len(starts)}")
@@ -120,6 +124,7 @@ def fit(
     for x in xs:
         y = (x - mu_raw[:, :, None]) @ s
         cov += y.transpose(2, 3) @ y
+    del xs, y
     var, u = torch.linalg.eigh(cov / count)
     var, u = var.flip(-1).clamp_min(0), u.flip(-1)
     rms = var.mean(-1).sqrt()  # [R, 2]
@@ -145,16 +150,50 @@ def fit(
         levels=shell.levels,
         info={**(info or {}), "calibration_tokens": count, "outlier_share": outlier_share},
     )
-    fitted = {lv.name: _fit_level(base, lv, rms, se, sx, sd, kvs, starts, outlier_share) for lv in levels}
+    accs = [(*tf.transform(base, kv, int(st)), int(st)) for kv, st in zip(kvs, starts)]
+    fitted = {lv.name: _fit_level(base, lv, rms, se, sx, sd, accs, outlier_share) for lv in levels}
     return dataclasses.replace(base, levels=fitted)
 
 
-def _fit_level(base, lv, rms, se, sx, sd, kvs, starts, share) -> PCALevelData:
-    step = lv.c * rms  # [R, 2]
+def _fit_level(base: PCAModel, lv: PCALevel, rms, se, sx, sd, accs, share: float) -> PCALevelData:
+    """The level's data at the ``c`` whose ideal coded size of the calibration KV is
+    ``lv.calibration_ratio`` within 0.5 %: secant steps on (log2 c, bits per value), which is near
+    linear (each active component's rate falls by one bit per doubling of the step)."""
+    values = sum(acc.shape[2] for acc, _, _ in accs) * base.num_layers * 2 * base.num_heads * base.head_size
+    target = 16.0 / lv.calibration_ratio
+
+    def at(c: float) -> tuple[float, PCALevelData]:
+        data = _level_data(base, c, rms, se, sx, sd, accs, share)
+        return data.info_bits / values, data.level
+
+    x0 = math.log2(0.25)
+    b0, best = at(2.0**x0)
+    x1 = x0 + (b0 - target) / 2.0  # first guess: a slope of -2 bits per doubling
+    for _ in range(12):
+        b1, data = at(2.0**x1)
+        if abs(b1 / target - 1) < 0.005:
+            return data
+        slope = (b1 - b0) / (x1 - x0) if x1 != x0 and b1 != b0 else -0.5
+        x0, b0, x1 = x1, b1, x1 + (target - b1) / min(slope, -0.05)
+    raise RuntimeError(
+        f"PCA level {lv.name}: no step codes the calibration KV at {lv.calibration_ratio}x within 0.5 % "
+        f"(last: {16.0 / b0:.3f}x)"
+    )
+
+
+class _Fitted:
+    def __init__(self, level: PCALevelData, info_bits: float) -> None:
+        self.level, self.info_bits = level, info_bits
+
+
+def _level_data(base: PCAModel, c: float, rms, se, sx, sd, accs, share: float) -> _Fitted:
+    """The level's data at relative step ``c`` and the ideal bits of the calibration KV under it
+    (static tables of its own counts, escapes and exact tokens at 16 bits per value)."""
+    step = c * rms  # [R, 2]
     k = se * sx[:, :, None] / step[:, :, None]
     f = sd * step[:, :, None]
-    fws = [tf.forward(base, kv, int(st), k, None) for kv, st in zip(kvs, starts)]
-    pos = [torch.arange(int(st), int(st) + kv.shape[2]) >= base.exact_first for kv, st in zip(kvs, starts)]
+    fws = [tf.quantize(base, acc, cl, st, k, None) for acc, cl, st in accs]
+    pos = [torch.arange(st, st + acc.shape[2]) >= base.exact_first for acc, _, st in accs]
     e = torch.cat([fw.energy[:, :, p] for fw, p in zip(fws, pos)], -1)  # [R, 2, T']
     thr = torch.full((base.rows, 2), np.iinfo(np.int64).max, dtype=torch.int64)
     if share > 0 and e.shape[-1]:
@@ -163,13 +202,19 @@ def _fit_level(base, lv, rms, se, sx, sd, kvs, starts, share) -> PCALevelData:
         cut = float(torch.quantile(score, 1 - share))
         thr = torch.floor(cut * med).to(torch.int64)
     counts = torch.zeros(base.rows * 2 * base.vector_size, 256, dtype=torch.int64)
+    exact_values = escapes = 0
+    per_token = base.num_layers * 2 * base.num_heads * base.head_size
     for fw in fws:
-        keep = ~(fw.exact | (fw.energy > thr[:, :, None]).any(0).any(0))
-        q = fw.q[:, :, keep].to(torch.int64).transpose(2, 3).reshape(counts.shape[0], -1)
-        sym = torch.where(q.abs() > 127, 255, q + 127)
+        exact = fw.exact | (fw.energy > thr[:, :, None]).any(0).any(0)
+        exact_values += int(exact.sum()) * per_token
+        q = fw.q[:, :, ~exact].to(torch.int64).transpose(2, 3).reshape(counts.shape[0], -1)
+        big = q.abs() > 127
+        escapes += int(big.sum())
+        sym = torch.where(big, 255, q + 127)
         counts.scatter_add_(1, sym, torch.ones_like(sym))
-    tables = np.stack([rans.build_table(c.numpy(), alphabet_size=256) for c in counts])
-    return PCALevelData(lv.c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables)
+    tables = np.stack([rans.build_table(row, alphabet_size=256) for row in counts.numpy()])
+    bits = float((counts.double() * -torch.from_numpy(tables / 4096.0).log2()).sum()) + 16.0 * (exact_values + escapes)
+    return _Fitted(PCALevelData(c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables), bits)
 
 
 def _shell(nl, h, d, g, inv_freq, exact_first) -> PCAModel:
@@ -177,7 +222,9 @@ def _shell(nl, h, d, g, inv_freq, exact_first) -> PCAModel:
     :func:`transform.raw_vectors`, which reads only the geometry and ``inv_freq``)."""
     r, n = nl // g, g * h * d
     zf = np.zeros((r, 2, n))
-    lvl = PCALevelData(0.0, np.ones((r, 2)), zf, zf, np.zeros((r, 2), np.int64), np.full((r * 2 * n, 256), 16, np.uint16))
+    lvl = PCALevelData(
+        0.0, np.ones((r, 2)), zf, zf, np.zeros((r, 2), np.int64), np.full((r * 2 * n, 256), 16, np.uint16)
+    )
     return PCAModel(
         name="",
         num_layers=nl,

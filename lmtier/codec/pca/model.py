@@ -155,7 +155,7 @@ class PCAModel:
     @cached_property
     def model_id(self) -> int:
         """32-bit id of the data (see the module doc); computed from :func:`to_bytes`'s checksum."""
-        return _id(hashlib.sha256(to_bytes(self)[: -32]).digest())
+        return _id(hashlib.sha256(to_bytes(self)[:-32]).digest())
 
 
 def _check(what: str, a, shape: tuple, dtype) -> None:

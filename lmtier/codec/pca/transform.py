@@ -15,7 +15,18 @@ import torch
 from . import rope
 from .model import PCAModel
 
-__all__ = ["XMAX", "raw_vectors", "to_kv", "Forward", "forward", "inverse"]
+__all__ = [
+    "XMAX",
+    "ENERGY_SCALE",
+    "EMAX",
+    "raw_vectors",
+    "to_kv",
+    "Forward",
+    "transform",
+    "quantize",
+    "forward",
+    "inverse",
+]
 
 XMAX = 32767
 """Largest fixed-point magnitude of the raw vectors and of a coded coefficient (16 bits)."""
@@ -59,7 +70,7 @@ def _mats(m: PCAModel) -> tuple[torch.Tensor, ...]:
 
 
 class Forward:
-    """:func:`forward`'s result. ``q``: float64 ``[R, 2, T, N]`` integer-valued coefficients (0 on
+    """:func:`quantize`'s result. ``q``: float64 ``[R, 2, T, N]`` integer-valued coefficients (0 on
     exact tokens); ``exact``: bool ``[T]``; ``energy``: float64 ``[R, 2, T]``, ``sum q**2`` of each
     token on a grid :data:`ENERGY_SCALE` times finer than the step (``round(acc * k * ENERGY_SCALE)``,
     clipped to :data:`EMAX`), before the exact ones were zeroed."""
@@ -68,14 +79,28 @@ class Forward:
         self.q, self.exact, self.energy = q, exact, energy
 
 
-def forward(
-    m: PCAModel, kv: torch.Tensor, start: int, k: torch.Tensor, energy_threshold: torch.Tensor | None
+def transform(m: PCAModel, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer transform of a chunk: (``acc`` float64 ``[R, 2, T, N]``, integer-valued:
+    ``clamp(round_half_even(x * inv_x_scale)) @ e_int - e_mu``; ``clamped`` bool ``[T]``: tokens with
+    a raw value beyond the 16-bit fixed point). ``kv``: canonical ``[L, 2, T, H, D]`` bf16/fp16
+    (finite), CPU, its first token at position ``start``."""
+    inv_sx, e_int, e_mu, _, _ = _mats(m)
+    xi = torch.round(raw_vectors(m, kv, start) * inv_sx[:, :, None, None])
+    clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
+    return xi.clamp_(-XMAX, XMAX) @ e_int - e_mu[:, :, None], clamped
+
+
+def quantize(
+    m: PCAModel,
+    acc: torch.Tensor,
+    clamped: torch.Tensor,
+    start: int,
+    k: torch.Tensor,
+    energy_threshold: torch.Tensor | None,
 ) -> Forward:
-    """Quantized coefficients of a chunk and its exact tokens.
+    """Quantized coefficients and exact tokens of :func:`transform`'s output.
 
     Args:
-        m: the model data; kv: canonical ``[L, 2, T, H, D]`` bf16/fp16 (finite), CPU; start: the
-            position of its first token.
         k: float64 ``[R, 2, N]`` (:attr:`PCALevelData.k`); energy_threshold: float64 ``[R, 2]`` or
             None (no token is exact for its energy).
 
@@ -83,11 +108,7 @@ def forward(
     bits of fixed point, a coefficient exceeds :data:`XMAX`, or its energy exceeds the threshold of
     some (layer group, K/V).
     """
-    inv_sx, e_int, e_mu, _, _ = _mats(m)
-    t = kv.shape[2]
-    xi = torch.round(raw_vectors(m, kv, start) * inv_sx[:, :, None, None])
-    clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
-    acc = xi.clamp_(-XMAX, XMAX) @ e_int - e_mu[:, :, None]
+    t = acc.shape[2]
     y = acc * k[:, :, None, :]
     q = torch.round(y)
     qc = q.clamp(-XMAX, XMAX)
@@ -97,9 +118,15 @@ def forward(
     exact = clamped | big | (torch.arange(start, start + t) < m.exact_first)
     if energy_threshold is not None:
         exact |= (energy > energy_threshold[:, :, None]).any(0).any(0)
-    q = qc
-    q[:, :, exact] = 0
-    return Forward(q, exact, energy)
+    qc[:, :, exact] = 0
+    return Forward(qc, exact, energy)
+
+
+def forward(
+    m: PCAModel, kv: torch.Tensor, start: int, k: torch.Tensor, energy_threshold: torch.Tensor | None
+) -> Forward:
+    """:func:`quantize` of :func:`transform`: the coefficients and exact tokens of a chunk."""
+    return quantize(m, *transform(m, kv, start), start, k, energy_threshold)
 
 
 def inverse(m: PCAModel, q: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
