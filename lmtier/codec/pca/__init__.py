@@ -3,7 +3,7 @@
 Data flow: :mod:`.hf` (calibration inputs from a checkpoint) -> :mod:`.fit` (a :class:`PCAModel`:
 basis, integer transforms, steps, outlier thresholds, rANS tables) -> :mod:`.model` (its versioned,
 checksummed file) -> :mod:`.codec` (chunk <-> record, through :mod:`.transform`'s arithmetic and
-:mod:`.rope`). Levels: :mod:`.levels`.
+:mod:`.rope`). Levels: :mod:`.levels`. Command: ``python -m lmtier.codec.pca`` (:mod:`.calibrate`).
 """
 
 from .codec import decode, encode

@@ -1,0 +1,142 @@
+"""``python -m lmtier.codec.pca``: calibrate a PCA model file for a local Hugging Face checkpoint.
+
+``python -m lmtier.codec.pca --model DIR --text-file F [--text-file F2 ...] --out FILE
+[--layer-group G] [--max-tokens 4096] [--outlier-share 0.002] [--no-metric]``
+
+Each text file (UTF-8) is one calibration text, cut to its first ``--max-tokens`` tokens;
+:func:`.hf.collect` runs the model on them (CPU), :func:`.fit.fit` fits every PCA level (positions
+from 0, the model metric unless ``--no-metric``) and :func:`.model.save` writes the model file.
+Printed: one line per level (its fitted relative step ``c`` and the calibration ratio it was fitted
+to), then the model id and the file's size. The covariance of ``N = G * H * D`` values per vector
+needs several times ``N`` tokens in all: a few thousand tokens of varied text. ``--layer-group``
+defaults to the divisor of the model's layers nearest 6, ties to the smaller
+(:func:`default_layer_group`); the layers are known once the model has run.
+
+Exit status: 0 written; 2 a usage error (checked before the model is loaded where the arguments
+alone tell; a ``--layer-group`` that does not divide the layers only after); 1 the calibration or
+the fit failed (one line ``lmtier.codec.pca: error: ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import hf
+from .fit import fit
+from .levels import PCA_LEVELS
+from .model import save
+
+__all__ = ["DEFAULT_LAYER_GROUP", "default_layer_group", "main"]
+
+PROG = "python -m lmtier.codec.pca"
+DEFAULT_LAYER_GROUP = 6
+"""The layer group the default aims at: on SmolLM2 (30 layers) larger groups kept helping up to about
+6 layers (``benchmarks/codec_pca.py``, RESULTS §4.1g)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [g for g in range(1, n + 1) if n % g == 0]
+
+
+def default_layer_group(num_layers: int) -> int:
+    """The divisor of ``num_layers`` nearest :data:`DEFAULT_LAYER_GROUP` (ties: the smaller one):
+    30 layers -> 6, 32 -> 4, 28 -> 7, 22 -> 2."""
+    return min(_divisors(num_layers), key=lambda g: (abs(g - DEFAULT_LAYER_GROUP), g))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    path = dict(required=True, type=Path)
+    ap.add_argument("--model", **path, metavar="DIR", help="checkpoint directory (transformers, local files)")
+    ap.add_argument("--text-file", **path, action="append", metavar="F", help="a UTF-8 calibration text (repeatable)")
+    ap.add_argument("--out", **path, metavar="FILE", help="the model file to write (replaced if it exists)")
+    g_help = f"adjacent layers per basis, a divisor of the layers (default: the one nearest {DEFAULT_LAYER_GROUP})"
+    ap.add_argument("--layer-group", type=int, metavar="G", help=g_help)
+    ap.add_argument("--max-tokens", type=int, default=4096, metavar="T", help="tokens of each text (%(default)s)")
+    s_help = "share of tokens kept exact, in [0, 1) (%(default)s)"
+    ap.add_argument("--outlier-share", type=float, default=0.002, metavar="S", help=s_help)
+    ap.add_argument("--no-metric", action="store_true", help="plain squared error instead of the model metric")
+    return ap
+
+
+def _read_texts(ap: argparse.ArgumentParser, files: list[Path]) -> list[str]:
+    texts = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            ap.error(f"--text-file {f}: not UTF-8 ({e.reason} at byte {e.start})")
+        except OSError as e:
+            ap.error(f"--text-file {f}: cannot read it ({e.strerror or e})")
+        if not text.strip():
+            ap.error(f"--text-file {f} is empty")
+        texts.append(text)
+    return texts
+
+
+def _fail(why: object) -> int:
+    print(f"lmtier.codec.pca: error: {why}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status (argparse
+    exits with 2 itself on a usage error)."""
+    ap = _parser()
+    a = ap.parse_args(argv)
+    out_dir = a.out.parent
+    if a.out.is_dir():
+        ap.error(f"--out {a.out} is a directory; name the model file to write")
+    if not out_dir.is_dir():
+        ap.error(f"--out {a.out}: directory {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        ap.error(f"--out {a.out}: directory {out_dir} is not writable")
+    if a.max_tokens < 2:
+        ap.error(f"--max-tokens must be >= 2, got {a.max_tokens}")
+    if not 0 <= a.outlier_share < 1:
+        ap.error(f"--outlier-share must be in [0, 1), got {a.outlier_share}")
+    if a.layer_group is not None and a.layer_group < 1:
+        ap.error(f"--layer-group must be >= 1, got {a.layer_group}")
+    texts = _read_texts(ap, a.text_file)
+    try:
+        cal = hf.collect(a.model, texts, max_tokens=a.max_tokens)
+    except hf.CalibrationError as e:
+        return _fail(e)
+    nl = cal.kv[0].shape[0]
+    g = default_layer_group(nl) if a.layer_group is None else a.layer_group
+    if nl % g:
+        ap.error(f"--layer-group {g} does not divide the model's {nl} layers; use one of {_divisors(nl)}")
+    metric = "none" if a.no_metric else "model"
+    try:
+        m = fit(
+            cal.kv,
+            [0] * len(cal.kv),
+            inv_freq=cal.inv_freq,
+            layer_group=g,
+            metric=None if a.no_metric else cal.metric,
+            outlier_share=a.outlier_share,
+            name=a.model.resolve().name,
+            info=dict(texts=[f.name for f in a.text_file], max_tokens=a.max_tokens, metric=metric),
+        )
+        model_id = save(m, a.out)
+    except (ValueError, RuntimeError) as e:  # fit's (PCAModelError is a ValueError too)
+        return _fail(e)
+    except OSError as e:
+        return _fail(f"cannot write {a.out}: {e.strerror or e}")
+    tokens = m.info["calibration_tokens"]
+    for name, lv in m.levels.items():
+        print(f"{name:<12s} c {lv.c:.6g}  calibration ratio {PCA_LEVELS[name].calibration_ratio:g}x")
+    print(
+        f"model id {model_id:#010x}: {a.out} ({a.out.stat().st_size} bytes; {m.name}, G={g}, N={m.vector_size}, "
+        f"{tokens} tokens of {len(texts)} texts, metric {metric})"
+    )
+    if tokens < 2 * m.vector_size:
+        print(
+            f"lmtier.codec.pca: warning: {tokens} calibration tokens for N={m.vector_size} values per vector: "
+            "the basis and steps fit these texts, not others (use a few thousand tokens)",
+            file=sys.stderr,
+        )
+    return 0

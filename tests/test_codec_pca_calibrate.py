@@ -1,0 +1,205 @@
+"""``python -m lmtier.codec.pca`` (`lmtier.codec.pca.calibrate`): on SmolLM2 it writes a model file that
+:func:`lmtier.codec.pca.load` reads, of the printed id and both levels, which codes the calibration KV
+(token 0 bit for bit, the rest close); every usage error exits 2 with one line, before the model is
+loaded where the arguments tell; a failed calibration or fit exits 1 with one line."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from lmtier.codec import pca
+from lmtier.codec.pca import calibrate as C
+from lmtier.codec.pca import hf as PH
+from lmtier.testing.vllm import MODEL_DIR
+
+needs_model = pytest.mark.skipif(
+    not (MODEL_DIR / "model.safetensors").exists(), reason=f"SmolLM2-135M not present in {MODEL_DIR}"
+)
+TEXTS = {  # 439 tokens in all: the fit then takes ~25 s on one loaded core
+    "tiers.txt": "KV caches are stored in tiers: GPU memory, host memory, local disk and remote stores. The eviction "
+    "policy decides which blocks leave the GPU first, and write-back copies them down. " * 4,
+    "fib.py": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "print([fib(i) for i in range(20)])\n" * 3,
+    "pangrams.txt": "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. Sphinx of "
+    "black quartz, judge my vow. Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. " * 2,
+}
+L, H, D = 30, 3, 64  # SmolLM2-135M: layers, KV heads, head size
+REL_BOUND = {"pca_high": 0.005, "pca_default": 0.03}  # measured 0.0009 / 0.0054 (in-sample: the basis fits it)
+
+
+def _write_texts(d) -> list[str]:
+    args = []
+    for name, text in TEXTS.items():
+        (d / name).write_text(text, encoding="utf-8")
+        args += ["--text-file", str(d / name)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(exit status, stdout, stderr, model file, the Calibration the command collected)."""
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip(f"SmolLM2-135M not present in {MODEL_DIR}")
+    d = tmp_path_factory.mktemp("pca_cal")
+    out, err, seen = io.StringIO(), io.StringIO(), []
+
+    def spy(*args, **kw):
+        seen.append(collect(*args, **kw))
+        return seen[-1]
+
+    collect = PH.collect
+    argv = ["--model", str(MODEL_DIR), *_write_texts(d), "--out", str(d / "smol.lmtpca")]
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setattr(PH, "collect", spy)
+        rc = C.main([*argv, "--max-tokens", "256", "--layer-group", "6"])
+    return rc, out.getvalue(), err.getvalue(), d / "smol.lmtpca", seen[0]
+
+
+@needs_model
+def test_writes_a_model_file_of_the_printed_id(run):
+    rc, out, err, path, cal = run
+    assert rc == 0, err
+    m = pca.load(path)
+    lines = out.splitlines()
+    assert len(lines) == 3
+    for line, name, ratio in zip(lines, ("pca_high", "pca_default"), ("5x", "8x")):
+        assert re.fullmatch(rf"{name} +c (\S+)  calibration ratio {ratio}", line)
+        assert float(line.split()[2]) == pytest.approx(m.levels[name].c, rel=1e-5)
+    hit = re.fullmatch(r"model id (0x[0-9a-f]{8}): (\S+) \((\d+) bytes; .*", lines[2])
+    assert hit and int(hit[1], 16) == m.model_id and hit[2] == str(path) and int(hit[3]) == path.stat().st_size
+    tokens = sum(kv.shape[2] for kv in cal.kv)
+    assert 300 < tokens < 2 * 6 * H * D and "warning: " in err  # few tokens for N = 1152: warned
+    assert sorted(m.levels) == ["pca_default", "pca_high"]
+    assert (m.name, m.num_layers, m.num_heads, m.head_size, m.layer_group) == (MODEL_DIR.name, L, H, D, 6)
+    assert np.array_equal(m.inv_freq, cal.inv_freq)
+    assert m.info == dict(
+        texts=list(TEXTS), max_tokens=256, metric="model", calibration_tokens=tokens, outlier_share=0.002
+    )
+
+
+@needs_model
+def test_the_file_codes_the_calibration_kv(run):
+    rc, _, _, path, cal = run
+    assert rc == 0
+    m = pca.load(path)
+    chunk = cal.kv[0][:, :, :128].contiguous()
+    x, err = chunk.float(), {}
+    for level in ("pca_high", "pca_default"):
+        dec = pca.decode(pca.encode(chunk, start=0, model=m, level=level), model=m)
+        assert dec.dtype == torch.bfloat16 and dec.shape == chunk.shape
+        assert torch.equal(dec[:, :, 0].view(torch.int16), chunk[:, :, 0].view(torch.int16))  # exact_first
+        err[level] = float((dec[:, :, 1:].float() - x[:, :, 1:]).norm() / x[:, :, 1:].norm())
+        assert err[level] < REL_BOUND[level], err
+    assert err["pca_high"] < err["pca_default"]
+
+
+def _no_model(*args, **kw):
+    raise AssertionError("the model was loaded before a usage error the arguments tell")
+
+
+USAGE = {  # name: (argv change, message)
+    "missing-text": (dict(text="no.txt"), r"--text-file \S+no\.txt: cannot read it \(No such file or directory\)"),
+    "text-is-dir": (dict(text="."), r"--text-file \S+: cannot read it \(Is a directory\)"),
+    "empty-text": (dict(text="empty.txt"), r"--text-file \S+empty\.txt is empty"),
+    "not-utf8": (dict(text="latin1.txt"), r"--text-file \S+latin1\.txt: not UTF-8 \(invalid start byte at byte 3\)"),
+    "out-dir-missing": (dict(out="nowhere/m.lmtpca"), r"--out \S+m\.lmtpca: directory \S+nowhere does not exist"),
+    "out-is-dir": (dict(out="."), r"--out \S+ is a directory; name the model file to write"),
+    "max-tokens": (dict(extra=["--max-tokens", "1"]), r"--max-tokens must be >= 2, got 1"),
+    "share-1": (dict(extra=["--outlier-share", "1"]), r"--outlier-share must be in \[0, 1\), got 1\.0"),
+    "share-neg": (dict(extra=["--outlier-share", "-0.1"]), r"--outlier-share must be in \[0, 1\), got -0\.1"),
+    "group-0": (dict(extra=["--layer-group", "0"]), r"--layer-group must be >= 1, got 0"),
+    "group-not-int": (dict(extra=["--layer-group", "six"]), r"argument --layer-group: invalid int value: 'six'"),
+    "no-out": (dict(out=None), r"the following arguments are required: --out"),
+}  # fmt: skip
+
+
+def _argv(d, text="a.txt", out="m.lmtpca", extra=()) -> list[str]:
+    (d / "a.txt").write_text("Calibration text.", encoding="utf-8")
+    (d / "empty.txt").write_text(" \n", encoding="utf-8")
+    (d / "latin1.txt").write_bytes(b"abc\xff")
+    argv = ["--model", str(MODEL_DIR), "--text-file", str(d / "a.txt"), "--text-file", str(d / text), "--no-metric"]
+    return argv + (["--out", str(d / out)] if out else []) + list(extra)
+
+
+def _usage_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        C.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("usage: python -m lmtier.codec.pca ") and sum("error" in line for line in err) == 1
+    return err[-1]
+
+
+@pytest.mark.parametrize("name", list(USAGE))
+def test_usage_errors_exit_2_before_loading(name, tmp_path, capsys, monkeypatch):
+    change, message = USAGE[name]
+    monkeypatch.setattr(PH, "collect", _no_model)
+    line = _usage_error(capsys, _argv(tmp_path, **change))
+    assert re.fullmatch(rf"python -m lmtier\.codec\.pca: error: {message}", line), line
+    assert not (tmp_path / "m.lmtpca").exists()
+
+
+def _fake(kv: torch.Tensor):
+    """A Calibration of SmolLM2's geometry holding ``kv`` (no model run)."""
+    metric = torch.zeros(L, 2, H * D, H * D, dtype=torch.float64)
+    return lambda *a, **kw: PH.Calibration([kv], np.ones(D // 2), metric, "fake")
+
+
+def test_layer_group_must_divide_the_layers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(PH, "collect", _fake(torch.zeros(L, 2, 4, H, D, dtype=torch.bfloat16)))
+    line = _usage_error(capsys, _argv(tmp_path, extra=["--layer-group", "4"]))
+    divisors = "[1, 2, 3, 5, 6, 10, 15, 30]"
+    assert line.endswith(f"error: --layer-group 4 does not divide the model's 30 layers; use one of {divisors}")
+
+
+def test_default_layer_group_is_the_divisor_nearest_6(tmp_path, capsys, monkeypatch):
+    want = {30: 6, 32: 4, 28: 7, 24: 6, 22: 2, 16: 4, 80: 5, 7: 7, 1: 1}  # 32, 16: 4 and 8 tie -> the smaller
+    assert {n: C.default_layer_group(n) for n in want} == want
+    seen = {}
+
+    why = "PCA level pca_high: no step codes the calibration KV at 5.0x within 0.5 %"
+
+    def fit(kvs, starts, **kw):  # the arguments the command fits with, then a fit failure (exit 1)
+        seen.update(kw, starts=starts)
+        raise RuntimeError(why)
+
+    monkeypatch.setattr(PH, "collect", _fake(torch.zeros(L, 2, 4, H, D, dtype=torch.bfloat16)))
+    monkeypatch.setattr(C, "fit", fit)
+    assert C.main(_argv(tmp_path, extra=["--max-tokens", "64", "--outlier-share", "0.01"])) == 1
+    assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
+    assert seen["layer_group"] == 6 and seen["starts"] == [0] and seen["metric"] is None
+    assert (seen["outlier_share"], seen["name"]) == (0.01, MODEL_DIR.name)
+    assert seen["info"] == dict(texts=["a.txt", "a.txt"], max_tokens=64, metric="none")
+    assert not (tmp_path / "m.lmtpca").exists()
+
+
+def test_calibration_and_fit_errors_exit_1(tmp_path, capsys, monkeypatch):
+    argv = _argv(tmp_path)
+    argv[1] = str(tmp_path)  # a model directory without config.json: CalibrationError before loading
+    assert C.main(argv) == 1
+    why = f"{tmp_path} holds no config.json: not a transformers checkpoint"
+    assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
+    nan = torch.full((L, 2, 4, H, D), float("nan"), dtype=torch.bfloat16)
+    monkeypatch.setattr(PH, "collect", _fake(nan))  # the real fit's ValueError
+    assert C.main(_argv(tmp_path, extra=["--layer-group", "6"])) == 1
+    assert capsys.readouterr().err == "lmtier.codec.pca: error: calibration KV holds NaN or inf\n"
+    assert not (tmp_path / "m.lmtpca").exists()
+
+
+def test_python_dash_m_reports_a_usage_error_without_a_traceback(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "lmtier.codec.pca", *_argv(tmp_path, text="no.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("python -m lmtier.codec.pca: error: --text-file ")
