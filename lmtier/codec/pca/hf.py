@@ -235,7 +235,7 @@ def collect(
     model_dir: str | Path, texts: Sequence[str], *, max_tokens: int = 4096, dtype: torch.dtype = torch.float32
 ) -> Calibration:
     """:func:`collect_from_model` of the checkpoint in ``model_dir`` (transformers, local files only,
-    loaded in ``dtype`` on the CPU; ``model_name`` = the directory's name).
+    loaded in ``dtype`` on the CPU; ``model_name`` = the directory's name, ``.`` resolved).
 
     Raises:
         CalibrationError: the directory or its ``config.json`` is missing, the checkpoint is not a
@@ -254,4 +254,4 @@ def collect(
         raise CalibrationError(f"{path}: model type {config.model_type!r} is not a causal LM")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return collect_from_model(model, tokenizer, texts, model_name=path.name, max_tokens=max_tokens)
+    return collect_from_model(model, tokenizer, texts, model_name=path.resolve().name, max_tokens=max_tokens)
