@@ -547,6 +547,16 @@ def _replace(info: fmt.RecordInfo, **kw) -> fmt.RecordInfo:
     return dataclasses.replace(info, **kw)
 
 
+@pytest.mark.parametrize("code", [c for c in fmt.DType if c not in (fmt.DType.BFLOAT16, fmt.DType.FLOAT16)])
+def test_records_of_other_dtypes_are_refused(model, code):
+    """A well-sealed record whose header names another element type: CodecRecordError, not a
+    KeyError from the dtype table."""
+    record = pca.encode(_kv(8, 0, 21), start=0, model=model, level="pca_high")
+    info, _, _ = _parts(record)
+    with pytest.raises(CodecRecordError, match=f"dtype {code.name}: a PCA record holds bf16 or fp16"):
+        pca.decode(_repack(record, info=_replace(info, dtype=code)), model=model)
+
+
 def _flip(record: bytes, at: int) -> bytes:
     b = bytearray(record)
     b[at] ^= 0x10

@@ -122,8 +122,8 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
 
     Raises:
         CodecRecordError: not a record, corrupted (checksum, rANS, counts), a level that is not a PCA
-            level of ``model``, a record of other model data (its ``table_id`` names them), or a
-            geometry other than the model's.
+            level of ``model``, a record of other model data (its ``table_id`` names them), a
+            geometry other than the model's, or an element type other than bf16 / fp16.
     """
     try:
         rec = fmt.unpack(record)
@@ -146,6 +146,8 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
             f"codec record geometry L={info.num_layers} P={info.num_planes} H={info.num_heads} D={info.head_size} "
             f"S={info.sections_per_layer}, the PCA model's is L={nl} P=2 H={h} D={d} S={S}"
         )
+    if info.dtype not in _DTYPES:
+        raise CodecRecordError(f"codec record of dtype {info.dtype.name}: a PCA record holds bf16 or fp16")
     if rec.meta.nbytes != _META.size:
         raise CodecRecordError(f"codec record metadata of {rec.meta.nbytes} bytes, a PCA record has {_META.size}")
     start, n_exact, n_esc = _META.unpack(rec.meta)
