@@ -169,10 +169,15 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
             f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
         )
     data = model.levels[lv.name]
-    try:
-        sym = rans.decode(secs[:r2], data.tables, lengths=[n * _t32(t)] * r2, num_threads=num_threads)
+    try:  # sized by the streams' own counts, which rans.decode bounds by their bytes (not by T)
+        sym = rans.decode(secs[:r2], data.tables, num_threads=num_threads)
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
+    if any(s.size != n * _t32(t) for s in sym):
+        raise CodecRecordError(
+            f"corrupted PCA codec record: rANS streams of {sorted({s.size for s in sym})} symbols, "
+            f"{t} tokens need {n * _t32(t)}"
+        )
     sym = torch.from_numpy(np.stack(sym)).reshape(model.rows, 2, n, _t32(t))[..., :t].to(torch.int64)
     esc = sym == ESCAPE
     if int(esc.sum()) != n_esc:
