@@ -702,6 +702,24 @@ def test_inconsistent_model_headers_are_refused(model_file):
             pca_model.from_bytes(_with_header(model_file, edit))
 
 
+def test_malformed_model_headers_are_refused_once(model_file):
+    """Well-sealed files whose JSON header has the wrong structure (a list for a mapping) raise
+    PCAModelError, not AttributeError; every message names the file and its reason once."""
+    edits = {
+        "arrays": lambda h: h.update(arrays=[]),
+        "levels": lambda h: h["scalars"].update(levels=[1]),
+        "scalars": lambda h: h.update(scalars=[]),
+        "entry": lambda h: h["arrays"].update(mu_raw=[]),
+        "outside": lambda h: h["arrays"]["mu_raw"].update(offset=1 << 40),
+    }
+    for what, edit in edits.items():
+        with pytest.raises(pca.PCAModelError) as e:
+            pca_model.from_bytes(_with_header(model_file, edit), "f.lmtpca")
+        msg = str(e.value)
+        assert msg.startswith("PCA model f.lmtpca: ") and msg.count("PCA model f.lmtpca") == 1, (what, msg)
+        assert msg.count("not used") == 1, (what, msg)
+
+
 def test_bad_fits_are_refused():
     kvs, starts = _calibration()
     fit = lambda **kw: pca.fit(**{"kvs": kvs, "starts": starts, "inv_freq": INV_FREQ, "layer_group": G, **kw})  # noqa: E731

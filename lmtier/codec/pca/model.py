@@ -237,7 +237,7 @@ def from_bytes(data: bytes, where: str = "<bytes>") -> PCAModel:
             count = int(np.prod(e["shape"], dtype=np.int64))
             o = start + int(e["offset"])
             if o < start or o + count * dt.itemsize > len(data) - 32:
-                raise bad(f"array {n} lies outside the file")
+                raise PCAModelError(f"array {n} lies outside the file")  # wrapped by bad() below
             arrays[n] = np.frombuffer(data, dt, count, o).reshape(e["shape"]).astype(dt.newbyteorder("="))
         s = head["scalars"]
         levels = {
@@ -257,7 +257,7 @@ def from_bytes(data: bytes, where: str = "<bytes>") -> PCAModel:
         )
     except PCAModelError as e:
         raise bad(str(e)) from None
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # AttributeError: a list for a mapping
         raise bad(f"malformed header ({type(e).__name__}: {e})") from None
 
 
