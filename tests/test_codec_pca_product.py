@@ -720,6 +720,18 @@ def test_malformed_model_headers_are_refused_once(model_file):
         assert msg.count("not used") == 1, (what, msg)
 
 
+def test_vectors_beyond_exact_float64_sums_are_refused():
+    """``N = G*H*D`` above 8192 would take the float64 GEMM and energy sums past 2**53 (no longer
+    exact, so no longer reproducible): refused by the fit before any work (the wrong metric shape
+    would be the next refusal: a fit that missed the check fails fast) and by the model."""
+    kv = torch.zeros(2, 2, 4, 1, 4104, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"N = G\*H\*D = 8208 exceeds 8192"):
+        pca.fit([kv], [0], inv_freq=None, layer_group=2, metric=torch.zeros(1))
+    z = np.zeros(1)
+    with pytest.raises(pca.PCAModelError, match=r"N = G\*H\*D = 8208 exceeds 8192"):
+        pca.PCAModel("big", 2, 1, 4104, 2, None, 1, z, z, z, z, z, z, {})
+
+
 def test_bad_fits_are_refused():
     kvs, starts = _calibration()
     fit = lambda **kw: pca.fit(**{"kvs": kvs, "starts": starts, "inv_freq": INV_FREQ, "layer_group": G, **kw})  # noqa: E731

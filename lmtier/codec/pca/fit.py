@@ -20,7 +20,7 @@ from lmtier.codec import rans
 
 from . import transform as tf
 from .levels import PCA_LEVELS, PCALevel
-from .model import PCALevelData, PCAModel
+from .model import MAX_VECTOR_SIZE, PCALevelData, PCAModel
 
 __all__ = ["fit"]
 
@@ -86,7 +86,8 @@ def fit(
         The :class:`PCAModel` (its rANS tables count the calibration's symbols of non-exact tokens).
 
     Raises:
-        ValueError: inconsistent shapes, ``G`` not dividing ``L``, an odd head size with RoPE,
+        ValueError: inconsistent shapes, ``G`` not dividing ``L``, ``G*H*D`` above
+            :data:`~.model.MAX_VECTOR_SIZE`, an odd head size with RoPE,
             ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV.
         RuntimeError: no step reaches a level's calibration ratio within 0.5 % in 12 secant steps.
     """
@@ -107,6 +108,8 @@ def fit(
         raise ValueError("calibration KV holds NaN or inf")
     g, hd = layer_group, h * d
     r, n = nl // g, g * hd
+    if n > MAX_VECTOR_SIZE:
+        raise ValueError(f"vector size N = G*H*D = {n} exceeds {MAX_VECTOR_SIZE}: use a smaller layer_group")
     if metric is not None and tuple(metric.shape) != (nl, 2, hd, hd):
         raise ValueError(f"metric must be [L={nl}, 2, {hd}, {hd}], got {tuple(metric.shape)}")
     inv_freq = None if inv_freq is None else np.ascontiguousarray(inv_freq, np.float64)

@@ -28,13 +28,25 @@ import numpy as np
 
 from lmtier.errors import LMTierError
 
-__all__ = ["MODEL_FILE_VERSION", "PCAModelError", "PCALevelData", "PCAModel", "load", "save", "from_bytes"]
+__all__ = [
+    "MODEL_FILE_VERSION",
+    "MAX_VECTOR_SIZE",
+    "PCAModelError",
+    "PCALevelData",
+    "PCAModel",
+    "load",
+    "save",
+    "from_bytes",
+]
 
 MODEL_FILE_VERSION = 1
 _MAGIC = b"LMTPCA\0\0"
 _HEAD = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 1 << 20
+MAX_VECTOR_SIZE = 8192
+"""Largest ``N = G * H * D``: the integer GEMMs and energies of :mod:`.transform` are exact in float64
+only while their sums stay within 2**53 (``N * 32767**2`` and ``N * EMAX**2``)."""
 
 
 class PCAModelError(LMTierError, ValueError):
@@ -114,6 +126,8 @@ class PCAModel:
         nl, h, d, g = self.num_layers, self.num_heads, self.head_size, self.layer_group
         if min(nl, h, d, g) < 1 or nl % g:
             raise PCAModelError(f"geometry L={nl}, H={h}, D={d}, layer group {g}: G must divide L, all >= 1")
+        if g * h * d > MAX_VECTOR_SIZE:
+            raise PCAModelError(f"vector size N = G*H*D = {g * h * d} exceeds {MAX_VECTOR_SIZE} (exact float64 sums)")
         r, n = self.rows, self.vector_size
         want = {
             "inv_x_scale": ((r, 2), np.float64),

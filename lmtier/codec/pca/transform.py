@@ -3,7 +3,8 @@
 Every step is exact integer arithmetic or one correctly rounded float64 operation in a fixed order,
 so a CUDA twin can produce the same bits: the integer GEMMs are computed in float64 here, exact
 because every partial sum is an integer below 2**53 (``|x_int|, |e_int|, |q|, |d_int| <= 32767`` and
-``N <= 8192``), whatever the summation order.
+``N <= 8192``, :data:`~.model.MAX_VECTOR_SIZE`, which :class:`~.model.PCAModel` enforces), whatever the
+summation order.
 """
 
 from __future__ import annotations
