@@ -117,8 +117,9 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
     """Decode a record of :func:`encode` (host bytes-like or uint8 array) with ``model``.
 
     Returns:
-        The chunk, ``[L, 2, T, H, D]`` of the record's dtype, CPU: exact tokens bit for bit, the
-        others within the level's step.
+        The chunk, ``[L, 2, T, H, D]`` of the record's dtype, CPU: exact tokens bit for bit, each
+        coefficient of the others within half the level's step (plus the fixed-point and int16
+        matrix roundings; ``tests/test_codec_pca_product.py`` derives the bound).
 
     Raises:
         CodecRecordError: not a record, corrupted (checksum, rANS, counts), a level that is not a PCA

@@ -4,7 +4,8 @@ A PCA level fixes its quantizer steps once per model, at calibration: the step o
 K/V) is ``c`` times that group's RMS coefficient spread on the calibration KV (in the model metric's
 space when one was given), with ``c`` found so that the calibration texts code at the level's
 ``calibration_ratio`` (:func:`lmtier.codec.pca.fit.fit`). From then on the step is a constant of the
-model: each coefficient's error is at most ``step / 2`` whatever the text, and the ratio follows from
+model: each coefficient of a token not stored exact errs by at most ``step / 2`` (plus the roundings
+of the 16-bit fixed point and of the int16 matrices) whatever the text, and the ratio follows from
 the data. The two ratios are those of the experiment (``benchmarks/codec_pca.py``, RESULTS §4.1h: 8x
 and 5x on the tune split, c = 0.276-0.292 and 0.102-0.108 on two models and two folds of the texts).
 """

@@ -65,8 +65,10 @@ class PCALevelData:
             transform output ``acc``.
         f: float64 ``[R, 2, N]``: decoded raw value ``acc2 * f + mu_raw`` of an integer inverse
             transform output ``acc2``.
-        energy_threshold: int64 ``[R, 2]``: a token whose ``sum q**2`` over a (layer group, K/V)
-            exceeds it is stored exact.
+        energy_threshold: int64 ``[R, 2]``: a token whose energy over a (layer group, K/V) exceeds
+            it is stored exact; the energy is ``sum fine**2`` of the coefficients on a grid
+            ``ENERGY_SCALE`` times finer than the step, ``fine = clamp(round_half_even(acc * k *
+            ENERGY_SCALE), -EMAX, EMAX)`` (:class:`lmtier.codec.pca.transform.Forward`).
         tables: uint16 ``[R * 2 * N, 256]`` rANS tables (12-bit), one per (layer group, K/V,
             component), each coding all 256 symbols.
     """

@@ -35,7 +35,7 @@ ENERGY_SCALE = 8.0
 """A token's energy is measured on a grid ``ENERGY_SCALE`` times finer than the quantizer's step (the
 quantized coefficients alone would miss the many components below the step)."""
 EMAX = 1 << 20
-"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 < 2**53`` for ``N <= 8192``)."""
+"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for ``N <= 8192``)."""
 
 
 def raw_vectors(m: PCAModel, kv: torch.Tensor, start: int) -> torch.Tensor:
