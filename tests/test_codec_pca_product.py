@@ -114,7 +114,9 @@ def _coded(record: bytes, m: pca.PCAModel, level: str) -> tuple[np.ndarray, np.n
     t, r, n = info.num_tokens, m.rows, m.vector_size
     t32 = -(-t // 32) * 32
     streams = [np.frombuffer(s, np.uint8) for s in secs[: 2 * r]]
-    sym = np.stack(rans.decode(streams, m.levels[level].tables)).reshape(r, 2, n, t32)[..., :t]
+    tables = m.levels[level].tables  # stream i codes with its own N tables, ids from 0
+    sym = np.stack([rans.decode([st], tables[i * n : (i + 1) * n])[0] for i, st in enumerate(streams)])
+    sym = sym.reshape(r, 2, n, t32)[..., :t]
     q = sym.astype(np.int64) - 127
     q[sym == 255] = np.frombuffer(secs[2 * r], "<i2")
     exact = np.unpackbits(np.frombuffer(secs[2 * r + 1], np.uint8), count=t, bitorder="little").astype(bool)
@@ -762,3 +764,49 @@ def test_bad_fits_are_refused():
         fit(kvs=[bad], starts=[0])
     with pytest.raises(ValueError, match="start and tokens must be >= 0"):
         fit(starts=[0, -1])
+    flat = [kv.clone() for kv in kvs]
+    for kv in flat:
+        kv[2:4, 1] = 0.5  # V of the second layer group constant: zero spread, no step to fit
+    with pytest.raises(ValueError, match=r"calibration KV of layers 2-3 \(V\) does not vary"):
+        fit(kvs=flat)
+
+
+def test_more_tables_than_the_coders_16_bit_ids():
+    """2 * L * H * D tables (here 65,536, as an 8B model's 32 layers x 8 heads x 128) exceed the rANS
+    coder's 16-bit table ids: each (layer group, K/V) stream is coded with its own N tables, so the
+    record still codes and decodes (identity transforms: decoded = the quantized fixed point)."""
+    nl, h, d = 64, 4, 128
+    n = h * d
+    eye = np.broadcast_to(np.eye(n, dtype=np.int16), (nl, 2, n, n)).copy()
+    zeros = np.zeros((nl, 2, n))
+    k = np.full((nl, 2, n), 1 / 64)
+    level = pca_model.PCALevelData(
+        0.1,
+        np.ones((nl, 2)),
+        k,
+        1 / k,
+        np.full((nl, 2), np.iinfo(np.int64).max),
+        np.full((nl * 2 * n, 256), 16, np.uint16),
+    )
+    m = pca.PCAModel(
+        "wide",
+        nl,
+        h,
+        d,
+        1,
+        None,
+        0,
+        np.ones((nl, 2)),
+        zeros.astype(np.int32),
+        eye,
+        zeros.astype(np.int64),
+        eye,
+        zeros,
+        {"pca_default": level},
+    )
+    assert m.levels["pca_default"].tables.shape[0] == 65536 > 0xFFFF
+    g = torch.Generator().manual_seed(3)
+    kv = (torch.randn(nl, 2, 32, h, d, generator=g) * 500).round().to(torch.bfloat16)
+    dec = pca.decode(pca.encode(kv, start=0, model=m, level="pca_default"), model=m)
+    want = (torch.round(kv.double() / 64) * 64).float().to(torch.bfloat16)
+    assert torch.equal(dec, want)

@@ -7,7 +7,8 @@ Record: header ``level_id`` = the :class:`~.levels.PCALevel`'s id, ``table_id`` 
 
 * ``2R`` rANS streams, one per (layer group, K/V): symbols ``[N, T32]`` (``T32``: ``T`` rounded up
   to 32, padded with the zero symbol), component ``j``'s run coded with table ``j`` of the level's
-  tables for that (layer group, K/V); symbol ``q + 127``, or 255 for ``|q| > 127``;
+  ``N`` tables for that (layer group, K/V) (table ids restart at 0 in each stream); symbol ``q + 127``,
+  or 255 for ``|q| > 127``;
 * escapes: int16 ``q`` of every symbol 255, in stream order;
 * exact bitmap: ``ceil(T / 8)`` bytes, token ``t`` at bit ``t % 8`` (LSB first) of byte ``t // 8``;
 * exact tokens: ``dtype`` ``[L, 2, n_exact, H, D]`` raw, tokens in order.
@@ -97,13 +98,18 @@ def encode(
     sym[..., :t] = torch.where(esc, torch.full_like(q, ESCAPE), q + OFFSET).to(torch.uint8)
     n = model.vector_size
     streams = list(sym.reshape(2 * model.rows, -1).numpy())
-    batch = rans.encode(
-        streams, table_ids=np.arange(2 * model.rows) * n, tables=data.tables, run_lens=_t32(t), num_threads=num_threads
-    )
+    # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
+    # and 2 * L * H * D tables exceed them for 8B-class models
+    coded = [
+        rans.encode(
+            [s], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=_t32(t), num_threads=num_threads
+        )
+        for i, s in enumerate(streams)
+    ]
     escapes = q[esc].to(torch.int16).numpy().astype("<i2")
     exact = fw.exact.numpy()
     raw = x[:, :, fw.exact].contiguous().view(torch.uint8).numpy()
-    sections = [batch.stream(i) for i in range(len(batch))]
+    sections = [c.stream(0) for c in coded]
     sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
     sections += [b""] * (nl * S - len(sections))
@@ -171,7 +177,10 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
         )
     data = model.levels[lv.name]
     try:  # sized by the streams' own counts, which rans.decode bounds by their bytes (not by T)
-        sym = rans.decode(secs[:r2], data.tables, num_threads=num_threads)
+        sym = [
+            rans.decode([sec], data.tables[i * n : (i + 1) * n], num_threads=num_threads)[0]
+            for i, sec in enumerate(secs[:r2])
+        ]
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
     if any(s.size != n * _t32(t) for s in sym):
