@@ -88,7 +88,8 @@ def fit(
     Raises:
         ValueError: inconsistent shapes, ``G`` not dividing ``L``, ``G*H*D`` above
             :data:`~.model.MAX_VECTOR_SIZE`, an odd head size with RoPE,
-            ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV.
+            ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV, a (layer group, K/V)
+            whose calibration KV does not vary.
         RuntimeError: no step reaches a level's calibration ratio within 0.5 % in 12 secant steps.
     """
     if not kvs or len(kvs) != len(starts):
@@ -131,6 +132,12 @@ def fit(
     var, u = torch.linalg.eigh(cov / count)
     var, u = var.flip(-1).clamp_min(0), u.flip(-1)
     rms = var.mean(-1).sqrt()  # [R, 2]
+    if bool((rms == 0).any()):
+        r0, p0 = (int(i) for i in torch.nonzero(rms == 0)[0])
+        raise ValueError(
+            f"calibration KV of layers {r0 * g}-{r0 * g + g - 1} ({'KV'[p0]}) does not vary: no step can be "
+            "fitted to it (calibrate on real KV)"
+        )
     e_int, se = _int_columns(s @ u)  # raw -> coefficients
     d_int, sd = _int_columns(u.transpose(2, 3) @ s_inv)  # coefficients -> raw
     sx = peak.clamp_min(1e-30) * x_headroom / tf.XMAX
