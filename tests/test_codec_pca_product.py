@@ -291,7 +291,7 @@ def test_step_is_c_times_the_rms_spread_in_the_metrics_space(model, metric_model
     rms = {"plain": np.sqrt(np.trace(cov, axis1=2, axis2=3) / N)}
     rms["metric"] = np.sqrt(np.trace(blocks @ cov, axis1=2, axis2=3) / N)
     for which, m in (("plain", model), ("metric", metric_model)):
-        for name, lv in m.levels.items():
+        for lv in m.levels.values():
             np.testing.assert_allclose(lv.step, lv.c * rms[which], rtol=1e-9)
     assert not np.allclose(rms["plain"], rms["metric"], rtol=0.1)
 
