@@ -118,9 +118,7 @@ def fit(
         raise ValueError(f"inv_freq must be float64 [{d // 2}] and the head size even, got {inv_freq.shape}, D={d}")
     eye = torch.eye(n, dtype=torch.float64).expand(r, 2, n, n)
     s, s_inv = (eye, eye) if metric is None else (_block_diag(m, g) for m in _sqrt_metric(metric))
-    # a model with identity transforms: raw_vectors only needs the geometry and inv_freq
-    shell = _shell(nl, h, d, g, inv_freq, exact_first)
-    xs = [tf.raw_vectors(shell, kv, int(st)) for kv, st in zip(kvs, starts)]
+    xs = [tf.raw_vectors(kv, int(st), inv_freq, g) for kv, st in zip(kvs, starts)]
     count = sum(x.shape[2] for x in xs)
     mu_raw = sum(x.sum(2) for x in xs) / count  # [R, 2, N]
     peak = torch.stack([x.abs().amax((2, 3)) for x in xs]).amax(0)
@@ -157,7 +155,7 @@ def fit(
         e_mu=e_mu.numpy(),
         d_int=d_int.numpy(),
         mu_raw=mu_raw.numpy(),
-        levels=shell.levels,
+        levels={"": _placeholder_level(r, n)},  # replaced by the fitted levels below
         info={**(info or {}), "calibration_tokens": count, "outlier_share": outlier_share},
     )
     accs = [(*tf.transform(base, kv, int(st)), int(st)) for kv, st in zip(kvs, starts)]
@@ -227,27 +225,9 @@ def _level_data(base: PCAModel, c: float, rms, se, sx, sd, accs, share: float) -
     return _Fitted(PCALevelData(c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables), bits)
 
 
-def _shell(nl, h, d, g, inv_freq, exact_first) -> PCAModel:
-    """A model of the right geometry with zero transforms and one placeholder level (for
-    :func:`transform.raw_vectors`, which reads only the geometry and ``inv_freq``)."""
-    r, n = nl // g, g * h * d
-    zf = np.zeros((r, 2, n))
-    lvl = PCALevelData(
-        0.0, np.ones((r, 2)), zf, zf, np.zeros((r, 2), np.int64), np.full((r * 2 * n, 256), 16, np.uint16)
-    )
-    return PCAModel(
-        name="",
-        num_layers=nl,
-        num_heads=h,
-        head_size=d,
-        layer_group=g,
-        inv_freq=inv_freq,
-        exact_first=exact_first,
-        inv_x_scale=np.ones((r, 2)),
-        mu_int=np.zeros((r, 2, n), np.int32),
-        e_int=np.zeros((r, 2, n, n), np.int16),
-        e_mu=np.zeros((r, 2, n), np.int64),
-        d_int=np.zeros((r, 2, n, n), np.int16),
-        mu_raw=zf,
-        levels={"": lvl},
+def _placeholder_level(r: int, n: int) -> PCALevelData:
+    """A level of the right shapes (the model needs one before its levels are fitted)."""
+    z = np.zeros((r, 2, n))
+    return PCALevelData(
+        0.0, np.ones((r, 2)), z, z, np.zeros((r, 2), np.int64), np.full((r * 2 * n, 256), 16, np.uint16)
     )

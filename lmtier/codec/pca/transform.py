@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from . import rope
@@ -38,15 +39,16 @@ EMAX = 1 << 20
 """Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for ``N <= 8192``)."""
 
 
-def raw_vectors(m: PCAModel, kv: torch.Tensor, start: int) -> torch.Tensor:
+def raw_vectors(kv: torch.Tensor, start: int, inv_freq: np.ndarray | None, layer_group: int) -> torch.Tensor:
     """Canonical KV ``[L, 2, T, H, D]`` (bf16/fp16, CPU) at positions ``start ..`` -> float64
-    ``[R, 2, T, N]``: keys RoPE-undone, ``G`` adjacent layers' heads of a token in one vector."""
+    ``[R, 2, T, N]``: keys RoPE-undone with ``inv_freq`` (:attr:`PCAModel.inv_freq`; None: kept),
+    ``G = layer_group`` adjacent layers' heads of a token in one vector."""
     x = kv.double()
     nl, _, t, h, d = x.shape
-    if m.inv_freq is not None:
-        cos, sin = rope.cos_sin(m.inv_freq, start, t)
+    if inv_freq is not None:
+        cos, sin = rope.cos_sin(inv_freq, start, t)
         x = torch.stack([rope.apply(x[:, 0], cos, sin, inverse=True), x[:, 1]], 1)
-    g = m.layer_group
+    g = layer_group
     return x.reshape(nl // g, g, 2, t, h * d).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * h * d)
 
 
@@ -86,7 +88,7 @@ def transform(m: PCAModel, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, 
     a raw value beyond the 16-bit fixed point). ``kv``: canonical ``[L, 2, T, H, D]`` bf16/fp16
     (finite), CPU, its first token at position ``start``."""
     inv_sx, e_int, e_mu, _, _ = _mats(m)
-    xi = torch.round(raw_vectors(m, kv, start) * inv_sx[:, :, None, None])
+    xi = torch.round(raw_vectors(kv, start, m.inv_freq, m.layer_group) * inv_sx[:, :, None, None])
     clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
     return xi.clamp_(-XMAX, XMAX) @ e_int - e_mu[:, :, None], clamped
 
