@@ -9,6 +9,10 @@ Ratio = bf16 bytes / **all record bytes** (headers, index, metadata, rANS framin
 tokens). Quality as the matrix measures it (``codec_quality.compare``: Δppl, top-1, KL over 255
 scored tokens). The tune texts are never evaluated.
 
+The JSON's cells are those of a quality matrix (``model``, ``scheme`` = the level, ``split`` =
+held-out, ratio, Δppl, top-1, KL): ``lmtier bench codec --matrix FILE`` prints their min / median /
+max table (``--combine OUT A.json B.json ...`` writes one file of several runs' cells).
+
 Run: ``python benchmarks/codec_pca_product.py [--model smollm2] [--layer-group 6] [--metric model|none]
 [--tune-texts ...] [--eval-texts ...] [--levels pca_high,pca_default] [--outlier-share 0.002]
 [--save model.lmtpca | --load model.lmtpca] [--json out.json]``; ~3 min to fit and ~1 min per text
@@ -85,7 +89,16 @@ def main(argv=None) -> int:
     ap.add_argument("--save", type=Path, help="write the fitted model file here")
     ap.add_argument("--load", type=Path, help="use this model file instead of fitting one")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--combine", nargs="+", type=Path, metavar=("OUT", "JSON"), help="write OUT: the cells of the JSONs"
+    )
     a = ap.parse_args(argv)
+    if a.combine:
+        if len(a.combine) < 2:
+            ap.error("--combine needs OUT and at least one JSON")
+        cells = [c for p in a.combine[1:] for c in json.loads(p.read_text())["cells"]]
+        a.combine[0].write_text(json.dumps(dict(sources=[p.name for p in a.combine[1:]], cells=cells), indent=1))
+        return 0
     tune, held, levels = a.tune_texts.split(","), a.eval_texts.split(","), a.levels.split(",")
     if bad := [t for t in (*tune, *held) if t not in CC.MATRIX_TEXTS]:
         ap.error(f"unknown texts {bad}: use {', '.join(CC.MATRIX_TEXTS)}")
@@ -112,7 +125,18 @@ def main(argv=None) -> int:
             ratio = kv.numel() * 2 / nbytes
             cells.append(
                 dict(
-                    text=t, level=lv, ratio=ratio, exact=exact, escapes=esc, rel_err=rel, encode_s=te, decode_s=td, **q
+                    model=a.model,
+                    text=t,
+                    scheme=lv,
+                    split="held-out",
+                    level=lv,
+                    ratio=ratio,
+                    exact=exact,
+                    escapes=esc,
+                    rel_err=rel,
+                    encode_s=te,
+                    decode_s=td,
+                    **q,
                 )
             )
             print(
