@@ -1,0 +1,88 @@
+"""``benchmarks/codec_pca_product.py`` (RESULTS §4.1i): its argument checks, its per-context coding
+(every record byte counted, exact tokens and escapes read from the records) and ``--combine``'s
+matrix file, which ``lmtier bench codec --matrix`` reads."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import codec_pca_product as B  # noqa: E402
+
+from lmtier.bench.codec_matrix import load_cells, summarize  # noqa: E402
+from lmtier.codec import format as fmt  # noqa: E402
+from lmtier.codec import pca  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tune-texts", "nope"], "unknown texts ['nope']"),
+        (["--tune-texts", "code_c", "--eval-texts", "code_c,de_man"], "tune and eval texts overlap: ['code_c']"),
+        (["--levels", "pca_high,low"], "unknown levels ['low']"),
+        (["--combine", "out.json"], "--combine needs OUT and at least one JSON"),
+    ],
+)
+def test_usage_errors(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        B.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
+def _model_and_kv() -> tuple[pca.PCAModel, torch.Tensor]:
+    """A model fitted on synthetic correlated KV (L=2, H=2, D=8, one layer per group), and a context of
+    100 tokens (one loud token) from the same source."""
+    g = torch.Generator().manual_seed(7)
+    mix = torch.randn(2, 2, 4, 16, generator=g)
+
+    def kv(t: int) -> torch.Tensor:
+        z = torch.randn(2, 2, t, 4, generator=g)
+        x = (z @ mix + 0.05 * torch.randn(2, 2, t, 16, generator=g)).reshape(2, 2, t, 2, 8)
+        return x.to(torch.bfloat16)
+
+    inv = 1.0 / 10000 ** (np.arange(0, 8, 2) / 8)
+    m = pca.fit([kv(400)], [0], inv_freq=inv, layer_group=1, outlier_share=0.01)
+    ctx = kv(100)
+    ctx[:, :, 60] *= 30
+    return m, ctx
+
+
+def test_code_text_counts_every_record_byte():
+    m, ctx = _model_and_kv()
+    nbytes, dec, exact, esc, te, td = B.code_text(m, ctx, "pca_default", chunk=32)
+    records = [
+        pca.encode(ctx[:, :, s : s + 32].contiguous(), start=s, model=m, level="pca_default") for s in range(0, 100, 32)
+    ]
+    assert nbytes == sum(len(r) for r in records)
+    metas = [struct.unpack("<qII", fmt.unpack(r).meta) for r in records]
+    assert [s for s, _, _ in metas] == [0, 32, 64, 96]
+    assert exact == sum(n for _, n, _ in metas) >= 2  # position 0 and the loud token 60
+    assert esc == sum(n for _, _, n in metas)
+    assert torch.equal(dec, torch.cat([pca.decode(r, model=m) for r in records], 2))
+    assert torch.equal(dec[:, :, [0, 60]], ctx[:, :, [0, 60]])
+    assert te > 0 and td > 0
+
+
+def test_combine_writes_one_matrix_file(tmp_path):
+    cell = dict(model="m", text="t", scheme="pca_high", split="held-out", ratio=4.2, dppl_pct=0.1, top1=98.0, kl=0.001)
+    for i, name in enumerate(("a.json", "b.json")):
+        (tmp_path / name).write_text(json.dumps(dict(cells=[{**cell, "text": f"t{i}", "ratio": 4.0 + i}])))
+    out = tmp_path / "m.json"
+    assert B.main(["--combine", str(out), str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    cells = load_cells(out)
+    assert [c["text"] for c in cells] == ["t0", "t1"]
+    (row,) = summarize(cells)
+    assert row["ratio"] == (4.0, 4.5, 5.0) and row["held_n"] == 2
+    assert json.loads(out.read_text())["sources"] == ["a.json", "b.json"]
