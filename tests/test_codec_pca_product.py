@@ -521,7 +521,7 @@ def test_wrong_geometry_is_refused(model, shape):
 
 def test_bad_encode_arguments_are_refused(model):
     kv = _kv(8, 0, 17)
-    with pytest.raises(ValueError, match="start must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"start must be an integer in \[0, 4503599627370496 - T\], got -1"):
         pca.encode(kv, start=-1, model=model, level="pca_high")
     with pytest.raises(ValueError, match="unknown PCA codec level 'pca_ultra'"):
         pca.encode(kv, start=0, model=model, level="pca_ultra")
@@ -696,7 +696,7 @@ def test_inconsistent_model_headers_are_refused(model_file):
 
     for edit, match in (
         (shape, r"PCAModel.e_int must be int16 \(2, 2, 64, 64\), got int16 \(2, 2, 64, 63\)"),
-        (dtype, r"PCAModel.d_int must be int16 \(2, 2, 64, 64\), got int32"),
+        (dtype, "arrays d_int and mu_raw overlap"),  # int32 at int16's offset runs into the next array
         (outside, "array mu_raw lies outside the file"),
         (geometry, r"PCAModel.mu_int must be int32 \(2, 2, 32\), got int32 \(2, 2, 64\)"),
         (group, "layer group 3: G must divide L"),
@@ -810,3 +810,57 @@ def test_more_tables_than_the_coders_16_bit_ids():
     dec = pca.decode(pca.encode(kv, start=0, model=m, level="pca_default"), model=m)
     want = (torch.round(kv.double() / 64) * 64).float().to(torch.bfloat16)
     assert torch.equal(dec, want)
+
+
+def test_positions_beyond_float64_exactness_and_non_models_are_refused(model):
+    """RoPE angles are ``position * inv_freq`` in float64: ``start + T`` must stay within
+    ``MAX_POSITION`` (2**52) in encode and in a record's metadata; ``True`` is not a position; the model
+    must be a PCAModel (a path or None is a TypeError that says how to get one)."""
+    from lmtier.codec.pca.codec import MAX_POSITION
+
+    kv = _kv(8, 0, 18)
+    for start in (MAX_POSITION - 7, 2**63 - 1, 2**64, True):
+        with pytest.raises(ValueError, match="start must be an integer in"):
+            pca.encode(kv, start=start, model=model, level="pca_high")
+    pca.encode(kv, start=MAX_POSITION - 8, model=model, level="pca_high")
+    record = pca.encode(kv, start=5, model=model, level="pca_high")
+    _, _, (_, n_exact, n_esc) = _parts(record)
+    with pytest.raises(CodecRecordError, match="section sizes do not match its metadata"):
+        pca.decode(_repack(record, meta=(MAX_POSITION - 7, n_exact, n_esc)), model=model)
+    for bad in (None, "model.lmtpca"):
+        with pytest.raises(TypeError, match="model must be a lmtier.codec.pca.PCAModel"):
+            pca.encode(kv, start=0, model=bad, level="pca_high")
+        with pytest.raises(TypeError, match="model must be a lmtier.codec.pca.PCAModel"):
+            pca.decode(record, model=bad)
+
+
+@pytest.mark.parametrize(
+    ("array", "index", "value", "match"),
+    [
+        ("inv_x_scale", (0, 1), 0.0, r"inv_x_scale at \(0, 1\) is 0.0: must be finite and > 0"),
+        ("inv_x_scale", (1, 0), float("inf"), "inv_x_scale at .* must be finite and > 0"),
+        ("mu_raw", (0, 0, 3), float("nan"), "mu_raw at .* must be finite"),
+        ("inv_freq", (2,), float("-inf"), "inv_freq at .* must be finite and >= 0"),
+        ("pca_default.f", (0, 0, 0), float("inf"), "f at .* must be finite and >= 0"),
+        ("pca_high.k", (1, 1, 5), -1.0, "k at .* must be finite and >= 0"),
+        ("pca_high.step", (0, 0), 0.0, "step at .* must be finite and > 0"),
+        ("pca_default.energy_threshold", (0, 1), -5, "energy_threshold at .* must be >= 0"),
+        ("e_mu", (0, 0, 0), 12345, "e_mu is not mu_int @ e_int"),
+    ],
+)
+def test_model_values_the_arithmetic_cannot_use_are_refused(model, array, index, value, match):
+    """A model (or a well-sealed file from a faulty writer) with non-finite or non-positive scales,
+    non-finite means or frequencies, negative thresholds or an inconsistent ``e_mu`` is refused: it
+    would decode NaN or garbage without an error."""
+    if "." in array:
+        lv, name = array.split(".")
+        arr = getattr(model.levels[lv], name).copy()
+        arr[index] = value
+        levels = {**model.levels, lv: dataclasses.replace(model.levels[lv], **{name: arr})}
+        edit = dict(levels=levels)
+    else:
+        arr = getattr(model, array).copy()
+        arr[index] = value
+        edit = {array: arr}
+    with pytest.raises(pca.PCAModelError, match=match):
+        dataclasses.replace(model, **edit)

@@ -39,6 +39,18 @@ _META = struct.Struct("<qII")
 _DTYPES = {v: k for k, v in CODEC_DTYPES.items()}
 
 
+MAX_POSITION = 1 << 52
+"""Positions (``start + T``) stay below it: RoPE angles are ``position * inv_freq`` in float64, exact
+positions need them below 2**53."""
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, PCAModel):
+        raise TypeError(
+            f"model must be a lmtier.codec.pca.PCAModel (lmtier.codec.pca.load), got {type(model).__name__}"
+        )
+
+
 def sections_per_layer(m: PCAModel) -> int:
     """``S`` of a record of model ``m``: ``2R + 3`` sections over ``L`` layers."""
     return -(-(2 * m.rows + 3) // m.num_layers)
@@ -73,10 +85,12 @@ def encode(
         bytes.
 
     Raises:
-        TypeError: not bf16/fp16, or not a tensor.
-        ValueError: geometry other than the model's, a negative start, an unknown level.
+        TypeError: not bf16/fp16, not a tensor, ``model`` not a :class:`PCAModel`.
+        ValueError: geometry other than the model's, a start outside ``[0, MAX_POSITION - T]`` (or
+            not an integer), an unknown level.
         CodecInputError: NaN or inf in the chunk.
     """
+    _check_model(model)
     if not isinstance(chunk, torch.Tensor):
         raise TypeError(f"chunk must be a torch.Tensor, got {type(chunk).__name__}")
     if chunk.dtype not in CODEC_DTYPES:
@@ -84,8 +98,12 @@ def encode(
     nl, h, d = model.num_layers, model.num_heads, model.head_size
     if chunk.dim() != 5 or (chunk.shape[0], chunk.shape[1], chunk.shape[3], chunk.shape[4]) != (nl, 2, h, d):
         raise ValueError(f"chunk shape {tuple(chunk.shape)} does not fit the PCA model's [L={nl}, 2, T, H={h}, D={d}]")
-    if not isinstance(start, (int, np.integer)) or start < 0:
-        raise ValueError(f"start must be an integer >= 0, got {start!r}")
+    if (
+        isinstance(start, bool)
+        or not isinstance(start, (int, np.integer))
+        or not 0 <= start <= MAX_POSITION - chunk.shape[2]
+    ):
+        raise ValueError(f"start must be an integer in [0, {MAX_POSITION} - T], got {start!r}")
     lv, data = _level(model, level)
     x = chunk.detach().cpu()
     if not bool(torch.isfinite(x).all()):
@@ -128,10 +146,12 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
         matrix roundings; ``tests/test_codec_pca_product.py`` derives the bound).
 
     Raises:
+        TypeError: ``model`` not a :class:`PCAModel`.
         CodecRecordError: not a record, corrupted (checksum, rANS, counts), a level that is not a PCA
             level of ``model``, a record of other model data (its ``table_id`` names them), a
             geometry other than the model's, or an element type other than bf16 / fp16.
     """
+    _check_model(model)
     try:
         rec = fmt.unpack(record)
     except ValueError as e:
@@ -163,7 +183,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
     secs = [rec.section(i // S, i % S) for i in range(nl * S)]
     raw_bytes = n_exact * nl * 2 * h * d * dtype.itemsize
     if (
-        start < 0
+        not 0 <= start <= MAX_POSITION - t
         or secs[r2 + 1].nbytes != -(-t // 8)
         or secs[r2].nbytes != 2 * n_esc
         or secs[r2 + 2].nbytes != raw_bytes

@@ -157,6 +157,39 @@ class PCAModel:
                 raise PCAModelError(f"level {lv}: every table must code all 256 symbols and sum to 4096")
         if self.exact_first < 0:
             raise PCAModelError(f"exact_first must be >= 0, got {self.exact_first}")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Refuse values the arithmetic cannot use (a file written by a faulty writer: its checksum
+        verifies, its numbers do not): non-finite or non-positive scales, non-finite means or
+        frequencies, negative thresholds, an ``e_mu`` that is not ``mu_int @ e_int``."""
+
+        def bad(what: str, a: np.ndarray, ok: np.ndarray) -> None:
+            if not bool(ok.all()):
+                i = tuple(int(v) for v in np.argwhere(~ok)[0])
+                raise PCAModelError(f"{what} at {i} is {a[i].item()!r}: {WHY[what]}")
+
+        WHY = {
+            "inv_x_scale": "must be finite and > 0",
+            "mu_raw": "must be finite",
+            "inv_freq": "must be finite and >= 0",
+            "step": "must be finite and > 0",
+            "k": "must be finite and >= 0",
+            "f": "must be finite and >= 0",
+            "energy_threshold": "must be >= 0",
+        }
+        bad("inv_x_scale", self.inv_x_scale, np.isfinite(self.inv_x_scale) & (self.inv_x_scale > 0))
+        bad("mu_raw", self.mu_raw, np.isfinite(self.mu_raw))
+        if self.inv_freq is not None:
+            bad("inv_freq", self.inv_freq, np.isfinite(self.inv_freq) & (self.inv_freq >= 0))
+        for x in self.levels.values():
+            bad("step", x.step, np.isfinite(x.step) & (x.step > 0))
+            bad("k", x.k, np.isfinite(x.k) & (x.k >= 0))
+            bad("f", x.f, np.isfinite(x.f) & (x.f >= 0))
+            bad("energy_threshold", x.energy_threshold, x.energy_threshold >= 0)
+        e_mu = np.einsum("rpi,rpij->rpj", self.mu_int.astype(np.int64), self.e_int.astype(np.int64))
+        if not np.array_equal(e_mu, self.e_mu):
+            raise PCAModelError("e_mu is not mu_int @ e_int")
 
     @property
     def rows(self) -> int:
@@ -248,6 +281,7 @@ def from_bytes(data: bytes, where: str = "<bytes>") -> PCAModel:
         head = json.loads(data[_HEAD.size : _HEAD.size + hlen])
         start = -(-(_HEAD.size + hlen) // _ALIGN) * _ALIGN
         arrays = {}
+        spans = []
         for n, e in head["arrays"].items():
             dt = np.dtype(e["dtype"])
             count = int(np.prod(e["shape"], dtype=np.int64))
@@ -255,6 +289,11 @@ def from_bytes(data: bytes, where: str = "<bytes>") -> PCAModel:
             if o < start or o + count * dt.itemsize > len(data) - 32:
                 raise PCAModelError(f"array {n} lies outside the file")  # wrapped by bad() below
             arrays[n] = np.frombuffer(data, dt, count, o).reshape(e["shape"]).astype(dt.newbyteorder("="))
+            spans.append((o, o + count * dt.itemsize, n))
+        spans.sort()
+        for (_, end, a), (o, _, b) in zip(spans, spans[1:]):
+            if o < end:
+                raise PCAModelError(f"arrays {a} and {b} overlap")  # wrapped by bad() below
         s = head["scalars"]
         levels = {
             lv: PCALevelData(float(c), *(arrays[f"{lv}.{n}"] for n in _LEVEL_ARRAYS)) for lv, c in s["levels"].items()
