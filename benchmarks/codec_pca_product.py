@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import struct
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ import codec_pca as CP
 import codec_quality as CQ
 import torch
 
-from lmtier.codec import format as fmt
 from lmtier.codec import pca
 
 TARGETS = {"pca_default": (6.0, 1.0, 96.0), "pca_high": (4.0, 0.5, 97.5)}
@@ -71,7 +69,7 @@ def code_text(m, kv: torch.Tensor, level: str, chunk: int = 256):
         td += time.perf_counter() - t1
         te += t1 - t0
         nbytes += len(rec)
-        _, ne, nesc = struct.unpack("<qII", fmt.unpack(rec).meta)
+        _, ne, nesc, _ = pca.codec.record_meta(rec)
         exact, esc = exact + ne, esc + nesc
     return nbytes, torch.cat(dec, 2), exact, esc, te, td
 

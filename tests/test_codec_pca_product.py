@@ -94,17 +94,19 @@ def quiet_model() -> pca.PCAModel:
 
 
 def _parts(record: bytes) -> tuple[fmt.RecordInfo, list[bytes], tuple[int, int, int]]:
-    """(header, every section's bytes, metadata (start, exact tokens, escapes))."""
+    """(header, every section's bytes, metadata (start, exact tokens, escapes); the model digest is
+    :func:`pca.codec.record_meta`'s)."""
     rec = fmt.unpack(record)
     s = rec.info.sections_per_layer
     secs = [bytes(rec.section(i // s, i % s)) for i in range(rec.info.num_sections)]
-    return rec.info, secs, struct.unpack("<qII", rec.meta)
+    return rec.info, secs, tuple(pca.codec.record_meta(record)[:3])
 
 
-def _repack(record: bytes, *, info=None, secs=None, meta=None) -> bytes:
+def _repack(record: bytes, *, info=None, secs=None, meta=None, digest=None) -> bytes:
     """``record`` with some parts replaced, checksum recomputed (a hostile, well-formed record)."""
     i, s, m = _parts(record)
-    return fmt.pack(info or i, s if secs is None else secs, struct.pack("<qII", *(meta or m)))
+    d = pca.codec.record_meta(record).model_digest if digest is None else digest
+    return fmt.pack(info or i, s if secs is None else secs, struct.pack("<qII16s", *(meta or m), d))
 
 
 def _coded(record: bytes, m: pca.PCAModel, level: str) -> tuple[np.ndarray, np.ndarray]:
@@ -627,7 +629,7 @@ def test_corrupted_records_are_refused(model):
         with pytest.raises(CodecRecordError, match=match):
             pca.decode(bad, model=model)
     short_meta = fmt.pack(info, secs, struct.pack("<qI", *meta[:2]))
-    with pytest.raises(CodecRecordError, match="metadata of 12 bytes, a PCA record has 16"):
+    with pytest.raises(CodecRecordError, match="metadata of 12 bytes, a PCA record has 32"):
         pca.decode(short_meta, model=model)
 
 
@@ -864,3 +866,17 @@ def test_model_values_the_arithmetic_cannot_use_are_refused(model, array, index,
         edit = {array: arr}
     with pytest.raises(pca.PCAModelError, match=match):
         dataclasses.replace(model, **edit)
+
+
+def test_a_record_of_other_model_data_with_a_colliding_id_is_refused(model):
+    """Records carry 16 bytes of the model file's SHA-256 besides the 32-bit id in ``table_id``: a
+    record whose id matches but whose digest does not (two model files with colliding ids) is
+    refused, never decoded into plausible wrong KV."""
+    record = pca.encode(_kv(16, 3, 19), start=3, model=model, level="pca_default")
+    meta = pca.record_meta(record)
+    assert meta.model_digest == model.digest == hashlib.sha256(pca_model.to_bytes(model)[:-32]).digest()[:16]
+    assert meta.start == 3 and model.model_id == int.from_bytes(model.digest[:4], "little")
+    other = bytes(b ^ 1 for b in model.digest[4:])
+    with pytest.raises(CodecRecordError, match=f"coded with PCA model data {model.digest[:4].hex()}"):
+        pca.decode(_repack(record, digest=model.digest[:4] + other), model=model)
+    pca.decode(_repack(record), model=model)

@@ -5,7 +5,6 @@ matrix file, which ``lmtier bench codec --matrix`` reads."""
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import codec_pca_product as B  # noqa: E402
 
 from lmtier.bench.codec_matrix import load_cells, summarize  # noqa: E402
-from lmtier.codec import format as fmt  # noqa: E402
 from lmtier.codec import pca  # noqa: E402
 
 
@@ -66,7 +64,7 @@ def test_code_text_counts_every_record_byte():
         pca.encode(ctx[:, :, s : s + 32].contiguous(), start=s, model=m, level="pca_default") for s in range(0, 100, 32)
     ]
     assert nbytes == sum(len(r) for r in records)
-    metas = [struct.unpack("<qII", fmt.unpack(r).meta) for r in records]
+    metas = [pca.codec.record_meta(r)[:3] for r in records]
     assert [s for s, _, _ in metas] == [0, 32, 64, 96]
     assert exact == sum(n for _, n, _ in metas) >= 2  # position 0 and the loud token 60
     assert esc == sum(n for _, _, n in metas)

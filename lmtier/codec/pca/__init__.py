@@ -6,7 +6,7 @@ checksummed file) -> :mod:`.codec` (chunk <-> record, through :mod:`.transform`'
 :mod:`.rope`). Levels: :mod:`.levels`. Command: ``python -m lmtier.codec.pca`` (:mod:`.calibrate`).
 """
 
-from .codec import decode, encode
+from .codec import RecordMeta, decode, encode, record_meta
 from .fit import fit
 from .levels import PCA_LEVELS, PCALevel, get_pca_level
 from .model import PCAModel, PCAModelError, load, save
@@ -16,10 +16,12 @@ __all__ = [
     "PCALevel",
     "PCAModel",
     "PCAModelError",
+    "RecordMeta",
     "decode",
     "encode",
     "fit",
     "get_pca_level",
     "load",
+    "record_meta",
     "save",
 ]

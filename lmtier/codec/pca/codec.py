@@ -2,7 +2,9 @@
 
 Record: header ``level_id`` = the :class:`~.levels.PCALevel`'s id, ``table_id`` = the
 :attr:`~.model.PCAModel.model_id` of the data it was coded with, geometry ``[L, 2, T, H, D]``,
-``dtype``; metadata ``<q I I``: the chunk's first position, exact tokens, escapes. Sections, in order
+``dtype``; metadata ``<q I I 16s`` (:class:`RecordMeta`): the chunk's first position, exact tokens,
+escapes, and the model data's :attr:`~.model.PCAModel.digest` (16 bytes of its SHA-256: a 32-bit id
+can collide, and a record must never decode with other data). Sections, in order
 (``S = ceil((2R + 3) / L)`` per layer, the ones after the last empty):
 
 * ``2R`` rANS streams, one per (layer group, K/V): symbols ``[N, T32]`` (``T32``: ``T`` rounded up
@@ -17,7 +19,7 @@ Record: header ``level_id`` = the :class:`~.levels.PCALevel`'s id, ``table_id`` 
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,19 +31,42 @@ from lmtier.codec.quant import CodecInputError
 
 from . import transform as tf
 from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
-from .model import PCAModel
+from .model import DIGEST_BYTES, PCAModel
 
-__all__ = ["encode", "decode", "sections_per_layer"]
+__all__ = ["encode", "decode", "record_meta", "RecordMeta", "sections_per_layer", "MAX_POSITION"]
 
 OFFSET = 127
 ESCAPE = 255
-_META = struct.Struct("<qII")
+_META = struct.Struct(f"<qII{DIGEST_BYTES}s")
 _DTYPES = {v: k for k, v in CODEC_DTYPES.items()}
 
 
 MAX_POSITION = 1 << 52
 """Positions (``start + T``) stay below it: RoPE angles are ``position * inv_freq`` in float64, exact
 positions need them below 2**53."""
+
+
+class RecordMeta(NamedTuple):
+    """A PCA record's metadata: first position, exact tokens, escapes, model data digest."""
+
+    start: int
+    exact_tokens: int
+    escapes: int
+    model_digest: bytes
+
+
+def record_meta(record: Any) -> RecordMeta:
+    """The metadata of a PCA record (checksum verified; not checked against a model).
+
+    Raises:
+        CodecRecordError: not a record, corrupted, or metadata of another size."""
+    try:
+        rec = fmt.unpack(record)
+    except ValueError as e:
+        raise CodecRecordError(str(e)) from None
+    if rec.meta.nbytes != _META.size:
+        raise CodecRecordError(f"codec record metadata of {rec.meta.nbytes} bytes, a PCA record has {_META.size}")
+    return RecordMeta(*_META.unpack(rec.meta))
 
 
 def _check_model(model: Any) -> None:
@@ -134,7 +159,7 @@ def encode(
     info = fmt.RecordInfo(
         lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id
     )
-    return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), int(esc.sum())))
+    return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), int(esc.sum()), model.digest))
 
 
 def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tensor:
@@ -177,7 +202,12 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
         raise CodecRecordError(f"codec record of dtype {info.dtype.name}: a PCA record holds bf16 or fp16")
     if rec.meta.nbytes != _META.size:
         raise CodecRecordError(f"codec record metadata of {rec.meta.nbytes} bytes, a PCA record has {_META.size}")
-    start, n_exact, n_esc = _META.unpack(rec.meta)
+    start, n_exact, n_esc, digest = _META.unpack(rec.meta)
+    if digest != model.digest:
+        raise CodecRecordError(
+            f"codec record coded with PCA model data {digest.hex()}, this model's are {model.digest.hex()} "
+            f"(same 32-bit id {model.model_id:#010x})"
+        )
     dtype = _DTYPES[info.dtype]
     r2, n = 2 * model.rows, model.vector_size
     secs = [rec.section(i // S, i % S) for i in range(nl * S)]

@@ -30,6 +30,7 @@ from lmtier.errors import LMTierError
 
 __all__ = [
     "MODEL_FILE_VERSION",
+    "DIGEST_BYTES",
     "MAX_VECTOR_SIZE",
     "PCAModelError",
     "PCALevelData",
@@ -44,6 +45,8 @@ _MAGIC = b"LMTPCA\0\0"
 _HEAD = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 1 << 20
+DIGEST_BYTES = 16
+"""Bytes of the model file's SHA-256 that identify its data in a record (:attr:`PCAModel.digest`)."""
 MAX_VECTOR_SIZE = 8192
 """Largest ``N = G * H * D``: the integer GEMMs and energies of :mod:`.transform` are exact in float64
 only while their sums stay within 2**53 (``N * 32767**2`` and ``N * EMAX**2``)."""
@@ -202,9 +205,15 @@ class PCAModel:
         return self.layer_group * self.num_heads * self.head_size
 
     @cached_property
+    def digest(self) -> bytes:
+        """The first :data:`DIGEST_BYTES` bytes of the file's SHA-256 (:func:`to_bytes`): records carry
+        it, so a record never decodes with other data whose 32-bit :attr:`model_id` collides."""
+        return hashlib.sha256(to_bytes(self)[:-32]).digest()[:DIGEST_BYTES]
+
+    @property
     def model_id(self) -> int:
-        """32-bit id of the data (see the module doc); computed from :func:`to_bytes`'s checksum."""
-        return _id(hashlib.sha256(to_bytes(self)[:-32]).digest())
+        """32-bit id of the data (see the module doc): the first 4 bytes of :attr:`digest`."""
+        return _id(self.digest)
 
 
 def _check(what: str, a, shape: tuple, dtype) -> None:
