@@ -53,6 +53,29 @@ def _tiny(**kw):
     return LlamaForCausalLM(LlamaConfig(**{**args, **kw})).eval()
 
 
+def _word_tokenizer():
+    """A fast tokenizer of 100 words ``w0 .. w98`` and ``[UNK]``, split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(99)} | {"[UNK]": 99}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A checkpoint directory of :func:`_tiny` and :func:`_word_tokenizer` (~100 kB)."""
+    d = tmp_path_factory.mktemp("tiny_llama")
+    _tiny().save_pretrained(d)
+    _word_tokenizer().save_pretrained(d)
+    return d
+
+
+WORDS = " ".join(f"w{i % 99}" for i in range(40))
+
+
 LLAMA3 = dict(
     rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64,
@@ -229,3 +252,35 @@ def test_bad_texts_and_max_tokens_are_refused(smol):
     assert len(tok("a").input_ids) == 1
     with pytest.raises(PH.CalibrationError, match=r"text 1 has 1 token\(s\)"):
         PH.collect_from_model(model, tok, [LONG, "a"], model_name="s", max_tokens=MAX_TOKENS)
+
+
+def test_tiny_checkpoint_is_collected(tiny_dir):
+    cal = PH.collect(tiny_dir, [WORDS, "w1 w2 w3"], max_tokens=32)
+    assert cal.model_name == tiny_dir.name
+    assert [tuple(kv.shape) for kv in cal.kv] == [(2, 2, 32, 2, 8), (2, 2, 3, 2, 8)]
+    assert cal.metric.shape == (2, 2, 16, 16) and cal.inv_freq.shape == (4,)
+
+
+BAD_TEXTS = {  # name: (texts, message)
+    "str": ("w1 w2 w3", r"texts must be a sequence of str, got a str \(a single text: pass \[text\]\)"),
+    "bytes": (b"w1 w2 w3", "texts must be a sequence of str, got a bytes"),
+    "bytes-text": (["w1 w2", b"w1 w2"], "text 1 is a bytes, not a str"),
+    "none-text": ([None], "text 0 is a NoneType, not a str"),
+    "int": (7, "texts must be a sequence of str, got a int"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD_TEXTS))
+def test_texts_that_are_not_a_sequence_of_str_are_refused(name, tiny_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    texts, match = BAD_TEXTS[name]
+    with pytest.raises(PH.CalibrationError, match=match):
+        PH.collect_from_model(_tiny(), _word_tokenizer(), texts, model_name="t")
+
+    def no_load(*a, **kw):
+        raise AssertionError("collect loaded the model before checking the texts")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(PH.CalibrationError, match=match):
+        PH.collect(tiny_dir, texts)

@@ -17,7 +17,7 @@ not depend on the sequence length (e.g. ``default``, ``llama3``; not ``yarn``, `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +212,22 @@ def metric_from(model: Any, token_ids: Sequence[torch.Tensor]) -> torch.Tensor:
     return _run(model, token_ids, keep_kv=False)[0]
 
 
+def _check_inputs(texts: Iterable[str], max_tokens: int) -> list[str]:
+    """``texts`` as a list, each checked to be a ``str`` (a ``str`` or ``bytes`` itself is refused:
+    iterating it would give one text per character); ``max_tokens >= 2``."""
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Iterable):
+        raise CalibrationError(
+            f"texts must be a sequence of str, got a {type(texts).__name__} (a single text: pass [text])"
+        )
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise CalibrationError(f"text {i} is a {type(text).__name__}, not a str")
+    if max_tokens < 2:
+        raise CalibrationError(f"max_tokens must be >= 2, got {max_tokens}")
+    return texts
+
+
 def collect_from_model(
     model: Any, tokenizer: Any, texts: Sequence[str], *, model_name: str, max_tokens: int = 4096
 ) -> Calibration:
@@ -220,11 +236,11 @@ def collect_from_model(
     ``max_tokens`` tokens, one forward with ``use_cache=True`` giving its KV and its queries.
 
     Raises:
-        CalibrationError: ``max_tokens < 2``, no texts, a text of fewer than 2 tokens, or an
+        CalibrationError: ``max_tokens < 2``; ``texts`` a ``str`` or ``bytes`` (not a sequence of
+            texts), empty, or holding anything but a ``str``; a text of fewer than 2 tokens; an
             unsupported model (see the module doc and :func:`rotary_inv_freq`).
     """
-    if max_tokens < 2:
-        raise CalibrationError(f"max_tokens must be >= 2, got {max_tokens}")
+    texts = _check_inputs(texts, max_tokens)
     inv_freq = rotary_inv_freq(model)
     ids = [torch.tensor(tokenizer(t).input_ids[:max_tokens], dtype=torch.int64) for t in texts]
     metric, kv = _run(model, ids, keep_kv=True)
@@ -239,11 +255,13 @@ def collect(
 
     Raises:
         CalibrationError: the directory or its ``config.json`` is missing, the checkpoint is not a
-            causal LM, or as :func:`collect_from_model`.
+            causal LM, or as :func:`collect_from_model` (the texts and ``max_tokens`` are checked
+            before anything is loaded).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    texts = _check_inputs(texts, max_tokens)
     path = Path(model_dir)
     if not path.is_dir():
         raise CalibrationError(f"checkpoint directory {path} does not exist")
