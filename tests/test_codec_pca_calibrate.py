@@ -194,6 +194,25 @@ def test_calibration_and_fit_errors_exit_1(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "m.lmtpca").exists()
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("{bad", r"config: OSError: It looks like the config file at '\S+' is not a valid JSON file"),
+        ('{"model_type": "nosuch"}', "config: ValueError: The checkpoint .* model type `nosuch`"),
+    ],
+    ids=["bad-json", "unknown-model-type"],
+)
+def test_checkpoints_transformers_cannot_load_exit_1_with_one_line(config, message, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(config)
+    argv = _argv(tmp_path)
+    argv[1] = str(ckpt)
+    assert C.main(argv) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"lmtier\.codec\.pca: error: {re.escape(str(ckpt))}: cannot load the {message}.*\n", err), err
+
+
 def test_python_dash_m_reports_a_usage_error_without_a_traceback(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "lmtier.codec.pca", *_argv(tmp_path, text="no.txt")],

@@ -5,6 +5,10 @@ Gram matrix (V); llama3 scaling is taken from the model; every unsupported input
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -284,3 +288,58 @@ def test_texts_that_are_not_a_sequence_of_str_are_refused(name, tiny_dir, monkey
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
     with pytest.raises(PH.CalibrationError, match=match):
         PH.collect(tiny_dir, texts)
+
+
+def _edit_config(d, **kw):
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **kw}))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+BROKEN = {  # name: (damage to a copy of the tiny checkpoint, message after "{dir}: cannot load the ")
+    "bad-json": (
+        lambda d: (d / "config.json").write_text("{bad"),
+        r"config: OSError: It looks like the config file at '\S+config\.json' is not a valid JSON file\.",
+    ),
+    "unknown-model-type": (
+        lambda d: _edit_config(d, model_type="nosuch"),
+        "config: ValueError: The checkpoint you are trying to load has model type `nosuch` but Transformers "
+        "does not recognize this architecture.",
+    ),
+    "bad-field": (
+        lambda d: _edit_config(d, num_hidden_layers="two"),
+        "config: StrictDataclassFieldValidationError: Validation error for field 'num_hidden_layers': TypeError",
+    ),
+    "no-tokenizer": (
+        lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+        r"tokenizer: ValueError: Couldn't instantiate the backend tokenizer from one of: \(1\) a `tokenizers`",
+    ),
+    "no-weights": (
+        lambda d: (d / "model.safetensors").unlink(),
+        "model: OSError: Error no file named model.safetensors, or pytorch_model.bin, found in directory",
+    ),
+    "truncated-weights": (
+        lambda d: _truncate(d / "model.safetensors"),
+        "model: SafetensorError: Error while deserializing header: incomplete metadata, file not fully covered",
+    ),
+    "shape-mismatch": (
+        lambda d: _edit_config(d, intermediate_size=48),
+        "model: RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an error.",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_checkpoints_transformers_cannot_load_are_refused_naming_the_directory(name, tiny_dir, tmp_path):
+    damage, message = BROKEN[name]
+    d = shutil.copytree(tiny_dir, tmp_path / "ckpt")
+    damage(d)
+    with pytest.raises(PH.CalibrationError) as e:
+        PH.collect(d, [WORDS])
+    why = str(e.value)
+    assert why.startswith(f"{d}: cannot load the ") and "\n" not in why  # one line: the command prints it so
+    assert re.match(message, why.removeprefix(f"{d}: cannot load the ")), why
+    assert e.value.__cause__ is not None and type(e.value.__cause__).__name__ in why

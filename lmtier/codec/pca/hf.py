@@ -17,7 +17,7 @@ not depend on the sequence length (e.g. ``default``, ``llama3``; not ``yarn``, `
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,20 @@ def collect_from_model(
     return Calibration(kv=kv, inv_freq=inv_freq, metric=metric, model_name=model_name)
 
 
+def _load(path: Path, what: str, load: Callable[[], Any]) -> Any:
+    """``load()``; any error it raises as a :class:`CalibrationError` naming ``path`` and ``what``.
+
+    Catches ``Exception``: transformers, huggingface_hub, safetensors and torch each raise their own
+    type for an unusable checkpoint (OSError, ValueError, RuntimeError, SafetensorError,
+    StrictDataclassFieldValidationError, ...); the original stays chained as ``__cause__``.
+    """
+    try:
+        return load()
+    except Exception as e:
+        why = " ".join(str(e).split()) or "no message"
+        raise CalibrationError(f"{path}: cannot load the {what}: {type(e).__name__}: {why}") from e
+
+
 def collect(
     model_dir: str | Path, texts: Sequence[str], *, max_tokens: int = 4096, dtype: torch.dtype = torch.float32
 ) -> Calibration:
@@ -254,9 +268,12 @@ def collect(
     loaded in ``dtype`` on the CPU; ``model_name`` = the directory's name, ``.`` resolved).
 
     Raises:
-        CalibrationError: the directory or its ``config.json`` is missing, the checkpoint is not a
-            causal LM, or as :func:`collect_from_model` (the texts and ``max_tokens`` are checked
-            before anything is loaded).
+        CalibrationError: the directory or its ``config.json`` is missing; transformers cannot load
+            the config (invalid JSON, an unknown ``model_type``, a bad field), the tokenizer (no
+            tokenizer files) or the model (no weights, a truncated or corrupt weights file, shapes
+            that differ from the config), the message naming the directory and transformers' error;
+            the checkpoint is not a causal LM; or as :func:`collect_from_model` (the texts and
+            ``max_tokens`` are checked before anything is loaded).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -267,9 +284,11 @@ def collect(
         raise CalibrationError(f"checkpoint directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise CalibrationError(f"{path} holds no config.json: not a transformers checkpoint")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = _load(path, "config", lambda: AutoConfig.from_pretrained(path, local_files_only=True))
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise CalibrationError(f"{path}: model type {config.model_type!r} is not a causal LM")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = _load(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
+    model = _load(
+        path, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    )
     return collect_from_model(model, tokenizer, texts, model_name=path.resolve().name, max_tokens=max_tokens)
