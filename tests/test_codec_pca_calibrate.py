@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import subprocess
 import sys
@@ -118,14 +119,29 @@ USAGE = {  # name: (argv change, message)
     "group-0": (dict(extra=["--layer-group", "0"]), r"--layer-group must be >= 1, got 0"),
     "group-not-int": (dict(extra=["--layer-group", "six"]), r"argument --layer-group: invalid int value: 'six'"),
     "no-out": (dict(out=None), r"the following arguments are required: --out"),
+    "model-missing": (dict(model="nowhere"), r"--model \S+nowhere: no such directory"),
+    "model-is-file": (dict(model="a.txt"), r"--model \S+a\.txt: not a directory"),
+    "model-no-config": (dict(model="."), r"--model \S+ holds no config\.json: not a transformers checkpoint"),
 }  # fmt: skip
 
 
-def _argv(d, text="a.txt", out="m.lmtpca", extra=()) -> list[str]:
+def _checkpoint(d, num_layers=L, num_kv_heads=H, head_size=D):
+    """``d``/ckpt holding only a Llama ``config.json`` of this geometry (4 query heads per KV head)."""
+    config = dict(model_type="llama", num_hidden_layers=num_layers, num_attention_heads=4 * num_kv_heads)
+    config.update(num_key_value_heads=num_kv_heads, head_dim=head_size, hidden_size=64)
+    (d / "ckpt").mkdir(exist_ok=True)
+    (d / "ckpt" / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return d / "ckpt"
+
+
+def _argv(d, text="a.txt", out="m.lmtpca", extra=(), model="ckpt") -> list[str]:
+    """Arguments of a run in ``d``; the model ``d``/ckpt (:func:`_checkpoint`) unless ``model`` names another."""
     (d / "a.txt").write_text("Calibration text.", encoding="utf-8")
     (d / "empty.txt").write_text(" \n", encoding="utf-8")
     (d / "latin1.txt").write_bytes(b"abc\xff")
-    argv = ["--model", str(MODEL_DIR), "--text-file", str(d / "a.txt"), "--text-file", str(d / text), "--no-metric"]
+    if not (d / "ckpt").exists():
+        _checkpoint(d)
+    argv = ["--model", str(d / model), "--text-file", str(d / "a.txt"), "--text-file", str(d / text), "--no-metric"]
     return argv + (["--out", str(d / out)] if out else []) + list(extra)
 
 
@@ -176,17 +192,12 @@ def test_default_layer_group_is_the_divisor_nearest_6(tmp_path, capsys, monkeypa
     assert C.main(_argv(tmp_path, extra=["--max-tokens", "64", "--outlier-share", "0.01"])) == 1
     assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
     assert seen["layer_group"] == 6 and seen["starts"] == [0] and seen["metric"] is None
-    assert (seen["outlier_share"], seen["name"]) == (0.01, MODEL_DIR.name)
+    assert (seen["outlier_share"], seen["name"]) == (0.01, "ckpt")
     assert seen["info"] == dict(texts=["a.txt", "a.txt"], max_tokens=64, metric="none")
     assert not (tmp_path / "m.lmtpca").exists()
 
 
 def test_calibration_and_fit_errors_exit_1(tmp_path, capsys, monkeypatch):
-    argv = _argv(tmp_path)
-    argv[1] = str(tmp_path)  # a model directory without config.json: CalibrationError before loading
-    assert C.main(argv) == 1
-    why = f"{tmp_path} holds no config.json: not a transformers checkpoint"
-    assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
     nan = torch.full((L, 2, 4, H, D), float("nan"), dtype=torch.bfloat16)
     monkeypatch.setattr(PH, "collect", _fake(nan))  # the real fit's ValueError
     assert C.main(_argv(tmp_path, extra=["--layer-group", "6"])) == 1
@@ -206,9 +217,7 @@ def test_checkpoints_transformers_cannot_load_exit_1_with_one_line(config, messa
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(config)
-    argv = _argv(tmp_path)
-    argv[1] = str(ckpt)
-    assert C.main(argv) == 1
+    assert C.main(_argv(tmp_path)) == 1
     err = capsys.readouterr().err
     assert re.fullmatch(rf"lmtier\.codec\.pca: error: {re.escape(str(ckpt))}: cannot load the {message}.*\n", err), err
 

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--outlier-share must be in [0, 1), got {a.outlier_share}")
     if a.layer_group is not None and a.layer_group < 1:
         ap.error(f"--layer-group must be >= 1, got {a.layer_group}")
+    if not a.model.is_dir():
+        ap.error(f"--model {a.model}: " + ("not a directory" if a.model.exists() else "no such directory"))
+    if not (a.model / "config.json").is_file():
+        ap.error(f"--model {a.model} holds no config.json: not a transformers checkpoint")
     texts = _read_texts(ap, a.text_file)
     try:
         cal = hf.collect(a.model, texts, max_tokens=a.max_tokens)
