@@ -164,21 +164,66 @@ def test_usage_errors_exit_2_before_loading(name, tmp_path, capsys, monkeypatch)
 
 
 def _fake(kv: torch.Tensor):
-    """A Calibration of SmolLM2's geometry holding ``kv`` (no model run)."""
-    metric = torch.zeros(L, 2, H * D, H * D, dtype=torch.float64)
-    return lambda *a, **kw: PH.Calibration([kv], np.ones(D // 2), metric, "fake")
+    """A collect returning a Calibration holding ``kv`` (no model run; no metric: runs use --no-metric)."""
+    no_metric = torch.zeros(0, dtype=torch.float64)
+    return lambda *a, **kw: PH.Calibration([kv], np.ones(kv.shape[-1] // 2), no_metric, "fake")
+
+
+def _zeros(num_layers=L, tokens=4, num_kv_heads=H, head_size=D):
+    return torch.zeros(num_layers, 2, tokens, num_kv_heads, head_size, dtype=torch.bfloat16)
 
 
 def test_layer_group_must_divide_the_layers(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(PH, "collect", _fake(torch.zeros(L, 2, 4, H, D, dtype=torch.bfloat16)))
+    monkeypatch.setattr(PH, "collect", _no_model)  # config.json tells the layers
     line = _usage_error(capsys, _argv(tmp_path, extra=["--layer-group", "4"]))
     divisors = "[1, 2, 3, 5, 6, 10, 15, 30]"
     assert line.endswith(f"error: --layer-group 4 does not divide the model's 30 layers; use one of {divisors}")
+    _checkpoint(tmp_path, num_kv_heads=16, head_size=128)  # H*D = 2048: G <= 4
+    line = _usage_error(capsys, _argv(tmp_path, extra=["--layer-group", "4"]))
+    assert line.endswith("error: --layer-group 4 does not divide the model's 30 layers; use one of [1, 2, 3]")
 
 
-def test_default_layer_group_is_the_divisor_nearest_6(tmp_path, capsys, monkeypatch):
+def test_layer_group_over_the_vector_limit_is_a_usage_error_naming_the_largest(tmp_path, capsys, monkeypatch):
+    assert pca.model.MAX_VECTOR_SIZE == 8192
+    monkeypatch.setattr(PH, "collect", _no_model)
+    _checkpoint(tmp_path, num_kv_heads=16, head_size=128)
+    line = _usage_error(capsys, _argv(tmp_path, extra=["--layer-group", "5"]))
+    want = "--layer-group 5: N = G*H*D = 5*16*128 = 10240 values per vector exceed the limit of 8192; the largest "
+    assert line.endswith(f"error: {want}allowed layer group is 3"), line
+
+
+def test_model_too_large_for_any_layer_group_exits_1_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(PH, "collect", _no_model)
+    _checkpoint(tmp_path, num_kv_heads=64, head_size=256)
+    why = (
+        "the model's H*D = 64*256 = 16384 values per layer are too large for the PCA levels: a vector holds "
+        "N = G*H*D <= 8192 values, exceeded even at G = 1"
+    )
+    for extra in ([], ["--layer-group", "1"]):
+        assert C.main(_argv(tmp_path, extra=extra)) == 1
+        assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
+    with pytest.raises(PH.CalibrationError, match=re.escape(why)):
+        C.default_layer_group(30, num_kv_heads=64, head_size=256)
+
+
+def test_layer_group_is_checked_again_on_the_collected_kv(tmp_path, capsys, monkeypatch):
+    """config.json may not tell the truth (or be readable without transformers): the KV decides."""
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(num_layers=28)))
+    line = _usage_error(capsys, _argv(tmp_path, extra=["--layer-group", "5"]))  # 5 divides config.json's 30
+    assert line.endswith(
+        "error: --layer-group 5 does not divide the model's 28 layers; use one of [1, 2, 4, 7, 14, 28]"
+    )
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(tokens=1, num_kv_heads=64, head_size=256)))
+    assert C.main(_argv(tmp_path)) == 1
+    assert "the model's H*D = 64*256 = 16384 values per layer are too large" in capsys.readouterr().err
+
+
+def test_default_layer_group_is_the_divisor_nearest_6_within_the_limit(tmp_path, capsys, monkeypatch):
     want = {30: 6, 32: 4, 28: 7, 24: 6, 22: 2, 16: 4, 80: 5, 7: 7, 1: 1}  # 32, 16: 4 and 8 tie -> the smaller
-    assert {n: C.default_layer_group(n) for n in want} == want
+    assert {n: C.default_layer_group(n, num_kv_heads=H, head_size=D) for n in want} == want
+    # N = G*H*D <= 8192: H*D = 1024 allows G <= 8, 2048 G <= 4, 8192 G = 1
+    limited = {(30, 8, 128): 6, (32, 8, 128): 4, (30, 16, 128): 3, (24, 8, 256): 4, (28, 16, 128): 4, (30, 32, 256): 1}
+    assert {k: C.default_layer_group(k[0], num_kv_heads=k[1], head_size=k[2]) for k in limited} == limited
     seen = {}
 
     why = "PCA level pca_high: no step codes the calibration KV at 5.0x within 0.5 %"
@@ -187,7 +232,7 @@ def test_default_layer_group_is_the_divisor_nearest_6(tmp_path, capsys, monkeypa
         seen.update(kw, starts=starts)
         raise RuntimeError(why)
 
-    monkeypatch.setattr(PH, "collect", _fake(torch.zeros(L, 2, 4, H, D, dtype=torch.bfloat16)))
+    monkeypatch.setattr(PH, "collect", _fake(_zeros()))
     monkeypatch.setattr(C, "fit", fit)
     assert C.main(_argv(tmp_path, extra=["--max-tokens", "64", "--outlier-share", "0.01"])) == 1
     assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
@@ -195,6 +240,10 @@ def test_default_layer_group_is_the_divisor_nearest_6(tmp_path, capsys, monkeypa
     assert (seen["outlier_share"], seen["name"]) == (0.01, "ckpt")
     assert seen["info"] == dict(texts=["a.txt", "a.txt"], max_tokens=64, metric="none")
     assert not (tmp_path / "m.lmtpca").exists()
+    _checkpoint(tmp_path, num_kv_heads=16, head_size=128)  # the limit allows G <= 4 of H*D = 2048
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(num_kv_heads=16, head_size=128)))
+    assert C.main(_argv(tmp_path)) == 1
+    assert seen["layer_group"] == 3
 
 
 def test_calibration_and_fit_errors_exit_1(tmp_path, capsys, monkeypatch):

@@ -343,3 +343,32 @@ def test_checkpoints_transformers_cannot_load_are_refused_naming_the_directory(n
     assert why.startswith(f"{d}: cannot load the ") and "\n" not in why  # one line: the command prints it so
     assert re.match(message, why.removeprefix(f"{d}: cannot load the ")), why
     assert e.value.__cause__ is not None and type(e.value.__cause__).__name__ in why
+
+
+GEOMETRY = {  # name: (config.json text, (L, H, D) or None)
+    "head_dim": ('{"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}',
+                 (30, 3, 64)),
+    "hidden/heads": ('{"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, '
+                     '"hidden_size": 4096, "head_dim": null}', (32, 8, 128)),
+    "no-kv-heads": ('{"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32}', (2, 4, 8)),
+    "no-layers": ('{"num_attention_heads": 4, "hidden_size": 32}', None),
+    "bool-layers": ('{"num_hidden_layers": true, "num_attention_heads": 4, "hidden_size": 32}', None),
+    "uneven": ('{"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 32}', None),
+    "not-an-object": ("[1, 2]", None),
+    "bad-json": ("{bad", None),
+    "not-utf8": (b"\xff", None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(GEOMETRY))
+def test_checkpoint_geometry_reads_config_json(name, tmp_path):
+    text, want = GEOMETRY[name]
+    f = tmp_path / "config.json"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert PH.checkpoint_geometry(tmp_path) == want
+    assert PH.checkpoint_geometry(tmp_path / "missing") is None
+
+
+def test_checkpoint_geometry_agrees_with_the_collected_kv(tiny_dir):
+    nl, _, _, h, d = PH.collect(tiny_dir, [WORDS], max_tokens=8).kv[0].shape
+    assert PH.checkpoint_geometry(tiny_dir) == (nl, h, d) == (2, 2, 8)

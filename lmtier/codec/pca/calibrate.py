@@ -8,13 +8,17 @@ Each text file (UTF-8) is one calibration text, cut to its first ``--max-tokens`
 from 0, the model metric unless ``--no-metric``) and :func:`.model.save` writes the model file.
 Printed: one line per level (its fitted relative step ``c`` and the calibration ratio it was fitted
 to), then the model id and the file's size. The covariance of ``N = G * H * D`` values per vector
-needs several times ``N`` tokens in all: a few thousand tokens of varied text. ``--layer-group``
-defaults to the divisor of the model's layers nearest 6, ties to the smaller
-(:func:`default_layer_group`); the layers are known once the model has run.
+needs several times ``N`` tokens in all: a few thousand tokens of varied text. ``N`` is at most
+:data:`.model.MAX_VECTOR_SIZE` (8192): ``--layer-group`` must divide the model's layers and keep
+``G * H * D`` within it, and defaults to the divisor of the layers nearest 6 that does, ties to the
+smaller (:func:`default_layer_group`). The layers ``L``, KV heads ``H`` and head size ``D`` are read
+from the checkpoint's ``config.json`` before the model is loaded (:func:`.hf.checkpoint_geometry`)
+and checked again on the KV the model produced.
 
-Exit status: 0 written; 2 a usage error (checked before the model is loaded where the arguments
-alone tell; a ``--layer-group`` that does not divide the layers only after); 1 the calibration or
-the fit failed (one line ``lmtier.codec.pca: error: ...``).
+Exit status: 0 written; 2 a usage error (checked before the model is loaded where the arguments and
+``config.json`` tell: a missing ``--model`` or ``config.json``, a ``--layer-group`` that does not
+divide ``L`` or exceeds the limit); 1 the calibration or the fit failed, or the model's ``H * D`` is
+too large for the PCA levels even at ``G = 1`` (one line ``lmtier.codec.pca: error: ...``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 from . import hf
 from .fit import fit
 from .levels import PCA_LEVELS
-from .model import save
+from .model import MAX_VECTOR_SIZE, save
 
 __all__ = ["DEFAULT_LAYER_GROUP", "default_layer_group", "main"]
 
@@ -41,10 +45,47 @@ def _divisors(n: int) -> list[int]:
     return [g for g in range(1, n + 1) if n % g == 0]
 
 
-def default_layer_group(num_layers: int) -> int:
-    """The divisor of ``num_layers`` nearest :data:`DEFAULT_LAYER_GROUP` (ties: the smaller one):
-    30 layers -> 6, 32 -> 4, 28 -> 7, 22 -> 2."""
-    return min(_divisors(num_layers), key=lambda g: (abs(g - DEFAULT_LAYER_GROUP), g))
+def _layer_groups(num_layers: int, layer_values: int) -> list[int]:
+    """The divisors ``G`` of ``num_layers`` whose vectors of ``N = G * layer_values`` values fit
+    :data:`.model.MAX_VECTOR_SIZE` (``layer_values = H * D``)."""
+    return [g for g in _divisors(num_layers) if g * layer_values <= MAX_VECTOR_SIZE]
+
+
+def default_layer_group(num_layers: int, *, num_kv_heads: int, head_size: int) -> int:
+    """Among the divisors ``G`` of ``num_layers`` with ``N = G * num_kv_heads * head_size <=``
+    :data:`.model.MAX_VECTOR_SIZE`, the one nearest :data:`DEFAULT_LAYER_GROUP` (ties: the smaller
+    one): at ``H * D = 192`` 30 layers -> 6, 32 -> 4, 28 -> 7, 22 -> 2; at ``H * D = 2048`` (``G <= 4``)
+    30 layers -> 3.
+
+    Raises:
+        CalibrationError: ``num_kv_heads * head_size`` exceeds the limit (no ``G`` fits).
+    """
+    hd = num_kv_heads * head_size
+    groups = _layer_groups(num_layers, hd)
+    if not groups:
+        raise hf.CalibrationError(
+            f"the model's H*D = {num_kv_heads}*{head_size} = {hd} values per layer are too large for the PCA "
+            f"levels: a vector holds N = G*H*D <= {MAX_VECTOR_SIZE} values, exceeded even at G = 1"
+        )
+    return min(groups, key=lambda g: (abs(g - DEFAULT_LAYER_GROUP), g))
+
+
+def _layer_group(ap: argparse.ArgumentParser, requested: int | None, num_layers: int, h: int, d: int) -> int:
+    """``--layer-group`` (``requested``, ``None`` = the default) checked for ``num_layers`` layers of
+    ``h`` KV heads of size ``d``: a usage error (exit 2) if it does not divide the layers or
+    ``G*H*D`` exceeds the limit; :class:`.hf.CalibrationError` if no ``G`` fits."""
+    default = default_layer_group(num_layers, num_kv_heads=h, head_size=d)
+    if requested is None:
+        return default
+    groups = _layer_groups(num_layers, h * d)
+    if num_layers % requested:
+        ap.error(f"--layer-group {requested} does not divide the model's {num_layers} layers; use one of {groups}")
+    if requested * h * d > MAX_VECTOR_SIZE:
+        ap.error(
+            f"--layer-group {requested}: N = G*H*D = {requested}*{h}*{d} = {requested * h * d} values per vector "
+            f"exceed the limit of {MAX_VECTOR_SIZE}; the largest allowed layer group is {max(groups)}"
+        )
+    return requested
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", **path, metavar="DIR", help="checkpoint directory (transformers, local files)")
     ap.add_argument("--text-file", **path, action="append", metavar="F", help="a UTF-8 calibration text (repeatable)")
     ap.add_argument("--out", **path, metavar="FILE", help="the model file to write (replaced if it exists)")
-    g_help = f"adjacent layers per basis, a divisor of the layers (default: the one nearest {DEFAULT_LAYER_GROUP})"
+    g_help = (
+        f"adjacent layers per basis, a divisor of the layers with G*H*D <= {MAX_VECTOR_SIZE} "
+        f"(default: the one nearest {DEFAULT_LAYER_GROUP})"
+    )
     ap.add_argument("--layer-group", type=int, metavar="G", help=g_help)
     ap.add_argument("--max-tokens", type=int, default=4096, metavar="T", help="tokens of each text (%(default)s)")
     s_help = "share of tokens kept exact, in [0, 1) (%(default)s)"
@@ -105,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.model / "config.json").is_file():
         ap.error(f"--model {a.model} holds no config.json: not a transformers checkpoint")
     texts = _read_texts(ap, a.text_file)
+    geometry = hf.checkpoint_geometry(a.model)
     try:
+        if geometry is not None:  # config.json's word: the layer group's errors before the model run
+            _layer_group(ap, a.layer_group, *geometry)
         cal = hf.collect(a.model, texts, max_tokens=a.max_tokens)
+        nl, _, _, h, d = cal.kv[0].shape  # the KV's geometry is the one of record
+        g = _layer_group(ap, a.layer_group, nl, h, d)
     except hf.CalibrationError as e:
         return _fail(e)
-    nl = cal.kv[0].shape[0]
-    g = default_layer_group(nl) if a.layer_group is None else a.layer_group
-    if nl % g:
-        ap.error(f"--layer-group {g} does not divide the model's {nl} layers; use one of {_divisors(nl)}")
     metric = "none" if a.no_metric else "model"
     try:
         m = fit(

@@ -6,7 +6,8 @@ runs the model and returns what the fit needs, as a :class:`Calibration`: the ca
 text, the rotary inverse frequencies and the model metric. :func:`collect` loads a checkpoint
 directory (local files only, CPU); :func:`collect_from_model` takes a loaded ``(model, tokenizer)``
 (e.g. a layer-pruned model built in memory); :func:`metric_from` and :func:`rotary_inv_freq` are the
-two facts on their own.
+two facts on their own; :func:`checkpoint_geometry` reads a checkpoint's KV geometry from its
+``config.json`` alone (for checks before loading).
 
 Supported models: decoder-only causal LMs of the Llama family layout (``model.get_decoder()`` with
 ``.layers[i].self_attn.{q_proj, o_proj}`` as ``nn.Linear`` and ``.rotary_emb``), full rotary
@@ -17,6 +18,7 @@ not depend on the sequence length (e.g. ``default``, ``llama3``; not ``yarn``, `
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,15 @@ import torch
 from lmtier.errors import LMTierError
 from lmtier.hf import cache_layers, pack_kv_chunk
 
-__all__ = ["Calibration", "CalibrationError", "collect", "collect_from_model", "metric_from", "rotary_inv_freq"]
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "checkpoint_geometry",
+    "collect",
+    "collect_from_model",
+    "metric_from",
+    "rotary_inv_freq",
+]
 
 
 class CalibrationError(LMTierError, ValueError):
@@ -245,6 +255,30 @@ def collect_from_model(
     ids = [torch.tensor(tokenizer(t).input_ids[:max_tokens], dtype=torch.int64) for t in texts]
     metric, kv = _run(model, ids, keep_kv=True)
     return Calibration(kv=kv, inv_freq=inv_freq, metric=metric, model_name=model_name)
+
+
+def checkpoint_geometry(model_dir: str | Path) -> tuple[int, int, int] | None:
+    """``(L, H, D)`` -- layers, KV heads, head size -- as the ``config.json`` of the checkpoint in
+    ``model_dir`` states them, read without transformers or the weights: ``num_hidden_layers``,
+    ``num_key_value_heads`` (default ``num_attention_heads``), ``head_dim`` (default
+    ``hidden_size // num_attention_heads``). ``None`` if the file is unreadable or lacks these as
+    positive integers. A check before loading only: :func:`collect`'s KV is the geometry of record.
+    """
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+
+    def positive(key: str) -> int | None:
+        v = config.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    nl, nq, hidden = positive("num_hidden_layers"), positive("num_attention_heads"), positive("hidden_size")
+    nkv = positive("num_key_value_heads") or nq
+    d = positive("head_dim") or (hidden // nq if hidden and nq and hidden % nq == 0 else None)
+    return (nl, nkv, d) if nl and nkv and d else None
 
 
 def _load(path: Path, what: str, load: Callable[[], Any]) -> Any:
