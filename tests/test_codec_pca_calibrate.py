@@ -20,11 +20,12 @@ from lmtier.codec import pca
 from lmtier.codec.pca import calibrate as C
 from lmtier.codec.pca import hf as PH
 from lmtier.testing.vllm import MODEL_DIR
+from tests.test_codec_pca_hf import save_tiny_checkpoint
 
 needs_model = pytest.mark.skipif(
     not (MODEL_DIR / "model.safetensors").exists(), reason=f"SmolLM2-135M not present in {MODEL_DIR}"
 )
-TEXTS = {  # 439 tokens in all: the fit then takes ~25 s on one loaded core
+TEXTS = {  # 439 tokens in all, >= 2*N at G = 1 (N = 192): model run and fit ~25 s on one loaded core
     "tiers.txt": "KV caches are stored in tiers: GPU memory, host memory, local disk and remote stores. The eviction "
     "policy decides which blocks leave the GPU first, and write-back copies them down. " * 4,
     "fib.py": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
@@ -33,7 +34,7 @@ TEXTS = {  # 439 tokens in all: the fit then takes ~25 s on one loaded core
     "black quartz, judge my vow. Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. " * 2,
 }
 L, H, D = 30, 3, 64  # SmolLM2-135M: layers, KV heads, head size
-REL_BOUND = {"pca_high": 0.005, "pca_default": 0.03}  # measured 0.0009 / 0.0054 (in-sample: the basis fits it)
+REL_BOUND = {"pca_high": 0.05, "pca_default": 0.12}  # measured 0.033 / 0.080 at G = 1 (N = 192 < 439 tokens)
 
 
 def _write_texts(d) -> list[str]:
@@ -60,7 +61,7 @@ def run(tmp_path_factory):
     argv = ["--model", str(MODEL_DIR), *_write_texts(d), "--out", str(d / "smol.lmtpca")]
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         mp.setattr(PH, "collect", spy)
-        rc = C.main([*argv, "--max-tokens", "256", "--layer-group", "6"])
+        rc = C.main([*argv, "--max-tokens", "256", "--layer-group", "1"])
     return rc, out.getvalue(), err.getvalue(), d / "smol.lmtpca", seen[0]
 
 
@@ -77,9 +78,9 @@ def test_writes_a_model_file_of_the_printed_id(run):
     hit = re.fullmatch(r"model id (0x[0-9a-f]{8}): (\S+) \((\d+) bytes; .*", lines[2])
     assert hit and int(hit[1], 16) == m.model_id and hit[2] == str(path) and int(hit[3]) == path.stat().st_size
     tokens = sum(kv.shape[2] for kv in cal.kv)
-    assert 300 < tokens < 2 * 6 * H * D and "warning: " in err  # few tokens for N = 1152: warned
+    assert 2 * H * D <= tokens < 512 and "error" not in err  # G = 1: N = 192, at least 384 tokens needed
     assert sorted(m.levels) == ["pca_default", "pca_high"]
-    assert (m.name, m.num_layers, m.num_heads, m.head_size, m.layer_group) == (MODEL_DIR.name, L, H, D, 6)
+    assert (m.name, m.num_layers, m.num_heads, m.head_size, m.layer_group) == (MODEL_DIR.name, L, H, D, 1)
     assert np.array_equal(m.inv_freq, cal.inv_freq)
     assert m.info == dict(
         texts=list(TEXTS), max_tokens=256, metric="model", calibration_tokens=tokens, outlier_share=0.002
@@ -226,30 +227,82 @@ def test_default_layer_group_is_the_divisor_nearest_6_within_the_limit(tmp_path,
     assert {k: C.default_layer_group(k[0], num_kv_heads=k[1], head_size=k[2]) for k in limited} == limited
     seen = {}
 
-    why = "PCA level pca_high: no step codes the calibration KV at 5.0x within 0.5 %"
+    why = "PCA level pca_high: no step codes the calibration KV at 5.0x within 0.5 % (last: c 0.1)"
 
     def fit(kvs, starts, **kw):  # the arguments the command fits with, then a fit failure (exit 1)
         seen.update(kw, starts=starts)
         raise RuntimeError(why)
 
-    monkeypatch.setattr(PH, "collect", _fake(_zeros()))
+    _checkpoint(tmp_path, num_kv_heads=1, head_size=8)  # G = 6: N = 48, 96 tokens needed
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(tokens=96, num_kv_heads=1, head_size=8)))
     monkeypatch.setattr(C, "fit", fit)
     assert C.main(_argv(tmp_path, extra=["--max-tokens", "64", "--outlier-share", "0.01"])) == 1
-    assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
+    hint = (
+        "fitted on 96 calibration tokens for N = 48 values per vector with outlier share 0.01: more varied text "
+        "(several times N tokens), a smaller --layer-group or a smaller --outlier-share may let it fit"
+    )
+    assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\nlmtier.codec.pca: hint: {hint}\n"
     assert seen["layer_group"] == 6 and seen["starts"] == [0] and seen["metric"] is None
     assert (seen["outlier_share"], seen["name"]) == (0.01, "ckpt")
     assert seen["info"] == dict(texts=["a.txt", "a.txt"], max_tokens=64, metric="none")
     assert not (tmp_path / "m.lmtpca").exists()
     _checkpoint(tmp_path, num_kv_heads=16, head_size=128)  # the limit allows G <= 4 of H*D = 2048
     monkeypatch.setattr(PH, "collect", _fake(_zeros(num_kv_heads=16, head_size=128)))
-    assert C.main(_argv(tmp_path)) == 1
-    assert seen["layer_group"] == 3
+    assert C.main(_argv(tmp_path)) == 1  # too few tokens: the message names G
+    assert "for N = G*H*D = 3*16*128 = 6144 values per vector" in capsys.readouterr().err
+
+
+def test_too_few_calibration_tokens_exit_1_before_the_fit(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(C, "fit", lambda *a, **kw: pytest.fail("fitted on too few tokens"))
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(tokens=2303)))  # G = 6: N = 1152
+    assert C.main(_argv(tmp_path, extra=["--max-tokens", "2303"])) == 1
+    why = (
+        "2303 calibration tokens collected (2 texts, --max-tokens 2303) for N = G*H*D = 6*3*64 = 1152 values per "
+        "vector; at least 2*N = 2304 are needed (more or longer texts, a larger --max-tokens, a smaller --layer-group)"
+    )
+    assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(tokens=383)))
+    assert C.main(_argv(tmp_path, extra=["--layer-group", "1"])) == 1  # G = 1: N = 192
+    assert capsys.readouterr().err.endswith("at least 2*N = 384 are needed (more or longer texts)\n")
+    assert not (tmp_path / "m.lmtpca").exists()
+
+
+def test_too_little_text_for_a_real_model_exits_1_naming_the_tokens(tmp_path, capsys):
+    """A real (tiny) checkpoint: 2 layers of 2 KV heads of 8, G = 2, N = 32, 64 tokens needed."""
+    save_tiny_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "words.txt").write_text(" ".join(f"w{i}" for i in range(90)), encoding="utf-8")
+    argv = _argv(tmp_path, text="words.txt", extra=["--max-tokens", "2"])
+    assert C.main(argv) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("lmtier.codec.pca: error: 4 calibration tokens collected (2 texts, --max-tokens 2) for ")
+    assert err.endswith("N = G*H*D = 2*2*8 = 32 values per vector; at least 2*N = 64 are needed (more or longer "
+                        "texts, a larger --max-tokens, a smaller --layer-group)")  # fmt: skip
+
+
+def test_a_fit_no_step_reaches_ends_with_a_hint_on_a_real_model(tmp_path, capsys):
+    """A real (tiny) checkpoint, G = 2, N = 32: 200 tokens fit; with 99 % of them outliers no step
+    reaches 5x, and the hint names the tokens, N and the share."""
+    save_tiny_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "words.txt").write_text(" ".join(f"w{i * 7 % 99}" for i in range(200)), encoding="utf-8")
+    argv = ["--model", str(tmp_path / "ckpt"), "--text-file", str(tmp_path / "words.txt")]
+    argv += ["--out", str(tmp_path / "m.lmtpca")]
+    assert C.main(argv) == 0
+    assert pca.load(tmp_path / "m.lmtpca").layer_group == 2
+    (tmp_path / "m.lmtpca").unlink()
+    capsys.readouterr()
+    assert C.main([*argv, "--outlier-share", "0.99"]) == 1
+    err = capsys.readouterr().err.splitlines()[-2:]
+    assert re.fullmatch(r"lmtier\.codec\.pca: error: PCA level pca_high: no step codes .*", err[0]), err
+    assert err[1].startswith(
+        "lmtier.codec.pca: hint: fitted on 200 calibration tokens for N = 32 values per vector with outlier share 0.99"
+    )
+    assert not (tmp_path / "m.lmtpca").exists()
 
 
 def test_calibration_and_fit_errors_exit_1(tmp_path, capsys, monkeypatch):
-    nan = torch.full((L, 2, 4, H, D), float("nan"), dtype=torch.bfloat16)
+    nan = torch.full((L, 2, 384, H, D), float("nan"), dtype=torch.bfloat16)
     monkeypatch.setattr(PH, "collect", _fake(nan))  # the real fit's ValueError
-    assert C.main(_argv(tmp_path, extra=["--layer-group", "6"])) == 1
+    assert C.main(_argv(tmp_path, extra=["--layer-group", "1"])) == 1
     assert capsys.readouterr().err == "lmtier.codec.pca: error: calibration KV holds NaN or inf\n"
     assert not (tmp_path / "m.lmtpca").exists()
 

@@ -68,13 +68,16 @@ def _word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A checkpoint directory of :func:`_tiny` and :func:`_word_tokenizer` (~100 kB)."""
-    d = tmp_path_factory.mktemp("tiny_llama")
+def save_tiny_checkpoint(d):
+    """Write a checkpoint of :func:`_tiny` and :func:`_word_tokenizer` (~100 kB) to ``d``; returns ``d``."""
     _tiny().save_pretrained(d)
     _word_tokenizer().save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
 
 
 WORDS = " ".join(f"w{i % 99}" for i in range(40))
