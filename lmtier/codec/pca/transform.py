@@ -3,7 +3,7 @@
 Every step is exact integer arithmetic or one correctly rounded float64 operation in a fixed order,
 so a CUDA twin can produce the same bits: the integer GEMMs are computed in float64 here, exact
 because every partial sum is an integer below 2**53 (``|x_int|, |e_int|, |q|, |d_int| <= 32767`` and
-``N <= 8192``, :data:`~.model.MAX_VECTOR_SIZE`, which :class:`~.model.PCAModel` enforces), whatever the
+``N <=`` :data:`~.model.MAX_VECTOR_SIZE`, which :class:`~.model.PCAModel` enforces), whatever the
 summation order.
 """
 
@@ -36,7 +36,7 @@ ENERGY_SCALE = 8.0
 """A token's energy is measured on a grid ``ENERGY_SCALE`` times finer than the quantizer's step (the
 quantized coefficients alone would miss the many components below the step)."""
 EMAX = 1 << 20
-"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for ``N <= 8192``)."""
+"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for ``N <=`` :data:`~.model.MAX_VECTOR_SIZE`)."""
 
 
 def raw_vectors(kv: torch.Tensor, start: int, inv_freq: np.ndarray | None, layer_group: int) -> torch.Tensor:
