@@ -36,7 +36,8 @@ ENERGY_SCALE = 8.0
 """A token's energy is measured on a grid ``ENERGY_SCALE`` times finer than the quantizer's step (the
 quantized coefficients alone would miss the many components below the step)."""
 EMAX = 1 << 20
-"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for ``N <=`` :data:`~.model.MAX_VECTOR_SIZE`)."""
+"""Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for
+``N <=`` :data:`~.model.MAX_VECTOR_SIZE`)."""
 
 
 def raw_vectors(kv: torch.Tensor, start: int, inv_freq: np.ndarray | None, layer_group: int) -> torch.Tensor:
