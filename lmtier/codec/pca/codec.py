@@ -35,8 +35,6 @@ from .model import DIGEST_BYTES, PCAModel
 
 __all__ = ["encode", "decode", "record_meta", "RecordMeta", "sections_per_layer", "MAX_POSITION"]
 
-OFFSET = 127
-ESCAPE = 255
 _META = struct.Struct(f"<qII{DIGEST_BYTES}s")
 _DTYPES = {v: k for k, v in CODEC_DTYPES.items()}
 
@@ -60,10 +58,17 @@ def record_meta(record: Any) -> RecordMeta:
 
     Raises:
         CodecRecordError: not a record, corrupted, or metadata of another size."""
+    return _meta(_unpack(record))
+
+
+def _unpack(record: Any) -> fmt.Record:
     try:
-        rec = fmt.unpack(record)
+        return fmt.unpack(record)
     except ValueError as e:
         raise CodecRecordError(str(e)) from None
+
+
+def _meta(rec: fmt.Record) -> RecordMeta:
     if rec.meta.nbytes != _META.size:
         raise CodecRecordError(f"codec record metadata of {rec.meta.nbytes} bytes, a PCA record has {_META.size}")
     return RecordMeta(*_META.unpack(rec.meta))
@@ -136,9 +141,8 @@ def encode(
     t = x.shape[2]
     fw = tf.forward(model, x, int(start), torch.from_numpy(data.k), torch.from_numpy(data.energy_threshold).double())
     q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
-    esc = q.abs() > OFFSET
-    sym = torch.full((*q.shape[:3], _t32(t)), OFFSET, dtype=torch.uint8)
-    sym[..., :t] = torch.where(esc, torch.full_like(q, ESCAPE), q + OFFSET).to(torch.uint8)
+    sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8)
+    sym[..., :t], esc = tf.symbols(q)
     n = model.vector_size
     streams = list(sym.reshape(2 * model.rows, -1).numpy())
     # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
@@ -177,10 +181,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
             geometry other than the model's, or an element type other than bf16 / fp16.
     """
     _check_model(model)
-    try:
-        rec = fmt.unpack(record)
-    except ValueError as e:
-        raise CodecRecordError(str(e)) from None
+    rec = _unpack(record)
     info = rec.info
     if info.level_id not in PCA_LEVELS_BY_ID:
         raise CodecRecordError(f"codec record of level id {info.level_id}: not a PCA level")
@@ -200,9 +201,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
         )
     if info.dtype not in _DTYPES:
         raise CodecRecordError(f"codec record of dtype {info.dtype.name}: a PCA record holds bf16 or fp16")
-    if rec.meta.nbytes != _META.size:
-        raise CodecRecordError(f"codec record metadata of {rec.meta.nbytes} bytes, a PCA record has {_META.size}")
-    start, n_exact, n_esc, digest = _META.unpack(rec.meta)
+    start, n_exact, n_esc, digest = _meta(rec)
     if digest != model.digest:
         raise CodecRecordError(
             f"codec record coded with PCA model data {digest.hex()}, this model's are {model.digest.hex()} "
@@ -239,10 +238,10 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
             f"{t} tokens need {n * _t32(t)}"
         )
     sym = torch.from_numpy(np.stack(sym)).reshape(model.rows, 2, n, _t32(t))[..., :t].to(torch.int64)
-    esc = sym == ESCAPE
+    esc = sym == tf.ESCAPE
     if int(esc.sum()) != n_esc:
         raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")
-    q = sym - OFFSET
+    q = sym - tf.OFFSET
     q[esc] = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64))
     out = tf.inverse(model, q.transpose(2, 3).double(), torch.from_numpy(data.f), start, dtype)
     if n_exact:

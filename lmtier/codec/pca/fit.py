@@ -175,7 +175,7 @@ def _fit_level(base: PCAModel, lv: PCALevel, rms, se, sx, sd, accs, share: float
         return data.info_bits / values, data.level
 
     x0 = math.log2(0.25)
-    b0, best = at(2.0**x0)
+    b0, _ = at(2.0**x0)
     x1 = x0 + (b0 - target) / 2.0  # first guess: a slope of -2 bits per doubling
     for _ in range(12):
         b1, data = at(2.0**x1)
@@ -213,12 +213,12 @@ def _level_data(base: PCAModel, c: float, rms, se, sx, sd, accs, share: float) -
     exact_values = escapes = 0
     per_token = base.num_layers * 2 * base.num_heads * base.head_size
     for fw in fws:
-        exact = fw.exact | (fw.energy > thr[:, :, None]).any(0).any(0)
+        exact = fw.exact | tf.loud(fw.energy, thr)
         exact_values += int(exact.sum()) * per_token
         q = fw.q[:, :, ~exact].to(torch.int64).transpose(2, 3).reshape(counts.shape[0], -1)
-        big = q.abs() > 127
+        sym, big = tf.symbols(q)
         escapes += int(big.sum())
-        sym = torch.where(big, 255, q + 127)
+        sym = sym.to(torch.int64)
         counts.scatter_add_(1, sym, torch.ones_like(sym))
     tables = np.stack([rans.build_table(row, alphabet_size=256) for row in counts.numpy()])
     bits = float((counts.double() * -torch.from_numpy(tables / 4096.0).log2()).sum()) + 16.0 * (exact_values + escapes)

@@ -28,6 +28,10 @@ __all__ = [
     "quantize",
     "forward",
     "inverse",
+    "OFFSET",
+    "ESCAPE",
+    "loud",
+    "symbols",
 ]
 
 XMAX = 32767
@@ -35,6 +39,10 @@ XMAX = 32767
 ENERGY_SCALE = 8.0
 """A token's energy is measured on a grid ``ENERGY_SCALE`` times finer than the quantizer's step (the
 quantized coefficients alone would miss the many components below the step)."""
+OFFSET = 127
+"""A coefficient ``q`` with ``|q| <= OFFSET`` is coded as the symbol ``q + OFFSET``."""
+ESCAPE = 255
+"""The symbol of a coefficient beyond :data:`OFFSET` (its value travels raw, 16 bits)."""
 EMAX = 1 << 20
 """Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for
 ``N <=`` :data:`~.model.MAX_VECTOR_SIZE`)."""
@@ -121,9 +129,22 @@ def quantize(
     energy = (fine * fine).sum(-1)
     exact = clamped | big | (torch.arange(start, start + t) < m.exact_first)
     if energy_threshold is not None:
-        exact |= (energy > energy_threshold[:, :, None]).any(0).any(0)
+        exact |= loud(energy, energy_threshold)
     qc[:, :, exact] = 0
     return Forward(qc, exact, energy)
+
+
+def loud(energy: torch.Tensor, energy_threshold: torch.Tensor) -> torch.Tensor:
+    """bool ``[T]``: the tokens whose energy (:class:`Forward`'s ``[R, 2, T]``) exceeds the threshold
+    (``[R, 2]``, :attr:`PCALevelData.energy_threshold`) of some (layer group, K/V)."""
+    return (energy > energy_threshold[:, :, None]).any(0).any(0)
+
+
+def symbols(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 symbols, bool escaped) of integer coefficients ``q`` (any shape, ``|q| <=`` :data:`XMAX`):
+    ``q + OFFSET``, or :data:`ESCAPE` where ``|q| > OFFSET``."""
+    esc = q.abs() > OFFSET
+    return torch.where(esc, ESCAPE, q + OFFSET).to(torch.uint8), esc
 
 
 def forward(
