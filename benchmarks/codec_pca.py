@@ -71,9 +71,8 @@ import torch
 
 from lmtier.codec import levels as L
 from lmtier.codec.pca import hf as PH
+from lmtier.codec.pca import transform as PT
 
-OFFSET = 127
-ESCAPE = 255
 ESCAPE_BITS = 16
 SENS_JSON = Path(__file__).resolve().parent / "codec_head_sens.json"
 
@@ -261,9 +260,8 @@ def symbols(q: torch.Tensor) -> tuple[torch.Tensor, int]:
         ValueError: a coefficient needs more than the :data:`ESCAPE_BITS` raw bits of an escape."""
     if q.numel() and int(q.abs().max()) >= 1 << (ESCAPE_BITS - 1):
         raise ValueError(f"coefficient {int(q.abs().max())} does not fit an escape of {ESCAPE_BITS} bits")
-    esc = q.abs() > OFFSET
-    s = torch.where(esc, torch.full_like(q, ESCAPE), q + OFFSET)
-    return s.reshape(-1, q.shape[-1]).to(torch.uint8), int(esc.sum())
+    s, esc = PT.symbols(q)  # the product's symbol rule
+    return s.reshape(-1, q.shape[-1]), int(esc.sum())
 
 
 class PCAScheme:
