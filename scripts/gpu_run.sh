@@ -18,7 +18,9 @@
 # error-bounded codec levels (issue 19) on the GPU: tests/test_gpu_codec_bound.py (CUDA vs CPU records and
 # decodes, byte/bit identity; SmolLM2's real KV from .whl/eb_kv, written by `python -m tests.eb_kv --write
 # .whl/eb_kv/smollm2_gpl3.lmkc` on the dev box: carry .whl/eb_kv) and lmtier.bench.codec_product (the
-# product encode/decode path per level, 8 and 32 Llama-3.1-8B chunks, beside `default` and a device memcpy).
+# product encode/decode path per level, 8 and 32 Llama-3.1-8B chunks, beside `default` and a device memcpy);
+# "pcacodec": the PCA levels on CUDA: tests/test_gpu_codec_pca.py (records and decodes equal the host's) and
+# lmtier.bench.codec_pca (product encode/decode, Llama-3.1-8B geometry, beside a memcpy and the int8 GEMMs).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -146,9 +148,15 @@ if has ebcodec; then
     --json "$OUT/codec_product.json" > "$OUT/bench_codec_product.log" 2>&1
   echo "bench codec_product rc=$?"
 fi
+if has pcacodec; then  # the PCA levels (issue 19) on CUDA: byte/bit identity with the host, product throughput
+  timeout 300 $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu_codec_pca.py > "$OUT/pcacodec_tests.log" 2>&1
+  echo "pcacodec tests rc=$?"; tail -3 "$OUT/pcacodec_tests.log"
+  timeout 300 $PY -m lmtier.bench.codec_pca --device cuda --chunks 8 --json "$OUT/codec_pca.json" > "$OUT/bench_codec_pca.log" 2>&1
+  echo "bench codec_pca rc=$?"
+fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec bench_codec_product; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec bench_codec_product bench_codec_pca; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings

@@ -19,6 +19,7 @@ can collide, and a record must never decode with other data). Sections, in order
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -97,13 +98,24 @@ def _level(m: PCAModel, level: str | int | PCALevel) -> tuple[PCALevel, Any]:
     return lv, m.levels[lv.name]
 
 
+@lru_cache(maxsize=8)
+def _device_tables(m: PCAModel, level: str, device: str) -> torch.Tensor:
+    """A level's rANS tables on a CUDA device (cached per model object, level and device)."""
+    return torch.from_numpy(m.levels[level].tables).to(device)
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
 def encode(
     chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int | PCALevel, num_threads: int = 0
 ) -> bytes:
     """Encode one chunk.
 
     Args:
-        chunk: canonical KV ``[L, 2, T, H, D]``, bf16 or fp16, CPU, of the model's geometry.
+        chunk: canonical KV ``[L, 2, T, H, D]``, bf16 or fp16, of the model's geometry, on the host or
+            a CUDA device (coded there: the same bytes, :mod:`.imatmul`).
         start: position of the chunk's first token in its sequence (>= 0): RoPE is undone at the
             positions ``start .. start + T - 1``, and positions below ``model.exact_first`` are exact.
         model: the calibrated data (:func:`lmtier.codec.pca.fit.fit` / :func:`~.model.load`).
@@ -116,7 +128,8 @@ def encode(
 
     Raises:
         TypeError: not bf16/fp16, not a tensor, ``model`` not a :class:`PCAModel`.
-        ValueError: geometry other than the model's, a start outside ``[0, MAX_POSITION - T]`` (or
+        ValueError: geometry other than the model's, a chunk on a device other than the host or
+            CUDA, a start outside ``[0, MAX_POSITION - T]`` (or
             not an integer), an unknown level.
         CodecInputError: NaN or inf in the chunk.
     """
@@ -135,28 +148,34 @@ def encode(
     ):
         raise ValueError(f"start must be an integer in [0, {MAX_POSITION} - T], got {start!r}")
     lv, data = _level(model, level)
-    x = chunk.detach().cpu()
+    x = chunk.detach()
+    dev = x.device
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"chunk must be on the host or a CUDA device, got {dev}")
     if not bool(torch.isfinite(x).all()):
         raise CodecInputError("the chunk holds NaN or inf: only the lossless level stores them")
     t = x.shape[2]
-    fw = tf.forward(model, x, int(start), torch.from_numpy(data.k), torch.from_numpy(data.energy_threshold).double())
+    k = torch.from_numpy(data.k).to(dev)
+    thr = torch.from_numpy(data.energy_threshold).to(device=dev, dtype=torch.float64)
+    fw = tf.forward(model, x, int(start), k, thr)
     q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
-    sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8)
+    sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8, device=dev)
     sym[..., :t], esc = tf.symbols(q)
     n = model.vector_size
-    streams = list(sym.reshape(2 * model.rows, -1).numpy())
+    streams = list(sym.reshape(2 * model.rows, -1))
+    tables = data.tables if dev.type == "cpu" else _device_tables(model, lv.name, str(dev))
+    if dev.type == "cpu":
+        streams = [s.numpy() for s in streams]
     # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
     # and 2 * L * H * D tables exceed them for 8B-class models
     coded = [
-        rans.encode(
-            [s], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=_t32(t), num_threads=num_threads
-        )
+        rans.encode([s], table_ids=0, tables=tables[i * n : (i + 1) * n], run_lens=_t32(t), num_threads=num_threads)
         for i, s in enumerate(streams)
     ]
-    escapes = q[esc].to(torch.int16).numpy().astype("<i2")
-    exact = fw.exact.numpy()
-    raw = x[:, :, fw.exact].contiguous().view(torch.uint8).numpy()
-    sections = [c.stream(0) for c in coded]
+    escapes = _host(q[esc].to(torch.int16)).astype("<i2")
+    exact = _host(fw.exact)
+    raw = _host(x[:, :, fw.exact].contiguous().view(torch.uint8))
+    sections = [_host(c.stream(0)) for c in coded]
     sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
     sections += [b""] * (nl * S - len(sections))
@@ -166,21 +185,27 @@ def encode(
     return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), int(esc.sum()), model.digest))
 
 
-def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tensor:
-    """Decode a record of :func:`encode` (host bytes-like or uint8 array) with ``model``.
+def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = None) -> torch.Tensor:
+    """Decode a record of :func:`encode` (host bytes-like or uint8 array) with ``model``, on the host
+    or (``device``, a CUDA device) on the GPU: the same bits either way (:mod:`.imatmul`).
 
     Returns:
-        The chunk, ``[L, 2, T, H, D]`` of the record's dtype, CPU: exact tokens bit for bit, each
-        coefficient of the others within half the level's step (plus the fixed-point and int16
-        matrix roundings; ``tests/test_codec_pca_product.py`` derives the bound).
+        The chunk, ``[L, 2, T, H, D]`` of the record's dtype, on ``device`` (default the host):
+        exact tokens bit for bit, each coefficient of the others within half the level's step
+        (plus the fixed-point and int16 matrix roundings; ``tests/test_codec_pca_product.py``
+        derives the bound).
 
     Raises:
         TypeError: ``model`` not a :class:`PCAModel`.
+        ValueError: ``device`` neither the host nor a CUDA device.
         CodecRecordError: not a record, corrupted (checksum, rANS, counts), a level that is not a PCA
             level of ``model``, a record of other model data (its ``table_id`` names them), a
             geometry other than the model's, or an element type other than bf16 / fp16.
     """
     _check_model(model)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the host or a CUDA device, got {dev}")
     rec = _unpack(record)
     info = rec.info
     if info.level_id not in PCA_LEVELS_BY_ID:
@@ -225,26 +250,37 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0) -> torch.Tenso
             f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
         )
     data = model.levels[lv.name]
-    try:  # sized by the streams' own counts, which rans.decode bounds by their bytes (not by T)
-        sym = [
-            rans.decode([sec], data.tables[i * n : (i + 1) * n], num_threads=num_threads)[0]
-            for i, sec in enumerate(secs[:r2])
-        ]
+    try:
+        if dev.type == "cpu":  # sized by the streams' own counts, which rans.decode bounds by their bytes
+            sym = [
+                torch.from_numpy(rans.decode([sec], data.tables[i * n : (i + 1) * n], num_threads=num_threads)[0])
+                for i, sec in enumerate(secs[:r2])
+            ]
+        else:  # sized by T: a stream of another count raises
+            tables = _device_tables(model, lv.name, str(dev))
+            sym = [
+                rans.decode(
+                    [torch.frombuffer(bytearray(sec), dtype=torch.uint8).to(dev)],
+                    tables[i * n : (i + 1) * n],
+                    lengths=[n * _t32(t)],
+                )[0]
+                for i, sec in enumerate(secs[:r2])
+            ]
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-    if any(s.size != n * _t32(t) for s in sym):
+    if any(s.numel() != n * _t32(t) for s in sym):
         raise CodecRecordError(
-            f"corrupted PCA codec record: rANS streams of {sorted({s.size for s in sym})} symbols, "
+            f"corrupted PCA codec record: rANS streams of {sorted({s.numel() for s in sym})} symbols, "
             f"{t} tokens need {n * _t32(t)}"
         )
-    sym = torch.from_numpy(np.stack(sym)).reshape(model.rows, 2, n, _t32(t))[..., :t].to(torch.int64)
+    sym = torch.stack(sym).reshape(model.rows, 2, n, _t32(t))[..., :t].to(torch.int64)
     esc = sym == tf.ESCAPE
     if int(esc.sum()) != n_esc:
         raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")
     q = sym - tf.OFFSET
-    q[esc] = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64))
-    out = tf.inverse(model, q.transpose(2, 3).double(), torch.from_numpy(data.f), start, dtype)
+    q[esc] = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
+    out = tf.inverse(model, q.transpose(2, 3).double(), torch.from_numpy(data.f).to(dev), start, dtype)
     if n_exact:
         raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
-        out[:, :, torch.from_numpy(exact)] = raw
+        out[:, :, torch.from_numpy(exact).to(dev)] = raw.to(dev)
     return out

@@ -4,7 +4,8 @@ Every step is exact integer arithmetic or one correctly rounded float64 operatio
 so a CUDA twin can produce the same bits: the integer GEMMs are computed in float64 here, exact
 because every partial sum is an integer below 2**53 (``|x_int|, |e_int|, |q|, |d_int| <= 32767`` and
 ``N <=`` :data:`~.model.MAX_VECTOR_SIZE`, which :class:`~.model.PCAModel` enforces), whatever the
-summation order.
+summation order. On CUDA the same integers come from int8 tensor-core GEMMs (:mod:`.imatmul`) and
+every float64 step is the same single IEEE operation, so the GPU's results are the CPU's bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from . import rope
+from . import imatmul, rope
 from .model import PCAModel
 
 __all__ = [
@@ -49,13 +50,13 @@ EMAX = 1 << 20
 
 
 def raw_vectors(kv: torch.Tensor, start: int, inv_freq: np.ndarray | None, layer_group: int) -> torch.Tensor:
-    """Canonical KV ``[L, 2, T, H, D]`` (bf16/fp16, CPU) at positions ``start ..`` -> float64
-    ``[R, 2, T, N]``: keys RoPE-undone with ``inv_freq`` (:attr:`PCAModel.inv_freq`; None: kept),
-    ``G = layer_group`` adjacent layers' heads of a token in one vector."""
+    """Canonical KV ``[L, 2, T, H, D]`` (bf16/fp16, CPU or CUDA) at positions ``start ..`` -> float64
+    ``[R, 2, T, N]`` on its device: keys RoPE-undone with ``inv_freq`` (:attr:`PCAModel.inv_freq`;
+    None: kept), ``G = layer_group`` adjacent layers' heads of a token in one vector."""
     x = kv.double()
     nl, _, t, h, d = x.shape
     if inv_freq is not None:
-        cos, sin = rope.cos_sin(inv_freq, start, t)
+        cos, sin = (c.to(x.device) for c in rope.cos_sin(inv_freq, start, t))
         x = torch.stack([rope.apply(x[:, 0], cos, sin, inverse=True), x[:, 1]], 1)
     g = layer_group
     return x.reshape(nl // g, g, 2, t, h * d).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * h * d)
@@ -69,16 +70,40 @@ def to_kv(m: PCAModel, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch
     g, h, d = m.layer_group, m.num_heads, m.head_size
     x = x.reshape(r, 2, t, g, h * d).permute(0, 3, 1, 2, 4).reshape(r * g, 2, t, h, d)
     if m.inv_freq is not None:
-        cos, sin = rope.cos_sin(m.inv_freq, start, t)
+        cos, sin = (c.to(x.device) for c in rope.cos_sin(m.inv_freq, start, t))
         x = torch.stack([rope.apply(x[:, 0], cos, sin), x[:, 1]], 1)
     return x.float().to(dtype)
 
 
 @lru_cache(maxsize=4)
 def _mats(m: PCAModel) -> tuple[torch.Tensor, ...]:
-    """float64 torch copies of the model's matrices (cached per model object)."""
+    """float64 torch copies of the model's matrices on the host (cached per model object)."""
     f = lambda a: torch.from_numpy(a).double()  # noqa: E731
     return f(m.inv_x_scale), f(m.e_int), f(m.e_mu), f(m.d_int), f(m.mu_raw)
+
+
+@lru_cache(maxsize=4)
+def _vecs(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
+    """float64 ``inv_x_scale``, ``e_mu``, ``mu_raw`` on a CUDA ``device`` (cached per model and device)."""
+    return tuple(torch.from_numpy(a).to(device=device, dtype=torch.float64) for a in (m.inv_x_scale, m.e_mu, m.mu_raw))
+
+
+def _imatmul(m: PCAModel, x: torch.Tensor, which: int) -> torch.Tensor:
+    """Exact float64 ``x @ e_int`` (``which`` 0) or ``x @ d_int`` (1) of integer-valued float64 ``x``
+    ``[R, 2, T, N]``: a float64 GEMM on the host, int8 tensor-core GEMMs on CUDA."""
+    if x.device.type == "cpu":
+        return x @ _mats(m)[1 + 2 * which]
+    return _imatmul_int8(m, x, which)
+
+
+def _imatmul_int8(m: PCAModel, x: torch.Tensor, which: int) -> torch.Tensor:
+    """:func:`_imatmul` on int8 GEMMs (:mod:`.imatmul`) on ``x``'s device (the CUDA path; on the host
+    only in tests)."""
+    r, _, t, n = x.shape
+    a = imatmul.prepared(m, x.device)[which]
+    xi = x.reshape(r * 2, t, n)
+    y = imatmul.matmul(xi, a) if which == 0 else imatmul.matmul_small(xi, a)
+    return y.to(torch.float64).reshape(r, 2, t, -1)
 
 
 class Forward:
@@ -95,11 +120,14 @@ def transform(m: PCAModel, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, 
     """The integer transform of a chunk: (``acc`` float64 ``[R, 2, T, N]``, integer-valued:
     ``clamp(round_half_even(x * inv_x_scale)) @ e_int - e_mu``; ``clamped`` bool ``[T]``: tokens with
     a raw value beyond the 16-bit fixed point). ``kv``: canonical ``[L, 2, T, H, D]`` bf16/fp16
-    (finite), CPU, its first token at position ``start``."""
-    inv_sx, e_int, e_mu, _, _ = _mats(m)
+    (finite), CPU or CUDA, its first token at position ``start``."""
+    if kv.device.type == "cpu":
+        inv_sx, _, e_mu, _, _ = _mats(m)
+    else:
+        inv_sx, e_mu, _ = _vecs(m, str(kv.device))
     xi = torch.round(raw_vectors(kv, start, m.inv_freq, m.layer_group) * inv_sx[:, :, None, None])
     clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
-    return xi.clamp_(-XMAX, XMAX) @ e_int - e_mu[:, :, None], clamped
+    return _imatmul(m, xi.clamp_(-XMAX, XMAX), 0) - e_mu[:, :, None], clamped
 
 
 def quantize(
@@ -127,7 +155,7 @@ def quantize(
     big = (qc != q).any(-1).any(0).any(0)
     fine = torch.round(y * ENERGY_SCALE).clamp_(-EMAX, EMAX)
     energy = (fine * fine).sum(-1)
-    exact = clamped | big | (torch.arange(start, start + t) < m.exact_first)
+    exact = clamped | big | (torch.arange(start, start + t, device=acc.device) < m.exact_first)
     if energy_threshold is not None:
         exact |= loud(energy, energy_threshold)
     qc[:, :, exact] = 0
@@ -158,6 +186,6 @@ def inverse(m: PCAModel, q: torch.Tensor, f: torch.Tensor, start: int, dtype: to
     """Decoded ``dtype`` ``[L, 2, T, H, D]`` of coefficients ``q`` (float64 ``[R, 2, T, N]``) with
     ``f`` (float64 ``[R, 2, N]``, :attr:`PCALevelData.f`): ``(q @ d_int) * f + mu_raw``, then
     :func:`to_kv`. Exact tokens come out as the mean; the caller overwrites them."""
-    _, _, _, d_int, mu_raw = _mats(m)
-    x = (q @ d_int) * f[:, :, None, :] + mu_raw[:, :, None, :]
+    mu_raw = _mats(m)[4] if q.device.type == "cpu" else _vecs(m, str(q.device))[2]
+    x = _imatmul(m, q, 1) * f[:, :, None, :] + mu_raw[:, :, None, :]
     return to_kv(m, x, start, dtype)

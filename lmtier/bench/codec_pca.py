@@ -1,0 +1,212 @@
+"""Throughput of the PCA codec levels through the product path (:func:`lmtier.codec.pca.encode` /
+:func:`~lmtier.codec.pca.decode`), on the GPU or the host (issue 19).
+
+    python -m lmtier.bench.codec_pca [--device cuda|cpu] [--geometry 32,8,128,4] [--chunks 8]
+                                     [--tokens 256] [--iters 3] [--json out.json]
+    python -m lmtier.bench.codec_pca --device cpu --geometry 4,2,64,2 --chunks 2 --iters 1   # small
+
+Model: :func:`lmtier.codec.pca.fit` on synthetic KV of *one* layer group (``G`` layers; low-rank
+correlated Gaussian plus noise, per-channel scales, keys RoPE-rotated after mixing, an attention sink;
+seeded), then the group's data repeated for the ``L / G`` groups (:func:`tiled`): a fit over all
+``L`` layers of an 8B-class geometry takes minutes of CPU, and the throughput depends on ``N`` and the
+data's statistics, not on which group a basis came from. The chunks come from the same generator.
+
+Per level, for C chunks resident on the device, one chunk at a time as a tier codes them:
+
+* ``encode``: :func:`~lmtier.codec.pca.encode` of each chunk (transform, quantize, rANS, record back
+  in host memory); ``forward``: the transform and quantizer alone (:func:`~lmtier.codec.pca.transform.forward`);
+* ``decode``: :func:`~lmtier.codec.pca.decode` of each host record onto the device;
+  ``inverse``: the inverse transform alone.
+
+Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. Same-run
+ceilings: a device memcpy of the batch (read + write) and the int8 GEMMs of the transform alone
+(``gemm``: the encoder's four byte products of every (layer group, K/V), :mod:`lmtier.codec.pca.imatmul`).
+Checks: every chunk's CUDA record equals the host encoder's byte for byte, and the first record's
+CUDA decode equals its host decode bit for bit. Issue 19's goals: encode >= 50, decode >= 100 GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
+from lmtier.codec import pca
+from lmtier.codec.pca import imatmul, rope
+from lmtier.codec.pca import transform as tf
+
+COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "decode_GBps",
+           "inverse_GBps", "gemm_GBps", "memcpy_GBps", "identical"]  # fmt: skip
+RANK = 48
+"""Latent factors per (layer, plane) of the synthetic KV."""
+
+
+def synthetic_kv(geom: tuple[int, int, int, int], tokens: int, start: int, seed: int) -> torch.Tensor:
+    """bf16 canonical KV ``[L, 2, T, H, D]`` at positions ``start ..``: layer ``l`` mixes ``RANK``
+    latent factors with the mixing of layer ``l % G`` (seed 0), plus 10 % noise; keys rotated by RoPE
+    (base 500,000) after mixing; the first position 20 times louder (an attention sink)."""
+    nl, h, d, g = geom
+    mix_g = torch.Generator().manual_seed(0)
+    mix = torch.randn(g, 2, RANK, h * d, generator=mix_g, dtype=torch.float64)
+    scale = torch.exp(0.7 * torch.randn(g, 2, h * d, generator=mix_g, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(nl, 2, tokens, RANK, generator=gen, dtype=torch.float64) @ mix.repeat(nl // g, 1, 1, 1)
+    z = (z + 0.1 * torch.randn(nl, 2, tokens, h * d, generator=gen, dtype=torch.float64)) * scale.repeat(nl // g, 1, 1)[
+        :, :, None
+    ]
+    x = z.reshape(nl, 2, tokens, h, d)
+    cos, sin = rope.cos_sin(inv_freq(d), start, tokens)
+    x = torch.stack([rope.apply(x[:, 0], cos, sin), x[:, 1]], 1)
+    if start == 0:
+        x[:, :, 0] *= 20
+    return x.to(torch.bfloat16)
+
+
+def inv_freq(d: int) -> np.ndarray:
+    """Llama-3's rotary inverse frequencies (base 500,000) for head size ``d``."""
+    return 1.0 / 500000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d)
+
+
+def tiled(m: pca.PCAModel, reps: int) -> pca.PCAModel:
+    """``m`` (of one or more layer groups) repeated ``reps`` times along the layers: a valid model of
+    ``reps * L`` layers whose groups share ``m``'s data."""
+    t = lambda a: np.ascontiguousarray(np.concatenate([a] * reps))  # noqa: E731
+    levels = {
+        k: dataclasses.replace(
+            v, step=t(v.step), k=t(v.k), f=t(v.f), energy_threshold=t(v.energy_threshold), tables=t(v.tables)
+        )  # fmt: skip
+        for k, v in m.levels.items()
+    }
+    return dataclasses.replace(
+        m, num_layers=m.num_layers * reps, inv_x_scale=t(m.inv_x_scale), mu_int=t(m.mu_int), e_int=t(m.e_int),
+        e_mu=t(m.e_mu), d_int=t(m.d_int), mu_raw=t(m.mu_raw), levels=levels, info={**m.info, "tiled": reps},
+    )  # fmt: skip
+
+
+def model_for(geom: tuple[int, int, int, int], calib_tokens: int, cache_dir: str | None = None) -> pca.PCAModel:
+    """:func:`tiled` fit of one layer group on ``calib_tokens`` synthetic tokens (two sequences). The
+    one-group fit is kept in ``cache_dir`` (default: the temp folder) and loaded from there next time."""
+    nl, h, d, g = geom
+    path = Path(cache_dir or tempfile.gettempdir()) / f"lmtier_bench_pca_{h}x{d}g{g}_{calib_tokens}.lmtpca"
+    if path.exists():
+        m = pca.load(path)
+    else:
+        half = calib_tokens // 2
+        kvs = [synthetic_kv((g, h, d, g), half, 0, 1), synthetic_kv((g, h, d, g), calib_tokens - half, 5000, 2)]
+        m = pca.fit(kvs, [0, 5000], inv_freq=inv_freq(d), layer_group=g, name="synthetic one-group fit")
+        pca.save(m, path)
+    return tiled(m, nl // g)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> float:
+    """The encoder's int8 GEMMs alone for one chunk (ms, median)."""
+    a = imatmul.prepared(m, chunk.device)[0]
+    x = torch.randint(-32768, 32768, (m.rows * 2, chunk.shape[2], m.vector_size), device=chunk.device)
+    return wall_time_ms(lambda: (imatmul.matmul(x, a), _sync(chunk.device)), warmup=1, iters=iters)
+
+
+def run(args) -> dict:
+    dev = torch.device(args.device)
+    geom = tuple(int(v) for v in args.geometry.split(","))
+    nl, h, d, g = geom
+    t0 = time.perf_counter()
+    m = model_for(geom, args.calib_tokens or 3 * g * h * d)
+    fit_s = time.perf_counter() - t0
+    chunks = [synthetic_kv(geom, args.tokens, i * args.tokens, 100 + i).to(dev) for i in range(args.chunks)]
+    gb = sum(c.numel() * c.element_size() for c in chunks) / 1e9
+    buf = torch.empty(int(gb * 1e9), dtype=torch.uint8, device=dev)
+    memcpy_ms = wall_time_ms(lambda: (buf.clone(), _sync(dev)), warmup=1, iters=args.iters)
+    gemm_ms = _gemm_ms(m, chunks[0], args.iters) * args.chunks
+    rows = []
+    for level in args.levels:
+        data = m.levels[level]
+        k = torch.from_numpy(data.k).to(dev)
+        thr = torch.from_numpy(data.energy_threshold).to(device=dev, dtype=torch.float64)
+        starts = [i * args.tokens for i in range(args.chunks)]
+
+        def enc():
+            out = [pca.encode(c, start=s, model=m, level=level) for c, s in zip(chunks, starts)]
+            _sync(dev)
+            return out
+
+        def fwd():
+            out = [tf.forward(m, c, s, k, thr) for c, s in zip(chunks, starts)]
+            _sync(dev)
+            return out
+
+        recs = enc()
+        fws = fwd()
+        f_ = torch.from_numpy(data.f).to(dev)
+
+        def dec():
+            out = [pca.decode(r, model=m, device=dev) for r in recs]
+            _sync(dev)
+            return out
+
+        def inv():
+            out = [tf.inverse(m, fw.q, f_, s, torch.bfloat16) for fw, s in zip(fws, starts)]
+            _sync(dev)
+            return out
+
+        t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
+             (("encode", enc), ("forward", fwd), ("decode", dec), ("inverse", inv))}  # fmt: skip
+        same = True
+        if dev.type == "cuda":
+            same = all(pca.encode(c.cpu(), start=s, model=m, level=level) == r for c, s, r in zip(chunks, starts, recs))
+            same &= bool(torch.equal(pca.decode(recs[0], model=m, device=dev).cpu(), pca.decode(recs[0], model=m)))
+        metas = [pca.record_meta(r) for r in recs]
+        rows.append(
+            dict(
+                level=level,
+                chunks=args.chunks,
+                ratio=gb * 1e9 / sum(len(r) for r in recs),
+                exact_tok=sum(x.exact_tokens for x in metas),
+                escapes=sum(x.escapes for x in metas),
+                **{f"{n}_GBps": gb / (ms / 1e3) for n, ms in t.items()},
+                **{f"{n}_ms": ms for n, ms in t.items()},
+                gemm_GBps=gb / (gemm_ms / 1e3),
+                memcpy_GBps=2 * gb / (memcpy_ms / 1e3),
+                identical=same,
+            )
+        )
+    return dict(
+        system=system_header(),
+        device=str(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu",
+        geometry=dict(L=nl, H=h, D=d, G=g, N=g * h * d, R=nl // g, tokens=args.tokens),
+        fit_s=fit_s,
+        rows=rows,
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--geometry", default="32,8,128,4", help="L,H,D,G (default: Llama-3.1-8B, G=4)")
+    ap.add_argument("--levels", nargs="+", default=["pca_default", "pca_high"])
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--calib-tokens", type=int, default=0, help="calibration tokens (default 3 N)")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    out = run(args)
+    print(f"# {out['device']}  geometry {out['geometry']}  fit {out['fit_s']:.1f} s")
+    print_table(out["rows"], COLUMNS)
+    write_json(args.json, out)
+    return 0 if all(r["identical"] for r in out["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The PCA levels' exact integer products on int8 GEMMs (`lmtier.codec.pca.imatmul`, the CUDA path),
+run here on the host (``torch._int_mm`` has a CPU kernel): the same int64 results as a float64 GEMM
+over the whole 16-bit range and its edges, for sizes that are not multiples of 8, and the records
+and decodes of the codec bit for bit the reference's when the transform runs on that path.
+The CUDA run of the same comparison: ``tests/test_gpu_codec_pca.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmtier.codec import pca
+from lmtier.codec.pca import imatmul as im
+from lmtier.codec.pca import transform as tf
+from tests.test_codec_pca_product import _hand_chunk, _hand_model, _kv, fitted
+
+
+def _ref(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ a.double()).to(torch.int64)
+
+
+def _operands(b: int, m: int, n: int, p: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int32 ``x`` ``[b, m, n]`` and ``a`` ``[b, n, p]`` over ``[-32768, 32767]``, with rows and
+    columns at both ends of the range (the split's edge cases)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-32768, 32768, (b, m, n), generator=g, dtype=torch.int32)
+    a = torch.randint(-32768, 32768, (b, n, p), generator=g, dtype=torch.int32)
+    x[0, 0], x[0, -1], a[0, :, 0], a[-1, :, -1] = 32767, -32768, -32768, 32767
+    return x, a
+
+
+def test_split16_covers_the_16_bit_range():
+    v = torch.arange(-32768, 32768)
+    hi, lo = im.split16(v)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert torch.equal(256 * hi.long() + lo.long() + 128, v)
+    assert (int(hi.min()), int(hi.max()), int(lo.min()), int(lo.max())) == (-128, 127, -128, 127)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16, 24), (3, 40, 64, 64), (2, 7, 4, 4), (1, 3, 13, 5), (1, 1, 8, 8)])
+def test_matmul_is_exact_over_the_whole_range(shape):
+    x, a = _operands(*shape, seed=sum(shape))
+    sm = im.split_matrix(a.to(torch.int16), "cpu")
+    got = im.matmul(x, sm)
+    assert got.dtype == torch.int64 and torch.equal(got, _ref(x, a))
+
+
+def test_matmul_of_extreme_operands():
+    """Every input and matrix entry at -32768 or 32767: the largest sums the split meets."""
+    n = 64
+    a = torch.full((1, n, 8), -32768, dtype=torch.int32)
+    a[0, :, 4:] = 32767
+    x = torch.full((1, 3, n), 32767, dtype=torch.int32)
+    x[0, 1] = -32768
+    x[0, 2, ::2] = -32768
+    assert torch.equal(im.matmul(x, im.split_matrix(a.to(torch.int16), "cpu")), _ref(x, a))
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16, 24), (3, 40, 64, 64), (1, 3, 13, 5)])
+def test_matmul_small_adds_the_escaped_values(shape):
+    """Coefficients mostly in [-127, 127], a few at -128 and beyond (up to +-32767): exact."""
+    b, m, n, p = shape
+    _, a = _operands(*shape, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (b, m, n), generator=g, dtype=torch.int32)
+    q[0, 0, 3], q[-1, 2, 1], q[0, 1, 0], q[-1, 1, 2], q[0, -1, 4] = 32767, -32767, -128, 200, 128
+    got = im.matmul_small(q, im.split_matrix(a.to(torch.int16), "cpu", keep_full=True))
+    assert torch.equal(got, _ref(q, a))
+
+
+def test_matmul_small_in_several_escape_batches(monkeypatch):
+    monkeypatch.setattr(im, "_ESC_BATCH", 5)
+    _, a = _operands(2, 9, 16, 8, seed=3)
+    q = torch.full((2, 9, 16), 300, dtype=torch.int32)
+    q[:, ::2] = -1000
+    assert torch.equal(im.matmul_small(q, im.split_matrix(a.to(torch.int16), "cpu", keep_full=True)), _ref(q, a))
+
+
+def test_refusals():
+    a = im.split_matrix(torch.zeros(2, 16, 8, dtype=torch.int16), "cpu")
+    with pytest.raises(ValueError, match="split matrices of 16 x 8"):
+        im.matmul(torch.zeros(2, 3, 15, dtype=torch.int32), a)
+    with pytest.raises(ValueError, match="split matrices"):
+        im.matmul(torch.zeros(3, 3, 16, dtype=torch.int32), a)
+    with pytest.raises(ValueError, match="keep_full=True"):
+        im.matmul_small(torch.zeros(2, 3, 16, dtype=torch.int32), a)
+    with pytest.raises(ValueError, match="needs a matrix"):
+        im.split_matrix(torch.zeros(8, dtype=torch.int16), "cpu")
+
+
+@pytest.mark.parametrize("kind", ["plain", "metric"])
+@pytest.mark.parametrize("level", ["pca_high", "pca_default"])
+def test_codec_on_the_int8_path_gives_the_references_bytes(kind, level, monkeypatch):
+    """Records and decodes with the transform's products on the int8 path (the CUDA one) equal the
+    float64 GEMMs' byte for byte: sink and loud tokens, starts, a chunk shorter than the GEMM's 17
+    rows, escaped coefficients (a token 8x louder, pca_high)."""
+    m = fitted(kind)
+    cases = [(_kv(256, 0, 31, loud=(5, 77)), 0), (_kv(45, 300, 32), 300), (_kv(9, 17, 33), 17)]
+    kv = _kv(40, 100, 34)
+    kv[:, :, 17] *= 8
+    cases.append((kv, 100))
+    ref = [pca.encode(x, start=s, model=m, level=level) for x, s in cases]
+    decs = [pca.decode(r, model=m) for r in ref]
+    monkeypatch.setattr(tf, "_imatmul", tf._imatmul_int8)
+    for r, d, (x, s) in zip(ref, decs, cases):
+        assert pca.encode(x, start=s, model=m, level=level) == r
+        assert torch.equal(pca.decode(r, model=m).view(torch.int16), d.view(torch.int16))
+    if level == "pca_high":
+        assert pca.record_meta(ref[-1]).escapes > 0
+
+
+def test_hand_built_corner_cases_on_the_int8_path(monkeypatch):
+    """N = 4 (padded to 8 for the GEMM): ties, +-127/128 symbols, a 32767 coefficient escaped."""
+    m = _hand_model()
+    kv = _hand_chunk([{0: 1}, {1: 8}, {1: 10}, {0: -3}], [{0: 5}, {1: 128}, {1: -127}, {2: 32752}])
+    ref = {lv: pca.encode(kv, start=0, model=m, level=lv) for lv in ("pca_default", "pca_high")}
+    decs = {lv: pca.decode(r, model=m) for lv, r in ref.items()}
+    assert pca.record_meta(ref["pca_default"]).escapes >= 2
+    monkeypatch.setattr(tf, "_imatmul", tf._imatmul_int8)
+    for lv, r in ref.items():
+        assert pca.encode(kv, start=0, model=m, level=lv) == r
+        assert torch.equal(pca.decode(r, model=m).view(torch.int16), decs[lv].view(torch.int16))

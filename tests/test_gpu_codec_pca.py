@@ -1,0 +1,77 @@
+"""The PCA codec levels on CUDA (`lmtier.codec.pca` with a chunk on the GPU, or ``decode(device=)``):
+the records are the host encoder's byte for byte and the decodes its bits, for every level of the
+synthetic models of ``test_codec_pca_product`` (plain, metric-weighted, no outliers), the hand-built
+corner cases (N = 4; ties, +-127/128 symbols, 32767 coefficients) and a model of Llama-3.1-8B's head
+geometry (H = 8, D = 128, G = 4: N = 4,096, the int8 GEMMs' real size). Marked ``gpu``: skipped
+without a CUDA device. The same comparison of the int8 path on the host: ``test_codec_pca_imatmul``."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lmtier.bench import codec_pca as bench
+from lmtier.codec import pca
+from tests.test_codec_pca_product import INV_FREQ, G, _calibration, _hand_chunk, _hand_model, _kv, fitted
+
+pytestmark = pytest.mark.gpu
+LEVELS = ("pca_high", "pca_default")
+
+
+@functools.cache
+def _models() -> dict[str, pca.PCAModel]:
+    kvs, starts = _calibration()
+    quiet = pca.fit(kvs, starts, inv_freq=INV_FREQ, layer_group=G, outlier_share=0.0, exact_first=2)
+    return {"plain": fitted("plain"), "metric": fitted("metric"), "quiet": quiet}
+
+
+def _cases() -> list[tuple[torch.Tensor, int]]:
+    loud = _kv(40, 100, 34)
+    loud[:, :, 17] *= 8  # escaped coefficients
+    return [(_kv(256, 0, 31, loud=(5, 77)), 0), (_kv(45, 300, 32), 300), (_kv(9, 17, 33), 17), (loud, 100)]
+
+
+def _same(m: pca.PCAModel, level: str, kv: torch.Tensor, start: int) -> int:
+    """Assert the CUDA record and decodes equal the host's; return the record's escapes."""
+    ref = pca.encode(kv, start=start, model=m, level=level)
+    assert pca.encode(kv.cuda(), start=start, model=m, level=level) == ref
+    dec = pca.decode(ref, model=m)
+    got = pca.decode(ref, model=m, device="cuda")
+    assert got.is_cuda and got.dtype == dec.dtype
+    assert torch.equal(got.cpu().view(torch.int16), dec.view(torch.int16))
+    return pca.record_meta(ref).escapes
+
+
+@pytest.mark.parametrize("kind", ["plain", "metric", "quiet"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_records_and_decodes_are_the_hosts(kind, level):
+    esc = [_same(_models()[kind], level, kv, s) for kv, s in _cases()]
+    if level == "pca_high" and kind == "quiet":
+        assert esc[-1] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_dtypes(dtype):
+    _same(fitted("plain"), "pca_default", _kv(64, 7, 40, dtype=dtype), 7)
+
+
+def test_cuda_hand_built_corner_cases():
+    m = _hand_model()
+    kv = _hand_chunk([{0: 1}, {1: 8}, {1: 10}, {0: -3}], [{0: 5}, {1: 128}, {1: -127}, {2: 32752}])
+    assert _same(m, "pca_default", kv, 0) >= 2
+    _same(m, "pca_high", kv, 0)
+
+
+@functools.cache
+def _llama_like() -> pca.PCAModel:
+    return bench.model_for((8, 8, 128, 4), 3 * 4096)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_at_llama_head_geometry(level):
+    """N = 4,096 (two layer groups of Llama-3.1-8B's heads): a sink chunk and a later one."""
+    m = _llama_like()
+    for start, seed in ((0, 3), (256, 4)):
+        _same(m, level, bench.synthetic_kv((8, 8, 128, 4), 256, start, seed), start)
