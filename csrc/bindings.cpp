@@ -9,6 +9,7 @@
 #include "lmtier/common.h"
 #include "lmtier/kvquant.h"  // KV quantize block
 #include "lmtier/paged_copy.h"
+#include "lmtier/pca.h"   // PCA transform block
 #include "lmtier/rans.h"  // rANS block
 #include "lmtier/runtime.h"
 #include "lmtier/staged_copy.h"
@@ -253,6 +254,74 @@ void bind_kvquant(py::module_& m) {
   }
 }
 
+#ifdef LMTIER_WITH_CUDA
+// PCA codec levels' transform kernels (CUDA only; csrc/include/lmtier/pca.h). Addresses are device
+// pointers (0 for no RoPE tables), stream a cudaStream_t.
+void bind_pca(py::module_& m) {
+  namespace p = lmtier::pca;
+  py::module_ pm =
+      m.def_submodule("pca", "PCA codec transform kernels (see csrc/include/lmtier/pca.h)");
+  using A = uintptr_t;
+  auto geom = [](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {
+    return p::PcaGeometry{L, T, H, D, G};
+  };
+  auto ptr = [](A a) { return reinterpret_cast<void*>(a); };
+  pm.def(
+      "encode_pre",
+      [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, A kv, A cos_t,
+          A sin_t, A inv_x_scale, A xs, A rowsum, A flags, A stream) {
+        p::encode_pre(dtype, geom(L, T, H, D, G), ptr(kv), static_cast<const double*>(ptr(cos_t)),
+                      static_cast<const double*>(ptr(sin_t)),
+                      static_cast<const double*>(ptr(inv_x_scale)), static_cast<int8_t*>(ptr(xs)),
+                      static_cast<int64_t*>(ptr(rowsum)), static_cast<int32_t*>(ptr(flags)),
+                      ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  pm.def(
+      "encode_post",
+      [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, A y, A col, A rowsum, A e_mu, A k,
+          A q, A energy, A flags, A stream) {
+        p::encode_post(geom(L, T, H, D, G), static_cast<const int32_t*>(ptr(y)),
+                       static_cast<const int64_t*>(ptr(col)),
+                       static_cast<const int64_t*>(ptr(rowsum)),
+                       static_cast<const double*>(ptr(e_mu)), static_cast<const double*>(ptr(k)),
+                       static_cast<int16_t*>(ptr(q)), static_cast<int64_t*>(ptr(energy)),
+                       static_cast<int32_t*>(ptr(flags)), ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  pm.def(
+      "encode_symbols",
+      [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32, A q, A exact, A sym,
+          A stream) {
+        p::encode_symbols(geom(L, T, H, D, G), t32, static_cast<const int16_t*>(ptr(q)),
+                          static_cast<const uint8_t*>(ptr(exact)), static_cast<uint8_t*>(ptr(sym)),
+                          ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  pm.def(
+      "decode_pre",
+      [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, A qt, A lo, A rowsum, A stream) {
+        p::decode_pre(geom(L, T, H, D, G), static_cast<const int16_t*>(ptr(qt)),
+                      static_cast<int8_t*>(ptr(lo)), static_cast<int64_t*>(ptr(rowsum)),
+                      ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  pm.def(
+      "decode_post",
+      [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, A y, A rowsum,
+          A esc_row, A esc_col, A esc_hi, A dcat, A f, A mu, A cos_t, A sin_t, A out, A stream) {
+        p::decode_post(
+            dtype, geom(L, T, H, D, G), static_cast<const int32_t*>(ptr(y)),
+            static_cast<const int64_t*>(ptr(rowsum)), static_cast<const int32_t*>(ptr(esc_row)),
+            static_cast<const int32_t*>(ptr(esc_col)), static_cast<const int32_t*>(ptr(esc_hi)),
+            static_cast<const int8_t*>(ptr(dcat)), static_cast<const double*>(ptr(f)),
+            static_cast<const double*>(ptr(mu)), static_cast<const double*>(ptr(cos_t)),
+            static_cast<const double*>(ptr(sin_t)), ptr(out), ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+}
+#endif
+
 }  // namespace
 // ==== end KV quantize
 // ==============================================================================
@@ -353,4 +422,7 @@ PYBIND11_MODULE(_C, m) {
 
   bind_rans(m);     // rANS block
   bind_kvquant(m);  // KV quantize block
+#ifdef LMTIER_WITH_CUDA
+  bind_pca(m);  // PCA transform block
+#endif
 }

@@ -2,8 +2,10 @@
 the records are the host encoder's byte for byte and the decodes its bits, for every level of the
 synthetic models of ``test_codec_pca_product`` (plain, metric-weighted, no outliers), the hand-built
 corner cases (N = 4; ties, +-127/128 symbols, 32767 coefficients) and a model of Llama-3.1-8B's head
-geometry (H = 8, D = 128, G = 4: N = 4,096, the int8 GEMMs' real size). Marked ``gpu``: skipped
-without a CUDA device. The same comparison of the int8 path on the host: ``test_codec_pca_imatmul``."""
+geometry (H = 8, D = 128, G = 4: N = 4,096, the int8 GEMMs' real size). Both CUDA paths: the fused
+kernels (``csrc/pca_cuda.cu``, the product's when built) and the torch arithmetic of
+``lmtier.codec.pca.transform`` on int8 GEMMs (the fallback). Marked ``gpu``: skipped without a CUDA
+device. The same comparison of the int8 path on the host: ``test_codec_pca_imatmul``."""
 
 from __future__ import annotations
 
@@ -14,10 +16,21 @@ import torch
 
 from lmtier.bench import codec_pca as bench
 from lmtier.codec import pca
+from lmtier.codec.pca import kernels
 from tests.test_codec_pca_product import INV_FREQ, G, _calibration, _hand_chunk, _hand_model, _kv, fitted
 
 pytestmark = pytest.mark.gpu
 LEVELS = ("pca_high", "pca_default")
+
+
+@pytest.fixture(params=["kernels", "torch"], autouse=True)
+def path(request, monkeypatch):
+    """Which CUDA path codes: the fused kernels (asserted built) or the torch fallback."""
+    if request.param == "kernels":
+        assert kernels.available(), "the extension was built without the PCA CUDA kernels"
+    else:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    return request.param
 
 
 @functools.cache

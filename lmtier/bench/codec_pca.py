@@ -14,9 +14,10 @@ data's statistics, not on which group a basis came from. The chunks come from th
 Per level, for C chunks resident on the device, one chunk at a time as a tier codes them:
 
 * ``encode``: :func:`~lmtier.codec.pca.encode` of each chunk (transform, quantize, rANS, record back
-  in host memory); ``forward``: the transform and quantizer alone (:func:`~lmtier.codec.pca.transform.forward`);
+  in host memory); ``forward``: the transform, quantizer and symbols alone
+  (:func:`lmtier.codec.pca.codec.chunk_symbols`: the fused kernels on CUDA);
 * ``decode``: :func:`~lmtier.codec.pca.decode` of each host record onto the device;
-  ``inverse``: the inverse transform alone.
+  ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`).
 
 Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. Same-run
 ceilings: a device memcpy of the batch (read + write) and the int8 GEMMs of the transform alone
@@ -39,8 +40,7 @@ import torch
 
 from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import pca
-from lmtier.codec.pca import imatmul, rope
-from lmtier.codec.pca import transform as tf
+from lmtier.codec.pca import codec, imatmul, rope
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "decode_GBps",
            "inverse_GBps", "gemm_GBps", "memcpy_GBps", "identical"]  # fmt: skip
@@ -142,13 +142,14 @@ def run(args) -> dict:
             return out
 
         def fwd():
-            out = [tf.forward(m, c, s, k, thr) for c, s in zip(chunks, starts)]
+            out = [codec.chunk_symbols(m, c, s, k, thr) for c, s in zip(chunks, starts)]
             _sync(dev)
             return out
 
         recs = enc()
         fws = fwd()
         f_ = torch.from_numpy(data.f).to(dev)
+        t_ = args.tokens
 
         def dec():
             out = [pca.decode(r, model=m, device=dev) for r in recs]
@@ -156,7 +157,9 @@ def run(args) -> dict:
             return out
 
         def inv():
-            out = [tf.inverse(m, fw.q, f_, s, torch.bfloat16) for fw, s in zip(fws, starts)]
+            out = [
+                codec.symbols_to_kv(m, sym[..., :t_], e, f_, s, torch.bfloat16) for (sym, _, e), s in zip(fws, starts)
+            ]
             _sync(dev)
             return out
 

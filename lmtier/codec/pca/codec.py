@@ -30,11 +30,21 @@ from lmtier.codec import rans
 from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
+from . import kernels
 from . import transform as tf
 from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
 from .model import DIGEST_BYTES, PCAModel
 
-__all__ = ["encode", "decode", "record_meta", "RecordMeta", "sections_per_layer", "MAX_POSITION"]
+__all__ = [
+    "encode",
+    "decode",
+    "record_meta",
+    "RecordMeta",
+    "sections_per_layer",
+    "MAX_POSITION",
+    "chunk_symbols",
+    "symbols_to_kv",
+]
 
 _META = struct.Struct(f"<qII{DIGEST_BYTES}s")
 _DTYPES = {v: k for k, v in CODEC_DTYPES.items()}
@@ -108,6 +118,22 @@ def _host(a: Any) -> np.ndarray:
     return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
 
 
+def chunk_symbols(
+    m: PCAModel, x: torch.Tensor, start: int, k: torch.Tensor, thr: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 symbols ``[R, 2, N, T32]``, bool exact ``[T]``, escaped coefficients in stream order) of
+    a checked chunk ``x`` on its device (``k``, ``thr``: the level's, there too): the fused CUDA
+    kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic."""
+    if x.device.type == "cuda" and kernels.available():
+        return kernels.encode(m, x, start, k, thr)
+    fw = tf.forward(m, x, start, k, thr)
+    q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
+    t = x.shape[2]
+    sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8, device=x.device)
+    sym[..., :t], esc = tf.symbols(q)
+    return sym, fw.exact, q[esc]
+
+
 def encode(
     chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int | PCALevel, num_threads: int = 0
 ) -> bytes:
@@ -157,10 +183,7 @@ def encode(
     t = x.shape[2]
     k = torch.from_numpy(data.k).to(dev)
     thr = torch.from_numpy(data.energy_threshold).to(device=dev, dtype=torch.float64)
-    fw = tf.forward(model, x, int(start), k, thr)
-    q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
-    sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8, device=dev)
-    sym[..., :t], esc = tf.symbols(q)
+    sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), k, thr)
     n = model.vector_size
     streams = list(sym.reshape(2 * model.rows, -1))
     tables = data.tables if dev.type == "cpu" else _device_tables(model, lv.name, str(dev))
@@ -172,9 +195,9 @@ def encode(
         rans.encode([s], table_ids=0, tables=tables[i * n : (i + 1) * n], run_lens=_t32(t), num_threads=num_threads)
         for i, s in enumerate(streams)
     ]
-    escapes = _host(q[esc].to(torch.int16)).astype("<i2")
-    exact = _host(fw.exact)
-    raw = _host(x[:, :, fw.exact].contiguous().view(torch.uint8))
+    escapes = _host(escapes_t.to(torch.int16)).astype("<i2")
+    exact = _host(exact_t)
+    raw = _host(x[:, :, exact_t].contiguous().view(torch.uint8))
     sections = [_host(c.stream(0)) for c in coded]
     sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
@@ -182,7 +205,20 @@ def encode(
     info = fmt.RecordInfo(
         lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id
     )
-    return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), int(esc.sum()), model.digest))
+    return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), len(escapes), model.digest))
+
+
+def symbols_to_kv(
+    m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``dtype`` ``[L, 2, T, H, D]`` of checked symbols ``[R, 2, N, T]`` and escaped coefficients (stream
+    order) on their device (``f``: the level's, there too); exact tokens come out as the mean. The
+    fused CUDA kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic."""
+    if sym.device.type == "cuda" and kernels.available():
+        return kernels.decode(m, sym, escapes, f, start, dtype)
+    q = sym.to(torch.int64) - tf.OFFSET
+    q[sym == tf.ESCAPE] = escapes.to(torch.int64)
+    return tf.inverse(m, q.transpose(2, 3).double(), f, start, dtype)
 
 
 def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = None) -> torch.Tensor:
@@ -273,13 +309,12 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
             f"corrupted PCA codec record: rANS streams of {sorted({s.numel() for s in sym})} symbols, "
             f"{t} tokens need {n * _t32(t)}"
         )
-    sym = torch.stack(sym).reshape(model.rows, 2, n, _t32(t))[..., :t].to(torch.int64)
+    sym = torch.stack(sym).reshape(model.rows, 2, n, _t32(t))[..., :t]
     esc = sym == tf.ESCAPE
     if int(esc.sum()) != n_esc:
         raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")
-    q = sym - tf.OFFSET
-    q[esc] = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
-    out = tf.inverse(model, q.transpose(2, 3).double(), torch.from_numpy(data.f).to(dev), start, dtype)
+    escapes = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
+    out = symbols_to_kv(model, sym, escapes, torch.from_numpy(data.f).to(dev), start, dtype)
     if n_exact:
         raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
         out[:, :, torch.from_numpy(exact).to(dev)] = raw.to(dev)

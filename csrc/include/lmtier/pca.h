@@ -1,0 +1,73 @@
+// lmtier — CUDA kernels of the PCA codec levels' transform (issue 19), bit-exact with the torch
+// reference lmtier/codec/pca/transform.py (the specification; its docstrings give every rule).
+// The int8 GEMMs between them run in torch (torch._int_mm, cuBLASLt); lmtier/codec/pca/kernels.py
+// drives the sequence:
+//
+//   encode: encode_pre -> per (layer group r, plane p): Y = [xh; xl] @ [eh | el] (int8 -> int32)
+//           -> encode_post -> exact tokens (torch, [R, 2, T] sized) -> encode_symbols
+//   decode: (torch: symbols -> coefficients, escapes) -> decode_pre -> Y = lo8(q) @ [dh | dl]
+//           -> decode_post (escaped coefficients' high parts added row by row) -> exact tokens
+//           (torch)
+//
+// Geometry: chunk [L][2][T][H][D] (canonical), layer groups of G layers, R = L / G, vectors of
+// N = G * H * D values (value n: layer r * G + n / (H*D), head (n / D) % H, channel n % D), N8 = N
+// rounded up to 8 (the int8 GEMM's rule; padding is zero). A 16-bit integer v travels as the signed
+// bytes hi = v >> 8, lo = (v & 255) - 128 (v = 256 hi + lo + 128; lmtier/codec/pca/imatmul.py).
+//
+// Layouts (C-contiguous, elements):
+//   xs        int8  [R][2][2T][N8]   rows 0..T-1: hi bytes, rows T..2T-1: lo bytes of x_int
+//   rowsum    int64 [R][2][T]        sum over n of x_int (encode) / of lo8(q) (decode)
+//   flags     int32 [T]              encode_pre: a raw value beyond 16 bits; encode_post: a
+//                                    coefficient beyond 16 bits (callers zero them first)
+//   Yenc      int32 [R][2][2T][2*N8] [xh; xl] @ [eh | el];  Ydec int32 [R][2][T][2*N8] lo8 @ [dh |
+//   dl] col       int64 [R][2][N8]       128 * (colsum(e_int) - 128 * N8) q         int16
+//   [R][2][T][N]     clamped coefficients;  energy int64 [R][2][T] sym       uint8 [R][2][N][T32]
+//   q + 127, 255 for |q| > 127, 127 on exact tokens and padding qt        int16 [R][2][N][T]
+//   decode: coefficients in stream order (escapes filled in) esc_row   int32 [R*2*T + 1]      CSR
+//   over rows (r, p, t) of the escaped high parts: esc_col, esc_hi int32            component j and
+//   hi8(q) = (q - lo8(q)) / 256 dcat      int8  [R][2][N8][2*N8] [dh | dl] of d_int out
+//   [L][2][T][H][D] bf16 / fp16
+// Float64 steps are single correctly rounded operations (__dmul_rn, __dsub_rn, __dadd_rn, rint);
+// the translation unit is built with -fmad=false. cos / sin: float64 [T][D] tables from the host
+// (lmtier/codec/pca/rope.py), null for a model without RoPE.
+#pragma once
+
+#include <cstdint>
+
+#include "lmtier/hd.h"
+
+namespace lmtier {
+namespace pca {
+
+enum PcaDType : int32_t { kBF16 = 0, kFP16 = 1 };
+
+struct PcaGeometry {
+  int32_t L, T, H, D, G;
+  LMTIER_HD int32_t N() const { return G * H * D; }
+  LMTIER_HD int32_t N8() const { return (N() + 7) / 8 * 8; }
+  LMTIER_HD int32_t R() const { return L / G; }
+};
+
+constexpr int32_t kXMax = 32767;
+constexpr int64_t kEMax = int64_t(1) << 20;
+constexpr int32_t kMaxVector = 8192;
+
+// Checks the geometry (LMTIER_CHECK_ARG: G divides L, N <= kMaxVector, even D with RoPE).
+void check_geometry(const PcaGeometry& g, bool rope);
+
+void encode_pre(int32_t dtype, const PcaGeometry& g, const void* kv, const double* cos_t,
+                const double* sin_t, const double* inv_x_scale, int8_t* xs, int64_t* rowsum,
+                int32_t* flags, void* stream);
+void encode_post(const PcaGeometry& g, const int32_t* y, const int64_t* col, const int64_t* rowsum,
+                 const double* e_mu, const double* k, int16_t* q, int64_t* energy, int32_t* flags,
+                 void* stream);
+void encode_symbols(const PcaGeometry& g, int32_t t32, const int16_t* q, const uint8_t* exact,
+                    uint8_t* sym, void* stream);
+void decode_pre(const PcaGeometry& g, const int16_t* qt, int8_t* lo, int64_t* rowsum, void* stream);
+void decode_post(int32_t dtype, const PcaGeometry& g, const int32_t* y, const int64_t* rowsum,
+                 const int32_t* esc_row, const int32_t* esc_col, const int32_t* esc_hi,
+                 const int8_t* dcat, const double* f, const double* mu, const double* cos_t,
+                 const double* sin_t, void* out, void* stream);
+
+}  // namespace pca
+}  // namespace lmtier

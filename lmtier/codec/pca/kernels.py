@@ -1,0 +1,163 @@
+"""The PCA levels' transform on CUDA with lmtier's fused kernels (``csrc/pca_cuda.cu``) around the
+int8 GEMMs of :mod:`.imatmul`: the bits of :mod:`.transform`'s torch arithmetic, in five kernel
+launches and ``2R`` GEMMs per chunk instead of dozens of float64 passes. Layouts and rules:
+``csrc/include/lmtier/pca.h``. Used by :mod:`.codec` for CUDA chunks when the extension was built
+with CUDA (:func:`available`); otherwise the torch path of :mod:`.transform` runs there.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from . import imatmul, rope
+from . import transform as tf
+from .model import PCAModel
+
+__all__ = ["available", "encode", "decode"]
+
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+def _native():
+    from lmtier import _C
+
+    return getattr(_C, "pca", None)
+
+
+def available() -> bool:
+    """True when the compiled extension has the PCA CUDA kernels."""
+    try:
+        return _native() is not None
+    except ImportError:
+        return False
+
+
+def _geom(m: PCAModel, t: int) -> tuple[int, int, int, int, int]:
+    return m.num_layers, t, m.num_heads, m.head_size, m.layer_group
+
+
+def _n8(m: PCAModel) -> int:
+    return -(-m.vector_size // 8) * 8
+
+
+@lru_cache(maxsize=4)
+def _vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
+    """float64 ``inv_x_scale`` ``[R, 2]``, ``e_mu``, ``mu_raw`` ``[R, 2, N]`` on ``device``."""
+    return tuple(
+        torch.from_numpy(a).to(device=device, dtype=torch.float64).contiguous()
+        for a in (m.inv_x_scale, m.e_mu, m.mu_raw)
+    )
+
+
+def _rope(m: PCAModel, start: int, t: int, dev: torch.device) -> tuple[torch.Tensor | None, ...]:
+    if m.inv_freq is None:
+        return None, None
+    return tuple(c.to(dev).contiguous() for c in rope.cos_sin(m.inv_freq, start, t))
+
+
+def _ptr(x: torch.Tensor | None) -> int:
+    return 0 if x is None else x.data_ptr()
+
+
+def _gemms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = a[i] @ b[i]`` (int8 -> int32) for every batch entry."""
+    for i in range(a.shape[0]):
+        if a.shape[1] > 16:
+            torch._int_mm(a[i], b[i], out=out[i])
+        else:  # the CUDA GEMM needs more than 16 rows
+            out[i].copy_(imatmul._int_mm(a[i], b[i]))
+
+
+def encode(
+    m: PCAModel, kv: torch.Tensor, start: int, k: torch.Tensor, energy_threshold: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symbols, exact tokens and escaped values of a CUDA chunk, as :mod:`.codec` stores them.
+
+    Args:
+        kv: canonical ``[L, 2, T, H, D]`` bf16/fp16 on a CUDA device (finite; checked by the caller).
+        start: its first position. k: float64 ``[R, 2, N]``, energy_threshold: float64 ``[R, 2]``,
+            both on the chunk's device (:class:`~.model.PCALevelData`).
+
+    Returns:
+        (uint8 ``[R, 2, N, T32]`` symbols (``T32``: ``T`` rounded up to 32), bool ``[T]`` exact
+        tokens, int16 escaped coefficients in stream order), all on the device: what
+        :func:`.transform.forward` and :func:`.transform.symbols` give, bit for bit.
+    """
+    c = _native()
+    dev = kv.device
+    kv = kv.contiguous()
+    r, t, n, n8 = m.rows, kv.shape[2], m.vector_size, _n8(m)
+    t32 = -(-t // 32) * 32
+    geom = _geom(m, t)
+    inv_sx, e_mu, _ = _vectors(m, str(dev))
+    enc = imatmul.prepared(m, dev)[0]
+    cos, sin = _rope(m, start, t, dev)
+    s = torch.cuda.current_stream(dev).cuda_stream
+    xs = torch.empty(r * 2, 2 * t, n8, dtype=torch.int8, device=dev)
+    rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
+    flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped, big]
+    c.encode_pre(_DTYPES[kv.dtype], *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
+                 xs.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
+    y = torch.empty(r * 2, 2 * t, 2 * n8, dtype=torch.int32, device=dev)
+    _gemms(xs, enc.cat, y)
+    q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
+    energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
+    kk = k.to(torch.float64).contiguous()
+    c.encode_post(*geom, y.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(), kk.data_ptr(),
+                  q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
+    exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
+    exact |= tf.loud(energy.double(), energy_threshold)
+    sym = torch.empty(r, 2, n, t32, dtype=torch.uint8, device=dev)
+    c.encode_symbols(*geom, t32, q.data_ptr(), exact.to(torch.uint8).data_ptr(), sym.data_ptr(), s)
+    escapes = q.transpose(2, 3)[sym[..., :t] == tf.ESCAPE]
+    return sym, exact, escapes
+
+
+def decode(
+    m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Decoded chunk of symbols on a CUDA device (exact tokens come out as the mean; the caller
+    overwrites them), bit for bit :func:`.transform.inverse` of the same coefficients.
+
+    Args:
+        sym: uint8 ``[R, 2, N, T]`` (a view of the padded streams is fine); escapes: the escaped
+            coefficients (any integer dtype, stream order, on the device); f: float64 ``[R, 2, N]``
+            on the device; start: the chunk's first position; dtype: bf16 or fp16.
+
+    Returns:
+        ``dtype`` ``[L, 2, T, H, D]`` on the device.
+    """
+    c = _native()
+    dev = sym.device
+    r, t, n, n8 = m.rows, sym.shape[3], m.vector_size, _n8(m)
+    geom = _geom(m, t)
+    _, _, mu = _vectors(m, str(dev))
+    dec = imatmul.prepared(m, dev)[1]
+    s = torch.cuda.current_stream(dev).cuda_stream
+    esc = sym == tf.ESCAPE
+    qt = sym.to(torch.int16) - tf.OFFSET
+    qt[esc] = escapes.to(torch.int16)
+    lo = torch.empty(r * 2, t, n8, dtype=torch.int8, device=dev)
+    rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
+    c.decode_pre(*geom, qt.data_ptr(), lo.data_ptr(), rowsum.data_ptr(), s)
+    y = torch.empty(r * 2, t, 2 * n8, dtype=torch.int32, device=dev)
+    _gemms(lo, dec.cat, y)
+    # escaped coefficients beyond int8: hi8(q) = (q - lo8(q)) / 256, added per row (r, p, t) in CSR
+    v = escapes.to(torch.int32)
+    hi = torch.bitwise_right_shift(v - (torch.bitwise_and(v + 128, 255) - 128), 8)
+    rp, j, tok = torch.nonzero(esc.reshape(r * 2, n, t), as_tuple=True)
+    keep = hi != 0
+    rows, cols, his = rp[keep] * t + tok[keep], j[keep], hi[keep]
+    order = torch.argsort(rows, stable=True)
+    esc_col, esc_hi = cols[order].to(torch.int32).contiguous(), his[order].to(torch.int32).contiguous()
+    esc_row = torch.zeros(r * 2 * t + 1, dtype=torch.int32, device=dev)
+    esc_row[1:] = torch.bincount(rows, minlength=r * 2 * t).cumsum(0)
+    cos, sin = _rope(m, start, t, dev)
+    ff = f.to(torch.float64).contiguous()
+    out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
+    c.decode_post(_DTYPES[dtype], *geom, y.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(), esc_col.data_ptr(),
+                  esc_hi.data_ptr(), dec.cat.data_ptr(), ff.data_ptr(), mu.data_ptr(), _ptr(cos), _ptr(sin),
+                  out.data_ptr(), s)  # fmt: skip
+    return out
