@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
   const int row = blockIdx.x, t = row % T, rp = row / T;
   const int32_t* yh = y + ((int64_t)rp * 2 * T + t) * 2 * N8;  // [xh @ eh | xh @ el]
   const int32_t* yl = yh + (int64_t)T * 2 * N8;                // [xl @ eh | xl @ el]
-  const int64_t rs = rowsum[row];
+  const int64_t rs = 128 * rowsum[row];  // the 128 offset of the other operand's bytes
   const int64_t* c = col + (int64_t)rp * N8;
   const double* mu = e_mu + (int64_t)rp * N;
   const double* kk = k + (int64_t)rp * N;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads)
   const int T = g.T, D = g.D, N = g.N(), N8 = g.N8(), half = D / 2;
   const int row = blockIdx.x, t = row % T, rp = row / T, p = rp % 2, r = rp / 2;
   const int32_t* yr = y + (int64_t)row * 2 * N8;  // [lo8 @ dh | lo8 @ dl]
-  const int64_t rs = rowsum[row];
+  const int64_t rs = 128 * rowsum[row];           // the 128 offset of the other operand's bytes
   const int e0 = esc_row[row], e1 = esc_row[row + 1];
   const int8_t* dc = dcat + (int64_t)rp * N8 * 2 * N8;
   for (int j = threadIdx.x; j < N; j += kThreads) {

@@ -16,7 +16,8 @@
 //
 // Layouts (C-contiguous, elements):
 //   xs        int8  [R][2][2T][N8]   rows 0..T-1: hi bytes, rows T..2T-1: lo bytes of x_int
-//   rowsum    int64 [R][2][T]        sum over n of x_int (encode) / of lo8(q) (decode)
+//   rowsum    int64 [R][2][T]        sum over n of x_int (encode) / of lo8(q) (decode); the post
+//                                    kernels add 128 * rowsum (imatmul.py's identity)
 //   flags     int32 [T]              encode_pre: a raw value beyond 16 bits; encode_post: a
 //                                    coefficient beyond 16 bits (callers zero them first)
 //   Yenc      int32 [R][2][2T][2*N8] [xh; xl] @ [eh | el];  Ydec int32 [R][2][T][2*N8] lo8 @ [dh |
