@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmtier.codec import pca
+from lmtier.codec import pca, rans
 from lmtier.codec.pca import imatmul as im
+from lmtier.codec.pca import streams
 from lmtier.codec.pca import transform as tf
 from tests.test_codec_pca_product import _hand_chunk, _hand_model, _kv, fitted
 
@@ -120,3 +121,24 @@ def test_hand_built_corner_cases_on_the_int8_path(monkeypatch):
     for lv, r in ref.items():
         assert pca.encode(kv, start=0, model=m, level=lv) == r
         assert torch.equal(pca.decode(r, model=m).view(torch.int16), decs[lv].view(torch.int16))
+
+
+def test_stream_helpers_give_the_coders_bytes_and_symbols():
+    """`lmtier.codec.pca.streams` (the CUDA path's coder calls, one synchronization) on host tensors:
+    each stream's bytes are rans.encode's with that stream's N tables, decode returns the symbols, and
+    a stream of another length or a truncated one raises."""
+    m = fitted("plain")
+    data, n = m.levels["pca_default"], m.vector_size
+    g = torch.Generator().manual_seed(0)
+    sym = torch.randint(100, 150, (2 * m.rows, n * 64), generator=g, dtype=torch.uint8)
+    tables = torch.from_numpy(data.tables)
+    secs = streams.encode(sym, tables, 64)
+    for i, sec in enumerate(secs):
+        ref = rans.encode([sym[i].numpy()], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=64)
+        assert bytes(sec) == bytes(ref.stream(0))
+    host = [bytes(s) for s in secs]
+    assert torch.equal(streams.decode(host, tables, n * 64, torch.device("cpu")), sym)
+    with pytest.raises(ValueError):
+        streams.decode(host, tables, n * 64 + 32, torch.device("cpu"))
+    with pytest.raises(ValueError):
+        streams.decode([host[0], host[1][:40], *host[2:]], tables, n * 64, torch.device("cpu"))

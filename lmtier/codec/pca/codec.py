@@ -30,7 +30,7 @@ from lmtier.codec import rans
 from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
-from . import kernels
+from . import kernels, streams
 from . import transform as tf
 from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
 from .model import DIGEST_BYTES, PCAModel
@@ -185,20 +185,21 @@ def encode(
     thr = torch.from_numpy(data.energy_threshold).to(device=dev, dtype=torch.float64)
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), k, thr)
     n = model.vector_size
-    streams = list(sym.reshape(2 * model.rows, -1))
-    tables = data.tables if dev.type == "cpu" else _device_tables(model, lv.name, str(dev))
-    if dev.type == "cpu":
-        streams = [s.numpy() for s in streams]
     # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
     # and 2 * L * H * D tables exceed them for 8B-class models
-    coded = [
-        rans.encode([s], table_ids=0, tables=tables[i * n : (i + 1) * n], run_lens=_t32(t), num_threads=num_threads)
-        for i, s in enumerate(streams)
-    ]
+    if dev.type == "cuda":
+        sections = streams.encode(sym.reshape(2 * model.rows, -1), _device_tables(model, lv.name, str(dev)), _t32(t))
+    else:
+        sections = [
+            rans.encode(
+                [s.numpy()], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=_t32(t),
+                num_threads=num_threads,
+            ).stream(0)
+            for i, s in enumerate(sym.reshape(2 * model.rows, -1))
+        ]  # fmt: skip
     escapes = _host(escapes_t.to(torch.int16)).astype("<i2")
     exact = _host(exact_t)
     raw = _host(x[:, :, exact_t].contiguous().view(torch.uint8))
-    sections = [_host(c.stream(0)) for c in coded]
     sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
     sections += [b""] * (nl * S - len(sections))
@@ -293,15 +294,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
                 for i, sec in enumerate(secs[:r2])
             ]
         else:  # sized by T: a stream of another count raises
-            tables = _device_tables(model, lv.name, str(dev))
-            sym = [
-                rans.decode(
-                    [torch.frombuffer(bytearray(sec), dtype=torch.uint8).to(dev)],
-                    tables[i * n : (i + 1) * n],
-                    lengths=[n * _t32(t)],
-                )[0]
-                for i, sec in enumerate(secs[:r2])
-            ]
+            sym = list(streams.decode(secs[:r2], _device_tables(model, lv.name, str(dev)), n * _t32(t), dev))
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
     if any(s.numel() != n * _t32(t) for s in sym):
