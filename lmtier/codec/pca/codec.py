@@ -108,10 +108,22 @@ def _level(m: PCAModel, level: str | int | PCALevel) -> tuple[PCALevel, Any]:
     return lv, m.levels[lv.name]
 
 
+class _LevelArrays(NamedTuple):
+    """A level's arrays as torch tensors on one device: rANS tables, ``k``, energy threshold, ``f``."""
+
+    tables: torch.Tensor
+    k: torch.Tensor
+    threshold: torch.Tensor
+    f: torch.Tensor
+
+
 @lru_cache(maxsize=8)
-def _device_tables(m: PCAModel, level: str, device: str) -> torch.Tensor:
-    """A level's rANS tables on a CUDA device (cached per model object, level and device)."""
-    return torch.from_numpy(m.levels[level].tables).to(device)
+def _level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
+    """:class:`_LevelArrays` of ``m``'s ``level`` on ``device`` (cached per model object, level and
+    device: a CUDA coder uploads them once)."""
+    d = m.levels[level]
+    f = lambda a, dt=None: torch.from_numpy(a).to(device=device, dtype=dt)  # noqa: E731
+    return _LevelArrays(f(d.tables), f(d.k), f(d.energy_threshold, torch.float64), f(d.f))
 
 
 def _host(a: Any) -> np.ndarray:
@@ -181,14 +193,13 @@ def encode(
     if not bool(torch.isfinite(x).all()):
         raise CodecInputError("the chunk holds NaN or inf: only the lossless level stores them")
     t = x.shape[2]
-    k = torch.from_numpy(data.k).to(dev)
-    thr = torch.from_numpy(data.energy_threshold).to(device=dev, dtype=torch.float64)
-    sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), k, thr)
+    arrays = _level_arrays(model, lv.name, str(dev))
+    sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
     n = model.vector_size
     # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
     # and 2 * L * H * D tables exceed them for 8B-class models
     if dev.type == "cuda":
-        sections = streams.encode(sym.reshape(2 * model.rows, -1), _device_tables(model, lv.name, str(dev)), _t32(t))
+        sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, _t32(t))
     else:
         sections = [
             rans.encode(
@@ -294,7 +305,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
                 for i, sec in enumerate(secs[:r2])
             ]
         else:  # sized by T: a stream of another count raises
-            sym = list(streams.decode(secs[:r2], _device_tables(model, lv.name, str(dev)), n * _t32(t), dev))
+            sym = list(streams.decode(secs[:r2], _level_arrays(model, lv.name, str(dev)).tables, n * _t32(t), dev))
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
     if any(s.numel() != n * _t32(t) for s in sym):
@@ -307,7 +318,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
     if int(esc.sum()) != n_esc:
         raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")
     escapes = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
-    out = symbols_to_kv(model, sym, escapes, torch.from_numpy(data.f).to(dev), start, dtype)
+    out = symbols_to_kv(model, sym, escapes, _level_arrays(model, lv.name, str(dev)).f, start, dtype)
     if n_exact:
         raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
         out[:, :, torch.from_numpy(exact).to(dev)] = raw.to(dev)
