@@ -38,9 +38,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmtier.bench.args import bounded_int, int_list, output_file
 from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import pca
 from lmtier.codec.pca import codec, imatmul, rope
+from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "decode_GBps",
            "inverse_GBps", "gemm_GBps", "memcpy_GBps", "identical"]  # fmt: skip
@@ -119,10 +121,10 @@ def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> float:
 
 def run(args) -> dict:
     dev = torch.device(args.device)
-    geom = tuple(int(v) for v in args.geometry.split(","))
+    geom = tuple(args.geometry)
     nl, h, d, g = geom
     t0 = time.perf_counter()
-    m = model_for(geom, args.calib_tokens or 3 * g * h * d)
+    m = model_for(geom, args.calib_tokens or 3 * g * h * d, args.model_cache)
     fit_s = time.perf_counter() - t0
     chunks = [synthetic_kv(geom, args.tokens, i * args.tokens, 100 + i).to(dev) for i in range(args.chunks)]
     gb = sum(c.numel() * c.element_size() for c in chunks) / 1e9
@@ -195,15 +197,20 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--geometry", default="32,8,128,4", help="L,H,D,G (default: Llama-3.1-8B, G=4)")
-    ap.add_argument("--levels", nargs="+", default=["pca_default", "pca_high"])
-    ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--calib-tokens", type=int, default=0, help="calibration tokens (default 3 N)")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--geometry", type=int_list(min_value=1), default=[32, 8, 128, 4], help="L,H,D,G (default: Llama-3.1-8B, G=4)"
+    )
+    ap.add_argument("--levels", nargs="+", choices=sorted(PCA_LEVELS), default=["pca_default", "pca_high"])
+    ap.add_argument("--chunks", type=bounded_int(min_value=1), default=8)
+    ap.add_argument("--tokens", type=bounded_int(min_value=1), default=256)
+    ap.add_argument("--calib-tokens", type=bounded_int(min_value=0), default=0, help="calibration tokens (default 3 N)")
+    ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
+    ap.add_argument("--json", type=output_file, default=None)
+    ap.add_argument("--model-cache", default=None, help="folder of the one-group fits (default: the temp folder)")
     args = ap.parse_args(argv)
+    if len(args.geometry) != 4 or args.geometry[0] % args.geometry[3]:
+        ap.error(f"--geometry needs L,H,D,G with G dividing L, got {args.geometry}")
     out = run(args)
     print(f"# {out['device']}  geometry {out['geometry']}  fit {out['fit_s']:.1f} s")
     print_table(out["rows"], COLUMNS)

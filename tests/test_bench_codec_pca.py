@@ -1,0 +1,39 @@
+"""`lmtier.bench.codec_pca` on the host (the GPU run: scripts/gpu_run.sh step pcacodec): its synthetic
+model is a valid tiled fit, it codes through the product path and reports real ratios and counts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from lmtier.bench import codec_pca as bench
+from lmtier.codec import pca
+
+
+def test_tiled_model_repeats_the_groups_data(tmp_path):
+    m = bench.model_for((2, 2, 16, 2), 200, str(tmp_path))
+    t = bench.tiled(m, 3)
+    assert (t.num_layers, t.rows) == (6, 3) and t.model_id != m.model_id
+    for name in ("e_int", "d_int", "mu_raw", "inv_x_scale"):
+        a, b = getattr(m, name), getattr(t, name)
+        assert all(np.array_equal(b[i], a[0]) for i in range(3))
+    kv = bench.synthetic_kv((6, 2, 16, 2), 32, 64, 5)
+    rec = pca.encode(kv, start=64, model=t, level="pca_default")
+    out = pca.decode(rec, model=t)
+    assert out.shape == kv.shape and (out.float() - kv.float()).abs().max() < kv.float().abs().max()
+    assert list(tmp_path.glob("*.lmtpca")), "the one-group fit is cached"
+
+
+def test_bench_runs_on_the_host(tmp_path):
+    out = tmp_path / "r.json"
+    rc = bench.main(["--device", "cpu", "--geometry", "4,2,32,2", "--chunks", "2", "--tokens", "64", "--iters", "1",
+                     "--calib-tokens", "400", "--json", str(out), "--model-cache", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["geometry"]["N"] == 128 and [r["level"] for r in res["rows"]] == ["pca_default", "pca_high"]
+    for r in res["rows"]:
+        assert r["identical"] and r["chunks"] == 2 and r["ratio"] > 1.5 and r["exact_tok"] >= 1
+        assert r["encode_GBps"] > 0 and r["decode_GBps"] > 0 and r["memcpy_GBps"] > 0
+    assert torch.equal(bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1), bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1))
