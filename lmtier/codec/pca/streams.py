@@ -28,7 +28,7 @@ def encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int) -> list[np.nda
     s_count, length = sym.shape
     n = length // run_len
     dev = sym.device
-    bound = rans.max_batch_encoded_bytes(1, length)
+    bound = -(-rans.max_batch_encoded_bytes(1, length) // 256) * 256  # rows 4-byte aligned, as the coder needs
     out = torch.empty(s_count, bound, dtype=torch.uint8, device=dev)
     offsets = torch.empty(s_count, 2, dtype=torch.int64, device=dev)
     status = torch.empty(s_count, dtype=torch.int32, device=dev)
