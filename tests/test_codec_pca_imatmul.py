@@ -65,7 +65,7 @@ def test_matmul_small_adds_the_escaped_values(shape):
     g = torch.Generator().manual_seed(8)
     q = torch.randint(-127, 128, (b, m, n), generator=g, dtype=torch.int32)
     q[0, 0, 3], q[-1, 2, 1], q[0, 1, 0], q[-1, 1, 2], q[0, -1, 4] = 32767, -32767, -128, 200, 128
-    got = im.matmul_small(q, im.split_matrix(a.to(torch.int16), "cpu", keep_full=True))
+    got = im.matmul_small(q, im.split_matrix(a.to(torch.int16), "cpu"))
     assert torch.equal(got, _ref(q, a))
 
 
@@ -74,7 +74,7 @@ def test_matmul_small_in_several_escape_batches(monkeypatch):
     _, a = _operands(2, 9, 16, 8, seed=3)
     q = torch.full((2, 9, 16), 300, dtype=torch.int32)
     q[:, ::2] = -1000
-    assert torch.equal(im.matmul_small(q, im.split_matrix(a.to(torch.int16), "cpu", keep_full=True)), _ref(q, a))
+    assert torch.equal(im.matmul_small(q, im.split_matrix(a.to(torch.int16), "cpu")), _ref(q, a))
 
 
 def test_refusals():
@@ -83,8 +83,15 @@ def test_refusals():
         im.matmul(torch.zeros(2, 3, 15, dtype=torch.int32), a)
     with pytest.raises(ValueError, match="split matrices"):
         im.matmul(torch.zeros(3, 3, 16, dtype=torch.int32), a)
-    with pytest.raises(ValueError, match="keep_full=True"):
-        im.matmul_small(torch.zeros(2, 3, 16, dtype=torch.int32), a)
+    with pytest.raises(ValueError, match="split matrices"):
+        im.matmul_small(torch.zeros(2, 3, 8, dtype=torch.int32), a)
+
+
+def test_split_matrix_rows_are_the_matrix_rows():
+    _, a = _operands(3, 1, 13, 21, seed=11)
+    sm = im.split_matrix(a.to(torch.int16), "cpu")
+    b, j = torch.tensor([0, 2, 1, 2]), torch.tensor([0, 12, 5, 3])
+    assert torch.equal(sm.rows(b, j), a[b, j].to(torch.int64))
     with pytest.raises(ValueError, match="needs a matrix"):
         im.split_matrix(torch.zeros(8, dtype=torch.int16), "cpu")
 

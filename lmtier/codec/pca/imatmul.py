@@ -46,21 +46,26 @@ class SplitMatrix:
         n, p: ``N``, ``P`` of ``a``.
         cat: int8 ``[B, N8, 2 * P8]``: ``[hi | lo]`` of :func:`split16` along the columns.
         col: int64 ``[B, P8]``: ``128 * (colsum(a) - 128 * N8)``.
-        full: int64 ``[B, N, P]`` or None: ``a`` itself, for :func:`matmul_small`'s escaped rows.
     """
 
     n: int
     p: int
     cat: torch.Tensor
     col: torch.Tensor
-    full: torch.Tensor | None
+
+    def rows(self, b: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """int64 ``[K, P]``: rows ``j`` of matrices ``b`` (``[K]`` indices each) of ``a``, rebuilt from
+        their bytes (``256 * hi + lo + 128``)."""
+        p8 = self.cat.shape[2] // 2
+        c = self.cat[b, j].to(torch.int64)
+        return c[:, : self.p] * 256 + c[:, p8 : p8 + self.p] + 128
 
 
 def _pad8(v: int) -> int:
     return -(-v // 8) * 8
 
 
-def split_matrix(a: np.ndarray | torch.Tensor, device: torch.device | str, *, keep_full: bool = False) -> SplitMatrix:
+def split_matrix(a: np.ndarray | torch.Tensor, device: torch.device | str) -> SplitMatrix:
     """:class:`SplitMatrix` of int16 ``a`` ``[..., N, P]`` (leading dims flattened into ``B``) on
     ``device``. Raises ValueError for fewer than 2 dims."""
     t = torch.as_tensor(a)
@@ -72,7 +77,7 @@ def split_matrix(a: np.ndarray | torch.Tensor, device: torch.device | str, *, ke
     tp = torch.nn.functional.pad(t, (0, p8 - p, 0, n8 - n))
     hi, lo = split16(tp)
     col = 128 * (tp.sum(1, dtype=torch.int64) - 128 * n8)
-    return SplitMatrix(n, p, torch.cat([hi, lo], 2).contiguous(), col, t.to(torch.int64) if keep_full else None)
+    return SplitMatrix(n, p, torch.cat([hi, lo], 2).contiguous(), col)
 
 
 def _int_mm(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -109,9 +114,7 @@ def _check(x: torch.Tensor, a: SplitMatrix) -> None:
 def matmul_small(q: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
     """:func:`matmul` for a left operand that is mostly in ``[-128, 127]`` (the decoder's
     coefficients): one int8 GEMM by ``[ah | al]`` for ``lo8(q)``, then ``256 * hi8(q)`` row by row
-    for the rest. ``a`` needs ``full`` (``split_matrix(..., keep_full=True)``)."""
-    if a.full is None:
-        raise ValueError("matmul_small needs a SplitMatrix made with keep_full=True")
+    for the rest (:meth:`SplitMatrix.rows`)."""
     b, m, n = q.shape
     _check(q, a)
     qi = q.to(torch.int32)
@@ -127,14 +130,14 @@ def matmul_small(q: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
     bi, ri, ci = torch.nonzero(hi, as_tuple=True)
     for s in range(0, bi.numel(), _ESC_BATCH):
         sb, sr, sc = bi[s : s + _ESC_BATCH], ri[s : s + _ESC_BATCH], ci[s : s + _ESC_BATCH]
-        add = a.full[sb, sc] * (256 * hi[sb, sr, sc].to(torch.int64))[:, None]
+        add = a.rows(sb, sc) * (256 * hi[sb, sr, sc].to(torch.int64))[:, None]
         out.view(b * m, p).index_add_(0, sb * m + sr, add)
     return out
 
 
 @lru_cache(maxsize=4)
 def _prepared(m: object, device: str) -> tuple[SplitMatrix, SplitMatrix]:
-    return split_matrix(m.e_int, device), split_matrix(m.d_int, device, keep_full=True)
+    return split_matrix(m.e_int, device), split_matrix(m.d_int, device)
 
 
 def prepared(m: object, device: torch.device) -> tuple[SplitMatrix, SplitMatrix]:
