@@ -80,6 +80,20 @@ def test_bad_encode_arguments_are_refused(model):
         pca.encode(kv, start=0, model=only_default, level="pca_high")
 
 
+def test_bad_decode_devices_are_refused(model):
+    """``decode(device=)``: a device that is not the host or CUDA, one that does not parse, and a CUDA
+    index beyond the visible devices (all of them on a machine without a GPU) are refused before
+    any work; the host works."""
+    record = pca.encode(_kv(8, 4, 18), start=4, model=model, level="pca_default")
+    assert torch.equal(pca.decode(record, model=model, device="cpu"), pca.decode(record, model=model))
+    with pytest.raises(ValueError, match="host or a CUDA device, got meta"):
+        pca.decode(record, model=model, device="meta")
+    with pytest.raises(ValueError, match="host or a CUDA device, got 'gpu0'"):
+        pca.decode(record, model=model, device="gpu0")
+    with pytest.raises(ValueError, match="no such CUDA device here"):
+        pca.decode(record, model=model, device=f"cuda:{torch.cuda.device_count()}")
+
+
 def test_records_of_other_models_or_levels_are_refused(model, metric_model):
     kv = _kv(20, 0, 18)
     record = pca.encode(kv, start=0, model=model, level="pca_high")

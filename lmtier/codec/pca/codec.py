@@ -245,15 +245,20 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
 
     Raises:
         TypeError: ``model`` not a :class:`PCAModel`.
-        ValueError: ``device`` neither the host nor a CUDA device.
+        ValueError: ``device`` neither the host nor a CUDA device present here.
         CodecRecordError: not a record, corrupted (checksum, rANS, counts), a level that is not a PCA
             level of ``model``, a record of other model data (its ``table_id`` names them), a
             geometry other than the model's, or an element type other than bf16 / fp16.
     """
     _check_model(model)
-    dev = torch.device("cpu") if device is None else torch.device(device)
+    try:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be the host or a CUDA device, got {device!r} ({e})") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be the host or a CUDA device, got {dev}")
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {dev}: no such CUDA device here ({torch.cuda.device_count()} visible)")
     rec = _unpack(record)
     info = rec.info
     if info.level_id not in PCA_LEVELS_BY_ID:
