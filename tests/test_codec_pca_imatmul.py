@@ -149,3 +149,18 @@ def test_stream_helpers_give_the_coders_bytes_and_symbols():
         streams.decode(host, tables, n * 64 + 32, torch.device("cpu"))
     with pytest.raises(ValueError):
         streams.decode([host[0], host[1][:40], *host[2:]], tables, n * 64, torch.device("cpu"))
+
+
+def test_host_gemms_without_float64_copies_give_the_same_records(monkeypatch):
+    """A model too large for cached float64 copies (as an 8B model's) widens each matrix when used:
+    the same records and decodes."""
+    m = fitted("metric")
+    kv = _kv(40, 100, 34)
+    ref = pca.encode(kv, start=100, model=m, level="pca_default")
+    dec = pca.decode(ref, model=m)
+    monkeypatch.setattr(tf, "_HOST_CACHE_BYTES", 0)
+    tf._host_mats.cache_clear()
+    assert tf._host_mats(m) is None
+    assert pca.encode(kv, start=100, model=m, level="pca_default") == ref
+    assert torch.equal(pca.decode(ref, model=m).view(torch.int16), dec.view(torch.int16))
+    tf._host_mats.cache_clear()

@@ -75,25 +75,38 @@ def to_kv(m: PCAModel, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch
     return x.float().to(dtype)
 
 
-@lru_cache(maxsize=4)
-def _mats(m: PCAModel) -> tuple[torch.Tensor, ...]:
-    """float64 torch copies of the model's matrices on the host (cached per model object)."""
-    f = lambda a: torch.from_numpy(a).double()  # noqa: E731
-    return f(m.inv_x_scale), f(m.e_int), f(m.e_mu), f(m.d_int), f(m.mu_raw)
-
-
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=8)
 def _vecs(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
-    """float64 ``inv_x_scale``, ``e_mu``, ``mu_raw`` on a CUDA ``device`` (cached per model and device)."""
+    """float64 ``inv_x_scale``, ``e_mu``, ``mu_raw`` on ``device`` (cached per model and device)."""
     return tuple(torch.from_numpy(a).to(device=device, dtype=torch.float64) for a in (m.inv_x_scale, m.e_mu, m.mu_raw))
+
+
+_HOST_CACHE_BYTES = 1 << 29
+"""Models whose two matrices take at most this many bytes as float64 keep float64 copies on the host;
+larger ones (an 8B model's: 4 GB) widen each (layer group, K/V) matrix when it is used."""
+
+
+@lru_cache(maxsize=2)
+def _host_mats(m: PCAModel) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if 4 * (m.e_int.nbytes + m.d_int.nbytes) > _HOST_CACHE_BYTES:
+        return None
+    return torch.from_numpy(m.e_int).double(), torch.from_numpy(m.d_int).double()
 
 
 def _imatmul(m: PCAModel, x: torch.Tensor, which: int) -> torch.Tensor:
     """Exact float64 ``x @ e_int`` (``which`` 0) or ``x @ d_int`` (1) of integer-valued float64 ``x``
-    ``[R, 2, T, N]``: a float64 GEMM on the host, int8 tensor-core GEMMs on CUDA."""
-    if x.device.type == "cpu":
-        return x @ _mats(m)[1 + 2 * which]
-    return _imatmul_int8(m, x, which)
+    ``[R, 2, T, N]``: float64 GEMMs on the host, int8 tensor-core GEMMs on CUDA."""
+    if x.device.type != "cpu":
+        return _imatmul_int8(m, x, which)
+    cached = _host_mats(m)
+    if cached is not None:
+        return x @ cached[which]
+    mat = m.e_int if which == 0 else m.d_int
+    out = torch.empty(*x.shape[:3], mat.shape[-1], dtype=torch.float64)
+    for i in range(x.shape[0]):
+        for p in range(2):
+            torch.matmul(x[i, p], torch.from_numpy(mat[i, p]).double(), out=out[i, p])
+    return out
 
 
 def _imatmul_int8(m: PCAModel, x: torch.Tensor, which: int) -> torch.Tensor:
@@ -121,10 +134,7 @@ def transform(m: PCAModel, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, 
     ``clamp(round_half_even(x * inv_x_scale)) @ e_int - e_mu``; ``clamped`` bool ``[T]``: tokens with
     a raw value beyond the 16-bit fixed point). ``kv``: canonical ``[L, 2, T, H, D]`` bf16/fp16
     (finite), CPU or CUDA, its first token at position ``start``."""
-    if kv.device.type == "cpu":
-        inv_sx, _, e_mu, _, _ = _mats(m)
-    else:
-        inv_sx, e_mu, _ = _vecs(m, str(kv.device))
+    inv_sx, e_mu, _ = _vecs(m, str(kv.device))
     xi = torch.round(raw_vectors(kv, start, m.inv_freq, m.layer_group) * inv_sx[:, :, None, None])
     clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
     return _imatmul(m, xi.clamp_(-XMAX, XMAX), 0) - e_mu[:, :, None], clamped
@@ -186,6 +196,6 @@ def inverse(m: PCAModel, q: torch.Tensor, f: torch.Tensor, start: int, dtype: to
     """Decoded ``dtype`` ``[L, 2, T, H, D]`` of coefficients ``q`` (float64 ``[R, 2, T, N]``) with
     ``f`` (float64 ``[R, 2, N]``, :attr:`PCALevelData.f`): ``(q @ d_int) * f + mu_raw``, then
     :func:`to_kv`. Exact tokens come out as the mean; the caller overwrites them."""
-    mu_raw = _mats(m)[4] if q.device.type == "cpu" else _vecs(m, str(q.device))[2]
+    mu_raw = _vecs(m, str(q.device))[2]
     x = _imatmul(m, q, 1) * f[:, :, None, :] + mu_raw[:, :, None, :]
     return to_kv(m, x, start, dtype)
