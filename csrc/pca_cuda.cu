@@ -196,8 +196,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = threadIdx.x; j < N; j += kThreads) {
     int64_t acc = 256LL * yr[j] + yr[N8 + j] + rs;
     for (int e = e0; e < e1; ++e) {  // escaped coefficients: 256 * hi8(q) * d_int[component, j]
-      const int8_t* dr = dc + (int64_t)esc_col[e] * 2 * N8;
-      acc += 256LL * esc_hi[e] * (256LL * dr[j] + dr[N8 + j] + 128);
+      const int64_t c = esc_col[e];  // dcat is transposed: [hi | lo] column j at rows j, N8 + j
+      acc += 256LL * esc_hi[e] *
+             (256LL * dc[(int64_t)j * N8 + c] + dc[(int64_t)(N8 + j) * N8 + c] + 128);
     }
     xrow[j] = __dadd_rn(__dmul_rn(static_cast<double>(acc), f[(int64_t)rp * N + j]),
                         mu[(int64_t)rp * N + j]);

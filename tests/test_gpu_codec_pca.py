@@ -43,7 +43,15 @@ def _models() -> dict[str, pca.PCAModel]:
 def _cases() -> list[tuple[torch.Tensor, int]]:
     loud = _kv(40, 100, 34)
     loud[:, :, 17] *= 8  # escaped coefficients
-    return [(_kv(256, 0, 31, loud=(5, 77)), 0), (_kv(45, 300, 32), 300), (_kv(9, 17, 33), 17), (loud, 100)]
+    # T = 5 and 12: the GEMMs of at most 16 rows (padded) on both sides / on the decoder's
+    return [
+        (_kv(256, 0, 31, loud=(5, 77)), 0),
+        (_kv(45, 300, 32), 300),
+        (_kv(9, 17, 33), 17),
+        (_kv(5, 3, 35), 3),
+        (_kv(12, 40, 36), 40),
+        (loud, 100),
+    ]
 
 
 def _same(m: pca.PCAModel, level: str, kv: torch.Tensor, start: int) -> int:
@@ -88,3 +96,15 @@ def test_cuda_at_llama_head_geometry(level):
     m = _llama_like()
     for start, seed in ((0, 3), (256, 4)):
         _same(m, level, bench.synthetic_kv((8, 8, 128, 4), 256, start, seed), start)
+
+
+def test_cuda_empty_chunk_and_level_arrays_on_the_host():
+    """T = 0 codes as on the host; the level's arrays may come from the host (moved to the device)."""
+    m = fitted("plain")
+    _same(m, "pca_default", _kv(0, 0, 1), 0)
+    lv = m.levels["pca_high"]
+    kv = _kv(40, 8, 37)
+    k, thr = torch.from_numpy(lv.k), torch.from_numpy(lv.energy_threshold).double()
+    ref = pca.codec.chunk_symbols(m, kv, 8, k, thr)
+    got = pca.codec.chunk_symbols(m, kv.cuda(), 8, k, thr)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))

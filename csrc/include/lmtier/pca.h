@@ -15,19 +15,25 @@
 // bytes hi = v >> 8, lo = (v & 255) - 128 (v = 256 hi + lo + 128; lmtier/codec/pca/imatmul.py).
 //
 // Layouts (C-contiguous, elements):
-//   xs        int8  [R][2][2T][N8]   rows 0..T-1: hi bytes, rows T..2T-1: lo bytes of x_int
-//   rowsum    int64 [R][2][T]        sum over n of x_int (encode) / of lo8(q) (decode); the post
-//                                    kernels add 128 * rowsum (imatmul.py's identity)
-//   flags     int32 [T]              encode_pre: a raw value beyond 16 bits; encode_post: a
-//                                    coefficient beyond 16 bits (callers zero them first)
-//   Yenc      int32 [R][2][2T][2*N8] [xh; xl] @ [eh | el];  Ydec int32 [R][2][T][2*N8] lo8 @ [dh |
-//   dl] col       int64 [R][2][N8]       128 * (colsum(e_int) - 128 * N8) q         int16
-//   [R][2][T][N]     clamped coefficients;  energy int64 [R][2][T] sym       uint8 [R][2][N][T32]
-//   q + 127, 255 for |q| > 127, 127 on exact tokens and padding qt        int16 [R][2][N][T]
-//   decode: coefficients in stream order (escapes filled in) esc_row   int32 [R*2*T + 1]      CSR
-//   over rows (r, p, t) of the escaped high parts: esc_col, esc_hi int32            component j and
-//   hi8(q) = (q - lo8(q)) / 256 dcat      int8  [R][2][N8][2*N8] [dh | dl] of d_int out
-//   [L][2][T][H][D] bf16 / fp16
+// clang-format off
+//   xs        int8  [R][2][2T][N8]    rows 0..T-1: hi bytes, rows T..2T-1: lo bytes of x_int
+//   rowsum    int64 [R][2][T]         sum over n of x_int (encode) / of lo8(q) (decode); the post
+//                                     kernels add 128 * rowsum (imatmul.py's identity)
+//   flags     int32 [T]               encode_pre: a raw value beyond 16 bits; encode_post: a
+//                                     coefficient beyond 16 bits (callers zero them first)
+//   Yenc      int32 [R][2][2T][2*N8]  [xh; xl] @ [eh | el]
+//   Ydec      int32 [R][2][T][2*N8]   lo8(q) @ [dh | dl]
+//   col       int64 [R][2][N8]        128 * (colsum(e_int) - 128 * N8)
+//   q         int16 [R][2][T][N]      clamped coefficients
+//   energy    int64 [R][2][T]
+//   sym       uint8 [R][2][N][T32]    q + 127, 255 for |q| > 127, 127 on exact tokens and padding
+//   qt        int16 [R][2][N][T]      decode: coefficients in stream order (escapes filled in)
+//   esc_row   int32 [R*2*T + 1]       CSR over rows (r, p, t) of the escaped high parts;
+//   esc_col, esc_hi int32             their component j and hi8(q) = (q - lo8(q)) / 256
+//   dcat      int8  [R][2][2*N8][N8]  [dh | dl] of d_int, transposed (row c = column c): the GEMM's
+//                                     column-major right operand (imatmul.SplitMatrix.cat_t)
+//   out       [L][2][T][H][D] bf16 / fp16
+// clang-format on
 // Float64 steps are single correctly rounded operations (__dmul_rn, __dsub_rn, __dadd_rn, rint);
 // the translation unit is built with -fmad=false. cos / sin: float64 [T][D] tables from the host
 // (lmtier/codec/pca/rope.py), null for a model without RoPE.

@@ -134,11 +134,11 @@ def chunk_symbols(
     m: PCAModel, x: torch.Tensor, start: int, k: torch.Tensor, thr: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 symbols ``[R, 2, N, T32]``, bool exact ``[T]``, escaped coefficients in stream order) of
-    a checked chunk ``x`` on its device (``k``, ``thr``: the level's, there too): the fused CUDA
+    a checked chunk ``x`` on its device (``k``, ``thr``: the level's, moved there): the fused CUDA
     kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic."""
     if x.device.type == "cuda" and kernels.available():
         return kernels.encode(m, x, start, k, thr)
-    fw = tf.forward(m, x, start, k, thr)
+    fw = tf.forward(m, x, start, k.to(x.device), thr.to(device=x.device, dtype=torch.float64))
     q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
     t = x.shape[2]
     sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8, device=x.device)
@@ -224,13 +224,13 @@ def symbols_to_kv(
     m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``dtype`` ``[L, 2, T, H, D]`` of checked symbols ``[R, 2, N, T]`` and escaped coefficients (stream
-    order) on their device (``f``: the level's, there too); exact tokens come out as the mean. The
+    order; ``f``: the level's; both moved to the symbols' device); exact tokens come out as the mean. The
     fused CUDA kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic."""
     if sym.device.type == "cuda" and kernels.available():
         return kernels.decode(m, sym, escapes, f, start, dtype)
     q = sym.to(torch.int64) - tf.OFFSET
-    q[sym == tf.ESCAPE] = escapes.to(torch.int64)
-    return tf.inverse(m, q.transpose(2, 3).double(), f, start, dtype)
+    q[sym == tf.ESCAPE] = escapes.to(device=sym.device, dtype=torch.int64)
+    return tf.inverse(m, q.transpose(2, 3).double(), f.to(sym.device), start, dtype)
 
 
 def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = None) -> torch.Tensor:
@@ -257,8 +257,11 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
         raise ValueError(f"device must be the host or a CUDA device, got {device!r} ({e})") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be the host or a CUDA device, got {dev}")
-    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-        raise ValueError(f"device {dev}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+    if dev.type == "cuda":
+        if not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"device {dev}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+        if dev.index is None:  # one cache entry per GPU, and the native calls run on it
+            dev = torch.device("cuda", torch.cuda.current_device())
     rec = _unpack(record)
     info = rec.info
     if info.level_id not in PCA_LEVELS_BY_ID:

@@ -44,21 +44,35 @@ class SplitMatrix:
 
     Attributes:
         n, p: ``N``, ``P`` of ``a``.
-        cat: int8 ``[B, N8, 2 * P8]``: ``[hi | lo]`` of :func:`split16` along the columns.
+        cat_t: int8 ``[B, 2 * P8, N8]``: ``[hi | lo]`` of :func:`split16` along the columns,
+            stored transposed (row ``c`` is column ``c`` of ``[hi | lo]``), so that the GEMM's right
+            operand :meth:`operand` is column-major: the layout cuBLASLt's int8 kernels take on
+            every architecture (row-major by column-major, "TN").
         col: int64 ``[B, P8]``: ``128 * (colsum(a) - 128 * N8)``.
     """
 
     n: int
     p: int
-    cat: torch.Tensor
+    cat_t: torch.Tensor
     col: torch.Tensor
+
+    @property
+    def p8(self) -> int:
+        return self.cat_t.shape[1] // 2
+
+    @property
+    def n8(self) -> int:
+        return self.cat_t.shape[2]
+
+    def operand(self, i: int) -> torch.Tensor:
+        """int8 ``[N8, 2 * P8]`` column-major view: ``[hi | lo]`` of matrix ``i``."""
+        return self.cat_t[i].t()
 
     def rows(self, b: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """int64 ``[K, P]``: rows ``j`` of matrices ``b`` (``[K]`` indices each) of ``a``, rebuilt from
         their bytes (``256 * hi + lo + 128``)."""
-        p8 = self.cat.shape[2] // 2
-        c = self.cat[b, j].to(torch.int64)
-        return c[:, : self.p] * 256 + c[:, p8 : p8 + self.p] + 128
+        c = self.cat_t[b, :, j].to(torch.int64)  # [K, 2 P8]
+        return c[:, : self.p] * 256 + c[:, self.p8 : self.p8 + self.p] + 128
 
 
 def _pad8(v: int) -> int:
@@ -77,11 +91,12 @@ def split_matrix(a: np.ndarray | torch.Tensor, device: torch.device | str) -> Sp
     tp = torch.nn.functional.pad(t, (0, p8 - p, 0, n8 - n))
     hi, lo = split16(tp)
     col = 128 * (tp.sum(1, dtype=torch.int64) - 128 * n8)
-    return SplitMatrix(n, p, torch.cat([hi, lo], 2).contiguous(), col)
+    return SplitMatrix(n, p, torch.cat([hi, lo], 2).transpose(1, 2).contiguous(), col)
 
 
 def _int_mm(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """int32 ``x @ a`` of int8 ``x`` ``[M, N8]`` and ``a`` ``[N8, Q]`` (rows padded for the CUDA GEMM)."""
+    """int32 ``x @ a`` of int8 ``x`` ``[M, N8]`` and ``a`` ``[N8, Q]`` (:meth:`SplitMatrix.operand`;
+    rows padded for the CUDA GEMM)."""
     m = x.shape[0]
     if m < _MIN_ROWS:
         x = torch.cat([x, x.new_zeros(_MIN_ROWS - m, x.shape[1])])
@@ -94,21 +109,21 @@ def matmul(x: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
     Four int8 products per batch entry, as one GEMM of ``[xh; xl]`` by ``[ah | al]``."""
     b, m, n = x.shape
     _check(x, a)
-    xi = torch.nn.functional.pad(x.to(torch.int32), (0, a.cat.shape[1] - n))
+    xi = torch.nn.functional.pad(x.to(torch.int32), (0, a.n8 - n))
     xh, xl = split16(xi)
     rows = 128 * xi.sum(-1, dtype=torch.int64)
-    p, p8 = a.p, a.cat.shape[2] // 2
+    p, p8 = a.p, a.p8
     out = torch.empty(b, m, p, dtype=torch.int64, device=x.device)
     for i in range(b):
-        y = _int_mm(torch.cat([xh[i], xl[i]]), a.cat[i]).to(torch.int64)  # [2M, 2 P8]
+        y = _int_mm(torch.cat([xh[i], xl[i]]), a.operand(i)).to(torch.int64)  # [2M, 2 P8]
         hh, hl, lh, ll = y[:m, :p], y[:m, p8 : p8 + p], y[m:, :p], y[m:, p8 : p8 + p]
         out[i] = (hh * 65536).add_((hl + lh) * 256).add_(ll).add_(a.col[i, :p]).add_(rows[i][:, None])
     return out
 
 
 def _check(x: torch.Tensor, a: SplitMatrix) -> None:
-    if x.dim() != 3 or (x.shape[0], x.shape[2]) != (a.cat.shape[0], a.n):
-        raise ValueError(f"matmul of {tuple(x.shape)} by {a.cat.shape[0]} split matrices of {a.n} x {a.p}")
+    if x.dim() != 3 or (x.shape[0], x.shape[2]) != (a.cat_t.shape[0], a.n):
+        raise ValueError(f"matmul of {tuple(x.shape)} by {a.cat_t.shape[0]} split matrices of {a.n} x {a.p}")
 
 
 def matmul_small(q: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
@@ -121,11 +136,11 @@ def matmul_small(q: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
     lo = (torch.bitwise_and(qi + 128, 255) - 128).to(torch.int8)
     hi = torch.bitwise_right_shift(qi - lo, 8)  # int32, non-zero only outside [-128, 127]
     rows = 128 * lo.sum(-1, dtype=torch.int64)
-    lo = torch.nn.functional.pad(lo, (0, a.cat.shape[1] - n))
-    p, p8 = a.p, a.cat.shape[2] // 2
+    lo = torch.nn.functional.pad(lo, (0, a.n8 - n))
+    p, p8 = a.p, a.p8
     out = torch.empty(b, m, p, dtype=torch.int64, device=q.device)
     for i in range(b):
-        y = _int_mm(lo[i], a.cat[i]).to(torch.int64)  # [M, 2 P8]
+        y = _int_mm(lo[i], a.operand(i)).to(torch.int64)  # [M, 2 P8]
         out[i] = (y[:, :p] * 256).add_(y[:, p8 : p8 + p]).add_(rows[i][:, None])
     bi, ri, ci = torch.nonzero(hi, as_tuple=True)
     for s in range(0, bi.numel(), _ESC_BATCH):

@@ -61,13 +61,20 @@ def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None else x.data_ptr()
 
 
-def _gemms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = a[i] @ b[i]`` (int8 -> int32) for every batch entry."""
+def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor) -> None:
+    """``out[i] = a[i] @ [hi | lo]`` of matrix ``i`` (int8 -> int32) for every batch entry."""
     for i in range(a.shape[0]):
         if a.shape[1] > 16:
-            torch._int_mm(a[i], b[i], out=out[i])
+            torch._int_mm(a[i], b.operand(i), out=out[i])
         else:  # the CUDA GEMM needs more than 16 rows
-            out[i].copy_(imatmul._int_mm(a[i], b[i]))
+            out[i].copy_(imatmul._int_mm(a[i], b.operand(i)))
+
+
+def _level(x: torch.Tensor, shape: tuple[int, ...], what: str, dev: torch.device) -> torch.Tensor:
+    """A level array as contiguous float64 on ``dev``, its shape checked (the kernels read it raw)."""
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{what} of shape {tuple(x.shape)}, the PCA model needs {shape}")
+    return x.to(device=dev, dtype=torch.float64).contiguous()
 
 
 def encode(
@@ -77,17 +84,31 @@ def encode(
 
     Args:
         kv: canonical ``[L, 2, T, H, D]`` bf16/fp16 on a CUDA device (finite; checked by the caller).
-        start: its first position. k: float64 ``[R, 2, N]``, energy_threshold: float64 ``[R, 2]``,
-            both on the chunk's device (:class:`~.model.PCALevelData`).
+        start: its first position. k: ``[R, 2, N]``, energy_threshold: ``[R, 2]``
+            (:class:`~.model.PCALevelData`; moved to the chunk's device as float64).
+
+    Raises:
+        ValueError: ``k`` or ``energy_threshold`` of another shape.
 
     Returns:
         (uint8 ``[R, 2, N, T32]`` symbols (``T32``: ``T`` rounded up to 32), bool ``[T]`` exact
         tokens, int16 escaped coefficients in stream order), all on the device: what
         :func:`.transform.forward` and :func:`.transform.symbols` give, bit for bit.
     """
+    dev = kv.device
+    r, t, n = m.rows, kv.shape[2], m.vector_size
+    kk = _level(k, (r, 2, n), "k", dev)
+    thr = _level(energy_threshold, (r, 2), "energy_threshold", dev)
+    if t == 0:
+        e = torch.empty(0, dtype=torch.int16, device=dev)
+        return torch.empty(r, 2, n, 0, dtype=torch.uint8, device=dev), torch.empty(0, dtype=torch.bool, device=dev), e
+    with torch.cuda.device(dev):
+        return _encode(m, kv.contiguous(), start, kk, thr)
+
+
+def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_threshold: torch.Tensor):
     c = _native()
     dev = kv.device
-    kv = kv.contiguous()
     r, t, n, n8 = m.rows, kv.shape[2], m.vector_size, _n8(m)
     t32 = -(-t // 32) * 32
     geom = _geom(m, t)
@@ -101,10 +122,9 @@ def encode(
     c.encode_pre(_DTYPES[kv.dtype], *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
                  xs.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
     y = torch.empty(r * 2, 2 * t, 2 * n8, dtype=torch.int32, device=dev)
-    _gemms(xs, enc.cat, y)
+    _gemms(xs, enc, y)
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
     energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    kk = k.to(torch.float64).contiguous()
     c.encode_post(*geom, y.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(), kk.data_ptr(),
                   q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
     exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
@@ -123,12 +143,29 @@ def decode(
 
     Args:
         sym: uint8 ``[R, 2, N, T]`` (a view of the padded streams is fine); escapes: the escaped
-            coefficients (any integer dtype, stream order, on the device); f: float64 ``[R, 2, N]``
-            on the device; start: the chunk's first position; dtype: bf16 or fp16.
+            coefficients (any integer dtype, stream order); f: ``[R, 2, N]``; start: the chunk's
+            first position; dtype: bf16 or fp16.
 
     Returns:
         ``dtype`` ``[L, 2, T, H, D]`` on the device.
+
+    Raises:
+        ValueError: ``sym`` or ``f`` of another shape.
     """
+    dev = sym.device
+    r, t, n = m.rows, sym.shape[3], m.vector_size
+    if tuple(sym.shape) != (r, 2, n, t):
+        raise ValueError(f"symbols of shape {tuple(sym.shape)}, the PCA model needs [{r}, 2, {n}, T]")
+    ff = _level(f, (r, 2, n), "f", dev)
+    if t == 0:
+        return torch.empty(m.num_layers, 2, 0, m.num_heads, m.head_size, dtype=dtype, device=dev)
+    with torch.cuda.device(dev):
+        return _decode(m, sym, escapes.to(dev), ff, start, dtype)
+
+
+def _decode(
+    m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, ff: torch.Tensor, start: int, dtype: torch.dtype
+) -> torch.Tensor:
     c = _native()
     dev = sym.device
     r, t, n, n8 = m.rows, sym.shape[3], m.vector_size, _n8(m)
@@ -137,13 +174,13 @@ def decode(
     dec = imatmul.prepared(m, dev)[1]
     s = torch.cuda.current_stream(dev).cuda_stream
     esc = sym == tf.ESCAPE
-    qt = sym.to(torch.int16) - tf.OFFSET
+    qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
     qt[esc] = escapes.to(torch.int16)
     lo = torch.empty(r * 2, t, n8, dtype=torch.int8, device=dev)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     c.decode_pre(*geom, qt.data_ptr(), lo.data_ptr(), rowsum.data_ptr(), s)
     y = torch.empty(r * 2, t, 2 * n8, dtype=torch.int32, device=dev)
-    _gemms(lo, dec.cat, y)
+    _gemms(lo, dec, y)
     # escaped coefficients beyond int8: hi8(q) = (q - lo8(q)) / 256, added per row (r, p, t) in CSR
     v = escapes.to(torch.int32)
     hi = torch.bitwise_right_shift(v - (torch.bitwise_and(v + 128, 255) - 128), 8)
@@ -155,9 +192,8 @@ def decode(
     esc_row = torch.zeros(r * 2 * t + 1, dtype=torch.int32, device=dev)
     esc_row[1:] = torch.bincount(rows, minlength=r * 2 * t).cumsum(0)
     cos, sin = _rope(m, start, t, dev)
-    ff = f.to(torch.float64).contiguous()
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     c.decode_post(_DTYPES[dtype], *geom, y.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(), esc_col.data_ptr(),
-                  esc_hi.data_ptr(), dec.cat.data_ptr(), ff.data_ptr(), mu.data_ptr(), _ptr(cos), _ptr(sin),
+                  esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(), _ptr(cos), _ptr(sin),
                   out.data_ptr(), s)  # fmt: skip
     return out

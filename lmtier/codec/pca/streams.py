@@ -6,12 +6,19 @@ the current stream and synchronized once, instead of :func:`lmtier.codec.rans.en
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from lmtier.codec import rans
 
 __all__ = ["encode", "decode"]
+
+
+def _on(dev: torch.device):
+    """The native coder launches on the current device: make ``dev`` current (host tensors: no-op)."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 def encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int) -> list[np.ndarray]:
@@ -25,8 +32,13 @@ def encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int) -> list[np.nda
     Raises:
         ValueError: a coder status other than ok (bad tables).
     """
+    with _on(sym.device):
+        return _encode(sym, tables, run_len)
+
+
+def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int) -> list[np.ndarray]:
     s_count, length = sym.shape
-    n = length // run_len
+    n = tables.shape[0] // s_count
     dev = sym.device
     bound = -(-rans.max_batch_encoded_bytes(1, length) // 256) * 256  # rows 4-byte aligned, as the coder needs
     out = torch.empty(s_count, bound, dtype=torch.uint8, device=dev)
@@ -58,6 +70,11 @@ def decode(sections: list, tables: torch.Tensor, length: int, device: torch.devi
     Raises:
         ValueError: a stream that does not decode, or not to ``length`` symbols.
     """
+    with _on(device):
+        return _decode(sections, tables, length, device)
+
+
+def _decode(sections: list, tables: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
     s_count = len(sections)
     n = tables.shape[0] // s_count
     sizes = [memoryview(s).nbytes for s in sections]
