@@ -41,7 +41,7 @@ import torch
 from lmtier.bench.args import bounded_int, int_list, output_file
 from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import pca
-from lmtier.codec.pca import codec, imatmul, rope
+from lmtier.codec.pca import codec, imatmul, kernels, rope
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "decode_GBps",
@@ -113,10 +113,13 @@ def _sync(dev: torch.device) -> None:
 
 
 def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> float:
-    """The encoder's int8 GEMMs alone for one chunk (ms, median)."""
+    """The encoder's int8 GEMMs alone for one chunk (ms, median): ``[xh; xl] @ [eh | el]`` of every
+    (layer group, K/V), as :mod:`lmtier.codec.pca.kernels` runs them."""
     a = imatmul.prepared(m, chunk.device)[0]
-    x = torch.randint(-32768, 32768, (m.rows * 2, chunk.shape[2], m.vector_size), device=chunk.device)
-    return wall_time_ms(lambda: (imatmul.matmul(x, a), _sync(chunk.device)), warmup=1, iters=iters)
+    t, n8 = chunk.shape[2], a.n8
+    x = torch.randint(-128, 128, (m.rows * 2, 2 * t, n8), dtype=torch.int8, device=chunk.device)
+    y = torch.empty(m.rows * 2, 2 * t, 2 * a.p8, dtype=torch.int32, device=chunk.device)
+    return wall_time_ms(lambda: (kernels._gemms(x, a, y), _sync(chunk.device)), warmup=1, iters=iters)
 
 
 def run(args) -> dict:
