@@ -43,6 +43,27 @@ MATRIX_TEXTS: dict[str, tuple[str, str]] = {
     "chat_zlib": ("chat:/usr/share/doc/zlib1g-dev/FAQ.gz", "held-out"),
 }
 
+# name -> source spec: calibration-only texts (issue 19's "broad, mixed corpus"), never evaluated and
+# sharing no document with MATRIX_TEXTS (another license, other modules, another header, other
+# commands' man pages in German, Spanish, Polish and Russian). No dialogue: the box's other FAQ files
+# are shorter than a matrix context (1,280 tokens).
+CALIBRATION_TEXTS: dict[str, str] = {
+    "cal_prose_apache": "license:Apache-2.0",
+    "cal_doc_pydoc": "pydoc:json,csv",
+    "cal_code_py": "pysrc:fnmatch,string",
+    "cal_code_c": "file:/usr/include/stdio.h",
+    "cal_de_man": "man:de/man1/dpkg-buildpackage.1.gz",
+    "cal_es_man": "man:es/man1/dpkg-split.1.gz",
+    "cal_pl_man": "man:pl/man1/dpkg-split.1.gz",
+    "cal_ru_man": "man:ru/man1/apropos.1.gz",
+}
+
+
+def source_spec(name: str) -> str:
+    """The source spec of a matrix text or of a calibration-only text (KeyError for neither)."""
+    return MATRIX_TEXTS[name][0] if name in MATRIX_TEXTS else CALIBRATION_TEXTS[name]
+
+
 MATRIX_CONTEXT = 1024  # 4 chunks of 256 tokens
 MATRIX_CONTINUATION = 256  # scored tokens per text (2 shared CPU cores: keep a matrix run short)
 

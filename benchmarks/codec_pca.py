@@ -101,7 +101,7 @@ def calibration_kv(name: str, model: str, tokens: int) -> torch.Tensor:
     path = CQ.CACHE_DIR / f"{model}.{name}.cal{tokens}.safetensors"
     if not path.exists():
         m, tok = CQ.load_model(torch.float32, model)
-        ids = torch.tensor(tok(CC.source_text(CC.MATRIX_TEXTS[name][0])).input_ids[:tokens], dtype=torch.int64)
+        ids = torch.tensor(tok(CC.source_text(CC.source_spec(name))).input_ids[:tokens], dtype=torch.int64)
         with torch.no_grad():
             out = m(ids[None], use_cache=True)
         CQ.CACHE_DIR.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ held-out, ratio, Δppl, top-1, KL): ``lmtier bench codec --matrix FILE`` prints 
 max table (``--combine OUT A.json B.json ...`` writes one file of several runs' cells).
 
 Run: ``python benchmarks/codec_pca_product.py [--model smollm2] [--layer-group 6] [--metric model|none]
-[--tune-texts ...] [--eval-texts ...] [--levels pca_high,pca_default] [--outlier-share 0.002]
+[--tune-texts ...] [--eval-texts ...] [--extra-cal all|NAME,...] [--levels pca_high,pca_default] [--outlier-share 0.002]
 [--save model.lmtpca | --load model.lmtpca] [--json out.json]``; ~3 min to fit and ~1 min per text
 on one core.
 """
@@ -83,6 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--outlier-share", type=float, default=0.002)
     ap.add_argument("--tune-texts", default=",".join(HA.TUNE))
     ap.add_argument("--eval-texts", default=",".join(HA.HELD))
+    ap.add_argument(
+        "--extra-cal",
+        default="",
+        help=f"calibration-only texts added to the tune texts ('all': {', '.join(CC.CALIBRATION_TEXTS)})",
+    )
     ap.add_argument("--levels", default="pca_high,pca_default")
     ap.add_argument("--save", type=Path, help="write the fitted model file here")
     ap.add_argument("--load", type=Path, help="use this model file instead of fitting one")
@@ -100,6 +105,9 @@ def main(argv=None) -> int:
     tune, held, levels = a.tune_texts.split(","), a.eval_texts.split(","), a.levels.split(",")
     if bad := [t for t in (*tune, *held) if t not in CC.MATRIX_TEXTS]:
         ap.error(f"unknown texts {bad}: use {', '.join(CC.MATRIX_TEXTS)}")
+    extra = list(CC.CALIBRATION_TEXTS) if a.extra_cal == "all" else [t for t in a.extra_cal.split(",") if t]
+    if bad := [t for t in extra if t not in CC.CALIBRATION_TEXTS]:
+        ap.error(f"unknown calibration texts {bad}: use {', '.join(CC.CALIBRATION_TEXTS)}")
     if set(tune) & set(held):
         ap.error(f"tune and eval texts overlap: {sorted(set(tune) & set(held))}")
     if bad := [lv for lv in levels if lv not in pca.PCA_LEVELS]:
@@ -109,7 +117,7 @@ def main(argv=None) -> int:
     if a.load:
         m = pca.load(a.load)
     else:
-        m = fit_model(a.model, tune, a.cal_tokens, a.layer_group, a.metric == "model", a.outlier_share)
+        m = fit_model(a.model, tune + extra, a.cal_tokens, a.layer_group, a.metric == "model", a.outlier_share)
         if a.save:
             pca.save(m, a.save)
     print(f"model {m.name} id {m.model_id:#010x} G={m.layer_group} ({time.time() - t0:.0f} s)", flush=True)

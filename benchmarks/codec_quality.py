@@ -130,7 +130,7 @@ def get_text(name: str, model: str = "smollm2"):
 
     matrix = name not in TEXTS
     if matrix:
-        src, ctx, cont = CC.MATRIX_TEXTS[name][0], CC.MATRIX_CONTEXT, CC.MATRIX_CONTINUATION
+        src, ctx, cont = CC.source_spec(name), CC.MATRIX_CONTEXT, CC.MATRIX_CONTINUATION
     else:
         src, ctx, cont = TEXTS[name]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)

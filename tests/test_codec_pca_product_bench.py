@@ -27,6 +27,7 @@ from lmtier.codec import pca  # noqa: E402
         (["--tune-texts", "nope"], "unknown texts ['nope']"),
         (["--tune-texts", "code_c", "--eval-texts", "code_c,de_man"], "tune and eval texts overlap: ['code_c']"),
         (["--levels", "pca_high,low"], "unknown levels ['low']"),
+        (["--extra-cal", "cal_code_py,de_man"], "unknown calibration texts ['de_man']"),
         (["--combine", "out.json"], "--combine needs OUT and at least one JSON"),
     ],
 )
@@ -84,3 +85,18 @@ def test_combine_writes_one_matrix_file(tmp_path):
     (row,) = summarize(cells)
     assert row["ratio"] == (4.0, 4.5, 5.0) and row["held_n"] == 2
     assert json.loads(out.read_text())["sources"] == ["a.json", "b.json"]
+
+
+def test_calibration_only_texts_share_no_document_with_the_matrix():
+    """The calibration-only corpus (``--extra-cal``) never holds a matrix text's document: no source
+    spec in common, and no man page of the same command (the matrix's are apt-get's)."""
+    import codec_corpus as CC
+
+    cal = set(CC.CALIBRATION_TEXTS.values())
+    matrix = {spec for spec, _ in CC.MATRIX_TEXTS.values()}
+    assert cal and not cal & matrix and not set(CC.CALIBRATION_TEXTS) & set(CC.MATRIX_TEXTS)
+    pages = lambda specs: {s.rsplit("/", 1)[-1] for s in specs if s.startswith("man:")}  # noqa: E731
+    assert not pages(cal) & pages(matrix)
+    for name in CC.CALIBRATION_TEXTS:
+        assert CC.source_spec(name) == CC.CALIBRATION_TEXTS[name]
+    assert CC.source_spec("de_man") == CC.MATRIX_TEXTS["de_man"][0]
