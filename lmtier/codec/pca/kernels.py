@@ -17,8 +17,6 @@ from .model import PCAModel
 
 __all__ = ["available", "encode", "decode"]
 
-_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-
 
 def _native():
     from lmtier import _C
@@ -32,6 +30,11 @@ def available() -> bool:
         return _native() is not None
     except ImportError:
         return False
+
+
+def _dtype_code(c, dtype: torch.dtype) -> int:
+    """The kernels' element type code (``DTYPE_BF16`` / ``DTYPE_FP16`` of ``lmtier._C.pca``)."""
+    return {torch.bfloat16: c.DTYPE_BF16, torch.float16: c.DTYPE_FP16}[dtype]
 
 
 def _geom(m: PCAModel, t: int) -> tuple[int, int, int, int, int]:
@@ -119,7 +122,7 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     xs = torch.empty(r * 2, 2 * t, n8, dtype=torch.int8, device=dev)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped, big]
-    c.encode_pre(_DTYPES[kv.dtype], *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
+    c.encode_pre(_dtype_code(c, kv.dtype), *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
                  xs.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
     y = torch.empty(r * 2, 2 * t, 2 * n8, dtype=torch.int32, device=dev)
     _gemms(xs, enc, y)
@@ -193,7 +196,7 @@ def _decode(
     esc_row[1:] = torch.bincount(rows, minlength=r * 2 * t).cumsum(0)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
-    c.decode_post(_DTYPES[dtype], *geom, y.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(), esc_col.data_ptr(),
+    c.decode_post(_dtype_code(c, dtype), *geom, y.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(), esc_col.data_ptr(),
                   esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(), _ptr(cos), _ptr(sin),
                   out.data_ptr(), s)  # fmt: skip
     return out
