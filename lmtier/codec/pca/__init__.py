@@ -1,9 +1,10 @@
-"""PCA transform coding of KV chunks (issue 19; experimental: the library API only, CPU reference).
+"""PCA transform coding of KV chunks (issue 19; experimental: the library API only, not in the YAML).
 
 Data flow: :mod:`.hf` (calibration inputs from a checkpoint) -> :mod:`.fit` (a :class:`PCAModel`:
 basis, integer transforms, steps, outlier thresholds, rANS tables) -> :mod:`.model` (its versioned,
 checksummed file) -> :mod:`.codec` (chunk <-> record, through :mod:`.transform`'s arithmetic and
-:mod:`.rope`). Levels: :mod:`.levels`. Command: ``python -m lmtier.codec.pca`` (:mod:`.calibrate`).
+:mod:`.rope`; on CUDA the same bits from :mod:`.imatmul`'s int8 GEMMs, :mod:`.kernels` and
+:mod:`.streams`). Levels: :mod:`.levels`. Command: ``python -m lmtier.codec.pca`` (:mod:`.calibrate`).
 """
 
 from .codec import RecordMeta, decode, encode, record_meta
