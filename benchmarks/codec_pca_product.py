@@ -14,7 +14,8 @@ held-out, ratio, Δppl, top-1, KL): ``lmtier bench codec --matrix FILE`` prints 
 max table (``--combine OUT A.json B.json ...`` writes one file of several runs' cells).
 
 Run: ``python benchmarks/codec_pca_product.py [--model smollm2] [--layer-group 6] [--metric model|none]
-[--tune-texts ...] [--eval-texts ...] [--extra-cal all|NAME,...] [--levels pca_high,pca_default] [--outlier-share 0.002]
+[--tune-texts ...] [--eval-texts ...] [--extra-cal all|NAME,...] [--calibration-ratio LEVEL=R ...]
+[--levels pca_high,pca_default] [--outlier-share 0.002]
 [--save model.lmtpca | --load model.lmtpca] [--json out.json]``; ~3 min to fit and ~1 min per text
 on one core.
 """
@@ -22,6 +23,7 @@ on one core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -40,8 +42,14 @@ TARGETS = {"pca_default": (6.0, 1.0, 96.0), "pca_high": (4.0, 0.5, 97.5)}
 """Issue 19's targets of the level each PCA level stands in for: (ratio >=, Δppl % <=, top-1 % >=)."""
 
 
-def fit_model(model: str, tune: list[str], cal_tokens: int, layer_group: int, metric: bool, share: float):
-    """A :class:`lmtier.codec.pca.PCAModel` fitted on the tune texts (as the experiment's basis)."""
+def fit_model(model: str, tune: list[str], cal_tokens: int, layer_group: int, metric: bool, share: float, ratios=None):
+    """A :class:`lmtier.codec.pca.PCAModel` fitted on the tune texts (as the experiment's basis);
+    ``ratios``: level name -> calibration ratio overriding the level's (an experiment's knob)."""
+    ratios = ratios or {}
+    levels = [
+        dataclasses.replace(lv, calibration_ratio=ratios.get(n, lv.calibration_ratio))
+        for n, lv in pca.PCA_LEVELS.items()
+    ]
     m, _ = CQ.load_model(torch.float32, model)
     kvs = [CP.calibration_kv(t, model, cal_tokens) for t in tune]
     met = CP.model_metric(model, tune) if metric else None
@@ -51,6 +59,7 @@ def fit_model(model: str, tune: list[str], cal_tokens: int, layer_group: int, me
         inv_freq=pca.hf.rotary_inv_freq(m),
         layer_group=layer_group,
         metric=met,
+        levels=levels,
         outlier_share=share,
         name=model,
         info=dict(tune=tune, cal_tokens=cal_tokens, metric="model" if metric else "none"),
@@ -89,6 +98,13 @@ def main(argv=None) -> int:
         help=f"calibration-only texts added to the tune texts ('all': {', '.join(CC.CALIBRATION_TEXTS)})",
     )
     ap.add_argument("--levels", default="pca_high,pca_default")
+    ap.add_argument(
+        "--calibration-ratio",
+        action="append",
+        default=[],
+        metavar="LEVEL=R",
+        help="fit LEVEL's step so that the calibration KV codes at R (ideal bits) instead of the level's own",
+    )
     ap.add_argument("--save", type=Path, help="write the fitted model file here")
     ap.add_argument("--load", type=Path, help="use this model file instead of fitting one")
     ap.add_argument("--json", type=Path)
@@ -108,6 +124,15 @@ def main(argv=None) -> int:
     extra = list(CC.CALIBRATION_TEXTS) if a.extra_cal == "all" else [t for t in a.extra_cal.split(",") if t]
     if bad := [t for t in extra if t not in CC.CALIBRATION_TEXTS]:
         ap.error(f"unknown calibration texts {bad}: use {', '.join(CC.CALIBRATION_TEXTS)}")
+    ratios = {}
+    for item in a.calibration_ratio:
+        name, _, val = item.partition("=")
+        try:
+            ratios[name] = float(val)
+        except ValueError:
+            ap.error(f"--calibration-ratio needs LEVEL=R, got {item!r}")
+        if name not in pca.PCA_LEVELS or not ratios[name] > 1:
+            ap.error(f"--calibration-ratio {item!r}: a PCA level and a ratio above 1")
     if set(tune) & set(held):
         ap.error(f"tune and eval texts overlap: {sorted(set(tune) & set(held))}")
     if bad := [lv for lv in levels if lv not in pca.PCA_LEVELS]:
@@ -117,7 +142,7 @@ def main(argv=None) -> int:
     if a.load:
         m = pca.load(a.load)
     else:
-        m = fit_model(a.model, tune + extra, a.cal_tokens, a.layer_group, a.metric == "model", a.outlier_share)
+        m = fit_model(a.model, tune + extra, a.cal_tokens, a.layer_group, a.metric == "model", a.outlier_share, ratios)
         if a.save:
             pca.save(m, a.save)
     print(f"model {m.name} id {m.model_id:#010x} G={m.layer_group} ({time.time() - t0:.0f} s)", flush=True)

@@ -28,6 +28,9 @@ from lmtier.codec import pca  # noqa: E402
         (["--tune-texts", "code_c", "--eval-texts", "code_c,de_man"], "tune and eval texts overlap: ['code_c']"),
         (["--levels", "pca_high,low"], "unknown levels ['low']"),
         (["--extra-cal", "cal_code_py,de_man"], "unknown calibration texts ['de_man']"),
+        (["--calibration-ratio", "pca_default"], "--calibration-ratio needs LEVEL=R, got 'pca_default'"),
+        (["--calibration-ratio", "low=3"], "--calibration-ratio 'low=3': a PCA level and a ratio above 1"),
+        (["--calibration-ratio", "pca_high=1"], "--calibration-ratio 'pca_high=1': a PCA level and a ratio above 1"),
         (["--combine", "out.json"], "--combine needs OUT and at least one JSON"),
     ],
 )
