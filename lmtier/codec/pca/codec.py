@@ -97,10 +97,6 @@ def sections_per_layer(m: PCAModel) -> int:
     return -(-(2 * m.rows + 3) // m.num_layers)
 
 
-def _t32(t: int) -> int:
-    return -(-t // rans.LANES) * rans.LANES
-
-
 def _level(m: PCAModel, level: str | int | PCALevel) -> tuple[PCALevel, Any]:
     lv = get_pca_level(level)
     if lv.name not in m.levels:
@@ -141,7 +137,7 @@ def chunk_symbols(
     fw = tf.forward(m, x, start, k.to(x.device), thr.to(device=x.device, dtype=torch.float64))
     q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
     t = x.shape[2]
-    sym = torch.full((*q.shape[:3], _t32(t)), tf.OFFSET, dtype=torch.uint8, device=x.device)
+    sym = torch.full((*q.shape[:3], streams.run_length(t)), tf.OFFSET, dtype=torch.uint8, device=x.device)
     sym[..., :t], esc = tf.symbols(q)
     return sym, fw.exact, q[esc]
 
@@ -192,18 +188,18 @@ def encode(
         raise ValueError(f"chunk must be on the host or a CUDA device, got {dev}")
     if not bool(torch.isfinite(x).all()):
         raise CodecInputError("the chunk holds NaN or inf: only the lossless level stores them")
-    t = x.shape[2]
+    t, t32 = x.shape[2], streams.run_length(x.shape[2])
     arrays = _level_arrays(model, lv.name, str(dev))
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
     n = model.vector_size
     # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
     # and 2 * L * H * D tables exceed them for 8B-class models
     if dev.type == "cuda":
-        sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, _t32(t))
+        sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, t32)
     else:
         sections = [
             rans.encode(
-                [s.numpy()], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=_t32(t),
+                [s.numpy()], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=t32,
                 num_threads=num_threads,
             ).stream(0)
             for i, s in enumerate(sym.reshape(2 * model.rows, -1))
@@ -305,7 +301,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
         raise CodecRecordError(
             f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
         )
-    data = model.levels[lv.name]
+    data, arrays, t32 = model.levels[lv.name], _level_arrays(model, lv.name, str(dev)), streams.run_length(t)
     try:
         if dev.type == "cpu":  # sized by the streams' own counts, which rans.decode bounds by their bytes
             sym = [
@@ -313,20 +309,20 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
                 for i, sec in enumerate(secs[:r2])
             ]
         else:  # sized by T: a stream of another count raises
-            sym = list(streams.decode(secs[:r2], _level_arrays(model, lv.name, str(dev)).tables, n * _t32(t), dev))
+            sym = list(streams.decode(secs[:r2], arrays.tables, n * t32, dev))
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-    if any(s.numel() != n * _t32(t) for s in sym):
+    if any(s.numel() != n * t32 for s in sym):
         raise CodecRecordError(
             f"corrupted PCA codec record: rANS streams of {sorted({s.numel() for s in sym})} symbols, "
-            f"{t} tokens need {n * _t32(t)}"
+            f"{t} tokens need {n * t32}"
         )
-    sym = torch.stack(sym).reshape(model.rows, 2, n, _t32(t))[..., :t]
+    sym = torch.stack(sym).reshape(model.rows, 2, n, t32)[..., :t]
     esc = sym == tf.ESCAPE
     if int(esc.sum()) != n_esc:
         raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")
     escapes = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
-    out = symbols_to_kv(model, sym, escapes, _level_arrays(model, lv.name, str(dev)).f, start, dtype)
+    out = symbols_to_kv(model, sym, escapes, arrays.f, start, dtype)
     if n_exact:
         raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
         out[:, :, torch.from_numpy(exact).to(dev)] = raw.to(dev)

@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-__all__ = ["SplitMatrix", "split16", "split_matrix", "matmul", "matmul_small", "prepared"]
+__all__ = ["SplitMatrix", "split16", "split8", "pad8", "split_matrix", "matmul", "matmul_small", "prepared"]
 
 _MIN_ROWS = 32
 """``torch._int_mm`` on CUDA needs more than 16 rows; smaller operands are padded to this many."""
@@ -35,6 +35,14 @@ def split16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``v = 256 * hi + lo + 128``."""
     v = v.to(torch.int32)
     return torch.bitwise_right_shift(v, 8).to(torch.int8), (torch.bitwise_and(v, 255) - 128).to(torch.int8)
+
+
+def split8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``lo8`` int8, ``hi8`` int32) of integers ``q`` (any integer dtype, ``|q| <= 32767``):
+    ``q = lo8 + 256 * hi8`` with ``lo8`` in ``[-128, 127]``; ``hi8`` is 0 for ``q`` in that range."""
+    qi = q.to(torch.int32)
+    lo = (torch.bitwise_and(qi + 128, 255) - 128).to(torch.int8)
+    return lo, torch.bitwise_right_shift(qi - lo, 8)
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ class SplitMatrix:
         return c[:, : self.p] * 256 + c[:, self.p8 : self.p8 + self.p] + 128
 
 
-def _pad8(v: int) -> int:
+def pad8(v: int) -> int:
+    """``v`` rounded up to a multiple of 8 (the int8 GEMM's size rule)."""
     return -(-v // 8) * 8
 
 
@@ -87,7 +96,7 @@ def split_matrix(a: np.ndarray | torch.Tensor, device: torch.device | str) -> Sp
         raise ValueError(f"split_matrix needs a matrix, got shape {tuple(t.shape)}")
     n, p = t.shape[-2:]
     t = t.reshape(-1, n, p).to(device=device, dtype=torch.int32)
-    n8, p8 = _pad8(n), _pad8(p)
+    n8, p8 = pad8(n), pad8(p)
     tp = torch.nn.functional.pad(t, (0, p8 - p, 0, n8 - n))
     hi, lo = split16(tp)
     col = 128 * (tp.sum(1, dtype=torch.int64) - 128 * n8)
@@ -132,9 +141,7 @@ def matmul_small(q: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
     for the rest (:meth:`SplitMatrix.rows`)."""
     b, m, n = q.shape
     _check(q, a)
-    qi = q.to(torch.int32)
-    lo = (torch.bitwise_and(qi + 128, 255) - 128).to(torch.int8)
-    hi = torch.bitwise_right_shift(qi - lo, 8)  # int32, non-zero only outside [-128, 127]
+    lo, hi = split8(q)
     rows = 128 * lo.sum(-1, dtype=torch.int64)
     lo = torch.nn.functional.pad(lo, (0, a.n8 - n))
     p, p8 = a.p, a.p8

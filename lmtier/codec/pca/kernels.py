@@ -7,11 +7,9 @@ with CUDA (:func:`available`); otherwise the torch path of :mod:`.transform` run
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from . import imatmul, rope
+from . import imatmul, rope, streams
 from . import transform as tf
 from .model import PCAModel
 
@@ -41,23 +39,8 @@ def _geom(m: PCAModel, t: int) -> tuple[int, int, int, int, int]:
     return m.num_layers, t, m.num_heads, m.head_size, m.layer_group
 
 
-def _n8(m: PCAModel) -> int:
-    return -(-m.vector_size // 8) * 8
-
-
-@lru_cache(maxsize=4)
-def _vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
-    """float64 ``inv_x_scale`` ``[R, 2]``, ``e_mu``, ``mu_raw`` ``[R, 2, N]`` on ``device``."""
-    return tuple(
-        torch.from_numpy(a).to(device=device, dtype=torch.float64).contiguous()
-        for a in (m.inv_x_scale, m.e_mu, m.mu_raw)
-    )
-
-
 def _rope(m: PCAModel, start: int, t: int, dev: torch.device) -> tuple[torch.Tensor | None, ...]:
-    if m.inv_freq is None:
-        return None, None
-    return tuple(c.to(dev).contiguous() for c in rope.cos_sin(m.inv_freq, start, t))
+    return (None, None) if m.inv_freq is None else rope.cos_sin(m.inv_freq, start, t, dev)
 
 
 def _ptr(x: torch.Tensor | None) -> int:
@@ -112,11 +95,11 @@ def encode(
 def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_threshold: torch.Tensor):
     c = _native()
     dev = kv.device
-    r, t, n, n8 = m.rows, kv.shape[2], m.vector_size, _n8(m)
-    t32 = -(-t // 32) * 32
-    geom = _geom(m, t)
-    inv_sx, e_mu, _ = _vectors(m, str(dev))
     enc = imatmul.prepared(m, dev)[0]
+    r, t, n, n8 = m.rows, kv.shape[2], m.vector_size, enc.n8
+    t32 = streams.run_length(t)
+    geom = _geom(m, t)
+    inv_sx, e_mu, _ = tf.vectors(m, str(dev))
     cos, sin = _rope(m, start, t, dev)
     s = torch.cuda.current_stream(dev).cuda_stream
     xs = torch.empty(r * 2, 2 * t, n8, dtype=torch.int8, device=dev)
@@ -171,10 +154,10 @@ def _decode(
 ) -> torch.Tensor:
     c = _native()
     dev = sym.device
-    r, t, n, n8 = m.rows, sym.shape[3], m.vector_size, _n8(m)
-    geom = _geom(m, t)
-    _, _, mu = _vectors(m, str(dev))
     dec = imatmul.prepared(m, dev)[1]
+    r, t, n, n8 = m.rows, sym.shape[3], m.vector_size, dec.n8
+    geom = _geom(m, t)
+    _, _, mu = tf.vectors(m, str(dev))
     s = torch.cuda.current_stream(dev).cuda_stream
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
@@ -185,8 +168,7 @@ def _decode(
     y = torch.empty(r * 2, t, 2 * n8, dtype=torch.int32, device=dev)
     _gemms(lo, dec, y)
     # escaped coefficients beyond int8: hi8(q) = (q - lo8(q)) / 256, added per row (r, p, t) in CSR
-    v = escapes.to(torch.int32)
-    hi = torch.bitwise_right_shift(v - (torch.bitwise_and(v + 128, 255) - 128), 8)
+    hi = imatmul.split8(escapes)[1]
     rp, j, tok = torch.nonzero(esc.reshape(r * 2, n, t), as_tuple=True)
     keep = hi != 0
     rows, cols, his = rp[keep] * t + tok[keep], j[keep], hi[keep]

@@ -11,8 +11,11 @@ import numpy as np
 import torch
 
 
-def cos_sin(inv_freq: np.ndarray, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``cos``, ``sin`` ``[tokens, D]`` at positions ``start .. start + tokens - 1``.
+def cos_sin(
+    inv_freq: np.ndarray, start: int, tokens: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``cos``, ``sin`` ``[tokens, D]`` at positions ``start .. start + tokens - 1``, on
+    ``device`` (default the host; always computed on the host).
 
     Args:
         inv_freq: float64 ``[D/2]``, the model's rotary inverse frequencies
@@ -31,7 +34,7 @@ def cos_sin(inv_freq: np.ndarray, start: int, tokens: int) -> tuple[torch.Tensor
         raise ValueError(f"start and tokens must be >= 0, got {start}, {tokens}")
     ang = np.arange(start, start + tokens, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None]
     ang = np.concatenate([ang, ang], axis=1)
-    return torch.from_numpy(np.cos(ang)), torch.from_numpy(np.sin(ang))
+    return torch.from_numpy(np.cos(ang)).to(device), torch.from_numpy(np.sin(ang)).to(device)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,13 @@ import torch
 
 from lmtier.codec import rans
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "run_length"]
+
+
+def run_length(tokens: int) -> int:
+    """``T32``: a chunk's token count rounded up to the coder's lanes: the length of each component's
+    run of symbols (one table each) in a PCA record's streams."""
+    return -(-tokens // rans.LANES) * rans.LANES
 
 
 def _on(dev: torch.device):

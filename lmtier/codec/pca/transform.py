@@ -29,6 +29,7 @@ __all__ = [
     "quantize",
     "forward",
     "inverse",
+    "vectors",
     "OFFSET",
     "ESCAPE",
     "loud",
@@ -56,7 +57,7 @@ def raw_vectors(kv: torch.Tensor, start: int, inv_freq: np.ndarray | None, layer
     x = kv.double()
     nl, _, t, h, d = x.shape
     if inv_freq is not None:
-        cos, sin = (c.to(x.device) for c in rope.cos_sin(inv_freq, start, t))
+        cos, sin = rope.cos_sin(inv_freq, start, t, x.device)
         x = torch.stack([rope.apply(x[:, 0], cos, sin, inverse=True), x[:, 1]], 1)
     g = layer_group
     return x.reshape(nl // g, g, 2, t, h * d).permute(0, 2, 3, 1, 4).reshape(nl // g, 2, t, g * h * d)
@@ -70,14 +71,15 @@ def to_kv(m: PCAModel, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch
     g, h, d = m.layer_group, m.num_heads, m.head_size
     x = x.reshape(r, 2, t, g, h * d).permute(0, 3, 1, 2, 4).reshape(r * g, 2, t, h, d)
     if m.inv_freq is not None:
-        cos, sin = (c.to(x.device) for c in rope.cos_sin(m.inv_freq, start, t))
+        cos, sin = rope.cos_sin(m.inv_freq, start, t, x.device)
         x = torch.stack([rope.apply(x[:, 0], cos, sin), x[:, 1]], 1)
     return x.float().to(dtype)
 
 
 @lru_cache(maxsize=8)
-def _vecs(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
-    """float64 ``inv_x_scale``, ``e_mu``, ``mu_raw`` on ``device`` (cached per model and device)."""
+def vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
+    """float64 ``inv_x_scale`` ``[R, 2]``, ``e_mu``, ``mu_raw`` ``[R, 2, N]`` of ``m`` on ``device``
+    (contiguous; cached per model and device string)."""
     return tuple(torch.from_numpy(a).to(device=device, dtype=torch.float64) for a in (m.inv_x_scale, m.e_mu, m.mu_raw))
 
 
@@ -134,7 +136,7 @@ def transform(m: PCAModel, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, 
     ``clamp(round_half_even(x * inv_x_scale)) @ e_int - e_mu``; ``clamped`` bool ``[T]``: tokens with
     a raw value beyond the 16-bit fixed point). ``kv``: canonical ``[L, 2, T, H, D]`` bf16/fp16
     (finite), CPU or CUDA, its first token at position ``start``."""
-    inv_sx, e_mu, _ = _vecs(m, str(kv.device))
+    inv_sx, e_mu, _ = vectors(m, str(kv.device))
     xi = torch.round(raw_vectors(kv, start, m.inv_freq, m.layer_group) * inv_sx[:, :, None, None])
     clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
     return _imatmul(m, xi.clamp_(-XMAX, XMAX), 0) - e_mu[:, :, None], clamped
@@ -196,6 +198,6 @@ def inverse(m: PCAModel, q: torch.Tensor, f: torch.Tensor, start: int, dtype: to
     """Decoded ``dtype`` ``[L, 2, T, H, D]`` of coefficients ``q`` (float64 ``[R, 2, T, N]``) with
     ``f`` (float64 ``[R, 2, N]``, :attr:`PCALevelData.f`): ``(q @ d_int) * f + mu_raw``, then
     :func:`to_kv`. Exact tokens come out as the mean; the caller overwrites them."""
-    mu_raw = _vecs(m, str(q.device))[2]
+    mu_raw = vectors(m, str(q.device))[2]
     x = _imatmul(m, q, 1) * f[:, :, None, :] + mu_raw[:, :, None, :]
     return to_kv(m, x, start, dtype)
