@@ -96,17 +96,34 @@ def test_split_matrix_rows_are_the_matrix_rows():
         im.split_matrix(torch.zeros(8, dtype=torch.int16), "cpu")
 
 
+def int8_path_cases() -> list[tuple[torch.Tensor, int]]:
+    """(chunk, start) of the int8 path's comparisons (here and tests/test_gpu_codec_pca.py): sink and
+    loud tokens, starts, T = 5 / 9 / 12 (GEMMs of at most 16 rows, padded), and last a token 8x louder
+    (escaped coefficients at pca_high)."""
+    loud = _kv(40, 100, 34)
+    loud[:, :, 17] *= 8
+    return [
+        (_kv(256, 0, 31, loud=(5, 77)), 0),
+        (_kv(45, 300, 32), 300),
+        (_kv(9, 17, 33), 17),
+        (_kv(5, 3, 35), 3),
+        (_kv(12, 40, 36), 40),
+        (loud, 100),
+    ]
+
+
+def corner_chunk() -> torch.Tensor:
+    """The hand-built model's corner cases: ties, +-127/128 symbols, a 32767 coefficient escaped."""
+    return _hand_chunk([{0: 1}, {1: 8}, {1: 10}, {0: -3}], [{0: 5}, {1: 128}, {1: -127}, {2: 32752}])
+
+
 @pytest.mark.parametrize("kind", ["plain", "metric"])
 @pytest.mark.parametrize("level", ["pca_high", "pca_default"])
 def test_codec_on_the_int8_path_gives_the_references_bytes(kind, level, monkeypatch):
     """Records and decodes with the transform's products on the int8 path (the CUDA one) equal the
-    float64 GEMMs' byte for byte: sink and loud tokens, starts, a chunk shorter than the GEMM's 17
-    rows, escaped coefficients (a token 8x louder, pca_high)."""
+    float64 GEMMs' byte for byte on :func:`int8_path_cases`."""
     m = fitted(kind)
-    cases = [(_kv(256, 0, 31, loud=(5, 77)), 0), (_kv(45, 300, 32), 300), (_kv(9, 17, 33), 17)]
-    kv = _kv(40, 100, 34)
-    kv[:, :, 17] *= 8
-    cases.append((kv, 100))
+    cases = int8_path_cases()
     ref = [pca.encode(x, start=s, model=m, level=level) for x, s in cases]
     decs = [pca.decode(r, model=m) for r in ref]
     monkeypatch.setattr(tf, "_imatmul", tf._imatmul_int8)
@@ -120,7 +137,7 @@ def test_codec_on_the_int8_path_gives_the_references_bytes(kind, level, monkeypa
 def test_hand_built_corner_cases_on_the_int8_path(monkeypatch):
     """N = 4 (padded to 8 for the GEMM): ties, +-127/128 symbols, a 32767 coefficient escaped."""
     m = _hand_model()
-    kv = _hand_chunk([{0: 1}, {1: 8}, {1: 10}, {0: -3}], [{0: 5}, {1: 128}, {1: -127}, {2: 32752}])
+    kv = corner_chunk()
     ref = {lv: pca.encode(kv, start=0, model=m, level=lv) for lv in ("pca_default", "pca_high")}
     decs = {lv: pca.decode(r, model=m) for lv, r in ref.items()}
     assert pca.record_meta(ref["pca_default"]).escapes >= 2

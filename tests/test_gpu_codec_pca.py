@@ -17,7 +17,8 @@ import torch
 from lmtier.bench import codec_pca as bench
 from lmtier.codec import pca
 from lmtier.codec.pca import kernels
-from tests.test_codec_pca_product import INV_FREQ, G, _calibration, _hand_chunk, _hand_model, _kv, fitted
+from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
+from tests.test_codec_pca_product import INV_FREQ, G, _calibration, _hand_model, _kv, fitted
 
 pytestmark = pytest.mark.gpu
 LEVELS = ("pca_high", "pca_default")
@@ -40,20 +41,6 @@ def _models() -> dict[str, pca.PCAModel]:
     return {"plain": fitted("plain"), "metric": fitted("metric"), "quiet": quiet}
 
 
-def _cases() -> list[tuple[torch.Tensor, int]]:
-    loud = _kv(40, 100, 34)
-    loud[:, :, 17] *= 8  # escaped coefficients
-    # T = 5 and 12: the GEMMs of at most 16 rows (padded) on both sides / on the decoder's
-    return [
-        (_kv(256, 0, 31, loud=(5, 77)), 0),
-        (_kv(45, 300, 32), 300),
-        (_kv(9, 17, 33), 17),
-        (_kv(5, 3, 35), 3),
-        (_kv(12, 40, 36), 40),
-        (loud, 100),
-    ]
-
-
 def _same(m: pca.PCAModel, level: str, kv: torch.Tensor, start: int) -> int:
     """Assert the CUDA record and decodes equal the host's; return the record's escapes."""
     ref = pca.encode(kv, start=start, model=m, level=level)
@@ -68,7 +55,7 @@ def _same(m: pca.PCAModel, level: str, kv: torch.Tensor, start: int) -> int:
 @pytest.mark.parametrize("kind", ["plain", "metric", "quiet"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_cuda_records_and_decodes_are_the_hosts(kind, level):
-    esc = [_same(_models()[kind], level, kv, s) for kv, s in _cases()]
+    esc = [_same(_models()[kind], level, kv, s) for kv, s in int8_path_cases()]
     if level == "pca_high" and kind == "quiet":
         assert esc[-1] > 0
 
@@ -80,7 +67,7 @@ def test_cuda_dtypes(dtype):
 
 def test_cuda_hand_built_corner_cases():
     m = _hand_model()
-    kv = _hand_chunk([{0: 1}, {1: 8}, {1: 10}, {0: -3}], [{0: 5}, {1: 128}, {1: -127}, {2: 32752}])
+    kv = corner_chunk()
     assert _same(m, "pca_default", kv, 0) >= 2
     _same(m, "pca_high", kv, 0)
 
