@@ -52,11 +52,14 @@ class Eviction:
         payloads: CPU pool only: each chunk's bytes (a ``torch.uint8`` CPU tensor view of its
             slot, ``[payload bytes]``), readable only until the listener returns (the tier
             manager's write-back copies them to disk then); ``None`` for other tiers.
+        positions: CPU pool only: each chunk's position (:meth:`Tier.takes_position`; None where
+            the store did not name it); ``None`` for other tiers.
     """
 
     tier: str
     keys: tuple[bytes, ...]
     payloads: tuple[Any, ...] | None = None
+    positions: tuple[int | None, ...] | None = None
 
 
 TIER_EVENTS = (
@@ -175,7 +178,17 @@ class Tier(abc.ABC):
 
         Tiers with per-tenant budgets (:attr:`tenant_budgets` not None: the CPU pool, the Redis tier
         and the decorators over it) also take ``tenant=`` (:func:`lmtier.tiers.tenants.tenant_id`);
-        the tier manager passes it only to those."""
+        the tier manager passes it only to those. Tiers whose :meth:`takes_position` is True also
+        take ``position=`` (see there)."""
+
+    def takes_position(self) -> bool:
+        """True if :meth:`put` takes ``position=``: the position of the chunk's first token in its
+        token sequence (``chunk index * chunk_size``; an ``int >= 0``, or None where the caller does
+        not know it). A tier whose records depend on it (a PCA codec tier: keys are stored with RoPE
+        undone, :class:`lmtier.tiers.codec_pca.PCACodecTier`) returns True and does not store a
+        chunk of unknown position (its put returns False). The tier manager passes ``position=``
+        only to those tiers. Default False."""
+        return False
 
     @abc.abstractmethod
     def delete(self, key: bytes) -> bool:
