@@ -2,7 +2,8 @@
 
 :class:`CodecTier` wraps a disk or remote tier and implements the whole
 :class:`~lmtier.tiers.base.Tier` protocol by forwarding to it (``contains``, ``contains_many``,
-``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners). ``put``
+``get_into``, ``put``, ``delete``, ``forget``, ``usage``, ``close``, eviction listeners; what it
+shares with the PCA levels' tier is :class:`lmtier.tiers.record_tier.RecordTier`). ``put``
 encodes the chunk's canonical bytes with :func:`lmtier.codec.chunk.encode_chunk` and stores the
 record in the inner tier; ``get_into`` fetches the record into a decode slot's record buffer and
 decodes it into the caller's buffer with the tier's :class:`lmtier.codec.decoder.ChunkDecoder` for
@@ -16,7 +17,8 @@ caller), else on the CPU; the records are the same bytes either way.
 Decisions:
 
 * **Keys.** The inner tier holds the record under a *derived* key, ``key XOR pad`` with
-  ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || table id)``,
+  ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format version || level id || table id)``
+  (:func:`lmtier.tiers.record_tier.key_pad`),
   so naive (raw) chunks and codec records of every level live in disjoint key spaces of a shared
   disk directory or Redis (chunk keys are BLAKE2b outputs: a raw key equal to a record's derived
   key would need two chunk hashes differing by exactly the pad, as unlikely as a collision): a
@@ -61,12 +63,9 @@ Thread-safe (encode keeps no shared state; decode slots come from each decoder's
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import hashlib
 import logging
 import math
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,9 +82,8 @@ from lmtier.codec.levels import EXPERIMENTAL_LEVELS, LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
-from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
-from lmtier.tiers.buffers import host_view
-from lmtier.tiers.device import is_cuda_tensor
+from lmtier.tiers.base import Tier
+from lmtier.tiers.record_tier import RecordTier
 
 __all__ = ["CODEC_KV_DTYPES", "CodecTier", "check_codec_geometry"]
 
@@ -101,7 +99,6 @@ CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmt
 """Namespace ``kv_dtype`` names the codec takes."""
 
 _SERDE = b"cachegen"
-_PERSON = b"lmtier-serde"
 _AUTO_SALT = b"auto-tables"  # longer than a 4-byte table id: no table id spells it
 
 
@@ -182,7 +179,7 @@ def _tables_can_code(level: Level, shape: tuple[int, ...]) -> bool:
     return all(r * t % rans.LANES == 0 and r * t <= rans.MAX_RUN_LEN for r in (g, h))
 
 
-class CodecTier(Tier):
+class CodecTier(RecordTier):
     """Store chunks of one geometry in ``inner`` as codec records (see the module doc).
 
     Args:
@@ -245,15 +242,12 @@ class CodecTier(Tier):
         config_value: str = "cachegen",
         encode_device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
         self.shape, self.dtype, self.level = check_codec_geometry(
             shape, dtype, level, config_key=config_key, config_value=config_value
         )
         self._gpu: DeviceEncoder | None = None
         if encode_device is not None:
             self._gpu = DeviceEncoder(shape=self.shape, dtype=self.dtype, level=self.level, device=encode_device)
-        self.inner = inner
-        self.name = inner.name
         self._auto: AutoTables | None = None
         if isinstance(tables, str):
             if tables not in ("shipped", "auto"):
@@ -280,11 +274,8 @@ class CodecTier(Tier):
         table_id = cformat.NO_TABLE if tables is None else int(tables.table_id)
         salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id])
         salt += _AUTO_SALT if self._auto is not None else table_id.to_bytes(4, "little")
-        self._pad = int.from_bytes(hashlib.blake2b(salt, digest_size=KEY_BYTES, person=_PERSON).digest(), "little")
         self._decoders: dict[torch.device, ChunkDecoder] = {}
-        self._lock = threading.Lock()
-        self.counters: collections.Counter[str] = collections.Counter()
-        inner.add_eviction_listener(self._on_inner_evicted)
+        super().__init__(inner, salt=salt)  # the key pad (lmtier.tiers.record_tier), the eviction listener
 
     @property
     def tables(self) -> cchunk.StaticTables | None:
@@ -303,57 +294,7 @@ class CodecTier(Tier):
         """The auto-calibration state (``tables="auto"`` for a geometry without shipped tables), else None."""
         return self._auto
 
-    # ---- keys --------------------------------------------------------------------------------
-
-    def inner_key(self, key: bytes) -> bytes:
-        """The key the record has in the inner tier (32 bytes, see the module doc).
-
-        Raises:
-            ValueError: ``key`` is not 32 bytes.
-        """
-        key = bytes(key)
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"CodecTier: key must be {KEY_BYTES} bytes, got {len(key)}")
-        return (int.from_bytes(key, "little") ^ self._pad).to_bytes(KEY_BYTES, "little")
-
-    def outer_key(self, inner_key: bytes) -> bytes:
-        """The chunk key whose record the inner tier holds under ``inner_key`` (the inverse of
-        :meth:`inner_key`)."""
-        return self.inner_key(inner_key)  # XOR with the pad is its own inverse
-
-    # ---- Tier --------------------------------------------------------------------------------
-
-    def contains(self, key: bytes) -> bool:
-        return bool(self.inner.contains(self.inner_key(key)))
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """The inner tier's ``contains_many`` (one round trip where the inner tier batches)."""
-        return [bool(f) for f in self.inner.contains_many([self.inner_key(k) for k in keys])]
-
-    def batches_contains(self) -> bool:
-        return self.inner.batches_contains()
-
-    def delete(self, key: bytes) -> bool:
-        return bool(self.inner.delete(self.inner_key(key)))
-
-    def forget(self, key: bytes) -> bool:
-        return bool(self.inner.forget(self.inner_key(key)))
-
-    def usage(self) -> TierUsage:
-        """The inner tier's usage (bytes of records, not of the chunks they encode)."""
-        return self.inner.usage()
-
-    def _on_inner_evicted(self, ev: Eviction) -> None:
-        failed = self._notify_evicted(Eviction(self.name, tuple(self.outer_key(k) for k in ev.keys)))
-        if failed:
-            self._count("evict_listener_errors", failed)
-
-    @property
-    def tenant_budgets(self) -> Any:
-        return self.inner.tenant_budgets
-
-    def tenant_stats(self) -> dict[str, dict[str, int]]:
-        return self.inner.tenant_stats()
+    # ---- Tier (contains, delete, forget, usage, tenants, evictions: RecordTier) ----------------
 
     def put(self, key: bytes, payload: Any, **kw: Any) -> bool:
         """Encode ``payload`` (exactly one chunk's canonical bytes: bytes-like, NumPy, CPU or CUDA
@@ -563,12 +504,6 @@ class CodecTier(Tier):
         self._count("misses")
         return None
 
-    def batches_gets(self) -> bool:
-        return self.inner.batches_gets()
-
-    def event_counts(self) -> dict[str, int]:
-        return {**self.inner.event_counts(), **super().event_counts()}
-
     def decoder(self, device: Any) -> ChunkDecoder:
         """This tier's :class:`~lmtier.codec.decoder.ChunkDecoder` for ``device`` (created on first
         use; kept until :meth:`close`)."""
@@ -596,39 +531,10 @@ class CodecTier(Tier):
             gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.close()
-        self.inner.remove_eviction_listener(self._on_inner_evicted)
         try:
-            self.inner.close()
+            super().close()
         finally:
             with self._lock:
                 decs, self._decoders = list(self._decoders.values()), {}
             for d in decs:
                 d.close()
-
-    # ---- helpers -----------------------------------------------------------------------------
-
-    def _count(self, name: str, n: int = 1) -> int:
-        with self._lock:
-            self.counters[name] += n
-            return self.counters[name]
-
-    @staticmethod
-    def _source(payload: Any) -> torch.Tensor:
-        """A flat uint8 tensor over the payload (zero copy for writable host buffers and tensors)."""
-        if isinstance(payload, torch.Tensor):
-            if not payload.is_contiguous():
-                raise ValueError("payload tensor is not contiguous")
-            return payload.detach().reshape(-1).view(torch.uint8)
-        mv = host_view(payload, writable=False)
-        if mv.readonly:
-            return torch.from_numpy(np.frombuffer(mv, np.uint8).copy())
-        return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
-
-    @staticmethod
-    def _dest(out: Any) -> torch.Tensor:
-        if is_cuda_tensor(out) or isinstance(out, torch.Tensor):
-            if not out.is_contiguous():
-                raise ValueError("out tensor is not contiguous")
-            return out.detach().reshape(-1).view(torch.uint8)
-        mv = host_view(out, writable=True)
-        return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)

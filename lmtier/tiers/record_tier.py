@@ -1,0 +1,169 @@
+"""The part every codec tier shares (:class:`RecordTier`): a decorator that stores each chunk of a
+disk or remote tier as a *record* (bytes of its own format, not the chunk's canonical bytes) under a
+key derived from the chunk key, and forwards the rest of the :class:`~lmtier.tiers.base.Tier`
+protocol to the tier it wraps.
+
+Used by :class:`lmtier.tiers.codec.CodecTier` (the CacheGen-style levels) and
+:class:`lmtier.tiers.codec_pca.PCACodecTier` (the PCA levels); each adds its own ``put``,
+``get_into`` and ``get_many_into``.
+
+* **Keys.** The inner tier holds a chunk's record under ``key XOR pad``, with ``pad =
+  BLAKE2b-256(person="lmtier-serde", salt)`` (:func:`key_pad`). The salt names everything a reader
+  needs to decode the record (serde, record format version, level id, table set or model data), so
+  records that cannot be decoded alike live in disjoint key spaces of a shared disk directory or
+  Redis (chunk keys are BLAKE2b outputs: a raw key equal to a derived key would need two chunk hashes
+  differing by exactly the pad). The derivation is its own inverse (:meth:`RecordTier.outer_key`),
+  so the inner tier's evictions reach the wrapper's listeners under chunk keys.
+* **Forwarding.** ``contains``, ``contains_many``, ``delete``, ``forget`` go to the inner tier under
+  the derived key; ``usage``, ``tenant_budgets``, ``tenant_stats``, ``batches_contains`` and
+  ``batches_gets`` are the inner tier's; ``event_counts`` merges the inner tier's counts with the
+  wrapper's (the wrapper's win a shared name); ``close`` closes the inner tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
+from lmtier.tiers.buffers import host_view
+from lmtier.tiers.device import is_cuda_tensor
+
+__all__ = ["RecordTier", "key_pad"]
+
+_PERSON = b"lmtier-serde"
+
+
+def key_pad(salt: bytes) -> int:
+    """The XOR pad of a record key space: ``BLAKE2b-256(person="lmtier-serde", salt)`` as a
+    little-endian integer (32 bytes)."""
+    return int.from_bytes(hashlib.blake2b(salt, digest_size=KEY_BYTES, person=_PERSON).digest(), "little")
+
+
+class RecordTier(Tier):
+    """Base of the codec tiers (see the module doc): ``inner`` holds the records, under keys padded
+    with :func:`key_pad` of ``salt``.
+
+    Subclasses call ``RecordTier.__init__`` once everything that fixes the salt is known (it registers
+    the eviction listener on ``inner``) and implement ``put`` and ``get_into``.
+
+    Attributes:
+        inner: the wrapped tier. name: the inner tier's name (hit counters and logs read ``disk`` /
+            ``remote``).
+    """
+
+    def __init__(self, inner: Tier, *, salt: bytes) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = inner.name
+        self._pad = key_pad(salt)
+        self._lock = threading.Lock()
+        inner.add_eviction_listener(self._on_inner_evicted)
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    def inner_key(self, key: bytes) -> bytes:
+        """The key the record has in the inner tier (32 bytes, see the module doc).
+
+        Raises:
+            ValueError: ``key`` is not 32 bytes.
+        """
+        key = bytes(key)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"{type(self).__name__}: key must be {KEY_BYTES} bytes, got {len(key)}")
+        return (int.from_bytes(key, "little") ^ self._pad).to_bytes(KEY_BYTES, "little")
+
+    def outer_key(self, inner_key: bytes) -> bytes:
+        """The chunk key whose record the inner tier holds under ``inner_key`` (the inverse of
+        :meth:`inner_key`)."""
+        return self.inner_key(inner_key)  # XOR with the pad is its own inverse
+
+    # ---- Tier (forwarded) --------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self.inner.contains(self.inner_key(key)))
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """The inner tier's ``contains_many`` (one round trip where the inner tier batches)."""
+        return [bool(f) for f in self.inner.contains_many([self.inner_key(k) for k in keys])]
+
+    def batches_contains(self) -> bool:
+        return self.inner.batches_contains()
+
+    def batches_gets(self) -> bool:
+        return self.inner.batches_gets()
+
+    def delete(self, key: bytes) -> bool:
+        return bool(self.inner.delete(self.inner_key(key)))
+
+    def forget(self, key: bytes) -> bool:
+        return bool(self.inner.forget(self.inner_key(key)))
+
+    def usage(self) -> TierUsage:
+        """The inner tier's usage (bytes of records, not of the chunks they encode)."""
+        return self.inner.usage()
+
+    @property
+    def tenant_budgets(self) -> Any:
+        return self.inner.tenant_budgets
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        return self.inner.tenant_stats()
+
+    def event_counts(self) -> dict[str, int]:
+        return {**self.inner.event_counts(), **super().event_counts()}
+
+    def close(self) -> None:
+        """Stop listening to the inner tier and close it."""
+        self.inner.remove_eviction_listener(self._on_inner_evicted)
+        self.inner.close()
+
+    def _on_inner_evicted(self, ev: Eviction) -> None:
+        """The inner tier's eviction, to this tier's listeners under chunk keys, ``payloads=None``
+        (the inner tier's bytes are records, not chunks)."""
+        failed = self._notify_evicted(Eviction(self.name, tuple(self.outer_key(k) for k in ev.keys)))
+        if failed:
+            self._count("evict_listener_errors", failed)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> int:
+        """Add ``n`` to counter ``name``; returns its new value."""
+        with self._lock:
+            self.counters[name] += n
+            return self.counters[name]
+
+    @staticmethod
+    def _source(payload: Any) -> torch.Tensor:
+        """A flat uint8 tensor over the payload (zero copy for writable host buffers and tensors).
+
+        Raises:
+            ValueError: a non-contiguous tensor. TypeError / ValueError: not a buffer.
+        """
+        if isinstance(payload, torch.Tensor):
+            if not payload.is_contiguous():
+                raise ValueError("payload tensor is not contiguous")
+            return payload.detach().reshape(-1).view(torch.uint8)
+        mv = host_view(payload, writable=False)
+        if mv.readonly:
+            return torch.from_numpy(np.frombuffer(mv, np.uint8).copy())
+        return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _dest(out: Any) -> torch.Tensor:
+        """A flat uint8 tensor over ``out`` (a host buffer or a CUDA tensor; zero copy).
+
+        Raises:
+            ValueError: a non-contiguous tensor. TypeError / ValueError: not a writable buffer.
+        """
+        if is_cuda_tensor(out) or isinstance(out, torch.Tensor):
+            if not out.is_contiguous():
+                raise ValueError("out tensor is not contiguous")
+            return out.detach().reshape(-1).view(torch.uint8)
+        mv = host_view(out, writable=True)
+        return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
