@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,7 +53,8 @@ class DeviceEncoder:
     Args:
         shape: canonical chunk shape ``(L, 2, T, H, D)``.
         dtype: ``torch.bfloat16`` or ``torch.float16``.
-        level: the codec level (a checked :class:`~lmtier.codec.levels.Level`).
+        level: the codec level (a checked :class:`~lmtier.codec.levels.Level`); None for an encoder
+            used through :meth:`run` only (another record format).
         device: a CUDA device with its index (``torch.device("cuda", 0)``, ``"cuda:0"``). Not
             touched before the first :meth:`encode`.
         max_idle_slots: slots kept while idle (more are made while more callers encode at once).
@@ -67,7 +68,7 @@ class DeviceEncoder:
         *,
         shape: Sequence[int],
         dtype: torch.dtype,
-        level: Level,
+        level: Level | None,
         device: torch.device | str,
         max_idle_slots: int = 4,
     ) -> None:
@@ -107,6 +108,26 @@ class DeviceEncoder:
                 cannot represent), ValueError: what :func:`~lmtier.codec.chunk.encode_chunk` and
                 torch raise. After any of them no slot in a doubtful state is reused.
         """
+        if self.level is None:
+            raise ValueError("DeviceEncoder.encode: built without a level (use run)")
+        level = self.level
+        return self.run(
+            src, lambda buf: cchunk.encode_chunk(buf, shape=self.shape, dtype=self.dtype, level=level, tables=tables)
+        )
+
+    def run(self, src: torch.Tensor, encode: Callable[[torch.Tensor], bytes]) -> bytes:
+        """Copy the host chunk ``src`` into a slot's device buffer and return ``encode(buffer)``,
+        run with the slot's stream as the current stream (the slot and stream handling of
+        :meth:`encode`, for another record format: :class:`lmtier.tiers.codec_pca.PCACodecTier`).
+
+        Args:
+            src: as for :meth:`encode`.
+            encode: takes the device buffer (``uint8 [raw_bytes]`` on :attr:`device`, valid until it
+                returns) and returns the record in host memory.
+
+        Raises:
+            What :meth:`encode` raises (``encode``'s errors instead of ``encode_chunk``'s).
+        """
         if src.is_cuda or src.dtype != torch.uint8 or src.numel() != self.raw_bytes or not src.is_contiguous():
             raise ValueError(
                 f"DeviceEncoder.encode: src must be a contiguous host uint8 tensor of {self.raw_bytes} bytes, got "
@@ -116,9 +137,7 @@ class DeviceEncoder:
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(slot.stream):
                 slot.buf.copy_(src, non_blocking=True)  # ordered before the encode's kernels (same stream)
-                record = cchunk.encode_chunk(
-                    slot.buf, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables
-                )
+                record = encode(slot.buf)
             slot.stream.synchronize()  # the copy and every kernel done before the slot is reused
         except BaseException:
             _drain(slot)

@@ -83,7 +83,7 @@ from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import Tier
-from lmtier.tiers.record_tier import RecordTier
+from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier
 
 __all__ = ["CODEC_KV_DTYPES", "CodecTier", "check_codec_geometry"]
 
@@ -98,7 +98,6 @@ bytes each, plus a pinned record buffer); host slots are cheap to recreate."""
 CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
 """Namespace ``kv_dtype`` names the codec takes."""
 
-_SERDE = b"cachegen"
 _AUTO_SALT = b"auto-tables"  # longer than a 4-byte table id: no table id spells it
 
 
@@ -227,6 +226,8 @@ class CodecTier(RecordTier):
         ValueError: ``encode_device`` is not ``cuda:N``; a bad ``tables``.
     """
 
+    _log = log
+
     def __init__(
         self,
         inner: Tier,
@@ -272,7 +273,7 @@ class CodecTier(RecordTier):
         self.raw_bytes = math.prod(self.shape) * 2
         self.max_record_bytes = cchunk.max_record_bytes(self.shape, self.level)
         table_id = cformat.NO_TABLE if tables is None else int(tables.table_id)
-        salt = _SERDE + bytes([cformat.FORMAT_VERSION, self.level.level_id])
+        salt = CACHEGEN_SALT + bytes([cformat.FORMAT_VERSION, self.level.level_id])
         salt += _AUTO_SALT if self._auto is not None else table_id.to_bytes(4, "little")
         self._decoders: dict[torch.device, ChunkDecoder] = {}
         super().__init__(inner, salt=salt)  # the key pad (lmtier.tiers.record_tier), the eviction listener
@@ -281,13 +282,6 @@ class CodecTier(RecordTier):
     def tables(self) -> cchunk.StaticTables | None:
         """The table set new records are coded with (None: per-stream tables)."""
         return self._auto.current if self._auto is not None else self._tables
-
-    @property
-    def encode_device(self) -> torch.device | None:
-        """The CUDA device host payloads are encoded on; None: the CPU (none configured, or GPU
-        encoding turned off after a failure)."""
-        gpu = self._gpu
-        return None if gpu is None else gpu.device
 
     @property
     def auto_tables(self) -> AutoTables | None:
@@ -359,25 +353,6 @@ class CodecTier(RecordTier):
                 self._gpu_failed(key, gpu, e)
         return cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables), False
 
-    def _gpu_failed(self, key: bytes, gpu: DeviceEncoder, err: Exception) -> None:
-        """Count a GPU encode fallback; the first turns GPU encoding off for this tier, frees the
-        encoder's idle slots and logs the one warning."""
-        with self._lock:
-            self.counters["gpu_encode_fallbacks"] += 1
-            first = self._gpu is gpu
-            if first:
-                self._gpu = None
-        if first:
-            gpu.close()
-            log.warning(
-                "%s: encoding chunk %s on %s failed (%r); encoded on the CPU, and this tier encodes on the CPU "
-                "from now on (counter gpu_encode_fallbacks)",
-                self.name,
-                bytes(key).hex()[:16],
-                gpu.device,
-                err,
-            )
-
     def _calibrate(self, src: torch.Tensor) -> None:
         """Count a stored chunk towards the auto-calibrated tables; a failure turns calibration off
         (records keep per-stream tables), never a store."""
@@ -427,22 +402,8 @@ class CodecTier(RecordTier):
         Raises:
             ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
         """
-        if len(keys) != len(outs):
-            raise ValueError(f"CodecTier.get_many_into: {len(keys)} keys, {len(outs)} outs")
+        dsts = self._destinations(keys, outs, stream, self.raw_bytes)
         res: list[int | None] = [None] * len(keys)
-        dsts: list[tuple[int, torch.Tensor]] = []
-        for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
-            try:
-                dst = self._dest(out)
-            except (TypeError, ValueError) as e:
-                log.warning("get_into %s: %s", bytes(key).hex()[:16], e)
-                continue
-            if dst.numel() < self.raw_bytes:
-                log.warning("get_into: out has %d bytes < chunk %d", dst.numel(), self.raw_bytes)
-                continue
-            if stream is not None and not dst.is_cuda:
-                raise ValueError("CodecTier.get_into: stream= needs a CUDA out")
-            dsts.append((i, dst))
         group = len(dsts) if self.inner.batches_gets() else 1
         for g in range(0, len(dsts), max(1, group)):
             part = dsts[g : g + group]
@@ -527,12 +488,8 @@ class CodecTier(RecordTier):
     def close(self) -> None:
         if self._auto is not None:
             self._auto.close()
-        with self._lock:
-            gpu, self._gpu = self._gpu, None
-        if gpu is not None:
-            gpu.close()
         try:
-            super().close()
+            super().close()  # the GPU encoder, the inner tier
         finally:
             with self._lock:
                 decs, self._decoders = list(self._decoders.values()), {}

@@ -18,14 +18,19 @@ Used by :class:`lmtier.tiers.codec.CodecTier` (the CacheGen-style levels) and
   the derived key; ``usage``, ``tenant_budgets``, ``tenant_stats``, ``batches_contains`` and
   ``batches_gets`` are the inner tier's; ``event_counts`` merges the inner tier's counts with the
   wrapper's (the wrapper's win a shared name); ``close`` closes the inner tier.
+* **GPU encode fallback.** A subclass that encodes host chunks on a GPU keeps its
+  :class:`~lmtier.codec.encoder.DeviceEncoder` in ``_gpu``; :meth:`RecordTier._gpu_failed` counts a
+  failed GPU encode (``gpu_encode_fallbacks``) and the first turns GPU encoding off for the tier
+  with one warning.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -34,9 +39,14 @@ from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.buffers import host_view
 from lmtier.tiers.device import is_cuda_tensor
 
-__all__ = ["RecordTier", "key_pad"]
+if TYPE_CHECKING:
+    from lmtier.codec.encoder import DeviceEncoder
+
+__all__ = ["CACHEGEN_SALT", "RecordTier", "key_pad"]
 
 _PERSON = b"lmtier-serde"
+CACHEGEN_SALT = b"cachegen"
+"""The first bytes of every codec tier's salt (the serde's name)."""
 
 
 def key_pad(salt: bytes) -> int:
@@ -56,6 +66,11 @@ class RecordTier(Tier):
         inner: the wrapped tier. name: the inner tier's name (hit counters and logs read ``disk`` /
             ``remote``).
     """
+
+    _log: ClassVar[logging.Logger] = logging.getLogger("lmtier.tiers")
+    """The subclass's logger (its module's)."""
+    _gpu: DeviceEncoder | None = None
+    """The encoder of host chunks on a GPU, None: the CPU (set by a subclass before ``__init__``)."""
 
     def __init__(self, inner: Tier, *, salt: bytes) -> None:
         super().__init__()
@@ -119,9 +134,63 @@ class RecordTier(Tier):
         return {**self.inner.event_counts(), **super().event_counts()}
 
     def close(self) -> None:
-        """Stop listening to the inner tier and close it."""
+        """Free the GPU encoder, stop listening to the inner tier and close it."""
+        with self._lock:
+            gpu, self._gpu = self._gpu, None
+        if gpu is not None:
+            gpu.close()
         self.inner.remove_eviction_listener(self._on_inner_evicted)
         self.inner.close()
+
+    @property
+    def encode_device(self) -> torch.device | None:
+        """The CUDA device host payloads are encoded on; None: the CPU (none configured, or GPU
+        encoding turned off after a failure)."""
+        gpu = self._gpu
+        return None if gpu is None else gpu.device
+
+    def _gpu_failed(self, key: bytes, gpu: DeviceEncoder, err: Exception) -> None:
+        """Count a GPU encode fallback; the first turns GPU encoding off for this tier, frees the
+        encoder's idle slots and logs the one warning."""
+        with self._lock:
+            self.counters["gpu_encode_fallbacks"] += 1
+            first = self._gpu is gpu
+            if first:
+                self._gpu = None
+        if first:
+            gpu.close()
+            self._log.warning(
+                "%s: encoding chunk %s on %s failed (%r); encoded on the CPU, and this tier encodes on the CPU "
+                "from now on (counter gpu_encode_fallbacks)",
+                self.name,
+                bytes(key).hex()[:16],
+                gpu.device,
+                err,
+            )
+
+    def _destinations(self, keys: Sequence[bytes], outs: Sequence[Any], stream: Any, nbytes: int):
+        """``[(index, flat uint8 destination)]`` of the ``outs`` that can take a chunk of ``nbytes``
+        (the others are logged and left out: their get is a miss).
+
+        Raises:
+            ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
+        """
+        if len(keys) != len(outs):
+            raise ValueError(f"{type(self).__name__}.get_many_into: {len(keys)} keys, {len(outs)} outs")
+        dsts: list[tuple[int, torch.Tensor]] = []
+        for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+            try:
+                dst = self._dest(out)
+            except (TypeError, ValueError) as e:
+                self._log.warning("get_into %s: %s", bytes(key).hex()[:16], e)
+                continue
+            if dst.numel() < nbytes:
+                self._log.warning("get_into: out has %d bytes < chunk %d", dst.numel(), nbytes)
+                continue
+            if stream is not None and not dst.is_cuda:
+                raise ValueError(f"{type(self).__name__}.get_into: stream= needs a CUDA out")
+            dsts.append((i, dst))
+        return dsts
 
     def _on_inner_evicted(self, ev: Eviction) -> None:
         """The inner tier's eviction, to this tier's listeners under chunk keys, ``payloads=None``
