@@ -38,6 +38,7 @@ from .model import DIGEST_BYTES, PCAModel
 __all__ = [
     "encode",
     "decode",
+    "max_record_bytes",
     "record_meta",
     "RecordMeta",
     "sections_per_layer",
@@ -214,6 +215,38 @@ def encode(
         lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id
     )
     return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), len(escapes), model.digest))
+
+
+def max_record_bytes(model: PCAModel, tokens: int) -> int:
+    """Upper bound on the bytes of any record :func:`encode` makes of ``tokens`` tokens with ``model``
+    (any level of it, bf16 or fp16, whatever the KV): a buffer of this size receives any valid record.
+
+    From the format (module doc): each of the ``2R`` rANS streams of ``N * T32`` symbols is at most
+    :func:`lmtier.codec.rans.max_encoded_bytes` of them (the coder stores a segment raw when coding
+    would not shrink it); the escapes and the exact tokens together at most ``4·L·H·D`` bytes a token
+    — a token is either exact (its ``L·2·H·D`` 16-bit values raw, its coefficients zeroed: never
+    escaped) or not (at most its ``2R·N = 2·L·H·D`` coefficients escaped, 2 bytes each), never both;
+    the bitmap ``ceil(T / 8)``; the header, section index and metadata
+    (:func:`lmtier.codec.format.record_size`), plus 8 bytes for the 4-byte alignment of the escape and
+    bitmap sections, which the bound counts as one section.
+
+    Args:
+        model: the model data (its ``L``, ``H``, ``D``, ``G``).
+        tokens: ``T`` (>= 0).
+
+    Raises:
+        TypeError: ``model`` not a :class:`PCAModel`. ValueError: ``tokens`` < 0.
+    """
+    _check_model(model)
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+        raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+    nl, h, d, t = model.num_layers, model.num_heads, model.head_size, int(tokens)
+    r2, S = 2 * model.rows, sections_per_layer(model)
+    stream = rans.max_encoded_bytes(model.vector_size * streams.run_length(t))
+    lengths = [stream] * r2 + [4 * nl * h * d * t, -(-t // 8)]
+    lengths += [0] * (nl * S - len(lengths))
+    info = fmt.RecordInfo(0, nl, 2, t, h, d, dtype=fmt.DType.BFLOAT16, sections_per_layer=S, table_id=0)
+    return fmt.record_size(info, lengths, _META.size) + 8
 
 
 def symbols_to_kv(

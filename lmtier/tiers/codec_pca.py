@@ -1,0 +1,394 @@
+"""A tier decorator that stores chunks as PCA codec records (``codec_level: pca_high`` /
+``pca_default`` with ``codec_pca_model``; experimental, docs/codec.md "PCA levels").
+
+:class:`PCACodecTier` wraps a disk or remote tier as :class:`lmtier.tiers.codec.CodecTier` does (the
+shared part, keys, forwarding and evictions: :class:`lmtier.tiers.record_tier.RecordTier`), with
+:mod:`lmtier.codec.pca`'s records: ``put`` encodes the chunk with :func:`lmtier.codec.pca.encode` at
+the position the caller names, ``get_into`` decodes it with :func:`lmtier.codec.pca.decode`.
+
+Decisions:
+
+* **Positions.** A PCA record holds keys with RoPE undone at the chunk's positions, so ``put`` needs
+  the position of the chunk's first token (:meth:`~lmtier.tiers.base.Tier.takes_position` is True;
+  the tier manager passes ``position=``). A chunk of unknown position (None, or not an ``int >= 0``)
+  is not stored: ``put`` returns False, counter ``put_no_position`` (the first logged at warning,
+  the others at debug). ``get_into`` takes no position: the record carries its start and decodes at
+  it; the chunk key fixes the chunk, so a record put at a wrong position costs quality, never another
+  chunk's KV.
+* **Keys.** ``key XOR pad`` with ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format
+  version || PCA level id || "pca-model" || the model file's 16-byte digest)``
+  (:func:`lmtier.tiers.record_tier.key_pad`): records of another model file, of the other PCA level,
+  of the CacheGen levels (other level ids, salts of another length) and naive chunks are in disjoint
+  key spaces: misses, never decoded (and never deleted as corrupt).
+* **Size.** A record never exceeds :func:`lmtier.codec.pca.codec.max_record_bytes` of the model and
+  the chunk's token count; ``get_into`` reads into a page-aligned host buffer of that size (a few
+  idle ones kept); a larger record cannot be valid.
+* **Failures.** ``get_into`` returns None (a miss) on any failure; ``out`` is written only once the
+  whole record decoded and its chunk has this tier's dtype and shape. A record that fails to decode
+  (:class:`~lmtier.codec.chunk.CodecRecordError`: checksum, structure, counts, another model's) or
+  that decodes to another geometry or dtype is deleted (counter ``corrupt_deleted``); other
+  failures (a device error) leave it (``decode_failures``). ``put`` returns False for payloads that
+  are not one chunk, NaN/inf KV (:class:`~lmtier.codec.quant.CodecInputError`) and positions past
+  :data:`lmtier.codec.pca.codec.MAX_POSITION` (``put_failures``).
+* **Devices.** A CUDA payload is encoded on its device, on the caller's current stream. A host
+  payload is encoded on ``encode_device`` when set (a :class:`~lmtier.codec.encoder.DeviceEncoder`'s
+  slot: device buffer and non-default stream), else on the CPU; a GPU encode that raises anything
+  but the input's faults (``CodecInputError``, ``ValueError``, ``TypeError``) falls back to the CPU
+  and turns GPU encoding off for the tier (one warning, ``gpu_encode_fallbacks``;
+  :meth:`RecordTier._gpu_failed <lmtier.tiers.record_tier.RecordTier._gpu_failed>`): the PCA CUDA
+  path gives the CPU's bytes (``tests/test_gpu_codec_pca.py``), so records are the same either way.
+  A CUDA ``out`` is decoded on its device, on a per-thread non-default stream of this tier, which is
+  synchronized before ``get_into`` returns: ``stream=`` is accepted and then trivially honoured (the
+  chunk is in ``out`` on return), not used to defer the copy.
+* **Types.** bf16/fp16 KV with K and V planes whose ``(L, H, D)`` are the model file's (``T``, the
+  chunk size, is free); a level the model file holds. Anything else is a
+  :class:`lmtier.config.ConfigError` at construction naming the key (``codec_pca_model``,
+  ``codec_level`` or the serde key).
+
+Thread-safe (encode keeps no shared state; record buffers come from a locked free list).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmtier.codec import format as cformat
+from lmtier.codec import pca
+from lmtier.codec.chunk import CodecRecordError
+from lmtier.codec.encoder import DeviceEncoder
+from lmtier.codec.pca import codec as pca_codec
+from lmtier.codec.pca.levels import PCA_LEVELS, PCALevel
+from lmtier.codec.quant import CodecInputError
+from lmtier.config import ConfigError
+from lmtier.tiers.base import Tier
+from lmtier.tiers.buffers import AlignedBuffer
+from lmtier.tiers.codec import CODEC_KV_DTYPES, _dtype_name
+from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier
+
+__all__ = ["PCACodecTier", "check_pca_geometry"]
+
+log = logging.getLogger("lmtier.tiers.codec_pca")
+
+_MODEL_SALT = b"pca-model"
+_IDLE_BUFFERS = 4
+"""Idle record buffers a tier keeps (one serves one concurrent ``get_into``)."""
+
+
+def check_pca_geometry(
+    shape: Sequence[int],
+    dtype: Any,
+    level: str | PCALevel,
+    model: pca.PCAModel,
+    *,
+    config_key: str = "serde",
+    config_value: str = "cachegen",
+    model_path: str | None = None,
+) -> tuple[tuple[int, ...], torch.dtype, PCALevel]:
+    """Validate a chunk geometry for a PCA level of ``model``; returns ``(shape, torch dtype, level)``.
+
+    Args:
+        shape: ``(L, P, T, H, D)``, the namespace's canonical chunk shape (this rank's).
+        dtype: a torch dtype or a :class:`lmtier.keys.Namespace` ``kv_dtype`` name.
+        level: ``pca_high`` or ``pca_default`` (or its :class:`PCALevel`).
+        model: the model data (:func:`lmtier.codec.pca.load`).
+        config_key, config_value: the serde key that selected the codec (named in errors).
+        model_path: the ``codec_pca_model`` value (named in errors).
+
+    Raises:
+        ConfigError: a level that is not a PCA level or that ``model`` lacks, a dtype other than
+            bf16/fp16, one plane (MLA), non-positive sizes, ``(L, H, D)`` other than the model's.
+        TypeError: ``model`` is not a :class:`~lmtier.codec.pca.PCAModel`.
+    """
+    if not isinstance(model, pca.PCAModel):
+        raise TypeError(f"model must be a lmtier.codec.pca.PCAModel, got {type(model).__name__}")
+    where = f"lmtier config: codec_pca_model={model_path!r} (PCA model {model.name!r}, id {model.model_id:#010x})"
+    if isinstance(level, PCALevel):
+        lv = level
+    elif isinstance(level, str) and level in PCA_LEVELS:
+        lv = PCA_LEVELS[level]
+    else:
+        raise ConfigError(f"lmtier config: codec_level={level!r}: not a PCA level {sorted(PCA_LEVELS)}")
+    if lv.name not in model.levels:
+        raise ConfigError(
+            f"{where}: the model file has no level {lv.name!r} (it has {sorted(model.levels)}); "
+            f"codec_level: {lv.name} needs a file calibrated with it"
+        )
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"lmtier config: {config_key}={config_value!r}: {why}")
+
+    try:
+        shp = tuple(int(v) for v in shape)
+    except TypeError:
+        raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
+    if len(shp) != 5 or min(shp) <= 0:
+        raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
+    name = _dtype_name(dtype)
+    dt = CODEC_KV_DTYPES.get(name)
+    if dt is None:
+        raise bad(f"PCA codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name}")
+    if shp[1] != 2:
+        raise bad(f"the codec needs separate K and V planes (kv_planes=2), the chunk has {shp[1]} (MLA?)")
+    nl, _, _, h, d = shp
+    if (nl, h, d) != (model.num_layers, model.num_heads, model.head_size):
+        raise ConfigError(
+            f"{where}: the model file was calibrated for L={model.num_layers} layers, H={model.num_heads} KV "
+            f"heads, D={model.head_size}; this cache's chunks are [L, 2, T, H, D] = {list(shp)}, L={nl} H={h} "
+            f"D={d}. With tensor parallelism each rank holds H/tp KV heads, and a model file's basis spans the "
+            "heads it was calibrated on: calibrate the file for the served model and this rank's heads"
+        )
+    return shp, dt, lv
+
+
+class PCACodecTier(RecordTier):
+    """Store chunks of one geometry in ``inner`` as PCA codec records (see the module doc).
+
+    Args:
+        inner: the tier holding the records (a :class:`~lmtier.tiers.disk.DiskTier`,
+            :class:`~lmtier.tiers.redis.RedisTier`, ...). Closed by :meth:`close`.
+        shape: canonical chunk shape ``(L, 2, T, H, D)``.
+        dtype: ``torch.bfloat16`` / ``torch.float16`` or their names.
+        level: ``"pca_high"`` or ``"pca_default"``.
+        model: the model data (:func:`lmtier.codec.pca.load` of ``codec_pca_model``; one object may
+            serve several tiers).
+        config_key, config_value: the serde key that selected the codec (named in errors).
+        model_path: the ``codec_pca_model`` value (named in errors).
+        encode_device: None (host payloads are encoded on the CPU) or the CUDA device (``cuda:N``)
+            host payloads are encoded on; not touched before the first put, a failure falls back to
+            the CPU (module doc).
+
+    Attributes:
+        raw_bytes: bytes of one chunk; ``max_record_bytes``: the record bound (read buffer size).
+        counters: ``puts``, ``put_failures``, ``put_no_position``, ``raw_bytes_in``,
+            ``record_bytes_out``, ``hits``, ``misses``, ``corrupt_deleted``, ``decode_failures``,
+            ``gpu_encodes``, ``gpu_encode_fallbacks``.
+
+    Raises:
+        ConfigError: see :func:`check_pca_geometry`.
+        TypeError: ``model`` is not a PCAModel. ValueError: ``encode_device`` is not ``cuda:N``.
+    """
+
+    _log = log
+
+    def __init__(
+        self,
+        inner: Tier,
+        *,
+        shape: Sequence[int],
+        dtype: Any,
+        level: str | PCALevel,
+        model: pca.PCAModel,
+        config_key: str = "serde",
+        config_value: str = "cachegen",
+        model_path: str | None = None,
+        encode_device: torch.device | str | None = None,
+    ) -> None:
+        self.shape, self.dtype, self.level = check_pca_geometry(
+            shape, dtype, level, model, config_key=config_key, config_value=config_value, model_path=model_path
+        )
+        self.model = model
+        self._gpu: DeviceEncoder | None = None
+        if encode_device is not None:
+            self._gpu = DeviceEncoder(shape=self.shape, dtype=self.dtype, level=None, device=encode_device)
+        self.raw_bytes = math.prod(self.shape) * self.dtype.itemsize
+        self.max_record_bytes = pca_codec.max_record_bytes(model, self.shape[2])
+        self._idle: list[AlignedBuffer] = []
+        self._local = threading.local()  # per thread: the CUDA decode streams
+        self._warned_position = False
+        salt = CACHEGEN_SALT + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + _MODEL_SALT + model.digest
+        super().__init__(inner, salt=salt)  # the key pad (lmtier.tiers.record_tier), the eviction listener
+
+    def takes_position(self) -> bool:
+        return True
+
+    # ---- put ---------------------------------------------------------------------------------
+
+    def put(self, key: bytes, payload: Any, *, position: int | None = None, **kw: Any) -> bool:
+        """Encode ``payload`` (exactly one chunk's canonical bytes: bytes-like, NumPy, CPU or CUDA
+        tensor) at ``position`` (the chunk's first token's, ``int >= 0``) and store the record.
+        ``kw`` (``tenant=``) goes to the inner put.
+
+        Returns:
+            Whether the record was stored: False for an unknown position (``put_no_position``), a
+            payload that is not one chunk, NaN/inf KV, a position past ``MAX_POSITION - T``, a failed
+            inner put (``put_failures``).
+
+        Raises:
+            ValueError: ``key`` is not 32 bytes.
+        """
+        ikey = self.inner_key(key)
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
+            n = self._count("put_no_position")
+            (log.warning if n == 1 else log.debug)(
+                "%s: put %s without a position (%r): a PCA level stores a chunk only with the position of "
+                "its first token; not stored (counter put_no_position; further ones logged at debug)",
+                self.name,
+                bytes(key).hex()[:16],
+                position,
+            )
+            return False
+        try:
+            src = self._source(payload)
+        except (TypeError, ValueError) as e:
+            log.warning("put %s: %s; not stored", bytes(key).hex()[:16], e)
+            self._count("put_failures")
+            return False
+        if src.numel() != self.raw_bytes:
+            log.warning(
+                "put %s: payload of %d bytes, a chunk of %s is %d; not stored",
+                bytes(key).hex()[:16],
+                src.numel(),
+                self.shape,
+                self.raw_bytes,
+            )
+            self._count("put_failures")
+            return False
+        try:
+            record, on_gpu = self._encode(key, src, int(position))
+        except (CodecInputError, ValueError, TypeError) as e:  # NaN/inf KV, a position past MAX_POSITION
+            log.warning(
+                "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, e
+            )
+            self._count("put_failures")
+            return False
+        ok = bool(self.inner.put(ikey, memoryview(record), **kw))
+        if ok:
+            self._count("puts")
+            self._count("raw_bytes_in", self.raw_bytes)
+            self._count("record_bytes_out", len(record))
+            if on_gpu:
+                self._count("gpu_encodes")
+        else:
+            self._count("put_failures")
+        return ok
+
+    def _encode(self, key: bytes, src: torch.Tensor, start: int) -> tuple[bytes, bool]:
+        """``(record, encoded on encode_device)`` of the flat uint8 chunk ``src``: a host ``src`` on
+        ``encode_device`` while GPU encoding is on, else where ``src`` lives (module doc). Raises what
+        :func:`lmtier.codec.pca.encode` raises."""
+
+        def encode(buf: torch.Tensor) -> bytes:
+            chunk = buf.view(self.dtype).view(self.shape)
+            return pca.encode(chunk, start=start, model=self.model, level=self.level)
+
+        gpu = self._gpu
+        if gpu is not None and not src.is_cuda:
+            try:
+                return gpu.run(src, encode), True
+            except (CodecInputError, ValueError, TypeError):  # the input, not the device: the CPU would refuse it too
+                raise
+            except Exception as e:  # noqa: BLE001 - OOM, CUDA errors, a CPU build: encode on the CPU
+                self._gpu_failed(key, gpu, e)
+        return encode(src), False
+
+    # ---- get ---------------------------------------------------------------------------------
+
+    def get_into(self, key: bytes, out: Any, *, stream: Any = None) -> int | None:
+        """Fetch the record and decode the chunk into ``out`` (host buffer or CUDA tensor, >= one
+        chunk's bytes). Returns the chunk's byte count, or None (miss, too small ``out``, any
+        failure; records that fail to decode are deleted). ``out`` is written only once the record
+        decoded to a chunk of this tier's geometry.
+
+        Args:
+            stream: CUDA ``out`` only, a ``torch.cuda.Stream``: accepted for the codec tiers' common
+                signature; the chunk is in ``out`` when this returns (module doc), so work queued on
+                ``stream`` afterwards sees it.
+
+        Raises:
+            ValueError: ``stream`` with a host ``out``.
+        """
+        return self.get_many_into([key], [out], stream=stream)[0]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
+        """:meth:`get_into` of several chunks: the records read with one ``inner.get_many_into`` when
+        the inner tier batches gets (:meth:`~lmtier.tiers.base.Tier.batches_gets`), else one by one;
+        decoded one by one.
+
+        Raises:
+            ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
+        """
+        dsts = self._destinations(keys, outs, stream, self.raw_bytes)
+        res: list[int | None] = [None] * len(keys)
+        group = max(1, len(dsts) if self.inner.batches_gets() else 1)
+        for g in range(0, len(dsts), group):
+            part = dsts[g : g + group]
+            with contextlib.ExitStack() as stack:
+                bufs = [stack.enter_context(self._buffer()) for _ in part]
+                ikeys = [self.inner_key(keys[i]) for i, _ in part]
+                got = self.inner.get_many_into(ikeys, [b.mv for b in bufs])
+                for (i, dst), ikey, buf, n in zip(part, ikeys, bufs, got, strict=True):
+                    res[i] = self._decode(keys[i], ikey, buf.mv, n, dst)
+        return res
+
+    def _decode(self, key: bytes, ikey: bytes, buf: memoryview, n: int | None, dst: torch.Tensor) -> int | None:
+        """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss); counts
+        the hit or miss; a record that does not decode to this tier's chunk is deleted."""
+        if n is None:
+            self._count("misses")
+            return None
+        try:
+            with self._on_device(dst.device) as side:
+                chunk = pca.decode(buf[:n], model=self.model, device=dst.device)
+                if chunk.dtype != self.dtype or tuple(chunk.shape) != self.shape:
+                    raise CodecRecordError(
+                        f"record of a {chunk.dtype} chunk {list(chunk.shape)}, this tier stores {self.dtype} "
+                        f"{list(self.shape)}"
+                    )
+                dst[: self.raw_bytes].copy_(chunk.reshape(-1).view(torch.uint8))
+                if side is not None:
+                    side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
+        except CodecRecordError as e:
+            log.warning("%s: PCA record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e)
+            self._count("corrupt_deleted")
+            self._count("misses")
+            self.inner.delete(ikey)
+            return None
+        except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
+            log.warning("%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e)
+            self._count("decode_failures")
+            self._count("misses")
+            return None
+        self._count("hits")
+        return self.raw_bytes
+
+    @contextlib.contextmanager
+    def _on_device(self, dev: torch.device):
+        """For a CUDA ``dev``: that device current and this thread's decode stream on it current
+        (yielded, to synchronize); for the host: nothing (None)."""
+        if dev.type != "cuda":
+            yield None
+            return
+        streams = self._local.__dict__.setdefault("streams", {})
+        with torch.cuda.device(dev):
+            s = streams.get(dev)
+            if s is None:
+                s = streams[dev] = torch.cuda.Stream(device=dev)
+            with torch.cuda.stream(s):
+                yield s
+
+    @contextlib.contextmanager
+    def _buffer(self):
+        """A host record buffer of ``max_record_bytes`` (page aligned), from the idle list or new."""
+        with self._lock:
+            buf = self._idle.pop() if self._idle else None
+        if buf is None:
+            buf = AlignedBuffer(self.max_record_bytes)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                if len(self._idle) < _IDLE_BUFFERS:
+                    self._idle.append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self._idle.clear()
+        super().close()  # the GPU encoder, the inner tier
