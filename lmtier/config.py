@@ -154,7 +154,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmtier import envs
-from lmtier.config_checks import filesystem_bytes, parse_disk_paths, physical_memory_bytes, warn_chunk_size
+from lmtier.config_checks import (
+    check_readable_file,
+    filesystem_bytes,
+    parse_disk_paths,
+    physical_memory_bytes,
+    warn_chunk_size,
+)
 from lmtier.config_file import read_config_file
 from lmtier.config_remote import RemoteConfig, parse_remote
 from lmtier.config_schema import (
@@ -165,6 +171,7 @@ from lmtier.config_schema import (
     GIB,
     IGNORED_LMCACHE_KEYS,
     KEYS,
+    PCA_CODEC_LEVELS,
     ConfigError,
     check_serde,
     check_type,
@@ -184,6 +191,7 @@ __all__ = [
     "LMTierConfig",
     "load_config",
     "CODEC_LEVELS",
+    "PCA_CODEC_LEVELS",
     "IGNORED_LMCACHE_KEYS",
     "DISABLED_LMCACHE_FEATURES",
     "CONFIG_FILE_ENV",
@@ -267,6 +275,10 @@ class LMTierConfig:
     """``codec_tables``: ``auto``, ``shipped`` or ``none`` (see the module doc)."""
     codec_tables_dir: str | None = None
     """``codec_tables_dir`` as an absolute path, or None."""
+    codec_pca_model: str | None = None
+    """``codec_pca_model`` as an absolute path (a readable file; loaded and checked against the cache
+    by :func:`lmtier.tiers.factory.build_tiers`), or None: set exactly when ``codec_level`` is a PCA
+    level."""
     p2p: P2PSettings | None = None
     """P2P sharing over NIXL (``enable_p2p`` and the ``p2p_*`` keys, :mod:`lmtier.tiers.p2p.settings`);
     None when off."""
@@ -317,6 +329,7 @@ class LMTierConfig:
             "codec_level": self.codec_level,
             "codec_tables": self.codec_tables,
             "codec_tables_dir": self.codec_tables_dir,
+            "codec_pca_model": self.codec_pca_model,
             "cpu_tenant_share": None if self.cpu.tenants is None else self.cpu.tenants.default_share,
             "cpu_tenant_shares": None if self.cpu.tenants is None else (self.cpu.tenants.to_text() or None),
             **self._remote_tenants_dict(),
@@ -458,8 +471,8 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
     )
     remote = parse_remote(values, env)
     level = values["codec_level"]
-    if level not in CODEC_LEVELS:
-        raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS)}")
+    if level not in CODEC_LEVELS + PCA_CODEC_LEVELS:
+        raise _err("codec_level", level, f"must be one of {list(CODEC_LEVELS + PCA_CODEC_LEVELS)}")
     for key in ("codec_level", "codec_tables", "codec_tables_dir"):
         if key in raw and "cachegen" not in (disk_serde, remote.serde):
             logger.warning("lmtier config: %s=%r but no serde is 'cachegen'; unused", key, values[key])
@@ -476,6 +489,7 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
             logger.warning(
                 "lmtier config: codec_tables_dir=%r with codec_tables=%r (not auto); unused", tables_dir, tables
             )
+    pca_model = _pca_model(raw, values, level, "cachegen" in (disk_serde, remote.serde))
     p2p = resolve_p2p(values, env)  # P2P sharing (lmtier.tiers.p2p.settings)
     return LMTierConfig(
         chunk_size=chunk_size,
@@ -485,8 +499,50 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
         codec_level=level,
         codec_tables=tables,
         codec_tables_dir=tables_dir,
+        codec_pca_model=pca_model,
         p2p=p2p,
     )
+
+
+def _pca_model(raw: Mapping[str, Any], values: Mapping[str, Any], level: str, cachegen: bool) -> str | None:
+    """``codec_pca_model`` checked against ``codec_level`` and the serdes (``cachegen``: some serde is
+    cachegen), as an absolute path of a readable file, or None.
+
+    Raises:
+        ConfigError: a PCA level without the key; the key with another level or without a cachegen
+            serde; no readable file there.
+    """
+    path = values["codec_pca_model"]
+    if path is not None and path.strip() == "":
+        path = None
+    if level in PCA_CODEC_LEVELS:
+        if path is None:
+            raise _err(
+                "codec_level",
+                level,
+                "a PCA level needs codec_pca_model: the model file `python -m lmtier.codec.pca` wrote for the "
+                "served model",
+            )
+        for key in ("codec_tables", "codec_tables_dir"):
+            if key in raw and cachegen:
+                logger.warning(
+                    "lmtier config: %s=%r with codec_level=%r: unused (a PCA level's entropy tables are in "
+                    "codec_pca_model)",
+                    key,
+                    values[key],
+                    level,
+                )
+    if path is None:
+        return None
+    if level not in PCA_CODEC_LEVELS:
+        raise _err(
+            "codec_pca_model",
+            path,
+            f"set with codec_level={level!r}, which is not a PCA level ({', '.join(PCA_CODEC_LEVELS)})",
+        )
+    if not cachegen:
+        raise _err("codec_pca_model", path, "no serde is 'cachegen' (set local_disk_serde or remote_serde: cachegen)")
+    return check_readable_file("codec_pca_model", path)
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> LMTierConfig:

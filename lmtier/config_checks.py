@@ -13,6 +13,7 @@ from lmtier.config_schema import config_error as _err
 
 __all__ = [
     "VLLM_DEFAULT_BLOCK_SIZE",
+    "check_readable_file",
     "filesystem_bytes",
     "parse_disk_paths",
     "physical_memory_bytes",
@@ -111,3 +112,23 @@ def _check_writable_dir(key: str, value: str, path: str) -> None:
         raise _err(key, value, f"{probe!r} exists and is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise _err(key, value, f"directory {probe!r} is not writable")
+
+
+def check_readable_file(key: str, value: str) -> str:
+    """``value`` (a path; ``~`` expanded, relative to the working directory) as an absolute path of a
+    readable regular file (its content is the reader's business).
+
+    Raises:
+        ConfigError: a NUL byte, nothing there, not a regular file, not readable (the message names
+            ``key``).
+    """
+    if "\x00" in value:
+        raise _err(key, value, "path contains a NUL byte")
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.exists(path):
+        raise _err(key, value, f"{path!r} does not exist")
+    if not os.path.isfile(path):
+        raise _err(key, value, f"{path!r} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise _err(key, value, f"{path!r} is not readable")
+    return path

@@ -21,6 +21,7 @@ __all__ = [
     "KEYS",
     "CONFIG_KEYS",
     "CODEC_LEVELS",
+    "PCA_CODEC_LEVELS",
     "SERDES",
     "DISK_SHARDINGS",
     "IGNORED_LMCACHE_KEYS",
@@ -104,7 +105,12 @@ KEYS: dict[str, KeySpec] = {
     "mooncake_protocol": KeySpec(OPT_STR, None, "Mooncake: tcp (default) or rdma"),
     "mooncake_device_name": KeySpec(OPT_STR, None, "Mooncake: RDMA device(s), e.g. mlx5_0"),
     "local_disk_serde": KeySpec(STR, "naive", "disk record format: naive or cachegen (the codec)"),
-    "codec_level": KeySpec(STR, "default", "codec level of every cachegen serde: lossless, high, default, low"),
+    "codec_level": KeySpec(
+        STR, "default", "codec level of every cachegen serde: lossless, high, default, low, pca_high, pca_default"
+    ),
+    "codec_pca_model": KeySpec(
+        OPT_STR, None, "PCA model file of the pca_* codec levels (written by python -m lmtier.codec.pca)"
+    ),
     "codec_tables": KeySpec(
         STR, "auto", "codec entropy tables: auto (shipped, else calibrated per namespace), shipped, none"
     ),
@@ -146,8 +152,13 @@ SERDES = ("naive", "cachegen")
 """``remote_serde`` / ``local_disk_serde`` values."""
 
 CODEC_LEVELS = ("lossless", "high", "default", "low")
-"""``codec_level`` values (the user levels of :data:`lmtier.codec.levels.LEVELS`; a test keeps the
-two in step — the config does not import the codec, which needs torch)."""
+"""``codec_level`` values of :class:`lmtier.tiers.codec.CodecTier` (the user levels of
+:data:`lmtier.codec.levels.LEVELS`; a test keeps the two in step — the config does not import the
+codec, which needs torch)."""
+
+PCA_CODEC_LEVELS = ("pca_high", "pca_default")
+"""The other ``codec_level`` values: the PCA levels (:data:`lmtier.codec.pca.PCA_LEVELS`, kept in step
+by the same test; :class:`lmtier.tiers.codec_pca.PCACodecTier`), which need ``codec_pca_model``."""
 
 CODEC_TABLES = ("auto", "shipped", "none")
 """``codec_tables`` values (:class:`lmtier.tiers.codec.CodecTier`'s ``tables`` argument)."""

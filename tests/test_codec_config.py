@@ -10,6 +10,7 @@ import torch
 from lmtier import config as cfgmod
 from lmtier.codec import chunk as C
 from lmtier.codec import levels as L
+from lmtier.codec import pca
 from lmtier.config import ConfigError, LMTierConfig, load_config
 from lmtier.keys import Namespace
 from lmtier.manager import TierManager
@@ -33,6 +34,7 @@ def test_config_defaults_and_keys():
     d = cfg.to_dict()
     assert d["local_disk_serde"] == "naive" and d["codec_level"] == "default" and d["remote_serde"] == "naive"
     assert cfgmod.CODEC_LEVELS == tuple(L.LEVELS)  # config's list stays in step with the codec's
+    assert cfgmod.PCA_CODEC_LEVELS == tuple(pca.PCA_LEVELS)  # and the PCA levels' (lmtier.codec.pca)
 
 
 def test_config_cachegen(tmp_path):
