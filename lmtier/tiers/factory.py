@@ -1,10 +1,17 @@
 """Building the tiers from the configuration (:func:`build_tiers`, which
 :meth:`lmtier.manager.TierManager.from_config` calls): the default disk and remote factories (the
 remote tier sealed as configured), the codec check and wrapper, and the factory types a caller may
-replace them with (tests, custom tiers)."""
+replace them with (tests, custom tiers).
+
+A PCA ``codec_level`` (``pca_high``, ``pca_default``) wraps a tier in
+:class:`~lmtier.tiers.codec_pca.PCACodecTier` instead of :class:`~lmtier.tiers.codec.CodecTier`;
+:func:`build_tiers` loads ``codec_pca_model`` once (:func:`load_pca_model`: cached per path, size
+and modification time) and hands the same :class:`~lmtier.codec.pca.PCAModel` to the disk and the
+remote tier, after checking it against the cache's geometry (:func:`check_codecs`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,6 +28,7 @@ from lmtier.tiers.seal import seal_remote
 if TYPE_CHECKING:
     import torch
 
+    from lmtier.codec.pca import PCAModel
     from lmtier.tiers.p2p.tier import P2PTier
 
 __all__ = [
@@ -33,6 +41,7 @@ __all__ = [
     "codec_tables_args",
     "default_disk_factory",
     "default_remote_factory",
+    "load_pca_model",
     "wrap_codec",
 ]
 
@@ -84,14 +93,65 @@ def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
     return namespace.chunk_shape
 
 
-def check_codecs(config: LMTierConfig, namespace: Namespace) -> None:
-    """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache."""
+def _uses_pca(config: LMTierConfig) -> bool:
+    """Whether an enabled disk or remote tier has a PCA codec level."""
+    return any(
+        enabled and config.serde_level(tier) is not None and config.codec_pca_model is not None
+        for tier, enabled in (("disk", config.disk.enabled), ("remote", config.remote.enabled))
+    )
+
+
+def load_pca_model(config: LMTierConfig) -> PCAModel | None:
+    """The :class:`~lmtier.codec.pca.PCAModel` of ``codec_pca_model`` when an enabled disk or remote
+    tier uses a PCA level, else None. Loaded once per process per (path, size, modification time).
+
+    Raises:
+        ConfigError: the file cannot be read or is not a usable PCA model file (the message names
+            ``codec_pca_model`` and the reason).
+    """
+    if not _uses_pca(config):
+        return None
+    path = config.codec_pca_model
+    try:
+        st = os.stat(path)
+        return _load_pca(path, st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise ConfigError(f"lmtier config: codec_pca_model={path!r}: cannot read the file: {e}") from None
+    except ValueError as e:  # lmtier.codec.pca.PCAModelError
+        raise ConfigError(f"lmtier config: codec_pca_model={path!r}: not a usable PCA model file: {e}") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _load_pca(path: str, size: int, mtime_ns: int) -> PCAModel:
+    """:func:`lmtier.codec.pca.load` of ``path`` (``size``, ``mtime_ns``: the cache key's version)."""
+    from lmtier.codec import pca
+
+    return pca.load(path)
+
+
+def check_codecs(config: LMTierConfig, namespace: Namespace, *, pca_model: PCAModel | None = None) -> None:
+    """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache
+    (``pca_model``: :func:`load_pca_model`'s, loaded here when None and a PCA level is in use)."""
     for tier, key, enabled in (
         ("disk", "local_disk_serde", config.disk.enabled),
         ("remote", "remote_serde", config.remote.enabled),
     ):
         level = config.serde_level(tier)
-        if enabled and level is not None:
+        if not enabled or level is None:
+            continue
+        if config.codec_pca_model is not None:  # a PCA level (lmtier.config checks the pair)
+            from lmtier.tiers.codec_pca import check_pca_geometry
+
+            model = pca_model if pca_model is not None else load_pca_model(config)
+            check_pca_geometry(
+                codec_chunk_shape(namespace),
+                namespace.kv_dtype,
+                level,
+                model,
+                config_key=key,
+                model_path=config.codec_pca_model,
+            )
+        else:
             from lmtier.tiers.codec import check_codec_geometry
 
             check_codec_geometry(codec_chunk_shape(namespace), namespace.kv_dtype, level, config_key=key)
@@ -121,17 +181,38 @@ def wrap_codec(
     gpu_id: int = 0,
     *,
     encode_device: torch.device | str | None = None,
+    pca_model: PCAModel | None = None,
 ) -> Tier:
     """``tier`` in a :class:`~lmtier.tiers.codec.CodecTier` when the ``which`` tier's serde
-    (``"disk"``: ``local_disk_serde``, ``"remote"``: ``remote_serde``) is ``cachegen``, else ``tier``
-    (tables: :func:`codec_tables_args`; ``encode_device``: the CUDA device the codec tier encodes
-    host chunks on, None for the CPU — :class:`~lmtier.tiers.codec.CodecTier`)."""
+    (``"disk"``: ``local_disk_serde``, ``"remote"``: ``remote_serde``) is ``cachegen``, in a
+    :class:`~lmtier.tiers.codec_pca.PCACodecTier` when its level is a PCA level (``pca_model``: the
+    model data, :func:`load_pca_model`'s when None), else ``tier`` (tables: :func:`codec_tables_args`;
+    ``encode_device``: the CUDA device the codec tier encodes host chunks on, None for the CPU).
+
+    Raises:
+        ConfigError: what :class:`~lmtier.tiers.codec.CodecTier` / :func:`load_pca_model` /
+            :class:`~lmtier.tiers.codec_pca.PCACodecTier` raise.
+    """
     level = config.serde_level(which)
     if level is None:
         return tier
+    key = "local_disk_serde" if which == "disk" else "remote_serde"
+    if config.codec_pca_model is not None:  # a PCA level (lmtier.config checks the pair)
+        from lmtier.tiers.codec_pca import PCACodecTier
+
+        model = pca_model if pca_model is not None else load_pca_model(config)
+        return PCACodecTier(
+            tier,
+            shape=codec_chunk_shape(namespace),
+            dtype=namespace.kv_dtype,
+            level=level,
+            model=model,
+            config_key=key,
+            model_path=config.codec_pca_model,
+            encode_device=encode_device,
+        )
     from lmtier.tiers.codec import CodecTier
 
-    key = "local_disk_serde" if which == "disk" else "remote_serde"
     tables, tables_dir = codec_tables_args(config, which, gpu_id)
     return CodecTier(
         tier,
@@ -149,9 +230,9 @@ def wrap_codec(
 def _check_codec_disk_room(disk: Tier, config: LMTierConfig) -> None:
     """ConfigError when a ``cachegen`` disk tier cannot hold the largest record of its level (every
     store of a larger record would be dropped without a word; :func:`build_tiers` closes the tiers)."""
-    from lmtier.tiers.codec import CodecTier
+    from lmtier.tiers.record_tier import RecordTier
 
-    if not isinstance(disk, CodecTier):
+    if not isinstance(disk, RecordTier):  # CodecTier, PCACodecTier
         return
     need = DISK_PAYLOAD_OFFSET + round_up(disk.max_record_bytes)
     if config.disk.capacity_bytes < need:
@@ -182,13 +263,16 @@ def build_tiers(
 ) -> BuiltTiers:
     """Build the tiers ``config`` enables for chunks of ``namespace`` (arguments: see
     :meth:`lmtier.manager.TierManager.from_config`); a disk/remote tier whose serde is ``cachegen``
-    is wrapped in :class:`~lmtier.tiers.codec.CodecTier` after its factory built it. If one tier
+    is wrapped in :class:`~lmtier.tiers.codec.CodecTier` (a PCA level:
+    :class:`~lmtier.tiers.codec_pca.PCACodecTier`, with ``codec_pca_model`` loaded once for both) after
+    its factory built it. If one tier
     fails to build, those already built are closed before the error propagates.
 
     Raises:
         ConfigError: no tier enabled, inconsistent chunk size, CPU pool smaller than one chunk, a
-            ``cachegen`` serde the cache cannot take (:func:`check_codecs`), a ``cachegen`` disk tier
-            smaller than one record of its level. What a factory raises.
+            ``cachegen`` serde the cache cannot take (:func:`check_codecs`: a PCA model file that does
+            not load or does not fit the cache's geometry included), a ``cachegen`` disk tier smaller
+            than one record of its level. What a factory raises.
     """
     if config.chunk_size != namespace.chunk_size:
         raise ConfigError(
@@ -198,7 +282,8 @@ def build_tiers(
         raise ConfigError(
             "lmtier config: local_cpu=False: no tier is enabled; set local_cpu: true, local_disk or remote_url"
         )
-    check_codecs(config, namespace)
+    pca_model = load_pca_model(config)  # once, for the disk and the remote tier
+    check_codecs(config, namespace, pca_model=pca_model)
     cpu = disk = remote = p2p = None
     try:
         if config.cpu.enabled:
@@ -214,11 +299,17 @@ def build_tiers(
                 "disk",
                 gpu_id,
                 encode_device=encode_device,
+                pca_model=pca_model,
             )
             _check_codec_disk_room(disk, config)
         if config.remote.enabled:
             remote = wrap_codec(
-                remote_factory(config.remote, namespace), config, namespace, "remote", encode_device=encode_device
+                remote_factory(config.remote, namespace),
+                config,
+                namespace,
+                "remote",
+                encode_device=encode_device,
+                pca_model=pca_model,
             )
         if config.p2p is not None:  # P2P sharing over NIXL (docs/p2p.md); lookups only without a pool
             from lmtier.tiers.p2p.tier import P2PTier

@@ -27,8 +27,8 @@ class LoadMeter(Protocol):
 def read_path(tier: Tier, device: bool) -> str:
     """How ``tier``'s chunks are read: ``"raw"`` records, ``"codec"`` records decoded on the host,
     ``"codec+device"`` decoded on the GPU (a :class:`LoadMeter` label)."""
-    from lmtier.tiers.codec import CodecTier
+    from lmtier.tiers.record_tier import RecordTier
 
-    if not isinstance(tier, CodecTier):
+    if not isinstance(tier, RecordTier):  # CodecTier, PCACodecTier
         return "raw"
     return "codec+device" if device else "codec"

@@ -60,7 +60,9 @@ class RecordTier(Tier):
     with :func:`key_pad` of ``salt``.
 
     Subclasses call ``RecordTier.__init__`` once everything that fixes the salt is known (it registers
-    the eviction listener on ``inner``) and implement ``put`` and ``get_into``.
+    the eviction listener on ``inner``), implement ``put`` and ``get_into``, and set ``raw_bytes`` (a
+    chunk's bytes) and ``max_record_bytes`` (the bound on a record's bytes: the build checks that a
+    disk tier holds one, :func:`lmtier.tiers.factory.build_tiers`).
 
     Attributes:
         inner: the wrapped tier. name: the inner tier's name (hit counters and logs read ``disk`` /
