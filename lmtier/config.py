@@ -76,9 +76,10 @@ Codec (``lmtier.codec``, docs/codec.md)::
 
     remote_serde: cachegen                # LMCache's name: remote records are lmtier codec records
     local_disk_serde: cachegen            # lmtier-only: the same for the disk tier (default naive)
-    codec_level: default                  # lossless | high | default | low (default: default)
+    codec_level: default                  # lossless | high | default | low | pca_high | pca_default
     codec_tables: auto                    # auto (default) | shipped | none: the rANS tables (below)
     codec_tables_dir: /path               # auto-calibrated tables (default: <local_disk>/lmtier-codec-tables)
+    codec_pca_model: /path/model.lmtpca   # the PCA levels' model file (required with pca_*, else an error)
 
 ``cachegen`` selects lmtier's codec (CacheGen-style quantization + rANS, not LMCache's byte format;
 an LMCache file's ``remote_serde: cachegen`` gets lmtier's ``default`` level unless ``codec_level``
@@ -99,6 +100,16 @@ tables and stay readable). The disk tier's default directory is ``lmtier-codec-t
 a directory every node sharing the remote tier sees — and otherwise behaves as ``shipped``
 (tables only one node knows would make its records unreadable to the others). ``none``: per-stream
 tables always.
+
+The PCA levels (``pca_high``, ``pca_default``; experimental, docs/codec.md "PCA levels") code with
+per-model data calibrated offline: ``codec_pca_model`` names the file ``python -m lmtier.codec.pca``
+wrote for the served model (``~`` expanded, made absolute at load). A PCA level without it, the key
+with another level or without a ``cachegen`` serde, and a path that is not a readable file are
+:class:`ConfigError`; the file's content (a PCA model file, calibrated for this rank's KV: ``L``,
+this rank's KV heads, ``D``) is checked when the tiers are built
+(:func:`lmtier.tiers.factory.build_tiers`, before serving). ``codec_tables`` / ``codec_tables_dir``
+do not apply to the PCA levels (their tables are in the model file): set with one, they are
+ignored with a warning. A PCA tier stores a chunk only when its store names the chunk's position.
 
 Keys and the codec (decision): chunk keys do **not** change with the serde, and the namespace's
 ``codec`` field is not derived from these keys (it stays ``"none"`` for caches whose canonical

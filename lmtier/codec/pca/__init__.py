@@ -1,4 +1,5 @@
-"""PCA transform coding of KV chunks (issue 19; experimental: the library API only, not in the YAML).
+"""PCA transform coding of KV chunks (issue 19; experimental; in the YAML: ``codec_level: pca_*`` with
+``codec_pca_model``, :class:`lmtier.tiers.codec_pca.PCACodecTier`).
 
 Data flow: :mod:`.hf` (calibration inputs from a checkpoint) -> :mod:`.fit` (a :class:`PCAModel`:
 basis, integer transforms, steps, outlier thresholds, rANS tables) -> :mod:`.model` (its versioned,
