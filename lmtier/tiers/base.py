@@ -24,7 +24,16 @@ from typing import Any
 from lmtier.errors import LMTierError
 from lmtier.geometry import KEY_BYTES
 
-__all__ = ["KEY_BYTES", "TIER_EVENTS", "TierError", "TierUsage", "Eviction", "EvictionListener", "Tier"]
+__all__ = [
+    "KEY_BYTES",
+    "TIER_EVENTS",
+    "TierError",
+    "TierUsage",
+    "Eviction",
+    "EvictionListener",
+    "Tier",
+    "check_position",
+]
 
 log = logging.getLogger("lmtier.tiers")
 
@@ -103,6 +112,21 @@ write-back) — the tier falling behind the stores. A codec tier
 (:class:`lmtier.tiers.codec.CodecTier`) counts the chunks it encoded on the worker's GPU
 (``gpu_encodes``) and those whose GPU encode failed and fell back to the CPU
 (``gpu_encode_fallbacks``; the first turns GPU encoding off for that tier)."""
+
+
+def check_position(position: object, where: str) -> int | None:
+    """``position`` if it is a chunk position (:meth:`Tier.takes_position`: the chunk's first token's
+    position in its token sequence, tokens; an ``int >= 0``, not a bool) or None (unknown).
+
+    Raises:
+        ValueError: anything else (the message names ``where``, e.g. ``"CPUPool.reserve"``, and the value).
+    """
+    if position is None:
+        return None
+    if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
+        return position
+    raise ValueError(f"{where}: position must be None or an int >= 0 (tokens), got {position!r}")
+
 
 EvictionListener = Callable[[Eviction], None]
 """``fn(eviction)``: called in the thread that caused the eviction, outside the tier's lock; must be

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
+from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage, check_position
 from lmtier.tiers.cpu_populate import PopulateAhead
 from lmtier.tiers.tenants import DEFAULT_TENANT, TenantLedger, TenantShares
 
@@ -82,9 +82,13 @@ class Slot:
         mode: ``"write"`` or ``"read"``.
         tenant: write handles: the tenant named at ``reserve`` (the tier manager writes the chunk
             through to a shared tier for it); read handles: :data:`~lmtier.tiers.tenants.DEFAULT_TENANT`.
+        position: the chunk's position (its first token's in its token sequence, tokens; ``int >=
+            0``) named at ``reserve`` — on read handles, the committed chunk's — or None (unknown).
+            The tier manager passes it to the lower tiers that take it
+            (:meth:`~lmtier.tiers.base.Tier.takes_position`).
     """
 
-    __slots__ = ("key", "index", "offset", "nbytes", "view", "mode", "tenant", "_gen", "_open")
+    __slots__ = ("key", "index", "offset", "nbytes", "view", "mode", "tenant", "position", "_gen", "_open")
 
     def __init__(
         self,
@@ -96,9 +100,11 @@ class Slot:
         mode: str,
         gen: int,
         tenant: str = DEFAULT_TENANT,
+        position: int | None = None,
     ):
         self.key = key
         self.tenant = tenant
+        self.position = position
         self.index = index
         self.offset = offset
         self.nbytes = nbytes
@@ -225,6 +231,7 @@ class CPUPool(Tier):
         self._refs = [0] * self.num_slots
         self._keys: list[bytes | None] = [None] * self.num_slots
         self._nbytes = [0] * self.num_slots
+        self._positions: list[int | None] = [None] * self.num_slots  # per slot, as named at reserve
         self._gen = [0] * self.num_slots
         self._doomed = [False] * self.num_slots
         self._held = [0] * self.num_slots  # hold() counts: kept out of use while a transfer may write
@@ -243,7 +250,7 @@ class CPUPool(Tier):
 
     # ---- writer side ---------------------------------------------------------------------------
 
-    def reserve(self, key: bytes, *, tenant: str = DEFAULT_TENANT) -> Slot | None:
+    def reserve(self, key: bytes, *, tenant: str = DEFAULT_TENANT, position: int | None = None) -> Slot | None:
         """Allocate a slot for writing ``key``'s chunk, evicting the LRU unreferenced chunk if needed.
 
         ``tenant``: the chunk's tenant (:func:`~lmtier.tiers.tenants.tenant_id`); with budgets on,
@@ -251,17 +258,29 @@ class CPUPool(Tier):
         returned when every evictable chunk is protected by its tenant's share
         (``counters["reserve_budget"]``).
 
+        ``position``: the chunk's position (its first token's in its token sequence, ``chunk index *
+        chunk_size`` tokens; ``int >= 0``) or None (unknown): kept with the chunk while it is in the
+        pool (:attr:`Slot.position` of the write handle and of later read handles,
+        :attr:`Eviction.positions <lmtier.tiers.base.Eviction.positions>`) for the lower tiers that
+        take it (:meth:`~lmtier.tiers.base.Tier.takes_position`). The pool itself stores chunks of
+        unknown position.
+
         Returns:
             a write :class:`Slot` (``nbytes == chunk_bytes``) to fill and then ``commit`` or
             ``abort``; or ``None`` when the key is already stored or being written (nothing to
             do; see :meth:`is_present`) or when every slot is pinned/being written (back-pressure).
 
+        Raises:
+            TypeError: a key that is not 32 bytes. ValueError: a bad ``position`` (nothing reserved).
+            RuntimeError: the pool is closed.
+
         May block while eviction listeners run (write-back I/O), never under the lock: each gets an
         :class:`~lmtier.tiers.base.Eviction` of the victim (``payloads``: its ``torch.uint8
-        [nbytes]`` slot view, valid only during the call); an exception is logged and counted
-        (``counters["evict_listener_errors"]``) and the chunk is evicted anyway.
+        [nbytes]`` slot view, valid only during the call; ``positions``: its position); an exception
+        is logged and counted (``counters["evict_listener_errors"]``) and the chunk is evicted anyway.
         """
         _check_key(key)
+        check_position(position, "CPUPool.reserve")
         for _ in range(self.num_slots + 1):
             with self._lock:
                 self._check_open()
@@ -269,7 +288,7 @@ class CPUPool(Tier):
                     self.counters["reserve_present"] += 1
                     return None
                 if self._free:
-                    return self._start_write_locked(self._free.pop(), key, tenant)
+                    return self._start_write_locked(self._free.pop(), key, tenant, position)
                 if not self._lru:
                     self.counters["reserve_full"] += 1
                     return None
@@ -287,11 +306,12 @@ class CPUPool(Tier):
                 assert victim is not None
                 if not self.has_eviction_listeners():
                     self._evicted_locked(idx, victim, tenant)
-                    return self._start_write_locked(idx, key, tenant)
+                    return self._start_write_locked(idx, key, tenant, position)
                 self._refs[idx] += 1  # pin the victim during write-back
                 view = self._views[idx][: self._nbytes[idx]]
+                pos = self._positions[idx]
             # A listener failing loses at most a cache entry: the chunk is evicted anyway.
-            failed = self._notify_evicted(Eviction(self.name, (victim,), (view,)))
+            failed = self._notify_evicted(Eviction(self.name, (victim,), (view,), (pos,)))
             with self._lock:
                 if failed:
                     self.counters["evict_listener_errors"] += failed
@@ -306,7 +326,7 @@ class CPUPool(Tier):
                     self._free_locked(idx)
                     self.counters["reserve_present"] += 1
                     return None
-                return self._start_write_locked(idx, key, tenant)
+                return self._start_write_locked(idx, key, tenant, position)
         with self._lock:
             self.counters["reserve_full"] += 1
         return None
@@ -421,8 +441,8 @@ class CPUPool(Tier):
             if self._ledger is not None:
                 self._ledger.pinned(idx)
             self.counters["hits"] += 1
-            nbytes, gen = self._nbytes[idx], self._gen[idx]
-        return Slot(key, idx, idx * self.slot_bytes, nbytes, self._views[idx][:nbytes], _READ, gen)
+            nbytes, gen, pos = self._nbytes[idx], self._gen[idx], self._positions[idx]
+        return Slot(key, idx, idx * self.slot_bytes, nbytes, self._views[idx][:nbytes], _READ, gen, position=pos)
 
     def release(self, slot: Slot) -> None:
         """Unpin a read handle. The chunk becomes evictable again (most recently used)."""
@@ -471,18 +491,18 @@ class CPUPool(Tier):
         finally:
             self.release(slot)
 
-    def put(self, key: bytes, payload: Any, *, tenant: str = DEFAULT_TENANT) -> bool:
+    def put(self, key: bytes, payload: Any, *, tenant: str = DEFAULT_TENANT, position: int | None = None) -> bool:
         """Store ``payload`` (tensor or bytes-like, ``1..chunk_bytes`` bytes) under ``key``
-        (``tenant``: as for :meth:`reserve`).
+        (``tenant``, ``position``: as for :meth:`reserve`).
 
         Returns True when stored or already present, False on back-pressure.
-        Raises ``ValueError`` for an empty or oversized payload.
+        Raises ``ValueError`` for an empty or oversized payload or a bad ``position``.
         """
         src = as_byte_source(payload)
         n = int(src.shape[0])
         if not 0 < n <= self.chunk_bytes:
             raise ValueError(f"CPUPool.put: payload must be 1..{self.chunk_bytes} bytes, got {n}")
-        slot = self.reserve(key, tenant=tenant)
+        slot = self.reserve(key, tenant=tenant, position=position)
         if slot is None:
             return self.is_present(key)
         try:
@@ -575,12 +595,13 @@ class CPUPool(Tier):
         if self._closed:
             raise RuntimeError("CPUPool is closed")
 
-    def _start_write_locked(self, idx: int, key: bytes, tenant: str) -> Slot:
+    def _start_write_locked(self, idx: int, key: bytes, tenant: str, position: int | None) -> Slot:
         if self._populator is not None:
             self._populator.slot_used_locked(idx)
         self._state[idx] = _WRITING
         self._keys[idx] = key
         self._nbytes[idx] = 0
+        self._positions[idx] = position
         self._refs[idx] = 0
         self._doomed[idx] = False
         self._pending[key] = idx
@@ -596,6 +617,7 @@ class CPUPool(Tier):
             _WRITE,
             self._gen[idx],
             tenant,
+            position,
         )
 
     def _evicted_locked(self, idx: int, victim: bytes, tenant: str) -> None:
@@ -608,6 +630,7 @@ class CPUPool(Tier):
         self._state[idx] = _FREE
         self._keys[idx] = None
         self._nbytes[idx] = 0
+        self._positions[idx] = None
         self._doomed[idx] = False
         self._gen[idx] += 1
         if self._held[idx]:
