@@ -23,7 +23,7 @@ import torch
 from lmtier.config import LMTierConfig
 from lmtier.events import IndexEventHub, IndexEventKind, IndexListener
 from lmtier.keys import KEY_BYTES, Namespace
-from lmtier.tiers.base import Tier
+from lmtier.tiers.base import Tier, check_position
 from lmtier.tiers.cpu import CPUPool, Slot, _as_byte_dest, as_byte_source
 from lmtier.tiers.disk import background_priority
 from lmtier.tiers.factory import DiskFactory, RemoteFactory, build_tiers, default_disk_factory, default_remote_factory
@@ -213,7 +213,15 @@ class TierManager(TierWrites):
 
     # ---- store -------------------------------------------------------------------------------
 
-    def store(self, key: bytes, data: Any, *, timeout_s: float | None = 0.0, tenant: str = DEFAULT_TENANT) -> Future:
+    def store(
+        self,
+        key: bytes,
+        data: Any,
+        *,
+        timeout_s: float | None = 0.0,
+        tenant: str = DEFAULT_TENANT,
+        position: int | None = None,
+    ) -> Future:
         """Store one chunk asynchronously.
 
         Args:
@@ -225,17 +233,23 @@ class TierManager(TierWrites):
                 and drops the store when the queue is full; ``None`` waits as long as needed.
             tenant: the chunk's tenant (:func:`lmtier.tiers.tenants.tenant_id`) in the CPU pool and
                 in a remote tier with budgets.
+            position: the chunk's position (its first token's in its token sequence, ``chunk index
+                * chunk_size`` tokens; ``int >= 0``) or None (unknown): kept with it in the CPU pool
+                and passed to the disk / remote tiers that take it
+                (:meth:`~lmtier.tiers.base.Tier.takes_position`; those refuse a chunk of unknown
+                position) when it is written there.
 
         Returns:
             ``Future[bool]``: True once the chunk is stored in (or already was in) a tier; False if
             it was dropped (queue full, every slot pinned and no lower tier, tier failure).
 
         Raises:
-            TypeError / ValueError: bad key or data (synchronously). RuntimeError: closed.
+            TypeError / ValueError: bad key, data or position (synchronously). RuntimeError: closed.
         """
         self._check_open()
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise TypeError(f"key must be {KEY_BYTES} bytes")
+        check_position(position, "TierManager.store")
         src = as_byte_source(data)
         n = int(src.shape[0])
         if n == 0 or (self.cpu is not None and n > self.cpu.chunk_bytes):
@@ -255,16 +269,16 @@ class TierManager(TierWrites):
             return _done(False)
         self._enter()
         try:
-            fut = self._store_pool.submit(self._store_job, key, src, data, tenant)
+            fut = self._store_pool.submit(self._store_job, key, src, data, tenant, position)
         except BaseException:
             self._store_slots.release()
             self._leave()
             raise
         return fut
 
-    def _store_job(self, key: bytes, src: Any, _keepalive: Any, tenant: str) -> bool:
+    def _store_job(self, key: bytes, src: Any, _keepalive: Any, tenant: str, position: int | None) -> bool:
         try:
-            return self._store_now(key, src, tenant)
+            return self._store_now(key, src, tenant, position)
         except Exception:
             log.exception("store of chunk %s failed", key.hex())
             self._count("store_errors")
@@ -273,10 +287,10 @@ class TierManager(TierWrites):
             self._store_slots.release()
             self._leave()
 
-    def _store_now(self, key: bytes, src: Any, tenant: str) -> bool:
+    def _store_now(self, key: bytes, src: Any, tenant: str, position: int | None) -> bool:
         n = int(src.shape[0])
         if self.cpu is not None:
-            slot = self.cpu.reserve(key, tenant=tenant)
+            slot = self.cpu.reserve(key, tenant=tenant, position=position)
             if slot is not None:
                 try:
                     if isinstance(src, torch.Tensor):
@@ -299,12 +313,14 @@ class TierManager(TierWrites):
         ok = False
         payload = src if isinstance(src, torch.Tensor) else memoryview(src)
         if self.disk is not None:
-            ok = bool(self._safe(self.disk.put, key, payload, default=False))
+            kw = self._put_kw(self.disk, tenant, position)
+            ok = bool(self._safe(self.disk.put, key, payload, default=False, **kw))
             self._count("stored_disk" if ok else "disk_put_failures")
             if ok:
                 self._events.publish(IndexEventKind.STORED, key, "disk")
         if self.remote is not None:
-            r = bool(self._safe(self.remote.put, key, payload, default=False, **self._tenant_kw(tenant)))
+            kw = self._put_kw(self.remote, tenant, position)
+            r = bool(self._safe(self.remote.put, key, payload, default=False, **kw))
             self._count("stored_remote" if r else "remote_put_failures")
             if r and not ok:
                 self._events.publish(IndexEventKind.STORED, key, "remote")
@@ -359,11 +375,13 @@ class TierManager(TierWrites):
 
     # ---- retrieve ----------------------------------------------------------------------------
 
-    def retrieve(self, key: bytes, out: Any, *, tenant: str | None = None) -> bool:
+    def retrieve(self, key: bytes, out: Any, *, tenant: str | None = None, position: int | None = None) -> bool:
         """Fill ``out`` with chunk ``key`` from the fastest tier; see :meth:`retrieve_into`."""
-        return self.retrieve_into(key, out, tenant=tenant) is not None
+        return self.retrieve_into(key, out, tenant=tenant, position=position) is not None
 
-    def retrieve_into(self, key: bytes, out: Any, *, tenant: str | None = None) -> int | None:
+    def retrieve_into(
+        self, key: bytes, out: Any, *, tenant: str | None = None, position: int | None = None
+    ) -> int | None:
         """Copy chunk ``key`` into ``out`` from the fastest tier holding it.
 
         Args:
@@ -372,15 +390,20 @@ class TierManager(TierWrites):
                 pinned or CUDA; any dtype, written as bytes) or a writable bytes-like object.
             tenant: the chunk's tenant id: hits / misses counted per tenant (:meth:`tenant_stats`),
                 a promotion is its chunk in the pool (None: not counted, the default tenant's).
+            position: the chunk's position (as for :meth:`store`), kept with a promotion in the
+                pool, which writes it back to a disk tier that takes positions when it is evicted
+                (None: unknown).
 
         Returns:
             the chunk's length in bytes, or ``None`` on a miss (nothing usable was written; the
             caller must recompute). Disk/remote hits are promoted into the CPU pool.
 
         Raises:
-            ValueError: ``out`` is smaller than the chunk. TypeError: bad ``out``. RuntimeError: closed.
+            ValueError: ``out`` is smaller than the chunk, or a bad ``position``. TypeError: bad
+                ``out``. RuntimeError: closed.
         """
         self._check_open()
+        check_position(position, "TierManager.retrieve_into")
         dst = _as_byte_dest(out)
         if self.cpu is not None:
             n = self.cpu.get_into(key, dst)
@@ -390,7 +413,7 @@ class TierManager(TierWrites):
         for tier in (self.disk, self.p2p, self.remote):
             if tier is None:
                 continue
-            n = self._retrieve_from(tier, key, out, dst, tenant or DEFAULT_TENANT)
+            n = self._retrieve_from(tier, key, out, dst, tenant or DEFAULT_TENANT, position)
             if n is not None:
                 self._count(f"hits_{tier.name}", tenant=tenant)
                 return n
@@ -489,8 +512,10 @@ class TierManager(TierWrites):
         """Add ``n`` to ``counters[name]`` (thread-safe)."""
         self._count(name, n)
 
-    def _retrieve_from(self, tier: Tier, key: bytes, out: Any, dst: Any, tenant: str) -> int | None:
-        slot = self.cpu.reserve(key, tenant=tenant) if self.cpu is not None else None
+    def _retrieve_from(
+        self, tier: Tier, key: bytes, out: Any, dst: Any, tenant: str, position: int | None
+    ) -> int | None:
+        slot = self.cpu.reserve(key, tenant=tenant, position=position) if self.cpu is not None else None
         if slot is None:  # no pool, pool full, or someone else is promoting it: read directly
             target = out if isinstance(out, torch.Tensor) else memoryview(dst)
             return self._safe(tier.get_into, key, target, default=None)
@@ -528,8 +553,8 @@ class TierManager(TierWrites):
             return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout_s)
 
     def close(self, *, persist: bool = True) -> None:
-        """Finish pending work, optionally write CPU-only chunks to disk (``persist``; so a restarted
-        process finds them), and close every tier. Idempotent."""
+        """Finish pending work, optionally write CPU-only chunks to disk (``persist``, each with the
+        position its slot holds; so a restarted process finds them), and close every tier. Idempotent."""
         if self._closed:
             return
         self.flush()
@@ -543,7 +568,7 @@ class TierManager(TierWrites):
                 if slot is None:
                     continue
                 try:
-                    self._write_back(key, slot.view)
+                    self._write_back(key, slot.view, slot.position)
                 finally:
                     self.cpu.release(slot)
         if self.cpu is not None:

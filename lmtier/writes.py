@@ -63,16 +63,26 @@ class TierWrites:
         does not pin the chunk: one evicted before its write ran is skipped (counted), so the CPU
         pool keeps admitting new chunks when the lower tiers fall behind. Publishes no index event
         (:meth:`~lmtier.manager.TierManager.commit` commits, publishes ``STORED`` and calls this).
-        ``tenant``: the chunk's tenant in a remote tier with budgets.
+        ``tenant``: the chunk's tenant in a remote tier with budgets. A tier that takes positions
+        (:meth:`~lmtier.tiers.base.Tier.takes_position`) gets the one the chunk's slot holds
+        (named at ``cpu.reserve``).
         """
         self._check_open()
         if self.disk is not None and self.cpu is not None:
             self._queue_write("disk", self._store_pool, self._store_slots, key, tenant)
         self._send_remote(key, tenant)
 
-    def _tenant_kw(self, tenant: str) -> dict[str, str]:
-        """``put``'s ``tenant=`` for a remote tier with budgets, else nothing."""
-        return {"tenant": tenant} if self._remote_tenants else {}
+    def _put_kw(self, tier: Tier, tenant: str, position: int | None) -> dict[str, Any]:
+        """The keyword arguments of ``tier.put`` (``tier``: this manager's disk or remote tier) for a
+        chunk of ``tenant`` at ``position`` (tokens, or None: unknown): ``tenant=`` for the remote tier
+        with budgets, ``position=`` for a tier that :meth:`~lmtier.tiers.base.Tier.takes_position`;
+        nothing else, so tiers without either keep the plain two-argument ``put``."""
+        kw: dict[str, Any] = {}
+        if self._remote_tenants and tier is self.remote:
+            kw["tenant"] = tenant
+        if tier.takes_position():
+            kw["position"] = position
+        return kw
 
     def _send_remote(self, key: bytes, tenant: str = DEFAULT_TENANT) -> None:
         """Queue the chunk's write-through to the remote tier (no-op without one)."""
@@ -97,7 +107,8 @@ class TierWrites:
 
     def _write_job(self, name: str, slots: threading.BoundedSemaphore, key: bytes, tenant: str) -> None:
         """Copy the chunk from the CPU pool (pinned while the tier reads it) to the disk or remote
-        tier; skipped (``<name>_skipped_evicted``) when it left the pool first, and on disk when the
+        tier, with the position its slot holds (:attr:`Slot.position <lmtier.tiers.cpu.Slot.position>`);
+        skipped (``<name>_skipped_evicted``) when it left the pool first, and on disk when the
         disk already holds it. Counts ``stored_<name>`` or ``<name>_put_failures``."""
         try:
             tier = self.disk if name == "disk" else self.remote
@@ -109,7 +120,7 @@ class TierWrites:
             try:
                 if name == "disk" and self._safe(tier.contains, key, default=False):
                     return
-                kw = self._tenant_kw(tenant) if name == "remote" else {}
+                kw = self._put_kw(tier, tenant, slot.position)
                 ok = bool(self._safe(tier.put, key, slot.memoryview(), default=False, **kw))
             finally:
                 self.cpu.release(slot)
@@ -118,10 +129,10 @@ class TierWrites:
             slots.release()
             self._leave()
 
-    def _write_back(self, key: bytes, view: torch.Tensor) -> bool:
-        """Persist a CPU chunk (``view``: ``torch.uint8`` CPU ``[nbytes]``) to disk unless it is
-        there already (or, inside :meth:`no_write_back`, count it skipped). Returns whether the
-        disk holds it afterwards."""
+    def _write_back(self, key: bytes, view: torch.Tensor, position: int | None) -> bool:
+        """Persist a CPU chunk (``view``: ``torch.uint8`` CPU ``[nbytes]``; ``position``: its
+        position, tokens, or None) to disk unless it is there already (or, inside
+        :meth:`no_write_back`, count it skipped). Returns whether the disk holds it afterwards."""
         disk = self.disk
         if disk is None:
             return False
@@ -130,7 +141,8 @@ class TierWrites:
         if self._no_write_back.on:
             self._count("write_back_skipped")
             return False
-        ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False))
+        kw = self._put_kw(disk, DEFAULT_TENANT, position)
+        ok = bool(self._safe(disk.put, key, memoryview(view.numpy()), default=False, **kw))
         self._count("written_back" if ok else "write_back_failures")
         return ok
 
@@ -154,11 +166,12 @@ class TierWrites:
             self._no_write_back.on = prev
 
     def _on_cpu_evicted(self, ev: Eviction) -> None:
-        """CPU pool eviction listener: write each victim back to disk (its payload is readable until
-        this returns; not inside :meth:`no_write_back`), then publish ``EVICTED``."""
+        """CPU pool eviction listener: write each victim back to disk with its position (its payload
+        is readable until this returns; not inside :meth:`no_write_back`), then publish ``EVICTED``."""
         payloads = ev.payloads if ev.payloads is not None else (None,) * len(ev.keys)
-        for key, view in zip(ev.keys, payloads):
-            on_disk = view is not None and self._write_back(key, view)
+        positions = ev.positions if ev.positions is not None else (None,) * len(ev.keys)
+        for key, view, position in zip(ev.keys, payloads, positions):
+            on_disk = view is not None and self._write_back(key, view, position)
             self._events.publish(IndexEventKind.EVICTED, key, "disk" if on_disk else None)
 
     def _on_disk_evicted(self, ev: Eviction) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmtier.manager import TierManager
 from lmtier.tiers.base import Eviction, Tier, TierUsage, check_position
 from lmtier.tiers.cpu import CPUPool
 
@@ -169,3 +170,181 @@ def test_pool_refuses_a_bad_position(bad):
     with pytest.raises(ValueError, match=r"CPUPool.reserve: position"):
         p.put(K(0), data(0), position=bad)
     assert not p.is_present(K(0)) and p.usage().used_bytes == 0, "a refused reservation took a slot"
+
+
+# ------------------------------------------------------------------------------ the tier manager
+class BudgetPositionTier(PositionTier):
+    """A remote tier with budgets that also takes positions: its put takes both keywords."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.tenants: list[str] = []
+
+    @property
+    def tenant_budgets(self):
+        return object()  # anything but None: budgets on
+
+    def put(self, key, payload, *, tenant, position=None):
+        with self.lock:
+            self.tenants.append(tenant)
+        return super().put(key, payload, position=position)
+
+
+def _manager(managers, *, slots: int | None, disk=None, remote=None) -> TierManager:
+    m = TierManager(cpu=pool(slots) if slots else None, disk=disk, remote=remote)
+    managers.append(m)
+    return m
+
+
+def _no_errors(m: TierManager) -> None:
+    assert m.counters["tier_errors"] == 0 and m.counters["store_errors"] == 0, dict(m.counters)
+
+
+def test_direct_store_without_a_pool(managers):
+    disk, remote = PositionTier("disk"), PositionTier("remote")
+    m = _manager(managers, slots=None, disk=disk, remote=remote)
+    assert m.store(K(0), data(0), timeout_s=None, position=256).result(10)
+    assert m.store(K(1), data(1), timeout_s=None, position=0).result(10)
+    assert disk.puts == remote.puts == [(K(0), 256), (K(1), 0)]
+    assert disk.store[K(0)] == remote.store[K(0)] == data(0)
+    # Unknown position: both tiers refuse it, the store is dropped (not an error).
+    assert not m.store(K(2), data(2), timeout_s=None).result(10)
+    assert disk.puts[-1] == remote.puts[-1] == (K(2), None) and K(2) not in disk.store
+    assert m.counters["store_dropped"] == 1
+    _no_errors(m)
+
+
+def test_direct_store_when_every_slot_is_pinned(managers):
+    """The pool is full of pinned chunks (back-pressure): the store goes straight to the lower
+    tiers, with its position."""
+    disk = PositionTier("disk")
+    m = _manager(managers, slots=1, disk=disk)
+    assert m.store(K(0), data(0), timeout_s=None, position=64).result(10)
+    pin = m.cpu.acquire(K(0))
+    try:
+        assert m.store(K(1), data(1), timeout_s=None, position=128).result(10)
+    finally:
+        m.cpu.release(pin)
+    assert m.counters["cpu_backpressure"] == 1
+    assert disk.puts == [(K(1), 128)]
+    _no_errors(m)
+
+
+def test_commit_writes_through_with_the_slots_position(managers):
+    """A slot the caller filled (the connector's path): commit -> publish -> the disk and remote
+    write jobs read the position from the pool."""
+    disk, remote = PositionTier("disk"), PositionTier("remote")
+    m = _manager(managers, slots=4, disk=disk, remote=remote)
+    for i, pos in ((0, 768), (1, None)):
+        s = m.cpu.reserve(K(i), position=pos)
+        s.view[:CHUNK_BYTES].copy_(torch.frombuffer(bytearray(data(i)), dtype=torch.uint8))
+        m.commit(s, CHUNK_BYTES)
+    assert m.flush(timeout_s=10)
+    assert sorted(disk.puts, key=str) == sorted(remote.puts, key=str) == sorted([(K(0), 768), (K(1), None)], key=str)
+    assert disk.store == remote.store == {K(0): data(0)}
+    assert m.counters["stored_disk"] == m.counters["stored_remote"] == 1
+    assert m.counters["disk_put_failures"] == m.counters["remote_put_failures"] == 1  # the unknown position
+    _no_errors(m)
+
+
+def test_store_into_the_pool_writes_through_to_remote(managers):
+    remote = PositionTier("remote")
+    m = _manager(managers, slots=4, remote=remote)
+    assert m.store(K(0), data(0), timeout_s=None, position=1024).result(10)
+    assert m.flush(timeout_s=10)
+    assert remote.puts == [(K(0), 1024)]
+    r = m.cpu.acquire(K(0))
+    assert r.position == 1024
+    m.cpu.release(r)
+    _no_errors(m)
+
+
+def test_eviction_writes_back_with_the_victims_position(managers):
+    disk = PositionTier("disk")
+    m = _manager(managers, slots=2, disk=disk)
+    for i in range(4):
+        assert m.store(K(i), data(i), timeout_s=None, position=64 * i if i != 1 else None).result(10)
+    assert m.flush(timeout_s=10)
+    # K(0) and K(1) were evicted (LRU) by K(2) and K(3); K(1)'s position was unknown: refused.
+    assert disk.puts == [(K(0), 0), (K(1), None)]
+    assert disk.store == {K(0): data(0)}
+    assert m.counters["written_back"] == 1 and m.counters["write_back_failures"] == 1
+    _no_errors(m)
+
+
+def test_close_persists_with_each_chunks_position(managers):
+    disk = PositionTier("disk")
+    m = TierManager(cpu=pool(4), disk=disk)
+    for i in range(3):
+        assert m.store(K(i), data(i), timeout_s=None, position=32 * (i + 1)).result(10)
+    m.close(persist=True)
+    assert sorted(disk.puts) == sorted([(K(0), 32), (K(1), 64), (K(2), 96)])
+    assert disk.store == {K(i): data(i) for i in range(3)}
+
+
+def test_promotion_keeps_the_position_for_its_write_back(managers):
+    """A remote hit promoted into the pool by retrieve(position=) is written back to disk with that
+    position when the pool evicts it; one retrieved without a position reaches the disk tier as
+    unknown (refused there)."""
+    disk, remote = PositionTier("disk"), PlainTier("remote")
+    m = _manager(managers, slots=1, disk=disk, remote=remote)
+    remote.store[K(0)] = data(0)
+    remote.store[K(1)] = data(1)
+    out = bytearray(CHUNK_BYTES)
+    assert m.retrieve_into(K(0), out, position=512) == CHUNK_BYTES and bytes(out) == data(0)
+    assert m.counters["promotions"] == 1 and m.cpu.contains(K(0))
+    assert m.retrieve(K(1), out)  # evicts K(0): written back at 512; K(1) promoted, position unknown
+    assert disk.puts == [(K(0), 512)] and disk.store == {K(0): data(0)}
+    assert m.store(K(2), data(2), timeout_s=None, position=0).result(10)  # evicts K(1)
+    assert disk.puts == [(K(0), 512), (K(1), None)] and K(1) not in disk.store
+    with pytest.raises(ValueError, match="TierManager.retrieve_into: position"):
+        m.retrieve_into(K(0), out, position=-512)
+    _no_errors(m)
+
+
+def test_tiers_without_positions_never_get_the_keyword(managers):
+    """Every path into a lower tier's put, with positions named, over tiers whose put takes no
+    keyword: nothing fails (a ``position=`` there would be a TypeError, counted as a tier error).
+    Flushed after each step, so the LRU order (and which chunk each reservation evicts) is fixed."""
+    disk, remote = PlainTier("disk"), PlainTier("remote")
+    m = _manager(managers, slots=2, disk=disk, remote=remote)
+    assert m.store(K(0), data(0), timeout_s=None, position=0).result(10)  # pool + write-through to remote
+    assert m.flush(timeout_s=10)
+    s = m.cpu.reserve(K(1), position=64)
+    s.view[:CHUNK_BYTES].copy_(torch.frombuffer(bytearray(data(1)), dtype=torch.uint8))
+    m.commit(s, CHUNK_BYTES)  # write-through to disk and remote
+    assert m.flush(timeout_s=10)
+    assert m.store(K(2), data(2), timeout_s=None, position=128).result(10)  # evicts K(0): write-back
+    assert m.flush(timeout_s=10)
+    assert set(disk.store) == {K(0), K(1)} and set(remote.store) == {K(0), K(1), K(2)}
+    remote.store[K(5)] = data(5)
+    assert m.retrieve(K(5), bytearray(CHUNK_BYTES), position=320)  # promotion, evicting K(1) (on disk)
+    m.close(persist=True)  # K(2) and K(5) written back
+    assert set(disk.store) == {K(0), K(1), K(2), K(5)}
+    assert (m.counters["written_back"], m.counters["stored_disk"], m.counters["promotions"]) == (3, 1, 1)
+    direct = _manager(managers, slots=None, disk=PlainTier("disk"), remote=PlainTier("remote"))
+    assert direct.store(K(3), data(3), timeout_s=None, position=192).result(10)
+    assert set(direct.disk.store) == set(direct.remote.store) == {K(3)}
+    _no_errors(m)
+    _no_errors(direct)
+
+
+def test_remote_with_budgets_and_positions_gets_both(managers):
+    remote = BudgetPositionTier("remote")
+    m = _manager(managers, slots=None, remote=remote)
+    assert m.store(K(0), data(0), timeout_s=None, tenant="t1", position=64).result(10)
+    m2 = _manager(managers, slots=2, remote=BudgetPositionTier("remote"))
+    assert m2.store(K(1), data(1), timeout_s=None, tenant="t2", position=128).result(10)
+    assert m2.flush(timeout_s=10)
+    assert (remote.puts, remote.tenants) == ([(K(0), 64)], ["t1"])
+    assert (m2.remote.puts, m2.remote.tenants) == ([(K(1), 128)], ["t2"])
+    _no_errors(m)
+    _no_errors(m2)
+
+
+def test_store_refuses_a_bad_position(managers):
+    m = _manager(managers, slots=None, disk=PositionTier("disk"))
+    for bad in (-64, True, 64.0):
+        with pytest.raises(ValueError, match="TierManager.store: position"):
+            m.store(K(0), data(0), position=bad)
+    assert m.disk.puts == []
