@@ -94,6 +94,9 @@ class KVCacheStore:
                 (a transformers ``DynamicCache`` or legacy tuple), dtype matching the namespace.
             timeout_s: queue wait per chunk (default ``None``: wait for room, never drop).
 
+        Chunk ``c`` is stored at position ``c * chunk_size`` (its first token's: the tiers that take
+        positions, :meth:`~lmtier.tiers.base.Tier.takes_position`, need it).
+
         Returns:
             one ``Future[bool]`` per full chunk (the tail shorter than chunk_size is not stored).
 
@@ -119,13 +122,14 @@ class KVCacheStore:
         futures = []
         for c, key in enumerate(keys):
             data = pack_kv_chunk(layers, c * ns.chunk_size, (c + 1) * ns.chunk_size)
-            futures.append(self.manager.store(key, data, timeout_s=timeout_s))
+            futures.append(self.manager.store(key, data, timeout_s=timeout_s, position=c * ns.chunk_size))
         return futures
 
     def retrieve(
         self, token_ids: Any, *, cache_salt: str | bytes | None = None, device: str | torch.device = "cpu"
     ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """KV of the longest cached prefix of ``token_ids``.
+        """KV of the longest cached prefix of ``token_ids`` (a chunk promoted into the CPU pool keeps
+        its position, ``c * chunk_size``, as :meth:`store` names it).
 
         Returns:
             ``(num_tokens, layers)``: ``num_tokens`` is a multiple of chunk_size (0 on a miss) and
@@ -138,8 +142,8 @@ class KVCacheStore:
         keys = keys[: len(self.manager.lookup(keys))]
         staging = torch.empty(ns.chunk_bytes, dtype=torch.uint8)
         chunks = []
-        for key in keys:
-            n = self.manager.retrieve_into(key, staging)
+        for c, key in enumerate(keys):
+            n = self.manager.retrieve_into(key, staging, position=c * ns.chunk_size)
             if n != ns.chunk_bytes:
                 break
             chunks.append(unpack_kv_chunk(staging, ns).to(device, copy=True))

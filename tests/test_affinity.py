@@ -70,7 +70,7 @@ def test_fetcher_io_threads_and_checksum_helpers_are_not_pinned():
         from lmtier.integration.vllm.fetch import ChunkFetcher
         from lmtier.tiers import checksums
         stub = types.SimpleNamespace(p2p=None, remote=None, cpu=None, count=lambda *a, **k: None)
-        f = ChunkFetcher(stub, chunk_bytes=4096, io_threads=2, pin_staging=False, faults=frozenset,
+        f = ChunkFetcher(stub, chunk_size=16, chunk_bytes=4096, io_threads=2, pin_staging=False, faults=frozenset,
                          on_stored=lambda *a: None)
         out["io"] = sorted(f._io().submit(os.sched_getaffinity, 0).result())
         f.close()

@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from lmtier.hf import KVCacheStore
+from lmtier.integration.vllm.worker import LoadOp, StoreOp
+from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
 from lmtier.tiers.base import Eviction, Tier, TierUsage, check_position
 from lmtier.tiers.cpu import CPUPool
+from tests.test_connector_worker import CHUNK, GEOMS, Cache, _blocks, _ns, _tokens, _wait_loads, _worker
 
 CHUNK_BYTES = 5000
 
@@ -53,7 +57,10 @@ class PlainTier(Tier):
             v = self.store.get(key)
         if v is None:
             return None
-        memoryview(out).cast("B")[: len(v)] = v
+        if isinstance(out, torch.Tensor):
+            out.reshape(-1).view(torch.uint8)[: len(v)].copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
+        else:
+            memoryview(out).cast("B")[: len(v)] = v
         return len(v)
 
     def _keep(self, key, payload) -> None:
@@ -348,3 +355,127 @@ def test_store_refuses_a_bad_position(managers):
         with pytest.raises(ValueError, match="TierManager.store: position"):
             m.store(K(0), data(0), position=bad)
     assert m.disk.puts == []
+
+
+# ------------------------------------------------------------------------------ the vLLM connector
+# Its worker over a real paged CPU cache (tests/test_connector_worker.py's helpers): chunk ci of a
+# request is stored, and promoted, at position ci * CHUNK.
+
+
+def _connector_manager(managers, ns, *, pool_slots: int | None, disk=None, remote=None) -> TierManager:
+    cpu = CPUPool(pool_slots * (ns.chunk_bytes + 4096), ns.chunk_bytes) if pool_slots else None
+    m = TierManager(cpu=cpu, disk=disk, remote=remote)
+    managers.append(m)
+    return m
+
+
+@pytest.mark.parametrize("first_chunk", [0, 1])
+def test_storer_reserves_and_writes_through_at_chunk_positions(first_chunk, managers):
+    cache = Cache(*GEOMS[2])
+    ns = _ns(cache.dtype)
+    disk, remote = PositionTier("disk"), PositionTier("remote")
+    m = _connector_manager(managers, ns, pool_slots=8, disk=disk, remote=remote)
+    w, _, rec = _worker(cache, m)
+    toks = _tokens(3 * CHUNK, seed=21)
+    src = _blocks(cache, list(range(24)), 3 * CHUNK)
+    w.store(StoreOp("r1", toks, None, first_chunk, src))
+    assert m.flush(timeout_s=30)
+    keys = chunk_keys(toks, ns)
+    want = [(keys[ci], ci * CHUNK) for ci in range(first_chunk, 3)]
+    assert sorted(disk.puts) == sorted(remote.puts) == sorted(want)
+    for k, pos in want:
+        r = m.cpu.acquire(k)
+        assert r.position == pos
+        assert disk.store[k] == bytes(r.view.numpy()) == bytes(cache.tokens(src, pos, pos + CHUNK).numpy())
+        m.cpu.release(r)
+    _no_errors(m)
+
+
+def test_storer_without_a_pool_stores_at_chunk_positions(managers):
+    cache = Cache(*GEOMS[0])
+    ns = _ns(cache.dtype)
+    disk = PositionTier("disk")
+    m = _connector_manager(managers, ns, pool_slots=None, disk=disk)
+    w, _, rec = _worker(cache, m)
+    toks = _tokens(3 * CHUNK, seed=22)
+    src = _blocks(cache, list(range(24)), 3 * CHUNK)
+    w.store(StoreOp("r1", toks, None, 1, src))
+    keys = chunk_keys(toks, ns)
+    assert disk.puts == [(keys[1], CHUNK), (keys[2], 2 * CHUNK)]
+    assert disk.store[keys[2]] == bytes(cache.tokens(src, 2 * CHUNK, 3 * CHUNK).numpy())
+    assert {t for _, _, t in rec.stored} == {"disk"} and rec.stats["stored_chunks"] == 2
+    _no_errors(m)
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "layerwise"])
+def test_promotions_keep_chunk_positions(how, managers):
+    """Chunks 1 and 2 only in the remote tier: the load promotes them into pool slots reserved at
+    1 * CHUNK and 2 * CHUNK; close(persist) writes them back to a disk tier that takes positions
+    with those positions (chunk 0 is on disk already: its write-through)."""
+    cache = Cache(*GEOMS[0], logical_blocks=32)
+    ns = _ns(cache.dtype)
+    disk, remote = PositionTier("disk"), PlainTier("remote")
+    m = _connector_manager(managers, ns, pool_slots=8, disk=disk, remote=remote)
+    w, _, rec = _worker(cache, m)
+    toks = _tokens(3 * CHUNK, seed=23)
+    src, dst = list(range(12)), list(range(12, 24))
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert m.flush(timeout_s=30)
+    keys = chunk_keys(toks, ns)
+    assert set(remote.store) == set(keys)
+    for k in keys[1:]:  # the disk lost them, the pool evicted them: only the remote tier holds them
+        assert m.cpu.delete(k)
+        del disk.store[k]
+    disk.puts.clear()
+    assert m.lookup(keys) == ["cpu", "remote", "remote"]
+    op = LoadOp("r2", toks, None, 0, dst, is_async=how == "async")
+    if how == "sync":
+        assert w.load(op) == set()
+    elif how == "async":
+        w.start_load(op)
+        assert _wait_loads(w) == ({"r2"}, set())
+    else:
+        assert w.load_layerwise([op]) == {}
+        for layer in range(cache.layout.num_layers):
+            w.wait_layer(layer)
+        assert w.finish_layerwise() == {}
+    assert torch.equal(cache.tokens(dst, 0, 3 * CHUNK), cache.tokens(src, 0, 3 * CHUNK))
+    assert m.counters["promotions"] == 2 and m.cpu.num_pinned() == 0
+    for ci, k in enumerate(keys):
+        r = m.cpu.acquire(k)
+        assert r.position == ci * CHUNK
+        m.cpu.release(r)
+    w.close()
+    m.close(persist=True)
+    assert sorted(disk.puts) == sorted([(keys[1], CHUNK), (keys[2], 2 * CHUNK)])
+    assert disk.store[keys[2]] == remote.store[keys[2]]
+    _no_errors(m)
+
+
+# ------------------------------------------------------------------------------ lmtier.hf.KVCacheStore
+def test_kvcachestore_stores_and_promotes_at_chunk_positions(managers):
+    """KVCacheStore.store: chunk c at c * chunk_size (direct to disk and remote without a pool);
+    retrieve promotes remote hits at those positions (close(persist) writes them to a disk tier
+    that takes positions)."""
+    ns = Namespace(model="m", num_layers=2, num_kv_heads=2, head_size=8, kv_dtype="bfloat16", chunk_size=4)
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(1, 2, 11, 8, generator=g).bfloat16(), torch.randn(1, 2, 11, 8, generator=g).bfloat16())]
+    layers.append((layers[0][1].clone(), layers[0][0].clone()))
+    tokens = list(range(100, 111))  # 2 full chunks + 3 tail tokens
+    keys = chunk_keys(tokens, ns)
+    disk, remote = PositionTier("disk"), PositionTier("remote")
+    m = _manager(managers, slots=None, disk=disk, remote=remote)
+    assert all(f.result(10) for f in KVCacheStore(m, ns).store(tokens, layers))
+    assert sorted(disk.puts) == sorted(remote.puts) == sorted([(keys[0], 0), (keys[1], 4)])  # two store threads
+    _no_errors(m)
+
+    disk2 = PositionTier("disk")
+    m2 = TierManager(
+        cpu=CPUPool(4 * 4096, ns.chunk_bytes, arena=torch.empty(4 * 4096, dtype=torch.uint8)), disk=disk2, remote=remote
+    )
+    managers.append(m2)
+    n, got = KVCacheStore(m2, ns).retrieve(tokens)
+    assert n == 8 and torch.equal(got[1][0], layers[1][0][:, :, :8])
+    assert m2.counters["promotions"] == 2
+    m2.close(persist=True)
+    assert sorted(disk2.puts) == sorted([(keys[0], 0), (keys[1], 4)])

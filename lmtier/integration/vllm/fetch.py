@@ -190,6 +190,9 @@ class ChunkFetcher:
 
     Args:
         manager: the tiers; ``manager.cpu`` (the CPU pool) may be None.
+        chunk_size: tokens per chunk: a chunk promoted into the pool is reserved at position
+            ``ci * chunk_size`` (:meth:`~lmtier.tiers.base.Tier.takes_position`; its write-back
+            to a disk tier that takes positions needs it).
         chunk_bytes: bytes of one chunk of this rank (canonical record payload).
         io_threads: threads fetching chunks from disk/remote, one chunk each (created on first use).
         pin_staging: allocate host staging buffers in pinned memory (a CUDA cache reads them).
@@ -216,6 +219,7 @@ class ChunkFetcher:
         self,
         manager: TierManager,
         *,
+        chunk_size: int,
         chunk_bytes: int,
         io_threads: int,
         pin_staging: bool,
@@ -229,7 +233,10 @@ class ChunkFetcher:
     ) -> None:
         if window < 1 or fetch_batch < 1:
             raise ValueError(f"lmtier: device staging window ({window}) and fetch_batch ({fetch_batch}) must be >= 1")
+        if chunk_size < 1:
+            raise ValueError(f"lmtier: chunk_size must be >= 1, got {chunk_size}")
         self.manager = manager
+        self.chunk_size = chunk_size
         self.chunk_bytes = chunk_bytes
         self._faults = faults
         self._on_stored = on_stored
@@ -350,7 +357,8 @@ class ChunkFetcher:
             if group[0].device is not None:
                 f = self._io().submit(self._fetch_device_many, keys, [c.device for c in group], group[0].skip)
             else:
-                f = self._io().submit(self._fetch_chunks, keys, tenant, group[0].skip)
+                positions = [c.ci * self.chunk_size for c in group]
+                f = self._io().submit(self._fetch_chunks, keys, positions, tenant, group[0].skip)
         except Exception:
             log.exception("lmtier: load of chunks %s of request %s failed", [c.ci for c in group], req_id)
             for c in group:
@@ -395,16 +403,23 @@ class ChunkFetcher:
         return [n == self.chunk_bytes for n in got]
 
     def _fetch_chunks(
-        self, keys: list[bytes], tenant: str = DEFAULT_TENANT, skip: tuple[str, ...] = ()
+        self,
+        keys: list[bytes],
+        positions: list[int],
+        tenant: str = DEFAULT_TENANT,
+        skip: tuple[str, ...] = (),
     ) -> list[Chunk | None]:
-        """I/O thread: bring chunks ``keys`` from disk/remote into host memory, each straight into a
-        reserved CPU-pool slot (promotion without a second copy; a victim is not written back here:
+        """I/O thread: bring chunks ``keys`` (at ``positions``, tokens) from disk/remote into host
+        memory, each straight into a CPU-pool slot reserved at its position (promotion without a
+        second copy; a victim is not written back here:
         :meth:`TierManager.no_write_back`) or, when none can be reserved, a staging buffer (one
         ``fetch_lower_many`` for those not in the pool meanwhile). Returns per key the filled chunk
         (``ci`` unset) or None on a miss."""
         cb = self.chunk_bytes
         cpu = self.manager.cpu
         cs = [Chunk(-1, key) for key in keys]
+        if len(positions) != len(keys):
+            raise ValueError(f"lmtier: {len(keys)} keys, {len(positions)} positions")
         out: list[Chunk | None] = [None] * len(keys)
         need: list[int] = []
         dsts: list[torch.Tensor] = []
@@ -412,7 +427,7 @@ class ChunkFetcher:
             for j, c in enumerate(cs):
                 if cpu is not None:
                     with self.manager.no_write_back():  # a victim's disk write would delay this load
-                        c.write = cpu.reserve(c.key, tenant=tenant)
+                        c.write = cpu.reserve(c.key, tenant=tenant, position=positions[j])
                     if c.write is None:  # being written or committed by someone else meanwhile, or pool full
                         c.read = cpu.acquire(c.key)
                         if c.read is not None:

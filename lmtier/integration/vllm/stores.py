@@ -34,7 +34,9 @@ class ChunkStorer:
     """Executes :class:`StoreOp` s for one paged cache (see the module doc).
 
     Args:
-        layout: the paged cache; ``chunk_size``: tokens per chunk; ``chunk_bytes``: its bytes.
+        layout: the paged cache; ``chunk_size``: tokens per chunk (chunk ``ci`` is stored at
+            position ``ci * chunk_size``: :meth:`~lmtier.tiers.base.Tier.takes_position`);
+            ``chunk_bytes``: its bytes.
         manager: the tiers.
         keys: ``keys(token_ids, cache_salt) -> (this rank's chunk keys, the index's chunk keys)``.
         slot_mappings: ``slot_mappings(block_ids, chunk_indices) -> [C, chunk]`` int64 CPU slots.
@@ -58,6 +60,7 @@ class ChunkStorer:
     ) -> None:
         self.layout = layout
         self.manager = manager
+        self.chunk_size = chunk_size
         self.chunk_bytes = chunk_bytes
         self._keys = keys
         self.slot_mappings = slot_mappings
@@ -78,6 +81,8 @@ class ChunkStorer:
     def store(self, op: StoreOp) -> None:
         """Store chunks ``[op.first_chunk, len(op.token_ids) // chunk)`` from ``op.block_ids``.
 
+        Chunk ``ci`` is stored at position ``ci * chunk_size`` (its first token's; kept with its
+        slot and passed to the lower tiers that take positions).
         CPU cache: every chunk gets a pool slot (``reserve`` as the tenant of ``op.cache_salt``; none
         when the chunk is present already, every slot is pinned or its tenant may evict nothing —
         skipped; a victim it evicts is not written back here: :meth:`TierManager.no_write_back`),
@@ -100,7 +105,8 @@ class ChunkStorer:
                         ops.gather(self.layout, slots, [self.scratch])
                     else:
                         self.engine.store(slots, [self.scratch]).synchronize()
-                    if self.manager.store(keys[ci], self.scratch, timeout_s=None, tenant=tenant).result():
+                    pos = ci * self.chunk_size
+                    if self.manager.store(keys[ci], self.scratch, timeout_s=None, tenant=tenant, position=pos).result():
                         self._on_stored(keys[ci], keys0[ci], "disk")
                         self._stat("stored_chunks")
                         self._stat("stored_bytes", cb)
@@ -111,7 +117,7 @@ class ChunkStorer:
             with self.manager.no_write_back():  # victims reach disk by write-through, not in the step
                 for ci in range(op.first_chunk, len(keys)):
                     try:
-                        slot = cpu.reserve(keys[ci], tenant=tenant)
+                        slot = cpu.reserve(keys[ci], tenant=tenant, position=ci * self.chunk_size)
                     except Exception:
                         log.exception("lmtier: store of chunk %d of request %s failed (dropped)", ci, op.req_id)
                         continue

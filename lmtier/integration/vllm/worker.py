@@ -206,6 +206,7 @@ class ConnectorWorker:
             self._slot_staging = SlotStaging(layout.device, chunk_size * 32)
         self._fetcher = ChunkFetcher(
             manager,
+            chunk_size=chunk_size,
             chunk_bytes=cb,
             io_threads=io_threads,
             pin_staging=self.is_cuda,
