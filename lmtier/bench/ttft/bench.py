@@ -201,8 +201,9 @@ class Bench:
     # ---- one context length ----------------------------------------------------------------
 
     def _store(self, m: TierManager, keys: list[bytes], chunks) -> None:
-        """Store every chunk through ``m.store`` (untimed, like the prefill that made the KV) and wait."""
-        futs = [m.store(key, chunks(c), timeout_s=None) for c, key in enumerate(keys)]
+        """Store every chunk through ``m.store`` (untimed, like the prefill that made the KV; chunk
+        ``c`` at position ``c * chunk_tokens``) and wait."""
+        futs = [m.store(key, chunks(c), timeout_s=None, position=c * self.T) for c, key in enumerate(keys)]
         for c, f in enumerate(futs):
             if not f.result():
                 raise RuntimeError(f"store of chunk {c} failed ({dict(m.counters)})")
