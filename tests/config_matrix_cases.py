@@ -10,7 +10,10 @@ Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
                             cpu+disk+mooncake                (the remote tier: Redis or Mooncake Store)
 ``local_disk_serde``        naive, cachegen                  (only with a disk tier)
 ``remote_serde``            naive, cachegen                  (only with a remote tier)
-``codec_level``             lossless, high, default, low     (only with a ``cachegen`` serde)
+``codec_level``             lossless, high, default, low,    (only with a ``cachegen`` serde; the PCA
+                            pca_high, pca_default            levels also write ``codec_pca_model``, a
+                                                              file calibrated on SmolLM2, and only at
+                                                              TP=1: see :func:`allowed`)
 ``layerwise_loads``         "auto", true, false              (extra config)
 ``tp``                      1, 2                             (``tensor_parallel_size``)
 ``async_loads``             true, false                      (extra config; only with disk or a remote:
@@ -61,6 +64,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from lmtier.codec.pca import PCA_LEVELS
+
 CHUNK = 128
 PROMPT_LEN = 3 * CHUNK + 21  # 3 full chunks claimed (never the last prompt token), a short tail
 HIT = (PROMPT_LEN - 1) // CHUNK * CHUNK
@@ -71,7 +76,7 @@ DIMS: dict[str, tuple] = {
     "tiers": ("cpu", "cpu+disk", "cpu+redis", "cpu+disk+redis", "cpu+mooncake", "cpu+disk+mooncake"),
     "local_disk_serde": ("naive", "cachegen"),
     "remote_serde": ("naive", "cachegen"),
-    "codec_level": ("lossless", "high", "default", "low"),
+    "codec_level": ("lossless", "high", "default", "low", *PCA_LEVELS),
     "layerwise_loads": ("auto", True, False),
     "tp": (1, 2),
     "async_loads": (True, False),
@@ -136,6 +141,14 @@ def normalize(row: dict) -> dict:
     return r
 
 
+def allowed(row: dict) -> bool:
+    """Whether a row (values None: not chosen yet) is a configuration that starts. A PCA level at TP=2
+    does not: the model file's basis spans the KV heads it was calibrated on, a rank holds half of
+    them, and startup refuses it (a ConfigError naming ``codec_pca_model``; tests/test_codec_pca_tier.py).
+    So the pairs ``(codec_level=pca_*, tp=2)`` are not required, and no row holds one."""
+    return not (row.get("codec_level") in PCA_LEVELS and row.get("tp") == 2)
+
+
 def pairs(row: dict) -> set:
     items = [(k, v) for k, v in row.items() if v != NA]
     return set(itertools.combinations(items, 2))
@@ -176,7 +189,7 @@ def feasible_pairs() -> set:
     for st in structures():
         opts = [[(d, v)] if v is not None else [(d, x) for x in DIMS[d]] for d, v in st.items() if v != NA]
         for a, b in itertools.combinations(opts, 2):
-            need.update(itertools.product(a, b))
+            need.update(p for p in itertools.product(a, b) if allowed(dict(p)))
     return need
 
 
@@ -207,10 +220,13 @@ def covering_rows() -> list[dict]:
                 if any(row[d] == NA or (row[d] is not None and row[d] != v) for d, v in seed):
                     continue
                 row.update(seed)
+                if not allowed(row):
+                    continue
             for d in FREE:
                 if row[d] is None:
                     items = [(k, v) for k, v in row.items() if v not in (NA, None)]
-                    row[d] = max(DIMS[d], key=lambda v, d=d: sum(pair(k, w, d, v) in need for k, w in items))
+                    vals = [v for v in DIMS[d] if allowed({**row, d: v})]
+                    row[d] = max(vals, key=lambda v, d=d: sum(pair(k, w, d, v) in need for k, w in items))
             score = len(pairs(row) & need) / engine_cost(row)
             if score > best_score:
                 best, best_score = row, score
@@ -254,14 +270,15 @@ def row_id(i: int, r: dict) -> str:
     return "-".join(bits)
 
 
-def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]:
+def row_config(r: dict, root: Path, remote_url: str | None, pca_model: Path | None = None) -> tuple[dict, dict]:
     """The row's lmtier YAML keys and ``kv_connector_extra_config`` (``remote_url``: the row's Redis
-    database or Mooncake master)."""
+    database or Mooncake master; ``pca_model``: the ``codec_pca_model`` file of a PCA level's row)."""
     cfg: dict = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
     if "disk" in r["tiers"]:
         paths = ",".join(f"file://{p}" for p in disk_roots(r, root))
         cfg.update(local_disk=paths, max_local_disk_size=0.5, local_disk_serde=r["local_disk_serde"])
-        if r["local_disk_serde"] == "cachegen":  # SmolLM2 has shipped tables: "auto" must use them
+        if r["local_disk_serde"] == "cachegen" and r["codec_level"] not in PCA_LEVELS:
+            # SmolLM2 has shipped tables: "auto" must use them (a PCA model file holds its own tables)
             cfg.update(codec_tables="auto", codec_tables_dir=str(root / "codec_tables"))
         if r["disk_paths"] == "two_by_gpu":
             cfg["local_disk_path_sharding"] = "by_gpu"
@@ -296,6 +313,10 @@ def row_config(r: dict, root: Path, remote_url: str | None) -> tuple[dict, dict]
         cfg.update(remote_tenant_share=r["remote_tenant_share"], remote_tenant_capacity=REMOTE_CAPACITY_GIB)
     if r["codec_level"] != NA:
         cfg["codec_level"] = r["codec_level"]
+    if r["codec_level"] in PCA_LEVELS:
+        if pca_model is None:
+            raise ValueError(f"row_config: a {r['codec_level']} row needs pca_model")
+        cfg["codec_pca_model"] = str(pca_model)
     extra: dict = {"layerwise_loads": r["layerwise_loads"]}
     if r["async_loads"] != NA:
         extra["async_loads"] = r["async_loads"]

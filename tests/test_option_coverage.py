@@ -64,6 +64,7 @@ COVERAGE: dict[str, list[str]] = {
     "codec_tables": [MATRIX],
     "codec_tables_dir": [MATRIX],
     "codec_level": [MATRIX],
+    "codec_pca_model": [MATRIX],  # the PCA levels' rows (TP=1), a file calibrated by the fixture pca_model
     "cpu_tenant_share": [MATRIX, COMBOS_P2P, TENANT_CPU],  # TENANT_CPU: salted tenants
     "cpu_tenant_shares": [TENANT_CPU],
     "remote_tenant_share": [MATRIX, COMBOS_P2P, TENANT_REMOTE],  # TENANT_REMOTE: salted tenants
