@@ -243,7 +243,9 @@ def pca_model(matrix_dir):
         args += ["--text-file", str(d / name)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = calibrate.main(["--model", str(MODEL_DIR), *args, "--layer-group", "1", "--out", str(d / "smollm2.lmtpca")])
+        rc = calibrate.main(
+            ["--model", str(MODEL_DIR), *args, "--layer-group", "1", "--out", str(d / "smollm2.lmtpca")]
+        )
     assert rc == 0, out.getvalue()
     return d / "smollm2.lmtpca"
 
