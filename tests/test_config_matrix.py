@@ -70,12 +70,12 @@ from lmtier.testing.vllm import MODEL_DIR, SEGMENT, require_vllm, write_yaml
 from lmtier.testing.zygote import EngineLauncher
 from tests.config_matrix_cases import (
     CHUNK,
-    PCA_LEVELS,
     DIMS,
     HIT,
     MAX_TOKENS,
     MOONCAKE_CLIENT,
     NA,
+    PCA_LEVELS,
     PROMPTS,
     REDIS_PW,
     REDIS_PW_ENV,
