@@ -44,10 +44,11 @@ TARGETS = {"pca_default": (6.0, 1.0, 96.0), "pca_high": (4.0, 0.5, 97.5)}
 
 def fit_model(model: str, tune: list[str], cal_tokens: int, layer_group: int, metric: bool, share: float, ratios=None):
     """A :class:`lmtier.codec.pca.PCAModel` fitted on the tune texts (as the experiment's basis);
-    ``ratios``: level name -> calibration ratio overriding the level's (an experiment's knob)."""
+    ``ratios``: level name -> a calibration ratio whose ``c`` replaces the level's own (an experiment's
+    knob: the levels were defined so before)."""
     ratios = ratios or {}
     levels = [
-        dataclasses.replace(lv, calibration_ratio=ratios.get(n, lv.calibration_ratio))
+        dataclasses.replace(lv, c=None, calibration_ratio=ratios[n]) if n in ratios else lv
         for n, lv in pca.PCA_LEVELS.items()
     ]
     m, _ = CQ.load_model(torch.float32, model)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="LEVEL=R",
-        help="fit LEVEL's step so that the calibration KV codes at R (ideal bits) instead of the level's own",
+        help="fit LEVEL's step so that the calibration KV codes at R (ideal bits) instead of the level's own c",
     )
     ap.add_argument("--save", type=Path, help="write the fitted model file here")
     ap.add_argument("--load", type=Path, help="use this model file instead of fitting one")

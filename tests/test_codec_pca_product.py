@@ -7,6 +7,7 @@ start's. The refusals of bad inputs, records, model files and fits: ``test_codec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import struct
@@ -65,6 +66,16 @@ def _spd_metric(seed: int) -> torch.Tensor:
     return out
 
 
+SYNTHETIC_LEVELS = tuple(
+    dataclasses.replace(lv, c=None, calibration_ratio=r)
+    for lv, r in zip(pca.PCA_LEVELS.values(), (5.0, 8.0), strict=True)
+)
+"""The PCA levels with their steps searched so that the synthetic calibration KV codes at 5x / 8x
+(``calibration_ratio``): the synthetic KV is not a model's, and at the shipped relative steps its
+escapes and loud tokens (which the tests build on) would fall elsewhere. The shipped steps are fitted
+on SmolLM2 by tests/test_codec_pca_calibrate.py."""
+
+
 @functools.cache
 def fitted(kind: str) -> pca.PCAModel:
     """The synthetic calibration's model: ``"plain"`` (outlier share 0.01) or ``"metric"`` (and a
@@ -72,7 +83,16 @@ def fitted(kind: str) -> pca.PCAModel:
     kvs, starts = _calibration()
     metric = _spd_metric(5) if kind == "metric" else None
     name = "synthetic" if kind == "plain" else ""
-    return pca.fit(kvs, starts, inv_freq=INV_FREQ, layer_group=G, metric=metric, outlier_share=0.01, name=name)
+    return pca.fit(
+        kvs,
+        starts,
+        inv_freq=INV_FREQ,
+        layer_group=G,
+        metric=metric,
+        outlier_share=0.01,
+        name=name,
+        levels=SYNTHETIC_LEVELS,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +109,9 @@ def metric_model() -> pca.PCAModel:
 def quiet_model() -> pca.PCAModel:
     """No outliers (``outlier_share=0``), the first 2 positions exact."""
     kvs, starts = _calibration()
-    return pca.fit(kvs, starts, inv_freq=INV_FREQ, layer_group=G, outlier_share=0.0, exact_first=2)
+    return pca.fit(
+        kvs, starts, inv_freq=INV_FREQ, layer_group=G, outlier_share=0.0, exact_first=2, levels=SYNTHETIC_LEVELS
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from lmtier.bench import codec_pca as bench
 from lmtier.codec import pca
 from lmtier.codec.pca import kernels
 from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
-from tests.test_codec_pca_product import INV_FREQ, G, _calibration, _hand_model, _kv, fitted
+from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, _calibration, _hand_model, _kv, fitted
 
 pytestmark = pytest.mark.gpu
 LEVELS = ("pca_high", "pca_default")
@@ -37,7 +37,9 @@ def path(request, monkeypatch):
 @functools.cache
 def _models() -> dict[str, pca.PCAModel]:
     kvs, starts = _calibration()
-    quiet = pca.fit(kvs, starts, inv_freq=INV_FREQ, layer_group=G, outlier_share=0.0, exact_first=2)
+    quiet = pca.fit(
+        kvs, starts, inv_freq=INV_FREQ, layer_group=G, outlier_share=0.0, exact_first=2, levels=SYNTHETIC_LEVELS
+    )
     return {"plain": fitted("plain"), "metric": fitted("metric"), "quiet": quiet}
 
 

@@ -6,10 +6,10 @@
 Each text file (UTF-8) is one calibration text, cut to its first ``--max-tokens`` tokens;
 :func:`.hf.collect` runs the model on them (CPU), :func:`.fit.fit` fits every PCA level (positions
 from 0, the model metric unless ``--no-metric``) and :func:`.model.save` writes the model file.
-Printed: one line per level (its fitted relative step ``c`` and the calibration ratio it was fitted
-to), then the model id and the file's size. The covariance of ``N = G * H * D`` values per vector
-needs several times ``N`` tokens in all: a few thousand tokens of varied text; fewer than ``2 * N``
-(:data:`MIN_TOKENS_PER_VALUE`) is an error before the fit. ``N`` is at most
+Printed: one line per level (its relative step ``c``, :mod:`.levels`, and the ideal ratio at which
+the calibration KV codes under it), then the model id and the file's size. The covariance of
+``N = G * H * D`` values per vector needs several times ``N`` tokens in all: a few thousand tokens
+of varied text; fewer than ``2 * N`` (:data:`MIN_TOKENS_PER_VALUE`) is an error before the fit. ``N`` is at most
 :data:`.model.MAX_VECTOR_SIZE` (8192): ``--layer-group`` must divide the model's layers and keep
 ``G * H * D`` within it, and defaults to the divisor of the layers nearest 6 that does, ties to the
 smaller (:func:`default_layer_group`). The layers ``L``, KV heads ``H`` and head size ``D`` are read
@@ -20,8 +20,7 @@ Exit status: 0 written; 2 a usage error (checked before the model is loaded wher
 ``config.json`` tell: a missing ``--model`` or ``config.json``, a ``--layer-group`` that does not
 divide ``L`` or exceeds the limit); 1 the calibration or the fit failed, fewer than ``2 * N``
 calibration tokens, or the model's ``H * D`` is too large for the PCA levels even at ``G = 1`` (one
-line ``lmtier.codec.pca: error: ...``; when no step reaches a level's ratio, a second line
-``lmtier.codec.pca: hint: ...`` names the calibration tokens, ``N`` and the outlier share).
+line ``lmtier.codec.pca: error: ...``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from pathlib import Path
 
 from . import hf
 from .fit import fit
-from .levels import PCA_LEVELS
 from .model import MAX_VECTOR_SIZE, save
 
 __all__ = ["DEFAULT_LAYER_GROUP", "MIN_TOKENS_PER_VALUE", "default_layer_group", "main"]
@@ -44,7 +42,7 @@ DEFAULT_LAYER_GROUP = 6
 6 layers (``benchmarks/codec_pca.py``, RESULTS §4.1g)."""
 MIN_TOKENS_PER_VALUE = 2
 """Calibration tokens needed per value of a vector: fewer than ``2 * N`` tokens is an error before the
-fit (below it the fit ends in no step reaching the levels' ratios, which does not name the cause)."""
+fit (below it the basis fits the calibration tokens themselves rather than the KV to come)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -127,10 +125,8 @@ def _read_texts(ap: argparse.ArgumentParser, files: list[Path]) -> list[str]:
     return texts
 
 
-def _fail(why: object, *, hint: str | None = None) -> int:
+def _fail(why: object) -> int:
     print(f"lmtier.codec.pca: error: {why}", file=sys.stderr)
-    if hint is not None:
-        print(f"lmtier.codec.pca: hint: {hint}", file=sys.stderr)
     return 1
 
 
@@ -188,19 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             info=dict(texts=[f.name for f in a.text_file], max_tokens=a.max_tokens, metric=metric),
         )
         model_id = save(m, a.out)
-    except RuntimeError as e:  # fit's: no step reaches a level's calibration ratio
-        hint = (
-            f"fitted on {tokens} calibration tokens for N = {n} values per vector with outlier share "
-            f"{a.outlier_share}: more varied text (several times N tokens), a smaller --layer-group or a "
-            "smaller --outlier-share may let it fit"
-        )
-        return _fail(e, hint=hint)
+    except RuntimeError as e:  # fit's
+        return _fail(e)
     except ValueError as e:  # fit's (PCAModelError is a ValueError too)
         return _fail(e)
     except OSError as e:
         return _fail(f"cannot write {a.out}: {e.strerror or e}")
     for name, lv in m.levels.items():
-        print(f"{name:<12s} c {lv.c:.6g}  calibration ratio {PCA_LEVELS[name].calibration_ratio:g}x")
+        print(f"{name:<12s} c {lv.c:.6g}  calibration ratio {m.info['calibration_ratios'][name]:.3f}x")
     print(
         f"model id {model_id:#010x}: {a.out} ({a.out.stat().st_size} bytes; {m.name}, G={g}, N={m.vector_size}, "
         f"{tokens} tokens of {len(texts)} texts, metric {metric})"

@@ -72,9 +72,11 @@ def fit(
         layer_group: ``G``, adjacent layers per basis (divides ``L``).
         metric: float64 ``[L, 2, H*D, H*D]`` (:func:`lmtier.codec.pca.hf.collect`): squared errors
             are weighed by it (None: plain squared error).
-        levels: the levels to fit: each gets the relative step ``c`` at which the calibration KV codes
-            at its ``calibration_ratio`` (ideal bits of the level's own tables, escapes and exact
-            tokens at 16 bits per value; record framing not counted).
+        levels: the levels to fit: each gets its relative step ``c``
+            (:class:`~.levels.PCALevel`), or for a level given by ``calibration_ratio`` the ``c`` at
+            which the calibration KV codes at that ratio (ideal bits of the level's own tables, escapes
+            and exact tokens at 16 bits per value; record framing not counted). The ideal ratio each
+            level reaches on the calibration KV is stored in ``info["calibration_ratios"]``.
         outlier_share: share of the calibration tokens (positions >= ``exact_first``) whose energy
             score is above the threshold, i.e. kept exact; in [0, 1).
         exact_first: positions below it are always exact.
@@ -90,7 +92,8 @@ def fit(
             :data:`~.model.MAX_VECTOR_SIZE`, an odd head size with RoPE,
             ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV, a (layer group, K/V)
             whose calibration KV does not vary.
-        RuntimeError: no step reaches a level's calibration ratio within 0.5 % in 12 secant steps.
+        RuntimeError: no step reaches a ``calibration_ratio`` level's ratio within 0.5 % in 12 secant
+            steps.
     """
     if not kvs or len(kvs) != len(starts):
         raise ValueError(f"need one start per KV tensor and at least one tensor, got {len(kvs)} / {len(starts)}")
@@ -159,28 +162,35 @@ def fit(
         info={**(info or {}), "calibration_tokens": count, "outlier_share": outlier_share},
     )
     accs = [(*tf.transform(base, kv, int(st)), int(st)) for kv, st in zip(kvs, starts)]
-    fitted = {lv.name: _fit_level(base, lv, rms, se, sx, sd, accs, outlier_share) for lv in levels}
-    return dataclasses.replace(base, levels=fitted)
+    values = count * nl * 2 * h * d
+    fitted, ratios = {}, {}
+    for lv in levels:
+        data, bits = _fit_level(base, lv, values, lambda c: _level_data(base, c, rms, se, sx, sd, accs, outlier_share))
+        fitted[lv.name], ratios[lv.name] = data, 16.0 / bits
+    return dataclasses.replace(base, levels=fitted, info={**base.info, "calibration_ratios": ratios})
 
 
-def _fit_level(base: PCAModel, lv: PCALevel, rms, se, sx, sd, accs, share: float) -> PCALevelData:
-    """The level's data at the ``c`` whose ideal coded size of the calibration KV is
-    ``lv.calibration_ratio`` within 0.5 %: secant steps on (log2 c, bits per value), which is near
-    linear (each active component's rate falls by one bit per doubling of the step)."""
-    values = sum(acc.shape[2] for acc, _, _ in accs) * base.num_layers * 2 * base.num_heads * base.head_size
-    target = 16.0 / lv.calibration_ratio
+def _fit_level(base: PCAModel, lv: PCALevel, values: int, level_data) -> tuple[PCALevelData, float]:
+    """``(the level's data, its ideal bits per value on the calibration KV)``: at ``lv.c``, or for a
+    ``calibration_ratio`` level at the ``c`` whose ideal coded size of the calibration KV is that ratio
+    within 0.5 %: secant steps on (log2 c, bits per value), which is near linear (each active
+    component's rate falls by one bit per doubling of the step). ``level_data(c)``: a :class:`_Fitted`."""
 
     def at(c: float) -> tuple[float, PCALevelData]:
-        data = _level_data(base, c, rms, se, sx, sd, accs, share)
+        data = level_data(c)
         return data.info_bits / values, data.level
 
+    if lv.c is not None:
+        b, data = at(lv.c)
+        return data, b
+    target = 16.0 / lv.calibration_ratio
     x0 = math.log2(0.25)
     b0, _ = at(2.0**x0)
     x1 = x0 + (b0 - target) / 2.0  # first guess: a slope of -2 bits per doubling
     for _ in range(12):
         b1, data = at(2.0**x1)
         if abs(b1 / target - 1) < 0.005:
-            return data
+            return data, b1
         slope = (b1 - b0) / (x1 - x0) if x1 != x0 and b1 != b0 else -0.5
         x0, b0, x1 = x1, b1, x1 + (target - b1) / min(slope, -0.05)
     raise RuntimeError(
