@@ -83,7 +83,7 @@ from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import Tier
-from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier
+from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, dtype_name
 
 __all__ = ["CODEC_KV_DTYPES", "CodecTier", "check_codec_geometry"]
 
@@ -99,12 +99,6 @@ CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmt
 """Namespace ``kv_dtype`` names the codec takes."""
 
 _AUTO_SALT = b"auto-tables"  # longer than a 4-byte table id: no table id spells it
-
-
-def _dtype_name(dtype: Any) -> str:
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).replace("torch.", "")
-    return str(dtype)
 
 
 def check_codec_geometry(
@@ -143,7 +137,7 @@ def check_codec_geometry(
         raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
     if len(shp) != 5 or min(shp) <= 0:
         raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     dt = CODEC_KV_DTYPES.get(name)
     if dt is None:
         if lv.lossless:
@@ -161,6 +155,13 @@ def check_codec_geometry(
             f"{d}; use codec_level: lossless"
         )
     return shp, dt, lv
+
+
+@contextlib.contextmanager
+def _slot_and_record(slot_context: Any):
+    """``(slot, slot.record)`` of a decoder's slot context."""
+    with slot_context as slot:
+        yield slot, slot.record
 
 
 def _tables_can_code(level: Level, shape: tuple[int, ...]) -> bool:
@@ -298,60 +299,24 @@ class CodecTier(RecordTier):
         A CUDA payload is encoded on its device; a host payload on :attr:`encode_device` when set
         (falling back to the CPU if that fails, see the module doc), else on the CPU. Returns once
         the record is stored or refused; the payload is not read afterwards."""
-        ikey = self.inner_key(key)
-        try:
-            src = self._source(payload)
-        except (TypeError, ValueError) as e:
-            log.warning("put %s: %s; not stored", bytes(key).hex()[:16], e)
-            self._count("put_failures")
-            return False
-        if src.numel() != self.raw_bytes:
-            log.warning(
-                "put %s: payload of %d bytes, a chunk of %s is %d; not stored",
-                bytes(key).hex()[:16],
-                src.numel(),
-                self.shape,
-                self.raw_bytes,
-            )
-            self._count("put_failures")
+        self.inner_key(key)  # a bad key raises before anything is encoded
+        src = self._chunk_source(key, payload)
+        if src is None:
             return False
         tables = self.tables
         try:
-            record, on_gpu = self._encode(key, src, tables)
-        except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
-            log.warning(
-                "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, e
+            record, on_gpu = self._encode_on(
+                key,
+                src,
+                lambda: cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables),
+                lambda gpu: gpu.encode(src, tables=tables),
             )
-            self._count("put_failures")
-            return False
-        ok = bool(self.inner.put(ikey, memoryview(record), **kw))
-        if ok:
-            self._count("puts")
-            self._count("raw_bytes_in", self.raw_bytes)
-            self._count("record_bytes_out", len(record))
-            if on_gpu:
-                self._count("gpu_encodes")
-            if tables is None and self._auto is not None:
-                self._calibrate(src)
-        else:
-            self._count("put_failures")
+        except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
+            return self._cannot_encode(key, e)
+        ok = self._store_record(key, record, on_gpu, **kw)
+        if ok and tables is None and self._auto is not None:
+            self._calibrate(src)
         return ok
-
-    def _encode(self, key: bytes, src: torch.Tensor, tables: cchunk.StaticTables | None) -> tuple[bytes, bool]:
-        """``(record, encoded on the GPU)`` of the flat uint8 chunk ``src``: a host ``src`` on
-        ``encode_device`` while GPU encoding is on, else where ``src`` lives. A failed GPU encode
-        (anything but CodecInputError, ValueError or TypeError: the input's faults) falls back to the
-        CPU for this chunk and turns GPU encoding off (:meth:`_gpu_failed`). Raises what
-        :func:`~lmtier.codec.chunk.encode_chunk` raises."""
-        gpu = self._gpu
-        if gpu is not None and not src.is_cuda:
-            try:
-                return gpu.encode(src, tables=tables), True
-            except (CodecInputError, ValueError, TypeError):  # the input, not the device: the CPU would refuse it too
-                raise
-            except Exception as e:  # noqa: BLE001 - OOM, CUDA errors, a CPU build: encode on the CPU
-                self._gpu_failed(key, gpu, e)
-        return cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables), False
 
     def _calibrate(self, src: torch.Tensor) -> None:
         """Count a stored chunk towards the auto-calibrated tables; a failure turns calibration off
@@ -386,42 +351,17 @@ class CodecTier(RecordTier):
         """
         return self.get_many_into([key], [out], stream=stream)[0]
 
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
-        """:meth:`get_into` of several chunks; when the inner tier batches gets
-        (:meth:`~lmtier.tiers.base.Tier.batches_gets`), their records are read with one
-        ``inner.get_many_into`` and then decoded one by one, else each is read and decoded in turn.
-
-        Args:
-            keys: 32-byte chunk keys.
-            outs: one destination per key, as for :meth:`get_into` (host buffers or CUDA tensors).
-            stream: as for :meth:`get_into` (every ``out`` CUDA).
-
-        Returns:
-            Per key: the chunk's byte count, or None.
-
-        Raises:
-            ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
-        """
-        dsts = self._destinations(keys, outs, stream, self.raw_bytes)
-        res: list[int | None] = [None] * len(keys)
-        group = len(dsts) if self.inner.batches_gets() else 1
-        for g in range(0, len(dsts), max(1, group)):
-            part = dsts[g : g + group]
-            with contextlib.ExitStack() as stack:
-                slots = [stack.enter_context(self.decoder(dst.device).slot()) for _, dst in part]
-                ikeys = [self.inner_key(keys[i]) for i, _ in part]
-                got = self.inner.get_many_into(ikeys, [s.record for s in slots])
-                for (i, dst), ikey, slot, n in zip(part, ikeys, slots, got, strict=True):
-                    res[i] = self._decode(keys[i], ikey, slot, n, dst, stream)
-        return res
+    def _record_buffer(self, dst: torch.Tensor):
+        """A :class:`~lmtier.codec.decoder.DecodeSlot` of ``dst``'s device's decoder (its record buffer
+        is pinned for a CUDA ``dst``), as ``(slot, slot.record)``."""
+        return _slot_and_record(self.decoder(dst.device).slot())
 
     def _decode(self, key: bytes, ikey: bytes, slot: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
-        """Decode the record of ``n`` bytes in ``slot`` into ``dst`` (None ``n``: the inner miss);
-        counts the hit or miss; a record that does not decode is deleted."""
+        """Decode the record of ``n`` bytes in ``slot`` into ``dst`` (None ``n``: the inner miss); with
+        auto-calibrated tables the record's ``table_id`` picks the set (a set this process cannot find:
+        a miss, the record kept)."""
         if n is None:
-            self._count("misses")
-            return None
-        dec = self.decoder(dst.device)
+            return self._decoded(key, ikey, None, lambda: None)
         tables = self._tables
         if self._auto is not None:  # the record's table_id picks the set
             buf = np.frombuffer(slot.record[:n], np.uint8)
@@ -434,21 +374,13 @@ class CodecTier(RecordTier):
                     tables = self._tables
                 else:
                     return self._unknown_set(key, tid)
-        try:
-            dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream, tables=tables)
-        except cchunk.CodecRecordError as e:
-            log.warning("%s: codec record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e)
-            self._count("corrupt_deleted")
-            self._count("misses")
-            self.inner.delete(ikey)
-            return None
-        except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
-            log.warning("%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e)
-            self._count("decode_failures")
-            self._count("misses")
-            return None
-        self._count("hits")
-        return self.raw_bytes
+        dec = self.decoder(dst.device)
+        return self._decoded(
+            key,
+            ikey,
+            n,
+            lambda: dec.decode(slot.record[:n], dst[: self.raw_bytes], slot=slot, stream=stream, tables=tables),
+        )
 
     def _unknown_set(self, key: bytes, tid: int) -> None:
         """A valid record of an auto-calibrated set this process cannot find: a miss, the record kept

@@ -70,8 +70,8 @@ from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.tiers.base import Tier
 from lmtier.tiers.buffers import AlignedBuffer
-from lmtier.tiers.codec import CODEC_KV_DTYPES, _dtype_name
-from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier
+from lmtier.tiers.codec import CODEC_KV_DTYPES
+from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, dtype_name
 
 __all__ = ["PCACodecTier", "check_pca_geometry"]
 
@@ -131,7 +131,7 @@ def check_pca_geometry(
         raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
     if len(shp) != 5 or min(shp) <= 0:
         raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     dt = CODEC_KV_DTYPES.get(name)
     if dt is None:
         raise bad(f"PCA codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name}")
@@ -202,7 +202,6 @@ class PCACodecTier(RecordTier):
         self.max_record_bytes = pca_codec.max_record_bytes(model, self.shape[2])
         self._idle: list[AlignedBuffer] = []
         self._local = threading.local()  # per thread: the CUDA decode streams
-        self._warned_position = False
         salt = CACHEGEN_SALT + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + _MODEL_SALT + model.digest
         super().__init__(inner, salt=salt)  # the key pad (lmtier.tiers.record_tier), the eviction listener
 
@@ -224,7 +223,7 @@ class PCACodecTier(RecordTier):
         Raises:
             ValueError: ``key`` is not 32 bytes.
         """
-        ikey = self.inner_key(key)
+        self.inner_key(key)  # a bad key raises before anything is encoded
         if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
             n = self._count("put_no_position")
             (log.warning if n == 1 else log.debug)(
@@ -235,59 +234,19 @@ class PCACodecTier(RecordTier):
                 position,
             )
             return False
-        try:
-            src = self._source(payload)
-        except (TypeError, ValueError) as e:
-            log.warning("put %s: %s; not stored", bytes(key).hex()[:16], e)
-            self._count("put_failures")
+        src = self._chunk_source(key, payload)
+        if src is None:
             return False
-        if src.numel() != self.raw_bytes:
-            log.warning(
-                "put %s: payload of %d bytes, a chunk of %s is %d; not stored",
-                bytes(key).hex()[:16],
-                src.numel(),
-                self.shape,
-                self.raw_bytes,
-            )
-            self._count("put_failures")
-            return False
-        try:
-            record, on_gpu = self._encode(key, src, int(position))
-        except (CodecInputError, ValueError, TypeError) as e:  # NaN/inf KV, a position past MAX_POSITION
-            log.warning(
-                "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, e
-            )
-            self._count("put_failures")
-            return False
-        ok = bool(self.inner.put(ikey, memoryview(record), **kw))
-        if ok:
-            self._count("puts")
-            self._count("raw_bytes_in", self.raw_bytes)
-            self._count("record_bytes_out", len(record))
-            if on_gpu:
-                self._count("gpu_encodes")
-        else:
-            self._count("put_failures")
-        return ok
-
-    def _encode(self, key: bytes, src: torch.Tensor, start: int) -> tuple[bytes, bool]:
-        """``(record, encoded on encode_device)`` of the flat uint8 chunk ``src``: a host ``src`` on
-        ``encode_device`` while GPU encoding is on, else where ``src`` lives (module doc). Raises what
-        :func:`lmtier.codec.pca.encode` raises."""
 
         def encode(buf: torch.Tensor) -> bytes:
             chunk = buf.view(self.dtype).view(self.shape)
-            return pca.encode(chunk, start=start, model=self.model, level=self.level)
+            return pca.encode(chunk, start=int(position), model=self.model, level=self.level)
 
-        gpu = self._gpu
-        if gpu is not None and not src.is_cuda:
-            try:
-                return gpu.run(src, encode), True
-            except (CodecInputError, ValueError, TypeError):  # the input, not the device: the CPU would refuse it too
-                raise
-            except Exception as e:  # noqa: BLE001 - OOM, CUDA errors, a CPU build: encode on the CPU
-                self._gpu_failed(key, gpu, e)
-        return encode(src), False
+        try:
+            record, on_gpu = self._encode_on(key, src, lambda: encode(src), lambda gpu: gpu.run(src, encode))
+        except (CodecInputError, ValueError, TypeError) as e:  # NaN/inf KV, a position past MAX_POSITION
+            return self._cannot_encode(key, e)
+        return self._store_record(key, record, on_gpu, **kw)
 
     # ---- get ---------------------------------------------------------------------------------
 
@@ -307,36 +266,13 @@ class PCACodecTier(RecordTier):
         """
         return self.get_many_into([key], [out], stream=stream)[0]
 
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
-        """:meth:`get_into` of several chunks: the records read with one ``inner.get_many_into`` when
-        the inner tier batches gets (:meth:`~lmtier.tiers.base.Tier.batches_gets`), else one by one;
-        decoded one by one.
+    def _decode(self, key: bytes, ikey: bytes, buf: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
+        """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss); a
+        record of another geometry or dtype is corrupt (deleted)."""
 
-        Raises:
-            ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
-        """
-        dsts = self._destinations(keys, outs, stream, self.raw_bytes)
-        res: list[int | None] = [None] * len(keys)
-        group = max(1, len(dsts) if self.inner.batches_gets() else 1)
-        for g in range(0, len(dsts), group):
-            part = dsts[g : g + group]
-            with contextlib.ExitStack() as stack:
-                bufs = [stack.enter_context(self._buffer()) for _ in part]
-                ikeys = [self.inner_key(keys[i]) for i, _ in part]
-                got = self.inner.get_many_into(ikeys, [b.mv for b in bufs])
-                for (i, dst), ikey, buf, n in zip(part, ikeys, bufs, got, strict=True):
-                    res[i] = self._decode(keys[i], ikey, buf.mv, n, dst)
-        return res
-
-    def _decode(self, key: bytes, ikey: bytes, buf: memoryview, n: int | None, dst: torch.Tensor) -> int | None:
-        """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss); counts
-        the hit or miss; a record that does not decode to this tier's chunk is deleted."""
-        if n is None:
-            self._count("misses")
-            return None
-        try:
+        def decode() -> None:
             with self._on_device(dst.device) as side:
-                chunk = pca.decode(buf[:n], model=self.model, device=dst.device)
+                chunk = pca.decode(buf.mv[:n], model=self.model, device=dst.device)
                 if chunk.dtype != self.dtype or tuple(chunk.shape) != self.shape:
                     raise CodecRecordError(
                         f"record of a {chunk.dtype} chunk {list(chunk.shape)}, this tier stores {self.dtype} "
@@ -345,19 +281,8 @@ class PCACodecTier(RecordTier):
                 dst[: self.raw_bytes].copy_(chunk.reshape(-1).view(torch.uint8))
                 if side is not None:
                     side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
-        except CodecRecordError as e:
-            log.warning("%s: PCA record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e)
-            self._count("corrupt_deleted")
-            self._count("misses")
-            self.inner.delete(ikey)
-            return None
-        except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
-            log.warning("%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e)
-            self._count("decode_failures")
-            self._count("misses")
-            return None
-        self._count("hits")
-        return self.raw_bytes
+
+        return self._decoded(key, ikey, n, decode)
 
     @contextlib.contextmanager
     def _on_device(self, dev: torch.device):
@@ -375,14 +300,15 @@ class PCACodecTier(RecordTier):
                 yield s
 
     @contextlib.contextmanager
-    def _buffer(self):
-        """A host record buffer of ``max_record_bytes`` (page aligned), from the idle list or new."""
+    def _record_buffer(self, dst: torch.Tensor):
+        """``(buffer, its memory)``: a page-aligned host record buffer of ``max_record_bytes``, from the
+        idle list or new (whatever ``dst``'s device: the record is decoded from the host)."""
         with self._lock:
             buf = self._idle.pop() if self._idle else None
         if buf is None:
             buf = AlignedBuffer(self.max_record_bytes)
         try:
-            yield buf
+            yield buf, buf.mv
         finally:
             with self._lock:
                 if len(self._idle) < _IDLE_BUFFERS:

@@ -19,22 +19,32 @@ Used by :class:`lmtier.tiers.codec.CodecTier` (the CacheGen-style levels) and
   ``batches_gets`` are the inner tier's; ``event_counts`` merges the inner tier's counts with the
   wrapper's (the wrapper's win a shared name); ``close`` closes the inner tier.
 * **GPU encode fallback.** A subclass that encodes host chunks on a GPU keeps its
-  :class:`~lmtier.codec.encoder.DeviceEncoder` in ``_gpu``; :meth:`RecordTier._gpu_failed` counts a
-  failed GPU encode (``gpu_encode_fallbacks``) and the first turns GPU encoding off for the tier
-  with one warning.
+  :class:`~lmtier.codec.encoder.DeviceEncoder` in ``_gpu``; :meth:`RecordTier._encode_on` runs the
+  GPU encode and, when it raises anything but the input's faults, counts it
+  (``gpu_encode_fallbacks``), encodes on the CPU, and the first turns GPU encoding off for the tier
+  with one warning (:meth:`RecordTier._gpu_failed`).
+* **Puts and gets.** The steps both formats take around their own encode and decode: a payload of
+  exactly one chunk (:meth:`RecordTier._chunk_source`), the record stored and counted
+  (:meth:`RecordTier._store_record`), the records of a batch read with one inner
+  ``get_many_into`` where the inner tier batches gets (:meth:`RecordTier.get_many_into`, over the
+  subclass's ``_record_buffer`` and ``_decode``), and a decode's outcome counted, a record that does
+  not decode deleted (:meth:`RecordTier._decoded`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
+from lmtier.codec.chunk import CodecRecordError
+from lmtier.codec.quant import CodecInputError
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.buffers import host_view
 from lmtier.tiers.device import is_cuda_tensor
@@ -42,11 +52,20 @@ from lmtier.tiers.device import is_cuda_tensor
 if TYPE_CHECKING:
     from lmtier.codec.encoder import DeviceEncoder
 
-__all__ = ["CACHEGEN_SALT", "RecordTier", "key_pad"]
+__all__ = ["CACHEGEN_SALT", "RecordTier", "dtype_name", "key_pad"]
 
 _PERSON = b"lmtier-serde"
 CACHEGEN_SALT = b"cachegen"
 """The first bytes of every codec tier's salt (the serde's name)."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of a torch dtype without ``torch.`` (``bfloat16``), or ``str(dtype)`` of anything
+    else (a :class:`lmtier.keys.Namespace` ``kv_dtype`` name passes through): what the codec tiers'
+    geometry checks look up and name in errors."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).replace("torch.", "")
+    return str(dtype)
 
 
 def key_pad(salt: bytes) -> int:
@@ -60,9 +79,10 @@ class RecordTier(Tier):
     with :func:`key_pad` of ``salt``.
 
     Subclasses call ``RecordTier.__init__`` once everything that fixes the salt is known (it registers
-    the eviction listener on ``inner``), implement ``put`` and ``get_into``, and set ``raw_bytes`` (a
-    chunk's bytes) and ``max_record_bytes`` (the bound on a record's bytes: the build checks that a
-    disk tier holds one, :func:`lmtier.tiers.factory.build_tiers`).
+    the eviction listener on ``inner``), implement ``put``, ``get_into``, ``_record_buffer`` and
+    ``_decode``, and set ``raw_bytes`` (a chunk's bytes), ``max_record_bytes`` (the bound on a
+    record's bytes: the build checks that a disk tier holds one,
+    :func:`lmtier.tiers.factory.build_tiers`) and ``level`` (its ``name`` is logged).
 
     Attributes:
         inner: the wrapped tier. name: the inner tier's name (hit counters and logs read ``disk`` /
@@ -169,6 +189,135 @@ class RecordTier(Tier):
                 gpu.device,
                 err,
             )
+
+    def _encode_on(
+        self, key: bytes, src: torch.Tensor, encode: Callable[[], bytes], on_gpu: Callable[[Any], bytes]
+    ) -> tuple[bytes, bool]:
+        """``(record, encoded on the GPU)`` of the flat uint8 chunk ``src``: ``on_gpu(encoder)`` for a
+        host ``src`` while GPU encoding is on, else ``encode()`` (where ``src`` lives). A GPU encode that
+        raises anything but :class:`~lmtier.codec.quant.CodecInputError`, ``ValueError`` or ``TypeError``
+        (the input's faults: the CPU would refuse it too, so they are raised) falls back to ``encode()``
+        and turns GPU encoding off (:meth:`_gpu_failed`)."""
+        gpu = self._gpu
+        if gpu is not None and not src.is_cuda:
+            try:
+                return on_gpu(gpu), True
+            except (CodecInputError, ValueError, TypeError):
+                raise
+            except Exception as e:  # noqa: BLE001 - OOM, CUDA errors, a CPU build: encode on the CPU
+                self._gpu_failed(key, gpu, e)
+        return encode(), False
+
+    def _chunk_source(self, key: bytes, payload: Any) -> torch.Tensor | None:
+        """``payload`` as a flat uint8 tensor of exactly one chunk (``raw_bytes``), or None: not a
+        buffer or another size (logged, counted ``put_failures``)."""
+        try:
+            src = self._source(payload)
+        except (TypeError, ValueError) as e:
+            self._log.warning("put %s: %s; not stored", bytes(key).hex()[:16], e)
+            self._count("put_failures")
+            return None
+        if src.numel() != self.raw_bytes:
+            self._log.warning(
+                "put %s: payload of %d bytes, a chunk of %s is %d; not stored",
+                bytes(key).hex()[:16],
+                src.numel(),
+                self.shape,
+                self.raw_bytes,
+            )
+            self._count("put_failures")
+            return None
+        return src
+
+    def _cannot_encode(self, key: bytes, err: Exception) -> bool:
+        """A chunk the level cannot encode (``err``: NaN/inf KV, ...): logged, counted ``put_failures``;
+        returns False (``put``'s result)."""
+        self._log.warning(
+            "put %s: level %r cannot encode this chunk (%s); not stored", bytes(key).hex()[:16], self.level.name, err
+        )
+        self._count("put_failures")
+        return False
+
+    def _store_record(self, key: bytes, record: bytes, on_gpu: bool, **kw: Any) -> bool:
+        """Put ``record`` into the inner tier under ``key``'s derived key (``kw``: the inner put's,
+        ``tenant=``); counts ``puts``, ``raw_bytes_in``, ``record_bytes_out`` and ``gpu_encodes``
+        (``on_gpu``), or ``put_failures``. Returns the inner put's result."""
+        ok = bool(self.inner.put(self.inner_key(key), memoryview(record), **kw))
+        if ok:
+            self._count("puts")
+            self._count("raw_bytes_in", self.raw_bytes)
+            self._count("record_bytes_out", len(record))
+            if on_gpu:
+                self._count("gpu_encodes")
+        else:
+            self._count("put_failures")
+        return ok
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, stream: Any = None) -> list[int | None]:
+        """``get_into`` of several chunks: when the inner tier batches gets
+        (:meth:`~lmtier.tiers.base.Tier.batches_gets`), their records are read with one
+        ``inner.get_many_into`` and then decoded one by one, else each is read and decoded in turn.
+
+        Args:
+            keys: 32-byte chunk keys.
+            outs: one destination per key, as for ``get_into`` (host buffers or CUDA tensors).
+            stream: as for the subclass's ``get_into`` (every ``out`` CUDA).
+
+        Returns:
+            Per key: the chunk's byte count, or None.
+
+        Raises:
+            ValueError: ``keys`` and ``outs`` differ in length; ``stream`` with a host ``out``.
+        """
+        dsts = self._destinations(keys, outs, stream, self.raw_bytes)
+        res: list[int | None] = [None] * len(keys)
+        group = max(1, len(dsts) if self.inner.batches_gets() else 1)
+        for g in range(0, len(dsts), group):
+            part = dsts[g : g + group]
+            with contextlib.ExitStack() as stack:
+                bufs = [stack.enter_context(self._record_buffer(dst)) for _, dst in part]
+                ikeys = [self.inner_key(keys[i]) for i, _ in part]
+                got = self.inner.get_many_into(ikeys, [mem for _, mem in bufs])
+                for (i, dst), ikey, (buf, _), n in zip(part, ikeys, bufs, got, strict=True):
+                    res[i] = self._decode(keys[i], ikey, buf, n, dst, stream)
+        return res
+
+    def _record_buffer(self, dst: torch.Tensor) -> contextlib.AbstractContextManager[tuple[Any, Any]]:
+        """For a subclass: a context yielding ``(buffer, writable memory of max_record_bytes)`` that a
+        record for ``dst`` is read into (handed to ``_decode`` as ``buffer``)."""
+        raise NotImplementedError
+
+    def _decode(self, key: bytes, ikey: bytes, buf: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
+        """For a subclass: decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the
+        inner miss), through :meth:`_decoded`."""
+        raise NotImplementedError
+
+    def _decoded(self, key: bytes, ikey: bytes, n: int | None, decode: Callable[[], None]) -> int | None:
+        """Run ``decode()`` (which writes the chunk into the destination only once the record
+        verified) for the record of ``n`` bytes (None: the inner miss, counted ``misses``). A
+        :class:`~lmtier.codec.chunk.CodecRecordError` deletes the record (``corrupt_deleted``), any
+        other exception leaves it (``decode_failures``; a device error); both are misses. Returns the
+        chunk's byte count (a hit) or None."""
+        if n is None:
+            self._count("misses")
+            return None
+        try:
+            decode()
+        except CodecRecordError as e:
+            self._log.warning("%s: record of chunk %s is unusable (%s); deleted", self.name, bytes(key).hex()[:16], e)
+            self._count("corrupt_deleted")
+            self._count("misses")
+            self.inner.delete(ikey)
+            return None
+        except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
+            self._log.warning(
+                "%s: decoding chunk %s failed: %r; treated as a miss", self.name, bytes(key).hex()[:16], e
+            )
+            self._count("decode_failures")
+            self._count("misses")
+            return None
+        self._count("hits")
+        return self.raw_bytes
 
     def _destinations(self, keys: Sequence[bytes], outs: Sequence[Any], stream: Any, nbytes: int):
         """``[(index, flat uint8 destination)]`` of the ``outs`` that can take a chunk of ``nbytes``
