@@ -9,7 +9,6 @@ no ``position`` parameter stands for every tier that does not take positions.
 from __future__ import annotations
 
 import hashlib
-import threading
 
 import numpy as np
 import pytest
@@ -19,9 +18,10 @@ from lmtier.hf import KVCacheStore
 from lmtier.integration.vllm.worker import LoadOp, StoreOp
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
-from lmtier.tiers.base import Eviction, Tier, TierUsage, check_position
+from lmtier.tiers.base import Eviction, check_position
 from lmtier.tiers.cpu import CPUPool
 from tests.test_connector_worker import CHUNK, GEOMS, Cache, _blocks, _ns, _tokens, _wait_loads, _worker
+from tests.test_manager import MemTierOneByOne
 
 CHUNK_BYTES = 5000
 
@@ -39,52 +39,8 @@ def pool(num_slots: int) -> CPUPool:
     return CPUPool(num_slots * slot, CHUNK_BYTES, arena=torch.empty(num_slots * slot, dtype=torch.uint8))
 
 
-class PlainTier(Tier):
+class PlainTier(MemTierOneByOne):
     """An in-memory tier whose ``put`` takes no keyword at all (as tiers without positions or budgets)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self.store: dict[bytes, bytes] = {}
-        self.lock = threading.Lock()
-
-    def contains(self, key):
-        with self.lock:
-            return key in self.store
-
-    def get_into(self, key, out):
-        with self.lock:
-            v = self.store.get(key)
-        if v is None:
-            return None
-        if isinstance(out, torch.Tensor):
-            out.reshape(-1).view(torch.uint8)[: len(v)].copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
-        else:
-            memoryview(out).cast("B")[: len(v)] = v
-        return len(v)
-
-    def _keep(self, key, payload) -> None:
-        if isinstance(payload, torch.Tensor):
-            b = bytes(payload.reshape(-1).view(torch.uint8).cpu().numpy())
-        else:
-            b = bytes(memoryview(payload).cast("B"))
-        with self.lock:
-            self.store[key] = b
-
-    def put(self, key, payload):
-        self._keep(key, payload)
-        return True
-
-    def delete(self, key):
-        with self.lock:
-            return self.store.pop(key, None) is not None
-
-    def forget(self, key):
-        return self.delete(key)
-
-    def usage(self):
-        with self.lock:
-            return TierUsage(1 << 30, sum(map(len, self.store.values())), len(self.store))
 
 
 class PositionTier(PlainTier):
@@ -103,8 +59,7 @@ class PositionTier(PlainTier):
             self.puts.append((key, position))
         if position is None:
             return False
-        self._keep(key, payload)
-        return True
+        return super().put(key, payload)
 
 
 # ------------------------------------------------------------------------------ the CPU pool

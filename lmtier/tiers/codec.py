@@ -81,9 +81,8 @@ from lmtier.codec.encoder import DeviceEncoder
 from lmtier.codec.levels import EXPERIMENTAL_LEVELS, LEVELS, Level
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
-from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import Tier
-from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, dtype_name
+from lmtier.tiers.record_tier import CACHEGEN_SALT, CODEC_KV_DTYPES, RecordTier, check_record_geometry
 
 __all__ = ["CODEC_KV_DTYPES", "CodecTier", "check_codec_geometry"]
 
@@ -95,8 +94,6 @@ tier manager's I/O threads); more are created while more callers decode at once 
 afterwards. CUDA slots also hold a stream and device buffers worth keeping (about 2x the chunk's
 bytes each, plus a pinned record buffer); host slots are cheap to recreate."""
 
-CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
-"""Namespace ``kv_dtype`` names the codec takes."""
 
 _AUTO_SALT = b"auto-tables"  # longer than a 4-byte table id: no table id spells it
 
@@ -131,23 +128,16 @@ def check_codec_geometry(
         lv = LEVELS.get(level) or EXPERIMENTAL_LEVELS[level]  # experimental: the library API only
     else:
         raise ConfigError(f"lmtier config: codec_level={level!r}: must be one of {list(LEVELS)}")
-    try:
-        shp = tuple(int(v) for v in shape)
-    except TypeError:
-        raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
-    if len(shp) != 5 or min(shp) <= 0:
-        raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
-    name = dtype_name(dtype)
-    dt = CODEC_KV_DTYPES.get(name)
-    if dt is None:
+
+    def no_dtype(name: str) -> str:
         if lv.lossless:
-            raise bad(f"codec level 'lossless' needs a 16-bit float KV cache (bfloat16/float16), kv_dtype is {name}")
-        raise bad(
+            return f"codec level 'lossless' needs a 16-bit float KV cache (bfloat16/float16), kv_dtype is {name}"
+        return (
             f"lossy codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name} "
             f"(use {config_key}: naive)"
         )
-    if shp[1] != 2:
-        raise bad(f"the codec needs separate K and V planes (kv_planes=2), the chunk has {shp[1]} (MLA?)")
+
+    shp, dt = check_record_geometry(shape, dtype, bad, no_dtype)
     d = shp[4]
     if not lv.lossless and d & (d - 1):
         raise bad(

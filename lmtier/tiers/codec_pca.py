@@ -70,8 +70,7 @@ from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.tiers.base import Tier
 from lmtier.tiers.buffers import AlignedBuffer
-from lmtier.tiers.codec import CODEC_KV_DTYPES
-from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, dtype_name
+from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, check_record_geometry
 
 __all__ = ["PCACodecTier", "check_pca_geometry"]
 
@@ -125,18 +124,8 @@ def check_pca_geometry(
     def bad(why: str) -> ConfigError:
         return ConfigError(f"lmtier config: {config_key}={config_value!r}: {why}")
 
-    try:
-        shp = tuple(int(v) for v in shape)
-    except TypeError:
-        raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
-    if len(shp) != 5 or min(shp) <= 0:
-        raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
-    name = dtype_name(dtype)
-    dt = CODEC_KV_DTYPES.get(name)
-    if dt is None:
-        raise bad(f"PCA codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is {name}")
-    if shp[1] != 2:
-        raise bad(f"the codec needs separate K and V planes (kv_planes=2), the chunk has {shp[1]} (MLA?)")
+    need = f"PCA codec level {lv.name!r} needs a bfloat16/float16 KV cache, kv_dtype is "
+    shp, dt = check_record_geometry(shape, dtype, bad, lambda name: need + name)
     nl, _, _, h, d = shp
     if (nl, h, d) != (model.num_layers, model.num_heads, model.head_size):
         raise ConfigError(

@@ -45,6 +45,7 @@ import torch
 
 from lmtier.codec.chunk import CodecRecordError
 from lmtier.codec.quant import CodecInputError
+from lmtier.geometry import CODEC_DTYPE_NAMES, TORCH_KV_DTYPES
 from lmtier.tiers.base import KEY_BYTES, Eviction, Tier, TierUsage
 from lmtier.tiers.buffers import host_view
 from lmtier.tiers.device import is_cuda_tensor
@@ -52,11 +53,41 @@ from lmtier.tiers.device import is_cuda_tensor
 if TYPE_CHECKING:
     from lmtier.codec.encoder import DeviceEncoder
 
-__all__ = ["CACHEGEN_SALT", "RecordTier", "dtype_name", "key_pad"]
+__all__ = ["CACHEGEN_SALT", "CODEC_KV_DTYPES", "RecordTier", "check_record_geometry", "dtype_name", "key_pad"]
 
 _PERSON = b"lmtier-serde"
 CACHEGEN_SALT = b"cachegen"
 """The first bytes of every codec tier's salt (the serde's name)."""
+
+
+CODEC_KV_DTYPES = {n: TORCH_KV_DTYPES[n] for n in CODEC_DTYPE_NAMES}  # from lmtier.geometry
+"""Namespace ``kv_dtype`` names the codec tiers take."""
+
+
+def check_record_geometry(
+    shape: Sequence[int], dtype: Any, bad: Callable[[str], Exception], no_dtype: Callable[[str], str]
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """``(shape, torch dtype)`` of a codec tier's chunks: ``shape`` ``(L, 2, T, H, D)`` of positive
+    sizes, ``dtype`` (a torch dtype or a ``kv_dtype`` name) one of :data:`CODEC_KV_DTYPES`.
+
+    Raises:
+        What ``bad(why)`` returns (the caller's ConfigError naming its key): a shape that is not five
+        positive sizes, a dtype the codec does not take (``why`` = ``no_dtype(its name)``), one plane
+        (MLA).
+    """
+    try:
+        shp = tuple(int(v) for v in shape)
+    except TypeError:
+        raise bad(f"chunk shape {shape!r} is not (L, P, T, H, D)") from None
+    if len(shp) != 5 or min(shp) <= 0:
+        raise bad(f"chunk shape {shp} is not (L, P, T, H, D) with positive sizes")
+    name = dtype_name(dtype)
+    dt = CODEC_KV_DTYPES.get(name)
+    if dt is None:
+        raise bad(no_dtype(name))
+    if shp[1] != 2:
+        raise bad(f"the codec needs separate K and V planes (kv_planes=2), the chunk has {shp[1]} (MLA?)")
+    return shp, dt
 
 
 def dtype_name(dtype: Any) -> str:
