@@ -118,7 +118,7 @@ def _imatmul_int8(m: PCAModel, x: torch.Tensor, which: int) -> torch.Tensor:
     a = imatmul.prepared(m, x.device)[which]
     xi = x.reshape(r * 2, t, n)
     y = imatmul.matmul(xi, a) if which == 0 else imatmul.matmul_small(xi, a)
-    return y.to(torch.float64).reshape(r, 2, t, -1)
+    return y.to(torch.float64).reshape(r, 2, t, y.shape[-1])  # -1 is ambiguous at T = 0
 
 
 class Forward:
