@@ -7,8 +7,9 @@ naming the request's blocks of the bench's paged cache:
 
 * **Tiers** are :class:`lmtier.manager.TierManager` objects built by
   :meth:`~lmtier.manager.TierManager.from_config` (:func:`build_manager`): the CPU pool, the disk tier
-  and the Redis tier, each optionally wrapped in :class:`lmtier.tiers.codec.CodecTier` (the
-  ``cachegen`` serde).
+  and the Redis / Mooncake tiers, each optionally wrapped in :class:`lmtier.tiers.codec.CodecTier` (the
+  ``cachegen`` serde) or, at a PCA level, :class:`lmtier.tiers.codec_pca.PCACodecTier`
+  (``codec_pca_model``).
 * **CPU-pool hits** are pinned in the pool and copied from their slots; **disk / Redis hits** are
   read by ``manager.fetch_lower`` on the worker's ``--inflight`` I/O threads (several chunks in
   flight) into the worker's reused, page-aligned staging buffers (pinned with CUDA; the bench's
@@ -159,6 +160,7 @@ def build_manager(
     remote_url: str | None = None,
     serde: str = "naive",
     codec_level: str = "default",
+    codec_pca_model: str | None = None,
     remote_timeout_s: float = 30.0,
     remote_options: dict[str, Any] | None = None,
     disk_factory: DiskFactory = default_disk_factory,
@@ -174,6 +176,8 @@ def build_manager(
         remote_options: more configuration keys of the remote tier (e.g. ``mooncake_global_segment_size``).
         serde, codec_level: ``local_disk_serde`` / ``remote_serde`` (``naive`` or ``cachegen``) of the
             enabled lower tier, and ``codec_level``.
+        codec_pca_model: ``codec_pca_model``, the model file of a PCA ``codec_level`` (``cachegen``
+            serde only; the tier is then a :class:`~lmtier.tiers.codec_pca.PCACodecTier`).
         disk_factory, remote_factory: passed to ``from_config`` (to wrap a tier in a
             :class:`~lmtier.tiers.codec.CodecTier` with other tables than the shipped ones).
 
@@ -194,6 +198,8 @@ def build_manager(
         values.update(remote_options or {})
     if serde == "cachegen":
         values["codec_level"] = codec_level
+        if codec_pca_model is not None:
+            values["codec_pca_model"] = codec_pca_model
     config = LMTierConfig.from_dict(values)
     return TierManager.from_config(config, namespace, disk_factory=disk_factory, remote_factory=remote_factory)
 
