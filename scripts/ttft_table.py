@@ -6,8 +6,6 @@ python scripts/ttft_table.py out/ttft.json
 import json
 import sys
 
-TIERS = ["cpu", "disk", "disk+codec", "disk+lossless", "redis", "redis+codec", "mooncake", "mooncake+codec"]
-
 
 def main(path: str) -> None:
     r = json.load(open(path))
@@ -21,7 +19,8 @@ def main(path: str) -> None:
         f"codec decode on the {r.get('load_path', {}).get('codec_decode', '?')}; "
         f"checks_ok={r['checks_ok']}; ms (% of recompute)"
     )
-    tiers = [t for t in TIERS if any(row.get(t + "_ms") for row in r["rows"])]
+    # the tiers in the bench's row order (lmtier.bench.ttft.report.TIERS: the break-even keys)
+    tiers = [t for t in r["break_even"] if any(row.get(t + "_ms") for row in r["rows"])]
     print("N".rjust(6), "recompute".rjust(9), *(t.rjust(16) for t in tiers))
     for row in r["rows"]:
 

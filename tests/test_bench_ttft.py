@@ -63,11 +63,11 @@ def test_smoke_bf16_cpu_and_disk(tmp_path):
         "disk",
         "disk+codec",
         "disk+lossless",
-        "redis",
-        "redis+codec",
-        "mooncake",
-        "mooncake+codec",
+        "disk+pca_high",
+        "disk+pca_default",
+        *(t for k in ("redis", "mooncake") for t in (k, f"{k}+codec", f"{k}+pca_high", f"{k}+pca_default")),
     }
+    assert res["codec_pca_model"] is None  # no PCA level asked for
     assert res["codec_levels"] == {"disk+codec": "default", "disk+lossless": "lossless"}
     assert res["ceilings"]["disk_dd_GBs"].get("read", 0) > 0
     # the parallel O_DIRECT read ceiling (--inflight reads in flight) is measured in the same run
@@ -516,3 +516,225 @@ def test_paged_kv_views_read_what_the_product_writes(n, block):
         assert kv.k_of(l).shape == (1, H, n + 1, D)
         assert torch.isnan(kv.k_of(l)[0, :, n]).all() and torch.isnan(kv.new_v(l)).all()
     assert torch.isnan(kv.region[:, n:]).all()
+
+
+# ---- PCA codec levels (codec_level: pca_*, codec_pca_model) ---------------------------------------
+
+
+def _pca_spies(monkeypatch):
+    """Spies on lmtier.codec.pca.encode / decode (the PCA tier's and the bench guard's calls) and on
+    PCACodecTier.get_many_into; returns ``(records by (start, level), counters)``."""
+    import collections
+
+    from lmtier.codec import pca
+    from lmtier.tiers.codec_pca import PCACodecTier
+
+    records = collections.defaultdict(set)
+    calls = collections.Counter()
+    enc, dec, get = pca.encode, pca.decode, PCACodecTier.get_many_into
+
+    def encode(chunk, *, start, model, level, **kw):
+        rec = enc(chunk, start=start, model=model, level=level, **kw)
+        records[(start, getattr(level, "name", level))].add(bytes(rec))
+        return rec
+
+    def decode(*a, **k):
+        calls["decode"] += 1
+        return dec(*a, **k)
+
+    def get_many_into(self, keys, outs, **k):
+        got = get(self, keys, outs, **k)
+        calls["hits"] += sum(n is not None for n in got)
+        calls["misses"] += sum(n is None for n in got)
+        return got
+
+    monkeypatch.setattr(pca, "encode", encode)
+    monkeypatch.setattr(pca, "decode", decode)
+    monkeypatch.setattr(PCACodecTier, "get_many_into", get_many_into)
+    return records, calls
+
+
+def _pca_row_ok(r, tag, chunks):
+    assert r[f"{tag}_ms"] > 0 and r[f"{tag}_pct"] > 0, r.get(f"{tag}_error")
+    c = r[f"check_{tag}"]
+    # the hard guard: the loaded KV equals lmtier.codec.pca.decode of the records, bit for bit
+    assert c["ok"] is True and c["kv_exact"] is True and c["lossy"] is True, c
+    assert 0 < c["kv_rel_err"] < 0.5
+    assert r[f"{tag}_ratio"] > 1.5
+    assert f"{tag}_static_records" not in r  # a CacheGen notion (the PCA tables are in the model file)
+
+
+def _pca_records_agree(records, chunks, chunk_tokens, levels):
+    # every encode of a chunk at its position (the tier's store, the in-memory variant's, the
+    # guard's) gave the same record: the guard decodes exactly the bytes the tier stored
+    assert {k for k in records} == {(c * chunk_tokens, lv) for c in range(chunks) for lv in levels}
+    assert all(len(v) == 1 for v in records.values()), {k: len(v) for k, v in records.items()}
+
+
+def test_pca_level_model_fitted_by_the_bench(tmp_path, monkeypatch):
+    # no --codec-pca-model: the bench fits one, untimed, on the first chunks of the KV it stores
+    # (tiny: L=2, H=2, D=16 -> G=2, N=64 -> 2 x 64 = 128 tokens = 2 chunks of 64), with the model's
+    # rotary frequencies; the disk+pca_default tier is a PCACodecTier built by from_config from
+    # codec_level + codec_pca_model, its loads are hits, its KV the reference decoder's
+    records, calls = _pca_spies(monkeypatch)
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "150",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "default,pca_default",
+    )
+    assert rc == 0 and res["checks_ok"] is True
+    (r,) = res["rows"]
+    _pca_row_ok(r, "disk+pca_default", 3)
+    assert r["disk+pca_default_mem_ms"] > 0
+    assert r["check_disk+codec"]["kv_exact"] is True  # the CacheGen level beside it, unchanged
+    _pca_records_agree(records, 3, 64, ["pca_default"])
+    # loads: 1 check + 2 timed from the disk, 1 + 2 from memory, 3 chunks each: all hits
+    assert calls["hits"] >= 6 * 3 and calls["misses"] == 0
+    assert calls["decode"] >= calls["hits"] + 2 * 3  # the tier's decodes and the guard's (2 checks)
+    info = res["codec_pca_model"]
+    assert info["source"] == "fitted" and info["path"] is None
+    assert info["what"].startswith("fitted by the bench on 128 tokens of the measured prompt's KV")
+    assert info["tokens"] == 128 and info["chunks"] == 2 and info["layer_group"] == 2
+    assert info["rope"].startswith("undone") and set(info["levels"]) == {"pca_high", "pca_default"}
+    assert any(line.startswith("PCA model (codec_pca_model): fitted by the bench") for line in res["notes"])
+    assert res["codec_levels"] == {"disk+codec": "default", "disk+pca_default": "pca_default"}
+    lp = res["load_path"]
+    assert lp["codec_tiers"] == {
+        "disk+codec": "lmtier.tiers.codec.CodecTier",
+        "disk+pca_default": "lmtier.tiers.codec_pca.PCACodecTier",
+    }
+    assert lp["codec"] == "lmtier.tiers.codec.CodecTier, lmtier.tiers.codec_pca.PCACodecTier"
+    assert res["break_even"]["disk+pca_default"] in (None, 150)
+
+
+def _fit_file(path, geometry=None, levels=None, *, tokens=256):
+    """A PCA model file: fitted as a user would (``python -m lmtier.codec.pca``) on the tiny preset's
+    KV of other token ids, RoPE undone; with ``geometry`` (``(L, H, D)``) on random KV, RoPE kept."""
+    import torch
+
+    from lmtier.bench.ttft.model import build_model, prefix_kv
+    from lmtier.codec import pca
+    from lmtier.codec.pca.hf import rotary_inv_freq
+
+    gen = torch.Generator().manual_seed(5)
+    if geometry is None:
+        model, _ = build_model("tiny", None, torch.device("cpu"), torch.bfloat16)
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen)
+        kv, inv_freq = prefix_kv(model, ids, tokens, model.config.num_hidden_layers), rotary_inv_freq(model)
+    else:
+        nl, h, d = geometry
+        kv, inv_freq = torch.randn(nl, 2, tokens, h, d, generator=gen).to(torch.bfloat16), None
+    kw = {} if levels is None else {"levels": [pca.PCA_LEVELS[lv] for lv in levels]}
+    m = pca.fit([kv], [0], inv_freq=inv_freq, layer_group=kv.shape[0], name="test", **kw)
+    pca.save(m, path)
+    return m
+
+
+def test_pca_levels_with_a_given_model_file(tmp_path, monkeypatch):
+    path = tmp_path / "m.lmtpca"
+    model = _fit_file(path)
+    records, calls = _pca_spies(monkeypatch)
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "100",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "pca_high,pca_default",
+        "--codec-pca-model",
+        str(path),
+    )
+    assert rc == 0 and res["checks_ok"] is True
+    (r,) = res["rows"]
+    for tag in ("disk+pca_high", "disk+pca_default"):
+        _pca_row_ok(r, tag, 2)
+    assert r["disk+pca_high_ratio"] < r["disk+pca_default_ratio"]
+    _pca_records_agree(records, 2, 64, ["pca_high", "pca_default"])
+    assert calls["misses"] == 0
+    info = res["codec_pca_model"]
+    assert info["source"] == "given" and info["path"] == str(path) and info["what"] == f"given: {path}"
+    assert info["model_id"] == f"{model.model_id:#010x}" and info["rope"] == "undone"
+    assert res["codec_tables"] is None  # no CacheGen level: no tables calibrated
+    assert "disk" in res["break_even"] and r["disk_ms"] > 0
+
+
+@pytest.mark.parametrize("bad", ["not_a_model", "other_geometry", "lacks_level"])
+def test_pca_level_with_an_unusable_model_file_is_skipped(tmp_path, bad):
+    # the product refuses the file when the tier is built (ConfigError naming codec_pca_model): the
+    # tier is skipped with the reason printed, like other unavailable tiers; the others still run
+    path = tmp_path / "m.lmtpca"
+    if bad == "not_a_model":
+        path.write_bytes(b"not a PCA model file" * 10)
+        why = "not a usable PCA model file"
+    elif bad == "other_geometry":
+        _fit_file(path, geometry=(2, 1, 16))
+        why = "calibrated for L=2 layers, H=1 KV heads"
+    else:
+        _fit_file(path, levels=["pca_high"])
+        why = "has no level 'pca_default'"
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "70",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "pca_default",
+        "--codec-pca-model",
+        str(path),
+    )
+    assert rc == 0 and res["checks_ok"] is True
+    (r,) = res["rows"]
+    assert not any(k.startswith("disk+pca") or k.startswith("check_disk+pca") for k in r)
+    assert r["disk_ms"] > 0 and res["codec_levels"] == {}
+    (line,) = [x for x in res["notes"] if x.startswith("disk+pca_default (pca_default): skipped")]
+    assert "ConfigError" in line and "codec_pca_model" in line and why in line, line
+    assert (res["codec_pca_model"].get("error") is not None) == (bad == "not_a_model")
+
+
+def test_pca_model_option_errors(tmp_path, capsys):
+    common = ["--device", "cpu", "--preset", "tiny", "--lengths", "70", "--no-redis", "--no-mooncake"]
+    with pytest.raises(SystemExit) as e:
+        ttft.main([*common, "--codec-levels", "pca_default", "--codec-pca-model", str(tmp_path / "missing")])
+    assert e.value.code == 2 and "not a readable file" in capsys.readouterr().err
+    path = tmp_path / "m.lmtpca"
+    path.write_bytes(b"x")
+    with pytest.raises(SystemExit) as e:
+        ttft.main([*common, "--codec-levels", "default", "--codec-pca-model", str(path)])
+    assert e.value.code == 2 and "no PCA level" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        ttft.main([*common, "--codec-levels", "pca_low"])
+    assert e.value.code == 2 and "'pca_low' is not one" in capsys.readouterr().err
+
+
+def test_pca_level_on_the_redis_tier(tmp_path, monkeypatch):
+    # redis+pca_default: the Redis tier at a PCA level (remote_serde cachegen + codec_pca_model),
+    # the fitted model shared with disk+pca_default; positions reach the remote tier's puts too
+    monkeypatch.setenv("LMTIER_REDIS_SERVER", _redis_server_binary())
+    records, calls = _pca_spies(monkeypatch)
+    out = tmp_path / "t.json"
+    args = ["--device", "cpu", "--preset", "tiny", "--chunk-tokens", "64", "--iters", "1", "--warmup", "1"]
+    args += ["--lengths", "150", "--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20)]
+    args += ["--codec-levels", "pca_default", "--quiet", "--no-mooncake", "--json", str(out)]
+    assert ttft.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["checks_ok"] is True
+    (r,) = res["rows"]
+    for tag in ("disk+pca_default", "redis+pca_default"):
+        _pca_row_ok(r, tag, 3)
+    assert "redis+codec_ms" not in r and r["redis_ms"] > 0  # no CacheGen level asked for
+    assert "redis+pca_default_mem_ms" not in r  # the in-memory split is measured once, on the disk tier
+    assert res["load_path"]["codec_tiers"]["redis+pca_default"] == "lmtier.tiers.codec_pca.PCACodecTier"
+    _pca_records_agree(records, 3, 64, ["pca_default"])
+    assert calls["misses"] == 0

@@ -59,13 +59,14 @@ KV loaded where chunk 1 belongs: a wrong-index load) shows how far a wrong path 
 from __future__ import annotations
 
 import argparse
+import os
 
 from lmtier.bench.args import bounded_int, int_list, name_list, output_file
 from lmtier.bench.common import write_json
 from lmtier.bench.presets import PRESETS
 from lmtier.bench.ttft.report import MIN_COS, RTOL, TIERS, break_even, compare, plot, report
 from lmtier.bench.ttft.tables import CALIB_SEED
-from lmtier.config_schema import CODEC_LEVELS
+from lmtier.config_schema import CODEC_LEVELS, PCA_CODEC_LEVELS
 from lmtier.integration.vllm.fetch import DEFAULT_FETCH_BATCH
 
 __all__ = ["main", "parser", "RTOL", "MIN_COS", "TIERS", "CALIB_SEED", "compare", "break_even", "DEFAULT_LENGTHS"]
@@ -170,9 +171,17 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--codec-levels",
-        type=name_list(CODEC_LEVELS, allow_empty=True),
+        type=name_list(CODEC_LEVELS + PCA_CODEC_LEVELS, allow_empty=True),
         default="default,lossless",
-        help="codec levels for the disk+codec tiers (comma-separated; '' to skip)",
+        help="codec levels for the disk+<level> tiers (comma-separated; '' to skip); 'default' and the "
+        "PCA levels (pca_high, pca_default) also for the Redis / Mooncake tiers",
+    )
+    p.add_argument(
+        "--codec-pca-model",
+        default=None,
+        metavar="FILE",
+        help="codec_pca_model of the PCA levels (a file of python -m lmtier.codec.pca); default: fitted by "
+        "the bench, untimed, on the first chunks of the KV it stores (lmtier.bench.ttft.pca_model)",
     )
     p.add_argument(
         "--codec-decode",
@@ -220,6 +229,11 @@ def main(argv=None) -> int:
             f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
             f"choose from {', '.join(llama)} or pass --model PATH"
         )
+    if args.codec_pca_model is not None:
+        if not any(lv in PCA_CODEC_LEVELS for lv in args.codec_levels):
+            p.error(f"--codec-pca-model: no PCA level ({', '.join(PCA_CODEC_LEVELS)}) in --codec-levels")
+        if not os.path.isfile(args.codec_pca_model) or not os.access(args.codec_pca_model, os.R_OK):
+            p.error(f"--codec-pca-model {args.codec_pca_model}: not a readable file")
     res = run(args)
     report(res)
     write_json(args.json, res)

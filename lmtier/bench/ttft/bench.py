@@ -15,7 +15,7 @@ from lmtier.bench.ttft.ceilings import (
 )
 from lmtier.bench.ttft.model import GraphForward, LeanDecoder, build_model, prefix_kv
 from lmtier.bench.ttft.pipeline import Loader, PagedKV, build_manager, chunk_spans, landing_views
-from lmtier.bench.ttft.report import REMOTE_KINDS, compare
+from lmtier.bench.ttft.report import REMOTE_KINDS, TIERS, compare
 from lmtier.geometry import torch_dtype
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.manager import TierManager
@@ -60,9 +60,10 @@ class Bench:
         self.decode_on = "device" if self.codec_device else "host"  # the connector worker's, for codec tiers
         self.gf: GraphForward | None = None
         self.managers: dict[str, TierManager] = {}  # tag -> the tier's manager
-        self.codec_tiers: dict[str, object] = {}  # tag -> its CodecTier (records, tables, counters)
+        self.codec_tiers: dict[str, object] = {}  # tag -> its CodecTier / PCACodecTier (records, counters)
         self.codec_levels: dict[str, str] = {}  # tag -> level name
         self.tables: dict[str, object] = {}  # level -> CodecTier(tables=...) argument
+        self.pca_model_path: str | None = None  # codec_pca_model of the PCA levels (lmtier.bench.ttft.pca_model)
         self.mem: dict[str, TierManager] = {}  # level -> codec records in a CPU pool (no reads)
         self.landing: torch.Tensor | None = None  # host chunk buffers (pinned with CUDA)
         self.disk_odirect = True
@@ -85,8 +86,18 @@ class Bench:
         """A manager whose lower tier stores codec records of ``level``: through the config
         (``*_serde: cachegen``) with the product's shipped tables (``--codec-tables shipped``),
         else through ``from_config``'s tier factory wrapping the tier in
-        :class:`~lmtier.tiers.codec.CodecTier` with the tables of ``--codec-tables``."""
+        :class:`~lmtier.tiers.codec.CodecTier` with the tables of ``--codec-tables``. A PCA level:
+        through the config alone (``codec_level``, ``codec_pca_model``: :attr:`pca_model_path`), a
+        :class:`~lmtier.tiers.codec_pca.PCACodecTier`.
+
+        Raises:
+            lmtier.config.ConfigError: what the product refuses (a PCA model file that does not
+                load, lacks the level or was calibrated for another geometry).
+            RuntimeError: a PCA level without a model file (:attr:`pca_model_path` None).
+        """
+        from lmtier.codec.pca import PCA_LEVELS
         from lmtier.tiers.codec import CodecTier
+        from lmtier.tiers.codec_pca import PCACodecTier
         from lmtier.tiers.factory import default_disk_factory, default_remote_factory
 
         tables = self.tables.get(level)
@@ -99,7 +110,11 @@ class Bench:
             remote_url=remote_url,
             remote_options=remote_options,
         )
-        if tables == "shipped":
+        if level in PCA_LEVELS:
+            if self.pca_model_path is None:
+                raise RuntimeError("no PCA model file (see the 'PCA model' line above)")
+            m = build_manager(**common, serde="cachegen", codec_level=level, codec_pca_model=self.pca_model_path)
+        elif tables == "shipped":
             m = build_manager(**common, serde="cachegen", codec_level=level)
         else:
             key = "local_disk_serde" if disk_dir else "remote_serde"
@@ -121,26 +136,31 @@ class Bench:
                 **common, disk_factory=wrap(default_disk_factory), remote_factory=wrap(default_remote_factory)
             )
         tier = m.disk if disk_dir else m.remote
-        if not isinstance(tier, CodecTier):
+        want = PCACodecTier if level in PCA_LEVELS else CodecTier
+        if not isinstance(tier, want):
             m.close(persist=False)
-            raise RuntimeError("the manager's tier is not a CodecTier")
+            raise RuntimeError(f"the manager's tier is not a {want.__name__}")
         return m
 
-    def mem_manager(self, level: str) -> TierManager:
+    def mem_manager(self, level: str, like) -> TierManager:
         """Codec records of ``level`` in a CPU pool (pinned with CUDA): the same decode without any
-        read — ``TierManager(disk=CodecTier(CPUPool))``, built on first use."""
+        read — ``TierManager(disk=CodecTier(CPUPool))`` (a PCA level: ``PCACodecTier`` with the model
+        of ``like``, the disk tier's), built on first use."""
         if level not in self.mem:
             from lmtier.codec.chunk import max_record_bytes
             from lmtier.tiers.codec import CodecTier
+            from lmtier.tiers.codec_pca import PCACodecTier
             from lmtier.tiers.cpu import CPUPool
 
             shape = codec_chunk_shape(self.ns)
-            rec = max_record_bytes(shape, level)
+            pca = isinstance(like, PCACodecTier)
+            rec = like.max_record_bytes if pca else max_record_bytes(shape, level)
             pool = CPUPool(self.max_chunks * round_up(rec) + round_up(rec), rec)
-            self.mem[level] = TierManager(
-                cpu=None,
-                disk=CodecTier(pool, shape=shape, dtype=self.ns.kv_dtype, level=level, tables=self.tables.get(level)),
-            )
+            if pca:
+                tier = PCACodecTier(pool, shape=shape, dtype=self.ns.kv_dtype, level=level, model=like.model)
+            else:
+                tier = CodecTier(pool, shape=shape, dtype=self.ns.kv_dtype, level=level, tables=self.tables.get(level))
+            self.mem[level] = TierManager(cpu=None, disk=tier)
         return self.mem[level]
 
     def _disk_bytes(self) -> int:
@@ -368,8 +388,8 @@ class Bench:
             row["load_GBs"] = n * self.bpt / row["load_ms"] / 1e6
         row["cpu_pct"] = 100 * row["cpu_ms"] / rec_ms
 
-        # (3) disk, (4) disk + codec (per level), (5) redis, redis + codec, mooncake, mooncake + codec
-        remotes = [t for kind in REMOTE_KINDS for t in (kind, f"{kind}+codec")]
+        # (3) disk, (4) disk + codec (per level), (5) redis, redis + codec (default, PCA levels), mooncake, ...
+        remotes = [t for t in TIERS if t.startswith(REMOTE_KINDS)]
         order = ["disk", *remotes, *(t for t in self.codec_levels if t.startswith("disk+"))]
 
         def drop():
@@ -394,10 +414,10 @@ class Bench:
                     self._store(m, keys, padded)
                     row[f"{tag}_encode_s"] = time.perf_counter() - t0
                     stored = ct.counters["record_bytes_out"] - before_bytes
-                    # records coded with a static table set (all chunks are T tokens long here)
-                    row[f"{tag}_static_records"] = (
-                        C if (ct.tables is not None and ct.tables.run_lens(T) is not None) else 0
-                    )
+                    if not self._pca(ct):  # records coded with a static table set (all chunks are T tokens here)
+                        row[f"{tag}_static_records"] = (
+                            C if (ct.tables is not None and ct.tables.run_lens(T) is not None) else 0
+                        )
                     row[f"{tag}_ratio"] = n * self.bpt / stored
                     row[f"{tag}_MB"] = stored / 1e6
                 decode_on = "auto" if level is None else self.decode_on
@@ -414,14 +434,14 @@ class Bench:
                         drop()
                     got = load()
                     dev.sync()
-                    lv = None if level is None else self.codec_tiers[tag].level
-                    if lv is None or lv.lossless:
+                    ct = None if level is None else self.codec_tiers[tag]
+                    if ct is None or self._lossless(ct):
                         row[f"check_{tag}"] = compare(ref, got, canon, ref_kv)
                     else:
                         # lossy: the decoded KV must equal the reference decoder's bit for bit; the
                         # logits are reported (quality), not judged
                         c_ok = compare(ref, got)
-                        c_ok["kv_exact"] = self._codec_kv_exact(lv, canon, padded, spans)
+                        c_ok["kv_exact"] = self._codec_kv_exact(ct, canon, padded, spans)
                         c_ok["lossy"] = True
                         c_ok["kv_rel_err"] = ((canon.float() - ref_kv.float()).norm() / ref_kv.float().norm()).item()
                         c_ok["ok"] = bool(c_ok["kv_exact"] and math.isfinite(c_ok["max_abs_diff"]))
@@ -468,20 +488,38 @@ class Bench:
         if self.redis_raw and "redis" in self.managers:
             row["redis_raw_GBs"] = self.redis_raw
             row["redis_limit_pct"] = 100 * (n * self.bpt / self.redis_raw / 1e6) / rec_ms
-            if row.get("redis+codec_MB"):
-                row["redis+codec_limit_pct"] = 100 * (row["redis+codec_MB"] / self.redis_raw) / rec_ms
+            for tag in self.codec_levels:
+                if tag.startswith("redis+") and row.get(f"{tag}_MB"):
+                    row[f"{tag}_limit_pct"] = 100 * (row[f"{tag}_MB"] / self.redis_raw) / rec_ms
         return row
 
-    def _codec_kv_exact(self, lv, canon: torch.Tensor, padded, spans) -> bool:
-        """Every loaded chunk equals the reference decoder's output for its record, bit for bit
-        (:func:`lmtier.codec.quant.quantize` then :func:`~lmtier.codec.quant.dequantize` of the
-        padded chunk)."""
-        from lmtier.codec import quant
+    @staticmethod
+    def _pca(tier) -> bool:
+        from lmtier.tiers.codec_pca import PCACodecTier
+
+        return isinstance(tier, PCACodecTier)
+
+    def _lossless(self, tier) -> bool:
+        """Whether codec tier ``tier`` gives back the KV bit for bit (a lossless CacheGen level)."""
+        return not self._pca(tier) and tier.level.lossless
+
+    def _codec_kv_exact(self, tier, canon: torch.Tensor, padded, spans) -> bool:
+        """Every loaded chunk equals the reference decoder's output for its record, bit for bit: of
+        the padded chunk, :func:`lmtier.codec.quant.quantize` then
+        :func:`~lmtier.codec.quant.dequantize` at ``tier``'s level; a PCA tier: the record
+        :func:`lmtier.codec.pca.encode` makes of it at its position with the tier's model and level
+        (the bytes the tier stored: the encode is deterministic, the same on the CPU and CUDA), then
+        :func:`lmtier.codec.pca.decode`, both on the chunk's device."""
+        from lmtier.codec import pca, quant
 
         for c, (s, tc) in enumerate(spans):
             pc = padded(c)
-            sym, side = quant.quantize(pc, lv)
-            ref = quant.dequantize(sym, side, lv, tuple(pc.shape), pc.dtype)
+            if self._pca(tier):
+                record = pca.encode(pc, start=s, model=tier.model, level=tier.level)
+                ref = pca.decode(record, model=tier.model, device=pc.device)
+            else:
+                sym, side = quant.quantize(pc, tier.level)
+                ref = quant.dequantize(sym, side, tier.level, tuple(pc.shape), pc.dtype)
             if not torch.equal(canon[:, :, s : s + tc], ref[:, :, :tc]):
                 return False
         return True
@@ -489,7 +527,7 @@ class Bench:
     def _codec_in_memory(self, level, tag, keys, loader, forward, padded, spans, canon, ref_kv, row, rec_ms) -> None:
         """The same decode with the records in a CPU pool (no reads): ``{tag}_mem_ms`` splits
         ``{tag}_ms`` into read vs codec cost; also what a compressed CPU tier would give."""
-        m = self.mem_manager(level)
+        m = self.mem_manager(level, self.codec_tiers[tag])
         self._store(m, keys, padded)
         try:
 
@@ -499,8 +537,8 @@ class Bench:
             canon.fill_(float("nan"))
             run_()
             self.dev.sync()
-            lv = self.codec_tiers[tag].level
-            ok = torch.equal(canon, ref_kv) if lv.lossless else self._codec_kv_exact(lv, canon, padded, spans)
+            ct = self.codec_tiers[tag]
+            ok = torch.equal(canon, ref_kv) if self._lossless(ct) else self._codec_kv_exact(ct, canon, padded, spans)
             if not ok:
                 raise RuntimeError(f"{tag}: in-memory decode gave different KV than the reference")
             row[f"{tag}_mem_ms"], _, _ = timed(self.dev, run_, self.args.iters, max(0, self.args.warmup - 1))

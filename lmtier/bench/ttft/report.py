@@ -9,8 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from lmtier.bench.common import print_table
+from lmtier.config_schema import PCA_CODEC_LEVELS
 
-__all__ = ["RTOL", "MIN_COS", "TIERS", "codec_tag", "compare", "break_even", "plot", "report"]
+__all__ = [
+    "RTOL",
+    "MIN_COS",
+    "TIERS",
+    "REMOTE_KINDS",
+    "REMOTE_CODEC_LEVELS",
+    "codec_tag",
+    "compare",
+    "break_even",
+    "plot",
+    "report",
+]
 
 # Next-token logits of a cached path "match" recompute when max|diff| <= RTOL * max|ref logits| and
 # cosine >= MIN_COS. The two sides run different kernels (a full prefill with a causal mask vs one
@@ -24,13 +36,26 @@ RTOL = 0.10
 MIN_COS = 0.995
 
 REMOTE_KINDS = ("redis", "mooncake")
-"""The remote tiers the bench measures (each also ``<kind>+codec``), in row order."""
-TIERS = ("cpu", "disk", "disk+codec", "disk+lossless", *(t for k in REMOTE_KINDS for t in (k, f"{k}+codec")))
+"""The remote tiers the bench measures (each also with the codec: :data:`REMOTE_CODEC_LEVELS`), in row order."""
+REMOTE_CODEC_LEVELS = ("default", *PCA_CODEC_LEVELS)
+"""The codec levels of the remote tiers' codec variants (``<kind>+codec``, ``<kind>+pca_default``, ...)."""
 
 
-def codec_tag(level: str) -> str:
-    """Column prefix of the disk tier with the codec at ``level`` (``default`` is "disk+codec")."""
-    return "disk+codec" if level == "default" else f"disk+{level}"
+def codec_tag(level: str, kind: str = "disk") -> str:
+    """Column prefix of the ``kind`` tier (``disk``, ``redis``, ``mooncake``) with the codec at
+    ``level`` (``default`` is "<kind>+codec")."""
+    return f"{kind}+codec" if level == "default" else f"{kind}+{level}"
+
+
+TIERS = (
+    "cpu",
+    "disk",
+    "disk+codec",
+    "disk+lossless",
+    *(codec_tag(lv) for lv in PCA_CODEC_LEVELS),
+    *(t for k in REMOTE_KINDS for t in (k, *(codec_tag(lv, k) for lv in REMOTE_CODEC_LEVELS))),
+)
+"""Every tier's column prefix, in row order (the break-even keys)."""
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor, kv=None, ref_kv=None) -> dict:
@@ -75,10 +100,14 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
         ("disk_ms", "disk tier (O_DIRECT)", "^-"),
         ("disk+codec_ms", "disk + codec", "v-"),
         ("disk+lossless_ms", "disk + lossless codec", "<-"),
+        ("disk+pca_default_ms", "disk + PCA codec (pca_default)", ">-"),
+        ("disk+pca_high_ms", "disk + PCA codec (pca_high)", "h-"),
         ("redis_ms", "Redis (loopback)", "d-"),
         ("redis+codec_ms", "Redis + codec", "D-"),
+        ("redis+pca_default_ms", "Redis + PCA codec (pca_default)", "x-"),
         ("mooncake_ms", "Mooncake Store (loopback)", "p-"),
         ("mooncake+codec_ms", "Mooncake Store + codec", "P-"),
+        ("mooncake+pca_default_ms", "Mooncake Store + PCA codec (pca_default)", "+-"),
     ):
         pts = [(r["N"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
@@ -122,8 +151,9 @@ def report(res: dict) -> None:
     for t in TIERS:
         if t.startswith("disk+"):
             cols += [f"{t}_ms", f"{t}_pct", f"{t}_limit_pct", f"{t}_ratio", f"{t}_mem_ms"]
-    cols += ["redis_ms", "redis_pct", "redis_limit_pct", "redis_raw_GBs", "redis+codec_ms", "redis+codec_pct"]
-    cols += ["mooncake_ms", "mooncake_pct", "mooncake+codec_ms", "mooncake+codec_pct"]
+    cols += ["redis_ms", "redis_pct", "redis_limit_pct", "redis_raw_GBs"]
+    cols += [f"{t}{c}" for t in TIERS if t.startswith("redis+") for c in ("_ms", "_pct")]
+    cols += [f"{t}{c}" for t in TIERS if t.startswith("mooncake") for c in ("_ms", "_pct")]
     if any("fwd_contig_ms" in r for r in rows):
         cols += ["transpose_ms", "fwd_contig_ms"]
     cols = [c for c in cols if any(r.get(c) is not None for r in rows) or c in ("N", "recompute_ms", "cpu_ms")]

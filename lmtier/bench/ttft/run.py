@@ -20,9 +20,12 @@ from lmtier.bench.ttft.ceilings import (
     redis_raw_gbps,
 )
 from lmtier.bench.ttft.model import prefix_kv
+from lmtier.bench.ttft.pca_model import fit_tokens, pca_model_file
 from lmtier.bench.ttft.pipeline import build_manager
-from lmtier.bench.ttft.report import MIN_COS, REMOTE_KINDS, RTOL, TIERS, break_even, codec_tag
+from lmtier.bench.ttft.report import MIN_COS, REMOTE_CODEC_LEVELS, REMOTE_KINDS, RTOL, TIERS, break_even, codec_tag
 from lmtier.bench.ttft.tables import codec_tables
+from lmtier.codec.pca import PCA_LEVELS
+from lmtier.codec.pca.hf import CalibrationError
 from lmtier.memory import HostBuffer
 from lmtier.testing.redis import RedisServer, find_redis_server
 from lmtier.tiers.buffers import round_up
@@ -234,11 +237,14 @@ def run(args) -> dict:
         say(f"pinned H2D ceiling (contiguous copy, same run): {h2d:.1f} GB/s")
 
     root = None
+    pca_dir = None  # the fitted PCA model file's directory (removed at the end)
     remotes: list = []  # the servers started here (closed at the end)
     res_disk: dict = {}
     disk_dir = None
     drop_note: list[str] = []
     codec_info = None
+    pca_info = None
+    codec_classes: dict[str, str] = {}
     try:
         b.managers["cpu"] = build_manager(
             chunk_tokens=b.T, namespace=b.ns, cpu_bytes=(b.max_chunks + 1) * round_up(b.chunk_bytes)
@@ -248,13 +254,41 @@ def run(args) -> dict:
         remotes.append(_setup_redis(b, args, say))
         remotes.append(_setup_mooncake(b, args, say))
 
-        gen = torch.Generator().manual_seed(1234)
-        ids = torch.randint(0, cfg.vocab_size, (1, max(maxn + 1, b.max_chunks * b.T)), generator=gen).to(b.device)
+        pca_levels = [lv for lv in levels if lv in PCA_LEVELS]
+        has_codec_tier = root is not None or any(k in b.managers for k in REMOTE_KINDS)
+        n_ids = max(maxn + 1, b.max_chunks * b.T)
+        if pca_levels and has_codec_tier and args.codec_pca_model is None:
+            # the PCA fit's tokens are the measured prompt's first chunks: the prompt holds them
+            try:
+                need = fit_tokens((b.L, b.H, b.D), b.T)
+                n_ids = max(n_ids, min(need, maxpos) if maxpos else need)
+            except CalibrationError:
+                pass  # pca_model_file says why
+        gen = torch.Generator().manual_seed(1234)  # a longer prompt only appends tokens (same prefix)
+        ids = torch.randint(0, cfg.vocab_size, (1, n_ids), generator=gen).to(b.device)
 
-        # codec tiers: tables first (CodecTier takes them at construction), untimed
-        if levels and (root is not None or any(k in b.managers for k in REMOTE_KINDS)):
+        # codec tiers: tables first (CodecTier takes them at construction), untimed; the PCA levels'
+        # model file (PCACodecTier loads it from the configuration)
+        if pca_levels and has_codec_tier:
+            if args.codec_pca_model is None:
+                pca_dir = tempfile.mkdtemp(prefix="lmtier-bench-pca-")
+            b.pca_model_path, pca_info = pca_model_file(
+                pca_levels,
+                given=args.codec_pca_model,
+                geometry=(b.L, b.H, b.D),
+                kv_dtype=args.dtype,
+                chunk_tokens=b.T,
+                ids=ids,
+                prefix_kv=lambda x, k: prefix_kv(b.model, x, k, b.L),
+                hf_model=b.model,
+                model_name=b.model_name,
+                out_dir=pca_dir or "",
+                say=say,
+            )
+        cg_levels = [lv for lv in levels if lv not in PCA_LEVELS]
+        if cg_levels and has_codec_tier:
             b.tables, codec_info = codec_tables(
-                levels,
+                cg_levels,
                 mode=args.codec_tables,
                 geometry=(b.L, b.H, b.D),
                 chunk_tokens=b.T,
@@ -269,8 +303,8 @@ def run(args) -> dict:
         if root is not None:
             targets += [(codec_tag(lv), lv, os.path.join(root, codec_tag(lv)), None) for lv in levels]
         for kind in REMOTE_KINDS:
-            if kind in b.managers and "default" in levels:
-                targets.append((f"{kind}+codec", "default", None, kind))
+            if kind in b.managers:
+                targets += [(codec_tag(lv, kind), lv, None, kind) for lv in REMOTE_CODEC_LEVELS if lv in levels]
         for tag, lv, ddir, kind in targets:
             try:
                 if ddir:
@@ -280,13 +314,16 @@ def run(args) -> dict:
                 b.managers[tag] = m
                 b.codec_tiers[tag] = m.disk if ddir else m.remote
                 b.codec_levels[tag] = lv
-            except Exception as e:  # noqa: BLE001 - codec missing / not built / wrong dtype
+            except Exception as e:  # noqa: BLE001 - codec missing / not built / wrong dtype / PCA model refused
                 say(f"{tag} ({lv}): skipped — {type(e).__name__}: {e}")
+        codec_classes = {t: f"{type(ct).__module__}.{type(ct).__qualname__}" for t, ct in b.codec_tiers.items()}
         if b.codec_levels:
             say(
                 "codec tiers: "
-                + ", ".join(f"{t} = level {lv}" for t, lv in b.codec_levels.items())
-                + "; lmtier.tiers.codec.CodecTier, records encoded once when stored, decoded by CodecTier.get_into "
+                + ", ".join(
+                    f"{t} = level {lv} ({codec_classes[t].rsplit('.', 1)[1]})" for t, lv in b.codec_levels.items()
+                )
+                + "; records encoded once when stored (PCA levels: at the chunk's position), decoded by get_into "
                 + (
                     "in the connector worker's device staging (GPU decode) + ops.scatter device -> paged blocks"
                     if b.codec_device
@@ -325,6 +362,8 @@ def run(args) -> dict:
                     torch.cuda.empty_cache()
     finally:
         b.close()
+        if pca_dir is not None:
+            shutil.rmtree(pca_dir, ignore_errors=True)
         if root is not None and not args.keep_disk:
             shutil.rmtree(root, ignore_errors=True)
             if not args.disk_dir and disk_dir:
@@ -356,7 +395,8 @@ def run(args) -> dict:
             "worker": "lmtier.integration.vllm.worker.ConnectorWorker (load_layerwise + wait_layer + "
             "finish_layerwise; load for load_ms)",
             "lower": "TierManager.fetch_lower",
-            "codec": "lmtier.tiers.codec.CodecTier",
+            "codec": ", ".join(dict.fromkeys(sorted(codec_classes.values()))) or None,
+            "codec_tiers": codec_classes,
             "codec_decode": "device" if b.codec_device else "host",
             "copy": copy_mode,
             "layers_per_wait": b.lpw if dev.cuda else None,
@@ -378,6 +418,7 @@ def run(args) -> dict:
         "graphs": args.graphs,
         "codec_levels": {t: lv for t, lv in b.codec_levels.items() if t.startswith("disk+")},
         "codec_tables": codec_info,
+        "codec_pca_model": pca_info,
         "rows": rows,
         "skipped": skipped,
         "break_even": {t: break_even(rows, t) for t in TIERS},
