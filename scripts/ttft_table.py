@@ -19,13 +19,17 @@ def main(path: str) -> None:
         f"codec decode on the {r.get('load_path', {}).get('codec_decode', '?')}; "
         f"checks_ok={r['checks_ok']}; ms (% of recompute)"
     )
+    pca = r.get("codec_pca_model")
+    if pca:  # where the PCA levels' model file came from (given, or fitted by the bench)
+        print(f"    PCA model: {pca.get('what')}" + (f" — {pca['error']}" if pca.get("error") else ""))
     # the tiers in the bench's row order (lmtier.bench.ttft.report.TIERS: the break-even keys)
     tiers = [t for t in r["break_even"] if any(row.get(t + "_ms") for row in r["rows"])]
-    print("N".rjust(6), "recompute".rjust(9), *(t.rjust(16) for t in tiers))
+    width = {t: max(16, len(t)) for t in tiers}
+    print("N".rjust(6), "recompute".rjust(9), *(t.rjust(width[t]) for t in tiers))
     for row in r["rows"]:
 
         def cell(t):
-            return (f"{row[t + '_ms']:.1f} ({row[t + '_pct']:.1f}%)" if row.get(t + "_ms") else "-").rjust(16)
+            return (f"{row[t + '_ms']:.1f} ({row[t + '_pct']:.1f}%)" if row.get(t + "_ms") else "-").rjust(width[t])
 
         print(str(row["N"]).rjust(6), f"{row['recompute_ms']:.1f}".rjust(9), *(cell(t) for t in tiers))
     print(

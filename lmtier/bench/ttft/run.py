@@ -413,7 +413,8 @@ def run(args) -> dict:
         "tolerance": {
             "rtol_of_logit_absmax": RTOL,
             "min_cosine": MIN_COS,
-            "hard_guard": "loaded KV bit-identical to the prefill's (lossy codec: to the reference decoder's)",
+            "hard_guard": "loaded KV bit-identical to the prefill's (lossy codec: to the reference decoder's, "
+            "lmtier.codec.quant.dequantize; PCA levels: lmtier.codec.pca.decode)",
         },
         "graphs": args.graphs,
         "codec_levels": {t: lv for t, lv in b.codec_levels.items() if t.startswith("disk+")},
