@@ -36,12 +36,26 @@ compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M
   pool (no reads). Lossy levels' tables: ``--codec-tables`` (:mod:`.tables`);
   their KV is checked bit for bit against the reference decoder
   (:func:`lmtier.codec.quant.dequantize`), their logits are reported, not judged.
+* ``disk+pca_default`` / ``disk+pca_high`` (``--codec-levels pca_default,...``; experimental,
+  docs/codec.md "PCA levels") — the disk tier at a PCA level, built from the configuration a user
+  writes (``local_disk_serde: cachegen``, ``codec_level``, ``codec_pca_model``):
+  :class:`lmtier.tiers.codec_pca.PCACodecTier`, each chunk encoded (untimed) at its position
+  ``c * --chunk-tokens``. The model file: ``--codec-pca-model FILE``, else fitted by the bench,
+  untimed, on the prefill KV of the measured prompt's first chunks (:mod:`.pca_model`: at least
+  2 x N tokens, the calibrate command's default layer group, the model's rotary frequencies, no
+  metric; a basis fitted on the stored tokens, so the ratio is that of calibration data); the
+  output and the JSON (``codec_pca_model``) say which. A file the product refuses (not a PCA model,
+  another ``(L, H, D)``, the level missing) skips the tier with the product's reason printed. The
+  KV is checked bit for bit against :func:`lmtier.codec.pca.decode` of the record
+  :func:`lmtier.codec.pca.encode` makes of the chunk (the stored bytes: the encode is deterministic).
 * ``mooncake`` / ``mooncake+codec`` — the Mooncake Store tier (``remote_url: mooncakestore://``)
   through the same path, against a private ``mooncake_master`` and one store server on loopback
   (skipped when the client is not installed: ``scripts/setup_mooncake.sh``).
 * ``redis`` / ``redis+codec`` — the Redis tier (``remote_url``) through the same path: against
   ``--redis-url`` (or ``$LMTIER_REDIS_URL``), else a private ``redis-server`` on loopback when one is
   found (``$LMTIER_REDIS_SERVER`` or PATH); skipped with a line otherwise.
+* ``redis+pca_default``, ``mooncake+pca_default`` (and ``pca_high``) — the remote tiers at the PCA
+  levels of ``--codec-levels`` (``remote_serde: cachegen``, the same model file as the disk tier's).
 
 Every tier is a :class:`lmtier.manager.TierManager` built by ``TierManager.from_config`` from the
 configuration keys a user writes (:func:`.pipeline.build_manager`).
@@ -52,7 +66,8 @@ O_DIRECT reads of the disk directory -> the disk tiers' limits; raw-socket ``GET
 chunk-sized value, ``--inflight`` at once -> the Redis tiers' limits. Correctness: every cached
 path's next-token logits are compared with the recompute logits (max abs diff <= RTOL x max|logit|
 and cosine >= MIN_COS; the paged cache is NaN-filled first so a path that skips a byte cannot pass),
-and the loaded prefix KV must equal the prefill's bit for bit (the hard guard); a control (chunk 0's
+and the loaded prefix KV must equal the prefill's bit for bit (the hard guard; a lossy codec level's:
+the reference decoder's); a control (chunk 0's
 KV loaded where chunk 1 belongs: a wrong-index load) shows how far a wrong path lands.
 """
 
