@@ -3,7 +3,8 @@
 # table last. Run on the lent H200 through the device tool from the repo root:
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
 # LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftremote": the
-# Redis and Mooncake Store tiers (+ codec) at 7,500 tokens; "mooncake": lmtier bench mooncake; "ttftsweep": the
+# Redis and Mooncake Store tiers (+ codec at default and pca_default) at 7,500 tokens, up to 560 s: a device call
+# of its own (with the build); "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
@@ -96,10 +97,16 @@ if has ttftsweep; then
   done
 fi
 if has ttftremote; then
-  # the shared tiers at the user's prompt length: Redis and Mooncake Store (loopback), each with the codec
-  timeout 400 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default \
+  # the shared tiers at the user's prompt length: Redis and Mooncake Store (loopback), each plain, with the codec
+  # at default and at pca_default (issue 19; disk+pca_default too), beside recompute, one run. The PCA model file
+  # is fitted by the bench first, untimed, on the KV of its prompt's first 8,192 tokens (Llama-3.1-8B: G = 4,
+  # N = 4,096, 8 layer groups x K/V: 16 float64 eigendecompositions of 4,096 x 4,096 and their GEMMs); a
+  # 1-thread fit of one group at N = 1,024 took 5 s on the dev box, which scales (N^3, 8 groups) to ~20 min of one
+  # core: estimated 2-4 min on this host's 16. Hence 560 s (it was 400 without pca_default): run this step in
+  # a call of its own. The fit's time is printed ("PCA model: ... fit N s") and in the JSON (codec_pca_model).
+  timeout 560 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
     --json "$OUT/ttft_remote.json" > "$OUT/bench_ttft_remote.log" 2>&1
-  echo "bench ttft (remote tiers at 7,500) rc=$?"
+  echo "bench ttft (remote tiers at 7,500, codec default and pca_default) rc=$?"
 fi
 if has ttftbatch1; then
   timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-redis \
