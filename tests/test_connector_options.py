@@ -133,6 +133,25 @@ def test_unknown_keys_are_errors_naming_them():
         ConnectorOptions.parse({"b": 1, "a": 2, "async_loads": True})
 
 
+def test_unknown_keys_of_the_yaml_file_are_named_as_such():
+    """A key of lmtier's YAML in kv_connector_extra_config is still refused, with where it belongs."""
+    with pytest.raises(ValueError) as e:
+        ConnectorOptions.parse({"codec_level": "pca_default", "codec_pca_model": "/m.lmtpca", "bogus": 1})
+    msg = str(e.value)
+    assert msg.startswith(
+        "lmtier: kv_connector_extra_config: unknown key(s) 'bogus', 'codec_level', 'codec_pca_model';"
+    )
+    assert (
+        "; 'codec_level', 'codec_pca_model' are keys of lmtier's YAML file (LMTIER_CONFIG_FILE), "
+        "not of kv_connector_extra_config; known: async_loads" in msg
+    )
+    with pytest.raises(ValueError, match=r"'chunk_size' is a key of lmtier's YAML file \(LMTIER_CONFIG_FILE\)"):
+        ConnectorOptions.parse({"chunk_size": 256})
+    with pytest.raises(ValueError) as e:  # no YAML key: no such sentence
+        ConnectorOptions.parse({"asyncloads": False})
+    assert "YAML" not in str(e.value)
+
+
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ConnectorOptions().async_loads = False  # type: ignore[misc]

@@ -54,6 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmtier.config_schema import KEYS as CONFIG_KEYS
 from lmtier.integration.vllm.loadpolicy import LOAD_POLICIES
 
 __all__ = [
@@ -251,13 +252,23 @@ class ConnectorOptions:
         """Options from a ``kv_connector_extra_config`` mapping (None or empty: the defaults).
 
         Raises:
-            ValueError: an unknown key (the message lists the known ones), or a value of the wrong
-                type or range; the message names the key.
+            ValueError: an unknown key (the message lists the known ones and says which unknown
+                ones are keys of lmtier's YAML file, :data:`lmtier.config_schema.KEYS`), or a value
+                of the wrong type or range; the message names the key.
         """
         extra = dict(extra or {})
         unknown = sorted(k for k in extra if k not in cls.KEYS)
         if unknown:
-            raise ValueError(f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(cls.KEYS)}")
+            yaml_keys = [k for k in unknown if k in CONFIG_KEYS]
+            hint = (
+                f"; {', '.join(map(repr, yaml_keys))} {'is a key' if len(yaml_keys) == 1 else 'are keys'} of lmtier's "
+                "YAML file (LMTIER_CONFIG_FILE), not of kv_connector_extra_config"
+                if yaml_keys
+                else ""
+            )
+            raise ValueError(
+                f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}{hint}; known: {', '.join(cls.KEYS)}"
+            )
         d = cls()
         return cls(
             async_loads=parse_bool("async_loads", extra["async_loads"]) if "async_loads" in extra else d.async_loads,
