@@ -546,10 +546,11 @@ def _pca_model(raw: Mapping[str, Any], values: Mapping[str, Any], level: str, ca
     if path is None:
         return None
     if level not in PCA_CODEC_LEVELS:
+        given = "" if "codec_level" in raw else " (the default)"  # raw: the file and the LMTIER_* overrides
         raise _err(
             "codec_pca_model",
             path,
-            f"set with codec_level={level!r}, which is not a PCA level ({', '.join(PCA_CODEC_LEVELS)})",
+            f"set with codec_level={level!r}{given}, which is not a PCA level ({', '.join(PCA_CODEC_LEVELS)})",
         )
     if not cachegen:
         raise _err("codec_pca_model", path, "no serde is 'cachegen' (set local_disk_serde or remote_serde: cachegen)")

@@ -361,6 +361,18 @@ def test_config_errors(tmp_path, model_file, change, msg):
         LMTierConfig.from_dict(_values(tmp_path, model_file) | change)
 
 
+def test_config_error_says_when_codec_level_is_the_default(tmp_path, model_file):
+    """codec_pca_model without codec_level: the message says the level is the default, not the user's."""
+    values = _values(tmp_path, model_file)
+    del values["codec_level"]
+    with pytest.raises(ConfigError) as e:
+        LMTierConfig.from_dict(values)
+    assert "set with codec_level='default' (the default), which is not a PCA level" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # written by the user: no "(the default)"
+        LMTierConfig.from_dict(values | {"codec_level": "default"})
+    assert "set with codec_level='default', which is not a PCA level" in str(e.value)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
 def test_config_refuses_an_unreadable_model_file(tmp_path, model_file):
     p = tmp_path / "locked.lmtpca"
