@@ -147,13 +147,6 @@ def check_codec_geometry(
     return shp, dt, lv
 
 
-@contextlib.contextmanager
-def _slot_and_record(slot_context: Any):
-    """``(slot, slot.record)`` of a decoder's slot context."""
-    with slot_context as slot:
-        yield slot, slot.record
-
-
 def _tables_can_code(level: Level, shape: tuple[int, ...]) -> bool:
     """Whether static tables can code chunks of ``shape`` (a lossy level, table switching possible
     for its token count: run lengths multiples of the coder's lanes)."""
@@ -341,10 +334,12 @@ class CodecTier(RecordTier):
         """
         return self.get_many_into([key], [out], stream=stream)[0]
 
+    @contextlib.contextmanager
     def _record_buffer(self, dst: torch.Tensor):
         """A :class:`~lmtier.codec.decoder.DecodeSlot` of ``dst``'s device's decoder (its record buffer
         is pinned for a CUDA ``dst``), as ``(slot, slot.record)``."""
-        return _slot_and_record(self.decoder(dst.device).slot())
+        with self.decoder(dst.device).slot() as slot:
+            yield slot, slot.record
 
     def _decode(self, key: bytes, ikey: bytes, slot: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
         """Decode the record of ``n`` bytes in ``slot`` into ``dst`` (None ``n``: the inner miss); with

@@ -33,6 +33,7 @@ Used by :class:`lmtier.tiers.codec.CodecTier` (the CacheGen-style levels) and
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import logging
@@ -110,9 +111,9 @@ class RecordTier(Tier):
     with :func:`key_pad` of ``salt``.
 
     Subclasses call ``RecordTier.__init__`` once everything that fixes the salt is known (it registers
-    the eviction listener on ``inner``), implement ``put``, ``get_into``, ``_record_buffer`` and
-    ``_decode``, and set ``raw_bytes`` (a chunk's bytes), ``max_record_bytes`` (the bound on a
-    record's bytes: the build checks that a disk tier holds one,
+    the eviction listener on ``inner``), implement ``put``, ``get_into`` and the abstract
+    ``_record_buffer`` and ``_decode``, and set ``raw_bytes`` (a chunk's bytes), ``max_record_bytes``
+    (the bound on a record's bytes: the build checks that a disk tier holds one,
     :func:`lmtier.tiers.factory.build_tiers`) and ``level`` (its ``name`` is logged).
 
     Attributes:
@@ -313,15 +314,15 @@ class RecordTier(Tier):
                     res[i] = self._decode(keys[i], ikey, buf, n, dst, stream)
         return res
 
+    @abc.abstractmethod
     def _record_buffer(self, dst: torch.Tensor) -> contextlib.AbstractContextManager[tuple[Any, Any]]:
-        """For a subclass: a context yielding ``(buffer, writable memory of max_record_bytes)`` that a
-        record for ``dst`` is read into (handed to ``_decode`` as ``buffer``)."""
-        raise NotImplementedError
+        """A context yielding ``(buffer, writable memory of max_record_bytes)`` that a record for
+        ``dst`` is read into (handed to ``_decode`` as ``buffer``)."""
 
+    @abc.abstractmethod
     def _decode(self, key: bytes, ikey: bytes, buf: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
-        """For a subclass: decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the
-        inner miss), through :meth:`_decoded`."""
-        raise NotImplementedError
+        """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss),
+        through :meth:`_decoded`."""
 
     def _decoded(self, key: bytes, ikey: bytes, n: int | None, decode: Callable[[], None]) -> int | None:
         """Run ``decode()`` (which writes the chunk into the destination only once the record

@@ -54,7 +54,7 @@ from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
 from lmtier.integration.vllm.scheduler import LMTierScheduler
 from lmtier.integration.vllm.stats import LMTierPromMetrics, LMTierStats, StatsSink, TierEventReporter
 from lmtier.integration.vllm.worker_role import LMTierWorker
-from lmtier.tiers.factory import load_pca_model
+from lmtier.tiers.codec_pca import PCACodecTier
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -261,7 +261,7 @@ class LMTierConnector(KVConnectorBase_V1):
             )
             if not shared:  # another process's tiers: their events (P2P refusals, ...) are reported here
                 self._scheduler_events = TierEventReporter(manager, self._stats)
-        pca_model = load_pca_model(config)  # the model build_tiers loaded in this process (cached), or None
+        pca_ids = [t.model.model_id for t in (manager.disk, manager.remote) if isinstance(t, PCACodecTier)]
         line = startup_line(
             role.name,
             ns.digest().hex()[:16],
@@ -272,7 +272,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 "remote": manager.remote is not None,
             },
             options=options,
-            pca_model_id=None if pca_model is None else pca_model.model_id,
+            pca_model_id=pca_ids[0] if pca_ids else None,  # build_tiers gives both tiers the same model
         )
         log.info("%s", line)
 
