@@ -6,6 +6,7 @@ The CUDA run of the same comparison: ``tests/test_gpu_codec_pca.py``."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,25 +150,54 @@ def test_hand_built_corner_cases_on_the_int8_path(monkeypatch):
         assert torch.equal(pca.decode(r, model=m).view(torch.int16), decs[lv].view(torch.int16))
 
 
+def _check_streams(sym: torch.Tensor, tables: np.ndarray, run_len: int) -> list[bytes]:
+    """`streams.encode`'s bytes of ``sym`` [S, N * run_len] are rans.encode's of each stream alone with
+    its call's slice of the tables and its table base; `streams.decode` gives the symbols back."""
+    s_count, n = sym.shape[0], tables.shape[0] // sym.shape[0]
+    secs = streams.encode(sym, torch.from_numpy(tables), run_len)
+    for c in streams.batches(s_count, n):
+        for i in c:
+            ref = rans.encode([sym[i].numpy()], table_ids=streams.table_base(i, n),
+                              tables=tables[c.start * n : c.stop * n], run_lens=run_len)  # fmt: skip
+            assert bytes(secs[i]) == bytes(ref.stream(0))
+            assert rans.stream_info(bytes(secs[i])).table_id == (i - c.start) * n
+    host = [bytes(s) for s in secs]
+    assert torch.equal(streams.decode(host, tables, n * run_len, torch.device("cpu")), sym)
+    return host
+
+
 def test_stream_helpers_give_the_coders_bytes_and_symbols():
-    """`lmtier.codec.pca.streams` (the CUDA path's coder calls, one synchronization) on host tensors:
-    each stream's bytes are rans.encode's with that stream's N tables, decode returns the symbols, and
-    a stream of another length or a truncated one raises."""
+    """`lmtier.codec.pca.streams` (one coder call for every stream of a record whose tables fit the
+    16-bit ids) on host tensors: each stream's bytes are rans.encode's, decode returns the symbols,
+    and a stream of another length, a truncated one or one naming another first table raises."""
     m = fitted("plain")
     data, n = m.levels["pca_default"], m.vector_size
+    assert streams.batches(2 * m.rows, n) == [range(2 * m.rows)]
     g = torch.Generator().manual_seed(0)
     sym = torch.randint(100, 150, (2 * m.rows, n * 64), generator=g, dtype=torch.uint8)
-    tables = torch.from_numpy(data.tables)
-    secs = streams.encode(sym, tables, 64)
-    for i, sec in enumerate(secs):
-        ref = rans.encode([sym[i].numpy()], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=64)
-        assert bytes(sec) == bytes(ref.stream(0))
-    host = [bytes(s) for s in secs]
-    assert torch.equal(streams.decode(host, tables, n * 64, torch.device("cpu")), sym)
+    host = _check_streams(sym, data.tables, 64)
+    with pytest.raises(ValueError, match="expected"):
+        streams.decode(host, data.tables, n * 64 + 32, torch.device("cpu"))
     with pytest.raises(ValueError):
-        streams.decode(host, tables, n * 64 + 32, torch.device("cpu"))
-    with pytest.raises(ValueError):
-        streams.decode([host[0], host[1][:40], *host[2:]], tables, n * 64, torch.device("cpu"))
+        streams.decode([host[0], host[1][:40], *host[2:]], data.tables, n * 64, torch.device("cpu"))
+    old = rans.encode([sym[1].numpy()], table_ids=0, tables=data.tables[n : 2 * n], run_lens=64).stream(0)
+    with pytest.raises(ValueError, match="stream 1 names table 0, its layout needs"):  # layout 1's header
+        streams.decode([host[0], bytes(old), *host[2:]], data.tables, n * 64, torch.device("cpu"))
+
+
+def test_stream_helpers_split_the_streams_over_calls_when_their_tables_exceed_the_ids():
+    """Streams of more tables than one call's 16-bit ids name (here B = 2 streams of 22,000 tables a
+    call): consecutive ranges of B streams, each header naming its base within the call's slice; the
+    tables differ, so a stream decoded with another's would not give the symbols back."""
+    n, s_count = 22_000, 3
+    assert streams.streams_per_call(n) == 2 and streams.batches(s_count, n) == [range(0, 2), range(2, 3)]
+    tables = np.full((s_count * n, 256), 15, np.uint16)
+    tables[np.arange(s_count * n), np.arange(s_count * n) % 256] += 256
+    g = torch.Generator().manual_seed(1)
+    sym = torch.randint(0, 256, (s_count, n * 32), generator=g, dtype=torch.uint8)
+    _check_streams(sym, tables, 32)
+    with pytest.raises(ValueError, match="coder's table ids"):
+        streams.streams_per_call(rans.ADAPTIVE_TABLE + 1)
 
 
 def test_host_gemms_without_float64_copies_give_the_same_records(monkeypatch):

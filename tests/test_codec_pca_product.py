@@ -141,8 +141,10 @@ def _coded(record: bytes, m: pca.PCAModel, level: str) -> tuple[np.ndarray, np.n
     t, r, n = info.num_tokens, m.rows, m.vector_size
     t32 = -(-t // 32) * 32
     streams = [np.frombuffer(s, np.uint8) for s in secs[: 2 * r]]
-    tables = m.levels[level].tables  # stream i codes with its own N tables, ids from 0
-    sym = np.stack([rans.decode([st], tables[i * n : (i + 1) * n])[0] for i, st in enumerate(streams)])
+    tables = m.levels[level].tables  # stream i codes with its own N tables, named within a call of B streams
+    b = 0xFFFF // n  # the streams whose table ids fit 16 bits below the adaptive id share a call
+    call = lambda i: tables[i // b * b * n : (i // b + 1) * b * n]  # noqa: E731
+    sym = np.stack([rans.decode([st], call(i))[0] for i, st in enumerate(streams)])
     sym = sym.reshape(r, 2, n, t32)[..., :t]
     q = sym.astype(np.int64) - 127
     q[sym == 255] = np.frombuffer(secs[2 * r], "<i2")

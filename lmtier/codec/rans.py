@@ -72,6 +72,7 @@ __all__ = [
     "encode_scratch_bytes",
     "decode_scratch_bytes",
     "stream_info",
+    "bounded_stream_info",
     "encode",
     "encode_into",
     "decode",
@@ -251,6 +252,33 @@ def stream_info(buf: Any) -> StreamInfo:
     if not MIN_SEG_LOG2 <= seg_log2 <= MAX_SEG_LOG2:
         raise ValueError(f"bad segment size 2**{seg_log2}")
     return StreamInfo(n, table_id, bool(flags & 1), seg_log2, -(-n // (1 << seg_log2)), 32 * run_words)
+
+
+def bounded_stream_info(buf: Any) -> StreamInfo:
+    """:func:`stream_info` of an encoded stream (host bytes-like, NumPy or torch uint8, CPU or CUDA:
+    only its header is read) whose symbol count a decoder may allocate: the stream must hold its
+    segment-end table (4 bytes per segment) and every segment but the last at least min(raw size, 32
+    final lane states) = 128 bytes (rans.h), and at most :data:`MAX_STREAM_SYMBOLS` symbols.
+
+    Raises:
+        ValueError: not a stream's header, or a count its bytes cannot hold (truncated or hostile).
+    """
+    head = buf[:HEADER_BYTES]
+    head = head.cpu().numpy() if is_torch(head) else head if isinstance(head, (bytes, bytearray)) else np.asarray(head)
+    info = stream_info(head)
+    if is_torch(buf):
+        nbytes = int(buf.numel() * buf.element_size())
+    elif isinstance(buf, (bytes, bytearray, memoryview)):
+        nbytes = memoryview(buf).nbytes
+    else:
+        nbytes = int(np.asarray(buf).nbytes)
+    need = HEADER_BYTES + 4 * info.num_segments + 128 * max(info.num_segments - 1, 0)
+    if info.num_symbols > MAX_STREAM_SYMBOLS or need > nbytes:
+        raise ValueError(
+            f"rans stream claims {info.num_symbols} symbols ({info.num_segments} segments), "
+            f"which {nbytes} bytes cannot hold (truncated or hostile)"
+        )
+    return info
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -595,25 +623,7 @@ def decode(
     if lengths is None:
         lengths = []
         for s in sources:
-            head = s[:HEADER_BYTES]
-            head = head.cpu().numpy() if is_torch(head) else np.asarray(head)
-            info = stream_info(head)
-            # The output is allocated from this untrusted count: bound it before allocating. The
-            # stream must hold its segment-end table (4 bytes per segment) and every segment but the
-            # last at least min(raw size, 32 final lane states) = 128 bytes (rans.h).
-            nbytes = (
-                int(s.numel() * s.element_size())
-                if is_torch(s)
-                else memoryview(s).nbytes
-                if isinstance(s, (bytes, bytearray, memoryview))
-                else int(np.asarray(s).nbytes)
-            )
-            need = HEADER_BYTES + 4 * info.num_segments + 128 * max(info.num_segments - 1, 0)
-            if info.num_symbols > MAX_STREAM_SYMBOLS or need > nbytes:
-                raise ValueError(
-                    f"rans stream claims {info.num_symbols} symbols ({info.num_segments} segments), "
-                    f"which {nbytes} bytes cannot hold (truncated or hostile)"
-                )
+            info = bounded_stream_info(s)
             lengths.append(info.num_symbols)
     lengths = [int(x) for x in lengths]
     if len(lengths) != n:

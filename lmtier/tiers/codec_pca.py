@@ -16,7 +16,8 @@ Decisions:
   it; the chunk key fixes the chunk, so a record put at a wrong position costs quality, never another
   chunk's KV.
 * **Keys.** ``key XOR pad`` with ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format
-  version || PCA level id || "pca-model" || the model file's 16-byte digest)``
+  version || PCA level id || PCA record layout (:data:`lmtier.codec.pca.codec.LAYOUT_VERSION`) ||
+  "pca-model" || the model file's 16-byte digest)``
   (:func:`lmtier.tiers.record_tier.key_pad`): records of another model file, of the other PCA level,
   of the CacheGen levels (other level ids, salts of another length) and naive chunks are in disjoint
   key spaces: misses, never decoded (and never deleted as corrupt).
@@ -191,7 +192,8 @@ class PCACodecTier(RecordTier):
         self.max_record_bytes = pca_codec.max_record_bytes(model, self.shape[2])
         self._idle: list[AlignedBuffer] = []
         self._local = threading.local()  # per thread: the CUDA decode streams
-        salt = CACHEGEN_SALT + bytes([cformat.FORMAT_VERSION, self.level.level_id]) + _MODEL_SALT + model.digest
+        layout = bytes([cformat.FORMAT_VERSION, self.level.level_id, pca_codec.LAYOUT_VERSION])
+        salt = CACHEGEN_SALT + layout + _MODEL_SALT + model.digest
         super().__init__(inner, salt=salt)  # the key pad (lmtier.tiers.record_tier), the eviction listener
 
     def takes_position(self) -> bool:

@@ -9,7 +9,8 @@ can collide, and a record must never decode with other data). Sections, in order
 
 * ``2R`` rANS streams, one per (layer group, K/V): symbols ``[N, T32]`` (``T32``: ``T`` rounded up
   to 32, padded with the zero symbol), component ``j``'s run coded with table ``j`` of the level's
-  ``N`` tables for that (layer group, K/V) (table ids restart at 0 in each stream); symbol ``q + 127``,
+  ``N`` tables for that (layer group, K/V), its header naming the first of them within its coder call's
+  slice (:func:`.streams.table_base`: several streams share a call); symbol ``q + 127``,
   or 255 for ``|q| > 127``;
 * escapes: int16 ``q`` of every symbol 255, in stream order;
 * exact bitmap: ``ceil(T / 8)`` bytes, token ``t`` at bit ``t % 8`` (LSB first) of byte ``t // 8``;
@@ -43,6 +44,7 @@ __all__ = [
     "RecordMeta",
     "sections_per_layer",
     "MAX_POSITION",
+    "LAYOUT_VERSION",
     "chunk_symbols",
     "symbols_to_kv",
 ]
@@ -50,6 +52,10 @@ __all__ = [
 _META = struct.Struct(f"<qII{DIGEST_BYTES}s")
 _DTYPES = {v: k for k, v in CODEC_DTYPES.items()}
 
+
+LAYOUT_VERSION = 2
+"""The layout of a PCA record's streams (module doc); tiers bind it into their keys, so a record of
+another layout is never looked up (1: every stream's header named table 0, one coder call each)."""
 
 MAX_POSITION = 1 << 52
 """Positions (``start + T``) stay below it: RoPE angles are ``position * inv_freq`` in float64, exact
@@ -182,7 +188,7 @@ def encode(
         or not 0 <= start <= MAX_POSITION - chunk.shape[2]
     ):
         raise ValueError(f"start must be an integer in [0, {MAX_POSITION} - T], got {start!r}")
-    lv, data = _level(model, level)
+    lv, _ = _level(model, level)
     x = chunk.detach()
     dev = x.device
     if dev.type not in ("cpu", "cuda"):
@@ -192,19 +198,7 @@ def encode(
     t, t32 = x.shape[2], streams.run_length(x.shape[2])
     arrays = _level_arrays(model, lv.name, str(dev))
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
-    n = model.vector_size
-    # one coder call per (layer group, K/V) with its own N tables: the coder's table ids are 16-bit,
-    # and 2 * L * H * D tables exceed them for 8B-class models
-    if dev.type == "cuda":
-        sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, t32)
-    else:
-        sections = [
-            rans.encode(
-                [s.numpy()], table_ids=0, tables=data.tables[i * n : (i + 1) * n], run_lens=t32,
-                num_threads=num_threads,
-            ).stream(0)
-            for i, s in enumerate(sym.reshape(2 * model.rows, -1))
-        ]  # fmt: skip
+    sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
     escapes = _host(escapes_t.to(torch.int16)).astype("<i2")
     exact = _host(exact_t)
     raw = _host(x[:, :, exact_t].contiguous().view(torch.uint8))
@@ -334,23 +328,12 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
         raise CodecRecordError(
             f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
         )
-    data, arrays, t32 = model.levels[lv.name], _level_arrays(model, lv.name, str(dev)), streams.run_length(t)
-    try:
-        if dev.type == "cpu":  # sized by the streams' own counts, which rans.decode bounds by their bytes
-            sym = [
-                torch.from_numpy(rans.decode([sec], data.tables[i * n : (i + 1) * n], num_threads=num_threads)[0])
-                for i, sec in enumerate(secs[:r2])
-            ]
-        else:  # sized by T: a stream of another count raises
-            sym = list(streams.decode(secs[:r2], arrays.tables, n * t32, dev))
+    arrays, t32 = _level_arrays(model, lv.name, str(dev)), streams.run_length(t)
+    try:  # sized by T: a stream of another count raises
+        sym = streams.decode(secs[:r2], arrays.tables, n * t32, dev, num_threads)
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-    if any(s.numel() != n * t32 for s in sym):
-        raise CodecRecordError(
-            f"corrupted PCA codec record: rANS streams of {sorted({s.numel() for s in sym})} symbols, "
-            f"{t} tokens need {n * t32}"
-        )
-    sym = torch.stack(sym).reshape(model.rows, 2, n, t32)[..., :t]
+    sym = sym.reshape(model.rows, 2, n, t32)[..., :t]
     esc = sym == tf.ESCAPE
     if int(esc.sum()) != n_esc:
         raise CodecRecordError(f"corrupted PCA codec record: {int(esc.sum())} escape symbols, {n_esc} announced")

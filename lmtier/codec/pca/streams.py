@@ -1,7 +1,13 @@
-"""The rANS streams of a PCA record on a CUDA device: one coder call per (layer group, K/V) stream
-with that stream's ``N`` tables (the format restarts table ids at 0 in each stream), all queued on
-the current stream and synchronized once, instead of :func:`lmtier.codec.rans.encode` /
-:func:`~lmtier.codec.rans.decode` (one synchronization each). Same bytes and symbols.
+"""The rANS streams of a PCA record, on the host or a CUDA device: the streams of as many (layer group,
+K/V) pairs as the coder's 16-bit table ids allow go into one coder call (:func:`batches`), queued on
+the current stream and synchronized once, instead of one :func:`lmtier.codec.rans.encode` /
+:func:`~lmtier.codec.rans.decode` per stream (one synchronization and a few warps each).
+
+Table layout (the record format's): stream ``i`` of ``S`` codes its ``N`` runs with tables ``i * N ..
+(i + 1) * N - 1`` of the level's ``[S * N, 256]`` tables. A coder call takes a slice of them, so the
+stream's header names its first table *within its call's slice*: :func:`table_base`, ``(i % B) * N``
+with ``B`` = :func:`streams_per_call`. The decoder checks every header against it, so a stream laid
+out otherwise (another call split, an older record) is refused, never decoded with other tables.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import torch
 
 from lmtier.codec import rans
 
-__all__ = ["encode", "decode", "run_length"]
+__all__ = ["encode", "decode", "run_length", "streams_per_call", "table_base", "batches"]
+
+_ROW_ALIGN = 256
+"""Each call's output region starts at a multiple of this many bytes (the coder needs 4)."""
 
 
 def run_length(tokens: int) -> int:
@@ -22,85 +31,144 @@ def run_length(tokens: int) -> int:
     return -(-tokens // rans.LANES) * rans.LANES
 
 
+def streams_per_call(n: int) -> int:
+    """``B``: streams of ``n`` tables each that one coder call codes: its table ids (16 bits, below
+    :data:`lmtier.codec.rans.ADAPTIVE_TABLE`) reach ``B * n - 1``.
+
+    Raises:
+        ValueError: ``n`` < 1 or more tables than one stream can name."""
+    if not 1 <= n <= rans.ADAPTIVE_TABLE:
+        raise ValueError(f"a PCA stream of {n} tables: the coder's table ids name 1 .. {rans.ADAPTIVE_TABLE}")
+    return rans.ADAPTIVE_TABLE // n
+
+
+def table_base(i: int, n: int) -> int:
+    """The table id stream ``i`` (of ``n`` tables) names in its header: its first table within its
+    call's slice of the tables."""
+    return (i % streams_per_call(n)) * n
+
+
+def batches(num_streams: int, n: int) -> list[range]:
+    """The coder calls of ``num_streams`` streams of ``n`` tables: consecutive stream ranges of at most
+    :func:`streams_per_call` streams (call ``k`` takes tables ``k * B * n ..``)."""
+    b = streams_per_call(n)
+    return [range(lo, min(lo + b, num_streams)) for lo in range(0, num_streams, b)]
+
+
 def _on(dev: torch.device):
     """The native coder launches on the current device: make ``dev`` current (host tensors: no-op)."""
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int) -> list[np.ndarray]:
+def _tables(tables: torch.Tensor | np.ndarray, dev: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(tables)) if isinstance(tables, np.ndarray) else tables
+    return t.to(dev).contiguous()
+
+
+def encode(
+    sym: torch.Tensor, tables: torch.Tensor | np.ndarray, run_len: int, num_threads: int = 0
+) -> list[np.ndarray]:
     """Encoded bytes (host uint8 arrays) of each row of ``sym``.
 
     Args:
-        sym: uint8 ``[S, N * run_len]`` on a CUDA device, row ``i`` coded with ``tables[i * N :
-            (i + 1) * N]``, one table per run of ``run_len`` symbols.
-        tables: uint16 ``[S * N, 256]`` on the same device.
+        sym: uint8 ``[S, N * run_len]`` on the host or a CUDA device, row ``i`` coded with ``tables[i *
+            N : (i + 1) * N]``, one table per run of ``run_len`` symbols (a positive multiple of 32).
+        tables: uint16 ``[S * N, 256]`` (a tensor, moved to ``sym``'s device, or a NumPy array).
+        num_threads: host coder threads (0: its default; CUDA: ignored).
 
     Raises:
-        ValueError: a coder status other than ok (bad tables).
+        ValueError: a coder status other than ok (bad tables), or ``tables`` not ``S`` streams' worth.
     """
     with _on(sym.device):
-        return _encode(sym, tables, run_len)
+        return _encode(sym, _tables(tables, sym.device), run_len, num_threads)
 
 
-def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int) -> list[np.ndarray]:
+def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: int) -> list[np.ndarray]:
     s_count, length = sym.shape
-    n = tables.shape[0] // s_count
-    dev = sym.device
-    bound = -(-rans.max_batch_encoded_bytes(1, length) // 256) * 256  # rows 4-byte aligned, as the coder needs
-    out = torch.empty(s_count, bound, dtype=torch.uint8, device=dev)
-    offsets = torch.empty(s_count, 2, dtype=torch.int64, device=dev)
-    status = torch.empty(s_count, dtype=torch.int32, device=dev)
-    scratch = torch.empty(rans.encode_scratch_bytes(1, length), dtype=torch.uint8, device=dev)  # calls run in order
-    for i in range(s_count):
+    if s_count == 0:
+        return []
+    if tables.shape[0] % s_count or length != tables.shape[0] // s_count * run_len:
+        raise ValueError(f"{tables.shape[0]} tables for {s_count} streams of {length} symbols in runs of {run_len}")
+    n, dev = tables.shape[0] // s_count, sym.device
+    calls = batches(s_count, n)
+    b = len(calls[0])
+    bound = -(-rans.max_batch_encoded_bytes(b, b * length) // _ROW_ALIGN) * _ROW_ALIGN
+    out = torch.empty(len(calls), bound, dtype=torch.uint8, device=dev)
+    offsets = torch.empty(len(calls), b + 1, dtype=torch.int64, device=dev)
+    status = torch.zeros(s_count, dtype=torch.int32, device=dev)
+    scratch = torch.empty(rans.encode_scratch_bytes(b, b * length), dtype=torch.uint8, device=dev)  # calls run in order
+    for k, c in enumerate(calls):
         rans.encode_into(
-            [sym[i]],
-            0,
-            tables[i * n : (i + 1) * n],
-            out=out[i],
-            offsets=offsets[i],
-            status=status[i : i + 1],
+            [sym[i] for i in c],
+            [table_base(i, n) for i in c],
+            tables[c.start * n : c.stop * n],
+            out=out[k],
+            offsets=offsets[k],
+            status=status[c.start : c.stop],
             scratch=scratch,
             run_lens=run_len,
+            num_threads=num_threads,
         )
     rans._raise_status(status.cpu().numpy(), "encode")
-    sizes = offsets[:, 1].cpu().numpy()
-    flat = torch.cat([out[i, : int(sizes[i])] for i in range(s_count)]).cpu().numpy()
-    ends = np.cumsum(sizes)
-    return [flat[e - z : e] for z, e in zip(sizes, ends)]
+    offs = offsets.cpu().numpy()
+    used = [int(offs[k, len(c)]) for k, c in enumerate(calls)]
+    flat = torch.cat([out[k, :u] for k, u in enumerate(used)]).cpu().numpy()
+    firsts = np.cumsum([0] + used[:-1])
+    spans = [(f + offs[k, j], f + offs[k, j + 1]) for k, (c, f) in enumerate(zip(calls, firsts)) for j in range(len(c))]
+    return [flat[a:b] for a, b in spans]
 
 
-def decode(sections: list, tables: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
-    """uint8 ``[S, length]`` on ``device``: the symbols of encoded streams (host bytes-like) with the
-    table layout of :func:`encode`; uploaded in one copy.
+def decode(
+    sections: list, tables: torch.Tensor | np.ndarray, length: int, device: torch.device, num_threads: int = 0
+) -> torch.Tensor:
+    """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of encoded streams
+    (host bytes-like) with the table layout of :func:`encode`; uploaded in one copy.
 
     Raises:
-        ValueError: a stream that does not decode, or not to ``length`` symbols.
+        ValueError: a stream whose header is not one, announces another count than ``length`` or one
+            its bytes cannot hold (checked before anything is allocated), names another first table
+            than :func:`table_base` (laid out otherwise), or does not decode.
     """
     with _on(device):
-        return _decode(sections, tables, length, device)
+        return _decode(sections, _tables(tables, device), length, device, num_threads)
 
 
-def _decode(sections: list, tables: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+def _decode(sections: list, tables: torch.Tensor, length: int, device: torch.device, num_threads: int) -> torch.Tensor:
     s_count = len(sections)
+    if s_count == 0:
+        return torch.empty(0, length, dtype=torch.uint8, device=device)
+    if tables.shape[0] % s_count:
+        raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
     sizes = [memoryview(s).nbytes for s in sections]
+    infos = [rans.bounded_stream_info(memoryview(s)) for s in sections]  # before anything is allocated
+    counts = sorted({h.num_symbols for h in infos})
+    if counts != [length]:
+        raise ValueError(f"rANS streams of {counts} symbols, {length} expected")
+    for i, h in enumerate(infos):
+        if h.table_id != table_base(i, n):
+            raise ValueError(f"stream {i} names table {h.table_id}, its layout needs {table_base(i, n)}")
     starts = np.concatenate([[0], np.cumsum([-(-z // 4) * 4 for z in sizes])])  # 4-byte aligned sources
     host = np.zeros(int(starts[-1]), np.uint8)
     for st, s, z in zip(starts, sections, sizes):
         host[st : st + z] = np.frombuffer(s, np.uint8)
     src = torch.from_numpy(host).to(device)
     out = torch.empty(s_count, length, dtype=torch.uint8, device=device)
-    got = torch.empty(s_count, dtype=torch.int64, device=device)
-    status = torch.empty(s_count, dtype=torch.int32, device=device)
-    scratch = torch.empty(rans.decode_scratch_bytes(1), dtype=torch.uint8, device=device)
-    for i in range(s_count):
+    got = torch.zeros(s_count, dtype=torch.int64, device=device)
+    status = torch.zeros(s_count, dtype=torch.int32, device=device)
+    calls = batches(s_count, n)
+    scratch = None
+    if device.type == "cuda":
+        scratch = torch.empty(rans.decode_scratch_bytes(len(calls[0])), dtype=torch.uint8, device=device)
+    for c in calls:
         rans.decode_into(
-            [src[int(starts[i]) : int(starts[i]) + sizes[i]]],
-            tables[i * n : (i + 1) * n],
-            outs=[out[i]],
-            out_lengths=got[i : i + 1],
-            status=status[i : i + 1],
+            [src[int(starts[i]) : int(starts[i]) + sizes[i]] for i in c],
+            tables[c.start * n : c.stop * n],
+            outs=[out[i] for i in c],
+            out_lengths=got[c.start : c.stop],
+            status=status[c.start : c.stop],
             scratch=scratch,
+            num_threads=num_threads,
         )
     rans._raise_status(status.cpu().numpy(), "decode")
     counts = got.cpu().numpy()
