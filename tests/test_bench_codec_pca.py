@@ -36,4 +36,19 @@ def test_bench_runs_on_the_host(tmp_path):
     for r in res["rows"]:
         assert r["identical"] and r["chunks"] == 2 and r["ratio"] > 1.5 and r["exact_tok"] >= 1
         assert r["encode_GBps"] > 0 and r["decode_GBps"] > 0 and r["memcpy_GBps"] > 0
+        assert r["rans_enc_GBps"] > r["encode_GBps"] and r["rans_dec_GBps"] > r["decode_GBps"]  # parts of them
     assert torch.equal(bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1), bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1))
+
+
+def test_layer_group_defaults_to_the_calibration_commands(monkeypatch):
+    """``--geometry L,H,D`` takes G from default_layer_group, as ``python -m lmtier.codec.pca`` does."""
+    seen = []
+
+    def run(args):
+        seen.append(list(args.geometry))
+        return dict(device="cpu", geometry={}, fit_s=0.0, rows=[dict(identical=True)])
+
+    monkeypatch.setattr(bench, "run", run)
+    assert bench.main(["--device", "cpu", "--geometry", "32,8,128"]) == 0
+    assert bench.main(["--device", "cpu", "--geometry", "30,3,64"]) == 0
+    assert seen == [[32, 8, 128, 1], [30, 3, 64, 6]]

@@ -226,12 +226,12 @@ def test_layer_group_is_checked_again_on_the_collected_kv(tmp_path, capsys, monk
     assert "the model's H*D = 64*256 = 16384 values per layer are too large" in capsys.readouterr().err
 
 
-def test_default_layer_group_is_the_divisor_nearest_6_within_the_limit(tmp_path, capsys, monkeypatch):
-    want = {30: 6, 32: 4, 28: 7, 24: 6, 22: 2, 16: 4, 80: 5, 7: 7, 1: 1}  # 32, 16: 4 and 8 tie -> the smaller
+def test_default_layer_group_is_the_divisor_whose_vector_size_is_nearest_1152(tmp_path, capsys, monkeypatch):
+    want = {30: 6, 32: 4, 28: 7, 24: 6, 22: 2, 16: 4, 80: 5, 7: 7, 1: 1}  # 32, 16: N 768 and 1536 tie -> G 4
     assert {n: C.default_layer_group(n, num_kv_heads=H, head_size=D) for n in want} == want
-    # N = G*H*D <= 8192: H*D = 1024 allows G <= 8, 2048 G <= 4, 8192 G = 1
-    limited = {(30, 8, 128): 6, (32, 8, 128): 4, (30, 16, 128): 3, (24, 8, 256): 4, (28, 16, 128): 4, (30, 32, 256): 1}
-    assert {k: C.default_layer_group(k[0], num_kv_heads=k[1], head_size=k[2]) for k in limited} == limited
+    # 8B-class: H*D = 1024 -> N = 1024 at G = 1; H*D = 512: 32 layers -> 2 (N 1024), 27 -> 3 (N 1536 beats 512)
+    others = {(32, 8, 128): 1, (30, 16, 128): 1, (30, 32, 256): 1, (32, 4, 128): 2, (27, 4, 128): 3, (26, 2, 64): 13}
+    assert {k: C.default_layer_group(k[0], num_kv_heads=k[1], head_size=k[2]) for k in others} == others
     seen = {}
 
     why = "a fit failure"
@@ -240,19 +240,19 @@ def test_default_layer_group_is_the_divisor_nearest_6_within_the_limit(tmp_path,
         seen.update(kw, starts=starts)
         raise RuntimeError(why)
 
-    _checkpoint(tmp_path, num_kv_heads=1, head_size=8)  # G = 6: N = 48, 96 tokens needed
-    monkeypatch.setattr(PH, "collect", _fake(_zeros(tokens=96, num_kv_heads=1, head_size=8)))
+    _checkpoint(tmp_path, num_kv_heads=1, head_size=8)  # G = 30: N = 240 (nearest 1152), 480 tokens needed
+    monkeypatch.setattr(PH, "collect", _fake(_zeros(tokens=480, num_kv_heads=1, head_size=8)))
     monkeypatch.setattr(C, "fit", fit)
     assert C.main(_argv(tmp_path, extra=["--max-tokens", "64", "--outlier-share", "0.01"])) == 1
     assert capsys.readouterr().err == f"lmtier.codec.pca: error: {why}\n"
-    assert seen["layer_group"] == 6 and seen["starts"] == [0] and seen["metric"] is None
+    assert seen["layer_group"] == 30 and seen["starts"] == [0] and seen["metric"] is None
     assert (seen["outlier_share"], seen["name"]) == (0.01, "ckpt")
     assert seen["info"] == dict(texts=["a.txt", "a.txt"], max_tokens=64, metric="none")
     assert not (tmp_path / "m.lmtpca").exists()
-    _checkpoint(tmp_path, num_kv_heads=16, head_size=128)  # the limit allows G <= 4 of H*D = 2048
+    _checkpoint(tmp_path, num_kv_heads=16, head_size=128)  # H*D = 2048: G = 1
     monkeypatch.setattr(PH, "collect", _fake(_zeros(num_kv_heads=16, head_size=128)))
     assert C.main(_argv(tmp_path)) == 1  # too few tokens: the message names G
-    assert "for N = G*H*D = 3*16*128 = 6144 values per vector" in capsys.readouterr().err
+    assert "for N = G*H*D = 1*16*128 = 2048 values per vector" in capsys.readouterr().err
 
 
 def test_too_few_calibration_tokens_exit_1_before_the_fit(tmp_path, capsys, monkeypatch):

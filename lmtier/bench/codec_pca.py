@@ -1,7 +1,7 @@
 """Throughput of the PCA codec levels through the product path (:func:`lmtier.codec.pca.encode` /
 :func:`~lmtier.codec.pca.decode`), on the GPU or the host (issue 19).
 
-    python -m lmtier.bench.codec_pca [--device cuda|cpu] [--geometry 32,8,128,4] [--chunks 8]
+    python -m lmtier.bench.codec_pca [--device cuda|cpu] [--geometry 32,8,128[,G]] [--chunks 8]
                                      [--tokens 256] [--iters 3] [--json out.json]
     python -m lmtier.bench.codec_pca --device cpu --geometry 4,2,64,2 --chunks 2 --iters 1   # small
 
@@ -17,7 +17,13 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
   in host memory); ``forward``: the transform, quantizer and symbols alone
   (:func:`lmtier.codec.pca.codec.chunk_symbols`: the fused kernels on CUDA);
 * ``decode``: :func:`~lmtier.codec.pca.decode` of each host record onto the device;
-  ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`).
+  ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`);
+* ``rans_enc`` / ``rans_dec``: the records' rANS streams alone (:mod:`lmtier.codec.pca.streams`, the
+  calls :func:`~lmtier.codec.pca.encode` / :func:`~lmtier.codec.pca.decode` make), symbols on the
+  device to host bytes and back.
+
+``G`` (layers per basis) defaults to :func:`lmtier.codec.pca.calibrate.default_layer_group` of the
+geometry, as ``python -m lmtier.codec.pca`` picks it (Llama-3.1-8B: ``G = 1``, ``N = 1,024``).
 
 Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. Same-run
 ceilings: a device memcpy of the batch (read + write) and the int8 GEMMs of the transform alone
@@ -41,11 +47,12 @@ import torch
 from lmtier.bench.args import bounded_int, int_list, output_file
 from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import pca
-from lmtier.codec.pca import codec, imatmul, kernels, rope
+from lmtier.codec.pca import codec, imatmul, kernels, rope, streams
+from lmtier.codec.pca.calibrate import default_layer_group
 from lmtier.codec.pca.levels import PCA_LEVELS
 
-COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "decode_GBps",
-           "inverse_GBps", "gemm_GBps", "memcpy_GBps", "identical"]  # fmt: skip
+COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
+           "decode_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps", "memcpy_GBps", "identical"]  # fmt: skip
 RANK = 48
 """Latent factors per (layer, plane) of the synthetic KV."""
 
@@ -168,8 +175,21 @@ def run(args) -> dict:
             _sync(dev)
             return out
 
+        tables = codec._level_arrays(m, level, str(dev)).tables
+        t32, r2 = streams.run_length(t_), 2 * m.rows
+        secs = [streams.encode(sym.reshape(r2, -1), tables, t32) for sym, _, _ in fws]
+
+        def rans_enc():
+            return [streams.encode(sym.reshape(r2, -1), tables, t32) for sym, _, _ in fws]
+
+        def rans_dec():
+            out = [streams.decode(s, tables, m.vector_size * t32, dev) for s in secs]
+            _sync(dev)
+            return out
+
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
-             (("encode", enc), ("forward", fwd), ("decode", dec), ("inverse", inv))}  # fmt: skip
+             (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
+              ("rans_dec", rans_dec))}  # fmt: skip
         same = True
         if dev.type == "cuda":
             same = all(pca.encode(c.cpu(), start=s, model=m, level=level) == r for c, s, r in zip(chunks, starts, recs))
@@ -202,7 +222,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
-        "--geometry", type=int_list(min_value=1), default=[32, 8, 128, 4], help="L,H,D,G (default: Llama-3.1-8B, G=4)"
+        "--geometry",
+        type=int_list(min_value=1),
+        default=[32, 8, 128],
+        help="L,H,D[,G] (default: Llama-3.1-8B; G: the calibration command's default)",
     )
     ap.add_argument("--levels", nargs="+", choices=sorted(PCA_LEVELS), default=["pca_default", "pca_high"])
     ap.add_argument("--chunks", type=bounded_int(min_value=1), default=8)
@@ -212,8 +235,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--model-cache", default=None, help="folder of the one-group fits (default: the temp folder)")
     args = ap.parse_args(argv)
+    if len(args.geometry) == 3:
+        nl, h, d = args.geometry
+        args.geometry = [nl, h, d, default_layer_group(nl, num_kv_heads=h, head_size=d)]
     if len(args.geometry) != 4 or args.geometry[0] % args.geometry[3]:
-        ap.error(f"--geometry needs L,H,D,G with G dividing L, got {args.geometry}")
+        ap.error(f"--geometry needs L,H,D[,G] with G dividing L, got {args.geometry}")
     out = run(args)
     print(f"# {out['device']}  geometry {out['geometry']}  fit {out['fit_s']:.1f} s")
     print_table(out["rows"], COLUMNS)

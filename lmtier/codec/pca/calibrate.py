@@ -11,8 +11,8 @@ the calibration KV codes under it), then the model id and the file's size. The c
 ``N = G * H * D`` values per vector needs several times ``N`` tokens in all: a few thousand tokens
 of varied text; fewer than ``2 * N`` (:data:`MIN_TOKENS_PER_VALUE`) is an error before the fit. ``N`` is at most
 :data:`.model.MAX_VECTOR_SIZE` (8192): ``--layer-group`` must divide the model's layers and keep
-``G * H * D`` within it, and defaults to the divisor of the layers nearest 6 that does, ties to the
-smaller (:func:`default_layer_group`). The layers ``L``, KV heads ``H`` and head size ``D`` are read
+``G * H * D`` within it, and defaults to the divisor whose ``G * H * D`` is nearest 1,152, ties to
+the smaller (:func:`default_layer_group`). The layers ``L``, KV heads ``H`` and head size ``D`` are read
 from the checkpoint's ``config.json`` before the model is loaded (:func:`.hf.checkpoint_geometry`)
 and checked again on the KV the model produced.
 
@@ -34,12 +34,15 @@ from . import hf
 from .fit import fit
 from .model import MAX_VECTOR_SIZE, save
 
-__all__ = ["DEFAULT_LAYER_GROUP", "MIN_TOKENS_PER_VALUE", "default_layer_group", "main"]
+__all__ = ["DEFAULT_VECTOR_SIZE", "MIN_TOKENS_PER_VALUE", "default_layer_group", "main"]
 
 PROG = "python -m lmtier.codec.pca"
-DEFAULT_LAYER_GROUP = 6
-"""The layer group the default aims at: on SmolLM2 (30 layers) larger groups kept helping up to about
-6 layers (``benchmarks/codec_pca.py``, RESULTS §4.1g)."""
+DEFAULT_VECTOR_SIZE = 1152
+"""The vector size ``N = G * H * D`` the default layer group aims at. ``N`` sets both what a basis can
+capture (on SmolLM2, ``H * D = 192``, larger groups kept helping up to about 6 layers: ``N = 1,152``;
+``benchmarks/codec_pca.py``, RESULTS §4.1g) and the transform's cost (its integer GEMMs do ``N``
+multiply-adds per value, 4 byte products each on the encoder). The levels' quality was measured at
+``N`` = 1,152 and 1,344 (RESULTS §4.1l); an 8B-class model (``H * D = 1,024``) gets ``G = 1``."""
 MIN_TOKENS_PER_VALUE = 2
 """Calibration tokens needed per value of a vector: fewer than ``2 * N`` tokens is an error before the
 fit (below it the basis fits the calibration tokens themselves rather than the KV to come)."""
@@ -57,9 +60,9 @@ def _layer_groups(num_layers: int, layer_values: int) -> list[int]:
 
 def default_layer_group(num_layers: int, *, num_kv_heads: int, head_size: int) -> int:
     """Among the divisors ``G`` of ``num_layers`` with ``N = G * num_kv_heads * head_size <=``
-    :data:`.model.MAX_VECTOR_SIZE`, the one nearest :data:`DEFAULT_LAYER_GROUP` (ties: the smaller
-    one): at ``H * D = 192`` 30 layers -> 6, 32 -> 4, 28 -> 7, 22 -> 2; at ``H * D = 2048`` (``G <= 4``)
-    30 layers -> 3.
+    :data:`.model.MAX_VECTOR_SIZE`, the one whose ``N`` is nearest :data:`DEFAULT_VECTOR_SIZE` (ties:
+    the smaller ``G``): at ``H * D = 192`` 30 layers -> 6, 32 -> 4, 28 -> 7, 22 -> 2; at ``H * D >=
+    1,024`` (8B-class models) 1.
 
     Raises:
         CalibrationError: ``num_kv_heads * head_size`` exceeds the limit (no ``G`` fits).
@@ -71,7 +74,7 @@ def default_layer_group(num_layers: int, *, num_kv_heads: int, head_size: int) -
             f"the model's H*D = {num_kv_heads}*{head_size} = {hd} values per layer are too large for the PCA "
             f"levels: a vector holds N = G*H*D <= {MAX_VECTOR_SIZE} values, exceeded even at G = 1"
         )
-    return min(groups, key=lambda g: (abs(g - DEFAULT_LAYER_GROUP), g))
+    return min(groups, key=lambda g: (abs(g * hd - DEFAULT_VECTOR_SIZE), g))
 
 
 def _layer_group(ap: argparse.ArgumentParser, requested: int | None, num_layers: int, h: int, d: int) -> int:
@@ -100,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", **path, metavar="FILE", help="the model file to write (replaced if it exists)")
     g_help = (
         f"adjacent layers per basis, a divisor of the layers with G*H*D <= {MAX_VECTOR_SIZE} "
-        f"(default: the one nearest {DEFAULT_LAYER_GROUP})"
+        f"(default: the one with G*H*D nearest {DEFAULT_VECTOR_SIZE})"
     )
     ap.add_argument("--layer-group", type=int, metavar="G", help=g_help)
     ap.add_argument("--max-tokens", type=int, default=4096, metavar="T", help="tokens of each text (%(default)s)")
