@@ -330,7 +330,9 @@ void bind_pca(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lmtier compiled core: paged KV gather/scatter (CPU + CUDA), host memory, DMA copies";
-  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  // Module-local: tried first for this module's throws, never through translators of other
+  // modules that share pybind11's internals (torch's, when built with the same pybind11 ABI).
+  py::register_local_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
 
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
