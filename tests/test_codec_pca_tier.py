@@ -103,18 +103,27 @@ def test_round_trip_is_the_library_codec_bit_for_bit(disk, model, level):
     assert t.delete(key(1)) and not t.contains(key(1)) and got(t, key(1)) is None
 
 
-@pytest.mark.parametrize("position", [None, -1, True, 1.5, "0"])
-def test_put_without_a_position_is_not_stored(disk, model, position, caplog):
+def test_put_without_a_position_is_not_stored(disk, model, caplog):
     t = _tier(disk, model)
     x = _kv(T, 0, 12)
     with caplog.at_level(logging.DEBUG, "lmtier.tiers.codec_pca"):
-        kw = {} if position is None else {"position": position}
-        assert t.put(key(2), as_bytes(x), **kw) is False
-        assert t.put(key(3), as_bytes(x), **kw) is False
+        assert t.put(key(2), as_bytes(x)) is False
+        assert t.put(key(3), as_bytes(x), position=None) is False
     assert t.counters["put_no_position"] == 2 and t.counters["puts"] == 0
     assert disk.usage().num_chunks == 0 and not t.contains(key(2))
     said = [r for r in caplog.records if "without a position" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG]  # once at warning, then debug
+
+
+@pytest.mark.parametrize("position", [-1, True, 1.5, "0", np.int64(0)])
+def test_put_at_a_bad_position_raises_and_stores_nothing(disk, model, position):
+    """A position that is neither None nor an int >= 0 is the caller's bug, as at every tier that
+    takes positions (lmtier.tiers.base.check_position): ValueError naming the tier, nothing stored."""
+    t = _tier(disk, model)
+    with pytest.raises(ValueError, match=r"\.put: position must be None or an int >= 0"):
+        t.put(key(2), as_bytes(_kv(T, 0, 12)), position=position)
+    assert t.counters["puts"] == 0 and t.counters.get("put_no_position", 0) == 0
+    assert disk.usage().num_chunks == 0 and not t.contains(key(2))
 
 
 def test_put_refuses_bad_payloads_nan_and_positions_past_the_maximum(disk, model):

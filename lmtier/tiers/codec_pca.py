@@ -58,7 +58,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from lmtier.codec import format as cformat
@@ -69,7 +68,7 @@ from lmtier.codec.pca import codec as pca_codec
 from lmtier.codec.pca.levels import PCA_LEVELS, PCALevel
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
-from lmtier.tiers.base import Tier
+from lmtier.tiers.base import Tier, check_position
 from lmtier.tiers.buffers import AlignedBuffer
 from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, check_record_geometry
 
@@ -212,10 +211,12 @@ class PCACodecTier(RecordTier):
             inner put (``put_failures``).
 
         Raises:
-            ValueError: ``key`` is not 32 bytes.
+            ValueError: ``key`` is not 32 bytes, or ``position`` neither None nor an ``int >= 0``
+                (:func:`lmtier.tiers.base.check_position`).
         """
         self.inner_key(key)  # a bad key raises before anything is encoded
-        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
+        position = check_position(position, f"{self.name}.put")
+        if position is None:
             n = self._count("put_no_position")
             (log.warning if n == 1 else log.debug)(
                 "%s: put %s without a position (%r): a PCA level stores a chunk only with the position of "
@@ -231,7 +232,7 @@ class PCACodecTier(RecordTier):
 
         def encode(buf: torch.Tensor) -> bytes:
             chunk = buf.view(self.dtype).view(self.shape)
-            return pca.encode(chunk, start=int(position), model=self.model, level=self.level)
+            return pca.encode(chunk, start=position, model=self.model, level=self.level)
 
         try:
             record, on_gpu = self._encode_on(key, src, lambda: encode(src), lambda gpu: gpu.run(src, encode))
