@@ -146,9 +146,10 @@ class Scheme:
         return kv.numel() * 16 / bits, torch.cat(dec, 2)
 
 
-def reference(t: str, model: str) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(text data, bf16 KV [L, 2, T, H, D], reference log-probs, scored next tokens)`` of text ``t``."""
-    data = CQ.get_text(t, model)
+def reference(t: str, model: str, offset: int = 0) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(text data, bf16 KV [L, 2, T, H, D], reference log-probs, scored next tokens)`` of text ``t``
+    (its window at token ``offset``: :func:`codec_quality.get_text`)."""
+    data = CQ.get_text(t, model, offset)
     kv = data["kv_fp32"].to(torch.bfloat16)
     return data, kv, CQ.continuation_logprobs(data, kv.float()), data["ids"][data["ctx"] + 1 :]
 

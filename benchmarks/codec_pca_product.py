@@ -7,7 +7,9 @@ then every held-out text's 1,024-token context is coded as four 256-token chunks
 :func:`lmtier.codec.pca.encode` at their positions and decoded by :func:`lmtier.codec.pca.decode`.
 Ratio = bf16 bytes / **all record bytes** (headers, index, metadata, rANS framing, escapes, exact
 tokens). Quality as the matrix measures it (``codec_quality.compare``: Δppl, top-1, KL over 255
-scored tokens). The tune texts are never evaluated.
+scored tokens); ``--windows K`` measures ``K`` such windows per text, ``--window-stride`` tokens apart
+(default 1,216: three fit the shortest text), and pools them (:func:`pooled`: the perplexities over
+all ``255 K`` scored tokens; the same metric, a smaller sampling error). The tune texts are never evaluated.
 
 The JSON's cells are those of a quality matrix (``model``, ``scheme`` = the level, ``split`` =
 held-out, ratio, Δppl, top-1, KL): ``lmtier bench codec --matrix FILE`` prints their min / median /
@@ -15,7 +17,7 @@ max table (``--combine OUT A.json B.json ...`` writes one file of several runs' 
 
 Run: ``python benchmarks/codec_pca_product.py [--model smollm2] [--layer-group 6] [--metric model|none]
 [--tune-texts ...] [--eval-texts ...] [--extra-cal all|NAME,...] [--calibration-ratio LEVEL=R ...]
-[--levels pca_high,pca_default] [--outlier-share 0.002]
+[--levels pca_high,pca_default] [--outlier-share 0.002] [--windows 1] [--window-stride 1216]
 [--save model.lmtpca | --load model.lmtpca] [--json out.json]``; ~3 min to fit and ~1 min per text
 on one core.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -84,6 +87,31 @@ def code_text(m, kv: torch.Tensor, level: str, chunk: int = 256):
     return nbytes, torch.cat(dec, 2), exact, esc, te, td
 
 
+def pooled(windows: list[dict]) -> dict:
+    """One cell of a text's windows (``codec_quality.compare``'s metrics plus bytes and counts each):
+    the continuation's perplexities over all scored tokens (mean NLL weighted by tokens), top-1 and KL
+    token-weighted, the ratio of all bf16 bytes to all record bytes; ``windows``: the window cells."""
+    n = sum(w["n_scored"] for w in windows)
+    mean = lambda key: sum(w[key] * w["n_scored"] for w in windows) / n  # noqa: E731
+    nll_ref = sum(math.log(w["ppl_ref"]) * w["n_scored"] for w in windows) / n
+    nll = sum(math.log(w["ppl"]) * w["n_scored"] for w in windows) / n
+    return dict(
+        ratio=sum(w["bf16_bytes"] for w in windows) / sum(w["record_bytes"] for w in windows),
+        exact=sum(w["exact"] for w in windows),
+        escapes=sum(w["escapes"] for w in windows),
+        rel_err=max(w["rel_err"] for w in windows),
+        encode_s=sum(w["encode_s"] for w in windows),
+        decode_s=sum(w["decode_s"] for w in windows),
+        ppl_ref=math.exp(nll_ref),
+        ppl=math.exp(nll),
+        dppl_pct=100.0 * (math.exp(nll - nll_ref) - 1.0),
+        top1=mean("top1"),
+        kl=mean("kl"),
+        n_scored=n,
+        windows=windows,
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help=f"one of {', '.join(CC.MODELS)}")
@@ -99,6 +127,8 @@ def main(argv=None) -> int:
         help=f"calibration-only texts added to the tune texts ('all': {', '.join(CC.CALIBRATION_TEXTS)})",
     )
     ap.add_argument("--levels", default="pca_high,pca_default")
+    ap.add_argument("--windows", type=int, default=1, help="windows per text (default 1: the matrix's)")
+    ap.add_argument("--window-stride", type=int, default=1216, help="tokens between windows' starts")
     ap.add_argument(
         "--calibration-ratio",
         action="append",
@@ -119,6 +149,8 @@ def main(argv=None) -> int:
         cells = [c for p in a.combine[1:] for c in json.loads(p.read_text())["cells"]]
         a.combine[0].write_text(json.dumps(dict(sources=[p.name for p in a.combine[1:]], cells=cells), indent=1))
         return 0
+    if a.windows < 1 or a.window_stride < 1:
+        ap.error(f"--windows and --window-stride must be >= 1, got {a.windows} and {a.window_stride}")
     tune, held, levels = a.tune_texts.split(","), a.eval_texts.split(","), a.levels.split(",")
     if bad := [t for t in (*tune, *held) if t not in CC.MATRIX_TEXTS]:
         ap.error(f"unknown texts {bad}: use {', '.join(CC.MATRIX_TEXTS)}")
@@ -149,31 +181,23 @@ def main(argv=None) -> int:
     print(f"model {m.name} id {m.model_id:#010x} G={m.layer_group} ({time.time() - t0:.0f} s)", flush=True)
     cells = []
     for t in held:
-        data, kv, ref, ids = HA.reference(t, a.model)
+        per = {lv: [] for lv in levels}  # level -> [(window cell, bf16 bytes, record bytes, exact, escapes, ...)]
+        for w in range(a.windows):
+            data, kv, ref, ids = HA.reference(t, a.model, w * a.window_stride)
+            for lv in levels:
+                nbytes, dec, exact, esc, te, td = code_text(m, kv, lv)
+                q = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
+                rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
+                per[lv].append(dict(offset=w * a.window_stride, bf16_bytes=kv.numel() * 2, record_bytes=nbytes,
+                                    exact=exact, escapes=esc, rel_err=rel, encode_s=te, decode_s=td, **q))  # fmt: skip
         for lv in levels:
-            nbytes, dec, exact, esc, te, td = code_text(m, kv, lv)
-            q = CQ.compare(ref, CQ.continuation_logprobs(data, dec.float()), ids)
-            rel = float((dec.float() - kv.float()).norm() / kv.float().norm())
-            ratio = kv.numel() * 2 / nbytes
-            cells.append(
-                dict(
-                    model=a.model,
-                    text=t,
-                    scheme=lv,
-                    split="held-out",
-                    level=lv,
-                    ratio=ratio,
-                    exact=exact,
-                    escapes=esc,
-                    rel_err=rel,
-                    encode_s=te,
-                    decode_s=td,
-                    **q,
-                )
-            )
+            c = pooled(per[lv])
+            each = ", ".join(f"{x['dppl_pct']:+.2f}%" for x in per[lv])
+            cells.append(dict(model=a.model, text=t, scheme=lv, split="held-out", level=lv, **c))
             print(
-                f"{t:<13s} {lv:<12s} ratio {ratio:5.2f}x exact {exact:3d} esc {esc:5d} dppl {q['dppl_pct']:+6.2f}% "
-                f"top1 {q['top1']:6.2f}% KL {q['kl']:.5f} rel {rel:.4f} enc {te:.1f}s dec {td:.1f}s",
+                f"{t:<13s} {lv:<12s} ratio {c['ratio']:5.2f}x exact {c['exact']:3d} esc {c['escapes']:5d} "
+                f"dppl {c['dppl_pct']:+6.2f}% top1 {c['top1']:6.2f}% KL {c['kl']:.5f} rel {c['rel_err']:.4f} "
+                f"scored {c['n_scored']} (windows {each})",
                 flush=True,
             )
     for lv in levels:

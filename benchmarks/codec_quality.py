@@ -120,11 +120,13 @@ def _canonical_to_cache(kv: torch.Tensor, dtype):
     return cache
 
 
-def get_text(name: str, model: str = "smollm2"):
+def get_text(name: str, model: str = "smollm2", offset: int = 0):
     """Returns dict(ids (context+continuation, int64), ctx, cont, kv_fp32, kv_bf16model, model).
 
     ``name``: a text of :data:`TEXTS` or of the matrix corpus (``codec_corpus.MATRIX_TEXTS``; those
-    have no bf16-model KV: ``kv_bf16model`` is None)."""
+    have no bf16-model KV: ``kv_bf16model`` is None). ``offset``: a matrix text's window starts at
+    its ``offset``-th token (the context is then a fresh sequence at positions 0 ..; 0: the matrix's
+    window)."""
     import codec_corpus as CC
     from safetensors.torch import load_file, save_file
 
@@ -133,8 +135,12 @@ def get_text(name: str, model: str = "smollm2"):
         src, ctx, cont = CC.source_spec(name), CC.MATRIX_CONTEXT, CC.MATRIX_CONTINUATION
     else:
         src, ctx, cont = TEXTS[name]
+        assert offset == 0, "windows are for matrix texts"
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    path = CACHE_DIR / (f"{name}.safetensors" if model == "smollm2" and not matrix else f"{model}.{name}.safetensors")
+    at = f"@{offset}" if offset else ""
+    path = CACHE_DIR / (
+        f"{name}.safetensors" if model == "smollm2" and not matrix else f"{model}.{name}{at}.safetensors"
+    )
     if path.exists():
         d = load_file(path)
         return dict(
@@ -147,7 +153,7 @@ def get_text(name: str, model: str = "smollm2"):
         )
     m32, tok = load_model(torch.float32, model)
     text = CC.source_text(src)
-    ids = torch.tensor(tok(text).input_ids[: ctx + max(cont, 512)], dtype=torch.int64)  # cache 512 either way
+    ids = torch.tensor(tok(text).input_ids[offset : offset + ctx + max(cont, 512)], dtype=torch.int64)  # 512 either way
     assert ids.numel() >= ctx + cont, (name, ids.numel())
     with torch.no_grad():
         out = m32(ids[None, :ctx], use_cache=True)

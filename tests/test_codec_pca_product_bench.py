@@ -32,6 +32,7 @@ from lmtier.codec import pca  # noqa: E402
         (["--calibration-ratio", "low=3"], "--calibration-ratio 'low=3': a PCA level and a ratio above 1"),
         (["--calibration-ratio", "pca_high=1"], "--calibration-ratio 'pca_high=1': a PCA level and a ratio above 1"),
         (["--combine", "out.json"], "--combine needs OUT and at least one JSON"),
+        (["--windows", "0"], "--windows and --window-stride must be >= 1, got 0 and 1216"),
     ],
 )
 def test_usage_errors(argv, message, capsys, tmp_path, monkeypatch):
@@ -103,3 +104,24 @@ def test_calibration_only_texts_share_no_document_with_the_matrix():
     for name in CC.CALIBRATION_TEXTS:
         assert CC.source_spec(name) == CC.CALIBRATION_TEXTS[name]
     assert CC.source_spec("de_man") == CC.MATRIX_TEXTS["de_man"][0]
+
+
+def _window(n, ppl_ref, ppl, top1, kl, bf16, rec):
+    d = dict(n_scored=n, ppl_ref=ppl_ref, ppl=ppl, dppl_pct=100 * (ppl / ppl_ref - 1), top1=top1, kl=kl)
+    return d | dict(bf16_bytes=bf16, record_bytes=rec, exact=1, escapes=2, rel_err=0.1, encode_s=1.0, decode_s=2.0)
+
+
+def test_pooled_windows_are_the_metrics_over_all_scored_tokens():
+    """--windows: the perplexities over all windows' scored tokens (NLL weighted by tokens), not a
+    mean of the windows' Δppl; one window is that window's cell."""
+    one = _window(255, 10.0, 10.2, 97.0, 0.002, 8000, 1000)
+    c = B.pooled([one])
+    assert c["dppl_pct"] == pytest.approx(2.0) and c["ratio"] == 8.0 and c["top1"] == 97.0 and c["n_scored"] == 255
+    two = _window(765, 20.0, 19.8, 99.0, 0.001, 16000, 4000)  # three times the tokens, Δppl -1 %
+    c = B.pooled([one, two])
+    nll = (255 * np.log(10.2) + 765 * np.log(19.8)) / 1020
+    nll_ref = (255 * np.log(10.0) + 765 * np.log(20.0)) / 1020
+    assert c["dppl_pct"] == pytest.approx(100 * (np.exp(nll - nll_ref) - 1))
+    assert c["dppl_pct"] == pytest.approx(100 * ((1.02 * 0.99**3) ** 0.25 - 1))
+    assert c["top1"] == pytest.approx(98.5) and c["kl"] == pytest.approx(0.00125) and c["ratio"] == 4.8
+    assert (c["exact"], c["escapes"], c["n_scored"], len(c["windows"])) == (2, 4, 1020, 2)
