@@ -25,7 +25,9 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
 ``G`` (layers per basis) defaults to :func:`lmtier.codec.pca.calibrate.default_layer_group` of the
 geometry, as ``python -m lmtier.codec.pca`` picks it (Llama-3.1-8B: ``G = 1``, ``N = 1,024``).
 
-Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. Same-run
+Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. ``--profile
+FILE`` also writes, per level, ``torch.profiler``'s table of one ``encode`` and one ``decode`` pass
+(operators and kernels by device time, then by host time, with call counts): where the time goes. Same-run
 ceilings: a device memcpy of the batch (read + write) and the int8 GEMMs of the transform alone
 (``gemm``: the encoder's four byte products of every (layer group, K/V), :mod:`lmtier.codec.pca.imatmul`).
 Checks: every chunk's CUDA record equals the host encoder's byte for byte, and the first record's
@@ -129,6 +131,21 @@ def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> float:
     return wall_time_ms(lambda: (kernels._gemms(x, a, y), _sync(chunk.device)), warmup=1, iters=iters)
 
 
+def _profile(path: Path, level: str, passes, dev: torch.device) -> None:
+    """Append ``torch.profiler``'s tables of each ``(name, fn)`` pass (run once, warm) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with path.open("a") as f:
+        for name, fn in passes:
+            with profile(activities=acts) as prof:
+                fn()
+            ev = prof.key_averages()
+            keys = ("cuda_time_total", "cpu_time_total") if dev.type == "cuda" else ("cpu_time_total",)
+            for key in keys:
+                f.write(f"==== {level} {name}: by {key}\n{ev.table(sort_by=key, row_limit=30, max_name_column_width=60)}\n")
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
     geom = tuple(args.geometry)
@@ -187,6 +204,8 @@ def run(args) -> dict:
             _sync(dev)
             return out
 
+        if args.profile:
+            _profile(Path(args.profile), level, (("encode", enc), ("decode", dec)), dev)
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
              (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
               ("rans_dec", rans_dec))}  # fmt: skip
@@ -234,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
     ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--model-cache", default=None, help="folder of the one-group fits (default: the temp folder)")
+    ap.add_argument("--profile", type=output_file, default=None, help="append torch.profiler tables here")
     args = ap.parse_args(argv)
     if len(args.geometry) == 3:
         nl, h, d = args.geometry
