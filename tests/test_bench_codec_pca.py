@@ -46,7 +46,9 @@ def test_profile_writes_each_levels_tables(tmp_path):
                      "--calib-tokens", "200", "--model-cache", str(tmp_path), "--profile", str(prof)])  # fmt: skip
     assert rc == 0
     heads = [line for line in prof.read_text().splitlines() if line.startswith("==== ")]
-    assert heads == [f"==== {lv} {p}: by cpu_time_total" for lv in ("pca_default", "pca_high") for p in ("encode", "decode")]
+    assert heads == [
+        f"==== {lv} {p}: by cpu_time_total" for lv in ("pca_default", "pca_high") for p in ("encode", "decode")
+    ]
 
 
 def test_layer_group_defaults_to_the_calibration_commands(monkeypatch):

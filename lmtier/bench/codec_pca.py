@@ -143,7 +143,8 @@ def _profile(path: Path, level: str, passes, dev: torch.device) -> None:
             ev = prof.key_averages()
             keys = ("cuda_time_total", "cpu_time_total") if dev.type == "cuda" else ("cpu_time_total",)
             for key in keys:
-                f.write(f"==== {level} {name}: by {key}\n{ev.table(sort_by=key, row_limit=30, max_name_column_width=60)}\n")
+                table = ev.table(sort_by=key, row_limit=30, max_name_column_width=60)
+                f.write(f"==== {level} {name}: by {key}\n{table}\n")
 
 
 def run(args) -> dict:
