@@ -180,6 +180,13 @@ def test_stream_helpers_give_the_coders_bytes_and_symbols():
         streams.decode(host, data.tables, n * 64 + 32, torch.device("cpu"))
     with pytest.raises(ValueError):
         streams.decode([host[0], host[1][:40], *host[2:]], data.tables, n * 64, torch.device("cpu"))
+    region = b"".join(h + bytes(-len(h) % 4) for h in host)  # a record's streams: one region, 4-byte aligned
+    starts = np.cumsum([0] + [-(-len(h) // 4) * 4 for h in host[:-1]])
+    sizes = np.array([len(h) for h in host])
+    assert torch.equal(streams.decode_spans(region, starts, sizes, data.tables, n * 64, torch.device("cpu")), sym)
+    for bad_starts in (starts + 2, starts + len(region)):  # misaligned, outside the region
+        with pytest.raises(ValueError, match="outside the region of .* or not 4-byte aligned"):
+            streams.decode_spans(region, bad_starts, sizes, data.tables, n * 64, torch.device("cpu"))
     old = rans.encode([sym[1].numpy()], table_ids=0, tables=data.tables[n : 2 * n], run_lens=64).stream(0)
     with pytest.raises(ValueError, match="stream 1 names table 0, its layout needs"):  # layout 1's header
         streams.decode([host[0], bytes(old), *host[2:]], data.tables, n * 64, torch.device("cpu"))

@@ -330,7 +330,9 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
         )
     arrays, t32 = _level_arrays(model, lv.name, str(dev)), streams.run_length(t)
     try:  # sized by T: a stream of another count raises
-        sym = streams.decode(secs[:r2], arrays.tables, n * t32, dev, num_threads)
+        spans = rec.index[:r2]  # the streams: sections 0 .. 2R-1, payload offsets 4-byte aligned
+        offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
+        sym = streams.decode_spans(rec.payload, offs, lens, arrays.tables, n * t32, dev, num_threads)
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
     sym = sym.reshape(model.rows, 2, n, t32)[..., :t]

@@ -13,13 +13,15 @@ out otherwise (another call split, an older record) is refused, never decoded wi
 from __future__ import annotations
 
 import contextlib
+import warnings
+from typing import Any
 
 import numpy as np
 import torch
 
 from lmtier.codec import rans
 
-__all__ = ["encode", "decode", "run_length", "streams_per_call", "table_base", "batches"]
+__all__ = ["encode", "decode", "decode_spans", "run_length", "streams_per_call", "table_base", "batches"]
 
 _ROW_ALIGN = 256
 """Each call's output region starts at a multiple of this many bytes (the coder needs 4)."""
@@ -122,37 +124,79 @@ def decode(
     sections: list, tables: torch.Tensor | np.ndarray, length: int, device: torch.device, num_threads: int = 0
 ) -> torch.Tensor:
     """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of encoded streams
-    (host bytes-like) with the table layout of :func:`encode`; uploaded in one copy.
+    (host bytes-like, each its own buffer) with the table layout of :func:`encode`. Packs them into one
+    region and calls :func:`decode_spans` (a record's streams are one region already: use that).
+
+    Raises:
+        ValueError: as :func:`decode_spans`.
+    """
+    sizes = [memoryview(s).nbytes for s in sections]
+    starts = np.concatenate([[0], np.cumsum([-(-z // 4) * 4 for z in sizes])]).astype(np.int64)
+    region = np.zeros(int(starts[-1]), np.uint8)
+    for st, sec, z in zip(starts, sections, sizes):
+        region[st : st + z] = np.frombuffer(sec, np.uint8)
+    return decode_spans(region, starts[:-1], np.asarray(sizes, np.int64), tables, length, device, num_threads)
+
+
+def decode_spans(
+    region: Any,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    tables: torch.Tensor | np.ndarray,
+    length: int,
+    device: torch.device,
+    num_threads: int = 0,
+) -> torch.Tensor:
+    """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of the ``S`` encoded
+    streams at ``region[starts[i] : starts[i] + sizes[i]]`` (host bytes-like; ``starts`` 4-byte aligned,
+    as a record's sections are) with the table layout of :func:`encode`. The region is read in place on
+    the host and uploaded in one copy for a CUDA device.
 
     Raises:
         ValueError: a stream whose header is not one, announces another count than ``length`` or one
             its bytes cannot hold (checked before anything is allocated), names another first table
-            than :func:`table_base` (laid out otherwise), or does not decode.
+            than :func:`table_base` (laid out otherwise), or does not decode; a misaligned or
+            out-of-region span.
     """
     with _on(device):
-        return _decode(sections, _tables(tables, device), length, device, num_threads)
+        return _decode(region, starts, sizes, _tables(tables, device), length, device, num_threads)
 
 
-def _decode(sections: list, tables: torch.Tensor, length: int, device: torch.device, num_threads: int) -> torch.Tensor:
-    s_count = len(sections)
+def _decode(
+    region: Any,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    tables: torch.Tensor,
+    length: int,
+    device: torch.device,
+    num_threads: int,
+) -> torch.Tensor:
+    s_count = len(starts)
     if s_count == 0:
         return torch.empty(0, length, dtype=torch.uint8, device=device)
     if tables.shape[0] % s_count:
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
-    sizes = [memoryview(s).nbytes for s in sections]
-    infos = [rans.bounded_stream_info(memoryview(s)) for s in sections]  # before anything is allocated
+    host = np.frombuffer(region, np.uint8)
+    lo, hi = int(starts.min()), int((starts + sizes).max())
+    if lo < 0 or hi > host.size or (starts % 4).any():
+        raise ValueError(f"stream spans outside the region of {host.size} bytes or not 4-byte aligned")
+    secs = [host[int(a) : int(a) + int(z)] for a, z in zip(starts, sizes)]
+    infos = [rans.bounded_stream_info(x) for x in secs]  # before anything is allocated
     counts = sorted({h.num_symbols for h in infos})
     if counts != [length]:
         raise ValueError(f"rANS streams of {counts} symbols, {length} expected")
     for i, h in enumerate(infos):
         if h.table_id != table_base(i, n):
             raise ValueError(f"stream {i} names table {h.table_id}, its layout needs {table_base(i, n)}")
-    starts = np.concatenate([[0], np.cumsum([-(-z // 4) * 4 for z in sizes])])  # 4-byte aligned sources
-    host = np.zeros(int(starts[-1]), np.uint8)
-    for st, s, z in zip(starts, sections, sizes):
-        host[st : st + z] = np.frombuffer(s, np.uint8)
-    src = torch.from_numpy(host).to(device)
+    base = lo - lo % 4
+    src = host[base:hi]
+    if device.type == "cuda":  # one upload of the streams' bytes; the spans keep their alignment
+        with warnings.catch_warnings():  # a read-only record (bytes): only read, by the copy
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(src).to(device)
+    elif src.ctypes.data % 4:  # read in place; the coder needs 4-byte aligned addresses
+        src = src.copy()
     out = torch.empty(s_count, length, dtype=torch.uint8, device=device)
     got = torch.zeros(s_count, dtype=torch.int64, device=device)
     status = torch.zeros(s_count, dtype=torch.int32, device=device)
@@ -160,9 +204,10 @@ def _decode(sections: list, tables: torch.Tensor, length: int, device: torch.dev
     scratch = None
     if device.type == "cuda":
         scratch = torch.empty(rans.decode_scratch_bytes(len(calls[0])), dtype=torch.uint8, device=device)
+    rel = [(int(a) - base, int(a) - base + int(z)) for a, z in zip(starts, sizes)]
     for c in calls:
         rans.decode_into(
-            [src[int(starts[i]) : int(starts[i]) + sizes[i]] for i in c],
+            [src[rel[i][0] : rel[i][1]] for i in c],
             tables[c.start * n : c.stop * n],
             outs=[out[i] for i in c],
             out_lengths=got[c.start : c.stop],
