@@ -31,7 +31,7 @@ off = np.zeros(2, np.uint64); st = np.zeros(1, np.int32); sc = np.zeros(1 << 20,
 try:
     C.rans.encode(False, desc.ctypes.data, 1, 0, 0, 99, sc.ctypes.data, 1000, off.ctypes.data, st.ctypes.data, sc.ctypes.data, sc.nbytes, 0, 0)
 except Exception as e: print(type(e).__name__, str(e)[:120])
-" 2>&1 | tail -3; echo "rc=$?"
+" 2>&1 | tail -3; echo "rc=${PIPESTATUS[0]}"
 echo "== pybind11 internals ids"; for f in lmtier/_C*.so $($PY -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libtorch_python.so'))"); do echo "$f: $(strings "$f" | grep -m2 -o '__pybind11_internals_v[^ ]*' | sort -u | tr '\n' ' ')"; done
 echo "== maps"; $PY -c "import torch, lmtier._C, re; print('\n'.join(sorted({l.split()[-1] for l in open('/proc/self/maps') if re.search('stdc|gcc_s|pybind|python3', l)})))"
 echo "== ldd"; ldd lmtier/_C*.so | grep -Ei "stdc|gcc|cuda"; $PY -c "import pybind11, sys; print(pybind11.__version__, sys.version)"; gcc --version | head -1; which gdb

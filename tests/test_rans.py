@@ -679,3 +679,17 @@ def test_encode_scratch_bytes_is_enough_for_a_lone_stream():
     assert st[0] == 0
     enc = rans.encode([x], rans.ADAPTIVE_TABLE, None, seg_log2=10)
     np.testing.assert_array_equal(np.asarray(rans.decode(enc, None, lengths=[n])[0]), x)
+
+
+def test_native_refusals_name_the_value_file_and_line():
+    """A native argument check (here the CPU coder's seg_log2) raises ValueError with the numbers and
+    the place formatted in (built without iostreams: common.h, RESULTS §4.1m)."""
+    import lmtier._C as C
+
+    off, st = np.zeros(2, np.uint64), np.zeros(1, np.int32)
+    sc, desc = np.zeros(1 << 12, np.uint8), np.zeros(64, np.uint8)
+    with pytest.raises(
+        ValueError, match=r"^lmtier: rans: seg_log2 must be in \[10, 20\], got 99 \[.*rans_cpu\.cpp:\d+\]$"
+    ):
+        C.rans.encode(False, desc.ctypes.data, 1, 0, 0, 99, sc.ctypes.data, 1000, off.ctypes.data, st.ctypes.data,
+                      sc.ctypes.data, sc.nbytes, 0, 0)  # fmt: skip

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace lmtier {
 
@@ -15,20 +17,62 @@ class InvalidArgument : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-template <typename... Args>
-[[noreturn]] inline void throw_invalid(const char* file, int line, Args&&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  os << " [" << file << ":" << line << "]";
-  throw InvalidArgument(os.str());
+namespace detail {
+
+// Error messages are built without iostreams: a module whose libstdc++ is linked statically (the
+// device machine's toolchain does that) crashed formatting a number with std::ostringstream while
+// Python's process also holds the shared libstdc++ (RESULTS §4.1m). std::to_string / snprintf use
+// the C library only.
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+
+template <typename T>
+void append(std::string& s, const T& v) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_same_v<U, char*> || std::is_same_v<U, const char*>) {
+    append(s, static_cast<const char*>(v));
+  } else if constexpr (std::is_enum_v<U>) {
+    s += std::to_string(static_cast<std::underlying_type_t<U>>(v));
+  } else if constexpr (std::is_integral_v<U>) {
+    s += std::to_string(v);
+  } else if constexpr (std::is_floating_point_v<U>) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", static_cast<double>(v));
+    s += b;
+  } else if constexpr (std::is_pointer_v<U>) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%p", static_cast<const void*>(v));
+    s += b;
+  } else {
+    static_assert(!sizeof(U), "lmtier error messages take strings, numbers, enums and pointers");
+  }
 }
 
 template <typename... Args>
-[[noreturn]] inline void throw_runtime(const char* file, int line, Args&&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  os << " [" << file << ":" << line << "]";
-  throw std::runtime_error(os.str());
+std::string message(const char* file, int line, const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  s += " [";
+  append(s, file);
+  s += ':';
+  append(s, line);
+  s += ']';
+  return s;
+}
+
+}  // namespace detail
+
+template <typename... Args>
+[[noreturn]] inline void throw_invalid(const char* file, int line, const Args&... args) {
+  throw InvalidArgument(detail::message(file, line, args...));
+}
+
+template <typename... Args>
+[[noreturn]] inline void throw_runtime(const char* file, int line, const Args&... args) {
+  throw std::runtime_error(detail::message(file, line, args...));
 }
 
 }  // namespace lmtier
