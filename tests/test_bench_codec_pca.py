@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from lmtier.bench import codec_pca as bench
@@ -63,3 +64,6 @@ def test_layer_group_defaults_to_the_calibration_commands(monkeypatch):
     assert bench.main(["--device", "cpu", "--geometry", "32,8,128"]) == 0
     assert bench.main(["--device", "cpu", "--geometry", "30,3,64"]) == 0
     assert seen == [[32, 8, 128, 1], [30, 3, 64, 6]]
+    with pytest.raises(SystemExit):  # H*D too large for any G: a usage error, not a traceback
+        bench.main(["--device", "cpu", "--geometry", "30,64,256"])
+    assert len(seen) == 2

@@ -184,9 +184,12 @@ def test_stream_helpers_give_the_coders_bytes_and_symbols():
     starts = np.cumsum([0] + [-(-len(h) // 4) * 4 for h in host[:-1]])
     sizes = np.array([len(h) for h in host])
     assert torch.equal(streams.decode_spans(region, starts, sizes, data.tables, n * 64, torch.device("cpu")), sym)
-    for bad_starts in (starts + 2, starts + len(region)):  # misaligned, outside the region
-        with pytest.raises(ValueError, match="outside the region of .* or not 4-byte aligned"):
-            streams.decode_spans(region, bad_starts, sizes, data.tables, n * 64, torch.device("cpu"))
+    for bad_starts, bad_sizes in ((starts + 2, sizes), (starts + len(region), sizes), (starts, -sizes)):
+        with pytest.raises(ValueError, match="outside the region of .* or not 4-byte aligned"):  # misaligned, out
+            streams.decode_spans(region, bad_starts, bad_sizes, data.tables, n * 64, torch.device("cpu"))
+    other_run = rans.encode([sym[0].numpy()], table_ids=0, tables=data.tables, run_lens=32).stream(0)
+    with pytest.raises(ValueError, match="stream 0 switches tables every 32 symbols, its layout needs 64"):
+        streams.decode([bytes(other_run), *host[1:]], data.tables, n * 64, torch.device("cpu"))
     old = rans.encode([sym[1].numpy()], table_ids=0, tables=data.tables[n : 2 * n], run_lens=64).stream(0)
     with pytest.raises(ValueError, match="stream 1 names table 0, its layout needs"):  # layout 1's header
         streams.decode([host[0], bytes(old), *host[2:]], data.tables, n * 64, torch.device("cpu"))

@@ -51,6 +51,7 @@ from lmtier.bench.common import print_table, system_header, wall_time_ms, write_
 from lmtier.codec import pca
 from lmtier.codec.pca import codec, imatmul, kernels, rope, streams
 from lmtier.codec.pca.calibrate import default_layer_group
+from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
@@ -267,7 +268,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if len(args.geometry) == 3:
         nl, h, d = args.geometry
-        args.geometry = [nl, h, d, default_layer_group(nl, num_kv_heads=h, head_size=d)]
+        try:
+            args.geometry = [nl, h, d, default_layer_group(nl, num_kv_heads=h, head_size=d)]
+        except CalibrationError as e:
+            ap.error(f"--geometry {nl},{h},{d}: {e}")
     if len(args.geometry) != 4 or args.geometry[0] % args.geometry[3]:
         ap.error(f"--geometry needs L,H,D[,G] with G dividing L, got {args.geometry}")
     out = run(args)

@@ -10,9 +10,10 @@ Decisions:
 
 * **Positions.** A PCA record holds keys with RoPE undone at the chunk's positions, so ``put`` needs
   the position of the chunk's first token (:meth:`~lmtier.tiers.base.Tier.takes_position` is True;
-  the tier manager passes ``position=``). A chunk of unknown position (None, or not an ``int >= 0``)
-  is not stored: ``put`` returns False, counter ``put_no_position`` (the first logged at warning,
-  the others at debug). ``get_into`` takes no position: the record carries its start and decodes at
+  the tier manager passes ``position=``). A chunk of unknown position (None) is not stored: ``put``
+  returns False, counter ``put_no_position`` (the first logged at warning, the others at debug);
+  anything else that is not an ``int >= 0`` raises ValueError, as at every tier that takes positions.
+  ``get_into`` takes no position: the record carries its start and decodes at
   it; the chunk key fixes the chunk, so a record put at a wrong position costs quality, never another
   chunk's KV.
 * **Keys.** ``key XOR pad`` with ``pad = BLAKE2b-256(person="lmtier-serde", "cachegen" || format

@@ -147,8 +147,8 @@ def decode(
 
 def decode_spans(
     region: Any,
-    starts: np.ndarray,
-    sizes: np.ndarray,
+    starts: Any,
+    sizes: Any,
     tables: torch.Tensor | np.ndarray,
     length: int,
     device: torch.device,
@@ -162,9 +162,12 @@ def decode_spans(
     Raises:
         ValueError: a stream whose header is not one, announces another count than ``length`` or one
             its bytes cannot hold (checked before anything is allocated), names another first table
-            than :func:`table_base` (laid out otherwise), or does not decode; a misaligned or
-            out-of-region span.
+            than :func:`table_base` or another table run than ``length / N`` (laid out otherwise), or
+            does not decode; a misaligned or out-of-region span (negative sizes included).
     """
+    starts, sizes = np.asarray(starts, np.int64).reshape(-1), np.asarray(sizes, np.int64).reshape(-1)
+    if starts.size != sizes.size:
+        raise ValueError(f"{starts.size} stream starts and {sizes.size} sizes")
     with _on(device):
         return _decode(region, starts, sizes, _tables(tables, device), length, device, num_threads)
 
@@ -185,9 +188,9 @@ def _decode(
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
     host = np.frombuffer(region, np.uint8)
-    lo, hi = int(starts.min()), int((starts + sizes).max())
-    if lo < 0 or hi > host.size or (starts % 4).any():
+    if (starts < 0).any() or (sizes < 0).any() or (sizes > host.size - starts).any() or (starts % 4).any():
         raise ValueError(f"stream spans outside the region of {host.size} bytes or not 4-byte aligned")
+    lo, hi = int(starts.min()), int((starts + sizes).max())
     secs = [host[int(a) : int(a) + int(z)] for a, z in zip(starts, sizes)]
     infos = [rans.bounded_stream_info(x) for x in secs]  # before anything is allocated
     counts = sorted({h.num_symbols for h in infos})
@@ -196,6 +199,8 @@ def _decode(
     for i, h in enumerate(infos):
         if h.table_id != table_base(i, n):
             raise ValueError(f"stream {i} names table {h.table_id}, its layout needs {table_base(i, n)}")
+        if not h.adaptive and h.run_len != length // n:  # an adaptive stream codes with its own table
+            raise ValueError(f"stream {i} switches tables every {h.run_len} symbols, its layout needs {length // n}")
     base = lo - lo % 4
     src = host[base:hi]
     if device.type == "cuda":  # one upload of the streams' bytes; the spans keep their alignment
