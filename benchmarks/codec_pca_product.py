@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     print(f"model {m.name} id {m.model_id:#010x} G={m.layer_group} ({time.time() - t0:.0f} s)", flush=True)
     cells = []
     for t in held:
-        per = {lv: [] for lv in levels}  # level -> [(window cell, bf16 bytes, record bytes, exact, escapes, ...)]
+        per = {lv: [] for lv in levels}  # level -> one dict per window: compare()'s metrics, bytes, counts
         for w in range(a.windows):
             data, kv, ref, ids = HA.reference(t, a.model, w * a.window_stride)
             for lv in levels:

@@ -200,10 +200,11 @@ def run(args) -> dict:
 
         tables = codec._level_arrays(m, level, str(dev)).tables
         t32, r2 = streams.run_length(t_), 2 * m.rows
-        secs = [streams.encode(sym.reshape(r2, -1), tables, t32) for sym, _, _ in fws]
 
         def rans_enc():
             return [streams.encode(sym.reshape(r2, -1), tables, t32) for sym, _, _ in fws]
+
+        secs = rans_enc()
 
         def rans_dec():
             out = [streams.decode(s, tables, m.vector_size * t32, dev) for s in secs]

@@ -201,9 +201,8 @@ def _decode(
             raise ValueError(f"stream {i} names table {h.table_id}, its layout needs {table_base(i, n)}")
         if not h.adaptive and h.run_len != length // n:  # an adaptive stream codes with its own table
             raise ValueError(f"stream {i} switches tables every {h.run_len} symbols, its layout needs {length // n}")
-    base = lo - lo % 4
-    src = host[base:hi]
-    if device.type == "cuda":  # one upload of the streams' bytes; the spans keep their alignment
+    src = host[lo:hi]  # lo is 4-byte aligned (checked above), so every span keeps its alignment
+    if device.type == "cuda":  # one upload of the streams' bytes
         with warnings.catch_warnings():  # a read-only record (bytes): only read, by the copy
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(src).to(device)
@@ -216,7 +215,7 @@ def _decode(
     scratch = None
     if device.type == "cuda":
         scratch = torch.empty(rans.decode_scratch_bytes(len(calls[0])), dtype=torch.uint8, device=device)
-    rel = [(int(a) - base, int(a) - base + int(z)) for a, z in zip(starts, sizes)]
+    rel = [(int(a) - lo, int(a) - lo + int(z)) for a, z in zip(starts, sizes)]
     for c in calls:
         rans.decode_into(
             [src[rel[i][0] : rel[i][1]] for i in c],
