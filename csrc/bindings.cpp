@@ -263,6 +263,8 @@ void bind_pca(py::module_& m) {
       m.def_submodule("pca", "PCA codec transform kernels (see csrc/include/lmtier/pca.h)");
   pm.attr("DTYPE_BF16") = static_cast<int>(p::kBF16);
   pm.attr("DTYPE_FP16") = static_cast<int>(p::kFP16);
+  pm.attr("FLAG_CLAMPED") = static_cast<int>(p::kFlagClamped);
+  pm.attr("FLAG_NONFINITE") = static_cast<int>(p::kFlagNonFinite);
   using A = uintptr_t;
   auto geom = [](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {
     return p::PcaGeometry{L, T, H, D, G};

@@ -69,12 +69,13 @@ __global__ void __launch_bounds__(kThreads)
   int8_t* xh = xs + ((int64_t)rp * 2 * T + t) * N8;
   int8_t* xl = xh + (int64_t)T * N8;
   long long sum = 0;
-  bool over = false;
+  bool over = false, bad = false;
   for (int n = threadIdx.x; n < N8; n += kThreads) {
     int v = 0;
     if (n < N) {
       const int64_t o = chunk_offset(g, r, p, t, n);
       double x = widen<DT>(kv[o]);
+      bad |= !isfinite(x);  // every value of the chunk is some row's kv[o] exactly once
       if (p == 0 && cos_t != nullptr) {  // RoPE undone: x * cos - rotate_half(x) * sin
         const int d = n % D;
         const double xp = widen<DT>(kv[o - d + (d < half ? d + half : d - half)]);
@@ -95,7 +96,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   sum = block_sum(sum);
   if (threadIdx.x == 0) rowsum[row] = sum;
-  if (over) flags[t] = 1;  // every writer stores 1
+  if (over) atomicOr(flags + t, kFlagClamped);
+  if (bad) atomicOr(flags + t, kFlagNonFinite);
 }
 
 __global__ void __launch_bounds__(kThreads)

@@ -181,11 +181,15 @@ class CudaTransferEngine:
 
     def _upload_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """``slot_mapping`` on the cache device, and :attr:`kernel_stream` (its only reader) ordered
-        after the current stream, where a host mapping is uploaded (a small pageable copy: the
-        driver stages it at once and returns; measured on the H200, uploading it on the kernel
-        stream instead, through reused pinned buffers, cost the single-chunk transfer up to ~18
-        points of the memcpy ceiling: RESULTS §1.1)."""
+        after the current stream, where a host mapping is uploaded from page-locked memory (torch's
+        caching host allocator, which keeps the block until the copy ran). A pageable copy is staged
+        by the driver, which may first wait for the stream's queued work: seen on an H100 as a
+        store() that blocked 0.5 s behind the forward (tests/test_gpu_connector_worker.py). Measured
+        on the H200, uploading on the kernel stream instead, through reused pinned buffers, cost the
+        single-chunk transfer up to ~18 points of the memcpy ceiling: RESULTS §1.1."""
         dev = self.layout.device
+        if slot_mapping.device.type == "cpu" and not slot_mapping.is_pinned():
+            slot_mapping = slot_mapping.contiguous().pin_memory()
         slots = slot_mapping.to(dev, non_blocking=True).contiguous()
         self.kernel_stream.wait_stream(torch.cuda.current_stream(dev))
         return slots

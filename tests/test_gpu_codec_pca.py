@@ -97,3 +97,59 @@ def test_cuda_empty_chunk_and_level_arrays_on_the_host():
     ref = pca.codec.chunk_symbols(m, kv, 8, k, thr)
     got = pca.codec.chunk_symbols(m, kv.cuda(), 8, k, thr)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_cuda_nonfinite_chunk_refused_and_next_chunk_unharmed(bad):
+    """NaN or inf anywhere (a key of the last layer here, RoPE-paired) is refused, as on the host; the
+    next finite chunk still codes the host's bytes (the fused kernels find it while transforming)."""
+    from lmtier.codec.quant import CodecInputError
+
+    m = fitted("plain")
+    kv = _kv(40, 8, 37)
+    poisoned = kv.clone()
+    poisoned[-1, 0, 17, 1, 3] = bad
+    for x in (poisoned, poisoned.cuda()):
+        with pytest.raises(CodecInputError, match="NaN or inf"):
+            pca.encode(x, start=8, model=m, level="pca_default")
+    _same(m, "pca_default", kv, 8)
+
+
+def test_cuda_gemms_replay_a_captured_graph_and_threads_do_not_share_it(path):
+    """The kernels' GEMMs run as one captured CUDA graph per (matrix, rows) and thread: repeated
+    encodes and decodes replay it and give the host's bytes, also from two threads at once on their
+    own streams (each thread has its own static operands)."""
+    if path != "kernels":
+        pytest.skip("the torch fallback runs no graph")
+    import threading
+
+    m = fitted("plain")
+    cases = [(_kv(64, s, 50 + s), s) for s in (0, 64, 128)]
+    refs = [pca.encode(kv, start=s, model=m, level="pca_default") for kv, s in cases]
+    before = kernels.graph_stats()
+    for _ in range(2):
+        for (kv, s), ref in zip(cases, refs):
+            assert pca.encode(kv.cuda(), start=s, model=m, level="pca_default") == ref
+    after = kernels.graph_stats()
+    assert after["capture_failures"] == before["capture_failures"]
+    assert after["replays"] - before["replays"] == 6 and after["eager"] == before["eager"]
+
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(3):
+                    for (kv, s), ref in zip(cases, refs):
+                        assert pca.encode(kv.cuda(), start=s, model=m, level="pca_default") == ref
+                        got = pca.decode(ref, model=m, device="cuda")
+                        assert torch.equal(got.cpu().view(torch.int16), pca.decode(ref, model=m).view(torch.int16))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

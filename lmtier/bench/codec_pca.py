@@ -26,10 +26,12 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
 geometry, as ``python -m lmtier.codec.pca`` picks it (Llama-3.1-8B: ``G = 1``, ``N = 1,024``).
 
 Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. ``--profile
-FILE`` also writes, per level, ``torch.profiler``'s table of one ``encode`` and one ``decode`` pass
-(operators and kernels by device time, then by host time, with call counts): where the time goes. Same-run
-ceilings: a device memcpy of the batch (read + write) and the int8 GEMMs of the transform alone
-(``gemm``: the encoder's four byte products of every (layer group, K/V), :mod:`lmtier.codec.pca.imatmul`).
+FILE`` also writes, per level, the host's Python time of one ``encode`` and one ``decode`` pass
+(cProfile) and ``torch.profiler``'s tables of them (operators and kernels by device time, then by host
+time, with call counts): where the time goes. Same-run ceilings: a device memcpy of the batch (read +
+write) and the int8 GEMMs of the transform alone (the encoder's four byte products of every (layer
+group, K/V), :mod:`lmtier.codec.pca.imatmul`), called one by one (``gemm``) and replayed as the
+kernels run them (``gemm_graph``: one captured CUDA graph over several streams).
 Checks: every chunk's CUDA record equals the host encoder's byte for byte, and the first record's
 CUDA decode equals its host decode bit for bit. Issue 19's goals: encode >= 50, decode >= 100 GB/s.
 """
@@ -55,7 +57,8 @@ from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
-           "decode_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps", "memcpy_GBps", "identical"]  # fmt: skip
+           "decode_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps", "gemm_graph_GBps", "memcpy_GBps",
+           "identical"]  # fmt: skip
 MIN_CALIB_TOKENS = 12288
 """The default calibration's least tokens: at ``3 N`` alone a small ``N`` (1,024 at ``G = 1``) fits
 its few tokens, and 17 % of the chunks' tokens then came out loud (exact, raw bytes): not a codec's
@@ -126,23 +129,38 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> float:
+def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> tuple[float, float]:
     """The encoder's int8 GEMMs alone for one chunk (ms, median): ``[xh; xl] @ [eh | el]`` of every
-    (layer group, K/V), as :mod:`lmtier.codec.pca.kernels` runs them."""
+    (layer group, K/V), called one by one and as :mod:`lmtier.codec.pca.kernels` runs them (one
+    captured graph over several streams)."""
     a = imatmul.prepared(m, chunk.device)[0]
     t, n8 = chunk.shape[2], a.n8
     x = torch.randint(-128, 128, (m.rows * 2, 2 * t, n8), dtype=torch.int8, device=chunk.device)
     y = torch.empty(m.rows * 2, 2 * t, 2 * a.p8, dtype=torch.int32, device=chunk.device)
-    return wall_time_ms(lambda: (kernels._gemms(x, a, y), _sync(chunk.device)), warmup=1, iters=iters)
+    eager = wall_time_ms(lambda: (kernels._gemms(x, a, y), _sync(chunk.device)), warmup=1, iters=iters)
+    if chunk.device.type != "cuda":
+        return eager, eager
+    gs = kernels._gemm_set(a, 2 * t, chunk.device)
+    gs.a.copy_(x)
+    return eager, wall_time_ms(lambda: (gs.run(), _sync(chunk.device)), warmup=1, iters=iters)
 
 
 def _profile(path: Path, level: str, passes, dev: torch.device) -> None:
     """Append ``torch.profiler``'s tables of each ``(name, fn)`` pass (run once, warm) to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
+    import cProfile
+    import io
+    import pstats
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with path.open("a") as f:
-        for name, fn in passes:
+        for name, fn in passes:  # the host's Python time first (cProfile), then torch.profiler's
+            pr = cProfile.Profile()
+            pr.runcall(fn)
+            text = io.StringIO()
+            pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(35)
+            f.write(f"==== {level} {name}: host Python time (cProfile, cumulative)\n{text.getvalue()}\n")
             with profile(activities=acts) as prof:
                 fn()
             ev = prof.key_averages()
@@ -163,7 +181,7 @@ def run(args) -> dict:
     gb = sum(c.numel() * c.element_size() for c in chunks) / 1e9
     buf = torch.empty(int(gb * 1e9), dtype=torch.uint8, device=dev)
     memcpy_ms = wall_time_ms(lambda: (buf.clone(), _sync(dev)), warmup=1, iters=args.iters)
-    gemm_ms = _gemm_ms(m, chunks[0], args.iters) * args.chunks
+    gemm_ms, graph_ms = (x * args.chunks for x in _gemm_ms(m, chunks[0], args.iters))
     rows = []
     for level in args.levels:
         data = m.levels[level]
@@ -231,6 +249,7 @@ def run(args) -> dict:
                 **{f"{n}_GBps": gb / (ms / 1e3) for n, ms in t.items()},
                 **{f"{n}_ms": ms for n, ms in t.items()},
                 gemm_GBps=gb / (gemm_ms / 1e3),
+                gemm_graph_GBps=gb / (graph_ms / 1e3),
                 memcpy_GBps=2 * gb / (memcpy_ms / 1e3),
                 identical=same,
             )

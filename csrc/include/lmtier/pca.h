@@ -19,7 +19,8 @@
 //   xs        int8  [R][2][2T][N8]    rows 0..T-1: hi bytes, rows T..2T-1: lo bytes of x_int
 //   rowsum    int64 [R][2][T]         sum over n of x_int (encode) / of lo8(q) (decode); the post
 //                                     kernels add 128 * rowsum (imatmul.py's identity)
-//   flags     int32 [T]               encode_pre: a raw value beyond 16 bits; encode_post: a
+//   flags     int32 [T]               encode_pre: bit kFlagClamped: a raw value beyond 16 bits,
+//                                     bit kFlagNonFinite: a NaN or inf value; encode_post: a
 //                                     coefficient beyond 16 bits (callers zero them first)
 //   Yenc      int32 [R][2][2T][2*N8]  [xh; xl] @ [eh | el]
 //   Ydec      int32 [R][2][T][2*N8]   lo8(q) @ [dh | dl]
@@ -58,6 +59,8 @@ struct PcaGeometry {
 constexpr int32_t kXMax = 32767;
 constexpr int64_t kEMax = int64_t(1) << 20;
 constexpr int32_t kMaxVector = 8192;
+constexpr int32_t kFlagClamped = 1;    // encode_pre's flags: a raw value beyond 16 bits
+constexpr int32_t kFlagNonFinite = 2;  // encode_pre's flags: NaN or inf in the token's values
 
 // Checks the geometry (LMTIER_CHECK_ARG: G divides L, N <= kMaxVector, even D with RoPE).
 void check_geometry(const PcaGeometry& g, bool rope);

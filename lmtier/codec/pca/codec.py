@@ -138,9 +138,15 @@ def chunk_symbols(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 symbols ``[R, 2, N, T32]``, bool exact ``[T]``, escaped coefficients in stream order) of
     a checked chunk ``x`` on its device (``k``, ``thr``: the level's, moved there): the fused CUDA
-    kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic."""
+    kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic.
+
+    Raises:
+        CodecInputError: NaN or inf in ``x`` (the kernels find it while transforming, so a CUDA chunk
+            is not read twice)."""
     if x.device.type == "cuda" and kernels.available():
         return kernels.encode(m, x, start, k, thr)
+    if not bool(torch.isfinite(x).all()):
+        raise CodecInputError(tf.NONFINITE)
     fw = tf.forward(m, x, start, k.to(x.device), thr.to(device=x.device, dtype=torch.float64))
     q = fw.q.to(torch.int64).transpose(2, 3)  # [R, 2, N, T]
     t = x.shape[2]
@@ -193,8 +199,6 @@ def encode(
     dev = x.device
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"chunk must be on the host or a CUDA device, got {dev}")
-    if not bool(torch.isfinite(x).all()):
-        raise CodecInputError("the chunk holds NaN or inf: only the lossless level stores them")
     t, t32 = x.shape[2], streams.run_length(x.shape[2])
     arrays = _level_arrays(model, lv.name, str(dev))
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)

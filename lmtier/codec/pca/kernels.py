@@ -7,13 +7,32 @@ with CUDA (:func:`available`); otherwise the torch path of :mod:`.transform` run
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
+from functools import lru_cache
+
 import torch
+
+from lmtier.codec.quant import CodecInputError
 
 from . import imatmul, rope, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "encode", "decode"]
+__all__ = ["available", "encode", "decode", "GEMM_STREAMS", "graph_stats"]
+
+log = logging.getLogger(__name__)
+
+GEMM_STREAMS = 4
+"""Streams the ``2R`` GEMMs of a chunk spread over inside their CUDA graph: one GEMM of a chunk fills
+a fraction of the SMs (``2T x 2N8`` outputs in 128 x 128 tiles)."""
+_GRAPHS_PER_THREAD = 2
+"""Captured GEMM sets a thread keeps per device (each holds its static operands: the encode's of an
+8B model's chunk at G = 1 are ~300 MB)."""
+_ROPE_CACHE = 64
+"""RoPE tables kept per process (``2 T D`` float64 each: 0.5 MB at T = 256, D = 128): a served prefix's
+chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
 
 
 def _native():
@@ -39,21 +58,128 @@ def _geom(m: PCAModel, t: int) -> tuple[int, int, int, int, int]:
     return m.num_layers, t, m.num_heads, m.head_size, m.layer_group
 
 
+@lru_cache(maxsize=_ROPE_CACHE)
+def _rope_cached(m: PCAModel, start: int, t: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope.cos_sin(m.inv_freq, start, t, dev)
+
+
 def _rope(m: PCAModel, start: int, t: int, dev: torch.device) -> tuple[torch.Tensor | None, ...]:
-    return (None, None) if m.inv_freq is None else rope.cos_sin(m.inv_freq, start, t, dev)
+    return (None, None) if m.inv_freq is None else _rope_cached(m, int(start), t, str(dev))
 
 
 def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None else x.data_ptr()
 
 
+def _gemm(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor, i: int) -> None:
+    """``out[i] = a[i] @ [hi | lo]`` of matrix ``i`` (int8 -> int32)."""
+    if a.shape[1] > 16:
+        torch._int_mm(a[i], b.operand(i), out=out[i])
+    else:  # the CUDA GEMM needs more than 16 rows
+        out[i].copy_(imatmul._int_mm(a[i], b.operand(i)))
+
+
 def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor) -> None:
-    """``out[i] = a[i] @ [hi | lo]`` of matrix ``i`` (int8 -> int32) for every batch entry."""
+    """:func:`_gemm` for every batch entry, in order on the current stream."""
     for i in range(a.shape[0]):
-        if a.shape[1] > 16:
-            torch._int_mm(a[i], b.operand(i), out=out[i])
-        else:  # the CUDA GEMM needs more than 16 rows
-            out[i].copy_(imatmul._int_mm(a[i], b.operand(i)))
+        _gemm(a, b, out, i)
+
+
+_stats = {"captured": 0, "replays": 0, "eager": 0, "capture_failures": 0}
+
+
+def graph_stats() -> dict[str, int]:
+    """Counts of the GEMM sets captured, replayed and run eagerly (a failed capture runs them eagerly)."""
+    return dict(_stats)
+
+
+class _GemmSet:
+    """The ``B`` GEMMs ``out[i] = a[i] @ [hi | lo]`` of one split matrix at one row count, on static
+    operands ``a`` int8 ``[B, M, N8]`` and ``out`` int32 ``[B, M, 2 P8]``, captured once in a CUDA graph
+    over :data:`GEMM_STREAMS` streams: one launch per chunk instead of ``B`` cuBLAS calls (~13 µs of
+    host time each), and concurrent GEMMs. A failed capture leaves ``graph`` None: :meth:`run` then
+    calls the GEMMs one by one (same integers: each product is exact).
+
+    Use: :meth:`acquire` (orders the current stream after the previous user's last read), write ``a``,
+    :meth:`run`, read ``out``, :meth:`release` (after the last read is enqueued)."""
+
+    def __init__(self, b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> None:
+        nb = b.cat_t.shape[0]
+        self.b = b  # keeps the operand alive while the graph points at it
+        self.a = torch.zeros(nb, rows, b.n8, dtype=torch.int8, device=dev)
+        self.out = torch.empty(nb, rows, 2 * b.p8, dtype=torch.int32, device=dev)
+        self.done: torch.cuda.Event | None = None
+        self.graph = self._capture(dev)
+
+    def _capture(self, dev: torch.device) -> torch.cuda.CUDAGraph | None:
+        a, b, out, nb = self.a, self.b, self.out, self.a.shape[0]
+        main = torch.cuda.current_stream(dev)
+        side = [torch.cuda.Stream(dev) for _ in range(min(GEMM_STREAMS, nb))]
+        try:
+            for s in side:  # warm-up on every stream: cuBLAS handles and workspaces exist before the capture
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    _gemm(a, b, out, 0)
+                main.wait_stream(s)
+            cap = torch.cuda.Stream(dev)
+            cap.wait_stream(main)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=cap, capture_error_mode="thread_local"):
+                for s in side:
+                    s.wait_stream(cap)
+                for i in range(nb):
+                    with torch.cuda.stream(side[i % len(side)]):
+                        _gemm(a, b, out, i)
+                for s in side:
+                    cap.wait_stream(s)
+            main.wait_stream(cap)
+        except RuntimeError as e:  # capture refused (driver, allocator): the GEMMs run one by one
+            _stats["capture_failures"] += 1
+            log.warning("lmtier: PCA GEMMs run uncaptured (CUDA graph capture failed: %s)", e)
+            torch.cuda.synchronize(dev)
+            return None
+        _stats["captured"] += 1
+        return g
+
+    def acquire(self) -> None:
+        if self.done is not None:
+            torch.cuda.current_stream(self.a.device).wait_event(self.done)
+
+    def run(self) -> None:
+        if self.graph is None:
+            _stats["eager"] += 1
+            _gemms(self.a, self.b, self.out)
+        else:
+            _stats["replays"] += 1
+            self.graph.replay()
+
+    def release(self) -> None:
+        self.done = torch.cuda.Event()
+        self.done.record(torch.cuda.current_stream(self.a.device))
+
+
+_local = threading.local()
+
+
+def _gemm_set(b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> _GemmSet:
+    """This thread's :class:`_GemmSet` of ``b`` at ``rows`` rows on ``dev`` (captured on first use; the
+    least recently used of more than :data:`_GRAPHS_PER_THREAD` per device is dropped). Per thread:
+    two threads never share static operands."""
+    sets = getattr(_local, "sets", None)
+    if sets is None:
+        sets = _local.sets = OrderedDict()
+    key = (id(b), rows, dev.index)
+    got = sets.get(key)
+    if got is not None and got.b is b:
+        sets.move_to_end(key)
+        return got
+    on_dev = [k for k in sets if k[2] == dev.index]
+    while len(on_dev) >= _GRAPHS_PER_THREAD:
+        old = sets.pop(on_dev.pop(0))
+        if old.done is not None:
+            old.done.synchronize()  # its buffers go back to the allocator: no kernel may still use them
+    got = sets[key] = _GemmSet(b, rows, dev)
+    return got
 
 
 def _level(x: torch.Tensor, shape: tuple[int, ...], what: str, dev: torch.device) -> torch.Tensor:
@@ -96,29 +222,55 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     c = _native()
     dev = kv.device
     enc = imatmul.prepared(m, dev)[0]
-    r, t, n, n8 = m.rows, kv.shape[2], m.vector_size, enc.n8
+    r, t, n = m.rows, kv.shape[2], m.vector_size
     t32 = streams.run_length(t)
     geom = _geom(m, t)
     inv_sx, e_mu, _ = tf.vectors(m, str(dev))
     cos, sin = _rope(m, start, t, dev)
     s = torch.cuda.current_stream(dev).cuda_stream
-    xs = torch.empty(r * 2, 2 * t, n8, dtype=torch.int8, device=dev)
+    gs = _gemm_set(enc, 2 * t, dev)
+    gs.acquire()
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped, big]
+    flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped | non-finite, big]
     c.encode_pre(_dtype_code(c, kv.dtype), *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
-                 xs.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
-    y = torch.empty(r * 2, 2 * t, 2 * n8, dtype=torch.int32, device=dev)
-    _gemms(xs, enc, y)
+                 gs.a.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
+    gs.run()
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
     energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    c.encode_post(*geom, y.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(), kk.data_ptr(),
+    c.encode_post(*geom, gs.out.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(), kk.data_ptr(),
                   q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
+    gs.release()
+    bad = (flags[0] & c.FLAG_NONFINITE).any()
     exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
     exact |= tf.loud(energy.double(), energy_threshold)
     sym = torch.empty(r, 2, n, t32, dtype=torch.uint8, device=dev)
     c.encode_symbols(*geom, t32, q.data_ptr(), exact.to(torch.uint8).data_ptr(), sym.data_ptr(), s)
-    escapes = q.transpose(2, 3)[sym[..., :t] == tf.ESCAPE]
+    escapes = q.transpose(2, 3)[sym[..., :t] == tf.ESCAPE]  # synchronizes (a count): the flag is read after
+    if bool(bad):
+        raise CodecInputError(tf.NONFINITE)
     return sym, exact, escapes
+
+
+def _escape_rows(
+    esc: torch.Tensor, escapes: torch.Tensor, r: int, n: int, t: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR over rows ``(r, p, t)`` of the escaped coefficients beyond int8: ``hi8(q) = (q - lo8(q)) /
+    256`` and their component ``j`` (``esc``: bool ``[R, 2, N, T]`` escape symbols; ``escapes``: their
+    values in stream order). A chunk without escapes (most, at ``pca_default``) skips the searches and
+    their synchronizations."""
+    dev = esc.device
+    esc_row = torch.zeros(r * 2 * t + 1, dtype=torch.int32, device=dev)
+    if escapes.numel() == 0:
+        none = torch.empty(0, dtype=torch.int32, device=dev)
+        return esc_row, none, none
+    hi = imatmul.split8(escapes)[1]
+    rp, j, tok = torch.nonzero(esc.reshape(r * 2, n, t), as_tuple=True)
+    keep = hi != 0
+    rows, cols, his = rp[keep] * t + tok[keep], j[keep], hi[keep]
+    order = torch.argsort(rows, stable=True)
+    esc_col, esc_hi = cols[order].to(torch.int32).contiguous(), his[order].to(torch.int32).contiguous()
+    esc_row[1:] = torch.bincount(rows, minlength=r * 2 * t).cumsum(0)
+    return esc_row, esc_col, esc_hi
 
 
 def decode(
@@ -155,30 +307,24 @@ def _decode(
     c = _native()
     dev = sym.device
     dec = imatmul.prepared(m, dev)[1]
-    r, t, n, n8 = m.rows, sym.shape[3], m.vector_size, dec.n8
+    r, t, n = m.rows, sym.shape[3], m.vector_size
     geom = _geom(m, t)
     _, _, mu = tf.vectors(m, str(dev))
     s = torch.cuda.current_stream(dev).cuda_stream
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
     qt[esc] = escapes.to(torch.int16)
-    lo = torch.empty(r * 2, t, n8, dtype=torch.int8, device=dev)
+    gs = _gemm_set(dec, t, dev)
+    gs.acquire()
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    c.decode_pre(*geom, qt.data_ptr(), lo.data_ptr(), rowsum.data_ptr(), s)
-    y = torch.empty(r * 2, t, 2 * n8, dtype=torch.int32, device=dev)
-    _gemms(lo, dec, y)
-    # escaped coefficients beyond int8: hi8(q) = (q - lo8(q)) / 256, added per row (r, p, t) in CSR
-    hi = imatmul.split8(escapes)[1]
-    rp, j, tok = torch.nonzero(esc.reshape(r * 2, n, t), as_tuple=True)
-    keep = hi != 0
-    rows, cols, his = rp[keep] * t + tok[keep], j[keep], hi[keep]
-    order = torch.argsort(rows, stable=True)
-    esc_col, esc_hi = cols[order].to(torch.int32).contiguous(), his[order].to(torch.int32).contiguous()
-    esc_row = torch.zeros(r * 2 * t + 1, dtype=torch.int32, device=dev)
-    esc_row[1:] = torch.bincount(rows, minlength=r * 2 * t).cumsum(0)
+    c.decode_pre(*geom, qt.data_ptr(), gs.a.data_ptr(), rowsum.data_ptr(), s)
+    gs.run()
+    y = gs.out
+    esc_row, esc_col, esc_hi = _escape_rows(esc, escapes, r, n, t)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     c.decode_post(_dtype_code(c, dtype), *geom, y.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(), esc_col.data_ptr(),
                   esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(), _ptr(cos), _ptr(sin),
                   out.data_ptr(), s)  # fmt: skip
+    gs.release()
     return out

@@ -45,6 +45,8 @@ OFFSET = 127
 """A coefficient ``q`` with ``|q| <= OFFSET`` is coded as the symbol ``q + OFFSET``."""
 ESCAPE = 255
 """The symbol of a coefficient beyond :data:`OFFSET` (its value travels raw, 16 bits)."""
+NONFINITE = "the chunk holds NaN or inf: only the lossless level stores them"
+"""The message of the :class:`~lmtier.codec.quant.CodecInputError` a PCA level raises for such a chunk."""
 EMAX = 1 << 20
 """Clip of the fine-grid coefficients in the energy (``N * EMAX**2 <= 2**53`` for
 ``N <=`` :data:`~.model.MAX_VECTOR_SIZE`)."""
