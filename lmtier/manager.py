@@ -433,10 +433,10 @@ class TierManager(TierWrites):
             out: writable destination of ``>=`` the chunk's bytes (as for :meth:`retrieve_into`);
                 a 4 KiB-aligned host buffer is read into directly (O_DIRECT).
             stream: CUDA ``out`` only, a ``torch.cuda.Stream`` passed to tiers that take one
-                (:class:`~lmtier.tiers.codec.CodecTier`: return once the record verified, the chunk's
-                copy into ``out`` ordered before later work on ``stream``; its decode runs on the
-                GPU); other tiers complete the copy before returning. None: ``out`` holds the chunk
-                on return.
+                (the codec tiers, :class:`~lmtier.tiers.record_tier.RecordTier`: return once the
+                record verified, the chunk's copy into ``out`` ordered before later work on ``stream``;
+                its decode runs on the GPU); other tiers complete the copy before returning. None:
+                ``out`` holds the chunk on return.
 
         Returns:
             the chunk's length in bytes, or ``None`` on a miss (nothing usable was written). A
@@ -470,11 +470,11 @@ class TierManager(TierWrites):
         res: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         if stream is not None:
-            from lmtier.tiers.codec import CodecTier
+            from lmtier.tiers.record_tier import RecordTier
         for tier in (self.disk, self.p2p, self.remote):
             if tier is None or not todo or tier.name in skip:
                 continue
-            kw = {"stream": stream} if stream is not None and isinstance(tier, CodecTier) else {}
+            kw = {"stream": stream} if stream is not None and isinstance(tier, RecordTier) else {}
             ks, ts = [keys[i] for i in todo], [targets[i] for i in todo]
             meter, got = self._load_meter, None
             token = meter.begin(tier.name, read_path(tier, bool(kw))) if meter is not None else None

@@ -24,6 +24,8 @@ from tests.gpu_worker_cases import (
     CHUNK,
     DST,
     DTYPES,
+    HEAD,
+    HEADS,
     LAYERS,
     ORDERS,
     SLEEP_CYCLES,
@@ -341,3 +343,42 @@ def test_decode_on_device_needs_codec_tiers(tmp_path, managers):
     w = ConnectorWorker(cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=ns)
     assert not w.device_staging and w.decode_stream is None  # auto: raw disk takes the host path
     w.close()
+
+
+def test_device_decode_pca_level_equals_host_decode(tmp_path, managers):
+    """A PCA level (``pca_default``, a PCACodecTier on disk): decode_on "auto" takes the device path for
+    it as for the CacheGen levels; the GPU decodes, copied into two reused staging buffers on the decode
+    stream, write the bytes of the host path's CPU decode (the PCA decoders are bit-identical), twice."""
+    from lmtier.bench import codec_pca as bench
+    from lmtier.tiers.codec_pca import PCACodecTier
+    from lmtier.tiers.factory import codec_chunk_shape
+
+    cache = Cache("LBNHC", torch.bfloat16, 16, 16, seed=72)
+    cache.buf.copy_(torch.randn(cache.buf.shape, generator=torch.Generator().manual_seed(72)).to(cache.buf))
+    ns = namespace_of(cache.dtype)
+    model = bench.model_for((LAYERS, HEADS, HEAD, 1), 4 * CHUNK * 16)
+    disk = PCACodecTier(
+        disk_tier(tmp_path), shape=codec_chunk_shape(ns), dtype=ns.kv_dtype, level="pca_default", model=model
+    )
+    w, mgr, rec, toks, src, dst, keys = stored_through_to_disk(
+        cache, managers, tmp_path, seed=73, chunks=3, disk=disk, device_window=2
+    )
+    for k in keys:
+        assert mgr.cpu.delete(k)
+    assert w.device_staging and w.decode_stream is not None
+    host_cache = cache.like()  # before the loads: the same bytes outside the loaded blocks
+    for rnd in range(2):
+        assert w.load(LoadOp(f"d{rnd}", toks, None, 0, dst)) == set()
+    torch.cuda.synchronize()
+    assert rec.stats["device_decoded_chunks"] == 6 and mgr.disk.counters["hits"] == 6
+    assert mgr.lookup(keys) == ["disk"] * 3, "device-decoded chunks are not promoted"
+    hw = ConnectorWorker(
+        host_cache.layout, mgr, chunk_size=CHUNK, block_size=cache.bs, namespace=w.ns, decode_on="host"
+    )
+    assert not hw.device_staging
+    assert hw.load(LoadOp("h", toks, None, 0, dst)) == set()  # CPU decodes (and promotes)
+    torch.cuda.synchronize()
+    assert same_bits(cache.buf, host_cache.buf)
+    assert not same_bits(cache.rows(dst, 0, len(toks)), cache.rows(src, 0, len(toks))), "lossy: not the source bits"
+    assert mgr.cpu.num_pinned() == 0 and w.idle()
+    hw.close()

@@ -147,11 +147,11 @@ def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> tuple[float, f
 
 def _profile(path: Path, level: str, passes, dev: torch.device) -> None:
     """Append ``torch.profiler``'s tables of each ``(name, fn)`` pass (run once, warm) to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
     import cProfile
     import io
     import pstats
+
+    from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with path.open("a") as f:

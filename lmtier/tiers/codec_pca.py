@@ -39,9 +39,12 @@ Decisions:
   and turns GPU encoding off for the tier (one warning, ``gpu_encode_fallbacks``;
   :meth:`RecordTier._gpu_failed <lmtier.tiers.record_tier.RecordTier._gpu_failed>`): the PCA CUDA
   path gives the CPU's bytes (``tests/test_gpu_codec_pca.py``), so records are the same either way.
-  A CUDA ``out`` is decoded on its device, on a per-thread non-default stream of this tier, which is
-  synchronized before ``get_into`` returns: ``stream=`` is accepted and then trivially honoured (the
-  chunk is in ``out`` on return), not used to defer the copy.
+  A CUDA ``out`` is decoded on its device, on a per-thread non-default stream of this tier. Without
+  ``stream=`` that stream is synchronized before ``get_into`` returns (the chunk is in ``out``); with
+  it (the connector's device-decode path: :mod:`lmtier.integration.vllm.fetch`), the chunk's copy into
+  ``out`` is queued on ``stream`` after the decode, so it runs after ``out``'s earlier readers there
+  (a reused staging buffer's scatter) and before any later work on ``stream``, as
+  :class:`~lmtier.tiers.codec.CodecTier` orders it.
 * **Types.** bf16/fp16 KV with K and V planes whose ``(L, H, D)`` are the model file's (``T``, the
   chunk size, is free); a level the model file holds. Anything else is a
   :class:`lmtier.config.ConfigError` at construction naming the key (``codec_pca_model``,
@@ -250,9 +253,9 @@ class PCACodecTier(RecordTier):
         decoded to a chunk of this tier's geometry.
 
         Args:
-            stream: CUDA ``out`` only, a ``torch.cuda.Stream``: accepted for the codec tiers' common
-                signature; the chunk is in ``out`` when this returns (module doc), so work queued on
-                ``stream`` afterwards sees it.
+            stream: CUDA ``out`` only, a ``torch.cuda.Stream``: return once the record decoded, with
+                the chunk's copy into ``out`` queued on ``stream`` (after its earlier work, before any
+                later). None (default): return once ``out`` holds the chunk.
 
         Raises:
             ValueError: ``stream`` with a host ``out``.
@@ -271,9 +274,16 @@ class PCACodecTier(RecordTier):
                         f"record of a {chunk.dtype} chunk {list(chunk.shape)}, this tier stores {self.dtype} "
                         f"{list(self.shape)}"
                     )
-                dst[: self.raw_bytes].copy_(chunk.reshape(-1).view(torch.uint8))
-                if side is not None:
-                    side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
+                flat = chunk.reshape(-1).view(torch.uint8)
+                if side is None or stream is None:
+                    dst[: self.raw_bytes].copy_(flat)
+                    if side is not None:
+                        side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
+                    return
+                stream.wait_stream(side)  # the decode's kernels, then dst's earlier readers on stream
+                with torch.cuda.stream(stream):
+                    dst[: self.raw_bytes].copy_(flat)
+                flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran
 
         return self._decoded(key, ikey, n, decode)
 

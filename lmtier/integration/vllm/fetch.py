@@ -9,9 +9,11 @@ fetches the chunk from disk/remote on its I/O threads — several reads in fligh
   committed once the chunk is released) or, when no slot can be reserved, a reused host staging
   buffer (:class:`StagingPool`, pinned for a CUDA cache);
 * **device** mode (``device_staging=``): a reused staging buffer on the cache's device. For a CUDA
-  cache whose lower tiers are all :class:`lmtier.tiers.codec.CodecTier` this is the device-decode
-  path: ``manager.fetch_lower(key, cuda_buffer, stream=decode_stream)`` reads the record into the
-  codec's pinned record buffer and decodes it on the GPU, the chunk's copy into the staging buffer
+  cache whose lower tiers are all codec tiers (:class:`lmtier.tiers.record_tier.RecordTier`: the
+  CacheGen levels' :class:`~lmtier.tiers.codec.CodecTier` or the PCA levels'
+  :class:`~lmtier.tiers.codec_pca.PCACodecTier`) this is the device-decode path:
+  ``manager.fetch_lower(key, cuda_buffer, stream=decode_stream)`` reads the record into the codec's
+  record buffer and decodes it on the GPU, the chunk's copy into the staging buffer
   ordered before later work on ``decode_stream`` (the worker scatters from it on that stream). At
   most ``window`` device buffers are in flight: later chunks wait (deferred, fetched by
   :meth:`ChunkFetcher.pump` once earlier chunks were released), so device memory stays bounded.
@@ -43,7 +45,7 @@ import torch
 from lmtier.affinity import unpin_thread
 from lmtier.errors import LMTierError
 from lmtier.manager import TierManager
-from lmtier.tiers.codec import CodecTier
+from lmtier.tiers.record_tier import RecordTier
 from lmtier.tiers.tenants import DEFAULT_TENANT
 
 __all__ = ["Chunk", "ChunkFetcher", "InjectedFault", "StagingPool", "lower_tiers_are_codec"]
@@ -64,11 +66,12 @@ class InjectedFault(LMTierError, RuntimeError):
 
 
 def lower_tiers_are_codec(manager: TierManager) -> bool:
-    """Whether ``manager`` has a disk or remote tier and every one it has is a
-    :class:`~lmtier.tiers.codec.CodecTier` (what the device-decode path of a CUDA cache needs:
-    only codec tiers order their copy into a CUDA buffer on a given stream)."""
+    """Whether ``manager`` has a disk or remote tier and every one it has is a codec tier
+    (:class:`~lmtier.tiers.record_tier.RecordTier`: CacheGen or PCA levels), what the device-decode
+    path of a CUDA cache needs: only codec tiers decode into a CUDA buffer with the copy ordered on a
+    given stream."""
     lower = [t for t in (manager.disk, manager.remote) if t is not None]
-    return bool(lower) and all(isinstance(t, CodecTier) for t in lower)
+    return bool(lower) and all(isinstance(t, RecordTier) for t in lower)
 
 
 class StagingPool:

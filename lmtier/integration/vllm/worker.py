@@ -192,7 +192,7 @@ class ConnectorWorker:
         if decode_on == "device" and self.is_cuda and not codec:
             raise ValueError(
                 "lmtier: decode_on='device' on a CUDA cache needs every lower tier (disk, remote) to be "
-                "a codec tier (serde: cachegen)"
+                "a codec tier (serde: cachegen, any codec_level)"
             )
         self.device_staging = decode_on == "device" or (decode_on == "auto" and self.is_cuda and codec)
         self.decode_stream = None  # CUDA device mode: decodes' copies and the device scatters are ordered on it
