@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
 # LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftremote": the
 # Redis and Mooncake Store tiers (+ codec) at 7,500 tokens; "ttftpca": disk, Redis (and Mooncake) with the codec
-# at default and pca_default at 7,500 tokens, up to 560 s with the bench's own PCA fit: a device call of its own;
+# at default and pca_default at 7,500 tokens, up to 560 s (LMTIER_TTFTPCA_TIMEOUT) with the bench's own PCA fit;
 # "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
@@ -108,7 +108,7 @@ if has ttftpca; then
   # The PCA model file is fitted by the bench first, untimed, on the KV of its prompt's first 8,192 tokens
   # (Llama-3.1-8B: G = 4, N = 4,096, 8 layer groups x K/V: 16 float64 eigendecompositions of 4,096 x 4,096 and
   # the calibration KV's transforms; estimated 1-4 min on this host's cores). Up to 560 s: a call of its own.
-  timeout 560 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
+  timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
     --json "$OUT/ttft_pca.json" > "$OUT/bench_ttft_pca.log" 2>&1
   echo "bench ttft (codec default and pca_default at 7,500) rc=$?"
 fi

@@ -115,10 +115,10 @@ def test_cuda_nonfinite_chunk_refused_and_next_chunk_unharmed(bad):
     _same(m, "pca_default", kv, 8)
 
 
-def test_cuda_gemms_replay_a_captured_graph_and_threads_do_not_share_it(path):
-    """The kernels' GEMMs run as one captured CUDA graph per (matrix, rows) and thread: repeated
-    encodes and decodes replay it and give the host's bytes, also from two threads at once on their
-    own streams (each thread has its own static operands)."""
+def test_cuda_gemms_replay_a_captured_graph_shared_by_threads(path):
+    """The kernels' GEMMs run as one captured CUDA graph per (matrix, rows): repeated encodes and
+    decodes replay it and give the host's bytes, also from two threads at once on their own streams
+    (they share the graph's static operands, one user at a time)."""
     if path != "kernels":
         pytest.skip("the torch fallback runs no graph")
     import threading

@@ -141,8 +141,10 @@ def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> tuple[float, f
     if chunk.device.type != "cuda":
         return eager, eager
     gs = kernels._gemm_set(a, 2 * t, chunk.device)
-    gs.a.copy_(x)
-    return eager, wall_time_ms(lambda: (gs.run(), _sync(chunk.device)), warmup=1, iters=iters)
+    with gs.use():
+        gs.a.copy_(x)
+        graph = wall_time_ms(lambda: (gs.run(), _sync(chunk.device)), warmup=1, iters=iters)
+    return eager, graph
 
 
 def _profile(path: Path, level: str, passes, dev: torch.device) -> None:

@@ -7,6 +7,7 @@ with CUDA (:func:`available`); otherwise the torch path of :mod:`.transform` run
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 GEMM_STREAMS = 4
 """Streams the ``2R`` GEMMs of a chunk spread over inside their CUDA graph: one GEMM of a chunk fills
 a fraction of the SMs (``2T x 2N8`` outputs in 128 x 128 tiles)."""
-_GRAPHS_PER_THREAD = 2
-"""Captured GEMM sets a thread keeps per device (each holds its static operands: the encode's of an
-8B model's chunk at G = 1 are ~300 MB)."""
+_GEMM_SETS_PER_DEVICE = 4
+"""Captured GEMM sets kept per device, shared by every thread (each holds its static operands: the
+encoder's of an 8B model's chunk at G = 1 take ~300 MB, the decoder's ~150 MB; one model's two are
+one encode and one decode set)."""
 _ROPE_CACHE = 64
 """RoPE tables kept per process (``2 T D`` float64 each: 0.5 MB at T = 256, D = 128): a served prefix's
 chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
@@ -100,8 +102,9 @@ class _GemmSet:
     host time each), and concurrent GEMMs. A failed capture leaves ``graph`` None: :meth:`run` then
     calls the GEMMs one by one (same integers: each product is exact).
 
-    Use: :meth:`acquire` (orders the current stream after the previous user's last read), write ``a``,
-    :meth:`run`, read ``out``, :meth:`release` (after the last read is enqueued)."""
+    Shared by every thread: :meth:`use` holds the set's lock while the caller enqueues its writer of
+    ``a``, :meth:`run` and its reader of ``out``, and orders the caller's stream after the previous
+    user's (an event): users on different streams never overlap on the device."""
 
     def __init__(self, b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> None:
         nb = b.cat_t.shape[0]
@@ -109,6 +112,7 @@ class _GemmSet:
         self.a = torch.zeros(nb, rows, b.n8, dtype=torch.int8, device=dev)
         self.out = torch.empty(nb, rows, 2 * b.p8, dtype=torch.int32, device=dev)
         self.done: torch.cuda.Event | None = None
+        self.lock = threading.Lock()
         self.graph = self._capture(dev)
 
     def _capture(self, dev: torch.device) -> torch.cuda.CUDAGraph | None:
@@ -141,9 +145,19 @@ class _GemmSet:
         _stats["captured"] += 1
         return g
 
-    def acquire(self) -> None:
-        if self.done is not None:
-            torch.cuda.current_stream(self.a.device).wait_event(self.done)
+    @contextlib.contextmanager
+    def use(self):
+        """Hold the set while the caller enqueues (on its current stream) the writer of ``a``,
+        :meth:`run` and the reader of ``out``."""
+        stream = torch.cuda.current_stream(self.a.device)
+        with self.lock:
+            if self.done is not None:
+                stream.wait_event(self.done)
+            try:
+                yield self
+            finally:
+                self.done = torch.cuda.Event()
+                self.done.record(stream)
 
     def run(self) -> None:
         if self.graph is None:
@@ -153,33 +167,29 @@ class _GemmSet:
             _stats["replays"] += 1
             self.graph.replay()
 
-    def release(self) -> None:
-        self.done = torch.cuda.Event()
-        self.done.record(torch.cuda.current_stream(self.a.device))
 
-
-_local = threading.local()
+_sets: OrderedDict[tuple[int, int, int], _GemmSet] = OrderedDict()
+_sets_lock = threading.Lock()
 
 
 def _gemm_set(b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> _GemmSet:
-    """This thread's :class:`_GemmSet` of ``b`` at ``rows`` rows on ``dev`` (captured on first use; the
-    least recently used of more than :data:`_GRAPHS_PER_THREAD` per device is dropped). Per thread:
-    two threads never share static operands."""
-    sets = getattr(_local, "sets", None)
-    if sets is None:
-        sets = _local.sets = OrderedDict()
+    """The :class:`_GemmSet` of ``b`` at ``rows`` rows on ``dev`` (captured on first use; the least
+    recently used of more than :data:`_GEMM_SETS_PER_DEVICE` per device is dropped once its last user's
+    work ran)."""
     key = (id(b), rows, dev.index)
-    got = sets.get(key)
-    if got is not None and got.b is b:
-        sets.move_to_end(key)
+    with _sets_lock:
+        got = _sets.get(key)
+        if got is not None and got.b is b:
+            _sets.move_to_end(key)
+            return got
+        on_dev = [k for k in _sets if k[2] == dev.index]
+        while len(on_dev) >= _GEMM_SETS_PER_DEVICE:
+            old = _sets.pop(on_dev.pop(0))
+            with old.lock:  # its last user has enqueued everything; its buffers go back once that ran
+                if old.done is not None:
+                    old.done.synchronize()
+        got = _sets[key] = _GemmSet(b, rows, dev)
         return got
-    on_dev = [k for k in sets if k[2] == dev.index]
-    while len(on_dev) >= _GRAPHS_PER_THREAD:
-        old = sets.pop(on_dev.pop(0))
-        if old.done is not None:
-            old.done.synchronize()  # its buffers go back to the allocator: no kernel may still use them
-    got = sets[key] = _GemmSet(b, rows, dev)
-    return got
 
 
 def _level(x: torch.Tensor, shape: tuple[int, ...], what: str, dev: torch.device) -> torch.Tensor:
@@ -228,18 +238,16 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     inv_sx, e_mu, _ = tf.vectors(m, str(dev))
     cos, sin = _rope(m, start, t, dev)
     s = torch.cuda.current_stream(dev).cuda_stream
-    gs = _gemm_set(enc, 2 * t, dev)
-    gs.acquire()
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped | non-finite, big]
-    c.encode_pre(_dtype_code(c, kv.dtype), *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
-                 gs.a.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
-    gs.run()
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
     energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    c.encode_post(*geom, gs.out.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(), kk.data_ptr(),
-                  q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
-    gs.release()
+    with _gemm_set(enc, 2 * t, dev).use() as gs:
+        c.encode_pre(_dtype_code(c, kv.dtype), *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
+                     gs.a.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
+        gs.run()
+        c.encode_post(*geom, gs.out.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(),
+                      kk.data_ptr(), q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
     bad = (flags[0] & c.FLAG_NONFINITE).any()
     exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
     exact |= tf.loud(energy.double(), energy_threshold)
@@ -314,17 +322,14 @@ def _decode(
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
     qt[esc] = escapes.to(torch.int16)
-    gs = _gemm_set(dec, t, dev)
-    gs.acquire()
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    c.decode_pre(*geom, qt.data_ptr(), gs.a.data_ptr(), rowsum.data_ptr(), s)
-    gs.run()
-    y = gs.out
     esc_row, esc_col, esc_hi = _escape_rows(esc, escapes, r, n, t)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
-    c.decode_post(_dtype_code(c, dtype), *geom, y.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(), esc_col.data_ptr(),
-                  esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(), _ptr(cos), _ptr(sin),
-                  out.data_ptr(), s)  # fmt: skip
-    gs.release()
+    with _gemm_set(dec, t, dev).use() as gs:
+        c.decode_pre(*geom, qt.data_ptr(), gs.a.data_ptr(), rowsum.data_ptr(), s)
+        gs.run()
+        c.decode_post(_dtype_code(c, dtype), *geom, gs.out.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(),
+                      esc_col.data_ptr(), esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(),
+                      _ptr(cos), _ptr(sin), out.data_ptr(), s)  # fmt: skip
     return out
