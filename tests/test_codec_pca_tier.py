@@ -449,3 +449,17 @@ def test_codec_pca_model_is_documented_where_the_keys_are():
     section = section[: section.index("\n## ", 1)]
     assert "codec_pca_model" in section and "codec_level: pca_default" in section
     assert "Not a `codec_level` of the YAML yet" not in section
+
+
+def test_pca_tiers_take_the_connectors_device_decode_path(disk, model, tmp_path):
+    """A CUDA cache over PCA codec tiers decodes on the GPU (decode_on "auto"), as over the CacheGen
+    levels: the worker's test of its lower tiers accepts every codec tier, never a raw one
+    (tests/test_gpu_connector_worker_loads.py runs the path on a GPU)."""
+    from lmtier.integration.vllm.fetch import lower_tiers_are_codec
+
+    pca_mgr = TierManager(cpu=None, disk=_tier(disk, model))
+    raw_mgr = TierManager(cpu=None, disk=DiskTier([str(tmp_path / "raw")], 1 << 20, io_threads=1))
+    try:
+        assert lower_tiers_are_codec(pca_mgr) and not lower_tiers_are_codec(raw_mgr)
+    finally:
+        raw_mgr.close()
