@@ -8,6 +8,14 @@
 // when the tile's table changes. Symbols move through a 512-byte per-warp stage in shared memory,
 // so the global loads (encode) and stores (decode) are 16 bytes per lane. Renormalization words are
 // read and written as one contiguous run per warp-step (ballot + prefix popcount), i.e. coalesced.
+// Table switching (a static table per run of R symbols, R a multiple of 32, so one per warp-step):
+// each warp keeps its own table and rebuilds it whenever a step enters a new run (encode: the 256 x
+// uint2 entries; decode: RunTables, the run's cdf and 128 buckets of 32 slots naming the symbol at
+// each bucket's first slot, so a lane's symbol is that entry's or found by a binary search bounded
+// by the next bucket's symbol: usually no search where the CPU decoder searches all 256 symbols).
+// A decoding warp walks its segment backwards and prefetches into L1 the payload words of its next
+// 16 steps and, with table switching, the table of the run it enters next: each step waits for its
+// words, so the decoder is latency-bound (few warps per SM when a call has few segments).
 //
 // Encode = 8 launches on the caller's stream, no host sync, no allocation:
 //   validate the static tables (grid: one warp per 32 tables -> bitmap in scratch) ->
@@ -38,6 +46,23 @@ constexpr int kPrepThreads = 1024;
 constexpr int kStage = 512;  // bytes per warp stage = 16 steps x 32 lanes
 constexpr uint32_t kMissing = 0xFFFFFFFFu;
 constexpr int kMaxTablesChecked = 65536;
+
+// Table-switching decode: each warp keeps its run's table in shared memory (RunTables): cdf[0..256]
+// and kRunBuckets + 1 bucket entries over the 4,096 slots, bucket[b] = s | (f_s - 1) << 8 | cdf[s]
+// << 20 for the symbol s whose range [cdf[s], cdf[s + 1]) holds slot b * 32 (so cdf[s] <= 4064 and
+// 1 <= f_s <= 4096: 12 bits each for cdf[s] and f_s - 1), and bucket[128] = kLastBucket (symbol
+// 255, cdf[256] = 4095 + 1), the upper bound of the last bucket's search.
+constexpr int kRunBucketsLog2 = 7;
+constexpr int kRunBuckets = 1 << kRunBucketsLog2;             // 128 buckets of 32 slots
+constexpr int kRunBucketShift = kProbBits - kRunBucketsLog2;  // bucket of a slot: slot >> 5
+constexpr uint32_t kNoMark = 0xFFFFFFFFu;      // a bucket not yet filled (no entry: cdf <= 4064)
+constexpr uint32_t kLastBucket = 0xFFF000FFu;  // symbol 255, f - 1 = 0, cdf 4095: its end is 4096
+static_assert(kRunBuckets == 4 * 32, "warp_build_run fills 4 buckets per lane (one uint4)");
+struct RunTables {
+  uint32_t cdf[260];                 // cdf[0..256], padded to 16 bytes
+  uint32_t bucket[kRunBuckets + 4];  // + kLastBucket, padded to 16 bytes
+};
+static_assert(sizeof(RunTables) % 16 == 0, "RunTables rows must stay 16-byte aligned");
 
 struct EncGlobals {
   unsigned long long total_segments;
@@ -79,6 +104,27 @@ __device__ __forceinline__ uint32_t ldg_u32(const uint8_t* p) {
 }
 __device__ __forceinline__ uint16_t ldg_u16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+// The frequencies of symbols 8 lane .. 8 lane + 7 of one table (256 x uint16), two per word, low
+// half first: one 16-byte load when the table is 16-byte aligned (tables are 512 bytes apart, so a
+// call's tables are all aligned or none; warp-uniform), else 8 loads.
+__device__ __forceinline__ uint4 ldg_freq8(const uint16_t* __restrict__ table, int lane) {
+  if ((reinterpret_cast<uintptr_t>(table) & 15) == 0)
+    return __ldg(reinterpret_cast<const uint4*>(table) + lane);
+  const unsigned short* p = reinterpret_cast<const unsigned short*>(table) + lane * 8;
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = __ldg(p + 2 * i) | (uint32_t{__ldg(p + 2 * i + 1)} << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// Brings the 128-byte line holding p (a valid global address) into L1: a hint, no register waits.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.L1 [%0];" ::"l"(p));
+}
+// Frequency q of the 8 that ldg_freq8 loaded (q a constant once the caller's loop is unrolled).
+__device__ __forceinline__ uint32_t freq_of(const uint4& v, int q) {
+  const uint32_t w = q < 2 ? v.x : q < 4 ? v.y : q < 6 ? v.z : v.w;
+  return (q & 1) ? w >> 16 : w & 0xFFFF;
 }
 
 // Validity bitmap of the static tables, in scratch: bit t of ok_bits set when table t sums to 4096.
@@ -781,6 +827,9 @@ __device__ int32_t decode_segment_warp(const uint8_t* __restrict__ payload, uint
   const uint32_t lt = lanemask_lt();
   for (uint32_t g = groups; g-- > 0;) {
     const uint32_t kbeg = g * 16, kend = min(steps, kbeg + 16);
+    // The words the group's 16 steps read (at most 512, just below pos): into L1 before the steps
+    // need them (each step waits for its words), lane l the line of byte 2 pos - 1 - 128 l.
+    if (lane <= 8 && 2 * pos > 128u * lane) prefetch_l1(words + 2 * pos - 1 - 128 * lane);
     for (uint32_t k = kend; k-- > kbeg;) {
       const bool active = k * 32 + lane < n;
       if (active) {
@@ -809,13 +858,87 @@ __device__ int32_t decode_segment_warp(const uint8_t* __restrict__ payload, uint
   return kOk;
 }
 
+// One warp builds its RunTables for one static table from this lane's frequencies fv (ldg_freq8,
+// symbols 8 lane .. 8 lane + 7): the cdf by a warp scan, then the buckets in three steps between
+// __syncwarp()s. Clear: every bucket kNoMark. Mark: each symbol s with f_s > 0 writes its entry
+// into the first bucket b with b * 32 >= cdf[s] if s covers that boundary (b * 32 < cdf[s + 1]).
+// Fill: an unmarked bucket's boundary lies in the range of the symbol of the nearest marked bucket
+// below it, whose entry it takes (each lane fills buckets 4 lane .. 4 lane + 3, carrying in the
+// last mark of the lanes below by ballot + shfl). For a valid table every boundary 0, 32, .., 4064
+// lies in exactly one symbol's range, bucket 0 in the first symbol's with f > 0 (always marked).
+__device__ __forceinline__ void warp_build_run(const uint4 fv, RunTables* rt, int lane) {
+  uint32_t f[8], c[8];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    f[q] = freq_of(fv, q);
+    sum += f[q];
+  }
+  uint32_t incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  c[0] = incl - sum;
+#pragma unroll
+  for (int q = 1; q < 8; ++q) c[q] = c[q - 1] + f[q - 1];
+  __syncwarp();  // every lane is done with the previous run's tables
+  uint4* cdf4 = reinterpret_cast<uint4*>(rt->cdf);
+  uint4* bucket4 = reinterpret_cast<uint4*>(rt->bucket);
+  cdf4[2 * lane] = make_uint4(c[0], c[1], c[2], c[3]);
+  cdf4[2 * lane + 1] = make_uint4(c[4], c[5], c[6], c[7]);
+  bucket4[lane] = make_uint4(kNoMark, kNoMark, kNoMark, kNoMark);
+  __syncwarp();
+  // Mark, in two rounds of 4 symbols: all 8 at once raised dec_kernel's registers on sm_90 and
+  // sm_100 (from 56 to 63-72, below the 9 CTAs per SM that the non-switching path runs at).
+  constexpr uint32_t kWidth = 1u << kRunBucketShift;
+  uint32_t cq = c[0];  // cdf[8 lane + 4 h + q]
+#pragma unroll 1
+  for (uint32_t h = 0; h < 2; ++h) {
+    const uint32_t lo = h ? fv.z : fv.x, hi = h ? fv.w : fv.y;
+#pragma unroll
+    for (uint32_t q = 0; q < 4; ++q) {
+      const uint32_t fq = ((q < 2 ? lo : hi) >> (16 * (q & 1))) & 0xFFFF;
+      const uint32_t b = (cq + kWidth - 1) >> kRunBucketShift;
+      if (fq != 0 && b < kRunBuckets && b * kWidth < cq + fq)
+        rt->bucket[b] =
+            (static_cast<uint32_t>(lane) * 8 + h * 4 + q) | ((fq - 1) << 8) | (cq << 20);
+      cq += fq;
+    }
+  }
+  __syncwarp();
+  const uint4 m = bucket4[lane];
+  uint32_t v[4] = {m.x, m.y, m.z, m.w};
+  uint32_t last = kNoMark;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (v[i] != kNoMark) last = v[i];
+  const uint32_t below = __ballot_sync(0xFFFFFFFFu, last != kNoMark) & lanemask_lt();
+  uint32_t carry = __shfl_sync(0xFFFFFFFFu, last, below ? 31 - __clz(below) : 0);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (v[i] == kNoMark)
+      v[i] = carry;
+    else
+      carry = v[i];
+  }
+  bucket4[lane] = make_uint4(v[0], v[1], v[2], v[3]);
+  __syncwarp();
+}
+
 // One warp decodes one coded segment of a table-switching stream: step k uses static table
-// run_tables + 256 * ((first + 32 k) / run_len) (warp-uniform), whose cdf the warp keeps in
-// cdf_w[257]; each lane finds its symbol by binary search (the s with cdf[s] <= slot < cdf[s + 1],
-// as decode_segment_runs in rans_cpu.cpp). Tables validated by the prep kernel.
+// run_tables + 256 * ((first + 32 k) / run_len) (warp-uniform); the warp rebuilds its RunTables
+// when a step enters a new run and prefetches the table of the run after it (walking backwards: the
+// previous one) into L1 then. A lane's symbol is the s with cdf[s] <= slot < cdf[s + 1], as
+// decode_segment_runs in rans_cpu.cpp finds it by binary search (so the same output): bucket[slot
+// >> 5]'s symbol if slot lies in its range, else a binary search over the symbols after it up to
+// bucket[(slot >> 5) + 1]'s (whose range holds the next boundary, above slot), knowing cdf at both
+// ends from the two entries. Tables validated by the prep kernel (each sums to 4096; with any other
+// table the lookups still stay inside RunTables and end).
 __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload, uint32_t size,
                                             uint32_t n, const uint16_t* __restrict__ run_tables,
-                                            uint32_t run_len, uint64_t first, uint32_t* cdf_w,
+                                            uint32_t run_len, uint64_t first, RunTables* rt,
                                             uint8_t* __restrict__ dst, uint8_t* stage, int lane) {
   uint32_t x = ldg_u32(payload + 4 * lane);
   if (__any_sync(0xFFFFFFFFu, x < kStateLower)) return kErrCorrupt;
@@ -830,37 +953,22 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
   uint64_t run = p_last / run_len;
   uint32_t into = static_cast<uint32_t>(p_last % run_len) / kLanes;
   const uint32_t steps_per_run = run_len / kLanes;
+  const uint64_t run_first = first / run_len;  // the segment's first run: no prefetch below it
+  if (lane == 0) {  // the entries no build writes (this memory may have held another CTA table)
+    rt->cdf[256] = kProbScale;
+    rt->bucket[kRunBuckets] = kLastBucket;
+  }
   bool built = false;
-  uint32_t top = 256;  // 1 + last symbol with frequency > 0 (warp-uniform): cdf_w[top] == 4096
   for (uint32_t g = groups; g-- > 0;) {
     const uint32_t kbeg = g * 16, kend = min(steps, kbeg + 16);
+    // The words the group's 16 steps read (at most 512, just below pos): into L1 before the steps
+    // need them (each step waits for its words), lane l the line of byte 2 pos - 1 - 128 l.
+    if (lane <= 8 && 2 * pos > 128u * lane) prefetch_l1(words + 2 * pos - 1 - 128 * lane);
     for (uint32_t k = kend; k-- > kbeg;) {
       if (!built) {  // warp-uniform
-        const unsigned short* fg = reinterpret_cast<const unsigned short*>(run_tables + 256 * run);
-        uint32_t f[8];
-        uint32_t sum = 0, last = 0;
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          f[q] = __ldg(fg + lane * 8 + q);
-          sum += f[q];
-          if (f[q]) last = lane * 8 + q + 1;
-        }
-        top = __reduce_max_sync(0xFFFFFFFFu, last);
-        uint32_t incl = sum;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-          if (lane >= d) incl += v;
-        }
-        uint32_t c = incl - sum;
-        __syncwarp();
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          cdf_w[lane * 8 + q] = c;
-          c += f[q];
-        }
-        if (lane == 31) cdf_w[256] = c;
-        __syncwarp();
+        const uint16_t* table = run_tables + 256 * run;
+        if (run > run_first) prefetch_l1(table - 256 + lane * 8);  // the next build's table
+        warp_build_run(ldg_freq8(table, lane), rt, lane);
         built = true;
       }
       if (into == 0) {  // the next step (k - 1) starts the previous run
@@ -873,17 +981,32 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
       const bool active = k * 32 + lane < n;
       if (active) {
         const uint32_t slot = x & (kProbScale - 1);
-        uint32_t lo = 0, hi = top;
-        while (hi - lo > 1) {
-          const uint32_t mid = (lo + hi) >> 1;
-          if (cdf_w[mid] <= slot)
-            lo = mid;
-          else
-            hi = mid;
+        const uint32_t e = rt->bucket[slot >> kRunBucketShift];
+        const uint32_t en = rt->bucket[(slot >> kRunBucketShift) + 1];
+        uint32_t s = e & 0xFF, c0 = e >> 20, f = ((e >> 8) & 0xFFF) + 1;
+        // Past the bucket's first symbol (slot >= c0 always)? en < e never holds (the entries grow
+        // with b, kLastBucket tops them): testing it too makes the branch wait for both loads, so
+        // they go out together and the search below starts without another round trip.
+        if ((slot - c0 >= f) | (en < e)) {
+          uint32_t lo = s + 1, hi = (en & 0xFF) + 1;                          // answer in [lo, hi)
+          uint32_t clo = c0 + f, chi = (en >> 20) + ((en >> 8) & 0xFFF) + 1;  // cdf[lo], cdf[hi]
+          while (lo + 1 < hi) {
+            const uint32_t mid = (lo + hi) >> 1;
+            const uint32_t cm = rt->cdf[mid];
+            if (cm <= slot) {
+              lo = mid;
+              clo = cm;
+            } else {
+              hi = mid;
+              chi = cm;
+            }
+          }
+          s = lo;
+          c0 = clo;
+          f = chi - clo;
         }
-        stage[(k - kbeg) * 32 + lane] = static_cast<uint8_t>(lo);
-        const uint32_t c0 = cdf_w[lo];
-        x = (cdf_w[lo + 1] - c0) * (x >> kProbBits) + slot - c0;
+        stage[(k - kbeg) * 32 + lane] = static_cast<uint8_t>(s);
+        x = f * (x >> kProbBits) + slot - c0;
       }
       const bool need = active && x < kStateLower;
       const uint32_t m = __ballot_sync(0xFFFFFFFFu, need);
@@ -911,9 +1034,17 @@ __global__ void __launch_bounds__(kThreads)
                const uint16_t* __restrict__ tables, const DecodeWork* __restrict__ work,
                const DecGlobals* __restrict__ gl, int32_t* __restrict__ status) {
   __shared__ uint32_t dec[kProbScale];
-  __shared__ uint32_t freq_s[256];
-  __shared__ uint32_t cdf_s[257];
-  __shared__ uint32_t cdf_w[kWarps][257];  // table-switching streams: the warp's current run table
+  // build_dec_table's inputs or the warps' run tables, never live at once: build_dec_table runs
+  // between __syncthreads() on a tile of a stream without table switching, and a warp's RunTables
+  // live inside one decode_segment_warp_runs call (which sets them up). Sharing them keeps the
+  // kernel at 9 CTAs per SM on sm_90 / sm_100 (24.7 KB of shared memory, 56 registers).
+  __shared__ __align__(16) union {
+    struct {
+      uint32_t freq[256];
+      uint32_t cdf[257];
+    } tab;
+    RunTables run[kWarps];
+  } sm;
   __shared__ __align__(16) uint8_t stage[kWarps][kStage];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint64_t total_tiles = gl->total_tiles;
@@ -928,7 +1059,7 @@ __global__ void __launch_bounds__(kThreads)
                                         : int64_t{w.table_id};
     if (newkey != key) {
       __syncthreads();
-      build_dec_table(src, w, tables, freq_s, cdf_s, dec);
+      build_dec_table(src, w, tables, sm.tab.freq, sm.tab.cdf, dec);
       key = newkey;
     }
     const uint64_t j = (t - w.tile_base) * kWarps + warp;
@@ -957,7 +1088,7 @@ __global__ void __launch_bounds__(kThreads)
       } else if (size < n && size >= kStateBytes && ((size - kStateBytes) & 1) == 0) {
         r = w.run_len ? decode_segment_warp_runs(payload, static_cast<uint32_t>(size), n,
                                                  tables + 256ull * w.table_id, w.run_len,
-                                                 j * seg_len, cdf_w[warp], dst, stage[warp], lane)
+                                                 j * seg_len, &sm.run[warp], dst, stage[warp], lane)
                       : decode_segment_warp(payload, static_cast<uint32_t>(size), n, dec, dst,
                                             stage[warp], lane);
       } else {

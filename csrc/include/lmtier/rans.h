@@ -28,9 +28,10 @@
 // one step always share one table. All tables table_id .. table_id + ceil(n / R) - 1 must exist and
 // be valid. The encoder rebuilds its per-symbol table when a step enters a new run; the decoder
 // keeps the run's cumulative frequencies and finds a lane's symbol as the s with cdf[s] <= slot <
-// cdf[s + 1] by binary search over [0, 1 + last present symbol) (the symbol a slot lookup table
-// would give). A stream whose run tables lack a symbol is re-coded with its own table (run_words =
-// 0). A stream whose static table lacks a symbol that a coded segment needs (or whose table id is
+// cdf[s + 1] (the symbol a slot lookup table would give): the CPU by binary search over [0, 1 +
+// last present symbol), CUDA from a table of 128 buckets over the slots, then a bounded search. A
+// stream whose run tables lack a symbol is re-coded with its own table (run_words = 0). A stream
+// whose static table lacks a symbol that a coded segment needs (or whose table id is
 // kAdaptiveTable) is coded with its own table, normalized from the stream's histogram by
 // rans_normalize_counts() and stored in the stream. Normalization is integer-only and implemented
 // once (here, __host__ __device__): Python's build_table calls the same code.
