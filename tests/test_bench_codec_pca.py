@@ -37,7 +37,8 @@ def test_bench_runs_on_the_host(tmp_path):
     for r in res["rows"]:
         assert r["identical"] and r["chunks"] == 2 and r["ratio"] > 1.5 and r["exact_tok"] >= 1
         assert r["encode_GBps"] > 0 and r["decode_GBps"] > 0 and r["memcpy_GBps"] > 0
-        assert r["rans_enc_GBps"] > 0 and r["rans_dec_GBps"] > 0
+        assert r["rans_enc_GBps"] > 0 and r["rans_dec_GBps"] > 0 and r["gemm_GBps"] > 0
+        assert r["gemm_graph_GBps"] == r["gemm_GBps"], "the host runs no graph: the same timing"
     assert torch.equal(bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1), bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1))
 
 
@@ -48,8 +49,12 @@ def test_profile_writes_each_levels_tables(tmp_path):
     assert rc == 0
     heads = [line for line in prof.read_text().splitlines() if line.startswith("==== ")]
     assert heads == [
-        f"==== {lv} {p}: by cpu_time_total" for lv in ("pca_default", "pca_high") for p in ("encode", "decode")
+        f"==== {lv} {p}: {what}"
+        for lv in ("pca_default", "pca_high")
+        for p in ("encode", "decode")
+        for what in ("host Python time (cProfile, cumulative)", "by cpu_time_total")
     ]
+    assert "pca/codec.py" in prof.read_text(), "the host profile names the codec's functions"
 
 
 def test_layer_group_defaults_to_the_calibration_commands(monkeypatch):
