@@ -338,6 +338,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
+#ifdef LMTIER_WITH_CUDA
+  m.def(
+      "cuda_stream_nonblocking", &cuda_stream_nonblocking, py::arg("device"),
+      "A new non-blocking CUDA stream on `device` (cudaStream_t address), owned by no pool; never "
+      "destroyed.");
+#endif
 
   py::class_<HostBuffer>(m, "HostBuffer", py::buffer_protocol())
       .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("pinned"))

@@ -42,8 +42,8 @@ class SlotStaging:
     synchronizing call (it waits for the device's queued work). So each buffer is taken only once
     its last upload ran (its event), and a new one is allocated only when every buffer is still in
     flight or too small (rare: the set grows to what the traffic needs). Used by the connector
-    worker's device-decode scatters; the transfer engine uploads its slot mappings pageable on the
-    current stream instead (measured faster: :meth:`CudaTransferEngine._upload_slots`).
+    worker's device-decode scatters; the transfer engine uploads its slot mappings on the current
+    stream from torch's cached page-locked blocks instead (:meth:`CudaTransferEngine._upload_slots`).
 
     Args:
         device: the CUDA device of the uploaded mappings.

@@ -223,3 +223,19 @@ def test_host_gemms_without_float64_copies_give_the_same_records(monkeypatch):
     assert pca.encode(kv, start=100, model=m, level="pca_default") == ref
     assert torch.equal(pca.decode(ref, model=m).view(torch.int16), dec.view(torch.int16))
     tf._host_mats.cache_clear()
+
+
+def test_own_cuda_streams_refuse_a_device_that_does_not_exist():
+    """The PCA GEMM graphs' own streams (``lmtier._C.cuda_stream_nonblocking``, never torch's pooled
+    ones) come only from a device that exists: a bad index is a ValueError naming it (here, on a CUDA
+    build, every index; tests/test_gpu_codec_pca.py uses them on a GPU)."""
+    from lmtier import _C
+
+    if not _C.built_with_cuda():
+        assert not hasattr(_C, "cuda_stream_nonblocking")
+        return
+    bad = _C.cuda_device_count()
+    with pytest.raises(ValueError, match=f"cuda_stream_nonblocking: no CUDA device {bad}"):
+        _C.cuda_stream_nonblocking(bad)
+    with pytest.raises(ValueError, match="no CUDA device -1"):
+        _C.cuda_stream_nonblocking(-1)

@@ -368,6 +368,9 @@ def test_device_decode_pca_level_equals_host_decode(tmp_path, managers):
     assert w.device_staging and w.decode_stream is not None
     host_cache = cache.like()  # before the loads: the same bytes outside the loaded blocks
     for rnd in range(2):
+        if rnd:  # scatters held back: a copy into a reused staging buffer not ordered after them would win
+            with torch.cuda.stream(w.decode_stream):
+                torch.cuda._sleep(SLEEP_CYCLES // 4)
         assert w.load(LoadOp(f"d{rnd}", toks, None, 0, dst)) == set()
     torch.cuda.synchronize()
     assert rec.stats["device_decoded_chunks"] == 6 and mgr.disk.counters["hits"] == 6

@@ -140,10 +140,10 @@ def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> tuple[float, f
     eager = wall_time_ms(lambda: (kernels._gemms(x, a, y), _sync(chunk.device)), warmup=1, iters=iters)
     if chunk.device.type != "cuda":
         return eager, eager
-    gs = kernels._gemm_set(a, 2 * t, chunk.device)
-    with gs.use():
+    stream = torch.cuda.current_stream(chunk.device)
+    with kernels._using(a, 2 * t, chunk.device, stream) as gs:
         gs.a.copy_(x)
-        graph = wall_time_ms(lambda: (gs.run(), _sync(chunk.device)), warmup=1, iters=iters)
+        graph = wall_time_ms(lambda: (gs.run(stream), _sync(chunk.device)), warmup=1, iters=iters)
     return eager, graph
 
 

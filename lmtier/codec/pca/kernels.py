@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -66,7 +66,16 @@ def _rope_cached(m: PCAModel, start: int, t: int, dev: str) -> tuple[torch.Tenso
 
 
 def _rope(m: PCAModel, start: int, t: int, dev: torch.device) -> tuple[torch.Tensor | None, ...]:
-    return (None, None) if m.inv_freq is None else _rope_cached(m, int(start), t, str(dev))
+    """The cached RoPE tables (read only), their memory kept until the current stream's readers ran
+    (a table dropped from the cache while a kernel on another stream still reads it)."""
+    if m.inv_freq is None:
+        return None, None
+    cos, sin = _rope_cached(m, int(start), t, str(dev))
+    if dev.type == "cuda":
+        cur = torch.cuda.current_stream(dev)
+        cos.record_stream(cur)
+        sin.record_stream(cur)
+    return cos, sin
 
 
 def _ptr(x: torch.Tensor | None) -> int:
@@ -95,6 +104,20 @@ def graph_stats() -> dict[str, int]:
     return dict(_stats)
 
 
+@cache
+def _own_streams(index: int) -> tuple[torch.cuda.ExternalStream, ...]:
+    """The capture stream and :data:`GEMM_STREAMS` side streams of device ``index``: non-blocking streams
+    created for this module alone, once (``lmtier._C.cuda_stream_nonblocking``). Never torch's
+    ``Stream()``: those come from a shared pool, so a pooled stream may be another thread's, and work
+    it enqueued there during a capture would be swallowed into the graph (and run on every replay)."""
+    from lmtier import _C
+
+    dev = torch.device("cuda", index)
+    return tuple(
+        torch.cuda.ExternalStream(_C.cuda_stream_nonblocking(index), device=dev) for _ in range(1 + GEMM_STREAMS)
+    )
+
+
 class _GemmSet:
     """The ``B`` GEMMs ``out[i] = a[i] @ [hi | lo]`` of one split matrix at one row count, on static
     operands ``a`` int8 ``[B, M, N8]`` and ``out`` int32 ``[B, M, 2 P8]``, captured once in a CUDA graph
@@ -102,9 +125,10 @@ class _GemmSet:
     host time each), and concurrent GEMMs. A failed capture leaves ``graph`` None: :meth:`run` then
     calls the GEMMs one by one (same integers: each product is exact).
 
-    Shared by every thread: :meth:`use` holds the set's lock while the caller enqueues its writer of
-    ``a``, :meth:`run` and its reader of ``out``, and orders the caller's stream after the previous
-    user's (an event): users on different streams never overlap on the device."""
+    Shared by every thread through :func:`_using` (the set's lock held while a caller enqueues its
+    writer of ``a``, :meth:`run` and its reader of ``out``, its stream ordered after the previous
+    user's by an event): users on different streams never overlap on the device. Captures run under
+    the module's lock, on streams of its own (:func:`_own_streams`)."""
 
     def __init__(self, b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> None:
         nb = b.cat_t.shape[0]
@@ -113,29 +137,34 @@ class _GemmSet:
         self.out = torch.empty(nb, rows, 2 * b.p8, dtype=torch.int32, device=dev)
         self.done: torch.cuda.Event | None = None
         self.lock = threading.Lock()
+        self.evicted = False  # set under ``lock`` when dropped from the cache: not to be used again
         self.graph = self._capture(dev)
 
     def _capture(self, dev: torch.device) -> torch.cuda.CUDAGraph | None:
         a, b, out, nb = self.a, self.b, self.out, self.a.shape[0]
         main = torch.cuda.current_stream(dev)
-        side = [torch.cuda.Stream(dev) for _ in range(min(GEMM_STREAMS, nb))]
+        cap, *side = _own_streams(dev.index)
+        side = side[: min(GEMM_STREAMS, nb)]
         try:
             for s in side:  # warm-up on every stream: cuBLAS handles and workspaces exist before the capture
                 s.wait_stream(main)
                 with torch.cuda.stream(s):
                     _gemm(a, b, out, 0)
                 main.wait_stream(s)
-            cap = torch.cuda.Stream(dev)
             cap.wait_stream(main)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=cap, capture_error_mode="thread_local"):
-                for s in side:
-                    s.wait_stream(cap)
-                for i in range(nb):
-                    with torch.cuda.stream(side[i % len(side)]):
-                        _gemm(a, b, out, i)
-                for s in side:
-                    cap.wait_stream(s)
+            with torch.cuda.stream(cap):  # restored however the capture ends
+                g.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for s in side:
+                        s.wait_stream(cap)
+                    for i in range(nb):
+                        with torch.cuda.stream(side[i % len(side)]):
+                            _gemm(a, b, out, i)
+                finally:
+                    for s in side:  # every fork joined, also after a failure
+                        cap.wait_stream(s)
+                    g.capture_end()
             main.wait_stream(cap)
         except RuntimeError as e:  # capture refused (driver, allocator): the GEMMs run one by one
             _stats["capture_failures"] += 1
@@ -145,27 +174,15 @@ class _GemmSet:
         _stats["captured"] += 1
         return g
 
-    @contextlib.contextmanager
-    def use(self):
-        """Hold the set while the caller enqueues (on its current stream) the writer of ``a``,
-        :meth:`run` and the reader of ``out``."""
-        stream = torch.cuda.current_stream(self.a.device)
-        with self.lock:
-            if self.done is not None:
-                stream.wait_event(self.done)
-            try:
-                yield self
-            finally:
-                self.done = torch.cuda.Event()
-                self.done.record(stream)
-
-    def run(self) -> None:
-        if self.graph is None:
-            _stats["eager"] += 1
-            _gemms(self.a, self.b, self.out)
-        else:
-            _stats["replays"] += 1
-            self.graph.replay()
+    def run(self, stream: torch.cuda.Stream) -> None:
+        """The GEMMs on ``stream`` (one graph launch, or the calls one by one)."""
+        with torch.cuda.stream(stream):
+            if self.graph is None:
+                _stats["eager"] += 1
+                _gemms(self.a, self.b, self.out)
+            else:
+                _stats["replays"] += 1
+                self.graph.replay()
 
 
 _sets: OrderedDict[tuple[int, int, int], _GemmSet] = OrderedDict()
@@ -175,7 +192,7 @@ _sets_lock = threading.Lock()
 def _gemm_set(b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> _GemmSet:
     """The :class:`_GemmSet` of ``b`` at ``rows`` rows on ``dev`` (captured on first use; the least
     recently used of more than :data:`_GEMM_SETS_PER_DEVICE` per device is dropped once its last user's
-    work ran)."""
+    work ran, and marked evicted)."""
     key = (id(b), rows, dev.index)
     with _sets_lock:
         got = _sets.get(key)
@@ -188,8 +205,31 @@ def _gemm_set(b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> _GemmSet:
             with old.lock:  # its last user has enqueued everything; its buffers go back once that ran
                 if old.done is not None:
                     old.done.synchronize()
+                old.evicted = True
         got = _sets[key] = _GemmSet(b, rows, dev)
         return got
+
+
+@contextlib.contextmanager
+def _using(b: imatmul.SplitMatrix, rows: int, dev: torch.device, stream: torch.cuda.Stream):
+    """The :class:`_GemmSet` of ``b`` at ``rows`` rows, held (its lock) while the caller enqueues on
+    ``stream`` the writer of ``a``, :meth:`_GemmSet.run` and the reader of ``out``; ``stream`` waits
+    for the previous user's work first, and the next user waits for this one's (an event recorded on
+    exit). A set evicted between the lookup and the lock is looked up again."""
+    while True:
+        gs = _gemm_set(b, rows, dev)
+        gs.lock.acquire()
+        if not gs.evicted:
+            break
+        gs.lock.release()
+    try:
+        if gs.done is not None:
+            stream.wait_event(gs.done)
+        yield gs
+    finally:
+        gs.done = torch.cuda.Event()
+        gs.done.record(stream)
+        gs.lock.release()
 
 
 def _level(x: torch.Tensor, shape: tuple[int, ...], what: str, dev: torch.device) -> torch.Tensor:
@@ -237,15 +277,16 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     geom = _geom(m, t)
     inv_sx, e_mu, _ = tf.vectors(m, str(dev))
     cos, sin = _rope(m, start, t, dev)
-    s = torch.cuda.current_stream(dev).cuda_stream
+    stream = torch.cuda.current_stream(dev)
+    s = stream.cuda_stream
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped | non-finite, big]
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
     energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    with _gemm_set(enc, 2 * t, dev).use() as gs:
+    with _using(enc, 2 * t, dev, stream) as gs:
         c.encode_pre(_dtype_code(c, kv.dtype), *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
                      gs.a.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
-        gs.run()
+        gs.run(stream)
         c.encode_post(*geom, gs.out.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(),
                       kk.data_ptr(), q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
     bad = (flags[0] & c.FLAG_NONFINITE).any()
@@ -318,7 +359,8 @@ def _decode(
     r, t, n = m.rows, sym.shape[3], m.vector_size
     geom = _geom(m, t)
     _, _, mu = tf.vectors(m, str(dev))
-    s = torch.cuda.current_stream(dev).cuda_stream
+    stream = torch.cuda.current_stream(dev)
+    s = stream.cuda_stream
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
     qt[esc] = escapes.to(torch.int16)
@@ -326,9 +368,9 @@ def _decode(
     esc_row, esc_col, esc_hi = _escape_rows(esc, escapes, r, n, t)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
-    with _gemm_set(dec, t, dev).use() as gs:
+    with _using(dec, t, dev, stream) as gs:
         c.decode_pre(*geom, qt.data_ptr(), gs.a.data_ptr(), rowsum.data_ptr(), s)
-        gs.run()
+        gs.run(stream)
         c.decode_post(_dtype_code(c, dtype), *geom, gs.out.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(),
                       esc_col.data_ptr(), esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(),
                       _ptr(cos), _ptr(sin), out.data_ptr(), s)  # fmt: skip

@@ -202,7 +202,8 @@ def _decode(
         if not h.adaptive and h.run_len != length // n:  # an adaptive stream codes with its own table
             raise ValueError(f"stream {i} switches tables every {h.run_len} symbols, its layout needs {length // n}")
     src = host[lo:hi]  # lo is 4-byte aligned (checked above), so every span keeps its alignment
-    if device.type == "cuda":  # one upload of the streams' bytes
+    if device.type == "cuda":  # one upload of the streams' bytes: a pageable copy, so the host region
+        # (a tier's reused record buffer) is free again when it returns; keep it blocking
         with warnings.catch_warnings():  # a read-only record (bytes): only read, by the copy
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(src).to(device)
