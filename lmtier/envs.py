@@ -296,6 +296,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         default="full",
         read_by="scripts/gpu_run.sh",
     ),
+    EnvVar(
+        "LMTIER_TTFTPCA_TIMEOUT",
+        "ci",
+        "seconds scripts/gpu_run.sh's ttftpca step may run (fits it into a device call with other steps)",
+        default="560",
+        read_by="scripts/gpu_run.sh",
+    ),
 )
 """Every ``LMTIER_*`` variable lmtier, its tests, benchmarks, build and scripts read."""
 
