@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -183,8 +184,11 @@ def test_abort_during_async_load(make):
 
     mgr.fetch_lower = slow_fetch_lower
     rid = h.add(p)
-    h.step()
-    h.step()
+    for _ in range(100):  # two steps on a quiet machine; the scheduler's lookup may take longer on a busy one
+        h.step()
+        if h.worker.connector_worker.transfers.async_loads:
+            break
+        time.sleep(0.01)
     assert h.worker.connector_worker.transfers.async_loads, "the load did not start"
     h.abort(rid)
     h.step()
