@@ -23,6 +23,7 @@ concurrent stores and loads.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -42,8 +43,8 @@ class SlotStaging:
     synchronizing call (it waits for the device's queued work). So each buffer is taken only once
     its last upload ran (its event), and a new one is allocated only when every buffer is still in
     flight or too small (rare: the set grows to what the traffic needs). Used by the connector
-    worker's device-decode scatters; the transfer engine uploads its slot mappings on the current
-    stream from torch's cached page-locked blocks instead (:meth:`CudaTransferEngine._upload_slots`).
+    worker's device-decode scatters and by :class:`CudaTransferEngine` for host slot mappings.
+    Thread-safe.
 
     Args:
         device: the CUDA device of the uploaded mappings.
@@ -52,6 +53,7 @@ class SlotStaging:
 
     def __init__(self, device: torch.device, numel: int, count: int = 4) -> None:
         self.device = device
+        self._lock = threading.Lock()
         self._bufs: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
             (torch.empty(numel, dtype=torch.int64, pin_memory=True), None) for _ in range(count)
         ]
@@ -60,19 +62,20 @@ class SlotStaging:
         """``slot_mapping`` (CPU, int64, any shape) as a device tensor of the same shape, copied on
         ``stream`` (use it on that stream, or order other streams after it)."""
         n = slot_mapping.numel()
-        for i, (buf, ev) in enumerate(self._bufs):  # noqa: B007 - i is used after the loop
-            if buf.numel() >= n and (ev is None or ev.query()):
-                break
-        else:
-            size = max(n, max(b.numel() for b, _ in self._bufs))
-            self._bufs.append((torch.empty(size, dtype=torch.int64, pin_memory=True), None))
-            i, buf = len(self._bufs) - 1, self._bufs[-1][0]
-        buf[:n].copy_(slot_mapping.reshape(-1))
-        with torch.cuda.stream(stream):
-            out = buf[:n].to(self.device, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        self._bufs[i] = (buf, ev)
+        with self._lock:
+            for i, (buf, ev) in enumerate(self._bufs):  # noqa: B007 - i is used after the loop
+                if buf.numel() >= n and (ev is None or ev.query()):
+                    break
+            else:
+                size = max(n, max(b.numel() for b, _ in self._bufs))
+                self._bufs.append((torch.empty(size, dtype=torch.int64, pin_memory=True), None))
+                i, buf = len(self._bufs) - 1, self._bufs[-1][0]
+            buf[:n].copy_(slot_mapping.reshape(-1))
+            with torch.cuda.stream(stream):
+                out = buf[:n].to(self.device, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            self._bufs[i] = (buf, ev)
         return out.view(slot_mapping.shape)
 
 
@@ -125,6 +128,7 @@ class CudaTransferEngine:
         dev = layout.device
         self.kernel_stream = torch.cuda.Stream(dev, priority=priority)
         self.copy_stream = torch.cuda.Stream(dev, priority=priority)
+        self._slot_staging = SlotStaging(dev, 32 * tokens_per_chunk)  # host slot mappings (_upload_slots)
         self._copier = None
         if mode == "staged":
             layer_t = layout.layer_ptr_tensor(dev)
@@ -181,17 +185,19 @@ class CudaTransferEngine:
 
     def _upload_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """``slot_mapping`` on the cache device, and :attr:`kernel_stream` (its only reader) ordered
-        after the current stream, where a host mapping is uploaded from page-locked memory (torch's
-        caching host allocator, which keeps the block until the copy ran). A pageable copy is staged
-        by the driver, which may first wait for the stream's queued work: seen on an H100 as a
-        store() that blocked 0.5 s behind the forward (tests/test_gpu_connector_worker.py). Measured
-        on the H200, uploading on the kernel stream instead, through reused pinned buffers, cost the
-        single-chunk transfer up to ~18 points of the memcpy ceiling: RESULTS §1.1."""
+        after the current stream, where a host mapping is uploaded through :class:`SlotStaging`'s
+        reused page-locked buffers. A pageable copy is staged by the driver, which may first wait for
+        the stream's queued work: seen on an H100 as a store() that blocked 0.5 s behind the forward
+        (tests/test_gpu_connector_worker.py). Measured on the H200, uploading on the kernel stream
+        instead, through reused pinned buffers, cost the single-chunk transfer up to ~18 points of the
+        memcpy ceiling: RESULTS §1.1."""
         dev = self.layout.device
-        if slot_mapping.device.type == "cpu" and not slot_mapping.is_pinned():
-            slot_mapping = slot_mapping.contiguous().pin_memory()
-        slots = slot_mapping.to(dev, non_blocking=True).contiguous()
-        self.kernel_stream.wait_stream(torch.cuda.current_stream(dev))
+        cur = torch.cuda.current_stream(dev)
+        if slot_mapping.device.type == "cpu":
+            slots = self._slot_staging.upload(slot_mapping, cur).contiguous()
+        else:
+            slots = slot_mapping.to(dev, non_blocking=True).contiguous()
+        self.kernel_stream.wait_stream(cur)
         return slots
 
     def _transfer(self, store: bool, slot_mapping, host, wait_stream) -> torch.cuda.Event:
