@@ -197,6 +197,16 @@ __device__ __forceinline__ int64_t find_stream(int64_t n, uint64_t t, Get base) 
   return lo;
 }
 
+// Inclusive prefix sum of v over the warp's lanes 0 .. lane (all 32 lanes call it).
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t u = __shfl_up_sync(0xFFFFFFFFu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 // Warp 0 computes cdf[0..256] from freq[256] (shared). Caller syncs.
 __device__ __forceinline__ void warp_cdf(const uint32_t* freq, uint32_t* cdf) {
   if (threadIdx.x >= 32) return;
@@ -208,12 +218,7 @@ __device__ __forceinline__ void warp_cdf(const uint32_t* freq, uint32_t* cdf) {
     local[k] = sum;
     sum += freq[lane * 8 + k];
   }
-  uint32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const uint32_t incl = warp_inclusive_sum(sum, lane);
   const uint32_t excl = incl - sum;
 #pragma unroll
   for (int k = 0; k < 8; ++k) cdf[lane * 8 + k] = excl + local[k];
@@ -346,13 +351,7 @@ __device__ __forceinline__ void warp_build_enc(const uint16_t* __restrict__ freq
     f[k] = __ldg(reinterpret_cast<const unsigned short*>(freq_g) + lane * 8 + k);
     sum += f[k];
   }
-  uint32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += v;
-  }
-  uint32_t c = incl - sum;
+  uint32_t c = warp_inclusive_sum(sum, lane) - sum;
   __syncwarp();
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -874,13 +873,7 @@ __device__ __forceinline__ void warp_build_run(const uint4 fv, RunTables* rt, in
     f[q] = freq_of(fv, q);
     sum += f[q];
   }
-  uint32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += v;
-  }
-  c[0] = incl - sum;
+  c[0] = warp_inclusive_sum(sum, lane) - sum;
 #pragma unroll
   for (int q = 1; q < 8; ++q) c[q] = c[q - 1] + f[q - 1];
   __syncwarp();  // every lane is done with the previous run's tables
