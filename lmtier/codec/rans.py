@@ -31,6 +31,7 @@ on one device). Errors in the data (corrupted / truncated / hostile streams, mis
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,6 +228,10 @@ def decode_scratch_bytes(num_streams: int) -> int:
     return int(_R.decode_scratch_bytes(int(num_streams)))
 
 
+_HEADER = struct.Struct("<IBBBBHHI")
+"""A stream's 16-byte header (rans.h): magic, version, flags, seg_log2, lanes, table id, run words, count."""
+
+
 @dataclass(frozen=True)
 class StreamInfo:
     """Header fields of one encoded stream (see rans.h)."""
@@ -244,9 +249,7 @@ def stream_info(buf: Any) -> StreamInfo:
     b = memoryview(_as_u8_np(buf) if not isinstance(buf, (bytes, bytearray, memoryview)) else buf).cast("B")
     if len(b) < HEADER_BYTES:
         raise ValueError("rans stream truncated: shorter than its 16-byte header")
-    magic, version, flags, seg_log2, lanes, table_id, run_words, n = np.frombuffer(
-        bytes(b[:16]), dtype=np.dtype("<u4,u1,u1,u1,u1,<u2,<u2,<u4")
-    )[0].tolist()
+    magic, version, flags, seg_log2, lanes, table_id, run_words, n = _HEADER.unpack_from(b)
     if magic != _R.MAGIC or version != _R.VERSION or flags & ~1 or lanes != 5 or (flags & 1 and run_words):
         raise ValueError("not an lmtier rANS stream of this version (bad magic/version/flags)")
     if not MIN_SEG_LOG2 <= seg_log2 <= MAX_SEG_LOG2:
