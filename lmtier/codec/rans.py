@@ -31,7 +31,6 @@ on one device). Errors in the data (corrupted / truncated / hostile streams, mis
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +57,7 @@ __all__ = [
     "LANES",
     "DEFAULT_SEG_LOG2",
     "ADAPTIVE_TABLE",
+    "HEADER",
     "HEADER_BYTES",
     "MAX_RUN_LEN",
     "STATUS_NAMES",
@@ -74,6 +74,7 @@ __all__ = [
     "decode_scratch_bytes",
     "stream_info",
     "bounded_stream_info",
+    "stream_headers",
     "encode",
     "encode_into",
     "decode",
@@ -228,8 +229,21 @@ def decode_scratch_bytes(num_streams: int) -> int:
     return int(_R.decode_scratch_bytes(int(num_streams)))
 
 
-_HEADER = struct.Struct("<IBBBBHHI")
-"""A stream's 16-byte header (rans.h): magic, version, flags, seg_log2, lanes, table id, run words, count."""
+HEADER = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "u1"),
+        ("flags", "u1"),
+        ("seg_log2", "u1"),
+        ("lanes", "u1"),
+        ("table_id", "<u2"),
+        ("run_words", "<u2"),
+        ("num_symbols", "<u4"),
+    ]
+)
+"""A stream's 16-byte header (csrc/include/lmtier/rans.h); ``run_words``: the table-switching run in
+units of 32 symbols (0: one table)."""
+assert HEADER.itemsize == HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -244,17 +258,57 @@ class StreamInfo:
     run_len: int = 0  # table switching: symbol i uses table table_id + i // run_len (0: one table)
 
 
+def _segments(h: np.ndarray) -> np.ndarray:
+    """Segments of each stream of the :data:`HEADER` records ``h`` (int64)."""
+    n = h["num_symbols"].astype(np.int64)
+    return -(-n // (np.int64(1) << h["seg_log2"].astype(np.int64).clip(0, 62)))
+
+
+def _check_headers(h: np.ndarray, nbytes: np.ndarray | None) -> None:
+    """Raise ValueError for the first of the :data:`HEADER` records ``h`` that is not a stream of this
+    version, or (``nbytes``: each stream's bytes) whose count its bytes cannot hold (see
+    :func:`bounded_stream_info`); the message names the stream when there are several."""
+    flags = h["flags"]
+    bad_kind = (
+        (h["magic"] != _R.MAGIC)
+        | (h["version"] != _R.VERSION)
+        | ((flags & ~np.uint8(1)) != 0)
+        | (h["lanes"] != 5)
+        | (((flags & 1) != 0) & (h["run_words"] != 0))
+    )
+    bad_seg = (h["seg_log2"] < MIN_SEG_LOG2) | (h["seg_log2"] > MAX_SEG_LOG2)
+    segs = _segments(h)
+    need = HEADER_BYTES + 4 * segs + 128 * np.maximum(segs - 1, 0)
+    bad_count = np.zeros(len(h), bool) if nbytes is None else (h["num_symbols"] > MAX_STREAM_SYMBOLS) | (need > nbytes)
+    bad = np.flatnonzero(bad_kind | bad_seg | bad_count)
+    if bad.size == 0:
+        return
+    i = int(bad[0])
+    who = f"stream {i}: " if len(h) > 1 else ""
+    if bad_kind[i]:
+        raise ValueError(f"{who}not an lmtier rANS stream of this version (bad magic/version/flags)")
+    if bad_seg[i]:
+        raise ValueError(f"{who}bad segment size 2**{int(h['seg_log2'][i])}")
+    raise ValueError(
+        f"{who}rans stream claims {int(h['num_symbols'][i])} symbols ({int(segs[i])} segments), "
+        f"which {int(nbytes[i])} bytes cannot hold (truncated or hostile)"
+    )
+
+
+def _info(h: np.void) -> StreamInfo:
+    n, seg_log2 = int(h["num_symbols"]), int(h["seg_log2"])
+    adaptive = bool(int(h["flags"]) & 1)
+    return StreamInfo(n, int(h["table_id"]), adaptive, seg_log2, -(-n // (1 << seg_log2)), 32 * int(h["run_words"]))
+
+
 def stream_info(buf: Any) -> StreamInfo:
     """Parse one encoded stream's header (host bytes). Raises ValueError if it is not one."""
     b = memoryview(_as_u8_np(buf) if not isinstance(buf, (bytes, bytearray, memoryview)) else buf).cast("B")
     if len(b) < HEADER_BYTES:
         raise ValueError("rans stream truncated: shorter than its 16-byte header")
-    magic, version, flags, seg_log2, lanes, table_id, run_words, n = _HEADER.unpack_from(b)
-    if magic != _R.MAGIC or version != _R.VERSION or flags & ~1 or lanes != 5 or (flags & 1 and run_words):
-        raise ValueError("not an lmtier rANS stream of this version (bad magic/version/flags)")
-    if not MIN_SEG_LOG2 <= seg_log2 <= MAX_SEG_LOG2:
-        raise ValueError(f"bad segment size 2**{seg_log2}")
-    return StreamInfo(n, table_id, bool(flags & 1), seg_log2, -(-n // (1 << seg_log2)), 32 * run_words)
+    h = np.frombuffer(b, HEADER, count=1)
+    _check_headers(h, None)
+    return _info(h[0])
 
 
 def bounded_stream_info(buf: Any) -> StreamInfo:
@@ -268,20 +322,39 @@ def bounded_stream_info(buf: Any) -> StreamInfo:
     """
     head = buf[:HEADER_BYTES]
     head = head.cpu().numpy() if is_torch(head) else head if isinstance(head, (bytes, bytearray)) else np.asarray(head)
-    info = stream_info(head)
     if is_torch(buf):
         nbytes = int(buf.numel() * buf.element_size())
     elif isinstance(buf, (bytes, bytearray, memoryview)):
         nbytes = memoryview(buf).nbytes
     else:
         nbytes = int(np.asarray(buf).nbytes)
-    need = HEADER_BYTES + 4 * info.num_segments + 128 * max(info.num_segments - 1, 0)
-    if info.num_symbols > MAX_STREAM_SYMBOLS or need > nbytes:
-        raise ValueError(
-            f"rans stream claims {info.num_symbols} symbols ({info.num_segments} segments), "
-            f"which {nbytes} bytes cannot hold (truncated or hostile)"
-        )
-    return info
+    b = memoryview(head).cast("B")
+    if len(b) < HEADER_BYTES:
+        raise ValueError("rans stream truncated: shorter than its 16-byte header")
+    h = np.frombuffer(b, HEADER, count=1)
+    _check_headers(h, np.array([nbytes], np.int64))
+    return _info(h[0])
+
+
+def stream_headers(region: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The :data:`HEADER` records of the encoded streams ``region[starts[i] : starts[i] + sizes[i]]``,
+    checked as :func:`bounded_stream_info` checks one (a vectorized pass, for a record's many streams).
+
+    Args:
+        region: host uint8 ``[B]``; starts, sizes: int64 ``[S]``, spans inside ``region`` (the caller
+            checks that).
+
+    Raises:
+        ValueError: naming the first stream shorter than a header, not a stream of this version, or
+            announcing a count its bytes cannot hold.
+    """
+    if (sizes < HEADER_BYTES).any():
+        i = int(np.flatnonzero(sizes < HEADER_BYTES)[0])
+        raise ValueError(f"stream {i}: rans stream truncated: shorter than its 16-byte header")
+    raw = region[starts[:, None] + np.arange(HEADER_BYTES)]  # [S, 16] gathered bytes
+    h = np.ascontiguousarray(raw).view(HEADER).reshape(-1)
+    _check_headers(h, sizes)
+    return h
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ def _on(dev: torch.device):
 
 def _tables(tables: torch.Tensor | np.ndarray, dev: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(tables)) if isinstance(tables, np.ndarray) else tables
+    if t.dtype != torch.uint16 or t.dim() != 2 or t.shape[1] != 256:
+        raise ValueError(f"rANS tables must be uint16 [num_tables, 256], got {t.dtype} {tuple(t.shape)}")
     return t.to(dev).contiguous()
 
 
@@ -191,16 +193,18 @@ def _decode(
     if (starts < 0).any() or (sizes < 0).any() or (sizes > host.size - starts).any() or (starts % 4).any():
         raise ValueError(f"stream spans outside the region of {host.size} bytes or not 4-byte aligned")
     lo, hi = int(starts.min()), int((starts + sizes).max())
-    secs = [host[int(a) : int(a) + int(z)] for a, z in zip(starts, sizes)]
-    infos = [rans.bounded_stream_info(x) for x in secs]  # before anything is allocated
-    counts = sorted({h.num_symbols for h in infos})
-    if counts != [length]:
-        raise ValueError(f"rANS streams of {counts} symbols, {length} expected")
-    for i, h in enumerate(infos):
-        if h.table_id != table_base(i, n):
-            raise ValueError(f"stream {i} names table {h.table_id}, its layout needs {table_base(i, n)}")
-        if not h.adaptive and h.run_len != length // n:  # an adaptive stream codes with its own table
-            raise ValueError(f"stream {i} switches tables every {h.run_len} symbols, its layout needs {length // n}")
+    heads = rans.stream_headers(host, starts, sizes)  # checked before anything is allocated
+    if (heads["num_symbols"] != length).any():
+        raise ValueError(f"rANS streams of {sorted(set(heads['num_symbols'].tolist()))} symbols, {length} expected")
+    base = table_base(np.arange(s_count), n)
+    if (heads["table_id"] != base).any():
+        i = int(np.flatnonzero(heads["table_id"] != base)[0])
+        raise ValueError(f"stream {i} names table {int(heads['table_id'][i])}, its layout needs {int(base[i])}")
+    run = 32 * heads["run_words"].astype(np.int64)
+    bad_run = ((heads["flags"] & 1) == 0) & (run != length // n)  # an adaptive stream codes with its own table
+    if bad_run.any():
+        i = int(np.flatnonzero(bad_run)[0])
+        raise ValueError(f"stream {i} switches tables every {int(run[i])} symbols, its layout needs {length // n}")
     src = host[lo:hi]  # lo is 4-byte aligned (checked above), so every span keeps its alignment
     if device.type == "cuda":  # one upload of the streams' bytes: a pageable copy, so the host region
         # (a tier's reused record buffer) is free again when it returns; keep it blocking
@@ -213,19 +217,25 @@ def _decode(
     got = torch.zeros(s_count, dtype=torch.int64, device=device)
     status = torch.zeros(s_count, dtype=torch.int32, device=device)
     calls = batches(s_count, n)
-    scratch = None
+    desc = np.empty(s_count, rans.DECODE_DESC)  # one descriptor per stream, built at once
+    desc["src"] = src.data_ptr() + (starts - lo) if device.type == "cuda" else src.ctypes.data + (starts - lo)
+    desc["src_bytes"], desc["dst"], desc["dst_capacity"] = sizes, out.data_ptr() + length * np.arange(s_count), length
+    scratch, descs, stream = None, desc, None
     if device.type == "cuda":
         scratch = torch.empty(rans.decode_scratch_bytes(len(calls[0])), dtype=torch.uint8, device=device)
-    rel = [(int(a) - lo, int(a) - lo + int(z)) for a, z in zip(starts, sizes)]
+        descs = torch.from_numpy(desc.view(np.uint8).reshape(-1)).to(device)  # one upload of every call's
+        stream = torch.cuda.current_stream(device)
     for c in calls:
-        rans.decode_into(
-            [src[rel[i][0] : rel[i][1]] for i in c],
-            tables[c.start * n : c.stop * n],
-            outs=[out[i] for i in c],
+        rans.decode_descriptors(
+            descs[c.start * rans.DECODE_DESC.itemsize :] if device.type == "cuda" else desc[c.start :],
+            len(c),
+            tables[c.start * n].data_ptr(),
+            len(c) * n,
             out_lengths=got[c.start : c.stop],
             status=status[c.start : c.stop],
             scratch=scratch,
             num_threads=num_threads,
+            stream=stream,
         )
     rans._raise_status(status.cpu().numpy(), "decode")
     counts = got.cpu().numpy()
