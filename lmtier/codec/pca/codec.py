@@ -31,7 +31,7 @@ from lmtier.codec import rans
 from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
-from . import kernels, streams
+from . import imatmul, kernels, streams
 from . import transform as tf
 from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
 from .model import DIGEST_BYTES, PCAModel
@@ -126,7 +126,9 @@ def _level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
     device: a CUDA coder uploads them once)."""
     d = m.levels[level]
     f = lambda a, dt=None: torch.from_numpy(a).to(device=device, dtype=dt)  # noqa: E731
-    return _LevelArrays(f(d.tables), f(d.k), f(d.energy_threshold, torch.float64), f(d.f))
+    got = _LevelArrays(f(d.tables), f(d.k), f(d.energy_threshold, torch.float64), f(d.f))
+    imatmul.settled(device)  # read by other threads' streams
+    return got
 
 
 def _host(a: Any) -> np.ndarray:

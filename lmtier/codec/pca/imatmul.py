@@ -157,9 +157,20 @@ def matmul_small(q: torch.Tensor, a: SplitMatrix) -> torch.Tensor:
     return out
 
 
+def settled(device: torch.device | str) -> None:
+    """Block until the current stream of a CUDA ``device`` ran the work queued on it (the host: no-op).
+    Called by the caches of device tensors (the model's matrices and vectors) before they hand a tensor
+    out: other threads read it on their own streams, which do not wait for the creating one."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
 @lru_cache(maxsize=4)
 def _prepared(m: object, device: str) -> tuple[SplitMatrix, SplitMatrix]:
-    return split_matrix(m.e_int, device), split_matrix(m.d_int, device)
+    got = split_matrix(m.e_int, device), split_matrix(m.d_int, device)
+    settled(device)
+    return got
 
 
 def prepared(m: object, device: torch.device) -> tuple[SplitMatrix, SplitMatrix]:

@@ -135,10 +135,13 @@ class _GemmSet:
         self.b = b  # keeps the operand alive while the graph points at it
         self.a = torch.zeros(nb, rows, b.n8, dtype=torch.int8, device=dev)
         self.out = torch.empty(nb, rows, 2 * b.p8, dtype=torch.int32, device=dev)
-        self.done: torch.cuda.Event | None = None
         self.lock = threading.Lock()
         self.evicted = False  # set under ``lock`` when dropped from the cache: not to be used again
         self.graph = self._capture(dev)
+        # the operands' zeroing and the warm-ups ran on the creating thread's stream: the first user
+        # (another thread's stream, maybe) waits for them as every later user waits for the previous one
+        self.done: torch.cuda.Event | None = torch.cuda.Event()
+        self.done.record(torch.cuda.current_stream(dev))
 
     def _capture(self, dev: torch.device) -> torch.cuda.CUDAGraph | None:
         a, b, out, nb = self.a, self.b, self.out, self.a.shape[0]

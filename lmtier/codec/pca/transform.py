@@ -82,7 +82,9 @@ def to_kv(m: PCAModel, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch
 def vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
     """float64 ``inv_x_scale`` ``[R, 2]``, ``e_mu``, ``mu_raw`` ``[R, 2, N]`` of ``m`` on ``device``
     (contiguous; cached per model and device string)."""
-    return tuple(torch.from_numpy(a).to(device=device, dtype=torch.float64) for a in (m.inv_x_scale, m.e_mu, m.mu_raw))
+    got = tuple(torch.from_numpy(a).to(device=device, dtype=torch.float64) for a in (m.inv_x_scale, m.e_mu, m.mu_raw))
+    imatmul.settled(device)  # read by other threads' streams
+    return got
 
 
 _HOST_CACHE_BYTES = 1 << 29
