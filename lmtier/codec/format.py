@@ -37,6 +37,7 @@ padding) are ignored.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,13 +125,12 @@ def _nbytes(x: Any) -> int:
 def _layout(info: RecordInfo, lengths: Sequence[int], meta_len: int) -> tuple[np.ndarray, int, int]:
     if len(lengths) != info.num_sections:
         raise ValueError(f"got {len(lengths)} sections, the geometry needs L*S = {info.num_sections}")
+    n = np.asarray(lengths, np.int64).reshape(-1)
+    ends = np.cumsum((n + 3) & ~3)  # each section's 4-byte aligned end
     idx = np.zeros(info.num_sections, _INDEX)
-    off = 0
-    for i, n in enumerate(lengths):
-        idx[i] = (off, n)
-        off = _r4(off + int(n))
+    idx["offset"][1:], idx["length"] = ends[:-1], n
     payload_start = HEADER_BYTES + 16 * info.num_sections + _r16(meta_len)
-    return idx, payload_start, off
+    return idx, payload_start, int(ends[-1]) if n.size else 0
 
 
 def record_size(info: RecordInfo, section_lengths: Sequence[int], meta_bytes: int = 0) -> int:
@@ -188,12 +188,13 @@ def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: by
         return pack(info, [data[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())], meta)
     meta_v = _as_bytes_view(meta)
     idx, start, payload = _layout(info, lengths.tolist(), meta_v.nbytes)
-    buf = bytearray(start + payload)  # zeroed: the last section's pad
-    out = np.frombuffer(buf, np.uint8)
+    out = _scratch(start + payload)
     _write_index(out, idx, meta_v, start)
-    out[start : start + int(off[-1] - off[0])] = data[int(off[0]) : int(off[-1])]
+    used = int(off[-1] - off[0])
+    out[start : start + used] = data[int(off[0]) : int(off[-1])]
+    out[start + used :] = 0  # the last section's pad
     _seal(out, info, meta_v.nbytes, start, payload)
-    return bytes(buf)
+    return out.tobytes()
 
 
 def _out_array(buf: Any, total: int) -> np.ndarray:
@@ -241,13 +242,31 @@ def _seal(out: np.ndarray, info: RecordInfo, meta_bytes: int, start: int, payloa
     out[56:64] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
 
 
+_SCRATCH_MAX = 64 << 20
+"""Records up to this many bytes are assembled in a per-thread buffer that is kept (see :func:`_scratch`)."""
+_local = threading.local()
+
+
+def _scratch(total: int) -> np.ndarray:
+    """A writable uint8 array of ``total`` bytes in which :func:`pack` assembles a record before its
+    one copy into the returned ``bytes``: this thread's kept buffer (its pages already touched) when
+    the record fits :data:`_SCRATCH_MAX`, else a fresh one. Assembling in a fresh buffer and then
+    copying touches two sets of new pages, and a page fault per 4 KiB costs more than the copy."""
+    if total > _SCRATCH_MAX:
+        return np.empty(total, np.uint8)
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < total:
+        buf = _local.buf = np.empty(max(total, 1 << 20), np.uint8)
+    return buf[:total]
+
+
 def pack(info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> bytes:
     """Serialize a record. ``sections``: L*S host byte buffers (bytes, NumPy, CPU tensors), layer-major.
     A batch encoded by :func:`lmtier.codec.rans.encode` maps to sections as ``batch.stream(i)``."""
     views = [_as_bytes_view(s) for s in sections]
-    out = bytearray(record_size(info, [v.nbytes for v in views], _as_bytes_view(meta).nbytes))
+    out = _scratch(record_size(info, [v.nbytes for v in views], _as_bytes_view(meta).nbytes))
     pack_into(out, info, views, meta)
-    return bytes(out)
+    return out.tobytes()
 
 
 @dataclass(frozen=True)
