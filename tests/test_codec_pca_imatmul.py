@@ -239,3 +239,33 @@ def test_own_cuda_streams_refuse_a_device_that_does_not_exist():
         _C.cuda_stream_nonblocking(bad)
     with pytest.raises(ValueError, match="no CUDA device -1"):
         _C.cuda_stream_nonblocking(-1)
+
+
+def test_escape_rows_csr_gives_each_escaped_coefficients_high_byte():
+    """``kernels._escape_rows`` (the CUDA decode's escape terms, built with torch ops, run here on the
+    host): per row ``(r, p, t)`` the components ``j`` of the escaped coefficients in ascending order
+    with ``hi8(q)``; scattered back, they equal ``hi8`` of every escaped coefficient and 0 elsewhere."""
+    from lmtier.codec.pca import kernels
+
+    g = torch.Generator().manual_seed(5)
+    r, n, t = 3, 20, 33
+    esc = torch.rand(r, 2, n, t, generator=g) < 0.1
+    qt = torch.randint(-128, 128, (r, 2, n, t), generator=g, dtype=torch.int16)
+    big = torch.randint(-32768, 32768, (int(esc.sum()),), generator=g, dtype=torch.int32)
+    big[::4] = torch.randint(-128, 128, big[::4].shape, generator=g, dtype=torch.int32)  # escapes with hi8 = 0 too
+    qt.masked_scatter_(esc, big.to(torch.int16))
+    row, col, hi = kernels._escape_rows(esc, qt, int(esc.sum()), r, n, t)
+    assert row[0] == 0 and row[-1] == col.numel() == int(esc.sum())
+    dense = torch.zeros(r * 2 * t, n, dtype=torch.int32)
+    for i in range(r * 2 * t):
+        cols = col[row[i] : row[i + 1]]
+        assert torch.all(cols[1:] > cols[:-1])  # ascending, no repeats
+        dense[i, cols.long()] = hi[row[i] : row[i + 1]]
+    want = torch.where(esc, im.split8(qt)[1], 0).reshape(r * 2, n, t).transpose(1, 2).reshape(r * 2 * t, n)
+    assert (
+        torch.equal(dense, want)
+        and (want != 0).any()
+        and ((want == 0) & esc.reshape(r * 2, n, t).transpose(1, 2).reshape(r * 2 * t, n)).any()
+    )
+    empty = kernels._escape_rows(torch.zeros_like(esc), qt, 0, r, n, t)
+    assert empty[0].count_nonzero() == 0 and empty[1].numel() == empty[2].numel() == 0

@@ -304,25 +304,26 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
 
 
 def _escape_rows(
-    esc: torch.Tensor, escapes: torch.Tensor, r: int, n: int, t: int
+    esc: torch.Tensor, qt: torch.Tensor, count: int, r: int, n: int, t: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR over rows ``(r, p, t)`` of the escaped coefficients beyond int8: ``hi8(q) = (q - lo8(q)) /
-    256`` and their component ``j`` (``esc``: bool ``[R, 2, N, T]`` escape symbols; ``escapes``: their
-    values in stream order). A chunk without escapes (most, at ``pca_default``) skips the searches and
-    their synchronizations."""
+    """CSR over rows ``(r, p, t)`` of the escaped coefficients' high bytes ``hi8(q) = (q - lo8(q)) /
+    256`` and their component ``j``, in ``(row, j)`` order (``esc``: bool ``[R, 2, N, T]`` escape
+    symbols, ``count`` of them; ``qt``: int16 ``[R, 2, N, T]`` coefficients, escapes in place). An
+    escape whose high byte is 0 is kept: its term in ``decode_post`` is 0. One synchronization (the
+    count of ``nonzero``); a chunk without escapes (most, at ``pca_default``) none."""
     dev = esc.device
     esc_row = torch.zeros(r * 2 * t + 1, dtype=torch.int32, device=dev)
-    if escapes.numel() == 0:
+    if count == 0:
         none = torch.empty(0, dtype=torch.int32, device=dev)
         return esc_row, none, none
-    hi = imatmul.split8(escapes)[1]
-    rp, j, tok = torch.nonzero(esc.reshape(r * 2, n, t), as_tuple=True)
-    keep = hi != 0
-    rows, cols, his = rp[keep] * t + tok[keep], j[keep], hi[keep]
-    order = torch.argsort(rows, stable=True)
-    esc_col, esc_hi = cols[order].to(torch.int32).contiguous(), his[order].to(torch.int32).contiguous()
-    esc_row[1:] = torch.bincount(rows, minlength=r * 2 * t).cumsum(0)
-    return esc_row, esc_col, esc_hi
+    rp, tok, j = torch.nonzero(esc.reshape(r * 2, n, t).transpose(1, 2), as_tuple=True)  # (row, j) order
+    hi = imatmul.split8(qt.reshape(r * 2, n, t)[rp, j, tok])[1]
+    rows = rp * t + tok
+    per_row = torch.zeros(r * 2 * t, dtype=torch.int32, device=dev).index_add_(
+        0, rows, torch.ones_like(rows, dtype=torch.int32)
+    )
+    esc_row[1:] = per_row.cumsum(0)
+    return esc_row, j.to(torch.int32), hi.to(torch.int32)
 
 
 def decode(
@@ -366,9 +367,9 @@ def _decode(
     s = stream.cuda_stream
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
-    qt[esc] = escapes.to(torch.int16)
+    qt.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    esc_row, esc_col, esc_hi = _escape_rows(esc, escapes, r, n, t)
+    esc_row, esc_col, esc_hi = _escape_rows(esc, qt, escapes.numel(), r, n, t)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     with _using(dec, t, dev, stream) as gs:
