@@ -289,3 +289,20 @@ def test_record_longer_than_the_bound_still_decodes(native):
     out = torch.empty(16384, dtype=torch.uint8)
     C.decode_chunk(rec, out, expected_shape=SHAPE, dtype=torch.bfloat16)
     assert torch.equal(out.view(torch.bfloat16).view(SHAPE), reference(x, "default"))
+
+
+def test_record_layout_refuses_negative_lengths_and_packs_sections_back_to_back():
+    """``fmt.record_size`` / ``pack`` lay sections out at 4-byte aligned offsets (one cumsum) and
+    refuse a negative length; records assembled one after the other in the thread's kept buffer are
+    independent ``bytes`` (a later, smaller record leaves an earlier one as it was)."""
+    info = fmt.RecordInfo(1, 2, 1, 4, 1, 8, dtype=fmt.DType.BFLOAT16, sections_per_layer=2, table_id=7)
+    with pytest.raises(ValueError, match="negative section length -1"):
+        fmt.record_size(info, [4, -1, 0, 0])
+    secs = [b"abcde", b"", b"xy", b"0123"]
+    big = fmt.pack(info, secs, b"meta")
+    rec = fmt.unpack(big)
+    assert rec.index["offset"].tolist() == [0, 8, 8, 12] and rec.index["length"].tolist() == [5, 0, 2, 4]
+    assert [bytes(rec.section(i // 2, i % 2)) for i in range(4)] == secs
+    small = fmt.pack(info, [b"z", b"", b"", b""])
+    assert fmt.unpack(big).index["length"].tolist() == [5, 0, 2, 4] and big != small
+    assert bytes(fmt.unpack(small).section(0, 0)) == b"z"

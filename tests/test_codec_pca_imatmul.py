@@ -254,7 +254,9 @@ def test_escape_rows_csr_gives_each_escaped_coefficients_high_byte():
     big = torch.randint(-32768, 32768, (int(esc.sum()),), generator=g, dtype=torch.int32)
     big[::4] = torch.randint(-128, 128, big[::4].shape, generator=g, dtype=torch.int32)  # escapes with hi8 = 0 too
     qt.masked_scatter_(esc, big.to(torch.int16))
-    row, col, hi = kernels._escape_rows(esc, qt, int(esc.sum()), r, n, t)
+    with pytest.raises(ValueError, match=f"{int(esc.sum())} escape symbols, 3 escaped coefficients given"):
+        kernels._escape_index(esc, 3, r, n, t)
+    row, col, hi = kernels._escape_rows(kernels._escape_index(esc, int(esc.sum()), r, n, t), qt, r, n, t)
     assert row[0] == 0 and row[-1] == col.numel() == int(esc.sum())
     dense = torch.zeros(r * 2 * t, n, dtype=torch.int32)
     for i in range(r * 2 * t):
@@ -267,5 +269,6 @@ def test_escape_rows_csr_gives_each_escaped_coefficients_high_byte():
         and (want != 0).any()
         and ((want == 0) & esc.reshape(r * 2, n, t).transpose(1, 2).reshape(r * 2 * t, n)).any()
     )
-    empty = kernels._escape_rows(torch.zeros_like(esc), qt, 0, r, n, t)
+    assert kernels._escape_index(esc, 0, r, n, t) is None
+    empty = kernels._escape_rows(None, qt, r, n, t)
     assert empty[0].count_nonzero() == 0 and empty[1].numel() == empty[2].numel() == 0

@@ -158,9 +158,10 @@ def test_cuda_gemms_replay_a_captured_graph_shared_by_threads(path):
 def test_cuda_gemm_set_first_user_waits_for_its_creation(path):
     """A GEMM set is created (operands zeroed, cuBLAS warmed up, graph captured) on the creating
     thread's stream; another thread's stream may use it first, so it must wait for that work. Here the
-    creating stream is held back by a sleep: the set's event is still pending, and a decode on another
-    stream, which waits for it, gives the host's bits (the ttft bench's first PCA load from four I/O
-    threads decoded wrong KV before the set carried this event)."""
+    creating stream is held back by a sleep: the set's event is still pending, a user on another stream
+    queues behind it (its stream not done while the creator sleeps), and a decode there gives the host's
+    bits (the ttft bench's first PCA load from four I/O threads decoded wrong KV before the set carried
+    this event)."""
     if path != "kernels":
         pytest.skip("the torch fallback runs no graph")
     from lmtier.codec.pca import imatmul
@@ -170,15 +171,22 @@ def test_cuda_gemm_set_first_user_waits_for_its_creation(path):
     ref = pca.encode(kv, start=s, model=m, level="pca_default")
     want = pca.decode(ref, model=m).view(torch.int16)
     pca.decode(ref, model=m, device="cuda")  # the model's caches on the device
-    dec = imatmul.prepared(m, torch.device("cuda"))[1]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dec = imatmul.prepared(m, "cuda")[1]
+    assert dec is imatmul.prepared(m, dev)[1]  # one cache entry, however the device is named
     with kernels._sets_lock:  # a cold set, as the first load of a served prefix finds it
-        for k in [k for k in kernels._sets if k[0] == id(dec)]:
+        cold = [k for k in kernels._sets if k[0] == id(dec)]
+        for k in cold:
             kernels._sets.pop(k).evicted = True
+    assert cold, "the decode above left no set to drop"
     creator, user = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(creator):
         torch.cuda._sleep(500_000_000)  # ~0.3 s at H100 clocks
-        gs = kernels._gemm_set(dec, 48, torch.device("cuda", torch.cuda.current_device()))
+        gs = kernels._gemm_set(dec, 48, dev)
     assert gs.done is not None and not gs.done.query(), "the set's creation is not ordered before its first use"
+    with kernels._using(dec, 48, dev, user) as got_set:
+        assert got_set is gs
+    assert not user.query(), "the first user's stream does not wait for the set's creation"
     with torch.cuda.stream(user):
         got = pca.decode(ref, model=m, device="cuda")
     torch.cuda.synchronize()

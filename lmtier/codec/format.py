@@ -126,6 +126,8 @@ def _layout(info: RecordInfo, lengths: Sequence[int], meta_len: int) -> tuple[np
     if len(lengths) != info.num_sections:
         raise ValueError(f"got {len(lengths)} sections, the geometry needs L*S = {info.num_sections}")
     n = np.asarray(lengths, np.int64).reshape(-1)
+    if (n < 0).any():
+        raise ValueError(f"negative section length {int(n.min())}")
     ends = np.cumsum((n + 3) & ~3)  # each section's 4-byte aligned end
     idx = np.zeros(info.num_sections, _INDEX)
     idx["offset"][1:], idx["length"] = ends[:-1], n
@@ -243,7 +245,8 @@ def _seal(out: np.ndarray, info: RecordInfo, meta_bytes: int, start: int, payloa
 
 
 _SCRATCH_MAX = 64 << 20
-"""Records up to this many bytes are assembled in a per-thread buffer that is kept (see :func:`_scratch`)."""
+"""Records up to this many bytes are assembled in a per-thread buffer that is kept (see :func:`_scratch`):
+at most this much memory per thread that packs records."""
 _local = threading.local()
 
 
@@ -255,8 +258,9 @@ def _scratch(total: int) -> np.ndarray:
     if total > _SCRATCH_MAX:
         return np.empty(total, np.uint8)
     buf = getattr(_local, "buf", None)
-    if buf is None or buf.size < total:
-        buf = _local.buf = np.empty(max(total, 1 << 20), np.uint8)
+    if buf is None or buf.size < total:  # grows geometrically: records that grow step by step
+        size = 0 if buf is None else buf.size
+        buf = _local.buf = np.empty(min(_SCRATCH_MAX, max(total, 2 * size, 1 << 20)), np.uint8)
     return buf[:total]
 
 

@@ -321,7 +321,8 @@ def bounded_stream_info(buf: Any) -> StreamInfo:
         ValueError: not a stream's header, or a count its bytes cannot hold (truncated or hostile).
     """
     head = buf[:HEADER_BYTES]
-    head = head.cpu().numpy() if is_torch(head) else head if isinstance(head, (bytes, bytearray)) else np.asarray(head)
+    head = head.cpu().numpy() if is_torch(head) else head
+    head = head if isinstance(head, (bytes, bytearray)) else np.ascontiguousarray(_as_u8_np(head))
     if is_torch(buf):
         nbytes = int(buf.numel() * buf.element_size())
     elif isinstance(buf, (bytes, bytearray, memoryview)):

@@ -120,10 +120,16 @@ class _LevelArrays(NamedTuple):
     f: torch.Tensor
 
 
-@lru_cache(maxsize=8)
 def _level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
     """:class:`_LevelArrays` of ``m``'s ``level`` on ``device`` (cached per model object, level and
-    device: a CUDA coder uploads them once)."""
+    device: a CUDA coder uploads them once; marked :func:`.imatmul.in_use` by the current stream)."""
+    got = _cached_level_arrays(m, level, imatmul.device_key(device))
+    imatmul.in_use(*got)
+    return got
+
+
+@lru_cache(maxsize=8)
+def _cached_level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
     d = m.levels[level]
     f = lambda a, dt=None: torch.from_numpy(a).to(device=device, dtype=dt)  # noqa: E731
     got = _LevelArrays(f(d.tables), f(d.k), f(d.energy_threshold, torch.float64), f(d.f))

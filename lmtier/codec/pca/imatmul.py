@@ -166,6 +166,24 @@ def settled(device: torch.device | str) -> None:
         torch.cuda.current_stream(dev).synchronize()
 
 
+def in_use(*tensors: torch.Tensor) -> None:
+    """Mark cached CUDA tensors as read by the current stream of their device (host tensors: no-op):
+    when a cache drops one and its last reference goes, the caching allocator reuses the memory only
+    after the work queued so far on that stream ran, not merely the creating stream's."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def device_key(device: torch.device | str) -> str:
+    """The cache key of a device: ``"cpu"``, or ``"cuda:<index>"`` with the current device's index
+    for a bare ``"cuda"`` (one entry per GPU, whichever way it was named)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
 @lru_cache(maxsize=4)
 def _prepared(m: object, device: str) -> tuple[SplitMatrix, SplitMatrix]:
     got = split_matrix(m.e_int, device), split_matrix(m.d_int, device)
@@ -175,5 +193,8 @@ def _prepared(m: object, device: str) -> tuple[SplitMatrix, SplitMatrix]:
 
 def prepared(m: object, device: torch.device) -> tuple[SplitMatrix, SplitMatrix]:
     """(encode, decode) :class:`SplitMatrix` of a :class:`~.model.PCAModel`'s ``e_int``, ``d_int``
-    on ``device`` (cached per model object and device)."""
-    return _prepared(m, str(torch.device(device)))
+    on ``device`` (cached per model object and device; marked :func:`in_use` by the current stream)."""
+    got = _prepared(m, device_key(device))
+    for a in got:
+        in_use(a.cat_t, a.col)
+    return got

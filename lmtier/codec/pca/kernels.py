@@ -303,26 +303,39 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     return sym, exact, escapes
 
 
+def _escape_index(esc: torch.Tensor, count: int, r: int, n: int, t: int) -> tuple[torch.Tensor, ...] | None:
+    """``(rp, tok, j)`` of the escape symbols ``esc`` (bool ``[R, 2, N, T]``) in ``(row, j)`` order,
+    row ``= rp T + tok``; None when ``count`` (the escaped coefficients given) is 0. One synchronization
+    (the count of ``nonzero``).
+
+    Raises:
+        ValueError: ``count`` is not the number of escape symbols (checked when it is not 0)."""
+    if count == 0:
+        return None
+    idx = torch.nonzero(esc.reshape(r * 2, n, t).transpose(1, 2), as_tuple=True)
+    if idx[0].numel() != count:
+        raise ValueError(f"{idx[0].numel()} escape symbols, {count} escaped coefficients given")
+    return idx
+
+
 def _escape_rows(
-    esc: torch.Tensor, qt: torch.Tensor, count: int, r: int, n: int, t: int
+    idx: tuple[torch.Tensor, ...] | None, qt: torch.Tensor, r: int, n: int, t: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CSR over rows ``(r, p, t)`` of the escaped coefficients' high bytes ``hi8(q) = (q - lo8(q)) /
-    256`` and their component ``j``, in ``(row, j)`` order (``esc``: bool ``[R, 2, N, T]`` escape
-    symbols, ``count`` of them; ``qt``: int16 ``[R, 2, N, T]`` coefficients, escapes in place). An
-    escape whose high byte is 0 is kept: its term in ``decode_post`` is 0. One synchronization (the
-    count of ``nonzero``); a chunk without escapes (most, at ``pca_default``) none."""
-    dev = esc.device
+    256`` and their component ``j``, in ``(row, j)`` order (``idx``: :func:`_escape_index`; ``qt``: int16
+    ``[R, 2, N, T]`` coefficients, escapes in place). An escape whose high byte is 0 is kept: its term
+    in ``decode_post`` is 0. No synchronization; none of it for a chunk without escapes (most, at
+    ``pca_default``)."""
+    dev = qt.device
     esc_row = torch.zeros(r * 2 * t + 1, dtype=torch.int32, device=dev)
-    if count == 0:
+    if idx is None:
         none = torch.empty(0, dtype=torch.int32, device=dev)
         return esc_row, none, none
-    rp, tok, j = torch.nonzero(esc.reshape(r * 2, n, t).transpose(1, 2), as_tuple=True)  # (row, j) order
+    rp, tok, j = idx
     hi = imatmul.split8(qt.reshape(r * 2, n, t)[rp, j, tok])[1]
     rows = rp * t + tok
-    per_row = torch.zeros(r * 2 * t, dtype=torch.int32, device=dev).index_add_(
-        0, rows, torch.ones_like(rows, dtype=torch.int32)
-    )
-    esc_row[1:] = per_row.cumsum(0)
+    ones = torch.ones_like(rows, dtype=torch.int32)
+    esc_row[1:] = torch.zeros(r * 2 * t, dtype=torch.int32, device=dev).index_add_(0, rows, ones).cumsum(0)
     return esc_row, j.to(torch.int32), hi.to(torch.int32)
 
 
@@ -341,7 +354,9 @@ def decode(
         ``dtype`` ``[L, 2, T, H, D]`` on the device.
 
     Raises:
-        ValueError: ``sym`` or ``f`` of another shape.
+        ValueError: ``sym`` or ``f`` of another shape; escaped coefficients given that are not one per
+            escape symbol (with none given, the escape symbols are not counted: the caller checks,
+            as :func:`lmtier.codec.pca.decode` does).
     """
     dev = sym.device
     r, t, n = m.rows, sym.shape[3], m.vector_size
@@ -367,9 +382,11 @@ def _decode(
     s = stream.cuda_stream
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
-    qt.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
+    idx = _escape_index(esc, escapes.numel(), r, n, t)  # the count checked before the scatter
+    if idx is not None:
+        qt.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
+    esc_row, esc_col, esc_hi = _escape_rows(idx, qt, r, n, t)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    esc_row, esc_col, esc_hi = _escape_rows(esc, qt, escapes.numel(), r, n, t)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     with _using(dec, t, dev, stream) as gs:

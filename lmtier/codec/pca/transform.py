@@ -79,11 +79,17 @@ def to_kv(m: PCAModel, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch
 
 
 @lru_cache(maxsize=8)
-def vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
-    """float64 ``inv_x_scale`` ``[R, 2]``, ``e_mu``, ``mu_raw`` ``[R, 2, N]`` of ``m`` on ``device``
-    (contiguous; cached per model and device string)."""
+def _vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
     got = tuple(torch.from_numpy(a).to(device=device, dtype=torch.float64) for a in (m.inv_x_scale, m.e_mu, m.mu_raw))
     imatmul.settled(device)  # read by other threads' streams
+    return got
+
+
+def vectors(m: PCAModel, device: str) -> tuple[torch.Tensor, ...]:
+    """float64 ``inv_x_scale`` ``[R, 2]``, ``e_mu``, ``mu_raw`` ``[R, 2, N]`` of ``m`` on ``device``
+    (contiguous; cached per model and device; marked :func:`.imatmul.in_use` by the current stream)."""
+    got = _vectors(m, imatmul.device_key(device))
+    imatmul.in_use(*got)
     return got
 
 
