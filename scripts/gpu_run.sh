@@ -4,7 +4,8 @@
 #   bash scripts/gpu_run.sh            (writes logs and JSON under $OUT, default ./out)
 # LMTIER_GPU_STEPS selects steps (default: "tests transfer layerwise ttft rans codec"; also "ttftremote": the
 # Redis and Mooncake Store tiers (+ codec) at 7,500 tokens; "ttftpca": disk, Redis (and Mooncake) with the codec
-# at default and pca_default at 7,500 tokens, up to 560 s (LMTIER_TTFTPCA_TIMEOUT) with the bench's own PCA fit;
+# at default and pca_default at 7,500 tokens, the random model's KV as built and then with --kv-spectrum trained
+# (its KV's spectrum decaying as a trained model's), each up to 560 s (LMTIER_TTFTPCA_TIMEOUT), with the bench's own PCA fit;
 # "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
@@ -108,9 +109,14 @@ if has ttftpca; then
   # The PCA model file is fitted by the bench first, untimed, on the KV of its prompt's first 8,192 tokens
   # (Llama-3.1-8B: G = 4, N = 4,096, 8 layer groups x K/V: 16 float64 eigendecompositions of 4,096 x 4,096 and
   # the calibration KV's transforms; estimated 1-4 min on this host's cores). Up to 560 s: a call of its own.
+  # Then the same with --kv-spectrum trained: the random model's k_proj / v_proj reshaped so its KV's
+  # eigen-spectrum decays as SmolLM2's (a random model's KV is near isotropic: no structure for a basis).
   timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
     --json "$OUT/ttft_pca.json" > "$OUT/bench_ttft_pca.log" 2>&1
   echo "bench ttft (codec default and pca_default at 7,500) rc=$?"
+  timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
+    --kv-spectrum trained --json "$OUT/ttft_pca_trained.json" > "$OUT/bench_ttft_pca_trained.log" 2>&1
+  echo "bench ttft (the same, --kv-spectrum trained) rc=$?"
 fi
 if has ttftbatch1; then
   timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-redis \
@@ -171,7 +177,7 @@ if has pcacodec; then  # the PCA levels (issue 19) on CUDA: byte/bit identity wi
 fi
 echo "==================== summary ===================="
 [ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -2
-for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_pca bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec bench_codec_product bench_codec_pca; do
+for f in bench_transfer bench_layerwise bench_ttft bench_ttft_remote bench_ttft_pca bench_ttft_pca_trained bench_ttft_batch1 bench_mooncake bench_p2p bench_seal bench_rans bench_codec bench_codec_product bench_codec_pca; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "^\s*$" "$OUT/$f.log" | tail -22; }
 done
 # the short table, last: TTFT per tier at each N (% of recompute) with the same-run ceilings

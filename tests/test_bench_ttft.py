@@ -738,3 +738,53 @@ def test_pca_level_on_the_redis_tier(tmp_path, monkeypatch):
     assert res["load_path"]["codec_tiers"]["redis+pca_default"] == "lmtier.tiers.codec_pca.PCACodecTier"
     _pca_records_agree(records, 3, 64, ["pca_default"])
     assert calls["misses"] == 0
+
+
+def test_kv_spectrum_trained_concentrates_the_kv_energy_as_measured(tmp_path):
+    """``--kv-spectrum trained``: each layer's k_proj / v_proj of the random model gets singular values
+    ``i**(-alpha / 2)`` (TRAINED_KV_ALPHA) at its Frobenius norm, so the KV of random tokens follows the
+    power law: its top components hold far more energy than the random model's (near isotropic)."""
+    import torch
+
+    from lmtier.bench.ttft.model import TRAINED_KV_ALPHA, build_model
+
+    def top_share(model, kind: str) -> float:
+        """Energy share of the top eighth of the components of layer 1's K or V outputs."""
+        got = []
+        proj = getattr(model.model.layers[1].self_attn, f"{kind}_proj")
+        hook = proj.register_forward_hook(lambda mod, i, o: got.append(o[0].float()))
+        with torch.no_grad():
+            model(torch.randint(0, model.config.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(3)))
+        hook.remove()
+        x = got[0] - got[0].mean(0)
+        ev = torch.linalg.eigvalsh(x.T @ x).flip(0)
+        return float(ev[: max(1, ev.numel() // 8)].sum() / ev.sum())
+
+    dev, dt = torch.device("cpu"), torch.float32
+    plain, name = build_model("smollm2-135m", None, dev, dt)
+    shaped, shaped_name = build_model("smollm2-135m", None, dev, dt, kv_spectrum="trained")
+    assert "K/V spectra of a trained model's" in shaped_name and "K/V" not in name
+    shares = {}
+    for kind in ("k", "v"):
+        w0 = getattr(plain.model.layers[1].self_attn, f"{kind}_proj").weight
+        w1 = getattr(shaped.model.layers[1].self_attn, f"{kind}_proj").weight
+        assert torch.allclose(w0.norm(), w1.norm(), rtol=1e-4)
+        sv = torch.linalg.svdvals(w1.double())
+        want = torch.arange(1, sv.numel() + 1, dtype=torch.float64) ** (-TRAINED_KV_ALPHA[kind] / 2)
+        assert torch.allclose(sv / sv[0], want / want[0], rtol=1e-3)
+        # SmolLM2's own KV: 73 % (K) and 53 % (V) of the energy in the top eighth
+        shares[kind] = top_share(plain, kind), top_share(shaped, kind)
+    assert shares["k"][0] < 0.45 and shares["k"][1] > 0.65 and shares["v"][0] < 0.45 and shares["v"][1] > 0.45
+    with pytest.raises(ValueError, match="a local model keeps its own"):
+        build_model("tiny", str(tmp_path), dev, dt, kv_spectrum="trained")
+    with pytest.raises(ValueError, match="kv_spectrum must be"):
+        build_model("tiny", None, dev, dt, kv_spectrum="flat")
+
+
+def test_kv_spectrum_option_runs_and_is_reported(tmp_path, capsys):
+    rc, res = _run(tmp_path, "--lengths", "128", "--no-disk", "--kv-spectrum", "trained")
+    assert rc == 0 and res["checks_ok"] is True and res["kv_spectrum"] == "trained"
+    assert res["model"].endswith("(random weights, K/V spectra of a trained model's)")
+    with pytest.raises(SystemExit):
+        ttft.main(["--device", "cpu", "--model", str(tmp_path), "--kv-spectrum", "trained"])
+    assert "a --model keeps its own weights" in capsys.readouterr().err

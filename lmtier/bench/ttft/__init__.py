@@ -112,6 +112,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="path of a local transformers model (Llama-like)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument(
+        "--kv-spectrum",
+        choices=["model", "trained"],
+        default="model",
+        help="random-weight models: 'trained' reshapes each layer's k_proj / v_proj so the KV's "
+        "eigen-spectrum decays as a trained model's (measured on SmolLM2-135M: "
+        "lmtier.bench.ttft.model.TRAINED_KV_ALPHA); 'model' (default): the weights as built",
+    )
+    p.add_argument(
         "--lengths", type=int_list(min_value=1), default=DEFAULT_LENGTHS, help="comma-separated context lengths N"
     )
     p.add_argument("--iters", type=bounded_int(min_value=1), default=5)
@@ -244,6 +252,8 @@ def main(argv=None) -> int:
             f"--model-preset {args.preset!r}: the ttft bench builds a Llama-shaped transformers model; "
             f"choose from {', '.join(llama)} or pass --model PATH"
         )
+    if args.model and args.kv_spectrum != "model":
+        p.error("--kv-spectrum trained reshapes a random-weight model; a --model keeps its own weights")
     if args.codec_pca_model is not None:
         if not any(lv in PCA_CODEC_LEVELS for lv in args.codec_levels):
             p.error(f"--codec-pca-model: no PCA level ({', '.join(PCA_CODEC_LEVELS)}) in --codec-levels")

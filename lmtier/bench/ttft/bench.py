@@ -33,7 +33,7 @@ class Bench:
         self.device = torch.device(args.device)
         self.dev = Dev(self.device)
         self.dtype = torch_dtype(args.dtype)
-        self.model, self.model_name = build_model(args.preset, args.model, self.device, self.dtype)
+        self.model, self.model_name = build_model(args.preset, args.model, self.device, self.dtype, args.kv_spectrum)
         self.lean = LeanDecoder(self.model)
         self.L, self.H, self.D = self.lean.num_layers, self.lean.hkv, self.lean.head_dim
         self.esize = torch.tensor([], dtype=self.dtype).element_size()

@@ -17,18 +17,34 @@ import torch.nn.functional as F
 
 from lmtier.bench.presets import PRESETS
 
-__all__ = ["build_model", "LeanDecoder", "GraphForward", "prefix_kv"]
+__all__ = ["build_model", "LeanDecoder", "GraphForward", "prefix_kv", "TRAINED_KV_ALPHA", "shape_kv_spectrum"]
+
+TRAINED_KV_ALPHA = {"k": 1.27, "v": 0.85}
+"""Power-law exponents ``alpha`` of a trained model's KV spectrum, ``lambda_i ~ i**-alpha``: the
+eigenvalues of the covariance of one layer's ``k_proj`` / ``v_proj`` outputs (all KV heads, before
+RoPE), fitted over ranks 2 .. N/2, median over the layers of SmolLM2-135M-Instruct on 2,048 tokens of
+the GPL-3 (its K: 73 % of the energy in the top eighth of the components, V: 53 %; benchmarks/RESULTS.md
+§4.1p). A random-weight model's KV is near isotropic (about an eighth in the top eighth)."""
 
 
-def build_model(preset: str, model_path: str | None, device: torch.device, dtype: torch.dtype):
+def build_model(
+    preset: str, model_path: str | None, device: torch.device, dtype: torch.dtype, kv_spectrum: str = "model"
+):
     """``(model, name)``: the local model at ``model_path`` (Llama-like, SDPA), else a random-weight
     ``LlamaForCausalLM`` of preset ``preset`` (seed 0), on ``device`` in ``dtype``, in eval mode.
+    ``kv_spectrum`` "trained" (random weights only): each layer's ``k_proj`` / ``v_proj`` reshaped by
+    :func:`shape_kv_spectrum` to :data:`TRAINED_KV_ALPHA`; "model": the weights as built.
 
     Raises:
-        ValueError: a preset without a Llama shape (MLA) and no ``model_path``.
+        ValueError: a preset without a Llama shape (MLA) and no ``model_path``; ``kv_spectrum`` other
+            than "model" / "trained", or "trained" with ``model_path``.
     """
     import transformers
 
+    if kv_spectrum not in ("model", "trained"):
+        raise ValueError(f"kv_spectrum must be 'model' or 'trained', got {kv_spectrum!r}")
+    if model_path and kv_spectrum != "model":
+        raise ValueError("kv_spectrum 'trained' reshapes a random-weight model; a local model keeps its own")
     if model_path:
         kw = dict(attn_implementation="sdpa")
         try:
@@ -53,12 +69,33 @@ def build_model(preset: str, model_path: str | None, device: torch.device, dtype
             torch.set_default_dtype(old)
         model = model.to(device=device, dtype=dtype)
         name = f"{preset} (random weights)"
+        if kv_spectrum == "trained":
+            shape_kv_spectrum(model, TRAINED_KV_ALPHA)
+            name = f"{preset} (random weights, K/V spectra of a trained model's)"
     model.eval()
     try:
         model.config._attn_implementation = "sdpa"
     except Exception:  # noqa: BLE001 - read-only on some versions; SDPA is the default anyway
         pass
     return model, name
+
+
+@torch.no_grad()
+def shape_kv_spectrum(model, alpha: dict[str, float]) -> None:
+    """Give each layer's K and V the eigen-spectrum ``lambda_i ~ i**-alpha`` (``alpha["k"]``,
+    ``alpha["v"]``; ranks from 1) for near-isotropic inputs: ``W = U diag(s) V^T`` of ``k_proj`` /
+    ``v_proj`` (``[H_kv D, hidden]``) gets ``s_i ~ i**(-alpha / 2)``, scaled to keep ``||W||_F`` (the
+    KV's overall magnitude). In place, on the weights' device (SVD in float32). A random-weight model's
+    hidden states are near isotropic, so its KV covariance follows ``W W^T``: a trained model's KV
+    concentrates its energy in few components (:data:`TRAINED_KV_ALPHA`), which transform codecs (the
+    PCA levels) exploit and a random model would hide."""
+    for layer in model.model.layers:
+        for kind, proj in (("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj)):
+            w = proj.weight.float()
+            u, sv, vh = torch.linalg.svd(w, full_matrices=False)
+            target = torch.arange(1, sv.numel() + 1, device=w.device, dtype=torch.float32) ** (-alpha[kind] / 2)
+            target *= w.norm() / target.norm()
+            proj.weight.copy_(((u * target) @ vh).to(proj.weight.dtype))
 
 
 class LeanDecoder:

@@ -380,6 +380,7 @@ def run(args) -> dict:
         "model": b.model_name,
         "device": args.device,
         "dtype": args.dtype,
+        "kv_spectrum": args.kv_spectrum,
         "geometry": {
             "num_layers": b.L,
             "num_kv_heads": b.H,
