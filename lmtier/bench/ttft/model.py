@@ -24,7 +24,8 @@ TRAINED_KV_ALPHA = {"k": 1.27, "v": 0.85}
 eigenvalues of the covariance of one layer's ``k_proj`` / ``v_proj`` outputs (all KV heads, before
 RoPE), fitted over ranks 2 .. N/2, median over the layers of SmolLM2-135M-Instruct on 2,048 tokens of
 the GPL-3 (its K: 73 % of the energy in the top eighth of the components, V: 53 %;
-``benchmarks/kv_spectrum.py``, benchmarks/RESULTS.md §4.1p). A random-weight model's KV is near isotropic (about an eighth in the top eighth)."""
+``benchmarks/kv_spectrum.py``, benchmarks/RESULTS.md §4.1p). A random-weight model's KV is far
+flatter (~36 % in the top eighth)."""
 
 
 def build_model(
