@@ -181,6 +181,9 @@ def test_cuda_gemm_set_first_user_waits_for_its_creation(path):
     assert cold, "the decode above left no set to drop"
     creator, user = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(creator):
+        nb = dec.cat_t.shape[0]  # the set's operands come from the creator's cached blocks, no cudaMalloc
+        warm = [torch.empty(nb, 48, dec.n8, dtype=torch.int8), torch.empty(nb, 48, 2 * dec.p8, dtype=torch.int32)]
+        del warm
         torch.cuda._sleep(500_000_000)  # ~0.3 s at H100 clocks
         gs = kernels._gemm_set(dec, 48, dev)
     assert gs.done is not None and not gs.done.query(), "the set's creation is not ordered before its first use"
