@@ -3,8 +3,10 @@ through lmtier's own load path.
 
 Model: a Llama-3.1-8B-shaped ``transformers`` ``LlamaForCausalLM`` with random weights (bf16, SDPA;
 compute cost is what matters; :data:`lmtier.bench.presets.PRESETS`; SmolLM2-135M-shaped on the CPU),
-``--model PATH`` for a real local model, ``--preset tiny`` for CPU smoke runs. Per context length
-``N`` (median of ``--iters`` after ``--warmup`` runs):
+``--model PATH`` for a real local model, ``--preset tiny`` for CPU smoke runs. A random model's KV is
+flatter than a trained one's; ``--kv-spectrum trained`` reshapes its ``k_proj`` / ``v_proj`` so the KV's
+spectrum decays as SmolLM2-135M's (:func:`.model.shape_kv_spectrum`), which matters to the PCA levels.
+Per context length ``N`` (median of ``--iters`` after ``--warmup`` runs):
 
 * ``recompute`` — prefill of ``N + 1`` tokens until the logits of the last position exist.
 * every cached path — the prefix's KV (``N`` tokens, built once by a prefill) sits in a tier as
