@@ -110,7 +110,7 @@ class RecordInfo:
         return self.num_layers * self.sections_per_layer
 
 
-def _r4(n: int) -> int:
+def _r4(n: int | np.ndarray) -> int | np.ndarray:
     return (n + 3) & ~3
 
 
@@ -128,7 +128,7 @@ def _layout(info: RecordInfo, lengths: Sequence[int], meta_len: int) -> tuple[np
     n = np.asarray(lengths, np.int64).reshape(-1)
     if (n < 0).any():
         raise ValueError(f"negative section length {int(n.min())}")
-    ends = np.cumsum((n + 3) & ~3)  # each section's 4-byte aligned end
+    ends = np.cumsum(_r4(n))  # each section's 4-byte aligned end
     idx = np.zeros(info.num_sections, _INDEX)
     idx["offset"][1:], idx["length"] = ends[:-1], n
     payload_start = HEADER_BYTES + 16 * info.num_sections + _r16(meta_len)

@@ -295,20 +295,28 @@ def _check_headers(h: np.ndarray, nbytes: np.ndarray | None) -> None:
     )
 
 
-def _info(h: np.void) -> StreamInfo:
-    n, seg_log2 = int(h["num_symbols"]), int(h["seg_log2"])
-    adaptive = bool(int(h["flags"]) & 1)
-    return StreamInfo(n, int(h["table_id"]), adaptive, seg_log2, -(-n // (1 << seg_log2)), 32 * int(h["run_words"]))
-
-
-def stream_info(buf: Any) -> StreamInfo:
-    """Parse one encoded stream's header (host bytes). Raises ValueError if it is not one."""
+def _one_header(buf: Any, nbytes: int | None) -> StreamInfo:
+    """:class:`StreamInfo` of the header at the start of ``buf`` (host bytes-like or uint8 array),
+    checked by :func:`_check_headers` (``nbytes``: the stream's bytes, None: the count unchecked)."""
     b = memoryview(_as_u8_np(buf) if not isinstance(buf, (bytes, bytearray, memoryview)) else buf).cast("B")
     if len(b) < HEADER_BYTES:
         raise ValueError("rans stream truncated: shorter than its 16-byte header")
     h = np.frombuffer(b, HEADER, count=1)
-    _check_headers(h, None)
-    return _info(h[0])
+    _check_headers(h, None if nbytes is None else np.array([nbytes], np.int64))
+    r = h[0]
+    return StreamInfo(
+        int(r["num_symbols"]),
+        int(r["table_id"]),
+        bool(int(r["flags"]) & 1),
+        int(r["seg_log2"]),
+        int(_segments(h)[0]),
+        32 * int(r["run_words"]),
+    )
+
+
+def stream_info(buf: Any) -> StreamInfo:
+    """Parse one encoded stream's header (host bytes). Raises ValueError if it is not one."""
+    return _one_header(buf, None)
 
 
 def bounded_stream_info(buf: Any) -> StreamInfo:
@@ -329,12 +337,7 @@ def bounded_stream_info(buf: Any) -> StreamInfo:
         nbytes = memoryview(buf).nbytes
     else:
         nbytes = int(np.asarray(buf).nbytes)
-    b = memoryview(head).cast("B")
-    if len(b) < HEADER_BYTES:
-        raise ValueError("rans stream truncated: shorter than its 16-byte header")
-    h = np.frombuffer(b, HEADER, count=1)
-    _check_headers(h, np.array([nbytes], np.int64))
-    return _info(h[0])
+    return _one_header(head, nbytes)
 
 
 def stream_headers(region: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

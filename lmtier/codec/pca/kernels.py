@@ -71,10 +71,7 @@ def _rope(m: PCAModel, start: int, t: int, dev: torch.device) -> tuple[torch.Ten
     if m.inv_freq is None:
         return None, None
     cos, sin = _rope_cached(m, int(start), t, str(dev))
-    if dev.type == "cuda":
-        cur = torch.cuda.current_stream(dev)
-        cos.record_stream(cur)
-        sin.record_stream(cur)
+    imatmul.in_use(cos, sin)
     return cos, sin
 
 
@@ -140,7 +137,7 @@ class _GemmSet:
         self.graph = self._capture(dev)
         # the operands' zeroing and the warm-ups ran on the creating thread's stream: the first user
         # (another thread's stream, maybe) waits for them as every later user waits for the previous one
-        self.done: torch.cuda.Event | None = torch.cuda.Event()
+        self.done = torch.cuda.Event()
         self.done.record(torch.cuda.current_stream(dev))
 
     def _capture(self, dev: torch.device) -> torch.cuda.CUDAGraph | None:
@@ -206,8 +203,7 @@ def _gemm_set(b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> _GemmSet:
         while len(on_dev) >= _GEMM_SETS_PER_DEVICE:
             old = _sets.pop(on_dev.pop(0))
             with old.lock:  # its last user has enqueued everything; its buffers go back once that ran
-                if old.done is not None:
-                    old.done.synchronize()
+                old.done.synchronize()
                 old.evicted = True
         got = _sets[key] = _GemmSet(b, rows, dev)
         return got
@@ -226,8 +222,7 @@ def _using(b: imatmul.SplitMatrix, rows: int, dev: torch.device, stream: torch.c
             break
         gs.lock.release()
     try:
-        if gs.done is not None:
-            stream.wait_event(gs.done)
+        stream.wait_event(gs.done)
         yield gs
     finally:
         gs.done = torch.cuda.Event()
