@@ -782,8 +782,23 @@ def test_kv_spectrum_trained_concentrates_the_kv_energy_as_measured(tmp_path):
 
 
 def test_kv_spectrum_option_runs_and_is_reported(tmp_path, capsys):
-    rc, res = _run(tmp_path, "--lengths", "128", "--no-disk", "--kv-spectrum", "trained")
+    # with the disk tier at both codec kinds: the PCA level's fit and checks on the reshaped KV
+    rc, res = _run(
+        tmp_path,
+        "--lengths",
+        "150",
+        "--disk-dir",
+        str(tmp_path / "d"),
+        "--dd-bytes",
+        str(16 << 20),
+        "--codec-levels",
+        "default,pca_default",
+        "--kv-spectrum",
+        "trained",
+    )
     assert rc == 0 and res["checks_ok"] is True and res["kv_spectrum"] == "trained"
+    (r,) = res["rows"]
+    assert r["check_disk+pca_default"]["kv_exact"] is True and r["check_disk+codec"]["kv_exact"] is True
     assert res["model"].endswith("(random weights, K/V spectra of a trained model's)")
     with pytest.raises(SystemExit):
         ttft.main(["--device", "cpu", "--model", str(tmp_path), "--kv-spectrum", "trained"])
