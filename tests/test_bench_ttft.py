@@ -571,23 +571,19 @@ def _pca_records_agree(records, chunks, chunk_tokens, levels):
     assert all(len(v) == 1 for v in records.values()), {k: len(v) for k, v in records.items()}
 
 
+def _run_disk_pca(tmp_path, *extra):
+    """:func:`_run` of 150 tokens on the disk tier at ``default`` and ``pca_default``."""
+    disk = ["--disk-dir", str(tmp_path / "d"), "--dd-bytes", str(16 << 20)]
+    return _run(tmp_path, "--lengths", "150", *disk, "--codec-levels", "default,pca_default", *extra)
+
+
 def test_pca_level_model_fitted_by_the_bench(tmp_path, monkeypatch):
     # no --codec-pca-model: the bench fits one, untimed, on the first chunks of the KV it stores
     # (tiny: L=2, H=2, D=16 -> G=2, N=64 -> 2 x 64 = 128 tokens = 2 chunks of 64), with the model's
     # rotary frequencies; the disk+pca_default tier is a PCACodecTier built by from_config from
     # codec_level + codec_pca_model, its loads are hits, its KV the reference decoder's
     records, calls = _pca_spies(monkeypatch)
-    rc, res = _run(
-        tmp_path,
-        "--lengths",
-        "150",
-        "--disk-dir",
-        str(tmp_path / "d"),
-        "--dd-bytes",
-        str(16 << 20),
-        "--codec-levels",
-        "default,pca_default",
-    )
+    rc, res = _run_disk_pca(tmp_path)
     assert rc == 0 and res["checks_ok"] is True
     (r,) = res["rows"]
     _pca_row_ok(r, "disk+pca_default", 3)
@@ -783,19 +779,7 @@ def test_kv_spectrum_trained_concentrates_the_kv_energy_as_measured(tmp_path):
 
 def test_kv_spectrum_option_runs_and_is_reported(tmp_path, capsys):
     # with the disk tier at both codec kinds: the PCA level's fit and checks on the reshaped KV
-    rc, res = _run(
-        tmp_path,
-        "--lengths",
-        "150",
-        "--disk-dir",
-        str(tmp_path / "d"),
-        "--dd-bytes",
-        str(16 << 20),
-        "--codec-levels",
-        "default,pca_default",
-        "--kv-spectrum",
-        "trained",
-    )
+    rc, res = _run_disk_pca(tmp_path, "--kv-spectrum", "trained")
     assert rc == 0 and res["checks_ok"] is True and res["kv_spectrum"] == "trained"
     (r,) = res["rows"]
     assert r["check_disk+pca_default"]["kv_exact"] is True and r["check_disk+codec"]["kv_exact"] is True
