@@ -7,7 +7,8 @@
 #include <vector>
 
 #include "lmtier/common.h"
-#include "lmtier/kvquant.h"  // KV quantize block
+#include "lmtier/int8_gemm.h"  // PCA transform block: the batched int8 GEMMs
+#include "lmtier/kvquant.h"    // KV quantize block
 #include "lmtier/paged_copy.h"
 #include "lmtier/pca.h"   // PCA transform block
 #include "lmtier/rans.h"  // rANS block
@@ -323,6 +324,21 @@ void bind_pca(py::module_& m) {
             static_cast<const double*>(ptr(sin_t)), ptr(out), ptr(stream));
       },
       py::call_guard<py::gil_scoped_release>());
+  pm.def(
+      "bgemm_s8",
+      [=](int32_t batch, int32_t m, int32_t k, int32_t p, A a, A bt, A out, A stream) {
+        lmtier::igemm::bgemm_s8(batch, m, k, p, static_cast<const int8_t*>(ptr(a)),
+                                static_cast<const int8_t*>(ptr(bt)),
+                                static_cast<int32_t*>(ptr(out)), ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("batch"), py::arg("m"), py::arg("k"),
+      py::arg("p"), py::arg("a"), py::arg("bt"), py::arg("out"), py::arg("stream"),
+      "out[b] = a[b] @ bt[b]^T, exact (int8 [batch, m, k] by int8 [batch, p, k] -> int32 [batch, "
+      "m, "
+      "p]; device addresses, k and p multiples of 4) on `stream` of the current device, one "
+      "cublasGemmStridedBatchedEx call. RuntimeError when cuBLAS is not found or refuses.");
+  pm.def("cublas_library", &lmtier::igemm::library,
+         "The cuBLAS library bgemm_s8 uses (found at first use), or 'none: <why>'.");
 }
 #endif
 
@@ -338,12 +354,6 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
-#ifdef LMTIER_WITH_CUDA
-  m.def(
-      "cuda_stream_nonblocking", &cuda_stream_nonblocking, py::arg("device"),
-      "A new non-blocking CUDA stream on `device` (cudaStream_t address), owned by no pool; never "
-      "destroyed.");
-#endif
 
   py::class_<HostBuffer>(m, "HostBuffer", py::buffer_protocol())
       .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("pinned"))

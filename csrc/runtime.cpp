@@ -36,21 +36,6 @@ int cuda_device_count() {
 #endif
 }
 
-#ifdef LMTIER_WITH_CUDA
-uintptr_t cuda_stream_nonblocking(int device) {
-  LMTIER_CHECK_ARG(device >= 0 && device < cuda_device_count(),
-                   "cuda_stream_nonblocking: no CUDA device ", device);
-  int prev = 0;
-  LMTIER_CUDA_CHECK(cudaGetDevice(&prev));
-  LMTIER_CUDA_CHECK(cudaSetDevice(device));
-  cudaStream_t s = nullptr;
-  const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  cudaSetDevice(prev);
-  LMTIER_CUDA_CHECK(e);
-  return reinterpret_cast<uintptr_t>(s);
-}
-#endif
-
 void* host_alloc(size_t nbytes, bool pinned) {
   LMTIER_CHECK_ARG(nbytes > 0, "host_alloc: nbytes must be > 0");
   void* p = nullptr;

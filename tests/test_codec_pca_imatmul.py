@@ -225,20 +225,21 @@ def test_host_gemms_without_float64_copies_give_the_same_records(monkeypatch):
     tf._host_mats.cache_clear()
 
 
-def test_own_cuda_streams_refuse_a_device_that_does_not_exist():
-    """The PCA GEMM graphs' own streams (``lmtier._C.cuda_stream_nonblocking``, never torch's pooled
-    ones) come only from a device that exists: a bad index is a ValueError naming it (here, on a CUDA
-    build, every index; tests/test_gpu_codec_pca.py uses them on a GPU)."""
-    from lmtier import _C
+def test_gemm_batches_cover_every_layer_group_once_within_the_budget(monkeypatch):
+    """``kernels._slices``: the CUDA transform's batches of layer groups cover ``0 .. R`` in order, each
+    batch's int32 GEMM outputs (``2 x groups x rows x 2 P8 x 4`` bytes) within ``GEMM_BYTES``, and at
+    least one group per batch whatever the budget."""
+    from lmtier.codec.pca import kernels
 
-    if not _C.built_with_cuda():
-        assert not hasattr(_C, "cuda_stream_nonblocking")
-        return
-    bad = _C.cuda_device_count()
-    with pytest.raises(ValueError, match=f"cuda_stream_nonblocking: no CUDA device {bad}"):
-        _C.cuda_stream_nonblocking(bad)
-    with pytest.raises(ValueError, match="no CUDA device -1"):
-        _C.cuda_stream_nonblocking(-1)
+    assert kernels.GEMM_BYTES == 64 << 20
+    assert kernels._slices(32, 512, 1024) == [(0, 8), (8, 16), (16, 24), (24, 32)]  # 8 MiB a group
+    assert kernels._slices(32, 256, 1024) == [(0, 16), (16, 32)]
+    assert kernels._slices(5, 1, 8) == [(0, 5)]
+    assert kernels._slices(7, 256, 1024)[-1] == (0, 7)
+    monkeypatch.setattr(kernels, "GEMM_BYTES", 1)
+    assert kernels._slices(3, 256, 1024) == [(0, 1), (1, 2), (2, 3)]
+    monkeypatch.setattr(kernels, "GEMM_BYTES", 3 * 4 << 20)
+    assert kernels._slices(7, 256, 1024) == [(0, 3), (3, 6), (6, 7)]
 
 
 def test_escape_rows_csr_gives_each_escaped_coefficients_high_byte():

@@ -115,24 +115,26 @@ def test_cuda_nonfinite_chunk_refused_and_next_chunk_unharmed(bad):
     _same(m, "pca_default", kv, 8)
 
 
-def test_cuda_gemms_replay_a_captured_graph_shared_by_threads(path):
-    """The kernels' GEMMs run as one captured CUDA graph per (matrix, rows): repeated encodes and
-    decodes replay it and give the host's bytes, also from two threads at once on their own streams
-    (they share the graph's static operands, one user at a time)."""
+def test_cuda_gemms_run_batched_and_threads_share_nothing(path):
+    """The kernels' GEMMs run as batched cuBLAS calls (``lmtier._C.pca.bgemm_s8``, never one by one):
+    repeated encodes give the host's bytes, also from two threads at once on their own streams
+    (each call's operands are its own: the threads share only the model's read-only matrices)."""
     if path != "kernels":
-        pytest.skip("the torch fallback runs no graph")
+        pytest.skip("the torch fallback runs torch._int_mm")
     import threading
 
+    from lmtier import _C
+
+    assert _C.pca.cublas_library().startswith("libcublas"), _C.pca.cublas_library()
     m = fitted("plain")
     cases = [(_kv(64, s, 50 + s), s) for s in (0, 64, 128)]
     refs = [pca.encode(kv, start=s, model=m, level="pca_default") for kv, s in cases]
-    before = kernels.graph_stats()
+    before = kernels.gemm_stats()
     for _ in range(2):
         for (kv, s), ref in zip(cases, refs):
             assert pca.encode(kv.cuda(), start=s, model=m, level="pca_default") == ref
-    after = kernels.graph_stats()
-    assert after["capture_failures"] == before["capture_failures"]
-    assert after["replays"] - before["replays"] == 6 and after["eager"] == before["eager"]
+    after = kernels.gemm_stats()
+    assert after["batched"] - before["batched"] >= 6 and after["eager"] == before["eager"]
 
     errors: list[BaseException] = []
 
@@ -155,42 +157,43 @@ def test_cuda_gemms_replay_a_captured_graph_shared_by_threads(path):
     assert not errors, errors
 
 
-def test_cuda_gemm_set_first_user_waits_for_its_creation(path):
-    """A GEMM set is created (operands zeroed, cuBLAS warmed up, graph captured) on the creating
-    thread's stream; another thread's stream may use it first, so it must wait for that work. Here the
-    creating stream is held back by a sleep: the set's event is still pending, a user on another stream
-    queues behind it (its stream not done while the creator sleeps), and a decode there gives the host's
-    bits (the ttft bench's first PCA load from four I/O threads decoded wrong KV before the set carried
-    this event)."""
+@pytest.mark.parametrize("budget", [1, 3 << 20])
+def test_cuda_transform_in_batches_of_layer_groups_is_the_hosts(path, monkeypatch, budget):
+    """A chunk's transform runs in batches of layer groups bounded by ``kernels.GEMM_BYTES`` (each
+    batch's kernels on views of the chunk's arrays at its groups' offsets): one group per batch (a
+    1-byte budget) and a few per batch give the host's records and decodes, escapes included
+    (``pca_high``'s many), as the default (one or two batches) does."""
     if path != "kernels":
-        pytest.skip("the torch fallback runs no graph")
-    from lmtier.codec.pca import imatmul
+        pytest.skip("the torch fallback runs no batches")
+    monkeypatch.setattr(kernels, "GEMM_BYTES", budget)
+    m = bench.tiled(fitted("plain"), 3)
+    assert m.rows > 2
+    for level in LEVELS:
+        for kv, s in [(_kv(40, 8, 91).repeat(3, 1, 1, 1, 1), 8), (_kv(1, 3, 92).repeat(3, 1, 1, 1, 1), 3)]:
+            _same(m, level, kv, s)
 
-    m = fitted("plain")
-    kv, s = _kv(48, 16, 77), 16
-    ref = pca.encode(kv, start=s, model=m, level="pca_default")
-    want = pca.decode(ref, model=m).view(torch.int16)
-    pca.decode(ref, model=m, device="cuda")  # the model's caches on the device
-    dev = torch.device("cuda", torch.cuda.current_device())
-    dec = imatmul.prepared(m, "cuda")[1]
-    assert dec is imatmul.prepared(m, dev)[1]  # one cache entry, however the device is named
-    with kernels._sets_lock:  # a cold set, as the first load of a served prefix finds it
-        cold = [k for k in kernels._sets if k[0] == id(dec)]
-        for k in cold:
-            kernels._sets.pop(k).evicted = True
-    assert cold, "the decode above left no set to drop"
-    creator, user = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(creator):
-        nb = dec.cat_t.shape[0]  # the set's operands come from the creator's cached blocks, no cudaMalloc
-        warm = [torch.empty(nb, 48, dec.n8, dtype=torch.int8), torch.empty(nb, 48, 2 * dec.p8, dtype=torch.int32)]
-        del warm
-        torch.cuda._sleep(500_000_000)  # ~0.3 s at H100 clocks
-        gs = kernels._gemm_set(dec, 48, dev)
-    assert gs.done is not None and not gs.done.query(), "the set's creation is not ordered before its first use"
-    with kernels._using(dec, 48, dev, user) as got_set:
-        assert got_set is gs
-    assert not user.query(), "the first user's stream does not wait for the set's creation"
-    with torch.cuda.stream(user):
-        got = pca.decode(ref, model=m, device="cuda")
-    torch.cuda.synchronize()
-    assert torch.equal(got.cpu().view(torch.int16), want)
+
+@pytest.mark.parametrize(
+    ("batch", "m", "k", "p"), [(1, 1, 4, 4), (3, 17, 24, 40), (5, 48, 128, 256), (2, 256, 1024, 2048)]
+)
+def test_bgemm_s8_is_exact(path, batch, m, k, p):
+    """``lmtier._C.pca.bgemm_s8``: ``out[b] = a[b] @ bt[b]^T`` in int32, equal to an int64 product on the
+    host for random int8 operands at the extremes (-128 .. 127), odd row counts included; sizes not
+    multiples of 4 are a ValueError naming them."""
+    if path != "kernels":
+        pytest.skip("one run is enough: no codec path involved")
+    from lmtier import _C
+
+    g = torch.Generator().manual_seed(batch * 1000 + m)
+    a = torch.randint(-128, 128, (batch, m, k), dtype=torch.int8, generator=g)
+    bt = torch.randint(-128, 128, (batch, p, k), dtype=torch.int8, generator=g)
+    a[0, 0] = -128
+    bt[0, 0] = -128
+    want = (a.to(torch.int64) @ bt.to(torch.int64).transpose(1, 2)).to(torch.int32)
+    ad, bd = a.cuda(), bt.cuda()
+    out = torch.full((batch, m, p), -7, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream()
+    _C.pca.bgemm_s8(batch, m, k, p, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), stream.cuda_stream)
+    assert torch.equal(out.cpu(), want)
+    with pytest.raises(ValueError, match=r"k \(6\) and p \(8\) must be multiples of 4"):
+        _C.pca.bgemm_s8(1, 1, 6, 8, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), stream.cuda_stream)

@@ -30,8 +30,8 @@ FILE`` also writes, per level, the host's Python time of one ``encode`` and one 
 (cProfile) and ``torch.profiler``'s tables of them (operators and kernels by device time, then by host
 time, with call counts): where the time goes. Same-run ceilings: a device memcpy of the batch (read +
 write) and the int8 GEMMs of the transform alone (the encoder's four byte products of every (layer
-group, K/V), :mod:`lmtier.codec.pca.imatmul`), called one by one (``gemm``) and replayed as the
-kernels run them (``gemm_graph``: one captured CUDA graph over several streams).
+group, K/V), :mod:`lmtier.codec.pca.imatmul`), called one by one (``gemm``) and as the kernels
+run them (``gemm_batched``: batches of layer groups, one cuBLAS call each).
 Checks: every chunk's CUDA record equals the host encoder's byte for byte, and the first record's
 CUDA decode equals its host decode bit for bit. Issue 19's goals: encode >= 50, decode >= 100 GB/s.
 """
@@ -57,7 +57,7 @@ from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
-           "decode_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps", "gemm_graph_GBps", "memcpy_GBps",
+           "decode_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps", "gemm_batched_GBps", "memcpy_GBps",
            "identical"]  # fmt: skip
 MIN_CALIB_TOKENS = 12288
 """The default calibration's least tokens: at ``3 N`` alone a small ``N`` (1,024 at ``G = 1``) fits
@@ -131,20 +131,28 @@ def _sync(dev: torch.device) -> None:
 
 def _gemm_ms(m: pca.PCAModel, chunk: torch.Tensor, iters: int) -> tuple[float, float]:
     """The encoder's int8 GEMMs alone for one chunk (ms, median): ``[xh; xl] @ [eh | el]`` of every
-    (layer group, K/V), called one by one and as :mod:`lmtier.codec.pca.kernels` runs them (one
-    captured graph over several streams)."""
+    (layer group, K/V), called one by one and as :mod:`lmtier.codec.pca.kernels` runs them (batches of
+    layer groups, one cuBLAS call each; the host: one by one)."""
     a = imatmul.prepared(m, chunk.device)[0]
     t, n8 = chunk.shape[2], a.n8
     x = torch.randint(-128, 128, (m.rows * 2, 2 * t, n8), dtype=torch.int8, device=chunk.device)
     y = torch.empty(m.rows * 2, 2 * t, 2 * a.p8, dtype=torch.int32, device=chunk.device)
-    eager = wall_time_ms(lambda: (kernels._gemms(x, a, y), _sync(chunk.device)), warmup=1, iters=iters)
+
+    def one_by_one():
+        for i in range(x.shape[0]):
+            kernels._gemm(x, a, y, i)
+        _sync(chunk.device)
+
+    eager = wall_time_ms(one_by_one, warmup=1, iters=iters)
     if chunk.device.type != "cuda":
         return eager, eager
-    stream = torch.cuda.current_stream(chunk.device)
-    with kernels._using(a, 2 * t, chunk.device, stream) as gs:
-        gs.a.copy_(x)
-        graph = wall_time_ms(lambda: (gs.run(stream), _sync(chunk.device)), warmup=1, iters=iters)
-    return eager, graph
+
+    def batched():
+        for r0, r1 in kernels._slices(m.rows, 2 * t, a.p8):
+            kernels._gemms(x[2 * r0 : 2 * r1], a, 2 * r0, y[2 * r0 : 2 * r1])
+        _sync(chunk.device)
+
+    return eager, wall_time_ms(batched, warmup=1, iters=iters)
 
 
 def _profile(path: Path, level: str, passes, dev: torch.device) -> None:
@@ -183,7 +191,7 @@ def run(args) -> dict:
     gb = sum(c.numel() * c.element_size() for c in chunks) / 1e9
     buf = torch.empty(int(gb * 1e9), dtype=torch.uint8, device=dev)
     memcpy_ms = wall_time_ms(lambda: (buf.clone(), _sync(dev)), warmup=1, iters=args.iters)
-    gemm_ms, graph_ms = (x * args.chunks for x in _gemm_ms(m, chunks[0], args.iters))
+    gemm_ms, batched_ms = (x * args.chunks for x in _gemm_ms(m, chunks[0], args.iters))
     rows = []
     for level in args.levels:
         data = m.levels[level]
@@ -251,7 +259,7 @@ def run(args) -> dict:
                 **{f"{n}_GBps": gb / (ms / 1e3) for n, ms in t.items()},
                 **{f"{n}_ms": ms for n, ms in t.items()},
                 gemm_GBps=gb / (gemm_ms / 1e3),
-                gemm_graph_GBps=gb / (graph_ms / 1e3),
+                gemm_batched_GBps=gb / (batched_ms / 1e3),
                 memcpy_GBps=2 * gb / (memcpy_ms / 1e3),
                 identical=same,
             )
@@ -261,8 +269,18 @@ def run(args) -> dict:
         device=str(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu",
         geometry=dict(L=nl, H=h, D=d, G=g, N=g * h * d, R=nl // g, tokens=args.tokens),
         fit_s=fit_s,
+        gemms=dict(kernels.gemm_stats(), cublas=_cublas(dev)),
         rows=rows,
     )
+
+
+def _cublas(dev: torch.device) -> str:
+    """The cuBLAS library the CUDA GEMMs use (``lmtier._C.pca.cublas_library``), or why none."""
+    if dev.type != "cuda" or not kernels.available():
+        return "none: host run"
+    from lmtier import _C
+
+    return _C.pca.cublas_library()
 
 
 def main(argv=None) -> int:
@@ -297,7 +315,7 @@ def main(argv=None) -> int:
     if len(args.geometry) != 4 or args.geometry[0] % args.geometry[3]:
         ap.error(f"--geometry needs L,H,D[,G] with G dividing L, got {args.geometry}")
     out = run(args)
-    print(f"# {out['device']}  geometry {out['geometry']}  fit {out['fit_s']:.1f} s")
+    print(f"# {out['device']}  geometry {out['geometry']}  fit {out['fit_s']:.1f} s  GEMMs {out['gemms']}")
     print_table(out["rows"], COLUMNS)
     write_json(args.json, out)
     return 0 if all(r["identical"] for r in out["rows"]) else 1

@@ -1,7 +1,8 @@
 // lmtier — CUDA kernels of the PCA codec levels' transform (issue 19), bit-exact with the torch
 // reference lmtier/codec/pca/transform.py (the specification; its docstrings give every rule).
-// The int8 GEMMs between them run in torch (torch._int_mm, cuBLASLt); lmtier/codec/pca/kernels.py
-// drives the sequence:
+// The int8 GEMMs between them are batched cuBLAS calls (csrc/int8_gemm.cpp), one per batch of layer
+// groups; lmtier/codec/pca/kernels.py drives the sequence (per batch of layer groups: the kernels
+// get a geometry of the batch's layers and pointers to its groups' rows):
 //
 //   encode: encode_pre -> per (layer group r, plane p): Y = [xh; xl] @ [eh | el] (int8 -> int32)
 //           -> encode_post -> exact tokens (torch, [R, 2, T] sized) -> encode_symbols

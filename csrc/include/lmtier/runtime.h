@@ -22,10 +22,6 @@ size_t host_alloc_bytes(size_t nbytes);
 void host_free(void* ptr, size_t nbytes, bool pinned);
 
 #ifdef LMTIER_WITH_CUDA
-// A new non-blocking stream (cudaStreamNonBlocking) on `device`, never destroyed: a stream no other
-// code holds (torch's streams come from a shared pool), as a cudaStream_t address. Raises
-// InvalidArgument for a device that does not exist.
-uintptr_t cuda_stream_nonblocking(int device);
 // cudaMemcpyAsync(cudaMemcpyDefault) on `stream`.
 void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream);
 // One cudaMemcpyBatchAsync of `count` copies (copy engines; stream-ordered source access).

@@ -7,11 +7,8 @@ with CUDA (:func:`available`); otherwise the torch path of :mod:`.transform` run
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-from collections import OrderedDict
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import torch
 
@@ -21,17 +18,15 @@ from . import imatmul, rope, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "encode", "decode", "GEMM_STREAMS", "graph_stats"]
+__all__ = ["available", "encode", "decode", "GEMM_BYTES", "gemm_stats"]
 
 log = logging.getLogger(__name__)
 
-GEMM_STREAMS = 4
-"""Streams the ``2R`` GEMMs of a chunk spread over inside their CUDA graph: one GEMM of a chunk fills
-a fraction of the SMs (``2T x 2N8`` outputs in 128 x 128 tiles)."""
-_GEMM_SETS_PER_DEVICE = 4
-"""Captured GEMM sets kept per device, shared by every thread (each holds its static operands: the
-encoder's of an 8B model's chunk at G = 1 take ~300 MB, the decoder's ~150 MB; one model's two are
-one encode and one decode set)."""
+GEMM_BYTES = 64 << 20
+"""Device memory the int8 GEMMs' int32 outputs of one call take at most: a chunk's ``2R`` GEMMs run in
+batches of layer groups (:func:`_slices`; an 8B model's 256-token chunk at G = 1: 4 batches of 16 GEMMs
+to encode, 2 of 32 to decode), each batch one cuBLAS call, so several chunks in flight on the I/O
+threads never hold the whole chunk's outputs (268 MB to encode)."""
 _ROPE_CACHE = 64
 """RoPE tables kept per process (``2 T D`` float64 each: 0.5 MB at T = 256, D = 128): a served prefix's
 chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
@@ -80,154 +75,58 @@ def _ptr(x: torch.Tensor | None) -> int:
 
 
 def _gemm(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor, i: int) -> None:
-    """``out[i] = a[i] @ [hi | lo]`` of matrix ``i`` (int8 -> int32)."""
+    """``out[i] = a[i] @ [hi | lo]`` of matrix ``i`` (int8 -> int32), one ``torch._int_mm``."""
     if a.shape[1] > 16:
         torch._int_mm(a[i], b.operand(i), out=out[i])
     else:  # the CUDA GEMM needs more than 16 rows
         out[i].copy_(imatmul._int_mm(a[i], b.operand(i)))
 
 
-def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor) -> None:
-    """:func:`_gemm` for every batch entry, in order on the current stream."""
-    for i in range(a.shape[0]):
-        _gemm(a, b, out, i)
+_stats = {"batched": 0, "eager": 0, "refused": 0}
+_cublas: list[bool | None] = [None]
+"""Whether ``lmtier._C.pca.bgemm_s8`` found cuBLAS (checked at the first GEMM: torch has loaded it by
+then); without it every GEMM runs one by one."""
 
 
-_stats = {"captured": 0, "replays": 0, "eager": 0, "capture_failures": 0}
-
-
-def graph_stats() -> dict[str, int]:
-    """Counts of the GEMM sets captured, replayed and run eagerly (a failed capture runs them eagerly)."""
+def gemm_stats() -> dict[str, int]:
+    """Counts of the GEMM batches run as one cuBLAS call (``batched``), one by one (``eager``: no cuBLAS
+    found, or a call cuBLAS refused, counted in ``refused`` too)."""
     return dict(_stats)
 
 
-@cache
-def _own_streams(index: int) -> tuple[torch.cuda.ExternalStream, ...]:
-    """The capture stream and :data:`GEMM_STREAMS` side streams of device ``index``: non-blocking streams
-    created for this module alone, once (``lmtier._C.cuda_stream_nonblocking``). Never torch's
-    ``Stream()``: those come from a shared pool, so a pooled stream may be another thread's, and work
-    it enqueued there during a capture would be swallowed into the graph (and run on every replay)."""
-    from lmtier import _C
-
-    dev = torch.device("cuda", index)
-    return tuple(
-        torch.cuda.ExternalStream(_C.cuda_stream_nonblocking(index), device=dev) for _ in range(1 + GEMM_STREAMS)
-    )
-
-
-class _GemmSet:
-    """The ``B`` GEMMs ``out[i] = a[i] @ [hi | lo]`` of one split matrix at one row count, on static
-    operands ``a`` int8 ``[B, M, N8]`` and ``out`` int32 ``[B, M, 2 P8]``, captured once in a CUDA graph
-    over :data:`GEMM_STREAMS` streams: one launch per chunk instead of ``B`` cuBLAS calls (~13 µs of
-    host time each), and concurrent GEMMs. A failed capture leaves ``graph`` None: :meth:`run` then
-    calls the GEMMs one by one (same integers: each product is exact).
-
-    Shared by every thread through :func:`_using` (the set's lock held while a caller enqueues its
-    writer of ``a``, :meth:`run` and its reader of ``out``, its stream ordered after the previous
-    user's by an event): users on different streams never overlap on the device. Captures run under
-    the module's lock, on streams of its own (:func:`_own_streams`)."""
-
-    def __init__(self, b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> None:
-        nb = b.cat_t.shape[0]
-        self.b = b  # keeps the operand alive while the graph points at it
-        self.a = torch.zeros(nb, rows, b.n8, dtype=torch.int8, device=dev)
-        self.out = torch.empty(nb, rows, 2 * b.p8, dtype=torch.int32, device=dev)
-        self.lock = threading.Lock()
-        self.evicted = False  # set under ``lock`` when dropped from the cache: not to be used again
-        self.graph = self._capture(dev)
-        # the operands' zeroing and the warm-ups ran on the creating thread's stream: the first user
-        # (another thread's stream, maybe) waits for them as every later user waits for the previous one
-        self.done = torch.cuda.Event()
-        self.done.record(torch.cuda.current_stream(dev))
-
-    def _capture(self, dev: torch.device) -> torch.cuda.CUDAGraph | None:
-        a, b, out, nb = self.a, self.b, self.out, self.a.shape[0]
-        main = torch.cuda.current_stream(dev)
-        cap, *side = _own_streams(dev.index)
-        side = side[: min(GEMM_STREAMS, nb)]
+def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, lo: int, out: torch.Tensor) -> None:
+    """``out[i] = a[i] @ [hi | lo]`` of matrix ``lo + i`` of ``b`` for every ``i`` (int8 ``a`` ``[B', M, N8]``
+    -> int32 ``out`` ``[B', M, 2 P8]``, both contiguous on ``b``'s device) on the current stream: one
+    batched cuBLAS call (``lmtier._C.pca.bgemm_s8``: all the GEMMs spread over the SMs at once), or,
+    where cuBLAS is not found or refuses the call, ``torch._int_mm`` per matrix (the same integers: each
+    product is exact)."""
+    nb, c = a.shape[0], _native()
+    if _cublas[0] is None:
+        _cublas[0] = not c.cublas_library().startswith("none")
+        if not _cublas[0]:
+            log.warning("lmtier: PCA GEMMs run one by one (%s)", c.cublas_library())
+    if _cublas[0]:
         try:
-            for s in side:  # warm-up on every stream: cuBLAS handles and workspaces exist before the capture
-                s.wait_stream(main)
-                with torch.cuda.stream(s):
-                    _gemm(a, b, out, 0)
-                main.wait_stream(s)
-            cap.wait_stream(main)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(cap):  # restored however the capture ends
-                g.capture_begin(capture_error_mode="thread_local")
-                try:
-                    for s in side:
-                        s.wait_stream(cap)
-                    for i in range(nb):
-                        with torch.cuda.stream(side[i % len(side)]):
-                            _gemm(a, b, out, i)
-                finally:
-                    for s in side:  # every fork joined, also after a failure
-                        cap.wait_stream(s)
-                    g.capture_end()
-            main.wait_stream(cap)
-        except RuntimeError as e:  # capture refused (driver, allocator): the GEMMs run one by one
-            _stats["capture_failures"] += 1
-            log.warning("lmtier: PCA GEMMs run uncaptured (CUDA graph capture failed: %s)", e)
-            torch.cuda.synchronize(dev)
-            return None
-        _stats["captured"] += 1
-        return g
-
-    def run(self, stream: torch.cuda.Stream) -> None:
-        """The GEMMs on ``stream`` (one graph launch, or the calls one by one)."""
-        with torch.cuda.stream(stream):
-            if self.graph is None:
-                _stats["eager"] += 1
-                _gemms(self.a, self.b, self.out)
-            else:
-                _stats["replays"] += 1
-                self.graph.replay()
+            c.bgemm_s8(nb, a.shape[1], b.n8, 2 * b.p8, a.data_ptr(), b.cat_t[lo].data_ptr(), out.data_ptr(),
+                       torch.cuda.current_stream(a.device).cuda_stream)  # fmt: skip
+            _stats["batched"] += 1
+            return
+        except RuntimeError as e:
+            if not _stats["refused"]:
+                log.warning("lmtier: a batch of PCA GEMMs runs one by one (cuBLAS refused it: %s)", e)
+            _stats["refused"] += 1
+    _stats["eager"] += 1
+    sub = imatmul.SplitMatrix(b.n, b.p, b.cat_t[lo : lo + nb], b.col[lo : lo + nb])
+    for i in range(nb):
+        _gemm(a, sub, out, i)
 
 
-_sets: OrderedDict[tuple[int, int, int], _GemmSet] = OrderedDict()
-_sets_lock = threading.Lock()
-
-
-def _gemm_set(b: imatmul.SplitMatrix, rows: int, dev: torch.device) -> _GemmSet:
-    """The :class:`_GemmSet` of ``b`` at ``rows`` rows on ``dev`` (captured on first use; the least
-    recently used of more than :data:`_GEMM_SETS_PER_DEVICE` per device is dropped once its last user's
-    work ran, and marked evicted)."""
-    key = (id(b), rows, dev.index)
-    with _sets_lock:
-        got = _sets.get(key)
-        if got is not None and got.b is b:
-            _sets.move_to_end(key)
-            return got
-        on_dev = [k for k in _sets if k[2] == dev.index]
-        while len(on_dev) >= _GEMM_SETS_PER_DEVICE:
-            old = _sets.pop(on_dev.pop(0))
-            with old.lock:  # its last user has enqueued everything; its buffers go back once that ran
-                old.done.synchronize()
-                old.evicted = True
-        got = _sets[key] = _GemmSet(b, rows, dev)
-        return got
-
-
-@contextlib.contextmanager
-def _using(b: imatmul.SplitMatrix, rows: int, dev: torch.device, stream: torch.cuda.Stream):
-    """The :class:`_GemmSet` of ``b`` at ``rows`` rows, held (its lock) while the caller enqueues on
-    ``stream`` the writer of ``a``, :meth:`_GemmSet.run` and the reader of ``out``; ``stream`` waits
-    for the previous user's work first, and the next user waits for this one's (an event recorded on
-    exit). A set evicted between the lookup and the lock is looked up again."""
-    while True:
-        gs = _gemm_set(b, rows, dev)
-        gs.lock.acquire()
-        if not gs.evicted:
-            break
-        gs.lock.release()
-    try:
-        stream.wait_event(gs.done)
-        yield gs
-    finally:
-        gs.done = torch.cuda.Event()
-        gs.done.record(stream)
-        gs.lock.release()
+def _slices(r: int, rows: int, p8: int):
+    """``(r0, r1)`` ranges of layer groups whose GEMM outputs (``2 (r1 - r0)`` int32 ``[rows, 2 P8]``)
+    take at most :data:`GEMM_BYTES` (one group at least): the transient device memory of a chunk's
+    transform stays bounded whatever the model."""
+    step = max(1, GEMM_BYTES // (2 * rows * 2 * p8 * 4))
+    return [(r0, min(r, r0 + step)) for r0 in range(0, r, step)]
 
 
 def _level(x: torch.Tensor, shape: tuple[int, ...], what: str, dev: torch.device) -> torch.Tensor:
@@ -275,18 +174,23 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     geom = _geom(m, t)
     inv_sx, e_mu, _ = tf.vectors(m, str(dev))
     cos, sin = _rope(m, start, t, dev)
-    stream = torch.cuda.current_stream(dev)
-    s = stream.cuda_stream
+    s = torch.cuda.current_stream(dev).cuda_stream
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped | non-finite, big]
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
     energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    with _using(enc, 2 * t, dev, stream) as gs:
-        c.encode_pre(_dtype_code(c, kv.dtype), *geom, kv.data_ptr(), _ptr(cos), _ptr(sin), inv_sx.data_ptr(),
-                     gs.a.data_ptr(), rowsum.data_ptr(), flags[0].data_ptr(), s)  # fmt: skip
-        gs.run(stream)
-        c.encode_post(*geom, gs.out.data_ptr(), enc.col.data_ptr(), rowsum.data_ptr(), e_mu.data_ptr(),
-                      kk.data_ptr(), q.data_ptr(), energy.data_ptr(), flags[1].data_ptr(), s)  # fmt: skip
+    g = m.layer_group
+    for r0, r1 in _slices(r, 2 * t, enc.p8):  # one batch of layer groups: its kernels read views
+        sub = ((r1 - r0) * g, *geom[1:])
+        xs = torch.empty(2 * (r1 - r0), 2 * t, enc.n8, dtype=torch.int8, device=dev)
+        y = torch.empty(2 * (r1 - r0), 2 * t, 2 * enc.p8, dtype=torch.int32, device=dev)
+        c.encode_pre(_dtype_code(c, kv.dtype), *sub, kv[r0 * g : r1 * g].data_ptr(), _ptr(cos), _ptr(sin),
+                     inv_sx[r0:r1].data_ptr(), xs.data_ptr(), rowsum[r0:r1].data_ptr(), flags[0].data_ptr(),
+                     s)  # fmt: skip
+        _gemms(xs, enc, 2 * r0, y)
+        c.encode_post(*sub, y.data_ptr(), enc.col[2 * r0 :].data_ptr(), rowsum[r0:r1].data_ptr(),
+                      e_mu[r0:r1].data_ptr(), kk[r0:r1].data_ptr(), q[r0:r1].data_ptr(), energy[r0:r1].data_ptr(),
+                      flags[1].data_ptr(), s)  # fmt: skip
     bad = (flags[0] & c.FLAG_NONFINITE).any()
     exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
     exact |= tf.loud(energy.double(), energy_threshold)
@@ -373,8 +277,7 @@ def _decode(
     r, t, n = m.rows, sym.shape[3], m.vector_size
     geom = _geom(m, t)
     _, _, mu = tf.vectors(m, str(dev))
-    stream = torch.cuda.current_stream(dev)
-    s = stream.cuda_stream
+    s = torch.cuda.current_stream(dev).cuda_stream
     esc = sym == tf.ESCAPE
     qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
     idx = _escape_index(esc, escapes.numel(), r, n, t)  # the count checked before the scatter
@@ -384,10 +287,15 @@ def _decode(
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
-    with _using(dec, t, dev, stream) as gs:
-        c.decode_pre(*geom, qt.data_ptr(), gs.a.data_ptr(), rowsum.data_ptr(), s)
-        gs.run(stream)
-        c.decode_post(_dtype_code(c, dtype), *geom, gs.out.data_ptr(), rowsum.data_ptr(), esc_row.data_ptr(),
-                      esc_col.data_ptr(), esc_hi.data_ptr(), dec.cat_t.data_ptr(), ff.data_ptr(), mu.data_ptr(),
-                      _ptr(cos), _ptr(sin), out.data_ptr(), s)  # fmt: skip
+    g = m.layer_group
+    for r0, r1 in _slices(r, t, dec.p8):  # one batch of layer groups: its kernels read views
+        sub = ((r1 - r0) * g, *geom[1:])
+        lo = torch.empty(2 * (r1 - r0), t, dec.n8, dtype=torch.int8, device=dev)
+        y = torch.empty(2 * (r1 - r0), t, 2 * dec.p8, dtype=torch.int32, device=dev)
+        c.decode_pre(*sub, qt[r0:r1].data_ptr(), lo.data_ptr(), rowsum[r0:r1].data_ptr(), s)
+        _gemms(lo, dec, 2 * r0, y)
+        c.decode_post(_dtype_code(c, dtype), *sub, y.data_ptr(), rowsum[r0:r1].data_ptr(),
+                      esc_row[2 * r0 * t :].data_ptr(), esc_col.data_ptr(), esc_hi.data_ptr(),
+                      dec.cat_t[2 * r0 :].data_ptr(), ff[r0:r1].data_ptr(), mu[r0:r1].data_ptr(), _ptr(cos), _ptr(sin),
+                      out[r0 * g : r1 * g].data_ptr(), s)  # fmt: skip
     return out
