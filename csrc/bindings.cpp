@@ -266,6 +266,8 @@ void bind_pca(py::module_& m) {
   pm.attr("DTYPE_FP16") = static_cast<int>(p::kFP16);
   pm.attr("FLAG_CLAMPED") = static_cast<int>(p::kFlagClamped);
   pm.attr("FLAG_NONFINITE") = static_cast<int>(p::kFlagNonFinite);
+  pm.attr("SYM_OFFSET") = static_cast<int>(p::kSymOffset);
+  pm.attr("SYM_ESCAPE") = static_cast<int>(p::kSymEscape);
   using A = uintptr_t;
   auto geom = [](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {
     return p::PcaGeometry{L, T, H, D, G};
@@ -309,6 +311,15 @@ void bind_pca(py::module_& m) {
         p::decode_pre(geom(L, T, H, D, G), static_cast<const int16_t*>(ptr(qt)),
                       static_cast<int8_t*>(ptr(lo)), static_cast<int64_t*>(ptr(rowsum)),
                       ptr(stream));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  pm.def(
+      "decode_pre_symbols",
+      [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, A sym, int32_t stride, A lo,
+          A rowsum, A esc_count, A stream) {
+        p::decode_pre_symbols(geom(L, T, H, D, G), static_cast<const uint8_t*>(ptr(sym)), stride,
+                              static_cast<int8_t*>(ptr(lo)), static_cast<int64_t*>(ptr(rowsum)),
+                              static_cast<int32_t*>(ptr(esc_count)), ptr(stream));
       },
       py::call_guard<py::gil_scoped_release>());
   pm.def(

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "lmtier/common.h"
 #include "lmtier/pca.h"
@@ -156,17 +157,33 @@ __global__ void encode_symbols_kernel(PcaGeometry g, int t32, const int16_t* __r
   }
 }
 
-__global__ void decode_pre_kernel(PcaGeometry g, const int16_t* __restrict__ qt,
-                                  int8_t* __restrict__ lo, int64_t* __restrict__ rowsum) {
+// S = int16_t: coefficients qt [R][2][N][T] (escapes filled in); S = uint8_t: the symbols sym
+// [R][2][N][stride] themselves (value = symbol - kSymOffset; a chunk without escapes), escape
+// symbols counted into esc_count.
+template <typename S>
+__global__ void decode_pre_kernel(PcaGeometry g, const S* __restrict__ qt, int32_t stride,
+                                  int8_t* __restrict__ lo, int64_t* __restrict__ rowsum,
+                                  int32_t* __restrict__ esc_count) {
   __shared__ int8_t tile[32][33];  // [j][t]
   const int T = g.T, N = g.N(), N8 = g.N8(), rp = blockIdx.z, j0 = blockIdx.x * 32,
             t0 = blockIdx.y * 32;
+  int escapes = 0;
   for (int i = threadIdx.y; i < 32; i += 8) {  // read value j0 + i, tokens t0 + lane
     const int j = j0 + i, t = t0 + threadIdx.x;
     int8_t v = 0;
-    if (j < N && t < T)
-      v = static_cast<int8_t>(((qt[((int64_t)rp * N + j) * T + t] + 128) & 255) - 128);
+    if (j < N && t < T) {
+      int q = qt[((int64_t)rp * N + j) * stride + t];
+      if constexpr (std::is_same_v<S, uint8_t>) {
+        escapes += q == kSymEscape;
+        q -= kSymOffset;
+      }
+      v = static_cast<int8_t>(((q + 128) & 255) - 128);
+    }
     tile[i][threadIdx.x] = v;
+  }
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    for (int o = 16; o > 0; o >>= 1) escapes += __shfl_xor_sync(kFull, escapes, o);
+    if (threadIdx.x == 0 && escapes != 0) atomicAdd(esc_count, escapes);
   }
   __syncthreads();
   for (int i = threadIdx.y; i < 32; i += 8) {  // write token t0 + i, values j0 + lane
@@ -277,8 +294,19 @@ void decode_pre(const PcaGeometry& g, const int16_t* qt, int8_t* lo, int64_t* ro
   check_geometry(g, false);
   LMTIER_CUDA_CHECK(
       cudaMemsetAsync(rowsum, 0, sizeof(int64_t) * g.R() * 2 * g.T, as_stream(stream)));
-  decode_pre_kernel<<<tiles(g, g.N8(), g.T), dim3(32, 8), 0, as_stream(stream)>>>(g, qt, lo,
-                                                                                  rowsum);
+  decode_pre_kernel<int16_t><<<tiles(g, g.N8(), g.T), dim3(32, 8), 0, as_stream(stream)>>>(
+      g, qt, g.T, lo, rowsum, nullptr);
+  LMTIER_CUDA_CHECK_LAUNCH();
+}
+
+void decode_pre_symbols(const PcaGeometry& g, const uint8_t* sym, int32_t stride, int8_t* lo,
+                        int64_t* rowsum, int32_t* esc_count, void* stream) {
+  check_geometry(g, false);
+  LMTIER_CHECK_ARG(stride >= g.T, "pca: symbol row stride ", stride, " < T = ", g.T);
+  LMTIER_CUDA_CHECK(
+      cudaMemsetAsync(rowsum, 0, sizeof(int64_t) * g.R() * 2 * g.T, as_stream(stream)));
+  decode_pre_kernel<uint8_t><<<tiles(g, g.N8(), g.T), dim3(32, 8), 0, as_stream(stream)>>>(
+      g, sym, stride, lo, rowsum, esc_count);
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 

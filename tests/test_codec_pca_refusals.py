@@ -190,6 +190,26 @@ def test_corrupted_records_are_refused(model):
         pca.decode(short_meta, model=model)
 
 
+def escape_liars(model: pca.PCAModel) -> list[tuple[bytes, str]]:
+    """Re-sealed records whose escaped coefficients disagree in number with their escape symbols
+    (none announced, one fewer), each with the refusal's text; ``tests/test_gpu_codec_pca.py`` decodes
+    them on CUDA, where the kernels count the symbols."""
+    record = pca.encode(_kv(50, 0, 19), start=0, model=model, level="pca_high")
+    _, secs, meta = _parts(record)
+    n = meta[2]
+    assert n >= 2, "the case needs escapes"
+    esc = lambda b: [b if j == 2 * R else x for j, x in enumerate(secs)]  # noqa: E731
+    none = _repack(record, meta=(*meta[:2], 0), secs=esc(b""))
+    fewer = _repack(record, meta=(*meta[:2], n - 1), secs=esc(secs[2 * R][:-2]))
+    return [(none, f"{n} escape symbols, 0 announced"), (fewer, f"{n} escape symbols, {n - 1} announced")]
+
+
+def test_escape_counts_that_lie_are_refused(model):
+    for bad, match in escape_liars(model):
+        with pytest.raises(CodecRecordError, match=f"corrupted PCA codec record: {match}"):
+            pca.decode(bad, model=model)
+
+
 @pytest.fixture(scope="module")
 def model_file(model) -> bytes:
     return pca_model.to_bytes(model)

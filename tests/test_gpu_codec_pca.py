@@ -115,6 +115,20 @@ def test_cuda_nonfinite_chunk_refused_and_next_chunk_unharmed(bad):
     _same(m, "pca_default", kv, 8)
 
 
+def test_cuda_escape_counts_that_lie_are_refused():
+    """Records whose escaped coefficients disagree in number with their escape symbols (none announced:
+    ``decode_pre_symbols`` counts them; one fewer: the escape index counts them) are refused on CUDA
+    as on the host, and the next decode is right."""
+    from lmtier.codec.chunk import CodecRecordError
+    from tests.test_codec_pca_refusals import escape_liars
+
+    m = fitted("plain")
+    for bad, match in escape_liars(m):
+        with pytest.raises(CodecRecordError, match=f"corrupted PCA codec record: {match}"):
+            pca.decode(bad, model=m, device="cuda")
+    _same(m, "pca_default", _kv(40, 3, 5), 3)
+
+
 def test_cuda_gemms_run_batched_and_threads_share_nothing(path):
     """The kernels' GEMMs run as batched cuBLAS calls (``lmtier._C.pca.bgemm_s8``, never one by one):
     repeated encodes give the host's bytes, also from two threads at once on their own streams

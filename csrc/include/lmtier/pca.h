@@ -60,6 +60,8 @@ struct PcaGeometry {
 constexpr int32_t kXMax = 32767;
 constexpr int64_t kEMax = int64_t(1) << 20;
 constexpr int32_t kMaxVector = 8192;
+constexpr int32_t kSymOffset = 127;    // symbol = q + kSymOffset (transform.py's OFFSET)
+constexpr int32_t kSymEscape = 255;    // the escape symbol (transform.py's ESCAPE)
 constexpr int32_t kFlagClamped = 1;    // encode_pre's flags: a raw value beyond 16 bits
 constexpr int32_t kFlagNonFinite = 2;  // encode_pre's flags: NaN or inf in the token's values
 
@@ -75,6 +77,12 @@ void encode_post(const PcaGeometry& g, const int32_t* y, const int64_t* col, con
 void encode_symbols(const PcaGeometry& g, int32_t t32, const int16_t* q, const uint8_t* exact,
                     uint8_t* sym, void* stream);
 void decode_pre(const PcaGeometry& g, const int16_t* qt, int8_t* lo, int64_t* rowsum, void* stream);
+// decode_pre of a chunk without escaped coefficients, from its symbols sym [R][2][N][stride]
+// (stride >= T: the streams' padded rows) directly: value = symbol - kSymOffset; the escape symbols
+// (kSymEscape) are counted into *esc_count (int32, added to; the caller zeroes it and refuses the
+// chunk when it is not 0).
+void decode_pre_symbols(const PcaGeometry& g, const uint8_t* sym, int32_t stride, int8_t* lo,
+                        int64_t* rowsum, int32_t* esc_count, void* stream);
 void decode_post(int32_t dtype, const PcaGeometry& g, const int32_t* y, const int64_t* rowsum,
                  const int32_t* esc_row, const int32_t* esc_col, const int32_t* esc_hi,
                  const int8_t* dcat, const double* f, const double* mu, const double* cos_t,

@@ -18,7 +18,7 @@ from . import imatmul, rope, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "encode", "decode", "GEMM_BYTES", "gemm_stats"]
+__all__ = ["available", "encode", "decode", "EscapeCountError", "GEMM_BYTES", "gemm_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,15 @@ threads never hold the whole chunk's outputs (268 MB to encode)."""
 _ROPE_CACHE = 64
 """RoPE tables kept per process (``2 T D`` float64 each: 0.5 MB at T = 256, D = 128): a served prefix's
 chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
+
+
+class EscapeCountError(ValueError):
+    """A chunk's escape symbols and its escaped coefficients do not match in number (a corrupted
+    record): ``found`` symbols, ``given`` coefficients."""
+
+    def __init__(self, found: int, given: int) -> None:
+        super().__init__(f"{found} escape symbols, {given} escaped coefficients given")
+        self.found, self.given = found, given
 
 
 def _native():
@@ -208,12 +217,12 @@ def _escape_index(esc: torch.Tensor, count: int, r: int, n: int, t: int) -> tupl
     (the count of ``nonzero``).
 
     Raises:
-        ValueError: ``count`` is not the number of escape symbols (checked when it is not 0)."""
+        EscapeCountError: ``count`` is not the number of escape symbols (checked when it is not 0)."""
     if count == 0:
         return None
     idx = torch.nonzero(esc.reshape(r * 2, n, t).transpose(1, 2), as_tuple=True)
     if idx[0].numel() != count:
-        raise ValueError(f"{idx[0].numel()} escape symbols, {count} escaped coefficients given")
+        raise EscapeCountError(idx[0].numel(), count)
     return idx
 
 
@@ -253,9 +262,9 @@ def decode(
         ``dtype`` ``[L, 2, T, H, D]`` on the device.
 
     Raises:
-        ValueError: ``sym`` or ``f`` of another shape; escaped coefficients given that are not one per
-            escape symbol (with none given, the escape symbols are not counted: the caller checks,
-            as :func:`lmtier.codec.pca.decode` does).
+        ValueError: ``sym`` or ``f`` of another shape.
+        EscapeCountError: escaped coefficients given that are not one per escape symbol (counted by
+            ``decode_pre_symbols`` for a chunk without escapes: one synchronization at the end).
     """
     dev = sym.device
     r, t, n = m.rows, sym.shape[3], m.vector_size
@@ -278,12 +287,17 @@ def _decode(
     geom = _geom(m, t)
     _, _, mu = tf.vectors(m, str(dev))
     s = torch.cuda.current_stream(dev).cuda_stream
-    esc = sym == tf.ESCAPE
-    qt = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # the kernel reads [R, 2, N, T] raw
-    idx = _escape_index(esc, escapes.numel(), r, n, t)  # the count checked before the scatter
-    if idx is not None:
-        qt.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
-    esc_row, esc_col, esc_hi = _escape_rows(idx, qt, r, n, t)
+    if escapes.numel():  # coefficients with the escapes filled in, read by decode_pre
+        esc = sym == tf.ESCAPE
+        src = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # [R, 2, N, T]
+        idx = _escape_index(esc, escapes.numel(), r, n, t)  # the count checked before the scatter
+        src.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
+        esc_count = None
+    else:  # none: decode_pre_symbols reads the symbols (rows of the padded streams) and counts escapes
+        rows_ok = sym.stride(3) == 1 and sym.stride(1) == n * sym.stride(2) and sym.stride(0) == 2 * sym.stride(1)
+        src = sym if rows_ok else sym.contiguous()
+        idx, esc_count = None, torch.zeros(1, dtype=torch.int32, device=dev)
+    esc_row, esc_col, esc_hi = _escape_rows(idx, src, r, n, t)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
@@ -292,10 +306,16 @@ def _decode(
         sub = ((r1 - r0) * g, *geom[1:])
         lo = torch.empty(2 * (r1 - r0), t, dec.n8, dtype=torch.int8, device=dev)
         y = torch.empty(2 * (r1 - r0), t, 2 * dec.p8, dtype=torch.int32, device=dev)
-        c.decode_pre(*sub, qt[r0:r1].data_ptr(), lo.data_ptr(), rowsum[r0:r1].data_ptr(), s)
+        if esc_count is None:
+            c.decode_pre(*sub, src[r0:r1].data_ptr(), lo.data_ptr(), rowsum[r0:r1].data_ptr(), s)
+        else:
+            c.decode_pre_symbols(*sub, src[r0:r1].data_ptr(), src.stride(2), lo.data_ptr(),
+                                 rowsum[r0:r1].data_ptr(), esc_count.data_ptr(), s)  # fmt: skip
         _gemms(lo, dec, 2 * r0, y)
         c.decode_post(_dtype_code(c, dtype), *sub, y.data_ptr(), rowsum[r0:r1].data_ptr(),
                       esc_row[2 * r0 * t :].data_ptr(), esc_col.data_ptr(), esc_hi.data_ptr(),
                       dec.cat_t[2 * r0 :].data_ptr(), ff[r0:r1].data_ptr(), mu[r0:r1].data_ptr(), _ptr(cos), _ptr(sin),
                       out[r0 * g : r1 * g].data_ptr(), s)  # fmt: skip
+    if esc_count is not None and (found := int(esc_count.item())):
+        raise EscapeCountError(found, 0)
     return out
