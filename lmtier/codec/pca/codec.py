@@ -137,8 +137,15 @@ def _cached_level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
     return got
 
 
-def _host(a: Any) -> np.ndarray:
-    return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+def _host(*ts: torch.Tensor) -> list[np.ndarray]:
+    """NumPy arrays of tensors: CUDA ones copied into page-locked memory (torch's caching host
+    allocator: DMA, not staged copies) on the current stream, one synchronization for all."""
+    out, devs = [], {t.device for t in ts if t.device.type == "cuda"}
+    for t in ts:
+        out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t)
+    for d in devs:
+        torch.cuda.current_stream(d).synchronize()
+    return [t.numpy() for t in out]
 
 
 def chunk_symbols(
@@ -211,9 +218,8 @@ def encode(
     arrays = _level_arrays(model, lv.name, str(dev))
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
     sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
-    escapes = _host(escapes_t.to(torch.int16)).astype("<i2")
-    exact = _host(exact_t)
-    raw = _host(x[:, :, exact_t].contiguous().view(torch.uint8))
+    escapes, exact, raw = _host(escapes_t.to(torch.int16), exact_t, x[:, :, exact_t].contiguous().view(torch.uint8))
+    escapes = escapes.astype("<i2")
     sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
     sections += [b""] * (nl * S - len(sections))
