@@ -337,17 +337,20 @@ void bind_pca(py::module_& m) {
       py::call_guard<py::gil_scoped_release>());
   pm.def(
       "bgemm_s8",
-      [=](int32_t batch, int32_t m, int32_t k, int32_t p, A a, A bt, A out, A stream) {
-        lmtier::igemm::bgemm_s8(batch, m, k, p, static_cast<const int8_t*>(ptr(a)),
-                                static_cast<const int8_t*>(ptr(bt)),
-                                static_cast<int32_t*>(ptr(out)), ptr(stream));
+      [=](int32_t batch, int32_t m, int32_t k, int32_t p, A a, A bt, A out, A workspace,
+          size_t workspace_bytes, A stream) {
+        lmtier::igemm::bgemm_s8(
+            batch, m, k, p, static_cast<const int8_t*>(ptr(a)), static_cast<const int8_t*>(ptr(bt)),
+            static_cast<int32_t*>(ptr(out)), ptr(workspace), workspace_bytes, ptr(stream));
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("batch"), py::arg("m"), py::arg("k"),
-      py::arg("p"), py::arg("a"), py::arg("bt"), py::arg("out"), py::arg("stream"),
+      py::arg("p"), py::arg("a"), py::arg("bt"), py::arg("out"), py::arg("workspace"),
+      py::arg("workspace_bytes"), py::arg("stream"),
       "out[b] = a[b] @ bt[b]^T, exact (int8 [batch, m, k] by int8 [batch, p, k] -> int32 [batch, "
       "m, "
-      "p]; device addresses, k and p multiples of 4) on `stream` of the current device, one "
-      "cublasGemmStridedBatchedEx call. RuntimeError when cuBLAS is not found or refuses.");
+      "p]; device addresses, k and p multiples of 4; a workspace of workspace_bytes allocated on "
+      "`stream`) on `stream` of the current device, one cublasGemmStridedBatchedEx call. "
+      "RuntimeError when cuBLAS is not found or refuses.");
   pm.def("cublas_library", &lmtier::igemm::library,
          "The cuBLAS library bgemm_s8 uses (found at first use), or 'none: <why>'.");
 }

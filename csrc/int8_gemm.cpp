@@ -39,7 +39,8 @@ struct Library {
 
 Library load() {
   Library lib;
-  static const char* kNames[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so"};
+  static const char* kNames[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11",
+                                 "libcublas.so"};
   void* h = nullptr;
   // the copy the process already holds first (torch's), then any the loader can find
   for (int flags : {RTLD_NOW | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
@@ -52,7 +53,7 @@ Library load() {
     if (h != nullptr) break;
   }
   if (h == nullptr) {
-    lib.name = "none: no libcublas.so.13 / .12 / libcublas.so loaded or on the loader's path";
+    lib.name = "none: no libcublas.so.13 / .12 / .11 / libcublas.so loaded or on the loader's path";
     return lib;
   }
   lib.create = reinterpret_cast<CreateFn>(dlsym(h, "cublasCreate_v2"));
@@ -73,8 +74,9 @@ const Library& library_once() {
 }
 
 // One handle per device, created at first use and kept for the process; used by one caller at a
-// time (its mutex held across cublasSetStream and the launch). No workspace: the same handle then
-// serves every stream without two in-flight GEMMs sharing scratch memory.
+// time (its mutex held across cublasSetStream, cublasSetWorkspace and the launch). cublasSetStream
+// resets the workspace to cuBLAS's own pool, so every call then sets the caller's workspace: memory
+// the caller allocated on that stream, so no two in-flight GEMMs share scratch.
 struct Slot {
   std::mutex m;
   Handle h = nullptr;
@@ -94,11 +96,13 @@ Slot& slot(int device) {
 std::string library() { return library_once().name; }
 
 void bgemm_s8(int32_t batch, int32_t m, int32_t k, int32_t p, const int8_t* a, const int8_t* bt,
-              int32_t* out, void* stream) {
+              int32_t* out, void* workspace, size_t workspace_bytes, void* stream) {
   LMTIER_CHECK_ARG(batch >= 0 && m >= 0 && k > 0 && p > 0, "bgemm_s8: bad sizes batch ", batch,
                    ", m ", m, ", k ", k, ", p ", p);
   LMTIER_CHECK_ARG(k % 4 == 0 && p % 4 == 0, "bgemm_s8: k (", k, ") and p (", p,
                    ") must be multiples of 4");
+  LMTIER_CHECK_ARG(workspace_bytes == 0 || workspace != nullptr, "bgemm_s8: a workspace of ",
+                   workspace_bytes, " bytes at address 0");
   if (batch == 0 || m == 0) return;
   const Library& lib = library_once();
   LMTIER_CHECK(lib.gemm != nullptr, "bgemm_s8: cuBLAS not available (", lib.name, ")");
@@ -110,12 +114,12 @@ void bgemm_s8(int32_t batch, int32_t m, int32_t k, int32_t p, const int8_t* a, c
     Handle h = nullptr;
     Status st = lib.create(&h);
     LMTIER_CHECK(st == 0, "bgemm_s8: cublasCreate failed (status ", st, ")");
-    st = lib.set_workspace(h, nullptr, 0);
-    LMTIER_CHECK(st == 0, "bgemm_s8: cublasSetWorkspace failed (status ", st, ")");
     s.h = h;
   }
   Status st = lib.set_stream(s.h, static_cast<cudaStream_t>(stream));
   LMTIER_CHECK(st == 0, "bgemm_s8: cublasSetStream failed (status ", st, ")");
+  st = lib.set_workspace(s.h, workspace, workspace_bytes);
+  LMTIER_CHECK(st == 0, "bgemm_s8: cublasSetWorkspace failed (status ", st, ")");
   // Column-major view: out[b]^T [p x m] = bt[b] [p x k] (op T of the k x p column-major array)
   // times a[b]^T [k x m] (op N of the k x m column-major array): cuBLAS's "TN" int8 layout.
   const int32_t one = 1, zero = 0;

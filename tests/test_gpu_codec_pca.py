@@ -16,7 +16,7 @@ import torch
 
 from lmtier.bench import codec_pca as bench
 from lmtier.codec import pca
-from lmtier.codec.pca import kernels
+from lmtier.codec.pca import imatmul, kernels
 from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, _calibration, _hand_model, _kv, fitted
 
@@ -126,6 +126,13 @@ def test_cuda_escape_counts_that_lie_are_refused():
     for bad, match in escape_liars(m):
         with pytest.raises(CodecRecordError, match=f"corrupted PCA codec record: {match}"):
             pca.decode(bad, model=m, device="cuda")
+    if kernels.available():  # the kernels' own refusals: escapes of an empty chunk, symbols not uint8
+        f = torch.ones(m.rows, 2, m.vector_size, dtype=torch.float64)
+        empty = torch.empty(m.rows, 2, m.vector_size, 0, dtype=torch.uint8, device="cuda")
+        with pytest.raises(kernels.EscapeCountError, match="0 escape symbols, 2 escaped coefficients given"):
+            kernels.decode(m, empty, torch.ones(2, dtype=torch.int16), f, 0, torch.bfloat16)
+        with pytest.raises(ValueError, match="symbols must be uint8, got torch.int16"):
+            kernels.decode(m, empty.to(torch.int16), torch.empty(0), f, 0, torch.bfloat16)
     _same(m, "pca_default", _kv(40, 3, 5), 3)
 
 
@@ -171,20 +178,46 @@ def test_cuda_gemms_run_batched_and_threads_share_nothing(path):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("budget", [1, 3 << 20])
-def test_cuda_transform_in_batches_of_layer_groups_is_the_hosts(path, monkeypatch, budget):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_cuda_transform_in_batches_of_layer_groups_is_the_hosts(path, monkeypatch, groups):
     """A chunk's transform runs in batches of layer groups bounded by ``kernels.GEMM_BYTES`` (each
-    batch's kernels on views of the chunk's arrays at its groups' offsets): one group per batch (a
-    1-byte budget) and a few per batch give the host's records and decodes, escapes included
-    (``pca_high``'s many), as the default (one or two batches) does."""
+    batch's kernels on views of the chunk's arrays at its groups' offsets): one group and two groups
+    per batch (of the encoder's GEMM outputs at T = 40; the decoder's take half, so twice the groups)
+    give the host's records and decodes, escapes included (``pca_high``'s many), short chunks too."""
     if path != "kernels":
         pytest.skip("the torch fallback runs no batches")
-    monkeypatch.setattr(kernels, "GEMM_BYTES", budget)
     m = bench.tiled(fitted("plain"), 3)
-    assert m.rows > 2
+    p8 = imatmul.prepared(m, "cuda")[0].p8
+    monkeypatch.setattr(kernels, "GEMM_BYTES", groups * 2 * (2 * 40) * 2 * p8 * 4)
+    assert len(kernels._slices(m.rows, 2 * 40, p8)) == -(-m.rows // groups) > 1
+    before = kernels.gemm_stats()
     for level in LEVELS:
-        for kv, s in [(_kv(40, 8, 91).repeat(3, 1, 1, 1, 1), 8), (_kv(1, 3, 92).repeat(3, 1, 1, 1, 1), 3)]:
+        for kv, s in [(_kv(40, 8, 91).repeat(3, 1, 1, 1, 1), 8), (_kv(3, 3, 92).repeat(3, 1, 1, 1, 1), 3)]:
             _same(m, level, kv, s)
+    assert kernels.gemm_stats()["eager"] == before["eager"]
+
+
+@pytest.mark.parametrize("why", ["no cublas", "refused"])
+def test_cuda_gemms_one_by_one_without_cublas_are_the_hosts(path, monkeypatch, why):
+    """Where cuBLAS is not found, or refuses a batch, the GEMMs run one by one (``torch._int_mm``, its
+    16-row padding for short chunks included) and give the host's records and decodes."""
+    if path != "kernels":
+        pytest.skip("the torch fallback runs no batches")
+    if why == "no cublas":
+        monkeypatch.setattr(kernels, "_cublas", [False])
+    else:
+
+        def refuse(*args):
+            raise RuntimeError("lmtier: bgemm_s8: cublasGemmStridedBatchedEx failed (status 15)")
+
+        monkeypatch.setattr(kernels._native(), "bgemm_s8", refuse)
+    m = fitted("plain")
+    before = kernels.gemm_stats()
+    for kv, s in [(_kv(40, 8, 93), 8), (_kv(3, 3, 94), 3)]:
+        _same(m, "pca_high", kv, s)
+    after = kernels.gemm_stats()
+    assert after["batched"] == before["batched"] and after["eager"] > before["eager"]
+    assert (after["refused"] > before["refused"]) == (why == "refused")
 
 
 @pytest.mark.parametrize(
@@ -205,9 +238,13 @@ def test_bgemm_s8_is_exact(path, batch, m, k, p):
     bt[0, 0] = -128
     want = (a.to(torch.int64) @ bt.to(torch.int64).transpose(1, 2)).to(torch.int32)
     ad, bd = a.cuda(), bt.cuda()
-    out = torch.full((batch, m, p), -7, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.current_stream()
-    _C.pca.bgemm_s8(batch, m, k, p, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), stream.cuda_stream)
-    assert torch.equal(out.cpu(), want)
+    stream = torch.cuda.current_stream().cuda_stream
+    ws = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    for w, nw in ((ws.data_ptr(), ws.numel()), (0, 0)):  # a workspace, and none
+        out = torch.full((batch, m, p), -7, dtype=torch.int32, device="cuda")
+        _C.pca.bgemm_s8(batch, m, k, p, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), w, nw, stream)
+        assert torch.equal(out.cpu(), want)
     with pytest.raises(ValueError, match=r"k \(6\) and p \(8\) must be multiples of 4"):
-        _C.pca.bgemm_s8(1, 1, 6, 8, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), stream.cuda_stream)
+        _C.pca.bgemm_s8(1, 1, 6, 8, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), 0, 0, stream)
+    with pytest.raises(ValueError, match="a workspace of 16 bytes at address 0"):
+        _C.pca.bgemm_s8(1, 1, 8, 8, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), 0, 16, stream)

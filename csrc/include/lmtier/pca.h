@@ -6,7 +6,8 @@
 //
 //   encode: encode_pre -> per (layer group r, plane p): Y = [xh; xl] @ [eh | el] (int8 -> int32)
 //           -> encode_post -> exact tokens (torch, [R, 2, T] sized) -> encode_symbols
-//   decode: (torch: symbols -> coefficients, escapes) -> decode_pre -> Y = lo8(q) @ [dh | dl]
+//   decode: (torch: symbols -> coefficients, escapes) -> decode_pre (or, for a chunk without
+//           escapes, decode_pre_symbols from the symbols) -> Y = lo8(q) @ [dh | dl]
 //           -> decode_post (escaped coefficients' high parts added row by row) -> exact tokens
 //           (torch)
 //

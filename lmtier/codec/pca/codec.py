@@ -266,7 +266,11 @@ def symbols_to_kv(
 ) -> torch.Tensor:
     """``dtype`` ``[L, 2, T, H, D]`` of checked symbols ``[R, 2, N, T]`` and escaped coefficients (stream
     order; ``f``: the level's; both moved to the symbols' device); exact tokens come out as the mean. The
-    fused CUDA kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic."""
+    fused CUDA kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic.
+
+    Raises:
+        kernels.EscapeCountError: (the CUDA kernels) escaped coefficients not one per escape symbol;
+            the torch arithmetic raises RuntimeError for it (its caller counts first)."""
     if sym.device.type == "cuda" and kernels.available():
         return kernels.decode(m, sym, escapes, f, start, dtype)
     q = sym.to(torch.int64) - tf.OFFSET

@@ -1,6 +1,6 @@
 """The PCA levels' transform on CUDA with lmtier's fused kernels (``csrc/pca_cuda.cu``) around the
-int8 GEMMs of :mod:`.imatmul`: the bits of :mod:`.transform`'s torch arithmetic, in five kernel
-launches and ``2R`` GEMMs per chunk instead of dozens of float64 passes. Layouts and rules:
+int8 GEMMs of :mod:`.imatmul`: the bits of :mod:`.transform`'s torch arithmetic, per batch of layer
+groups two fused kernels around one batched cuBLAS GEMM call, instead of dozens of float64 passes. Layouts and rules:
 ``csrc/include/lmtier/pca.h``. Used by :mod:`.codec` for CUDA chunks when the extension was built
 with CUDA (:func:`available`); otherwise the torch path of :mod:`.transform` runs there.
 """
@@ -27,6 +27,9 @@ GEMM_BYTES = 64 << 20
 batches of layer groups (:func:`_slices`; an 8B model's 256-token chunk at G = 1: 4 batches of 16 GEMMs
 to encode, 2 of 32 to decode), each batch one cuBLAS call, so several chunks in flight on the I/O
 threads never hold the whole chunk's outputs (268 MB to encode)."""
+GEMM_WORKSPACE = 4 << 20
+"""cuBLAS workspace bytes of one batched GEMM call: from torch's caching allocator on the caller's stream
+(counted by torch, private to the call), never cuBLAS's own pool."""
 _ROPE_CACHE = 64
 """RoPE tables kept per process (``2 T D`` float64 each: 0.5 MB at T = 256, D = 128): a served prefix's
 chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
@@ -115,9 +118,10 @@ def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, lo: int, out: torch.Tensor) 
         if not _cublas[0]:
             log.warning("lmtier: PCA GEMMs run one by one (%s)", c.cublas_library())
     if _cublas[0]:
+        ws = torch.empty(GEMM_WORKSPACE, dtype=torch.uint8, device=a.device)  # this call's, stream-ordered
         try:
             c.bgemm_s8(nb, a.shape[1], b.n8, 2 * b.p8, a.data_ptr(), b.cat_t[lo].data_ptr(), out.data_ptr(),
-                       torch.cuda.current_stream(a.device).cuda_stream)  # fmt: skip
+                       ws.data_ptr(), GEMM_WORKSPACE, torch.cuda.current_stream(a.device).cuda_stream)  # fmt: skip
             _stats["batched"] += 1
             return
         except RuntimeError as e:
@@ -188,11 +192,13 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped | non-finite, big]
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
     energy = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
-    g = m.layer_group
-    for r0, r1 in _slices(r, 2 * t, enc.p8):  # one batch of layer groups: its kernels read views
+    g, batches = m.layer_group, _slices(r, 2 * t, enc.p8)
+    most = 2 * max(r1 - r0 for r0, r1 in batches)  # one pair of GEMM buffers, reused by every batch
+    xs_all = torch.empty(most, 2 * t, enc.n8, dtype=torch.int8, device=dev)
+    y_all = torch.empty(most, 2 * t, 2 * enc.p8, dtype=torch.int32, device=dev)
+    for r0, r1 in batches:  # one batch of layer groups: its kernels read views
         sub = ((r1 - r0) * g, *geom[1:])
-        xs = torch.empty(2 * (r1 - r0), 2 * t, enc.n8, dtype=torch.int8, device=dev)
-        y = torch.empty(2 * (r1 - r0), 2 * t, 2 * enc.p8, dtype=torch.int32, device=dev)
+        xs, y = xs_all[: 2 * (r1 - r0)], y_all[: 2 * (r1 - r0)]
         c.encode_pre(_dtype_code(c, kv.dtype), *sub, kv[r0 * g : r1 * g].data_ptr(), _ptr(cos), _ptr(sin),
                      inv_sx[r0:r1].data_ptr(), xs.data_ptr(), rowsum[r0:r1].data_ptr(), flags[0].data_ptr(),
                      s)  # fmt: skip
@@ -254,7 +260,7 @@ def decode(
     overwrites them), bit for bit :func:`.transform.inverse` of the same coefficients.
 
     Args:
-        sym: uint8 ``[R, 2, N, T]`` (a view of the padded streams is fine); escapes: the escaped
+        sym: uint8 ``[R, 2, N, T]`` (a view of the padded streams is read in place); escapes: the escaped
             coefficients (any integer dtype, stream order); f: ``[R, 2, N]``; start: the chunk's
             first position; dtype: bf16 or fp16.
 
@@ -262,7 +268,7 @@ def decode(
         ``dtype`` ``[L, 2, T, H, D]`` on the device.
 
     Raises:
-        ValueError: ``sym`` or ``f`` of another shape.
+        ValueError: ``sym`` or ``f`` of another shape, ``sym`` not uint8.
         EscapeCountError: escaped coefficients given that are not one per escape symbol (counted by
             ``decode_pre_symbols`` for a chunk without escapes: one synchronization at the end).
     """
@@ -270,8 +276,12 @@ def decode(
     r, t, n = m.rows, sym.shape[3], m.vector_size
     if tuple(sym.shape) != (r, 2, n, t):
         raise ValueError(f"symbols of shape {tuple(sym.shape)}, the PCA model needs [{r}, 2, {n}, T]")
+    if sym.dtype != torch.uint8:
+        raise ValueError(f"symbols must be uint8, got {sym.dtype}")
     ff = _level(f, (r, 2, n), "f", dev)
     if t == 0:
+        if escapes.numel():
+            raise EscapeCountError(0, escapes.numel())
         return torch.empty(m.num_layers, 2, 0, m.num_heads, m.head_size, dtype=dtype, device=dev)
     with torch.cuda.device(dev):
         return _decode(m, sym, escapes.to(dev), ff, start, dtype)
@@ -294,18 +304,21 @@ def _decode(
         src.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
         esc_count = None
     else:  # none: decode_pre_symbols reads the symbols (rows of the padded streams) and counts escapes
-        rows_ok = sym.stride(3) == 1 and sym.stride(1) == n * sym.stride(2) and sym.stride(0) == 2 * sym.stride(1)
+        st = sym.stride()
+        rows_ok = st[3] == 1 and st[2] >= t and st[1] == n * st[2] and st[0] == 2 * st[1]
         src = sym if rows_ok else sym.contiguous()
         idx, esc_count = None, torch.zeros(1, dtype=torch.int32, device=dev)
     esc_row, esc_col, esc_hi = _escape_rows(idx, src, r, n, t)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
-    g = m.layer_group
-    for r0, r1 in _slices(r, t, dec.p8):  # one batch of layer groups: its kernels read views
+    g, batches = m.layer_group, _slices(r, t, dec.p8)
+    most = 2 * max(r1 - r0 for r0, r1 in batches)  # one pair of GEMM buffers, reused by every batch
+    lo_all = torch.empty(most, t, dec.n8, dtype=torch.int8, device=dev)
+    y_all = torch.empty(most, t, 2 * dec.p8, dtype=torch.int32, device=dev)
+    for r0, r1 in batches:  # one batch of layer groups: its kernels read views
         sub = ((r1 - r0) * g, *geom[1:])
-        lo = torch.empty(2 * (r1 - r0), t, dec.n8, dtype=torch.int8, device=dev)
-        y = torch.empty(2 * (r1 - r0), t, 2 * dec.p8, dtype=torch.int32, device=dev)
+        lo, y = lo_all[: 2 * (r1 - r0)], y_all[: 2 * (r1 - r0)]
         if esc_count is None:
             c.decode_pre(*sub, src[r0:r1].data_ptr(), lo.data_ptr(), rowsum[r0:r1].data_ptr(), s)
         else:
