@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import torch
 
+from lmtier.codec.chunk import CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
 from . import imatmul, rope, streams
@@ -35,7 +36,7 @@ _ROPE_CACHE = 64
 chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
 
 
-class EscapeCountError(ValueError):
+class EscapeCountError(CodecRecordError):
     """A chunk's escape symbols and its escaped coefficients do not match in number (a corrupted
     record): ``found`` symbols, ``given`` coefficients."""
 
