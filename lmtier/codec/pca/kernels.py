@@ -271,7 +271,8 @@ def decode(
     Raises:
         ValueError: ``sym`` or ``f`` of another shape, ``sym`` not uint8.
         EscapeCountError: escaped coefficients given that are not one per escape symbol (counted by
-            ``decode_pre_symbols`` for a chunk without escapes: one synchronization at the end).
+            ``decode_pre_symbols`` for a chunk without escapes: one synchronization after that kernel,
+            before the GEMMs are queued).
     """
     dev = sym.device
     r, t, n = m.rows, sym.shape[3], m.vector_size
@@ -311,25 +312,23 @@ def _decode(
         idx, esc_count = None, torch.zeros(1, dtype=torch.int32, device=dev)
     esc_row, esc_col, esc_hi = _escape_rows(idx, src, r, n, t)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
+    lo = torch.empty(2 * r, t, dec.n8, dtype=torch.int8, device=dev)  # lo8(q) of every group (1 byte a value)
+    if esc_count is None:
+        c.decode_pre(*geom, src.data_ptr(), lo.data_ptr(), rowsum.data_ptr(), s)
+    else:  # the escape count checked now: the transform after it is queued without waiting
+        c.decode_pre_symbols(*geom, src.data_ptr(), src.stride(2), lo.data_ptr(), rowsum.data_ptr(),
+                             esc_count.data_ptr(), s)  # fmt: skip
+        if found := int(esc_count.item()):
+            raise EscapeCountError(found, 0)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     g, batches = m.layer_group, _slices(r, t, dec.p8)
-    most = 2 * max(r1 - r0 for r0, r1 in batches)  # one pair of GEMM buffers, reused by every batch
-    lo_all = torch.empty(most, t, dec.n8, dtype=torch.int8, device=dev)
-    y_all = torch.empty(most, t, 2 * dec.p8, dtype=torch.int32, device=dev)
+    y_all = torch.empty(2 * max(r1 - r0 for r0, r1 in batches), t, 2 * dec.p8, dtype=torch.int32, device=dev)
     for r0, r1 in batches:  # one batch of layer groups: its kernels read views
-        sub = ((r1 - r0) * g, *geom[1:])
-        lo, y = lo_all[: 2 * (r1 - r0)], y_all[: 2 * (r1 - r0)]
-        if esc_count is None:
-            c.decode_pre(*sub, src[r0:r1].data_ptr(), lo.data_ptr(), rowsum[r0:r1].data_ptr(), s)
-        else:
-            c.decode_pre_symbols(*sub, src[r0:r1].data_ptr(), src.stride(2), lo.data_ptr(),
-                                 rowsum[r0:r1].data_ptr(), esc_count.data_ptr(), s)  # fmt: skip
-        _gemms(lo, dec, 2 * r0, y)
+        sub, y = ((r1 - r0) * g, *geom[1:]), y_all[: 2 * (r1 - r0)]
+        _gemms(lo[2 * r0 : 2 * r1], dec, 2 * r0, y)
         c.decode_post(_dtype_code(c, dtype), *sub, y.data_ptr(), rowsum[r0:r1].data_ptr(),
                       esc_row[2 * r0 * t :].data_ptr(), esc_col.data_ptr(), esc_hi.data_ptr(),
                       dec.cat_t[2 * r0 :].data_ptr(), ff[r0:r1].data_ptr(), mu[r0:r1].data_ptr(), _ptr(cos), _ptr(sin),
                       out[r0 * g : r1 * g].data_ptr(), s)  # fmt: skip
-    if esc_count is not None and (found := int(esc_count.item())):
-        raise EscapeCountError(found, 0)
     return out
