@@ -356,6 +356,39 @@ def test_cli_help_exits_zero_and_usage_errors_two(argv, rc, capsys):
     assert cli.main(argv) == rc
     out, err = capsys.readouterr()
     assert "lmtier bench" in (out if rc == 0 else err)
+    if argv == ["frobnicate"]:  # the word that was wrong is named
+        assert err.startswith("lmtier: expected 'bench', got 'frobnicate'"), err
+    if argv == ["bench"]:
+        assert err.startswith("lmtier: expected a subcommand"), err
+
+
+def test_unknown_subcommand_lists_the_valid_ones(capsys):
+    from lmtier import cli
+
+    assert cli.main(["bench", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'nosuch' (one of: " in err and all(s in err for s in [*cli.SUBCOMMANDS, "all"])
+
+
+def test_sigterm_runs_the_benchmarks_cleanup():
+    """SIGTERM (``timeout``, ``kill``) of a benchmark process ends it as Ctrl-C does: its ``finally``
+    blocks run (they stop the servers a bench started and remove its temporary folders), exit 143.
+    Without it a killed ``lmtier bench ttft`` left its Redis and Mooncake servers running."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from lmtier.cli import exit_on_sigterm\n"
+        "exit_on_sigterm()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "finally:\n"
+        "    print('cleaned up', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 143 and r.stdout == "cleaned up\n", (r.returncode, r.stdout, r.stderr[-500:])
 
 
 def test_help_lists_every_subcommand(capsys):
