@@ -157,6 +157,7 @@ effective configuration once per process, with passwords redacted.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -409,7 +410,9 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
             if value not in (None, False, 0):
                 raise _err(key, value, "this LMCache feature is not implemented by lmtier; set it false or remove it")
         else:
-            raise _err(key, value, f"unknown key (known: {sorted(KEYS)})")
+            close = difflib.get_close_matches(key, [*KEYS, *IGNORED_LMCACHE_KEYS, *DISABLED_LMCACHE_FEATURES], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise _err(key, value, f"unknown key ({hint}known: {sorted(KEYS)})")
 
     chunk_size = values["chunk_size"]
     if chunk_size <= 0:

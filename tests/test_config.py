@@ -163,8 +163,10 @@ def test_invalid_values_name_the_key(tmp_path, text, key):
 
 
 def test_unknown_key_error_names_value(tmp_path):
-    with pytest.raises(ConfigError, match=r"chunk_sise=256"):
+    with pytest.raises(ConfigError, match=r"chunk_sise=256: unknown key \(did you mean chunk_size\? known: "):
         load_config(write(tmp_path, "chunk_sise: 256"), env={})
+    with pytest.raises(ConfigError, match=r"zzqx=1: unknown key \(known: "):  # nothing close: no guess
+        load_config(write(tmp_path, "zzqx: 1"), env={})
 
 
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "a: [unclosed\n"])
