@@ -269,12 +269,14 @@ def symbols_to_kv(
     fused CUDA kernels (:mod:`.kernels`) when built, else :mod:`.transform`'s torch arithmetic.
 
     Raises:
-        kernels.EscapeCountError: (the CUDA kernels) escaped coefficients not one per escape symbol;
-            the torch arithmetic raises RuntimeError for it (its caller counts first)."""
+        kernels.EscapeCountError: escaped coefficients not one per escape symbol (both paths count)."""
     if sym.device.type == "cuda" and kernels.available():
         return kernels.decode(m, sym, escapes, f, start, dtype)
+    esc = sym == tf.ESCAPE
+    if (found := int(esc.sum())) != escapes.numel():
+        raise kernels.EscapeCountError(found, escapes.numel())
     q = sym.to(torch.int64) - tf.OFFSET
-    q[sym == tf.ESCAPE] = escapes.to(device=sym.device, dtype=torch.int64)
+    q[esc] = escapes.to(device=sym.device, dtype=torch.int64)
     return tf.inverse(m, q.transpose(2, 3).double(), f.to(sym.device), start, dtype)
 
 
@@ -358,14 +360,10 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
     sym = sym.reshape(model.rows, 2, n, t32)[..., :t]
-    if not (sym.device.type == "cuda" and kernels.available()):  # the CUDA kernels count them
-        found = int((sym == tf.ESCAPE).sum())
-        if found != n_esc:
-            raise CodecRecordError(f"corrupted PCA codec record: {found} escape symbols, {n_esc} announced")
     escapes = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
     try:
         out = symbols_to_kv(model, sym, escapes, arrays.f, start, dtype)
-    except kernels.EscapeCountError as e:
+    except kernels.EscapeCountError as e:  # symbols_to_kv counts the escape symbols on either path
         raise CodecRecordError(f"corrupted PCA codec record: {e.found} escape symbols, {n_esc} announced") from None
     if n_exact:
         raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
