@@ -203,20 +203,6 @@ every subcommand but rans, seal, mooncake and p2p takes --model-preset NAME and 
 `all` takes --plot-dir DIR; `lmtier bench <subcommand> --help` lists its options"""
 
 
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM (``timeout``, ``kill``) into ``SystemExit(143)`` in the main thread, as Ctrl-C
-    raises KeyboardInterrupt: the benchmarks' ``finally`` blocks then stop the servers they started
-    (Redis, Mooncake) and remove their temporary folders. Elsewhere than the main thread: no-op."""
-    import signal
-    import threading
-
-    def _exit(signum, frame):
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv in (["-V"], ["--version"]):
@@ -233,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sub, rest = argv[1], argv[2:]
     if sub in SUBCOMMANDS or sub == "all":
+        from lmtier.bench.signals import exit_on_sigterm
+
         exit_on_sigterm()
         return _run_sub(sub, rest) if sub != "all" else run_all(rest)
     print(f"lmtier bench: unknown subcommand {sub!r} (one of: {', '.join([*SUBCOMMANDS, 'all'])})", file=sys.stderr)

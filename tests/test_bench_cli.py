@@ -379,7 +379,7 @@ def test_sigterm_runs_the_benchmarks_cleanup():
 
     code = (
         "import os, signal, time\n"
-        "from lmtier.cli import exit_on_sigterm\n"
+        "from lmtier.bench.signals import exit_on_sigterm\n"
         "exit_on_sigterm()\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -1,7 +1,7 @@
 """``python -m lmtier.bench.ttft`` = ``lmtier bench ttft``."""
 
 from lmtier.bench.ttft import main
-from lmtier.cli import exit_on_sigterm
+from lmtier.bench.signals import exit_on_sigterm
 
 exit_on_sigterm()
 raise SystemExit(main())
