@@ -184,3 +184,8 @@ done
 for f in "$OUT"/ttft.json "$OUT"/ttft_remote.json "$OUT"/ttft_pca.json "$OUT"/ttft_batch1.json "$OUT"/ttft_seal_*.json "$OUT"/ttft_inflight*.json "$OUT"/ttft_hostdecode.json; do
   [ -f "$f" ] && $PY scripts/ttft_table.py "$f"
 done
+# LMTIER_GPU_PACK=1: leave $OUT as one out.tgz (the device tool returns only so many files from $OUT)
+if [ "${LMTIER_GPU_PACK:-0}" = 1 ]; then
+  tar -czf /tmp/lmtier_gpu_out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/lmtier_gpu_out.tgz "$OUT/out.tgz"
+  echo "packed: $OUT/out.tgz"
+fi
