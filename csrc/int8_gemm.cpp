@@ -83,8 +83,10 @@ struct Slot {
 };
 
 Slot& slot(int device) {
-  static std::mutex m;
-  static std::vector<std::unique_ptr<Slot>> slots;
+  // never destroyed: an I/O thread may be inside bgemm_s8 (GIL released) while exit() runs the
+  // static destructors
+  static std::mutex& m = *new std::mutex;
+  static auto& slots = *new std::vector<std::unique_ptr<Slot>>;
   std::lock_guard<std::mutex> g(m);
   if (static_cast<size_t>(device) >= slots.size()) slots.resize(device + 1);
   if (!slots[device]) slots[device] = std::make_unique<Slot>();

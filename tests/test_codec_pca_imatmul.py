@@ -273,3 +273,15 @@ def test_escape_rows_csr_gives_each_escaped_coefficients_high_byte():
     assert kernels._escape_index(esc, 0, r, n, t) is None
     empty = kernels._escape_rows(None, qt, r, n, t)
     assert empty[0].count_nonzero() == 0 and empty[1].numel() == empty[2].numel() == 0
+
+
+def test_kernel_symbol_constants_are_the_transforms():
+    """``decode_pre_symbols`` maps symbols with the C++ constants (``kSymOffset``, ``kSymEscape``): they
+    must be :mod:`.transform`'s ``OFFSET`` and ``ESCAPE`` (checked on any CUDA build, GPU or not)."""
+    from lmtier.codec.pca import kernels
+    from lmtier.codec.pca import transform as tf
+
+    c = kernels._native() if kernels.available() else None
+    if c is None:
+        pytest.skip("built without the PCA CUDA kernels")
+    assert (c.SYM_OFFSET, c.SYM_ESCAPE) == (tf.OFFSET, tf.ESCAPE)

@@ -240,7 +240,7 @@ def test_bgemm_s8_is_exact(path, batch, m, k, p):
     ad, bd = a.cuda(), bt.cuda()
     stream = torch.cuda.current_stream().cuda_stream
     ws = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
-    for w, nw in ((ws.data_ptr(), ws.numel()), (0, 0)):  # a workspace, and none
+    for w, nw in ((ws.data_ptr(), ws.numel()), (ws.data_ptr(), 16 << 10)):  # the product's, and cuBLAS's least
         out = torch.full((batch, m, p), -7, dtype=torch.int32, device="cuda")
         _C.pca.bgemm_s8(batch, m, k, p, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), w, nw, stream)
         assert torch.equal(out.cpu(), want)

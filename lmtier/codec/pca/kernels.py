@@ -28,9 +28,10 @@ GEMM_BYTES = 64 << 20
 batches of layer groups (:func:`_slices`; an 8B model's 256-token chunk at G = 1: 4 batches of 16 GEMMs
 to encode, 2 of 32 to decode), each batch one cuBLAS call, so several chunks in flight on the I/O
 threads never hold the whole chunk's outputs (268 MB to encode)."""
-GEMM_WORKSPACE = 4 << 20
-"""cuBLAS workspace bytes of one batched GEMM call: from torch's caching allocator on the caller's stream
-(counted by torch, private to the call), never cuBLAS's own pool."""
+GEMM_WORKSPACE = 32 << 20
+"""cuBLAS workspace bytes of one batched GEMM call (cuBLAS advises 32 MiB on Hopper): from torch's
+caching allocator on the caller's stream (counted by torch, private to the call), never cuBLAS's own
+pool."""
 _ROPE_CACHE = 64
 """RoPE tables kept per process (``2 T D`` float64 each: 0.5 MB at T = 256, D = 128): a served prefix's
 chunks start at the same few positions (0, 256, ...), and computing a table costs the host ~0.5 ms."""
@@ -121,8 +122,9 @@ def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, lo: int, out: torch.Tensor) 
     if _cublas[0]:
         ws = torch.empty(GEMM_WORKSPACE, dtype=torch.uint8, device=a.device)  # this call's, stream-ordered
         try:
-            c.bgemm_s8(nb, a.shape[1], b.n8, 2 * b.p8, a.data_ptr(), b.cat_t[lo].data_ptr(), out.data_ptr(),
-                       ws.data_ptr(), GEMM_WORKSPACE, torch.cuda.current_stream(a.device).cuda_stream)  # fmt: skip
+            with torch.cuda.device(a.device):  # bgemm_s8 picks its cuBLAS handle by the current device
+                c.bgemm_s8(nb, a.shape[1], b.n8, 2 * b.p8, a.data_ptr(), b.cat_t[lo].data_ptr(), out.data_ptr(),
+                           ws.data_ptr(), GEMM_WORKSPACE, torch.cuda.current_stream(a.device).cuda_stream)  # fmt: skip
             _stats["batched"] += 1
             return
         except RuntimeError as e:
@@ -308,7 +310,8 @@ def _decode(
     else:  # none: decode_pre_symbols reads the symbols (rows of the padded streams) and counts escapes
         st = sym.stride()
         rows_ok = st[3] == 1 and st[2] >= t and st[1] == n * st[2] and st[0] == 2 * st[1]
-        src = sym if rows_ok else sym.contiguous()
+        # a copy's row stride is T: contiguous() may return sym itself with any stride on a size-1 dim
+        src, stride = (sym, st[2]) if rows_ok else (sym.contiguous(), t)
         idx, esc_count = None, torch.zeros(1, dtype=torch.int32, device=dev)
     esc_row, esc_col, esc_hi = _escape_rows(idx, src, r, n, t)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
@@ -316,7 +319,7 @@ def _decode(
     if esc_count is None:
         c.decode_pre(*geom, src.data_ptr(), lo.data_ptr(), rowsum.data_ptr(), s)
     else:  # the escape count checked now: the transform after it is queued without waiting
-        c.decode_pre_symbols(*geom, src.data_ptr(), src.stride(2), lo.data_ptr(), rowsum.data_ptr(),
+        c.decode_pre_symbols(*geom, src.data_ptr(), stride, lo.data_ptr(), rowsum.data_ptr(),
                              esc_count.data_ptr(), s)  # fmt: skip
         if found := int(esc_count.item()):
             raise EscapeCountError(found, 0)
