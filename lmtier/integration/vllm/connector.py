@@ -46,15 +46,16 @@ import re
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from lmtier.config import load_config
+from lmtier.config import LMTierConfig, load_config
 from lmtier.integration.vllm.common import cpu_slab_kind, namespace_for, scheduler_tiers, shared_manager
 from lmtier.integration.vllm.logs import route_lmtier_logging, startup_line
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
-from lmtier.integration.vllm.options import ConnectorOptions, parse_layerwise
+from lmtier.integration.vllm.options import ConnectorOptions
 from lmtier.integration.vllm.scheduler import LMTierScheduler
 from lmtier.integration.vllm.stats import LMTierPromMetrics, LMTierStats, StatsSink, TierEventReporter
 from lmtier.integration.vllm.worker_role import LMTierWorker
 from lmtier.tiers.codec_pca import PCACodecTier
+from lmtier.tiers.factory import load_pca_model
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -185,6 +186,44 @@ def _local_rank() -> int:
         return 0
 
 
+def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[ConnectorOptions, LMTierConfig]:
+    """The connector's checks that need neither the KV caches nor the tiers: ``kv_role``,
+    ``kv_connector_extra_config`` (:meth:`ConnectorOptions.parse`), the lmtier configuration
+    (:func:`lmtier.config.load_config`), its ``chunk_size`` against vLLM's block size and the PCA model
+    file of a ``pca_*`` level (:func:`lmtier.tiers.factory.load_pca_model`). The constructor runs them,
+    and so do the class hooks vLLM calls before the engine starts (:meth:`LMTierConnector.
+    get_required_kvcache_layout`, :meth:`LMTierConnector.requires_piecewise_for_cudagraph`), so a typo
+    fails at start-up, not after the model loaded, profiled and compiled.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` (None: only ``extra_config`` and the lmtier configuration
+            are checked).
+        extra_config: ``kv_connector_extra_config`` when ``vllm_config`` is None.
+
+    Returns:
+        ``(options, config)``.
+
+    Raises:
+        ValueError: a ``kv_role`` other than ``kv_both``, a bad option.
+        ConfigError: a bad lmtier configuration (a ``ValueError``).
+    """
+    if vllm_config is not None:
+        kv_role = vllm_config.kv_transfer_config.kv_role
+        if kv_role != "kv_both":  # a producer-only / consumer-only node would silently do both
+            raise ValueError(
+                f"lmtier: kv_role={kv_role!r}: LMTierConnector supports only kv_both (every node both stores "
+                "and loads; a node that should not store has no way to say so yet)"
+            )
+        extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
+    route_lmtier_logging()  # before anything of lmtier logs: lmtier.* lines through vLLM's handler
+    options = ConnectorOptions.parse(extra_config)
+    config = load_config()
+    if vllm_config is not None:
+        config.validate_for(vllm_config.cache_config.block_size)
+    load_pca_model(config)
+    return options, config
+
+
 class LMTierConnector(KVConnectorBase_V1):
     """vLLM KV connector storing prompt KV in lmtier tiers and loading it back on prefix hits.
 
@@ -205,17 +244,8 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        kv_role = self._kv_transfer_config.kv_role
-        if kv_role != "kv_both":  # a producer-only / consumer-only node would silently do both
-            raise ValueError(
-                f"lmtier: kv_role={kv_role!r}: LMTierConnector supports only kv_both (every node both stores "
-                "and loads; a node that should not store has no way to say so yet)"
-            )
-        route_lmtier_logging()  # before anything of lmtier logs: lmtier.* lines through vLLM's handler
-        options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
-        config = load_config()
+        options, config = preflight(vllm_config)
         block_size = vllm_config.cache_config.block_size
-        config.validate_for(block_size)
         tp_rank = _tp_rank(role)
         ns = namespace_for(vllm_config, kv_cache_config, config.chunk_size, tp_rank)
         engine = vllm_config.kv_transfer_config.engine_id or "default"
@@ -294,11 +324,28 @@ class LMTierConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict | None) -> bool:
         """True when ``layerwise_loads`` is explicitly true: the per-layer waits must run between
-        CUDA graph pieces (a replayed full graph skips them)."""
-        try:
-            return parse_layerwise((extra_config or {}).get("layerwise_loads", "auto")) is True
-        except ValueError:  # reported by the connector's constructor
-            return False
+        CUDA graph pieces (a replayed full graph skips them). vLLM asks while it builds its
+        configuration (with full CUDA graphs, vLLM's CUDA default), before any engine process starts:
+        :func:`preflight` runs first, so a bad option or lmtier configuration fails there.
+
+        Raises:
+            ValueError: as :func:`preflight`.
+        """
+        options, _ = preflight(extra_config=extra_config)
+        return options.layerwise_loads is True
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """None: the gather and scatter kernels take every layout vLLM hands over. vLLM asks in the
+        engine core after the model loaded and before memory profiling, compilation and CUDA graph
+        capture: :func:`preflight` runs here, so a bad configuration fails before those (on the CPU
+        build, the first hook vLLM calls).
+
+        Raises:
+            ValueError: as :func:`preflight`.
+        """
+        preflight(vllm_config)
+        return None
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
