@@ -582,17 +582,25 @@ def _failing_dd(tmp_path, monkeypatch, stderr: str) -> None:
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_disk_dd_failure_is_one_line_naming_the_dir(tmp_path, monkeypatch):
+def test_disk_dd_failure_is_one_line_naming_the_dir(tmp_path, monkeypatch, capsys):
     """dd failing (here a stand-in dd on PATH that fails as on a read-only mount or on tmpfs without
-    O_DIRECT) was a CalledProcessError traceback; now one line with the directory and dd's stderr."""
+    O_DIRECT) was a CalledProcessError traceback; now one line with the directory and dd's stderr.
+    A --dir that did not exist is created and said so, with the mount it is on (a mistyped mount point
+    measured the disk under it, silently)."""
+    from lmtier.bench.disk import mount_of
+
     _failing_dd(tmp_path, monkeypatch, "dd: failed to open 'x': Invalid argument")
     d = tmp_path / "bench"
     argv = ["bench", "disk", "--dir", str(d), "--model-preset", "tiny", "--count", "1", "--rounds", "1"]
-    with pytest.raises(SystemExit) as e:
-        cli.main([*argv, "--threads", "1", "--sync", "none", "--inflight", "", "--quiet"])
-    msg = str(e.value.code)
-    assert msg == f"lmtier bench disk: dd failed in --dir {str(d)!r}: dd: failed to open 'x': Invalid argument"
-    assert not (d / "dd-ceiling.bin").exists()
+    for created in (True, False):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*argv, "--threads", "1", "--sync", "none", "--inflight", "", "--quiet"])
+        msg = str(e.value.code)
+        assert msg == f"lmtier bench disk: dd failed in --dir {str(d)!r}: dd: failed to open 'x': Invalid argument"
+        assert not (d / "dd-ceiling.bin").exists()
+        note = f"lmtier bench disk: --dir {str(d)!r} did not exist: created it (on {mount_of(str(d))})"
+        assert (note in capsys.readouterr().err) == created
+    assert mount_of(str(d)).startswith("mount /") and mount_of(str(d)) == mount_of(str(tmp_path))
 
 
 def test_ttft_disk_ceiling_is_the_disk_benchmarks_dd_plus_parallel_reads(tmp_path, monkeypatch):

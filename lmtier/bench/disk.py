@@ -20,6 +20,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -204,6 +205,23 @@ def bench_inflight(
     return rows
 
 
+def mount_of(path: str) -> str:
+    """The mount point holding ``path`` and its device as ``/proc/mounts`` names them (``"mount /mnt/nvme
+    (/dev/nvme0n1p1, xfs)"``), or the mount point alone where ``/proc/mounts`` cannot be read."""
+    real = os.path.realpath(path)
+    best = ("/", "?", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, dev, fs)
+    except OSError:
+        pass
+    return f"mount {best[0]} ({best[1]}, {best[2]})"
+
+
 def run(
     directory: str,
     *,
@@ -220,19 +238,17 @@ def run(
     ceilings = []
     cases = [(sync, th, aligned) for sync in syncs for th in threads for aligned in (True, False)]
     for sync, th, aligned in progress(cases, desc="disk cases", disable=quiet):
-        if True:
-            if True:
-                # Virtual disks drift by 2x within minutes: measure dd right before and after each
-                # case and compare against the mean of the two.
-                before = dd_ceiling(directory, size * count)
-                r = bench_tier(directory, size=size, count=count, threads=th, sync=sync, aligned=aligned, rounds=rounds)
-                after = dd_ceiling(directory, size * count)
-                r["dd_write_GBps"] = (before["write"] + after["write"]) / 2
-                r["dd_read_GBps"] = (before["read"] + after["read"]) / 2
-                r["store_%dd"] = 100 * r["store_agg_GBps"] / r["dd_write_GBps"]
-                r["load_%dd"] = 100 * r["load_agg_GBps"] / r["dd_read_GBps"]
-                ceilings += [before, after]
-                rows.append(r)
+        # Virtual disks drift by 2x within minutes: measure dd right before and after each case and
+        # compare against the mean of the two.
+        before = dd_ceiling(directory, size * count)
+        r = bench_tier(directory, size=size, count=count, threads=th, sync=sync, aligned=aligned, rounds=rounds)
+        after = dd_ceiling(directory, size * count)
+        r["dd_write_GBps"] = (before["write"] + after["write"]) / 2
+        r["dd_read_GBps"] = (before["read"] + after["read"]) / 2
+        r["store_%dd"] = 100 * r["store_agg_GBps"] / r["dd_write_GBps"]
+        r["load_%dd"] = 100 * r["load_agg_GBps"] / r["dd_read_GBps"]
+        ceilings += [before, after]
+        rows.append(r)
     res = {
         "system": system_header(),
         "dir": directory,
@@ -268,11 +284,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=output_file)
     add_common_args(ap)
     a = ap.parse_args(argv)
+    existed = os.path.isdir(a.dir)
     try:
         os.makedirs(a.dir, exist_ok=True)
         check_writable(a.dir)
     except OSError as e:  # a file there, no permission, read-only: a usage error, not a traceback from run()
         ap.error(f"--dir {a.dir!r}: {e.strerror or e}")
+    if not existed:  # a mistyped mount point would otherwise measure the disk under it, silently
+        print(f"{ap.prog}: --dir {a.dir!r} did not exist: created it (on {mount_of(a.dir)})", file=sys.stderr)
     size = int(a.size_mib * MiB) if a.size_mib else 256 * preset(a.model_preset).bytes_per_token()
     size = max(4096, size // 4096 * 4096)
     a.size_mib = size / MiB
