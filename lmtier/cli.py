@@ -80,17 +80,15 @@ def run_all(rest: list[str]) -> int:
     import os
     import shutil
 
+    from lmtier.bench.args import output_directory
     from lmtier.bench.presets import PRESETS
 
     p = argparse.ArgumentParser(prog="lmtier bench all")
     p.add_argument("--model-preset", type=str.lower, default="llama-3.1-8b", choices=sorted(PRESETS))
-    p.add_argument("--plot-dir", default=None, help="write <subcommand>.png here")
-    p.add_argument("--json-dir", default=None, help="write <subcommand>.json here")
+    p.add_argument("--plot-dir", type=output_directory, default=None, help="write <subcommand>.png here")
+    p.add_argument("--json-dir", type=output_directory, default=None, help="write <subcommand>.json here")
     p.add_argument("--quick", action="store_true", help="small sizes (a minute or two on a laptop)")
     a = p.parse_args(rest)
-    for d in (a.plot_dir, a.json_dir):
-        if d:
-            os.makedirs(d, exist_ok=True)
 
     def extra(name: str, plot: bool = True, preset: bool = True) -> list[str]:
         out = ["--model-preset", a.model_preset] if preset else []

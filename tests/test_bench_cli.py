@@ -472,6 +472,29 @@ def test_bench_parsers_use_the_shared_argument_types():
         assert not re.search(r"\b(a|args)\.\w+\.split\(", src), f.name
 
 
+def test_output_directories_are_created_or_a_usage_error_before_the_run(tmp_path, capsys):
+    """``--model-cache`` (codec_pca: a traceback after the minutes-long fit when the folder was
+    missing) and ``bench all``'s ``--plot-dir`` / ``--json-dir``: a missing folder is created, a file in
+    the way is a usage error naming it, before any work."""
+    import argparse
+
+    from lmtier.bench import codec_pca
+    from lmtier.bench.args import output_directory
+
+    d = tmp_path / "a" / "b"
+    assert output_directory(str(d)) == str(d) and d.is_dir()
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot create the directory"):
+        output_directory(str(f / "c"))
+    with pytest.raises(SystemExit) as e:
+        codec_pca.main(["--device", "cpu", "--model-cache", str(f), "--geometry", "2,1,8,1"])
+    assert e.value.code == 2 and "argument --model-cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "all", "--json-dir", str(f / "c")])
+    assert e.value.code == 2 and "argument --json-dir" in capsys.readouterr().err
+
+
 def test_disk_dir_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     """Was a FileExistsError traceback from os.makedirs inside the run."""
     f = tmp_path / "a_file"

@@ -20,6 +20,7 @@ __all__ = [
     "float_list",
     "name_list",
     "output_file",
+    "output_directory",
     "model_directory",
     "redis_url",
     "ping_redis",
@@ -183,6 +184,22 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} is not writable")
+    return text
+
+
+def output_directory(text: str) -> str:
+    """A folder the benchmark writes into (``--model-cache``, ``--plot-dir``), returned as given: created
+    now if missing (with its parents), and writable, so a typo or a read-only place is a usage error
+    before the run, not a traceback after minutes of work."""
+    import os
+
+    path = os.path.expanduser(text)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot create the directory: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory is not writable")
     return text
 
 

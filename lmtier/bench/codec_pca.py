@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmtier.bench.args import bounded_int, int_list, output_file
+from lmtier.bench.args import bounded_int, int_list, output_directory, output_file
 from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import pca
 from lmtier.codec.pca import codec, imatmul, kernels, rope, streams
@@ -303,7 +303,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
     ap.add_argument("--json", type=output_file, default=None)
-    ap.add_argument("--model-cache", default=None, help="folder of the one-group fits (default: the temp folder)")
+    ap.add_argument(
+        "--model-cache",
+        type=output_directory,
+        default=None,
+        help="folder of the one-group fits (default: the temp folder; created if missing)",
+    )
     ap.add_argument("--profile", type=output_file, default=None, help="append torch.profiler tables here")
     args = ap.parse_args(argv)
     if len(args.geometry) == 3:
