@@ -97,6 +97,7 @@ def _gemm(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor, i: int) ->
 
 
 _stats = {"batched": 0, "eager": 0, "refused": 0}
+_decode_paths = {"symbols": 0, "int16": 0}
 _cublas: list[bool | None] = [None]
 """Whether ``lmtier._C.pca.bgemm_s8`` found cuBLAS (checked at the first GEMM: torch has loaded it by
 then); without it every GEMM runs one by one."""
@@ -106,6 +107,13 @@ def gemm_stats() -> dict[str, int]:
     """Counts of the GEMM batches run as one cuBLAS call (``batched``), one by one (``eager``: no cuBLAS
     found, or a call cuBLAS refused, counted in ``refused`` too)."""
     return dict(_stats)
+
+
+def decode_stats() -> dict[str, int]:
+    """Counts of the CUDA decodes that read the uint8 symbols in place (``symbols``:
+    ``decode_pre_symbols``, a chunk without escapes) or an int16 copy with the escapes filled in
+    (``int16``)."""
+    return dict(_decode_paths)
 
 
 def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, lo: int, out: torch.Tensor) -> None:
@@ -307,12 +315,14 @@ def _decode(
         idx = _escape_index(esc, escapes.numel(), r, n, t)  # the count checked before the scatter
         src.masked_scatter_(esc, escapes.to(torch.int16))  # stream order is [R, 2, N, T]'s
         esc_count = None
+        _decode_paths["int16"] += 1
     else:  # none: decode_pre_symbols reads the symbols (rows of the padded streams) and counts escapes
         st = sym.stride()
         rows_ok = st[3] == 1 and st[2] >= t and st[1] == n * st[2] and st[0] == 2 * st[1]
         # a copy's row stride is T: contiguous() may return sym itself with any stride on a size-1 dim
         src, stride = (sym, st[2]) if rows_ok else (sym.contiguous(), t)
         idx, esc_count = None, torch.zeros(1, dtype=torch.int32, device=dev)
+        _decode_paths["symbols"] += 1
     esc_row, esc_col, esc_hi = _escape_rows(idx, src, r, n, t)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     lo = torch.empty(2 * r, t, dec.n8, dtype=torch.int8, device=dev)  # lo8(q) of every group (1 byte a value)
