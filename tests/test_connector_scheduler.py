@@ -226,6 +226,52 @@ def test_injected_load_failures(make, fault, policy):
     h.check_clean()
 
 
+def test_vanished_record_recomputes_with_one_warning(make, caplog):
+    """Disk records deleted behind the index's back (another process, an operator): each warm request
+    recomputes with the cold outputs, and the failed loads are named in one rate-limited warning
+    (before: no line at all, so a user with load_failure_policy: fail saw requests end in 'error'
+    without a word from lmtier)."""
+    import logging
+    import shutil
+
+    h = make()
+    ps = [prompt(70 + i, n) for i, n in enumerate((65, 100))]
+    cold = [h.add(p) for p in ps]
+    h.run()
+    h.drop_cpu()
+    h.step()
+    shutil.rmtree(h.tmp_path / "disk")
+    with caplog.at_level(logging.WARNING, logger="vllm.lmtier.connector"):
+        warm = [h.add(p) for p in ps]
+        h.run()
+    for c, w in zip(cold, warm):
+        assert h.outputs[w] == h.outputs[c] and h.finish[w] == "length"
+    lines = [r.getMessage() for r in caplog.records if "KV load of request" in r.getMessage()]
+    assert len(lines) == 1, lines  # two failed loads, one warning within 30 s
+    assert "failed at chunk 0" in lines[0] and "not read from any tier" in lines[0], lines
+    h.check_clean()
+
+
+def test_rate_limited_warning_counts_what_it_held_back(caplog, monkeypatch):
+    import logging
+
+    from lmtier.integration.vllm import logs
+
+    now = [100.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
+    warn = logs.RateLimitedWarning(logging.getLogger("lmtier.test.rate"), 30.0)
+    with caplog.at_level(logging.WARNING, logger="lmtier.test.rate"):
+        assert warn("load %s failed", "a") and not warn("load %s failed", "b") and not warn("load %s failed", "c")
+        now[0] += 30.0
+        assert warn("load %s failed", "d")
+    assert [r.getMessage() for r in caplog.records] == [
+        "load a failed",
+        "load d failed (and 2 more since the last such warning)",
+    ]
+    with pytest.raises(ValueError, match="period_s"):
+        logs.RateLimitedWarning(logging.getLogger("x"), 0)
+
+
 def test_cache_salt(make):
     h = make()
     p = prompt(5, 80)

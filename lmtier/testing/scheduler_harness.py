@@ -107,6 +107,7 @@ class Harness:
         from lmtier.integration.vllm import connector as conn
 
         tmp_path.mkdir(parents=True, exist_ok=True)
+        self.tmp_path = tmp_path  # the disk tier's folder is tmp_path / "disk"
         cfg = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": cpu_gb}
         if disk:
             cfg.update(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=disk_gb)

@@ -14,12 +14,14 @@ library user outside vLLM never calls it and keeps Python's defaults.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping
 
 from lmtier.config import LMTierConfig
 from lmtier.integration.vllm.options import ConnectorOptions
 
-__all__ = ["route_lmtier_logging", "startup_line"]
+__all__ = ["route_lmtier_logging", "startup_line", "RateLimitedWarning"]
 
 LMTIER_LOGGER = "lmtier"
 VLLM_LOGGER = "vllm"
@@ -95,3 +97,36 @@ def startup_line(
         parts.append(f"codec_pca_model {config.codec_pca_model!r}{model_id}")
     parts.append(repr(options))
     return ", ".join(parts)
+
+
+class RateLimitedWarning:
+    """A warning logged at most once per ``period_s`` seconds: the calls in between are counted, and
+    the next warning says how many there were (a dead tier fails every load; one line per load would
+    flood the log). Thread-safe.
+
+    Args:
+        logger: where the warnings go.
+        period_s: seconds between two warnings (> 0).
+    """
+
+    def __init__(self, logger: logging.Logger, period_s: float = 30.0) -> None:
+        if not period_s > 0:
+            raise ValueError(f"period_s must be > 0, got {period_s!r}")
+        self._logger, self._period = logger, period_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._suppressed = 0
+
+    def __call__(self, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` as a warning unless one was logged less than ``period_s`` ago; returns
+        whether it was logged."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._suppressed += 1
+                return False
+            n, self._suppressed, self._next = self._suppressed, 0, now + self._period
+        if n:
+            msg, args = msg + " (and %d more since the last such warning)", (*args, n)
+        self._logger.warning(msg, *args)
+        return True

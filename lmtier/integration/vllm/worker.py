@@ -47,6 +47,7 @@ from lmtier.integration.vllm.loadstore import (
     lazy_once,
     no_faults,
 )
+from lmtier.integration.vllm.logs import RateLimitedWarning
 from lmtier.integration.vllm.stores import ChunkStorer
 from lmtier.keys import KeyScope, Namespace, chunk_keys
 from lmtier.layout import KVLayout
@@ -56,6 +57,14 @@ from lmtier.tiers.tenants import tenant_id
 __all__ = ["ConnectorWorker", "InjectedFault", "LoadOp", "StoreOp"]
 
 log = logging.getLogger("vllm.lmtier.connector")
+
+FAILED_LOAD_WHY = (
+    "a chunk the index named was not read from any tier (a miss, a timeout or an unusable record; the "
+    "tier's log lines and counters say which); vLLM recomputes the request's blocks from there, or with "
+    "load_failure_policy: fail ends it with finish_reason 'error'"
+)
+"""The failed-load warning's explanation (:class:`~lmtier.integration.vllm.logs.RateLimitedWarning`,
+at most one warning per 30 s)."""
 
 
 class ConnectorWorker:
@@ -155,6 +164,7 @@ class ConnectorWorker:
         self.index_ns = index_namespace if index_namespace is not None else namespace
         self.chunk_bytes = cb
         self._stat = on_stat or (lambda name, value=1: None)
+        self._warn_failed_load = RateLimitedWarning(log, 30.0)
         self._on_stored = on_stored or (lambda key, key0, tier: None)
         self._faults = faults or no_faults
         self._load_threads = load_threads
@@ -390,6 +400,13 @@ class ConnectorWorker:
         if failed_ci is not None:
             failed.update(self.blocks_from(op, failed_ci))
             self._stat("load_failures")
+            self._warn_failed_load(
+                "lmtier: KV load of request %s failed at chunk %d (%d chunks to load): %s",
+                op.req_id,
+                failed_ci,
+                len(chunks),
+                FAILED_LOAD_WHY,
+            )
         dt = time.perf_counter() - t0
         self._stat("load_ms", dt * 1e3)
         self._stat("load_lat_s", dt)
@@ -509,6 +526,12 @@ class ConnectorWorker:
             done.add(rid)
             if not ok:
                 self._stat("load_failures")
+                self._warn_failed_load(
+                    "lmtier: background KV load of request %s failed (%d chunks to load): %s",
+                    rid,
+                    len(chunks),
+                    FAILED_LOAD_WHY,
+                )
                 failed.add(rid)
         self._finished_seen.intersection_update(self.async_loads)  # keep ids of loads still in flight only
         return done, failed
