@@ -153,12 +153,15 @@ def test_naive_and_codec_chunks_coexist(disk):
 def test_disk_corrupted_record_is_miss_and_deleted(disk, kind):
     # damaged records that pass the disk tier's own checksum: the codec's checks catch them
     t = _tier(disk, "default")
+    seen = []
+    t.add_eviction_listener(lambda ev: seen.append((ev.tier, ev.keys)))
     rec, _ = damaged(kind)
     assert disk.put(t.inner_key(key(5)), rec)
     out = bytearray(b"\xee" * 16384)
     assert t.contains(key(5)) and t.get_into(key(5), out) is None
     assert not t.contains(key(5)) and not disk.contains(t.inner_key(key(5)))
     assert t.counters["corrupt_deleted"] == 1
+    assert seen == [(t.name, (key(5),))]  # reported gone, under the chunk's key: a scheduler stops claiming it
     assert t.put(key(5), as_bytes(kv_like())) and t.get_into(key(5), out) == 16384  # the next store works
 
 

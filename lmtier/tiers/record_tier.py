@@ -327,9 +327,9 @@ class RecordTier(Tier):
     def _decoded(self, key: bytes, ikey: bytes, n: int | None, decode: Callable[[], None]) -> int | None:
         """Run ``decode()`` (which writes the chunk into the destination only once the record
         verified) for the record of ``n`` bytes (None: the inner miss, counted ``misses``). A
-        :class:`~lmtier.codec.chunk.CodecRecordError` deletes the record (``corrupt_deleted``), any
-        other exception leaves it (``decode_failures``; a device error); both are misses. Returns the
-        chunk's byte count (a hit) or None."""
+        :class:`~lmtier.codec.chunk.CodecRecordError` deletes the record (``corrupt_deleted``) and
+        reports its key to the eviction listeners, any other exception leaves it (``decode_failures``;
+        a device error); both are misses. Returns the chunk's byte count (a hit) or None."""
         if n is None:
             self._count("misses")
             return None
@@ -340,6 +340,7 @@ class RecordTier(Tier):
             self._count("corrupt_deleted")
             self._count("misses")
             self.inner.delete(ikey)
+            self._on_inner_evicted(Eviction(self.inner.name, (ikey,)))  # gone: a scheduler stops claiming it
             return None
         except Exception as e:  # noqa: BLE001 - a device error etc.: a miss, the record stays
             self._log.warning(

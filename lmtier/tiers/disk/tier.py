@@ -94,8 +94,12 @@ class DiskTier(RecordFiles, Tier):
     (:meth:`Tier.add_eviction_listener`, one :class:`~lmtier.tiers.base.Eviction` per batch,
     ``payloads=None``) after their files are unlinked, outside the tier's lock, in the thread that
     needed the room (the tier manager publishes them as ``disk_evicted`` index events, so a
-    scheduler in another process stops claiming them). Exceptions are logged, counted
-    (``counters["evict_listener_errors"]``) and ignored. ``delete`` and ``forget`` are not reported.
+    scheduler in another process stops claiming them). So does a key whose record a read found
+    missing, corrupt or unreadable (its index entry dropped, the file deleted or left as the read
+    describes), one :class:`~lmtier.tiers.base.Eviction` per key, in the reading thread: before, a
+    scheduler kept claiming such a chunk, every load of it failed, and the recomputed chunk was never
+    stored again. Exceptions are logged, counted (``counters["evict_listener_errors"]``) and ignored.
+    ``delete`` and ``forget`` are not reported.
 
     Raises:
         ValueError: malformed arguments. OSError: a root cannot be created.
@@ -259,9 +263,19 @@ class DiskTier(RecordFiles, Tier):
             n = None
         if n is None:
             self.counters["misses"] += 1
+            with self._lock:
+                gone = key not in self._index  # dropped or discarded by this read (a newer put re-indexes it)
+            if gone:
+                self._report_gone(key)
         else:
             self.counters["hits"] += 1
         return n
+
+    def _report_gone(self, key: bytes) -> None:
+        """Tell the eviction listeners that ``key`` left the tier (a read found its record unusable)."""
+        failed = self._notify_evicted(Eviction(self.name, (key,)))
+        if failed:
+            self.counters["evict_listener_errors"] += failed
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
