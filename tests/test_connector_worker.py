@@ -410,6 +410,29 @@ def test_disk_only_manager_store_and_load(tmp_path, managers):
     assert _same_bits(cache.buf, expect.buf)
 
 
+def test_remote_only_manager_reports_remote_chunks(managers):
+    """No CPU pool, no disk: the chunks go to the remote tier and are reported to the index as remote
+    chunks (they were reported as disk chunks: the scheduler then labelled every remote hit "disk" in
+    its metrics, hit sources and load policy); they load back from the remote tier."""
+    from tests.test_manager import MemTier
+
+    cache = Cache(*GEOMS[3])
+    remote = MemTier("remote")
+    mgr = TierManager(cpu=None, remote=remote)
+    managers.append(mgr)
+    w, _, rec = _worker(cache, mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=11)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert rec.stats["stored_chunks"] == 2 and len(remote.store) == 2
+    assert {t for _, _, t in rec.stored} == {"remote"} and len(rec.stored) == 2
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
+    assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
+    assert _same_bits(cache.buf, expect.buf)
+
+
 def test_finished_sending_on_cpu_is_immediate(managers):
     cache = Cache(*GEOMS[0])
     w, mgr, _ = _worker(cache)

@@ -8,7 +8,8 @@ change of its tiers' contents, in order, through vLLM's worker -> scheduler meta
 An event is a tuple ``(kind, key, tier)``: ``key`` is the chunk's **rank-0** key (the scheduler's
 index key space; every TP rank stores its own shard under its own keys), and ``kind`` one of
 
-* :data:`STORED` — committed to ``tier`` (``"cpu"``, or ``"disk"`` without a CPU pool);
+* :data:`STORED` — committed to ``tier`` (``"cpu"``; without a CPU pool ``"disk"``, or ``"remote"``
+  without a disk tier either);
 * :data:`EVICTED` — left the CPU pool; ``tier`` is ``"disk"`` when it was written back to disk
   before it left (the mirror then lists it on disk), else None (gone);
 * :data:`DISK_EVICTED` — the disk tier's LRU deleted it (``tier`` None): the scheduler stops
@@ -71,7 +72,7 @@ class IndexReporter:
 
     # ---------------------------------------------------------------- changes
     def stored(self, key: bytes, key0: bytes, tier: str) -> None:
-        """Chunk ``key`` (rank-0 key ``key0``) was committed to ``tier`` (``"cpu"`` or ``"disk"``)."""
+        """Chunk ``key`` (rank-0 key ``key0``) was committed to ``tier`` (``"cpu"``, ``"disk"`` or ``"remote"``)."""
         with self._lock:
             if tier == "cpu":
                 self._key0[key] = key0

@@ -98,6 +98,9 @@ class ChunkStorer:
         keys, keys0 = self._keys(op.token_ids, op.cache_salt)
         tenant = tenant_id(op.cache_salt)
         if cpu is None:
+            # The tier the chunk went to, for the scheduler's mirror: a remote-only store was listed
+            # as "disk", which mislabelled every such hit (metrics, hit sources, the load policy's tier).
+            where = "disk" if self.manager.disk is not None else "remote" if self.manager.remote is not None else None
             for ci in range(op.first_chunk, len(keys)):
                 try:
                     slots = self.slot_mapping(op.block_ids, ci)
@@ -107,7 +110,8 @@ class ChunkStorer:
                         self.engine.store(slots, [self.scratch]).synchronize()
                     pos = ci * self.chunk_size
                     if self.manager.store(keys[ci], self.scratch, timeout_s=None, tenant=tenant, position=pos).result():
-                        self._on_stored(keys[ci], keys0[ci], "disk")
+                        if where is not None:
+                            self._on_stored(keys[ci], keys0[ci], where)
                         self._stat("stored_chunks")
                         self._stat("stored_bytes", cb)
                 except Exception:

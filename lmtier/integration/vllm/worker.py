@@ -86,8 +86,8 @@ class ConnectorWorker:
             ``load_lat_s``, ``async_loads``, ``layerwise_loads``, ``stored_chunks``, ``stored_bytes``,
             ``store_skipped``,
             ``store_ms``, ``store_lat_s``, ``device_decoded_chunks``: chunks of the device-decode path).
-        on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed (``tier`` is
-            ``"cpu"``, or ``"disk"`` without a CPU pool).
+        on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed: ``tier`` is
+            ``"cpu"``, or without a CPU pool ``"disk"`` (or ``"remote"`` without a disk tier).
         faults: returns the active fault names (``load``, ``load_sync``, ``load_async``: those
             chunk loads fail); test hook, default none.
         load_threads: background threads coordinating asynchronous loads (created on first use).
