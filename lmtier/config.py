@@ -580,13 +580,23 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     if path is None:
         path = env.get(CONFIG_FILE_ENV) or None
     raw: dict[str, Any] = {} if path is None else read_config_file(path)
+    from_env: dict[str, str] = {}
     for name, text in env.items():
         key = envs.config_key_of(name)
         if key is not None:
             raw[key] = parse_env_value(key, name, text)
+            from_env[key] = name
     named = _variables_named(raw)  # e.g. p2p_token_env: LMTIER_P2P_SECRET is read, not ignored
     envs.warn_undeclared({k: v for k, v in env.items() if k not in named})
-    return _build(raw, env)
+    try:
+        return _build(raw, env)
+    except ConfigError as e:
+        if e.key not in from_env:
+            raise
+        where = f"the file {os.fspath(path)!r}" if path is not None else "the defaults"
+        err = ConfigError(f"{e} (set by the environment variable {from_env[e.key]}, which overrides {where})")
+        err.key = e.key
+        raise err from None
 
 
 def _variables_named(raw: Mapping[str, Any]) -> set[str]:

@@ -42,12 +42,20 @@ MAX_ENTRY_TTL_S = 30 * 86400.0
 
 
 class ConfigError(LMTierError, ValueError):
-    """Invalid lmtier configuration; the message names the key and the offending value."""
+    """Invalid lmtier configuration; the message names the key and the offending value.
+
+    Attributes:
+        key: the configuration key at fault when one is (:func:`config_error`), else None.
+    """
+
+    key: str | None = None
 
 
 def config_error(key: str, value: Any, why: str) -> ConfigError:
-    """The :class:`ConfigError` for ``key=value`` (the message names both)."""
-    return ConfigError(f"lmtier config: {key}={value!r}: {why}")
+    """The :class:`ConfigError` for ``key=value`` (the message names both; ``.key`` is ``key``)."""
+    err = ConfigError(f"lmtier config: {key}={value!r}: {why}")
+    err.key = key
+    return err
 
 
 INT, FLOAT, BOOL, OPT_STR, STR, OPT_FLOAT = "int", "float", "bool", "optional str", "str", "optional float"

@@ -416,3 +416,23 @@ def test_remote_keys_without_remote_url_are_said_unused(key, value, caplog):
     with caplog.at_level(logging.WARNING, logger="lmtier.config"):
         LMTierConfig.from_dict({})
     assert not caplog.records
+
+
+def test_an_environment_override_at_fault_is_named(tmp_path):
+    """A bad ``LMTIER_<KEY>`` value's error names the variable (the YAML file held a good value, so
+    an error naming only the key misled); a bad value from the file says nothing of the environment."""
+    f = tmp_path / "c.yaml"
+    f.write_text("codec_level: pca_default\nchunk_size: 256\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f), env={"LMTIER_CODEC_LEVEL": "pca_hihg"})
+    assert str(e.value).endswith(
+        f"(set by the environment variable LMTIER_CODEC_LEVEL, which overrides the file {str(f)!r})"
+    ) and "codec_level='pca_hihg'" in str(e.value)
+    assert e.value.key == "codec_level"
+    with pytest.raises(ConfigError, match=r"chunk_size=-3: must be > 0 \(set by the environment variable "
+                       r"LMTIER_CHUNK_SIZE, which overrides the defaults\)$"):  # fmt: skip
+        load_config(env={"LMTIER_CHUNK_SIZE": "-3"})
+    f.write_text("chunk_size: -3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f), env={"LMTIER_CODEC_LEVEL": "high"})
+    assert "environment" not in str(e.value)

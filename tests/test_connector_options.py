@@ -129,6 +129,8 @@ def test_bad_load_policy_options_name_the_key(key, bad, msg):
 def test_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValueError, match="'asyncloads'.*known: async_loads"):
         ConnectorOptions.parse({"asyncloads": False})
+    with pytest.raises(ValueError, match=r"did you mean load_policy for 'load_polcy'\?; known: "):
+        ConnectorOptions.parse({"load_polcy": "auto"})
     with pytest.raises(ValueError, match="'a', 'b'"):
         ConnectorOptions.parse({"b": 1, "a": 2, "async_loads": True})
 

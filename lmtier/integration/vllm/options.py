@@ -49,6 +49,7 @@ This module imports nothing from vLLM.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -266,8 +267,10 @@ class ConnectorOptions:
                 if yaml_keys
                 else ""
             )
+            guesses = {k: difflib.get_close_matches(k, cls.KEYS, n=1) for k in unknown if k not in yaml_keys}
+            guess = "".join(f"; did you mean {g[0]} for {k!r}?" for k, g in guesses.items() if g)
             raise ValueError(
-                f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}{hint}; known: {', '.join(cls.KEYS)}"
+                f"{_PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}{hint}{guess}; known: {', '.join(cls.KEYS)}"
             )
         d = cls()
         return cls(
