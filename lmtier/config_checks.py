@@ -126,7 +126,8 @@ def check_readable_file(key: str, value: str) -> str:
         raise _err(key, value, "path contains a NUL byte")
     path = os.path.abspath(os.path.expanduser(value))
     if not os.path.exists(path):
-        raise _err(key, value, f"{path!r} does not exist")
+        url = " (a plain path, not a file:// URL as local_disk takes)" if value.startswith("file:") else ""
+        raise _err(key, value, f"{path!r} does not exist{url}")
     if not os.path.isfile(path):
         raise _err(key, value, f"{path!r} is not a regular file")
     if not os.access(path, os.R_OK):

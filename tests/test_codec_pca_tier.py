@@ -362,6 +362,7 @@ def test_config_takes_the_pca_levels_and_the_model_file(tmp_path, model_file):
         ({"local_disk_serde": "naive"}, "codec_pca_model=.*no serde is 'cachegen'"),
         ({"codec_pca_model": "/nonexistent/m.lmtpca"}, "codec_pca_model='/nonexistent/m.lmtpca'.*does not exist"),
         ({"codec_pca_model": "/"}, "codec_pca_model='/'.*not a regular file"),
+        ({"codec_pca_model": "file:///m.lmtpca"}, r"does not exist \(a plain path, not a file:// URL as local_disk"),
         ({"codec_level": "pca_medium"}, r"codec_level='pca_medium'.*'pca_high', 'pca_default'"),
     ],
 )
