@@ -393,40 +393,25 @@ def test_async_load_failure_and_abort(tmp_path, managers):
     assert mgr.cpu.num_pinned() == 0, "read slots of the loads were not released"
 
 
-def test_disk_only_manager_store_and_load(tmp_path, managers):
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_manager_without_cpu_pool_stores_reports_and_loads(tmp_path, managers, tier):
+    """No CPU pool: the chunks go to the disk tier (else the remote tier) and are reported to the index
+    as chunks of that tier (remote-only ones were reported as disk chunks: the scheduler then labelled
+    every remote hit "disk" in its metrics, hit sources and load policy); they load back bit-exact."""
+    from tests.test_manager import MemTier
+
     cache = Cache(*GEOMS[3])
     ns = _ns(cache.dtype)
-    mgr = _disk_manager(tmp_path, ns, cpu=False)
+    remote = MemTier("remote")
+    mgr = _disk_manager(tmp_path, ns, cpu=False) if tier == "disk" else TierManager(cpu=None, remote=remote)
     managers.append(mgr)
     w, _, rec = _worker(cache, mgr)
     n = 2 * CHUNK
     toks = _tokens(n, seed=10)
     src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
     w.store(StoreOp("r1", toks, None, 0, src))
-    assert {t for _, _, t in rec.stored} == {"disk"} and rec.stats["stored_chunks"] == 2
-    expect = cache.clone()
-    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
-    assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
-    assert _same_bits(cache.buf, expect.buf)
-
-
-def test_remote_only_manager_reports_remote_chunks(managers):
-    """No CPU pool, no disk: the chunks go to the remote tier and are reported to the index as remote
-    chunks (they were reported as disk chunks: the scheduler then labelled every remote hit "disk" in
-    its metrics, hit sources and load policy); they load back from the remote tier."""
-    from tests.test_manager import MemTier
-
-    cache = Cache(*GEOMS[3])
-    remote = MemTier("remote")
-    mgr = TierManager(cpu=None, remote=remote)
-    managers.append(mgr)
-    w, _, rec = _worker(cache, mgr)
-    n = 2 * CHUNK
-    toks = _tokens(n, seed=11)
-    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
-    w.store(StoreOp("r1", toks, None, 0, src))
-    assert rec.stats["stored_chunks"] == 2 and len(remote.store) == 2
-    assert {t for _, _, t in rec.stored} == {"remote"} and len(rec.stored) == 2
+    assert [t for _, _, t in rec.stored] == [tier, tier] and rec.stats["stored_chunks"] == 2
+    assert len(remote.store) == (2 if tier == "remote" else 0)
     expect = cache.clone()
     expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
     assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
