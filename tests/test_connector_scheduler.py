@@ -272,6 +272,19 @@ def test_vanished_record_recomputes_once_with_one_warning(make, caplog, split):
     h.check_clean()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "split"])
+def test_startup_lines_name_the_cpu_pool_the_scheduler_serves_from(make, caplog, split):
+    """The SCHEDULER start-up line of a scheduler in another process than the worker said cpu=False
+    with local_cpu: true (its own manager has no pool; it mirrors the worker's)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vllm.lmtier.connector"):
+        make(split=split)
+    lines = {r.getMessage().split(")")[0]: r.getMessage() for r in caplog.records if "tiers: cpu=" in r.getMessage()}
+    assert set(lines) == {"lmtier connector (WORKER", "lmtier connector (SCHEDULER"}, lines
+    assert all("tiers: cpu=True disk=True remote=False" in v for v in lines.values()), lines
+
+
 def test_rate_limited_warning_counts_what_it_held_back(caplog, monkeypatch):
     import logging
 

@@ -297,7 +297,8 @@ class LMTierConnector(KVConnectorBase_V1):
             ns.digest().hex()[:16],
             config,
             tiers={
-                "cpu": manager.cpu is not None,
+                # a scheduler in another process than the worker mirrors the worker's CPU pool
+                "cpu": manager.cpu is not None or (role != KVConnectorRole.WORKER and config.cpu.enabled),
                 "disk": manager.disk is not None,
                 "remote": manager.remote is not None,
             },

@@ -80,7 +80,8 @@ def startup_line(
         role: ``"SCHEDULER"`` or ``"WORKER"`` (vLLM's ``KVConnectorRole`` name).
         namespace_hex: the namespace digest as shown (16 hex digits).
         config: the lmtier configuration.
-        tiers: ``{"cpu": bool, "disk": bool, "remote": bool}``: which tiers this role's manager has.
+        tiers: ``{"cpu": bool, "disk": bool, "remote": bool}``: which tiers this role serves from (a
+            scheduler in another process than the worker counts the worker's CPU pool it mirrors).
         options: the parsed ``kv_connector_extra_config`` (shown by its ``repr``).
         pca_model_id: :attr:`lmtier.codec.pca.PCAModel.model_id` of the loaded ``codec_pca_model``,
             or None (not loaded in this process, or no PCA level).
