@@ -69,7 +69,7 @@ Library load() {
 }
 
 const Library& library_once() {
-  static const Library lib = load();
+  static const Library& lib = *new Library(load());  // never destroyed, as the handle table
   return lib;
 }
 

@@ -593,8 +593,7 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     except ConfigError as e:
         if e.key not in from_env:
             raise
-        where = f"the file {os.fspath(path)!r}" if path is not None else "the defaults"
-        err = ConfigError(f"{e} (set by the environment variable {from_env[e.key]}, which overrides {where})")
+        err = ConfigError(f"{e} (the value of the environment variable {from_env[e.key]})")
         err.key = e.key
         raise err from None
 

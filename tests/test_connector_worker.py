@@ -110,12 +110,16 @@ class Recorder:
     def __init__(self):
         self.stats: collections.Counter = collections.Counter()
         self.stored: list[tuple[bytes, bytes, str]] = []
+        self.load_failed: list[list[bytes]] = []
 
     def stat(self, name, value=1):
         self.stats[name] += value
 
     def on_stored(self, key, key0, tier):
         self.stored.append((key, key0, tier))
+
+    def on_load_failed(self, keys0):
+        self.load_failed.append(list(keys0))
 
 
 def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, slots=16, **worker_kwargs):
@@ -134,6 +138,7 @@ def _worker(cache: Cache, manager=None, *, ns=None, index_ns=None, faults=None, 
         index_namespace=index_ns,
         on_stat=rec.stat,
         on_stored=rec.on_stored,
+        on_load_failed=rec.on_load_failed,
         faults=faults,
         **worker_kwargs,
     )
@@ -416,6 +421,52 @@ def test_manager_without_cpu_pool_stores_reports_and_loads(tmp_path, managers, t
     expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
     assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
     assert _same_bits(cache.buf, expect.buf)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_load_reports_the_index_keys_it_did_not_deliver(managers, mode):
+    """A chunk gone from the remote tier: the load fails from it on, and the index keys of that chunk
+    and the later ones go to ``on_load_failed`` (the scheduler's mirror then forgets them: a remote
+    copy that Redis evicted was claimed forever). Index keys are rank 0's (here a TP rank 1)."""
+    from tests.test_manager import MemTier
+
+    cache = Cache(*GEOMS[3])
+    remote = MemTier("remote")
+    mgr = TierManager(cpu=None, remote=remote)
+    managers.append(mgr)
+    ns, ns0 = _ns(cache.dtype, tp_rank=1, tp_size=2), _ns(cache.dtype, tp_rank=0, tp_size=2)
+    w, _, rec = _worker(cache, mgr, ns=ns, index_ns=ns0)
+    n = 3 * CHUNK
+    toks = _tokens(n, seed=12)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    keys, keys0 = chunk_keys(toks, ns), chunk_keys(toks, ns0)
+    assert [k0 for _, k0, _ in rec.stored] == keys0 and keys != keys0
+    del remote.store[keys[1]]
+    op = LoadOp("r2", toks, None, 0, dst, is_async=mode == "async")
+    if mode == "sync":
+        assert w.load(op) == set(w.blocks_from(op, 1))
+    else:
+        w.start_load(op)
+        assert _wait_loads(w) == ({"r2"}, {"r2"})
+    assert rec.load_failed == ([keys0[1:]] if mode == "sync" else [keys0])  # async: the whole op fails
+
+
+def test_mirror_forgets_a_failed_load_wherever_it_listed_it():
+    """``LOAD_FAILED`` drops the key whatever tier the mirror listed (a disk eviction drops only disk
+    entries) and hands it back for the scheduler's own disk view to forget."""
+    from lmtier.integration.vllm.mirror import DISK_EVICTED, LOAD_FAILED, STORED, IndexMirror, IndexReporter
+
+    a, b, c = (bytes([i]) * 32 for i in range(3))
+    m = IndexMirror(16)
+    assert m.apply([(STORED, a, "remote"), (STORED, b, "cpu"), (STORED, c, "disk")]) == []
+    assert m.apply([(DISK_EVICTED, a, None), (DISK_EVICTED, b, None)]) == [a, b]
+    assert m.prefix([a, b, c]) == ["remote", "cpu", "disk"]
+    rep = IndexReporter(same_namespace=True, disk_keys_max=8)
+    rep.load_failed([a, c])
+    assert rep.take() == [(LOAD_FAILED, a, None), (LOAD_FAILED, c, None)]
+    assert m.apply([(LOAD_FAILED, a, None), (LOAD_FAILED, c, None)]) == [a, c]
+    assert m.prefix([b, c]) == ["cpu"] and a not in m and c not in m
 
 
 def test_finished_sending_on_cpu_is_immediate(managers):

@@ -171,7 +171,7 @@ def ping_redis(prog: str, url: str, timeout_s: float = 5.0) -> None:
 
 
 def output_file(text: str) -> str:
-    """A file the benchmark writes at its end (``--json``, ``--plot``), returned as given: its
+    """A file the benchmark writes at its end (``--json``, ``--plot``), returned ``~``-expanded: its
     directory must exist and be writable now, so a typo is a usage error before the run, not a
     traceback that loses the run's results."""
     import os
@@ -184,11 +184,11 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} is not writable")
-    return text
+    return os.path.expanduser(text)
 
 
 def output_directory(text: str) -> str:
-    """A folder the benchmark writes into (``--model-cache``, ``--plot-dir``), returned as given: created
+    """A folder the benchmark writes into (``--model-cache``, ``--plot-dir``), returned ``~``-expanded: created
     now if missing (with its parents), and writable, so a typo or a read-only place is a usage error
     before the run, not a traceback after minutes of work."""
     import os
@@ -200,7 +200,7 @@ def output_directory(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot create the directory: {e.strerror or e}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: directory is not writable")
-    return text
+    return path
 
 
 def model_directory(text: str) -> str:

@@ -189,8 +189,9 @@ def _local_rank() -> int:
 def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[ConnectorOptions, LMTierConfig]:
     """The connector's checks that need neither the KV caches nor the tiers: ``kv_role``,
     ``kv_connector_extra_config`` (:meth:`ConnectorOptions.parse`), the lmtier configuration
-    (:func:`lmtier.config.load_config`), its ``chunk_size`` against vLLM's block size and the PCA model
-    file of a ``pca_*`` level (:func:`lmtier.tiers.factory.load_pca_model`). The constructor runs them,
+    (:func:`lmtier.config.load_config`) and, given ``vllm_config``, its ``chunk_size`` against vLLM's
+    block size and the PCA model file of a ``pca_*`` level (:func:`lmtier.tiers.factory.load_pca_model`,
+    cached per process: the engine processes use it). The constructor runs them,
     and so do the class hooks vLLM calls before the engine starts (:meth:`LMTierConnector.
     get_required_kvcache_layout`, :meth:`LMTierConnector.requires_piecewise_for_cudagraph`), so a typo
     fails at start-up, not after the model loaded, profiled and compiled.
@@ -218,9 +219,9 @@ def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[Conne
     route_lmtier_logging()  # before anything of lmtier logs: lmtier.* lines through vLLM's handler
     options = ConnectorOptions.parse(extra_config)
     config = load_config()
-    if vllm_config is not None:
+    if vllm_config is not None:  # (not in vLLM's front-end process: it would keep a model file it never uses)
         config.validate_for(vllm_config.cache_config.block_size)
-    load_pca_model(config)
+        load_pca_model(config)
     return options, config
 
 

@@ -172,6 +172,7 @@ class LayerwiseLoader:
                 if n_ok < len(chunks):
                     failed.setdefault(op.req_id, set()).update(self._worker.blocks_from(op, chunks[n_ok].ci))
                     self._stat("load_failures")
+                    self._worker.load_failed(op, chunks[n_ok].ci, key0, "layer-by-layer KV load")
                 for c in chunks[n_ok:]:
                     self._fetcher.finish(c, key0)
                 current = None

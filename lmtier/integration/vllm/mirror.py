@@ -12,8 +12,11 @@ index key space; every TP rank stores its own shard under its own keys), and ``k
   without a disk tier either);
 * :data:`EVICTED` — left the CPU pool; ``tier`` is ``"disk"`` when it was written back to disk
   before it left (the mirror then lists it on disk), else None (gone);
-* :data:`DISK_EVICTED` — the disk tier's LRU deleted it (``tier`` None): the scheduler stops
-  claiming it from disk; a Redis copy may still serve it.
+* :data:`DISK_EVICTED` — the disk tier's LRU deleted it, or a read found its record unusable
+  (``tier`` None): the scheduler stops claiming it from disk; a Redis copy may still serve it.
+* :data:`LOAD_FAILED` — a load of it failed on this rank (``tier`` None): the mirror forgets it
+  wherever it listed it, and the scheduler's disk view forgets it, so it is looked up afresh (a
+  remote copy is found by the lookup's live remote view) or stored again.
 
 Worker side: :class:`IndexReporter` maps this rank's keys to rank-0 keys, subscribes to the tier
 manager's index events (:meth:`lmtier.manager.TierManager.add_listener`) for evictions, and queues
@@ -32,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from lmtier.events import IndexEvent, IndexEventKind, IndexListener
 from lmtier.manager import TierManager
 
-__all__ = ["STORED", "EVICTED", "DISK_EVICTED", "IndexReporter", "IndexMirror", "EVENTS_MAX"]
+__all__ = ["STORED", "EVICTED", "DISK_EVICTED", "LOAD_FAILED", "IndexReporter", "IndexMirror", "EVENTS_MAX"]
 
 # The wire names of the kinds (tuples cross processes as plain strings): lmtier.events' names.
 STORED, EVICTED, DISK_EVICTED = (
@@ -40,6 +43,9 @@ STORED, EVICTED, DISK_EVICTED = (
     IndexEventKind.EVICTED.value,
     IndexEventKind.DISK_EVICTED.value,
 )
+
+LOAD_FAILED = "load_failed"
+"""The wire name of a failed load's report (the worker's own, not a tier manager's index event)."""
 
 # Index changes queued for the next worker metadata, at most (a connector whose metadata is never
 # built must not grow without bound; a dropped eviction only makes the scheduler claim a chunk
@@ -99,6 +105,12 @@ class IndexReporter:
                     k0 = k
                 if k0 is not None:
                     self._queue(DISK_EVICTED, k0, None)
+
+    def load_failed(self, keys0: Iterable[bytes]) -> None:
+        """Loads of the chunks of rank-0 keys ``keys0`` failed on this rank."""
+        with self._lock:
+            for k0 in keys0:
+                self._queue(LOAD_FAILED, k0, None)
 
     def take(self) -> list[tuple[str, bytes, str | None]]:
         """The changes queued since the last call, in the order they happened (empty list: none)."""
@@ -191,7 +203,7 @@ class IndexMirror:
         return len(self._tiers)
 
     def get(self, key: bytes) -> str | None:
-        """The tier (``"cpu"`` / ``"disk"``) the worker holds ``key`` in, or None."""
+        """The tier (``"cpu"`` / ``"disk"`` / ``"remote"``) the worker holds ``key`` in, or None."""
         return self._tiers.get(key)
 
     def prefix(self, keys: Sequence[bytes]) -> list[str]:
@@ -205,8 +217,8 @@ class IndexMirror:
         return found
 
     def apply(self, events: Iterable[tuple[str, bytes, str | None]]) -> list[bytes]:
-        """Replay the worker's changes in order; returns the keys the worker's disk tier dropped
-        (the caller's own disk view forgets them too)."""
+        """Replay the worker's changes in order; returns the keys the worker's disk tier dropped or
+        failed to load (the caller's own disk view forgets them too)."""
         dropped: list[bytes] = []
         for kind, k, tier in events:
             if kind == STORED or (kind == EVICTED and tier == "disk"):
@@ -219,6 +231,9 @@ class IndexMirror:
                 # the lookup's remote view).
                 if self._tiers.get(k) == "disk":
                     del self._tiers[k]
+                dropped.append(k)
+            elif kind == LOAD_FAILED:  # wherever it was listed: look it up afresh, or store it again
+                self._tiers.pop(k, None)
                 dropped.append(k)
             else:
                 raise ValueError(f"lmtier: unknown index event kind {kind!r}")

@@ -88,6 +88,8 @@ class ConnectorWorker:
             ``store_ms``, ``store_lat_s``, ``device_decoded_chunks``: chunks of the device-decode path).
         on_stored: ``on_stored(key, index_key, tier)`` once a chunk is committed: ``tier`` is
             ``"cpu"``, or without a CPU pool ``"disk"`` (or ``"remote"`` without a disk tier).
+        on_load_failed: ``on_load_failed(index_keys)`` of the chunks a failed load did not deliver
+            (:meth:`load_failed`).
         faults: returns the active fault names (``load``, ``load_sync``, ``load_async``: those
             chunk loads fail); test hook, default none.
         load_threads: background threads coordinating asynchronous loads (created on first use).
@@ -136,6 +138,7 @@ class ConnectorWorker:
         index_namespace: Namespace | None = None,
         on_stat: Callable[[str, float], None] | None = None,
         on_stored: Callable[[bytes, bytes, str], None] | None = None,
+        on_load_failed: Callable[[list[bytes]], None] | None = None,
         faults: Callable[[], AbstractSet[str]] | None = None,
         load_threads: int = 2,
         io_threads: int = 4,
@@ -165,6 +168,7 @@ class ConnectorWorker:
         self.chunk_bytes = cb
         self._stat = on_stat or (lambda name, value=1: None)
         self._warn_failed_load = RateLimitedWarning(log, 30.0)
+        self._on_load_failed = on_load_failed or (lambda keys0: None)
         self._on_stored = on_stored or (lambda key, key0, tier: None)
         self._faults = faults or no_faults
         self._load_threads = load_threads
@@ -298,6 +302,20 @@ class ConnectorWorker:
         if self.load_meter is not None:
             self.load_meter.record("cpu", "scatter", n_chunks * self.chunk_bytes, seconds)
 
+    def load_failed(self, op: LoadOp, chunk_index: int, key0: Callable[[], list[bytes]], what: str) -> None:
+        """A load of ``op`` failed from chunk ``chunk_index`` on: a warning (rate-limited, one per 30 s)
+        and the index keys of chunks ``chunk_index ..`` to ``on_load_failed``, so that a scheduler in
+        another process stops claiming them where its mirror lists them (a record gone from a remote
+        tier, one a rank > 0 lacks, one the disk tier could not delete) until they are stored again.
+        ``key0``: the op's index keys (all its chunks), computed on demand."""
+        self._warn_failed_load(
+            "lmtier: %s of request %s failed at chunk %d: %s", what, op.req_id, chunk_index, FAILED_LOAD_WHY
+        )
+        try:
+            self._on_load_failed(list(key0()[chunk_index:]))
+        except Exception:  # noqa: BLE001 - the report is advice; the failure itself is already handled
+            log.exception("lmtier: reporting the failed load of request %s", op.req_id)
+
     def blocks_from(self, op: LoadOp, chunk_index: int = 0) -> list[int]:
         """``op``'s block ids from chunk ``chunk_index`` on (from ``start_token`` when that lies
         later): what a load failing at that chunk leaves unwritten (default: the whole load)."""
@@ -400,13 +418,7 @@ class ConnectorWorker:
         if failed_ci is not None:
             failed.update(self.blocks_from(op, failed_ci))
             self._stat("load_failures")
-            self._warn_failed_load(
-                "lmtier: KV load of request %s failed at chunk %d (%d chunks to load): %s",
-                op.req_id,
-                failed_ci,
-                len(chunks),
-                FAILED_LOAD_WHY,
-            )
+            self.load_failed(op, failed_ci, key0, "KV load")
         dt = time.perf_counter() - t0
         self._stat("load_ms", dt * 1e3)
         self._stat("load_lat_s", dt)
@@ -526,11 +538,8 @@ class ConnectorWorker:
             done.add(rid)
             if not ok:
                 self._stat("load_failures")
-                self._warn_failed_load(
-                    "lmtier: background KV load of request %s failed (%d chunks to load): %s",
-                    rid,
-                    len(chunks),
-                    FAILED_LOAD_WHY,
+                self.load_failed(
+                    op, chunks[0].ci if chunks else op.start_token // self.chunk, key0, "background KV load"
                 )
                 failed.add(rid)
         self._finished_seen.intersection_update(self.async_loads)  # keep ids of loads still in flight only

@@ -157,6 +157,7 @@ class LMTierWorker:
             index_namespace=self.index_ns,
             on_stat=self._stats.add,
             on_stored=self.reporter.stored,
+            on_load_failed=self.reporter.load_failed,
             faults=faults,
             load_meter=self.load_meter,
         )
