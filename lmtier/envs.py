@@ -303,6 +303,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         default="560",
         read_by="scripts/gpu_run.sh",
     ),
+    EnvVar(
+        "LMTIER_GPU_PACK",
+        "ci",
+        "1: scripts/gpu_run.sh leaves $OUT as one out.tgz (the device tool returns only so many files)",
+        default="0",
+        read_by="scripts/gpu_run.sh",
+    ),
 )
 """Every ``LMTIER_*`` variable lmtier, its tests, benchmarks, build and scripts read."""
 
