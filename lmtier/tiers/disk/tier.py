@@ -266,16 +266,10 @@ class DiskTier(RecordFiles, Tier):
             with self._lock:
                 gone = key not in self._index  # dropped or discarded by this read (a newer put re-indexes it)
             if gone:
-                self._report_gone(key)
+                self._report_evicted((key,))
         else:
             self.counters["hits"] += 1
         return n
-
-    def _report_gone(self, key: bytes) -> None:
-        """Tell the eviction listeners that ``key`` left the tier (a read found its record unusable)."""
-        failed = self._notify_evicted(Eviction(self.name, (key,)))
-        if failed:
-            self.counters["evict_listener_errors"] += failed
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -420,9 +414,14 @@ class DiskTier(RecordFiles, Tier):
         for _, p in victims:
             dio.unlink_quiet(p)
         if victims:
-            failed = self._notify_evicted(Eviction(self.name, tuple(k for k, _ in victims)))
-            if failed:
-                self.counters["evict_listener_errors"] += failed
+            self._report_evicted(tuple(k for k, _ in victims))
+
+    def _report_evicted(self, keys: tuple[bytes, ...]) -> None:
+        """Tell the eviction listeners that ``keys`` left the tier (the LRU's victims, or a key whose
+        record a read found unusable); failing listeners are counted."""
+        failed = self._notify_evicted(Eviction(self.name, keys))
+        if failed:
+            self.counters["evict_listener_errors"] += failed
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         with self._lock:
