@@ -526,3 +526,31 @@ def test_dtypes(model, dtype):
     assert torch.equal(_bits(dec[:, :, ~exact]), _bits(want[:, :, ~exact]))
     assert torch.equal(_bits(dec[:, :, exact]), _bits(kv[:, :, exact])) and exact[9]
     assert _error_bound(model, "pca_high", kv, dec, 0).min() >= 0
+
+
+def test_decode_queued_on_the_host_is_decode(model):
+    """On the host :func:`pca.codec.decode_queued` decodes at once: its result is :func:`pca.decode`'s
+    bit for bit, the same tensor each time asked, and a corrupt record raises at the call."""
+    record = pca.encode(_kv(40, 8, 5, loud=(3,)), start=8, model=model, level="pca_high")
+    p = pca.codec.decode_queued(record, model=model)
+    got = p.result()
+    assert p.result() is got and got.device.type == "cpu"
+    assert torch.equal(got.view(torch.int16), pca.decode(record, model=model).view(torch.int16))
+    _, secs, _ = _parts(record)
+    with pytest.raises(pca.codec.CodecRecordError, match="rans decode failed .*stream 0: "):
+        pca.codec.decode_queued(_repack(record, secs=[secs[0][:20], *secs[1:]]), model=model)
+
+
+def test_queued_streams_verify_names_the_stream_and_the_count():
+    """:meth:`streams.QueuedStreams.verify` refuses a coder status other than ok (naming the stream)
+    and a stream decoded to another count than asked."""
+    from lmtier.codec.pca import streams
+
+    q = streams.QueuedStreams(torch.zeros(3, 64, dtype=torch.uint8), torch.zeros(3, dtype=torch.int32),
+                              torch.full((3,), 64), 64)  # fmt: skip
+    q.verify(np.zeros(3, np.int32), np.full(3, 64))
+    assert q.result() is q.symbols
+    with pytest.raises(ValueError, match="rans decode failed for 1 stream.*stream 2: "):
+        q.verify(np.array([0, 0, 3], np.int32), np.full(3, 64))
+    with pytest.raises(ValueError, match=r"rANS streams of \[32, 64\] symbols, 64 expected"):
+        q.verify(np.zeros(3, np.int32), np.array([64, 32, 64]))

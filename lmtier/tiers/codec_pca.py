@@ -56,6 +56,7 @@ Thread-safe (encode keeps no shared state; record buffers come from a locked fre
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -83,6 +84,10 @@ log = logging.getLogger("lmtier.tiers.codec_pca")
 _MODEL_SALT = b"pca-model"
 _IDLE_BUFFERS = 4
 """Idle record buffers a tier keeps (one serves one concurrent ``get_into``)."""
+_QUEUED_DECODES = 4
+"""Records of one batched read queued on the device ahead of the one delivered: enough to keep the
+device busy while the host checks and queues the next, few enough that their decoded chunks (one
+chunk's bytes each until delivered) stay a small share of device memory."""
 
 
 def check_pca_geometry(
@@ -268,24 +273,64 @@ class PCACodecTier(RecordTier):
 
         def decode() -> None:
             with self._on_device(dst.device) as side:
-                chunk = pca.decode(buf.mv[:n], model=self.model, device=dst.device)
-                if chunk.dtype != self.dtype or tuple(chunk.shape) != self.shape:
-                    raise CodecRecordError(
-                        f"record of a {chunk.dtype} chunk {list(chunk.shape)}, this tier stores {self.dtype} "
-                        f"{list(self.shape)}"
-                    )
-                flat = chunk.reshape(-1).view(torch.uint8)
-                if side is None or stream is None:
-                    dst[: self.raw_bytes].copy_(flat)
-                    if side is not None:
-                        side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
-                    return
-                stream.wait_stream(side)  # the decode's kernels, then dst's earlier readers on stream
-                with torch.cuda.stream(stream):
-                    dst[: self.raw_bytes].copy_(flat)
-                flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran
+                self._deliver(pca.decode(buf.mv[:n], model=self.model, device=dst.device), dst, stream, side)
 
         return self._decoded(key, ikey, n, decode)
+
+    def _decode_many(
+        self, items: Sequence[tuple[bytes, bytes, Any, int | None, torch.Tensor]], stream: Any
+    ) -> list[int | None]:
+        """The records of one batched read decoded on their CUDA device without a wait between them:
+        up to :data:`_QUEUED_DECODES` records are queued (:func:`lmtier.codec.pca.codec.decode_queued`)
+        ahead of the one whose result is taken, each then delivered (or refused) as :meth:`_decode`
+        does."""
+        devs = {dst.device for *_, dst in items}
+        if len(items) < 2 or len(devs) != 1 or next(iter(devs)).type != "cuda":
+            return super()._decode_many(items, stream)
+        dev = next(iter(devs))
+        with self._on_device(dev) as side:
+
+            def queue(item: tuple) -> Any:
+                buf, n = item[2], item[3]
+                try:
+                    return None if n is None else pca_codec.decode_queued(buf.mv[:n], model=self.model, device=dev)
+                except Exception as e:  # noqa: BLE001 - raised again by its record's _decoded
+                    return e
+
+            def finish(p: Any, dst: torch.Tensor) -> None:
+                if isinstance(p, Exception):
+                    raise p
+                self._deliver(p.result(), dst, stream, side)
+
+            out: list[int | None] = []
+            pending = [queue(it) for it in items[:_QUEUED_DECODES]]
+            for j, (key, ikey, _, n, dst) in enumerate(items):
+                out.append(self._decoded(key, ikey, n, functools.partial(finish, pending[j], dst)))
+                pending[j] = None  # its chunk's memory is free once delivered
+                if j + _QUEUED_DECODES < len(items):
+                    pending.append(queue(items[j + _QUEUED_DECODES]))
+            return out
+
+    def _deliver(self, chunk: torch.Tensor, dst: torch.Tensor, stream: Any, side: Any) -> None:
+        """Copy a decoded ``chunk`` into ``dst`` (on ``stream`` after the decode's ``side`` stream when
+        both are given, else now).
+
+        Raises:
+            CodecRecordError: a chunk of another dtype or shape than this tier's (the record is corrupt)."""
+        if chunk.dtype != self.dtype or tuple(chunk.shape) != self.shape:
+            raise CodecRecordError(
+                f"record of a {chunk.dtype} chunk {list(chunk.shape)}, this tier stores {self.dtype} {list(self.shape)}"
+            )
+        flat = chunk.reshape(-1).view(torch.uint8)
+        if side is None or stream is None:
+            dst[: self.raw_bytes].copy_(flat)
+            if side is not None:
+                side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
+            return
+        stream.wait_stream(side)  # the decode's kernels, then dst's earlier readers on stream
+        with torch.cuda.stream(stream):
+            dst[: self.raw_bytes].copy_(flat)
+        flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran
 
     @contextlib.contextmanager
     def _on_device(self, dev: torch.device):

@@ -310,9 +310,20 @@ class RecordTier(Tier):
                 bufs = [stack.enter_context(self._record_buffer(dst)) for _, dst in part]
                 ikeys = [self.inner_key(keys[i]) for i, _ in part]
                 got = self.inner.get_many_into(ikeys, [mem for _, mem in bufs])
-                for (i, dst), ikey, (buf, _), n in zip(part, ikeys, bufs, got, strict=True):
-                    res[i] = self._decode(keys[i], ikey, buf, n, dst, stream)
+                items = [
+                    (keys[i], ikey, buf, n, dst)
+                    for (i, dst), ikey, (buf, _), n in zip(part, ikeys, bufs, got, strict=True)
+                ]
+                for (i, _), r in zip(part, self._decode_many(items, stream), strict=True):
+                    res[i] = r
         return res
+
+    def _decode_many(
+        self, items: Sequence[tuple[bytes, bytes, Any, int | None, torch.Tensor]], stream: Any
+    ) -> list[int | None]:
+        """``_decode`` of each ``(key, inner key, buffer, n, dst)`` of one batched read, in order (a
+        subclass may queue them all on the device before waiting once)."""
+        return [self._decode(key, ikey, buf, n, dst, stream) for key, ikey, buf, n, dst in items]
 
     @abc.abstractmethod
     def _record_buffer(self, dst: torch.Tensor) -> contextlib.AbstractContextManager[tuple[Any, Any]]:

@@ -39,6 +39,8 @@ from .model import DIGEST_BYTES, PCAModel
 __all__ = [
     "encode",
     "decode",
+    "decode_queued",
+    "PendingChunk",
     "max_record_bytes",
     "record_meta",
     "RecordMeta",
@@ -283,6 +285,7 @@ def symbols_to_kv(
 def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = None) -> torch.Tensor:
     """Decode a record of :func:`encode` (host bytes-like or uint8 array) with ``model``, on the host
     or (``device``, a CUDA device) on the GPU: the same bits either way (:mod:`.imatmul`).
+    :func:`decode_queued` and its :meth:`PendingChunk.result`.
 
     Returns:
         The chunk, ``[L, 2, T, H, D]`` of the record's dtype, on ``device`` (default the host):
@@ -297,7 +300,119 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
             level of ``model``, a record of other model data (its ``table_id`` names them), a
             geometry other than the model's, or an element type other than bf16 / fp16.
     """
+    return decode_queued(record, model=model, num_threads=num_threads, device=device).result()
+
+
+class PendingChunk:
+    """A chunk of :func:`decode_queued`: decoded on the host, or queued on a CUDA device's current
+    stream with the checks that only the device can make (every rANS stream decoded to its count, no
+    escape symbol in a chunk stored without escapes) still on the device. :meth:`result` waits for
+    the device once and hands out the chunk only if they passed."""
+
+    def __init__(self, chunk: torch.Tensor, queued: streams.QueuedStreams | None, found: torch.Tensor | None) -> None:
+        self._chunk, self._queued, self._found = chunk, queued, found
+        self._checked = queued is None and found is None
+        # the stream the decode was queued on: the checks are read after its work, whatever is current then
+        self._stream = None if self._checked else torch.cuda.current_stream(chunk.device)
+
+    def result(self) -> torch.Tensor:
+        """The chunk, ``[L, 2, T, H, D]`` of the record's dtype on the device it was decoded on.
+
+        Raises:
+            CodecRecordError: a rANS stream that did not decode to its count, or escape symbols in a
+                record that announces none (a corrupted record)."""
+        if not self._checked:
+            q, found = self._queued, self._found
+            parts = [q.status.long(), q.counts] if q is not None else []
+            if found is not None:
+                parts.append(found.long())
+            with torch.cuda.stream(self._stream):  # one wait for the device: every check at once
+                got = torch.cat(parts).cpu().numpy()
+            s = 0 if q is None else q.status.numel()
+            try:
+                if q is not None:
+                    q.verify(got[:s].astype(np.int32), got[s : 2 * s])
+            except ValueError as e:
+                raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
+            if found is not None and (count := int(got[-1])):
+                raise CodecRecordError(f"corrupted PCA codec record: {count} escape symbols, 0 announced")
+            self._checked = True
+        return self._chunk
+
+
+class _Parsed(NamedTuple):
+    """A record's checked header, metadata and section sizes (:func:`_parse`)."""
+
+    rec: fmt.Record
+    level: PCALevel
+    start: int
+    n_esc: int
+    dtype: torch.dtype
+    tokens: int
+    exact: np.ndarray  # bool [T]
+
+
+def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = None) -> PendingChunk:
+    """:func:`decode` without waiting for a CUDA device: the record is checked on the host and copied
+    to the device in one upload (its streams, escapes and exact tokens), its decode queued on the
+    device's current stream, and the checks only the device can make are left on it for
+    :meth:`PendingChunk.result`. Several records queued before the first result keep the device
+    busy. The host decodes at once.
+
+    Raises:
+        As :func:`decode`, except the device's checks (raised by :meth:`PendingChunk.result`).
+    """
     _check_model(model)
+    dev = _device(device)
+    p = _parse(record, model)
+    rec, t = p.rec, p.tokens
+    nl, h, d, n = model.num_layers, model.num_heads, model.head_size, model.vector_size
+    r2, S = 2 * model.rows, sections_per_layer(model)
+    arrays, t32 = _level_arrays(model, p.level.name, str(dev)), streams.run_length(t)
+    spans = rec.index[: r2 + 3]  # the streams, escapes, exact bitmap, exact tokens: payload offsets
+    offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
+    n_exact = int(p.exact.sum())
+    fused = dev.type == "cuda" and kernels.available()
+    try:  # sized by T: a stream of another count raises
+        if fused:  # one upload of every section the device reads
+            up = streams.upload(np.frombuffer(rec.payload, np.uint8)[: int((offs + lens).max())], dev)
+            o_esc, o_raw = int(offs[r2]), int(offs[r2 + 2])
+            q = streams.queue_spans(rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, uploaded=up)
+        else:
+            q = streams.queue_spans(rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, num_threads)
+            q.result()  # the torch path below reads the symbols' values on the host side of its checks
+    except ValueError as e:
+        raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
+    sym = q.symbols.reshape(model.rows, 2, n, t32)[..., :t]
+    found = None
+    try:
+        if fused:
+            esc = up[o_esc : o_esc + 2 * p.n_esc].view(torch.int16)
+            with torch.cuda.device(dev):
+                out, found = kernels.queue_decode(model, sym, esc, arrays.f, p.start, p.dtype)
+        else:
+            esc = torch.from_numpy(np.frombuffer(rec.section(r2 // S, r2 % S), "<i2").astype(np.int64)).to(dev)
+            out = symbols_to_kv(model, sym, esc, arrays.f, p.start, p.dtype)
+    except kernels.EscapeCountError as e:  # symbols_to_kv counts the escape symbols on either path
+        raise CodecRecordError(f"corrupted PCA codec record: {e.found} escape symbols, {p.n_esc} announced") from None
+    if n_exact:
+        shape = (nl, 2, n_exact, h, d)
+        if fused:
+            raw = up[o_raw : o_raw + int(lens[r2 + 2])].view(p.dtype).reshape(shape)
+            with torch.cuda.device(dev):
+                idx = streams.upload(np.flatnonzero(p.exact).astype(np.int64), dev).view(torch.int64)
+                out.index_copy_(2, idx, raw)
+        else:
+            raw = torch.frombuffer(bytearray(rec.section((r2 + 2) // S, (r2 + 2) % S)), dtype=p.dtype)
+            out[:, :, torch.from_numpy(p.exact).to(dev)] = raw.reshape(shape).to(dev)
+    return PendingChunk(out, q if fused else None, found)
+
+
+def _device(device: Any) -> torch.device:
+    """The host or an indexed CUDA device present here.
+
+    Raises:
+        ValueError: anything else."""
     try:
         dev = torch.device("cpu") if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -309,6 +424,14 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
             raise ValueError(f"device {dev}: no such CUDA device here ({torch.cuda.device_count()} visible)")
         if dev.index is None:  # one cache entry per GPU, and the native calls run on it
             dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _parse(record: Any, model: PCAModel) -> _Parsed:
+    """The record's header, metadata and section sizes checked against ``model``.
+
+    Raises:
+        CodecRecordError: as :func:`decode` (all but the rANS and escape-symbol checks)."""
     rec = _unpack(record)
     info = rec.info
     if info.level_id not in PCA_LEVELS_BY_ID:
@@ -336,7 +459,7 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
             f"(same 32-bit id {model.model_id:#010x})"
         )
     dtype = _DTYPES[info.dtype]
-    r2, n = 2 * model.rows, model.vector_size
+    r2 = 2 * model.rows
     secs = [rec.section(i // S, i % S) for i in range(nl * S)]
     raw_bytes = n_exact * nl * 2 * h * d * dtype.itemsize
     if (
@@ -352,20 +475,4 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
         raise CodecRecordError(
             f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
         )
-    arrays, t32 = _level_arrays(model, lv.name, str(dev)), streams.run_length(t)
-    try:  # sized by T: a stream of another count raises
-        spans = rec.index[:r2]  # the streams: sections 0 .. 2R-1, payload offsets 4-byte aligned
-        offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
-        sym = streams.decode_spans(rec.payload, offs, lens, arrays.tables, n * t32, dev, num_threads)
-    except ValueError as e:
-        raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-    sym = sym.reshape(model.rows, 2, n, t32)[..., :t]
-    escapes = torch.from_numpy(np.frombuffer(secs[r2], "<i2").astype(np.int64)).to(dev)
-    try:
-        out = symbols_to_kv(model, sym, escapes, arrays.f, start, dtype)
-    except kernels.EscapeCountError as e:  # symbols_to_kv counts the escape symbols on either path
-        raise CodecRecordError(f"corrupted PCA codec record: {e.found} escape symbols, {n_esc} announced") from None
-    if n_exact:
-        raw = torch.frombuffer(bytearray(secs[r2 + 2]), dtype=dtype).reshape(nl, 2, n_exact, h, d)
-        out[:, :, torch.from_numpy(exact).to(dev)] = raw.to(dev)
-    return out
+    return _Parsed(rec, lv, start, n_esc, dtype, t, exact)

@@ -19,7 +19,7 @@ from . import imatmul, rope, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "encode", "decode", "EscapeCountError", "GEMM_BYTES", "gemm_stats"]
+__all__ = ["available", "encode", "decode", "queue_decode", "EscapeCountError", "GEMM_BYTES", "gemm_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,23 @@ def decode(
     m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Decoded chunk of symbols on a CUDA device (exact tokens come out as the mean; the caller
-    overwrites them), bit for bit :func:`.transform.inverse` of the same coefficients.
+    overwrites them), bit for bit :func:`.transform.inverse` of the same coefficients:
+    :func:`queue_decode` and its escape check (this waits for the decode's first kernels).
+
+    Raises:
+        As :func:`queue_decode`; EscapeCountError: escape symbols in a chunk given no escaped
+        coefficients.
+    """
+    out, found = queue_decode(m, sym, escapes, f, start, dtype)
+    if found is not None and (count := int(found.item())):
+        raise EscapeCountError(count, 0)
+    return out
+
+
+def queue_decode(
+    m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, f: torch.Tensor, start: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decode of :func:`decode` queued on the current stream of the symbols' device.
 
     Args:
         sym: uint8 ``[R, 2, N, T]`` (a view of the padded streams is read in place); escapes: the escaped
@@ -276,13 +292,14 @@ def decode(
             first position; dtype: bf16 or fp16.
 
     Returns:
-        ``dtype`` ``[L, 2, T, H, D]`` on the device.
+        (``dtype`` ``[L, 2, T, H, D]`` on the device, being decoded; ``found``): for a chunk given no
+        escaped coefficients, int32 ``[1]`` on the device, the escape symbols ``decode_pre_symbols``
+        counted: the chunk is valid only where it is 0 (check it once the stream ran); None where
+        escapes were given (their count is checked before this returns: one synchronization).
 
     Raises:
         ValueError: ``sym`` or ``f`` of another shape, ``sym`` not uint8.
-        EscapeCountError: escaped coefficients given that are not one per escape symbol (counted by
-            ``decode_pre_symbols`` for a chunk without escapes: one synchronization after that kernel,
-            before the GEMMs are queued).
+        EscapeCountError: escaped coefficients given that are not one per escape symbol.
     """
     dev = sym.device
     r, t, n = m.rows, sym.shape[3], m.vector_size
@@ -294,14 +311,14 @@ def decode(
     if t == 0:
         if escapes.numel():
             raise EscapeCountError(0, escapes.numel())
-        return torch.empty(m.num_layers, 2, 0, m.num_heads, m.head_size, dtype=dtype, device=dev)
+        return torch.empty(m.num_layers, 2, 0, m.num_heads, m.head_size, dtype=dtype, device=dev), None
     with torch.cuda.device(dev):
         return _decode(m, sym, escapes.to(dev), ff, start, dtype)
 
 
 def _decode(
     m: PCAModel, sym: torch.Tensor, escapes: torch.Tensor, ff: torch.Tensor, start: int, dtype: torch.dtype
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     c = _native()
     dev = sym.device
     dec = imatmul.prepared(m, dev)[1]
@@ -328,11 +345,9 @@ def _decode(
     lo = torch.empty(2 * r, t, dec.n8, dtype=torch.int8, device=dev)  # lo8(q) of every group (1 byte a value)
     if esc_count is None:
         c.decode_pre(*geom, src.data_ptr(), lo.data_ptr(), rowsum.data_ptr(), s)
-    else:  # the escape count checked now: the transform after it is queued without waiting
+    else:  # the escape count, checked by the caller once the stream ran (the values stay in bounds)
         c.decode_pre_symbols(*geom, src.data_ptr(), stride, lo.data_ptr(), rowsum.data_ptr(),
                              esc_count.data_ptr(), s)  # fmt: skip
-        if found := int(esc_count.item()):
-            raise EscapeCountError(found, 0)
     cos, sin = _rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     g, batches = m.layer_group, _slices(r, t, dec.p8)
@@ -344,4 +359,4 @@ def _decode(
                       esc_row[2 * r0 * t :].data_ptr(), esc_col.data_ptr(), esc_hi.data_ptr(),
                       dec.cat_t[2 * r0 :].data_ptr(), ff[r0:r1].data_ptr(), mu[r0:r1].data_ptr(), _ptr(cos), _ptr(sin),
                       out[r0 * g : r1 * g].data_ptr(), s)  # fmt: skip
-    return out
+    return out, esc_count

@@ -13,15 +13,25 @@ out otherwise (another call split, an older record) is refused, never decoded wi
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from lmtier.codec import rans
 
-__all__ = ["encode", "decode", "decode_spans", "run_length", "streams_per_call", "table_base", "batches"]
+__all__ = [
+    "encode",
+    "decode",
+    "decode_spans",
+    "queue_spans",
+    "QueuedStreams",
+    "upload",
+    "run_length",
+    "streams_per_call",
+    "table_base",
+    "batches",
+]
 
 _ROW_ALIGN = 256
 """Each call's output region starts at a multiple of this many bytes (the coder needs 4)."""
@@ -147,6 +157,41 @@ def decode(
     return decode_spans(region, starts[:-1], np.asarray(sizes, np.int64), tables, length, device, num_threads)
 
 
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint8 copy of host array ``a``'s bytes on CUDA ``device``, queued on its current stream without
+    waiting: ``a`` is copied into page-locked memory first (torch's caching host allocator, which keeps
+    that memory until the copy ran), so ``a`` is free again when this returns. A pageable ``.to(device)``
+    would wait for everything queued on the stream before it."""
+    host = torch.empty(a.nbytes, dtype=torch.uint8, pin_memory=True)
+    host.numpy()[:] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    return host.to(device, non_blocking=True)
+
+
+class QueuedStreams(NamedTuple):
+    """Decoded symbols of :func:`queue_spans` (on a CUDA device: still being decoded on the stream that
+    was current) with the coder's per-stream ``status`` (int32 ``[S]``) and symbol ``counts`` (int64
+    ``[S]``) beside them, not yet checked: :meth:`verify` them before the symbols are trusted."""
+
+    symbols: torch.Tensor
+    status: torch.Tensor
+    counts: torch.Tensor
+    length: int
+
+    def verify(self, status: np.ndarray, counts: np.ndarray) -> None:
+        """Check the host copies of :attr:`status` and :attr:`counts`.
+
+        Raises:
+            ValueError: a stream that did not decode, or decoded to another count than ``length``."""
+        rans._raise_status(status, "decode")
+        if (counts != self.length).any():
+            raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {self.length} expected")
+
+    def result(self) -> torch.Tensor:
+        """The symbols, once :meth:`verify` passed on this device's values (waits for the decode)."""
+        self.verify(self.status.cpu().numpy(), self.counts.cpu().numpy())
+        return self.symbols
+
+
 def decode_spans(
     region: Any,
     starts: Any,
@@ -158,23 +203,49 @@ def decode_spans(
 ) -> torch.Tensor:
     """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of the ``S`` encoded
     streams at ``region[starts[i] : starts[i] + sizes[i]]`` (host bytes-like; ``starts`` 4-byte aligned,
-    as a record's sections are) with the table layout of :func:`encode`. The region is read in place on
-    the host and uploaded in one copy for a CUDA device.
+    as a record's sections are) with the table layout of :func:`encode`: :func:`queue_spans`, then its
+    checks (on a CUDA device this waits for the decode).
+
+    Raises:
+        ValueError: as :func:`queue_spans`; a stream that does not decode.
+    """
+    return queue_spans(region, starts, sizes, tables, length, device, num_threads).result()
+
+
+def queue_spans(
+    region: Any,
+    starts: Any,
+    sizes: Any,
+    tables: torch.Tensor | np.ndarray,
+    length: int,
+    device: torch.device,
+    num_threads: int = 0,
+    *,
+    uploaded: torch.Tensor | None = None,
+) -> QueuedStreams:
+    """The decode of :func:`decode_spans`, queued on ``device``'s current stream without waiting for it
+    (the host decodes at once), its status and counts not yet checked (:meth:`QueuedStreams.verify`).
+
+    Args:
+        uploaded: CUDA ``device`` only: uint8 ``region`` already on the device (from byte 0; e.g. one
+            upload of a whole record), read in place. None: the streams' bytes are uploaded
+            (:func:`upload`).
 
     Raises:
         ValueError: a stream whose header is not one, announces another count than ``length`` or one
             its bytes cannot hold (checked before anything is allocated), names another first table
-            than :func:`table_base` or another table run than ``length / N`` (laid out otherwise), or
-            does not decode; a misaligned or out-of-region span (negative sizes included).
+            than :func:`table_base` or another table run than ``length / N`` (laid out otherwise); a
+            misaligned or out-of-region span (negative sizes included); ``uploaded`` shorter than the
+            spans, or not on ``device``.
     """
     starts, sizes = np.asarray(starts, np.int64).reshape(-1), np.asarray(sizes, np.int64).reshape(-1)
     if starts.size != sizes.size:
         raise ValueError(f"{starts.size} stream starts and {sizes.size} sizes")
     with _on(device):
-        return _decode(region, starts, sizes, _tables(tables, device), length, device, num_threads)
+        return _queue(region, starts, sizes, _tables(tables, device), length, device, num_threads, uploaded)
 
 
-def _decode(
+def _queue(
     region: Any,
     starts: np.ndarray,
     sizes: np.ndarray,
@@ -182,10 +253,12 @@ def _decode(
     length: int,
     device: torch.device,
     num_threads: int,
-) -> torch.Tensor:
+    uploaded: torch.Tensor | None,
+) -> QueuedStreams:
     s_count = len(starts)
     if s_count == 0:
-        return torch.empty(0, length, dtype=torch.uint8, device=device)
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        return QueuedStreams(torch.empty(0, length, dtype=torch.uint8, device=device), none.int(), none, length)
     if tables.shape[0] % s_count:
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
@@ -205,25 +278,29 @@ def _decode(
     if bad_run.any():
         i = int(np.flatnonzero(bad_run)[0])
         raise ValueError(f"stream {i} switches tables every {int(run[i])} symbols, its layout needs {length // n}")
-    src = host[lo:hi]  # lo is 4-byte aligned (checked above), so every span keeps its alignment
-    if device.type == "cuda":  # one upload of the streams' bytes: a pageable copy, so the host region
-        # (a tier's reused record buffer) is free again when it returns; keep it blocking
-        with warnings.catch_warnings():  # a read-only record (bytes): only read, by the copy
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.from_numpy(src).to(device)
-    elif src.ctypes.data % 4:  # read in place; the coder needs 4-byte aligned addresses
-        src = src.copy()
+    if device.type == "cuda":
+        if uploaded is None:  # lo is 4-byte aligned (checked above), so every span keeps its alignment
+            src, base_addr = upload(host[lo:hi], device), lo
+        elif uploaded.device != device or uploaded.dtype != torch.uint8 or uploaded.numel() < hi:
+            raise ValueError(f"uploaded region: {uploaded.dtype} of {uploaded.numel()} on {uploaded.device}, "
+                             f"the spans need uint8 of {hi} bytes on {device}")  # fmt: skip
+        else:
+            src, base_addr = uploaded, 0
+    else:  # read in place; the coder needs 4-byte aligned addresses
+        src, base_addr = host[lo:hi], lo
+        if src.ctypes.data % 4:
+            src = src.copy()
     out = torch.empty(s_count, length, dtype=torch.uint8, device=device)
     got = torch.zeros(s_count, dtype=torch.int64, device=device)
     status = torch.zeros(s_count, dtype=torch.int32, device=device)
     calls = batches(s_count, n)
     desc = np.empty(s_count, rans.DECODE_DESC)  # one descriptor per stream, built at once
-    desc["src"] = src.data_ptr() + (starts - lo) if device.type == "cuda" else src.ctypes.data + (starts - lo)
+    desc["src"] = (src.data_ptr() if device.type == "cuda" else src.ctypes.data) + (starts - base_addr)
     desc["src_bytes"], desc["dst"], desc["dst_capacity"] = sizes, out.data_ptr() + length * np.arange(s_count), length
     scratch, descs, stream = None, desc, None
     if device.type == "cuda":
         scratch = torch.empty(rans.decode_scratch_bytes(len(calls[0])), dtype=torch.uint8, device=device)
-        descs = torch.from_numpy(desc.view(np.uint8).reshape(-1)).to(device)  # one upload of every call's
+        descs = upload(desc, device)  # every call's descriptors, one copy
         stream = torch.cuda.current_stream(device)
     for c in calls:
         rans.decode_descriptors(
@@ -237,8 +314,6 @@ def _decode(
             num_threads=num_threads,
             stream=stream,
         )
-    rans._raise_status(status.cpu().numpy(), "decode")
-    counts = got.cpu().numpy()
-    if (counts != length).any():
-        raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {length} expected")
-    return out
+    # src, scratch and descs are freed here with work still queued that reads them: their memory goes
+    # back to torch's pool for this stream only, so what reuses it runs after that work
+    return QueuedStreams(out, status, got, length)
