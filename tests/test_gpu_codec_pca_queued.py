@@ -75,21 +75,29 @@ def fmt_tokens(record: bytes) -> int:
 
 
 def test_device_refusals_come_from_result_and_spare_the_records_beside_them():
-    """A rANS stream cut short (its coder status, read on the device) and escape symbols in a record
-    announcing none (counted by ``decode_pre_symbols``) are refused by ``result()`` with the host's
-    messages; one escape fewer than symbols is refused at once (the escape index counts them); the
-    good records queued between them decode right."""
+    """A rANS stream cut short in a record without escapes (its coder status, read on the device) and
+    escape symbols in a record announcing none (counted by ``decode_pre_symbols``) are refused by
+    ``result()`` with the host's messages; in a record with escapes (whose index waits for the
+    symbols) both a cut stream and one escape fewer than symbols are refused at once, the cut stream
+    named as such; the good records queued between them decode right."""
     m = fitted("plain")
     good = [pca.encode(_kv(40, s, 60 + s), start=s, model=m, level="pca_default") for s in (0, 40, 80)]
     loud = pca.encode(_kv(50, 0, 19, loud=(5,)), start=0, model=m, level="pca_high")
-    _, secs, _ = _parts(loud)
-    cut = _repack(loud, secs=[secs[0][:20], *secs[1:]])
+    assert pca.record_meta(loud).escapes > 0 and pca.record_meta(good[1]).escapes == 0
+
+    def cut(record: bytes) -> bytes:
+        _, secs, _ = _parts(record)
+        return _repack(record, secs=[secs[0][:20], *secs[1:]])
+
+    rans_says = "corrupted PCA codec record: rans decode failed .*stream 0: "
     (none, none_says), (fewer, fewer_says) = escape_liars(m)
     with pytest.raises(CodecRecordError, match=f"corrupted PCA codec record: {fewer_says}"):
         pca_codec.decode_queued(fewer, model=m, device="cuda")
-    order = [good[0], cut, good[1], none, good[2]]
+    with pytest.raises(CodecRecordError, match=rans_says):
+        pca_codec.decode_queued(cut(loud), model=m, device="cuda")
+    order = [good[0], cut(good[1]), good[1], none, good[2]]
     pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in order]
-    with pytest.raises(CodecRecordError, match="corrupted PCA codec record: rans decode failed .*stream 0: "):
+    with pytest.raises(CodecRecordError, match=rans_says):
         pending[1].result()
     with pytest.raises(CodecRecordError, match=f"corrupted PCA codec record: {none_says}"):
         pending[3].result()

@@ -378,6 +378,8 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
             up = streams.upload(np.frombuffer(rec.payload, np.uint8)[: int((offs + lens).max())], dev)
             o_esc, o_raw = int(offs[r2]), int(offs[r2 + 2])
             q = streams.queue_spans(rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, uploaded=up)
+            if p.n_esc:  # the escapes' index waits for the symbols anyway: check the streams first, so a
+                q.result()  # stream that did not decode is named as such, not as an escape count
         else:
             q = streams.queue_spans(rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, num_threads)
             q.result()  # the torch path below reads the symbols' values on the host side of its checks
