@@ -145,3 +145,43 @@ def test_tier_batched_reads_queue_their_records(monkeypatch, on_stream):
         assert torch.equal(outs[i].cpu(), torch.full((nbytes,), 7, dtype=torch.uint8))  # never written
     assert tier.counters["corrupt_deleted"] == 2
     assert tier.inner_key(keys[1]) not in inner.data and tier.inner_key(keys[5]) not in inner.data
+
+
+@pytest.mark.parametrize("per_call", [1, 5])
+def test_coder_calls_side_by_side_are_the_hosts(monkeypatch, per_call):
+    """A record's streams in several coder calls (here 12 streams, 1 or 5 per call: 12 or 3 calls; an
+    8B model's 64 streams are 2 calls) decode on the current stream and this thread's side streams at
+    once, to the host's bits, from a thread of its own too, and the next record's decode is right
+    (no call's scratch or output reused while another runs)."""
+    import threading
+
+    from lmtier.bench import codec_pca as bench
+    from lmtier.codec.pca import streams
+
+    monkeypatch.setattr(streams, "streams_per_call", lambda n: per_call)
+    m = bench.tiled(fitted("plain"), 3)
+    assert len(streams.batches(2 * m.rows, m.vector_size)) == -(-2 * m.rows // per_call) > 1
+    recs = [pca.encode(_kv(40, s, 80 + s).repeat(3, 1, 1, 1, 1), start=s, model=m, level=lv)
+            for lv in ("pca_default", "pca_high") for s in (0, 40)]  # fmt: skip
+    want = [pca.decode(r, model=m) for r in recs]
+    for r, w in zip(recs, want, strict=True):
+        assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), _bits(w))
+    pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
+    assert all(torch.equal(_bits(p.result()), _bits(w)) for p, w in zip(pending, want, strict=True))
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(3):
+                    for r, w in zip(recs, want, strict=True):
+                        assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), _bits(w))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -13,6 +13,7 @@ out otherwise (another call split, an older record) is refused, never decoded wi
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -297,23 +298,58 @@ def _queue(
     desc = np.empty(s_count, rans.DECODE_DESC)  # one descriptor per stream, built at once
     desc["src"] = (src.data_ptr() if device.type == "cuda" else src.ctypes.data) + (starts - base_addr)
     desc["src_bytes"], desc["dst"], desc["dst_capacity"] = sizes, out.data_ptr() + length * np.arange(s_count), length
-    scratch, descs, stream = None, desc, None
-    if device.type == "cuda":
-        scratch = torch.empty(rans.decode_scratch_bytes(len(calls[0])), dtype=torch.uint8, device=device)
-        descs = upload(desc, device)  # every call's descriptors, one copy
-        stream = torch.cuda.current_stream(device)
-    for c in calls:
-        rans.decode_descriptors(
-            descs[c.start * rans.DECODE_DESC.itemsize :] if device.type == "cuda" else desc[c.start :],
-            len(c),
-            tables[c.start * n].data_ptr(),
-            len(c) * n,
-            out_lengths=got[c.start : c.stop],
-            status=status[c.start : c.stop],
-            scratch=scratch,
-            num_threads=num_threads,
-            stream=stream,
-        )
+    cuda = device.type == "cuda"
+    descs = upload(desc, device) if cuda else desc  # every call's descriptors, one copy
+    # one scratch per call, all alive until the calls joined: the calls run at the same time
+    scratch = [torch.empty(rans.decode_scratch_bytes(len(c)), dtype=torch.uint8, device=device) if cuda else None
+               for c in calls]  # fmt: skip
+    with _side_by_side(device, len(calls)) as streams_of:
+        for c, sc, stream in zip(calls, scratch, streams_of, strict=True):
+            rans.decode_descriptors(
+                descs[c.start * rans.DECODE_DESC.itemsize :] if cuda else desc[c.start :],
+                len(c),
+                tables[c.start * n].data_ptr(),
+                len(c) * n,
+                out_lengths=got[c.start : c.stop],
+                status=status[c.start : c.stop],
+                scratch=sc,
+                num_threads=num_threads,
+                stream=stream,
+            )
     # src, scratch and descs are freed here with work still queued that reads them: their memory goes
-    # back to torch's pool for this stream only, so what reuses it runs after that work
+    # back to torch's pool for the current stream only, which waits for every call before later work
     return QueuedStreams(out, status, got, length)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def _side_by_side(device: torch.device, calls: int):
+    """The streams ``calls`` coder calls run on, yielded in order: None each on the host; on a CUDA
+    device the current stream for the first and this thread's side streams for the others, which
+    start after the work queued so far on the current stream and which the current stream waits for
+    on leaving (so the calls run at the same time). A call's time is one warp's work on its longest
+    segment however few streams it has, and :func:`batches` splits a record's ``2R`` streams as 63
+    and 1 (``N`` = 1,024): in turn, the lone stream's call would double the decode."""
+    if device.type != "cuda":
+        yield [None] * calls
+        return
+    main = torch.cuda.current_stream(device)
+    if calls == 1:
+        yield [main]
+        return
+    sides = _local.__dict__.setdefault("sides", {}).setdefault(device, [])
+    while len(sides) < calls - 1:
+        sides.append(torch.cuda.Stream(device=device))
+    forked = torch.cuda.Event()
+    forked.record(main)
+    for s in sides[: calls - 1]:
+        s.wait_event(forked)
+    try:
+        yield [main, *sides[: calls - 1]]
+    finally:
+        for s in sides[: calls - 1]:
+            joined = torch.cuda.Event()
+            joined.record(s)
+            main.wait_event(joined)
