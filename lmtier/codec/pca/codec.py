@@ -462,17 +462,18 @@ def _parse(record: Any, model: PCAModel) -> _Parsed:
         )
     dtype = _DTYPES[info.dtype]
     r2 = 2 * model.rows
-    secs = [rec.section(i // S, i % S) for i in range(nl * S)]
+    size = rec.index["length"].astype(np.int64)  # of every section, layer-major (section i: layer i // S)
     raw_bytes = n_exact * nl * 2 * h * d * dtype.itemsize
     if (
         not 0 <= start <= MAX_POSITION - t
-        or secs[r2 + 1].nbytes != -(-t // 8)
-        or secs[r2].nbytes != 2 * n_esc
-        or secs[r2 + 2].nbytes != raw_bytes
-        or any(s.nbytes for s in secs[r2 + 3 :])
+        or size[r2 + 1] != -(-t // 8)
+        or size[r2] != 2 * n_esc
+        or size[r2 + 2] != raw_bytes
+        or size[r2 + 3 :].any()
     ):
         raise CodecRecordError("corrupted PCA codec record: section sizes do not match its metadata")
-    exact = np.unpackbits(np.frombuffer(secs[r2 + 1], np.uint8), count=t, bitorder="little").astype(bool)
+    bitmap = rec.section((r2 + 1) // S, (r2 + 1) % S)
+    exact = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=t, bitorder="little").astype(bool)
     if int(exact.sum()) != n_exact:
         raise CodecRecordError(
             f"corrupted PCA codec record: {int(exact.sum())} exact tokens flagged, {n_exact} announced"
