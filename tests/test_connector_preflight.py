@@ -22,10 +22,10 @@ def _vllm():
     require_vllm()
 
 
-def _vllm_config(extra=None, role="kv_both"):
+def _vllm_config(extra=None, role="kv_both", dtype="float32"):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 
-    mc = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=512, seed=0, skip_tokenizer_init=True)
+    mc = ModelConfig(model=str(MODEL_DIR), dtype=dtype, max_model_len=512, seed=0, skip_tokenizer_init=True)
     kt = KVTransferConfig(
         kv_connector="LMTierConnector",
         kv_connector_module_path="lmtier.integration.vllm",
@@ -94,7 +94,26 @@ def test_unusable_pca_model_file_fails_there(config_file, tmp_path):
         codec_pca_model=str(junk),
     )
     with pytest.raises(ConfigError, match="codec_pca_model=.*not a usable PCA model file"):
+        _layout(_vllm_config(dtype="bfloat16"))  # a codec stores bf16 / fp16 KV
+
+
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_codec_on_a_float32_kv_cache_fails_there(config_file, tmp_path, tier):
+    """A codec level (``*_serde: cachegen``) with a float32 model (``kv_cache_dtype: auto``: its KV
+    cache is float32) fails at vLLM's layout query, naming the serde key (before: when the worker
+    built its tiers, minutes later); the same configuration passes with a bfloat16 model."""
+    if tier == "disk":
+        cfg = dict(local_disk=f"file://{tmp_path}/disk", max_local_disk_size=0.1, local_disk_serde="cachegen")
+        key = "local_disk_serde"
+    else:
+        cfg = dict(remote_url="redis://127.0.0.1:1", remote_serde="cachegen")  # never connected to here
+        key = "remote_serde"
+    config_file(chunk_size=256, codec_level="default", **cfg)
+    with pytest.raises(ConfigError, match=rf"{key}='cachegen': codec level 'default' stores bfloat16/float16 KV, "
+                                          r"this engine's KV cache is float32") as e:  # fmt: skip
         _layout(_vllm_config())
+    assert e.value.key == key
+    assert _layout(_vllm_config(dtype="bfloat16")) is None
 
 
 def test_cuda_graph_hook_checks_options_and_yaml(config_file):

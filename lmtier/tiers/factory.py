@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmtier.config import ConfigError, DiskConfig, LMTierConfig, RemoteConfig
+from lmtier.config_schema import config_error
 from lmtier.keys import Namespace
 from lmtier.record import DISK_PAYLOAD_OFFSET
 from lmtier.tiers.base import Tier
@@ -127,6 +128,31 @@ def _load_pca(path: str, size: int, mtime_ns: int) -> PCAModel:
     from lmtier.codec import pca
 
     return pca.load(path)
+
+
+def check_codec_dtype(config: LMTierConfig, kv_dtype: str) -> None:
+    """The part of :func:`check_codecs` that needs only the KV cache's element type (``kv_dtype``: a
+    :class:`~lmtier.keys.Namespace` name), for the vLLM connector's checks before vLLM builds its
+    caches (:func:`lmtier.integration.vllm.connector.preflight`).
+
+    Raises:
+        ConfigError: an enabled disk or remote tier with a codec level (``local_disk_serde`` /
+            ``remote_serde``: cachegen) and a KV cache the codec does not store (not bf16 / fp16),
+            naming the key."""
+    from lmtier.tiers.record_tier import CODEC_KV_DTYPES
+
+    for tier, key, enabled in (
+        ("disk", "local_disk_serde", config.disk.enabled),
+        ("remote", "remote_serde", config.remote.enabled),
+    ):
+        level = config.serde_level(tier)
+        if enabled and level is not None and kv_dtype not in CODEC_KV_DTYPES:
+            raise config_error(
+                key,
+                "cachegen",
+                f"codec level {level!r} stores bfloat16/float16 KV, this engine's KV cache is {kv_dtype} (vLLM's "
+                f"--dtype, or --kv-cache-dtype); use {key}: naive",
+            )
 
 
 def check_codecs(config: LMTierConfig, namespace: Namespace, *, pca_model: PCAModel | None = None) -> None:

@@ -74,9 +74,7 @@ def namespace_for(vllm_config, kv_cache_config, chunk_size: int, tp_rank: int) -
     group = kv_spec(kv_cache_config)
     spec = group.kv_cache_spec
     mla = type(spec).__name__.startswith("MLA")
-    dtype = str(spec.dtype).replace("torch.", "")
-    if dtype == "uint8":
-        dtype = f"fp8_{vllm_config.cache_config.cache_dtype}".replace("fp8_fp8", "fp8")
+    dtype = _kv_dtype_name(spec.dtype, vllm_config.cache_config.cache_dtype)
     mc = vllm_config.model_config
     model = f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
     if vllm_config.device_config.device_type == "cpu":
@@ -93,7 +91,7 @@ def namespace_for(vllm_config, kv_cache_config, chunk_size: int, tp_rank: int) -
         num_layers=len(group.layer_names),
         num_kv_heads=1 if mla else spec.num_kv_heads,
         head_size=spec.head_size,
-        kv_dtype=_dtype_name(dtype),
+        kv_dtype=dtype,
         kv_planes=1 if mla else 2,
         chunk_size=chunk_size,
         tp_rank=tp_rank,
@@ -127,6 +125,29 @@ def cpu_slab_kind(vllm_config, kv_cache_config) -> str:
     if cpu_attn_isa(vllm_config, kv_cache_config) == "amx" and spec.dtype.itemsize == 2:
         return "cpu_slab_amx"
     return "cpu_slab"
+
+
+def kv_cache_dtype_name(vllm_config) -> str | None:
+    """The :class:`~lmtier.keys.Namespace` ``kv_dtype`` name of the KV cache vLLM will build, from its
+    configuration alone (vLLM's own rule, ``vllm.utils.torch_utils.kv_cache_dtype_str_to_dtype``:
+    ``kv_cache_dtype: auto`` is the model's dtype), before any cache exists; None where this vLLM has
+    no such rule. The engine's chunks use the built cache's (:func:`namespace_for`)."""
+    try:
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        return _kv_dtype_name(kv_cache_dtype_str_to_dtype(cache_dtype, vllm_config.model_config), cache_dtype)
+    except Exception:  # pragma: no cover - other vLLM versions
+        return None
+
+
+def _kv_dtype_name(torch_dtype: Any, cache_dtype: str) -> str:
+    """The ``kv_dtype`` name of a cache of ``torch_dtype`` (uint8: vLLM's fp8 caches, named by their
+    ``kv_cache_dtype``)."""
+    d = str(torch_dtype).replace("torch.", "")
+    if d == "uint8":
+        d = f"fp8_{cache_dtype}".replace("fp8_fp8", "fp8")
+    return _dtype_name(d)
 
 
 def _dtype_name(d: str) -> str:

@@ -47,7 +47,13 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from lmtier.config import LMTierConfig, load_config
-from lmtier.integration.vllm.common import cpu_slab_kind, namespace_for, scheduler_tiers, shared_manager
+from lmtier.integration.vllm.common import (
+    cpu_slab_kind,
+    kv_cache_dtype_name,
+    namespace_for,
+    scheduler_tiers,
+    shared_manager,
+)
 from lmtier.integration.vllm.logs import route_lmtier_logging, startup_line
 from lmtier.integration.vllm.metadata import LMTierConnectorMetadata, LMTierWorkerMetadata
 from lmtier.integration.vllm.options import ConnectorOptions
@@ -55,7 +61,7 @@ from lmtier.integration.vllm.scheduler import LMTierScheduler
 from lmtier.integration.vllm.stats import LMTierPromMetrics, LMTierStats, StatsSink, TierEventReporter
 from lmtier.integration.vllm.worker_role import LMTierWorker
 from lmtier.tiers.codec_pca import PCACodecTier
-from lmtier.tiers.factory import load_pca_model
+from lmtier.tiers.factory import check_codec_dtype, load_pca_model
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -221,6 +227,8 @@ def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[Conne
     config = load_config()
     if vllm_config is not None:  # (not in vLLM's front-end process: it would keep a model file it never uses)
         config.validate_for(vllm_config.cache_config.block_size)
+        if (kv_dtype := kv_cache_dtype_name(vllm_config)) is not None:  # a codec on a float32 cache
+            check_codec_dtype(config, kv_dtype)
         load_pca_model(config)
     return options, config
 
