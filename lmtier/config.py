@@ -161,6 +161,7 @@ import difflib
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -591,9 +592,14 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     try:
         return _build(raw, env)
     except ConfigError as e:
-        if e.key not in from_env:
+        if e.key in from_env:
+            err = ConfigError(f"{e} (the value of the environment variable {from_env[e.key]})")
+        elif named := [f"{k} from the environment variable {n}" for k, n in sorted(from_env.items())
+                       if re.search(rf"\b{re.escape(k)}\b", str(e))]:  # fmt: skip
+            # a check across keys naming an overridden one (e.g. codec_pca_model without a cachegen serde)
+            err = ConfigError(f"{e} ({'; '.join(named)})")
+        else:
             raise
-        err = ConfigError(f"{e} (the value of the environment variable {from_env[e.key]})")
         err.key = e.key
         raise err from None
 

@@ -434,3 +434,21 @@ def test_an_environment_override_at_fault_is_named(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(f), env={"LMTIER_CODEC_LEVEL": "high"})
     assert "environment" not in str(e.value)
+
+
+def test_an_environment_override_named_by_a_check_across_keys_is_named(tmp_path):
+    """An error of one key that names another, overridden one (``codec_pca_model`` without a
+    cachegen serde because ``LMTIER_LOCAL_DISK_SERDE=naive``) names the variable; an override the
+    message does not name (``local_disk``, a prefix of ``local_disk_serde``) is not mentioned."""
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        f"chunk_size: 256\nlocal_disk: file://{tmp_path}/d\nmax_local_disk_size: 0.1\nlocal_disk_serde: cachegen\n"
+        "codec_level: pca_default\ncodec_pca_model: /nowhere.lmtpca\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f), env={"LMTIER_LOCAL_DISK_SERDE": "naive", "LMTIER_LOCAL_DISK": f"file://{tmp_path}/e"})
+    assert str(e.value).endswith(
+        "no serde is 'cachegen' (set local_disk_serde or remote_serde: cachegen) (local_disk_serde from the "
+        "environment variable LMTIER_LOCAL_DISK_SERDE)"
+    )
+    assert e.value.key == "codec_pca_model" and "LMTIER_LOCAL_DISK)" not in str(e.value)
