@@ -110,7 +110,7 @@ def test_tier_batched_reads_queue_their_records(monkeypatch, on_stream):
     """``get_many_into`` over a tier that batches gets, CUDA destinations: every record goes through
     ``decode_queued``; good chunks land bit for bit as the host decodes them, a miss is None, a record
     with a flipped byte (refused on the host) and one whose stream is cut (refused by the device) are
-    misses and deleted."""
+    misses and deleted; records are queued ahead of the results taken (not one at a time)."""
     t_tok = 32
     shape = (L, 2, t_tok, H, D)
     m = fitted("plain")
@@ -127,9 +127,10 @@ def test_tier_batched_reads_queue_their_records(monkeypatch, on_stream):
     rec5 = inner.data[tier.inner_key(keys[5])]
     _, secs, _ = _parts(rec5)
     inner.data[tier.inner_key(keys[5])] = _repack(rec5, secs=[secs[0][:20], *secs[1:]])
-    calls = []
-    real = pca_codec.decode_queued
-    monkeypatch.setattr(pca_codec, "decode_queued", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls: list[str] = []  # "q": a record queued, "r": a result taken
+    real, real_result = pca_codec.decode_queued, pca_codec.PendingChunk.result
+    monkeypatch.setattr(pca_codec, "decode_queued", lambda *a, **kw: calls.append("q") or real(*a, **kw))
+    monkeypatch.setattr(pca_codec.PendingChunk, "result", lambda self: calls.append("r") or real_result(self))
     nbytes = math.prod(shape) * 2
     outs = [torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda") for _ in keys]
     stream = torch.cuda.Stream() if on_stream else None
@@ -137,7 +138,9 @@ def test_tier_batched_reads_queue_their_records(monkeypatch, on_stream):
     if stream is not None:
         stream.synchronize()
     assert got == [nbytes, None, nbytes, None, nbytes, None, nbytes]
-    assert len(calls) == 6  # every record read, the miss not
+    # every record read is queued (the miss not), three before the first result (the fourth item is the
+    # miss), then one more after each result: q q q r q q r q r r r (the flipped record has no result)
+    assert calls == list("qqqrqqrqrrr")
     for i in (0, 2, 4, 6):
         want = pca.decode(pca.encode(chunks[i], start=32 * i, model=m, level="pca_default"), model=m)
         assert torch.equal(outs[i].cpu().view(torch.bfloat16).view(shape).view(torch.int16), _bits(want))

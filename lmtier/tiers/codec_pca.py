@@ -273,7 +273,8 @@ class PCACodecTier(RecordTier):
 
         def decode() -> None:
             with self._on_device(dst.device) as side:
-                self._deliver(pca.decode(buf.mv[:n], model=self.model, device=dst.device), dst, stream, side)
+                p = pca_codec.decode_queued(buf.mv[:n], model=self.model, device=dst.device)
+                self._deliver(p.result(), dst, stream, side, p.ready)
 
         return self._decoded(key, ikey, n, decode)
 
@@ -288,7 +289,11 @@ class PCACodecTier(RecordTier):
         if len(items) < 2 or len(devs) != 1 or next(iter(devs)).type != "cuda":
             return super()._decode_many(items, stream)
         dev = next(iter(devs))
-        with self._on_device(dev) as side:
+        with contextlib.ExitStack() as stack:
+            try:
+                side = stack.enter_context(self._on_device(dev))
+            except Exception:  # noqa: BLE001 - no decode stream: each record alone, its failure a miss there
+                return super()._decode_many(items, stream)
 
             def queue(item: tuple) -> Any:
                 buf, n = item[2], item[3]
@@ -300,7 +305,7 @@ class PCACodecTier(RecordTier):
             def finish(p: Any, dst: torch.Tensor) -> None:
                 if isinstance(p, Exception):
                     raise p
-                self._deliver(p.result(), dst, stream, side)
+                self._deliver(p.result(), dst, stream, side, p.ready)
 
             out: list[int | None] = []
             pending = [queue(it) for it in items[:_QUEUED_DECODES]]
@@ -311,9 +316,10 @@ class PCACodecTier(RecordTier):
                     pending.append(queue(items[j + _QUEUED_DECODES]))
             return out
 
-    def _deliver(self, chunk: torch.Tensor, dst: torch.Tensor, stream: Any, side: Any) -> None:
-        """Copy a decoded ``chunk`` into ``dst`` (on ``stream`` after the decode's ``side`` stream when
-        both are given, else now).
+    def _deliver(self, chunk: torch.Tensor, dst: torch.Tensor, stream: Any, side: Any, ready: Any = None) -> None:
+        """Copy a decoded ``chunk`` into ``dst``: on ``stream`` after the decode (its ``ready`` event,
+        else everything queued on its ``side`` stream) when both are given; else now, on ``side`` (the
+        current stream), returning once it ran.
 
         Raises:
             CodecRecordError: a chunk of another dtype or shape than this tier's (the record is corrupt)."""
@@ -327,7 +333,10 @@ class PCACodecTier(RecordTier):
             if side is not None:
                 side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
             return
-        stream.wait_stream(side)  # the decode's kernels, then dst's earlier readers on stream
+        if ready is not None:  # this chunk's decode only, not the records queued after it
+            stream.wait_event(ready)
+        else:
+            stream.wait_stream(side)  # the decode's kernels, then dst's earlier readers on stream
         with torch.cuda.stream(stream):
             dst[: self.raw_bytes].copy_(flat)
         flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran

@@ -306,35 +306,45 @@ def decode(record: Any, *, model: PCAModel, num_threads: int = 0, device: Any = 
 class PendingChunk:
     """A chunk of :func:`decode_queued`: decoded on the host, or queued on a CUDA device's current
     stream with the checks that only the device can make (every rANS stream decoded to its count, no
-    escape symbol in a chunk stored without escapes) still on the device. :meth:`result` waits for
-    the device once and hands out the chunk only if they passed."""
+    escape symbol in a chunk stored without escapes) on their way to page-locked host memory behind
+    it. :meth:`result` waits for this chunk's work only (not for records queued after it) and hands
+    out the chunk only if the checks passed; :attr:`ready` is the event a consumer on another stream
+    waits for."""
 
     def __init__(self, chunk: torch.Tensor, queued: streams.QueuedStreams | None, found: torch.Tensor | None) -> None:
         self._chunk, self._queued, self._found = chunk, queued, found
         self._checked = queued is None and found is None
-        # the stream the decode was queued on: the checks are read after its work, whatever is current then
-        self._stream = None if self._checked else torch.cuda.current_stream(chunk.device)
+        self._checks: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        """CUDA: recorded on the decode's stream after its last kernel and the checks' copy (None on
+        the host, where the chunk is ready)."""
+        if not self._checked:  # the checks' copy, queued now: read by result() after `ready`
+            parts = [queued.status.long(), queued.counts] if queued is not None else []
+            if found is not None:
+                parts.append(found.long())
+            checks = torch.cat(parts)
+            self._checks = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True)
+            self._checks.copy_(checks, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(chunk.device))
 
     def result(self) -> torch.Tensor:
-        """The chunk, ``[L, 2, T, H, D]`` of the record's dtype on the device it was decoded on.
+        """The chunk, ``[L, 2, T, H, D]`` of the record's dtype on the device it was decoded on
+        (CUDA: once :attr:`ready`, i.e. the chunk is complete there).
 
         Raises:
             CodecRecordError: a rANS stream that did not decode to its count, or escape symbols in a
                 record that announces none (a corrupted record)."""
         if not self._checked:
-            q, found = self._queued, self._found
-            parts = [q.status.long(), q.counts] if q is not None else []
-            if found is not None:
-                parts.append(found.long())
-            with torch.cuda.stream(self._stream):  # one wait for the device: every check at once
-                got = torch.cat(parts).cpu().numpy()
-            s = 0 if q is None else q.status.numel()
+            self.ready.synchronize()  # this chunk's kernels and its checks' copy, nothing queued later
+            got = self._checks.numpy()
+            q, s = self._queued, 0 if self._queued is None else self._queued.status.numel()
             try:
                 if q is not None:
                     q.verify(got[:s].astype(np.int32), got[s : 2 * s])
             except ValueError as e:
                 raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-            if found is not None and (count := int(got[-1])):
+            if self._found is not None and (count := int(got[-1])):
                 raise CodecRecordError(f"corrupted PCA codec record: {count} escape symbols, 0 announced")
             self._checked = True
         return self._chunk

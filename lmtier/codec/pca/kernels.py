@@ -269,7 +269,7 @@ def decode(
 ) -> torch.Tensor:
     """Decoded chunk of symbols on a CUDA device (exact tokens come out as the mean; the caller
     overwrites them), bit for bit :func:`.transform.inverse` of the same coefficients:
-    :func:`queue_decode` and its escape check (this waits for the decode's first kernels).
+    :func:`queue_decode` and its escape check (this waits for the whole decode).
 
     Raises:
         As :func:`queue_decode`; EscapeCountError: escape symbols in a chunk given no escaped

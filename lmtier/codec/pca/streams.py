@@ -177,6 +177,8 @@ class QueuedStreams(NamedTuple):
     status: torch.Tensor
     counts: torch.Tensor
     length: int
+    stream: Any = None
+    """CUDA: the stream the decode was queued on (:meth:`result` reads the checks after its work)."""
 
     def verify(self, status: np.ndarray, counts: np.ndarray) -> None:
         """Check the host copies of :attr:`status` and :attr:`counts`.
@@ -188,8 +190,10 @@ class QueuedStreams(NamedTuple):
             raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {self.length} expected")
 
     def result(self) -> torch.Tensor:
-        """The symbols, once :meth:`verify` passed on this device's values (waits for the decode)."""
-        self.verify(self.status.cpu().numpy(), self.counts.cpu().numpy())
+        """The symbols, once :meth:`verify` passed on this device's values (waits for the decode, on
+        the stream it was queued on whatever stream is current)."""
+        with contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream):
+            self.verify(self.status.cpu().numpy(), self.counts.cpu().numpy())
         return self.symbols
 
 
@@ -259,7 +263,10 @@ def _queue(
     s_count = len(starts)
     if s_count == 0:
         none = torch.empty(0, dtype=torch.int64, device=device)
-        return QueuedStreams(torch.empty(0, length, dtype=torch.uint8, device=device), none.int(), none, length)
+        symbols = torch.empty(0, length, dtype=torch.uint8, device=device)
+        return QueuedStreams(
+            symbols, none.int(), none, length, torch.cuda.current_stream(device) if device.type == "cuda" else None
+        )
     if tables.shape[0] % s_count:
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
@@ -318,7 +325,7 @@ def _queue(
             )
     # src, scratch and descs are freed here with work still queued that reads them: their memory goes
     # back to torch's pool for the current stream only, which waits for every call before later work
-    return QueuedStreams(out, status, got, length)
+    return QueuedStreams(out, status, got, length, torch.cuda.current_stream(device) if cuda else None)
 
 
 _local = threading.local()
@@ -327,11 +334,13 @@ _local = threading.local()
 @contextlib.contextmanager
 def _side_by_side(device: torch.device, calls: int):
     """The streams ``calls`` coder calls run on, yielded in order: None each on the host; on a CUDA
-    device the current stream for the first and this thread's side streams for the others, which
-    start after the work queued so far on the current stream and which the current stream waits for
-    on leaving (so the calls run at the same time). A call's time is one warp's work on its longest
-    segment however few streams it has, and :func:`batches` splits a record's ``2R`` streams as 63
-    and 1 (``N`` = 1,024): in turn, the lone stream's call would double the decode."""
+    device the current stream for the first and this thread's side streams for the others (from
+    torch's pool: one may be another thread's or the current one, when the events keep the order and
+    those calls run in turn), which start after the work queued so far on the current stream and
+    which the current stream waits for on leaving (so the calls run at the same time). A call's time
+    is one warp's work on its longest segment however few streams it has, and :func:`batches` splits
+    a record's ``2R`` streams as 63 and 1 (``N`` = 1,024): in turn, the lone stream's call would
+    double the decode."""
     if device.type != "cuda":
         yield [None] * calls
         return
