@@ -183,10 +183,12 @@ def test_stream_helpers_give_the_coders_bytes_and_symbols():
     region = b"".join(h + bytes(-len(h) % 4) for h in host)  # a record's streams: one region, 4-byte aligned
     starts = np.cumsum([0] + [-(-len(h) // 4) * 4 for h in host[:-1]])
     sizes = np.array([len(h) for h in host])
-    assert torch.equal(streams.decode_spans(region, starts, sizes, data.tables, n * 64, torch.device("cpu")), sym)
+    assert torch.equal(
+        streams.queue_spans(region, starts, sizes, data.tables, n * 64, torch.device("cpu")).result(), sym
+    )
     for bad_starts, bad_sizes in ((starts + 2, sizes), (starts + len(region), sizes), (starts, -sizes)):
         with pytest.raises(ValueError, match="outside the region of .* or not 4-byte aligned"):  # misaligned, out
-            streams.decode_spans(region, bad_starts, bad_sizes, data.tables, n * 64, torch.device("cpu"))
+            streams.queue_spans(region, bad_starts, bad_sizes, data.tables, n * 64, torch.device("cpu"))
     other_run = rans.encode([sym[0].numpy()], table_ids=0, tables=data.tables, run_lens=32).stream(0)
     with pytest.raises(ValueError, match="stream 0 switches tables every 32 symbols, its layout needs 64"):
         streams.decode([bytes(other_run), *host[1:]], data.tables, n * 64, torch.device("cpu"))

@@ -24,7 +24,6 @@ from lmtier.codec import rans
 __all__ = [
     "encode",
     "decode",
-    "decode_spans",
     "queue_spans",
     "QueuedStreams",
     "upload",
@@ -145,17 +144,17 @@ def decode(
 ) -> torch.Tensor:
     """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of encoded streams
     (host bytes-like, each its own buffer) with the table layout of :func:`encode`. Packs them into one
-    region and calls :func:`decode_spans` (a record's streams are one region already: use that).
+    region and decodes it with :func:`queue_spans` (a record's streams are one region already: use that).
 
     Raises:
-        ValueError: as :func:`decode_spans`.
+        ValueError: as :func:`queue_spans` and :meth:`QueuedStreams.result`.
     """
     sizes = [memoryview(s).nbytes for s in sections]
     starts = np.concatenate([[0], np.cumsum([-(-z // 4) * 4 for z in sizes])]).astype(np.int64)
     region = np.zeros(int(starts[-1]), np.uint8)
     for st, sec, z in zip(starts, sections, sizes):
         region[st : st + z] = np.frombuffer(sec, np.uint8)
-    return decode_spans(region, starts[:-1], np.asarray(sizes, np.int64), tables, length, device, num_threads)
+    return queue_spans(region, starts[:-1], np.asarray(sizes, np.int64), tables, length, device, num_threads).result()
 
 
 def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -197,26 +196,6 @@ class QueuedStreams(NamedTuple):
         return self.symbols
 
 
-def decode_spans(
-    region: Any,
-    starts: Any,
-    sizes: Any,
-    tables: torch.Tensor | np.ndarray,
-    length: int,
-    device: torch.device,
-    num_threads: int = 0,
-) -> torch.Tensor:
-    """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of the ``S`` encoded
-    streams at ``region[starts[i] : starts[i] + sizes[i]]`` (host bytes-like; ``starts`` 4-byte aligned,
-    as a record's sections are) with the table layout of :func:`encode`: :func:`queue_spans`, then its
-    checks (on a CUDA device this waits for the decode).
-
-    Raises:
-        ValueError: as :func:`queue_spans`; a stream that does not decode.
-    """
-    return queue_spans(region, starts, sizes, tables, length, device, num_threads).result()
-
-
 def queue_spans(
     region: Any,
     starts: Any,
@@ -228,8 +207,12 @@ def queue_spans(
     *,
     uploaded: torch.Tensor | None = None,
 ) -> QueuedStreams:
-    """The decode of :func:`decode_spans`, queued on ``device``'s current stream without waiting for it
-    (the host decodes at once), its status and counts not yet checked (:meth:`QueuedStreams.verify`).
+    """The symbols, uint8 ``[S, length]`` on ``device`` (the host or a CUDA device), of the ``S``
+    encoded streams at ``region[starts[i] : starts[i] + sizes[i]]`` (host bytes-like; ``starts``
+    4-byte aligned, as a record's sections are) with the table layout of :func:`encode`: their decode
+    queued on ``device``'s current stream without waiting for it (the host decodes at once), the
+    coder's status and counts not yet checked (:meth:`QueuedStreams.result` checks them and hands
+    out the symbols).
 
     Args:
         uploaded: CUDA ``device`` only: uint8 ``region`` already on the device (from byte 0; e.g. one
