@@ -522,16 +522,18 @@ def test_paged_kv_views_read_what_the_product_writes(n, block):
 
 
 def _pca_spies(monkeypatch):
-    """Spies on lmtier.codec.pca.encode / decode (the PCA tier's and the bench guard's calls) and on
-    PCACodecTier.get_many_into; returns ``(records by (start, level), counters)``."""
+    """Spies on lmtier.codec.pca.encode and lmtier.codec.pca.codec.decode_queued (every decode: the PCA
+    tier's and, through lmtier.codec.pca.decode, the bench guard's) and on PCACodecTier.get_many_into;
+    returns ``(records by (start, level), counters)``."""
     import collections
 
     from lmtier.codec import pca
+    from lmtier.codec.pca import codec as pca_codec
     from lmtier.tiers.codec_pca import PCACodecTier
 
     records = collections.defaultdict(set)
     calls = collections.Counter()
-    enc, dec, get = pca.encode, pca.decode, PCACodecTier.get_many_into
+    enc, dec, get = pca.encode, pca_codec.decode_queued, PCACodecTier.get_many_into
 
     def encode(chunk, *, start, model, level, **kw):
         rec = enc(chunk, start=start, model=model, level=level, **kw)
@@ -549,7 +551,7 @@ def _pca_spies(monkeypatch):
         return got
 
     monkeypatch.setattr(pca, "encode", encode)
-    monkeypatch.setattr(pca, "decode", decode)
+    monkeypatch.setattr(pca_codec, "decode_queued", decode)
     monkeypatch.setattr(PCACodecTier, "get_many_into", get_many_into)
     return records, calls
 
