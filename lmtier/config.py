@@ -203,6 +203,7 @@ __all__ = [
     "RemoteConfig",
     "LMTierConfig",
     "load_config",
+    "naming_overrides",
     "CODEC_LEVELS",
     "PCA_CODEC_LEVELS",
     "IGNORED_LMCACHE_KEYS",
@@ -592,16 +593,35 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     try:
         return _build(raw, env)
     except ConfigError as e:
-        if e.key in from_env:
-            err = ConfigError(f"{e} (the value of the environment variable {from_env[e.key]})")
-        elif named := [f"{k} from the environment variable {n}" for k, n in sorted(from_env.items())
-                       if re.search(rf"\b{re.escape(k)}\b", str(e))]:  # fmt: skip
-            # a check across keys naming an overridden one (e.g. codec_pca_model without a cachegen serde)
-            err = ConfigError(f"{e} ({'; '.join(named)})")
-        else:
+        err = naming_overrides(e, env)
+        if err is e:
             raise
-        err.key = e.key
         raise err from None
+
+
+_KEY_LISTS = re.compile(r"\(did you mean [^)]*\)|known: \[[^\]]*\]")
+"""Parts of a message that list keys without blaming them (an unknown key's guess and the known keys)."""
+
+
+def naming_overrides(e: ConfigError, env: Mapping[str, str] | None = None) -> ConfigError:
+    """``e`` with the ``LMTIER_<KEY>`` variables of ``env`` (default ``os.environ``) it is about named:
+    the variable of the key at fault (``e.key``), else those of other keys the message names (a check
+    across keys, e.g. ``codec_pca_model`` without a cachegen serde because
+    ``LMTIER_LOCAL_DISK_SERDE=naive``; lists of known keys and guesses do not count). Only names,
+    never values (a variable may hold a secret). Returns ``e`` itself when there is none."""
+    env = os.environ if env is None else env
+    from_env = {key: name for name in env if (key := envs.config_key_of(name)) is not None}
+    if e.key in from_env:
+        err = ConfigError(f"{e} (the value of the environment variable {from_env[e.key]})")
+    else:
+        text = _KEY_LISTS.sub("", str(e))
+        named = [f"{k} from the environment variable {n}" for k, n in sorted(from_env.items())
+                 if re.search(rf"\b{re.escape(k)}\b", text)]  # fmt: skip
+        if not named:
+            return e
+        err = ConfigError(f"{e} ({'; '.join(named)})")
+    err.key = e.key
+    return err
 
 
 def _variables_named(raw: Mapping[str, Any]) -> set[str]:

@@ -452,3 +452,16 @@ def test_an_environment_override_named_by_a_check_across_keys_is_named(tmp_path)
         "environment variable LMTIER_LOCAL_DISK_SERDE)"
     )
     assert e.value.key == "codec_pca_model" and "LMTIER_LOCAL_DISK)" not in str(e.value)
+
+
+def test_a_typo_in_the_file_blames_no_override(tmp_path):
+    """An unknown key's message lists the known keys and a guess: those name no override (a
+    newcomer's finding: every set ``LMTIER_*`` variable was named, a Redis URL's among them)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 256\nlocal_disk_serdes: cachegen\n")
+    env = {"LMTIER_REMOTE_URL": "redis://:pw@localhost:6379", "LMTIER_CHUNK_SIZE": "512",
+           "LMTIER_LOCAL_DISK_SERDE": "naive"}  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f), env=env)
+    assert "did you mean local_disk_serde?" in str(e.value) and "environment" not in str(e.value)
+    assert "pw" not in str(e.value)

@@ -116,6 +116,17 @@ def test_codec_on_a_float32_kv_cache_fails_there(config_file, tmp_path, tier):
     assert _layout(_vllm_config(dtype="bfloat16")) is None
 
 
+def test_codec_set_by_an_override_on_a_float32_cache_names_the_variable(config_file, tmp_path, monkeypatch):
+    """The same refusal when the YAML says ``naive`` and ``LMTIER_LOCAL_DISK_SERDE=cachegen`` turns
+    the codec on: the message names the variable (a newcomer's finding: it pointed at the file)."""
+    config_file(chunk_size=256, local_disk=f"file://{tmp_path}/disk", max_local_disk_size=0.1,
+                local_disk_serde="naive", codec_level="high")  # fmt: skip
+    monkeypatch.setenv("LMTIER_LOCAL_DISK_SERDE", "cachegen")
+    with pytest.raises(ConfigError, match=r"this engine's KV cache is float32 .*\(the value of the environment "
+                                          r"variable LMTIER_LOCAL_DISK_SERDE\)$"):  # fmt: skip
+        _layout(_vllm_config())
+
+
 def test_cuda_graph_hook_checks_options_and_yaml(config_file):
     """``requires_piecewise_for_cudagraph``: what vLLM asks while building its configuration when full
     CUDA graphs are on (its CUDA default), before any engine process starts."""

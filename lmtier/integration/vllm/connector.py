@@ -46,7 +46,7 @@ import re
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from lmtier.config import LMTierConfig, load_config
+from lmtier.config import ConfigError, LMTierConfig, load_config, naming_overrides
 from lmtier.integration.vllm.common import (
     cpu_slab_kind,
     kv_cache_dtype_name,
@@ -228,7 +228,10 @@ def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[Conne
     if vllm_config is not None:  # (not in vLLM's front-end process: it would keep a model file it never uses)
         config.validate_for(vllm_config.cache_config.block_size)
         if (kv_dtype := kv_cache_dtype_name(vllm_config)) is not None:  # a codec on a float32 cache
-            check_codec_dtype(config, kv_dtype)
+            try:
+                check_codec_dtype(config, kv_dtype)
+            except ConfigError as e:  # the serde may come from LMTIER_LOCAL_DISK_SERDE, not the file
+                raise naming_overrides(e) from None
         load_pca_model(config)
     return options, config
 
