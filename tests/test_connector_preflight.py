@@ -74,6 +74,16 @@ def test_chunk_size_not_a_multiple_of_the_block_size_fails_there(config_file):
         _layout(_vllm_config())
 
 
+def test_a_chunk_size_from_the_environment_is_named_there(config_file, monkeypatch):
+    """The block-size check's error names ``LMTIER_CHUNK_SIZE`` when the override set the value (the
+    YAML's own 256 is fine)."""
+    config_file(chunk_size=256)
+    monkeypatch.setenv("LMTIER_CHUNK_SIZE", "24")
+    with pytest.raises(ConfigError, match=r"chunk_size=24: must be a multiple of the KV block size 16.* \(the "
+                                          r"value of the environment variable LMTIER_CHUNK_SIZE\)$"):  # fmt: skip
+        _layout(_vllm_config())
+
+
 def test_bad_extra_config_and_kv_role_fail_there(config_file):
     config_file(chunk_size=256)
     with pytest.raises(ValueError, match="asyncloads"):

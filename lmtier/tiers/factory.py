@@ -94,12 +94,15 @@ def codec_chunk_shape(namespace: Namespace) -> tuple[int, int, int, int, int]:
     return namespace.chunk_shape
 
 
+def _codec_tiers(config: LMTierConfig) -> list[tuple[str, str]]:
+    """``(serde key, codec level)`` of each enabled disk or remote tier whose serde is cachegen."""
+    tiers = (("disk", "local_disk_serde", config.disk.enabled), ("remote", "remote_serde", config.remote.enabled))
+    return [(key, level) for tier, key, enabled in tiers if enabled and (level := config.serde_level(tier)) is not None]
+
+
 def _uses_pca(config: LMTierConfig) -> bool:
     """Whether an enabled disk or remote tier has a PCA codec level."""
-    return any(
-        enabled and config.serde_level(tier) is not None and config.codec_pca_model is not None
-        for tier, enabled in (("disk", config.disk.enabled), ("remote", config.remote.enabled))
-    )
+    return config.codec_pca_model is not None and bool(_codec_tiers(config))
 
 
 def load_pca_model(config: LMTierConfig) -> PCAModel | None:
@@ -141,12 +144,8 @@ def check_codec_dtype(config: LMTierConfig, kv_dtype: str) -> None:
             naming the key."""
     from lmtier.tiers.record_tier import CODEC_KV_DTYPES
 
-    for tier, key, enabled in (
-        ("disk", "local_disk_serde", config.disk.enabled),
-        ("remote", "remote_serde", config.remote.enabled),
-    ):
-        level = config.serde_level(tier)
-        if enabled and level is not None and kv_dtype not in CODEC_KV_DTYPES:
+    for key, level in _codec_tiers(config):
+        if kv_dtype not in CODEC_KV_DTYPES:
             raise config_error(
                 key,
                 "cachegen",
@@ -158,13 +157,7 @@ def check_codec_dtype(config: LMTierConfig, kv_dtype: str) -> None:
 def check_codecs(config: LMTierConfig, namespace: Namespace, *, pca_model: PCAModel | None = None) -> None:
     """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache
     (``pca_model``: :func:`load_pca_model`'s, loaded here when None and a PCA level is in use)."""
-    for tier, key, enabled in (
-        ("disk", "local_disk_serde", config.disk.enabled),
-        ("remote", "remote_serde", config.remote.enabled),
-    ):
-        level = config.serde_level(tier)
-        if not enabled or level is None:
-            continue
+    for key, level in _codec_tiers(config):
         if config.codec_pca_model is not None:  # a PCA level (lmtier.config checks the pair)
             from lmtier.tiers.codec_pca import check_pca_geometry
 

@@ -243,12 +243,12 @@ def _queue(
     num_threads: int,
     uploaded: torch.Tensor | None,
 ) -> QueuedStreams:
-    s_count = len(starts)
+    s_count, cuda = len(starts), device.type == "cuda"
+    current = torch.cuda.current_stream(device) if cuda else None  # the stream the decode is queued on
     if s_count == 0:
         none = torch.empty(0, dtype=torch.int64, device=device)
-        symbols = torch.empty(0, length, dtype=torch.uint8, device=device)
         return QueuedStreams(
-            symbols, none.int(), none, length, torch.cuda.current_stream(device) if device.type == "cuda" else None
+            torch.empty(0, length, dtype=torch.uint8, device=device), none.int(), none, length, current
         )
     if tables.shape[0] % s_count:
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
@@ -269,7 +269,7 @@ def _queue(
     if bad_run.any():
         i = int(np.flatnonzero(bad_run)[0])
         raise ValueError(f"stream {i} switches tables every {int(run[i])} symbols, its layout needs {length // n}")
-    if device.type == "cuda":
+    if cuda:
         if uploaded is None:  # lo is 4-byte aligned (checked above), so every span keeps its alignment
             src, base_addr = upload(host[lo:hi], device), lo
         elif uploaded.device != device or uploaded.dtype != torch.uint8 or uploaded.numel() < hi:
@@ -286,9 +286,8 @@ def _queue(
     status = torch.zeros(s_count, dtype=torch.int32, device=device)
     calls = batches(s_count, n)
     desc = np.empty(s_count, rans.DECODE_DESC)  # one descriptor per stream, built at once
-    desc["src"] = (src.data_ptr() if device.type == "cuda" else src.ctypes.data) + (starts - base_addr)
+    desc["src"] = (src.data_ptr() if cuda else src.ctypes.data) + (starts - base_addr)
     desc["src_bytes"], desc["dst"], desc["dst_capacity"] = sizes, out.data_ptr() + length * np.arange(s_count), length
-    cuda = device.type == "cuda"
     descs = upload(desc, device) if cuda else desc  # every call's descriptors, one copy
     # one scratch per call, all alive until the calls joined: the calls run at the same time
     scratch = [torch.empty(rans.decode_scratch_bytes(len(c)), dtype=torch.uint8, device=device) if cuda else None
@@ -308,7 +307,7 @@ def _queue(
             )
     # src, scratch and descs are freed here with work still queued that reads them: their memory goes
     # back to torch's pool for the current stream only, which waits for every call before later work
-    return QueuedStreams(out, status, got, length, torch.cuda.current_stream(device) if cuda else None)
+    return QueuedStreams(out, status, got, length, current)
 
 
 _local = threading.local()

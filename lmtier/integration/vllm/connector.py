@@ -226,13 +226,16 @@ def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[Conne
     options = ConnectorOptions.parse(extra_config)
     config = load_config()
     if vllm_config is not None:  # (not in vLLM's front-end process: it would keep a model file it never uses)
-        config.validate_for(vllm_config.cache_config.block_size)
-        if (kv_dtype := kv_cache_dtype_name(vllm_config)) is not None:  # a codec on a float32 cache
-            try:
+        try:
+            config.validate_for(vllm_config.cache_config.block_size)
+            if (kv_dtype := kv_cache_dtype_name(vllm_config)) is not None:  # a codec on a float32 cache
                 check_codec_dtype(config, kv_dtype)
-            except ConfigError as e:  # the serde may come from LMTIER_LOCAL_DISK_SERDE, not the file
-                raise naming_overrides(e) from None
-        load_pca_model(config)
+            load_pca_model(config)
+        except ConfigError as e:  # a key at fault may come from an LMTIER_<KEY> override, not the file
+            err = naming_overrides(e)
+            if err is e:
+                raise
+            raise err from None
     return options, config
 
 
