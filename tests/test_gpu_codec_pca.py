@@ -16,7 +16,7 @@ import torch
 
 from lmtier.bench import codec_pca as bench
 from lmtier.codec import pca
-from lmtier.codec.pca import imatmul, kernels
+from lmtier.codec.pca import imatmul, kernels, native_decode
 from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, _calibration, _hand_model, _kv, fitted
 
@@ -24,13 +24,19 @@ pytestmark = pytest.mark.gpu
 LEVELS = ("pca_high", "pca_default")
 
 
-@pytest.fixture(params=["kernels", "torch"], autouse=True)
+@pytest.fixture(params=["kernels", "kernels-python", "torch"], autouse=True)
 def path(request, monkeypatch):
-    """Which CUDA path codes: the fused kernels (asserted built) or the torch fallback."""
-    if request.param == "kernels":
-        assert kernels.available(), "the extension was built without the PCA CUDA kernels"
-    else:
+    """Which CUDA path codes: the fused kernels (asserted built), a record without escapes decoded by
+    one native call (``kernels``, asserted available) or by the kernels queued one by one from Python
+    (``kernels-python``), or the torch fallback."""
+    if request.param == "torch":
         monkeypatch.setattr(kernels, "available", lambda: False)
+        return "torch"
+    assert kernels.available(), "the extension was built without the PCA CUDA kernels"
+    if request.param == "kernels":
+        assert native_decode.available(), "no lmtier._C.pca.decode_record, or no cuBLAS"
+    else:
+        monkeypatch.setattr(native_decode, "available", lambda: False)
     return request.param
 
 
@@ -62,12 +68,14 @@ def test_cuda_records_and_decodes_are_the_hosts(kind, level, path):
     esc = [_same(_models()[kind], level, kv, s) for kv, s in cases]
     if level == "pca_high" and kind == "quiet":
         assert esc[-1] > 0
-    if path == "kernels":  # each decode of T > 0 tokens read the symbols in place, or an int16 copy where escapes were
+    if path != "torch":  # each decode of T > 0 tokens read the symbols in place, or an int16 copy where escapes were
         after = kernels.decode_stats()
         coded = [e for (kv, _), e in zip(cases, esc) if kv.shape[2] > 0]  # T = 0 returns before either path
         assert len(coded) == len(esc) - 1
         assert after["symbols"] - before["symbols"] == sum(e == 0 for e in coded), (before, after, esc)
         assert after["int16"] - before["int16"] == sum(e > 0 for e in coded), (before, after, esc)
+        native = sum(e == 0 for e in coded) if path == "kernels" else 0  # one native call each
+        assert after["fused"] - before["fused"] == native, (before, after, esc)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -148,7 +156,7 @@ def test_cuda_gemms_run_batched_and_threads_share_nothing(path):
     """The kernels' GEMMs run as batched cuBLAS calls (``lmtier._C.pca.bgemm_s8``, never one by one):
     repeated encodes give the host's bytes, also from two threads at once on their own streams
     (each call's operands are its own: the threads share only the model's read-only matrices)."""
-    if path != "kernels":
+    if path == "torch":
         pytest.skip("the torch fallback runs torch._int_mm")
     import threading
 
@@ -192,7 +200,7 @@ def test_cuda_transform_in_batches_of_layer_groups_is_the_hosts(path, monkeypatc
     batch's kernels on views of the chunk's arrays at its groups' offsets): one group and two groups
     per batch (of the encoder's GEMM outputs at T = 40; the decoder's take half, so twice the groups)
     give the host's records and decodes, escapes included (``pca_high``'s many), short chunks too."""
-    if path != "kernels":
+    if path == "torch":
         pytest.skip("the torch fallback runs no batches")
     m = bench.tiled(fitted("plain"), 3)
     p8 = imatmul.prepared(m, "cuda")[0].p8
@@ -209,7 +217,7 @@ def test_cuda_transform_in_batches_of_layer_groups_is_the_hosts(path, monkeypatc
 def test_cuda_gemms_one_by_one_without_cublas_are_the_hosts(path, monkeypatch, why):
     """Where cuBLAS is not found, or refuses a batch, the GEMMs run one by one (``torch._int_mm``, its
     16-row padding for short chunks included) and give the host's records and decodes."""
-    if path != "kernels":
+    if path == "torch":
         pytest.skip("the torch fallback runs no batches")
     if why == "no cublas":
         monkeypatch.setattr(kernels, "_cublas", [False])

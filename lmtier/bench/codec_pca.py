@@ -18,7 +18,9 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
   (:func:`lmtier.codec.pca.codec.chunk_symbols`: the fused kernels on CUDA);
 * ``decode``: :func:`~lmtier.codec.pca.decode` of each host record onto the device (each waits for
   the device); ``decode_queued``: :func:`lmtier.codec.pca.codec.decode_queued` of every record, then
-  their results (one wait);
+  their results (one wait); ``decode_python``: the same with the kernels queued one by one from
+  Python (:func:`lmtier.codec.pca.native_decode.turned_off`; the product's path before the native
+  call, and still a record with escapes' path);
   ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`);
 * ``rans_enc`` / ``rans_dec``: the records' rANS streams alone (:mod:`lmtier.codec.pca.streams`, the
   calls :func:`~lmtier.codec.pca.encode` / :func:`~lmtier.codec.pca.decode` make), symbols on the
@@ -54,14 +56,14 @@ import torch
 from lmtier.bench.args import bounded_int, int_list, output_directory, output_file
 from lmtier.bench.common import print_table, system_header, wall_time_ms, write_json
 from lmtier.codec import pca
-from lmtier.codec.pca import codec, imatmul, kernels, rope, streams
+from lmtier.codec.pca import codec, imatmul, kernels, native_decode, rope, streams
 from lmtier.codec.pca.calibrate import default_layer_group
 from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
-           "decode_GBps", "decode_queued_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps", "gemm_batched_GBps",
-           "memcpy_GBps", "identical"]  # fmt: skip
+           "decode_GBps", "decode_queued_GBps", "decode_python_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps",
+           "gemm_batched_GBps", "memcpy_GBps", "identical"]  # fmt: skip
 MIN_CALIB_TOKENS = 12288
 """The default calibration's least tokens: at ``3 N`` alone a small ``N`` (1,024 at ``G = 1``) fits
 its few tokens, and 17 % of the chunks' tokens then came out loud (exact, raw bytes): not a codec's
@@ -227,6 +229,10 @@ def run(args) -> dict:
             _sync(dev)
             return out
 
+        def dec_python():  # decode with the kernels queued one by one from Python (no native call)
+            with native_decode.turned_off():
+                return dec_queued()
+
         def inv():
             out = [
                 codec.symbols_to_kv(m, sym[..., :t_], e, f_, s, torch.bfloat16) for (sym, _, e), s in zip(fws, starts)
@@ -251,12 +257,13 @@ def run(args) -> dict:
             _profile(Path(args.profile), level, (("encode", enc), ("decode", dec)), dev)
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
              (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
-              ("rans_dec", rans_dec), ("decode_queued", dec_queued))}  # fmt: skip
+              ("rans_dec", rans_dec), ("decode_queued", dec_queued), ("decode_python", dec_python))}  # fmt: skip
         same = True
         if dev.type == "cuda":
             same = all(pca.encode(c.cpu(), start=s, model=m, level=level) == r for c, s, r in zip(chunks, starts, recs))
             same &= bool(torch.equal(pca.decode(recs[0], model=m, device=dev).cpu(), pca.decode(recs[0], model=m)))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_queued(), recs))
+            same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_python(), recs))
         metas = [pca.record_meta(r) for r in recs]
         rows.append(
             dict(

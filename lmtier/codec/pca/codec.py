@@ -20,6 +20,7 @@ can collide, and a record must never decode with other data). Sections, in order
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from lmtier.codec import rans
 from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
-from . import imatmul, kernels, streams
+from . import imatmul, kernels, native_decode, streams
 from . import transform as tf
 from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
 from .model import DIGEST_BYTES, PCAModel
@@ -309,20 +310,28 @@ class PendingChunk:
     escape symbol in a chunk stored without escapes) on their way to page-locked host memory behind
     it. :meth:`result` waits for this chunk's work only (not for records queued after it) and hands
     out the chunk only if the checks passed; :attr:`ready` is the event a consumer on another stream
-    waits for."""
+    waits for.
 
-    def __init__(self, chunk: torch.Tensor, queued: streams.QueuedStreams | None, found: torch.Tensor | None) -> None:
-        self._chunk, self._queued, self._found = chunk, queued, found
-        self._checked = queued is None and found is None
+    Args:
+        chunk: the chunk (on the host: complete; on CUDA: being decoded on the current stream).
+        checks: CUDA only: the device's check values (a tensor on the chunk's device, any dtype),
+            copied now to page-locked memory behind :attr:`ready`.
+        verify: CUDA only: called with the host copy of ``checks`` (a NumPy array of their dtype);
+            raises ValueError naming what the record got wrong."""
+
+    def __init__(
+        self,
+        chunk: torch.Tensor,
+        checks: torch.Tensor | None = None,
+        verify: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
+        self._chunk, self._verify = chunk, verify
+        self._checked = checks is None
         self._checks: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
         """CUDA: recorded on the decode's stream after its last kernel and the checks' copy (None on
         the host, where the chunk is ready)."""
-        if not self._checked:  # the checks' copy, queued now: read by result() after `ready`
-            parts = [queued.status.long(), queued.counts] if queued is not None else []
-            if found is not None:
-                parts.append(found.long())
-            checks = torch.cat(parts)
+        if checks is not None:  # the checks' copy, queued now: read by result() after `ready`
             self._checks = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True)
             self._checks.copy_(checks, non_blocking=True)
             self.ready = torch.cuda.Event()
@@ -337,17 +346,26 @@ class PendingChunk:
                 record that announces none (a corrupted record)."""
         if not self._checked:
             self.ready.synchronize()  # this chunk's kernels and its checks' copy, nothing queued later
-            got = self._checks.numpy()
-            q, s = self._queued, 0 if self._queued is None else self._queued.status.numel()
             try:
-                if q is not None:
-                    q.verify(got[:s].astype(np.int32), got[s : 2 * s])
+                self._verify(self._checks.numpy())
             except ValueError as e:
                 raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-            if self._found is not None and (count := int(got[-1])):
-                raise CodecRecordError(f"corrupted PCA codec record: {count} escape symbols, 0 announced")
             self._checked = True
         return self._chunk
+
+
+def _queued_checks(queued: streams.QueuedStreams, found: torch.Tensor | None):
+    """``(checks, verify)`` of :class:`PendingChunk` for a decode queued by :mod:`.kernels`: the coder's
+    status and counts, then the escape symbols ``decode_pre_symbols`` counted (if it ran)."""
+    parts = [queued.status.long(), queued.counts] + ([found.long()] if found is not None else [])
+    s = queued.status.numel()
+
+    def verify(got: np.ndarray) -> None:
+        queued.verify(got[:s].astype(np.int32), got[s : 2 * s])
+        if found is not None and (count := int(got[-1])):
+            raise ValueError(f"{count} escape symbols, 0 announced")
+
+    return torch.cat(parts), verify
 
 
 class _Parsed(NamedTuple):
@@ -383,6 +401,19 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
     offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
     n_exact = int(p.exact.sum())
     fused = dev.type == "cuda" and kernels.available()
+    if fused and not p.n_esc and native_decode.available():  # the whole decode queued by one native call
+        try:
+            with torch.cuda.device(dev):
+                out, checks, how = native_decode.queue(
+                    model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, arrays.tables, arrays.f,
+                    p.start, p.dtype, dev,
+                )  # fmt: skip
+        except ValueError as e:
+            raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
+        except RuntimeError as e:  # a step refused (e.g. cuBLAS a GEMM): the Python-driven kernels below
+            native_decode.disable(str(e))
+        else:
+            return PendingChunk(out, checks, how.verify)
     try:  # sized by T: a stream of another count raises
         if fused:  # one upload of every section the device reads
             up = streams.upload(np.frombuffer(rec.payload, np.uint8)[: int((offs + lens).max())], dev)
@@ -417,7 +448,7 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
         else:
             raw = torch.frombuffer(bytearray(rec.section((r2 + 2) // S, (r2 + 2) % S)), dtype=p.dtype)
             out[:, :, torch.from_numpy(p.exact).to(dev)] = raw.reshape(shape).to(dev)
-    return PendingChunk(out, q if fused else None, found)
+    return PendingChunk(out, *_queued_checks(q, found)) if fused else PendingChunk(out)
 
 
 def _device(device: Any) -> torch.device:

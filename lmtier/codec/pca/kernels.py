@@ -97,7 +97,7 @@ def _gemm(a: torch.Tensor, b: imatmul.SplitMatrix, out: torch.Tensor, i: int) ->
 
 
 _stats = {"batched": 0, "eager": 0, "refused": 0}
-_decode_paths = {"symbols": 0, "int16": 0}
+_decode_paths = {"symbols": 0, "int16": 0, "fused": 0}
 _cublas: list[bool | None] = [None]
 """Whether ``lmtier._C.pca.bgemm_s8`` found cuBLAS (checked at the first GEMM: torch has loaded it by
 then); without it every GEMM runs one by one."""
@@ -111,8 +111,8 @@ def gemm_stats() -> dict[str, int]:
 
 def decode_stats() -> dict[str, int]:
     """Counts of the CUDA decodes that read the uint8 symbols in place (``symbols``:
-    ``decode_pre_symbols``, a chunk without escapes) or an int16 copy with the escapes filled in
-    (``int16``)."""
+    ``decode_pre_symbols``, a chunk without escapes; ``fused``: those of them queued by one native call,
+    :mod:`.native_decode`) or an int16 copy with the escapes filled in (``int16``)."""
     return dict(_decode_paths)
 
 

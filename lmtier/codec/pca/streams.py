@@ -27,6 +27,7 @@ __all__ = [
     "queue_spans",
     "QueuedStreams",
     "upload",
+    "check_spans",
     "run_length",
     "streams_per_call",
     "table_base",
@@ -254,21 +255,8 @@ def _queue(
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
     host = np.frombuffer(region, np.uint8)
-    if (starts < 0).any() or (sizes < 0).any() or (sizes > host.size - starts).any() or (starts % 4).any():
-        raise ValueError(f"stream spans outside the region of {host.size} bytes or not 4-byte aligned")
+    check_spans(host, starts, sizes, length, n)  # before anything is allocated
     lo, hi = int(starts.min()), int((starts + sizes).max())
-    heads = rans.stream_headers(host, starts, sizes)  # checked before anything is allocated
-    if (heads["num_symbols"] != length).any():
-        raise ValueError(f"rANS streams of {sorted(set(heads['num_symbols'].tolist()))} symbols, {length} expected")
-    base = table_base(np.arange(s_count), n)
-    if (heads["table_id"] != base).any():
-        i = int(np.flatnonzero(heads["table_id"] != base)[0])
-        raise ValueError(f"stream {i} names table {int(heads['table_id'][i])}, its layout needs {int(base[i])}")
-    run = 32 * heads["run_words"].astype(np.int64)
-    bad_run = ((heads["flags"] & 1) == 0) & (run != length // n)  # an adaptive stream codes with its own table
-    if bad_run.any():
-        i = int(np.flatnonzero(bad_run)[0])
-        raise ValueError(f"stream {i} switches tables every {int(run[i])} symbols, its layout needs {length // n}")
     if cuda:
         if uploaded is None:  # lo is 4-byte aligned (checked above), so every span keeps its alignment
             src, base_addr = upload(host[lo:hi], device), lo
@@ -308,6 +296,28 @@ def _queue(
     # src, scratch and descs are freed here with work still queued that reads them: their memory goes
     # back to torch's pool for the current stream only, which waits for every call before later work
     return QueuedStreams(out, status, got, length, current)
+
+
+def check_spans(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray, length: int, n: int) -> None:
+    """Check the ``S`` stream spans ``host[starts[i] : starts[i] + sizes[i]]`` (uint8; int64 ``starts``,
+    ``sizes``) of streams of ``n`` tables decoding to ``length`` symbols each, before a decode reads them.
+
+    Raises:
+        ValueError: as :func:`queue_spans` (every header read, none decoded)."""
+    if (starts < 0).any() or (sizes < 0).any() or (sizes > host.size - starts).any() or (starts % 4).any():
+        raise ValueError(f"stream spans outside the region of {host.size} bytes or not 4-byte aligned")
+    heads = rans.stream_headers(host, starts, sizes)
+    if (heads["num_symbols"] != length).any():
+        raise ValueError(f"rANS streams of {sorted(set(heads['num_symbols'].tolist()))} symbols, {length} expected")
+    base = table_base(np.arange(len(starts)), n)
+    if (heads["table_id"] != base).any():
+        i = int(np.flatnonzero(heads["table_id"] != base)[0])
+        raise ValueError(f"stream {i} names table {int(heads['table_id'][i])}, its layout needs {int(base[i])}")
+    run = 32 * heads["run_words"].astype(np.int64)
+    bad_run = ((heads["flags"] & 1) == 0) & (run != length // n)  # an adaptive stream codes with its own table
+    if bad_run.any():
+        i = int(np.flatnonzero(bad_run)[0])
+        raise ValueError(f"stream {i} switches tables every {int(run[i])} symbols, its layout needs {length // n}")
 
 
 _local = threading.local()

@@ -1,0 +1,130 @@
+// lmtier — one PCA record's CUDA decode queued by the host in one call (see DecodeRecordArgs in
+// lmtier/pca.h): the ~20 launches, memsets and event operations that lmtier/codec/pca/kernels.py
+// and streams.py queue one Python call at a time, here without the interpreter between them.
+// Compiled by the host compiler, CUDA builds only.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+#include "lmtier/common.h"
+#include "lmtier/int8_gemm.h"
+#include "lmtier/pca.h"
+#include "lmtier/rans.h"
+
+namespace lmtier {
+namespace pca {
+namespace {
+
+// This thread's side streams and events on one device, created at first use and kept for the
+// thread's life (never destroyed: a thread may outlive the static destructors at exit).
+struct SideStreams {
+  int device = -1;
+  cudaEvent_t forked = nullptr;
+  std::vector<cudaStream_t> streams;
+  std::vector<cudaEvent_t> joined;
+};
+
+SideStreams& sides(int device, size_t count) {
+  thread_local std::vector<SideStreams>* per_device = new std::vector<SideStreams>;
+  SideStreams* s = nullptr;
+  for (auto& x : *per_device)
+    if (x.device == device) s = &x;
+  if (s == nullptr) {
+    per_device->push_back(SideStreams{});
+    s = &per_device->back();
+    s->device = device;
+    LMTIER_CUDA_CHECK(cudaEventCreateWithFlags(&s->forked, cudaEventDisableTiming));
+  }
+  while (s->streams.size() < count) {
+    cudaStream_t st = nullptr;
+    cudaEvent_t ev = nullptr;
+    LMTIER_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    LMTIER_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    s->streams.push_back(st);
+    s->joined.push_back(ev);
+  }
+  return *s;
+}
+
+// The rANS calls of the record's streams: call k takes streams [k B, (k + 1) B) and their tables
+// (its table ids are relative to its slice, lmtier/codec/pca/streams.py's table_base). A call lasts
+// as long as one warp's work on its longest segment however few streams it has, so the calls run
+// side by side: call 0 on `stream`, the others on side streams that start after the work queued so
+// far on `stream` and that `stream` waits for (also when a launch throws).
+void decode_streams(const DecodeRecordArgs& a) {
+  const int64_t b = a.streams_per_call, n = a.tables_per_stream;
+  const int64_t calls = (a.num_streams + b - 1) / b;
+  auto* descs = static_cast<const rans::RansDecodeDesc*>(a.descs);
+  auto* main = static_cast<cudaStream_t>(a.stream);
+  auto launch = [&](int64_t k, cudaStream_t st) {
+    const int64_t lo = k * b, count = std::min(b, a.num_streams - lo);
+    rans::decode_cuda(descs + lo, count, a.tables + 256 * lo * n, count * n, a.counts + lo,
+                      a.status + lo, a.scratch + k * a.scratch_bytes, a.scratch_bytes, st);
+  };
+  if (calls <= 1) {
+    if (calls == 1) launch(0, main);
+    return;
+  }
+  int device = 0;
+  LMTIER_CUDA_CHECK(cudaGetDevice(&device));
+  SideStreams& s = sides(device, static_cast<size_t>(calls - 1));
+  LMTIER_CUDA_CHECK(cudaEventRecord(s.forked, main));
+  for (int64_t k = 1; k < calls; ++k) LMTIER_CUDA_CHECK(cudaStreamWaitEvent(s.streams[k - 1], s.forked, 0));
+  std::exception_ptr failed;
+  try {
+    launch(0, main);
+    for (int64_t k = 1; k < calls; ++k) launch(k, s.streams[k - 1]);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  for (int64_t k = 1; k < calls; ++k) {  // joined whatever was queued
+    LMTIER_CUDA_CHECK(cudaEventRecord(s.joined[k - 1], s.streams[k - 1]));
+    LMTIER_CUDA_CHECK(cudaStreamWaitEvent(main, s.joined[k - 1], 0));
+  }
+  if (failed) std::rethrow_exception(failed);
+}
+
+}  // namespace
+
+void decode_record(const DecodeRecordArgs& a) {
+  const PcaGeometry& g = a.g;
+  check_geometry(g, a.cos_t != nullptr);
+  LMTIER_CHECK_ARG(g.T > 0 && a.t32 >= g.T && a.t32 % 32 == 0, "decode_record: T ", g.T, ", t32 ",
+                   a.t32);
+  LMTIER_CHECK_ARG(a.num_streams == 2 * int64_t{g.R()} && a.streams_per_call > 0 &&
+                       a.tables_per_stream == g.N() &&
+                       a.streams_per_call * a.tables_per_stream <= rans::kAdaptiveTable,
+                   "decode_record: ", a.num_streams, " streams of ", a.tables_per_stream,
+                   " tables, ", a.streams_per_call, " a call, for R ", g.R(), " N ", g.N());
+  LMTIER_CHECK_ARG(a.groups_per_batch > 0 && a.p8 > 0 && a.p8 % 4 == 0,
+                   "decode_record: groups_per_batch ", a.groups_per_batch, ", p8 ", a.p8);
+  LMTIER_CHECK_ARG(a.scratch_bytes >= rans::decode_scratch_bytes(a.streams_per_call),
+                   "decode_record: ", a.scratch_bytes, " scratch bytes a call, the coder needs ",
+                   rans::decode_scratch_bytes(a.streams_per_call));
+  auto* st = static_cast<cudaStream_t>(a.stream);
+  const int32_t R = g.R(), T = g.T, N8 = g.N8();
+  LMTIER_CUDA_CHECK(cudaMemsetAsync(a.esc_count, 0, sizeof(int32_t), st));
+  LMTIER_CUDA_CHECK(
+      cudaMemsetAsync(a.esc_row, 0, sizeof(int32_t) * (size_t{2} * R * T + 1), st));
+  decode_streams(a);
+  decode_pre_symbols(g, a.sym, a.t32, a.lo, a.rowsum, a.esc_count, a.stream);
+  const size_t elem = 2;  // bf16 / fp16
+  const size_t mat = size_t{2} * a.p8 * N8;  // one (layer group, K/V)'s [2 P8][N8] of dcat
+  for (int32_t r0 = 0; r0 < R; r0 += a.groups_per_batch) {
+    const int32_t r1 = std::min(R, r0 + a.groups_per_batch);
+    const PcaGeometry sub{(r1 - r0) * g.G, T, g.H, g.D, g.G};
+    igemm::bgemm_s8(2 * (r1 - r0), T, N8, 2 * a.p8, a.lo + size_t{2} * r0 * T * N8,
+                    a.dcat + 2 * r0 * mat, a.y, a.gemm_workspace, a.gemm_workspace_bytes,
+                    a.stream);
+    decode_post(a.dtype, sub, a.y, a.rowsum + size_t{2} * r0 * T, a.esc_row + size_t{2} * r0 * T,
+                nullptr, nullptr, a.dcat + 2 * r0 * mat, a.f + size_t{2} * r0 * g.N(),
+                a.mu + size_t{2} * r0 * g.N(), a.cos_t, a.sin_t,
+                static_cast<char*>(a.out) + elem * r0 * g.G * 2 * T * g.H * g.D, a.stream);
+  }
+}
+
+}  // namespace pca
+}  // namespace lmtier

@@ -1,0 +1,224 @@
+"""One PCA record's CUDA decode queued by one native call (``lmtier._C.pca.decode_record``,
+``csrc/pca_decode.cpp``), for a record without escaped coefficients (most at ``pca_default``): the
+rANS calls side by side, ``decode_pre_symbols``, the batched GEMMs and ``decode_post`` of
+:func:`.kernels.queue_decode`, the same kernels in the same order (so the same bits), with the
+interpreter out of the ~20 launches between them. The host's part: the record's checks, one
+page-locked upload (the coder's descriptors, the record's payload, the exact tokens' index) into one
+device workspace, one read-back of the checks (:class:`Checks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lmtier.codec import rans
+
+from . import imatmul, kernels, streams
+from . import transform as tf
+from .model import PCAModel
+
+__all__ = ["available", "queue", "Layout", "layout", "Checks", "disable", "turned_off"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 256
+_state = {"disabled": "", "off": 0}
+"""``disabled``: why the native decode is off for this process ("" while on), set by :func:`disable`
+after it raised once (then every record takes :func:`.kernels.queue_decode`'s path); ``off``: the
+:func:`turned_off` blocks open."""
+
+
+def available() -> bool:
+    """True when the extension has ``decode_record`` and the PCA kernels, cuBLAS was found (the native
+    GEMMs have no one-by-one fallback), :func:`disable` was not called and no :func:`turned_off` block
+    is open."""
+    c = kernels._native() if kernels.available() else None
+    if c is None or not hasattr(c, "decode_record") or _state["disabled"] or _state["off"]:
+        return False
+    if kernels._cublas[0] is None:
+        kernels._cublas[0] = not c.cublas_library().startswith("none")
+    return bool(kernels._cublas[0])
+
+
+@contextlib.contextmanager
+def turned_off():
+    """A block (of any thread) whose decodes take the Python-driven kernels: benchmarks time the two
+    paths in one run."""
+    _state["off"] += 1
+    try:
+        yield
+    finally:
+        _state["off"] -= 1
+
+
+def disable(why: str) -> None:
+    """Turn the native decode off for this process (logged once)."""
+    if not _state["disabled"]:
+        log.warning("lmtier: PCA records decode through the Python-driven kernels from now on (%s)", why)
+    _state["disabled"] = why
+
+
+def _up(x: int) -> int:
+    return -(-x // _ALIGN) * _ALIGN
+
+
+class Layout(NamedTuple):
+    """Byte offsets in one record's device workspace (each region 256-byte aligned): what the native
+    decode writes (symbols, GEMM operands and outputs, scratch), the checks read back
+    (``status`` .. ``checks_end``: int32 ``[S]`` coder status, int64 ``[S]`` symbol counts, int32 escape
+    count), then ``upload``: where the page-locked upload lands (descriptors, then the payload at
+    ``upload + payload``)."""
+
+    sym: int
+    lo: int
+    rowsum: int
+    esc_row: int
+    y: int
+    scratch: int
+    gemm: int
+    status: int
+    counts: int
+    esc_count: int
+    checks_end: int
+    upload: int
+    payload: int
+    scratch_bytes: int
+    streams_per_call: int
+    groups_per_batch: int
+
+
+def layout(rows: int, n: int, t: int, n8: int, p8: int) -> Layout:
+    """The :class:`Layout` of a record of ``rows`` (R) layer groups, ``n`` (N) components, ``t`` tokens,
+    the decode matrix's ``n8``, ``p8`` (with :func:`.streams.streams_per_call` and
+    :data:`.kernels.GEMM_BYTES` as they are now)."""
+    b, (r0, r1) = streams.streams_per_call(n), kernels._slices(rows, t, p8)[0]
+    return _layout(rows, n, t, n8, p8, b, r1 - r0, kernels.GEMM_WORKSPACE)
+
+
+@lru_cache(maxsize=64)
+def _layout(rows: int, n: int, t: int, n8: int, p8: int, b: int, gpb: int, gemm_ws: int) -> Layout:
+    s, t32 = 2 * rows, streams.run_length(t)
+    calls = -(-s // b)
+    scratch_bytes = _up(rans.decode_scratch_bytes(b))
+    sizes = [
+        ("sym", s * n * t32),
+        ("lo", s * t * n8),
+        ("rowsum", rows * 2 * t * 8),
+        ("esc_row", (rows * 2 * t + 1) * 4),
+        ("y", 2 * gpb * t * 2 * p8 * 4),
+        ("scratch", calls * scratch_bytes),
+        ("gemm", gemm_ws),
+    ]
+    off, at = {}, 0
+    for name, size in sizes:
+        off[name], at = at, at + _up(size)
+    status, counts = at, at + _up(4 * s)  # the checks: one contiguous region
+    esc_count = counts + 8 * s
+    checks_end = esc_count + 4
+    upload = _up(checks_end)
+    return Layout(**off, status=status, counts=counts, esc_count=esc_count, checks_end=checks_end, upload=upload,
+                  payload=_up(s * rans.DECODE_DESC.itemsize), scratch_bytes=scratch_bytes, streams_per_call=b,
+                  groups_per_batch=gpb)  # fmt: skip
+
+
+class Checks(NamedTuple):
+    """How to read a record's checks (the bytes ``Layout.status .. checks_end`` on the host)."""
+
+    streams: int
+    length: int
+    counts: int
+    esc_count: int
+
+    def verify(self, got: np.ndarray) -> None:
+        """Raise ValueError naming a stream that did not decode or decoded to another count, or escape
+        symbols (the record announced none) in the host copy ``got`` (uint8) of the checks."""
+        s = self.streams
+        rans._raise_status(got[: 4 * s].view(np.int32), "decode")
+        counts = got[self.counts : self.counts + 8 * s].view(np.int64)
+        if (counts != self.length).any():
+            raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {self.length} expected")
+        if found := int(got[self.esc_count : self.esc_count + 4].view(np.int32)[0]):
+            raise ValueError(f"{found} escape symbols, 0 announced")
+
+
+def queue(
+    m: PCAModel,
+    payload: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    exact: np.ndarray,
+    tables: torch.Tensor,
+    f: torch.Tensor,
+    start: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, Checks]:
+    """Queue the decode of a record without escaped coefficients on ``dev``'s current stream.
+
+    Args:
+        payload: the record's payload (uint8, host); offs, lens: int64 offsets and lengths of its
+            ``2R`` streams then its escapes, exact bitmap and exact tokens in it; exact: bool ``[T]``;
+            tables, f: the level's (on ``dev``); start: the first position; dtype: bf16 or fp16.
+
+    Returns:
+        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the checks' region of the workspace
+        (uint8 on ``dev``, to copy back once queued); their :class:`Checks`).
+
+    Raises:
+        ValueError: a stream header that does not fit the layout (:func:`.streams.check_spans`).
+        RuntimeError: a native step refused (the caller decodes otherwise).
+    """
+    c = kernels._native()
+    r, n, t = m.rows, m.vector_size, int(exact.size)
+    s, t32 = 2 * r, streams.run_length(t)
+    length = n * t32
+    streams.check_spans(payload, offs[:s], lens[:s], length, n)
+    dec = imatmul.prepared(m, dev)[1]
+    lay = layout(r, n, t, dec.n8, dec.p8)
+    n_exact = int(exact.sum())
+    used = int((offs + lens).max())
+    idx_at = -(-(lay.payload + used) // 8) * 8
+    host = torch.empty(idx_at + 8 * n_exact, dtype=torch.uint8, pin_memory=True)
+    hn = host.numpy()
+    ws = torch.empty(lay.upload + host.numel(), dtype=torch.uint8, device=dev)
+    base = ws.data_ptr()
+    desc = hn[: s * rans.DECODE_DESC.itemsize].view(rans.DECODE_DESC)
+    desc["src"] = base + lay.upload + lay.payload + offs[:s]
+    desc["src_bytes"] = lens[:s]
+    desc["dst"] = base + lay.sym + length * np.arange(s, dtype=np.uint64)
+    desc["dst_capacity"] = length
+    hn[lay.payload : lay.payload + used] = payload[:used]
+    if n_exact:
+        hn[idx_at:].view(np.int64)[:] = np.flatnonzero(exact)
+    ws[lay.upload :].copy_(host, non_blocking=True)
+    mu = tf.vectors(m, str(dev))[2]
+    cos, sin = kernels._rope(m, start, t, dev)
+    out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
+    ff = f if f.dtype == torch.float64 and f.is_contiguous() else f.to(torch.float64).contiguous()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    c.decode_record(
+        dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
+        t32=t32, descs=base + lay.upload, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
+        tables=tables.data_ptr(), counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
+        scratch_bytes=lay.scratch_bytes, sym=base + lay.sym, lo=base + lay.lo, rowsum=base + lay.rowsum,
+        esc_count=base + lay.esc_count, esc_row=base + lay.esc_row, y=base + lay.y,
+        groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
+        mu=mu.data_ptr(), cos_t=kernels._ptr(cos),
+        sin_t=kernels._ptr(sin), out=out.data_ptr(), gemm_workspace=base + lay.gemm,
+        gemm_workspace_bytes=kernels.GEMM_WORKSPACE, stream=stream,
+    )  # fmt: skip
+    if n_exact:
+        lo = lay.upload + lay.payload
+        raw = ws[lo + int(offs[s + 2]) : lo + int(offs[s + 2] + lens[s + 2])].view(dtype)
+        idx = ws[lay.upload + idx_at :].view(torch.int64)
+        out.index_copy_(2, idx, raw.reshape(m.num_layers, 2, n_exact, m.num_heads, m.head_size))
+    kernels._decode_paths["symbols"] += 1
+    kernels._decode_paths["fused"] += 1
+    checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status)
+    return out, ws[lay.status : lay.checks_end], checks

@@ -1,0 +1,88 @@
+"""The buffers of the native PCA decode (:mod:`lmtier.codec.pca.native_decode`), on the host: the
+workspace regions are aligned and disjoint and hold what the native call writes; the checks read back
+name a failed stream, a wrong count and escape symbols as the Python-driven path does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmtier.codec import rans
+from lmtier.codec.pca import kernels, native_decode, streams
+
+
+@pytest.mark.parametrize(("rows", "n", "t"), [(32, 1024, 256), (8, 4096, 256), (3, 64, 40), (1, 4, 1)])
+def test_layout_regions_are_aligned_disjoint_and_big_enough(rows, n, t):
+    n8, p8 = -(-n // 8) * 8, -(-n // 8) * 8
+    lay = native_decode.layout(rows, n, t, n8, p8)
+    s, t32 = 2 * rows, streams.run_length(t)
+    gpb = lay.groups_per_batch
+    assert gpb == kernels._slices(rows, t, p8)[0][1]
+    need = {
+        "sym": s * n * t32,
+        "lo": s * t * n8,
+        "rowsum": rows * 2 * t * 8,
+        "esc_row": (rows * 2 * t + 1) * 4,
+        "y": 2 * gpb * t * 2 * p8 * 4,
+        "scratch": len(streams.batches(s, n)) * rans.decode_scratch_bytes(streams.streams_per_call(n)),
+        "gemm": kernels.GEMM_WORKSPACE,
+        "status": 4 * s,
+        "counts": 8 * s,
+        "esc_count": 4,
+    }
+    spans = sorted((getattr(lay, k), getattr(lay, k) + v, k) for k, v in need.items())
+    for (_, a1, ka), (b0, _, kb) in zip(spans, spans[1:]):
+        assert a1 <= b0, (ka, kb)
+    assert spans[-1][1] == lay.checks_end <= lay.upload
+    for k in ("sym", "lo", "rowsum", "esc_row", "y", "scratch", "gemm", "status", "upload"):
+        assert getattr(lay, k) % 256 == 0, k
+    assert lay.counts % 8 == 0 and lay.payload % 256 == 0 and lay.payload >= s * rans.DECODE_DESC.itemsize
+    assert lay.scratch_bytes >= rans.decode_scratch_bytes(lay.streams_per_call)
+
+
+def test_layout_follows_the_gemm_batches(monkeypatch):
+    p8 = 1024
+    whole = native_decode.layout(32, 1024, 256, 1024, p8)
+    monkeypatch.setattr(kernels, "GEMM_BYTES", 2 * 256 * 2 * p8 * 4)  # one layer group a batch
+    one = native_decode.layout(32, 1024, 256, 1024, p8)
+    assert (whole.groups_per_batch, one.groups_per_batch) == (16, 1)
+    assert one.y < whole.y or one.upload < whole.upload
+
+
+def _checks(status, counts, esc):
+    s = len(status)
+    chk = native_decode.Checks(s, 512, 8 * -(-s // 2), 8 * -(-s // 2) + 8 * s)
+    got = np.zeros(chk.esc_count + 4, np.uint8)
+    got[: 4 * s].view(np.int32)[:] = status
+    got[chk.counts : chk.counts + 8 * s].view(np.int64)[:] = counts
+    got[chk.esc_count :].view(np.int32)[:] = esc
+    return chk, got
+
+
+def test_checks_pass_and_name_what_is_wrong():
+    chk, got = _checks([0, 0, 0], [512] * 3, 0)
+    chk.verify(got)
+    chk, got = _checks([0, 2, 0], [512] * 3, 0)
+    with pytest.raises(ValueError, match=r"rans decode failed for 1 stream\(s\): stream 1: "):
+        chk.verify(got)
+    chk, got = _checks([0, 0, 0], [512, 500, 512], 0)
+    with pytest.raises(ValueError, match=r"rANS streams of \[500, 512\] symbols, 512 expected"):
+        chk.verify(got)
+    chk, got = _checks([0, 0, 0], [512] * 3, 3)
+    with pytest.raises(ValueError, match="3 escape symbols, 0 announced"):
+        chk.verify(got)
+
+
+def test_not_available_without_a_device_build_or_cublas():
+    assert native_decode.available() == (
+        kernels.available() and hasattr(kernels._native(), "decode_record")
+        and not kernels._native().cublas_library().startswith("none")
+    )  # fmt: skip
+
+
+def test_turned_off_blocks_nest():
+    with native_decode.turned_off():
+        with native_decode.turned_off():
+            assert not native_decode.available()
+        assert not native_decode.available()
+    assert native_decode._state["off"] == 0

@@ -1,0 +1,98 @@
+"""One PCA record's CUDA decode queued by one native call (:mod:`lmtier.codec.pca.native_decode`,
+``lmtier._C.pca.decode_record``): at Llama-3.1-8B's geometry (64 streams: coder calls of 63 and 1,
+side by side; two batches of GEMMs; a sink chunk with exact tokens) its decodes equal the kernels
+queued one by one from Python and the host's, bit for bit, from threads on their own streams too; a
+native step that raises turns it off for the process and the record decodes the Python-driven way.
+Marked ``gpu``: skipped without a CUDA device. The refusals (cut streams, escape symbols announced
+as none) through this path: ``test_gpu_codec_pca_queued``."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+
+from lmtier.bench import codec_pca as bench
+from lmtier.codec import pca
+from lmtier.codec.pca import codec as pca_codec
+from lmtier.codec.pca import kernels, native_decode, streams
+from tests.test_codec_pca_product import _kv, fitted
+
+pytestmark = pytest.mark.gpu
+GEOM = (32, 8, 128, 1)  # Llama-3.1-8B: L, H, D, G (N = 1,024)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.cpu().contiguous().view(torch.int16)
+
+
+@functools.cache
+def _llama() -> tuple[pca.PCAModel, list[bytes]]:
+    m = bench.model_for(GEOM, bench.MIN_CALIB_TOKENS)
+    recs = [pca.encode(bench.synthetic_kv(GEOM, t, s, 7 + s).cuda(), start=s, model=m, level="pca_default")
+            for t, s in ((256, 0), (256, 256), (200, 512))]  # fmt: skip
+    return m, recs
+
+
+def test_llama_geometry_native_decodes_are_the_python_driven_and_the_hosts():
+    assert native_decode.available(), "no lmtier._C.pca.decode_record, or no cuBLAS"
+    m, recs = _llama()
+    assert len(streams.batches(2 * m.rows, m.vector_size)) == 2
+    assert pca.record_meta(recs[0]).exact_tokens > 0
+    assert all(pca.record_meta(r).escapes == 0 for r in recs)
+    before = kernels.decode_stats()
+    native = [pca.decode(r, model=m, device="cuda") for r in recs]
+    assert kernels.decode_stats()["fused"] - before["fused"] == len(recs)
+    with native_decode.turned_off():
+        driven = [pca.decode(r, model=m, device="cuda") for r in recs]
+    assert kernels.decode_stats()["fused"] - before["fused"] == len(recs)
+    for a, b in zip(native, driven, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(native[0]), _bits(pca.decode(recs[0], model=m)))  # the host: ~1 s a chunk
+
+
+def test_llama_geometry_native_decodes_from_threads_on_their_own_streams():
+    m, recs = _llama()
+    want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(3):
+                    pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
+                    for p, w in zip(pending, want, strict=True):
+                        assert torch.equal(_bits(p.result()), w)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_a_native_step_that_raises_turns_it_off_and_the_record_still_decodes(monkeypatch, caplog):
+    m = fitted("plain")
+    rec = pca.encode(_kv(40, 8, 31), start=8, model=m, level="pca_default")
+    assert pca.record_meta(rec).escapes == 0
+    want = _bits(pca.decode(rec, model=m))
+    monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
+
+    def refuse(**kw):
+        raise RuntimeError("lmtier: bgemm_s8: cublasGemmStridedBatchedEx failed (status 15)")
+
+    monkeypatch.setattr(kernels._native(), "decode_record", refuse)
+    assert native_decode.available()
+    before = kernels.decode_stats()
+    with caplog.at_level("WARNING", logger="lmtier.codec.pca.native_decode"):
+        assert torch.equal(_bits(pca.decode(rec, model=m, device="cuda")), want)
+        assert torch.equal(_bits(pca.decode(rec, model=m, device="cuda")), want)
+    after = kernels.decode_stats()
+    assert after["fused"] == before["fused"] and after["symbols"] - before["symbols"] == 2
+    assert not native_decode.available() and "status 15" in native_decode._state["disabled"]
+    assert sum("Python-driven" in r.message for r in caplog.records) == 1  # logged once
