@@ -396,8 +396,8 @@ void bind_pca(py::module_& m) {
       py::arg("scratch_bytes"), py::arg("sym"), py::arg("lo"), py::arg("rowsum"),
       py::arg("esc_count"), py::arg("esc_row"), py::arg("y"), py::arg("groups_per_batch"),
       py::arg("p8"), py::arg("dcat"), py::arg("f"), py::arg("mu"), py::arg("cos_t"),
-      py::arg("sin_t"), py::arg("out"), py::arg("gemm_workspace"),
-      py::arg("gemm_workspace_bytes"), py::arg("stream"),
+      py::arg("sin_t"), py::arg("out"), py::arg("gemm_workspace"), py::arg("gemm_workspace_bytes"),
+      py::arg("stream"),
       "One record's decode without escaped coefficients queued on `stream` (lmtier::pca::"
       "DecodeRecordArgs in lmtier/pca.h; device addresses): the rANS calls side by side, "
       "decode_pre_symbols, per batch of layer groups a batched GEMM and decode_post. Nothing "

@@ -72,7 +72,8 @@ void decode_streams(const DecodeRecordArgs& a) {
   LMTIER_CUDA_CHECK(cudaGetDevice(&device));
   SideStreams& s = sides(device, static_cast<size_t>(calls - 1));
   LMTIER_CUDA_CHECK(cudaEventRecord(s.forked, main));
-  for (int64_t k = 1; k < calls; ++k) LMTIER_CUDA_CHECK(cudaStreamWaitEvent(s.streams[k - 1], s.forked, 0));
+  for (int64_t k = 1; k < calls; ++k)
+    LMTIER_CUDA_CHECK(cudaStreamWaitEvent(s.streams[k - 1], s.forked, 0));
   std::exception_ptr failed;
   try {
     launch(0, main);
@@ -107,18 +108,16 @@ void decode_record(const DecodeRecordArgs& a) {
   auto* st = static_cast<cudaStream_t>(a.stream);
   const int32_t R = g.R(), T = g.T, N8 = g.N8();
   LMTIER_CUDA_CHECK(cudaMemsetAsync(a.esc_count, 0, sizeof(int32_t), st));
-  LMTIER_CUDA_CHECK(
-      cudaMemsetAsync(a.esc_row, 0, sizeof(int32_t) * (size_t{2} * R * T + 1), st));
+  LMTIER_CUDA_CHECK(cudaMemsetAsync(a.esc_row, 0, sizeof(int32_t) * (size_t{2} * R * T + 1), st));
   decode_streams(a);
   decode_pre_symbols(g, a.sym, a.t32, a.lo, a.rowsum, a.esc_count, a.stream);
-  const size_t elem = 2;  // bf16 / fp16
+  const size_t elem = 2;                     // bf16 / fp16
   const size_t mat = size_t{2} * a.p8 * N8;  // one (layer group, K/V)'s [2 P8][N8] of dcat
   for (int32_t r0 = 0; r0 < R; r0 += a.groups_per_batch) {
     const int32_t r1 = std::min(R, r0 + a.groups_per_batch);
     const PcaGeometry sub{(r1 - r0) * g.G, T, g.H, g.D, g.G};
     igemm::bgemm_s8(2 * (r1 - r0), T, N8, 2 * a.p8, a.lo + size_t{2} * r0 * T * N8,
-                    a.dcat + 2 * r0 * mat, a.y, a.gemm_workspace, a.gemm_workspace_bytes,
-                    a.stream);
+                    a.dcat + 2 * r0 * mat, a.y, a.gemm_workspace, a.gemm_workspace_bytes, a.stream);
     decode_post(a.dtype, sub, a.y, a.rowsum + size_t{2} * r0 * T, a.esc_row + size_t{2} * r0 * T,
                 nullptr, nullptr, a.dcat + 2 * r0 * mat, a.f + size_t{2} * r0 * g.N(),
                 a.mu + size_t{2} * r0 * g.N(), a.cos_t, a.sin_t,

@@ -90,40 +90,40 @@ void decode_post(int32_t dtype, const PcaGeometry& g, const int32_t* y, const in
                  const double* sin_t, void* out, void* stream);
 
 // One record's decode without escaped coefficients, every step queued by the host in one call
-// (csrc/pca_decode.cpp; lmtier/codec/pca/native_decode.py lays out the buffers): the record's rANS streams
-// (rans::decode_cuda, calls of streams_per_call streams: the first on `stream`, the others on this
-// thread's side streams, forked from and joined back to `stream`), then decode_pre_symbols, then
-// per batch of groups_per_batch layer groups one batched int8 GEMM (igemm::bgemm_s8) and
+// (csrc/pca_decode.cpp; lmtier/codec/pca/native_decode.py lays out the buffers): the record's rANS
+// streams (rans::decode_cuda, calls of streams_per_call streams: the first on `stream`, the others
+// on this thread's side streams, forked from and joined back to `stream`), then decode_pre_symbols,
+// then per batch of groups_per_batch layer groups one batched int8 GEMM (igemm::bgemm_s8) and
 // decode_post. The same kernels in the same order as lmtier/codec/pca/kernels.py's _decode, so the
 // same bits. Nothing waits: status, counts and *esc_count are the caller's to check once `stream`
 // ran (esc_count and esc_row are zeroed here first). All pointers are device addresses.
 struct DecodeRecordArgs {
   int32_t dtype;
-  PcaGeometry g;                      // T = the record's tokens
-  int32_t t32;                        // symbols per component run (T rounded up to 32): sym's row
-  const void* descs;                  // [num_streams] rans::RansDecodeDesc
-  int64_t num_streams;                // 2R
-  int64_t tables_per_stream;          // N
-  int64_t streams_per_call;           // streams of one rANS call (16-bit table ids)
-  const uint16_t* tables;             // [num_streams * N][256]
-  uint64_t* counts;                   // [num_streams] decoded symbols
-  int32_t* status;                    // [num_streams] RansStatus
-  uint8_t* scratch;                   // one rans::decode_scratch_bytes(streams_per_call) per call
-  uint64_t scratch_bytes;             // per call
-  const uint8_t* sym;                 // [R][2][N][t32]: the descriptors' outputs
-  int8_t* lo;                         // [2R][T][N8]
-  int64_t* rowsum;                    // [R][2][T]
-  int32_t* esc_count;                 // [1]
-  int32_t* esc_row;                   // [R * 2 * T + 1]
-  int32_t* y;                         // [2 * groups_per_batch][T][2 * p8]
+  PcaGeometry g;              // T = the record's tokens
+  int32_t t32;                // symbols per component run (T rounded up to 32): sym's row
+  const void* descs;          // [num_streams] rans::RansDecodeDesc
+  int64_t num_streams;        // 2R
+  int64_t tables_per_stream;  // N
+  int64_t streams_per_call;   // streams of one rANS call (16-bit table ids)
+  const uint16_t* tables;     // [num_streams * N][256]
+  uint64_t* counts;           // [num_streams] decoded symbols
+  int32_t* status;            // [num_streams] RansStatus
+  uint8_t* scratch;           // one rans::decode_scratch_bytes(streams_per_call) per call
+  uint64_t scratch_bytes;     // per call
+  const uint8_t* sym;         // [R][2][N][t32]: the descriptors' outputs
+  int8_t* lo;                 // [2R][T][N8]
+  int64_t* rowsum;            // [R][2][T]
+  int32_t* esc_count;         // [1]
+  int32_t* esc_row;           // [R * 2 * T + 1]
+  int32_t* y;                 // [2 * groups_per_batch][T][2 * p8]
   int32_t groups_per_batch;
-  int32_t p8;                         // the decode matrix's P8
-  const int8_t* dcat;                 // [2R][2 * p8][N8]
-  const double* f;                    // [R][2][N]
-  const double* mu;                   // [R][2][N]
-  const double* cos_t;                // [T][D] or null
+  int32_t p8;           // the decode matrix's P8
+  const int8_t* dcat;   // [2R][2 * p8][N8]
+  const double* f;      // [R][2][N]
+  const double* mu;     // [R][2][N]
+  const double* cos_t;  // [T][D] or null
   const double* sin_t;
-  void* out;                          // [L][2][T][H][D] of dtype
+  void* out;  // [L][2][T][H][D] of dtype
   void* gemm_workspace;
   uint64_t gemm_workspace_bytes;
   void* stream;
