@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <mutex>
 #include <vector>
 
 #include "lmtier/common.h"
@@ -18,36 +19,40 @@ namespace lmtier {
 namespace pca {
 namespace {
 
-// This thread's side streams and events on one device, created at first use and kept for the
-// thread's life (never destroyed: a thread may outlive the static destructors at exit).
-struct SideStreams {
-  int device = -1;
-  cudaEvent_t forked = nullptr;
-  std::vector<cudaStream_t> streams;
-  std::vector<cudaEvent_t> joined;
-};
+// Side streams of one device, a process-wide pool handed out round robin (bounded whatever the
+// number of threads; created at first use, never destroyed: a thread may be inside decode_record
+// while exit() runs the static destructors). Two calls given the same stream run in turn: the
+// events keep every order.
+constexpr int kSideStreams = 8;
 
-SideStreams& sides(int device, size_t count) {
-  thread_local std::vector<SideStreams>* per_device = new std::vector<SideStreams>;
-  SideStreams* s = nullptr;
-  for (auto& x : *per_device)
-    if (x.device == device) s = &x;
-  if (s == nullptr) {
-    per_device->push_back(SideStreams{});
-    s = &per_device->back();
-    s->device = device;
-    LMTIER_CUDA_CHECK(cudaEventCreateWithFlags(&s->forked, cudaEventDisableTiming));
+cudaStream_t side_stream(int device) {
+  static std::mutex& m = *new std::mutex;
+  static auto& pools = *new std::vector<std::vector<cudaStream_t>>;
+  static auto& next = *new std::vector<unsigned>;
+  std::lock_guard<std::mutex> g(m);
+  if (static_cast<size_t>(device) >= pools.size()) {
+    pools.resize(device + 1);
+    next.resize(device + 1, 0);
   }
-  while (s->streams.size() < count) {
+  auto& pool = pools[device];
+  if (pool.size() < kSideStreams) {
     cudaStream_t st = nullptr;
-    cudaEvent_t ev = nullptr;
     LMTIER_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    LMTIER_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    s->streams.push_back(st);
-    s->joined.push_back(ev);
+    pool.push_back(st);
+    return st;
   }
-  return *s;
+  return pool[next[device]++ % kSideStreams];
 }
+
+// An event of one call (destroying it while recorded work is pending is allowed: its resources go
+// once that work ran).
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { LMTIER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
+  ~Event() { cudaEventDestroy(e); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
 
 // The rANS calls of the record's streams: call k takes streams [k B, (k + 1) B) and their tables
 // (its table ids are relative to its slice, lmtier/codec/pca/streams.py's table_base). A call lasts
@@ -70,22 +75,29 @@ void decode_streams(const DecodeRecordArgs& a) {
   }
   int device = 0;
   LMTIER_CUDA_CHECK(cudaGetDevice(&device));
-  SideStreams& s = sides(device, static_cast<size_t>(calls - 1));
-  LMTIER_CUDA_CHECK(cudaEventRecord(s.forked, main));
-  for (int64_t k = 1; k < calls; ++k)
-    LMTIER_CUDA_CHECK(cudaStreamWaitEvent(s.streams[k - 1], s.forked, 0));
+  std::vector<cudaStream_t> side(calls - 1);
+  for (auto& x : side) x = side_stream(device);
+  Event forked;
+  LMTIER_CUDA_CHECK(cudaEventRecord(forked.e, main));
+  for (auto x : side) LMTIER_CUDA_CHECK(cudaStreamWaitEvent(x, forked.e, 0));
   std::exception_ptr failed;
+  int64_t launched = 0;  // side streams that may hold work of this call
   try {
     launch(0, main);
-    for (int64_t k = 1; k < calls; ++k) launch(k, s.streams[k - 1]);
+    for (int64_t k = 1; k < calls; ++k, ++launched) launch(k, side[k - 1]);
   } catch (...) {
     failed = std::current_exception();
+    launched = calls - 1;  // a call that threw may have queued part of its work
   }
-  for (int64_t k = 1; k < calls; ++k) {  // joined whatever was queued
-    LMTIER_CUDA_CHECK(cudaEventRecord(s.joined[k - 1], s.streams[k - 1]));
-    LMTIER_CUDA_CHECK(cudaStreamWaitEvent(main, s.joined[k - 1], 0));
+  cudaError_t join_err = cudaSuccess;  // every side stream joined, the first error kept
+  for (int64_t k = 0; k < launched; ++k) {
+    Event joined;
+    cudaError_t e = cudaEventRecord(joined.e, side[k]);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(main, joined.e, 0);
+    if (e != cudaSuccess && join_err == cudaSuccess) join_err = e;
   }
   if (failed) std::rethrow_exception(failed);
+  LMTIER_CUDA_CHECK(join_err);
 }
 
 }  // namespace

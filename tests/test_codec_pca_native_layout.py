@@ -24,7 +24,7 @@ def test_layout_regions_are_aligned_disjoint_and_big_enough(rows, n, t):
         "rowsum": rows * 2 * t * 8,
         "esc_row": (rows * 2 * t + 1) * 4,
         "y": 2 * gpb * t * 2 * p8 * 4,
-        "scratch": len(streams.batches(s, n)) * rans.decode_scratch_bytes(streams.streams_per_call(n)),
+        "scratch": len(streams.batches(s, n)) * lay.scratch_bytes,
         "gemm": kernels.GEMM_WORKSPACE,
         "status": 4 * s,
         "counts": 8 * s,
@@ -46,41 +46,45 @@ def test_layout_follows_the_gemm_batches(monkeypatch):
     monkeypatch.setattr(kernels, "GEMM_BYTES", 2 * 256 * 2 * p8 * 4)  # one layer group a batch
     one = native_decode.layout(32, 1024, 256, 1024, p8)
     assert (whole.groups_per_batch, one.groups_per_batch) == (16, 1)
-    assert one.y < whole.y or one.upload < whole.upload
+    assert one.gemm - one.y < whole.gemm - whole.y and one.upload < whole.upload
 
 
 def _checks(status, counts, esc):
-    s = len(status)
-    chk = native_decode.Checks(s, 512, 8 * -(-s // 2), 8 * -(-s // 2) + 8 * s)
-    got = np.zeros(chk.esc_count + 4, np.uint8)
-    got[: 4 * s].view(np.int32)[:] = status
-    got[chk.counts : chk.counts + 8 * s].view(np.int64)[:] = counts
+    """Checks of a 3-stream record as ``native_decode.queue`` builds them from its layout, and the
+    bytes of its workspace's check region holding ``status``, ``counts``, ``esc``."""
+    lay = native_decode.layout(len(status) // 2, 16, 32, 16, 16)
+    chk = native_decode.Checks(len(status), 512, lay.counts - lay.status, lay.esc_count - lay.status)
+    got = np.zeros(lay.checks_end - lay.status, np.uint8)
+    got[: 4 * len(status)].view(np.int32)[:] = status
+    got[chk.counts : chk.counts + 8 * len(counts)].view(np.int64)[:] = counts
     got[chk.esc_count :].view(np.int32)[:] = esc
     return chk, got
 
 
 def test_checks_pass_and_name_what_is_wrong():
-    chk, got = _checks([0, 0, 0], [512] * 3, 0)
+    chk, got = _checks([0, 0, 0, 0], [512] * 4, 0)
     chk.verify(got)
-    chk, got = _checks([0, 2, 0], [512] * 3, 0)
+    chk, got = _checks([0, 2, 0, 0], [512] * 4, 0)
     with pytest.raises(ValueError, match=r"rans decode failed for 1 stream\(s\): stream 1: "):
         chk.verify(got)
-    chk, got = _checks([0, 0, 0], [512, 500, 512], 0)
+    chk, got = _checks([0, 0, 0, 0], [512, 500, 512, 512], 0)
     with pytest.raises(ValueError, match=r"rANS streams of \[500, 512\] symbols, 512 expected"):
         chk.verify(got)
-    chk, got = _checks([0, 0, 0], [512] * 3, 3)
+    chk, got = _checks([0, 0, 0, 0], [512] * 4, 3)
     with pytest.raises(ValueError, match="3 escape symbols, 0 announced"):
         chk.verify(got)
 
 
-def test_not_available_without_a_device_build_or_cublas():
+def test_not_available_without_a_device_build_or_cublas(monkeypatch):
+    monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
     assert native_decode.available() == (
         kernels.available() and hasattr(kernels._native(), "decode_record")
         and not kernels._native().cublas_library().startswith("none")
     )  # fmt: skip
 
 
-def test_turned_off_blocks_nest():
+def test_turned_off_blocks_nest(monkeypatch):
+    monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
     with native_decode.turned_off():
         with native_decode.turned_off():
             assert not native_decode.available()

@@ -221,7 +221,8 @@ def test_cuda_gemms_one_by_one_without_cublas_are_the_hosts(path, monkeypatch, w
         pytest.skip("the torch fallback runs no batches")
     if why == "no cublas":
         monkeypatch.setattr(kernels, "_cublas", [False])
-    else:
+    else:  # the Python bgemm_s8 refuses; the native decode's GEMMs are C++'s (test_gpu_codec_pca_native)
+        monkeypatch.setattr(native_decode, "available", lambda: False)
 
         def refuse(*args):
             raise RuntimeError("lmtier: bgemm_s8: cublasGemmStridedBatchedEx failed (status 15)")

@@ -8,6 +8,7 @@ as none) through this path: ``test_gpu_codec_pca_queued``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -40,6 +41,7 @@ def test_llama_geometry_native_decodes_are_the_python_driven_and_the_hosts():
     assert native_decode.available(), "no lmtier._C.pca.decode_record, or no cuBLAS"
     m, recs = _llama()
     assert len(streams.batches(2 * m.rows, m.vector_size)) == 2
+    assert len(kernels._slices(m.rows, 256, kernels.imatmul.prepared(m, "cuda")[1].p8)) == 2
     assert pca.record_meta(recs[0]).exact_tokens > 0
     assert all(pca.record_meta(r).escapes == 0 for r in recs)
     before = kernels.decode_stats()
@@ -96,3 +98,24 @@ def test_a_native_step_that_raises_turns_it_off_and_the_record_still_decodes(mon
     assert after["fused"] == before["fused"] and after["symbols"] - before["symbols"] == 2
     assert not native_decode.available() and "status 15" in native_decode._state["disabled"]
     assert sum("Python-driven" in r.message for r in caplog.records) == 1  # logged once
+
+
+def test_zero_token_record_and_a_corrupt_header_on_the_native_path():
+    """T = 0 decodes to an empty chunk (nothing queued); a stream header naming another table is
+    refused as corrupt before anything is queued, as on the Python-driven path."""
+    from lmtier.codec.chunk import CodecRecordError
+    from tests.test_codec_pca_product import _parts, _repack
+
+    m = fitted("plain")
+    empty = pca.encode(_kv(0, 0, 1), start=0, model=m, level="pca_default")
+    got = pca.decode(empty, model=m, device="cuda")
+    assert got.is_cuda and got.shape[2] == 0
+    rec = pca.encode(_kv(40, 8, 33), start=8, model=m, level="pca_default")
+    _, secs, _ = _parts(rec)
+    head = bytearray(secs[1])
+    head[8:10] = (int.from_bytes(head[8:10], "little") + 1).to_bytes(2, "little")  # table_id
+    bad = _repack(rec, secs=[secs[0], bytes(head), *secs[2:]])
+    for off in (False, True):
+        with native_decode.turned_off() if off else contextlib.nullcontext():
+            with pytest.raises(CodecRecordError, match="corrupted PCA codec record: stream 1 names table"):
+                pca.decode(bad, model=m, device="cuda")

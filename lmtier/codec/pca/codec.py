@@ -401,17 +401,16 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
     offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
     n_exact = int(p.exact.sum())
     fused = dev.type == "cuda" and kernels.available()
-    if fused and not p.n_esc and native_decode.available():  # the whole decode queued by one native call
+    if fused and t and not p.n_esc and native_decode.available():  # the whole decode queued by one native call
         try:
-            with torch.cuda.device(dev):
-                out, checks, how = native_decode.queue(
-                    model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, arrays.tables, arrays.f,
-                    p.start, p.dtype, dev,
-                )  # fmt: skip
+            out, checks, how = native_decode.queue(
+                model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, arrays.tables, arrays.f,
+                p.start, p.dtype, dev,
+            )  # fmt: skip
+        except native_decode.NativeRefused as e:  # not the record's fault: the Python-driven kernels below
+            native_decode.disable(str(e))
         except ValueError as e:
             raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-        except RuntimeError as e:  # a step refused (e.g. cuBLAS a GEMM): the Python-driven kernels below
-            native_decode.disable(str(e))
         else:
             return PendingChunk(out, checks, how.verify)
     try:  # sized by T: a stream of another count raises

@@ -103,6 +103,17 @@ _cublas: list[bool | None] = [None]
 then); without it every GEMM runs one by one."""
 
 
+def cublas_found() -> bool:
+    """Whether ``lmtier._C.pca.bgemm_s8`` finds cuBLAS (probed once, at the first GEMM: torch has loaded
+    it by then; logged when not found)."""
+    if _cublas[0] is None:
+        c = _native()
+        _cublas[0] = not c.cublas_library().startswith("none")
+        if not _cublas[0]:
+            log.warning("lmtier: PCA GEMMs run one by one (%s)", c.cublas_library())
+    return bool(_cublas[0])
+
+
 def gemm_stats() -> dict[str, int]:
     """Counts of the GEMM batches run as one cuBLAS call (``batched``), one by one (``eager``: no cuBLAS
     found, or a call cuBLAS refused, counted in ``refused`` too)."""
@@ -123,11 +134,7 @@ def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, lo: int, out: torch.Tensor) 
     where cuBLAS is not found or refuses the call, ``torch._int_mm`` per matrix (the same integers: each
     product is exact)."""
     nb, c = a.shape[0], _native()
-    if _cublas[0] is None:
-        _cublas[0] = not c.cublas_library().startswith("none")
-        if not _cublas[0]:
-            log.warning("lmtier: PCA GEMMs run one by one (%s)", c.cublas_library())
-    if _cublas[0]:
+    if cublas_found():
         ws = torch.empty(GEMM_WORKSPACE, dtype=torch.uint8, device=a.device)  # this call's, stream-ordered
         try:
             with torch.cuda.device(a.device):  # bgemm_s8 picks its cuBLAS handle by the current device

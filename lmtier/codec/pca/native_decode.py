@@ -23,7 +23,7 @@ from . import imatmul, kernels, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "queue", "Layout", "layout", "Checks", "disable", "turned_off"]
+__all__ = ["available", "queue", "Layout", "layout", "Checks", "NativeRefused", "disable", "turned_off"]
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,7 @@ def available() -> bool:
     c = kernels._native() if kernels.available() else None
     if c is None or not hasattr(c, "decode_record") or _state["disabled"] or _state["off"]:
         return False
-    if kernels._cublas[0] is None:
-        kernels._cublas[0] = not c.cublas_library().startswith("none")
-    return bool(kernels._cublas[0])
+    return kernels.cublas_found()
 
 
 @contextlib.contextmanager
@@ -66,6 +64,11 @@ def disable(why: str) -> None:
 
 def _up(x: int) -> int:
     return -(-x // _ALIGN) * _ALIGN
+
+
+class NativeRefused(Exception):
+    """``decode_record`` raised (a step it queues refused: cuBLAS a GEMM, a geometry check): the record
+    is not at fault; the caller decodes it the Python-driven way."""
 
 
 class Layout(NamedTuple):
@@ -171,15 +174,26 @@ def queue(
         (uint8 on ``dev``, to copy back once queued); their :class:`Checks`).
 
     Raises:
-        ValueError: a stream header that does not fit the layout (:func:`.streams.check_spans`).
-        RuntimeError: a native step refused (the caller decodes otherwise).
+        ValueError: a stream header that does not fit the layout (:func:`.streams.check_spans`), or
+            ``T`` = 0 (nothing to decode).
+        NativeRefused: ``decode_record`` raised (the caller decodes otherwise).
+        torch.OutOfMemoryError: as any allocation.
     """
+    if exact.size == 0:
+        raise ValueError("a record of 0 tokens has nothing to decode")
+    with torch.cuda.device(dev):  # the native call picks its side streams and cuBLAS handle by it
+        return _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev)
+
+
+def _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev):
     c = kernels._native()
     r, n, t = m.rows, m.vector_size, int(exact.size)
     s, t32 = 2 * r, streams.run_length(t)
     length = n * t32
     streams.check_spans(payload, offs[:s], lens[:s], length, n)
     dec = imatmul.prepared(m, dev)[1]
+    if not dec.n8 == dec.p8 == -(-n // 8) * 8:  # the native call's rule: d_int is N x N
+        raise NativeRefused(f"decode matrix of N8 {dec.n8}, P8 {dec.p8} for N = {n}")
     lay = layout(r, n, t, dec.n8, dec.p8)
     n_exact = int(exact.sum())
     used = int((offs + lens).max())
@@ -202,17 +216,20 @@ def queue(
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     ff = f if f.dtype == torch.float64 and f.is_contiguous() else f.to(torch.float64).contiguous()
     stream = torch.cuda.current_stream(dev).cuda_stream
-    c.decode_record(
-        dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
-        t32=t32, descs=base + lay.upload, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
-        tables=tables.data_ptr(), counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
-        scratch_bytes=lay.scratch_bytes, sym=base + lay.sym, lo=base + lay.lo, rowsum=base + lay.rowsum,
-        esc_count=base + lay.esc_count, esc_row=base + lay.esc_row, y=base + lay.y,
-        groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
-        mu=mu.data_ptr(), cos_t=kernels._ptr(cos),
-        sin_t=kernels._ptr(sin), out=out.data_ptr(), gemm_workspace=base + lay.gemm,
-        gemm_workspace_bytes=kernels.GEMM_WORKSPACE, stream=stream,
-    )  # fmt: skip
+    try:
+        c.decode_record(
+            dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
+            t32=t32, descs=base + lay.upload, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
+            tables=tables.data_ptr(), counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
+            scratch_bytes=lay.scratch_bytes, sym=base + lay.sym, lo=base + lay.lo, rowsum=base + lay.rowsum,
+            esc_count=base + lay.esc_count, esc_row=base + lay.esc_row, y=base + lay.y,
+            groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
+            mu=mu.data_ptr(), cos_t=kernels._ptr(cos),
+            sin_t=kernels._ptr(sin), out=out.data_ptr(), gemm_workspace=base + lay.gemm,
+            gemm_workspace_bytes=kernels.GEMM_WORKSPACE, stream=stream,
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as e:  # the record's own checks ran above
+        raise NativeRefused(str(e)) from None
     if n_exact:
         lo = lay.upload + lay.payload
         raw = ws[lo + int(offs[s + 2]) : lo + int(offs[s + 2] + lens[s + 2])].view(dtype)
@@ -220,5 +237,6 @@ def queue(
         out.index_copy_(2, idx, raw.reshape(m.num_layers, 2, n_exact, m.num_heads, m.head_size))
     kernels._decode_paths["symbols"] += 1
     kernels._decode_paths["fused"] += 1
+    kernels._stats["batched"] += -(-r // lay.groups_per_batch)  # the GEMM batches, one cuBLAS call each
     checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status)
     return out, ws[lay.status : lay.checks_end], checks
