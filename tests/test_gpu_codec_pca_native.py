@@ -80,8 +80,8 @@ def test_llama_geometry_native_decodes_from_threads_on_their_own_streams():
 
 def test_a_native_step_that_raises_turns_it_off_and_the_record_still_decodes(monkeypatch, caplog):
     m = fitted("plain")
-    rec = pca.encode(_kv(40, 8, 31), start=8, model=m, level="pca_default")
-    assert pca.record_meta(rec).escapes == 0
+    recs = (pca.encode(_kv(40, 8, seed), start=8, model=m, level="pca_default") for seed in range(31, 61))
+    rec = next(r for r in recs if pca.record_meta(r).escapes == 0)  # the native path's records
     want = _bits(pca.decode(rec, model=m))
     monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
 
@@ -110,7 +110,8 @@ def test_zero_token_record_and_a_corrupt_header_on_the_native_path():
     empty = pca.encode(_kv(0, 0, 1), start=0, model=m, level="pca_default")
     got = pca.decode(empty, model=m, device="cuda")
     assert got.is_cuda and got.shape[2] == 0
-    rec = pca.encode(_kv(40, 8, 33), start=8, model=m, level="pca_default")
+    recs = (pca.encode(_kv(40, 8, seed), start=8, model=m, level="pca_default") for seed in range(33, 63))
+    rec = next(r for r in recs if pca.record_meta(r).escapes == 0)
     _, secs, _ = _parts(rec)
     head = bytearray(secs[1])
     head[8:10] = (int.from_bytes(head[8:10], "little") + 1).to_bytes(2, "little")  # table_id
