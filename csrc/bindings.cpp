@@ -355,9 +355,10 @@ void bind_pca(py::module_& m) {
       "decode_record",
       [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32,
           A descs, int64_t num_streams, int64_t tables_per_stream, int64_t streams_per_call,
-          A tables, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A lo, A rowsum,
-          A esc_count, A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu,
-          A cos_t, A sin_t, A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream) {
+          A tables, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A escapes,
+          int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count,
+          A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t,
+          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream) {
         p::DecodeRecordArgs a{dtype,
                               geom(L, T, H, D, G),
                               t32,
@@ -371,6 +372,11 @@ void bind_pca(py::module_& m) {
                               static_cast<uint8_t*>(ptr(scratch)),
                               scratch_bytes,
                               static_cast<const uint8_t*>(ptr(sym)),
+                              static_cast<const int16_t*>(ptr(escapes)),
+                              num_escapes,
+                              static_cast<int32_t*>(ptr(esc_col)),
+                              static_cast<int32_t*>(ptr(esc_hi)),
+                              ptr(esc_scratch),
                               static_cast<int8_t*>(ptr(lo)),
                               static_cast<int64_t*>(ptr(rowsum)),
                               static_cast<int32_t*>(ptr(esc_count)),
@@ -393,15 +399,24 @@ void bind_pca(py::module_& m) {
       py::arg("H"), py::arg("D"), py::arg("G"), py::arg("t32"), py::arg("descs"),
       py::arg("num_streams"), py::arg("tables_per_stream"), py::arg("streams_per_call"),
       py::arg("tables"), py::arg("counts"), py::arg("status"), py::arg("scratch"),
-      py::arg("scratch_bytes"), py::arg("sym"), py::arg("lo"), py::arg("rowsum"),
-      py::arg("esc_count"), py::arg("esc_row"), py::arg("y"), py::arg("groups_per_batch"),
-      py::arg("p8"), py::arg("dcat"), py::arg("f"), py::arg("mu"), py::arg("cos_t"),
-      py::arg("sin_t"), py::arg("out"), py::arg("gemm_workspace"), py::arg("gemm_workspace_bytes"),
-      py::arg("stream"),
-      "One record's decode without escaped coefficients queued on `stream` (lmtier::pca::"
+      py::arg("scratch_bytes"), py::arg("sym"), py::arg("escapes"), py::arg("num_escapes"),
+      py::arg("esc_col"), py::arg("esc_hi"), py::arg("esc_scratch"), py::arg("lo"),
+      py::arg("rowsum"), py::arg("esc_count"), py::arg("esc_row"), py::arg("y"),
+      py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"), py::arg("f"), py::arg("mu"),
+      py::arg("cos_t"), py::arg("sin_t"), py::arg("out"), py::arg("gemm_workspace"),
+      py::arg("gemm_workspace_bytes"), py::arg("stream"),
+      "One record's decode queued on `stream` (lmtier::pca::"
       "DecodeRecordArgs in lmtier/pca.h; device addresses): the rANS calls side by side, "
-      "decode_pre_symbols, per batch of layer groups a batched GEMM and decode_post. Nothing "
+      "decode_pre_symbols, its escapes, per batch of layer groups a batched GEMM and decode_post. "
+      "Nothing "
       "waits; RuntimeError / ValueError as the steps raise.");
+  pm.def(
+      "escape_scratch_bytes",
+      [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {
+        return p::escape_scratch_bytes(geom(L, T, H, D, G));
+      },
+      py::arg("L"), py::arg("T"), py::arg("H"), py::arg("D"), py::arg("G"),
+      "Device bytes of decode_record's escape scratch for a record of this geometry.");
   pm.def("cublas_library", &lmtier::igemm::library,
          "The cuBLAS library bgemm_s8 uses (found at first use), or 'none: <why>'.");
 }

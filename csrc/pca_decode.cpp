@@ -112,6 +112,10 @@ void decode_record(const DecodeRecordArgs& a) {
                        a.streams_per_call * a.tables_per_stream <= rans::kAdaptiveTable,
                    "decode_record: ", a.num_streams, " streams of ", a.tables_per_stream,
                    " tables, ", a.streams_per_call, " a call, for R ", g.R(), " N ", g.N());
+  LMTIER_CHECK_ARG(
+      a.num_escapes == 0 || (a.num_escapes > 0 && a.escapes != nullptr && a.esc_col != nullptr &&
+                             a.esc_hi != nullptr && a.esc_scratch != nullptr),
+      "decode_record: ", a.num_escapes, " escapes without their buffers");
   LMTIER_CHECK_ARG(a.groups_per_batch > 0 && a.p8 > 0 && a.p8 % 4 == 0,
                    "decode_record: groups_per_batch ", a.groups_per_batch, ", p8 ", a.p8);
   LMTIER_CHECK_ARG(a.scratch_bytes >= rans::decode_scratch_bytes(a.streams_per_call),
@@ -123,6 +127,9 @@ void decode_record(const DecodeRecordArgs& a) {
   LMTIER_CUDA_CHECK(cudaMemsetAsync(a.esc_row, 0, sizeof(int32_t) * (size_t{2} * R * T + 1), st));
   decode_streams(a);
   decode_pre_symbols(g, a.sym, a.t32, a.lo, a.rowsum, a.esc_count, a.stream);
+  if (a.num_escapes > 0)
+    decode_escapes(g, a.sym, a.t32, a.escapes, a.num_escapes, a.lo, a.rowsum, a.esc_row, a.esc_col,
+                   a.esc_hi, a.esc_scratch, a.stream);
   const size_t elem = 2;                     // bf16 / fp16
   const size_t mat = size_t{2} * a.p8 * N8;  // one (layer group, K/V)'s [2 P8][N8] of dcat
   for (int32_t r0 = 0; r0 < R; r0 += a.groups_per_batch) {
@@ -131,7 +138,7 @@ void decode_record(const DecodeRecordArgs& a) {
     igemm::bgemm_s8(2 * (r1 - r0), T, N8, 2 * a.p8, a.lo + size_t{2} * r0 * T * N8,
                     a.dcat + 2 * r0 * mat, a.y, a.gemm_workspace, a.gemm_workspace_bytes, a.stream);
     decode_post(a.dtype, sub, a.y, a.rowsum + size_t{2} * r0 * T, a.esc_row + size_t{2} * r0 * T,
-                nullptr, nullptr, a.dcat + 2 * r0 * mat, a.f + size_t{2} * r0 * g.N(),
+                a.esc_col, a.esc_hi, a.dcat + 2 * r0 * mat, a.f + size_t{2} * r0 * g.N(),
                 a.mu + size_t{2} * r0 * g.N(), a.cos_t, a.sin_t,
                 static_cast<char*>(a.out) + elem * r0 * g.G * 2 * T * g.H * g.D, a.stream);
   }

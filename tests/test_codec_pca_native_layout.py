@@ -26,6 +26,7 @@ def test_layout_regions_are_aligned_disjoint_and_big_enough(rows, n, t):
         "y": 2 * gpb * t * 2 * p8 * 4,
         "scratch": len(streams.batches(s, n)) * lay.scratch_bytes,
         "gemm": kernels.GEMM_WORKSPACE,
+        "esc_scratch": native_decode.escape_scratch_bytes(rows, n, t),
         "status": 4 * s,
         "counts": 8 * s,
         "esc_count": 4,
@@ -34,7 +35,7 @@ def test_layout_regions_are_aligned_disjoint_and_big_enough(rows, n, t):
     for (_, a1, ka), (b0, _, kb) in zip(spans, spans[1:]):
         assert a1 <= b0, (ka, kb)
     assert spans[-1][1] == lay.checks_end <= lay.upload
-    for k in ("sym", "lo", "rowsum", "esc_row", "y", "scratch", "gemm", "status", "upload"):
+    for k in ("sym", "lo", "rowsum", "esc_row", "y", "scratch", "gemm", "esc_scratch", "status", "upload"):
         assert getattr(lay, k) % 256 == 0, k
     assert lay.counts % 8 == 0 and lay.payload % 256 == 0 and lay.payload >= s * rans.DECODE_DESC.itemsize
     assert lay.scratch_bytes >= rans.decode_scratch_bytes(lay.streams_per_call)
@@ -49,11 +50,12 @@ def test_layout_follows_the_gemm_batches(monkeypatch):
     assert one.gemm - one.y < whole.gemm - whole.y and one.upload < whole.upload
 
 
-def _checks(status, counts, esc):
-    """Checks of a 3-stream record as ``native_decode.queue`` builds them from its layout, and the
-    bytes of its workspace's check region holding ``status``, ``counts``, ``esc``."""
+def _checks(status, counts, esc, announced=0):
+    """Checks of a record of ``len(status)`` streams and ``announced`` escapes as
+    ``native_decode.queue`` builds them from its layout, and the bytes of its workspace's check region
+    holding ``status``, ``counts``, ``esc`` (the escape symbols found)."""
     lay = native_decode.layout(len(status) // 2, 16, 32, 16, 16)
-    chk = native_decode.Checks(len(status), 512, lay.counts - lay.status, lay.esc_count - lay.status)
+    chk = native_decode.Checks(len(status), 512, lay.counts - lay.status, lay.esc_count - lay.status, announced)
     got = np.zeros(lay.checks_end - lay.status, np.uint8)
     got[: 4 * len(status)].view(np.int32)[:] = status
     got[chk.counts : chk.counts + 8 * len(counts)].view(np.int64)[:] = counts
@@ -72,6 +74,11 @@ def test_checks_pass_and_name_what_is_wrong():
         chk.verify(got)
     chk, got = _checks([0, 0, 0, 0], [512] * 4, 3)
     with pytest.raises(ValueError, match="3 escape symbols, 0 announced"):
+        chk.verify(got)
+    chk, got = _checks([0, 0, 0, 0], [512] * 4, 3, announced=3)
+    chk.verify(got)
+    chk, got = _checks([0, 0, 0, 0], [512] * 4, 3, announced=2)
+    with pytest.raises(ValueError, match="3 escape symbols, 2 announced"):
         chk.verify(got)
 
 

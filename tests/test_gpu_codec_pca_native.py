@@ -1,7 +1,8 @@
 """One PCA record's CUDA decode queued by one native call (:mod:`lmtier.codec.pca.native_decode`,
 ``lmtier._C.pca.decode_record``): at Llama-3.1-8B's geometry (64 streams: coder calls of 63 and 1,
-side by side; two batches of GEMMs; a sink chunk with exact tokens) its decodes equal the kernels
-queued one by one from Python and the host's, bit for bit, from threads on their own streams too; a
+side by side; two batches of GEMMs; a sink chunk with exact tokens; ``pca_high``'s escapes) its
+decodes equal the kernels queued one by one from Python and the host's, bit for bit, from threads
+on their own streams too; a
 native step that raises turns it off for the process and the record decodes the Python-driven way.
 Marked ``gpu``: skipped without a CUDA device. The refusals (cut streams, escape symbols announced
 as none) through this path: ``test_gpu_codec_pca_queued``."""
@@ -53,6 +54,27 @@ def test_llama_geometry_native_decodes_are_the_python_driven_and_the_hosts():
     for a, b in zip(native, driven, strict=True):
         assert torch.equal(_bits(a), _bits(b))
     assert torch.equal(_bits(native[0]), _bits(pca.decode(recs[0], model=m)))  # the host: ~1 s a chunk
+
+
+def test_llama_geometry_records_with_escapes():
+    """``pca_high`` at Llama-3.1-8B's geometry: many escaped coefficients, placed on the device
+    (``csrc/pca_escapes.cu``); native = Python-driven = host; its scratch is the native size."""
+    from lmtier import _C
+
+    m, _ = _llama()
+    recs = [pca.encode(bench.synthetic_kv(GEOM, 256, s, 9 + s).cuda(), start=s, model=m, level="pca_high")
+            for s in (0, 256)]  # fmt: skip
+    assert all(pca.record_meta(r).escapes > 0 for r in recs)
+    native = [pca.decode(r, model=m, device="cuda") for r in recs]
+    with native_decode.turned_off():
+        driven = [pca.decode(r, model=m, device="cuda") for r in recs]
+    for a, b in zip(native, driven, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(native[1]), _bits(pca.decode(recs[1], model=m)))
+    for t in (256, 200, 1):
+        assert native_decode.escape_scratch_bytes(m.rows, m.vector_size, t) == _C.pca.escape_scratch_bytes(
+            m.num_layers, t, m.num_heads, m.head_size, m.layer_group
+        )
 
 
 def test_llama_geometry_native_decodes_from_threads_on_their_own_streams():

@@ -89,14 +89,29 @@ void decode_post(int32_t dtype, const PcaGeometry& g, const int32_t* y, const in
                  const int8_t* dcat, const double* f, const double* mu, const double* cos_t,
                  const double* sin_t, void* out, void* stream);
 
-// One record's decode without escaped coefficients, every step queued by the host in one call
-// (csrc/pca_decode.cpp; lmtier/codec/pca/native_decode.py lays out the buffers): the record's rANS
-// streams (rans::decode_cuda, calls of streams_per_call streams: the first on `stream`, the others
-// on this thread's side streams, forked from and joined back to `stream`), then decode_pre_symbols,
-// then per batch of groups_per_batch layer groups one batched int8 GEMM (igemm::bgemm_s8) and
-// decode_post. The same kernels in the same order as lmtier/codec/pca/kernels.py's _decode, so the
-// same bits. Nothing waits: status, counts and *esc_count are the caller's to check once `stream`
-// ran (esc_count and esc_row are zeroed here first). All pointers are device addresses.
+// The escaped coefficients of a record's symbols on the device, after decode_pre_symbols (which
+// wrote lo8(kSymEscape - kSymOffset) for them): escapes int16 [num_escapes] in stream order (runs
+// (r, p, j) in order, tokens in order), written into lo and rowsum, and the CSR of their high parts
+// by row (r, p, t): esc_row [R * 2 * T + 1], esc_col / esc_hi [num_escapes] (decode_post's). When
+// the symbols hold another number of escapes, nothing is written and esc_row is all 0 (the caller
+// refuses the record: decode_pre_symbols' esc_count differs from num_escapes). scratch: device
+// memory of escape_scratch_bytes(g). csrc/pca_escapes.cu.
+size_t escape_scratch_bytes(const PcaGeometry& g);
+void decode_escapes(const PcaGeometry& g, const uint8_t* sym, int32_t stride,
+                    const int16_t* escapes, int32_t num_escapes, int8_t* lo, int64_t* rowsum,
+                    int32_t* esc_row, int32_t* esc_col, int32_t* esc_hi, void* scratch,
+                    void* stream);
+
+// One record's decode, every step queued by the host in one call (csrc/pca_decode.cpp;
+// lmtier/codec/pca/native_decode.py lays out the buffers): the record's rANS streams
+// (rans::decode_cuda, calls of streams_per_call streams: the first on `stream`, the others on side
+// streams from a process-wide pool, forked from and joined back to `stream`), then
+// decode_pre_symbols, decode_escapes when the record has escaped coefficients, then per batch of
+// groups_per_batch layer groups one batched int8 GEMM (igemm::bgemm_s8) and decode_post. The same
+// kernels as lmtier/codec/pca/kernels.py's _decode (an escape CSR's rows in another order: its sum
+// is integer), so the same bits. Nothing waits: status, counts and *esc_count (which must equal
+// num_escapes) are the caller's to check once `stream` ran (esc_count and esc_row are zeroed here
+// first). All pointers are device addresses.
 struct DecodeRecordArgs {
   int32_t dtype;
   PcaGeometry g;              // T = the record's tokens
@@ -111,6 +126,11 @@ struct DecodeRecordArgs {
   uint8_t* scratch;           // one rans::decode_scratch_bytes(streams_per_call) per call
   uint64_t scratch_bytes;     // per call
   const uint8_t* sym;         // [R][2][N][t32]: the descriptors' outputs
+  const int16_t* escapes;     // [num_escapes], stream order (null when 0)
+  int32_t num_escapes;        // the record's (its metadata's)
+  int32_t* esc_col;           // [num_escapes]
+  int32_t* esc_hi;            // [num_escapes]
+  void* esc_scratch;          // escape_scratch_bytes(g) (unused when num_escapes is 0)
   int8_t* lo;                 // [2R][T][N8]
   int64_t* rowsum;            // [R][2][T]
   int32_t* esc_count;         // [1]

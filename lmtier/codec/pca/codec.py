@@ -401,11 +401,11 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
     offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
     n_exact = int(p.exact.sum())
     fused = dev.type == "cuda" and kernels.available()
-    if fused and t and not p.n_esc and native_decode.available():  # the whole decode queued by one native call
+    if fused and t and native_decode.available():  # the whole decode queued by one native call
         try:
             out, checks, how = native_decode.queue(
-                model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, arrays.tables, arrays.f,
-                p.start, p.dtype, dev,
+                model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, p.n_esc, arrays.tables,
+                arrays.f, p.start, p.dtype, dev,
             )  # fmt: skip
         except native_decode.NativeRefused as e:  # not the record's fault: the Python-driven kernels below
             native_decode.disable(str(e))

@@ -1,10 +1,10 @@
 """One PCA record's CUDA decode queued by one native call (``lmtier._C.pca.decode_record``,
-``csrc/pca_decode.cpp``), for a record without escaped coefficients (most at ``pca_default``): the
-rANS calls side by side, ``decode_pre_symbols``, the batched GEMMs and ``decode_post`` of
-:func:`.kernels.queue_decode`, the same kernels in the same order (so the same bits), with the
-interpreter out of the ~20 launches between them. The host's part: the record's checks, one
-page-locked upload (the coder's descriptors, the record's payload, the exact tokens' index) into one
-device workspace, one read-back of the checks (:class:`Checks`).
+``csrc/pca_decode.cpp``): the rANS calls side by side, ``decode_pre_symbols``, the escaped
+coefficients placed on the device (``csrc/pca_escapes.cu``: no wait for their count, where
+:func:`.kernels.queue_decode` waits twice), the batched GEMMs and ``decode_post``: the same bits as
+the Python-driven kernels, with the interpreter out of the ~20 launches between them. The host's
+part: the record's checks, one page-locked upload (the coder's descriptors, the record's payload, the
+exact tokens' index) into one device workspace, one read-back of the checks (:class:`Checks`).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Layout(NamedTuple):
     y: int
     scratch: int
     gemm: int
+    esc_scratch: int
     status: int
     counts: int
     esc_count: int
@@ -104,6 +105,13 @@ def layout(rows: int, n: int, t: int, n8: int, p8: int) -> Layout:
     return _layout(rows, n, t, n8, p8, b, r1 - r0, kernels.GEMM_WORKSPACE)
 
 
+def escape_scratch_bytes(rows: int, n: int, t: int) -> int:
+    """Device bytes of the native escape path's scratch (``escape_scratch_bytes`` in
+    ``csrc/pca_escapes.cu``: run counts and bases, row counts, a flag, row fill counters)."""
+    runs, rws = 2 * rows * n, 2 * rows * t
+    return 4 * ((runs + 1) + rws + 1 + rws + 1)
+
+
 @lru_cache(maxsize=64)
 def _layout(rows: int, n: int, t: int, n8: int, p8: int, b: int, gpb: int, gemm_ws: int) -> Layout:
     s, t32 = 2 * rows, streams.run_length(t)
@@ -117,6 +125,7 @@ def _layout(rows: int, n: int, t: int, n8: int, p8: int, b: int, gpb: int, gemm_
         ("y", 2 * gpb * t * 2 * p8 * 4),
         ("scratch", calls * scratch_bytes),
         ("gemm", gemm_ws),
+        ("esc_scratch", escape_scratch_bytes(rows, n, t)),
     ]
     off, at = {}, 0
     for name, size in sizes:
@@ -137,17 +146,20 @@ class Checks(NamedTuple):
     length: int
     counts: int
     esc_count: int
+    escapes: int
+    """The record's escaped coefficients (its metadata's): the escape symbols must number as many."""
 
     def verify(self, got: np.ndarray) -> None:
         """Raise ValueError naming a stream that did not decode or decoded to another count, or escape
-        symbols (the record announced none) in the host copy ``got`` (uint8) of the checks."""
+        symbols other in number than the record announced, in the host copy ``got`` (uint8) of the
+        checks."""
         s = self.streams
         rans._raise_status(got[: 4 * s].view(np.int32), "decode")
         counts = got[self.counts : self.counts + 8 * s].view(np.int64)
         if (counts != self.length).any():
             raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {self.length} expected")
-        if found := int(got[self.esc_count : self.esc_count + 4].view(np.int32)[0]):
-            raise ValueError(f"{found} escape symbols, 0 announced")
+        if (found := int(got[self.esc_count : self.esc_count + 4].view(np.int32)[0])) != self.escapes:
+            raise ValueError(f"{found} escape symbols, {self.escapes} announced")
 
 
 def queue(
@@ -156,17 +168,19 @@ def queue(
     offs: np.ndarray,
     lens: np.ndarray,
     exact: np.ndarray,
+    n_esc: int,
     tables: torch.Tensor,
     f: torch.Tensor,
     start: int,
     dtype: torch.dtype,
     dev: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, Checks]:
-    """Queue the decode of a record without escaped coefficients on ``dev``'s current stream.
+    """Queue the decode of a record on ``dev``'s current stream.
 
     Args:
         payload: the record's payload (uint8, host); offs, lens: int64 offsets and lengths of its
             ``2R`` streams then its escapes, exact bitmap and exact tokens in it; exact: bool ``[T]``;
+            n_esc: its escaped coefficients (its metadata's, the escapes section's int16 count);
             tables, f: the level's (on ``dev``); start: the first position; dtype: bf16 or fp16.
 
     Returns:
@@ -182,10 +196,10 @@ def queue(
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
     with torch.cuda.device(dev):  # the native call picks its side streams and cuBLAS handle by it
-        return _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev)
+        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev)
 
 
-def _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev):
+def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev):
     c = kernels._native()
     r, n, t = m.rows, m.vector_size, int(exact.size)
     s, t32 = 2 * r, streams.run_length(t)
@@ -200,7 +214,8 @@ def _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev):
     idx_at = -(-(lay.payload + used) // 8) * 8
     host = torch.empty(idx_at + 8 * n_exact, dtype=torch.uint8, pin_memory=True)
     hn = host.numpy()
-    ws = torch.empty(lay.upload + host.numel(), dtype=torch.uint8, device=dev)
+    esc_at = _up(lay.upload + host.numel())  # esc_col, esc_hi: int32 [n_esc] each
+    ws = torch.empty(esc_at + 8 * n_esc, dtype=torch.uint8, device=dev)
     base = ws.data_ptr()
     desc = hn[: s * rans.DECODE_DESC.itemsize].view(rans.DECODE_DESC)
     desc["src"] = base + lay.upload + lay.payload + offs[:s]
@@ -221,7 +236,10 @@ def _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev):
             dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
             t32=t32, descs=base + lay.upload, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
             tables=tables.data_ptr(), counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
-            scratch_bytes=lay.scratch_bytes, sym=base + lay.sym, lo=base + lay.lo, rowsum=base + lay.rowsum,
+            scratch_bytes=lay.scratch_bytes, sym=base + lay.sym,
+            escapes=base + lay.upload + lay.payload + int(offs[s]) if n_esc else 0, num_escapes=n_esc,
+            esc_col=base + esc_at if n_esc else 0, esc_hi=base + esc_at + 4 * n_esc if n_esc else 0,
+            esc_scratch=base + lay.esc_scratch, lo=base + lay.lo, rowsum=base + lay.rowsum,
             esc_count=base + lay.esc_count, esc_row=base + lay.esc_row, y=base + lay.y,
             groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
             mu=mu.data_ptr(), cos_t=kernels._ptr(cos),
@@ -238,5 +256,5 @@ def _queue(m, payload, offs, lens, exact, tables, f, start, dtype, dev):
     kernels._decode_paths["symbols"] += 1
     kernels._decode_paths["fused"] += 1
     kernels._stats["batched"] += -(-r // lay.groups_per_batch)  # the GEMM batches, one cuBLAS call each
-    checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status)
+    checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
     return out, ws[lay.status : lay.checks_end], checks
