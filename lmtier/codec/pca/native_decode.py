@@ -225,7 +225,7 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev):
     hn[lay.payload : lay.payload + used] = payload[:used]
     if n_exact:
         hn[idx_at:].view(np.int64)[:] = np.flatnonzero(exact)
-    ws[lay.upload :].copy_(host, non_blocking=True)
+    ws[lay.upload : lay.upload + host.numel()].copy_(host, non_blocking=True)
     mu = tf.vectors(m, str(dev))[2]
     cos, sin = kernels._rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
@@ -251,7 +251,7 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev):
     if n_exact:
         lo = lay.upload + lay.payload
         raw = ws[lo + int(offs[s + 2]) : lo + int(offs[s + 2] + lens[s + 2])].view(dtype)
-        idx = ws[lay.upload + idx_at :].view(torch.int64)
+        idx = ws[lay.upload + idx_at : lay.upload + idx_at + 8 * n_exact].view(torch.int64)
         out.index_copy_(2, idx, raw.reshape(m.num_layers, 2, n_exact, m.num_heads, m.head_size))
     kernels._decode_paths["symbols"] += 1
     kernels._decode_paths["fused"] += 1
