@@ -142,3 +142,43 @@ def test_zero_token_record_and_a_corrupt_header_on_the_native_path():
         with native_decode.turned_off() if off else contextlib.nullcontext():
             with pytest.raises(CodecRecordError, match="corrupted PCA codec record: stream 1 names table"):
                 pca.decode(bad, model=m, device="cuda")
+
+
+def test_threads_deliver_records_with_escapes_as_a_tier_does():
+    """Four threads, each with its decode stream, decode records with escapes (and without) and
+    deliver each chunk on a second stream as ``PCACodecTier._deliver`` does (wait for ``ready``,
+    copy, ``record_stream``), 12 rounds: every delivered chunk equals the single-threaded decode."""
+    m, _ = _llama()
+    recs = [pca.encode(bench.synthetic_kv(GEOM, t, s, 40 + s).cuda(), start=s, model=m, level=lv)
+            for lv in ("pca_high", "pca_default") for t, s in ((256, 0), (256, 256), (76, 512))]  # fmt: skip
+    assert sum(pca.record_meta(r).escapes > 0 for r in recs) >= 3
+    want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            decode_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+            for k in range(12):
+                order = [(i + seed + k) % len(recs) for i in range(len(recs))]
+                dsts = {}
+                for i in order:
+                    with torch.cuda.stream(decode_stream):
+                        p = pca_codec.decode_queued(recs[i], model=m, device="cuda")
+                        chunk = p.result()
+                    copy_stream.wait_event(p.ready)
+                    with torch.cuda.stream(copy_stream):
+                        dsts[i] = chunk.clone()
+                    chunk.record_stream(copy_stream)
+                    del chunk, p
+                copy_stream.synchronize()
+                for i, d in dsts.items():
+                    assert torch.equal(_bits(d), want[i]), (seed, k, i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
