@@ -83,17 +83,19 @@ def test_checks_pass_and_name_what_is_wrong():
 
 
 def test_not_available_without_a_device_build_or_cublas(monkeypatch):
-    monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
+    monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
     assert native_decode.available() == (
         kernels.available() and hasattr(kernels._native(), "decode_record")
         and not kernels._native().cublas_library().startswith("none")
     )  # fmt: skip
 
 
-def test_turned_off_blocks_nest(monkeypatch):
-    monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
-    with native_decode.turned_off():
-        with native_decode.turned_off():
+def test_off_by_default_and_enabled_blocks_restore(monkeypatch):
+    monkeypatch.setattr(native_decode, "_state", {"enabled": False, "disabled": ""})
+    assert not native_decode.available()
+    with native_decode.enabled():
+        assert native_decode._state["enabled"]
+        with native_decode.enabled(False):
             assert not native_decode.available()
-        assert not native_decode.available()
-    assert native_decode._state["off"] == 0
+        assert native_decode._state["enabled"]
+    assert not native_decode._state["enabled"]

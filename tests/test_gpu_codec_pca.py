@@ -26,17 +26,19 @@ LEVELS = ("pca_high", "pca_default")
 
 @pytest.fixture(params=["kernels", "kernels-python", "torch"], autouse=True)
 def path(request, monkeypatch):
-    """Which CUDA path codes: the fused kernels (asserted built), a record without escapes decoded by
-    one native call (``kernels``, asserted available) or by the kernels queued one by one from Python
-    (``kernels-python``), or the torch fallback."""
+    """Which CUDA path codes: the fused kernels (asserted built), each record decoded by one native
+    call (``kernels``: :func:`lmtier.codec.pca.native_decode.enable`, asserted available) or by the
+    kernels queued one by one from Python (``kernels-python``, the product's default), or the torch
+    fallback."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "available", lambda: False)
         return "torch"
     assert kernels.available(), "the extension was built without the PCA CUDA kernels"
     if request.param == "kernels":
+        monkeypatch.setitem(native_decode._state, "enabled", True)
         assert native_decode.available(), "no lmtier._C.pca.decode_record, or no cuBLAS"
     else:
-        monkeypatch.setattr(native_decode, "available", lambda: False)
+        monkeypatch.setitem(native_decode._state, "enabled", False)
     return request.param
 
 
@@ -223,7 +225,7 @@ def test_cuda_gemms_one_by_one_without_cublas_are_the_hosts(path, monkeypatch, w
     if why == "no cublas":
         monkeypatch.setattr(kernels, "_cublas", [False])
     else:  # the Python bgemm_s8 refuses; the native decode's GEMMs are C++'s (test_gpu_codec_pca_native)
-        monkeypatch.setattr(native_decode, "available", lambda: False)
+        monkeypatch.setitem(native_decode._state, "enabled", False)
 
         def refuse(*args):
             raise RuntimeError("lmtier: bgemm_s8: cublasGemmStridedBatchedEx failed (status 15)")

@@ -23,6 +23,14 @@ from lmtier.codec.pca import kernels, native_decode, streams
 from tests.test_codec_pca_product import _kv, fitted
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    """The native decode on (off in the product by default)."""
+    monkeypatch.setitem(native_decode._state, "enabled", True)
+
+
 GEOM = (32, 8, 128, 1)  # Llama-3.1-8B: L, H, D, G (N = 1,024)
 
 
@@ -48,7 +56,7 @@ def test_llama_geometry_native_decodes_are_the_python_driven_and_the_hosts():
     before = kernels.decode_stats()
     native = [pca.decode(r, model=m, device="cuda") for r in recs]
     assert kernels.decode_stats()["fused"] - before["fused"] == len(recs)
-    with native_decode.turned_off():
+    with native_decode.enabled(False):
         driven = [pca.decode(r, model=m, device="cuda") for r in recs]
     assert kernels.decode_stats()["fused"] - before["fused"] == len(recs)
     for a, b in zip(native, driven, strict=True):
@@ -66,7 +74,7 @@ def test_llama_geometry_records_with_escapes():
             for s in (0, 256)]  # fmt: skip
     assert all(pca.record_meta(r).escapes > 0 for r in recs)
     native = [pca.decode(r, model=m, device="cuda") for r in recs]
-    with native_decode.turned_off():
+    with native_decode.enabled(False):
         driven = [pca.decode(r, model=m, device="cuda") for r in recs]
     for a, b in zip(native, driven, strict=True):
         assert torch.equal(_bits(a), _bits(b))
@@ -105,7 +113,7 @@ def test_a_native_step_that_raises_turns_it_off_and_the_record_still_decodes(mon
     recs = (pca.encode(_kv(40, 8, seed), start=8, model=m, level="pca_default") for seed in range(31, 61))
     rec = next(r for r in recs if pca.record_meta(r).escapes == 0)  # the native path's records
     want = _bits(pca.decode(rec, model=m))
-    monkeypatch.setattr(native_decode, "_state", {"disabled": "", "off": 0})
+    monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
 
     def refuse(**kw):
         raise RuntimeError("lmtier: bgemm_s8: cublasGemmStridedBatchedEx failed (status 15)")
@@ -139,7 +147,7 @@ def test_zero_token_record_and_a_corrupt_header_on_the_native_path():
     head[8:10] = (int.from_bytes(head[8:10], "little") + 1).to_bytes(2, "little")  # table_id
     bad = _repack(rec, secs=[secs[0], bytes(head), *secs[2:]])
     for off in (False, True):
-        with native_decode.turned_off() if off else contextlib.nullcontext():
+        with native_decode.enabled(False) if off else contextlib.nullcontext():
             with pytest.raises(CodecRecordError, match="corrupted PCA codec record: stream 1 names table"):
                 pca.decode(bad, model=m, device="cuda")
 

@@ -26,6 +26,13 @@ from tests.test_fetch_batch import BatchingTier
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(params=["native", "python"], autouse=True)
+def decode_path(request, monkeypatch):
+    """Each record's decode queued by one native call, or by the Python-driven kernels (the default)."""
+    monkeypatch.setitem(native_decode._state, "enabled", request.param == "native")
+    return request.param
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.cpu().contiguous().view(torch.int16)
 

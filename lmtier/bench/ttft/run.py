@@ -381,6 +381,7 @@ def run(args) -> dict:
         "device": args.device,
         "dtype": args.dtype,
         "kv_spectrum": args.kv_spectrum,
+        "pca_native_decode": args.pca_native_decode,
         "geometry": {
             "num_layers": b.L,
             "num_kv_heads": b.H,

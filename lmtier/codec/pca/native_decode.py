@@ -23,36 +23,44 @@ from . import imatmul, kernels, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "queue", "Layout", "layout", "Checks", "NativeRefused", "disable", "turned_off"]
+__all__ = ["available", "enable", "queue", "Layout", "layout", "Checks", "NativeRefused", "disable", "enabled"]
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 256
-_state = {"disabled": "", "off": 0}
-"""``disabled``: why the native decode is off for this process ("" while on), set by :func:`disable`
-after it raised once (then every record takes :func:`.kernels.queue_decode`'s path); ``off``: the
-:func:`turned_off` blocks open."""
+_state = {"enabled": False, "disabled": ""}
+"""``enabled``: :func:`enable`'s switch, off by default (in the TTFT bench, one load of the Redis tier
+gave KV other than the reference decoder's with every record decoded this way, unexplained: RESULTS
+§4.1t); ``disabled``: why it is off for this process ("" while not), set by :func:`disable` after it
+raised once (then every record takes :func:`.kernels.queue_decode`'s path)."""
+
+
+def enable(on: bool = True) -> None:
+    """Decode PCA records on CUDA by one native call each (``on``) or by the Python-driven kernels
+    (the default), for this process."""
+    _state["enabled"] = bool(on)
 
 
 def available() -> bool:
-    """True when the extension has ``decode_record`` and the PCA kernels, cuBLAS was found (the native
-    GEMMs have no one-by-one fallback), :func:`disable` was not called and no :func:`turned_off` block
-    is open."""
+    """True when :func:`enable` turned it on, the extension has ``decode_record`` and the PCA kernels,
+    cuBLAS was found (the native GEMMs have no one-by-one fallback) and :func:`disable` was not
+    called."""
     c = kernels._native() if kernels.available() else None
-    if c is None or not hasattr(c, "decode_record") or _state["disabled"] or _state["off"]:
+    if not _state["enabled"] or c is None or not hasattr(c, "decode_record") or _state["disabled"]:
         return False
     return kernels.cublas_found()
 
 
 @contextlib.contextmanager
-def turned_off():
-    """A block (of any thread) whose decodes take the Python-driven kernels: benchmarks time the two
-    paths in one run."""
-    _state["off"] += 1
+def enabled(on: bool = True):
+    """A block whose decodes (of any thread) take the native call (``on``) or the Python-driven
+    kernels; :func:`enable`'s setting again after it (benchmarks and tests time and check both)."""
+    before = _state["enabled"]
+    enable(on)
     try:
         yield
     finally:
-        _state["off"] -= 1
+        enable(before)
 
 
 def disable(why: str) -> None:
