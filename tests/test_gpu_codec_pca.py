@@ -19,6 +19,7 @@ from lmtier.codec import pca
 from lmtier.codec.pca import imatmul, kernels, native_decode
 from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, _calibration, _hand_model, _kv, fitted
+from tests.threads import run_in_threads
 
 pytestmark = pytest.mark.gpu
 LEVELS = ("pca_high", "pca_default")
@@ -161,8 +162,6 @@ def test_cuda_gemms_run_batched_and_threads_share_nothing(path):
     (each call's operands are its own: the threads share only the model's read-only matrices)."""
     if path == "torch":
         pytest.skip("the torch fallback runs torch._int_mm")
-    import threading
-
     from lmtier import _C
 
     assert _C.pca.cublas_library().startswith("libcublas"), _C.pca.cublas_library()
@@ -176,25 +175,15 @@ def test_cuda_gemms_run_batched_and_threads_share_nothing(path):
     after = kernels.gemm_stats()
     assert after["batched"] - before["batched"] >= 6 and after["eager"] == before["eager"]
 
-    errors: list[BaseException] = []
+    def worker() -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(3):
+                for (kv, s), ref in zip(cases, refs):
+                    assert pca.encode(kv.cuda(), start=s, model=m, level="pca_default") == ref
+                    got = pca.decode(ref, model=m, device="cuda")
+                    assert torch.equal(got.cpu().view(torch.int16), pca.decode(ref, model=m).view(torch.int16))
 
-    def worker(i: int) -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                for _ in range(3):
-                    for (kv, s), ref in zip(cases, refs):
-                        assert pca.encode(kv.cuda(), start=s, model=m, level="pca_default") == ref
-                        got = pca.decode(ref, model=m, device="cuda")
-                        assert torch.equal(got.cpu().view(torch.int16), pca.decode(ref, model=m).view(torch.int16))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, [()] * 2)
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from lmtier.codec import pca
 from lmtier.codec.pca import codec as pca_codec
 from lmtier.codec.pca import kernels, native_decode, streams
 from tests.test_codec_pca_product import _kv, fitted
+from tests.threads import run_in_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -88,24 +88,15 @@ def test_llama_geometry_records_with_escapes():
 def test_llama_geometry_native_decodes_from_threads_on_their_own_streams():
     m, recs = _llama()
     want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
-    errors: list[BaseException] = []
 
     def worker() -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                for _ in range(3):
-                    pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
-                    for p, w in zip(pending, want, strict=True):
-                        assert torch.equal(_bits(p.result()), w)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(3):
+                pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
+                for p, w in zip(pending, want, strict=True):
+                    assert torch.equal(_bits(p.result()), w)
 
-    threads = [threading.Thread(target=worker) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, [()] * 3)
 
 
 def test_a_native_step_that_raises_turns_it_off_and_the_record_still_decodes(monkeypatch, caplog):
@@ -161,32 +152,23 @@ def test_threads_deliver_records_with_escapes_as_a_tier_does():
             for lv in ("pca_high", "pca_default") for t, s in ((256, 0), (256, 256), (76, 512))]  # fmt: skip
     assert sum(pca.record_meta(r).escapes > 0 for r in recs) >= 3
     want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        try:
-            decode_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
-            for k in range(12):
-                order = [(i + seed + k) % len(recs) for i in range(len(recs))]
-                dsts = {}
-                for i in order:
-                    with torch.cuda.stream(decode_stream):
-                        p = pca_codec.decode_queued(recs[i], model=m, device="cuda")
-                        chunk = p.result()
-                    copy_stream.wait_event(p.ready)
-                    with torch.cuda.stream(copy_stream):
-                        dsts[i] = chunk.clone()
-                    chunk.record_stream(copy_stream)
-                    del chunk, p
-                copy_stream.synchronize()
-                for i, d in dsts.items():
-                    assert torch.equal(_bits(d), want[i]), (seed, k, i)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        decode_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        for k in range(12):
+            order = [(i + seed + k) % len(recs) for i in range(len(recs))]
+            dsts = {}
+            for i in order:
+                with torch.cuda.stream(decode_stream):
+                    p = pca_codec.decode_queued(recs[i], model=m, device="cuda")
+                    chunk = p.result()
+                copy_stream.wait_event(p.ready)
+                with torch.cuda.stream(copy_stream):
+                    dsts[i] = chunk.clone()
+                chunk.record_stream(copy_stream)
+                del chunk, p
+            copy_stream.synchronize()
+            for i, d in dsts.items():
+                assert torch.equal(_bits(d), want[i]), (seed, k, i)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[:2]
+    run_in_threads(worker, [(s,) for s in range(4)])

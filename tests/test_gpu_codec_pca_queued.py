@@ -22,6 +22,7 @@ from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
 from tests.test_codec_pca_product import D, H, L, _hand_model, _kv, _parts, _repack, fitted
 from tests.test_codec_pca_refusals import escape_liars
 from tests.test_fetch_batch import BatchingTier
+from tests.threads import run_in_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -166,8 +167,6 @@ def test_coder_calls_side_by_side_are_the_hosts(monkeypatch, per_call):
     8B model's 64 streams are 2 calls) decode on the current stream and this thread's side streams at
     once, to the host's bits, from a thread of its own too, and the next record's decode is right
     (no call's scratch or output reused while another runs)."""
-    import threading
-
     from lmtier.bench import codec_pca as bench
     from lmtier.codec.pca import streams
 
@@ -181,20 +180,11 @@ def test_coder_calls_side_by_side_are_the_hosts(monkeypatch, per_call):
         assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), _bits(w))
     pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
     assert all(torch.equal(_bits(p.result()), _bits(w)) for p, w in zip(pending, want, strict=True))
-    errors: list[BaseException] = []
 
     def worker() -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                for _ in range(3):
-                    for r, w in zip(recs, want, strict=True):
-                        assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), _bits(w))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(3):
+                for r, w in zip(recs, want, strict=True):
+                    assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), _bits(w))
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, [()] * 2)

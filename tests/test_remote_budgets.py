@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import threading
 
 import pytest
 
@@ -20,6 +19,7 @@ from lmtier.tiers.tenants import DEFAULT_TENANT, SharedBudgets, TenantShares, te
 redis = pytest.importorskip("redis")
 from lmtier.tiers.redis import RedisTier  # noqa: E402
 from lmtier.tiers.redis.resp import HEADER  # noqa: E402
+from tests.threads import run_in_threads  # noqa: E402
 
 A, B, C = tenant_id("tenant-a"), tenant_id("tenant-b"), tenant_id("tenant-c")
 S = 1000  # payload bytes of every test record
@@ -202,22 +202,13 @@ def test_two_nodes_racing_for_one_tenant_keep_the_accounting_exact(redis_server)
     nodes = [tier(redis_server, b, max_connections=4), tier(redis_server, b, max_connections=4)]
     for i in range(3):
         assert nodes[0].put(K(B, i), data(i), tenant=B)
-    errors: list[BaseException] = []
 
     def writer(node: RedisTier, seed: int) -> None:
-        try:
-            for j in range(150):
-                i = (j * 7 + seed) % 30
-                node.put(K(A, i), data(i + seed), tenant=A)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for j in range(150):
+            i = (j * 7 + seed) % 30
+            node.put(K(A, i), data(i + seed), tenant=A)
 
-    threads = [threading.Thread(target=writer, args=(nodes[k % 2], k)) for k in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    run_in_threads(writer, [(nodes[k % 2], k) for k in range(4)])
     used = check_accounting(redis_server)
     assert used[B] == 3 * R and held(nodes[1], B) == [0, 1, 2]
     assert sum(used.values()) <= 10 * R and used[A] == 7 * R
