@@ -90,12 +90,17 @@ def test_not_available_without_a_device_build_or_cublas(monkeypatch):
     )  # fmt: skip
 
 
-def test_off_by_default_and_enabled_blocks_restore(monkeypatch):
-    monkeypatch.setattr(native_decode, "_state", {"enabled": False, "disabled": ""})
-    assert not native_decode.available()
-    with native_decode.enabled():
-        assert native_decode._state["enabled"]
-        with native_decode.enabled(False):
-            assert not native_decode.available()
-        assert native_decode._state["enabled"]
-    assert not native_decode._state["enabled"]
+def test_on_by_default_and_enabled_blocks_restore(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "from lmtier.codec.pca import native_decode as n; print(n._state)"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "{'enabled': True, 'disabled': ''}"  # a new process: on
+    monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
+    with native_decode.enabled(False):
+        assert not native_decode.available()
+        with native_decode.enabled():
+            assert native_decode._state["enabled"]
+        assert not native_decode._state["enabled"]
+    assert native_decode._state["enabled"]

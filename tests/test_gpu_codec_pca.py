@@ -28,9 +28,9 @@ LEVELS = ("pca_high", "pca_default")
 @pytest.fixture(params=["kernels", "kernels-python", "torch"], autouse=True)
 def path(request, monkeypatch):
     """Which CUDA path codes: the fused kernels (asserted built), each record decoded by one native
-    call (``kernels``: :func:`lmtier.codec.pca.native_decode.enable`, asserted available) or by the
-    kernels queued one by one from Python (``kernels-python``, the product's default), or the torch
-    fallback."""
+    call (``kernels``, the product's default, asserted available) or by the kernels queued one by one
+    from Python (``kernels-python``: :func:`lmtier.codec.pca.native_decode.enable` ``(False)``), or the
+    torch fallback."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "available", lambda: False)
         return "torch"

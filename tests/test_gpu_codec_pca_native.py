@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def native_on(monkeypatch):
-    """The native decode on (off in the product by default)."""
+    """The native decode on (the product's default), whatever an earlier test left."""
     monkeypatch.setitem(native_decode._state, "enabled", True)
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(params=["native", "python"], autouse=True)
 def decode_path(request, monkeypatch):
-    """Each record's decode queued by one native call, or by the Python-driven kernels (the default)."""
+    """Each record's decode queued by one native call (the default), or by the Python-driven kernels."""
     monkeypatch.setitem(native_decode._state, "enabled", request.param == "native")
     return request.param
 

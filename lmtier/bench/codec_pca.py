@@ -18,8 +18,9 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
   (:func:`lmtier.codec.pca.codec.chunk_symbols`: the fused kernels on CUDA);
 * ``decode``: :func:`~lmtier.codec.pca.decode` of each host record onto the device (each waits for
   the device); ``decode_queued``: :func:`lmtier.codec.pca.codec.decode_queued` of every record, then
-  their results (one wait); ``decode_native``: the same with each record's decode queued by one
-  native call (:func:`lmtier.codec.pca.native_decode.enabled`: off in the product by default);
+  their results (one wait); ``decode_python``: the same with the kernels queued one by one from
+  Python (:func:`lmtier.codec.pca.native_decode.enabled` ``(False)``; the product's path is one
+  native call per record);
   ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`);
 * ``rans_enc`` / ``rans_dec``: the records' rANS streams alone (:mod:`lmtier.codec.pca.streams`, the
   calls :func:`~lmtier.codec.pca.encode` / :func:`~lmtier.codec.pca.decode` make), symbols on the
@@ -61,7 +62,7 @@ from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
-           "decode_GBps", "decode_queued_GBps", "decode_native_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps",
+           "decode_GBps", "decode_queued_GBps", "decode_python_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps",
            "gemm_batched_GBps", "memcpy_GBps", "identical"]  # fmt: skip
 MIN_CALIB_TOKENS = 12288
 """The default calibration's least tokens: at ``3 N`` alone a small ``N`` (1,024 at ``G = 1``) fits
@@ -228,8 +229,8 @@ def run(args) -> dict:
             _sync(dev)
             return out
 
-        def dec_native():  # each record's decode queued by one native call (off in the product by default)
-            with native_decode.enabled():
+        def dec_python():  # the kernels queued one by one from Python (the product: one native call a record)
+            with native_decode.enabled(False):
                 return dec_queued()
 
         def inv():
@@ -256,13 +257,13 @@ def run(args) -> dict:
             _profile(Path(args.profile), level, (("encode", enc), ("decode", dec)), dev)
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
              (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
-              ("rans_dec", rans_dec), ("decode_queued", dec_queued), ("decode_native", dec_native))}  # fmt: skip
+              ("rans_dec", rans_dec), ("decode_queued", dec_queued), ("decode_python", dec_python))}  # fmt: skip
         same = True
         if dev.type == "cuda":
             same = all(pca.encode(c.cpu(), start=s, model=m, level=level) == r for c, s, r in zip(chunks, starts, recs))
             same &= bool(torch.equal(pca.decode(recs[0], model=m, device=dev).cpu(), pca.decode(recs[0], model=m)))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_queued(), recs))
-            same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_native(), recs))
+            same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_python(), recs))
         metas = [pca.record_meta(r) for r in recs]
         rows.append(
             dict(

@@ -188,10 +188,10 @@ def parser() -> argparse.ArgumentParser:
         "connector worker's fetch_batch (default: %(default)s, its default)",
     )
     p.add_argument(
-        "--pca-native-decode",
+        "--pca-python-decode",
         action="store_true",
-        help="decode the PCA levels' records on CUDA by one native call each "
-        "(lmtier.codec.pca.native_decode.enable; off by default)",
+        help="decode the PCA levels' records on CUDA with the kernels queued one by one from Python, "
+        "not one native call each (lmtier.codec.pca.native_decode.enable(False))",
     )
     p.add_argument(
         "--graphs",
@@ -267,10 +267,10 @@ def main(argv=None) -> int:
             p.error(f"--codec-pca-model: no PCA level ({', '.join(PCA_CODEC_LEVELS)}) in --codec-levels")
         if not os.path.isfile(args.codec_pca_model) or not os.access(args.codec_pca_model, os.R_OK):
             p.error(f"--codec-pca-model {args.codec_pca_model}: not a readable file")
-    if args.pca_native_decode:
+    if args.pca_python_decode:
         from lmtier.codec.pca import native_decode
 
-        native_decode.enable()
+        native_decode.enable(False)
     res = run(args)
     report(res)
     write_json(args.json, res)

@@ -381,7 +381,7 @@ def run(args) -> dict:
         "device": args.device,
         "dtype": args.dtype,
         "kv_spectrum": args.kv_spectrum,
-        "pca_native_decode": args.pca_native_decode,
+        "pca_python_decode": args.pca_python_decode,
         "geometry": {
             "num_layers": b.L,
             "num_kv_heads": b.H,

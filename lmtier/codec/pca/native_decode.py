@@ -28,16 +28,15 @@ __all__ = ["available", "enable", "queue", "Layout", "layout", "Checks", "Native
 log = logging.getLogger(__name__)
 
 _ALIGN = 256
-_state = {"enabled": False, "disabled": ""}
-"""``enabled``: :func:`enable`'s switch, off by default (in the TTFT bench, one load of the Redis tier
-gave KV other than the reference decoder's with every record decoded this way, unexplained: RESULTS
-§4.1t); ``disabled``: why it is off for this process ("" while not), set by :func:`disable` after it
-raised once (then every record takes :func:`.kernels.queue_decode`'s path)."""
+_state = {"enabled": True, "disabled": ""}
+"""``enabled``: :func:`enable`'s switch (on by default); ``disabled``: why it is off for this process
+("" while not), set by :func:`disable` after it raised once (then every record takes
+:func:`.kernels.queue_decode`'s path)."""
 
 
 def enable(on: bool = True) -> None:
-    """Decode PCA records on CUDA by one native call each (``on``) or by the Python-driven kernels
-    (the default), for this process."""
+    """Decode PCA records on CUDA by one native call each (``on``, the default) or by the Python-driven
+    kernels, for this process."""
     _state["enabled"] = bool(on)
 
 
