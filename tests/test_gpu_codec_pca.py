@@ -257,3 +257,28 @@ def test_bgemm_s8_is_exact(path, batch, m, k, p):
         _C.pca.bgemm_s8(1, 1, 6, 8, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), 0, 0, stream)
     with pytest.raises(ValueError, match="a workspace of 16 bytes at address 0"):
         _C.pca.bgemm_s8(1, 1, 8, 8, ad.data_ptr(), bd.data_ptr(), out.data_ptr(), 0, 16, stream)
+
+
+def test_the_exact_mask_outlives_encode_symbols_launch(path, monkeypatch):
+    """An allocation between the exact-token mask's creation and ``encode_symbols``' launch (another
+    thread's, on the same stream: what the store threads of a ``TierManager`` do) cannot take the
+    mask's memory and write to it ahead of the kernel: the record is the host's. Before the fix the
+    mask was a temporary freed before the launch, and the blocks of its size filled with ones here
+    (one of them its block) made every token read as exact (a valid record of other bytes)."""
+    if path == "torch":
+        pytest.skip("the torch fallback has no native encode_symbols")
+    c = kernels._native()
+    real = c.encode_symbols
+
+    def squat(*args):
+        t = args[1]  # the chunk's tokens: blocks of the mask's size, enough to take any free one
+        hogs = [torch.ones(t, dtype=torch.uint8, device="cuda") for _ in range(256)]
+        real(*args)
+        del hogs
+
+    monkeypatch.setattr(c, "encode_symbols", squat)
+    m = fitted("plain")
+    for kv, s in ((_kv(40, 8, 37), 8), (_kv(40, 0, 38), 0)):
+        assert pca.encode(kv.cuda(), start=s, model=m, level="pca_default") == pca.encode(
+            kv, start=s, model=m, level="pca_default"
+        )

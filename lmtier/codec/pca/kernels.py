@@ -228,7 +228,10 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
     exact |= tf.loud(energy.double(), energy_threshold)
     sym = torch.empty(r, 2, n, t32, dtype=torch.uint8, device=dev)
-    c.encode_symbols(*geom, t32, q.data_ptr(), exact.to(torch.uint8).data_ptr(), sym.data_ptr(), s)
+    exact8 = exact.to(torch.uint8)  # a name, so its memory outlives the launch: a temporary's block
+    # would go back to the allocator before the call, and another thread's allocation on this stream
+    # could queue a write to it ahead of the kernel (records of other, valid bytes: RESULTS §4.1t)
+    c.encode_symbols(*geom, t32, q.data_ptr(), exact8.data_ptr(), sym.data_ptr(), s)
     escapes = q.transpose(2, 3)[sym[..., :t] == tf.ESCAPE]  # synchronizes (a count): the flag is read after
     if bool(bad):
         raise CodecInputError(tf.NONFINITE)
