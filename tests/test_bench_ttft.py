@@ -736,6 +736,31 @@ def test_pca_level_on_the_redis_tier(tmp_path, monkeypatch):
     assert res["load_path"]["codec_tiers"]["redis+pca_default"] == "lmtier.tiers.codec_pca.PCACodecTier"
     _pca_records_agree(records, 3, 64, ["pca_default"])
     assert calls["misses"] == 0
+    agree = r["check_records_pca_default"]
+    assert agree["ok"] is True and set(agree["MB"]) == {"disk+pca_default", "redis+pca_default"}
+    assert agree["MB"]["disk+pca_default"] == agree["MB"]["redis+pca_default"] == r["disk+pca_default_MB"] > 0
+
+
+def test_tiers_storing_other_record_bytes_fail_the_checks():
+    """Tiers of one codec level whose stored record totals differ (one stored records of other,
+    valid bytes: RESULTS §4.1t) give a failing ``check_records_<level>``, which fails the run's
+    checks; a level on one tier only gives none."""
+    from types import SimpleNamespace
+
+    from lmtier.bench.ttft.bench import Bench
+
+    b = SimpleNamespace(codec_levels={"disk+pca_default": "pca_default", "redis+pca_default": "pca_default",
+                                      "disk+codec": "default"})  # fmt: skip
+    row = {"disk+pca_default_MB": 272.980376, "redis+pca_default_MB": 272.971468, "disk+codec_MB": 175.0}
+    Bench._check_records_agree(b, row)
+    assert row["check_records_pca_default"] == {
+        "ok": False,
+        "MB": {"disk+pca_default": 272.980376, "redis+pca_default": 272.971468},
+    }
+    assert "check_records_codec" not in row
+    row["redis+pca_default_MB"] = 272.980376
+    Bench._check_records_agree(b, row)
+    assert row["check_records_pca_default"]["ok"] is True
 
 
 def test_kv_spectrum_trained_concentrates_the_kv_energy_as_measured(tmp_path):

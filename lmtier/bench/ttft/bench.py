@@ -485,6 +485,7 @@ class Bench:
                 if tag.startswith("disk+") and row.get(f"{tag}_MB"):
                     # the read alone at the best same-run device ceiling (dd or parallel O_DIRECT)
                     row[f"{tag}_limit_pct"] = 100 * (row[f"{tag}_MB"] / best) / rec_ms  # MB / (GB/s) = ms
+        self._check_records_agree(row)
         if self.redis_raw and "redis" in self.managers:
             row["redis_raw_GBs"] = self.redis_raw
             row["redis_limit_pct"] = 100 * (n * self.bpt / self.redis_raw / 1e6) / rec_ms
@@ -492,6 +493,19 @@ class Bench:
                 if tag.startswith("redis+") and row.get(f"{tag}_MB"):
                     row[f"{tag}_limit_pct"] = 100 * (row[f"{tag}_MB"] / self.redis_raw) / rec_ms
         return row
+
+    def _check_records_agree(self, row: dict) -> None:
+        """``check_records_<level>``: every tier of one codec level stored records of the same total
+        bytes (``<tag>_MB``, counted when encoded). The chunks, positions and codec data are the same
+        for each tier and the encoders are deterministic, so a difference means a tier stored records
+        of other, valid bytes, which decode to other KV without any check failing (RESULTS §4.1t)."""
+        by_level: dict[str, dict[str, float]] = {}
+        for tag in self.codec_levels:
+            if row.get(f"{tag}_MB") is not None:
+                by_level.setdefault(tag.split("+", 1)[1], {})[tag] = row[f"{tag}_MB"]
+        for suffix, got in by_level.items():
+            if len(got) > 1:
+                row[f"check_records_{suffix}"] = {"ok": len(set(got.values())) == 1, "MB": got}
 
     @staticmethod
     def _pca(tier) -> bool:

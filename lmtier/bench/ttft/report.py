@@ -198,6 +198,12 @@ def report(res: dict) -> None:
         )
     )
     print_table(chk, list(dict.fromkeys(k for d in chk for k in d)))
+    for r in rows:
+        for k, c in r.items():
+            if k.startswith("check_records_"):
+                sizes = ", ".join(f"{t} {mb:.6f}" for t, mb in c["MB"].items())
+                verdict = "the same" if c["ok"] else "DIFFERENT (a tier stored records of other bytes)"
+                print(f"N = {r['N']}: {k[len('check_records_') :]} records stored by every tier: {verdict}: {sizes} MB")
     print()
     for t in TIERS:
         if not any(r.get(f"{t}_ms") is not None for r in rows):
