@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lmtier.codec import rans
+from lmtier.errors import LMTierError
 
 from . import imatmul, kernels, streams
 from . import transform as tf
@@ -73,7 +74,7 @@ def _up(x: int) -> int:
     return -(-x // _ALIGN) * _ALIGN
 
 
-class NativeRefused(Exception):
+class NativeRefused(LMTierError):
     """``decode_record`` raised (a step it queues refused: cuBLAS a GEMM, a geometry check): the record
     is not at fault; the caller decodes it the Python-driven way."""
 
