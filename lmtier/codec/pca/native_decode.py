@@ -162,10 +162,8 @@ class Checks(NamedTuple):
         symbols other in number than the record announced, in the host copy ``got`` (uint8) of the
         checks."""
         s = self.streams
-        rans._raise_status(got[: 4 * s].view(np.int32), "decode")
         counts = got[self.counts : self.counts + 8 * s].view(np.int64)
-        if (counts != self.length).any():
-            raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {self.length} expected")
+        streams.check_decoded(got[: 4 * s].view(np.int32), counts, self.length)
         if (found := int(got[self.esc_count : self.esc_count + 4].view(np.int32)[0])) != self.escapes:
             raise ValueError(f"{found} escape symbols, {self.escapes} announced")
 

@@ -28,6 +28,7 @@ __all__ = [
     "QueuedStreams",
     "upload",
     "check_spans",
+    "check_decoded",
     "run_length",
     "streams_per_call",
     "table_base",
@@ -185,9 +186,7 @@ class QueuedStreams(NamedTuple):
 
         Raises:
             ValueError: a stream that did not decode, or decoded to another count than ``length``."""
-        rans._raise_status(status, "decode")
-        if (counts != self.length).any():
-            raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {self.length} expected")
+        check_decoded(status, counts, self.length)
 
     def result(self) -> torch.Tensor:
         """The symbols, once :meth:`verify` passed on this device's values (waits for the decode, on
@@ -296,6 +295,17 @@ def _queue(
     # src, scratch and descs are freed here with work still queued that reads them: their memory goes
     # back to torch's pool for the current stream only, which waits for every call before later work
     return QueuedStreams(out, status, got, length, current)
+
+
+def check_decoded(status: np.ndarray, counts: np.ndarray, length: int) -> None:
+    """Check a decode's host copies of the coder's per-stream ``status`` (int32) and symbol ``counts``
+    (int64) against the ``length`` symbols every stream must decode to.
+
+    Raises:
+        ValueError: a stream that did not decode, or decoded to another count than ``length``."""
+    rans._raise_status(status, "decode")
+    if (counts != length).any():
+        raise ValueError(f"rANS streams of {sorted(set(counts.tolist()))} symbols, {length} expected")
 
 
 def check_spans(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray, length: int, n: int) -> None:
