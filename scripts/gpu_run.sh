@@ -8,7 +8,8 @@
 # (its KV's spectrum decaying as a trained model's), each up to 560 s (LMTIER_TTFTPCA_TIMEOUT), with the bench's own PCA fit;
 # "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
-# decoded on the host, the vLLM connector's path today; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
+# decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
+# bench's pca_default loads (disk and Redis); "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
 # with unsealed, MACed and encrypted records in one run, and lmtier bench seal); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
@@ -119,6 +120,20 @@ if has ttftpca; then
   timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
     --kv-spectrum trained --json "$OUT/ttft_pca_trained.json" > "$OUT/bench_ttft_pca_trained.log" 2>&1
   echo "bench ttft (the same, --kv-spectrum trained) rc=$?"
+fi
+if has ttftspy; then
+  # where the host's time goes in the PCA level's loads: py-spy (carry its wheel in .whl) samples the threads
+  # holding the GIL while the trained-spectrum bench loads disk+pca_default and redis+pca_default (raw stacks;
+  # tally with scripts/spy_tally.py)
+  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  if [ -x "$spy" ]; then
+    timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" "$spy" record --gil --threads -r 250 -f raw -o "$OUT/spy_gil.txt" -- \
+      $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels pca_default --kv-spectrum trained \
+      --no-mooncake --json "$OUT/ttft_spy.json" > "$OUT/bench_ttft_spy.log" 2>&1
+    echo "bench ttft under py-spy --gil rc=$?"
+  else
+    echo "ttftspy: no py-spy (carry its wheel in .whl)"
+  fi
 fi
 if has ttftbatch1; then
   timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-redis \
