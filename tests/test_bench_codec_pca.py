@@ -39,7 +39,15 @@ def test_bench_runs_on_the_host(tmp_path):
         assert r["encode_GBps"] > 0 and r["decode_GBps"] > 0 and r["memcpy_GBps"] > 0
         assert r["rans_enc_GBps"] > 0 and r["rans_dec_GBps"] > 0 and r["gemm_GBps"] > 0
         assert r["gemm_batched_GBps"] == r["gemm_GBps"], "the host runs no batched GEMM: the same timing"
+        assert r["decode_threads_GBps"] > 0
     assert torch.equal(bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1), bench.synthetic_kv((2, 2, 16, 2), 8, 0, 1))
+
+
+def test_decode_one_decodes_as_the_codec_does(tmp_path):
+    m = bench.model_for((2, 2, 16, 2), 200, str(tmp_path))
+    kv = bench.synthetic_kv((2, 2, 16, 2), 32, 64, 5)
+    rec = pca.encode(kv, start=64, model=m, level="pca_default")
+    assert torch.equal(bench.decode_one(rec, m, torch.device("cpu")), pca.decode(rec, model=m))
 
 
 def test_profile_writes_each_levels_tables(tmp_path):

@@ -20,7 +20,9 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
   the device); ``decode_queued``: :func:`lmtier.codec.pca.codec.decode_queued` of every record, then
   their results (one wait); ``decode_python``: the same with the kernels queued one by one from
   Python (:func:`lmtier.codec.pca.native_decode.enabled` ``(False)``; the product's path is one
-  native call per record);
+  native call per record); ``decode_threads``: ``--decode-threads`` threads (default 4), each decoding
+  one record at a time on its own stream and waiting for it, as a PCA tier's I/O threads do (the
+  connector's default ``fetch_batch`` of 1);
   ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`);
 * ``rans_enc`` / ``rans_dec``: the records' rANS streams alone (:mod:`lmtier.codec.pca.streams`, the
   calls :func:`~lmtier.codec.pca.encode` / :func:`~lmtier.codec.pca.decode` make), symbols on the
@@ -47,7 +49,9 @@ import argparse
 import dataclasses
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +66,8 @@ from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
-           "decode_GBps", "decode_queued_GBps", "decode_python_GBps", "inverse_GBps", "rans_dec_GBps", "gemm_GBps",
-           "gemm_batched_GBps", "memcpy_GBps", "identical"]  # fmt: skip
+           "decode_GBps", "decode_queued_GBps", "decode_python_GBps", "decode_threads_GBps", "inverse_GBps",
+           "rans_dec_GBps", "gemm_GBps", "gemm_batched_GBps", "memcpy_GBps", "identical"]  # fmt: skip
 MIN_CALIB_TOKENS = 12288
 """The default calibration's least tokens: at ``3 N`` alone a small ``N`` (1,024 at ``G = 1``) fits
 its few tokens, and 17 % of the chunks' tokens then came out loud (exact, raw bytes): not a codec's
@@ -197,6 +201,7 @@ def run(args) -> dict:
     buf = torch.empty(int(gb * 1e9), dtype=torch.uint8, device=dev)
     memcpy_ms = wall_time_ms(lambda: (buf.clone(), _sync(dev)), warmup=1, iters=args.iters)
     gemm_ms, batched_ms = (x * args.chunks for x in _gemm_ms(m, chunks[0], args.iters))
+    pool = ThreadPoolExecutor(args.decode_threads, thread_name_prefix="decode")
     rows = []
     for level in args.levels:
         data = m.levels[level]
@@ -233,6 +238,11 @@ def run(args) -> dict:
             with native_decode.enabled(False):
                 return dec_queued()
 
+        def dec_threads():  # as a tier's I/O threads: each decodes one record at a time on its own stream
+            out = list(pool.map(lambda r: decode_one(r, m, dev), recs))
+            _sync(dev)
+            return out
+
         def inv():
             out = [
                 codec.symbols_to_kv(m, sym[..., :t_], e, f_, s, torch.bfloat16) for (sym, _, e), s in zip(fws, starts)
@@ -257,13 +267,15 @@ def run(args) -> dict:
             _profile(Path(args.profile), level, (("encode", enc), ("decode", dec)), dev)
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
              (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
-              ("rans_dec", rans_dec), ("decode_queued", dec_queued), ("decode_python", dec_python))}  # fmt: skip
+              ("rans_dec", rans_dec), ("decode_queued", dec_queued), ("decode_python", dec_python),
+              ("decode_threads", dec_threads))}  # fmt: skip
         same = True
         if dev.type == "cuda":
             same = all(pca.encode(c.cpu(), start=s, model=m, level=level) == r for c, s, r in zip(chunks, starts, recs))
             same &= bool(torch.equal(pca.decode(recs[0], model=m, device=dev).cpu(), pca.decode(recs[0], model=m)))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_queued(), recs))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_python(), recs))
+            same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_threads(), recs))
         metas = [pca.record_meta(r) for r in recs]
         rows.append(
             dict(
@@ -280,6 +292,7 @@ def run(args) -> dict:
                 identical=same,
             )
         )
+    pool.shutdown()
     return dict(
         system=system_header(),
         device=str(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu",
@@ -288,6 +301,21 @@ def run(args) -> dict:
         gemms=dict(kernels.gemm_stats(), cublas=_cublas(dev)),
         rows=rows,
     )
+
+
+_local = threading.local()
+
+
+def decode_one(record: bytes, m: pca.PCAModel, dev: torch.device) -> torch.Tensor:
+    """Decode ``record`` on this thread's own stream of ``dev`` (CUDA; made on first use), waiting for
+    its result, as :class:`lmtier.tiers.codec_pca.PCACodecTier` decodes one record on an I/O thread."""
+    if dev.type != "cuda":
+        return pca.decode(record, model=m, device=dev)
+    s = _local.__dict__.get("stream")
+    if s is None:
+        s = _local.stream = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(s):
+        return codec.decode_queued(record, model=m, device=dev).result()
 
 
 def _cublas(dev: torch.device) -> str:
@@ -318,6 +346,10 @@ def main(argv=None) -> int:
         help=f"calibration tokens (default max(3 N, {MIN_CALIB_TOKENS}))",
     )
     ap.add_argument("--iters", type=bounded_int(min_value=1), default=3)
+    ap.add_argument(
+        "--decode-threads", type=bounded_int(min_value=1), default=4,
+        help="threads of the decode_threads column (a tier's I/O threads; default: %(default)s)",
+    )  # fmt: skip
     ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument(
         "--model-cache",
