@@ -109,9 +109,8 @@ if has ttftremote; then
 fi
 if has ttftpca; then
   # issue 19: the PCA level beside default and recompute at 7,500 tokens, disk and Redis (+ Mooncake when bundled).
-  # The PCA model file is fitted by the bench first, untimed, on the KV of its prompt's first 8,192 tokens
-  # (Llama-3.1-8B: G = 4, N = 4,096, 8 layer groups x K/V: 16 float64 eigendecompositions of 4,096 x 4,096 and
-  # the calibration KV's transforms; estimated 1-4 min on this host's cores). Up to 560 s: a call of its own.
+  # The PCA model file is fitted by the bench first, untimed, on the KV of other random token ids than the measured
+  # prompt's (Llama-3.1-8B: G = 1, N = 1,024, 16 x N = 16,384 tokens; lmtier.bench.ttft.pca_model).
   # Then the same with --kv-spectrum trained: the random model's k_proj / v_proj reshaped so its KV's
   # eigen-spectrum decays as SmolLM2's (a random model's KV is near isotropic: no structure for a basis).
   timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \

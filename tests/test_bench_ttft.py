@@ -580,10 +580,19 @@ def _run_disk_pca(tmp_path, *extra):
 
 
 def test_pca_level_model_fitted_by_the_bench(tmp_path, monkeypatch):
-    # no --codec-pca-model: the bench fits one, untimed, on the first chunks of the KV it stores
-    # (tiny: L=2, H=2, D=16 -> G=2, N=64 -> 2 x 64 = 128 tokens = 2 chunks of 64), with the model's
-    # rotary frequencies; the disk+pca_default tier is a PCACodecTier built by from_config from
-    # codec_level + codec_pca_model, its loads are hits, its KV the reference decoder's
+    # no --codec-pca-model: the bench fits one, untimed, on the KV of other token ids than the
+    # measured prompt's (tiny: L=2, H=2, D=16 -> G=2, N=64 -> 16 x 64 = 1,024 tokens = 16 chunks of
+    # 64), with the model's rotary frequencies; the disk+pca_default tier is a PCACodecTier built by
+    # from_config from codec_level + codec_pca_model, its loads are hits, its KV the reference decoder's
+    from lmtier.codec import pca
+
+    prefills, fit = [], pca.fit
+
+    def spy_fit(kvs, starts, **kw):
+        prefills.append((len(kvs), list(starts)))
+        return fit(kvs, starts, **kw)
+
+    monkeypatch.setattr(pca, "fit", spy_fit)
     records, calls = _pca_spies(monkeypatch)
     rc, res = _run_disk_pca(tmp_path)
     assert rc == 0 and res["checks_ok"] is True
@@ -597,8 +606,10 @@ def test_pca_level_model_fitted_by_the_bench(tmp_path, monkeypatch):
     assert calls["decode"] >= calls["hits"] + 2 * 3  # the tier's decodes and the guard's (2 checks)
     info = res["codec_pca_model"]
     assert info["source"] == "fitted" and info["path"] is None
-    assert info["what"].startswith("fitted by the bench on 128 tokens of the measured prompt's KV")
-    assert info["tokens"] == 128 and info["chunks"] == 2 and info["layer_group"] == 2
+    assert info["what"].startswith("fitted by the bench on 1024 tokens of the prefill KV of other random token ids")
+    assert "seed 4321, not the measured prompt" in info["what"] and "16 per value of N" in info["what"]
+    assert info["tokens"] == 1024 and info["chunks"] == 16 and info["layer_group"] == 2
+    assert prefills == [(16, list(range(0, 1024, 64)))]
     assert info["rope"].startswith("undone") and set(info["levels"]) == {"pca_high", "pca_default"}
     assert any(line.startswith("PCA model (codec_pca_model): fitted by the bench") for line in res["notes"])
     assert res["codec_levels"] == {"disk+codec": "default", "disk+pca_default": "pca_default"}
@@ -609,6 +620,21 @@ def test_pca_level_model_fitted_by_the_bench(tmp_path, monkeypatch):
     }
     assert lp["codec"] == "lmtier.tiers.codec.CodecTier, lmtier.tiers.codec_pca.PCACodecTier"
     assert res["break_even"]["disk+pca_default"] in (None, 150)
+
+
+def test_pca_fit_tokens_option(tmp_path):
+    # --codec-pca-fit-tokens: the calibration prompt's tokens, cut to whole chunks; below 2 x N the
+    # fit is refused (the calibrate command's floor) and the PCA tier skipped with the reason
+    rc, res = _run_disk_pca(tmp_path, "--codec-pca-fit-tokens", "200")
+    assert rc == 0 and res["checks_ok"] is True
+    info = res["codec_pca_model"]
+    assert info["tokens"] == 192 and info["chunks"] == 3 and "3 per value of N" in info["what"]
+    _pca_row_ok(res["rows"][0], "disk+pca_default", 3)
+    (tmp_path / "b").mkdir()
+    rc, res = _run_disk_pca(tmp_path / "b", "--codec-pca-fit-tokens", "100")
+    assert rc == 0 and res["codec_pca_model"]["error"].startswith("a fit needs at least 2 x N = 128 tokens")
+    assert "this one would have 64" in res["codec_pca_model"]["error"]
+    assert not any(k.startswith("disk+pca") for k in res["rows"][0])
 
 
 def _fit_file(path, geometry=None, levels=None, *, tokens=256):
@@ -714,6 +740,11 @@ def test_pca_model_option_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ttft.main([*common, "--codec-levels", "pca_low"])
     assert e.value.code == 2 and "'pca_low' is not one" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        ttft.main(
+            [*common, "--codec-levels", "pca_default", "--codec-pca-model", str(path), "--codec-pca-fit-tokens", "9"]
+        )
+    assert e.value.code == 2 and "fits no PCA model file when --codec-pca-model" in capsys.readouterr().err
 
 
 def test_pca_level_on_the_redis_tier(tmp_path, monkeypatch):

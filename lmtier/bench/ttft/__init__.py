@@ -43,11 +43,12 @@ Per context length ``N`` (median of ``--iters`` after ``--warmup`` runs):
   writes (``local_disk_serde: cachegen``, ``codec_level``, ``codec_pca_model``):
   :class:`lmtier.tiers.codec_pca.PCACodecTier`, each chunk encoded (untimed) at its position
   ``c * --chunk-tokens``. The model file: ``--codec-pca-model FILE``, else fitted by the bench,
-  untimed, on the prefill KV of the measured prompt's first chunks (:mod:`.pca_model`: at least
-  2 x N tokens, the calibrate command's default layer group, the model's rotary frequencies, no
-  metric; a basis fitted on the stored tokens, so the ratio is that of calibration data); the
-  output and the JSON (``codec_pca_model``) say which. A file the product refuses (not a PCA model,
-  another ``(L, H, D)``, the level missing) skips the tier with the product's reason printed. The
+  untimed, on the prefill KV of other random token ids than the measured prompt's
+  (:mod:`.pca_model`: ``--codec-pca-fit-tokens``, default 16 x N, the calibrate command's default
+  layer group, the model's rotary frequencies, no metric; the stored chunks are unseen by the fit,
+  as a user's are by their calibration); the output and the JSON (``codec_pca_model``) say which. A
+  file the product refuses (not a PCA model, another ``(L, H, D)``, the level missing) skips the tier
+  with the product's reason printed. The
   KV is checked bit for bit against :func:`lmtier.codec.pca.decode` of the record
   :func:`lmtier.codec.pca.encode` makes of the chunk (the stored bytes: the encode is deterministic).
 * ``mooncake`` / ``mooncake+codec`` — the Mooncake Store tier (``remote_url: mooncakestore://``)
@@ -215,6 +216,14 @@ def parser() -> argparse.ArgumentParser:
         "the bench, untimed, on the first chunks of the KV it stores (lmtier.bench.ttft.pca_model)",
     )
     p.add_argument(
+        "--codec-pca-fit-tokens",
+        type=bounded_int(min_value=1),
+        default=None,
+        metavar="N",
+        help="tokens of other random token ids the bench fits its PCA model file on (no --codec-pca-model); "
+        "default: 16 per value of a vector, N = G*H*D (lmtier.bench.ttft.pca_model.FIT_TOKENS_PER_VALUE)",
+    )
+    p.add_argument(
         "--codec-decode",
         choices=["device", "host"],
         default="device",
@@ -267,6 +276,8 @@ def main(argv=None) -> int:
             p.error(f"--codec-pca-model: no PCA level ({', '.join(PCA_CODEC_LEVELS)}) in --codec-levels")
         if not os.path.isfile(args.codec_pca_model) or not os.access(args.codec_pca_model, os.R_OK):
             p.error(f"--codec-pca-model {args.codec_pca_model}: not a readable file")
+    if args.codec_pca_fit_tokens is not None and args.codec_pca_model is not None:
+        p.error("--codec-pca-fit-tokens: the bench fits no PCA model file when --codec-pca-model names one")
     if args.pca_python_decode:
         from lmtier.codec.pca import native_decode
 

@@ -9,15 +9,16 @@ tier is built and before any timed run:
   when the tier is built (``ConfigError`` naming ``codec_pca_model``): that tier is skipped, the
   reason printed.
 * none given: a file **fitted here, untimed**, as ``python -m lmtier.codec.pca --no-metric`` fits one,
-  but on the KV the bench stores: the prefill KV (same model, same random token ids, seed 1234) of the
-  measured prompt's first :func:`fit_tokens` tokens — ``MIN_TOKENS_PER_VALUE * N`` rounded up to
-  whole chunks (``N = G * H * D``, ``G`` the command's default layer group
-  :func:`lmtier.codec.pca.calibrate.default_layer_group`) — by :func:`lmtier.codec.pca.fit`, keys
-  with RoPE undone at the model's rotary frequencies (:func:`lmtier.codec.pca.hf.rotary_inv_freq`;
-  RoPE kept when the model's rotary embedding is not one the codec takes), no metric. It is written
-  to a temporary directory the caller removes. The basis is fitted on the tokens the first chunks
-  hold: their ratio and quality are those of calibration data, not of unseen text (ratio and quality
-  are the codec benchmarks' job; here the ratio only scales the bytes each load reads).
+  on KV the bench never stores: the prefill KV (same model) of other random token ids (seed
+  :data:`lmtier.bench.ttft.tables.CALIB_SEED`, the CacheGen tables' calibration prompt, not the
+  measured prompt), :func:`fit_tokens` of them — ``--codec-pca-fit-tokens``, default
+  :data:`FIT_TOKENS_PER_VALUE` ``* N`` rounded up to whole chunks (``N = G * H * D``, ``G`` the
+  command's default layer group :func:`lmtier.codec.pca.calibrate.default_layer_group`), at positions
+  from 0 — by :func:`lmtier.codec.pca.fit`, keys with RoPE undone at the model's rotary frequencies
+  (:func:`lmtier.codec.pca.hf.rotary_inv_freq`; RoPE kept when the model's rotary embedding is not
+  one the codec takes), no metric. It is written to a temporary directory the caller removes. The
+  stored chunks are unseen by the fit, as a user's are by their calibration file (ratio and quality
+  are the codec benchmarks' job; here the ratio scales the bytes each load reads).
 """
 
 from __future__ import annotations
@@ -28,22 +29,30 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["fit_tokens", "pca_model_file"]
+__all__ = ["FIT_TOKENS_PER_VALUE", "fit_tokens", "pca_model_file"]
 
 
-def fit_tokens(geometry: tuple[int, int, int], chunk_tokens: int) -> int:
-    """Tokens the bench fits a PCA model on: ``MIN_TOKENS_PER_VALUE * N`` (the calibrate command's
-    floor, ``N = G * H * D`` with its default ``G``) rounded up to whole chunks of ``chunk_tokens``.
+FIT_TOKENS_PER_VALUE = 16
+"""Calibration tokens per value of a vector in the bench's fit (``--codec-pca-fit-tokens`` default).
+The calibrate command refuses fewer than ``MIN_TOKENS_PER_VALUE`` (2); the shipped SmolLM2 files are
+fitted on ~40 per value (45,000-49,000 tokens at ``N`` = 1,152, RESULTS §4.1k). Near the floor the
+basis fits its own tokens and codes unseen ones at a lower ratio (a small random model, held-out
+chunks: 3.0x at 2 per value, 3.9x at 8, 4.4x at 24; RESULTS §4.1u)."""
+
+
+def fit_tokens(geometry: tuple[int, int, int], chunk_tokens: int, per_value: int = FIT_TOKENS_PER_VALUE) -> int:
+    """Tokens the bench fits a PCA model on by default: ``per_value * N`` (``N = G * H * D`` with the
+    calibrate command's default ``G``) rounded up to whole chunks of ``chunk_tokens``.
 
     Raises:
         lmtier.codec.pca.hf.CalibrationError: no layer group fits ``H * D`` (a vector would exceed
             :data:`lmtier.codec.pca.model.MAX_VECTOR_SIZE` even at ``G = 1``).
     """
-    from lmtier.codec.pca.calibrate import MIN_TOKENS_PER_VALUE, default_layer_group
+    from lmtier.codec.pca.calibrate import default_layer_group
 
     nl, h, d = geometry
     g = default_layer_group(nl, num_kv_heads=h, head_size=d)
-    return -(-MIN_TOKENS_PER_VALUE * g * h * d // chunk_tokens) * chunk_tokens
+    return -(-per_value * g * h * d // chunk_tokens) * chunk_tokens
 
 
 def _describe(model, path: str | None) -> dict:
@@ -68,7 +77,10 @@ def pca_model_file(
     geometry: tuple[int, int, int],
     kv_dtype: str,
     chunk_tokens: int,
-    ids: torch.Tensor,
+    tokens: int,
+    max_tokens: int | None,
+    vocab_size: int,
+    device: torch.device,
     prefix_kv: Callable[[torch.Tensor, int], torch.Tensor],
     hf_model,
     model_name: str,
@@ -82,8 +94,10 @@ def pca_model_file(
     Args:
         given: ``--codec-pca-model`` (None: fit one).
         geometry: ``(L, H, D)`` of the model's KV; ``kv_dtype``: its namespace dtype name.
-        chunk_tokens: ``T``; ids: ``[1, >= fit_tokens]`` the measured prompt's token ids (on the
-            model's device).
+        chunk_tokens: ``T``; tokens: the calibration prompt's tokens (``--codec-pca-fit-tokens``,
+            default :func:`fit_tokens`), cut to whole chunks within ``max_tokens`` (the model's
+            positions; None: no limit); vocab_size: the model's (the prompt's random token ids);
+            device: the model's.
         prefix_kv: ``prefix_kv(ids, n)`` -> the canonical prefill KV ``[L, 2, n, H, D]`` (the
             bench's :func:`lmtier.bench.ttft.model.prefix_kv`, what it stores).
         hf_model: the bench's transformers model (its rotary frequencies).
@@ -125,16 +139,20 @@ def pca_model_file(
         return skip(f"the PCA levels code {'/'.join(CODEC_KV_DTYPES)} KV, this run's is {kv_dtype}")
     nl, h, d = geometry
     try:
-        n = fit_tokens(geometry, chunk_tokens)
+        fit_tokens(geometry, chunk_tokens)  # a geometry no layer group fits is refused here
     except hf.CalibrationError as e:
         return skip(str(e))
+    from lmtier.bench.ttft.tables import CALIB_SEED
     from lmtier.codec.pca.calibrate import MIN_TOKENS_PER_VALUE, default_layer_group
 
     g = default_layer_group(nl, num_kv_heads=h, head_size=d)
-    if ids.shape[1] < n:
+    n = min(tokens, max_tokens or tokens) // chunk_tokens * chunk_tokens
+    if n < MIN_TOKENS_PER_VALUE * g * h * d:
         return skip(
-            f"a fit needs {n} tokens ({MIN_TOKENS_PER_VALUE} x N, N = G*H*D = {g}*{h}*{d} values per vector, "
-            f"in whole chunks), the prompt has {ids.shape[1]} (the model's positions); pass --codec-pca-model"
+            f"a fit needs at least {MIN_TOKENS_PER_VALUE} x N = {MIN_TOKENS_PER_VALUE * g * h * d} tokens (N = G*H*D "
+            f"= {g}*{h}*{d} values per vector), this one would have {n} (--codec-pca-fit-tokens {tokens} in whole "
+            f"chunks of {chunk_tokens}{f', the model has {max_tokens} positions' if max_tokens else ''}); "
+            "pass more or --codec-pca-model"
         )
     try:
         inv_freq, rope = hf.rotary_inv_freq(hf_model), "undone (the model's rotary frequencies)"
@@ -142,11 +160,12 @@ def pca_model_file(
         inv_freq, rope = None, f"kept ({e})"
     chunks = n // chunk_tokens
     what = (
-        f"the measured prompt's KV ({model_name}, random token ids seed 1234: its first {chunks} chunks of "
-        f"{chunk_tokens} tokens)"
+        f"the prefill KV of other random token ids ({model_name}, seed {CALIB_SEED}, not the measured prompt: "
+        f"{chunks} chunks of {chunk_tokens} tokens, {n // (g * h * d)} per value of N)"
     )
+    cids = torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(CALIB_SEED)).to(device)
     t0 = time.perf_counter()
-    kv = prefix_kv(ids, n).cpu()
+    kv = prefix_kv(cids, n).cpu()
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:

@@ -33,6 +33,14 @@ from lmtier.tiers.buffers import round_up
 __all__ = ["run"]
 
 
+def _default_fit_tokens(b: Bench) -> int:
+    """:func:`fit_tokens` of the bench's geometry (0 where no layer group fits: pca_model_file says why)."""
+    try:
+        return fit_tokens((b.L, b.H, b.D), b.T)
+    except CalibrationError:
+        return 0
+
+
 def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list]:
     """The disk tiers (plain and per codec level) under one temp dir, and the disk ceilings."""
     levels = list(args.codec_levels)
@@ -257,13 +265,6 @@ def run(args) -> dict:
         pca_levels = [lv for lv in levels if lv in PCA_LEVELS]
         has_codec_tier = root is not None or any(k in b.managers for k in REMOTE_KINDS)
         n_ids = max(maxn + 1, b.max_chunks * b.T)
-        if pca_levels and has_codec_tier and args.codec_pca_model is None:
-            # the PCA fit's tokens are the measured prompt's first chunks: the prompt holds them
-            try:
-                need = fit_tokens((b.L, b.H, b.D), b.T)
-                n_ids = max(n_ids, min(need, maxpos) if maxpos else need)
-            except CalibrationError:
-                pass  # pca_model_file says why
         gen = torch.Generator().manual_seed(1234)  # a longer prompt only appends tokens (same prefix)
         ids = torch.randint(0, cfg.vocab_size, (1, n_ids), generator=gen).to(b.device)
 
@@ -278,7 +279,10 @@ def run(args) -> dict:
                 geometry=(b.L, b.H, b.D),
                 kv_dtype=args.dtype,
                 chunk_tokens=b.T,
-                ids=ids,
+                tokens=args.codec_pca_fit_tokens or _default_fit_tokens(b),
+                max_tokens=maxpos,
+                vocab_size=cfg.vocab_size,
+                device=b.device,
                 prefix_kv=lambda x, k: prefix_kv(b.model, x, k, b.L),
                 hf_model=b.model,
                 model_name=b.model_name,
