@@ -113,9 +113,12 @@ if has ttftpca; then
   # prompt's (Llama-3.1-8B: G = 1, N = 1,024, 16 x N = 16,384 tokens; lmtier.bench.ttft.pca_model).
   # Then the same with --kv-spectrum trained: the random model's k_proj / v_proj reshaped so its KV's
   # eigen-spectrum decays as SmolLM2's (a random model's KV is near isotropic: no structure for a basis).
-  timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
-    --json "$OUT/ttft_pca.json" > "$OUT/bench_ttft_pca.log" 2>&1
-  echo "bench ttft (codec default and pca_default at 7,500) rc=$?"
+  # LMTIER_TTFTPCA_SPECTRA: which of the two runs ("model trained", the default; "trained" alone saves a run)
+  if [[ " ${LMTIER_TTFTPCA_SPECTRA:-model trained} " == *" model "* ]]; then
+    timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 \
+      --codec-levels default,pca_default --json "$OUT/ttft_pca.json" > "$OUT/bench_ttft_pca.log" 2>&1
+    echo "bench ttft (codec default and pca_default at 7,500) rc=$?"
+  fi
   timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
     --kv-spectrum trained --json "$OUT/ttft_pca_trained.json" > "$OUT/bench_ttft_pca_trained.log" 2>&1
   echo "bench ttft (the same, --kv-spectrum trained) rc=$?"
