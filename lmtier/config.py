@@ -169,7 +169,7 @@ from typing import Any
 from lmtier import envs
 from lmtier.config_checks import (
     check_readable_file,
-    filesystem_bytes,
+    filesystems_bytes,
     parse_disk_paths,
     physical_memory_bytes,
     warn_chunk_size,
@@ -457,7 +457,7 @@ def _build(raw: dict[str, Any], env: Mapping[str, str]) -> LMTierConfig:
                 values["max_local_disk_size"],
                 "must be > 0 (at least one byte) when local_disk is set",
             )
-        capacity = sum(filesystem_bytes(p) for p in paths)
+        capacity = filesystems_bytes(paths)
         if capacity and values["max_local_disk_size"] * GIB > capacity:
             raise _err(
                 "max_local_disk_size",

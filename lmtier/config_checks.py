@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from urllib.parse import unquote
 
 from lmtier.config_schema import config_error as _err
@@ -15,6 +16,7 @@ __all__ = [
     "VLLM_DEFAULT_BLOCK_SIZE",
     "check_readable_file",
     "filesystem_bytes",
+    "filesystems_bytes",
     "parse_disk_paths",
     "physical_memory_bytes",
     "warn_chunk_size",
@@ -104,6 +106,22 @@ def filesystem_bytes(path: str) -> int:
     except OSError:
         return 0
     return st.f_frsize * st.f_blocks
+
+
+def filesystems_bytes(paths: Sequence[str]) -> int:
+    """Total size in bytes of the file systems that hold ``paths``, each file system counted once
+    (folders on one file system share its size); 0 if any is unknown."""
+    sizes: dict[int, int] = {}
+    for path in paths:
+        try:
+            dev = os.stat(_existing_ancestor(path)).st_dev
+        except OSError:
+            return 0
+        if dev not in sizes:
+            if not (size := filesystem_bytes(path)):
+                return 0
+            sizes[dev] = size
+    return sum(sizes.values())
 
 
 def _check_writable_dir(key: str, value: str, path: str) -> None:

@@ -340,6 +340,22 @@ def test_disk_size_below_one_byte_is_a_config_error(tmp_path):
     assert LMTierConfig.from_dict({"local_disk": str(tmp_path), "max_local_disk_size": 1e-9}).disk.capacity_bytes == 1
 
 
+def test_disk_size_is_checked_against_each_file_system_once(tmp_path):
+    """Two folders on one file system counted its size twice (a newcomer's report): the limit said
+    twice the disk, so a size the disk cannot hold passed."""
+    st = os.statvfs(tmp_path)
+    fs_gib = st.f_frsize * st.f_blocks / GIB
+    a, b = tmp_path / "a", tmp_path / "b"
+    over = round(fs_gib * 1.5, 1)
+    for paths in ([a], [a, b]):
+        with pytest.raises(
+            ConfigError, match=rf"exceeds the total size of the file systems holding local_disk \({fs_gib:.1f} GiB\)"
+        ):
+            LMTierConfig.from_dict({"local_disk": ",".join(map(str, paths)), "max_local_disk_size": over})
+    ok = LMTierConfig.from_dict({"local_disk": f"{a},{b}", "max_local_disk_size": round(fs_gib * 0.5, 1)})
+    assert ok.disk.capacity_bytes == int(round(fs_gib * 0.5, 1) * GIB)
+
+
 @pytest.mark.parametrize("key,value", [("local_disk_path_sharding", "by_gpu"), ("disk_io_threads", 16)])
 def test_disk_keys_without_local_disk_are_said_unused(key, value, caplog):
     """Were accepted without a word (max_local_disk_size and local_disk_serde already warned)."""
