@@ -252,10 +252,18 @@ def parse_remote_url(
     Raises:
         RemoteURLError: as the parser chosen; ``remote_password_env`` with a Mooncake URL.
     """
-    if isinstance(url, str) and url.partition("://")[0].lower() == MOONCAKE_SCHEME and "://" in url:
-        if password_env is not None:
-            raise RemoteURLError("remote_password_env", password_env, "Mooncake Store takes no password")
-        return parse_mooncake_url(url)
+    if isinstance(url, str) and "://" in url:
+        scheme = url.partition("://")[0].lower()
+        if scheme == MOONCAKE_SCHEME:
+            if password_env is not None:
+                raise RemoteURLError("remote_password_env", password_env, "Mooncake Store takes no password")
+            return parse_mooncake_url(url)
+        if scheme not in SCHEMES:
+            raise RemoteURLError(
+                "remote_url",
+                redact_url(url),
+                f"scheme must be one of {[s + '://' for s in (*SCHEMES, MOONCAKE_SCHEME)]}",
+            )
     return parse_redis_url(url, password_env=password_env, env=env)
 
 
@@ -284,7 +292,7 @@ def parse_redis_url(
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or scheme not in SCHEMES:
-        raise bad(f"scheme must be one of {[s + '://' for s in (*SCHEMES, MOONCAKE_SCHEME)]}")
+        raise bad(f"scheme must be one of {[s + '://' for s in SCHEMES]} (a Redis/Valkey URL)")
     # Split by hand: urlsplit cannot parse comma-separated hosts. The query goes first: its values
     # may contain "/" (ssl_ca_certs=/path/ca.pem).
     rest, _, query = rest.partition("?")

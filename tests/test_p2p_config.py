@@ -75,6 +75,14 @@ def test_invalid_settings_name_the_key(kw, key):
         build(**kw)
 
 
+@pytest.mark.parametrize("url", ["mooncakestore://m:50051/", "http://x"])
+def test_directory_url_error_lists_only_the_schemes_it_takes(url):
+    """The error listed mooncakestore:// among the schemes, then refused it (a newcomer's report)."""
+    with pytest.raises(ConfigError, match=r"p2p_directory_url=.*scheme must be one of") as e:
+        build(p2p_directory_url=url)
+    assert "mooncakestore" not in str(e.value).replace(url, "") and "redis://" in str(e.value)
+
+
 def test_short_token_is_refused():
     with pytest.raises(ConfigError, match="p2p_token_env=.*>= 16 bytes"):
         build(env={"TOK": "short"})

@@ -40,6 +40,15 @@ def test_grammar(url, scheme, hosts, sock, db, user, pw):
     assert cfg.endpoint == e and cfg.password == pw and (cfg.scheme, cfg.hosts, cfg.db) == (scheme, hosts, db)
 
 
+def test_scheme_errors_list_what_the_key_takes():
+    """remote_url takes the Redis schemes and mooncakestore://; a Redis-only parse lists the Redis ones."""
+    with pytest.raises(ConfigError, match=r"remote_url=.*scheme must be one of \['redis://'.*'mooncakestore://'\]"):
+        LMTierConfig.from_dict({"remote_url": "http://h"})
+    with pytest.raises(RemoteURLError, match=r"scheme must be one of \['redis://'.*\] \(a Redis/Valkey URL\)") as e:
+        parse_redis_url("mooncakestore://h:1/")
+    assert "mooncakestore://'" not in e.value.why
+
+
 @pytest.mark.parametrize(
     "url,why",
     [
