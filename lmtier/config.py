@@ -306,7 +306,15 @@ class LMTierConfig:
     def from_dict(cls, values: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> LMTierConfig:
         """Build and validate a config from flat LMCache-style keys (as in the YAML file).
 
-        ``env`` is only consulted for ``remote_password_env``. Raises :class:`ConfigError`.
+        Args:
+            values: the keys and their values.
+            env: the environment the keys that name variables read (``remote_password_env``,
+                ``p2p_token_env``, ``remote_auth_key: env:NAME``); None: an empty one, so such a key
+                is refused as naming an unset variable. Pass ``os.environ`` to read the process's.
+                The ``LMTIER_<KEY>`` overrides are :func:`load_config`'s, not read here.
+
+        Raises:
+            ConfigError: a bad key or value, a variable a key names that ``env`` lacks.
         """
         return _build(dict(values), {} if env is None else env)
 
