@@ -213,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="codec_pca_model of the PCA levels (a file of python -m lmtier.codec.pca); default: fitted by "
-        "the bench, untimed, on the first chunks of the KV it stores (lmtier.bench.ttft.pca_model)",
+        "the bench, untimed, on the KV of other random token ids (lmtier.bench.ttft.pca_model)",
     )
     p.add_argument(
         "--codec-pca-fit-tokens",
