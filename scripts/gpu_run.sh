@@ -131,7 +131,8 @@ if has ttftspy; then
   if [ -x "$spy" ]; then
     timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" "$spy" record --gil --threads -r 250 -f raw -o "$OUT/spy_gil.txt" -- \
       $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels pca_default --kv-spectrum trained \
-      --no-mooncake --json "$OUT/ttft_spy.json" > "$OUT/bench_ttft_spy.log" 2>&1
+      --no-mooncake --iters 3 --warmup 1 --codec-pca-fit-tokens 4096 --json "$OUT/ttft_spy.json" \
+      > "$OUT/bench_ttft_spy.log" 2>&1
     echo "bench ttft under py-spy --gil rc=$?"
   else
     echo "ttftspy: no py-spy (carry its wheel in .whl)"
