@@ -188,10 +188,12 @@ fi
 if has pcacodec; then  # the PCA levels (issue 19) on CUDA: byte/bit identity with the host, product throughput
   timeout 420 $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu_native_errors.py tests/test_gpu_codec_pca.py tests/test_gpu_codec_pca_queued.py tests/test_gpu_codec_pca_native.py > "$OUT/pcacodec_tests.log" 2>&1
   echo "pcacodec tests rc=$?"; tail -3 "$OUT/pcacodec_tests.log"
-  timeout 200 $PY -m lmtier.bench.codec_pca --device cuda --chunks 8 --json "$OUT/codec_pca.json" \
-    --profile "$OUT/codec_pca_profile.txt" > "$OUT/bench_codec_pca.log" 2>&1
-  echo "bench codec_pca rc=$? (default G)"
-  if [ "${LMTIER_PCACODEC_G4:-1}" = 1 ]; then  # LMTIER_PCACODEC_G4=0 skips the G = 4 run
+  if [ "${LMTIER_PCACODEC_BENCH:-1}" = 1 ]; then  # LMTIER_PCACODEC_BENCH=0: the tests alone
+    timeout 200 $PY -m lmtier.bench.codec_pca --device cuda --chunks 8 --json "$OUT/codec_pca.json" \
+      --profile "$OUT/codec_pca_profile.txt" > "$OUT/bench_codec_pca.log" 2>&1
+    echo "bench codec_pca rc=$? (default G)"
+  fi
+  if [ "${LMTIER_PCACODEC_BENCH:-1}${LMTIER_PCACODEC_G4:-1}" = 11 ]; then  # LMTIER_PCACODEC_G4=0 skips the G = 4 run
     timeout 200 $PY -m lmtier.bench.codec_pca --device cuda --chunks 8 --geometry 32,8,128,4 \
       --json "$OUT/codec_pca_g4.json" >> "$OUT/bench_codec_pca.log" 2>&1
     echo "bench codec_pca rc=$? (G = 4)"
