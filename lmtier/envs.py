@@ -297,6 +297,28 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="scripts/gpu_run.sh",
     ),
     EnvVar(
+        "LMTIER_TTFTPCA_SPECTRA",
+        "ci",
+        "which of scripts/gpu_run.sh's ttftpca runs: 'model' (the random model's KV as built), 'trained' "
+        "(--kv-spectrum trained) or both",
+        default="model trained",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
+        "LMTIER_PCACODEC_BENCH",
+        "ci",
+        "0: scripts/gpu_run.sh's pcacodec step runs the PCA GPU tests alone, not lmtier.bench.codec_pca",
+        default="1",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
+        "LMTIER_PCACODEC_G4",
+        "ci",
+        "0: scripts/gpu_run.sh's pcacodec step skips its G = 4 codec benchmark",
+        default="1",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
         "LMTIER_TTFTPCA_TIMEOUT",
         "ci",
         "seconds scripts/gpu_run.sh's ttftpca step may run (fits it into a device call with other steps)",
