@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from urllib.parse import unquote
 
@@ -130,6 +131,11 @@ def _check_writable_dir(key: str, value: str, path: str) -> None:
         raise _err(key, value, f"{probe!r} exists and is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise _err(key, value, f"directory {probe!r} is not writable")
+    try:  # root passes os.access everywhere: an unnamed file, made and dropped, tells (nothing stays)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise _err(key, value, f"directory {probe!r} is not writable ({e.strerror or e})") from None
 
 
 def check_readable_file(key: str, value: str) -> str:

@@ -197,6 +197,14 @@ def test_unwritable_disk_path(tmp_path):
             LMTierConfig.from_dict({"local_disk": f"file://{ro}/cache", "max_local_disk_size": 1})
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_disk_path_where_no_file_can_be_made_is_refused_at_load():
+    """/proc passes os.access for root: local_disk there was accepted at load and refused only when the
+    tiers were built (a newcomer's report); a file made and dropped in the folder now tells."""
+    with pytest.raises(ConfigError, match=r"local_disk=.*directory '/proc' is not writable"):
+        LMTierConfig.from_dict({"local_disk": "file:///proc/lmtier", "max_local_disk_size": 1})
+
+
 def test_disk_paths_and_sharding(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     cfg = LMTierConfig.from_dict(
