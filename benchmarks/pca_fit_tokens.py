@@ -1,6 +1,6 @@
 """How the PCA level's ratio on unseen chunks depends on the tokens its basis was fitted on (RESULTS
 §4.1u): a small random-weight Llama (4 layers, 4 KV heads x 64: N = 256 at G = 1) with the KV spectra
-of a trained model's (``lmtier.bench.ttft.model.shape_kv_spectrum``), fitted on 2, 8 and 24 tokens per
+of a trained model's (``lmtier.bench.ttft.model.shape_kv_spectrum``), fitted on 2, 8, 16, 24 and 48 tokens per
 value of N of other random token ids (seed 4321, as ``lmtier bench ttft`` fits), then the
 ``pca_default`` records of a 7,424-token prompt (seed 1234, the TTFT bench's) encoded at their
 positions: the ratio of their real bytes, beside the fit's own (ideal, in-sample) ratio.
@@ -51,10 +51,10 @@ def main() -> int:
         ids = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(seed))
         return prefix_kv(m, ids, n, LAYERS)
 
-    kv, cal = kv_of(1234, PROMPT), kv_of(4321, 24 * KV_HEADS * HEAD)
+    kv, cal = kv_of(1234, PROMPT), kv_of(4321, 48 * KV_HEADS * HEAD)
     raw = CHUNK * LAYERS * 2 * KV_HEADS * HEAD * 2
     n = KV_HEADS * HEAD
-    for per_value in (2, 8, 24):
+    for per_value in (2, 8, 16, 24, 48):
         tokens = per_value * n
         t0 = time.perf_counter()
         fitted = pca.fit(
