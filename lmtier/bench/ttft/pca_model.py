@@ -77,7 +77,7 @@ def pca_model_file(
     geometry: tuple[int, int, int],
     kv_dtype: str,
     chunk_tokens: int,
-    tokens: int,
+    tokens: int | None,
     max_tokens: int | None,
     vocab_size: int,
     device: torch.device,
@@ -94,8 +94,8 @@ def pca_model_file(
     Args:
         given: ``--codec-pca-model`` (None: fit one).
         geometry: ``(L, H, D)`` of the model's KV; ``kv_dtype``: its namespace dtype name.
-        chunk_tokens: ``T``; tokens: the calibration prompt's tokens (``--codec-pca-fit-tokens``,
-            default :func:`fit_tokens`), cut to whole chunks within ``max_tokens`` (the model's
+        chunk_tokens: ``T``; tokens: the calibration prompt's tokens (``--codec-pca-fit-tokens``;
+            None: :func:`fit_tokens`), cut to whole chunks within ``max_tokens`` (the model's
             positions; None: no limit); vocab_size: the model's (the prompt's random token ids);
             device: the model's.
         prefix_kv: ``prefix_kv(ids, n)`` -> the canonical prefill KV ``[L, 2, n, H, D]`` (the
@@ -139,13 +139,14 @@ def pca_model_file(
         return skip(f"the PCA levels code {'/'.join(CODEC_KV_DTYPES)} KV, this run's is {kv_dtype}")
     nl, h, d = geometry
     try:
-        fit_tokens(geometry, chunk_tokens)  # a geometry no layer group fits is refused here
+        default = fit_tokens(geometry, chunk_tokens)  # a geometry no layer group fits is refused here
     except hf.CalibrationError as e:
         return skip(str(e))
     from lmtier.bench.ttft.tables import CALIB_SEED
     from lmtier.codec.pca.calibrate import MIN_TOKENS_PER_VALUE, default_layer_group
 
     g = default_layer_group(nl, num_kv_heads=h, head_size=d)
+    tokens = tokens or default
     n = min(tokens, max_tokens or tokens) // chunk_tokens * chunk_tokens
     if n < MIN_TOKENS_PER_VALUE * g * h * d:
         return skip(

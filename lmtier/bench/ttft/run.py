@@ -20,25 +20,16 @@ from lmtier.bench.ttft.ceilings import (
     redis_raw_gbps,
 )
 from lmtier.bench.ttft.model import prefix_kv
-from lmtier.bench.ttft.pca_model import fit_tokens, pca_model_file
+from lmtier.bench.ttft.pca_model import pca_model_file
 from lmtier.bench.ttft.pipeline import build_manager
 from lmtier.bench.ttft.report import MIN_COS, REMOTE_CODEC_LEVELS, REMOTE_KINDS, RTOL, TIERS, break_even, codec_tag
 from lmtier.bench.ttft.tables import codec_tables
 from lmtier.codec.pca import PCA_LEVELS
-from lmtier.codec.pca.hf import CalibrationError
 from lmtier.memory import HostBuffer
 from lmtier.testing.redis import RedisServer, find_redis_server
 from lmtier.tiers.buffers import round_up
 
 __all__ = ["run"]
-
-
-def _default_fit_tokens(b: Bench) -> int:
-    """:func:`fit_tokens` of the bench's geometry (0 where no layer group fits: pca_model_file says why)."""
-    try:
-        return fit_tokens((b.L, b.H, b.D), b.T)
-    except CalibrationError:
-        return 0
 
 
 def _setup_disk(b: Bench, args, say) -> tuple[str | None, str | None, dict, list]:
@@ -279,7 +270,7 @@ def run(args) -> dict:
                 geometry=(b.L, b.H, b.D),
                 kv_dtype=args.dtype,
                 chunk_tokens=b.T,
-                tokens=args.codec_pca_fit_tokens or _default_fit_tokens(b),
+                tokens=args.codec_pca_fit_tokens,
                 max_tokens=maxpos,
                 vocab_size=cfg.vocab_size,
                 device=b.device,
