@@ -16,7 +16,6 @@ from lmtier.config_schema import config_error as _err
 __all__ = [
     "VLLM_DEFAULT_BLOCK_SIZE",
     "check_readable_file",
-    "filesystem_bytes",
     "filesystems_bytes",
     "parse_disk_paths",
     "physical_memory_bytes",
@@ -100,28 +99,20 @@ def _existing_ancestor(path: str) -> str:
     return probe
 
 
-def filesystem_bytes(path: str) -> int:
-    """Size in bytes of the file system that holds ``path`` (or its nearest existing parent), 0 if unknown."""
-    try:
-        st = os.statvfs(_existing_ancestor(path))
-    except OSError:
-        return 0
-    return st.f_frsize * st.f_blocks
-
-
 def filesystems_bytes(paths: Sequence[str]) -> int:
-    """Total size in bytes of the file systems that hold ``paths``, each file system counted once
-    (folders on one file system share its size); 0 if any is unknown."""
+    """Total size in bytes of the file systems that hold ``paths`` (each path's nearest existing
+    ancestor), each file system counted once (folders on one file system share its size); 0 if any
+    is unknown."""
     sizes: dict[int, int] = {}
     for path in paths:
+        probe = _existing_ancestor(path)
         try:
-            dev = os.stat(_existing_ancestor(path)).st_dev
+            dev, st = os.stat(probe).st_dev, os.statvfs(probe)
         except OSError:
             return 0
-        if dev not in sizes:
-            if not (size := filesystem_bytes(path)):
-                return 0
-            sizes[dev] = size
+        if not (size := st.f_frsize * st.f_blocks):
+            return 0
+        sizes[dev] = size
     return sum(sizes.values())
 
 
@@ -129,9 +120,7 @@ def _check_writable_dir(key: str, value: str, path: str) -> None:
     probe = _existing_ancestor(path)
     if not os.path.isdir(probe):
         raise _err(key, value, f"{probe!r} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise _err(key, value, f"directory {probe!r} is not writable")
-    try:  # root passes os.access everywhere: an unnamed file, made and dropped, tells (nothing stays)
+    try:  # not os.access, which root passes everywhere: an unnamed file, made and dropped (nothing stays)
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
