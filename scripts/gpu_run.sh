@@ -114,14 +114,12 @@ if has ttftpca; then
   # Then the same with --kv-spectrum trained: the random model's k_proj / v_proj reshaped so its KV's
   # eigen-spectrum decays as SmolLM2's (a random model's KV is near isotropic: no structure for a basis).
   # LMTIER_TTFTPCA_SPECTRA: which of the two runs ("model trained", the default; "trained" alone saves a run)
-  if [[ " ${LMTIER_TTFTPCA_SPECTRA:-model trained} " == *" model "* ]]; then
+  for spectrum in ${LMTIER_TTFTPCA_SPECTRA:-model trained}; do
+    tag=$([ "$spectrum" = model ] && echo ttft_pca || echo "ttft_pca_$spectrum")
     timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 \
-      --codec-levels default,pca_default --json "$OUT/ttft_pca.json" > "$OUT/bench_ttft_pca.log" 2>&1
-    echo "bench ttft (codec default and pca_default at 7,500) rc=$?"
-  fi
-  timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default,pca_default \
-    --kv-spectrum trained --json "$OUT/ttft_pca_trained.json" > "$OUT/bench_ttft_pca_trained.log" 2>&1
-  echo "bench ttft (the same, --kv-spectrum trained) rc=$?"
+      --codec-levels default,pca_default --kv-spectrum "$spectrum" --json "$OUT/$tag.json" > "$OUT/bench_$tag.log" 2>&1
+    echo "bench ttft (codec default and pca_default at 7,500, --kv-spectrum $spectrum) rc=$?"
+  done
 fi
 if has ttftspy; then
   # where the host's time goes in the PCA level's loads: py-spy (carry its wheel in .whl) samples the threads
