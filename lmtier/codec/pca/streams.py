@@ -112,19 +112,29 @@ def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: 
     out = torch.empty(len(calls), bound, dtype=torch.uint8, device=dev)
     offsets = torch.empty(len(calls), b + 1, dtype=torch.int64, device=dev)
     status = torch.zeros(s_count, dtype=torch.int32, device=dev)
-    scratch = torch.empty(rans.encode_scratch_bytes(b, b * length), dtype=torch.uint8, device=dev)  # calls run in order
-    for k, c in enumerate(calls):
-        rans.encode_into(
-            [sym[i] for i in c],
-            [table_base(i, n) for i in c],
-            tables[c.start * n : c.stop * n],
-            out=out[k],
-            offsets=offsets[k],
-            status=status[c.start : c.stop],
-            scratch=scratch,
-            run_lens=run_len,
-            num_threads=num_threads,
-        )
+    # one scratch per call, all alive until the calls joined: the calls run at the same time, as the
+    # decode's (a call's time is its longest segment's, so the lone last call would double the encode)
+    if dev.type == "cuda":
+        scratch = [torch.empty(rans.encode_scratch_bytes(len(c), len(c) * length), dtype=torch.uint8, device=dev)
+                   for c in calls]  # fmt: skip
+    else:  # the host coder's calls run in turn: one scratch
+        scratch = [torch.empty(rans.encode_scratch_bytes(b, b * length), dtype=torch.uint8)] * len(calls)
+    with _side_by_side(dev, len(calls)) as streams_of:
+        # the current stream's call last: each call uploads its descriptors with a copy that waits for
+        # the current stream, which then holds none of the other calls
+        for k, (c, sc, stream) in enumerate(zip(calls, scratch, streams_of[1:] + streams_of[:1], strict=True)):
+            rans.encode_into(
+                [sym[i] for i in c],
+                [table_base(i, n) for i in c],
+                tables[c.start * n : c.stop * n],
+                out=out[k],
+                offsets=offsets[k],
+                status=status[c.start : c.stop],
+                scratch=sc,
+                run_lens=run_len,
+                num_threads=num_threads,
+                stream=stream,
+            )
     rans._raise_status(status.cpu().numpy(), "encode")
     offs = offsets.cpu().numpy()
     used = [int(offs[k, len(c)]) for k, c in enumerate(calls)]
