@@ -112,6 +112,7 @@ void bind_rans(py::module_& m) {
   rm.attr("MAX_SEG_LOG2") = r::kMaxSegLog2;
   rm.attr("DEFAULT_SEG_LOG2") = r::kDefaultSegLog2;
   rm.attr("ADAPTIVE_TABLE") = r::kAdaptiveTable;
+  rm.attr("RUN_LUT_BYTES") = r::kRunLutBytes;
   rm.attr("MAX_STREAM_SYMBOLS") = r::kMaxStreamSymbols;
   rm.attr("HEADER_BYTES") = sizeof(r::RansStreamHeader);
   rm.attr("MAGIC") = r::kMagic;
@@ -163,18 +164,21 @@ void bind_rans(py::module_& m) {
       "decode",
       [](bool on_cuda, uintptr_t descs, int64_t num_streams, uintptr_t tables, int64_t num_tables,
          uintptr_t out_lengths, uintptr_t status, uintptr_t scratch, uint64_t scratch_bytes,
-         int32_t num_threads, uintptr_t stream) {
+         int32_t num_threads, uintptr_t stream, uintptr_t run_luts) {
         auto* d = reinterpret_cast<const r::RansDecodeDesc*>(descs);
         auto* t = reinterpret_cast<const uint16_t*>(tables);
         if (!on_cuda) {
+          LMTIER_CHECK_ARG(run_luts == 0,
+                           "rans: run_luts are CUDA decode lookups, the CPU decode takes none");
           r::decode_cpu(d, num_streams, t, num_tables, reinterpret_cast<uint64_t*>(out_lengths),
                         reinterpret_cast<int32_t*>(status), num_threads);
           return;
         }
 #ifdef LMTIER_WITH_CUDA
-        r::decode_cuda(d, num_streams, t, num_tables, reinterpret_cast<uint64_t*>(out_lengths),
-                       reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch),
-                       scratch_bytes, reinterpret_cast<void*>(stream));
+        r::decode_cuda(d, num_streams, t, num_tables, reinterpret_cast<const uint8_t*>(run_luts),
+                       reinterpret_cast<uint64_t*>(out_lengths), reinterpret_cast<int32_t*>(status),
+                       reinterpret_cast<void*>(scratch), scratch_bytes,
+                       reinterpret_cast<void*>(stream));
 #else
         (void)scratch;
         (void)scratch_bytes;
@@ -185,7 +189,26 @@ void bind_rans(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(), py::arg("on_cuda"), py::arg("descs"),
       py::arg("num_streams"), py::arg("tables"), py::arg("num_tables"), py::arg("out_lengths"),
       py::arg("status"), py::arg("scratch"), py::arg("scratch_bytes"), py::arg("num_threads"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("run_luts") = 0);
+  rm.def(
+      "build_run_luts",
+      [](uintptr_t tables, int64_t num_tables, uintptr_t luts, uintptr_t stream) {
+#ifdef LMTIER_WITH_CUDA
+        r::build_run_luts_cuda(reinterpret_cast<const uint16_t*>(tables), num_tables,
+                               reinterpret_cast<uint8_t*>(luts), reinterpret_cast<void*>(stream));
+#else
+        (void)tables;
+        (void)num_tables;
+        (void)luts;
+        (void)stream;
+        LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
+#endif
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("tables"), py::arg("num_tables"),
+      py::arg("luts"), py::arg("stream"),
+      "The decode lookups of table-switching streams (rans.h, kRunLutBytes a table) of "
+      "[num_tables][256] uint16 tables into luts [num_tables][RUN_LUT_BYTES], device addresses, "
+      "queued on `stream`.");
 }
 
 }  // namespace
@@ -355,10 +378,10 @@ void bind_pca(py::module_& m) {
       "decode_record",
       [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32,
           A descs, int64_t num_streams, int64_t tables_per_stream, int64_t streams_per_call,
-          A tables, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A escapes,
-          int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count,
-          A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t,
-          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream) {
+          A tables, A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes, A sym,
+          A escapes, int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum,
+          A esc_count, A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu,
+          A cos_t, A sin_t, A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream) {
         p::DecodeRecordArgs a{dtype,
                               geom(L, T, H, D, G),
                               t32,
@@ -367,6 +390,7 @@ void bind_pca(py::module_& m) {
                               tables_per_stream,
                               streams_per_call,
                               static_cast<const uint16_t*>(ptr(tables)),
+                              static_cast<const uint8_t*>(ptr(run_luts)),
                               static_cast<uint64_t*>(ptr(counts)),
                               static_cast<int32_t*>(ptr(status)),
                               static_cast<uint8_t*>(ptr(scratch)),
@@ -398,10 +422,10 @@ void bind_pca(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(), py::arg("dtype"), py::arg("L"), py::arg("T"),
       py::arg("H"), py::arg("D"), py::arg("G"), py::arg("t32"), py::arg("descs"),
       py::arg("num_streams"), py::arg("tables_per_stream"), py::arg("streams_per_call"),
-      py::arg("tables"), py::arg("counts"), py::arg("status"), py::arg("scratch"),
-      py::arg("scratch_bytes"), py::arg("sym"), py::arg("escapes"), py::arg("num_escapes"),
-      py::arg("esc_col"), py::arg("esc_hi"), py::arg("esc_scratch"), py::arg("lo"),
-      py::arg("rowsum"), py::arg("esc_count"), py::arg("esc_row"), py::arg("y"),
+      py::arg("tables"), py::arg("run_luts"), py::arg("counts"), py::arg("status"),
+      py::arg("scratch"), py::arg("scratch_bytes"), py::arg("sym"), py::arg("escapes"),
+      py::arg("num_escapes"), py::arg("esc_col"), py::arg("esc_hi"), py::arg("esc_scratch"),
+      py::arg("lo"), py::arg("rowsum"), py::arg("esc_count"), py::arg("esc_row"), py::arg("y"),
       py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"), py::arg("f"), py::arg("mu"),
       py::arg("cos_t"), py::arg("sin_t"), py::arg("out"), py::arg("gemm_workspace"),
       py::arg("gemm_workspace_bytes"), py::arg("stream"),

@@ -66,8 +66,10 @@ void decode_streams(const DecodeRecordArgs& a) {
   auto* main = static_cast<cudaStream_t>(a.stream);
   auto launch = [&](int64_t k, cudaStream_t st) {
     const int64_t lo = k * b, count = std::min(b, a.num_streams - lo);
-    rans::decode_cuda(descs + lo, count, a.tables + 256 * lo * n, count * n, a.counts + lo,
-                      a.status + lo, a.scratch + k * a.scratch_bytes, a.scratch_bytes, st);
+    rans::decode_cuda(descs + lo, count, a.tables + 256 * lo * n, count * n,
+                      a.run_luts ? a.run_luts + rans::kRunLutBytes * lo * n : nullptr,
+                      a.counts + lo, a.status + lo, a.scratch + k * a.scratch_bytes,
+                      a.scratch_bytes, st);
   };
   if (calls <= 1) {
     if (calls == 1) launch(0, main);

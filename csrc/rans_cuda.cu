@@ -12,7 +12,9 @@
 // each warp keeps its own table and rebuilds it whenever a step enters a new run (encode: the 256 x
 // uint2 entries; decode: RunTables, the run's cdf and 128 buckets of 32 slots naming the symbol at
 // each bucket's first slot, so a lane's symbol is that entry's or found by a binary search bounded
-// by the next bucket's symbol: usually no search where the CPU decoder searches all 256 symbols).
+// by the next bucket's symbol: usually no search where the CPU decoder searches all 256 symbols);
+// given run_luts (build_run_luts_cuda, rans.h), a decoding warp copies a run's RunTables instead
+// of building them.
 // A decoding warp walks its segment backwards and prefetches into L1 the payload words of its next
 // 16 steps and, with table switching, the table of the run it enters next: each step waits for its
 // words, so the decoder is latency-bound (few warps per SM when a call has few segments).
@@ -920,6 +922,41 @@ __device__ __forceinline__ void warp_build_run(const uint4 fv, RunTables* rt, in
   __syncwarp();
 }
 
+// One warp copies the RunTables of one static table from its decode lookups (kRunLutBytes at lut:
+// build_run_luts_kernel's image of warp_build_run's result, rans.h): the same cdf[0..255] and
+// bucket[0..127]; cdf[256] and bucket[128] are set once per segment.
+__device__ __forceinline__ void warp_load_run(const uint8_t* __restrict__ lut, RunTables* rt,
+                                              int lane) {
+  const uint4 b = __ldg(reinterpret_cast<const uint4*>(lut) + lane);
+  const uint4 c = __ldg(reinterpret_cast<const uint4*>(lut + 512) + lane);
+  __syncwarp();  // every lane is done with the previous run's tables
+  reinterpret_cast<uint4*>(rt->bucket)[lane] = b;
+  uint4* cdf4 = reinterpret_cast<uint4*>(rt->cdf);
+  cdf4[2 * lane] = make_uint4(c.x & 0xFFFF, c.x >> 16, c.y & 0xFFFF, c.y >> 16);
+  cdf4[2 * lane + 1] = make_uint4(c.z & 0xFFFF, c.z >> 16, c.w & 0xFFFF, c.w >> 16);
+  __syncwarp();
+}
+
+// One warp per static table: warp_build_run, then its cdf[0..255] (as uint16) and bucket[0..127]
+// out to the table's kRunLutBytes of luts (rans.h's layout).
+__global__ void __launch_bounds__(kThreads)
+    build_run_luts_kernel(const uint16_t* __restrict__ tables, int64_t num_tables,
+                          uint8_t* __restrict__ luts) {
+  __shared__ __align__(16) RunTables rts[kWarps];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t{blockIdx.x} * kWarps + warp;
+  if (t >= num_tables) return;  // warp-uniform; the kernel has no block-wide barrier
+  RunTables* rt = &rts[warp];
+  warp_build_run(ldg_freq8(tables + 256 * t, lane), rt, lane);
+  uint8_t* out = luts + kRunLutBytes * t;
+  reinterpret_cast<uint4*>(out)[lane] = reinterpret_cast<const uint4*>(rt->bucket)[lane];
+  const uint4* c4 = reinterpret_cast<const uint4*>(rt->cdf);
+  const uint4 a = c4[2 * lane], b = c4[2 * lane + 1];
+  auto pack = [](uint32_t lo, uint32_t hi) { return (lo & 0xFFFF) | (hi & 0xFFFF) << 16; };
+  reinterpret_cast<uint4*>(out + 512)[lane] =
+      make_uint4(pack(a.x, a.y), pack(a.z, a.w), pack(b.x, b.y), pack(b.z, b.w));
+}
+
 // One warp decodes one coded segment of a table-switching stream: step k uses static table
 // run_tables + 256 * ((first + 32 k) / run_len) (warp-uniform); the warp rebuilds its RunTables
 // when a step enters a new run and prefetches the table of the run after it (walking backwards: the
@@ -931,7 +968,8 @@ __device__ __forceinline__ void warp_build_run(const uint4 fv, RunTables* rt, in
 // table the lookups still stay inside RunTables and end).
 __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload, uint32_t size,
                                             uint32_t n, const uint16_t* __restrict__ run_tables,
-                                            uint32_t run_len, uint64_t first, RunTables* rt,
+                                            const uint8_t* __restrict__ run_luts, uint32_t run_len,
+                                            uint64_t first, RunTables* rt,
                                             uint8_t* __restrict__ dst, uint8_t* stage, int lane) {
   uint32_t x = ldg_u32(payload + 4 * lane);
   if (__any_sync(0xFFFFFFFFu, x < kStateLower)) return kErrCorrupt;
@@ -958,10 +996,17 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
     // need them (each step waits for its words), lane l the line of byte 2 pos - 1 - 128 l.
     if (lane <= 8 && 2 * pos > 128u * lane) prefetch_l1(words + 2 * pos - 1 - 128 * lane);
     for (uint32_t k = kend; k-- > kbeg;) {
-      if (!built) {  // warp-uniform
-        const uint16_t* table = run_tables + 256 * run;
-        if (run > run_first) prefetch_l1(table - 256 + lane * 8);  // the next build's table
-        warp_build_run(ldg_freq8(table, lane), rt, lane);
+      if (!built) {                 // warp-uniform
+        if (run_luts != nullptr) {  // the run's lookups, built once per table (build_run_luts)
+          const uint8_t* lut = run_luts + kRunLutBytes * run;
+          if (run > run_first && lane < static_cast<int>(kRunLutBytes / 128))
+            prefetch_l1(lut - kRunLutBytes + 128 * lane);  // the next run's, 8 lines
+          warp_load_run(lut, rt, lane);
+        } else {
+          const uint16_t* table = run_tables + 256 * run;
+          if (run > run_first) prefetch_l1(table - 256 + lane * 8);  // the next build's table
+          warp_build_run(ldg_freq8(table, lane), rt, lane);
+        }
         built = true;
       }
       if (into == 0) {  // the next step (k - 1) starts the previous run
@@ -1024,8 +1069,9 @@ __device__ int32_t decode_segment_warp_runs(const uint8_t* __restrict__ payload,
 
 __global__ void __launch_bounds__(kThreads)
     dec_kernel(const RansDecodeDesc* __restrict__ descs, int64_t N,
-               const uint16_t* __restrict__ tables, const DecodeWork* __restrict__ work,
-               const DecGlobals* __restrict__ gl, int32_t* __restrict__ status) {
+               const uint16_t* __restrict__ tables, const uint8_t* __restrict__ run_luts,
+               const DecodeWork* __restrict__ work, const DecGlobals* __restrict__ gl,
+               int32_t* __restrict__ status) {
   __shared__ uint32_t dec[kProbScale];
   // build_dec_table's inputs or the warps' run tables, never live at once: build_dec_table runs
   // between __syncthreads() on a tile of a stream without table switching, and a warp's RunTables
@@ -1079,9 +1125,10 @@ __global__ void __launch_bounds__(kThreads)
           for (uint32_t b = lane; b < n; b += 32) dst[b] = __ldg(payload + b);
         }
       } else if (size < n && size >= kStateBytes && ((size - kStateBytes) & 1) == 0) {
-        r = w.run_len ? decode_segment_warp_runs(payload, static_cast<uint32_t>(size), n,
-                                                 tables + 256ull * w.table_id, w.run_len,
-                                                 j * seg_len, &sm.run[warp], dst, stage[warp], lane)
+        r = w.run_len ? decode_segment_warp_runs(
+                            payload, static_cast<uint32_t>(size), n, tables + 256ull * w.table_id,
+                            run_luts ? run_luts + kRunLutBytes * w.table_id : nullptr, w.run_len,
+                            j * seg_len, &sm.run[warp], dst, stage[warp], lane)
                       : decode_segment_warp(payload, static_cast<uint32_t>(size), n, dec, dst,
                                             stage[warp], lane);
       } else {
@@ -1174,9 +1221,11 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
 }
 
 void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                 int64_t num_tables, uint64_t* out_lengths, int32_t* status, void* scratch,
-                 uint64_t scratch_bytes, void* stream_ptr) {
+                 int64_t num_tables, const uint8_t* run_luts, uint64_t* out_lengths,
+                 int32_t* status, void* scratch, uint64_t scratch_bytes, void* stream_ptr) {
   LMTIER_CHECK_ARG(num_streams >= 0 && num_tables >= 0, "rans: bad num_streams / num_tables");
+  LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(run_luts) & 15) == 0,
+                   "rans: run_luts must be 16-byte aligned");
   if (num_streams == 0) return;
   LMTIER_CHECK_ARG(descs && out_lengths && status && scratch,
                    "rans: null descs / out_lengths / status / scratch");
@@ -1194,7 +1243,21 @@ void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_
                                                   out_lengths, status);
   LMTIER_CUDA_CHECK_LAUNCH();
   static const int grid = persistent_grid(reinterpret_cast<const void*>(&dec_kernel), kThreads, 0);
-  dec_kernel<<<grid, kThreads, 0, stream>>>(descs, num_streams, tables, work, gl, status);
+  dec_kernel<<<grid, kThreads, 0, stream>>>(descs, num_streams, tables, run_luts, work, gl, status);
+  LMTIER_CUDA_CHECK_LAUNCH();
+}
+
+void build_run_luts_cuda(const uint16_t* tables, int64_t num_tables, uint8_t* luts,
+                         void* stream_ptr) {
+  LMTIER_CHECK_ARG(num_tables >= 0, "rans: num_tables must be >= 0, got ", num_tables);
+  if (num_tables == 0) return;
+  LMTIER_CHECK_ARG(tables != nullptr && luts != nullptr, "rans: null tables / luts");
+  LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(luts) & 15) == 0,
+                   "rans: luts must be 16-byte aligned");
+  const uint64_t blocks = (static_cast<uint64_t>(num_tables) + kWarps - 1) / kWarps;
+  LMTIER_CHECK_ARG(blocks <= 0x7FFFFFFFull, "rans: ", num_tables, " tables");
+  build_run_luts_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
+                          static_cast<cudaStream_t>(stream_ptr)>>>(tables, num_tables, luts);
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 

@@ -25,7 +25,7 @@
 # product encode/decode path per level, 8 and 32 Llama-3.1-8B chunks, beside `default` and a device memcpy);
 # "pcacodec": the PCA levels on CUDA: tests/test_gpu_codec_pca.py (records and decodes equal the host's) and
 # tests/test_gpu_codec_pca_queued.py (queued decodes, coder calls side by side, the tier's batched reads),
-# tests/test_gpu_codec_pca_native.py (one record's decode queued by one native call) and
+# tests/test_gpu_codec_pca_native.py (one record's decode queued by one native call), tests/test_gpu_rans_run_luts.py (the coder's decode lookups) and
 # lmtier.bench.codec_pca (product encode/decode, Llama-3.1-8B geometry, beside a memcpy and the int8 GEMMs).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -184,7 +184,7 @@ if has ebcodec; then
   echo "bench codec_product rc=$?"
 fi
 if has pcacodec; then  # the PCA levels (issue 19) on CUDA: byte/bit identity with the host, product throughput
-  timeout 420 $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu_native_errors.py tests/test_gpu_codec_pca.py tests/test_gpu_codec_pca_queued.py tests/test_gpu_codec_pca_native.py > "$OUT/pcacodec_tests.log" 2>&1
+  timeout 420 $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu_native_errors.py tests/test_gpu_codec_pca.py tests/test_gpu_codec_pca_queued.py tests/test_gpu_codec_pca_native.py tests/test_gpu_rans_run_luts.py > "$OUT/pcacodec_tests.log" 2>&1
   echo "pcacodec tests rc=$?"; tail -3 "$OUT/pcacodec_tests.log"
   if [ "${LMTIER_PCACODEC_BENCH:-1}" = 1 ]; then  # LMTIER_PCACODEC_BENCH=0: the tests alone
     timeout 200 $PY -m lmtier.bench.codec_pca --device cuda --chunks 8 --json "$OUT/codec_pca.json" \

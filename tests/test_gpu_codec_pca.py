@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmtier.bench import codec_pca as bench
-from lmtier.codec import pca
+from lmtier.codec import pca, rans
 from lmtier.codec.pca import imatmul, kernels, native_decode
 from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, _calibration, _hand_model, _kv, fitted
@@ -105,6 +105,22 @@ def test_cuda_at_llama_head_geometry(level):
     m = _llama_like()
     for start, seed in ((0, 3), (256, 4)):
         _same(m, level, bench.synthetic_kv((8, 8, 128, 4), 256, start, seed), start)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_decodes_without_run_luts_are_the_same(level, monkeypatch):
+    """The rANS tables' decode lookups turned off (``pca.codec.use_run_luts(False)``: the coder builds
+    each table run's lookups itself, the product's path before them): every decode still gives the
+    host's bits, on each CUDA path; turned on again, the cached lookups serve the next decode."""
+    m = _models()["quiet"]
+    monkeypatch.setitem(pca.codec._RUN_LUTS, "enabled", False)
+    for kv, s in int8_path_cases():
+        _same(m, level, kv, s)
+    assert pca.codec._run_luts(m, level, "cuda") is None
+    pca.codec.use_run_luts(True)
+    luts = pca.codec._run_luts(m, level, "cuda")
+    assert luts is not None and luts.shape == (m.levels[level].tables.shape[0], rans.RUN_LUT_BYTES)
+    _same(m, level, *int8_path_cases()[-1])
 
 
 def test_cuda_empty_chunk_and_level_arrays_on_the_host():

@@ -693,3 +693,21 @@ def test_native_refusals_name_the_value_file_and_line():
     ):
         C.rans.encode(False, desc.ctypes.data, 1, 0, 0, 99, sc.ctypes.data, 1000, off.ctypes.data, st.ctypes.data,
                       sc.ctypes.data, sc.nbytes, 0, 0)  # fmt: skip
+
+
+def test_run_luts_are_cuda_only():
+    """The decode lookups of table-switching streams (``build_run_luts``) are a CUDA structure: the
+    CPU decode refuses them by name, at the Python layer and at the native entry, and building them
+    needs a CUDA tensor."""
+    t = np.stack([rans.build_table(np.ones(256))])
+    lens, st = np.zeros(1, np.int64), np.zeros(1, np.int32)
+    desc = np.zeros(1, rans.DECODE_DESC)
+    with pytest.raises(ValueError, match="CPU decode takes none"):
+        rans.decode_descriptors(
+            desc, 1, t.ctypes.data, 1, out_lengths=lens, status=st, run_luts=np.zeros(1024, np.uint8)
+        )
+    with pytest.raises(ValueError, match="CPU decode takes none"):
+        rans._R.decode(False, desc.ctypes.data, 1, t.ctypes.data, 1, lens.ctypes.data, st.ctypes.data, 0, 0, 1, 0, 4096)
+    with pytest.raises(ValueError, match="CUDA uint16"):
+        rans.build_run_luts(t)
+    assert rans.RUN_LUT_BYTES == 1024

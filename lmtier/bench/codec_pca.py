@@ -24,9 +24,12 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
   one record at a time on its own stream and waiting for it, as a PCA tier's I/O threads do (the
   connector's default ``fetch_batch`` of 1);
   ``inverse``: symbols back to KV alone (:func:`lmtier.codec.pca.codec.symbols_to_kv`);
+  ``decode_queued_noluts`` / ``decode_threads_noluts``: those with the rANS tables' decode lookups
+  turned off (:func:`lmtier.codec.pca.codec.use_run_luts` ``(False)``: the coder builds each table
+  run's own);
 * ``rans_enc`` / ``rans_dec``: the records' rANS streams alone (:mod:`lmtier.codec.pca.streams`, the
   calls :func:`~lmtier.codec.pca.encode` / :func:`~lmtier.codec.pca.decode` make), symbols on the
-  device to host bytes and back.
+  device to host bytes and back; ``rans_dec_noluts``: ``rans_dec`` without the decode lookups.
 
 ``G`` (layers per basis) defaults to :func:`lmtier.codec.pca.calibrate.default_layer_group` of the
 geometry, as ``python -m lmtier.codec.pca`` picks it (Llama-3.1-8B: ``G = 1``, ``N = 1,024``).
@@ -66,8 +69,9 @@ from lmtier.codec.pca.hf import CalibrationError
 from lmtier.codec.pca.levels import PCA_LEVELS
 
 COLUMNS = ["level", "chunks", "ratio", "exact_tok", "escapes", "encode_GBps", "forward_GBps", "rans_enc_GBps",
-           "decode_GBps", "decode_queued_GBps", "decode_python_GBps", "decode_threads_GBps", "inverse_GBps",
-           "rans_dec_GBps", "gemm_GBps", "gemm_batched_GBps", "memcpy_GBps", "identical"]  # fmt: skip
+           "decode_GBps", "decode_queued_GBps", "decode_queued_noluts_GBps", "decode_python_GBps",
+           "decode_threads_GBps", "decode_threads_noluts_GBps", "inverse_GBps", "rans_dec_GBps", "rans_dec_noluts_GBps",
+           "gemm_GBps", "gemm_batched_GBps", "memcpy_GBps", "identical"]  # fmt: skip
 MIN_CALIB_TOKENS = 12288
 """The default calibration's least tokens: at ``3 N`` alone a small ``N`` (1,024 at ``G = 1``) fits
 its few tokens, and 17 % of the chunks' tokens then came out loud (exact, raw bytes): not a codec's
@@ -234,6 +238,13 @@ def run(args) -> dict:
             _sync(dev)
             return out
 
+        def noluts(fn):  # the coder builds each table run's decode lookups (the product: built once a table)
+            codec.use_run_luts(False)
+            try:
+                return fn()
+            finally:
+                codec.use_run_luts(True)
+
         def dec_python():  # the kernels queued one by one from Python (the product: one native call a record)
             with native_decode.enabled(False):
                 return dec_queued()
@@ -258,23 +269,32 @@ def run(args) -> dict:
 
         secs = rans_enc()
 
-        def rans_dec():
-            out = [streams.decode(s, tables, m.vector_size * t32, dev) for s in secs]
+        luts = codec._run_luts(m, level, str(dev)) if dev.type == "cuda" else None
+
+        def rans_dec(run_luts=luts):
+            out = [streams.decode(s, tables, m.vector_size * t32, dev, run_luts=run_luts) for s in secs]
             _sync(dev)
             return out
 
         if args.profile:
-            _profile(Path(args.profile), level, (("encode", enc), ("decode", dec)), dev)
+            _profile(
+                Path(args.profile),
+                level,
+                (("encode", enc), ("decode", dec), ("decode_noluts", lambda: noluts(dec))),
+                dev,
+            )
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
              (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
-              ("rans_dec", rans_dec), ("decode_queued", dec_queued), ("decode_python", dec_python),
-              ("decode_threads", dec_threads))}  # fmt: skip
+              ("rans_dec", rans_dec), ("rans_dec_noluts", lambda: rans_dec(None)), ("decode_queued", dec_queued),
+              ("decode_queued_noluts", lambda: noluts(dec_queued)), ("decode_python", dec_python),
+              ("decode_threads", dec_threads), ("decode_threads_noluts", lambda: noluts(dec_threads)))}  # fmt: skip
         same = True
         if dev.type == "cuda":
             same = all(pca.encode(c.cpu(), start=s, model=m, level=level) == r for c, s, r in zip(chunks, starts, recs))
             same &= bool(torch.equal(pca.decode(recs[0], model=m, device=dev).cpu(), pca.decode(recs[0], model=m)))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_queued(), recs))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_python(), recs))
+            same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(noluts(dec_queued), recs))
             same &= all(torch.equal(a.cpu(), pca.decode(r, model=m)) for a, r in zip(dec_threads(), recs))
         metas = [pca.record_meta(r) for r in recs]
         rows.append(

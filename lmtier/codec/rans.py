@@ -80,6 +80,8 @@ __all__ = [
     "decode",
     "decode_into",
     "decode_descriptors",
+    "RUN_LUT_BYTES",
+    "build_run_luts",
 ]
 
 _R = _C.rans
@@ -93,6 +95,8 @@ ADAPTIVE_TABLE: int = _R.ADAPTIVE_TABLE
 HEADER_BYTES: int = _R.HEADER_BYTES
 MAX_STREAM_SYMBOLS: int = _R.MAX_STREAM_SYMBOLS
 MAX_RUN_LEN: int = 32 * 0xFFFF
+RUN_LUT_BYTES: int = _R.RUN_LUT_BYTES
+"""Bytes of one table's decode lookups for table-switching streams (:func:`build_run_luts`)."""
 
 STATUS_NAMES = {
     0: "ok",
@@ -630,6 +634,37 @@ def decode_into(
         keep_alive(keep, stream, dev)
 
 
+def build_run_luts(tables: Any, stream: Any = None) -> Any:
+    """The decode lookups of static tables for CUDA decodes of table-switching streams.
+
+    A warp decoding a stream that switches tables every run (``run_lens`` of :func:`encode_into`)
+    otherwise builds each run's cdf and slot buckets from its 256 frequencies (``rans.h``'s
+    ``kRunLutBytes`` layout); these are built once per table here and read by
+    :func:`decode_descriptors` (``run_luts``): the same symbols and statuses, fewer instructions
+    per run.
+
+    Args:
+        tables: uint16 ``[num_tables, 256]`` static tables, a contiguous CUDA tensor (as the
+            decodes read them; tables that do not sum to 4096 get unspecified lookups, and their
+            streams are refused by the decode as without lookups).
+        stream: the CUDA stream to queue the build on (None: the current stream of their device).
+
+    Returns:
+        uint8 ``[num_tables, RUN_LUT_BYTES]`` on the tables' device, being built on ``stream``.
+
+    Raises:
+        ValueError: ``tables`` not a contiguous CUDA uint16 tensor of shape ``[num_tables, 256]``.
+    """
+    torch = torch_module()
+    if not is_cuda(tables) or tables.dtype != torch.uint16:
+        raise ValueError("build_run_luts needs the tables as a CUDA uint16 tensor")
+    if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
+        raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
+    luts = torch.empty(tables.shape[0], RUN_LUT_BYTES, dtype=torch.uint8, device=tables.device)
+    _R.build_run_luts(tables.data_ptr(), tables.shape[0], luts.data_ptr(), stream_handle(stream, tables.device))
+    return luts
+
+
 def decode_descriptors(
     descs: Any,
     num_streams: int,
@@ -641,6 +676,7 @@ def decode_descriptors(
     scratch: Any = None,
     num_threads: int = 0,
     stream: Any = None,
+    run_luts: Any = None,
 ) -> None:
     """Decode ``num_streams`` streams described by a prebuilt :data:`DECODE_DESC` array, one native call.
 
@@ -651,6 +687,14 @@ def decode_descriptors(
     none). ``out_lengths`` int64 [N], ``status`` int32 [N], ``scratch`` (CUDA: >=
     ``decode_scratch_bytes(N)`` bytes): contiguous tensors/arrays on the same side. Same results and
     guarantees as :func:`decode_into`, without its per-call descriptor build and uploads.
+    ``run_luts`` (CUDA only; None: none): uint8 on the device, from byte 0 the lookups of these
+    ``num_tables`` tables (:func:`build_run_luts` of the same tables, or a slice of it from the first
+    table on), read by table-switching streams.
+
+    Raises:
+        ValueError: out_lengths / status / descs / scratch too small or on the wrong side;
+            ``run_luts`` with a CPU decode, shorter than ``num_tables`` lookups, or not on the
+            descriptors' device.
     """
     n = int(num_streams)
     len_addr, len_bytes = addr_len(out_lengths)
@@ -663,6 +707,13 @@ def decode_descriptors(
         if scratch is None:
             raise ValueError("CUDA decode needs scratch (decode_scratch_bytes(N) bytes on the device)")
         sc_addr, sc_bytes = addr_len(scratch)
+        lut_addr = 0
+        if run_luts is not None:
+            if not is_cuda(run_luts) or run_luts.device != descs.device or not run_luts.is_contiguous():
+                raise ValueError(f"run_luts must be contiguous on {descs.device}")
+            if run_luts.numel() * run_luts.element_size() < int(num_tables) * RUN_LUT_BYTES:
+                raise ValueError(f"run_luts hold fewer than the {num_tables} tables' lookups")
+            lut_addr = run_luts.data_ptr()
         _R.decode(
             True,
             descs.data_ptr(),
@@ -675,8 +726,11 @@ def decode_descriptors(
             sc_bytes,
             0,
             stream_handle(stream, descs.device),
+            lut_addr,
         )
         return
+    if run_luts is not None:
+        raise ValueError("run_luts are CUDA decode lookups; a CPU decode takes none")
     d = np.asarray(descs)
     if d.dtype != DECODE_DESC or d.size < n or not d.flags.c_contiguous:
         raise ValueError(f"descs must be a contiguous DECODE_DESC array of >= {n} entries")

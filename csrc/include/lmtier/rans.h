@@ -330,6 +330,17 @@ inline uint64_t decode_scratch_bytes(uint64_t num_streams) {
   return ((num_streams * sizeof(StreamWork) + 255) & ~255ull) + 256 + kTablesOkBytes;
 }
 
+// Decode lookups of table-switching streams (CUDA only): a warp decoding a stream with run_len > 0
+// needs, for each run's static table, its cdf and 128 buckets of 32 slots (the RunTables of
+// rans_cuda.cu). Building them from the frequencies at every run costs more than the run's 8
+// decode steps; build_run_luts_cuda computes them once per table into kRunLutBytes a table:
+//   uint32 bucket[128]  bucket b: s | (f_s - 1) << 8 | cdf[s] << 20 for the symbol s whose range
+//                        holds slot 32 b
+//   uint16 cdf[256]     cdf[0..255] (cdf[256] = 4096 and the closing bucket are constants)
+// A table that does not sum to 4096 gets unspecified bytes (its streams are refused before any
+// lookup). decode_cuda reads them when given run_luts: the same symbols, the same statuses.
+constexpr uint64_t kRunLutBytes = 1024;
+
 // ---- host entry points ---------------------------------------------------------------------
 // Common arguments:
 //   descs        [num_streams] RansEncodeDesc / RansDecodeDesc (host for CPU, device-accessible
@@ -361,9 +372,16 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
                  uint64_t* offsets, int32_t* status, void* scratch, uint64_t scratch_bytes,
                  void* stream);
 
+// run_luts: null (each warp builds a run's lookups itself) or [num_tables][kRunLutBytes] of
+// build_run_luts_cuda over these same tables, 16-byte aligned, on the device.
 void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                 int64_t num_tables, uint64_t* out_lengths, int32_t* status, void* scratch,
-                 uint64_t scratch_bytes, void* stream);
+                 int64_t num_tables, const uint8_t* run_luts, uint64_t* out_lengths,
+                 int32_t* status, void* scratch, uint64_t scratch_bytes, void* stream);
+
+// The decode lookups of tables [num_tables][256] (device) into luts [num_tables][kRunLutBytes]
+// (device, 16-byte aligned), queued on `stream`. Throws InvalidArgument for null pointers, a
+// misaligned luts or num_tables < 0.
+void build_run_luts_cuda(const uint16_t* tables, int64_t num_tables, uint8_t* luts, void* stream);
 #endif
 
 }  // namespace rans

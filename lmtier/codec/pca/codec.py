@@ -140,6 +140,33 @@ def _cached_level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
     return got
 
 
+_RUN_LUTS = {"enabled": True}
+
+
+def use_run_luts(on: bool) -> None:
+    """Whether CUDA decodes read the rANS tables' decode lookups (:func:`lmtier.codec.rans.build_run_luts`,
+    1 KiB a table, built at a level's first CUDA decode on a device and kept with its arrays) or build
+    each table run's lookups in the coder (the same symbols; ``lmtier.bench.codec_pca``'s A/B)."""
+    _RUN_LUTS["enabled"] = bool(on)
+
+
+def _run_luts(m: PCAModel, level: str, device: str) -> torch.Tensor | None:
+    """The decode lookups of ``m``'s ``level`` tables on a CUDA ``device`` (None when turned off),
+    cached as :func:`_level_arrays` and marked in use by the current stream."""
+    if not _RUN_LUTS["enabled"]:
+        return None
+    got = _cached_run_luts(m, level, imatmul.device_key(device))
+    imatmul.in_use(got)
+    return got
+
+
+@lru_cache(maxsize=8)
+def _cached_run_luts(m: PCAModel, level: str, device: str) -> torch.Tensor:
+    got = rans.build_run_luts(_cached_level_arrays(m, level, device).tables)
+    imatmul.settled(device)  # read by other threads' streams
+    return got
+
+
 def _host(*ts: torch.Tensor) -> list[np.ndarray]:
     """NumPy arrays of tensors: CUDA ones copied into page-locked memory (torch's caching host
     allocator: DMA, not staged copies) on the current stream, one synchronization for all."""
@@ -401,11 +428,12 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
     offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
     n_exact = int(p.exact.sum())
     fused = dev.type == "cuda" and kernels.available()
+    luts = _run_luts(model, p.level.name, str(dev)) if dev.type == "cuda" else None
     if fused and t and native_decode.available():  # the whole decode queued by one native call
         try:
             out, checks, how = native_decode.queue(
                 model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, p.n_esc, arrays.tables,
-                arrays.f, p.start, p.dtype, dev,
+                arrays.f, p.start, p.dtype, dev, run_luts=luts,
             )  # fmt: skip
         except native_decode.NativeRefused as e:  # not the record's fault: the Python-driven kernels below
             native_decode.disable(str(e))
@@ -417,11 +445,15 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
         if fused:  # one upload of every section the device reads
             up = streams.upload(np.frombuffer(rec.payload, np.uint8)[: int((offs + lens).max())], dev)
             o_esc, o_raw = int(offs[r2]), int(offs[r2 + 2])
-            q = streams.queue_spans(rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, uploaded=up)
+            q = streams.queue_spans(
+                rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, uploaded=up, run_luts=luts
+            )
             if p.n_esc:  # the escapes' index waits for the symbols anyway: check the streams first, so a
                 q.result()  # stream that did not decode is named as such, not as an escape count
         else:
-            q = streams.queue_spans(rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, num_threads)
+            q = streams.queue_spans(
+                rec.payload, offs[:r2], lens[:r2], arrays.tables, n * t32, dev, num_threads, run_luts=luts
+            )
             q.result()  # the torch path below reads the symbols' values on the host side of its checks
     except ValueError as e:
         raise CodecRecordError(f"corrupted PCA codec record: {e}") from None

@@ -180,6 +180,8 @@ def queue(
     start: int,
     dtype: torch.dtype,
     dev: torch.device,
+    *,
+    run_luts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Checks]:
     """Queue the decode of a record on ``dev``'s current stream.
 
@@ -188,6 +190,8 @@ def queue(
             ``2R`` streams then its escapes, exact bitmap and exact tokens in it; exact: bool ``[T]``;
             n_esc: its escaped coefficients (its metadata's, the escapes section's int16 count);
             tables, f: the level's (on ``dev``); start: the first position; dtype: bf16 or fp16.
+        run_luts: :func:`lmtier.codec.rans.build_run_luts` of ``tables`` (None: the coder builds each
+            run's lookups).
 
     Returns:
         (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the checks' region of the workspace
@@ -202,15 +206,17 @@ def queue(
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
     with torch.cuda.device(dev):  # the native call picks its side streams and cuBLAS handle by it
-        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev)
+        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts)
 
 
-def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev):
+def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts):
     c = kernels._native()
     r, n, t = m.rows, m.vector_size, int(exact.size)
     s, t32 = 2 * r, streams.run_length(t)
     length = n * t32
     streams.check_spans(payload, offs[:s], lens[:s], length, n)
+    if run_luts is not None and tuple(run_luts.shape) != (tables.shape[0], rans.RUN_LUT_BYTES):
+        raise NativeRefused(f"run_luts {tuple(run_luts.shape)} for {tables.shape[0]} tables")
     dec = imatmul.prepared(m, dev)[1]
     if not dec.n8 == dec.p8 == -(-n // 8) * 8:  # the native call's rule: d_int is N x N
         raise NativeRefused(f"decode matrix of N8 {dec.n8}, P8 {dec.p8} for N = {n}")
@@ -241,7 +247,8 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev):
         c.decode_record(
             dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
             t32=t32, descs=base + lay.upload, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
-            tables=tables.data_ptr(), counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
+            tables=tables.data_ptr(), run_luts=0 if run_luts is None else run_luts.data_ptr(),
+            counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
             scratch_bytes=lay.scratch_bytes, sym=base + lay.sym,
             escapes=base + lay.upload + lay.payload + int(offs[s]) if n_esc else 0, num_escapes=n_esc,
             esc_col=base + esc_at if n_esc else 0, esc_hi=base + esc_at + 4 * n_esc if n_esc else 0,

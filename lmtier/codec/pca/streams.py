@@ -152,11 +152,18 @@ def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: 
 
 
 def decode(
-    sections: list, tables: torch.Tensor | np.ndarray, length: int, device: torch.device, num_threads: int = 0
+    sections: list,
+    tables: torch.Tensor | np.ndarray,
+    length: int,
+    device: torch.device,
+    num_threads: int = 0,
+    *,
+    run_luts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 ``[S, length]`` on ``device`` (the host or a CUDA device): the symbols of encoded streams
     (host bytes-like, each its own buffer) with the table layout of :func:`encode`. Packs them into one
-    region and decodes it with :func:`queue_spans` (a record's streams are one region already: use that).
+    region and decodes it with :func:`queue_spans` (a record's streams are one region already: use that;
+    ``run_luts`` as there).
 
     Raises:
         ValueError: as :func:`queue_spans` and :meth:`QueuedStreams.result`.
@@ -166,7 +173,8 @@ def decode(
     region = np.zeros(int(starts[-1]), np.uint8)
     for st, sec, z in zip(starts, sections, sizes):
         region[st : st + z] = np.frombuffer(sec, np.uint8)
-    return queue_spans(region, starts[:-1], np.asarray(sizes, np.int64), tables, length, device, num_threads).result()
+    sizes_ = np.asarray(sizes, np.int64)
+    return queue_spans(region, starts[:-1], sizes_, tables, length, device, num_threads, run_luts=run_luts).result()
 
 
 def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -216,6 +224,7 @@ def queue_spans(
     num_threads: int = 0,
     *,
     uploaded: torch.Tensor | None = None,
+    run_luts: torch.Tensor | None = None,
 ) -> QueuedStreams:
     """The symbols, uint8 ``[S, length]`` on ``device`` (the host or a CUDA device), of the ``S``
     encoded streams at ``region[starts[i] : starts[i] + sizes[i]]`` (host bytes-like; ``starts``
@@ -228,6 +237,8 @@ def queue_spans(
         uploaded: CUDA ``device`` only: uint8 ``region`` already on the device (from byte 0; e.g. one
             upload of a whole record), read in place. None: the streams' bytes are uploaded
             (:func:`upload`).
+        run_luts: CUDA ``device`` only: :func:`lmtier.codec.rans.build_run_luts` of ``tables`` (the
+            coder reads them instead of building each run's lookups); None: none.
 
     Raises:
         ValueError: a stream whose header is not one, announces another count than ``length`` or one
@@ -240,7 +251,7 @@ def queue_spans(
     if starts.size != sizes.size:
         raise ValueError(f"{starts.size} stream starts and {sizes.size} sizes")
     with _on(device):
-        return _queue(region, starts, sizes, _tables(tables, device), length, device, num_threads, uploaded)
+        return _queue(region, starts, sizes, _tables(tables, device), length, device, num_threads, uploaded, run_luts)
 
 
 def _queue(
@@ -252,6 +263,7 @@ def _queue(
     device: torch.device,
     num_threads: int,
     uploaded: torch.Tensor | None,
+    run_luts: torch.Tensor | None = None,
 ) -> QueuedStreams:
     s_count, cuda = len(starts), device.type == "cuda"
     current = torch.cuda.current_stream(device) if cuda else None  # the stream the decode is queued on
@@ -263,6 +275,8 @@ def _queue(
     if tables.shape[0] % s_count:
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
+    if run_luts is not None and tuple(run_luts.shape) != (tables.shape[0], rans.RUN_LUT_BYTES):
+        raise ValueError(f"run_luts {tuple(run_luts.shape)} for {tables.shape[0]} tables")
     host = np.frombuffer(region, np.uint8)
     check_spans(host, starts, sizes, length, n)  # before anything is allocated
     lo, hi = int(starts.min()), int((starts + sizes).max())
@@ -301,6 +315,7 @@ def _queue(
                 scratch=sc,
                 num_threads=num_threads,
                 stream=stream,
+                run_luts=None if run_luts is None else run_luts[c.start * n :],
             )
     # src, scratch and descs are freed here with work still queued that reads them: their memory goes
     # back to torch's pool for the current stream only, which waits for every call before later work
