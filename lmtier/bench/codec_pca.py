@@ -35,8 +35,8 @@ Per level, for C chunks resident on the device, one chunk at a time as a tier co
 geometry, as ``python -m lmtier.codec.pca`` picks it (Llama-3.1-8B: ``G = 1``, ``N = 1,024``).
 
 Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. ``--profile
-FILE`` also writes, per level, the host's Python time of one ``encode`` and one ``decode`` pass
-(cProfile) and ``torch.profiler``'s tables of them (operators and kernels by device time, then by host
+FILE`` also writes, per level, the host's Python time of one ``encode`` and one ``decode`` pass (on
+CUDA also one ``decode_noluts`` pass, without the rANS decode lookups; cProfile) and ``torch.profiler``'s tables of them (operators and kernels by device time, then by host
 time, with call counts): where the time goes. Same-run ceilings: a device memcpy of the batch (read +
 write) and the int8 GEMMs of the transform alone (the encoder's four byte products of every (layer
 group, K/V), :mod:`lmtier.codec.pca.imatmul`), called one by one (``gemm``) and as the kernels
@@ -276,13 +276,11 @@ def run(args) -> dict:
             _sync(dev)
             return out
 
-        if args.profile:
-            _profile(
-                Path(args.profile),
-                level,
-                (("encode", enc), ("decode", dec), ("decode_noluts", lambda: noluts(dec))),
-                dev,
-            )
+        if args.profile:  # on CUDA also the decode without the rANS decode lookups (the host has none)
+            passes = (("encode", enc), ("decode", dec))
+            if dev.type == "cuda":
+                passes += (("decode_noluts", lambda: noluts(dec)),)
+            _profile(Path(args.profile), level, passes, dev)
         t = {n: wall_time_ms(fn, warmup=1, iters=args.iters) for n, fn in
              (("encode", enc), ("forward", fwd), ("rans_enc", rans_enc), ("decode", dec), ("inverse", inv),
               ("rans_dec", rans_dec), ("rans_dec_noluts", lambda: rans_dec(None)), ("decode_queued", dec_queued),
