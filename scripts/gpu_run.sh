@@ -9,7 +9,8 @@
 # "mooncake": lmtier bench mooncake; "ttftsweep": the
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
-# bench's pca_default loads (disk and Redis); "ttftbatch1": the Mooncake tiers at 7,500 tokens with
+# bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
+# (benchmarks/pca_decode_threads.py); "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
 # with unsealed, MACed and encrypted records in one run, and lmtier bench seal); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
@@ -134,6 +135,19 @@ if has ttftspy; then
     echo "bench ttft under py-spy --gil rc=$?"
   else
     echo "ttftspy: no py-spy (carry its wheel in .whl)"
+  fi
+fi
+if has decspy; then
+  # which Python code holds the GIL while 4 threads decode PCA records as a tier's I/O threads do
+  # (py-spy: carry its wheel in .whl; tally with scripts/spy_tally.py --within decode_one)
+  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  if [ -x "$spy" ]; then
+    $PY benchmarks/pca_decode_threads.py --seconds 8 > "$OUT/decspy_plain.log" 2>&1  # the rate without py-spy
+    timeout 200 "$spy" record --gil --threads -r 100 -f raw -o "$OUT/spy_decode.txt" -- \
+      $PY benchmarks/pca_decode_threads.py --seconds 20 > "$OUT/decspy.log" 2>&1
+    echo "decspy rc=$?"; tail -1 "$OUT/decspy_plain.log"; tail -1 "$OUT/decspy.log"
+  else
+    echo "decspy: no py-spy (carry its wheel in .whl)"
   fi
 fi
 if has ttftbatch1; then

@@ -197,6 +197,38 @@ def test_stream_helpers_give_the_coders_bytes_and_symbols():
         streams.decode([host[0], bytes(old), *host[2:]], data.tables, n * 64, torch.device("cpu"))
 
 
+def test_header_fast_path_accepts_only_what_the_full_checks_accept():
+    """check_spans' whole-array comparison of the headers (the decode's common case) passes a record's
+    streams as encoded, and declines every one-byte change of any stream's header, which the
+    field-by-field checks then judge: they refuse the change or, where the header stays legal (e.g.
+    a larger segment size than the stream's first), pass it."""
+    m = fitted("plain")
+    data, n = m.levels["pca_default"], m.vector_size
+    g = torch.Generator().manual_seed(3)
+    sym = torch.randint(100, 150, (2 * m.rows, n * 64), generator=g, dtype=torch.uint8)
+    host = _check_streams(sym, data.tables, 64)
+    region = np.frombuffer(b"".join(h + bytes(-len(h) % 4) for h in host), np.uint8)
+    starts = np.cumsum([0] + [-(-len(h) // 4) * 4 for h in host[:-1]]).astype(np.int64)
+    sizes = np.array([len(h) for h in host], np.int64)
+    assert streams._headers_as_laid_out(region, starts, sizes, n * 64, n)
+    streams.check_spans(region, starts, sizes, n * 64, n)
+    assert not streams._headers_as_laid_out(region, starts, sizes, n * 64 + 32, n)  # another count
+    assert not streams._headers_as_laid_out(region, starts, sizes - sizes + 19, n * 64, n)  # bytes too few
+    declined = 0
+    for stream in (0, len(host) - 1):
+        for byte in range(rans.HEADER_BYTES):
+            bad = region.copy()
+            bad[starts[stream] + byte] ^= 0x01
+            if streams._headers_as_laid_out(bad, starts, sizes, n * 64, n):
+                raise AssertionError(f"fast path passed a changed byte {byte} of stream {stream}")
+            declined += 1
+            try:
+                streams.check_spans(bad, starts, sizes, n * 64, n)
+            except ValueError:
+                pass
+    assert declined == 2 * rans.HEADER_BYTES
+
+
 def test_stream_helpers_split_the_streams_over_calls_when_their_tables_exceed_the_ids():
     """Streams of more tables than one call's 16-bit ids name (here B = 2 streams of 22,000 tables a
     call): consecutive ranges of B streams, each header naming its base within the call's slice; the

@@ -123,6 +123,27 @@ def test_cuda_decodes_without_run_luts_are_the_same(level, monkeypatch):
     _same(m, level, *int8_path_cases()[-1])
 
 
+def test_in_use_marks_each_cached_tensor_once_per_stream(monkeypatch):
+    """``imatmul.in_use`` (at every decode, for each cached tensor it reads) calls ``record_stream``
+    once per tensor and stream: again on another stream, never for host tensors."""
+    calls, real = [], torch.Tensor.record_stream
+
+    def spy(self, s):
+        calls.append(s.cuda_stream)
+        return real(self, s)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", spy)
+    t, u = torch.empty(16, device="cuda"), torch.empty(8, device="cuda")
+    imatmul.in_use(t, t, u)
+    imatmul.in_use(t)
+    main = torch.cuda.current_stream().cuda_stream
+    assert calls == [main, main]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        imatmul.in_use(t, torch.empty(4))
+    assert calls == [main, main, side.cuda_stream]
+
+
 def test_cuda_empty_chunk_and_level_arrays_on_the_host():
     """T = 0 codes as on the host; the level's arrays may come from the host (moved to the device)."""
     m = fitted("plain")

@@ -36,8 +36,9 @@ geometry, as ``python -m lmtier.codec.pca`` picks it (Llama-3.1-8B: ``G = 1``, `
 
 Median wall time over ``--iters`` after one warm-up; GB/s of the chunks' bf16 bytes. ``--profile
 FILE`` also writes, per level, the host's Python time of one ``encode`` and one ``decode`` pass (on
-CUDA also one ``decode_noluts`` pass, without the rANS decode lookups; cProfile) and ``torch.profiler``'s tables of them (operators and kernels by device time, then by host
-time, with call counts): where the time goes. Same-run ceilings: a device memcpy of the batch (read +
+CUDA also one ``decode_noluts`` pass, without the rANS decode lookups; cProfile) and
+``torch.profiler``'s tables of them (operators and kernels by device time, then by host time, with
+call counts): where the time goes. Same-run ceilings: a device memcpy of the batch (read +
 write) and the int8 GEMMs of the transform alone (the encoder's four byte products of every (layer
 group, K/V), :mod:`lmtier.codec.pca.imatmul`), called one by one (``gemm``) and as the kernels
 run them (``gemm_batched``: batches of layer groups, one cuBLAS call each).

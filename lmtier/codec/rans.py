@@ -93,6 +93,10 @@ MAX_SEG_LOG2: int = _R.MAX_SEG_LOG2
 DEFAULT_SEG_LOG2: int = _R.DEFAULT_SEG_LOG2
 ADAPTIVE_TABLE: int = _R.ADAPTIVE_TABLE
 HEADER_BYTES: int = _R.HEADER_BYTES
+MAGIC: int = _R.MAGIC
+"""A stream header's ``magic`` field."""
+VERSION: int = _R.VERSION
+"""The stream format version a header names (``version``)."""
 MAX_STREAM_SYMBOLS: int = _R.MAX_STREAM_SYMBOLS
 MAX_RUN_LEN: int = 32 * 0xFFFF
 RUN_LUT_BYTES: int = _R.RUN_LUT_BYTES
@@ -274,8 +278,8 @@ def _check_headers(h: np.ndarray, nbytes: np.ndarray | None) -> None:
     :func:`bounded_stream_info`); the message names the stream when there are several."""
     flags = h["flags"]
     bad_kind = (
-        (h["magic"] != _R.MAGIC)
-        | (h["version"] != _R.VERSION)
+        (h["magic"] != MAGIC)
+        | (h["version"] != VERSION)
         | ((flags & ~np.uint8(1)) != 0)
         | (h["lanes"] != 5)
         | (((flags & 1) != 0) & (h["run_words"] != 0))

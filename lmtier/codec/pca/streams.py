@@ -341,6 +341,8 @@ def check_spans(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray, length:
         ValueError: as :func:`queue_spans` (every header read, none decoded)."""
     if (starts < 0).any() or (sizes < 0).any() or (sizes > host.size - starts).any() or (starts % 4).any():
         raise ValueError(f"stream spans outside the region of {host.size} bytes or not 4-byte aligned")
+    if _headers_as_laid_out(host, starts, sizes, length, n):
+        return
     heads = rans.stream_headers(host, starts, sizes)
     if (heads["num_symbols"] != length).any():
         raise ValueError(f"rANS streams of {sorted(set(heads['num_symbols'].tolist()))} symbols, {length} expected")
@@ -353,6 +355,32 @@ def check_spans(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray, length:
     if bad_run.any():
         i = int(np.flatnonzero(bad_run)[0])
         raise ValueError(f"stream {i} switches tables every {int(run[i])} symbols, its layout needs {length // n}")
+
+
+def _headers_as_laid_out(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray, length: int, n: int) -> bool:
+    """Whether every stream's 16-byte header is exactly the one :func:`encode` writes for this layout
+    (static tables switched every ``length / n`` symbols from table :func:`table_base`, ``length``
+    symbols, the first stream's valid segment size) and its bytes can hold its segments: the common
+    case, checked with a few whole-array operations (``check_spans`` runs at every decode, holding
+    the GIL). False: :func:`check_spans` checks the headers field by field (and names what is wrong)."""
+    s = len(starts)
+    if s == 0 or (sizes < rans.HEADER_BYTES).any() or length % n or (length // n) % 32 or length // n // 32 > 0xFFFF:
+        return False
+    raw = host[starts[:, None] + np.arange(rans.HEADER_BYTES)]  # [S, 16]
+    seg_log2 = int(raw[0, 6])
+    if not rans.MIN_SEG_LOG2 <= seg_log2 <= rans.MAX_SEG_LOG2:
+        return False
+    want = np.zeros(s, rans.HEADER)
+    want["magic"], want["version"], want["seg_log2"], want["lanes"] = rans.MAGIC, rans.VERSION, seg_log2, 5
+    want["table_id"] = table_base(np.arange(s), n)
+    want["run_words"], want["num_symbols"] = length // n // 32, length
+    if not np.array_equal(raw, want.view(np.uint8).reshape(s, rans.HEADER_BYTES)):
+        return False
+    segs = -(-length // (1 << seg_log2))
+    return (
+        bool((sizes >= rans.HEADER_BYTES + 4 * segs + 128 * max(segs - 1, 0)).all())
+        and length <= rans.MAX_STREAM_SYMBOLS
+    )
 
 
 _local = threading.local()
