@@ -152,19 +152,26 @@ def _statuses_both(bufs, tables, capacity):
     return st_c, st_g.cpu().numpy(), (outs_c, ln_c), ([o.cpu().numpy() for o in outs_g], ln_g.cpu().numpy())
 
 
+def hostile_copies(rng, good: list[bytes], cut_step: int, mutants: int) -> list[bytes]:
+    """Each stream of ``good`` cut short every ``cut_step`` bytes, then ``mutants`` copies of it with 1
+    to 3 random bytes changed."""
+    bufs = []
+    for g in good:
+        bufs += [g[:cut] for cut in range(0, len(g), cut_step)]
+        for _ in range(mutants):
+            m = bytearray(g)
+            for _ in range(int(rng.integers(1, 4))):
+                m[int(rng.integers(0, len(m)))] = int(rng.integers(0, 256))
+            bufs.append(bytes(m))
+    return bufs
+
+
 def test_gpu_hostile_input_matches_cpu_verdicts():
     rng = np.random.default_rng(21)
     x = laplace_symbols(rng, 9000)
     tables = np.stack([rans.table_from_symbols(x)])
     good = [bytes(rans.encode([x], tid, tables, seg_log2=10).data) for tid in (0, rans.ADAPTIVE_TABLE)]
-    bufs = []
-    for g in good:
-        bufs += [g[:cut] for cut in range(0, len(g), 7)]
-        for _ in range(400):
-            m = bytearray(g)
-            for _ in range(int(rng.integers(1, 4))):
-                m[int(rng.integers(0, len(m)))] = int(rng.integers(0, 256))
-            bufs.append(bytes(m))
+    bufs = hostile_copies(rng, good, 7, 400)
     bufs += [bytes(rng.integers(0, 256, int(rng.integers(0, 600)), dtype=np.uint8)) for _ in range(200)]
     bufs += good
     st_c, st_g, (oc, lc), (og, lg) = _statuses_both(bufs, tables, capacity=16384)
@@ -281,15 +288,7 @@ def test_gpu_run_tables_hostile_matches_cpu():
     rng = np.random.default_rng(77)
     streams, ids, runs, tables = _run_batch(rng)
     good = [bytes(rans.encode([streams[i]], ids[i], tables, seg_log2=10, run_lens=runs[i]).data) for i in (0, 3, 9)]
-    bufs = []
-    for gd in good:
-        bufs += [gd[:cut] for cut in range(0, len(gd), 97)]
-        for _ in range(300):
-            m = bytearray(gd)
-            for _ in range(int(rng.integers(1, 4))):
-                m[int(rng.integers(0, len(m)))] = int(rng.integers(0, 256))
-            bufs.append(bytes(m))
-    bufs += good
+    bufs = hostile_copies(rng, good, 97, 300) + good
     st_c, st_g, (oc, lc), (og, lg) = _statuses_both(bufs, tables, capacity=256 * 192)
     np.testing.assert_array_equal(st_c == 0, st_g == 0)
     assert (st_g[-3:] == 0).all()

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from lmtier.codec import rans  # noqa: E402
-from tests.test_gpu_rans import DEV, _run_batch, _statuses_both  # noqa: E402
+from tests.test_gpu_rans import DEV, _run_batch, _statuses_both, hostile_copies  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -86,18 +86,6 @@ def _decode(bufs: list[bytes], tables: np.ndarray, capacity: int, luts: torch.Te
     return st.cpu().numpy(), lens.cpu().numpy(), outs.cpu().numpy()
 
 
-def _hostile(rng, good: list[bytes]) -> list[bytes]:
-    bufs = []
-    for gd in good:
-        bufs += [gd[:cut] for cut in range(0, len(gd), 97)]
-        for _ in range(300):
-            m = bytearray(gd)
-            for _ in range(int(rng.integers(1, 4))):
-                m[int(rng.integers(0, len(m)))] = int(rng.integers(0, 256))
-            bufs.append(bytes(m))
-    return bufs + good
-
-
 @pytest.mark.parametrize("seg_log2", [10, rans.DEFAULT_SEG_LOG2])
 def test_decodes_with_run_luts_are_the_cpus(seg_log2):
     """Valid table-switching streams (runs of 32 .. 1024 symbols, odd lengths, a stream on its own
@@ -107,7 +95,8 @@ def test_decodes_with_run_luts_are_the_cpus(seg_log2):
     streams, ids, runs, tables = _run_batch(rng)
     enc = rans.encode(streams, ids, tables, seg_log2=seg_log2, run_lens=runs)
     good = [bytes(enc.stream(i)) for i in range(len(streams))]
-    bufs = _hostile(rng, [good[i] for i in (0, 3, 9)]) + good
+    picked = [good[i] for i in (0, 3, 9)]
+    bufs = hostile_copies(rng, picked, 97, 300) + picked + good
     cap = max(len(x) for x in streams)
     luts = rans.build_run_luts(torch.from_numpy(tables).to(DEV))
     st_l, n_l, o_l = _decode(bufs, tables, cap, luts)
