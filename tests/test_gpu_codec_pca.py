@@ -16,7 +16,7 @@ import torch
 
 from lmtier.bench import codec_pca as bench
 from lmtier.codec import pca, rans
-from lmtier.codec.pca import imatmul, kernels, native_decode
+from lmtier.codec.pca import imatmul, kernels, native_decode, streams
 from tests.test_codec_pca_imatmul import corner_chunk, int8_path_cases
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, _calibration, _hand_model, _kv, fitted
 from tests.threads import run_in_threads
@@ -111,16 +111,31 @@ def test_cuda_at_llama_head_geometry(level):
 def test_cuda_decodes_without_run_luts_are_the_same(level, monkeypatch):
     """The rANS tables' decode lookups turned off (``pca.codec.use_run_luts(False)``: the coder builds
     each table run's lookups itself, the product's path before them): every decode still gives the
-    host's bits, on each CUDA path; turned on again, the cached lookups serve the next decode."""
+    host's bits, on each CUDA path; turned on again, the cached lookups serve the next decode. Each
+    path's coder call is handed the lookups exactly when they are on."""
     m = _models()["quiet"]
+    handed = []
+
+    def spy(real):
+        def call(*a, **k):
+            handed.append(k.get("run_luts"))
+            return real(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(native_decode, "queue", spy(native_decode.queue))
+    monkeypatch.setattr(streams, "queue_spans", spy(streams.queue_spans))
     monkeypatch.setitem(pca.codec._RUN_LUTS, "enabled", False)
     for kv, s in int8_path_cases():
         _same(m, level, kv, s)
+    assert handed and all(x is None for x in handed)
     assert pca.codec._run_luts(m, level, "cuda") is None
     pca.codec.use_run_luts(True)
     luts = pca.codec._run_luts(m, level, "cuda")
     assert luts is not None and luts.shape == (m.levels[level].tables.shape[0], rans.RUN_LUT_BYTES)
+    handed.clear()
     _same(m, level, *int8_path_cases()[-1])
+    assert handed and all(x is luts for x in handed)
 
 
 def test_in_use_marks_each_cached_tensor_once_per_stream(monkeypatch):

@@ -118,6 +118,27 @@ def test_decodes_with_run_luts_are_the_cpus(seg_log2):
     assert (st_l[: len(bufs) - len(good)] != 0).mean() > 0.5
 
 
+def test_decodes_read_the_lookups():
+    """Lookups of other valid tables (each table id given its neighbour's) make every long
+    table-switching stream decode to other symbols or be refused: the decode reads the lookups, not
+    the tables' frequencies."""
+    rng = np.random.default_rng(9)
+    streams, ids, runs, tables = _run_batch(rng)
+    enc = rans.encode(streams, ids, tables, seg_log2=10, run_lens=runs)
+    good = [bytes(enc.stream(i)) for i in range(len(streams))]
+    cap = max(len(x) for x in streams)
+    switching = [
+        i for i, r in enumerate(runs) if r and len(streams[i]) >= 1000 and not rans.stream_info(good[i]).adaptive
+    ]
+    assert len(switching) >= 4
+    st, n, outs = _decode(good, tables, cap, rans.build_run_luts(torch.from_numpy(tables).to(DEV)))
+    assert all(st[i] == 0 and np.array_equal(outs[i, : n[i]], streams[i]) for i in switching)
+    other = rans.build_run_luts(torch.from_numpy(np.roll(tables, 1, axis=0)).to(DEV))
+    st, n, outs = _decode(good, tables, cap, other)
+    for i in switching:
+        assert st[i] != 0 or not np.array_equal(outs[i, : n[i]], streams[i]), i
+
+
 def test_decodes_with_run_luts_refuse_a_bad_table_as_the_cpu():
     """A table that does not sum to 4096 inside a stream's run range: its lookups are whatever the
     build made of it, and the decode refuses exactly the streams the CPU refuses (the others decode)."""

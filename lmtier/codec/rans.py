@@ -664,8 +664,9 @@ def build_run_luts(tables: Any, stream: Any = None) -> Any:
         raise ValueError("build_run_luts needs the tables as a CUDA uint16 tensor")
     if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
         raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
-    luts = torch.empty(tables.shape[0], RUN_LUT_BYTES, dtype=torch.uint8, device=tables.device)
-    _R.build_run_luts(tables.data_ptr(), tables.shape[0], luts.data_ptr(), stream_handle(stream, tables.device))
+    with torch.cuda.device(tables.device):  # the launch goes to the tables' GPU, whichever is current
+        luts = torch.empty(tables.shape[0], RUN_LUT_BYTES, dtype=torch.uint8, device=tables.device)
+        _R.build_run_luts(tables.data_ptr(), tables.shape[0], luts.data_ptr(), stream_handle(stream, tables.device))
     return luts
 
 

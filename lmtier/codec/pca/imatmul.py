@@ -171,19 +171,22 @@ def in_use(*tensors: torch.Tensor) -> None:
     when a cache drops one and its last reference goes, the caching allocator reuses the memory only
     after the work queued so far on that stream ran, not merely the creating stream's.
 
-    A tensor is marked once per stream (the allocator keeps a block's streams until the block is
-    freed, so marking again adds nothing): each tensor remembers the stream handles it was marked
-    for, and the current stream is looked up once per device of the call. This runs at every decode
-    and holds the GIL, which a tier's I/O threads share."""
+    A tensor is marked once per stream and memory (the allocator keeps a block's streams until the
+    block is freed, so marking again adds nothing): each tensor remembers the stream handles it was
+    marked for with the address they were marked at (a copy by ``deepcopy`` or ``pickle``, or memory
+    swapped by ``set_``, has another address and is marked again), and the current stream is looked
+    up once per device of the call. This runs at every decode and holds the GIL, which a tier's I/O
+    threads share."""
     cur = None
     for t in tensors:
         if not t.is_cuda:
             continue
         if cur is None or cur.device != t.device:
             cur = torch.cuda.current_stream(t.device)
-        marked = getattr(t, "_lmtier_streams", None)
-        if marked is None:
-            marked = t._lmtier_streams = set()
+        at, marked = getattr(t, "_lmtier_streams", (None, None))
+        if at != t.data_ptr():
+            at, marked = t.data_ptr(), set()
+            t._lmtier_streams = (at, marked)
         if cur.cuda_stream not in marked:
             t.record_stream(cur)
             marked.add(cur.cuda_stream)

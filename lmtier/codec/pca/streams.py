@@ -364,7 +364,9 @@ def _headers_as_laid_out(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray
     case, checked with a few whole-array operations (``check_spans`` runs at every decode, holding
     the GIL). False: :func:`check_spans` checks the headers field by field (and names what is wrong)."""
     s = len(starts)
-    if s == 0 or (sizes < rans.HEADER_BYTES).any() or length % n or (length // n) % 32 or length // n // 32 > 0xFFFF:
+    if s == 0 or n <= 0 or not 0 <= length <= rans.MAX_STREAM_SYMBOLS or (sizes < rans.HEADER_BYTES).any():
+        return False
+    if length % n or (length // n) % 32 or length // n // 32 > 0xFFFF:
         return False
     raw = host[starts[:, None] + np.arange(rans.HEADER_BYTES)]  # [S, 16]
     seg_log2 = int(raw[0, 6])
@@ -377,10 +379,7 @@ def _headers_as_laid_out(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray
     if not np.array_equal(raw, want.view(np.uint8).reshape(s, rans.HEADER_BYTES)):
         return False
     segs = -(-length // (1 << seg_log2))
-    return (
-        bool((sizes >= rans.HEADER_BYTES + 4 * segs + 128 * max(segs - 1, 0)).all())
-        and length <= rans.MAX_STREAM_SYMBOLS
-    )
+    return bool((sizes >= rans.HEADER_BYTES + 4 * segs + 128 * max(segs - 1, 0)).all())
 
 
 _local = threading.local()
