@@ -125,10 +125,10 @@ fi
 if has ttftspy; then
   # where the host's time goes in the PCA level's loads: py-spy (carry its wheel in .whl) samples the threads
   # holding the GIL while the trained-spectrum bench loads disk+pca_default and redis+pca_default (raw stacks;
-  # tally with scripts/spy_tally.py)
+  # tally with scripts/spy_tally.py; 100 Hz: at 250 py-spy fell 1-2 s behind and the Redis reads timed out, RESULTS §4.1v)
   spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
   if [ -x "$spy" ]; then
-    timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" "$spy" record --gil --threads -r 250 -f raw -o "$OUT/spy_gil.txt" -- \
+    timeout "${LMTIER_TTFTPCA_TIMEOUT:-560}" "$spy" record --gil --threads -r 100 -f raw -o "$OUT/spy_gil.txt" -- \
       $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels pca_default --kv-spectrum trained \
       --no-mooncake --iters 3 --warmup 1 --codec-pca-fit-tokens 4096 --json "$OUT/ttft_spy.json" \
       > "$OUT/bench_ttft_spy.log" 2>&1
