@@ -116,15 +116,16 @@ def test_cuda_decodes_without_run_luts_are_the_same(level, monkeypatch):
     m = _models()["quiet"]
     handed = []
 
-    def spy(real):
+    def spy(real, device_arg=None):  # records the CUDA calls' lookups (the host decodes of _same pass none)
         def call(*a, **k):
-            handed.append(k.get("run_luts"))
+            if device_arg is None or torch.device(a[device_arg]).type == "cuda":
+                handed.append(k.get("run_luts"))
             return real(*a, **k)
 
         return call
 
     monkeypatch.setattr(native_decode, "queue", spy(native_decode.queue))
-    monkeypatch.setattr(streams, "queue_spans", spy(streams.queue_spans))
+    monkeypatch.setattr(streams, "queue_spans", spy(streams.queue_spans, device_arg=5))
     monkeypatch.setitem(pca.codec._RUN_LUTS, "enabled", False)
     for kv, s in int8_path_cases():
         _same(m, level, kv, s)
