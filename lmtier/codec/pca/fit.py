@@ -119,15 +119,18 @@ def fit(
     inv_freq = None if inv_freq is None else np.ascontiguousarray(inv_freq, np.float64)
     if inv_freq is not None and (d % 2 or inv_freq.shape != (d // 2,)):
         raise ValueError(f"inv_freq must be float64 [{d // 2}] and the head size even, got {inv_freq.shape}, D={d}")
-    eye = torch.eye(n, dtype=torch.float64).expand(r, 2, n, n)
-    s, s_inv = (eye, eye) if metric is None else (_block_diag(m, g) for m in _sqrt_metric(metric))
+    # the metric's square root and its inverse (None without a metric: the identity, never multiplied,
+    # which leaves every product as it was and saves two N x N products per calibration token)
+    s, s_inv = (None, None) if metric is None else (_block_diag(m, g) for m in _sqrt_metric(metric))
     xs = [tf.raw_vectors(kv, int(st), inv_freq, g) for kv, st in zip(kvs, starts)]
     count = sum(x.shape[2] for x in xs)
     mu_raw = sum(x.sum(2) for x in xs) / count  # [R, 2, N]
     peak = torch.stack([x.abs().amax((2, 3)) for x in xs]).amax(0)
     cov = torch.zeros(r, 2, n, n, dtype=torch.float64)
     for x in xs:
-        y = (x - mu_raw[:, :, None]) @ s
+        y = x - mu_raw[:, :, None]
+        if s is not None:
+            y = y @ s
         cov += y.transpose(2, 3) @ y
     del xs, y
     var, u = torch.linalg.eigh(cov / count)
@@ -139,8 +142,8 @@ def fit(
             f"calibration KV of layers {r0 * g}-{r0 * g + g - 1} ({'KV'[p0]}) does not vary: no step can be "
             "fitted to it (calibrate on real KV)"
         )
-    e_int, se = _int_columns(s @ u)  # raw -> coefficients
-    d_int, sd = _int_columns(u.transpose(2, 3) @ s_inv)  # coefficients -> raw
+    e_int, se = _int_columns(u if s is None else s @ u)  # raw -> coefficients
+    d_int, sd = _int_columns(u.transpose(2, 3) if s_inv is None else u.transpose(2, 3) @ s_inv)  # coefficients -> raw
     sx = peak.clamp_min(1e-30) * x_headroom / tf.XMAX
     mu_int = torch.round(mu_raw / sx[:, :, None]).to(torch.int32)
     e_mu = torch.from_numpy(mu_int.numpy().astype(np.int64)[:, :, None, :] @ e_int.numpy().astype(np.int64))[:, :, 0]
