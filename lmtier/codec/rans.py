@@ -82,12 +82,16 @@ __all__ = [
     "decode_descriptors",
     "RUN_LUT_BYTES",
     "build_run_luts",
+    "check_run_luts",
+    "min_stream_bytes",
 ]
 
 _R = _C.rans
 PROB_BITS: int = _R.PROB_BITS
 PROB_SCALE: int = _R.PROB_SCALE
 LANES: int = _R.LANES
+LANES_LOG2: int = LANES.bit_length() - 1
+"""A stream header's ``lanes`` field: log2 of its interleaved states."""
 MIN_SEG_LOG2: int = _R.MIN_SEG_LOG2
 MAX_SEG_LOG2: int = _R.MAX_SEG_LOG2
 DEFAULT_SEG_LOG2: int = _R.DEFAULT_SEG_LOG2
@@ -272,6 +276,14 @@ def _segments(h: np.ndarray) -> np.ndarray:
     return -(-n // (np.int64(1) << h["seg_log2"].astype(np.int64).clip(0, 62)))
 
 
+def min_stream_bytes(segments: Any) -> Any:
+    """The fewest bytes a stream of ``segments`` segments occupies (int or int64 array): its header,
+    its segment-end table (4 bytes a segment) and, for every segment but the last, at least min(raw
+    size, 32 final lane states) = 128 bytes (rans.h). A header announcing more segments than its
+    bytes can hold is refused before a decoder allocates for it."""
+    return HEADER_BYTES + 4 * segments + 128 * np.maximum(segments - 1, 0)
+
+
 def _check_headers(h: np.ndarray, nbytes: np.ndarray | None) -> None:
     """Raise ValueError for the first of the :data:`HEADER` records ``h`` that is not a stream of this
     version, or (``nbytes``: each stream's bytes) whose count its bytes cannot hold (see
@@ -281,12 +293,12 @@ def _check_headers(h: np.ndarray, nbytes: np.ndarray | None) -> None:
         (h["magic"] != MAGIC)
         | (h["version"] != VERSION)
         | ((flags & ~np.uint8(1)) != 0)
-        | (h["lanes"] != 5)
+        | (h["lanes"] != LANES_LOG2)
         | (((flags & 1) != 0) & (h["run_words"] != 0))
     )
     bad_seg = (h["seg_log2"] < MIN_SEG_LOG2) | (h["seg_log2"] > MAX_SEG_LOG2)
     segs = _segments(h)
-    need = HEADER_BYTES + 4 * segs + 128 * np.maximum(segs - 1, 0)
+    need = min_stream_bytes(segs)
     bad_count = np.zeros(len(h), bool) if nbytes is None else (h["num_symbols"] > MAX_STREAM_SYMBOLS) | (need > nbytes)
     bad = np.flatnonzero(bad_kind | bad_seg | bad_count)
     if bad.size == 0:
@@ -668,6 +680,13 @@ def build_run_luts(tables: Any, stream: Any = None) -> Any:
         luts = torch.empty(tables.shape[0], RUN_LUT_BYTES, dtype=torch.uint8, device=tables.device)
         _R.build_run_luts(tables.data_ptr(), tables.shape[0], luts.data_ptr(), stream_handle(stream, tables.device))
     return luts
+
+
+def check_run_luts(run_luts: Any, num_tables: int) -> None:
+    """Raise ValueError unless ``run_luts`` is None or shaped as :func:`build_run_luts` makes the decode
+    lookups of ``num_tables`` tables: ``[num_tables, RUN_LUT_BYTES]``."""
+    if run_luts is not None and tuple(run_luts.shape) != (num_tables, RUN_LUT_BYTES):
+        raise ValueError(f"run_luts {tuple(run_luts.shape)} for {num_tables} tables")
 
 
 def decode_descriptors(

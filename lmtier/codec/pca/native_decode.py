@@ -215,8 +215,10 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     s, t32 = 2 * r, streams.run_length(t)
     length = n * t32
     streams.check_spans(payload, offs[:s], lens[:s], length, n)
-    if run_luts is not None and tuple(run_luts.shape) != (tables.shape[0], rans.RUN_LUT_BYTES):
-        raise NativeRefused(f"run_luts {tuple(run_luts.shape)} for {tables.shape[0]} tables")
+    try:
+        rans.check_run_luts(run_luts, tables.shape[0])
+    except ValueError as e:  # the caller's lookups, not the record: refused as the native call's
+        raise NativeRefused(str(e)) from None
     dec = imatmul.prepared(m, dev)[1]
     if not dec.n8 == dec.p8 == -(-n // 8) * 8:  # the native call's rule: d_int is N x N
         raise NativeRefused(f"decode matrix of N8 {dec.n8}, P8 {dec.p8} for N = {n}")

@@ -275,8 +275,7 @@ def _queue(
     if tables.shape[0] % s_count:
         raise ValueError(f"{tables.shape[0]} tables for {s_count} streams")
     n = tables.shape[0] // s_count
-    if run_luts is not None and tuple(run_luts.shape) != (tables.shape[0], rans.RUN_LUT_BYTES):
-        raise ValueError(f"run_luts {tuple(run_luts.shape)} for {tables.shape[0]} tables")
+    rans.check_run_luts(run_luts, tables.shape[0])
     host = np.frombuffer(region, np.uint8)
     check_spans(host, starts, sizes, length, n)  # before anything is allocated
     lo, hi = int(starts.min()), int((starts + sizes).max())
@@ -373,13 +372,17 @@ def _headers_as_laid_out(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray
     if not rans.MIN_SEG_LOG2 <= seg_log2 <= rans.MAX_SEG_LOG2:
         return False
     want = np.zeros(s, rans.HEADER)
-    want["magic"], want["version"], want["seg_log2"], want["lanes"] = rans.MAGIC, rans.VERSION, seg_log2, 5
+    want["magic"], want["version"], want["seg_log2"], want["lanes"] = (
+        rans.MAGIC,
+        rans.VERSION,
+        seg_log2,
+        rans.LANES_LOG2,
+    )
     want["table_id"] = table_base(np.arange(s), n)
     want["run_words"], want["num_symbols"] = length // n // 32, length
     if not np.array_equal(raw, want.view(np.uint8).reshape(s, rans.HEADER_BYTES)):
         return False
-    segs = -(-length // (1 << seg_log2))
-    return bool((sizes >= rans.HEADER_BYTES + 4 * segs + 128 * max(segs - 1, 0)).all())
+    return bool((sizes >= rans.min_stream_bytes(-(-length // (1 << seg_log2)))).all())
 
 
 _local = threading.local()
