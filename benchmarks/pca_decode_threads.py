@@ -6,6 +6,11 @@ while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca benc
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
+        [--profile PASSES]
+
+``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
+time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
+per record of each kernel name: whether the threads' rate is bound by the device or by the host.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--level", default="pca_default")
+    ap.add_argument("--profile", type=int, default=0, metavar="PASSES")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     geom = (32, 8, 128, 1)
@@ -47,8 +53,51 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     print(f"{a.level}: {n} passes of {a.chunks} records with {a.threads} threads: {n * gb / dt:.1f} GB/s of bf16 KV")
+    if a.profile:
+        profile(lambda: list(pool.map(lambda r: bench.decode_one(r, m, dev), recs)), a.profile, a.chunks, gb)
     pool.shutdown()
     return 0
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of ``(start, end)`` intervals (µs)."""
+    total, end = 0.0, float("-inf")
+    for s0, s1 in sorted(intervals):
+        if s1 <= end:
+            continue
+        total += s1 - max(s0, end)
+        end = s1
+    return total
+
+
+def profile(run_pass, passes: int, records: int, gb: float) -> None:
+    """Print the GPU's busy share of ``passes`` calls of ``run_pass`` (each decoding ``records`` records,
+    ``gb`` GB of KV) and each kernel name's device µs per record, from ``torch.profiler``'s CUDA events."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            run_pass()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e6
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    iv = [(e.time_range.start, e.time_range.end) for e in events]
+    busy = busy_us(iv)
+    span = (max(e for _, e in iv) - min(s for s, _ in iv)) if iv else 0.0
+    n = passes * records
+    rate = passes * gb / wall * 1e6
+    print(
+        f"profile: {passes} passes, {n} records, wall {wall / n:.0f} µs a record ({rate:.1f} GB/s "
+        f"under the profiler); GPU busy {busy / n:.0f} µs a record = {100 * busy / max(span, 1):.0f} % of the span "
+        f"of its events ({span / n:.0f} µs a record)"
+    )
+    per: dict[str, list[float]] = {}
+    for e in events:
+        per.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
+    for name, ds in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        print(f"  {sum(ds) / n:8.1f} µs a record  {len(ds) / n:5.1f} a record  {name}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
-# (benchmarks/pca_decode_threads.py); "ttftbatch1": the Mooncake tiers at 7,500 tokens with
+# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
 # with unsealed, MACed and encrypted records in one run, and lmtier bench seal); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
@@ -149,6 +149,13 @@ if has decspy; then
   else
     echo "decspy: no py-spy (carry its wheel in .whl)"
   fi
+fi
+if has decprof; then
+  # is the threads' decode rate bound by the device or the host? (torch.profiler's CUDA events)
+  for th in 1 4; do
+    timeout 150 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 6 --profile 4 > "$OUT/decprof_$th.log" 2>&1
+    echo "decprof threads=$th rc=$?"; grep -v "^\s*$" "$OUT/decprof_$th.log" | tail -15
+  done
 fi
 if has ttftbatch1; then
   timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-redis \
