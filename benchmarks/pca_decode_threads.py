@@ -1,12 +1,14 @@
 """The PCA level's CUDA decode as a tier's I/O threads run it, in a loop (issue 19): ``--threads``
 threads each decode one record at a time on its own stream (``lmtier.bench.codec_pca.decode_one``:
-``decode_queued(...).result()``), over and over for ``--seconds``; prints GB/s of bf16 KV. Made to run
+``decode_queued(...).result()``), over and over for ``--seconds``; prints GB/s of bf16 KV. ``--op
+encode``: the same for ``pca.encode`` of the chunks, each thread on its own stream, as a tier's store
+threads encode. Made to run
 under ``py-spy record --gil`` (scripts/gpu_run.sh's ``decspy`` step): which Python code holds the GIL
 while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca bench's synthetic model
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES]
+        [--profile PASSES] [--op decode|encode]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--level", default="pca_default")
     ap.add_argument("--profile", type=int, default=0, metavar="PASSES")
+    ap.add_argument("--op", choices=("decode", "encode"), default="decode")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     geom = (32, 8, 128, 1)
@@ -43,20 +47,41 @@ def main(argv=None) -> int:
     chunks = [bench.synthetic_kv(geom, 256, 256 * i, 100 + i).to(dev) for i in range(a.chunks)]
     recs = [pca.encode(c, start=256 * i, model=m, level=a.level) for i, c in enumerate(chunks)]
     gb = sum(c.numel() * c.element_size() for c in chunks) / 1e9
-    pool = ThreadPoolExecutor(a.threads, thread_name_prefix="decode")
-    list(pool.map(lambda r: bench.decode_one(r, m, dev), recs))  # warm-up: lookups, handles, streams
+    pool = ThreadPoolExecutor(a.threads, thread_name_prefix=a.op)
+    if a.op == "decode":
+        one_pass = lambda: list(pool.map(lambda r: bench.decode_one(r, m, dev), recs))  # noqa: E731
+    else:
+        one_pass = lambda: list(pool.map(lambda i: encode_one(chunks[i], 256 * i, m, a.level), range(a.chunks)))  # noqa: E731
+        assert one_pass() == recs, "the encode gave other bytes"
+    one_pass()  # warm-up: lookups, handles, streams
     torch.cuda.synchronize()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < a.seconds:
-        list(pool.map(lambda r: bench.decode_one(r, m, dev), recs))
+        one_pass()
         n += 1
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    print(f"{a.level}: {n} passes of {a.chunks} records with {a.threads} threads: {n * gb / dt:.1f} GB/s of bf16 KV")
+    print(
+        f"{a.level} {a.op}: {n} passes of {a.chunks} chunks with {a.threads} threads: {n * gb / dt:.1f} GB/s of bf16 KV"
+    )
     if a.profile:
-        profile(lambda: list(pool.map(lambda r: bench.decode_one(r, m, dev), recs)), a.profile, a.chunks, gb)
+        profile(one_pass, a.profile, a.chunks, gb)
     pool.shutdown()
     return 0
+
+
+_local = threading.local()
+
+
+def encode_one(chunk: torch.Tensor, start: int, m: pca.PCAModel, level: str) -> bytes:
+    """``pca.encode`` of ``chunk`` on this thread's own stream (made on first use), as a tier's store
+    thread encodes."""
+    s = _local.__dict__.get("stream")
+    if s is None:
+        s = _local.stream = torch.cuda.Stream(device=chunk.device)
+    s.wait_stream(torch.cuda.current_stream(chunk.device))
+    with torch.cuda.stream(s):
+        return pca.encode(chunk, start=start, model=m, level=level)
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:

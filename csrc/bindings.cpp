@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "lmtier/common.h"
@@ -468,6 +469,28 @@ PYBIND11_MODULE(_C, m) {
         return py::buffer_info(h.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(h.nbytes())}, {1});
       });
+
+  m.def(
+      "bytes_of",
+      [](py::buffer b) {
+        const py::buffer_info info = b.request();
+        LMTIER_CHECK_ARG(info.ndim == 1 && info.strides[0] == info.itemsize,
+                         "bytes_of: a 1-D contiguous buffer is needed, got ", info.ndim,
+                         " dimensions");
+        const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        PyObject* out = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+        if (out == nullptr) throw py::error_already_set();
+        char* dst = PyBytes_AS_STRING(out);  // nobody else holds the new object yet
+        {
+          py::gil_scoped_release nogil;
+          if (n) std::memcpy(dst, info.ptr, n);
+        }
+        return py::reinterpret_steal<py::bytes>(out);
+      },
+      py::arg("buffer"),
+      "bytes holding a copy of a 1-D contiguous host buffer (NumPy array, memoryview), copied with "
+      "the GIL released: a record's last copy (lmtier.codec.format), whose page faults in the new "
+      "object's memory cost more than the copy. Raises ValueError for another buffer shape.");
 
   m.def("paged_copy", &paged_copy, py::call_guard<py::gil_scoped_release>(), py::arg("direction"),
         py::arg("on_cuda"), py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("num_planes"),

@@ -252,6 +252,29 @@ def test_stream_helpers_split_the_streams_over_calls_when_their_tables_exceed_th
         streams.streams_per_call(rans.ADAPTIVE_TABLE + 1)
 
 
+def test_stream_runs_are_the_streams_and_cost_no_torch_call_per_stream():
+    """`streams.encode_runs`: one run per coder call holding its streams back to back (what
+    format.pack_runs copies at once), equal to `streams.encode`'s streams, with a number of torch
+    operations that grows with the coder calls, not with the streams (it cut a tensor per stream:
+    each torch call of a store thread hands the GIL over)."""
+    from tests.test_codec_spans import _CountOps
+
+    g = torch.Generator().manual_seed(2)
+    counts = {}
+    for n, s_count in ((64, 2), (64, 16), (22_000, 3), (22_000, 4)):  # 1, 1, 2 and 2 coder calls
+        tables = np.full((s_count * n, 256), 15, np.uint16)
+        tables[np.arange(s_count * n), np.arange(s_count * n) % 256] += 256
+        sym = torch.randint(0, 256, (s_count, n * 32), generator=g, dtype=torch.uint8)
+        with _CountOps() as mode:
+            runs = streams.encode_runs(sym, torch.from_numpy(tables), 32)
+        counts[s_count] = len(mode.ops)
+        assert [len(off) - 1 for _, off in runs] == [len(c) for c in streams.batches(s_count, n)]
+        flat = [bytes(d[a:b]) for d, off in runs for a, b in zip(off, off[1:])]
+        assert flat == [bytes(x) for x in streams.encode(sym, tables, 32)]
+        assert all(off[0] == 0 and off[-1] == d.size for d, off in runs)
+    assert counts[16] == counts[2] and counts[4] == counts[3], counts
+
+
 def test_host_gemms_without_float64_copies_give_the_same_records(monkeypatch):
     """A model too large for cached float64 copies (as an 8B model's) widens each matrix when used:
     the same records and decodes."""

@@ -1,5 +1,5 @@
 """Streams as byte ranges (lmtier.codec.spans.Spans) and the one-copy record packing
-(lmtier.codec.format.pack_back_to_back): the same bytes as the per-stream forms, clear errors, and
+(lmtier.codec.format.pack_back_to_back / pack_runs): the same bytes as the per-stream forms, clear errors, and
 fewer GIL hand-offs on the encode path."""
 
 from __future__ import annotations
@@ -94,6 +94,49 @@ def test_pack_back_to_back_equals_pack(lengths):
     rec = fmt.unpack(np.frombuffer(got, np.uint8))
     for i, (a, b) in enumerate(zip(off[:-1], off[1:])):
         assert bytes(rec.section(i // 2, i % 2)) == data[a:b].tobytes()
+
+
+def test_pack_runs_equals_pack_for_runs_of_every_kind():
+    """Runs laid out as in the record (copied at once), runs with an unaligned inner section (copied
+    one by one), one-section runs, runs of empty sections and a bytes-like run: pack's bytes."""
+    info = fmt.RecordInfo(3, 3, 2, 16, 1, 32, dtype=fmt.DType.BFLOAT16, sections_per_layer=3, table_id=fmt.NO_TABLE)
+    a = RNG.integers(0, 255, 64, dtype=np.uint8)
+    b = RNG.integers(0, 255, 40, dtype=np.uint8)
+    runs = [
+        (a, [3, 11, 23, 30]),  # lengths 8, 12, 7: aligned but the last
+        (b, [0, 5, 9]),  # an unaligned inner section (5)
+        (bytes(range(6)), [0, 6]),
+        (a[:0], [0, 0, 0]),  # two empty sections
+        (b, [1, 1]),
+    ]
+    sections = [np.asarray(d if isinstance(d, np.ndarray) else np.frombuffer(d, np.uint8))[x:y]
+                for d, off in runs for x, y in zip(off, off[1:])]  # fmt: skip
+    assert len(sections) == 9
+    want = fmt.pack(info, sections, b"m")
+    got = fmt.pack_runs(info, runs, b"m")
+    assert type(got) is bytes and got == want
+    rec = fmt.unpack(np.frombuffer(got, np.uint8))
+    assert bytes(rec.section(0, 2)) == a[23:30].tobytes() and bytes(rec.section(1, 0)) == b[:5].tobytes()
+    with pytest.raises(ValueError, match="pack_runs: bad offsets"):
+        fmt.pack_runs(info, [(a, [0, 70])], b"")
+    with pytest.raises(ValueError, match="pack_runs: data must be uint8"):
+        fmt.pack_runs(info, [(np.zeros(4, np.int32), [0, 4])], b"")
+    with pytest.raises(ValueError, match="sections"):
+        fmt.pack_runs(info, runs[:2], b"")
+
+
+def test_bytes_of_copies_contiguous_buffers_only():
+    """The record's last copy (made without the GIL) gives bytes equal to ``tobytes`` and refuses
+    buffers it cannot copy in one piece."""
+    from lmtier import _C
+
+    a = RNG.integers(0, 255, 1 << 20, dtype=np.uint8)
+    got = _C.bytes_of(a)
+    assert type(got) is bytes and got == a.tobytes()
+    assert _C.bytes_of(memoryview(b"xyz")) == b"xyz" and _C.bytes_of(a[:0]) == b""
+    for bad in (a[::2], a[:16].reshape(4, 4)):
+        with pytest.raises(ValueError, match="1-D contiguous buffer"):
+            _C.bytes_of(bad)
 
 
 def test_pack_back_to_back_bad_offsets():

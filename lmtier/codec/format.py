@@ -59,6 +59,7 @@ __all__ = [
     "pack",
     "pack_into",
     "pack_back_to_back",
+    "pack_runs",
     "unpack",
     "verify",
 ]
@@ -167,7 +168,7 @@ def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: by
     """``pack(info, [data[offsets[i]:offsets[i + 1]] for i in range(N)], meta)`` — the same bytes —
     with one copy of the payload when every section but the last has a length that is a multiple of
     4 (a :func:`lmtier.codec.rans.encode` batch: its streams lie back to back at 4-byte aligned
-    offsets, the record's layout), else section by section.
+    offsets, the record's layout), else section by section: :func:`pack_runs` of one run.
 
     Args:
         info: the record header.
@@ -179,24 +180,70 @@ def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: by
         ValueError: ``data`` not uint8, offsets not non-decreasing or past ``data``, a section count
             the geometry does not have.
     """
+    return pack_runs(info, [(data, offsets)], meta, what="pack_back_to_back")
+
+
+def _run(data: Any, offsets: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A checked run of :func:`pack_runs`: (uint8 ``data``, int64 ``offsets``)."""
     off = np.asarray(offsets, np.int64).reshape(-1)
-    data = np.asarray(data).reshape(-1)
+    data = np.frombuffer(memoryview(data).cast("B"), np.uint8) if not isinstance(data, np.ndarray) else data
+    data = data.reshape(-1)
     if data.dtype != np.uint8:
-        raise ValueError(f"pack_back_to_back: data must be uint8, got {data.dtype}")
-    lengths = np.diff(off)
-    if off.size < 1 or (lengths < 0).any() or off[0] < 0 or off[-1] > data.size:
-        raise ValueError(f"pack_back_to_back: bad offsets {off.tolist()[:8]} for {data.size} bytes")
-    if (lengths[:-1] % 4).any():
-        return pack(info, [data[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())], meta)
+        raise ValueError(f"{what}: data must be uint8, got {data.dtype}")
+    if off.size < 1 or (np.diff(off) < 0).any() or off[0] < 0 or off[-1] > data.size:
+        raise ValueError(f"{what}: bad offsets {off.tolist()[:8]} for {data.size} bytes")
+    return data, off
+
+
+def pack_runs(
+    info: RecordInfo, runs: Sequence[tuple[Any, Any]], meta: bytes = b"", *, what: str = "pack_runs"
+) -> bytes:
+    """:func:`pack` of sections given as runs of back-to-back sections — the same bytes. Run ``k`` is
+    ``(data, offsets)``: its ``len(offsets) - 1`` sections are ``data[offsets[i]:offsets[i + 1]]``; the
+    record's sections are the runs' in order. A run whose sections but the last have lengths that are
+    multiples of 4 lies in ``data`` as in the record and is copied at once (a coder call's streams);
+    other runs section by section. The record's bytes are copied into the returned ``bytes`` with the
+    GIL released (the new object's page faults included: ``lmtier._C.bytes_of``).
+
+    Args:
+        info: the record header.
+        runs: ``(data, offsets)`` pairs: ``data`` a 1-D uint8 host array (or bytes-like), ``offsets``
+            ``[n + 1]`` non-decreasing ints within it (``[0, 0]``: none; ``[0] * (n + 1)``: ``n`` empty
+            sections).
+        meta: the record's metadata bytes.
+
+    Raises:
+        ValueError: ``data`` not uint8, offsets not non-decreasing or past ``data``, a section count
+            the geometry does not have.
+    """
+    checked = [_run(d, o, what) for d, o in runs]
     meta_v = _as_bytes_view(meta)
-    idx, start, payload = _layout(info, lengths.tolist(), meta_v.nbytes)
+    lengths = np.concatenate([np.diff(o) for _, o in checked]) if checked else np.zeros(0, np.int64)
+    idx, start, payload = _layout(info, lengths, meta_v.nbytes)
     out = _scratch(start + payload)
     _write_index(out, idx, meta_v, start)
-    used = int(off[-1] - off[0])
-    out[start : start + used] = data[int(off[0]) : int(off[-1])]
-    out[start + used :] = 0  # the last section's pad
+    rec_off, first = idx["offset"], 0
+    for data, off in checked:
+        n = off.size - 1
+        if n and not (np.diff(off)[:-1] % 4).any():  # laid out as in the record: one copy
+            at, used = start + int(rec_off[first]), int(off[-1] - off[0])
+            out[at : at + used] = data[int(off[0]) : int(off[-1])]
+            out[at + used : start + _r4(int(rec_off[first]) + used)] = 0
+        else:
+            for i, (a, b) in enumerate(zip(off[:-1].tolist(), off[1:].tolist())):
+                at = start + int(rec_off[first + i])
+                out[at : at + b - a] = data[a:b]
+                out[at + b - a : start + _r4(int(rec_off[first + i]) + b - a)] = 0
+        first += n
     _seal(out, info, meta_v.nbytes, start, payload)
-    return out.tobytes()
+    return _bytes_of(out)
+
+
+def _bytes_of(out: np.ndarray) -> bytes:
+    """``out.tobytes()``, copied with the GIL released (``lmtier._C.bytes_of``)."""
+    from lmtier import _C
+
+    return _C.bytes_of(out)
 
 
 def _out_array(buf: Any, total: int) -> np.ndarray:
@@ -270,7 +317,7 @@ def pack(info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> bytes:
     views = [_as_bytes_view(s) for s in sections]
     out = _scratch(record_size(info, [v.nbytes for v in views], _as_bytes_view(meta).nbytes))
     pack_into(out, info, views, meta)
-    return out.tobytes()
+    return _bytes_of(out)
 
 
 @dataclass(frozen=True)

@@ -247,16 +247,17 @@ def encode(
     t, t32 = x.shape[2], streams.run_length(x.shape[2])
     arrays = _level_arrays(model, lv.name, str(dev))
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
-    sections = streams.encode(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
+    runs = streams.encode_runs(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
     escapes, exact, raw = _host(escapes_t.to(torch.int16), exact_t, x[:, :, exact_t].contiguous().view(torch.uint8))
     escapes = escapes.astype("<i2")
-    sections += [escapes, np.packbits(exact, bitorder="little"), raw]
     S = sections_per_layer(model)
-    sections += [b""] * (nl * S - len(sections))
+    for sec in (escapes.view(np.uint8), np.packbits(exact, bitorder="little"), raw.reshape(-1)):
+        runs.append((sec, [0, sec.size]))
+    runs.append((sec[:0], [0] * (nl * S - 2 * model.rows - 3 + 1)))  # the empty sections after the last
     info = fmt.RecordInfo(
         lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id
     )
-    return fmt.pack(info, sections, _META.pack(int(start), int(exact.sum()), len(escapes), model.digest))
+    return fmt.pack_runs(info, runs, _META.pack(int(start), int(exact.sum()), len(escapes), model.digest))
 
 
 def max_record_bytes(model: PCAModel, tokens: int) -> int:

@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from lmtier.codec import rans
+from lmtier.codec.spans import Spans
 
 __all__ = [
     "encode",
+    "encode_runs",
     "decode",
     "queue_spans",
     "QueuedStreams",
@@ -84,7 +86,7 @@ def _tables(tables: torch.Tensor | np.ndarray, dev: torch.device) -> torch.Tenso
 def encode(
     sym: torch.Tensor, tables: torch.Tensor | np.ndarray, run_len: int, num_threads: int = 0
 ) -> list[np.ndarray]:
-    """Encoded bytes (host uint8 arrays) of each row of ``sym``.
+    """Encoded bytes (host uint8 arrays) of each row of ``sym``: :func:`encode_runs`' streams one by one.
 
     Args:
         sym: uint8 ``[S, N * run_len]`` on the host or a CUDA device, row ``i`` coded with ``tables[i *
@@ -95,11 +97,23 @@ def encode(
     Raises:
         ValueError: a coder status other than ok (bad tables), or ``tables`` not ``S`` streams' worth.
     """
+    return [data[a:b] for data, off in encode_runs(sym, tables, run_len, num_threads) for a, b in zip(off, off[1:])]
+
+
+def encode_runs(
+    sym: torch.Tensor, tables: torch.Tensor | np.ndarray, run_len: int, num_threads: int = 0
+) -> list[tuple[np.ndarray, list[int]]]:
+    """The streams of :func:`encode` as one run per coder call (:func:`batches`), what
+    :func:`lmtier.codec.format.pack_runs` copies at once: ``(data, offsets)`` with stream ``i`` of the
+    call at ``data[offsets[i]:offsets[i + 1]]`` (host uint8; the calls' data are views of one buffer).
+    Arguments and errors as :func:`encode`."""
     with _on(sym.device):
         return _encode(sym, _tables(tables, sym.device), run_len, num_threads)
 
 
-def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: int) -> list[np.ndarray]:
+def _encode(
+    sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: int
+) -> list[tuple[np.ndarray, list[int]]]:
     s_count, length = sym.shape
     if s_count == 0:
         return []
@@ -110,8 +124,11 @@ def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: 
     b = len(calls[0])
     bound = -(-rans.max_batch_encoded_bytes(b, b * length) // _ROW_ALIGN) * _ROW_ALIGN
     out = torch.empty(len(calls), bound, dtype=torch.uint8, device=dev)
-    offsets = torch.empty(len(calls), b + 1, dtype=torch.int64, device=dev)
-    status = torch.zeros(s_count, dtype=torch.int32, device=dev)
+    # the checks read back at once: per call its offsets [B + 1], then the streams' status (int32 pairs)
+    checks = torch.zeros(len(calls) * (b + 1) + -(-s_count // 2), dtype=torch.int64, device=dev)
+    offsets = checks[: len(calls) * (b + 1)].view(len(calls), b + 1)
+    status = checks[len(calls) * (b + 1) :].view(torch.int32)[:s_count]
+    rows = sym.contiguous().view(-1)  # each stream a byte range of one buffer: no tensor per stream
     # one scratch per call, all alive until the calls joined: the calls run at the same time, as the
     # decode's (a call's time is its longest segment's, so the lone last call would double the encode)
     if dev.type == "cuda":
@@ -124,7 +141,8 @@ def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: 
         # the current stream, which then holds none of the other calls
         for k, (c, sc, stream) in enumerate(zip(calls, scratch, streams_of[1:] + streams_of[:1], strict=True)):
             rans.encode_into(
-                [sym[i] for i in c],
+                Spans((rows,), np.zeros(len(c), np.int64), np.arange(c.start, c.stop) * length,
+                      np.full(len(c), length)),
                 [table_base(i, n) for i in c],
                 tables[c.start * n : c.stop * n],
                 out=out[k],
@@ -134,9 +152,10 @@ def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: 
                 run_lens=run_len,
                 num_threads=num_threads,
                 stream=stream,
-            )
-    rans._raise_status(status.cpu().numpy(), "encode")
-    offs = offsets.cpu().numpy()
+            )  # fmt: skip
+    got = _host_copy(checks)
+    rans._raise_status(got[len(calls) * (b + 1) :].view(np.int32)[:s_count], "encode")
+    offs = got[: len(calls) * (b + 1)].reshape(len(calls), b + 1)
     used = [int(offs[k, len(c)]) for k, c in enumerate(calls)]
     firsts = np.cumsum([0] + used[:-1])
     if dev.type == "cuda":  # into page-locked memory (torch's caching host allocator): DMA, not staged copies
@@ -147,8 +166,18 @@ def _encode(sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: 
         flat = host.numpy()
     else:
         flat = torch.cat([out[k, :u] for k, u in enumerate(used)]).numpy()
-    spans = [(f + offs[k, j], f + offs[k, j + 1]) for k, (c, f) in enumerate(zip(calls, firsts)) for j in range(len(c))]
-    return [flat[a:b] for a, b in spans]
+    return [(flat[f : f + u], offs[k, : len(c) + 1].tolist()) for k, (c, f, u) in enumerate(zip(calls, firsts, used))]
+
+
+def _host_copy(x: torch.Tensor) -> np.ndarray:
+    """A host NumPy copy of ``x`` (CUDA: through page-locked memory, one synchronization of the current
+    stream)."""
+    if not x.is_cuda:
+        return x.numpy()
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    torch.cuda.current_stream(x.device).synchronize()
+    return host.numpy()
 
 
 def decode(
