@@ -10,7 +10,9 @@
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
-# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
+# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "hostab": an A/B of the host's
+# PCA encode (--op encode, 1 and 2 threads) between this tree and the Python package in .whl/ab_old (copied
+# there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`), with this build; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
 # with unsealed, MACed and encrypted records in one run, and lmtier bench seal); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
@@ -156,6 +158,22 @@ if has decprof; then
     timeout 150 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 6 --profile 4 > "$OUT/decprof_$th.log" 2>&1
     echo "decprof threads=$th rc=$?"; grep -v "^\s*$" "$OUT/decprof_$th.log" | tail -15
   done
+fi
+if has hostab; then
+  if [ -d .whl/ab_old/lmtier ]; then
+    cp lmtier/_C*.so .whl/ab_old/lmtier/
+    for round in 1 2; do
+      for side in old new; do
+        for th in 1 2; do
+          pp=$PYTHONPATH; [ $side = old ] && pp=$PWD/.whl/ab_old:$PYTHONPATH
+          line=$(PYTHONPATH=$pp timeout 100 $PY benchmarks/pca_decode_threads.py --op encode --threads $th --seconds 5 2>&1 | tail -1)
+          echo "hostab round $round $side threads=$th: $line" | tee -a "$OUT/hostab.log"
+        done
+      done
+    done
+  else
+    echo "hostab: no .whl/ab_old/lmtier"
+  fi
 fi
 if has ttftbatch1; then
   timeout 170 $PY -m lmtier.bench.ttft --device cuda --lengths 7500 --codec-levels default --no-disk --no-redis \
