@@ -8,11 +8,14 @@ while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca benc
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES] [--op decode|encode]
+        [--profile PASSES] [--breakdown PASSES] [--op decode|encode]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
 per record of each kernel name: whether the threads' rate is bound by the device or by the host.
+``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
+parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
+``result``): which step grows when threads are added.
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--level", default="pca_default")
     ap.add_argument("--profile", type=int, default=0, metavar="PASSES")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="PASSES")
+    ap.add_argument("--switch-ms", type=float, default=0.0, help="sys.setswitchinterval (ms; 0: Python's 5 ms)")
     ap.add_argument("--op", choices=("decode", "encode"), default="decode")
     a = ap.parse_args(argv)
+    if a.switch_ms:
+        sys.setswitchinterval(a.switch_ms / 1000)
     dev = torch.device("cuda")
     geom = (32, 8, 128, 1)
     m = bench.model_for(geom, bench.MIN_CALIB_TOKENS)
@@ -66,6 +73,8 @@ def main(argv=None) -> int:
     )
     if a.profile:
         profile(one_pass, a.profile, a.chunks, gb)
+    if a.breakdown and a.op == "decode":
+        breakdown(one_pass, a.breakdown, a.chunks, gb)
     pool.shutdown()
     return 0
 
@@ -123,6 +132,51 @@ def profile(run_pass, passes: int, records: int, gb: float) -> None:
         per.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
     for name, ds in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]:
         print(f"  {sum(ds) / n:8.1f} µs a record  {len(ds) / n:5.1f} a record  {name}")
+
+
+def breakdown(run_pass, passes: int, records: int, gb: float) -> None:
+    """Print the mean µs a record of each decode step over ``passes`` calls of ``run_pass``, timed on
+    the threads that run them (module attributes wrapped for the duration)."""
+    from lmtier.codec.pca import codec, kernels, native_decode
+
+    c = kernels._native()
+    spent: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent.setdefault(name, []).append(time.perf_counter() - t0)
+
+        return wrapper
+
+    patches = [
+        (bench, "decode_one", "record"),
+        (codec, "_parse", "parse + checksum"),
+        (native_decode, "queue", "native queue"),
+        (c, "decode_record", "  of it decode_record"),
+        (codec.PendingChunk, "__init__", "PendingChunk"),
+        (codec.PendingChunk, "result", "result (wait)"),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    for obj, attr, name in patches:
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    try:
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            run_pass()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    n = passes * records
+    print(f"breakdown: {n} records, {passes * gb / wall:.1f} GB/s, wall {wall / n * 1e6:.0f} µs a record; per record:")
+    for _, _, name in patches:
+        ds = spent.get(name, [])
+        print(f"  {1e6 * sum(ds) / n:8.0f} µs  {name} ({len(ds)} calls)")
 
 
 if __name__ == "__main__":

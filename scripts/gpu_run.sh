@@ -10,7 +10,8 @@
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
-# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "hostab": an A/B of the host's
+# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
+# with a 0.5 ms GIL switch interval); "hostab": an A/B of the host's
 # PCA encode (--op encode, 1 and 2 threads) between this tree and the Python package in .whl/ab_old (copied
 # there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`), with this build; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
@@ -157,6 +158,12 @@ if has decprof; then
   for th in 1 4; do
     timeout 150 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 6 --profile 4 > "$OUT/decprof_$th.log" 2>&1
     echo "decprof threads=$th rc=$?"; grep -v "^\s*$" "$OUT/decprof_$th.log" | tail -15
+  done
+fi
+if has decbreak; then
+  for args in "--threads 1" "--threads 2" "--threads 4" "--threads 4 --switch-ms 0.5"; do
+    timeout 120 $PY benchmarks/pca_decode_threads.py $args --seconds 5 --breakdown 8 > "$OUT/decbreak.tmp" 2>&1
+    echo "decbreak $args rc=$?" | tee -a "$OUT/decbreak.log"; grep -v "^\s*$" "$OUT/decbreak.tmp" | grep -v -i warn | tail -9 | tee -a "$OUT/decbreak.log"
   done
 fi
 if has hostab; then
