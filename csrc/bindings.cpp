@@ -1,5 +1,6 @@
 // lmtier._C — the only file that knows pybind11. Tensors never cross this boundary: Python passes
 // addresses, sizes, strides and a stream handle (lmtier/ops.py builds them from torch tensors).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -375,18 +376,39 @@ void bind_pca(py::module_& m) {
       "p]; device addresses, k and p multiples of 4; a workspace of workspace_bytes allocated on "
       "`stream`) on `stream` of the current device, one cublasGemmStridedBatchedEx call. "
       "RuntimeError when cuBLAS is not found or refuses.");
+  py::class_<p::Stage>(pm, "DecodeStage", py::buffer_protocol(),
+                       "A record decode's page-locked staging block (decode_record's result); "
+                       "as a buffer: the device's checks, valid once its stream passed them")
+      .def_buffer([](p::Stage& st) -> py::buffer_info {
+        return py::buffer_info(const_cast<uint8_t*>(st.checks()), 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(st.checks_bytes())}, {1});
+      });
+  pm.def("stage_pool_stats", &p::stage_pool_stats,
+         "(blocks, bytes) of page-locked memory held by decode_record's staging pool (never "
+         "freed: as many blocks as records were decoded at once)");
+  using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
   pm.def(
       "decode_record",
       [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32,
-          A descs, int64_t num_streams, int64_t tables_per_stream, int64_t streams_per_call,
-          A tables, A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes, A sym,
-          A escapes, int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum,
-          A esc_count, A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu,
-          A cos_t, A sin_t, A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream) {
+          int64_t num_streams, int64_t tables_per_stream, int64_t streams_per_call, A tables,
+          A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A escapes,
+          int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count,
+          A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t,
+          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, py::buffer payload,
+          I64 offs, I64 lens, I64 exact_idx, A upload, uint64_t payload_at, uint64_t idx_at,
+          A checks, uint64_t checks_bytes) {
+        const py::buffer_info pb = payload.request();
+        LMTIER_CHECK_ARG(pb.ndim == 1 && pb.strides[0] == pb.itemsize && pb.itemsize == 1,
+                         "decode_record: payload must be a 1-D contiguous byte buffer");
+        LMTIER_CHECK_ARG(offs.ndim() == 1 && lens.ndim() == 1 && offs.size() == num_streams + 3 &&
+                             lens.size() == num_streams + 3 && exact_idx.ndim() == 1,
+                         "decode_record: ", offs.size(), " offsets and ", lens.size(),
+                         " lengths for ", num_streams, " streams (", num_streams + 3, " sections)");
         p::DecodeRecordArgs a{dtype,
                               geom(L, T, H, D, G),
                               t32,
-                              ptr(descs),
+                              nullptr,
                               num_streams,
                               tables_per_stream,
                               streams_per_call,
@@ -418,23 +440,38 @@ void bind_pca(py::module_& m) {
                               ptr(gemm_workspace),
                               gemm_workspace_bytes,
                               ptr(stream)};
-        p::decode_record(a);
+        const p::StageArgs sa{static_cast<const uint8_t*>(pb.ptr),
+                              static_cast<uint64_t>(pb.size),
+                              offs.data(),
+                              lens.data(),
+                              exact_idx.data(),
+                              static_cast<int32_t>(exact_idx.size()),
+                              static_cast<uint8_t*>(ptr(upload)),
+                              payload_at,
+                              idx_at,
+                              static_cast<const uint8_t*>(ptr(checks)),
+                              checks_bytes};
+        py::gil_scoped_release nogil;
+        return p::decode_record_staged(a, sa);
       },
-      py::call_guard<py::gil_scoped_release>(), py::arg("dtype"), py::arg("L"), py::arg("T"),
-      py::arg("H"), py::arg("D"), py::arg("G"), py::arg("t32"), py::arg("descs"),
-      py::arg("num_streams"), py::arg("tables_per_stream"), py::arg("streams_per_call"),
-      py::arg("tables"), py::arg("run_luts"), py::arg("counts"), py::arg("status"),
-      py::arg("scratch"), py::arg("scratch_bytes"), py::arg("sym"), py::arg("escapes"),
-      py::arg("num_escapes"), py::arg("esc_col"), py::arg("esc_hi"), py::arg("esc_scratch"),
-      py::arg("lo"), py::arg("rowsum"), py::arg("esc_count"), py::arg("esc_row"), py::arg("y"),
-      py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"), py::arg("f"), py::arg("mu"),
-      py::arg("cos_t"), py::arg("sin_t"), py::arg("out"), py::arg("gemm_workspace"),
-      py::arg("gemm_workspace_bytes"), py::arg("stream"),
-      "One record's decode queued on `stream` (lmtier::pca::"
-      "DecodeRecordArgs in lmtier/pca.h; device addresses): the rANS calls side by side, "
-      "decode_pre_symbols, its escapes, per batch of layer groups a batched GEMM and decode_post. "
-      "Nothing "
-      "waits; RuntimeError / ValueError as the steps raise.");
+      py::arg("dtype"), py::arg("L"), py::arg("T"), py::arg("H"), py::arg("D"), py::arg("G"),
+      py::arg("t32"), py::arg("num_streams"), py::arg("tables_per_stream"),
+      py::arg("streams_per_call"), py::arg("tables"), py::arg("run_luts"), py::arg("counts"),
+      py::arg("status"), py::arg("scratch"), py::arg("scratch_bytes"), py::arg("sym"),
+      py::arg("escapes"), py::arg("num_escapes"), py::arg("esc_col"), py::arg("esc_hi"),
+      py::arg("esc_scratch"), py::arg("lo"), py::arg("rowsum"), py::arg("esc_count"),
+      py::arg("esc_row"), py::arg("y"), py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"),
+      py::arg("f"), py::arg("mu"), py::arg("cos_t"), py::arg("sin_t"), py::arg("out"),
+      py::arg("gemm_workspace"), py::arg("gemm_workspace_bytes"), py::arg("stream"),
+      py::arg("payload"), py::arg("offs"), py::arg("lens"), py::arg("exact_idx"), py::arg("upload"),
+      py::arg("payload_at"), py::arg("idx_at"), py::arg("checks"), py::arg("checks_bytes"),
+      "One record's decode queued on `stream` with its host part (lmtier::pca::"
+      "decode_record_staged and DecodeRecordArgs in lmtier/pca.h; device addresses): the "
+      "descriptors, payload and exact tokens' index staged in page-locked memory and uploaded to "
+      "`upload`, the rANS calls side by side, decode_pre_symbols, its escapes, per batch of layer "
+      "groups a batched GEMM and decode_post, the exact tokens put in place, the checks copied "
+      "back. The GIL is released; nothing waits. Returns the DecodeStage holding the checks; "
+      "RuntimeError / ValueError as the steps raise.");
   pm.def(
       "escape_scratch_bytes",
       [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {

@@ -242,6 +242,18 @@ dim3 tiles(const PcaGeometry& g, int cols, int rows) {
   return dim3((cols + 31) / 32, (rows + 31) / 32, g.R() * 2);
 }
 
+// One CTA per (exact token e, layer and plane lp): H * D 16-bit values copied.
+__global__ void scatter_exact_kernel(PcaGeometry g, const int64_t* __restrict__ idx,
+                                     int32_t n_exact, const uint16_t* __restrict__ raw,
+                                     uint16_t* __restrict__ out) {
+  const int64_t e = blockIdx.x, lp = blockIdx.y, t = idx[e];
+  if (t < 0 || t >= g.T) return;
+  const int64_t hd = int64_t{g.H} * g.D;
+  const uint16_t* src = raw + (lp * n_exact + e) * hd;
+  uint16_t* dst = out + (lp * g.T + t) * hd;
+  for (int64_t i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = src[i];
+}
+
 }  // namespace
 
 void check_geometry(const PcaGeometry& g, bool rope) {
@@ -331,6 +343,16 @@ void decode_post(int32_t dtype, const PcaGeometry& g, const int32_t* y, const in
     decode_post_kernel<kFP16><<<blocks, kThreads, smem, as_stream(stream)>>>(
         g, y, rowsum, esc_row, esc_col, esc_hi, dcat, f, mu, cos_t, sin_t, dst);
   }
+  LMTIER_CUDA_CHECK_LAUNCH();
+}
+
+void scatter_exact_tokens(const PcaGeometry& g, const int64_t* idx, int32_t n_exact,
+                          const void* raw, void* out, void* stream) {
+  LMTIER_CHECK_ARG(n_exact >= 0 && n_exact <= g.T, "pca: ", n_exact, " exact tokens of T = ", g.T);
+  if (n_exact == 0) return;
+  const dim3 grid(static_cast<unsigned>(n_exact), static_cast<unsigned>(2 * g.L));
+  scatter_exact_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(
+      g, idx, n_exact, static_cast<const uint16_t*>(raw), static_cast<uint16_t*>(out));
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 

@@ -12,8 +12,10 @@
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
 # (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "hostab": an A/B of the host's
-# PCA encode (--op encode, 1 and 2 threads) between this tree and the Python package in .whl/ab_old (copied
-# there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`), with this build; "ttftbatch1": the Mooncake tiers at 7,500 tokens with
+# PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads) between this tree and the
+# package in .whl/ab_old (copied there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`),
+# with this build, or with its own when it holds csrc/ too (`git archive <commit> lmtier csrc setup.py
+# CMakeLists.txt pyproject.toml`); "ttftbatch1": the Mooncake tiers at 7,500 tokens with
 # --fetch-batch 1, one chunk per I/O task, beside ttftremote's default; "seal": the Redis+codec tier at 7,500 tokens
 # with unsealed, MACed and encrypted records in one run, and lmtier bench seal); LMTIER_GPU_BENCH=quick
 # shrinks the transfer benchmark. Redis: the machine has none; `bash scripts/bundle_redis.sh` here packs
@@ -168,13 +170,18 @@ if has decbreak; then
 fi
 if has hostab; then
   if [ -d .whl/ab_old/lmtier ]; then
-    cp lmtier/_C*.so .whl/ab_old/lmtier/
+    if [ -d .whl/ab_old/csrc ]; then  # the old tree's own build (its bindings may differ)
+      (cd .whl/ab_old && LMTIER_CUDA=ON LMTIER_CUDA_ARCHS=90 $PY setup.py -q build_ext --inplace > "$OUT/build_old.log" 2>&1) \
+        || { tail -20 "$OUT/build_old.log"; echo "hostab: old build failed"; }
+    else
+      cp lmtier/_C*.so .whl/ab_old/lmtier/
+    fi
     for round in 1 2; do
       for side in old new; do
-        for th in 1 2; do
+        for op in ${LMTIER_HOSTAB_OPS:-encode:1 encode:2}; do
           pp=$PYTHONPATH; [ $side = old ] && pp=$PWD/.whl/ab_old:$PYTHONPATH
-          line=$(PYTHONPATH=$pp timeout 100 $PY benchmarks/pca_decode_threads.py --op encode --threads $th --seconds 5 2>&1 | tail -1)
-          echo "hostab round $round $side threads=$th: $line" | tee -a "$OUT/hostab.log"
+          line=$(PYTHONPATH=$pp timeout 100 $PY benchmarks/pca_decode_threads.py --op ${op%%:*} --threads ${op##*:} --seconds 4 2>&1 | tail -1)
+          echo "hostab round $round $side $op: $line" | tee -a "$OUT/hostab.log"
         done
       done
     done

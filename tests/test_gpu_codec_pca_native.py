@@ -172,3 +172,48 @@ def test_threads_deliver_records_with_escapes_as_a_tier_does():
                 assert torch.equal(_bits(d), want[i]), (seed, k, i)
 
     run_in_threads(worker, [(s,) for s in range(4)])
+
+
+def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them():
+    """The native call stages each record in a page-locked block of a pool (``csrc/pca_stage.cpp``).
+    Records decoded one after another reuse one block; pending decodes dropped unread (their blocks
+    released while the stream may still copy into them) and records queued ahead of their results
+    still decode to the single decode's bits; the pool holds at most one block per record in
+    flight."""
+    from lmtier import _C
+
+    m, recs = _llama()
+    want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
+    torch.cuda.synchronize()
+    blocks0, _ = _C.pca.stage_pool_stats()
+    for _ in range(4):
+        for r, w in zip(recs, want, strict=True):
+            assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), w)
+    blocks1, bytes1 = _C.pca.stage_pool_stats()
+    assert blocks1 <= max(blocks0, 1) and bytes1 >= max(len(r) for r in recs)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for _ in range(3):
+            dropped = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
+            del dropped  # blocks back in the pool before their copies ran
+            pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs * 2]
+            for p, w in zip(pending, want * 2, strict=True):
+                assert torch.equal(_bits(p.result()), w)
+    assert _C.pca.stage_pool_stats()[0] <= blocks1 + 3 * len(recs)
+
+
+def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
+    """At Llama-3.1-8B's geometry, a stream cut to half its bytes (enough for its header's segments:
+    the host's checks pass, so the record is staged and decoded) is refused by the device's checks,
+    read back through the staging block, as the host decoder refuses it; the record queued after it
+    decodes to its bits."""
+    from lmtier.codec.chunk import CodecRecordError
+    from tests.test_codec_pca_product import _parts, _repack
+
+    m, recs = _llama()
+    want = _bits(pca.decode(recs[1], model=m, device="cuda"))
+    _, secs, _ = _parts(recs[0])
+    bad = _repack(recs[0], secs=[*secs[:5], secs[5][: len(secs[5]) // 2], *secs[6:]])
+    pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in (bad, recs[1])]
+    with pytest.raises(CodecRecordError, match="corrupted PCA codec record: rans decode failed .*stream 5: "):
+        pending[0].result()
+    assert torch.equal(_bits(pending[1].result()), want)

@@ -43,6 +43,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 
 #include "lmtier/hd.h"
 
@@ -150,6 +152,60 @@ struct DecodeRecordArgs {
   void* stream;
 };
 void decode_record(const DecodeRecordArgs& a);
+
+// A record's exact tokens put into its decoded chunk: token idx[e] of every (layer, plane) of out
+// [L][2][T][H][D] (16-bit elements) from raw [L][2][n_exact][H][D]; idx int64 [n_exact] (device),
+// an index outside [0, T) skipped. csrc/pca_cuda.cu.
+void scatter_exact_tokens(const PcaGeometry& g, const int64_t* idx, int32_t n_exact,
+                          const void* raw, void* out, void* stream);
+
+// The host's part of one record's decode (csrc/pca_stage.cpp): a page-locked staging block from a
+// process-wide pool receives the coder's descriptors (built here: stream i of the payload into
+// symbol row i of a.sym), the payload and the exact tokens' index; one copy uploads them to
+// `upload` (device: descriptors at 0, payload at payload_at, index at idx_at); decode_record(a)
+// follows (a.descs = upload), then scatter_exact_tokens from the uploaded exact tokens (section
+// num_streams + 2), then the device's checks (checks_bytes at `checks`) are copied back into the
+// block, all on a.stream. The block goes back to the pool once its Stage is dropped and the stream
+// passed the copy back. The payload's sections (offs / lens: num_streams + 3 entries) must lie in
+// it.
+struct StageArgs {
+  const uint8_t* payload;
+  uint64_t payload_bytes;
+  const int64_t* offs;  // [num_streams + 3] section offsets in payload
+  const int64_t* lens;  // [num_streams + 3]
+  const int64_t* exact_idx;
+  int32_t n_exact;
+  uint8_t* upload;  // device
+  uint64_t payload_at, idx_at;
+  const uint8_t* checks;  // device
+  uint64_t checks_bytes;
+};
+
+// A staging block in use by one record's decode: its checks (host, page-locked) once the stream
+// passed them.
+class Stage {
+ public:
+  Stage(void* block, const uint8_t* checks, uint64_t checks_bytes)
+      : block_(block), checks_(checks), checks_bytes_(checks_bytes) {}
+  ~Stage();
+  Stage(const Stage&) = delete;
+  Stage& operator=(const Stage&) = delete;
+  const uint8_t* checks() const { return checks_; }
+  uint64_t checks_bytes() const { return checks_bytes_; }
+  // The block stays out of the pool for good (its event could not be recorded).
+  void keep() { block_ = nullptr; }
+
+ private:
+  void* block_;
+  const uint8_t* checks_;
+  uint64_t checks_bytes_;
+};
+
+// decode_record with its host part (StageArgs); raises as decode_record and LMTIER_CHECK_ARG for
+// sections outside the payload or regions that do not fit the layout.
+std::unique_ptr<Stage> decode_record_staged(DecodeRecordArgs a, const StageArgs& s);
+// (blocks, bytes) of page-locked memory the staging pool holds (all devices).
+std::pair<size_t, size_t> stage_pool_stats();
 
 }  // namespace pca
 }  // namespace lmtier

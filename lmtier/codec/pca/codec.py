@@ -344,24 +344,29 @@ class PendingChunk:
         chunk: the chunk (on the host: complete; on CUDA: being decoded on the current stream).
         checks: CUDA only: the device's check values (a tensor on the chunk's device, any dtype),
             copied now to page-locked memory behind :attr:`ready`.
-        verify: CUDA only: called with the host copy of ``checks`` (a NumPy array of their dtype);
-            raises ValueError naming what the record got wrong."""
+        verify: CUDA only: called with the host copy of the checks (a NumPy array of their dtype;
+            uint8 for ``host_checks``); raises ValueError naming what the record got wrong.
+        host_checks: CUDA only, instead of ``checks``: a host buffer that work already queued on the
+            current stream fills with them (the native decode's ``DecodeStage``), kept until read."""
 
     def __init__(
         self,
         chunk: torch.Tensor,
         checks: torch.Tensor | None = None,
         verify: Callable[[np.ndarray], None] | None = None,
+        *,
+        host_checks: Any = None,
     ) -> None:
         self._chunk, self._verify = chunk, verify
-        self._checked = checks is None
-        self._checks: torch.Tensor | None = None
+        self._checked = checks is None and host_checks is None
+        self._checks: Any = host_checks
         self.ready: torch.cuda.Event | None = None
         """CUDA: recorded on the decode's stream after its last kernel and the checks' copy (None on
         the host, where the chunk is ready)."""
         if checks is not None:  # the checks' copy, queued now: read by result() after `ready`
             self._checks = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True)
             self._checks.copy_(checks, non_blocking=True)
+        if not self._checked:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(chunk.device))
 
@@ -374,11 +379,16 @@ class PendingChunk:
                 record that announces none (a corrupted record)."""
         if not self._checked:
             self.ready.synchronize()  # this chunk's kernels and its checks' copy, nothing queued later
+            got = (
+                self._checks.numpy()
+                if isinstance(self._checks, torch.Tensor)
+                else np.frombuffer(self._checks, np.uint8)
+            )
             try:
-                self._verify(self._checks.numpy())
+                self._verify(got)
             except ValueError as e:
                 raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-            self._checked = True
+            self._checked, self._checks = True, None  # a staging block goes back to its pool
         return self._chunk
 
 
@@ -441,7 +451,7 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
         except ValueError as e:
             raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
         else:
-            return PendingChunk(out, checks, how.verify)
+            return PendingChunk(out, None, how.verify, host_checks=checks)
     try:  # sized by T: a stream of another count raises
         if fused:  # one upload of every section the device reads
             up = streams.upload(np.frombuffer(rec.payload, np.uint8)[: int((offs + lens).max())], dev)

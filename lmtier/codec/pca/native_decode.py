@@ -3,8 +3,10 @@
 coefficients placed on the device (``csrc/pca_escapes.cu``: no wait for their count, where
 :func:`.kernels.queue_decode` waits twice), the batched GEMMs and ``decode_post``: the same bits as
 the Python-driven kernels, with the interpreter out of the ~20 launches between them. The host's
-part: the record's checks, one page-locked upload (the coder's descriptors, the record's payload, the
-exact tokens' index) into one device workspace, one read-back of the checks (:class:`Checks`).
+part: the record's checks and its buffers (a device workspace, the chunk); the native call stages the
+coder's descriptors, the record's payload and the exact tokens' index in a page-locked block of its
+pool, uploads them at once, puts the exact tokens in place and copies the checks (:class:`Checks`)
+back into the block, with the GIL released.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -182,7 +184,7 @@ def queue(
     dev: torch.device,
     *,
     run_luts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, Checks]:
+) -> tuple[torch.Tensor, Any, Checks]:
     """Queue the decode of a record on ``dev``'s current stream.
 
     Args:
@@ -194,8 +196,9 @@ def queue(
             run's lookups).
 
     Returns:
-        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the checks' region of the workspace
-        (uint8 on ``dev``, to copy back once queued); their :class:`Checks`).
+        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the ``lmtier._C.pca.DecodeStage``
+        whose buffer (uint8, page-locked host memory) holds the checks once the stream passed them;
+        their :class:`Checks`).
 
     Raises:
         ValueError: a stream header that does not fit the layout (:func:`.streams.check_spans`), or
@@ -223,32 +226,21 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     if not dec.n8 == dec.p8 == -(-n // 8) * 8:  # the native call's rule: d_int is N x N
         raise NativeRefused(f"decode matrix of N8 {dec.n8}, P8 {dec.p8} for N = {n}")
     lay = layout(r, n, t, dec.n8, dec.p8)
-    n_exact = int(exact.sum())
     used = int((offs + lens).max())
+    idx = np.flatnonzero(exact)
     idx_at = -(-(lay.payload + used) // 8) * 8
-    host = torch.empty(idx_at + 8 * n_exact, dtype=torch.uint8, pin_memory=True)
-    hn = host.numpy()
-    esc_at = _up(lay.upload + host.numel())  # esc_col, esc_hi: int32 [n_esc] each
+    esc_at = _up(lay.upload + idx_at + 8 * idx.size)  # esc_col, esc_hi: int32 [n_esc] each
     ws = torch.empty(esc_at + 8 * n_esc, dtype=torch.uint8, device=dev)
     base = ws.data_ptr()
-    desc = hn[: s * rans.DECODE_DESC.itemsize].view(rans.DECODE_DESC)
-    desc["src"] = base + lay.upload + lay.payload + offs[:s]
-    desc["src_bytes"] = lens[:s]
-    desc["dst"] = base + lay.sym + length * np.arange(s, dtype=np.uint64)
-    desc["dst_capacity"] = length
-    hn[lay.payload : lay.payload + used] = payload[:used]
-    if n_exact:
-        hn[idx_at:].view(np.int64)[:] = np.flatnonzero(exact)
-    ws[lay.upload : lay.upload + host.numel()].copy_(host, non_blocking=True)
     mu = tf.vectors(m, str(dev))[2]
     cos, sin = kernels._rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     ff = f if f.dtype == torch.float64 and f.is_contiguous() else f.to(torch.float64).contiguous()
     stream = torch.cuda.current_stream(dev).cuda_stream
     try:
-        c.decode_record(
+        stage = c.decode_record(
             dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
-            t32=t32, descs=base + lay.upload, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
+            t32=t32, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
             tables=tables.data_ptr(), run_luts=0 if run_luts is None else run_luts.data_ptr(),
             counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
             scratch_bytes=lay.scratch_bytes, sym=base + lay.sym,
@@ -260,16 +252,13 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
             mu=mu.data_ptr(), cos_t=kernels._ptr(cos),
             sin_t=kernels._ptr(sin), out=out.data_ptr(), gemm_workspace=base + lay.gemm,
             gemm_workspace_bytes=kernels.GEMM_WORKSPACE, stream=stream,
+            payload=payload, offs=offs, lens=lens, exact_idx=idx, upload=base + lay.upload, payload_at=lay.payload,
+            idx_at=idx_at, checks=base + lay.status, checks_bytes=lay.checks_end - lay.status,
         )  # fmt: skip
     except (RuntimeError, ValueError) as e:  # the record's own checks ran above
         raise NativeRefused(str(e)) from None
-    if n_exact:
-        lo = lay.upload + lay.payload
-        raw = ws[lo + int(offs[s + 2]) : lo + int(offs[s + 2] + lens[s + 2])].view(dtype)
-        idx = ws[lay.upload + idx_at : lay.upload + idx_at + 8 * n_exact].view(torch.int64)
-        out.index_copy_(2, idx, raw.reshape(m.num_layers, 2, n_exact, m.num_heads, m.head_size))
     kernels._decode_paths["symbols"] += 1
     kernels._decode_paths["fused"] += 1
     kernels._stats["batched"] += -(-r // lay.groups_per_batch)  # the GEMM batches, one cuBLAS call each
     checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
-    return out, ws[lay.status : lay.checks_end], checks
+    return out, stage, checks
