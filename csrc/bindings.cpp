@@ -382,11 +382,13 @@ void bind_pca(py::module_& m) {
       .def_buffer([](p::Stage& st) -> py::buffer_info {
         return py::buffer_info(const_cast<uint8_t*>(st.checks()), 1,
                                py::format_descriptor<uint8_t>::format(), 1,
-                               {static_cast<py::ssize_t>(st.checks_bytes())}, {1});
+                               {static_cast<py::ssize_t>(st.checks_bytes())}, {1},
+                               /*readonly=*/true);
       });
   pm.def("stage_pool_stats", &p::stage_pool_stats,
-         "(blocks, bytes) of page-locked memory held by decode_record's staging pool (never "
-         "freed: as many blocks as records were decoded at once)");
+         "(blocks, bytes) of page-locked memory held by decode_record's staging pool, all devices "
+         "(never freed: per device, as many blocks as records were staged at once, in power-of-two "
+         "sizes of at least 1 MiB)");
   using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
   pm.def(
       "decode_record",
@@ -402,7 +404,8 @@ void bind_pca(py::module_& m) {
         LMTIER_CHECK_ARG(pb.ndim == 1 && pb.strides[0] == pb.itemsize && pb.itemsize == 1,
                          "decode_record: payload must be a 1-D contiguous byte buffer");
         LMTIER_CHECK_ARG(offs.ndim() == 1 && lens.ndim() == 1 && offs.size() == num_streams + 3 &&
-                             lens.size() == num_streams + 3 && exact_idx.ndim() == 1,
+                             lens.size() == num_streams + 3 && exact_idx.ndim() == 1 &&
+                             exact_idx.size() <= T,
                          "decode_record: ", offs.size(), " offsets and ", lens.size(),
                          " lengths for ", num_streams, " streams (", num_streams + 3, " sections)");
         p::DecodeRecordArgs a{dtype,

@@ -34,6 +34,7 @@ struct Block {
 };
 
 constexpr size_t kMinBlock = size_t{1} << 20;
+constexpr size_t kMaxBlock = size_t{1} << 34;
 
 // Blocks are never freed (cudaFreeHost synchronizes the device): their number is the most records
 // decoded at once, their sizes powers of two. Created at first use and never destroyed, as the
@@ -49,11 +50,16 @@ struct Pool {
       if (b->held || b->device != device || b->bytes < need) continue;
       if (best != nullptr && b->bytes >= best->bytes) continue;
       const cudaError_t q = cudaEventQuery(b->done);
-      if (q == cudaErrorNotReady) continue;
+      if (q == cudaErrorNotReady) {  // not an error: cleared, or the next launch check would see it
+        (void)cudaGetLastError();
+        continue;
+      }
       LMTIER_CUDA_CHECK(q);
       best = b;
     }
     if (best == nullptr) {
+      LMTIER_CHECK_ARG(need <= kMaxBlock, "decode_record: a staging block of ", need,
+                       " bytes (at most ", kMaxBlock, ")");
       size_t bytes = kMinBlock;
       while (bytes < need) bytes *= 2;
       auto b = std::make_unique<Block>();
@@ -102,33 +108,47 @@ Stage::~Stage() {
 
 std::unique_ptr<Stage> decode_record_staged(DecodeRecordArgs a, const StageArgs& s) {
   const int64_t n = a.num_streams;
-  LMTIER_CHECK_ARG(n > 0 && s.n_exact >= 0 && s.checks_bytes > 0 && s.upload != nullptr &&
+  LMTIER_CHECK_ARG(n > 0 && s.n_exact >= 0 && s.n_exact <= a.g.T && s.upload != nullptr &&
                        s.checks != nullptr && a.sym != nullptr,
-                   "decode_record: ", n, " streams, ", s.n_exact, " exact tokens, ", s.checks_bytes,
-                   " bytes of checks");
+                   "decode_record: ", n, " streams, ", s.n_exact, " exact tokens of T = ", a.g.T);
+  // the checks: int32 status [n] (256-aligned), int64 counts [n], int32 escape count
+  const uint64_t checks_bytes = up(4 * static_cast<uint64_t>(n), 256) + 8 * n + 4;
+  LMTIER_CHECK_ARG(s.checks_bytes == checks_bytes, "decode_record: ", s.checks_bytes,
+                   " bytes of checks, ", checks_bytes, " for ", n, " streams");
   uint64_t used = 0;
   for (int64_t i = 0; i < n + 3; ++i) {
-    LMTIER_CHECK_ARG(s.offs[i] >= 0 && s.lens[i] >= 0 &&
+    LMTIER_CHECK_ARG(s.offs[i] >= 0 && s.lens[i] >= 0 && s.offs[i] % 4 == 0 &&
                          static_cast<uint64_t>(s.offs[i] + s.lens[i]) <= s.payload_bytes,
                      "decode_record: section ", i, " [", s.offs[i], ", +", s.lens[i],
-                     ") outside the payload of ", s.payload_bytes, " bytes");
+                     ") outside the payload of ", s.payload_bytes, " bytes or not 4-byte aligned");
     used = std::max(used, static_cast<uint64_t>(s.offs[i] + s.lens[i]));
   }
+  for (int32_t e = 0; e < s.n_exact; ++e)
+    LMTIER_CHECK_ARG(s.exact_idx[e] >= (e ? s.exact_idx[e - 1] + 1 : 0) && s.exact_idx[e] < a.g.T,
+                     "decode_record: exact token index ", e, " is ", s.exact_idx[e],
+                     ": indices must rise within [0, ", a.g.T, ")");
   const uint64_t desc_bytes = sizeof(rans::RansDecodeDesc) * n;
   const uint64_t exact_bytes = sizeof(int64_t) * s.n_exact;
   LMTIER_CHECK_ARG(s.payload_at >= desc_bytes && s.payload_at % 16 == 0 &&
-                       s.idx_at >= s.payload_at + used && s.idx_at % 8 == 0,
+                       s.idx_at >= s.payload_at + used && s.idx_at % 8 == 0 &&
+                       s.idx_at <= s.payload_at + used + 8,
                    "decode_record: payload at ", s.payload_at, ", index at ", s.idx_at, " for ",
                    desc_bytes, " bytes of descriptors and ", used, " of payload");
   const int64_t raw = static_cast<int64_t>(s.n_exact) * a.g.L * 2 * a.g.H * a.g.D * 2;
-  LMTIER_CHECK_ARG(s.n_exact == 0 || s.lens[n + 2] == raw, "decode_record: ", s.n_exact,
+  LMTIER_CHECK_ARG(s.lens[n + 2] == raw, "decode_record: ", s.n_exact,
                    " exact tokens in a section of ", s.lens[n + 2], " bytes, ", raw, " expected");
   const uint64_t upload_bytes = s.idx_at + exact_bytes;
   const uint64_t checks_at = up(upload_bytes, 256);
   int device = 0;
   LMTIER_CUDA_CHECK(cudaGetDevice(&device));
   Block* b = pool().acquire(device, checks_at + s.checks_bytes);
-  std::unique_ptr<Stage> stage(new Stage(b, b->host + checks_at, s.checks_bytes));
+  std::unique_ptr<Stage> stage;
+  try {
+    stage.reset(new Stage(b, b->host + checks_at, s.checks_bytes));
+  } catch (...) {
+    pool().release(b);
+    throw;
+  }
   auto* descs = reinterpret_cast<rans::RansDecodeDesc*>(b->host);
   const uint64_t length = static_cast<uint64_t>(a.tables_per_stream) * a.t32;
   const uint64_t payload_dev = reinterpret_cast<uint64_t>(s.upload) + s.payload_at;

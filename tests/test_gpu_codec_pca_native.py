@@ -176,29 +176,36 @@ def test_threads_deliver_records_with_escapes_as_a_tier_does():
 
 def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them():
     """The native call stages each record in a page-locked block of a pool (``csrc/pca_stage.cpp``).
-    Records decoded one after another reuse one block; pending decodes dropped unread (their blocks
-    released while the stream may still copy into them) and records queued ahead of their results
-    still decode to the single decode's bits; the pool holds at most one block per record in
-    flight."""
+    A record whose stream is held back (``torch.cuda._sleep``) has its pending decode dropped: its
+    block is released while its upload has not run yet. A record staged meanwhile on another stream
+    must get another block (else its payload would overwrite the held-back one's), and both decode
+    to the Python-driven decode's bits, through the native call (it is not turned off: a block found
+    busy is not an error). Records decoded one after another then reuse the pool's blocks."""
     from lmtier import _C
 
     m, recs = _llama()
-    want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
+    with native_decode.enabled(False):
+        want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
     torch.cuda.synchronize()
-    blocks0, _ = _C.pca.stage_pool_stats()
-    for _ in range(4):
+    before = kernels.decode_stats()["fused"]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(1 << 31)  # ~1 s: the upload queued after it waits
+        p = pca_codec.decode_queued(recs[0], model=m, device="cuda")
+        held_back = p._chunk
+        del p  # its DecodeStage gone, its copies still queued
+    with torch.cuda.stream(s2):
+        q = pca_codec.decode_queued(recs[1], model=m, device="cuda")
+        assert torch.equal(_bits(q.result()), want[1])
+    s1.synchronize()
+    assert torch.equal(_bits(held_back), want[0])
+    assert native_decode.available() and kernels.decode_stats()["fused"] - before == 2
+    blocks, _ = _C.pca.stage_pool_stats()
+    for _ in range(3):
         for r, w in zip(recs, want, strict=True):
             assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), w)
-    blocks1, bytes1 = _C.pca.stage_pool_stats()
-    assert blocks1 <= max(blocks0, 1) and bytes1 >= max(len(r) for r in recs)
-    with torch.cuda.stream(torch.cuda.Stream()):
-        for _ in range(3):
-            dropped = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs]
-            del dropped  # blocks back in the pool before their copies ran
-            pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in recs * 2]
-            for p, w in zip(pending, want * 2, strict=True):
-                assert torch.equal(_bits(p.result()), w)
-    assert _C.pca.stage_pool_stats()[0] <= blocks1 + 3 * len(recs)
+    assert _C.pca.stage_pool_stats()[0] == blocks  # one at a time: a released block each time
+    assert native_decode.available()
 
 
 def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
@@ -213,7 +220,9 @@ def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
     want = _bits(pca.decode(recs[1], model=m, device="cuda"))
     _, secs, _ = _parts(recs[0])
     bad = _repack(recs[0], secs=[*secs[:5], secs[5][: len(secs[5]) // 2], *secs[6:]])
+    before = kernels.decode_stats()["fused"]
     pending = [pca_codec.decode_queued(r, model=m, device="cuda") for r in (bad, recs[1])]
     with pytest.raises(CodecRecordError, match="corrupted PCA codec record: rans decode failed .*stream 5: "):
         pending[0].result()
     assert torch.equal(_bits(pending[1].result()), want)
+    assert native_decode.available() and kernels.decode_stats()["fused"] - before == 2

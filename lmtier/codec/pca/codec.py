@@ -346,8 +346,12 @@ class PendingChunk:
             copied now to page-locked memory behind :attr:`ready`.
         verify: CUDA only: called with the host copy of the checks (a NumPy array of their dtype;
             uint8 for ``host_checks``); raises ValueError naming what the record got wrong.
-        host_checks: CUDA only, instead of ``checks``: a host buffer that work already queued on the
-            current stream fills with them (the native decode's ``DecodeStage``), kept until read."""
+        host_checks: CUDA only, instead of ``checks``: a page-locked host buffer of uint8 that work
+            already queued on the current stream fills with them (the native decode's
+            ``DecodeStage``: :class:`.native_decode.Checks`' bytes), kept until read.
+
+    Raises:
+        ValueError: both ``checks`` and ``host_checks``."""
 
     def __init__(
         self,
@@ -357,6 +361,8 @@ class PendingChunk:
         *,
         host_checks: Any = None,
     ) -> None:
+        if checks is not None and host_checks is not None:
+            raise ValueError("PendingChunk: checks or host_checks, not both")
         self._chunk, self._verify = chunk, verify
         self._checked = checks is None and host_checks is None
         self._checks: Any = host_checks
