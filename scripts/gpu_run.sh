@@ -10,7 +10,8 @@
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
-# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
+# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the native PCA decode's GPU tests (tests/test_gpu_codec_pca_native.py,
+# tests/test_gpu_codec_pca_queued.py) and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "hostab": an A/B of the host's
 # PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads) between this tree and the
 # package in .whl/ab_old (copied there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`),
@@ -160,6 +161,14 @@ if has decprof; then
   for th in 1 4; do
     timeout 150 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 6 --profile 4 > "$OUT/decprof_$th.log" 2>&1
     echo "decprof threads=$th rc=$?"; grep -v "^\s*$" "$OUT/decprof_$th.log" | tail -15
+  done
+fi
+if has quickpca; then
+  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_codec_pca_native.py \
+    tests/test_gpu_codec_pca_queued.py > "$OUT/quickpca_tests.log" 2>&1
+  echo "quickpca tests rc=$?"; tail -4 "$OUT/quickpca_tests.log"
+  for th in 1 4; do
+    timeout 40 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 4 2>&1 | tail -1
   done
 fi
 if has decbreak; then
