@@ -390,6 +390,49 @@ void bind_pca(py::module_& m) {
          "(never freed: per device, as many blocks as records were staged at once, in power-of-two "
          "sizes of at least 1 MiB)");
   using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  auto args = [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32,
+                  A descs, int64_t num_streams, int64_t tables_per_stream, int64_t streams_per_call,
+                  A tables, A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes,
+                  A sym, A escapes, int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo,
+                  A rowsum, A esc_count, A esc_row, A y, int32_t groups_per_batch, int32_t p8,
+                  A dcat, A f, A mu, A cos_t, A sin_t, A out, A gemm_workspace,
+                  uint64_t gemm_workspace_bytes, A stream) {
+    return p::DecodeRecordArgs{dtype,
+                               geom(L, T, H, D, G),
+                               t32,
+                               ptr(descs),
+                               num_streams,
+                               tables_per_stream,
+                               streams_per_call,
+                               static_cast<const uint16_t*>(ptr(tables)),
+                               static_cast<const uint8_t*>(ptr(run_luts)),
+                               static_cast<uint64_t*>(ptr(counts)),
+                               static_cast<int32_t*>(ptr(status)),
+                               static_cast<uint8_t*>(ptr(scratch)),
+                               scratch_bytes,
+                               static_cast<const uint8_t*>(ptr(sym)),
+                               static_cast<const int16_t*>(ptr(escapes)),
+                               num_escapes,
+                               static_cast<int32_t*>(ptr(esc_col)),
+                               static_cast<int32_t*>(ptr(esc_hi)),
+                               ptr(esc_scratch),
+                               static_cast<int8_t*>(ptr(lo)),
+                               static_cast<int64_t*>(ptr(rowsum)),
+                               static_cast<int32_t*>(ptr(esc_count)),
+                               static_cast<int32_t*>(ptr(esc_row)),
+                               static_cast<int32_t*>(ptr(y)),
+                               groups_per_batch,
+                               p8,
+                               static_cast<const int8_t*>(ptr(dcat)),
+                               static_cast<const double*>(ptr(f)),
+                               static_cast<const double*>(ptr(mu)),
+                               static_cast<const double*>(ptr(cos_t)),
+                               static_cast<const double*>(ptr(sin_t)),
+                               ptr(out),
+                               ptr(gemm_workspace),
+                               gemm_workspace_bytes,
+                               ptr(stream)};
+  };
   pm.def(
       "decode_record",
       [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32,
@@ -397,10 +440,22 @@ void bind_pca(py::module_& m) {
           A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A escapes,
           int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count,
           A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t,
-          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, py::buffer payload,
-          I64 offs, I64 lens, I64 exact_idx, A upload, uint64_t payload_at, uint64_t idx_at,
-          A checks, uint64_t checks_bytes) {
-        const py::buffer_info pb = payload.request();
+          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, A descs,
+          py::object payload, py::object offs_, py::object lens_, py::object exact_idx_, A upload,
+          uint64_t payload_at, uint64_t idx_at, A checks, uint64_t checks_bytes) -> py::object {
+        p::DecodeRecordArgs a = args(
+            dtype, L, T, H, D, G, t32, descs, num_streams, tables_per_stream, streams_per_call,
+            tables, run_luts, counts, status, scratch, scratch_bytes, sym, escapes, num_escapes,
+            esc_col, esc_hi, esc_scratch, lo, rowsum, esc_count, esc_row, y, groups_per_batch, p8,
+            dcat, f, mu, cos_t, sin_t, out, gemm_workspace, gemm_workspace_bytes, stream);
+        if (payload.is_none()) {  // the caller staged and uploaded the descriptors at `descs`
+          LMTIER_CHECK_ARG(descs != 0, "decode_record: neither descs nor a payload to stage");
+          py::gil_scoped_release nogil;
+          p::decode_record(a);
+          return py::none();
+        }
+        const I64 offs(offs_), lens(lens_), exact_idx(exact_idx_);
+        const py::buffer_info pb = py::buffer(payload).request();
         LMTIER_CHECK_ARG(pb.ndim == 1 && pb.strides[0] == pb.itemsize && pb.itemsize == 1,
                          "decode_record: payload must be a 1-D contiguous byte buffer");
         LMTIER_CHECK_ARG(offs.ndim() == 1 && lens.ndim() == 1 && offs.size() == num_streams + 3 &&
@@ -408,41 +463,6 @@ void bind_pca(py::module_& m) {
                              exact_idx.size() <= T,
                          "decode_record: ", offs.size(), " offsets and ", lens.size(),
                          " lengths for ", num_streams, " streams (", num_streams + 3, " sections)");
-        p::DecodeRecordArgs a{dtype,
-                              geom(L, T, H, D, G),
-                              t32,
-                              nullptr,
-                              num_streams,
-                              tables_per_stream,
-                              streams_per_call,
-                              static_cast<const uint16_t*>(ptr(tables)),
-                              static_cast<const uint8_t*>(ptr(run_luts)),
-                              static_cast<uint64_t*>(ptr(counts)),
-                              static_cast<int32_t*>(ptr(status)),
-                              static_cast<uint8_t*>(ptr(scratch)),
-                              scratch_bytes,
-                              static_cast<const uint8_t*>(ptr(sym)),
-                              static_cast<const int16_t*>(ptr(escapes)),
-                              num_escapes,
-                              static_cast<int32_t*>(ptr(esc_col)),
-                              static_cast<int32_t*>(ptr(esc_hi)),
-                              ptr(esc_scratch),
-                              static_cast<int8_t*>(ptr(lo)),
-                              static_cast<int64_t*>(ptr(rowsum)),
-                              static_cast<int32_t*>(ptr(esc_count)),
-                              static_cast<int32_t*>(ptr(esc_row)),
-                              static_cast<int32_t*>(ptr(y)),
-                              groups_per_batch,
-                              p8,
-                              static_cast<const int8_t*>(ptr(dcat)),
-                              static_cast<const double*>(ptr(f)),
-                              static_cast<const double*>(ptr(mu)),
-                              static_cast<const double*>(ptr(cos_t)),
-                              static_cast<const double*>(ptr(sin_t)),
-                              ptr(out),
-                              ptr(gemm_workspace),
-                              gemm_workspace_bytes,
-                              ptr(stream)};
         const p::StageArgs sa{static_cast<const uint8_t*>(pb.ptr),
                               static_cast<uint64_t>(pb.size),
                               offs.data(),
@@ -454,8 +474,12 @@ void bind_pca(py::module_& m) {
                               idx_at,
                               static_cast<const uint8_t*>(ptr(checks)),
                               checks_bytes};
-        py::gil_scoped_release nogil;
-        return p::decode_record_staged(a, sa);
+        std::unique_ptr<p::Stage> stage;
+        {
+          py::gil_scoped_release nogil;
+          stage = p::decode_record_staged(a, sa);
+        }
+        return py::cast(std::move(stage));
       },
       py::arg("dtype"), py::arg("L"), py::arg("T"), py::arg("H"), py::arg("D"), py::arg("G"),
       py::arg("t32"), py::arg("num_streams"), py::arg("tables_per_stream"),
@@ -466,15 +490,19 @@ void bind_pca(py::module_& m) {
       py::arg("esc_row"), py::arg("y"), py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"),
       py::arg("f"), py::arg("mu"), py::arg("cos_t"), py::arg("sin_t"), py::arg("out"),
       py::arg("gemm_workspace"), py::arg("gemm_workspace_bytes"), py::arg("stream"),
-      py::arg("payload"), py::arg("offs"), py::arg("lens"), py::arg("exact_idx"), py::arg("upload"),
-      py::arg("payload_at"), py::arg("idx_at"), py::arg("checks"), py::arg("checks_bytes"),
-      "One record's decode queued on `stream` with its host part (lmtier::pca::"
-      "decode_record_staged and DecodeRecordArgs in lmtier/pca.h; device addresses): the "
-      "descriptors, payload and exact tokens' index staged in page-locked memory and uploaded to "
-      "`upload`, the rANS calls side by side, decode_pre_symbols, its escapes, per batch of layer "
-      "groups a batched GEMM and decode_post, the exact tokens put in place, the checks copied "
-      "back. The GIL is released; nothing waits. Returns the DecodeStage holding the checks; "
-      "RuntimeError / ValueError as the steps raise.");
+      py::arg("descs") = 0, py::arg("payload") = py::none(), py::arg("offs") = py::none(),
+      py::arg("lens") = py::none(), py::arg("exact_idx") = py::none(), py::arg("upload") = 0,
+      py::arg("payload_at") = 0, py::arg("idx_at") = 0, py::arg("checks") = 0,
+      py::arg("checks_bytes") = 0,
+      "One record's decode queued on `stream` (lmtier::pca::DecodeRecordArgs in lmtier/pca.h; "
+      "device addresses): the rANS calls side by side, decode_pre_symbols, its escapes, per batch "
+      "of layer groups a batched GEMM and decode_post. Without `payload`: the coder's descriptors "
+      "are at `descs` (uploaded by the caller); returns None. With `payload` (and offs, lens, "
+      "exact_idx, upload, payload_at, idx_at, checks, checks_bytes: lmtier::pca::StageArgs), its "
+      "host part too (decode_record_staged): the descriptors, payload and exact tokens' index "
+      "staged in a page-locked block and uploaded to `upload`, the exact tokens put in place, the "
+      "checks copied back; returns the DecodeStage holding them. The GIL is released while CUDA "
+      "work is queued; nothing waits. RuntimeError / ValueError as the steps raise.");
   pm.def(
       "escape_scratch_bytes",
       [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from lmtier.codec import rans
 from lmtier.codec.pca import kernels, native_decode, streams
@@ -96,7 +97,7 @@ def test_on_by_default_and_enabled_blocks_restore(monkeypatch):
 
     code = "from lmtier.codec.pca import native_decode as n; print(n._state)"
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert fresh.stdout.strip() == "{'enabled': True, 'disabled': ''}"  # a new process: on
+    assert fresh.stdout.strip() == "{'enabled': True, 'disabled': '', 'staged': False}"  # a new process: on
     monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
     with native_decode.enabled(False):
         assert not native_decode.available()
@@ -104,3 +105,43 @@ def test_on_by_default_and_enabled_blocks_restore(monkeypatch):
             assert native_decode._state["enabled"]
         assert not native_decode._state["enabled"]
     assert native_decode._state["enabled"]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="a build without the CUDA kernels")
+def test_the_native_host_part_refuses_what_does_not_fit_before_touching_a_device():
+    """``decode_record`` with a payload to stage checks the sections, the exact tokens' indices, the
+    regions and the checks' size before any CUDA call (so on this GPU-less host too), each refusal
+    naming what is wrong; without a payload it needs the caller's descriptors."""
+    c = kernels._native()
+    s, t = 4, 64  # 2 layer groups of one layer, H = 1, D = 8: N = 8
+    lay = native_decode.layout(2, 8, t, 8, 8)
+    payload = np.zeros(4096, np.uint8)
+    offs = np.array([0, 256, 512, 768, 1024, 1032, 1040], np.int64)
+    lens = np.array([200, 200, 200, 200, 0, 8, 2 * 2 * 2 * 8 * 3], np.int64)  # 3 exact tokens
+    good = dict(
+        dtype=c.DTYPE_BF16, L=2, T=t, H=1, D=8, G=1, t32=t, num_streams=s, tables_per_stream=8,
+        streams_per_call=s, tables=1, run_luts=0, counts=1, status=1, scratch=1, scratch_bytes=1 << 20,
+        sym=1, escapes=0, num_escapes=0, esc_col=0, esc_hi=0, esc_scratch=1, lo=1, rowsum=1, esc_count=1,
+        esc_row=1, y=1, groups_per_batch=2, p8=8, dcat=1, f=1, mu=1, cos_t=0, sin_t=0, out=1,
+        gemm_workspace=1, gemm_workspace_bytes=1, stream=0, payload=payload, offs=offs, lens=lens,
+        exact_idx=np.array([0, 5, 9], np.int64), upload=1 << 20, payload_at=lay.payload,
+        idx_at=lay.payload + 1232, checks=1, checks_bytes=lay.checks_end - lay.status,
+    )  # fmt: skip
+    cases = {
+        "4-byte aligned": dict(offs=offs + np.array([0, 2, 0, 0, 0, 0, 0])),
+        "outside the payload": dict(lens=lens + np.array([0, 0, 0, 9000, 0, 0, 0])),
+        "indices must rise": dict(exact_idx=np.array([0, 9, 5], np.int64)),
+        "exact token index 2 is 64": dict(exact_idx=np.array([0, 5, 64], np.int64)),
+        "3 exact tokens in a section of": dict(lens=lens - np.array([0, 0, 0, 0, 0, 0, 2])),
+        "bytes of checks": dict(checks_bytes=good["checks_bytes"] + 4),
+        "index at": dict(idx_at=lay.payload + 1232 + 16),
+        "7 sections": dict(offs=offs[:-1]),
+    }
+    for says, bad in cases.items():
+        with pytest.raises(ValueError, match=says):
+            c.decode_record(**{**good, **bad})
+    with pytest.raises(ValueError, match="neither descs nor a payload"):
+        c.decode_record(**{k: v for k, v in good.items() if k not in ("payload",)})
+    if not torch.cuda.is_available():  # the good arguments pass every check and reach the device
+        with pytest.raises(RuntimeError, match="cuda"):
+            c.decode_record(**good)

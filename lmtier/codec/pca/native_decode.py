@@ -3,10 +3,10 @@
 coefficients placed on the device (``csrc/pca_escapes.cu``: no wait for their count, where
 :func:`.kernels.queue_decode` waits twice), the batched GEMMs and ``decode_post``: the same bits as
 the Python-driven kernels, with the interpreter out of the ~20 launches between them. The host's
-part: the record's checks and its buffers (a device workspace, the chunk); the native call stages the
-coder's descriptors, the record's payload and the exact tokens' index in a page-locked block of its
-pool, uploads them at once, puts the exact tokens in place and copies the checks (:class:`Checks`)
-back into the block, with the GIL released.
+part: the record's checks, one page-locked upload (the coder's descriptors, the record's payload, the
+exact tokens' index) into one device workspace, one read-back of the checks (:class:`Checks`); with
+:func:`stage_in_native` the native call does those too, in a page-locked block of its pool, with the
+GIL released.
 """
 
 from __future__ import annotations
@@ -26,15 +26,35 @@ from . import imatmul, kernels, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "enable", "queue", "Layout", "layout", "Checks", "NativeRefused", "disable", "enabled"]
+__all__ = [
+    "available",
+    "enable",
+    "queue",
+    "Layout",
+    "layout",
+    "Checks",
+    "NativeRefused",
+    "disable",
+    "enabled",
+    "stage_in_native",
+]
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 256
-_state = {"enabled": True, "disabled": ""}
+_state = {"enabled": True, "disabled": "", "staged": False}
 """``enabled``: :func:`enable`'s switch (on by default); ``disabled``: why it is off for this process
 ("" while not), set by :func:`disable` after it raised once (then every record takes
-:func:`.kernels.queue_decode`'s path)."""
+:func:`.kernels.queue_decode`'s path); ``staged``: :func:`stage_in_native`'s switch (off by default
+until a GPU run has checked it)."""
+
+
+def stage_in_native(on: bool = True) -> None:
+    """Let the native call do the host part of each record's decode too (``on``: the descriptors,
+    payload and exact tokens' index staged in its page-locked pool, uploaded, the exact tokens put
+    in place by a kernel, the checks copied back; ``csrc/pca_stage.cpp``, the GIL released), or do it
+    in Python (off, the default)."""
+    _state["staged"] = bool(on)
 
 
 def enable(on: bool = True) -> None:
@@ -196,9 +216,10 @@ def queue(
             run's lookups).
 
     Returns:
-        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the ``lmtier._C.pca.DecodeStage``
-        whose buffer (uint8, page-locked host memory) holds the checks once the stream passed them;
-        their :class:`Checks`).
+        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the checks: with
+        :func:`stage_in_native` the ``lmtier._C.pca.DecodeStage`` whose buffer (uint8, page-locked
+        host memory) holds them once the stream passed them, else their region of the workspace
+        (uint8 on ``dev``, to copy back once queued); their :class:`Checks`).
 
     Raises:
         ValueError: a stream header that does not fit the layout (:func:`.streams.check_spans`), or
@@ -236,29 +257,58 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     cos, sin = kernels._rope(m, start, t, dev)
     out = torch.empty(m.num_layers, 2, t, m.num_heads, m.head_size, dtype=dtype, device=dev)
     ff = f if f.dtype == torch.float64 and f.is_contiguous() else f.to(torch.float64).contiguous()
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    args = dict(
+        dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
+        t32=t32, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
+        tables=tables.data_ptr(), run_luts=0 if run_luts is None else run_luts.data_ptr(),
+        counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
+        scratch_bytes=lay.scratch_bytes, sym=base + lay.sym,
+        escapes=base + lay.upload + lay.payload + int(offs[s]) if n_esc else 0, num_escapes=n_esc,
+        esc_col=base + esc_at if n_esc else 0, esc_hi=base + esc_at + 4 * n_esc if n_esc else 0,
+        esc_scratch=base + lay.esc_scratch, lo=base + lay.lo, rowsum=base + lay.rowsum,
+        esc_count=base + lay.esc_count, esc_row=base + lay.esc_row, y=base + lay.y,
+        groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
+        mu=mu.data_ptr(), cos_t=kernels._ptr(cos), sin_t=kernels._ptr(sin), out=out.data_ptr(),
+        gemm_workspace=base + lay.gemm, gemm_workspace_bytes=kernels.GEMM_WORKSPACE,
+        stream=torch.cuda.current_stream(dev).cuda_stream,
+    )  # fmt: skip
+    checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
     try:
-        stage = c.decode_record(
-            dtype=kernels._dtype_code(c, dtype), L=m.num_layers, T=t, H=m.num_heads, D=m.head_size, G=m.layer_group,
-            t32=t32, num_streams=s, tables_per_stream=n, streams_per_call=lay.streams_per_call,
-            tables=tables.data_ptr(), run_luts=0 if run_luts is None else run_luts.data_ptr(),
-            counts=base + lay.counts, status=base + lay.status, scratch=base + lay.scratch,
-            scratch_bytes=lay.scratch_bytes, sym=base + lay.sym,
-            escapes=base + lay.upload + lay.payload + int(offs[s]) if n_esc else 0, num_escapes=n_esc,
-            esc_col=base + esc_at if n_esc else 0, esc_hi=base + esc_at + 4 * n_esc if n_esc else 0,
-            esc_scratch=base + lay.esc_scratch, lo=base + lay.lo, rowsum=base + lay.rowsum,
-            esc_count=base + lay.esc_count, esc_row=base + lay.esc_row, y=base + lay.y,
-            groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
-            mu=mu.data_ptr(), cos_t=kernels._ptr(cos),
-            sin_t=kernels._ptr(sin), out=out.data_ptr(), gemm_workspace=base + lay.gemm,
-            gemm_workspace_bytes=kernels.GEMM_WORKSPACE, stream=stream,
-            payload=payload, offs=offs, lens=lens, exact_idx=idx, upload=base + lay.upload, payload_at=lay.payload,
-            idx_at=idx_at, checks=base + lay.status, checks_bytes=lay.checks_end - lay.status,
-        )  # fmt: skip
+        if _state["staged"]:  # the host part in the native call too
+            stage = c.decode_record(**args, payload=payload, offs=offs, lens=lens, exact_idx=idx,
+                                    upload=base + lay.upload, payload_at=lay.payload, idx_at=idx_at,
+                                    checks=base + lay.status, checks_bytes=lay.checks_end - lay.status)  # fmt: skip
+        else:
+            _stage_in_python(ws, lay, payload, offs, lens, idx, idx_at, length, s)
+            c.decode_record(**args, descs=base + lay.upload)
+            stage = None
     except (RuntimeError, ValueError) as e:  # the record's own checks ran above
         raise NativeRefused(str(e)) from None
+    if stage is None and idx.size:  # the exact tokens, from the uploaded payload
+        lo = lay.upload + lay.payload
+        raw = ws[lo + int(offs[s + 2]) : lo + int(offs[s + 2] + lens[s + 2])].view(dtype)
+        at = ws[lay.upload + idx_at : lay.upload + idx_at + 8 * idx.size].view(torch.int64)
+        out.index_copy_(2, at, raw.reshape(m.num_layers, 2, idx.size, m.num_heads, m.head_size))
     kernels._decode_paths["symbols"] += 1
     kernels._decode_paths["fused"] += 1
     kernels._stats["batched"] += -(-r // lay.groups_per_batch)  # the GEMM batches, one cuBLAS call each
-    checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
-    return out, stage, checks
+    return out, stage if stage is not None else ws[lay.status : lay.checks_end], checks
+
+
+def _stage_in_python(ws, lay, payload, offs, lens, idx, idx_at, length, s) -> None:
+    """The host part of the unstaged native call: the coder's descriptors, the payload and the exact
+    tokens' index written into page-locked memory and uploaded to ``ws`` at ``lay.upload`` (torch's
+    caching host allocator keeps the memory until the copy ran)."""
+    used = int((offs + lens).max())
+    host = torch.empty(idx_at + 8 * idx.size, dtype=torch.uint8, pin_memory=True)
+    hn = host.numpy()
+    base = ws.data_ptr()
+    desc = hn[: s * rans.DECODE_DESC.itemsize].view(rans.DECODE_DESC)
+    desc["src"] = base + lay.upload + lay.payload + offs[:s]
+    desc["src_bytes"] = lens[:s]
+    desc["dst"] = base + lay.sym + length * np.arange(s, dtype=np.uint64)
+    desc["dst_capacity"] = length
+    hn[lay.payload : lay.payload + used] = payload[:used]
+    if idx.size:
+        hn[idx_at:].view(np.int64)[:] = idx
+    ws[lay.upload : lay.upload + host.numel()].copy_(host, non_blocking=True)
