@@ -423,6 +423,32 @@ def test_manager_without_cpu_pool_stores_reports_and_loads(tmp_path, managers, t
     assert _same_bits(cache.buf, expect.buf)
 
 
+def test_a_chunk_whose_disk_write_failed_is_reported_in_the_remote_tier(tmp_path, managers):
+    """No CPU pool, a disk tier whose puts fail and a remote tier: the chunks land in the remote tier
+    and are reported there (they were reported as disk chunks whenever a disk tier was configured);
+    they load back bit-exact."""
+    from tests.test_manager import MemTier
+
+    cache = Cache(*GEOMS[3])
+    ns = _ns(cache.dtype)
+    remote = MemTier("remote")
+    mgr = _disk_manager(tmp_path, ns, cpu=False)
+    mgr.remote = remote
+    mgr.disk.put = lambda *a, **k: False  # a full or failing disk
+    managers.append(mgr)
+    w, _, rec = _worker(cache, mgr)
+    n = 2 * CHUNK
+    toks = _tokens(n, seed=11)
+    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
+    w.store(StoreOp("r1", toks, None, 0, src))
+    assert [t for _, _, t in rec.stored] == ["remote", "remote"] and len(remote.store) == 2
+    assert mgr.counters["disk_put_failures"] == 2 and mgr.counters["stored_remote"] == 2
+    expect = cache.clone()
+    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
+    assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
+    assert _same_bits(cache.buf, expect.buf)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_failed_load_reports_the_index_keys_it_did_not_deliver(managers, mode):
     """A chunk gone from the remote tier: the load fails from it on, and the index keys of that chunk
