@@ -398,51 +398,31 @@ def test_async_load_failure_and_abort(tmp_path, managers):
     assert mgr.cpu.num_pinned() == 0, "read slots of the loads were not released"
 
 
-@pytest.mark.parametrize("tier", ["disk", "remote"])
+@pytest.mark.parametrize("tier", ["disk", "remote", "failing disk, then remote"])
 def test_manager_without_cpu_pool_stores_reports_and_loads(tmp_path, managers, tier):
     """No CPU pool: the chunks go to the disk tier (else the remote tier) and are reported to the index
-    as chunks of that tier (remote-only ones were reported as disk chunks: the scheduler then labelled
-    every remote hit "disk" in its metrics, hit sources and load policy); they load back bit-exact."""
+    as chunks of the tier they went to (remote-only ones, and ones whose disk write failed beside a
+    remote tier, were reported as disk chunks: the scheduler then labelled those remote hits "disk" in
+    its metrics, hit sources and load policy); they load back bit-exact."""
     from tests.test_manager import MemTier
 
     cache = Cache(*GEOMS[3])
     ns = _ns(cache.dtype)
     remote = MemTier("remote")
-    mgr = _disk_manager(tmp_path, ns, cpu=False) if tier == "disk" else TierManager(cpu=None, remote=remote)
+    mgr = TierManager(cpu=None, remote=remote) if tier == "remote" else _disk_manager(tmp_path, ns, cpu=False)
+    if tier.startswith("failing"):
+        mgr.remote = remote
+        mgr.disk.put = lambda *a, **k: False  # a full or failing disk
     managers.append(mgr)
     w, _, rec = _worker(cache, mgr)
     n = 2 * CHUNK
     toks = _tokens(n, seed=10)
     src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
     w.store(StoreOp("r1", toks, None, 0, src))
-    assert [t for _, _, t in rec.stored] == [tier, tier] and rec.stats["stored_chunks"] == 2
-    assert len(remote.store) == (2 if tier == "remote" else 0)
-    expect = cache.clone()
-    expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
-    assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
-    assert _same_bits(cache.buf, expect.buf)
-
-
-def test_a_chunk_whose_disk_write_failed_is_reported_in_the_remote_tier(tmp_path, managers):
-    """No CPU pool, a disk tier whose puts fail and a remote tier: the chunks land in the remote tier
-    and are reported there (they were reported as disk chunks whenever a disk tier was configured);
-    they load back bit-exact."""
-    from tests.test_manager import MemTier
-
-    cache = Cache(*GEOMS[3])
-    ns = _ns(cache.dtype)
-    remote = MemTier("remote")
-    mgr = _disk_manager(tmp_path, ns, cpu=False)
-    mgr.remote = remote
-    mgr.disk.put = lambda *a, **k: False  # a full or failing disk
-    managers.append(mgr)
-    w, _, rec = _worker(cache, mgr)
-    n = 2 * CHUNK
-    toks = _tokens(n, seed=11)
-    src, dst = _blocks(cache, SRC, n), _blocks(cache, DST, n)
-    w.store(StoreOp("r1", toks, None, 0, src))
-    assert [t for _, _, t in rec.stored] == ["remote", "remote"] and len(remote.store) == 2
-    assert mgr.counters["disk_put_failures"] == 2 and mgr.counters["stored_remote"] == 2
+    went = "disk" if tier == "disk" else "remote"
+    assert [t for _, _, t in rec.stored] == [went, went] and rec.stats["stored_chunks"] == 2
+    assert len(remote.store) == (0 if tier == "disk" else 2)
+    assert mgr.counters["disk_put_failures"] == (2 if tier.startswith("failing") else 0)
     expect = cache.clone()
     expect.scatter_ref(dst, 0, n, cache.ref_rows(src, 0, n))
     assert w.load(LoadOp("r2", toks, None, 0, dst)) == set()
