@@ -84,7 +84,7 @@ def test_checks_pass_and_name_what_is_wrong():
 
 
 def test_not_available_without_a_device_build_or_cublas(monkeypatch):
-    monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
+    monkeypatch.setattr(native_decode, "_state", {**native_decode._state, "enabled": True, "disabled": ""})
     assert native_decode.available() == (
         kernels.available() and hasattr(kernels._native(), "decode_record")
         and not kernels._native().cublas_library().startswith("none")
@@ -98,7 +98,7 @@ def test_on_by_default_and_enabled_blocks_restore(monkeypatch):
     code = "from lmtier.codec.pca import native_decode as n; print(n._state)"
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert fresh.stdout.strip() == "{'enabled': True, 'disabled': '', 'staged': False}"  # a new process: on
-    monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
+    monkeypatch.setattr(native_decode, "_state", {**native_decode._state, "enabled": True, "disabled": ""})
     with native_decode.enabled(False):
         assert not native_decode.available()
         with native_decode.enabled():

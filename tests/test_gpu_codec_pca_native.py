@@ -107,7 +107,7 @@ def test_a_native_step_that_raises_turns_it_off_and_the_record_still_decodes(mon
     recs = (pca.encode(_kv(40, 8, seed), start=8, model=m, level="pca_default") for seed in range(31, 61))
     rec = next(r for r in recs if pca.record_meta(r).escapes == 0)  # the native path's records
     want = _bits(pca.decode(rec, model=m))
-    monkeypatch.setattr(native_decode, "_state", {"enabled": True, "disabled": ""})
+    monkeypatch.setattr(native_decode, "_state", {**native_decode._state, "enabled": True, "disabled": ""})
 
     def refuse(**kw):
         raise RuntimeError("lmtier: bgemm_s8: cublasGemmStridedBatchedEx failed (status 15)")
