@@ -450,9 +450,11 @@ void bind_pca(py::module_& m) {
             dcat, f, mu, cos_t, sin_t, out, gemm_workspace, gemm_workspace_bytes, stream);
         if (payload.is_none()) {  // the caller staged and uploaded the descriptors at `descs`
           LMTIER_CHECK_ARG(descs != 0, "decode_record: neither descs nor a payload to stage");
-          py::gil_scoped_release nogil;
-          p::decode_record(a);
-          return py::none();
+          {
+            py::gil_scoped_release nogil;
+            p::decode_record(a);
+          }
+          return py::none();  // with the GIL: None's reference count
         }
         const I64 offs(offs_), lens(lens_), exact_idx(exact_idx_);
         const py::buffer_info pb = py::buffer(payload).request();

@@ -179,7 +179,7 @@ if has stagedab; then
   done
 fi
 if has quickpca; then
-  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_codec_pca_native.py \
+  timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_codec_pca_native.py \
     tests/test_gpu_codec_pca_queued.py > "$OUT/quickpca_tests.log" 2>&1
   echo "quickpca tests rc=$?"; tail -4 "$OUT/quickpca_tests.log"
   for th in 1 4; do

@@ -273,13 +273,15 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
         stream=torch.cuda.current_stream(dev).cuda_stream,
     )  # fmt: skip
     checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
+    staged = _state["staged"]
+    if not staged:  # the host part here (its allocation's errors are not the native call's)
+        _stage_in_python(ws, lay, payload[:used], offs, lens, idx, idx_at, length, s)
     try:
-        if _state["staged"]:  # the host part in the native call too
+        if staged:  # the host part in the native call too
             stage = c.decode_record(**args, payload=payload, offs=offs, lens=lens, exact_idx=idx,
                                     upload=base + lay.upload, payload_at=lay.payload, idx_at=idx_at,
                                     checks=base + lay.status, checks_bytes=lay.checks_end - lay.status)  # fmt: skip
         else:
-            _stage_in_python(ws, lay, payload, offs, lens, idx, idx_at, length, s)
             c.decode_record(**args, descs=base + lay.upload)
             stage = None
     except (RuntimeError, ValueError) as e:  # the record's own checks ran above
@@ -296,10 +298,11 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
 
 
 def _stage_in_python(ws, lay, payload, offs, lens, idx, idx_at, length, s) -> None:
-    """The host part of the unstaged native call: the coder's descriptors, the payload and the exact
-    tokens' index written into page-locked memory and uploaded to ``ws`` at ``lay.upload`` (torch's
-    caching host allocator keeps the memory until the copy ran)."""
-    used = int((offs + lens).max())
+    """The host part of the unstaged native call: the coder's descriptors, ``payload`` (the record's
+    payload up to its last section's end) and the exact tokens' index written into page-locked memory
+    and uploaded to ``ws`` at ``lay.upload`` (torch's caching host allocator keeps the memory until the
+    copy ran)."""
+    used = payload.size
     host = torch.empty(idx_at + 8 * idx.size, dtype=torch.uint8, pin_memory=True)
     hn = host.numpy()
     base = ws.data_ptr()
@@ -308,7 +311,7 @@ def _stage_in_python(ws, lay, payload, offs, lens, idx, idx_at, length, s) -> No
     desc["src_bytes"] = lens[:s]
     desc["dst"] = base + lay.sym + length * np.arange(s, dtype=np.uint64)
     desc["dst_capacity"] = length
-    hn[lay.payload : lay.payload + used] = payload[:used]
+    hn[lay.payload : lay.payload + used] = payload
     if idx.size:
         hn[idx_at:].view(np.int64)[:] = idx
     ws[lay.upload : lay.upload + host.numel()].copy_(host, non_blocking=True)
