@@ -319,6 +319,14 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="scripts/gpu_run.sh",
     ),
     EnvVar(
+        "LMTIER_HOSTAB_OPS",
+        "ci",
+        "scripts/gpu_run.sh's hostab step: what it times, old package against new, as op:threads pairs "
+        "(op: encode or decode)",
+        default="encode:1 encode:2",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
         "LMTIER_TTFTPCA_TIMEOUT",
         "ci",
         "seconds scripts/gpu_run.sh's ttftpca step may run (fits it into a device call with other steps)",
