@@ -24,7 +24,7 @@ from typing import Any
 
 import requests
 
-from lmtier.testing.procs import Proc, free_port, tail
+from lmtier.testing.procs import Proc, free_port, proc_stats, tail
 from lmtier.testing.server import parse_metrics, read_license, stdlib_docs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -311,16 +311,9 @@ class LMCacheServer(Proc):
 
 def tree_pids(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                st = f.read()
-            ppid = int(st.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
+    for pid, fields in proc_stats():
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(pid)
     out, todo = [], [root]
     while todo:
         p = todo.pop()

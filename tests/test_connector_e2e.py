@@ -359,6 +359,7 @@ def test_openai_server_metrics(e2e_dir):
     import time
     import urllib.request
 
+    from lmtier.testing import procs
     from lmtier.testing.procs import free_port
     from lmtier.testing.vllm import MODEL_DIR, REPO, vllm_cache_root, write_yaml
 
@@ -427,12 +428,14 @@ def test_openai_server_metrics(e2e_dir):
         time.sleep(1)
         metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     finally:
+        segments = procs.shm_segments(procs.group_pids(proc.pid))  # vLLM's, left at a group kill
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        procs.release_segments(segments)
     lines = metrics.splitlines()
 
     def value(prefix, *must):

@@ -12,12 +12,10 @@ import inspect
 import json
 import os
 import re
-import signal
-import subprocess
 import time
 from pathlib import Path
 
-from lmtier.testing.procs import Proc, tail
+from lmtier.testing.procs import Proc, group_pids, tail
 from lmtier.testing.vllm import REPO, vllm_cache_root
 
 __all__ = [
@@ -260,29 +258,10 @@ class VLLMServer(Proc):
         raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{tail(self.log_path, 40)}")
 
     def sigkill(self) -> None:
-        """SIGKILL the whole process group (a crash: no shutdown, no flush)."""
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
+        """SIGKILL the whole process group (a crash: no shutdown, no flush); the shared-memory
+        segments it leaves are removed (:meth:`~lmtier.testing.procs.Proc.kill_group`)."""
+        self.kill_group()
 
     def pids(self) -> list[int]:
         """Processes of the server's process group (API server, engine core, workers)."""
-        out = []
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read()
-                fields = st[st.rindex(")") + 2 :].split()
-                if int(fields[2]) == self.pgid:  # pgrp
-                    out.append(int(d))
-            except (OSError, ValueError):
-                continue
-        return out
+        return group_pids(self.pgid)
