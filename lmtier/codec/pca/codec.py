@@ -167,17 +167,6 @@ def _cached_run_luts(m: PCAModel, level: str, device: str) -> torch.Tensor:
     return got
 
 
-def _host(*ts: torch.Tensor) -> list[np.ndarray]:
-    """NumPy arrays of tensors: CUDA ones copied into page-locked memory (torch's caching host
-    allocator: DMA, not staged copies) on the current stream, one synchronization for all."""
-    out, devs = [], {t.device for t in ts if t.device.type == "cuda"}
-    for t in ts:
-        out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t)
-    for d in devs:
-        torch.cuda.current_stream(d).synchronize()
-    return [t.numpy() for t in out]
-
-
 def chunk_symbols(
     m: PCAModel, x: torch.Tensor, start: int, k: torch.Tensor, thr: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,7 +237,9 @@ def encode(
     arrays = _level_arrays(model, lv.name, str(dev))
     sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
     runs = streams.encode_runs(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
-    escapes, exact, raw = _host(escapes_t.to(torch.int16), exact_t, x[:, :, exact_t].contiguous().view(torch.uint8))
+    escapes, exact, raw = streams.host_arrays(
+        escapes_t.to(torch.int16), exact_t, x[:, :, exact_t].contiguous().view(torch.uint8)
+    )
     escapes = escapes.astype("<i2")
     S = sections_per_layer(model)
     for sec in (escapes.view(np.uint8), np.packbits(exact, bitorder="little"), raw.reshape(-1)):

@@ -29,6 +29,7 @@ __all__ = [
     "queue_spans",
     "QueuedStreams",
     "upload",
+    "host_arrays",
     "check_spans",
     "check_decoded",
     "run_length",
@@ -153,7 +154,7 @@ def _encode(
                 num_threads=num_threads,
                 stream=stream,
             )  # fmt: skip
-    got = _host_copy(checks)
+    (got,) = host_arrays(checks)
     rans._raise_status(got[len(calls) * (b + 1) :].view(np.int32)[:s_count], "encode")
     offs = got[: len(calls) * (b + 1)].reshape(len(calls), b + 1)
     used = [int(offs[k, len(c)]) for k, c in enumerate(calls)]
@@ -169,15 +170,15 @@ def _encode(
     return [(flat[f : f + u], offs[k, : len(c) + 1].tolist()) for k, (c, f, u) in enumerate(zip(calls, firsts, used))]
 
 
-def _host_copy(x: torch.Tensor) -> np.ndarray:
-    """A host NumPy copy of ``x`` (CUDA: through page-locked memory, one synchronization of the current
-    stream)."""
-    if not x.is_cuda:
-        return x.numpy()
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    torch.cuda.current_stream(x.device).synchronize()
-    return host.numpy()
+def host_arrays(*ts: torch.Tensor) -> list[np.ndarray]:
+    """NumPy arrays of tensors: CUDA ones copied into page-locked memory (torch's caching host
+    allocator: DMA, not staged copies) on the current stream, one synchronization for all."""
+    out, devs = [], {t.device for t in ts if t.device.type == "cuda"}
+    for t in ts:
+        out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t)
+    for d in devs:
+        torch.cuda.current_stream(d).synchronize()
+    return [t.numpy() for t in out]
 
 
 def decode(
