@@ -40,10 +40,17 @@ __all__ = ["LoadMeter", "TierManager"]
 log = logging.getLogger("lmtier.manager")
 
 
-def _done(value: bool) -> Future:
+def _done(value: Any) -> Future:
     f: Future = Future()
     f.set_result(value)
     return f
+
+
+def _stored(where: Future) -> Future:
+    """``Future[bool]`` of a ``Future[str | None]`` from :meth:`TierManager.store_in`: stored or not."""
+    out: Future = Future()
+    where.add_done_callback(lambda f: out.set_result(f.result() is not None))
+    return out
 
 
 class TierManager(TierWrites):
@@ -222,7 +229,27 @@ class TierManager(TierWrites):
         tenant: str = DEFAULT_TENANT,
         position: int | None = None,
     ) -> Future:
-        """Store one chunk asynchronously.
+        """Store one chunk asynchronously: :meth:`store_in`, told as stored or not.
+
+        Returns:
+            ``Future[bool]``: True once the chunk is stored in (or already was in) a tier; False if
+            it was dropped (queue full, every slot pinned and no lower tier, tier failure).
+
+        Raises:
+            as :meth:`store_in`.
+        """
+        return _stored(self.store_in(key, data, timeout_s=timeout_s, tenant=tenant, position=position))
+
+    def store_in(
+        self,
+        key: bytes,
+        data: Any,
+        *,
+        timeout_s: float | None = 0.0,
+        tenant: str = DEFAULT_TENANT,
+        position: int | None = None,
+    ) -> Future:
+        """Store one chunk asynchronously and tell which tier took it.
 
         Args:
             key: 32-byte chunk key (:func:`lmtier.keys.chunk_keys`).
@@ -240,8 +267,10 @@ class TierManager(TierWrites):
                 position) when it is written there.
 
         Returns:
-            ``Future[bool]``: True once the chunk is stored in (or already was in) a tier; False if
-            it was dropped (queue full, every slot pinned and no lower tier, tier failure).
+            ``Future[str | None]``: the tier the chunk is in once stored: ``"cpu"`` (the pool took
+            it, or held it already), else ``"disk"`` (written through to the disk tier), else
+            ``"remote"``; None if it was dropped (queue full, every slot pinned and no lower tier,
+            tier failure). The tier named is the one its ``STORED`` index event names.
 
         Raises:
             TypeError / ValueError: bad key, data or position (synchronously). RuntimeError: closed.
@@ -254,10 +283,10 @@ class TierManager(TierWrites):
         n = int(src.shape[0])
         if n == 0 or (self.cpu is not None and n > self.cpu.chunk_bytes):
             limit = self.cpu.chunk_bytes if self.cpu is not None else "any"
-            raise ValueError(f"TierManager.store: data must be 1..{limit} bytes, got {n}")
+            raise ValueError(f"TierManager.store_in: data must be 1..{limit} bytes, got {n}")
         if self.cpu is not None and self.cpu.is_present(key):
             self._count("store_present")
-            return _done(True)
+            return _done("cpu")
         if timeout_s is None:
             room = self._store_slots.acquire()
         elif timeout_s <= 0:
@@ -266,7 +295,7 @@ class TierManager(TierWrites):
             room = self._store_slots.acquire(timeout=timeout_s)
         if not room:
             self._count("store_dropped_queue_full")
-            return _done(False)
+            return _done(None)
         self._enter()
         try:
             fut = self._store_pool.submit(self._store_job, key, src, data, tenant, position)
@@ -276,18 +305,18 @@ class TierManager(TierWrites):
             raise
         return fut
 
-    def _store_job(self, key: bytes, src: Any, _keepalive: Any, tenant: str, position: int | None) -> bool:
+    def _store_job(self, key: bytes, src: Any, _keepalive: Any, tenant: str, position: int | None) -> str | None:
         try:
             return self._store_now(key, src, tenant, position)
         except Exception:
             log.exception("store of chunk %s failed", key.hex())
             self._count("store_errors")
-            return False
+            return None
         finally:
             self._store_slots.release()
             self._leave()
 
-    def _store_now(self, key: bytes, src: Any, tenant: str, position: int | None) -> bool:
+    def _store_now(self, key: bytes, src: Any, tenant: str, position: int | None) -> str | None:
         n = int(src.shape[0])
         if self.cpu is not None:
             slot = self.cpu.reserve(key, tenant=tenant, position=position)
@@ -304,30 +333,31 @@ class TierManager(TierWrites):
                 self._count("stored_cpu")
                 self._events.publish(IndexEventKind.STORED, key, "cpu")
                 self._send_remote(key, tenant)
-                return True
+                return "cpu"
             if self.cpu.is_present(key):
                 self._count("store_present")
-                return True
+                return "cpu"
             self._count("cpu_backpressure")
         # No CPU pool, or every slot pinned: write through to the lower tiers now.
-        ok = False
+        where: str | None = None
         payload = src if isinstance(src, torch.Tensor) else memoryview(src)
         if self.disk is not None:
             kw = self._put_kw(self.disk, tenant, position)
             ok = bool(self._safe(self.disk.put, key, payload, default=False, **kw))
             self._count("stored_disk" if ok else "disk_put_failures")
             if ok:
+                where = "disk"
                 self._events.publish(IndexEventKind.STORED, key, "disk")
         if self.remote is not None:
             kw = self._put_kw(self.remote, tenant, position)
             r = bool(self._safe(self.remote.put, key, payload, default=False, **kw))
             self._count("stored_remote" if r else "remote_put_failures")
-            if r and not ok:
+            if r and where is None:
+                where = "remote"
                 self._events.publish(IndexEventKind.STORED, key, "remote")
-            ok = ok or r
-        if not ok:
+        if where is None:
             self._count("store_dropped")
-        return ok
+        return where
 
     def commit(self, slot: Slot, nbytes: int, *, promoted: bool = False) -> None:
         """Commit a CPU-pool write slot the caller filled, publish ``STORED`` (tier ``"cpu"``), and

@@ -341,6 +341,30 @@ def test_no_cpu_writes_through():
     m.close()
 
 
+def test_store_in_names_the_tier_that_took_the_chunk():
+    """``store_in`` tells the tier its ``STORED`` event names: the pool (new or present), the disk
+    tier, the remote tier when the disk write failed, None when every tier failed; ``store`` the
+    same as a bool."""
+    pool = make_pool(num_slots=1)
+    disk, remote = MemTier("disk"), MemTier("remote")
+    m = TierManager(cpu=pool, disk=disk, remote=remote)
+    assert m.store_in(K(0), data(0)).result(10) == "cpu"
+    assert m.store_in(K(0), data(0)).result(10) == "cpu"  # present already
+    r = pool.acquire(K(0))  # every slot pinned: written through now
+    assert m.store_in(K(1), data(1)).result(10) == "disk"
+    disk.put = lambda *a, **k: False
+    assert m.store_in(K(2), data(2)).result(10) == "remote" and K(2) in remote.store
+    remote.put = lambda *a, **k: False
+    assert m.store_in(K(3), data(3)).result(10) is None
+    assert m.store(K(4), data(4)).result(10) is False and m.counters["store_dropped"] == 2
+    pool.release(r)
+    m.close(persist=False)
+    m = TierManager(cpu=None, disk=None, remote=MemTier("remote"))
+    assert m.store_in(K(0), data(0)).result(10) == "remote"
+    assert m.store(K(1), data(1)).result(10) is True
+    m.close()
+
+
 def test_concurrent_store_retrieve_same_prefix():
     disk = MemTier("disk")
     pool = make_pool(num_slots=3)

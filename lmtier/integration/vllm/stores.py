@@ -106,9 +106,11 @@ class ChunkStorer:
                     else:
                         self.engine.store(slots, [self.scratch]).synchronize()
                     pos = ci * self.chunk_size
-                    if self.manager.store(keys[ci], self.scratch, timeout_s=None, tenant=tenant, position=pos).result():
-                        if (where := self._stored_in(keys[ci])) is not None:
-                            self._on_stored(keys[ci], keys0[ci], where)
+                    where = self.manager.store_in(
+                        keys[ci], self.scratch, timeout_s=None, tenant=tenant, position=pos
+                    ).result()
+                    if where is not None:
+                        self._on_stored(keys[ci], keys0[ci], where)
                         self._stat("stored_chunks")
                         self._stat("stored_bytes", cb)
                 except Exception:
@@ -147,17 +149,6 @@ class ChunkStorer:
         dt = time.perf_counter() - t0
         self._stat("store_ms", dt * 1e3)
         self._stat("store_lat_s", dt)
-
-    def _stored_in(self, key: bytes) -> str | None:
-        """The tier a chunk stored without a CPU pool went to, for the scheduler's mirror: the disk
-        tier when it holds it (its index, in memory), else the remote tier (a failed disk write, or
-        no disk tier), else None. Labelling by configuration instead listed remote-only chunks, and
-        chunks whose disk write failed, as "disk": every such hit was mislabelled (metrics, hit
-        sources, the load policy's tier)."""
-        disk, remote = self.manager.disk, self.manager.remote
-        if disk is not None and disk.contains(key):
-            return "disk"
-        return "remote" if remote is not None else None
 
     def _commit(self, slot: Any, key: bytes, key0: bytes) -> None:
         self.manager.commit(slot, self.chunk_bytes)  # visible, STORED published, written through
