@@ -137,6 +137,9 @@ def test_cuda_decodes_without_run_luts_are_the_same(level, monkeypatch):
     handed.clear()
     _same(m, level, *int8_path_cases()[-1])
     assert handed and all(x is luts for x in handed)
+    pca.codec.use_run_luts(False)  # frees the lookups built so far
+    assert pca.codec._cached_run_luts.cache_info().currsize == 0
+    pca.codec.use_run_luts(True)
 
 
 def test_in_use_marks_each_cached_tensor_once_per_stream(monkeypatch):

@@ -146,8 +146,11 @@ _RUN_LUTS = {"enabled": True}
 def use_run_luts(on: bool) -> None:
     """Whether CUDA decodes read the rANS tables' decode lookups (:func:`lmtier.codec.rans.build_run_luts`,
     1 KiB a table, built at a level's first CUDA decode on a device and kept with its arrays) or build
-    each table run's lookups in the coder (the same symbols; ``lmtier.bench.codec_pca``'s A/B)."""
+    each table run's lookups in the coder (the same symbols; ``lmtier.bench.codec_pca``'s A/B).
+    Turning them off frees the lookups built so far (up to 8 levels' worth on the devices)."""
     _RUN_LUTS["enabled"] = bool(on)
+    if not on:
+        _cached_run_luts.cache_clear()
 
 
 def _run_luts(m: PCAModel, level: str, device: str) -> torch.Tensor | None:
