@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "lmtier/common.h"
+#include "lmtier/half_bits.cuh"
 #include "lmtier/kvquant.h"
 
 namespace lmtier {
@@ -39,18 +40,6 @@ struct QmaxParam {
 
 __device__ __forceinline__ bool finite_bits(float v) {
   return (__float_as_uint(v) & 0x7F800000u) != 0x7F800000u;
-}
-
-template <int DT>
-__device__ __forceinline__ float widen(uint16_t h) {
-  if (DT == kBF16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
-  return __half2float(__ushort_as_half(h));
-}
-
-template <int DT>
-__device__ __forceinline__ uint16_t narrow(float v) {
-  if (DT == kBF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  return __half_as_ushort(__float2half_rn(v));
 }
 
 // E consecutive uint16 at p (aligned to 2*E bytes).
@@ -235,7 +224,7 @@ __global__ void __launch_bounds__(kThreads)
         bool bad_in = false;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-          y[j] = widen<DT>(raw[i][j]);
+          y[j] = widen<DT == kBF16>(raw[i][j]);
           bad_in |= !finite_bits(y[j]);
         }
         fwht_warp<E>(y, lane);
@@ -345,7 +334,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         fwht_warp<E>(y, lane);
 #pragma unroll
-        for (int j = 0; j < E; ++j) v[j] = narrow<DT>(__fmul_rn(y[j], inv_d));
+        for (int j = 0; j < E; ++j) v[j] = narrow<DT == kBF16>(__fmul_rn(y[j], inv_d));
       }
       store_row<E>(out + static_cast<uint64_t>(t) * H * D, v);
     }

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "lmtier/common.h"
+#include "lmtier/half_bits.cuh"
 #include "lmtier/pca.h"
 
 namespace lmtier {
@@ -25,18 +26,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr unsigned kFull = 0xFFFFFFFFu;
-
-template <int DT>
-__device__ __forceinline__ double widen(uint16_t h) {
-  if (DT == kBF16) return static_cast<double>(__uint_as_float(static_cast<uint32_t>(h) << 16));
-  return static_cast<double>(__half2float(__ushort_as_half(h)));
-}
-
-template <int DT>
-__device__ __forceinline__ uint16_t narrow(float v) {
-  if (DT == kBF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  return __half_as_ushort(__float2half_rn(v));
-}
 
 // Exact int64 sum over the CTA (kThreads threads); the result is valid in thread 0.
 __device__ __forceinline__ long long block_sum(long long v) {
@@ -75,11 +64,11 @@ __global__ void __launch_bounds__(kThreads)
     int v = 0;
     if (n < N) {
       const int64_t o = chunk_offset(g, r, p, t, n);
-      double x = widen<DT>(kv[o]);
+      double x = widen<DT == kBF16>(kv[o]);
       bad |= !isfinite(x);  // every value of the chunk is some row's kv[o] exactly once
       if (p == 0 && cos_t != nullptr) {  // RoPE undone: x * cos - rotate_half(x) * sin
         const int d = n % D;
-        const double xp = widen<DT>(kv[o - d + (d < half ? d + half : d - half)]);
+        const double xp = widen<DT == kBF16>(kv[o - d + (d < half ? d + half : d - half)]);
         const double rot = d < half ? -xp : xp;
         x = __dsub_rn(__dmul_rn(x, cos_t[(int64_t)t * D + d]),
                       __dmul_rn(rot, sin_t[(int64_t)t * D + d]));
@@ -232,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
       x = __dadd_rn(__dmul_rn(x, cos_t[(int64_t)t * D + d]),
                     __dmul_rn(rot, sin_t[(int64_t)t * D + d]));
     }
-    out[chunk_offset(g, r, p, t, j)] = narrow<DT>(__double2float_rn(x));
+    out[chunk_offset(g, r, p, t, j)] = narrow<DT == kBF16>(__double2float_rn(x));
   }
 }
 
