@@ -2,13 +2,15 @@
 threads each decode one record at a time on its own stream (``lmtier.bench.codec_pca.decode_one``:
 ``decode_queued(...).result()``), over and over for ``--seconds``; prints GB/s of bf16 KV. ``--op
 encode``: the same for ``pca.encode`` of the chunks, each thread on its own stream, as a tier's store
-threads encode. Made to run
+threads encode. ``--op put``: the product's write path, ``PCACodecTier.put`` of page-locked host chunks
+(as the CPU pool's slots hand them) with ``encode_device`` on the GPU, over an inner tier whose put
+copies the record once (a socket's send or a file's write stand-in). Made to run
 under ``py-spy record --gil`` (scripts/gpu_run.sh's ``decspy`` step): which Python code holds the GIL
 while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca bench's synthetic model
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES] [--breakdown PASSES] [--op decode|encode] [--staged]
+        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put] [--staged]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
@@ -34,6 +36,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 
 from lmtier.bench import codec_pca as bench  # noqa: E402
 from lmtier.codec import pca  # noqa: E402
+from lmtier.tiers.base import Tier, TierUsage  # noqa: E402
+from lmtier.tiers.codec_pca import PCACodecTier  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -45,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="PASSES")
     ap.add_argument("--breakdown", type=int, default=0, metavar="PASSES")
     ap.add_argument("--switch-ms", type=float, default=0.0, help="sys.setswitchinterval (ms; 0: Python's 5 ms)")
-    ap.add_argument("--op", choices=("decode", "encode"), default="decode")
+    ap.add_argument("--op", choices=("decode", "encode", "put"), default="decode")
     ap.add_argument("--staged", action="store_true", help="the decode's host part in the native call")
     a = ap.parse_args(argv)
     if a.switch_ms:
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
     pool = ThreadPoolExecutor(a.threads, thread_name_prefix=a.op)
     if a.op == "decode":
         one_pass = lambda: list(pool.map(lambda r: bench.decode_one(r, m, dev), recs))  # noqa: E731
+    elif a.op == "put":
+        one_pass = put_pass(pool, chunks, m, a.level, recs)
     else:
         one_pass = lambda: list(pool.map(lambda i: encode_one(chunks[i], 256 * i, m, a.level), range(a.chunks)))  # noqa: E731
         assert one_pass() == recs, "the encode gave other bytes"
@@ -97,6 +103,61 @@ def encode_one(chunk: torch.Tensor, start: int, m: pca.PCAModel, level: str) -> 
     s.wait_stream(torch.cuda.current_stream(chunk.device))
     with torch.cuda.stream(s):
         return pca.encode(chunk, start=start, model=m, level=level)
+
+
+class _Sink(Tier):
+    """An inner tier whose put copies the record once into a buffer of its thread (a send's or a
+    write's stand-in) and keeps the last record of each key for the check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[bytes, bytes] = {}
+        self._buf = threading.local()
+
+    def put(self, key: bytes, payload, **kw) -> bool:
+        mv = memoryview(payload).cast("B")
+        buf = self._buf.__dict__.get("b")
+        if buf is None or len(buf) < mv.nbytes:
+            buf = self._buf.b = bytearray(mv.nbytes)
+        buf[: mv.nbytes] = mv
+        if key not in self.last:
+            self.last[key] = bytes(mv)
+        return True
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.last
+
+    def get_into(self, key: bytes, out) -> int | None:
+        return None
+
+    def delete(self, key: bytes) -> bool:
+        return False
+
+    def forget(self, key: bytes) -> bool:
+        return False
+
+    def usage(self) -> TierUsage:
+        return TierUsage(capacity_bytes=0, used_bytes=0, num_chunks=len(self.last))
+
+
+def put_pass(pool: ThreadPoolExecutor, chunks: list[torch.Tensor], m: pca.PCAModel, level: str, recs: list[bytes]):
+    """One pass of ``PCACodecTier.put`` of every chunk from page-locked host memory, the GPU encoding
+    (checked once: the records are ``recs``)."""
+    c0 = chunks[0]
+    sink = _Sink()
+    tier = PCACodecTier(sink, shape=tuple(c0.shape), dtype=c0.dtype, level=level, model=m, encode_device=c0.device)
+    host = [c.cpu().pin_memory().view(-1).view(torch.uint8) for c in chunks]
+    keys = [bytes([i + 1]) * 32 for i in range(len(chunks))]
+
+    def one(i: int) -> bool:
+        return tier.put(keys[i], host[i], position=256 * i)
+
+    def one_pass() -> list[bool]:
+        return list(pool.map(one, range(len(chunks))))
+
+    assert all(one_pass()), "a put failed"
+    assert [sink.last[tier.inner_key(k)] for k in keys] == recs, "the tier stored other bytes"
+    return one_pass
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:

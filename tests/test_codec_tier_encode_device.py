@@ -152,9 +152,9 @@ def test_unencodable_kv_is_not_a_device_failure(disk, monkeypatch):
     # and GPU encoding stays on. The device is replaced by the CPU encoder (this machine has no GPU).
     seen: list[torch.Tensor] = []
 
-    def on_cpu(self, src, *, tables):
+    def on_cpu(self, src, *, tables, scratch=False):
         seen.append(src)
-        return C.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables)
+        return C.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables, scratch=scratch)
 
     monkeypatch.setattr(DeviceEncoder, "encode", on_cpu)
     t = CodecTier(disk, shape=SHAPE, dtype=torch.bfloat16, level="default", encode_device="cuda:0")
@@ -175,7 +175,7 @@ def test_unencodable_kv_is_not_a_device_failure(disk, monkeypatch):
 def test_an_input_error_of_the_encoder_is_not_a_device_failure(disk, monkeypatch, caplog):
     # ValueError / TypeError (e.g. tables that do not fit the record) are the input's, raised as on
     # the CPU: GPU encoding stays on, no fallback is counted or logged.
-    def bad_tables(self, src, *, tables):
+    def bad_tables(self, src, *, tables, scratch=False):
         raise ValueError("tables.section_tables has 7 entries, the record has 120 sections")
 
     monkeypatch.setattr(DeviceEncoder, "encode", bad_tables)

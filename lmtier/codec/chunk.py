@@ -264,7 +264,8 @@ def encode_chunk(
     level: str | int | Level,
     tables: StaticTables | None = None,
     num_threads: int = 0,
-) -> bytes:
+    scratch: bool = False,
+) -> bytes | memoryview:
     """Encode one canonical KV chunk into a codec record.
 
     Args:
@@ -277,10 +278,13 @@ def encode_chunk(
         tables: static rANS tables (one per section, see :class:`StaticTables`); ``None``: every
             stream is coded with its own table.
         num_threads: CPU encoder threads (0: the coder's default).
+        scratch: return the record as a read-only view of this thread's packing buffer, valid until
+            its next record (:func:`lmtier.codec.format.pack_runs`), instead of a new ``bytes``.
 
     Returns:
-        The record (``bytes``, at most :func:`max_record_bytes`). Deterministic: the same chunk,
-        level and tables give the same bytes on the CPU and on the GPU. For an adaptive level
+        The record (``bytes``, or the view with ``scratch``; at most :func:`max_record_bytes`).
+        Deterministic: the same chunk, level and tables give the same bytes on the CPU and on the
+        GPU. For an adaptive level
         (:attr:`~lmtier.codec.levels.Level.adaptive`) the qmax per (layer, plane) is chosen from the
         chunk's measured error (:func:`lmtier.codec.bound.choose_qmax`) and stored in the record's
         metadata.
@@ -342,7 +346,7 @@ def encode_chunk(
     data = batch.data.cpu().numpy() if isinstance(batch.data, torch.Tensor) else np.asarray(batch.data)
     _, _, t, h, d = shp
     info = fmt.RecordInfo(lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[dt], sections_per_layer=S, table_id=table_id)
-    return fmt.pack_back_to_back(info, data, batch.offsets, meta)
+    return fmt.pack_back_to_back(info, data, batch.offsets, meta, scratch=scratch)
 
 
 # ------------------------------------------------------------------------------------------------

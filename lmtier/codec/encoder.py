@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -88,7 +89,9 @@ class DeviceEncoder:
         self._closed = False
         self._lock = threading.Lock()
 
-    def encode(self, src: torch.Tensor, *, tables: cchunk.StaticTables | None) -> bytes:
+    def encode(
+        self, src: torch.Tensor, *, tables: cchunk.StaticTables | None, scratch: bool = False
+    ) -> bytes | memoryview:
         """Encode one chunk on :attr:`device`; returns its record, the same bytes as
         ``encode_chunk(src, ...)`` on the CPU.
 
@@ -96,9 +99,11 @@ class DeviceEncoder:
             src: the chunk's canonical bytes, a contiguous host ``torch.uint8`` tensor of
                 :attr:`raw_bytes` (pinned or pageable; read until this returns).
             tables: the static table set to code with (None: per-stream tables).
+            scratch: as for :func:`~lmtier.codec.chunk.encode_chunk`.
 
         Returns:
-            The record (``bytes`` in host memory, complete: nothing of it is still in flight).
+            The record in host memory, complete (nothing of it is still in flight): ``bytes``, or
+            with ``scratch`` a view of this thread's packing buffer.
 
         Raises:
             RuntimeError: ``lmtier._C`` was built without CUDA (checked before anything touches the
@@ -112,10 +117,13 @@ class DeviceEncoder:
             raise ValueError("DeviceEncoder.encode: built without a level (use run)")
         level = self.level
         return self.run(
-            src, lambda buf: cchunk.encode_chunk(buf, shape=self.shape, dtype=self.dtype, level=level, tables=tables)
+            src,
+            lambda buf: cchunk.encode_chunk(
+                buf, shape=self.shape, dtype=self.dtype, level=level, tables=tables, scratch=scratch
+            ),
         )
 
-    def run(self, src: torch.Tensor, encode: Callable[[torch.Tensor], bytes]) -> bytes:
+    def run(self, src: torch.Tensor, encode: Callable[[torch.Tensor], Any]) -> Any:
         """Copy the host chunk ``src`` into a slot's device buffer and return ``encode(buffer)``,
         run with the slot's stream as the current stream (the slot and stream handling of
         :meth:`encode`, for another record format: :class:`lmtier.tiers.codec_pca.PCACodecTier`).
@@ -123,7 +131,7 @@ class DeviceEncoder:
         Args:
             src: as for :meth:`encode`.
             encode: takes the device buffer (``uint8 [raw_bytes]`` on :attr:`device`, valid until it
-                returns) and returns the record in host memory.
+                returns) and returns the record in host memory (``bytes`` or a host buffer).
 
         Raises:
             What :meth:`encode` raises (``encode``'s errors instead of ``encode_chunk``'s).

@@ -164,7 +164,9 @@ def pack_into(buf: Any, info: RecordInfo, sections: Sequence[Any], meta: bytes =
     return start + payload
 
 
-def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: bytes = b"") -> bytes:
+def pack_back_to_back(
+    info: RecordInfo, data: np.ndarray, offsets: Any, meta: bytes = b"", *, scratch: bool = False
+) -> bytes | memoryview:
     """``pack(info, [data[offsets[i]:offsets[i + 1]] for i in range(N)], meta)`` — the same bytes —
     with one copy of the payload when every section but the last has a length that is a multiple of
     4 (a :func:`lmtier.codec.rans.encode` batch: its streams lie back to back at 4-byte aligned
@@ -175,12 +177,13 @@ def pack_back_to_back(info: RecordInfo, data: np.ndarray, offsets: Any, meta: by
         data: 1-D uint8 host array holding the sections.
         offsets: ``[N + 1]`` non-decreasing ints (host), section ``i`` = ``data[offsets[i]:offsets[i + 1]]``.
         meta: the record's metadata bytes.
+        scratch: as for :func:`pack_runs`.
 
     Raises:
         ValueError: ``data`` not uint8, offsets not non-decreasing or past ``data``, a section count
             the geometry does not have.
     """
-    return pack_runs(info, [(data, offsets)], meta, what="pack_back_to_back")
+    return pack_runs(info, [(data, offsets)], meta, what="pack_back_to_back", scratch=scratch)
 
 
 def _run(data: Any, offsets: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -196,8 +199,13 @@ def _run(data: Any, offsets: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_runs(
-    info: RecordInfo, runs: Sequence[tuple[Any, Any]], meta: bytes = b"", *, what: str = "pack_runs"
-) -> bytes:
+    info: RecordInfo,
+    runs: Sequence[tuple[Any, Any]],
+    meta: bytes = b"",
+    *,
+    what: str = "pack_runs",
+    scratch: bool = False,
+) -> bytes | memoryview:
     """:func:`pack` of sections given as runs of back-to-back sections — the same bytes. Run ``k`` is
     ``(data, offsets)``: its ``len(offsets) - 1`` sections are ``data[offsets[i]:offsets[i + 1]]``; the
     record's sections are the runs' in order. A run whose sections but the last have lengths that are
@@ -211,6 +219,10 @@ def pack_runs(
             ``[n + 1]`` non-decreasing ints within it (``[0, 0]``: none; ``[0] * (n + 1)``: ``n`` empty
             sections).
         meta: the record's metadata bytes.
+        scratch: False: the record as a new ``bytes``. True: a read-only ``memoryview`` of the buffer
+            this thread assembled it in (:func:`_scratch`), no copy: valid until this thread packs
+            its next record. For a codec tier handing the record to its inner tier's ``put``, which
+            is done reading it when it returns (:meth:`lmtier.tiers.base.Tier.put`).
 
     Raises:
         ValueError: ``data`` not uint8, offsets not non-decreasing or past ``data``, a section count
@@ -236,7 +248,7 @@ def pack_runs(
                 out[at + b - a : start + _r4(int(rec_off[first + i]) + b - a)] = 0
         first += n
     _seal(out, info, meta_v.nbytes, start, payload)
-    return _bytes_of(out)
+    return memoryview(out).toreadonly() if scratch else _bytes_of(out)
 
 
 def _bytes_of(out: np.ndarray) -> bytes:

@@ -200,6 +200,11 @@ class Tier(abc.ABC):
     def put(self, key: bytes, payload: Any) -> bool:
         """Store ``payload`` (read-only, contiguous bytes) under ``key``. Returns success.
 
+        A tier is done reading ``payload`` when ``put`` returns (it copied or sent the bytes): the
+        caller may reuse the memory at once. The codec tiers rely on it: they hand their inner tier
+        each record in the buffer they assemble the next one in
+        (:func:`lmtier.codec.format.pack_runs` ``scratch=True``).
+
         Tiers with per-tenant budgets (:attr:`tenant_budgets` not None: the CPU pool, the Redis tier
         and the decorators over it) also take ``tenant=`` (:func:`lmtier.tiers.tenants.tenant_id`);
         the tier manager passes it only to those. Tiers whose :meth:`takes_position` is True also

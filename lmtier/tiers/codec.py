@@ -291,8 +291,10 @@ class CodecTier(RecordTier):
             record, on_gpu = self._encode_on(
                 key,
                 src,
-                lambda: cchunk.encode_chunk(src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables),
-                lambda gpu: gpu.encode(src, tables=tables),
+                lambda: cchunk.encode_chunk(
+                    src, shape=self.shape, dtype=self.dtype, level=self.level, tables=tables, scratch=True
+                ),
+                lambda gpu: gpu.encode(src, tables=tables, scratch=True),  # records in this thread's packing buffer
             )
         except CodecInputError as e:  # NaN/inf or out-of-range KV with a lossy level
             return self._cannot_encode(key, e)

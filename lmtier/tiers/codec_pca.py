@@ -239,9 +239,9 @@ class PCACodecTier(RecordTier):
         if src is None:
             return False
 
-        def encode(buf: torch.Tensor) -> bytes:
+        def encode(buf: torch.Tensor) -> memoryview:  # this thread's packing buffer: the inner put reads it
             chunk = buf.view(self.dtype).view(self.shape)
-            return pca.encode(chunk, start=position, model=self.model, level=self.level)
+            return pca.encode(chunk, start=position, model=self.model, level=self.level, scratch=True)
 
         try:
             record, on_gpu = self._encode_on(key, src, lambda: encode(src), lambda gpu: gpu.run(src, encode))

@@ -223,8 +223,12 @@ class RecordTier(Tier):
             )
 
     def _encode_on(
-        self, key: bytes, src: torch.Tensor, encode: Callable[[], bytes], on_gpu: Callable[[Any], bytes]
-    ) -> tuple[bytes, bool]:
+        self,
+        key: bytes,
+        src: torch.Tensor,
+        encode: Callable[[], bytes | memoryview],
+        on_gpu: Callable[[Any], bytes | memoryview],
+    ) -> tuple[bytes | memoryview, bool]:
         """``(record, encoded on the GPU)`` of the flat uint8 chunk ``src``: ``on_gpu(encoder)`` for a
         host ``src`` while GPU encoding is on, else ``encode()`` (where ``src`` lives). A GPU encode that
         raises anything but :class:`~lmtier.codec.quant.CodecInputError`, ``ValueError`` or ``TypeError``
@@ -270,7 +274,7 @@ class RecordTier(Tier):
         self._count("put_failures")
         return False
 
-    def _store_record(self, key: bytes, record: bytes, on_gpu: bool, **kw: Any) -> bool:
+    def _store_record(self, key: bytes, record: bytes | memoryview, on_gpu: bool, **kw: Any) -> bool:
         """Put ``record`` into the inner tier under ``key``'s derived key (``kw``: the inner put's,
         ``tenant=``); counts ``puts``, ``raw_bytes_in``, ``record_bytes_out`` and ``gpu_encodes``
         (``on_gpu``), or ``put_failures``. Returns the inner put's result."""

@@ -193,8 +193,14 @@ def chunk_symbols(
 
 
 def encode(
-    chunk: torch.Tensor, *, start: int, model: PCAModel, level: str | int | PCALevel, num_threads: int = 0
-) -> bytes:
+    chunk: torch.Tensor,
+    *,
+    start: int,
+    model: PCAModel,
+    level: str | int | PCALevel,
+    num_threads: int = 0,
+    scratch: bool = False,
+) -> bytes | memoryview:
     """Encode one chunk.
 
     Args:
@@ -205,10 +211,12 @@ def encode(
         model: the calibrated data (:func:`lmtier.codec.pca.fit.fit` / :func:`~.model.load`).
         level: a PCA level of ``model`` (name, id or :class:`PCALevel`).
         num_threads: rANS encoder threads (0: its default).
+        scratch: return the record as a read-only view of this thread's packing buffer, valid until
+            its next record (:func:`lmtier.codec.format.pack_runs`), instead of a new ``bytes``.
 
     Returns:
-        The record (``bytes``). Deterministic: the same chunk, start, model and level give the same
-        bytes.
+        The record (``bytes``, or the view with ``scratch``). Deterministic: the same chunk, start,
+        model and level give the same bytes.
 
     Raises:
         TypeError: not bf16/fp16, not a tensor, ``model`` not a :class:`PCAModel`.
@@ -251,7 +259,8 @@ def encode(
     info = fmt.RecordInfo(
         lv.level_id, nl, 2, t, h, d, dtype=CODEC_DTYPES[x.dtype], sections_per_layer=S, table_id=model.model_id
     )
-    return fmt.pack_runs(info, runs, _META.pack(int(start), int(exact.sum()), len(escapes), model.digest))
+    meta = _META.pack(int(start), int(exact.sum()), len(escapes), model.digest)
+    return fmt.pack_runs(info, runs, meta, scratch=scratch)
 
 
 def max_record_bytes(model: PCAModel, tokens: int) -> int:
