@@ -155,9 +155,15 @@ def put_pass(pool: ThreadPoolExecutor, chunks: list[torch.Tensor], m: pca.PCAMod
     def one_pass() -> list[bool]:
         return list(pool.map(one, range(len(chunks))))
 
-    assert all(one_pass()), "a put failed"
+    def checked_pass() -> list[bool]:
+        ok = one_pass()
+        c = tier.counters
+        assert all(ok) and c["gpu_encode_fallbacks"] == 0 and c["gpu_encodes"] == c["puts"], ("not all on the GPU", c)
+        return ok
+
+    checked_pass()
     assert [sink.last[tier.inner_key(k)] for k in keys] == recs, "the tier stored other bytes"
-    return one_pass
+    return checked_pass
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:

@@ -15,7 +15,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,9 +47,24 @@ def _done(value: Any) -> Future:
 
 
 def _stored(where: Future) -> Future:
-    """``Future[bool]`` of a ``Future[str | None]`` from :meth:`TierManager.store_in`: stored or not."""
+    """``Future[bool]`` of a ``Future[str | None]`` from :meth:`TierManager.store_in`: stored or not.
+    An exception or a cancellation of ``where`` is passed on; cancelling the result cancels
+    ``where`` (a store not yet started does not run)."""
     out: Future = Future()
-    where.add_done_callback(lambda f: out.set_result(f.result() is not None))
+
+    def forward(f: Future) -> None:
+        try:
+            if f.cancelled():
+                out.cancel()
+            elif (e := f.exception()) is not None:
+                out.set_exception(e)
+            else:
+                out.set_result(f.result() is not None)
+        except InvalidStateError:  # the caller cancelled ``out`` meanwhile
+            pass
+
+    where.add_done_callback(forward)
+    out.add_done_callback(lambda o: where.cancel() if o.cancelled() else None)
     return out
 
 
@@ -270,7 +285,9 @@ class TierManager(TierWrites):
             ``Future[str | None]``: the tier the chunk is in once stored: ``"cpu"`` (the pool took
             it, or held it already), else ``"disk"`` (written through to the disk tier), else
             ``"remote"``; None if it was dropped (queue full, every slot pinned and no lower tier,
-            tier failure). The tier named is the one its ``STORED`` index event names.
+            tier failure). The tier named is the one its ``STORED`` index event names (none is
+            published for a chunk the pool held already). Cancelling the future before the store
+            started drops the store.
 
         Raises:
             TypeError / ValueError: bad key, data or position (synchronously). RuntimeError: closed.
@@ -303,7 +320,15 @@ class TierManager(TierWrites):
             self._store_slots.release()
             self._leave()
             raise
+        fut.add_done_callback(self._cancelled_store)
         return fut
+
+    def _cancelled_store(self, fut: Future) -> None:
+        """A store cancelled before it ran: its queue room and in-flight count, which its job would
+        have given back."""
+        if fut.cancelled():
+            self._store_slots.release()
+            self._leave()
 
     def _store_job(self, key: bytes, src: Any, _keepalive: Any, tenant: str, position: int | None) -> str | None:
         try:

@@ -7,6 +7,7 @@ import hashlib
 import random
 import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -363,6 +364,35 @@ def test_store_in_names_the_tier_that_took_the_chunk():
     assert m.store_in(K(0), data(0)).result(10) == "remote"
     assert m.store(K(1), data(1)).result(10) is True
     m.close()
+
+
+def test_cancelled_store_gives_back_its_room_and_passes_on():
+    """A store cancelled while queued does not run and gives back its queue room (``flush`` and
+    ``close`` do not wait for it); ``store``'s future of it is cancelled too, and cancelling that
+    future cancels the queued store."""
+    disk = MemTier("disk", delay_s=0.3)
+    m = TierManager(cpu=None, disk=disk, store_threads=1, max_pending_stores=3)
+    first = m.store_in(K(0), data(0))  # runs (the only thread, slow tier)
+    queued = m.store_in(K(1), data(1))
+    told = m.store(K(2), data(2))
+    assert queued.cancel() and told.cancel()
+    assert first.result(10) == "disk" and m.flush(10)
+    assert K(1) not in disk.store and K(2) not in disk.store
+    assert [m.store(K(3 + i), data(i)).result(10) for i in range(3)] == [True] * 3  # the room is back
+    m.close()
+
+
+def test_store_future_passes_on_an_exception():
+    from lmtier.manager import _stored
+
+    inner = Future()
+    out = _stored(inner)
+    inner.set_exception(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        out.result(1)
+    inner = Future()
+    out = _stored(inner)
+    assert inner.cancel() and out.cancelled()
 
 
 def test_concurrent_store_retrieve_same_prefix():

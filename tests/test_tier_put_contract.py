@@ -17,7 +17,9 @@ from lmtier.tiers.seal.tier import SealedTier, SealMode
 from tests.codec_cases import SHAPE, kv_like
 from tests.test_manager import MemTier
 
-N = 3 * 4096 + 100
+N = (6 << 20) + 100
+"""Payload bytes: several of the disk tier's write pieces and of the Redis tier's SETRANGE pieces
+(1 MiB), not a whole number of pages."""
 
 
 def K(i: int) -> bytes:
@@ -25,11 +27,11 @@ def K(i: int) -> bytes:
 
 
 def _disk(tmp_path, request):
-    return DiskTier([str(tmp_path / "d")], 16 << 20, io_threads=1)
+    return DiskTier([str(tmp_path / "d")], 64 << 20, io_threads=4)
 
 
 def _cpu(tmp_path, request):
-    return CPUPool(4 * 16384, 16384, arena=torch.empty(4 * 16384, dtype=torch.uint8))
+    return CPUPool(4 * (7 << 20), 7 << 20, arena=torch.empty(4 * (7 << 20), dtype=torch.uint8))
 
 
 def _sealed(tmp_path, request):
@@ -54,17 +56,19 @@ TIERS = {"cpu": _cpu, "disk": _disk, "sealed_disk": _sealed, "redis": _redis, "m
 
 @pytest.mark.parametrize("name", sorted(TIERS))
 def test_put_is_done_with_the_payload_when_it_returns(name, tmp_path, request):
-    """The payload's memory is overwritten right after each put (as the codec tiers' next record
-    does): every key still reads back the bytes it was put with."""
+    """The payload's memory (page-aligned, as the codec tiers' packing buffer: the disk tier writes
+    whole pages straight from it) is overwritten right after each put, as the codec tiers' next
+    record does: every key still reads back the bytes it was put with."""
     tier = TIERS[name](tmp_path, request)
-    buf = bytearray(N)
+    buf = fmt._page_aligned(N)
+    assert buf.ctypes.data % 4096 == 0
     want = {}
     try:
         for i in range(3):
             data = np.random.default_rng(i).integers(0, 256, N, dtype=np.uint8).tobytes()
-            buf[:] = data
+            buf[:] = np.frombuffer(data, np.uint8)
             assert tier.put(K(i), memoryview(buf).toreadonly())
-            buf[:] = b"\xa5" * N  # the caller reuses the memory at once
+            buf[:] = 0xA5  # the caller reuses the memory at once
             want[K(i)] = data
         for k, data in want.items():
             out = bytearray(N)
@@ -82,7 +86,7 @@ def test_scratch_record_is_the_bytes_record_in_the_threads_buffer():
     assert isinstance(enc[0], bytes) and isinstance(view, memoryview) and view.readonly
     assert bytes(view) == enc[0]
     at = np.frombuffer(view, np.uint8).ctypes.data
-    assert at == fmt._scratch(1).ctypes.data  # this thread's buffer
+    assert at == fmt._scratch(1).ctypes.data and at % 4096 == 0  # this thread's buffer, page-aligned
     again = cchunk.encode_chunk(xs[1], shape=SHAPE, dtype=torch.bfloat16, level="default", scratch=True)
     assert np.frombuffer(again, np.uint8).ctypes.data == at and bytes(again) == enc[1]
 

@@ -312,15 +312,23 @@ _local = threading.local()
 def _scratch(total: int) -> np.ndarray:
     """A writable uint8 array of ``total`` bytes in which :func:`pack` assembles a record before its
     one copy into the returned ``bytes``: this thread's kept buffer (its pages already touched) when
-    the record fits :data:`_SCRATCH_MAX`, else a fresh one. Assembling in a fresh buffer and then
+    the record fits :data:`_SCRATCH_MAX`, else a fresh one; page-aligned. Assembling in a fresh buffer and then
     copying touches two sets of new pages, and a page fault per 4 KiB costs more than the copy."""
     if total > _SCRATCH_MAX:
-        return np.empty(total, np.uint8)
+        return _page_aligned(total)
     buf = getattr(_local, "buf", None)
     if buf is None or buf.size < total:  # grows geometrically: records that grow step by step
         size = 0 if buf is None else buf.size
-        buf = _local.buf = np.empty(min(_SCRATCH_MAX, max(total, 2 * size, 1 << 20)), np.uint8)
+        buf = _local.buf = _page_aligned(min(_SCRATCH_MAX, max(total, 2 * size, 1 << 20)))
     return buf[:total]
+
+
+def _page_aligned(n: int) -> np.ndarray:
+    """An uninitialised uint8 array of ``n`` bytes starting on a 4 KiB page (the disk tier writes
+    whole pages of such a payload straight from it, :mod:`lmtier.tiers.disk.records`)."""
+    raw = np.empty(n + 4096, np.uint8)
+    skip = -raw.ctypes.data % 4096
+    return raw[skip : skip + n]
 
 
 def pack(info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> bytes:

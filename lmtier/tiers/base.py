@@ -203,7 +203,9 @@ class Tier(abc.ABC):
         A tier is done reading ``payload`` when ``put`` returns (it copied or sent the bytes): the
         caller may reuse the memory at once. The codec tiers rely on it: they hand their inner tier
         each record in the buffer they assemble the next one in
-        (:func:`lmtier.codec.format.pack_runs` ``scratch=True``).
+        (:func:`lmtier.codec.format.pack_runs` ``scratch=True``). One exception, never a caller's
+        buffer: a Mooncake tier's put straight from the slot of the CPU pool it is attached to may
+        still read the slot after a call that timed out (:meth:`lmtier.tiers.mooncake.MooncakeTier.attach_pool`).
 
         Tiers with per-tenant budgets (:attr:`tenant_budgets` not None: the CPU pool, the Redis tier
         and the decorators over it) also take ``tenant=`` (:func:`lmtier.tiers.tenants.tenant_id`);
