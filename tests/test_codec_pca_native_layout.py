@@ -97,7 +97,7 @@ def test_on_by_default_and_enabled_blocks_restore(monkeypatch):
 
     code = "from lmtier.codec.pca import native_decode as n; print(n._state)"
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert fresh.stdout.strip() == "{'enabled': True, 'disabled': '', 'staged': False}"  # a new process: on
+    assert fresh.stdout.strip() == "{'enabled': True, 'disabled': '', 'staged': True}"  # a new process: on
     monkeypatch.setattr(native_decode, "_state", {**native_decode._state, "enabled": True, "disabled": ""})
     with native_decode.enabled(False):
         assert not native_decode.available()

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True, params=[False, True], ids=["host-part-in-python", "host-part-native"])
 def native_on(monkeypatch, request):
     """The native decode on (the product's default), whatever an earlier test left; its host part
-    in Python (the default) or in the native call (:func:`native_decode.stage_in_native`)."""
+    in Python or in the native call (:func:`native_decode.stage_in_native`, the default)."""
     monkeypatch.setitem(native_decode._state, "enabled", True)
     monkeypatch.setitem(native_decode._state, "staged", request.param)
     return request.param

@@ -42,18 +42,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ALIGN = 256
-_state = {"enabled": True, "disabled": "", "staged": False}
+_state = {"enabled": True, "disabled": "", "staged": True}
 """``enabled``: :func:`enable`'s switch (on by default); ``disabled``: why it is off for this process
 ("" while not), set by :func:`disable` after it raised once (then every record takes
-:func:`.kernels.queue_decode`'s path); ``staged``: :func:`stage_in_native`'s switch (off by default
-until a GPU run has checked it)."""
+:func:`.kernels.queue_decode`'s path); ``staged``: :func:`stage_in_native`'s switch (on by default:
+benchmarks/RESULTS.md §4.1x)."""
 
 
 def stage_in_native(on: bool = True) -> None:
     """Let the native call do the host part of each record's decode too (``on``: the descriptors,
     payload and exact tokens' index staged in its page-locked pool, uploaded, the exact tokens put
-    in place by a kernel, the checks copied back; ``csrc/pca_stage.cpp``, the GIL released), or do it
-    in Python (off, the default)."""
+    in place by a kernel, the checks copied back; ``csrc/pca_stage.cpp``, the GIL released; the
+    default), or do it in Python (off)."""
     _state["staged"] = bool(on)
 
 
