@@ -228,14 +228,30 @@ def _level_data(base: PCAModel, c: float, rms, se, sx, sd, accs, share: float) -
     for fw in fws:
         exact = fw.exact | tf.loud(fw.energy, thr)
         exact_values += int(exact.sum()) * per_token
-        q = fw.q[:, :, ~exact].to(torch.int64).transpose(2, 3).reshape(counts.shape[0], -1)
-        sym, big = tf.symbols(q)
-        escapes += int(big.sum())
-        sym = sym.to(torch.int64)
-        counts.scatter_add_(1, sym, torch.ones_like(sym))
+        escapes += _count_symbols(counts, fw.q, ~exact)
     tables = np.stack([rans.build_table(row, alphabet_size=256) for row in counts.numpy()])
     bits = float((counts.double() * -torch.from_numpy(tables / 4096.0).log2()).sum()) + 16.0 * (exact_values + escapes)
     return _Fitted(PCALevelData(c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables), bits)
+
+
+def _count_symbols(counts: torch.Tensor, q: torch.Tensor, keep: torch.Tensor) -> int:
+    """Add the symbols (:func:`.transform.symbols`) of the tokens ``keep`` (bool ``[T]``) of ``q``
+    (float64 ``[R, 2, T, N]``, integer-valued) to ``counts`` (int64 ``[R * 2 * N, 256]``, row
+    ``(r * 2 + p) * N + n`` for coefficient ``n`` of layer group ``r``, K/V ``p``); returns how many
+    were escaped. One (layer group, K/V) at a time: the temporaries are ``T * N`` values, not
+    ``R * 2 * T * N`` (several times the calibration KV)."""
+    n = q.shape[3]
+    lanes = 256 * torch.arange(n, dtype=torch.int64)[:, None]
+    escapes = 0
+    for r in range(q.shape[0]):
+        for p in range(2):
+            sym, big = tf.symbols(q[r, p][keep].to(torch.int64).T)  # [N, T']
+            escapes += int(big.sum())
+            row = (r * 2 + p) * n
+            counts[row : row + n] += torch.bincount((sym.to(torch.int64) + lanes).reshape(-1), minlength=256 * n).view(
+                n, 256
+            )
+    return escapes
 
 
 def _placeholder_level(r: int, n: int) -> PCALevelData:

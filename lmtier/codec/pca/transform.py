@@ -171,12 +171,14 @@ def quantize(
     some (layer group, K/V).
     """
     t = acc.shape[2]
-    y = acc * k[:, :, None, :]
-    q = torch.round(y)
+    y = acc * k[:, :, None, :]  # in-place steps below: two or three [R, 2, T, N] arrays alive, not six
+    fine = (y * ENERGY_SCALE).round_().clamp_(-EMAX, EMAX)
+    energy = fine.square_().sum(-1)
+    del fine
+    q = y.round_()
     qc = q.clamp(-XMAX, XMAX)
     big = (qc != q).any(-1).any(0).any(0)
-    fine = torch.round(y * ENERGY_SCALE).clamp_(-EMAX, EMAX)
-    energy = (fine * fine).sum(-1)
+    del q, y
     exact = clamped | big | (torch.arange(start, start + t, device=acc.device) < m.exact_first)
     if energy_threshold is not None:
         exact |= loud(energy, energy_threshold)
