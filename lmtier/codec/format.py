@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from lmtier.geometry import DTypeCode as DType
+from lmtier.tiers.buffers import AlignedBuffer
 
 __all__ = [
     "MAGIC",
@@ -312,8 +313,9 @@ _local = threading.local()
 def _scratch(total: int) -> np.ndarray:
     """A writable uint8 array of ``total`` bytes in which :func:`pack` assembles a record before its
     one copy into the returned ``bytes``: this thread's kept buffer (its pages already touched) when
-    the record fits :data:`_SCRATCH_MAX`, else a fresh one; page-aligned. Assembling in a fresh buffer and then
-    copying touches two sets of new pages, and a page fault per 4 KiB costs more than the copy."""
+    the record fits :data:`_SCRATCH_MAX`, else a fresh one; page-aligned. Assembling in a fresh buffer
+    and then copying touches two sets of new pages, and a page fault per 4 KiB costs more than the
+    copy."""
     if total > _SCRATCH_MAX:
         return _page_aligned(total)
     buf = getattr(_local, "buf", None)
@@ -324,11 +326,9 @@ def _scratch(total: int) -> np.ndarray:
 
 
 def _page_aligned(n: int) -> np.ndarray:
-    """An uninitialised uint8 array of ``n`` bytes starting on a 4 KiB page (the disk tier writes
-    whole pages of such a payload straight from it, :mod:`lmtier.tiers.disk.records`)."""
-    raw = np.empty(n + 4096, np.uint8)
-    skip = -raw.ctypes.data % 4096
-    return raw[skip : skip + n]
+    """A uint8 array of ``n`` bytes starting on a 4 KiB page (:class:`~lmtier.tiers.buffers.AlignedBuffer`;
+    the disk tier writes whole pages of such a payload straight from it, :mod:`lmtier.tiers.disk.records`)."""
+    return np.frombuffer(AlignedBuffer(n).mv, np.uint8, count=n)
 
 
 def pack(info: RecordInfo, sections: Sequence[Any], meta: bytes = b"") -> bytes:
