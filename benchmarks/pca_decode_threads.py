@@ -10,12 +10,11 @@ while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca benc
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put] [--staged]
+        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
 per record of each kernel name: whether the threads' rate is bound by the device or by the host.
-``--staged``: the decode's host part in the native call (``native_decode.stage_in_native``).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
 parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
 ``result``): which step grows when threads are added.
@@ -50,14 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", type=int, default=0, metavar="PASSES")
     ap.add_argument("--switch-ms", type=float, default=0.0, help="sys.setswitchinterval (ms; 0: Python's 5 ms)")
     ap.add_argument("--op", choices=("decode", "encode", "put"), default="decode")
-    ap.add_argument("--staged", action="store_true", help="the decode's host part in the native call")
     a = ap.parse_args(argv)
     if a.switch_ms:
         sys.setswitchinterval(a.switch_ms / 1000)
-    if a.staged:
-        from lmtier.codec.pca import native_decode
-
-        native_decode.stage_in_native(True)
     dev = torch.device("cuda")
     geom = (32, 8, 128, 1)
     m = bench.model_for(geom, bench.MIN_CALIB_TOKENS)

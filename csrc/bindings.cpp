@@ -440,24 +440,16 @@ void bind_pca(py::module_& m) {
           A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A escapes,
           int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count,
           A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t,
-          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, A descs,
-          py::object payload, py::object offs_, py::object lens_, py::object exact_idx_, A upload,
-          uint64_t payload_at, uint64_t idx_at, A checks, uint64_t checks_bytes) -> py::object {
+          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, py::buffer payload,
+          py::object offs_, py::object lens_, py::object exact_idx_, A upload, uint64_t payload_at,
+          uint64_t idx_at, A checks, uint64_t checks_bytes) {
         p::DecodeRecordArgs a = args(
-            dtype, L, T, H, D, G, t32, descs, num_streams, tables_per_stream, streams_per_call,
-            tables, run_luts, counts, status, scratch, scratch_bytes, sym, escapes, num_escapes,
-            esc_col, esc_hi, esc_scratch, lo, rowsum, esc_count, esc_row, y, groups_per_batch, p8,
-            dcat, f, mu, cos_t, sin_t, out, gemm_workspace, gemm_workspace_bytes, stream);
-        if (payload.is_none()) {  // the caller staged and uploaded the descriptors at `descs`
-          LMTIER_CHECK_ARG(descs != 0, "decode_record: neither descs nor a payload to stage");
-          {
-            py::gil_scoped_release nogil;
-            p::decode_record(a);
-          }
-          return py::none();  // with the GIL: None's reference count
-        }
+            dtype, L, T, H, D, G, t32, 0, num_streams, tables_per_stream, streams_per_call, tables,
+            run_luts, counts, status, scratch, scratch_bytes, sym, escapes, num_escapes, esc_col,
+            esc_hi, esc_scratch, lo, rowsum, esc_count, esc_row, y, groups_per_batch, p8, dcat, f,
+            mu, cos_t, sin_t, out, gemm_workspace, gemm_workspace_bytes, stream);
         const I64 offs(offs_), lens(lens_), exact_idx(exact_idx_);
-        const py::buffer_info pb = py::buffer(payload).request();
+        const py::buffer_info pb = payload.request();
         LMTIER_CHECK_ARG(pb.ndim == 1 && pb.strides[0] == pb.itemsize && pb.itemsize == 1,
                          "decode_record: payload must be a 1-D contiguous byte buffer");
         LMTIER_CHECK_ARG(offs.ndim() == 1 && lens.ndim() == 1 && offs.size() == num_streams + 3 &&
@@ -481,7 +473,7 @@ void bind_pca(py::module_& m) {
           py::gil_scoped_release nogil;
           stage = p::decode_record_staged(a, sa);
         }
-        return py::cast(std::move(stage));
+        return stage;
       },
       py::arg("dtype"), py::arg("L"), py::arg("T"), py::arg("H"), py::arg("D"), py::arg("G"),
       py::arg("t32"), py::arg("num_streams"), py::arg("tables_per_stream"),
@@ -492,18 +484,14 @@ void bind_pca(py::module_& m) {
       py::arg("esc_row"), py::arg("y"), py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"),
       py::arg("f"), py::arg("mu"), py::arg("cos_t"), py::arg("sin_t"), py::arg("out"),
       py::arg("gemm_workspace"), py::arg("gemm_workspace_bytes"), py::arg("stream"),
-      py::arg("descs") = 0, py::arg("payload") = py::none(), py::arg("offs") = py::none(),
-      py::arg("lens") = py::none(), py::arg("exact_idx") = py::none(), py::arg("upload") = 0,
-      py::arg("payload_at") = 0, py::arg("idx_at") = 0, py::arg("checks") = 0,
-      py::arg("checks_bytes") = 0,
+      py::arg("payload"), py::arg("offs"), py::arg("lens"), py::arg("exact_idx"), py::arg("upload"),
+      py::arg("payload_at"), py::arg("idx_at"), py::arg("checks"), py::arg("checks_bytes"),
       "One record's decode queued on `stream` (lmtier::pca::DecodeRecordArgs in lmtier/pca.h; "
-      "device addresses): the rANS calls side by side, decode_pre_symbols, its escapes, per batch "
-      "of layer groups a batched GEMM and decode_post. Without `payload`: the coder's descriptors "
-      "are at `descs` (uploaded by the caller); returns None. With `payload` (and offs, lens, "
-      "exact_idx, upload, payload_at, idx_at, checks, checks_bytes: lmtier::pca::StageArgs), its "
-      "host part too (decode_record_staged): the descriptors, payload and exact tokens' index "
-      "staged in a page-locked block and uploaded to `upload`, the exact tokens put in place, the "
-      "checks copied back; returns the DecodeStage holding them. The GIL is released while CUDA "
+      "device addresses) with its host part (lmtier::pca::StageArgs, decode_record_staged): the "
+      "coder's descriptors, the payload and the exact tokens' index staged in a page-locked block "
+      "and uploaded to `upload`; the rANS calls side by side, decode_pre_symbols, its escapes, per "
+      "batch of layer groups a batched GEMM and decode_post; the exact tokens put in place; the "
+      "checks copied back. Returns the DecodeStage holding them. The GIL is released while CUDA "
       "work is queued; nothing waits. RuntimeError / ValueError as the steps raise.");
   pm.def(
       "escape_scratch_bytes",

@@ -25,13 +25,10 @@ from tests.threads import run_in_threads
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["host-part-in-python", "host-part-native"])
-def native_on(monkeypatch, request):
-    """The native decode on (the product's default), whatever an earlier test left; its host part
-    in Python or in the native call (:func:`native_decode.stage_in_native`, the default)."""
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    """The native decode on (the product's default), whatever an earlier test left."""
     monkeypatch.setitem(native_decode._state, "enabled", True)
-    monkeypatch.setitem(native_decode._state, "staged", request.param)
-    return request.param
 
 
 GEOM = (32, 8, 128, 1)  # Llama-3.1-8B: L, H, D, G (N = 1,024)
@@ -177,7 +174,7 @@ def test_threads_deliver_records_with_escapes_as_a_tier_does():
     run_in_threads(worker, [(s,) for s in range(4)])
 
 
-def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them(native_on):
+def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them():
     """The native call stages each record in a page-locked block of a pool (``csrc/pca_stage.cpp``).
     A record whose stream is held back (``torch.cuda._sleep``) has its pending decode dropped: its
     block is released while its upload has not run yet. A record staged meanwhile on another stream
@@ -186,8 +183,6 @@ def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them(nat
     busy is not an error). Records decoded one after another then reuse the pool's blocks."""
     from lmtier import _C
 
-    if not native_on:
-        pytest.skip("the native call's staging pool only")
     m, recs = _llama()
     with native_decode.enabled(False):
         want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
@@ -213,13 +208,14 @@ def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them(nat
     assert native_decode.available()
 
 
-def test_the_host_part_of_the_native_call_gives_a_stage_or_the_workspaces_checks(native_on):
-    """``queue`` returns the checks as the native call's page-locked ``DecodeStage`` (host part
-    native) or as the workspace's region on the device (host part in Python), and
-    ``PendingChunk`` refuses both at once."""
+def test_the_native_call_gives_its_checks_in_its_staging_block():
+    """``queue`` returns the checks as the native call's page-locked ``DecodeStage``, and
+    ``PendingChunk`` refuses device checks and host checks at once."""
+    from lmtier import _C
+
     m, recs = _llama()
     p = pca_codec.decode_queued(recs[0], model=m, device="cuda")
-    assert isinstance(p._checks, torch.Tensor) != native_on
+    assert isinstance(p._checks, _C.pca.DecodeStage)
     p.result()
     with pytest.raises(ValueError, match="not both"):
         pca_codec.PendingChunk(p._chunk, torch.zeros(4, device="cuda"), lambda g: None, host_checks=b"x")
@@ -229,7 +225,7 @@ def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
     """At Llama-3.1-8B's geometry, a stream cut to half its bytes (enough for its header's segments:
     the host's checks pass, so the record is staged and decoded) is refused by the device's checks,
     read back through the staging block, as the host decoder refuses it; the record queued after it
-    decodes to its bits (either host part)."""
+    decodes to its bits."""
     from lmtier.codec.chunk import CodecRecordError
     from tests.test_codec_pca_product import _parts, _repack
 

@@ -460,8 +460,6 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
         except ValueError as e:
             raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
         else:
-            if isinstance(checks, torch.Tensor):
-                return PendingChunk(out, checks, how.verify)
             return PendingChunk(out, None, how.verify, host_checks=checks)
     try:  # sized by T: a stream of another count raises
         if fused:  # one upload of every section the device reads
