@@ -10,11 +10,13 @@ while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca benc
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put]
+        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put] [--ceiling]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
 per record of each kernel name: whether the threads' rate is bound by the device or by the host.
+``--ceiling``: the copies that bound the op, timed in the same run (the records from page-locked host
+memory to the device, as bf16 KV at their ratio; the bf16 KV host to device; a device copy of the KV).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
 parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
 ``result``): which step grows when threads are added.
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", type=int, default=0, metavar="PASSES")
     ap.add_argument("--switch-ms", type=float, default=0.0, help="sys.setswitchinterval (ms; 0: Python's 5 ms)")
     ap.add_argument("--op", choices=("decode", "encode", "put"), default="decode")
+    ap.add_argument("--ceiling", action="store_true", help="also time the copies that bound the op (same run)")
     a = ap.parse_args(argv)
     if a.switch_ms:
         sys.setswitchinterval(a.switch_ms / 1000)
@@ -77,6 +80,8 @@ def main(argv=None) -> int:
     print(
         f"{a.level} {a.op}: {n} passes of {a.chunks} chunks with {a.threads} threads: {n * gb / dt:.1f} GB/s of bf16 KV"
     )
+    if a.ceiling:
+        ceiling(chunks, recs, gb, a.seconds / 4)
     if a.profile:
         profile(one_pass, a.profile, a.chunks, gb)
     if a.breakdown and a.op == "decode":
@@ -158,6 +163,39 @@ def put_pass(pool: ThreadPoolExecutor, chunks: list[torch.Tensor], m: pca.PCAMod
     checked_pass()
     assert [sink.last[tier.inner_key(k)] for k in keys] == recs, "the tier stored other bytes"
     return checked_pass
+
+
+def _copy_rate(dst: list[torch.Tensor], src: list[torch.Tensor], seconds: float) -> float:
+    """Bytes per second of ``dst[i].copy_(src[i], non_blocking=True)`` for all ``i``, on the current
+    stream, repeated for ``seconds`` (synchronised at the end)."""
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for d, s_ in zip(dst, src):
+            d.copy_(s_, non_blocking=True)
+        torch.cuda.synchronize()
+        n += 1
+    return n * nbytes / (time.perf_counter() - t0)
+
+
+def ceiling(chunks: list[torch.Tensor], recs: list[bytes], gb: float, seconds: float) -> None:
+    """Print the copies that bound a decode (and an encode) in this run: the records' bytes from
+    page-locked host memory to the device (a decode's input; as GB/s of bf16 KV at the records'
+    ratio) and a device-to-device copy of the chunks (the KV written once)."""
+    dev = chunks[0].device
+    host = [torch.frombuffer(bytearray(r), dtype=torch.uint8).pin_memory() for r in recs]
+    on_dev = [torch.empty_like(h, device=dev) for h in host]
+    h2d = _copy_rate(on_dev, host, seconds)
+    ratio = gb * 1e9 / sum(len(r) for r in recs)
+    d2d = _copy_rate([torch.empty_like(c) for c in chunks], chunks, seconds)
+    host_kv = [c.cpu().pin_memory() for c in chunks]
+    h2d_kv = _copy_rate([torch.empty_like(c) for c in chunks], host_kv, seconds)
+    print(
+        f"ceiling: records host->device {h2d / 1e9:.1f} GB/s x ratio {ratio:.2f} = "
+        f"{h2d * ratio / 1e9:.1f} GB/s of bf16 KV; "
+        f"bf16 KV host->device {h2d_kv / 1e9:.1f} GB/s; device->device copy of the KV {d2d / 1e9:.1f} GB/s"
+    )
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
