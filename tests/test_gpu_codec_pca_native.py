@@ -239,3 +239,49 @@ def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
         pending[0].result()
     assert torch.equal(_bits(pending[1].result()), want)
     assert native_decode.available() and kernels.decode_stats()["fused"] - before == 2
+
+
+def _without_bitmap(mp: pytest.MonkeyPatch) -> None:
+    """Native decodes that check their tables at each rANS call (no ``tables_ok``)."""
+    orig = native_decode.queue
+    mp.setattr(native_decode, "queue", lambda *a, **k: orig(*a, **{**k, "tables_ok": None}))
+
+
+def test_native_decodes_with_the_tables_bitmap_are_those_without(monkeypatch):
+    """The level's validity bitmap (built once with its arrays) spares each rANS call reading its
+    tables; the decodes are the same bits as with the check at each call."""
+    m, recs = _llama()
+    arrays = pca_codec._level_arrays(m, "pca_default", "cuda")
+    assert arrays.tables_ok.is_cuda and arrays.tables_ok.numel() == -(-arrays.tables.shape[0] // 32)
+    with_bits = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
+    _without_bitmap(monkeypatch)
+    for r, w in zip(recs, with_bits, strict=True):
+        assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), w)
+
+
+@pytest.mark.parametrize("bitmap", [True, False], ids=["bitmap", "checked-per-call"])
+@pytest.mark.parametrize("stream", [0, 63])  # in the first coder call and in the second (streams 63 + 1)
+def test_a_table_that_does_not_sum_to_4096_refuses_its_stream(monkeypatch, bitmap, stream):
+    """A level whose table in ``stream``'s range does not sum to 4096 (its bitmap built from those
+    tables, or none): the record is refused naming that stream, never decoded from the table; the
+    same level's good tables then decode it to its bits."""
+    from lmtier.codec import rans
+    from lmtier.codec.chunk import CodecRecordError
+
+    m, recs = _llama()
+    want = _bits(pca.decode(recs[0], model=m, device="cuda"))
+    good = pca_codec._level_arrays(m, "pca_default", "cuda")
+    t = good.tables.cpu().numpy().copy()
+    t[stream * m.vector_size + 5, 0] += 1  # sums to 4,097; the stream's runs use all its N tables
+    tables = torch.from_numpy(t).cuda()
+    bad = good._replace(tables=tables, tables_ok=rans.build_tables_ok(tables))
+    with monkeypatch.context() as mp:
+        mp.setattr(pca_codec, "_level_arrays", lambda *_: bad)
+        if not bitmap:
+            _without_bitmap(mp)
+        with pytest.raises(
+            CodecRecordError, match=rf"rans decode failed for 1 stream\(s\): stream {stream}: bad or unknown table"
+        ):
+            pca.decode(recs[0], model=m, device="cuda")
+    assert torch.equal(_bits(pca.decode(recs[0], model=m, device="cuda")), want)
+    assert native_decode.available()

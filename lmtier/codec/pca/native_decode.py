@@ -194,6 +194,7 @@ def queue(
     dev: torch.device,
     *,
     run_luts: torch.Tensor | None = None,
+    tables_ok: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Any, Checks]:
     """Queue the decode of a record on ``dev``'s current stream.
 
@@ -204,6 +205,8 @@ def queue(
             tables, f: the level's (on ``dev``); start: the first position; dtype: bf16 or fp16.
         run_luts: :func:`lmtier.codec.rans.build_run_luts` of ``tables`` (None: the coder builds each
             run's lookups).
+        tables_ok: :func:`lmtier.codec.rans.build_tables_ok` of ``tables`` (None: each rANS call
+            reads its tables to check them).
 
     Returns:
         (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the ``lmtier._C.pca.DecodeStage``
@@ -219,10 +222,10 @@ def queue(
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
     with torch.cuda.device(dev):  # the native call picks its side streams and cuBLAS handle by it
-        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts)
+        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok)
 
 
-def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts):
+def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok):
     c = kernels._native()
     r, n, t = m.rows, m.vector_size, int(exact.size)
     s, t32 = 2 * r, streams.run_length(t)
@@ -230,6 +233,8 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     streams.check_spans(payload, offs[:s], lens[:s], length, n)
     try:
         rans.check_run_luts(run_luts, tables.shape[0])
+        if tables_ok is not None and tuple(tables_ok.shape) != (-(-tables.shape[0] // 32),):
+            raise ValueError(f"tables_ok {tuple(tables_ok.shape)} for {tables.shape[0]} tables")
     except ValueError as e:  # the caller's lookups, not the record: refused as the native call's
         raise NativeRefused(str(e)) from None
     dec = imatmul.prepared(m, dev)[1]
@@ -265,7 +270,8 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     try:
         stage = c.decode_record(**args, payload=payload, offs=offs, lens=lens, exact_idx=idx, upload=base + lay.upload,
                                 payload_at=lay.payload, idx_at=idx_at, checks=base + lay.status,
-                                checks_bytes=lay.checks_end - lay.status)  # fmt: skip
+                                checks_bytes=lay.checks_end - lay.status,
+                                tables_ok=0 if tables_ok is None else tables_ok.data_ptr())  # fmt: skip
     except (RuntimeError, ValueError) as e:  # the record's own checks ran above
         raise NativeRefused(str(e)) from None
     kernels._decode_paths["symbols"] += 1
