@@ -4,13 +4,15 @@ threads each decode one record at a time on its own stream (``lmtier.bench.codec
 encode``: the same for ``pca.encode`` of the chunks, each thread on its own stream, as a tier's store
 threads encode. ``--op put``: the product's write path, ``PCACodecTier.put`` of page-locked host chunks
 (as the CPU pool's slots hand them) with ``encode_device`` on the GPU, over an inner tier whose put
-copies the record once (a socket's send or a file's write stand-in). Made to run
+copies the record once (a socket's send or a file's write stand-in). ``--op get``: the product's read
+path, each thread reading every chunk with one ``PCACodecTier.get_many_into`` into CUDA destinations
+(decodes queued ahead as the tier queues them) from a batching inner tier in memory. Made to run
 under ``py-spy record --gil`` (scripts/gpu_run.sh's ``decspy`` step): which Python code holds the GIL
 while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca bench's synthetic model
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put] [--ceiling]
+        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put|get] [--ceiling]
         [--table-checks bitmap|per-call]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="PASSES")
     ap.add_argument("--breakdown", type=int, default=0, metavar="PASSES")
     ap.add_argument("--switch-ms", type=float, default=0.0, help="sys.setswitchinterval (ms; 0: Python's 5 ms)")
-    ap.add_argument("--op", choices=("decode", "encode", "put"), default="decode")
+    ap.add_argument("--op", choices=("decode", "encode", "put", "get"), default="decode")
     ap.add_argument("--ceiling", action="store_true", help="also time the copies that bound the op (same run)")
     ap.add_argument(
         "--table-checks",
@@ -80,6 +82,9 @@ def main(argv=None) -> int:
         one_pass = lambda: list(pool.map(lambda r: bench.decode_one(r, m, dev), recs))  # noqa: E731
     elif a.op == "put":
         one_pass = put_pass(pool, chunks, m, a.level, recs)
+    elif a.op == "get":
+        one_pass = get_pass(pool, a.threads, chunks, m, a.level, recs)
+        gb *= a.threads  # each thread reads every chunk
     else:
         one_pass = lambda: list(pool.map(lambda i: encode_one(chunks[i], 256 * i, m, a.level), range(a.chunks)))  # noqa: E731
         assert one_pass() == recs, "the encode gave other bytes"
@@ -141,7 +146,14 @@ class _Sink(Tier):
         return key in self.last
 
     def get_into(self, key: bytes, out) -> int | None:
-        return None
+        rec = self.last.get(key)
+        if rec is None:
+            return None
+        memoryview(out).cast("B")[: len(rec)] = rec
+        return len(rec)
+
+    def get_many_into(self, keys, outs) -> list[int | None]:  # a batching inner tier (Redis, Mooncake)
+        return [self.get_into(k, o) for k, o in zip(keys, outs, strict=True)]
 
     def delete(self, key: bytes) -> bool:
         return False
@@ -210,6 +222,34 @@ def ceiling(chunks: list[torch.Tensor], recs: list[bytes], gb: float, seconds: f
         f"{h2d * ratio / 1e9:.1f} GB/s of bf16 KV; "
         f"bf16 KV host->device {h2d_kv / 1e9:.1f} GB/s; device->device copy of the KV {d2d / 1e9:.1f} GB/s"
     )
+
+
+def get_pass(pool: ThreadPoolExecutor, threads: int, chunks: list[torch.Tensor], m: pca.PCAModel, level: str,
+             recs: list[bytes]):  # fmt: skip
+    """One pass of the product's batched read: each of ``threads`` threads reads every chunk with one
+    ``PCACodecTier.get_many_into`` into its own CUDA destinations (records copied out of a batching
+    inner tier in memory; decodes queued ahead as the tier queues them); checked once against the
+    chunks' decodes."""
+    c0 = chunks[0]
+    sink = _Sink()
+    tier = PCACodecTier(sink, shape=tuple(c0.shape), dtype=c0.dtype, level=level, model=m)
+    keys = [bytes([i + 1]) * 32 for i in range(len(chunks))]
+    for k, r in zip(keys, recs, strict=True):
+        sink.last[tier.inner_key(k)] = r
+    outs = [[torch.empty(c0.numel() * c0.element_size(), dtype=torch.uint8, device=c0.device) for _ in chunks]
+            for _ in range(threads)]  # fmt: skip
+
+    def one(j: int) -> list[int | None]:
+        return tier.get_many_into(keys, outs[j])
+
+    def one_pass() -> list[list[int | None]]:
+        return list(pool.map(one, range(threads)))
+
+    got = one_pass()
+    assert all(n == outs[0][0].numel() for ns in got for n in ns), got
+    want = [bench.decode_one(r, m, c0.device).reshape(-1).view(torch.uint8) for r in recs]
+    assert all(torch.equal(o, w) for os_ in outs for o, w in zip(os_, want, strict=True)), "another chunk read"
+    return one_pass
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
