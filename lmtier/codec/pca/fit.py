@@ -87,13 +87,21 @@ def fit(
     Returns:
         The :class:`PCAModel` (its rANS tables count the calibration's symbols of non-exact tokens).
 
+    Memory and time: the fit runs one layer group at a time (its basis, then each pass of the level
+    search), so besides ``kvs`` and the model's arrays only one group's float64 vectors of each
+    sequence (``[2, T_i, N]``, a few of them at once) and a few values per token are alive. Each
+    pass recomputes the group's transform from ``kvs``: the levels of a fixed ``c`` share one pass, a
+    ``calibration_ratio`` level takes one per secant step. The model bytes are those of fitting all
+    groups at once (each group gets the same float64 operations on the same values, and the
+    integer ones are exact; compared on small fits and on 8B-geometry fits of 2,048-4,096 tokens).
+
     Raises:
         ValueError: inconsistent shapes, ``G`` not dividing ``L``, ``G*H*D`` above
             :data:`~.model.MAX_VECTOR_SIZE`, an odd head size with RoPE,
             ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV, a (layer group, K/V)
             whose calibration KV does not vary.
         RuntimeError: no step reaches a ``calibration_ratio`` level's ratio within 0.5 % in 12 secant
-            steps.
+            steps; or (an internal error) a token's coefficients differed when recomputed.
     """
     if not kvs or len(kvs) != len(starts):
         raise ValueError(f"need one start per KV tensor and at least one tensor, got {len(kvs)} / {len(starts)}")
@@ -122,19 +130,15 @@ def fit(
     # the metric's square root and its inverse (None without a metric: the identity, never multiplied,
     # which leaves every product as it was and saves two N x N products per calibration token)
     s, s_inv = (None, None) if metric is None else (_block_diag(m, g) for m in _sqrt_metric(metric))
-    xs = [tf.raw_vectors(kv, int(st), inv_freq, g) for kv, st in zip(kvs, starts)]
-    count = sum(x.shape[2] for x in xs)
-    mu_raw = sum(x.sum(2) for x in xs) / count  # [R, 2, N]
-    peak = torch.stack([x.abs().amax((2, 3)) for x in xs]).amax(0)
-    cov = torch.zeros(r, 2, n, n, dtype=torch.float64)
-    for x in xs:
-        y = x - mu_raw[:, :, None]
-        if s is not None:
-            y = y @ s
-        cov += y.transpose(2, 3) @ y
-    del xs, y
-    var, u = torch.linalg.eigh(cov / count)
-    var, u = var.flip(-1).clamp_min(0), u.flip(-1)
+    count = sum(kv.shape[2] for kv in kvs)
+    f64 = dict(dtype=torch.float64)
+    mu_raw, var, se, sd = (torch.empty(r, 2, n, **f64) for _ in range(4))
+    peak = torch.empty(r, 2, **f64)
+    e_int, d_int = torch.empty(r, 2, n, n, dtype=torch.int16), torch.empty(r, 2, n, n, dtype=torch.int16)
+    for i in range(r):  # one layer group at a time: its vectors of every sequence, not the model's
+        got = _group_basis(kvs, starts, i, inv_freq, g, count, s, s_inv)
+        mu_raw[i], peak[i], var[i], e_int[i], se[i], d_int[i], sd[i] = (a[0] for a in got)
+    del s, s_inv
     rms = var.mean(-1).sqrt()  # [R, 2]
     if bool((rms == 0).any()):
         r0, p0 = (int(i) for i in torch.nonzero(rms == 0)[0])
@@ -142,11 +146,11 @@ def fit(
             f"calibration KV of layers {r0 * g}-{r0 * g + g - 1} ({'KV'[p0]}) does not vary: no step can be "
             "fitted to it (calibrate on real KV)"
         )
-    e_int, se = _int_columns(u if s is None else s @ u)  # raw -> coefficients
-    d_int, sd = _int_columns(u.transpose(2, 3) if s_inv is None else u.transpose(2, 3) @ s_inv)  # coefficients -> raw
     sx = peak.clamp_min(1e-30) * x_headroom / tf.XMAX
     mu_int = torch.round(mu_raw / sx[:, :, None]).to(torch.int32)
-    e_mu = torch.from_numpy(mu_int.numpy().astype(np.int64)[:, :, None, :] @ e_int.numpy().astype(np.int64))[:, :, 0]
+    e_mu = np.empty((r, 2, n), np.int64)  # exact integers, one layer group at a time
+    for i in range(r):
+        e_mu[i] = (mu_int[i].numpy().astype(np.int64)[:, None, :] @ e_int[i].numpy().astype(np.int64))[:, 0]
     base = PCAModel(
         name=name,
         num_layers=nl,
@@ -158,19 +162,59 @@ def fit(
         inv_x_scale=(1.0 / sx).numpy(),
         mu_int=mu_int.numpy(),
         e_int=e_int.numpy(),
-        e_mu=e_mu.numpy(),
+        e_mu=e_mu,
         d_int=d_int.numpy(),
         mu_raw=mu_raw.numpy(),
         levels={"": _placeholder_level(r, n)},  # replaced by the fitted levels below
         info={**(info or {}), "calibration_tokens": count, "outlier_share": outlier_share},
     )
-    accs = [(*tf.transform(base, kv, int(st)), int(st)) for kv, st in zip(kvs, starts)]
+    groups = [_group_model(base, i) for i in range(r)]
+    levels = tuple(levels)
     values = count * nl * 2 * h * d
+
+    def level_data(cs: list[float]) -> list[_Fitted]:
+        return _level_data(base, groups, cs, rms, se, sx, sd, kvs, starts, outlier_share)
+
+    fixed = list(dict.fromkeys(lv.c for lv in levels if lv.c is not None))
+    known = dict(zip(fixed, level_data(fixed))) if fixed else {}  # the fixed steps share one pass
     fitted, ratios = {}, {}
     for lv in levels:
-        data, bits = _fit_level(base, lv, values, lambda c: _level_data(base, c, rms, se, sx, sd, accs, outlier_share))
+        data, bits = _fit_level(base, lv, values, lambda c: known[c] if c in known else level_data([c])[0])
         fitted[lv.name], ratios[lv.name] = data, 16.0 / bits
     return dataclasses.replace(base, levels=fitted, info={**base.info, "calibration_ratios": ratios})
+
+
+def _group_basis(kvs, starts, i: int, inv_freq, g: int, count: int, s, s_inv) -> tuple[torch.Tensor, ...]:
+    """Layer group ``i``'s calibration statistics and integer transforms, from its raw vectors (float64
+    ``[1, 2, T_j, N]`` per sequence, the only per-token data alive): ``(mu_raw [1, 2, N], peak
+    [1, 2], var [1, 2, N] (descending), e_int [1, 2, N, N], se [1, 2, N], d_int, sd)``: the
+    operations of the all-groups fit on this group's slice (the same bits, compared)."""
+    rows = slice(i * g, (i + 1) * g)
+    xs = [tf.raw_vectors(kv[rows], int(st), inv_freq, g) for kv, st in zip(kvs, starts)]
+    mu = sum(x.sum(2) for x in xs) / count  # [1, 2, N]
+    peak = torch.stack([x.abs().amax((2, 3)) for x in xs]).amax(0)
+    n = xs[0].shape[3]
+    cov = torch.zeros(1, 2, n, n, dtype=torch.float64)
+    for x in xs:
+        y = x - mu[:, :, None]
+        if s is not None:
+            y = y @ s[i : i + 1]
+        cov += y.transpose(2, 3) @ y
+    del xs, y
+    var, u = torch.linalg.eigh(cov / count)
+    var, u = var.flip(-1).clamp_min(0), u.flip(-1)
+    e, se = _int_columns(u if s is None else s[i : i + 1] @ u)  # raw -> coefficients
+    d, sd = _int_columns(u.transpose(2, 3) if s_inv is None else u.transpose(2, 3) @ s_inv[i : i + 1])
+    return mu, peak, var, e, se, d, sd
+
+
+def _group_model(base: PCAModel, i: int) -> PCAModel:
+    """Layer group ``i`` of ``base`` as a model of its ``G`` layers (views of ``base``'s arrays): what
+    :func:`.transform.transform` and :func:`.transform.quantize` need to run on that group alone."""
+    one = slice(i, i + 1)
+    arrays = {a: getattr(base, a)[one] for a in ("inv_x_scale", "mu_int", "e_int", "e_mu", "d_int", "mu_raw")}
+    n = base.vector_size
+    return dataclasses.replace(base, num_layers=base.layer_group, levels={"": _placeholder_level(1, n)}, **arrays)
 
 
 def _fit_level(base: PCAModel, lv: PCALevel, values: int, level_data) -> tuple[PCALevelData, float]:
@@ -207,51 +251,120 @@ class _Fitted:
         self.level, self.info_bits = level, info_bits
 
 
-def _level_data(base: PCAModel, c: float, rms, se, sx, sd, accs, share: float) -> _Fitted:
-    """The level's data at relative step ``c`` and the ideal bits of the calibration KV under it
-    (static tables of its own counts, escapes and exact tokens at 16 bits per value)."""
-    step = c * rms  # [R, 2]
-    k = se * sx[:, :, None] / step[:, :, None]
-    f = sd * step[:, :, None]
-    fws = [tf.quantize(base, acc, cl, st, k, None) for acc, cl, st in accs]
-    pos = [torch.arange(st, st + acc.shape[2]) >= base.exact_first for acc, _, st in accs]
-    e = torch.cat([fw.energy[:, :, p] for fw, p in zip(fws, pos)], -1)  # [R, 2, T']
+def _level_data(
+    base: PCAModel, groups: list[PCAModel], cs: list[float], rms, se, sx, sd, kvs, starts, share: float
+) -> list[_Fitted]:
+    """The levels' data at relative steps ``cs`` and the ideal bits of the calibration KV under each
+    (static tables of its own counts, escapes and exact tokens at 16 bits per value).
+
+    One layer group at a time (``groups``: :func:`_group_model`), every step on the same transform
+    output; per sequence only that group's ``[1, 2, T, N]`` arrays are alive. The first pass counts
+    the symbols of every token and keeps what spans the groups, all per token: energies (float64
+    ``[R, 2, T]``), escapes and the exact flags of :func:`.transform.quantize`. Then the energy
+    threshold (over all groups) tells the exact tokens, and a second pass takes their symbols out of
+    the counts again, their transform recomputed on those few tokens: the integer arithmetic
+    (:mod:`.transform`) gives every token the same coefficients whatever tokens it runs with."""
+    r, n, g = base.rows, base.vector_size, base.layer_group
+    steps = [c * rms for c in cs]  # [R, 2] each
+    ks = [se * sx[:, :, None] / step[:, :, None] for step in steps]
+    lens = [kv.shape[2] for kv in kvs]
+    energy = [[torch.empty(r, 2, t, dtype=torch.float64) for t in lens] for _ in cs]
+    flags = [[torch.zeros(t, dtype=torch.bool) for t in lens] for _ in cs]
+    escapes = [[torch.zeros(t, dtype=torch.int64) for t in lens] for _ in cs]
+    counts = [torch.zeros(r * 2 * n, 256, dtype=torch.int64) for _ in cs]
+    for i, m in enumerate(groups):
+        for j, (kv, st) in enumerate(zip(kvs, starts)):
+            acc, clamped = tf.transform(m, kv[i * g : (i + 1) * g], int(st))
+            for li, k in enumerate(ks):
+                fw = tf.quantize(m, acc, clamped, int(st), k[i : i + 1], None)
+                energy[li][j][i], flags[li][j] = fw.energy[0], flags[li][j] | fw.exact
+                hist, esc = _histogram(fw.q)
+                counts[li][i * 2 * n : (i + 1) * 2 * n] += hist
+                escapes[li][j] += esc
+            del acc, fw
+    thrs = [_threshold(base, e, starts, share) for e in energy]
+    exact = [[f | tf.loud(e, thr) for f, e in zip(fl, en)] for fl, en, thr in zip(flags, energy, thrs)]
+    _uncount_exact(groups, kvs, starts, ks, exact, energy, counts)
+    per_token = base.num_layers * 2 * base.num_heads * base.head_size
+    fitted = []
+    for c, step, k, thr, cnt, ex, es in zip(cs, steps, ks, thrs, counts, exact, escapes):
+        exact_values = sum(int(x.sum()) for x in ex) * per_token
+        esc = sum(int(e[~x].sum()) for e, x in zip(es, ex))
+        tables = np.stack([rans.build_table(row, alphabet_size=256) for row in cnt.numpy()])
+        ideal = torch.from_numpy(tables / 4096.0).log2_().neg_().mul_(cnt)  # counts * -log2 p, in place
+        bits = float(ideal.sum()) + 16.0 * (exact_values + esc)
+        f = sd * step[:, :, None]
+        fitted.append(_Fitted(PCALevelData(c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables), bits))
+    return fitted
+
+
+def _uncount_exact(groups, kvs, starts, ks, exact, energy, counts) -> None:
+    """Take the symbols of the exact tokens (``exact[level][sequence]``, bool ``[T]``) out of each
+    level's ``counts`` (int64 ``[R * 2 * N, 256]``, which counted every token), their coefficients
+    recomputed one layer group and one run of consecutive exact tokens at a time.
+
+    Raises:
+        RuntimeError: a recomputed token's energy differs from the first pass's (the integer
+            arithmetic of :mod:`.transform` rules it out; the counts would be wrong).
+    """
+    g, n = groups[0].layer_group, groups[0].vector_size
+    for i, m in enumerate(groups):
+        rows = slice(i * 2 * n, (i + 1) * 2 * n)
+        for j, (kv, st) in enumerate(zip(kvs, starts)):
+            for a, b in _runs(torch.stack([ex[j] for ex in exact]).any(0)):
+                acc, clamped = tf.transform(m, kv[i * g : (i + 1) * g, :, a:b], int(st) + a)
+                for li, k in enumerate(ks):
+                    out = exact[li][j][a:b]
+                    fw = tf.quantize(m, acc, clamped, int(st) + a, k[i : i + 1], None)
+                    if not torch.equal(fw.energy[0][:, out], energy[li][j][i][:, a:b][:, out]):
+                        raise RuntimeError(f"PCA fit: token {a} of sequence {j} got other coefficients when recomputed")
+                    counts[li][rows] -= _histogram(fw.q, out)[0]
+
+
+def _threshold(base: PCAModel, energy: list[torch.Tensor], starts, share: float) -> torch.Tensor:
+    """int64 ``[R, 2]`` energy thresholds: ``share`` of the tokens at positions >= ``exact_first``
+    exceed them (their largest energy relative to each (layer group, K/V)'s median); ``energy``:
+    :class:`.transform.Forward`'s float64 ``[R, 2, T]`` of each sequence. No threshold (int64 max)
+    at ``share`` 0 or without such tokens."""
+    pos = [torch.arange(int(st), int(st) + e.shape[2]) >= base.exact_first for e, st in zip(energy, starts)]
+    e = torch.cat([en[:, :, p] for en, p in zip(energy, pos)], -1)  # [R, 2, T']
     thr = torch.full((base.rows, 2), np.iinfo(np.int64).max, dtype=torch.int64)
     if share > 0 and e.shape[-1]:
         med = e.median(-1).values.clamp_min(1.0)
         score = (e / med[:, :, None]).amax(1).amax(0)
         cut = float(torch.quantile(score, 1 - share))
         thr = torch.floor(cut * med).to(torch.int64)
-    counts = torch.zeros(base.rows * 2 * base.vector_size, 256, dtype=torch.int64)
-    exact_values = escapes = 0
-    per_token = base.num_layers * 2 * base.num_heads * base.head_size
-    for fw in fws:
-        exact = fw.exact | tf.loud(fw.energy, thr)
-        exact_values += int(exact.sum()) * per_token
-        escapes += _count_symbols(counts, fw.q, ~exact)
-    tables = np.stack([rans.build_table(row, alphabet_size=256) for row in counts.numpy()])
-    bits = float((counts.double() * -torch.from_numpy(tables / 4096.0).log2()).sum()) + 16.0 * (exact_values + escapes)
-    return _Fitted(PCALevelData(c, step.numpy(), k.numpy(), f.numpy(), thr.numpy(), tables), bits)
+    return thr
 
 
-def _count_symbols(counts: torch.Tensor, q: torch.Tensor, keep: torch.Tensor) -> int:
-    """Add the symbols (:func:`.transform.symbols`) of the tokens ``keep`` (bool ``[T]``) of ``q``
-    (float64 ``[R, 2, T, N]``, integer-valued) to ``counts`` (int64 ``[R * 2 * N, 256]``, row
-    ``(r * 2 + p) * N + n`` for coefficient ``n`` of layer group ``r``, K/V ``p``); returns how many
-    were escaped. One (layer group, K/V) at a time: the temporaries are ``T * N`` values, not
-    ``R * 2 * T * N`` (several times the calibration KV)."""
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``[a, b)`` runs of consecutive True of bool ``mask`` ``[T]``."""
+    idx = torch.nonzero(mask)[:, 0].tolist()
+    runs: list[tuple[int, int]] = []
+    for t in idx:
+        if runs and runs[-1][1] == t:
+            runs[-1] = (runs[-1][0], t + 1)
+        else:
+            runs.append((t, t + 1))
+    return runs
+
+
+def _histogram(q: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The symbols (:func:`.transform.symbols`) of one layer group's coefficients ``q`` (float64
+    ``[1, 2, T, N]``, integer-valued) of the tokens ``keep`` (bool ``[T]``; None: all): (int64
+    ``[2 * N, 256]`` counts, row ``p * N + n`` for coefficient ``n`` of K/V ``p``; int64 ``[T']``
+    escaped coefficients per token). The temporaries are ``T * N`` values."""
     n = q.shape[3]
-    lanes = 256 * torch.arange(n, dtype=torch.int64)[:, None]
-    escapes = 0
-    for r in range(q.shape[0]):
-        for p in range(2):
-            sym, big = tf.symbols(q[r, p][keep].to(torch.int64).T)  # [N, T']
-            escapes += int(big.sum())
-            row = (r * 2 + p) * n
-            counts[row : row + n] += torch.bincount((sym.to(torch.int64) + lanes).reshape(-1), minlength=256 * n).view(
-                n, 256
-            )
-    return escapes
+    lanes = 256 * torch.arange(n, dtype=torch.int64)
+    hist = torch.empty(2 * n, 256, dtype=torch.int64)
+    esc = 0
+    for p in range(2):
+        sym, big = tf.symbols((q[0, p] if keep is None else q[0, p][keep]).to(torch.int64))  # [T', N]
+        esc = esc + big.sum(1)
+        hist[p * n : (p + 1) * n] = torch.bincount((sym.to(torch.int64) + lanes).reshape(-1), minlength=256 * n).view(
+            n, 256
+        )
+    return hist, esc
 
 
 def _placeholder_level(r: int, n: int) -> PCALevelData:
