@@ -651,6 +651,17 @@ def decode_into(
         keep_alive(keep, stream, dev)
 
 
+def _check_cuda_tables(tables: Any, what: str) -> Any:
+    """Raise ValueError unless ``tables`` is a contiguous CUDA uint16 ``[num_tables, 256]`` tensor
+    (``what`` names the caller); returns the torch module."""
+    torch = torch_module()
+    if not is_cuda(tables) or tables.dtype != torch.uint16:
+        raise ValueError(f"{what} needs the tables as a CUDA uint16 tensor")
+    if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
+        raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
+    return torch
+
+
 def build_run_luts(tables: Any, stream: Any = None) -> Any:
     """The decode lookups of static tables for CUDA decodes of table-switching streams.
 
@@ -672,11 +683,7 @@ def build_run_luts(tables: Any, stream: Any = None) -> Any:
     Raises:
         ValueError: ``tables`` not a contiguous CUDA uint16 tensor of shape ``[num_tables, 256]``.
     """
-    torch = torch_module()
-    if not is_cuda(tables) or tables.dtype != torch.uint16:
-        raise ValueError("build_run_luts needs the tables as a CUDA uint16 tensor")
-    if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
-        raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
+    torch = _check_cuda_tables(tables, "build_run_luts")
     with torch.cuda.device(tables.device):  # the launch goes to the tables' GPU, whichever is current
         luts = torch.empty(tables.shape[0], RUN_LUT_BYTES, dtype=torch.uint8, device=tables.device)
         _R.build_run_luts(tables.data_ptr(), tables.shape[0], luts.data_ptr(), stream_handle(stream, tables.device))
@@ -699,11 +706,7 @@ def build_tables_ok(tables: Any, stream: Any = None) -> Any:
     Raises:
         ValueError: ``tables`` not a contiguous CUDA uint16 tensor of shape ``[num_tables, 256]``.
     """
-    torch = torch_module()
-    if not is_cuda(tables) or tables.dtype != torch.uint16:
-        raise ValueError("build_tables_ok needs the tables as a CUDA uint16 tensor")
-    if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
-        raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
+    torch = _check_cuda_tables(tables, "build_tables_ok")
     with torch.cuda.device(tables.device):
         bits = torch.zeros(-(-tables.shape[0] // 32), dtype=torch.int32, device=tables.device)
         _R.tables_ok(tables.data_ptr(), tables.shape[0], bits.data_ptr(), stream_handle(stream, tables.device))
