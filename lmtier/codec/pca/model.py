@@ -190,9 +190,10 @@ class PCAModel:
             bad("k", x.k, np.isfinite(x.k) & (x.k >= 0))
             bad("f", x.f, np.isfinite(x.f) & (x.f >= 0))
             bad("energy_threshold", x.energy_threshold, x.energy_threshold >= 0)
-        e_mu = np.einsum("rpi,rpij->rpj", self.mu_int.astype(np.int64), self.e_int.astype(np.int64))
-        if not np.array_equal(e_mu, self.e_mu):
-            raise PCAModelError("e_mu is not mu_int @ e_int")
+        for i in range(self.rows):  # one layer group at a time: all of e_int as int64 is 0.5 GB at 8B
+            e_mu = np.einsum("pi,pij->pj", self.mu_int[i].astype(np.int64), self.e_int[i].astype(np.int64))
+            if not np.array_equal(e_mu, self.e_mu[i]):
+                raise PCAModelError("e_mu is not mu_int @ e_int")
 
     @property
     def rows(self) -> int:
