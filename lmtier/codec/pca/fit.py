@@ -301,24 +301,33 @@ def _level_data(
 def _uncount_exact(groups, kvs, starts, ks, exact, energy, counts) -> None:
     """Take the symbols of the exact tokens (``exact[level][sequence]``, bool ``[T]``) out of each
     level's ``counts`` (int64 ``[R * 2 * N, 256]``, which counted every token), their coefficients
-    recomputed one layer group and one run of consecutive exact tokens at a time.
+    recomputed one layer group at a time: the raw vectors of each run of consecutive exact tokens
+    (at its positions), one transform of them all (:func:`.transform.transform_vectors`), then
+    :func:`.transform.quantize` of each run (its start decides ``exact_first``, as in the first pass).
 
     Raises:
         RuntimeError: a recomputed token's energy differs from the first pass's (the integer
             arithmetic of :mod:`.transform` rules it out; the counts would be wrong).
     """
-    g, n = groups[0].layer_group, groups[0].vector_size
+    g, n, inv_freq = groups[0].layer_group, groups[0].vector_size, groups[0].inv_freq
+    runs = [(j, a, b) for j in range(len(kvs)) for a, b in _runs(torch.stack([ex[j] for ex in exact]).any(0))]
+    if not runs:
+        return
     for i, m in enumerate(groups):
-        rows = slice(i * 2 * n, (i + 1) * 2 * n)
-        for j, (kv, st) in enumerate(zip(kvs, starts)):
-            for a, b in _runs(torch.stack([ex[j] for ex in exact]).any(0)):
-                acc, clamped = tf.transform(m, kv[i * g : (i + 1) * g, :, a:b], int(st) + a)
-                for li, k in enumerate(ks):
-                    out = exact[li][j][a:b]
-                    fw = tf.quantize(m, acc, clamped, int(st) + a, k[i : i + 1], None)
-                    if not torch.equal(fw.energy[0][:, out], energy[li][j][i][:, a:b][:, out]):
-                        raise RuntimeError(f"PCA fit: token {a} of sequence {j} got other coefficients when recomputed")
-                    counts[li][rows] -= _histogram(fw.q, out)[0]
+        layers, rows = slice(i * g, (i + 1) * g), slice(i * 2 * n, (i + 1) * 2 * n)
+        x = torch.cat([tf.raw_vectors(kvs[j][layers, :, a:b], int(starts[j]) + a, inv_freq, g) for j, a, b in runs], 2)
+        acc, clamped = tf.transform_vectors(m, x)
+        del x
+        for li, k in enumerate(ks):
+            qs, off = [], 0
+            for j, a, b in runs:
+                out, t = exact[li][j][a:b], slice(off, off + b - a)
+                fw = tf.quantize(m, acc[:, :, t], clamped[t], int(starts[j]) + a, k[i : i + 1], None)
+                if not torch.equal(fw.energy[0][:, out], energy[li][j][i][:, a:b][:, out]):
+                    raise RuntimeError(f"PCA fit: token {a} of sequence {j} got other coefficients when recomputed")
+                qs.append(fw.q[:, :, out])
+                off += b - a
+            counts[li][rows] -= _histogram(torch.cat(qs, 2))[0]
 
 
 def _threshold(base: PCAModel, energy: list[torch.Tensor], starts, share: float) -> torch.Tensor:

@@ -26,6 +26,7 @@ __all__ = [
     "to_kv",
     "Forward",
     "transform",
+    "transform_vectors",
     "quantize",
     "forward",
     "inverse",
@@ -146,8 +147,15 @@ def transform(m: PCAModel, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, 
     ``clamp(round_half_even(x * inv_x_scale)) @ e_int - e_mu``; ``clamped`` bool ``[T]``: tokens with
     a raw value beyond the 16-bit fixed point). ``kv``: canonical ``[L, 2, T, H, D]`` bf16/fp16
     (finite), CPU or CUDA, its first token at position ``start``."""
-    inv_sx, e_mu, _ = vectors(m, str(kv.device))
-    xi = torch.round(raw_vectors(kv, start, m.inv_freq, m.layer_group) * inv_sx[:, :, None, None])
+    return transform_vectors(m, raw_vectors(kv, start, m.inv_freq, m.layer_group))
+
+
+def transform_vectors(m: PCAModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`transform` of raw vectors ``x`` (float64 ``[R, 2, T, N]``, :func:`raw_vectors`' output,
+    CPU or CUDA; finite): each token's result depends on its vector alone, so the tokens may come
+    from any positions (each vector made at its own)."""
+    inv_sx, e_mu, _ = vectors(m, str(x.device))
+    xi = torch.round(x * inv_sx[:, :, None, None])
     clamped = (xi.abs() > XMAX).any(-1).any(0).any(0)
     return _imatmul(m, xi.clamp_(-XMAX, XMAX), 0) - e_mu[:, :, None], clamped
 
