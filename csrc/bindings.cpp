@@ -511,11 +511,9 @@ void bind_pca(py::module_& m) {
       "coder's descriptors, the payload and the exact tokens' index staged in a page-locked block "
       "and uploaded to `upload`; the rANS calls side by side, decode_pre_symbols, its escapes, per "
       "batch of layer groups a batched GEMM and decode_post; the exact tokens put in place; the "
-      "checks copied back. tables_ok: 0 (the tables' validity checked at each call) or "
-      "rans.tables_ok's "
-      "bitmap of these tables. Returns the DecodeStage holding them. The GIL is released while "
-      "CUDA "
-      "work is queued; nothing waits. RuntimeError / ValueError as the steps raise.");
+      "checks copied back; returns the DecodeStage holding the checks. tables_ok: 0 (each rANS "
+      "call checks its tables) or rans.tables_ok's bitmap of these tables. The GIL is released "
+      "while CUDA work is queued; nothing waits. RuntimeError / ValueError as the steps raise.");
   pm.def(
       "escape_scratch_bytes",
       [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {

@@ -131,8 +131,9 @@ __device__ __forceinline__ uint32_t freq_of(const uint4& v, int q) {
 
 // Validity bitmap of the static tables (in scratch, or tables_ok_cuda's of a whole array): bit t of
 // ok_bits set when table t sums to 4096.
-// One warp per bitmap word (32 tables), coalesced 64-byte loads; the grid covers the words of the
-// tables that exist (ids < min(num_tables, 65,536)); the prep kernels read no other word.
+// One warp per bitmap word (32 tables), coalesced 64-byte loads; the grid covers the words of
+// tables [0, nt) (a call's: nt = min(num_tables, 65,536); tables_ok_cuda's: all); the prep kernels
+// read no other word.
 __global__ void __launch_bounds__(kThreads)
     tables_ok_kernel(const uint16_t* __restrict__ tables, int64_t nt,
                      uint32_t* __restrict__ ok_bits) {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -253,10 +254,28 @@ def test_native_decodes_with_the_tables_bitmap_are_those_without(monkeypatch):
     m, recs = _llama()
     arrays = pca_codec._level_arrays(m, "pca_default", "cuda")
     assert arrays.tables_ok.is_cuda and arrays.tables_ok.numel() == -(-arrays.tables.shape[0] // 32)
+    before = kernels.decode_stats()["fused"]
     with_bits = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
     _without_bitmap(monkeypatch)
     for r, w in zip(recs, with_bits, strict=True):
         assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), w)
+    assert native_decode.available() and kernels.decode_stats()["fused"] - before == 2 * len(recs)
+
+
+def test_a_bitmap_not_made_for_the_tables_is_refused_as_the_callers():
+    """``queue`` refuses a ``tables_ok`` of another size, dtype or device (``NativeRefused``: the
+    caller's argument, not the record)."""
+    m, recs = _llama()
+    arrays = pca_codec._level_arrays(m, "pca_default", "cuda")
+    p = pca_codec._parse(recs[0], m)
+    spans = p.rec.index[: 2 * m.rows + 3]
+    offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
+    payload = np.frombuffer(p.rec.payload, np.uint8)
+    ok = arrays.tables_ok
+    for bad in (ok[:-1], ok.to(torch.int64), ok.cpu()):
+        with pytest.raises(native_decode.NativeRefused, match="tables_ok"):
+            native_decode.queue(m, payload, offs, lens, p.exact, p.n_esc, arrays.tables, arrays.f, p.start, p.dtype,
+                                torch.device("cuda"), tables_ok=bad)  # fmt: skip
 
 
 @pytest.mark.parametrize("bitmap", [True, False], ids=["bitmap", "checked-per-call"])

@@ -233,8 +233,16 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     streams.check_spans(payload, offs[:s], lens[:s], length, n)
     try:
         rans.check_run_luts(run_luts, tables.shape[0])
-        if tables_ok is not None and tuple(tables_ok.shape) != (-(-tables.shape[0] // 32),):
-            raise ValueError(f"tables_ok {tuple(tables_ok.shape)} for {tables.shape[0]} tables")
+        if tables_ok is not None and (
+            tuple(tables_ok.shape) != (-(-tables.shape[0] // 32),)
+            or tables_ok.dtype != torch.int32
+            or tables_ok.device != tables.device
+            or not tables_ok.is_contiguous()
+        ):
+            raise ValueError(
+                f"tables_ok {tables_ok.dtype} {tuple(tables_ok.shape)} on {tables_ok.device} for "
+                f"{tables.shape[0]} tables on {tables.device} (rans.build_tables_ok of them)"
+            )
     except ValueError as e:  # the caller's lookups, not the record: refused as the native call's
         raise NativeRefused(str(e)) from None
     dec = imatmul.prepared(m, dev)[1]
