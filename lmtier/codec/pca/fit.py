@@ -323,8 +323,10 @@ def _uncount_exact(groups, kvs, starts, ks, exact, energy, counts) -> None:
             for j, a, b in runs:
                 out, t = exact[li][j][a:b], slice(off, off + b - a)
                 fw = tf.quantize(m, acc[:, :, t], clamped[t], int(starts[j]) + a, k[i : i + 1], None)
-                if not torch.equal(fw.energy[0][:, out], energy[li][j][i][:, a:b][:, out]):
-                    raise RuntimeError(f"PCA fit: token {a} of sequence {j} got other coefficients when recomputed")
+                same = (fw.energy[0] == energy[li][j][i][:, a:b]).all(0) | ~out
+                if not bool(same.all()):
+                    at = a + int(torch.nonzero(~same)[0, 0])
+                    raise RuntimeError(f"PCA fit: token {at} of sequence {j} got another energy when recomputed")
                 qs.append(fw.q[:, :, out])
                 off += b - a
             counts[li][rows] -= _histogram(torch.cat(qs, 2))[0]
@@ -358,17 +360,17 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def _histogram(q: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _histogram(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The symbols (:func:`.transform.symbols`) of one layer group's coefficients ``q`` (float64
-    ``[1, 2, T, N]``, integer-valued) of the tokens ``keep`` (bool ``[T]``; None: all): (int64
-    ``[2 * N, 256]`` counts, row ``p * N + n`` for coefficient ``n`` of K/V ``p``; int64 ``[T']``
-    escaped coefficients per token). The temporaries are ``T * N`` values."""
+    ``[1, 2, T, N]``, integer-valued): (int64 ``[2 * N, 256]`` counts, row ``p * N + n`` for
+    coefficient ``n`` of K/V ``p``; int64 ``[T]`` escaped coefficients per token). The temporaries
+    are ``T * N`` values."""
     n = q.shape[3]
     lanes = 256 * torch.arange(n, dtype=torch.int64)
     hist = torch.empty(2 * n, 256, dtype=torch.int64)
     esc = 0
     for p in range(2):
-        sym, big = tf.symbols((q[0, p] if keep is None else q[0, p][keep]).to(torch.int64))  # [T', N]
+        sym, big = tf.symbols(q[0, p].to(torch.int64))  # [T, N]
         esc = esc + big.sum(1)
         hist[p * n : (p + 1) * n] = torch.bincount((sym.to(torch.int64) + lanes).reshape(-1), minlength=256 * n).view(
             n, 256
