@@ -12,14 +12,16 @@ while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca benc
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
-        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put|get] [--staged] [--ceiling]
+        [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put|get] [--ceiling]
+        [--table-checks bitmap|per-call]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
 per record of each kernel name: whether the threads' rate is bound by the device or by the host.
+``--table-checks per-call``: the native decode's rANS calls check their tables at each call instead of
+reading the level's validity bitmap (an A/B of that bitmap).
 ``--ceiling``: the copies that bound the op, timed in the same run (the records from page-locked host
 memory to the device, as bf16 KV at their ratio; the bf16 KV host to device; a device copy of the KV).
-``--staged``: the decode's host part in the native call (``native_decode.stage_in_native``).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
 parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
 ``result``): which step grows when threads are added.
@@ -55,15 +57,21 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-ms", type=float, default=0.0, help="sys.setswitchinterval (ms; 0: Python's 5 ms)")
     ap.add_argument("--op", choices=("decode", "encode", "put", "get"), default="decode")
     ap.add_argument("--ceiling", action="store_true", help="also time the copies that bound the op (same run)")
-    ap.add_argument("--staged", action="store_true", help="the decode's host part in the native call")
+    ap.add_argument(
+        "--table-checks",
+        choices=("bitmap", "per-call"),
+        default="bitmap",
+        help="decode: the level's tables checked once (the product) or at each rANS call (A/B)",
+    )
     a = ap.parse_args(argv)
     if a.switch_ms:
         sys.setswitchinterval(a.switch_ms / 1000)
-    if a.staged:
+    dev = torch.device("cuda")
+    if a.table_checks == "per-call":
         from lmtier.codec.pca import native_decode
 
-        native_decode.stage_in_native(True)
-    dev = torch.device("cuda")
+        queue = native_decode.queue
+        native_decode.queue = lambda *args, **kw: queue(*args, **{**kw, "tables_ok": None})
     geom = (32, 8, 128, 1)
     m = bench.model_for(geom, bench.MIN_CALIB_TOKENS)
     chunks = [bench.synthetic_kv(geom, 256, 256 * i, 100 + i).to(dev) for i in range(a.chunks)]

@@ -178,9 +178,9 @@ void bind_rans(py::module_& m) {
         }
 #ifdef LMTIER_WITH_CUDA
         r::decode_cuda(d, num_streams, t, num_tables, reinterpret_cast<const uint8_t*>(run_luts),
-                       reinterpret_cast<uint64_t*>(out_lengths), reinterpret_cast<int32_t*>(status),
-                       reinterpret_cast<void*>(scratch), scratch_bytes,
-                       reinterpret_cast<void*>(stream));
+                       nullptr, reinterpret_cast<uint64_t*>(out_lengths),
+                       reinterpret_cast<int32_t*>(status), reinterpret_cast<void*>(scratch),
+                       scratch_bytes, reinterpret_cast<void*>(stream));
 #else
         (void)scratch;
         (void)scratch_bytes;
@@ -192,6 +192,24 @@ void bind_rans(py::module_& m) {
       py::arg("num_streams"), py::arg("tables"), py::arg("num_tables"), py::arg("out_lengths"),
       py::arg("status"), py::arg("scratch"), py::arg("scratch_bytes"), py::arg("num_threads"),
       py::arg("stream"), py::arg("run_luts") = 0);
+  rm.def(
+      "tables_ok",
+      [](uintptr_t tables, int64_t num_tables, uintptr_t ok_bits, uintptr_t stream) {
+#ifdef LMTIER_WITH_CUDA
+        r::tables_ok_cuda(reinterpret_cast<const uint16_t*>(tables), num_tables,
+                          reinterpret_cast<uint32_t*>(ok_bits), reinterpret_cast<void*>(stream));
+#else
+        (void)tables;
+        (void)num_tables;
+        (void)ok_bits;
+        (void)stream;
+        LMTIER_CHECK_ARG(false, "this lmtier build has no CUDA kernels (built without nvcc)");
+#endif
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("tables"), py::arg("num_tables"),
+      py::arg("ok_bits"), py::arg("stream"),
+      "Validity bitmap of [num_tables][256] uint16 device tables into ok_bits "
+      "[(num_tables + 31) / 32] uint32 (device), queued on stream (rans::tables_ok_cuda)");
   rm.def(
       "build_run_luts",
       [](uintptr_t tables, int64_t num_tables, uintptr_t luts, uintptr_t stream) {
@@ -392,11 +410,11 @@ void bind_pca(py::module_& m) {
   using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
   auto args = [=](int32_t dtype, int32_t L, int32_t T, int32_t H, int32_t D, int32_t G, int32_t t32,
                   A descs, int64_t num_streams, int64_t tables_per_stream, int64_t streams_per_call,
-                  A tables, A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes,
-                  A sym, A escapes, int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo,
-                  A rowsum, A esc_count, A esc_row, A y, int32_t groups_per_batch, int32_t p8,
-                  A dcat, A f, A mu, A cos_t, A sin_t, A out, A gemm_workspace,
-                  uint64_t gemm_workspace_bytes, A stream) {
+                  A tables, A run_luts, A tables_ok, A counts, A status, A scratch,
+                  uint64_t scratch_bytes, A sym, A escapes, int32_t num_escapes, A esc_col,
+                  A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count, A esc_row, A y,
+                  int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t, A out,
+                  A gemm_workspace, uint64_t gemm_workspace_bytes, A stream) {
     return p::DecodeRecordArgs{dtype,
                                geom(L, T, H, D, G),
                                t32,
@@ -406,6 +424,7 @@ void bind_pca(py::module_& m) {
                                streams_per_call,
                                static_cast<const uint16_t*>(ptr(tables)),
                                static_cast<const uint8_t*>(ptr(run_luts)),
+                               static_cast<const uint32_t*>(ptr(tables_ok)),
                                static_cast<uint64_t*>(ptr(counts)),
                                static_cast<int32_t*>(ptr(status)),
                                static_cast<uint8_t*>(ptr(scratch)),
@@ -440,24 +459,16 @@ void bind_pca(py::module_& m) {
           A run_luts, A counts, A status, A scratch, uint64_t scratch_bytes, A sym, A escapes,
           int32_t num_escapes, A esc_col, A esc_hi, A esc_scratch, A lo, A rowsum, A esc_count,
           A esc_row, A y, int32_t groups_per_batch, int32_t p8, A dcat, A f, A mu, A cos_t, A sin_t,
-          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, A descs,
-          py::object payload, py::object offs_, py::object lens_, py::object exact_idx_, A upload,
-          uint64_t payload_at, uint64_t idx_at, A checks, uint64_t checks_bytes) -> py::object {
+          A out, A gemm_workspace, uint64_t gemm_workspace_bytes, A stream, py::buffer payload,
+          py::object offs_, py::object lens_, py::object exact_idx_, A upload, uint64_t payload_at,
+          uint64_t idx_at, A checks, uint64_t checks_bytes, A tables_ok) {
         p::DecodeRecordArgs a = args(
-            dtype, L, T, H, D, G, t32, descs, num_streams, tables_per_stream, streams_per_call,
-            tables, run_luts, counts, status, scratch, scratch_bytes, sym, escapes, num_escapes,
+            dtype, L, T, H, D, G, t32, 0, num_streams, tables_per_stream, streams_per_call, tables,
+            run_luts, tables_ok, counts, status, scratch, scratch_bytes, sym, escapes, num_escapes,
             esc_col, esc_hi, esc_scratch, lo, rowsum, esc_count, esc_row, y, groups_per_batch, p8,
             dcat, f, mu, cos_t, sin_t, out, gemm_workspace, gemm_workspace_bytes, stream);
-        if (payload.is_none()) {  // the caller staged and uploaded the descriptors at `descs`
-          LMTIER_CHECK_ARG(descs != 0, "decode_record: neither descs nor a payload to stage");
-          {
-            py::gil_scoped_release nogil;
-            p::decode_record(a);
-          }
-          return py::none();  // with the GIL: None's reference count
-        }
         const I64 offs(offs_), lens(lens_), exact_idx(exact_idx_);
-        const py::buffer_info pb = py::buffer(payload).request();
+        const py::buffer_info pb = payload.request();
         LMTIER_CHECK_ARG(pb.ndim == 1 && pb.strides[0] == pb.itemsize && pb.itemsize == 1,
                          "decode_record: payload must be a 1-D contiguous byte buffer");
         LMTIER_CHECK_ARG(offs.ndim() == 1 && lens.ndim() == 1 && offs.size() == num_streams + 3 &&
@@ -481,7 +492,7 @@ void bind_pca(py::module_& m) {
           py::gil_scoped_release nogil;
           stage = p::decode_record_staged(a, sa);
         }
-        return py::cast(std::move(stage));
+        return stage;
       },
       py::arg("dtype"), py::arg("L"), py::arg("T"), py::arg("H"), py::arg("D"), py::arg("G"),
       py::arg("t32"), py::arg("num_streams"), py::arg("tables_per_stream"),
@@ -492,19 +503,17 @@ void bind_pca(py::module_& m) {
       py::arg("esc_row"), py::arg("y"), py::arg("groups_per_batch"), py::arg("p8"), py::arg("dcat"),
       py::arg("f"), py::arg("mu"), py::arg("cos_t"), py::arg("sin_t"), py::arg("out"),
       py::arg("gemm_workspace"), py::arg("gemm_workspace_bytes"), py::arg("stream"),
-      py::arg("descs") = 0, py::arg("payload") = py::none(), py::arg("offs") = py::none(),
-      py::arg("lens") = py::none(), py::arg("exact_idx") = py::none(), py::arg("upload") = 0,
-      py::arg("payload_at") = 0, py::arg("idx_at") = 0, py::arg("checks") = 0,
-      py::arg("checks_bytes") = 0,
+      py::arg("payload"), py::arg("offs"), py::arg("lens"), py::arg("exact_idx"), py::arg("upload"),
+      py::arg("payload_at"), py::arg("idx_at"), py::arg("checks"), py::arg("checks_bytes"),
+      py::arg("tables_ok") = 0,
       "One record's decode queued on `stream` (lmtier::pca::DecodeRecordArgs in lmtier/pca.h; "
-      "device addresses): the rANS calls side by side, decode_pre_symbols, its escapes, per batch "
-      "of layer groups a batched GEMM and decode_post. Without `payload`: the coder's descriptors "
-      "are at `descs` (uploaded by the caller); returns None. With `payload` (and offs, lens, "
-      "exact_idx, upload, payload_at, idx_at, checks, checks_bytes: lmtier::pca::StageArgs), its "
-      "host part too (decode_record_staged): the descriptors, payload and exact tokens' index "
-      "staged in a page-locked block and uploaded to `upload`, the exact tokens put in place, the "
-      "checks copied back; returns the DecodeStage holding them. The GIL is released while CUDA "
-      "work is queued; nothing waits. RuntimeError / ValueError as the steps raise.");
+      "device addresses) with its host part (lmtier::pca::StageArgs, decode_record_staged): the "
+      "coder's descriptors, the payload and the exact tokens' index staged in a page-locked block "
+      "and uploaded to `upload`; the rANS calls side by side, decode_pre_symbols, its escapes, per "
+      "batch of layer groups a batched GEMM and decode_post; the exact tokens put in place; the "
+      "checks copied back; returns the DecodeStage holding the checks. tables_ok: 0 (each rANS "
+      "call checks its tables) or rans.tables_ok's bitmap of these tables. The GIL is released "
+      "while CUDA work is queued; nothing waits. RuntimeError / ValueError as the steps raise.");
   pm.def(
       "escape_scratch_bytes",
       [=](int32_t L, int32_t T, int32_t H, int32_t D, int32_t G) {

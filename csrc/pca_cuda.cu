@@ -41,10 +41,11 @@ __device__ __forceinline__ long long block_sum(long long v) {
 
 __device__ __forceinline__ double clamp_abs(double v, double m) { return fmin(fmax(v, -m), m); }
 
-// Element offset of value n of row (r, p, t) in the canonical chunk [L][2][T][H][D].
+// Element offset of value n of row (r, p, t) in the canonical chunk [L][2][T][H][D]: value n is
+// layer r * G + n / (H * D) and, within its token's H * D values, value n % (H * D).
 __device__ __forceinline__ int64_t chunk_offset(const PcaGeometry& g, int r, int p, int t, int n) {
-  const int hd = g.H * g.D, gl = n / hd, rem = n % hd;
-  return ((((int64_t)(r * g.G + gl) * 2 + p) * g.T + t) * g.H + rem / g.D) * g.D + rem % g.D;
+  const int hd = g.H * g.D, gl = n / hd, rem = n - gl * hd;
+  return (((int64_t)(r * g.G + gl) * 2 + p) * g.T + t) * hd + rem;
 }
 
 template <int DT>

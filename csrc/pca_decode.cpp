@@ -65,9 +65,11 @@ void decode_streams(const DecodeRecordArgs& a) {
   auto* descs = static_cast<const rans::RansDecodeDesc*>(a.descs);
   auto* main = static_cast<cudaStream_t>(a.stream);
   auto launch = [&](int64_t k, cudaStream_t st) {
-    const int64_t lo = k * b, count = std::min(b, a.num_streams - lo);
-    rans::decode_cuda(descs + lo, count, a.tables + 256 * lo * n, count * n,
-                      a.run_luts ? a.run_luts + rans::kRunLutBytes * lo * n : nullptr,
+    const int64_t lo = k * b, count = std::min(b, a.num_streams - lo), first = lo * n;
+    // the call's slice of the bitmap when it starts at a whole word (else the call checks them)
+    const uint32_t* ok = a.tables_ok && first % 32 == 0 ? a.tables_ok + first / 32 : nullptr;
+    rans::decode_cuda(descs + lo, count, a.tables + 256 * first, count * n,
+                      a.run_luts ? a.run_luts + rans::kRunLutBytes * first : nullptr, ok,
                       a.counts + lo, a.status + lo, a.scratch + k * a.scratch_bytes,
                       a.scratch_bytes, st);
   };

@@ -129,13 +129,14 @@ __device__ __forceinline__ uint32_t freq_of(const uint4& v, int q) {
   return (q & 1) ? w >> 16 : w & 0xFFFF;
 }
 
-// Validity bitmap of the static tables, in scratch: bit t of ok_bits set when table t sums to 4096.
-// One warp per bitmap word (32 tables), coalesced 64-byte loads; the grid covers the words of the
-// tables that exist (ids < min(num_tables, 65,536)); the prep kernels read no other word.
+// Validity bitmap of the static tables (in scratch, or tables_ok_cuda's of a whole array): bit t of
+// ok_bits set when table t sums to 4096.
+// One warp per bitmap word (32 tables), coalesced 64-byte loads; the grid covers the words of
+// tables [0, nt) (a call's: nt = min(num_tables, 65,536); tables_ok_cuda's: all); the prep kernels
+// read no other word.
 __global__ void __launch_bounds__(kThreads)
-    tables_ok_kernel(const uint16_t* __restrict__ tables, int64_t num_tables,
+    tables_ok_kernel(const uint16_t* __restrict__ tables, int64_t nt,
                      uint32_t* __restrict__ ok_bits) {
-  const int64_t nt = num_tables < kMaxTablesChecked ? num_tables : kMaxTablesChecked;
   const int lane = threadIdx.x & 31;
   const int64_t wd = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) >> 5;
   if (wd * 32 >= nt) return;  // warp-uniform
@@ -175,13 +176,13 @@ __global__ void fill_status_kernel(int32_t* status, uint64_t n, int32_t v) {
     status[i] = v;
 }
 
-void launch_tables_ok(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits,
-                      cudaStream_t stream) {
-  const int64_t nt = std::min<int64_t>(num_tables, kMaxTablesChecked);
+// The bits of tables [0, nt) (nt > kMaxTablesChecked only for tables_ok_cuda's whole arrays).
+void launch_tables_ok(const uint16_t* tables, int64_t nt, uint32_t* ok_bits, cudaStream_t stream) {
   if (nt <= 0) return;
   const int64_t words = (nt + 31) / 32;
-  const unsigned blocks = static_cast<unsigned>((words + kWarps - 1) / kWarps);
-  tables_ok_kernel<<<blocks, kThreads, 0, stream>>>(tables, num_tables, ok_bits);
+  const int64_t blocks = (words + kWarps - 1) / kWarps;
+  LMTIER_CHECK_ARG(blocks <= 0x7FFFFFFF, "rans: ", nt, " tables");
+  tables_ok_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(tables, nt, ok_bits);
   LMTIER_CUDA_CHECK_LAUNCH();
 }
 
@@ -1189,7 +1190,7 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
   LMTIER_CUDA_CHECK(cudaMemsetAsync(hist, 0, N * 256 * sizeof(uint32_t), stream));
   LMTIER_CUDA_CHECK(cudaMemsetAsync(afreq, 0, N * 256 * sizeof(uint16_t), stream));
   auto* ok_bits = reinterpret_cast<uint32_t*>(sc + L.tables_ok);
-  launch_tables_ok(tables, num_tables, ok_bits, stream);
+  launch_tables_ok(tables, std::min<int64_t>(num_tables, kMaxTablesChecked), ok_bits, stream);
   enc_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, seg_log2,
                                                   work, gl, L.max_segments, status);
   LMTIER_CUDA_CHECK_LAUNCH();
@@ -1221,8 +1222,9 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
 }
 
 void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                 int64_t num_tables, const uint8_t* run_luts, uint64_t* out_lengths,
-                 int32_t* status, void* scratch, uint64_t scratch_bytes, void* stream_ptr) {
+                 int64_t num_tables, const uint8_t* run_luts, const uint32_t* tables_ok,
+                 uint64_t* out_lengths, int32_t* status, void* scratch, uint64_t scratch_bytes,
+                 void* stream_ptr) {
   LMTIER_CHECK_ARG(num_streams >= 0 && num_tables >= 0, "rans: bad num_streams / num_tables");
   LMTIER_CHECK_ARG((reinterpret_cast<uintptr_t>(run_luts) & 15) == 0,
                    "rans: run_luts must be 16-byte aligned");
@@ -1236,15 +1238,27 @@ void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_
   auto* work = static_cast<DecodeWork*>(scratch);
   auto* gl = reinterpret_cast<DecGlobals*>(static_cast<uint8_t*>(scratch) +
                                            ((N * sizeof(DecodeWork) + 255) & ~255ull));
-  auto* ok_bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(scratch) +
-                                              ((N * sizeof(DecodeWork) + 255) & ~255ull) + 256);
-  launch_tables_ok(tables, num_tables, ok_bits, stream);
+  const uint32_t* ok_bits = tables_ok;
+  if (ok_bits == nullptr) {  // checked here, at each call
+    auto* bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(scratch) +
+                                             ((N * sizeof(DecodeWork) + 255) & ~255ull) + 256);
+    launch_tables_ok(tables, std::min<int64_t>(num_tables, kMaxTablesChecked), bits, stream);
+    ok_bits = bits;
+  }
   dec_prep_kernel<<<1, kPrepThreads, 0, stream>>>(descs, num_streams, ok_bits, num_tables, work, gl,
                                                   out_lengths, status);
   LMTIER_CUDA_CHECK_LAUNCH();
   static const int grid = persistent_grid(reinterpret_cast<const void*>(&dec_kernel), kThreads, 0);
   dec_kernel<<<grid, kThreads, 0, stream>>>(descs, num_streams, tables, run_luts, work, gl, status);
   LMTIER_CUDA_CHECK_LAUNCH();
+}
+
+void tables_ok_cuda(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits,
+                    void* stream_ptr) {
+  LMTIER_CHECK_ARG(num_tables >= 0, "rans: num_tables must be >= 0, got ", num_tables);
+  if (num_tables == 0) return;
+  LMTIER_CHECK_ARG(tables != nullptr && ok_bits != nullptr, "rans: null tables / ok_bits");
+  launch_tables_ok(tables, num_tables, ok_bits, static_cast<cudaStream_t>(stream_ptr));
 }
 
 void build_run_luts_cuda(const uint16_t* tables, int64_t num_tables, uint8_t* luts,

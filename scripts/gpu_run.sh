@@ -10,8 +10,7 @@
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
-# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "stagedab": the native decode's host part in Python or in the native call
-# (--staged), the decode's rate with 1 and 4 threads alternated, and --breakdown of each; "quickpca": the native PCA decode's GPU tests (tests/test_gpu_codec_pca_native.py,
+# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the native PCA decode's GPU tests (tests/test_gpu_codec_pca_native.py,
 # tests/test_gpu_codec_pca_queued.py) and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "hostab": an A/B of the host's
 # PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads) between this tree and the
@@ -162,20 +161,6 @@ if has decprof; then
   for th in 1 4; do
     timeout 150 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 6 --profile 4 > "$OUT/decprof_$th.log" 2>&1
     echo "decprof threads=$th rc=$?"; grep -v "^\s*$" "$OUT/decprof_$th.log" | tail -15
-  done
-fi
-if has stagedab; then
-  for round in 1 2; do
-    for staged in "" "--staged"; do
-      for th in 1 4; do
-        line=$(timeout 60 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 4 $staged 2>&1 | tail -1)
-        echo "stagedab round $round ${staged:-python} threads=$th: $line" | tee -a "$OUT/stagedab.log"
-      done
-    done
-  done
-  for staged in "" "--staged"; do
-    timeout 60 $PY benchmarks/pca_decode_threads.py --threads 4 --seconds 2 --breakdown 8 $staged 2>&1 \
-      | grep -v -i warn | tail -8 | tee -a "$OUT/stagedab.log"
   done
 fi
 if has quickpca; then

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,13 +26,10 @@ from tests.threads import run_in_threads
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["host-part-in-python", "host-part-native"])
-def native_on(monkeypatch, request):
-    """The native decode on (the product's default), whatever an earlier test left; its host part
-    in Python or in the native call (:func:`native_decode.stage_in_native`, the default)."""
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    """The native decode on (the product's default), whatever an earlier test left."""
     monkeypatch.setitem(native_decode._state, "enabled", True)
-    monkeypatch.setitem(native_decode._state, "staged", request.param)
-    return request.param
 
 
 GEOM = (32, 8, 128, 1)  # Llama-3.1-8B: L, H, D, G (N = 1,024)
@@ -177,7 +175,7 @@ def test_threads_deliver_records_with_escapes_as_a_tier_does():
     run_in_threads(worker, [(s,) for s in range(4)])
 
 
-def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them(native_on):
+def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them():
     """The native call stages each record in a page-locked block of a pool (``csrc/pca_stage.cpp``).
     A record whose stream is held back (``torch.cuda._sleep``) has its pending decode dropped: its
     block is released while its upload has not run yet. A record staged meanwhile on another stream
@@ -186,8 +184,6 @@ def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them(nat
     busy is not an error). Records decoded one after another then reuse the pool's blocks."""
     from lmtier import _C
 
-    if not native_on:
-        pytest.skip("the native call's staging pool only")
     m, recs = _llama()
     with native_decode.enabled(False):
         want = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
@@ -213,13 +209,14 @@ def test_staging_blocks_are_reused_and_never_while_a_decode_still_reads_them(nat
     assert native_decode.available()
 
 
-def test_the_host_part_of_the_native_call_gives_a_stage_or_the_workspaces_checks(native_on):
-    """``queue`` returns the checks as the native call's page-locked ``DecodeStage`` (host part
-    native) or as the workspace's region on the device (host part in Python), and
-    ``PendingChunk`` refuses both at once."""
+def test_the_native_call_gives_its_checks_in_its_staging_block():
+    """``queue`` returns the checks as the native call's page-locked ``DecodeStage``, and
+    ``PendingChunk`` refuses device checks and host checks at once."""
+    from lmtier import _C
+
     m, recs = _llama()
     p = pca_codec.decode_queued(recs[0], model=m, device="cuda")
-    assert isinstance(p._checks, torch.Tensor) != native_on
+    assert isinstance(p._checks, _C.pca.DecodeStage)
     p.result()
     with pytest.raises(ValueError, match="not both"):
         pca_codec.PendingChunk(p._chunk, torch.zeros(4, device="cuda"), lambda g: None, host_checks=b"x")
@@ -229,7 +226,7 @@ def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
     """At Llama-3.1-8B's geometry, a stream cut to half its bytes (enough for its header's segments:
     the host's checks pass, so the record is staged and decoded) is refused by the device's checks,
     read back through the staging block, as the host decoder refuses it; the record queued after it
-    decodes to its bits (either host part)."""
+    decodes to its bits."""
     from lmtier.codec.chunk import CodecRecordError
     from tests.test_codec_pca_product import _parts, _repack
 
@@ -243,3 +240,67 @@ def test_a_record_cut_after_staging_is_refused_and_the_next_decodes():
         pending[0].result()
     assert torch.equal(_bits(pending[1].result()), want)
     assert native_decode.available() and kernels.decode_stats()["fused"] - before == 2
+
+
+def _without_bitmap(mp: pytest.MonkeyPatch) -> None:
+    """Native decodes that check their tables at each rANS call (no ``tables_ok``)."""
+    orig = native_decode.queue
+    mp.setattr(native_decode, "queue", lambda *a, **k: orig(*a, **{**k, "tables_ok": None}))
+
+
+def test_native_decodes_with_the_tables_bitmap_are_those_without(monkeypatch):
+    """The level's validity bitmap (built once with its arrays) spares each rANS call reading its
+    tables; the decodes are the same bits as with the check at each call."""
+    m, recs = _llama()
+    arrays = pca_codec._level_arrays(m, "pca_default", "cuda")
+    assert arrays.tables_ok.is_cuda and arrays.tables_ok.numel() == -(-arrays.tables.shape[0] // 32)
+    before = kernels.decode_stats()["fused"]
+    with_bits = [_bits(pca.decode(r, model=m, device="cuda")) for r in recs]
+    _without_bitmap(monkeypatch)
+    for r, w in zip(recs, with_bits, strict=True):
+        assert torch.equal(_bits(pca.decode(r, model=m, device="cuda")), w)
+    assert native_decode.available() and kernels.decode_stats()["fused"] - before == 2 * len(recs)
+
+
+def test_a_bitmap_not_made_for_the_tables_is_refused_as_the_callers():
+    """``queue`` refuses a ``tables_ok`` of another size, dtype or device (``NativeRefused``: the
+    caller's argument, not the record)."""
+    m, recs = _llama()
+    arrays = pca_codec._level_arrays(m, "pca_default", "cuda")
+    p = pca_codec._parse(recs[0], m)
+    spans = p.rec.index[: 2 * m.rows + 3]
+    offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
+    payload = np.frombuffer(p.rec.payload, np.uint8)
+    ok = arrays.tables_ok
+    for bad in (ok[:-1], ok.to(torch.int64), ok.cpu()):
+        with pytest.raises(native_decode.NativeRefused, match="tables_ok"):
+            native_decode.queue(m, payload, offs, lens, p.exact, p.n_esc, arrays.tables, arrays.f, p.start, p.dtype,
+                                torch.device("cuda"), tables_ok=bad)  # fmt: skip
+
+
+@pytest.mark.parametrize("bitmap", [True, False], ids=["bitmap", "checked-per-call"])
+@pytest.mark.parametrize("stream", [0, 63])  # in the first coder call and in the second (streams 63 + 1)
+def test_a_table_that_does_not_sum_to_4096_refuses_its_stream(monkeypatch, bitmap, stream):
+    """A level whose table in ``stream``'s range does not sum to 4096 (its bitmap built from those
+    tables, or none): the record is refused naming that stream, never decoded from the table; the
+    same level's good tables then decode it to its bits."""
+    from lmtier.codec import rans
+    from lmtier.codec.chunk import CodecRecordError
+
+    m, recs = _llama()
+    want = _bits(pca.decode(recs[0], model=m, device="cuda"))
+    good = pca_codec._level_arrays(m, "pca_default", "cuda")
+    t = good.tables.cpu().numpy().copy()
+    t[stream * m.vector_size + 5, 0] += 1  # sums to 4,097; the stream's runs use all its N tables
+    tables = torch.from_numpy(t).cuda()
+    bad = good._replace(tables=tables, tables_ok=rans.build_tables_ok(tables))
+    with monkeypatch.context() as mp:
+        mp.setattr(pca_codec, "_level_arrays", lambda *_: bad)
+        if not bitmap:
+            _without_bitmap(mp)
+        with pytest.raises(
+            CodecRecordError, match=rf"rans decode failed for 1 stream\(s\): stream {stream}: bad or unknown table"
+        ):
+            pca.decode(recs[0], model=m, device="cuda")
+    assert torch.equal(_bits(pca.decode(recs[0], model=m, device="cuda")), want)
+    assert native_decode.available()

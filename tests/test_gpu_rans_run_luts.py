@@ -179,3 +179,27 @@ def test_run_luts_arguments_are_checked():
     misaligned = torch.zeros(rans.RUN_LUT_BYTES * len(tables) + 16, dtype=torch.uint8, device=DEV)[8:]
     with pytest.raises(ValueError, match="16-byte aligned"):
         rans.decode_descriptors(desc, n, tables.data_ptr(), len(tables), run_luts=misaligned, **kw)
+
+
+def test_tables_ok_bits_are_each_tables_sum():
+    """``build_tables_ok``: bit t of the bitmap is set exactly when table t sums to 4096, over more
+    tables than one decode call checks (65,536) and a count that is not a multiple of 32; bad
+    arguments are refused."""
+    rng = np.random.default_rng(5)
+    n = 70_001
+    t = np.tile(_tables(rng), (-(-n // 64), 1))[:n].copy()
+    bad = rng.choice(n, 300, replace=False)
+    bad = np.r_[bad, 0, 31, 32, 65_535, 65_536, n - 1]
+    t[bad, rng.integers(0, 256, len(bad))] += 1  # 4,097: not a table (wraps only from 65,535)
+    want = t.astype(np.int64).sum(1) == rans.PROB_SCALE
+    assert not want[bad].any() and want.sum() == n - len(np.unique(bad))
+    bits = rans.build_tables_ok(torch.from_numpy(t).to(DEV)).cpu().numpy()
+    assert bits.shape == (-(-n // 32),)
+    got = np.unpackbits(bits.view(np.uint8), bitorder="little")[:n].astype(bool)
+    np.testing.assert_array_equal(got, want)
+    assert not np.unpackbits(bits.view(np.uint8), bitorder="little")[n:].any()
+    tables = torch.from_numpy(t[:64]).to(DEV)
+    with pytest.raises(ValueError, match="CUDA uint16"):
+        rans.build_tables_ok(tables.cpu())
+    with pytest.raises(ValueError, match="contiguous"):
+        rans.build_tables_ok(tables[:, :128])

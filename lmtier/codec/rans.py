@@ -82,6 +82,7 @@ __all__ = [
     "decode_descriptors",
     "RUN_LUT_BYTES",
     "build_run_luts",
+    "build_tables_ok",
     "check_run_luts",
     "min_stream_bytes",
 ]
@@ -650,6 +651,17 @@ def decode_into(
         keep_alive(keep, stream, dev)
 
 
+def _check_cuda_tables(tables: Any, what: str) -> Any:
+    """Raise ValueError unless ``tables`` is a contiguous CUDA uint16 ``[num_tables, 256]`` tensor
+    (``what`` names the caller); returns the torch module."""
+    torch = torch_module()
+    if not is_cuda(tables) or tables.dtype != torch.uint16:
+        raise ValueError(f"{what} needs the tables as a CUDA uint16 tensor")
+    if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
+        raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
+    return torch
+
+
 def build_run_luts(tables: Any, stream: Any = None) -> Any:
     """The decode lookups of static tables for CUDA decodes of table-switching streams.
 
@@ -671,15 +683,34 @@ def build_run_luts(tables: Any, stream: Any = None) -> Any:
     Raises:
         ValueError: ``tables`` not a contiguous CUDA uint16 tensor of shape ``[num_tables, 256]``.
     """
-    torch = torch_module()
-    if not is_cuda(tables) or tables.dtype != torch.uint16:
-        raise ValueError("build_run_luts needs the tables as a CUDA uint16 tensor")
-    if tables.dim() != 2 or tables.shape[1] != 256 or not tables.is_contiguous():
-        raise ValueError(f"tables must be contiguous [num_tables, 256], got {tuple(tables.shape)}")
+    torch = _check_cuda_tables(tables, "build_run_luts")
     with torch.cuda.device(tables.device):  # the launch goes to the tables' GPU, whichever is current
         luts = torch.empty(tables.shape[0], RUN_LUT_BYTES, dtype=torch.uint8, device=tables.device)
         _R.build_run_luts(tables.data_ptr(), tables.shape[0], luts.data_ptr(), stream_handle(stream, tables.device))
     return luts
+
+
+def build_tables_ok(tables: Any, stream: Any = None) -> Any:
+    """The validity bitmap of static tables for CUDA decodes that read them (``decode_cuda``'s
+    ``tables_ok`` in ``rans.h``): bit ``t % 32`` of word ``t // 32`` set when table ``t`` sums to
+    4096. A decode given it does not read the tables again to check them; build it once for tables
+    that do not change (a codec level's, uploaded once).
+
+    Args:
+        tables: uint16 ``[num_tables, 256]``, a contiguous CUDA tensor.
+        stream: the CUDA stream to queue the check on (None: the current stream of their device).
+
+    Returns:
+        int32 ``[(num_tables + 31) // 32]`` on the tables' device, being written on ``stream``.
+
+    Raises:
+        ValueError: ``tables`` not a contiguous CUDA uint16 tensor of shape ``[num_tables, 256]``.
+    """
+    torch = _check_cuda_tables(tables, "build_tables_ok")
+    with torch.cuda.device(tables.device):
+        bits = torch.zeros(-(-tables.shape[0] // 32), dtype=torch.int32, device=tables.device)
+        _R.tables_ok(tables.data_ptr(), tables.shape[0], bits.data_ptr(), stream_handle(stream, tables.device))
+    return bits
 
 
 def check_run_luts(run_luts: Any, num_tables: int) -> None:

@@ -124,6 +124,7 @@ struct DecodeRecordArgs {
   int64_t streams_per_call;   // streams of one rANS call (16-bit table ids)
   const uint16_t* tables;     // [num_streams * N][256]
   const uint8_t* run_luts;    // null or [num_streams * N][rans::kRunLutBytes] of these tables
+  const uint32_t* tables_ok;  // null or rans::tables_ok_cuda's bitmap of these tables
   uint64_t* counts;           // [num_streams] decoded symbols
   int32_t* status;            // [num_streams] RansStatus
   uint8_t* scratch;           // one rans::decode_scratch_bytes(streams_per_call) per call

@@ -374,9 +374,20 @@ void encode_cuda(const RansEncodeDesc* descs, int64_t num_streams, const uint16_
 
 // run_luts: null (each warp builds a run's lookups itself) or [num_tables][kRunLutBytes] of
 // build_run_luts_cuda over these same tables, 16-byte aligned, on the device.
+// tables_ok: null (the tables' validity is checked at this call: each table read once) or the
+// bitmap tables_ok_cuda wrote for these same tables, from bit 0 (on the device; a slice of a larger
+// array's bitmap must start at a table id that is a multiple of 32).
 void decode_cuda(const RansDecodeDesc* descs, int64_t num_streams, const uint16_t* tables,
-                 int64_t num_tables, const uint8_t* run_luts, uint64_t* out_lengths,
-                 int32_t* status, void* scratch, uint64_t scratch_bytes, void* stream);
+                 int64_t num_tables, const uint8_t* run_luts, const uint32_t* tables_ok,
+                 uint64_t* out_lengths, int32_t* status, void* scratch, uint64_t scratch_bytes,
+                 void* stream);
+
+// The validity bitmap of tables [num_tables][256] (device) into ok_bits [(num_tables + 31) / 32]
+// uint32 (device): bit t % 32 of word t / 32 set when table t sums to 4096 (kProbScale), as each
+// decode_cuda call otherwise computes for its own tables; queued on `stream`. For tables that do
+// not change: decode_cuda then skips reading them. Throws InvalidArgument for null pointers or
+// num_tables < 0.
+void tables_ok_cuda(const uint16_t* tables, int64_t num_tables, uint32_t* ok_bits, void* stream);
 
 // The decode lookups of tables [num_tables][256] (device) into luts [num_tables][kRunLutBytes]
 // (device, 16-byte aligned), queued on `stream`. Throws InvalidArgument for null pointers, a

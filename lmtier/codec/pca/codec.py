@@ -115,12 +115,15 @@ def _level(m: PCAModel, level: str | int | PCALevel) -> tuple[PCALevel, Any]:
 
 
 class _LevelArrays(NamedTuple):
-    """A level's arrays as torch tensors on one device: rANS tables, ``k``, energy threshold, ``f``."""
+    """A level's arrays as torch tensors on one device: rANS tables, ``k``, energy threshold, ``f``,
+    and on CUDA the tables' validity bitmap (:func:`lmtier.codec.rans.build_tables_ok`; the native
+    decode's rANS calls then do not read the tables to check them; empty on the host)."""
 
     tables: torch.Tensor
     k: torch.Tensor
     threshold: torch.Tensor
     f: torch.Tensor
+    tables_ok: torch.Tensor
 
 
 def _level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
@@ -135,7 +138,9 @@ def _level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
 def _cached_level_arrays(m: PCAModel, level: str, device: str) -> _LevelArrays:
     d = m.levels[level]
     f = lambda a, dt=None: torch.from_numpy(a).to(device=device, dtype=dt)  # noqa: E731
-    got = _LevelArrays(f(d.tables), f(d.k), f(d.energy_threshold, torch.float64), f(d.f))
+    tables = f(d.tables)
+    ok = rans.build_tables_ok(tables) if tables.is_cuda else torch.empty(0, dtype=torch.int32)
+    got = _LevelArrays(tables, f(d.k), f(d.energy_threshold, torch.float64), f(d.f), ok)
     imatmul.settled(device)  # read by other threads' streams
     return got
 
@@ -453,15 +458,13 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
         try:
             out, checks, how = native_decode.queue(
                 model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, p.n_esc, arrays.tables,
-                arrays.f, p.start, p.dtype, dev, run_luts=luts,
+                arrays.f, p.start, p.dtype, dev, run_luts=luts, tables_ok=arrays.tables_ok,
             )  # fmt: skip
         except native_decode.NativeRefused as e:  # not the record's fault: the Python-driven kernels below
             native_decode.disable(str(e))
         except ValueError as e:
             raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
         else:
-            if isinstance(checks, torch.Tensor):
-                return PendingChunk(out, checks, how.verify)
             return PendingChunk(out, None, how.verify, host_checks=checks)
     try:  # sized by T: a stream of another count raises
         if fused:  # one upload of every section the device reads

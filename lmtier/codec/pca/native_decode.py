@@ -4,9 +4,9 @@ coefficients placed on the device (``csrc/pca_escapes.cu``: no wait for their co
 :func:`.kernels.queue_decode` waits twice), the batched GEMMs and ``decode_post``: the same bits as
 the Python-driven kernels, with the interpreter out of the ~20 launches between them. The host's
 part: the record's checks, one page-locked upload (the coder's descriptors, the record's payload, the
-exact tokens' index) into one device workspace, one read-back of the checks (:class:`Checks`); with
-:func:`stage_in_native` the native call does those too, in a page-locked block of its pool, with the
-GIL released.
+exact tokens' index) into one device workspace, one read-back of the checks (:class:`Checks`): the
+native call does those too, in a page-locked block of its pool (``csrc/pca_stage.cpp``), with the
+GIL released; Python checks the record and allocates the workspace and the chunk.
 """
 
 from __future__ import annotations
@@ -36,25 +36,15 @@ __all__ = [
     "NativeRefused",
     "disable",
     "enabled",
-    "stage_in_native",
 ]
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 256
-_state = {"enabled": True, "disabled": "", "staged": True}
+_state = {"enabled": True, "disabled": ""}
 """``enabled``: :func:`enable`'s switch (on by default); ``disabled``: why it is off for this process
 ("" while not), set by :func:`disable` after it raised once (then every record takes
-:func:`.kernels.queue_decode`'s path); ``staged``: :func:`stage_in_native`'s switch (on by default:
-benchmarks/RESULTS.md §4.1x)."""
-
-
-def stage_in_native(on: bool = True) -> None:
-    """Let the native call do the host part of each record's decode too (``on``: the descriptors,
-    payload and exact tokens' index staged in its page-locked pool, uploaded, the exact tokens put
-    in place by a kernel, the checks copied back; ``csrc/pca_stage.cpp``, the GIL released; the
-    default), or do it in Python (off)."""
-    _state["staged"] = bool(on)
+:func:`.kernels.queue_decode`'s path)."""
 
 
 def enable(on: bool = True) -> None:
@@ -204,6 +194,7 @@ def queue(
     dev: torch.device,
     *,
     run_luts: torch.Tensor | None = None,
+    tables_ok: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Any, Checks]:
     """Queue the decode of a record on ``dev``'s current stream.
 
@@ -214,12 +205,13 @@ def queue(
             tables, f: the level's (on ``dev``); start: the first position; dtype: bf16 or fp16.
         run_luts: :func:`lmtier.codec.rans.build_run_luts` of ``tables`` (None: the coder builds each
             run's lookups).
+        tables_ok: :func:`lmtier.codec.rans.build_tables_ok` of ``tables`` (None: each rANS call
+            reads its tables to check them).
 
     Returns:
-        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the checks: with
-        :func:`stage_in_native` the ``lmtier._C.pca.DecodeStage`` whose buffer (uint8, page-locked
-        host memory) holds them once the stream passed them, else their region of the workspace
-        (uint8 on ``dev``, to copy back once queued); their :class:`Checks`).
+        (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the ``lmtier._C.pca.DecodeStage``
+        whose buffer (uint8, page-locked host memory) holds the checks once the stream passed them;
+        their :class:`Checks`).
 
     Raises:
         ValueError: a stream header that does not fit the layout (:func:`.streams.check_spans`), or
@@ -230,10 +222,10 @@ def queue(
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
     with torch.cuda.device(dev):  # the native call picks its side streams and cuBLAS handle by it
-        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts)
+        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok)
 
 
-def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts):
+def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok):
     c = kernels._native()
     r, n, t = m.rows, m.vector_size, int(exact.size)
     s, t32 = 2 * r, streams.run_length(t)
@@ -241,6 +233,16 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
     streams.check_spans(payload, offs[:s], lens[:s], length, n)
     try:
         rans.check_run_luts(run_luts, tables.shape[0])
+        if tables_ok is not None and (
+            tuple(tables_ok.shape) != (-(-tables.shape[0] // 32),)
+            or tables_ok.dtype != torch.int32
+            or tables_ok.device != tables.device
+            or not tables_ok.is_contiguous()
+        ):
+            raise ValueError(
+                f"tables_ok {tables_ok.dtype} {tuple(tables_ok.shape)} on {tables_ok.device} for "
+                f"{tables.shape[0]} tables on {tables.device} (rans.build_tables_ok of them)"
+            )
     except ValueError as e:  # the caller's lookups, not the record: refused as the native call's
         raise NativeRefused(str(e)) from None
     dec = imatmul.prepared(m, dev)[1]
@@ -273,45 +275,14 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
         stream=torch.cuda.current_stream(dev).cuda_stream,
     )  # fmt: skip
     checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
-    staged = _state["staged"]
-    if not staged:  # the host part here (its allocation's errors are not the native call's)
-        _stage_in_python(ws, lay, payload[:used], offs, lens, idx, idx_at, length, s)
     try:
-        if staged:  # the host part in the native call too
-            stage = c.decode_record(**args, payload=payload, offs=offs, lens=lens, exact_idx=idx,
-                                    upload=base + lay.upload, payload_at=lay.payload, idx_at=idx_at,
-                                    checks=base + lay.status, checks_bytes=lay.checks_end - lay.status)  # fmt: skip
-        else:
-            c.decode_record(**args, descs=base + lay.upload)
-            stage = None
+        stage = c.decode_record(**args, payload=payload, offs=offs, lens=lens, exact_idx=idx, upload=base + lay.upload,
+                                payload_at=lay.payload, idx_at=idx_at, checks=base + lay.status,
+                                checks_bytes=lay.checks_end - lay.status,
+                                tables_ok=0 if tables_ok is None else tables_ok.data_ptr())  # fmt: skip
     except (RuntimeError, ValueError) as e:  # the record's own checks ran above
         raise NativeRefused(str(e)) from None
-    if stage is None and idx.size:  # the exact tokens, from the uploaded payload
-        lo = lay.upload + lay.payload
-        raw = ws[lo + int(offs[s + 2]) : lo + int(offs[s + 2] + lens[s + 2])].view(dtype)
-        at = ws[lay.upload + idx_at : lay.upload + idx_at + 8 * idx.size].view(torch.int64)
-        out.index_copy_(2, at, raw.reshape(m.num_layers, 2, idx.size, m.num_heads, m.head_size))
     kernels._decode_paths["symbols"] += 1
     kernels._decode_paths["fused"] += 1
     kernels._stats["batched"] += -(-r // lay.groups_per_batch)  # the GEMM batches, one cuBLAS call each
-    return out, stage if stage is not None else ws[lay.status : lay.checks_end], checks
-
-
-def _stage_in_python(ws, lay, payload, offs, lens, idx, idx_at, length, s) -> None:
-    """The host part of the unstaged native call: the coder's descriptors, ``payload`` (the record's
-    payload up to its last section's end) and the exact tokens' index written into page-locked memory
-    and uploaded to ``ws`` at ``lay.upload`` (torch's caching host allocator keeps the memory until the
-    copy ran)."""
-    used = payload.size
-    host = torch.empty(idx_at + 8 * idx.size, dtype=torch.uint8, pin_memory=True)
-    hn = host.numpy()
-    base = ws.data_ptr()
-    desc = hn[: s * rans.DECODE_DESC.itemsize].view(rans.DECODE_DESC)
-    desc["src"] = base + lay.upload + lay.payload + offs[:s]
-    desc["src_bytes"] = lens[:s]
-    desc["dst"] = base + lay.sym + length * np.arange(s, dtype=np.uint64)
-    desc["dst_capacity"] = length
-    hn[lay.payload : lay.payload + used] = payload
-    if idx.size:
-        hn[idx_at:].view(np.int64)[:] = idx
-    ws[lay.upload : lay.upload + host.numel()].copy_(host, non_blocking=True)
+    return out, stage, checks
