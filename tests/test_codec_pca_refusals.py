@@ -337,6 +337,8 @@ def test_bad_fits_are_refused():
         fit(inv_freq=INV_FREQ[:4])
     with pytest.raises(ValueError, match="x_headroom must be >= 1"):
         fit(x_headroom=0.5)
+    with pytest.raises(ValueError, match=r"calibration KV tensors \[1\] hold no tokens"):
+        fit(kvs=[kvs[0], kvs[1][:, :, :0]])
     bad = kvs[0].clone()
     bad[0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):

@@ -98,7 +98,7 @@ def fit(
     Raises:
         ValueError: inconsistent shapes, ``G`` not dividing ``L``, ``G*H*D`` above
             :data:`~.model.MAX_VECTOR_SIZE`, an odd head size with RoPE,
-            ``outlier_share`` out of range, fewer than 2 tokens, non-finite KV, a (layer group, K/V)
+            ``outlier_share`` out of range, a tensor of no tokens, fewer than 2 tokens, non-finite KV, a (layer group, K/V)
             whose calibration KV does not vary.
         RuntimeError: no step reaches a ``calibration_ratio`` level's ratio within 0.5 % in 12 secant
             steps; or (an internal error) a token's coefficients differed when recomputed.
@@ -114,6 +114,9 @@ def fit(
         raise ValueError(f"outlier_share must be in [0, 1), got {outlier_share}")
     if x_headroom < 1:
         raise ValueError(f"x_headroom must be >= 1, got {x_headroom}")
+    empty = [i for i, kv in enumerate(kvs) if kv.shape[2] == 0]
+    if empty:
+        raise ValueError(f"calibration KV tensors {empty} hold no tokens (T = 0): leave them out")
     if sum(kv.shape[2] for kv in kvs) < 2:
         raise ValueError("calibration needs at least 2 tokens")
     if not all(bool(torch.isfinite(kv).all()) for kv in kvs):
