@@ -6,14 +6,18 @@ threads encode. ``--op put``: the product's write path, ``PCACodecTier.put`` of 
 (as the CPU pool's slots hand them) with ``encode_device`` on the GPU, over an inner tier whose put
 copies the record once (a socket's send or a file's write stand-in). ``--op get``: the product's read
 path, each thread reading every chunk with one ``PCACodecTier.get_many_into`` into CUDA destinations
-(decodes queued ahead as the tier queues them) from a batching inner tier in memory. Made to run
+(decodes queued ahead as the tier queues them) from a batching inner tier in memory; ``--get-batch K``:
+in calls of ``K`` chunks (1: as the vLLM connector's I/O tasks read by default); ``--get-stream``: each
+thread passes its own CUDA stream (the connector's device-decode path: copies queued on it, one
+synchronize at the end of the thread's reads) instead of none (each chunk in its destination when
+the call returns). Made to run
 under ``py-spy record --gil`` (scripts/gpu_run.sh's ``decspy`` step): which Python code holds the GIL
 while several threads decode. Llama-3.1-8B geometry at G = 1, the codec_pca bench's synthetic model
 and chunks.
 
     python benchmarks/pca_decode_threads.py [--threads 4] [--chunks 8] [--seconds 20] [--level pca_default]
         [--profile PASSES] [--breakdown PASSES] [--op decode|encode|put|get] [--ceiling]
-        [--table-checks bitmap|per-call]
+        [--table-checks bitmap|per-call] [--get-batch K] [--get-stream]
 
 ``--profile``: after the timed loop, ``PASSES`` more passes under ``torch.profiler``: how much of the wall
 time the GPU was busy (the union of its kernels' and copies' intervals, all streams), and the device time
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
         default="bitmap",
         help="decode: the level's tables checked once (the product) or at each rANS call (A/B)",
     )
+    ap.add_argument("--get-batch", type=int, default=0, help="get: chunks per get_many_into (0: all)")
+    ap.add_argument("--get-stream", action="store_true", help="get: each thread passes its own CUDA stream")
     a = ap.parse_args(argv)
     if a.switch_ms:
         sys.setswitchinterval(a.switch_ms / 1000)
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
     elif a.op == "put":
         one_pass = put_pass(pool, chunks, m, a.level, recs)
     elif a.op == "get":
-        one_pass = get_pass(pool, a.threads, chunks, m, a.level, recs)
+        one_pass = get_pass(pool, a.threads, chunks, m, a.level, recs, a.get_batch or a.chunks, a.get_stream)
         gb, records = gb * a.threads, records * a.threads  # each thread reads every chunk
     else:
         one_pass = lambda: list(pool.map(lambda i: encode_one(chunks[i], 256 * i, m, a.level), range(a.chunks)))  # noqa: E731
@@ -226,11 +232,12 @@ def ceiling(chunks: list[torch.Tensor], recs: list[bytes], gb: float, seconds: f
 
 
 def get_pass(pool: ThreadPoolExecutor, threads: int, chunks: list[torch.Tensor], m: pca.PCAModel, level: str,
-             recs: list[bytes]):  # fmt: skip
-    """One pass of the product's batched read: each of ``threads`` threads reads every chunk with one
-    ``PCACodecTier.get_many_into`` into its own CUDA destinations (records copied out of a batching
-    inner tier in memory; decodes queued ahead as the tier queues them); checked once against the
-    chunks' decodes."""
+             recs: list[bytes], batch: int, on_stream: bool):  # fmt: skip
+    """One pass of the product's batched read: each of ``threads`` threads reads every chunk, ``batch``
+    chunks per ``PCACodecTier.get_many_into``, into its own CUDA destinations (records copied out of a
+    batching inner tier in memory; decodes queued ahead as the tier queues them), with its own CUDA
+    stream as ``stream=`` (synchronized once at the end of its reads) when ``on_stream``; checked once
+    against the chunks' decodes."""
     c0 = chunks[0]
     sink = _Sink()
     tier = PCACodecTier(sink, shape=tuple(c0.shape), dtype=c0.dtype, level=level, model=m)
@@ -240,8 +247,15 @@ def get_pass(pool: ThreadPoolExecutor, threads: int, chunks: list[torch.Tensor],
     outs = [[torch.empty(c0.numel() * c0.element_size(), dtype=torch.uint8, device=c0.device) for _ in chunks]
             for _ in range(threads)]  # fmt: skip
 
+    streams = [torch.cuda.Stream(device=c0.device) if on_stream else None for _ in range(threads)]
+
     def one(j: int) -> list[int | None]:
-        return tier.get_many_into(keys, outs[j])
+        got: list[int | None] = []
+        for b in range(0, len(keys), batch):
+            got += tier.get_many_into(keys[b : b + batch], outs[j][b : b + batch], stream=streams[j])
+        if streams[j] is not None:
+            streams[j].synchronize()
+        return got
 
     def one_pass() -> list[list[int | None]]:
         return list(pool.map(one, range(threads)))

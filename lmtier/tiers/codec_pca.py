@@ -318,8 +318,10 @@ class PCACodecTier(RecordTier):
 
     def _deliver(self, chunk: torch.Tensor, dst: torch.Tensor, stream: Any, side: Any, ready: Any = None) -> None:
         """Copy a decoded ``chunk`` into ``dst``: on ``stream`` after the decode (its ``ready`` event,
-        else everything queued on its ``side`` stream) when both are given; else now, on ``side`` (the
-        current stream), returning once it ran.
+        else everything queued on its ``side`` stream) when both are given; else now, returning once
+        it ran: on the host, or for a CUDA chunk on this thread's copy stream (:meth:`_copy_stream`)
+        after ``ready`` (else after everything queued on ``side``), so not behind the records queued
+        after it on ``side``.
 
         Raises:
             CodecRecordError: a chunk of another dtype or shape than this tier's (the record is corrupt)."""
@@ -328,10 +330,18 @@ class PCACodecTier(RecordTier):
                 f"record of a {chunk.dtype} chunk {list(chunk.shape)}, this tier stores {self.dtype} {list(self.shape)}"
             )
         flat = chunk.reshape(-1).view(torch.uint8)
-        if side is None or stream is None:
+        if side is None:
             dst[: self.raw_bytes].copy_(flat)
-            if side is not None:
-                side.synchronize()  # the chunk is in dst; the decode's buffers are free to reuse
+            return
+        if stream is None:
+            cs = self._copy_stream(chunk.device)
+            if ready is not None:
+                cs.wait_event(ready)
+            else:
+                cs.wait_stream(side)
+            with torch.cuda.stream(cs):
+                dst[: self.raw_bytes].copy_(flat)
+            cs.synchronize()  # the chunk is in dst; its memory is free to reuse
             return
         if ready is not None:  # this chunk's decode only, not the records queued after it
             stream.wait_event(ready)
@@ -340,6 +350,15 @@ class PCACodecTier(RecordTier):
         with torch.cuda.stream(stream):
             dst[: self.raw_bytes].copy_(flat)
         flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran
+
+    def _copy_stream(self, dev: torch.device) -> torch.cuda.Stream:
+        """This thread's stream on CUDA ``dev`` for copying decoded chunks out when no stream was given
+        (nothing else is queued on it: the copy does not wait for later decodes)."""
+        streams = self._local.__dict__.setdefault("copy_streams", {})
+        s = streams.get(dev)
+        if s is None:
+            s = streams[dev] = torch.cuda.Stream(device=dev)
+        return s
 
     @contextlib.contextmanager
     def _on_device(self, dev: torch.device):
