@@ -175,6 +175,30 @@ def test_cuda_empty_chunk_and_level_arrays_on_the_host():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))
 
 
+def test_cuda_encode_synchronizes_twice(path, monkeypatch):
+    """The fused kernels' encode of a CUDA chunk (escapes and exact tokens in it) waits for the device
+    twice (the counts and the coder's status, then the record's sections) and nowhere else: no op
+    that synchronizes implicitly (``torch.cuda.set_sync_debug_mode("error")`` raises on one), two
+    stream synchronizations; the record is the host's."""
+    if path == "torch":
+        pytest.skip("the torch fallback reads its counts back as it goes")
+    m = fitted("plain")
+    kv = _kv(40, 8, 37)
+    ref = pca.encode(kv, start=8, model=m, level="pca_high")
+    assert pca.record_meta(ref).escapes > 0
+    x = kv.cuda()
+    assert pca.encode(x, start=8, model=m, level="pca_high") == ref  # the model's arrays and tables uploaded
+    syncs: list[int] = []
+    real = torch.cuda.Stream.synchronize
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: syncs.append(1) or real(self))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = pca.encode(x, start=8, model=m, level="pca_high")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == ref and len(syncs) == 2
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_cuda_nonfinite_chunk_refused_and_next_chunk_unharmed(bad):
     """NaN or inf anywhere (a key of the last layer here, RoPE-paired) is refused, as on the host; the

@@ -251,11 +251,14 @@ def encode(
         raise ValueError(f"chunk must be on the host or a CUDA device, got {dev}")
     t, t32 = x.shape[2], streams.run_length(x.shape[2])
     arrays = _level_arrays(model, lv.name, str(dev))
-    sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
-    runs = streams.encode_runs(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
-    escapes, exact, raw = streams.host_arrays(
-        escapes_t.to(torch.int16), exact_t, x[:, :, exact_t].contiguous().view(torch.uint8)
-    )
+    if dev.type == "cuda" and kernels.available() and t:
+        runs, escapes, exact, raw = _device_sections(model, x, int(start), arrays, t32)
+    else:
+        sym, exact_t, escapes_t = chunk_symbols(model, x, int(start), arrays.k, arrays.threshold)
+        runs = streams.encode_runs(sym.reshape(2 * model.rows, -1), arrays.tables, t32, num_threads)
+        escapes, exact, raw = streams.host_arrays(
+            escapes_t.to(torch.int16), exact_t, x[:, :, exact_t].contiguous().view(torch.uint8)
+        )
     escapes = escapes.astype("<i2")
     S = sections_per_layer(model)
     for sec in (escapes.view(np.uint8), np.packbits(exact, bitorder="little"), raw.reshape(-1)):
@@ -266,6 +269,32 @@ def encode(
     )
     meta = _META.pack(int(start), int(exact.sum()), len(escapes), model.digest)
     return fmt.pack_runs(info, runs, meta, scratch=scratch)
+
+
+def _device_sections(
+    m: PCAModel, x: torch.Tensor, start: int, arrays: _LevelArrays, t32: int
+) -> tuple[list[tuple[np.ndarray, list[int]]], np.ndarray, np.ndarray, np.ndarray]:
+    """``(runs, escapes, exact, raw)`` of a CUDA chunk ``x`` (at least one token), what :func:`encode`
+    packs, with two synchronizations: the fused kernels' symbols and the coder calls are queued, the
+    host reads the non-finite flag, the escapes' count, the exact tokens and the coder's offsets and
+    status in one copy, then the streams, the escaped coefficients and the exact tokens' bytes in a
+    second (host arrays: the runs as :func:`.streams.encode_runs`, int16 escapes, bool ``[T]``,
+    uint8 raw bytes).
+
+    Raises:
+        CodecInputError: NaN or inf in ``x``. ValueError: a coder status other than ok."""
+    t = x.shape[2]
+    with torch.cuda.device(x.device):
+        qs = kernels.encode_queued(m, x, start, arrays.k, arrays.threshold)
+        enc = streams.QueuedEncode(qs.sym.reshape(2 * m.rows, -1), arrays.tables, t32)
+        (head,) = streams.host_arrays(torch.cat([qs.head, qs.exact.long(), enc.checks]))
+        if head[0]:
+            raise CodecInputError(tf.NONFINITE)
+        exact = head[2 : 2 + t].astype(bool)
+        idx = torch.nonzero_static(qs.exact, size=int(exact.sum())).reshape(-1)
+        raw = x.index_select(2, idx).contiguous().view(torch.uint8)
+        runs, (escapes, raw_h) = enc.runs(head[2 + t :], (qs.escapes(int(head[1])), raw))
+    return runs, escapes, exact, raw_h
 
 
 def max_record_bytes(model: PCAModel, tokens: int) -> int:

@@ -98,8 +98,8 @@ def fit(
     Raises:
         ValueError: inconsistent shapes, ``G`` not dividing ``L``, ``G*H*D`` above
             :data:`~.model.MAX_VECTOR_SIZE`, an odd head size with RoPE,
-            ``outlier_share`` out of range, a tensor of no tokens, fewer than 2 tokens, non-finite KV, a (layer group, K/V)
-            whose calibration KV does not vary.
+            ``outlier_share`` out of range, a tensor of no tokens, fewer than 2 tokens, non-finite KV,
+            a (layer group, K/V) whose calibration KV does not vary.
         RuntimeError: no step reaches a ``calibration_ratio`` level's ratio within 0.5 % in 12 secant
             steps; or (an internal error) a token's coefficients differed when recomputed.
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -19,7 +20,17 @@ from . import imatmul, rope, streams
 from . import transform as tf
 from .model import PCAModel
 
-__all__ = ["available", "encode", "decode", "queue_decode", "EscapeCountError", "GEMM_BYTES", "gemm_stats"]
+__all__ = [
+    "available",
+    "encode",
+    "encode_queued",
+    "QueuedSymbols",
+    "decode",
+    "queue_decode",
+    "EscapeCountError",
+    "GEMM_BYTES",
+    "gemm_stats",
+]
 
 log = logging.getLogger(__name__)
 
@@ -167,33 +178,86 @@ def _level(x: torch.Tensor, shape: tuple[int, ...], what: str, dev: torch.device
     return x.to(device=dev, dtype=torch.float64).contiguous()
 
 
+class QueuedSymbols(NamedTuple):
+    """A CUDA chunk's symbols queued on the current stream by :func:`encode_queued` (nothing read back
+    yet): what :func:`encode` returns once the host knows two counts (:attr:`head`)."""
+
+    sym: torch.Tensor
+    """uint8 ``[R, 2, N, T32]`` symbols (``T32``: ``T`` rounded up to 32)."""
+    exact: torch.Tensor
+    """bool ``[T]``: the tokens stored exact."""
+    q: torch.Tensor
+    """int16 ``[R, 2, T, N]`` coefficients (the escaped ones are read from it)."""
+    head: torch.Tensor
+    """int64 ``[2]`` on the device: non-zero if the chunk holds NaN or inf; the escape symbols'
+    count."""
+
+    def escapes(self, count: int) -> torch.Tensor:
+        """int16 ``[count]``: the escaped coefficients in stream order (``count``: :attr:`head`'s
+        second value, read back). No synchronization."""
+        if count == 0:
+            return torch.empty(0, dtype=torch.int16, device=self.q.device)
+        mask = (self.sym[..., : self.q.shape[2]] == tf.ESCAPE).reshape(-1)
+        idx = torch.nonzero_static(mask, size=count).reshape(-1)  # row-major [R, 2, N, T]: stream order
+        return self.q.transpose(2, 3).reshape(-1).index_select(0, idx)
+
+
+def encode_queued(
+    m: PCAModel, kv: torch.Tensor, start: int, k: torch.Tensor, energy_threshold: torch.Tensor
+) -> QueuedSymbols:
+    """:func:`encode` without waiting for the device: the chunk's symbols, exact tokens and
+    coefficients queued on the current stream, with the two counts the host needs next
+    (:attr:`QueuedSymbols.head`) still on the device.
+
+    Args:
+        As :func:`encode` (``kv`` with at least one token).
+
+    Raises:
+        ValueError: ``k`` or ``energy_threshold`` of another shape, a chunk of no tokens.
+    """
+    dev = kv.device
+    r, t, n = m.rows, kv.shape[2], m.vector_size
+    if t == 0:
+        raise ValueError("encode_queued: a chunk of no tokens")
+    kk = _level(k, (r, 2, n), "k", dev)
+    thr = _level(energy_threshold, (r, 2), "energy_threshold", dev)
+    with torch.cuda.device(dev):
+        return _encode(m, kv.contiguous(), start, kk, thr)
+
+
 def encode(
     m: PCAModel, kv: torch.Tensor, start: int, k: torch.Tensor, energy_threshold: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symbols, exact tokens and escaped values of a CUDA chunk, as :mod:`.codec` stores them.
 
     Args:
-        kv: canonical ``[L, 2, T, H, D]`` bf16/fp16 on a CUDA device (finite; checked by the caller).
+        kv: canonical ``[L, 2, T, H, D]`` bf16/fp16 on a CUDA device.
         start: its first position. k: ``[R, 2, N]``, energy_threshold: ``[R, 2]``
             (:class:`~.model.PCALevelData`; moved to the chunk's device as float64).
 
     Raises:
         ValueError: ``k`` or ``energy_threshold`` of another shape.
+        CodecInputError: NaN or inf in ``kv``.
 
     Returns:
         (uint8 ``[R, 2, N, T32]`` symbols (``T32``: ``T`` rounded up to 32), bool ``[T]`` exact
         tokens, int16 escaped coefficients in stream order), all on the device: what
-        :func:`.transform.forward` and :func:`.transform.symbols` give, bit for bit.
+        :func:`.transform.forward` and :func:`.transform.symbols` give, bit for bit. One
+        synchronization (the two counts of :func:`encode_queued`).
     """
     dev = kv.device
     r, t, n = m.rows, kv.shape[2], m.vector_size
-    kk = _level(k, (r, 2, n), "k", dev)
-    thr = _level(energy_threshold, (r, 2), "energy_threshold", dev)
     if t == 0:
+        _level(k, (r, 2, n), "k", dev)  # the shapes checked as for any chunk
+        _level(energy_threshold, (r, 2), "energy_threshold", dev)
         e = torch.empty(0, dtype=torch.int16, device=dev)
         return torch.empty(r, 2, n, 0, dtype=torch.uint8, device=dev), torch.empty(0, dtype=torch.bool, device=dev), e
+    qs = encode_queued(m, kv, start, k, energy_threshold)
+    bad, count = (int(v) for v in streams.host_arrays(qs.head)[0])
+    if bad:
+        raise CodecInputError(tf.NONFINITE)
     with torch.cuda.device(dev):
-        return _encode(m, kv.contiguous(), start, kk, thr)
+        return qs.sym, qs.exact, qs.escapes(count)
 
 
 def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_threshold: torch.Tensor):
@@ -224,7 +288,6 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
         c.encode_post(*sub, y.data_ptr(), enc.col[2 * r0 :].data_ptr(), rowsum[r0:r1].data_ptr(),
                       e_mu[r0:r1].data_ptr(), kk[r0:r1].data_ptr(), q[r0:r1].data_ptr(), energy[r0:r1].data_ptr(),
                       flags[1].data_ptr(), s)  # fmt: skip
-    bad = (flags[0] & c.FLAG_NONFINITE).any()
     exact = flags.bool().any(0) | (torch.arange(start, start + t, device=dev) < m.exact_first)
     exact |= tf.loud(energy.double(), energy_threshold)
     sym = torch.empty(r, 2, n, t32, dtype=torch.uint8, device=dev)
@@ -232,10 +295,8 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     # would go back to the allocator before the call, and another thread's allocation on this stream
     # could queue a write to it ahead of the kernel (records of other, valid bytes: RESULTS §4.1t)
     c.encode_symbols(*geom, t32, q.data_ptr(), exact8.data_ptr(), sym.data_ptr(), s)
-    escapes = q.transpose(2, 3)[sym[..., :t] == tf.ESCAPE]  # synchronizes (a count): the flag is read after
-    if bool(bad):
-        raise CodecInputError(tf.NONFINITE)
-    return sym, exact, escapes
+    head = torch.stack([(flags[0] & c.FLAG_NONFINITE).any().long(), (sym[..., :t] == tf.ESCAPE).sum()])
+    return QueuedSymbols(sym, exact, q, head)
 
 
 def _escape_index(esc: torch.Tensor, count: int, r: int, n: int, t: int) -> tuple[torch.Tensor, ...] | None:

@@ -25,6 +25,7 @@ from lmtier.codec.spans import Spans
 __all__ = [
     "encode",
     "encode_runs",
+    "QueuedEncode",
     "decode",
     "queue_spans",
     "QueuedStreams",
@@ -108,66 +109,118 @@ def encode_runs(
     :func:`lmtier.codec.format.pack_runs` copies at once: ``(data, offsets)`` with stream ``i`` of the
     call at ``data[offsets[i]:offsets[i + 1]]`` (host uint8; the calls' data are views of one buffer).
     Arguments and errors as :func:`encode`."""
-    with _on(sym.device):
-        return _encode(sym, _tables(tables, sym.device), run_len, num_threads)
+    q = QueuedEncode(sym, tables, run_len, num_threads)
+    (checks,) = host_arrays(q.checks)
+    return q.runs(checks)[0]
 
 
-def _encode(
-    sym: torch.Tensor, tables: torch.Tensor, run_len: int, num_threads: int
-) -> list[tuple[np.ndarray, list[int]]]:
-    s_count, length = sym.shape
-    if s_count == 0:
-        return []
-    if tables.shape[0] % s_count or length != tables.shape[0] // s_count * run_len:
-        raise ValueError(f"{tables.shape[0]} tables for {s_count} streams of {length} symbols in runs of {run_len}")
-    n, dev = tables.shape[0] // s_count, sym.device
-    calls = batches(s_count, n)
-    b = len(calls[0])
-    bound = -(-rans.max_batch_encoded_bytes(b, b * length) // _ROW_ALIGN) * _ROW_ALIGN
-    out = torch.empty(len(calls), bound, dtype=torch.uint8, device=dev)
-    # the checks read back at once: per call its offsets [B + 1], then the streams' status (int32 pairs)
-    checks = torch.zeros(len(calls) * (b + 1) + -(-s_count // 2), dtype=torch.int64, device=dev)
-    offsets = checks[: len(calls) * (b + 1)].view(len(calls), b + 1)
-    status = checks[len(calls) * (b + 1) :].view(torch.int32)[:s_count]
-    rows = sym.contiguous().view(-1)  # each stream a byte range of one buffer: no tensor per stream
-    # one scratch per call, all alive until the calls joined: the calls run at the same time, as the
-    # decode's (a call's time is its longest segment's, so the lone last call would double the encode)
-    if dev.type == "cuda":
-        scratch = [torch.empty(rans.encode_scratch_bytes(len(c), len(c) * length), dtype=torch.uint8, device=dev)
-                   for c in calls]  # fmt: skip
-    else:  # the host coder's calls run in turn: one scratch
-        scratch = [torch.empty(rans.encode_scratch_bytes(b, b * length), dtype=torch.uint8)] * len(calls)
-    with _side_by_side(dev, len(calls)) as streams_of:
-        # the current stream's call last: each call uploads its descriptors with a copy that waits for
-        # the current stream, which then holds none of the other calls
-        for k, (c, sc, stream) in enumerate(zip(calls, scratch, streams_of[1:] + streams_of[:1], strict=True)):
-            rans.encode_into(
-                Spans((rows,), np.zeros(len(c), np.int64), np.arange(c.start, c.stop) * length,
-                      np.full(len(c), length)),
-                [table_base(i, n) for i in c],
-                tables[c.start * n : c.stop * n],
-                out=out[k],
-                offsets=offsets[k],
-                status=status[c.start : c.stop],
-                scratch=sc,
-                run_lens=run_len,
-                num_threads=num_threads,
-                stream=stream,
-            )  # fmt: skip
-    (got,) = host_arrays(checks)
-    rans._raise_status(got[len(calls) * (b + 1) :].view(np.int32)[:s_count], "encode")
-    offs = got[: len(calls) * (b + 1)].reshape(len(calls), b + 1)
-    used = [int(offs[k, len(c)]) for k, c in enumerate(calls)]
-    firsts = np.cumsum([0] + used[:-1])
-    if dev.type == "cuda":  # into page-locked memory (torch's caching host allocator): DMA, not staged copies
-        host = torch.empty(sum(used), dtype=torch.uint8, pin_memory=True)
-        for k, (f, u) in enumerate(zip(firsts, used)):
-            host[f : f + u].copy_(out[k, :u], non_blocking=True)
-        torch.cuda.current_stream(dev).synchronize()
-        flat = host.numpy()
-    else:
-        flat = torch.cat([out[k, :u] for k, u in enumerate(used)]).numpy()
-    return [(flat[f : f + u], offs[k, : len(c) + 1].tolist()) for k, (c, f, u) in enumerate(zip(calls, firsts, used))]
+class QueuedEncode:
+    """The coder calls of :func:`encode_runs` queued (CUDA: on the current stream, the calls side by
+    side on this thread's side streams, joined back), nothing read back yet: the host reads
+    :attr:`checks` (with whatever else it needs from the device, in one copy), then :meth:`runs`
+    copies the streams out.
+
+    Args:
+        As :func:`encode`.
+
+    Raises:
+        ValueError: ``tables`` not ``S`` streams' worth (the coder's status: from :meth:`runs`).
+    """
+
+    def __init__(
+        self, sym: torch.Tensor, tables: torch.Tensor | np.ndarray, run_len: int, num_threads: int = 0
+    ) -> None:
+        s_count, length = sym.shape
+        dev = sym.device
+        self._dev, self._s_count = dev, s_count
+        self.calls: list[range] = []
+        self.checks = torch.zeros(0, dtype=torch.int64, device=dev)
+        """int64 on ``sym``'s device: per call its output offsets ``[B + 1]``, then the streams'
+        status (int32 pairs)."""
+        if s_count == 0:
+            return
+        with _on(dev):
+            tables = _tables(tables, dev)
+            if tables.shape[0] % s_count or length != tables.shape[0] // s_count * run_len:
+                raise ValueError(
+                    f"{tables.shape[0]} tables for {s_count} streams of {length} symbols in runs of {run_len}"
+                )
+            n = tables.shape[0] // s_count
+            calls = self.calls = batches(s_count, n)
+            b = self._b = len(calls[0])
+            bound = -(-rans.max_batch_encoded_bytes(b, b * length) // _ROW_ALIGN) * _ROW_ALIGN
+            out = self._out = torch.empty(len(calls), bound, dtype=torch.uint8, device=dev)
+            checks = self.checks = torch.zeros(len(calls) * (b + 1) + -(-s_count // 2), dtype=torch.int64, device=dev)
+            offsets = checks[: len(calls) * (b + 1)].view(len(calls), b + 1)
+            status = checks[len(calls) * (b + 1) :].view(torch.int32)[:s_count]
+            rows = sym.contiguous().view(-1)  # each stream a byte range of one buffer: no tensor per stream
+            # one scratch per call, all alive until the calls joined: the calls run at the same time, as
+            # the decode's (a call's time is its longest segment's, so the lone last call would double
+            # the encode)
+            if dev.type == "cuda":
+                scratch = [torch.empty(rans.encode_scratch_bytes(len(c), len(c) * length), dtype=torch.uint8,
+                                       device=dev) for c in calls]  # fmt: skip
+            else:  # the host coder's calls run in turn: one scratch
+                scratch = [torch.empty(rans.encode_scratch_bytes(b, b * length), dtype=torch.uint8)] * len(calls)
+            with _side_by_side(dev, len(calls)) as streams_of:
+                # the current stream's call last: each call uploads its descriptors with a copy that
+                # waits for the current stream, which then holds none of the other calls
+                for k, (c, sc, stream) in enumerate(zip(calls, scratch, streams_of[1:] + streams_of[:1], strict=True)):
+                    rans.encode_into(
+                        Spans((rows,), np.zeros(len(c), np.int64), np.arange(c.start, c.stop) * length,
+                              np.full(len(c), length)),
+                        [table_base(i, n) for i in c],
+                        tables[c.start * n : c.stop * n],
+                        out=out[k],
+                        offsets=offsets[k],
+                        status=status[c.start : c.stop],
+                        scratch=sc,
+                        run_lens=run_len,
+                        num_threads=num_threads,
+                        stream=stream,
+                    )  # fmt: skip
+
+    def runs(
+        self, checks: np.ndarray, extra: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[list[tuple[np.ndarray, list[int]]], list[np.ndarray]]:
+        """``(runs, extra)``: the runs of :func:`encode_runs`, and each tensor of ``extra`` (contiguous,
+        on the streams' device) as a host NumPy array of its dtype and shape. CUDA: all copied into
+        one page-locked buffer, one synchronization.
+
+        Args:
+            checks: the host copy of :attr:`checks`.
+
+        Raises:
+            ValueError: a coder status other than ok (bad tables)."""
+        if not self.calls:
+            return [], list(host_arrays(*extra))
+        calls, b, s_count = self.calls, self._b, self._s_count
+        rans._raise_status(checks[len(calls) * (b + 1) :].view(np.int32)[:s_count], "encode")
+        offs = checks[: len(calls) * (b + 1)].reshape(len(calls), b + 1)
+        used = [int(offs[k, len(c)]) for k, c in enumerate(calls)]
+        firsts = np.cumsum([0] + used[:-1])
+        if self._dev.type == "cuda":  # into page-locked memory (torch's caching host allocator): DMA
+            sizes = [t.numel() * t.element_size() for t in extra]
+            places = np.cumsum([-(-sum(used) // 8) * 8] + [-(-z // 8) * 8 for z in sizes])
+            host = torch.empty(int(places[-1]), dtype=torch.uint8, pin_memory=True)
+            for k, (f, u) in enumerate(zip(firsts, used)):
+                host[f : f + u].copy_(self._out[k, :u], non_blocking=True)
+            for t, at, z in zip(extra, places, sizes):
+                host[at : at + z].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+            torch.cuda.current_stream(self._dev).synchronize()
+            flat = host.numpy()
+            more = [flat[at : at + z].view(_np_dtype(t)).reshape(t.shape) for t, at, z in zip(extra, places, sizes)]
+        else:
+            flat = torch.cat([self._out[k, :u] for k, u in enumerate(used)]).numpy()
+            more = list(host_arrays(*extra))
+        parts = zip(calls, firsts, used, strict=True)
+        runs = [(flat[f : f + u], offs[k, : len(c) + 1].tolist()) for k, (c, f, u) in enumerate(parts)]
+        return runs, more
+
+
+def _np_dtype(t: torch.Tensor) -> np.dtype:
+    """The NumPy dtype of a tensor's elements."""
+    return torch.empty(0, dtype=t.dtype).numpy().dtype
 
 
 def host_arrays(*ts: torch.Tensor) -> list[np.ndarray]:
