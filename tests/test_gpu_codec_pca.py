@@ -178,8 +178,9 @@ def test_cuda_empty_chunk_and_level_arrays_on_the_host():
 def test_cuda_encode_synchronizes_twice(path, monkeypatch):
     """The fused kernels' encode of a CUDA chunk (escapes and exact tokens in it) waits for the device
     twice (the counts and the coder's status, then the record's sections) and nowhere else: no op
-    that synchronizes implicitly (``torch.cuda.set_sync_debug_mode("error")`` raises on one), two
-    stream synchronizations; the record is the host's."""
+    that synchronizes implicitly (``torch.cuda.set_sync_debug_mode("error")`` raises on one: a
+    pageable upload of the coder's descriptors did), two stream synchronizations; the record is the
+    host's."""
     if path == "torch":
         pytest.skip("the torch fallback reads its counts back as it goes")
     m = fitted("plain")
@@ -190,7 +191,16 @@ def test_cuda_encode_synchronizes_twice(path, monkeypatch):
     assert pca.encode(x, start=8, model=m, level="pca_high") == ref  # the model's arrays and tables uploaded
     syncs: list[int] = []
     real = torch.cuda.Stream.synchronize
-    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: syncs.append(1) or real(self))
+
+    def counted(self):  # an explicit wait: counted, not refused
+        syncs.append(1)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted)
     torch.cuda.set_sync_debug_mode("error")
     try:
         got = pca.encode(x, start=8, model=m, level="pca_high")

@@ -56,10 +56,15 @@ def addr_len(x: Any) -> tuple[int, int]:
 
 
 def device_bytes(arr: np.ndarray, device: Any):
-    """A ``torch.uint8`` tensor on ``device`` holding the bytes of the host array ``arr`` (allocated
-    and copied on the current stream)."""
+    """A ``torch.uint8`` tensor on ``device`` holding the bytes of the host array ``arr``, allocated
+    and copied on the current stream without waiting for it: the bytes go into page-locked memory
+    first (torch's caching host allocator keeps it until the copy ran), so ``arr`` is free again
+    when this returns. A pageable ``.to(device)`` would wait for everything queued on the stream."""
     torch = torch_module()
-    return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).to(device)
+    src = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+    host = torch.empty(src.size, dtype=torch.uint8, pin_memory=True)
+    host.numpy()[:] = src
+    return host.to(device, non_blocking=True)
 
 
 def stream_handle(stream: Any, device: Any) -> int:

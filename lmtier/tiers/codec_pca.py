@@ -40,7 +40,8 @@ Decisions:
   :meth:`RecordTier._gpu_failed <lmtier.tiers.record_tier.RecordTier._gpu_failed>`): the PCA CUDA
   path gives the CPU's bytes (``tests/test_gpu_codec_pca.py``), so records are the same either way.
   A CUDA ``out`` is decoded on its device, on a per-thread non-default stream of this tier. Without
-  ``stream=`` that stream is synchronized before ``get_into`` returns (the chunk is in ``out``); with
+  ``stream=`` the chunk is copied into ``out`` on another stream of the thread once its own decode ran
+  (not after the records a batched read queued behind it), before ``get_into`` returns; with
   it (the connector's device-decode path: :mod:`lmtier.integration.vllm.fetch`), the chunk's copy into
   ``out`` is queued on ``stream`` after the decode, so it runs after ``out``'s earlier readers there
   (a reused staging buffer's scatter) and before any later work on ``stream``, as
@@ -357,7 +358,11 @@ class PCACodecTier(RecordTier):
         streams = self._local.__dict__.setdefault("copy_streams", {})
         s = streams.get(dev)
         if s is None:
-            s = streams[dev] = torch.cuda.Stream(device=dev)
+            side = self._local.__dict__.get("streams", {}).get(dev)
+            s = torch.cuda.Stream(device=dev)
+            while side is not None and s == side:  # torch hands streams out of a pool, round robin
+                s = torch.cuda.Stream(device=dev)
+            streams[dev] = s
         return s
 
     @contextlib.contextmanager

@@ -188,6 +188,8 @@ class QueuedSymbols(NamedTuple):
     """bool ``[T]``: the tokens stored exact."""
     q: torch.Tensor
     """int16 ``[R, 2, T, N]`` coefficients (the escaped ones are read from it)."""
+    escaped: torch.Tensor
+    """bool ``[R, 2, N, T]``: the escape symbols."""
     head: torch.Tensor
     """int64 ``[2]`` on the device: non-zero if the chunk holds NaN or inf; the escape symbols'
     count."""
@@ -197,9 +199,10 @@ class QueuedSymbols(NamedTuple):
         second value, read back). No synchronization."""
         if count == 0:
             return torch.empty(0, dtype=torch.int16, device=self.q.device)
-        mask = (self.sym[..., : self.q.shape[2]] == tf.ESCAPE).reshape(-1)
-        idx = torch.nonzero_static(mask, size=count).reshape(-1)  # row-major [R, 2, N, T]: stream order
-        return self.q.transpose(2, 3).reshape(-1).index_select(0, idx)
+        _, _, t, n = self.q.shape
+        i = torch.nonzero_static(self.escaped.reshape(-1), size=count).reshape(-1)  # [R, 2, N, T] order
+        rp, j, tok = i // (n * t), i // t % n, i % t
+        return self.q.reshape(-1).index_select(0, (rp * t + tok) * n + j)  # q is [R, 2, T, N]
 
 
 def encode_queued(
@@ -295,8 +298,9 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     # would go back to the allocator before the call, and another thread's allocation on this stream
     # could queue a write to it ahead of the kernel (records of other, valid bytes: RESULTS §4.1t)
     c.encode_symbols(*geom, t32, q.data_ptr(), exact8.data_ptr(), sym.data_ptr(), s)
-    head = torch.stack([(flags[0] & c.FLAG_NONFINITE).any().long(), (sym[..., :t] == tf.ESCAPE).sum()])
-    return QueuedSymbols(sym, exact, q, head)
+    escaped = sym[..., :t] == tf.ESCAPE
+    head = torch.stack([(flags[0] & c.FLAG_NONFINITE).any().long(), escaped.sum()])
+    return QueuedSymbols(sym, exact, q, escaped, head)
 
 
 def _escape_index(esc: torch.Tensor, count: int, r: int, n: int, t: int) -> tuple[torch.Tensor, ...] | None:

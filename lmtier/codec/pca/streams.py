@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from lmtier.codec import rans
+from lmtier.codec.native_args import device_bytes
 from lmtier.codec.spans import Spans
 
 __all__ = [
@@ -137,10 +138,10 @@ class QueuedEncode:
         self.checks = torch.zeros(0, dtype=torch.int64, device=dev)
         """int64 on ``sym``'s device: per call its output offsets ``[B + 1]``, then the streams'
         status (int32 pairs)."""
-        if s_count == 0:
-            return
         with _on(dev):
             tables = _tables(tables, dev)
+            if s_count == 0:
+                return
             if tables.shape[0] % s_count or length != tables.shape[0] // s_count * run_len:
                 raise ValueError(
                     f"{tables.shape[0]} tables for {s_count} streams of {length} symbols in runs of {run_len}"
@@ -262,12 +263,8 @@ def decode(
 
 def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """uint8 copy of host array ``a``'s bytes on CUDA ``device``, queued on its current stream without
-    waiting: ``a`` is copied into page-locked memory first (torch's caching host allocator, which keeps
-    that memory until the copy ran), so ``a`` is free again when this returns. A pageable ``.to(device)``
-    would wait for everything queued on the stream before it."""
-    host = torch.empty(a.nbytes, dtype=torch.uint8, pin_memory=True)
-    host.numpy()[:] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    return host.to(device, non_blocking=True)
+    waiting (:func:`lmtier.codec.native_args.device_bytes`)."""
+    return device_bytes(a, device)
 
 
 class QueuedStreams(NamedTuple):
