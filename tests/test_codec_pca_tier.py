@@ -103,6 +103,33 @@ def test_round_trip_is_the_library_codec_bit_for_bit(disk, model, level):
     assert t.delete(key(1)) and not t.contains(key(1)) and got(t, key(1)) is None
 
 
+@pytest.mark.parametrize("budget", [None, 5])
+def test_batched_reads_reuse_their_record_buffers(model, monkeypatch, budget):
+    """A batched read holds one record buffer per chunk; the tier keeps as many idle as were in use at
+    once (a new buffer's page faults cost ~20x a copy into a reused one), so the same read again
+    allocates none; within ``_IDLE_BYTES`` (here 5 buffers' worth: 5 kept, 6 - 5 new the next time)."""
+    from lmtier.tiers import codec_pca
+    from tests.test_fetch_batch import BatchingTier
+
+    t = _tier(BatchingTier(), model)
+    if budget is not None:
+        monkeypatch.setattr(codec_pca, "_IDLE_BYTES", budget * t.max_record_bytes)
+    keys = [key(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        assert t.put(k, as_bytes(_kv(T, T * i, 30 + i)), position=T * i)
+    made: list[int] = []
+    real = codec_pca.AlignedBuffer
+    monkeypatch.setattr(codec_pca, "AlignedBuffer", lambda n: made.append(n) or real(n))
+    outs = [torch.empty(NBYTES, dtype=torch.uint8) for _ in keys]
+    for new in (6, 0 if budget is None else 1):
+        made.clear()
+        assert t.get_many_into(keys, outs) == [NBYTES] * 6
+        assert made == [t.max_record_bytes] * new
+    assert len(t._idle) == (6 if budget is None else 5) and t._in_use == 0
+    want = pca.decode(pca.encode(_kv(T, T * 5, 35), start=T * 5, model=model, level="pca_default"), model=model)
+    assert torch.equal(outs[5].view(torch.bfloat16).view(SHAPE).view(torch.int16), want.view(torch.int16))
+
+
 def test_put_without_a_position_is_not_stored(disk, model, caplog):
     t = _tier(disk, model)
     x = _kv(T, 0, 12)

@@ -84,7 +84,12 @@ log = logging.getLogger("lmtier.tiers.codec_pca")
 
 _MODEL_SALT = b"pca-model"
 _IDLE_BUFFERS = 4
-"""Idle record buffers a tier keeps (one serves one concurrent ``get_into``)."""
+"""Idle record buffers a tier keeps at least (one serves one concurrent ``get_into``)."""
+_IDLE_BYTES = 256 << 20
+"""Host memory of idle record buffers a tier keeps at most. Within it, it keeps as many as were in use
+at once (a batched read holds one per chunk on each I/O thread), so a steady load allocates none: a
+new buffer's first write faults its pages in, ~20x the record's copy into a reused one (RESULTS
+§4.1z)."""
 _QUEUED_DECODES = 4
 """Records of one batched read queued on the device ahead of the one delivered: enough to keep the
 device busy while the host checks and queues the next, few enough that their decoded chunks (one
@@ -200,6 +205,7 @@ class PCACodecTier(RecordTier):
         self.raw_bytes = math.prod(self.shape) * self.dtype.itemsize
         self.max_record_bytes = pca_codec.max_record_bytes(model, self.shape[2])
         self._idle: list[AlignedBuffer] = []
+        self._in_use = self._peak = 0  # record buffers handed out now, and at most so far
         self._local = threading.local()  # per thread: the CUDA decode streams
         layout = bytes([cformat.FORMAT_VERSION, self.level.level_id, pca_codec.LAYOUT_VERSION])
         salt = CACHEGEN_SALT + layout + _MODEL_SALT + model.digest
@@ -386,14 +392,22 @@ class PCACodecTier(RecordTier):
         idle list or new (whatever ``dst``'s device: the record is decoded from the host)."""
         with self._lock:
             buf = self._idle.pop() if self._idle else None
-        if buf is None:
-            buf = AlignedBuffer(self.max_record_bytes)
+            self._in_use += 1
+            self._peak = max(self._peak, self._in_use)
         try:
+            if buf is None:
+                buf = AlignedBuffer(self.max_record_bytes)
             yield buf, buf.mv
         finally:
             with self._lock:
-                if len(self._idle) < _IDLE_BUFFERS:
+                self._in_use -= 1
+                if buf is not None and len(self._idle) < self._idle_limit():
                     self._idle.append(buf)
+
+    def _idle_limit(self) -> int:
+        """Idle record buffers to keep: as many as were in use at once, at least :data:`_IDLE_BUFFERS`,
+        at most :data:`_IDLE_BYTES` of them."""
+        return max(_IDLE_BUFFERS, min(self._peak, _IDLE_BYTES // self.max_record_bytes))
 
     def close(self) -> None:
         with self._lock:
