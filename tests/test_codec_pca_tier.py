@@ -107,16 +107,23 @@ def test_round_trip_is_the_library_codec_bit_for_bit(disk, model, level):
 def test_batched_reads_reuse_their_record_buffers(model, monkeypatch, budget):
     """A batched read holds one record buffer per chunk; the tier keeps as many idle as were in use at
     once (a new buffer's page faults cost ~20x a copy into a reused one), so the same read again
-    allocates none; within ``_IDLE_BYTES`` (here 5 buffers' worth: 5 kept, 6 - 5 new the next time)."""
+    allocates none; within ``_IDLE_BYTES``, each idle buffer counted as the pages of the largest
+    record read, not its ``max_record_bytes`` (here 5 buffers' worth: 5 kept, 6 - 5 new the next
+    time)."""
     from lmtier.tiers import codec_pca
+    from lmtier.tiers.buffers import round_up
     from tests.test_fetch_batch import BatchingTier
 
     t = _tier(BatchingTier(), model)
-    if budget is not None:
-        monkeypatch.setattr(codec_pca, "_IDLE_BYTES", budget * t.max_record_bytes)
     keys = [key(i) for i in range(6)]
     for i, k in enumerate(keys):
         assert t.put(k, as_bytes(_kv(T, T * i, 30 + i)), position=T * i)
+    largest = round_up(max(len(stored(t, k)) for k in keys))
+    assert 6 * largest < t.max_record_bytes  # the buffers' address space would allow none of them
+    if budget is not None:
+        monkeypatch.setattr(codec_pca, "_IDLE_BYTES", budget * largest)
+    else:
+        monkeypatch.setattr(codec_pca, "_IDLE_BYTES", 6 * largest)
     made: list[int] = []
     real = codec_pca.AlignedBuffer
     monkeypatch.setattr(codec_pca, "AlignedBuffer", lambda n: made.append(n) or real(n))

@@ -75,7 +75,7 @@ from lmtier.codec.pca.levels import PCA_LEVELS, PCALevel
 from lmtier.codec.quant import CodecInputError
 from lmtier.config import ConfigError
 from lmtier.tiers.base import Tier, check_position
-from lmtier.tiers.buffers import AlignedBuffer
+from lmtier.tiers.buffers import AlignedBuffer, round_up
 from lmtier.tiers.record_tier import CACHEGEN_SALT, RecordTier, check_record_geometry
 
 __all__ = ["PCACodecTier", "check_pca_geometry"]
@@ -86,10 +86,12 @@ _MODEL_SALT = b"pca-model"
 _IDLE_BUFFERS = 4
 """Idle record buffers a tier keeps at least (one serves one concurrent ``get_into``)."""
 _IDLE_BYTES = 256 << 20
-"""Host memory of idle record buffers a tier keeps at most. Within it, it keeps as many as were in use
-at once (a batched read holds one per chunk on each I/O thread), so a steady load allocates none: a
-new buffer's first write faults its pages in, ~20x the record's copy into a reused one (RESULTS
-§4.1z)."""
+"""Resident host memory of idle record buffers a tier keeps at most. Within it, it keeps as many as
+were in use at once (a batched read holds one per chunk on each I/O thread), so a steady load
+allocates none: a new buffer's first write faults its pages in, ~20x the record's copy into a reused
+one (RESULTS §4.1z). A buffer is ``max_record_bytes`` of address space (~51 MB for a Llama-3.1-8B
+chunk: every token exact), but only the pages its records were written to are resident: each idle
+buffer counts as the largest record read so far."""
 _QUEUED_DECODES = 4
 """Records of one batched read queued on the device ahead of the one delivered: enough to keep the
 device busy while the host checks and queues the next, few enough that their decoded chunks (one
@@ -206,6 +208,7 @@ class PCACodecTier(RecordTier):
         self.max_record_bytes = pca_codec.max_record_bytes(model, self.shape[2])
         self._idle: list[AlignedBuffer] = []
         self._in_use = self._peak = 0  # record buffers handed out now, and at most so far
+        self._largest = 0  # the largest record read so far (bytes): what an idle buffer holds resident
         self._local = threading.local()  # per thread: the CUDA decode streams
         layout = bytes([cformat.FORMAT_VERSION, self.level.level_id, pca_codec.LAYOUT_VERSION])
         salt = CACHEGEN_SALT + layout + _MODEL_SALT + model.digest
@@ -277,6 +280,7 @@ class PCACodecTier(RecordTier):
     def _decode(self, key: bytes, ikey: bytes, buf: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
         """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss); a
         record of another geometry or dtype is corrupt (deleted)."""
+        self._read(n)
 
         def decode() -> None:
             with self._on_device(dst.device) as side:
@@ -292,6 +296,8 @@ class PCACodecTier(RecordTier):
         up to :data:`_QUEUED_DECODES` records are queued (:func:`lmtier.codec.pca.codec.decode_queued`)
         ahead of the one whose result is taken, each then delivered (or refused) as :meth:`_decode`
         does."""
+        for item in items:
+            self._read(item[3])
         devs = {dst.device for *_, dst in items}
         if len(items) < 2 or len(devs) != 1 or next(iter(devs)).type != "cuda":
             return super()._decode_many(items, stream)
@@ -406,8 +412,14 @@ class PCACodecTier(RecordTier):
 
     def _idle_limit(self) -> int:
         """Idle record buffers to keep: as many as were in use at once, at least :data:`_IDLE_BUFFERS`,
-        at most :data:`_IDLE_BYTES` of them."""
-        return max(_IDLE_BUFFERS, min(self._peak, _IDLE_BYTES // self.max_record_bytes))
+        at most :data:`_IDLE_BYTES` of them, each counted as the pages of the largest record read."""
+        return max(_IDLE_BUFFERS, min(self._peak, _IDLE_BYTES // round_up(max(self._largest, 1))))
+
+    def _read(self, n: int | None) -> None:
+        """Note a record of ``n`` bytes read into a record buffer (None: a miss)."""
+        if n is not None and n > self._largest:
+            with self._lock:
+                self._largest = max(self._largest, n)
 
     def close(self) -> None:
         with self._lock:
