@@ -89,9 +89,9 @@ _IDLE_BYTES = 256 << 20
 """Resident host memory of idle record buffers a tier keeps at most. Within it, it keeps as many as
 were in use at once (a batched read holds one per chunk on each I/O thread), so a steady load
 allocates none: a new buffer's first write faults its pages in, ~20x the record's copy into a reused
-one (RESULTS §4.1z). A buffer is ``max_record_bytes`` of address space (~51 MB for a Llama-3.1-8B
-chunk: every token exact), but only the pages its records were written to are resident: each idle
-buffer counts as the largest record read so far."""
+one (RESULTS §4.1z). A buffer is ``max_record_bytes`` of address space (~50 MB for a Llama-3.1-8B
+chunk: every token exact), but only the pages records were written to are resident: each idle buffer
+counts as the largest record read into it (:class:`_RecordBuffer`)."""
 _QUEUED_DECODES = 4
 """Records of one batched read queued on the device ahead of the one delivered: enough to keep the
 device busy while the host checks and queues the next, few enough that their decoded chunks (one
@@ -154,6 +154,24 @@ def check_pca_geometry(
     return shp, dt, lv
 
 
+class _RecordBuffer:
+    """A tier's host record buffer (:class:`~lmtier.tiers.buffers.AlignedBuffer`) and what is known of
+    its resident pages: the largest record read into it (``touched``, bytes) and how the read it is
+    out for went (``outcome``: None not known yet, True a record, False a miss or failed read)."""
+
+    def __init__(self, mem: AlignedBuffer) -> None:
+        self.mem, self.mv = mem, mem.mv
+        self.touched = 0
+        self.outcome: bool | None = None
+
+    def read(self, n: int | None) -> None:
+        """Note the inner read's result: ``n`` bytes of a record, or None (a miss or a failed read,
+        which may have written any part of the buffer)."""
+        self.outcome = n is not None
+        if n is not None:
+            self.touched = max(self.touched, n)
+
+
 class PCACodecTier(RecordTier):
     """Store chunks of one geometry in ``inner`` as PCA codec records (see the module doc).
 
@@ -206,9 +224,8 @@ class PCACodecTier(RecordTier):
             self._gpu = DeviceEncoder(shape=self.shape, dtype=self.dtype, level=None, device=encode_device)
         self.raw_bytes = math.prod(self.shape) * self.dtype.itemsize
         self.max_record_bytes = pca_codec.max_record_bytes(model, self.shape[2])
-        self._idle: list[AlignedBuffer] = []
+        self._idle: list[_RecordBuffer] = []
         self._in_use = self._peak = 0  # record buffers handed out now, and at most so far
-        self._largest = 0  # the largest record read so far (bytes): what an idle buffer holds resident
         self._local = threading.local()  # per thread: the CUDA decode streams
         layout = bytes([cformat.FORMAT_VERSION, self.level.level_id, pca_codec.LAYOUT_VERSION])
         salt = CACHEGEN_SALT + layout + _MODEL_SALT + model.digest
@@ -277,10 +294,12 @@ class PCACodecTier(RecordTier):
         """
         return self.get_many_into([key], [out], stream=stream)[0]
 
-    def _decode(self, key: bytes, ikey: bytes, buf: Any, n: int | None, dst: torch.Tensor, stream: Any) -> int | None:
+    def _decode(
+        self, key: bytes, ikey: bytes, buf: _RecordBuffer, n: int | None, dst: torch.Tensor, stream: Any
+    ) -> int | None:
         """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss); a
         record of another geometry or dtype is corrupt (deleted)."""
-        self._read(n)
+        buf.read(n)
 
         def decode() -> None:
             with self._on_device(dst.device) as side:
@@ -297,7 +316,7 @@ class PCACodecTier(RecordTier):
         ahead of the one whose result is taken, each then delivered (or refused) as :meth:`_decode`
         does."""
         for item in items:
-            self._read(item[3])
+            item[2].read(item[3])
         devs = {dst.device for *_, dst in items}
         if len(items) < 2 or len(devs) != 1 or next(iter(devs)).type != "cuda":
             return super()._decode_many(items, stream)
@@ -394,32 +413,34 @@ class PCACodecTier(RecordTier):
 
     @contextlib.contextmanager
     def _record_buffer(self, dst: torch.Tensor):
-        """``(buffer, its memory)``: a page-aligned host record buffer of ``max_record_bytes``, from the
-        idle list or new (whatever ``dst``'s device: the record is decoded from the host)."""
+        """``(buffer, its memory)``: a :class:`_RecordBuffer` (page-aligned host memory of
+        ``max_record_bytes``), from the idle list or new (whatever ``dst``'s device: the record is
+        decoded from the host); given back to the idle list as :meth:`_keeps` decides."""
         with self._lock:
             buf = self._idle.pop() if self._idle else None
             self._in_use += 1
             self._peak = max(self._peak, self._in_use)
         try:
             if buf is None:
-                buf = AlignedBuffer(self.max_record_bytes)
+                buf = _RecordBuffer(AlignedBuffer(self.max_record_bytes))
+            buf.outcome = None
             yield buf, buf.mv
         finally:
             with self._lock:
                 self._in_use -= 1
-                if buf is not None and len(self._idle) < self._idle_limit():
+                if buf is not None and self._keeps(buf):
                     self._idle.append(buf)
 
-    def _idle_limit(self) -> int:
-        """Idle record buffers to keep: as many as were in use at once, at least :data:`_IDLE_BUFFERS`,
-        at most :data:`_IDLE_BYTES` of them, each counted as the pages of the largest record read."""
-        return max(_IDLE_BUFFERS, min(self._peak, _IDLE_BYTES // round_up(max(self._largest, 1))))
-
-    def _read(self, n: int | None) -> None:
-        """Note a record of ``n`` bytes read into a record buffer (None: a miss)."""
-        if n is not None and n > self._largest:
-            with self._lock:
-                self._largest = max(self._largest, n)
+    def _keeps(self, buf: _RecordBuffer) -> bool:
+        """Whether ``buf``, given back, joins the idle list (under the lock): only after a record was
+        read into it (a failed or missed read may have written any part of it), while the list holds
+        fewer than were in use at once (at least :data:`_IDLE_BUFFERS`) and their resident bytes
+        stay within :data:`_IDLE_BYTES`."""
+        if buf.outcome is not True:
+            return False
+        if len(self._idle) >= max(_IDLE_BUFFERS, self._peak):
+            return False
+        return sum(round_up(b.touched) for b in self._idle) + round_up(buf.touched) <= _IDLE_BYTES
 
     def close(self) -> None:
         with self._lock:
