@@ -23,8 +23,9 @@ Decisions:
   of the CacheGen levels (other level ids, salts of another length) and naive chunks are in disjoint
   key spaces: misses, never decoded (and never deleted as corrupt).
 * **Size.** A record never exceeds :func:`lmtier.codec.pca.codec.max_record_bytes` of the model and
-  the chunk's token count; ``get_into`` reads into a page-aligned host buffer of that size (a few
-  idle ones kept); a larger record cannot be valid.
+  the chunk's token count; ``get_into`` reads into a page-aligned host buffer of that size (as many
+  idle ones kept as were in use at once, within :data:`_IDLE_BYTES` of resident pages); a larger
+  record cannot be valid.
 * **Failures.** ``get_into`` returns None (a miss) on any failure; ``out`` is written only once the
   whole record decoded and its chunk has this tier's dtype and shape. A record that fails to decode
   (:class:`~lmtier.codec.chunk.CodecRecordError`: checksum, structure, counts, another model's) or
