@@ -299,8 +299,8 @@ class PCACodecTier(RecordTier):
         self, key: bytes, ikey: bytes, buf: _RecordBuffer, n: int | None, dst: torch.Tensor, stream: Any
     ) -> int | None:
         """Decode the record of ``n`` bytes in ``buf`` into ``dst`` (None ``n``: the inner miss); a
-        record of another geometry or dtype is corrupt (deleted)."""
-        buf.read(n)
+        record of another geometry or dtype is corrupt (deleted); ``buf``'s read was noted by
+        :meth:`_decode_many`, the only caller."""
 
         def decode() -> None:
             with self._on_device(dst.device) as side:
@@ -315,7 +315,7 @@ class PCACodecTier(RecordTier):
         """The records of one batched read decoded on their CUDA device without a wait between them:
         up to :data:`_QUEUED_DECODES` records are queued (:func:`lmtier.codec.pca.codec.decode_queued`)
         ahead of the one whose result is taken, each then delivered (or refused) as :meth:`_decode`
-        does."""
+        does. Every record buffer's read is noted first (:meth:`_RecordBuffer.read`)."""
         for item in items:
             item[2].read(item[3])
         devs = {dst.device for *_, dst in items}
