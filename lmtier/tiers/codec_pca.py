@@ -384,18 +384,23 @@ class PCACodecTier(RecordTier):
             dst[: self.raw_bytes].copy_(flat)
         flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran
 
+    def _thread_stream(self, kind: str, dev: torch.device) -> torch.cuda.Stream:
+        """This thread's ``kind`` stream (``"decode"`` or ``"copy"``) on CUDA ``dev``: made on first
+        use, never one of the thread's other streams (torch hands streams out of a pool, round robin)."""
+        mine = self._local.__dict__.setdefault("streams", {})
+        s = mine.get((kind, dev))
+        if s is None:
+            others = {v for (k, d), v in mine.items() if d == dev}
+            s = torch.cuda.Stream(device=dev)
+            while s in others:
+                s = torch.cuda.Stream(device=dev)
+            mine[(kind, dev)] = s
+        return s
+
     def _copy_stream(self, dev: torch.device) -> torch.cuda.Stream:
         """This thread's stream on CUDA ``dev`` for copying decoded chunks out when no stream was given
         (nothing else is queued on it: the copy does not wait for later decodes)."""
-        streams = self._local.__dict__.setdefault("copy_streams", {})
-        s = streams.get(dev)
-        if s is None:
-            side = self._local.__dict__.get("streams", {}).get(dev)
-            s = torch.cuda.Stream(device=dev)
-            while side is not None and s == side:  # torch hands streams out of a pool, round robin
-                s = torch.cuda.Stream(device=dev)
-            streams[dev] = s
-        return s
+        return self._thread_stream("copy", dev)
 
     @contextlib.contextmanager
     def _on_device(self, dev: torch.device):
@@ -404,11 +409,8 @@ class PCACodecTier(RecordTier):
         if dev.type != "cuda":
             yield None
             return
-        streams = self._local.__dict__.setdefault("streams", {})
         with torch.cuda.device(dev):
-            s = streams.get(dev)
-            if s is None:
-                s = streams[dev] = torch.cuda.Stream(device=dev)
+            s = self._thread_stream("decode", dev)
             with torch.cuda.stream(s):
                 yield s
 

@@ -210,18 +210,13 @@ class QueuedEncode:
                 host[at : at + z].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
             torch.cuda.current_stream(self._dev).synchronize()
             flat = host.numpy()
-            more = [flat[at : at + z].view(_np_dtype(t)).reshape(t.shape) for t, at, z in zip(extra, places, sizes)]
+            more = [host[at : at + z].view(t.dtype).reshape(t.shape).numpy() for t, at, z in zip(extra, places, sizes)]
         else:
             flat = torch.cat([self._out[k, :u] for k, u in enumerate(used)]).numpy()
             more = list(host_arrays(*extra))
         parts = zip(calls, firsts, used, strict=True)
         runs = [(flat[f : f + u], offs[k, : len(c) + 1].tolist()) for k, (c, f, u) in enumerate(parts)]
         return runs, more
-
-
-def _np_dtype(t: torch.Tensor) -> np.dtype:
-    """The NumPy dtype of a tensor's elements."""
-    return torch.empty(0, dtype=t.dtype).numpy().dtype
 
 
 def host_arrays(*ts: torch.Tensor) -> list[np.ndarray]:
