@@ -28,7 +28,8 @@ reading the level's validity bitmap (an A/B of that bitmap).
 memory to the device, as bf16 KV at their ratio; the bf16 KV host to device; a device copy of the KV).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
 parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
-``result``): which step grows when threads are added.
+``result``; with ``--op get`` also the tier's batched read, the inner read and the chunk's copy out):
+which step grows when threads are added.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def main(argv=None) -> int:
         ceiling(chunks, recs, kv_gb, a.seconds / 4)
     if a.profile:
         profile(one_pass, a.profile, records, gb)
-    if a.breakdown and a.op == "decode":
-        breakdown(one_pass, a.breakdown, a.chunks, gb)
+    if a.breakdown and a.op in ("decode", "get"):
+        breakdown(one_pass, a.breakdown, records, gb, a.op)
     pool.shutdown()
     return 0
 
@@ -308,9 +309,10 @@ def profile(run_pass, passes: int, records: int, gb: float) -> None:
         print(f"  {sum(ds) / n:8.1f} µs a record  {len(ds) / n:5.1f} a record  {name}")
 
 
-def breakdown(run_pass, passes: int, records: int, gb: float) -> None:
+def breakdown(run_pass, passes: int, records: int, gb: float, op: str = "decode") -> None:
     """Print the mean µs a record of each decode step over ``passes`` calls of ``run_pass``, timed on
-    the threads that run them (module attributes wrapped for the duration)."""
+    the threads that run them (module attributes wrapped for the duration); ``op`` "get": the tier's
+    steps too (its batched read, the inner read, the chunk's copy out)."""
     from lmtier.codec.pca import codec, kernels, native_decode
 
     c = kernels._native()
@@ -326,14 +328,24 @@ def breakdown(run_pass, passes: int, records: int, gb: float) -> None:
 
         return wrapper
 
-    patches = [
-        (bench, "decode_one", "record"),
-        (codec, "_parse", "parse + checksum"),
-        (native_decode, "queue", "native queue"),
-        (c, "decode_record", "  of it decode_record"),
-        (codec.PendingChunk, "__init__", "PendingChunk"),
-        (codec.PendingChunk, "result", "result (wait)"),
-    ]
+    first = [(bench, "decode_one", "record")]
+    if op == "get":
+        first = [
+            (PCACodecTier, "get_many_into", "get_many_into"),
+            (_Sink, "get_many_into", "  inner read"),
+            (codec, "decode_queued", "  decode_queued"),
+        ]
+    patches = (
+        first
+        + [
+            (codec, "_parse", "parse + checksum"),
+            (native_decode, "queue", "native queue"),
+            (c, "decode_record", "  of it decode_record"),
+            (codec.PendingChunk, "__init__", "PendingChunk"),
+            (codec.PendingChunk, "result", "result (wait)"),
+        ]
+        + ([(PCACodecTier, "_deliver", "deliver (copy out)")] if op == "get" else [])
+    )
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, name in patches:
         setattr(obj, attr, timed(name, getattr(obj, attr)))

@@ -12,7 +12,8 @@
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
 # (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the native PCA decode's GPU tests (tests/test_gpu_codec_pca_native.py,
 # tests/test_gpu_codec_pca_queued.py) and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
-# with a 0.5 ms GIL switch interval); "hostab": an A/B of the host's
+# with a 0.5 ms GIL switch interval); "getbreak": the same for the product's batched read (--op get, 1 and 4
+# threads, with --profile) and py-spy's GIL samples of it (4 threads); "hostab": an A/B of the host's
 # PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads) between this tree and the
 # package in .whl/ab_old (copied there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`),
 # with this build, or with its own when it holds csrc/ too (`git archive <commit> lmtier csrc setup.py
@@ -176,6 +177,22 @@ if has decbreak; then
     timeout 120 $PY benchmarks/pca_decode_threads.py $args --seconds 5 --breakdown 8 > "$OUT/decbreak.tmp" 2>&1
     echo "decbreak $args rc=$?" | tee -a "$OUT/decbreak.log"; grep -v "^\s*$" "$OUT/decbreak.tmp" | grep -v -i warn | tail -9 | tee -a "$OUT/decbreak.log"
   done
+fi
+if has getbreak; then
+  # the product's batched read (PCACodecTier.get_many_into): its steps' time a record with 1 and 4 threads and the
+  # GPU's busy share, then py-spy's GIL samples of 4 threads (tally: scripts/spy_tally.py --within get_many_into)
+  for th in 1 4; do
+    timeout 150 $PY benchmarks/pca_decode_threads.py --op get --threads $th --seconds 5 --breakdown 6 --profile 4 \
+      > "$OUT/getbreak_$th.log" 2>&1
+    echo "getbreak threads=$th rc=$?"; grep -v "^\s*$" "$OUT/getbreak_$th.log" | grep -v -i warn | tail -26
+  done
+  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  if [ -x "$spy" ]; then
+    timeout 120 "$spy" record --gil --threads -r 100 -f raw -o "$OUT/spy_get.txt" -- \
+      $PY benchmarks/pca_decode_threads.py --op get --threads 4 --seconds 8 > "$OUT/getspy.log" 2>&1
+    echo "getspy rc=$?"; tail -1 "$OUT/getspy.log"
+    $PY scripts/spy_tally.py "$OUT/spy_get.txt" --top 30 2>&1 | tail -45
+  fi
 fi
 if has hostab; then
   if [ -d .whl/ab_old/lmtier ]; then
