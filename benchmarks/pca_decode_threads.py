@@ -49,6 +49,7 @@ from lmtier.bench import codec_pca as bench  # noqa: E402
 from lmtier.codec import pca  # noqa: E402
 from lmtier.tiers.base import Tier, TierUsage  # noqa: E402
 from lmtier.tiers.codec_pca import PCACodecTier  # noqa: E402
+from lmtier.tiers.disk.io import copy_into  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -133,7 +134,8 @@ def encode_one(chunk: torch.Tensor, start: int, m: pca.PCAModel, level: str) -> 
 
 class _Sink(Tier):
     """An inner tier whose put copies the record once into a buffer of its thread (a send's or a
-    write's stand-in) and keeps the last record of each key for the check."""
+    write's stand-in) and keeps the last record of each key for the check; its reads copy the record
+    into the caller's buffer with the GIL released (as the disk tier's reads do)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,7 +159,7 @@ class _Sink(Tier):
         rec = self.last.get(key)
         if rec is None:
             return None
-        memoryview(out).cast("B")[: len(rec)] = rec
+        copy_into(memoryview(out).cast("B")[: len(rec)], memoryview(rec))  # the GIL released, as the disk tier's
         return len(rec)
 
     def get_many_into(self, keys, outs) -> list[int | None]:  # a batching inner tier (Redis, Mooncake)

@@ -13,7 +13,7 @@
 # (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the native PCA decode's GPU tests (tests/test_gpu_codec_pca_native.py,
 # tests/test_gpu_codec_pca_queued.py) and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "getbreak": the same for the product's batched read (--op get, 1 and 4
-# threads, with --profile) and py-spy's GIL samples of it (4 threads); "hostab": an A/B of the host's
+# threads or LMTIER_GETBREAK_THREADS, with --profile) and py-spy's GIL samples of it (4 threads); "hostab": an A/B of the host's
 # PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads) between this tree and the
 # package in .whl/ab_old (copied there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`),
 # with this build, or with its own when it holds csrc/ too (`git archive <commit> lmtier csrc setup.py
@@ -181,7 +181,7 @@ fi
 if has getbreak; then
   # the product's batched read (PCACodecTier.get_many_into): its steps' time a record with 1 and 4 threads and the
   # GPU's busy share, then py-spy's GIL samples of 4 threads (tally: scripts/spy_tally.py --within get_many_into)
-  for th in 1 4; do
+  for th in ${LMTIER_GETBREAK_THREADS:-1 4}; do
     timeout 150 $PY benchmarks/pca_decode_threads.py --op get --threads $th --seconds 5 --breakdown 6 --profile 4 \
       > "$OUT/getbreak_$th.log" 2>&1
     echo "getbreak threads=$th rc=$?"; grep -v "^\s*$" "$OUT/getbreak_$th.log" | grep -v -i warn | tail -26

@@ -459,3 +459,27 @@ def test_a_record_of_other_model_data_with_a_colliding_id_is_refused(model):
     with pytest.raises(CodecRecordError, match=f"coded with PCA model data {model.digest[:4].hex()}"):
         pca.decode(_repack(record, digest=model.digest[:4] + other), model=model)
     pca.decode(_repack(record), model=model)
+
+
+def test_device_names_resolve_as_before_their_answers_are_cached(monkeypatch):
+    """``device_key`` and the decode's device check keep what fixes one device (the host, an indexed
+    CUDA device) and never a bare ``"cuda"``, whose answer follows the current device; a CUDA device
+    this machine lacks is refused every time, not remembered."""
+    from lmtier.codec.pca import codec as pca_codec
+    from lmtier.codec.pca import imatmul
+
+    assert imatmul.device_key("cpu") == imatmul.device_key(torch.device("cpu")) == "cpu"
+    assert imatmul.device_key(torch.device("cuda", 3)) == imatmul.device_key("cuda:3") == "cuda:3"
+    for now in (0, 2, 1):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda now=now: now)
+        assert imatmul.device_key("cuda") == imatmul.device_key(torch.device("cuda")) == f"cuda:{now}"
+    assert "cuda" not in imatmul._KEYS and torch.device("cuda") not in imatmul._KEYS
+    cpu = torch.device("cpu")
+    assert pca_codec._device(cpu) == cpu and pca_codec._device(cpu) == cpu and pca_codec._device(None) == cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no such CUDA device"):
+            pca_codec._device(torch.device("cuda", 0))
+    assert torch.device("cuda", 0) not in pca_codec._CHECKED
+    with pytest.raises(ValueError, match="the host or a CUDA device"):
+        pca_codec._device(torch.device("meta"))

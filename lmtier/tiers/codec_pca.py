@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from lmtier import cuda_streams
 from lmtier.codec import format as cformat
 from lmtier.codec import pca
 from lmtier.codec.chunk import CodecRecordError
@@ -372,7 +373,7 @@ class PCACodecTier(RecordTier):
                 cs.wait_event(ready)
             else:
                 cs.wait_stream(side)
-            with torch.cuda.stream(cs):
+            with cuda_streams.use(cs):
                 dst[: self.raw_bytes].copy_(flat)
             cs.synchronize()  # the chunk is in dst; its memory is free to reuse
             return
@@ -380,7 +381,7 @@ class PCACodecTier(RecordTier):
             stream.wait_event(ready)
         else:
             stream.wait_stream(side)  # the decode's kernels, then dst's earlier readers on stream
-        with torch.cuda.stream(stream):
+        with cuda_streams.use(stream):
             dst[: self.raw_bytes].copy_(flat)
         flat.record_stream(stream)  # the chunk's memory is reused only after the copy ran
 

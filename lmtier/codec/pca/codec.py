@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lmtier import cuda_streams
 from lmtier.codec import format as fmt
 from lmtier.codec import rans
 from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
@@ -411,7 +412,7 @@ class PendingChunk:
             self._checks.copy_(checks, non_blocking=True)
         if not self._checked:
             self.ready = torch.cuda.Event()
-            self.ready.record(torch.cuda.current_stream(chunk.device))
+            self.ready.record(cuda_streams.current(chunk.device))
 
     def result(self) -> torch.Tensor:
         """The chunk, ``[L, 2, T, H, D]`` of the record's dtype on the device it was decoded on
@@ -541,6 +542,8 @@ def _device(device: Any) -> torch.device:
 
     Raises:
         ValueError: anything else."""
+    if isinstance(device, torch.device) and (got := _CHECKED.get(device)) is not None:
+        return got
     try:
         dev = torch.device("cpu") if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -551,8 +554,14 @@ def _device(device: Any) -> torch.device:
         if not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
             raise ValueError(f"device {dev}: no such CUDA device here ({torch.cuda.device_count()} visible)")
         if dev.index is None:  # one cache entry per GPU, and the native calls run on it
-            dev = torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device, torch.device) and len(_CHECKED) < 64:
+        _CHECKED[device] = dev
     return dev
+
+
+_CHECKED: dict[torch.device, torch.device] = {}
+""":func:`_device`'s answers for devices that fix one (the host, an indexed CUDA device present here)."""
 
 
 def _parse(record: Any, model: PCAModel) -> _Parsed:

@@ -22,6 +22,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from lmtier import cuda_streams
+
 __all__ = ["SplitMatrix", "split16", "split8", "pad8", "split_matrix", "matmul", "matmul_small", "prepared"]
 
 _MIN_ROWS = 32
@@ -177,28 +179,38 @@ def in_use(*tensors: torch.Tensor) -> None:
     swapped by ``set_``, has another address and is marked again), and the current stream is looked
     up once per device of the call. This runs at every decode and holds the GIL, which a tier's I/O
     threads share."""
-    cur = None
+    dev = handle = None
     for t in tensors:
         if not t.is_cuda:
             continue
-        if cur is None or cur.device != t.device:
-            cur = torch.cuda.current_stream(t.device)
+        if handle is None or dev != t.device:
+            dev, handle = t.device, cuda_streams.raw(t.device)
         at, marked = getattr(t, "_lmtier_streams", (None, None))
         if at != t.data_ptr():
             at, marked = t.data_ptr(), set()
             t._lmtier_streams = (at, marked)
-        if cur.cuda_stream not in marked:
-            t.record_stream(cur)
-            marked.add(cur.cuda_stream)
+        if handle not in marked:
+            t.record_stream(cuda_streams.current(dev))
+            marked.add(handle)
 
 
 def device_key(device: torch.device | str) -> str:
     """The cache key of a device: ``"cpu"``, or ``"cuda:<index>"`` with the current device's index
     for a bare ``"cuda"`` (one entry per GPU, whichever way it was named)."""
+    key = _KEYS.get(device)
+    if key is not None:
+        return key
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return str(dev)
+    if dev.type != "cuda" or dev.index is not None:  # names one device whatever the current one
+        key = str(dev)
+        if len(_KEYS) < 64:
+            _KEYS[device] = key
+        return key
+    return str(torch.device("cuda", torch.cuda.current_device()))
+
+
+_KEYS: dict[torch.device | str, str] = {}
+""":func:`device_key` of the devices and names that fix one device (not a bare ``"cuda"``)."""
 
 
 @lru_cache(maxsize=4)

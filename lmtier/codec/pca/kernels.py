@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from lmtier import cuda_streams
 from lmtier.codec.chunk import CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
@@ -272,7 +273,7 @@ def _encode(m: PCAModel, kv: torch.Tensor, start: int, kk: torch.Tensor, energy_
     geom = _geom(m, t)
     inv_sx, e_mu, _ = tf.vectors(m, str(dev))
     cos, sin = _rope(m, start, t, dev)
-    s = torch.cuda.current_stream(dev).cuda_stream
+    s = cuda_streams.raw(dev)
     rowsum = torch.empty(r, 2, t, dtype=torch.int64, device=dev)
     flags = torch.zeros(2, t, dtype=torch.int32, device=dev)  # [clamped | non-finite, big]
     q = torch.empty(r, 2, t, n, dtype=torch.int16, device=dev)
@@ -400,7 +401,7 @@ def _decode(
     r, t, n = m.rows, sym.shape[3], m.vector_size
     geom = _geom(m, t)
     _, _, mu = tf.vectors(m, str(dev))
-    s = torch.cuda.current_stream(dev).cuda_stream
+    s = cuda_streams.raw(dev)
     if escapes.numel():  # coefficients with the escapes filled in, read by decode_pre
         esc = sym == tf.ESCAPE
         src = (sym.to(torch.int16) - tf.OFFSET).contiguous()  # [R, 2, N, T]

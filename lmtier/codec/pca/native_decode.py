@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lmtier import cuda_streams
 from lmtier.codec import rans
 from lmtier.errors import LMTierError
 
@@ -221,7 +222,8 @@ def queue(
     """
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
-    with torch.cuda.device(dev):  # the native call picks its side streams and cuBLAS handle by it
+    here = torch.cuda.current_device() == dev.index  # the native call picks its side streams and cuBLAS handle by it
+    with contextlib.nullcontext() if here else torch.cuda.device(dev):
         return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok)
 
 
@@ -272,7 +274,7 @@ def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, r
         groups_per_batch=lay.groups_per_batch, p8=dec.p8, dcat=dec.cat_t.data_ptr(), f=ff.data_ptr(),
         mu=mu.data_ptr(), cos_t=kernels._ptr(cos), sin_t=kernels._ptr(sin), out=out.data_ptr(),
         gemm_workspace=base + lay.gemm, gemm_workspace_bytes=kernels.GEMM_WORKSPACE,
-        stream=torch.cuda.current_stream(dev).cuda_stream,
+        stream=cuda_streams.raw(dev),
     )  # fmt: skip
     checks = Checks(s, length, lay.counts - lay.status, lay.esc_count - lay.status, n_esc)
     try:

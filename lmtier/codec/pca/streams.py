@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from lmtier import cuda_streams
 from lmtier.codec import rans
 from lmtier.codec.native_args import device_bytes
 from lmtier.codec.spans import Spans
@@ -341,7 +343,7 @@ def _queue(
     run_luts: torch.Tensor | None = None,
 ) -> QueuedStreams:
     s_count, cuda = len(starts), device.type == "cuda"
-    current = torch.cuda.current_stream(device) if cuda else None  # the stream the decode is queued on
+    current = cuda_streams.current(device) if cuda else None  # the stream the decode is queued on
     if s_count == 0:
         none = torch.empty(0, dtype=torch.int64, device=device)
         return QueuedStreams(
@@ -446,6 +448,15 @@ def _headers_as_laid_out(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray
     seg_log2 = int(raw[0, 6])
     if not rans.MIN_SEG_LOG2 <= seg_log2 <= rans.MAX_SEG_LOG2:
         return False
+    if not np.array_equal(raw, _laid_out_headers(s, length, n, seg_log2)):
+        return False
+    return bool((sizes >= rans.min_stream_bytes(-(-length // (1 << seg_log2)))).all())
+
+
+@lru_cache(maxsize=32)
+def _laid_out_headers(s: int, length: int, n: int, seg_log2: int) -> np.ndarray:
+    """The 16-byte headers (uint8 ``[S, 16]``, read-only) :func:`encode` writes for ``s`` streams of
+    this layout (:func:`_headers_as_laid_out`)."""
     want = np.zeros(s, rans.HEADER)
     want["magic"], want["version"], want["seg_log2"], want["lanes"] = (
         rans.MAGIC,
@@ -455,9 +466,9 @@ def _headers_as_laid_out(host: np.ndarray, starts: np.ndarray, sizes: np.ndarray
     )
     want["table_id"] = table_base(np.arange(s), n)
     want["run_words"], want["num_symbols"] = length // n // 32, length
-    if not np.array_equal(raw, want.view(np.uint8).reshape(s, rans.HEADER_BYTES)):
-        return False
-    return bool((sizes >= rans.min_stream_bytes(-(-length // (1 << seg_log2)))).all())
+    out = want.view(np.uint8).reshape(s, rans.HEADER_BYTES)
+    out.flags.writeable = False
+    return out
 
 
 _local = threading.local()
@@ -476,7 +487,7 @@ def _side_by_side(device: torch.device, calls: int):
     if device.type != "cuda":
         yield [None] * calls
         return
-    main = torch.cuda.current_stream(device)
+    main = cuda_streams.current(device)
     if calls == 1:
         yield [main]
         return
