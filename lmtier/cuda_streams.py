@@ -3,7 +3,7 @@
 ``torch.cuda.current_stream`` makes a new Python object every call, entering a device context to do
 so; the codec's decode path asks for the stream several times a record while holding the GIL, which
 a tier's I/O threads share. :func:`raw` reads the handle alone; :func:`current` hands out one
-``Stream`` object per (thread, device, handle), made once.
+``Stream`` object per thread and stream, made once.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _local = threading.local()
 
 
 def _index(device: torch.device | int | None) -> int:
+    torch.cuda.init()  # as torch.cuda.current_stream: CUDA initialized first (a no-op once it is)
     if isinstance(device, int):
         return device
     if device is None or device.index is None:
@@ -37,19 +38,19 @@ def raw(device: torch.device | int | None = None) -> int:
 
 
 def current(device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(device)``: the same stream (equal, same handle), the object made
-    once per thread, device and handle.
+    """``torch.cuda.current_stream(device)``: an equal stream (same id, so the same handle), the object
+    made once per thread and stream id (an ``ExternalStream`` of a pool stream's handle has an id of
+    its own, as in torch).
 
     Raises:
         RuntimeError, AssertionError: as ``torch.cuda.current_stream`` (no CUDA, a bad index)."""
-    idx = _index(device)
-    handle = torch._C._cuda_getCurrentRawStream(idx)
+    key = torch._C._cuda_getCurrentStream(_index(device))  # (stream id, device index, device type)
     cache = _local.__dict__.setdefault("streams", {})
-    s = cache.get((idx, handle))
+    s = cache.get(key)
     if s is None:
         if len(cache) >= _MAX_CACHED:
             cache.clear()
-        s = cache[(idx, handle)] = torch.cuda.current_stream(idx)
+        s = cache[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
     return s
 
 
