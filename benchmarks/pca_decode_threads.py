@@ -48,8 +48,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 from lmtier.bench import codec_pca as bench  # noqa: E402
 from lmtier.codec import pca  # noqa: E402
 from lmtier.tiers.base import Tier, TierUsage  # noqa: E402
+from lmtier.tiers.buffers import copy_into  # noqa: E402
 from lmtier.tiers.codec_pca import PCACodecTier  # noqa: E402
-from lmtier.tiers.disk.io import copy_into  # noqa: E402
 
 
 def main(argv=None) -> int:

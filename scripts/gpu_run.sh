@@ -14,7 +14,8 @@
 # tests/test_gpu_codec_pca_queued.py) and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "getbreak": the same for the product's batched read (--op get, 1 and 4
 # threads or LMTIER_GETBREAK_THREADS, with --profile) and py-spy's GIL samples of it (4 threads); "hostab": an A/B of the host's
-# PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads) between this tree and the
+# PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads; LMTIER_HOSTAB_ARGS: more arguments of every run,
+# e.g. "--get-batch 1 --get-stream") between this tree and the
 # package in .whl/ab_old (copied there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`),
 # with this build, or with its own when it holds csrc/ too (`git archive <commit> lmtier csrc setup.py
 # CMakeLists.txt pyproject.toml`); "ttftbatch1": the Mooncake tiers at 7,500 tokens with
@@ -206,7 +207,8 @@ if has hostab; then
       for side in old new; do
         for op in ${LMTIER_HOSTAB_OPS:-encode:1 encode:2}; do
           pp=$PYTHONPATH; [ $side = old ] && pp=$PWD/.whl/ab_old:$PYTHONPATH
-          line=$(PYTHONPATH=$pp timeout 100 $PY benchmarks/pca_decode_threads.py --op ${op%%:*} --threads ${op##*:} --seconds 4 2>&1 | tail -1)
+          line=$(PYTHONPATH=$pp timeout 100 $PY benchmarks/pca_decode_threads.py --op ${op%%:*} --threads ${op##*:} --seconds 4 \
+            ${LMTIER_HOSTAB_ARGS:-} 2>&1 | tail -1)
           echo "hostab round $round $side $op: $line" | tee -a "$OUT/hostab.log"
         done
       done

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["PAGE_BYTES", "round_up", "host_view", "address_of", "AlignedBuffer", "BouncePool"]
+__all__ = ["PAGE_BYTES", "round_up", "host_view", "address_of", "copy_into", "AlignedBuffer", "BouncePool"]
 
 PAGE_BYTES = 4096
 
@@ -20,6 +20,16 @@ PAGE_BYTES = 4096
 def round_up(n: int, align: int = PAGE_BYTES) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return (n + align - 1) // align * align
+
+
+def copy_into(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` for byte views of one length, with the GIL released (NumPy's copy; a
+    memoryview slice assignment holds it, stalling every other thread for a large record).
+
+    Raises:
+        ValueError: lengths that differ (as NumPy's broadcast)."""
+    if src.nbytes:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def host_view(obj, *, writable: bool) -> memoryview:

@@ -8,10 +8,9 @@ import errno
 import os
 import stat
 
-import numpy as np
-
 from lmtier.affinity import background_priority
 from lmtier.errors import LMTierError
+from lmtier.tiers.buffers import copy_into
 
 __all__ = [
     "NotRegularFile",
@@ -127,12 +126,6 @@ def wait_all(futs) -> None:
             err = err or e
     if err is not None:
         raise err
-
-
-def copy_into(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src (NumPy's copy releases the GIL, unlike memoryview slice assignment)."""
-    if src.nbytes:
-        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def pwrite_all(fd: int, mv: memoryview, offset: int) -> None:

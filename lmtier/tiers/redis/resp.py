@@ -15,6 +15,7 @@ import redis
 
 from lmtier import record as rec
 from lmtier.errors import LMTierError
+from lmtier.tiers.buffers import copy_into
 
 __all__ = ["HEADER", "CorruptValue", "RecordReader", "check_deadline", "SocketReplies", "read_record_direct"]
 
@@ -67,7 +68,7 @@ class RecordReader:
             data = data[HEADER:]
         dst = self.target(i, len(data))
         if dst is not None:
-            dst[:] = data
+            copy_into(dst, data)  # the GIL released: other I/O threads decode meanwhile
             self.got += len(data)
 
     def take_header(self, head: memoryview, piece_len: int) -> bool:
