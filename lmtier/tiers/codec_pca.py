@@ -410,9 +410,10 @@ class PCACodecTier(RecordTier):
         if dev.type != "cuda":
             yield None
             return
-        with torch.cuda.device(dev):
+        here = torch.cuda.current_device() == dev.index  # a device context costs two device switches
+        with contextlib.nullcontext() if here else torch.cuda.device(dev):
             s = self._thread_stream("decode", dev)
-            with torch.cuda.stream(s):
+            with cuda_streams.use(s):
                 yield s
 
     @contextlib.contextmanager
