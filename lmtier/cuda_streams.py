@@ -22,28 +22,28 @@ streams and torch's pool's, a few dozen."""
 _local = threading.local()
 
 
-def _index(device: torch.device | int | None) -> int:
+def _index(device: torch.device | str | int | None) -> int:
+    """The CUDA device index ``torch.cuda.current_stream`` takes for ``device`` (its errors too)."""
     torch.cuda.init()  # as torch.cuda.current_stream: CUDA initialized first (a no-op once it is)
-    if isinstance(device, int):
-        return device
-    if device is None or device.index is None:
-        return torch.cuda.current_device()
-    return device.index
+    if type(device) is torch.device and device.type == "cuda" and device.index is not None:
+        return device.index  # the common case, without torch's checks
+    return torch.cuda._utils._get_device_index(device, optional=True)
 
 
-def raw(device: torch.device | int | None = None) -> int:
+def raw(device: torch.device | str | int | None = None) -> int:
     """The ``cudaStream_t`` (an int) of the current stream on CUDA ``device`` (None or an index-less
     device: the current device), as ``torch.cuda.current_stream(device).cuda_stream`` gives it."""
     return torch._C._cuda_getCurrentRawStream(_index(device))
 
 
-def current(device: torch.device | int | None = None) -> torch.cuda.Stream:
+def current(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)``: an equal stream (same id, so the same handle), the object
     made once per thread and stream id (an ``ExternalStream`` of a pool stream's handle has an id of
     its own, as in torch).
 
     Raises:
-        RuntimeError, AssertionError: as ``torch.cuda.current_stream`` (no CUDA, a bad index)."""
+        RuntimeError, AssertionError, ValueError: as ``torch.cuda.current_stream`` (no CUDA, a bad
+            index, a device that is not CUDA)."""
     key = torch._C._cuda_getCurrentStream(_index(device))  # (stream id, device index, device type)
     cache = _local.__dict__.setdefault("streams", {})
     s = cache.get(key)
@@ -55,11 +55,11 @@ def current(device: torch.device | int | None = None) -> torch.cuda.Stream:
 
 
 @contextlib.contextmanager
-def use(stream: torch.cuda.Stream):
+def use(stream: torch.cuda.Stream | None):
     """``torch.cuda.stream(stream)``: ``stream`` current in the block, the previous current stream
     again after it (for a stream of the current device, the common case, looked up by
-    :func:`current`; else through ``torch.cuda.stream``)."""
-    if stream.device.index != torch.cuda.current_device():
+    :func:`current`; else through ``torch.cuda.stream``); None: nothing changes."""
+    if stream is None or stream.device.index != torch.cuda.current_device():
         with torch.cuda.stream(stream):
             yield stream
         return

@@ -468,6 +468,8 @@ def test_device_names_resolve_as_before_their_answers_are_cached(monkeypatch):
     from lmtier.codec.pca import codec as pca_codec
     from lmtier.codec.pca import imatmul
 
+    monkeypatch.setattr(pca_codec, "_CHECKED", {})  # what earlier tests' decodes left
+    monkeypatch.setattr(imatmul, "_KEYS", {})
     assert imatmul.device_key("cpu") == imatmul.device_key(torch.device("cpu")) == "cpu"
     assert imatmul.device_key(torch.device("cuda", 3)) == imatmul.device_key("cuda:3") == "cuda:3"
     for now in (0, 2, 1):
@@ -476,6 +478,16 @@ def test_device_names_resolve_as_before_their_answers_are_cached(monkeypatch):
     assert "cuda" not in imatmul._KEYS and torch.device("cuda") not in imatmul._KEYS
     cpu = torch.device("cpu")
     assert pca_codec._device(cpu) == cpu and pca_codec._device(cpu) == cpu and pca_codec._device(None) == cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for now in (0, 2, 1):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda now=now: now)
+        assert pca_codec._device(torch.device("cuda")) == pca_codec._device("cuda") == torch.device("cuda", now)
+    assert pca_codec._device(torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert torch.device("cuda") not in pca_codec._CHECKED and torch.device("cuda", 3) in pca_codec._CHECKED
+    with pytest.raises(ValueError, match="no such CUDA device"):
+        pca_codec._device(torch.device("cuda", 4))
+    monkeypatch.setattr(pca_codec, "_CHECKED", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for _ in range(2):
         with pytest.raises(ValueError, match="no such CUDA device"):

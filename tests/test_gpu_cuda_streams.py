@@ -66,3 +66,36 @@ def test_threads_see_their_own_streams():
         assert seen == [streams[i].cuda_stream, default] * 50, i
 
     run_in_threads(one, [(i,) for i in range(4)])
+
+
+def test_names_and_odd_streams_as_torch_takes_them():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(a):
+        for name in (str(dev), dev.index, None, torch.device("cuda")):
+            assert cuda_streams.current(name) == torch.cuda.current_stream(name) == a
+            assert cuda_streams.raw(name) == a.cuda_stream
+    with pytest.raises(ValueError):
+        torch.cuda.current_stream(torch.device("cpu"))
+    with pytest.raises(ValueError):
+        cuda_streams.current(torch.device("cpu"))
+    ext = torch.cuda.ExternalStream(a.cuda_stream, device=dev)
+    with cuda_streams.use(ext):
+        assert torch.cuda.current_stream(dev) == ext and cuda_streams.current(dev) == ext
+    assert torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev)
+    with torch.cuda.stream(a), cuda_streams.use(None):
+        assert torch.cuda.current_stream(dev) == a
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_another_devices_stream():
+    here, there = torch.cuda.current_device(), (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+    s = torch.cuda.Stream(device=there)
+    with torch.cuda.stream(s):
+        torch_sees = torch.cuda.current_device()
+    with cuda_streams.use(s):
+        assert torch.cuda.current_device() == torch_sees  # as torch's context leaves it
+        assert cuda_streams.current(there) == torch.cuda.current_stream(there) == s
+        assert cuda_streams.current(here) == torch.cuda.default_stream(here)
+    assert torch.cuda.current_device() == here
+    assert torch.cuda.current_stream(there) == torch.cuda.default_stream(there)
