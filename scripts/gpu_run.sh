@@ -10,8 +10,8 @@
 # disk+codec / redis+codec TTFT at 7,500 tokens for 2, 4 and 8 reads in flight; "ttfthost": the codec tiers
 # decoded on the host, the vLLM connector's path today; "ttftspy": py-spy's GIL samples of the trained-spectrum
 # bench's pca_default loads (disk and Redis); "decspy": the same for 4 threads decoding PCA records
-# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the native PCA decode's GPU tests (tests/test_gpu_codec_pca_native.py,
-# tests/test_gpu_codec_pca_queued.py) and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
+# (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the PCA levels' GPU tests (tests/test_gpu_codec_pca_native.py,
+# tests/test_gpu_codec_pca_queued.py, tests/test_gpu_codec_pca.py) and tests/test_gpu_cuda_streams.py and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "getbreak": the same for the product's batched read (--op get, 1 and 4
 # threads or LMTIER_GETBREAK_THREADS, with --profile) and py-spy's GIL samples of it (4 threads); "hostab": an A/B of the host's
 # PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads; LMTIER_HOSTAB_ARGS: more arguments of every run,
@@ -167,7 +167,8 @@ if has decprof; then
 fi
 if has quickpca; then
   timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_codec_pca_native.py \
-    tests/test_gpu_codec_pca_queued.py > "$OUT/quickpca_tests.log" 2>&1
+    tests/test_gpu_codec_pca_queued.py tests/test_gpu_codec_pca.py tests/test_gpu_cuda_streams.py \
+    > "$OUT/quickpca_tests.log" 2>&1
   echo "quickpca tests rc=$?"; tail -4 "$OUT/quickpca_tests.log"
   for th in 1 4; do
     timeout 40 $PY benchmarks/pca_decode_threads.py --threads $th --seconds 4 2>&1 | tail -1
