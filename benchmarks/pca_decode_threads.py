@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: an A/B may put another lmtier first
@@ -48,7 +49,6 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 from lmtier.bench import codec_pca as bench  # noqa: E402
 from lmtier.codec import pca  # noqa: E402
 from lmtier.tiers.base import Tier, TierUsage  # noqa: E402
-from lmtier.tiers.buffers import copy_into  # noqa: E402
 from lmtier.tiers.codec_pca import PCACodecTier  # noqa: E402
 
 
@@ -159,7 +159,9 @@ class _Sink(Tier):
         rec = self.last.get(key)
         if rec is None:
             return None
-        copy_into(memoryview(out).cast("B")[: len(rec)], memoryview(rec))  # the GIL released, as the disk tier's
+        # the GIL released, as lmtier.tiers.buffers.copy_into (the disk tier's) copies; written out here so
+        # an A/B can run this file over an older lmtier
+        np.copyto(np.frombuffer(out, np.uint8, count=len(rec)), np.frombuffer(rec, np.uint8))
         return len(rec)
 
     def get_many_into(self, keys, outs) -> list[int | None]:  # a batching inner tier (Redis, Mooncake)
