@@ -322,8 +322,23 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         "LMTIER_HOSTAB_OPS",
         "ci",
         "scripts/gpu_run.sh's hostab step: what it times, old package against new, as op:threads pairs "
-        "(op: encode or decode)",
+        "(op: encode, decode, put or get)",
         default="encode:1 encode:2",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
+        "LMTIER_HOSTAB_ARGS",
+        "ci",
+        "more arguments of every run of scripts/gpu_run.sh's hostab step (benchmarks/pca_decode_threads.py), "
+        "e.g. '--get-batch 1 --get-stream'",
+        default="",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
+        "LMTIER_GETBREAK_THREADS",
+        "ci",
+        "thread counts scripts/gpu_run.sh's getbreak step breaks the PCA tier's batched read down at",
+        default="1 4",
         read_by="scripts/gpu_run.sh",
     ),
     EnvVar(
