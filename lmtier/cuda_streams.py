@@ -1,4 +1,4 @@
-"""The current CUDA stream, looked up without building a ``torch.cuda.Stream`` at each call.
+"""The current CUDA stream (and device), looked up without building a ``torch.cuda.Stream`` at each call.
 
 ``torch.cuda.current_stream`` makes a new Python object every call, entering a device context to do
 so; the codec's decode path asks for the stream several times a record while holding the GIL, which
@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-__all__ = ["current", "raw", "use"]
+__all__ = ["current", "device", "raw", "use"]
 
 _MAX_CACHED = 64
 """Stream objects one thread keeps (beyond it the thread's cache starts over): a thread meets its own
@@ -52,6 +52,12 @@ def current(device: torch.device | str | int | None = None) -> torch.cuda.Stream
             cache.clear()
         s = cache[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
     return s
+
+
+def device(dev: torch.device):
+    """``torch.cuda.device(dev)``, or nothing when ``dev`` (an indexed CUDA device) is current already:
+    torch's context switches the device in and out even then."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == dev.index else torch.cuda.device(dev)
 
 
 @contextlib.contextmanager

@@ -159,10 +159,9 @@ def _raise_status(status: np.ndarray, what: str) -> None:
     if not np.count_nonzero(status):  # every stream ok: the common case, one C call
         return
     bad = np.flatnonzero(status)
-    if bad.size:
-        first = ", ".join(f"stream {int(i)}: {STATUS_NAMES.get(int(status[i]), int(status[i]))}" for i in bad[:8])
-        more = f" (+{bad.size - 8} more)" if bad.size > 8 else ""
-        raise ValueError(f"rans {what} failed for {bad.size} stream(s): {first}{more}")
+    first = ", ".join(f"stream {int(i)}: {STATUS_NAMES.get(int(status[i]), int(status[i]))}" for i in bad[:8])
+    more = f" (+{bad.size - 8} more)" if bad.size > 8 else ""
+    raise ValueError(f"rans {what} failed for {bad.size} stream(s): {first}{more}")
 
 
 # ---------------------------------------------------------------------------------------------------

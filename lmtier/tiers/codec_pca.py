@@ -410,8 +410,7 @@ class PCACodecTier(RecordTier):
         if dev.type != "cuda":
             yield None
             return
-        here = torch.cuda.current_device() == dev.index  # a device context costs two device switches
-        with contextlib.nullcontext() if here else torch.cuda.device(dev):
+        with cuda_streams.device(dev):
             s = self._thread_stream("decode", dev)
             with cuda_streams.use(s):
                 yield s

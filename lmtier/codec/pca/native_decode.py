@@ -222,8 +222,7 @@ def queue(
     """
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
-    here = torch.cuda.current_device() == dev.index  # the native call picks its side streams and cuBLAS handle by it
-    with contextlib.nullcontext() if here else torch.cuda.device(dev):
+    with cuda_streams.device(dev):  # the native call picks its side streams and cuBLAS handle by it
         return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok)
 
 

@@ -10,12 +10,10 @@ import stat
 
 from lmtier.affinity import background_priority
 from lmtier.errors import LMTierError
-from lmtier.tiers.buffers import copy_into
 
 __all__ = [
     "NotRegularFile",
     "background_priority",
-    "copy_into",
     "listdir",
     "open_record",
     "pread_into",

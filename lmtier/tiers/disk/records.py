@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xxhash
 
 from lmtier import record as rec
-from lmtier.tiers.buffers import PAGE_BYTES, BouncePool, address_of, round_up
+from lmtier.tiers.buffers import PAGE_BYTES, BouncePool, address_of, copy_into, round_up
 from lmtier.tiers.device import PinnedBounce, flat_u8
 from lmtier.tiers.disk import io as dio
 from lmtier.tiers.disk.gds import KvikioLoader
@@ -98,7 +98,7 @@ class RecordFiles:
                 for v, off in self._pieces(big.mv[:padded], base):
                     o = off - base
                     k = max(0, min(v.nbytes, n - o))
-                    dio.copy_into(v[:k], mv[o : o + k])
+                    copy_into(v[:k], mv[o : o + k])
                     if k < v.nbytes:
                         v[k:] = bytes(v.nbytes - k)
                     hasher.update(v[:k])
@@ -206,7 +206,7 @@ class RecordFiles:
                     if short is None:
                         hasher.update(data)
                         if dst is not None:
-                            dio.copy_into(dst, data)
+                            copy_into(dst, data)
             finally:
                 dio.wait_all(futs)
             if short is not None:
