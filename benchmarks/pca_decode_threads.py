@@ -28,8 +28,10 @@ reading the level's validity bitmap (an A/B of that bitmap).
 memory to the device, as bf16 KV at their ratio; the bf16 KV host to device; a device copy of the KV).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
 parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
-``result``; with ``--op get`` also the tier's batched read, the inner read and the chunk's copy out):
-which step grows when threads are added.
+``result``; with ``--op get`` also the tier's batched read, the inner read and the chunk's copy out;
+with ``--op encode`` / ``put`` the encode's steps: the kernels and coder queued, the two waits, the
+record's packing, and for ``put`` the chunk's upload and the inner put): which step grows when
+threads are added.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         ceiling(chunks, recs, kv_gb, a.seconds / 4)
     if a.profile:
         profile(one_pass, a.profile, records, gb)
-    if a.breakdown and a.op in ("decode", "get"):
+    if a.breakdown:
         breakdown(one_pass, a.breakdown, records, gb, a.op)
     pool.shutdown()
     return 0
@@ -313,10 +315,34 @@ def profile(run_pass, passes: int, records: int, gb: float) -> None:
         print(f"  {sum(ds) / n:8.1f} µs a record  {len(ds) / n:5.1f} a record  {name}")
 
 
+def _encode_steps(op: str) -> list[tuple[object, str, str]]:
+    """The encode's steps :func:`breakdown` times (``op`` "put": the tier's put, the chunk's upload and
+    the inner put too)."""
+    from lmtier.codec import format as fmt
+    from lmtier.codec.encoder import DeviceEncoder
+    from lmtier.codec.pca import codec, kernels, streams
+
+    first = [(PCACodecTier, "put", "put"), (DeviceEncoder, "run", "  upload + encode")] if op == "put" else []
+    return (
+        first
+        + [
+            (pca, "encode", "encode"),
+            (codec, "_device_sections", "  device sections"),
+            (kernels, "encode_queued", "    kernels queued"),
+            (streams.QueuedEncode, "__init__", "    coder queued"),
+            (streams, "host_arrays", "    host arrays (wait)"),
+            (streams.QueuedEncode, "runs", "    coder runs (wait, copies)"),
+            (fmt, "pack_runs", "  pack"),
+        ]
+        + ([(_Sink, "put", "inner put")] if op == "put" else [])
+    )
+
+
 def breakdown(run_pass, passes: int, records: int, gb: float, op: str = "decode") -> None:
-    """Print the mean µs a record of each decode step over ``passes`` calls of ``run_pass``, timed on
-    the threads that run them (module attributes wrapped for the duration); ``op`` "get": the tier's
-    steps too (its batched read, the inner read, the chunk's copy out)."""
+    """Print the mean µs a record of each step over ``passes`` calls of ``run_pass``, timed on the
+    threads that run them (module attributes wrapped for the duration): the decode's steps; ``op``
+    "get": the tier's steps too (its batched read, the inner read, the chunk's copy out); "encode" and
+    "put": the encode's (:func:`_encode_steps`)."""
     from lmtier.codec.pca import codec, kernels, native_decode
 
     c = kernels._native()
@@ -333,7 +359,9 @@ def breakdown(run_pass, passes: int, records: int, gb: float, op: str = "decode"
         return wrapper
 
     first = [(bench, "decode_one", "record")]
-    if op == "get":
+    if op in ("encode", "put"):
+        first = _encode_steps(op)
+    elif op == "get":
         first = [
             (PCACodecTier, "get_many_into", "get_many_into"),
             (_Sink, "get_many_into", "  inner read"),
@@ -341,14 +369,18 @@ def breakdown(run_pass, passes: int, records: int, gb: float, op: str = "decode"
         ]
     patches = (
         first
-        + [
-            (codec, "_parse", "parse + checksum"),
-            (native_decode, "queue", "native queue"),
-            (c, "decode_record", "  of it decode_record"),
-            (codec.PendingChunk, "__init__", "PendingChunk"),
-            (codec.PendingChunk, "result", "result (wait)"),
-        ]
-        + ([(PCACodecTier, "_deliver", "deliver (copy out)")] if op == "get" else [])
+        if op in ("encode", "put")
+        else (
+            first
+            + [
+                (codec, "_parse", "parse + checksum"),
+                (native_decode, "queue", "native queue"),
+                (c, "decode_record", "  of it decode_record"),
+                (codec.PendingChunk, "__init__", "PendingChunk"),
+                (codec.PendingChunk, "result", "result (wait)"),
+            ]
+            + ([(PCACodecTier, "_deliver", "deliver (copy out)")] if op == "get" else [])
+        )
     )
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, name in patches:

@@ -342,6 +342,13 @@ ENV_VARS: dict[str, EnvVar] = _declare(
         read_by="scripts/gpu_run.sh",
     ),
     EnvVar(
+        "LMTIER_PUTBREAK_THREADS",
+        "ci",
+        "thread counts scripts/gpu_run.sh's putbreak step breaks the PCA tier's write path down at",
+        default="1 2",
+        read_by="scripts/gpu_run.sh",
+    ),
+    EnvVar(
         "LMTIER_TTFTPCA_TIMEOUT",
         "ci",
         "seconds scripts/gpu_run.sh's ttftpca step may run (fits it into a device call with other steps)",

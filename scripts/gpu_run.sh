@@ -13,7 +13,8 @@
 # (benchmarks/pca_decode_threads.py); "decprof": its --profile, the GPU's busy share with 1 and 4 threads; "quickpca": the PCA levels' GPU tests (tests/test_gpu_codec_pca_native.py,
 # tests/test_gpu_codec_pca_queued.py, tests/test_gpu_codec_pca.py) and tests/test_gpu_cuda_streams.py and its rate with 1 and 4 threads, for a short device budget; "decbreak": its --breakdown, each decode step's time a record with 1, 2 and 4 threads (and 4
 # with a 0.5 ms GIL switch interval); "getbreak": the same for the product's batched read (--op get, 1 and 4
-# threads or LMTIER_GETBREAK_THREADS, with --profile) and py-spy's GIL samples of it (4 threads); "hostab": an A/B of the host's
+# threads or LMTIER_GETBREAK_THREADS, with --profile) and py-spy's GIL samples of it (4 threads); "putbreak": the same
+# for the product's write path (--op put, 1 and 2 threads or LMTIER_PUTBREAK_THREADS; py-spy --gil of 2, --idle of 1); "hostab": an A/B of the host's
 # PCA encode or decode (LMTIER_HOSTAB_OPS, default "encode:1 encode:2": op:threads; LMTIER_HOSTAB_ARGS: more arguments of every run,
 # e.g. "--get-batch 1 --get-stream") between this tree and the
 # package in .whl/ab_old (copied there on the dev box, e.g. `git archive <commit> lmtier | tar -x -C .whl/ab_old`),
@@ -194,6 +195,25 @@ if has getbreak; then
       $PY benchmarks/pca_decode_threads.py --op get --threads 4 --seconds 8 > "$OUT/getspy.log" 2>&1
     echo "getspy rc=$?"; tail -1 "$OUT/getspy.log"
     $PY scripts/spy_tally.py "$OUT/spy_get.txt" --top 30 2>&1 | tail -45
+  fi
+fi
+if has putbreak; then
+  # the product's write path (PCACodecTier.put, encode_device on the GPU): its steps' time a record and the GPU's busy
+  # share with 1 and 2 threads (LMTIER_PUTBREAK_THREADS), then py-spy's samples of it: GIL-held with 2 threads,
+  # and every sample (waits included) of 1 thread
+  for th in ${LMTIER_PUTBREAK_THREADS:-1 2}; do
+    timeout 150 $PY benchmarks/pca_decode_threads.py --op put --threads $th --seconds 5 --breakdown 6 --profile 4 \
+      > "$OUT/putbreak_$th.log" 2>&1
+    echo "putbreak threads=$th rc=$?"; grep -v "^\s*$" "$OUT/putbreak_$th.log" | grep -v -i warn | tail -30
+  done
+  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  if [ -x "$spy" ]; then
+    for how in gil:2 idle:1; do
+      timeout 120 "$spy" record --${how%%:*} --threads -r 100 -f raw -o "$OUT/spy_put_${how%%:*}.txt" -- \
+        $PY benchmarks/pca_decode_threads.py --op put --threads ${how##*:} --seconds 8 > "$OUT/putspy_${how%%:*}.log" 2>&1
+      echo "putspy $how rc=$?"; tail -1 "$OUT/putspy_${how%%:*}.log"
+      $PY scripts/spy_tally.py "$OUT/spy_put_${how%%:*}.txt" --within '^put \(.*codec_pca' --top 30 2>&1 | tail -45
+    done
   fi
 fi
 if has hostab; then
