@@ -12,7 +12,8 @@
 #include "lmtier/int8_gemm.h"  // PCA transform block: the batched int8 GEMMs
 #include "lmtier/kvquant.h"    // KV quantize block
 #include "lmtier/paged_copy.h"
-#include "lmtier/pca.h"   // PCA transform block
+#include "lmtier/pca.h"  // PCA transform block
+#include "lmtier/pca_scan.h"
 #include "lmtier/rans.h"  // rANS block
 #include "lmtier/runtime.h"
 #include "lmtier/staged_copy.h"
@@ -296,6 +297,55 @@ void bind_kvquant(py::module_& m) {
         py::arg("head_size"), py::arg("descs"), py::arg("num_chunks"), py::arg("qmax"),
         py::arg("status"), py::arg("num_threads"), py::arg("stream"));
   }
+}
+
+// A PCA record's host checks in one call (every build; csrc/include/lmtier/pca_scan.h).
+void bind_pca_scan(py::module_& m) {
+  namespace p = lmtier::pca;
+  py::module_ sm =
+      m.def_submodule("pca_scan", "PCA record checks (csrc/include/lmtier/pca_scan.h)");
+  py::class_<p::ScanSpec>(sm, "ScanSpec")
+      .def(py::init([](py::bytes magic, uint32_t version, uint32_t header_bytes,
+                       uint64_t max_sections, std::vector<uint8_t> levels,
+                       std::vector<uint8_t> dtypes, uint32_t dtype_bytes, uint32_t model_id,
+                       std::array<uint32_t, 7> geometry, uint32_t meta_bytes, py::bytes digest,
+                       int64_t max_position) {
+             const std::string mg = magic, dg = digest;
+             LMTIER_CHECK_ARG(mg.size() == 4, "ScanSpec: magic of ", mg.size(), " bytes, 4 needed");
+             p::ScanSpec s;
+             std::memcpy(&s.magic, mg.data(), 4);
+             auto [L, H, D, S, R, N, B] = geometry;
+             s.version = version, s.header_bytes = header_bytes, s.max_sections = max_sections;
+             s.levels = std::move(levels), s.dtypes = std::move(dtypes),
+             s.dtype_bytes = dtype_bytes;
+             s.model_id = model_id, s.L = L, s.H = H, s.D = D, s.S = S, s.R = R, s.N = N, s.B = B;
+             s.meta_bytes = meta_bytes, s.digest.assign(dg.begin(), dg.end());
+             s.max_position = max_position;
+             return s;
+           }),
+           py::arg("magic"), py::arg("version"), py::arg("header_bytes"), py::arg("max_sections"),
+           py::arg("levels"), py::arg("dtypes"), py::arg("dtype_bytes"), py::arg("model_id"),
+           py::arg("geometry"), py::arg("meta_bytes"), py::arg("digest"), py::arg("max_position"),
+           "geometry: (L, H, D, sections per layer, layer groups R, components N, streams a call "
+           "B).");
+  sm.def(
+      "scan",
+      [](const p::ScanSpec& spec, py::buffer record) -> py::object {
+        const py::buffer_info b = record.request();
+        LMTIER_CHECK_ARG(b.ndim == 1 && b.strides[0] == 1 && b.itemsize == 1,
+                         "pca_scan.scan: a 1-D contiguous byte buffer is needed");
+        auto s = p::scan_record(spec, static_cast<const uint8_t*>(b.ptr), b.size);
+        if (!s) return py::none();
+        auto arr = [](const auto& v) {
+          return py::array_t<std::decay_t<decltype(v[0])>>(v.size(), v.data());
+        };
+        py::array exact = arr(s->exact).attr("view")("bool");
+        return py::make_tuple(s->level, s->dtype, s->tokens, s->n_esc, s->start, s->payload_at,
+                              s->end, s->checksum, arr(s->offs), arr(s->lens), exact);
+      },
+      py::arg("spec"), py::arg("record"),
+      "(level, dtype, T, escapes, start, payload_at, end, checksum, offs, lens, exact) of a "
+      "record whose every host check passes (checksum not verified), or None. The GIL stays held.");
 }
 
 #ifdef LMTIER_WITH_CUDA
@@ -648,8 +698,9 @@ PYBIND11_MODULE(_C, m) {
       .def("piece_first_layer", &StagedCopier::piece_first_layer, py::arg("piece"));
 #endif
 
-  bind_rans(m);     // rANS block
-  bind_kvquant(m);  // KV quantize block
+  bind_rans(m);      // rANS block
+  bind_kvquant(m);   // KV quantize block
+  bind_pca_scan(m);  // PCA record checks
 #ifdef LMTIER_WITH_CUDA
   bind_pca(m);  // PCA transform block
 #endif

@@ -304,3 +304,24 @@ def test_a_table_that_does_not_sum_to_4096_refuses_its_stream(monkeypatch, bitma
             pca.decode(recs[0], model=m, device="cuda")
     assert torch.equal(_bits(pca.decode(recs[0], model=m, device="cuda")), want)
     assert native_decode.available()
+
+
+def test_records_take_the_native_scan_and_without_it_the_same_bits(monkeypatch):
+    """The encoder's records pass the native scan of their host checks (``pca.scan``): the native call
+    then skips the spans' Python check; a record the scan leaves to the Python checks (the scan
+    refusing every record here) decodes to the same bits through them, at Llama-3.1-8B's geometry
+    with exact tokens (``pca_default``) and escapes (``pca_high``)."""
+    from lmtier.codec.pca import scan
+
+    m, recs = _llama()
+    recs = [recs[0], pca.encode(bench.synthetic_kv(GEOM, 256, 256, 11).cuda(), start=256, model=m, level="pca_high")]
+    seen = []
+    queue = native_decode.queue
+    monkeypatch.setattr(native_decode, "queue", lambda *a, **k: seen.append(k["spans_checked"]) or queue(*a, **k))
+    scanned = [pca.decode(r, model=m, device="cuda") for r in recs]
+    assert seen == [True, True] and all(scan.scan(r, m) is not None for r in recs)
+    monkeypatch.setattr(scan, "scan", lambda *a: None)
+    checked = [pca.decode(r, model=m, device="cuda") for r in recs]
+    assert seen == [True, True, False, False]
+    for a, b in zip(scanned, checked, strict=True):
+        assert torch.equal(_bits(a), _bits(b))

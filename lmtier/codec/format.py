@@ -62,6 +62,7 @@ __all__ = [
     "pack_back_to_back",
     "pack_runs",
     "unpack",
+    "check_checksum",
     "verify",
 ]
 
@@ -434,6 +435,15 @@ def _parse(buf: Any) -> tuple[RecordInfo, np.ndarray, int, int, memoryview, int]
 def verify(buf: Any) -> None:
     """Check the record's xxh3-64 checksum; raises ValueError on mismatch."""
     _, _, _, end, mv, checksum = _parse(buf)
+    check_checksum(mv, end, checksum)
+
+
+def check_checksum(mv: memoryview, end: int, checksum: int) -> None:
+    """Check the record's xxh3-64 ``checksum`` (its header's) over its header's first 56 bytes and
+    bytes ``[HEADER_BYTES, end)`` of ``mv`` (the record's bytes; ``end``: its payload's end).
+
+    Raises:
+        ValueError: a mismatch (a corrupted record)."""
     h = xxhash.xxh3_64()
     h.update(mv[:56])
     h.update(mv[HEADER_BYTES:end])
@@ -448,11 +458,7 @@ def unpack(buf: Any, *, verify_checksum: bool = True) -> Record:
     starts before the whole record arrived; call :func:`verify` once it has)."""
     info, idx, start, end, mv, checksum = _parse(buf)
     if verify_checksum:
-        h = xxhash.xxh3_64()
-        h.update(mv[:56])
-        h.update(mv[HEADER_BYTES:end])
-        if h.intdigest() != checksum:
-            raise ValueError("codec record checksum mismatch (corrupted record)")
+        check_checksum(mv, end, checksum)
     meta_at = HEADER_BYTES + 16 * info.num_sections
     meta_len = _HEADER.unpack_from(mv, 0)[12]
     return Record(info, mv[meta_at : meta_at + meta_len], mv[start:end], idx, start, end)

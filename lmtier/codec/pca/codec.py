@@ -33,7 +33,7 @@ from lmtier.codec import rans
 from lmtier.codec.chunk import CODEC_DTYPES, CodecRecordError
 from lmtier.codec.quant import CodecInputError
 
-from . import imatmul, kernels, native_decode, streams
+from . import imatmul, kernels, native_decode, scan, streams
 from . import transform as tf
 from .levels import PCA_LEVELS_BY_ID, PCALevel, get_pca_level
 from .model import DIGEST_BYTES, PCAModel
@@ -474,6 +474,14 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
     """
     _check_model(model)
     dev = _device(device)
+    fused = dev.type == "cuda" and kernels.available()
+    if fused and native_decode.available():  # the common record's host checks in one native call
+        try:
+            sc = scan.scan(record, model)
+        except ValueError as e:  # its checksum
+            raise CodecRecordError(str(e)) from None
+        if sc is not None and (got := _queue_native(model, sc, dev)) is not None:
+            return got
     p = _parse(record, model)
     rec, t = p.rec, p.tokens
     nl, h, d, n = model.num_layers, model.num_heads, model.head_size, model.vector_size
@@ -482,20 +490,12 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
     spans = rec.index[: r2 + 3]  # the streams, escapes, exact bitmap, exact tokens: payload offsets
     offs, lens = spans["offset"].astype(np.int64), spans["length"].astype(np.int64)
     n_exact = int(p.exact.sum())
-    fused = dev.type == "cuda" and kernels.available()
     luts = _run_luts(model, p.level.name, str(dev)) if dev.type == "cuda" else None
     if fused and t and native_decode.available():  # the whole decode queued by one native call
-        try:
-            out, checks, how = native_decode.queue(
-                model, np.frombuffer(rec.payload, np.uint8), offs, lens, p.exact, p.n_esc, arrays.tables,
-                arrays.f, p.start, p.dtype, dev, run_luts=luts, tables_ok=arrays.tables_ok,
-            )  # fmt: skip
-        except native_decode.NativeRefused as e:  # not the record's fault: the Python-driven kernels below
-            native_decode.disable(str(e))
-        except ValueError as e:
-            raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
-        else:
-            return PendingChunk(out, None, how.verify, host_checks=checks)
+        sc = scan.Scanned(p.level, p.start, p.n_esc, p.dtype, t, np.frombuffer(rec.payload, np.uint8), offs, lens,
+                          p.exact)  # fmt: skip
+        if (got := _queue_native(model, sc, dev, spans_checked=False)) is not None:
+            return got
     try:  # sized by T: a stream of another count raises
         if fused:  # one upload of every section the device reads
             up = streams.upload(np.frombuffer(rec.payload, np.uint8)[: int((offs + lens).max())], dev)
@@ -535,6 +535,26 @@ def decode_queued(record: Any, *, model: PCAModel, num_threads: int = 0, device:
             raw = torch.frombuffer(bytearray(rec.section((r2 + 2) // S, (r2 + 2) % S)), dtype=p.dtype)
             out[:, :, torch.from_numpy(p.exact).to(dev)] = raw.reshape(shape).to(dev)
     return PendingChunk(out, *_queued_checks(q, found)) if fused else PendingChunk(out)
+
+
+def _queue_native(m: PCAModel, sc: scan.Scanned, dev: torch.device, spans_checked: bool = True) -> PendingChunk | None:
+    """The record's decode queued by one native call (:func:`.native_decode.queue`), or None: the
+    native call refused (not the record's fault: turned off, the caller decodes the Python-driven way).
+
+    Raises:
+        CodecRecordError: the record's streams do not fit their layout (unless ``spans_checked``)."""
+    arrays, luts = _level_arrays(m, sc.level.name, str(dev)), _run_luts(m, sc.level.name, str(dev))
+    try:
+        out, checks, how = native_decode.queue(
+            m, sc.payload, sc.offs, sc.lens, sc.exact, sc.n_esc, arrays.tables, arrays.f, sc.start, sc.dtype, dev,
+            run_luts=luts, tables_ok=arrays.tables_ok, spans_checked=spans_checked,
+        )  # fmt: skip
+    except native_decode.NativeRefused as e:
+        native_decode.disable(str(e))
+        return None
+    except ValueError as e:
+        raise CodecRecordError(f"corrupted PCA codec record: {e}") from None
+    return PendingChunk(out, None, how.verify, host_checks=checks)
 
 
 def _device(device: Any) -> torch.device:

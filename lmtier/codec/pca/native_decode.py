@@ -196,6 +196,7 @@ def queue(
     *,
     run_luts: torch.Tensor | None = None,
     tables_ok: torch.Tensor | None = None,
+    spans_checked: bool = False,
 ) -> tuple[torch.Tensor, Any, Checks]:
     """Queue the decode of a record on ``dev``'s current stream.
 
@@ -208,6 +209,8 @@ def queue(
             run's lookups).
         tables_ok: :func:`lmtier.codec.rans.build_tables_ok` of ``tables`` (None: each rANS call
             reads its tables to check them).
+        spans_checked: the streams' spans and headers were checked (:func:`.scan.scan` passed the
+            record); False: :func:`.streams.check_spans` checks them.
 
     Returns:
         (``dtype`` ``[L, 2, T, H, D]`` on ``dev``, being decoded; the ``lmtier._C.pca.DecodeStage``
@@ -223,15 +226,17 @@ def queue(
     if exact.size == 0:
         raise ValueError("a record of 0 tokens has nothing to decode")
     with cuda_streams.device(dev):  # the native call picks its side streams and cuBLAS handle by it
-        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok)
+        return _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok,
+                      spans_checked)  # fmt: skip
 
 
-def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok):
+def _queue(m, payload, offs, lens, exact, n_esc, tables, f, start, dtype, dev, run_luts, tables_ok, spans_checked):
     c = kernels._native()
     r, n, t = m.rows, m.vector_size, int(exact.size)
     s, t32 = 2 * r, streams.run_length(t)
     length = n * t32
-    streams.check_spans(payload, offs[:s], lens[:s], length, n)
+    if not spans_checked:
+        streams.check_spans(payload, offs[:s], lens[:s], length, n)
     try:
         rans.check_run_luts(run_luts, tables.shape[0])
         if tables_ok is not None and (
