@@ -81,9 +81,14 @@ std::optional<Scanned> scan_record(const ScanSpec& spec, const uint8_t* p, uint6
     return std::nullopt;
   if (nt == 0 || first < 0 || first > spec.max_position - int64_t{nt}) return std::nullopt;
   const uint64_t raw_bytes = uint64_t{n_exact} * nl * 2 * nh * hd * spec.dtype_bytes;
-  if (static_cast<uint64_t>(lens[r2 + 1]) != (nt + 7) / 8 ||
+  if (static_cast<uint64_t>(lens[r2 + 1]) != (uint64_t{nt} + 7) / 8 ||
       static_cast<uint64_t>(lens[r2]) != 2 * uint64_t{n_esc} ||
       static_cast<uint64_t>(lens[r2 + 2]) != raw_bytes)
+    return std::nullopt;
+  const uint64_t t32 = (uint64_t{nt} + rans::kLanes - 1) / rans::kLanes * rans::kLanes;
+  const uint64_t length =
+      uint64_t{spec.N} * t32;  // each stream's symbols (checked before T is used)
+  if (spec.N == 0 || spec.B == 0 || length > rans::kMaxStreamSymbols || t32 / 32 > 0xFFFF)
     return std::nullopt;
   const uint8_t* payload = p + start;
   std::vector<uint8_t> exact(nt);
@@ -93,10 +98,6 @@ std::optional<Scanned> scan_record(const ScanSpec& spec, const uint8_t* p, uint6
     flagged += exact[t] = bitmap[t / 8] >> (t % 8) & 1;
   if (flagged != n_exact) return std::nullopt;
   // streams.check_spans / _headers_as_laid_out: each stream's header exactly the encoder's
-  const uint64_t t32 = (uint64_t{nt} + rans::kLanes - 1) / rans::kLanes * rans::kLanes;
-  const uint64_t length = uint64_t{spec.N} * t32;
-  if (spec.N == 0 || spec.B == 0 || length > rans::kMaxStreamSymbols || t32 / 32 > 0xFFFF)
-    return std::nullopt;
   for (uint64_t i = 0; i < r2; ++i)
     if (static_cast<uint64_t>(lens[i]) < sizeof(rans::RansStreamHeader)) return std::nullopt;
   const uint8_t seg_log2 = payload[offs[0] + 6];

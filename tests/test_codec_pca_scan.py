@@ -112,7 +112,19 @@ def test_the_scan_accepts_nothing_the_python_checks_refuse(model):
 
 @pytest.mark.parametrize(
     "change",
-    ["level", "model_id", "digest", "start", "escapes", "exact", "tokens", "stream table", "dtype"],
+    [
+        "level",
+        "model_id",
+        "digest",
+        "start",
+        "escapes",
+        "exact",
+        "tokens",
+        "tokens 0xFFFFFFF9",
+        "tokens 0xFFFFFFFF",
+        "stream table",
+        "dtype",
+    ],  # fmt: skip
 )
 def test_records_the_decode_must_name_are_left_to_the_python_checks(model, change):
     """Hostile, well-formed records (checksum right): the scan refuses each, so the decode's Python
@@ -138,6 +150,10 @@ def test_records_the_decode_must_name_are_left_to_the_python_checks(model, chang
         kw["meta"] = (start, n_exact + 1, n_esc)
     elif change == "tokens":
         kw["info"] = dataclasses.replace(info, num_tokens=info.num_tokens + 32)
+    elif change.startswith("tokens "):  # near 2**32: the bitmap's size computed without wrapping
+        kw["info"] = dataclasses.replace(info, num_tokens=int(change.split()[1], 16))
+        kw["secs"] = [*secs[: 2 * model.rows], b"", b"", b"", *secs[2 * model.rows + 3 :]]
+        kw["meta"] = (0, 0, 0)
     elif change == "stream table":
         s = bytearray(secs[1])
         s[8] ^= 1  # its header's table id
