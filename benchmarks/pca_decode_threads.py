@@ -313,6 +313,13 @@ def profile(run_pass, passes: int, records: int, gb: float) -> None:
         per.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
     for name, ds in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]:
         print(f"  {sum(ds) / n:8.1f} µs a record  {len(ds) / n:5.1f} a record  {name}")
+    api: dict[str, list[float]] = {}  # the host's CUDA runtime and driver calls: which ones wait
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")):
+            api.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
+    print("  host CUDA API calls (all threads):")
+    for name, ds in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"  {sum(ds) / n:8.1f} µs a record  {len(ds) / n:5.1f} a record  max {max(ds):7.1f} µs  {name}")
 
 
 def _encode_steps(op: str) -> list[tuple[object, str, str]]:

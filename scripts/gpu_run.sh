@@ -200,7 +200,7 @@ fi
 if has putbreak; then
   # the product's write path (PCACodecTier.put, encode_device on the GPU): its steps' time a record and the GPU's busy
   # share with 1 and 2 threads (LMTIER_PUTBREAK_THREADS), then py-spy's samples of it: GIL-held with 2 threads,
-  # and every sample (waits included) of 1 thread
+  # and every sample (waits included, native frames too) of 1 thread
   for th in ${LMTIER_PUTBREAK_THREADS:-1 2}; do
     timeout 150 $PY benchmarks/pca_decode_threads.py --op put --threads $th --seconds 5 --breakdown 6 --profile 4 \
       > "$OUT/putbreak_$th.log" 2>&1
@@ -209,10 +209,12 @@ if has putbreak; then
   spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
   if [ -x "$spy" ]; then
     for how in gil:2 idle:1; do
-      timeout 120 "$spy" record --${how%%:*} --threads -r 100 -f raw -o "$OUT/spy_put_${how%%:*}.txt" -- \
+      flags=--gil; [ ${how%%:*} = idle ] && flags="--idle --native"
+      timeout 120 "$spy" record $flags --threads -r 100 -f raw -o "/tmp/spy_put_${how%%:*}.txt" -- \
         $PY benchmarks/pca_decode_threads.py --op put --threads ${how##*:} --seconds 8 > "$OUT/putspy_${how%%:*}.log" 2>&1
       echo "putspy $how rc=$?"; tail -1 "$OUT/putspy_${how%%:*}.log"
-      $PY scripts/spy_tally.py "$OUT/spy_put_${how%%:*}.txt" --within '^put \(.*codec_pca' --top 30 2>&1 | tail -45
+      $PY scripts/spy_tally.py "/tmp/spy_put_${how%%:*}.txt" --within 'PCACodecTier\.put ' --top 40 2>&1 \
+        | tee "$OUT/putspy_${how%%:*}_tally.txt" | tail -60
     done
   fi
 fi
