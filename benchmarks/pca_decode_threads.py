@@ -135,9 +135,10 @@ def encode_one(chunk: torch.Tensor, start: int, m: pca.PCAModel, level: str) -> 
 
 
 class _Sink(Tier):
-    """An inner tier whose put copies the record once into a buffer of its thread (a send's or a
-    write's stand-in) and keeps the last record of each key for the check; its reads copy the record
-    into the caller's buffer with the GIL released (as the disk tier's reads do)."""
+    """An inner tier whose put copies the record once into a buffer of its thread with the GIL
+    released (a send's or a write's stand-in) and keeps the first record of each key for the check;
+    its reads copy the record into the caller's buffer with the GIL released (as the disk tier's
+    reads do)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -147,9 +148,11 @@ class _Sink(Tier):
     def put(self, key: bytes, payload, **kw) -> bool:
         mv = memoryview(payload).cast("B")
         buf = self._buf.__dict__.get("b")
-        if buf is None or len(buf) < mv.nbytes:
-            buf = self._buf.b = bytearray(mv.nbytes)
-        buf[: mv.nbytes] = mv
+        if buf is None or buf.size < mv.nbytes:
+            buf = self._buf.b = np.empty(mv.nbytes, np.uint8)
+        # the GIL released, as a disk tier's write or a socket's send copies (a memoryview slice
+        # assignment would hold it: a quarter of the GIL-held samples of two storing threads)
+        np.copyto(buf[: mv.nbytes], np.frombuffer(mv, np.uint8))
         if key not in self.last:
             self.last[key] = bytes(mv)
         return True
