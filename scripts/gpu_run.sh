@@ -181,42 +181,32 @@ if has decbreak; then
     echo "decbreak $args rc=$?" | tee -a "$OUT/decbreak.log"; grep -v "^\s*$" "$OUT/decbreak.tmp" | grep -v -i warn | tail -9 | tee -a "$OUT/decbreak.log"
   done
 fi
-if has getbreak; then
-  # the product's batched read (PCACodecTier.get_many_into): its steps' time a record with 1 and 4 threads and the
-  # GPU's busy share, then py-spy's GIL samples of 4 threads (tally: scripts/spy_tally.py --within get_many_into)
-  for th in ${LMTIER_GETBREAK_THREADS:-1 4}; do
-    timeout 150 $PY benchmarks/pca_decode_threads.py --op get --threads $th --seconds 5 --breakdown 6 --profile 4 \
-      > "$OUT/getbreak_$th.log" 2>&1
-    echo "getbreak threads=$th rc=$?"; grep -v "^\s*$" "$OUT/getbreak_$th.log" | grep -v -i warn | tail -26
+# benchmarks/pca_decode_threads.py --op $1: its steps' time a record and the GPU's busy share at each thread count
+# of $2 (--breakdown, --profile), then py-spy of it for each "mode:threads" of $3 (gil: the GIL-held samples;
+# idle: every sample, waits and native frames included), tallied over the stacks through a frame matching $4
+op_break() {
+  local op=$1 th how mode flags spy
+  for th in $2; do
+    timeout 150 $PY benchmarks/pca_decode_threads.py --op $op --threads $th --seconds 5 --breakdown 6 --profile 4 \
+      > "$OUT/${op}break_$th.log" 2>&1
+    echo "${op}break threads=$th rc=$?"; grep -v "^\s*$" "$OUT/${op}break_$th.log" | grep -v -i warn | tail -30
   done
   spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-  if [ -x "$spy" ]; then
-    timeout 120 "$spy" record --gil --threads -r 100 -f raw -o "$OUT/spy_get.txt" -- \
-      $PY benchmarks/pca_decode_threads.py --op get --threads 4 --seconds 8 > "$OUT/getspy.log" 2>&1
-    echo "getspy rc=$?"; tail -1 "$OUT/getspy.log"
-    $PY scripts/spy_tally.py "$OUT/spy_get.txt" --top 30 2>&1 | tail -45
-  fi
+  [ -x "$spy" ] || return 0
+  for how in $3; do
+    mode=${how%%:*}; flags=--gil; [ "$mode" = idle ] && flags="--idle --native"
+    timeout 120 "$spy" record $flags --threads -r 100 -f raw -o "/tmp/spy_${op}_$mode.txt" -- \
+      $PY benchmarks/pca_decode_threads.py --op $op --threads ${how##*:} --seconds 8 > "$OUT/${op}spy_$mode.log" 2>&1
+    echo "${op}spy $how rc=$?"; tail -1 "$OUT/${op}spy_$mode.log"
+    $PY scripts/spy_tally.py "/tmp/spy_${op}_$mode.txt" --within "$4" --top 40 2>&1 \
+      | tee "$OUT/${op}spy_${mode}_tally.txt" | tail -60
+  done
+}
+if has getbreak; then  # the product's batched read (PCACodecTier.get_many_into)
+  op_break get "${LMTIER_GETBREAK_THREADS:-1 4}" gil:4 'get_many_into|get_into'
 fi
-if has putbreak; then
-  # the product's write path (PCACodecTier.put, encode_device on the GPU): its steps' time a record and the GPU's busy
-  # share with 1 and 2 threads (LMTIER_PUTBREAK_THREADS), then py-spy's samples of it: GIL-held with 2 threads,
-  # and every sample (waits included, native frames too) of 1 thread
-  for th in ${LMTIER_PUTBREAK_THREADS:-1 2}; do
-    timeout 150 $PY benchmarks/pca_decode_threads.py --op put --threads $th --seconds 5 --breakdown 6 --profile 4 \
-      > "$OUT/putbreak_$th.log" 2>&1
-    echo "putbreak threads=$th rc=$?"; grep -v "^\s*$" "$OUT/putbreak_$th.log" | grep -v -i warn | tail -30
-  done
-  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-  if [ -x "$spy" ]; then
-    for how in gil:2 idle:1; do
-      flags=--gil; [ ${how%%:*} = idle ] && flags="--idle --native"
-      timeout 120 "$spy" record $flags --threads -r 100 -f raw -o "/tmp/spy_put_${how%%:*}.txt" -- \
-        $PY benchmarks/pca_decode_threads.py --op put --threads ${how##*:} --seconds 8 > "$OUT/putspy_${how%%:*}.log" 2>&1
-      echo "putspy $how rc=$?"; tail -1 "$OUT/putspy_${how%%:*}.log"
-      $PY scripts/spy_tally.py "/tmp/spy_put_${how%%:*}.txt" --within 'PCACodecTier\.put ' --top 40 2>&1 \
-        | tee "$OUT/putspy_${how%%:*}_tally.txt" | tail -60
-    done
-  fi
+if has putbreak; then  # the product's write path (PCACodecTier.put, encode_device on the GPU)
+  op_break put "${LMTIER_PUTBREAK_THREADS:-1 2}" "gil:2 idle:1" 'PCACodecTier\.put '
 fi
 if has hostab; then
   if [ -d .whl/ab_old/lmtier ]; then
