@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 
-from lmtier import cuda_streams
-
 from . import chunk as cchunk
 from .levels import Level
 
@@ -145,7 +143,7 @@ class DeviceEncoder:
             )
         slot = self._acquire()
         try:
-            with cuda_streams.device(self.device), cuda_streams.use(slot.stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(slot.stream):
                 slot.buf.copy_(src, non_blocking=True)  # ordered before the encode's kernels (same stream)
                 record = encode(slot.buf)
             slot.stream.synchronize()  # the copy and every kernel done before the slot is reused

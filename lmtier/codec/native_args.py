@@ -70,10 +70,9 @@ def device_bytes(arr: np.ndarray, device: Any):
 def stream_handle(stream: Any, device: Any) -> int:
     """The ``cudaStream_t`` of ``stream``: a torch stream, a raw handle (int), or None (the current
     stream of ``device``)."""
+    torch = torch_module()
     if stream is None:
-        from lmtier import cuda_streams
-
-        return cuda_streams.raw(device)
+        return torch.cuda.current_stream(device).cuda_stream
     if isinstance(stream, int):
         return stream
     return stream.cuda_stream
@@ -96,11 +95,10 @@ def order_after_current(stream: Any, device: Any) -> None:
     if stream is None:
         return
     torch = torch_module()
-    from lmtier import cuda_streams
-
     s = torch.cuda.ExternalStream(stream, device=device) if isinstance(stream, int) else stream
-    if s.cuda_stream != cuda_streams.raw(device):
-        s.wait_stream(cuda_streams.current(device))
+    cur = torch.cuda.current_stream(device)
+    if s.cuda_stream != cur.cuda_stream:
+        s.wait_stream(cur)
 
 
 def keep_alive(tensors: list[Any], stream: Any, device: Any) -> None:

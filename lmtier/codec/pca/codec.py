@@ -285,7 +285,7 @@ def _device_sections(
     Raises:
         CodecInputError: NaN or inf in ``x``. ValueError: a coder status other than ok."""
     t = x.shape[2]
-    with cuda_streams.device(x.device):
+    with torch.cuda.device(x.device):
         qs = kernels.encode_queued(m, x, start, arrays.k, arrays.threshold)
         enc = streams.QueuedEncode(qs.sym.reshape(2 * m.rows, -1), arrays.tables, t32)
         (head,) = streams.host_arrays(torch.cat([qs.head, qs.exact.long(), enc.checks]))

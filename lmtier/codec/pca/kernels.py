@@ -149,9 +149,9 @@ def _gemms(a: torch.Tensor, b: imatmul.SplitMatrix, lo: int, out: torch.Tensor) 
     if cublas_found():
         ws = torch.empty(GEMM_WORKSPACE, dtype=torch.uint8, device=a.device)  # this call's, stream-ordered
         try:
-            with cuda_streams.device(a.device):  # bgemm_s8 picks its cuBLAS handle by the current device
+            with torch.cuda.device(a.device):  # bgemm_s8 picks its cuBLAS handle by the current device
                 c.bgemm_s8(nb, a.shape[1], b.n8, 2 * b.p8, a.data_ptr(), b.cat_t[lo].data_ptr(), out.data_ptr(),
-                           ws.data_ptr(), GEMM_WORKSPACE, cuda_streams.raw(a.device))  # fmt: skip
+                           ws.data_ptr(), GEMM_WORKSPACE, torch.cuda.current_stream(a.device).cuda_stream)  # fmt: skip
             _stats["batched"] += 1
             return
         except RuntimeError as e:
@@ -225,7 +225,7 @@ def encode_queued(
         raise ValueError("encode_queued: a chunk of no tokens")
     kk = _level(k, (r, 2, n), "k", dev)
     thr = _level(energy_threshold, (r, 2), "energy_threshold", dev)
-    with cuda_streams.device(dev):
+    with torch.cuda.device(dev):
         return _encode(m, kv.contiguous(), start, kk, thr)
 
 

@@ -78,7 +78,7 @@ def batches(num_streams: int, n: int) -> list[range]:
 
 def _on(dev: torch.device):
     """The native coder launches on the current device: make ``dev`` current (host tensors: no-op)."""
-    return cuda_streams.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 def _tables(tables: torch.Tensor | np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -172,7 +172,7 @@ class QueuedEncode:
                     rans.encode_into(
                         Spans((rows,), np.zeros(len(c), np.int64), np.arange(c.start, c.stop) * length,
                               np.full(len(c), length)),
-                        table_base(np.arange(c.start, c.stop), n),
+                        [table_base(i, n) for i in c],
                         tables[c.start * n : c.stop * n],
                         out=out[k],
                         offsets=offsets[k],
@@ -210,7 +210,7 @@ class QueuedEncode:
                 host[f : f + u].copy_(self._out[k, :u], non_blocking=True)
             for t, at, z in zip(extra, places, sizes):
                 host[at : at + z].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
-            cuda_streams.current(self._dev).synchronize()
+            torch.cuda.current_stream(self._dev).synchronize()
             flat = host.numpy()
             more = [host[at : at + z].view(t.dtype).reshape(t.shape).numpy() for t, at, z in zip(extra, places, sizes)]
         else:
@@ -228,7 +228,7 @@ def host_arrays(*ts: torch.Tensor) -> list[np.ndarray]:
     for t in ts:
         out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t)
     for d in devs:
-        cuda_streams.current(d).synchronize()
+        torch.cuda.current_stream(d).synchronize()
     return [t.numpy() for t in out]
 
 
