@@ -189,17 +189,18 @@ op_break() {
   for th in $2; do
     timeout 150 $PY benchmarks/pca_decode_threads.py --op $op --threads $th --seconds 5 --breakdown 6 --profile 4 \
       > "$OUT/${op}break_$th.log" 2>&1
-    echo "${op}break threads=$th rc=$?"; grep -v "^\s*$" "$OUT/${op}break_$th.log" | grep -v -i warn | tail -30
+    echo "${op}break threads=$th rc=$?"; grep -v "^\s*$" "$OUT/${op}break_$th.log" | grep -v -i warn | tail -40
   done
   spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
   [ -x "$spy" ] || return 0
   for how in $3; do
-    mode=${how%%:*}; flags=--gil; [ "$mode" = idle ] && flags="--idle --native"
-    timeout 120 "$spy" record $flags --threads -r 100 -f raw -o "/tmp/spy_${op}_$mode.txt" -- \
-      $PY benchmarks/pca_decode_threads.py --op $op --threads ${how##*:} --seconds 8 > "$OUT/${op}spy_$mode.log" 2>&1
-    echo "${op}spy $how rc=$?"; tail -1 "$OUT/${op}spy_$mode.log"
-    $PY scripts/spy_tally.py "/tmp/spy_${op}_$mode.txt" --within "$4" --top 40 2>&1 \
-      | tee "$OUT/${op}spy_${mode}_tally.txt" | tail -60
+    mode=${how%%:*}; th=${how##*:}
+    case $mode in gil) flags=--gil ;; idle) flags="--idle --native" ;; *) echo "${op}spy: mode $mode?"; continue ;; esac
+    timeout 120 "$spy" record $flags --threads -r 100 -f raw -o "/tmp/spy_${op}_$mode$th.txt" -- \
+      $PY benchmarks/pca_decode_threads.py --op $op --threads $th --seconds 8 > "$OUT/${op}spy_$mode$th.log" 2>&1
+    echo "${op}spy $how rc=$?"; tail -1 "$OUT/${op}spy_$mode$th.log"
+    $PY scripts/spy_tally.py "/tmp/spy_${op}_$mode$th.txt" --within "$4" --top 40 2>&1 \
+      | tee "$OUT/${op}spy_$mode${th}_tally.txt" | tail -90
   done
 }
 if has getbreak; then  # the product's batched read (PCACodecTier.get_many_into)
