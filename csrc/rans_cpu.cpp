@@ -118,9 +118,14 @@ int32_t decode_segment(const uint8_t* payload, uint32_t size, uint32_t n, const 
   return kOk;
 }
 
+// Table-switching decodes of runs of at least kBucketRun symbols find a slot's symbol from a
+// per-run index of buckets of 2^kBucketLog2 slots (built in ~512 steps a run); shorter runs search.
+constexpr int kBucketLog2 = 4;
+constexpr uint32_t kBucketRun = 128;
+
 // Decodes one rANS segment of a table-switching stream: step k uses static table
-// tables + 256 * (table_id + (first + 32k) / run_len), looked up by binary search in its cdf (the
-// symbol s with cdf[s] <= slot < cdf[s + 1]: the same symbol a slot table gives). Tables validated.
+// tables + 256 * (table_id + (first + 32k) / run_len), a slot's symbol found in its cdf (the symbol
+// s with cdf[s] <= slot < cdf[s + 1]: the same symbol a slot table gives). Tables validated.
 int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
                             const uint16_t* tables, uint32_t table_id, uint32_t run_len,
                             uint64_t first, uint8_t* out) {
@@ -134,6 +139,8 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
   const uint32_t steps = (n + kLanes - 1) / kLanes;
   uint32_t cdf[257];
   uint32_t top = 256;  // 1 + last symbol with frequency > 0: cdf[top] == 4096, the search bound
+  uint8_t first_of[kProbScale >> kBucketLog2];  // per bucket of slots: its first slot's symbol
+  const bool buckets = run_len >= kBucketRun;
   uint64_t cur = ~0ull;
   for (uint32_t k = steps; k-- > 0;) {
     const uint32_t base = k * kLanes;
@@ -146,18 +153,27 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
         cdf[s + 1] = cdf[s] + f[s];
         if (f[s]) top = static_cast<uint32_t>(s) + 1;
       }
+      if (buckets)  // first_of[b]: largest s < top with cdf[s] <= b << kBucketLog2
+        for (uint32_t b = 0, s = 0; b < (kProbScale >> kBucketLog2); ++b) {
+          while (s + 1 < top && cdf[s + 1] <= (b << kBucketLog2)) ++s;
+          first_of[b] = static_cast<uint8_t>(s);
+        }
       cur = run;
     }
     uint32_t need = 0;
     for (int l = 0; l < active; ++l) {
       const uint32_t slot = x[l] & (kProbScale - 1);
-      uint32_t lo = 0, hi = top;  // largest s with cdf[s] <= slot (cdf[top] = 4096 > slot)
-      while (hi - lo > 1) {
-        const uint32_t mid = (lo + hi) >> 1;
-        if (cdf[mid] <= slot)
-          lo = mid;
-        else
-          hi = mid;
+      // the symbol: largest s < top with cdf[s] <= slot (cdf[0] = 0 <= slot < cdf[top] = 4096)
+      uint32_t lo = 0;
+      if (buckets) {  // up from its bucket's first symbol: a bucket holds few symbols' boundaries
+        lo = first_of[slot >> kBucketLog2];
+        while (lo + 1 < top && cdf[lo + 1] <= slot) ++lo;
+      } else {  // searched without branches (the answer in [lo, lo + len)): 2-3x a branchy search
+        for (uint32_t len = top; len > 1;) {
+          const uint32_t half = len >> 1;
+          lo = cdf[lo + half] <= slot ? lo + half : lo;
+          len -= half;
+        }
       }
       out[base + l] = static_cast<uint8_t>(lo);
       x[l] = (cdf[lo + 1] - cdf[lo]) * (x[l] >> kProbBits) + slot - cdf[lo];

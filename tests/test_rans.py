@@ -602,6 +602,25 @@ def test_run_tables_bytes_match_reference(rng, n, run_len, seg_log2):
     np.testing.assert_array_equal(rans.decode(b, tables)[0], x)
 
 
+@pytest.mark.parametrize("run_len", [64, 256])  # a slot's symbol searched / indexed by buckets (rans_cpu.cpp)
+@pytest.mark.parametrize("used", [(3, 7, 200, 255), (0, 1), (254,), tuple(range(0, 256, 5))])
+def test_run_tables_with_gaps_decode_exactly(rng, used, run_len):
+    """Switched tables whose symbols of nonzero frequency leave gaps (leading, between, none after
+    the last or the last at 255): the decoder finds a slot's symbol past the zero-frequency ones,
+    run after run; the CPU decode gives back every symbol."""
+    nruns = 40
+    tables = []
+    for _ in range(nruns):
+        counts = np.zeros(256, np.int64)
+        counts[list(used)] = rng.integers(1, 60, len(used))
+        tables.append(rans.build_table(counts))
+    tables = np.stack(tables)
+    x = rng.choice(np.array(used, np.uint8), run_len * nruns - 9)
+    b = rans.encode([x], 0, tables, seg_log2=10, run_lens=run_len)
+    assert rans.stream_info(b.stream(0)).run_len == run_len
+    np.testing.assert_array_equal(rans.decode(b, tables)[0], x)
+
+
 def test_run_tables_smaller_than_one_table(rng):
     """Per-run tables fitted to runs of different spreads beat one pooled table (the point of switching)."""
     run_len, nruns = 256, 64
