@@ -119,7 +119,9 @@ int32_t decode_segment(const uint8_t* payload, uint32_t size, uint32_t n, const 
 }
 
 // Table-switching decodes of runs of at least kBucketRun symbols find a slot's symbol from a
-// per-run index of buckets of 2^kBucketLog2 slots (built in ~512 steps a run); shorter runs search.
+// per-run index of buckets of 2^kBucketLog2 slots over the nonzero-frequency symbols (built in ~512
+// steps a run; a slot then takes fewer than 2^kBucketLog2 steps, whatever gaps the table has);
+// shorter runs search.
 constexpr int kBucketLog2 = 4;
 constexpr uint32_t kBucketRun = 128;
 
@@ -139,7 +141,10 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
   const uint32_t steps = (n + kLanes - 1) / kLanes;
   uint32_t cdf[257];
   uint32_t top = 256;  // 1 + last symbol with frequency > 0: cdf[top] == 4096, the search bound
-  uint8_t first_of[kProbScale >> kBucketLog2];  // per bucket of slots: its first slot's symbol
+  // buckets: the nonzero-frequency symbols in order, their cdf (then kProbScale), and per bucket of
+  // slots the index of its first slot's symbol among them
+  uint8_t nz_sym[256], first_of[kProbScale >> kBucketLog2];
+  uint32_t nz_cdf[257];
   const bool buckets = run_len >= kBucketRun;
   uint64_t cur = ~0ull;
   for (uint32_t k = steps; k-- > 0;) {
@@ -153,11 +158,19 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
         cdf[s + 1] = cdf[s] + f[s];
         if (f[s]) top = static_cast<uint32_t>(s) + 1;
       }
-      if (buckets)  // first_of[b]: largest s < top with cdf[s] <= b << kBucketLog2
-        for (uint32_t b = 0, s = 0; b < (kProbScale >> kBucketLog2); ++b) {
-          while (s + 1 < top && cdf[s + 1] <= (b << kBucketLog2)) ++s;
-          first_of[b] = static_cast<uint8_t>(s);
+      if (buckets) {
+        uint32_t used = 0;
+        for (uint32_t s = 0; s < 256; ++s) {
+          if (!f[s]) continue;
+          nz_sym[used] = static_cast<uint8_t>(s);
+          nz_cdf[used++] = cdf[s];
         }
+        nz_cdf[used] = kProbScale;  // > every slot: the walks below stop at the last symbol
+        for (uint32_t b = 0, i = 0; b < (kProbScale >> kBucketLog2); ++b) {
+          while (nz_cdf[i + 1] <= (b << kBucketLog2)) ++i;  // nz_cdf[0] = 0: the first symbol's
+          first_of[b] = static_cast<uint8_t>(i);
+        }
+      }
       cur = run;
     }
     uint32_t need = 0;
@@ -165,9 +178,10 @@ int32_t decode_segment_runs(const uint8_t* payload, uint32_t size, uint32_t n,
       const uint32_t slot = x[l] & (kProbScale - 1);
       // the symbol: largest s < top with cdf[s] <= slot (cdf[0] = 0 <= slot < cdf[top] = 4096)
       uint32_t lo = 0;
-      if (buckets) {  // up from its bucket's first symbol: a bucket holds few symbols' boundaries
-        lo = first_of[slot >> kBucketLog2];
-        while (lo + 1 < top && cdf[lo + 1] <= slot) ++lo;
+      if (buckets) {  // up from its bucket's first symbol: at most 2^kBucketLog2 - 1 steps
+        uint32_t i = first_of[slot >> kBucketLog2];
+        while (nz_cdf[i + 1] <= slot) ++i;
+        lo = nz_sym[i];  // the largest nonzero-frequency symbol with cdf <= slot: the same one
       } else {  // searched without branches (the answer in [lo, lo + len)): 2-3x a branchy search
         for (uint32_t len = top; len > 1;) {
           const uint32_t half = len >> 1;
