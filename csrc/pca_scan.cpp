@@ -20,10 +20,11 @@ T load(const uint8_t* p) {  // little-endian hosts only (x86-64, aarch64): the f
 
 uint64_t round16(uint64_t x) { return (x + 15) / 16 * 16; }
 
-// rans.min_stream_bytes: its header, 4 bytes a segment end, 128 bytes of states a segment but the
-// last
+// rans.min_stream_bytes: its header, 4 bytes a segment end, the lanes' final states a segment but
+// the last
 uint64_t min_stream_bytes(uint64_t segments) {
-  return sizeof(rans::RansStreamHeader) + 4 * segments + 128 * (segments ? segments - 1 : 0);
+  return sizeof(rans::RansStreamHeader) + 4 * segments +
+         uint64_t{rans::kStateBytes} * (segments ? segments - 1 : 0);
 }
 
 bool contains(const std::vector<uint8_t>& v, uint32_t x) {

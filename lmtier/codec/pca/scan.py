@@ -18,13 +18,11 @@ from lmtier.codec.chunk import CODEC_DTYPES
 
 from . import streams
 from .levels import PCA_LEVELS_BY_ID, PCALevel
-from .model import DIGEST_BYTES, PCAModel
+from .model import PCAModel
 
 __all__ = ["Scanned", "scan", "available"]
 
 _DTYPES = {int(v): k for k, v in CODEC_DTYPES.items()}
-META_BYTES = 16 + DIGEST_BYTES
-"""A PCA record's metadata (``codec._META``: int64 start, uint32 exact tokens, uint32 escapes, digest)."""
 
 
 class Scanned(NamedTuple):
@@ -61,7 +59,7 @@ def available() -> bool:
 def _spec(m: PCAModel) -> Any:
     """``m``'s ``ScanSpec``: the record format's constants (:mod:`lmtier.codec.format`) and what a
     record of ``m`` must be (:func:`.codec._parse`'s checks)."""
-    from .codec import MAX_POSITION, sections_per_layer
+    from .codec import _META, MAX_POSITION, sections_per_layer
 
     sizes = {k.itemsize for k in _DTYPES.values()}
     assert len(sizes) == 1, sizes  # the scan checks the exact tokens' bytes with one element size
@@ -71,7 +69,7 @@ def _spec(m: PCAModel) -> Any:
     return _native().ScanSpec(
         magic=fmt.MAGIC, version=fmt.FORMAT_VERSION, header_bytes=fmt.HEADER_BYTES,
         max_sections=fmt.MAX_SECTIONS, levels=levels, dtypes=sorted(_DTYPES), dtype_bytes=sizes.pop(),
-        model_id=m.model_id, geometry=geometry, meta_bytes=META_BYTES, digest=m.digest,
+        model_id=m.model_id, geometry=geometry, meta_bytes=_META.size, digest=m.digest,
         max_position=MAX_POSITION,
     )  # fmt: skip
 
