@@ -27,8 +27,8 @@ reading the level's validity bitmap (an A/B of that bitmap).
 ``--ceiling``: the copies that bound the op, timed in the same run (the records from page-locked host
 memory to the device, as bf16 KV at their ratio; the bf16 KV host to device; a device copy of the KV).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
-parse and checksum, the native call's queueing and within it ``decode_record``, the wait in
-``result``; with ``--op get`` also the tier's batched read, the inner read and the chunk's copy out;
+native scan and checksum, or its Python parse, the native call's queueing and within it
+``decode_record``, the wait in ``result``; with ``--op get`` also the tier's batched read, the inner read and the chunk's copy out;
 with ``--op encode`` / ``put`` the encode's steps: the kernels and coder queued, the two waits, the
 record's packing, and for ``put`` the chunk's upload and the inner put): which step grows when
 threads are added.
@@ -348,14 +348,36 @@ def _encode_steps(op: str) -> list[tuple[object, str, str]]:
     )
 
 
+def _decode_steps(op: str) -> list[tuple[object, str, str]]:
+    """The decode's steps :func:`breakdown` times (``op`` "get": the tier's batched read, the inner
+    read and the chunk's copy out too)."""
+    from lmtier.codec.pca import codec, kernels, native_decode, scan
+
+    first = [(bench, "decode_one", "record")]
+    if op == "get":
+        first = [
+            (PCACodecTier, "get_many_into", "get_many_into"),
+            (_Sink, "get_many_into", "  inner read"),
+            (codec, "decode_queued", "  decode_queued"),
+        ]
+    return (
+        first
+        + [
+            (scan, "scan", "scan + checksum"),
+            (codec, "_parse", "parse + checksum (the records the scan leaves)"),
+            (native_decode, "queue", "native queue"),
+            (kernels._native(), "decode_record", "  of it decode_record"),
+            (codec.PendingChunk, "__init__", "PendingChunk"),
+            (codec.PendingChunk, "result", "result (wait)"),
+        ]
+        + ([(PCACodecTier, "_deliver", "deliver (copy out)")] if op == "get" else [])
+    )
+
+
 def breakdown(run_pass, passes: int, records: int, gb: float, op: str = "decode") -> None:
     """Print the mean µs a record of each step over ``passes`` calls of ``run_pass``, timed on the
-    threads that run them (module attributes wrapped for the duration): the decode's steps; ``op``
-    "get": the tier's steps too (its batched read, the inner read, the chunk's copy out); "encode" and
-    "put": the encode's (:func:`_encode_steps`)."""
-    from lmtier.codec.pca import codec, kernels, native_decode
-
-    c = kernels._native()
+    threads that run them (module attributes wrapped for the duration): the decode's steps
+    (:func:`_decode_steps`), or for ``op`` "encode" and "put" the encode's (:func:`_encode_steps`)."""
     spent: dict[str, list[float]] = {}
 
     def timed(name, fn):
@@ -368,30 +390,7 @@ def breakdown(run_pass, passes: int, records: int, gb: float, op: str = "decode"
 
         return wrapper
 
-    first = [(bench, "decode_one", "record")]
-    if op in ("encode", "put"):
-        first = _encode_steps(op)
-    elif op == "get":
-        first = [
-            (PCACodecTier, "get_many_into", "get_many_into"),
-            (_Sink, "get_many_into", "  inner read"),
-            (codec, "decode_queued", "  decode_queued"),
-        ]
-    patches = (
-        first
-        if op in ("encode", "put")
-        else (
-            first
-            + [
-                (codec, "_parse", "parse + checksum"),
-                (native_decode, "queue", "native queue"),
-                (c, "decode_record", "  of it decode_record"),
-                (codec.PendingChunk, "__init__", "PendingChunk"),
-                (codec.PendingChunk, "result", "result (wait)"),
-            ]
-            + ([(PCACodecTier, "_deliver", "deliver (copy out)")] if op == "get" else [])
-        )
-    )
+    patches = _encode_steps(op) if op in ("encode", "put") else _decode_steps(op)
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, name in patches:
         setattr(obj, attr, timed(name, getattr(obj, attr)))
