@@ -28,10 +28,10 @@ reading the level's validity bitmap (an A/B of that bitmap).
 memory to the device, as bf16 KV at their ratio; the bf16 KV host to device; a device copy of the KV).
 ``--breakdown``: ``PASSES`` more passes with the decode's steps timed on each thread (the record's
 native scan and checksum, or its Python parse, the native call's queueing and within it
-``decode_record``, the wait in ``result``; with ``--op get`` also the tier's batched read, the inner read and the chunk's copy out;
-with ``--op encode`` / ``put`` the encode's steps: the kernels and coder queued, the two waits, the
-record's packing, and for ``put`` the chunk's upload and the inner put): which step grows when
-threads are added.
+``decode_record``, the wait in ``result``; with ``--op get`` also the tier's batched read, the
+inner read and the chunk's copy out; with ``--op encode`` / ``put`` the encode's steps: the kernels
+and coder queued, the two waits, the record's packing, and for ``put`` the chunk's upload and the
+inner put): which step grows when threads are added.
 """
 
 from __future__ import annotations
