@@ -443,6 +443,38 @@ def test_read_only_filesystem(tmp_path):
         _umount(mnt)
 
 
+def test_corrupt_record_on_a_read_only_filesystem_is_read_once(tmp_path):
+    """A corrupt record the tier cannot delete (the file system went read-only) is a miss reported
+    gone, dropped from the index: later lookups miss without reading the file again, and the other
+    record still loads; after a restart, the first lookup drops it again."""
+    mnt = str(tmp_path / "ro")
+    _mount_tmpfs(mnt, "8m")
+    try:
+        t = DiskTier([mnt], 64 * MiB)
+        assert t.put(key(1), payload(1, 5000)) and t.put(key(2), payload(2, 5000))
+        with open(t._path(key(1)), "r+b") as fh:
+            fh.seek(4096 + 100)
+            b = fh.read(1)
+            fh.seek(4096 + 100)
+            fh.write(bytes([b[0] ^ 1]))
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        seen = []
+        t.add_eviction_listener(lambda ev: seen.append(ev.keys))
+        out = bytearray(5000)
+        assert t.get_into(key(1), out) is None
+        assert not t.contains(key(1)) and seen == [(key(1),)]
+        assert os.path.exists(t._path(key(1)))  # left in place: it cannot be removed
+        assert t.counters["corrupt"] == 1
+        assert t.get_into(key(1), out) is None and t.counters["corrupt"] == 1  # not read again
+        assert t.get_into(key(2), out) == 5000 and bytes(out) == payload(2, 5000)
+        assert t.usage().num_chunks == 1
+        t2 = DiskTier([mnt], 64 * MiB)  # the scan reads headers only: it indexes the file again
+        assert t2.get_into(key(1), out) is None and not t2.contains(key(1))
+        assert t2.get_into(key(2), out) == 5000 and t2.usage().num_chunks == 1
+    finally:
+        _umount(mnt)
+
+
 def test_concurrent_puts_and_gets_same_key(tier):
     n = 2 * MiB + 17
     data = payload(7, n)

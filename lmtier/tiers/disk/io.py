@@ -100,18 +100,28 @@ def unlink_quiet(path: str) -> None:
         pass
 
 
-def unlink_if_same(path: str, fd: int) -> bool:
+def unlink_if_same(path: str, fd: int) -> bool | OSError:
     """Unlink ``path`` if it still names the inode open as ``fd`` (a fresh put may have replaced
-    it; ``lstat``: a symlink put there since is not followed). Returns whether it did; never raises."""
+    it; ``lstat``: a symlink put there since is not followed). Never raises.
+
+    Returns:
+        True: unlinked. False: ``path`` names another inode or none (replaced or gone). The
+        ``OSError`` of the unlink when ``path`` still names that inode but cannot be removed (a
+        read-only file system, ``EACCES``): the file stays."""
     try:
         st_fd = os.fstat(fd)
         st_path = os.lstat(path)
-        if (st_fd.st_ino, st_fd.st_dev) == (st_path.st_ino, st_path.st_dev):
-            os.unlink(path)
-            return True
     except OSError:
-        pass
-    return False
+        return False
+    if (st_fd.st_ino, st_fd.st_dev) != (st_path.st_ino, st_path.st_dev):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        return e
+    return True
 
 
 def wait_all(futs) -> None:

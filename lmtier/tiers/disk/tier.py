@@ -232,7 +232,8 @@ class DiskTier(RecordFiles, Tier):
         Returns:
             The payload length in bytes, or None on a miss / too-small ``out`` / any failure.
             Missing files drop the index entry; corrupted, truncated or unreadable (``EIO``) files
-            are deleted; a directory, symlink, FIFO, device node or a file that cannot be opened
+            are deleted (where they cannot be, as on a read-only file system, left in place out of
+            the index); a directory, symlink, FIFO, device node or a file that cannot be opened
             (``EACCES``) drops the index entry and is left in place. Never raises ``OSError``.
         """
         key = bytes(key)
@@ -431,10 +432,17 @@ class DiskTier(RecordFiles, Tier):
 
     def _discard_corrupt(self, key: bytes, entry_path: str, fd: int, why: str, *, counter: str = "corrupt") -> None:
         """Remove a corrupt or unreadable record — but only the inode we read (a fresh put may have
-        replaced it) — and its index entry; counted in ``counters[counter]``."""
+        replaced it) — and its index entry; counted in ``counters[counter]``. A file that cannot be
+        removed (a read-only file system) stays, out of the index: later lookups miss without
+        reading it again, until a restart's scan finds it."""
         log.warning("disk record %s is %s; deleting it", entry_path, why)
         self.counters[counter] += 1
-        if dio.unlink_if_same(entry_path, fd):
+        gone = dio.unlink_if_same(entry_path, fd)
+        if isinstance(gone, OSError):
+            log.warning(
+                "disk record %s could not be deleted (%s); left in place, dropped from the index", entry_path, gone
+            )
+        if gone is not False:
             with self._lock:
                 e = self._index.get(key)
                 if e is not None and e.path == entry_path:
