@@ -142,10 +142,11 @@ def normalize(row: dict) -> dict:
 
 
 def allowed(row: dict) -> bool:
-    """Whether a row (values None: not chosen yet) is a configuration that starts. A PCA level at TP=2
-    does not: the model file's basis spans the KV heads it was calibrated on, a rank holds half of
-    them, and startup refuses it (a ConfigError naming ``codec_pca_model``; tests/test_codec_pca_tier.py).
-    So the pairs ``(codec_level=pca_*, tp=2)`` are not required, and no row holds one."""
+    """Whether a row (values None: not chosen yet) is a configuration the matrix runs. A PCA level at
+    TP=2 needs a model file calibrated with ``--tensor-parallel-size 2`` for the TP=2 rows' tiny Llama,
+    while the matrix's PCA file is SmolLM2's: the pairs ``(codec_level=pca_*, tp=2)`` are left to
+    tests/test_connector_tp.py (``test_tp2_pca_level_each_rank_codes_with_its_heads_model``), and no
+    row here holds one."""
     return not (row.get("codec_level") in PCA_LEVELS and row.get("tp") == 2)
 
 

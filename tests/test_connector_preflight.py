@@ -107,6 +107,26 @@ def test_unusable_pca_model_file_fails_there(config_file, tmp_path):
         _layout(_vllm_config(dtype="bfloat16"))  # a codec stores bf16 / fp16 KV
 
 
+def test_pca_model_file_of_another_tensor_parallel_size_fails_there(config_file, tmp_path):
+    """A model file calibrated with ``--tensor-parallel-size 2`` in an engine of TP=1 fails at vLLM's
+    layout query (before the model loads), naming the command's option."""
+    from lmtier.codec.pca import ranks
+    from tests.test_codec_pca_ranks import rank_fit
+
+    path = tmp_path / "tp2.lmtpca"
+    ranks.save_ranks(ranks.RankModels(2, 2, (rank_fit(0, 1), rank_fit(1, 2))), path)
+    config_file(
+        chunk_size=256,
+        local_disk=f"file://{tmp_path}/disk",
+        max_local_disk_size=0.1,
+        local_disk_serde="cachegen",
+        codec_level="pca_default",
+        codec_pca_model=str(path),
+    )
+    with pytest.raises(ConfigError, match="calibrated for tensor_parallel_size 2 .*this engine runs 1.*--tensor-pa"):
+        _layout(_vllm_config(dtype="bfloat16"))
+
+
 @pytest.mark.parametrize("tier", ["disk", "remote"])
 def test_codec_on_a_float32_kv_cache_fails_there(config_file, tmp_path, tier):
     """A codec level (``*_serde: cachegen``) with a float32 model (``kv_cache_dtype: auto``: its KV

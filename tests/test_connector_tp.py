@@ -7,7 +7,9 @@ as tests/test_config_matrix.py does), its engine core in that process and vLLM's
 spawning one worker process per rank (one core each through ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 Checked: cold run stores, the second round loads every full chunk from the CPU tier, a new engine
 (restart) loads them from the disk tier, each rank wrote its own records (2 per chunk), and every
-greedy output equals a TP=2 engine without the connector.
+greedy output equals a TP=2 engine without the connector. And a PCA codec level at TP=2 (bf16): the
+model file calibrated with ``--tensor-parallel-size 2``, each rank's disk records coded with its own
+heads' model, loaded after a restart.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _child(spec_path: str, out: str) -> None:
     connector = spec["connector"]
     kw = dict(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
         tensor_parallel_size=2,
         distributed_executor_backend="mp",
@@ -106,7 +108,16 @@ def _preload() -> None:
     from lmtier.integration.vllm import connector  # noqa: F401
 
 
-def _run(launcher: EngineLauncher, tmp: Path, name: str, model: Path, connector: bool, disk: Path) -> dict:
+def _run(
+    launcher: EngineLauncher,
+    tmp: Path,
+    name: str,
+    model: Path,
+    connector: bool,
+    disk: Path,
+    extra: dict | None = None,
+    dtype: str = "float32",
+) -> dict:
     cfg = write_yaml(
         tmp / "lmtier.yaml",
         {
@@ -115,10 +126,11 @@ def _run(launcher: EngineLauncher, tmp: Path, name: str, model: Path, connector:
             "max_local_cpu_size": 0.25,
             "local_disk": f"file://{disk}",
             "max_local_disk_size": 0.5,
+            **(extra or {}),
         },
     )
     spec, out, log = tmp / f"{name}.spec.json", tmp / f"{name}.json", tmp / f"{name}.log"
-    spec.write_text(json.dumps({"model": str(model), "connector": connector}))
+    spec.write_text(json.dumps({"model": str(model), "connector": connector, "dtype": dtype}))
     # the engine core stays in the child (the zygote's VLLM_ENABLE_V1_MULTIPROCESSING=0); one core per rank
     rc = launcher.run(spec, out, log, {"LMTIER_CONFIG_FILE": str(cfg), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, 600)
     assert rc == 0 and out.exists(), f"{name} failed (rc {rc}):\n{log.read_text()[-4000:]}"
@@ -149,6 +161,63 @@ def test_tp2_cpu_and_disk_hits_identical(tmp_path):
         for rnd in ("first", "second"):
             assert run[rnd]["tokens"] == base["first"]["tokens"], rnd
     assert base["second"]["tokens"] == base["first"]["tokens"]
+
+
+def _disk_records(disk: Path) -> list[bytes]:
+    """The PCA records (the disk records' payloads) under ``disk``."""
+    from lmtier.record import DISK_PAYLOAD_OFFSET, decode_header
+
+    out = []
+    for f in sorted(disk.rglob("*.lmt")):
+        raw = f.read_bytes()
+        n = decode_header(raw[:DISK_PAYLOAD_OFFSET]).payload_bytes
+        out.append(raw[DISK_PAYLOAD_OFFSET : DISK_PAYLOAD_OFFSET + n])
+    return out
+
+
+@pytest.mark.skipif(os.cpu_count() is None or os.cpu_count() < 2, reason="TP=2 needs 2 cores")
+def test_tp2_pca_level_each_rank_codes_with_its_heads_model(tmp_path):
+    """``codec_level: pca_default`` at TP=2: a model file of ``python -m lmtier.codec.pca
+    --tensor-parallel-size 2`` starts, each rank codes its chunks with the model of its 2 KV heads (the
+    records' model digests), and a restarted engine loads every full chunk from them (lossy: the
+    outputs are not compared)."""
+    require_vllm()
+    import contextlib
+    import io
+
+    from lmtier.codec import pca
+    from lmtier.codec.pca import calibrate
+    from lmtier.codec.pca.codec import record_meta
+    from tests.test_codec_pca_calibrate import TEXTS
+
+    model = tmp_path / "tiny-llama-kv4"
+    _make_model(model)
+    args = []
+    for name, text in TEXTS.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        args += ["--text-file", str(tmp_path / name)]
+    pca_file = tmp_path / "tiny_tp2.lmtpca"
+    argv = ["--model", str(model), *args, "--layer-group", "1", "--tensor-parallel-size", "2", "--out", str(pca_file)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert calibrate.main(argv) == 0
+    digests = [m.digest for m in pca.load_file(pca_file).models]
+    extra = {"local_disk_serde": "cachegen", "codec_level": "pca_default", "codec_pca_model": str(pca_file)}
+    disk = tmp_path / "disk"
+    launcher = EngineLauncher(tmp_path, Path(__file__))
+    full = PROMPT_LEN // 256 * 256
+    try:
+        warm = _run(launcher, tmp_path, "pca", model, True, disk, extra, "bfloat16")
+        assert warm["first"]["cached"] == [0] * NUM_PROMPTS
+        assert warm["second"]["cached"] == [full] * NUM_PROMPTS  # CPU tier, both ranks
+        records = _disk_records(disk)
+        assert len(records) == 2 * NUM_PROMPTS * (PROMPT_LEN // 256)  # one record per chunk per rank
+        per_model = [sum(record_meta(r).model_digest == d for r in records) for d in digests]
+        assert per_model == [NUM_PROMPTS * (PROMPT_LEN // 256)] * 2, per_model
+        restart = _run(launcher, tmp_path, "pca_restart", model, True, disk, extra, "bfloat16")
+    finally:
+        launcher.close()
+    assert restart["first"]["cached"] == [full] * NUM_PROMPTS  # the disk tier's PCA records, both ranks
+    assert all(len(t) == 16 for t in restart["first"]["tokens"])
 
 
 if __name__ == "__main__":

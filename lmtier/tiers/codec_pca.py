@@ -150,8 +150,9 @@ def check_pca_geometry(
         raise ConfigError(
             f"{where}: the model file was calibrated for L={model.num_layers} layers, H={model.num_heads} KV "
             f"heads, D={model.head_size}; this cache's chunks are [L, 2, T, H, D] = {list(shp)}, L={nl} H={h} "
-            f"D={d}. With tensor parallelism each rank holds H/tp KV heads, and a model file's basis spans the "
-            "heads it was calibrated on: calibrate the file for the served model and this rank's heads"
+            f"D={d}. With tensor parallelism each rank holds H/tp KV heads, and a model's basis spans the "
+            "heads it was calibrated on: calibrate the file for the served model with python -m lmtier.codec.pca "
+            "--tensor-parallel-size <tp>"
         )
     return shp, dt, lv
 

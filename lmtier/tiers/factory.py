@@ -29,7 +29,7 @@ from lmtier.tiers.seal import seal_remote
 if TYPE_CHECKING:
     import torch
 
-    from lmtier.codec.pca import PCAModel
+    from lmtier.codec.pca import PCAModel, RankModels
     from lmtier.tiers.p2p.tier import P2PTier
 
 __all__ = [
@@ -105,32 +105,49 @@ def _uses_pca(config: LMTierConfig) -> bool:
     return config.codec_pca_model is not None and bool(_codec_tiers(config))
 
 
-def load_pca_model(config: LMTierConfig) -> PCAModel | None:
-    """The :class:`~lmtier.codec.pca.PCAModel` of ``codec_pca_model`` when an enabled disk or remote
-    tier uses a PCA level, else None. Loaded once per process per (path, size, modification time).
+def load_pca_model(config: LMTierConfig, *, tp_rank: int = 0, tp_size: int = 1) -> PCAModel | None:
+    """The :class:`~lmtier.codec.pca.PCAModel` of ``codec_pca_model`` for tensor-parallel rank
+    ``tp_rank`` of ``tp_size`` when an enabled disk or remote tier uses a PCA level, else None. The
+    file is loaded once per process per (path, size, modification time); a tensor-parallel file
+    (``python -m lmtier.codec.pca --tensor-parallel-size``, :mod:`lmtier.codec.pca.ranks`) gives the
+    model of the rank's KV heads, a file of one model gives it to every rank (the tiers then check
+    its geometry against the rank's heads).
 
     Raises:
-        ConfigError: the file cannot be read or is not a usable PCA model file (the message names
-            ``codec_pca_model`` and the reason).
+        ConfigError: the file cannot be read or is not a usable PCA model file, or it was calibrated
+            for another ``tensor_parallel_size`` (the message names ``codec_pca_model`` and the
+            reason).
     """
     if not _uses_pca(config):
         return None
     path = config.codec_pca_model
     try:
         st = os.stat(path)
-        return _load_pca(path, st.st_size, st.st_mtime_ns)
+        got = _load_pca(path, st.st_size, st.st_mtime_ns)
     except OSError as e:
         raise ConfigError(f"lmtier config: codec_pca_model={path!r}: cannot read the file: {e}") from None
     except ValueError as e:  # lmtier.codec.pca.PCAModelError
         raise ConfigError(f"lmtier config: codec_pca_model={path!r}: not a usable PCA model file: {e}") from None
+    from lmtier.codec.pca import RankModels
+
+    if not isinstance(got, RankModels):
+        return got
+    if got.tp_size != tp_size:
+        raise ConfigError(
+            f"lmtier config: codec_pca_model={path!r}: calibrated for tensor_parallel_size {got.tp_size} "
+            f"({len(got.models)} models of the {got.num_kv_heads} KV heads' slices), this engine runs "
+            f"{tp_size}: calibrate it with python -m lmtier.codec.pca --tensor-parallel-size {tp_size}"
+        )
+    return got.for_rank(tp_rank)
 
 
 @functools.lru_cache(maxsize=2)
-def _load_pca(path: str, size: int, mtime_ns: int) -> PCAModel:
-    """:func:`lmtier.codec.pca.load` of ``path`` (``size``, ``mtime_ns``: the cache key's version)."""
+def _load_pca(path: str, size: int, mtime_ns: int) -> PCAModel | RankModels:
+    """:func:`lmtier.codec.pca.load_file` of ``path`` (``size``, ``mtime_ns``: the cache key's
+    version)."""
     from lmtier.codec import pca
 
-    return pca.load(path)
+    return pca.load_file(path)
 
 
 def check_codec_dtype(config: LMTierConfig, kv_dtype: str) -> None:
@@ -154,6 +171,11 @@ def check_codec_dtype(config: LMTierConfig, kv_dtype: str) -> None:
             )
 
 
+def _rank_model(config: LMTierConfig, namespace: Namespace) -> PCAModel | None:
+    """:func:`load_pca_model` for ``namespace``'s tensor-parallel rank."""
+    return load_pca_model(config, tp_rank=namespace.tp_rank, tp_size=namespace.tp_size)
+
+
 def check_codecs(config: LMTierConfig, namespace: Namespace, *, pca_model: PCAModel | None = None) -> None:
     """Raise ConfigError now (before any tier is built) if a cachegen serde cannot take this cache
     (``pca_model``: :func:`load_pca_model`'s, loaded here when None and a PCA level is in use)."""
@@ -161,7 +183,7 @@ def check_codecs(config: LMTierConfig, namespace: Namespace, *, pca_model: PCAMo
         if config.codec_pca_model is not None:  # a PCA level (lmtier.config checks the pair)
             from lmtier.tiers.codec_pca import check_pca_geometry
 
-            model = pca_model if pca_model is not None else load_pca_model(config)
+            model = pca_model if pca_model is not None else _rank_model(config, namespace)
             check_pca_geometry(
                 codec_chunk_shape(namespace),
                 namespace.kv_dtype,
@@ -219,7 +241,7 @@ def wrap_codec(
     if config.codec_pca_model is not None:  # a PCA level (lmtier.config checks the pair)
         from lmtier.tiers.codec_pca import PCACodecTier
 
-        model = pca_model if pca_model is not None else load_pca_model(config)
+        model = pca_model if pca_model is not None else _rank_model(config, namespace)
         return PCACodecTier(
             tier,
             shape=codec_chunk_shape(namespace),
@@ -301,7 +323,7 @@ def build_tiers(
         raise ConfigError(
             "lmtier config: local_cpu=False: no tier is enabled; set local_cpu: true, local_disk or remote_url"
         )
-    pca_model = load_pca_model(config)  # once, for the disk and the remote tier
+    pca_model = load_pca_model(config, tp_rank=namespace.tp_rank, tp_size=namespace.tp_size)  # for both tiers
     check_codecs(config, namespace, pca_model=pca_model)
     cpu = disk = remote = p2p = None
     try:

@@ -1,7 +1,7 @@
 """``python -m lmtier.codec.pca``: calibrate a PCA model file for a local Hugging Face checkpoint.
 
 ``python -m lmtier.codec.pca --model DIR --text-file F [--text-file F2 ...] --out FILE
-[--layer-group G] [--max-tokens 4096] [--outlier-share 0.002] [--no-metric]``
+[--layer-group G] [--max-tokens 4096] [--outlier-share 0.002] [--no-metric] [--tensor-parallel-size TP]``
 
 Each text file (UTF-8) is one calibration text, cut to its first ``--max-tokens`` tokens;
 :func:`.hf.collect` runs the model on them (CPU), :func:`.fit.fit` fits every PCA level (positions
@@ -16,9 +16,15 @@ the smaller (:func:`default_layer_group`). The layers ``L``, KV heads ``H`` and 
 from the checkpoint's ``config.json`` before the model is loaded (:func:`.hf.checkpoint_geometry`)
 and checked again on the KV the model produced.
 
+``--tensor-parallel-size TP`` (for ``vllm serve --tensor-parallel-size TP``): each rank holds a slice of
+the KV heads (:func:`.ranks.rank_heads`), so each slice gets its own model, fitted on that slice of the
+same calibration KV (its ``H`` the slice's, the layer group chosen for it); the file holds them all
+(:mod:`.ranks`) and each rank's tier reads its own. Printed per slice.
+
 Exit status: 0 written; 2 a usage error (checked before the model is loaded where the arguments and
 ``config.json`` tell: a missing ``--model`` or ``config.json``, a ``--layer-group`` that does not
-divide ``L`` or exceeds the limit); 1 the calibration or the fit failed, fewer than ``2 * N``
+divide ``L`` or exceeds the limit, a ``--tensor-parallel-size`` the KV heads do not split over); 1 the
+calibration or the fit failed, fewer than ``2 * N``
 calibration tokens, or the model's ``H * D`` is too large for the PCA levels even at ``G = 1`` (one
 line ``lmtier.codec.pca: error: ...``).
 """
@@ -32,7 +38,8 @@ from pathlib import Path
 
 from . import hf
 from .fit import fit
-from .model import MAX_VECTOR_SIZE, save
+from .model import MAX_VECTOR_SIZE, PCAModel, save
+from .ranks import RankModels, rank_heads, save_ranks
 
 __all__ = ["DEFAULT_VECTOR_SIZE", "MIN_TOKENS_PER_VALUE", "default_layer_group", "main"]
 
@@ -110,7 +117,18 @@ def _parser() -> argparse.ArgumentParser:
     s_help = "share of tokens kept exact, in [0, 1) (%(default)s)"
     ap.add_argument("--outlier-share", type=float, default=0.002, metavar="S", help=s_help)
     ap.add_argument("--no-metric", action="store_true", help="plain squared error instead of the model metric")
+    tp_help = "the vLLM tensor_parallel_size to serve with: one model per rank's KV heads (%(default)s)"
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP", help=tp_help)
     return ap
+
+
+def _slices(ap: argparse.ArgumentParser, num_kv_heads: int, tp: int) -> list[tuple[int, int]]:
+    """The distinct slices of KV heads the ``tp`` ranks hold, in head order (a usage error if vLLM
+    cannot split ``num_kv_heads`` over ``tp``)."""
+    try:
+        return sorted({rank_heads(num_kv_heads, tp, r) for r in range(tp)})
+    except ValueError as e:
+        ap.error(f"--tensor-parallel-size {tp}: {e}")
 
 
 def _read_texts(ap: argparse.ArgumentParser, files: list[Path]) -> list[str]:
@@ -151,52 +169,72 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--outlier-share must be in [0, 1), got {a.outlier_share}")
     if a.layer_group is not None and a.layer_group < 1:
         ap.error(f"--layer-group must be >= 1, got {a.layer_group}")
+    if a.tensor_parallel_size < 1:
+        ap.error(f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
     if not a.model.is_dir():
         ap.error(f"--model {a.model}: " + ("not a directory" if a.model.exists() else "no such directory"))
     if not (a.model / "config.json").is_file():
         ap.error(f"--model {a.model} holds no config.json: not a transformers checkpoint")
     texts = _read_texts(ap, a.text_file)
     geometry = hf.checkpoint_geometry(a.model)
+    tp = a.tensor_parallel_size
     try:
-        if geometry is not None:  # config.json's word: the layer group's errors before the model run
-            _layer_group(ap, a.layer_group, *geometry)
+        if geometry is not None:  # config.json's word: the split's and layer group's errors before the model run
+            nl, h, d = geometry
+            for h0, h1 in _slices(ap, h, tp):
+                _layer_group(ap, a.layer_group, nl, h1 - h0, d)
         cal = hf.collect(a.model, texts, max_tokens=a.max_tokens)
         nl, _, _, h, d = cal.kv[0].shape  # the KV's geometry is the one of record
-        g = _layer_group(ap, a.layer_group, nl, h, d)
+        slices = _slices(ap, h, tp)
+        groups = [_layer_group(ap, a.layer_group, nl, h1 - h0, d) for h0, h1 in slices]
     except hf.CalibrationError as e:
         return _fail(e)
-    tokens, n = sum(kv.shape[2] for kv in cal.kv), g * h * d
+    tokens = sum(kv.shape[2] for kv in cal.kv)
+    g, hs = max(zip(groups, (h1 - h0 for h0, h1 in slices)), key=lambda x: x[0] * x[1])
+    n = g * hs * d
     if tokens < MIN_TOKENS_PER_VALUE * n:
         cut = any(kv.shape[2] == a.max_tokens for kv in cal.kv)
         remedies = ["more or longer texts"] + ["a larger --max-tokens"] * cut + ["a smaller --layer-group"] * (g > 1)
         return _fail(
             f"{tokens} calibration tokens collected ({len(texts)} texts, --max-tokens {a.max_tokens}) for "
-            f"N = G*H*D = {g}*{h}*{d} = {n} values per vector; at least {MIN_TOKENS_PER_VALUE}*N = "
+            f"N = G*H*D = {g}*{hs}*{d} = {n} values per vector; at least {MIN_TOKENS_PER_VALUE}*N = "
             f"{MIN_TOKENS_PER_VALUE * n} are needed ({', '.join(remedies)})"
         )
     metric = "none" if a.no_metric else "model"
+    models: list[PCAModel] = []
     try:
-        m = fit(
-            cal.kv,
-            [0] * len(cal.kv),
-            inv_freq=cal.inv_freq,
-            layer_group=g,
-            metric=None if a.no_metric else cal.metric,
-            outlier_share=a.outlier_share,
-            name=a.model.resolve().name,
-            info=dict(texts=[f.name for f in a.text_file], max_tokens=a.max_tokens, metric=metric),
-        )
-        model_id = save(m, a.out)
+        for (h0, h1), g in zip(slices, groups, strict=True):
+            info = dict(texts=[f.name for f in a.text_file], max_tokens=a.max_tokens, metric=metric)
+            if tp > 1:
+                info.update(tensor_parallel_size=tp, kv_heads=[h0, h1], num_kv_heads=h)
+            models.append(
+                fit(
+                    [kv[:, :, :, h0:h1].contiguous() for kv in cal.kv] if tp > 1 else cal.kv,
+                    [0] * len(cal.kv),
+                    inv_freq=cal.inv_freq,
+                    layer_group=g,
+                    metric=None if a.no_metric else cal.metric[:, :, h0 * d : h1 * d, h0 * d : h1 * d],
+                    outlier_share=a.outlier_share,
+                    name=a.model.resolve().name,
+                    info=info,
+                )
+            )
+        ids = save_ranks(RankModels(tp, h, tuple(models)), a.out) if tp > 1 else [save(models[0], a.out)]
     except RuntimeError as e:  # fit's
         return _fail(e)
     except ValueError as e:  # fit's (PCAModelError is a ValueError too)
         return _fail(e)
     except OSError as e:
         return _fail(f"cannot write {a.out}: {e.strerror or e}")
-    for name, lv in m.levels.items():
-        print(f"{name:<12s} c {lv.c:.6g}  calibration ratio {m.info['calibration_ratios'][name]:.3f}x")
-    print(
-        f"model id {model_id:#010x}: {a.out} ({a.out.stat().st_size} bytes; {m.name}, G={g}, N={m.vector_size}, "
-        f"{tokens} tokens of {len(texts)} texts, metric {metric})"
-    )
+    for (h0, h1), m, model_id in zip(slices, models, ids, strict=True):
+        who = f"KV heads {h0}-{h1 - 1}: " if tp > 1 else ""
+        for name, lv in m.levels.items():
+            print(f"{who}{name:<12s} c {lv.c:.6g}  calibration ratio {m.info['calibration_ratios'][name]:.3f}x")
+        if tp > 1:
+            print(f"{who}model id {model_id:#010x} (G={m.layer_group}, N={m.vector_size})")
+    m, size = models[0], a.out.stat().st_size
+    what = f"model id {ids[0]:#010x}: {a.out} ({size} bytes; {m.name}, G={m.layer_group}, N={m.vector_size}"
+    if tp > 1:
+        what = f"{a.out} ({size} bytes; {m.name}, tensor_parallel_size {tp}: {len(models)} models"
+    print(f"{what}, {tokens} tokens of {len(texts)} texts, metric {metric})")
     return 0

@@ -42,6 +42,8 @@ __all__ = [
 
 MODEL_FILE_VERSION = 1
 _MAGIC = b"LMTPCA\0\0"
+RANKS_MAGIC = b"LMTPCATP"
+"""The magic of a tensor-parallel model file (:mod:`.ranks`: one model per slice of KV heads)."""
 _HEAD = struct.Struct("<8sII")
 _ALIGN = 64
 _MAX_HEADER = 1 << 20
@@ -279,6 +281,8 @@ def from_bytes(data: bytes, where: str = "<bytes>") -> PCAModel:
     if len(data) < _HEAD.size + 32:
         raise bad(f"truncated ({len(data)} bytes)")
     magic, version, hlen = _HEAD.unpack_from(data, 0)
+    if magic == RANKS_MAGIC:
+        raise bad("a tensor-parallel model file (a model per rank's KV heads): read it with lmtier.codec.pca.load_file")
     if magic != _MAGIC:
         raise bad(f"not a PCA model file (magic {bytes(magic)!r})")
     if version != MODEL_FILE_VERSION:

@@ -230,7 +230,9 @@ def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[Conne
             config.validate_for(vllm_config.cache_config.block_size)
             if (kv_dtype := kv_cache_dtype_name(vllm_config)) is not None:  # a codec on a float32 cache
                 check_codec_dtype(config, kv_dtype)
-            load_pca_model(config)
+            # the file's tensor_parallel_size against the engine's (each rank's heads are checked when
+            # its tiers are built)
+            load_pca_model(config, tp_size=vllm_config.parallel_config.tensor_parallel_size)
         except ConfigError as e:  # a key at fault may come from an LMTIER_<KEY> override, not the file
             err = naming_overrides(e)
             if err is e:
