@@ -5,6 +5,7 @@ each rank builds from one file."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -121,9 +122,20 @@ def test_a_damaged_file_is_refused_naming_it(tp_file, tmp_path):
     cases["tensor-parallel file version 9"] = _resealed(v)
     count = bytearray(data)
     struct.pack_into("<I", count, 20, 1 << 20)
-    cases["an index of 1048576 models does not fit"] = _resealed(count)
+    cases["1048576 models for tensor_parallel_size 2 and 2 KV heads; 2 expected"] = _resealed(count)
+    (o0, n0), (o1, n1) = struct.unpack_from("<QQ", data, 24), struct.unpack_from("<QQ", data, 40)
+    for name, entries in {
+        "overlap": [(o0, n0), (o0, n0)],  # one model indexed twice
+        "swapped": [(o1, n1), (o0, n0)],
+        "unaligned": [(o0, n0), (o1 + 1, n1 - 1)],
+        "into the index": [(24, n0), (o1, n1)],
+    }.items():
+        b = bytearray(data)
+        for i, (o, n) in enumerate(entries):
+            struct.pack_into("<QQ", b, 24 + 16 * i, o, n)
+        cases[f"model [01] lies outside the file or over another|{name}"] = _resealed(b)
     out = bytearray(data)
-    struct.pack_into("<Q", out, 24, len(data))  # model 0's offset past the end
+    struct.pack_into("<Q", out, 24, len(data) // 64 * 64)  # model 0's offset past the end
     cases["model 0 lies outside the file"] = _resealed(out)
     inner = bytearray(data)
     (o, _) = struct.unpack_from("<QQ", inner, 24)
@@ -137,6 +149,32 @@ def test_a_damaged_file_is_refused_naming_it(tp_file, tmp_path):
         p.write_bytes(blob)
         with pytest.raises(pca.PCAModelError, match=rf"PCA model {p}.*({why})"):
             pca.load_file(p)
+
+
+def test_an_index_that_repeats_one_model_is_refused_before_parsing(tmp_path, monkeypatch):
+    """A small file indexing one model many times (a review's amplification: each index entry is
+    parsed and copied) is refused before any model is read."""
+    m = rank_fit(0, 1)
+    blob = pca.model.to_bytes(m)
+    count = 64
+    head = struct.pack("<8sIIII", ranks.RANKS_MAGIC, 1, count, count, count)
+    at = -(-(len(head) + 16 * count) // 64) * 64
+    index = b"".join(struct.pack("<QQ", at, len(blob)) for _ in range(count))
+    body = head + index + bytes(at - len(head) - len(index)) + blob
+    data = body + hashlib.sha256(body).digest()
+    parsed = []
+    monkeypatch.setattr(ranks, "from_bytes", lambda *a: parsed.append(a) or m)
+    with pytest.raises(pca.PCAModelError, match="model 1 lies outside the file or over another"):
+        ranks.ranks_from_bytes(data, "x")
+    assert parsed == []
+
+
+def test_a_model_fitted_on_other_heads_than_its_slot_is_refused():
+    a, b = rank_fit(0, 1), rank_fit(1, 2)
+    tagged = [dataclasses.replace(x, info=dict(x.info, kv_heads=[i, i + 1])) for i, x in enumerate((a, b))]
+    assert ranks.RankModels(2, 2, tuple(tagged)).models[1] is tagged[1]
+    with pytest.raises(pca.PCAModelError, match=r"model 0 was fitted on KV heads \[1, 2\], its slot holds \[0, 1\]"):
+        ranks.RankModels(2, 2, (tagged[1], tagged[0]))
 
 
 def test_the_one_model_reader_names_the_tensor_parallel_reader(tp_file):
@@ -192,12 +230,24 @@ def test_a_file_for_another_tensor_parallel_size_is_refused(tmp_path, tp_file):
         TierManager.from_config(cfg, _ns(H))
     with pytest.raises(ConfigError, match="calibrated for tensor_parallel_size 2 .*runs 4"):
         factory.load_pca_model(cfg, tp_size=4)
-    # a file of one model at TP=2: its geometry against the rank's heads, naming the command's option
+    with pytest.raises(ConfigError, match="calibrated for a model of 2 KV heads, the served model has 4"):
+        factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=4)
+    with pytest.raises(ConfigError, match="tensor-parallel rank 2 of 2"):
+        factory.load_pca_model(cfg, tp_rank=2, tp_size=TP)
+    # a file of one model at TP=2: refused (it would give every rank one slice's basis), naming the option
     one = tmp_path / "one.lmtpca"
     pca.save(rank_fit(0, H), one)
     cfg = LMTierConfig.from_dict(_values(tmp_path, one))
-    with pytest.raises(ConfigError, match=r"H=2 KV heads.*H=1.*--tensor-parallel-size <tp>"):
+    with pytest.raises(
+        ConfigError, match=r"one model \(of 2 KV heads\) for tensor_parallel_size 2.*--tensor-parallel-size 2"
+    ):
         TierManager.from_config(cfg, _ns(1, 1, TP))
+    head0 = tmp_path / "head0.lmtpca"  # one head's model: all ranks hold one head (MQA) or not
+    pca.save(rank_fit(0, 1), head0)
+    cfg = LMTierConfig.from_dict(_values(tmp_path, head0))
+    with pytest.raises(ConfigError, match=r"one model \(of 1 KV heads\) for tensor_parallel_size 2"):
+        factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=2)
+    assert factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=1).num_heads == 1  # replicated: every rank
 
 
 # ------------------------------------------------------------------------------------ the command

@@ -105,22 +105,27 @@ def _uses_pca(config: LMTierConfig) -> bool:
     return config.codec_pca_model is not None and bool(_codec_tiers(config))
 
 
-def load_pca_model(config: LMTierConfig, *, tp_rank: int = 0, tp_size: int = 1) -> PCAModel | None:
+def load_pca_model(
+    config: LMTierConfig, *, tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None
+) -> PCAModel | None:
     """The :class:`~lmtier.codec.pca.PCAModel` of ``codec_pca_model`` for tensor-parallel rank
     ``tp_rank`` of ``tp_size`` when an enabled disk or remote tier uses a PCA level, else None. The
-    file is loaded once per process per (path, size, modification time); a tensor-parallel file
+    file is loaded once per process per (path, size, modification time). A tensor-parallel file
     (``python -m lmtier.codec.pca --tensor-parallel-size``, :mod:`lmtier.codec.pca.ranks`) gives the
-    model of the rank's KV heads, a file of one model gives it to every rank (the tiers then check
-    its geometry against the rank's heads).
+    model of the rank's KV heads; a file of one model serves every rank at ``tp_size`` 1, and at
+    ``tp_size`` > 1 only a model of one KV head that all ranks hold (``total_kv_heads`` 1, where
+    known). ``total_kv_heads``: the served model's KV heads, all ranks' (None: not checked).
 
     Raises:
-        ConfigError: the file cannot be read or is not a usable PCA model file, or it was calibrated
-            for another ``tensor_parallel_size`` (the message names ``codec_pca_model`` and the
-            reason).
+        ConfigError: the file cannot be read or is not a usable PCA model file; it was calibrated for
+            another ``tensor_parallel_size`` or another number of KV heads; a one-model file at
+            ``tp_size`` > 1 (each message names ``codec_pca_model`` and the command's option).
     """
     if not _uses_pca(config):
         return None
     path = config.codec_pca_model
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"lmtier config: codec_pca_model={path!r}: tensor-parallel rank {tp_rank} of {tp_size}")
     try:
         st = os.stat(path)
         got = _load_pca(path, st.st_size, st.st_mtime_ns)
@@ -130,13 +135,24 @@ def load_pca_model(config: LMTierConfig, *, tp_rank: int = 0, tp_size: int = 1) 
         raise ConfigError(f"lmtier config: codec_pca_model={path!r}: not a usable PCA model file: {e}") from None
     from lmtier.codec.pca import RankModels
 
+    fix = f"calibrate it with python -m lmtier.codec.pca --tensor-parallel-size {tp_size}"
     if not isinstance(got, RankModels):
+        if tp_size > 1 and (got.num_heads != 1 or total_kv_heads not in (None, 1)):
+            raise ConfigError(
+                f"lmtier config: codec_pca_model={path!r}: one model (of {got.num_heads} KV heads) for "
+                f"tensor_parallel_size {tp_size}, whose ranks each hold a slice of the KV heads: {fix}"
+            )
         return got
     if got.tp_size != tp_size:
         raise ConfigError(
             f"lmtier config: codec_pca_model={path!r}: calibrated for tensor_parallel_size {got.tp_size} "
             f"({len(got.models)} models of the {got.num_kv_heads} KV heads' slices), this engine runs "
-            f"{tp_size}: calibrate it with python -m lmtier.codec.pca --tensor-parallel-size {tp_size}"
+            f"{tp_size}: {fix}"
+        )
+    if total_kv_heads is not None and got.num_kv_heads != total_kv_heads:
+        raise ConfigError(
+            f"lmtier config: codec_pca_model={path!r}: calibrated for a model of {got.num_kv_heads} KV heads, "
+            f"the served model has {total_kv_heads}: calibrate it for the served model"
         )
     return got.for_rank(tp_rank)
 

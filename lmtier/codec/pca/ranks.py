@@ -97,6 +97,11 @@ class RankModels:
             if not isinstance(m, PCAModel) or m.num_heads != per:
                 got = m.num_heads if isinstance(m, PCAModel) else type(m).__name__
                 raise PCAModelError(f"model {i} holds {got} KV heads; each rank holds {per}")
+            said = m.info.get("kv_heads")  # the calibration command's record of the slice it fitted
+            if said is not None and list(said) != [i * per, (i + 1) * per]:
+                raise PCAModelError(
+                    f"model {i} was fitted on KV heads {said}, its slot holds [{i * per}, {(i + 1) * per}]"
+                )
 
     def for_rank(self, tp_rank: int) -> PCAModel:
         """The model of rank ``tp_rank``'s heads. Raises ValueError: a rank outside ``[0, tp_size)``."""
@@ -139,14 +144,22 @@ def ranks_from_bytes(data: bytes, where: str = "<bytes>") -> RankModels:
         raise bad(f"tensor-parallel file version {version}, this reader knows {RANKS_FILE_VERSION}")
     if hashlib.sha256(data[:-32]).digest() != data[-32:]:
         raise bad("checksum mismatch (corrupted or truncated)")
+    try:  # the split before any model is read: a count or split vLLM cannot make reads nothing
+        rank_heads(h, tp, 0)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if count != min(tp, h):
+        raise bad(f"{count} models for tensor_parallel_size {tp} and {h} KV heads; {min(tp, h)} expected")
     if not 0 < count <= _MAX_MODELS or _HEAD.size + _ENTRY.size * count > len(data) - 32:
         raise bad(f"an index of {count} models does not fit")
-    models = []
-    for i in range(count):
+    spans, at = [], _HEAD.size + _ENTRY.size * count
+    for i in range(count):  # ascending, disjoint, aligned: the file's bytes bound what is parsed
         o, n = _ENTRY.unpack_from(data, _HEAD.size + _ENTRY.size * i)
-        if o < _HEAD.size + _ENTRY.size * count or o + n > len(data) - 32:
-            raise bad(f"model {i} lies outside the file")
-        models.append(from_bytes(data[o : o + n], f"{where} (model {i} of {count})"))
+        if o < at or o % _ALIGN or n > len(data) - 32 - o:
+            raise bad(f"model {i} lies outside the file or over another (offset {o}, {n} bytes)")
+        spans.append((o, n))
+        at = o + n
+    models = [from_bytes(data[o : o + n], f"{where} (model {i} of {count})") for i, (o, n) in enumerate(spans)]
     try:
         return RankModels(tp, h, tuple(models))
     except (PCAModelError, ValueError) as e:
