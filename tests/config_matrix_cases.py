@@ -11,9 +11,9 @@ Dimensions (the user's YAML keys and ``kv_connector_extra_config`` options):
 ``local_disk_serde``        naive, cachegen                  (only with a disk tier)
 ``remote_serde``            naive, cachegen                  (only with a remote tier)
 ``codec_level``             lossless, high, default, low,    (only with a ``cachegen`` serde; the PCA
-                            pca_high, pca_default            levels also write ``codec_pca_model``, a
-                                                              file calibrated on SmolLM2, and only at
-                                                              TP=1: see :func:`allowed`)
+                            pca_high, pca_default            levels also write ``codec_pca_model``: a
+                                                              file calibrated on the row's model, at TP=2
+                                                              with ``--tensor-parallel-size 2``)
 ``layerwise_loads``         "auto", true, false              (extra config)
 ``tp``                      1, 2                             (``tensor_parallel_size``)
 ``async_loads``             true, false                      (extra config; only with disk or a remote:
@@ -141,15 +141,6 @@ def normalize(row: dict) -> dict:
     return r
 
 
-def allowed(row: dict) -> bool:
-    """Whether a row (values None: not chosen yet) is a configuration the matrix runs. A PCA level at
-    TP=2 needs a model file calibrated with ``--tensor-parallel-size 2`` for the TP=2 rows' tiny Llama,
-    while the matrix's PCA file is SmolLM2's: the pairs ``(codec_level=pca_*, tp=2)`` are left to
-    tests/test_connector_tp.py (``test_tp2_pca_level_each_rank_codes_with_its_heads_model``), and no
-    row here holds one."""
-    return not (row.get("codec_level") in PCA_LEVELS and row.get("tp") == 2)
-
-
 def pairs(row: dict) -> set:
     items = [(k, v) for k, v in row.items() if v != NA]
     return set(itertools.combinations(items, 2))
@@ -190,7 +181,7 @@ def feasible_pairs() -> set:
     for st in structures():
         opts = [[(d, v)] if v is not None else [(d, x) for x in DIMS[d]] for d, v in st.items() if v != NA]
         for a, b in itertools.combinations(opts, 2):
-            need.update(p for p in itertools.product(a, b) if allowed(dict(p)))
+            need.update(itertools.product(a, b))
     return need
 
 
@@ -221,13 +212,10 @@ def covering_rows() -> list[dict]:
                 if any(row[d] == NA or (row[d] is not None and row[d] != v) for d, v in seed):
                     continue
                 row.update(seed)
-                if not allowed(row):
-                    continue
             for d in FREE:
                 if row[d] is None:
                     items = [(k, v) for k, v in row.items() if v not in (NA, None)]
-                    vals = [v for v in DIMS[d] if allowed({**row, d: v})]
-                    row[d] = max(vals, key=lambda v, d=d: sum(pair(k, w, d, v) in need for k, w in items))
+                    row[d] = max(DIMS[d], key=lambda v, d=d: sum(pair(k, w, d, v) in need for k, w in items))
             score = len(pairs(row) & need) / engine_cost(row)
             if score > best_score:
                 best, best_score = row, score

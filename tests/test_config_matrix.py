@@ -53,8 +53,9 @@ Outputs (exact output equality needs care):
 
 TP=2 rows use a tiny random-weight Llama with 4 KV heads (SmolLM2's 3 KV heads do not split over 2
 ranks; built as tests/test_connector_tp.py builds it), TP=1 rows SmolLM2-135M. The PCA levels' rows
-(TP=1 only: :func:`~tests.config_matrix_cases.allowed`) read ``codec_pca_model`` from the fixture
-``pca_model``, SmolLM2 calibrated once per module by ``python -m lmtier.codec.pca``.
+read ``codec_pca_model`` from the fixture ``pca_model``: the row's model calibrated once per module
+by ``python -m lmtier.codec.pca`` (at TP=2 with ``--tensor-parallel-size 2``: a model per rank's KV
+heads).
 """
 
 from __future__ import annotations
@@ -82,7 +83,6 @@ from tests.config_matrix_cases import (
     REMOTE_CAPACITY_GIB,
     REMOTES,
     ROWS,
-    allowed,
     covering_rows,
     disk_roots,
     feasible_pairs,
@@ -120,7 +120,7 @@ def test_covering_array_covers_every_pair():
     need = feasible_pairs()
     have = set().union(*(pairs(r) for r in ROWS))
     assert need <= have, sorted(need - have)[:5]
-    assert all(normalize(r) == r and allowed(r) for r in ROWS)
+    assert all(normalize(r) == r for r in ROWS)
     # the rows the brief names explicitly
     assert {r["tiers"] for r in ROWS} == set(DIMS["tiers"])
     assert {r["codec_level"] for r in ROWS} - {NA} == set(DIMS["codec_level"])
@@ -224,30 +224,39 @@ def mooncake_store():
     cluster.close()
 
 
-@pytest.fixture(scope="module")
-def pca_model(matrix_dir):
-    """The ``codec_pca_model`` of the PCA levels' rows: SmolLM2 calibrated by the documented command
-    (``python -m lmtier.codec.pca``, layer groups of 1) on tests/test_codec_pca_calibrate.py's three
-    short texts (439 tokens, none of them the rows' prompts; ~15 s)."""
+def _calibrate(d: Path, model: Path, out: str, *more: str) -> Path:
+    """``python -m lmtier.codec.pca`` of ``model`` on tests/test_codec_pca_calibrate.py's three short
+    texts (439 tokens, none of them the rows' prompts), layer groups of 1, into ``d / out``."""
     import contextlib
     import io
 
     from lmtier.codec.pca import calibrate
     from tests.test_codec_pca_calibrate import TEXTS
 
-    d = matrix_dir / "pca"
-    d.mkdir()
+    d.mkdir(exist_ok=True)
     args = []
     for name, text in TEXTS.items():
         (d / name).write_text(text, encoding="utf-8")
         args += ["--text-file", str(d / name)]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = calibrate.main(
-            ["--model", str(MODEL_DIR), *args, "--layer-group", "1", "--out", str(d / "smollm2.lmtpca")]
-        )
-    assert rc == 0, out.getvalue()
-    return d / "smollm2.lmtpca"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = calibrate.main(["--model", str(model), *args, "--layer-group", "1", *more, "--out", str(d / out)])
+    assert rc == 0, buf.getvalue()
+    return d / out
+
+
+@pytest.fixture(scope="module")
+def pca_model(matrix_dir):
+    """The ``codec_pca_model`` of the PCA levels' TP=1 rows: SmolLM2 calibrated by the documented
+    command (~15 s)."""
+    return _calibrate(matrix_dir / "pca", MODEL_DIR, "smollm2.lmtpca")
+
+
+@pytest.fixture(scope="module")
+def pca_model_tp2(matrix_dir, tiny_model):
+    """The ``codec_pca_model`` of the PCA levels' TP=2 rows: the tiny Llama calibrated with
+    ``--tensor-parallel-size 2`` (a model per rank's 2 KV heads; a few seconds)."""
+    return _calibrate(matrix_dir / "pca_tp2", tiny_model, "tiny_tp2.lmtpca", "--tensor-parallel-size", "2")
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +364,9 @@ def test_row(r, request, matrix_dir, launcher):
         store = request.getfixturevalue("mooncake_store")
         remote_url = store.url
         remote_count = {"mooncake_metrics_url": f"http://127.0.0.1:{store.master.metrics_port}/metrics"}
-    pca = request.getfixturevalue("pca_model") if r["codec_level"] in PCA_LEVELS else None
+    pca = None
+    if r["codec_level"] in PCA_LEVELS:
+        pca = request.getfixturevalue("pca_model_tp2" if r["tp"] == 2 else "pca_model")
     cfg, extra = row_config(r, root, remote_url, pca)
     codec = r["codec_level"] != NA
     model = str(request.getfixturevalue("tiny_model")) if r["tp"] == 2 else str(MODEL_DIR)
