@@ -25,8 +25,8 @@ from lmtier.testing.vllm import MODEL_DIR
 from lmtier.tiers import factory
 from lmtier.tiers.codec_pca import PCACodecTier
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, H, _calibration, _kv
+from tests.test_codec_pca_tier import T, _values
 
-T = 32
 TP = 2  # the synthetic KV's H = 2 heads: one a rank
 
 
@@ -183,19 +183,6 @@ def test_the_one_model_reader_names_the_tensor_parallel_reader(tp_file):
 
 
 # ------------------------------------------------------------------------------------ the tiers
-def _values(tmp_path, model_file, **extra) -> dict:
-    return {
-        "chunk_size": T,
-        "max_local_cpu_size": 0.01,
-        "local_disk": f"file://{tmp_path}/disk",
-        "max_local_disk_size": 0.01,
-        "local_disk_serde": "cachegen",
-        "codec_level": "pca_default",
-        "codec_pca_model": str(model_file),
-        **extra,
-    }
-
-
 def _ns(heads: int, rank: int = 0, tp: int = 1) -> Namespace:
     from tests.test_codec_pca_product import D, L
 
@@ -206,7 +193,7 @@ def _ns(heads: int, rank: int = 0, tp: int = 1) -> Namespace:
 
 
 def test_each_rank_builds_its_tiers_with_its_heads_model(tmp_path, tp_file, tp_models):
-    cfg = LMTierConfig.from_dict(_values(tmp_path, tp_file))
+    cfg = LMTierConfig.from_dict(_values(tmp_path, str(tp_file)))
     for rank in range(TP):
         with TierManager.from_config(cfg, _ns(1, rank, TP)) as m:
             assert isinstance(m.disk, PCACodecTier) and m.disk.model.digest == tp_models.models[rank].digest
@@ -221,7 +208,7 @@ def test_each_rank_builds_its_tiers_with_its_heads_model(tmp_path, tp_file, tp_m
 
 
 def test_a_file_for_another_tensor_parallel_size_is_refused(tmp_path, tp_file):
-    cfg = LMTierConfig.from_dict(_values(tmp_path, tp_file))
+    cfg = LMTierConfig.from_dict(_values(tmp_path, str(tp_file)))
     with pytest.raises(
         ConfigError,
         match=r"codec_pca_model=.*tp2\.lmtpca.*calibrated for tensor_parallel_size 2 .*this engine runs 1.*"
@@ -237,14 +224,14 @@ def test_a_file_for_another_tensor_parallel_size_is_refused(tmp_path, tp_file):
     # a file of one model at TP=2: refused (it would give every rank one slice's basis), naming the option
     one = tmp_path / "one.lmtpca"
     pca.save(rank_fit(0, H), one)
-    cfg = LMTierConfig.from_dict(_values(tmp_path, one))
+    cfg = LMTierConfig.from_dict(_values(tmp_path, str(one)))
     with pytest.raises(
         ConfigError, match=r"one model \(of 2 KV heads\) for tensor_parallel_size 2.*--tensor-parallel-size 2"
     ):
         TierManager.from_config(cfg, _ns(1, 1, TP))
     head0 = tmp_path / "head0.lmtpca"  # one head's model: all ranks hold one head (MQA) or not
     pca.save(rank_fit(0, 1), head0)
-    cfg = LMTierConfig.from_dict(_values(tmp_path, head0))
+    cfg = LMTierConfig.from_dict(_values(tmp_path, str(head0)))
     with pytest.raises(ConfigError, match=r"one model \(of 1 KV heads\) for tensor_parallel_size 2"):
         factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=2)
     assert factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=1).num_heads == 1  # replicated: every rank

@@ -92,17 +92,22 @@ def test_bad_extra_config_and_kv_role_fail_there(config_file):
         _layout(_vllm_config(role="kv_producer"))
 
 
-def test_unusable_pca_model_file_fails_there(config_file, tmp_path):
-    junk = tmp_path / "model.lmtpca"
-    junk.write_bytes(b"not a PCA model file" * 10)
+def _pca_disk(config_file, tmp_path, model_file) -> None:
+    """A configuration of a disk tier at ``pca_default`` with ``model_file``."""
     config_file(
         chunk_size=256,
         local_disk=f"file://{tmp_path}/disk",
         max_local_disk_size=0.1,
         local_disk_serde="cachegen",
         codec_level="pca_default",
-        codec_pca_model=str(junk),
+        codec_pca_model=str(model_file),
     )
+
+
+def test_unusable_pca_model_file_fails_there(config_file, tmp_path):
+    junk = tmp_path / "model.lmtpca"
+    junk.write_bytes(b"not a PCA model file" * 10)
+    _pca_disk(config_file, tmp_path, junk)
     with pytest.raises(ConfigError, match="codec_pca_model=.*not a usable PCA model file"):
         _layout(_vllm_config(dtype="bfloat16"))  # a codec stores bf16 / fp16 KV
 
@@ -115,14 +120,7 @@ def test_pca_model_file_of_another_tensor_parallel_size_fails_there(config_file,
 
     path = tmp_path / "tp2.lmtpca"
     ranks.save_ranks(ranks.RankModels(2, 2, (rank_fit(0, 1), rank_fit(1, 2))), path)
-    config_file(
-        chunk_size=256,
-        local_disk=f"file://{tmp_path}/disk",
-        max_local_disk_size=0.1,
-        local_disk_serde="cachegen",
-        codec_level="pca_default",
-        codec_pca_model=str(path),
-    )
+    _pca_disk(config_file, tmp_path, path)
     with pytest.raises(ConfigError, match="calibrated for tensor_parallel_size 2 .*this engine runs 1.*--tensor-pa"):
         _layout(_vllm_config(dtype="bfloat16"))
 
