@@ -156,6 +156,17 @@ def test_startup_line_names_serdes_codec_level_and_pca_model(tmp_path):
         f"{options!r}"
     )
     assert "\n" not in line
+    line = startup_line(
+        "WORKER",
+        "0123456789abcdef",
+        config,
+        tiers=tiers,
+        options=options,
+        pca_model_id=0x1A2B3C4D,
+        tp_rank=1,
+        tp_size=2,
+    )
+    assert f"codec_pca_model '{model}' (rank 1 of 2: id 0x1a2b3c4d), " in line  # a tensor-parallel file's rank model
     # the scheduler in another process has no model id to show; a role without the disk tier lists no disk serde
     line = startup_line("SCHEDULER", "0123456789abcdef", config, tiers=tiers | {"disk": False}, options=options)
     assert line == (

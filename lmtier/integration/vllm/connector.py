@@ -325,6 +325,8 @@ class LMTierConnector(KVConnectorBase_V1):
             },
             options=options,
             pca_model_id=pca_ids[0] if pca_ids else None,  # build_tiers gives both tiers the same model
+            tp_rank=ns.tp_rank,
+            tp_size=ns.tp_size,
         )
         log.info("%s", line)
 

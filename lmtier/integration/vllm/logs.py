@@ -67,6 +67,8 @@ def startup_line(
     tiers: Mapping[str, bool],
     options: ConnectorOptions,
     pca_model_id: int | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> str:
     """The connector's one-line INFO summary of how it started.
 
@@ -85,6 +87,8 @@ def startup_line(
         options: the parsed ``kv_connector_extra_config`` (shown by its ``repr``).
         pca_model_id: :attr:`lmtier.codec.pca.PCAModel.model_id` of the loaded ``codec_pca_model``,
             or None (not loaded in this process, or no PCA level).
+        tp_rank, tp_size: this process's tensor-parallel rank: at ``tp_size`` > 1 the model id is
+            shown as the rank's (a tensor-parallel file holds one model per rank's KV heads).
     """
     parts = [
         f"lmtier connector ({role}) namespace {namespace_hex}, chunk {config.chunk_size} tokens, "
@@ -94,7 +98,8 @@ def startup_line(
     if lower:
         parts.append("serde: " + " ".join(f"{t}={_serde(config, t)}" for t in lower))
     if config.codec_pca_model is not None and any(config.serde_level(t) is not None for t in lower):
-        model_id = "" if pca_model_id is None else f" (id {pca_model_id:#010x})"
+        whose = f"rank {tp_rank} of {tp_size}: " if tp_size > 1 else ""
+        model_id = "" if pca_model_id is None else f" ({whose}id {pca_model_id:#010x})"
         parts.append(f"codec_pca_model {config.codec_pca_model!r}{model_id}")
     parts.append(repr(options))
     return ", ".join(parts)
