@@ -103,6 +103,12 @@ def test_a_model_of_the_wrong_heads_or_count_is_refused():
         ranks.RankModels(2, 2, (m1, m2))
     with pytest.raises(ValueError, match="3 KV heads do not split over tensor_parallel_size 2"):
         ranks.RankModels(2, 3, (m1, m1))
+    other = dataclasses.replace(m1, inv_freq=m1.inv_freq * 2)
+    with pytest.raises(pca.PCAModelError, match="model 1's rotary frequencies differ from model 0's"):
+        ranks.RankModels(2, 2, (m1, other))
+    fewer = dataclasses.replace(m1, levels={"pca_high": m1.levels["pca_high"]})
+    with pytest.raises(pca.PCAModelError, match=r"model 1 has L=4, D=16, levels \['pca_high'\]"):
+        ranks.RankModels(2, 2, (m1, fewer))
 
 
 def _resealed(data: bytearray) -> bytes:

@@ -29,6 +29,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .model import RANKS_MAGIC, PCAModel, PCAModelError, from_bytes
 from .model import to_bytes as model_bytes
 
@@ -97,6 +99,20 @@ class RankModels:
             if not isinstance(m, PCAModel) or m.num_heads != per:
                 got = m.num_heads if isinstance(m, PCAModel) else type(m).__name__
                 raise PCAModelError(f"model {i} holds {got} KV heads; each rank holds {per}")
+            first = self.models[0]
+            if (m.num_layers, m.head_size, sorted(m.levels)) != (
+                first.num_layers,
+                first.head_size,
+                sorted(first.levels),
+            ):
+                raise PCAModelError(
+                    f"model {i} has L={m.num_layers}, D={m.head_size}, levels {sorted(m.levels)}; model 0 "
+                    f"L={first.num_layers}, D={first.head_size}, levels {sorted(first.levels)}"
+                )
+            if (m.inv_freq is None) != (first.inv_freq is None) or (
+                m.inv_freq is not None and not np.array_equal(m.inv_freq, first.inv_freq)
+            ):
+                raise PCAModelError(f"model {i}'s rotary frequencies differ from model 0's")
             said = m.info.get("kv_heads")  # the calibration command's record of the slice it fitted
             if said is not None and list(said) != [i * per, (i + 1) * per]:
                 raise PCAModelError(
