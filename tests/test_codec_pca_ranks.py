@@ -241,6 +241,16 @@ def test_a_file_for_another_tensor_parallel_size_is_refused(tmp_path, tp_file):
     with pytest.raises(ConfigError, match=r"one model \(of 1 KV heads\) for tensor_parallel_size 2"):
         factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=2)
     assert factory.load_pca_model(cfg, tp_size=TP, total_kv_heads=1).num_heads == 1  # replicated: every rank
+    # a tensor-parallel file of a one-KV-head model holds one model, which serves any TP
+    mqa = tmp_path / "mqa_tp4.lmtpca"
+    pca.save_ranks(ranks.RankModels(4, 1, (rank_fit(0, 1),)), mqa)
+    cfg = LMTierConfig.from_dict(_values(tmp_path, str(mqa)))
+    want = rank_fit(0, 1).digest
+    assert [factory.load_pca_model(cfg, tp_rank=r, tp_size=tp).digest for tp, r in ((1, 0), (2, 1), (8, 7))] == [
+        want
+    ] * 3
+    with pytest.raises(ConfigError, match="calibrated for a model of 1 KV heads, the served model has 2"):
+        factory.load_pca_model(cfg, tp_size=2, total_kv_heads=2)
 
 
 # ------------------------------------------------------------------------------------ the command

@@ -113,16 +113,22 @@ def test_unusable_pca_model_file_fails_there(config_file, tmp_path):
 
 
 def test_pca_model_file_of_another_tensor_parallel_size_fails_there(config_file, tmp_path):
-    """A model file calibrated with ``--tensor-parallel-size 2`` in an engine of TP=1 fails at vLLM's
-    layout query (before the model loads), naming the command's option."""
+    """A model file calibrated with ``--tensor-parallel-size 3`` in an engine of TP=1, or for another
+    model's number of KV heads, fails at vLLM's layout query (before the model loads), naming the
+    remedy."""
     from lmtier.codec.pca import ranks
     from tests.test_codec_pca_ranks import rank_fit
 
-    path = tmp_path / "tp2.lmtpca"
-    ranks.save_ranks(ranks.RankModels(2, 2, (rank_fit(0, 1), rank_fit(1, 2))), path)
-    _pca_disk(config_file, tmp_path, path)
-    with pytest.raises(ConfigError, match="calibrated for tensor_parallel_size 2 .*this engine runs 1.*--tensor-pa"):
-        _layout(_vllm_config(dtype="bfloat16"))
+    one = (rank_fit(0, 1), rank_fit(1, 2))
+    for name, models, why in (
+        ("tp3.lmtpca", ranks.RankModels(3, 3, (*one, rank_fit(0, 1))), "calibrated for tensor_parallel_size 3 .*"
+         "this engine runs 1.*--tensor-parallel-size 1"),
+        ("heads2.lmtpca", ranks.RankModels(2, 2, one), "calibrated for a model of 2 KV heads, the served model has 3"),
+    ):  # fmt: skip
+        ranks.save_ranks(models, tmp_path / name)
+        _pca_disk(config_file, tmp_path, tmp_path / name)
+        with pytest.raises(ConfigError, match=why):
+            _layout(_vllm_config(dtype="bfloat16"))
 
 
 @pytest.mark.parametrize("tier", ["disk", "remote"])

@@ -143,16 +143,18 @@ def load_pca_model(
                 f"tensor_parallel_size {tp_size}, whose ranks each hold a slice of the KV heads: {fix}"
             )
         return got
+    if got.num_kv_heads == 1 and total_kv_heads in (None, 1):  # one KV head: every rank holds it, at any TP
+        return got.models[0]
+    if total_kv_heads is not None and got.num_kv_heads != total_kv_heads:
+        raise ConfigError(
+            f"lmtier config: codec_pca_model={path!r}: calibrated for a model of {got.num_kv_heads} KV heads, "
+            f"the served model has {total_kv_heads}: calibrate it for the served model"
+        )
     if got.tp_size != tp_size:
         raise ConfigError(
             f"lmtier config: codec_pca_model={path!r}: calibrated for tensor_parallel_size {got.tp_size} "
             f"({len(got.models)} models of the {got.num_kv_heads} KV heads' slices), this engine runs "
             f"{tp_size}: {fix}"
-        )
-    if total_kv_heads is not None and got.num_kv_heads != total_kv_heads:
-        raise ConfigError(
-            f"lmtier config: codec_pca_model={path!r}: calibrated for a model of {got.num_kv_heads} KV heads, "
-            f"the served model has {total_kv_heads}: calibrate it for the served model"
         )
     return got.for_rank(tp_rank)
 
