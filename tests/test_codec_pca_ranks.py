@@ -181,6 +181,9 @@ def test_a_model_fitted_on_other_heads_than_its_slot_is_refused():
     assert ranks.RankModels(2, 2, tuple(tagged)).models[1] is tagged[1]
     with pytest.raises(pca.PCAModelError, match=r"model 0 was fitted on KV heads \[1, 2\], its slot holds \[0, 1\]"):
         ranks.RankModels(2, 2, (tagged[1], tagged[0]))
+    odd = dataclasses.replace(a, info=dict(a.info, kv_heads=7))  # not a pair: refused, not a TypeError
+    with pytest.raises(pca.PCAModelError, match="model 0 was fitted on KV heads 7"):
+        ranks.RankModels(2, 2, (odd, tagged[1]))
 
 
 def test_the_one_model_reader_names_the_tensor_parallel_reader(tp_file):

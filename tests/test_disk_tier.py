@@ -162,6 +162,31 @@ def test_corrupted_record_is_miss_and_removed(tier, damage):
     assert len(seen) == 1
 
 
+def test_a_put_landing_while_a_corrupt_record_is_discarded_stays(tier, monkeypatch):
+    """A reader discarding a corrupt record, and another thread's put of the same key landing between
+    the reader's unlink and its index update: the fresh record stays indexed and loads."""
+    import lmtier.tiers.disk.tier as disk_tier
+
+    n = 8192
+    assert tier.put(key(1), payload(1, n))
+    with open(tier._path(key(1)), "r+b") as fh:
+        fh.seek(4096 + 10)
+        fh.write(b"\xff" * 10)
+    real = disk_tier.dio.unlink_if_same
+
+    def racy(path, fd):
+        gone = real(path, fd)
+        assert tier.put(key(1), payload(1, n))  # the other thread's put, renamed in and indexed
+        return gone
+
+    monkeypatch.setattr(disk_tier.dio, "unlink_if_same", racy)
+    out = AlignedBuffer(n)
+    assert tier.get_into(key(1), out.mv) is None  # the corrupt read: a miss
+    monkeypatch.setattr(disk_tier.dio, "unlink_if_same", real)
+    assert tier.contains(key(1)) and tier.usage().num_chunks == 1
+    assert tier.get_into(key(1), out.mv) == n and bytes(out.mv[:n]) == payload(1, n)
+
+
 def test_vanished_record_is_reported_gone_and_a_short_buffer_is_not(tier):
     """A record deleted behind the tier's back is a miss reported to the eviction listeners; a read
     into a too-small buffer is a miss that keeps the record, and reports nothing."""

@@ -119,7 +119,8 @@ def load_pca_model(
     Raises:
         ConfigError: the file cannot be read or is not a usable PCA model file; it was calibrated for
             another ``tensor_parallel_size`` or another number of KV heads; a one-model file at
-            ``tp_size`` > 1 (each message names ``codec_pca_model`` and the command's option).
+            ``tp_size`` > 1; a rank outside ``[0, tp_size)`` (each message names ``codec_pca_model``
+            and the remedy).
     """
     if not _uses_pca(config):
         return None

@@ -114,7 +114,7 @@ class RankModels:
             ):
                 raise PCAModelError(f"model {i}'s rotary frequencies differ from model 0's")
             said = m.info.get("kv_heads")  # the calibration command's record of the slice it fitted
-            if said is not None and list(said) != [i * per, (i + 1) * per]:
+            if said is not None and (not isinstance(said, (list, tuple)) or list(said) != [i * per, (i + 1) * per]):
                 raise PCAModelError(
                     f"model {i} was fitted on KV heads {said}, its slot holds [{i * per}, {(i + 1) * per}]"
                 )

@@ -232,11 +232,12 @@ def preflight(vllm_config=None, extra_config: dict | None = None) -> tuple[Conne
                 check_codec_dtype(config, kv_dtype)
             # the file's tensor_parallel_size and KV heads against the engine's (each rank's geometry is
             # checked when its tiers are built)
-            load_pca_model(
-                config,
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-            )
+            if config.codec_pca_model is not None:  # a PCA level (lmtier.config checks the pair)
+                load_pca_model(
+                    config,
+                    tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                    total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                )
         except ConfigError as e:  # a key at fault may come from an LMTIER_<KEY> override, not the file
             err = naming_overrides(e)
             if err is e:

@@ -105,7 +105,8 @@ def unlink_if_same(path: str, fd: int) -> bool | OSError:
     it; ``lstat``: a symlink put there since is not followed). Never raises.
 
     Returns:
-        True: unlinked. False: ``path`` names another inode or none (replaced or gone). The
+        True: unlinked. False: ``path`` names another inode or none (replaced or gone), or either
+        cannot be examined (``fstat`` / ``lstat`` failed). The
         ``OSError`` of the unlink when ``path`` still names that inode but cannot be removed (a
         read-only file system, ``EACCES``): the file stays."""
     try:

@@ -445,7 +445,10 @@ class DiskTier(RecordFiles, Tier):
         if gone is not False:
             with self._lock:
                 e = self._index.get(key)
-                if e is not None and e.path == entry_path:
+                # after an unlink, a file at the path again is a fresh put's (renamed in, indexed or about
+                # to be): its entry stays
+                fresh = gone is True and os.path.lexists(entry_path)
+                if e is not None and e.path == entry_path and not fresh:
                     del self._index[key]
                     self._used -= e.nbytes
 
