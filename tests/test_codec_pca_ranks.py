@@ -24,6 +24,7 @@ from lmtier.manager import TierManager
 from lmtier.testing.vllm import MODEL_DIR
 from lmtier.tiers import factory
 from lmtier.tiers.codec_pca import PCACodecTier
+from tests.test_codec_pca_calibrate import _write_texts
 from tests.test_codec_pca_product import INV_FREQ, SYNTHETIC_LEVELS, G, H, _calibration, _kv
 from tests.test_codec_pca_tier import T, _values
 
@@ -280,16 +281,6 @@ def tiny(tmp_path_factory) -> Path:
     return d
 
 
-def _texts(d: Path) -> list[str]:
-    from tests.test_codec_pca_calibrate import TEXTS
-
-    args = []
-    for name, text in TEXTS.items():
-        (d / name).write_text(text, encoding="utf-8")
-        args += ["--text-file", str(d / name)]
-    return args
-
-
 def test_the_command_fits_one_model_per_rank_on_its_heads(tiny, tmp_path, monkeypatch):
     from lmtier.codec.pca import hf
 
@@ -302,7 +293,7 @@ def test_the_command_fits_one_model_per_rank_on_its_heads(tiny, tmp_path, monkey
 
     monkeypatch.setattr(hf, "collect", spy)
     out_file = tmp_path / "tiny_tp2.lmtpca"
-    argv = ["--model", str(tiny), *_texts(tmp_path), "--layer-group", "1", "--tensor-parallel-size", "2"]
+    argv = ["--model", str(tiny), *_write_texts(tmp_path), "--layer-group", "1", "--tensor-parallel-size", "2"]
     rc, out, err = _run([*argv, "--out", str(out_file)])
     assert rc == 0, err
     got = pca.load_file(out_file)
@@ -334,6 +325,6 @@ def test_the_command_fits_one_model_per_rank_on_its_heads(tiny, tmp_path, monkey
 @pytest.mark.parametrize(("tp", "why"), [("3", "4 KV heads do not split over tensor_parallel_size 3"), ("0", ">= 1")])
 def test_the_command_refuses_a_split_before_loading_the_model(tiny, tmp_path, tp, why):
     rc, _, err = _run(
-        ["--model", str(tiny), *_texts(tmp_path), "--tensor-parallel-size", tp, "--out", str(tmp_path / "x")]
+        ["--model", str(tiny), *_write_texts(tmp_path), "--tensor-parallel-size", tp, "--out", str(tmp_path / "x")]
     )
     assert rc == 2 and why in err and not (tmp_path / "x").exists()

@@ -231,13 +231,10 @@ def _calibrate(d: Path, model: Path, out: str, *more: str) -> Path:
     import io
 
     from lmtier.codec.pca import calibrate
-    from tests.test_codec_pca_calibrate import TEXTS
+    from tests.test_codec_pca_calibrate import _write_texts
 
     d.mkdir(exist_ok=True)
-    args = []
-    for name, text in TEXTS.items():
-        (d / name).write_text(text, encoding="utf-8")
-        args += ["--text-file", str(d / name)]
+    args = _write_texts(d)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = calibrate.main(["--model", str(model), *args, "--layer-group", "1", *more, "--out", str(d / out)])

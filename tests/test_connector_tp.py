@@ -188,14 +188,11 @@ def test_tp2_pca_level_each_rank_codes_with_its_heads_model(tmp_path):
     from lmtier.codec import pca
     from lmtier.codec.pca import calibrate
     from lmtier.codec.pca.codec import record_meta
-    from tests.test_codec_pca_calibrate import TEXTS
+    from tests.test_codec_pca_calibrate import _write_texts
 
     model = tmp_path / "tiny-llama-kv4"
     _make_model(model)
-    args = []
-    for name, text in TEXTS.items():
-        (tmp_path / name).write_text(text, encoding="utf-8")
-        args += ["--text-file", str(tmp_path / name)]
+    args = _write_texts(tmp_path)
     pca_file = tmp_path / "tiny_tp2.lmtpca"
     argv = ["--model", str(model), *args, "--layer-group", "1", "--tensor-parallel-size", "2", "--out", str(pca_file)]
     with contextlib.redirect_stdout(io.StringIO()):

@@ -123,8 +123,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _slices(ap: argparse.ArgumentParser, num_kv_heads: int, tp: int) -> list[tuple[int, int]]:
-    """The distinct slices of KV heads the ``tp`` ranks hold, in head order (a usage error if vLLM
-    cannot split ``num_kv_heads`` over ``tp``)."""
+    """The distinct slices of KV heads the ``tp`` ranks hold, in head order, each of the same number
+    of heads (a usage error if vLLM cannot split ``num_kv_heads`` over ``tp``)."""
     try:
         return sorted({rank_heads(num_kv_heads, tp, r) for r in range(tp)})
     except ValueError as e:
@@ -181,17 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if geometry is not None:  # config.json's word: the split's and layer group's errors before the model run
             nl, h, d = geometry
-            for h0, h1 in _slices(ap, h, tp):
-                _layer_group(ap, a.layer_group, nl, h1 - h0, d)
+            h0, h1 = _slices(ap, h, tp)[0]
+            _layer_group(ap, a.layer_group, nl, h1 - h0, d)
         cal = hf.collect(a.model, texts, max_tokens=a.max_tokens)
         nl, _, _, h, d = cal.kv[0].shape  # the KV's geometry is the one of record
         slices = _slices(ap, h, tp)
-        groups = [_layer_group(ap, a.layer_group, nl, h1 - h0, d) for h0, h1 in slices]
+        hs = slices[0][1] - slices[0][0]  # the KV heads of each slice
+        g = _layer_group(ap, a.layer_group, nl, hs, d)
     except hf.CalibrationError as e:
         return _fail(e)
-    tokens = sum(kv.shape[2] for kv in cal.kv)
-    g, hs = max(zip(groups, (h1 - h0 for h0, h1 in slices)), key=lambda x: x[0] * x[1])
-    n = g * hs * d
+    tokens, n = sum(kv.shape[2] for kv in cal.kv), g * hs * d
     if tokens < MIN_TOKENS_PER_VALUE * n:
         cut = any(kv.shape[2] == a.max_tokens for kv in cal.kv)
         remedies = ["more or longer texts"] + ["a larger --max-tokens"] * cut + ["a smaller --layer-group"] * (g > 1)
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     metric = "none" if a.no_metric else "model"
     models: list[PCAModel] = []
     try:
-        for (h0, h1), g in zip(slices, groups, strict=True):
+        for h0, h1 in slices:
             info = dict(texts=[f.name for f in a.text_file], max_tokens=a.max_tokens, metric=metric)
             if tp > 1:
                 info.update(tensor_parallel_size=tp, kv_heads=[h0, h1], num_kv_heads=h)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import RANKS_MAGIC, PCAModel, PCAModelError, from_bytes
+from .model import _ALIGN, RANKS_MAGIC, PCAModel, PCAModelError, from_bytes
 from .model import to_bytes as model_bytes
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
 RANKS_FILE_VERSION = 1
 _HEAD = struct.Struct("<8sIIII")
 _ENTRY = struct.Struct("<QQ")
-_ALIGN = 64
 _MAX_MODELS = 1 << 12
 
 
@@ -94,12 +93,11 @@ class RankModels:
                 f"heads; {want} expected"
             )
         rank_heads(self.num_kv_heads, self.tp_size, 0)  # a split vLLM makes
-        per = max(1, self.num_kv_heads // self.tp_size)
+        per, first = self.heads_per_rank, self.models[0]
         for i, m in enumerate(self.models):
             if not isinstance(m, PCAModel) or m.num_heads != per:
                 got = m.num_heads if isinstance(m, PCAModel) else type(m).__name__
                 raise PCAModelError(f"model {i} holds {got} KV heads; each rank holds {per}")
-            first = self.models[0]
             if (m.num_layers, m.head_size, sorted(m.levels)) != (
                 first.num_layers,
                 first.head_size,
@@ -119,10 +117,15 @@ class RankModels:
                     f"model {i} was fitted on KV heads {said}, its slot holds [{i * per}, {(i + 1) * per}]"
                 )
 
+    @property
+    def heads_per_rank(self) -> int:
+        """The KV heads each rank holds (and each model spans)."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
     def for_rank(self, tp_rank: int) -> PCAModel:
         """The model of rank ``tp_rank``'s heads. Raises ValueError: a rank outside ``[0, tp_size)``."""
         first, _ = rank_heads(self.num_kv_heads, self.tp_size, tp_rank)
-        return self.models[first // max(1, self.num_kv_heads // self.tp_size)]
+        return self.models[first // self.heads_per_rank]
 
 
 def ranks_to_bytes(ranks: RankModels) -> bytes:
@@ -133,7 +136,7 @@ def ranks_to_bytes(ranks: RankModels) -> bytes:
     for b in blobs:
         index.append((at, len(b)))
         at = -(-(at + len(b)) // _ALIGN) * _ALIGN
-    out = bytearray(index[-1][0] + index[-1][1] if blobs else off)
+    out = bytearray(index[-1][0] + index[-1][1])  # a RankModels holds at least one model
     out[: _HEAD.size] = _HEAD.pack(RANKS_MAGIC, RANKS_FILE_VERSION, ranks.tp_size, ranks.num_kv_heads, len(blobs))
     for i, ((o, n), b) in enumerate(zip(index, blobs, strict=True)):
         _ENTRY.pack_into(out, _HEAD.size + _ENTRY.size * i, o, n)
